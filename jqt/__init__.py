@@ -1,0 +1,30 @@
+"""jqt: quantize any JAX function to integer arithmetic.
+
+>>> import jax, jax.numpy as jnp, jqt
+>>> f = lambda w, x: jax.nn.relu(x @ w)
+>>> w, x = jnp.eye(4), jnp.linspace(-1, 1, 8).reshape(2, 4)
+>>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+>>> bool(jnp.allclose(jax.jit(jqt.quantize(f, qp))(w, x), f(w, x), atol=0.01))
+True
+"""
+from jqt import recipes as recipes
+from jqt._src.calibrate import CalibrationDataError as CalibrationDataError
+from jqt._src.calibrate import calibrate as calibrate
+from jqt._src.handlers import QParamsMismatchError as QParamsMismatchError
+from jqt._src.numerics import fake_quant_p as fake_quant_p
+from jqt._src.numerics import quantize_p as quantize_p
+from jqt._src.qparams import OpQParams as OpQParams
+from jqt._src.qparams import PackedParams as PackedParams
+from jqt._src.qparams import PackedWeight as PackedWeight
+from jqt._src.qparams import QuantParams as QuantParams
+from jqt._src.qparams import WeightSource as WeightSource
+from jqt._src.qparams import summarize as summarize
+from jqt._src.quantize import pack as pack
+from jqt._src.quantize import quantize as quantize
+from jqt._src.recipe import QuantType as QuantType
+from jqt._src.recipe import Recipe as Recipe
+from jqt._src.recipe import Rule as Rule
+from jqt._src.serialization import load as load
+from jqt._src.serialization import save as save
+
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""The one place where jqt touches JAX internals.
+
+Everything here comes from public-but-low-level modules (``jax.extend`` and
+``jax.interpreters``). When a JAX release moves something, this is the only
+file to change.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from jax.extend import source_info_util
+
+import jax.extend.core as jex_core
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var  # noqa: F401
+from jax.extend.core import primitives as P
+from jax.interpreters import ad, batching, mlir  # noqa: F401
+
+DropVar = jex_core.DropVar
+NOT_MAPPED = getattr(batching, "not_mapped", None)  # vmap: operand has no batch axis
+jaxprs_in_params = jex_core.jaxprs_in_params
+
+dot_general_p = P.dot_general_p
+conv_general_dilated_p = P.conv_general_dilated_p
+scan_p = P.scan_p
+while_p = P.while_p
+cond_p = P.cond_p
+remat_p = P.remat_p
+custom_jvp_call_p = P.custom_jvp_call_p
+custom_vjp_call_p = P.custom_vjp_call_p
+closed_call_p = P.closed_call_p
+call_p = getattr(P, "call_p", None)
+jit_p = P.jit_p  # older releases name it ``pjit``; both names are matched below
+JIT_NAMES = ("jit", "pjit")
+
+
+def _bind_params(eqn):
+    r = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(r, tuple):  # older releases: (subfuns, params)
+        return r
+    return (), r
+
+
+def bind_eqn(eqn, invals):
+    """Re-binds ``eqn`` unchanged on ``invals`` (what ``jax.core.eval_jaxpr`` does),
+    keeping its name stack and context."""
+    subfuns, params = _bind_params(eqn)
+    with eqn_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def eqn_context(eqn):
+    """Re-enters ``eqn``'s name stack (and its context manager, if any) while binding."""
+    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+        ctx = getattr(eqn, "ctx", None)
+        manager = getattr(ctx, "manager", None)
+        if manager is None:
+            yield
+        else:
+            with manager:
+                yield
+
+
+def name_stack(eqn) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def is_literal(v) -> bool:
+    return isinstance(v, Literal)
+
+
+def is_dropvar(v) -> bool:
+    return isinstance(v, DropVar)

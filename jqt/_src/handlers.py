@@ -1,0 +1,173 @@
+"""What happens at each quantizable op, per mode.
+
+A handler has ``site(site, eqn, invals, ctx) -> outvals`` and says whether it
+``collects`` state (calibration statistics, merged with ``merge`` /
+``identity`` / ``reduce_iterations``) and whether it must stay
+``differentiable`` (the simulated path).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import compat, kernels
+from . import numerics as nx
+from .qparams import OpQParams
+
+_F32 = jnp.float32
+
+
+class QParamsMismatchError(ValueError):
+    """qparams do not match the function they are used with."""
+
+
+def _is_min(path) -> bool:
+    last = path[-1]
+    return str(getattr(last, "key", last)).endswith("_min")
+
+
+class Calibrate:
+    """Runs the float function and records running min/max statistics."""
+
+    collects = True
+    differentiable = False
+
+    def __init__(self, recipe, observe_weights: bool):
+        self.recipe = recipe
+        self.observe_weights = observe_weights
+
+    def site(self, site, eqn, invals, ctx):
+        outs = compat.bind_eqn(eqn, invals)
+        rule = self.recipe.rule_for(site.op, site.key)
+        st = {}
+        w = site.weight_operand
+        if rule is not None and w is not None and rule.weight is not None:
+            act = rule.activation
+            if act is not None and not act.dynamic:
+                x = invals[1 - w].astype(_F32)
+                st["act_min"], st["act_max"] = jnp.min(x), jnp.max(x)
+            if self.observe_weights:
+                wv = invals[w].astype(_F32)
+                pc = rule.weight.per_channel
+                axes = site.contract[w] if pc else None
+                st["w_min"] = jnp.min(wv, axis=axes, keepdims=pc)
+                st["w_max"] = jnp.max(wv, axis=axes, keepdims=pc)
+        ctx.state_out[site.key] = st
+        return outs
+
+    @staticmethod
+    def identity(shapes):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, s: jnp.full(s.shape, jnp.inf if _is_min(p) else -jnp.inf, s.dtype), shapes)
+
+    @staticmethod
+    def merge(a, b):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x, y: jnp.minimum(x, y) if _is_min(p) else jnp.maximum(x, y), a, b)
+
+    @staticmethod
+    def reduce_iterations(stacked):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.min(x, axis=0, initial=jnp.inf) if _is_min(p)
+            else jnp.max(x, axis=0, initial=-jnp.inf), stacked)
+
+
+def _expected_scale_shape(site, i, shape, qtype):
+    if not qtype.per_channel:
+        return ()
+    return tuple(1 if d in site.contract[i] else n for d, n in enumerate(shape))
+
+
+def lookup(ctx, site, invals):
+    """(OpQParams, PackedWeight or None) for ``site``, checked against the op."""
+    entry = ctx.state_in.get(site.key)
+    if entry is None:
+        raise QParamsMismatchError(
+            f"jqt: no quantization parameters for op '{site.key}' ({site.op} at "
+            f"'{site.name_stack or '<top>'}'). The qparams were made for another function or "
+            "another weight_argnums; run jqt.calibrate on this function.")
+    qp, packed = entry
+    if not isinstance(qp, OpQParams):
+        raise QParamsMismatchError(f"jqt: qparams['{site.key}'] is a {type(qp).__name__}, "
+                                   "expected jqt.OpQParams.")
+    if qp.op != site.op or qp.weight_operand != site.weight_operand:
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] describes a {qp.op} with weight operand "
+            f"{qp.weight_operand}, but the function has a {site.op} with weight operand "
+            f"{site.weight_operand} there. Re-calibrate for this function.")
+    for i in (0, 1):
+        q = qp.operand(i)
+        if q is None or q.scale is None or (i != site.weight_operand and not q.qtype.per_channel):
+            continue
+        want = _expected_scale_shape(site, i, invals[i].shape, q.qtype)
+        if tuple(q.scale.shape) != want:
+            raise QParamsMismatchError(
+                f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} scale of shape "
+                f"{tuple(q.scale.shape)}, but the operand {tuple(invals[i].shape)} needs "
+                f"{want}. The weights changed shape since calibration; re-calibrate.")
+    if packed is not None:
+        w = site.weight_operand
+        if tuple(packed.qvalue.shape) != tuple(invals[w].shape):
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.qvalue.shape)} "
+                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
+    return qp, packed
+
+
+def _operand_params(site, i, x, q):
+    if q.qtype.dynamic:
+        return nx.dynamic_params(x, site.contract[i], q.qtype)
+    return q.scale, q.zero_point
+
+
+def _dequant(packed, q):
+    v = packed.qvalue.astype(_F32)
+    if q.zero_point is not None:
+        v = v - q.zero_point
+    return v * q.scale
+
+
+class Simulate:
+    """Float simulation: fake-quantize the operands, run the float op."""
+
+    collects = False
+    differentiable = True
+
+    def site(self, site, eqn, invals, ctx):
+        qp, packed = lookup(ctx, site, invals)
+        vals = list(invals)
+        for i in (0, 1):
+            q = qp.operand(i)
+            if q is None:
+                continue
+            if packed is not None and i == site.weight_operand:
+                vals[i] = _dequant(packed, q).astype(invals[i].dtype)
+            else:
+                s, z = _operand_params(site, i, vals[i], q)
+                vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
+        return compat.bind_eqn(eqn, vals)
+
+
+class Integer:
+    """Integer path: quantize operands to int8, run the int8 x int8 -> int32 kernel."""
+
+    collects = False
+    differentiable = False
+
+    def site(self, site, eqn, invals, ctx):
+        qp, packed = lookup(ctx, site, invals)
+        if qp.is_float:
+            return compat.bind_eqn(eqn, invals)
+        ops = []
+        for i in (0, 1):
+            q, x = qp.operand(i), invals[i]
+            if q is None:
+                ops.append((x, None, None, None))
+            elif packed is not None and i == site.weight_operand:
+                ops.append((packed.qvalue, q.scale, q.zero_point, packed.wsum))
+            else:
+                s, z = _operand_params(site, i, x, q)
+                ops.append((nx.quantize(x, s, z, q.qtype), s, z, None))
+        if site.op == "dot_general":
+            return [kernels.dot_general(ops, eqn.params, eqn)]
+        return [kernels.conv(ops[0], ops[1], eqn.params, eqn)]

@@ -1,0 +1,138 @@
+"""Integer kernels: int8 x int8 -> int32 ``dot_general`` and ``conv_general_dilated``
+with zero-point corrections, and the weight-only variants.
+
+For ``real = (q - z) * s`` on both operands of a contraction over K:
+
+    sum_k (qa - za)(qb - zb) = sum qa*qb - za * sum_k qb - zb * sum_k qa + K * za * zb
+
+Scales and zero points never vary along contracted axes, so they factor out
+of the sum. ``_to_out`` moves an operand-shaped (keepdims) scale, zero point
+or sum to the output layout of the op.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_I32 = jnp.int32
+_F32 = jnp.float32
+
+
+def _to_out_dot(a, operand, dn, ndims):
+    """An operand-shaped array with size 1 on contracted axes -> broadcastable to the output."""
+    if a is None or a.ndim == 0:
+        return a
+    (lc, rc), (lb, rb) = dn
+    contract, batch = (lc, lb) if operand == 0 else (rc, rb)
+    nd = ndims[operand]
+    free = [d for d in range(nd) if d not in contract and d not in batch]
+    rem = [d for d in range(nd) if d not in contract]
+    a = jnp.squeeze(a, axis=tuple(contract))
+    a = jnp.transpose(a, [rem.index(d) for d in batch] + [rem.index(d) for d in free])
+    nb = len(batch)
+    n_lfree = ndims[0] - len(lc) - len(lb)
+    n_rfree = ndims[1] - len(rc) - len(rb)
+    if operand == 0:
+        return a.reshape(a.shape + (1,) * n_rfree)
+    return a.reshape(a.shape[:nb] + (1,) * n_lfree + a.shape[nb:])
+
+
+def _int_zp(z):
+    return None if z is None else jnp.round(z).astype(_I32)
+
+
+def dot_general(operands, params, eqn):
+    """``operands``: per operand a tuple (q, scale, zero_point, qsum) for an
+    integer operand or (x, None, None, None) for a float one. ``qsum`` is the
+    int32 sum of ``q`` over the contracted axes (keepdims), or None to compute it."""
+    dn = params["dimension_numbers"]
+    (lc, rc), _ = dn
+    ndims = [operands[0][0].ndim, operands[1][0].ndim]
+    out_dtype = eqn.outvars[0].aval.dtype
+    (qa, sa, za, suma), (qb, sb, zb, sumb) = operands
+    to_out = lambda a, i: _to_out_dot(a, i, dn, ndims)
+    if sa is not None and sb is not None:
+        acc = lax.dot_general(qa, qb, dn, preferred_element_type=_I32)
+        za, zb = _int_zp(za), _int_zp(zb)
+        if za is not None:
+            sumb = jnp.sum(qb, axis=tuple(rc), keepdims=True, dtype=_I32) if sumb is None else sumb
+            acc = acc - to_out(za, 0) * to_out(sumb, 1)
+        if zb is not None:
+            suma = jnp.sum(qa, axis=tuple(lc), keepdims=True, dtype=_I32) if suma is None else suma
+            acc = acc - to_out(zb, 1) * to_out(suma, 0)
+        if za is not None and zb is not None:
+            k = math.prod(qa.shape[d] for d in lc)
+            acc = acc + to_out(za, 0) * to_out(zb, 1) * k
+        out = acc.astype(_F32) * to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1)
+        return out.astype(out_dtype)
+    # weight-only: one operand is float; the integer weight is cast, not dequantized,
+    # and its per-channel scale is applied to the (smaller) output.
+    w = 0 if sa is not None else 1
+    x = operands[1 - w][0]
+    qw, sw, zw, _ = operands[w]
+    args = [x, qw.astype(x.dtype)] if w == 1 else [qw.astype(x.dtype), x]
+    out = lax.dot_general(*args, dn, precision=params.get("precision"),
+                          preferred_element_type=params.get("preferred_element_type"))
+    out = out.astype(_F32)
+    if zw is not None:
+        cx = (lc, rc)[1 - w]
+        sumx = jnp.sum(x.astype(_F32), axis=tuple(cx), keepdims=True)
+        out = out - to_out(zw.astype(_F32), w) * to_out(sumx, 1 - w)
+    return (out * to_out(sw.astype(_F32), w)).astype(out_dtype)
+
+
+def _conv_params(params):
+    keep = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
+            "feature_group_count", "batch_group_count", "precision")
+    return {k: params[k] for k in keep if k in params}
+
+
+def _out_channel(a, params, out_ndim):
+    """Per-output-feature kernel array (keepdims, rhs-shaped) -> broadcastable to the output."""
+    if a is None or a.ndim == 0:
+        return a
+    dn = params["dimension_numbers"]
+    shape = [1] * out_ndim
+    shape[dn.out_spec[1]] = a.size
+    return a.reshape(shape)
+
+
+def conv(x_op, w_op, params, eqn):
+    """Integer (or weight-only) convolution; the activation is the lhs, per-tensor."""
+    (qx, sx, zx, _), (qw, sw, zw, wsum) = x_op, w_op
+    if zw is not None:
+        raise NotImplementedError("jqt: asymmetric conv weights are not supported; use "
+                                  "QuantType(symmetric=True) for conv weights.")
+    cp = _conv_params(params)
+    out_dtype = eqn.outvars[0].aval.dtype
+    out_ndim = eqn.outvars[0].aval.ndim
+    dn = params["dimension_numbers"]
+    if sx is None:  # weight-only
+        out = lax.conv_general_dilated(qx, qw.astype(qx.dtype), **cp,
+                                       preferred_element_type=params.get("preferred_element_type"))
+        return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
+    cp.pop("precision", None)
+    zx = _int_zp(zx)
+    if zx is not None and all(d == 1 for d in cp["lhs_dilation"]):
+        # pad with the zero point, whose real value is exactly 0, then correct by
+        # zx * (sum of the kernel of each output channel).
+        cfg = [(0, 0, 0)] * qx.ndim
+        for d, (lo, hi) in zip(dn.lhs_spec[2:], cp["padding"]):
+            cfg[d] = (lo, hi, 0)
+        qx = lax.pad(qx, zx.astype(qx.dtype).reshape(()), cfg)
+        cp["padding"] = [(0, 0)] * len(cp["padding"])
+        acc = lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+        if wsum is None:
+            axes = tuple(d for d in range(qw.ndim) if d != dn.rhs_spec[0])
+            wsum = jnp.sum(qw, axis=axes, keepdims=True, dtype=_I32)
+        acc = acc - zx * _out_channel(wsum, params, out_ndim)
+    else:
+        acc = lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+        if zx is not None:  # dilated input: the correction is a conv of the indicator
+            ones = jnp.ones(qx.shape, np.int8)
+            acc = acc - zx * lax.conv_general_dilated(ones, qw, **cp, preferred_element_type=_I32)
+    out = acc.astype(_F32) * sx.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)
+    return out.astype(out_dtype)

@@ -1,0 +1,73 @@
+"""Layout-only ops that lead from a weight leaf to the operand of an op.
+
+jqt follows a weight from its leaf in the params pytree through these ops
+(transpose, reshape, cast, ...) to the ``dot_general``/``conv`` that reads it.
+The steps are recorded as plain tuples, so that :func:`jqt.pack` can replay
+them on the leaf without tracing the function again, and so that they can be
+saved with the quantization parameters.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+
+def _tup(x):
+    return None if x is None else tuple(int(i) for i in x)
+
+
+# primitive name -> function(eqn params) -> the recorded step, or None if the
+# eqn is not a pure layout change.
+def _reshape(p):
+    return None if p.get("dimensions") is not None else ("reshape", _tup(p["new_sizes"]))
+
+
+RECORDERS = {
+    "transpose": lambda p: ("transpose", _tup(p["permutation"])),
+    "reshape": _reshape,
+    "convert_element_type": lambda p: ("convert", np.dtype(p["new_dtype"]).name),
+    "broadcast_in_dim": lambda p: ("broadcast_in_dim", _tup(p["shape"]), _tup(p["broadcast_dimensions"])),
+    "squeeze": lambda p: ("squeeze", _tup(p["dimensions"])),
+    "slice": lambda p: ("slice", _tup(p["start_indices"]), _tup(p["limit_indices"]), _tup(p["strides"])),
+    "rev": lambda p: ("rev", _tup(p["dimensions"])),
+    "copy": lambda p: ("copy",),
+    "copy_p": lambda p: ("copy",),
+}
+
+_APPLY = {
+    "transpose": lambda x, perm: lax.transpose(x, perm),
+    "reshape": lambda x, sizes: lax.reshape(x, sizes),
+    "convert": lambda x, dt: x.astype(np.dtype(dt)),
+    "broadcast_in_dim": lambda x, shape, dims: lax.broadcast_in_dim(x, shape, dims),
+    "squeeze": lambda x, dims: lax.squeeze(x, dims),
+    "slice": lambda x, s, l, st: lax.slice(x, s, l, st),
+    "rev": lambda x, dims: lax.rev(x, dims),
+    "copy": lambda x: x,
+}
+
+
+def record(eqn):
+    """The step for a layout-only ``eqn``, or ``None``."""
+    rec = RECORDERS.get(eqn.primitive.name)
+    return None if rec is None else rec(eqn.params)
+
+
+def apply_chain(x, chain):
+    """Replays ``chain`` on ``x``; steps after k ``scan_slice`` markers run under k vmaps.
+
+    >>> import jax.numpy as jnp
+    >>> apply_chain(jnp.ones((3, 4, 5)), (("scan_slice",), ("transpose", (1, 0)))).shape
+    (3, 5, 4)
+    """
+    depth = 0
+    for step in chain:
+        name, args = step[0], step[1:]
+        if name == "scan_slice":
+            depth += 1
+            continue
+        fn = lambda v, name=name, args=args: _APPLY[name](v, *args)
+        for _ in range(depth):
+            fn = jax.vmap(fn)
+        x = fn(x)
+    return x

@@ -1,0 +1,169 @@
+"""jqt's primitives and the arithmetic of affine quantization.
+
+Two primitives appear in jaxprs that jqt produces, each with its scale and
+zero point as operands:
+
+* ``jqt_fake_quant[qmin, qmax](x, scale, zero_point)``: float in, float out,
+  ``(clip(round(x / scale) + zero_point, qmin, qmax) - zero_point) * scale``.
+  Used by the simulated path; its JVP is straight-through with a clipping
+  mask for ``x`` and the LSQ/LSQ+ gradients for ``scale`` and ``zero_point``.
+* ``jqt_quantize[qmin, qmax, dtype](x, scale, zero_point)``: float in, integer
+  out (the codes of the same formula). Used by the integer path; not
+  differentiable.
+
+Both compute ``round(x / scale)`` in float32 with round-half-to-even, so the
+integer path and the simulated path produce the same codes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import compat
+
+_F32 = jnp.float32
+
+
+def _codes(x, scale, zero_point, qmin, qmax):
+    v = jnp.round(x.astype(_F32) / scale.astype(_F32)) + zero_point.astype(_F32)
+    return jnp.clip(v, qmin, qmax)
+
+
+def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax):
+    zp = zero_point.astype(_F32)
+    q = _codes(x, scale, zp, qmin, qmax)
+    return ((q - zp) * scale.astype(_F32)).astype(x.dtype)
+
+
+def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype):
+    return _codes(x, scale, zero_point, qmin, qmax).astype(dtype)
+
+
+def _abstract(x, scale, zero_point, *, dtype=None, **_):
+    for name, a in (("scale", scale), ("zero_point", zero_point)):
+        try:
+            jnp.broadcast_shapes(a.shape, x.shape)
+        except ValueError:
+            raise ValueError(f"jqt: {name} of shape {a.shape} does not broadcast to the "
+                             f"operand's shape {x.shape}.") from None
+    return jax.core.ShapedArray(x.shape, dtype or x.dtype)
+
+
+def _batch_rule(prim):
+    def rule(args, dims, **params):
+        x, s, z = args
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not compat.NOT_MAPPED)
+        r = x.ndim - (0 if dims[0] is compat.NOT_MAPPED else 1)
+
+        def front(a, d, is_x):
+            if d is compat.NOT_MAPPED:
+                if is_x:
+                    return jnp.broadcast_to(a, (size,) + a.shape)
+                return a.reshape((1,) + (1,) * (r - a.ndim) + a.shape)
+            a = jnp.moveaxis(a, d, 0)
+            if is_x:
+                return a
+            return a.reshape((size,) + (1,) * (r - (a.ndim - 1)) + a.shape[1:])
+
+        x, s, z = (front(a, d, i == 0) for i, (a, d) in enumerate(zip(args, dims)))
+        return prim.bind(x, s, z, **params), 0
+    return rule
+
+
+fake_quant_p = compat.Primitive("jqt_fake_quant")
+fake_quant_p.def_impl(_fake_quant_impl)
+fake_quant_p.def_abstract_eval(_abstract)
+compat.mlir.register_lowering(
+    fake_quant_p, compat.mlir.lower_fun(_fake_quant_impl, multiple_results=False))
+compat.batching.primitive_batchers[fake_quant_p] = _batch_rule(fake_quant_p)
+
+quantize_p = compat.Primitive("jqt_quantize")
+quantize_p.def_impl(_quantize_impl)
+quantize_p.def_abstract_eval(_abstract)
+compat.mlir.register_lowering(
+    quantize_p, compat.mlir.lower_fun(_quantize_impl, multiple_results=False))
+compat.batching.primitive_batchers[quantize_p] = _batch_rule(quantize_p)
+
+
+def _masks(x, scale, zero_point, qmin, qmax):
+    xs = x.astype(_F32) / scale.astype(_F32)
+    q = jnp.round(xs) + zero_point.astype(_F32)
+    return xs, q < qmin, q > qmax
+
+
+def _jvp_x(g, x, scale, zero_point, *, qmin, qmax):
+    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
+    return jnp.where(lo | hi, jnp.zeros_like(g), g)
+
+
+def _jvp_scale(g, x, scale, zero_point, *, qmin, qmax):
+    xs, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
+    zp = zero_point.astype(_F32)
+    d = jnp.where(lo, qmin - zp, jnp.where(hi, qmax - zp, jnp.round(xs) - xs))
+    return (g.astype(_F32) * d).astype(x.dtype)
+
+
+def _jvp_zero_point(g, x, scale, zero_point, *, qmin, qmax):
+    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
+    d = jnp.where(lo | hi, -scale.astype(_F32), 0.0)
+    return (g.astype(_F32) * d).astype(x.dtype)
+
+
+compat.ad.defjvp(fake_quant_p, _jvp_x, _jvp_scale, _jvp_zero_point)
+
+
+def _no_jvp(primals, tangents, **params):
+    raise TypeError(
+        "jqt_quantize (the integer path of jqt.quantize) is not differentiable: float -> int "
+        "has no gradient. Differentiate the simulated path instead: "
+        "jqt.quantize(f, qparams, simulate=True).")
+
+
+compat.ad.primitive_jvps[quantize_p] = _no_jvp
+
+
+def _zp(zero_point):
+    return jnp.zeros((), _F32) if zero_point is None else zero_point
+
+
+def fake_quant(x, scale, zero_point, qtype):
+    """Simulated quantization of ``x`` (float in, float out), differentiable.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> from jqt._src.numerics import fake_quant
+    >>> fake_quant(jnp.array([0.26, 9.0]), jnp.float32(0.5), None, jqt.QuantType(bits=4))
+    Array([0.5, 3.5], dtype=float32)
+    """
+    return fake_quant_p.bind(x, scale, _zp(zero_point), qmin=qtype.qmin, qmax=qtype.qmax)
+
+
+def quantize(x, scale, zero_point, qtype):
+    """Integer codes of ``x`` as int8 (the integer path)."""
+    return quantize_p.bind(x, scale, _zp(zero_point), qmin=qtype.qmin, qmax=qtype.qmax,
+                           dtype=np.dtype(np.int8))
+
+
+def params_from_range(lo, hi, qtype):
+    """Scale and zero point (``None`` if symmetric) for the real range ``[lo, hi]``.
+
+    The range is widened to include 0, so that 0 (padding, ReLU) is exact.
+    """
+    lo = jnp.minimum(jnp.asarray(lo, _F32), 0.0)
+    hi = jnp.maximum(jnp.asarray(hi, _F32), 0.0)
+    if qtype.symmetric:
+        amax = jnp.maximum(-lo, hi)
+        scale = amax / qtype.qmax
+        return jnp.where(scale > 0, scale, 1.0), None
+    scale = (hi - lo) / (qtype.qmax - qtype.qmin)
+    scale = jnp.where(scale > 0, scale, 1.0)
+    zp = jnp.clip(jnp.round(qtype.qmin - lo / scale), qtype.qmin, qtype.qmax)
+    return scale, zp
+
+
+def dynamic_params(x, reduce_axes, qtype):
+    """Scale and zero point computed from the live tensor (no gradient flows into them)."""
+    x = jax.lax.stop_gradient(x.astype(_F32))
+    axes = tuple(reduce_axes) if qtype.per_channel else tuple(range(x.ndim))
+    return params_from_range(jnp.min(x, axis=axes, keepdims=True),
+                             jnp.max(x, axis=axes, keepdims=True), qtype)

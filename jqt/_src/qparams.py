@@ -1,0 +1,203 @@
+"""Quantization parameters as pytrees.
+
+``qparams`` is a plain ``dict`` mapping op keys to :class:`OpQParams`. Each
+operand of an op has a :class:`QuantParams` (scale and zero point as arrays,
+the :class:`~jqt.QuantType` as static aux data) or ``None`` (float). Ops under
+a ``lax.scan`` over stacked layers carry stacked arrays with a leading
+``(L,)`` axis per stacking level.
+
+The invariant, as in MLIR's quant dialect: ``real ~= (q - zero_point) * scale``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from .recipe import QuantType
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """Where a weight operand comes from: a leaf of the weight argument and the
+    layout-only ops (``chain``) that lead from the leaf to the operand.
+
+    ``chain`` entries are tuples ``(name, *static_args)``; ``("scan_slice",)``
+    marks the slicing of a stacked leaf by ``lax.scan``. ``float_needed`` is
+    True when the leaf is used as a float value somewhere else in the
+    function, so :func:`jqt.pack` must keep it. ``leaf`` is the leaf's index
+    in the flattened argument; ``contract`` the operand axes the op reduces.
+    """
+
+    arg: int
+    path: str
+    leaf: int = -1
+    chain: tuple = ()
+    float_needed: bool = False
+    contract: tuple = ()
+
+    @property
+    def stack_depth(self) -> int:
+        return sum(1 for c in self.chain if c[0] == "scan_slice")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantParams:
+    """Affine quantization parameters of one operand: ``real ~= (q - zero_point) * scale``.
+
+    ``scale`` and ``zero_point`` have the operand's rank with size 1 on every
+    axis that shares a scale (or are scalars for per-tensor parameters). A
+    symmetric type has ``zero_point=None``; a dynamic type has both ``None``:
+    they are computed from the live tensor.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> p = jqt.QuantParams(scale=jnp.float32(0.5), zero_point=None, qtype=jqt.QuantType())
+    >>> p
+    QuantParams(int8 symmetric per-tensor static, scale=0.5)
+    """
+
+    scale: Optional[jax.Array]
+    zero_point: Optional[jax.Array]
+    qtype: QuantType = dataclasses.field(metadata=dict(static=True))
+
+    def __repr__(self):
+        t = self.qtype
+        desc = (f"int{t.bits} {'symmetric' if t.symmetric else 'asymmetric'}"
+                f"{' narrow' if t.narrow_range else ''} "
+                f"{'per-channel' if t.per_channel else 'per-tensor'} "
+                f"{'dynamic' if t.dynamic else 'static'}")
+        return f"QuantParams({desc}{_arr_summary('scale', self.scale)}{_arr_summary('zero_point', self.zero_point)})"
+
+
+def _arr_summary(name, a):
+    if a is None:
+        return ""
+    try:
+        a = np.asarray(a)
+    except Exception:  # a tracer
+        return f", {name}: {getattr(a, 'shape', '?')}"
+    if a.size == 1:
+        return f", {name}={a.reshape(()).item():.4g}"
+    return f", {name}[{'x'.join(map(str, a.shape))}] in [{a.min():.3g}, {a.max():.3g}]"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OpQParams:
+    """Quantization parameters of one op (``dot_general`` or ``conv_general_dilated``).
+
+    Attributes:
+      lhs, rhs: :class:`QuantParams` of each operand, or ``None`` for float.
+      op: the primitive name (static).
+      weight_operand: 0 or 1, the operand computed from the weights alone, or
+        ``None`` for an activation x activation op (static).
+      source: where the weight operand comes from, for :func:`jqt.pack` (static).
+      note: why the op stays float, when it does (static).
+    """
+
+    lhs: Optional[QuantParams]
+    rhs: Optional[QuantParams]
+    op: str = dataclasses.field(metadata=dict(static=True))
+    weight_operand: Optional[int] = dataclasses.field(metadata=dict(static=True), default=None)
+    source: Optional[WeightSource] = dataclasses.field(metadata=dict(static=True), default=None)
+    note: str = dataclasses.field(metadata=dict(static=True), default="")
+
+    @property
+    def is_float(self) -> bool:
+        return self.lhs is None and self.rhs is None
+
+    def operand(self, i: int) -> Optional[QuantParams]:
+        return (self.lhs, self.rhs)[i]
+
+    def __repr__(self):
+        if self.is_float:
+            return f"OpQParams({self.op}, float: {self.note or 'kept float'})"
+        names = ("lhs", "rhs")
+        parts = []
+        for i, p in enumerate((self.lhs, self.rhs)):
+            role = "weight" if i == self.weight_operand else "activation"
+            parts.append(f"{names[i]} ({role}): {p!r}" if p is not None else f"{names[i]} ({role}): float")
+        return f"OpQParams({self.op}, " + ", ".join(parts) + ")"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight operand stored as integers, ready for the integer kernel.
+
+    ``qvalue`` is the int8 operand (in the layout the op consumes it),
+    ``wsum`` its int32 sum over the contracted axes (for the zero-point
+    correction of asymmetric activations).
+    """
+
+    qvalue: jax.Array
+    wsum: jax.Array
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedParams:
+    """Weights with the quantized operands stored as int8 (see :func:`jqt.pack`).
+
+    Holds the float leaves still needed (biases, norms, weights of float ops)
+    and a dict of :class:`PackedWeight` keyed by op key. Pass it to a
+    quantized function in place of the float weights.
+    """
+
+    def __init__(self, leaves, weights, treedef, avals, kept):
+        self.leaves = tuple(leaves)
+        self.weights = dict(weights)
+        self.treedef = treedef
+        self.avals = tuple(avals)
+        self.kept = tuple(kept)
+
+    def tree_flatten(self):
+        return (self.leaves, self.weights), (self.treedef, self.avals, self.kept)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        leaves, weights = children
+        return cls(leaves, weights, *aux)
+
+    def nbytes(self) -> int:
+        """Bytes of every array held (int8 weights, sums and float leaves)."""
+        return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(self)))
+
+    def __repr__(self):
+        return (f"PackedParams({len(self.weights)} int8 weights, {len(self.leaves)} float leaves kept "
+                f"of {len(self.avals)})")
+
+
+def summarize(qparams: dict[str, Any]) -> str:
+    """A readable table of ``qparams``: one line per op key.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> print(jqt.summarize(qp))  # doctest: +ELLIPSIS
+    key  op           weight ...
+    """
+    rows = [("key", "op", "weight", "activation")]
+    for k, p in qparams.items():
+        if not isinstance(p, OpQParams):
+            rows.append((k, "?", repr(p), ""))
+            continue
+        if p.is_float:
+            rows.append((k, p.op, "float", p.note or "kept float"))
+            continue
+        w = p.weight_operand
+        wq = p.operand(w) if w is not None else None
+        aq = [p.operand(i) for i in (0, 1) if i != w]
+        rows.append((k, p.op, _short(wq), ", ".join(_short(a) for a in aq)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def _short(p: Optional[QuantParams]) -> str:
+    if p is None:
+        return "float"
+    t = p.qtype
+    return (f"int{t.bits} {'sym' if t.symmetric else 'asym'} "
+            f"{'per-channel' if t.per_channel else 'per-tensor'}{' dynamic' if t.dynamic else ''}")

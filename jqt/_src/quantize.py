@@ -1,0 +1,148 @@
+"""``jqt.quantize`` (the integer or simulated function) and ``jqt.pack``."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from . import numerics as nx
+from .handlers import Integer, QParamsMismatchError, Simulate
+from .interpreter import Ctx, eval_jaxpr
+from .layout import apply_chain
+from .qparams import OpQParams, PackedParams, PackedWeight
+from .tracing import Tracer, normalize_argnums
+
+
+def _check_qparams(qparams):
+    if not isinstance(qparams, dict):
+        raise TypeError(f"jqt: qparams is a {type(qparams).__name__}; expected the dict returned "
+                        "by jqt.calibrate (or jqt.load).")
+    for k, v in qparams.items():
+        if not isinstance(v, OpQParams):
+            raise TypeError(f"jqt: qparams['{k}'] is a {type(v).__name__}; expected jqt.OpQParams.")
+
+
+def _unpack(packed: PackedParams):
+    """Full weight pytree for tracing (zeros where a leaf was packed away: under jit
+    nothing reads them, since the op takes the packed int8 weight instead)."""
+    leaves = [None] * len(packed.avals)
+    for i, x in zip(packed.kept, packed.leaves):
+        leaves[i] = x
+    for i, a in enumerate(packed.avals):
+        if leaves[i] is None:
+            leaves[i] = jnp.zeros(a.shape, a.dtype)
+    return jax.tree_util.tree_unflatten(packed.treedef, leaves)
+
+
+def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
+    """Returns ``f`` running with quantized ops: same signature, same outputs' structure.
+
+    Args:
+      f: the function that was calibrated.
+      qparams: from :func:`jqt.calibrate` (or :func:`jqt.load`).
+      simulate: ``False`` (default) runs integer kernels (int8 x int8 -> int32);
+        ``True`` runs the float simulation of the same numerics, which is
+        differentiable with respect to the weights and to ``qparams``.
+      weight_argnums: position(s) of the weight argument(s), as in calibrate.
+
+    The weight argument may be the float weights or :func:`jqt.pack`'s
+    :class:`jqt.PackedParams`.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda w, x: x @ w
+    >>> w, x = jnp.eye(3), jnp.arange(6.).reshape(2, 3)
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    >>> jnp.abs(jax.jit(jqt.quantize(f, qp))(w, x) - f(w, x)).max() < 0.02
+    Array(True, dtype=bool)
+    """
+    _check_qparams(qparams)
+    argnums = normalize_argnums(weight_argnums)
+    tracer = Tracer(f, argnums)
+    handler = Simulate() if simulate else Integer()
+    checked = set()
+
+    @functools.wraps(f)
+    def qf(*args, **kwargs):
+        if kwargs:
+            raise TypeError("jqt: a quantized function takes positional arguments only; bind "
+                            f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
+                            "calibrating and quantizing.")
+        args = list(args)
+        packed = {}
+        for a in argnums:
+            if a < len(args) and isinstance(args[a], PackedParams):
+                packed.update(args[a].weights)
+                args[a] = _unpack(args[a])
+        traced = tracer(args)
+        keys = [s.key for s in traced.sites()]
+        if id(traced) not in checked:
+            extra = sorted(set(qparams) - set(keys))
+            if extra:
+                raise QParamsMismatchError(
+                    f"jqt: qparams hold keys the function does not have: {extra[:5]}"
+                    f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
+                    f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
+                    "another function or weight_argnums.")
+            checked.add(id(traced))
+        state = {k: (qparams[k], packed.get(k)) for k in keys if k in qparams}
+        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
+                          traced.plan, Ctx(handler, state))
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    return qf
+
+
+def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
+    """Stores the quantized weights as int8, once, for :func:`jqt.quantize`.
+
+    Returns a :class:`jqt.PackedParams` to pass in place of ``params``. Leaves
+    read only by quantized ops are dropped (the int8 copy replaces them);
+    leaves used as floats elsewhere (biases, norms, float ops) are kept.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"] + p["b"]
+    >>> p = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 64)),)], progress=False)
+    >>> packed = jqt.pack(qp, p)
+    >>> packed.weights["w"].qvalue.dtype
+    dtype('int8')
+    >>> bool(jnp.allclose(jqt.quantize(f, qp)(packed, jnp.ones((2, 64))),
+    ...                   jqt.quantize(f, qp)(p, jnp.ones((2, 64)))))
+    True
+    """
+    _check_qparams(qparams)
+    flat, treedef = jax.tree_util.tree_flatten(params)
+    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
+    weights, consumed, needed, unpackable = {}, set(), set(), []
+    for key, p in qparams.items():
+        w = p.weight_operand
+        if w is None or p.operand(w) is None:
+            continue
+        src = p.source
+        if src is None or src.arg != argnum:
+            unpackable.append(key)
+            continue
+        if not 0 <= src.leaf < len(flat):
+            raise QParamsMismatchError(
+                f"jqt.pack: op '{key}' reads weight leaf #{src.leaf} ('{src.path}'), but params "
+                f"have {len(flat)} leaves. Pass the params the qparams were calibrated with.")
+        q = p.operand(w)
+        operand = apply_chain(flat[src.leaf], src.chain)
+        try:
+            qv = nx.quantize(operand, q.scale, q.zero_point, q.qtype)
+        except ValueError as e:
+            raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
+        depth = src.stack_depth
+        wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=jnp.int32)
+        weights[key] = PackedWeight(qvalue=qv, wsum=wsum)
+        consumed.add(src.leaf)
+        if src.float_needed:
+            needed.add(src.leaf)
+    if unpackable:
+        warnings.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
+                      "(constants or values computed from several leaves); they are quantized "
+                      "at run time.", stacklevel=2)
+    kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
+    return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept)

@@ -1,0 +1,194 @@
+"""Recipes: what jqt quantizes, and how.
+
+A :class:`Recipe` is an ordered tuple of :class:`Rule` objects. For every
+quantizable op in a function (``dot_general``, ``conv_general_dilated``), the
+first rule whose ``ops`` contains the op's primitive and whose ``key`` regex
+matches the op's key (``re.search``) decides how it is quantized. An op that
+no rule matches stays float, and :func:`jqt.calibrate` says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+QUANTIZABLE_OPS = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantType:
+    """How one operand is quantized.
+
+    Attributes:
+      bits: integer width, 2 to 8 (values are stored in int8).
+      symmetric: zero point fixed at 0 (scale from the absolute maximum) when
+        True; an asymmetric range (scale and zero point from min and max) when
+        False.
+      narrow_range: use ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]`` (e.g. -127..127),
+        so that the range is symmetric around zero.
+      per_channel: one scale per output channel for weights (every axis that
+        is not contracted); one scale per token (every non-contracted axis)
+        for dynamic activations. Static activations are per-tensor.
+      dynamic: for activations: compute the scale from the live tensor at run
+        time instead of from calibration statistics.
+
+    >>> import jqt
+    >>> jqt.QuantType(bits=8, symmetric=True, per_channel=True).qmin
+    -128
+    >>> jqt.QuantType(bits=8, narrow_range=True).qmin
+    -127
+    """
+
+    bits: int = 8
+    symmetric: bool = True
+    narrow_range: bool = False
+    per_channel: bool = False
+    dynamic: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ValueError(
+                f"QuantType(bits={self.bits!r}): jqt stores integer values in int8, so "
+                "bits must be an int from 2 to 8.")
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """How the ops that match it are quantized.
+
+    Attributes:
+      key: a regular expression searched (``re.search``) in the op key, e.g.
+        ``"Dense_0"`` or ``"^params/head/"``; the default matches every key.
+      ops: primitive names the rule applies to.
+      weight: type of the weight operand (the operand computed from the
+        weights alone). ``None`` keeps the op float.
+      activation: type of the data operand of a weight op. ``None`` with a
+        ``weight`` type gives weight-only quantization.
+      act_x_act: type of both operands of ops whose operands both depend on
+        data (attention scores). Must be ``dynamic``. ``None`` (the default)
+        keeps such ops float.
+
+    A rule with ``weight=None`` and ``act_x_act=None`` keeps the matched ops
+    float:
+
+    >>> import jqt
+    >>> keep_head_float = jqt.Rule(key="head", weight=None)
+    >>> keep_head_float.weight is None
+    True
+    """
+
+    key: str = ".*"
+    ops: tuple[str, ...] = QUANTIZABLE_OPS
+    weight: Optional[QuantType] = None
+    activation: Optional[QuantType] = None
+    act_x_act: Optional[QuantType] = None
+
+    def __post_init__(self):
+        try:
+            re.compile(self.key)
+        except re.error as e:
+            raise ValueError(f"Rule(key={self.key!r}) is not a valid regular expression: {e}") from None
+        if isinstance(self.ops, str):
+            raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, "
+                            f"e.g. ops=({self.ops!r},).")
+        bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
+        if bad:
+            raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")
+        if self.activation is not None and self.weight is None:
+            raise ValueError(
+                "Rule(activation=..., weight=None): an integer kernel needs both operands as "
+                "integers. Set weight=QuantType(...) too, or drop activation to keep the op float.")
+        if self.weight is not None and self.weight.dynamic:
+            raise ValueError("Rule(weight=QuantType(dynamic=True)): weights are quantized from "
+                             "their own values; 'dynamic' applies to activations only.")
+        if self.activation is not None and self.activation.per_channel and not self.activation.dynamic:
+            raise ValueError(
+                "Rule(activation=QuantType(per_channel=True, dynamic=False)): static activation "
+                "scales are per-tensor (a per-token scale changes with every input). Use "
+                "dynamic=True for per-token scales.")
+        if self.act_x_act is not None and not self.act_x_act.dynamic:
+            raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
+                             "operand; use QuantType(dynamic=True, ...).")
+
+    def matches(self, op: str, key: str) -> bool:
+        return op in self.ops and re.search(self.key, key) is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """An ordered tuple of rules; the first rule that matches an op decides.
+
+    >>> import jqt
+    >>> r = jqt.Recipe(rules=(jqt.Rule(key="head", weight=None),) + jqt.recipes.w8a8().rules)
+    >>> r.rule_for("dot_general", "params/head/kernel").weight is None
+    True
+    >>> r.rule_for("dot_general", "params/Dense_0/kernel").weight.bits
+    8
+    """
+
+    rules: tuple[Rule, ...]
+
+    def __post_init__(self):
+        if isinstance(self.rules, Rule):
+            object.__setattr__(self, "rules", (self.rules,))
+        object.__setattr__(self, "rules", tuple(self.rules))
+        for r in self.rules:
+            if not isinstance(r, Rule):
+                raise TypeError(f"Recipe(rules=...) holds {type(r).__name__}; expected jqt.Rule.")
+
+    def rule_for(self, op: str, key: str) -> Optional[Rule]:
+        for r in self.rules:
+            if r.matches(op, key):
+                return r
+        return None
+
+
+INT8_WEIGHT = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True)
+
+
+def w8a8(*, act_symmetric: bool = False) -> Recipe:
+    """int8 per-channel symmetric weights, int8 static per-tensor activations.
+
+    Activations are asymmetric by default: the output of a GELU or ReLU is
+    mostly non-negative, and a symmetric range would leave half the codes
+    unused.
+
+    >>> import jqt
+    >>> jqt.recipes.w8a8().rules[0].activation.symmetric
+    False
+    """
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT,
+                              activation=QuantType(bits=8, symmetric=act_symmetric)),))
+
+
+def w8a8_dynamic(*, act_x_act: bool = False) -> Recipe:
+    """int8 per-channel weights, int8 activations with per-token scales computed at run time.
+
+    With ``act_x_act=True`` activation x activation ops (attention) are
+    quantized dynamically too.
+
+    >>> import jqt
+    >>> jqt.recipes.w8a8_dynamic().rules[0].activation.dynamic
+    True
+    """
+    act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act,
+                              act_x_act=act if act_x_act else None),))
+
+
+def w8() -> Recipe:
+    """Weight-only int8 (per-channel, symmetric); activations stay float.
+
+    >>> import jqt
+    >>> jqt.recipes.w8().rules[0].activation is None
+    True
+    """
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=None),))

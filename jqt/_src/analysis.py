@@ -160,8 +160,10 @@ def _contract_axes(eqn, ndims):
         return (tuple(lc), tuple(rc))
     dn = eqn.params["dimension_numbers"]
     lhs_spec, rhs_spec = dn.lhs_spec, dn.rhs_spec
-    # activations of a conv are per-tensor; weights per output feature.
-    return (tuple(range(ndims[0])), tuple(d for d in range(ndims[1]) if d != rhs_spec[0]))
+    # a conv's activation scale may vary only along the batch axis (per example);
+    # its weight scale along the output features.
+    return (tuple(d for d in range(ndims[0]) if d != lhs_spec[0]),
+            tuple(d for d in range(ndims[1]) if d != rhs_spec[0]))
 
 
 class Analyzer:

@@ -111,13 +111,15 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     bar = tqdm(batches, total=total, desc="jqt.calibrate", unit="batch",
                disable=None if progress is None else not progress)
     stats, tree = None, None
+    weights_seen = False  # weights are observed until every op has run once
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
         batch = tuple(batch)
-        if stats is None:
-            stats = jstep(params_t, batch, True)
-        else:
-            stats = merge(stats, jstep(params_t, batch, False))
+        new = jstep(params_t, batch, not weights_seen)
+        stats = new if stats is None else merge(stats, new)
+        if not weights_seen:
+            weights_seen = all(bool(jnp.isfinite(st["w_min"]).all())
+                               for st in stats.values() if "w_min" in st)
     if stats is None:
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
                                    "one batch, e.g. batches=[(x,)].")
@@ -159,11 +161,20 @@ def _decide(site, rule, st):
         return OpQParams(lhs=q, rhs=q, **base)
     if rule.weight is None:
         return float_("the recipe keeps it float")
+    if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
+        return float_("conv with batch_group_count > 1 is kept float")
     if site.op == "conv_general_dilated" and (w != 1 or not rule.weight.symmetric):
         if w != 1:
             return float_("conv whose data operand is the kernel is kept float")
         raise ValueError(f"jqt: op '{site.key}' is a conv; conv weights must be symmetric "
                          "(QuantType(symmetric=True)).")
+    never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
+             "never ran on the calibration data (a lax.cond branch that was not taken, a "
+             "while_loop that did not iterate?); it stays float. Add calibration data that "
+             "reaches it.")
+    if not np.isfinite(np.asarray(st["w_min"])).all():
+        warnings.warn(never, stacklevel=3)
+        return float_("never reached during calibration")
     scale, zp = nx.params_from_range(st["w_min"], st["w_max"], rule.weight)
     ops = [None, None]
     ops[w] = QuantParams(scale=scale, zero_point=zp, qtype=rule.weight)
@@ -174,10 +185,7 @@ def _decide(site, rule, st):
         else:
             lo, hi = np.asarray(st["act_min"]), np.asarray(st["act_max"])
             if not np.isfinite(lo).all():
-                warnings.warn(
-                    f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
-                    "never ran on the calibration data (a lax.cond branch that was not taken?); it "
-                    "stays float. Add calibration data that reaches it.", stacklevel=3)
+                warnings.warn(never, stacklevel=3)
                 return float_("never reached during calibration")
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QuantParams(scale=s, zero_point=z, qtype=act)

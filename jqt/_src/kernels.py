@@ -100,6 +100,15 @@ def _out_channel(a, params, out_ndim):
     return a.reshape(shape)
 
 
+def _out_batch(a, params, out_ndim):
+    """Per-example lhs array (keepdims) -> broadcastable to the output."""
+    if a is None or a.size == 1:
+        return None if a is None else a.reshape(())
+    shape = [1] * out_ndim
+    shape[params["dimension_numbers"].out_spec[0]] = a.size
+    return a.reshape(shape)
+
+
 def conv(x_op, w_op, params, eqn):
     """Integer (or weight-only) convolution; the activation is the lhs, per-tensor."""
     (qx, sx, zx, _), (qw, sw, zw, wsum) = x_op, w_op
@@ -115,8 +124,8 @@ def conv(x_op, w_op, params, eqn):
                                        preferred_element_type=params.get("preferred_element_type"))
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     cp.pop("precision", None)
-    zx = _int_zp(zx)
-    if zx is not None and all(d == 1 for d in cp["lhs_dilation"]):
+    zx = _out_batch(_int_zp(zx), params, out_ndim)
+    if zx is not None and zx.ndim == 0 and all(d == 1 for d in cp["lhs_dilation"]):
         # pad with the zero point, whose real value is exactly 0, then correct by
         # zx * (sum of the kernel of each output channel).
         cfg = [(0, 0, 0)] * qx.ndim
@@ -131,8 +140,13 @@ def conv(x_op, w_op, params, eqn):
         acc = acc - zx * _out_channel(wsum, params, out_ndim)
     else:
         acc = lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
-        if zx is not None:  # dilated input: the correction is a conv of the indicator
-            ones = jnp.ones(qx.shape, np.int8)
+        if zx is not None:
+            # per-example zero points or a dilated input: subtract zx times the conv of
+            # the indicator of real input positions (the same for every example).
+            shape = list(qx.shape)
+            shape[dn.lhs_spec[0]] = 1
+            ones = jnp.ones(shape, np.int8)
             acc = acc - zx * lax.conv_general_dilated(ones, qw, **cp, preferred_element_type=_I32)
-    out = acc.astype(_F32) * sx.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)
+    sx = _out_batch(sx.astype(_F32), params, out_ndim)
+    out = acc.astype(_F32) * sx * _out_channel(sw.astype(_F32), params, out_ndim)
     return out.astype(out_dtype)

@@ -11,8 +11,10 @@ zero point as operands:
   out (the codes of the same formula). Used by the integer path; not
   differentiable.
 
-Both compute ``round(x / scale)`` in float32 with round-half-to-even, so the
-integer path and the simulated path produce the same codes.
+Both compute ``round(x / scale)`` in float32 with round-half-to-even and round
+the zero point (a trained zero point drifts off the integers; its gradient is
+straight-through), so the integer path and the simulated path produce the
+same codes.
 """
 from __future__ import annotations
 
@@ -25,13 +27,18 @@ from . import compat
 _F32 = jnp.float32
 
 
+def _zp_f32(zero_point):
+    # Zero points are integers; a trained (float) zero point is rounded, by both paths.
+    return jnp.round(zero_point.astype(_F32))
+
+
 def _codes(x, scale, zero_point, qmin, qmax):
-    v = jnp.round(x.astype(_F32) / scale.astype(_F32)) + zero_point.astype(_F32)
+    v = jnp.round(x.astype(_F32) / scale.astype(_F32)) + _zp_f32(zero_point)
     return jnp.clip(v, qmin, qmax)
 
 
 def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax):
-    zp = zero_point.astype(_F32)
+    zp = _zp_f32(zero_point)
     q = _codes(x, scale, zp, qmin, qmax)
     return ((q - zp) * scale.astype(_F32)).astype(x.dtype)
 
@@ -71,24 +78,22 @@ def _batch_rule(prim):
     return rule
 
 
-fake_quant_p = compat.Primitive("jqt_fake_quant")
-fake_quant_p.def_impl(_fake_quant_impl)
-fake_quant_p.def_abstract_eval(_abstract)
-compat.mlir.register_lowering(
-    fake_quant_p, compat.mlir.lower_fun(_fake_quant_impl, multiple_results=False))
-compat.batching.primitive_batchers[fake_quant_p] = _batch_rule(fake_quant_p)
+def _primitive(name, impl):
+    p = compat.Primitive(name)
+    p.def_impl(impl)
+    p.def_abstract_eval(_abstract)
+    compat.mlir.register_lowering(p, compat.mlir.lower_fun(impl, multiple_results=False))
+    compat.batching.primitive_batchers[p] = _batch_rule(p)
+    return p
 
-quantize_p = compat.Primitive("jqt_quantize")
-quantize_p.def_impl(_quantize_impl)
-quantize_p.def_abstract_eval(_abstract)
-compat.mlir.register_lowering(
-    quantize_p, compat.mlir.lower_fun(_quantize_impl, multiple_results=False))
-compat.batching.primitive_batchers[quantize_p] = _batch_rule(quantize_p)
+
+fake_quant_p = _primitive("jqt_fake_quant", _fake_quant_impl)
+quantize_p = _primitive("jqt_quantize", _quantize_impl)
 
 
 def _masks(x, scale, zero_point, qmin, qmax):
     xs = x.astype(_F32) / scale.astype(_F32)
-    q = jnp.round(xs) + zero_point.astype(_F32)
+    q = jnp.round(xs) + _zp_f32(zero_point)
     return xs, q < qmin, q > qmax
 
 
@@ -99,7 +104,7 @@ def _jvp_x(g, x, scale, zero_point, *, qmin, qmax):
 
 def _jvp_scale(g, x, scale, zero_point, *, qmin, qmax):
     xs, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
-    zp = zero_point.astype(_F32)
+    zp = _zp_f32(zero_point)
     d = jnp.where(lo, qmin - zp, jnp.where(hi, qmax - zp, jnp.round(xs) - xs))
     return (g.astype(_F32) * d).astype(x.dtype)
 

@@ -85,6 +85,13 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
                     f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
                     f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
                     "another function or weight_argnums.")
+            missing = [k for k in keys if k not in qparams]
+            if missing:
+                raise QParamsMismatchError(
+                    f"jqt: no quantization parameters for ops {missing[:5]}"
+                    f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
+                    f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). The qparams were made "
+                    "for another function or weight_argnums; run jqt.calibrate on this function.")
             checked.add(id(traced))
         state = {k: (qparams[k], packed.get(k)) for k in keys if k in qparams}
         outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),

@@ -27,8 +27,9 @@ class QuantType:
       narrow_range: use ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]`` (e.g. -127..127),
         so that the range is symmetric around zero.
       per_channel: one scale per output channel for weights (every axis that
-        is not contracted); one scale per token (every non-contracted axis)
-        for dynamic activations. Static activations are per-tensor.
+        is not contracted); for dynamic activations, one scale per token (every
+        non-contracted axis) of a ``dot_general`` and one per example of a
+        convolution. Static activations are per-tensor.
       dynamic: for activations: compute the scale from the live tensor at run
         time instead of from calibration statistics.
 

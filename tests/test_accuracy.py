@@ -1,0 +1,133 @@
+"""End-to-end accuracy: a small flax CNN trained on sklearn's digits, quantized with jqt.
+
+The model trains once per module (a few seconds on CPU). Each recipe is then
+calibrated on 10 batches of training images and evaluated on the held-out
+test split; the quantized accuracy must stay within 1 point of float.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import jqt
+
+SEED = 0
+EPOCHS = 10
+BATCH = 64
+LR = 3e-3
+CALIB_BATCHES, CALIB_BATCH = 10, 32
+RECIPES = ("w8a8", "w8a8_dynamic", "w8")
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = x.reshape(x.shape[:-3] + (-1,))
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(10)(x)
+
+
+def load_data():
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)[..., None]  # (N, 8, 8, 1) in [0, 1]
+    y = d.target.astype(np.int32)
+    return train_test_split(x, y, test_size=0.25, stratify=y, random_state=SEED)
+
+
+def train(model, x_train, y_train):
+    params = model.init(jax.random.PRNGKey(SEED), x_train[:1])
+    tx = optax.adam(LR)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, xb, yb):
+        def loss_fn(p):
+            logits = model.apply(p, xb)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.RandomState(SEED)
+    for _ in range(EPOCHS):
+        perm = rng.permutation(len(x_train))
+        for i in range(0, len(perm) - BATCH + 1, BATCH):
+            idx = perm[i:i + BATCH]
+            params, opt_state, _ = step(params, opt_state, x_train[idx], y_train[idx])
+    return params
+
+
+def accuracy(logits, y):
+    return float((np.asarray(jnp.argmax(logits, -1)) == y).mean())
+
+
+@pytest.fixture(scope="module")
+def trained():
+    x_train, x_test, y_train, y_test = load_data()
+    model = CNN()
+    params = train(model, x_train, y_train)
+    float_acc = accuracy(jax.jit(model.apply)(params, x_test), y_test)
+    calib = [(x_train[i * CALIB_BATCH:(i + 1) * CALIB_BATCH],) for i in range(CALIB_BATCHES)]
+    return dict(model=model, params=params, x_test=x_test, y_test=y_test,
+                float_acc=float_acc, calib=calib)
+
+
+@pytest.fixture(scope="module", params=RECIPES)
+def quantized(request, trained):
+    recipe = getattr(jqt.recipes, request.param)()
+    qp = jqt.calibrate(trained["model"].apply, recipe, trained["params"], trained["calib"],
+                       progress=False)
+    qf = jax.jit(jqt.quantize(trained["model"].apply, qp))
+    return dict(name=request.param, qp=qp, qf=qf)
+
+
+def test_float_model_trains(trained):
+    assert trained["float_acc"] >= 0.95, trained["float_acc"]
+
+
+def test_quantized_accuracy_within_one_point(trained, quantized):
+    q_acc = accuracy(quantized["qf"](trained["params"], trained["x_test"]), trained["y_test"])
+    f_acc = trained["float_acc"]
+    assert q_acc >= f_acc - 0.01, (quantized["name"], f_acc, q_acc)
+
+
+def test_every_op_quantized(quantized):
+    # 2 convs + 2 dense layers, none left float.
+    assert len(quantized["qp"]) == 4
+    assert all(not p.is_float for p in quantized["qp"].values()), jqt.summarize(quantized["qp"])
+
+
+def test_packed_matches_float_params(trained, quantized):
+    packed = jqt.pack(quantized["qp"], trained["params"])
+    assert isinstance(packed, jqt.PackedParams)
+    qf, x = quantized["qf"], trained["x_test"]
+    from_float = np.asarray(qf(trained["params"], x))
+    from_packed = np.asarray(qf(packed, x))
+    np.testing.assert_array_equal(from_packed.argmax(-1), from_float.argmax(-1))
+    np.testing.assert_allclose(from_packed, from_float, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_size(trained, quantized):
+    qp, params = quantized["qp"], trained["params"]
+    packed = jqt.pack(qp, params)
+    leaves = jax.tree_util.tree_leaves(params)
+    assert set(packed.weights) == set(qp)
+    int8_bytes = float32_bytes = 0
+    for key, pw in packed.weights.items():
+        kernel = leaves[qp[key].source.leaf]  # the float32 leaf this op's weight comes from
+        assert pw.qvalue.dtype == jnp.int8, (key, pw.qvalue.dtype)
+        assert kernel.dtype == jnp.float32 and kernel.size == pw.qvalue.size, key
+        int8_bytes += pw.qvalue.nbytes
+        float32_bytes += kernel.nbytes
+    assert int8_bytes <= 0.26 * float32_bytes, (int8_bytes, float32_bytes)
+    # Everything packed (int8 kernels, int32 sums, float biases) vs all float32 params.
+    total_float = sum(x.nbytes for x in leaves)
+    assert packed.nbytes() <= 0.26 * total_float, (packed.nbytes(), total_float)

@@ -1,0 +1,189 @@
+"""Public API: recipes, qparams pytrees, pack, save/load, and the errors users hit."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+
+
+def mlp(p, x):
+    h = jax.nn.relu(x @ p["l1"]["w"] + p["l1"]["b"])
+    return h @ p["l2"]["w"].T + p["l2"]["b"]  # l2 stored (out, in): reached through a transpose
+
+
+@pytest.fixture(scope="module")
+def setup():
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"l1": {"w": jax.random.normal(k[0], (6, 16)), "b": jnp.zeros(16)},
+         "l2": {"w": jax.random.normal(k[1], (3, 16)) / 4, "b": jnp.zeros(3)}}
+    xs = [(jax.random.normal(k[2 + i % 2], (8, 6)) * (1 + i),) for i in range(3)]
+    qp = jqt.calibrate(mlp, jqt.recipes.w8a8(), p, xs, progress=False)
+    return p, xs, qp
+
+
+def test_keys_scales_and_stats_merged_across_batches(setup):
+    p, xs, qp = setup
+    assert list(qp) == ["l1/w", "l2/w"]
+    q = qp["l1/w"]
+    assert q.weight_operand == 1 and q.rhs.scale.shape == (1, 16) and q.lhs.scale.shape == ()
+    np.testing.assert_allclose(q.rhs.scale[0], jnp.abs(p["l1"]["w"]).max(0) / 127, rtol=1e-6)
+    allx = jnp.concatenate([x for (x,) in xs])  # running min/max over every batch
+    lo, hi = float(allx.min()), float(allx.max())
+    np.testing.assert_allclose(q.lhs.scale, (hi - lo) / 255, rtol=1e-5)
+    assert qp["l2/w"].source.chain == (("transpose", (1, 0)),)
+
+
+def test_qparams_are_pytrees(setup):
+    _, _, qp = setup
+    leaves, tree = jax.tree_util.tree_flatten(qp)
+    assert len(leaves) == 6  # 2 ops x (weight scale, act scale, act zero point)
+    assert jax.tree_util.tree_unflatten(tree, leaves)["l1/w"].rhs.qtype == qp["l1/w"].rhs.qtype
+    doubled = jax.tree_util.tree_map(lambda a: a * 2, qp)
+    np.testing.assert_allclose(doubled["l1/w"].rhs.scale, 2 * qp["l1/w"].rhs.scale)
+
+
+def test_summarize_and_repr(setup):
+    _, _, qp = setup
+    text = jqt.summarize(qp)
+    assert "l1/w" in text and "int8 sym per-channel" in text and "int8 asym per-tensor" in text
+    assert "scale[1x16]" in repr(qp["l1/w"])
+
+
+def test_pack_drops_float_kernels_and_matches(setup):
+    p, xs, qp = setup
+    packed = jqt.pack(qp, p)
+    assert set(packed.weights) == {"l1/w", "l2/w"}
+    assert len(packed.leaves) == 2  # the biases
+    w_bytes = sum(int(np.prod(p[k]["w"].shape)) * 4 for k in ("l1", "l2"))
+    q_bytes = sum(w.qvalue.nbytes for w in packed.weights.values())
+    assert q_bytes <= 0.26 * w_bytes
+    qf = jax.jit(jqt.quantize(mlp, qp))
+    np.testing.assert_array_equal(qf(packed, xs[0][0]), qf(p, xs[0][0]))
+    sim = jqt.quantize(mlp, qp, simulate=True)
+    np.testing.assert_allclose(sim(packed, xs[0][0]), sim(p, xs[0][0]), atol=1e-6)
+
+
+def test_pack_keeps_leaf_used_as_float_too():
+    def f(p, x):
+        return x @ p["w"] + p["w"].sum(0)  # the kernel is also read as a float
+    p = {"w": jnp.ones((4, 4))}
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    packed = jqt.pack(qp, p)
+    assert len(packed.leaves) == 1 and "w" in packed.weights
+    np.testing.assert_allclose(jqt.quantize(f, qp)(packed, jnp.ones((2, 4))), f(p, jnp.ones((2, 4))),
+                               rtol=0.02)
+
+
+def test_save_load_round_trip(tmp_path, setup):
+    p, xs, qp = setup
+    path = os.path.join(tmp_path, "qp.npz")
+    jqt.save(path, qp)
+    back = jqt.load(path)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(qp)
+    for a, b in zip(jax.tree_util.tree_leaves(qp), jax.tree_util.tree_leaves(back)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(jqt.quantize(mlp, back)(jqt.pack(back, p), xs[0][0]),
+                                  jqt.quantize(mlp, qp)(p, xs[0][0]))
+
+
+def test_load_rejects_other_files(tmp_path):
+    path = os.path.join(tmp_path, "x.npz")
+    np.savez(path, a=np.ones(2))
+    with pytest.raises(ValueError, match="not a jqt qparams file"):
+        jqt.load(path)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+def test_empty_calibration_set(setup):
+    p, _, _ = setup
+    with pytest.raises(jqt.CalibrationDataError, match="empty"):
+        jqt.calibrate(mlp, jqt.recipes.w8a8(), p, [], progress=False)
+
+
+def test_nan_in_calibration_data(setup):
+    p, xs, _ = setup
+    bad = xs[0][0].at[0, 0].set(jnp.nan)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 1, argument \[0\].*NaN"):
+        jqt.calibrate(mlp, jqt.recipes.w8a8(), p, [xs[0], (bad,)], progress=False)
+
+
+def test_inconsistent_batches(setup):
+    p, xs, _ = setup
+    with pytest.raises(jqt.CalibrationDataError, match="batch 1 has structure"):
+        jqt.calibrate(mlp, jqt.recipes.w8a8(), p, [xs[0], (xs[0][0], xs[0][0])], progress=False)
+    with pytest.raises(jqt.CalibrationDataError, match="must be a tuple"):
+        jqt.calibrate(mlp, jqt.recipes.w8a8(), p, [xs[0][0]], progress=False)
+
+
+def test_qparams_of_another_function(setup):
+    p, xs, qp = setup
+    other = lambda p, x: x @ p["l1"]["w"]
+    with pytest.raises(jqt.QParamsMismatchError, match="keys the function does not have.*l2/w"):
+        jqt.quantize(other, qp)(p, xs[0][0])
+    extra = {"l1": p["l1"], "l3": {"w": jnp.ones((16, 2))}, "l2": p["l2"]}
+    g = lambda p, x: mlp(p, x) @ jnp.ones((3, 16)) @ p["l3"]["w"]
+    with pytest.raises(jqt.QParamsMismatchError, match=r"no quantization parameters for ops \['dot_general_0', 'l3/w'\]"):
+        jqt.quantize(g, qp)(extra, xs[0][0])
+
+
+def test_weights_changed_shape(setup):
+    p, xs, qp = setup
+    p2 = {"l1": {"w": jnp.ones((6, 8)), "b": jnp.zeros(8)},
+          "l2": {"w": jnp.ones((3, 8)), "b": jnp.zeros(3)}}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w'.*\(1, 16\).*needs \(1, 8\)"):
+        jqt.quantize(mlp, qp)(p2, xs[0][0])
+
+
+def test_keyword_arguments_rejected(setup):
+    p, xs, qp = setup
+    with pytest.raises(TypeError, match="functools.partial"):
+        jqt.quantize(mlp, qp)(p, x=xs[0][0])
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="bits must be an int from 2 to 8"):
+        jqt.QuantType(bits=16)
+    with pytest.raises(ValueError, match="valid regular expression"):
+        jqt.Rule(key="(", weight=jqt.QuantType())
+    with pytest.raises(ValueError, match="weight=None"):
+        jqt.Rule(activation=jqt.QuantType())
+    with pytest.raises(ValueError, match="per-tensor"):
+        jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(per_channel=True))
+    with pytest.raises(ValueError, match="dynamic=True"):
+        jqt.Rule(act_x_act=jqt.QuantType())
+    with pytest.raises(TypeError, match="tuple of primitive names"):
+        jqt.Rule(ops="dot_general")
+    with pytest.raises(TypeError, match="jqt.Recipe"):
+        jqt.calibrate(mlp, "w8a8", {}, [], progress=False)
+    with pytest.raises(dataclasses_error()):
+        jqt.recipes.w8a8().rules[0].weight.bits = 4
+
+
+def dataclasses_error():
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+def test_rules_first_match_and_float_ops(setup):
+    p, xs, _ = setup
+    recipe = jqt.Recipe(rules=(jqt.Rule(key="^l2/", weight=None),) + jqt.recipes.w8a8().rules)
+    qp = jqt.calibrate(mlp, recipe, p, xs, progress=False)
+    assert qp["l2/w"].is_float and not qp["l1/w"].is_float
+    assert "keeps it float" in jqt.summarize(qp)
+    packed = jqt.pack(qp, p)
+    assert list(packed.weights) == ["l1/w"] and len(packed.leaves) == 3  # l2/w stays float
+    y = jqt.quantize(mlp, qp)(packed, xs[0][0])
+    assert jnp.isfinite(y).all()
+
+
+def test_weight_argnums(setup):
+    p, xs, _ = setup
+    f = lambda x, p: mlp(p, x)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, xs, weight_argnums=1, progress=False)
+    assert list(qp) == ["l1/w", "l2/w"]
+    y = jqt.quantize(f, qp, weight_argnums=1)(xs[0][0], jqt.pack(qp, p, argnum=1))
+    np.testing.assert_allclose(y, mlp(p, xs[0][0]), atol=0.1)

@@ -1,0 +1,620 @@
+"""jqt composed with JAX transformations and control flow.
+
+``jax.jit``/``jax.vmap``/``jax.grad`` around quantized functions, quantized
+functions around ``jax.jit``, ``lax.scan``/``lax.cond``/``lax.while_loop``,
+``jax.checkpoint``, ``jax.custom_jvp``/``jax.custom_vjp`` inside them, optax
+training of qparams and params through the simulated path, and the jaxprs the
+two paths produce.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jqt
+
+INT_VS_SIM = 1e-4      # integer vs simulated path, relative to the output scale
+QUANT_VS_FLOAT = 0.05  # quantized vs float, relative to the output scale
+
+
+def _rel(a, b, ref=None):
+    ref = b if ref is None else ref
+    a, b, ref = (np.asarray(v, np.float64) for v in (a, b, ref))
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(ref)), 1e-12))
+
+
+def _normal(seed, shape, scale=1.0):
+    return jax.random.normal(jax.random.key(seed), shape) * scale
+
+
+def _check_paths(f, qp, params, *args):
+    """Integer path ~ simulated path (rounding), both ~ float; returns the integer output."""
+    ref = f(params, *args)
+    out_int = jax.jit(jqt.quantize(f, qp))(params, *args)
+    out_sim = jax.jit(jqt.quantize(f, qp, simulate=True))(params, *args)
+    assert bool(jnp.all(jnp.isfinite(out_int)))
+    assert _rel(out_int, out_sim, ref) < INT_VS_SIM
+    assert _rel(out_int, ref) < QUANT_VS_FLOAT
+    return out_int
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a (closed) jaxpr, sub-jaxprs included."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from _all_eqns(sub)
+
+
+def _int8_dots(jaxpr):
+    return [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
+            and all(v.aval.dtype == jnp.int8 for v in e.invars)
+            and e.params.get("preferred_element_type") == jnp.int32
+            and e.outvars[0].aval.dtype == jnp.int32]
+
+
+def _prims(jaxpr):
+    return {e.primitive.name for e in _all_eqns(jaxpr)}
+
+
+# --------------------------------------------------------------------------- a small MLP
+
+
+def mlp_params(seed=0, d_in=8, d_h=16, d_out=4):
+    return {"w1": _normal(seed, (d_in, d_h), 0.4), "b1": jnp.full((d_h,), 0.05),
+            "w2": _normal(seed + 1, (d_h, d_h), 0.3), "b2": jnp.zeros((d_h,)),
+            "w3": _normal(seed + 2, (d_h, d_out), 0.3)}
+
+
+def mlp(p, x):
+    """gelu (exact, erf-based) and relu (a custom_jvp) between the layers."""
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"], approximate=False)
+    h = jax.nn.relu(h @ p["w2"] + p["b2"])
+    return h @ p["w3"]
+
+
+MLP_KEYS = ["w1", "w2", "w3"]
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    p = mlp_params()
+    batches = [(_normal(10 + i, (12, 8)),) for i in range(2)]
+    qp = jqt.calibrate(mlp, jqt.recipes.w8a8(), p, batches, progress=False)
+    return p, batches, qp
+
+
+# --------------------------------------------------------------------------- jit
+
+
+def test_jit_of_quantized(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    qf = jqt.quantize(mlp, qp)
+    sim = jqt.quantize(mlp, qp, simulate=True)
+    eager = qf(p, x)
+    jitted = jax.jit(qf)(p, x)
+    assert _rel(jitted, eager, mlp(p, x)) < INT_VS_SIM
+    assert _rel(jax.jit(sim)(p, x), sim(p, x), mlp(p, x)) < INT_VS_SIM
+    assert _rel(jitted, mlp(p, x)) < QUANT_VS_FLOAT
+    # A second call of the jitted function, with other data of the same shape.
+    x2 = batches[1][0]
+    assert _rel(jax.jit(qf)(p, x2), qf(p, x2), mlp(p, x2)) < INT_VS_SIM
+
+
+def test_quantize_of_jit(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    assert list(qp) == MLP_KEYS
+    jf = jax.jit(mlp)
+    # qparams calibrated on f (no jit) fit jax.jit(f): same keys.
+    assert list(jqt.calibrate(jf, jqt.recipes.w8a8(), p, batches, progress=False)) == list(qp)
+    out = jqt.quantize(jf, qp)(p, x)
+    assert _rel(out, jqt.quantize(mlp, qp)(p, x), mlp(p, x)) < INT_VS_SIM
+    assert _rel(jax.jit(jqt.quantize(jf, qp))(p, x), out, mlp(p, x)) < INT_VS_SIM
+    assert _rel(jqt.quantize(jf, qp, simulate=True)(p, x), out, mlp(p, x)) < INT_VS_SIM
+    # A nested jit inside f does not change the keys either.
+    nested = lambda p, x: jax.jit(mlp)(p, x)
+    assert list(jqt.calibrate(nested, jqt.recipes.w8a8(), p, batches, progress=False)) == MLP_KEYS
+
+
+# --------------------------------------------------------------------------- vmap
+
+
+def attention(p, x):
+    q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+    return jax.nn.softmax(q @ k.T / 4.0, axis=-1) @ v
+
+
+@pytest.mark.parametrize("case", ["w8a8", "w8a8_dynamic", "attention_act_x_act"])
+def test_vmap_equals_loop(case):
+    if case == "attention_act_x_act":
+        f = attention
+        p = {n: _normal(20 + i, (8, 8), 0.3) for i, n in enumerate("qkv")}
+        recipe = jqt.recipes.w8a8_dynamic(act_x_act=True)
+    else:
+        f, p, recipe = mlp, mlp_params(), getattr(jqt.recipes, case)()
+    xs = _normal(30, (4, 6, 8))
+    qp = jqt.calibrate(f, recipe, p, [(x,) for x in xs[:2]], progress=False)
+    if case == "attention_act_x_act":
+        assert sum(1 for q in qp.values() if q.weight_operand is None and not q.is_float) == 2
+    for simulate in (False, True):
+        qf = jax.jit(jqt.quantize(f, qp, simulate=simulate))
+        batched = jax.jit(jax.vmap(jqt.quantize(f, qp, simulate=simulate), in_axes=(None, 0)))(p, xs)
+        loop = jnp.stack([qf(p, x) for x in xs])
+        assert batched.shape == loop.shape
+        assert _rel(batched, loop) < 1e-6
+    # vmap with the packed weights too.
+    qf = jqt.quantize(f, qp)
+    packed = jqt.pack(qp, p)
+    batched = jax.vmap(qf, in_axes=(None, 0))(packed, xs)
+    assert _rel(batched, jnp.stack([jax.jit(qf)(p, x) for x in xs])) < 1e-6
+
+
+# --------------------------------------------------------------------------- grad
+
+
+def test_grad_wrt_qparams(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    y = mlp(p, x)
+
+    @jax.jit
+    def loss(qp):
+        return jnp.mean((jqt.quantize(mlp, qp, simulate=True)(p, x) - y) ** 2)
+
+    g = jax.grad(loss)(qp)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(qp)
+    for k in qp:
+        assert isinstance(g[k], jqt.OpQParams)
+        for a, b in zip(jax.tree_util.tree_leaves(g[k]), jax.tree_util.tree_leaves(qp[k])):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert bool(jnp.all(jnp.isfinite(a)))
+        # Scales get gradients (LSQ): weights and activations.
+        assert float(jnp.abs(g[k].rhs.scale).max()) > 0, k
+        assert float(jnp.abs(g[k].lhs.scale)) > 0, k
+
+
+def test_grad_wrt_params(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    sim = jqt.quantize(mlp, qp, simulate=True)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(sim(p, x) ** 2)))(p)
+    gf = jax.jit(jax.grad(lambda p: jnp.sum(mlp(p, x) ** 2)))(p)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(p)
+    for k in p:
+        assert bool(jnp.all(jnp.isfinite(g[k])))
+        assert float(jnp.abs(g[k]).max()) > 0
+        # straight-through: close to the float gradient at int8
+        assert _rel(g[k], gf[k]) < 0.1, k
+    # Eager (not jitted) grad gives the same.
+    ge = jax.grad(lambda p: jnp.sum(sim(p, x) ** 2))(p)
+    for k in p:
+        np.testing.assert_allclose(np.asarray(ge[k]), np.asarray(g[k]), rtol=1e-4,
+                                   atol=1e-5 * float(jnp.abs(g[k]).max()))
+
+
+W4 = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4, narrow_range=True, per_channel=True),
+                                activation=jqt.QuantType(bits=8, symmetric=False)),))
+
+
+@pytest.fixture(scope="module")
+def w4_setup():
+    p = mlp_params(seed=40, d_in=8, d_h=32, d_out=8)
+    x = _normal(41, (64, 8))
+    y = mlp(p, x)
+    qp = jqt.calibrate(mlp, W4, p, [(x,)], progress=False)
+    return p, x, y, qp
+
+
+def _adam(loss, init, steps, lr):
+    opt = optax.adam(lr)
+
+    @jax.jit
+    def step(state, opt_state):
+        l, g = jax.value_and_grad(loss)(state)
+        updates, opt_state = opt.update(g, opt_state, state)
+        return optax.apply_updates(state, updates), opt_state, l
+
+    state, opt_state = init, opt.init(init)
+    for _ in range(steps):
+        state, opt_state, _ = step(state, opt_state)
+    return state
+
+
+@pytest.fixture(scope="module")
+def w4_trained_qparams(w4_setup):
+    p, x, y, qp = w4_setup
+    loss = jax.jit(lambda qp: jnp.mean((jqt.quantize(mlp, qp, simulate=True)(p, x) - y) ** 2))
+    trained = _adam(loss, qp, steps=80, lr=1e-3)
+    return loss, trained
+
+
+def test_optax_adam_on_qparams_lowers_loss(w4_setup, w4_trained_qparams):
+    p, x, y, qp = w4_setup
+    loss, trained = w4_trained_qparams
+    assert qp["w1"].rhs.qtype.bits == 4
+    l0, l1 = float(loss(qp)), float(loss(trained))
+    assert np.isfinite(l1)
+    assert l1 < 0.9 * l0, (l0, l1)
+    assert jax.tree_util.tree_structure(trained) == jax.tree_util.tree_structure(qp)
+    for k in qp:
+        assert bool(jnp.all(trained[k].rhs.scale > 0))
+        assert not np.allclose(np.asarray(trained[k].rhs.scale), np.asarray(qp[k].rhs.scale))
+
+
+def test_trained_qparams_integer_path_matches_simulation(w4_setup, w4_trained_qparams):
+    """What was trained in simulation is what the integer path runs."""
+    p, x, y, _ = w4_setup
+    _, trained = w4_trained_qparams
+    out_sim = jax.jit(jqt.quantize(mlp, trained, simulate=True))(p, x)
+    out_int = jax.jit(jqt.quantize(mlp, trained))(p, x)
+    assert _rel(out_int, out_sim, y) < INT_VS_SIM
+
+
+def test_optax_adam_on_params_and_qparams(w4_setup):
+    """Quantization-aware training: recover the teacher's outputs from perturbed weights."""
+    p, x, y, _ = w4_setup
+    student = jax.tree_util.tree_map(lambda a: a + 0.1 * _normal(50, a.shape), p)
+    qp = jqt.calibrate(mlp, W4, student, [(x,)], progress=False)
+
+    def loss(state):
+        qp, params = state
+        return jnp.mean((jqt.quantize(mlp, qp, simulate=True)(params, x) - y) ** 2)
+
+    l0 = float(jax.jit(loss)((qp, student)))
+    qp1, student1 = _adam(loss, (qp, student), steps=80, lr=3e-3)
+    l1 = float(jax.jit(loss)((qp1, student1)))
+    assert np.isfinite(l1)
+    assert l1 < 0.5 * l0, (l0, l1)
+
+
+# --------------------------------------------------------------------------- lax.scan
+
+L = 3
+
+
+def scan_params(seed=60):
+    return {"inp": _normal(seed, (8, 16), 0.4),
+            "layers": {"w": _normal(seed + 1, (L, 16, 16), 0.25), "b": jnp.zeros((L, 16))},
+            "out": _normal(seed + 2, (16, 4), 0.3)}
+
+
+def scan_mlp(p, x):
+    h = x @ p["inp"]
+
+    def body(h, lp):
+        return jax.nn.relu(h @ lp["w"] + lp["b"]) + h, None
+
+    h, _ = lax.scan(body, h, p["layers"])
+    return h @ p["out"]
+
+
+def unrolled_mlp(p, x):
+    h = x @ p["inp"]
+    for i in range(L):
+        h = jax.nn.relu(h @ p["layers"]["w"][i] + p["layers"]["b"][i]) + h
+    return h @ p["out"]
+
+
+def test_lax_scan_stacked_layers():
+    p = scan_params()
+    batches = [(_normal(70 + i, (10, 8)),) for i in range(2)]
+    qp = jqt.calibrate(scan_mlp, jqt.recipes.w8a8(), p, batches, progress=False)
+    assert list(qp) == ["inp", "layers/w", "out"]
+    assert list(jqt.calibrate(jax.jit(scan_mlp), jqt.recipes.w8a8(), p, batches,
+                              progress=False)) == list(qp)
+    s = qp["layers/w"]
+    assert s.rhs.scale.shape == (L, 1, 16)
+    assert s.lhs.scale.shape == (L,) and s.lhs.zero_point.shape == (L,)
+    assert qp["inp"].lhs.scale.shape == ()
+
+    # Per-layer qparams equal those of the unrolled function.
+    qpu = jqt.calibrate(unrolled_mlp, jqt.recipes.w8a8(), p, batches, progress=False)
+    layer_keys = [k for k in qpu if k.startswith("layers/w")]
+    assert len(layer_keys) == L
+    for i, k in enumerate(layer_keys):
+        np.testing.assert_allclose(np.asarray(s.rhs.scale[i]), np.asarray(qpu[k].rhs.scale), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(s.lhs.scale[i]), np.asarray(qpu[k].lhs.scale), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(s.lhs.zero_point[i]), np.asarray(qpu[k].lhs.zero_point))
+
+    x = batches[0][0]
+    out = _check_paths(scan_mlp, qp, p, x)
+    out_u = jax.jit(jqt.quantize(unrolled_mlp, qpu))(p, x)
+    assert _rel(out, out_u, scan_mlp(p, x)) < INT_VS_SIM
+
+    qf = jqt.quantize(scan_mlp, qp)
+    packed = jqt.pack(qp, p)
+    assert packed.weights["layers/w"].qvalue.shape == (L, 16, 16)
+    assert _rel(jax.jit(qf)(packed, x), out, out) < 1e-6
+
+    xs = _normal(72, (3, 5, 8))
+    batched = jax.vmap(qf, in_axes=(None, 0))(p, xs)
+    assert _rel(batched, jnp.stack([jax.jit(qf)(p, xi) for xi in xs])) < 1e-6
+
+    # Gradients w.r.t. stacked qparams are stacked, one non-zero entry per layer.
+    g = jax.jit(jax.grad(lambda q: jnp.mean(
+        (jqt.quantize(scan_mlp, q, simulate=True)(p, x) - scan_mlp(p, x)) ** 2)))(qp)
+    assert g["layers/w"].lhs.scale.shape == (L,)
+    assert g["layers/w"].rhs.scale.shape == (L, 1, 16)
+    assert bool(jnp.all(jnp.isfinite(g["layers/w"].lhs.scale)))
+    assert bool(jnp.all(jnp.abs(g["layers/w"].lhs.scale) > 0))
+    assert bool(jnp.all(jnp.abs(g["layers/w"].rhs.scale).max(axis=(1, 2)) > 0))
+
+
+# --------------------------------------------------------------------------- lax.cond
+
+
+def cond_params():
+    return {"a": _normal(80, (8, 8), 0.3), "b": _normal(81, (8, 8), 0.3)}
+
+
+def cond_fn(p, x, flag):
+    return lax.cond(flag, lambda h: h @ p["a"], lambda h: jnp.tanh(h @ p["b"]) * 2.0, x)
+
+
+def _weight_scale(w):
+    return jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127.0
+
+
+def test_cond_untaken_branch_warns_and_stays_float():
+    p = cond_params()
+    x = _normal(82, (6, 8))
+    with pytest.warns(UserWarning, match="never ran"):
+        qp = jqt.calibrate(cond_fn, jqt.recipes.w8a8(), p, [(x, True), (x * 2, True)],
+                           progress=False)
+    assert set(qp) == {"a", "b"}
+    assert qp["b"].is_float
+    assert not qp["a"].is_float
+    qf = jax.jit(jqt.quantize(cond_fn, qp))
+    sim = jax.jit(jqt.quantize(cond_fn, qp, simulate=True))
+    for flag in (True, False):
+        ref = cond_fn(p, x, flag)
+        out = qf(p, x, flag)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert bool(jnp.all(jnp.isfinite(sim(p, x, flag))))
+        assert _rel(out, sim(p, x, flag), ref) < INT_VS_SIM
+        assert _rel(out, ref) < QUANT_VS_FLOAT
+    # the float branch is exactly the float function
+    np.testing.assert_allclose(np.asarray(qf(p, x, False)), np.asarray(cond_fn(p, x, False)),
+                               rtol=1e-6, atol=1e-6)
+    assert _rel(qf(p, x, True), cond_fn(p, x, True)) > 0
+
+
+@pytest.mark.parametrize("order", [(True, False), (False, True)])
+def test_cond_both_branches_quantized(order):
+    p = cond_params()
+    x = _normal(83, (6, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        qp = jqt.calibrate(cond_fn, jqt.recipes.w8a8(), p, [(x, order[0]), (x, order[1])],
+                           progress=False)
+    assert not qp["a"].is_float and not qp["b"].is_float
+    # Each branch's weight scale comes from its own weight, whichever batch reached it.
+    for k in ("a", "b"):
+        np.testing.assert_allclose(np.asarray(qp[k].rhs.scale), np.asarray(_weight_scale(p[k])),
+                                   rtol=1e-6, err_msg=f"weight scale of branch op '{k}'")
+    for flag in (True, False):
+        _check_paths(cond_fn, qp, p, x, flag)
+
+
+# --------------------------------------------------------------------------- lax.while_loop
+
+
+def while_fn(p, x, n):
+    def body(c):
+        i, h = c
+        return i + 1, jnp.tanh(h @ p["a"]) + 0.5 * h
+
+    return lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+
+def test_while_loop():
+    p = cond_params()
+    x = _normal(84, (6, 8))
+    qp = jqt.calibrate(while_fn, jqt.recipes.w8a8(), p, [(x, 3), (x * 1.5, 2)], progress=False)
+    assert list(qp) == ["a"] and not qp["a"].is_float
+    np.testing.assert_allclose(np.asarray(qp["a"].rhs.scale), np.asarray(_weight_scale(p["a"])),
+                               rtol=1e-6)
+    for n in (1, 3, 5):
+        _check_paths(while_fn, qp, p, x, n)
+    jaxpr = jax.make_jaxpr(jqt.quantize(while_fn, qp))(p, x, 3)
+    whiles = [e for e in _all_eqns(jaxpr) if e.primitive.name == "while"]
+    assert len(whiles) == 1
+    assert _int8_dots(whiles[0].params["body_jaxpr"])
+
+
+def test_while_loop_calibrated_on_zero_iterations_first():
+    """The first calibration batch does not enter the loop, the second does."""
+    p = cond_params()
+    x = _normal(85, (6, 8))
+    qp = jqt.calibrate(while_fn, jqt.recipes.w8a8(), p, [(x, 0), (x, 3)], progress=False)
+    np.testing.assert_allclose(np.asarray(qp["a"].rhs.scale), np.asarray(_weight_scale(p["a"])),
+                               rtol=1e-6)
+    _check_paths(while_fn, qp, p, x, 3)
+
+
+# --------------------------------------------------------------------------- jax.checkpoint
+
+
+def ckpt_mlp(p, x, policy=None):
+    h = jax.checkpoint(lambda h: jax.nn.gelu(h @ p["w1"] + p["b1"], approximate=False),
+                       policy=policy)(x)
+    h = jax.checkpoint(lambda h: jax.nn.relu(h @ p["w2"] + p["b2"]), policy=policy)(h)
+    return h @ p["w3"]
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
+def test_checkpoint_grad_through_simulate(mlp_setup, policy):
+    p, batches, qp_plain = mlp_setup
+    x = batches[0][0]
+    f = lambda p, x: ckpt_mlp(p, x, policy)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    assert list(qp) == MLP_KEYS
+    for k in qp:  # the same statistics as without checkpoint
+        for a, b in zip(jax.tree_util.tree_leaves(qp[k]), jax.tree_util.tree_leaves(qp_plain[k])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    _check_paths(f, qp, p, x)
+
+    y = mlp(p, x)
+    loss = lambda fn: (lambda qp, p: jnp.mean((jqt.quantize(fn, qp, simulate=True)(p, x) - y) ** 2))
+    gq, gp = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(qp, p)
+    gq_ref, gp_ref = jax.jit(jax.grad(loss(mlp), argnums=(0, 1)))(qp, p)
+    for a, b in zip(jax.tree_util.tree_leaves((gq, gp)), jax.tree_util.tree_leaves((gq_ref, gp_ref))):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                   atol=1e-5 * max(float(jnp.abs(b).max()), 1e-12))
+    assert float(jnp.abs(gq["w1"].rhs.scale).max()) > 0
+    assert float(jnp.abs(gp["w1"]).max()) > 0
+    # the simulated jaxpr keeps the remat
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss(f), argnums=1))(qp, p)
+    assert _prims(grad_jaxpr) & {"remat2", "checkpoint"}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def test_gelu_and_relu_between_layers(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[1][0]
+    prims = _prims(jax.make_jaxpr(mlp)(p, x))
+    assert "custom_jvp_call" in prims  # jax.nn.relu
+    assert "erf" in prims or "erfc" in prims  # exact gelu
+    out = _check_paths(mlp, qp, p, x)
+    # the relu output is non-negative, so the last op's activation zero point is qmin
+    assert float(qp["w3"].lhs.zero_point) == -128.0
+    assert out.shape == (12, 4)
+    # gradients through the custom_jvp relu in simulation
+    g = jax.jit(jax.grad(lambda x: jnp.sum(jqt.quantize(mlp, qp, simulate=True)(p, x))))(x)
+    gf = jax.grad(lambda x: jnp.sum(mlp(p, x)))(x)
+    assert _rel(g, gf) < 0.1
+
+
+# --------------------------------------------------------------------------- custom_vjp / custom_jvp
+
+SCALE = 100.0
+
+
+@jax.custom_vjp
+def loud_layer(w, h):
+    return jnp.tanh(h @ w)
+
+
+def _loud_fwd(w, h):
+    return loud_layer(w, h), (w, h)
+
+
+def _loud_bwd(res, g):
+    w, h = res
+    gz = g * (1.0 - jnp.tanh(h @ w) ** 2)
+    return SCALE * (h.T @ gz), SCALE * (gz @ w.T)
+
+
+loud_layer.defvjp(_loud_fwd, _loud_bwd)
+
+
+@jax.custom_jvp
+def loud_layer_jvp(w, h):
+    return jnp.tanh(h @ w)
+
+
+@loud_layer_jvp.defjvp
+def _loud_jvp(primals, tangents):
+    w, h = primals
+    tw, th = tangents
+    y = jnp.tanh(h @ w)
+    return y, SCALE * (1.0 - y ** 2) * (th @ w + h @ tw)
+
+
+def plain_layer(w, h):
+    return jnp.tanh(h @ w)
+
+
+def _custom_model(layer):
+    return lambda p, x: layer(p["a"], x) @ p["b"]
+
+
+@pytest.mark.parametrize("layer", [loud_layer, loud_layer_jvp], ids=["custom_vjp", "custom_jvp"])
+def test_custom_derivative_rule_kept_in_simulation(layer):
+    p = {"a": _normal(90, (8, 8), 0.3), "b": _normal(91, (8, 4), 0.3)}
+    x = _normal(92, (6, 8))
+    f, f_plain = _custom_model(layer), _custom_model(plain_layer)
+    prim = "custom_vjp_call" if layer is loud_layer else "custom_jvp_call"
+    assert prim in _prims(jax.make_jaxpr(f)(p, x))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert list(qp) == ["a", "b"]  # the matmul inside the custom rule is quantized
+    assert not qp["a"].is_float
+    _check_paths(f, qp, p, x)
+
+    sim = jqt.quantize(f, qp, simulate=True)
+    loss = lambda fn: (lambda x: jnp.sum(fn(p, x) ** 2))
+    g_float = jax.grad(loss(f))(x)
+    g_plain = jax.grad(loss(f_plain))(x)
+    g_sim = jax.jit(jax.grad(loss(sim)))(x)
+    # the float function shows the rule: 100x the plain gradient
+    assert _rel(g_float, SCALE * g_plain) < 1e-4
+    # ... and so does the simulated one
+    assert bool(jnp.all(jnp.isfinite(g_sim)))
+    assert _rel(g_sim, g_float) < 0.05
+    assert float(jnp.abs(g_sim).max()) > 0.5 * SCALE * float(jnp.abs(g_plain).max())
+    # w.r.t. the weights too
+    gw_sim = jax.jit(jax.grad(lambda p: jnp.sum(sim(p, x) ** 2)))(p)
+    gw_float = jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(p)
+    assert _rel(gw_sim["a"], gw_float["a"]) < 0.05
+    # and the quantization parameters of the op inside the rule are differentiable
+    gq = jax.jit(jax.grad(lambda q: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x) ** 2)))(qp)
+    assert bool(jnp.all(jnp.isfinite(gq["a"].rhs.scale)))
+    assert float(jnp.abs(gq["a"].rhs.scale).max()) > 0
+    assert float(jnp.abs(gq["a"].lhs.scale)) > 0
+    if layer is loud_layer_jvp:  # forward mode keeps the rule too
+        t = jnp.ones_like(x)
+        _, t_float = jax.jvp(lambda x: f(p, x), (x,), (t,))
+        _, t_sim = jax.jvp(lambda x: sim(p, x), (x,), (t,))
+        assert _rel(t_sim, t_float) < 0.05
+
+
+# --------------------------------------------------------------------------- jaxprs
+
+
+def test_integer_jaxpr(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    qf = jqt.quantize(mlp, qp)
+    jaxpr = jax.make_jaxpr(jax.jit(qf))(p, x)
+    prims = _prims(jaxpr)
+    assert "jqt_quantize" in prims
+    assert "jqt_fake_quant" not in prims
+    assert len(_int8_dots(jaxpr)) == 3
+    quantize_eqns = [e for e in _all_eqns(jaxpr) if e.primitive is jqt.quantize_p]
+    assert quantize_eqns and all(e.outvars[0].aval.dtype == jnp.int8 for e in quantize_eqns)
+    # no float dot_general is left
+    assert not [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"
+                and e.invars[0].aval.dtype != jnp.int8]
+    # packed: the weights are not quantized at run time
+    packed_jaxpr = jax.make_jaxpr(jax.jit(qf))(jqt.pack(qp, p), x)
+    assert len(_int8_dots(packed_jaxpr)) == 3
+    n_q = sum(1 for e in _all_eqns(packed_jaxpr) if e.primitive is jqt.quantize_p)
+    assert n_q == 3  # activations only
+
+
+def test_simulated_jaxpr(mlp_setup):
+    p, batches, qp = mlp_setup
+    x = batches[0][0]
+    jaxpr = jax.make_jaxpr(jax.jit(jqt.quantize(mlp, qp, simulate=True)))(p, x)
+    prims = _prims(jaxpr)
+    assert "jqt_fake_quant" in prims
+    assert "jqt_quantize" not in prims
+    assert not _int8_dots(jaxpr)
+    fq = [e for e in _all_eqns(jaxpr) if e.primitive is jqt.fake_quant_p]
+    assert len(fq) == 6  # both operands of each of the 3 matmuls
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in fq)

@@ -1,0 +1,186 @@
+"""Quantize/dequantize properties and op-by-op agreement of the integer and simulated paths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jqt
+from jqt._src import numerics as nx
+
+floats = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=st.lists(floats, min_size=1, max_size=32), lo=st.floats(-100, -0.01), hi=st.floats(0.01, 100),
+       bits=st.integers(2, 8), symmetric=st.booleans(), narrow=st.booleans())
+def test_fake_quant_round_trip_and_saturation(x, lo, hi, bits, symmetric, narrow):
+    t = jqt.QuantType(bits=bits, symmetric=symmetric, narrow_range=narrow)
+    x = np.asarray(x, np.float32)
+    scale, zp = nx.params_from_range(lo, hi, t)
+    q = np.asarray(nx.quantize(jnp.asarray(x), scale, zp, t)).astype(np.int64)
+    y = np.asarray(nx.fake_quant(jnp.asarray(x), scale, zp, t))
+    s = float(scale)
+    z = 0.0 if zp is None else float(zp)
+    # codes respect the (narrow) range
+    assert q.min() >= t.qmin and q.max() <= t.qmax
+    if narrow:
+        assert q.min() >= -(2 ** (bits - 1) - 1)
+    # the two primitives agree: fake_quant == dequantize(quantize)
+    np.testing.assert_allclose(y, (q - z) * s, rtol=1e-6, atol=1e-6 * s)
+    # inside the representable range: error at most half a step
+    rmin, rmax = (t.qmin - z) * s, (t.qmax - z) * s
+    inside = (x >= rmin) & (x <= rmax)
+    assert np.all(np.abs(y[inside] - x[inside]) <= 0.5 * s * (1 + 1e-5) + 1e-6)
+    # outside: saturates to the end of the range
+    np.testing.assert_allclose(y[x > rmax], rmax, rtol=1e-6)
+    np.testing.assert_allclose(y[x < rmin], rmin, rtol=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(lo=st.floats(-50, 50), width=st.floats(0.0, 100), bits=st.integers(2, 8))
+def test_zero_is_exact(lo, width, bits):
+    t = jqt.QuantType(bits=bits, symmetric=False)
+    scale, zp = nx.params_from_range(lo, lo + width, t)
+    assert float(nx.fake_quant(jnp.zeros(()), scale, zp, t)) == 0.0
+
+
+def test_fake_quant_gradients_are_straight_through_with_clipping_mask():
+    t = jqt.QuantType(bits=8, symmetric=False)
+    scale, zp = nx.params_from_range(-1.0, 1.0, t)
+    x = jnp.array([-5.0, -0.5, 0.0, 0.3, 0.99, 5.0])
+    gx = jax.grad(lambda x: nx.fake_quant(x, scale, zp, t).sum())(x)
+    np.testing.assert_array_equal(gx, [0, 1, 1, 1, 1, 0])
+    gs, gz = jax.grad(lambda s, z: nx.fake_quant(x, s, z, t).sum(), argnums=(0, 1))(scale, zp)
+    # clipped values pull on the scale with (qmin - z) and (qmax - z); z gets -s per clipped value
+    inside = (jnp.round(x[1:5] / scale) - x[1:5] / scale).sum()
+    np.testing.assert_allclose(gs, inside + (t.qmin - zp) + (t.qmax - zp), rtol=1e-5)
+    np.testing.assert_allclose(gz, -2 * scale, rtol=1e-6)
+
+
+def test_integer_path_is_not_differentiable():
+    t = jqt.QuantType()
+    with pytest.raises(TypeError, match="simulate=True"):
+        jax.grad(lambda x: nx.quantize(x, jnp.float32(0.1), None, t).astype(jnp.float32).sum())(
+            jnp.ones(3))
+
+
+def test_primitives_vmap_with_batched_scales():
+    t = jqt.QuantType(bits=8)
+    x = jnp.linspace(-2, 2, 12).reshape(3, 4)
+    s = jnp.array([0.01, 0.02, 0.5])
+    out = jax.vmap(lambda x, s: nx.fake_quant(x, s, None, t))(x, s)
+    ref = jnp.stack([nx.fake_quant(x[i], s[i], None, t) for i in range(3)])
+    np.testing.assert_array_equal(out, ref)
+    qi = jax.vmap(lambda x, s: nx.quantize(x, s, None, t))(x, s)
+    assert qi.dtype == jnp.int8
+
+
+# ---- op by op: integer path == simulated path -------------------------------------------------
+
+RECIPES = {"w8a8": jqt.recipes.w8a8(), "w8a8_sym": jqt.recipes.w8a8(act_symmetric=True),
+           "dynamic": jqt.recipes.w8a8_dynamic(), "w8": jqt.recipes.w8(),
+           "asym_weights": jqt.Recipe(rules=(jqt.Rule(
+               weight=jqt.QuantType(symmetric=False, per_channel=True),
+               activation=jqt.QuantType(symmetric=False)),))}
+
+DOTS = {
+    "x@w": (lambda w, x: x @ w, (6, 5), (3, 6)),
+    "w@x": (lambda w, x: w @ x, (5, 6), (6, 3)),
+    "einsum_batch": (lambda w, x: jnp.einsum("bhd,hde->bhe", x, w), (4, 6, 5), (3, 4, 6)),
+    "two_contracting": (lambda w, x: jnp.einsum("bij,ijk->bk", x, w), (3, 4, 5), (2, 3, 4)),
+    "rank3_x": (lambda w, x: x @ w, (6, 5), (2, 3, 6)),
+}
+
+
+def _check(f, w, xs, recipe, tol=1e-5):
+    qp = jqt.calibrate(f, recipe, w, [(x,) for x in xs], progress=False)
+    qf, sim = jax.jit(jqt.quantize(f, qp)), jax.jit(jqt.quantize(f, qp, simulate=True))
+    for x in xs:
+        yi, ys, yf = qf(w, x), sim(w, x), f(w, x)
+        scale = float(jnp.abs(yf).max())
+        np.testing.assert_allclose(yi, ys, atol=tol * scale)
+        assert float(jnp.abs(yi - yf).max()) < 0.1 * scale  # and it is an approximation of f
+    return qp
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("case", list(DOTS))
+def test_dot_general_integer_matches_simulated(case, recipe):
+    f, wshape, xshape = DOTS[case]
+    k = jax.random.split(jax.random.key(0), 4)
+    w = jax.random.normal(k[0], wshape)
+    xs = [jax.random.normal(k[i], xshape) + 0.5 for i in (1, 2, 3)]
+    _check(f, w, xs, RECIPES[recipe])
+
+
+def test_activation_x_activation_dynamic():
+    f = lambda w, x: jnp.einsum("bqd,bkd->bqk", x @ w, x)
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    xs = [jax.random.normal(jax.random.key(i), (2, 5, 8)) for i in (1, 2)]
+    qp = _check(f, w, xs, jqt.recipes.w8a8_dynamic(act_x_act=True))
+    attn = [k for k in qp if "dot_general_" in k]
+    assert attn and not qp[attn[0]].is_float
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), w, [(xs[0],)], progress=False)
+    assert qp[attn[0]].is_float  # left float by default
+
+
+CONVS = {
+    "same": dict(window_strides=(1, 1), padding="SAME"),
+    "valid_stride2": dict(window_strides=(2, 2), padding="VALID"),
+    "dilated": dict(window_strides=(1, 1), padding=((2, 1), (0, 2)), rhs_dilation=(2, 1)),
+    "lhs_dilated": dict(window_strides=(1, 1), padding=((1, 1), (1, 1)), lhs_dilation=(2, 2)),
+}
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_sym", "dynamic", "w8"])
+@pytest.mark.parametrize("case", list(CONVS))
+def test_conv_integer_matches_simulated(case, recipe):
+    kw = CONVS[case]
+
+    def f(w, x):
+        return lax.conv_general_dilated(x, w, dimension_numbers=("NHWC", "HWIO", "NHWC"), **kw)
+
+    k = jax.random.split(jax.random.key(1), 4)
+    w = jax.random.normal(k[0], (3, 3, 4, 6))
+    xs = [jax.nn.relu(jax.random.normal(k[i], (2, 7, 7, 4))) + 0.2 for i in (1, 2)]
+    _check(f, w, xs, RECIPES[recipe])
+
+
+def test_grouped_conv():
+    def f(w, x):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", feature_group_count=2,
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+    w = jax.random.normal(jax.random.key(0), (6, 2, 3, 3))
+    xs = [jax.random.normal(jax.random.key(i), (2, 4, 5, 5)) + 1.0 for i in (1, 2)]
+    _check(f, w, xs, jqt.recipes.w8a8())
+
+
+def test_integer_kernels_in_jaxpr():
+    f = lambda w, x: x @ w
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    text = str(jax.make_jaxpr(jqt.quantize(f, qp))(jqt.pack(qp, w), x))
+    assert "jqt_quantize" in text
+    assert "i8[2,4]" in text and "preferred_element_type=int32" in text
+    sim = str(jax.make_jaxpr(jqt.quantize(f, qp, simulate=True))(w, x))
+    assert "jqt_fake_quant" in sim and "int32" not in sim
+
+
+@pytest.mark.parametrize("layout", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])
+def test_dynamic_conv_scales_are_per_example(layout):
+    """An example's output must not depend on the other examples in its batch."""
+    def conv(w, x):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=layout)
+
+    w = jax.random.normal(jax.random.key(0), (3, 3, 1, 4) if layout[1] == "HWIO" else (4, 1, 3, 3))
+    x = jax.random.uniform(jax.random.key(1), (2, 8, 8, 1) if layout[0] == "NHWC" else (2, 1, 8, 8))
+    x = x.at[1].multiply(100.0)
+    qp = jqt.calibrate(conv, jqt.recipes.w8a8_dynamic(), w, [(x,)], progress=False)
+    for qf in (jqt.quantize(conv, qp), jqt.quantize(conv, qp, simulate=True)):
+        np.testing.assert_allclose(qf(w, x)[:1], qf(w, x[:1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jqt.quantize(conv, qp)(w, x), jqt.quantize(conv, qp, simulate=True)(w, x),
+                               atol=1e-5 * float(jnp.abs(conv(w, x)).max()))

@@ -187,3 +187,19 @@ def test_weight_argnums(setup):
     assert list(qp) == ["l1/w", "l2/w"]
     y = jqt.quantize(f, qp, weight_argnums=1)(xs[0][0], jqt.pack(qp, p, argnum=1))
     np.testing.assert_allclose(y, mlp(p, xs[0][0]), atol=0.1)
+
+
+def test_unsupported_higher_order_primitive_warns():
+    """A matmul inside a primitive jqt does not traverse stays float, and the user is told."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("x",))
+
+    def f(w, x):
+        return jax.shard_map(lambda w, x: x @ w, mesh=mesh, in_specs=(P(), P()), out_specs=P())(w, x)
+
+    w, x = jnp.eye(4), jnp.ones((2, 4))
+    with pytest.warns(UserWarning, match="primitive 'shard_map'.*stay float"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    assert qp == {}
+    with pytest.warns(UserWarning, match="shard_map"):
+        np.testing.assert_array_equal(jqt.quantize(f, qp)(w, x), f(w, x))

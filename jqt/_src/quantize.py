@@ -50,6 +50,10 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
     The weight argument may be the float weights or :func:`jqt.pack`'s
     :class:`jqt.PackedParams`.
 
+    ``qparams`` are captured when ``quantize`` is called: to differentiate with
+    respect to them, call ``quantize`` inside the differentiated function,
+    ``jax.grad(lambda qp: loss(jqt.quantize(f, qp, simulate=True)(params, x)))``.
+
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda w, x: x @ w
     >>> w, x = jnp.eye(3), jnp.arange(6.).reshape(2, 3)

@@ -4,69 +4,30 @@ The model trains once per module (a few seconds on CPU). Each recipe is then
 calibrated on 10 batches of training images and evaluated on the held-out
 test split; the quantized accuracy must stay within 1 point of float.
 """
-import flax.linen as nn
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import jqt
 
-SEED = 0
-EPOCHS = 10
-BATCH = 64
-LR = 3e-3
+# The model, data split and training loop are the README's example, imported so that
+# this test checks exactly what the example shows.
+_spec = importlib.util.spec_from_file_location(
+    "quickstart", os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.py"))
+quickstart = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quickstart)
+CNN, load_data, accuracy = quickstart.CNN, quickstart.load_data, quickstart.accuracy
+
 CALIB_BATCHES, CALIB_BATCH = 10, 32
 RECIPES = ("w8a8", "w8a8_dynamic", "w8")
 
 
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(16, (3, 3))(x))
-        x = nn.relu(nn.Conv(32, (3, 3))(x))
-        x = nn.max_pool(x, (2, 2), strides=(2, 2))
-        x = x.reshape(x.shape[:-3] + (-1,))
-        x = nn.relu(nn.Dense(64)(x))
-        return nn.Dense(10)(x)
-
-
-def load_data():
-    d = load_digits()
-    x = (d.images / 16.0).astype(np.float32)[..., None]  # (N, 8, 8, 1) in [0, 1]
-    y = d.target.astype(np.int32)
-    return train_test_split(x, y, test_size=0.25, stratify=y, random_state=SEED)
-
-
 def train(model, x_train, y_train):
-    params = model.init(jax.random.PRNGKey(SEED), x_train[:1])
-    tx = optax.adam(LR)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, xb, yb):
-        def loss_fn(p):
-            logits = model.apply(p, xb)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    rng = np.random.RandomState(SEED)
-    for _ in range(EPOCHS):
-        perm = rng.permutation(len(x_train))
-        for i in range(0, len(perm) - BATCH + 1, BATCH):
-            idx = perm[i:i + BATCH]
-            params, opt_state, _ = step(params, opt_state, x_train[idx], y_train[idx])
-    return params
-
-
-def accuracy(logits, y):
-    return float((np.asarray(jnp.argmax(logits, -1)) == y).mean())
+    return quickstart.train(model, x_train, y_train)[0]
 
 
 @pytest.fixture(scope="module")

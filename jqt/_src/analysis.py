@@ -77,7 +77,7 @@ class Plan:
                     yield from p.all_sites()
 
 
-def _closed(j):
+def closed_parts(j):
     """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
     return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())
 
@@ -87,7 +87,7 @@ def _closed(j):
 # inner infos). Primitives not listed are re-bound unchanged.
 def _same(param):
     def f(eqn, infos, _):
-        j, c = _closed(eqn.params[param])
+        j, c = closed_parts(eqn.params[param])
         return [(j, c, list(infos))]
     return f
 
@@ -102,7 +102,7 @@ def _scan_subs(eqn, infos, scan_id):
             info = VarInfo(info.weight, dataclasses.replace(s, chain=s.chain + (("scan_slice",),)),
                            info.stack_ids + (scan_id,))
         inner.append(info)
-    j, c = _closed(p["jaxpr"])
+    j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]
 
 
@@ -110,12 +110,12 @@ def _while_subs(eqn, infos, _):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     n_carry = len(infos) - cn - bn
-    j, c = _closed(p["body_jaxpr"])
+    j, c = closed_parts(p["body_jaxpr"])
     return [(j, c, list(infos[cn:cn + bn]) + [DATA] * n_carry)]
 
 
 def _cond_subs(eqn, infos, _):
-    return [(*_closed(b), list(infos[1:])) for b in eqn.params["branches"]]
+    return [(*closed_parts(b), list(infos[1:])) for b in eqn.params["branches"]]
 
 
 SUBJAXPRS = {
@@ -304,13 +304,6 @@ class Analyzer:
         if keys:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id)
         return outs
-
-
-def leaf_paths(tree):
-    """``'params/Dense_0/kernel'``-style paths of the leaves of ``tree``, in flatten order."""
-    import jax
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [path_str(p) for p, _ in flat]
 
 
 def path_str(path) -> str:

@@ -11,26 +11,12 @@ import contextlib
 from jax.extend import source_info_util
 
 import jax.extend.core as jex_core
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var  # noqa: F401
-from jax.extend.core import primitives as P
+from jax.extend.core import Literal, Primitive  # noqa: F401
 from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 DropVar = jex_core.DropVar
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # vmap: operand has no batch axis
 jaxprs_in_params = jex_core.jaxprs_in_params
-
-dot_general_p = P.dot_general_p
-conv_general_dilated_p = P.conv_general_dilated_p
-scan_p = P.scan_p
-while_p = P.while_p
-cond_p = P.cond_p
-remat_p = P.remat_p
-custom_jvp_call_p = P.custom_jvp_call_p
-custom_vjp_call_p = P.custom_vjp_call_p
-closed_call_p = P.closed_call_p
-call_p = getattr(P, "call_p", None)
-jit_p = P.jit_p  # older releases name it ``pjit``; both names are matched below
-JIT_NAMES = ("jit", "pjit")
 
 
 def _bind_params(eqn):

@@ -4,7 +4,7 @@
 for it. A quantizable op is handed to the *handler* of the current mode
 (calibrate, simulate or integer; see ``handlers.py``). A higher-order
 primitive that holds quantizable ops is rebuilt through JAX's public API by
-its rule in ``RULES`` (``lax.scan``, ``lax.while_loop``, ``lax.switch``,
+its rule in ``RULES``, keyed by primitive name (``lax.scan``, ``lax.while_loop``, ``lax.switch``,
 ``jax.checkpoint``, ``jax.custom_jvp``/``custom_vjp``), threading per-op
 state through it. Everything else (the documented default) is re-bound
 unchanged, so float behaviour and custom derivative rules are kept.
@@ -24,6 +24,7 @@ import jax
 from jax import lax
 
 from . import compat
+from .analysis import Plan, closed_parts
 
 
 @dataclasses.dataclass
@@ -60,10 +61,6 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _closed(j):
-    return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())
-
-
 def _state_for(sub, ctx):
     return {k: ctx.state_in[k] for k in sub.keys if k in ctx.state_in}
 
@@ -79,7 +76,7 @@ def _run(ctx, jaxpr, consts, plan):
 
 def _inline(param):
     def rule(eqn, invals, sub, ctx):
-        j, c = _closed(eqn.params[param])
+        j, c = closed_parts(eqn.params[param])
         return eval_jaxpr(j, c, invals, sub.plans[0], ctx)
     return rule
 
@@ -87,7 +84,7 @@ def _inline(param):
 def _remat(eqn, invals, sub, ctx):
     if not ctx.handler.differentiable:
         return _inline("jaxpr")(eqn, invals, sub, ctx)
-    j, c = _closed(eqn.params["jaxpr"])
+    j, c = closed_parts(eqn.params["jaxpr"])
     fn = jax.checkpoint(_run(ctx, j, c, sub.plans[0]), prevent_cse=eqn.params["prevent_cse"],
                         policy=eqn.params["policy"])
     outs, state_out = fn(_state_for(sub, ctx), *invals)
@@ -100,7 +97,7 @@ def _custom_jvp(eqn, invals, sub, ctx):
     inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx)
-    j, c = _closed(eqn.params["call_jaxpr"])
+    j, c = closed_parts(eqn.params["call_jaxpr"])
     run = _run(ctx, j, c, sub.plans[0])
     fwd = lambda st, *a: run(st, *a)[0]
     g = jax.custom_jvp(fwd)
@@ -122,7 +119,7 @@ def _custom_vjp(eqn, invals, sub, ctx):
     the inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx)
-    j, c = _closed(eqn.params["call_jaxpr"])
+    j, c = closed_parts(eqn.params["call_jaxpr"])
     run = _run(ctx, j, c, sub.plans[0])
     fwd_fn = lambda st, *a: run(st, *a)[0]
     g = jax.custom_vjp(fwd_fn)
@@ -149,7 +146,7 @@ def _scan(eqn, invals, sub, ctx):
     state = _state_for(sub, ctx)
     st_x = {k: v for k, v in state.items() if k in stacked}
     st_c = {k: v for k, v in state.items() if k not in stacked}
-    j, c = _closed(p["jaxpr"])
+    j, c = closed_parts(p["jaxpr"])
     run = _run(ctx, j, c, sub.plans[0])
 
     def body(carry, x):
@@ -168,9 +165,8 @@ def _while(eqn, invals, sub, ctx):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-    cj, cc = _closed(p["cond_jaxpr"])
-    bj, bc = _closed(p["body_jaxpr"])
-    from .analysis import Plan
+    cj, cc = closed_parts(p["cond_jaxpr"])
+    bj, bc = closed_parts(p["body_jaxpr"])
     state = _state_for(sub, ctx)
     run = _run(ctx, bj, bc, sub.plans[0])
 
@@ -195,7 +191,7 @@ def _while(eqn, invals, sub, ctx):
 def _cond(eqn, invals, sub, ctx):
     index, ops = invals[0], invals[1:]
     state = _state_for(sub, ctx)
-    runs = [_run(ctx, *_closed(b), pl) for b, pl in zip(eqn.params["branches"], sub.plans)]
+    runs = [_run(ctx, *closed_parts(b), pl) for b, pl in zip(eqn.params["branches"], sub.plans)]
     if not ctx.handler.collects:
         return lax.switch(index, [lambda *a, r=r: list(r(state, *a)[0]) for r in runs], *ops)
     # Every branch returns the state of every op under the cond; a branch that

@@ -48,16 +48,14 @@ def _check_batch(i, batch, first_tree):
 
 
 def _merge_running(acc, new):
-    """Merges a step's statistics into the running ones (weights are observed once)."""
+    """Merges a step's statistics into the running ones. A step may carry statistics
+    the running ones lack (weights are observed until every op has run once)."""
     out = dict(acc)
     for k, st in new.items():
-        cur = dict(acc.get(k, {}))
-        for name, v in st.items():
-            if name in cur:
-                cur[name] = jnp.minimum(cur[name], v) if name.endswith("_min") else jnp.maximum(cur[name], v)
-            else:
-                cur[name] = v
-        out[k] = cur
+        cur = acc.get(k, {})
+        shared = [n for n in st if n in cur]
+        merged = Calibrate.merge({n: cur[n] for n in shared}, {n: st[n] for n in shared})
+        out[k] = {**cur, **st, **merged}
     return out
 
 

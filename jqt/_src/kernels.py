@@ -110,7 +110,8 @@ def _out_batch(a, params, out_ndim):
 
 
 def conv(x_op, w_op, params, eqn):
-    """Integer (or weight-only) convolution; the activation is the lhs, per-tensor."""
+    """Integer (or weight-only) convolution; the activation is the lhs, with a
+    per-tensor or per-example scale and zero point."""
     (qx, sx, zx, _), (qw, sw, zw, wsum) = x_op, w_op
     if zw is not None:
         raise NotImplementedError("jqt: asymmetric conv weights are not supported; use "

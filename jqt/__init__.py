@@ -13,6 +13,7 @@ from jqt._src.calibrate import calibrate as calibrate
 from jqt._src.handlers import QParamsMismatchError as QParamsMismatchError
 from jqt._src.numerics import fake_quant_p as fake_quant_p
 from jqt._src.numerics import quantize_p as quantize_p
+from jqt._src.policy import KernelPolicy as KernelPolicy
 from jqt._src.qparams import OpQParams as OpQParams
 from jqt._src.qparams import PackedParams as PackedParams
 from jqt._src.qparams import PackedWeight as PackedWeight

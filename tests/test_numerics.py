@@ -84,7 +84,9 @@ RECIPES = {"w8a8": jqt.recipes.w8a8(), "w8a8_sym": jqt.recipes.w8a8(act_symmetri
            "dynamic": jqt.recipes.w8a8_dynamic(), "w8": jqt.recipes.w8(),
            "asym_weights": jqt.Recipe(rules=(jqt.Rule(
                weight=jqt.QuantType(symmetric=False, per_channel=True),
-               activation=jqt.QuantType(symmetric=False)),))}
+               activation=jqt.QuantType(symmetric=False)),)),
+           "w8_asym": jqt.Recipe(rules=(jqt.Rule(
+               weight=jqt.QuantType(symmetric=False, per_channel=True), activation=None),))}
 
 DOTS = {
     "x@w": (lambda w, x: x @ w, (6, 5), (3, 6)),
@@ -95,14 +97,27 @@ DOTS = {
 }
 
 
+# every kernel formulation: the generic kernels, the CPU table's, and one that forces
+# row padding, K-chunked weight-only matmuls and patch convolutions on small shapes.
+POLICIES = {"generic": jqt.KernelPolicy(), "cpu": jqt.KernelPolicy.for_backend("cpu"),
+            "forced": jqt.KernelPolicy(pad_rows=4, weight_only_chunk=2, conv_patches_below=10**6)}
+
+
 def _check(f, w, xs, recipe, tol=1e-5):
+    """Integer == simulated, with float weights and with packed ones, for each policy."""
     qp = jqt.calibrate(f, recipe, w, [(x,) for x in xs], progress=False)
-    qf, sim = jax.jit(jqt.quantize(f, qp)), jax.jit(jqt.quantize(f, qp, simulate=True))
-    for x in xs:
-        yi, ys, yf = qf(w, x), sim(w, x), f(w, x)
-        scale = float(jnp.abs(yf).max())
-        np.testing.assert_allclose(yi, ys, atol=tol * scale)
-        assert float(jnp.abs(yi - yf).max()) < 0.1 * scale  # and it is an approximation of f
+    sim = jax.jit(jqt.quantize(f, qp, simulate=True))
+    packed = jqt.pack(qp, w)
+    variants = [(POLICIES["generic"], w), (POLICIES["cpu"], packed), (POLICIES["forced"], packed),
+                (POLICIES["forced"], w)]
+    for policy, weights in variants:
+        qf = jax.jit(jqt.quantize(f, qp, policy=policy))
+        for x in xs:
+            yi, ys, yf = qf(weights, x), sim(w, x), f(w, x)
+            scale = float(jnp.abs(yf).max())
+            np.testing.assert_allclose(yi, ys, atol=tol * scale, err_msg=f"{policy}")
+            assert float(jnp.abs(yi - yf).max()) < 0.1 * scale  # and it is an approximation of f
+        np.testing.assert_allclose(sim(packed, xs[0]), sim(w, xs[0]), atol=tol * scale)
     return qp
 
 
@@ -132,20 +147,24 @@ CONVS = {
     "valid_stride2": dict(window_strides=(2, 2), padding="VALID"),
     "dilated": dict(window_strides=(1, 1), padding=((2, 1), (0, 2)), rhs_dilation=(2, 1)),
     "lhs_dilated": dict(window_strides=(1, 1), padding=((1, 1), (1, 1)), lhs_dilation=(2, 2)),
+    "nchw_stride": dict(window_strides=(2, 1), padding=((1, 0), (2, 2)),
+                        dimension_numbers=("NCHW", "HWIO", "NHCW")),
 }
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_sym", "dynamic", "w8"])
 @pytest.mark.parametrize("case", list(CONVS))
 def test_conv_integer_matches_simulated(case, recipe):
-    kw = CONVS[case]
+    kw = dict(CONVS[case])
+    dn = kw.pop("dimension_numbers", ("NHWC", "HWIO", "NHWC"))
 
     def f(w, x):
-        return lax.conv_general_dilated(x, w, dimension_numbers=("NHWC", "HWIO", "NHWC"), **kw)
+        return lax.conv_general_dilated(x, w, dimension_numbers=dn, **kw)
 
     k = jax.random.split(jax.random.key(1), 4)
     w = jax.random.normal(k[0], (3, 3, 4, 6))
-    xs = [jax.nn.relu(jax.random.normal(k[i], (2, 7, 7, 4))) + 0.2 for i in (1, 2)]
+    xshape = (2, 4, 7, 7) if dn[0] == "NCHW" else (2, 7, 7, 4)
+    xs = [jax.nn.relu(jax.random.normal(k[i], xshape)) + 0.2 for i in (1, 2)]
     _check(f, w, xs, RECIPES[recipe])
 
 

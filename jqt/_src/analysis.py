@@ -48,6 +48,12 @@ class Site:
     def name_stack(self):
         return compat.name_stack(self.eqn)
 
+    def batch_axes(self) -> tuple:
+        """The weight operand's ``dot_general`` batch axes."""
+        if self.op != "dot_general" or self.weight_operand is None:
+            return ()
+        return tuple(self.eqn.params["dimension_numbers"][1][self.weight_operand])
+
 
 @dataclasses.dataclass
 class Sub:

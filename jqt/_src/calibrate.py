@@ -139,7 +139,8 @@ def finalize(traced, recipe, stats):
             uses = traced.analyzer.leaf_uses.get((p.source.arg, p.source.path), set())
             needed = any(u == "float" or u not in quantized_w for u in uses)
             p = dataclasses.replace(p, source=dataclasses.replace(
-                p.source, float_needed=needed, contract=s.contract[s.weight_operand]))
+                p.source, float_needed=needed, contract=s.contract[s.weight_operand],
+                batch=s.batch_axes()))
         out[s.key] = p
     return out
 

@@ -7,11 +7,15 @@ A handler has ``site(site, eqn, invals, ctx) -> outvals`` and says whether it
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from . import compat, kernels
 from . import numerics as nx
+from .dense import DenseAxes
+from .policy import KernelPolicy
 from .qparams import OpQParams
 
 _F32 = jnp.float32
@@ -107,11 +111,28 @@ def lookup(ctx, site, invals):
                 f"{want}. The weights changed shape since calibration; re-calibrate.")
     if packed is not None:
         w = site.weight_operand
-        if tuple(packed.qvalue.shape) != tuple(invals[w].shape):
+        if tuple(packed.qvalue.shape) != _packed_shape(site, invals, packed.layout):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.qvalue.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
     return qp, packed
+
+
+def _weight_axes(site, invals):
+    if site.op != "dot_general":
+        return None
+    return DenseAxes.of(site.eqn.params["dimension_numbers"], [jnp.ndim(v) for v in invals],
+                        site.weight_operand)
+
+
+def _packed_shape(site, invals, layout):
+    shape = tuple(invals[site.weight_operand].shape)
+    ax = _weight_axes(site, invals) if layout != "operand" else None
+    if ax is None:
+        return shape
+    n = math.prod(shape[d] for d in ax.w_free)
+    k = math.prod(shape[d] for d in ax.w_contract)
+    return (n, k) if layout == "nk" else (k, n)
 
 
 def _operand_params(site, i, x, q):
@@ -120,8 +141,11 @@ def _operand_params(site, i, x, q):
     return q.scale, q.zero_point
 
 
-def _dequant(packed, q):
-    v = packed.qvalue.astype(_F32)
+def _dequant(packed, q, site, invals):
+    v = packed.qvalue
+    if packed.layout != "operand":
+        v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, invals[site.weight_operand].shape)
+    v = v.astype(_F32)
     if q.zero_point is not None:
         v = v - q.zero_point
     return v * q.scale
@@ -141,7 +165,7 @@ class Simulate:
             if q is None:
                 continue
             if packed is not None and i == site.weight_operand:
-                vals[i] = _dequant(packed, q).astype(invals[i].dtype)
+                vals[i] = _dequant(packed, q, site, invals).astype(invals[i].dtype)
             else:
                 s, z = _operand_params(site, i, vals[i], q)
                 vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
@@ -149,25 +173,30 @@ class Simulate:
 
 
 class Integer:
-    """Integer path: quantize operands to int8, run the int8 x int8 -> int32 kernel."""
+    """Integer path: quantize operands to int8, run the int8 x int8 -> int32 kernel
+    in the formulation ``policy`` picks (default: the table's, for the backend
+    in use when the function is traced)."""
 
     collects = False
     differentiable = False
+
+    def __init__(self, policy=None):
+        self.policy = policy
 
     def site(self, site, eqn, invals, ctx):
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)
-        ops = []
+        ops, layout = [], "operand"
         for i in (0, 1):
             q, x = qp.operand(i), invals[i]
             if q is None:
                 ops.append((x, None, None, None))
             elif packed is not None and i == site.weight_operand:
                 ops.append((packed.qvalue, q.scale, q.zero_point, packed.wsum))
+                layout = packed.layout
             else:
                 s, z = _operand_params(site, i, x, q)
                 ops.append((nx.quantize(x, s, z, q.qtype), s, z, None))
-        if site.op == "dot_general":
-            return [kernels.dot_general(ops, eqn.params, eqn)]
-        return [kernels.conv(ops[0], ops[1], eqn.params, eqn)]
+        policy = self.policy or KernelPolicy.for_backend()
+        return [kernels.run(site, eqn, ops, policy, layout)]

@@ -1,6 +1,11 @@
 """Integer kernels: int8 x int8 -> int32 ``dot_general`` and ``conv_general_dilated``
 with zero-point corrections, and the weight-only variants.
 
+:func:`run` picks the formulation (``policy.py``): a weight matmul runs as a
+2-D matmul over a packed weight (``dense.py``), a convolution with few input
+channels as a patch matmul on CPU (``patches.py``), anything else through the
+generic kernels below.
+
 For ``real = (q - z) * s`` on both operands of a contraction over K:
 
     sum_k (qa - za)(qb - zb) = sum qa*qb - za * sum_k qb - zb * sum_k qa + K * za * zb
@@ -16,6 +21,9 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from . import patches
+from .dense import DenseAxes, int_dense, weight_only_dense
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -151,3 +159,32 @@ def conv(x_op, w_op, params, eqn):
     sx = _out_batch(sx.astype(_F32), params, out_ndim)
     out = acc.astype(_F32) * sx * _out_channel(sw.astype(_F32), params, out_ndim)
     return out.astype(out_dtype)
+
+
+def run(site, eqn, ops, policy, layout="operand"):
+    """The op of ``site`` on ``ops`` (per operand ``(q, scale, zero_point, qsum)``
+    for an integer operand, ``(x, None, None, None)`` for a float one); the
+    weight operand's ``q`` is in ``layout`` (see :class:`jqt.PackedWeight`)."""
+    params, out = eqn.params, eqn.outvars[0].aval
+    w = site.weight_operand
+    if site.op == "conv_general_dilated":
+        in_ch = ops[1][0].shape[params["dimension_numbers"].rhs_spec[1]]
+        if ops[0][1] is not None and patches.applies(params, in_ch, policy):
+            return patches.conv(ops[0], ops[1], params, out.shape).astype(out.dtype)
+        return conv(ops[0], ops[1], params, eqn)
+    ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w)
+    if ax is None:
+        return dot_general(ops, params, eqn)
+    x_op, (qw, sw, zw, wsum) = ops[1 - w], ops[w]
+    w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
+    want = "kn" if x_op[1] is None else "nk"
+    if layout == "operand":
+        qw, wsum = ax.weight_2d(qw, want), ax.weight_vec(wsum)
+    elif layout != want:
+        qw = ax.weight_2d(ax.weight_from_2d(qw, layout, w_shape), want)
+    w_op = (qw, sw, zw, wsum)
+    if x_op[1] is None:
+        out2 = weight_only_dense(ax, x_op[0], w_op, want, policy, params.get("precision"))
+    else:
+        out2 = int_dense(ax, x_op, w_op, want, policy)
+    return ax.out(out2, x_shape, w_shape).astype(out.dtype)

@@ -28,7 +28,8 @@ class WeightSource:
     marks the slicing of a stacked leaf by ``lax.scan``. ``float_needed`` is
     True when the leaf is used as a float value somewhere else in the
     function, so :func:`jqt.pack` must keep it. ``leaf`` is the leaf's index
-    in the flattened argument; ``contract`` the operand axes the op reduces.
+    in the flattened argument; ``contract`` the operand axes the op reduces;
+    ``batch`` its ``dot_general`` batch axes.
     """
 
     arg: int
@@ -37,6 +38,7 @@ class WeightSource:
     chain: tuple = ()
     float_needed: bool = False
     contract: tuple = ()
+    batch: tuple = ()
 
     @property
     def stack_depth(self) -> int:
@@ -128,13 +130,17 @@ class OpQParams:
 class PackedWeight:
     """A weight operand stored as integers, ready for the integer kernel.
 
-    ``qvalue`` is the int8 operand (in the layout the op consumes it),
-    ``wsum`` its int32 sum over the contracted axes (for the zero-point
-    correction of asymmetric activations).
+    ``qvalue`` is the int8 operand, in the op's own layout (``layout ==
+    "operand"``) or, for a ``dot_general`` whose weight has no batch axes,
+    reshaped to 2-D: ``"nk"`` (output features x contracted, for int8 x int8
+    matmuls) or ``"kn"`` (for weight-only matmuls); stacked layers keep their
+    leading axes. ``wsum`` is its int32 sum over the contracted axes (for the
+    zero-point correction of asymmetric activations).
     """
 
     qvalue: jax.Array
     wsum: jax.Array
+    layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
 
 
 @jax.tree_util.register_pytree_node_class

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from . import numerics as nx
+from .dense import DenseAxes
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
@@ -36,7 +37,7 @@ def _unpack(packed: PackedParams):
     return jax.tree_util.tree_unflatten(packed.treedef, leaves)
 
 
-def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
+def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
     """Returns ``f`` running with quantized ops: same signature, same outputs' structure.
 
     Args:
@@ -46,6 +47,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
         ``True`` runs the float simulation of the same numerics, which is
         differentiable with respect to the weights and to ``qparams``.
       weight_argnums: position(s) of the weight argument(s), as in calibrate.
+      policy: a :class:`jqt.KernelPolicy` choosing how integer kernels are
+        formulated; by default the table's entry for the backend in use when
+        the function is traced (results agree up to float rounding).
 
     The weight argument may be the float weights or :func:`jqt.pack`'s
     :class:`jqt.PackedParams`.
@@ -64,7 +68,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
     _check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums)
-    handler = Simulate() if simulate else Integer()
+    handler = Simulate() if simulate else Integer(policy)
     checked = set()
 
     @functools.wraps(f)
@@ -103,6 +107,20 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0):
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     return qf
+
+
+def _packed_weight(p, qv, src):
+    """A dot_general weight without batch axes is stored 2-D, ``"nk"`` for an int8 x
+    int8 matmul and ``"kn"`` for a weight-only one (see ``policy.py``)."""
+    depth = src.stack_depth
+    if p.op != "dot_general" or src.batch:
+        wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=jnp.int32)
+        return PackedWeight(qvalue=qv, wsum=wsum)
+    layout = "kn" if p.operand(1 - p.weight_operand) is None else "nk"
+    ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
+    q2 = ax.weight_2d(qv, layout, depth)
+    wsum = jnp.sum(q2, axis=depth + (1 if layout == "nk" else 0), dtype=jnp.int32)
+    return PackedWeight(qvalue=q2, wsum=wsum, layout=layout)
 
 
 def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
@@ -145,9 +163,7 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
             qv = nx.quantize(operand, q.scale, q.zero_point, q.qtype)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
-        depth = src.stack_depth
-        wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=jnp.int32)
-        weights[key] = PackedWeight(qvalue=qv, wsum=wsum)
+        weights[key] = _packed_weight(p, qv, src)
         consumed.add(src.leaf)
         if src.float_needed:
             needed.add(src.leaf)

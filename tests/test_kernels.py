@@ -1,0 +1,104 @@
+"""The kernel policy: which formulation runs, and the packed layouts it relies on.
+
+Numerical agreement of every formulation with the simulated path is checked op
+by op in test_numerics.py (``POLICIES``); here the jaxprs show that the
+formulation the table names is the one that runs.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jqt
+
+CPU = jqt.KernelPolicy.for_backend("cpu")
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
+
+
+def _dense(recipe, k=1024, n=8, m=1):
+    f = lambda p, x: x @ p["w"] + p["b"]
+    p = {"w": jax.random.normal(jax.random.key(0), (k, n)), "b": jnp.zeros(n)}
+    x = jax.random.normal(jax.random.key(1), (m, k))
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    return f, p, x, qp, jqt.pack(qp, p)
+
+
+def test_packed_layouts():
+    _, _, _, _, packed = _dense(jqt.recipes.w8a8())
+    w = packed.weights["w"]
+    assert (w.layout, w.qvalue.shape, w.qvalue.dtype, w.wsum.shape) == ("nk", (8, 1024), np.int8, (8,))
+    _, p, _, _, packed = _dense(jqt.recipes.w8())
+    assert (packed.weights["w"].layout, packed.weights["w"].qvalue.shape) == ("kn", (1024, 8))
+    # the stored weight is the transposed quantized kernel, exactly
+    np.testing.assert_array_equal(packed.weights["w"].qvalue,
+                                  jqt.pack(jqt.calibrate(lambda p, x: x @ p["w"] + p["b"], jqt.recipes.w8(),
+                                                         p, [(jnp.ones((1, 1024)),)], progress=False),
+                                           p).weights["w"].qvalue)
+
+
+def test_weights_with_batch_axes_and_convs_keep_their_layout():
+    f = lambda w, x: jnp.einsum("bhd,hde->bhe", x, w)
+    w, x = jnp.ones((4, 6, 5)), jnp.ones((3, 4, 6))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    assert jqt.pack(qp, w).weights["w"].layout == "operand"
+    conv = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    w, x = jnp.ones((3, 3, 2, 4)), jnp.ones((1, 5, 5, 2))
+    qp = jqt.calibrate(conv, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    assert jqt.pack(qp, w).weights["w"].qvalue.shape == (3, 3, 2, 4)
+
+
+def test_single_row_int8_matmul_is_padded_on_cpu():
+    f, _, x, qp, packed = _dense(jqt.recipes.w8a8())
+    for policy, rows in ((CPU, 2), (jqt.KernelPolicy(), 1)):
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
+        dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        assert len(dots) == 1
+        a, b = (v.aval for v in dots[0].invars)
+        assert (a.shape, a.dtype, b.shape, b.dtype) == ((rows, 1024), np.int8, (8, 1024), np.int8)
+
+
+def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu():
+    f, _, x, qp, packed = _dense(jqt.recipes.w8(), m=3)
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
+    scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 1024 // 512
+    # no float copy of the whole weight outside the loop
+    casts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
+             and e.invars[0].aval.shape == (1024, 8)]
+    assert not casts
+    generic = jax.make_jaxpr(jqt.quantize(f, qp, policy=jqt.KernelPolicy()))(packed, x)
+    assert not [e for e in _eqns(generic.jaxpr) if e.primitive.name == "scan"]
+    ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
+    np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU)(packed, x), ref,
+                               atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])
+def test_conv_formulation_follows_the_input_channels(channels, patches):
+    conv = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    w = jax.random.normal(jax.random.key(0), (3, 3, channels, 8))
+    x = jax.random.normal(jax.random.key(1), (2, 6, 6, channels))
+    qp = jqt.calibrate(conv, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    jaxpr = jax.make_jaxpr(jqt.quantize(conv, qp, policy=CPU))(jqt.pack(qp, w), x)
+    prims = [e.primitive.name for e in _eqns(jaxpr.jaxpr)]
+    assert ("conv_general_dilated" not in prims) == patches
+    int_dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                and e.invars[0].aval.dtype == np.int8]
+    assert len(int_dots) == (1 if patches else 0)
+
+
+def test_policy_table():
+    assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
+        pad_rows=2, weight_only_chunk=512, conv_patches_below=16)
+    assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy()
+    with pytest.raises(TypeError):
+        jqt.KernelPolicy(2)  # keyword-only

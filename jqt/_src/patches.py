@@ -56,7 +56,8 @@ def conv(x_op, w_op, params, out_shape):
         start = (0,) + tuple(o * d for o, d in zip(offs, dil)) + (0,)
         limit = (n,) + tuple(o * d + (m - 1) * s + 1 for o, d, m, s in zip(offs, dil, out_sp, strides)) + (c,)
         cols.append(lax.slice(x, start, limit, (1,) + tuple(strides) + (1,)))
-    patches = jnp.concatenate(cols, axis=-1) if len(cols) > 1 else cols[0]
+    # stacking (not concatenating) lets XLA build the patches in one fusion
+    patches = jnp.stack(cols, axis=-2).reshape(cols[0].shape[:-1] + (len(cols) * c,))
     w2 = w.reshape(math.prod(w.shape[:-1]), w.shape[-1])
     acc = lax.dot_general(patches, w2, (((nsp + 1,), (0,)), ((), ())), preferred_element_type=_I32)
     per_example = lambda a: a.reshape(()) if a.size == 1 else a.reshape((-1,) + (1,) * (nsp + 1))

@@ -52,13 +52,17 @@ class DenseAxes:
     def _wperm(self, layout):
         return self.w_free + self.w_contract if layout == "nk" else self.w_contract + self.w_free
 
+    def shape_2d(self, shape, layout):
+        """The 2-D shape of a weight of operand ``shape`` in ``layout``."""
+        n = math.prod(shape[d] for d in self.w_free)
+        k = math.prod(shape[d] for d in self.w_contract)
+        return (n, k) if layout == "nk" else (k, n)
+
     def weight_2d(self, a, layout, depth=0):
         """Weight in operand layout (after ``depth`` stacked axes) -> ``(..., N, K)`` or ``(..., K, N)``."""
         perm = self._wperm(layout)
-        a = jnp.transpose(a, tuple(range(depth)) + tuple(d + depth for d in perm))
-        first = self.w_free if layout == "nk" else self.w_contract
-        rows = math.prod(a.shape[depth:depth + len(first)])
-        return a.reshape(a.shape[:depth] + (rows, math.prod(a.shape[depth + len(first):])))
+        a2 = jnp.transpose(a, tuple(range(depth)) + tuple(d + depth for d in perm))
+        return a2.reshape(a.shape[:depth] + self.shape_2d(a.shape[depth:], layout))
 
     def weight_from_2d(self, a, layout, shape):
         """Inverse of :meth:`weight_2d` for one layer: back to the operand ``shape``."""

@@ -7,8 +7,6 @@ A handler has ``site(site, eqn, invals, ctx) -> outvals`` and says whether it
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -128,11 +126,7 @@ def _weight_axes(site, invals):
 def _packed_shape(site, invals, layout):
     shape = tuple(invals[site.weight_operand].shape)
     ax = _weight_axes(site, invals) if layout != "operand" else None
-    if ax is None:
-        return shape
-    n = math.prod(shape[d] for d in ax.w_free)
-    k = math.prod(shape[d] for d in ax.w_contract)
-    return (n, k) if layout == "nk" else (k, n)
+    return shape if ax is None else ax.shape_2d(shape, layout)
 
 
 def _operand_params(site, i, x, q):

@@ -7,6 +7,7 @@
 >>> bool(jnp.allclose(jax.jit(jqt.quantize(f, qp))(w, x), f(w, x), atol=0.01))
 True
 """
+from jqt import calibrators as calibrators
 from jqt import recipes as recipes
 from jqt._src.calibrate import CalibrationDataError as CalibrationDataError
 from jqt._src.calibrate import calibrate as calibrate
@@ -23,9 +24,16 @@ from jqt._src.qparams import summarize as summarize
 from jqt._src.quantize import pack as pack
 from jqt._src.quantize import quantize as quantize
 from jqt._src.recipe import QuantType as QuantType
+from jqt._src.report import OpReport as OpReport
+from jqt._src.report import Report as Report
+from jqt._src.report import report as report
 from jqt._src.recipe import Recipe as Recipe
 from jqt._src.recipe import Rule as Rule
 from jqt._src.serialization import load as load
 from jqt._src.serialization import save as save
+from jqt._src.tuning import FallbackResult as FallbackResult
+from jqt._src.tuning import Sensitivity as Sensitivity
+from jqt._src.tuning import fallback as fallback
+from jqt._src.tuning import sensitivity as sensitivity
 
 __version__ = "0.1.0"

@@ -145,8 +145,14 @@ def test_keyword_arguments_rejected(setup):
 
 
 def test_recipe_validation():
-    with pytest.raises(ValueError, match="bits must be an int from 2 to 8"):
-        jqt.QuantType(bits=16)
+    with pytest.raises(ValueError, match="bits must be an int from 2 to 16"):
+        jqt.QuantType(bits=17)
+    with pytest.raises(ValueError, match="symmetric=True"):
+        jqt.QuantType(bits=16, symmetric=False)
+    with pytest.raises(ValueError, match="weights are stored in int8"):
+        jqt.Rule(weight=jqt.QuantType(bits=12))
+    with pytest.raises(TypeError, match="jqt.calibrators.Calibrator"):
+        jqt.Rule(weight=jqt.QuantType(), calibrator="percentile")
     with pytest.raises(ValueError, match="valid regular expression"):
         jqt.Rule(key="(", weight=jqt.QuantType())
     with pytest.raises(ValueError, match="weight=None"):

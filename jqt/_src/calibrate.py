@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
+from . import stats as stats_lib
 from .handlers import Calibrate
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import OpQParams, QuantParams
@@ -47,34 +48,96 @@ def _check_batch(i, batch, first_tree):
     return tree
 
 
-def _merge_running(acc, new):
-    """Merges a step's statistics into the running ones. A step may carry statistics
-    the running ones lack (weights are observed until every op has run once)."""
-    out = dict(acc)
-    for k, st in new.items():
-        cur = acc.get(k, {})
-        shared = [n for n in st if n in cur]
-        merged = Calibrate.merge({n: cur[n] for n in shared}, {n: st[n] for n in shared})
-        out[k] = {**cur, **st, **merged}
-    return out
+def _step_fn(tracer, argnums, recipe, mesh, data_axis):
+    """One calibration step: (params, batch, observe_weights, decided) -> statistics.
+
+    With a ``mesh``, each device observes its shard of the batch (``shard_map``
+    over ``data_axis``) and the shards' statistics are combined with the
+    calibrators' own ``combine`` (an all-gather, then a fold)."""
+    last = {}
+
+    def local(params_t, batch, observe_weights, decided):
+        traced = tracer(_full_args(argnums, params_t, batch))
+        last["traced"] = traced
+        state = {k: (qp, None) for k, qp in decided.items()}
+        ctx = Ctx(Calibrate(recipe, observe_weights), state)
+        eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
+                   jax.tree_util.tree_leaves(_full_args(argnums, params_t, batch)), traced.plan, ctx)
+        return ctx.state_out
+
+    if mesh is None:
+        step = local
+    else:
+        from jax.sharding import PartitionSpec as P
+
+        def step(params_t, batch, observe_weights, decided):
+            def per_device(params_t, batch, decided):
+                st = local(params_t, batch, observe_weights, decided)
+                gathered = jax.lax.all_gather(st, data_axis)
+                n = mesh.shape[data_axis]
+                out = jax.tree_util.tree_map(lambda x: x[0], gathered)
+                for i in range(1, n):
+                    out = stats_lib.combine_all(out, jax.tree_util.tree_map(lambda x, i=i: x[i], gathered))
+                return out
+
+            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P()),
+                                 out_specs=P(), check_vma=False)(params_t, batch, decided)
+
+    return jax.jit(step, static_argnums=2), last
 
 
-def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=None):
+def _run_pass(jstep, params_t, batches, decided, bar_desc, progress):
+    try:
+        total = len(batches)
+    except TypeError:
+        total = None
+    from tqdm.auto import tqdm
+    bar = tqdm(batches, total=total, desc=bar_desc, unit="batch",
+               disable=None if progress is None else not progress)
+    merge = jax.jit(stats_lib.accumulate_all)
+    st, tree = None, None
+    weights_seen = False  # weights are observed until every op has run once
+    for i, batch in enumerate(bar):
+        tree = _check_batch(i, batch, tree)
+        new = jstep(params_t, tuple(batch), not weights_seen, decided)
+        st = new if st is None else merge(st, new)
+        if not weights_seen:
+            weights_seen = all(bool(jnp.isfinite(s.weight["min"]).all())
+                               for s in st.values() if s.weight is not None)
+    if st is None:
+        raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
+                                   "one batch, e.g. batches=[(x,)].")
+    return st
+
+
+def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=None,
+              propagate: bool = False, mesh=None, data_axis: str = "data"):
     """Calibrates ``f`` on ``batches`` and returns its quantization parameters.
 
     Args:
       f: any JAX function; the argument(s) at ``weight_argnums`` hold the weights.
-      recipe: a :class:`jqt.Recipe`, e.g. ``jqt.recipes.w8a8()``.
+      recipe: a :class:`jqt.Recipe`, e.g. ``jqt.recipes.w8a8()``; each rule's
+        calibrators (:mod:`jqt.calibrators`) decide the ranges.
       params: the weights (a tuple of them when ``weight_argnums`` has several).
       batches: an iterable of tuples of the remaining arguments of ``f``.
       weight_argnums: position(s) of the weight argument(s); default 0.
       progress: show a progress bar (tqdm); ``None`` shows it on a terminal only.
+      propagate: error-propagating calibration: calibrate each op's activation
+        range on the outputs of the already-quantized ops before it, in
+        evaluation order (one pass over ``batches`` per op with a static
+        activation range; ``batches`` must be a sequence). Ops under one
+        ``lax.scan`` key are calibrated together.
+      mesh, data_axis: data-parallel calibration: every batch argument is
+        split along its leading axis over the ``data_axis`` of ``mesh``, each
+        device observes its shard, and the statistics are combined across
+        devices.
 
     Returns:
       ``dict`` mapping op keys to :class:`jqt.OpQParams` (a pytree).
 
-    Each batch runs one jitted step (compiled once per batch shape); min/max
-    statistics are merged across batches as they come.
+    Each batch runs one jitted step (compiled once per batch shape). Statistics
+    have a fixed size (histograms, not buffers of activations) and are merged
+    as batches come, so memory does not grow with the number of batches.
 
     >>> import jax.numpy as jnp, jqt
     >>> f = lambda w, x: x @ w
@@ -86,42 +149,40 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     if not isinstance(recipe, Recipe):
         raise TypeError(f"jqt.calibrate: recipe is a {type(recipe).__name__}; expected a "
                         "jqt.Recipe such as jqt.recipes.w8a8().")
+    if mesh is not None and data_axis not in mesh.shape:
+        raise ValueError(f"jqt.calibrate: data_axis={data_axis!r} is not an axis of the mesh "
+                         f"(axes {tuple(mesh.shape)}).")
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
-    tracer = Tracer(f, argnums)
-    last = {}
+    jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
+    if propagate and (not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__")):
+        raise CalibrationDataError(
+            "jqt.calibrate(propagate=True) passes over the batches once per op; pass a sequence "
+            f"(a list or tuple of batches), not a {type(batches).__name__}.")
+    st = _run_pass(jstep, params_t, batches, {}, "jqt.calibrate", progress)
+    qparams = finalize(last["traced"], recipe, st)
+    if not propagate:
+        return qparams
+    # Error propagation: op k's activation range is re-calibrated with every op
+    # before it quantized (ops without a static activation range are final already).
+    order = [s.key for s in last["traced"].sites() if _static_act(qparams[s.key])]
+    decided = {k: p for k, p in qparams.items() if k not in order}
+    for j, key in enumerate(order):
+        if j > 0:
+            st_k = _run_pass(jstep, params_t, batches, decided, f"jqt.calibrate [{key}]", progress)
+            with warnings.catch_warnings():  # the first finalize warned already
+                warnings.simplefilter("ignore")
+                qparams[key] = finalize(last["traced"], recipe, {**st, key: st_k[key]})[key]
+        decided[key] = qparams[key]
+    return qparams
 
-    def step(params_t, batch, observe_weights):
-        traced = tracer(_full_args(argnums, params_t, batch))
-        last["traced"] = traced
-        ctx = Ctx(Calibrate(recipe, observe_weights), {})
-        eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                   jax.tree_util.tree_leaves(_full_args(argnums, params_t, batch)), traced.plan, ctx)
-        return ctx.state_out
 
-    jstep = jax.jit(step, static_argnums=2)
-    merge = jax.jit(_merge_running)
-    try:
-        total = len(batches)
-    except TypeError:
-        total = None
-    from tqdm.auto import tqdm
-    bar = tqdm(batches, total=total, desc="jqt.calibrate", unit="batch",
-               disable=None if progress is None else not progress)
-    stats, tree = None, None
-    weights_seen = False  # weights are observed until every op has run once
-    for i, batch in enumerate(bar):
-        tree = _check_batch(i, batch, tree)
-        batch = tuple(batch)
-        new = jstep(params_t, batch, not weights_seen)
-        stats = new if stats is None else merge(stats, new)
-        if not weights_seen:
-            weights_seen = all(bool(jnp.isfinite(st["w_min"]).all())
-                               for st in stats.values() if "w_min" in st)
-    if stats is None:
-        raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
-                                   "one batch, e.g. batches=[(x,)].")
-    return finalize(last["traced"], recipe, stats)
+def _static_act(p):
+    w = p.weight_operand
+    if w is None or p.is_float:
+        return False
+    a = p.operand(1 - w)
+    return a is not None and not a.qtype.dynamic
 
 
 def finalize(traced, recipe, stats):
@@ -129,7 +190,7 @@ def finalize(traced, recipe, stats):
     sites = traced.sites()
     decided = {}
     for s in sites:
-        decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key, {}))
+        decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key))
     quantized_w = {k for k, p in decided.items() if p.weight_operand is not None
                    and p.operand(p.weight_operand) is not None}
     out = {}
@@ -143,6 +204,23 @@ def finalize(traced, recipe, stats):
                 batch=s.batch_axes()))
         out[s.key] = p
     return out
+
+
+def _act_range(rule, act_stats, qtype):
+    """The calibrator's range; for stacked statistics (an op under a ``lax.scan``
+    over layers) one range per layer, stacked."""
+    stacked = stats_lib.stack_depth(rule.calibrator, act_stats)
+    if stacked == 0:
+        lo, hi = rule.calibrator.range(act_stats, qtype)
+        return np.float32(lo), np.float32(hi)
+    flat = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[stacked:]), act_stats)
+    n = jax.tree_util.tree_leaves(flat)[0].shape[0]
+    shape = jax.tree_util.tree_leaves(act_stats)[0].shape[:stacked]
+    pairs = [rule.calibrator.range(jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype)
+             for i in range(n)]
+    lo = np.array([p[0] for p in pairs], np.float32).reshape(shape)
+    hi = np.array([p[1] for p in pairs], np.float32).reshape(shape)
+    return lo, hi
 
 
 def _decide(site, rule, st):
@@ -171,10 +249,10 @@ def _decide(site, rule, st):
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate?); it stays float. Add calibration data that "
              "reaches it.")
-    if not np.isfinite(np.asarray(st["w_min"])).all():
+    if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
         warnings.warn(never, stacklevel=3)
         return float_("never reached during calibration")
-    scale, zp = nx.params_from_range(st["w_min"], st["w_max"], rule.weight)
+    scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], rule.weight)
     ops = [None, None]
     ops[w] = QuantParams(scale=scale, zero_point=zp, qtype=rule.weight)
     act = rule.activation
@@ -182,7 +260,7 @@ def _decide(site, rule, st):
         if act.dynamic:
             ops[1 - w] = QuantParams(scale=None, zero_point=None, qtype=act)
         else:
-            lo, hi = np.asarray(st["act_min"]), np.asarray(st["act_max"])
+            lo, hi = _act_range(rule, st.act, act)
             if not np.isfinite(lo).all():
                 warnings.warn(never, stacklevel=3)
                 return float_("never reached during calibration")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import compat, kernels
+from . import compat, kernels, stats
 from . import numerics as nx
 from .dense import DenseAxes
 from .policy import KernelPolicy
@@ -23,13 +23,14 @@ class QParamsMismatchError(ValueError):
     """qparams do not match the function they are used with."""
 
 
-def _is_min(path) -> bool:
-    last = path[-1]
-    return str(getattr(last, "key", last)).endswith("_min")
-
-
 class Calibrate:
-    """Runs the float function and records running min/max statistics."""
+    """Runs the float function and records each op's statistics (a
+    :class:`~jqt._src.stats.SiteStats`: the rule's activation calibrator's state
+    and, while ``observe_weights``, the weight calibrator's range).
+
+    Ops with an entry in ``ctx.state_in`` (already calibrated, for
+    error-propagating calibration) run simulated instead and record nothing.
+    """
 
     collects = True
     differentiable = False
@@ -39,39 +40,36 @@ class Calibrate:
         self.observe_weights = observe_weights
 
     def site(self, site, eqn, invals, ctx):
+        if site.key in ctx.state_in:
+            return Simulate().site(site, eqn, invals, ctx)
         outs = compat.bind_eqn(eqn, invals)
         rule = self.recipe.rule_for(site.op, site.key)
-        st = {}
         w = site.weight_operand
-        if rule is not None and w is not None and rule.weight is not None:
-            act = rule.activation
-            if act is not None and not act.dynamic:
-                x = invals[1 - w].astype(_F32)
-                st["act_min"], st["act_max"] = jnp.min(x), jnp.max(x)
-            if self.observe_weights:
-                wv = invals[w].astype(_F32)
-                pc = rule.weight.per_channel
-                axes = site.contract[w] if pc else None
-                st["w_min"] = jnp.min(wv, axis=axes, keepdims=pc)
-                st["w_max"] = jnp.max(wv, axis=axes, keepdims=pc)
-        ctx.state_out[site.key] = st
+        if rule is None or w is None or rule.weight is None:
+            return outs
+        act, weight, cal = None, None, None
+        if rule.activation is not None and not rule.activation.dynamic:
+            cal = rule.calibrator
+            act = cal.observe(invals[1 - w].astype(_F32))
+        if self.observe_weights:
+            pc = rule.weight.per_channel
+            lo, hi = rule.weight_calibrator.range(invals[w].astype(_F32),
+                                                  site.contract[w] if pc else None, rule.weight)
+            weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
+        ctx.state_out[site.key] = stats.SiteStats(act, weight, cal)
         return outs
 
     @staticmethod
     def identity(shapes):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, s: jnp.full(s.shape, jnp.inf if _is_min(p) else -jnp.inf, s.dtype), shapes)
+        return {k: stats.empty(v) for k, v in shapes.items()}
 
     @staticmethod
     def merge(a, b):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x, y: jnp.minimum(x, y) if _is_min(p) else jnp.maximum(x, y), a, b)
+        return stats.combine_all(a, b)
 
     @staticmethod
     def reduce_iterations(stacked):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: jnp.min(x, axis=0, initial=jnp.inf) if _is_min(p)
-            else jnp.max(x, axis=0, initial=-jnp.inf), stacked)
+        return {k: stats.reduce_stacked(v) for k, v in stacked.items()}
 
 
 def _expected_scale_shape(site, i, shape, qtype):
@@ -181,7 +179,7 @@ class Integer:
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)
-        ops, layout = [], "operand"
+        ops, layout, wide = [], "operand", None
         for i in (0, 1):
             q, x = qp.operand(i), invals[i]
             if q is None:
@@ -192,5 +190,17 @@ class Integer:
             else:
                 s, z = _operand_params(site, i, x, q)
                 ops.append((nx.quantize(x, s, z, q.qtype), s, z, None))
+                if q.qtype.bits > 8:
+                    wide = i
         policy = self.policy or KernelPolicy.for_backend()
-        return [kernels.run(site, eqn, ops, policy, layout)]
+        if wide is None:
+            return [kernels.run(site, eqn, ops, policy, layout)]
+        # int16 activation (symmetric): q = 256 * hi + (lo + 128), two int8 kernels.
+        q16, s, _, _ = ops[wide]
+        hi, lo = nx.split_int16(q16)
+        ops_hi, ops_lo = list(ops), list(ops)
+        ops_hi[wide] = (hi, s, None, None)
+        ops_lo[wide] = (lo, s, jnp.float32(-128.0), None)
+        out_hi = kernels.run(site, eqn, ops_hi, policy, layout).astype(_F32)
+        out_lo = kernels.run(site, eqn, ops_lo, policy, layout).astype(_F32)
+        return [(256.0 * out_hi + out_lo).astype(eqn.outvars[0].aval.dtype)]

@@ -157,7 +157,7 @@ def _scan(eqn, invals, sub, ctx):
     carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
-        ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations(v)
+        ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations({k: v})[k]
     return [*carry, *ys]
 
 
@@ -205,7 +205,7 @@ def _cond(eqn, invals, sub, ctx):
     def branch(r):
         def fn(*a):
             outs, so = r(state, *a)
-            full = {k: so[k] if k in so else ctx.handler.identity(union[k]) for k in union}
+            full = {k: so[k] if k in so else ctx.handler.identity({k: union[k]})[k] for k in union}
             return list(outs), full
         return fn
 

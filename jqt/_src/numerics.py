@@ -144,9 +144,18 @@ def fake_quant(x, scale, zero_point, qtype):
 
 
 def quantize(x, scale, zero_point, qtype):
-    """Integer codes of ``x`` as int8 (the integer path)."""
+    """Integer codes of ``x`` in ``qtype.storage`` (int8, or int16 above 8 bits)."""
     return quantize_p.bind(x, scale, _zp(zero_point), qmin=qtype.qmin, qmax=qtype.qmax,
-                           dtype=np.dtype(np.int8))
+                           dtype=qtype.storage)
+
+
+def split_int16(q):
+    """int16 codes -> int8 ``(hi, lo)`` with ``q = 256 * hi + (lo + 128)``: an int16 x
+    int8 contraction becomes two int8 x int8 -> int32 ones (``lo`` with zero point
+    -128), none of which can overflow int32 the way an int16 x int8 one can."""
+    q = q.astype(jnp.int32)
+    hi = jnp.right_shift(q, 8)
+    return hi.astype(jnp.int8), (q - 256 * hi - 128).astype(jnp.int8)
 
 
 def params_from_range(lo, hi, qtype):

@@ -12,6 +12,10 @@ import dataclasses
 import re
 from typing import Optional
 
+import numpy as np
+
+from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax
+
 QUANTIZABLE_OPS = ("dot_general", "conv_general_dilated")
 
 
@@ -20,7 +24,9 @@ class QuantType:
     """How one operand is quantized.
 
     Attributes:
-      bits: integer width, 2 to 8 (values are stored in int8).
+      bits: integer width: 2 to 8 (stored in int8), or 9 to 16 for
+        activations (stored in int16; symmetric only; each int16 x int8
+        product runs as two int8 x int8 -> int32 kernels, see ``kernels.py``).
       symmetric: zero point fixed at 0 (scale from the absolute maximum) when
         True; an asymmetric range (scale and zero point from min and max) when
         False.
@@ -47,10 +53,19 @@ class QuantType:
     dynamic: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
             raise ValueError(
-                f"QuantType(bits={self.bits!r}): jqt stores integer values in int8, so "
-                "bits must be an int from 2 to 8.")
+                f"QuantType(bits={self.bits!r}): jqt stores integer values in int8 or int16, "
+                "so bits must be an int from 2 to 16.")
+        if self.bits > 8 and not self.symmetric:
+            raise ValueError(
+                f"QuantType(bits={self.bits}, symmetric=False): types wider than 8 bits are "
+                "symmetric (zero point 0, as TFLite's int16 activations); set symmetric=True.")
+
+    @property
+    def storage(self):
+        """The integer dtype that holds the codes: int8, or int16 above 8 bits."""
+        return np.dtype(np.int8 if self.bits <= 8 else np.int16)
 
     @property
     def qmin(self) -> int:
@@ -76,6 +91,10 @@ class Rule:
       act_x_act: type of both operands of ops whose operands both depend on
         data (attention scores). Must be ``dynamic``. ``None`` (the default)
         keeps such ops float.
+      calibrator: how static activation ranges are found
+        (:mod:`jqt.calibrators`; default ``MinMax()``).
+      weight_calibrator: how weight ranges are found (default
+        ``WeightMinMax()``, the absolute maximum for symmetric types).
 
     A rule with ``weight=None`` and ``act_x_act=None`` keeps the matched ops
     float:
@@ -91,6 +110,8 @@ class Rule:
     weight: Optional[QuantType] = None
     activation: Optional[QuantType] = None
     act_x_act: Optional[QuantType] = None
+    calibrator: Calibrator = MinMax()
+    weight_calibrator: WeightCalibrator = WeightMinMax()
 
     def __post_init__(self):
         try:
@@ -115,6 +136,18 @@ class Rule:
                 "Rule(activation=QuantType(per_channel=True, dynamic=False)): static activation "
                 "scales are per-tensor (a per-token scale changes with every input). Use "
                 "dynamic=True for per-token scales.")
+        if self.weight is not None and self.weight.bits > 8:
+            raise ValueError(f"Rule(weight=QuantType(bits={self.weight.bits})): weights are stored "
+                             "in int8; use bits <= 8 (int16 is for activations).")
+        if self.act_x_act is not None and self.act_x_act.bits > 8:
+            raise ValueError(f"Rule(act_x_act=QuantType(bits={self.act_x_act.bits})): "
+                             "activation x activation ops are int8 x int8; use bits <= 8.")
+        if not isinstance(self.calibrator, Calibrator):
+            raise TypeError(f"Rule(calibrator={self.calibrator!r}): expected a "
+                            "jqt.calibrators.Calibrator such as jqt.calibrators.Percentile(99.99).")
+        if not isinstance(self.weight_calibrator, WeightCalibrator):
+            raise TypeError(f"Rule(weight_calibrator={self.weight_calibrator!r}): expected a "
+                            "jqt.calibrators.WeightCalibrator such as jqt.calibrators.WeightMSE().")
         if self.act_x_act is not None and not self.act_x_act.dynamic:
             raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
                              "operand; use QuantType(dynamic=True, ...).")
@@ -155,7 +188,11 @@ class Recipe:
 INT8_WEIGHT = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True)
 
 
-def w8a8(*, act_symmetric: bool = False) -> Recipe:
+def _cal(calibrator, weight_calibrator):
+    return dict(calibrator=calibrator or MinMax(), weight_calibrator=weight_calibrator or WeightMinMax())
+
+
+def w8a8(*, act_symmetric: bool = False, calibrator=None, weight_calibrator=None) -> Recipe:
     """int8 per-channel symmetric weights, int8 static per-tensor activations.
 
     Activations are asymmetric by default: the output of a GELU or ReLU is
@@ -166,11 +203,11 @@ def w8a8(*, act_symmetric: bool = False) -> Recipe:
     >>> jqt.recipes.w8a8().rules[0].activation.symmetric
     False
     """
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT,
-                              activation=QuantType(bits=8, symmetric=act_symmetric)),))
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=QuantType(bits=8, symmetric=act_symmetric),
+                              **_cal(calibrator, weight_calibrator)),))
 
 
-def w8a8_dynamic(*, act_x_act: bool = False) -> Recipe:
+def w8a8_dynamic(*, act_x_act: bool = False, weight_calibrator=None) -> Recipe:
     """int8 per-channel weights, int8 activations with per-token scales computed at run time.
 
     With ``act_x_act=True`` activation x activation ops (attention) are
@@ -181,15 +218,41 @@ def w8a8_dynamic(*, act_x_act: bool = False) -> Recipe:
     True
     """
     act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act,
-                              act_x_act=act if act_x_act else None),))
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
+                              **_cal(None, weight_calibrator)),))
 
 
-def w8() -> Recipe:
+def w8(*, weight_calibrator=None) -> Recipe:
     """Weight-only int8 (per-channel, symmetric); activations stay float.
 
     >>> import jqt
     >>> jqt.recipes.w8().rules[0].activation is None
     True
     """
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=None),))
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=None, **_cal(None, weight_calibrator)),))
+
+
+def w8a16(*, calibrator=None, weight_calibrator=None) -> Recipe:
+    """int8 per-channel weights, int16 symmetric static per-tensor activations.
+
+    The precise fallback for an op whose activations int8 cannot hold (outlier
+    channels): 256 times finer steps than int8 on the same range.
+
+    >>> import jqt
+    >>> jqt.recipes.w8a16().rules[0].activation.storage
+    dtype('int16')
+    """
+    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=QuantType(bits=16, symmetric=True),
+                              **_cal(calibrator, weight_calibrator)),))
+
+
+def w4a8(*, per_channel: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
+    """int4 weights (stored in int8; per-channel by default), int8 static activations.
+
+    >>> import jqt
+    >>> jqt.recipes.w4a8().rules[0].weight.qmax
+    7
+    """
+    wt = QuantType(bits=4, symmetric=True, narrow_range=True, per_channel=per_channel)
+    return Recipe(rules=(Rule(weight=wt, activation=QuantType(bits=8, symmetric=False),
+                              **_cal(calibrator, weight_calibrator)),))

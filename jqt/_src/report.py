@@ -1,0 +1,325 @@
+"""``jqt.report``: per-op quantization error of a calibrated function on one batch.
+
+The function runs twice in one pass, as two lanes of a ``jax.vmap`` with an
+axis name: lane 0 float, lane 1 simulated-quantized. At each op the handler
+gathers both lanes' operands and measures, against the float output computed
+from the float lane's operands:
+
+* the output with only this op quantized (``sqnr_isolated``);
+* the output of the quantized lane, where every op before it is quantized too
+  (``sqnr_cumulative``);
+* how many activation and weight values fall outside the quantized range.
+
+Statistics are sums (or min/max), merged across ``scan``/``while``
+iterations like calibration statistics; an op under a ``scan`` over stacked
+layers gets one row per layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import compat
+from . import numerics as nx
+from .handlers import Simulate, lookup
+from .interpreter import Ctx, eval_jaxpr
+from .qparams import PackedParams
+from .tracing import Tracer, normalize_argnums
+
+_AXIS = "jqt_report_lane"
+_F32 = jnp.float32
+HIST_BINS = 64  # over the quantized range widened by half its width on each side
+
+
+def _reduce(name):
+    return jnp.min if name.endswith("_min") else jnp.max if name.endswith("_max") else jnp.sum
+
+
+class _Measure:
+    """Handler: both lanes of every op; lane 0 float, lane 1 quantized."""
+
+    collects = True
+    differentiable = False
+
+    def site(self, site, eqn, invals, ctx):
+        qp, _ = lookup(ctx, site, invals)
+        both = [lax.all_gather(v, _AXIS) for v in invals]
+        xf, xq = [b[0] for b in both], [b[1] for b in both]
+        sim = Simulate()
+        y_f = compat.bind_eqn(eqn, xf)[0].astype(_F32)
+        y_iso = sim.site(site, eqn, xf, ctx)[0].astype(_F32)
+        y_all = sim.site(site, eqn, xq, ctx)[0].astype(_F32)
+        st = {"f2": jnp.sum(y_f ** 2), "e_iso": jnp.sum((y_iso - y_f) ** 2),
+              "e_all": jnp.sum((y_all - y_f) ** 2)}
+        w = site.weight_operand
+        hist = jnp.zeros((HIST_BINS + 2,), _F32)
+        for i in (0, 1):
+            q = qp.operand(i)
+            x = xf[i].astype(_F32)
+            role = "w" if i == w else ("x" if w is not None or i == 0 else "y")
+            st[f"{role}_min"], st[f"{role}_max"] = jnp.min(x), jnp.max(x)
+            st[f"{role}_n"] = jnp.float32(x.size)
+            st[f"{role}_clip"] = jnp.float32(0)
+            if q is None or q.qtype.dynamic:
+                continue
+            s = q.scale.astype(_F32)
+            z = jnp.zeros((), _F32) if q.zero_point is None else jnp.round(q.zero_point.astype(_F32))
+            lo, hi = (q.qtype.qmin - z - 0.5) * s, (q.qtype.qmax - z + 0.5) * s
+            st[f"{role}_clip"] = jnp.sum((x < lo) | (x > hi)).astype(_F32)
+            if role == "x":
+                hist = _histogram(x, lo.reshape(()), hi.reshape(()))
+        st["hist"] = hist
+        ctx.state_out[site.key] = st
+        return [jnp.where(lax.axis_index(_AXIS) == 0, y_f, y_all).astype(eqn.outvars[0].aval.dtype)]
+
+    @staticmethod
+    def identity(shapes):
+        def one(path, s):
+            name = str(getattr(path[-1], "key", path[-1]))
+            fill = jnp.inf if name.endswith("_min") else -jnp.inf if name.endswith("_max") else 0.0
+            return jnp.full(s.shape, fill, s.dtype)
+        return jax.tree_util.tree_map_with_path(one, shapes)
+
+    @staticmethod
+    def merge(a, b):
+        def one(path, x, y):
+            name = str(getattr(path[-1], "key", path[-1]))
+            return jnp.minimum(x, y) if name.endswith("_min") else (
+                jnp.maximum(x, y) if name.endswith("_max") else x + y)
+        return jax.tree_util.tree_map_with_path(one, a, b)
+
+    @staticmethod
+    def reduce_iterations(stacked):
+        return {k: {n: _reduce(n)(v, axis=0) for n, v in st.items()} for k, st in stacked.items()}
+
+
+def _histogram(x, lo, hi):
+    """HIST_BINS bins over [lo - w/2, hi + w/2] (w = hi - lo), plus an underflow and
+    an overflow bin."""
+    width = hi - lo
+    a = lo - width / 2
+    idx = jnp.floor((x - a) / (2 * width) * HIST_BINS).astype(jnp.int32) + 1
+    idx = jnp.clip(idx, 0, HIST_BINS + 1)
+    return jnp.zeros((HIST_BINS + 2,), _F32).at[idx.reshape(-1)].add(1.0)
+
+
+def _sqnr(signal, noise):
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpReport:
+    """One row of a :class:`Report`: one op (one layer of a stacked op)."""
+
+    key: str
+    layer: Optional[int]
+    op: str
+    weight_shape: tuple
+    act_shape: tuple
+    weight: str            # the weight type, e.g. "int8 sym per-channel", or "float"
+    activation: str
+    weight_scale: tuple    # (min, max) of the weight scales, or None
+    act_scale: Optional[float]
+    act_zero_point: Optional[float]
+    act_range: tuple       # the float activation's (min, max) on this batch
+    act_qrange: Optional[tuple]  # the real range the activation codes cover (half a step beyond)
+    act_clip: float        # fraction of activation values outside the quantized range
+    weight_clip: float     # fraction of weight values outside it
+    sqnr_isolated: float   # dB, this op quantized alone
+    sqnr_cumulative: float  # dB, this op and every op before it quantized
+    note: str
+    hist: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.key if self.layer is None else f"{self.key}[{self.layer}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`jqt.report` returns: per-op rows and the end-to-end error.
+
+    ``str(report)`` is a table; ``rows`` the data; :meth:`worst` ranks the ops;
+    :meth:`plot` draws the per-op SQNR and activation histograms to a PNG.
+    """
+
+    rows: tuple
+    output_sqnr: float       # dB, the whole function's output, quantized vs float
+    output_rel_l2: float
+    output_max_abs: float
+
+    def worst(self, n: int = 5) -> list:
+        """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
+        q = [r for r in self.rows if r.weight != "float"]
+        return sorted(q, key=lambda r: r.sqnr_isolated)[:n]
+
+    def as_dicts(self) -> list:
+        """The rows as plain dicts (e.g. for ``pandas.DataFrame``)."""
+        return [{k: v for k, v in dataclasses.asdict(r).items() if k != "hist"} for r in self.rows]
+
+    def __str__(self):
+        head = ("op", "kind", "weight", "activation", "act scale", "act clip", "w clip",
+                "SQNR alone", "SQNR cumul.")
+        lines = [head]
+        for r in self.rows:
+            scale = "-" if r.act_scale is None else f"{r.act_scale:.3g}"
+            lines.append((r.name, r.op.replace("_general", "").replace("_dilated", ""), r.weight,
+                          r.activation, scale, _pct(r.act_clip), _pct(r.weight_clip),
+                          _db(r.sqnr_isolated), _db(r.sqnr_cumulative)))
+        widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
+        out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
+        out.append(f"output: SQNR {_db(self.output_sqnr)} dB, relative L2 error "
+                   f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
+        worst = self.worst(1)
+        if worst:
+            out.append(f"worst op (SQNR alone): {worst[0].name} ({_db(worst[0].sqnr_isolated)} dB)")
+        return "\n".join(out)
+
+    def plot(self, path: str, *, histograms: int = 6) -> None:
+        """Writes a PNG: per-op SQNR bars (alone and cumulative) and the activation
+        histograms of the ``histograms`` worst ops with their quantized range.
+        Needs matplotlib (``pip install jqt[plot]``)."""
+        from .plotting import plot_report
+        plot_report(self, path, histograms)
+
+
+def _pct(f):
+    return "-" if f is None or np.isnan(f) else f"{100 * f:.2f}%"
+
+
+def _db(v):
+    if np.isnan(v):
+        return "-"
+    return f"{v:.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
+
+
+def _short(q):
+    if q is None:
+        return "float"
+    t = q.qtype
+    return (f"int{t.bits} {'sym' if t.symmetric else 'asym'} "
+            f"{'per-channel' if t.per_channel else 'per-tensor'}{' dyn' if t.dynamic else ''}")
+
+
+def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
+    """Measures the quantization error of each op of ``f`` on one batch.
+
+    Args:
+      f, qparams: the function and its parameters from :func:`jqt.calibrate`.
+      params: the float weights (not :func:`jqt.pack`'s, which lost the float values).
+      batch: a tuple of the remaining arguments of ``f``, as in calibration.
+      weight_argnums: as in :func:`jqt.calibrate`.
+
+    Returns:
+      a :class:`jqt.Report`: ``print`` it for a table, ``.rows`` for the data,
+      ``.worst(n)`` for the ranking, ``.plot(path)`` for a PNG.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    >>> p = {"a": jnp.eye(4), "b": jnp.ones((4, 2))}
+    >>> x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    >>> r = jqt.report(f, qp, p, (x,))
+    >>> [row.key for row in r.rows], r.output_sqnr > 30
+    (['a', 'b'], True)
+    """
+    from .quantize import _check_qparams
+    _check_qparams(qparams)
+    argnums = normalize_argnums(weight_argnums)
+    params_t = (params,) if len(argnums) == 1 else tuple(params)
+    if any(isinstance(p, PackedParams) for p in params_t):
+        raise TypeError("jqt.report: params are jqt.PackedParams; the report compares with the "
+                        "float model, so pass the float params.")
+    if not isinstance(batch, (tuple, list)):
+        raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
+                        "remaining arguments of f, e.g. (x,).")
+    from .calibrate import _full_args
+    batch = tuple(batch)
+    tracer = Tracer(f, argnums)
+    traced = tracer(_full_args(argnums, params_t, batch))
+    keys = [s.key for s in traced.sites()]
+    missing = [k for k in keys if k not in qparams]
+    if missing:
+        from .handlers import QParamsMismatchError
+        raise QParamsMismatchError(f"jqt.report: no quantization parameters for ops {missing[:5]}; "
+                                   "the qparams were made for another function.")
+    state = {k: (qparams[k], None) for k in keys}
+
+    def lane(*b):
+        args = _full_args(argnums, params_t, b)
+        ctx = Ctx(_Measure(), state)
+        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
+                          traced.plan, ctx)
+        return outs, ctx.state_out
+
+    lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), batch)
+    outs, st = jax.jit(lambda b: jax.vmap(lane, axis_name=_AXIS)(*b))(lanes)
+    st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
+    rows = []
+    for s in traced.sites():
+        rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
+    f2 = e2 = 0.0
+    mx = 0.0
+    for o in outs:
+        o = np.asarray(o, np.float64)
+        f2 += float(np.sum(o[0] ** 2))
+        e2 += float(np.sum((o[1] - o[0]) ** 2))
+        mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
+    return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2),
+                  output_rel_l2=math.sqrt(e2 / f2) if f2 > 0 else math.inf, output_max_abs=mx)
+
+
+def _qrange(q, scale, zp):
+    if q is None or scale is None or q.qtype.dynamic:
+        return None
+    s = float(np.asarray(scale).reshape(-1)[0])
+    z = 0.0 if zp is None else float(np.round(np.asarray(zp).reshape(-1)[0]))
+    return ((q.qtype.qmin - z - 0.5) * s, (q.qtype.qmax - z + 0.5) * s)
+
+
+def _rows(site, qp, st):
+    w = site.weight_operand
+    avals = [v.aval for v in site.eqn.invars]
+    wq = qp.operand(w) if w is not None else None
+    aq = qp.operand(1 - w) if w is not None else qp.lhs
+    if st is None:  # never ran on this batch
+        st = {}
+    depth = np.ndim(st["f2"]) if "f2" in st else 0
+    layers = [None] if depth == 0 else list(np.ndindex(*np.shape(st["f2"])))
+    out = []
+    for li in layers:
+        g = (lambda n: np.asarray(st[n])) if li is None else (lambda n: np.asarray(st[n])[li])
+        pick = lambda a: None if a is None else (np.asarray(a) if li is None else
+                                                  np.asarray(a)[li] if np.ndim(a) >= len(li) else np.asarray(a))
+        ran = "f2" in st and g("x_n") > 0
+        wsc = None if wq is None or wq.scale is None else pick(wq.scale)
+        asc = None if aq is None or aq.scale is None else pick(aq.scale)
+        azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)
+        out.append(OpReport(
+            key=site.key, layer=None if li is None else (li[0] if len(li) == 1 else li),
+            op=site.op, weight_shape=tuple(avals[w].shape) if w is not None else (),
+            act_shape=tuple(avals[1 - w].shape) if w is not None else tuple(avals[0].shape),
+            weight=_short(wq), activation=_short(aq) if not qp.is_float else "float",
+            weight_scale=None if wsc is None else (float(wsc.min()), float(wsc.max())),
+            act_scale=None if asc is None else float(asc.reshape(-1)[0]),
+            act_zero_point=None if azp is None else float(azp.reshape(-1)[0]),
+            act_range=(float(g("x_min")), float(g("x_max"))) if ran else (math.nan, math.nan),
+            act_qrange=_qrange(aq, asc, azp),
+            act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,
+            weight_clip=float(g("w_clip") / g("w_n")) if ran else math.nan,
+            sqnr_isolated=_sqnr(float(g("f2")), float(g("e_iso"))) if ran else math.nan,
+            sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
+            note=qp.note if qp.is_float else ("" if ran else "did not run on this batch"),
+            hist=g("hist") if ran else None))
+    return out

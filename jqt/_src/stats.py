@@ -1,0 +1,99 @@
+"""Per-op calibration statistics as a pytree, and how they merge.
+
+One :class:`SiteStats` per op: the activation calibrator's state and the
+weight's per-channel range, with the calibrator itself as static aux data,
+so merging needs nothing but the statistics. ``combine`` unites the data of
+one batch (``scan``/``while`` iterations, ``cond`` branches, devices);
+``accumulate`` folds successive batches.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@jax.tree_util.register_pytree_node_class
+class SiteStats:
+    def __init__(self, act, weight, calibrator):
+        self.act = act          # the calibrator's state, or None
+        self.weight = weight    # {"min", "max"} arrays, or None (not observed in this step)
+        self.calibrator = calibrator
+
+    def tree_flatten(self):
+        return (self.act, self.weight), self.calibrator
+
+    @classmethod
+    def tree_unflatten(cls, calibrator, children):
+        return cls(*children, calibrator)
+
+
+def _pick(a, b, both):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return both(a, b)
+
+
+def _combine_w(a, b):
+    return {"min": jnp.minimum(a["min"], b["min"]), "max": jnp.maximum(a["max"], b["max"])}
+
+
+@functools.lru_cache(maxsize=None)
+def _ref_ndim(calibrator) -> int:
+    ref = jax.eval_shape(calibrator.observe, jax.ShapeDtypeStruct((2,), jnp.float32))
+    return len(jax.tree_util.tree_leaves(ref)[0].shape)
+
+
+def stack_depth(calibrator, act) -> int:
+    """How many leading axes the statistics ``act`` have beyond one tensor's: one
+    per ``lax.scan`` that stacked them (an op whose weight is sliced from a
+    stacked leaf keeps one set of statistics per layer)."""
+    return jnp.ndim(jax.tree_util.tree_leaves(act)[0]) - _ref_ndim(calibrator)
+
+
+def _stacked(fn, calibrator, a):
+    for _ in range(stack_depth(calibrator, a)):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def combine(a: SiteStats, b: SiteStats) -> SiteStats:
+    cal = a.calibrator
+    act = _pick(a.act, b.act, lambda x, y: _stacked(cal.combine, cal, x)(x, y))
+    return SiteStats(act, _pick(a.weight, b.weight, _combine_w), cal)
+
+
+def accumulate(running: SiteStats, new: SiteStats) -> SiteStats:
+    cal = running.calibrator
+    act = _pick(running.act, new.act, lambda x, y: _stacked(cal.accumulate, cal, x)(x, y))
+    return SiteStats(act, _pick(running.weight, new.weight, _combine_w), cal)
+
+
+def empty(like: SiteStats) -> SiteStats:
+    act = None if like.act is None else like.calibrator.empty(like.act)
+    weight = None
+    if like.weight is not None:
+        weight = {"min": jnp.full(like.weight["min"].shape, jnp.inf, jnp.float32),
+                  "max": jnp.full(like.weight["max"].shape, -jnp.inf, jnp.float32)}
+    return SiteStats(act, weight, like.calibrator)
+
+
+def reduce_stacked(stacked: SiteStats) -> SiteStats:
+    """Statistics stacked over a leading axis (scan iterations) -> their union."""
+    first = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+    init = jax.tree_util.tree_map(lambda x, s: jnp.asarray(x, s.dtype), empty(first), first)
+    out, _ = lax.scan(lambda acc, s: (combine(acc, s), None), init, stacked)
+    return out
+
+
+def combine_all(a: dict, b: dict) -> dict:
+    return {k: combine(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in dict.fromkeys([*a, *b])}
+
+
+def accumulate_all(running: dict, new: dict) -> dict:
+    return {k: accumulate(running[k], new[k]) if k in running and k in new
+            else running.get(k, new.get(k)) for k in dict.fromkeys([*running, *new])}

@@ -1,0 +1,264 @@
+"""``jqt.sensitivity`` and ``jqt.fallback``: accuracy-driven choice of the ops to keep
+float (or at a higher precision), measured with the user's own metric.
+
+A *metric* is a function ``metric(g) -> float`` that scores a function ``g``
+with the signature of ``f`` (for example the accuracy of ``g(params, x_test)``);
+jqt passes it jitted, quantized variants of ``f``. Each call is a *trial*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from typing import Callable, Optional
+
+import jax
+
+from .calibrate import calibrate
+from .qparams import OpQParams
+from .recipe import Recipe, Rule
+
+
+def _as_float(p: OpQParams, note: str) -> OpQParams:
+    return dataclasses.replace(p, lhs=None, rhs=None, note=note)
+
+
+def _quantized_keys(qparams):
+    return [k for k, p in qparams.items() if not p.is_float]
+
+
+def _score(f, qparams, metric, weight_argnums, simulate):
+    from .quantize import quantize
+    v = metric(jax.jit(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums)))
+    v = float(v)
+    if math.isnan(v):
+        raise ValueError("jqt: the metric returned NaN for a quantized variant; check the metric "
+                         "function (it must return a float score).")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityRow:
+    key: str
+    alone: float        # metric with only this op quantized
+    all_but: float      # metric with every op quantized except this one
+
+
+@dataclasses.dataclass(frozen=True)
+class Sensitivity:
+    """What :func:`jqt.sensitivity` returns; ``rows`` are ranked, most harmful first."""
+
+    rows: tuple
+    float_metric: float
+    quantized_metric: float
+    higher_is_better: bool
+
+    def _drop(self, v):
+        return (self.float_metric - v) if self.higher_is_better else (v - self.float_metric)
+
+    def __str__(self):
+        lines = [f"metric: float {self.float_metric:.4g}, all quantized {self.quantized_metric:.4g}",
+                 f"{'op':<32} {'quantized alone':>16} {'drop':>8} {'all but this':>13} {'drop':>8}"]
+        for r in self.rows:
+            lines.append(f"{r.key:<32} {r.alone:>16.4g} {self._drop(r.alone):>8.3g} "
+                         f"{r.all_but:>13.4g} {self._drop(r.all_but):>8.3g}")
+        return "\n".join(lines)
+
+
+def sensitivity(f, qparams, params, metric: Callable, *, weight_argnums=0, simulate=False,
+                higher_is_better: bool = True) -> Sensitivity:
+    """The effect on ``metric`` of quantizing each op alone, and of leaving each op
+    float alone; 2 trials per quantized op, plus 2.
+
+    ``params`` is unused by the trials themselves (the metric calls the
+    function with its own arguments) but is checked against the qparams.
+    Rows are ranked by the drop when the op is quantized alone, largest first.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    >>> p = {"a": jnp.eye(4), "b": jnp.ones((4, 2))}
+    >>> x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    >>> err = lambda g: float(jnp.abs(g(p, x) - f(p, x)).max())
+    >>> s = jqt.sensitivity(f, qp, p, err, higher_is_better=False)
+    >>> sorted(r.key for r in s.rows)
+    ['a', 'b']
+    """
+    from .quantize import _check_qparams
+    _check_qparams(qparams)
+    del params
+    keys = _quantized_keys(qparams)
+    allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
+    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate)
+    m_float = float(metric(jax.jit(f)))
+    m_q = score(qparams)
+    rows = []
+    for k in keys:
+        alone = score({**allf, k: qparams[k]})
+        all_but = score({**qparams, k: allf[k]})
+        rows.append(SensitivityRow(k, alone, all_but))
+    sign = 1 if higher_is_better else -1
+    rows.sort(key=lambda r: (sign * r.alone, -sign * r.all_but))
+    return Sensitivity(tuple(rows), m_float, m_q, higher_is_better)
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackResult:
+    """What :func:`jqt.fallback` returns.
+
+    Attributes:
+      recipe: reproduces the choice: ``jqt.calibrate(f, result.recipe, ...)``
+        gives ``result.qparams``.
+      qparams: the chosen quantization parameters.
+      kept: the op keys kept float (or given the fallback rule).
+      met: whether the metric is within ``max_drop`` of float.
+      float_metric, quantized_metric, metric: float, before the fallback, after.
+      trials: ``(kept keys, metric)`` for every trial run.
+    """
+
+    recipe: Recipe
+    qparams: dict
+    kept: tuple
+    met: bool
+    float_metric: float
+    quantized_metric: float
+    metric: float
+    trials: tuple
+
+    def __str__(self):
+        state = "met" if self.met else "NOT met"
+        return (f"budget {state}: metric {self.metric:.4g} (float {self.float_metric:.4g}, all "
+                f"quantized {self.quantized_metric:.4g}) with {len(self.kept)} op(s) kept at the "
+                f"fallback: {list(self.kept)}; {len(self.trials)} trials")
+
+
+def _rank_by_report(f, qparams, params, batch, weight_argnums):
+    from .report import report
+    r = report(f, qparams, params, batch, weight_argnums=weight_argnums)
+    worst = {}
+    for row in r.rows:
+        if row.weight != "float" and not math.isnan(row.sqnr_isolated):
+            worst[row.key] = min(worst.get(row.key, math.inf), row.sqnr_isolated)
+    keys = _quantized_keys(qparams)
+    return sorted(keys, key=lambda k: worst.get(k, math.inf))
+
+
+def _search(ranked, trial, ok, max_trials, trials, all_back_score):
+    """Binary search for the shortest prefix of ``ranked`` that meets the budget.
+    Keeping every op back scores ``all_back_score`` without a trial when known (every
+    op float is the float model). Returns the shortest meeting prefix found (all of
+    ``ranked`` if the trials ran out first), or all of ``ranked`` with its score when
+    even that fails."""
+    n = len(ranked)
+    if all_back_score is None:
+        v = trial(tuple(ranked))
+        if not ok(v):
+            return (tuple(ranked), v)
+        all_back_score = v
+    best = (tuple(ranked), all_back_score)
+    lo, hi = 0, n  # prefix lo fails the budget, prefix hi meets it
+    while hi - lo > 1 and len(trials) < max_trials:
+        mid = (lo + hi) // 2
+        v = trial(tuple(ranked[:mid]))
+        if ok(v):
+            hi, best = mid, (tuple(ranked[:mid]), v)
+        else:
+            lo = mid
+    return best
+
+
+def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: float,
+             to: Optional[Rule] = None, weight_argnums=0, higher_is_better: bool = True,
+             max_trials: int = 12, rank: str = "report", simulate: bool = False,
+             progress=None) -> FallbackResult:
+    """Calibrates ``f`` with ``recipe`` and keeps a small set of ops float (or at the
+    precision of ``to``) so that ``metric`` stays within ``max_drop`` of float.
+
+    Args:
+      f, recipe, params, batches, weight_argnums: as in :func:`jqt.calibrate`.
+      metric: ``metric(g) -> float`` scores a function ``g`` with ``f``'s
+        signature (jitted, quantized); higher is better unless
+        ``higher_is_better=False``.
+      max_drop: the budget: the largest allowed ``metric(f) - metric(quantized)``
+        (in the metric's units, e.g. 0.005 for half a point of accuracy).
+      to: the rule for the ops kept back (its ``key`` is replaced), e.g.
+        ``jqt.recipes.w8a16().rules[0]`` for int16 activations; ``None``
+        keeps them float.
+      max_trials: the most metric evaluations of quantized variants.
+      rank: the order in which ops are kept back: ``"report"`` (lowest SQNR
+        in :func:`jqt.report` on the first batch first; no trials) or
+        ``"sensitivity"`` (largest drop when quantized alone first; one trial
+        per op).
+      simulate: score the simulated path instead of the integer one.
+
+    The search keeps back the shortest prefix of the ranking that meets the
+    budget (a binary search), then tries dropping each kept op again. When the
+    budget cannot be met within ``max_trials``, the result has ``met=False``,
+    the best choice found, and a warning says so.
+
+    Returns:
+      a :class:`jqt.FallbackResult` whose ``recipe`` reproduces the choice.
+    """
+    if rank not in ("report", "sensitivity"):
+        raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
+    if max_trials < 1:
+        raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
+    batches = list(batches)
+    qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
+    if to is None:
+        alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # calibrate warned already about unreached ops
+            alt = calibrate(f, Recipe(rules=(dataclasses.replace(to, key=".*"),)), params, batches,
+                            weight_argnums=weight_argnums, progress=progress)
+    sign = 1.0 if higher_is_better else -1.0
+    m_float = float(metric(jax.jit(f)))
+    trials = []
+
+    def trial(kept):
+        v = _score(f, {**qp, **{k: alt[k] for k in kept}}, metric, weight_argnums, simulate)
+        trials.append((tuple(kept), v))
+        return v
+
+    ok = lambda v: sign * (m_float - v) <= max_drop
+    m_q = trial(())
+    ranked = _quantized_keys(qp)
+    if rank == "sensitivity":
+        allf = {k: _as_float(p, "") for k, p in qp.items()}
+        drop = {}
+        for k in ranked[:max(0, max_trials - 2)]:
+            drop[k] = sign * (m_float - _score(f, {**allf, k: qp[k]}, metric, weight_argnums, simulate))
+            trials.append(((f"quantized alone: {k}",), m_float - sign * drop[k]))
+        ranked = sorted(ranked, key=lambda k: -drop.get(k, -math.inf))
+    else:
+        ranked = _rank_by_report(f, qp, params, batches[0], weight_argnums)
+    best = ((), m_q)  # the best-scoring choice seen; the answer when the budget is met
+    if not ok(m_q):
+        best = _search(ranked, trial, ok, max_trials, trials, m_float if to is None else None)
+        if ok(best[1]):  # prune: an op of the prefix may not be needed
+            for k in reversed(best[0]):
+                if len(trials) >= max_trials or len(best[0]) <= 1:
+                    break
+                cand = tuple(c for c in best[0] if c != k)
+                v = trial(cand)
+                if ok(v):
+                    best = (cand, v)
+    kept, m_final = best
+    met = ok(m_final)
+    out_qp = {**qp, **{k: alt[k] for k in kept}}
+    rules = recipe.rules
+    if kept:
+        pattern = "^(" + "|".join(re.escape(k) for k in kept) + ")$"
+        fb = Rule(key=pattern, weight=None) if to is None else dataclasses.replace(to, key=pattern)
+        rules = (fb,) + rules
+    result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
+                            tuple(trials))
+    if not met:
+        warnings.warn(
+            f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
+            f"trials: the best choice keeps {list(kept)} back and scores {m_final:.4g} against "
+            f"{m_float:.4g} in float. Allow more trials (max_trials), a larger max_drop, or a "
+            "more precise fallback (to=None keeps ops float).", stacklevel=2)
+    return result

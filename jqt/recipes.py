@@ -5,3 +5,4 @@ from jqt._src.recipe import w8 as w8
 from jqt._src.recipe import w8a8 as w8a8
 from jqt._src.recipe import w8a8_dynamic as w8a8_dynamic
 from jqt._src.recipe import w8a16 as w8a16
+from jqt._src.recipe import INT8_WEIGHT as INT8_WEIGHT

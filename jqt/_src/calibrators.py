@@ -334,17 +334,23 @@ class MSE(_Histogram):
 def _kl_threshold(hist, levels, stride):
     """TensorRT's entropy calibration on a histogram of |x|: the bin count ``i`` whose
     clipped distribution P (outliers folded into bin i-1) is closest in KL divergence
-    to its quantization Q to ``levels`` levels."""
+    to its quantization Q to ``levels`` levels.
+
+    Two departures, both because jqt's ranges represent 0 exactly: the first bin
+    (values near 0, such as the zeros after a ReLU) is a level of its own in Q
+    rather than sharing one with its neighbours (which would charge every wider
+    threshold for smearing it), and "clip nothing" (``i = n``) is always a
+    candidate, whatever the stride."""
     n = len(hist)
     best, best_i = np.inf, n
-    for i in range(levels, n + 1, stride):
+    for i in [*range(levels, n, stride), n]:
         p = hist[:i].copy()
         p[-1] += hist[i:].sum()
-        nz = hist[:i] > 0
-        # Q: split the first i bins in `levels` groups; spread each group's mass over
-        # its nonzero bins.
-        edges = np.linspace(0, i, levels + 1).astype(int)
-        group = np.repeat(np.arange(levels), np.diff(edges))
+        nz = p > 0
+        # Q: bin 0 alone, bins 1..i-1 split in levels-1 groups; each group's mass is
+        # spread over its nonzero bins.
+        edges = np.linspace(1, i, levels).astype(int)
+        group = np.concatenate([[0], 1 + np.repeat(np.arange(levels - 1), np.diff(edges))])
         mass = np.bincount(group, weights=hist[:i], minlength=levels)
         cnt = np.bincount(group, weights=nz, minlength=levels)
         q = np.where(nz, mass[group] / np.maximum(cnt[group], 1), 0.0)
@@ -358,7 +364,8 @@ def _kl_threshold(hist, levels, stride):
 
 @dataclasses.dataclass(frozen=True)
 class Entropy(_Histogram):
-    """KL-divergence (entropy) calibration, as in TensorRT and TVM.
+    """KL-divergence (entropy) calibration, as in TensorRT and TVM (with the zero
+    bin as its own level, see ``_kl_threshold``).
 
     Chooses the threshold ``T`` on ``|x|`` whose clipped and quantized
     distribution is closest to the observed one; the range is

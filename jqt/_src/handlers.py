@@ -1,9 +1,11 @@
 """What happens at each quantizable op, per mode.
 
 A handler has ``site(site, eqn, invals, ctx) -> outvals`` and says whether it
-``collects`` state (calibration statistics, merged with ``merge`` /
-``identity`` / ``reduce_iterations``) and whether it must stay
-``differentiable`` (the simulated path).
+``collects`` state (calibration statistics, or the report's error sums) and
+whether it must stay ``differentiable`` (the simulated path). A collecting
+handler also has ``identity(shapes)``, ``merge(a, b)`` and
+``reduce_iterations(stacked)``, each on a dict keyed by op key, which the
+interpreter uses under ``cond`` / ``while`` / ``scan``.
 """
 from __future__ import annotations
 

@@ -138,6 +138,7 @@ class OpReport:
     sqnr_isolated: float   # dB, this op quantized alone
     sqnr_cumulative: float  # dB, this op and every op before it quantized
     note: str
+    quantized: bool = True  # False for an op kept float
     hist: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -160,7 +161,7 @@ class Report:
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
-        q = [r for r in self.rows if r.weight != "float"]
+        q = [r for r in self.rows if r.quantized and not math.isnan(r.sqnr_isolated)]
         return sorted(q, key=lambda r: r.sqnr_isolated)[:n]
 
     def as_dicts(self) -> list:
@@ -250,10 +251,13 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     traced = tracer(_full_args(argnums, params_t, batch))
     keys = [s.key for s in traced.sites()]
     missing = [k for k in keys if k not in qparams]
-    if missing:
+    extra = [k for k in qparams if k not in keys]
+    if missing or extra:
         from .handlers import QParamsMismatchError
-        raise QParamsMismatchError(f"jqt.report: no quantization parameters for ops {missing[:5]}; "
-                                   "the qparams were made for another function.")
+        what = (f"no quantization parameters for ops {missing[:5]}" if missing else
+                f"qparams hold keys the function does not have: {extra[:5]}")
+        raise QParamsMismatchError(f"jqt.report: {what}; the qparams were made for another "
+                                   "function or weight_argnums. Run jqt.calibrate on this function.")
     state = {k: (qparams[k], None) for k in keys}
 
     def lane(*b):
@@ -310,16 +314,18 @@ def _rows(site, qp, st):
             key=site.key, layer=None if li is None else (li[0] if len(li) == 1 else li),
             op=site.op, weight_shape=tuple(avals[w].shape) if w is not None else (),
             act_shape=tuple(avals[1 - w].shape) if w is not None else tuple(avals[0].shape),
-            weight=_short(wq), activation=_short(aq) if not qp.is_float else "float",
+            weight=_short(wq) if w is not None else "-",
+            activation=_short(aq) if not qp.is_float else "float",
             weight_scale=None if wsc is None else (float(wsc.min()), float(wsc.max())),
             act_scale=None if asc is None else float(asc.reshape(-1)[0]),
             act_zero_point=None if azp is None else float(azp.reshape(-1)[0]),
             act_range=(float(g("x_min")), float(g("x_max"))) if ran else (math.nan, math.nan),
             act_qrange=_qrange(aq, asc, azp),
             act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,
-            weight_clip=float(g("w_clip") / g("w_n")) if ran else math.nan,
+            weight_clip=float(g("w_clip") / g("w_n")) if ran and w is not None else math.nan,
             sqnr_isolated=_sqnr(float(g("f2")), float(g("e_iso"))) if ran else math.nan,
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
             note=qp.note if qp.is_float else ("" if ran else "did not run on this batch"),
+            quantized=not qp.is_float,
             hist=g("hist") if ran else None))
     return out

@@ -66,14 +66,15 @@ class Sensitivity:
         return "\n".join(lines)
 
 
-def sensitivity(f, qparams, params, metric: Callable, *, weight_argnums=0, simulate=False,
+def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=False,
                 higher_is_better: bool = True) -> Sensitivity:
     """The effect on ``metric`` of quantizing each op alone, and of leaving each op
     float alone; 2 trials per quantized op, plus 2.
 
-    ``params`` is unused by the trials themselves (the metric calls the
-    function with its own arguments) but is checked against the qparams.
-    Rows are ranked by the drop when the op is quantized alone, largest first.
+    ``metric(g) -> float`` scores a function ``g`` with ``f``'s signature (it
+    calls ``g`` with its own weights and data); jqt passes ``f`` itself and
+    jitted quantized variants. Rows are ranked by the drop when the op is
+    quantized alone, largest first.
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
@@ -81,13 +82,12 @@ def sensitivity(f, qparams, params, metric: Callable, *, weight_argnums=0, simul
     >>> x = jnp.linspace(-1, 1, 32).reshape(8, 4)
     >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     >>> err = lambda g: float(jnp.abs(g(p, x) - f(p, x)).max())
-    >>> s = jqt.sensitivity(f, qp, p, err, higher_is_better=False)
+    >>> s = jqt.sensitivity(f, qp, err, higher_is_better=False)
     >>> sorted(r.key for r in s.rows)
     ['a', 'b']
     """
     from .quantize import _check_qparams
     _check_qparams(qparams)
-    del params
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     score = lambda qp: _score(f, qp, metric, weight_argnums, simulate)
@@ -152,6 +152,8 @@ def _search(ranked, trial, ok, max_trials, trials, all_back_score):
     even that fails."""
     n = len(ranked)
     if all_back_score is None:
+        if len(trials) >= max_trials:
+            return ((), trials[0][1])
         v = trial(tuple(ranked))
         if not ok(v):
             return (tuple(ranked), v)
@@ -199,6 +201,19 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
 
     Returns:
       a :class:`jqt.FallbackResult` whose ``recipe`` reproduces the choice.
+
+    Here ``b`` reads an outlier channel (``a`` scales it by 1000, ``b`` by 1e-3),
+    so its static int8 activation range is useless; the metric is an error:
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    >>> p = {"a": jnp.eye(4).at[0, 0].set(1000.), "b": jnp.ones((4, 2)).at[0].set(1e-3)}
+    >>> x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    >>> err = lambda g: float(jnp.abs(g(p, x) - f(p, x)).max())
+    >>> res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], err, max_drop=0.01,
+    ...                    higher_is_better=False)
+    >>> res.met, res.kept
+    (True, ('b',))
     """
     if rank not in ("report", "sensitivity"):
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
@@ -217,9 +232,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     m_float = float(metric(jax.jit(f)))
     trials = []
 
+    seen = {}
+
     def trial(kept):
+        if frozenset(kept) in seen:  # the pruning pass may revisit a choice
+            return seen[frozenset(kept)]
         v = _score(f, {**qp, **{k: alt[k] for k in kept}}, metric, weight_argnums, simulate)
         trials.append((tuple(kept), v))
+        seen[frozenset(kept)] = v
         return v
 
     ok = lambda v: sign * (m_float - v) <= max_drop
@@ -247,12 +267,17 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                     best = (cand, v)
     kept, m_final = best
     met = ok(m_final)
-    out_qp = {**qp, **{k: alt[k] for k in kept}}
-    rules = recipe.rules
+    rules, out_qp = recipe.rules, qp
     if kept:
         pattern = "^(" + "|".join(re.escape(k) for k in kept) + ")$"
         fb = Rule(key=pattern, weight=None) if to is None else dataclasses.replace(to, key=pattern)
         rules = (fb,) + rules
+        # Calibrate with the final recipe: the same arrays as the trial's mix, and
+        # metadata (which float leaves jqt.pack must keep, notes) that match it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out_qp = calibrate(f, Recipe(rules=rules), params, batches,
+                               weight_argnums=weight_argnums, progress=progress)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:

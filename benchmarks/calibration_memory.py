@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -127,20 +126,8 @@ def run_child(model, cal, n):
 
 
 def environment():
-    import flax
-    import jax
-
-    import jqt
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
-                                capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"jqt {jqt.__version__} ({commit}), jax {jax.__version__}, flax {flax.__version__}, "
-            f"{jax.devices()[0].platform} x{os.cpu_count()} cores, "
-            f"{platform.processor() or platform.machine()}, load average {load}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
+    from report import environment as report_environment
+    return report_environment(ROOT)
 
 
 def parse_args(argv=None):

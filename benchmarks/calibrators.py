@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -40,13 +38,13 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # the jqt of this checkout
 sys.path.insert(0, HERE)
 
-import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jqt  # noqa: E402
+from report import environment as report_environment  # noqa: E402
 from report import table  # noqa: E402
 
 C = jqt.calibrators
@@ -232,16 +230,7 @@ def clip_rows(res, recipe):
 
 
 def environment():
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
-                                capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"jqt {jqt.__version__} ({commit}), jax {jax.__version__}, flax {flax.__version__}, "
-            f"{jax.devices()[0].platform} x{os.cpu_count()} cores, "
-            f"{platform.processor() or platform.machine()}, load average {load}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
+    return report_environment(ROOT)
 
 
 def parse_args(argv=None):

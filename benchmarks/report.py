@@ -145,3 +145,26 @@ def check_table(cs, markdown=False) -> str:
     rows = [(c.status, c.target, _g(c.measured, ".3f"),
              f"<= {c.limit:g}", c.detail) for c in cs]
     return table(header, rows, markdown, left=(0, 1, 4))
+
+
+def environment(root: str) -> str:
+    """One line: jqt version and commit of ``root``, jax/flax versions, platform, load."""
+    import os
+    import platform
+    import subprocess
+    import time
+
+    import flax
+    import jax
+
+    import jqt
+    try:
+        commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"jqt {jqt.__version__} ({commit}), jax {jax.__version__}, flax {flax.__version__}, "
+            f"{jax.devices()[0].platform} x{os.cpu_count()} cores, "
+            f"{platform.processor() or platform.machine()}, load average {load}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}")

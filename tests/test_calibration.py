@@ -150,7 +150,12 @@ meshed = jqt.calibrate(mlp, recipe, p, batches, progress=False, mesh=mesh)
 glob = jqt.calibrate(mlp, recipe, p, sharded, progress=False)
 minmax = jqt.calibrate(mlp, jqt.Recipe(rules=tuple(dataclasses.replace(r, calibrator=C.MinMax())
                                                      for r in recipe.rules)), p, batches, progress=False)
-out = {"devices": len(jax.devices()),
+try:
+    jqt.calibrate(mlp, recipe, p, [(normal((12, 8), 1.0),)], progress=False, mesh=mesh)
+    uneven = ""
+except jqt.CalibrationDataError as e:
+    uneven = str(e)
+out = {"devices": len(jax.devices()), "uneven": uneven,
        "shard_devices": len(sharded[0][0].sharding.device_set),
        "shard_shape": list(sharded[0][0].addressable_shards[0].data.shape),
        # the histogram radius (power-of-two exponent) of each device's shard of the first input
@@ -355,17 +360,18 @@ def test_histogram_combine_is_exact_with_different_radii(cal):
 
 
 def test_histogram_combine_is_exact_on_arbitrary_floats():
-    # BUG (jqt/_src/calibrators.py, _Histogram.observe, line 199):
+    # Regression (fixed; was in jqt/_src/calibrators.py, _Histogram.observe): the old
     #     idx = jnp.floor((x + radius) / (2 * radius) * self.bins)
-    # rounds ``x + radius`` to float32 before flooring. A value less than half an ulp of
-    # ``radius`` below a bin edge lands in the bin above, and how far that reaches depends on
-    # the radius, so the same value is binned differently in histograms of different radii
-    # and combine(observe(a), observe(b)) != observe(concat(a, b)) on ordinary data (one
-    # count moves to the neighbouring bin). Minimal cases: observe([-1e-9, 1.0]) counts -1e-9
-    # in the bin [0, 2/2048) instead of [-2/2048, 0); observe([0.34374998, 20.0]) (radius
-    # 32, edges at multiples of 1/32) counts 0.34374998 in [0.34375, 0.375).
-    # floor(x * (bins / (2 * radius))) + bins // 2 would be exact (a power-of-two scaling
-    # for power-of-two bins).
+    # rounds ``x + radius`` to float32 before flooring: a value within half an ulp (of
+    # ``x + radius``) below a bin edge lands in the bin above. How far that reaches depends
+    # on the radius, so the same value is binned differently in histograms of different
+    # radii, and combine(observe(a), observe(b)) != observe(concat(a, b)) on ordinary data
+    # (one count moves to the neighbouring bin). Minimal cases:
+    # * observe([-1e-9, 1.0]) (radius 2, bins 1/512 wide) counts -1e-9 in [0, 1/512)
+    #   instead of [-1/512, 0);
+    # * observe([0.34374998, 20.0]) (radius 32, bins 1/32 wide) counts 0.34374998 in
+    #   [0.34375, 0.375) instead of [0.3125, 0.34375).
+    # floor(x * (bins / (2 * radius))) + bins // 2 is exact for power-of-two bins.
     cal = C.Percentile()
     b = cal.bins
     observe, combine, _ = _jitted(cal)
@@ -891,6 +897,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     r = data_parallel_result
     assert r["devices"] == 8 and r["shard_devices"] == 8 and r["shard_shape"] == [4, 8]
     assert r["same_tree"] == [True, True]
+    assert "divide evenly over the 8 devices" in r["uneven"]  # a batch of 12 on 8 devices
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
     for how in ("mesh", "sharded"):

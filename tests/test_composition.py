@@ -8,7 +8,6 @@ two paths produce.
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import jax

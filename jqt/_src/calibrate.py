@@ -71,6 +71,14 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
         from jax.sharding import PartitionSpec as P
 
         def step(params_t, batch, observe_weights, decided):
+            n_dev = mesh.shape[data_axis]
+            for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+                if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % n_dev:
+                    raise CalibrationDataError(
+                        f"jqt.calibrate(mesh=...): batch argument {jax.tree_util.keystr(path)} "
+                        f"has shape {jnp.shape(leaf)}; its leading (batch) axis must divide "
+                        f"evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
+
             def per_device(params_t, batch, decided):
                 st = local(params_t, batch, observe_weights, decided)
                 gathered = jax.lax.all_gather(st, data_axis)

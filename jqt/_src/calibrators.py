@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -195,8 +194,11 @@ class _Histogram(Calibrator):
         amax = jnp.max(jnp.abs(x))
         _, e = jnp.frexp(amax)  # amax < 2**e
         e = jnp.maximum(e, _EMPTY_EXP + 1).astype(jnp.int32)
-        radius = jnp.ldexp(jnp.float32(1.0), e)
-        idx = jnp.floor((x + radius) / (2 * radius) * self.bins).astype(jnp.int32)
+        # bin = B/2 + floor(x * B / (2 R)); x * (B/2) is rounded once, the same way at
+        # every radius, and the scaling by 2**-e is exact, so a value falls in nested
+        # bins at every radius (what makes merging exact).
+        half = self.bins // 2
+        idx = jnp.floor(jnp.ldexp(x * jnp.float32(half), -e)).astype(jnp.int32) + half
         hist = jnp.zeros((self.bins,), _F32).at[jnp.clip(idx, 0, self.bins - 1)].add(1.0)
         return {**_minmax(x), "hist": hist, "exp": e}
 

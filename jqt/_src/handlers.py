@@ -9,7 +9,6 @@ interpreter uses under ``cond`` / ``while`` / ``scan``.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from . import compat, kernels, stats

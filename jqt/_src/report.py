@@ -26,7 +26,6 @@ import numpy as np
 from jax import lax
 
 from . import compat
-from . import numerics as nx
 from .handlers import Simulate, lookup
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import PackedParams

@@ -26,9 +26,11 @@ import numpy as np
 from jax import lax
 
 from . import compat
-from .handlers import Simulate, lookup
+from .calibrate import _full_args
+from .handlers import QParamsMismatchError, Simulate, lookup
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import PackedParams
+from .quantize import _check_qparams
 from .tracing import Tracer, normalize_argnums
 
 _AXIS = "jqt_report_lane"
@@ -234,7 +236,6 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     >>> [row.key for row in r.rows], r.output_sqnr > 30
     (['a', 'b'], True)
     """
-    from .quantize import _check_qparams
     _check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
@@ -244,7 +245,6 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     if not isinstance(batch, (tuple, list)):
         raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
                         "remaining arguments of f, e.g. (x,).")
-    from .calibrate import _full_args
     batch = tuple(batch)
     tracer = Tracer(f, argnums)
     traced = tracer(_full_args(argnums, params_t, batch))
@@ -252,7 +252,6 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     missing = [k for k in keys if k not in qparams]
     extra = [k for k in qparams if k not in keys]
     if missing or extra:
-        from .handlers import QParamsMismatchError
         what = (f"no quantization parameters for ops {missing[:5]}" if missing else
                 f"qparams hold keys the function does not have: {extra[:5]}")
         raise QParamsMismatchError(f"jqt.report: {what}; the qparams were made for another "

@@ -17,7 +17,9 @@ import jax
 
 from .calibrate import calibrate
 from .qparams import OpQParams
+from .quantize import _check_qparams, quantize
 from .recipe import Recipe, Rule
+from .report import report
 
 
 def _as_float(p: OpQParams, note: str) -> OpQParams:
@@ -29,7 +31,6 @@ def _quantized_keys(qparams):
 
 
 def _score(f, qparams, metric, weight_argnums, simulate):
-    from .quantize import quantize
     v = metric(jax.jit(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums)))
     v = float(v)
     if math.isnan(v):
@@ -86,7 +87,6 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     >>> sorted(r.key for r in s.rows)
     ['a', 'b']
     """
-    from .quantize import _check_qparams
     _check_qparams(qparams)
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
@@ -134,7 +134,6 @@ class FallbackResult:
 
 
 def _rank_by_report(f, qparams, params, batch, weight_argnums):
-    from .report import report
     r = report(f, qparams, params, batch, weight_argnums=weight_argnums)
     worst = {}
     for row in r.rows:

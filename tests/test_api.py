@@ -209,3 +209,16 @@ def test_unsupported_higher_order_primitive_warns():
     assert qp == {}
     with pytest.warns(UserWarning, match="shard_map"):
         np.testing.assert_array_equal(jqt.quantize(f, qp)(w, x), f(w, x))
+
+
+def test_packed_weights_with_qparams_that_keep_the_op_float():
+    """Packed params whose int8 weight replaced a leaf cannot run with qparams that keep
+    that op float: the leaf is gone, so jqt says so instead of reading zeros."""
+    f = lambda p, x: x @ p["w"]
+    p, x = {"w": jnp.ones((4, 4))}, jnp.ones((2, 4))
+    packed = jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False), p)
+    keep_float = jqt.Recipe(rules=(jqt.Rule(key="w", weight=None),) + jqt.recipes.w8a8().rules)
+    qp_float = jqt.calibrate(f, keep_float, p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="'w' reads weight 'w', which jqt.pack dropped"):
+        jqt.quantize(f, qp_float)(packed, x)
+    np.testing.assert_allclose(jqt.quantize(f, qp_float)(p, x), f(p, x))

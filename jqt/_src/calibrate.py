@@ -18,7 +18,15 @@ from .tracing import Tracer, normalize_argnums
 
 
 class CalibrationDataError(ValueError):
-    """The calibration data cannot be used (empty, NaN/inf, inconsistent structure)."""
+    """The calibration data cannot be used (empty, NaN/inf, inconsistent structure).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> try:
+    ...     jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2), [], progress=False)
+    ... except jqt.CalibrationDataError as e:
+    ...     print(e)
+    jqt.calibrate: the calibration set is empty; pass at least one batch, e.g. batches=[(x,)].
+    """
 
 
 def _full_args(argnums, params, batch):
@@ -135,10 +143,11 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
         evaluation order (one pass over ``batches`` per op with a static
         activation range; ``batches`` must be a sequence). Ops under one
         ``lax.scan`` key are calibrated together.
-      mesh, data_axis: data-parallel calibration: every batch argument is
-        split along its leading axis over the ``data_axis`` of ``mesh``, each
-        device observes its shard, and the statistics are combined across
-        devices.
+      mesh: data-parallel calibration (a ``jax.sharding.Mesh``): every batch
+        argument is split along its leading axis over the ``data_axis`` of
+        ``mesh``, each device observes its shard, and the statistics are
+        combined across devices.
+      data_axis: the axis of ``mesh`` that batches are split over.
 
     Returns:
       ``dict`` mapping op keys to :class:`jqt.OpQParams` (a pytree).

@@ -106,7 +106,7 @@ def _contract_dim(layout):
 def int_matmul(x2, w2, layout, pad_rows):
     """int8 ``(M, K)`` x int8 weight in ``layout`` -> int32 ``(M, N)``; rows padded to ``pad_rows``."""
     m = x2.shape[0]
-    if m < pad_rows:
+    if isinstance(m, int) and m < pad_rows:  # a symbolic row count (jax.export) is not padded
         x2 = jnp.pad(x2, ((0, pad_rows - m), (0, 0)))
     dn = (((1,), (_contract_dim(layout),)), ((), ()))
     return lax.dot_general(x2, w2, dn, preferred_element_type=_I32)[:m]

@@ -21,7 +21,17 @@ _F32 = jnp.float32
 
 
 class QParamsMismatchError(ValueError):
-    """qparams do not match the function they are used with."""
+    """qparams do not match the function they are used with.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> try:
+    ...     jqt.quantize(lambda w, x: x @ w + x @ w.T, qp)(jnp.eye(2), jnp.ones((1, 2)))
+    ... except jqt.QParamsMismatchError as e:
+    ...     print(str(e)[:47])
+    jqt: no quantization parameters for ops ['w#1']
+    """
 
 
 class Calibrate:

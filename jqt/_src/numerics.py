@@ -53,7 +53,8 @@ def _abstract(x, scale, zero_point, *, dtype=None, **_):
         except ValueError:
             raise ValueError(f"jqt: {name} of shape {a.shape} does not broadcast to the "
                              f"operand's shape {x.shape}.") from None
-    return jax.core.ShapedArray(x.shape, dtype or x.dtype)
+    # keep the operand's sharding (explicit mesh axes), as an elementwise op does
+    return jax.core.ShapedArray(x.shape, dtype or x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def _batch_rule(prim):
@@ -87,7 +88,22 @@ def _primitive(name, impl):
 
 
 fake_quant_p = _primitive("jqt_fake_quant", _fake_quant_impl)
+"""The simulated-quantize primitive, ``jqt_fake_quant[qmin, qmax](x, scale, zero_point)``:
+float in, float out, differentiable (straight-through for ``x``, LSQ for the scale).
+
+>>> import jax, jax.numpy as jnp, jqt
+>>> jqt.fake_quant_p.bind(jnp.array([0.26, 9.0]), jnp.float32(0.5), jnp.float32(0), qmin=-8, qmax=7)
+Array([0.5, 3.5], dtype=float32)
+"""
 quantize_p = _primitive("jqt_quantize", _quantize_impl)
+"""The quantize primitive of the integer path, ``jqt_quantize[qmin, qmax, dtype](x, scale,
+zero_point)``: float in, integer codes out; not differentiable.
+
+>>> import jax.numpy as jnp, numpy as np, jqt
+>>> jqt.quantize_p.bind(jnp.array([0.26, 9.0]), jnp.float32(0.5), jnp.float32(0), qmin=-8,
+...                     qmax=7, dtype=np.dtype(np.int8))
+Array([1, 7], dtype=int8)
+"""
 
 
 def _masks(x, scale, zero_point, qmin, qmax):

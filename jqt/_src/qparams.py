@@ -30,6 +30,13 @@ class WeightSource:
     function, so :func:`jqt.pack` must keep it. ``leaf`` is the leaf's index
     in the flattened argument; ``contract`` the operand axes the op reduces;
     ``batch`` its ``dot_general`` batch axes.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda p, x: x @ p["w"].T, jqt.recipes.w8a8(), {"w": jnp.eye(2)},
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> src = qp["w"].source
+    >>> src.path, src.chain[0][0]
+    ('w', 'transpose')
     """
 
     arg: int
@@ -42,6 +49,7 @@ class WeightSource:
 
     @property
     def stack_depth(self) -> int:
+        """How many ``lax.scan`` calls sliced the leaf (leading stacked axes of its qparams)."""
         return sum(1 for c in self.chain if c[0] == "scan_slice")
 
 
@@ -98,6 +106,13 @@ class OpQParams:
         ``None`` for an activation x activation op (static).
       source: where the weight operand comes from, for :func:`jqt.pack` (static).
       note: why the op stays float, when it does (static).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> p = qp["w"]
+    >>> p.op, p.weight_operand, p.lhs, p.rhs.qtype.bits, p.is_float
+    ('dot_general', 1, None, 8, False)
     """
 
     lhs: Optional[QuantParams]
@@ -109,9 +124,11 @@ class OpQParams:
 
     @property
     def is_float(self) -> bool:
+        """True when neither operand is quantized (the op runs in float)."""
         return self.lhs is None and self.rhs is None
 
     def operand(self, i: int) -> Optional[QuantParams]:
+        """The :class:`QuantParams` of operand ``i`` (0: lhs, 1: rhs), or ``None``."""
         return (self.lhs, self.rhs)[i]
 
     def __repr__(self):
@@ -136,6 +153,14 @@ class PackedWeight:
     matmuls) or ``"kn"`` (for weight-only matmuls); stacked layers keep their
     leading axes. ``wsum`` is its int32 sum over the contracted axes (for the
     zero-point correction of asymmetric activations).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> p = {"w": jnp.ones((8, 4))}
+    >>> qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)],
+    ...                    progress=False)
+    >>> w = jqt.pack(qp, p).weights["w"]
+    >>> w.layout, w.qvalue.shape, w.qvalue.dtype, w.wsum.tolist()
+    ('nk', (4, 8), dtype('int8'), [1016, 1016, 1016, 1016])
     """
 
     qvalue: jax.Array
@@ -150,6 +175,16 @@ class PackedParams:
     Holds the float leaves still needed (biases, norms, weights of float ops)
     and a dict of :class:`PackedWeight` keyed by op key. Pass it to a
     quantized function in place of the float weights.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> p = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    >>> f = lambda p, x: x @ p["w"] + p["b"]
+    >>> packed = jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 64)),)],
+    ...                                 progress=False), p)
+    >>> packed
+    PackedParams(1 int8 weights, 1 float leaves kept of 2)
+    >>> packed.nbytes() < (64 * 64 + 64) * 4 / 3
+    True
     """
 
     def __init__(self, leaves, weights, treedef, avals, kept):
@@ -207,3 +242,35 @@ def _short(p: Optional[QuantParams]) -> str:
     t = p.qtype
     return (f"int{t.bits} {'sym' if t.symmetric else 'asym'} "
             f"{'per-channel' if t.per_channel else 'per-tensor'}{' dynamic' if t.dynamic else ''}")
+
+
+def _register_export_serialization():
+    """Registers jqt's pytree nodes for ``jax.export`` serialization, under the stable
+    names ``"jqt.QuantParams"``, ``"jqt.OpQParams"``, ``"jqt.PackedWeight"`` and
+    ``"jqt.PackedParams"``, so that a function taking them can be exported and
+    deserialized in another process that imports jqt. The aux data codecs are in
+    ``export.py`` (imported when first used: it imports this module)."""
+    from jax import export as jax_export
+
+    def codecs(cls):
+        def serialize(aux):
+            from . import export
+            return export.serialize_aux(cls, aux)
+
+        def deserialize(data):
+            from . import export
+            return export.deserialize_aux(cls, data)
+
+        return serialize, deserialize
+
+    for cls in (QuantParams, OpQParams, PackedWeight, PackedParams):
+        serialize, deserialize = codecs(cls)
+        try:
+            jax_export.register_pytree_node_serialization(
+                cls, serialized_name=f"jqt.{cls.__name__}", serialize_auxdata=serialize,
+                deserialize_auxdata=deserialize)
+        except ValueError:  # already registered: this module was imported again (reload)
+            pass
+
+
+_register_export_serialization()

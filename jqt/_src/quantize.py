@@ -37,6 +37,21 @@ def _unpack(packed: PackedParams):
     return jax.tree_util.tree_unflatten(packed.treedef, leaves)
 
 
+def _check_packed_covers(traced, qparams, packed, dropped):
+    """Every op that reads a leaf jqt.pack dropped must quantize it and get its packed
+    int8 weight (otherwise it would read the zeros ``_unpack`` puts there)."""
+    for s in traced.sites():
+        src, p = s.source, qparams.get(s.key)
+        if src is None or (src.arg, src.leaf) not in dropped or p is None:
+            continue
+        if s.key not in packed or p.operand(s.weight_operand) is None:
+            raise QParamsMismatchError(
+                f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped (its int8 "
+                "copy replaced it), but the packed params hold no int8 weight for this op: the "
+                "qparams differ from those the weights were packed with. Pack again with these "
+                "qparams (jqt.pack(qparams, params)) or pass the float params.")
+
+
 def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
     """Returns ``f`` running with quantized ops: same signature, same outputs' structure.
 
@@ -78,12 +93,15 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                             f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
                             "calibrating and quantizing.")
         args = list(args)
-        packed = {}
+        packed, dropped = {}, set()
         for a in argnums:
             if a < len(args) and isinstance(args[a], PackedParams):
                 packed.update(args[a].weights)
+                dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         traced = tracer(args)
+        if dropped:
+            _check_packed_covers(traced, qparams, packed, dropped)
         keys = [s.key for s in traced.sites()]
         if id(traced) not in checked:
             extra = sorted(set(qparams) - set(keys))

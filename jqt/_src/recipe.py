@@ -69,10 +69,12 @@ class QuantType:
 
     @property
     def qmin(self) -> int:
+        """The smallest integer code."""
         return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
 
     @property
     def qmax(self) -> int:
+        """The largest integer code."""
         return 2 ** (self.bits - 1) - 1
 
 
@@ -153,6 +155,7 @@ class Rule:
                              "operand; use QuantType(dynamic=True, ...).")
 
     def matches(self, op: str, key: str) -> bool:
+        """Whether this rule applies to the op ``op`` (a primitive name) with key ``key``."""
         return op in self.ops and re.search(self.key, key) is not None
 
 
@@ -179,6 +182,7 @@ class Recipe:
                 raise TypeError(f"Recipe(rules=...) holds {type(r).__name__}; expected jqt.Rule.")
 
     def rule_for(self, op: str, key: str) -> Optional[Rule]:
+        """The first rule that matches, or ``None`` (the op stays float)."""
         for r in self.rules:
             if r.matches(op, key):
                 return r
@@ -186,6 +190,12 @@ class Recipe:
 
 
 INT8_WEIGHT = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True)
+"""The weight type of the int8 presets: symmetric, narrow range (-127..127), per channel.
+
+>>> import jqt
+>>> jqt.recipes.INT8_WEIGHT.qmin, jqt.recipes.INT8_WEIGHT.per_channel
+(-127, True)
+"""
 
 
 def _cal(calibrator, weight_calibrator):

@@ -120,7 +120,16 @@ def _sqnr(signal, noise):
 
 @dataclasses.dataclass(frozen=True)
 class OpReport:
-    """One row of a :class:`Report`: one op (one layer of a stacked op)."""
+    """One row of a :class:`Report`: one op (one layer of a stacked op).
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"]
+    >>> p, x = {"w": jnp.eye(3)}, jnp.arange(6.0).reshape(2, 3)
+    >>> row = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False),
+    ...                  p, (x,)).rows[0]
+    >>> row.name, row.op, row.weight_shape, row.act_clip
+    ('w', 'dot_general', (3, 3), 0.0)
+    """
 
     key: str
     layer: Optional[int]
@@ -144,6 +153,7 @@ class OpReport:
 
     @property
     def name(self) -> str:
+        """The key, with ``[layer]`` for a layer of a stacked op."""
         return self.key if self.layer is None else f"{self.key}[{self.layer}]"
 
 
@@ -153,6 +163,17 @@ class Report:
 
     ``str(report)`` is a table; ``rows`` the data; :meth:`worst` ranks the ops;
     :meth:`plot` draws the per-op SQNR and activation histograms to a PNG.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    >>> p = {"a": jnp.eye(4), "b": jnp.ones((4, 2))}
+    >>> x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    >>> rep = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False), p, (x,))
+    >>> [r.name for r in rep.worst(2)] == sorted(["a", "b"], key=lambda k: {r.key: r.sqnr_isolated
+    ...                                                                   for r in rep.rows}[k])
+    True
+    >>> sorted(rep.as_dicts()[0])[:4]
+    ['act_clip', 'act_qrange', 'act_range', 'act_scale']
     """
 
     rows: tuple
@@ -218,7 +239,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     """Measures the quantization error of each op of ``f`` on one batch.
 
     Args:
-      f, qparams: the function and its parameters from :func:`jqt.calibrate`.
+      f: the function that was calibrated.
+      qparams: its parameters, from :func:`jqt.calibrate`.
       params: the float weights (not :func:`jqt.pack`'s, which lost the float values).
       batch: a tuple of the remaining arguments of ``f``, as in calibration.
       weight_argnums: as in :func:`jqt.calibrate`.

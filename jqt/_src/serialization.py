@@ -1,33 +1,170 @@
-"""``jqt.save`` / ``jqt.load``: qparams to one ``.npz`` file with a JSON header."""
+"""Files: ``jqt.save`` / ``jqt.load`` (qparams) and ``jqt.save_packed`` / ``jqt.load_packed``
+(packed weights), in safetensors with a versioned JSON header.
+
+Formats (the JSON header is in the safetensors metadata under ``"jqt"``; ``"format"`` and
+``"version"`` are also plain metadata entries, readable by any safetensors tool):
+
+- ``jqt.qparams`` version 2 (``jqt.save`` to any path not ending in ``.npz``): one tensor
+  per scale / zero point, named ``<op key>/<lhs|rhs>.<scale|zero_point>``; the header
+  holds each op's static metadata (quantization types, op, weight operand, source).
+- ``jqt.qparams`` version 1: the same header in an ``.npz`` (``jqt.save`` to a path
+  ending in ``.npz``; kept so that files written by earlier jqt still load).
+- ``jqt.packed`` version 1 (``jqt.save_packed``): ``packed/<op key>/qvalue`` (int8) and
+  ``packed/<op key>/wsum`` (int32) per packed weight, ``params/<leaf path>`` per float
+  leaf kept; the header holds each weight's layout, the avals of every leaf of the
+  original params and a JSON description of their tree (rebuilt on load, or replaced
+  by ``like=``), and optionally the qparams the weights were packed with.
+
+The same JSON codecs serialize jqt's pytree aux data for ``jax.export`` (``export.py``).
+"""
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .qparams import OpQParams, QuantParams, WeightSource
+from .analysis import path_str
+from .handlers import QParamsMismatchError
+from .qparams import OpQParams, PackedParams, PackedWeight, QuantParams, WeightSource
 from .recipe import QuantType
 
 FORMAT = "jqt.qparams"
-VERSION = 1
+VERSION = 1  # the .npz format
+ST_VERSION = 2  # the safetensors format of qparams
+PACKED_FORMAT = "jqt.packed"
+PACKED_VERSION = 1
+
+# dtypes safetensors stores natively; anything else is stored as its raw bytes (uint8).
+_NATIVE = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+           "float16", "bfloat16", "float32", "float64"}
+
+
+class FormatError(ValueError):
+    """A file is not a jqt file of the expected kind, or has an unsupported version."""
 
 
 def _tuplify(x):
     return tuple(_tuplify(i) for i in x) if isinstance(x, list) else x
 
 
-def save(path, qparams) -> None:
-    """Saves ``qparams`` (arrays and metadata) to ``path`` (an ``.npz`` file).
+# ---- JSON codecs of jqt's static metadata (also used by the jax.export registration) ------------
 
-    >>> import os, tempfile, jax.numpy as jnp, jqt
-    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
-    ...                    [(jnp.ones((1, 2)),)], progress=False)
-    >>> p = os.path.join(tempfile.mkdtemp(), "qp.npz")
-    >>> jqt.save(p, qp)
-    >>> jqt.load(p)["w"].rhs.qtype == qp["w"].rhs.qtype
-    True
-    """
+def qtype_to_json(t: QuantType) -> dict:
+    return dataclasses.asdict(t)
+
+
+def qtype_from_json(d: dict) -> QuantType:
+    return QuantType(**d)
+
+
+def source_to_json(s):
+    return None if s is None else dataclasses.asdict(s)
+
+
+def source_from_json(d):
+    return None if d is None else WeightSource(**{k: _tuplify(v) for k, v in d.items()})
+
+
+def dtype_from_name(name: str):
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        raise FormatError(f"jqt: unknown dtype {name!r} in the file (written by a newer JAX or "
+                          "ml_dtypes?).") from None
+
+
+def aval_to_json(a) -> list:
+    return [list(a.shape), jnp.dtype(a.dtype).name]
+
+
+def aval_from_json(d) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(d[0]), dtype_from_name(d[1]))
+
+
+def _custom_registries():
+    """jax.export's registries of custom pytree nodes ({type: (name, serialize)},
+    {name: (type, deserialize, from_children)}), or empty ones if JAX moved them."""
+    try:
+        from jax._src.export import _export
+        return _export.serialization_registry, _export.deserialization_registry
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
+        return {}, {}
+
+
+class TreeNotSerializable(ValueError):
+    """A pytree structure holds a node type jqt cannot describe in JSON."""
+
+
+def treedef_to_json(treedef):
+    """A JSON description of ``treedef``: ``"*"`` (leaf), ``None``, ``["tuple", children]``,
+    ``["list", children]``, ``["dict", keys, children]`` (str or int keys), or
+    ``["custom", name, base64 aux, children]`` for node types registered with
+    ``jax.export.register_pytree_node_serialization`` (the rules of ``jax.export``).
+    Raises :class:`TreeNotSerializable` for anything else."""
+    node = treedef.node_data()
+    if node is None:
+        return "*"
+    kind, aux = node
+    kids = [treedef_to_json(c) for c in treedef.children()]
+    if kind is type(None):
+        return None
+    if kind is tuple:
+        return ["tuple", kids]
+    if kind is list:
+        return ["list", kids]
+    if kind is dict:
+        keys = list(aux)
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
+            raise TreeNotSerializable(f"a dict with keys {keys[:4]} (only str and int keys)")
+        return ["dict", keys, kids]
+    ser, _ = _custom_registries()
+    if kind in ser:
+        name, serialize = ser[kind]
+        data = serialize(aux)
+        return ["custom", name, base64.b64encode(bytes(data)).decode("ascii"), kids]
+    raise TreeNotSerializable(f"a {kind.__module__}.{kind.__qualname__} node")
+
+
+def _tree_from_json(d, leaves):
+    if d == "*":
+        return next(leaves)
+    if d is None:
+        return None
+    tag = d[0]
+    if tag == "tuple":
+        return tuple(_tree_from_json(c, leaves) for c in d[1])
+    if tag == "list":
+        return [_tree_from_json(c, leaves) for c in d[1]]
+    if tag == "dict":
+        return {k: _tree_from_json(c, leaves) for k, c in zip(d[1], d[2])}
+    if tag == "custom":
+        _, de = _custom_registries()
+        if d[1] not in de:
+            raise TreeNotSerializable(
+                f"a node serialized as {d[1]!r}, which this process has not registered with "
+                "jax.export.register_pytree_node_serialization (import the module that does)")
+        kind, deserialize, from_children = de[d[1]]
+        kids = [_tree_from_json(c, leaves) for c in d[3]]
+        return from_children(deserialize(base64.b64decode(d[2])), kids)
+    raise FormatError(f"jqt: unknown tree node {tag!r} in the file.")
+
+
+def treedef_from_json(d):
+    """Inverse of :func:`treedef_to_json`."""
+    import itertools
+    return jax.tree_util.tree_structure(_tree_from_json(d, itertools.repeat(0.0)))
+
+
+def _qparams_entries(qparams, name):
+    """(JSON entries, arrays): ``name(key, side, field)`` names each array."""
+    if not isinstance(qparams, dict) or not all(isinstance(v, OpQParams) for v in qparams.values()):
+        raise TypeError(f"jqt.save: expected the qparams dict returned by jqt.calibrate, got a "
+                        f"{type(qparams).__name__}.")
     arrays, entries = {}, {}
     for i, (key, p) in enumerate(qparams.items()):
         ops = []
@@ -35,43 +172,441 @@ def save(path, qparams) -> None:
             if q is None:
                 ops.append(None)
                 continue
-            d = {"qtype": dataclasses.asdict(q.qtype)}
-            for name in ("scale", "zero_point"):
-                a = getattr(q, name)
+            d = {"qtype": qtype_to_json(q.qtype)}
+            for field in ("scale", "zero_point"):
+                a = getattr(q, field)
                 if a is not None:
-                    arrays[f"{i}.{side}.{name}"] = np.asarray(a)
-                    d[name] = f"{i}.{side}.{name}"
+                    n = name(i, key, side, field)
+                    arrays[n] = np.asarray(a)
+                    d[field] = n
             ops.append(d)
-        entries[key] = {"lhs": ops[0], "rhs": ops[1], "op": p.op, "weight_operand": p.weight_operand,
-                        "note": p.note,
-                        "source": None if p.source is None else dataclasses.asdict(p.source)}
-    header = json.dumps({"format": FORMAT, "version": VERSION, "ops": entries})
-    with open(path, "wb") as fh:
-        np.savez(fh, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
+        entries[key] = {"lhs": ops[0], "rhs": ops[1], "op": p.op,
+                        "weight_operand": p.weight_operand, "note": p.note,
+                        "source": source_to_json(p.source)}
+    return entries, arrays
+
+
+def _qparams_from_entries(entries, get):
+    out = {}
+    for key, e in entries.items():
+        ops = []
+        for d in (e["lhs"], e["rhs"]):
+            if d is None:
+                ops.append(None)
+                continue
+            ops.append(QuantParams(scale=get(d["scale"]) if "scale" in d else None,
+                                   zero_point=get(d["zero_point"]) if "zero_point" in d else None,
+                                   qtype=qtype_from_json(d["qtype"])))
+        out[key] = OpQParams(lhs=ops[0], rhs=ops[1], op=e["op"], weight_operand=e["weight_operand"],
+                             source=source_from_json(e["source"]), note=e["note"])
+    return out
+
+
+# ---- safetensors helpers ------------------------------------------------------------------------
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError:  # pragma: no cover - a declared dependency
+        raise ImportError("jqt: saving and loading .safetensors files needs the 'safetensors' "
+                          "package: pip install safetensors") from None
+    return safetensors
+
+
+def _storable(a):
+    """(array safetensors can store, original dtype name or None when stored as is)."""
+    a = np.asarray(a)
+    if not a.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        a = a.copy(order="C")
+    if a.dtype.name in _NATIVE:
+        return a, None
+    return np.frombuffer(a.tobytes(), np.uint8).copy(), a.dtype.name
+
+
+def _write(path, tensors, header, fmt, version):
+    st = _safetensors()
+    stored, encoded = {}, {}
+    for n, a in tensors.items():
+        stored[n], enc = _storable(a)
+        if enc is not None:
+            encoded[n] = [enc, list(np.shape(a))]
+    header = dict(header, format=fmt, version=version, encoded=encoded)
+    meta = {"format": fmt, "version": str(version), "jqt": json.dumps(header)}
+    st.numpy.save_file(stored, os.fspath(path), metadata=meta)
+
+
+def _is_zip(path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"PK\x03\x04"
+
+
+class _Reader:
+    """Opens a safetensors file and checks that it is a jqt file (any kind)."""
+
+    def __init__(self, path, fn):
+        st = _safetensors()
+        self.path = path
+        try:
+            self._f = st.safe_open(os.fspath(path), framework="np").__enter__()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types, not exported
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FormatError(f"{fn}: {path} is not a jqt file (not a safetensors file: "
+                              f"{why}).") from None
+        meta = self._f.metadata() or {}
+        if "jqt" not in meta:
+            keys = list(self._f.keys())
+            self.__exit__()
+            more = " ..." if len(keys) > 4 else ""
+            raise FormatError(f"{fn}: {path} is a safetensors file but not a jqt file (no 'jqt' "
+                              f"header; it holds tensors {keys[:4]}{more}).")
+        self.header = json.loads(meta["jqt"])
+        self.format, self.version = self.header.get("format"), self.header.get("version")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.__exit__(None, None, None)  # closes the file (the arrays read are copies)
+
+    def get(self, name):
+        a = self._f.get_tensor(name)
+        enc = self.header.get("encoded", {}).get(name)
+        if enc is not None:
+            a = np.frombuffer(a.tobytes(), dtype_from_name(enc[0])).reshape(enc[1])
+        return a
+
+
+def _version_error(fn, path, fmt, version, want):
+    return FormatError(f"{fn}: {path} holds format {fmt!r} version {version!r}; this jqt reads "
+                       f"{want}. Upgrade jqt (newer file) or re-save it with this one.")
+
+
+# ---- qparams ------------------------------------------------------------------------------------
+
+def save(path, qparams) -> None:
+    """Saves ``qparams`` (arrays and metadata) to ``path``.
+
+    A path ending in ``.npz`` gets the ``.npz`` format (version 1, readable by every jqt);
+    any other path (``.safetensors`` recommended) gets a safetensors file (format
+    ``jqt.qparams`` version 2). :func:`jqt.load` reads both. To store the packed weights
+    too (one file to deploy), see :func:`jqt.save_packed`.
+
+    >>> import os, tempfile, jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> p = os.path.join(tempfile.mkdtemp(), "qp.safetensors")
+    >>> jqt.save(p, qp)
+    >>> jqt.load(p)["w"].rhs.qtype == qp["w"].rhs.qtype
+    True
+    """
+    if os.fspath(path).endswith(".npz"):
+        entries, arrays = _qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
+        header = json.dumps({"format": FORMAT, "version": VERSION, "ops": entries})
+        with open(path, "wb") as fh:
+            np.savez(fh, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
+        return
+    entries, arrays = _qparams_entries(qparams, _qp_tensor_name)
+    _write(path, arrays, {"ops": entries}, FORMAT, ST_VERSION)
+
+
+def _qp_tensor_name(i, key, side, field):
+    return f"{key}/{side}.{field}"
 
 
 def load(path) -> dict:
-    """Loads qparams saved by :func:`jqt.save`; checks the format version."""
+    """Loads qparams saved by :func:`jqt.save` (``.npz``, version 1, or safetensors,
+    version 2) or stored with packed weights by :func:`jqt.save_packed`; checks the
+    format and version. Arrays are returned as NumPy arrays.
+
+    >>> import os, tempfile, jax, jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> p = os.path.join(tempfile.mkdtemp(), "qp.safetensors")
+    >>> jqt.save(p, qp)
+    >>> back = jqt.load(p)
+    >>> jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(qp)
+    True
+    """
+    if _is_zip(path):
+        return _load_npz(path)
+    with _Reader(path, "jqt.load") as r:
+        return _load_qparams(r, path)
+
+
+def _load_qparams(r, path):
+    if r.format == PACKED_FORMAT:
+        if r.version != PACKED_VERSION:
+            raise _version_error("jqt.load", path, r.format, r.version, f"version {PACKED_VERSION}")
+        if r.header.get("qparams") is None:
+            raise FormatError(f"jqt.load: {path} holds packed weights without qparams (saved by "
+                              "jqt.save_packed without qparams=); read it with jqt.load_packed.")
+        return _qparams_from_entries(r.header["qparams"], r.get)
+    if r.format != FORMAT:
+        raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
+    if r.version != ST_VERSION:
+        raise _version_error("jqt.load", path, r.format, r.version,
+                             f"version {VERSION} (.npz) and {ST_VERSION} (safetensors)")
+    return _qparams_from_entries(r.header["ops"], r.get)
+
+
+def _load_npz(path):
     with np.load(path) as z:
         if "__header__" not in z:
-            raise ValueError(f"jqt.load: {path} is not a jqt qparams file (no header).")
+            raise FormatError(f"jqt.load: {path} is not a jqt qparams file (no header).")
         header = json.loads(z["__header__"].tobytes().decode())
         if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise ValueError(f"jqt.load: {path} has format {header.get('format')!r} version "
-                             f"{header.get('version')!r}; this jqt reads {FORMAT!r} version {VERSION}.")
-        out = {}
-        for key, e in header["ops"].items():
-            ops = []
-            for d in (e["lhs"], e["rhs"]):
-                if d is None:
-                    ops.append(None)
-                    continue
-                get = lambda n: np.asarray(z[d[n]]) if n in d else None
-                ops.append(QuantParams(scale=get("scale"), zero_point=get("zero_point"),
-                                       qtype=QuantType(**d["qtype"])))
-            src = e["source"]
-            if src is not None:
-                src = WeightSource(**{k: _tuplify(v) for k, v in src.items()})
-            out[key] = OpQParams(lhs=ops[0], rhs=ops[1], op=e["op"], weight_operand=e["weight_operand"],
-                                 source=src, note=e["note"])
+            raise _version_error("jqt.load", path, header.get("format"), header.get("version"),
+                                 f"version {VERSION} (.npz) and {ST_VERSION} (safetensors)")
+        return _qparams_from_entries(header["ops"], lambda n: np.asarray(z[n]))
+
+
+# ---- packed weights -----------------------------------------------------------------------------
+
+def _leaf_paths(packed: PackedParams) -> list[str]:
+    n = len(packed.avals)
+    tree = jax.tree_util.tree_unflatten(packed.treedef, list(range(n)))
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _unique(name, used):
+    out, i = name, 1
+    while out in used:
+        out, i = f"{name}#{i}", i + 1
+    used.add(out)
     return out
+
+
+def save_packed(path, packed: PackedParams, qparams=None) -> None:
+    """Saves :func:`jqt.pack`'s weights to ``path`` (a safetensors file, format
+    ``jqt.packed`` version 1).
+
+    The file holds the int8 weights (``packed/<op key>/qvalue``), their int32 sums
+    (``packed/<op key>/wsum``), the float leaves kept (``params/<leaf path>``), the
+    shape and dtype of every leaf of the original params and a JSON description of
+    their tree (dicts with str or int keys, lists, tuples, ``None``, and node types
+    registered with ``jax.export.register_pytree_node_serialization``; for any other
+    node, :func:`jqt.load_packed` needs ``like=``).
+
+    With ``qparams`` (the ones passed to :func:`jqt.pack`), the file also holds them:
+    one file to deploy, :func:`jqt.load` reads the qparams back from it, and
+    :func:`jqt.load_packed` checks that the weights match them.
+
+    >>> import os, tempfile, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"] + p["b"]
+    >>> p = {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> jqt.save_packed(path, jqt.pack(qp, p), qp)
+    >>> packed, qp2 = jqt.load_packed(path), jqt.load(path)
+    >>> packed.weights["w"].qvalue.dtype, packed.weights["w"].layout
+    (dtype('int8'), 'nk')
+    """
+    if not isinstance(packed, PackedParams):
+        raise TypeError(f"jqt.save_packed: expected the jqt.PackedParams returned by jqt.pack, got "
+                        f"a {type(packed).__name__}.")
+    try:
+        tree, why = treedef_to_json(packed.treedef), None
+    except TreeNotSerializable as e:
+        tree, why = None, str(e)
+    paths = _leaf_paths(packed)
+    used, tensors = set(), {}
+    leaves = []
+    for i, x in zip(packed.kept, packed.leaves):
+        n = _unique(f"params/{paths[i]}", used)
+        tensors[n] = x
+        leaves.append(n)
+    weights = {}
+    for key, w in packed.weights.items():
+        d = {"layout": w.layout}
+        for field in ("qvalue", "wsum"):
+            n = _unique(f"packed/{key}/{field}", used)
+            tensors[n] = getattr(w, field)
+            d[field] = n
+        weights[key] = d
+    header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
+              "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
+              "leaves": leaves, "weights": weights, "qparams": None}
+    if qparams is not None:
+        check_packed(packed, qparams, fn="jqt.save_packed")
+        entries, arrays = _qparams_entries(
+            qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used))
+        tensors.update(arrays)
+        header["qparams"] = entries
+    _write(path, tensors, header, PACKED_FORMAT, PACKED_VERSION)
+
+
+def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
+    """Loads packed weights saved by :func:`jqt.save_packed`.
+
+    Args:
+      path: the file.
+      like: optional template of the original params (a pytree of arrays or
+        ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape(model.init, ...)``): its
+        structure replaces the one described in the file (needed when the params
+        tree holds node types jqt cannot describe, such as ``nnx.State`` or an
+        Equinox module); its leaves' shapes and dtypes must match the file's.
+      qparams: optional qparams to check the weights against (the op keys, the
+        weights' shapes against the per-channel scales, and, when the file holds
+        qparams too, that the weights were quantized with the same weight scales).
+        When the file holds qparams and this is None, the weights are checked
+        against those.
+      device: where to put the arrays, passed to ``jax.device_put``: ``None`` (the
+        default device), a ``Device`` or ``Sharding``, a pytree of shardings with
+        the structure of the result (see :func:`jqt.packed_shardings`), or a
+        function of the loaded host (NumPy) ``PackedParams`` returning one of these.
+
+    Returns:
+      a :class:`jqt.PackedParams` with ``jax.Array`` leaves, whose pytree structure
+      equals that of the saved one (so it can be passed to a function exported with it).
+
+    Raises ``ValueError`` (a ``jqt`` ``FormatError``) for a file that is not a jqt
+    packed file or has another version, and :class:`jqt.QParamsMismatchError` when the
+    weights do not match ``like`` or ``qparams``.
+
+    >>> import os, tempfile, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"]
+    >>> p = {"w": jnp.ones((8, 4))}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> jqt.save_packed(path, jqt.pack(qp, p))
+    >>> packed = jqt.load_packed(path, qparams=qp)
+    >>> packed.weights["w"].layout, packed.weights["w"].qvalue.shape
+    ('kn', (8, 4))
+    """
+    fn = "jqt.load_packed"
+    if _is_zip(path):
+        raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
+                          "weights are saved by jqt.save_packed.")
+    with _Reader(path, fn) as r:
+        packed, stored = _read_packed(r, path, like)
+    if qparams is not None:
+        check_packed(packed, qparams, fn=fn, packed_with=stored)
+    elif stored is not None:
+        check_packed(packed, stored, fn=fn)
+    if callable(device):
+        device = device(packed)
+    return jax.device_put(packed, device)
+
+
+def _read_packed(r, path, like):
+    fn = "jqt.load_packed"
+    if r.format == FORMAT:
+        raise FormatError(f"{fn}: {path} holds qparams (saved by jqt.save), not packed weights; "
+                          "read it with jqt.load, and save weights with jqt.save_packed.")
+    if r.format != PACKED_FORMAT:
+        raise FormatError(f"{fn}: {path} is not a jqt packed-weights file (format {r.format!r}).")
+    if r.version != PACKED_VERSION:
+        raise _version_error(fn, path, r.format, r.version, f"version {PACKED_VERSION}")
+    h = r.header
+    avals = [aval_from_json(a) for a in h["avals"]]
+    if like is not None:
+        treedef = _check_like(like, avals, h["paths"], path)
+    else:
+        if h["tree"] is None and h.get("tree_error"):
+            raise FormatError(
+                f"{fn}: the params of {path} were a tree jqt cannot rebuild ({h['tree_error']}: "
+                f"{h['tree_repr'][:200]}). Pass like=params (or a pytree of jax.ShapeDtypeStruct "
+                "with the same structure, e.g. from jax.eval_shape) to rebuild it.")
+        try:
+            treedef = treedef_from_json(h["tree"])
+        except TreeNotSerializable as e:
+            raise FormatError(f"{fn}: cannot rebuild the params tree of {path}: it holds {e}. "
+                              "Pass like=params to give the structure.") from None
+    leaves = [r.get(n) for n in h["leaves"]]
+    weights = {k: PackedWeight(qvalue=r.get(d["qvalue"]), wsum=r.get(d["wsum"]), layout=d["layout"])
+               for k, d in h["weights"].items()}
+    packed = PackedParams(leaves, weights, treedef, avals, h["kept"])
+    stored = None if h.get("qparams") is None else _qparams_from_entries(h["qparams"], r.get)
+    return packed, stored
+
+
+def _check_like(like, avals, paths, path):
+    flat, treedef = jax.tree_util.tree_flatten(like)
+    if len(flat) != len(avals):
+        raise QParamsMismatchError(
+            f"jqt.load_packed: like= has {len(flat)} leaves, but the params packed in {path} had "
+            f"{len(avals)}. Pass a template of the params that were packed.")
+    for i, (x, a) in enumerate(zip(flat, avals)):
+        shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+        if shape != tuple(a.shape) or jnp.dtype(dtype) != jnp.dtype(a.dtype):
+            raise QParamsMismatchError(
+                f"jqt.load_packed: leaf #{i} ('{paths[i]}') is {shape} {jnp.dtype(dtype).name} in "
+                f"like=, but {tuple(a.shape)} {jnp.dtype(a.dtype).name} in {path}. The template "
+                "does not describe the params that were packed.")
+    return treedef
+
+
+def _n_channels(q, depth):
+    return int(np.prod(np.shape(q.scale)[depth:], dtype=np.int64))
+
+
+def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
+    """Checks that ``packed`` (from :func:`jqt.pack`) matches ``qparams``: every packed
+    weight belongs to a quantized weight operand of ``qparams``, its shape agrees with
+    that operand's per-channel scale, and every weight leaf dropped by ``pack`` is
+    replaced by a packed weight. With ``packed_with`` (the qparams stored with the
+    weights), also checks that the weight scales and zero points are the same.
+    Raises :class:`jqt.QParamsMismatchError`."""
+    if not isinstance(packed, PackedParams):
+        raise TypeError(f"{fn}: expected a jqt.PackedParams, got a {type(packed).__name__}.")
+    if not isinstance(qparams, dict):
+        raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
+                        "by jqt.calibrate (or jqt.load).")
+    extra = sorted(set(packed.weights) - set(qparams))
+    if extra:
+        raise QParamsMismatchError(
+            f"{fn}: the packed weights hold ops {extra[:5]} that the qparams do not have (qparams "
+            f"have {list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). They were packed with "
+            "other qparams; re-run jqt.pack with these.")
+    dropped = set(range(len(packed.avals))) - set(packed.kept)
+    # the weight argument these weights were packed from (jqt.pack's argnum)
+    args = {qparams[k].source.arg for k in packed.weights if qparams[k].source is not None}
+    for key, p in qparams.items():
+        w, src = p.weight_operand, p.source
+        q = None if w is None else p.operand(w)
+        pw = packed.weights.get(key)
+        if pw is None:
+            if src is not None and src.arg in args and src.leaf in dropped:
+                raise QParamsMismatchError(
+                    f"{fn}: op '{key}' reads weight leaf '{src.path}', which the packed weights "
+                    "dropped, but they hold no packed weight for it"
+                    f"{' (the qparams keep this op float)' if q is None else ''}. They were "
+                    "packed with other qparams; re-run jqt.pack with these.")
+            continue
+        if q is None:
+            raise QParamsMismatchError(
+                f"{fn}: the packed weights hold an int8 weight for op '{key}', which these qparams "
+                "keep float. They were packed with other qparams; re-run jqt.pack with these.")
+        shape = tuple(np.shape(pw.qvalue))
+        depth = 0 if src is None else src.stack_depth
+        if q.qtype.per_channel and q.scale is not None and np.ndim(q.scale):
+            n = _n_channels(q, depth)
+            if pw.layout in ("nk", "kn"):
+                got = shape[-2] if pw.layout == "nk" else shape[-1]
+                ok = (len(shape) == depth + 2 and got == n
+                      and shape[:depth] == np.shape(q.scale)[:depth])
+            else:
+                ok = len(shape) == np.ndim(q.scale) and all(
+                    s in (1, d) for s, d in zip(np.shape(q.scale), shape))
+            if not ok:
+                raise QParamsMismatchError(
+                    f"{fn}: the packed weight of op '{key}' has shape {shape} (layout "
+                    f"'{pw.layout}'), which does not fit its weight scale of shape "
+                    f"{tuple(np.shape(q.scale))}. The weights or qparams changed; re-run jqt.pack.")
+        if packed_with is not None:
+            other = packed_with.get(key)
+            ow = None if other is None else other.weight_operand
+            oq = None if ow is None else other.operand(ow)
+            same = oq is not None and oq.qtype == q.qtype and all(
+                (a is None) == (b is None)
+                and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+                for a, b in ((oq.scale, q.scale), (oq.zero_point, q.zero_point)))
+            if not same:
+                raise QParamsMismatchError(
+                    f"{fn}: the weights of op '{key}' were quantized with other weight scales or "
+                    "types than these qparams give (the file holds the qparams it was packed "
+                    "with). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
+

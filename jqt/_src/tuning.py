@@ -41,6 +41,13 @@ def _score(f, qparams, metric, weight_argnums, simulate):
 
 @dataclasses.dataclass(frozen=True)
 class SensitivityRow:
+    """One op's row of :class:`jqt.Sensitivity`.
+
+    >>> import jqt
+    >>> jqt.SensitivityRow(key="params/Dense_0/kernel", alone=0.95, all_but=0.98).alone
+    0.95
+    """
+
     key: str
     alone: float        # metric with only this op quantized
     all_but: float      # metric with every op quantized except this one
@@ -48,7 +55,16 @@ class SensitivityRow:
 
 @dataclasses.dataclass(frozen=True)
 class Sensitivity:
-    """What :func:`jqt.sensitivity` returns; ``rows`` are ranked, most harmful first."""
+    """What :func:`jqt.sensitivity` returns; ``rows`` are ranked, most harmful first.
+
+    >>> import jqt
+    >>> s = jqt.Sensitivity(rows=(jqt.SensitivityRow("a", 0.9, 0.99),), float_metric=0.99,
+    ...                     quantized_metric=0.9, higher_is_better=True)
+    >>> print(s)  # doctest: +NORMALIZE_WHITESPACE
+    metric: float 0.99, all quantized 0.9
+    op                                quantized alone     drop  all but this     drop
+    a                                             0.9     0.09          0.99        0
+    """
 
     rows: tuple
     float_metric: float
@@ -115,6 +131,13 @@ class FallbackResult:
       met: whether the metric is within ``max_drop`` of float.
       float_metric, quantized_metric, metric: float, before the fallback, after.
       trials: ``(kept keys, metric)`` for every trial run.
+
+    >>> import jqt
+    >>> r = jqt.FallbackResult(recipe=jqt.recipes.w8a8(), qparams={}, kept=("b",), met=True,
+    ...                        float_metric=0.98, quantized_metric=0.90, metric=0.978,
+    ...                        trials=(((), 0.90), (("b",), 0.978)))
+    >>> print(r)
+    budget met: metric 0.978 (float 0.98, all quantized 0.9) with 1 op(s) kept at the fallback: ['b']; 2 trials
     """
 
     recipe: Recipe
@@ -177,7 +200,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     precision of ``to``) so that ``metric`` stays within ``max_drop`` of float.
 
     Args:
-      f, recipe, params, batches, weight_argnums: as in :func:`jqt.calibrate`.
+      f: the function to quantize, as in :func:`jqt.calibrate`.
+      recipe: the recipe to start from, e.g. ``jqt.recipes.w8a8()``.
+      params: the float weights, as in :func:`jqt.calibrate`.
+      batches: calibration batches, as in :func:`jqt.calibrate` (a sequence).
       metric: ``metric(g) -> float`` scores a function ``g`` with ``f``'s
         signature (jitted, quantized); higher is better unless
         ``higher_is_better=False``.
@@ -191,7 +217,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         in :func:`jqt.report` on the first batch first; no trials) or
         ``"sensitivity"`` (largest drop when quantized alone first; one trial
         per op).
+      weight_argnums: as in :func:`jqt.calibrate`.
+      higher_is_better: ``False`` for a metric such as a loss or an error.
       simulate: score the simulated path instead of the integer one.
+      progress: progress bars of the calibrations, as in :func:`jqt.calibrate`.
 
     The search keeps back the shortest prefix of the ranking that meets the
     budget (a binary search), then tries dropping each kept op again. When the

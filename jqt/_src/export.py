@@ -1,0 +1,115 @@
+"""``jax.export`` support: the aux data of jqt's pytree nodes, as bytes.
+
+``jax.export`` stores the calling convention of an exported function (its input
+and output pytree structure) in the serialized artifact, so every custom pytree
+node in the arguments must be registered with
+``jax.export.register_pytree_node_serialization`` under a stable name. jqt
+registers its nodes when it is imported (``qparams.py``, at the end):
+
+=====================  ========================  ==========================================
+type                   serialized name           aux data (JSON, versioned)
+=====================  ========================  ==========================================
+``jqt.QuantParams``    ``"jqt.QuantParams"``     the ``QuantType``
+``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note
+``jqt.PackedWeight``   ``"jqt.PackedWeight"``    the layout (``"nk"``, ``"kn"``, ``"operand"``)
+``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
+                                                 :func:`jqt.save_packed`), avals, kept leaves
+=====================  ========================  ==========================================
+
+The params tree inside ``PackedParams`` is described with the rules ``jax.export``
+itself uses: dicts (str or int keys here), lists, tuples, ``None``, and node types
+registered for export serialization.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from . import serialization as ser
+from .qparams import OpQParams, PackedParams, PackedWeight, QuantParams, WeightSource
+from .recipe import QuantType
+
+AUX_VERSION = 1
+
+
+def _value_to_json(v):
+    if isinstance(v, QuantType):
+        return {"QuantType": ser.qtype_to_json(v)}
+    if isinstance(v, WeightSource):
+        return {"WeightSource": ser.source_to_json(v)}
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    raise ValueError(f"jqt: cannot serialize static field value {v!r} for jax.export.")
+
+
+def _value_from_json(d):
+    if isinstance(d, dict):
+        if "QuantType" in d:
+            return ser.qtype_from_json(d["QuantType"])
+        if "WeightSource" in d:
+            return ser.source_from_json(d["WeightSource"])
+    return d
+
+
+def _static_fields(cls):
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+
+
+def _dump(cls, payload) -> bytes:
+    return json.dumps({"type": f"jqt.{cls.__name__}", "v": AUX_VERSION, **payload},
+                      sort_keys=True).encode()
+
+
+def _parse(cls, data) -> dict:
+    try:
+        d = json.loads(bytes(data).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"jqt: the serialized aux data of a jqt.{cls.__name__} node is not "
+                         "jqt's JSON (the artifact was made by another program?).") from None
+    if d.get("type") != f"jqt.{cls.__name__}" or d.get("v") != AUX_VERSION:
+        raise ValueError(
+            f"jqt: the exported artifact holds a jqt.{cls.__name__} node serialized as "
+            f"{d.get('type')!r} version {d.get('v')!r}; this jqt reads version {AUX_VERSION}. "
+            "Deserialize it with the jqt version that exported it, or export again.")
+    return d
+
+
+def serialize_aux(cls, aux) -> bytes:
+    """The aux data of a ``cls`` node (``jax.tree_util`` flatten) as bytes."""
+    if cls is PackedParams:
+        treedef, avals, kept = aux
+        try:
+            tree = ser.treedef_to_json(treedef)
+        except ser.TreeNotSerializable as e:
+            raise ValueError(
+                f"jqt: jax.export cannot serialize these jqt.PackedParams: the params they were "
+                f"packed from hold {e} ({str(treedef)[:200]}). Register that node type with "
+                "jax.export.register_pytree_node_serialization, or pack params made of dicts, "
+                "lists and tuples.") from None
+        return _dump(cls, {"tree": tree, "avals": [ser.aval_to_json(a) for a in avals],
+                           "kept": list(kept)})
+    names = _static_fields(cls)
+    return _dump(cls, {"fields": {n: _value_to_json(v) for n, v in zip(names, aux)}})
+
+
+def deserialize_aux(cls, data):
+    """Inverse of :func:`serialize_aux`."""
+    d = _parse(cls, data)
+    if cls is PackedParams:
+        try:
+            treedef = ser.treedef_from_json(d["tree"])
+        except ser.TreeNotSerializable as e:
+            raise ValueError(f"jqt: cannot rebuild the params tree of a serialized "
+                             f"jqt.PackedParams: it holds {e}.") from None
+        return (treedef, tuple(ser.aval_from_json(a) for a in d["avals"]), tuple(d["kept"]))
+    fields = d["fields"]
+    names = _static_fields(cls)
+    missing = [n for n in names if n not in fields]
+    if missing or set(fields) - set(names):
+        raise ValueError(f"jqt: a serialized jqt.{cls.__name__} has static fields "
+                         f"{sorted(fields)}, this jqt expects {names}. Deserialize it with the jqt "
+                         "version that exported it, or export again.")
+    return tuple(_value_from_json(fields[n]) for n in names)
+
+
+NODE_TYPES = (QuantParams, OpQParams, PackedWeight, PackedParams)

@@ -1,0 +1,175 @@
+"""``jqt.packed_shardings``: ``NamedSharding`` pytrees that keep each packed int8 weight
+together with its per-channel scale (and zero point) and its int32 sums.
+
+A packed weight is stored 2-D for most matmuls (``"nk"``: ``(N, K)`` for int8 x int8,
+``"kn"``: ``(K, N)`` for weight-only; stacked layers keep leading ``(L, ...)`` axes)
+and in the op's own layout otherwise (``"operand"``: convolution kernels, weights with
+batch axes). Its scale lives in the qparams, in the *operand's* layout with size 1 on
+contracted axes (``(1, N)`` for a ``(K, N)`` kernel). Sharding the output features
+means a different axis of each of the three arrays; this module finds it.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .qparams import OpQParams, PackedParams, PackedWeight, QuantParams
+
+_MODES = ("out", "in", None)
+
+
+def _spec(ndim, dim, axis):
+    if dim is None:
+        return P()
+    return P(*([None] * dim + [axis] + [None] * (ndim - dim - 1)))
+
+
+def _first_match(rules, name, default):
+    for pattern, value in rules:
+        if re.search(pattern, name):
+            return value
+    return default
+
+
+def _free_axes(op: OpQParams, ndim: int, depth: int):
+    """Axes of the weight operand (after ``depth`` stacked axes) that are neither
+    contracted nor batch: the output features."""
+    src = op.source
+    if src is None:
+        return []
+    return [d + depth for d in range(ndim - depth) if d not in src.contract and d not in src.batch]
+
+
+def _contract_axes(op: OpQParams, ndim: int, depth: int):
+    src = op.source
+    return [] if src is None else [d + depth for d in src.contract if d + depth < ndim]
+
+
+def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",
+                     ops: Sequence[tuple[str, str | None]] = (),
+                     leaves: Sequence[tuple[str, Any]] = ()):
+    """``(qparams_shardings, packed_shardings)``: pytrees of ``NamedSharding`` on ``mesh``
+    with the structure of ``qparams`` and ``packed``, for ``jax.device_put``.
+
+    Each packed weight is split over the mesh axis ``axis`` along its output features
+    (``"out"``, the default: the ``N`` axis of a ``"nk"``/``"kn"`` weight, the first
+    output-feature axis of an ``"operand"`` weight), together with its int32 sums and
+    its per-channel scale and zero point in ``qparams``; or along its contracted
+    features (``"in"``: the ``K`` axis of the weight, scale and sums replicated: each
+    device computes a partial sum, which XLA all-reduces); or replicated (``None``).
+    An axis whose size the mesh axis does not divide is replicated. Activation
+    scales and zero points are replicated. Float leaves kept in ``packed`` (biases,
+    norms) are replicated unless a ``leaves`` rule says otherwise.
+
+    Args:
+      qparams: the qparams the weights were packed with.
+      packed: from :func:`jqt.pack` or :func:`jqt.load_packed` (arrays, NumPy arrays or
+        anything with ``.shape``).
+      mesh: a ``jax.sharding.Mesh``.
+      axis: the mesh axis that splits the weights.
+      ops: ``(regex, "out" | "in" | None)`` pairs; the first whose regex matches
+        (``re.search``) an op key decides for that op (default ``"out"``).
+      leaves: ``(regex, PartitionSpec | None)`` pairs for the kept float leaves, matched
+        on their path (``"params/Dense_0/bias"``); default replicated.
+
+    >>> import jax, jax.numpy as jnp, numpy as np, jqt
+    >>> from jax.sharding import Mesh
+    >>> f = lambda p, x: x @ p["w"] + p["b"]
+    >>> p = {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    >>> packed = jqt.pack(qp, p)
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    >>> qs, ps = jqt.packed_shardings(qp, packed, mesh)
+    >>> ps.weights["w"].qvalue.spec, qs["w"].rhs.scale.spec     # (N, K) weight, (1, N) scale
+    (P('model', None), P(None, 'model'))
+    >>> qp, packed = jax.device_put((qp, packed), (qs, ps))
+    """
+    if not isinstance(packed, PackedParams):
+        raise TypeError(f"jqt.packed_shardings: packed is a {type(packed).__name__}; expected the "
+                        "jqt.PackedParams returned by jqt.pack or jqt.load_packed.")
+    if axis not in mesh.shape:
+        raise ValueError(f"jqt.packed_shardings: the mesh has axes {tuple(mesh.shape)}, "
+                         f"not {axis!r}.")
+    size = mesh.shape[axis]
+    rep = NamedSharding(mesh, P())
+
+    def sharding(shape, dim):
+        if dim is None or dim >= len(shape) or shape[dim] % size:
+            return rep
+        return NamedSharding(mesh, _spec(len(shape), dim, axis))
+
+    def arr(a, dim):
+        return None if a is None else sharding(tuple(np.shape(a)), dim)
+
+    qp_sh, w_sh = {}, {}
+    for key, op in qparams.items():
+        if not isinstance(op, OpQParams):
+            raise TypeError(f"jqt.packed_shardings: qparams['{key}'] is a {type(op).__name__}; "
+                            "expected jqt.OpQParams.")
+        mode = _first_match(ops, key, "out")
+        if mode not in _MODES:
+            raise ValueError(f"jqt.packed_shardings: rule for op '{key}' gives {mode!r}; use "
+                             "'out', 'in' or None.")
+        pw = packed.weights.get(key)
+        w = op.weight_operand
+        depth = op.source.stack_depth if op.source is not None else 0
+        wq = None if w is None else op.operand(w)
+        scale_dim = None
+        if pw is not None and wq is not None and mode == "out":
+            nd = np.ndim(wq.scale) if wq.scale is not None else 0
+            free = _free_axes(op, nd, depth) if nd else []
+            scale_dim = free[0] if free else None
+        sides = []
+        for i, q in enumerate((op.lhs, op.rhs)):
+            if q is None:
+                sides.append(None)
+                continue
+            d = scale_dim if i == w else None
+            sides.append(QuantParams(scale=arr(q.scale, d), zero_point=arr(q.zero_point, d),
+                                     qtype=q.qtype))
+        qp_sh[key] = OpQParams(lhs=sides[0], rhs=sides[1], op=op.op, weight_operand=w,
+                               source=op.source, note=op.note)
+        if pw is None:
+            continue
+        shape = tuple(np.shape(pw.qvalue))
+        nd = len(shape)
+        if pw.layout in ("nk", "kn"):
+            n_dim, k_dim = (nd - 2, nd - 1) if pw.layout == "nk" else (nd - 1, nd - 2)
+            # wsum is (..., N): its last axis
+            qdim, sdim = {"out": (n_dim, np.ndim(pw.wsum) - 1), "in": (k_dim, None),
+                          None: (None, None)}[mode]
+        else:
+            free, contract = _free_axes(op, nd, depth), _contract_axes(op, nd, depth)
+            if mode == "out":
+                qdim = sdim = free[0] if free else None
+            elif mode == "in" and contract:
+                # the largest contracted axis (a conv kernel's input features, not its window)
+                qdim, sdim = max(contract, key=lambda d: shape[d]), None
+            else:
+                qdim = sdim = None
+        w_sh[key] = PackedWeight(qvalue=sharding(shape, qdim), wsum=arr(pw.wsum, sdim),
+                                 layout=pw.layout)
+    missing = sorted(set(packed.weights) - set(w_sh))
+    if missing:
+        raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "
+                         "the qparams do not have; pass the qparams they were packed with.")
+    from .serialization import _leaf_paths
+    paths = _leaf_paths(packed)
+    leaf_sh = []
+    for i, x in zip(packed.kept, packed.leaves):
+        spec = _first_match(leaves, paths[i], None)
+        if spec is None:
+            leaf_sh.append(rep)
+        elif isinstance(spec, P):
+            leaf_sh.append(NamedSharding(mesh, spec))
+        else:
+            raise ValueError(f"jqt.packed_shardings: rule for leaf '{paths[i]}' gives {spec!r}; "
+                             "use a jax.sharding.PartitionSpec or None.")
+    out = PackedParams(leaf_sh, {k: w_sh[k] for k in packed.weights}, packed.treedef, packed.avals,
+                       packed.kept)
+    return qp_sh, out

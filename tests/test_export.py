@@ -1,0 +1,501 @@
+"""Files (qparams and packed weights in safetensors) and ``jax.export`` of quantized functions.
+
+The fresh-process test exports quantized functions taking the packed weights as an
+argument, writes the serialized artifacts and the packed weights to disk, and runs a
+second Python process (``sys.executable``) that imports only jax and jqt, as a server
+would: it deserializes, loads the weights with ``jqt.load_packed`` and compares. The
+process is started by a module fixture as soon as the artifacts exist and its result is
+read by the last test, so the other tests run meanwhile.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+
+import jqt
+from jqt._src import export as jqt_export
+from jqt._src.serialization import FormatError
+
+
+def mlp(p, x):
+    h = jax.nn.relu(x @ p["l1"]["w"] + p["l1"]["b"])
+    return h @ p["l2"]["w"] + p["l2"]["b"]
+
+
+def cnn(p, x):  # NHWC; the second conv has 16 input channels: a native int8 convolution on CPU
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c1"], (1, 1), "SAME", dimension_numbers=dn))
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=dn))
+    return h.reshape(h.shape[0], -1) @ p["d"]
+
+
+def _normal(key, shape, s=1.0):
+    return jax.random.normal(key, shape) * s
+
+
+@pytest.fixture(scope="module")
+def models():
+    k = jax.random.split(jax.random.key(0), 8)
+    p = {"l1": {"w": _normal(k[0], (32, 64), 0.3), "b": jnp.full((64,), 0.1)},
+         "l2": {"w": _normal(k[1], (64, 16), 0.2), "b": jnp.zeros(16)}}
+    x = _normal(k[2], (8, 32))
+    pc = {"c1": _normal(k[3], (3, 3, 3, 16), 0.3), "c2": _normal(k[4], (3, 3, 16, 32), 0.1),
+          "d": _normal(k[5], (4 * 4 * 32, 10), 0.05)}
+    xc = _normal(k[6], (4, 8, 8, 3))
+    out = {}
+    for name, f, params, xb, recipe in (("mlp_w8a8", mlp, p, x, jqt.recipes.w8a8()),
+                                        ("mlp_w8", mlp, p, x, jqt.recipes.w8()),
+                                        ("mlp_dyn", mlp, p, x, jqt.recipes.w8a8_dynamic()),
+                                        ("cnn_w8a8", cnn, pc, xc, jqt.recipes.w8a8())):
+        qp = jqt.calibrate(f, recipe, params, [(xb,)], progress=False)
+        out[name] = (f, params, xb, qp, jqt.pack(qp, params))
+    return out
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _assert_trees_equal(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _metadata(path):
+    with safetensors.safe_open(path, framework="np") as f:
+        return f.metadata(), list(f.keys())
+
+
+def _rewrite_header(src, dst, **changes):
+    """Copies a jqt safetensors file with its JSON header changed (a future version...)."""
+    with safetensors.safe_open(src, framework="np") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    header = dict(json.loads(meta["jqt"]), **changes)
+    meta = dict(meta, jqt=json.dumps(header), **{k: str(v) for k, v in changes.items()})
+    safetensors.numpy.save_file(tensors, dst, metadata=meta)
+
+
+# ============================================================ the fresh process (started early)
+
+_SERVER = r"""
+import json, sys
+import numpy as np
+import jax
+d = sys.argv[1]
+manifest = json.load(open(d + "/manifest.json"))
+out = {}
+# without jqt imported, the artifact's jqt nodes cannot be rebuilt
+try:
+    jax.export.deserialize(open(d + "/mlp_w8a8.bin", "rb").read())
+    out["without_jqt"] = "deserialized"
+except Exception as e:
+    out["without_jqt"] = str(e)
+import jqt  # registers jqt's pytree nodes for jax.export
+out["jqt_file"] = jqt.__file__
+for name, m in manifest.items():
+    exp = jax.export.deserialize(bytearray(open(d + f"/{name}.bin", "rb").read()))
+    packed = jqt.load_packed(d + "/" + m["packed"])
+    args = [jqt.load(d + "/" + m["qparams"])] if m.get("qparams") else []
+    x = np.load(d + f"/{name}.x.npy")
+    y = np.asarray(exp.call(*args, packed, x))
+    want = np.load(d + f"/{name}.y.npy")
+    out[name] = {"max_abs_diff": float(np.abs(y - want).max()),
+                 "equal": bool(np.array_equal(y, want)),
+                 "shape": list(y.shape), "platforms": list(exp.platforms)}
+print("RESULT" + json.dumps(out))
+"""
+
+_PROC = {}
+
+
+def _export_artifacts(models, d):
+    """Exports each model (packed weights as the argument), writes artifacts and expected
+    outputs (from jax.jit of the same quantized function in this process)."""
+    manifest = {}
+    for name in ("mlp_w8a8", "mlp_w8", "cnn_w8a8"):
+        f, params, x, qp, packed = models[name]
+        qf = jax.jit(jqt.quantize(f, qp))
+        exp = jax.export.export(qf)(packed, _spec(x))
+        pathlib.Path(d, f"{name}.bin").write_bytes(exp.serialize())
+        jqt.save_packed(os.path.join(d, f"{name}.safetensors"), packed, qp)
+        np.save(os.path.join(d, f"{name}.x.npy"), np.asarray(x))
+        np.save(os.path.join(d, f"{name}.y.npy"), np.asarray(qf(packed, x)))
+        manifest[name] = {"packed": f"{name}.safetensors"}
+    # qparams as an argument too (shardable, replaceable without re-exporting)
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q)(pk, x))
+    exp = jax.export.export(g)(qp, packed, _spec(x))
+    pathlib.Path(d, "mlp_qp_arg.bin").write_bytes(exp.serialize())
+    jqt.save(os.path.join(d, "mlp_qp_arg.qp.safetensors"), qp)
+    np.save(os.path.join(d, "mlp_qp_arg.x.npy"), np.asarray(x))
+    np.save(os.path.join(d, "mlp_qp_arg.y.npy"), np.asarray(g(qp, packed, x)))
+    manifest["mlp_qp_arg"] = {"packed": "mlp_w8a8.safetensors",
+                              "qparams": "mlp_qp_arg.qp.safetensors"}
+    # a symbolic batch size (with pad_rows=1: see test_export_symbolic_batch_default_policy)
+    policy = jqt.KernelPolicy(pad_rows=1, weight_only_chunk=512, conv_patches_below=16)
+    qf = jax.jit(jqt.quantize(f, qp, policy=policy))
+    b, = jax.export.symbolic_shape("b")
+    exp = jax.export.export(qf)(packed, jax.ShapeDtypeStruct((b, x.shape[1]), x.dtype))
+    pathlib.Path(d, "mlp_poly.bin").write_bytes(exp.serialize())
+    x5 = np.asarray(x)[:5]
+    np.save(os.path.join(d, "mlp_poly.x.npy"), x5)
+    np.save(os.path.join(d, "mlp_poly.y.npy"), np.asarray(qf(packed, x5)))
+    manifest["mlp_poly"] = {"packed": "mlp_w8a8.safetensors"}
+    pathlib.Path(d, "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    d = tempfile.mkdtemp(prefix="jqt_export_")
+    _export_artifacts(models, d)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_SERVER), d], env=env,
+                            stdout=out, stderr=err, text=True)
+    _PROC.update(proc=proc, out=out, err=err)
+    yield d
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    out.close()
+    err.close()
+
+
+def _server_result():
+    proc, out, err = _PROC["proc"], _PROC["out"], _PROC["err"]
+    proc.wait(timeout=120)
+    out.seek(0)
+    err.seek(0)
+    text = out.read()
+    lines = [line for line in text.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, f"server process failed:\n{text}\n{err.read()[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def test_export_artifacts_written(server):
+    # starts the fresh process early (the module fixture); checked at the end of the module
+    assert os.path.exists(os.path.join(server, "manifest.json"))
+
+
+# ============================================================ qparams files
+
+
+def test_qparams_safetensors_round_trip(tmp_path, models):
+    for name in ("mlp_w8a8", "mlp_dyn", "cnn_w8a8"):
+        f, params, x, qp, _ = models[name]
+        path = str(tmp_path / f"{name}.safetensors")
+        jqt.save(path, qp)
+        back = jqt.load(path)
+        _assert_trees_equal(back, qp)  # 0-d activation scales stay 0-d, None stays None
+    f, params, x, qp, _ = models["mlp_w8a8"]
+    back = jqt.load(str(tmp_path / "mlp_w8a8.safetensors"))
+    g = jax.jit(lambda q, p, x: jqt.quantize(f, q)(p, x))  # qparams as arguments: one compile
+    np.testing.assert_array_equal(g(back, params, x), g(qp, params, x))
+    meta, keys = _metadata(path)
+    assert meta["format"] == "jqt.qparams" and meta["version"] == "2"
+    assert "c1/rhs.scale" in keys and "c1/lhs.zero_point" in keys  # readable tensor names
+
+
+def test_npz_still_written_and_read(tmp_path, models):
+    f, params, x, qp, _ = models["mlp_w8a8"]
+    path = str(tmp_path / "qp.npz")
+    jqt.save(path, qp)
+    with np.load(path) as z:  # the version 1 format, readable by earlier jqt
+        assert json.loads(z["__header__"].tobytes().decode())["version"] == 1
+    _assert_trees_equal(jqt.load(path), qp)
+
+
+# ============================================================ packed weights files
+
+
+@pytest.mark.parametrize("name", ["mlp_w8a8", "mlp_w8", "cnn_w8a8"])
+def test_packed_round_trip(tmp_path, models, name):
+    f, params, x, qp, packed = models[name]
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)
+    back = jqt.load_packed(path)
+    _assert_trees_equal(back, packed)  # same treedef, avals and layouts: same pytree structure
+    assert back.treedef == packed.treedef and back.avals == packed.avals
+    layouts = lambda pk: {k: w.layout for k, w in pk.weights.items()}
+    assert layouts(back) == layouts(packed)
+    assert isinstance(back.weights[next(iter(back.weights))].qvalue, jax.Array)
+    qf = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(qf(back, x), qf(packed, x))
+    meta, keys = _metadata(path)
+    assert meta["format"] == "jqt.packed" and meta["version"] == "1"
+    key = next(iter(packed.weights))
+    assert f"packed/{key}/qvalue" in keys and f"packed/{key}/wsum" in keys
+    if name.startswith("mlp"):
+        assert "params/l1/b" in keys  # the kept float leaves, by path
+
+
+def test_packed_and_qparams_in_one_file(tmp_path, models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    path = str(tmp_path / "model.safetensors")
+    jqt.save_packed(path, packed, qp)
+    qp2, packed2 = jqt.load(path), jqt.load_packed(path)
+    _assert_trees_equal(qp2, qp)
+    _assert_trees_equal(packed2, packed)
+    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q)(pk, x))
+    np.testing.assert_array_equal(g(qp2, packed2, x), g(qp, packed, x))
+
+
+def test_packed_trees_lists_tuples_none_int_keys_bfloat16(tmp_path):
+    def f(p, x):
+        h = x @ p["layers"][0]["w"] + p["layers"][0]["b"].astype(jnp.float32)
+        h = h @ p["layers"][1][0]
+        return h @ p["ints"][3] + p["ints"][7]
+
+    k = jax.random.split(jax.random.key(1), 4)
+    p = {"layers": [{"w": _normal(k[0], (8, 16)), "b": jnp.ones(16, jnp.bfloat16)},
+                    (_normal(k[1], (16, 16)), None)],
+         "ints": {3: _normal(k[2], (16, 4)), 7: jnp.zeros(4)}}
+    x = _normal(k[3], (4, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)
+    back = jqt.load_packed(path)
+    _assert_trees_equal(back, packed)
+    assert sorted(str(a.dtype) for a in back.leaves) == ["bfloat16", "float32"]  # b, ints/7
+    qf = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(qf(back, x), qf(packed, x))
+
+
+def test_dtypes_safetensors_lacks_are_stored_as_bytes(tmp_path):
+    leaves = [jnp.arange(-4, 4, dtype=jnp.int4).reshape(2, 4),
+              jnp.linspace(-1, 1, 6, dtype=jnp.float8_e4m3fn), jnp.float32(2.5)]
+    tree = {"a": leaves[0], "b": (leaves[1], leaves[2])}
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+    packed = jqt.PackedParams(flat, {}, treedef, avals, range(len(flat)))
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)
+    _assert_trees_equal(jqt.load_packed(path), packed)
+
+
+@jax.tree_util.register_pytree_node_class
+class Model:  # a custom pytree node jqt cannot describe in JSON (as an Equinox module, nnx.State)
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+    def tree_flatten(self):
+        return (self.w, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def _model_case():
+    f = lambda m, x: x @ m.w + m.b
+    m = Model(_normal(jax.random.key(2), (8, 4)), jnp.zeros(4))
+    x = _normal(jax.random.key(3), (2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), m, [(x,)], progress=False)
+    return f, m, x, qp, jqt.pack(qp, m)
+
+
+def test_custom_tree_needs_like(tmp_path):
+    f, m, x, qp, packed = _model_case()
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)  # saving works; the tree is described as far as possible
+    with pytest.raises(ValueError, match="cannot rebuild .*Pass like=params"):
+        jqt.load_packed(path)
+    back = jqt.load_packed(path, like=m)
+    _assert_trees_equal(back, packed)
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), m)
+    back = jqt.load_packed(path, like=abstract)  # a template of ShapeDtypeStructs works too
+    qf = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(qf(back, x), qf(packed, x))
+    wrong = Model(jnp.zeros((8, 5)), jnp.zeros(5))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"leaf #\d .* \(8, 5\) float32 in like="):
+        jqt.load_packed(path, like=wrong)
+    with pytest.raises(jqt.QParamsMismatchError, match="like= has 1 leaves"):
+        jqt.load_packed(path, like={"w": jnp.zeros((8, 4))})
+
+
+def test_load_packed_device_and_callable(tmp_path, models):
+    _, _, _, _, packed = models["mlp_w8a8"]
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)
+    dev = jax.devices()[0]
+    back = jqt.load_packed(path, device=dev)
+    assert all(a.devices() == {dev} for a in jax.tree_util.tree_leaves(back))
+    seen = []
+    back = jqt.load_packed(path, device=lambda p: (seen.append(p), dev)[1])
+    assert isinstance(jax.tree_util.tree_leaves(seen[0])[0], np.ndarray)  # host arrays first
+
+
+# ============================================================ file errors
+
+
+def test_wrong_files_are_clear_errors(tmp_path, models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    qp_st, qp_npz, w_only = (str(tmp_path / n)
+                             for n in ("qp.safetensors", "qp.npz", "w.safetensors"))
+    jqt.save(qp_st, qp)
+    jqt.save(qp_npz, qp)
+    jqt.save_packed(w_only, packed)
+    with pytest.raises(ValueError, match="holds qparams .*read it with jqt.load"):
+        jqt.load_packed(qp_st)
+    with pytest.raises(ValueError, match=r"\.npz file .*jqt.save_packed"):
+        jqt.load_packed(qp_npz)
+    with pytest.raises(ValueError, match="packed weights without qparams.*jqt.load_packed"):
+        jqt.load(w_only)
+    junk = str(tmp_path / "junk.bin")
+    pathlib.Path(junk).write_bytes(b"\x00" * 64)
+    for fn in (jqt.load, jqt.load_packed):
+        with pytest.raises(ValueError, match="not a jqt file"):
+            fn(junk)
+    foreign = str(tmp_path / "foreign.safetensors")
+    safetensors.numpy.save_file({"embedding": np.zeros((2, 2), np.float32)}, foreign)
+    for fn in (jqt.load, jqt.load_packed):
+        with pytest.raises(ValueError, match=r"safetensors file but not a jqt file.*'embedding'"):
+            fn(foreign)
+    assert issubclass(FormatError, ValueError)
+
+
+def test_version_mismatch_is_a_clear_error(tmp_path, models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    jqt.save_packed(src, packed, qp)
+    _rewrite_header(src, dst, version=99)
+    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads version 1"):
+        jqt.load_packed(dst)
+    jqt.save(src, qp)
+    _rewrite_header(src, dst, version=3)
+    with pytest.raises(ValueError, match=r"'jqt.qparams' version 3; this jqt reads version 1 "
+                                         r"\(.npz\) and 2 \(safetensors\)"):
+        jqt.load(dst)
+    npz = str(tmp_path / "qp.npz")
+    header = json.dumps({"format": "jqt.qparams", "version": 7, "ops": {}})
+    np.savez(npz, __header__=np.frombuffer(header.encode(), np.uint8))
+    with pytest.raises(ValueError, match="version 7"):
+        jqt.load(npz)
+
+
+def test_packed_weights_checked_against_qparams(tmp_path, models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed, qp)
+    jqt.load_packed(path, qparams=qp)  # the same: fine
+    # other weight scales (another calibration): the file holds the qparams it was packed with
+    other = jax.tree_util.tree_map(lambda a: a * 1.01, qp)
+    with pytest.raises(jqt.QParamsMismatchError, match="other weight scales"):
+        jqt.load_packed(path, qparams=other)
+    # qparams of a model whose layer is wider: shapes do not fit
+    wide = {"l1": {"w": jnp.ones((32, 128)), "b": jnp.zeros(128)},
+            "l2": {"w": jnp.ones((128, 16)), "b": jnp.zeros(16)}}
+    qp_wide = jqt.calibrate(mlp, jqt.recipes.w8a8(), wide, [(x,)], progress=False)
+    plain = str(tmp_path / "plain.safetensors")
+    jqt.save_packed(plain, packed)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w' has shape \(64, 32\).*\(1, 128\)"):
+        jqt.load_packed(plain, qparams=qp_wide)
+    with pytest.raises(jqt.QParamsMismatchError, match="changed shape"):  # caught at trace time too
+        jqt.quantize(mlp, qp_wide)(jqt.load_packed(plain), x)
+    # qparams that keep a packed op float
+    keep = jqt.Recipe(rules=(jqt.Rule(key="l1", weight=None),) + jqt.recipes.w8a8().rules)
+    qp_keep = jqt.calibrate(mlp, keep, params, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="'l1/w', which these qparams keep float"):
+        jqt.load_packed(plain, qparams=qp_keep)
+    # qparams of another function: keys differ
+    qp_other = jqt.calibrate(lambda p, x: x @ p["l1"]["w"], jqt.recipes.w8a8(), params, [(x,)],
+                             progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="qparams do not have"):
+        jqt.load_packed(plain, qparams=qp_other)
+
+
+def test_loaded_files_against_another_function_fail_at_trace(tmp_path, models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    jqt.save_packed(str(tmp_path / "w.safetensors"), packed, qp)
+    path = str(tmp_path / "w.safetensors")
+    qp2, packed2 = jqt.load(path), jqt.load_packed(path)
+    with pytest.raises(jqt.QParamsMismatchError, match="keys the function does not have"):
+        jqt.quantize(lambda p, x: x @ p["l1"]["w"], qp2)(packed2, x)
+
+
+# ============================================================ export registration
+
+
+def test_aux_data_round_trips_for_every_node(models):
+    _, _, _, qp, packed = models["cnn_w8a8"]
+    op = next(iter(qp.values()))
+    nodes = [(jqt.OpQParams, op), (jqt.QuantParams, op.rhs),
+             (jqt.PackedWeight, next(iter(packed.weights.values()))), (jqt.PackedParams, packed)]
+    for cls, node in nodes:
+        kind, aux = jax.tree_util.tree_structure(node).node_data()
+        assert kind is cls
+        data = jqt_export.serialize_aux(cls, aux)
+        assert isinstance(data, bytes)
+        assert jqt_export.deserialize_aux(cls, data) == aux
+    with pytest.raises(ValueError, match="version 9; this jqt reads version 1"):
+        jqt_export.deserialize_aux(jqt.PackedWeight,
+                                   json.dumps({"type": "jqt.PackedWeight", "v": 9}).encode())
+
+
+def test_exported_in_tree_round_trips(models):
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q)(pk, x))
+    exp = jax.export.export(g)(qp, packed, _spec(x))
+    back = jax.export.deserialize(exp.serialize())
+    assert back.in_tree == exp.in_tree
+    assert "jqt.PackedParams" in exp.serialize().decode("latin-1")  # the stable serialized names
+    assert "jqt.OpQParams" in exp.serialize().decode("latin-1")
+
+
+def test_export_of_unserializable_params_tree_is_clear():
+    f, m, x, qp, packed = _model_case()
+    exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, _spec(x))
+    with pytest.raises(ValueError,
+                       match=r"test_export\.Model node.*register_pytree_node_serialization"):
+        exp.serialize()
+
+
+def test_stablehlo_holds_int8_ops(models):
+    f, params, x, qp, packed = models["cnn_w8a8"]
+    text = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, _spec(x)).mlir_module()
+    conv = [l for l in text.splitlines() if "stablehlo.convolution" in l]
+    dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+    int_op = r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>"
+    assert any(re.search(int_op, l) for l in conv), conv  # c2: native int8 convolution
+    assert sum(bool(re.search(int_op, l)) for l in dots) >= 2, dots  # c1 (as patches) and d
+    assert not any(re.search(r"xf32>, tensor<[0-9x]+xf32>\) -> tensor<[0-9x]+xf32>", l)
+                   for l in conv + dots)  # no float contraction left
+    f, params, x, qp, packed = models["mlp_w8"]  # weight-only: i8 weights, cast in the module
+    text = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, _spec(x)).mlir_module()
+    assert re.search(r"%arg\d+: tensor<32x64xi8>", text) and "stablehlo.convert" in text
+
+
+def test_export_symbolic_batch_default_policy(models):
+    """The CPU policy pads a one-row matmul; a symbolic row count is left unpadded."""
+    f, params, x, qp, packed = models["mlp_w8a8"]
+    b, = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, jax.ShapeDtypeStruct((b, 32), x.dtype))
+    np.testing.assert_allclose(exp.call(packed, x), jax.jit(jqt.quantize(f, qp))(packed, x),
+                               rtol=1e-6, atol=1e-6)
+
+
+# ============================================================ the fresh process's result
+
+
+def test_fresh_process_runs_the_exported_functions(server):
+    r = _server_result()
+    assert "unregistered type `jqt.Packed" in r["without_jqt"]  # needs `import jqt` (registration)
+    assert not r["jqt_file"].startswith(server)
+    for name in ("mlp_w8a8", "mlp_w8", "cnn_w8a8", "mlp_qp_arg", "mlp_poly"):
+        assert r[name]["equal"], (name, r[name])  # bit-identical to jax.jit in this process
+        assert r[name]["platforms"] == ["cpu"]
+    assert r["mlp_poly"]["shape"] == [5, 16]

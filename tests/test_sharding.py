@@ -1,0 +1,207 @@
+"""Packed int8 weights sharded over a mesh of 8 host CPU devices, with their per-channel
+scales and int32 sums (``jqt.packed_shardings``), against the single-device result.
+
+Everything runs in one subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
+``JAX_PLATFORMS=cpu``), started by a module fixture; each test checks a part of its
+JSON result. The mesh is ``("data", "model") = (2, 4)``: the batch is split over
+``"data"``, the weights over ``"model"``.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+_CODE = r"""
+import json, os, re, tempfile
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jqt
+
+def mlp(p, x):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"])
+    h = jax.nn.relu(h @ p["w2"] + p["b2"])
+    return h @ p["w3"]
+
+def stacked(p, x):  # L layers under lax.scan: (L, K, N) weights, (L, 1, N) scales
+    def body(h, w):
+        return jax.nn.relu(h @ w), None
+    return jax.lax.scan(body, x, p["ws"])[0]
+
+def cnn(p, x):  # NHWC; HWIO kernels stay in the op's layout ("operand")
+    dn = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c1"], (1, 1), "SAME", dimension_numbers=dn))
+    h = jax.nn.relu(jax.lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=dn))
+    return h.reshape(h.shape[0], -1) @ p["d"]
+
+rng = np.random.default_rng(0)
+normal = lambda shape, s=1.0: jnp.asarray((rng.standard_normal(shape) * s).astype(np.float32))
+P_MLP = {"w1": normal((64, 128), 0.3), "b1": normal((128,), 0.1), "w2": normal((128, 256), 0.1),
+         "b2": normal((256,), 0.1), "w3": normal((256, 32), 0.1)}
+X_MLP = normal((16, 64))
+P_STACK = {"ws": normal((3, 64, 64), 0.15)}
+P_CNN = {"c1": normal((3, 3, 16, 16), 0.2), "c2": normal((3, 3, 16, 32), 0.1),
+         "d": normal((4 * 4 * 32, 8), 0.05)}
+X_CNN = normal((4, 8, 8, 16))
+AUTO = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((2, 4), ("data", "model"))  # JAX 0.10's default: Explicit axes
+
+def shard_shape(a):
+    return list(a.addressable_shards[0].data.shape)
+
+def case(f, p, x, recipe, mesh, ops=(), const=False):
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q)(pk, x))  # qparams as arguments: shardable
+    want = g(qp, packed, x)
+    qs, ps = jqt.packed_shardings(qp, packed, mesh, ops=ops)
+    qps, pks = jax.device_put((qp, packed), (qs, ps))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    y = g(qps, pks, xs)
+    hlo = g.lower(qps, pks, xs).compile().as_text()
+    gathers = [l for l in hlo.splitlines() if "all-gather(" in l]
+    out = {"diff": float(jnp.abs(y - want).max()), "max": float(jnp.abs(want).max()),
+           "equal": bool(np.array_equal(np.asarray(y), np.asarray(want))),
+           "out_spec": [a if a is None or isinstance(a, str) else list(a) for a in y.sharding.spec],
+           "s32_all_reduce": any(re.search(r"= s32\[[0-9,]*\]\S* all-reduce\(", l)
+                                 for l in hlo.splitlines()),
+           "weights": {}}
+    for k, w in pks.weights.items():
+        q = qps[k].operand(qps[k].weight_operand)
+        shape = "s8[" + ",".join(map(str, w.qvalue.shape)) + "]"
+        out["weights"][k] = {
+            "layout": w.layout, "shape": list(w.qvalue.shape), "qvalue": shard_shape(w.qvalue),
+            "wsum": shard_shape(w.wsum), "scale": shard_shape(q.scale),
+            "scale_shape": list(q.scale.shape), "devices": len(w.qvalue.sharding.device_set),
+            "gathered": any(shape in l.split("all-gather(")[0] for l in gathers)}
+    if const:  # qparams captured as constants; weights sharded
+        want_c = jax.jit(jqt.quantize(f, qp))(packed, x)
+        out["diff_const"] = float(jnp.abs(jax.jit(jqt.quantize(f, qp))(pks, xs) - want_c).max())
+    return out, qp, packed
+
+res = {"devices": len(jax.devices())}
+res["mlp_w8a8"], qp, packed = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, const=True)
+res["mlp_w8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8(), AUTO)
+res["mlp_dynamic"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8_dynamic(), AUTO)
+res["mlp_megatron"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, ops=(("w2", "in"),))
+res["stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w8a8(), AUTO)
+res["cnn"], _, _ = case(cnn, P_CNN, X_CNN, jqt.recipes.w8a8(), AUTO)
+res["explicit"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), EXPLICIT)
+
+# load straight into shards: device= takes a function of the host (NumPy) PackedParams
+path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
+jqt.save_packed(path, packed, qp)
+qp2 = jqt.load(path)
+loaded = jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp2, host, AUTO)[1])
+res["loaded"] = {k: shard_shape(w.qvalue) for k, w in loaded.weights.items()}
+xs = jax.device_put(X_MLP, NamedSharding(AUTO, P("data")))
+y = jax.jit(jqt.quantize(mlp, qp2))(loaded, xs)
+res["loaded_diff"] = float(jnp.abs(y - jax.jit(jqt.quantize(mlp, qp))(packed, X_MLP)).max())
+try:
+    jqt.packed_shardings(qp, packed, AUTO, axis="tensor")
+except ValueError as e:
+    res["bad_axis"] = str(e)
+print("RESULT" + json.dumps(res))
+"""
+
+_RUN = {}
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], env=env,
+                              stdout=out, stderr=err, text=True, timeout=300, check=False)
+        out.seek(0)
+        err.seek(0)
+        text = out.read()
+        lines = [line for line in text.splitlines() if line.startswith("RESULT")]
+        assert proc.returncode == 0 and lines, f"subprocess failed:\n{text}\n{err.read()[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def _matches(r):
+    # the same function with the same (argument) qparams on 1 and on 8 devices
+    assert r["diff"] <= 1e-5 * r["max"], r
+
+
+def test_eight_devices(result):
+    assert result["devices"] == 8
+
+
+def test_w8a8_weights_scales_and_sums_shard_together(result):
+    r = result["mlp_w8a8"]
+    _matches(r)
+    assert r["equal"] and r["diff_const"] == 0.0  # bit-identical here, both ways
+    assert r["out_spec"] == ["data", "model"]
+    for k, (n, k_) in {"w1": (128, 64), "w2": (256, 128), "w3": (32, 256)}.items():
+        w = r["weights"][k]
+        assert w["layout"] == "nk" and w["shape"] == [n, k_] and w["devices"] == 8
+        assert w["qvalue"] == [n // 4, k_]  # (N, K): output features split over "model"
+        assert w["wsum"] == [n // 4] and w["scale"] == [1, n // 4]  # (1, N) scale
+        assert not w["gathered"]  # the int8 weights are never all-gathered
+
+
+def test_weight_only_kn_layout(result):
+    r = result["mlp_w8"]
+    _matches(r)
+    w = r["weights"]["w2"]
+    assert w["layout"] == "kn" and w["qvalue"] == [128, 64] and w["scale"] == [1, 64]
+    assert not any(v["gathered"] for v in r["weights"].values())
+
+
+def test_dynamic_activations(result):
+    r = result["mlp_dynamic"]
+    _matches(r)
+    assert r["weights"]["w1"]["qvalue"] == [32, 64] and r["out_spec"] == ["data", "model"]
+
+
+def test_megatron_rule_shards_the_contracted_axis_and_all_reduces_int32(result):
+    r = result["mlp_megatron"]
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["qvalue"] == [256, 32]  # K split: partial int32 sums per device
+    assert w2["scale"] == [1, 256] and w2["wsum"] == [256]  # per-N arrays replicated
+    assert r["s32_all_reduce"]  # the partial sums are added exactly, in int32
+    assert not any(v["gathered"] for v in r["weights"].values())
+
+
+def test_stacked_layers_under_scan(result):
+    r = result["stacked"]
+    _matches(r)
+    w = next(iter(r["weights"].values()))
+    assert w["shape"] == [3, 64, 64] and w["qvalue"] == [3, 16, 64]
+    assert w["scale_shape"] == [3, 1, 64] and w["scale"] == [3, 1, 16] and w["wsum"] == [3, 16]
+
+
+def test_convolution_kernels_in_operand_layout(result):
+    r = result["cnn"]
+    _matches(r)
+    c2 = r["weights"]["c2"]
+    assert c2["layout"] == "operand" and c2["qvalue"] == [3, 3, 16, 8]  # HWIO: O split
+    assert c2["wsum"] == [1, 1, 1, 8] and c2["scale"] == [1, 1, 1, 8]
+    assert r["weights"]["d"]["qvalue"] == [2, 512]
+
+
+def test_explicit_mesh_matches(result):
+    r = result["explicit"]
+    _matches(r)
+    assert r["weights"]["w2"]["qvalue"] == [64, 128]
+
+
+def test_explicit_mesh_keeps_batch_sharding(result):
+    assert result["explicit"]["out_spec"] == ["data", "model"]
+
+
+def test_load_packed_straight_into_shards(result):
+    assert result["loaded"] == {"w1": [32, 64], "w2": [64, 128], "w3": [8, 256]}
+    assert result["loaded_diff"] == 0.0
+
+
+def test_unknown_mesh_axis(result):
+    assert "not 'tensor'" in result["bad_axis"]

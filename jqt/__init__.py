@@ -8,6 +8,7 @@
 True
 """
 from jqt import calibrators as calibrators
+from jqt import qat as qat
 from jqt import recipes as recipes
 from jqt._src.calibrate import CalibrationDataError as CalibrationDataError
 from jqt._src.calibrate import calibrate as calibrate

@@ -150,7 +150,7 @@ def _dequant(packed, q, site, invals):
         v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, invals[site.weight_operand].shape)
     v = v.astype(_F32)
     if q.zero_point is not None:
-        v = v - q.zero_point
+        v = v - jnp.round(q.zero_point.astype(_F32))  # as pack and the integer path do
     return v * q.scale
 
 

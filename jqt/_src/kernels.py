@@ -88,7 +88,8 @@ def dot_general(operands, params, eqn):
     if zw is not None:
         cx = (lc, rc)[1 - w]
         sumx = jnp.sum(x.astype(_F32), axis=tuple(cx), keepdims=True)
-        out = out - to_out(zw.astype(_F32), w) * to_out(sumx, 1 - w)
+        # a trained zero point is float: round it, as the simulated path does (numerics._zp_f32)
+        out = out - to_out(jnp.round(zw.astype(_F32)), w) * to_out(sumx, 1 - w)
     return (out * to_out(sw.astype(_F32), w)).astype(out_dtype)
 
 

@@ -1,0 +1,312 @@
+"""Quantization-aware fine-tuning (QAT): which leaves of ``(params, qparams)`` train.
+
+Fine-tuning trains the pair ``state = (params, qparams)`` through the simulated
+path, :func:`jqt.quantize` with ``simulate=True`` called *inside* the
+differentiated function (so that ``qparams`` are traced, not captured as
+constants). The leaves of that pair fall in four parts (:data:`jqt.qat.PARTS`):
+
+* ``"weights"``: every leaf of ``params`` (kernels, biases, norms);
+* ``"weight_scales"``: the ``scale`` of each weight operand in ``qparams``;
+* ``"activation_scales"``: the ``scale`` of each static activation operand;
+* ``"zero_points"``: the ``zero_point`` of each asymmetric operand (weight or
+  activation).
+
+``"scales"`` names both kinds of scales, ``"all"`` every part. Dynamic operands
+have no scale or zero point to train, and float ops no leaves at all.
+
+Two ways to freeze a part, as in optax and Equinox:
+
+* :func:`jqt.qat.labels` gives a ``"train"`` / ``"freeze"`` label per leaf for
+  ``optax.multi_transform`` (``per_part=True``: the part's name instead of
+  ``"train"``, for one optimizer per part); frozen leaves get a zero update.
+* :func:`jqt.qat.split` returns ``(trainable, frozen)``, two pytrees shaped like
+  ``(params, qparams)`` with ``None`` where the other one holds the leaf;
+  differentiate with respect to ``trainable`` only and recombine with
+  :func:`jqt.qat.merge` inside the loss. Frozen leaves are never touched, and pass
+  through ``jax.jit`` as arguments rather than as baked-in constants.
+
+After each optimizer update, :func:`jqt.qat.project` puts ``qparams`` back in their
+domain: scales at least ``min_scale`` (a gradient step can take a small scale
+through zero), zero points inside ``[qmin, qmax]``. Zero points are trained
+straight-through: they stay float leaves, both paths round them in the forward
+pass (see ``numerics.py``).
+
+Adam moves a leaf by about its learning rate per step whatever the leaf's size,
+and scales span orders of magnitude (an int8 input's 0.004, an int2
+activation's 5): make the scales' steps relative to each scale with
+``optax.chain(optax.adam(lr), optax.scale_by_param_block_rms(1e-12))``.
+
+A fine-tune of the scales and zero points of a matmul calibrated on a batch
+with an outlier (its activation scale is 17 times too large), weights frozen:
+
+>>> import jax, jax.numpy as jnp, optax, jqt
+>>> f = lambda w, x: x @ w
+>>> w = jax.random.normal(jax.random.key(0), (16, 8))
+>>> x = jax.random.normal(jax.random.key(1), (64, 16))
+>>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x.at[0, 0].set(100.0),)], progress=False)
+>>> def loss(state):
+...     w, qp = state    # quantize inside the differentiated function: qp is traced
+...     return jnp.mean((jqt.quantize(f, qp, simulate=True)(w, x) - f(w, x)) ** 2)
+>>> relative = optax.chain(optax.adam(3e-2), optax.scale_by_param_block_rms(1e-12))
+>>> tx = optax.multi_transform(
+...     {"weight_scales": relative, "activation_scales": relative,
+...      "zero_points": optax.adam(1.0), "freeze": optax.set_to_zero()},
+...     jqt.qat.labels(w, qp, train=("scales", "zero_points"), per_part=True))
+>>> @jax.jit
+... def step(state, opt_state):
+...     grads = jax.grad(loss)(state)
+...     updates, opt_state = tx.update(grads, opt_state, state)
+...     w, qp = optax.apply_updates(state, updates)
+...     return (w, jqt.qat.project(qp)), opt_state
+>>> state = (w, qp)
+>>> opt_state = tx.init(state)
+>>> for _ in range(100):
+...     state, opt_state = step(state, opt_state)
+>>> bool(loss(state) < loss((w, qp)) / 10)
+True
+>>> bool((state[0] == w).all())    # the weights were frozen
+True
+>>> w1, qp1 = state                # re-pack: the integer path runs what was trained
+>>> y_int = jax.jit(jqt.quantize(f, qp1))(jqt.pack(qp1, w1), x)
+>>> bool(jnp.allclose(y_int, jqt.quantize(f, qp1, simulate=True)(w1, x), atol=1e-4))
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .qparams import OpQParams, PackedParams
+
+PARTS = ("weights", "weight_scales", "activation_scales", "zero_points")
+"""The parts of ``(params, qparams)`` that :func:`jqt.qat.parts` names.
+
+>>> import jqt
+>>> jqt.qat.PARTS
+('weights', 'weight_scales', 'activation_scales', 'zero_points')
+"""
+
+_GROUPS = {"scales": ("weight_scales", "activation_scales"), "all": PARTS}
+
+_TRAIN, _FREEZE = "train", "freeze"
+
+
+def _is_qparams(x) -> bool:
+    return isinstance(x, dict) and bool(x) and all(isinstance(v, OpQParams) for v in x.values())
+
+
+def _check(params, qparams, fn):
+    if isinstance(params, PackedParams):
+        raise TypeError(f"jqt.qat.{fn}: params is a jqt.PackedParams; fine-tune the float params "
+                        "and call jqt.pack(qparams, params) after training.")
+    if _is_qparams(params) and not _is_qparams(qparams):
+        raise TypeError(f"jqt.qat.{fn}: the first argument looks like qparams and the second "
+                        f"does not; the order is jqt.qat.{fn}(params, qparams), the same as the "
+                        "state (params, qparams) it describes.")
+    if not isinstance(qparams, dict):
+        raise TypeError(f"jqt.qat.{fn}: qparams is a {type(qparams).__name__}; expected the dict "
+                        "returned by jqt.calibrate.")
+    for k, v in qparams.items():
+        if not isinstance(v, OpQParams):
+            raise TypeError(f"jqt.qat.{fn}: qparams['{k}'] is a {type(v).__name__}; expected "
+                            "jqt.OpQParams.")
+
+
+def _resolve(train: str | Iterable[str]) -> frozenset:
+    names = (train,) if isinstance(train, str) else tuple(train)
+    out = set()
+    for n in names:
+        if n in _GROUPS:
+            out.update(_GROUPS[n])
+        elif n in PARTS:
+            out.add(n)
+        else:
+            raise ValueError(f"jqt.qat: unknown part {n!r}; the parts are {PARTS}, and "
+                             f"{tuple(_GROUPS)} name groups of them.")
+    return frozenset(out)
+
+
+def _op_parts(p: OpQParams) -> OpQParams:
+    ops = []
+    for i in (0, 1):
+        q = p.operand(i)
+        if q is None:
+            ops.append(None)
+            continue
+        role = "weight" if i == p.weight_operand else "activation"
+        ops.append(dataclasses.replace(
+            q, scale=None if q.scale is None else f"{role}_scales",
+            zero_point=None if q.zero_point is None else "zero_points"))
+    return dataclasses.replace(p, lhs=ops[0], rhs=ops[1])
+
+
+def parts(params, qparams) -> tuple[Any, dict]:
+    """The part (one of :data:`jqt.qat.PARTS`) of each leaf of ``(params, qparams)``.
+
+    Returns a pair shaped like ``(params, qparams)`` with a string in place of
+    each leaf, e.g. for ``optax.multi_transform`` with one learning rate per part:
+    ``optax.multi_transform({p: optax.adam(lr[p]) for p in jqt.qat.PARTS},
+    jqt.qat.parts(params, qparams))``.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"] + p["b"]
+    >>> p = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((1, 3)),)], progress=False)
+    >>> pp, qq = jqt.qat.parts(p, qp)
+    >>> pp
+    {'b': 'weights', 'w': 'weights'}
+    >>> qq["w"].rhs.scale, qq["w"].lhs.scale, qq["w"].lhs.zero_point
+    ('weight_scales', 'activation_scales', 'zero_points')
+    """
+    _check(params, qparams, "parts")
+    return (jax.tree.map(lambda _: "weights", params),
+            {k: _op_parts(v) for k, v in qparams.items()})
+
+
+def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
+           per_part: bool = False) -> tuple[Any, dict]:
+    """``"train"`` / ``"freeze"`` per leaf of ``(params, qparams)``, for ``optax.multi_transform``.
+
+    Args:
+      params: the float weights (the argument of ``f`` that holds them).
+      qparams: from :func:`jqt.calibrate`.
+      train: the parts to train, among :data:`jqt.qat.PARTS` (``"weights"``,
+        ``"weight_scales"``, ``"activation_scales"``, ``"zero_points"``) and the
+        groups ``"scales"`` (both kinds of scales) and ``"all"``; every other
+        part is frozen. Default: all. Leaves that are not floating point
+        (integer counters in ``params``) are always frozen.
+      per_part: label a trained leaf with its part's name (as :func:`jqt.qat.parts`)
+        instead of ``"train"``, for one optimizer per trained part.
+
+    Returns:
+      a pair shaped like ``(params, qparams)`` holding ``"train"`` (or the part's
+      name) or ``"freeze"`` in place of each leaf. Use it with the state
+      ``(params, qparams)``::
+
+        tx = optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
+                                   jqt.qat.labels(params, qparams, train=("weights", "scales")))
+        # or one optimizer per part, scales with steps relative to their size:
+        relative = optax.chain(optax.adam(1e-2), optax.scale_by_param_block_rms(1e-12))
+        tx = optax.multi_transform(
+            {"weights": optax.adam(1e-3), "weight_scales": relative, "activation_scales": relative,
+             "freeze": optax.set_to_zero()},
+            jqt.qat.labels(params, qparams, train=("weights", "scales"), per_part=True))
+
+    >>> import jax.numpy as jnp, jqt
+    >>> f = lambda w, x: x @ w
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), jnp.eye(2), [(jnp.ones((1, 2)),)], progress=False)
+    >>> lp, lq = jqt.qat.labels(jnp.eye(2), qp, train="scales")
+    >>> lp, lq["w"].rhs.scale, lq["w"].lhs.scale, lq["w"].lhs.zero_point
+    ('freeze', 'train', 'train', 'freeze')
+    >>> lp, lq = jqt.qat.labels(jnp.eye(2), qp, train="scales", per_part=True)
+    >>> lp, lq["w"].rhs.scale, lq["w"].lhs.scale, lq["w"].lhs.zero_point
+    ('freeze', 'weight_scales', 'activation_scales', 'freeze')
+    """
+    _check(params, qparams, "labels")
+    chosen = _resolve(train)
+    state_parts = parts(params, qparams)
+
+    def label(part, leaf):
+        floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+        if part not in chosen or not floating:
+            return _FREEZE
+        return part if per_part else _TRAIN
+
+    return jax.tree.map(label, state_parts, (params, qparams))
+
+
+def split(params, qparams, *, train: str | Iterable[str] = PARTS) -> tuple[tuple, tuple]:
+    """Splits ``(params, qparams)`` into ``(trainable, frozen)``, as in ``eqx.partition``.
+
+    Both halves are shaped like ``(params, qparams)``, with ``None`` where the
+    other half holds the leaf; ``train`` is as in :func:`jqt.qat.labels`. Differentiate
+    with respect to ``trainable`` and rebuild the pair with :func:`jqt.qat.merge` inside
+    the loss; pass ``frozen`` to a jitted step as an argument.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda w, x: x @ w
+    >>> w, x = jnp.eye(2), jnp.ones((1, 2))
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    >>> trainable, frozen = jqt.qat.split(w, qp, train="weights")
+    >>> trainable[1]["w"].rhs.scale is None, frozen[0] is None
+    (True, True)
+    >>> def loss(trainable, frozen):
+    ...     w, qp = jqt.qat.merge(trainable, frozen)
+    ...     return jnp.sum(jqt.quantize(f, qp, simulate=True)(w, x))
+    >>> g = jax.grad(loss)(trainable, frozen)    # a gradient for the weights only
+    >>> g[0]
+    Array([[1., 1.],
+           [1., 1.]], dtype=float32)
+    """
+    _check(params, qparams, "split")
+    lab = labels(params, qparams, train=train)
+    state = (params, qparams)
+    trainable = jax.tree.map(lambda l, x: x if l == _TRAIN else None, lab, state)
+    frozen = jax.tree.map(lambda l, x: None if l == _TRAIN else x, lab, state)
+    return trainable, frozen
+
+
+def merge(trainable, frozen) -> tuple[Any, dict]:
+    """Inverse of :func:`jqt.qat.split`: the pair ``(params, qparams)``, each leaf from the
+    half that holds it (``eqx.combine``).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> w = {"k": jnp.ones((2, 2)), "b": jnp.zeros(2)}
+    >>> qp = jqt.calibrate(lambda w, x: x @ w["k"] + w["b"], jqt.recipes.w8a8(), w,
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> trainable, frozen = jqt.qat.split(w, qp, train="scales")
+    >>> w2, qp2 = jqt.qat.merge(trainable, frozen)
+    >>> w2["k"] is w["k"], qp2["k"].lhs.scale is qp["k"].lhs.scale
+    (True, True)
+    """
+    is_none = lambda x: x is None
+    return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)
+
+
+def project(qparams, *, min_scale: float = 1e-8) -> dict:
+    """``qparams`` moved back into their domain after an optimizer update.
+
+    Scales are clamped to at least ``min_scale`` (a step larger than a scale
+    would make it zero or negative: a division by zero, or a sign flip of the
+    operand); zero points are clipped to their type's ``[qmin, qmax]`` (a zero
+    point outside it cannot be stored as a code: the int8 padding value of a
+    convolution would wrap). Leaves that are ``None`` (the frozen half of a
+    :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
+    unchanged, bit for bit. Jittable.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> f = lambda w, x: x @ w
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), jnp.eye(2), [(jnp.ones((1, 2)),)], progress=False)
+    >>> import dataclasses
+    >>> a = dataclasses.replace(qp["w"].lhs, scale=jnp.float32(-0.1), zero_point=jnp.float32(300.4))
+    >>> jqt.qat.project({"w": dataclasses.replace(qp["w"], lhs=a)})["w"].lhs
+    QuantParams(int8 asymmetric per-tensor static, scale=1e-08, zero_point=127)
+    """
+    if not isinstance(qparams, dict):
+        raise TypeError(f"jqt.qat.project: expected a qparams dict, got {type(qparams).__name__}; "
+                        "project the qparams half of the state: (params, jqt.qat.project(qp)).")
+
+    def fix(q):
+        if q is None:
+            return None
+        s, z = q.scale, q.zero_point
+        if s is not None:
+            s = jnp.maximum(s, jnp.asarray(min_scale, jnp.result_type(s)))
+        if z is not None:
+            z = jnp.clip(z, q.qtype.qmin, q.qtype.qmax).astype(jnp.result_type(z))
+        return dataclasses.replace(q, scale=s, zero_point=z)
+
+    out = {}
+    for k, p in qparams.items():
+        if not isinstance(p, OpQParams):
+            raise TypeError(f"jqt.qat.project: qparams['{k}'] is a {type(p).__name__}; expected "
+                            "jqt.OpQParams.")
+        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs))
+    return out
+
+
+__all__ = ["PARTS", "labels", "merge", "parts", "project", "split"]

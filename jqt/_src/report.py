@@ -280,15 +280,18 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
                                    "function or weight_argnums. Run jqt.calibrate on this function.")
     state = {k: (qparams[k], None) for k in keys}
 
-    def lane(*b):
-        args = _full_args(argnums, params_t, b)
-        ctx = Ctx(_Measure(), state)
-        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
-                          traced.plan, ctx)
-        return outs, ctx.state_out
+    def lanes_fn(params_t, state, b):
+        def lane(*b):
+            args = _full_args(argnums, params_t, b)
+            ctx = Ctx(_Measure(), state)
+            outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
+                              jax.tree_util.tree_leaves(args), traced.plan, ctx)
+            return outs, ctx.state_out
+        return jax.vmap(lane, axis_name=_AXIS)(*b)
 
+    # weights and qparams are arguments, not constants XLA would spend minutes folding
     lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), batch)
-    outs, st = jax.jit(lambda b: jax.vmap(lane, axis_name=_AXIS)(*b))(lanes)
+    outs, st = jax.jit(lanes_fn)(params_t, state, lanes)
     st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
     rows = []
     for s in traced.sites():

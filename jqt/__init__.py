@@ -32,9 +32,9 @@ from jqt._src.report import report as report
 from jqt._src.recipe import Recipe as Recipe
 from jqt._src.recipe import Rule as Rule
 from jqt._src.serialization import load as load
-from jqt._src.serialization import load_packed as load_packed
+from jqt._src.packed_io import load_packed as load_packed
 from jqt._src.serialization import save as save
-from jqt._src.serialization import save_packed as save_packed
+from jqt._src.packed_io import save_packed as save_packed
 from jqt._src.sharding import packed_shardings as packed_shardings
 from jqt._src.tuning import FallbackResult as FallbackResult
 from jqt._src.tuning import Sensitivity as Sensitivity

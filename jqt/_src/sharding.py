@@ -158,7 +158,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     if missing:
         raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "
                          "the qparams do not have; pass the qparams they were packed with.")
-    from .serialization import _leaf_paths
+    from .packed_io import _leaf_paths
     paths = _leaf_paths(packed)
     leaf_sh = []
     for i, x in zip(packed.kept, packed.leaves):

@@ -37,6 +37,7 @@ from jax import lax
 import jqt
 from jqt._src import numerics as nx
 from jqt._src.calibrators import _expected_sq_error
+from jaxpr_utils import all_eqns as _all_eqns
 
 C = jqt.calibrators
 INT8_WEIGHT = jqt.QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True)
@@ -99,16 +100,6 @@ def _fq_error(x, lo, hi, qtype, axis=None):
 
 def _rule(calibrator=C.MinMax(), *, key=".*", activation=ASYM8, weight=INT8_WEIGHT, **kw):
     return jqt.Rule(key=key, weight=weight, activation=activation, calibrator=calibrator, **kw)
-
-
-def _all_eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _all_eqns(sub)
 
 
 # ============================================================ data-parallel subprocess

@@ -18,6 +18,7 @@ import pytest
 from jax import lax
 
 import jqt
+from jaxpr_utils import all_eqns as _all_eqns
 
 INT_VS_SIM = 1e-4      # integer vs simulated path, relative to the output scale
 QUANT_VS_FLOAT = 0.05  # quantized vs float, relative to the output scale
@@ -42,17 +43,6 @@ def _check_paths(f, qp, params, *args):
     assert _rel(out_int, out_sim, ref) < INT_VS_SIM
     assert _rel(out_int, ref) < QUANT_VS_FLOAT
     return out_int
-
-
-def _all_eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, sub-jaxprs included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _all_eqns(sub)
 
 
 def _int8_dots(jaxpr):

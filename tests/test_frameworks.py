@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 
 import jqt
+from jaxpr_utils import all_eqns as _all_eqns
 
 # Tolerances, relative to the largest absolute float output.
 INT_VS_SIM = 1e-4   # integer path vs simulated path: float rounding only
@@ -90,17 +91,6 @@ def _np_init(seed):
     rng = np.random.default_rng(seed)
     return lambda shape, dtype=None: (rng.standard_normal(shape, np.float32)
                                       / np.sqrt(np.prod(shape[:-1])))
-
-
-def _all_eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, sub-jaxprs (jit, scan, remat, custom_jvp) included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _all_eqns(sub)
 
 
 def _int8_matmuls(jaxpr):

@@ -37,7 +37,7 @@ from jax import lax
 import jqt
 from jqt._src import numerics as nx
 from jqt._src.calibrators import _expected_sq_error
-from jaxpr_utils import all_eqns as _all_eqns
+from shared import all_eqns as _all_eqns
 
 C = jqt.calibrators
 INT8_WEIGHT = jqt.QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True)

@@ -18,7 +18,8 @@ import pytest
 from jax import lax
 
 import jqt
-from jaxpr_utils import all_eqns as _all_eqns
+from shared import all_eqns as _all_eqns
+from shared import L, scan_mlp, unrolled_mlp
 
 INT_VS_SIM = 1e-4      # integer vs simulated path, relative to the output scale
 QUANT_VS_FLOAT = 0.05  # quantized vs float, relative to the output scale
@@ -270,30 +271,11 @@ def test_optax_adam_on_params_and_qparams(w4_setup):
 
 # --------------------------------------------------------------------------- lax.scan
 
-L = 3
-
 
 def scan_params(seed=60):
     return {"inp": _normal(seed, (8, 16), 0.4),
             "layers": {"w": _normal(seed + 1, (L, 16, 16), 0.25), "b": jnp.zeros((L, 16))},
             "out": _normal(seed + 2, (16, 4), 0.3)}
-
-
-def scan_mlp(p, x):
-    h = x @ p["inp"]
-
-    def body(h, lp):
-        return jax.nn.relu(h @ lp["w"] + lp["b"]) + h, None
-
-    h, _ = lax.scan(body, h, p["layers"])
-    return h @ p["out"]
-
-
-def unrolled_mlp(p, x):
-    h = x @ p["inp"]
-    for i in range(L):
-        h = jax.nn.relu(h @ p["layers"]["w"][i] + p["layers"]["b"][i]) + h
-    return h @ p["out"]
 
 
 def test_lax_scan_stacked_layers():

@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 import jqt
-from jaxpr_utils import all_eqns as _all_eqns
+from shared import all_eqns as _all_eqns
 
 # Tolerances, relative to the largest absolute float output.
 INT_VS_SIM = 1e-4   # integer path vs simulated path: float rounding only

@@ -33,6 +33,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import jqt
+from shared import L, scan_mlp, unrolled_mlp
 
 SEED = 0
 OUTLIER = 300.0
@@ -404,26 +405,6 @@ def test_report_activation_clipping(chain_setup):
     assert r0.hist[0] + r0.hist[-1] > 0  # values beyond the plotted range
     assert r0.sqnr_isolated < rep.rows[0].sqnr_isolated - 20.0
     assert wide.worst(1)[0].key == "0"
-
-
-L = 3
-
-
-def scan_mlp(p, x):
-    h = x @ p["inp"]
-
-    def body(h, lp):
-        return jax.nn.relu(h @ lp["w"] + lp["b"]) + h, None
-
-    h, _ = lax.scan(body, h, p["layers"])
-    return h @ p["out"]
-
-
-def unrolled_mlp(p, x):
-    h = x @ p["inp"]
-    for i in range(L):
-        h = jax.nn.relu(h @ p["layers"]["w"][i] + p["layers"]["b"][i]) + h
-    return h @ p["out"]
 
 
 def test_report_scan_one_row_per_layer():

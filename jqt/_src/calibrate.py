@@ -102,6 +102,10 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     return jax.jit(step, static_argnums=2), last
 
 
+# one compiled merge per statistics structure, shared by every calibrate call
+_accumulate = jax.jit(stats_lib.accumulate_all)
+
+
 def _run_pass(jstep, params_t, batches, decided, bar_desc, progress):
     try:
         total = len(batches)
@@ -110,13 +114,12 @@ def _run_pass(jstep, params_t, batches, decided, bar_desc, progress):
     from tqdm.auto import tqdm
     bar = tqdm(batches, total=total, desc=bar_desc, unit="batch",
                disable=None if progress is None else not progress)
-    merge = jax.jit(stats_lib.accumulate_all)
     st, tree = None, None
     weights_seen = False  # weights are observed until every op has run once
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
         new = jstep(params_t, tuple(batch), not weights_seen, decided)
-        st = new if st is None else merge(st, new)
+        st = new if st is None else _accumulate(st, new)
         if not weights_seen:
             weights_seen = all(bool(jnp.isfinite(s.weight["min"]).all())
                                for s in st.values() if s.weight is not None)

@@ -51,12 +51,12 @@ def affine_mlp_consts(qp, packed, p):
         s_in, z_in = a.scale, jnp.round(a.zero_point)
         sw = wq.scale.reshape(-1)
         pw = packed.weights[k]
-        bias = jnp.round(p[i][1] / (s_in * sw)).astype(I32) - z_in.astype(I32) * pw.wsum
+        bias = jnp.round(p[i][1] / (s_in * sw)).astype(I32) - z_in.astype(I32) * pw.sums
         if i + 1 < len(keys):
             nxt = qp[keys[i + 1]].lhs
-            layers.append((pw.qvalue, bias, s_in * sw / nxt.scale, jnp.round(nxt.zero_point)))
+            layers.append((pw.values, bias, s_in * sw / nxt.scale, jnp.round(nxt.zero_point)))
         else:
-            layers.append((pw.qvalue, bias, s_in * sw, None))
+            layers.append((pw.values, bias, s_in * sw, None))
     first = qp[keys[0]].lhs
     return (first.scale, jnp.round(first.zero_point)), layers
 
@@ -85,9 +85,9 @@ def affine_cnn_consts(qp, packed, p):
     z1, z2 = jnp.round(a1.zero_point), jnp.round(a2.zero_point)
     b1 = jnp.round(p["b1"] / (a1.scale * s1)).astype(I32)
     b2 = jnp.round(p["b2"] / (a2.scale * s2)).astype(I32)
-    return dict(s1=a1.scale, z1=z1, w1=packed.weights["c1"].qvalue, b1=b1, ws1=packed.weights["c1"].wsum,
-                m1=a1.scale * s1 / a2.scale, z2=z2, w2=packed.weights["c2"].qvalue, b2=b2,
-                ws2=packed.weights["c2"].wsum, m2=a2.scale * s2)
+    return dict(s1=a1.scale, z1=z1, w1=packed.weights["c1"].values, b1=b1, ws1=packed.weights["c1"].sums,
+                m1=a1.scale * s1 / a2.scale, z2=z2, w2=packed.weights["c2"].values, b2=b2,
+                ws2=packed.weights["c2"].sums, m2=a2.scale * s2)
 
 
 def affine_cnn(c, x):

@@ -358,7 +358,7 @@ def main():
     leaves = jax.tree_util.tree_leaves(m.params)
     float_bytes = sum(x.nbytes for x in leaves)
     packed = w8a8["packed"]
-    int8_bytes = sum(w.qvalue.nbytes for w in packed.weights.values())
+    int8_bytes = sum(w.values.nbytes for w in packed.weights.values())
     kernel_bytes = sum(leaves[w8a8["qp"][k].source.leaf].nbytes for k in packed.weights)
     emb_bytes = sum(v["embedding"].nbytes for v in m.params["params"]["embeddings"].values()
                     if isinstance(v, dict) and "embedding" in v)

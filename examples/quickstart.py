@@ -113,12 +113,12 @@ def main():
 
     section("4. packed int8 weights (w8a8)")
     leaves = jax.tree_util.tree_leaves(params)
-    int8_bytes = sum(w.qvalue.nbytes for w in packed.weights.values())
+    int8_bytes = sum(w.values.nbytes for w in packed.weights.values())
     kernel_bytes = sum(leaves[qp[k].source.leaf].nbytes for k in packed.weights)
     total_float = sum(x.nbytes for x in leaves)
     print(f"{'kernel':<24}{'float32 bytes':>14}{'int8 bytes':>12}")
     for k, w in packed.weights.items():
-        print(f"{k:<24}{leaves[qp[k].source.leaf].nbytes:>14}{w.qvalue.nbytes:>12}")
+        print(f"{k:<24}{leaves[qp[k].source.leaf].nbytes:>14}{w.values.nbytes:>12}")
     print(f"quantized kernels: {int8_bytes} B int8 vs {kernel_bytes} B float32 "
           f"-> ratio {int8_bytes / kernel_bytes:.3f}")
     print(f"whole model:       {packed.nbytes()} B packed (int8 kernels + int32 sums + float "

@@ -20,12 +20,13 @@ from jqt._src.policy import KernelPolicy as KernelPolicy
 from jqt._src.qparams import OpQParams as OpQParams
 from jqt._src.qparams import PackedParams as PackedParams
 from jqt._src.qparams import PackedWeight as PackedWeight
+from jqt._src.qparams import QArray as QArray
 from jqt._src.qparams import QuantParams as QuantParams
 from jqt._src.qparams import WeightSource as WeightSource
 from jqt._src.qparams import summarize as summarize
 from jqt._src.quantize import pack as pack
 from jqt._src.quantize import quantize as quantize
-from jqt._src.recipe import QuantType as QuantType
+from jqt._src.formats import QuantType as QuantType
 from jqt._src.report import OpReport as OpReport
 from jqt._src.report import Report as Report
 from jqt._src.report import report as report

@@ -84,9 +84,9 @@ def test_packed_size(trained, quantized):
     int8_bytes = float32_bytes = 0
     for key, pw in packed.weights.items():
         kernel = leaves[qp[key].source.leaf]  # the float32 leaf this op's weight comes from
-        assert pw.qvalue.dtype == jnp.int8, (key, pw.qvalue.dtype)
-        assert kernel.dtype == jnp.float32 and kernel.size == pw.qvalue.size, key
-        int8_bytes += pw.qvalue.nbytes
+        assert pw.values.dtype == jnp.int8, (key, pw.values.dtype)
+        assert kernel.dtype == jnp.float32 and kernel.size == pw.values.size, key
+        int8_bytes += pw.values.nbytes
         float32_bytes += kernel.nbytes
     assert int8_bytes <= 0.26 * float32_bytes, (int8_bytes, float32_bytes)
     # Everything packed (int8 kernels, int32 sums, float biases) vs all float32 params.

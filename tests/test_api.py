@@ -58,7 +58,7 @@ def test_pack_drops_float_kernels_and_matches(setup):
     assert set(packed.weights) == {"l1/w", "l2/w"}
     assert len(packed.leaves) == 2  # the biases
     w_bytes = sum(int(np.prod(p[k]["w"].shape)) * 4 for k in ("l1", "l2"))
-    q_bytes = sum(w.qvalue.nbytes for w in packed.weights.values())
+    q_bytes = sum(w.values.nbytes for w in packed.weights.values())
     assert q_bytes <= 0.26 * w_bytes
     qf = jax.jit(jqt.quantize(mlp, qp))
     np.testing.assert_array_equal(qf(packed, xs[0][0]), qf(p, xs[0][0]))

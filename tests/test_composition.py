@@ -306,7 +306,7 @@ def test_lax_scan_stacked_layers():
 
     qf = jqt.quantize(scan_mlp, qp)
     packed = jqt.pack(qp, p)
-    assert packed.weights["layers/w"].qvalue.shape == (L, 16, 16)
+    assert packed.weights["layers/w"].values.shape == (L, 16, 16)
     assert _rel(jax.jit(qf)(packed, x), out, out) < 1e-6
 
     xs = _normal(72, (3, 5, 8))

@@ -205,7 +205,7 @@ def test_qparams_safetensors_round_trip(tmp_path, models):
     g = jax.jit(lambda q, p, x: jqt.quantize(f, q)(p, x))  # qparams as arguments: one compile
     np.testing.assert_array_equal(g(back, params, x), g(qp, params, x))
     meta, keys = _metadata(path)
-    assert meta["format"] == "jqt.qparams" and meta["version"] == "2"
+    assert meta["format"] == "jqt.qparams" and meta["version"] == "3"
     assert "c1/rhs.scale" in keys and "c1/lhs.zero_point" in keys  # readable tensor names
 
 
@@ -231,13 +231,13 @@ def test_packed_round_trip(tmp_path, models, name):
     assert back.treedef == packed.treedef and back.avals == packed.avals
     layouts = lambda pk: {k: w.layout for k, w in pk.weights.items()}
     assert layouts(back) == layouts(packed)
-    assert isinstance(back.weights[next(iter(back.weights))].qvalue, jax.Array)
+    assert isinstance(back.weights[next(iter(back.weights))].values, jax.Array)
     qf = jax.jit(jqt.quantize(f, qp))
     np.testing.assert_array_equal(qf(back, x), qf(packed, x))
     meta, keys = _metadata(path)
-    assert meta["format"] == "jqt.packed" and meta["version"] == "1"
+    assert meta["format"] == "jqt.packed" and meta["version"] == "2"
     key = next(iter(packed.weights))
-    assert f"packed/{key}/qvalue" in keys and f"packed/{key}/wsum" in keys
+    assert all(f"packed/{key}/{n}" in keys for n in ("values", "sums", "scale"))
     if name.startswith("mlp"):
         assert "params/l1/b" in keys  # the kept float leaves, by path
 
@@ -373,12 +373,12 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
     src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     jqt.save_packed(src, packed, qp)
     _rewrite_header(src, dst, version=99)
-    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads version 1"):
+    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads versions \(1, 2\)"):
         jqt.load_packed(dst)
     jqt.save(src, qp)
-    _rewrite_header(src, dst, version=3)
-    with pytest.raises(ValueError, match=r"'jqt.qparams' version 3; this jqt reads version 1 "
-                                         r"\(.npz\) and 2 \(safetensors\)"):
+    _rewrite_header(src, dst, version=4)
+    with pytest.raises(ValueError, match=r"'jqt.qparams' version 4; this jqt reads version 1 "
+                                         r"\(.npz\) and \(2, 3\) \(safetensors\)"):
         jqt.load(dst)
     npz = str(tmp_path / "qp.npz")
     header = json.dumps({"format": "jqt.qparams", "version": 7, "ops": {}})
@@ -433,17 +433,16 @@ def test_loaded_files_against_another_function_fail_at_trace(tmp_path, models):
 def test_aux_data_round_trips_for_every_node(models):
     _, _, _, qp, packed = models["cnn_w8a8"]
     op = next(iter(qp.values()))
-    nodes = [(jqt.OpQParams, op), (jqt.QuantParams, op.rhs),
-             (jqt.PackedWeight, next(iter(packed.weights.values()))), (jqt.PackedParams, packed)]
+    nodes = [(jqt.OpQParams, op), (jqt.QArray, op.rhs),
+             (jqt.QArray, next(iter(packed.weights.values()))), (jqt.PackedParams, packed)]
     for cls, node in nodes:
         kind, aux = jax.tree_util.tree_structure(node).node_data()
         assert kind is cls
         data = jqt_export.serialize_aux(cls, aux)
         assert isinstance(data, bytes)
         assert jqt_export.deserialize_aux(cls, data) == aux
-    with pytest.raises(ValueError, match="version 9; this jqt reads version 1"):
-        jqt_export.deserialize_aux(jqt.PackedWeight,
-                                   json.dumps({"type": "jqt.PackedWeight", "v": 9}).encode())
+    with pytest.raises(ValueError, match="version 9; this jqt reads version 2"):
+        jqt_export.deserialize_aux(jqt.QArray, json.dumps({"type": "jqt.QArray", "v": 9}).encode())
 
 
 def test_exported_in_tree_round_trips(models):
@@ -493,7 +492,7 @@ def test_export_symbolic_batch_default_policy(models):
 
 def test_fresh_process_runs_the_exported_functions(server):
     r = _server_result()
-    assert "unregistered type `jqt.Packed" in r["without_jqt"]  # needs `import jqt` (registration)
+    assert "unregistered type `jqt." in r["without_jqt"]  # needs `import jqt` (registration)
     assert not r["jqt_file"].startswith(server)
     for name in ("mlp_w8a8", "mlp_w8", "cnn_w8a8", "mlp_qp_arg", "mlp_poly"):
         assert r[name]["equal"], (name, r[name])  # bit-identical to jax.jit in this process

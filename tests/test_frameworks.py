@@ -174,7 +174,7 @@ def check_model(f, params, batches, expected_keys, recipe=None, *, x=None,
                                    if p.weight_operand is not None
                                    and p.operand(p.weight_operand) is not None}
     for w in packed.weights.values():
-        assert w.qvalue.dtype == jnp.int8
+        assert w.values.dtype == jnp.int8
     atol = 1e-6 * float(jnp.abs(ref).max())
     np.testing.assert_allclose(np.asarray(out_packed), np.asarray(out_int), rtol=0, atol=atol)
     return qp

@@ -33,14 +33,14 @@ def _dense(recipe, k=1024, n=8, m=1):
 def test_packed_layouts():
     _, _, _, _, packed = _dense(jqt.recipes.w8a8())
     w = packed.weights["w"]
-    assert (w.layout, w.qvalue.shape, w.qvalue.dtype, w.wsum.shape) == ("nk", (8, 1024), np.int8, (8,))
+    assert (w.layout, w.values.shape, w.values.dtype, w.sums.shape) == ("nk", (8, 1024), np.int8, (8,))
     _, p, _, _, packed = _dense(jqt.recipes.w8())
-    assert (packed.weights["w"].layout, packed.weights["w"].qvalue.shape) == ("kn", (1024, 8))
+    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("kn", (1024, 8))
     # the stored weight is the transposed quantized kernel, exactly
-    np.testing.assert_array_equal(packed.weights["w"].qvalue,
+    np.testing.assert_array_equal(packed.weights["w"].values,
                                   jqt.pack(jqt.calibrate(lambda p, x: x @ p["w"] + p["b"], jqt.recipes.w8(),
                                                          p, [(jnp.ones((1, 1024)),)], progress=False),
-                                           p).weights["w"].qvalue)
+                                           p).weights["w"].values)
 
 
 def test_weights_with_batch_axes_and_convs_keep_their_layout():
@@ -52,7 +52,7 @@ def test_weights_with_batch_axes_and_convs_keep_their_layout():
                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
     w, x = jnp.ones((3, 3, 2, 4)), jnp.ones((1, 5, 5, 2))
     qp = jqt.calibrate(conv, jqt.recipes.w8a8(), w, [(x,)], progress=False)
-    assert jqt.pack(qp, w).weights["w"].qvalue.shape == (3, 3, 2, 4)
+    assert jqt.pack(qp, w).weights["w"].values.shape == (3, 3, 2, 4)
 
 
 def test_single_row_int8_matmul_is_padded_on_cpu():
@@ -99,6 +99,7 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=512, conv_patches_below=16)
-    assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy()
+    assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
+    assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only

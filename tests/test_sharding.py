@@ -71,11 +71,11 @@ def case(f, p, x, recipe, mesh, ops=(), const=False):
            "weights": {}}
     for k, w in pks.weights.items():
         q = qps[k].operand(qps[k].weight_operand)
-        shape = "s8[" + ",".join(map(str, w.qvalue.shape)) + "]"
+        shape = "s8[" + ",".join(map(str, w.values.shape)) + "]"
         out["weights"][k] = {
-            "layout": w.layout, "shape": list(w.qvalue.shape), "qvalue": shard_shape(w.qvalue),
-            "wsum": shard_shape(w.wsum), "scale": shard_shape(q.scale),
-            "scale_shape": list(q.scale.shape), "devices": len(w.qvalue.sharding.device_set),
+            "layout": w.layout, "shape": list(w.values.shape), "qvalue": shard_shape(w.values),
+            "wsum": shard_shape(w.sums), "scale": shard_shape(q.scale),
+            "scale_shape": list(q.scale.shape), "devices": len(w.values.sharding.device_set),
             "gathered": any(shape in l.split("all-gather(")[0] for l in gathers)}
     if const:  # qparams captured as constants; weights sharded
         want_c = jax.jit(jqt.quantize(f, qp))(packed, x)
@@ -96,7 +96,7 @@ path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
 jqt.save_packed(path, packed, qp)
 qp2 = jqt.load(path)
 loaded = jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp2, host, AUTO)[1])
-res["loaded"] = {k: shard_shape(w.qvalue) for k, w in loaded.weights.items()}
+res["loaded"] = {k: shard_shape(w.values) for k, w in loaded.weights.items()}
 xs = jax.device_put(X_MLP, NamedSharding(AUTO, P("data")))
 y = jax.jit(jqt.quantize(mlp, qp2))(loaded, xs)
 res["loaded_diff"] = float(jnp.abs(y - jax.jit(jqt.quantize(mlp, qp))(packed, X_MLP)).max())

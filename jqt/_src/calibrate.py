@@ -10,9 +10,9 @@ import numpy as np
 
 from . import numerics as nx
 from . import stats as stats_lib
-from .handlers import Calibrate
+from .handlers import Calibrate, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
-from .qparams import OpQParams, QuantParams
+from .qparams import OpQParams, QArray
 from .recipe import Recipe
 from .tracing import Tracer, normalize_argnums
 
@@ -254,13 +254,14 @@ def _decide(site, rule, st):
             return float_("activation x activation op (set Rule(act_x_act=...) to quantize)")
         if site.op != "dot_general":
             return float_("conv with a data-dependent kernel is kept float")
-        q = QuantParams(scale=None, zero_point=None, qtype=rule.act_x_act)
+        q = QArray(qtype=rule.act_x_act)
         return OpQParams(lhs=q, rhs=q, **base)
-    if rule.weight is None:
+    wt = site.entry.weight_type(rule)
+    if wt is None:
         return float_("the recipe keeps it float")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
         return float_("conv with batch_group_count > 1 is kept float")
-    if site.op == "conv_general_dilated" and (w != 1 or not rule.weight.symmetric):
+    if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:
             return float_("conv whose data operand is the kernel is kept float")
         raise ValueError(f"jqt: op '{site.key}' is a conv; conv weights must be symmetric "
@@ -272,18 +273,26 @@ def _decide(site, rule, st):
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
         warnings.warn(never, stacklevel=3)
         return float_("never reached during calibration")
-    scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], rule.weight)
+    shape = site.eqn.invars[w].aval.shape
+    eff = weight_qtype(site, wt, shape)
+    if eff != wt:
+        warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot "
+                      f"take group_size={wt.group_size} (groups run along a dot_general weight's "
+                      "innermost contracting axis, whose length they must divide); it gets one "
+                      "scale per output channel. Pick a group size that divides it, or a Rule "
+                      "for this key.", stacklevel=3)
+    scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
-    ops[w] = QuantParams(scale=scale, zero_point=zp, qtype=rule.weight)
-    act = rule.activation
+    ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)
+    act = site.entry.act_type(rule)
     if act is not None:
         if act.dynamic:
-            ops[1 - w] = QuantParams(scale=None, zero_point=None, qtype=act)
+            ops[1 - w] = QArray(qtype=act)
         else:
             lo, hi = _act_range(rule, st.act, act)
             if not np.isfinite(lo).all():
                 warnings.warn(never, stacklevel=3)
                 return float_("never reached during calibration")
             s, z = nx.params_from_range(lo, hi, act)
-            ops[1 - w] = QuantParams(scale=s, zero_point=z, qtype=act)
+            ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return OpQParams(lhs=ops[0], rhs=ops[1], **base)

@@ -472,9 +472,8 @@ class WeightMSE(WeightCalibrator):
 
         def err(r):
             s, z = nx.params_from_range(lo0 * r, hi0 * r, qtype)
-            zz = jnp.zeros_like(s) if z is None else z
-            q = jnp.clip(jnp.round(w / s) + zz, qtype.qmin, qtype.qmax)
-            return jnp.sum(((q - zz) * s - w) ** 2, axis=axes, keepdims=axes is not None)
+            d = nx.fake_quant(w, s, z, qtype) - w  # on the format's own grid (int, fp8, nf4)
+            return jnp.sum(d ** 2, axis=axes, keepdims=axes is not None)
 
         ratios = jnp.linspace(1.0, self.min_ratio, self.candidates)
 

@@ -59,3 +59,20 @@ def is_literal(v) -> bool:
 
 def is_dropvar(v) -> bool:
     return isinstance(v, DropVar)
+
+
+# The primitives jqt's tables are keyed by (one object per primitive: no name aliases).
+from jax.extend.core import primitives as _prims  # noqa: E402
+
+dot_general_p = _prims.dot_general_p
+conv_general_dilated_p = _prims.conv_general_dilated_p
+gather_p = _prims.gather_p
+jit_p = _prims.jit_p
+closed_call_p = _prims.closed_call_p
+call_p = _prims.call_p
+remat_p = _prims.remat_p
+custom_jvp_call_p = _prims.custom_jvp_call_p
+custom_vjp_call_p = _prims.custom_vjp_call_p
+scan_p = _prims.scan_p
+while_p = _prims.while_p
+cond_p = _prims.cond_p

@@ -9,9 +9,8 @@ registers its nodes when it is imported (``qparams.py``, at the end):
 =====================  ========================  ==========================================
 type                   serialized name           aux data (JSON, versioned)
 =====================  ========================  ==========================================
-``jqt.QuantParams``    ``"jqt.QuantParams"``     the ``QuantType``
+``jqt.QArray``         ``"jqt.QArray"``          the ``QuantType`` and the layout
 ``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note
-``jqt.PackedWeight``   ``"jqt.PackedWeight"``    the layout (``"nk"``, ``"kn"``, ``"operand"``)
 ``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
                                                  :func:`jqt.save_packed`), avals, kept leaves
 =====================  ========================  ==========================================
@@ -26,10 +25,10 @@ import dataclasses
 import json
 
 from . import serialization as ser
-from .qparams import OpQParams, PackedParams, PackedWeight, QuantParams, WeightSource
-from .recipe import QuantType
+from .qparams import OpQParams, PackedParams, QArray, WeightSource
+from .formats import QuantType
 
-AUX_VERSION = 1
+AUX_VERSION = 2  # 2: one jqt.QArray node (was QuantParams / PackedWeight); QuantType by dtype
 
 
 def _value_to_json(v):
@@ -112,4 +111,4 @@ def deserialize_aux(cls, data):
     return tuple(_value_from_json(fields[n]) for n in names)
 
 
-NODE_TYPES = (QuantParams, OpQParams, PackedWeight, PackedParams)
+NODE_TYPES = (QArray, OpQParams, PackedParams)

@@ -1,23 +1,39 @@
 """What happens at each quantizable op, per mode.
 
-A handler has ``site(site, eqn, invals, ctx) -> outvals`` and says whether it
-``collects`` state (calibration statistics, or the report's error sums) and
-whether it must stay ``differentiable`` (the simulated path). A collecting
-handler also has ``identity(shapes)``, ``merge(a, b)`` and
-``reduce_iterations(stacked)``, each on a dict keyed by op key, which the
-interpreter uses under ``cond`` / ``while`` / ``scan``.
+A handler implements :class:`Handler`: ``site(site, eqn, invals, ctx) ->
+outvals``, and says whether it ``collects`` state (calibration statistics, or
+the report's error sums) and whether it must stay ``differentiable`` (the
+simulated path). A collecting handler also has ``identity(shapes)``,
+``merge(a, b)`` and ``reduce_iterations(stacked)``, each on a dict keyed by op
+key, which the interpreter uses under ``cond`` / ``while`` / ``scan``.
+
+What differs between primitives comes from the site's registry entry
+(``registry.py``): which rule fields apply, the group axis, the kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Protocol
+
 import jax.numpy as jnp
 
-from . import compat, kernels, stats
+from . import compat, groups, stats
 from . import numerics as nx
 from .dense import DenseAxes
+from .formats import unpack_nibbles
 from .policy import KernelPolicy
-from .qparams import OpQParams
+from .qparams import OpQParams, QArray
 
 _F32 = jnp.float32
+
+
+class Handler(Protocol):
+    """The interface every mode implements (calibrate, simulate, integer, report)."""
+
+    collects: bool
+    differentiable: bool
+
+    def site(self, site, eqn, invals, ctx) -> list: ...
 
 
 class QParamsMismatchError(ValueError):
@@ -32,6 +48,17 @@ class QParamsMismatchError(ValueError):
     ...     print(str(e)[:47])
     jqt: no quantization parameters for ops ['w#1']
     """
+
+
+def weight_qtype(site, qtype, shape):
+    """The weight type an op really gets: ``qtype``, or ``qtype`` without groups (per
+    channel) when the op cannot take groups or they do not tile its axis."""
+    if not qtype.group_size:
+        return qtype
+    ax = site.entry.groups(site)
+    if ax is None or not groups.fits(qtype, shape, ax):
+        return dataclasses.replace(qtype, group_size=0)
+    return qtype
 
 
 class Calibrate:
@@ -56,16 +83,19 @@ class Calibrate:
         outs = compat.bind_eqn(eqn, invals)
         rule = self.recipe.rule_for(site.op, site.key)
         w = site.weight_operand
-        if rule is None or w is None or rule.weight is None:
+        wt = site.entry.weight_type(rule) if rule is not None and w is not None else None
+        if wt is None:
             return outs
+        at = site.entry.act_type(rule)
         act, weight, cal = None, None, None
-        if rule.activation is not None and not rule.activation.dynamic:
+        if at is not None and not at.dynamic:
             cal = rule.calibrator
             act = cal.observe(invals[1 - w].astype(_F32))
         if self.observe_weights:
-            pc = rule.weight.per_channel
-            lo, hi = rule.weight_calibrator.range(invals[w].astype(_F32),
-                                                  site.contract[w] if pc else None, rule.weight)
+            wt = weight_qtype(site, wt, invals[w].shape)
+            gaxis = site.entry.groups(site) if wt.group_size else None
+            lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
+                                         site.contract[w] if wt.per_channel else None, wt, gaxis)
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
         ctx.state_out[site.key] = stats.SiteStats(act, weight, cal)
         return outs
@@ -86,11 +116,29 @@ class Calibrate:
 def _expected_scale_shape(site, i, shape, qtype):
     if not qtype.per_channel:
         return ()
-    return tuple(1 if d in site.contract[i] else n for d, n in enumerate(shape))
+    g, gax = qtype.group_size, site.contract[i][-1] if site.contract[i] else None
+    return tuple((n // g if g and d == gax else 1) if d in site.contract[i] else n
+                 for d, n in enumerate(shape))
+
+
+def _nibble_axis(packed):
+    if not (packed.qtype.packs_nibbles and packed.values.dtype == jnp.uint8):
+        return None
+    nd = packed.values.ndim
+    return {"nk": nd - 1, "kn": nd - 2}.get(packed.layout, nd - 1)
+
+
+def values_shape(packed):
+    """The shape of a packed weight's codes with nibbles unpacked."""
+    shape = list(packed.values.shape)
+    ax = _nibble_axis(packed)
+    if ax is not None:
+        shape[ax] *= 2
+    return tuple(shape)
 
 
 def lookup(ctx, site, invals):
-    """(OpQParams, PackedWeight or None) for ``site``, checked against the op."""
+    """(OpQParams, packed QArray or None) for ``site``, checked against the op."""
     entry = ctx.state_in.get(site.key)
     if entry is None:
         raise QParamsMismatchError(
@@ -118,9 +166,9 @@ def lookup(ctx, site, invals):
                 f"{want}. The weights changed shape since calibration; re-calibrate.")
     if packed is not None:
         w = site.weight_operand
-        if tuple(packed.qvalue.shape) != _packed_shape(site, invals, packed.layout):
+        if values_shape(packed) != _packed_shape(site, invals, packed.layout):
             raise QParamsMismatchError(
-                f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.qvalue.shape)} "
+                f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
     return qp, packed
 
@@ -138,20 +186,45 @@ def _packed_shape(site, invals, layout):
     return shape if ax is None else ax.shape_2d(shape, layout)
 
 
-def _operand_params(site, i, x, q):
+def operand_params(site, i, x, q):
+    """Scale and zero point of operand ``i`` (computed from ``x`` if dynamic), as stored:
+    per group where the type has groups."""
     if q.qtype.dynamic:
         return nx.dynamic_params(x, site.contract[i], q.qtype)
     return q.scale, q.zero_point
 
 
-def _dequant(packed, q, site, invals):
-    v = packed.qvalue
+def _expanded(site, i, shape, q, s, z):
+    g = q.qtype.group_size
+    if not g:
+        return s, z
+    ax = site.contract[i][-1]
+    return groups.expand(s, g, ax, shape), groups.expand(z, g, ax, shape)
+
+
+def expanded_params(site, i, shape, q):
+    """Static scale and (rounded) zero point of operand ``i``, broadcastable to ``shape``
+    (groups expanded; a zero zero point for symmetric types)."""
+    s, z = _expanded(site, i, shape, q, q.scale, q.zero_point)
+    z = jnp.zeros((), _F32) if z is None else jnp.round(z.astype(_F32))
+    return s.astype(_F32), z
+
+
+def dequantize_packed(packed, site, invals):
+    """A packed weight back to float in the op's layout (the simulated path on packed
+    weights): unpack, decode, subtract the zero point, scale."""
+    v = packed.values
+    ax = _nibble_axis(packed)
+    if ax is not None:
+        v = unpack_nibbles(v, ax)
+    shape = invals[site.weight_operand].shape
     if packed.layout != "operand":
-        v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, invals[site.weight_operand].shape)
-    v = v.astype(_F32)
-    if q.zero_point is not None:
-        v = v - jnp.round(q.zero_point.astype(_F32))  # as pack and the integer path do
-    return v * q.scale
+        v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, shape)
+    v = nx.decode(v, packed.qtype.grid)
+    s, z = _expanded(site, site.weight_operand, shape, packed, packed.scale, packed.zero_point)
+    if z is not None:
+        v = v - jnp.round(z.astype(_F32))  # as pack and the integer path do
+    return v * s
 
 
 class Simulate:
@@ -168,17 +241,17 @@ class Simulate:
             if q is None:
                 continue
             if packed is not None and i == site.weight_operand:
-                vals[i] = _dequant(packed, q, site, invals).astype(invals[i].dtype)
+                vals[i] = dequantize_packed(packed, site, invals).astype(invals[i].dtype)
             else:
-                s, z = _operand_params(site, i, vals[i], q)
+                s, z = _expanded(site, i, vals[i].shape, q, *operand_params(site, i, vals[i], q))
                 vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
         return compat.bind_eqn(eqn, vals)
 
 
 class Integer:
-    """Integer path: quantize operands to int8, run the int8 x int8 -> int32 kernel
-    in the formulation ``policy`` picks (default: the table's, for the backend
-    in use when the function is traced)."""
+    """Integer path: quantize operands to codes, run the entry's kernel in the
+    formulation ``policy`` picks (default: the table's, for the backend in use
+    when the function is traced)."""
 
     collects = False
     differentiable = False
@@ -190,28 +263,28 @@ class Integer:
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)
-        ops, layout, wide = [], "operand", None
+        ops, wide = list(invals), None
         for i in (0, 1):
             q, x = qp.operand(i), invals[i]
             if q is None:
-                ops.append((x, None, None, None))
-            elif packed is not None and i == site.weight_operand:
-                ops.append((packed.qvalue, q.scale, q.zero_point, packed.wsum))
-                layout = packed.layout
-            else:
-                s, z = _operand_params(site, i, x, q)
-                ops.append((nx.quantize(x, s, z, q.qtype), s, z, None))
-                if q.qtype.bits > 8:
-                    wide = i
+                continue
+            if packed is not None and i == site.weight_operand:
+                ops[i] = packed
+                continue
+            s, z = operand_params(site, i, x, q)
+            se, ze = _expanded(site, i, x.shape, q, s, z)
+            ops[i] = QArray(values=nx.quantize(x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)
+            if q.qtype.kind == "int" and q.qtype.bits > 8:
+                wide = i
         policy = self.policy or KernelPolicy.for_backend()
         if wide is None:
-            return [kernels.run(site, eqn, ops, policy, layout)]
+            return site.entry.integer(site, eqn, ops, policy)
         # int16 activation (symmetric): q = 256 * hi + (lo + 128), two int8 kernels.
-        q16, s, _, _ = ops[wide]
-        hi, lo = nx.split_int16(q16)
+        q16 = ops[wide]
+        hi, lo = nx.split_int16(q16.values)
         ops_hi, ops_lo = list(ops), list(ops)
-        ops_hi[wide] = (hi, s, None, None)
-        ops_lo[wide] = (lo, s, jnp.float32(-128.0), None)
-        out_hi = kernels.run(site, eqn, ops_hi, policy, layout).astype(_F32)
-        out_lo = kernels.run(site, eqn, ops_lo, policy, layout).astype(_F32)
+        ops_hi[wide] = dataclasses.replace(q16, values=hi, zero_point=None)
+        ops_lo[wide] = dataclasses.replace(q16, values=lo, zero_point=jnp.float32(-128.0))
+        out_hi = site.entry.integer(site, eqn, ops_hi, policy)[0].astype(_F32)
+        out_lo = site.entry.integer(site, eqn, ops_lo, policy)[0].astype(_F32)
         return [(256.0 * out_hi + out_lo).astype(eqn.outvars[0].aval.dtype)]

@@ -22,8 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import patches
-from .dense import DenseAxes, int_dense, weight_only_dense
+import dataclasses
+
+from . import compat, dense, patches
+from . import numerics as nx
+from .dense import DenseAxes
+from .formats import unpack_nibbles
+from .qparams import QArray
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -162,30 +167,119 @@ def conv(x_op, w_op, params, eqn):
     return out.astype(out_dtype)
 
 
-def run(site, eqn, ops, policy, layout="operand"):
-    """The op of ``site`` on ``ops`` (per operand ``(q, scale, zero_point, qsum)``
-    for an integer operand, ``(x, None, None, None)`` for a float one); the
-    weight operand's ``q`` is in ``layout`` (see :class:`jqt.PackedWeight`)."""
+def _tup(op):
+    """A QArray operand -> (codes, scale, zero_point, sums) for the generic kernels; a float
+    operand -> (x, None, None, None). fp8 codes are upcast (exact): the generic kernels
+    are integer or float arithmetic."""
+    if not isinstance(op, QArray):
+        return (op, None, None, None)
+    v = op.values
+    if op.qtype.kind == "float":
+        return (v.astype(_F32), op.scale, None, None)
+    return (v, op.scale, op.zero_point, op.sums)
+
+
+def _fp8_generic(site, eqn, ops):
+    """fp8 x fp8 (or fp8 weight x float) on the generic path: the fp8 values upcast to
+    float32 (exact), the float op, then the scales."""
+    w = site.weight_operand
+    vals = [op.values.astype(_F32) if isinstance(op, QArray) else op for op in ops]
+    out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
+    for i, op in enumerate(ops):
+        if isinstance(op, QArray):
+            s = op.scale.astype(_F32)
+            if site.op == "dot_general":
+                out = out * _to_out_dot(s, i, eqn.params["dimension_numbers"],
+                                        [v.ndim for v in vals])
+            else:
+                nd = eqn.outvars[0].aval.ndim
+                out = out * (_out_channel(s, eqn.params, nd) if i == w else
+                             _out_batch(s, eqn.params, nd))
+    return out
+
+
+def run(site, eqn, ops, policy):
+    """The op of ``site`` on ``ops``: per operand a :class:`jqt.QArray` of codes (in its
+    ``layout``) or the float array. A dense weight runs through ``dense.py`` in the
+    layout the policy picks; everything else through the generic kernels above."""
     params, out = eqn.params, eqn.outvars[0].aval
     w = site.weight_operand
+    wq = ops[w] if w is not None else None
+    if isinstance(wq, QArray) and wq.layout != "operand":
+        pass  # a packed 2-D weight: dense path below
+    elif any(isinstance(o, QArray) and o.qtype.kind == "float" for o in ops):
+        return _fp8_generic(site, eqn, [_to_operand(site, eqn, o) for o in ops]).astype(out.dtype)
     if site.op == "conv_general_dilated":
-        in_ch = ops[1][0].shape[params["dimension_numbers"].rhs_spec[1]]
-        if ops[0][1] is not None and patches.applies(params, in_ch, policy):
-            return patches.conv(ops[0], ops[1], params, out.shape).astype(out.dtype)
-        return conv(ops[0], ops[1], params, eqn)
+        x_op, w_op = _tup(ops[0]), _tup(_to_operand(site, eqn, ops[1]))
+        in_ch = w_op[0].shape[params["dimension_numbers"].rhs_spec[1]]
+        if x_op[1] is not None and patches.applies(params, in_ch, policy):
+            return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
+        return conv(x_op, w_op, params, eqn)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w)
     if ax is None:
-        return dot_general(ops, params, eqn)
-    x_op, (qw, sw, zw, wsum) = ops[1 - w], ops[w]
+        return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn)
+    x_op = ops[1 - w]
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
-    want = "kn" if x_op[1] is None else "nk"
-    if layout == "operand":
-        qw, wsum = ax.weight_2d(qw, want), ax.weight_vec(wsum)
-    elif layout != want:
-        qw = ax.weight_2d(ax.weight_from_2d(qw, layout, w_shape), want)
-    w_op = (qw, sw, zw, wsum)
-    if x_op[1] is None:
-        out2 = weight_only_dense(ax, x_op[0], w_op, want, policy, params.get("precision"))
+    want = "kn" if not isinstance(x_op, QArray) else "nk"
+    w2 = dense.weight_in_layout(ax, wq, want, w_shape)
+    if not isinstance(x_op, QArray):
+        out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))
+    elif wq.qtype.kind == "float":
+        out2 = dense.fp8_dense(ax, x_op, w2, policy)
+    elif wq.qtype.group_size:
+        out2 = dense.int_dense_grouped(ax, x_op, w2, policy)
     else:
-        out2 = int_dense(ax, x_op, w_op, want, policy)
+        out2 = dense.int_dense(ax, x_op, w2, policy)
     return ax.out(out2, x_shape, w_shape).astype(out.dtype)
+
+
+def _to_operand(site, eqn, op):
+    """A QArray in a packed 2-D layout -> the op's own layout (nibbles unpacked)."""
+    if not isinstance(op, QArray) or op.layout == "operand":
+        return op
+    w = site.weight_operand
+    ax = DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w)
+    v = dense.unpacked(op)
+    return dataclasses.replace(op, values=ax.weight_from_2d(v, op.layout, eqn.invars[w].aval.shape),
+                               sums=None, layout="operand")
+
+
+def gather(site, eqn, ops):
+    """An embedding lookup on a quantized table: gather the codes and the row (or
+    group) scales with the same indices, decode, scale."""
+    table, idx = ops
+    params = dict(eqn.params)
+    out = eqn.outvars[0].aval
+    codes = table.values
+    shape = eqn.invars[0].aval.shape
+    if codes.shape != shape:  # nibbles packed along the last axis
+        params["slice_sizes"] = tuple(params["slice_sizes"][:-1]) + (codes.shape[-1],)
+    g = compat.gather_p.bind(codes, idx, **params)
+    if codes.shape != shape:
+        g = unpack_nibbles(g, _out_axis(eqn, len(shape) - 1))
+    val = nx.decode(g, table.qtype.grid)
+    s, z = table.scale, table.zero_point
+    for a, is_zp in ((z, True), (s, False)):  # (codes - zero_point) * scale
+        if a is None:
+            continue
+        a = a.astype(_F32)
+        if a.ndim:
+            sp = dict(eqn.params)
+            sp["slice_sizes"] = tuple(min(n, a.shape[d]) for d, n in enumerate(eqn.params["slice_sizes"]))
+            a = compat.gather_p.bind(a, idx, **sp)
+            if table.qtype.group_size and site.contract[0]:
+                d = _out_axis(eqn, site.contract[0][-1])
+                a = jnp.repeat(a, table.qtype.group_size, axis=d) if a.shape[d] != out.shape[d] else a
+        if is_zp:
+            val = val - jnp.round(a)
+        else:
+            val = val * a
+    return val.astype(out.dtype)
+
+
+def _out_axis(eqn, operand_axis):
+    """The output axis of a gather that holds ``operand_axis`` of the table (an offset dim)."""
+    dn = eqn.params["dimension_numbers"]
+    kept = [d for d in range(eqn.invars[0].aval.ndim) if d not in dn.collapsed_slice_dims
+            and d not in getattr(dn, "operand_batching_dims", ())]
+    return dn.offset_dims[kept.index(operand_axis)]

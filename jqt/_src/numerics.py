@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from . import compat
+from .formats import FLOAT8, NF4_TABLE
 
 _F32 = jnp.float32
 
@@ -31,19 +32,36 @@ def _zp_f32(zero_point):
     return jnp.round(zero_point.astype(_F32))
 
 
-def _codes(x, scale, zero_point, qmin, qmax):
-    v = jnp.round(x.astype(_F32) / scale.astype(_F32)) + _zp_f32(zero_point)
-    return jnp.clip(v, qmin, qmax)
+_NF4 = jnp.asarray(NF4_TABLE)
+_NF4_MIDS = jnp.asarray((NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2)
 
 
-def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax):
-    zp = _zp_f32(zero_point)
-    q = _codes(x, scale, zp, qmin, qmax)
+def _codes(x, scale, zero_point, qmin, qmax, grid="int"):
+    """The stored codes of ``x``: float32 integers for ``int``/``nf4`` (nf4: ``i - 8`` for
+    table entry ``i``), fp8 values for the fp8 grids."""
+    v = x.astype(_F32) / scale.astype(_F32)
+    if grid == "int":
+        return jnp.clip(jnp.round(v) + _zp_f32(zero_point), qmin, qmax)
+    if grid == "nf4":
+        return jnp.sum(v[..., None] > _NF4_MIDS, axis=-1).astype(_F32) - 8.0
+    return jnp.clip(v, qmin, qmax).astype(FLOAT8[grid])
+
+
+def decode(codes, grid="int"):
+    """Codes -> grid values in units of the scale (float32), before the zero point."""
+    if grid == "nf4":
+        return jnp.take(_NF4, codes.astype(jnp.int32) + 8)
+    return codes.astype(_F32)
+
+
+def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):
+    zp = _zp_f32(zero_point) if grid == "int" else jnp.zeros((), _F32)
+    q = decode(_codes(x, scale, zero_point, qmin, qmax, grid), grid)
     return ((q - zp) * scale.astype(_F32)).astype(x.dtype)
 
 
-def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype):
-    return _codes(x, scale, zero_point, qmin, qmax).astype(dtype)
+def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype, grid="int"):
+    return _codes(x, scale, zero_point, qmin, qmax, grid).astype(dtype)
 
 
 def _abstract(x, scale, zero_point, *, dtype=None, **_):
@@ -106,26 +124,33 @@ Array([1, 7], dtype=int8)
 """
 
 
-def _masks(x, scale, zero_point, qmin, qmax):
+def _masks(x, scale, zero_point, qmin, qmax, grid):
     xs = x.astype(_F32) / scale.astype(_F32)
-    q = jnp.round(xs) + _zp_f32(zero_point)
-    return xs, q < qmin, q > qmax
+    if grid == "int":
+        q = jnp.round(xs) + _zp_f32(zero_point)
+        return xs, q < qmin, q > qmax
+    lo, hi = (-1.0, 1.0) if grid == "nf4" else (qmin, qmax)
+    return xs, xs < lo, xs > hi
 
 
-def _jvp_x(g, x, scale, zero_point, *, qmin, qmax):
-    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
+def _jvp_x(g, x, scale, zero_point, *, qmin, qmax, grid="int"):
+    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax, grid)
     return jnp.where(lo | hi, jnp.zeros_like(g), g)
 
 
-def _jvp_scale(g, x, scale, zero_point, *, qmin, qmax):
-    xs, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
-    zp = _zp_f32(zero_point)
-    d = jnp.where(lo, qmin - zp, jnp.where(hi, qmax - zp, jnp.round(xs) - xs))
+def _jvp_scale(g, x, scale, zero_point, *, qmin, qmax, grid="int"):
+    # LSQ: d(s * Q(x / s)) / ds = Q(x / s) - x / s inside the range, the bound outside.
+    xs, lo, hi = _masks(x, scale, zero_point, qmin, qmax, grid)
+    zp = _zp_f32(zero_point) if grid == "int" else jnp.zeros((), _F32)
+    dq = decode(_codes(x, scale, zero_point, qmin, qmax, grid), grid) - zp
+    d = jnp.where(lo | hi, dq, dq - xs)
     return (g.astype(_F32) * d).astype(x.dtype)
 
 
-def _jvp_zero_point(g, x, scale, zero_point, *, qmin, qmax):
-    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax)
+def _jvp_zero_point(g, x, scale, zero_point, *, qmin, qmax, grid="int"):
+    if grid != "int":
+        return jnp.zeros_like(g)
+    _, lo, hi = _masks(x, scale, zero_point, qmin, qmax, grid)
     d = jnp.where(lo | hi, -scale.astype(_F32), 0.0)
     return (g.astype(_F32) * d).astype(x.dtype)
 
@@ -147,6 +172,13 @@ def _zp(zero_point):
     return jnp.zeros((), _F32) if zero_point is None else zero_point
 
 
+def _grid_params(qtype):
+    p = dict(qmin=qtype.qmin, qmax=qtype.qmax)
+    if qtype.grid != "int":  # int jaxprs keep their old parameters
+        p["grid"] = qtype.grid
+    return p
+
+
 def fake_quant(x, scale, zero_point, qtype):
     """Simulated quantization of ``x`` (float in, float out), differentiable.
 
@@ -155,13 +187,12 @@ def fake_quant(x, scale, zero_point, qtype):
     >>> fake_quant(jnp.array([0.26, 9.0]), jnp.float32(0.5), None, jqt.QuantType(bits=4))
     Array([0.5, 3.5], dtype=float32)
     """
-    return fake_quant_p.bind(x, scale, _zp(zero_point), qmin=qtype.qmin, qmax=qtype.qmax)
+    return fake_quant_p.bind(x, scale, _zp(zero_point), **_grid_params(qtype))
 
 
 def quantize(x, scale, zero_point, qtype):
-    """Integer codes of ``x`` in ``qtype.storage`` (int8, or int16 above 8 bits)."""
-    return quantize_p.bind(x, scale, _zp(zero_point), qmin=qtype.qmin, qmax=qtype.qmax,
-                           dtype=qtype.storage)
+    """Codes of ``x`` in ``qtype.storage`` (int8, int16 above 8 bits, or fp8)."""
+    return quantize_p.bind(x, scale, _zp(zero_point), dtype=qtype.storage, **_grid_params(qtype))
 
 
 def split_int16(q):
@@ -182,7 +213,7 @@ def params_from_range(lo, hi, qtype):
     hi = jnp.maximum(jnp.asarray(hi, _F32), 0.0)
     if qtype.symmetric:
         amax = jnp.maximum(-lo, hi)
-        scale = amax / qtype.qmax
+        scale = amax / qtype.amax_code
         return jnp.where(scale > 0, scale, 1.0), None
     scale = (hi - lo) / (qtype.qmax - qtype.qmin)
     scale = jnp.where(scale > 0, scale, 1.0)

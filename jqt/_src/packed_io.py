@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .analysis import path_str
-from .handlers import QParamsMismatchError
-from .qparams import PackedParams, PackedWeight
-from .serialization import (FORMAT, PACKED_FORMAT, PACKED_VERSION, FormatError,
+from .formats import FLOAT8
+from .handlers import QParamsMismatchError, values_shape
+from .qparams import PackedParams, QArray
+from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, FormatError,
                             TreeNotSerializable, _is_zip, _qparams_entries,
                             _qparams_from_entries, _Reader, _version_error, _write,
-                            aval_from_json, aval_to_json, treedef_from_json, treedef_to_json)
+                            aval_from_json, aval_to_json, qtype_from_json, qtype_to_json,
+                            treedef_from_json, treedef_to_json)
 
 
 def _leaf_paths(packed: PackedParams) -> list[str]:
@@ -34,8 +36,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     """Saves :func:`jqt.pack`'s weights to ``path`` (a safetensors file, format
     ``jqt.packed`` version 1).
 
-    The file holds the int8 weights (``packed/<op key>/qvalue``), their int32 sums
-    (``packed/<op key>/wsum``), the float leaves kept (``params/<leaf path>``), the
+    The file holds each quantized weight's codes, int32 sums, scale and zero point
+    (``packed/<op key>/values`` etc.), the float leaves kept (``params/<leaf path>``), the
     shape and dtype of every leaf of the original params and a JSON description of
     their tree (dicts with str or int keys, lists, tuples, ``None``, and node types
     registered with ``jax.export.register_pytree_node_serialization``; for any other
@@ -52,7 +54,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
     >>> jqt.save_packed(path, jqt.pack(qp, p), qp)
     >>> packed, qp2 = jqt.load_packed(path), jqt.load(path)
-    >>> packed.weights["w"].qvalue.dtype, packed.weights["w"].layout
+    >>> packed.weights["w"].values.dtype, packed.weights["w"].layout
     (dtype('int8'), 'nk')
     """
     if not isinstance(packed, PackedParams):
@@ -71,10 +73,17 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         leaves.append(n)
     weights = {}
     for key, w in packed.weights.items():
-        d = {"layout": w.layout}
-        for field in ("qvalue", "wsum"):
+        d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
+        for field in ("values", "sums", "scale", "zero_point"):
+            a = getattr(w, field)
+            if a is None:
+                continue
             n = _unique(f"packed/{key}/{field}", used)
-            tensors[n] = getattr(w, field)
+            a = np.asarray(a)
+            if a.dtype.name in FLOAT8:  # safetensors' numpy API has no fp8: store the bytes
+                d["values_dtype"] = a.dtype.name
+                a = a.view(np.uint8)
+            tensors[n] = a
             d[field] = n
         weights[key] = d
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
@@ -124,7 +133,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
     >>> jqt.save_packed(path, jqt.pack(qp, p))
     >>> packed = jqt.load_packed(path, qparams=qp)
-    >>> packed.weights["w"].layout, packed.weights["w"].qvalue.shape
+    >>> packed.weights["w"].layout, packed.weights["w"].values.shape
     ('kn', (8, 4))
     """
     fn = "jqt.load_packed"
@@ -149,8 +158,8 @@ def _read_packed(r, path, like):
                           "read it with jqt.load, and save weights with jqt.save_packed.")
     if r.format != PACKED_FORMAT:
         raise FormatError(f"{fn}: {path} is not a jqt packed-weights file (format {r.format!r}).")
-    if r.version != PACKED_VERSION:
-        raise _version_error(fn, path, r.format, r.version, f"version {PACKED_VERSION}")
+    if r.version not in PACKED_READ:
+        raise _version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
     h = r.header
     avals = [aval_from_json(a) for a in h["avals"]]
     if like is not None:
@@ -167,11 +176,19 @@ def _read_packed(r, path, like):
             raise FormatError(f"{fn}: cannot rebuild the params tree of {path}: it holds {e}. "
                               "Pass like=params to give the structure.") from None
     leaves = [r.get(n) for n in h["leaves"]]
-    weights = {k: PackedWeight(qvalue=r.get(d["qvalue"]), wsum=r.get(d["wsum"]), layout=d["layout"])
-               for k, d in h["weights"].items()}
+    weights = {k: _weight_from_entry(d, r.get, r.version) for k, d in h["weights"].items()}
     packed = PackedParams(leaves, weights, treedef, avals, h["kept"])
     stored = None if h.get("qparams") is None else _qparams_from_entries(h["qparams"], r.get)
     return packed, stored
+
+
+def _weight_from_entry(d, get, version):
+    if version == 1:  # int8 codes and sums only; quantize takes the scales from the qparams
+        return QArray(values=get(d["qvalue"]), sums=get(d["wsum"]), layout=d["layout"])
+    arrays = {f: get(d[f]) for f in ("values", "sums", "scale", "zero_point") if f in d}
+    if "values_dtype" in d:
+        arrays["values"] = np.asarray(arrays["values"]).view(FLOAT8[d["values_dtype"]])
+    return QArray(**arrays, qtype=qtype_from_json(d["qtype"]), layout=d["layout"])
 
 
 def _check_like(like, avals, paths, path):
@@ -231,9 +248,9 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             raise QParamsMismatchError(
                 f"{fn}: the packed weights hold an int8 weight for op '{key}', which these qparams "
                 "keep float. They were packed with other qparams; re-run jqt.pack with these.")
-        shape = tuple(np.shape(pw.qvalue))
+        shape = values_shape(pw)
         depth = 0 if src is None else src.stack_depth
-        if q.qtype.per_channel and q.scale is not None and np.ndim(q.scale):
+        if q.qtype.per_channel and not q.qtype.group_size and q.scale is not None and np.ndim(q.scale):
             n = _n_channels(q, depth)
             if pw.layout in ("nk", "kn"):
                 got = shape[-2] if pw.layout == "nk" else shape[-1]

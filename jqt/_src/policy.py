@@ -19,6 +19,14 @@ int8 convolution           im2col patches + int8       native int8 convolution
                            matmul when the input has
                            < 16 channels per group,
                            native int8 conv otherwise
+int4 / nf4 weight-only     nibbles unpacked and        the same (not measured
+                           decoded per K-chunk, group  here: no GPU was lent)
+                           scales applied per chunk
+w4a8 with groups           int32 partial sums per      the same
+                           group (a dot batched over
+                           groups), scaled, summed
+fp8 x fp8 matmul           upcast per K-chunk (no      one fp8 ``dot_general``
+                           fp8 GEMM on XLA:CPU)        (cuBLASLt on H100)
 =========================  ==========================  ==========================
 
 The figures behind the CPU column are in ``benchmarks/`` and the README.
@@ -40,6 +48,9 @@ class KernelPolicy:
         whole weight and run one matmul.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
         input has fewer channels per group than this (0: never).
+      fp8_native: run an fp8 x fp8 matmul as one ``dot_general`` on fp8 operands
+        (float32 accumulation); otherwise the fp8 weight is upcast chunk by chunk
+        as on the weight-only path (XLA:CPU has no fp8 GEMM).
 
     >>> import jqt
     >>> jqt.KernelPolicy.for_backend("cpu").pad_rows
@@ -49,6 +60,7 @@ class KernelPolicy:
     pad_rows: int = 1
     weight_only_chunk: int = 0
     conv_patches_below: int = 0
+    fp8_native: bool = False
 
     @staticmethod
     def for_backend(backend: str | None = None) -> "KernelPolicy":
@@ -59,5 +71,7 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=512, conv_patches_below=16),
+    "gpu": KernelPolicy(fp8_native=True),
+    "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),
 }

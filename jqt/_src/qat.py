@@ -284,7 +284,7 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     >>> import dataclasses
     >>> a = dataclasses.replace(qp["w"].lhs, scale=jnp.float32(-0.1), zero_point=jnp.float32(300.4))
     >>> jqt.qat.project({"w": dataclasses.replace(qp["w"], lhs=a)})["w"].lhs
-    QuantParams(int8 asymmetric per-tensor static, scale=1e-08, zero_point=127)
+    QArray(int8 asym per-tensor, scale=1e-08, zero_point=127)
     """
     if not isinstance(qparams, dict):
         raise TypeError(f"jqt.qat.project: expected a qparams dict, got {type(qparams).__name__}; "

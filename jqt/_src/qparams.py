@@ -1,8 +1,8 @@
 """Quantization parameters as pytrees.
 
 ``qparams`` is a plain ``dict`` mapping op keys to :class:`OpQParams`. Each
-operand of an op has a :class:`QuantParams` (scale and zero point as arrays,
-the :class:`~jqt.QuantType` as static aux data) or ``None`` (float). Ops under
+operand of an op has a :class:`QArray` without values (scale and zero point as
+arrays, the :class:`~jqt.QuantType` as static aux data) or ``None`` (float). Ops under
 a ``lax.scan`` over stacked layers carry stacked arrays with a leading
 ``(L,)`` axis per stacking level.
 
@@ -16,7 +16,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from .recipe import QuantType
+from .formats import QuantType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,31 +55,57 @@ class WeightSource:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class QuantParams:
-    """Affine quantization parameters of one operand: ``real ~= (q - zero_point) * scale``.
+class QArray:
+    """A quantized value: codes, scale and zero point, with the format as static data.
 
-    ``scale`` and ``zero_point`` have the operand's rank with size 1 on every
-    axis that shares a scale (or are scalars for per-tensor parameters). A
-    symmetric type has ``zero_point=None``; a dynamic type has both ``None``:
-    they are computed from the live tensor.
+    The invariant, as in MLIR's quant dialect: ``real ~= decode(values - zero_point) * scale``,
+    where ``decode`` is the identity for integers and fp8 and ``NF4_TABLE[code + 8]``
+    for nf4 (see :class:`jqt.QuantType`).
+
+    One type for every role:
+
+    * in qparams (:func:`jqt.calibrate`) ``values`` is ``None``: the parameters of
+      an operand, quantized when the function runs. A dynamic type has
+      ``scale`` and ``zero_point`` ``None`` too (computed from the live tensor);
+      a symmetric one has ``zero_point=None``.
+    * in :class:`jqt.PackedParams` (:func:`jqt.pack`) ``values`` holds the
+      weight's codes in ``layout``: the op's own layout (``"operand"``) or, for a
+      ``dot_general`` weight with no batch axes, 2-D ``"nk"`` (output features x
+      contracted, for int8 x int8 matmuls) or ``"kn"`` (weight-only); stacked
+      layers keep their leading axes. Codes of 4 bits or fewer are stored two
+      per byte (uint8) along the contracted axis. ``sums`` is the int32 sum of
+      the codes over the contracted axes (per group for grouped scales), for the
+      zero-point correction of asymmetric activations.
+
+    ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
+    that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.
 
     >>> import jax.numpy as jnp, jqt
-    >>> p = jqt.QuantParams(scale=jnp.float32(0.5), zero_point=None, qtype=jqt.QuantType())
+    >>> p = jqt.QArray(scale=jnp.float32(0.5), qtype=jqt.QuantType())
     >>> p
-    QuantParams(int8 symmetric per-tensor static, scale=0.5)
+    QArray(int8 sym per-tensor, scale=0.5)
     """
 
-    scale: Optional[jax.Array]
-    zero_point: Optional[jax.Array]
-    qtype: QuantType = dataclasses.field(metadata=dict(static=True))
+    values: Optional[jax.Array] = None
+    scale: Optional[jax.Array] = None
+    zero_point: Optional[jax.Array] = None
+    sums: Optional[jax.Array] = None
+    qtype: QuantType = dataclasses.field(metadata=dict(static=True), default=QuantType())
+    layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
 
     def __repr__(self):
-        t = self.qtype
-        desc = (f"int{t.bits} {'symmetric' if t.symmetric else 'asymmetric'}"
-                f"{' narrow' if t.narrow_range else ''} "
-                f"{'per-channel' if t.per_channel else 'per-tensor'} "
-                f"{'dynamic' if t.dynamic else 'static'}")
-        return f"QuantParams({desc}{_arr_summary('scale', self.scale)}{_arr_summary('zero_point', self.zero_point)})"
+        vals = ""
+        if self.values is not None:
+            vals = f", values {getattr(self.values, 'dtype', '?')}{list(getattr(self.values, 'shape', ()))}" \
+                   f" ({self.layout})"
+        return (f"QArray({self.qtype.describe()}{vals}{_arr_summary('scale', self.scale)}"
+                f"{_arr_summary('zero_point', self.zero_point)})")
+
+
+QuantParams = QArray
+"""The parameters of one operand in qparams: a :class:`QArray` without values (an alias)."""
+PackedWeight = QArray
+"""A packed weight: a :class:`QArray` with values (an alias)."""
 
 
 def _arr_summary(name, a):
@@ -142,38 +168,12 @@ class OpQParams:
         return f"OpQParams({self.op}, " + ", ".join(parts) + ")"
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedWeight:
-    """A weight operand stored as integers, ready for the integer kernel.
-
-    ``qvalue`` is the int8 operand, in the op's own layout (``layout ==
-    "operand"``) or, for a ``dot_general`` whose weight has no batch axes,
-    reshaped to 2-D: ``"nk"`` (output features x contracted, for int8 x int8
-    matmuls) or ``"kn"`` (for weight-only matmuls); stacked layers keep their
-    leading axes. ``wsum`` is its int32 sum over the contracted axes (for the
-    zero-point correction of asymmetric activations).
-
-    >>> import jax.numpy as jnp, jqt
-    >>> p = {"w": jnp.ones((8, 4))}
-    >>> qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)],
-    ...                    progress=False)
-    >>> w = jqt.pack(qp, p).weights["w"]
-    >>> w.layout, w.qvalue.shape, w.qvalue.dtype, w.wsum.tolist()
-    ('nk', (4, 8), dtype('int8'), [1016, 1016, 1016, 1016])
-    """
-
-    qvalue: jax.Array
-    wsum: jax.Array
-    layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
-
-
 @jax.tree_util.register_pytree_node_class
 class PackedParams:
     """Weights with the quantized operands stored as int8 (see :func:`jqt.pack`).
 
     Holds the float leaves still needed (biases, norms, weights of float ops)
-    and a dict of :class:`PackedWeight` keyed by op key. Pass it to a
+    and a dict of :class:`QArray` (with values) keyed by op key. Pass it to a
     quantized function in place of the float weights.
 
     >>> import jax.numpy as jnp, jqt
@@ -182,7 +182,7 @@ class PackedParams:
     >>> packed = jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 64)),)],
     ...                                 progress=False), p)
     >>> packed
-    PackedParams(1 int8 weights, 1 float leaves kept of 2)
+    PackedParams(1 quantized weights, 1 float leaves kept of 2)
     >>> packed.nbytes() < (64 * 64 + 64) * 4 / 3
     True
     """
@@ -207,7 +207,7 @@ class PackedParams:
         return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(self)))
 
     def __repr__(self):
-        return (f"PackedParams({len(self.weights)} int8 weights, {len(self.leaves)} float leaves kept "
+        return (f"PackedParams({len(self.weights)} quantized weights, {len(self.leaves)} float leaves kept "
                 f"of {len(self.avals)})")
 
 
@@ -236,18 +236,13 @@ def summarize(qparams: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
 
-def _short(p: Optional[QuantParams]) -> str:
-    if p is None:
-        return "float"
-    t = p.qtype
-    return (f"int{t.bits} {'sym' if t.symmetric else 'asym'} "
-            f"{'per-channel' if t.per_channel else 'per-tensor'}{' dynamic' if t.dynamic else ''}")
+def _short(p: Optional[QArray]) -> str:
+    return "float" if p is None else p.qtype.describe()
 
 
 def _register_export_serialization():
     """Registers jqt's pytree nodes for ``jax.export`` serialization, under the stable
-    names ``"jqt.QuantParams"``, ``"jqt.OpQParams"``, ``"jqt.PackedWeight"`` and
-    ``"jqt.PackedParams"``, so that a function taking them can be exported and
+    names ``"jqt.QArray"``, ``"jqt.OpQParams"`` and ``"jqt.PackedParams"``, so that a function taking them can be exported and
     deserialized in another process that imports jqt. The aux data codecs are in
     ``export.py`` (imported when first used: it imports this module)."""
     from jax import export as jax_export
@@ -263,7 +258,7 @@ def _register_export_serialization():
 
         return serialize, deserialize
 
-    for cls in (QuantParams, OpQParams, PackedWeight, PackedParams):
+    for cls in (QArray, OpQParams, PackedParams):
         serialize, deserialize = codecs(cls)
         try:
             jax_export.register_pytree_node_serialization(

@@ -1,18 +1,18 @@
 """``jqt.quantize`` (the integer or simulated function) and ``jqt.pack``."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 
-from . import numerics as nx
-from .dense import DenseAxes
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
-from .qparams import OpQParams, PackedParams, PackedWeight
+from .qparams import OpQParams, PackedParams
+from .registry import BY_NAME
 from .tracing import Tracer, normalize_argnums
 
 
@@ -50,6 +50,16 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 "copy replaced it), but the packed params hold no int8 weight for this op: the "
                 "qparams differ from those the weights were packed with. Pack again with these "
                 "qparams (jqt.pack(qparams, params)) or pass the float params.")
+
+
+def _complete(pw, p):
+    """A packed weight read from a version-1 file holds codes and sums only: its scale,
+    zero point and type are the qparams'."""
+    if pw is None or pw.scale is not None or p.weight_operand is None:
+        return pw
+    q = p.operand(p.weight_operand)
+    return pw if q is None else dataclasses.replace(pw, scale=q.scale, zero_point=q.zero_point,
+                                                    qtype=q.qtype)
 
 
 def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
@@ -119,7 +129,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                     f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). The qparams were made "
                     "for another function or weight_argnums; run jqt.calibrate on this function.")
             checked.add(id(traced))
-        state = {k: (qparams[k], packed.get(k)) for k in keys if k in qparams}
+        state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
         outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
                           traced.plan, Ctx(handler, state))
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
@@ -127,25 +137,13 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     return qf
 
 
-def _packed_weight(p, qv, src):
-    """A dot_general weight without batch axes is stored 2-D, ``"nk"`` for an int8 x
-    int8 matmul and ``"kn"`` for a weight-only one (see ``policy.py``)."""
-    depth = src.stack_depth
-    if p.op != "dot_general" or src.batch:
-        wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=jnp.int32)
-        return PackedWeight(qvalue=qv, wsum=wsum)
-    layout = "kn" if p.operand(1 - p.weight_operand) is None else "nk"
-    ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
-    q2 = ax.weight_2d(qv, layout, depth)
-    wsum = jnp.sum(q2, axis=depth + (1 if layout == "nk" else 0), dtype=jnp.int32)
-    return PackedWeight(qvalue=q2, wsum=wsum, layout=layout)
-
-
 def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
     """Stores the quantized weights as int8, once, for :func:`jqt.quantize`.
 
-    Returns a :class:`jqt.PackedParams` to pass in place of ``params``. Leaves
-    read only by quantized ops are dropped (the int8 copy replaces them);
+    Returns a :class:`jqt.PackedParams` to pass in place of ``params``: each quantized
+    weight becomes a :class:`jqt.QArray` of codes (int8, two int4/nf4 codes per
+    byte, or fp8) in the layout its kernel reads. Leaves read only by quantized
+    ops are dropped (the quantized copy replaces them);
     leaves used as floats elsewhere (biases, norms, float ops) are kept.
 
     >>> import jax, jax.numpy as jnp, jqt
@@ -153,7 +151,7 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
     >>> p = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
     >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 64)),)], progress=False)
     >>> packed = jqt.pack(qp, p)
-    >>> packed.weights["w"].qvalue.dtype
+    >>> packed.weights["w"].values.dtype
     dtype('int8')
     >>> bool(jnp.allclose(jqt.quantize(f, qp)(packed, jnp.ones((2, 64))),
     ...                   jqt.quantize(f, qp)(p, jnp.ones((2, 64)))))
@@ -175,13 +173,11 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight leaf #{src.leaf} ('{src.path}'), but params "
                 f"have {len(flat)} leaves. Pass the params the qparams were calibrated with.")
-        q = p.operand(w)
         operand = apply_chain(flat[src.leaf], src.chain)
         try:
-            qv = nx.quantize(operand, q.scale, q.zero_point, q.qtype)
+            weights[key] = BY_NAME[p.op].pack(src, p, operand)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
-        weights[key] = _packed_weight(p, qv, src)
         consumed.add(src.leaf)
         if src.float_needed:
             needed.add(src.leaf)

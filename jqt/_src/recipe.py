@@ -1,7 +1,8 @@
 """Recipes: what jqt quantizes, and how.
 
 A :class:`Recipe` is an ordered tuple of :class:`Rule` objects. For every
-quantizable op in a function (``dot_general``, ``conv_general_dilated``), the
+quantizable op in a function (``dot_general``, ``conv_general_dilated``, and
+``gather`` from a weight: embedding lookups), the
 first rule whose ``ops`` contains the op's primitive and whose ``key`` regex
 matches the op's key (``re.search``) decides how it is quantized. An op that
 no rule matches stays float, and :func:`jqt.calibrate` says so.
@@ -12,70 +13,10 @@ import dataclasses
 import re
 from typing import Optional
 
-import numpy as np
-
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax
+from .formats import QuantType
+from .registry import NAMES as QUANTIZABLE_OPS
 
-QUANTIZABLE_OPS = ("dot_general", "conv_general_dilated")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantType:
-    """How one operand is quantized.
-
-    Attributes:
-      bits: integer width: 2 to 8 (stored in int8), or 9 to 16 for
-        activations (stored in int16; symmetric only; each int16 x int8
-        product runs as two int8 x int8 -> int32 kernels, see ``kernels.py``).
-      symmetric: zero point fixed at 0 (scale from the absolute maximum) when
-        True; an asymmetric range (scale and zero point from min and max) when
-        False.
-      narrow_range: use ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]`` (e.g. -127..127),
-        so that the range is symmetric around zero.
-      per_channel: one scale per output channel for weights (every axis that
-        is not contracted); for dynamic activations, one scale per token (every
-        non-contracted axis) of a ``dot_general`` and one per example of a
-        convolution. Static activations are per-tensor.
-      dynamic: for activations: compute the scale from the live tensor at run
-        time instead of from calibration statistics.
-
-    >>> import jqt
-    >>> jqt.QuantType(bits=8, symmetric=True, per_channel=True).qmin
-    -128
-    >>> jqt.QuantType(bits=8, narrow_range=True).qmin
-    -127
-    """
-
-    bits: int = 8
-    symmetric: bool = True
-    narrow_range: bool = False
-    per_channel: bool = False
-    dynamic: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
-            raise ValueError(
-                f"QuantType(bits={self.bits!r}): jqt stores integer values in int8 or int16, "
-                "so bits must be an int from 2 to 16.")
-        if self.bits > 8 and not self.symmetric:
-            raise ValueError(
-                f"QuantType(bits={self.bits}, symmetric=False): types wider than 8 bits are "
-                "symmetric (zero point 0, as TFLite's int16 activations); set symmetric=True.")
-
-    @property
-    def storage(self):
-        """The integer dtype that holds the codes: int8, or int16 above 8 bits."""
-        return np.dtype(np.int8 if self.bits <= 8 else np.int16)
-
-    @property
-    def qmin(self) -> int:
-        """The smallest integer code."""
-        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
-
-    @property
-    def qmax(self) -> int:
-        """The largest integer code."""
-        return 2 ** (self.bits - 1) - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +34,9 @@ class Rule:
       act_x_act: type of both operands of ops whose operands both depend on
         data (attention scores). Must be ``dynamic``. ``None`` (the default)
         keeps such ops float.
+      embedding: type of a table read by a ``gather`` (an embedding lookup):
+        weight-only, one scale per row (``per_channel``) or per group of a row.
+        ``None`` keeps lookups float.
       calibrator: how static activation ranges are found
         (:mod:`jqt.calibrators`; default ``MinMax()``).
       weight_calibrator: how weight ranges are found (default
@@ -112,6 +56,7 @@ class Rule:
     weight: Optional[QuantType] = None
     activation: Optional[QuantType] = None
     act_x_act: Optional[QuantType] = None
+    embedding: Optional[QuantType] = None
     calibrator: Calibrator = MinMax()
     weight_calibrator: WeightCalibrator = WeightMinMax()
 
@@ -150,6 +95,28 @@ class Rule:
         if not isinstance(self.weight_calibrator, WeightCalibrator):
             raise TypeError(f"Rule(weight_calibrator={self.weight_calibrator!r}): expected a "
                             "jqt.calibrators.WeightCalibrator such as jqt.calibrators.WeightMSE().")
+        for name in ("activation", "act_x_act"):
+            t = getattr(self, name)
+            if t is not None and t.kind == "lut":
+                raise ValueError(f"Rule({name}=QuantType(dtype='nf4')): nf4 is a weight format "
+                                 "(a lookup table, no arithmetic); use it for weight= with "
+                                 "activation=None.")
+            if t is not None and t.group_size:
+                raise ValueError(f"Rule({name}=QuantType(group_size=...)): per-group scales are for "
+                                 "weights; use per_channel=True with dynamic=True for per-token "
+                                 "activation scales.")
+        if self.weight is not None and self.activation is not None:
+            if self.weight.kind == "lut":
+                raise ValueError("Rule(weight=QuantType(dtype='nf4'), activation=...): nf4 weights "
+                                 "are decoded by lookup and multiplied in float; set activation=None.")
+            if (self.weight.kind == "float") != (self.activation.kind == "float"):
+                raise ValueError(
+                    f"Rule(weight={self.weight.dtype}, activation={self.activation.dtype}): an "
+                    "integer kernel needs integer operands and an fp8 kernel fp8 operands; use "
+                    "fp8 for both (jqt.recipes.fp8()) or integers for both.")
+        if self.embedding is not None and (self.embedding.dynamic or self.embedding.bits > 8):
+            raise ValueError(f"Rule(embedding={self.embedding!r}): embedding tables are weights: "
+                             "static, at most 8 bits.")
         if self.act_x_act is not None and not self.act_x_act.dynamic:
             raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
                              "operand; use QuantType(dynamic=True, ...).")
@@ -202,23 +169,39 @@ def _cal(calibrator, weight_calibrator):
     return dict(calibrator=calibrator or MinMax(), weight_calibrator=weight_calibrator or WeightMinMax())
 
 
-def w8a8(*, act_symmetric: bool = False, calibrator=None, weight_calibrator=None) -> Recipe:
-    """int8 per-channel symmetric weights, int8 static per-tensor activations.
+def _int_weight(bits, group_size, per_channel=True):
+    return QuantType(bits=bits, symmetric=True, narrow_range=True, per_channel=per_channel,
+                     group_size=group_size or 0)
+
+
+def _embedding(embeddings, bits, group_size=0):
+    """Per-row (or per-group) symmetric tables for every gather, or ``None``."""
+    return _int_weight(bits, group_size) if embeddings else None
+
+
+def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
+         calibrator=None, weight_calibrator=None) -> Recipe:
+    """int8 per-channel symmetric weights, int8 static per-tensor activations, int8
+    embedding tables (one scale per row).
 
     Activations are asymmetric by default: the output of a GELU or ReLU is
     mostly non-negative, and a symmetric range would leave half the codes
-    unused.
+    unused. ``group_size`` gives the weights one scale per group of inputs;
+    ``embeddings=False`` keeps embedding lookups float.
 
     >>> import jqt
-    >>> jqt.recipes.w8a8().rules[0].activation.symmetric
-    False
+    >>> r = jqt.recipes.w8a8()
+    >>> r.rules[0].activation.symmetric, r.rules[0].embedding.dtype
+    (False, 'int8')
     """
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=QuantType(bits=8, symmetric=act_symmetric),
-                              **_cal(calibrator, weight_calibrator)),))
+    return Recipe(rules=(Rule(weight=_int_weight(8, group_size),
+                              activation=QuantType(bits=8, symmetric=act_symmetric),
+                              embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
 
 
-def w8a8_dynamic(*, act_x_act: bool = False, weight_calibrator=None) -> Recipe:
-    """int8 per-channel weights, int8 activations with per-token scales computed at run time.
+def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+    """int8 per-channel weights, int8 activations with per-token scales computed at run
+    time, int8 embedding tables.
 
     With ``act_x_act=True`` activation x activation ops (attention) are
     quantized dynamically too.
@@ -229,20 +212,22 @@ def w8a8_dynamic(*, act_x_act: bool = False, weight_calibrator=None) -> Recipe:
     """
     act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
     return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
-                              **_cal(None, weight_calibrator)),))
+                              embedding=_embedding(embeddings, 8), **_cal(None, weight_calibrator)),))
 
 
-def w8(*, weight_calibrator=None) -> Recipe:
-    """Weight-only int8 (per-channel, symmetric); activations stay float.
+def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+    """Weight-only int8 (per-channel, or per group of ``group_size`` inputs), int8
+    embedding tables; activations stay float.
 
     >>> import jqt
     >>> jqt.recipes.w8().rules[0].activation is None
     True
     """
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=None, **_cal(None, weight_calibrator)),))
+    return Recipe(rules=(Rule(weight=_int_weight(8, group_size), activation=None,
+                              embedding=_embedding(embeddings, 8), **_cal(None, weight_calibrator)),))
 
 
-def w8a16(*, calibrator=None, weight_calibrator=None) -> Recipe:
+def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
     """int8 per-channel weights, int16 symmetric static per-tensor activations.
 
     The precise fallback for an op whose activations int8 cannot hold (outlier
@@ -253,16 +238,65 @@ def w8a16(*, calibrator=None, weight_calibrator=None) -> Recipe:
     dtype('int16')
     """
     return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=QuantType(bits=16, symmetric=True),
+                              embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
+
+
+def w4a8(*, group_size: int = 0, per_channel: bool = True, embeddings: bool = True,
+         calibrator=None, weight_calibrator=None) -> Recipe:
+    """int4 weights (per-channel by default, or per group of ``group_size`` inputs) with
+    int8 static activations; int4 embedding tables.
+
+    The int4 x int8 products sum in int32 per group and are scaled per group.
+
+    >>> import jqt
+    >>> jqt.recipes.w4a8(group_size=128).rules[0].weight.describe()
+    'int4 sym g128'
+    """
+    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, per_channel),
+                              activation=QuantType(bits=8, symmetric=False),
+                              embedding=_embedding(embeddings, 4, group_size),
                               **_cal(calibrator, weight_calibrator)),))
 
 
-def w4a8(*, per_channel: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
-    """int4 weights (stored in int8; per-channel by default), int8 static activations.
+def w4(*, group_size: int = 128, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+    """Weight-only int4 with one scale per group of ``group_size`` inputs (0: per
+    channel), stored two per byte; int4 embedding tables.
 
     >>> import jqt
-    >>> jqt.recipes.w4a8().rules[0].weight.qmax
-    7
+    >>> jqt.recipes.w4().rules[0].weight.describe()
+    'int4 sym g128'
     """
-    wt = QuantType(bits=4, symmetric=True, narrow_range=True, per_channel=per_channel)
-    return Recipe(rules=(Rule(weight=wt, activation=QuantType(bits=8, symmetric=False),
+    return Recipe(rules=(Rule(weight=_int_weight(4, group_size), activation=None,
+                              embedding=_embedding(embeddings, 4, group_size),
+                              **_cal(None, weight_calibrator)),))
+
+
+def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+    """Weight-only 4-bit NormalFloat (QLoRA's format) with one absmax scale per group of
+    ``group_size`` inputs, decoded by lookup; nf4 embedding tables.
+
+    >>> import jqt
+    >>> jqt.recipes.nf4().rules[0].weight.describe()
+    'nf4 sym g64'
+    """
+    t = QuantType(dtype="nf4", group_size=group_size)
+    return Recipe(rules=(Rule(weight=t, activation=None, embedding=t if embeddings else None,
+                              **_cal(None, weight_calibrator)),))
+
+
+def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
+        act_dtype: str = "float8_e4m3fn", embeddings: bool = True, calibrator=None,
+        weight_calibrator=None) -> Recipe:
+    """fp8 weights (per channel) and fp8 activations (static per-tensor, or per-token
+    with ``dynamic=True``), e4m3 by default (``"float8_e5m2"`` selectable); int8
+    embedding tables.
+
+    >>> import jqt
+    >>> r = jqt.recipes.fp8()
+    >>> r.rules[0].weight.dtype, r.rules[0].activation.qmax
+    ('float8_e4m3fn', 448.0)
+    """
+    w = QuantType(dtype=weight_dtype, per_channel=True)
+    a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
+    return Recipe(rules=(Rule(weight=w, activation=a, embedding=_embedding(embeddings, 8),
                               **_cal(calibrator, weight_calibrator)),))

@@ -27,7 +27,7 @@ from jax import lax
 
 from . import compat
 from .calibrate import _full_args
-from .handlers import QParamsMismatchError, Simulate, lookup
+from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import PackedParams
 from .quantize import _check_qparams
@@ -69,9 +69,8 @@ class _Measure:
             st[f"{role}_clip"] = jnp.float32(0)
             if q is None or q.qtype.dynamic:
                 continue
-            s = q.scale.astype(_F32)
-            z = jnp.zeros((), _F32) if q.zero_point is None else jnp.round(q.zero_point.astype(_F32))
-            lo, hi = (q.qtype.qmin - z - 0.5) * s, (q.qtype.qmax - z + 0.5) * s
+            s, z = expanded_params(site, i, x.shape, q)
+            lo, hi = clip_range(q.qtype, s, z)
             st[f"{role}_clip"] = jnp.sum((x < lo) | (x > hi)).astype(_F32)
             if role == "x":
                 hist = _histogram(x, lo.reshape(()), hi.reshape(()))
@@ -307,12 +306,20 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
                   output_rel_l2=math.sqrt(e2 / f2) if f2 > 0 else math.inf, output_max_abs=mx)
 
 
+def clip_range(qtype, s, z):
+    """The real values that quantize without clipping: the grid's bounds, widened by half
+    an integer step (integers round to the bound up to there)."""
+    lo, hi = qtype.bounds
+    half = 0.5 if qtype.kind == "int" else 0.0
+    return (lo - z - half) * s, (hi - z + half) * s
+
+
 def _qrange(q, scale, zp):
     if q is None or scale is None or q.qtype.dynamic:
         return None
     s = float(np.asarray(scale).reshape(-1)[0])
     z = 0.0 if zp is None else float(np.round(np.asarray(zp).reshape(-1)[0]))
-    return ((q.qtype.qmin - z - 0.5) * s, (q.qtype.qmax - z + 0.5) * s)
+    return clip_range(q.qtype, s, z)
 
 
 def _rows(site, qp, st):

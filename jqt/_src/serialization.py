@@ -5,14 +5,16 @@ JSON header; the JSON codecs both use.
 Formats (the JSON header is in the safetensors metadata under ``"jqt"``; ``"format"`` and
 ``"version"`` are also plain metadata entries, readable by any safetensors tool):
 
-- ``jqt.qparams`` version 2 (``jqt.save`` to any path not ending in ``.npz``): one tensor
+- ``jqt.qparams`` version 3 (``jqt.save`` to any path not ending in ``.npz``; version 2,
+  from before formats were named by dtype, still loads): one tensor
   per scale / zero point, named ``<op key>/<lhs|rhs>.<scale|zero_point>``; the header
   holds each op's static metadata (quantization types, op, weight operand, source).
 - ``jqt.qparams`` version 1: the same header in an ``.npz`` (``jqt.save`` to a path
   ending in ``.npz``; kept so that files written by earlier jqt still load).
-- ``jqt.packed`` version 1 (``jqt.save_packed``): ``packed/<op key>/qvalue`` (int8) and
-  ``packed/<op key>/wsum`` (int32) per packed weight, ``params/<leaf path>`` per float
-  leaf kept; the header holds each weight's layout, the avals of every leaf of the
+- ``jqt.packed`` version 2 (``jqt.save_packed``; version 1 still loads): per packed weight
+  (a :class:`jqt.QArray`) ``packed/<op key>/values`` (int8, uint8 with two 4-bit codes per
+  byte, or fp8 stored as its uint8 bytes), ``sums`` (int32), ``scale`` and ``zero_point``;
+  ``params/<leaf path>`` per float leaf kept; the header holds each weight's type and layout, the avals of every leaf of the
   original params and a JSON description of their tree (rebuilt on load, or replaced
   by ``like=``), and optionally the qparams the weights were packed with.
 
@@ -29,14 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .qparams import OpQParams, QuantParams, WeightSource
-from .recipe import QuantType
+from .qparams import OpQParams, QArray, WeightSource
+from .formats import QuantType
 
 FORMAT = "jqt.qparams"
 VERSION = 1  # the .npz format
-ST_VERSION = 2  # the safetensors format of qparams
+ST_VERSION = 3  # the safetensors format of qparams (3: QuantType by dtype and group size)
+ST_READ = (2, 3)  # versions this jqt reads (2: integer types only)
 PACKED_FORMAT = "jqt.packed"
-PACKED_VERSION = 1
+PACKED_VERSION = 2  # 2: each weight a QArray (codes, sums, scale, zero point, type)
+PACKED_READ = (1, 2)
 
 # dtypes safetensors stores natively; anything else is stored as its raw bytes (uint8).
 _NATIVE = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
@@ -193,7 +197,7 @@ def _qparams_from_entries(entries, get):
             if d is None:
                 ops.append(None)
                 continue
-            ops.append(QuantParams(scale=get(d["scale"]) if "scale" in d else None,
+            ops.append(QArray(scale=get(d["scale"]) if "scale" in d else None,
                                    zero_point=get(d["zero_point"]) if "zero_point" in d else None,
                                    qtype=qtype_from_json(d["qtype"])))
         out[key] = OpQParams(lhs=ops[0], rhs=ops[1], op=e["op"], weight_operand=e["weight_operand"],
@@ -337,17 +341,17 @@ def load(path) -> dict:
 
 def _load_qparams(r, path):
     if r.format == PACKED_FORMAT:
-        if r.version != PACKED_VERSION:
-            raise _version_error("jqt.load", path, r.format, r.version, f"version {PACKED_VERSION}")
+        if r.version not in PACKED_READ:
+            raise _version_error("jqt.load", path, r.format, r.version, f"versions {PACKED_READ}")
         if r.header.get("qparams") is None:
             raise FormatError(f"jqt.load: {path} holds packed weights without qparams (saved by "
                               "jqt.save_packed without qparams=); read it with jqt.load_packed.")
         return _qparams_from_entries(r.header["qparams"], r.get)
     if r.format != FORMAT:
         raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
-    if r.version != ST_VERSION:
+    if r.version not in ST_READ:
         raise _version_error("jqt.load", path, r.format, r.version,
-                             f"version {VERSION} (.npz) and {ST_VERSION} (safetensors)")
+                             f"version {VERSION} (.npz) and {ST_READ} (safetensors)")
     return _qparams_from_entries(r.header["ops"], r.get)
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .qparams import OpQParams, PackedParams, PackedWeight, QuantParams
+from .handlers import values_shape
+from .qparams import OpQParams, PackedParams, QArray
 
 _MODES = ("out", "in", None)
 
@@ -85,7 +86,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     >>> packed = jqt.pack(qp, p)
     >>> mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     >>> qs, ps = jqt.packed_shardings(qp, packed, mesh)
-    >>> ps.weights["w"].qvalue.spec, qs["w"].rhs.scale.spec     # (N, K) weight, (1, N) scale
+    >>> ps.weights["w"].values.spec, qs["w"].rhs.scale.spec     # (N, K) weight, (1, N) scale
     (P('model', None), P(None, 'model'))
     >>> qp, packed = jax.device_put((qp, packed), (qs, ps))
     """
@@ -130,18 +131,20 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                 sides.append(None)
                 continue
             d = scale_dim if i == w else None
-            sides.append(QuantParams(scale=arr(q.scale, d), zero_point=arr(q.zero_point, d),
-                                     qtype=q.qtype))
+            sides.append(QArray(scale=arr(q.scale, d), zero_point=arr(q.zero_point, d),
+                                qtype=q.qtype))
         qp_sh[key] = OpQParams(lhs=sides[0], rhs=sides[1], op=op.op, weight_operand=w,
                                source=op.source, note=op.note)
         if pw is None:
             continue
-        shape = tuple(np.shape(pw.qvalue))
+        shape = tuple(np.shape(pw.values))
         nd = len(shape)
         if pw.layout in ("nk", "kn"):
             n_dim, k_dim = (nd - 2, nd - 1) if pw.layout == "nk" else (nd - 1, nd - 2)
-            # wsum is (..., N): its last axis
-            qdim, sdim = {"out": (n_dim, np.ndim(pw.wsum) - 1), "in": (k_dim, None),
+            # sums are (..., N), or per group (..., N, G) ("nk") / (..., G, N) ("kn")
+            grouped = bool(pw.qtype.group_size) and pw.layout == "nk"
+            n_sum = None if pw.sums is None else np.ndim(pw.sums) - (2 if grouped else 1)
+            qdim, sdim = {"out": (n_dim, n_sum), "in": (k_dim, None),
                           None: (None, None)}[mode]
         else:
             free, contract = _free_axes(op, nd, depth), _contract_axes(op, nd, depth)
@@ -152,8 +155,10 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                 qdim, sdim = max(contract, key=lambda d: shape[d]), None
             else:
                 qdim = sdim = None
-        w_sh[key] = PackedWeight(qvalue=sharding(shape, qdim), wsum=arr(pw.wsum, sdim),
-                                 layout=pw.layout)
+        w_sh[key] = QArray(values=sharding(shape, qdim), sums=arr(pw.sums, sdim),
+                           scale=sides[w].scale if sides[w] is not None else None,
+                           zero_point=sides[w].zero_point if sides[w] is not None else None,
+                           qtype=pw.qtype, layout=pw.layout)
     missing = sorted(set(packed.weights) - set(w_sh))
     if missing:
         raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "

@@ -7,7 +7,8 @@ from collections import OrderedDict
 
 import jax
 
-from .analysis import DATA, Analyzer, Plan, VarInfo, path_str
+from .analysis import Analyzer, path_str
+from .plan import DATA, Plan, VarInfo
 from .qparams import WeightSource
 
 

@@ -1,0 +1,242 @@
+"""Higher-order primitives: one table, keyed by primitive object, read by both the
+analysis (how operands map to the body's inputs) and the interpreter (how the
+equation is rebuilt through JAX's public API around an interpreted body).
+
+An entry is a :class:`Hop`:
+
+* ``subs(eqn, infos, scan_id) -> [(jaxpr, consts, inner_infos)]``: each body and
+  what is known about its inputs (weight or data, the weight's source);
+* ``run(eqn, invals, sub, ctx, evaluate) -> outvals``: the rebuilt equation,
+  where ``evaluate(jaxpr, consts, args, plan, ctx)`` interprets a body;
+* ``transparent``: the body's outputs are the equation's outputs one for one
+  (a weight's source passes through).
+
+The documented default, for a primitive not in the table: the equation is
+re-bound unchanged (its ops stay float; the analysis warns when its bodies hold
+quantizable ops). ``jit``, ``closed_call`` and ``call`` are inlined; ``remat``
+becomes ``jax.checkpoint`` with the same policy; ``custom_jvp_call`` and
+``custom_vjp_call`` keep the user's rule for the inputs on the simulated path;
+``scan``, ``while`` and ``cond`` thread per-op state (see ``interpreter.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+from jax import lax
+
+from . import compat
+from .plan import DATA, Plan, VarInfo, closed_parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Hop:
+    subs: Callable
+    run: Callable
+    transparent: bool = False
+
+
+# ---- analysis side: operands -> body inputs ---------------------------------------------------
+
+def _same(param):
+    def f(eqn, infos, _):
+        j, c = closed_parts(eqn.params[param])
+        return [(j, c, list(infos))]
+    return f
+
+
+def _scan_subs(eqn, infos, scan_id):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    inner = list(infos[:nc]) + [DATA] * nk
+    for info in infos[nc + nk:]:
+        if info.source is not None:
+            s = info.source
+            info = VarInfo(info.weight, dataclasses.replace(s, chain=s.chain + (("scan_slice",),)),
+                           info.stack_ids + (scan_id,))
+        inner.append(info)
+    j, c = closed_parts(p["jaxpr"])
+    return [(j, c, inner)]
+
+
+def _while_subs(eqn, infos, _):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    n_carry = len(infos) - cn - bn
+    j, c = closed_parts(p["body_jaxpr"])
+    return [(j, c, list(infos[cn:cn + bn]) + [DATA] * n_carry)]
+
+
+def _cond_subs(eqn, infos, _):
+    return [(*closed_parts(b), list(infos[1:])) for b in eqn.params["branches"]]
+
+
+# ---- interpreter side: rebuild the equation around an interpreted body ------------------------
+
+def _state_for(sub, ctx):
+    return {k: ctx.state_in[k] for k in sub.keys if k in ctx.state_in}
+
+
+def _runner(ctx, jaxpr, consts, plan, evaluate):
+    """A function (state, *args) -> (outs, state_out) that interprets ``jaxpr``."""
+    def run(state, *args):
+        c = ctx.child(state)
+        outs = evaluate(jaxpr, consts, args, plan, c)
+        return outs, c.state_out
+    return run
+
+
+def _inline(param):
+    def rule(eqn, invals, sub, ctx, evaluate):
+        j, c = closed_parts(eqn.params[param])
+        return evaluate(j, c, invals, sub.plans[0], ctx)
+    return rule
+
+
+def _remat(eqn, invals, sub, ctx, evaluate):
+    if not ctx.handler.differentiable:
+        return _inline("jaxpr")(eqn, invals, sub, ctx, evaluate)
+    j, c = closed_parts(eqn.params["jaxpr"])
+    fn = jax.checkpoint(_runner(ctx, j, c, sub.plans[0], evaluate),
+                        prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    outs, state_out = fn(_state_for(sub, ctx), *invals)
+    ctx.state_out.update(state_out)
+    return outs
+
+
+def _custom_jvp(eqn, invals, sub, ctx, evaluate):
+    """Simulated path: quantized forward; tangents = the user's rule (w.r.t. the
+    inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
+    if not ctx.handler.differentiable:
+        return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
+    j, c = closed_parts(eqn.params["call_jaxpr"])
+    run = _runner(ctx, j, c, sub.plans[0], evaluate)
+    fwd = lambda st, *a: run(st, *a)[0]
+    g = jax.custom_jvp(fwd)
+
+    def g_jvp(primals, tangents):
+        st, *args = primals
+        tst, *targs = tangents
+        out = g(st, *args)
+        _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), tuple(targs))
+        _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
+        return out, [u + s for u, s in zip(t_user, t_st)]
+
+    g.defjvp(g_jvp)
+    return g(_state_for(sub, ctx), *invals)
+
+
+def _custom_vjp(eqn, invals, sub, ctx, evaluate):
+    """Simulated path: quantized forward; cotangents = the user's bwd rule (w.r.t.
+    the inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
+    if not ctx.handler.differentiable:
+        return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
+    j, c = closed_parts(eqn.params["call_jaxpr"])
+    run = _runner(ctx, j, c, sub.plans[0], evaluate)
+    fwd_fn = lambda st, *a: run(st, *a)[0]
+    g = jax.custom_vjp(fwd_fn)
+
+    def g_fwd(st, *args):
+        out, vjp_st = jax.vjp(lambda s: fwd_fn(s, *args), st)
+        _, vjp_user = jax.vjp(lambda *a: compat.bind_eqn(eqn, a), *args)
+        return out, (vjp_st, vjp_user)
+
+    def g_bwd(res, ct):
+        vjp_st, vjp_user = res
+        return (*vjp_st(ct), *vjp_user(ct))
+
+    g.defvjp(g_fwd, g_bwd)
+    return g(_state_for(sub, ctx), *invals)
+
+
+def _scan(eqn, invals, sub, ctx, evaluate):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+    sites = {s.key: s for pl in sub.plans for s in pl.all_sites()}
+    stacked = {k for k, s in sites.items() if sub.stacked(s)}
+    state = _state_for(sub, ctx)
+    st_x = {k: v for k, v in state.items() if k in stacked}
+    st_c = {k: v for k, v in state.items() if k not in stacked}
+    j, c = closed_parts(p["jaxpr"])
+    run = _runner(ctx, j, c, sub.plans[0], evaluate)
+
+    def body(carry, x):
+        xs_t, sx = x
+        outs, so = run({**st_c, **sx}, *consts, *carry, *xs_t)
+        return list(outs[:nk]), (list(outs[nk:]), so)
+
+    carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
+                                   reverse=p["reverse"], unroll=p["unroll"])
+    for k, v in st_out.items():
+        ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations({k: v})[k]
+    return [*carry, *ys]
+
+
+def _while(eqn, invals, sub, ctx, evaluate):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    cj, cc = closed_parts(p["cond_jaxpr"])
+    bj, bc = closed_parts(p["body_jaxpr"])
+    state = _state_for(sub, ctx)
+    run = _runner(ctx, bj, bc, sub.plans[0], evaluate)
+
+    def cond_fn(carry):
+        return evaluate(cj, cc, [*cconsts, *carry], Plan(), ctx.child({}))[0]
+
+    if not ctx.handler.collects:
+        return lax.while_loop(cond_fn, lambda carry: list(run(state, *bconsts, *carry)[0]), list(init))
+    shapes = jax.eval_shape(lambda *a: run(state, *bconsts, *a)[1], *init)
+    st0 = ctx.handler.identity(shapes)
+
+    def body_fn(cs):
+        carry, acc = cs
+        outs, so = run(state, *bconsts, *carry)
+        return list(outs), ctx.handler.merge(acc, so)
+
+    carry, st_out = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0))
+    ctx.state_out.update(st_out)
+    return carry
+
+
+def _cond(eqn, invals, sub, ctx, evaluate):
+    index, ops = invals[0], invals[1:]
+    state = _state_for(sub, ctx)
+    runs = [_runner(ctx, *closed_parts(b), pl, evaluate)
+            for b, pl in zip(eqn.params["branches"], sub.plans)]
+    if not ctx.handler.collects:
+        return lax.switch(index, [lambda *a, r=r: list(r(state, *a)[0]) for r in runs], *ops)
+    # Every branch returns the state of every op under the cond; a branch that
+    # does not hold an op returns the handler's identity for it, so the branch
+    # that did not run leaves no trace in the statistics.
+    shapes = [jax.eval_shape(lambda *a, r=r: r(state, *a)[1], *ops) for r in runs]
+    union = {}
+    for s in shapes:
+        union.update(s)
+
+    def branch(r):
+        def fn(*a):
+            outs, so = r(state, *a)
+            full = {k: so[k] if k in so else ctx.handler.identity({k: union[k]})[k] for k in union}
+            return list(outs), full
+        return fn
+
+    outs, st_out = lax.switch(index, [branch(r) for r in runs], *ops)
+    ctx.state_out.update(st_out)
+    return outs
+
+
+HIGHER_ORDER = {
+    compat.jit_p: Hop(_same("jaxpr"), _inline("jaxpr"), transparent=True),
+    compat.closed_call_p: Hop(_same("call_jaxpr"), _inline("call_jaxpr"), transparent=True),
+    compat.call_p: Hop(_same("call_jaxpr"), _inline("call_jaxpr"), transparent=True),
+    compat.remat_p: Hop(_same("jaxpr"), _remat, transparent=True),
+    compat.custom_jvp_call_p: Hop(_same("call_jaxpr"), _custom_jvp, transparent=True),
+    compat.custom_vjp_call_p: Hop(_same("call_jaxpr"), _custom_vjp, transparent=True),
+    compat.scan_p: Hop(_scan_subs, _scan),
+    compat.while_p: Hop(_while_subs, _while),
+    compat.cond_p: Hop(_cond_subs, _cond),
+}
+"""Higher-order primitive -> :class:`Hop`; a primitive not listed is re-bound unchanged."""

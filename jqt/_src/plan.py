@@ -1,0 +1,80 @@
+"""What static analysis finds in a jaxpr (``analysis.py``) and the interpreter follows.
+
+A :class:`Plan` mirrors one jaxpr: its quantizable ops (:class:`Site`, by equation
+index) and the analysed bodies of its higher-order equations (:class:`Sub`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from . import compat
+from .qparams import WeightSource
+
+
+@dataclasses.dataclass(frozen=True)
+class VarInfo:
+    weight: bool                          # independent of the data arguments
+    source: Optional[WeightSource] = None  # leaf + layout chain, if any
+    stack_ids: tuple = ()                  # scans that sliced it from a stacked leaf
+
+
+DATA = VarInfo(False)
+CONST = VarInfo(True)
+
+
+@dataclasses.dataclass
+class Site:
+    """One quantizable op; ``entry`` is its registry entry (``registry.py``)."""
+
+    key: str
+    op: str
+    eqn: object
+    weight_operand: Optional[int]
+    source: Optional[WeightSource]
+    stack_ids: tuple
+    contract: tuple  # per operand: the axes that share one scale (reduced by the op)
+    entry: object = None
+
+    @property
+    def name_stack(self):
+        return compat.name_stack(self.eqn)
+
+    def batch_axes(self) -> tuple:
+        """The weight operand's ``dot_general`` batch axes."""
+        if self.op != "dot_general" or self.weight_operand is None:
+            return ()
+        return tuple(self.eqn.params["dimension_numbers"][1][self.weight_operand])
+
+
+@dataclasses.dataclass
+class Sub:
+    """The sub-jaxprs of one higher-order equation, analysed."""
+
+    kind: str
+    plans: list
+    keys: list            # every site key below this equation
+    scan_id: int = -1
+
+    def stacked(self, site: Site) -> bool:
+        return self.scan_id in site.stack_ids
+
+
+@dataclasses.dataclass
+class Plan:
+    sites: dict = dataclasses.field(default_factory=dict)  # eqn index -> Site
+    subs: dict = dataclasses.field(default_factory=dict)   # eqn index -> Sub
+
+    def all_sites(self):
+        """Every site, nested ones included, in evaluation order."""
+        for i in sorted({*self.sites, *self.subs}):
+            if i in self.sites:
+                yield self.sites[i]
+            else:
+                for p in self.subs[i].plans:
+                    yield from p.all_sites()
+
+
+def closed_parts(j):
+    """(jaxpr, consts) of a ClosedJaxpr or an open Jaxpr."""
+    return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())

@@ -1,0 +1,178 @@
+"""The registry of quantizable primitives: one entry per primitive object.
+
+An entry says everything jqt knows about one primitive, and the analysis,
+calibration, both execution paths and :func:`jqt.pack` read only this table:
+
+* ``weight_operand(eqn, infos)``: which operand is the weight (``None``: both
+  operands are data; an entry with ``needs_weight`` is then not quantized);
+* ``contract(eqn)``: per operand, the axes that share one scale;
+* ``weight_type(rule)`` / ``act_type(rule)``: which fields of a
+  :class:`jqt.Rule` apply;
+* ``groups(site)``: the axis a weight's per-group scales run along, or ``None``
+  when the op cannot take them;
+* ``integer(site, eqn, ops, policy)``: the integer kernel (``ops`` holds a
+  :class:`jqt.QArray` per quantized operand, the float array otherwise);
+* ``pack(site_source, qarray, operand)``: the packed layout of its weight.
+
+The documented default, for a primitive with no entry, is to run it unchanged
+in float. Adding a primitive means adding an entry here and its kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from . import compat, groups, kernels
+from . import numerics as nx
+from .dense import DenseAxes
+from .formats import pack_nibbles
+from .qparams import QArray
+
+_I32 = jnp.int32
+
+
+def _pick_weight(ins):
+    w_ops = [k for k in (0, 1) if ins[k].weight]
+    if len(w_ops) == 2:  # both constant: treat the second (rhs) as the weight
+        w_ops = [1]
+    return w_ops[0] if w_ops else None
+
+
+class Contraction:
+    """``dot_general`` and ``conv_general_dilated``: a weight and an activation
+    (or two activations), contracted."""
+
+    needs_weight = False
+
+    def __init__(self, prim):
+        self.prim, self.name = prim, prim.name
+
+    def weight_operand(self, eqn, ins):
+        w = _pick_weight(ins)
+        if self.name == "conv_general_dilated" and w == 0:
+            return None  # a conv with a constant input and a data kernel: act x act
+        return w
+
+    def contract(self, eqn):
+        ndims = [len(v.aval.shape) for v in eqn.invars]
+        if self.name == "dot_general":
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            return (tuple(lc), tuple(rc))
+        dn = eqn.params["dimension_numbers"]
+        # a conv's activation scale may vary only along the batch axis (per example);
+        # its weight scale along the output features.
+        return (tuple(d for d in range(ndims[0]) if d != dn.lhs_spec[0]),
+                tuple(d for d in range(ndims[1]) if d != dn.rhs_spec[0]))
+
+    @staticmethod
+    def weight_type(rule):
+        return rule.weight
+
+    @staticmethod
+    def act_type(rule):
+        return rule.activation
+
+    def groups(self, site):
+        """Grouped scales run along the weight's innermost contracting axis of a
+        dot_general whose weight has no batch axes (a 2-D matmul)."""
+        w = site.weight_operand
+        if self.name != "dot_general" or site.batch_axes() or not site.contract[w]:
+            return None
+        return site.contract[w][-1]
+
+    def integer(self, site, eqn, ops, policy):
+        return [kernels.run(site, eqn, ops, policy)]
+
+    def pack(self, src, p, operand):
+        """The weight's codes in the layout its kernel reads (``policy.py``): 2-D
+        ``"nk"`` for an int8 x int8 (or fp8) matmul, ``"kn"`` for a weight-only one,
+        the op's own layout otherwise; nibbles packed along K."""
+        depth = src.stack_depth
+        q = p.operand(p.weight_operand)
+        g = q.qtype.group_size
+        qv = _quantize_weight(operand, q, src.contract[-1] if g else None, depth)
+        if self.name != "dot_general" or src.batch:
+            wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=_I32)
+            return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
+        layout = "kn" if p.operand(1 - p.weight_operand) is None else "nk"
+        ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
+        q2 = ax.weight_2d(qv, layout, depth)
+        kdim = depth + (1 if layout == "nk" else 0)
+        if g:  # per-group sums: (..., N, G) for "nk", (..., G, N) for "kn"
+            shp = q2.shape
+            split = shp[:kdim] + (shp[kdim] // g, g) + shp[kdim + 1:]
+            wsum = jnp.sum(q2.reshape(split), axis=kdim + 1, dtype=_I32)
+        else:
+            wsum = jnp.sum(q2, axis=kdim, dtype=_I32)
+        if q.qtype.packs_nibbles:
+            q2 = pack_nibbles(q2, kdim)
+        return dataclasses.replace(q, values=q2, sums=wsum, layout=layout)
+
+
+def _quantize_weight(operand, q, gaxis, depth):
+    shape = operand.shape
+    s, z = q.scale, q.zero_point
+    if q.qtype.group_size and gaxis is not None:
+        s = groups.expand(s, q.qtype.group_size, gaxis + depth, shape)
+        z = groups.expand(z, q.qtype.group_size, gaxis + depth, shape)
+    return nx.quantize(operand, s, z, q.qtype)
+
+
+class Gather:
+    """``gather`` from a weight by data-dependent indices: an embedding lookup,
+    quantized weight-only with one scale per row (or per group of a row)."""
+
+    needs_weight = True
+    name = "gather"
+
+    def __init__(self, prim):
+        self.prim = prim
+
+    def weight_operand(self, eqn, ins):
+        # a gather of a weight by constant indices is a layout op (slicing), not a lookup
+        return 0 if ins[0].weight and not ins[1].weight else None
+
+    def contract(self, eqn):
+        """The table's axes that each lookup reads whole (the embedding features);
+        the scale is shared along them, one per row."""
+        shape = eqn.invars[0].aval.shape
+        sizes = eqn.params["slice_sizes"]
+        return (tuple(d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1), ())
+
+    @staticmethod
+    def weight_type(rule):
+        return rule.embedding
+
+    @staticmethod
+    def act_type(rule):
+        return None
+
+    def groups(self, site):
+        c = site.contract[0]
+        return c[-1] if c else None
+
+    def integer(self, site, eqn, ops, policy):
+        return [kernels.gather(site, eqn, ops)]
+
+    def pack(self, src, p, operand):
+        depth = src.stack_depth
+        q = p.operand(0)
+        gaxis = src.contract[-1] if src.contract else None
+        qv = _quantize_weight(operand, q, gaxis, depth)
+        last = qv.ndim - 1
+        if q.qtype.packs_nibbles and gaxis is not None and gaxis + depth == last and qv.shape[last] % 2 == 0:
+            qv = pack_nibbles(qv, last)
+        return dataclasses.replace(q, values=qv, sums=None, layout="operand")
+
+
+OPS = {
+    compat.dot_general_p: Contraction(compat.dot_general_p),
+    compat.conv_general_dilated_p: Contraction(compat.conv_general_dilated_p),
+    compat.gather_p: Gather(compat.gather_p),
+}
+"""Primitive -> entry. A primitive not listed runs unchanged (float)."""
+
+NAMES = tuple(e.name for e in OPS.values())
+BY_NAME = {e.name: e for e in OPS.values()}

@@ -1,0 +1,219 @@
+"""The formats of issue 11: int4 with per-group scales (packed two per byte), fp8, nf4 and
+quantized embedding lookups, each checked op by op: the integer path against the simulated
+path (with float and with packed weights), packing, files, gradients and composition."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+from jqt._src.formats import NF4_TABLE, pack_nibbles, unpack_nibbles
+
+K, N, V, D = 256, 48, 40, 64
+RNG = np.random.default_rng(0)
+
+
+def _params():
+    return {"w": jnp.asarray(RNG.standard_normal((K, N)) * 0.05, jnp.float32),
+            "emb": jnp.asarray(RNG.standard_normal((V, D)) * 0.5, jnp.float32),
+            "proj": jnp.asarray(RNG.standard_normal((D, K)) * 0.1, jnp.float32)}
+
+
+P = _params()
+
+
+def dense(p, x):
+    return x @ p["w"]
+
+
+def embed_mlp(p, ids):
+    h = p["emb"][ids]                     # gather from a weight: an embedding lookup
+    return jax.nn.gelu(h @ p["proj"]) @ p["w"]
+
+
+def tied(p, ids):
+    h = p["emb"][ids]
+    return h @ p["emb"].T                 # the same table as input and output embedding
+
+
+X = jnp.asarray(RNG.standard_normal((6, K)), jnp.float32)
+IDS = jnp.asarray(RNG.integers(0, V, (3, 5)), jnp.int32)
+
+RECIPES = {
+    "w4_g64": jqt.recipes.w4(group_size=64),
+    "w4a8_g64": jqt.recipes.w4a8(group_size=64),
+    "w8_g128": jqt.recipes.w8(group_size=128),
+    "w8a8_g32": jqt.recipes.w8a8(group_size=32),
+    "nf4_g64": jqt.recipes.nf4(group_size=64),
+    "fp8": jqt.recipes.fp8(),
+    "fp8_dynamic": jqt.recipes.fp8(dynamic=True),
+    "fp8_e5m2": jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2"),
+    "w4a8_asym_g64": jqt.Recipe(rules=(jqt.Rule(
+        weight=jqt.QuantType(bits=4, symmetric=False, group_size=64),
+        activation=jqt.QuantType(bits=8, symmetric=False),
+        embedding=jqt.QuantType(bits=4, symmetric=False, group_size=32)),)),
+}
+
+
+def _check(f, recipe, inputs, tol):
+    qp = jqt.calibrate(f, recipe, P, [inputs], progress=False)
+    packed = jqt.pack(qp, P)
+    sim = jax.jit(jqt.quantize(f, qp, simulate=True))(P, *inputs)
+    ref = f(P, *inputs)
+    scale = float(jnp.max(jnp.abs(ref)))
+    for w in (P, packed):
+        out = jax.jit(jqt.quantize(f, qp))(w, *inputs)
+        assert float(jnp.max(jnp.abs(out - sim))) <= tol * scale
+    sim_packed = jax.jit(jqt.quantize(f, qp, simulate=True))(packed, *inputs)
+    assert float(jnp.max(jnp.abs(sim_packed - sim))) <= 1e-5 * scale
+    return qp, packed, sim, ref
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_integer_matches_simulated_dense(name):
+    qp, packed, sim, ref = _check(dense, RECIPES[name], (X,), 1e-5)
+    t = qp["w"].rhs.qtype
+    if t.group_size:
+        assert qp["w"].rhs.scale.shape == (K // t.group_size, N)
+    assert float(jnp.max(jnp.abs(sim - ref))) < 0.2 * float(jnp.max(jnp.abs(ref)))  # really quantized
+    assert float(jnp.max(jnp.abs(sim - ref))) > 0
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_integer_matches_simulated_with_embeddings(name):
+    qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
+    emb = qp["emb"]
+    assert emb.op == "gather" and emb.lhs is not None and emb.rhs is None
+
+
+def test_int4_is_stored_two_per_byte():
+    qp = jqt.calibrate(embed_mlp, jqt.recipes.w4(group_size=64), P, [(IDS,)], progress=False)
+    packed = jqt.pack(qp, P)
+    w, e = packed.weights["w"], packed.weights["emb"]
+    assert w.values.dtype == np.uint8 and w.layout == "kn" and w.values.shape == (K // 2, N)
+    assert e.values.dtype == np.uint8 and e.values.shape == (V, D // 2)
+    fbytes = sum(np.asarray(P[k]).nbytes for k in ("w", "emb", "proj"))
+    assert packed.nbytes() < 0.2 * fbytes
+
+
+def test_nibbles_round_trip():
+    q = jnp.asarray(RNG.integers(-8, 8, (5, 6, 4)), jnp.int8)
+    for axis in range(3):
+        if q.shape[axis] % 2 == 0:
+            assert (unpack_nibbles(pack_nibbles(q, axis), axis) == q).all()
+
+
+def test_nf4_values_lie_on_the_table():
+    qp = jqt.calibrate(dense, jqt.recipes.nf4(group_size=64), P, [(X,)], progress=False)
+    q = qp["w"].rhs
+    deq = jqt.quantize(lambda p, x: p["w"] * 1.0 + 0 * x.sum(), qp, simulate=True)
+    w_sim = jqt._src.numerics.fake_quant(P["w"], jnp.repeat(q.scale, 64, axis=0), None, q.qtype)
+    units = np.asarray(w_sim / jnp.repeat(q.scale, 64, axis=0))
+    assert np.isin(np.round(units, 5), np.round(NF4_TABLE, 5)).all()
+    del deq
+
+
+def test_fp8_values_are_fp8():
+    qp = jqt.calibrate(dense, jqt.recipes.fp8(), P, [(X,)], progress=False)
+    packed = jqt.pack(qp, P)
+    assert packed.weights["w"].values.dtype == jnp.float8_e4m3fn
+    assert qp["w"].rhs.qtype.qmax == 448.0
+    jaxpr = jax.make_jaxpr(jqt.quantize(dense, qp))(packed, X)
+    assert "float8_e4m3fn" in str(jaxpr.jaxpr)  # the activation is quantized to fp8
+
+
+def test_nf4_beats_int4_on_gaussian_weights():
+    errs = {}
+    for name, r in (("int4", jqt.recipes.w4(group_size=64)), ("nf4", jqt.recipes.nf4(group_size=64))):
+        qp = jqt.calibrate(dense, r, P, [(X,)], progress=False)
+        out = jqt.quantize(dense, qp)(jqt.pack(qp, P), X)
+        errs[name] = float(jnp.mean((out - dense(P, X)) ** 2))
+    assert errs["nf4"] < errs["int4"]
+
+
+def test_tied_embedding_is_quantized_in_both_uses():
+    qp, packed, sim, ref = _check(tied, jqt.recipes.w8a8(), (IDS,), 2e-5)
+    assert qp["emb"].op == "gather" and qp["emb#1"].op == "dot_general"
+    emb_leaf = qp["emb"].source.leaf
+    assert qp["emb#1"].source.leaf == emb_leaf and emb_leaf not in packed.kept  # float table dropped
+
+
+def test_rule_keeping_gathers_float_reproduces_old_outputs():
+    keep = jqt.Recipe(rules=(jqt.Rule(ops=("gather",), embedding=None),) + jqt.recipes.w8a8().rules)
+    no_emb = jqt.recipes.w8a8(embeddings=False)
+    outs = []
+    for r in (keep, no_emb):
+        qp = jqt.calibrate(embed_mlp, r, P, [(IDS,)], progress=False)
+        assert qp["emb"].is_float
+        outs.append(jqt.quantize(embed_mlp, qp)(P, IDS))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
+    p = {"w": P["w"][:96]}
+    with pytest.warns(UserWarning, match="cannot take group_size=64"):
+        qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=64), p, [(X[:, :96],)], progress=False)
+    assert qp["w"].rhs.qtype.group_size == 0 and qp["w"].rhs.scale.shape == (1, N)
+
+
+def test_packed_file_round_trip_every_format(tmp_path):
+    for name in ("w4_g64", "nf4_g64", "fp8", "w4a8_asym_g64"):
+        qp = jqt.calibrate(embed_mlp, RECIPES[name], P, [(IDS,)], progress=False)
+        packed = jqt.pack(qp, P)
+        path = str(tmp_path / f"{name}.safetensors")
+        jqt.save_packed(path, packed, qp)
+        back = jqt.load_packed(path)
+        for k, w in packed.weights.items():
+            assert back.weights[k].values.dtype == w.values.dtype
+            np.testing.assert_array_equal(np.asarray(back.weights[k].values).view(np.uint8),
+                                          np.asarray(w.values).view(np.uint8))
+        qf = jax.jit(jqt.quantize(embed_mlp, qp))
+        np.testing.assert_array_equal(qf(back, IDS), qf(packed, IDS))
+        assert jqt.load(path)["w"].rhs.qtype == qp["w"].rhs.qtype
+
+
+def test_grad_through_simulated_groups_and_fp8():
+    for r in (jqt.recipes.w4a8(group_size=64), jqt.recipes.fp8(), jqt.recipes.nf4()):
+        qp = jqt.calibrate(dense, r, P, [(X,)], progress=False)
+        g = jax.grad(lambda qp: jnp.sum(jqt.quantize(dense, qp, simulate=True)(P, X) ** 2))(qp)
+        gs = g["w"].rhs.scale
+        assert gs.shape == qp["w"].rhs.scale.shape and bool(jnp.isfinite(gs).all())
+        assert float(jnp.abs(gs).max()) > 0
+
+
+def test_vmap_and_scan_with_grouped_int4():
+    L = 3
+    p = {"ws": jnp.asarray(RNG.standard_normal((L, K, K)) * 0.05, jnp.float32)}
+
+    def f(p, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["ws"])[0]
+
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=64), p, [(X,)], progress=False)
+    assert qp["ws"].rhs.scale.shape == (L, K // 64, K)
+    packed = jqt.pack(qp, p)
+    assert packed.weights["ws"].values.shape == (L, K // 2, K)
+    sim = jqt.quantize(f, qp, simulate=True)(p, X)
+    out = jax.vmap(jqt.quantize(f, qp), in_axes=(None, 0))(packed, X[:, None])[:, 0]
+    np.testing.assert_allclose(out, sim, atol=1e-5)
+
+
+def test_export_of_int4_function():
+    qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=64), P, [(X,)], progress=False)
+    packed = jqt.pack(qp, P)
+    exp = jax.export.export(jax.jit(jqt.quantize(dense, qp)))(packed, X)
+    back = jax.export.deserialize(exp.serialize())
+    np.testing.assert_array_equal(back.call(packed, X), jax.jit(jqt.quantize(dense, qp))(packed, X))
+
+
+def test_quant_type_errors_name_the_fix():
+    with pytest.raises(ValueError, match="nf4 is a weight format"):
+        jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(dtype="nf4"))
+    with pytest.raises(ValueError, match="fp8 for both"):
+        jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn"), activation=jqt.QuantType())
+    with pytest.raises(ValueError, match="symmetric format"):
+        jqt.QuantType(dtype="float8_e4m3fn", symmetric=False)
+    with pytest.raises(ValueError, match="formats are int2..int16"):
+        jqt.QuantType(dtype="int32")
+    assert dataclasses.replace(jqt.QuantType(bits=4), group_size=32).per_channel

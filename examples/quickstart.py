@@ -6,6 +6,7 @@ Needs flax, optax and scikit-learn (``pip install -e .[examples]``); uses the
 digits dataset bundled with scikit-learn (no download). Runs in a few seconds
 on a CPU. Exits with an error if w8a8 loses more than 1 point of accuracy.
 """
+import json
 import time
 
 import flax.linen as nn
@@ -72,6 +73,12 @@ def section(title):
     print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
 
 
+def print_results(example, **values):
+    """One machine-readable line, ``RESULTS {json}``: what tests/test_examples.py compares
+    with docs/results.json, the source of the numbers quoted in the README and the docs."""
+    print("RESULTS " + json.dumps({"example": example, **values}, sort_keys=True))
+
+
 def main():
     t_start = time.perf_counter()
     x_train, x_test, y_train, y_test = load_data()
@@ -97,7 +104,7 @@ def main():
         packed = jqt.pack(qp, params)
         acc = accuracy(qf(params, x_test), y_test)
         acc_packed = accuracy(qf(packed, x_test), y_test)
-        results[name] = dict(qp=qp, qf=qf, packed=packed, acc=acc)
+        results[name] = dict(qp=qp, qf=qf, packed=packed, acc=acc, acc_packed=acc_packed)
         rows.append((name, f"{acc:.2%}", f"{acc_packed:.2%}", f"{(acc - float_acc) * 100:+.2f}",
                      f"{time.perf_counter() - t:.1f} s"))
     header = ("recipe", "acc (float params)", "acc (packed)", "delta (pts)", "time")
@@ -155,6 +162,12 @@ def main():
     drop = float_acc - results["w8a8"]["acc"]
     print("  ".join(f"{n}: {r['acc']:.2%}" for n, r in [("float", dict(acc=float_acc))] + list(results.items())))
     print(f"total {time.perf_counter() - t_start:.1f} s")
+    print_results("quickstart", float_acc=float_acc,
+                  **{f"{n}_acc": r["acc"] for n, r in results.items()},
+                  **{f"{n}_packed_acc": r["acc_packed"] for n, r in results.items()},
+                  int8_kernel_bytes=int8_bytes, float_kernel_bytes=kernel_bytes,
+                  kernel_ratio=int8_bytes / kernel_bytes, model_ratio=packed.nbytes() / total_float,
+                  int_kernels=int_kernels)
     if drop > MAX_DROP:
         raise SystemExit(f"FAIL: w8a8 accuracy {results['w8a8']['acc']:.2%} is "
                          f"{drop * 100:.2f} points below float ({float_acc:.2%})")

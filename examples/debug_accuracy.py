@@ -114,9 +114,9 @@ def main():
                   other_sqnr_min=min(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
                   other_sqnr_max=max(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
                   fallback_float_acc=fallback["float"].metric,
-                  fallback_float_trials=fallback["float"].trials,
+                  fallback_float_trials=len(fallback["float"].trials),
                   fallback_int16_acc=fallback["int16 activations"].metric,
-                  fallback_int16_trials=fallback["int16 activations"].trials,
+                  fallback_int16_trials=len(fallback["int16 activations"].trials),
                   **{f"{k}_acc": v for k, v in cal_acc.items()})
     if worst != "params/Conv_1/kernel":
         raise SystemExit(f"FAIL: expected params/Conv_1/kernel to rank worst, got {worst}")

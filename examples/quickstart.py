@@ -6,7 +6,7 @@ Needs flax, optax and scikit-learn (``pip install -e .[examples]``); uses the
 digits dataset bundled with scikit-learn (no download). Runs in a few seconds
 on a CPU. Exits with an error if w8a8 loses more than 1 point of accuracy.
 """
-import re
+import json
 import time
 
 import flax.linen as nn
@@ -18,6 +18,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import jqt
+from jaxpr_utils import KERNELS, all_eqns, describe, is_int8_kernel
 
 SEED = 0
 MAX_DROP = 0.01  # w8a8 may lose at most 1 point of test accuracy
@@ -72,6 +73,12 @@ def section(title):
     print(f"\n== {title} " + "=" * max(0, 70 - len(title)))
 
 
+def print_results(example, **values):
+    """One machine-readable line, ``RESULTS {json}``: what tests/test_examples.py compares
+    with docs/results.json, the source of the numbers quoted in the README and the docs."""
+    print("RESULTS " + json.dumps({"example": example, **values}, sort_keys=True))
+
+
 def main():
     t_start = time.perf_counter()
     x_train, x_test, y_train, y_test = load_data()
@@ -97,7 +104,7 @@ def main():
         packed = jqt.pack(qp, params)
         acc = accuracy(qf(params, x_test), y_test)
         acc_packed = accuracy(qf(packed, x_test), y_test)
-        results[name] = dict(qp=qp, qf=qf, packed=packed, acc=acc)
+        results[name] = dict(qp=qp, qf=qf, packed=packed, acc=acc, acc_packed=acc_packed)
         rows.append((name, f"{acc:.2%}", f"{acc_packed:.2%}", f"{(acc - float_acc) * 100:+.2f}",
                      f"{time.perf_counter() - t:.1f} s"))
     header = ("recipe", "acc (float params)", "acc (packed)", "delta (pts)", "time")
@@ -137,27 +144,17 @@ def main():
     print(f"max |jit - vmap| = {float(jnp.abs(y_jit - y_vmap).max()):.2e}")
 
     section("6. evidence: the integer kernels in the jaxpr (w8a8, packed weights)")
-    # The printed jaxpr names each variable with its type once, where it is bound;
-    # collect those types to show the operand types of each integer kernel.
-    lines = str(jax.make_jaxpr(qf_plain)(packed, x)).splitlines()
-    types = dict(re.findall(r"\b([a-z]+):([a-z0-9]+\[[0-9,]*\])", "\n".join(lines)))
+    # Walk the jaxpr's equations (sub-jaxprs included) and read each operand's type;
+    # the printed text of a jaxpr is not parsed (JAX colours it on a terminal).
     int_kernels = n_quant = 0
-    for i, line in enumerate(lines):
-        s = line.strip()
-        if "= jqt_quantize[" in s:  # operands: the float32 value, its scale, its zero point
+    for eqn in all_eqns(jax.make_jaxpr(qf_plain)(packed, x)):
+        if eqn.primitive is jqt.quantize_p:  # float32 activation -> int8 codes
             n_quant += 1
-            head, operands = s.rsplit("] ", 1)
-            print(f"{head}] " + " ".join(f"{v}:{types.get(v, '?')}" for v in operands.split()))
-        elif s.endswith(("= dot_general[", "= conv_general_dilated[")):
-            j = i  # a multi-line equation: its params run to the "] operands" line
-            while not lines[j].strip().startswith("]"):
-                j += 1
-            params = " ".join(l.strip() for l in lines[i + 1:j])
-            pet = re.search(r"preferred_element_type=(\w+)", params).group(1)
-            operands = lines[j].strip()[1:].split()
-            print(f"{s[:-1]}[... preferred_element_type={pet} ...] "
-                  + " ".join(f"{v}:{types.get(v, '?')}" for v in operands))
-            int_kernels += pet == "int32" and all(types.get(v, "").startswith("i8[") for v in operands)
+            print(describe(eqn))
+        elif eqn.primitive.name in KERNELS:
+            pet = eqn.params.get("preferred_element_type")
+            print(f"{describe(eqn)} (preferred_element_type={pet})")
+            int_kernels += is_int8_kernel(eqn) and pet == np.int32
     print(f"-> {int_kernels} int8 x int8 -> int32 kernels, {n_quant} activation quantizations "
           "(float32 -> int8)")
 
@@ -165,6 +162,12 @@ def main():
     drop = float_acc - results["w8a8"]["acc"]
     print("  ".join(f"{n}: {r['acc']:.2%}" for n, r in [("float", dict(acc=float_acc))] + list(results.items())))
     print(f"total {time.perf_counter() - t_start:.1f} s")
+    print_results("quickstart", float_acc=float_acc,
+                  **{f"{n}_acc": r["acc"] for n, r in results.items()},
+                  **{f"{n}_packed_acc": r["acc_packed"] for n, r in results.items()},
+                  int8_kernel_bytes=int8_bytes, float_kernel_bytes=kernel_bytes,
+                  kernel_ratio=int8_bytes / kernel_bytes, model_ratio=packed.nbytes() / total_float,
+                  int_kernels=int_kernels)
     if drop > MAX_DROP:
         raise SystemExit(f"FAIL: w8a8 accuracy {results['w8a8']['acc']:.2%} is "
                          f"{drop * 100:.2f} points below float ({float_acc:.2%})")

@@ -1,20 +1,16 @@
 """Helpers shared by the tests: walking jaxprs, a residual MLP scanned over stacked layers."""
+import os
+import sys
+
 import jax
 from jax import lax
 
+# One jaxpr walker for the examples and the tests: examples/jaxpr_utils.py.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from jaxpr_utils import all_eqns  # noqa: E402,F401
+
 L = 3  # layers of scan_mlp
 
-
-
-def all_eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, sub-jaxprs (jit, scan, remat, custom_jvp) included."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from all_eqns(sub)
 
 
 def scan_mlp(p, x):

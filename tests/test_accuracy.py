@@ -22,6 +22,9 @@ quickstart = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quickstart)
 CNN, load_data, accuracy = quickstart.CNN, quickstart.load_data, quickstart.accuracy
 
+# End to end (trains the quickstart CNN): in the slow run, with the examples themselves.
+pytestmark = pytest.mark.slow
+
 CALIB_BATCHES, CALIB_BATCH = 10, 32
 RECIPES = ("w8a8", "w8a8_dynamic", "w8")
 

@@ -165,7 +165,7 @@ _DP = {}
 @pytest.fixture(scope="module", autouse=True)
 def _data_parallel_subprocess(request):
     if any("data_parallel" in item.name for item in request.session.items):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                    JAX_PLATFORMS="cpu")
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_DP_CODE)], env=env,
@@ -881,6 +881,7 @@ def data_parallel_result():
     return json.loads(line[len("RESULT"):])
 
 
+@pytest.mark.slow  # an 8-device subprocess, end to end
 def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     """MinMax, Percentile and Entropy statistics gathered on 8 devices (each with its own
     histogram radius) and combined give the single-device qparams, with ``mesh=`` and

@@ -185,6 +185,7 @@ def _server_result():
     return json.loads(lines[-1][len("RESULT"):])
 
 
+@pytest.mark.slow  # with the fresh process below, end to end
 def test_export_artifacts_written(server):
     # starts the fresh process early (the module fixture); checked at the end of the module
     assert os.path.exists(os.path.join(server, "manifest.json"))
@@ -490,6 +491,7 @@ def test_export_symbolic_batch_default_policy(models):
 # ============================================================ the fresh process's result
 
 
+@pytest.mark.slow  # a fresh Python process, end to end
 def test_fresh_process_runs_the_exported_functions(server):
     r = _server_result()
     assert "unregistered type `jqt." in r["without_jqt"]  # needs `import jqt` (registration)

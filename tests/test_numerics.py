@@ -9,6 +9,7 @@ from jax import lax
 
 import jqt
 from jqt._src import numerics as nx
+from shared import all_eqns
 
 floats = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
@@ -182,11 +183,14 @@ def test_integer_kernels_in_jaxpr():
     f = lambda w, x: x @ w
     w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
-    text = str(jax.make_jaxpr(jqt.quantize(f, qp))(jqt.pack(qp, w), x))
-    assert "jqt_quantize" in text
-    assert "i8[2,4]" in text and "preferred_element_type=int32" in text
-    sim = str(jax.make_jaxpr(jqt.quantize(f, qp, simulate=True))(w, x))
-    assert "jqt_fake_quant" in sim and "int32" not in sim
+    eqns = list(all_eqns(jax.make_jaxpr(jqt.quantize(f, qp))(jqt.pack(qp, w), x)))
+    assert [e.outvars[0].aval.dtype for e in eqns if e.primitive is jqt.quantize_p] == [jnp.int8]
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert [(e.invars[0].aval.dtype, e.invars[0].aval.shape, e.invars[1].aval.dtype,
+             e.params["preferred_element_type"]) for e in dots] == [(jnp.int8, (2, 4), jnp.int8, jnp.int32)]
+    sim = list(all_eqns(jax.make_jaxpr(jqt.quantize(f, qp, simulate=True))(w, x)))
+    assert any(e.primitive is jqt.fake_quant_p for e in sim)
+    assert not any(v.aval.dtype == jnp.int32 for e in sim for v in e.outvars)
 
 
 @pytest.mark.parametrize("layout", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])

@@ -15,6 +15,9 @@ import textwrap
 
 import pytest
 
+# One 8-device subprocess, end to end: in the slow run (CI: pytest -m slow).
+pytestmark = pytest.mark.slow
+
 _CODE = r"""
 import json, os, re, tempfile
 import jax, jax.numpy as jnp, numpy as np
@@ -112,7 +115,7 @@ _RUN = {}
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], env=env,

@@ -103,9 +103,19 @@ class QArray:
 
 
 QuantParams = QArray
-"""The parameters of one operand in qparams: a :class:`QArray` without values (an alias)."""
+"""The parameters of one operand in qparams: a :class:`QArray` without values (an alias).
+
+>>> import jqt
+>>> jqt.QuantParams is jqt.QArray
+True
+"""
 PackedWeight = QArray
-"""A packed weight: a :class:`QArray` with values (an alias)."""
+"""A packed weight: a :class:`QArray` with values (an alias).
+
+>>> import jqt
+>>> jqt.PackedWeight is jqt.QArray
+True
+"""
 
 
 def _arr_summary(name, a):

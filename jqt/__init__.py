@@ -10,6 +10,7 @@ True
 from jqt import calibrators as calibrators
 from jqt import qat as qat
 from jqt import recipes as recipes
+from jqt._src import export as _export  # noqa: F401  (registers jax.export serialization)
 from jqt._src.calibrate import CalibrationDataError as CalibrationDataError
 from jqt._src.calibrate import calibrate as calibrate
 from jqt._src.frameworks import from_keras as from_keras

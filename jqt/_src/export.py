@@ -112,3 +112,23 @@ def deserialize_aux(cls, data):
 
 
 NODE_TYPES = (QArray, OpQParams, PackedParams)
+
+
+def _register():
+    """Registers jqt's pytree nodes for ``jax.export`` serialization under the stable names
+    ``"jqt.QArray"``, ``"jqt.OpQParams"`` and ``"jqt.PackedParams"``, so that a function
+    taking them can be exported and deserialized in another process that imports jqt
+    (``jqt/__init__.py`` imports this module)."""
+    from jax import export as jax_export
+
+    for cls in NODE_TYPES:
+        try:
+            jax_export.register_pytree_node_serialization(
+                cls, serialized_name=f"jqt.{cls.__name__}",
+                serialize_auxdata=lambda aux, cls=cls: serialize_aux(cls, aux),
+                deserialize_auxdata=lambda data, cls=cls: deserialize_aux(cls, data))
+        except ValueError:  # already registered: this module was imported again (reload)
+            pass
+
+
+_register()

@@ -16,13 +16,12 @@ or sum to the output layout of the op.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-import dataclasses
 
 from . import compat, dense, patches
 from . import numerics as nx
@@ -205,9 +204,8 @@ def run(site, eqn, ops, policy):
     params, out = eqn.params, eqn.outvars[0].aval
     w = site.weight_operand
     wq = ops[w] if w is not None else None
-    if isinstance(wq, QArray) and wq.layout != "operand":
-        pass  # a packed 2-D weight: dense path below
-    elif any(isinstance(o, QArray) and o.qtype.kind == "float" for o in ops):
+    packed_2d = isinstance(wq, QArray) and wq.layout != "operand"  # dense path below
+    if not packed_2d and any(isinstance(o, QArray) and o.qtype.kind == "float" for o in ops):
         return _fp8_generic(site, eqn, [_to_operand(site, eqn, o) for o in ops]).astype(out.dtype)
     if site.op == "conv_general_dilated":
         x_op, w_op = _tup(ops[0]), _tup(_to_operand(site, eqn, ops[1]))

@@ -248,34 +248,3 @@ def summarize(qparams: dict[str, Any]) -> str:
 
 def _short(p: Optional[QArray]) -> str:
     return "float" if p is None else p.qtype.describe()
-
-
-def _register_export_serialization():
-    """Registers jqt's pytree nodes for ``jax.export`` serialization, under the stable
-    names ``"jqt.QArray"``, ``"jqt.OpQParams"`` and ``"jqt.PackedParams"``, so that a function taking them can be exported and
-    deserialized in another process that imports jqt. The aux data codecs are in
-    ``export.py`` (imported when first used: it imports this module)."""
-    from jax import export as jax_export
-
-    def codecs(cls):
-        def serialize(aux):
-            from . import export
-            return export.serialize_aux(cls, aux)
-
-        def deserialize(data):
-            from . import export
-            return export.deserialize_aux(cls, data)
-
-        return serialize, deserialize
-
-    for cls in (QArray, OpQParams, PackedParams):
-        serialize, deserialize = codecs(cls)
-        try:
-            jax_export.register_pytree_node_serialization(
-                cls, serialized_name=f"jqt.{cls.__name__}", serialize_auxdata=serialize,
-                deserialize_auxdata=deserialize)
-        except ValueError:  # already registered: this module was imported again (reload)
-            pass
-
-
-_register_export_serialization()

@@ -22,13 +22,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from jax import lax
 
 from . import compat, groups, kernels
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import pack_nibbles
-from .qparams import QArray
 
 _I32 = jnp.int32
 

@@ -18,7 +18,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .handlers import values_shape
 from .qparams import OpQParams, PackedParams, QArray
 
 _MODES = ("out", "in", None)

@@ -29,7 +29,7 @@ class CalibrationDataError(ValueError):
     """
 
 
-def _full_args(argnums, params, batch):
+def full_args(argnums, params, batch):
     args = list(batch)
     for n, p in zip(argnums, params):
         args.insert(n, p)
@@ -65,12 +65,12 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     last = {}
 
     def local(params_t, batch, observe_weights, decided):
-        traced = tracer(_full_args(argnums, params_t, batch))
+        traced = tracer(full_args(argnums, params_t, batch))
         last["traced"] = traced
         state = {k: (qp, None) for k, qp in decided.items()}
         ctx = Ctx(Calibrate(recipe, observe_weights), state)
         eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                   jax.tree_util.tree_leaves(_full_args(argnums, params_t, batch)), traced.plan, ctx)
+                   jax.tree_util.tree_leaves(full_args(argnums, params_t, batch)), traced.plan, ctx)
         return ctx.state_out
 
     if mesh is None:

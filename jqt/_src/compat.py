@@ -76,3 +76,13 @@ custom_vjp_call_p = _prims.custom_vjp_call_p
 scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
+
+
+def pytree_serialization_registries():
+    """jax.export's registries of custom pytree nodes ({type: (name, serialize)},
+    {name: (type, deserialize, from_children)}), or empty ones if JAX moved them."""
+    try:
+        from jax._src.export import _export
+        return _export.serialization_registry, _export.deserialization_registry
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
+        return {}, {}

@@ -12,8 +12,8 @@ from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
 from .qparams import PackedParams, QArray
 from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, FormatError,
-                            TreeNotSerializable, _is_zip, _qparams_entries,
-                            _qparams_from_entries, _Reader, _version_error, _write,
+                            TreeNotSerializable, is_zip, qparams_entries,
+                            qparams_from_entries, Reader, version_error, write,
                             aval_from_json, aval_to_json, qtype_from_json, qtype_to_json,
                             treedef_from_json, treedef_to_json)
 
@@ -34,7 +34,7 @@ def _unique(name, used):
 
 def save_packed(path, packed: PackedParams, qparams=None) -> None:
     """Saves :func:`jqt.pack`'s weights to ``path`` (a safetensors file, format
-    ``jqt.packed`` version 1).
+    ``jqt.packed``, see ``serialization.py``).
 
     The file holds each quantized weight's codes, int32 sums, scale and zero point
     (``packed/<op key>/values`` etc.), the float leaves kept (``params/<leaf path>``), the
@@ -45,7 +45,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
 
     With ``qparams`` (the ones passed to :func:`jqt.pack`), the file also holds them:
     one file to deploy, :func:`jqt.load` reads the qparams back from it, and
-    :func:`jqt.load_packed` checks that the weights match them.
+    :func:`jqt.load_packed` checks that the weights match them. A weight scale the
+    packed weight and the qparams share is stored once.
 
     >>> import os, tempfile, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"] + p["b"]
@@ -71,6 +72,13 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         n = _unique(f"params/{paths[i]}", used)
         tensors[n] = x
         leaves.append(n)
+    entries, shared = None, {}
+    if qparams is not None:
+        check_packed(packed, qparams, fn="jqt.save_packed")
+        entries, arrays = qparams_entries(
+            qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used))
+        tensors.update(arrays)
+        shared = _weight_scales(entries, arrays)
     weights = {}
     for key, w in packed.weights.items():
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
@@ -78,8 +86,12 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             a = getattr(w, field)
             if a is None:
                 continue
-            n = _unique(f"packed/{key}/{field}", used)
             a = np.asarray(a)
+            same = shared.get((key, field))
+            if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
+                d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
+                continue
+            n = _unique(f"packed/{key}/{field}", used)
             if a.dtype.name in FLOAT8:  # safetensors' numpy API has no fp8: store the bytes
                 d["values_dtype"] = a.dtype.name
                 a = a.view(np.uint8)
@@ -88,14 +100,21 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         weights[key] = d
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
-              "leaves": leaves, "weights": weights, "qparams": None}
-    if qparams is not None:
-        check_packed(packed, qparams, fn="jqt.save_packed")
-        entries, arrays = _qparams_entries(
-            qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used))
-        tensors.update(arrays)
-        header["qparams"] = entries
-    _write(path, tensors, header, PACKED_FORMAT, PACKED_VERSION)
+              "leaves": leaves, "weights": weights, "qparams": entries}
+    write(path, tensors, header, PACKED_FORMAT, PACKED_VERSION)
+
+
+def _weight_scales(entries, arrays):
+    """``(op key, "scale" | "zero_point") -> (tensor name, array)`` of each op's weight
+    operand in the qparams entries: a packed weight's scale equal to it is stored once."""
+    out = {}
+    for key, e in entries.items():
+        w = e["weight_operand"]
+        d = None if w is None else e[("lhs", "rhs")[w]]
+        for field in ("scale", "zero_point"):
+            if d is not None and field in d:
+                out[(key, field)] = (d[field], arrays[d[field]])
+    return out
 
 
 def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
@@ -137,10 +156,10 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     ('kn', (8, 4))
     """
     fn = "jqt.load_packed"
-    if _is_zip(path):
+    if is_zip(path):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
-    with _Reader(path, fn) as r:
+    with Reader(path, fn) as r:
         packed, stored = _read_packed(r, path, like)
     if qparams is not None:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
@@ -159,7 +178,7 @@ def _read_packed(r, path, like):
     if r.format != PACKED_FORMAT:
         raise FormatError(f"{fn}: {path} is not a jqt packed-weights file (format {r.format!r}).")
     if r.version not in PACKED_READ:
-        raise _version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
+        raise version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
     h = r.header
     avals = [aval_from_json(a) for a in h["avals"]]
     if like is not None:
@@ -178,7 +197,7 @@ def _read_packed(r, path, like):
     leaves = [r.get(n) for n in h["leaves"]]
     weights = {k: _weight_from_entry(d, r.get, r.version) for k, d in h["weights"].items()}
     packed = PackedParams(leaves, weights, treedef, avals, h["kept"])
-    stored = None if h.get("qparams") is None else _qparams_from_entries(h["qparams"], r.get)
+    stored = None if h.get("qparams") is None else qparams_from_entries(h["qparams"], r.get)
     return packed, stored
 
 

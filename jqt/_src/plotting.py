@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .report import HIST_BINS
+HIST_BINS = 64
+"""Bins of a report histogram, over the quantized range widened by half its width on
+each side (``report.py`` counts them, ``plot_report`` draws them)."""
 
 
 def plot_report(report, path, histograms):

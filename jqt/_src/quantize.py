@@ -16,7 +16,7 @@ from .registry import BY_NAME
 from .tracing import Tracer, normalize_argnums
 
 
-def _check_qparams(qparams):
+def check_qparams(qparams):
     if not isinstance(qparams, dict):
         raise TypeError(f"jqt: qparams is a {type(qparams).__name__}; expected the dict returned "
                         "by jqt.calibrate (or jqt.load).")
@@ -90,7 +90,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     >>> jnp.abs(jax.jit(jqt.quantize(f, qp))(w, x) - f(w, x)).max() < 0.02
     Array(True, dtype=bool)
     """
-    _check_qparams(qparams)
+    check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums)
     handler = Simulate() if simulate else Integer(policy)
@@ -157,7 +157,7 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
     ...                   jqt.quantize(f, qp)(p, jnp.ones((2, 64)))))
     True
     """
-    _check_qparams(qparams)
+    check_qparams(qparams)
     flat, treedef = jax.tree_util.tree_flatten(params)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     weights, consumed, needed, unpackable = {}, set(), set(), []

@@ -169,8 +169,8 @@ def _cal(calibrator, weight_calibrator):
     return dict(calibrator=calibrator or MinMax(), weight_calibrator=weight_calibrator or WeightMinMax())
 
 
-def _int_weight(bits, group_size, per_channel=True):
-    return QuantType(bits=bits, symmetric=True, narrow_range=True, per_channel=per_channel,
+def _int_weight(bits, group_size, per_channel=True, symmetric=True):
+    return QuantType(bits=bits, symmetric=symmetric, narrow_range=symmetric, per_channel=per_channel,
                      group_size=group_size or 0)
 
 
@@ -241,32 +241,39 @@ def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -
                               embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
 
 
-def w4a8(*, group_size: int = 0, per_channel: bool = True, embeddings: bool = True,
-         calibrator=None, weight_calibrator=None) -> Recipe:
+def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = True,
+         embeddings: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
     """int4 weights (per-channel by default, or per group of ``group_size`` inputs) with
     int8 static activations; int4 embedding tables.
 
     The int4 x int8 products sum in int32 per group and are scaled per group.
+    ``symmetric=False`` gives each weight group a zero point too.
 
     >>> import jqt
     >>> jqt.recipes.w4a8(group_size=128).rules[0].weight.describe()
     'int4 sym g128'
     """
-    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, per_channel),
+    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
                               embedding=_embedding(embeddings, 4, group_size),
                               **_cal(calibrator, weight_calibrator)),))
 
 
-def w4(*, group_size: int = 128, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True,
+       weight_calibrator=None) -> Recipe:
     """Weight-only int4 with one scale per group of ``group_size`` inputs (0: per
     channel), stored two per byte; int4 embedding tables.
+
+    ``symmetric=False`` gives each group a zero point as well (the range
+    ``[min, max]`` instead of ``[-absmax, absmax]``): more accurate on
+    skewed groups (on all-MiniLM-L6-v2, see docs/formats.md), one more
+    subtraction per weight element when decoding.
 
     >>> import jqt
     >>> jqt.recipes.w4().rules[0].weight.describe()
     'int4 sym g128'
     """
-    return Recipe(rules=(Rule(weight=_int_weight(4, group_size), activation=None,
+    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
                               embedding=_embedding(embeddings, 4, group_size),
                               **_cal(None, weight_calibrator)),))
 

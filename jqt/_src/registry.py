@@ -91,18 +91,25 @@ class Contraction:
         q = p.operand(p.weight_operand)
         g = q.qtype.group_size
         qv = _quantize_weight(operand, q, src.contract[-1] if g else None, depth)
+        act = p.operand(1 - p.weight_operand)
+        # the weight's sums over K correct for the activation's zero point; without one
+        # (weight-only, fp8, symmetric activations) they are not stored
+        sums = act is not None and act.zero_point is not None or (act is not None and act.qtype.dynamic
+                                                                  and not act.qtype.symmetric)
         if self.name != "dot_general" or src.batch:
-            wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True, dtype=_I32)
+            wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
+                           dtype=_I32) if sums else None
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
-        layout = "kn" if p.operand(1 - p.weight_operand) is None else "nk"
+        layout = "kn" if act is None else "nk"
         ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
         q2 = ax.weight_2d(qv, layout, depth)
         kdim = depth + (1 if layout == "nk" else 0)
-        if g:  # per-group sums: (..., N, G) for "nk", (..., G, N) for "kn"
+        wsum = None
+        if sums and g:  # per-group sums: (..., N, G) for "nk", (..., G, N) for "kn"
             shp = q2.shape
             split = shp[:kdim] + (shp[kdim] // g, g) + shp[kdim + 1:]
             wsum = jnp.sum(q2.reshape(split), axis=kdim + 1, dtype=_I32)
-        else:
+        elif sums:
             wsum = jnp.sum(q2, axis=kdim, dtype=_I32)
         if q.qtype.packs_nibbles:
             q2 = pack_nibbles(q2, kdim)

@@ -26,16 +26,16 @@ import numpy as np
 from jax import lax
 
 from . import compat
-from .calibrate import _full_args
+from .calibrate import full_args
 from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup
 from .interpreter import Ctx, eval_jaxpr
+from .plotting import HIST_BINS, plot_report
 from .qparams import PackedParams
-from .quantize import _check_qparams
+from .quantize import check_qparams
 from .tracing import Tracer, normalize_argnums
 
 _AXIS = "jqt_report_lane"
 _F32 = jnp.float32
-HIST_BINS = 64  # over the quantized range widened by half its width on each side
 
 
 def _reduce(name):
@@ -212,7 +212,6 @@ class Report:
         """Writes a PNG: per-op SQNR bars (alone and cumulative) and the activation
         histograms of the ``histograms`` worst ops with their quantized range.
         Needs matplotlib (``pip install jqt[plot]``)."""
-        from .plotting import plot_report
         plot_report(self, path, histograms)
 
 
@@ -257,7 +256,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     >>> [row.key for row in r.rows], r.output_sqnr > 30
     (['a', 'b'], True)
     """
-    _check_qparams(qparams)
+    check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
     if any(isinstance(p, PackedParams) for p in params_t):
@@ -268,7 +267,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
                         "remaining arguments of f, e.g. (x,).")
     batch = tuple(batch)
     tracer = Tracer(f, argnums)
-    traced = tracer(_full_args(argnums, params_t, batch))
+    traced = tracer(full_args(argnums, params_t, batch))
     keys = [s.key for s in traced.sites()]
     missing = [k for k in keys if k not in qparams]
     extra = [k for k in qparams if k not in keys]
@@ -281,7 +280,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
 
     def lanes_fn(params_t, state, b):
         def lane(*b):
-            args = _full_args(argnums, params_t, b)
+            args = full_args(argnums, params_t, b)
             ctx = Ctx(_Measure(), state)
             outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
                               jax.tree_util.tree_leaves(args), traced.plan, ctx)

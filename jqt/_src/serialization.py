@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import compat
 from .qparams import OpQParams, QArray, WeightSource
 from .formats import QuantType
 
@@ -89,16 +90,6 @@ def aval_from_json(d) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(d[0]), dtype_from_name(d[1]))
 
 
-def _custom_registries():
-    """jax.export's registries of custom pytree nodes ({type: (name, serialize)},
-    {name: (type, deserialize, from_children)}), or empty ones if JAX moved them."""
-    try:
-        from jax._src.export import _export
-        return _export.serialization_registry, _export.deserialization_registry
-    except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
-        return {}, {}
-
-
 class TreeNotSerializable(ValueError):
     """A pytree structure holds a node type jqt cannot describe in JSON."""
 
@@ -125,7 +116,7 @@ def treedef_to_json(treedef):
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
             raise TreeNotSerializable(f"a dict with keys {keys[:4]} (only str and int keys)")
         return ["dict", keys, kids]
-    ser, _ = _custom_registries()
+    ser, _ = compat.pytree_serialization_registries()
     if kind in ser:
         name, serialize = ser[kind]
         data = serialize(aux)
@@ -146,7 +137,7 @@ def _tree_from_json(d, leaves):
     if tag == "dict":
         return {k: _tree_from_json(c, leaves) for k, c in zip(d[1], d[2])}
     if tag == "custom":
-        _, de = _custom_registries()
+        _, de = compat.pytree_serialization_registries()
         if d[1] not in de:
             raise TreeNotSerializable(
                 f"a node serialized as {d[1]!r}, which this process has not registered with "
@@ -163,7 +154,7 @@ def treedef_from_json(d):
     return jax.tree_util.tree_structure(_tree_from_json(d, itertools.repeat(0.0)))
 
 
-def _qparams_entries(qparams, name):
+def qparams_entries(qparams, name):
     """(JSON entries, arrays): ``name(key, side, field)`` names each array."""
     if not isinstance(qparams, dict) or not all(isinstance(v, OpQParams) for v in qparams.values()):
         raise TypeError(f"jqt.save: expected the qparams dict returned by jqt.calibrate, got a "
@@ -189,7 +180,7 @@ def _qparams_entries(qparams, name):
     return entries, arrays
 
 
-def _qparams_from_entries(entries, get):
+def qparams_from_entries(entries, get):
     out = {}
     for key, e in entries.items():
         ops = []
@@ -227,7 +218,7 @@ def _storable(a):
     return np.frombuffer(a.tobytes(), np.uint8).copy(), a.dtype.name
 
 
-def _write(path, tensors, header, fmt, version):
+def write(path, tensors, header, fmt, version):
     st = _safetensors()
     stored, encoded = {}, {}
     for n, a in tensors.items():
@@ -239,12 +230,12 @@ def _write(path, tensors, header, fmt, version):
     st.numpy.save_file(stored, os.fspath(path), metadata=meta)
 
 
-def _is_zip(path) -> bool:
+def is_zip(path) -> bool:
     with open(path, "rb") as fh:
         return fh.read(4) == b"PK\x03\x04"
 
 
-class _Reader:
+class Reader:
     """Opens a safetensors file and checks that it is a jqt file (any kind)."""
 
     def __init__(self, path, fn):
@@ -282,7 +273,7 @@ class _Reader:
         return a
 
 
-def _version_error(fn, path, fmt, version, want):
+def version_error(fn, path, fmt, version, want):
     return FormatError(f"{fn}: {path} holds format {fmt!r} version {version!r}; this jqt reads "
                        f"{want}. Upgrade jqt (newer file) or re-save it with this one.")
 
@@ -306,13 +297,13 @@ def save(path, qparams) -> None:
     True
     """
     if os.fspath(path).endswith(".npz"):
-        entries, arrays = _qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
+        entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
         header = json.dumps({"format": FORMAT, "version": VERSION, "ops": entries})
         with open(path, "wb") as fh:
             np.savez(fh, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
         return
-    entries, arrays = _qparams_entries(qparams, _qp_tensor_name)
-    _write(path, arrays, {"ops": entries}, FORMAT, ST_VERSION)
+    entries, arrays = qparams_entries(qparams, _qp_tensor_name)
+    write(path, arrays, {"ops": entries}, FORMAT, ST_VERSION)
 
 
 def _qp_tensor_name(i, key, side, field):
@@ -333,26 +324,26 @@ def load(path) -> dict:
     >>> jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(qp)
     True
     """
-    if _is_zip(path):
+    if is_zip(path):
         return _load_npz(path)
-    with _Reader(path, "jqt.load") as r:
+    with Reader(path, "jqt.load") as r:
         return _load_qparams(r, path)
 
 
 def _load_qparams(r, path):
     if r.format == PACKED_FORMAT:
         if r.version not in PACKED_READ:
-            raise _version_error("jqt.load", path, r.format, r.version, f"versions {PACKED_READ}")
+            raise version_error("jqt.load", path, r.format, r.version, f"versions {PACKED_READ}")
         if r.header.get("qparams") is None:
             raise FormatError(f"jqt.load: {path} holds packed weights without qparams (saved by "
                               "jqt.save_packed without qparams=); read it with jqt.load_packed.")
-        return _qparams_from_entries(r.header["qparams"], r.get)
+        return qparams_from_entries(r.header["qparams"], r.get)
     if r.format != FORMAT:
         raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
     if r.version not in ST_READ:
-        raise _version_error("jqt.load", path, r.format, r.version,
+        raise version_error("jqt.load", path, r.format, r.version,
                              f"version {VERSION} (.npz) and {ST_READ} (safetensors)")
-    return _qparams_from_entries(r.header["ops"], r.get)
+    return qparams_from_entries(r.header["ops"], r.get)
 
 
 def _load_npz(path):
@@ -361,6 +352,6 @@ def _load_npz(path):
             raise FormatError(f"jqt.load: {path} is not a jqt qparams file (no header).")
         header = json.loads(z["__header__"].tobytes().decode())
         if header.get("format") != FORMAT or header.get("version") != VERSION:
-            raise _version_error("jqt.load", path, header.get("format"), header.get("version"),
+            raise version_error("jqt.load", path, header.get("format"), header.get("version"),
                                  f"version {VERSION} (.npz) and {ST_VERSION} (safetensors)")
-        return _qparams_from_entries(header["ops"], lambda n: np.asarray(z[n]))
+        return qparams_from_entries(header["ops"], lambda n: np.asarray(z[n]))

@@ -17,7 +17,7 @@ import jax
 
 from .calibrate import calibrate
 from .qparams import OpQParams
-from .quantize import _check_qparams, quantize
+from .quantize import check_qparams, quantize
 from .recipe import Recipe, Rule
 from .report import report
 
@@ -103,7 +103,7 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     >>> sorted(r.key for r in s.rows)
     ['a', 'b']
     """
-    _check_qparams(qparams)
+    check_qparams(qparams)
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     score = lambda qp: _score(f, qp, metric, weight_argnums, simulate)

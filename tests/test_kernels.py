@@ -69,7 +69,7 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu():
     f, _, x, qp, packed = _dense(jqt.recipes.w8(), m=3)
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-    assert len(scans) == 1 and scans[0].params["length"] == 1024 // 512
+    assert len(scans) == 1 and scans[0].params["length"] == 1024 // CPU.weight_only_chunk
     # no float copy of the whole weight outside the loop
     casts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
              and e.invars[0].aval.shape == (1024, 8)]
@@ -98,7 +98,7 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
-        pad_rows=2, weight_only_chunk=512, conv_patches_below=16)
+        pad_rows=2, weight_only_chunk=256, conv_patches_below=16)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

@@ -82,7 +82,9 @@ def test_w8a8_integer_packed_close_to_float(model):
     assert s["nn_agree"] == 1.0, s
     # The integer path: every weight x activation matmul runs on int8 operands.
     n_int, n_all = minilm.count_int8_kernels(qf, packed, ids[:2], mask[:2])
-    assert n_int == sum(not p.is_float for p in qp.values()) == 36
+    assert n_int == sum(not p.is_float for p in qp.values() if p.op == "dot_general") == 36
+    # and the word-embedding lookup reads an int8 table (one scale per row)
+    assert [p.rhs is None and p.lhs.qtype.dtype for p in qp.values() if p.op == "gather"] == ["int8"]
     assert n_all == 48  # + 12 attention activation x activation products, float in w8a8
 
 

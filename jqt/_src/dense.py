@@ -213,51 +213,96 @@ def _chunk(k, target, multiple=1):
     return 0
 
 
-def _decode_chunk(codes, w, zp, scale, kdim, dtype):
-    """Codes of a K-chunk -> float weight: unpack nibbles, decode (int, fp8, nf4 table),
-    subtract the zero point and, with groups, apply the group scales."""
-    if w.qtype.packs_nibbles and codes.dtype == jnp.uint8:
-        codes = unpack_nibbles(codes, kdim)
-    v = nx.decode(codes, w.qtype.grid)
-    gs = w.qtype.group_size
+def _fp8_bits(c, dtype_name):
+    """fp8 codes as uint8 bits -> float32 in units of ``2**-8`` (e4m3fn) or 1 (e5m2):
+    the bits placed in a float16 (a shift and a mask, where XLA:CPU's own fp8
+    conversion costs as much as the matmul ten times over). e4m3fn's bias is 7
+    against float16's 15, hence the ``2**-8`` the caller folds into the scale."""
+    u16 = c.astype(jnp.uint16)
+    if dtype_name == "float8_e5m2":
+        bits = u16 << 8
+    else:
+        bits = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
+    return lax.bitcast_convert_type(bits, jnp.float16).astype(_F32)
+
+
+FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
+"""What :func:`_fp8_bits`'s result is multiplied by to give the fp8 value."""
+
+
+def _parts(v, nib):
+    """Codes along K -> ``[(K rows, codes)]``: with two nibbles per byte the low nibbles
+    hold the even rows of K and the high nibbles the odd ones, so each half multiplies
+    a strided slice of the (small) activation and no interleaved copy of the weight is
+    made."""
+    if not nib:
+        return [(slice(None), v)]
+    b = v.astype(jnp.int8)
+    return [(slice(0, None, 2), jnp.left_shift(b, 4) >> 4),  # arithmetic shifts sign-extend
+            (slice(1, None, 2), b >> 4)]
+
+
+def _decode(codes, w, scale, zp, kd, rows_per_group):
+    """Codes of a block of K rows -> float32 weight: grid value (int, nf4 table, fp8 bits),
+    minus the group zero point, times the group scale (both broadcast over each group's
+    ``rows_per_group`` rows by a reshape, not a repeat)."""
+    grid = w.qtype.grid
+    if grid == "nf4":
+        v = nx.decode(codes, grid)
+    elif w.qtype.kind == "float":
+        v = _fp8_bits(codes, grid)
+    else:
+        v = codes.astype(_F32)
+    if not rows_per_group:
+        return v
+    shp = v.shape
+    split = shp[:kd] + (shp[kd] // rows_per_group, rows_per_group) + shp[kd + 1:]
+    g = lambda a: jnp.expand_dims(a.astype(_F32), kd + 1)
+    v = v.reshape(split)
     if zp is not None:
-        v = v - (jnp.repeat(jnp.round(zp), gs, axis=kdim) if gs else 0.0)
-    if gs:
-        v = v * jnp.repeat(scale.astype(_F32), gs, axis=kdim)
-    return v.astype(dtype)
+        v = v - jnp.round(g(zp))
+    return (v * g(scale)).reshape(shp)
 
 
 def _weight_only_2d(x2, w, policy, precision):
+    """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
-    gs = w.qtype.group_size
-    nib = 2 if (w.qtype.packs_nibbles and w.values.dtype == jnp.uint8) else 1
-    step_mult = max(gs, 1) * nib // math.gcd(max(gs, 1), nib)
+    q = w.qtype
+    gs = q.group_size
+    nib = q.packs_nibbles and w.values.dtype == jnp.uint8
     kd = _contract_dim(w.layout)
-    chunk = _chunk(k, policy.weight_only_chunk, step_mult) if w.layout == "kn" else 0
-    zp_g = w.zero_point if gs else None
+    v = w.values
+    unit = 1.0
+    if q.kind == "float":  # fp8 bits, decoded with integer ops (outside the scan: one bitcast)
+        v, unit = lax.bitcast_convert_type(v, jnp.uint8), FP8_BITS_UNIT[q.grid]
+    scale = w.scale.astype(_F32) * unit if gs else None
+    zp = w.zero_point if gs else None
+    step = 2 if nib else 1
+    rows = gs // step if gs else 0  # rows of a nibble half (or of the codes) per group
+    chunk = _chunk(k, policy.weight_only_chunk, math.lcm(max(gs, 1), step)) if w.layout == "kn" else 0
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
+                                       preferred_element_type=_F32)
     if chunk:
-        n = w.values.shape[1]
-        nc = k // chunk
-        xc = x2.reshape(m, nc, chunk).transpose(1, 0, 2)
-        wc = w.values.reshape(nc, chunk // nib, n)
-        sc = w.scale.reshape(nc, chunk // gs, n) if gs else jnp.zeros((nc,))
-        zc = zp_g.reshape(nc, chunk // gs, n) if zp_g is not None else jnp.zeros((nc,))
+        n, nc, cr = v.shape[1], k // chunk, chunk // step
+        halves = [r for r, _ in _parts(v[:0], nib)]
+        xs = [x2[:, r].reshape(m, nc, cr).transpose(1, 0, 2) for r in halves]
+        per = lambda a: None if a is None else a.reshape(nc, cr // rows, n)
 
-        def step(acc, xw):
-            xi, wi, si, zi = xw
-            wf = _decode_chunk(wi, w, zi if zp_g is not None else None, si, 0, x2.dtype)
-            return acc + jnp.matmul(xi, wf, precision=precision, preferred_element_type=_F32), None
+        def body(acc, xw):
+            xc, vc, sc, zc = xw
+            for xi, (_, ci) in zip(xc, _parts(vc, nib)):
+                acc = acc + dot(xi, _decode(ci, w, sc, zc, 0, rows))
+            return acc, None
 
-        out, _ = lax.scan(step, jnp.zeros((m, n), _F32), (xc, wc, sc, zc))
+        ins = (xs, v.reshape(nc, cr, n), per(scale), per(zp))
+        out, _ = lax.scan(body, jnp.zeros((m, n), _F32), ins)
     else:
-        wf = _decode_chunk(w.values, w, zp_g, w.scale, kd, x2.dtype)
-        dn = (((1,), (kd,)), ((), ()))
-        out = lax.dot_general(x2, wf, dn, precision=precision, preferred_element_type=_F32)
+        out = sum(dot(x2[:, r], _decode(ci, w, scale, zp, kd, rows)) for r, ci in _parts(v, nib))
     if gs:
         return out
     if w.zero_point is not None:
         out = out - jnp.round(w.zero_point).astype(_F32) * jnp.sum(x2.astype(_F32), axis=1, keepdims=True)
-    return out * w.scale.astype(_F32)
+    return out * (w.scale.astype(_F32) * unit)
 
 
 def weight_only_dense(ax, x, w, policy, precision=None):

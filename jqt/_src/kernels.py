@@ -218,7 +218,7 @@ def run(site, eqn, ops, policy):
         return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn)
     x_op = ops[1 - w]
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
-    want = "kn" if not isinstance(x_op, QArray) else "nk"
+    want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
     w2 = dense.weight_in_layout(ax, wq, want, w_shape)
     if not isinstance(x_op, QArray):
         out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))

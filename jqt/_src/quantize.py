@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
+from .policy import KernelPolicy
 from .qparams import OpQParams, PackedParams
 from .registry import BY_NAME
 from .tracing import Tracer, normalize_argnums
@@ -137,7 +138,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     return qf
 
 
-def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
+def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     """Stores the quantized weights as int8, once, for :func:`jqt.quantize`.
 
     Returns a :class:`jqt.PackedParams` to pass in place of ``params``: each quantized
@@ -145,6 +146,10 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
     byte, or fp8) in the layout its kernel reads. Leaves read only by quantized
     ops are dropped (the quantized copy replaces them);
     leaves used as floats elsewhere (biases, norms, float ops) are kept.
+
+    ``policy`` (a :class:`jqt.KernelPolicy`, default: the default backend's) picks
+    the layout of each dense weight (``KernelPolicy.dense_layout``); a function
+    run under another policy converts the layout when it is traced.
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"] + p["b"]
@@ -158,6 +163,7 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
     True
     """
     check_qparams(qparams)
+    policy = policy or KernelPolicy.for_backend()
     flat, treedef = jax.tree_util.tree_flatten(params)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
     weights, consumed, needed, unpackable = {}, set(), set(), []
@@ -175,7 +181,7 @@ def pack(qparams, params, *, argnum: int = 0) -> PackedParams:
                 f"have {len(flat)} leaves. Pass the params the qparams were calibrated with.")
         operand = apply_chain(flat[src.leaf], src.chain)
         try:
-            weights[key] = BY_NAME[p.op].pack(src, p, operand)
+            weights[key] = BY_NAME[p.op].pack(src, p, operand, policy)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         consumed.add(src.leaf)

@@ -83,10 +83,10 @@ class Contraction:
     def integer(self, site, eqn, ops, policy):
         return [kernels.run(site, eqn, ops, policy)]
 
-    def pack(self, src, p, operand):
-        """The weight's codes in the layout its kernel reads (``policy.py``): 2-D
-        ``"nk"`` for an int8 x int8 (or fp8) matmul, ``"kn"`` for a weight-only one,
-        the op's own layout otherwise; nibbles packed along K."""
+    def pack(self, src, p, operand, policy):
+        """The weight's codes in the layout its kernel reads (``policy.dense_layout``):
+        2-D ``"nk"`` or ``"kn"`` for a matmul, the op's own layout otherwise; nibbles
+        packed along K."""
         depth = src.stack_depth
         q = p.operand(p.weight_operand)
         g = q.qtype.group_size
@@ -100,7 +100,7 @@ class Contraction:
             wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
                            dtype=_I32) if sums else None
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
-        layout = "kn" if act is None else "nk"
+        layout = policy.dense_layout(q.qtype, None if act is None else act.qtype)
         ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
         q2 = ax.weight_2d(qv, layout, depth)
         kdim = depth + (1 if layout == "nk" else 0)
@@ -161,7 +161,7 @@ class Gather:
     def integer(self, site, eqn, ops, policy):
         return [kernels.gather(site, eqn, ops)]
 
-    def pack(self, src, p, operand):
+    def pack(self, src, p, operand, policy):
         depth = src.stack_depth
         q = p.operand(0)
         gaxis = src.contract[-1] if src.contract else None

@@ -133,11 +133,40 @@ def test_nf4_beats_int4_on_gaussian_weights():
     assert errs["nf4"] < errs["int4"]
 
 
-def test_tied_embedding_is_quantized_in_both_uses():
-    qp, packed, sim, ref = _check(tied, jqt.recipes.w8a8(), (IDS,), 2e-5)
+def tied_einsum(p, ids):
+    return jnp.einsum("bsd,vd->bsv", p["emb"][ids], p["emb"])  # no transpose in the jaxpr
+
+
+@pytest.mark.parametrize("f", [tied, tied_einsum], ids=["transpose", "einsum"])
+@pytest.mark.parametrize("name", ["w8a8", "w8", "w4_g32", "nf4_g32"])
+def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
+    recipe = {"w8a8": jqt.recipes.w8a8(), "w8": jqt.recipes.w8(),
+              "w4_g32": jqt.recipes.w4(group_size=32), "nf4_g32": jqt.recipes.nf4(group_size=32)}[name]
+    qp, packed, sim, ref = _check(f, recipe, (IDS,), 2e-5)
     assert qp["emb"].op == "gather" and qp["emb#1"].op == "dot_general"
-    emb_leaf = qp["emb"].source.leaf
-    assert qp["emb#1"].source.leaf == emb_leaf and emb_leaf not in packed.kept  # float table dropped
+    assert qp["emb#1"].source.leaf == qp["emb"].source.leaf not in packed.kept  # float table dropped
+    assert packed.tied == (("emb", "emb#1"),)
+    assert packed.weights["emb"].values is None              # one copy of the codes: the matmul's
+    layout = packed.weights["emb#1"].layout
+    assert layout == ("nk" if name == "w8a8" else "kn")       # the lookup reads either layout
+    # the same outputs as with the table packed twice
+    untied = jqt.PackedParams(packed.leaves, {**packed.weights, "emb": jqt.pack(
+        {"emb": qp["emb"]}, P).weights["emb"]}, packed.treedef, packed.avals, packed.kept)
+    qf = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(qf(packed, IDS), qf(untied, IDS))
+    path = str(tmp_path / "tied.safetensors")
+    jqt.save_packed(path, packed, qp)
+    back = jqt.load_packed(path)
+    assert back.tied == packed.tied
+    np.testing.assert_array_equal(qf(back, IDS), qf(packed, IDS))
+
+
+def test_table_read_transposed_by_another_lookup_is_not_tied():
+    # a matmul contracting the table's rows (V): one scale per column, other codes than the lookup's
+    f = lambda p, ids: p["emb"][ids] + jax.nn.one_hot(ids, V) @ p["emb"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), P, [(IDS,)], progress=False)
+    packed = jqt.pack(qp, P)
+    assert packed.tied == () and packed.weights["emb"].values is not None
 
 
 def test_rule_keeping_gathers_float_reproduces_old_outputs():
@@ -205,6 +234,20 @@ def test_export_of_int4_function():
     exp = jax.export.export(jax.jit(jqt.quantize(dense, qp)))(packed, X)
     back = jax.export.deserialize(exp.serialize())
     np.testing.assert_array_equal(back.call(packed, X), jax.jit(jqt.quantize(dense, qp))(packed, X))
+
+
+def test_export_and_sharding_of_tied_tables():
+    qp = jqt.calibrate(tied, jqt.recipes.w4(group_size=32), P, [(IDS,)], progress=False)
+    packed = jqt.pack(qp, P)
+    assert packed.tied
+    qf = jax.jit(jqt.quantize(tied, qp))
+    back = jax.export.deserialize(jax.export.export(qf)(packed, IDS).serialize())
+    np.testing.assert_array_equal(back.call(packed, IDS), qf(packed, IDS))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    qs, ps = jqt.packed_shardings(qp, packed, mesh, axis="x")
+    assert ps.tied == packed.tied and ps.weights["emb"].values is None
+    qp2, packed2 = jax.device_put((qp, packed), (qs, ps))
+    np.testing.assert_array_equal(jax.jit(jqt.quantize(tied, qp2))(packed2, IDS), qf(packed, IDS))
 
 
 def test_quant_type_errors_name_the_fix():

@@ -12,7 +12,8 @@ type                   serialized name           aux data (JSON, versioned)
 ``jqt.QArray``         ``"jqt.QArray"``          the ``QuantType`` and the layout
 ``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note
 ``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
-                                                 :func:`jqt.save_packed`), avals, kept leaves
+                                                 :func:`jqt.save_packed`), avals, kept leaves,
+                                                 tied lookups (absent in older exports: none)
 =====================  ========================  ==========================================
 
 The params tree inside ``PackedParams`` is described with the rules ``jax.export``
@@ -76,7 +77,7 @@ def _parse(cls, data) -> dict:
 def serialize_aux(cls, aux) -> bytes:
     """The aux data of a ``cls`` node (``jax.tree_util`` flatten) as bytes."""
     if cls is PackedParams:
-        treedef, avals, kept = aux
+        treedef, avals, kept, tied = aux
         try:
             tree = ser.treedef_to_json(treedef)
         except ser.TreeNotSerializable as e:
@@ -86,7 +87,7 @@ def serialize_aux(cls, aux) -> bytes:
                 "jax.export.register_pytree_node_serialization, or pack params made of dicts, "
                 "lists and tuples.") from None
         return _dump(cls, {"tree": tree, "avals": [ser.aval_to_json(a) for a in avals],
-                           "kept": list(kept)})
+                           "kept": list(kept), "tied": [list(t) for t in tied]})
     names = _static_fields(cls)
     return _dump(cls, {"fields": {n: _value_to_json(v) for n, v in zip(names, aux)}})
 
@@ -100,7 +101,8 @@ def deserialize_aux(cls, data):
         except ser.TreeNotSerializable as e:
             raise ValueError(f"jqt: cannot rebuild the params tree of a serialized "
                              f"jqt.PackedParams: it holds {e}.") from None
-        return (treedef, tuple(ser.aval_from_json(a) for a in d["avals"]), tuple(d["kept"]))
+        return (treedef, tuple(ser.aval_from_json(a) for a in d["avals"]), tuple(d["kept"]),
+                tuple(tuple(t) for t in d.get("tied", ())))
     fields = d["fields"]
     names = _static_fields(cls)
     missing = [n for n in names if n not in fields]

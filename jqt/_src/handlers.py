@@ -182,6 +182,8 @@ def _weight_axes(site, invals):
 
 def _packed_shape(site, invals, layout):
     shape = tuple(invals[site.weight_operand].shape)
+    if site.op == "gather":  # a table is read as is, or transposed when tied to a "kn" matmul
+        return shape[::-1] if layout == "kn" else shape
     ax = _weight_axes(site, invals) if layout != "operand" else None
     return shape if ax is None else ax.shape_2d(shape, layout)
 
@@ -218,7 +220,9 @@ def dequantize_packed(packed, site, invals):
     if ax is not None:
         v = unpack_nibbles(v, ax)
     shape = invals[site.weight_operand].shape
-    if packed.layout != "operand":
+    if site.op == "gather":
+        v = v.T if packed.layout == "kn" else v
+    elif packed.layout != "operand":
         v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, shape)
     v = nx.decode(v, packed.qtype.grid)
     s, z = _expanded(site, site.weight_operand, shape, packed, packed.scale, packed.zero_point)

@@ -250,10 +250,18 @@ def gather(site, eqn, ops):
     out = eqn.outvars[0].aval
     codes = table.values
     shape = eqn.invars[0].aval.shape
-    if codes.shape != shape:  # nibbles packed along the last axis
-        params["slice_sizes"] = tuple(params["slice_sizes"][:-1]) + (codes.shape[-1],)
+    dn = params["dimension_numbers"]
+    if table.layout == "kn" and _row_lookup(eqn):
+        # a table tied to a weight-only matmul, stored (K, N) = transposed: gather columns
+        params["dimension_numbers"] = dn._replace(collapsed_slice_dims=(1,), start_index_map=(1,))
+        params["slice_sizes"] = (codes.shape[0], 1)
+    else:
+        if table.layout == "kn":
+            codes = codes.T
+        if codes.shape != shape:  # nibbles packed along the last axis
+            params["slice_sizes"] = tuple(params["slice_sizes"][:-1]) + (codes.shape[-1],)
     g = compat.gather_p.bind(codes, idx, **params)
-    if codes.shape != shape:
+    if g.shape != out.shape:
         g = unpack_nibbles(g, _out_axis(eqn, len(shape) - 1))
     val = nx.decode(g, table.qtype.grid)
     s, z = table.scale, table.zero_point
@@ -273,6 +281,15 @@ def gather(site, eqn, ops):
         else:
             val = val * a
     return val.astype(out.dtype)
+
+
+def _row_lookup(eqn):
+    """Whether the gather reads whole rows of a 2-D table by row index (``table[ids]``)."""
+    dn = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    return (len(shape) == 2 and tuple(eqn.params["slice_sizes"]) == (1, shape[1])
+            and tuple(dn.collapsed_slice_dims) == (0,)
+            and tuple(dn.start_index_map) == (0,) and not getattr(dn, "operand_batching_dims", ()))
 
 
 def _out_axis(eqn, operand_axis):

@@ -18,7 +18,7 @@ from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, 
                             treedef_from_json, treedef_to_json)
 
 
-def _leaf_paths(packed: PackedParams) -> list[str]:
+def leaf_paths(packed: PackedParams) -> list[str]:
     n = len(packed.avals)
     tree = jax.tree_util.tree_unflatten(packed.treedef, list(range(n)))
     return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -65,7 +65,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         tree, why = treedef_to_json(packed.treedef), None
     except TreeNotSerializable as e:
         tree, why = None, str(e)
-    paths = _leaf_paths(packed)
+    paths = leaf_paths(packed)
     used, tensors = set(), {}
     leaves = []
     for i, x in zip(packed.kept, packed.leaves):
@@ -100,7 +100,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         weights[key] = d
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
-              "leaves": leaves, "weights": weights, "qparams": entries}
+              "leaves": leaves, "weights": weights, "qparams": entries,
+              "tied": [list(t) for t in packed.tied]}
     write(path, tensors, header, PACKED_FORMAT, PACKED_VERSION)
 
 
@@ -196,7 +197,7 @@ def _read_packed(r, path, like):
                               "Pass like=params to give the structure.") from None
     leaves = [r.get(n) for n in h["leaves"]]
     weights = {k: _weight_from_entry(d, r.get, r.version) for k, d in h["weights"].items()}
-    packed = PackedParams(leaves, weights, treedef, avals, h["kept"])
+    packed = PackedParams(leaves, weights, treedef, avals, h["kept"], [tuple(t) for t in h.get("tied", ())])
     stored = None if h.get("qparams") is None else qparams_from_entries(h["qparams"], r.get)
     return packed, stored
 
@@ -254,7 +255,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
         q = None if w is None else p.operand(w)
-        pw = packed.weights.get(key)
+        pw = packed.weight(key)
         if pw is None:
             if src is not None and src.arg in args and src.leaf in dropped:
                 raise QParamsMismatchError(

@@ -197,28 +197,40 @@ class PackedParams:
     True
     """
 
-    def __init__(self, leaves, weights, treedef, avals, kept):
+    def __init__(self, leaves, weights, treedef, avals, kept, tied=()):
         self.leaves = tuple(leaves)
         self.weights = dict(weights)
         self.treedef = treedef
         self.avals = tuple(avals)
         self.kept = tuple(kept)
+        self.tied = tuple(tied)  # (gather key, matmul key): the lookup reads the matmul's codes
 
     def tree_flatten(self):
-        return (self.leaves, self.weights), (self.treedef, self.avals, self.kept)
+        return (self.leaves, self.weights), (self.treedef, self.avals, self.kept, self.tied)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         leaves, weights = children
         return cls(leaves, weights, *aux)
 
+    def weight(self, key):
+        """The packed :class:`QArray` op ``key`` reads, or ``None``. An embedding table
+        tied to a matmul (``tied``) holds its own scales and the matmul's codes."""
+        w = self.weights.get(key)
+        owner = dict(self.tied).get(key)
+        if w is None or owner is None:
+            return w
+        o = self.weights[owner]
+        return dataclasses.replace(w, values=o.values, layout=o.layout)
+
     def nbytes(self) -> int:
         """Bytes of every array held (int8 weights, sums and float leaves)."""
         return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(self)))
 
     def __repr__(self):
-        return (f"PackedParams({len(self.weights)} quantized weights, {len(self.leaves)} float leaves kept "
-                f"of {len(self.avals)})")
+        tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""
+        return (f"PackedParams({len(self.weights)} quantized weights{tied}, {len(self.leaves)} float "
+                f"leaves kept of {len(self.avals)})")
 
 
 def summarize(qparams: dict[str, Any]) -> str:

@@ -107,7 +107,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         packed, dropped = {}, set()
         for a in argnums:
             if a < len(args) and isinstance(args[a], PackedParams):
-                packed.update(args[a].weights)
+                packed.update({k: args[a].weight(k) for k in args[a].weights})
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         traced = tracer(args)
@@ -192,4 +192,31 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
                       "(constants or values computed from several leaves); they are quantized "
                       "at run time.", stacklevel=2)
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
-    return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept)
+    tied = _tied(qparams, weights)
+    for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
+        weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
+    return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept, tied)
+
+
+def _tied(qparams, weights):
+    """``((gather key, matmul key), ...)``: embedding lookups whose table a matmul also
+    reads (tied input and output embeddings) with the same codes, so that the codes
+    are stored once. The matmul's 2-D codes are the table (``"nk"``) or its transpose
+    (``"kn"``), compared byte for byte with the lookup's."""
+    matmuls = {}
+    for k, w in weights.items():
+        p = qparams[k]
+        if p.op == "dot_general" and w.layout in ("nk", "kn") and w.values.ndim == 2:
+            matmuls.setdefault((p.source.arg, p.source.leaf), []).append(k)
+    out = []
+    for k, w in weights.items():
+        p = qparams[k]
+        if p.op != "gather" or w.values.ndim != 2:
+            continue
+        for m in matmuls.get((p.source.arg, p.source.leaf), ()):
+            o = weights[m]
+            table = o.values if o.layout == "nk" else o.values.T
+            if o.qtype == w.qtype and table.shape == w.values.shape and bool(jnp.array_equal(table, w.values)):
+                out.append((k, m))
+                break
+    return tuple(out)

@@ -10,6 +10,7 @@ means a different axis of each of the three arrays; this module finds it.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -136,6 +137,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                                source=op.source, note=op.note)
         if pw is None:
             continue
+        if pw.values is None:  # a table tied to a matmul's codes: its scales only
+            w_sh[key] = dataclasses.replace(pw, scale=sides[w].scale, zero_point=sides[w].zero_point)
+            continue
         shape = tuple(np.shape(pw.values))
         nd = len(shape)
         if pw.layout in ("nk", "kn"):
@@ -162,8 +166,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     if missing:
         raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "
                          "the qparams do not have; pass the qparams they were packed with.")
-    from .packed_io import _leaf_paths
-    paths = _leaf_paths(packed)
+    from .packed_io import leaf_paths
+    paths = leaf_paths(packed)
     leaf_sh = []
     for i, x in zip(packed.kept, packed.leaves):
         spec = _first_match(leaves, paths[i], None)
@@ -175,5 +179,5 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             raise ValueError(f"jqt.packed_shardings: rule for leaf '{paths[i]}' gives {spec!r}; "
                              "use a jax.sharding.PartitionSpec or None.")
     out = PackedParams(leaf_sh, {k: w_sh[k] for k in packed.weights}, packed.treedef, packed.avals,
-                       packed.kept)
+                       packed.kept, packed.tied)
     return qp_sh, out

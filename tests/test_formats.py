@@ -260,3 +260,18 @@ def test_quant_type_errors_name_the_fix():
     with pytest.raises(ValueError, match="formats are int2..int16"):
         jqt.QuantType(dtype="int32")
     assert dataclasses.replace(jqt.QuantType(bits=4), group_size=32).per_channel
+
+
+def test_fallback_moves_an_int4_op_to_int8():
+    # 'b' has one large weight in every group of 16 inputs: int4 rounds the rest of the group
+    # coarsely, int8 does not; int4 holds 'a' (zeros and ones) exactly
+    p = {"a": jnp.eye(K, 32), "b": jnp.asarray(RNG.standard_normal((32, 16)) * 0.05,
+                                               jnp.float32).at[::16].set(2.0)}
+    f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    err = lambda g: float(jnp.abs(g(p, X) - f(p, X)).mean())
+    w4 = jqt.recipes.w4(group_size=16)
+    all_w4 = err(jax.jit(jqt.quantize(f, jqt.calibrate(f, w4, p, [(X,)], progress=False))))
+    res = jqt.fallback(f, w4, p, [(X,)], err, max_drop=all_w4 / 3, higher_is_better=False,
+                       to=jqt.recipes.w8().rules[0])
+    assert res.met and res.kept == ("b",)
+    assert res.qparams["b"].rhs.qtype.bits == 8 and res.qparams["a"].rhs.qtype.bits == 4

@@ -42,7 +42,7 @@ import jqt  # noqa: E402
 import timing  # noqa: E402
 
 R = jqt.recipes
-MINILM_PRESETS = {
+MINILM_PRESETS_ALL = {
     "w8a8": R.w8a8,
     "w8a8_dynamic": R.w8a8_dynamic,
     "w8": R.w8,
@@ -53,6 +53,7 @@ MINILM_PRESETS = {
     "w4 g128 asym": lambda: R.w4(group_size=128, symmetric=False),
     "nf4 g64": lambda: R.nf4(group_size=64),
 }
+MINILM_PRESETS = MINILM_PRESETS_ALL
 DENSE_PRESETS = {
     "w8": R.w8,
     "w4 g128": lambda: R.w4(group_size=128),

@@ -286,7 +286,7 @@ def _weight_only_2d(x2, w, policy, precision):
                                        preferred_element_type=_F32)
     if chunk:
         n, nc, cr = v.shape[1], k // chunk, chunk // step
-        halves = [r for r, _ in _parts(v[:0], nib)]
+        halves = (slice(0, None, 2), slice(1, None, 2)) if nib else (slice(None),)  # as _parts
         xs = [x2[:, r].reshape(m, nc, cr).transpose(1, 0, 2) for r in halves]
         per = lambda a: None if a is None else a.reshape(nc, cr // rows, n)
 

@@ -94,8 +94,8 @@ class Contraction:
         act = p.operand(1 - p.weight_operand)
         # the weight's sums over K correct for the activation's zero point; without one
         # (weight-only, fp8, symmetric activations) they are not stored
-        sums = act is not None and act.zero_point is not None or (act is not None and act.qtype.dynamic
-                                                                  and not act.qtype.symmetric)
+        sums = act is not None and (act.zero_point is not None
+                                    or (act.qtype.dynamic and not act.qtype.symmetric))
         if self.name != "dot_general" or src.batch:
             wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
                            dtype=_I32) if sums else None

@@ -82,17 +82,27 @@ def interleaved_medians(fns, args_of, rounds):
     return {n: timing.summary(s)["median"] for n, s in samples.items()}
 
 
-def minilm(rounds, markdown, results):
-    from bert import load_minilm, model_dir
-    from minilm import compare, split_corpus
+def minilm_setup():
+    """(model, calibration batches of 8, held-out sentences, their ids and mask, their float
+    embeddings, the padded length): examples/minilm.py's corpus split."""
+    from bert import load_minilm
+    from minilm import split_corpus
 
     m = load_minilm()
-    f = m.embed
     calib, evals = split_corpus()
     length = max(len(e.ids) for e in m.tokenize.tok.encode_batch(calib + evals))
     batches = [m.tokenize(calib[i:i + 8], length=length) for i in range(0, len(calib), 8)]
     ids, mask = m.tokenize(evals, length=length)
-    ref = np.asarray(jax.jit(f)(m.params, ids, mask))
+    ref = np.asarray(jax.jit(m.embed)(m.params, ids, mask))
+    return m, batches, evals, ids, mask, ref, length
+
+
+def minilm(rounds, markdown, results):
+    from bert import model_dir
+    from minilm import compare
+
+    m, batches, evals, ids, mask, ref, length = minilm_setup()
+    f = m.embed
     float_file = os.path.getsize(model_dir() / "model.safetensors")
 
     fns, packs, rows = {"float32": jax.jit(f)}, {"float32": m.params}, []

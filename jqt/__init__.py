@@ -14,6 +14,7 @@ from jqt._src import export as _export  # noqa: F401  (registers jax.export seri
 from jqt._src.calibrate import CalibrationDataError as CalibrationDataError
 from jqt._src.calibrate import calibrate as calibrate
 from jqt._src.frameworks import from_keras as from_keras
+from jqt._src.gptq import gptq as gptq
 from jqt._src.handlers import QParamsMismatchError as QParamsMismatchError
 from jqt._src.numerics import fake_quant_p as fake_quant_p
 from jqt._src.numerics import quantize_p as quantize_p

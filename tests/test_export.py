@@ -376,12 +376,12 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
     src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     jqt.save_packed(src, packed, qp)
     _rewrite_header(src, dst, version=99)
-    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads versions \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads versions \(1, 2, 3\)"):
         jqt.load_packed(dst)
     jqt.save(src, qp)
-    _rewrite_header(src, dst, version=4)
-    with pytest.raises(ValueError, match=r"'jqt.qparams' version 4; this jqt reads version 1 "
-                                         r"\(.npz\) and \(2, 3\) \(safetensors\)"):
+    _rewrite_header(src, dst, version=5)
+    with pytest.raises(ValueError, match=r"'jqt.qparams' version 5; this jqt reads versions \(1, 2\) "
+                                         r"\(.npz\) and \(2, 3, 4\) \(safetensors\)"):
         jqt.load(dst)
     npz = str(tmp_path / "qp.npz")
     header = json.dumps({"format": "jqt.qparams", "version": 7, "ops": {}})

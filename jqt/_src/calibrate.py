@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
+from . import outliers
 from . import stats as stats_lib
 from .handlers import Calibrate, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
@@ -64,10 +65,10 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     calibrators' own ``combine`` (an all-gather, then a fold)."""
     last = {}
 
-    def local(params_t, batch, observe_weights, decided):
+    def local(params_t, batch, observe_weights, decided, transformed):
         traced = tracer(full_args(argnums, params_t, batch))
         last["traced"] = traced
-        state = {k: (qp, None) for k, qp in decided.items()}
+        state = {**transformed, **{k: (qp, None) for k, qp in decided.items()}}
         ctx = Ctx(Calibrate(recipe, observe_weights), state)
         eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
                    jax.tree_util.tree_leaves(full_args(argnums, params_t, batch)), traced.plan, ctx)
@@ -78,7 +79,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     else:
         from jax.sharding import PartitionSpec as P
 
-        def step(params_t, batch, observe_weights, decided):
+        def step(params_t, batch, observe_weights, decided, transformed):
             n_dev = mesh.shape[data_axis]
             for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
                 if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % n_dev:
@@ -87,8 +88,8 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                         f"has shape {jnp.shape(leaf)}; its leading (batch) axis must divide "
                         f"evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
 
-            def per_device(params_t, batch, decided):
-                st = local(params_t, batch, observe_weights, decided)
+            def per_device(params_t, batch, decided, transformed):
+                st = local(params_t, batch, observe_weights, decided, transformed)
                 gathered = jax.lax.all_gather(st, data_axis)
                 n = mesh.shape[data_axis]
                 out = jax.tree_util.tree_map(lambda x: x[0], gathered)
@@ -96,8 +97,8 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                     out = stats_lib.combine_all(out, jax.tree_util.tree_map(lambda x, i=i: x[i], gathered))
                 return out
 
-            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P()),
-                                 out_specs=P(), check_vma=False)(params_t, batch, decided)
+            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P(), P()),
+                                 out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
 
     return jax.jit(step, static_argnums=2), last
 
@@ -106,7 +107,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
 _accumulate = jax.jit(stats_lib.accumulate_all)
 
 
-def _run_pass(jstep, params_t, batches, decided, bar_desc, progress):
+def _run_pass(jstep, params_t, batches, decided, bar_desc, progress, transformed=None):
     try:
         total = len(batches)
     except TypeError:
@@ -118,7 +119,7 @@ def _run_pass(jstep, params_t, batches, decided, bar_desc, progress):
     weights_seen = False  # weights are observed until every op has run once
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
-        new = jstep(params_t, tuple(batch), not weights_seen, decided)
+        new = jstep(params_t, tuple(batch), not weights_seen, decided, transformed or {})
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
             weights_seen = all(bool(jnp.isfinite(s.weight["min"]).all())
@@ -175,12 +176,24 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
     jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
-    if propagate and (not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__")):
+    sequence = hasattr(batches, "__len__") and hasattr(batches, "__getitem__")
+    if propagate and not sequence:
         raise CalibrationDataError(
             "jqt.calibrate(propagate=True) passes over the batches once per op; pass a sequence "
             f"(a list or tuple of batches), not a {type(batches).__name__}.")
+    outlier_rules = any(outliers.wants(r) for r in recipe.rules)
+    if outlier_rules and not sequence:
+        raise CalibrationDataError(
+            "jqt.calibrate: a recipe with smooth/awq/rotate passes over the batches twice (the "
+            "transforms, then the ranges on the transformed operands); pass a sequence (a list "
+            f"or tuple of batches), not a {type(batches).__name__}.")
     st = _run_pass(jstep, params_t, batches, {}, "jqt.calibrate", progress)
-    qparams = finalize(last["traced"], recipe, st)
+    tf = {}
+    if outlier_rules:
+        tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
+        if tf:
+            st = _run_pass(jstep, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
+    qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
     if not propagate:
         return qparams
     # Error propagation: op k's activation range is re-calibrated with every op
@@ -189,12 +202,22 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     decided = {k: p for k, p in qparams.items() if k not in order}
     for j, key in enumerate(order):
         if j > 0:
-            st_k = _run_pass(jstep, params_t, batches, decided, f"jqt.calibrate [{key}]", progress)
+            st_k = _run_pass(jstep, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             with warnings.catch_warnings():  # the first finalize warned already
                 warnings.simplefilter("ignore")
-                qparams[key] = finalize(last["traced"], recipe, {**st, key: st_k[key]})[key]
+                qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
+                                               tf)[key]
         decided[key] = qparams[key]
     return qparams
+
+
+def with_transforms(qparams, transforms):
+    """``qparams`` with each quantized op's outlier transforms (``outliers.decide``) attached."""
+    out = dict(qparams)
+    for k, t in transforms.items():
+        if k in out and not out[k].is_float:
+            out[k] = dataclasses.replace(out[k], smooth=t.smooth, rotate=t.rotate)
+    return out
 
 
 def _static_act(p):

@@ -10,7 +10,7 @@ registers its nodes when it is imported (``qparams.py``, at the end):
 type                   serialized name           aux data (JSON, versioned)
 =====================  ========================  ==========================================
 ``jqt.QArray``         ``"jqt.QArray"``          the ``QuantType`` and the layout
-``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note
+``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note, rotate
 ``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
                                                  :func:`jqt.save_packed`), avals, kept leaves,
                                                  tied lookups (absent in older exports: none)
@@ -103,8 +103,12 @@ def deserialize_aux(cls, data):
                              f"jqt.PackedParams: it holds {e}.") from None
         return (treedef, tuple(ser.aval_from_json(a) for a in d["avals"]), tuple(d["kept"]),
                 tuple(tuple(t) for t in d.get("tied", ())))
-    fields = d["fields"]
+    fields = dict(d["fields"])
     names = _static_fields(cls)
+    # a field added later with a default (OpQParams.rotate) may be absent from older artifacts
+    for f in dataclasses.fields(cls):
+        if f.name not in fields and f.metadata.get("static") and f.default is not dataclasses.MISSING:
+            fields[f.name] = _value_to_json(f.default)
     missing = [n for n in names if n not in fields]
     if missing or set(fields) - set(names):
         raise ValueError(f"jqt: a serialized jqt.{cls.__name__} has static fields "

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import jax.numpy as jnp
 
-from . import compat, groups, stats
+from . import compat, groups, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -61,13 +61,30 @@ def weight_qtype(site, qtype, shape):
     return qtype
 
 
+def transformed(site, qp, i, x):
+    """Operand ``i`` of the op with its outlier transforms (``qp.smooth``, ``qp.rotate``)
+    applied: the activation divided by the smoothing vector and rotated, the weight
+    multiplied and rotated (``transforms.py``); unchanged for an op without them."""
+    if qp is None or not qp.transformed or site.weight_operand is None:
+        return x
+    w = site.weight_operand
+    if i == w:
+        return transforms.weight(x, qp.smooth, qp.rotate, site.contract[w])
+    return transforms.activation(x, qp.smooth, qp.rotate, site.contract[i], site.contract[w])
+
+
 class Calibrate:
     """Runs the float function and records each op's statistics (a
     :class:`~jqt._src.stats.SiteStats`: the rule's activation calibrator's state
     and, while ``observe_weights``, the weight calibrator's range).
 
-    Ops with an entry in ``ctx.state_in`` (already calibrated, for
-    error-propagating calibration) run simulated instead and record nothing.
+    Ops with an ``(OpQParams, packed)`` entry in ``ctx.state_in`` (already
+    calibrated, for error-propagating calibration) run simulated instead and
+    record nothing. An op with a bare :class:`jqt.OpQParams` entry (its outlier
+    transforms, decided after a first pass) is observed with its operands
+    transformed. With ``chan`` (names from ``stats.CHAN_MERGE``) an op whose
+    rule asks for an outlier algorithm also records per-input-channel
+    statistics of its activation (``transforms.channel_stats``).
     """
 
     collects = True
@@ -78,9 +95,12 @@ class Calibrate:
         self.observe_weights = observe_weights
 
     def site(self, site, eqn, invals, ctx):
-        if site.key in ctx.state_in:
+        entry = ctx.state_in.get(site.key)
+        if isinstance(entry, tuple):
             return Simulate().site(site, eqn, invals, ctx)
         outs = compat.bind_eqn(eqn, invals)
+        if entry is not None:
+            invals = [transformed(site, entry, i, v) for i, v in enumerate(invals)]
         rule = self.recipe.rule_for(site.op, site.key)
         w = site.weight_operand
         wt = site.entry.weight_type(rule) if rule is not None and w is not None else None
@@ -97,7 +117,11 @@ class Calibrate:
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
                                          site.contract[w] if wt.per_channel else None, wt, gaxis)
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
-        ctx.state_out[site.key] = stats.SiteStats(act, weight, cal)
+        chan = None
+        names = transforms.wanted_stats(rule) if entry is None else ()
+        if names and transforms.applies(site):
+            chan = transforms.channel_stats(invals[1 - w], invals[w], site, names)
+        ctx.state_out[site.key] = stats.SiteStats(act, weight, cal, chan)
         return outs
 
     @staticmethod
@@ -242,11 +266,12 @@ class Simulate:
         vals = list(invals)
         for i in (0, 1):
             q = qp.operand(i)
-            if q is None:
-                continue
-            if packed is not None and i == site.weight_operand:
+            if packed is not None and q is not None and i == site.weight_operand:
                 vals[i] = dequantize_packed(packed, site, invals).astype(invals[i].dtype)
-            else:
+                continue
+            if not qp.is_float:
+                vals[i] = transformed(site, qp, i, vals[i])
+            if q is not None:
                 s, z = _expanded(site, i, vals[i].shape, q, *operand_params(site, i, vals[i], q))
                 vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
         return compat.bind_eqn(eqn, vals)
@@ -269,11 +294,12 @@ class Integer:
             return compat.bind_eqn(eqn, invals)
         ops, wide = list(invals), None
         for i in (0, 1):
-            q, x = qp.operand(i), invals[i]
-            if q is None:
-                continue
-            if packed is not None and i == site.weight_operand:
+            q = qp.operand(i)
+            if packed is not None and q is not None and i == site.weight_operand:
                 ops[i] = packed
+                continue
+            x = ops[i] = transformed(site, qp, i, invals[i])
+            if q is None:
                 continue
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)

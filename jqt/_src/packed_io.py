@@ -12,7 +12,7 @@ from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
 from .qparams import PackedParams, QArray
 from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, FormatError,
-                            TreeNotSerializable, is_zip, qparams_entries,
+                            TreeNotSerializable, is_zip, qparams_entries, versioned,
                             qparams_from_entries, Reader, version_error, write,
                             aval_from_json, aval_to_json, qtype_from_json, qtype_to_json,
                             treedef_from_json, treedef_to_json)
@@ -102,7 +102,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
               "leaves": leaves, "weights": weights, "qparams": entries,
               "tied": [list(t) for t in packed.tied]}
-    write(path, tensors, header, PACKED_FORMAT, PACKED_VERSION)
+    write(path, tensors, header, PACKED_FORMAT, versioned(PACKED_VERSION, qparams))
 
 
 def _weight_scales(entries, arrays):

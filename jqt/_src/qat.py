@@ -3,15 +3,18 @@
 Fine-tuning trains the pair ``state = (params, qparams)`` through the simulated
 path, :func:`jqt.quantize` with ``simulate=True`` called *inside* the
 differentiated function (so that ``qparams`` are traced, not captured as
-constants). The leaves of that pair fall in four parts (:data:`jqt.qat.PARTS`):
+constants). The leaves of that pair fall in five parts (:data:`jqt.qat.PARTS`):
 
 * ``"weights"``: every leaf of ``params`` (kernels, biases, norms);
 * ``"weight_scales"``: the ``scale`` of each weight operand in ``qparams``;
 * ``"activation_scales"``: the ``scale`` of each static activation operand;
 * ``"zero_points"``: the ``zero_point`` of each asymmetric operand (weight or
-  activation).
+  activation);
+* ``"smoothing"``: the per-input-channel ``smooth`` vector of each op smoothed
+  by SmoothQuant or AWQ.
 
-``"scales"`` names both kinds of scales, ``"all"`` every part. Dynamic operands
+``"scales"`` names both kinds of scales and the smoothing vectors, ``"all"``
+every part. Dynamic operands
 have no scale or zero point to train, and float ops no leaves at all.
 
 Two ways to freeze a part, as in optax and Equinox:
@@ -82,15 +85,15 @@ import jax.numpy as jnp
 
 from .qparams import OpQParams, PackedParams
 
-PARTS = ("weights", "weight_scales", "activation_scales", "zero_points")
+PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smoothing")
 """The parts of ``(params, qparams)`` that :func:`jqt.qat.parts` names.
 
 >>> import jqt
 >>> jqt.qat.PARTS
-('weights', 'weight_scales', 'activation_scales', 'zero_points')
+('weights', 'weight_scales', 'activation_scales', 'zero_points', 'smoothing')
 """
 
-_GROUPS = {"scales": ("weight_scales", "activation_scales"), "all": PARTS}
+_GROUPS = {"scales": ("weight_scales", "activation_scales", "smoothing"), "all": PARTS}
 
 _TRAIN, _FREEZE = "train", "freeze"
 
@@ -141,7 +144,8 @@ def _op_parts(p: OpQParams) -> OpQParams:
         ops.append(dataclasses.replace(
             q, scale=None if q.scale is None else f"{role}_scales",
             zero_point=None if q.zero_point is None else "zero_points"))
-    return dataclasses.replace(p, lhs=ops[0], rhs=ops[1])
+    return dataclasses.replace(p, lhs=ops[0], rhs=ops[1],
+                               smooth=None if p.smooth is None else "smoothing")
 
 
 def parts(params, qparams) -> tuple[Any, dict]:
@@ -305,7 +309,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         if not isinstance(p, OpQParams):
             raise TypeError(f"jqt.qat.project: qparams['{k}'] is a {type(p).__name__}; expected "
                             "jqt.OpQParams.")
-        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs))
+        sm = p.smooth  # a smoothing factor stays positive, as a scale does
+        sm = None if sm is None else jnp.maximum(sm, jnp.asarray(min_scale, jnp.result_type(sm)))
+        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs), smooth=sm)
     return out
 
 

@@ -142,6 +142,12 @@ class OpQParams:
         ``None`` for an activation x activation op (static).
       source: where the weight operand comes from, for :func:`jqt.pack` (static).
       note: why the op stays float, when it does (static).
+      smooth: the per-input-channel smoothing vector ``s`` (SmoothQuant, AWQ) in
+        the weight operand's layout (full length on its contracted axes, size 1
+        elsewhere), or ``None``: the activation is divided by it and the weight
+        multiplied (see ``transforms.py``). Trainable like the scales.
+      rotate: the contracted axes are rotated by a Hadamard matrix, the
+        activation at run time and the weight once (static).
 
     >>> import jax.numpy as jnp, jqt
     >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.eye(2),
@@ -157,6 +163,13 @@ class OpQParams:
     weight_operand: Optional[int] = dataclasses.field(metadata=dict(static=True), default=None)
     source: Optional[WeightSource] = dataclasses.field(metadata=dict(static=True), default=None)
     note: str = dataclasses.field(metadata=dict(static=True), default="")
+    smooth: Optional[jax.Array] = None
+    rotate: bool = dataclasses.field(metadata=dict(static=True), default=False)
+
+    @property
+    def transformed(self) -> bool:
+        """True when the op's operands are smoothed or rotated before quantization."""
+        return self.smooth is not None or self.rotate
 
     @property
     def is_float(self) -> bool:
@@ -175,6 +188,10 @@ class OpQParams:
         for i, p in enumerate((self.lhs, self.rhs)):
             role = "weight" if i == self.weight_operand else "activation"
             parts.append(f"{names[i]} ({role}): {p!r}" if p is not None else f"{names[i]} ({role}): float")
+        if self.smooth is not None:
+            parts.append(f"smooth{list(np.shape(self.smooth))}")
+        if self.rotate:
+            parts.append("rotated")
         return f"OpQParams({self.op}, " + ", ".join(parts) + ")"
 
 
@@ -253,7 +270,8 @@ def summarize(qparams: dict[str, Any]) -> str:
         w = p.weight_operand
         wq = p.operand(w) if w is not None else None
         aq = [p.operand(i) for i in (0, 1) if i != w]
-        rows.append((k, p.op, _short(wq), ", ".join(_short(a) for a in aq)))
+        extra = (" +smooth" if p.smooth is not None else "") + (" +rotate" if p.rotate else "")
+        rows.append((k, p.op, _short(wq) + extra, ", ".join(_short(a) for a in aq)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 

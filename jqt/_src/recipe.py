@@ -41,6 +41,18 @@ class Rule:
         (:mod:`jqt.calibrators`; default ``MinMax()``).
       weight_calibrator: how weight ranges are found (default
         ``WeightMinMax()``, the absolute maximum for symmetric types).
+      smooth: SmoothQuant's migration strength ``alpha`` in ``[0, 1]``, or
+        ``None``: each input channel ``j`` of a dense op gets the factor
+        ``s_j = max|x_j|**alpha / max|w_j|**(1 - alpha)``; the activation is
+        divided by it and the weight multiplied (exact in float).
+      awq: AWQ: the smoothing factor ``s = mean|x|**a`` with ``a`` searched on a
+        grid to minimize the op's output error with the weight quantized
+        (measured with ``X^T X`` of its calibration inputs).
+      rotate: rotate the contracted axes of dense ops by a Hadamard matrix
+        (QuaRot): the weight once, the activation at run time.
+
+    ``smooth``, ``awq`` and ``rotate`` apply to ``dot_general`` ops with a weight
+    and no batch axes (dense layers, projections); see docs/ptq.md.
 
     A rule with ``weight=None`` and ``act_x_act=None`` keeps the matched ops
     float:
@@ -59,6 +71,9 @@ class Rule:
     embedding: Optional[QuantType] = None
     calibrator: Calibrator = MinMax()
     weight_calibrator: WeightCalibrator = WeightMinMax()
+    smooth: Optional[float] = None
+    awq: bool = False
+    rotate: bool = False
 
     def __post_init__(self):
         try:
@@ -117,9 +132,26 @@ class Rule:
         if self.embedding is not None and (self.embedding.dynamic or self.embedding.bits > 8):
             raise ValueError(f"Rule(embedding={self.embedding!r}): embedding tables are weights: "
                              "static, at most 8 bits.")
+        self._check_outliers()
         if self.act_x_act is not None and not self.act_x_act.dynamic:
             raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
                              "operand; use QuantType(dynamic=True, ...).")
+
+    def _check_outliers(self):
+        if self.smooth is not None:
+            if isinstance(self.smooth, bool) or not 0.0 <= float(self.smooth) <= 1.0:
+                raise ValueError(f"Rule(smooth={self.smooth!r}): SmoothQuant's alpha is a number in "
+                                 "[0, 1] (0.5 is the paper's default), or None for no smoothing.")
+            if self.activation is None:
+                raise ValueError("Rule(smooth=..., activation=None): smoothing moves activation "
+                                 "outliers into the weights, so it needs quantized activations; for "
+                                 "weight-only recipes use awq=True.")
+            if self.awq:
+                raise ValueError("Rule(smooth=..., awq=True): both set the per-channel smoothing "
+                                 "factor; pick one.")
+        if (self.awq or self.rotate or self.smooth is not None) and self.weight is None:
+            raise ValueError("Rule(smooth/awq/rotate=...) with weight=None: the outlier algorithms "
+                             "transform quantized weights; set weight=QuantType(...).")
 
     def matches(self, op: str, key: str) -> bool:
         """Whether this rule applies to the op ``op`` (a primitive name) with key ``key``."""
@@ -180,31 +212,38 @@ def _embedding(embeddings, bits, group_size=0):
 
 
 def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
-         calibrator=None, weight_calibrator=None) -> Recipe:
+         calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
+         rotate: bool = False) -> Recipe:
     """int8 per-channel symmetric weights, int8 static per-tensor activations, int8
     embedding tables (one scale per row).
 
     Activations are asymmetric by default: the output of a GELU or ReLU is
     mostly non-negative, and a symmetric range would leave half the codes
     unused. ``group_size`` gives the weights one scale per group of inputs;
-    ``embeddings=False`` keeps embedding lookups float.
+    ``embeddings=False`` keeps embedding lookups float. ``smooth=0.5`` applies
+    SmoothQuant with that alpha, ``rotate=True`` a Hadamard rotation (see
+    :class:`jqt.Rule`).
 
     >>> import jqt
     >>> r = jqt.recipes.w8a8()
     >>> r.rules[0].activation.symmetric, r.rules[0].embedding.dtype
     (False, 'int8')
+    >>> jqt.recipes.w8a8(smooth=0.5).rules[0].smooth
+    0.5
     """
     return Recipe(rules=(Rule(weight=_int_weight(8, group_size),
                               activation=QuantType(bits=8, symmetric=act_symmetric),
-                              embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
+                              embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
+                              **_cal(calibrator, weight_calibrator)),))
 
 
-def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None,
+                 smooth: Optional[float] = None, rotate: bool = False) -> Recipe:
     """int8 per-channel weights, int8 activations with per-token scales computed at run
     time, int8 embedding tables.
 
     With ``act_x_act=True`` activation x activation ops (attention) are
-    quantized dynamically too.
+    quantized dynamically too. ``smooth`` and ``rotate`` as in :func:`w8a8`.
 
     >>> import jqt
     >>> jqt.recipes.w8a8_dynamic().rules[0].activation.dynamic
@@ -212,19 +251,23 @@ def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_cal
     """
     act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
     return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
-                              embedding=_embedding(embeddings, 8), **_cal(None, weight_calibrator)),))
+                              embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
+                              **_cal(None, weight_calibrator)),))
 
 
-def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, awq: bool = False,
+       rotate: bool = False) -> Recipe:
     """Weight-only int8 (per-channel, or per group of ``group_size`` inputs), int8
-    embedding tables; activations stay float.
+    embedding tables; activations stay float. ``awq=True`` searches AWQ's
+    per-channel scales, ``rotate=True`` applies a Hadamard rotation.
 
     >>> import jqt
     >>> jqt.recipes.w8().rules[0].activation is None
     True
     """
     return Recipe(rules=(Rule(weight=_int_weight(8, group_size), activation=None,
-                              embedding=_embedding(embeddings, 8), **_cal(None, weight_calibrator)),))
+                              embedding=_embedding(embeddings, 8), awq=awq, rotate=rotate,
+                              **_cal(None, weight_calibrator)),))
 
 
 def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
@@ -242,58 +285,69 @@ def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -
 
 
 def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = True,
-         embeddings: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
+         embeddings: bool = True, calibrator=None, weight_calibrator=None,
+         smooth: Optional[float] = None, awq: bool = False, rotate: bool = False) -> Recipe:
     """int4 weights (per-channel by default, or per group of ``group_size`` inputs) with
     int8 static activations; int4 embedding tables.
 
     The int4 x int8 products sum in int32 per group and are scaled per group.
-    ``symmetric=False`` gives each weight group a zero point too.
+    ``symmetric=False`` gives each weight group a zero point too. ``smooth``,
+    ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
 
     >>> import jqt
     >>> jqt.recipes.w4a8(group_size=128).rules[0].weight.describe()
     'int4 sym g128'
+    >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
+    True
     """
     return Recipe(rules=(Rule(weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
                               embedding=_embedding(embeddings, 4, group_size),
+                              smooth=smooth, awq=awq, rotate=rotate,
                               **_cal(calibrator, weight_calibrator)),))
 
 
 def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True,
-       weight_calibrator=None) -> Recipe:
+       weight_calibrator=None, awq: bool = False, rotate: bool = False) -> Recipe:
     """Weight-only int4 with one scale per group of ``group_size`` inputs (0: per
     channel), stored two per byte; int4 embedding tables.
 
     ``symmetric=False`` gives each group a zero point as well (the range
     ``[min, max]`` instead of ``[-absmax, absmax]``): more accurate on
     skewed groups (on all-MiniLM-L6-v2, see docs/formats.md), one more
-    subtraction per weight element when decoding.
+    subtraction per weight element when decoding. ``awq=True`` searches AWQ's
+    per-input-channel scales; ``rotate=True`` applies a Hadamard rotation
+    (:class:`jqt.Rule`); :func:`jqt.gptq` re-rounds the weights afterwards.
 
     >>> import jqt
     >>> jqt.recipes.w4().rules[0].weight.describe()
     'int4 sym g128'
+    >>> jqt.recipes.w4(awq=True).rules[0].awq
+    True
     """
     return Recipe(rules=(Rule(weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
-                              embedding=_embedding(embeddings, 4, group_size),
+                              embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator)),))
 
 
-def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None) -> Recipe:
+def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None,
+        awq: bool = False) -> Recipe:
     """Weight-only 4-bit NormalFloat (QLoRA's format) with one absmax scale per group of
-    ``group_size`` inputs, decoded by lookup; nf4 embedding tables.
+    ``group_size`` inputs, decoded by lookup; nf4 embedding tables; ``awq=True`` as
+    in :func:`w4`.
 
     >>> import jqt
     >>> jqt.recipes.nf4().rules[0].weight.describe()
     'nf4 sym g64'
     """
     t = QuantType(dtype="nf4", group_size=group_size)
-    return Recipe(rules=(Rule(weight=t, activation=None, embedding=t if embeddings else None,
+    return Recipe(rules=(Rule(weight=t, activation=None, embedding=t if embeddings else None, awq=awq,
                               **_cal(None, weight_calibrator)),))
 
 
 def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
         act_dtype: str = "float8_e4m3fn", embeddings: bool = True, calibrator=None,
-        weight_calibrator=None) -> Recipe:
+        weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False) -> Recipe:
     """fp8 weights (per channel) and fp8 activations (static per-tensor, or per-token
     with ``dynamic=True``), e4m3 by default (``"float8_e5m2"`` selectable); int8
     embedding tables.
@@ -306,4 +360,4 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     w = QuantType(dtype=weight_dtype, per_channel=True)
     a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
     return Recipe(rules=(Rule(weight=w, activation=a, embedding=_embedding(embeddings, 8),
-                              **_cal(calibrator, weight_calibrator)),))
+                              smooth=smooth, rotate=rotate, **_cal(calibrator, weight_calibrator)),))

@@ -12,7 +12,8 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
   when the op cannot take them;
 * ``integer(site, eqn, ops, policy)``: the integer kernel (``ops`` holds a
   :class:`jqt.QArray` per quantized operand, the float array otherwise);
-* ``pack(site_source, qarray, operand)``: the packed layout of its weight.
+* ``pack(site_source, qarray, operand)``: the packed layout of its weight
+  (with the op's outlier transforms, ``transforms.py``, folded in).
 
 The documented default, for a primitive with no entry, is to run it unchanged
 in float. Adding a primitive means adding an entry here and its kernel.
@@ -23,7 +24,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import compat, groups, kernels
+from . import compat, groups, kernels, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import pack_nibbles
@@ -90,6 +91,8 @@ class Contraction:
         depth = src.stack_depth
         q = p.operand(p.weight_operand)
         g = q.qtype.group_size
+        # outlier transforms (smoothing, rotation) are folded into the stored weight
+        operand = transforms.weight(operand, p.smooth, p.rotate, src.contract, depth)
         qv = _quantize_weight(operand, q, src.contract[-1] if g else None, depth)
         act = p.operand(1 - p.weight_operand)
         # the weight's sums over K correct for the activation's zero point; without one

@@ -27,7 +27,7 @@ from jax import lax
 
 from . import compat
 from .calibrate import full_args
-from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup
+from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup, transformed
 from .interpreter import Ctx, eval_jaxpr
 from .plotting import HIST_BINS, plot_report
 from .qparams import PackedParams
@@ -62,7 +62,7 @@ class _Measure:
         hist = jnp.zeros((HIST_BINS + 2,), _F32)
         for i in (0, 1):
             q = qp.operand(i)
-            x = xf[i].astype(_F32)
+            x = transformed(site, qp, i, xf[i]).astype(_F32)  # what is quantized
             role = "w" if i == w else ("x" if w is not None or i == 0 else "y")
             st[f"{role}_min"], st[f"{role}_max"] = jnp.min(x), jnp.max(x)
             st[f"{role}_n"] = jnp.float32(x.size)

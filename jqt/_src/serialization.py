@@ -37,11 +37,20 @@ from .formats import QuantType
 
 FORMAT = "jqt.qparams"
 VERSION = 1  # the .npz format
+NPZ_READ = (1, 2)
+# Files whose qparams hold outlier transforms (smooth, rotate) get the next version of
+# their format (npz 2, safetensors 4, packed 3), so that a jqt that cannot apply them
+# refuses the file instead of dropping them.
+
+
+def versioned(version, qparams):
+    """``version``, plus one when ``qparams`` hold outlier transforms."""
+    return version + 1 if qparams and any(p.transformed for p in qparams.values()) else version
 ST_VERSION = 3  # the safetensors format of qparams (3: QuantType by dtype and group size)
-ST_READ = (2, 3)  # versions this jqt reads (2: integer types only)
+ST_READ = (2, 3, 4)  # versions this jqt reads (2: integer types only)
 PACKED_FORMAT = "jqt.packed"
 PACKED_VERSION = 2  # 2: each weight a QArray (codes, sums, scale, zero point, type)
-PACKED_READ = (1, 2)
+PACKED_READ = (1, 2, 3)
 
 # dtypes safetensors stores natively; anything else is stored as its raw bytes (uint8).
 _NATIVE = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
@@ -177,6 +186,12 @@ def qparams_entries(qparams, name):
         entries[key] = {"lhs": ops[0], "rhs": ops[1], "op": p.op,
                         "weight_operand": p.weight_operand, "note": p.note,
                         "source": source_to_json(p.source)}
+        if p.smooth is not None:
+            n = name(i, key, "op", "smooth")
+            arrays[n] = np.asarray(p.smooth)
+            entries[key]["smooth"] = n
+        if p.rotate:
+            entries[key]["rotate"] = True
     return entries, arrays
 
 
@@ -192,7 +207,9 @@ def qparams_from_entries(entries, get):
                                    zero_point=get(d["zero_point"]) if "zero_point" in d else None,
                                    qtype=qtype_from_json(d["qtype"])))
         out[key] = OpQParams(lhs=ops[0], rhs=ops[1], op=e["op"], weight_operand=e["weight_operand"],
-                             source=source_from_json(e["source"]), note=e["note"])
+                             source=source_from_json(e["source"]), note=e["note"],
+                             smooth=get(e["smooth"]) if e.get("smooth") else None,
+                             rotate=bool(e.get("rotate", False)))
     return out
 
 
@@ -298,12 +315,12 @@ def save(path, qparams) -> None:
     """
     if os.fspath(path).endswith(".npz"):
         entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
-        header = json.dumps({"format": FORMAT, "version": VERSION, "ops": entries})
+        header = json.dumps({"format": FORMAT, "version": versioned(VERSION, qparams), "ops": entries})
         with open(path, "wb") as fh:
             np.savez(fh, __header__=np.frombuffer(header.encode(), np.uint8), **arrays)
         return
     entries, arrays = qparams_entries(qparams, _qp_tensor_name)
-    write(path, arrays, {"ops": entries}, FORMAT, ST_VERSION)
+    write(path, arrays, {"ops": entries}, FORMAT, versioned(ST_VERSION, qparams))
 
 
 def _qp_tensor_name(i, key, side, field):
@@ -342,7 +359,7 @@ def _load_qparams(r, path):
         raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
     if r.version not in ST_READ:
         raise version_error("jqt.load", path, r.format, r.version,
-                             f"version {VERSION} (.npz) and {ST_READ} (safetensors)")
+                             f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)")
     return qparams_from_entries(r.header["ops"], r.get)
 
 
@@ -351,7 +368,7 @@ def _load_npz(path):
         if "__header__" not in z:
             raise FormatError(f"jqt.load: {path} is not a jqt qparams file (no header).")
         header = json.loads(z["__header__"].tobytes().decode())
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
+        if header.get("format") != FORMAT or header.get("version") not in NPZ_READ:
             raise version_error("jqt.load", path, header.get("format"), header.get("version"),
-                                 f"version {VERSION} (.npz) and {ST_VERSION} (safetensors)")
+                                 f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)")
         return qparams_from_entries(header["ops"], lambda n: np.asarray(z[n]))

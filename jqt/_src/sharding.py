@@ -134,7 +134,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             sides.append(QArray(scale=arr(q.scale, d), zero_point=arr(q.zero_point, d),
                                 qtype=q.qtype))
         qp_sh[key] = OpQParams(lhs=sides[0], rhs=sides[1], op=op.op, weight_operand=w,
-                               source=op.source, note=op.note)
+                               source=op.source, note=op.note, rotate=op.rotate,
+                               smooth=None if op.smooth is None else rep)  # K-long: replicated
         if pw is None:
             continue
         if pw.values is None:  # a table tied to a matmul's codes: its scales only

@@ -1,7 +1,9 @@
 """Per-op calibration statistics as a pytree, and how they merge.
 
-One :class:`SiteStats` per op: the activation calibrator's state and the
-weight's per-channel range, with the calibrator itself as static aux data,
+One :class:`SiteStats` per op: the activation calibrator's state, the
+weight's per-channel range and, for the outlier algorithms, per-input-channel
+statistics of the activation (``chan``: ``absmax``, ``abssum`` and ``count``,
+``hessian`` = ``X^T X``), with the calibrator itself as static aux data,
 so merging needs nothing but the statistics. ``combine`` unites the data of
 one batch (``scan``/``while`` iterations, ``cond`` branches, devices);
 ``accumulate`` folds successive batches.
@@ -17,17 +19,19 @@ from jax import lax
 
 @jax.tree_util.register_pytree_node_class
 class SiteStats:
-    def __init__(self, act, weight, calibrator):
+    def __init__(self, act, weight, calibrator, chan=None):
         self.act = act          # the calibrator's state, or None
         self.weight = weight    # {"min", "max"} arrays, or None (not observed in this step)
         self.calibrator = calibrator
+        self.chan = chan        # per-input-channel statistics (see CHAN_MERGE), or None
 
     def tree_flatten(self):
-        return (self.act, self.weight), self.calibrator
+        return (self.act, self.weight, self.chan), self.calibrator
 
     @classmethod
     def tree_unflatten(cls, calibrator, children):
-        return cls(*children, calibrator)
+        act, weight, chan = children
+        return cls(act, weight, calibrator, chan)
 
 
 def _pick(a, b, both):
@@ -40,6 +44,19 @@ def _pick(a, b, both):
 
 def _combine_w(a, b):
     return {"min": jnp.minimum(a["min"], b["min"]), "max": jnp.maximum(a["max"], b["max"])}
+
+
+CHAN_MERGE = {"absmax": jnp.maximum, "abssum": jnp.add, "count": jnp.add, "hessian": jnp.add}
+"""How each per-input-channel statistic merges (elementwise, so stacked per-layer
+statistics merge the same way)."""
+
+
+def _combine_chan(a, b):
+    return {k: CHAN_MERGE[k](a[k], b[k]) for k in a}
+
+
+def _reduce_chan(stacked):
+    return {k: (jnp.max if k == "absmax" else jnp.sum)(v, axis=0) for k, v in stacked.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,13 +81,14 @@ def _stacked(fn, calibrator, a):
 def combine(a: SiteStats, b: SiteStats) -> SiteStats:
     cal = a.calibrator
     act = _pick(a.act, b.act, lambda x, y: _stacked(cal.combine, cal, x)(x, y))
-    return SiteStats(act, _pick(a.weight, b.weight, _combine_w), cal)
+    return SiteStats(act, _pick(a.weight, b.weight, _combine_w), cal, _pick(a.chan, b.chan, _combine_chan))
 
 
 def accumulate(running: SiteStats, new: SiteStats) -> SiteStats:
     cal = running.calibrator
     act = _pick(running.act, new.act, lambda x, y: _stacked(cal.accumulate, cal, x)(x, y))
-    return SiteStats(act, _pick(running.weight, new.weight, _combine_w), cal)
+    return SiteStats(act, _pick(running.weight, new.weight, _combine_w), cal,
+                     _pick(running.chan, new.chan, _combine_chan))
 
 
 def empty(like: SiteStats) -> SiteStats:
@@ -79,7 +97,8 @@ def empty(like: SiteStats) -> SiteStats:
     if like.weight is not None:
         weight = {"min": jnp.full(like.weight["min"].shape, jnp.inf, jnp.float32),
                   "max": jnp.full(like.weight["max"].shape, -jnp.inf, jnp.float32)}
-    return SiteStats(act, weight, like.calibrator)
+    chan = None if like.chan is None else {k: jnp.zeros(v.shape, v.dtype) for k, v in like.chan.items()}
+    return SiteStats(act, weight, like.calibrator, chan)
 
 
 def reduce_stacked(stacked: SiteStats) -> SiteStats:

@@ -1,0 +1,317 @@
+"""``jqt.gptq``: re-round quantized weights with GPTQ (Frantar et al. 2023).
+
+GPTQ quantizes a weight ``W`` (``K`` inputs x ``N`` outputs) one input row at a
+time and spreads each row's rounding error over the rows not yet quantized,
+weighted by the inverse Hessian ``H^-1`` of the layer's squared output error,
+``H = X^T X`` over the calibration inputs ``X``. The grid (scales and zero points,
+per channel or per group) is the one in ``qparams``: GPTQ only picks, for every
+weight, which point of that grid it gets, so :func:`jqt.pack` of the result is
+lossless.
+
+The ops run in evaluation order: op ``j``'s Hessian is measured with every op
+before it already quantized (simulated, with its re-rounded weights), so that
+it corrects the error that reaches it. ``X^T X`` is a fixed-size statistic,
+summed over batches, loop iterations and (stacked) layers' own slices.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import compat, groups, transforms
+from . import numerics as nx
+from .calibrate import CalibrationDataError, full_args
+from .dense import DenseAxes
+from .handlers import Simulate, transformed
+from .interpreter import Ctx, eval_jaxpr
+from .layout import apply_chain
+from .quantize import check_qparams
+from .tracing import Tracer, normalize_argnums
+
+_F32 = jnp.float32
+_INVERTIBLE = {"transpose", "reshape", "convert", "squeeze", "rev", "copy", "scan_slice", "slice"}
+
+
+class _Hessians:
+    """Handler: ops whose ``on`` flag is set run simulated, the others float; the op
+    whose ``take`` flag is set records ``X^T X`` of its (transformed) activation."""
+
+    collects = True
+    differentiable = False
+
+    def __init__(self, eligible):
+        self.eligible = eligible
+
+    def site(self, site, eqn, invals, ctx):
+        qp, on, take = ctx.state_in[site.key]
+        outs = compat.bind_eqn(eqn, invals)
+        if not qp.is_float:
+            sim = Simulate().site(site, eqn, invals, Ctx(None, {site.key: (qp, None)}))
+            outs = [jnp.where(on > 0, s, o) for s, o in zip(sim, outs)]
+        if site.key in self.eligible:
+            w = site.weight_operand
+            r = transforms.rows(transformed(site, qp, 1 - w, invals[1 - w]).astype(_F32),
+                                site.contract[1 - w])
+            k = r.shape[1]
+            h = lax.cond(take > 0, lambda: r.T @ r, lambda: jnp.zeros((k, k), _F32))
+            ctx.state_out[site.key] = {"h": h, "n": jnp.where(take > 0, r.shape[0], 0).astype(_F32)}
+        return outs
+
+    @staticmethod
+    def identity(shapes):
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    @staticmethod
+    def merge(a, b):
+        return jax.tree_util.tree_map(jnp.add, a, b)
+
+    @staticmethod
+    def reduce_iterations(stacked):
+        return jax.tree_util.tree_map(lambda v: jnp.sum(v, axis=0), stacked)
+
+
+def _why_not(site, qp, traced, argnums):
+    """Why GPTQ leaves op ``site`` with plain rounding, or ``None`` when it re-rounds it."""
+    w = site.weight_operand
+    if qp.is_float or w is None or qp.operand(w) is None:
+        return "float"
+    if not transforms.applies(site):
+        return "not a dense op (a conv, lookup or batched dot)"
+    src = site.source
+    if src is None or src.arg not in argnums:
+        return "its weight is not a leaf of the weights"
+    if any(c[0] not in _INVERTIBLE for c in src.chain):
+        return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
+    uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())
+    if uses != {site.key}:
+        return (f"its weight leaf '{src.path}' is also read by {sorted(uses - {site.key})} (tied "
+                "or reused weights: re-rounding it would change those ops' weights)")
+    return None
+
+
+def quantize_rows(w, s, z, qtype):
+    """``w`` rounded onto the grid of scale ``s`` and zero point ``z`` (float values)."""
+    return nx.fake_quant(w, s, z, qtype)
+
+
+def _inverse_hessian_chol(h, damp, act_order):
+    """NumPy float64: (permutation, upper Cholesky factor of the damped ``H^-1``), as in the
+    reference code (dead inputs get ``H_ii = 1``)."""
+    h = np.array(h, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(h.shape[0])
+    h = h[perm][:, perm]
+    h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
+    hinv = np.linalg.inv(np.linalg.cholesky(h))
+    hinv = hinv.T @ hinv  # H^-1 from its Cholesky factor
+    u = np.linalg.cholesky(hinv).T  # upper: H^-1 = U^T U
+    return perm, dead, u
+
+
+def _gptq_blocks(qtype, block):
+    """A jitted ``(W, S, Z, U) -> Q`` over (permuted) rows of ``W`` (``K x N``): GPTQ's
+    lazy-batch loop, ``block`` rows at a time."""
+
+    def run(w, s, z, u):
+        k = w.shape[0]
+        q = jnp.zeros_like(w)
+        for b0 in range(0, k, block):
+            b1 = min(b0 + block, k)
+            ub = u[b0:b1, b0:b1]
+            idx = jnp.arange(b1 - b0)
+
+            def col(i, c, ub=ub, idx=idx, b0=b0):
+                wb, qb, eb = c
+                row = wb[i]
+                qi = quantize_rows(row, s[b0 + i], z[b0 + i], qtype)
+                err = (row - qi) / ub[i, i]
+                wb = wb - jnp.outer(jnp.where(idx > i, ub[i], 0.0), err)
+                return wb, qb.at[i].set(qi), eb.at[i].set(err)
+
+            zeros = jnp.zeros((b1 - b0, w.shape[1]), w.dtype)
+            _, qb, eb = lax.fori_loop(0, b1 - b0, col, (w[b0:b1], zeros, zeros))
+            q = q.at[b0:b1].set(qb)
+            if b1 < k:
+                w = w.at[b1:].add(-(u[b0:b1, b1:].T @ eb))
+        return q
+
+    return jax.jit(run)
+
+
+def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True):
+    """GPTQ on one 2-D weight ``w`` (``K x N``, ``x @ w``) with the grid ``s``, ``z``
+    (broadcast to ``w``'s shape; ``z`` may be ``None``) and Hessian ``h`` (``K x K``).
+    Returns the re-rounded weight (float, on the grid).
+
+    >>> import numpy as np, jax.numpy as jnp, jqt
+    >>> from jqt._src.gptq import gptq_weight
+    >>> rng = np.random.default_rng(0)
+    >>> x, w = rng.normal(size=(256, 16)), rng.normal(size=(16, 8))
+    >>> s = np.abs(w).max(0, keepdims=True) / 7 + np.zeros_like(w)
+    >>> q = gptq_weight(w, s, None, x.T @ x, jqt.QuantType(bits=4))
+    >>> rtn = np.clip(np.round(w / s), -8, 7) * s
+    >>> bool(np.sum((x @ (np.asarray(q) - w)) ** 2) < np.sum((x @ (rtn - w)) ** 2))
+    True
+    """
+    w = np.asarray(w, np.float32)
+    s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
+    z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
+    perm, dead, u = _inverse_hessian_chol(h, damp, act_order)
+    w = np.where(dead[:, None], 0.0, w)[perm]
+    run = _gptq_blocks(qtype, block_size)
+    q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32))
+    out = np.empty_like(w)
+    out[perm] = np.asarray(q)
+    return out
+
+
+def _grid(site, q, w_shape, depth):
+    """The weight's scale and zero point expanded to its operand shape (stacked)."""
+    s, z = q.scale, q.zero_point
+    if q.qtype.group_size:
+        ax = site.contract[site.weight_operand][-1] + depth
+        s = groups.expand(s, q.qtype.group_size, ax, w_shape)
+        z = groups.expand(z, q.qtype.group_size, ax, w_shape)
+    s = jnp.broadcast_to(jnp.asarray(s, _F32), w_shape)
+    z = None if z is None else jnp.broadcast_to(jnp.asarray(z, _F32), w_shape)
+    return s, z
+
+
+def _inverse_weight(w, qp, contract, depth):
+    """Undo ``transforms.weight``: rotate back, divide by the smoothing vector."""
+    if qp.rotate:
+        w = transforms.rotate(w, tuple(a + depth for a in contract), inverse=True)
+    if qp.smooth is not None:
+        w = w / qp.smooth.astype(w.dtype)
+    return w
+
+
+def _rerounded(site, qp, leaf, h, n, opts):
+    """The leaf with op ``site``'s weight re-rounded by GPTQ."""
+    src, w_i = site.source, site.weight_operand
+    depth, contract = src.stack_depth, site.contract[w_i]
+    chain = lambda a: apply_chain(a, src.chain)
+    w0 = chain(jnp.asarray(leaf)).astype(_F32)
+    wt = transforms.weight(w0, qp.smooth, qp.rotate, contract, depth)
+    q = qp.operand(w_i)
+    s, z = _grid(site, q, wt.shape, depth)
+    ax = DenseAxes.for_weight(contract, wt.ndim - depth, w_i)
+    to2 = lambda a: np.asarray(ax.weight_2d(a, "kn", depth))
+    w2, s2, z2 = to2(wt), to2(s), None if z is None else to2(z)
+    h = np.asarray(h, np.float64)
+    lead = w2.shape[:depth]
+    out = np.empty_like(w2)
+    for i in np.ndindex(*lead):
+        hi = h[i] / max(float(np.asarray(n)[i] if np.ndim(n) else n), 1.0)
+        out[i] = gptq_weight(w2[i], s2[i], None if z2 is None else z2[i], hi, q.qtype, **opts)
+    layer_shape = wt.shape[depth:]
+    back = jnp.asarray(out).reshape((-1,) + out.shape[depth:])
+    back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back]).reshape(wt.shape)
+    delta = _inverse_weight(back, qp, contract, depth) - w0
+    (dleaf,) = jax.linear_transpose(chain, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
+    return (jnp.asarray(leaf, _F32) + dleaf).astype(jnp.result_type(leaf))
+
+
+def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128,
+         damp: float = 0.01, act_order: bool = True, progress=None):
+    """Re-rounds every quantized dense weight of ``f`` with GPTQ, on ``qparams``' grid.
+
+    Args:
+      f: the calibrated function.
+      qparams: from :func:`jqt.calibrate` (their scales and zero points are kept).
+      params: the float weights (a tuple of them with several ``weight_argnums``).
+      batches: a sequence of tuples of the remaining arguments of ``f`` (one
+        pass over it per op).
+      weight_argnums: position(s) of the weight argument(s).
+      block_size: rows updated together (the reference's lazy batches).
+      damp: added to ``H``'s diagonal, as a fraction of its mean (1%).
+      act_order: quantize inputs in order of decreasing ``H_ii`` (the reference's
+        ``act_order``; the grid stays the calibrated one).
+      progress: a progress bar (tqdm); ``None`` shows it on a terminal only.
+
+    Returns:
+      ``params`` with the same structure, each re-rounded weight's values on its
+      quantization grid: ``jqt.pack(qparams, result)`` stores them exactly.
+
+    Ops it leaves to plain rounding (warned): convolutions, lookups and batched
+    dots; weights computed from several leaves; weight leaves also read by
+    another op (tied embeddings).
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> f = lambda p, x: x @ p["w"]
+    >>> p = {"w": jax.random.normal(jax.random.key(0), (32, 8))}
+    >>> xs = [(jax.random.normal(jax.random.key(i), (64, 32)),) for i in range(2)]
+    >>> qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, xs, progress=False)
+    >>> pq = jqt.gptq(f, qp, p, xs, progress=False)
+    >>> sim = jqt.quantize(f, qp, simulate=True)
+    >>> err = lambda w: float(jnp.mean((sim(w, xs[0][0]) - f(p, xs[0][0])) ** 2))
+    >>> err(pq) < err(p)  # GPTQ's weights vs plain rounding, on the same grid
+    True
+    """
+    check_qparams(qparams)
+    argnums = normalize_argnums(weight_argnums)
+    params_t = [params] if len(argnums) == 1 else list(params)
+    if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
+        raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
+                                   f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
+    tracer = Tracer(f, argnums)
+    traced = tracer(full_args(argnums, params_t, batches[0]))
+    sites = traced.sites()
+    missing = [s.key for s in sites if s.key not in qparams]
+    if missing:
+        from .handlers import QParamsMismatchError
+        raise QParamsMismatchError(f"jqt.gptq: no quantization parameters for ops {missing[:5]}; "
+                                   "the qparams were made for another function. Run jqt.calibrate on it.")
+    order = list(dict.fromkeys(s.key for s in sites))
+    why = {s.key: _why_not(s, qparams[s.key], traced, argnums) for s in sites}
+    eligible = [k for k in order if why[k] is None]
+    skipped = [k for k in order if why[k] not in (None, "float")]
+    if skipped:
+        warnings.warn("jqt.gptq: plain rounding for " + "; ".join(f"'{k}': {why[k]}" for k in skipped[:5])
+                      + (" ..." if len(skipped) > 5 else ""), stacklevel=2)
+    site_of = {s.key: s for s in sites}
+    handler = _Hessians(set(eligible))
+
+    def step(params_t, batch, flags):
+        args = full_args(argnums, params_t, batch)
+        tr = tracer(args)
+        state = {k: (qparams[k], *flags[k]) for k in order}
+        ctx = Ctx(handler, state)
+        eval_jaxpr(tr.closed.jaxpr, tr.closed.consts, jax.tree_util.tree_leaves(args), tr.plan, ctx)
+        return ctx.state_out
+
+    jstep = jax.jit(step)
+    opts = dict(block_size=block_size, damp=damp, act_order=act_order)
+    from tqdm.auto import tqdm
+    for j, key in enumerate(tqdm(eligible, desc="jqt.gptq", unit="op",
+                                 disable=None if progress is None else not progress)):
+        pos = order.index(key)
+        flags = {}
+        for i, k in enumerate(order):
+            lead = _stack_shape(site_of[k].source, argnums, params_t)
+            flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k == key), _F32))
+        acc = None
+        for batch in batches:
+            out = jstep(params_t, tuple(batch), flags)[key]
+            acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
+        site = site_of[key]
+        src = site.source
+        a = argnums.index(src.arg)
+        leaves, tdef = jax.tree_util.tree_flatten(params_t[a])
+        leaves[src.leaf] = _rerounded(site, qparams[key], leaves[src.leaf], acc["h"], acc["n"], opts)
+        params_t[a] = jax.tree_util.tree_unflatten(tdef, leaves)
+    return params_t[0] if len(argnums) == 1 else tuple(params_t)
+
+
+def _stack_shape(src, argnums, params_t):
+    """The stacked-layer axes of an op's weight (its state's leading axes under a scan)."""
+    if src is None or not src.stack_depth or src.arg not in argnums:
+        return ()
+    leaf = jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])[src.leaf]
+    return tuple(np.shape(leaf)[:src.stack_depth])

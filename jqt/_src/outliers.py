@@ -1,0 +1,154 @@
+"""Deciding the outlier transforms of each op: SmoothQuant, AWQ and rotation.
+
+After a first calibration pass (which records per-input-channel statistics of
+each op's activation, ``transforms.channel_stats``), :func:`decide` computes
+each op's smoothing vector from those statistics and its weight:
+
+* SmoothQuant (Xiao et al. 2023): ``s_j = max|x_j|**alpha / max|w_j|**(1 - alpha)``.
+* AWQ (Lin et al. 2024): ``s = mean|x|**a`` (normalized), with ``a`` on a grid of
+  20 values in ``[0, 1)`` chosen to minimize the op's output error with the
+  transformed weight quantized as the rule says. The error of a weight error
+  ``D`` on the calibration inputs ``X`` is ``tr(D^T X^T X D)``, computed from the
+  streaming statistic ``X^T X`` (no activations are kept).
+
+A second pass then calibrates every range on the transformed operands.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from . import groups, transforms
+from . import numerics as nx
+from .layout import apply_chain
+from .qparams import OpQParams
+
+AWQ_GRID = 20
+"""AWQ's search grid: exponents ``a = i / AWQ_GRID`` for ``i < AWQ_GRID``, as in the paper's code."""
+
+
+def wants(rule) -> bool:
+    """Whether ``rule`` asks for an outlier transform."""
+    return rule is not None and (rule.smooth is not None or rule.awq or rule.rotate)
+
+
+def weight_operand(site, params_t, argnums):
+    """The weight operand of ``site`` from the weights (stacked layers keep their
+    leading axes), or ``None`` when it is not a leaf of them."""
+    src = site.source
+    if src is None or src.arg not in argnums:
+        return None
+    leaves = jax.tree_util.tree_leaves(params_t[list(argnums).index(src.arg)])
+    if not 0 <= src.leaf < len(leaves):
+        return None
+    return apply_chain(jnp.asarray(leaves[src.leaf]), src.chain).astype(jnp.float32)
+
+
+def _vmapped(fn, depth):
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def smoothquant(act_absmax, w, contract, alpha, depth=0):
+    """SmoothQuant's factor per input channel, in the weight's layout (keepdims).
+
+    >>> import jax.numpy as jnp
+    >>> from jqt._src.outliers import smoothquant
+    >>> smoothquant(jnp.array([[4.0], [1.0]]), jnp.array([[1.0, 0.5], [1.0, 1.0]]), (0,), 0.5).ravel()
+    Array([2., 1.], dtype=float32)
+    """
+    axes = tuple(d + depth for d in range(w.ndim - depth) if d not in contract)
+    wmax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+    ok = (act_absmax > 0) & (wmax > 0)
+    s = jnp.where(ok, act_absmax ** alpha / jnp.where(ok, wmax, 1.0) ** (1 - alpha), 1.0)
+    return jnp.clip(s, 1e-5, 1e5).astype(jnp.float32)
+
+
+def quantized_weight(w, contract, qtype, calibrator, gaxis):
+    """``w`` fake-quantized as a rule quantizes a weight: ranges from ``calibrator``, per
+    channel or per group along ``gaxis``."""
+    lo, hi = groups.weight_range(calibrator, w, contract if qtype.per_channel else None, qtype, gaxis)
+    s, z = nx.params_from_range(lo, hi, qtype)
+    g = qtype.group_size
+    if g:
+        s, z = groups.expand(s, g, gaxis, w.shape), groups.expand(z, g, gaxis, w.shape)
+    return nx.fake_quant(w, s, z, qtype)
+
+
+def rotated_hessian(h, rotated):
+    """``R^T H R`` for the rotation ``R`` of ``H``'s inputs (``H`` unchanged without one)."""
+    if not rotated:
+        return h
+    return transforms.rotate(transforms.rotate(h, (1,)).T, (1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _awq_search(contract, qtype, calibrator, gaxis, rotated):
+    """A jitted ``(w, hessian, mean_abs) -> s`` for one layer."""
+
+    def one(w, h, mean_abs):
+        def err(a):
+            s = jnp.maximum(mean_abs ** a, 1e-4)
+            s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+            w2 = transforms.weight(w, s, rotated, contract)
+            d = transforms.rows(quantized_weight(w2, contract, qtype, calibrator, gaxis) - w2, contract)
+            sv = transforms.rows(s, contract)  # (1, K) in pair order
+            hs = rotated_hessian(h / sv / sv.T, rotated)
+            return jnp.sum((d @ hs) * d), s
+
+        errs, ss = jax.lax.map(err, jnp.arange(AWQ_GRID, dtype=jnp.float32) / AWQ_GRID)
+        return ss[jnp.argmin(errs)]
+
+    return jax.jit(one)
+
+
+def _awq(site, rule, wt, w, chan, depth):
+    gaxis = site.entry.groups(site) if wt.group_size else None
+    fn = _awq_search(tuple(site.contract[site.weight_operand]), wt, rule.weight_calibrator, gaxis,
+                     bool(rule.rotate))
+    count = chan["count"]
+    mean_abs = chan["abssum"] / count.reshape(count.shape + (1,) * (chan["abssum"].ndim - count.ndim))
+    return _vmapped(fn, depth)(w, chan["hessian"], mean_abs)
+
+
+def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
+    """Op key -> the op's transforms (an :class:`jqt.OpQParams` holding only ``smooth``
+    and ``rotate``), for every op whose rule asks for one and can take it."""
+    out, skipped, no_leaf = {}, [], []
+    for site in traced.sites():
+        rule = recipe.rule_for(site.op, site.key)
+        if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None:
+            continue
+        if not transforms.applies(site):
+            skipped.append(site.key)
+            continue
+        st = stats.get(site.key)
+        smooth = None
+        if (rule.smooth is not None or rule.awq) and st is not None and st.chan is not None:
+            w = weight_operand(site, params_t, argnums)
+            depth = site.source.stack_depth if site.source is not None else 0
+            if w is None:
+                no_leaf.append(site.key)
+            elif rule.awq:
+                wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[depth:])
+                smooth = _awq(site, rule, wt, w, st.chan, depth)
+            else:
+                smooth = smoothquant(st.chan["absmax"], w, site.contract[site.weight_operand],
+                                     float(rule.smooth), depth)
+        if smooth is None and not rule.rotate:
+            continue
+        out[site.key] = OpQParams(lhs=None, rhs=None, op=site.op, weight_operand=site.weight_operand,
+                                  source=site.source, smooth=smooth, rotate=bool(rule.rotate))
+    if skipped:
+        warnings.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
+                      "convolutions, lookups or batched dots; smooth/awq/rotate apply to dense "
+                      "ops only, so these are quantized without them.", stacklevel=3)
+    if no_leaf:
+        warnings.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "
+                      "leaves; their smoothing factor needs the weight itself, so they are not "
+                      "smoothed.", stacklevel=3)
+    return out

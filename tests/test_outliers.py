@@ -1,0 +1,305 @@
+"""The outlier algorithms: SmoothQuant, AWQ, GPTQ and Hadamard rotation, each against a
+direct NumPy reference, and on every path (integer, simulated, packed, files, export,
+scan over stacked layers, grad, report)."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+from jqt._src import transforms
+from jqt._src.gptq import gptq_weight
+
+
+def _data(seed=0, k=64, n=48, rows=32, batches=4, outliers=True):
+    rng = np.random.default_rng(seed)
+    scale = np.where(np.arange(k) % 11 == 0, 12.0, 1.0) if outliers else np.ones(k)
+    mix = rng.normal(size=(8, k))
+    xs = [((rng.normal(size=(rows, 8)) @ mix + 0.3 * rng.normal(size=(rows, k))) * scale).astype(np.float32)
+          for _ in range(batches)]
+    w = (rng.normal(size=(k, n)) * 0.1).astype(np.float32)
+    return {"w": jnp.asarray(w)}, [(jnp.asarray(x),) for x in xs]
+
+
+def f(p, x):
+    return x @ p["w"]
+
+
+def mlp(p, x):
+    return jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+def _mlp_data(seed=1):
+    p, b = _data(seed, k=64, n=128)
+    rng = np.random.default_rng(seed + 7)
+    return {"w1": p["w"], "w2": jnp.asarray(rng.normal(size=(128, 32)) * 0.1, jnp.float32)}, b
+
+
+# ---- Hadamard rotation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 12, 20, 64, 384, 768, 1536, 96])
+def test_hadamard_is_orthonormal_and_fast_path_matches_matrix(n):
+    h = transforms.hadamard_matrix(n)
+    np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-10)
+    x = np.random.default_rng(n).normal(size=(3, n)).astype(np.float32)
+    np.testing.assert_allclose(transforms.rotate(jnp.asarray(x), (1,)), x @ h, atol=2e-5)
+    np.testing.assert_allclose(transforms.rotate(transforms.rotate(jnp.asarray(x), (1,)), (1,), inverse=True),
+                               x, atol=2e-5)
+    block, _ = transforms.factors(n)
+    assert block == n  # every size here rotates over all its inputs (384 = 12 x 32)
+    # entries +-1/sqrt(n): a Hadamard matrix, so an outlier spreads evenly
+    np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(n), atol=1e-12)
+
+
+def test_transforms_are_exact_in_float_for_multi_axis_contractions():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(5, 4, 24)), jnp.float32)     # b h d
+    w = jnp.asarray(rng.normal(size=(4, 24, 7)), jnp.float32)     # h d o
+    s = jnp.asarray(rng.uniform(0.1, 10, size=(4, 24, 1)), jnp.float32)
+    ref = jnp.einsum("bhd,hdo->bo", x, w)
+    xt = transforms.activation(x, s, True, (1, 2), (0, 1))
+    wt = transforms.weight(w, s, True, (0, 1))
+    np.testing.assert_allclose(jnp.einsum("bhd,hdo->bo", xt, wt), ref, rtol=1e-4, atol=1e-4)
+
+
+# ---- SmoothQuant ---------------------------------------------------------------------------------
+
+def test_smoothquant_factor_matches_numpy_reference_and_is_exact_in_float():
+    p, batches = _data()
+    alpha = 0.5
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=alpha), p, batches, progress=False)
+    xs = np.concatenate([np.asarray(b[0]) for b in batches])
+    ref = np.abs(xs).max(0) ** alpha / np.abs(np.asarray(p["w"])).max(1) ** (1 - alpha)
+    np.testing.assert_allclose(np.asarray(qp["w"].smooth).ravel(), ref, rtol=1e-5)
+    # float: (x / s) @ (s * w) == x @ w
+    s = qp["w"].smooth
+    np.testing.assert_allclose((xs / s.ravel()) @ (s * p["w"]), xs @ p["w"], rtol=1e-4, atol=1e-4)
+    # the activation range is calibrated on x / s: its outlier channels are tamed
+    plain = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    assert float(qp["w"].lhs.scale) < 0.5 * float(plain["w"].lhs.scale)
+
+
+def _rel_err(g, p, batches, ref_f=f):
+    x = batches[0][0]
+    y, r = g(p, x), ref_f(p, x)
+    return float(jnp.sqrt(jnp.mean((y - r) ** 2) / jnp.mean(r ** 2)))
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic"])
+def test_smoothing_lowers_error_on_outlier_channels(recipe):
+    p, batches = _data()
+    make = getattr(jqt.recipes, recipe)
+    plain = jqt.quantize(f, jqt.calibrate(f, make(), p, batches, progress=False))
+    smooth = jqt.quantize(f, jqt.calibrate(f, make(smooth=0.5), p, batches, progress=False))
+    assert _rel_err(smooth, p, batches) < 0.7 * _rel_err(plain, p, batches)
+
+
+# ---- AWQ -----------------------------------------------------------------------------------------
+
+def _np_quant_groups(w, g, bits=4):
+    """Symmetric absmax int quantization per group of g rows of w (K x N), per column."""
+    k, n = w.shape
+    wg = w.reshape(k // g, g, n)
+    qmax = 2 ** (bits - 1) - 1
+    s = np.abs(wg).max(1, keepdims=True) / qmax
+    s = np.where(s == 0, 1.0, s)
+    return (np.clip(np.round(wg / s), -qmax, qmax) * s).reshape(k, n)
+
+
+def test_awq_search_matches_numpy_reference():
+    p, batches = _data()
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True), p, batches, progress=False)
+    xs = np.concatenate([np.asarray(b[0]) for b in batches]).astype(np.float64)
+    w = np.asarray(p["w"], np.float64)
+    mean_abs = np.abs(xs).mean(0)
+    best, best_err = None, np.inf
+    for i in range(20):  # AWQ's grid, the output error measured on the activations themselves
+        s = np.maximum(mean_abs ** (i / 20), 1e-4)
+        s = s / np.sqrt(s.max() * s.min())
+        wq = _np_quant_groups(w * s[:, None], 16) / s[:, None]
+        err = np.sum((xs @ (wq - w)) ** 2)
+        if err < best_err:
+            best, best_err = s, err
+    np.testing.assert_allclose(np.asarray(qp["w"].smooth).ravel(), best, rtol=1e-4)
+    plain = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+    assert _rel_err(jqt.quantize(f, qp), p, batches) < _rel_err(jqt.quantize(f, plain), p, batches)
+
+
+# ---- GPTQ ----------------------------------------------------------------------------------------
+
+def _gptq_reference(w, s, x, damp=0.01, bits=4):
+    """The published algorithm (Frantar et al. 2023, Algorithm 1, one column at a time, with
+    act-order and static scales), in NumPy float64, on W in (out, in) layout."""
+    W = w.T.copy()  # (N, K)
+    S = s.T.copy()
+    H = x.T @ x / x.shape[0]
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = np.argsort(-np.diag(H), kind="stable")
+    W, S, H = W[:, perm], S[:, perm], H[perm][:, perm]
+    H[np.diag_indices_from(H)] += damp * np.mean(np.diag(H))
+    Hinv = np.linalg.cholesky(np.linalg.inv(H)).T
+    qmax = 2 ** (bits - 1)
+    Q = np.zeros_like(W)
+    for i in range(W.shape[1]):
+        w_col = W[:, i]
+        q = np.clip(np.round(w_col / S[:, i]), -qmax, qmax - 1) * S[:, i]
+        Q[:, i] = q
+        err = (w_col - q) / Hinv[i, i]
+        W[:, i:] -= np.outer(err, Hinv[i, i:])
+    out = np.empty_like(Q)
+    out[:, perm] = Q
+    return out.T
+
+
+def test_gptq_matches_reference_algorithm():
+    rng = np.random.default_rng(3)
+    k, n = 64, 24
+    x = rng.normal(size=(512, 6)) @ rng.normal(size=(6, k)) + 0.1 * rng.normal(size=(512, k))
+    w = rng.normal(size=(k, n)) * 0.2
+    s = np.repeat(np.abs(w).reshape(4, 16, n).max(1) / 7, 16, axis=0)  # groups of 16 rows
+    ref = _gptq_reference(w, s, x)
+    ours = gptq_weight(w.astype(np.float32), s.astype(np.float32), None, x.T @ x / x.shape[0],
+                       jqt.QuantType(bits=4), block_size=16)
+    codes = lambda a: np.round(a / s)
+    assert np.mean(codes(ours) == codes(ref)) > 0.99
+    err = lambda q: np.sum((x @ (q - w)) ** 2)
+    rtn = np.clip(np.round(w / s), -8, 7) * s
+    assert err(ours) == pytest.approx(err(ref), rel=0.02)
+    assert err(ours) < 0.5 * err(rtn)
+
+
+@pytest.mark.parametrize("recipe", ["w4", "w4_awq", "w4a8_rotate", "w8a8_smooth", "nf4"])
+def test_gptq_improves_and_packs_losslessly(recipe):
+    p, batches = _mlp_data()
+    r = {"w4": jqt.recipes.w4(group_size=16), "w4_awq": jqt.recipes.w4(group_size=16, awq=True),
+         "w4a8_rotate": jqt.recipes.w4a8(group_size=16, rotate=True),
+         "w8a8_smooth": jqt.recipes.w8a8(smooth=0.5), "nf4": jqt.recipes.nf4(group_size=16)}[recipe]
+    qp = jqt.calibrate(mlp, r, p, batches, progress=False)
+    pq = jqt.gptq(mlp, qp, p, batches, progress=False)
+    assert jax.tree_util.tree_structure(pq) == jax.tree_util.tree_structure(p)
+    q = jqt.quantize(mlp, qp)
+    assert _rel_err(q, pq, batches, lambda _, x: mlp(p, x)) < _rel_err(q, p, batches, lambda _, x: mlp(p, x))
+    # on the grid: packing the re-rounded weights loses nothing
+    x = batches[0][0]
+    np.testing.assert_allclose(q(jqt.pack(qp, pq), x), q(pq, x), rtol=1e-5, atol=1e-5)
+    sim = jqt.quantize(mlp, qp, simulate=True)
+    np.testing.assert_allclose(sim(pq, x), q(pq, x), rtol=2e-3, atol=2e-3)
+
+
+# ---- every path ----------------------------------------------------------------------------------
+
+RECIPES = {
+    "w8a8_smooth": lambda: jqt.recipes.w8a8(smooth=0.5),
+    "w8a8_rotate": lambda: jqt.recipes.w8a8(rotate=True),
+    "w4_awq": lambda: jqt.recipes.w4(group_size=16, awq=True),
+    "w4a8_awq_rotate": lambda: jqt.recipes.w4a8(group_size=16, awq=True, rotate=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_integer_simulated_packed_and_files_agree(name, tmp_path):
+    p, batches = _mlp_data()
+    qp = jqt.calibrate(mlp, RECIPES[name](), p, batches, progress=False)
+    assert all(v.transformed for v in qp.values())
+    x = batches[1][0]
+    y_int = jax.jit(jqt.quantize(mlp, qp))(p, x)
+    y_sim = jqt.quantize(mlp, qp, simulate=True)(p, x)
+    packed = jqt.pack(qp, p)
+    y_pk = jax.jit(jqt.quantize(mlp, qp))(packed, x)
+    np.testing.assert_allclose(y_int, y_sim, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(y_pk, y_int, rtol=1e-4, atol=1e-4)
+    assert _rel_err(jqt.quantize(mlp, qp), p, batches, lambda _, x: mlp(p, x)) < 0.2
+    for fn in ("qp.safetensors", "qp.npz"):
+        jqt.save(os.path.join(tmp_path, fn), qp)
+        back = jqt.load(os.path.join(tmp_path, fn))
+        np.testing.assert_allclose(jqt.quantize(mlp, back)(p, x), y_int, rtol=1e-4, atol=1e-4)
+    path = os.path.join(tmp_path, "packed.safetensors")
+    jqt.save_packed(path, packed, qp)
+    np.testing.assert_allclose(jqt.quantize(mlp, qp)(jqt.load_packed(path), x), y_pk, rtol=1e-4, atol=1e-4)
+    # report on the transformed operands: finite SQNR for every op
+    rep = jqt.report(mlp, qp, p, (x,))
+    assert len(rep.rows) == 2 and all(15 < r.sqnr_isolated < 80 and r.act_clip == 0 for r in rep.rows)
+    y_vm = jax.vmap(jqt.quantize(mlp, qp), in_axes=(None, 0))(packed, jnp.stack([b[0] for b in batches[:2]]))
+    np.testing.assert_allclose(y_vm[1], jqt.quantize(mlp, qp)(packed, batches[1][0]), rtol=1e-4, atol=1e-4)
+
+
+def test_export_round_trip_with_transforms():
+    p, batches = _mlp_data()
+    qp = jqt.calibrate(mlp, jqt.recipes.w4a8(group_size=16, smooth=0.5, rotate=True), p, batches,
+                       progress=False)
+    packed = jqt.pack(qp, p)
+    x = batches[0][0]
+    exp = jax.export.export(jax.jit(jqt.quantize(mlp, qp)))(packed, x)
+    back = jax.export.deserialize(exp.serialize())
+    np.testing.assert_allclose(back.call(packed, x), jqt.quantize(mlp, qp)(packed, x), rtol=1e-5, atol=1e-5)
+    # qparams as an argument of an exported function (rotate is static aux data)
+    g = lambda qp, p, x: jqt.quantize(mlp, qp, simulate=True)(p, x)
+    exp2 = jax.export.deserialize(jax.export.export(jax.jit(g))(qp, p, x).serialize())
+    np.testing.assert_allclose(exp2.call(qp, p, x), g(qp, p, x), rtol=1e-5, atol=1e-5)
+
+
+def test_smoothing_vector_trains_with_grad_and_project():
+    p, batches = _data()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, batches, progress=False)
+    x = batches[0][0]
+    loss = lambda qp: jnp.mean((jqt.quantize(f, qp, simulate=True)(p, x) - f(p, x)) ** 2)
+    g = jax.grad(loss)(qp)
+    assert g["w"].smooth.shape == qp["w"].smooth.shape and float(jnp.abs(g["w"].smooth).sum()) > 0
+    labels = jqt.qat.labels(p, qp, train=("smoothing",))
+    assert labels[1]["w"].smooth == "train" and labels[1]["w"].lhs.scale == "freeze"
+    bad = {"w": qp["w"].__class__(**{**qp["w"].__dict__, "smooth": -qp["w"].smooth})}
+    assert float(jqt.qat.project(bad)["w"].smooth.min()) > 0
+
+
+def _stacked(p, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])
+    return h
+
+
+def test_scan_over_stacked_layers_gets_per_layer_transforms_and_gptq():
+    rng = np.random.default_rng(5)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 32, 32)) * 0.2, jnp.float32)}
+    scale = np.where(np.arange(32) % 7 == 0, 10.0, 1.0)
+    batches = [(jnp.asarray(rng.normal(size=(16, 32)) * scale, jnp.float32),) for _ in range(3)]
+    qp = jqt.calibrate(_stacked, jqt.recipes.w4a8(group_size=16, awq=True, rotate=True), p, batches,
+                       progress=False)
+    assert qp["w"].smooth.shape == (3, 32, 1)
+    assert not np.allclose(qp["w"].smooth[0], qp["w"].smooth[1])  # one search per layer
+    x = batches[0][0]
+    q = jqt.quantize(_stacked, qp)
+    np.testing.assert_allclose(q(jqt.pack(qp, p), x), jqt.quantize(_stacked, qp, simulate=True)(p, x),
+                               rtol=5e-3, atol=5e-3)
+    pq = jqt.gptq(_stacked, qp, p, batches, progress=False)
+    ref = lambda _, x: _stacked(p, x)
+    assert _rel_err(q, pq, batches, ref) < _rel_err(q, p, batches, ref)
+    np.testing.assert_allclose(q(jqt.pack(qp, pq), x), q(pq, x), rtol=1e-5, atol=1e-5)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(ValueError, match=r"alpha is a number in \[0, 1\]"):
+        jqt.recipes.w8a8(smooth=2.0)
+    with pytest.raises(ValueError, match="use awq=True"):
+        jqt.Rule(weight=jqt.recipes.INT8_WEIGHT, smooth=0.5)
+    with pytest.raises(ValueError, match="pick one"):
+        jqt.recipes.w4a8(smooth=0.5, awq=True)
+    p, batches = _data()
+    with pytest.raises(jqt.CalibrationDataError, match="twice"):
+        jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, (b for b in batches), progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+    with pytest.raises(jqt.CalibrationDataError, match="sequence"):
+        jqt.gptq(f, qp, p, iter(batches), progress=False)
+
+
+def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():
+    p, batches = _data(k=64, n=64)
+    g = lambda p, x: (x @ p["w"]) @ p["w"].T
+    qp = jqt.calibrate(g, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+    with pytest.warns(UserWarning, match="also read by"):
+        pq = jqt.gptq(g, qp, p, batches, progress=False)
+    np.testing.assert_array_equal(pq["w"], p["w"])

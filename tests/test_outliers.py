@@ -172,7 +172,9 @@ def test_gptq_matches_reference_algorithm():
     assert err(ours) < 0.5 * err(rtn)
 
 
-@pytest.mark.parametrize("recipe", ["w4", "w4_awq", "w4a8_rotate", "w8a8_smooth", "nf4"])
+@pytest.mark.parametrize("recipe", ["w4", "w4a8_rotate", pytest.param("w4_awq", marks=pytest.mark.slow),
+                                    pytest.param("w8a8_smooth", marks=pytest.mark.slow),
+                                    pytest.param("nf4", marks=pytest.mark.slow)])
 def test_gptq_improves_and_packs_losslessly(recipe):
     p, batches = _mlp_data()
     r = {"w4": jqt.recipes.w4(group_size=16), "w4_awq": jqt.recipes.w4(group_size=16, awq=True),
@@ -303,3 +305,17 @@ def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():
     with pytest.warns(UserWarning, match="also read by"):
         pq = jqt.gptq(g, qp, p, batches, progress=False)
     np.testing.assert_array_equal(pq["w"], p["w"])
+
+
+@pytest.mark.slow
+def test_fallback_can_try_an_algorithm_before_keeping_an_op_float():
+    # 'w1' reads the outlier channels: fallback moves it to a smoothed rule, 'w2' stays plain
+    p, batches = _mlp_data()
+    err = lambda g: float(jnp.mean((g(p, batches[0][0]) - mlp(p, batches[0][0])) ** 2))
+    plain = jqt.recipes.w8a8()
+    all_plain = err(jqt.quantize(mlp, jqt.calibrate(mlp, plain, p, batches, progress=False)))
+    res = jqt.fallback(mlp, plain, p, batches, err, max_drop=all_plain / 2, higher_is_better=False,
+                       to=jqt.recipes.w8a8(smooth=0.5).rules[0])
+    assert res.met and "w1" in res.kept
+    assert res.qparams["w1"].smooth is not None and res.qparams["w1"].lhs is not None
+    assert res.qparams["w2"].smooth is None or "w2" in res.kept

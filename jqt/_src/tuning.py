@@ -23,7 +23,7 @@ from .report import report
 
 
 def _as_float(p: OpQParams, note: str) -> OpQParams:
-    return dataclasses.replace(p, lhs=None, rhs=None, note=note)
+    return dataclasses.replace(p, lhs=None, rhs=None, note=note, smooth=None, rotate=False)
 
 
 def _quantized_keys(qparams):

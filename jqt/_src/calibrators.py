@@ -12,7 +12,9 @@ An activation calibrator implements, all jittable except ``range``:
   ``a`` and ``b``: associative and commutative, with ``empty`` as identity.
   jqt uses it across ``lax.scan`` / ``while_loop`` iterations, ``cond``
   branches and devices.
-* ``empty(like) -> stats``: the statistics of no data (``like`` has the shapes).
+* ``empty(like) -> stats``: the statistics of no data (``like`` has the shapes of
+  one tensor's statistics; under a ``lax.scan`` over stacked layers jqt repeats
+  them per layer).
 * ``accumulate(running, new) -> stats``: running statistics over successive
   calibration batches; ``combine`` by default.
 * ``range(stats, qtype) -> (lo, hi)``: the real range to quantize, called

@@ -13,7 +13,10 @@ that key (quantization parameters, packed weights) and ``ctx.state_out[key]``
 what it writes (calibration statistics). Under ``lax.scan`` the state of an
 op whose weight is sliced from a stacked leaf travels as ``xs``/``ys``
 (stacked ``(L, ...)``); the state of other ops is shared by all iterations
-and its outputs are reduced across iterations by the handler.
+and its outputs are reduced across iterations by the handler. Nested loops
+compose: an op under a loop over steps that holds a scan over stacked layers
+has statistics stacked by the inner scan, reduced over the outer steps (one
+set per layer); an op whose weight every loop closes over has one set.
 """
 from __future__ import annotations
 

@@ -92,20 +92,36 @@ def accumulate(running: SiteStats, new: SiteStats) -> SiteStats:
 
 
 def empty(like: SiteStats) -> SiteStats:
-    act = None if like.act is None else like.calibrator.empty(like.act)
-    weight = None
+    """The statistics of no data, shaped like ``like`` (arrays or shape structs):
+    stacked statistics (``stack_depth`` > 0) get the calibrator's empty
+    statistics once per layer."""
+    cal, act, weight = like.calibrator, None, None
+    if like.act is not None:
+        depth = stack_depth(cal, like.act)
+        one = cal.empty(jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[depth:], x.dtype), like.act))
+        act = jax.tree_util.tree_map(
+            lambda e, x: jnp.broadcast_to(jnp.asarray(e, x.dtype), jnp.shape(x)), one, like.act)
     if like.weight is not None:
-        weight = {"min": jnp.full(like.weight["min"].shape, jnp.inf, jnp.float32),
-                  "max": jnp.full(like.weight["max"].shape, -jnp.inf, jnp.float32)}
-    chan = None if like.chan is None else {k: jnp.zeros(v.shape, v.dtype) for k, v in like.chan.items()}
-    return SiteStats(act, weight, like.calibrator, chan)
+        weight = {"min": jnp.full(jnp.shape(like.weight["min"]), jnp.inf, jnp.float32),
+                  "max": jnp.full(jnp.shape(like.weight["max"]), -jnp.inf, jnp.float32)}
+    chan = None if like.chan is None else {k: jnp.zeros(jnp.shape(v), v.dtype) for k, v in like.chan.items()}
+    return SiteStats(act, weight, cal, chan)
 
 
 def reduce_stacked(stacked: SiteStats) -> SiteStats:
-    """Statistics stacked over a leading axis (scan iterations) -> their union."""
+    """Statistics stacked over a leading axis (``lax.scan`` iterations) -> their union.
+
+    The leading axis is the only one reduced: statistics that were already
+    stacked per layer (an inner ``scan`` over stacked weights) stay per layer.
+    Statistics with nothing in them (weights observed in an earlier batch, no
+    activation statistics) are returned as they are."""
+    leaves = jax.tree_util.tree_leaves(stacked)
+    if not leaves:
+        return stacked
     first = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    init = jax.tree_util.tree_map(lambda x, s: jnp.asarray(x, s.dtype), empty(first), first)
-    out, _ = lax.scan(lambda acc, s: (combine(acc, s), None), init, stacked)
+    out, _ = lax.scan(lambda acc, s: (combine(acc, s), None), empty(first), stacked,
+                      length=leaves[0].shape[0])
     return out
 
 

@@ -319,3 +319,36 @@ def test_fallback_can_try_an_algorithm_before_keeping_an_op_float():
     assert res.met and "w1" in res.kept
     assert res.qparams["w1"].smooth is not None and res.qparams["w1"].lhs is not None
     assert res.qparams["w2"].smooth is None or "w2" in res.kept
+
+
+def _decode(p, x):
+    """Steps over a scan over stacked layers: the shape of every decode loop."""
+    def step(h, _):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["w"])
+        return h, None
+    return jax.lax.scan(step, x, jnp.arange(3))[0]
+
+
+@pytest.mark.parametrize("recipe", ["w8a8_smooth", "w4_awq"])
+def test_outlier_statistics_through_nested_loops(recipe):
+    rng = np.random.default_rng(9)
+    p = {"w": jnp.asarray(rng.normal(size=(2, 32, 32)) * 0.15, jnp.float32)}
+    scale = np.where(np.arange(32) % 5 == 0, 8.0, 1.0)
+    batches = [(jnp.asarray(rng.normal(size=(8, 32)) * scale, jnp.float32),) for _ in range(2)]
+    r = {"w8a8_smooth": jqt.recipes.w8a8(smooth=0.5), "w4_awq": jqt.recipes.w4(group_size=16, awq=True)}[recipe]
+    qp = jqt.calibrate(_decode, r, p, batches, progress=False)
+    assert qp["w"].smooth.shape == (2, 32, 1)
+    if recipe == "w8a8_smooth":  # layer 0's factor from its inputs over every step of both batches
+        ins = []
+        for (x,) in batches:
+            h = x
+            for _ in range(3):
+                ins.append(h)
+                h = jnp.tanh(jnp.tanh(h @ p["w"][0]) @ p["w"][1])
+        xmax = np.abs(np.concatenate(ins)).max(0)
+        ref = np.sqrt(xmax / np.abs(np.asarray(p["w"][0])).max(1))
+        np.testing.assert_allclose(np.asarray(qp["w"].smooth[0]).ravel(), ref, rtol=1e-5)
+    x = batches[0][0]
+    q = jqt.quantize(_decode, qp)
+    np.testing.assert_allclose(q(jqt.pack(qp, p), x), jqt.quantize(_decode, qp, simulate=True)(p, x),
+                               rtol=5e-3, atol=5e-3)

@@ -78,10 +78,10 @@ class _Hessians:
 def _why_not(site, qp, traced, argnums):
     """Why GPTQ leaves op ``site`` with plain rounding, or ``None`` when it re-rounds it."""
     w = site.weight_operand
-    if qp.is_float or w is None or qp.operand(w) is None:
-        return "float"
+    if qp.is_float or w is None or qp.operand(w) is None or site.op == "gather":
+        return "n/a"  # float, or a lookup (no products to correct): nothing to say
     if not transforms.applies(site):
-        return "not a dense op (a conv, lookup or batched dot)"
+        return "not a dense op (a conv or batched dot)"
     src = site.source
     if src is None or src.arg not in argnums:
         return "its weight is not a leaf of the weights"
@@ -239,9 +239,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       ``params`` with the same structure, each re-rounded weight's values on its
       quantization grid: ``jqt.pack(qparams, result)`` stores them exactly.
 
-    Ops it leaves to plain rounding (warned): convolutions, lookups and batched
-    dots; weights computed from several leaves; weight leaves also read by
-    another op (tied embeddings).
+    Ops it leaves to plain rounding (warned): convolutions and batched dots;
+    weights computed from several leaves; weight leaves also read by another op
+    (tied embeddings). Embedding lookups keep their per-row rounding (a lookup
+    has no products whose error GPTQ could correct).
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"]
@@ -271,7 +272,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     order = list(dict.fromkeys(s.key for s in sites))
     why = {s.key: _why_not(s, qparams[s.key], traced, argnums) for s in sites}
     eligible = [k for k in order if why[k] is None]
-    skipped = [k for k in order if why[k] not in (None, "float")]
+    skipped = [k for k in order if why[k] not in (None, "n/a")]
     if skipped:
         warnings.warn("jqt.gptq: plain rounding for " + "; ".join(f"'{k}': {why[k]}" for k in skipped[:5])
                       + (" ..." if len(skipped) > 5 else ""), stacklevel=2)

@@ -3,6 +3,9 @@
 their qparams."""
 from __future__ import annotations
 
+import json
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +17,9 @@ from .qparams import PackedParams, QArray
 from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, FormatError,
                             TreeNotSerializable, is_zip, qparams_entries, versioned,
                             qparams_from_entries, Reader, version_error, write,
-                            aval_from_json, aval_to_json, qtype_from_json, qtype_to_json,
-                            treedef_from_json, treedef_to_json)
+                            aval_to_json, qtype_to_json, treedef_from_json, treedef_to_json,
+                            check_scales, describe, float32_scale, qtype_from_header, reading,
+                            is_a, json_kind)
 
 
 def leaf_paths(packed: PackedParams) -> list[str]:
@@ -48,6 +52,9 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     :func:`jqt.load_packed` checks that the weights match them. A weight scale the
     packed weight and the qparams share is stored once.
 
+    The file is written atomically: to a temporary file in the same folder, renamed onto
+    ``path`` once complete, so a failed save leaves an existing file as it was.
+
     >>> import os, tempfile, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"] + p["b"]
     >>> p = {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}
@@ -76,7 +83,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     if qparams is not None:
         check_packed(packed, qparams, fn="jqt.save_packed")
         entries, arrays = qparams_entries(
-            qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used))
+            qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used),
+            fn="jqt.save_packed")
         tensors.update(arrays)
         shared = _weight_scales(entries, arrays)
     weights = {}
@@ -86,7 +94,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             a = getattr(w, field)
             if a is None:
                 continue
-            a = np.asarray(a)
+            a = (float32_scale(a, f"packed weight '{key}' {field}", "jqt.save_packed")
+                 if field in ("scale", "zero_point") else np.asarray(a))
             same = shared.get((key, field))
             if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
                 d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
@@ -142,9 +151,14 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
       a :class:`jqt.PackedParams` with ``jax.Array`` leaves, whose pytree structure
       equals that of the saved one (so it can be passed to a function exported with it).
 
-    Raises ``ValueError`` (a ``jqt`` ``FormatError``) for a file that is not a jqt
-    packed file or has another version, and :class:`jqt.QParamsMismatchError` when the
-    weights do not match ``like`` or ``qparams``.
+    Every array is checked against the file's header (its dtype and shape) and against
+    what the format implies (codes of the weight's type and layout, int32 sums, float
+    scales, and shapes and group counts that fit together).
+
+    Raises ``ValueError`` (a ``jqt`` ``FormatError``, naming the file, what is wrong and
+    the fix) for a file that is not a jqt packed file, has another version or is damaged,
+    and :class:`jqt.QParamsMismatchError` when the weights do not match ``like`` or
+    ``qparams``.
 
     >>> import os, tempfile, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"]
@@ -160,18 +174,24 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if is_zip(path):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
-    with Reader(path, fn) as r:
+    with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError,)):
         packed, stored = _read_packed(r, path, like)
+        if qparams is None and stored is not None:
+            try:  # the file's own qparams: a mismatch means a damaged file
+                check_packed(packed, stored, fn=fn)
+            except QParamsMismatchError as e:
+                raise r.error("its packed weights do not fit the qparams stored with them ("
+                              f"{str(e).removeprefix(fn + ': ')})") from None
     if qparams is not None:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
-    elif stored is not None:
-        check_packed(packed, stored, fn=fn)
     if callable(device):
         device = device(packed)
     return jax.device_put(packed, device)
 
 
 def _read_packed(r, path, like):
+    """(PackedParams, the qparams stored with them or None) from an open file, checked
+    against its header (:func:`_check_weight`, :func:`_read_leaves`, :func:`_check_tied`)."""
     fn = "jqt.load_packed"
     if r.format == FORMAT:
         raise FormatError(f"{fn}: {path} holds qparams (saved by jqt.save), not packed weights; "
@@ -181,34 +201,220 @@ def _read_packed(r, path, like):
     if r.version not in PACKED_READ:
         raise version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
     h = r.header
-    avals = [aval_from_json(a) for a in h["avals"]]
-    if like is not None:
-        treedef = _check_like(like, avals, h["paths"], path)
-    else:
-        if h["tree"] is None and h.get("tree_error"):
-            raise FormatError(
-                f"{fn}: the params of {path} were a tree jqt cannot rebuild ({h['tree_error']}: "
-                f"{h['tree_repr'][:200]}). Pass like=params (or a pytree of jax.ShapeDtypeStruct "
-                "with the same structure, e.g. from jax.eval_shape) to rebuild it.")
-        try:
-            treedef = treedef_from_json(h["tree"])
-        except TreeNotSerializable as e:
-            raise FormatError(f"{fn}: cannot rebuild the params tree of {path}: it holds {e}. "
-                              "Pass like=params to give the structure.") from None
-    leaves = [r.get(n) for n in h["leaves"]]
-    weights = {k: _weight_from_entry(d, r.get, r.version) for k, d in h["weights"].items()}
-    packed = PackedParams(leaves, weights, treedef, avals, h["kept"], [tuple(t) for t in h.get("tied", ())])
-    stored = None if h.get("qparams") is None else qparams_from_entries(h["qparams"], r.get)
+    avals, paths = _read_avals(r, h)
+    treedef = _check_like(like, avals, paths, path) if like is not None else _read_tree(r, h, avals)
+    kept, leaves = _read_leaves(r, h, avals, paths)
+    weights = {k: _weight_from_entry(r, k, d, r.version)
+               for k, d in r.need(h, "weights", dict, "the header").items()}
+    tied = _check_tied(r, h.get("tied", []), weights)
+    packed = PackedParams(leaves, weights, treedef, avals, kept, tied)
+    stored = None if h.get("qparams") is None else qparams_from_entries(
+        h["qparams"], r, "the header's 'qparams'")
     return packed, stored
 
 
-def _weight_from_entry(d, get, version):
+def _read_avals(r, h):
+    """The avals and paths of the original params' leaves."""
+    avals = [jax.ShapeDtypeStruct(*r.aval(a, f"the header's aval #{i}"))
+             for i, a in enumerate(r.need(h, "avals", list, "the header"))]
+    paths = r.need(h, "paths", list, "the header")
+    if len(paths) != len(avals) or not all(isinstance(p, str) for p in paths):
+        raise r.error(f"the header has {len(avals)} avals but 'paths' {json.dumps(paths)[:200]}")
+    return avals, paths
+
+
+def _read_tree(r, h, avals):
+    """The params' treedef from its JSON description, with one leaf per aval."""
+    fn, path = r.fn, r.path
+    if h.get("tree") is None and h.get("tree_error"):
+        raise FormatError(
+            f"{fn}: the params of {path} were a tree jqt cannot rebuild ({h['tree_error']}: "
+            f"{str(h.get('tree_repr'))[:200]}). Pass like=params (or a pytree of "
+            "jax.ShapeDtypeStruct with the same structure, e.g. from jax.eval_shape) to rebuild "
+            "it.")
+    tree = r.need(h, "tree", (str, list, type(None)), "the header")
+    try:
+        treedef = treedef_from_json(tree)
+    except TreeNotSerializable as e:
+        raise FormatError(f"{fn}: cannot rebuild the params tree of {path}: it holds {e}. "
+                          "Pass like=params to give the structure.") from None
+    except (FormatError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise r.error(f"its params tree is malformed ({type(e).__name__}: {e})") from None
+    if treedef.num_leaves != len(avals):
+        raise r.error(f"its params tree has {treedef.num_leaves} leaves but the header has "
+                      f"{len(avals)} avals")
+    return treedef
+
+
+def _read_leaves(r, h, avals, paths):
+    """(kept leaf indices, the float leaves kept), each of its aval's shape and dtype."""
+    kept = r.need(h, "kept", list, "the header")
+    if not (all(is_a(i, int) for i in kept) and kept == sorted(set(kept))
+            and all(0 <= i < len(avals) for i in kept)):
+        raise r.error(f"the header's 'kept' {json.dumps(kept)[:200]} is not a list of distinct "
+                      f"leaf numbers below {len(avals)}")
+    names = r.need(h, "leaves", list, "the header")
+    if len(names) != len(kept):
+        raise r.error(f"the header names {len(names)} tensors for {len(kept)} kept leaves")
+    leaves = []
+    for i, n in zip(kept, names):
+        a = r.get(n, f"params leaf '{paths[i]}'")
+        if a.shape != avals[i].shape or a.dtype != avals[i].dtype:
+            raise r.error(f"tensor '{n}' (params leaf '{paths[i]}') is {describe(a)}, but the "
+                          f"header's aval is {np.dtype(avals[i].dtype).name}{list(avals[i].shape)}")
+        leaves.append(a)
+    return kept, leaves
+
+
+_LAYOUTS = ("nk", "kn", "operand", "tied")
+_FIELDS = ("values", "sums", "scale", "zero_point")
+
+
+def _weight_from_entry(r, key, d, version):
+    """A packed weight from its header entry ``d``, its arrays read and checked."""
+    where = f"packed weight '{key}'"
+    layout = r.need(d, "layout", str, where)
+    if layout not in _LAYOUTS:
+        raise r.error(f"{where}: layout {layout!r} is not one of {list(_LAYOUTS)}")
     if version == 1:  # int8 codes and sums only; quantize takes the scales from the qparams
-        return QArray(values=get(d["qvalue"]), sums=get(d["wsum"]), layout=d["layout"])
-    arrays = {f: get(d[f]) for f in ("values", "sums", "scale", "zero_point") if f in d}
-    if "values_dtype" in d:
-        arrays["values"] = np.asarray(arrays["values"]).view(FLOAT8[d["values_dtype"]])
-    return QArray(**arrays, qtype=qtype_from_json(d["qtype"]), layout=d["layout"])
+        w = QArray(values=r.get(r.need(d, "qvalue", str, where), f"{where}.values"),
+                   sums=r.get(r.need(d, "wsum", str, where), f"{where}.sums"), layout=layout)
+    else:
+        qtype = qtype_from_header(r, r.need(d, "qtype", dict, where), where)
+        arrays = {f: r.get(r.need(d, f, str, where), f"{where}.{f}") for f in _FIELDS if f in d}
+        if "values_dtype" in d:
+            arrays["values"] = _fp8_values(r, where, arrays.get("values"), d["values_dtype"], qtype)
+        w = QArray(**arrays, qtype=qtype, layout=layout)
+    _check_weight(r, where, w)
+    return w
+
+
+def _fp8_values(r, where, values, name, qtype):
+    """fp8 codes, stored as their bytes (uint8) with ``values_dtype`` naming the type."""
+    if qtype.kind != "float" or name != qtype.dtype:
+        raise r.error(f"{where}: 'values_dtype' is {json.dumps(name)}, but its type is "
+                      f"{qtype.dtype}")
+    if values is None or values.dtype != np.uint8:
+        got = "no values" if values is None else f"values {describe(values)}"
+        raise r.error(f"{where} has {got}; {name} codes are stored as their bytes (uint8)")
+    return values.view(FLOAT8[name])
+
+
+def _values_dtypes(w):
+    """The dtypes a packed weight's codes can have: its type's storage, or uint8 for two
+    codes of 4 bits per byte (always in "nk" and "kn"; for a lookup table when its rows
+    are of even length)."""
+    q = w.qtype
+    if not q.packs_nibbles:
+        return (q.storage,)
+    nibbles, codes = np.dtype(np.uint8), np.dtype(np.int8)
+    return (nibbles,) if w.layout in ("nk", "kn") else (codes, nibbles)
+
+
+def _check_weight(r, where, w):
+    """What the format implies for a packed weight: the dtypes of its codes (by type and
+    layout), sums (int32), scale and zero point (float32), and shapes that fit together."""
+    check_scales(r, where, w.scale, w.zero_point)
+    if w.sums is not None and w.sums.dtype != np.int32:
+        raise r.error(f"{where}.sums are {describe(w.sums)}; sums of codes are int32")
+    if w.layout == "tied":  # its scales are checked against the codes it reads (_check_tied)
+        if w.values is not None or w.sums is not None:
+            raise r.error(f"{where} has layout 'tied' but holds codes or sums of its own")
+        return
+    if w.values is None:
+        raise r.error(f"{where} has no values (codes)")
+    want = _values_dtypes(w)
+    if w.values.dtype not in want:
+        raise r.error(f"{where}.values are {describe(w.values)}, but a {w.qtype.describe()} weight "
+                      f"in layout '{w.layout}' stores {' or '.join(d.name for d in want)} codes")
+    if w.layout in ("nk", "kn"):
+        _check_dense(r, where, w, values_shape(w))
+    else:
+        _check_operand(r, where, w, values_shape(w))
+
+
+def _check_dense(r, where, w, shape):
+    """Codes of a matmul, (stacked..., N, K) in "nk" or (stacked..., K, N) in "kn": sums
+    (stacked..., N), per group (..., N, G) or (..., G, N); one scale per output channel
+    (and per group of the innermost contracted axis, whose groups divide those of K)."""
+    if len(shape) < 2:
+        raise r.error(f"{where}.values have shape {list(w.values.shape)}; '{w.layout}' codes "
+                      "have two axes after any stacked ones")
+    stack, (n, k) = shape[:-2], (shape[-2:] if w.layout == "nk" else shape[-2:][::-1])
+    g = w.qtype.group_size
+    if g and k % g:
+        raise r.error(f"{where}: its {k} contracted elements are no whole number of groups of {g}")
+    groups = k // g if g else 1
+    if w.sums is not None:
+        want = stack + ((n,) if not g else (n, groups) if w.layout == "nk" else (groups, n))
+        if w.sums.shape != want:
+            raise r.error(f"{where}.sums have shape {list(w.sums.shape)}; codes of shape "
+                          f"{list(shape)} in layout '{w.layout}' have sums of shape {list(want)}")
+    if w.scale is None or w.scale.ndim == 0:
+        return
+    outer, size = math.prod(stack), w.scale.size
+    if not w.qtype.per_channel:
+        ok = size in (1, outer)
+    elif outer * n == 0:
+        ok = size == 0
+    else:  # per output channel, and per group: a divisor of K's groups (of its last axis)
+        per, rest = divmod(size, outer * n)
+        ok = rest == 0 and per >= 1 and (groups % per == 0 if g else per == 1)
+    if not ok:
+        raise r.error(f"{where}.scale has shape {list(w.scale.shape)}, which does not fit codes of "
+                      f"shape {list(shape)} in layout '{w.layout}' ({n} output channels, "
+                      f"{w.qtype.describe()})")
+
+
+def _check_operand(r, where, w, shape):
+    """Codes in the op's own layout (or a lookup's table): scales, zero points and sums
+    fit them (:func:`_fits`; sums have no groups)."""
+    for name in ("scale", "zero_point", "sums"):
+        a = getattr(w, name)
+        if a is None or (a.ndim == 0 and name != "sums"):
+            continue
+        if not _fits(a.shape, shape, w.qtype.group_size if name != "sums" else 0):
+            raise r.error(f"{where}.{name} has shape {list(a.shape)}, which does not fit codes of "
+                          f"shape {list(shape)} (layout '{w.layout}', {w.qtype.describe()})")
+
+
+def _fits(small, shape, g):
+    """Whether an array of shape ``small`` holds one value per channel of codes of
+    ``shape``: the same rank, each axis of length 1 (shared) or the codes' length; with
+    groups of ``g``, one axis holds the number of groups along it instead."""
+    if len(small) != len(shape):
+        return False
+    plain = [s in (1, m) for s, m in zip(small, shape)]
+    if not g:
+        return all(plain)
+    grouped = [m % g == 0 and s == m // g for s, m in zip(small, shape)]
+    return all(p or q for p, q in zip(plain, grouped)) and any(grouped)
+
+
+def _check_tied(r, tied, weights):
+    """``tied``: pairs (lookup key, matmul key). The lookup's weight (layout "tied") holds
+    no codes and reads the matmul's 2-D codes, of the same type, whose table (the codes,
+    or their transpose in "kn") its scales fit."""
+    if not isinstance(tied, list):
+        raise r.error(f"the header's 'tied' is {json_kind(tied)}, expected a list of pairs")
+    for t in tied:
+        if not (isinstance(t, list) and len(t) == 2
+                and all(isinstance(k, str) and k in weights for k in t)):
+            raise r.error(f"the header's 'tied' entry {json.dumps(t)} is not a pair of packed "
+                          "weights")
+        g, m = (weights[k] for k in t)
+        if g.layout != "tied" or m.layout not in ("nk", "kn") or m.values.ndim != 2 \
+                or g.qtype != m.qtype:
+            raise r.error(f"the header ties packed weight '{t[0]}' (layout '{g.layout}', "
+                          f"{g.qtype.describe()}) to '{t[1]}' (layout '{m.layout}', "
+                          f"{m.qtype.describe()}); a tied lookup reads the 2-D codes of a matmul "
+                          "of its type")
+        table = values_shape(m)
+        _check_operand(r, f"packed weight '{t[0]}'", g, table if m.layout == "nk" else table[::-1])
+    loose = sorted(set(k for k, w in weights.items() if w.layout == "tied") - {t[0] for t in tied})
+    if loose:
+        raise r.error(f"packed weight '{loose[0]}' has layout 'tied' but is tied to no matmul")
+    return [tuple(t) for t in tied]
 
 
 def _check_like(like, avals, paths, path):

@@ -1,0 +1,690 @@
+"""Files that fail safely: saves are atomic, loads check every array against the header.
+
+- Fault injection: a save of each format (qparams in safetensors and in ``.npz``, packed
+  weights) is interrupted at every write it makes (each chunk of the file, the JSON
+  header, the ``fsync`` calls, the rename); the previous file must still load, equal to
+  what it was, and no temporary file may be left behind.
+- Fuzzing (hypothesis): small valid files with bytes flipped, cut, inserted or deleted,
+  and with targeted edits of their headers (a tensor's dtype or shape, any field of the
+  jqt header, the list of tensors dropped as in files from before it existed). Every
+  load either raises jqt's ``FormatError`` naming the file, or returns qparams or packed
+  weights that pass an independent check.
+- Targeted cases: a packed weight re-typed to uint8, a scale of the wrong shape, a
+  truncated file, a header that is not JSON, a missing field.
+"""
+import json
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jqt
+from jqt._src.serialization import FormatError
+
+
+def mlp(p, x):
+    h = jax.nn.relu(x @ p["l1"]["w"] + p["l1"]["b"])
+    return h @ p["l2"]["w"] + p["l2"]["b"]
+
+
+def embed(p, ids):  # a lookup and a matmul, int4 with groups: nibbles, grouped sums and scales
+    return jax.nn.gelu(p["emb"][ids]) @ p["w"]
+
+
+W4A8 = jqt.Recipe(rules=(jqt.Rule(
+    weight=jqt.QuantType(bits=4, symmetric=False, group_size=16),
+    activation=jqt.QuantType(bits=8, symmetric=False),
+    embedding=jqt.QuantType(bits=4, group_size=16)),))
+
+
+@pytest.fixture(scope="module")
+def models():
+    k = jax.random.split(jax.random.key(0), 6)
+    p = {"l1": {"w": jax.random.normal(k[0], (16, 32)) * 0.3, "b": jnp.full((32,), 0.1)},
+         "l2": {"w": jax.random.normal(k[1], (32, 8)) * 0.2, "b": jnp.zeros(8)}}
+    qp = jqt.calibrate(mlp, jqt.recipes.w8a8(), p, [(jax.random.normal(k[2], (4, 16)),)],
+                       progress=False)
+    pe = {"emb": jax.random.normal(k[3], (10, 32)), "w": jax.random.normal(k[4], (32, 16)) * 0.2}
+    ids = jax.random.randint(k[5], (2, 3), 0, 10)
+    qe = jqt.calibrate(embed, W4A8, pe, [(ids,)], progress=False)
+    return {"mlp": (qp, jqt.pack(qp, p)), "int4": (qe, jqt.pack(qe, pe))}
+
+
+# ============================================================ helpers
+
+def _save_packed_with_qparams(path, obj):
+    jqt.save_packed(path, *obj)
+
+
+KINDS = {  # kind -> (file name, save(path, obj), load(path), old and new objects from models)
+    "qparams.safetensors": ("qp.safetensors", jqt.save, jqt.load,
+                            lambda m: (m["mlp"][0], m["int4"][0])),
+    "qparams.npz": ("qp.npz", jqt.save, jqt.load, lambda m: (m["mlp"][0], m["int4"][0])),
+    "packed": ("model.safetensors", _save_packed_with_qparams, jqt.load_packed,
+               lambda m: ((m["mlp"][1], m["mlp"][0]), (m["int4"][1], m["int4"][0]))),
+}
+
+
+def _assert_same(a, b):
+    """Same pytree structure and the same arrays, byte for byte."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert x.tobytes() == y.tobytes()
+
+
+def _content(obj):
+    """What a loaded file should equal: the packed weights for a packed file."""
+    return obj[0] if isinstance(obj, tuple) else obj
+
+
+def _st_split(data):
+    """A safetensors file's (header dict, tensor bytes)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _st_join(header, body):
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return len(h).to_bytes(8, "little") + h + body
+
+
+def _read_st(path):
+    with safetensors.safe_open(path, framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+
+
+def _rewrite(src, dst, tensors=None, header=None, drop_list=False):
+    """Copies a jqt safetensors file, changing its tensors and header in place (as a tool
+    rewriting the file would); ``drop_list``: without the header's list of tensors (as a
+    file written before it existed)."""
+    arrays, meta = _read_st(src)
+    h = json.loads(meta["jqt"])
+    if tensors:
+        tensors(arrays)
+    if header:
+        header(h)
+    if drop_list:
+        h.pop("tensors")
+    safetensors.numpy.save_file(arrays, dst, metadata=dict(meta, jqt=json.dumps(h)))
+
+
+def _rewrite_npz(src, dst, arrays=None, header=None):
+    with np.load(src) as z:
+        members = {k: z[k] for k in z.files}
+    h = json.loads(members["__header__"].tobytes().decode())
+    if arrays:
+        arrays(members)
+    if header:
+        header(h)
+    members["__header__"] = np.frombuffer(json.dumps(h).encode(), np.uint8)
+    with open(dst, "wb") as fh:
+        np.savez(fh, **members)
+
+
+def _rejects(load, path, *patterns):
+    """``load(path)`` raises jqt's FormatError naming the file and each pattern."""
+    with pytest.raises(FormatError) as e:
+        load(path)
+    msg = str(e.value)
+    assert path in msg, msg
+    for p in patterns:
+        assert p in msg, (p, msg)
+    return msg
+
+
+# ============================================================ atomic saves, fault injection
+
+
+class Injected(OSError):
+    """The fault the tests inject (a full disk, an I/O error)."""
+
+
+def _fail_on(k, calls, exc=Injected):
+    """A decorator: ``fn``, counting its calls in ``calls`` and raising ``exc`` at call k
+    (never for k = 0)."""
+    def wrap(fn):
+        def failing(*a, **kw):
+            calls.append(1)
+            if len(calls) == k:
+                raise exc(f"injected fault at call {k} of {fn.__name__}")
+            return fn(*a, **kw)
+        return failing
+    return wrap
+
+
+class _FailingFile:
+    """A file object whose ``write`` is ``write(fh.write)`` (a :func:`_fail_on` decorator);
+    the rest delegates to ``fh``."""
+
+    def __init__(self, fh, write):
+        self._fh, self.write = fh, write(fh.write)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def _patch_writes(monkeypatch, kind, wrap):
+    """Routes every write of the file's bytes through ``wrap``: the file object np.savez
+    writes to, or a save_file that writes safetensors' bytes in 8 chunks."""
+    if kind == "qparams.npz":
+        savez = np.savez
+        monkeypatch.setattr(np, "savez", lambda fh, **kw: savez(_FailingFile(fh, wrap), **kw))
+        return
+
+    def save_file(tensors, filename, metadata=None):
+        data = safetensors.numpy.save(tensors, metadata=metadata)
+        step = -(-len(data) // 8)
+        with open(filename, "wb") as fh:
+            write = wrap(fh.write)
+            for i in range(0, len(data), step):
+                write(data[i:i + step])
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+
+
+def _patch(monkeypatch, kind, target, wrap):
+    if target == "write":
+        _patch_writes(monkeypatch, kind, wrap)
+    else:
+        module, name = {"json.dumps": (json, "dumps"), "os.fsync": (os, "fsync"),
+                        "os.replace": (os, "replace")}[target]
+        monkeypatch.setattr(module, name, wrap(getattr(module, name)))
+
+
+def _calls(kind, target, save, new, path):
+    """How many calls of ``target`` a save to ``path`` makes (writes, JSON dumps, fsyncs,
+    renames)."""
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        _patch(mp, kind, target, _fail_on(0, calls))
+        save(path, new)
+    return len(calls)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_save_interrupted_at_any_write_leaves_the_old_file(tmp_path, models, kind):
+    name, save, load, objs = KINDS[kind]
+    old, new = objs(models)
+    folder = tmp_path / "files"
+    folder.mkdir()
+    path = str(folder / name)
+    save(path, old)
+    good = open(path, "rb").read()
+    tried = 0
+    for target in ("write", "json.dumps", "os.fsync", "os.replace"):
+        n = _calls(kind, target, save, new, str(tmp_path / name))
+        assert n >= 1, target
+        for k in range(1, n + 1):
+            open(path, "wb").write(good)
+            with pytest.MonkeyPatch.context() as mp:
+                _patch(mp, kind, target, _fail_on(k, []))
+                try:
+                    save(path, new)
+                    saved = True
+                except Injected:
+                    saved = False
+            assert os.listdir(folder) == [name], (target, k)  # no temporary file left
+            if saved:  # only the last fsync (of the folder, after the rename) may fail silently
+                assert (target, k) == ("os.fsync", n)
+                _assert_same(load(path), _content(new))
+            else:
+                assert open(path, "rb").read() == good, (target, k)
+                _assert_same(load(path), _content(old))
+            tried += 1
+    assert tried >= 12
+    save(path, new)  # and without faults, the new content replaces the old
+    _assert_same(load(path), _content(new))
+    assert os.listdir(folder) == [name]
+
+
+def test_an_interrupt_mid_write_and_a_failed_first_save(tmp_path, models):
+    qp, new = models["mlp"][0], models["int4"][0]
+    path = str(tmp_path / "qp.npz")
+    jqt.save(path, qp)
+    with pytest.MonkeyPatch.context() as mp:  # Ctrl-C (a BaseException) in the third write
+        _patch(mp, "qparams.npz", "write", _fail_on(3, [], KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            jqt.save(path, new)
+    assert os.listdir(tmp_path) == ["qp.npz"]
+    _assert_same(jqt.load(path), qp)
+    fresh = str(tmp_path / "new.safetensors")  # no previous file: none is left behind
+    with pytest.MonkeyPatch.context() as mp:
+        _patch(mp, "qparams.safetensors", "os.replace", _fail_on(1, []))
+        with pytest.raises(Injected):
+            jqt.save(fresh, qp)
+    assert os.listdir(tmp_path) == ["qp.npz"]
+
+
+def test_a_save_keeps_the_file_mode_and_writes_through_a_link(tmp_path, models):
+    qp, new = models["mlp"][0], models["int4"][0]
+    path = str(tmp_path / "qp.safetensors")
+    jqt.save(path, qp)
+    os.chmod(path, 0o640)
+    link = str(tmp_path / "link.safetensors")
+    os.symlink(path, link)
+    jqt.save(link, new)
+    assert os.path.islink(link) and stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    _assert_same(jqt.load(path), new)
+    assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "qp.safetensors"]
+
+
+# ============================================================ loads checked: targeted cases
+
+
+@pytest.fixture(scope="module")
+def files(models, tmp_path_factory):
+    """Small valid files: qparams (safetensors, npz), packed weights with their qparams
+    (int8) and without (int4 with groups)."""
+    d = tmp_path_factory.mktemp("valid")
+    names = {"qp": "qp.safetensors", "npz": "qp.npz", "packed": "model.safetensors",
+             "int4": "int4.safetensors"}
+    out = {k: str(d / n) for k, n in names.items()}
+    jqt.save(out["qp"], models["mlp"][0])
+    jqt.save(out["npz"], models["mlp"][0])
+    jqt.save_packed(out["packed"], models["mlp"][1], models["mlp"][0])
+    jqt.save_packed(out["int4"], models["int4"][1])
+    return out
+
+
+def _uint8(key):
+    return lambda t: t.__setitem__(key, t[key].view(np.uint8))
+
+
+def test_a_packed_weight_retyped_to_uint8_is_rejected(tmp_path, files, models):
+    key = "packed/l1/w/values"
+    assert _read_st(files["packed"])[0][key].dtype == np.int8
+    bad = str(tmp_path / "retyped.safetensors")
+    _rewrite(files["packed"], bad, tensors=_uint8(key))  # the header still says int8
+    _rejects(jqt.load_packed, bad, f"tensor '{key}'", "is uint8[32, 16], but the header says "
+             "int8[32, 16]", "Re-save it with jqt.save_packed")
+
+    def list_says_uint8(h):
+        h["tensors"][key][1] = "uint8"
+
+    # the header's list changed too, or a file from before the list: what the format implies
+    for kw in (dict(header=list_says_uint8), dict(drop_list=True)):
+        _rewrite(files["packed"], bad, tensors=_uint8(key), **kw)
+        _rejects(jqt.load_packed, bad, "packed weight 'l1/w'.values are uint8[32, 16]",
+                 "layout 'nk' stores int8 codes")
+    # int4 codes (two per byte, uint8) re-typed to int8
+    key4 = "packed/w/values"
+    _rewrite(files["int4"], bad, tensors=lambda t: t.__setitem__(key4, t[key4].view(np.int8)),
+             drop_list=True)
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.values are int8", "stores uint8 codes")
+    # sums and scales of another type
+    for name, dtype in (("packed/l1/w/sums", np.float32), ("qparams/l1/w/rhs.scale", np.int32)):
+        _rewrite(files["packed"], bad, drop_list=True,
+                 tensors=lambda t: t.__setitem__(name, t[name].view(dtype)))
+        _rejects(jqt.load_packed, bad, "packed weight 'l1/w'")
+    # a float leaf re-typed: checked against the params' avals
+    _rewrite(files["packed"], bad, drop_list=True,
+             tensors=lambda t: t.__setitem__("params/l1/b", t["params/l1/b"].view(np.int32)))
+    _rejects(jqt.load_packed, bad, "'params/l1/b' (params leaf 'l1/b') is int32[32]",
+             "aval is float32[32]")
+
+
+def test_a_scale_of_the_wrong_shape_is_rejected(tmp_path, files):
+    bad = str(tmp_path / "bad.safetensors")
+    # the int8 weight's scale (shared with the qparams), transposed: the header says (1, 32)
+    scale = "qparams/l1/w/rhs.scale"
+    transpose = lambda t: t.__setitem__(scale, t[scale].reshape(32, 1))
+    _rewrite(files["packed"], bad, tensors=transpose)
+    _rejects(jqt.load_packed, bad, f"tensor '{scale}'", "is float32[32, 1], but the header says "
+             "float32[1, 32]")
+    _rewrite(files["packed"], bad, tensors=transpose, drop_list=True)  # its contracted axis
+    _rejects(jqt.load_packed, bad, "op 'l1/w' rhs.scale has shape [32, 1]", "contracted axes [0]")
+    _rewrite(files["qp"], bad, drop_list=True,
+             tensors=lambda t: t.__setitem__("l1/w/rhs.scale", t["l1/w/rhs.scale"].reshape(32, 1)))
+    _rejects(jqt.load, bad, "op 'l1/w' rhs.scale has shape [32, 1]", "Re-save it with jqt.save ")
+    # int4 codes with groups: a scale with another number of groups, sums of another shape
+    def half(*names):
+        return lambda t: t.update({n: np.ascontiguousarray(t[n][..., :1]) for n in names})
+
+    _rewrite(files["int4"], bad, tensors=half("packed/w/scale", "packed/w/zero_point"),
+             drop_list=True)
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.scale has shape [2, 1]",
+             "does not fit codes of shape [16, 32] in layout 'nk'")
+    _rewrite(files["int4"], bad, tensors=half("packed/w/sums"), drop_list=True)
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.sums have shape [16, 1]", "[16, 2]")
+    _rewrite(files["int4"], bad, tensors=half("packed/emb/scale"), drop_list=True)
+    _rejects(jqt.load_packed, bad, "packed weight 'emb'.scale has shape [10, 1]", "g16")
+    # a zero point of another shape than its scale, in the legacy .npz
+    npz = str(tmp_path / "bad.npz")
+    _rewrite_npz(files["npz"], npz, arrays=lambda a: a.__setitem__("0.lhs.zero_point",
+                                                                   np.zeros((2,), np.float32)))
+    _rejects(jqt.load, npz, "'0.lhs.zero_point'", "is float32[2], but the header says float32[]")
+
+
+def test_a_truncated_file_is_rejected(tmp_path, files):
+    for key, load in (("qp", jqt.load), ("npz", jqt.load), ("packed", jqt.load_packed),
+                      ("int4", jqt.load_packed)):
+        data = open(files[key], "rb").read()
+        for cut in (3, 8, 40, len(data) // 2, len(data) - 1):
+            bad = str(tmp_path / f"cut{cut}{os.path.splitext(files[key])[1]}")
+            open(bad, "wb").write(data[:cut])
+            _rejects(load, bad)
+
+
+def test_a_header_that_is_not_json_is_rejected(tmp_path, files):
+    bad = str(tmp_path / "bad.safetensors")
+    arrays, meta = _read_st(files["packed"])
+    safetensors.numpy.save_file(arrays, bad, metadata=dict(meta, jqt='{"format": "jqt.packed",'))
+    _rejects(jqt.load_packed, bad, "its header is not valid JSON",
+             "Re-save it with jqt.save_packed")
+    safetensors.numpy.save_file(arrays, bad, metadata=dict(meta, jqt="[1, 2]"))
+    _rejects(jqt.load_packed, bad, "its header is a list, expected a JSON object")
+    npz = str(tmp_path / "bad.npz")
+    with np.load(files["npz"]) as z:
+        members = {k: z[k] for k in z.files}
+    members["__header__"] = np.frombuffer(b"\xff{not json", np.uint8)
+    np.savez(npz, **members)
+    _rejects(jqt.load, npz, "its header is not valid JSON", "Re-save it with jqt.save")
+
+
+def test_a_missing_or_mistyped_field_is_rejected(tmp_path, files):
+    bad = str(tmp_path / "bad.safetensors")
+    cases = [  # (file, load, change of the jqt header, what the error names)
+        ("packed", jqt.load_packed, lambda h: h.pop("weights"), "the header has no 'weights'"),
+        ("packed", jqt.load_packed, lambda h: h["weights"]["l1/w"].pop("qtype"),
+         "packed weight 'l1/w' has no 'qtype'"),
+        ("packed", jqt.load_packed, lambda h: h["weights"]["l1/w"].update(layout="kn"),
+         "packed weight 'l1/w'.sums have shape [32]"),
+        ("packed", jqt.load_packed, lambda h: h["weights"]["l1/w"]["qtype"].update(bits=4),
+         "is not a jqt.QuantType"),
+        ("packed", jqt.load_packed, lambda h: h["avals"].pop(), "the header has 3 avals"),
+        ("packed", jqt.load_packed, lambda h: h.update(kept=[1, 3, 3]), "'kept' [1, 3, 3]"),
+        ("packed", jqt.load_packed, lambda h: h.update(tree=["dict", ["l1"], ["*"]]),
+         "params tree has 1 leaves but the header has 4 avals"),
+        ("packed", jqt.load_packed, lambda h: h.update(tree=["set", []]),
+         "its params tree is malformed"),
+        ("packed", jqt.load_packed, lambda h: h["weights"]["l1/w"].update(scale="nope"),
+         "packed weight 'l1/w'.scale is tensor \"nope\", which the file does not hold"),
+        ("packed", jqt.load, lambda h: h["qparams"]["l2/w"].pop("source"),
+         "op 'l2/w' has no 'source'"),
+        ("qp", jqt.load, lambda h: h.pop("ops"), "the header has no 'ops'"),
+        ("qp", jqt.load, lambda h: h["ops"]["l1/w"].update(weight_operand=True),
+         "'weight_operand' is a boolean"),
+        ("qp", jqt.load, lambda h: h["ops"]["l1/w"]["rhs"]["qtype"].update(dtype="int33"),
+         "op 'l1/w' rhs: 'qtype'"),
+        ("qp", jqt.load, lambda h: h["tensors"]["l1/w/rhs.scale"].__setitem__(1, "float99"),
+         "'float99' is not a dtype this jqt knows"),
+        ("qp", jqt.load, lambda h: h["tensors"].pop("l1/w/rhs.scale"),
+         "the file holds tensor 'l1/w/rhs.scale', which its header does not list"),
+    ]
+    for key, load, change, pattern in cases:
+        _rewrite(files[key], bad, header=change)
+        _rejects(load, bad, pattern)
+    # the header's format and version against the plain metadata entries
+    arrays, meta = _read_st(files["qp"])
+    safetensors.numpy.save_file(arrays, bad, metadata=dict(meta, version="2"))
+    _rejects(jqt.load, bad, "its metadata says version '2' but its 'jqt' header says 3")
+    npz = str(tmp_path / "bad.npz")
+    _rewrite_npz(files["npz"], npz, header=lambda h: h["ops"]["l1/w"].pop("rhs"))
+    _rejects(jqt.load, npz, "op 'l1/w' has no 'rhs'")
+
+
+def test_files_without_the_list_of_tensors_still_load(tmp_path, files, models):
+    """Files written before the header listed its tensors load, checked by their format."""
+    for key, load, want in (("qp", jqt.load, models["mlp"][0]),
+                            ("packed", jqt.load_packed, models["mlp"][1]),
+                            ("int4", jqt.load_packed, models["int4"][1])):
+        old = str(tmp_path / f"old_{key}.safetensors")
+        _rewrite(files[key], old, drop_list=True)
+        _assert_same(load(old), want)
+    npz = str(tmp_path / "old.npz")
+    _rewrite_npz(files["npz"], npz, header=lambda h: h.pop("tensors"))
+    _assert_same(jqt.load(npz), models["mlp"][0])
+
+
+# ============================================================ loads checked: fuzzing
+
+FUZZ = settings(max_examples=150, deadline=None)
+
+
+def _check_qparams(qp, want):
+    """An independent check of loaded qparams: the types jqt builds, float scales and
+    zero points of one shape; with the original's structure, its shapes and dtypes."""
+    assert isinstance(qp, dict)
+    for p in qp.values():
+        assert isinstance(p, jqt.OpQParams) and p.weight_operand in (None, 0, 1)
+        for q in (p.lhs, p.rhs):
+            if q is None:
+                continue
+            assert isinstance(q, jqt.QArray) and isinstance(q.qtype, jqt.QuantType)
+            for a in (q.scale, q.zero_point):
+                assert a is None or a.dtype == jnp.float32
+            assert q.zero_point is None or q.zero_point.shape == q.scale.shape
+    _same_avals_if_same_tree(qp, want)
+
+
+def _check_packed(pk, want):
+    """An independent check of loaded packed weights: float leaves as their avals, codes
+    of their type's dtype (uint8 for 4-bit codes in a matmul's layout), int32 sums, float
+    scales; with the original's structure, its shapes and dtypes."""
+    assert isinstance(pk, jqt.PackedParams) and pk.treedef.num_leaves == len(pk.avals)
+    for i, x in zip(pk.kept, pk.leaves):
+        assert x.shape == pk.avals[i].shape and x.dtype == pk.avals[i].dtype
+    tied = dict(pk.tied)
+    for key, w in pk.weights.items():
+        q, v = w.qtype, w.values
+        if w.layout == "tied":
+            assert v is None and key in tied
+            continue
+        if q.kind == "float":
+            assert v.dtype == q.storage
+        elif q.bits <= 4:
+            nibbles = (jnp.uint8,) if w.layout in ("nk", "kn") else (jnp.int8, jnp.uint8)
+            assert v.dtype in nibbles
+        else:
+            assert v.dtype == q.storage
+        assert w.sums is None or w.sums.dtype == jnp.int32
+        for a in (w.scale, w.zero_point):
+            assert a is None or a.dtype == jnp.float32
+    _same_avals_if_same_tree(pk, want)
+
+
+def _same_avals_if_same_tree(got, want):
+    if want is not None and jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want):
+        for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert (np.shape(x), np.asarray(x).dtype) == (np.shape(y), np.asarray(y).dtype)
+
+
+FUZZED = {  # file -> (load, independent check, original)
+    "qp": (jqt.load, _check_qparams, lambda m: m["mlp"][0]),
+    "npz": (jqt.load, _check_qparams, lambda m: m["mlp"][0]),
+    "packed": (jqt.load_packed, _check_packed, lambda m: m["mlp"][1]),
+    "int4": (jqt.load_packed, _check_packed, lambda m: m["int4"][1]),
+}
+
+
+def _outcome(key, data, models, folder, outcomes, listed=True):
+    """Writes ``data`` and loads it: jqt's FormatError naming the file and saying what
+    is wrong (a check, not the catch-all), or a load that passes the independent check.
+    ``listed``: the header still lists its tensors as written (then a load has the
+    original's shapes and dtypes, if it has its structure)."""
+    load, check, want = FUZZED[key]
+    path = os.path.join(folder, "fuzzed" + (".npz" if key == "npz" else ".safetensors"))
+    with open(path, "wb") as fh:
+        fh.write(data)
+    try:
+        out = load(path)
+    except FormatError as e:
+        assert path in str(e), str(e)
+        assert "reading it failed" not in str(e), str(e)  # every damage found by a named check
+        outcomes.append("error")
+        return
+    check(out, want(models) if listed else None)
+    outcomes.append("loaded")
+
+
+def _header_span(key, data):
+    """Where a file's JSON header lies: a safetensors header, or the .npz's header member."""
+    if key == "npz":
+        start = data.index(b'{"format"')
+        return start, data.index(b"}", data.index(b'"tensors"')) + 2
+    return 0, 8 + int.from_bytes(data[:8], "little")
+
+
+POSITION = st.tuples(st.booleans(), st.floats(0, 1, exclude_max=True))  # (in the header?, where)
+BYTE_EDIT = st.one_of(
+    st.tuples(st.just("flip"), POSITION, st.integers(0, 7)),
+    st.tuples(st.just("cut"), POSITION),
+    st.tuples(st.just("insert"), POSITION, st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("delete"), POSITION, st.integers(1, 16)),
+)
+
+
+def _edit_bytes(data, span, edit):
+    kind, (in_header, frac) = edit[0], edit[1]
+    lo, hi = span if in_header else (0, len(data))
+    i = min(lo + int(frac * (hi - lo)), len(data) - 1)
+    if kind == "flip":
+        return data[:i] + bytes([data[i] ^ (1 << edit[2])]) + data[i + 1:]
+    if kind == "cut":
+        return data[:i]
+    if kind == "insert":
+        return data[:i] + edit[2] + data[i:]
+    return data[:i] + data[i + edit[2]:]
+
+
+@pytest.fixture(scope="module")
+def valid(files):
+    return {k: open(p, "rb").read() for k, p in files.items()}
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.mark.parametrize("key", list(FUZZED))
+def test_fuzzed_bytes_load_or_raise_a_format_error(valid, models, fuzz_dir, key):
+    outcomes = []
+
+    @FUZZ
+    @given(st.lists(BYTE_EDIT, min_size=1, max_size=3))
+    def run(edits):
+        data = valid[key]
+        for e in edits:
+            data = _edit_bytes(data, _header_span(key, valid[key]), e) if data else data
+        _outcome(key, data, models, fuzz_dir, outcomes)
+
+    run()
+    assert "error" in outcomes
+
+
+# header edits: a tensor's dtype or shape in the safetensors header (or the .npz member);
+# any field of the jqt header replaced or deleted; the list of tensors dropped
+DTYPES = ["BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "I16", "U16", "F16", "BF16", "I32", "U32",
+          "F32", "I64", "U64", "F64"]
+NP_DTYPES = ["bool", "uint8", "int8", "int16", "float16", "int32", "uint32", "float32", "int64",
+             "float64"]
+DELETE = object()
+JSON_VALUE = st.one_of(
+    st.just(DELETE), st.none(), st.booleans(), st.integers(-2, 70000),
+    st.sampled_from(["", "*", "x", "int4", "int8", "uint8", "int32", "float32", "float8_e4m3fn",
+                     "nf4", "nk", "kn", "operand", "tied", "dict", "jqt.packed", "jqt.qparams",
+                     "packed/l1/w/values", "l1/w/rhs.scale"]),
+    st.lists(st.integers(-1, 64), max_size=3),
+    st.dictionaries(st.sampled_from(["dtype", "bits", "group_size", "format"]),
+                    st.integers(0, 64), max_size=2),
+)
+HEADER_EDIT = st.one_of(
+    st.tuples(st.just("dtype"), st.floats(0, 1, exclude_max=True), st.integers(0, 99)),
+    st.tuples(st.just("shape"), st.floats(0, 1, exclude_max=True),
+              st.sampled_from(["reverse", "flatten", "add1", "drop1", "double"])),
+    st.tuples(st.just("jqt"), st.floats(0, 1, exclude_max=True), JSON_VALUE),
+    st.tuples(st.just("drop_list")),
+)
+
+
+def _nodes(x):
+    """Every (container, key) of a JSON value, depth first."""
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        yield x, k
+        yield from _nodes(v)
+
+
+def _new_shape(shape, how):
+    return {"reverse": shape[::-1], "flatten": [int(np.prod(shape))], "add1": shape + [1],
+            "drop1": shape[1:], "double": [2 * n for n in shape]}[how]
+
+
+def _edit_header(jqt_header, tensors, edit, dtypes=DTYPES):
+    """Applies one header edit: ``tensors`` maps a tensor's name to a mutable
+    ``[dtype, shape]``, with dtypes named as in ``dtypes`` (safetensors' or NumPy's)."""
+    if edit[0] == "drop_list":
+        jqt_header.pop("tensors", None)
+    elif edit[0] == "jqt":
+        nodes = list(_nodes(jqt_header))
+        parent, k = nodes[int(edit[1] * len(nodes))]
+        if edit[2] is DELETE:
+            del parent[k]
+        else:
+            parent[k] = edit[2]
+    elif tensors:
+        entry = tensors[sorted(tensors)[int(edit[1] * len(tensors))]]
+        if edit[0] == "dtype":
+            entry[0] = dtypes[edit[2] % len(dtypes)]
+        else:
+            entry[1] = _new_shape(list(entry[1]), edit[2])
+
+
+def _fuzz_safetensors(data, edits):
+    outer, body = _st_split(data)
+    meta = outer.pop("__metadata__")
+    inner = json.loads(meta["jqt"])
+    listed = inner["tensors"]
+    tensors = {k: [v["dtype"], v["shape"]] for k, v in outer.items()}
+    for e in edits:
+        _edit_header(inner, tensors, e)
+    for k, (dtype, shape) in tensors.items():
+        outer[k] = dict(outer[k], dtype=dtype, shape=shape)
+    outer["__metadata__"] = dict(meta, jqt=json.dumps(inner))
+    return _st_join(outer, body), isinstance(inner, dict) and inner.get("tensors") == listed
+
+
+def _fuzz_npz(path, edits, folder):
+    with np.load(path) as z:
+        members = {k: z[k] for k in z.files}
+    inner = json.loads(members.pop("__header__").tobytes().decode())
+    listed = inner["tensors"]
+    tensors = {k: [a.dtype, list(a.shape)] for k, a in members.items()}
+    for e in edits:
+        _edit_header(inner, tensors, e, NP_DTYPES)
+    for k, (dtype, shape) in tensors.items():
+        a = members[k].astype(dtype)
+        members[k] = a.reshape(shape) if np.prod(shape) == a.size else np.resize(a, shape)
+    members["__header__"] = np.frombuffer(json.dumps(inner).encode(), np.uint8)
+    out = os.path.join(folder, "edited.npz")
+    with open(out, "wb") as fh:
+        np.savez(fh, **members)
+    return open(out, "rb").read(), isinstance(inner, dict) and inner.get("tensors") == listed
+
+
+@pytest.mark.parametrize("key", list(FUZZED))
+def test_fuzzed_headers_load_or_raise_a_format_error(files, valid, models, fuzz_dir, key):
+    outcomes = []
+
+    @FUZZ
+    @given(st.lists(HEADER_EDIT, min_size=1, max_size=3))
+    def run(edits):
+        if key == "npz":
+            data, listed = _fuzz_npz(files[key], edits, fuzz_dir)
+        else:
+            data, listed = _fuzz_safetensors(valid[key], edits)
+        _outcome(key, data, models, fuzz_dir, outcomes, listed)
+
+    run()
+    assert "error" in outcomes and "loaded" in outcomes

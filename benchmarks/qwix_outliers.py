@@ -322,7 +322,7 @@ def cases():
     sec4 = f"int4 symmetric weights, groups of {GROUP}, activations float"
     sec8 = "int8 per-channel weights, int8 activations"
     qgrid = f"weight_calibration_method='{MATCH4}'"
-    SQ8 = dict(W8A8, weight_calibration_method=MATCH8)  # noqa: N806
+    sq8 = dict(W8A8, weight_calibration_method=MATCH8)
     return [
         Case(sec4, "RTN", "jqt", f"w4(group_size={GROUP})", jqt_ptq(lambda: R.w4(group_size=GROUP))),
         Case(sec4, "RTN", "qwix", f"QuantizationRule(int4, tile_size={GROUP}, {qgrid})",
@@ -348,13 +348,13 @@ def cases():
              jqt_ptq(lambda: jqt_sym_dynamic(smooth=ALPHA))),
         Case(sec8, "SmoothQuant", "qwix", f"SqRule(int8, act int8, alpha={ALPHA}, same grid), as shipped: "
              "activations NOT quantized (float)",
-             qwix_contrib("SmoothQuant", SQ8)),
+             qwix_contrib("SmoothQuant", sq8)),
         Case(sec8, "SmoothQuant", "qwix", "patched: activations quantized (int8 dynamic per token, "
              "through PtqProvider.dot_general)",
-             qwix_contrib("SmoothQuant", SQ8, patched="acts"), extra=True),
+             qwix_contrib("SmoothQuant", sq8, patched="acts"), extra=True),
         Case(sec8, "SmoothQuant", "qwix", "patched: activations quantized and "
              "inv_sq_scale = 1/mean(sq_scale)",
-             qwix_contrib("SmoothQuant", SQ8, patched="acts+inv")),
+             qwix_contrib("SmoothQuant", sq8, patched="acts+inv")),
         Case(sec8, "RTN", "jqt", "w8a8() (static per-tensor asymmetric activations)",
              jqt_ptq(R.w8a8)),
         Case(sec8, "SmoothQuant", "jqt", f"w8a8(smooth={ALPHA}) (static)",

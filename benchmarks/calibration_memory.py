@@ -1,6 +1,7 @@
 """Calibration memory: process RSS over 1000 calibration batches stays flat.
 
-    python benchmarks/calibration_memory.py            # MLP and CNN (about 1 minute on 2 cores)
+    python benchmarks/calibration_memory.py            # MLP and CNN, and GPTQ on the MLP
+                                                       # (about 2 minutes on 2 cores)
     python benchmarks/calibration_memory.py --quick    # the MLP only
 
 ``jqt.calibrate`` keeps fixed-size statistics per op (a min/max pair, or a
@@ -13,7 +14,9 @@ process's resident set size (``VmRSS`` in ``/proc/self/status``) and its peak
 100, 250, 500 and 1000 batches. Each (model, calibrator) runs in a fresh
 subprocess, so peaks are not shared. For contrast it computes the bytes that
 a buffer of every quantized op's input activation over all batches would take
-(from the shapes), and the bytes of the calibrator's statistics.
+(from the shapes), and the bytes of the calibrator's statistics. A last row runs
+``jqt.gptq`` over the same number of batches: its statistic, ``X^T X`` of one op's
+input, has a fixed size too.
 
 The models are the two of ``calibrators.py`` (the quickstart CNN on 8x8x1
 digits and the MLP 64-256-256-10) with flax's initial parameters (seed 0):
@@ -69,7 +72,7 @@ def child(model_name, cal_name, n_batches):
     import jqt
 
     cal = {"MinMax": jqt.calibrators.MinMax(), "Percentile": jqt.calibrators.Percentile(99.99),
-           "Entropy": jqt.calibrators.Entropy()}[cal_name]
+           "Entropy": jqt.calibrators.Entropy(), "GPTQ": jqt.calibrators.MinMax()}[cal_name]
     make = {"cnn": bench.QS.CNN, "mlp": bench.MLP}[model_name]
     example = {"cnn": (8, 8, 1), "mlp": (64,)}[model_name]
     model = make()
@@ -88,6 +91,9 @@ def child(model_name, cal_name, n_batches):
     per_batch = sum(int(np.prod(s)) * 4 for s in shapes)  # float32
     stat_bytes = sum(leaf.size * leaf.dtype.itemsize for s in shapes for leaf in jax.tree_util.tree_leaves(
         jax.eval_shape(cal.observe, jax.ShapeDtypeStruct(s, jnp.float32))))
+    if cal_name == "GPTQ":  # X^T X of one op at a time (float32, K x K)
+        stat_bytes = max(s[-1] ** 2 * 4 for s in shapes)
+        return _gptq_child(jqt, model, params, example, shapes, per_batch, stat_bytes, n_batches)
 
     marks = set(CHECKPOINTS) | {n_batches}
     samples = {}
@@ -110,6 +116,49 @@ def child(model_name, cal_name, n_batches):
     assert len(qp) == len(shapes), (list(qp), shapes)
     print("RESULT " + json.dumps(dict(
         model=model_name, calibrator=cal_name, n=n_batches, ops=len(shapes), shapes=shapes,
+        per_batch=per_batch, stat_bytes=int(stat_bytes), before=before, after=after, peak=peak,
+        samples={str(k): v for k, v in sorted(samples.items())}, wall=wall)))
+
+
+class _LazyBatches:
+    """A sequence of ``n`` batches made on the fly (``jqt.gptq`` passes over them once per
+    op), sampling RSS when batch ``i`` of the last pass is handed out."""
+
+    def __init__(self, example, n, marks, samples, last_pass):
+        import numpy as np
+        self.np, self.example, self.n, self.marks, self.samples = np, example, n, marks, samples
+        self.last_pass, self.passes = last_pass, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= self.n:
+            raise IndexError(i)
+        if i == 0:
+            self.passes += 1
+        if self.passes == self.last_pass and (i in self.marks or i == self.n - 1):
+            self.samples[i + 1 if i == self.n - 1 else i] = (rss_bytes(), peak_bytes())
+        rng = self.np.random.default_rng([SEED, i])
+        return (rng.random((BATCH,) + self.example, dtype=self.np.float32),)
+
+
+def _gptq_child(jqt, model, params, example, shapes, per_batch, stat_bytes, n_batches):
+    """``jqt.gptq`` (w4, groups of 32) on ``n_batches``: one pass per dense op, each
+    summing ``X^T X`` over the batches; RSS sampled during the last pass."""
+    import jax
+    marks, samples = set(CHECKPOINTS) | {n_batches}, {}
+    calib = _LazyBatches(example, 16, set(), {}, 0)
+    qp = jqt.calibrate(model.apply, jqt.recipes.w4(group_size=32), params, calib, progress=False)
+    batches = _LazyBatches(example, n_batches, marks, samples, last_pass=len(qp))
+    before = rss_bytes()
+    t = time.perf_counter()
+    out = jqt.gptq(model.apply, qp, params, batches, progress=False)
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - t
+    after, peak = rss_bytes(), peak_bytes()
+    print("RESULT " + json.dumps(dict(
+        model="mlp", calibrator="GPTQ", n=n_batches, ops=len(shapes), shapes=shapes,
         per_batch=per_batch, stat_bytes=int(stat_bytes), before=before, after=after, peak=peak,
         samples={str(k): v for k, v in sorted(samples.items())}, wall=wall)))
 
@@ -161,17 +210,19 @@ def main(argv=None):
     print(f"# jqt calibration memory over {n} batches ({'quick' if args.quick else 'full'} run)\n")
     print(f"Command: `{cmd}`\n\n{environment()}\n")
     results = []
-    for m in models:
-        for c in CALIBRATORS:
-            r = run_child(m, c, n)
-            results.append(r)
-            s = r["samples"]
-            log(f"[{m} {c}] {r['wall']:.1f} s, RSS {mib(s['100'][0])} -> {mib(s[str(n)][0])} MiB")
+    for m, c in [(m, c) for m in models for c in CALIBRATORS] + [("mlp", "GPTQ")]:
+        r = run_child(m, c, n)
+        results.append(r)
+        s = r["samples"]
+        log(f"[{m} {c}] {r['wall']:.1f} s, RSS {mib(s['100'][0])} -> {mib(s[str(n)][0])} MiB")
 
     print(f"`jqt.calibrate(model.apply, jqt.recipes.w8a8(calibrator=...), params, batches)` on a "
           f"generator of {n} batches of {BATCH} examples (uniform [0, 1), made on the fly from "
           f"seed {SEED}); one fresh process per row. `Percentile` is `Percentile(99.99)` "
-          "(2048-bin histogram), `Entropy` the default `Entropy()` (8192 bins).\n")
+          "(2048-bin histogram), `Entropy` the default `Entropy()` (8192 bins). `GPTQ`: "
+          "`jqt.gptq(model.apply, qp, params, batches)` after a `w4(group_size=32)` calibration, "
+          f"on a sequence of {n} batches made on demand; it passes over them once per op, and "
+          "the RSS is sampled during the last pass.\n")
     print("## Resident set size (VmRSS, MiB) after k batches\n")
     marks = [str(k) for k in CHECKPOINTS + (n,)]
     header = (("model", "calibrator", "before calibrate") + tuple(f"after {k}" for k in marks)

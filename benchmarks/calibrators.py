@@ -74,6 +74,8 @@ def log(msg):
 
 def quickstart():
     """``examples/quickstart.py`` as a module (its ``CNN``, ``load_data``, ``train``)."""
+    if os.path.join(ROOT, "examples") not in sys.path:  # quickstart imports jaxpr_utils beside it
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
     spec = importlib.util.spec_from_file_location("jqt_quickstart",
                                                   os.path.join(ROOT, "examples", "quickstart.py"))
     module = importlib.util.module_from_spec(spec)

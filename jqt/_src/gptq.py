@@ -10,12 +10,13 @@ lossless.
 
 The ops run in evaluation order: op ``j``'s Hessian is measured with every op
 before it already quantized (simulated, with its re-rounded weights), so that
-it corrects the error that reaches it. ``X^T X`` is a fixed-size statistic,
+it corrects the error that reaches it. Ops next to each other that read the
+same input (query, key and value projections) share one pass. ``X^T X`` is a fixed-size statistic,
 summed over batches, loop iterations and (stacked) layers' own slices.
 """
 from __future__ import annotations
 
-import math
+import functools
 import warnings
 
 import jax
@@ -114,6 +115,7 @@ def _inverse_hessian_chol(h, damp, act_order):
     return perm, dead, u
 
 
+@functools.lru_cache(maxsize=None)
 def _gptq_blocks(qtype, block):
     """A jitted ``(W, S, Z, U) -> Q`` over (permuted) rows of ``W`` (``K x N``): GPTQ's
     lazy-batch loop, ``block`` rows at a time."""
@@ -290,24 +292,45 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     jstep = jax.jit(step)
     opts = dict(block_size=block_size, damp=damp, act_order=act_order)
     from tqdm.auto import tqdm
-    for j, key in enumerate(tqdm(eligible, desc="jqt.gptq", unit="op",
-                                 disable=None if progress is None else not progress)):
-        pos = order.index(key)
+    for group in tqdm(_groups(eligible, order, site_of), desc="jqt.gptq", unit="pass",
+                      disable=None if progress is None else not progress):
+        pos = order.index(group[0])
         flags = {}
         for i, k in enumerate(order):
             lead = _stack_shape(site_of[k].source, argnums, params_t)
-            flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k == key), _F32))
+            flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc = None
         for batch in batches:
-            out = jstep(params_t, tuple(batch), flags)[key]
+            out = jstep(params_t, tuple(batch), flags)
+            out = {k: out[k] for k in group}
             acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
-        site = site_of[key]
-        src = site.source
-        a = argnums.index(src.arg)
-        leaves, tdef = jax.tree_util.tree_flatten(params_t[a])
-        leaves[src.leaf] = _rerounded(site, qparams[key], leaves[src.leaf], acc["h"], acc["n"], opts)
-        params_t[a] = jax.tree_util.tree_unflatten(tdef, leaves)
+        for key in group:
+            site = site_of[key]
+            src = site.source
+            a = argnums.index(src.arg)
+            leaves, tdef = jax.tree_util.tree_flatten(params_t[a])
+            leaves[src.leaf] = _rerounded(site, qparams[key], leaves[src.leaf], acc[key]["h"],
+                                          acc[key]["n"], opts)
+            params_t[a] = jax.tree_util.tree_unflatten(tdef, leaves)
     return params_t[0] if len(argnums) == 1 else tuple(params_t)
+
+
+def _groups(eligible, order, site_of):
+    """Eligible ops in evaluation order, ops next to each other that read the same input
+    (the query, key and value projections of one layer) in one group: their Hessian is
+    the same, and none changes the others' input, so one pass serves them all."""
+    out = []
+    for k in eligible:
+        if out:
+            prev = out[-1][-1]
+            a, b = site_of[prev], site_of[k]
+            same = (a.eqn.invars[1 - a.weight_operand] is b.eqn.invars[1 - b.weight_operand]
+                    and order.index(k) == order.index(prev) + 1)
+            if same:
+                out[-1].append(k)
+                continue
+        out.append([k])
+    return out
 
 
 def _stack_shape(src, argnums, params_t):

@@ -61,6 +61,12 @@ def is_dropvar(v) -> bool:
     return isinstance(v, DropVar)
 
 
+def is_tracer(x) -> bool:
+    """Whether ``x`` is a tracer (its values unknown: under ``jax.jit``, ``jax.grad``...)."""
+    import jax
+    return isinstance(x, jax.core.Tracer)
+
+
 # The primitives jqt's tables are keyed by (one object per primitive: no name aliases).
 from jax.extend.core import primitives as _prims  # noqa: E402
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -146,19 +147,72 @@ def int_dense(ax, x, w, policy):
     ``x``: a QArray of int8 codes in operand layout; ``w``: from
     :func:`weight_in_layout` (``"nk"``), its ``sums`` the ``(N,)`` int32 sum over
     K or None to compute it.
+
+    When the worst case of the int32 accumulator (:func:`safe_k`) could overflow
+    over K, the contraction runs in chunks of K that cannot, each converted to
+    float32 and summed.
     """
     qw = unpacked(w)
     qx2 = ax.act_2d(x.values)
-    acc = int_matmul(qx2, qw, w.layout, policy.pad_rows)
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
+    k, kd = qx2.shape[1], _contract_dim(w.layout)
+    kc = safe_k(qx2.dtype, zx is not None, qw.dtype, zw is not None)
+    if not isinstance(k, int) or k <= kc:
+        acc = _int_dense_acc(qx2, qw, w.layout, zx, zw, w.sums, policy).astype(_F32)
+    else:
+        acc = sum(_int_dense_acc(qx2[:, lo:hi], lax.slice_in_dim(qw, lo, hi, axis=kd), w.layout,
+                                 zx, zw, None, policy).astype(_F32)
+                  for lo, hi in chunks(k, kc))
+    return acc * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
+
+
+def _int_dense_acc(qx2, qw, layout, zx, zw, wsum, policy):
+    """``sum_k (qx - zx)(qw - zw)`` in int32 (the caller keeps K short enough)."""
+    acc = int_matmul(qx2, qw, layout, policy.pad_rows)
     if zx is not None:
-        wsum = w.sums if w.sums is not None else jnp.sum(qw, axis=_contract_dim(w.layout), dtype=_I32)
+        wsum = wsum if wsum is not None else jnp.sum(qw, axis=_contract_dim(layout), dtype=_I32)
         acc = acc - zx * wsum
     if zw is not None:
         acc = acc - zw * jnp.sum(qx2, axis=1, keepdims=True, dtype=_I32)
     if zx is not None and zw is not None:
         acc = acc + zx * zw * qx2.shape[1]
-    return acc.astype(_F32) * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
+    return acc
+
+
+_I32_MAX = 2 ** 31 - 1
+
+
+def safe_k(a_dtype, a_zp: bool, b_dtype, b_zp: bool) -> int:
+    """The longest contraction whose int32 accumulator cannot overflow, for codes of
+    these integer dtypes (and zero points, in their range, when ``*_zp``): every
+    partial sum of ``sum qa*qb - za*sum qb - zb*sum qa + K*za*zb`` is at most
+    ``(|qa| + |za|) * (|qb| + |zb|) * K``.
+
+    >>> import numpy as np
+    >>> safe_k(np.int8, False, np.int8, False)  # (2**31 - 1) // (128 * 128)
+    131071
+    >>> safe_k(np.int8, True, np.int8, False)
+    65535
+    """
+    if not (jnp.issubdtype(a_dtype, jnp.integer) and jnp.issubdtype(b_dtype, jnp.integer)):
+        return sys.maxsize  # float accumulation (fp8 codes upcast) does not wrap
+    def bound(dt, zp):
+        info = np.iinfo(dt)
+        a = max(-int(info.min), int(info.max))
+        return 2 * a if zp else a
+    return _I32_MAX // (bound(a_dtype, a_zp) * bound(b_dtype, b_zp))
+
+
+def chunks(k: int, kc: int) -> list:
+    """``[(lo, hi), ...]``: ``range(k)`` in the fewest chunks of at most ``kc``, of
+    near-equal lengths.
+
+    >>> chunks(10, 4)
+    [(0, 3), (3, 6), (6, 10)]
+    """
+    n = -(-k // kc)
+    bounds = [k * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
 def int_dense_grouped(ax, x, w, policy):

@@ -31,8 +31,8 @@ from .dense import DenseAxes
 from .handlers import Simulate, transformed
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
-from .quantize import check_qparams
 from .tracing import Tracer, normalize_argnums
+from .validate import check_qparams
 
 _F32 = jnp.float32
 _INVERTIBLE = {"transpose", "reshape", "convert", "squeeze", "rev", "copy", "scan_slice", "slice"}

@@ -13,11 +13,13 @@ What differs between primitives comes from the site's registry entry
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import jax.numpy as jnp
+import numpy as np
 
-from . import compat, groups, stats, transforms
+from . import compat, dense, groups, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -277,6 +279,31 @@ class Simulate:
         return compat.bind_eqn(eqn, vals)
 
 
+def _check_accumulator(site, eqn, ops, wide):
+    """Refuses an integer convolution (or a group of a grouped weight) whose int32
+    accumulator could overflow: a contraction longer than :func:`dense.safe_k` allows.
+    (A ``dot_general`` splits its contraction instead, ``dense.int_dense``.)"""
+    ints = [isinstance(o, QArray) and o.qtype.kind == "int" for o in ops]
+    if not all(ints):
+        return  # weight-only or fp8: float accumulation
+    zp = [wide == i or ops[i].zero_point is not None for i in (0, 1)]
+    kc = dense.safe_k(np.int8, zp[0], np.int8, zp[1])  # int16 codes run as two int8 kernels
+    if site.op == "conv_general_dilated":
+        shape = eqn.invars[1].aval.shape
+        k, what = math.prod(shape) // shape[eqn.params["dimension_numbers"].rhs_spec[0]], \
+            "convolution sums"
+    else:
+        w = site.weight_operand
+        k = ops[w].qtype.group_size if w is not None else 0
+        what = "group of the weight sums"
+    if k > kc:
+        raise ValueError(
+            f"jqt.quantize: op '{site.key}': each {what} {k} products of codes, more than "
+            f"the {kc} whose worst case fits its int32 accumulator (it could overflow). "
+            "Quantize this op weight-only or keep it float (a recipe rule), use a smaller "
+            "group size, or run it with simulate=True.")
+
+
 class Integer:
     """Integer path: quantize operands to codes, run the entry's kernel in the
     formulation ``policy`` picks (default: the table's, for the backend in use
@@ -306,6 +333,7 @@ class Integer:
             ops[i] = QArray(values=nx.quantize(x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)
             if q.qtype.kind == "int" and q.qtype.bits > 8:
                 wide = i
+        _check_accumulator(site, eqn, ops, wide)
         policy = self.policy or KernelPolicy.for_backend()
         if wide is None:
             return site.entry.integer(site, eqn, ops, policy)

@@ -67,18 +67,14 @@ def dot_general(operands, params, eqn):
     (qa, sa, za, suma), (qb, sb, zb, sumb) = operands
     to_out = lambda a, i: _to_out_dot(a, i, dn, ndims)
     if sa is not None and sb is not None:
-        acc = lax.dot_general(qa, qb, dn, preferred_element_type=_I32)
         za, zb = _int_zp(za), _int_zp(zb)
-        if za is not None:
-            sumb = jnp.sum(qb, axis=tuple(rc), keepdims=True, dtype=_I32) if sumb is None else sumb
-            acc = acc - to_out(za, 0) * to_out(sumb, 1)
-        if zb is not None:
-            suma = jnp.sum(qa, axis=tuple(lc), keepdims=True, dtype=_I32) if suma is None else suma
-            acc = acc - to_out(zb, 1) * to_out(suma, 0)
-        if za is not None and zb is not None:
-            k = math.prod(qa.shape[d] for d in lc)
-            acc = acc + to_out(za, 0) * to_out(zb, 1) * k
-        out = acc.astype(_F32) * to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1)
+        k = math.prod(qa.shape[d] for d in lc)
+        kc = dense.safe_k(qa.dtype, za is not None, qb.dtype, zb is not None)
+        if not isinstance(k, int) or k <= kc:
+            acc = _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out).astype(_F32)
+        else:
+            acc = _chunked_acc(qa, za, qb, zb, dn, to_out, kc)
+        out = acc * to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1)
         return out.astype(out_dtype)
     # weight-only: one operand is float; the integer weight is cast, not dequantized,
     # and its per-channel scale is applied to the (smaller) output.
@@ -95,6 +91,44 @@ def dot_general(operands, params, eqn):
         # a trained zero point is float: round it, as the simulated path does (numerics._zp_f32)
         out = out - to_out(jnp.round(zw.astype(_F32)), w) * to_out(sumx, 1 - w)
     return (out * to_out(sw.astype(_F32), w)).astype(out_dtype)
+
+
+def _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, acc_dtype=_I32):
+    """``sum_k (qa - za)(qb - zb)`` over the contracted axes, accumulated in ``acc_dtype``
+    (int32: the caller keeps K short enough, :func:`dense.safe_k`)."""
+    (lc, rc), _ = dn
+    if acc_dtype != _I32:
+        qa, qb = qa.astype(acc_dtype), qb.astype(acc_dtype)
+        za, zb = (None if z is None else z.astype(acc_dtype) for z in (za, zb))
+        suma = sumb = None
+    acc = lax.dot_general(qa, qb, dn, preferred_element_type=acc_dtype)
+    if za is not None:
+        sumb = jnp.sum(qb, axis=tuple(rc), keepdims=True, dtype=acc_dtype) if sumb is None else sumb
+        acc = acc - to_out(za, 0) * to_out(sumb, 1)
+    if zb is not None:
+        suma = jnp.sum(qa, axis=tuple(lc), keepdims=True, dtype=acc_dtype) if suma is None else suma
+        acc = acc - to_out(zb, 1) * to_out(suma, 0)
+    if za is not None and zb is not None:
+        k = math.prod(qa.shape[d] for d in lc)
+        acc = acc + to_out(za, 0) * to_out(zb, 1) * k
+    return acc
+
+
+def _chunked_acc(qa, za, qb, zb, dn, to_out, kc):
+    """:func:`_int_acc` in float32 for a contraction longer than ``kc`` (the int32 worst
+    case would overflow): int32 chunks along the longest contracted axis, summed in
+    float32; in float32 throughout (products of codes are exact) when even one slice
+    of that axis is too long."""
+    (lc, rc), _ = dn
+    j = max(range(len(lc)), key=lambda i: qa.shape[lc[i]])
+    n = qa.shape[lc[j]]
+    per = math.prod(qa.shape[d] for d in lc) // n  # K per index of axis j
+    if per > kc:
+        return _int_acc(qa, za, None, qb, zb, None, dn, to_out, _F32)
+    sl = lambda q, ax, lo, hi: lax.slice_in_dim(q, lo, hi, axis=ax)
+    return sum(_int_acc(sl(qa, lc[j], lo, hi), za, None, sl(qb, rc[j], lo, hi), zb, None, dn,
+                        to_out).astype(_F32)
+               for lo, hi in dense.chunks(n, kc // per))
 
 
 def _conv_params(params):

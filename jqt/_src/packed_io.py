@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import validate
 from .analysis import path_str
 from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
@@ -19,7 +20,7 @@ from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, 
                             qparams_from_entries, Reader, version_error, write,
                             aval_to_json, qtype_to_json, treedef_from_json, treedef_to_json,
                             check_scales, describe, float32_scale, qtype_from_header, reading,
-                            is_a, json_kind)
+                            is_a, json_kind, check_values)
 
 
 def leaf_paths(packed: PackedParams) -> list[str]:
@@ -286,6 +287,7 @@ def _weight_from_entry(r, key, d, version):
             arrays["values"] = _fp8_values(r, where, arrays.get("values"), d["values_dtype"], qtype)
         w = QArray(**arrays, qtype=qtype, layout=layout)
     _check_weight(r, where, w)
+    check_values(r, key, validate.operand_problems(w, "packed weight"))
     return w
 
 

@@ -278,7 +278,13 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     would make it zero or negative: a division by zero, or a sign flip of the
     operand); zero points are clipped to their type's ``[qmin, qmax]`` (a zero
     point outside it cannot be stored as a code: the int8 padding value of a
-    convolution would wrap). Leaves that are ``None`` (the frozen half of a
+    convolution would wrap); smoothing factors are clamped as scales are.
+    Non-finite values (a diverged step) are repaired too: a NaN scale becomes
+    ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
+    (then clipped), and an infinite scale or smoothing factor the largest finite
+    value of its dtype (``-inf`` is clamped as a negative value is). The result
+    passes the checks of :func:`jqt.quantize`, :func:`jqt.pack` and
+    :func:`jqt.load`. Leaves that are ``None`` (the frozen half of a
     :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
     unchanged, bit for bit. Jittable.
 
@@ -299,10 +305,19 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
             return None
         s, z = q.scale, q.zero_point
         if s is not None:
-            s = jnp.maximum(s, jnp.asarray(min_scale, jnp.result_type(s)))
+            s = positive(s, min_scale)
         if z is not None:
+            z = jnp.asarray(z)
+            z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)
             z = jnp.clip(z, q.qtype.qmin, q.qtype.qmax).astype(jnp.result_type(z))
         return dataclasses.replace(q, scale=s, zero_point=z)
+
+    def positive(a, nan):
+        a = jnp.asarray(a)
+        dt = jnp.result_type(a)
+        a = jnp.where(jnp.isnan(a), jnp.asarray(nan, dt), a)
+        a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
+        return jnp.maximum(a, jnp.asarray(min_scale, dt))
 
     out = {}
     for k, p in qparams.items():
@@ -310,7 +325,7 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
             raise TypeError(f"jqt.qat.project: qparams['{k}'] is a {type(p).__name__}; expected "
                             "jqt.OpQParams.")
         sm = p.smooth  # a smoothing factor stays positive, as a scale does
-        sm = None if sm is None else jnp.maximum(sm, jnp.asarray(min_scale, jnp.result_type(sm)))
+        sm = None if sm is None else positive(sm, 1.0)
         out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs), smooth=sm)
     return out
 

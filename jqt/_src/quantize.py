@@ -15,15 +15,7 @@ from .policy import KernelPolicy
 from .qparams import OpQParams, PackedParams
 from .registry import BY_NAME
 from .tracing import Tracer, normalize_argnums
-
-
-def check_qparams(qparams):
-    if not isinstance(qparams, dict):
-        raise TypeError(f"jqt: qparams is a {type(qparams).__name__}; expected the dict returned "
-                        "by jqt.calibrate (or jqt.load).")
-    for k, v in qparams.items():
-        if not isinstance(v, OpQParams):
-            raise TypeError(f"jqt: qparams['{k}'] is a {type(v).__name__}; expected jqt.OpQParams.")
+from .validate import check_qparams
 
 
 def _unpack(packed: PackedParams):
@@ -90,8 +82,13 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
     >>> jnp.abs(jax.jit(jqt.quantize(f, qp))(w, x) - f(w, x)).max() < 0.02
     Array(True, dtype=bool)
+
+    ``qparams`` holding invalid numbers (a scale that is 0, negative, NaN or infinite;
+    a zero point outside its type's range; a smoothing factor that is not finite and
+    positive) raise ``ValueError`` naming the op and the field (not checked when they
+    are tracers, under ``jax.grad`` or ``jax.jit``).
     """
-    check_qparams(qparams)
+    check_qparams(qparams, "jqt.quantize")
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums)
     handler = Simulate() if simulate else Integer(policy)
@@ -162,7 +159,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     ...                   jqt.quantize(f, qp)(p, jnp.ones((2, 64)))))
     True
     """
-    check_qparams(qparams)
+    check_qparams(qparams, "jqt.pack")
     policy = policy or KernelPolicy.for_backend()
     flat, treedef = jax.tree_util.tree_flatten(params)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]

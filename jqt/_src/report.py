@@ -31,8 +31,8 @@ from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup, t
 from .interpreter import Ctx, eval_jaxpr
 from .plotting import HIST_BINS, plot_report
 from .qparams import PackedParams
-from .quantize import check_qparams
 from .tracing import Tracer, normalize_argnums
+from .validate import check_qparams
 
 _AXIS = "jqt_report_lane"
 _F32 = jnp.float32
@@ -110,6 +110,8 @@ def _histogram(x, lo, hi):
 
 
 def _sqnr(signal, noise):
+    """SQNR in dB. Defined on degenerate data too: no noise is ``inf`` (exact, even
+    when the signal is 0, e.g. an all-zero batch), noise on a zero signal ``-inf``."""
     if noise <= 0:
         return math.inf
     if signal <= 0:
@@ -176,8 +178,8 @@ class Report:
     """
 
     rows: tuple
-    output_sqnr: float       # dB, the whole function's output, quantized vs float
-    output_rel_l2: float
+    output_sqnr: float       # dB, the whole function's output, quantized vs float (inf: exact)
+    output_rel_l2: float     # 0 when exact, also on an all-zero batch
     output_max_abs: float
 
     def worst(self, n: int = 5) -> list:
@@ -201,10 +203,11 @@ class Report:
         widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
         out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
-        out.append(f"output: SQNR {_db(self.output_sqnr)} dB, relative L2 error "
+        exact = " (exact)" if self.output_sqnr == math.inf else ""
+        out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
                    f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
         worst = self.worst(1)
-        if worst:
+        if worst and worst[0].sqnr_isolated < math.inf:  # every op exact: no worst one
             out.append(f"worst op (SQNR alone): {worst[0].name} ({_db(worst[0].sqnr_isolated)} dB)")
         return "\n".join(out)
 
@@ -256,7 +259,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     >>> [row.key for row in r.rows], r.output_sqnr > 30
     (['a', 'b'], True)
     """
-    check_qparams(qparams)
+    check_qparams(qparams, "jqt.report")
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
     if any(isinstance(p, PackedParams) for p in params_t):
@@ -302,7 +305,15 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         e2 += float(np.sum((o[1] - o[0]) ** 2))
         mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2),
-                  output_rel_l2=math.sqrt(e2 / f2) if f2 > 0 else math.inf, output_max_abs=mx)
+                  output_rel_l2=_rel(f2, e2), output_max_abs=mx)
+
+
+def _rel(signal, noise):
+    """Relative L2 error ``sqrt(noise / signal)``: 0 when there is no error (even on a zero
+    signal, e.g. an all-zero batch), ``inf`` for an error on a zero signal."""
+    if noise <= 0:
+        return 0.0
+    return math.sqrt(noise / signal) if signal > 0 else math.inf
 
 
 def clip_range(qtype, s, z):

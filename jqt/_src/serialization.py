@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, validate
 from .qparams import OpQParams, QArray, WeightSource
 from .formats import QuantType
 
@@ -244,8 +244,17 @@ def _op_from_entry(r, key, e):
         smooth = r.get(r.need(e, "smooth", str, where), f"{where}.smooth")
         check_scales(r, f"{where} smooth", smooth, None)
     rotate = r.need(e, "rotate", bool, where) if "rotate" in e else False
-    return OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
-                     note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate)
+    p = OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
+                  note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate)
+    check_values(r, key, validate.problems(p))
+    return p
+
+
+def check_values(r, key, found):
+    """A :class:`FormatError` naming the file when the numbers read for op ``key`` are
+    invalid (``found``: :func:`validate.problems`)."""
+    if found:
+        raise FormatError(f"{r.fn}: {r.path}: {validate.describe(key, found)}. {validate.FIX}")
 
 
 _SOURCE_FIELDS = {"arg": int, "path": str, "leaf": int, "chain": tuple, "float_needed": bool,

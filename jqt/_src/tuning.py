@@ -17,9 +17,10 @@ import jax
 
 from .calibrate import calibrate
 from .qparams import OpQParams
-from .quantize import check_qparams, quantize
+from .quantize import quantize
 from .recipe import Recipe, Rule
 from .report import report
+from .validate import check_qparams
 
 
 def _as_float(p: OpQParams, note: str) -> OpQParams:

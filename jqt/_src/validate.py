@@ -1,0 +1,133 @@
+"""Checks of qparams: their types (:func:`check_qparams`) and the numbers they hold.
+
+Whether edited by hand, read from a file or moved by fine-tuning, qparams must hold
+numbers the kernels can use:
+
+* every ``scale`` finite and ``> 0`` (a zero scale divides by zero, a negative one flips
+  the operand's sign, NaN and inf poison every output);
+* every ``zero_point`` finite and within its type's ``[qmin, qmax]`` (a code outside it
+  cannot be stored: the int8 padding value of a convolution would wrap);
+* every smoothing vector (``OpQParams.smooth``) finite and ``> 0`` (the activation is
+  divided by it).
+
+:func:`problems` lists what is wrong with one op; :func:`check_qparams` raises on the
+first op with a problem (``jqt.quantize``, ``jqt.pack``, ``jqt.report``), and the file
+readers (``serialization.py``, ``packed_io.py``) raise their ``FormatError`` naming the
+file. Values that are tracers (qparams differentiated or passed through ``jax.jit``) are
+not checked: their numbers are not known. :func:`jqt.qat.project` repairs them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import compat
+from .qparams import OpQParams
+
+FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
+
+
+def _concrete(a):
+    """``a`` as a NumPy array, or None when it is a tracer (its values are not known)."""
+    if a is None or compat.is_tracer(a):
+        return None
+    try:
+        return np.asarray(a, dtype=np.float64)
+    except Exception:  # noqa: BLE001 - a value that cannot be read on the host
+        return None
+
+
+def _count(bad, a, what):
+    n = int(np.count_nonzero(bad))
+    if not n:
+        return None
+    total = a.size
+    return f"{n} of {total} values {what}" if total > 1 else f"its value {what.replace('are ', 'is ', 1)}"
+
+
+def _positive(a):
+    """What is wrong with a scale or smoothing vector: ``[]`` when every value is finite
+    and > 0."""
+    out = []
+    with np.errstate(invalid="ignore"):
+        for bad, what in ((np.isnan(a), "are NaN"), (np.isinf(a), "are infinite"),
+                          (a == 0, "are 0"), (a < 0, "are negative")):
+            t = _count(bad, a, what)
+            if t:
+                out.append(t)
+    return out
+
+
+def _zero_point(a, qtype):
+    out = []
+    lo, hi = qtype.qmin, qtype.qmax
+    with np.errstate(invalid="ignore"):
+        fin = np.isfinite(a)
+        for bad, what in ((np.isnan(a), "are NaN"), (np.isinf(a), "are infinite"),
+                          (fin & ((a < lo) | (a > hi)), f"are outside [{lo}, {hi}]")):
+            t = _count(bad, a, what)
+            if t:
+                out.append(t)
+    return out
+
+
+def operand_problems(q, where):
+    """What is wrong with the numbers of one :class:`jqt.QArray` (its scale and zero
+    point): a list of texts such as ``"rhs.scale: 3 of 64 values are 0"``."""
+    if q is None:
+        return []
+    out = []
+    s = _concrete(q.scale)
+    if s is not None:
+        out += [f"{where}.scale: {t}" for t in _positive(s)]
+    z = _concrete(q.zero_point)
+    if z is not None:
+        out += [f"{where}.zero_point: {t}" for t in _zero_point(z, q.qtype)]
+    return out
+
+
+def problems(p: OpQParams) -> list:
+    """What is wrong with the numbers of one op's qparams (``[]`` when nothing is):
+    each operand's scale and zero point, and the smoothing vector."""
+    out = operand_problems(p.lhs, "lhs") + operand_problems(p.rhs, "rhs")
+    sm = _concrete(p.smooth)
+    if sm is not None:
+        out += [f"smooth: {t}" for t in _positive(sm)]
+    return out
+
+
+def describe(key, found) -> str:
+    """One message for the problems ``found`` in op ``key``."""
+    return (f"op '{key}' holds invalid quantization parameters: {'; '.join(found)} (scales and "
+            "smoothing factors must be finite and > 0, zero points finite and within their "
+            "type's range)")
+
+
+def check_qparams(qparams, fn: str = "jqt", values: bool = True):
+    """Raises ``TypeError`` unless ``qparams`` is a dict of :class:`jqt.OpQParams`, and
+    (``values=True``) ``ValueError`` naming the op, the field and what is wrong when a
+    scale, zero point or smoothing vector holds an invalid number (tracers are skipped).
+
+    >>> import dataclasses, jax.numpy as jnp, jqt
+    >>> from jqt._src.validate import check_qparams
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], progress=False)
+    >>> check_qparams(qp, "jqt.quantize")
+    >>> bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(
+    ...     qp["w"].rhs, scale=jnp.zeros_like(qp["w"].rhs.scale)))}
+    >>> check_qparams(bad, "jqt.quantize")
+    Traceback (most recent call last):
+    ...
+    ValueError: jqt.quantize: op 'w' holds invalid quantization parameters: rhs.scale: 2 of 2 values are 0 (scales and smoothing factors must be finite and > 0, zero points finite and within their type's range). Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning.
+    """
+    if not isinstance(qparams, dict):
+        raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
+                        "by jqt.calibrate (or jqt.load).")
+    for k, v in qparams.items():
+        if not isinstance(v, OpQParams):
+            raise TypeError(f"{fn}: qparams['{k}'] is a {type(v).__name__}; expected jqt.OpQParams.")
+    if not values:
+        return
+    for k, v in qparams.items():
+        found = problems(v)
+        if found:
+            raise ValueError(f"{fn}: {describe(k, found)}. {FIX}")

@@ -1,0 +1,228 @@
+"""Invalid numbers in qparams (refused by quantize, pack, load, load_packed; repaired by
+jqt.qat.project), integer accumulators that cannot overflow over long contractions, and
+the report on degenerate (all-zero) data."""
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+
+import jqt
+from jqt._src.serialization import FormatError
+
+K_IN, N_OUT = 8, 4
+
+
+def f(p, x):
+    return x @ p["w"]
+
+
+def _setup(recipe=None):
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((K_IN, N_OUT)), jnp.float32)}
+    x = jnp.linspace(-1, 2, 2 * K_IN, dtype=jnp.float32).reshape(2, K_IN)
+    qp = jqt.calibrate(f, recipe or jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    return p, x, qp
+
+
+def _set(a, i, v):
+    a = np.array(a, np.float32)
+    a.reshape(-1)[i] = v
+    return jnp.asarray(a)
+
+
+# name -> (recipe, function editing the op's qparams, text expected in the message)
+CASES = {
+    "scale 0": (None, lambda p: dataclasses.replace(
+        p, rhs=dataclasses.replace(p.rhs, scale=_set(p.rhs.scale, 1, 0.0))), "rhs.scale: 1 of 4 values are 0"),
+    "scale negative": (None, lambda p: dataclasses.replace(
+        p, rhs=dataclasses.replace(p.rhs, scale=-p.rhs.scale)), "rhs.scale: 4 of 4 values are negative"),
+    "scale NaN": (None, lambda p: dataclasses.replace(
+        p, lhs=dataclasses.replace(p.lhs, scale=jnp.full_like(p.lhs.scale, jnp.nan))), "lhs.scale: its value is NaN"),
+    "scale inf": (None, lambda p: dataclasses.replace(
+        p, rhs=dataclasses.replace(p.rhs, scale=_set(p.rhs.scale, 0, np.inf))), "rhs.scale: 1 of 4 values are infinite"),
+    "zero point out of range": (None, lambda p: dataclasses.replace(
+        p, lhs=dataclasses.replace(p.lhs, zero_point=jnp.full_like(p.lhs.zero_point, 300.0))),
+        "lhs.zero_point: its value is outside [-128, 127]"),
+    "zero point NaN": (None, lambda p: dataclasses.replace(
+        p, lhs=dataclasses.replace(p.lhs, zero_point=jnp.full_like(p.lhs.zero_point, jnp.nan))),
+        "lhs.zero_point: its value is NaN"),
+    "smooth 0": ("smooth", lambda p: dataclasses.replace(p, smooth=_set(p.smooth, 2, 0.0)),
+                 "smooth: 1 of 8 values are 0"),
+    "smooth NaN": ("smooth", lambda p: dataclasses.replace(p, smooth=_set(p.smooth, 0, np.nan)),
+                   "smooth: 1 of 8 values are NaN"),
+}
+
+
+def _bad(name):
+    recipe, edit, msg = CASES[name]
+    p, x, qp = _setup(jqt.recipes.w8a8(smooth=0.5) if recipe == "smooth" else None)
+    assert qp["w"].smooth is not None or recipe != "smooth"
+    return p, x, qp, {"w": edit(qp["w"])}, msg
+
+
+def _fix_message(e):
+    s = str(e)
+    assert "op 'w'" in s and "jqt.qat.project" in s, s
+    return s
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_quantize_and_pack_refuse(name):
+    p, x, qp, bad, msg = _bad(name)
+    for fn, call in (("jqt.quantize", lambda: jqt.quantize(f, bad)),
+                     ("jqt.quantize", lambda: jqt.quantize(f, bad, simulate=True)),
+                     ("jqt.pack", lambda: jqt.pack(bad, p))):
+        with pytest.raises(ValueError) as e:
+            call()
+        s = _fix_message(e.value)
+        assert s.startswith(fn) and msg in s, s
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_project_repairs(name):
+    p, x, qp, bad, _ = _bad(name)
+    fixed = jqt.qat.project(bad)
+    out = jqt.quantize(f, fixed)(p, x)  # passes the checks
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert jqt.qat.project(qp)["w"].rhs.scale.tolist() == qp["w"].rhs.scale.tolist()  # unchanged
+    jqt.pack(jax.jit(jqt.qat.project)(bad), p)
+
+
+def test_tracers_not_checked():
+    """Under jax.grad the qparams are tracers: quantize cannot read their values."""
+    p, x, qp = _setup()
+
+    def loss(q):
+        return jnp.sum(jqt.quantize(f, q, simulate=True)(p, x) ** 2)
+
+    g = jax.grad(loss)(qp)
+    assert g["w"].rhs.scale.shape == qp["w"].rhs.scale.shape
+
+
+def _rewrite(src, dst, edit):
+    """Copies a safetensors file, editing its tensors as a tool would (bypassing jqt)."""
+    with safetensors.safe_open(src, framework="np") as fh:
+        arrays, meta = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+    edit(arrays, json.loads(meta["jqt"]))
+    safetensors.numpy.save_file(arrays, dst, metadata=meta)
+
+
+def _poison(tensor, value):
+    def edit(arrays, header):
+        name = next(k for k in arrays if k.endswith(tensor))
+        a = arrays[name].copy()
+        a.reshape(-1)[0] = value
+        arrays[name] = a
+    return edit
+
+
+FILE_CASES = [("rhs.scale", 0.0, "rhs.scale: 1 of 4 values are 0"),
+              ("rhs.scale", np.nan, "rhs.scale: 1 of 4 values are NaN"),
+              ("lhs.scale", -1.0, "lhs.scale: its value is negative"),
+              ("lhs.zero_point", 1e6, "lhs.zero_point: its value is outside"),
+              ("lhs.zero_point", np.inf, "lhs.zero_point: its value is infinite")]
+
+
+@pytest.mark.parametrize("tensor,value,msg", FILE_CASES)
+def test_load_refuses(tmp_path, tensor, value, msg):
+    p, x, qp = _setup()
+    good, bad = str(tmp_path / "qp.safetensors"), str(tmp_path / "bad.safetensors")
+    jqt.save(good, qp)
+    _rewrite(good, bad, _poison(tensor, value))
+    with pytest.raises(FormatError) as e:
+        jqt.load(bad)
+    s = _fix_message(e.value)
+    assert bad in s and msg in s, s
+
+
+def test_load_refuses_bad_smooth(tmp_path):
+    p, x, qp = _setup(jqt.recipes.w8a8(smooth=0.5))
+    good, bad = str(tmp_path / "qp.safetensors"), str(tmp_path / "bad.safetensors")
+    jqt.save(good, qp)
+    _rewrite(good, bad, _poison("smooth", -2.0))
+    with pytest.raises(FormatError, match="smooth: 1 of 8 values are negative"):
+        jqt.load(bad)
+
+
+@pytest.mark.parametrize("tensor,value,msg", FILE_CASES[:3])
+def test_load_packed_refuses(tmp_path, tensor, value, msg):
+    p, x, qp = _setup()
+    good, bad = str(tmp_path / "m.safetensors"), str(tmp_path / "bad.safetensors")
+    jqt.save_packed(good, jqt.pack(qp, p), qparams=qp)
+    _rewrite(good, bad, _poison(tensor, value))  # the qparams stored with the weights
+    with pytest.raises(FormatError) as e:
+        jqt.load_packed(bad)
+    s = _fix_message(e.value)
+    # the weight scale is stored once, shared by the packed weight (checked first)
+    assert bad in s and (msg in s or msg.replace("rhs.", "packed weight.") in s), s
+
+
+def test_load_packed_refuses_bad_packed_scale(tmp_path):
+    p, x, qp = _setup()
+    good, bad = str(tmp_path / "m.safetensors"), str(tmp_path / "bad.safetensors")
+    jqt.save_packed(good, jqt.pack(qp, p))  # no qparams: the weight's own scale is stored
+
+    def edit(arrays, header):
+        name = next(k for k in arrays if k.startswith("packed/") and k.endswith("scale"))
+        arrays[name] = np.zeros_like(arrays[name])
+    _rewrite(good, bad, edit)
+    with pytest.raises(FormatError, match=r"op 'w'.*packed weight.scale: 4 of 4 values are 0"):
+        jqt.load_packed(bad)
+
+
+# ---- integer accumulators over long contractions ------------------------------------------------
+
+K_LONG = 100_000
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("form", ["dense", "batched"])
+def test_long_contraction_matches_simulate(recipe, form):
+    """Full-range codes over K = 100,000: sum (qx - zx) * qw is 255 * 127 * K (w8a8, asymmetric
+    activation) or far more (w8a16), past int32; the integer path splits K and agrees."""
+    if form == "dense":
+        g = lambda w, x: x @ w
+        w, x = jnp.ones((K_LONG, 2)), jnp.ones((1, K_LONG))
+        cal = jnp.concatenate([x, jnp.zeros((1, K_LONG))])
+    else:  # a weight with batch axes: the generic kernel
+        g = lambda w, x: jnp.einsum("bk,bkn->bn", x, w)
+        w = jnp.ones((2, K_LONG, 2))
+        x = cal = jnp.stack([jnp.ones(K_LONG), jnp.zeros(K_LONG)])
+    qp = jqt.calibrate(g, getattr(jqt.recipes, recipe)(), w, [(cal,)], progress=False)
+    a = jqt.quantize(g, qp)(w, x)
+    b = jqt.quantize(g, qp, simulate=True)(w, x)
+    assert float(jnp.abs(a - b).max() / jnp.abs(b).max()) < 1e-3
+    if form == "dense":
+        assert float(b.max()) == pytest.approx(K_LONG, rel=1e-3)
+        c = jqt.quantize(g, qp)(jqt.pack(qp, w), x)
+        assert float(jnp.abs(c - b).max() / jnp.abs(b).max()) < 1e-3
+
+
+def test_long_conv_refused():
+    """A convolution cannot split its contraction: one whose worst case overflows is
+    refused, naming the op."""
+    g = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,), "VALID")
+    cin = 70_000
+    w, x = jnp.ones((1, cin, 1)), jnp.ones((1, cin, 1))  # OIW, NCW
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), w, [(jnp.concatenate([x, 0 * x]),)], progress=False)
+    with pytest.raises(ValueError, match="op 'w'.*int32 accumulator"):
+        jqt.quantize(g, qp)(w, x)
+
+
+# ---- the report on degenerate data --------------------------------------------------------------
+
+def test_report_on_zeros():
+    g = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    p = {"a": jnp.ones((8, 8)), "b": jnp.ones((8, 4))}
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    r = jqt.report(g, qp, p, (jnp.zeros((2, 8)),))
+    assert r.output_max_abs == 0.0
+    assert r.output_rel_l2 == 0.0 and r.output_sqnr == math.inf  # exact, not "infinite error"
+    assert all(row.sqnr_isolated == math.inf for row in r.rows)
+    s = str(r)
+    assert "relative L2 error 0," in s and "(exact)" in s and "worst op" not in s

@@ -244,9 +244,11 @@ def test_optax_adam_on_qparams_lowers_loss(w4_setup, w4_trained_qparams):
 
 
 def test_trained_qparams_integer_path_matches_simulation(w4_setup, w4_trained_qparams):
-    """What was trained in simulation is what the integer path runs."""
+    """What was trained in simulation is what the integer path runs (after jqt.qat.project,
+    which puts a zero point that drifted out of its range back: quantize refuses it)."""
     p, x, y, _ = w4_setup
     _, trained = w4_trained_qparams
+    trained = jqt.qat.project(trained)
     out_sim = jax.jit(jqt.quantize(mlp, trained, simulate=True))(p, x)
     out_int = jax.jit(jqt.quantize(mlp, trained))(p, x)
     assert _rel(out_int, out_sim, y) < INT_VS_SIM

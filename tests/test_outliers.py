@@ -172,7 +172,8 @@ def test_gptq_matches_reference_algorithm():
     assert err(ours) < 0.5 * err(rtn)
 
 
-@pytest.mark.parametrize("recipe", ["w4", "w4a8_rotate", pytest.param("w4_awq", marks=pytest.mark.slow),
+@pytest.mark.parametrize("recipe", ["w4", pytest.param("w4a8_rotate", marks=pytest.mark.slow),
+                                    pytest.param("w4_awq", marks=pytest.mark.slow),
                                     pytest.param("w8a8_smooth", marks=pytest.mark.slow),
                                     pytest.param("nf4", marks=pytest.mark.slow)])
 def test_gptq_improves_and_packs_losslessly(recipe):
@@ -202,7 +203,8 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", [n if n != "w4_awq" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(RECIPES)])
 def test_integer_simulated_packed_and_files_agree(name, tmp_path):
     p, batches = _mlp_data()
     qp = jqt.calibrate(mlp, RECIPES[name](), p, batches, progress=False)

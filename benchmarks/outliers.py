@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+import paths  # noqa: F401  (this checkout's jqt, examples/)
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jqt  # noqa: E402
-from formats import interleaved_medians, minilm_setup, table  # noqa: E402
+import jqt
+from formats import interleaved_medians, minilm_setup, table
 
 R = jqt.recipes
 VARIANTS = {  # name -> (recipe, run GPTQ, timed)

@@ -226,3 +226,15 @@ def test_report_on_zeros():
     assert all(row.sqnr_isolated == math.inf for row in r.rows)
     s = str(r)
     assert "relative L2 error 0," in s and "(exact)" in s and "worst op" not in s
+
+
+def test_qparams_of_another_layout_are_refused():
+    # x @ w and x @ w.T of a square w: same key, same shapes, scales on the other axis
+    w = {"w": jnp.arange(16.0).reshape(4, 4) / 10}
+    x = jnp.ones((2, 4))
+    qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"qparams\['w'\].*transpose.*Re-calibrate"):
+        jqt.quantize(lambda p, x: x @ p["w"].T, qp)(w, x)
+    with pytest.raises(jqt.QParamsMismatchError, match="transpose"):
+        jqt.quantize(lambda p, x: x @ p["w"].T, qp, simulate=True)(w, x)
+    assert jqt.quantize(lambda p, x: x @ p["w"], qp)(w, x).shape == (2, 4)

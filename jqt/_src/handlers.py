@@ -180,6 +180,7 @@ def lookup(ctx, site, invals):
             f"jqt: qparams['{site.key}'] describes a {qp.op} with weight operand "
             f"{qp.weight_operand}, but the function has a {site.op} with weight operand "
             f"{site.weight_operand} there. Re-calibrate for this function.")
+    _check_source(site, qp)
     for i in (0, 1):
         q = qp.operand(i)
         if q is None or q.scale is None or (i != site.weight_operand and not q.qtype.per_channel):
@@ -197,6 +198,25 @@ def lookup(ctx, site, invals):
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
     return qp, packed
+
+
+def _check_source(site, qp):
+    """The weight must reach the op the way it did at calibration: the same layout ops
+    from its leaf and the same contracted axes (``x @ w`` and ``x @ w.T`` of a square
+    ``w`` have the same key and shapes, but their scales lie on different axes)."""
+    a, b = qp.source, site.source
+    if a is None or b is None or qp.is_float or site.weight_operand is None:
+        return
+    axes_only = lambda chain: tuple(c for c in chain if c[0] not in ("convert", "copy"))
+    want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
+    got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])
+    if got != want:
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
+            f"{[c[0] for c in a.chain] or 'no layout ops'} and contracted over axes {got[1]}, but "
+            f"this function reaches it by {[c[0] for c in b.chain] or 'no layout ops'} and "
+            f"contracts axes {want[1]}: the scales would lie on the wrong axes. Re-calibrate for "
+            "this function.")
 
 
 def _weight_axes(site, invals):

@@ -238,3 +238,38 @@ def test_qparams_of_another_layout_are_refused():
     with pytest.raises(jqt.QParamsMismatchError, match="transpose"):
         jqt.quantize(lambda p, x: x @ p["w"].T, qp, simulate=True)(w, x)
     assert jqt.quantize(lambda p, x: x @ p["w"], qp)(w, x).shape == (2, 4)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w8", "w4", "fp8"])
+def test_an_empty_batch_gives_the_empty_output(recipe):
+    w = {"w": jnp.ones((4, 4)) * 0.1}
+    f = lambda p, x: x @ p["w"]
+    r = {"w4": jqt.recipes.w4(group_size=2)}.get(recipe) or getattr(jqt.recipes, recipe)()
+    qp = jqt.calibrate(f, r, w, [(jnp.ones((2, 4)),)], progress=False)
+    empty = jnp.ones((0, 4))
+    for g, p in ((jqt.quantize(f, qp), w), (jqt.quantize(f, qp), jqt.pack(qp, w)),
+                 (jqt.quantize(f, qp, simulate=True), w)):
+        assert g(p, empty).shape == (0, 4)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] is empty"):
+        jqt.calibrate(f, r, w, [(empty,)], progress=False)
+
+
+def test_complex_operands_stay_float_instead_of_losing_the_imaginary_part():
+    w = {"w": jnp.ones((4, 3), jnp.complex64)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.ones((2, 4), jnp.complex64) * (1 + 1j)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    assert qp["w"].is_float and "complex" in qp["w"].note
+    np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), f(w, x))
+
+
+def test_magnitudes_near_the_float32_maximum_give_finite_scales():
+    w = {"w": jnp.full((4, 3), 1e-3)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.array([[3e38, -3e38, 1.0, 2.0], [1e38, -2e38, 0.0, 5.0]], jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    assert np.isfinite(np.asarray(qp["w"].lhs.scale)).all()
+    y, ref = jqt.quantize(f, qp)(w, x), f(w, x)
+    assert np.isfinite(np.asarray(y)).all()
+    # within the rounding of the activation's step (6e38 / 255) times the weights' sum
+    assert float(jnp.abs(y - ref).max()) <= 6e38 / 255 * 4e-3

@@ -49,6 +49,10 @@ def _check_batch(i, batch, first_tree):
             "Every batch must hold the same arguments.")
     for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(batch))[0]:
         a = np.asarray(leaf)
+        if a.size == 0:
+            raise CalibrationDataError(
+                f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)} is empty (shape "
+                f"{a.shape}); an empty batch has no statistics. Drop it from the calibration set.")
         if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
             raise CalibrationDataError(
                 f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)} holds "
@@ -271,6 +275,8 @@ def _decide(site, rule, st):
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if rule is None:
         return float_("no rule of the recipe matches this op")
+    if any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in site.eqn.invars):
+        return float_("complex operands are kept float (quantization is of real numbers)")
     w = site.weight_operand
     if w is None:
         if rule.act_x_act is None:

@@ -81,8 +81,9 @@ class DenseAxes:
         return jnp.transpose(a, self.w_free + self.w_contract).reshape(-1)
 
     def act_2d(self, x):
+        # both sizes spelled out: with zero rows (an empty batch) -1 would be ambiguous
         return jnp.transpose(x, self.x_free + self.x_contract).reshape(
-            math.prod(x.shape[d] for d in self.x_free), -1)
+            math.prod(x.shape[d] for d in self.x_free), math.prod(x.shape[d] for d in self.x_contract))
 
     def act_vec(self, a):
         """A keepdims per-row activation array -> ``(M, 1)`` (scalars stay scalars)."""
@@ -163,7 +164,9 @@ def int_dense(ax, x, w, policy):
         acc = sum(_int_dense_acc(qx2[:, lo:hi], lax.slice_in_dim(qw, lo, hi, axis=kd), w.layout,
                                  zx, zw, None, policy).astype(_F32)
                   for lo, hi in chunks(k, kc))
-    return acc * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
+    # the scales' product first: acc * scale_x alone can overflow float32 when the
+    # activation's range is near float32's maximum
+    return acc * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))
 
 
 def _int_dense_acc(qx2, qw, layout, zx, zw, wsum, policy):

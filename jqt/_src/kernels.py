@@ -74,7 +74,7 @@ def dot_general(operands, params, eqn):
             acc = _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out).astype(_F32)
         else:
             acc = _chunked_acc(qa, za, qb, zb, dn, to_out, kc)
-        out = acc * to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1)
+        out = acc * (to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1))  # scales first
         return out.astype(out_dtype)
     # weight-only: one operand is float; the integer weight is cast, not dequantized,
     # and its per-channel scale is applied to the (smaller) output.
@@ -196,7 +196,7 @@ def conv(x_op, w_op, params, eqn):
             ones = jnp.ones(shape, np.int8)
             acc = acc - zx * lax.conv_general_dilated(ones, qw, **cp, preferred_element_type=_I32)
     sx = _out_batch(sx.astype(_F32), params, out_ndim)
-    out = acc.astype(_F32) * sx * _out_channel(sw.astype(_F32), params, out_ndim)
+    out = acc.astype(_F32) * (sx * _out_channel(sw.astype(_F32), params, out_ndim))
     return out.astype(out_dtype)
 
 

@@ -216,7 +216,9 @@ def params_from_range(lo, hi, qtype):
         amax = jnp.maximum(-lo, hi)
         scale = amax / qtype.amax_code
         return jnp.where(scale > 0, scale, 1.0), None
-    scale = (hi - lo) / (qtype.qmax - qtype.qmin)
+    # halves first: hi - lo overflows float32 for magnitudes near its maximum (the halved
+    # difference over the halved number of steps is the same quotient, bit for bit)
+    scale = (hi / 2 - lo / 2) / ((qtype.qmax - qtype.qmin) / 2)
     scale = jnp.where(scale > 0, scale, 1.0)
     zp = jnp.clip(jnp.round(qtype.qmin - lo / scale), qtype.qmin, qtype.qmax)
     return scale, zp

@@ -106,7 +106,7 @@ class Calibrate:
         rule = self.recipe.rule_for(site.op, site.key)
         w = site.weight_operand
         wt = site.entry.weight_type(rule) if rule is not None and w is not None else None
-        if wt is None:
+        if wt is None or any(jnp.iscomplexobj(v) for v in invals):  # complex: kept float
             return outs
         at = site.entry.act_type(rule)
         act, weight, cal = None, None, None

@@ -28,7 +28,7 @@ from . import compat, groups, transforms
 from . import numerics as nx
 from .calibrate import CalibrationDataError, full_args
 from .dense import DenseAxes
-from .handlers import Simulate, transformed
+from .handlers import QParamsMismatchError, Simulate, transformed
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
 from .tracing import Tracer, normalize_argnums
@@ -185,15 +185,6 @@ def _grid(site, q, w_shape, depth):
     return s, z
 
 
-def _inverse_weight(w, qp, contract, depth):
-    """Undo ``transforms.weight``: rotate back, divide by the smoothing vector."""
-    if qp.rotate:
-        w = transforms.rotate(w, tuple(a + depth for a in contract), inverse=True)
-    if qp.smooth is not None:
-        w = w / qp.smooth.astype(w.dtype)
-    return w
-
-
 def _rerounded(site, qp, leaf, h, n, opts):
     """The leaf with op ``site``'s weight re-rounded by GPTQ."""
     src, w_i = site.source, site.weight_operand
@@ -215,7 +206,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
     layer_shape = wt.shape[depth:]
     back = jnp.asarray(out).reshape((-1,) + out.shape[depth:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back]).reshape(wt.shape)
-    delta = _inverse_weight(back, qp, contract, depth) - w0
+    delta = transforms.unweight(back, qp.smooth, qp.rotate, contract, depth) - w0
     (dleaf,) = jax.linear_transpose(chain, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
     return (jnp.asarray(leaf, _F32) + dleaf).astype(jnp.result_type(leaf))
 
@@ -268,7 +259,6 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     sites = traced.sites()
     missing = [s.key for s in sites if s.key not in qparams]
     if missing:
-        from .handlers import QParamsMismatchError
         raise QParamsMismatchError(f"jqt.gptq: no quantization parameters for ops {missing[:5]}; "
                                    "the qparams were made for another function. Run jqt.calibrate on it.")
     order = list(dict.fromkeys(s.key for s in sites))

@@ -154,11 +154,6 @@ def move_contract(v, src, dst, ndim):
     return v.reshape(shape)
 
 
-def to_operand(smooth, w_contract, x_contract, x_ndim):
-    """A smoothing vector in the weight's layout -> the activation's."""
-    return move_contract(smooth, w_contract, x_contract, x_ndim)
-
-
 def applies(site) -> bool:
     """Whether an op can take outlier transforms: a ``dot_general`` with a weight
     operand and no batch axes (dense layers, projections, einsums over heads)."""
@@ -215,10 +210,19 @@ def weight(w, smooth, rotated, contract, depth=0):
     return w
 
 
+def unweight(w, smooth, rotated, contract, depth=0):
+    """The inverse of :func:`weight`: rotate back, divide by ``s``."""
+    if rotated:
+        w = rotate(w, tuple(a + depth for a in contract), inverse=True)
+    if smooth is not None:
+        w = w / smooth.astype(w.dtype)
+    return w
+
+
 def activation(x, smooth, rotated, x_contract, w_contract):
     """The activation side: ``(x / s) @ H`` over ``x_contract``."""
     if smooth is not None:
-        x = x / to_operand(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
+        x = x / move_contract(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
     if rotated:
         x = rotate(x, x_contract)
     return x

@@ -53,6 +53,7 @@ class Analyzer:
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
         self.warned: list[str] = []
+        self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
 
     def _use(self, info, what):
         if info.source is not None:
@@ -93,9 +94,14 @@ class Analyzer:
             stack = _join(prefix, compat.name_stack(eqn))
             outs = None
             entry = OPS.get(eqn.primitive)
-            widx = entry.weight_operand(eqn, ins) if entry is not None else None
-            if entry is not None and (widx is not None or not entry.needs_weight):
-                plan.sites[i] = self._site(entry, widx, eqn, ins, stack)
+            cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
+            if not cache_write and eqn.primitive not in HIGHER_ORDER:
+                for info in ins:  # a loop body's reads (loops: inside their bodies)
+                    self.reads.update(info.buffer)
+            if entry is not None and entry.is_site(eqn, ins):
+                site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
+                if entry.is_cache:  # the buffer after the write: still the loop's buffer
+                    outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]
             elif eqn.primitive in HIGHER_ORDER:
                 outs = self._hop(plan, i, eqn, ins, stack)
             else:
@@ -121,6 +127,7 @@ class Analyzer:
         if top:
             for info in out_infos:
                 self._use(info, "float")
+            _prune_writes(plan, _cache_keys(plan))
         return plan, out_infos
 
     def _site(self, entry, widx, eqn, ins, stack):
@@ -129,7 +136,8 @@ class Analyzer:
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")
-        key = self._key(src.path) if src is not None else self._fallback_key(stack, op)
+        key = self._key(src.path) if src is not None else \
+            self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
         if src is not None:
             self._use(ins[widx], key)
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,
@@ -140,7 +148,7 @@ class Analyzer:
         name = eqn.primitive.name
         hop = HIGHER_ORDER[eqn.primitive]
         scan_id = -1
-        if name == "scan":
+        if name in ("scan", "while"):  # a loop's id: its carries are buffers (loop id, slot)
             self.scan_ids += 1
             scan_id = self.scan_ids
         subs = hop.subs(eqn, ins, scan_id)
@@ -156,19 +164,49 @@ class Analyzer:
             p = eqn.params
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
-        plans, outs = [], None
+        plans, outs, body_outs = [], None, []
         for j, _, inner in subs:
             sub_plan, sub_outs = self.analyze(j, inner, stack)
             plans.append(sub_plan)
+            body_outs.append(sub_outs)
             if hop.transparent:
                 outs = sub_outs
             else:
                 for info in sub_outs:
                     self._use(info, "float")
+        caches = {}
+        if hop.outs is not None:
+            found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
+            default = VarInfo(all(info.weight for info in ins))
+            outs = [default if o is None else o for o in found]
         keys = [s.key for p in plans for s in p.all_sites()]
         if keys:
-            plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id)
+            plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)
         return outs
+
+
+def _cache_keys(plan) -> set:
+    keys = set()
+    for sub in plan.subs.values():
+        for writes in sub.caches.values():
+            keys.update(writes)
+        for p in sub.plans:
+            keys |= _cache_keys(p)
+    return keys
+
+
+def _prune_writes(plan, caches):
+    """Drops the writes into carried buffers that no loop keeps as a cache (written but
+    never read: collected outputs); they run unchanged."""
+    for i, site in list(plan.sites.items()):
+        if site.entry.is_cache and site.key not in caches:
+            del plan.sites[i]
+    for i, sub in list(plan.subs.items()):
+        for p in sub.plans:
+            _prune_writes(p, caches)
+        sub.keys = [k for p in sub.plans for k in (s.key for s in p.all_sites())]
+        if not sub.keys:
+            del plan.subs[i]
 
 
 def path_str(path) -> str:

@@ -275,6 +275,10 @@ def _decide(site, rule, st):
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if rule is None:
         return float_("no rule of the recipe matches this op")
+    if site.entry.is_cache:
+        if rule.kv_cache is None:
+            return float_("key/value cache kept float (kv_cache=True on a preset quantizes it)")
+        return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
     if any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in site.eqn.invars):
         return float_("complex operands are kept float (quantization is of real numbers)")
     w = site.weight_operand

@@ -73,6 +73,8 @@ from jax.extend.core import primitives as _prims  # noqa: E402
 dot_general_p = _prims.dot_general_p
 conv_general_dilated_p = _prims.conv_general_dilated_p
 gather_p = _prims.gather_p
+dynamic_update_slice_p = _prims.dynamic_update_slice_p
+scatter_p = _prims.scatter_p
 jit_p = _prims.jit_p
 closed_call_p = _prims.closed_call_p
 call_p = _prims.call_p

@@ -19,7 +19,7 @@ from typing import Protocol
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, dense, groups, stats, transforms
+from . import compat, dense, groups, kvcache, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -277,13 +277,35 @@ def dequantize_packed(packed, site, invals):
     return v * s
 
 
+def cache_write(site, eqn, invals, ctx):
+    """A write into a key/value cache (both paths): the update quantized per vector into
+    a quantized cache, or written as the cache would hold it into a float buffer
+    (``kvcache.write``); unchanged when the qparams keep it float or have no entry
+    (qparams saved before jqt quantized caches)."""
+    e = ctx.state_in.get(site.key)
+    qp = e[0] if isinstance(e, tuple) else e
+    if not isinstance(qp, OpQParams) or qp.is_float:
+        return compat.bind_eqn(eqn, kvcache.materialize(eqn, invals))
+    if qp.op != site.op:
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] describes a {qp.op}, but the function writes its cache "
+            f"with {site.op} there. Re-calibrate for this function.")
+    return kvcache.write(eqn, invals, site.entry.update_index, qp.lhs.qtype)
+
+
 class Simulate:
     """Float simulation: fake-quantize the operands, run the float op."""
 
     collects = False
     differentiable = True
 
+    @staticmethod
+    def enter_cache(x, qtype):
+        return kvcache.enter(x, qtype, simulate=True)
+
     def site(self, site, eqn, invals, ctx):
+        if site.entry.is_cache:
+            return cache_write(site, eqn, invals, ctx)
         qp, packed = lookup(ctx, site, invals)
         vals = list(invals)
         for i in (0, 1):
@@ -335,7 +357,19 @@ class Integer:
     def __init__(self, policy=None):
         self.policy = policy
 
+    @staticmethod
+    def enter_cache(x, qtype):
+        return kvcache.enter(x, qtype, simulate=False)
+
     def site(self, site, eqn, invals, ctx):
+        if site.entry.is_cache:
+            return cache_write(site, eqn, invals, ctx)
+        if any(kvcache.is_cache(v) for v in invals):  # attention reading a quantized cache
+            e = ctx.state_in.get(site.key)
+            if site.op == "dot_general" and site.weight_operand is None and e is not None \
+                    and e[0].is_float:
+                return kvcache.dot_general(eqn, invals)
+            invals = kvcache.materialize(eqn, invals)
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)

@@ -9,7 +9,11 @@ An entry is a :class:`Hop`:
 * ``run(eqn, invals, sub, ctx, evaluate) -> outvals``: the rebuilt equation,
   where ``evaluate(jaxpr, consts, args, plan, ctx)`` interprets a body;
 * ``transparent``: the body's outputs are the equation's outputs one for one
-  (a weight's source passes through).
+  (a weight's source passes through);
+* ``outs(eqn, infos, body_outs, loop_id, reads) -> (out infos, caches)``: for
+  loops and ``cond``, which outputs are still a loop-carried buffer (``None``:
+  plain data), and which carry slots are key/value caches (``kvcache.py``):
+  written and read (``reads``: the buffers some op reads) by the body.
 
 The documented default, for a primitive not in the table: the equation is
 re-bound unchanged (its ops stay float; the analysis warns when its bodies hold
@@ -26,7 +30,7 @@ from typing import Callable
 import jax
 from jax import lax
 
-from . import compat
+from . import compat, kvcache
 from .plan import DATA, Plan, VarInfo, closed_parts
 
 
@@ -35,6 +39,7 @@ class Hop:
     subs: Callable
     run: Callable
     transparent: bool = False
+    outs: Callable = None
 
 
 # ---- analysis side: operands -> body inputs ---------------------------------------------------
@@ -46,26 +51,82 @@ def _same(param):
     return f
 
 
+def _const(info):
+    """A loop's constant: the same value every iteration, not a buffer the loop writes."""
+    return VarInfo(info.weight, info.source, info.stack_ids)
+
+
+def _carries(infos, loop_id):
+    """A loop body's carry inputs: data, each the buffer ``(loop_id, slot)`` (and still the
+    outer buffer it was initialised from), with no writes yet."""
+    return [VarInfo(False, buffer=info.buffer + ((loop_id, k),)) for k, info in enumerate(infos)]
+
+
 def _scan_subs(eqn, infos, scan_id):
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
-    inner = list(infos[:nc]) + [DATA] * nk
-    for info in infos[nc + nk:]:
-        if info.source is not None:
-            s = info.source
-            info = VarInfo(info.weight, dataclasses.replace(s, chain=s.chain + (("scan_slice",),)),
-                           info.stack_ids + (scan_id,))
-        inner.append(info)
+    inner = [_const(i) for i in infos[:nc]] + _carries(infos[nc:nc + nk], scan_id)
+    for info in infos[nc + nk:]:  # xs: slices of the stacked value, a slice of its buffer
+        s = info.source
+        if s is not None:
+            s = dataclasses.replace(s, chain=s.chain + (("scan_slice",),))
+        inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None else ()),
+                             buffer=info.buffer))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]
 
 
-def _while_subs(eqn, infos, _):
+def _while_subs(eqn, infos, loop_id):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    n_carry = len(infos) - cn - bn
     j, c = closed_parts(p["body_jaxpr"])
-    return [(j, c, list(infos[cn:cn + bn]) + [DATA] * n_carry)]
+    return [(j, c, [_const(i) for i in infos[cn:cn + bn]] + _carries(infos[cn + bn:], loop_id))]
+
+
+def _carried(outer, body_out, loop_id, k):
+    """The loop's output for carry slot ``k``: the outer buffer written by the body's
+    writes when the body returns the slot's own buffer; None otherwise."""
+    if (loop_id, k) not in body_out.buffer:
+        return None
+    return VarInfo(False, buffer=outer.buffer, writes=outer.writes + body_out.writes)
+
+
+def _caches(carry_outs, loop_id, reads):
+    """Carry slot -> the writes of a cache: a slot the body returns written and also reads
+    (attention reads its cache; a buffer that only collects outputs is not a cache)."""
+    return {k: o.writes for k, o in enumerate(carry_outs)
+            if (loop_id, k) in o.buffer and o.writes and (loop_id, k) in reads}
+
+
+def _scan_outs(eqn, infos, body_outs, scan_id, reads):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body = body_outs[0]
+    outs = [_carried(infos[nc + k], body[k], scan_id, k) for k in range(nk)]
+    for o in body[nk:]:  # ys: restacked slices of an outer buffer are that buffer
+        own = any(b[0] == scan_id for b in o.buffer)
+        outs.append(VarInfo(False, buffer=o.buffer, writes=o.writes) if o.buffer and not own else None)
+    return outs, _caches(body[:nk], scan_id, reads)
+
+
+def _while_outs(eqn, infos, body_outs, loop_id, reads):
+    p = eqn.params
+    init = infos[p["cond_nconsts"] + p["body_nconsts"]:]
+    body = body_outs[0]
+    return [_carried(i, o, loop_id, k) for k, (i, o) in enumerate(zip(init, body))], _caches(body, loop_id, reads)
+
+
+def _cond_outs(eqn, infos, body_outs, _, reads):
+    """A buffer every branch returns (written or not) is still that buffer."""
+    outs = []
+    for per_branch in zip(*body_outs):
+        bufs = {o.buffer for o in per_branch}
+        if len(bufs) == 1 and per_branch[0].buffer:
+            writes = tuple(dict.fromkeys(w for o in per_branch for w in o.writes))
+            outs.append(VarInfo(False, buffer=per_branch[0].buffer, writes=writes))
+        else:
+            outs.append(None)
+    return outs, {}
 
 
 def _cond_subs(eqn, infos, _):
@@ -161,17 +222,41 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     st_c = {k: v for k, v in state.items() if k not in stacked}
     j, c = closed_parts(p["jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
+    init, entered = _enter_caches(sub, ctx, init)
 
     def body(carry, x):
         xs_t, sx = x
         outs, so = run({**st_c, **sx}, *consts, *carry, *xs_t)
-        return list(outs[:nk]), (list(outs[nk:]), so)
+        return [kvcache.coerce(o, i) for o, i in zip(outs[:nk], carry)], (list(outs[nk:]), so)
 
     carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
         ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations({k: v})[k]
-    return [*carry, *ys]
+    return [*_leave_caches(carry, entered, eqn.outvars), *ys]
+
+
+def _enter_caches(sub, ctx, init):
+    """The loop's initial carries with its key/value caches in the handler's form (the
+    integer path: a quantized :class:`jqt.QArray`); the slots this loop converted."""
+    enter = getattr(ctx.handler, "enter_cache", None)
+    init, entered = list(init), set()
+    if enter is None:
+        return init, entered
+    for k, writes in sub.caches.items():
+        qtype = kvcache.slot_type(writes, ctx.state_in)
+        if qtype is not None:
+            x = enter(init[k], qtype)
+            if kvcache.is_cache(x) and not kvcache.is_cache(init[k]):
+                entered.add(k)
+            init[k] = x
+    return init, entered
+
+
+def _leave_caches(carry, entered, outvars):
+    """Caches this loop converted on entry, back to float for what follows the loop."""
+    return [kvcache.decode(x, v.aval.dtype) if k in entered else x
+            for k, (x, v) in enumerate(zip(carry, outvars))]
 
 
 def _while(eqn, invals, sub, ctx, evaluate):
@@ -182,12 +267,15 @@ def _while(eqn, invals, sub, ctx, evaluate):
     bj, bc = closed_parts(p["body_jaxpr"])
     state = _state_for(sub, ctx)
     run = _runner(ctx, bj, bc, sub.plans[0], evaluate)
+    init, entered = _enter_caches(sub, ctx, init)
 
     def cond_fn(carry):
         return evaluate(cj, cc, [*cconsts, *carry], Plan(), ctx.child({}))[0]
 
     if not ctx.handler.collects:
-        return lax.while_loop(cond_fn, lambda carry: list(run(state, *bconsts, *carry)[0]), list(init))
+        def step(carry):
+            return [kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)]
+        return _leave_caches(lax.while_loop(cond_fn, step, list(init)), entered, eqn.outvars)
     shapes = jax.eval_shape(lambda *a: run(state, *bconsts, *a)[1], *init)
     st0 = ctx.handler.identity(shapes)
 
@@ -235,8 +323,8 @@ HIGHER_ORDER = {
     compat.remat_p: Hop(_same("jaxpr"), _remat, transparent=True),
     compat.custom_jvp_call_p: Hop(_same("call_jaxpr"), _custom_jvp, transparent=True),
     compat.custom_vjp_call_p: Hop(_same("call_jaxpr"), _custom_vjp, transparent=True),
-    compat.scan_p: Hop(_scan_subs, _scan),
-    compat.while_p: Hop(_while_subs, _while),
-    compat.cond_p: Hop(_cond_subs, _cond),
+    compat.scan_p: Hop(_scan_subs, _scan, outs=_scan_outs),
+    compat.while_p: Hop(_while_subs, _while, outs=_while_outs),
+    compat.cond_p: Hop(_cond_subs, _cond, outs=_cond_outs),
 }
 """Higher-order primitive -> :class:`Hop`; a primitive not listed is re-bound unchanged."""

@@ -6,7 +6,8 @@ the current mode (calibrate, simulate, integer, report; see ``handlers.py``),
 which applies the entry's rule for that mode. A higher-order primitive that
 holds quantizable ops is rebuilt by its entry in ``hops.HIGHER_ORDER``.
 Everything else (the documented default) is re-bound unchanged, so float
-behaviour and custom derivative rules are kept.
+behaviour and custom derivative rules are kept; a quantized key/value cache
+(``kvcache.py``) reaching such an equation is decoded to its float buffer.
 
 Per-op state: ``ctx.state_in[key]`` is what a handler reads for the op with
 that key (quantization parameters, packed weights) and ``ctx.state_out[key]``
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import compat
+from . import compat, kvcache
 from .hops import HIGHER_ORDER
 
 
@@ -53,6 +54,8 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
         elif i in plan.subs:
             outs = HIGHER_ORDER[eqn.primitive].run(eqn, invals, plan.subs[i], ctx, eval_jaxpr)
         else:
+            if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
+                invals = kvcache.materialize(eqn, invals)
             outs = compat.bind_eqn(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
             if not compat.is_dropvar(v):

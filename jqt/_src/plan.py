@@ -17,6 +17,8 @@ class VarInfo:
     weight: bool                          # independent of the data arguments
     source: Optional[WeightSource] = None  # leaf + layout chain, if any
     stack_ids: tuple = ()                  # scans that sliced it from a stacked leaf
+    buffer: tuple = ()                     # (loop id, carry slot) pairs it is (a slice of)
+    writes: tuple = ()                     # keys of the cache writes it went through
 
 
 DATA = VarInfo(False)
@@ -55,6 +57,7 @@ class Sub:
     plans: list
     keys: list            # every site key below this equation
     scan_id: int = -1
+    caches: dict = dataclasses.field(default_factory=dict)  # carry slot -> keys of its writes
 
     def stacked(self, site: Site) -> bool:
         return self.scan_id in site.stack_ids

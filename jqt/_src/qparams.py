@@ -267,6 +267,9 @@ def summarize(qparams: dict[str, Any]) -> str:
         if p.is_float:
             rows.append((k, p.op, "float", p.note or "kept float"))
             continue
+        if p.op in ("dynamic_update_slice", "scatter"):  # a key/value cache write
+            rows.append((k, p.op, "-", f"kv cache {p.lhs.qtype.describe()}"))
+            continue
         w = p.weight_operand
         wq = p.operand(w) if w is not None else None
         aq = [p.operand(i) for i in (0, 1) if i != w]

@@ -8,6 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from . import kvcache
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
@@ -119,7 +120,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                     f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
                     f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
                     "another function or weight_argnums.")
-            missing = [k for k in keys if k not in qparams]
+            # a cache write without an entry stays float (qparams saved before jqt quantized caches)
+            missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.is_cache]
             if missing:
                 raise QParamsMismatchError(
                     f"jqt: no quantization parameters for ops {missing[:5]}"
@@ -130,6 +132,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
         outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
                           traced.plan, Ctx(handler, state))
+        outs = kvcache.materialize_outs(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     return qf

@@ -14,6 +14,7 @@ import re
 from typing import Optional
 
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax
+from . import kvcache
 from .formats import QuantType
 from .registry import NAMES as QUANTIZABLE_OPS
 
@@ -50,6 +51,12 @@ class Rule:
         (measured with ``X^T X`` of its calibration inputs).
       rotate: rotate the contracted axes of dense ops by a Hadamard matrix
         (QuaRot): the weight once, the activation at run time.
+      kv_cache: type of the key/value caches a loop carries and writes into
+        (``dynamic_update_slice`` or ``.at[...].set`` of whole vectors into a
+        ``lax.scan``/``lax.while_loop`` carry): symmetric, dynamic, one scale
+        per vector of the buffer's last axis (per token and head), e.g.
+        ``jqt.recipes.KV_INT8``; ``None`` keeps caches float. See
+        docs/generate.md.
 
     ``smooth``, ``awq`` and ``rotate`` apply to ``dot_general`` ops with a weight
     and no batch axes (dense layers, projections); see docs/ptq.md.
@@ -74,6 +81,7 @@ class Rule:
     smooth: Optional[float] = None
     awq: bool = False
     rotate: bool = False
+    kv_cache: Optional[QuantType] = None
 
     def __post_init__(self):
         try:
@@ -133,6 +141,8 @@ class Rule:
             raise ValueError(f"Rule(embedding={self.embedding!r}): embedding tables are weights: "
                              "static, at most 8 bits.")
         self._check_outliers()
+        if self.kv_cache is not None:
+            kvcache.check_type(self.kv_cache, "Rule(kv_cache=...)")
         if self.act_x_act is not None and not self.act_x_act.dynamic:
             raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
                              "operand; use QuantType(dynamic=True, ...).")
@@ -197,6 +207,16 @@ INT8_WEIGHT = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=T
 """
 
 
+KV_INT8 = kvcache.INT8
+"""The key/value cache type of ``kv_cache=True``: int8 codes (-127..127), symmetric,
+one scale per token and head computed at each write.
+
+>>> import jqt
+>>> jqt.recipes.KV_INT8.describe(), jqt.recipes.w8a8_dynamic(kv_cache="int4").rules[0].kv_cache.bits
+('int8 sym per-channel dynamic', 4)
+"""
+
+
 def _cal(calibrator, weight_calibrator):
     return dict(calibrator=calibrator or MinMax(), weight_calibrator=weight_calibrator or WeightMinMax())
 
@@ -213,7 +233,8 @@ def _embedding(embeddings, bits, group_size=0):
 
 def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
          calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
-         rotate: bool = False) -> Recipe:
+         rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """int8 per-channel symmetric weights, int8 static per-tensor activations, int8
     embedding tables (one scale per row).
 
@@ -231,14 +252,16 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
     >>> jqt.recipes.w8a8(smooth=0.5).rules[0].smooth
     0.5
     """
-    return Recipe(rules=(Rule(weight=_int_weight(8, group_size),
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=_int_weight(8, group_size),
                               activation=QuantType(bits=8, symmetric=act_symmetric),
                               embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
                               **_cal(calibrator, weight_calibrator)),))
 
 
 def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None,
-                 smooth: Optional[float] = None, rotate: bool = False) -> Recipe:
+                 smooth: Optional[float] = None, rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """int8 per-channel weights, int8 activations with per-token scales computed at run
     time, int8 embedding tables.
 
@@ -250,13 +273,15 @@ def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_cal
     True
     """
     act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
                               embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
                               **_cal(None, weight_calibrator)),))
 
 
 def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, awq: bool = False,
-       rotate: bool = False) -> Recipe:
+       rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """Weight-only int8 (per-channel, or per group of ``group_size`` inputs), int8
     embedding tables; activations stay float. ``awq=True`` searches AWQ's
     per-channel scales, ``rotate=True`` applies a Hadamard rotation.
@@ -265,12 +290,14 @@ def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, 
     >>> jqt.recipes.w8().rules[0].activation is None
     True
     """
-    return Recipe(rules=(Rule(weight=_int_weight(8, group_size), activation=None,
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=_int_weight(8, group_size), activation=None,
                               embedding=_embedding(embeddings, 8), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator)),))
 
 
-def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -> Recipe:
+def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None,
+        kv_cache=False) -> Recipe:
     """int8 per-channel weights, int16 symmetric static per-tensor activations.
 
     The precise fallback for an op whose activations int8 cannot hold (outlier
@@ -280,13 +307,15 @@ def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None) -
     >>> jqt.recipes.w8a16().rules[0].activation.storage
     dtype('int16')
     """
-    return Recipe(rules=(Rule(weight=INT8_WEIGHT, activation=QuantType(bits=16, symmetric=True),
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=INT8_WEIGHT, activation=QuantType(bits=16, symmetric=True),
                               embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
 
 
 def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = True,
          embeddings: bool = True, calibrator=None, weight_calibrator=None,
-         smooth: Optional[float] = None, awq: bool = False, rotate: bool = False) -> Recipe:
+         smooth: Optional[float] = None, awq: bool = False, rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """int4 weights (per-channel by default, or per group of ``group_size`` inputs) with
     int8 static activations; int4 embedding tables.
 
@@ -300,7 +329,8 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
     True
     """
-    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, per_channel, symmetric),
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
                               embedding=_embedding(embeddings, 4, group_size),
                               smooth=smooth, awq=awq, rotate=rotate,
@@ -308,7 +338,8 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
 
 
 def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True,
-       weight_calibrator=None, awq: bool = False, rotate: bool = False) -> Recipe:
+       weight_calibrator=None, awq: bool = False, rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """Weight-only int4 with one scale per group of ``group_size`` inputs (0: per
     channel), stored two per byte; int4 embedding tables.
 
@@ -325,13 +356,15 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     >>> jqt.recipes.w4(awq=True).rules[0].awq
     True
     """
-    return Recipe(rules=(Rule(weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
                               embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator)),))
 
 
 def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None,
-        awq: bool = False) -> Recipe:
+        awq: bool = False,
+        kv_cache=False) -> Recipe:
     """Weight-only 4-bit NormalFloat (QLoRA's format) with one absmax scale per group of
     ``group_size`` inputs, decoded by lookup; nf4 embedding tables; ``awq=True`` as
     in :func:`w4`.
@@ -341,13 +374,15 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
     'nf4 sym g64'
     """
     t = QuantType(dtype="nf4", group_size=group_size)
-    return Recipe(rules=(Rule(weight=t, activation=None, embedding=t if embeddings else None, awq=awq,
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=t, activation=None, embedding=t if embeddings else None, awq=awq,
                               **_cal(None, weight_calibrator)),))
 
 
 def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
         act_dtype: str = "float8_e4m3fn", embeddings: bool = True, calibrator=None,
-        weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False) -> Recipe:
+        weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False,
+        kv_cache=False) -> Recipe:
     """fp8 weights (per channel) and fp8 activations (static per-tensor, or per-token
     with ``dynamic=True``), e4m3 by default (``"float8_e5m2"`` selectable); int8
     embedding tables.
@@ -359,5 +394,6 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     """
     w = QuantType(dtype=weight_dtype, per_channel=True)
     a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
-    return Recipe(rules=(Rule(weight=w, activation=a, embedding=_embedding(embeddings, 8),
+    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+                              weight=w, activation=a, embedding=_embedding(embeddings, 8),
                               smooth=smooth, rotate=rotate, **_cal(calibrator, weight_calibrator)),))

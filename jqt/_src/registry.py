@@ -3,8 +3,10 @@
 An entry says everything jqt knows about one primitive, and the analysis,
 calibration, both execution paths and :func:`jqt.pack` read only this table:
 
+* ``is_site(eqn, infos)``: whether the equation is quantized at all (a lookup
+  needs a weight table, a cache write a loop-carried buffer);
 * ``weight_operand(eqn, infos)``: which operand is the weight (``None``: both
-  operands are data; an entry with ``needs_weight`` is then not quantized);
+  operands are data);
 * ``contract(eqn)``: per operand, the axes that share one scale;
 * ``weight_type(rule)`` / ``act_type(rule)``: which fields of a
   :class:`jqt.Rule` apply;
@@ -14,6 +16,9 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
   :class:`jqt.QArray` per quantized operand, the float array otherwise);
 * ``pack(site_source, qarray, operand)``: the packed layout of its weight
   (with the op's outlier transforms, ``transforms.py``, folded in).
+
+``CacheWrite`` (``dynamic_update_slice``, ``scatter``) is the third kind: a write
+into a key/value cache (``kvcache.py``), typed by ``Rule.kv_cache``.
 
 The documented default, for a primitive with no entry, is to run it unchanged
 in float. Adding a primitive means adding an entry here and its kernel.
@@ -44,9 +49,13 @@ class Contraction:
     (or two activations), contracted."""
 
     needs_weight = False
+    is_cache = False
 
     def __init__(self, prim):
         self.prim, self.name = prim, prim.name
+
+    def is_site(self, eqn, ins):
+        return True
 
     def weight_operand(self, eqn, ins):
         w = _pick_weight(ins)
@@ -133,10 +142,14 @@ class Gather:
     quantized weight-only with one scale per row (or per group of a row)."""
 
     needs_weight = True
+    is_cache = False
     name = "gather"
 
     def __init__(self, prim):
         self.prim = prim
+
+    def is_site(self, eqn, ins):
+        return self.weight_operand(eqn, ins) is not None
 
     def weight_operand(self, eqn, ins):
         # a gather of a weight by constant indices is a layout op (slicing), not a lookup
@@ -175,10 +188,57 @@ class Gather:
         return dataclasses.replace(q, values=qv, sums=None, layout="operand")
 
 
+class CacheWrite:
+    """``dynamic_update_slice`` and ``scatter`` (``.at[...].set``) of data into a buffer
+    that a loop carries (a key/value cache): the written vectors are quantized with
+    one scale per vector of the buffer's last axis (``kvcache.py``). A write is a
+    site only when its buffer is a loop carry (or a scan's slice of one) and it
+    covers the whole last axis."""
+
+    needs_weight = True
+    is_cache = True
+
+    def __init__(self, prim, update_index):
+        self.prim, self.name, self.update_index = prim, prim.name, update_index
+
+    def weight_operand(self, eqn, ins):
+        return None
+
+    def is_site(self, eqn, ins):
+        buf, upd = eqn.invars[0].aval, eqn.invars[self.update_index].aval
+        if not ins[0].buffer or ins[self.update_index].weight or buf.ndim < 2 \
+                or not jnp.issubdtype(buf.dtype, jnp.floating):
+            return False
+        if self.name == "dynamic_update_slice":
+            return upd.shape[-1] == buf.shape[-1]
+        dn = eqn.params["dimension_numbers"]
+        last = buf.ndim - 1
+        return (last not in dn.inserted_window_dims and last not in dn.scatter_dims_to_operand_dims
+                and last not in dn.operand_batching_dims and bool(dn.update_window_dims)
+                and upd.shape[dn.update_window_dims[-1]] == buf.shape[-1]
+                and eqn.params.get("update_jaxpr") is None)
+
+    def contract(self, eqn):
+        return ((len(eqn.invars[0].aval.shape) - 1,), ())
+
+    @staticmethod
+    def weight_type(rule):
+        return None
+
+    @staticmethod
+    def act_type(rule):
+        return rule.kv_cache
+
+    def groups(self, site):
+        return None
+
+
 OPS = {
     compat.dot_general_p: Contraction(compat.dot_general_p),
     compat.conv_general_dilated_p: Contraction(compat.conv_general_dilated_p),
     compat.gather_p: Gather(compat.gather_p),
+    compat.dynamic_update_slice_p: CacheWrite(compat.dynamic_update_slice_p, 1),
+    compat.scatter_p: CacheWrite(compat.scatter_p, 2),
 }
 """Primitive -> entry. A primitive not listed runs unchanged (float)."""
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat
+from . import compat, kvcache
 from .calibrate import full_args
 from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup, transformed
 from .interpreter import Ctx, eval_jaxpr
@@ -48,7 +48,14 @@ class _Measure:
     collects = True
     differentiable = False
 
+    @staticmethod
+    def enter_cache(x, qtype):
+        """A loop's key/value cache: float in lane 0, as the quantized cache holds it in lane 1."""
+        return jnp.where(lax.axis_index(_AXIS) == 0, x, kvcache.fake_quant(x, qtype))
+
     def site(self, site, eqn, invals, ctx):
+        if site.entry.is_cache and site.key not in ctx.state_in:
+            return compat.bind_eqn(eqn, invals)  # qparams from before caches were quantized
         qp, _ = lookup(ctx, site, invals)
         both = [lax.all_gather(v, _AXIS) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]
@@ -56,6 +63,8 @@ class _Measure:
         y_f = compat.bind_eqn(eqn, xf)[0].astype(_F32)
         y_iso = sim.site(site, eqn, xf, ctx)[0].astype(_F32)
         y_all = sim.site(site, eqn, xq, ctx)[0].astype(_F32)
+        if site.entry.is_cache:  # the operands measured: the buffer and the written update
+            xf = [xf[0], xf[site.entry.update_index]]
         st = {"f2": jnp.sum(y_f ** 2), "e_iso": jnp.sum((y_iso - y_f) ** 2),
               "e_all": jnp.sum((y_all - y_f) ** 2)}
         w = site.weight_operand

@@ -1,0 +1,221 @@
+"""Quantized key/value caches: buffers that a loop carries and writes into.
+
+A *cache* is a float buffer carried by a ``lax.scan`` or ``lax.while_loop``
+(directly, or sliced per layer by an inner scan) into which the loop body
+writes new values with ``dynamic_update_slice`` or ``.at[...].set``
+(``scatter``), each write spanning the buffer's whole last axis (a head's
+features). The analysis finds them (``analysis.py``: the write is a site of
+the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
+
+* the integer path carries the buffer as a :class:`jqt.QArray` with
+  ``layout="cache"``: codes (int8; int4 two per byte along the last axis; or
+  fp8) and one float16 scale per vector along the last axis (per token and
+  head), ``scale.shape == buffer.shape[:-1] + (1,)``. The loop quantizes the
+  buffer it is given once, on entry, and returns float on exit; every write
+  quantizes the new vectors; a ``dot_general`` reading the cache (attention)
+  takes the scale out of the contraction (:func:`dot_general`); any other
+  reader gets the decoded float buffer.
+* the simulated path keeps float buffers holding exactly the values the cache
+  would decode to (:func:`fake_quant` on entry and at every write).
+
+Scales are ``absmax / amax_code`` rounded *up* to float16 (so the largest
+value never clips) and kept within float16's normal range: a vector whose
+absolute maximum is below ``2**-14 * amax_code`` gets steps of ``2**-14``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import compat
+from . import numerics as nx
+from .formats import QuantType, pack_nibbles, unpack_nibbles
+from .qparams import OpQParams, QArray
+
+SCALE_DTYPE = jnp.float16
+_TINY, _HUGE = 2.0 ** -14, 65504.0
+_F32 = jnp.float32
+
+INT8 = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True, dynamic=True)
+"""The default cache type: int8 codes in -127..127, one scale per token and head."""
+
+
+def cache_type(kind) -> QuantType | None:
+    """The cache :class:`jqt.QuantType` a preset's ``kv_cache=`` names: ``True`` or
+    ``"int8"``, ``"int4"``, ``"fp8"`` (``"float8_e4m3fn"``), ``"float8_e5m2"``, a
+    ``QuantType``, or ``False``/``None`` (float cache)."""
+    if kind is None or kind is False:
+        return None
+    if kind is True or kind == "int8":
+        return INT8
+    if kind == "int4":
+        return QuantType(bits=4, symmetric=True, narrow_range=True, per_channel=True, dynamic=True)
+    if kind in ("fp8", "float8_e4m3fn", "float8_e5m2"):
+        dtype = "float8_e4m3fn" if kind == "fp8" else kind
+        return QuantType(dtype=dtype, per_channel=True, dynamic=True)
+    if isinstance(kind, QuantType):
+        return kind
+    raise ValueError(f"kv_cache={kind!r}: use True (int8), 'int8', 'int4', 'fp8', 'float8_e5m2' or "
+                     "a jqt.QuantType(..., per_channel=True, dynamic=True).")
+
+
+def check_type(t: QuantType, where: str):
+    """Raises unless ``t`` can type a cache: symmetric, dynamic, per vector, <= 8 bits, no table."""
+    if t.kind == "lut" or not t.symmetric or not t.dynamic or not t.per_channel or t.group_size \
+            or (t.kind == "int" and t.bits > 8):
+        raise ValueError(
+            f"{where}: a KV cache type is symmetric, dynamic and per vector (one scale per token "
+            f"and head, computed at each write), int2-int8 or fp8; got {t.describe()}. Use "
+            "kv_cache=True (int8), 'int4' or 'fp8' on a preset.")
+
+
+def slot_type(writes, state_in):
+    """The type a loop carries a buffer in: its writes' common ``kv_cache`` type, or
+    ``None`` (float) when any of them is float or absent, or they differ."""
+    types = set()
+    for k in writes:
+        e = state_in.get(k)
+        qp = e[0] if isinstance(e, tuple) else e
+        if not isinstance(qp, OpQParams) or qp.is_float:
+            return None
+        types.add(qp.lhs.qtype)
+    return types.pop() if len(types) == 1 else None
+
+
+def is_cache(x) -> bool:
+    return isinstance(x, QArray) and x.layout == "cache"
+
+
+def scales(x, qtype):
+    """One float16 scale per vector along the last axis of ``x`` (keepdims)."""
+    amax = jnp.max(jnp.abs(lax.stop_gradient(x).astype(_F32)), axis=-1, keepdims=True)
+    s = amax / qtype.amax_code * (1.0 + 2.0 ** -10)  # rounding up: the largest value never clips
+    return jnp.clip(s, _TINY, _HUGE).astype(SCALE_DTYPE)
+
+
+def encode(x, qtype) -> QArray:
+    """A float buffer ``x`` as a cache :class:`jqt.QArray` (codes and scales)."""
+    s = scales(x, qtype)
+    v = nx.quantize(x, s.astype(_F32), None, qtype)
+    if qtype.packs_nibbles:
+        v = pack_nibbles(v, v.ndim - 1)
+    return QArray(values=v, scale=s, qtype=qtype, layout="cache")
+
+
+def codes(c: QArray, dtype):
+    """The cache's codes as numbers of ``dtype`` (unpacked, decoded), without the scale."""
+    v = c.values
+    if c.qtype.packs_nibbles:
+        v = unpack_nibbles(v, v.ndim - 1)
+    return nx.decode(v, c.qtype.grid).astype(dtype)
+
+
+def decode(c: QArray, dtype):
+    """A cache back to a float buffer of ``dtype``."""
+    return (codes(c, _F32) * c.scale.astype(_F32)).astype(dtype)
+
+
+def fake_quant(x, qtype):
+    """``decode(encode(x))`` in float, differentiable (straight-through)."""
+    return nx.fake_quant(x, scales(x, qtype).astype(_F32), None, qtype).astype(x.dtype)
+
+
+def enter(x, qtype, simulate: bool):
+    """A loop's initial buffer as the loop carries it."""
+    if is_cache(x):
+        return x
+    return fake_quant(x, qtype) if simulate else encode(x, qtype)
+
+
+def materialize(eqn, invals):
+    """Every cache operand of ``eqn`` decoded to its float buffer."""
+    return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(invals, eqn.invars)]
+
+
+def materialize_outs(outs, outvars):
+    """A function's outputs with any quantized cache decoded (a cache stays quantized
+    only inside the loops that carry it)."""
+    return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(outs, outvars)]
+
+
+def write(eqn, invals, update_index, qtype):
+    """A ``dynamic_update_slice`` / ``scatter`` into a cache: the update is quantized per
+    vector and its codes and scales are written with the same indices. Into a float
+    buffer, the update is written as the cache would hold it."""
+    buf, upd = invals[0], invals[update_index]
+    if not is_cache(buf):
+        vals = list(invals)
+        vals[update_index] = fake_quant(upd, qtype)
+        return compat.bind_eqn(eqn, vals)
+    u = encode(upd.astype(_F32), qtype)
+
+    def put(b, x):
+        vals = list(invals)
+        vals[0], vals[update_index] = b, x
+        return compat.bind_eqn(eqn, vals)[0]
+
+    return [QArray(values=put(buf.values, u.values), scale=put(buf.scale, u.scale), qtype=qtype,
+                   layout="cache")]
+
+
+def _arrange(scale, axes):
+    """``scale`` (cache layout, size 1 on every axis not in ``axes``) laid out on target
+    dimensions: ``axes[j]`` is the scale axis of target dimension ``j``, or ``None``."""
+    keep = [a for a in axes if a is not None]
+    s = jnp.squeeze(scale, tuple(a for a in range(scale.ndim) if a not in keep))
+    order = sorted(keep)
+    s = jnp.transpose(s, [order.index(a) for a in keep])
+    return s.reshape([scale.shape[a] if a is not None else 1 for a in axes])
+
+
+def dot_general(eqn, invals):
+    """A float ``dot_general`` with a cache operand, reading its codes: the scale (one per
+    vector of the last axis) is taken out of the contraction. Scores ``q . k`` contract
+    the last axis, so the scale multiplies the output; ``p . v`` contracts the tokens,
+    so the scale multiplies ``p`` first. Exact in float up to rounding."""
+    if all(is_cache(x) for x in invals[:2]):
+        return compat.bind_eqn(eqn, materialize(eqn, invals))
+    ci = 0 if is_cache(invals[0]) else 1
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract = ((lc, rc)[ci], (lc, rc)[1 - ci])  # (the cache's, the other operand's)
+    batch = ((lb, rb)[ci], (lb, rb)[1 - ci])
+    c, other = invals[ci], invals[1 - ci]
+    dtype = eqn.invars[ci].aval.dtype
+    scaled = {a for a in range(c.scale.ndim) if c.scale.shape[a] != 1}
+    vals = list(invals)
+    vals[ci] = codes(c, dtype)
+    if not scaled & set(contract[0]):  # the scale stays on the output
+        nd = [len(v.aval.shape) for v in eqn.invars]
+        free = [[d for d in range(nd[k]) if d not in (lc, rc)[k] and d not in (lb, rb)[k]] for k in (0, 1)]
+        axes = list(batch[0]) + [d if k == ci else None for k in (0, 1) for d in free[k]]
+        out = compat.bind_eqn(eqn, vals)[0]
+        return [(out.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(out.dtype)]
+    if scaled <= set(contract[0]) | set(batch[0]):  # fold the scale into the other operand
+        axes = []
+        for d in range(other.ndim):
+            if d in batch[1]:
+                axes.append(batch[0][list(batch[1]).index(d)])
+            elif d in contract[1]:
+                axes.append(contract[0][list(contract[1]).index(d)])
+            else:
+                axes.append(None)
+        vals[1 - ci] = (other.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(other.dtype)
+        return compat.bind_eqn(eqn, vals)
+    return compat.bind_eqn(eqn, materialize(eqn, invals))
+
+
+def coerce(x, like):
+    """``x`` in the carry form of ``like`` (a loop's carry must keep its type)."""
+    if is_cache(like) and not is_cache(x):
+        return encode(x.astype(_F32), like.qtype)
+    if is_cache(x) and not is_cache(like):
+        return decode(x, jnp.result_type(like))
+    return x
+
+
+def nbytes(tree) -> int:
+    """Bytes of the arrays in ``tree`` (a cache counts its codes and scales)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))

@@ -1,0 +1,267 @@
+"""Quantized key/value caches (issue 13): a cache carried by a decode loop is stored
+quantized on the integer path, simulated on the float path, and the function is
+otherwise unchanged."""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jqt
+
+L, H, DH, DM, V, T, B = 2, 2, 8, 16, 32, 10, 2
+
+
+def _params(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    n = lambda k, s, fan: jax.random.normal(k, s) * fan ** -0.5
+    return {"emb": n(ks[0], (V, DM), 1.0),
+            "layers": {"wq": n(ks[1], (L, DM, H * DH), DM), "wk": n(ks[2], (L, DM, H * DH), DM),
+                       "wv": n(ks[3], (L, DM, H * DH), DM), "wo": n(ks[4], (L, H * DH, DM), H * DH)},
+            "out": n(ks[5], (DM, V), DM)}
+
+
+def _dus(buf, x, pos):
+    return lax.dynamic_update_slice(buf, x[:, None], (0, pos, 0, 0))
+
+
+def _scatter(buf, x, pos):
+    return buf.at[:, pos].set(x)
+
+
+def _step(p, cache, tok, pos, write):
+    """One token (B,) at position pos through the layers (a scan over stacked weights),
+    writing its keys and values into the per-layer cache slices."""
+    h = p["emb"][tok]
+
+    def layer(h, xs):
+        lp, kc, vc = xs
+        q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
+        kc, vc = write(kc, k, pos), write(vc, v, pos)
+        s = jnp.einsum("bhd,bthd->bht", q, kc) / math.sqrt(DH)
+        s = jnp.where(jnp.arange(T) <= pos, s, -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, axis=-1), vc).reshape(B, H * DH)
+        return h + o @ lp["wo"], (kc, vc)
+
+    h, (k, v) = lax.scan(layer, h, (p["layers"], cache[0], cache[1]))
+    return h @ p["out"], (k, v)
+
+
+def _empty():
+    return (jnp.zeros((L, B, T, H, DH)), jnp.zeros((L, B, T, H, DH)))
+
+
+def teacher(p, tokens, write=_dus):
+    """Logits (n, B, V) of every position of tokens (B, n), fed one token per step
+    (a scan over steps, each a scan over layers, the cache in the carry)."""
+    def body(carry, tok):
+        cache, pos = carry
+        logits, cache = _step(p, cache, tok, pos, write)
+        return (cache, pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
+def teacher_while(p, tokens):
+    """The same with a while_loop over steps; the logits collected in a carried buffer
+    (written, never read: not a cache)."""
+    n = tokens.shape[1]
+
+    def body(c):
+        cache, pos, out = c
+        logits, cache = _step(p, cache, lax.dynamic_index_in_dim(tokens, pos, 1, False), pos, _dus)
+        return cache, pos + 1, lax.dynamic_update_slice(out, logits[None], (pos, 0, 0))
+    return lax.while_loop(lambda c: c[1] < n, body, (_empty(), jnp.int32(0), jnp.zeros((n, B, V))))[2]
+
+
+def greedy(p, first, steps):
+    """Greedy generation from first tokens (B,)."""
+    def body(carry, _):
+        cache, pos, tok = carry
+        logits, cache = _step(p, cache, tok, pos, _dus)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return (cache, pos + 1, tok), tok
+    return lax.scan(body, (_empty(), jnp.int32(0), first), None, length=steps)[1].T
+
+
+@pytest.fixture(scope="module")
+def setup():
+    p = _params()
+    toks = [jax.random.randint(jax.random.key(10 + i), (B, 8), 0, V) for i in range(3)]
+    return p, [(t,) for t in toks[:2]], toks[2]
+
+
+def _carry_avals(fn, *args):
+    """The avals carried by the outermost loop of fn's jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            nc, nk = e.params["num_consts"], e.params["num_carry"]
+            return [v.aval for v in e.invars[nc:nc + nk]]
+        if e.primitive.name == "while":
+            return [v.aval for v in e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]:]]
+    raise AssertionError("no loop")
+
+
+@pytest.mark.parametrize("kind,code_dtype,bits", [(True, jnp.int8, 8), ("int4", jnp.uint8, 4),
+                                                   ("fp8", jnp.float8_e4m3fn, 8)])
+def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits):
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal, progress=False)
+    caches = [k for k in qp if k.startswith("kv_cache")]
+    assert len(caches) == 2 and all(not qp[k].is_float for k in caches)
+    carried = _carry_avals(jqt.quantize(teacher, qp), p, x)
+    assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]  # no float cache
+    codes = [a for a in carried if a.dtype == code_dtype]
+    scales = [a for a in carried if a.dtype == jnp.float16]
+    assert len(codes) == 2 and len(scales) == 2
+    assert codes[0].shape[:-1] == (L, B, T, H) and scales[0].shape == (L, B, T, H, 1)
+    vectors = 2 * L * B * T * H  # keys and values: one float16 scale per vector of DH
+    q_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in codes + scales)
+    assert q_bytes == vectors * (DH * bits // 8 + 2)  # 0.27x float32 at DH = 32 for int8
+    # kept float without kv_cache: the carry holds the float buffers
+    qp0 = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(), p, cal, progress=False)
+    assert all(qp0[k].is_float for k in caches)
+    assert [a for a in _carry_avals(jqt.quantize(teacher, qp0), p, x) if a.ndim and a.shape[-1] == DH
+            and a.dtype == jnp.float32]
+
+
+@pytest.mark.parametrize("kind", [True, "int4", "fp8"])
+@pytest.mark.parametrize("fn", [teacher, functools.partial(teacher, write=_scatter), teacher_while],
+                         ids=["scan-dus", "scan-scatter", "while"])
+def test_integer_matches_simulated(setup, kind, fn):
+    p, cal, x = setup
+    qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=kind), p, cal, progress=False)
+    y_int = jax.jit(jqt.quantize(fn, qp))(p, x)
+    y_sim = jax.jit(jqt.quantize(fn, qp, simulate=True))(p, x)
+    y_f = fn(p, x)
+    np.testing.assert_allclose(y_int, y_sim, atol=2e-4 * float(jnp.abs(y_f).max()), rtol=1e-4)
+    # the cache's rounding is visible, and the integer path follows it: the simulated
+    # outputs without cache quantization are much further away
+    qp0 = jqt.calibrate(fn, jqt.recipes.w8(), p, cal, progress=False)
+    y_sim0 = jqt.quantize(fn, qp0, simulate=True)(p, x)
+    d_cache, d_int = float(jnp.abs(y_sim - y_sim0).max()), float(jnp.abs(y_int - y_sim).max())
+    assert d_int < 0.1 * d_cache
+    # and the result stays close to float (int4 coarsest)
+    rel = float(jnp.linalg.norm(y_int - y_f) / jnp.linalg.norm(y_f))
+    assert rel < {True: 0.03, "int4": 0.15, "fp8": 0.05}[kind]
+
+
+def test_collected_outputs_are_not_a_cache(setup):
+    """teacher_while's logits buffer is written in the loop but never read: it stays float."""
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher_while, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 2  # only the key and value writes
+    out = [a for a in _carry_avals(jqt.quantize(teacher_while, qp), p, x) if a.ndim and a.shape[-1] == V]
+    assert out and out[0].dtype == jnp.float32
+
+
+def test_vmap_over_prompts_and_jit(setup):
+    p, cal, _ = setup
+    g = lambda p, first: greedy(p, first, 6)  # the step count is static
+    qp = jqt.calibrate(g, jqt.recipes.w8a8_dynamic(kv_cache=True), p,
+                       [(jnp.arange(B, dtype=jnp.int32),), (jnp.arange(B, 2 * B, dtype=jnp.int32),)],
+                       progress=False)
+    qg = jax.jit(jqt.quantize(g, qp))
+    firsts = jnp.arange(3 * B, dtype=jnp.int32).reshape(3, B) % V
+    batched = jax.vmap(qg, in_axes=(None, 0))(p, firsts)
+    one_by_one = jnp.stack([qg(p, f) for f in firsts])
+    np.testing.assert_array_equal(batched, one_by_one)
+    assert batched.dtype == jnp.int32 and batched.shape == (3, B, 6)
+    packed = jqt.pack(qp, p)
+    np.testing.assert_array_equal(qg(packed, firsts[0]), one_by_one[0])
+
+
+def test_export_of_the_decode_function(setup):
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)
+    packed = jqt.pack(qp, p)
+    qf = jax.jit(jqt.quantize(teacher, qp))
+    exp = jax.export.export(qf)(packed, x)
+    restored = jax.export.deserialize(exp.serialize())
+    np.testing.assert_allclose(restored.call(packed, x), qf(packed, x), rtol=1e-6, atol=1e-6)
+    assert "xi8>" in exp.mlir_module() or "i8" in exp.mlir_module()
+
+
+def test_grad_through_the_simulated_cache(setup):
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)
+    loss = lambda p: jnp.mean(jqt.quantize(teacher, qp, simulate=True)(p, x) ** 2)
+    g = jax.grad(loss)(p)
+    assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(g))
+    assert float(jnp.abs(g["layers"]["wk"]).sum()) > 0  # flows through the cached keys (straight-through)
+
+
+def test_save_load_and_old_qparams_without_cache_entries(setup, tmp_path):
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="int4"), p, cal, progress=False)
+    jqt.save(tmp_path / "qp.safetensors", qp)
+    back = jqt.load(tmp_path / "qp.safetensors")
+    assert back["kv_cache_0"].lhs.qtype == qp["kv_cache_0"].lhs.qtype
+    np.testing.assert_array_equal(jqt.quantize(teacher, back)(p, x), jqt.quantize(teacher, qp)(p, x))
+    # qparams made before caches were quantized have no cache entries: the cache stays float
+    old = {k: v for k, v in qp.items() if not k.startswith("kv_cache")}
+    y_old = jqt.quantize(teacher, old)(p, x)
+    qp_float = jqt.calibrate(teacher, jqt.recipes.w8(), p, cal, progress=False)
+    np.testing.assert_allclose(y_old, jqt.quantize(teacher, qp_float)(p, x), rtol=1e-6, atol=1e-6)
+
+
+def test_report_rows_for_cache_writes(setup):
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="int4"), p, cal, progress=False)
+    r = jqt.report(teacher, qp, p, (x,))
+    rows = {row.key: row for row in r.rows}
+    assert "kv_cache_0" in rows
+    assert 10 < rows["kv_cache_0"].sqnr_isolated < 60  # int4 writes: a visible, finite error
+
+
+def test_writes_that_are_not_a_cache_stay_unchanged(setup):
+    """A write that does not span the last axis, or into a buffer no loop carries, is not
+    a cache write: no qparams entry, and the function computes what it did."""
+    p, cal, x = setup
+
+    def partial_write(p, tokens):
+        def body(buf, tok):
+            h = p["emb"][tok]
+            buf = lax.dynamic_update_slice(buf, h[:, None, :4], (0, 0, 0))
+            return buf, jnp.sum(buf[..., :4] @ jnp.ones((4, 3)))
+        return lax.scan(body, jnp.zeros((B, 2, DM)), tokens.T)[1]
+
+    def no_loop(p, tokens):
+        buf = lax.dynamic_update_slice(jnp.zeros((B, 8, DM)), p["emb"][tokens], (0, 0, 0))
+        return buf @ p["out"]
+
+    for fn in (partial_write, no_loop):
+        qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+        assert not [k for k in qp if k.startswith("kv_cache")]
+
+
+def test_bad_cache_types_are_refused():
+    with pytest.raises(ValueError, match="KV cache type"):
+        jqt.Rule(weight=jqt.recipes.INT8_WEIGHT, kv_cache=jqt.QuantType(bits=8))
+    with pytest.raises(ValueError, match="kv_cache='int3'"):
+        jqt.recipes.w8(kv_cache="int3")
+    assert jqt.recipes.w4(kv_cache="fp8").rules[0].kv_cache.dtype == "float8_e4m3fn"
+
+
+@pytest.mark.slow
+def test_generate_example_runs():
+    """examples/generate.py on the tiny decoder: every variant's decode loop carries an int8
+    cache of at most 0.27x the float bytes, and w8a8_dynamic agrees with float."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--tiny", "--prompts", "2", "--tokens", "40", "--length", "20", "--calibration", "1"])
+    by_name = {r[0]: r for r in rows}
+    float_bytes = by_name["float"][2]
+    assert set(by_name) == {"float", *mod.VARIANTS}
+    for name in mod.VARIANTS:
+        _, speed, nbytes, dtypes, loss, agree, _ = by_name[name]
+        assert nbytes / float_bytes <= 0.27 and "int8" in dtypes and "float32" not in dtypes
+        assert speed > 0 and np.isfinite(loss)
+    assert by_name["w8a8_dynamic + int8 KV"][5] >= 0.9

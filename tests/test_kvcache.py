@@ -128,10 +128,17 @@ def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits):
             and a.dtype == jnp.float32]
 
 
-@pytest.mark.parametrize("kind", [True, "int4", "fp8"])
-@pytest.mark.parametrize("fn", [teacher, functools.partial(teacher, write=_scatter), teacher_while],
-                         ids=["scan-dus", "scan-scatter", "while"])
+_FNS = {"scan-dus": teacher, "scan-scatter": functools.partial(teacher, write=_scatter),
+        "while": teacher_while}
+_CASES = [("scan-dus", True), ("scan-dus", "int4"), ("scan-dus", "fp8"), ("scan-scatter", True),
+          ("while", True)]  # the default run; every other pair is slow
+_SLOW = [pytest.param(f, k, marks=pytest.mark.slow) for f in _FNS for k in (True, "int4", "fp8")
+         if (f, k) not in _CASES]
+
+
+@pytest.mark.parametrize("fn,kind", _CASES + _SLOW)
 def test_integer_matches_simulated(setup, kind, fn):
+    fn = _FNS[fn]
     p, cal, x = setup
     qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=kind), p, cal, progress=False)
     y_int = jax.jit(jqt.quantize(fn, qp))(p, x)

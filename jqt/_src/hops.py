@@ -31,7 +31,7 @@ import jax
 from jax import lax
 
 from . import compat, kvcache
-from .plan import DATA, Plan, VarInfo, closed_parts
+from .plan import Plan, VarInfo, closed_parts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,7 @@ absolute maximum is below ``2**-14 * amax_code`` gets steps of ``2**-14``.
 """
 from __future__ import annotations
 
-import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -214,8 +212,3 @@ def coerce(x, like):
     if is_cache(x) and not is_cache(like):
         return decode(x, jnp.result_type(like))
     return x
-
-
-def nbytes(tree) -> int:
-    """Bytes of the arrays in ``tree`` (a cache counts its codes and scales)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))

@@ -1,0 +1,91 @@
+"""The key/value-cache half of the decode benchmark (``benchmarks/decode.py`` runs it).
+
+* ``cache_speed``: a decoder of >= 100M parameters (random weights, batch 1) decoding
+  at the end of a long context (2048 by default) in a ``lax.scan`` over steps whose
+  carry holds the cache, as a generate function does. Variants, under ``jax.jit``
+  with packed weights: float32; ``w8a8_dynamic`` with a float cache; ``w8a8_dynamic``
+  with an int8 cache; ``w4`` g128 with an int8 cache. The per-step time is the
+  difference between loops of ``n2`` and ``n1`` steps divided by ``n2 - n1`` (so the
+  cache's one-time quantization on entry, a prefill-sized cost, is not counted),
+  medians of interleaved rounds. The cache bytes are those the quantized loop
+  carries, read from its jaxpr.
+* ``accuracy``: ``examples/generate.py`` on the trained decoder: next-token agreement
+  with float along the float model's own generation (teacher forcing, 8 held-out
+  prompts x 200 tokens), the held-out loss increase, and where greedy text diverges.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+
+import paths  # noqa: F401  (this checkout's jqt, examples/)
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import decoder as D
+import generate as G
+import jqt
+import timing
+
+CONFIG = D.Config(d_model=1024, n_layers=9, n_heads=32, n_kv_heads=8, d_ff=2816, head_dim=32)
+"""101M parameters: 9 layers of d_model 1024, 32 query and 8 key/value heads of 32, SwiGLU 2816."""
+
+CACHE_VARIANTS = {
+    "float32": None,
+    "w8a8_dynamic, float cache": lambda: jqt.recipes.w8a8_dynamic(),
+    "w8a8_dynamic + int8 KV": lambda: jqt.recipes.w8a8_dynamic(kv_cache=True),
+    "w4 g128 + int8 KV": lambda: jqt.recipes.w4(group_size=128, kv_cache=True),
+}
+
+
+def decode_loop(params, cache, token, *, steps, config):
+    """``steps`` greedy decode steps from ``cache`` (a ``lax.scan`` carrying it); the last token."""
+    def step(carry, _):
+        tok, cache = carry
+        logits, cache = D.decode_step(params, cache, tok, config)
+        return (jnp.argmax(logits, -1).astype(jnp.int32), cache), None
+    return lax.scan(step, (token, cache), None, length=steps)[0][0]
+
+
+def _cache(config, context, start, seed=1):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    shape = (config.n_layers, 1, context, config.n_kv_heads, config.head_dim)
+    return {"k": jax.random.normal(k1, shape), "v": jax.random.normal(k2, shape), "pos": jnp.int32(start)}
+
+
+def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=None):
+    """Rows (name, step seconds, step ratio to float, cache bytes, cache ratio to float) and
+    the decoder's parameter count."""
+    params = D.init_params(config, jax.random.key(0))
+    cache = _cache(config, context, context - n2 - 1)
+    token = jnp.array([65], jnp.int32)
+    calls, fns, nbytes = {}, {}, {}
+    for name, make in (variants or CACHE_VARIANTS).items():
+        loops = {n: functools.partial(decode_loop, steps=n, config=config) for n in (n1, n2)}
+        if make is None:
+            w, fns[name] = params, {n: jax.jit(f) for n, f in loops.items()}
+            nbytes[name] = G.carried_cache_bytes(loops[n1], w, cache, token)[0]
+        else:
+            qp = jqt.calibrate(loops[n1], make(), params, [(cache, token)], progress=False)
+            w = jqt.pack(qp, params)
+            fns[name] = {n: jax.jit(jqt.quantize(f, qp)) for n, f in loops.items()}
+            nbytes[name] = G.carried_cache_bytes(jqt.quantize(loops[n1], qp), w, cache, token)[0]
+        for n in (n1, n2):
+            calls[(name, n)] = functools.partial(fns[name][n], w, cache, token)
+    timing.choose_rounds(list(calls.values()), 0.0, 1, 1)  # compile and warm up
+    samples = timing.interleaved(calls, rounds)
+    step = {}
+    for name in fns:
+        diffs = [(b - a) / (n2 - n1) for a, b in zip(samples[(name, n1)], samples[(name, n2)])]
+        step[name] = statistics.median(diffs)
+    base = next(iter(fns))
+    rows = [(n, step[n], step[n] / step[base], nbytes[n], nbytes[n] / nbytes[base]) for n in fns]
+    return rows, D.param_count(params)
+
+
+def accuracy(prompts=8, tokens=200, tiny=False):
+    """``examples/generate.py``'s rows: (name, tokens/s, cache bytes, dtypes, loss, agreement,
+    first divergence)."""
+    argv = ["--prompts", str(prompts), "--tokens", str(tokens)] + (["--tiny"] if tiny else [])
+    return G.main(argv)

@@ -123,7 +123,7 @@ class Calibrate:
         names = transforms.wanted_stats(rule) if entry is None else ()
         if names and transforms.applies(site):
             chan = transforms.channel_stats(invals[1 - w], invals[w], site, names)
-        ctx.state_out[site.key] = stats.SiteStats(act, weight, cal, chan)
+        ctx.put(site.key, stats.SiteStats(act, weight, cal, chan))
         return outs
 
     @staticmethod

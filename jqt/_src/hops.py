@@ -101,7 +101,7 @@ def _remat(eqn, invals, sub, ctx, evaluate):
     fn = jax.checkpoint(_runner(ctx, j, c, sub.plans[0], evaluate),
                         prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
     outs, state_out = fn(_state_for(sub, ctx), *invals)
-    ctx.state_out.update(state_out)
+    ctx.put_all(state_out)
     return outs
 
 
@@ -170,7 +170,7 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
-        ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations({k: v})[k]
+        ctx.put(k, v if k in stacked else ctx.handler.reduce_iterations({k: v})[k])
     return [*carry, *ys]
 
 
@@ -197,7 +197,7 @@ def _while(eqn, invals, sub, ctx, evaluate):
         return list(outs), ctx.handler.merge(acc, so)
 
     carry, st_out = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0))
-    ctx.state_out.update(st_out)
+    ctx.put_all(st_out)
     return carry
 
 
@@ -224,7 +224,7 @@ def _cond(eqn, invals, sub, ctx, evaluate):
         return fn
 
     outs, st_out = lax.switch(index, [branch(r) for r in runs], *ops)
-    ctx.state_out.update(st_out)
+    ctx.put_all(st_out)
     return outs
 
 

@@ -1,9 +1,13 @@
 """Invalid numbers in qparams (refused by quantize, pack, load, load_packed; repaired by
-jqt.qat.project), integer accumulators that cannot overflow over long contractions, and
-the report on degenerate (all-zero) data."""
+jqt.qat.project), integer accumulators that cannot overflow over long contractions, the
+report on degenerate (all-zero) data, edge inputs (empty, complex, near float32's maximum,
+non-array values in batches, lax.map remainders), and the bugs tests/test_properties.py
+found (nf4 on the generic kernels, scales of the wrong shape)."""
 import dataclasses
 import json
 import math
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -399,3 +403,49 @@ def test_a_weight_read_twice_outside_lax_map_keeps_two_keys():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X,)], progress=False)
     assert list(qp) == ["w", "w#1"]
     np.testing.assert_allclose(qp["w#1"].lhs.scale, 3 * qp["w"].lhs.scale, rtol=1e-6)
+
+
+# ---- found by tests/test_properties.py ----------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["conv", "batched einsum"])
+def test_nf4_weights_are_decoded_on_the_generic_kernels(form):
+    # a conv, or a dot_general whose weight has a batch axis, runs the generic kernels,
+    # which cast the codes: nf4 codes must be decoded to their table values first
+    rng = np.random.default_rng(3)
+    if form == "conv":
+        w = jnp.asarray(rng.standard_normal((3, 2, 2)), jnp.float32)
+        f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,), "SAME",
+                                                      dimension_numbers=("NWC", "WIO", "NWC"))
+        x = jnp.asarray(rng.standard_normal((2, 4, 2)), jnp.float32)
+    else:
+        w = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
+        f = lambda w, x: jnp.einsum("bsk,skn->bsn", x, w)
+        x = jnp.asarray(rng.standard_normal((2, 2, 4)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the conv cannot take groups: one scale per channel
+        qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=2), w, [(x,)], progress=False)
+    assert qp["w"].operand(qp["w"].weight_operand).qtype.grid == "nf4"
+    np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), jqt.quantize(f, qp, simulate=True)(w, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field,shape", [("scale", (2,)), ("scale", (1, 1, 1)), ("zero_point", (4,))])
+def test_an_activation_scale_of_the_wrong_shape_is_refused(field, shape):
+    p, x, qp = _setup()
+    lhs = qp["w"].lhs  # per tensor: scale and zero point of shape ()
+    bad = {"w": dataclasses.replace(qp["w"], lhs=dataclasses.replace(
+        lhs, **{field: jnp.broadcast_to(getattr(lhs, field), shape)}))}
+    for sim in (False, True):
+        with pytest.raises(jqt.QParamsMismatchError,
+                           match=rf"qparams\['w'\] has a lhs {field} of shape {re.escape(str(shape))}.*needs \(\)"):
+            jqt.quantize(f, bad, simulate=sim)(p, x)
+
+
+def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
+    ws = jnp.asarray(np.random.default_rng(4).standard_normal((3, 4, 4)), jnp.float32)
+    g = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), ws, [(X,)], progress=False)
+    rhs = qp["ws"].rhs  # one scale per layer: (3, 1, 4)
+    bad = {"ws": dataclasses.replace(qp["ws"], rhs=dataclasses.replace(rhs, scale=rhs.scale[:2]))}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'ws' .* lax.scan of length 3 .* \(2, 1, 4\)"):
+        jqt.quantize(g, bad)(ws, X)

@@ -24,9 +24,11 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from . import compat
+from .handlers import QParamsMismatchError
 from .plan import DATA, Plan, VarInfo, closed_parts
 
 
@@ -159,6 +161,14 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     state = _state_for(sub, ctx)
     st_x = {k: v for k, v in state.items() if k in stacked}
     st_c = {k: v for k, v in state.items() if k not in stacked}
+    for k, v in st_x.items():  # one set of parameters (or statistics) per iteration
+        for leaf in jax.tree_util.tree_leaves(v):
+            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] != p["length"]:
+                raise QParamsMismatchError(
+                    f"jqt: op '{k}' reads a weight that a lax.scan of length {p['length']} slices "
+                    f"from stacked layers, so its parameters need a leading axis of {p['length']} "
+                    f"(one set per layer), but one has shape {tuple(jnp.shape(leaf))}. The "
+                    "qparams were made for other weights or edited; re-calibrate.")
     j, c = closed_parts(p["jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
 

@@ -72,11 +72,16 @@ def _check_batch(i, batch, first_tree):
 
 def _check_same_ops(i, traced, first):
     """Every batch must run the same ops as the first (one set of qparams serves them
-    all): a static argument (a Python bool, a string) or a shape may change them."""
+    all): a static argument (a Python bool, a string) or a shape may change them.
+    ``first``: ``(batch index, its ops, the traces already compared, by id; held, so that
+    an id is not reused)``."""
+    if first is not None and id(traced) in first[2]:
+        return first
     sig = tracing.signature(traced)
     if first is None:
-        return (i, sig)
-    j, ref = first
+        return (i, sig, {id(traced): traced})
+    j, ref, seen = first
+    seen[id(traced)] = traced
     if sig != ref:
         a, b = {s[0]: s for s in ref}, {s[0]: s for s in sig}
         diff = sorted(set(a) ^ set(b)) or [k for k in a if a[k] != b.get(k)]

@@ -1,9 +1,13 @@
 """Invalid numbers in qparams (refused by quantize, pack, load, load_packed; repaired by
-jqt.qat.project), integer accumulators that cannot overflow over long contractions, and
-the report on degenerate (all-zero) data."""
+jqt.qat.project), integer accumulators that cannot overflow over long contractions, the
+report on degenerate (all-zero) data, edge inputs (empty, complex, near float32's maximum,
+non-array values in batches, lax.map remainders), and the bugs tests/test_properties.py
+found (nf4 on the generic kernels, scales of the wrong shape)."""
 import dataclasses
 import json
 import math
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +277,175 @@ def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     assert np.isfinite(np.asarray(y)).all()
     # within the rounding of the activation's step (6e38 / 255) times the weights' sum
     assert float(jnp.abs(y - ref).max()) <= 6e38 / 255 * 4e-3
+
+
+# ---- calibration batches that carry non-array values -------------------------------------------
+
+W = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)), jnp.float32)
+X = jnp.linspace(-1, 2, 8, dtype=jnp.float32).reshape(2, 4)
+
+
+def _lhs_range(qp, key="w"):
+    return np.asarray(qp[key].lhs.scale), np.asarray(qp[key].lhs.zero_point)
+
+
+def test_a_typed_prng_key_is_passed_through():
+    f = lambda w, x, k: x @ w + 0.1 * jax.random.normal(k, (2, 3))
+    g = lambda w, x: x @ w
+    k = jax.random.key(0)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, k), (X, jax.random.key(1))], progress=False)
+    ref = jqt.calibrate(g, jqt.recipes.w8a8(), W, [(X,)], progress=False)
+    assert list(qp) == ["w"]
+    np.testing.assert_array_equal(_lhs_range(qp), _lhs_range(ref))  # the key is not observed
+    noise = 0.1 * jax.random.normal(k, (2, 3))
+    for sim in (False, True):
+        out = jqt.quantize(f, qp, simulate=sim)(W, X, k)
+        np.testing.assert_allclose(out, jqt.quantize(g, ref, simulate=sim)(W, X) + noise, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, simulate=sim))(W, X, k), out, atol=1e-6)
+
+
+def test_python_bool_and_int_arguments_are_static_as_in_a_direct_call():
+    # f branches on the bool in Python and slices with the int: traced, both would fail
+    def f(w, x, negate, n):
+        y = x[:n] @ w
+        return -y if negate else y
+
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, True, 1), (X, False, 1)], progress=False)
+    ref = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), W, [(X[:1],)], progress=False)
+    np.testing.assert_array_equal(_lhs_range(qp), _lhs_range(ref))  # only the row f read
+    qf = jqt.quantize(f, qp)
+    np.testing.assert_allclose(qf(W, X, True, 1), -qf(W, X, False, 1))
+    assert qf(W, X, False, 2).shape == (2, 3)
+    # a static value is keyed by type and value: True and 1 are two calls of f
+    g = jqt.quantize(lambda w, x, n: (x @ w, jnp.full((2,), n)), qp)
+    assert g(W, X, True)[1].dtype == jnp.bool_ and g(W, X, 1)[1].dtype == jnp.int32
+
+
+def test_a_python_list_batch_works_like_a_tuple():
+    f = lambda w, xs: xs[0] @ w + xs[1] @ w
+    x2 = 2 * X
+    as_list = jqt.calibrate(f, jqt.recipes.w8a8(), W, [([X, x2],)], progress=False)
+    as_tuple = jqt.calibrate(f, jqt.recipes.w8a8(), W, [((X, x2),)], progress=False)
+    assert list(as_list) == list(as_tuple) == ["w", "w#1"]
+    for k in as_list:
+        np.testing.assert_array_equal(_lhs_range(as_list, k), _lhs_range(as_tuple, k))
+    np.testing.assert_array_equal(jqt.quantize(f, as_list)(W, [X, x2]),
+                                  jqt.quantize(f, as_tuple)(W, (X, x2)))
+
+
+def test_a_string_argument_is_static():
+    acts = {"relu": jax.nn.relu, "tanh": jnp.tanh}
+    f = lambda w, x, act: acts[act](x @ w) @ w.T
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, "relu"), (X, "tanh")], progress=False)
+    for act in acts:
+        np.testing.assert_allclose(jqt.quantize(f, qp)(W, X, act), f(W, X, act), atol=0.05)
+
+
+def test_static_values_that_change_the_ops_are_refused():
+    f = lambda w, x, mode: x @ w if mode == "plain" else (x @ w) @ w.T
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 1 runs other ops than batch 0 .*"
+                       r"\['w#1'\].*functools.partial"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, "plain"), (X, "twice")], progress=False)
+
+
+@pytest.mark.parametrize("value,what", [(np.array(["a", "b"]), "a NumPy array of dtype <U1"),
+                                        ({1, 2}, "a set, neither an array nor hashable")])
+def test_untraceable_values_name_the_batch_and_argument(value, what):
+    f = lambda w, x, s: x @ w
+    with pytest.raises(jqt.CalibrationDataError, match=rf"batch 1, argument \[1\] is {what}.*"
+                       "functools.partial"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, 0), (X, value)], progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, 0)], progress=False)
+    with pytest.raises(TypeError, match=rf"argument \[2\] of f is {what}.*functools.partial"):
+        jqt.quantize(f, qp)(W, X, value)
+
+
+# ---- lax.map(batch_size=) remainders ------------------------------------------------------------
+
+def _map_fn(batch_size):
+    def f(w, xs):  # two ops on w inside the mapped function; a tuple of outputs
+        def row(x):
+            h = jnp.tanh(x @ w)
+            return h @ w.T, h
+        return jax.lax.map(row, xs, batch_size=batch_size)
+    return f
+
+
+def _rows_fn(w, xs):
+    h = jnp.tanh(xs @ w)
+    return h @ w.T, h
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_lax_map_remainder_shares_the_keys_and_statistics_of_its_body(jit):
+    xs = jnp.asarray(np.random.default_rng(2).standard_normal((10, 4)), jnp.float32)
+    xs = xs.at[9].set(4.0)  # the extremes lie in the remainder (row 9)
+    f = _map_fn(3)
+    f = jax.jit(f) if jit else f
+    r = jqt.recipes.w8a8()
+    qp = jqt.calibrate(f, r, W, [(xs,)], progress=False)
+    divisible = jqt.calibrate(f, r, W, [(xs[:9],)], progress=False)
+    rows = jqt.calibrate(_rows_fn, r, W, [(xs,)], progress=False)
+    assert list(qp) == list(divisible) == list(rows) == ["w", "w#1"]
+    for k in qp:  # MinMax over all 10 rows, not over the remainder's one
+        np.testing.assert_allclose(_lhs_range(qp, k), _lhs_range(rows, k), rtol=1e-6)
+    assert not np.allclose(_lhs_range(qp)[0], _lhs_range(divisible)[0])
+    for sim in (False, True):  # the remainder runs with the body's parameters
+        got = jqt.quantize(f, qp, simulate=sim)(W, xs)
+        want = jqt.quantize(_rows_fn, rows, simulate=sim)(W, xs)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    assert [row.key for row in jqt.report(f, qp, W, (xs,)).rows] == ["w", "w#1"]
+
+
+def test_a_weight_read_twice_outside_lax_map_keeps_two_keys():
+    f = lambda w, x: x @ w + (3 * x) @ w
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X,)], progress=False)
+    assert list(qp) == ["w", "w#1"]
+    np.testing.assert_allclose(qp["w#1"].lhs.scale, 3 * qp["w"].lhs.scale, rtol=1e-6)
+
+
+# ---- found by tests/test_properties.py ----------------------------------------------------------
+
+@pytest.mark.parametrize("form", ["conv", "batched einsum"])
+def test_nf4_weights_are_decoded_on_the_generic_kernels(form):
+    # a conv, or a dot_general whose weight has a batch axis, runs the generic kernels,
+    # which cast the codes: nf4 codes must be decoded to their table values first
+    rng = np.random.default_rng(3)
+    if form == "conv":
+        w = jnp.asarray(rng.standard_normal((3, 2, 2)), jnp.float32)
+        f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,), "SAME",
+                                                      dimension_numbers=("NWC", "WIO", "NWC"))
+        x = jnp.asarray(rng.standard_normal((2, 4, 2)), jnp.float32)
+    else:
+        w = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
+        f = lambda w, x: jnp.einsum("bsk,skn->bsn", x, w)
+        x = jnp.asarray(rng.standard_normal((2, 2, 4)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the conv cannot take groups: one scale per channel
+        qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=2), w, [(x,)], progress=False)
+    assert qp["w"].operand(qp["w"].weight_operand).qtype.grid == "nf4"
+    np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), jqt.quantize(f, qp, simulate=True)(w, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field,shape", [("scale", (2,)), ("scale", (1, 1, 1)), ("zero_point", (4,))])
+def test_an_activation_scale_of_the_wrong_shape_is_refused(field, shape):
+    p, x, qp = _setup()
+    lhs = qp["w"].lhs  # per tensor: scale and zero point of shape ()
+    bad = {"w": dataclasses.replace(qp["w"], lhs=dataclasses.replace(
+        lhs, **{field: jnp.broadcast_to(getattr(lhs, field), shape)}))}
+    for sim in (False, True):
+        with pytest.raises(jqt.QParamsMismatchError,
+                           match=rf"qparams\['w'\] has a lhs {field} of shape {re.escape(str(shape))}.*needs \(\)"):
+            jqt.quantize(f, bad, simulate=sim)(p, x)
+
+
+def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
+    ws = jnp.asarray(np.random.default_rng(4).standard_normal((3, 4, 4)), jnp.float32)
+    g = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), ws, [(X,)], progress=False)
+    rhs = qp["ws"].rhs  # one scale per layer: (3, 1, 4)
+    bad = {"ws": dataclasses.replace(qp["ws"], rhs=dataclasses.replace(rhs, scale=rhs.scale[:2]))}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'ws' .* lax.scan of length 3 .* \(2, 1, 4\)"):
+        jqt.quantize(g, bad)(ws, X)

@@ -8,6 +8,14 @@ operand is keyed by the pytree path of the weight leaf it reads
 ``<name stack>/<primitive>_<n>``. The walk recurses into the higher-order
 primitives of ``hops.HIGHER_ORDER``; the result is a :class:`~jqt._src.plan.Plan`
 tree that mirrors the jaxpr, which the interpreter follows.
+
+A weight read at two sites gets two keys (``w``, ``w#1``: two sets of
+parameters), with one exception: the remainder of ``jax.lax.map(f, xs,
+batch_size=b)`` when ``b`` does not divide ``len(xs)``. JAX traces ``f`` twice
+there (a ``scan`` over the full batches, then ``vmap(f)`` on the remaining
+rows), and the remainder's ops are the scan body's ops on other rows: they get
+the body's keys (:func:`map_remainders`), so that their statistics are merged
+(``interpreter.Ctx.put``) and they run with the same parameters.
 """
 from __future__ import annotations
 
@@ -37,6 +45,45 @@ def _join(prefix, stack):
     if not stack or stack.startswith(prefix):
         return stack or prefix
     return f"{prefix}/{stack}"
+
+
+def map_remainders(jaxpr) -> dict:
+    """``{scan index: end index}`` for each ``lax.map(batch_size=)`` with a remainder in
+    ``jaxpr``: a ``scan`` without carries whose outputs are reshaped (the batches
+    flattened) and then concatenated on axis 0 with the remainder's outputs. The
+    equations strictly between the two indices compute the remainder (``vmap(f)``),
+    together with those reshapes (lax.map's own, in the order of ``jax.lax.map``)."""
+    eqns, out = jaxpr.eqns, {}
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "scan" or e.params["num_carry"] or e.params["reverse"]:
+            continue
+        ys = {v for v in e.outvars if not compat.is_dropvar(v)}
+        flat = set()
+        for j in range(i + 1, len(eqns)):
+            ins = [v for v in eqns[j].invars if not compat.is_literal(v)]
+            name = eqns[j].primitive.name
+            if name == "reshape" and ins and ins[0] in ys:
+                flat.add(eqns[j].outvars[0])
+            elif (name == "concatenate" and eqns[j].params["dimension"] == 0
+                  and len(eqns[j].invars) == 2 and ins and ins[0] is eqns[j].invars[0]
+                  and ins[0] in flat):
+                out[i] = j
+                break
+    return out
+
+
+def _signature(site, scan_id):
+    """What must agree for a remainder's op to share the key of a scan body's op."""
+    src = site.source
+    return (site.op, site.weight_operand, None if src is None else (src.arg, src.path, src.chain),
+            tuple(map(tuple, site.contract)), len(site.stack_ids), scan_id in site.stack_ids)
+
+
+def _rekey(plan):
+    for sub in plan.subs.values():
+        for p in sub.plans:
+            _rekey(p)
+        sub.keys = [s.key for p in sub.plans for s in p.all_sites()]
 
 
 class Analyzer:
@@ -88,7 +135,12 @@ class Analyzer:
             return CONST if compat.is_literal(v) else env[v]
 
         plan = Plan()
+        maps, pending = map_remainders(jaxpr), {}
         for i, eqn in enumerate(jaxpr.eqns):
+            if i in pending:
+                self._share_remainder(plan, *pending.pop(i), i)
+            if i in maps:  # the keys the remainder may take back (see _share_remainder)
+                pending[maps[i]] = (i, set(self.used_keys), dict(self.counters))
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
             stack = _join(prefix, compat.name_stack(eqn))
@@ -129,6 +181,33 @@ class Analyzer:
                 self._use(info, "float")
             _prune_writes(plan, _cache_keys(plan))
         return plan, out_infos
+
+    def _share_remainder(self, plan, scan, used, counters, end):
+        """The ops of a ``lax.map`` remainder (equations ``scan+1 .. end-1``) take the keys
+        of the scan body's ops, when they are the same ops in the same order (same
+        operation, weight and layout, none reading a row of the mapped ``xs`` as its
+        weight); otherwise they keep keys of their own."""
+        sub = plan.subs.get(scan)
+        if sub is None:
+            return
+        body = list(sub.plans[0].all_sites())
+        rest = []
+        for j in range(scan + 1, end):
+            if j in plan.sites:
+                rest.append(plan.sites[j])
+            elif j in plan.subs:
+                rest.extend(p2 for pl in plan.subs[j].plans for p2 in pl.all_sites())
+        sig = [_signature(s, sub.scan_id) for s in body]
+        if not body or [_signature(s, sub.scan_id) for s in rest] != sig or any(x[-1] for x in sig):
+            return
+        self.used_keys, self.counters = used, counters  # release the keys the remainder took
+        for r, s in zip(rest, body):
+            if r.source is not None:
+                uses = self.leaf_uses[(r.source.arg, r.source.path)]
+                uses.discard(r.key)
+                uses.add(s.key)
+            r.key = s.key
+        _rekey(plan)
 
     def _site(self, entry, widx, eqn, ins, stack):
         op = entry.name

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
-from . import outliers
+from . import outliers, tracing
 from . import stats as stats_lib
 from .handlers import Calibrate, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
@@ -48,17 +48,49 @@ def _check_batch(i, batch, first_tree):
             f"jqt.calibrate: batch {i} has structure {tree}, but batch 0 had {first_tree}. "
             "Every batch must hold the same arguments.")
     for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(batch))[0]:
-        a = np.asarray(leaf)
-        if a.size == 0:
+        where = f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)}"
+        why = tracing.untraceable(leaf)
+        if why is not None:
             raise CalibrationDataError(
-                f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)} is empty (shape "
-                f"{a.shape}); an empty batch has no statistics. Drop it from the calibration set.")
+                f"{where} is {why}. Bind it with functools.partial (f2 = functools.partial(f, "
+                "...)) and calibrate and quantize f2, or pass an array.")
+        if isinstance(leaf, (int, float, complex)):  # static, but may scale the data
+            leaf = np.asarray(leaf)
+        elif tracing.is_static(leaf) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            continue  # passed to f as it is (static), or a PRNG key: nothing to observe
+        if leaf.size == 0:
+            raise CalibrationDataError(
+                f"{where} is empty (shape {leaf.shape}); an empty batch has no statistics. Drop "
+                "it from the calibration set.")
+        a = np.asarray(leaf)
         if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
             raise CalibrationDataError(
-                f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)} holds "
-                f"{int((~np.isfinite(a)).sum())} NaN/inf values. Clean the calibration data "
-                "(statistics from non-finite values would give infinite scales).")
+                f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
+                "calibration data (statistics from non-finite values would give infinite scales).")
     return tree
+
+
+def _check_same_ops(i, traced, first):
+    """Every batch must run the same ops as the first (one set of qparams serves them
+    all): a static argument (a Python bool, a string) or a shape may change them.
+    ``first``: ``(batch index, its ops, the traces already compared, by id; held, so that
+    an id is not reused)``."""
+    if first is not None and id(traced) in first[2]:
+        return first
+    sig = tracing.signature(traced)
+    if first is None:
+        return (i, sig, {id(traced): traced})
+    j, ref, seen = first
+    seen[id(traced)] = traced
+    if sig != ref:
+        a, b = {s[0]: s for s in ref}, {s[0]: s for s in sig}
+        diff = sorted(set(a) ^ set(b)) or [k for k in a if a[k] != b.get(k)]
+        raise CalibrationDataError(
+            f"jqt.calibrate: batch {i} runs other ops than batch {j} (they differ at "
+            f"{diff[:5]}): its non-array arguments or its shapes change which ops f runs, and "
+            "one set of qparams cannot serve both. Calibrate each variant on its own (bind the "
+            "argument with functools.partial), or give every batch the same values.")
+    return first
 
 
 def _step_fn(tracer, argnums, recipe, mesh, data_axis):
@@ -75,7 +107,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
         state = {**transformed, **{k: (qp, None) for k, qp in decided.items()}}
         ctx = Ctx(Calibrate(recipe, observe_weights), state)
         eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                   jax.tree_util.tree_leaves(full_args(argnums, params_t, batch)), traced.plan, ctx)
+                   tracing.leaves(full_args(argnums, params_t, batch)), traced.plan, ctx)
         return ctx.state_out
 
     if mesh is None:
@@ -111,7 +143,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
 _accumulate = jax.jit(stats_lib.accumulate_all)
 
 
-def _run_pass(jstep, params_t, batches, decided, bar_desc, progress, transformed=None):
+def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, transformed=None):
     try:
         total = len(batches)
     except TypeError:
@@ -119,11 +151,13 @@ def _run_pass(jstep, params_t, batches, decided, bar_desc, progress, transformed
     from tqdm.auto import tqdm
     bar = tqdm(batches, total=total, desc=bar_desc, unit="batch",
                disable=None if progress is None else not progress)
-    st, tree = None, None
+    st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
-        new = jstep(params_t, tuple(batch), not weights_seen, decided, transformed or {})
+        new = jstep(params_t, tracing.mark_static(tuple(batch)), not weights_seen, decided,
+                    transformed or {})
+        first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
             weights_seen = all(bool(jnp.isfinite(s.weight["min"]).all())
@@ -191,12 +225,12 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             "jqt.calibrate: a recipe with smooth/awq/rotate passes over the batches twice (the "
             "transforms, then the ranges on the transformed operands); pass a sequence (a list "
             f"or tuple of batches), not a {type(batches).__name__}.")
-    st = _run_pass(jstep, params_t, batches, {}, "jqt.calibrate", progress)
+    st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
         if tf:
-            st = _run_pass(jstep, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
+            st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
     qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
     if not propagate:
         return qparams
@@ -206,7 +240,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     decided = {k: p for k, p in qparams.items() if k not in order}
     for j, key in enumerate(order):
         if j > 0:
-            st_k = _run_pass(jstep, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
+            st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             with warnings.catch_warnings():  # the first finalize warned already
                 warnings.simplefilter("ignore")
                 qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, groups, transforms
+from . import compat, groups, tracing, transforms
 from . import numerics as nx
 from .calibrate import CalibrationDataError, full_args
 from .dense import DenseAxes
@@ -60,7 +60,7 @@ class _Hessians:
                                 site.contract[1 - w])
             k = r.shape[1]
             h = lax.cond(take > 0, lambda: r.T @ r, lambda: jnp.zeros((k, k), _F32))
-            ctx.state_out[site.key] = {"h": h, "n": jnp.where(take > 0, r.shape[0], 0).astype(_F32)}
+            ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[0], 0).astype(_F32)})
         return outs
 
     @staticmethod
@@ -276,7 +276,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         tr = tracer(args)
         state = {k: (qparams[k], *flags[k]) for k in order}
         ctx = Ctx(handler, state)
-        eval_jaxpr(tr.closed.jaxpr, tr.closed.consts, jax.tree_util.tree_leaves(args), tr.plan, ctx)
+        eval_jaxpr(tr.closed.jaxpr, tr.closed.consts, tracing.leaves(args), tr.plan, ctx)
         return ctx.state_out
 
     jstep = jax.jit(step)
@@ -291,7 +291,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc = None
         for batch in batches:
-            out = jstep(params_t, tuple(batch), flags)
+            out = jstep(params_t, tracing.mark_static(tuple(batch)), flags)
             out = {k: out[k] for k in group}
             acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
         for key in group:

@@ -123,7 +123,7 @@ class Calibrate:
         names = transforms.wanted_stats(rule) if entry is None else ()
         if names and transforms.applies(site):
             chan = transforms.channel_stats(invals[1 - w], invals[w], site, names)
-        ctx.state_out[site.key] = stats.SiteStats(act, weight, cal, chan)
+        ctx.put(site.key, stats.SiteStats(act, weight, cal, chan))
         return outs
 
     @staticmethod
@@ -183,14 +183,18 @@ def lookup(ctx, site, invals):
     _check_source(site, qp)
     for i in (0, 1):
         q = qp.operand(i)
-        if q is None or q.scale is None or (i != site.weight_operand and not q.qtype.per_channel):
+        if q is None:
             continue
         want = _expected_scale_shape(site, i, invals[i].shape, q.qtype)
-        if tuple(q.scale.shape) != want:
-            raise QParamsMismatchError(
-                f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} scale of shape "
-                f"{tuple(q.scale.shape)}, but the operand {tuple(invals[i].shape)} needs "
-                f"{want}. The weights changed shape since calibration; re-calibrate.")
+        for field in ("scale", "zero_point"):
+            a = getattr(q, field)
+            if a is not None and tuple(jnp.shape(a)) != want:
+                raise QParamsMismatchError(
+                    f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
+                    f"shape {tuple(jnp.shape(a))}, but the operand {tuple(invals[i].shape)} "
+                    f"({'per channel' if q.qtype.per_channel else 'per tensor'}) needs {want}. "
+                    "The function or its weights changed shape since calibration, or the "
+                    "qparams were edited; re-calibrate.")
     if packed is not None:
         w = site.weight_operand
         if values_shape(packed) != _packed_shape(site, invals, packed.layout):

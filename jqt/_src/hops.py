@@ -28,9 +28,11 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from . import compat, kvcache
+from .handlers import QParamsMismatchError
 from .plan import Plan, VarInfo, closed_parts
 
 
@@ -162,7 +164,7 @@ def _remat(eqn, invals, sub, ctx, evaluate):
     fn = jax.checkpoint(_runner(ctx, j, c, sub.plans[0], evaluate),
                         prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
     outs, state_out = fn(_state_for(sub, ctx), *invals)
-    ctx.state_out.update(state_out)
+    ctx.put_all(state_out)
     return outs
 
 
@@ -220,6 +222,14 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     state = _state_for(sub, ctx)
     st_x = {k: v for k, v in state.items() if k in stacked}
     st_c = {k: v for k, v in state.items() if k not in stacked}
+    for k, v in st_x.items():  # one set of parameters (or statistics) per iteration
+        for leaf in jax.tree_util.tree_leaves(v):
+            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] != p["length"]:
+                raise QParamsMismatchError(
+                    f"jqt: op '{k}' reads a weight that a lax.scan of length {p['length']} slices "
+                    f"from stacked layers, so its parameters need a leading axis of {p['length']} "
+                    f"(one set per layer), but one has shape {tuple(jnp.shape(leaf))}. The "
+                    "qparams were made for other weights or edited; re-calibrate.")
     j, c = closed_parts(p["jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     init, entered = _enter_caches(sub, ctx, init)
@@ -232,7 +242,7 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
-        ctx.state_out[k] = v if k in stacked else ctx.handler.reduce_iterations({k: v})[k]
+        ctx.put(k, v if k in stacked else ctx.handler.reduce_iterations({k: v})[k])
     return [*_leave_caches(carry, entered, eqn.outvars), *ys]
 
 
@@ -285,7 +295,7 @@ def _while(eqn, invals, sub, ctx, evaluate):
         return list(outs), ctx.handler.merge(acc, so)
 
     carry, st_out = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0))
-    ctx.state_out.update(st_out)
+    ctx.put_all(st_out)
     return carry
 
 
@@ -312,7 +322,7 @@ def _cond(eqn, invals, sub, ctx, evaluate):
         return fn
 
     outs, st_out = lax.switch(index, [branch(r) for r in runs], *ops)
-    ctx.state_out.update(st_out)
+    ctx.put_all(st_out)
     return outs
 
 

@@ -36,6 +36,18 @@ class Ctx:
     def child(self, state_in):
         return Ctx(self.handler, state_in)
 
+    def put(self, key, value):
+        """Writes op ``key``'s state. A second write for the same key (the ops of a
+        ``lax.map`` remainder share the keys of the map's body, ``analysis.py``) is
+        merged with the first by the handler's ``merge``."""
+        if key in self.state_out:
+            value = self.handler.merge({key: self.state_out[key]}, {key: value})[key]
+        self.state_out[key] = value
+
+    def put_all(self, states):
+        for k, v in states.items():
+            self.put(k, v)
+
 
 def eval_jaxpr(jaxpr, consts, args, plan, ctx):
     env = {}

@@ -202,13 +202,16 @@ def conv(x_op, w_op, params, eqn):
 
 def _tup(op):
     """A QArray operand -> (codes, scale, zero_point, sums) for the generic kernels; a float
-    operand -> (x, None, None, None). fp8 codes are upcast (exact): the generic kernels
-    are integer or float arithmetic."""
+    operand -> (x, None, None, None). fp8 codes are upcast (exact) and nf4 codes decoded
+    to their table values (a weight-only format): the generic kernels are integer or
+    float arithmetic."""
     if not isinstance(op, QArray):
         return (op, None, None, None)
     v = op.values
     if op.qtype.kind == "float":
         return (v.astype(_F32), op.scale, None, None)
+    if op.qtype.kind == "lut":
+        return (nx.decode(v, op.qtype.grid), op.scale, None, None)
     return (v, op.scale, op.zero_point, op.sums)
 
 

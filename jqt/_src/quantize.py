@@ -8,7 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from . import kvcache
+from . import kvcache, tracing
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
@@ -130,7 +130,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                     "for another function or weight_argnums; run jqt.calibrate on this function.")
             checked.add(id(traced))
         state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
-        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, jax.tree_util.tree_leaves(args),
+        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, tracing.leaves(args),
                           traced.plan, Ctx(handler, state))
         outs = kvcache.materialize_outs(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)

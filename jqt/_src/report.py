@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, kvcache
+from . import compat, kvcache, tracing
 from .calibrate import full_args
 from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup, transformed
 from .interpreter import Ctx, eval_jaxpr
@@ -84,7 +84,7 @@ class _Measure:
             if role == "x":
                 hist = _histogram(x, lo.reshape(()), hi.reshape(()))
         st["hist"] = hist
-        ctx.state_out[site.key] = st
+        ctx.put(site.key, st)
         return [jnp.where(lax.axis_index(_AXIS) == 0, y_f, y_all).astype(eqn.outvars[0].aval.dtype)]
 
     @staticmethod
@@ -295,12 +295,12 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             args = full_args(argnums, params_t, b)
             ctx = Ctx(_Measure(), state)
             outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                              jax.tree_util.tree_leaves(args), traced.plan, ctx)
+                              tracing.leaves(args), traced.plan, ctx)
             return outs, ctx.state_out
         return jax.vmap(lane, axis_name=_AXIS)(*b)
 
     # weights and qparams are arguments, not constants XLA would spend minutes folding
-    lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), batch)
+    lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tracing.mark_static(batch))
     outs, st = jax.jit(lanes_fn)(params_t, state, lanes)
     st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
     rows = []

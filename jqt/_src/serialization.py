@@ -74,7 +74,19 @@ _NATIVE = {"bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64
 
 
 class FormatError(ValueError):
-    """A file is not a jqt file of the expected kind, or has an unsupported version."""
+    """A file is not a jqt file of the expected kind, is damaged (a header, dtype or shape
+    that does not match, invalid numbers in its qparams), or has an unsupported version.
+    The message names the file, what is wrong and how to fix it.
+
+    >>> import os, tempfile, jqt
+    >>> path = os.path.join(tempfile.mkdtemp(), "qp.safetensors")
+    >>> _ = open(path, "wb").write(b"not a jqt file")
+    >>> try:
+    ...     jqt.load(path)
+    ... except jqt.FormatError as e:
+    ...     print("is not a jqt file, or a damaged one" in str(e))
+    True
+    """
 
 
 def _tuplify(x):

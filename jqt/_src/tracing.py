@@ -1,12 +1,24 @@
-"""Tracing a user function to a jaxpr and analysing it, cached per input types."""
+"""Tracing a user function to a jaxpr and analysing it, cached per input types.
+
+The arrays among ``f``'s arguments (JAX and NumPy arrays and scalars, typed PRNG
+keys, tracers) are traced; every other leaf (a Python ``bool``, ``int``, ``float``
+or ``str``, any hashable object) reaches ``f`` as it is, as if ``f`` were called
+directly: a static value, part of the cache key, like ``jax.jit``'s
+``static_argnums`` (:func:`mark_static`). NumPy arrays of strings or objects and
+unhashable objects cannot be either, and are refused with an error naming the
+argument.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections import OrderedDict
 
 import jax
+import numpy as np
 
+from . import compat
 from .analysis import Analyzer, path_str
 from .plan import DATA, Plan, VarInfo
 from .qparams import WeightSource
@@ -20,7 +32,105 @@ class Traced:
     analyzer: Analyzer
 
     def sites(self):
-        return list(self.plan.all_sites())
+        """The function's ops in evaluation order, one per key (the ops of a
+        ``lax.map`` remainder share the keys of the map's body: the first stands
+        for them)."""
+        first = {}
+        for s in self.plan.all_sites():
+            first.setdefault(s.key, s)
+        return list(first.values())
+
+
+@jax.tree_util.register_static
+class Static:
+    """A non-array argument leaf, carried in the pytree structure (no children), so
+    that ``jax.jit``, ``vmap`` and the tracer's cache key on its type and value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        if not isinstance(other, Static) or type(other.value) is not type(self.value):
+            return False
+        try:
+            return other.value is self.value or bool(other.value == self.value)
+        except Exception:  # noqa: BLE001 - an object whose == is not a truth value
+            return False
+
+    def __hash__(self):
+        return hash((type(self.value), self.value))
+
+    def __repr__(self):
+        return f"Static({self.value!r})"
+
+
+def untraceable(leaf) -> str | None:
+    """Why ``leaf`` can be neither traced nor passed to ``f`` as a static value, or
+    ``None`` when it can."""
+    if isinstance(leaf, (jax.Array, Static)) or compat.is_tracer(leaf):
+        return None
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "OSUV":
+        return (f"a NumPy array of dtype {leaf.dtype}, which JAX cannot trace (only numbers, "
+                "booleans and PRNG keys can)")
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return None
+    try:
+        hash(leaf)
+    except TypeError:
+        return (f"a {type(leaf).__name__}, neither an array nor hashable (jqt passes a "
+                "non-array argument to f as a static value, like jax.jit's static_argnums, "
+                "and a static value must be hashable)")
+    return None
+
+
+def is_static(leaf) -> bool:
+    """Whether ``leaf`` reaches ``f`` as a static value rather than traced."""
+    if isinstance(leaf, (jax.Array, Static)) or compat.is_tracer(leaf):
+        return False
+    return not (isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "OSUV")
+
+
+def mark_static(tree):
+    """``tree`` with its static leaves wrapped in :class:`Static` (idempotent)."""
+    return jax.tree_util.tree_map(lambda x: Static(x) if is_static(x) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, Static))
+
+
+def unmark(tree):
+    """``tree`` with :class:`Static` leaves unwrapped: what ``f`` receives."""
+    return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, Static) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, Static))
+
+
+def leaves(args) -> list:
+    """The traced leaves of ``args``: the inputs of the traced jaxpr, in order."""
+    return jax.tree_util.tree_leaves(mark_static(args))
+
+
+def check_traceable(args, where="jqt"):
+    """Raises ``TypeError`` naming the first argument leaf that :func:`untraceable`
+    refuses, with the fix."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+            list(args), is_leaf=lambda x: isinstance(x, Static))[0]:
+        why = untraceable(leaf)
+        if why is not None:
+            raise TypeError(
+                f"{where}: argument {jax.tree_util.keystr(path)} of f is {why}. Bind it "
+                "with functools.partial (f2 = functools.partial(f, ...)) and calibrate and "
+                "quantize f2, or pass an array.")
+
+
+def signature(traced) -> tuple:
+    """What must be the same in two traces of ``f`` for one set of qparams to serve
+    both: each op's key, operation and weight (leaf, layout ops, contracted axes)."""
+    out = []
+    for s in traced.sites():
+        w, src = s.weight_operand, s.source
+        out.append((s.key, s.op, w, None if src is None else (src.path, src.chain),
+                    None if w is None else tuple(s.contract[w])))
+    return tuple(out)
 
 
 def normalize_argnums(weight_argnums) -> tuple[int, ...]:
@@ -60,6 +170,8 @@ class Tracer:
         self.cache: OrderedDict = OrderedDict()
 
     def __call__(self, args) -> Traced:
+        check_traceable(args)
+        args = mark_static(list(args))
         flat, treedef = jax.tree_util.tree_flatten(args)
         key = (treedef, tuple(_aval_key(x) for x in flat))
         hit = self.cache.get(key)
@@ -70,16 +182,19 @@ class Tracer:
             if a >= len(args):
                 raise ValueError(f"jqt: weight_argnums={self.argnums} but f was called with "
                                  f"{len(args)} positional arguments.")
-        closed, out_shape = jax.make_jaxpr(self.f, return_shape=True)(*args)
+        closed, out_shape = jax.make_jaxpr(functools.wraps(self.f)(lambda *a: self.f(*unmark(a))),
+                                           return_shape=True)(*args)
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
         infos = []
         for i, a in enumerate(args):
-            leaves = jax.tree_util.tree_flatten_with_path(a)[0]
+            flat_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda x: isinstance(x, Static))[0]
             if i not in self.argnums:
-                infos += [DATA] * len(leaves)
+                infos += [DATA for _, x in flat_a if not isinstance(x, Static)]
                 continue
-            for j, (path, _) in enumerate(leaves):
+            for j, (path, x) in enumerate(flat_a):  # j: the leaf's index in the params pytree
+                if isinstance(x, Static):
+                    continue
                 p = path_str(path)
                 if len(self.argnums) > 1 or not p:
                     p = f"{names[i]}/{p}" if p else names[i]

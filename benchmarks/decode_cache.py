@@ -1,4 +1,4 @@
-"""The key/value-cache half of the decode benchmark (``benchmarks/decode.py`` runs it).
+"""The key/value-cache half of the decode benchmark: ``python benchmarks/decode_cache.py [--markdown]``.
 
 * ``cache_speed``: a decoder of >= 100M parameters (random weights, batch 1) decoding
   at the end of a long context (2048 by default) in a ``lax.scan`` over steps whose
@@ -89,3 +89,35 @@ def accuracy(prompts=8, tokens=200, tiny=False):
     first divergence)."""
     argv = ["--prompts", str(prompts), "--tokens", str(tokens)] + (["--tiny"] if tiny else [])
     return G.main(argv)
+
+
+def main(argv=None):
+    """Prints the cache table and checks it against issue 13's targets: cache bytes
+    <= 0.27x float32, and the int8-cache step no slower than the float-cache one."""
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    from formats import table
+    rows, n = cache_speed(context=args.context, rounds=args.rounds)
+    print(f"{jax.__version__} on {jax.default_backend()}: decode steps at context {args.context}, "
+          f"batch 1, {n / 1e6:.1f}M parameters ({CONFIG}); per-step time from loops of 16 and 4 "
+          f"steps, {args.rounds} interleaved rounds, medians\n")
+    step = {r[0]: r[1] for r in rows}
+    out = []
+    for name, sec, ratio, nbytes, bratio in rows:
+        check = "-"
+        if "int8 KV" in name:
+            same_weights = step.get("w8a8_dynamic, float cache") if name.startswith("w8a8_dynamic") else None
+            ok = bratio <= 0.27 and (same_weights is None or sec <= same_weights)
+            check = ("PASS" if ok else "MISS") + " (bytes <= 0.27x" + \
+                (", step <= float cache)" if same_weights else ")")
+        out.append((name, f"{sec * 1e3:.1f}", f"{ratio:.3f}", f"{nbytes:,d}", f"{bratio:.3f}", check))
+    table(("variant", "step ms", "step / float32", "cache bytes", "cache / float32", "target"), out,
+          args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,8 +25,8 @@ on two batches of random tokens.
   every preset <= 1.0x float32. Extra rows run three presets without the
   many-row formulation (``KernelPolicy.float_matmul_rows``).
 * ``formulations``: the decode step of each preset under each formulation the
-  kernel policy can choose for few rows (``jqt.KernelPolicy``), at 1 and 4
-  rows (decode batch 1 and 4): the measurements behind the CPU table in
+  kernel policy can choose for few rows (``jqt.KernelPolicy``), at 1, 2 and 4
+  rows (decode batch 1, 2 and 4): the measurements behind the CPU table in
   ``jqt/_src/policy.py``.
 * ``bandwidth``: the rate at which each formulation reads a weight too large
   for the cache (8 layers of 1024 x 4096), and the memory's own read rate.
@@ -73,24 +73,26 @@ VARIANTS = {
 PREFILL_TARGET = 1.0
 UNSTACKED = "float32, layers unstacked (reference)"
 
-# formulations: preset -> {formulation: policy} (the CPU table with one field changed; the
-# policy equal to CPU is the table's choice). Few-row ones apply up to CPU.gemv_rows rows.
+# formulations: preset -> {formulation: policy}: the CPU table with the fields that force one
+# formulation at the measured batches (up to 4 rows). The CPU table column marks the one
+# whose program is the table's at that batch.
 def _p(**kw):
     return dataclasses.replace(CPU, **kw)
 
 
 FORMULATIONS = {
     "w8": {"cast K-chunks of 256 (kn)": _p(weight_only_digits=0),
-           "3 int8 digits, int8 matmul (nk)": _p(weight_only_digits=3),
-           "4 int8 digits, int8 matmul (nk)": _p(weight_only_digits=4)},
+           "cast N-chunks of 256 (nk)": _p(gemv_rows=0),
+           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3),
+           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4)},
     "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
                      "int8 matmul, rows not padded": _p(pad_rows=1)},
     "w4 g128": {"cast K-chunks of 256 (kn)": _p(grouped_digits=0),
-                "3 int8 digits, batched group matmul (kn)": _p(grouped_digits=3)},
+                "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3)},
     "w4a8 g128": {"int8 matmul per group (nk)": _p(batched_groups=False),
-                  "batched group matmul (kn)": _p(batched_groups=True)},
+                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True)},
 }
-FORMULATION_BATCHES = (1, 4)
+FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
 PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",
                         "w4a8 g128": "int8 matmul per group"}
@@ -293,18 +295,24 @@ def formulations(names, rounds, markdown, results, batches=FORMULATION_BATCHES):
         calib = [batched(c, batch) for c in calib1]
         cache, token = batched(timed1, batch)
         calls = {"float32": (lambda f=jax.jit(step): f(params, cache, token))}
+        picks = set()
         for name in names:
             qp = jqt.calibrate(step, VARIANTS[name][0](), params, calib, progress=False)
+            program = lambda policy, packed: str(jax.make_jaxpr(jqt.quantize(step, qp, policy=policy))(
+                packed, cache, token))
+            table_program = program(CPU, jqt.pack(qp, params, policy=CPU))
             for form, policy in FORMULATIONS[name].items():
                 packed = jqt.pack(qp, params, policy=policy)
                 f = jax.jit(jqt.quantize(step, qp, policy=policy))
                 calls[f"{name}: {form}"] = lambda f=f, p=packed: f(p, cache, token)
+                if program(policy, packed) == table_program:
+                    picks.add(f"{name}: {form}")
         med = timed(calls, rounds)
         base = med["float32"]["median"]
         rows = []
         for key, s in med.items():
             name, _, form = key.partition(": ")
-            table_pick = "yes" if form and FORMULATIONS[name][form] == CPU else ""
+            table_pick = "yes" if key in picks else ""
             rows.append((name, form or "-", f"{s['median'] * 1e3:.1f}", f"{s['median'] / base:.3f}", table_pick))
             results[f"formulation b{batch} {key}"] = dict(ms=s["median"] * 1e3, ratio=s["median"] / base)
         print(f"Decode step under each formulation, batch {batch} ({batch} rows per matmul; the CPU "

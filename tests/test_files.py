@@ -54,8 +54,7 @@ def models():
     pe = {"emb": jax.random.normal(k[3], (10, 32)), "w": jax.random.normal(k[4], (32, 16)) * 0.2}
     ids = jax.random.randint(k[5], (2, 3), 0, 10)
     qe = jqt.calibrate(embed, W4A8, pe, [(ids,)], progress=False)
-    # int4 codes packed (N, K) (the generic policy's layout), as the error messages below name
-    return {"mlp": (qp, jqt.pack(qp, p)), "int4": (qe, jqt.pack(qe, pe, policy=jqt.KernelPolicy()))}
+    return {"mlp": (qp, jqt.pack(qp, p)), "int4": (qe, jqt.pack(qe, pe))}
 
 
 # ============================================================ helpers

@@ -17,24 +17,26 @@ packed dense weight, w8     ``(N, K)``: the int8        ``(K, N)``
                             it at few rows
 packed dense weight, w4,    ``(K, N)``                  ``(K, N)``
 nf4 (grouped weight-only)
-packed dense weight, w4a8   ``(K, N)``: one matmul      ``(N, K)``
-g128 (groups, int8 acts)    batched over the groups
-                            reads it in place
+packed dense weight, w4a8   ``(N, K)``                  ``(N, K)``
+g128 (groups, int8 acts)
 packed dense weight, fp8    ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
 rows of an int8 matmul      padded up to 2 (one row     not padded
                             takes a 10-20x slower
                             path: a decode step 2x)
 1-4 rows: w8 (weight-only)  the float activation as 3   as at any row count
                             int8 digits, one int8
-                            matmul (0.86-1.02x the
-                            K-chunked cast, 6 runs)
-1-4 rows: w4a8 g128         one int8 matmul batched     one int8 matmul per group
-                            over the groups (0.68-1.08x
-                            one per group, 6 runs)
+                            matmul: 0.86-1.02x the
+                            K-chunked cast at 1 row (9
+                            runs), 0.98-1.03x at 4
+1-4 rows: w4a8 g128         one int8 matmul per group,  as at any row count
+                            as at any row count (one
+                            batched over the groups:
+                            0.68-1.14x, slower in 4 of
+                            5 runs on an idle machine)
 1-4 rows: w4 g128, nf4      K-chunked cast, as at any   as at any row count
                             row count (digits through
-                            the batched matmul:
-                            1.11-1.31x, 3 runs)
+                            a batched matmul: 1.11-
+                            1.33x)
 weight-only matmul,         ``lax.scan`` over chunks    cast the weight, one
 up to 64 rows               of <= 256 rows of K (of N   matmul
                             for ``(N, K)``), cast in
@@ -42,10 +44,13 @@ up to 64 rows               of <= 256 rows of K (of N   matmul
                             is 10x slower than float)
 weight-only matmul,         the whole weight decoded    the same
 more than 64 rows           once, one float matmul
+                            (prefill 0.99-1.02x float32
+                            against 1.03-1.24x cast in
+                            chunks, 3 runs)
 w4a8 g128, more than 64     one float matmul on the     one int8 matmul per group
 rows                        decoded weight and the
                             exact int8 codes (one int8
-                            matmul per group: 2-3x
+                            matmul per group: 2.9x
                             float32 at prefill)
 int4 / nf4 weight-only      per K-chunk: the low and    the same (not measured
                             high nibbles (even and odd  here: no GPU was lent)
@@ -141,12 +146,12 @@ class KernelPolicy:
         >>> w8, w4g = jqt.QuantType(bits=8), jqt.QuantType(bits=4, group_size=128)
         >>> cpu.dense_layout(w8, None), cpu.dense_layout(w8, w8), cpu.dense_layout(w4g, None)
         ('nk', 'nk', 'kn')
-        >>> cpu.dense_layout(w4g, w8), jqt.KernelPolicy().dense_layout(w4g, w8)
-        ('kn', 'nk')
+        >>> cpu.dense_layout(w4g, w8), jqt.KernelPolicy(gemv_rows=2, batched_groups=True).dense_layout(w4g, w8)
+        ('nk', 'kn')
         """
         grouped = bool(weight.group_size)
         if activation is None:
-            digits = weight.kind == "int" and not grouped and self.gemv_rows and self.weight_only_digits
+            digits = weight.kind == "int" and not grouped and self.weight_only_digits
             return "nk" if digits else "kn"
         if weight.kind == "float" and not self.fp8_native:
             return "kn"
@@ -163,7 +168,7 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
-                        weight_only_digits=3, batched_groups=True, float_matmul_rows=64),
+                        weight_only_digits=3, float_matmul_rows=64),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

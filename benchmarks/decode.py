@@ -1,7 +1,7 @@
 """Decode and prefill speed of a 100M-parameter Llama-style decoder, float32 against jqt's presets.
 
-    python benchmarks/decode.py --markdown          # about 15 minutes on 2 busy cores
-    python benchmarks/decode.py --quick             # fewer rounds, about 8 minutes
+    python benchmarks/decode.py --markdown          # about 6 minutes on 2 idle cores
+    python benchmarks/decode.py --quick             # fewer rounds (compiling stays)
     python benchmarks/decode.py --only decode       # parts: decode, prefill, formulations,
                                                     # bandwidth; and/or variants:
                                                     # --only decode,w8,w4a8_g128

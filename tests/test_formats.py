@@ -147,8 +147,11 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     assert qp["emb#1"].source.leaf == qp["emb"].source.leaf not in packed.kept  # float table dropped
     assert packed.tied == (("emb", "emb#1"),)
     assert packed.weights["emb"].values is None              # one copy of the codes: the matmul's
-    layout = packed.weights["emb#1"].layout
-    assert layout == ("nk" if name == "w8a8" else "kn")       # the lookup reads either layout
+    layout = packed.weights["emb#1"].layout                  # the matmul's layout (the policy's)...
+    op = qp["emb#1"]
+    w_q, act = (op.lhs, op.rhs) if op.weight_operand == 0 else (op.rhs, op.lhs)
+    assert layout == jqt.KernelPolicy.for_backend().dense_layout(w_q.qtype, act and act.qtype)
+    assert layout == ("nk" if name in ("w8a8", "w8") else "kn")  # ...and the lookup reads either
     # the same outputs as with the table packed twice
     untied = jqt.PackedParams(packed.leaves, {**packed.weights, "emb": jqt.pack(
         {"emb": qp["emb"]}, P).weights["emb"]}, packed.treedef, packed.avals, packed.kept)

@@ -34,13 +34,16 @@ def test_packed_layouts():
     _, _, _, _, packed = _dense(jqt.recipes.w8a8())
     w = packed.weights["w"]
     assert (w.layout, w.values.shape, w.values.dtype, w.sums.shape) == ("nk", (8, 1024), np.int8, (8,))
+    # weight-only int8 on CPU: (N, K), read by the int8 matmul of the digits at few rows
     _, p, _, _, packed = _dense(jqt.recipes.w8())
-    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("kn", (1024, 8))
+    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("nk", (8, 1024))
     # the stored weight is the transposed quantized kernel, exactly
     np.testing.assert_array_equal(packed.weights["w"].values,
                                   jqt.pack(jqt.calibrate(lambda p, x: x @ p["w"] + p["b"], jqt.recipes.w8(),
                                                          p, [(jnp.ones((1, 1024)),)], progress=False),
                                            p).weights["w"].values)
+    _, _, _, _, packed = _dense(jqt.recipes.w4(group_size=128))
+    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("kn", (512, 8))
 
 
 def test_weights_with_batch_axes_and_convs_keep_their_layout():
@@ -65,20 +68,26 @@ def test_single_row_int8_matmul_is_padded_on_cpu():
         assert (a.shape, a.dtype, b.shape, b.dtype) == ((rows, 1024), np.int8, (8, 1024), np.int8)
 
 
-def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu():
-    f, _, x, qp, packed = _dense(jqt.recipes.w8(), m=3)
+@pytest.mark.parametrize("recipe,length", [(jqt.recipes.w8(), 512 // 256),  # (N, K): N-chunks
+                                           (jqt.recipes.w4(group_size=128), 1024 // 256)])  # K-chunks
+def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, length):
+    f, _, x, qp, packed = _dense(recipe, n=512, m=8)  # more rows than gemv_rows, up to float_matmul_rows
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-    assert len(scans) == 1 and scans[0].params["length"] == 1024 // CPU.weight_only_chunk
+    assert len(scans) == 1 and scans[0].params["length"] == length
     # no float copy of the whole weight outside the loop
     casts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
-             and e.invars[0].aval.shape == (1024, 8)]
+             and e.invars[0].aval.size * (2 if e.invars[0].aval.dtype == np.uint8 else 1) == 1024 * 512]
     assert not casts
     generic = jax.make_jaxpr(jqt.quantize(f, qp, policy=jqt.KernelPolicy()))(packed, x)
     assert not [e for e in _eqns(generic.jaxpr) if e.primitive.name == "scan"]
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
     np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU)(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
+    # many rows (a prefill): the whole weight at once, one float matmul
+    many = jnp.ones((CPU.float_matmul_rows + 1, 1024))
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, many)
+    assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
 
 
 @pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])
@@ -98,7 +107,8 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
-        pad_rows=2, weight_only_chunk=256, conv_patches_below=16)
+        pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
+        float_matmul_rows=64)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

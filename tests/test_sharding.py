@@ -55,10 +55,10 @@ EXPLICIT = jax.make_mesh((2, 4), ("data", "model"))  # JAX 0.10's default: Expli
 def shard_shape(a):  # None: no such array (weight-only weights carry no int32 sums)
     return None if a is None else list(a.addressable_shards[0].data.shape)
 
-def case(f, p, x, recipe, mesh, ops=(), const=False):
+def case(f, p, x, recipe, mesh, ops=(), const=False, policy=None):
     qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
-    packed = jqt.pack(qp, p)
-    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q)(pk, x))  # qparams as arguments: shardable
+    packed = jqt.pack(qp, p, policy=policy)
+    g = jax.jit(lambda q, pk, x: jqt.quantize(f, q, policy=policy)(pk, x))  # qparams as arguments: shardable
     want = g(qp, packed, x)
     qs, ps = jqt.packed_shardings(qp, packed, mesh, ops=ops)
     qps, pks = jax.device_put((qp, packed), (qs, ps))
@@ -87,7 +87,9 @@ def case(f, p, x, recipe, mesh, ops=(), const=False):
 
 res = {"devices": len(jax.devices())}
 res["mlp_w8a8"], qp, packed = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, const=True)
-res["mlp_w8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8(), AUTO)
+# weight-only in the "kn" layout (the CPU table packs w8 "nk", as w8a8 below, for its digits)
+KN = jqt.KernelPolicy(pad_rows=2, weight_only_chunk=256)
+res["mlp_w8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8(), AUTO, policy=KN)
 res["mlp_dynamic"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8_dynamic(), AUTO)
 res["mlp_megatron"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, ops=(("w2", "in"),))
 res["stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w8a8(), AUTO)

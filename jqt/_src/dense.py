@@ -220,32 +220,47 @@ def chunks(k: int, kc: int) -> list:
 
 def int_dense_grouped(ax, x, w, policy):
     """int8 activation x int4 (or int8) weight with one scale per group of K: one 2-D
-    int8 matmul per group (int32 partial sums; a dot batched over groups leaves
-    XLA:CPU's fast int8 path), each scaled per output channel and summed in float.
-    ``w``: ``"nk"`` codes ``(N, K)``, scale and zero point ``(N, G)``."""
+    int8 matmul per group (int32 partial sums), each scaled per output channel and
+    summed in float. ``w``: codes ``"nk"`` ``(N, K)`` with scale and zero point ``(N, G)``,
+    or ``"kn"`` ``(K, N)`` with ``(G, N)``. (At few rows ``gemv.int_grouped`` runs all
+    groups as one batched dot instead.)"""
     nib = w.qtype.packs_nibbles and w.values.dtype == jnp.uint8
-    parts = _parts(w.values, nib)          # nibble halves: even and odd inputs, no interleaving
-    step = len(parts)
+    halves = parts(w.values, nib)          # nibble halves: even and odd inputs, no interleaving
+    step = len(halves)
     gs = w.qtype.group_size
-    k = w.values.shape[1] * step
+    kd = _contract_dim(w.layout)
+    k = w.values.shape[kd] * step
     qx2 = ax.act_2d(x.values)
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
     scale = w.scale.astype(_F32)
+    per_group = (lambda a, g: a[:, g]) if kd == 1 else (lambda a, g: a[g])  # (N, G) or (G, N)
     out = 0.0
     for g in range(k // gs):
         cols, half = slice(g * gs, (g + 1) * gs), slice(g * gs // step, (g + 1) * gs // step)
         xg = qx2[:, cols]
-        acc = sum(int_matmul(xg[:, r], c[:, half], "nk", policy.pad_rows) for r, c in parts)
+        wg = [(r, lax.slice_in_dim(c, half.start, half.stop, axis=kd)) for r, c in halves]
+        acc = sum(int_matmul(xg[:, r], c, w.layout, policy.pad_rows) for r, c in wg)
         if zx is not None:
-            wsum = w.sums[:, g] if w.sums is not None else sum(
-                jnp.sum(c[:, half], axis=1, dtype=_I32) for _, c in parts)
+            wsum = per_group(w.sums, g) if w.sums is not None else sum(
+                jnp.sum(c, axis=kd, dtype=_I32) for _, c in wg)
             acc = acc - zx * wsum
         if zw is not None:
-            acc = acc - zw[:, g] * jnp.sum(xg, axis=1, keepdims=True, dtype=_I32)
+            acc = acc - per_group(zw, g) * jnp.sum(xg, axis=1, keepdims=True, dtype=_I32)
             if zx is not None:
-                acc = acc + zx * zw[:, g] * gs
-        out = out + acc.astype(_F32) * scale[:, g]
+                acc = acc + zx * per_group(zw, g) * gs
+        out = out + acc.astype(_F32) * per_group(scale, g)
     return out * ax.act_vec(x.scale.astype(_F32))
+
+
+def int_grouped_as_float(ax, x, w, policy):
+    """int8 activation x grouped int weight as a float matmul: the activation codes minus
+    their zero point upcast (exact), the weight decoded with its group scales as on the
+    weight-only path, then the activation's scale. Equal to :func:`int_dense_grouped`
+    up to float rounding; at many rows one large matmul beats a small one per group."""
+    qx2 = ax.act_2d(x.values).astype(_F32)
+    if x.zero_point is not None:
+        qx2 = qx2 - jnp.round(ax.act_vec(x.zero_point).astype(_F32))
+    return _weight_only_2d(qx2, w, policy, None) * ax.act_vec(x.scale.astype(_F32))
 
 
 def fp8_dense(ax, x, w, policy):
@@ -289,7 +304,7 @@ FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
 """What :func:`_fp8_bits`'s result is multiplied by to give the fp8 value."""
 
 
-def _parts(v, nib):
+def parts(v, nib):
     """Codes along K -> ``[(K rows, codes)]``: with two nibbles per byte the low nibbles
     hold the even rows of K and the high nibbles the odd ones, so each half multiplies
     a strided slice of the (small) activation and no interleaved copy of the weight is
@@ -323,6 +338,13 @@ def _decode(codes, w, scale, zp, kd, rows_per_group):
     return (v * g(scale)).reshape(shp)
 
 
+def many_rows(m, policy) -> bool:
+    """Whether ``m`` rows (an int, or symbolic) are more than ``policy.float_matmul_rows``:
+    then the whole weight is decoded once for one float matmul, whose arithmetic
+    outweighs the decoding (fewer rows cast it chunk by chunk, in cache)."""
+    return bool(policy.float_matmul_rows) and isinstance(m, int) and m > policy.float_matmul_rows
+
+
 def _weight_only_2d(x2, w, policy, precision):
     """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
@@ -338,25 +360,37 @@ def _weight_only_2d(x2, w, policy, precision):
     zp = w.zero_point if gs else None
     step = 2 if nib else 1
     rows = gs // step if gs else 0  # rows of a nibble half (or of the codes) per group
-    chunk = _chunk(k, policy.weight_only_chunk, math.lcm(max(gs, 1), step)) if w.layout == "kn" else 0
+    target = 0 if many_rows(m, policy) else policy.weight_only_chunk
+    chunk = _chunk(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" else 0
+    n_chunk = _chunk(v.shape[0], target) if w.layout == "nk" else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
-    if chunk:
+    if n_chunk:  # "nk": blocks of output channels, each decoded in cache; outputs stacked
+        n, nc = v.shape[0], v.shape[0] // n_chunk
+        per = lambda a: None if a is None else a.reshape((nc, n_chunk) + a.shape[1:])
+
+        def body(_, vw):
+            vc, sc, zc = vw
+            return None, sum(dot(x2[:, r], _decode(ci, w, sc, zc, 1, rows)) for r, ci in parts(vc, nib))
+
+        _, ys = lax.scan(body, None, (per(v), per(scale), per(zp)))
+        out = ys.transpose(1, 0, 2).reshape(m, n)
+    elif chunk:
         n, nc, cr = v.shape[1], k // chunk, chunk // step
-        halves = (slice(0, None, 2), slice(1, None, 2)) if nib else (slice(None),)  # as _parts
+        halves = (slice(0, None, 2), slice(1, None, 2)) if nib else (slice(None),)  # as parts()
         xs = [x2[:, r].reshape(m, nc, cr).transpose(1, 0, 2) for r in halves]
         per = lambda a: None if a is None else a.reshape(nc, cr // rows, n)
 
         def body(acc, xw):
             xc, vc, sc, zc = xw
-            for xi, (_, ci) in zip(xc, _parts(vc, nib)):
+            for xi, (_, ci) in zip(xc, parts(vc, nib)):
                 acc = acc + dot(xi, _decode(ci, w, sc, zc, 0, rows))
             return acc, None
 
         ins = (xs, v.reshape(nc, cr, n), per(scale), per(zp))
         out, _ = lax.scan(body, jnp.zeros((m, n), _F32), ins)
     else:
-        out = sum(dot(x2[:, r], _decode(ci, w, scale, zp, kd, rows)) for r, ci in _parts(v, nib))
+        out = sum(dot(x2[:, r], _decode(ci, w, scale, zp, kd, rows)) for r, ci in parts(v, nib))
     if gs:
         return out
     if w.zero_point is not None:
@@ -369,8 +403,10 @@ def weight_only_dense(ax, x, w, policy, precision=None):
     ``(M, N)``.
 
     With a ``"kn"`` weight and a chunk size, the weight is decoded to float one
-    K-chunk at a time inside a ``lax.scan``, so no float copy of the whole
-    weight is made. Per-channel scales apply to the (smaller) output; per-group
+    K-chunk at a time inside a ``lax.scan`` (an ``"nk"`` weight: one block of
+    output channels at a time), so no float copy of the whole weight is made;
+    with more than ``policy.float_matmul_rows`` rows the whole weight is decoded
+    once instead. Per-channel scales apply to the (smaller) output; per-group
     scales to each decoded chunk.
     """
     return _weight_only_2d(ax.act_2d(x), w, policy, precision)

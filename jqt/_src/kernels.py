@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, patches
+from . import compat, dense, gemv, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -257,10 +257,19 @@ def run(site, eqn, ops, policy):
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
     want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
     w2 = dense.weight_in_layout(ax, wq, want, w_shape)
+    m = math.prod(x_shape[d] for d in ax.x_free)
+    m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
     if not isinstance(x_op, QArray):
-        out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))
+        if gemv.weight_only_applies(w2, m, policy):
+            out2 = gemv.weight_only(ax, x_op, w2, policy)
+        else:
+            out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))
     elif wq.qtype.kind == "float":
         out2 = dense.fp8_dense(ax, x_op, w2, policy)
+    elif wq.qtype.group_size and gemv.grouped_applies(w2, m, policy):
+        out2 = gemv.int_grouped(ax, x_op, w2, policy)
+    elif wq.qtype.group_size and dense.many_rows(m, policy):
+        out2 = dense.int_grouped_as_float(ax, x_op, w2, policy)
     elif wq.qtype.group_size:
         out2 = dense.int_dense_grouped(ax, x_op, w2, policy)
     else:

@@ -1,45 +1,80 @@
 """Which integer formulation runs an op, per backend and shape: one table.
 
 The numerics of every formulation are the same (integer arithmetic is exact;
-the weight-only chunks sum in float in another order): the policy changes
-speed, never results beyond float rounding.
+float sums run in another order, and an activation split into int8 digits
+keeps 24 bits of each row's absolute maximum): the policy changes speed, never
+results beyond float rounding.
 
-=========================  ==========================  ==========================
-decision                   CPU (XLA:CPU)               GPU and other backends
-=========================  ==========================  ==========================
-packed dense weight, w8a8  ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
-packed dense weight, w8,   ``(K, N)``                  ``(K, N)``
-w4, nf4 (weight-only)
-packed dense weight, fp8   ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
-rows of an int8 matmul     padded up to 2 (one row     not padded
-                           takes a 20x slower path)
-weight-only matmul         ``lax.scan`` over K chunks  cast the weight, one matmul
-                           of <= 256 rows, cast in
-                           cache (a whole-weight cast
-                           is 10x slower than float)
-int4 / nf4 weight-only     per K-chunk: the low and    the same (not measured
-                           high nibbles (even and odd  here: no GPU was lent)
-                           rows of K) decoded apart,
-                           each times its strided
-                           slice of the activation;
-                           group scales applied by a
-                           reshape; nf4 by a 16-entry
-                           table lookup
-w4a8 with groups           int32 partial sums per      the same
-                           group (a dot batched over
-                           groups), scaled, summed
-fp8 x fp8 matmul           weight decoded per K-chunk  one fp8 ``dot_general``
-                           from its bits (float16 bit  (cuBLASLt on H100)
-                           tricks: XLA:CPU's own fp8
-                           conversion is ~10x slower),
-                           activation upcast (exact)
-int8 convolution           im2col patches + int8       native int8 convolution
-                           matmul when the input has
-                           < 16 channels per group,
-                           native int8 conv otherwise
-=========================  ==========================  ==========================
+"Rows" are the rows M of the op as a 2-D matmul (tokens times batch): 1 when
+decoding at batch 1 (a GEMV), 1024 for a prefill of 8 x 128 tokens.
 
-The figures behind the CPU column are in ``benchmarks/`` and the README.
+==========================  ==========================  ==========================
+decision                    CPU (XLA:CPU)               GPU and other backends
+==========================  ==========================  ==========================
+packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
+packed dense weight, w8     ``(N, K)``: the int8        ``(K, N)``
+(weight-only per channel)   matmul of the digits reads
+                            it at few rows
+packed dense weight, w4,    ``(K, N)``                  ``(K, N)``
+nf4 (grouped weight-only)
+packed dense weight, w4a8   ``(N, K)``                  ``(N, K)``
+g128 (groups, int8 acts)
+packed dense weight, fp8    ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
+rows of an int8 matmul      padded up to 2 (one row     not padded
+                            takes a 10-20x slower
+                            path: a decode step 2x)
+1-4 rows: w8 (weight-only)  the float activation as 3   as at any row count
+                            int8 digits, one int8
+                            matmul: 0.86-1.02x the
+                            K-chunked cast at 1 row (9
+                            runs), 0.98-1.03x at 4
+1-4 rows: w4a8 g128         one int8 matmul per group,  as at any row count
+                            as at any row count (one
+                            batched over the groups:
+                            0.68-1.14x, slower in 4 of
+                            5 runs on an idle machine)
+1-4 rows: w4 g128, nf4      K-chunked cast, as at any   as at any row count
+                            row count (digits through
+                            a batched matmul: 1.11-
+                            1.33x)
+weight-only matmul,         ``lax.scan`` over chunks    cast the weight, one
+up to 64 rows               of <= 256 rows of K (of N   matmul
+                            for ``(N, K)``), cast in
+                            cache (a whole-weight cast
+                            is 10x slower than float)
+weight-only matmul,         the whole weight decoded    the same
+more than 64 rows           once, one float matmul
+                            (prefill 0.99-1.02x float32
+                            against 1.03-1.24x cast in
+                            chunks, 3 runs)
+w4a8 g128, more than 64     one float matmul on the     one int8 matmul per group
+rows                        decoded weight and the
+                            exact int8 codes (one int8
+                            matmul per group: 2.9x
+                            float32 at prefill)
+int4 / nf4 weight-only      per K-chunk: the low and    the same (not measured
+                            high nibbles (even and odd  here: no GPU was lent)
+                            rows of K) decoded apart,
+                            each times its strided
+                            slice of the activation;
+                            group scales applied by a
+                            reshape; nf4 by a 16-entry
+                            table lookup
+fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
+                            from its bits (float16 bit  (cuBLASLt on H100)
+                            tricks: XLA:CPU's own fp8
+                            conversion is ~10x slower),
+                            activation upcast (exact)
+int8 convolution            im2col patches + int8       native int8 convolution
+                            matmul when the input has
+                            < 16 channels per group,
+                            native int8 conv otherwise
+==========================  ==========================  ==========================
+
+The figures behind the CPU column are in ``benchmarks/`` and ``docs/performance.md``;
+the few-row and many-row ones come from ``benchmarks/decode.py``, whose
+``formulations`` table times a 100M-parameter decoder's decode step under each
+formulation, and whose ``prefill`` table runs the many-row ones.
 """
 from __future__ import annotations
 
@@ -54,13 +89,32 @@ class KernelPolicy:
 
     Attributes:
       pad_rows: pad the rows (M) of an int8 x int8 matmul up to this many.
-      weight_only_chunk: K-chunk of the weight-only matmul, 0 to cast the
-        whole weight and run one matmul.
+      weight_only_chunk: K-chunk of the weight-only matmul (N-chunk for a weight
+        packed ``(N, K)``), 0 to cast the whole weight and run one matmul.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
         input has fewer channels per group than this (0: never).
       fp8_native: run an fp8 x fp8 matmul as one ``dot_general`` on fp8 operands
         (float32 accumulation); otherwise the fp8 weight is upcast chunk by chunk
         as on the weight-only path (XLA:CPU has no fp8 GEMM).
+      gemv_rows: an op with at most this many rows (M: tokens times batch; 1 when
+        decoding at batch 1) runs the few-row formulations below (0: never).
+      weight_only_digits: at few rows, a weight-only op on int weights (8 bits or
+        fewer, per channel) splits the float activation into this many int8
+        digits and runs them through the int8 x int8 matmul (0: the weight-only
+        path as at any row count). Three digits hold 24 bits of each row's
+        absolute maximum. Such weights are packed ``"nk"``.
+      grouped_digits: the same for weight-only int weights with one scale per
+        group of K (w4 g128), through one matmul batched over the groups.
+      float_matmul_rows: an op with more rows than this decodes its whole weight
+        once and runs one float matmul, whose arithmetic outweighs the decoding:
+        weight-only ops (no K-chunks), and int8 activations with grouped int
+        weights (their codes upcast exactly); 0: never.
+
+      batched_groups: at few rows, int weights with group scales and int8
+        activations (w4a8 g128) run all groups as one matmul batched over the
+        groups (instead of one matmul per group); such weights are packed
+        ``"kn"``, whose ``(K, N)`` codes the batched matmul reads group by group
+        in place.
 
     >>> import jqt
     >>> jqt.KernelPolicy.for_backend("cpu").pad_rows
@@ -71,20 +125,37 @@ class KernelPolicy:
     weight_only_chunk: int = 0
     conv_patches_below: int = 0
     fp8_native: bool = False
+    gemv_rows: int = 0
+    weight_only_digits: int = 0
+    grouped_digits: int = 0
+    batched_groups: bool = False
+    float_matmul_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
         activation :class:`jqt.QuantType` (``activation=None``: weight-only): ``"nk"``
-        where an integer (or native fp8) matmul contracts both operands' last axis,
-        ``"kn"`` where the weight is decoded K-chunk by K-chunk (weight-only, and fp8
-        where the backend has no fp8 matmul).
+        where an integer (or native fp8) matmul contracts both operands' last axis
+        (int8 activations; weight-only int per-channel weights when few rows run as
+        int8 digits), ``"kn"`` where the weight is decoded K-chunk by K-chunk
+        (weight-only, and fp8 where the backend has no fp8 matmul) or read group by
+        group (grouped int weights with int8 activations when few rows run one
+        batched matmul).
 
         >>> import jqt
         >>> cpu = jqt.KernelPolicy.for_backend("cpu")
-        >>> cpu.dense_layout(jqt.QuantType(bits=8), None), cpu.dense_layout(jqt.QuantType(bits=8), jqt.QuantType(bits=8))
-        ('kn', 'nk')
+        >>> w8, w4g = jqt.QuantType(bits=8), jqt.QuantType(bits=4, group_size=128)
+        >>> cpu.dense_layout(w8, None), cpu.dense_layout(w8, w8), cpu.dense_layout(w4g, None)
+        ('nk', 'nk', 'kn')
+        >>> cpu.dense_layout(w4g, w8), jqt.KernelPolicy(gemv_rows=2, batched_groups=True).dense_layout(w4g, w8)
+        ('nk', 'kn')
         """
-        if activation is None or (weight.kind == "float" and not self.fp8_native):
+        grouped = bool(weight.group_size)
+        if activation is None:
+            digits = weight.kind == "int" and not grouped and self.weight_only_digits
+            return "nk" if digits else "kn"
+        if weight.kind == "float" and not self.fp8_native:
+            return "kn"
+        if grouped and weight.kind == "int" and self.gemv_rows and self.batched_groups:
             return "kn"
         return "nk"
 
@@ -96,7 +167,8 @@ class KernelPolicy:
 
 
 POLICIES = {
-    "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16),
+    "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
+                        weight_only_digits=3, float_matmul_rows=64),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

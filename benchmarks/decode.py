@@ -1,0 +1,357 @@
+"""Decode and prefill speed of a 100M-parameter Llama-style decoder, float32 against jqt's presets.
+
+    python benchmarks/decode.py --markdown          # about 6 minutes on 2 idle cores
+    python benchmarks/decode.py --quick             # fewer rounds (compiling stays)
+    python benchmarks/decode.py --only decode       # parts: decode, prefill, formulations,
+                                                    # bandwidth; and/or variants:
+                                                    # --only decode,w8,w4a8_g128
+
+The model is ``examples/decoder.py``'s decoder (RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU, tied embeddings, layers stacked under
+``lax.scan``) at ``CONFIG`` below, with random weights (``init_params``, seed 0):
+speed does not depend on training. Each variant runs under ``jax.jit``; the
+quantized ones as ``jqt.quantize(f, qp)(jqt.pack(qp, params), ...)``, calibrated
+on two batches of random tokens.
+
+* ``decode``: one ``decoder.decode_step`` at batch 1 with a float32 key/value
+  cache of ``MAX_LEN`` positions, at position ``PROMPT`` (the cache filled by a
+  ``prefill`` of that many random tokens; calibration runs the step on two such
+  caches). The targets (issue 13): int8 weights <= 0.4x float32's step time,
+  int4 g128 <= 0.25x. A reference row runs the same float step with the layer
+  loop unrolled over per-layer arrays (no stacked weights to slice): under
+  ``lax.scan`` XLA:CPU copies each layer's stacked weights out before its
+  matmuls, which the quantized variants pay too, on 4-8x fewer bytes.
+* ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
+  every preset <= 1.0x float32. Extra rows run three presets without the
+  many-row formulation (``KernelPolicy.float_matmul_rows``).
+* ``formulations``: the decode step of each preset under each formulation the
+  kernel policy can choose for few rows (``jqt.KernelPolicy``), at 1, 2 and 4
+  rows (decode batch 1, 2 and 4): the measurements behind the CPU table in
+  ``jqt/_src/policy.py``.
+* ``bandwidth``: the rate at which each formulation reads a weight too large
+  for the cache (8 layers of 1024 x 4096), and the memory's own read rate.
+
+All variants of a table run interleaved, round-robin (``timing.interleaved``);
+reported: medians and the ratio to float32's median in the same rounds. Prints
+tables (``--markdown``: markdown) and a ``RESULTS {json}`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+import paths  # noqa: F401  (this checkout's jqt, examples/)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import decoder
+import jqt
+import timing
+from formats import table
+
+R = jqt.recipes
+CONFIG = decoder.Config(d_model=1024, n_layers=9, n_heads=16, n_kv_heads=4, d_ff=2816, head_dim=64,
+                        vocab=256)
+MAX_LEN, PROMPT = 2048, 1024      # decode: cache positions, and the step's position (its context)
+PREFILL = (8, 128)                # prefill: batch x tokens
+CPU = jqt.KernelPolicy.for_backend("cpu")
+
+# name -> (recipe factory, time-ratio target or None). KV-cache variants go here too,
+# e.g. "w8a8_dynamic kv8": (lambda: R.w8a8_dynamic(kv_cache=True), 0.4); their cache
+# bytes are reported by cache_bytes() below.
+VARIANTS = {
+    "w8": (R.w8, 0.4),
+    "w8a8_dynamic": (R.w8a8_dynamic, 0.4),
+    "w4 g128": (lambda: R.w4(group_size=128), 0.25),
+    "w4a8 g128": (lambda: R.w4a8(group_size=128), 0.25),
+}
+PREFILL_TARGET = 1.0
+UNSTACKED = "float32, layers unstacked (reference)"
+
+# formulations: preset -> {formulation: policy}: the CPU table with the fields that force one
+# formulation at the measured batches (up to 4 rows). The CPU table column marks the one
+# whose program is the table's at that batch.
+def _p(**kw):
+    return dataclasses.replace(CPU, **kw)
+
+
+FORMULATIONS = {
+    "w8": {"cast K-chunks of 256 (kn)": _p(weight_only_digits=0),
+           "cast N-chunks of 256 (nk)": _p(gemv_rows=0),
+           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3),
+           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4)},
+    "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
+                     "int8 matmul, rows not padded": _p(pad_rows=1)},
+    "w4 g128": {"cast K-chunks of 256 (kn)": _p(grouped_digits=0),
+                "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3)},
+    "w4a8 g128": {"int8 matmul per group (nk)": _p(batched_groups=False),
+                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True)},
+}
+FORMULATION_BATCHES = (1, 2, 4)
+# prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
+PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",
+                        "w4a8 g128": "int8 matmul per group"}
+
+
+def progress(msg):
+    print(f"[decode] {msg}", file=sys.stderr, flush=True)
+
+
+def step_unstacked(params, cache, token, config=CONFIG):
+    """``decoder.decode_step`` with the layer loop unrolled over per-layer arrays
+    (``params["layers"]`` a list of dicts, ``cache["k"]``/``["v"]`` lists): the same
+    arithmetic without slicing stacked weights."""
+    pos = cache["pos"]
+    mask = (jnp.arange(cache["k"][0].shape[1]) <= pos)[None, :]
+    h = params["embed"][token[:, None]]
+    ks, vs = [], []
+    for layer, kc, vc in zip(params["layers"], cache["k"], cache["v"]):
+        q, k, v = decoder._qkv(config, layer, h, pos[None])
+        kc = jax.lax.dynamic_update_slice(kc, k, (0, pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v, (0, pos, 0, 0))
+        h = decoder._finish(layer, h, decoder._attend(q, kc, vc, mask))
+        ks.append(kc)
+        vs.append(vc)
+    return decoder._logits(params, h[:, 0]), {"k": ks, "v": vs, "pos": pos + 1}
+
+
+def unstack(params, cache):
+    layers = [jax.tree.map(lambda a: a[i], params["layers"]) for i in range(CONFIG.n_layers)]
+    split = lambda a: [a[i] for i in range(CONFIG.n_layers)]
+    return ({**params, "layers": layers},
+            {"k": split(cache["k"]), "v": split(cache["v"]), "pos": cache["pos"]})
+
+
+def float_bytes(params):
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def cache_bytes(cache):
+    """Bytes of a (possibly quantized) cache: every array in it but the position."""
+    return sum(x.nbytes for x in jax.tree.leaves(cache) if np.ndim(x) > 0)
+
+
+def decode_inputs(params, seeds):
+    """(cache, token) pairs at batch 1: the cache from a float prefill of PROMPT random tokens."""
+    pre = jax.jit(functools.partial(decoder.prefill, max_len=MAX_LEN, config=CONFIG))
+    out = []
+    for s in seeds:
+        rng = np.random.default_rng(s)
+        _, cache = pre(params, jnp.asarray(rng.integers(0, 256, (1, PROMPT)), jnp.int32))
+        out.append((cache, jnp.asarray(rng.integers(0, 256, (1,)), jnp.int32)))
+    return out
+
+
+def batched(inputs, batch):
+    """A batch-1 (cache, token) repeated ``batch`` times (the cache's batch axis is 1)."""
+    cache, token = inputs
+    rep = lambda a: jnp.repeat(a, batch, axis=1)
+    return {"k": rep(cache["k"]), "v": rep(cache["v"]), "pos": cache["pos"]}, jnp.repeat(token, batch)
+
+
+def timed(calls, rounds):
+    """Interleaved medians (seconds) and the 25th-75th percentiles, after compiling and
+    warming every call up."""
+    timing.choose_rounds(list(calls.values()), 0.0, 1, 1, warmup=2)
+    return {n: timing.summary(s) for n, s in timing.interleaved(calls, rounds).items()}
+
+
+def build(f, recipe, params, calib, policy=None):
+    qp = jqt.calibrate(f, recipe, params, calib, progress=False)
+    packed = jqt.pack(qp, params, policy=policy)
+    return qp, packed, jax.jit(jqt.quantize(f, qp, policy=policy))
+
+
+def decode(names, rounds, markdown, results):
+    params = decoder.init_params(CONFIG, jax.random.key(0))
+    step = functools.partial(decoder.decode_step, config=CONFIG)
+    progress(f"prefilling {PROMPT} random tokens x 3 (calibration and timing caches)")
+    calib = decode_inputs(params, (1, 2))
+    cache, token = decode_inputs(params, (3,))[0]
+    fb = float_bytes(params)
+    calls = {"float32": (lambda f=jax.jit(step): f(params, cache, token))}
+    up, uc = unstack(params, cache)
+    unstacked = jax.jit(step_unstacked)
+    calls[UNSTACKED] = lambda: unstacked(up, uc, token)
+    info = {"float32": dict(bytes=fb, cache=cache_bytes(cache)), UNSTACKED: dict(bytes=fb, cache=cache_bytes(cache))}
+    for name in names:
+        progress(f"calibrating and packing {name}")
+        make, _ = VARIANTS[name]
+        _, packed, f = build(step, make(), params, calib)
+        calls[name] = lambda f=f, p=packed: f(p, cache, token)
+        out_cache = jax.eval_shape(f, packed, cache, token)[1]
+        info[name] = dict(bytes=packed.nbytes(), cache=sum(
+            np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_cache) if x.ndim))
+    progress(f"timing {len(calls)} variants x {rounds} rounds")
+    med = timed(calls, rounds)
+    base = med["float32"]["median"]
+    ref = med[UNSTACKED]["median"]
+    rows = []
+    for name, s in med.items():
+        ratio = s["median"] / base
+        target = VARIANTS.get(name, (None, None))[1]
+        check = "-" if target is None else f"{'PASS' if ratio <= target else 'MISS'} (<= {target})"
+        rows.append((name, f"{s['median'] * 1e3:.1f}", f"{s['p25'] * 1e3:.1f}-{s['p75'] * 1e3:.1f}",
+                     f"{ratio:.3f}", f"{s['median'] / ref:.2f}", f"{info[name]['bytes'] / fb:.3f}",
+                     f"{info[name]['cache'] / info['float32']['cache']:.2f}", check))
+        results[f"decode {name}"] = dict(ms=s["median"] * 1e3, ratio=ratio, ratio_unstacked=s["median"] / ref,
+                                         bytes_ratio=info[name]["bytes"] / fb, target=target)
+    n = decoder.param_count(params)
+    print(f"Decode step, batch 1: {n / 1e6:.1f}M parameters ({CONFIG.n_layers} layers, d_model "
+          f"{CONFIG.d_model}, d_ff {CONFIG.d_ff}, {CONFIG.n_heads} heads / {CONFIG.n_kv_heads} kv heads "
+          f"of {CONFIG.head_dim}, vocab {CONFIG.vocab}), float32 cache of {MAX_LEN} positions, step at "
+          f"position {PROMPT} (context {PROMPT + 1}); {rounds} interleaved rounds")
+    table(("variant", "median ms", "p25-p75 ms", "time / float32", "time / float32 unstacked",
+           "weight bytes / float32", "cache bytes / float32", "target (time / float32)"), rows, markdown)
+
+
+def prefill(names, rounds, markdown, results):
+    params = decoder.init_params(CONFIG, jax.random.key(0))
+    f = functools.partial(decoder.prefill, max_len=PREFILL[1], config=CONFIG)
+    rng = np.random.default_rng(10)
+    tok = lambda: jnp.asarray(rng.integers(0, 256, PREFILL), jnp.int32)
+    calib, x = [(tok(),) for _ in range(2)], tok()
+    calls = {"float32": (lambda g=jax.jit(f): g(params, x))}
+    for name in names:
+        progress(f"prefill: calibrating and packing {name}")
+        qp, packed, g = build(f, VARIANTS[name][0](), params, calib)
+        calls[name] = lambda g=g, p=packed: g(p, x)
+        if name in PREFILL_FORMULATIONS:
+            few = dataclasses.replace(CPU, float_matmul_rows=0)
+            g0 = jax.jit(jqt.quantize(f, qp, policy=few))
+            calls[f"{name}, {PREFILL_FORMULATIONS[name]} (no float_matmul_rows)"] = \
+                lambda g=g0, p=jqt.pack(qp, params, policy=few): g(p, x)
+    progress(f"prefill: timing {len(calls)} variants x {rounds} rounds")
+    med = timed(calls, rounds)
+    base = med["float32"]["median"]
+    rows = []
+    for name, s in med.items():
+        ratio = s["median"] / base
+        check = "-" if name not in VARIANTS else f"{'PASS' if ratio <= PREFILL_TARGET else 'MISS'} (<= {PREFILL_TARGET})"
+        rows.append((name, f"{s['median'] * 1e3:.0f}", f"{s['p25'] * 1e3:.0f}-{s['p75'] * 1e3:.0f}",
+                     f"{ratio:.3f}", check))
+        results[f"prefill {name}"] = dict(ms=s["median"] * 1e3, ratio=ratio)
+    print(f"Prefill, batch {PREFILL[0]} x {PREFILL[1]} tokens; {rounds} interleaved rounds")
+    table(("variant", "median ms", "p25-p75 ms", "time / float32", "target"), rows, markdown)
+
+
+def bandwidth(rounds, markdown, results):
+    """How fast XLA:CPU reads a weight, per formulation: 8 distinct 1024 x 4096 layers
+    (128 MiB in float32, more than the last-level cache) against one activation row,
+    summed; and a plain float32 sum of 256 MiB (the memory's read rate)."""
+    from jax import lax
+    rng = np.random.default_rng(0)
+    k, n, layers = 1024, 4096, 8
+    wf = [jnp.asarray(rng.standard_normal((k, n)), jnp.float32) for _ in range(layers)]
+    wq = [jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8) for _ in range(layers)]  # (N, K)
+    wkn = [jnp.asarray(w.T) for w in wq]
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.float32)
+    q = lambda rows: jnp.ones((rows, k), jnp.int8)
+    nk = (((1,), (1,)), ((), ()))
+    i8 = jax.jit(lambda q, ws: sum(lax.dot_general(q, w, nk, preferred_element_type=jnp.int32) for w in ws))
+
+    def chunked(x, ws):  # the weight-only path: K-chunks of 256 cast in a lax.scan
+        def one(w):
+            body = lambda acc, xw: (acc + xw[0] @ xw[1].astype(jnp.float32), None)
+            xs = (x.reshape(1, k // 256, 256).transpose(1, 0, 2), w.reshape(k // 256, 256, n))
+            return lax.scan(body, jnp.zeros((1, n)), xs)[0]
+        return sum(one(w) for w in ws)
+
+    big = jnp.ones((64 * 2 ** 20,), jnp.float32)
+    rows = {  # name: (call, bytes read)
+        "float32 sum of 256 MiB": (lambda f=jax.jit(jnp.sum): f(big), big.nbytes),
+        "float32 matmul, 1 row": (lambda f=jax.jit(lambda x, ws: sum(x @ w for w in ws)): f(x, wf), 4 * k * n * layers),
+        "int8 x int8 matmul, 2 rows (1 padded)": (lambda: i8(q(2), wq), k * n * layers),
+        "int8 x int8 matmul, 1 row": (lambda: i8(q(1), wq), k * n * layers),
+        "int8 x int8 matmul, 3 rows (3 digits)": (lambda: i8(q(3), wq), k * n * layers),
+        "int8 weight cast in K-chunks, float32 matmul, 1 row": (lambda f=jax.jit(chunked): f(x, wkn), k * n * layers),
+    }
+    med = timed({name: c for name, (c, _) in rows.items()}, rounds)
+    out = []
+    for name, (_, nbytes) in rows.items():
+        m = med[name]["median"]
+        out.append((name, f"{m * 1e3:.2f}", f"{nbytes / m / 1e9:.1f}"))
+        results[f"bandwidth {name}"] = dict(ms=m * 1e3, gb_s=nbytes / m / 1e9)
+    print(f"Read rates: {layers} layers of {k} x {n} weights against one activation row, summed "
+          f"(float32 {4 * k * n * layers / 2 ** 20:.0f} MiB, int8 {k * n * layers / 2 ** 20:.0f} MiB); "
+          f"{rounds} interleaved rounds")
+    table(("formulation", "median ms", "GB/s of weight read"), out, markdown)
+
+
+def formulations(names, rounds, markdown, results, batches=FORMULATION_BATCHES):
+    params = decoder.init_params(CONFIG, jax.random.key(0))
+    step = functools.partial(decoder.decode_step, config=CONFIG)
+    progress(f"formulations: prefilling {PROMPT} random tokens x 3")
+    calib1 = decode_inputs(params, (1, 2))
+    timed1 = decode_inputs(params, (3,))[0]
+    names = [n for n in names if n in FORMULATIONS]
+    for batch in batches:
+        progress(f"formulations: batch {batch}")
+        calib = [batched(c, batch) for c in calib1]
+        cache, token = batched(timed1, batch)
+        calls = {"float32": (lambda f=jax.jit(step): f(params, cache, token))}
+        picks = set()
+        for name in names:
+            qp = jqt.calibrate(step, VARIANTS[name][0](), params, calib, progress=False)
+            program = lambda policy, packed: str(jax.make_jaxpr(jqt.quantize(step, qp, policy=policy))(
+                packed, cache, token))
+            table_program = program(CPU, jqt.pack(qp, params, policy=CPU))
+            for form, policy in FORMULATIONS[name].items():
+                packed = jqt.pack(qp, params, policy=policy)
+                f = jax.jit(jqt.quantize(step, qp, policy=policy))
+                calls[f"{name}: {form}"] = lambda f=f, p=packed: f(p, cache, token)
+                if program(policy, packed) == table_program:
+                    picks.add(f"{name}: {form}")
+        med = timed(calls, rounds)
+        base = med["float32"]["median"]
+        rows = []
+        for key, s in med.items():
+            name, _, form = key.partition(": ")
+            table_pick = "yes" if key in picks else ""
+            rows.append((name, form or "-", f"{s['median'] * 1e3:.1f}", f"{s['median'] / base:.3f}", table_pick))
+            results[f"formulation b{batch} {key}"] = dict(ms=s["median"] * 1e3, ratio=s["median"] / base)
+        print(f"Decode step under each formulation, batch {batch} ({batch} rows per matmul; the CPU "
+              f"table's few-row formulations run up to {CPU.gemv_rows} rows); {rounds} interleaved rounds")
+        table(("preset", "formulation", "median ms", "time / float32", "CPU table"), rows, markdown)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="decode,prefill,formulations,bandwidth",
+                    help="parts (decode, prefill, formulations, bandwidth) and/or variant names, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--batches", default=",".join(map(str, FORMULATION_BATCHES)),
+                    help="decode batch sizes of the formulations part")
+    ap.add_argument("--rounds", type=int, help="timing rounds of every table (default: by --quick)")
+    args = ap.parse_args()
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    all_parts = ("decode", "prefill", "formulations", "bandwidth")
+    by_key = {n.replace(" ", "_"): n for n in VARIANTS}  # "w4 g128" or w4_g128 on a command line
+    unknown = [s for s in only if s not in all_parts and s.replace(" ", "_") not in by_key]
+    if unknown:
+        ap.error(f"unknown parts or variants {unknown}; parts: {list(all_parts)}, variants: {list(by_key)}")
+    parts = [p for p in only if p in all_parts] or list(all_parts)
+    names = [by_key[s.replace(" ", "_")] for s in only if s not in all_parts] or list(VARIANTS)
+    results = {}
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores)\n")
+    rounds = lambda quick, full: args.rounds or (quick if args.quick else full)
+    if "decode" in parts:
+        decode(names, rounds(10, 30), args.markdown, results)
+    if "prefill" in parts:
+        prefill(names, rounds(3, 5), args.markdown, results)
+    if "formulations" in parts:
+        formulations(names, rounds(5, 15), args.markdown, results,
+                     tuple(int(b) for b in args.batches.split(",")))
+    if "bandwidth" in parts:
+        bandwidth(rounds(10, 30), args.markdown, results)
+    print("RESULTS " + json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

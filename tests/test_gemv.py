@@ -70,7 +70,7 @@ def test_digits_hold_24_bits_of_the_row_maximum():
     assert float(jnp.abs(one - x)[0].max()) > 1e-4
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3 rows: CI
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_every_formulation_gives_the_same_result(name, m):
     f, p, qp, x = _setup(RECIPES[name], m)

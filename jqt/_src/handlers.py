@@ -289,7 +289,7 @@ def cache_write(site, eqn, invals, ctx):
     e = ctx.state_in.get(site.key)
     qp = e[0] if isinstance(e, tuple) else e
     if not isinstance(qp, OpQParams) or qp.is_float:
-        return compat.bind_eqn(eqn, kvcache.materialize(eqn, invals))
+        return compat.bind_eqn(eqn, kvcache.materialize(invals, eqn.invars))
     if qp.op != site.op:
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] describes a {qp.op}, but the function writes its cache "
@@ -373,7 +373,7 @@ class Integer:
             if site.op == "dot_general" and site.weight_operand is None and e is not None \
                     and e[0].is_float:
                 return kvcache.dot_general(eqn, invals)
-            invals = kvcache.materialize(eqn, invals)
+            invals = kvcache.materialize(invals, eqn.invars)
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)

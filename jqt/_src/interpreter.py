@@ -67,7 +67,7 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
             outs = HIGHER_ORDER[eqn.primitive].run(eqn, invals, plan.subs[i], ctx, eval_jaxpr)
         else:
             if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
-                invals = kvcache.materialize(eqn, invals)
+                invals = kvcache.materialize(invals, eqn.invars)
             outs = compat.bind_eqn(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
             if not compat.is_dropvar(v):

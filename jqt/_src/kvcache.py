@@ -128,15 +128,11 @@ def enter(x, qtype, simulate: bool):
     return fake_quant(x, qtype) if simulate else encode(x, qtype)
 
 
-def materialize(eqn, invals):
-    """Every cache operand of ``eqn`` decoded to its float buffer."""
-    return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(invals, eqn.invars)]
-
-
-def materialize_outs(outs, outvars):
-    """A function's outputs with any quantized cache decoded (a cache stays quantized
-    only inside the loops that carry it)."""
-    return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(outs, outvars)]
+def materialize(values, variables):
+    """``values`` with every quantized cache decoded to its float buffer, in the dtype of
+    the jaxpr variable it stands for (an equation's operands, or a function's outputs:
+    a cache stays quantized only inside the loops that carry it)."""
+    return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(values, variables)]
 
 
 def write(eqn, invals, update_index, qtype):
@@ -175,7 +171,7 @@ def dot_general(eqn, invals):
     the last axis, so the scale multiplies the output; ``p . v`` contracts the tokens,
     so the scale multiplies ``p`` first. Exact in float up to rounding."""
     if all(is_cache(x) for x in invals[:2]):
-        return compat.bind_eqn(eqn, materialize(eqn, invals))
+        return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
     ci = 0 if is_cache(invals[0]) else 1
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     contract = ((lc, rc)[ci], (lc, rc)[1 - ci])  # (the cache's, the other operand's)
@@ -202,7 +198,7 @@ def dot_general(eqn, invals):
                 axes.append(None)
         vals[1 - ci] = (other.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(other.dtype)
         return compat.bind_eqn(eqn, vals)
-    return compat.bind_eqn(eqn, materialize(eqn, invals))
+    return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
 
 
 def coerce(x, like):

@@ -132,7 +132,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
         outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, tracing.leaves(args),
                           traced.plan, Ctx(handler, state))
-        outs = kvcache.materialize_outs(outs, traced.closed.jaxpr.outvars)
+        outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     return qf

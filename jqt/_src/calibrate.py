@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
-from . import outliers, tracing
+from . import outliers, tracing, validate
 from . import stats as stats_lib
 from .handlers import Calibrate, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
@@ -322,7 +322,7 @@ def _decide(site, rule, st):
         if site.op != "dot_general":
             return float_("conv with a data-dependent kernel is kept float")
         q = QArray(qtype=rule.act_x_act)
-        return OpQParams(lhs=q, rhs=q, **base)
+        return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)
     if wt is None:
         return float_("the recipe keeps it float")
@@ -362,4 +362,16 @@ def _decide(site, rule, st):
                 return float_("never reached during calibration")
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
-    return OpQParams(lhs=ops[0], rhs=ops[1], **base)
+    return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
+
+
+def _narrow(site, rule, p):
+    """``p`` with the rule's accumulator width, where the op has one (an int x int op;
+    a weight-only op accumulates in float and keeps the default)."""
+    if rule.accumulator == p.accumulator or p.lhs is None or p.rhs is None:
+        return p
+    p = dataclasses.replace(p, accumulator=rule.accumulator)
+    why = validate.accumulator_problem(site.key, p)
+    if why:
+        raise ValueError(f"jqt.calibrate: {why}")
+    return p

@@ -94,3 +94,12 @@ def pytree_serialization_registries():
         return _export.serialization_registry, _export.deserialization_registry
     except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
         return {}, {}
+
+
+def bind_eqn_with(eqn, invals, **overrides):
+    """Re-binds ``eqn`` on ``invals`` with some of its parameters replaced (e.g. a
+    ``dot_general``'s ``preferred_element_type``)."""
+    subfuns, params = _bind_params(eqn)
+    with eqn_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides})
+    return out if eqn.primitive.multiple_results else [out]

@@ -10,7 +10,7 @@ registers its nodes when it is imported (``qparams.py``, at the end):
 type                   serialized name           aux data (JSON, versioned)
 =====================  ========================  ==========================================
 ``jqt.QArray``         ``"jqt.QArray"``          the ``QuantType`` and the layout
-``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note, rotate
+``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note, rotate, accumulator
 ``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
                                                  :func:`jqt.save_packed`), avals, kept leaves,
                                                  tied lookups (absent in older exports: none)

@@ -16,10 +16,11 @@ import dataclasses
 import math
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, dense, groups, kvcache, stats, transforms
+from . import accumulator, compat, dense, groups, kvcache, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -322,7 +323,31 @@ class Simulate:
             if q is not None:
                 s, z = _expanded(site, i, vals[i].shape, q, *operand_params(site, i, vals[i], q))
                 vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
-        return compat.bind_eqn(eqn, vals)
+        out = compat.bind_eqn(eqn, vals)
+        if qp.accumulator < accumulator.WIDEST:
+            out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
+                                        qp.accumulator)]
+        return out
+
+
+def exact_sums(site, eqn, qp, packed, invals):
+    """Each output's exact sum of code products ``sum (qa - za)(qb - zb)`` (float32), for
+    an op with a narrow accumulator (``accumulator.py``): the operands quantized as the
+    op quantizes them (the packed weight's own codes), then the op run on the codes.
+    The same on the simulated and the integer path; no gradient flows through it."""
+    qp, packed, invals = jax.tree_util.tree_map(jax.lax.stop_gradient, (qp, packed, list(invals)))
+    codes = []
+    for i in (0, 1):
+        q = qp.operand(i)
+        if packed is not None and i == site.weight_operand:
+            s, _ = _expanded(site, i, invals[i].shape, packed, packed.scale, packed.zero_point)
+            codes.append(jnp.round(dequantize_packed(packed, site, invals) / s.astype(_F32)))
+            continue
+        x = transformed(site, qp, i, invals[i])
+        s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
+        c = nx.quantize(x, s, z, q.qtype).astype(_F32)
+        codes.append(c if z is None else c - jnp.round(z.astype(_F32)))
+    return accumulator.exact_sums(eqn, codes)
 
 
 def _check_accumulator(site, eqn, ops, wide):
@@ -393,6 +418,10 @@ class Integer:
                 wide = i
         _check_accumulator(site, eqn, ops, wide)
         policy = self.policy or KernelPolicy.for_backend()
+        if wide is None and qp.accumulator < accumulator.WIDEST:
+            out = site.entry.integer(site, eqn, ops, policy)[0]
+            return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
+                                         qp.accumulator)]
         if wide is None:
             return site.entry.integer(site, eqn, ops, policy)
         # int16 activation (symmetric): q = 256 * hi + (lo + 128), two int8 kernels.

@@ -148,6 +148,9 @@ class OpQParams:
         multiplied (see ``transforms.py``). Trainable like the scales.
       rotate: the contracted axes are rotated by a Hadamard matrix, the
         activation at run time and the weight once (static).
+      accumulator: the width in bits of the op's integer accumulator (static):
+        32 (jqt's own, which never overflows) or 16-31, a narrower one that
+        saturates, simulated on both paths (``Rule(accumulator=...)``).
 
     >>> import jax.numpy as jnp, jqt
     >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.eye(2),
@@ -165,6 +168,7 @@ class OpQParams:
     note: str = dataclasses.field(metadata=dict(static=True), default="")
     smooth: Optional[jax.Array] = None
     rotate: bool = dataclasses.field(metadata=dict(static=True), default=False)
+    accumulator: int = dataclasses.field(metadata=dict(static=True), default=32)
 
     @property
     def transformed(self) -> bool:
@@ -192,6 +196,8 @@ class OpQParams:
             parts.append(f"smooth{list(np.shape(self.smooth))}")
         if self.rotate:
             parts.append("rotated")
+        if self.accumulator != 32:
+            parts.append(f"int{self.accumulator} accumulator")
         return f"OpQParams({self.op}, " + ", ".join(parts) + ")"
 
 

@@ -14,7 +14,7 @@ import re
 from typing import Optional
 
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax
-from . import kvcache
+from . import accumulator, kvcache
 from .formats import QuantType
 from .registry import NAMES as QUANTIZABLE_OPS
 
@@ -57,6 +57,12 @@ class Rule:
         per vector of the buffer's last axis (per token and head), e.g.
         ``jqt.recipes.KV_INT8``; ``None`` keeps caches float. See
         docs/generate.md.
+      accumulator: the width in bits of the integer accumulator of the matched
+        int x int ops: 32 (the default: jqt's int32, which never overflows) or
+        16-31 to simulate an accelerator's narrower accumulator, which
+        saturates; :func:`jqt.report` shows the fraction of outputs that
+        saturated (see docs/guarantees.md). Needs integer weights and
+        activations of at most 8 bits, per tensor or per channel.
 
     ``smooth``, ``awq`` and ``rotate`` apply to ``dot_general`` ops with a weight
     and no batch axes (dense layers, projections); see docs/ptq.md.
@@ -82,6 +88,7 @@ class Rule:
     awq: bool = False
     rotate: bool = False
     kv_cache: Optional[QuantType] = None
+    accumulator: int = 32
 
     def __post_init__(self):
         try:
@@ -146,6 +153,22 @@ class Rule:
         if self.act_x_act is not None and not self.act_x_act.dynamic:
             raise ValueError("Rule(act_x_act=...): activation x activation ops have no calibrated "
                              "operand; use QuantType(dynamic=True, ...).")
+        self._check_accumulator()
+
+    def _check_accumulator(self):
+        accumulator.check_bits(self.accumulator, "Rule")
+        if self.accumulator == accumulator.WIDEST:
+            return
+        types = [t for t in (self.weight, self.activation, self.act_x_act) if t is not None]
+        if self.activation is None and self.act_x_act is None:
+            raise ValueError(f"Rule(accumulator={self.accumulator}) with activation=None: "
+                             "weight-only ops multiply in float and accumulate in float32; a "
+                             "narrow accumulator needs integer activations (e.g. "
+                             "jqt.recipes.w8a8(accumulator=16)).")
+        if any(t.kind != "int" or t.bits > 8 or t.group_size for t in types):
+            raise ValueError(f"Rule(accumulator={self.accumulator}): a narrow accumulator is "
+                             "simulated for integer operands of at most 8 bits with per-tensor or "
+                             "per-channel scales (no fp8, nf4, int16 activations or group_size).")
 
     def _check_outliers(self):
         if self.smooth is not None:
@@ -233,8 +256,7 @@ def _embedding(embeddings, bits, group_size=0):
 
 def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
          calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
-         rotate: bool = False,
-        kv_cache=False) -> Recipe:
+         rotate: bool = False, kv_cache=False, accumulator: int = 32) -> Recipe:
     """int8 per-channel symmetric weights, int8 static per-tensor activations, int8
     embedding tables (one scale per row).
 
@@ -242,7 +264,8 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
     mostly non-negative, and a symmetric range would leave half the codes
     unused. ``group_size`` gives the weights one scale per group of inputs;
     ``embeddings=False`` keeps embedding lookups float. ``smooth=0.5`` applies
-    SmoothQuant with that alpha, ``rotate=True`` a Hadamard rotation (see
+    SmoothQuant with that alpha, ``rotate=True`` a Hadamard rotation,
+    ``accumulator=16`` simulates a 16-bit saturating accumulator (see
     :class:`jqt.Rule`).
 
     >>> import jqt
@@ -256,17 +279,18 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
                               weight=_int_weight(8, group_size),
                               activation=QuantType(bits=8, symmetric=act_symmetric),
                               embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
-                              **_cal(calibrator, weight_calibrator)),))
+                              accumulator=accumulator, **_cal(calibrator, weight_calibrator)),))
 
 
 def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None,
-                 smooth: Optional[float] = None, rotate: bool = False,
-        kv_cache=False) -> Recipe:
+                 smooth: Optional[float] = None, rotate: bool = False, kv_cache=False,
+                 accumulator: int = 32) -> Recipe:
     """int8 per-channel weights, int8 activations with per-token scales computed at run
     time, int8 embedding tables.
 
     With ``act_x_act=True`` activation x activation ops (attention) are
-    quantized dynamically too. ``smooth`` and ``rotate`` as in :func:`w8a8`.
+    quantized dynamically too. ``smooth``, ``rotate`` and ``accumulator`` as in
+    :func:`w8a8`.
 
     >>> import jqt
     >>> jqt.recipes.w8a8_dynamic().rules[0].activation.dynamic
@@ -276,7 +300,7 @@ def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_cal
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
                               embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
-                              **_cal(None, weight_calibrator)),))
+                              accumulator=accumulator, **_cal(None, weight_calibrator)),))
 
 
 def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, awq: bool = False,

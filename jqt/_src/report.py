@@ -8,7 +8,9 @@ from the float lane's operands:
 * the output with only this op quantized (``sqnr_isolated``);
 * the output of the quantized lane, where every op before it is quantized too
   (``sqnr_cumulative``);
-* how many activation and weight values fall outside the quantized range.
+* how many activation and weight values fall outside the quantized range;
+* for an op with a narrow accumulator (``Rule(accumulator=16)``), how many of its
+  outputs saturated it in the quantized lane.
 
 Statistics are sums (or min/max), merged across ``scan``/``while``
 iterations like calibration statistics; an op under a ``scan`` over stacked
@@ -25,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, kvcache, tracing
+from . import accumulator, compat, kvcache, tracing
 from .calibrate import full_args
-from .handlers import QParamsMismatchError, Simulate, expanded_params, lookup, transformed
+from .handlers import (QParamsMismatchError, Simulate, exact_sums, expanded_params, lookup,
+                       transformed)
 from .interpreter import Ctx, eval_jaxpr
 from .plotting import HIST_BINS, plot_report
 from .qparams import PackedParams
@@ -56,7 +59,7 @@ class _Measure:
     def site(self, site, eqn, invals, ctx):
         if site.entry.is_cache and site.key not in ctx.state_in:
             return compat.bind_eqn(eqn, invals)  # qparams from before caches were quantized
-        qp, _ = lookup(ctx, site, invals)
+        qp, packed = lookup(ctx, site, invals)
         both = [lax.all_gather(v, _AXIS) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]
         sim = Simulate()
@@ -84,6 +87,10 @@ class _Measure:
             if role == "x":
                 hist = _histogram(x, lo.reshape(()), hi.reshape(()))
         st["hist"] = hist
+        if qp.accumulator < accumulator.WIDEST:
+            sums = exact_sums(site, eqn, qp, packed, xq)
+            st["acc_sat"] = accumulator.saturated(sums, qp.accumulator)
+            st["acc_n"] = jnp.float32(sums.size)
         ctx.put(site.key, st)
         return [jnp.where(lax.axis_index(_AXIS) == 0, y_f, y_all).astype(eqn.outvars[0].aval.dtype)]
 
@@ -159,6 +166,8 @@ class OpReport:
     sqnr_cumulative: float  # dB, this op and every op before it quantized
     note: str
     quantized: bool = True  # False for an op kept float
+    accumulator: int = 32   # the accumulator's width in bits
+    acc_saturated: float = math.nan  # fraction of outputs that saturated a narrow accumulator
     hist: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -201,14 +210,17 @@ class Report:
         return [{k: v for k, v in dataclasses.asdict(r).items() if k != "hist"} for r in self.rows]
 
     def __str__(self):
+        narrow = any(r.accumulator < accumulator.WIDEST for r in self.rows)
         head = ("op", "kind", "weight", "activation", "act scale", "act clip", "w clip",
-                "SQNR alone", "SQNR cumul.")
+                "SQNR alone", "SQNR cumul.") + (("acc sat.",) if narrow else ())
         lines = [head]
         for r in self.rows:
             scale = "-" if r.act_scale is None else f"{r.act_scale:.3g}"
+            sat = (("-" if r.accumulator == accumulator.WIDEST else
+                    f"{_pct(r.acc_saturated)} (int{r.accumulator})",) if narrow else ())
             lines.append((r.name, r.op.replace("_general", "").replace("_dilated", ""), r.weight,
                           r.activation, scale, _pct(r.act_clip), _pct(r.weight_clip),
-                          _db(r.sqnr_isolated), _db(r.sqnr_cumulative)))
+                          _db(r.sqnr_isolated), _db(r.sqnr_cumulative)) + sat)
         widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
         out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
@@ -376,5 +388,7 @@ def _rows(site, qp, st):
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
             note=qp.note if qp.is_float else ("" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
+            accumulator=qp.accumulator,
+            acc_saturated=float(g("acc_sat") / g("acc_n")) if ran and "acc_n" in st else math.nan,
             hist=g("hist") if ran else None))
     return out

@@ -54,14 +54,16 @@ from .formats import QuantType
 FORMAT = "jqt.qparams"
 VERSION = 1  # the .npz format
 NPZ_READ = (1, 2)
-# Files whose qparams hold outlier transforms (smooth, rotate) get the next version of
-# their format (npz 2, safetensors 4, packed 3), so that a jqt that cannot apply them
-# refuses the file instead of dropping them.
+# Files whose qparams hold outlier transforms (smooth, rotate) or narrow accumulators get
+# the next version of their format (npz 2, safetensors 4, packed 3), so that a jqt that
+# cannot apply them refuses the file instead of dropping them.
 
 
 def versioned(version, qparams):
-    """``version``, plus one when ``qparams`` hold outlier transforms."""
-    return version + 1 if qparams and any(p.transformed for p in qparams.values()) else version
+    """``version``, plus one when ``qparams`` hold outlier transforms or narrow
+    accumulators (which an older jqt would drop)."""
+    newer = qparams and any(p.transformed or p.accumulator != 32 for p in qparams.values())
+    return version + 1 if newer else version
 ST_VERSION = 3  # the safetensors format of qparams (3: QuantType by dtype and group size)
 ST_READ = (2, 3, 4)  # versions this jqt reads (2: integer types only)
 PACKED_FORMAT = "jqt.packed"
@@ -220,6 +222,8 @@ def qparams_entries(qparams, name, fn="jqt.save"):
             entries[key]["smooth"] = n
         if p.rotate:
             entries[key]["rotate"] = True
+        if p.accumulator != 32:
+            entries[key]["accumulator"] = p.accumulator
     return entries, arrays
 
 
@@ -256,8 +260,13 @@ def _op_from_entry(r, key, e):
         smooth = r.get(r.need(e, "smooth", str, where), f"{where}.smooth")
         check_scales(r, f"{where} smooth", smooth, None)
     rotate = r.need(e, "rotate", bool, where) if "rotate" in e else False
+    acc = r.need(e, "accumulator", int, where) if "accumulator" in e else 32
     p = OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
-                  note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate)
+                  note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate,
+                  accumulator=acc)
+    why = validate.accumulator_problem(key, p)
+    if why:
+        raise FormatError(f"{r.fn}: {r.path}: {why}")
     check_values(r, key, validate.problems(p))
     return p
 

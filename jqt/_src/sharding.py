@@ -135,6 +135,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                                 qtype=q.qtype))
         qp_sh[key] = OpQParams(lhs=sides[0], rhs=sides[1], op=op.op, weight_operand=w,
                                source=op.source, note=op.note, rotate=op.rotate,
+                               accumulator=op.accumulator,
                                smooth=None if op.smooth is None else rep)  # K-long: replicated
         if pw is None:
             continue

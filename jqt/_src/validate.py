@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import compat
+from . import accumulator, compat
 from .qparams import OpQParams
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
@@ -95,6 +95,25 @@ def problems(p: OpQParams) -> list:
     return out
 
 
+def accumulator_problem(key, p: OpQParams) -> str:
+    """What is wrong with op ``key``'s accumulator width, or ``""``: it must be an int
+    in ``[16, 32]``, and below 32 the op must be int x int of at most 8 bits per
+    tensor or per channel (:func:`accumulator.unsupported`)."""
+    bits = p.accumulator
+    if bits == accumulator.WIDEST:
+        return ""
+    try:
+        accumulator.check_bits(bits, f"op '{key}'")
+    except ValueError as e:
+        return str(e)
+    why = accumulator.unsupported(p) if not p.is_float else ""
+    if why:
+        return (f"op '{key}' asks for an int{bits} accumulator, but {why}. A narrow accumulator "
+                "is simulated for int x int ops of at most 8 bits with per-tensor or "
+                "per-channel scales; give this op accumulator=32 (a Rule for its key).")
+    return ""
+
+
 def describe(key, found) -> str:
     """One message for the problems ``found`` in op ``key``."""
     return (f"op '{key}' holds invalid quantization parameters: {'; '.join(found)} (scales and "
@@ -125,6 +144,10 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
     for k, v in qparams.items():
         if not isinstance(v, OpQParams):
             raise TypeError(f"{fn}: qparams['{k}'] is a {type(v).__name__}; expected jqt.OpQParams.")
+    for k, v in qparams.items():
+        why = accumulator_problem(k, v)
+        if why:
+            raise ValueError(f"{fn}: {why}")
     if not values:
         return
     for k, v in qparams.items():

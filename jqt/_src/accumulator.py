@@ -1,0 +1,95 @@
+"""Narrow integer accumulators: a rule's ``accumulator`` width below 32 bits.
+
+jqt's own integer kernels accumulate in int32 and never overflow (a contraction
+that could is split, ``dense.int_dense``). Some accelerators accumulate int8 x int8
+products in 16 bits (TVM's quantization framework lets a target ask for that).
+``Rule(accumulator=16)`` simulates such an accumulator on an op: each output's sum
+``sum_k (qa - za)(qb - zb)`` of its operands' codes is *saturated* to
+``[-2**(bits-1), 2**(bits-1) - 1]`` before it is scaled back to float, on the
+simulated and the integer path alike, and :func:`jqt.report` shows the fraction of
+outputs that saturated (``acc_saturated``).
+
+The model is saturation of the whole sum: what hardware that clamps when it writes an
+accumulator back gives, and what sequential saturating adds give whenever no partial
+sum leaves the range. (A wrapping accumulator is not modelled: its error has no bound.)
+
+The exact sums are recomputed by the op itself on the codes as float32 (products and
+sums of integers, exact below ``2**24``; any sum beyond that is far outside a 16-bit
+range and saturates either way), so one function serves every op kind and path.
+
+>>> import jax.numpy as jnp
+>>> from jqt._src.accumulator import saturate
+>>> saturate(jnp.array([1.0, 50.0]), jnp.array([100.0, 50000.0]), 16).tolist()
+[1.0, 32.76700210571289]
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import compat
+
+WIDEST = 32
+NARROWEST = 16
+_F32 = jnp.float32
+
+
+def bounds(bits: int) -> tuple:
+    """``(lo, hi)`` of a signed ``bits``-bit accumulator.
+
+    >>> bounds(16)
+    (-32768, 32767)
+    """
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def check_bits(bits, where: str) -> None:
+    """Raises ``ValueError`` unless ``bits`` is an int in ``[16, 32]``."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not NARROWEST <= bits <= WIDEST:
+        raise ValueError(f"{where}: accumulator={bits!r}: the accumulator width is an int from "
+                         f"{NARROWEST} to {WIDEST} bits (32, the default, is jqt's own int32 "
+                         "accumulator, which never overflows).")
+
+
+def unsupported(qp) -> str:
+    """Why the op of ``qp`` (an :class:`jqt.OpQParams`) cannot take a narrow
+    accumulator, or ``""``: it needs integer codes of at most 8 bits on both operands
+    and scales that do not vary along the contraction (per tensor or per channel)."""
+    for q in (qp.lhs, qp.rhs):
+        if q is None:
+            return "one operand is float (weight-only): its products accumulate in float32"
+        t = q.qtype
+        if t.kind != "int":
+            return f"a {t.dtype} operand accumulates in float32"
+        if t.bits > 8:
+            return "an int16 activation's products do not fit a 16-bit accumulator"
+        if t.group_size:
+            return "per-group scales sum each group separately (a per-group accumulator)"
+    if qp.transformed and qp.op != "dot_general":
+        return "outlier transforms apply to dot_general only"
+    return ""
+
+
+def exact_sums(eqn, codes):
+    """The op of ``eqn`` on ``codes`` (float32 operands holding ``q - z``): each output's
+    exact integer sum, in float32."""
+    codes = [lax.stop_gradient(c.astype(_F32)) for c in codes]
+    return compat.bind_eqn_with(eqn, codes, preferred_element_type=_F32,
+                                precision=lax.Precision.HIGHEST)[0]
+
+
+def saturate(out, sums, bits: int):
+    """``out`` (the op's float output, ``scale * sums``) with every output whose
+    ``sums`` leave the ``bits``-bit range moved to the bound it saturates at. The
+    factor is a constant for gradients (straight through, as rounding is)."""
+    lo, hi = bounds(bits)
+    safe = jnp.where(sums == 0, 1.0, sums)
+    factor = jnp.where(sums > hi, hi / safe, jnp.where(sums < lo, lo / safe, 1.0))
+    return (out.astype(_F32) * jax.lax.stop_gradient(factor)).astype(out.dtype)
+
+
+def saturated(sums, bits: int):
+    """How many of ``sums`` leave the ``bits``-bit range (float32)."""
+    lo, hi = bounds(bits)
+    return jnp.sum((sums < lo) | (sums > hi)).astype(_F32)

@@ -1,0 +1,180 @@
+"""Narrow (saturating) accumulators: Rule(accumulator=16) on the simulated and integer paths,
+the report's saturation column, files, composition and clear errors (issue 14)."""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+from jqt._src import serialization
+
+K = 384
+
+
+def _dense():
+    rng = np.random.default_rng(0)
+    # all-positive operands: every product adds, so long rows leave the int16 range
+    w = jnp.asarray(np.abs(rng.standard_normal((K, 6))), jnp.float32)
+    x = jnp.asarray(np.abs(rng.standard_normal((5, K))), jnp.float32)
+    # rows of magnitudes 150x apart: the smallest stays inside int16, the largest leaves int20
+    x = x * jnp.array([0.02, 0.1, 0.3, 1.0, 3.0])[:, None]
+    return (lambda p, x: x @ p["w"]), {"w": w}, x
+
+
+def _reference(qp, p, x, bits):
+    """NumPy: codes, exact int64 sums, saturated, scaled; and the saturated fraction."""
+    a, w = qp["w"].lhs, qp["w"].rhs
+    sx, zx = float(a.scale), float(a.zero_point)
+    qx = np.clip(np.round(np.asarray(x) / sx) + zx, -128, 127) - zx
+    sw = np.asarray(w.scale).reshape(1, -1)
+    qw = np.clip(np.round(np.asarray(p["w"]) / sw), -127, 127)
+    acc = qx.astype(np.int64) @ qw.astype(np.int64)
+    lo, hi = -2 ** (bits - 1), 2 ** (bits - 1) - 1
+    return np.clip(acc, lo, hi) * sx * sw, np.mean((acc < lo) | (acc > hi))
+
+
+@pytest.fixture(scope="module")
+def dense16():
+    f, p, x = _dense()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(accumulator=16), p, [(x,)], progress=False)
+    return f, p, x, qp
+
+
+def test_saturates_like_a_16_bit_accumulator_on_both_paths(dense16):
+    f, p, x, qp = dense16
+    assert qp["w"].accumulator == 16
+    ref, frac = _reference(qp, p, x, 16)
+    assert 0.3 < frac < 1.0  # some outputs saturate, the small row does not
+    yi = np.asarray(jqt.quantize(f, qp)(p, x))
+    ys = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x))
+    np.testing.assert_allclose(yi, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ys, ref, rtol=1e-5, atol=1e-4)
+    yp = jqt.quantize(f, qp)(jqt.pack(qp, p), x)  # packed weights: the same sums
+    np.testing.assert_allclose(np.asarray(yp), ref, rtol=1e-5, atol=1e-4)
+    # int32 (the default) never saturates: the unsaturated sums
+    wide = dataclasses.replace(qp["w"], accumulator=32)
+    y32 = np.asarray(jqt.quantize(f, {"w": wide})(p, x))
+    assert np.abs(y32 - ref).max() > 1.0
+    np.testing.assert_allclose(y32[0], ref[0], rtol=1e-5, atol=1e-5)  # the row inside the range
+
+
+def test_a_wider_narrow_accumulator_saturates_less(dense16):
+    f, p, x, _ = dense16
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(accumulator=20), p, [(x,)], progress=False)
+    ref, frac = _reference(qp, p, x, 20)
+    assert 0.0 < frac < _reference(qp, p, x, 16)[1]
+    np.testing.assert_allclose(np.asarray(jqt.quantize(f, qp)(p, x)), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_report_shows_the_saturated_fraction(dense16):
+    f, p, x, qp = dense16
+    rep = jqt.report(f, qp, p, (x,))
+    _, frac = _reference(qp, p, x, 16)
+    row = rep.rows[0]
+    assert row.accumulator == 16 and row.acc_saturated == pytest.approx(frac)
+    assert "acc sat." in str(rep) and "(int16)" in str(rep)
+    plain = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False), p, (x,))
+    assert np.isnan(plain.rows[0].acc_saturated) and "acc sat." not in str(plain)
+
+
+def test_conv_act_x_act_and_dynamic_activations():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(np.abs(rng.standard_normal((2, 12, 12, 16))), jnp.float32)
+    k = jnp.asarray(np.abs(rng.standard_normal((5, 5, 16, 4))), jnp.float32)
+
+    def conv(p, x):
+        return jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def attn(p, x):
+        h = x @ p["w"]
+        return jnp.einsum("bqd,bkd->bqk", h, h)
+
+    pa = {"w": jnp.asarray(np.abs(rng.standard_normal((16, 64))), jnp.float32)}
+    xa = jnp.asarray(np.abs(rng.standard_normal((2, 8, 16))), jnp.float32)
+    for f, p, xx, r in ((conv, {"k": k}, x, jqt.recipes.w8a8(accumulator=16)),
+                        (attn, pa, xa, jqt.recipes.w8a8_dynamic(act_x_act=True, accumulator=16))):
+        qp = jqt.calibrate(f, r, p, [(xx,)], progress=False)
+        assert all(v.accumulator == 16 for v in qp.values())
+        yi = jqt.quantize(f, qp)(p, xx)
+        ys = jqt.quantize(f, qp, simulate=True)(p, xx)
+        np.testing.assert_allclose(np.asarray(yi), np.asarray(ys), rtol=1e-4, atol=1e-3)
+        rep = jqt.report(f, qp, p, (xx,))
+        assert max(r.acc_saturated for r in rep.rows) > 0.0  # long all-positive sums saturate
+        # the float output is far above what a 16-bit accumulator holds: saturation is visible
+        assert float(jnp.max(f(p, xx))) > float(jnp.max(yi)) * 1.5
+
+
+def test_composition_scan_jit_vmap_grad_export():
+    rng = np.random.default_rng(2)
+    ws = jnp.asarray(rng.standard_normal((3, 32, 32)) * 0.4, jnp.float32)
+
+    def f(p, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * 4.0, None), x, p["w"])[0]
+
+    p = {"w": ws}
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32) * 3
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(accumulator=16), p, [(x,)], progress=False)
+    qi, qs = jqt.quantize(f, qp), jqt.quantize(f, qp, simulate=True)
+    y = qi(p, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(qs(p, x)), atol=2e-3)
+    np.testing.assert_allclose(np.asarray(jax.jit(qi)(p, x)), np.asarray(y), atol=1e-5)
+    yv = jax.vmap(qi, in_axes=(None, 0))(p, x[:, None])
+    np.testing.assert_allclose(np.asarray(yv[:, 0]), np.asarray(y), atol=2e-3)
+    g = jax.grad(lambda x: jnp.sum(qs(p, x) ** 2))(x)
+    assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).sum()) > 0
+    exp = jax.export.deserialize(jax.export.export(jax.jit(qi))(p, x).serialize())
+    np.testing.assert_allclose(np.asarray(exp.call(p, x)), np.asarray(y), atol=1e-5)
+
+
+def test_files_keep_the_accumulator_and_refuse_a_bad_one(dense16, tmp_path):
+    f, p, x, qp = dense16
+    y = np.asarray(jqt.quantize(f, qp)(p, x))
+    for name in ("qp.safetensors", "qp.npz"):
+        path = str(tmp_path / name)
+        jqt.save(path, qp)
+        back = jqt.load(path)
+        assert back["w"].accumulator == 16
+        np.testing.assert_allclose(np.asarray(jqt.quantize(f, back)(p, x)), y, rtol=1e-6)
+    path = str(tmp_path / "qp.safetensors")
+    # a newer format version: a jqt that does not know accumulators refuses the file
+    assert serialization.versioned(serialization.ST_VERSION, qp) == serialization.ST_VERSION + 1
+    packed = str(tmp_path / "packed")
+    jqt.save_packed(packed, jqt.pack(qp, p), qp)
+    np.testing.assert_allclose(np.asarray(jqt.quantize(f, qp)(jqt.load_packed(packed), x)), y,
+                               rtol=1e-6)
+    # an out-of-range width written into the header: FormatError naming the file
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+    with safe_open(path, "np") as fh:
+        meta = dict(fh.metadata())
+    header = json.loads(meta["jqt"])
+    header["ops"]["w"]["accumulator"] = 8
+    meta["jqt"] = json.dumps(header)
+    bad = str(tmp_path / "bad.safetensors")
+    save_file(load_file(path), bad, metadata=meta)
+    with pytest.raises(jqt.FormatError, match=r"bad\.safetensors.*accumulator=8"):
+        jqt.load(bad)
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="from 16 to 32 bits"):
+        jqt.recipes.w8a8(accumulator=12)
+    with pytest.raises(ValueError, match="weight-only"):
+        jqt.Rule(weight=jqt.QuantType(), accumulator=16)
+    with pytest.raises(ValueError, match="group_size"):
+        jqt.Rule(weight=jqt.QuantType(bits=4, group_size=32, per_channel=True),
+                 activation=jqt.QuantType(), accumulator=16)
+    with pytest.raises(ValueError, match="int16 activations"):
+        jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(bits=16, symmetric=True),
+                 accumulator=16)
+    # qparams edited by hand: a weight-only op cannot have one; quantize names the op
+    f, p, x = _dense()
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    bad = {"w": dataclasses.replace(qp["w"], accumulator=16)}
+    with pytest.raises(ValueError, match="op 'w' asks for an int16 accumulator.*weight-only"):
+        jqt.quantize(f, bad)

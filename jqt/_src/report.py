@@ -192,7 +192,7 @@ class Report:
     ...                                                                   for r in rep.rows}[k])
     True
     >>> sorted(rep.as_dicts()[0])[:4]
-    ['act_clip', 'act_qrange', 'act_range', 'act_scale']
+    ['acc_saturated', 'accumulator', 'act_clip', 'act_qrange']
     """
 
     rows: tuple

@@ -138,6 +138,9 @@ def flat(qp):
 
 single = jqt.calibrate(mlp, recipe, p, batches, progress=False)
 meshed = jqt.calibrate(mlp, recipe, p, batches, progress=False, mesh=mesh)
+# jax.make_mesh's default (JAX 0.10): Explicit axes, which shard_map takes as they are
+explicit = jqt.calibrate(mlp, recipe, p, batches, progress=False,
+                         mesh=jax.make_mesh((8,), ("data",)))
 glob = jqt.calibrate(mlp, recipe, p, sharded, progress=False)
 minmax = jqt.calibrate(mlp, jqt.Recipe(rules=tuple(dataclasses.replace(r, calibrator=C.MinMax())
                                                      for r in recipe.rules)), p, batches, progress=False)
@@ -153,6 +156,7 @@ out = {"devices": len(jax.devices()), "uneven": uneven,
        "shard_exps": [int(np.frexp(np.abs(np.asarray(s.data)).max())[1])
                       for s in sharded[0][0].addressable_shards],
        "single": flat(single), "mesh": flat(meshed), "sharded": flat(glob),
+       "explicit": flat(explicit),
        "minmax": flat(minmax),
        "same_tree": [jax.tree_util.tree_structure(single) == jax.tree_util.tree_structure(q)
                      for q in (meshed, glob)]}
@@ -884,15 +888,15 @@ def data_parallel_result():
 @pytest.mark.slow  # an 8-device subprocess, end to end
 def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     """MinMax, Percentile and Entropy statistics gathered on 8 devices (each with its own
-    histogram radius) and combined give the single-device qparams, with ``mesh=`` and
-    with globally sharded batches (no ``mesh=``)."""
+    histogram radius) and combined give the single-device qparams, with ``mesh=`` (Auto
+    and Explicit mesh axes) and with globally sharded batches (no ``mesh=``)."""
     r = data_parallel_result
     assert r["devices"] == 8 and r["shard_devices"] == 8 and r["shard_shape"] == [4, 8]
     assert r["same_tree"] == [True, True]
     assert "divide evenly over the 8 devices" in r["uneven"]  # a batch of 12 on 8 devices
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
-    for how in ("mesh", "sharded"):
+    for how in ("mesh", "sharded", "explicit"):
         assert list(r[how]) == list(r["single"])
         for k in r["single"]:
             assert len(r[how][k]) == len(r["single"][k])

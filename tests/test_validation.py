@@ -449,3 +449,18 @@ def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
     bad = {"ws": dataclasses.replace(qp["ws"], rhs=dataclasses.replace(rhs, scale=rhs.scale[:2]))}
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'ws' .* lax.scan of length 3 .* \(2, 1, 4\)"):
         jqt.quantize(g, bad)(ws, X)
+
+
+def test_constant_outputs_are_arrays_as_under_jit():
+    """A function that returns constants (a Python float, a jnp scalar, an iota) gets
+    jax.Arrays of jit's dtypes back on both paths, not the jaxpr's literal objects."""
+    f = lambda p, x: (x @ p["w"], 2.0, jnp.float32(3.0), jnp.arange(3), 1)
+    p, x = {"w": jnp.eye(3)}, jnp.ones((2, 3))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    want = jax.jit(f)(p, x)
+    for simulate in (False, True):
+        got = jqt.quantize(f, qp, simulate=simulate)(p, x)
+        for a, b in zip(got, want):
+            assert isinstance(a, jax.Array)
+            assert (a.dtype, a.weak_type, a.shape) == (b.dtype, b.weak_type, b.shape)
+        np.testing.assert_array_equal(np.asarray(got[3]), np.arange(3))

@@ -124,6 +124,10 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                         f"has shape {jnp.shape(leaf)}; its leading (batch) axis must divide "
                         f"evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
 
+            if _explicit(mesh):  # shard_map takes explicitly sharded inputs as they are
+                params_t, batch, decided, transformed = _reshard(
+                    mesh, (params_t, batch, decided, transformed), (P(), P(data_axis), P(), P()))
+
             def per_device(params_t, batch, decided, transformed):
                 st = local(params_t, batch, observe_weights, decided, transformed)
                 gathered = jax.lax.all_gather(st, data_axis)
@@ -137,6 +141,18 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                                  out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
 
     return jax.jit(step, static_argnums=2), last
+
+
+def _explicit(mesh) -> bool:
+    """True when a mesh axis is Explicit (``jax.make_mesh``'s default in recent JAX)."""
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _reshard(mesh, trees, specs):
+    """Each tree's array leaves resharded to its spec on ``mesh`` (``jax.reshard``)."""
+    from jax.sharding import NamedSharding
+    return tuple(jax.tree_util.tree_map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), t)
+                 for t, spec in zip(trees, specs))
 
 
 # one compiled merge per statistics structure, shared by every calibrate call

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from . import compat, kvcache
 from .hops import HIGHER_ORDER
 
@@ -72,4 +74,12 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
         for v, x in zip(eqn.outvars, outs):
             if not compat.is_dropvar(v):
                 env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    # a constant output is a jax.Array, as under jax.jit (not the jaxpr's literal object)
+    return [_constant(v) if compat.is_literal(v) else env[v] for v in jaxpr.outvars]
+
+
+def _constant(lit):
+    """A literal output as the array ``jax.jit`` returns for it (weak-typed for a
+    Python scalar)."""
+    x = jnp.asarray(lit.val) if lit.aval.weak_type else jnp.asarray(lit.val, lit.aval.dtype)
+    return x if x.dtype == lit.aval.dtype else jnp.asarray(lit.val, lit.aval.dtype)

@@ -3,7 +3,7 @@
     python benchmarks/decode.py --markdown          # about 6 minutes on 2 idle cores
     python benchmarks/decode.py --quick             # fewer rounds (compiling stays)
     python benchmarks/decode.py --only decode       # parts: decode, prefill, formulations,
-                                                    # bandwidth; and/or variants:
+                                                    # bandwidth, cache; and/or variants:
                                                     # --only decode,w8,w4a8_g128
 
 The model is ``examples/decoder.py``'s decoder (RMSNorm, rotary embeddings,
@@ -30,6 +30,9 @@ on two batches of random tokens.
   ``jqt/_src/policy.py``.
 * ``bandwidth``: the rate at which each formulation reads a weight too large
   for the cache (8 layers of 1024 x 4096), and the memory's own read rate.
+* ``cache``: quantized key/value caches in a ``lax.scan`` over decode steps at
+  context 2048 (``decode_cache.py``): step time and carried cache bytes against
+  float32; targets: cache bytes <= 0.27x, the int8-cache step <= the float-cache one.
 
 All variants of a table run interleaved, round-robin (``timing.interleaved``);
 reported: medians and the ratio to float32's median in the same rounds. Prints
@@ -322,8 +325,9 @@ def formulations(names, rounds, markdown, results, batches=FORMULATION_BATCHES):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="decode,prefill,formulations,bandwidth",
-                    help="parts (decode, prefill, formulations, bandwidth) and/or variant names, comma-separated")
+    ap.add_argument("--only", default="decode,prefill,formulations,bandwidth,cache",
+                    help="parts (decode, prefill, formulations, bandwidth, cache) and/or variant names, "
+                         "comma-separated")
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--batches", default=",".join(map(str, FORMULATION_BATCHES)),
@@ -331,7 +335,7 @@ def main():
     ap.add_argument("--rounds", type=int, help="timing rounds of every table (default: by --quick)")
     args = ap.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
-    all_parts = ("decode", "prefill", "formulations", "bandwidth")
+    all_parts = ("decode", "prefill", "formulations", "bandwidth", "cache")
     by_key = {n.replace(" ", "_"): n for n in VARIANTS}  # "w4 g128" or w4_g128 on a command line
     unknown = [s for s in only if s not in all_parts and s.replace(" ", "_") not in by_key]
     if unknown:
@@ -350,6 +354,9 @@ def main():
                      tuple(int(b) for b in args.batches.split(",")))
     if "bandwidth" in parts:
         bandwidth(rounds(10, 30), args.markdown, results)
+    if "cache" in parts:
+        import decode_cache
+        decode_cache.report(rounds=rounds(3, 8), markdown=args.markdown, results=results)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

@@ -91,20 +91,15 @@ def accuracy(prompts=8, tokens=200, tiny=False):
     return G.main(argv)
 
 
-def main(argv=None):
+def report(context=2048, rounds=8, markdown=False, results=None):
     """Prints the cache table and checks it against issue 13's targets: cache bytes
-    <= 0.27x float32, and the int8-cache step no slower than the float-cache one."""
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args(argv)
+    <= 0.27x float32, and the int8-cache step no slower than the float-cache one
+    (``benchmarks/decode.py --only cache`` runs this too)."""
     from formats import table
-    rows, n = cache_speed(context=args.context, rounds=args.rounds)
-    print(f"{jax.__version__} on {jax.default_backend()}: decode steps at context {args.context}, "
+    rows, n = cache_speed(context=context, rounds=rounds)
+    print(f"{jax.__version__} on {jax.default_backend()}: decode steps at context {context}, "
           f"batch 1, {n / 1e6:.1f}M parameters ({CONFIG}); per-step time from loops of 16 and 4 "
-          f"steps, {args.rounds} interleaved rounds, medians\n")
+          f"steps, {rounds} interleaved rounds, medians\n")
     step = {r[0]: r[1] for r in rows}
     out = []
     for name, sec, ratio, nbytes, bratio in rows:
@@ -115,8 +110,21 @@ def main(argv=None):
             check = ("PASS" if ok else "MISS") + " (bytes <= 0.27x" + \
                 (", step <= float cache)" if same_weights else ")")
         out.append((name, f"{sec * 1e3:.1f}", f"{ratio:.3f}", f"{nbytes:,d}", f"{bratio:.3f}", check))
+        if results is not None:
+            results.setdefault("cache", {})[name] = {"step_s": sec, "step_ratio": ratio,
+                                                     "cache_bytes": nbytes, "cache_ratio": bratio}
     table(("variant", "step ms", "step / float32", "cache bytes", "cache / float32", "target"), out,
-          args.markdown)
+          markdown)
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    report(args.context, args.rounds, args.markdown)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def dense16():
 def test_saturates_like_a_16_bit_accumulator_on_both_paths(dense16):
     f, p, x, qp = dense16
     assert qp["w"].accumulator == 16
+    assert "int16 accumulator" in jqt.summarize(qp) and "int16 accumulator" in repr(qp["w"])
     ref, frac = _reference(qp, p, x, 16)
     assert 0.3 < frac < 1.0  # some outputs saturate, the small row does not
     yi = np.asarray(jqt.quantize(f, qp)(p, x))

@@ -464,3 +464,16 @@ def test_constant_outputs_are_arrays_as_under_jit():
             assert isinstance(a, jax.Array)
             assert (a.dtype, a.weak_type, a.shape) == (b.dtype, b.weak_type, b.shape)
         np.testing.assert_array_equal(np.asarray(got[3]), np.arange(3))
+
+
+def test_out_of_range_ids_of_a_quantized_table_are_nan_as_in_float():
+    """jnp.take fills out-of-range rows with NaN: the quantized lookup too (the codes'
+    fill is 0, the per-row scale's NaN), with no NaN-to-int cast warning."""
+    t = {"e": jax.random.normal(jax.random.key(0), (10, 4))}
+    f = lambda p, i: jnp.take(p["e"], i, axis=0)
+    ids = jnp.array([1, 2, 12])
+    qp = jqt.calibrate(f, jqt.recipes.w8(), t, [(ids[:2],)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for y in (jqt.quantize(f, qp)(t, ids), jqt.quantize(f, qp)(jqt.pack(qp, t), ids)):
+            assert np.isnan(np.asarray(y[2])).all() and np.isfinite(np.asarray(y[:2])).all()

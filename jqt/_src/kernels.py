@@ -306,6 +306,10 @@ def gather(site, eqn, ops):
             codes = codes.T
         if codes.shape != shape:  # nibbles packed along the last axis
             params["slice_sizes"] = tuple(params["slice_sizes"][:-1]) + (codes.shape[-1],)
+    if params.get("fill_value") is not None and jnp.issubdtype(codes.dtype, jnp.integer):
+        # jnp.take fills out-of-range rows with NaN: codes get 0, and a per-row scale
+        # gathered below with the NaN fill makes those rows NaN as in float
+        params["fill_value"] = 0
     g = compat.gather_p.bind(codes, idx, **params)
     if g.shape != out.shape:
         g = unpack_nibbles(g, _out_axis(eqn, len(shape) - 1))

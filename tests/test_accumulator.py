@@ -84,8 +84,8 @@ def test_report_shows_the_saturated_fraction(dense16):
 
 def test_conv_act_x_act_and_dynamic_activations():
     rng = np.random.default_rng(1)
-    x = jnp.asarray(np.abs(rng.standard_normal((2, 12, 12, 16))), jnp.float32)
-    k = jnp.asarray(np.abs(rng.standard_normal((5, 5, 16, 4))), jnp.float32)
+    x = jnp.asarray(np.abs(rng.standard_normal((1, 6, 6, 32))), jnp.float32)
+    k = jnp.asarray(np.abs(rng.standard_normal((3, 3, 32, 4))), jnp.float32)
 
     def conv(p, x):
         return jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",

@@ -167,10 +167,10 @@ def test_clear_errors():
         jqt.recipes.w8a8(accumulator=12)
     with pytest.raises(ValueError, match="weight-only"):
         jqt.Rule(weight=jqt.QuantType(), accumulator=16)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="per-group scales"):
         jqt.Rule(weight=jqt.QuantType(bits=4, group_size=32, per_channel=True),
                  activation=jqt.QuantType(), accumulator=16)
-    with pytest.raises(ValueError, match="int16 activations"):
+    with pytest.raises(ValueError, match="int16 activation.s products"):
         jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(bits=16, symmetric=True),
                  accumulator=16)
     # qparams edited by hand: a weight-only op cannot have one; quantize names the op

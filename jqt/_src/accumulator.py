@@ -54,14 +54,14 @@ def check_bits(bits, where: str) -> None:
                          "accumulator, which never overflows).")
 
 
-def unsupported(qp) -> str:
-    """Why the op of ``qp`` (an :class:`jqt.OpQParams`) cannot take a narrow
-    accumulator, or ``""``: it needs integer codes of at most 8 bits on both operands
-    and scales that do not vary along the contraction (per tensor or per channel)."""
-    for q in (qp.lhs, qp.rhs):
-        if q is None:
+def unsupported(qtypes) -> str:
+    """Why ops whose operands have ``qtypes`` (``None`` for a float operand) cannot take
+    a narrow accumulator, or ``""``: it needs integer codes of at most 8 bits on both
+    operands and scales that do not vary along the contraction (per tensor or per
+    channel)."""
+    for t in qtypes:
+        if t is None:
             return "one operand is float (weight-only): its products accumulate in float32"
-        t = q.qtype
         if t.kind != "int":
             return f"a {t.dtype} operand accumulates in float32"
         if t.bits > 8:
@@ -75,7 +75,7 @@ def exact_sums(eqn, codes):
     """The op of ``eqn`` on ``codes`` (float32 operands holding ``q - z``): each output's
     exact integer sum, in float32."""
     codes = [lax.stop_gradient(c.astype(_F32)) for c in codes]
-    return compat.bind_eqn_with(eqn, codes, preferred_element_type=_F32,
+    return compat.bind_eqn(eqn, codes, preferred_element_type=_F32,
                                 precision=lax.Precision.HIGHEST)[0]
 
 

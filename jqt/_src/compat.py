@@ -26,12 +26,13 @@ def _bind_params(eqn):
     return (), r
 
 
-def bind_eqn(eqn, invals):
-    """Re-binds ``eqn`` unchanged on ``invals`` (what ``jax.core.eval_jaxpr`` does),
-    keeping its name stack and context."""
+def bind_eqn(eqn, invals, **overrides):
+    """Re-binds ``eqn`` on ``invals`` (what ``jax.core.eval_jaxpr`` does), keeping its
+    name stack and context; ``overrides`` replace some of its parameters (e.g. a
+    ``dot_general``'s ``preferred_element_type``)."""
     subfuns, params = _bind_params(eqn)
     with eqn_context(eqn):
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
+        out = eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides})
     return out if eqn.primitive.multiple_results else [out]
 
 
@@ -94,12 +95,3 @@ def pytree_serialization_registries():
         return _export.serialization_registry, _export.deserialization_registry
     except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
         return {}, {}
-
-
-def bind_eqn_with(eqn, invals, **overrides):
-    """Re-binds ``eqn`` on ``invals`` with some of its parameters replaced (e.g. a
-    ``dot_general``'s ``preferred_element_type``)."""
-    subfuns, params = _bind_params(eqn)
-    with eqn_context(eqn):
-        out = eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides})
-    return out if eqn.primitive.multiple_results else [out]

@@ -159,16 +159,13 @@ class Rule:
         accumulator.check_bits(self.accumulator, "Rule")
         if self.accumulator == accumulator.WIDEST:
             return
-        types = [t for t in (self.weight, self.activation, self.act_x_act) if t is not None]
-        if self.activation is None and self.act_x_act is None:
-            raise ValueError(f"Rule(accumulator={self.accumulator}) with activation=None: "
-                             "weight-only ops multiply in float and accumulate in float32; a "
-                             "narrow accumulator needs integer activations (e.g. "
-                             "jqt.recipes.w8a8(accumulator=16)).")
-        if any(t.kind != "int" or t.bits > 8 or t.group_size for t in types):
-            raise ValueError(f"Rule(accumulator={self.accumulator}): a narrow accumulator is "
-                             "simulated for integer operands of at most 8 bits with per-tensor or "
-                             "per-channel scales (no fp8, nf4, int16 activations or group_size).")
+        why = accumulator.unsupported([self.weight, self.activation or self.act_x_act])
+        if self.act_x_act is not None and not why:
+            why = accumulator.unsupported([self.act_x_act])
+        if why:
+            raise ValueError(f"Rule(accumulator={self.accumulator}): {why}. A narrow accumulator "
+                             "is simulated for integer operands of at most 8 bits with per-tensor "
+                             "or per-channel scales, e.g. jqt.recipes.w8a8(accumulator=16).")
 
     def _check_outliers(self):
         if self.smooth is not None:

@@ -106,7 +106,8 @@ def accumulator_problem(key, p: OpQParams) -> str:
         accumulator.check_bits(bits, f"op '{key}'")
     except ValueError as e:
         return str(e)
-    why = accumulator.unsupported(p) if not p.is_float else ""
+    why = "" if p.is_float else accumulator.unsupported(
+        [None if q is None else q.qtype for q in (p.lhs, p.rhs)])
     if why:
         return (f"op '{key}' asks for an int{bits} accumulator, but {why}. A narrow accumulator "
                 "is simulated for int x int ops of at most 8 bits with per-tensor or "

@@ -203,7 +203,10 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n != "w4_awq" else pytest.param(n, marks=pytest.mark.slow)
+SLOW_RECIPES = ("w4_awq", "w4a8_awq_rotate")  # the longest two: with the slow tests
+
+
+@pytest.mark.parametrize("name", [n if n not in SLOW_RECIPES else pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(RECIPES)])
 def test_integer_simulated_packed_and_files_agree(name, tmp_path):
     p, batches = _mlp_data()

@@ -23,7 +23,9 @@ on two batches of random tokens.
   matmuls, which the quantized variants pay too, on 4-8x fewer bytes.
 * ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
   every preset <= 1.0x float32. Extra rows run three presets without the
-  many-row formulation (``KernelPolicy.float_matmul_rows``).
+  many-row formulation (``KernelPolicy.float_matmul_rows``), and with the weight
+  decoded in blocks of output channels (as up to ``whole_decode_rows`` rows)
+  instead of whole.
 * ``formulations``: the decode step of each preset under each formulation the
   kernel policy can choose for few rows (``jqt.KernelPolicy``), at 1, 2 and 4
   rows (decode batch 1, 2 and 4): the measurements behind the CPU table in
@@ -229,6 +231,10 @@ def prefill(names, rounds, markdown, results):
             g0 = jax.jit(jqt.quantize(f, qp, policy=few))
             calls[f"{name}, {PREFILL_FORMULATIONS[name]} (no float_matmul_rows)"] = \
                 lambda g=g0, p=jqt.pack(qp, params, policy=few): g(p, x)
+            blocks = dataclasses.replace(CPU, whole_decode_rows=0)
+            g1 = jax.jit(jqt.quantize(f, qp, policy=blocks))
+            calls[f"{name}, decoded in blocks of output channels (no whole_decode_rows)"] = \
+                lambda g=g1, p=jqt.pack(qp, params, policy=blocks): g(p, x)
     progress(f"prefill: timing {len(calls)} variants x {rounds} rounds")
     med = timed(calls, rounds)
     base = med["float32"]["median"]

@@ -160,3 +160,36 @@ def test_cpu_table_layouts():
                            (R.w4a8(group_size=128), "nk"), (R.nf4(), "kn")):
         f, p, qp, _ = _setup(recipe)
         assert jqt.pack(qp, p, policy=cpu).weights["w"].layout == layout
+
+
+BLOCKS = {  # more rows than float_matmul_rows: blocks of 16 of the 48 output channels
+    "kn": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16),
+    "nk": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16,
+                           gemv_rows=1, weight_only_digits=3),  # w8 packed (N, K)
+}
+
+
+@pytest.mark.parametrize("name", ["w8", "w4_g128_asym", "fp8"] + [  # nf4, w4a8: CI
+    pytest.param(n, marks=pytest.mark.slow) for n in ("nf4", "w4a8_g128")])
+def test_many_rows_decode_blocks_of_output_channels(name):
+    f, p, qp, _ = _setup(R.fp8() if name == "fp8" else RECIPES[name])
+    x = jax.random.normal(jax.random.key(3), (5, K)).at[2, 9].set(7.0)
+    ref = jqt.quantize(f, qp, simulate=True)(p, x)
+    scale = float(jnp.abs(ref).max())
+    for layout, policy in BLOCKS.items():
+        packed = jqt.pack(qp, p, policy=policy)
+        out = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
+        np.testing.assert_allclose(out, ref, atol=2e-6 * scale, err_msg=layout)
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x).jaxpr
+        scans = [e for e in all_eqns(jaxpr) if e.primitive.name == "scan"]
+        assert len(scans) == 1 and scans[0].params["length"] == N // 16, layout
+        dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+        # one float matmul per block over the whole of K (nibbles: its even and odd halves)
+        assert {d.outvars[0].aval.shape for d in dots} == {(5, 16)}, layout
+        assert sum(d.invars[0].aval.shape[1] for d in dots) == K, layout
+        # above whole_decode_rows: the whole weight at once, no loop
+        whole = dataclasses.replace(policy, whole_decode_rows=4)
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=whole))(packed, x).jaxpr
+        assert not [e for e in all_eqns(jaxpr) if e.primitive.name == "scan"], layout
+        np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=whole))(packed, x), ref,
+                                   atol=2e-6 * scale, err_msg=layout)

@@ -84,9 +84,14 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, length):
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
     np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU)(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
-    # many rows (a prefill): the whole weight at once, one float matmul
+    # many rows: blocks of output channels (at most half of the 512), each over the whole of K
     many = jnp.ones((CPU.float_matmul_rows + 1, 1024))
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, many)
+    scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == 2
+    # more than whole_decode_rows (a prefill): the whole weight at once, one float matmul
+    more = jnp.ones((CPU.whole_decode_rows + 1, 1024))
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, more)
     assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
 
 
@@ -108,7 +113,7 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        float_matmul_rows=64)
+        float_matmul_rows=64, many_rows_block=1024, whole_decode_rows=512)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

@@ -345,6 +345,15 @@ def many_rows(m, policy) -> bool:
     return bool(policy.float_matmul_rows) and isinstance(m, int) and m > policy.float_matmul_rows
 
 
+def _many_rows_block(n, m, policy):
+    """The block of output channels (of ``n``) in which a weight is decoded for an op of
+    ``m`` (many) rows: ``policy.many_rows_block`` up to ``policy.whole_decode_rows`` rows,
+    at most half of ``n`` so that every decode runs inside a loop; 0: the whole weight at
+    once."""
+    b, top = policy.many_rows_block, policy.whole_decode_rows
+    return min(b, n // 2) if b and not (top and m > top) else 0
+
+
 def _weight_only_2d(x2, w, policy, precision):
     """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
@@ -360,13 +369,26 @@ def _weight_only_2d(x2, w, policy, precision):
     zp = w.zero_point if gs else None
     step = 2 if nib else 1
     rows = gs // step if gs else 0  # rows of a nibble half (or of the codes) per group
-    target = 0 if many_rows(m, policy) else policy.weight_only_chunk
-    chunk = _chunk(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" else 0
-    n_chunk = _chunk(v.shape[0], target) if w.layout == "nk" else 0
+    halves = (slice(0, None, 2), slice(1, None, 2)) if nib else (slice(None),)  # as parts()
+    n = v.shape[0] if w.layout == "nk" else v.shape[1]
+    many = many_rows(m, policy)
+    target = _many_rows_block(n, m, policy) if many else policy.weight_only_chunk
+    chunk = _chunk(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
+    n_chunk = _chunk(n, target) if w.layout == "nk" or many else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
-    if n_chunk:  # "nk": blocks of output channels, each decoded in cache; outputs stacked
-        n, nc = v.shape[0], v.shape[0] // n_chunk
+    if n_chunk and w.layout == "kn":  # many rows: blocks of output columns, whole K each
+        xh = [x2[:, r] for r in halves]  # nibbles: even and odd rows of K, sliced once
+
+        def body(_, i):
+            cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1)
+            vc, sc, zc = cut(v), cut(scale), cut(zp)
+            return None, sum(dot(xi, _decode(ci, w, sc, zc, 0, rows)) for xi, (_, ci) in zip(xh, parts(vc, nib)))
+
+        _, ys = lax.scan(body, None, jnp.arange(n // n_chunk))
+        out = ys.transpose(1, 0, 2).reshape(m, n)
+    elif n_chunk:  # "nk": blocks of output channels, each decoded in cache; outputs stacked
+        nc = n // n_chunk
         per = lambda a: None if a is None else a.reshape((nc, n_chunk) + a.shape[1:])
 
         def body(_, vw):
@@ -376,8 +398,7 @@ def _weight_only_2d(x2, w, policy, precision):
         _, ys = lax.scan(body, None, (per(v), per(scale), per(zp)))
         out = ys.transpose(1, 0, 2).reshape(m, n)
     elif chunk:
-        n, nc, cr = v.shape[1], k // chunk, chunk // step
-        halves = (slice(0, None, 2), slice(1, None, 2)) if nib else (slice(None),)  # as parts()
+        nc, cr = k // chunk, chunk // step
         xs = [x2[:, r].reshape(m, nc, cr).transpose(1, 0, 2) for r in halves]
         per = lambda a: None if a is None else a.reshape(nc, cr // rows, n)
 
@@ -406,7 +427,9 @@ def weight_only_dense(ax, x, w, policy, precision=None):
     K-chunk at a time inside a ``lax.scan`` (an ``"nk"`` weight: one block of
     output channels at a time), so no float copy of the whole weight is made;
     with more than ``policy.float_matmul_rows`` rows the whole weight is decoded
-    once instead. Per-channel scales apply to the (smaller) output; per-group
+    once instead, above ``policy.whole_decode_rows`` (below it: blocks of
+    ``policy.many_rows_block`` output channels inside a ``lax.scan``, each over the
+    whole of K). Per-channel scales apply to the (smaller) output; per-group
     scales to each decoded chunk.
     """
     return _weight_only_2d(ax.act_2d(x), w, policy, precision)

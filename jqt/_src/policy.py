@@ -42,11 +42,22 @@ up to 64 rows               of <= 256 rows of K (of N   matmul
                             for ``(N, K)``), cast in
                             cache (a whole-weight cast
                             is 10x slower than float)
+weight-only matmul,         blocks of <= 1024 output    the whole weight decoded
+65-512 rows                 channels (at most half)     once, one float matmul
+                            decoded in a ``lax.scan``,
+                            one float matmul over all
+                            of K each (MiniLM batch 8,
+                            weight-only: 1.14-1.49x
+                            float32 against 1.75-2.04x
+                            decoding whole: the whole
+                            decodes are hoisted and
+                            page-fault every call)
 weight-only matmul,         the whole weight decoded    the same
-more than 64 rows           once, one float matmul
+more than 512 rows          once, one float matmul
                             (prefill 0.99-1.02x float32
                             against 1.03-1.24x cast in
-                            chunks, 3 runs)
+                            chunks, 3 runs; 1.03-1.11x
+                            in column blocks, 2 runs)
 w4a8 g128, more than 64     one float matmul on the     one int8 matmul per group
 rows                        decoded weight and the
                             exact int8 codes (one int8
@@ -109,6 +120,17 @@ class KernelPolicy:
         once and runs one float matmul, whose arithmetic outweighs the decoding:
         weight-only ops (no K-chunks), and int8 activations with grouped int
         weights (their codes upcast exactly); 0: never.
+      many_rows_block: above ``float_matmul_rows`` rows the weight is decoded
+        this many output channels at a time (at most half of them) inside a
+        loop, one float matmul over the whole of K per block, instead of all at
+        once; 0: all at once. XLA:CPU schedules the decodes of a program's
+        weights, which depend on nothing else, ahead of its first matmul, so
+        decoding each weight whole keeps them all alive together (43 MB of
+        temporaries for all-MiniLM-L6-v2), which the allocator maps afresh, and
+        page-faults, at every call; a decode inside a loop cannot be hoisted.
+      whole_decode_rows: above this many rows the whole weight is decoded at
+        once after all (0: no such limit): there the matmul outweighs the
+        temporaries, and blocks cost a copy of the output.
 
       batched_groups: at few rows, int weights with group scales and int8
         activations (w4a8 g128) run all groups as one matmul batched over the
@@ -130,6 +152,8 @@ class KernelPolicy:
     grouped_digits: int = 0
     batched_groups: bool = False
     float_matmul_rows: int = 0
+    many_rows_block: int = 0
+    whole_decode_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -168,7 +192,8 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
-                        weight_only_digits=3, float_matmul_rows=64),
+                        weight_only_digits=3, float_matmul_rows=64,
+                        many_rows_block=1024, whole_decode_rows=512),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

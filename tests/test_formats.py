@@ -10,6 +10,7 @@ import pytest
 
 import jqt
 from jqt._src.formats import NF4_TABLE, pack_nibbles, unpack_nibbles
+from shared import all_eqns
 
 K, N, V, D = 256, 48, 40, 64
 RNG = np.random.default_rng(0)
@@ -278,3 +279,63 @@ def test_fallback_moves_an_int4_op_to_int8():
                        to=jqt.recipes.w8().rules[0])
     assert res.met and res.kept == ("b",)
     assert res.qparams["b"].rhs.qtype.bits == 8 and res.qparams["a"].rhs.qtype.bits == 4
+
+
+SCALE = 100.0  # the custom rules below scale the gradient, so that keeping them shows
+
+
+@jax.custom_vjp
+def _loud(h):
+    return jnp.tanh(h)
+
+
+_loud.defvjp(lambda h: (jnp.tanh(h), h), lambda h, g: (SCALE * g * (1.0 - jnp.tanh(h) ** 2),))
+
+
+@jax.custom_jvp
+def _loud_jvp(h):
+    return jnp.tanh(h)
+
+
+_loud_jvp.defjvp(lambda p, t: (jnp.tanh(p[0]), SCALE * (1.0 - jnp.tanh(p[0]) ** 2) * t[0]))
+
+
+def _remat_model(act):
+    """An embedding lookup, a layer under ``jax.checkpoint`` and one whose activation has
+    a custom derivative rule (``act``), for every new format."""
+    def f(p, ids):
+        h = p["emb"][ids]
+        h = jax.checkpoint(lambda h: jax.nn.gelu(h @ p["proj"]))(h)
+        return act(h @ p["w"])
+    return f
+
+
+QUICK = {("w4_g64", "custom_jvp"), ("fp8", "custom_vjp")}  # the other six: CI's slow run
+
+
+@pytest.mark.parametrize("name,act", [
+    pytest.param(n, a, id=f"{n}-{i}", marks=() if (n, i) in QUICK else pytest.mark.slow)
+    for n in ("w4_g64", "w4a8_g64", "nf4_g64", "fp8")
+    for a, i in ((_loud, "custom_vjp"), (_loud_jvp, "custom_jvp"))])
+def test_remat_and_custom_derivatives_with_new_formats(name, act):
+    f = _remat_model(act)
+    plain = _remat_model(jnp.tanh)
+    qp, packed, sim, ref = _check(f, RECIPES[name], (IDS,), 1e-4)
+    assert not any(qp[k].is_float for k in ("w", "proj", "emb"))  # every op, in the rule too
+    assert float(jnp.linalg.norm(sim - ref) / jnp.linalg.norm(ref)) < 0.2
+    loss = lambda fn: (lambda p: jnp.sum(fn(p, IDS) ** 2))
+    qsim = jqt.quantize(f, qp, simulate=True)
+    g_sim = jax.jit(jax.grad(loss(qsim)))(P)
+    g_float, g_plain = jax.grad(loss(f))(P), jax.grad(loss(plain))(P)
+    for k in ("w", "proj"):  # straight through the formats, the rule kept: 100x the plain
+        assert bool(jnp.all(jnp.isfinite(g_sim[k])))
+        rel = float(jnp.linalg.norm(g_sim[k] - g_float[k]) / jnp.linalg.norm(g_float[k]))
+        assert rel < 0.3, (k, rel)
+        assert float(jnp.linalg.norm(g_sim[k])) > 0.3 * SCALE * float(jnp.linalg.norm(g_plain[k]))
+    prims = {e.primitive.name for e in all_eqns(jax.make_jaxpr(jax.grad(loss(qsim)))(P).jaxpr)}
+    assert prims & {"remat2", "checkpoint"}
+    # the weight scales get gradients through the rule and the remat (LSQ, jqt.qat)
+    gq = jax.jit(jax.grad(lambda q: jnp.sum(jqt.quantize(f, q, simulate=True)(P, IDS) ** 2)))(qp)
+    for k in ("w", "proj"):
+        s = gq[k].rhs.scale
+        assert bool(jnp.all(jnp.isfinite(s))) and float(jnp.abs(s).max()) > 0

@@ -126,8 +126,9 @@ class KernelPolicy:
         once; 0: all at once. XLA:CPU schedules the decodes of a program's
         weights, which depend on nothing else, ahead of its first matmul, so
         decoding each weight whole keeps them all alive together (43 MB of
-        temporaries for all-MiniLM-L6-v2), which the allocator maps afresh, and
-        page-faults, at every call; a decode inside a loop cannot be hoisted.
+        temporaries for all-MiniLM-L6-v2 at batch 8, ``benchmarks/temporaries.py``),
+        which the allocator maps afresh, and page-faults, at every call; a decode
+        inside a loop cannot be hoisted.
       whole_decode_rows: above this many rows the whole weight is decoded at
         once after all (0: no such limit): there the matmul outweighs the
         temporaries, and blocks cost a copy of the output.

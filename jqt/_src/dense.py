@@ -377,25 +377,25 @@ def _weight_only_2d(x2, w, policy, precision):
     n_chunk = _chunk(n, target) if w.layout == "nk" or many else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
-    if n_chunk and w.layout == "kn":  # many rows: blocks of output columns, whole K each
-        xh = [x2[:, r] for r in halves]  # nibbles: even and odd rows of K, sliced once
+    if n_chunk:  # blocks of output channels, each decoded in cache; outputs stacked
+        if w.layout == "kn":  # (many rows) a block of columns of (K, N), over the whole of K
+            xh = [x2[:, r] for r in halves]  # nibbles: even and odd rows of K, sliced once
 
-        def body(_, i):
-            cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1)
-            vc, sc, zc = cut(v), cut(scale), cut(zp)
-            return None, sum(dot(xi, _decode(ci, w, sc, zc, 0, rows)) for xi, (_, ci) in zip(xh, parts(vc, nib)))
+            def body(_, i):
+                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1)
+                vc, sc, zc = cut(v), cut(scale), cut(zp)
+                return None, sum(dot(xi, _decode(ci, w, sc, zc, 0, rows))
+                                 for xi, (_, ci) in zip(xh, parts(vc, nib)))
 
-        _, ys = lax.scan(body, None, jnp.arange(n // n_chunk))
-        out = ys.transpose(1, 0, 2).reshape(m, n)
-    elif n_chunk:  # "nk": blocks of output channels, each decoded in cache; outputs stacked
-        nc = n // n_chunk
-        per = lambda a: None if a is None else a.reshape((nc, n_chunk) + a.shape[1:])
+            _, ys = lax.scan(body, None, jnp.arange(n // n_chunk))
+        else:  # "nk": a block of rows of (N, K)
+            per = lambda a: None if a is None else a.reshape((n // n_chunk, n_chunk) + a.shape[1:])
 
-        def body(_, vw):
-            vc, sc, zc = vw
-            return None, sum(dot(x2[:, r], _decode(ci, w, sc, zc, 1, rows)) for r, ci in parts(vc, nib))
+            def body(_, vw):
+                vc, sc, zc = vw
+                return None, sum(dot(x2[:, r], _decode(ci, w, sc, zc, 1, rows)) for r, ci in parts(vc, nib))
 
-        _, ys = lax.scan(body, None, (per(v), per(scale), per(zp)))
+            _, ys = lax.scan(body, None, (per(v), per(scale), per(zp)))
         out = ys.transpose(1, 0, 2).reshape(m, n)
     elif chunk:
         nc, cr = k // chunk, chunk // step

@@ -203,7 +203,7 @@ RECIPES = {
 }
 
 
-SLOW_RECIPES = ("w4_awq", "w4a8_awq_rotate")  # the longest two: with the slow tests
+SLOW_RECIPES = ("w4_awq", "w4a8_awq_rotate", "w8a8_rotate")  # the longest three: with the slow tests
 
 
 @pytest.mark.parametrize("name", [n if n not in SLOW_RECIPES else pytest.param(n, marks=pytest.mark.slow)

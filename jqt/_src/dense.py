@@ -272,7 +272,7 @@ def fp8_dense(ax, x, w, policy):
         dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return out * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
-    out = _weight_only_2d(x2.astype(_F32), w, policy, None)
+    out = _weight_only_2d(nx.decode(x2, x.qtype.grid), w, policy, None)
     return out * ax.act_vec(x.scale.astype(_F32))
 
 
@@ -285,23 +285,6 @@ def _chunk(k, target, multiple=1):
         if c > 0 and k % c == 0:
             return c
     return 0
-
-
-def _fp8_bits(c, dtype_name):
-    """fp8 codes as uint8 bits -> float32 in units of ``2**-8`` (e4m3fn) or 1 (e5m2):
-    the bits placed in a float16 (a shift and a mask, where XLA:CPU's own fp8
-    conversion costs as much as the matmul ten times over). e4m3fn's bias is 7
-    against float16's 15, hence the ``2**-8`` the caller folds into the scale."""
-    u16 = c.astype(jnp.uint16)
-    if dtype_name == "float8_e5m2":
-        bits = u16 << 8
-    else:
-        bits = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
-    return lax.bitcast_convert_type(bits, jnp.float16).astype(_F32)
-
-
-FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
-"""What :func:`_fp8_bits`'s result is multiplied by to give the fp8 value."""
 
 
 def parts(v, nib):
@@ -326,7 +309,7 @@ def _decode(codes, w, scale, zp, kd, rows_per_group):
     if grid == "nf4":
         v = nx.decode(codes, grid)
     elif w.qtype.kind == "float":
-        v = _fp8_bits(codes, grid)
+        v = nx.fp8_units(codes, grid)
     else:
         v = codes.astype(_F32)
     if not rows_per_group:
@@ -404,7 +387,7 @@ def _weight_only_2d(x2, w, policy, precision):
     v = w.values
     unit = 1.0
     if q.kind == "float":  # fp8 bits, decoded with integer ops (outside the scan: one bitcast)
-        v, unit = lax.bitcast_convert_type(v, jnp.uint8), FP8_BITS_UNIT[q.grid]
+        v, unit = lax.bitcast_convert_type(v, jnp.uint8), nx.FP8_BITS_UNIT[q.grid]
     scale = w.scale.astype(_F32) * unit if gs else None
     zp = w.zero_point if gs else None
     step = 2 if nib else 1

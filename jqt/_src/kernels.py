@@ -208,9 +208,7 @@ def _tup(op):
     if not isinstance(op, QArray):
         return (op, None, None, None)
     v = op.values
-    if op.qtype.kind == "float":
-        return (v.astype(_F32), op.scale, None, None)
-    if op.qtype.kind == "lut":
+    if op.qtype.kind in ("float", "lut"):
         return (nx.decode(v, op.qtype.grid), op.scale, None, None)
     return (v, op.scale, op.zero_point, op.sums)
 
@@ -219,7 +217,7 @@ def _fp8_generic(site, eqn, ops):
     """fp8 x fp8 (or fp8 weight x float) on the generic path: the fp8 values upcast to
     float32 (exact), the float op, then the scales."""
     w = site.weight_operand
-    vals = [op.values.astype(_F32) if isinstance(op, QArray) else op for op in ops]
+    vals = [nx.decode(op.values, op.qtype.grid) if isinstance(op, QArray) else op for op in ops]
     out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
     for i, op in enumerate(ops):
         if isinstance(op, QArray):

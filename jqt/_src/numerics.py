@@ -36,6 +36,64 @@ _NF4 = jnp.asarray(NF4_TABLE)
 _NF4_MIDS = jnp.asarray((NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2)
 
 
+FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
+"""What :func:`fp8_units`'s result is multiplied by to give the fp8 value."""
+
+# per fp8 grid: mantissa bits, exponent bias, smallest normal as float32 bits
+_FP8_LAYOUT = {"float8_e4m3fn": (3, 7, 0x3C800000), "float8_e5m2": (2, 15, 0x38800000)}
+
+
+def fp8_encode(x, grid):
+    """float32 within the grid's finite range (or NaN) -> its fp8 codes, rounded to
+    nearest even, from integer operations on the float32 bits: the same codes as
+    ``x.astype(float8)``, which XLA:CPU emulates at 2-3x the cost
+    (``benchmarks/formats.py`` runs fp8 activations through it at every op).
+
+    >>> import jax.numpy as jnp
+    >>> c = fp8_encode(jnp.array([0.3, -448.0, 1e-3, 0.0]), "float8_e4m3fn")
+    >>> c.dtype.name, bool((c == jnp.array([0.3, -448.0, 1e-3, 0.0]).astype(c.dtype)).all())
+    ('float8_e4m3fn', True)
+    """
+    mant, bias, tiny = _FP8_LAYOUT[grid]
+    u = jax.lax.bitcast_convert_type(x.astype(_F32), jnp.uint32)
+    a = u & 0x7FFFFFFF
+    drop = 23 - mant
+    # round to nearest even at the last kept mantissa bit; the exponent re-biased
+    normal = ((a + ((1 << (drop - 1)) - 1) + ((a >> drop) & 1)) >> drop) - ((127 - bias) << mant)
+    # below the smallest normal: multiples of the subnormal step, rounded half to even
+    step = 2.0 ** (mant + bias - 1)
+    sub = jnp.round(jax.lax.bitcast_convert_type(a, _F32) * step).astype(jnp.uint32)
+    code = jnp.where(a < tiny, sub, normal)
+    code = jnp.where(a > 0x7F800000, 0x7F, code) | ((u >> 24) & 0x80)  # NaN; the sign
+    return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), FLOAT8[grid])
+
+
+def fp8_units(bits, grid):
+    """fp8 codes as uint8 bits -> float32, the fp8 value divided by
+    ``FP8_BITS_UNIT[grid]``: the bits placed in a float16 (a shift and a mask, where
+    XLA:CPU's own fp8 conversion costs as much as a matmul ten times over). e4m3fn's
+    bias is 7 against float16's 15, hence its ``2**8``, which a caller folds into a
+    scale. e4m3fn's NaN (``0x7F``) comes out finite (480 / 256); :func:`decode` keeps
+    it NaN."""
+    u16 = bits.astype(jnp.uint16)
+    if grid == "float8_e5m2":
+        f16 = u16 << 8
+    else:
+        f16 = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
+    return jax.lax.bitcast_convert_type(f16, jnp.float16).astype(_F32)
+
+
+def _fp8_decode(codes, grid):
+    """fp8 codes -> their float32 values (exact, NaN kept) through :func:`fp8_units`."""
+    if codes.dtype != FLOAT8[grid]:
+        return codes.astype(_F32)
+    bits = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    v = fp8_units(bits, grid) * FP8_BITS_UNIT[grid]
+    if grid == "float8_e4m3fn":
+        v = jnp.where((bits & 0x7F) == 0x7F, jnp.nan, v)
+    return v
+
+
 def _codes(x, scale, zero_point, qmin, qmax, grid="int"):
     """The stored codes of ``x``: float32 integers for ``int``/``nf4`` (nf4: ``i - 8`` for
     table entry ``i``), fp8 values for the fp8 grids."""
@@ -44,7 +102,7 @@ def _codes(x, scale, zero_point, qmin, qmax, grid="int"):
         return jnp.clip(jnp.round(v) + _zp_f32(zero_point), qmin, qmax)
     if grid == "nf4":
         return jnp.sum(v[..., None] > _NF4_MIDS, axis=-1).astype(_F32) - 8.0
-    return jnp.clip(v, qmin, qmax).astype(FLOAT8[grid])
+    return fp8_encode(jnp.clip(v, qmin, qmax), grid)
 
 
 def decode(codes, grid="int"):
@@ -52,6 +110,8 @@ def decode(codes, grid="int"):
     if grid == "nf4":
         # codes are in [-8, 7]: "clip" skips the out-of-bounds handling (25% faster on CPU)
         return jnp.take(_NF4, codes.astype(jnp.int32) + 8, mode="clip")
+    if grid in FLOAT8:
+        return _fp8_decode(codes, grid)
     return codes.astype(_F32)
 
 

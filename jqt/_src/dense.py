@@ -412,17 +412,15 @@ def _weight_only_2d(x2, w, policy, precision):
         out, _ = lax.scan(body, jnp.zeros((m, n), _F32), ins)
     else:
         xk = k_order(x2, nib)[0]
-        if n_chunk:  # blocks of output channels, each decoded in cache; outputs stacked
-            if w.layout == "kn":  # (many rows) a block of columns of (K, N), over the whole of K
-                def body(_, i):
-                    cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1)
-                    return None, dot(xk, dec(cut(v), cut(scale), cut(zp)))
+        if n_chunk:  # blocks of output channels, each decoded in cache, written in place
+            nd = 1 if w.layout == "kn" else 0  # the weight's output-channel axis
 
-                _, ys = lax.scan(body, None, jnp.arange(n // n_chunk))
-            else:  # "nk": a block of rows of (N, K)
-                per = lambda a: None if a is None else a.reshape((n // n_chunk, n_chunk) + a.shape[1:])
-                _, ys = lax.scan(lambda _, vw: (None, dot(xk, dec(*vw))), None, (per(v), per(scale), per(zp)))
-            out = ys.transpose(1, 0, 2).reshape(m, n)
+            def body(i, out):
+                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, nd)
+                return lax.dynamic_update_slice_in_dim(out, dot(xk, dec(cut(v), cut(scale), cut(zp))),
+                                                       i * n_chunk, 1)
+
+            out = lax.fori_loop(0, n // n_chunk, body, jnp.zeros((m, n), _F32))
         else:
             out = dot(xk, dec(v, scale, zp))
     if gs:

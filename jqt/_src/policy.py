@@ -71,9 +71,9 @@ int4 / nf4 weight-only      per chunk or block: both    the same (not measured
                             in that order: one matmul
                             (one per nibble: MiniLM w4
                             b8 1.39x float32, now
-                            1.15x); group scales by a
-                            reshape; nf4 by a 16-entry
-                            table lookup
+                            1.11-1.17x); group scales
+                            by a reshape; nf4 by a
+                            16-entry table lookup
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             from its bits (float16 bit  (cuBLASLt on H100)
                             tricks: XLA:CPU's own fp8

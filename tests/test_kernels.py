@@ -75,6 +75,10 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, length):
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == length
+    # one float matmul per chunk, over all its rows of K (int4: both nibbles decoded into it)
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    k_rows = 1024 if length == 2 else 256
+    assert len(dots) == 1 and dots[0].invars[0].aval.shape == (8, k_rows)
     # no float copy of the whole weight outside the loop
     casts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
              and e.invars[0].aval.size * (2 if e.invars[0].aval.dtype == np.uint8 else 1) == 1024 * 512]

@@ -344,8 +344,8 @@ def nibble_rows(codes, kd):
     at ``kd``: ``[0]`` the low nibbles (the even rows of K), ``[1]`` the high ones (the odd
     rows), from one shift of a broadcast (no concatenation, no interleaving copy). With
     that axis merged into the next, K runs in the order of :func:`k_order`, and a block
-    of K is one matmul (two half-K matmuls, one per nibble, took all-MiniLM-L6-v2 at
-    batch 8 from 1.17x to 1.38x float32 under ``w4``, ``benchmarks/formats.py``).
+    of K is one matmul (all-MiniLM-L6-v2 at batch 8 under ``w4``: 1.17x float32, against
+    1.38x with one half-K matmul per nibble; ``benchmarks/formats.py``).
 
     >>> import numpy as np
     >>> nibble_rows(np.array([[0x21, 0xF3]], np.uint8), 1).tolist()  # K = [1, 2, 3, -1]

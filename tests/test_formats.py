@@ -151,6 +151,16 @@ def test_fp8_codes_match_xla_conversion_bit_for_bit(grid):
     assert np.isnan(np.asarray(nx.decode(got, grid))[~finite]).all()
 
 
+def test_nf4_decode_is_the_table():
+    # every code, any shape, under jit
+    from jqt._src import numerics as nx
+    codes = jnp.arange(-8, 8, dtype=jnp.int8)
+    np.testing.assert_array_equal(np.asarray(nx.decode(codes, "nf4")), NF4_TABLE.astype(np.float32))
+    grid = jnp.asarray(RNG.integers(-8, 8, (3, 5, 7)), jnp.int8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda c: nx.decode(c, "nf4"))(grid)),
+                                  NF4_TABLE.astype(np.float32)[np.asarray(grid) + 8])
+
+
 def test_nf4_beats_int4_on_gaussian_weights():
     errs = {}
     for name, r in (("int4", jqt.recipes.w4(group_size=64)), ("nf4", jqt.recipes.nf4(group_size=64))):

@@ -602,7 +602,7 @@ def lax_conv_net(p, x):
                                     dimension_numbers=nhwc)
 
 
-@pytest.mark.parametrize("kind", ["positive", "negative", "shifted"])
+@pytest.mark.parametrize("kind", ["positive"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("negative", "shifted")])
 def test_lax_conv_same_padding_asymmetric(kind):
     """SAME padding with asymmetric activations: the integer path pads with the zero
     point (real value 0), so it must agree with the simulated path (float conv padded

@@ -199,7 +199,8 @@ def test_integer_kernels_in_jaxpr():
     assert not any(v.aval.dtype == jnp.int32 for e in sim for v in e.outvars)
 
 
-@pytest.mark.parametrize("layout", [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW")])
+@pytest.mark.parametrize("layout", [("NHWC", "HWIO", "NHWC"),
+                                    pytest.param(("NCHW", "OIHW", "NCHW"), marks=pytest.mark.slow)])
 def test_dynamic_conv_scales_are_per_example(layout):
     """An example's output must not depend on the other examples in its batch."""
     def conv(w, x):

@@ -376,7 +376,7 @@ def _rows_fn(w, xs):
     return h @ w.T, h
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_lax_map_remainder_shares_the_keys_and_statistics_of_its_body(jit):
     xs = jnp.asarray(np.random.default_rng(2).standard_normal((10, 4)), jnp.float32)
     xs = xs.at[9].set(4.0)  # the extremes lie in the remainder (row 9)

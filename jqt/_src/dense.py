@@ -413,10 +413,8 @@ def _weight_only_2d(x2, w, policy, precision):
     else:
         xk = k_order(x2, nib)[0]
         if n_chunk:  # blocks of output channels, each decoded in cache, written in place
-            nd = 1 if w.layout == "kn" else 0  # the weight's output-channel axis
-
-            def body(i, out):
-                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, nd)
+            def body(i, out):  # the weight's output-channel axis is the other one, 1 - kd
+                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1 - kd)
                 return lax.dynamic_update_slice_in_dim(out, dot(xk, dec(cut(v), cut(scale), cut(zp))),
                                                        i * n_chunk, 1)
 

@@ -148,6 +148,25 @@ def test_activation_x_activation_dynamic():
     assert qp[attn[0]].is_float  # left float by default
 
 
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_dynamic_params_are_the_plain_ones_bit_for_bit_under_jit(symmetric):
+    """``nx.computed_once`` (a division by a computed 1, so XLA does not recompute the
+    per-token parameters in every consumer element) changes no value: scales from 1e-30
+    to 1e30, zero rows, mixed signs, compiled as the integer path compiles them."""
+    q = jqt.QuantType(bits=8, per_channel=True, dynamic=True, symmetric=symmetric)
+    mags = 10.0 ** np.linspace(-30, 30, 61, dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal((61, 16)).astype(np.float32) * mags[:, None]
+    x[3] = 0.0
+    x[5] = np.abs(x[5])
+    plain = lambda x: nx.params_from_range(jnp.min(x, 1, keepdims=True), jnp.max(x, 1, keepdims=True), q)
+    got, want = jax.jit(lambda x: nx.dynamic_params(x, (1,), q))(x), jax.jit(plain)(x)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
 CONVS = {
     "same": dict(window_strides=(1, 1), padding="SAME"),
     "valid_stride2": dict(window_strides=(2, 2), padding="VALID"),

@@ -4,6 +4,8 @@ Numerical agreement of every formulation with the simulated path is checked op
 by op in test_numerics.py (``POLICIES``); here the jaxprs show that the
 formulation the table names is the one that runs.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,15 +90,15 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, length):
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
     np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU)(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
-    # many rows: blocks of output channels (at most half of the 512), each over the whole of K
-    many = jnp.ones((CPU.float_matmul_rows + 1, 1024))
-    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, many)
-    scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-    assert len(scans) == 1 and scans[0].params["length"] == 2
-    # more than whole_decode_rows (a prefill): the whole weight at once, one float matmul
-    more = jnp.ones((CPU.whole_decode_rows + 1, 1024))
-    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, more)
-    assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    # many rows: the whole weight at once, one float matmul, its codes tied to the
+    # activation (an integer zero from its first element) so that XLA cannot hoist the decode
+    many = jax.random.normal(jax.random.key(5), (CPU.float_matmul_rows + 1, 1024))
+    for policy, tied in ((CPU, True), (dataclasses.replace(CPU, decode_after_input=False), False)):
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, many)
+        assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
+        assert ("clz" in {e.primitive.name for e in _eqns(jaxpr.jaxpr)}) == tied
+        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many),
+                                      jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, many))
 
 
 @pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])
@@ -117,7 +119,7 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        float_matmul_rows=64, many_rows_block=1024, whole_decode_rows=512)
+        float_matmul_rows=64)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

@@ -225,12 +225,13 @@ def int_dense_grouped(ax, x, w, policy):
     or ``"kn"`` ``(K, N)`` with ``(G, N)``. (At few rows ``gemv.int_grouped`` runs all
     groups as one batched dot instead.)"""
     nib = w.qtype.packs_nibbles and w.values.dtype == jnp.uint8
-    halves = parts(w.values, nib)          # nibble halves: even and odd inputs, no interleaving
+    qx2 = ax.act_2d(x.values)
+    v = after(w.values, qx2) if policy.decode_after_input else w.values
+    halves = parts(v, nib)  # nibble halves: even and odd inputs, no interleaving
     step = len(halves)
     gs = w.qtype.group_size
     kd = _contract_dim(w.layout)
     k = w.values.shape[kd] * step
-    qx2 = ax.act_2d(x.values)
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
     scale = w.scale.astype(_F32)
     per_group = (lambda a, g: a[:, g]) if kd == 1 else (lambda a, g: a[g])  # (N, G) or (G, N)
@@ -377,6 +378,28 @@ def _decode_k(codes, w, scale, zp, kd, rows, nib):
     return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
 
 
+def after(codes, x):
+    """``codes`` unchanged, made to depend on the activation ``x`` (an integer zero
+    computed from one of its elements is added), so that a weight's decode cannot run
+    before its op's input exists.
+
+    A weight depends on nothing, so XLA:CPU schedules the decodes of all a program's
+    weights ahead of its first matmul and keeps their float copies alive together (43 MB
+    for all-MiniLM-L6-v2 at batch 8, ``benchmarks/temporaries.py``), which the allocator
+    maps afresh, and page-faults, at every call. ``lax.optimization_barrier`` does not
+    prevent it (XLA:CPU removes barriers before it schedules). With the dependency each
+    weight is decoded just before its matmul and its copy freed after it.
+
+    >>> import jax.numpy as jnp
+    >>> c = jnp.array([[-8, 7]], jnp.int8)
+    >>> bool((after(c, jnp.array([[float("nan"), -0.0]])) == c).all())
+    True
+    """
+    bits = lax.bitcast_convert_type(x[(0,) * x.ndim].astype(_F32), jnp.uint32)
+    zero = lax.clz(bits) >> 6  # a count of leading zeros is at most 32
+    return codes + zero.astype(codes.dtype)
+
+
 def _weight_only_2d(x2, w, policy, precision):
     """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
@@ -420,7 +443,7 @@ def _weight_only_2d(x2, w, policy, precision):
 
             out = lax.fori_loop(0, n // n_chunk, body, jnp.zeros((m, n), _F32))
         else:
-            out = dot(xk, dec(v, scale, zp))
+            out = dot(xk, dec(after(v, xk) if policy.decode_after_input else v, scale, zp))
     if gs:
         return out
     if w.zero_point is not None:

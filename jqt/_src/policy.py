@@ -135,6 +135,15 @@ class KernelPolicy:
       whole_decode_rows: above this many rows the whole weight is decoded at
         once after all (0: no such limit): there the matmul outweighs the
         temporaries, and blocks cost a copy of the output.
+      decode_after_input: a weight decoded whole (or unpacked from nibbles for
+        int8 matmuls per group) is made to depend on its op's activation (an
+        integer zero computed from one element is added to the codes), so
+        that it is decoded just before its matmul and freed after it. Without
+        it XLA:CPU hoists the decodes of all a program's weights, which depend
+        on nothing, ahead of the first matmul (see ``many_rows_block``), and
+        ``lax.optimization_barrier`` does not stop it (XLA:CPU removes
+        barriers before it schedules). Default ``True``: it costs one scalar
+        add per code, fused into the decode.
 
       batched_groups: at few rows, int weights with group scales and int8
         activations (w4a8 g128) run all groups as one matmul batched over the
@@ -158,6 +167,7 @@ class KernelPolicy:
     float_matmul_rows: int = 0
     many_rows_block: int = 0
     whole_decode_rows: int = 0
+    decode_after_input: bool = True
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -196,8 +206,7 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
-                        weight_only_digits=3, float_matmul_rows=64,
-                        many_rows_block=1024, whole_decode_rows=512),
+                        weight_only_digits=3, float_matmul_rows=64),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

@@ -70,21 +70,27 @@ def test_single_row_int8_matmul_is_padded_on_cpu():
         assert (a.shape, a.dtype, b.shape, b.dtype) == ((rows, 1024), np.int8, (8, 1024), np.int8)
 
 
-@pytest.mark.parametrize("recipe,length", [(jqt.recipes.w8(), 512 // 256),  # (N, K): N-chunks
-                                           (jqt.recipes.w4(group_size=128), 1024 // 256)])  # K-chunks
-def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, length):
-    f, _, x, qp, packed = _dense(recipe, n=512, m=8)  # more rows than gemv_rows, up to float_matmul_rows
+@pytest.mark.parametrize("recipe,k_rows", [(jqt.recipes.w8(), 1024),  # (N, K): N-chunks
+                                           (jqt.recipes.w4(group_size=128), 256)])  # K-chunks
+def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
+    # a float copy of 4 MiB, above whole_decode_bytes; more rows than gemv_rows, up to float_matmul_rows
+    f, _, x, qp, packed = _dense(recipe, n=1024, m=8)
+    assert 4 * 1024 * 1024 > CPU.whole_decode_bytes
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-    assert len(scans) == 1 and scans[0].params["length"] == length
+    assert len(scans) == 1 and scans[0].params["length"] == 1024 // 256
     # one float matmul per chunk, over all its rows of K (int4: both nibbles decoded into it)
     dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-    k_rows = 1024 if length == 2 else 256
     assert len(dots) == 1 and dots[0].invars[0].aval.shape == (8, k_rows)
     # no float copy of the whole weight outside the loop
     casts = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "convert_element_type"
-             and e.invars[0].aval.size * (2 if e.invars[0].aval.dtype == np.uint8 else 1) == 1024 * 512]
+             and e.invars[0].aval.size * (2 if e.invars[0].aval.dtype == np.uint8 else 1) == 1024 * 1024]
     assert not casts
+    # a weight whose float copy fits whole_decode_bytes (2 MiB) is decoded whole: no loop, one matmul
+    fs, _, xs, qps, packeds = _dense(recipe, n=512, m=8)
+    small = jax.make_jaxpr(jqt.quantize(fs, qps, policy=CPU))(packeds, xs)
+    assert not [e for e in _eqns(small.jaxpr) if e.primitive.name == "scan"]
+    assert len([e for e in _eqns(small.jaxpr) if e.primitive.name == "dot_general"]) == 1
     generic = jax.make_jaxpr(jqt.quantize(f, qp, policy=jqt.KernelPolicy()))(packed, x)
     assert not [e for e in _eqns(generic.jaxpr) if e.primitive.name == "scan"]
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
@@ -119,8 +125,23 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        float_matmul_rows=64)
+        float_matmul_rows=64, whole_decode_bytes=3 << 20)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
+
+
+def test_small_grouped_weight_with_int8_activations_is_decoded_whole_on_cpu():
+    """w4a8 at 5-64 rows: a weight whose float copy fits ``whole_decode_bytes`` runs one
+    float matmul on its decoded codes and the exact int8 activation codes; without the
+    rule, one int8 matmul per group (and nibble half)."""
+    f, _, x, qp, packed = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=8)
+    out = {}
+    for policy, dtype, count in ((CPU, np.float32, 1),
+                                 (dataclasses.replace(CPU, whole_decode_bytes=0), np.int8, 4)):
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
+        dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        assert len(dots) == count and {e.invars[0].aval.dtype for e in dots} == {np.dtype(dtype)}
+        out[dtype] = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
+    np.testing.assert_allclose(out[np.float32], out[np.int8], atol=1e-5 * float(jnp.abs(out[np.int8]).max()))

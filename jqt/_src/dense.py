@@ -331,6 +331,14 @@ def many_rows(m, policy) -> bool:
     return bool(policy.float_matmul_rows) and isinstance(m, int) and m > policy.float_matmul_rows
 
 
+def decodes_whole(m, w2, policy) -> bool:
+    """Whether a 2-D weight QArray is decoded whole for one float matmul at ``m`` rows:
+    :func:`many_rows`, or a weight whose float32 copy fits ``policy.whole_decode_bytes``
+    (a small weight does not repay K-chunks' loop and sum)."""
+    nib = w2.qtype.packs_nibbles and w2.values.dtype == jnp.uint8
+    return many_rows(m, policy) or 4 * w2.values.size * (2 if nib else 1) <= policy.whole_decode_bytes
+
+
 def _many_rows_block(n, m, policy):
     """The block of output channels (of ``n``) in which a weight is decoded for an op of
     ``m`` (many) rows: ``policy.many_rows_block`` up to ``policy.whole_decode_rows`` rows,
@@ -416,7 +424,7 @@ def _weight_only_2d(x2, w, policy, precision):
     step = 2 if nib else 1
     rows = gs // step if gs else 0  # rows of the codes per group
     n = v.shape[0] if w.layout == "nk" else v.shape[1]
-    many = many_rows(m, policy)
+    many = decodes_whole(m, w, policy)
     target = _many_rows_block(n, m, policy) if many else policy.weight_only_chunk
     chunk = _chunk(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
     n_chunk = _chunk(n, target) if w.layout == "nk" or many else 0

@@ -144,6 +144,13 @@ class KernelPolicy:
         ``lax.optimization_barrier`` does not stop it (XLA:CPU removes
         barriers before it schedules). Default ``True``: it costs one scalar
         add per code, fused into the decode.
+      whole_decode_bytes: a weight-only weight whose float32 copy takes at most
+        this many bytes is decoded whole (after its input) for one float matmul
+        at any row count, as above ``float_matmul_rows`` rows: K-chunks pay a
+        loop and a sum of partial products that a small weight does not repay
+        (all-MiniLM-L6-v2 at batch 1, 17 rows, weights of at most 2.4 MB:
+        weight-only presets 1.03-1.31x float32 in K-chunks, 0.75-0.99x whole);
+        0: by rows only.
 
       batched_groups: at few rows, int weights with group scales and int8
         activations (w4a8 g128) run all groups as one matmul batched over the
@@ -168,6 +175,7 @@ class KernelPolicy:
     many_rows_block: int = 0
     whole_decode_rows: int = 0
     decode_after_input: bool = True
+    whole_decode_bytes: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -206,7 +214,7 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
-                        weight_only_digits=3, float_matmul_rows=64),
+                        weight_only_digits=3, float_matmul_rows=64, whole_decode_bytes=3 << 20),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

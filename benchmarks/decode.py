@@ -23,9 +23,10 @@ on two batches of random tokens.
   matmuls, which the quantized variants pay too, on 4-8x fewer bytes.
 * ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
   every preset <= 1.0x float32. Extra rows run three presets without the
-  many-row formulation (``KernelPolicy.float_matmul_rows``), and with the weight
-  decoded in blocks of output channels (as up to ``whole_decode_rows`` rows)
-  instead of whole.
+  many-row formulation (``KernelPolicy.float_matmul_rows``), with the weight
+  decoded in blocks of output channels (``many_rows_block``) instead of whole,
+  and decoded whole without the dependency on its input that keeps XLA:CPU from
+  hoisting it (``decode_after_input``).
 * ``formulations``: the decode step of each preset under each formulation the
   kernel policy can choose for few rows (``jqt.KernelPolicy``), at 1, 2 and 4
   rows (decode batch 1, 2 and 4): the measurements behind the CPU table in
@@ -86,15 +87,19 @@ def _p(**kw):
 
 
 FORMULATIONS = {
-    "w8": {"cast K-chunks of 256 (kn)": _p(weight_only_digits=0),
-           "cast N-chunks of 256 (nk)": _p(gemv_rows=0),
+    "w8": {"cast K-chunks of 256 (kn)": _p(weight_only_digits=0, whole_decode_bytes=0),
+           "cast N-chunks of 256 (nk)": _p(gemv_rows=0, whole_decode_bytes=0),
+           "whole weights, each decoded after its input (kn)": _p(weight_only_digits=0, weight_only_chunk=0),
            "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3),
            "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4)},
     "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
                      "int8 matmul, rows not padded": _p(pad_rows=1)},
-    "w4 g128": {"cast K-chunks of 256 (kn)": _p(grouped_digits=0),
+    "w4 g128": {"cast K-chunks of 256 (kn)": _p(grouped_digits=0, whole_decode_bytes=0),
+                "cast K-chunks of 256, weights up to 3 MiB whole (kn)": _p(grouped_digits=0),
+                "whole weights, each decoded after its input (kn)": _p(grouped_digits=0, weight_only_chunk=0),
                 "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3)},
-    "w4a8 g128": {"int8 matmul per group (nk)": _p(batched_groups=False),
+    "w4a8 g128": {"int8 matmul per group (nk)": _p(batched_groups=False, whole_decode_bytes=0),
+                  "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(batched_groups=False),
                   "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True)},
 }
 FORMULATION_BATCHES = (1, 2, 4)
@@ -227,14 +232,15 @@ def prefill(names, rounds, markdown, results):
         qp, packed, g = build(f, VARIANTS[name][0](), params, calib)
         calls[name] = lambda g=g, p=packed: g(p, x)
         if name in PREFILL_FORMULATIONS:
-            few = dataclasses.replace(CPU, float_matmul_rows=0)
-            g0 = jax.jit(jqt.quantize(f, qp, policy=few))
-            calls[f"{name}, {PREFILL_FORMULATIONS[name]} (no float_matmul_rows)"] = \
-                lambda g=g0, p=jqt.pack(qp, params, policy=few): g(p, x)
-            blocks = dataclasses.replace(CPU, whole_decode_rows=0)
-            g1 = jax.jit(jqt.quantize(f, qp, policy=blocks))
-            calls[f"{name}, decoded in blocks of output channels (no whole_decode_rows)"] = \
-                lambda g=g1, p=jqt.pack(qp, params, policy=blocks): g(p, x)
+            for label, policy in (
+                    (f"{PREFILL_FORMULATIONS[name]} (no float_matmul_rows, no whole_decode_bytes)",
+                     dataclasses.replace(CPU, float_matmul_rows=0, whole_decode_bytes=0)),
+                    ("decoded in blocks of 1024 output channels (many_rows_block=1024)",
+                     dataclasses.replace(CPU, many_rows_block=1024)),
+                    ("decoded whole, not tied to its input (decode_after_input=False)",
+                     dataclasses.replace(CPU, decode_after_input=False))):
+                g0 = jax.jit(jqt.quantize(f, qp, policy=policy))
+                calls[f"{name}, {label}"] = lambda g=g0, p=jqt.pack(qp, params, policy=policy): g(p, x)
     progress(f"prefill: timing {len(calls)} variants x {rounds} rounds")
     med = timed(calls, rounds)
     base = med["float32"]["median"]

@@ -465,11 +465,12 @@ def weight_only_dense(ax, x, w, policy, precision=None):
 
     With a ``"kn"`` weight and a chunk size, the weight is decoded to float one
     K-chunk at a time inside a ``lax.scan`` (an ``"nk"`` weight: one block of
-    output channels at a time), so no float copy of the whole weight is made;
-    with more than ``policy.float_matmul_rows`` rows the whole weight is decoded
-    once instead, above ``policy.whole_decode_rows`` (below it: blocks of
-    ``policy.many_rows_block`` output channels inside a ``lax.scan``, each over the
-    whole of K). Per-channel scales apply to the (smaller) output; per-group
-    scales to each decoded chunk.
+    output channels at a time), so no float copy of the whole weight is made.
+    With more than ``policy.float_matmul_rows`` rows, or a weight whose float copy
+    fits ``policy.whole_decode_bytes`` (:func:`decodes_whole`), the whole weight is
+    decoded once instead, after its input exists (:func:`after`); or in blocks of
+    ``policy.many_rows_block`` output channels inside a loop where that is set (up
+    to ``policy.whole_decode_rows`` rows), each over the whole of K. Per-channel
+    scales apply to the (smaller) output; per-group scales to each decoded chunk.
     """
     return _weight_only_2d(ax.act_2d(x), w, policy, precision)

@@ -37,30 +37,27 @@ rows of an int8 matmul      padded up to 2 (one row     not padded
                             row count (digits through
                             a batched matmul: 1.11-
                             1.33x)
-weight-only matmul,         ``lax.scan`` over chunks    cast the weight, one
-up to 64 rows               of <= 256 rows of K (of N   matmul
-                            for ``(N, K)``), cast in
-                            cache (a whole-weight cast
-                            is 10x slower than float)
-weight-only matmul,         blocks of <= 1024 output    the whole weight decoded
-65-512 rows                 channels (at most half)     once, one float matmul
-                            decoded in a ``lax.scan``,
-                            one float matmul over all
-                            of K each (MiniLM batch 8,
-                            weight-only: 1.14-1.49x
-                            float32 against 1.75-2.04x
-                            decoding whole: the whole
-                            decodes are hoisted and
-                            page-fault every call)
-weight-only matmul,         the whole weight decoded    the same
-more than 512 rows          once, one float matmul
-                            (prefill 0.99-1.02x float32
-                            against 1.03-1.24x cast in
-                            chunks, 3 runs; 1.03-1.11x
-                            in column blocks, 2 runs)
+weight-only matmul, up to   ``lax.scan`` over chunks    cast the weight, one
+64 rows, a float copy       of <= 256 rows of K (of N   matmul
+over 3 MiB                  for ``(N, K)``), cast in
+                            cache (the whole weight
+                            cast at one row: 0.49-
+                            0.52x of the float32 decode
+                            step against 0.40-0.47x)
+weight-only matmul, more    the whole weight decoded    the same
+than 64 rows or a float     once after its op's input
+copy of at most 3 MiB       exists (an integer zero
+                            from the activation added
+                            to the codes), one float
+                            matmul (MiniLM: 0.74-0.97x
+                            float32 at batch 1, 1.02-
+                            1.12x at batch 8; without
+                            the tie XLA:CPU hoists
+                            every decode: 43 MB of
+                            temporaries, 1.75-2.04x)
 w4a8 g128, more than 64     one float matmul on the     one int8 matmul per group
-rows                        decoded weight and the
-                            exact int8 codes (one int8
+rows or a float copy of     decoded weight and the
+at most 3 MiB               exact int8 codes (one int8
                             matmul per group: 2.9x
                             float32 at prefill)
 int4 / nf4 weight-only      per chunk or block: both    the same (not measured
@@ -70,7 +67,7 @@ int4 / nf4 weight-only      per chunk or block: both    the same (not measured
                             the activation's columns
                             in that order: one matmul
                             (one per nibble: MiniLM w4
-                            b8 1.39x float32, now
+                            b8 1.39x float32, then
                             1.11-1.17x); group scales
                             by a reshape; nf4 by a
                             16-entry table lookup

@@ -403,6 +403,8 @@ def after(codes, x):
     >>> bool((after(c, jnp.array([[float("nan"), -0.0]])) == c).all())
     True
     """
+    if x.size == 0:
+        return codes  # no rows: nothing to wait for
     bits = lax.bitcast_convert_type(x[(0,) * x.ndim].astype(_F32), jnp.uint32)
     zero = lax.clz(bits) >> 6  # a count of leading zeros is at most 32
     return codes + zero.astype(codes.dtype)

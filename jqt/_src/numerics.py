@@ -302,8 +302,8 @@ def computed_once(scale, zero_point=None):
     and of each matmul epilogue (with an attention transpose, once per output
     element). A division is an operation XLA counts as expensive and does not
     duplicate: behind it the parameters are computed once per row and read from
-    memory. ``w8a8_dynamic`` on all-MiniLM-L6-v2 at batch 8 went from 1.08x to
-    1.01x float32 time (docs/performance.md).
+    memory. ``w8a8_dynamic`` on all-MiniLM-L6-v2 went from 0.68x / 1.09x to 0.62x /
+    1.01x float32 time at batch 1 / 8 (``benchmarks/formats.py``, docs/formats.md).
 
     >>> import jax.numpy as jnp
     >>> s = jnp.array([0.5, 3.0e-12, 7.0e30])

@@ -41,9 +41,9 @@ weight-only matmul, up to   ``lax.scan`` over chunks    cast the weight, one
 64 rows, a float copy       of <= 256 rows of K (of N   matmul
 over 3 MiB                  for ``(N, K)``), cast in
                             cache (the whole weight
-                            cast at one row: 0.49-
-                            0.52x of the float32 decode
-                            step against 0.40-0.47x)
+                            cast at one row: 0.54-
+                            0.57x of the float32 decode
+                            step against 0.43-0.49x)
 weight-only matmul, more    the whole weight decoded    the same
 than 64 rows or a float     once after its op's input
 copy of at most 3 MiB       exists (an integer zero

@@ -48,6 +48,7 @@ RECIPES = {
     "w8_g128": jqt.recipes.w8(group_size=128),
     "w8a8_g32": jqt.recipes.w8a8(group_size=32),
     "nf4_g64": jqt.recipes.nf4(group_size=64),
+    "nf4_per_channel": jqt.recipes.nf4(group_size=0),
     "fp8": jqt.recipes.fp8(),
     "fp8_dynamic": jqt.recipes.fp8(dynamic=True),
     "fp8_e5m2": jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2"),
@@ -76,15 +77,16 @@ def _check(f, recipe, inputs, tol):
 def test_integer_matches_simulated_dense(name):
     qp, packed, sim, ref = _check(dense, RECIPES[name], (X,), 1e-5)
     t = qp["w"].rhs.qtype
-    if t.group_size:
-        assert qp["w"].rhs.scale.shape == (K // t.group_size, N)
+    # one scale per group, or per output channel (every recipe here, nf4(group_size=0) too)
+    assert qp["w"].rhs.scale.shape == ((K // t.group_size, N) if t.group_size else (1, N))
     assert float(jnp.max(jnp.abs(sim - ref))) < 0.2 * float(jnp.max(jnp.abs(ref)))  # really quantized
     assert float(jnp.max(jnp.abs(sim - ref))) > 0
 
 
 @pytest.mark.parametrize("name", [  # w8 groups, int4 g64 and e5m2: slow (w4a8, fp8 and the
     # dense test cover them by default)
-    pytest.param(n, marks=pytest.mark.slow) if n in ("w8_g128", "w4_g64", "fp8_e5m2") else n
+    pytest.param(n, marks=pytest.mark.slow) if n in ("w8_g128", "w4_g64", "fp8_e5m2", "nf4_per_channel")
+    else n
     for n in sorted(RECIPES)])
 def test_integer_matches_simulated_with_embeddings(name):
     qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
@@ -225,7 +227,8 @@ def test_rule_keeping_gathers_float_reproduces_old_outputs():
 
 def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
     p = {"w": P["w"][:96]}
-    with pytest.warns(UserWarning, match="cannot take group_size=64"):
+    with pytest.warns(UserWarning, match=r"cannot take group_size=64 \(groups run along axis 0 .*"
+                                         r"64 does not divide its length 96\)"):
         qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=64), p, [(X[:, :96],)], progress=False)
     assert qp["w"].rhs.qtype.group_size == 0 and qp["w"].rhs.scale.shape == (1, N)
 

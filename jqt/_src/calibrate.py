@@ -359,11 +359,15 @@ def _decide(site, rule, st):
     shape = site.eqn.invars[w].aval.shape
     eff = weight_qtype(site, wt, shape)
     if eff != wt:
+        ax = site.entry.groups(site)
+        why = (f"a {site.op} weight takes no groups" if ax is None else
+               f"groups run along axis {ax % len(shape)} of the weight ("
+               + ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
+               + f"), and {wt.group_size} does not divide its length {shape[ax % len(shape)]}")
         warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot "
-                      f"take group_size={wt.group_size} (groups run along a dot_general weight's "
-                      "innermost contracting axis, whose length they must divide); it gets one "
-                      "scale per output channel. Pick a group size that divides it, or a Rule "
-                      "for this key.", stacklevel=3)
+                      f"take group_size={wt.group_size} ({why}); it gets one scale per output "
+                      "channel. Pick a group size that divides it, or a Rule for this key.",
+                      stacklevel=3)
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)

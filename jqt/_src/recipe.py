@@ -387,14 +387,14 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
         awq: bool = False,
         kv_cache=False) -> Recipe:
     """Weight-only 4-bit NormalFloat (QLoRA's format) with one absmax scale per group of
-    ``group_size`` inputs, decoded by lookup; nf4 embedding tables; ``awq=True`` as
-    in :func:`w4`.
+    ``group_size`` inputs (0: per channel, as in :func:`w4`), decoded by lookup; nf4
+    embedding tables; ``awq=True`` as in :func:`w4`.
 
     >>> import jqt
-    >>> jqt.recipes.nf4().rules[0].weight.describe()
-    'nf4 sym g64'
+    >>> jqt.recipes.nf4().rules[0].weight.describe(), jqt.recipes.nf4(group_size=0).rules[0].weight.describe()
+    ('nf4 sym g64', 'nf4 sym per-channel')
     """
-    t = QuantType(dtype="nf4", group_size=group_size)
+    t = QuantType(dtype="nf4", group_size=group_size, per_channel=True)  # group_size=0: per channel
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=t, activation=None, embedding=t if embeddings else None, awq=awq,
                               **_cal(None, weight_calibrator)),))

@@ -477,3 +477,17 @@ def test_out_of_range_ids_of_a_quantized_table_are_nan_as_in_float():
         warnings.simplefilter("error")
         for y in (jqt.quantize(f, qp)(t, ids), jqt.quantize(f, qp)(jqt.pack(qp, t), ids)):
             assert np.isnan(np.asarray(y[2])).all() and np.isfinite(np.asarray(y[:2])).all()
+
+
+def test_packed_weights_of_another_format_and_params_of_another_shape_are_refused():
+    """Weights packed with other qparams (another recipe, or before a fallback) name both
+    formats; params whose weight the qparams' scales do not fit name both shapes."""
+    p, x, q8 = _setup(jqt.recipes.w8())
+    _, _, q4 = _setup(jqt.recipes.w4(group_size=4))
+    for qp, packed, msg in ((q8, jqt.pack(q4, p), "is int4 sym g4, but qparams['w'] quantize it as int8"),
+                            (q4, jqt.pack(q8, p), "is int8 sym per-channel, but qparams['w'] quantize it as int4")):
+        with pytest.raises(jqt.QParamsMismatchError, match=re.escape(msg) + ".*jqt.pack"):
+            jqt.quantize(f, qp)(packed, x)
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"jqt.pack: op 'w': weight 'w' has shape \(4, 4\), which its scale of shape \(2, 4\)"):
+        jqt.pack(q4, {"w": p["w"][:4]})

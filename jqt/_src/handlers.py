@@ -202,6 +202,13 @@ def lookup(ctx, site, invals):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
+        q = qp.operand(w)
+        if q is not None and packed.qtype != q.qtype:
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{site.key}' is {packed.qtype.describe()}, but "
+                f"qparams['{site.key}'] quantize it as {q.qtype.describe()}: the weights were "
+                "packed with other qparams (another recipe, or before a fallback or edit). "
+                "Re-run jqt.pack(qparams, params) with these qparams.")
     return qp, packed
 
 

@@ -184,6 +184,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
             weights[key] = BY_NAME[p.op].pack(src, p, operand, policy)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
+        except TypeError as e:  # the scales do not broadcast against the weight
+            raise QParamsMismatchError(
+                f"jqt.pack: op '{key}': weight '{src.path}' has shape {tuple(jnp.shape(operand))}, "
+                f"which its scale of shape {tuple(jnp.shape(p.operand(w).scale))} does not fit ({e}). "
+                "Pass the params the qparams were calibrated with, or re-calibrate.") from None
         consumed.add(src.leaf)
         if src.float_needed:
             needed.add(src.leaf)

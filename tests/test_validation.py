@@ -479,15 +479,22 @@ def test_out_of_range_ids_of_a_quantized_table_are_nan_as_in_float():
             assert np.isnan(np.asarray(y[2])).all() and np.isfinite(np.asarray(y[:2])).all()
 
 
-def test_packed_weights_of_another_format_and_params_of_another_shape_are_refused():
+def test_packed_weights_of_another_format_and_params_of_another_shape_are_refused(tmp_path):
     """Weights packed with other qparams (another recipe, or before a fallback) name both
-    formats; params whose weight the qparams' scales do not fit name both shapes."""
+    formats, when traced and when loaded; params whose weight the qparams' scales do not
+    fit name both shapes."""
     p, x, q8 = _setup(jqt.recipes.w8())
     _, _, q4 = _setup(jqt.recipes.w4(group_size=4))
     for qp, packed, msg in ((q8, jqt.pack(q4, p), "is int4 sym g4, but qparams['w'] quantize it as int8"),
                             (q4, jqt.pack(q8, p), "is int8 sym per-channel, but qparams['w'] quantize it as int4")):
         with pytest.raises(jqt.QParamsMismatchError, match=re.escape(msg) + ".*jqt.pack"):
             jqt.quantize(f, qp)(packed, x)
+    path = tmp_path / "w4.safetensors"
+    jqt.save_packed(path, jqt.pack(q4, p))  # no qparams in the file: only the format tells
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.load_packed: the packed weight of op 'w' is int4 "
+                                                       r"sym g4, but these qparams quantize it as int8"):
+        jqt.load_packed(path, qparams=q8)
+    jqt.load_packed(path, qparams=q4)
     with pytest.raises(jqt.QParamsMismatchError,
                        match=r"jqt.pack: op 'w': weight 'w' has shape \(4, 4\), which its scale of shape \(2, 4\)"):
         jqt.pack(q4, {"w": p["w"][:4]})

@@ -441,8 +441,8 @@ def _n_channels(q, depth):
 
 def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
     """Checks that ``packed`` (from :func:`jqt.pack`) matches ``qparams``: every packed
-    weight belongs to a quantized weight operand of ``qparams``, its shape agrees with
-    that operand's per-channel scale, and every weight leaf dropped by ``pack`` is
+    weight belongs to a quantized weight operand of ``qparams`` and has its format, its
+    shape agrees with that operand's per-channel scale, and every weight leaf dropped by ``pack`` is
     replaced by a packed weight. With ``packed_with`` (the qparams stored with the
     weights), also checks that the weight scales and zero points are the same.
     Raises :class:`jqt.QParamsMismatchError`."""
@@ -476,6 +476,11 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             raise QParamsMismatchError(
                 f"{fn}: the packed weights hold an int8 weight for op '{key}', which these qparams "
                 "keep float. They were packed with other qparams; re-run jqt.pack with these.")
+        if pw.qtype != q.qtype:
+            raise QParamsMismatchError(
+                f"{fn}: the packed weight of op '{key}' is {pw.qtype.describe()}, but these "
+                f"qparams quantize it as {q.qtype.describe()}. They were packed with other "
+                "qparams; re-run jqt.pack with these.")
         shape = values_shape(pw)
         depth = 0 if src is None else src.stack_depth
         if q.qtype.per_channel and not q.qtype.group_size and q.scale is not None and np.ndim(q.scale):

@@ -111,7 +111,7 @@ def _contract_dim(layout):
 def unpacked(w2):
     """The int8 codes of a 2-D weight QArray (nibbles unpacked along K)."""
     v = w2.values
-    if w2.qtype.packs_nibbles and v.dtype == jnp.uint8:
+    if w2.nibbles:
         v = unpack_nibbles(v, v.ndim - 2 + _contract_dim(w2.layout))
     return v
 
@@ -224,7 +224,7 @@ def int_dense_grouped(ax, x, w, policy):
     summed in float. ``w``: codes ``"nk"`` ``(N, K)`` with scale and zero point ``(N, G)``,
     or ``"kn"`` ``(K, N)`` with ``(G, N)``. (At few rows ``gemv.int_grouped`` runs all
     groups as one batched dot instead.)"""
-    nib = w.qtype.packs_nibbles and w.values.dtype == jnp.uint8
+    nib = w.nibbles
     qx2 = ax.act_2d(x.values)
     v = after(w.values, qx2) if policy.decode_after_input else w.values
     halves = parts(v, nib)  # nibble halves: even and odd inputs, no interleaving
@@ -335,8 +335,7 @@ def decodes_whole(m, w2, policy) -> bool:
     """Whether a 2-D weight QArray is decoded whole for one float matmul at ``m`` rows:
     :func:`many_rows`, or a weight whose float32 copy fits ``policy.whole_decode_bytes``
     (a small weight does not repay K-chunks' loop and sum)."""
-    nib = w2.qtype.packs_nibbles and w2.values.dtype == jnp.uint8
-    return many_rows(m, policy) or 4 * w2.values.size * (2 if nib else 1) <= policy.whole_decode_bytes
+    return many_rows(m, policy) or 4 * w2.values.size * (2 if w2.nibbles else 1) <= policy.whole_decode_bytes
 
 
 def _many_rows_block(n, m, policy):
@@ -415,7 +414,7 @@ def _weight_only_2d(x2, w, policy, precision):
     m, k = x2.shape
     q = w.qtype
     gs = q.group_size
-    nib = q.packs_nibbles and w.values.dtype == jnp.uint8
+    nib = w.nibbles
     kd = _contract_dim(w.layout)
     v = w.values
     unit = 1.0

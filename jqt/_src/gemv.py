@@ -63,11 +63,7 @@ def grouped_applies(w, m: int, policy) -> bool:
 def _k(w):
     v = w.values
     k = v.shape[1] if w.layout == "nk" else v.shape[0]
-    return 2 * k if _nibbles(w) else k
-
-
-def _nibbles(w):
-    return w.qtype.packs_nibbles and w.values.dtype == jnp.uint8
+    return 2 * k if w.nibbles else k
 
 
 def digits(x2, n: int):
@@ -116,7 +112,7 @@ def weight_only(ax, x, w, policy):
         return _combine(group_sums(c, None, w, policy), scales)
     c, scales = digits(x2, policy.weight_only_digits)
     acc = sum(dense.int_matmul(c[:, r], p, w.layout, policy.pad_rows)
-              for r, p in dense.parts(w.values, _nibbles(w)))
+              for r, p in dense.parts(w.values, w.nibbles))
     out = _combine(acc.astype(_F32), scales)
     if w.zero_point is not None:
         zsum = jnp.sum(x2.astype(_F32), axis=1, keepdims=True)
@@ -140,7 +136,7 @@ def group_sums(c, zx, w, policy):
     summed over the groups. The activation's rows are stacked per group without a
     transpose (XLA:CPU's int8 matmul takes row-major operands only).
     """
-    nib = _nibbles(w)
+    nib = w.nibbles
     gs, step = w.qtype.group_size, (2 if nib else 1)
     m, k = c.shape
     g, half = k // gs, gs // step

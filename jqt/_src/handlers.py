@@ -149,7 +149,7 @@ def _expected_scale_shape(site, i, shape, qtype):
 
 
 def _nibble_axis(packed):
-    if not (packed.qtype.packs_nibbles and packed.values.dtype == jnp.uint8):
+    if not packed.nibbles:
         return None
     nd = packed.values.ndim
     return {"nk": nd - 1, "kn": nd - 2}.get(packed.layout, nd - 1)

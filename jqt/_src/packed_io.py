@@ -443,8 +443,9 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
     """Checks that ``packed`` (from :func:`jqt.pack`) matches ``qparams``: every packed
     weight belongs to a quantized weight operand of ``qparams`` and has its format, its
     shape agrees with that operand's per-channel scale, and every weight leaf dropped
-    by ``pack`` is replaced by a packed weight. With ``packed_with`` (the qparams stored with the
-    weights), also checks that the weight scales and zero points are the same.
+    by ``pack`` is replaced by a packed weight. With ``packed_with`` (the qparams
+    stored with the weights), also checks that the weight scales and zero points are
+    the same.
     Raises :class:`jqt.QParamsMismatchError`."""
     if not isinstance(packed, PackedParams):
         raise TypeError(f"{fn}: expected a jqt.PackedParams, got a {type(packed).__name__}.")

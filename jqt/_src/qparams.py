@@ -93,6 +93,16 @@ class QArray:
     qtype: QuantType = dataclasses.field(metadata=dict(static=True), default=QuantType())
     layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
 
+    @property
+    def nibbles(self) -> bool:
+        """Whether ``values`` hold two codes per byte (uint8 codes of 4 bits or fewer).
+
+        >>> import jax.numpy as jnp, jqt
+        >>> jqt.QArray(values=jnp.zeros((2, 4), jnp.uint8), qtype=jqt.QuantType(bits=4)).nibbles
+        True
+        """
+        return self.qtype.packs_nibbles and getattr(self.values, "dtype", None) == np.uint8
+
     def __repr__(self):
         vals = ""
         if self.values is not None:

@@ -490,6 +490,39 @@ def test_export_symbolic_batch_default_policy(models):
                                rtol=1e-6, atol=1e-6)
 
 
+def embed_mlp(p, ids):  # a lookup's (b, t, d) rows reshaped for the matmuls: symbolic sizes
+    h = p["emb"][ids]
+    return jnp.tanh(h @ p["w"]) @ p["w2"]
+
+
+@pytest.mark.parametrize("name", [
+    "w8a8_dynamic", "w4_g64",
+    *(pytest.param(n, marks=pytest.mark.slow) for n in ("w8a8", "w4a8_g64", "nf4", "fp8", "fp8_dynamic"))])
+def test_export_symbolic_batch_and_length_every_format(name):
+    """Batch and sequence length both symbolic, through an embedding lookup: the analysis
+    meets reshapes with symbolic sizes (once an InconclusiveDimensionOperation from
+    the layout recorder)."""
+    recipe = {"w8a8_dynamic": jqt.recipes.w8a8_dynamic(), "w4_g64": jqt.recipes.w4(group_size=64),
+              "w8a8": jqt.recipes.w8a8(), "w4a8_g64": jqt.recipes.w4a8(group_size=64),
+              "nf4": jqt.recipes.nf4(), "fp8": jqt.recipes.fp8(),
+              "fp8_dynamic": jqt.recipes.fp8(dynamic=True)}[name]
+    rng = np.random.default_rng(3)
+    p = {"emb": jnp.asarray(rng.standard_normal((32, 128)) * 0.5, jnp.float32),
+         "w": jnp.asarray(rng.standard_normal((128, 64)) * 0.1, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((64, 128)) * 0.1, jnp.float32)}
+    ids = lambda *shape: jnp.asarray(rng.integers(0, 32, shape), jnp.int32)
+    qp = jqt.calibrate(embed_mlp, recipe, p, [(ids(2, 5),)], progress=False)
+    packed = jqt.pack(qp, p)
+    qf = jax.jit(jqt.quantize(embed_mlp, qp))
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, t"), jnp.int32)
+    back = jax.export.deserialize(jax.export.export(qf)(packed, spec).serialize())
+    for shape in ((1, 1), (3, 7), (8, 16)):
+        x = ids(*shape)
+        out = back.call(packed, x)
+        assert out.shape == (*shape, 128)
+        np.testing.assert_allclose(out, qf(packed, x), rtol=1e-5, atol=1e-5)
+
+
 # ============================================================ the fresh process's result
 
 

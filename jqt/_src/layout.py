@@ -48,9 +48,12 @@ _APPLY = {
 
 
 def record(eqn):
-    """The step for a layout-only ``eqn``, or ``None``."""
+    """The step for a layout-only ``eqn``, or ``None``: also for one whose shapes have
+    symbolic dimensions (``jax.export`` of a variable batch size), which reads no weight."""
     rec = RECORDERS.get(eqn.primitive.name)
-    return None if rec is None else rec(eqn.params)
+    if rec is None or not all(isinstance(d, int) for v in eqn.outvars for d in v.aval.shape):
+        return None
+    return rec(eqn.params)
 
 
 def apply_chain(x, chain):

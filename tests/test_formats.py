@@ -2,6 +2,7 @@
 quantized embedding lookups, each checked op by op: the integer path against the simulated
 path (with float and with packed weights), packing, files, gradients and composition."""
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -231,6 +232,50 @@ def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
                                          r"64 does not divide its length 96\)"):
         qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=64), p, [(X[:, :96],)], progress=False)
     assert qp["w"].rhs.qtype.group_size == 0 and qp["w"].rhs.scale.shape == (1, N)
+
+
+HEADS, HEAD_DIM = 4, 64
+WO = jnp.asarray(RNG.standard_normal((HEADS, HEAD_DIM, N)) * 0.1, jnp.float32)
+
+
+def out_proj_einsum(p, a):  # jnp.einsum pairs the contracted axes as ((3, 2), (1, 0))
+    return jnp.einsum("bthd,hdm->btm", a, p["wo"])
+
+
+def out_proj_dot(p, a):     # flax's DenseGeneral(axis=(-2, -1)) pairs them as ((2, 3), (0, 1))
+    return jax.lax.dot_general(a, p["wo"], (((2, 3), (0, 1)), ((), ())))
+
+
+def out_proj_2d(p, a):      # the same contraction flattened by hand
+    return a.reshape(a.shape[0], a.shape[1], -1) @ p["wo"].reshape(HEADS * HEAD_DIM, N)
+
+
+@pytest.mark.parametrize("f", [out_proj_einsum, out_proj_dot], ids=["einsum", "dot_general"])
+@pytest.mark.parametrize("name", ["w4_g32", pytest.param("w4a8_g32", marks=pytest.mark.slow)])
+def test_groups_of_a_weight_contracted_over_two_axes(tmp_path, f, name):
+    """An attention output projection contracts the weight's (heads, head_dim) axes. Its
+    groups are those of the flattened contraction (g consecutive elements of head_dim,
+    for each head), whichever order the dot_general pairs the axes in: the same scales
+    and outputs as the hand-flattened 2-D matmul. (Such a weight once crashed the integer
+    path, or fell back per channel, depending on the order.)"""
+    recipe = {"w4_g32": jqt.recipes.w4(group_size=32), "w4a8_g32": jqt.recipes.w4a8(group_size=32)}[name]
+    p = {"wo": WO}
+    a = jnp.asarray(RNG.standard_normal((6, 1, HEADS, HEAD_DIM)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the groups fit: no fallback warning
+        qp = jqt.calibrate(f, recipe, p, [(a,)], progress=False)
+    qp2 = jqt.calibrate(out_proj_2d, recipe, p, [(a,)], progress=False)
+    assert qp["wo"].rhs.scale.shape == (HEADS, HEAD_DIM // 32, N)
+    np.testing.assert_array_equal(qp["wo"].rhs.scale.reshape(-1, N), qp2["wo"].rhs.scale)
+    packed = jqt.pack(qp, p)
+    path = str(tmp_path / "wo.safetensors")
+    jqt.save_packed(path, packed, qp)
+    want = jqt.quantize(out_proj_2d, qp2, simulate=True)(p, a)
+    for rows in (a, a[:1]):  # the many-row and the one-row (GEMV) formulations
+        sim = jqt.quantize(f, qp, simulate=True)(p, rows)
+        np.testing.assert_allclose(sim, want[:len(rows)], rtol=1e-5, atol=1e-5)
+        for w in (p, packed, jqt.load_packed(path)):
+            np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(w, rows), sim, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_file_round_trip_every_format(tmp_path):

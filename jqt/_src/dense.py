@@ -36,21 +36,28 @@ class DenseAxes:
     w: int  # the weight's operand index
 
     @staticmethod
-    def of(dimension_numbers, ndims, w):
+    def of(dimension_numbers, ndims, w, grouped=False):
         """The axes of a dot_general whose operand ``w`` is the weight, or None when
-        the weight has batch axes (then the generic kernel runs)."""
+        the weight has batch axes (then the generic kernel runs). K runs over the
+        contracted axes in the order the dot_general pairs them, or, for a ``grouped``
+        weight, in the weight's own axis order (:func:`group_order`)."""
         if w is None:
             return None
         (lc, rc), (lb, rb) = dimension_numbers
         wc, wb, xc = (lc, lb, rc) if w == 0 else (rc, rb, lc)
         if wb:
             return None
+        if grouped:
+            order = group_order(wc)
+            wc, xc = [wc[i] for i in order], [xc[i] for i in order]
         free = lambda nd, c: tuple(d for d in range(nd) if d not in c)
         return DenseAxes(free(ndims[1 - w], xc), tuple(xc), free(ndims[w], wc), tuple(wc), w)
 
     @staticmethod
-    def for_weight(contract, ndim, w):
+    def for_weight(contract, ndim, w, grouped=False):
         """The weight half only (what :func:`jqt.pack` needs)."""
+        if grouped:
+            contract = [contract[i] for i in group_order(contract)]
         return DenseAxes((), (), tuple(d for d in range(ndim) if d not in contract), tuple(contract), w)
 
     def _wperm(self, layout):
@@ -98,6 +105,18 @@ class DenseAxes:
         if self.w == 1:
             return out2.reshape(xs + ws)
         return out2.T.reshape(ws + xs)
+
+
+def group_order(contract):
+    """The order in which K runs over a grouped weight's contracted axes: the weight's
+    own (ascending), so that the axis the groups run along, the innermost contracted one
+    (``max(contract)``), varies fastest in K. ``jnp.einsum`` may pair a contraction's axes
+    in another order (``"bthd,hdm->btm"`` contracts the weight's axes ``(1, 0)``).
+
+    >>> group_order((1, 0))
+    [1, 0]
+    """
+    return sorted(range(len(contract)), key=lambda i: contract[i])
 
 
 def _int_zp(z):

@@ -19,7 +19,8 @@ dtype               grid                     codes stored as                  pa
 Granularity: per tensor, per channel (``per_channel=True``: one scale per
 output channel of a weight, per token of a dynamic activation), or per group
 (``group_size=g``: one scale per ``g`` consecutive elements of the weight's
-innermost contracting axis, and per output channel).
+innermost contracting axis, per position of its other axes: per output channel,
+and for a weight contracted over several axes, per position of the outer ones).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class QuantType:
         activations are per tensor.
       group_size: weights only: one scale per group of ``group_size``
         consecutive elements of the innermost contracting axis (and per output
-        channel); 0 for none. Implies ``per_channel``.
+        channel and per position of any other contracted axis); 0 for none.
+        Implies ``per_channel``.
       dynamic: activations only: scale from the live tensor at run time.
 
     >>> import jqt, jax.numpy as jnp

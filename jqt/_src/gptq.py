@@ -177,7 +177,7 @@ def _grid(site, q, w_shape, depth):
     """The weight's scale and zero point expanded to its operand shape (stacked)."""
     s, z = q.scale, q.zero_point
     if q.qtype.group_size:
-        ax = site.contract[site.weight_operand][-1] + depth
+        ax = site.entry.groups(site) + depth
         s = groups.expand(s, q.qtype.group_size, ax, w_shape)
         z = groups.expand(z, q.qtype.group_size, ax, w_shape)
     s = jnp.broadcast_to(jnp.asarray(s, _F32), w_shape)
@@ -194,7 +194,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
     wt = transforms.weight(w0, qp.smooth, qp.rotate, contract, depth)
     q = qp.operand(w_i)
     s, z = _grid(site, q, wt.shape, depth)
-    ax = DenseAxes.for_weight(contract, wt.ndim - depth, w_i)
+    ax = DenseAxes.for_weight(contract, wt.ndim - depth, w_i, grouped=bool(q.qtype.group_size))
     to2 = lambda a: np.asarray(ax.weight_2d(a, "kn", depth))
     w2, s2, z2 = to2(wt), to2(s), None if z is None else to2(z)
     h = np.asarray(h, np.float64)

@@ -1,9 +1,13 @@
 """Per-group scales: one scale per ``g`` consecutive elements of one axis.
 
 A grouped scale has the operand's rank, with ``n / g`` on the grouped axis
-(the innermost contracting axis of a weight) and 1 on the other contracting
-axes. :func:`expand` repeats it to the operand's shape; :func:`weight_range`
-asks a weight calibrator for one range per group.
+(the innermost contracted axis of a weight) and the operand's length on every
+other axis, contracted ones included: a weight contracted over ``(h, d)`` (an
+attention output projection ``"bthd,hdm->btm"``) has one scale per group of
+``g`` along ``d``, for each ``h`` and output channel, which are the groups of
+``g`` consecutive elements of its flattened contraction. :func:`expand` repeats
+it to the operand's shape; :func:`weight_range` asks a weight calibrator for one
+range per group.
 """
 from __future__ import annotations
 
@@ -27,14 +31,22 @@ def expand(a, group_size, axis, shape):
 def weight_range(calibrator, w, axes, qtype, group_axis):
     """The calibrator's ``(lo, hi)`` with ``keepdims`` over ``axes`` or, with groups, over
     each group of ``qtype.group_size`` along ``group_axis`` (result size ``n / g``
-    there)."""
+    there, every other axis kept).
+
+    >>> from jqt._src.calibrators import WeightMinMax
+    >>> import jqt
+    >>> w = jnp.arange(16.0).reshape(2, 4, 2)  # contracted over (0, 1), groups of 2 along 1
+    >>> lo, hi = weight_range(WeightMinMax(), w, (0, 1), jqt.QuantType(bits=4, group_size=2), 1)
+    >>> hi.shape, hi[:, :, 0].tolist()
+    ((2, 2, 2), [[2.0, 6.0], [10.0, 14.0]])
+    """
     g = qtype.group_size
     if not g:
         return calibrator.range(w, axes, qtype)
     ax = group_axis % w.ndim
     n = w.shape[ax]
     wg = w.reshape(w.shape[:ax] + (n // g, g) + w.shape[ax + 1:])
-    gaxes = tuple(a if a < ax else a + 1 for a in axes if a != ax) + (ax + 1,)
+    gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
     lo, hi = calibrator.range(wg, gaxes, qtype)
     return (jnp.squeeze(jnp.asarray(lo), ax + 1), jnp.squeeze(jnp.asarray(hi), ax + 1))
 

@@ -143,9 +143,11 @@ class Calibrate:
 def _expected_scale_shape(site, i, shape, qtype):
     if not qtype.per_channel:
         return ()
-    g, gax = qtype.group_size, site.contract[i][-1] if site.contract[i] else None
-    return tuple((n // g if g and d == gax else 1) if d in site.contract[i] else n
-                 for d, n in enumerate(shape))
+    g = qtype.group_size  # only a weight (or a table) has groups: one scale per group of
+    gax = site.entry.groups(site) if g else None  # its innermost contracted axis, per position
+    if g:                                         # of every other axis
+        return tuple(n // g if d == gax else n for d, n in enumerate(shape))
+    return tuple(1 if d in site.contract[i] else n for d, n in enumerate(shape))
 
 
 def _nibble_axis(packed):
@@ -198,7 +200,7 @@ def lookup(ctx, site, invals):
                     "qparams were edited; re-calibrate.")
     if packed is not None:
         w = site.weight_operand
-        if values_shape(packed) != _packed_shape(site, invals, packed.layout):
+        if values_shape(packed) != _packed_shape(site, invals, packed):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
@@ -231,18 +233,19 @@ def _check_source(site, qp):
             "this function.")
 
 
-def _weight_axes(site, invals):
+def _weight_axes(site, invals, qtype):
     if site.op != "dot_general":
         return None
     return DenseAxes.of(site.eqn.params["dimension_numbers"], [jnp.ndim(v) for v in invals],
-                        site.weight_operand)
+                        site.weight_operand, grouped=bool(qtype.group_size))
 
 
-def _packed_shape(site, invals, layout):
+def _packed_shape(site, invals, packed):
     shape = tuple(invals[site.weight_operand].shape)
+    layout = packed.layout
     if site.op == "gather":  # a table is read as is, or transposed when tied to a "kn" matmul
         return shape[::-1] if layout == "kn" else shape
-    ax = _weight_axes(site, invals) if layout != "operand" else None
+    ax = _weight_axes(site, invals, packed.qtype) if layout != "operand" else None
     return shape if ax is None else ax.shape_2d(shape, layout)
 
 
@@ -258,7 +261,7 @@ def _expanded(site, i, shape, q, s, z):
     g = q.qtype.group_size
     if not g:
         return s, z
-    ax = site.contract[i][-1]
+    ax = site.entry.groups(site)  # only a weight (or a table) has groups
     return groups.expand(s, g, ax, shape), groups.expand(z, g, ax, shape)
 
 
@@ -281,7 +284,7 @@ def dequantize_packed(packed, site, invals):
     if site.op == "gather":
         v = v.T if packed.layout == "kn" else v
     elif packed.layout != "operand":
-        v = _weight_axes(site, invals).weight_from_2d(v, packed.layout, shape)
+        v = _weight_axes(site, invals, packed.qtype).weight_from_2d(v, packed.layout, shape)
     v = nx.decode(v, packed.qtype.grid)
     s, z = _expanded(site, site.weight_operand, shape, packed, packed.scale, packed.zero_point)
     if z is not None:

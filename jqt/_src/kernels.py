@@ -248,7 +248,8 @@ def run(site, eqn, ops, policy):
         if x_op[1] is not None and patches.applies(params, in_ch, policy):
             return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
         return conv(x_op, w_op, params, eqn)
-    ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w)
+    ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
+                      grouped=isinstance(wq, QArray) and bool(wq.qtype.group_size))
     if ax is None:
         return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn)
     x_op = ops[1 - w]
@@ -280,7 +281,8 @@ def _to_operand(site, eqn, op):
     if not isinstance(op, QArray) or op.layout == "operand":
         return op
     w = site.weight_operand
-    ax = DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w)
+    ax = DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
+                      grouped=bool(op.qtype.group_size))
     v = dense.unpacked(op)
     return dataclasses.replace(op, values=ax.weight_from_2d(v, op.layout, eqn.invars[w].aval.shape),
                                sums=None, layout="operand")

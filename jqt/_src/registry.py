@@ -83,12 +83,13 @@ class Contraction:
         return rule.activation
 
     def groups(self, site):
-        """Grouped scales run along the weight's innermost contracting axis of a
-        dot_general whose weight has no batch axes (a 2-D matmul)."""
+        """Grouped scales run along the weight's innermost contracted axis (the highest:
+        in K, :func:`dense.group_order`) of a dot_general whose weight has no batch
+        axes (a 2-D matmul)."""
         w = site.weight_operand
         if self.name != "dot_general" or site.batch_axes() or not site.contract[w]:
             return None
-        return site.contract[w][-1]
+        return max(site.contract[w])
 
     def integer(self, site, eqn, ops, policy):
         return [kernels.run(site, eqn, ops, policy)]
@@ -102,7 +103,7 @@ class Contraction:
         g = q.qtype.group_size
         # outlier transforms (smoothing, rotation) are folded into the stored weight
         operand = transforms.weight(operand, p.smooth, p.rotate, src.contract, depth)
-        qv = _quantize_weight(operand, q, src.contract[-1] if g else None, depth)
+        qv = _quantize_weight(operand, q, max(src.contract) if g else None, depth)
         act = p.operand(1 - p.weight_operand)
         # the weight's sums over K correct for the activation's zero point; without one
         # (weight-only, fp8, symmetric activations) they are not stored
@@ -113,7 +114,7 @@ class Contraction:
                            dtype=_I32) if sums else None
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
         layout = policy.dense_layout(q.qtype, None if act is None else act.qtype)
-        ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand)
+        ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand, grouped=bool(g))
         q2 = ax.weight_2d(qv, layout, depth)
         kdim = depth + (1 if layout == "nk" else 0)
         wsum = None

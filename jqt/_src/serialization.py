@@ -342,12 +342,12 @@ def check_scales(r, where, scale, zero_point):
 
 def _check_weight_scale(r, where, scale, qtype, source):
     """A per-channel weight scale has the operand's rank (after stacked axes) and length 1
-    on its contracted axes but the grouped one."""
+    on its contracted axes; a grouped one has no shared axis (:mod:`groups`)."""
     if scale is None or not qtype.per_channel or scale.ndim == 0:
         return
     depth = source.stack_depth
     axes = [a + depth for a in source.contract]
-    shared = axes[:-1] if qtype.group_size else axes
+    shared = [] if qtype.group_size else axes
     if any(a >= scale.ndim for a in axes) or any(scale.shape[a] != 1 for a in shared):
         raise r.error(f"{where}.scale has shape {list(scale.shape)}, which does not fit the "
                       f"weight: its contracted axes {list(source.contract)} (after {depth} "

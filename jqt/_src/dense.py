@@ -108,13 +108,14 @@ class DenseAxes:
 
 
 def group_order(contract):
-    """The order in which K runs over a grouped weight's contracted axes: the weight's
-    own (ascending), so that the axis the groups run along, the innermost contracted one
-    (``max(contract)``), varies fastest in K. ``jnp.einsum`` may pair a contraction's axes
-    in another order (``"bthd,hdm->btm"`` contracts the weight's axes ``(1, 0)``).
+    """Positions in ``contract`` (a grouped weight's contracted axes, in the order the
+    dot_general pairs them) in the order K runs over them: the weight's own axis order,
+    so that the axis the groups run along, the innermost contracted one
+    (``max(contract)``), varies fastest in K. ``jnp.einsum`` may pair the axes in another
+    order (``"bthd,hdm->btm"`` contracts the weight's axes ``(1, 0)``).
 
-    >>> group_order((1, 0))
-    [1, 0]
+    >>> group_order((1, 0)), group_order((0, 2, 1))
+    ([1, 0], [0, 2, 1])
     """
     return sorted(range(len(contract)), key=lambda i: contract[i])
 

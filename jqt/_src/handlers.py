@@ -143,9 +143,9 @@ class Calibrate:
 def _expected_scale_shape(site, i, shape, qtype):
     if not qtype.per_channel:
         return ()
-    g = qtype.group_size  # only a weight (or a table) has groups: one scale per group of
-    gax = site.entry.groups(site) if g else None  # its innermost contracted axis, per position
-    if g:                                         # of every other axis
+    g = qtype.group_size
+    if g:  # a weight's (or a table's): per group of one axis, per position of every other
+        gax = site.entry.groups(site)
         return tuple(n // g if d == gax else n for d, n in enumerate(shape))
     return tuple(1 if d in site.contract[i] else n for d, n in enumerate(shape))
 

@@ -1,13 +1,13 @@
 """Where a decode step's time goes: XLA:CPU's own per-operation timings, grouped.
 
-    python benchmarks/decode_profile.py --markdown      # about 3 minutes on 2 cores
+    python benchmarks/decode_profile.py --markdown      # about 4 minutes on 2 cores
     python benchmarks/decode_profile.py --only w4_g128 --rounds 3
 
 ``benchmarks/decode.py`` times the batch-1 decode step of its 100M-parameter decoder
 (``CONFIG``, context 1025 in a float32 cache of 2048 positions). This script runs the
 same step, float32 and quantized, under ``jax.profiler`` and sums the duration of every
 operation XLA:CPU executed (the trace's events carry the compiled HLO instruction's
-name; its result type is read from the compiled HLO text), grouped as:
+name; its result shape is read from the compiled HLO text), grouped as:
 
 * ``matmul``: dots (XLA's own, or YNNPACK fusions);
 * ``slice stacked weights``: ``dynamic-slice`` whose result is a weight-sized integer
@@ -22,8 +22,9 @@ name; its result type is read from the compiled HLO text), grouped as:
   operations are counted in their own groups; a loop's time here is its own).
 
 Times are summed over threads and reported as ms per step (the median of ``--rounds``
-rounds, the variants interleaved in each) and as a share of the step's summed busy time (a multi-threaded operation counts on each thread it ran
-on). Prints tables (``--markdown``: markdown) and a ``RESULTS {json}`` line.
+rounds, the variants interleaved in each) and as a share of the step's summed busy
+time (a multi-threaded operation counts on each thread it ran on). Prints tables
+(``--markdown``: markdown) and a ``RESULTS {json}`` line.
 """
 from __future__ import annotations
 
@@ -49,22 +50,22 @@ from formats import table
 
 GROUPS = ("matmul", "slice stacked weights", "cache slice / write / restack", "elementwise",
           "loop control", "other")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+?)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \S+?\[([\d,]*)\]")
 
 
-def result_types(hlo_text):
-    """HLO instruction name -> (element type, shape) for every instruction in the module."""
+def result_shapes(hlo_text):
+    """HLO instruction name -> result shape, for every instruction in the module."""
     out = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m:
-            out[m.group(1)] = (m.group(2), tuple(int(d) for d in m.group(3).split(",") if d))
+            out[m.group(1)] = tuple(int(d) for d in m.group(2).split(",") if d)
     return out
 
 
-def group(name, types, max_len):
+def group(name, shapes, max_len):
     """The group of one executed HLO instruction."""
-    _, shape = types.get(name, ("", ()))
+    shape = shapes.get(name, ())
     if "dot" in name or "ynn" in name or "convolution" in name:
         return "matmul"
     if name.startswith(("while", "conditional", "call")):
@@ -101,9 +102,9 @@ def self_times(events):
     return out
 
 
-def profile(fn, args, steps, types, max_len):
+def profile(fn, args, steps, shapes, max_len):
     """ms per step of each group, from ``steps`` calls of ``fn(*args)`` under the profiler
-    (``types``: :func:`result_types` of its compiled HLO)."""
+    (``shapes``: :func:`result_shapes` of its compiled HLO)."""
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         for _ in range(steps):
@@ -115,11 +116,11 @@ def profile(fn, args, steps, types, max_len):
                      "export traces as JSON, so there is nothing to read.")
         with gzip.open(files[0]) as fh:
             events = json.load(fh)["traceEvents"]
-    hlo_names = set(types)
+    hlo_names = set(shapes)
     sums = collections.Counter()
     for name, us in self_times(events):
         if name in hlo_names:
-            sums[group(name, types, max_len)] += us / 1e3 / steps
+            sums[group(name, shapes, max_len)] += us / 1e3 / steps
     return {g: sums.get(g, 0.0) for g in GROUPS}
 
 
@@ -141,16 +142,16 @@ def main():
         D.progress(f"calibrating and packing {name}")
         _, packed, f = D.build(step, D.VARIANTS[name][0](), params, calib)
         runs[name] = (f, packed)
-    types = {}
+    shapes = {}
     for name, (f, p) in runs.items():
-        types[name] = result_types(f.lower(p, cache, token).compile().as_text())
+        shapes[name] = result_shapes(f.lower(p, cache, token).compile().as_text())
         for _ in range(3):
             jax.block_until_ready(f(p, cache, token))
     per_round = collections.defaultdict(list)
     for r in range(args.rounds):
         D.progress(f"round {r + 1} of {args.rounds}: {args.steps} profiled steps of each variant")
         for name, (f, p) in runs.items():
-            per_round[name].append(profile(f, (p, cache, token), args.steps, types[name], D.MAX_LEN))
+            per_round[name].append(profile(f, (p, cache, token), args.steps, shapes[name], D.MAX_LEN))
     results, rows = {}, []
     for name, rounds in per_round.items():
         ms = {g: statistics.median(r[g] for r in rounds) for g in GROUPS}

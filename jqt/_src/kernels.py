@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, gemv, patches
+from . import compat, dense, gemv, groups, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -240,6 +240,9 @@ def run(site, eqn, ops, policy):
     w = site.weight_operand
     wq = ops[w] if w is not None else None
     packed_2d = isinstance(wq, QArray) and wq.layout != "operand"  # dense path below
+    grouped = isinstance(wq, QArray) and bool(wq.qtype.group_size)
+    if grouped and site.batch_axes():
+        return grouped_batched(site, eqn, ops, policy).astype(out.dtype)
     if not packed_2d and any(isinstance(o, QArray) and o.qtype.kind == "float" for o in ops):
         return _fp8_generic(site, eqn, [_to_operand(site, eqn, o) for o in ops]).astype(out.dtype)
     if site.op == "conv_general_dilated":
@@ -249,7 +252,7 @@ def run(site, eqn, ops, policy):
             return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
         return conv(x_op, w_op, params, eqn)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
-                      grouped=isinstance(wq, QArray) and bool(wq.qtype.group_size))
+                      grouped=grouped)
     if ax is None:
         return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn)
     x_op = ops[1 - w]
@@ -278,14 +281,91 @@ def run(site, eqn, ops, policy):
 
 def _to_operand(site, eqn, op):
     """A QArray in a packed 2-D layout -> the op's own layout (nibbles unpacked)."""
-    if not isinstance(op, QArray) or op.layout == "operand":
+    if not isinstance(op, QArray):
         return op
+    if op.layout == "operand":  # int4 codes of a batched weight: packed along its last axis
+        return dataclasses.replace(op, values=unpack_nibbles(op.values, -1)) if op.nibbles else op
     w = site.weight_operand
     ax = DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                       grouped=bool(op.qtype.group_size))
     v = dense.unpacked(op)
     return dataclasses.replace(op, values=ax.weight_from_2d(v, op.layout, eqn.invars[w].aval.shape),
                                sums=None, layout="operand")
+
+
+def _split(a, axis, n):
+    """Axis ``axis`` of ``a`` (length ``n * g``, ``n`` or 1) -> two axes ``(n, g)``,
+    ``(n, 1)`` or ``(1, 1)``: a grouped axis as groups and positions within them."""
+    if a is None or a.ndim == 0:
+        return a
+    size = a.shape[axis]
+    first = 1 if size == 1 else n
+    return a.reshape(a.shape[:axis] + (first, size // first) + a.shape[axis + 1:])
+
+
+def grouped_batched(site, eqn, ops, policy):
+    """A grouped weight that keeps the op's own layout: one with batch axes (the experts
+    of a mixture, ``"ecd,edf->ecf"``). The groups run along the weight's innermost
+    contracted axis (``registry.groups``).
+
+    Weight-only and fp8 formats, and int8 activations above ``policy.float_matmul_rows``
+    rows, decode the weight to float (codes minus zero point, times the group scales)
+    and run one float ``dot_general`` (activation codes upcast exactly). Otherwise the
+    contraction splits into groups: each grouped axis becomes ``(groups, g)``, the
+    groups and the weight's other contracted axes (whose scales differ per position)
+    become batch axes of one int8 x int8 -> int32 ``dot_general`` over ``g``, and the
+    partial sums are scaled per group and summed."""
+    w = site.weight_operand
+    wq = _to_operand(site, eqn, ops[w])
+    dn = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = dn
+    wc, xc = (lc, rc)[w], (lc, rc)[1 - w]
+    gpos = wc.index(max(wc))  # the grouped axis, and the activation's axis paired with it
+    x, (qw, sw, zw) = ops[1 - w], (wq.values, wq.scale, wq.zero_point)
+    ndims = [v.aval.ndim for v in eqn.invars]
+    nd_x = ndims[1 - w]
+    rows = math.prod(eqn.invars[1 - w].aval.shape[d] for d in range(nd_x)
+                     if d not in xc and d not in (lb, rb)[1 - w])
+    rows = rows if isinstance(rows, int) else -1
+    ints = isinstance(x, QArray) and x.qtype.kind == wq.qtype.kind == "int"
+    if not ints or (policy.float_matmul_rows and rows > policy.float_matmul_rows):
+        wf = nx.decode(qw, wq.qtype.grid)
+        shape = wf.shape
+        if zw is not None:
+            wf = wf - jnp.round(groups.expand(zw.astype(_F32), wq.qtype.group_size, wc[gpos], shape))
+        wf = wf * groups.expand(sw.astype(_F32), wq.qtype.group_size, wc[gpos], shape)
+        if not isinstance(x, QArray):
+            args = [x, wf.astype(x.dtype)] if w == 1 else [wf.astype(x.dtype), x]
+            return lax.dot_general(*args, dn, precision=eqn.params.get("precision"),
+                                   preferred_element_type=eqn.params.get("preferred_element_type"))
+        qx, sx, zx, _ = _tup(x)  # fp8 activation codes come decoded
+        xf = qx.astype(_F32) - (0 if zx is None else jnp.round(zx.astype(_F32)))
+        args = [xf, wf] if w == 1 else [wf, xf]
+        out = lax.dot_general(*args, dn, preferred_element_type=_F32)
+        return out * _to_out_dot(sx.astype(_F32), 1 - w, dn, ndims)
+    n = qw.shape[wc[gpos]] // wq.qtype.group_size
+    qx, sx, zx, _ = _tup(x)
+    axes = [None, None]
+    axes[w], axes[1 - w] = wc[gpos], xc[gpos]
+    split = lambda a, i: _split(a, axes[i], n)
+    shift = lambda d, i: d + (d > axes[i])  # an operand's axis number after its split
+    # contracted over the groups' positions; batched over the op's batch axes, then the
+    # weight's other contracted axes, then the groups
+    others = [j for j in range(len(lc)) if j != gpos]
+    new_c = ((shift(lc[gpos], 0) + 1,), (shift(rc[gpos], 1) + 1,))
+    new_b = tuple(tuple(shift(d, i) for d in b) + tuple(shift(c[j], i) for j in others)
+                  + (axes[i],) for b, c, i in ((lb, lc, 0), (rb, rc, 1)))
+    new_dn = (new_c, new_b)
+    opnds = [None, None]
+    opnds[w] = (split(qw, w), split(sw, w), split(zw, w))
+    opnds[1 - w] = (split(qx, 1 - w), split(sx, 1 - w), split(zx, 1 - w))
+    new_nd = [nd + 1 for nd in ndims]
+    to_out = lambda a, i: _to_out_dot(a, i, new_dn, new_nd)
+    (qa, sa, za), (qb, sb, zb) = opnds
+    acc = _int_acc(qa, _int_zp(za), None, qb, _int_zp(zb), None, new_dn, to_out).astype(_F32)
+    out = acc * (to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1))
+    nb = len(lb)
+    return jnp.sum(out, axis=tuple(range(nb, nb + len(others) + 1)))
 
 
 def gather(site, eqn, ops):

@@ -155,8 +155,9 @@ def moe_layers(p, x):       # a scan over stacked mixture layers, x: (E, C, D)
 @pytest.mark.parametrize("name", ["w4a8_asym_g32", pytest.param("w4_g32", marks=pytest.mark.slow),
                                   pytest.param("w8a8_dynamic_g32", marks=pytest.mark.slow)])
 def test_stacked_expert_layers_compose(name):
-    """Scan over stacked layers, jit, vmap over prompts, packed_shardings, export, and
-    gradients to the weights and scales through the simulated path."""
+    """Scan over stacked layers, jit, vmap over prompts, packed_shardings, export, GPTQ
+    (one Hessian per layer and expert), and gradients to the weights and scales through
+    the simulated path."""
     qp = _calibrate(moe_layers, RECIPES[name], P_STACK, X_FEW)
     assert qp["w1"].rhs.scale.shape == (L, E, D // G, F)
     assert qp["w2"].rhs.scale.shape == (L, E, F // G, D)
@@ -176,8 +177,39 @@ def test_stacked_expert_layers_compose(name):
     exp = jax.export.export(qf)(packed, X_FEW)
     back = jax.export.deserialize(exp.serialize())
     np.testing.assert_array_equal(back.call(packed, X_FEW), out)
+    pq = jqt.gptq(moe_layers, qp, P_STACK, [(X_MANY,)], progress=False)  # per layer and expert
+    ref = moe_layers(P_STACK, X_MANY)
+    sim_of = lambda w: jqt.quantize(moe_layers, qp, simulate=True)(w, X_MANY)
+    assert _rel(sim_of(pq), ref) < _rel(sim_of(P_STACK), ref)  # GPTQ beats plain rounding
+    # on the grid: packing the re-rounded weights loses nothing
+    np.testing.assert_allclose(qf(jqt.pack(qp, pq), X_MANY), qf(pq, X_MANY), rtol=1e-6,
+                               atol=1e-6 * float(jnp.max(jnp.abs(ref))))
     loss = lambda p, qp: jnp.sum(jqt.quantize(moe_layers, qp, simulate=True)(p, X_FEW) ** 2)
     gp, gq = jax.grad(loss, argnums=(0, 1))(P_STACK, qp)
     assert bool(jnp.isfinite(gp["w1"]).all()) and float(jnp.abs(gp["w1"]).max()) > 0
     gs = gq["w1"].rhs.scale
     assert gs.shape == (L, E, D // G, F) and bool(jnp.isfinite(gs).all()) and float(jnp.abs(gs).max()) > 0
+
+
+@pytest.mark.parametrize("f", [experts, pytest.param(experts_lhs, marks=pytest.mark.slow)],
+                         ids=["rhs", "lhs"])
+def test_gptq_rerounds_each_expert_with_its_own_hessian(f):
+    """GPTQ on expert weights: one problem per expert, with the Hessian of the tokens
+    routed to it, the same weights as GPTQ on each expert's 2-D matmul alone; on the
+    grid, so packing loses nothing."""
+    x = X_MANY * jnp.asarray(RNG.uniform(0.2, 4.0, (E, 1, D)), jnp.float32)  # per-expert inputs
+    recipe = jqt.recipes.w4(group_size=G)
+    qp = _calibrate(f, recipe, P, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plain rounding" warning
+        pq = jqt.gptq(f, qp, P, [(x,)], progress=False)
+    for e in range(E):
+        pe = {"w": P["w"][e]}
+        qe = _calibrate(experts_2d, recipe, pe, x[e])
+        np.testing.assert_allclose(pq["w"][e], jqt.gptq(experts_2d, qe, pe, [(x[e],)], progress=False)["w"],
+                                   rtol=1e-5, atol=1e-6)
+    sim, ref = jqt.quantize(f, qp, simulate=True), f(P, x)
+    assert _rel(sim(pq, x), ref) < 0.6 * _rel(sim(P, x), ref)
+    packed = jqt.pack(qp, pq)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x), sim(pq, x),
+                               rtol=1e-5, atol=2e-6 * float(jnp.max(jnp.abs(ref))))

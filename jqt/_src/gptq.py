@@ -17,6 +17,7 @@ summed over batches, loop iterations and (stacked) layers' own slices.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -56,11 +57,17 @@ class _Hessians:
             outs = [jnp.where(on > 0, s, o) for s, o in zip(sim, outs)]
         if site.key in self.eligible:
             w = site.weight_operand
-            r = transforms.rows(transformed(site, qp, 1 - w, invals[1 - w]).astype(_F32),
-                                site.contract[1 - w])
-            k = r.shape[1]
-            h = lax.cond(take > 0, lambda: r.T @ r, lambda: jnp.zeros((k, k), _F32))
-            ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[0], 0).astype(_F32)})
+            x = transformed(site, qp, 1 - w, invals[1 - w]).astype(_F32)
+            xb = site.eqn.params["dimension_numbers"][1][1 - w]  # paired with the weight's
+            lead = tuple(x.shape[d] for d in xb)
+            rest = [d for d in range(x.ndim) if d not in xb]
+            x = jnp.transpose(x, tuple(xb) + tuple(rest))  # batch axes first: one H each
+            xc = tuple(rest.index(d) + len(xb) for d in site.contract[1 - w])
+            r = transforms.rows(x, xc).reshape(lead + (-1, math.prod(x.shape[d] for d in xc)))
+            k = r.shape[-1]
+            h = lax.cond(take > 0, lambda: jnp.einsum("...mk,...ml->...kl", r, r),
+                         lambda: jnp.zeros(lead + (k, k), _F32))
+            ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[-2], 0).astype(_F32)})
         return outs
 
     @staticmethod
@@ -81,8 +88,8 @@ def _why_not(site, qp, traced, argnums):
     w = site.weight_operand
     if qp.is_float or w is None or qp.operand(w) is None or site.op == "gather":
         return "n/a"  # float, or a lookup (no products to correct): nothing to say
-    if not transforms.applies(site):
-        return "not a dense op (a conv or batched dot)"
+    if site.op != "dot_general":
+        return "not a dense op (a conv)"
     src = site.source
     if src is None or src.arg not in argnums:
         return "its weight is not a leaf of the weights"
@@ -194,18 +201,28 @@ def _rerounded(site, qp, leaf, h, n, opts):
     wt = transforms.weight(w0, qp.smooth, qp.rotate, contract, depth)
     q = qp.operand(w_i)
     s, z = _grid(site, q, wt.shape, depth)
-    ax = DenseAxes.for_weight(contract, wt.ndim - depth, w_i, grouped=bool(q.qtype.group_size))
-    to2 = lambda a: np.asarray(ax.weight_2d(a, "kn", depth))
+    # the weight's batch axes (a mixture's experts) go after the stacked ones: one GPTQ
+    # problem per layer and expert, with that expert's Hessian
+    wb = site.batch_axes()
+    rest = [d for d in range(wt.ndim - depth) if d not in wb]
+    perm = tuple(range(depth)) + tuple(d + depth for d in tuple(wb) + tuple(rest))
+    nlead = depth + len(wb)
+    # K in the order the op pairs the contracted axes, as the Hessian's rows are
+    # (transforms.rows); the grid is expanded to every element, so GPTQ needs no group order
+    ax = DenseAxes.for_weight([rest.index(c) for c in contract], len(rest), w_i)
+    to2 = lambda a: np.asarray(ax.weight_2d(jnp.transpose(a, perm), "kn", nlead))
     w2, s2, z2 = to2(wt), to2(s), None if z is None else to2(z)
     h = np.asarray(h, np.float64)
-    lead = w2.shape[:depth]
+    n = np.broadcast_to(np.asarray(n), h.shape[:depth])  # the same rows for every expert
+    lead = w2.shape[:nlead]
     out = np.empty_like(w2)
     for i in np.ndindex(*lead):
-        hi = h[i] / max(float(np.asarray(n)[i] if np.ndim(n) else n), 1.0)
+        hi = h[i] / max(float(n[i[:depth]]), 1.0)
         out[i] = gptq_weight(w2[i], s2[i], None if z2 is None else z2[i], hi, q.qtype, **opts)
-    layer_shape = wt.shape[depth:]
-    back = jnp.asarray(out).reshape((-1,) + out.shape[depth:])
-    back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back]).reshape(wt.shape)
+    layer_shape = tuple(wt.shape[d] for d in perm[nlead:])
+    back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
+    back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])
+    back = jnp.transpose(back.reshape(tuple(wt.shape[d] for d in perm)), tuple(np.argsort(perm)))
     delta = transforms.unweight(back, qp.smooth, qp.rotate, contract, depth) - w0
     (dleaf,) = jax.linear_transpose(chain, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
     return (jnp.asarray(leaf, _F32) + dleaf).astype(jnp.result_type(leaf))
@@ -232,8 +249,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       ``params`` with the same structure, each re-rounded weight's values on its
       quantization grid: ``jqt.pack(qparams, result)`` stores them exactly.
 
-    Ops it leaves to plain rounding (warned): convolutions and batched dots;
-    weights computed from several leaves; weight leaves also read by another op
+    Ops it leaves to plain rounding (warned): convolutions; weights computed from
+    several leaves; weight leaves also read by another op
     (tied embeddings). Embedding lookups keep their per-row rounding (a lookup
     has no products whose error GPTQ could correct).
 

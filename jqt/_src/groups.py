@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import numerics as nx
+
 
 def expand(a, group_size, axis, shape):
     """A grouped scale or zero point -> broadcastable to an operand of ``shape``.
@@ -26,6 +28,21 @@ def expand(a, group_size, axis, shape):
     if a.shape[axis] == shape[axis]:
         return a
     return jnp.repeat(a, group_size, axis=axis)
+
+
+def dequantize(codes, scale, zero_point, qtype, axis):
+    """Codes of an operand (in its layout) -> float32 values: decoded on the format's grid,
+    minus the rounded zero point, times the scale, groups expanded along ``axis``.
+
+    >>> import jqt
+    >>> dequantize(jnp.array([[2, -1, 4, 0]], jnp.int8), jnp.array([[0.5, 2.0]]), None,
+    ...            jqt.QuantType(bits=4, group_size=2), 1).tolist()
+    [[1.0, -0.5, 8.0, 0.0]]
+    """
+    v = nx.decode(codes, qtype.grid)
+    if zero_point is not None:
+        v = v - jnp.round(expand(zero_point.astype(jnp.float32), qtype.group_size, axis, v.shape))
+    return v * expand(scale.astype(jnp.float32), qtype.group_size, axis, v.shape)
 
 
 def weight_range(calibrator, w, axes, qtype, group_axis):

@@ -285,11 +285,9 @@ def dequantize_packed(packed, site, invals):
         v = v.T if packed.layout == "kn" else v
     elif packed.layout != "operand":
         v = _weight_axes(site, invals, packed.qtype).weight_from_2d(v, packed.layout, shape)
-    v = nx.decode(v, packed.qtype.grid)
-    s, z = _expanded(site, site.weight_operand, shape, packed, packed.scale, packed.zero_point)
-    if z is not None:
-        v = v - jnp.round(z.astype(_F32))  # as pack and the integer path do
-    return v * s
+    # the zero point rounded, as pack and the integer path do
+    gax = site.entry.groups(site) if packed.qtype.group_size else None
+    return groups.dequantize(v, packed.scale, packed.zero_point, packed.qtype, gax)
 
 
 def cache_write(site, eqn, invals, ctx):

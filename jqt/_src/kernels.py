@@ -357,11 +357,7 @@ def grouped_batched(site, eqn, ops, policy):
     rows = rows if isinstance(rows, int) else -1
     ints = isinstance(x, QArray) and x.qtype.kind == wq.qtype.kind == "int" and policy.batched_groups
     if not ints or (policy.float_matmul_rows and rows > policy.float_matmul_rows):
-        wf = nx.decode(qw, wq.qtype.grid)
-        shape = wf.shape
-        if zw is not None:
-            wf = wf - jnp.round(groups.expand(zw.astype(_F32), wq.qtype.group_size, wc[gpos], shape))
-        wf = wf * groups.expand(sw.astype(_F32), wq.qtype.group_size, wc[gpos], shape)
+        wf = groups.dequantize(qw, sw, zw, wq.qtype, wc[gpos])
         if not isinstance(x, QArray):
             args = [x, wf.astype(x.dtype)] if w == 1 else [wf.astype(x.dtype), x]
             return lax.dot_general(*args, dn, precision=eqn.params.get("precision"),

@@ -127,6 +127,24 @@ def test_one_token_per_expert_per_channel(name):
     assert float(jnp.max(jnp.abs(out - sim))) <= 2e-6 * float(jnp.max(jnp.abs(sim)))
 
 
+@pytest.mark.parametrize("name", ["w8", "w4_asym_per_channel"])
+def test_weight_only_experts_at_few_rows_run_int8_digits(name):
+    """Weight-only per-channel experts at up to ``gemv_rows`` (4) tokens per expert run
+    the activation as int8 digits through one int8 dot (``kernels.batched_digits``),
+    above that the cast weight; both equal the simulated path."""
+    recipe = {"w8": jqt.recipes.w8(), "w4_asym_per_channel": jqt.recipes.w4(group_size=0, symmetric=False)}[name]
+    for f in (experts, experts_lhs):
+        qp = _calibrate(f, recipe, P, X_MANY)
+        packed = jqt.pack(qp, P)
+        qf = jqt.quantize(f, qp)
+        for rows, digits in ((1, True), (4, True), (5, False)):
+            x = X_MANY[:, :rows]
+            sim = jqt.quantize(f, qp, simulate=True)(P, x)
+            out = jax.jit(qf)(packed, x)
+            assert float(jnp.max(jnp.abs(out - sim))) <= 2e-6 * float(jnp.max(jnp.abs(sim)))
+            assert ("preferred_element_type=int32" in str(jax.make_jaxpr(qf)(packed, x))) == digits
+
+
 def test_groups_beat_per_channel_on_expert_weights():
     """The point of the groups: when blocks of 32 inputs have weights of very different
     magnitude (and activations the other way round, so that each block counts as much

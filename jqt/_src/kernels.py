@@ -277,6 +277,8 @@ def run(site, eqn, ops, policy):
         return conv(x_op, w_op, params, eqn)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                       grouped=grouped)
+    if ax is None and _batched_digits_apply(site, eqn, ops, policy):
+        return batched_digits(site, eqn, ops, policy).astype(out.dtype)
     if ax is None:
         return dot_general([_tup(_to_operand(site, eqn, o)) for o in ops], params, eqn,
                            policy.pad_rows)
@@ -318,6 +320,75 @@ def _to_operand(site, eqn, op):
                                sums=None, layout="operand")
 
 
+def _x_axes(eqn, w):
+    """The activation's (operand ``1 - w``) contracted, batch and free axes."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    xc, xb = (lc, rc)[1 - w], (lb, rb)[1 - w]
+    nd = eqn.invars[1 - w].aval.ndim
+    return xc, xb, [d for d in range(nd) if d not in xc and d not in xb]
+
+
+def _batched_digits_apply(site, eqn, ops, policy):
+    """Whether a weight-only op whose weight has batch axes runs :func:`batched_digits`:
+    a float activation with at most ``policy.gemv_rows`` rows per batch entry, and int
+    codes of 8 bits or fewer with one scale per output channel."""
+    w = site.weight_operand
+    if w is None or not isinstance(ops[w], QArray) or isinstance(ops[1 - w], QArray):
+        return False
+    q = ops[w].qtype
+    xc, _, free = _x_axes(eqn, w)
+    shape = eqn.invars[1 - w].aval.shape
+    rows = math.prod(shape[d] for d in free)
+    k = math.prod(shape[d] for d in xc)
+    return bool(policy.weight_only_digits and free and q.kind == "int" and q.bits <= 8
+                and not q.group_size and isinstance(rows, int) and 0 < rows <= policy.gemv_rows
+                and isinstance(k, int) and k <= dense.safe_k(np.int8, False, np.int8, True))
+
+
+def batched_digits(site, eqn, ops, policy):
+    """Float activation x int weight with batch axes (a mixture's experts) at few rows:
+    the activation's rows become ``policy.weight_only_digits`` int8 digits each
+    (:func:`gemv.digits`, per row and batch entry), stacked along its first free axis,
+    for one int8 x int8 ``dot_general`` (XLA:CPU reads int8 weights fastest there,
+    not through a float cast of the whole weight); the int32 results are scaled per
+    digit and summed, then by the weight's scales."""
+    w = site.weight_operand
+    wq, x = _to_operand(site, eqn, ops[w]), ops[1 - w]
+    dn = eqn.params["dimension_numbers"]
+    xc, _, free = _x_axes(eqn, w)
+    n, ax = policy.weight_only_digits, free[0]
+    xf = x.astype(_F32)
+    s = jnp.max(jnp.abs(xf), axis=tuple(xc), keepdims=True) / 127.0
+    codes, scales = [], []
+    for _ in range(n):  # gemv.digits, in the activation's own layout
+        ok = s > 0
+        c = jnp.clip(jnp.round(jnp.where(ok, xf / jnp.where(ok, s, 1.0), 0.0)), -127, 127)
+        codes.append(c.astype(jnp.int8))
+        scales.append(s)
+        xf = xf - c * s
+        s = s / gemv.DIGIT_RATIO
+    c = jnp.concatenate(codes, axis=ax)  # digit-major along the first free axis
+    ndims = [v.aval.ndim for v in eqn.invars]
+    ops2 = [None, None]
+    ops2[w], ops2[1 - w] = wq.values, c
+    to_out = lambda a, i: _to_out_dot(a, i, dn, ndims)
+    zw = _int_zp(wq.zero_point)
+    acc = _int_acc(ops2[0], None, None, ops2[1], None, None, dn, to_out, pad_rows=policy.pad_rows)
+    (lc, rc), (lb, rb) = dn
+    n_wfree = ndims[w] - len((lc, rc)[w]) - len((lb, rb)[w])
+    out_ax = len(lb) + (0 if w == 1 else n_wfree)  # the output axis of the activation's free[0]
+    m = x.shape[ax]
+    out = 0.0
+    for d in range(n - 1, -1, -1):  # the finest digit first
+        part = lax.slice_in_dim(acc, d * m, (d + 1) * m, axis=out_ax).astype(_F32)
+        if zw is not None:  # minus zw * sum_k of this digit's codes
+            csum = jnp.sum(lax.slice_in_dim(c, d * m, (d + 1) * m, axis=ax), axis=tuple(xc),
+                           keepdims=True, dtype=_I32)
+            part = part - (to_out(zw, w) * to_out(csum, 1 - w)).astype(_F32)
+        out = out + part * to_out(scales[d], 1 - w)
+    return out * to_out(wq.scale.astype(_F32), w)
+
+
 def _split(a, axis, n):
     """Axis ``axis`` of ``a`` (length ``n * g``, ``n`` or 1) -> two axes ``(n, g)``,
     ``(n, 1)`` or ``(1, 1)``: a grouped axis as groups and positions within them."""
@@ -340,9 +411,9 @@ def grouped_batched(site, eqn, ops, policy):
     int8 -> int32 ``dot_general`` over ``g``, and the partial sums are scaled per group
     and summed. Otherwise (weight-only and fp8 formats too) the weight is decoded to
     float (codes minus zero point, times the group scales) for one float
-    ``dot_general``, activation codes upcast exactly: on XLA:CPU that was 0.6x the time
-    of the split groups at 1 and 8 tokens per expert (``benchmarks/formats.py --only
-    experts``), as ``batched_groups=False`` in its table says of 2-D weights."""
+    ``dot_general``, activation codes upcast exactly: on XLA:CPU that took 0.64-0.71x
+    the time of the split groups at 1 and 8 tokens per expert (``benchmarks/formats.py
+    --only experts``), as ``batched_groups=False`` in its table says of 2-D weights."""
     w = site.weight_operand
     wq = _to_operand(site, eqn, ops[w])
     dn = eqn.params["dimension_numbers"]
@@ -355,7 +426,8 @@ def grouped_batched(site, eqn, ops, policy):
     rows = math.prod(eqn.invars[1 - w].aval.shape[d] for d in range(nd_x)
                      if d not in xc and d not in (lb, rb)[1 - w])
     rows = rows if isinstance(rows, int) else -1
-    ints = isinstance(x, QArray) and x.qtype.kind == wq.qtype.kind == "int" and policy.batched_groups
+    ints = (policy.batched_groups and isinstance(x, QArray)
+            and x.qtype.kind == wq.qtype.kind == "int")
     if not ints or (policy.float_matmul_rows and rows > policy.float_matmul_rows):
         wf = groups.dequantize(qw, sw, zw, wq.qtype, wc[gpos])
         if not isinstance(x, QArray):

@@ -357,16 +357,15 @@ def batched_digits(site, eqn, ops, policy):
     dn = eqn.params["dimension_numbers"]
     xc, _, free = _x_axes(eqn, w)
     n, ax = policy.weight_only_digits, free[0]
-    xf = x.astype(_F32)
-    s = jnp.max(jnp.abs(xf), axis=tuple(xc), keepdims=True) / 127.0
-    codes, scales = [], []
-    for _ in range(n):  # gemv.digits, in the activation's own layout
-        ok = s > 0
-        c = jnp.clip(jnp.round(jnp.where(ok, xf / jnp.where(ok, s, 1.0), 0.0)), -127, 127)
-        codes.append(c.astype(jnp.int8))
-        scales.append(s)
-        xf = xf - c * s
-        s = s / gemv.DIGIT_RATIO
+    # gemv.digits on the rows (every non-contracted position) x K, back in x's layout
+    rest = [d for d in range(x.ndim) if d not in xc]
+    perm = rest + list(xc)
+    xt_shape = tuple(x.shape[d] for d in perm)
+    c2, s2 = gemv.digits(jnp.transpose(x, perm).reshape(-1, math.prod(x.shape[d] for d in xc)), n)
+    back = lambda a, shape: jnp.transpose(a.reshape(shape), tuple(np.argsort(perm)))
+    codes = [back(c2[d * c2.shape[0] // n:(d + 1) * c2.shape[0] // n], xt_shape) for d in range(n)]
+    keep = xt_shape[:len(rest)] + (1,) * len(xc)  # size 1 on the contracted axes
+    scales = [back(s2[d], keep) for d in range(n)]
     c = jnp.concatenate(codes, axis=ax)  # digit-major along the first free axis
     ndims = [v.aval.ndim for v in eqn.invars]
     ops2 = [None, None]

@@ -381,8 +381,7 @@ def batched_digits(site, eqn, ops, policy):
     for d in range(n - 1, -1, -1):  # the finest digit first
         part = lax.slice_in_dim(acc, d * m, (d + 1) * m, axis=out_ax).astype(_F32)
         if zw is not None:  # minus zw * sum_k of this digit's codes
-            csum = jnp.sum(lax.slice_in_dim(c, d * m, (d + 1) * m, axis=ax), axis=tuple(xc),
-                           keepdims=True, dtype=_I32)
+            csum = jnp.sum(codes[d], axis=tuple(xc), keepdims=True, dtype=_I32)
             part = part - (to_out(zw, w) * to_out(csum, 1 - w)).astype(_F32)
         out = out + part * to_out(scales[d], 1 - w)
     return out * to_out(wq.scale.astype(_F32), w)

@@ -63,7 +63,7 @@ RECIPES = {
         weight=jqt.QuantType(bits=8, group_size=G),
         activation=jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)),)),
 }
-DEFAULT = ("w4_g32", "w4a8_asym_g32")
+DEFAULT = (("rhs", "w4_g32"), ("lhs", "w4a8_asym_g32"))  # the rest run with the slow tests
 SPLIT = jqt.KernelPolicy(pad_rows=2, batched_groups=True, float_matmul_rows=64)
 
 
@@ -77,9 +77,9 @@ def _rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-@pytest.mark.parametrize("f", [experts, experts_lhs], ids=["rhs", "lhs"])
-@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in RECIPES])
+@pytest.mark.parametrize("f, name", [
+    pytest.param(f, n, id=f"{n}-{side}", marks=() if (side, n) in DEFAULT else pytest.mark.slow)
+    for n in RECIPES for f, side in ((experts, "rhs"), (experts_lhs, "lhs"))])
 def test_expert_weights_get_groups_and_integer_matches_simulated(tmp_path, f, name):
     recipe = RECIPES[name]
     x = jnp.concatenate([X_FEW, X_MANY], axis=1)
@@ -189,8 +189,8 @@ def moe_layers(p, x):       # a scan over stacked mixture layers, x: (E, C, D)
     return jax.lax.scan(layer, x, (p["w1"], p["w2"]))[0]
 
 
-@pytest.mark.parametrize("name", ["w4a8_asym_g32", pytest.param("w4_g32", marks=pytest.mark.slow),
-                                  pytest.param("w8a8_dynamic_g32", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["w4a8_asym_g32", "w4_g32", "w8a8_dynamic_g32"])
 def test_stacked_expert_layers_compose(name):
     """Scan over stacked layers, jit, vmap over prompts, packed_shardings, export, GPTQ
     (one Hessian per layer and expert), and gradients to the weights and scales through

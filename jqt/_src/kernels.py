@@ -420,10 +420,8 @@ def grouped_batched(site, eqn, ops, policy):
     gpos = wc.index(max(wc))  # the grouped axis, and the activation's axis paired with it
     x, (qw, sw, zw) = ops[1 - w], (wq.values, wq.scale, wq.zero_point)
     ndims = [v.aval.ndim for v in eqn.invars]
-    nd_x = ndims[1 - w]
-    rows = math.prod(eqn.invars[1 - w].aval.shape[d] for d in range(nd_x)
-                     if d not in xc and d not in (lb, rb)[1 - w])
-    rows = rows if isinstance(rows, int) else -1
+    rows = math.prod(eqn.invars[1 - w].aval.shape[d] for d in _x_axes(eqn, w)[2])
+    rows = rows if isinstance(rows, int) else -1  # a symbolic row count (jax.export)
     ints = (policy.batched_groups and isinstance(x, QArray)
             and x.qtype.kind == wq.qtype.kind == "int")
     if not ints or (policy.float_matmul_rows and rows > policy.float_matmul_rows):

@@ -125,7 +125,7 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        float_matmul_rows=64, whole_decode_bytes=3 << 20)
+        float_matmul_rows=64, whole_decode_bytes=3 << 20, batched_map=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

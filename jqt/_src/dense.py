@@ -297,7 +297,7 @@ def fp8_dense(ax, x, w, policy):
     return out * ax.act_vec(x.scale.astype(_F32))
 
 
-def _chunk(k, target, multiple=1):
+def chunk_size(k, target, multiple=1):
     """A divisor of ``k`` that is a multiple of ``multiple``, in ``[target / 4, target]``, or 0
     when none is (or none is needed)."""
     if not target or k <= target:
@@ -322,7 +322,7 @@ def parts(v, nib):
             (slice(1, None, 2), b >> 4)]
 
 
-def _decode(codes, w, scale, zp, kd, rows_per_group):
+def decode_rows(codes, w, scale, zp, kd, rows_per_group):
     """Codes of a block of K rows -> float32 weight: grid value (int, nf4 table, fp8 bits),
     minus the group zero point, times the group scale (both broadcast over each group's
     ``rows_per_group`` rows by a reshape, not a repeat)."""
@@ -395,13 +395,13 @@ def k_order(x2, nib, nc=1):
 
 
 def _decode_k(codes, w, scale, zp, kd, rows, nib):
-    """:func:`_decode` of a block of codes (K along ``kd``), with nibbles unpacked by
+    """:func:`decode_rows` of a block of codes (K along ``kd``), with nibbles unpacked by
     :func:`nibble_rows`: K in the order of :func:`k_order`. ``rows``: rows of the codes
     per group."""
     if not nib:
-        return _decode(codes, w, scale, zp, kd, rows)
+        return decode_rows(codes, w, scale, zp, kd, rows)
     e = lambda a: None if a is None else jnp.expand_dims(a, kd)  # the same group scale for both
-    v = _decode(nibble_rows(codes, kd), w, e(scale), e(zp), kd + 1, rows)
+    v = decode_rows(nibble_rows(codes, kd), w, e(scale), e(zp), kd + 1, rows)
     return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
 
 
@@ -447,8 +447,8 @@ def _weight_only_2d(x2, w, policy, precision):
     n = v.shape[0] if w.layout == "nk" else v.shape[1]
     many = decodes_whole(m, w, policy)
     target = _many_rows_block(n, m, policy) if many else policy.weight_only_chunk
-    chunk = _chunk(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
-    n_chunk = _chunk(n, target) if w.layout == "nk" or many else 0
+    chunk = chunk_size(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
+    n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib)

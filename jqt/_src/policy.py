@@ -76,6 +76,13 @@ fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             tricks: XLA:CPU's own fp8
                             conversion is ~10x slower),
                             activation upcast (exact)
+weight with batch axes      one expert at a time in a   the whole weight decoded,
+(experts), decoded to       ``lax.map``, K-chunks as    one batched float
+float (weight-only, w4a8,   above, int4 codes two per   ``dot_general`` (keeps a
+nf4, fp8)                   byte along N or K (the      sharded expert axis
+                            whole weight decoded at     sharded)
+                            once: 4-8x float32 at 1-8
+                            tokens per expert)
 int8 convolution            im2col patches + int8       native int8 convolution
                             matmul when the input has
                             < 16 channels per group,
@@ -155,6 +162,13 @@ class KernelPolicy:
         ``"kn"``, whose ``(K, N)`` codes the batched matmul reads group by group
         in place.
 
+      batched_map: a weight with batch axes (a mixture's experts) decoded to
+        float (weight-only, grouped int8-activation and fp8 formats) runs one
+        batch entry at a time in a ``lax.map``, each decoded in K-chunks of
+        ``weight_only_chunk`` rows as a 2-D weight is (``experts.decoded_map``);
+        otherwise the whole weight is decoded at once for one batched float
+        ``dot_general``, which keeps a sharded expert axis sharded.
+
     >>> import jqt
     >>> jqt.KernelPolicy.for_backend("cpu").pad_rows
     2
@@ -173,6 +187,7 @@ class KernelPolicy:
     whole_decode_rows: int = 0
     decode_after_input: bool = True
     whole_decode_bytes: int = 0
+    batched_map: bool = False
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -211,7 +226,8 @@ class KernelPolicy:
 
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
-                        weight_only_digits=3, float_matmul_rows=64, whole_decode_bytes=3 << 20),
+                        weight_only_digits=3, float_matmul_rows=64, whole_decode_bytes=3 << 20,
+                        batched_map=True),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

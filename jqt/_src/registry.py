@@ -85,8 +85,8 @@ class Contraction:
     def groups(self, site):
         """Grouped scales run along the weight's innermost contracted axis (the highest:
         in K, :func:`dense.group_order`) of a dot_general, with or without batch axes
-        (a weight with batch axes, e.g. a mixture's experts, runs
-        :func:`kernels.grouped_batched`)."""
+        (a weight with batch axes, e.g. a mixture's experts, runs the kernels of
+        ``experts.py``)."""
         w = site.weight_operand
         if self.name != "dot_general" or not site.contract[w]:
             return None
@@ -111,11 +111,12 @@ class Contraction:
         sums = act is not None and (act.zero_point is not None
                                     or (act.qtype.dynamic and not act.qtype.symmetric))
         if self.name != "dot_general" or src.batch:
-            # grouped: the kernel sums each group itself (kernels.grouped_batched)
+            # grouped: the kernel sums each group itself (experts.py)
             wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
                            dtype=_I32) if sums and not g else None
             if self.name == "dot_general" and q.qtype.packs_nibbles and qv.shape[-1] % 2 == 0:
-                qv = pack_nibbles(qv, qv.ndim - 1)  # kernels._to_operand unpacks them
+                qv = pack_nibbles(qv, qv.ndim - 1)  # read packed by experts.py (unpacked by
+                # intdot.to_operand elsewhere)
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
         layout = policy.dense_layout(q.qtype, None if act is None else act.qtype)
         ax = DenseAxes.for_weight(src.contract, qv.ndim - depth, p.weight_operand, grouped=bool(g))

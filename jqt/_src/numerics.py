@@ -32,7 +32,6 @@ def _zp_f32(zero_point):
     return jnp.round(zero_point.astype(_F32))
 
 
-_NF4 = jnp.asarray(NF4_TABLE)
 _NF4_MIDS = jnp.asarray((NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2)
 
 
@@ -105,11 +104,29 @@ def _codes(x, scale, zero_point, qmin, qmax, grid="int"):
     return fp8_encode(jnp.clip(v, qmin, qmax), grid)
 
 
+def _nf4_lookup(codes):
+    """NF4 codes in ``[-8, 7]`` -> the table's values, by a tree of selects on the bits of
+    ``code + 8``: 15 selects between the table's constants (exact), which XLA:CPU fuses
+    into the decode, where a gather from the table (``jnp.take``) was the slow part of
+    nf4 matmuls (``benchmarks/results/formats-cpu-2core.md``).
+
+    >>> _nf4_lookup(jnp.array([-8, -1, 7], jnp.int8)).tolist()
+    [-1.0, 0.0, 1.0]
+    >>> bool((_nf4_lookup(jnp.arange(-8, 8)) == jnp.asarray(NF4_TABLE, jnp.float32)).all())
+    True
+    """
+    u = codes.astype(jnp.int32) + 8
+    level = [jnp.float32(v) for v in NF4_TABLE]
+    for b in range(4):
+        bit = (u & (1 << b)) != 0
+        level = [jnp.where(bit, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
 def decode(codes, grid="int"):
     """Codes -> grid values in units of the scale (float32), before the zero point."""
     if grid == "nf4":
-        # codes are in [-8, 7]: "clip" skips the out-of-bounds handling (25% faster on CPU)
-        return jnp.take(_NF4, codes.astype(jnp.int32) + 8, mode="clip")
+        return _nf4_lookup(codes)
     if grid in FLOAT8:
         return _fp8_decode(codes, grid)
     return codes.astype(_F32)

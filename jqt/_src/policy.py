@@ -70,7 +70,10 @@ int4 / nf4 weight-only      per chunk or block: both    the same (not measured
                             b8 1.39x float32, then
                             1.11-1.17x); group scales
                             by a reshape; nf4 by a
-                            16-entry table lookup
+                            tree of 15 selects on the
+                            code's bits (a gather from
+                            its 16-entry table was
+                            slower: numerics.py)
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             from its bits (float16 bit  (cuBLASLt on H100)
                             tricks: XLA:CPU's own fp8

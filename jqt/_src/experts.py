@@ -64,15 +64,13 @@ def _digits_apply(site, eqn, ops, policy):
     a float activation with at most ``policy.gemv_rows`` rows per batch entry, and int
     codes of 8 bits or fewer with one scale per output channel."""
     w = site.weight_operand
-    if w is None or not isinstance(ops[w], QArray) or isinstance(ops[1 - w], QArray):
+    if isinstance(ops[1 - w], QArray):
         return False
     q = ops[w].qtype
     xc, _, free = x_axes(eqn, w)
-    shape = eqn.invars[1 - w].aval.shape
-    rows = math.prod(shape[d] for d in free)
-    k = math.prod(shape[d] for d in xc)
+    k = math.prod(eqn.invars[1 - w].aval.shape[d] for d in xc)
     return bool(policy.weight_only_digits and free and q.kind == "int" and q.bits <= 8
-                and not q.group_size and isinstance(rows, int) and 0 < rows <= policy.gemv_rows
+                and not q.group_size and 0 < _rows(eqn, w) <= policy.gemv_rows
                 and isinstance(k, int) and k <= dense.safe_k(np.int8, False, np.int8, True))
 
 

@@ -98,8 +98,9 @@ FORMULATIONS = {
                 "cast K-chunks of 256, weights up to 3 MiB whole (kn)": _p(grouped_digits=0),
                 "whole weights, each decoded after its input (kn)": _p(grouped_digits=0, weight_only_chunk=0),
                 "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3)},
-    "w4a8 g128": {"int8 matmul per group (nk)": _p(batched_groups=False, whole_decode_bytes=0),
-                  "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(batched_groups=False),
+    "w4a8 g128": {"int8 matmul per group (nk)": _p(grouped_int_rows=0, whole_decode_bytes=0),
+                  "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(grouped_int_rows=0),
+                  "int8 matmul per group, weights up to 3 MiB decoded whole (kn)": _p(),
                   "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True)},
 }
 FORMULATION_BATCHES = (1, 2, 4)
@@ -234,7 +235,8 @@ def prefill(names, rounds, markdown, results):
         if name in PREFILL_FORMULATIONS:
             for label, policy in (
                     (f"{PREFILL_FORMULATIONS[name]} (no float_matmul_rows, no whole_decode_bytes)",
-                     dataclasses.replace(CPU, float_matmul_rows=0, whole_decode_bytes=0)),
+                     dataclasses.replace(CPU, float_matmul_rows=0, whole_decode_bytes=0,
+                                         grouped_int_rows=0)),
                     ("decoded in blocks of 1024 output channels (many_rows_block=1024)",
                      dataclasses.replace(CPU, many_rows_block=1024)),
                     ("decoded whole, not tied to its input (decode_after_input=False)",

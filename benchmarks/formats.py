@@ -112,7 +112,12 @@ def parse_ab(text, names):
         k, _, v = part.partition("=")
         if k not in known:
             raise SystemExit(f"--ab: {k!r} is not a jqt.KernelPolicy field ({', '.join(known)})")
-        fields[k] = v.lower() in ("1", "true") if known[k] in (bool, "bool") else int(v)
+        if known[k] in (bool, "bool"):
+            fields[k] = v.lower() in ("1", "true")
+        elif v.lstrip("-").isdigit():
+            fields[k] = int(v)
+        else:
+            raise SystemExit(f"--ab: {k}={v!r}: {k} takes an integer")
     return fields, names
 
 
@@ -256,6 +261,10 @@ def main():
                     "(default: all)")
     args = ap.parse_args()
     names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(MINILM_PRESETS_ALL)
+    unknown = [n for n in names if n not in MINILM_PRESETS_ALL]
+    if unknown:
+        raise SystemExit(f"--ab-presets: no preset {', '.join(map(repr, unknown))}; "
+                         f"the presets are {', '.join(map(repr, MINILM_PRESETS_ALL))}")
     ab = parse_ab(args.ab, names)
     rounds = 20 if args.quick else 60
     results = {}

@@ -17,8 +17,8 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 * time under ``jax.jit`` for a batch of 1 and of 8 sentences, all variants
   interleaved round-robin (``timing.interleaved``), median and ratio to float32.
 
-Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32
-and 128 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
+Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32,
+128 and 256 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
 ``nf4``, ``fp8``, interleaved.
 
 With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
@@ -197,7 +197,7 @@ def dense(rounds, markdown, results, ab=None):
         packs[name] = jqt.pack(qp, w, policy=policy)
     names = [k for k in fns if k != "float32"]
     rows = []
-    for b in (1, 2, 4, 8, 32, 128):
+    for b in (1, 2, 4, 8, 32, 128, 256):
         print(f"[dense] batch {b}", file=sys.stderr, flush=True)
         x = jnp.asarray(rng.standard_normal((b, n)), jnp.float32)
         med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)

@@ -107,6 +107,25 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
                                       jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, many))
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
+                                    jqt.recipes.w4a8(group_size=128)])
+def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
+    # the CPU table's rule, scaled down: a float copy of 4 MiB counts as large above 1 MiB
+    f, p, _, qp, packed = _dense(recipe, n=1024, m=8)
+    policy = dataclasses.replace(CPU, large_weight_bytes=1 << 20, large_weight_rows=96)
+    assert CPU.float_matmul_rows < 96 and CPU.whole_decode_bytes < 4 << 20 < CPU.large_weight_bytes
+    loops = lambda jaxpr: [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name in ("scan", "while")]
+    generic = jqt.KernelPolicy()
+    for rows, chunked in ((CPU.float_matmul_rows + 1, True), (96, True), (97, False)):
+        x = jax.random.normal(jax.random.key(rows), (rows, 1024))
+        run = jqt.quantize(f, qp, policy=policy)
+        assert bool(loops(jax.make_jaxpr(run)(packed, x))) == chunked, rows
+        # the table itself decodes this (not large) weight whole above float_matmul_rows
+        assert not loops(jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x))
+        ref = jqt.quantize(f, qp, policy=generic)(jqt.pack(qp, p, policy=generic), x)
+        np.testing.assert_allclose(jax.jit(run)(packed, x), ref, atol=1e-5 * float(jnp.abs(ref).max()))
+
+
 @pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])
 def test_conv_formulation_follows_the_input_channels(channels, patches):
     conv = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), "SAME",
@@ -125,7 +144,8 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
-        grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20, batched_map=True)
+        grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
+        large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):

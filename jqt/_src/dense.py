@@ -345,18 +345,32 @@ def decode_rows(codes, w, scale, zp, kd, rows_per_group):
     return (v * g(scale)).reshape(shp)
 
 
-def many_rows(m, policy) -> bool:
-    """Whether ``m`` rows (an int, or symbolic) are more than ``policy.float_matmul_rows``:
-    then the whole weight is decoded once for one float matmul, whose arithmetic
-    outweighs the decoding (fewer rows cast it chunk by chunk, in cache)."""
-    return bool(policy.float_matmul_rows) and isinstance(m, int) and m > policy.float_matmul_rows
+def many_rows(m, policy, float_bytes=0) -> bool:
+    """Whether ``m`` rows (an int, or symbolic) are more than ``policy.float_matmul_rows``
+    (more than ``policy.large_weight_rows`` for a weight whose float32 copy, of
+    ``float_bytes``, exceeds ``policy.large_weight_bytes``): then the whole weight is
+    decoded once for one float matmul, whose arithmetic outweighs the decoding (fewer
+    rows cast it chunk by chunk, in cache).
+
+    >>> import jqt
+    >>> cpu = jqt.KernelPolicy.for_backend("cpu")
+    >>> many_rows(128, cpu, 4 * 1024 * 2816), many_rows(128, cpu, 4 * 4096 * 4096)
+    (True, False)
+    >>> many_rows(257, cpu, 4 * 4096 * 4096), many_rows(None, cpu)
+    (True, False)
+    """
+    top = policy.float_matmul_rows
+    if policy.large_weight_bytes and float_bytes > policy.large_weight_bytes:
+        top = max(top, policy.large_weight_rows)
+    return bool(policy.float_matmul_rows) and isinstance(m, int) and m > top
 
 
 def decodes_whole(m, w2, policy) -> bool:
     """Whether a 2-D weight QArray is decoded whole for one float matmul at ``m`` rows:
     :func:`many_rows`, or a weight whose float32 copy fits ``policy.whole_decode_bytes``
     (a small weight does not repay K-chunks' loop and sum)."""
-    return many_rows(m, policy) or 4 * w2.values.size * (2 if w2.nibbles else 1) <= policy.whole_decode_bytes
+    float_bytes = 4 * w2.values.size * (2 if w2.nibbles else 1)
+    return many_rows(m, policy, float_bytes) or float_bytes <= policy.whole_decode_bytes
 
 
 def grouped_as_float(m, w2, policy) -> bool:

@@ -42,7 +42,7 @@ def run(site, eqn, ops, policy):
     ints = isinstance(x, QArray) and x.qtype.kind == q.kind == "int"
     rows = _rows(eqn, w)
     if (q.group_size and ints and policy.batched_groups
-            and not (policy.float_matmul_rows and rows > policy.float_matmul_rows)):
+            and not dense.many_rows(rows, policy)):
         return split_groups(site, eqn, ops, policy)
     if not q.group_size and isinstance(x, QArray):
         return None
@@ -268,8 +268,7 @@ def decoded_map(site, eqn, ops, policy):
     x3 = jnp.transpose(xf.astype(_F32), perm_x).reshape(bsz, m, k)
     n = math.prod(wshape[d] for d in wfree)
     rows = m if isinstance(m, int) else -1
-    whole = (4 * k * n <= policy.whole_decode_bytes
-             or (policy.float_matmul_rows and rows > policy.float_matmul_rows))
+    whole = 4 * k * n <= policy.whole_decode_bytes or dense.many_rows(rows, policy, 4 * k * n)
     nib = wq.nibbles
     step = 2 if nib and not kn else 1  # codes per byte along K
     kc = 0 if whole else dense.chunk_size(k, policy.weight_only_chunk, math.lcm(max(g, 1), step))

@@ -167,6 +167,19 @@ class KernelPolicy:
         (all-MiniLM-L6-v2 at batch 1, 17 rows, weights of at most 2.4 MB:
         weight-only presets 1.03-1.31x float32 in K-chunks, 0.75-0.99x whole);
         0: by rows only.
+      large_weight_bytes: a weight whose float32 copy takes more than this many
+        bytes (more than the last-level cache: 32 MiB on the CPU table) keeps its
+        K-chunks up to ``large_weight_rows`` rows, above ``float_matmul_rows``:
+        its whole decode writes and reads the float copy through memory, about
+        16 ms for a 4096 x 4096 weight on this machine's two cores, more than the
+        matmul of a few hundred rows saves (at 128 rows, 1.81-1.97x float32 decoded
+        whole against 1.03-1.16x in K-chunks, ``benchmarks/formats.py --only
+        dense --ab large_weight_bytes=0``); 0: by ``float_matmul_rows`` alone. A float copy that fits the
+        cache (the 100M decoder's 4-11.5 MiB projections) costs far less, and its
+        K-chunks' partial sums no less, so those weights keep the rule above.
+      large_weight_rows: the rows up to which such a large weight keeps its
+        K-chunks (at 256 rows of the 4096 layer, 1.04-1.15x float32 against
+        1.45-1.50x decoded whole; above, neither won at both 512 and 1,024 rows).
 
       grouped_int_rows: int8 activations with grouped int weights (w4a8 g128) run
         one int8 matmul per group at up to this many rows; above, their codes are
@@ -208,6 +221,8 @@ class KernelPolicy:
     whole_decode_rows: int = 0
     decode_after_input: bool = True
     whole_decode_bytes: int = 0
+    large_weight_bytes: int = 0
+    large_weight_rows: int = 0
     batched_map: bool = False
 
     def dense_layout(self, weight, activation) -> str:
@@ -249,7 +264,7 @@ class KernelPolicy:
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
-                        batched_map=True),
+                        large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True),
     "gpu": KernelPolicy(fp8_native=True),
     "cuda": KernelPolicy(fp8_native=True),
     "default": KernelPolicy(),

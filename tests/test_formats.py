@@ -278,6 +278,31 @@ def test_groups_of_a_weight_contracted_over_two_axes(tmp_path, f, name):
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(w, rows), sim, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("f", [out_proj_einsum, out_proj_dot], ids=["einsum", "dot_general"])
+def test_groups_longer_than_head_dim_take_one_group_per_head(f):
+    """``group_size=128`` on an output projection contracted over (heads, head_dim 64):
+    groups do not span heads, so each head's 64 elements are one group (finer than
+    asked, with a warning naming what the op gets), not one scale per output channel
+    over all heads: the qparams and outputs of ``group_size=64``."""
+    p = {"wo": WO}
+    a = jnp.asarray(RNG.standard_normal((6, 1, HEADS, HEAD_DIM)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"op 'wo' .*cannot take group_size=128 \(groups run along "
+                                         r"axis 1 .* of length 64, .*it gets group_size=64"):
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=128), p, [(a,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = jqt.calibrate(f, jqt.recipes.w4(group_size=HEAD_DIM), p, [(a,)], progress=False)
+    assert qp["wo"].rhs.qtype == want["wo"].rhs.qtype
+    assert qp["wo"].rhs.scale.shape == (HEADS, 1, N)
+    np.testing.assert_array_equal(qp["wo"].rhs.scale, want["wo"].rhs.scale)
+    sim = jqt.quantize(f, qp, simulate=True)(p, a)
+    per_channel = jqt.calibrate(f, jqt.recipes.w4(group_size=0), p, [(a,)], progress=False)
+    ref = f(p, a)
+    err = lambda y: float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    assert err(sim) < err(jqt.quantize(f, per_channel, simulate=True)(p, a))
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), a), sim, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_file_round_trip_every_format(tmp_path):
     for name in ("w4_g64", "nf4_g64", "fp8", "w4a8_asym_g64"):
         qp = jqt.calibrate(embed_mlp, RECIPES[name], P, [(IDS,)], progress=False)

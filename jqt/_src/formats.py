@@ -71,7 +71,11 @@ class QuantType:
       group_size: weights only: one scale per group of ``group_size``
         consecutive elements of the innermost contracting axis (and per output
         channel and per position of any other contracted axis); 0 for none.
-        Implies ``per_channel``.
+        Implies ``per_channel``. An op whose innermost contracting axis it does
+        not tile gets groups of that axis's length where it is a multiple of it
+        and the weight is contracted over several axes (``head_dim`` 64 with
+        ``group_size=128``), one scale per output channel otherwise, with a
+        warning either way.
       dynamic: activations only: scale from the live tensor at run time.
 
     >>> import jqt, jax.numpy as jnp

@@ -54,14 +54,22 @@ class QParamsMismatchError(ValueError):
 
 
 def weight_qtype(site, qtype, shape):
-    """The weight type an op really gets: ``qtype``, or ``qtype`` without groups (per
-    channel) when the op cannot take groups or they do not tile its axis."""
+    """The weight type an op really gets: ``qtype``; or, where its groups do not tile the
+    innermost contracted axis but are a multiple of its length on a weight contracted
+    over several axes (``head_dim`` 64 with ``group_size=128`` on an attention output
+    projection), groups of that length (one per head: finer than asked, as groups do
+    not span several axes); otherwise ``qtype`` without groups (per channel) when the op
+    cannot take groups or they do not tile its axis."""
     if not qtype.group_size:
         return qtype
     ax = site.entry.groups(site)
-    if ax is None or not groups.fits(qtype, shape, ax):
-        return dataclasses.replace(qtype, group_size=0)
-    return qtype
+    if ax is not None and groups.fits(qtype, shape, ax):
+        return qtype
+    n = shape[ax % len(shape)] if ax is not None else 0
+    several = site.weight_operand is not None and len(site.contract[site.weight_operand]) > 1
+    if several and n and qtype.group_size % n == 0:
+        return dataclasses.replace(qtype, group_size=n)
+    return dataclasses.replace(qtype, group_size=0)
 
 
 def transformed(site, qp, i, x):

@@ -5,6 +5,7 @@ by op in test_numerics.py (``POLICIES``); here the jaxprs show that the
 formulation the table names is the one that runs.
 """
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +151,21 @@ def test_policy_table():
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
+
+
+def test_weight_packed_for_another_policy_warns_and_still_runs():
+    # w4a8 packed (N, K) by the default table (or an older file), run under the CPU
+    # table, which reads (K, N): converted when traced, on every call, with a warning
+    f, p, x, qp, _ = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=2)
+    other = jqt.pack(qp, p, policy=jqt.KernelPolicy())
+    assert other.weights["w"].layout == "nk"
+    with pytest.warns(UserWarning, match=r"op 'w': its weight was packed \(N, K\) .*reads it "
+                                         r"\(K, N\): it is converted on every call"):
+        got = jqt.quantize(f, qp, policy=CPU)(other, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # packed for the policy that runs it: no warning
+        want = jqt.quantize(f, qp, policy=CPU)(jqt.pack(qp, p, policy=CPU), x)
+    np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def test_grouped_weight_with_int8_activations_on_cpu():

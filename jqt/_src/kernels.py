@@ -9,6 +9,7 @@ A weight matmul runs as a 2-D matmul over a packed weight (``dense.py``, and
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +143,13 @@ def run(site, eqn, ops, policy):
     x_op = ops[1 - w]
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
     want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
+    if packed_2d and wq.layout != want:
+        names = {"nk": "(N, K)", "kn": "(K, N)"}
+        warnings.warn(f"jqt.quantize: op '{site.key}': its weight was packed {names[wq.layout]} "
+                      f"(another policy, or an older file), and this kernel policy reads it "
+                      f"{names[want]}: it is converted on every call. Pack it for this policy "
+                      "(jqt.pack(qparams, params, policy=...), the policy given to "
+                      "jqt.quantize) to skip the conversion.", stacklevel=2)
     w2 = dense.weight_in_layout(ax, wq, want, w_shape)
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)

@@ -174,9 +174,10 @@ class KernelPolicy:
         16 ms for a 4096 x 4096 weight on this machine's two cores, more than the
         matmul of a few hundred rows saves (at 128 rows, 1.81-1.97x float32 decoded
         whole against 1.03-1.16x in K-chunks, ``benchmarks/formats.py --only
-        dense --ab large_weight_bytes=0``); 0: by ``float_matmul_rows`` alone. A float copy that fits the
-        cache (the 100M decoder's 4-11.5 MiB projections) costs far less, and its
-        K-chunks' partial sums no less, so those weights keep the rule above.
+        dense --ab large_weight_bytes=0``); 0: by ``float_matmul_rows`` alone. A
+        float copy that fits the cache (the 100M decoder's 4-11.5 MiB projections)
+        costs far less, and its K-chunks' partial sums no less, so those weights
+        keep the rule above.
       large_weight_rows: the rows up to which such a large weight keeps its
         K-chunks (at 256 rows of the 4096 layer, 1.04-1.15x float32 against
         1.45-1.50x decoded whole; above, neither won at both 512 and 1,024 rows).

@@ -108,22 +108,24 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
                                       jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, many))
 
 
-@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
-                                    jqt.recipes.w4a8(group_size=128)])
+@pytest.mark.parametrize("recipe", [pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow),
+                                    jqt.recipes.w4(group_size=128),
+                                    pytest.param(jqt.recipes.w4a8(group_size=128), marks=pytest.mark.slow)])
 def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
-    # the CPU table's rule, scaled down: a float copy of 4 MiB counts as large above 1 MiB
-    f, p, _, qp, packed = _dense(recipe, n=1024, m=8)
-    policy = dataclasses.replace(CPU, large_weight_bytes=1 << 20, large_weight_rows=96)
-    assert CPU.float_matmul_rows < 96 and CPU.whole_decode_bytes < 4 << 20 < CPU.large_weight_bytes
+    # the CPU table's rule, scaled down: a float copy of 1 MiB counts as large above 512 KiB
+    f, p, _, qp, packed = _dense(recipe, k=512, n=512, m=8)
+    policy = dataclasses.replace(CPU, whole_decode_bytes=0, large_weight_bytes=512 << 10, large_weight_rows=96)
+    assert CPU.float_matmul_rows < 96 and 4 * 512 * 512 > policy.large_weight_bytes
     loops = lambda jaxpr: [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name in ("scan", "while")]
     generic = jqt.KernelPolicy()
     for rows, chunked in ((CPU.float_matmul_rows + 1, True), (96, True), (97, False)):
-        x = jax.random.normal(jax.random.key(rows), (rows, 1024))
+        x = jax.random.normal(jax.random.key(rows), (rows, 512))
         run = jqt.quantize(f, qp, policy=policy)
         assert bool(loops(jax.make_jaxpr(run)(packed, x))) == chunked, rows
-        # the table itself decodes this (not large) weight whole above float_matmul_rows
-        assert not loops(jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x))
-        ref = jqt.quantize(f, qp, policy=generic)(jqt.pack(qp, p, policy=generic), x)
+        # without the rule the weight is decoded whole above float_matmul_rows
+        old = jqt.quantize(f, qp, policy=dataclasses.replace(policy, large_weight_bytes=0))
+        assert not loops(jax.make_jaxpr(old)(packed, x))
+        ref = jax.jit(jqt.quantize(f, qp, policy=generic))(jqt.pack(qp, p, policy=generic), x)
         np.testing.assert_allclose(jax.jit(run)(packed, x), ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 

@@ -278,7 +278,8 @@ def test_groups_of_a_weight_contracted_over_two_axes(tmp_path, f, name):
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(w, rows), sim, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("f", [out_proj_einsum, out_proj_dot], ids=["einsum", "dot_general"])
+@pytest.mark.parametrize("f", [out_proj_einsum, pytest.param(out_proj_dot, marks=pytest.mark.slow)],
+                         ids=["einsum", "dot_general"])
 def test_groups_longer_than_head_dim_take_one_group_per_head(f):
     """``group_size=128`` on an output projection contracted over (heads, head_dim 64):
     groups do not span heads, so each head's 64 elements are one group (finer than

@@ -163,10 +163,10 @@ def test_weight_packed_for_another_policy_warns_and_still_runs():
     assert other.weights["w"].layout == "nk"
     with pytest.warns(UserWarning, match=r"op 'w': its weight was packed \(N, K\) .*reads it "
                                          r"\(K, N\): it is converted on every call"):
-        got = jqt.quantize(f, qp, policy=CPU)(other, x)
+        got = jax.jit(jqt.quantize(f, qp, policy=CPU))(other, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # packed for the policy that runs it: no warning
-        want = jqt.quantize(f, qp, policy=CPU)(jqt.pack(qp, p, policy=CPU), x)
+        want = jax.jit(jqt.quantize(f, qp, policy=CPU))(jqt.pack(qp, p, policy=CPU), x)
     np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
 
 

@@ -7,6 +7,10 @@ simplification, layout) still run, so the programs are the ones users get; only 
 code generation is not optimized, which makes compilation 2 to 5 times faster. To test at
 XLA's default level: ``XLA_FLAGS=--xla_backend_optimization_level=2 .venv/bin/python -m pytest``.
 
+The pytest process and its xdist workers share one persistent compilation cache, in a
+temporary directory removed when the run ends: a program one worker compiled is not
+compiled again by the other (``JQT_TEST_XLA_CACHE`` names another directory, kept).
+
 ``slow``: end-to-end tests (the examples and the numbers the docs quote, docs pages that
 train a model). The default run (pyproject.toml's addopts) leaves them out; CI runs them
 with ``.venv/bin/python -m pytest -m slow``.
@@ -16,9 +20,20 @@ import os
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+if "JQT_TEST_XLA_CACHE" not in os.environ:  # the pytest process; its xdist workers inherit it
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JQT_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jqt-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JQT_TEST_XLA_CACHE"], ignore_errors=True)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_compilation_cache_dir", os.environ["JQT_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):

@@ -102,6 +102,34 @@ def test_jit_of_quantized(mlp_setup):
     assert _rel(jax.jit(qf)(p, x2), qf(p, x2), mlp(p, x2)) < INT_VS_SIM
 
 
+def test_an_eager_call_is_one_compiled_program(mlp_setup, caplog):
+    """Called with concrete arrays, the quantized function compiles once per input shapes
+    and static values (not op by op), to what jax.jit of it computes; under
+    jax.disable_jit it runs op by op, to the same result within rounding."""
+    p, batches, _ = mlp_setup
+    x = batches[0][0][:3]  # a batch size no other test uses: nothing compiled yet
+
+    def g(p, x, alpha):  # alpha: a Python float, a static value
+        return mlp(p, x) * alpha
+
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(b[0], 1.0) for b in batches], progress=False)
+    qf = jqt.quantize(g, qp)
+
+    def compiles(*args):
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING"):
+            out = jax.block_until_ready(qf(*args))
+        return out, sum("Finished XLA compilation" in r.getMessage() for r in caplog.records)
+
+    (y, n1), (y2, n2), (y3, n3) = compiles(p, x, 1.0), compiles(p, x, 1.0), compiles(p, x, 2.0)
+    assert (n1, n2, n3) == (1, 0, 1)
+    np.testing.assert_array_equal(y, jax.jit(qf, static_argnums=2)(p, x, 1.0))
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_allclose(y3, 2 * y, rtol=1e-6)
+    with jax.disable_jit():
+        assert _rel(qf(p, x, 1.0), y, mlp(p, x)) < INT_VS_SIM
+
+
 def test_quantize_of_jit(mlp_setup):
     p, batches, qp = mlp_setup
     x = batches[0][0]

@@ -176,7 +176,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
-            weights_seen = all(bool(jnp.isfinite(s.weight["min"]).all())
+            weights_seen = all(bool(np.isfinite(np.asarray(s.weight["min"])).all())
                                for s in st.values() if s.weight is not None)
     if st is None:
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
@@ -210,7 +210,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     Returns:
       ``dict`` mapping op keys to :class:`jqt.OpQParams` (a pytree).
 
-    Each batch runs one jitted step (compiled once per batch shape). Statistics
+    Each batch runs one jitted step, compiled once per batch shape (and once more
+    for the first batch, whose step also observes the weights). Statistics
     have a fixed size (histograms, not buffers of activations) and are merged
     as batches come, so memory does not grow with the number of batches.
 

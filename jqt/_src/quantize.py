@@ -8,7 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from . import kvcache, tracing
+from . import compat, kvcache, tracing
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
@@ -73,6 +73,12 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     The weight argument may be the float weights or :func:`jqt.pack`'s
     :class:`jqt.PackedParams`.
 
+    Called eagerly (concrete arguments and ``qparams``), the returned function runs
+    as one XLA program, compiled once per argument shapes and static values, with
+    ``qparams`` passed as arguments rather than baked in as constants; under
+    ``jax.jit``, ``vmap``, ``grad`` or ``jax.export`` it is traced into the
+    enclosing computation (and ``jax.disable_jit()`` runs it op by op).
+
     ``qparams`` are captured when ``quantize`` is called: to differentiate with
     respect to them, call ``quantize`` inside the differentiated function,
     ``jax.grad(lambda qp: loss(jqt.quantize(f, qp, simulate=True)(params, x)))``.
@@ -95,12 +101,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     handler = Simulate() if simulate else Integer(policy)
     checked = set()
 
-    @functools.wraps(f)
-    def qf(*args, **kwargs):
-        if kwargs:
-            raise TypeError("jqt: a quantized function takes positional arguments only; bind "
-                            f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
-                            "calibrating and quantizing.")
+    def run(qparams, args):
         args = list(args)
         packed, dropped = {}, set()
         for a in argnums:
@@ -135,7 +136,25 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
+    jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))
+
+    @functools.wraps(f)
+    def qf(*args, **kwargs):
+        if kwargs:
+            raise TypeError("jqt: a quantized function takes positional arguments only; bind "
+                            f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
+                            "calibrating and quantizing.")
+        if _concrete((qparams, args)):  # called eagerly: one compiled program, not op by op
+            tracing.check_traceable(args)
+            return jitted(qparams, tracing.mark_static(list(args)))
+        return run(qparams, args)  # under a transformation: traced inline
+
     return qf
+
+
+def _concrete(tree) -> bool:
+    """No leaf of ``tree`` is a tracer (nothing is being transformed)."""
+    return not any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:

@@ -362,22 +362,20 @@ def _decide(site, rule, st):
     if eff != wt:
         ax = site.entry.groups(site)
         where = ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
+        cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
+                  f"group_size={wt.group_size}")
         if eff.group_size:
-            warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot "
-                          f"take group_size={wt.group_size} (groups run along axis {ax % len(shape)} "
-                          f"of the weight ({where}), of length {eff.group_size}, and do not span "
-                          f"the other contracted axes); it gets group_size={eff.group_size}, one "
-                          "group per position of the others (finer than asked: more scales). Pick "
-                          f"a group size that divides {eff.group_size}, or a Rule for this key.",
-                          stacklevel=3)
+            warnings.warn(f"{cannot} (groups run along axis {ax % len(shape)} of the weight "
+                          f"({where}), of length {eff.group_size}, and do not span the other "
+                          f"contracted axes); it gets group_size={eff.group_size}, one group per "
+                          "position of the others (finer than asked: more scales). Pick a group "
+                          f"size that divides {eff.group_size}, or a Rule for this key.", stacklevel=3)
         else:
             why = (f"a {site.op} weight takes no groups" if ax is None else
                    f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                    f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
-            warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot "
-                          f"take group_size={wt.group_size} ({why}); it gets one scale per output "
-                          "channel. Pick a group size that divides it, or a Rule for this key.",
-                          stacklevel=3)
+            warnings.warn(f"{cannot} ({why}); it gets one scale per output channel. Pick a group "
+                          "size that divides it, or a Rule for this key.", stacklevel=3)
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)

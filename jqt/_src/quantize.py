@@ -137,6 +137,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))
+    qparams_concrete = _concrete(qparams)  # tracers when quantize is called under grad
 
     @functools.wraps(f)
     def qf(*args, **kwargs):
@@ -144,7 +145,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             raise TypeError("jqt: a quantized function takes positional arguments only; bind "
                             f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
                             "calibrating and quantizing.")
-        if _concrete((qparams, args)):  # called eagerly: one compiled program, not op by op
+        if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
             return jitted(qparams, tracing.mark_static(list(args)))
         return run(qparams, args)  # under a transformation: traced inline

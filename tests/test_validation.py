@@ -97,6 +97,16 @@ def test_project_repairs(name):
     jqt.pack(jax.jit(jqt.qat.project)(bad), p)
 
 
+def test_swapped_pack_arguments_are_named():
+    p, x, qp = _setup(None)
+    with pytest.raises(TypeError, match=r"jqt.pack: qparams\['w'\] is of type .*are the arguments "
+                                        r"swapped\? qparams is the dict jqt.calibrate returns"):
+        jqt.pack(p, qp)
+    with pytest.raises(TypeError) as e:  # not parameter-like: no guess about the order
+        jqt.pack({"w": "scale"}, p)
+    assert "of type str; expected jqt.OpQParams." in str(e.value) and "swapped" not in str(e.value)
+
+
 def test_tracers_not_checked():
     """Under jax.grad the qparams are tracers: quantize cannot read their values."""
     p, x, qp = _setup()

@@ -144,7 +144,11 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
                         "by jqt.calibrate (or jqt.load).")
     for k, v in qparams.items():
         if not isinstance(v, OpQParams):
-            raise TypeError(f"{fn}: qparams['{k}'] is a {type(v).__name__}; expected jqt.OpQParams.")
+            params_like = hasattr(v, "shape") or isinstance(v, (dict, list, tuple))
+            swapped = (" It looks like model parameters: are the arguments swapped? qparams is "
+                       f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""
+            raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
+                            f"jqt.OpQParams.{swapped}")
     for k, v in qparams.items():
         why = accumulator_problem(k, v)
         if why:

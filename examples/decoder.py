@@ -108,7 +108,7 @@ def rope(x, positions, theta):
     of each head are rotated by position * theta ** (-2i / D)."""
     half = x.shape[-1] // 2
     angles = positions[:, None].astype(jnp.float32) * theta ** (-jnp.arange(half) / half)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = (a(angles)[:, None, :].astype(x.dtype) for a in (jnp.cos, jnp.sin))  # keeps bf16 bf16
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

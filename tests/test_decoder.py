@@ -168,3 +168,17 @@ def test_tiny_model_learns(tmp_path, monkeypatch):
     assert abs(decoder.heldout_loss(params) - info["heldout_loss"]) < 1e-3  # saved, loaded, same model
     out = jax.jit(decoder.generate, static_argnames="steps")(params, decoder.to_tokens("def "), steps=40)
     assert np.all(out < 128), decoder.to_text(out[0])  # ASCII, like the standard library's code
+
+
+def test_bfloat16_weights_give_bfloat16_activations_and_cache(params, tokens):
+    """benchmarks/gpu.py runs the decoder in bfloat16: rotary embeddings keep the dtype
+    (their cos / sin are computed in float32 and cast), so the layer scan's carry and the
+    cache stay bfloat16; the logits follow float32's."""
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    logits, cache = decoder.prefill(p16, tokens[:, :8], 16, CONFIG)
+    assert logits.dtype == cache["k"].dtype == cache["v"].dtype == jnp.bfloat16
+    step_logits, cache = decoder.decode_step(p16, cache, tokens[:, 8], CONFIG)
+    assert step_logits.dtype == cache["k"].dtype == jnp.bfloat16
+    ref, _ = decoder.prefill(params, tokens[:, :8], 16, CONFIG)
+    err = jnp.linalg.norm(logits.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+    assert float(err) < 0.05

@@ -163,6 +163,25 @@ def test_cpu_table_layouts():
         assert jqt.pack(qp, p, policy=cpu).weights["w"].layout == layout
 
 
+def test_gpu_table_runs_weight_only_int8_as_digits_up_to_4_rows():
+    """The GPU table (measured on an H200, benchmarks/results/gpu-h200.md): w8 at up to 4
+    rows as 3 int8 digits through one int8 matmul, the whole-weight cast above; the same
+    result as the simulation either way; the other layouts as before."""
+    gpu = jqt.KernelPolicy.for_backend("gpu")
+    for recipe, layout in ((R.w8a8_dynamic(), "nk"), (R.w4(group_size=128), "kn"), (R.fp8(), "nk")):
+        f, p, qp, _ = _setup(recipe)
+        assert jqt.pack(qp, p, policy=gpu).weights["w"].layout == layout
+    f, p, qp, _ = _setup(R.w8())
+    packed = jqt.pack(qp, p, policy=gpu)
+    assert packed.weights["w"].layout == "nk"
+    for m, dtype in ((1, np.int8), (4, np.int8), (5, np.float32)):
+        x = jax.random.normal(jax.random.key(m), (m, K))
+        assert [d.invars[0].aval.dtype for d in _dots(f, qp, packed, x, gpu)] == [dtype], m
+        ref = jqt.quantize(f, qp, simulate=True)(p, x)
+        np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=gpu))(packed, x), ref,
+                                   atol=2e-6 * float(jnp.abs(ref).max()), err_msg=str(m))
+
+
 BLOCKS = {  # more rows than float_matmul_rows: blocks of 16 of the 48 output channels
     "kn": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16),
     "nk": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16,

@@ -345,3 +345,18 @@ def test_issue_decode_steps_over_layer_scan():
     x = jnp.ones((2, 16))
     assert _rel(jqt.quantize(f, qp)(p, x), f(p, x)) < 0.01
     assert _rel(jqt.quantize(f, qp, simulate=True)(p, x), f(p, x)) < 0.01
+
+
+def test_a_scan_jax_no_longer_describes_names_the_supported_jax():
+    """JAX 0.11 replaced lax.scan's num_consts / num_carry parameters (seen on a GPU
+    machine with JAX 0.11.2): jqt says which JAX it supports instead of a KeyError."""
+    import types
+    from jqt._src import compat
+
+    eqn = types.SimpleNamespace(params={"length": 3, "reverse": False})
+    with pytest.raises(NotImplementedError, match=r"lax.scan .*pip install 'jax>=0.10.2,<0.11'"):
+        compat.scan_counts(eqn)
+    f = lambda p, x: jax.lax.scan(lambda h, _: (jnp.tanh(h @ p), None), x, None, length=2)[0]
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((1, 4)))
+    scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    assert compat.scan_counts(scan) == (1, 1)  # the weight is a constant, h the one carry

@@ -55,7 +55,7 @@ def map_remainders(jaxpr) -> dict:
     together with those reshapes (lax.map's own, in the order of ``jax.lax.map``)."""
     eqns, out = jaxpr.eqns, {}
     for i, e in enumerate(eqns):
-        if e.primitive.name != "scan" or e.params["num_carry"] or e.params["reverse"]:
+        if e.primitive.name != "scan" or compat.scan_counts(e)[1] or e.params["reverse"]:
             continue
         ys = {v for v in e.outvars if not compat.is_dropvar(v)}
         flat = set()
@@ -236,8 +236,8 @@ class Analyzer:
                 warnings.warn(f"jqt: the cond_fun of a while_loop at '{stack or '<top>'}' holds a "
                               "dot_general/conv; jqt leaves it float.", stacklevel=4)
         if name == "scan":  # carries are data inside; a weight carried in is a float use
-            p = eqn.params
-            for info in ins[p["num_consts"]:p["num_consts"] + p["num_carry"]]:
+            nc, nk = compat.scan_counts(eqn)
+            for info in ins[nc:nc + nk]:
                 self._use(info, "float")
         if name == "while":
             p = eqn.params

@@ -50,6 +50,22 @@ def eqn_context(eqn):
                 yield
 
 
+def scan_counts(eqn) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its operands are the constants,
+    then the carries, then the scanned inputs. JAX 0.11 replaced these two parameters
+    (jqt supports ``jax<0.11``, pyproject.toml): say so instead of a bare ``KeyError``."""
+    p = eqn.params
+    if "num_consts" not in p or "num_carry" not in p:
+        import jax
+        raise NotImplementedError(
+            f"jqt: this JAX release ({jax.__version__}) represents lax.scan without the "
+            "'num_consts'/'num_carry' parameters jqt reads (JAX 0.11 changed them), so jqt "
+            "cannot quantize a function that holds a lax.scan (or lax.map, fori_loop with a "
+            "fixed trip count, flax nn.scan / nnx.scan) under it. Install the JAX that jqt "
+            "supports: pip install 'jax>=0.10.2,<0.11' 'jaxlib>=0.10.2,<0.11'.")
+    return p["num_consts"], p["num_carry"]
+
+
 def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
 

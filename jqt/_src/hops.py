@@ -66,7 +66,7 @@ def _carries(infos, loop_id):
 
 def _scan_subs(eqn, infos, scan_id):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = compat.scan_counts(eqn)
     inner = [_const(i) for i in infos[:nc]] + _carries(infos[nc:nc + nk], scan_id)
     for info in infos[nc + nk:]:  # xs: slices of the stacked value, a slice of its buffer
         s = info.source
@@ -102,7 +102,7 @@ def _caches(carry_outs, loop_id, reads):
 
 def _scan_outs(eqn, infos, body_outs, scan_id, reads):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = compat.scan_counts(eqn)
     body = body_outs[0]
     outs = [_carried(infos[nc + k], body[k], scan_id, k) for k in range(nk)]
     for o in body[nk:]:  # ys: restacked slices of an outer buffer are that buffer
@@ -215,7 +215,7 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
 
 def _scan(eqn, invals, sub, ctx, evaluate):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = compat.scan_counts(eqn)
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
     sites = {s.key: s for pl in sub.plans for s in pl.all_sites()}
     stacked = {k for k, s in sites.items() if sub.stacked(s)}

@@ -12,7 +12,7 @@ decoding at batch 1 (a GEMV), 1024 for a prefill of 8 x 128 tokens.
 decision                    CPU (XLA:CPU)               GPU and other backends
 ==========================  ==========================  ==========================
 packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
-packed dense weight, w8     ``(N, K)``: the int8        ``(K, N)``
+packed dense weight, w8     ``(N, K)``: the int8        ``(N, K)``, the same
 (weight-only per channel)   matmul of the digits reads
                             it at few rows
 packed dense weight, w4,    ``(K, N)``                  ``(K, N)``
@@ -29,11 +29,13 @@ packed dense weight, fp8    ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
 rows of an int8 matmul      padded up to 2 (one row     not padded
                             takes a 10-20x slower
                             path: a decode step 2x)
-1-4 rows: w8 (weight-only)  the float activation as 3   as at any row count
-                            int8 digits, one int8
-                            matmul: 0.86-1.02x the
-                            K-chunked cast at 1 row (9
-                            runs), 0.98-1.03x at 4
+1-4 rows: w8 (weight-only)  the float activation as 3   the same (H200: 1.23-
+                            int8 digits, one int8       1.29x bfloat16 at one row
+                            matmul: 0.86-1.02x the      of a 4096 layer, 1.73x at
+                            K-chunked cast at 1 row (9  4, against 3.13-3.24x for
+                            runs), 0.98-1.03x at 4      the cast; the 100M decode
+                                                        step 0.84-0.89x against
+                                                        1.04-1.06x)
 1-8 rows: w4a8 g128         one int8 matmul per group   as at any row count
                             (one batched over the
                             groups: 0.68-1.14x, slower
@@ -48,9 +50,11 @@ rows                        (exact), the weight decoded
                             a 4096 layer against 0.75x,
                             2.9x at prefill)
 1-4 rows: w4 g128, nf4      K-chunked cast, as at any   as at any row count
-                            row count (digits through
-                            a batched matmul: 1.11-
-                            1.33x)
+                            row count (digits through   (H200: digits 2.81x
+                            a batched matmul: 1.11-     bfloat16 at one row of a
+                            1.33x)                      4096 layer against 3.90x,
+                                                        but 1.09x against 1.05x in
+                                                        the decode step)
 weight-only matmul, up to   ``lax.scan`` over chunks    cast the weight, one
 64 rows, a float copy       of <= 256 rows of K (of N   matmul
 over 3 MiB                  for ``(N, K)``), cast in
@@ -69,11 +73,11 @@ copy of at most 3 MiB       exists (an integer zero
                             the tie XLA:CPU hoists
                             every decode: 43 MB of
                             temporaries, 1.75-2.04x)
-int4 / nf4 weight-only      per chunk or block: both    the same (not measured
-                            nibbles decoded by one      here: no GPU was lent)
-                            shift into one float block
-                            (K's even rows, then odd),
-                            the activation's columns
+int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
+                            nibbles decoded by one      3.9x, nf4 4.2x bfloat16
+                            shift into one float block  at one row of a 4096
+                            (K's even rows, then odd),  layer: XLA did not fuse
+                            the activation's columns    the decode into its GEMM)
                             in that order: one matmul
                             (one per nibble: MiniLM w4
                             b8 1.39x float32, then
@@ -84,10 +88,10 @@ int4 / nf4 weight-only      per chunk or block: both    the same (not measured
                             its 16-entry table was
                             slower: numerics.py)
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
-                            from its bits (float16 bit  (cuBLASLt on H100)
-                            tricks: XLA:CPU's own fp8
-                            conversion is ~10x slower),
-                            activation upcast (exact)
+                            from its bits (float16 bit  (H200: 1.34x bfloat16 at
+                            tricks: XLA:CPU's own fp8   one row of a 4096 layer,
+                            conversion is ~10x slower), 3.09x decoded; the decode
+                            activation upcast (exact)   step 0.69-0.81x)
 weight with batch axes      one expert at a time in a   the whole weight decoded,
 (experts), decoded to       ``lax.map``, K-chunks as    one batched float
 float (weight-only, w4a8,   above, int4 codes two per   ``dot_general`` (keeps a
@@ -102,6 +106,8 @@ int8 convolution            im2col patches + int8       native int8 convolution
 ==========================  ==========================  ==========================
 
 The figures behind the CPU column are in ``benchmarks/`` and ``docs/performance.md``;
+the GPU column's (one NVIDIA H200, JAX 0.11.2) in ``benchmarks/results/gpu-h200.md``
+(``benchmarks/gpu.py``);
 the few-row and many-row ones come from ``benchmarks/decode.py``, whose
 ``formulations`` table times a 100M-parameter decoder's decode step under each
 formulation, and whose ``prefill`` table runs the many-row ones.
@@ -267,7 +273,7 @@ POLICIES = {
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True),
-    "gpu": KernelPolicy(fp8_native=True),
-    "cuda": KernelPolicy(fp8_native=True),
+    "gpu": KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3),
+    "cuda": KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3),
     "default": KernelPolicy(),
 }

@@ -1,0 +1,397 @@
+"""jqt's formats on an accelerator, against bfloat16: dense 4096, all-MiniLM-L6-v2, a 100M decoder.
+
+    python benchmarks/gpu.py --markdown          # on a GPU: a few minutes (H100 / H200)
+    python benchmarks/gpu.py --only dense        # parts: dense, minilm, decode
+    python benchmarks/gpu.py --smoke             # tiny shapes, any backend: the script runs
+    python benchmarks/gpu.py --smoke --policy gpu   # ... under the GPU table, on this machine
+    python benchmarks/gpu.py --only dense --rows 1,4 --variants w8,"w8 [weight_only_digits=0]"
+
+Written for an NVIDIA H100 or H200 (XLA's cuBLAS / cuBLASLt and Triton paths); it runs
+on any backend, under ``jqt.KernelPolicy.for_backend()`` (``--policy BACKEND``: that
+backend's table instead). The float baseline is the
+model in bfloat16, what a GPU serves; float32 (TF32 matmuls, JAX's default precision
+on GPU) is a reference row. Every quantized variant runs the bfloat16 model through
+``jqt.quantize(f, qp)(jqt.pack(qp, params), ...)`` under ``jax.jit``, calibrated on two
+batches. Weights are random: speed does not depend on training.
+
+* ``dense``: ``x @ w`` with ``w`` 4096 x 4096, at 1, 16 and 2048 rows. One call
+  runs the layer ``reps`` times in a chain (each output, RMS-normalised, is the next
+  input, written as a Python loop), so that kernel time, not the host's dispatch,
+  is measured and XLA cannot merge or hoist the matmuls; the table gives the time
+  per layer. ``[field=value]`` rows run a preset under the backend's kernel policy
+  with fields replaced (the formulation the table did not choose). Also: the
+  kernels XLA chose (from the compiled HLO: cuBLAS / cuBLASLt custom calls, Triton
+  fusions), the error of the chain's output against float32's and the relative
+  difference between the integer path and its float simulation (``simulate=True``).
+* ``minilm``: all-MiniLM-L6-v2's shape (flax.linen BERT of ``examples/bert.py``, 6
+  layers, hidden 384), random weights, 128 tokens, batch 1, 8 and 64.
+* ``decode``: ``examples/decoder.py``'s Llama-style decoder at ``decode.py``'s 100M
+  configuration, batch 1: one greedy decode step a call (``decode.step_unstacked``:
+  the layers as a Python loop over per-layer weights), the key/value cache of 2048
+  positions filled to 1024. Tokens per second and the ratio to bfloat16.
+
+No part uses ``lax.scan``: JAX 0.11 (the GPU machines' release, outside jqt's pinned
+range) replaced the scan parameters jqt reads (``num_consts``, ``num_carry``), and jqt's
+calibration of a scan fails there with ``KeyError: 'num_carry'``.
+
+All variants of a table run interleaved, round-robin (``timing.interleaved``); each
+sample dispatches a call ``PIPELINE`` times and waits for the last (as a decode loop
+whose next token stays on the device does), so the host's dispatch overlaps the
+device's work. Reported: medians per call and ratios to bfloat16 in the same rounds. Prints tables and a
+``RESULTS {json}`` line; ``--out FILE`` also writes the JSON after each part.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import re
+import sys
+import time
+import traceback
+
+import paths  # noqa: F401  (this checkout's jqt, examples/)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jqt
+import timing
+from formats import table
+
+R = jqt.recipes
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# name -> (recipe factory, {KernelPolicy field: value} replacing the backend's, or None)
+DENSE = {
+    "w8a8_dynamic": (R.w8a8_dynamic, None),
+    "w8": (R.w8, None),
+    "w8 [weight_only_digits=3]": (R.w8, dict(gemv_rows=16, weight_only_digits=3)),
+    "w8 [weight_only_digits=0]": (R.w8, dict(weight_only_digits=0)),
+    "fp8": (R.fp8, None),
+    "fp8 [fp8_native=False]": (R.fp8, dict(fp8_native=False)),
+    "w4 g128": (lambda: R.w4(group_size=128), None),
+    "w4 g128 [grouped_digits=3]": (lambda: R.w4(group_size=128), dict(gemv_rows=16, grouped_digits=3)),
+    "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
+    "w4a8 g128 [grouped_int_rows=4096]": (lambda: R.w4a8(group_size=128), dict(grouped_int_rows=4096)),
+    "nf4 g64": (lambda: R.nf4(group_size=64), None),
+}
+MINILM = {
+    "w8a8": (R.w8a8, None),
+    "w8a8_dynamic": (R.w8a8_dynamic, None),
+    "w8": (R.w8, None),
+    "fp8": (R.fp8, None),
+    "fp8 dynamic": (lambda: R.fp8(dynamic=True), None),
+    "w4 g128": (lambda: R.w4(group_size=128), None),
+    "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
+    "nf4 g64": (lambda: R.nf4(group_size=64), None),
+}
+DECODE = {
+    "w8": (R.w8, None),
+    "w8 [weight_only_digits=0]": (R.w8, dict(weight_only_digits=0)),
+    "w8a8_dynamic": (R.w8a8_dynamic, None),
+    "fp8": (R.fp8, None),
+    "w4 g128": (lambda: R.w4(group_size=128), None),
+    "w4 g128 [grouped_digits=0]": (lambda: R.w4(group_size=128), dict(grouped_digits=0)),
+    "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
+    "nf4 g64": (lambda: R.nf4(group_size=64), None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    dense_n: int = 4096
+    dense_rows: tuple = (1, 16, 2048)
+    reps: int = 8
+    minilm_tokens: int = 128
+    minilm_batches: tuple = (1, 8, 64)
+    max_len: int = 2048
+    prompt: int = 1024
+    rounds: int = 40
+
+
+FULL = Sizes()
+SMOKE = Sizes(dense_n=256, dense_rows=(1, 16), reps=2, minilm_tokens=16, minilm_batches=(1, 2),
+              max_len=64, prompt=32, rounds=2)
+PIPELINE = 4  # calls dispatched per timing sample
+
+
+def progress(msg):
+    print(f"[gpu] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+BASE = {"policy": None}  # --policy: the backend whose table every variant starts from
+
+
+def policy_of(fields):
+    base = BASE["policy"]
+    return base if not fields else dataclasses.replace(base or jqt.KernelPolicy.for_backend(), **fields)
+
+
+def to_bf16(tree):
+    return jax.tree.map(lambda a: a.astype(BF16) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def kernels(jitted, *args):
+    """The matmul kernels XLA chose for ``jitted(*args)``: cuBLAS / cuBLASLt / cuDNN custom
+    calls and Triton GEMM fusions, counted, from the optimized HLO ("" if none)."""
+    try:
+        hlo = jitted.lower(*args).compile().as_text()
+    except Exception as e:  # noqa: BLE001 - a report, not a check
+        return f"(no HLO: {type(e).__name__})"
+    found = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    found += re.findall(r'"kind":"(__triton[a-z_]*)"', hlo)
+    found = [k for k in found if any(s in k for s in ("cublas", "cudnn", "triton", "gemm", "matmul"))]
+    return ", ".join(f"{k} x{found.count(k)}" for k in sorted(set(found)))
+
+
+def interleaved(calls, rounds):
+    calls = {n: functools.partial(_pipelined, c) for n, c in calls.items()}
+    timing.choose_rounds(list(calls.values()), 0.0, 1, 1, warmup=3)  # compile and warm up
+    return {n: timing.summary(s) for n, s in timing.interleaved(calls, rounds).items()}
+
+
+def _pipelined(call):
+    for _ in range(PIPELINE - 1):
+        call()
+    return call()  # the device runs them in order: the last one done, all are
+
+
+def quantized(f, variants, params, calib, name, failed):
+    """``{variant: (jitted quantized f, packed params, qparams)}``; a variant that fails
+    is reported, named in ``failed`` and left out (the rest still run)."""
+    out = {}
+    for v, (make, fields) in variants.items():
+        progress(f"{name}: calibrating and packing {v}")
+        try:
+            policy = policy_of(fields)
+            qp = jqt.calibrate(f, make(), params, calib, progress=False)
+            out[v] = (jax.jit(jqt.quantize(f, qp, policy=policy)), jqt.pack(qp, params, policy=policy), qp)
+        except Exception:  # noqa: BLE001 - report and go on: one device run has to give all it can
+            failed.append(f"{name} {v}")
+            progress(f"{name}: {v} FAILED\n{traceback.format_exc(limit=6)}")
+    return out
+
+
+def nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------- dense
+
+def dense(sizes, markdown, results, check=True):
+    n, reps = sizes.dense_n, sizes.reps
+    rng = np.random.default_rng(0)
+    w32 = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), F32)
+    layer = lambda w, x: x @ w
+
+    def chain(w, x):  # the layer reps times, each output RMS-normalised into the next input
+        for _ in range(reps):
+            y = layer(w, x).astype(F32)
+            x = (y * lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+        return x
+
+    w = w32.astype(BF16)
+    calib = [(jnp.asarray(rng.standard_normal((16, n)), BF16),) for _ in range(2)]
+    q = quantized(chain, DENSE, w, calib, "dense", results["failed"])
+    fns = {"bfloat16": (jax.jit(chain), w), "float32": (jax.jit(chain), w32)}
+    fns.update({v: (fq, packed) for v, (fq, packed, _) in q.items()})
+    rows, kern = [], {}
+    for m in sizes.dense_rows:
+        progress(f"dense: {m} rows")
+        x = jnp.asarray(rng.standard_normal((m, n)), BF16)
+        args = {v: (p, x.astype(F32) if v == "float32" else x) for v, (_, p) in fns.items()}
+        calls = {v: functools.partial(fn, *args[v]) for v, (fn, _) in fns.items()}
+        med = interleaved(calls, sizes.rounds)
+        base = med["bfloat16"]["median"]
+        for v, s in med.items():
+            results[f"dense{n} {v} m{m}"] = dict(us_per_layer=s["median"] / reps * 1e6,
+                                                 ratio_bf16=s["median"] / base)
+        rows.append((str(m), f"{base / reps * 1e6:.1f}")
+                    + tuple(f"{med[v]['median'] / reps * 1e6:.1f} ({med[v]['median'] / base:.2f}x)"
+                            for v in fns if v != "bfloat16"))
+        if m in (1, sizes.dense_rows[-1]):
+            for v, (fn, _) in fns.items():
+                kern[(v, m)] = kernels(fn, *args[v])
+    print(f"dense {n} x {n}, {reps} chained layers a call: median microseconds per layer "
+          f"(ratio to bfloat16); {sizes.rounds} interleaved rounds of {PIPELINE} calls")
+    table(("rows", "bfloat16") + tuple(v for v in fns if v != "bfloat16"), rows, markdown)
+    if not check:
+        return
+    # the chain's output against float32's; for the integer and fp8 kernels, one float32
+    # layer's integer path against its float simulation (float32 rounding apart: ~1e-7)
+    x1 = jnp.asarray(rng.standard_normal((16, n)), BF16)
+    ref = np.asarray(jax.jit(chain)(w32, x1.astype(F32)), np.float64)
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                             / np.linalg.norm(np.asarray(b, np.float64)))
+    info = []
+    for v, (fq, packed, qp) in q.items():
+        err = rel(fq(packed, x1).astype(F32), ref)
+        dif = None
+        if v in ("w8a8_dynamic", "fp8", "w4a8 g128"):
+            x32 = x1.astype(F32)
+            qp1, policy = jqt.calibrate(layer, DENSE[v][0](), w32, [(x32,)], progress=False), policy_of(None)
+            out = jax.jit(jqt.quantize(layer, qp1, policy=policy))(jqt.pack(qp1, w32, policy=policy), x32)
+            dif = rel(out, jax.jit(jqt.quantize(layer, qp1, simulate=True))(w32, x32))
+        ratio = nbytes(packed) / reps / w.nbytes  # a weight read by several ops is packed for each
+        results[f"dense{n} {v}"] = dict(rel_err=err, int_vs_sim=dif, bytes_ratio=ratio)
+        info.append((v, f"{ratio:.3f}", f"{err:.4f}", "-" if dif is None else f"{dif:.1e}",
+                     kern.get((v, 1), ""), kern.get((v, sizes.dense_rows[-1]), "")))
+    info += [(v, "1.000" if v == "bfloat16" else "2.000", "-", "-", kern.get((v, 1), ""),
+              kern.get((v, sizes.dense_rows[-1]), "")) for v in ("bfloat16", "float32")]
+    print(f"dense {n}: bytes against bfloat16, the {reps}-layer chain's error against float32, "
+          "one float32 layer's integer path against its simulation, and the matmul kernels XLA chose")
+    table(("variant", "bytes / bf16", "rel. error", "int vs sim", f"kernels, {sizes.dense_rows[0]} row",
+           f"kernels, {sizes.dense_rows[-1]} rows"), info, markdown)
+
+
+# ----------------------------------------------------------------------------- minilm
+
+def minilm(sizes, markdown, results):
+    from bert import Bert, BertConfig, mean_pool_normalize
+
+    cfg = BertConfig() if sizes is FULL else BertConfig(vocab_size=512, num_hidden_layers=2)
+    model = Bert(cfg)
+    t = sizes.minilm_tokens
+    rng = np.random.default_rng(1)
+    ids = lambda b: jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    params32 = model.init(jax.random.key(0), ids(1), jnp.ones((1, t), jnp.int32))
+    params = to_bf16(params32)
+
+    def embed(params, input_ids, mask):
+        return mean_pool_normalize(model.apply(params, input_ids, mask), mask)
+
+    calib = [(ids(8), jnp.ones((8, t), jnp.int32)) for _ in range(2)]
+    q = quantized(embed, MINILM, params, calib, "minilm", results["failed"])
+    fns = {"bfloat16": (jax.jit(embed), params), "float32": (jax.jit(embed), params32)}
+    fns.update({v: (fq, packed) for v, (fq, packed, _) in q.items()})
+    rows = []
+    for b in sizes.minilm_batches:
+        progress(f"minilm: batch {b}")
+        x, mask = ids(b), jnp.ones((b, t), jnp.int32)
+        calls = {v: functools.partial(fn, p, x, mask) for v, (fn, p) in fns.items()}
+        med = interleaved(calls, sizes.rounds)
+        base = med["bfloat16"]["median"]
+        for v, s in med.items():
+            results[f"minilm {v} b{b}"] = dict(ms=s["median"] * 1e3, ratio_bf16=s["median"] / base)
+        rows.append((str(b), f"{base * 1e3:.3f}")
+                    + tuple(f"{med[v]['median'] * 1e3:.3f} ({med[v]['median'] / base:.2f}x)"
+                            for v in fns if v != "bfloat16"))
+    print(f"all-MiniLM-L6-v2's shape, random weights, {t} tokens: median ms a call (ratio to "
+          f"bfloat16); {sizes.rounds} interleaved rounds; weight bytes / bfloat16: "
+          + ", ".join(f"{v} {nbytes(p) / nbytes(params):.3f}" for v, (_, p) in fns.items()))
+    table(("batch", "bfloat16") + tuple(v for v in fns if v != "bfloat16"), rows, markdown)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def decode(sizes, markdown, results):
+    import decoder
+    from decode import CONFIG, step_unstacked
+
+    config = CONFIG if sizes is FULL else decoder.TINY
+    L = config.n_layers
+    step = functools.partial(step_unstacked, config=config)
+    pre = jax.jit(functools.partial(decoder.prefill, max_len=sizes.max_len, config=config))
+    params32 = decoder.init_params(config, jax.random.key(0))
+
+    def unstacked(p):  # per-layer weights: no lax.scan (see the module docstring)
+        return {**p, "layers": [jax.tree.map(lambda a: a[i], p["layers"]) for i in range(L)]}
+
+    def inputs(p, seed):  # (cache, token) at batch 1: the cache from a prefill of random tokens
+        r = np.random.default_rng(seed)
+        _, c = pre(p, jnp.asarray(r.integers(0, config.vocab, (1, sizes.prompt)), jnp.int32))
+        c = {"k": [c["k"][i] for i in range(L)], "v": [c["v"][i] for i in range(L)], "pos": c["pos"]}
+        return c, jnp.asarray(r.integers(0, config.vocab, (1,)), jnp.int32)
+
+    stacked = to_bf16(params32)  # for the (float) prefill that fills the caches
+    params, params32 = unstacked(stacked), unstacked(params32)
+    calib = [inputs(stacked, s) for s in (1, 2)]
+    q = quantized(step, DECODE, params, calib, "decode", results["failed"])
+    cache, token = inputs(stacked, 3)
+    cache32 = jax.tree.map(lambda a: a.astype(F32) if a.dtype == BF16 else a, cache)
+    fns = {"bfloat16": (jax.jit(step), params, cache), "float32": (jax.jit(step), params32, cache32)}
+    fns.update({v: (fq, packed, cache) for v, (fq, packed, _) in q.items()})
+    calls = {v: functools.partial(fn, p, c, token) for v, (fn, p, c) in fns.items()}
+    progress(f"decode: timing {len(calls)} variants")
+    med = interleaved(calls, sizes.rounds)
+    base = med["bfloat16"]["median"]
+    ref = np.asarray(fns["bfloat16"][0](params, cache, token)[0], np.float64)
+    rows = []
+    for v, s in med.items():
+        fn, p, c = fns[v]
+        logits, new_cache = fn(p, c, token)
+        err = np.linalg.norm(np.asarray(logits, np.float64) - ref) / np.linalg.norm(ref)
+        t = s["median"] / PIPELINE
+        kv = nbytes(new_cache) / nbytes(cache)
+        results[f"decode {v}"] = dict(ms_per_token=t * 1e3, tokens_s=1 / t, ratio_bf16=s["median"] / base,
+                                      bytes_ratio=nbytes(p) / nbytes(params), cache_ratio=kv, logits_err=err)
+        rows.append((v, f"{t * 1e3:.3f}", f"{1 / t:.0f}", f"{s['median'] / base:.2f}",
+                     f"{nbytes(p) / nbytes(params):.3f}", f"{kv:.3f}", f"{err:.3f}"))
+    print(f"Decode step, batch 1: {sum(x.size for x in jax.tree.leaves(params32)) / 1e6:.1f}M "
+          f"parameters, cache of {sizes.max_len} positions filled to {sizes.prompt}; "
+          f"{sizes.rounds} interleaved rounds of {PIPELINE} steps")
+    table(("variant", "ms / token", "tokens / s", "time / bf16", "weight bytes / bf16",
+           "cache bytes / bf16", "logits error vs bf16"), rows, markdown)
+
+
+PARTS = {"dense": dense, "decode": decode, "minilm": minilm}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=",".join(PARTS))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", help="also write the results JSON here after each part")
+    ap.add_argument("--policy", help="start every variant from this backend's kernel policy "
+                    "(jqt.KernelPolicy.for_backend), e.g. gpu")
+    ap.add_argument("--variants", help="comma-separated variant names (default: all)")
+    ap.add_argument("--rows", help="dense rows, comma-separated")
+    ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
+                    "error table: its float simulations of grouped formats crashed XLA:GPU's "
+                    "compiler in JAX 0.11.2)")
+    a = ap.parse_args()
+    sizes = SMOKE if a.smoke else FULL
+    if a.rounds:
+        sizes = dataclasses.replace(sizes, rounds=a.rounds)
+    if a.rows:
+        sizes = dataclasses.replace(sizes, dense_rows=tuple(int(r) for r in a.rows.split(",")))
+    if a.policy:
+        BASE["policy"] = jqt.KernelPolicy.for_backend(a.policy)
+    if a.variants:
+        keep = a.variants.split(",")
+        unknown = set(keep) - set(DENSE) - set(MINILM) - set(DECODE)
+        if unknown:
+            raise SystemExit(f"--variants: no variant named {', '.join(sorted(unknown))}")
+        for table_ in (DENSE, MINILM, DECODE):
+            for k in [k for k in table_ if k not in keep]:
+                del table_[k]
+    dev = jax.devices()[0]
+    results = {"device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
+               "failed": []}
+    print(f"{results['device']}, jax {jax.__version__}; kernel policy: "
+          f"{BASE['policy'] or jqt.KernelPolicy.for_backend()}")
+    failed = results["failed"]
+    for part in a.only.split(","):
+        if part not in PARTS:
+            raise SystemExit(f"--only: {part!r} is not one of {', '.join(PARTS)}")
+        try:
+            kw = dict(check=not a.no_check) if part == "dense" else {}
+            PARTS[part](sizes, a.markdown, results, **kw)
+        except Exception:  # noqa: BLE001 - one part failing leaves the others to run
+            failed.append(part)
+            progress(f"{part} FAILED\n{traceback.format_exc()}")
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+    print("RESULTS " + json.dumps(results))
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

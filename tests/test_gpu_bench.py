@@ -1,0 +1,33 @@
+"""benchmarks/gpu.py, the script behind benchmarks/results/gpu-h200.md, still runs: its
+smoke sizes under the GPU kernel table, on this machine's CPU (slow: CI runs it). A GPU is
+needed for its numbers, not for its code paths."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_under_the_gpu_table():
+    variants = "w8,w8 [weight_only_digits=0],fp8,w4 g128,w4a8 g128"
+    r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--policy", "gpu",
+                        "--only", "dense,decode", "--variants", variants], cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("RESULTS "))
+    res = json.loads(line[len("RESULTS "):])
+    assert res["failed"] == []
+    for v in ("bfloat16", "float32") + tuple(variants.split(",")):
+        assert res[f"decode {v}"]["ms_per_token"] > 0
+        assert res[f"dense256 {v} m1"]["ratio_bf16"] > 0
+    # the integer kernels against their float simulation, one float32 layer under the GPU table
+    assert res["dense256 fp8"]["int_vs_sim"] < 1e-5 and res["dense256 w4a8 g128"]["int_vs_sim"] < 1e-5
+    # packed bytes against bfloat16: int8 about half, int4 about a quarter (plus scales)
+    assert 0.5 < res["dense256 w8"]["bytes_ratio"] < 0.52 < res["dense256 w4a8 g128"]["bytes_ratio"] * 2
+    assert res["decode w8"]["bytes_ratio"] < 0.55 and res["decode w4 g128"]["bytes_ratio"] < 0.3

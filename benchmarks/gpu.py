@@ -5,6 +5,7 @@
     python benchmarks/gpu.py --smoke             # tiny shapes, any backend: the script runs
     python benchmarks/gpu.py --smoke --policy gpu   # ... under the GPU table, on this machine
     python benchmarks/gpu.py --only dense --rows 1,4 --variants w8,"w8 [weight_only_digits=0]"
+    python benchmarks/gpu.py --isolate --markdown   # a process per part and dense row count
 
 Written for an NVIDIA H100 or H200 (XLA's cuBLAS / cuBLASLt and Triton paths); it runs
 on any backend, under ``jqt.KernelPolicy.for_backend()`` (``--policy BACKEND``: that
@@ -47,6 +48,7 @@ import dataclasses
 import functools
 import json
 import re
+import subprocess
 import sys
 import time
 import traceback
@@ -340,6 +342,40 @@ def decode(sizes, markdown, results):
 PARTS = {"dense": dense, "decode": decode, "minilm": minilm}
 
 
+def isolated(a):
+    """``--isolate``: this script again per part (per row count for ``dense``), each in its
+    own process with the other arguments; their tables as they print, their results merged,
+    a process that died named in ``failed`` with the end of its output."""
+    argv = [x for x in sys.argv[1:] if x != "--isolate"]
+    drop = {"--only", "--rows", "--out"}
+    base = [x for i, x in enumerate(argv) if x not in drop and (i == 0 or argv[i - 1] not in drop)]
+    rows = a.rows.split(",") if a.rows else [str(r) for r in (SMOKE if a.smoke else FULL).dense_rows]
+    jobs = [(p, ["--rows", r] if p == "dense" else []) for p in a.only.split(",")
+            for r in (rows if p == "dense" else [None])]
+    results, failed = {}, []
+    for part, extra in jobs:
+        name = part + (f" rows {extra[1]}" if extra else "")
+        progress(f"--isolate: {name}")
+        r = subprocess.run([sys.executable, __file__, *base, "--only", part, *extra],
+                           capture_output=True, text=True)
+        lines = r.stdout.splitlines()
+        print("\n".join(l for l in lines if not l.startswith("RESULTS ")), flush=True)
+        got = [json.loads(l[len("RESULTS "):]) for l in lines if l.startswith("RESULTS ")]
+        if got:
+            failed += got[0].pop("failed")
+            results.update(got[0])
+        if r.returncode != 0 and not got:
+            failed.append(f"{name} (exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]})")
+            progress(f"{name} died:\n{r.stderr[-3000:]}")
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump({**results, "failed": failed}, fh, indent=1)
+    results["failed"] = failed
+    print("RESULTS " + json.dumps(results))
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(PARTS))
@@ -354,7 +390,12 @@ def main():
     ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
                     "error table: its float simulations of grouped formats crashed XLA:GPU's "
                     "compiler in JAX 0.11.2)")
+    ap.add_argument("--isolate", action="store_true", help="run each part (and each dense row "
+                    "count) in a process of its own, so that a compiler that aborts the process "
+                    "(XLA:GPU did, in JAX 0.11.2) loses only that table")
     a = ap.parse_args()
+    if a.isolate:
+        return isolated(a)
     sizes = SMOKE if a.smoke else FULL
     if a.rounds:
         sizes = dataclasses.replace(sizes, rounds=a.rounds)

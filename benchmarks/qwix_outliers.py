@@ -319,24 +319,25 @@ class Case:
 
 def cases():
     R = jqt.recipes
+    ABS = jqt.calibrators.WeightMinMax()  # absmax ranges, the grid matched to Qwix's
     sec4 = f"int4 symmetric weights, groups of {GROUP}, activations float"
     sec8 = "int8 per-channel weights, int8 activations"
     qgrid = f"weight_calibration_method='{MATCH4}'"
     sq8 = dict(W8A8, weight_calibration_method=MATCH8)
     return [
-        Case(sec4, "RTN", "jqt", f"w4(group_size={GROUP})", jqt_ptq(lambda: R.w4(group_size=GROUP))),
+        Case(sec4, "RTN", "jqt", f"w4(group_size={GROUP})", jqt_ptq(lambda: R.w4(group_size=GROUP, weight_calibrator=ABS))),
         Case(sec4, "RTN", "qwix", f"QuantizationRule(int4, tile_size={GROUP}, {qgrid})",
              qwix_rtn(dict(W4, weight_calibration_method=MATCH4))),
         Case(sec4, "GPTQ", "jqt", "w4(group_size=128) + jqt.gptq (act_order, damp 1%, block 128)",
-             jqt_ptq(lambda: R.w4(group_size=GROUP), use_gptq=True)),
+             jqt_ptq(lambda: R.w4(group_size=GROUP, weight_calibrator=ABS), use_gptq=True)),
         Case(sec4, "GPTQ", "qwix", "GptqRule(int4, tile_size=128, same grid); block 128, damp 1%",
              qwix_contrib("GPTQ", dict(W4, weight_calibration_method=MATCH4))),
         Case(sec4, "AWQ", "jqt", "w4(group_size=128, awq=True)",
-             jqt_ptq(lambda: R.w4(group_size=GROUP, awq=True))),
+             jqt_ptq(lambda: R.w4(group_size=GROUP, awq=True, weight_calibrator=ABS))),
         Case(sec4, "AWQ", "qwix", "AwqRule(int4, tile_size=128, same grid), n_grid 20",
              qwix_contrib("AWQ", dict(W4, weight_calibration_method=MATCH4))),
         Case(sec4, "GPTQ", "jqt", "as above, act_order=False (Qwix has no act_order)",
-             jqt_ptq(lambda: R.w4(group_size=GROUP), use_gptq=True, act_order=False), extra=True),
+             jqt_ptq(lambda: R.w4(group_size=GROUP, weight_calibrator=ABS), use_gptq=True, act_order=False), extra=True),
         Case(sec4, "RTN", "qwix", "Qwix default grid (absmax/7.5, codes -8..7)", qwix_rtn(W4), extra=True),
         Case(sec4, "GPTQ", "qwix", "Qwix default grid", qwix_contrib("GPTQ", W4), extra=True),
         Case(sec4, "AWQ", "qwix", "Qwix default grid", qwix_contrib("AWQ", W4), extra=True),

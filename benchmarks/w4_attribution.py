@@ -38,6 +38,7 @@ from formats import minilm_setup  # noqa: E402
 
 R = jqt.recipes
 MSE = jqt.calibrators.WeightMSE
+ABS = jqt.calibrators.WeightMinMax()  # absmax ranges: the plain rounding the configs measure
 DENSE_OPS = ("dot_general", "conv_general_dilated")
 
 GROUPS = {  # op-key regexes of the dense op kinds of a BERT layer
@@ -86,14 +87,16 @@ def recipe(g=128, sym=True, mse=False, emb_g=None, emb_sym=None, emb_mse=None, e
 
 def configs():
     c = {
-        # the presets, as benchmarks/formats.py runs them
+        # the presets, as benchmarks/formats.py runs them (their ranges clipped by
+        # jqt.recipes.WEIGHT_MSE_4BIT; every other config names its weight calibrator)
         "preset w4 g128": lambda: R.w4(group_size=128),
         "preset w4 g64": lambda: R.w4(group_size=64),
         "preset w4 g128 asym": lambda: R.w4(group_size=128, symmetric=False),
         "preset nf4 g64": lambda: R.nf4(group_size=64),
         # 1. attribution, w4 g128
-        "w4 g128": lambda: recipe(),  # same as the preset, built from rules
-        "attr: embeddings float": lambda: R.w4(group_size=128, embeddings=False),
+        "w4 g128": lambda: recipe(),  # the preset with absmax ranges, built from rules
+        "attr: embeddings float": lambda: R.w4(group_size=128, embeddings=False,
+                                               weight_calibrator=ABS),
         "attr: only embedding int4 (dense float)": lambda: recipe(dense=False),
     }
     for name, rx in GROUPS.items():
@@ -144,11 +147,12 @@ def configs():
     c["bound: emb int4 g128, ffn_in+v int8, rest int4 g128 mse"] = lambda: recipe(
         128, True, True, int8_keys=(GROUPS["ffn_in"], GROUPS["v"]))
     # beyond plain rounding, for reference: AWQ scales / Hadamard rotation, then rounding
-    c["extra: w4 g128 awq"] = lambda: R.w4(group_size=128, awq=True)
-    c["extra: w4 g128 asym awq"] = lambda: R.w4(group_size=128, symmetric=False, awq=True)
+    c["extra: w4 g128 awq"] = lambda: R.w4(group_size=128, awq=True, weight_calibrator=ABS)
+    c["extra: w4 g128 asym awq"] = lambda: R.w4(group_size=128, symmetric=False, awq=True,
+                                                weight_calibrator=ABS)
     c["extra: w4 g128 asym awq mse"] = lambda: R.w4(group_size=128, symmetric=False, awq=True,
                                                     weight_calibrator=MSE())
-    c["extra: w4 g128 rotate"] = lambda: R.w4(group_size=128, rotate=True)
+    c["extra: w4 g128 rotate"] = lambda: R.w4(group_size=128, rotate=True, weight_calibrator=ABS)
     c["extra: w4 g128 asym rotate mse"] = lambda: R.w4(group_size=128, symmetric=False, rotate=True,
                                                        weight_calibrator=MSE())
     c["extra: nf4 g64 awq mse"] = lambda: R.nf4(group_size=64, awq=True, weight_calibrator=MSE())

@@ -906,3 +906,24 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     # leaf 0 is the activation scale
     for k in ("w1", "w3"):
         assert r["single"][k][0] < r["minmax"][k][0], k
+
+
+@pytest.mark.parametrize("make", [lambda **k: jqt.recipes.w4(group_size=64, **k),
+                                  lambda **k: jqt.recipes.nf4(group_size=64, **k),
+                                  lambda **k: jqt.recipes.w4a8(group_size=64, **k)],
+                         ids=["w4", "nf4", "w4a8"])
+def test_4bit_presets_clip_weight_ranges_at_the_squared_error_optimum(make):
+    """The 4-bit presets' default ranges (jqt.recipes.WEIGHT_MSE_4BIT) are clipped inside the
+    absolute maximum, and the rounded weight is closer to the float one than with absmax."""
+    w = np.random.default_rng(3).standard_normal((256, 32)).astype(np.float32)
+    p = {"w": jnp.asarray(w)}
+    f = lambda p, x: x @ p["w"]
+    eye = jnp.eye(256, dtype=jnp.float32)  # x @ w is then the weight as the kernel sees it
+    qp = jqt.calibrate(f, make(), p, [(eye,)], progress=False)
+    qa = jqt.calibrate(f, make(weight_calibrator=jqt.calibrators.WeightMinMax()), p, [(eye,)],
+                       progress=False)
+    s, sa = np.asarray(qp["w"].rhs.scale), np.asarray(qa["w"].rhs.scale)
+    assert s.shape == sa.shape == (4, 32)
+    assert (s <= sa * (1 + 1e-6)).all() and (s < 0.99 * sa).mean() > 0.5
+    err = lambda q: float(np.sum((np.asarray(jqt.quantize(f, q)(p, eye)) - w) ** 2))
+    assert err(qp) < 0.9 * err(qa)

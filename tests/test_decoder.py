@@ -175,10 +175,11 @@ def test_bfloat16_weights_give_bfloat16_activations_and_cache(params, tokens):
     (their cos / sin are computed in float32 and cast), so the layer scan's carry and the
     cache stay bfloat16; the logits follow float32's."""
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    logits, cache = decoder.prefill(p16, tokens[:, :8], 16, CONFIG)
+    prefill = jax.jit(decoder.prefill, static_argnums=(2, 3))
+    logits, cache = prefill(p16, tokens[:, :8], 16, CONFIG)
     assert logits.dtype == cache["k"].dtype == cache["v"].dtype == jnp.bfloat16
-    step_logits, cache = decoder.decode_step(p16, cache, tokens[:, 8], CONFIG)
+    step_logits, cache = jax.jit(decoder.decode_step, static_argnums=3)(p16, cache, tokens[:, 8], CONFIG)
     assert step_logits.dtype == cache["k"].dtype == jnp.bfloat16
-    ref, _ = decoder.prefill(params, tokens[:, :8], 16, CONFIG)
+    ref, _ = prefill(params, tokens[:, :8], 16, CONFIG)
     err = jnp.linalg.norm(logits.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
     assert float(err) < 0.05

@@ -101,7 +101,6 @@ def _caches(carry_outs, loop_id, reads):
 
 
 def _scan_outs(eqn, infos, body_outs, scan_id, reads):
-    p = eqn.params
     nc, nk = compat.scan_counts(eqn)
     body = body_outs[0]
     outs = [_carried(infos[nc + k], body[k], scan_id, k) for k in range(nk)]

@@ -268,12 +268,13 @@ class KernelPolicy:
         return POLICIES.get(backend, POLICIES["default"])
 
 
+_GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3)  # benchmarks/results/gpu-h200.md
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True),
-    "gpu": KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3),
-    "cuda": KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3),
+    "gpu": _GPU,
+    "cuda": _GPU,
     "default": KernelPolicy(),
 }

@@ -231,12 +231,14 @@ def to_text(tokens):
 # ----------------------------------------------------------------------------- data
 
 def stdlib_files():
-    """Relative paths of the standard library's .py files, sorted (site-packages excluded)."""
+    """Relative paths of the standard library's .py files, sorted (site-packages excluded, and
+    links to nowhere: Debian's sitecustomize.py points into /etc, which can lack it)."""
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__")]
-        found += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+        found += [os.path.relpath(os.path.join(d, f), root) for f in files
+                  if f.endswith(".py") and os.path.isfile(os.path.join(d, f))]
     return sorted(found)
 
 

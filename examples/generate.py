@@ -65,14 +65,23 @@ def prompts(split, n, seed):
     return next(D.batches(split, n, PROMPT_LEN, 1, seed))
 
 
+def _consts_and_carries(params):
+    """A scan equation's operand counts: JAX 0.10 names them, JAX 0.11 gives a tree of
+    the (consts, carries, xs) operands."""
+    if "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
+
+
 def carried_cache_bytes(fn, *args):
     """Bytes of the arrays the outermost decode loop of fn carries for its cache: those
     whose shape starts with the cache's (n_layers, batch, max_len); and their dtypes."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     loops = [e for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
-             and e.params["num_carry"] > 2]
+             and _consts_and_carries(e.params)[1] > 2]
     e = loops[-1]
-    nc, nk = e.params["num_consts"], e.params["num_carry"]
+    nc, nk = _consts_and_carries(e.params)
     avals = [v.aval for v in e.invars[nc:nc + nk] if v.aval.ndim == 5]
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals), sorted({str(a.dtype) for a in avals})
 

@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import jqt
+from jqt._src import compat
 
 L, H, DH, DM, V, T, B = 2, 2, 8, 16, 32, 10, 2
 
@@ -98,7 +99,7 @@ def _carry_avals(fn, *args):
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     for e in jaxpr.eqns:
         if e.primitive.name == "scan":
-            nc, nk = e.params["num_consts"], e.params["num_carry"]
+            nc, nk = compat.scan_counts(e)
             return [v.aval for v in e.invars[nc:nc + nk]]
         if e.primitive.name == "while":
             return [v.aval for v in e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]:]]

@@ -347,15 +347,18 @@ def test_issue_decode_steps_over_layer_scan():
     assert _rel(jqt.quantize(f, qp, simulate=True)(p, x), f(p, x)) < 0.01
 
 
-def test_a_scan_jax_no_longer_describes_names_the_supported_jax():
-    """JAX 0.11 replaced lax.scan's num_consts / num_carry parameters (seen on a GPU
-    machine with JAX 0.11.2): jqt says which JAX it supports instead of a KeyError."""
+def test_scan_counts_read_both_jax_forms_and_name_the_supported_jax_otherwise():
+    """JAX 0.10 gives lax.scan's num_consts / num_carry; JAX 0.11 a tree ``ft_in`` of the
+    (consts, carries, xs) operands (seen on a GPU machine with JAX 0.11.2). jqt reads both,
+    and names the JAX it supports when a release has neither, instead of a KeyError."""
     import types
     from jqt._src import compat
 
     eqn = types.SimpleNamespace(params={"length": 3, "reverse": False})
-    with pytest.raises(NotImplementedError, match=r"lax.scan .*pip install 'jax>=0.10.2,<0.11'"):
+    with pytest.raises(NotImplementedError, match=r"lax.scan .*pip install 'jax>=0.10.2,<0.12'"):
         compat.scan_counts(eqn)
+    tree = types.SimpleNamespace(unpack=lambda: (["w", "b"], ["h"], ["x1", "x2", "x3"]))
+    assert compat.scan_counts(types.SimpleNamespace(params={"ft_in": tree})) == (2, 1)
     f = lambda p, x: jax.lax.scan(lambda h, _: (jnp.tanh(h @ p), None), x, None, length=2)[0]
     jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((1, 4)))
     scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")

@@ -52,18 +52,23 @@ def eqn_context(eqn):
 
 def scan_counts(eqn) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation: its operands are the constants,
-    then the carries, then the scanned inputs. JAX 0.11 replaced these two parameters
-    (jqt supports ``jax<0.11``, pyproject.toml): say so instead of a bare ``KeyError``."""
+    then the carries, then the scanned inputs (its outputs the carries, then the stacked
+    outputs, one for one with its body's). JAX 0.10 gives the two counts as parameters;
+    JAX 0.11 gives ``ft_in``, a tree of the (consts, carries, xs) operands."""
     p = eqn.params
-    if "num_consts" not in p or "num_carry" not in p:
-        import jax
-        raise NotImplementedError(
-            f"jqt: this JAX release ({jax.__version__}) represents lax.scan without the "
-            "'num_consts'/'num_carry' parameters jqt reads (JAX 0.11 changed them), so jqt "
-            "cannot quantize a function that holds a lax.scan (or lax.map, fori_loop with a "
-            "fixed trip count, flax nn.scan / nnx.scan) under it. Install the JAX that jqt "
-            "supports: pip install 'jax>=0.10.2,<0.11' 'jaxlib>=0.10.2,<0.11'.")
-    return p["num_consts"], p["num_carry"]
+    if "num_consts" in p and "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    ft_in = p.get("ft_in")
+    if ft_in is not None and hasattr(ft_in, "unpack"):
+        consts, carry, _ = ft_in.unpack()
+        return len(consts), len(carry)
+    import jax
+    raise NotImplementedError(
+        f"jqt: this JAX release ({jax.__version__}) represents lax.scan with parameters "
+        f"jqt does not know ({sorted(p)}; jqt reads 'num_consts'/'num_carry' or 'ft_in'), so "
+        "jqt cannot quantize a function that holds a lax.scan (or lax.map, fori_loop with a "
+        "fixed trip count, flax nn.scan / nnx.scan) under it. Install a JAX that jqt "
+        "supports: pip install 'jax>=0.10.2,<0.12' 'jaxlib>=0.10.2,<0.12'.")
 
 
 def name_stack(eqn) -> str:

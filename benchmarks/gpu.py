@@ -1,7 +1,7 @@
 """jqt's formats on an accelerator, against bfloat16: dense 4096, all-MiniLM-L6-v2, a 100M decoder.
 
     python benchmarks/gpu.py --markdown          # on a GPU: a few minutes (H100 / H200)
-    python benchmarks/gpu.py --only dense        # parts: dense, minilm, decode
+    python benchmarks/gpu.py --only dense        # parts: dense, minilm, decode, generate
     python benchmarks/gpu.py --smoke             # tiny shapes, any backend: the script runs
     python benchmarks/gpu.py --smoke --policy gpu   # ... under the GPU table, on this machine
     python benchmarks/gpu.py --only dense --rows 1,4 --variants w8,"w8 [weight_only_digits=0]"
@@ -31,9 +31,16 @@ batches. Weights are random: speed does not depend on training.
   the layers as a Python loop over per-layer weights), the key/value cache of 2048
   positions filled to 1024. Tokens per second and the ratio to bfloat16.
 
-No part uses ``lax.scan``: JAX 0.11 (the GPU machines' release, outside jqt's pinned
-range) replaced the scan parameters jqt reads (``num_consts``, ``num_carry``), and jqt's
-calibration of a scan fails there with ``KeyError: 'num_carry'``.
+* ``generate``: the same decoder in a generate loop as users write it (a ``lax.scan``
+  over decode steps carrying the cache, each step a ``lax.scan`` over the stacked
+  layers), with int8 / fp8 key/value caches (``kv_cache=``): per-step time from the
+  difference of loops of two lengths, and the bytes of the cache the loop carries.
+  ``--large``: a 0.72B decoder instead (``LARGE``), whose bfloat16 weights take an
+  H100 about as long to read as the 100M decoder's whole step.
+
+JAX 0.11 (the GPU machines' release) describes ``lax.scan`` with a tree of operands
+(``ft_in``) instead of ``num_consts``/``num_carry``; jqt reads both (``compat.scan_counts``).
+Before it did, ``decode`` was written without scans, and it still is: it times one step.
 
 All variants of a table run interleaved, round-robin (``timing.interleaved``); each
 sample dispatches a call ``PIPELINE`` times and waits for the last (as a decode loop
@@ -100,6 +107,16 @@ DECODE = {
     "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
     "nf4 g64": (lambda: R.nf4(group_size=64), None),
 }
+GENERATE = {
+    "w8": (R.w8, None),
+    "w8a8_dynamic": (R.w8a8_dynamic, None),
+    "w8a8_dynamic + int8 KV": (lambda: R.w8a8_dynamic(kv_cache=True), None),
+    "fp8": (R.fp8, None),
+    "fp8 + fp8 KV": (lambda: R.fp8(kv_cache="fp8"), None),
+    "w4 g128": (lambda: R.w4(group_size=128), None),
+    "w4 g128 + int8 KV": (lambda: R.w4(group_size=128, kv_cache=True), None),
+    "nf4 g64": (lambda: R.nf4(group_size=64), None),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +129,27 @@ class Sizes:
     max_len: int = 2048
     prompt: int = 1024
     rounds: int = 40
+    loop_steps: tuple = (4, 36)
+    full: bool = True  # the real models (False: tiny ones), whatever --rounds / --rows change
+    large: bool = False  # generate: the 0.7B decoder (--large) instead of the 100M one
 
 
 FULL = Sizes()
 SMOKE = Sizes(dense_n=256, dense_rows=(1, 16), reps=2, minilm_tokens=16, minilm_batches=(1, 2),
-              max_len=64, prompt=32, rounds=2)
+              max_len=64, prompt=32, rounds=2, loop_steps=(2, 4), full=False)
 PIPELINE = 4  # calls dispatched per timing sample
+
+
+def _large():
+    import decoder
+    return decoder.Config(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=5632, head_dim=64,
+                          vocab=256)
+
+
+LARGE = _large()
+"""``generate --large``: 0.72B parameters (16 layers of d_model 2048, 32 query and 8 key/value
+heads of 64, SwiGLU 5632), 1.4 GB in bfloat16: a step reads its weights in about 0.5 ms
+at an H100's 3 TB/s, about what the 100M decoder's whole step takes there."""
 
 
 def progress(msg):
@@ -254,7 +286,7 @@ def dense(sizes, markdown, results, check=True):
 def minilm(sizes, markdown, results):
     from bert import Bert, BertConfig, mean_pool_normalize
 
-    cfg = BertConfig() if sizes is FULL else BertConfig(vocab_size=512, num_hidden_layers=2)
+    cfg = BertConfig() if sizes.full else BertConfig(vocab_size=512, num_hidden_layers=2)
     model = Bert(cfg)
     t = sizes.minilm_tokens
     rng = np.random.default_rng(1)
@@ -293,7 +325,7 @@ def decode(sizes, markdown, results):
     import decoder
     from decode import CONFIG, step_unstacked
 
-    config = CONFIG if sizes is FULL else decoder.TINY
+    config = CONFIG if sizes.full else decoder.TINY
     L = config.n_layers
     step = functools.partial(step_unstacked, config=config)
     pre = jax.jit(functools.partial(decoder.prefill, max_len=sizes.max_len, config=config))
@@ -339,7 +371,69 @@ def decode(sizes, markdown, results):
            "cache bytes / bf16", "logits error vs bf16"), rows, markdown)
 
 
-PARTS = {"dense": dense, "decode": decode, "minilm": minilm}
+# ----------------------------------------------------------------------------- generate
+
+def generate(sizes, markdown, results):
+    """A generate loop as users write it: ``lax.scan`` over decode steps carrying the key/value
+    cache, each step a ``lax.scan`` over the stacked layers (``decode_cache.decode_loop``).
+    Per-step time = (loop of ``n2`` steps - loop of ``n1``) / (n2 - n1), so the cache's one-time
+    quantization on entry is not counted; cache bytes are those the loop carries (its jaxpr)."""
+    import decoder
+    from decode import CONFIG
+    from decode_cache import decode_loop
+    from generate import carried_cache_bytes
+
+    config = (LARGE if sizes.large else CONFIG) if sizes.full else decoder.TINY
+    n1, n2 = sizes.loop_steps
+    params32 = decoder.init_params(config, jax.random.key(0))
+    params = to_bf16(params32)
+    k1, k2 = jax.random.split(jax.random.key(1))
+    shape = (config.n_layers, 1, sizes.max_len, config.n_kv_heads, config.head_dim)
+    cache = {"k": jax.random.normal(k1, shape, BF16), "v": jax.random.normal(k2, shape, BF16),
+             "pos": jnp.int32(sizes.prompt)}
+    cache32 = jax.tree.map(lambda a: a.astype(F32) if a.dtype == BF16 else a, cache)
+    token = jnp.array([65], jnp.int32)
+    loops = {n: functools.partial(decode_loop, steps=n, config=config) for n in (n1, n2)}
+    fns = {"bfloat16": ({n: jax.jit(f) for n, f in loops.items()}, params, cache, None),
+           "float32": ({n: jax.jit(f) for n, f in loops.items()}, params32, cache32, None)}
+    for v, (make, fields) in GENERATE.items():
+        progress(f"generate: calibrating and packing {v}")
+        try:
+            policy = policy_of(fields)
+            qp = jqt.calibrate(loops[n1], make(), params, [(cache, token)], progress=False)
+            fns[v] = ({n: jax.jit(jqt.quantize(f, qp, policy=policy)) for n, f in loops.items()},
+                      jqt.pack(qp, params, policy=policy), cache, qp)
+        except Exception:  # noqa: BLE001 - report and go on
+            results["failed"].append(f"generate {v}")
+            progress(f"generate: {v} FAILED\n{traceback.format_exc(limit=6)}")
+    calls = {(v, n): functools.partial(f[n], p, c, token) for v, (f, p, c, _) in fns.items() for n in (n1, n2)}
+    progress(f"generate: timing {len(fns)} variants")
+    timing.choose_rounds(list(calls.values()), 0.0, 1, 1, warmup=2)  # compile and warm up
+    samples = timing.interleaved(calls, sizes.rounds)
+    step = {v: float(np.median([(b - a) / (n2 - n1) for a, b in zip(samples[(v, n1)], samples[(v, n2)])]))
+            for v in fns}
+    ref = np.asarray(fns["bfloat16"][0][n2](params, cache, token))
+    base_cache = carried_cache_bytes(loops[n1], params, cache, token)[0]
+    rows = []
+    for v, (f, p, c, qp) in fns.items():
+        fn = loops[n1] if qp is None else jqt.quantize(loops[n1], qp)
+        kv, dtypes = carried_cache_bytes(fn, p, c, token)
+        same = int(np.sum(np.asarray(f[n2](p, c, token)) == ref))
+        results[f"generate {v}"] = dict(ms_per_token=step[v] * 1e3, tokens_s=1 / step[v],
+                                        ratio_bf16=step[v] / step["bfloat16"],
+                                        bytes_ratio=nbytes(p) / nbytes(params),
+                                        cache_ratio=kv / base_cache, cache_dtypes=dtypes)
+        rows.append((v, f"{step[v] * 1e3:.3f}", f"{1 / step[v]:.0f}", f"{step[v] / step['bfloat16']:.2f}",
+                     f"{nbytes(p) / nbytes(params):.3f}", f"{kv / base_cache:.3f} ({', '.join(dtypes)})"))
+    print(f"Generate loop, batch 1: {decoder.param_count(params32) / 1e6:.1f}M parameters; a lax.scan "
+          f"over decode steps (each a lax.scan over the layers), cache of {sizes.max_len} positions from "
+          f"position {sizes.prompt}; per-step time from loops of {n2} and {n1} steps, "
+          f"{sizes.rounds} interleaved rounds, medians")
+    table(("variant", "ms / token", "tokens / s", "time / bf16", "weight bytes / bf16",
+           "carried cache bytes / bf16"), rows, markdown)
+
+
+PARTS = {"dense": dense, "decode": decode, "minilm": minilm, "generate": generate}
 
 
 def isolated(a):
@@ -387,6 +481,7 @@ def main():
                     "(jqt.KernelPolicy.for_backend), e.g. gpu")
     ap.add_argument("--variants", help="comma-separated variant names (default: all)")
     ap.add_argument("--rows", help="dense rows, comma-separated")
+    ap.add_argument("--large", action="store_true", help="generate: the 0.7B decoder (LARGE)")
     ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
                     "error table: its float simulations of grouped formats crashed XLA:GPU's "
                     "compiler in JAX 0.11.2)")
@@ -401,14 +496,16 @@ def main():
         sizes = dataclasses.replace(sizes, rounds=a.rounds)
     if a.rows:
         sizes = dataclasses.replace(sizes, dense_rows=tuple(int(r) for r in a.rows.split(",")))
+    if a.large:
+        sizes = dataclasses.replace(sizes, large=True)
     if a.policy:
         BASE["policy"] = jqt.KernelPolicy.for_backend(a.policy)
     if a.variants:
         keep = a.variants.split(",")
-        unknown = set(keep) - set(DENSE) - set(MINILM) - set(DECODE)
+        unknown = set(keep) - set(DENSE) - set(MINILM) - set(DECODE) - set(GENERATE)
         if unknown:
             raise SystemExit(f"--variants: no variant named {', '.join(sorted(unknown))}")
-        for table_ in (DENSE, MINILM, DECODE):
+        for table_ in (DENSE, MINILM, DECODE, GENERATE):
             for k in [k for k in table_ if k not in keep]:
                 del table_[k]
     dev = jax.devices()[0]

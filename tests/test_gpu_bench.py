@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py, the script behind benchmarks/results/gpu-h200.md, still runs: its
+"""benchmarks/gpu.py, the script behind benchmarks/results/gpu-h100.md and gpu-h200.md, runs: its
 smoke sizes under the GPU kernel table, on this machine's CPU (slow: CI runs it). A GPU is
 needed for its numbers, not for its code paths."""
 import json
@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_benchmark_runs_under_the_gpu_table():
     """Every part in a process of its own (--isolate), the results merged."""
     variants = "w8,w8 [weight_only_digits=0],fp8,w4 g128,w4a8 g128"
+    loop = "w8a8_dynamic + int8 KV,fp8 + fp8 KV"
     r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--policy", "gpu", "--isolate",
-                        "--only", "dense,decode", "--variants", variants], cwd=ROOT,
+                        "--only", "dense,decode,generate", "--variants", f"{variants},{loop}"], cwd=ROOT,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -32,6 +33,11 @@ def test_gpu_benchmark_runs_under_the_gpu_table():
     # packed bytes against bfloat16: int8 about half, int4 about a quarter (plus scales)
     assert 0.5 < res["dense256 w8"]["bytes_ratio"] < 0.52 < res["dense256 w4a8 g128"]["bytes_ratio"] * 2
     assert res["decode w8"]["bytes_ratio"] < 0.55 and res["decode w4 g128"]["bytes_ratio"] < 0.3
+    # the generate loop (scans over steps and layers) carries its cache quantized where asked
+    for v, dtype in (("w8", "bfloat16"), ("w8a8_dynamic + int8 KV", "int8"), ("fp8 + fp8 KV", "float8_e4m3fn")):
+        g = res[f"generate {v}"]
+        assert g["tokens_s"] > 0 and dtype in g["cache_dtypes"]
+        assert g["cache_ratio"] == 1.0 if dtype == "bfloat16" else g["cache_ratio"] < 0.55
 
 
 @pytest.mark.slow

@@ -106,8 +106,8 @@ int8 convolution            im2col patches + int8       native int8 convolution
 ==========================  ==========================  ==========================
 
 The figures behind the CPU column are in ``benchmarks/`` and ``docs/performance.md``;
-the GPU column's (one NVIDIA H200, JAX 0.11.2) in ``benchmarks/results/gpu-h200.md``
-(``benchmarks/gpu.py``);
+the GPU column's (one NVIDIA H200, JAX 0.11.2) in ``benchmarks/results/gpu-h200.md``,
+checked on one H100 in ``benchmarks/results/gpu-h100.md`` (``benchmarks/gpu.py``);
 the few-row and many-row ones come from ``benchmarks/decode.py``, whose
 ``formulations`` table times a 100M-parameter decoder's decode step under each
 formulation, and whose ``prefill`` table runs the many-row ones.

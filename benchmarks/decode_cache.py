@@ -32,11 +32,13 @@ CONFIG = D.Config(d_model=1024, n_layers=9, n_heads=32, n_kv_heads=8, d_ff=2816,
 """101M parameters: 9 layers of d_model 1024, 32 query and 8 key/value heads of 32, SwiGLU 2816."""
 
 CACHE_VARIANTS = {
-    "float32": None,
+    "float32": jnp.float32,
     "w8a8_dynamic, float cache": lambda: jqt.recipes.w8a8_dynamic(),
     "w8a8_dynamic + int8 KV": lambda: jqt.recipes.w8a8_dynamic(kv_cache=True),
     "w4 g128 + int8 KV": lambda: jqt.recipes.w4(group_size=128, kv_cache=True),
 }
+"""name -> a float dtype (the float model and cache in it) or a recipe factory (the model in
+the first entry's dtype, quantized). The first entry is the baseline."""
 
 
 def decode_loop(params, cache, token, *, steps, config):
@@ -54,25 +56,40 @@ def _cache(config, context, start, seed=1):
     return {"k": jax.random.normal(k1, shape), "v": jax.random.normal(k2, shape), "pos": jnp.int32(start)}
 
 
-def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=None):
-    """Rows (name, step seconds, step ratio to float, cache bytes, cache ratio to float) and
-    the decoder's parameter count."""
-    params = D.init_params(config, jax.random.key(0))
-    cache = _cache(config, context, context - n2 - 1)
+def _nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=None, *, start=None,
+                policy=None, progress=None):
+    """Rows (name, step seconds, step ratio to the first variant, cache bytes, cache ratio,
+    weight bytes ratio, the carried cache's dtypes) and the decoder's parameter count. The loop starts at position
+    ``start`` (default: ``n2 + 1`` before the end of the context); ``policy``: the kernel
+    policy of the quantized variants; ``progress``: a callable given a line per variant."""
+    variants = variants or CACHE_VARIANTS
+    params32 = D.init_params(config, jax.random.key(0))
+    cache32 = _cache(config, context, context - n2 - 1 if start is None else start)
+    cast = lambda tree, dt: jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    base_dtype = next(iter(variants.values()))
+    params, cache = cast(params32, base_dtype), cast(cache32, base_dtype)
     token = jnp.array([65], jnp.int32)
-    calls, fns, nbytes = {}, {}, {}
-    for name, make in (variants or CACHE_VARIANTS).items():
-        loops = {n: functools.partial(decode_loop, steps=n, config=config) for n in (n1, n2)}
-        if make is None:
-            w, fns[name] = params, {n: jax.jit(f) for n, f in loops.items()}
-            nbytes[name] = G.carried_cache_bytes(loops[n1], w, cache, token)[0]
+    loops = {n: functools.partial(decode_loop, steps=n, config=config) for n in (n1, n2)}
+    calls, fns, nbytes, wbytes = {}, {}, {}, {}
+    for name, make in variants.items():
+        if progress:
+            progress(f"{name}: calibrating, packing, tracing")
+        if isinstance(make, type):  # a float dtype: jnp.float32, jnp.bfloat16
+            w, c = cast(params32, make), cast(cache32, make)
+            fns[name] = {n: jax.jit(f) for n, f in loops.items()}
+            nbytes[name] = G.carried_cache_bytes(loops[n1], w, c, token)
         else:
             qp = jqt.calibrate(loops[n1], make(), params, [(cache, token)], progress=False)
-            w = jqt.pack(qp, params)
-            fns[name] = {n: jax.jit(jqt.quantize(f, qp)) for n, f in loops.items()}
-            nbytes[name] = G.carried_cache_bytes(jqt.quantize(loops[n1], qp), w, cache, token)[0]
+            w, c = jqt.pack(qp, params, policy=policy), cache
+            fns[name] = {n: jax.jit(jqt.quantize(f, qp, policy=policy)) for n, f in loops.items()}
+            nbytes[name] = G.carried_cache_bytes(jqt.quantize(loops[n1], qp, policy=policy), w, c, token)
+        wbytes[name] = _nbytes(w)
         for n in (n1, n2):
-            calls[(name, n)] = functools.partial(fns[name][n], w, cache, token)
+            calls[(name, n)] = functools.partial(fns[name][n], w, c, token)
     timing.choose_rounds(list(calls.values()), 0.0, 1, 1)  # compile and warm up
     samples = timing.interleaved(calls, rounds)
     step = {}
@@ -80,8 +97,9 @@ def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=Non
         diffs = [(b - a) / (n2 - n1) for a, b in zip(samples[(name, n1)], samples[(name, n2)])]
         step[name] = statistics.median(diffs)
     base = next(iter(fns))
-    rows = [(n, step[n], step[n] / step[base], nbytes[n], nbytes[n] / nbytes[base]) for n in fns]
-    return rows, D.param_count(params)
+    rows = [(n, step[n], step[n] / step[base], nbytes[n][0], nbytes[n][0] / nbytes[base][0],
+             wbytes[n] / wbytes[base], nbytes[n][1]) for n in fns]
+    return rows, D.param_count(params32)
 
 
 def accuracy(prompts=8, tokens=200, tiny=False):
@@ -102,7 +120,7 @@ def report(context=2048, rounds=8, markdown=False, results=None):
           f"steps, {rounds} interleaved rounds, medians\n")
     step = {r[0]: r[1] for r in rows}
     out = []
-    for name, sec, ratio, nbytes, bratio in rows:
+    for name, sec, ratio, nbytes, bratio, _, _ in rows:
         check = "-"
         if "int8 KV" in name:
             same_weights = step.get("w8a8_dynamic, float cache") if name.startswith("w8a8_dynamic") else None

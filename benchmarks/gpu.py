@@ -107,15 +107,15 @@ DECODE = {
     "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
     "nf4 g64": (lambda: R.nf4(group_size=64), None),
 }
-GENERATE = {
-    "w8": (R.w8, None),
-    "w8a8_dynamic": (R.w8a8_dynamic, None),
-    "w8a8_dynamic + int8 KV": (lambda: R.w8a8_dynamic(kv_cache=True), None),
-    "fp8": (R.fp8, None),
-    "fp8 + fp8 KV": (lambda: R.fp8(kv_cache="fp8"), None),
-    "w4 g128": (lambda: R.w4(group_size=128), None),
-    "w4 g128 + int8 KV": (lambda: R.w4(group_size=128, kv_cache=True), None),
-    "nf4 g64": (lambda: R.nf4(group_size=64), None),
+GENERATE = {  # name -> recipe factory, under the backend's kernel policy
+    "w8": R.w8,
+    "w8a8_dynamic": R.w8a8_dynamic,
+    "w8a8_dynamic + int8 KV": lambda: R.w8a8_dynamic(kv_cache=True),
+    "fp8": R.fp8,
+    "fp8 + fp8 KV": lambda: R.fp8(kv_cache="fp8"),
+    "w4 g128": lambda: R.w4(group_size=128),
+    "w4 g128 + int8 KV": lambda: R.w4(group_size=128, kv_cache=True),
+    "nf4 g64": lambda: R.nf4(group_size=64),
 }
 
 
@@ -375,62 +375,29 @@ def decode(sizes, markdown, results):
 
 def generate(sizes, markdown, results):
     """A generate loop as users write it: ``lax.scan`` over decode steps carrying the key/value
-    cache, each step a ``lax.scan`` over the stacked layers (``decode_cache.decode_loop``).
-    Per-step time = (loop of ``n2`` steps - loop of ``n1``) / (n2 - n1), so the cache's one-time
-    quantization on entry is not counted; cache bytes are those the loop carries (its jaxpr)."""
+    cache, each step a ``lax.scan`` over the stacked layers, timed by ``decode_cache.cache_speed``
+    (per-step time = (loop of ``n2`` steps - loop of ``n1``) / (n2 - n1), so the cache's
+    one-time quantization on entry is not counted; cache bytes are those the loop carries)."""
     import decoder
     from decode import CONFIG
-    from decode_cache import decode_loop
-    from generate import carried_cache_bytes
+    from decode_cache import cache_speed
 
     config = (LARGE if sizes.large else CONFIG) if sizes.full else decoder.TINY
     n1, n2 = sizes.loop_steps
-    params32 = decoder.init_params(config, jax.random.key(0))
-    params = to_bf16(params32)
-    k1, k2 = jax.random.split(jax.random.key(1))
-    shape = (config.n_layers, 1, sizes.max_len, config.n_kv_heads, config.head_dim)
-    cache = {"k": jax.random.normal(k1, shape, BF16), "v": jax.random.normal(k2, shape, BF16),
-             "pos": jnp.int32(sizes.prompt)}
-    cache32 = jax.tree.map(lambda a: a.astype(F32) if a.dtype == BF16 else a, cache)
-    token = jnp.array([65], jnp.int32)
-    loops = {n: functools.partial(decode_loop, steps=n, config=config) for n in (n1, n2)}
-    fns = {"bfloat16": ({n: jax.jit(f) for n, f in loops.items()}, params, cache, None),
-           "float32": ({n: jax.jit(f) for n, f in loops.items()}, params32, cache32, None)}
-    for v, (make, fields) in GENERATE.items():
-        progress(f"generate: calibrating and packing {v}")
-        try:
-            policy = policy_of(fields)
-            qp = jqt.calibrate(loops[n1], make(), params, [(cache, token)], progress=False)
-            fns[v] = ({n: jax.jit(jqt.quantize(f, qp, policy=policy)) for n, f in loops.items()},
-                      jqt.pack(qp, params, policy=policy), cache, qp)
-        except Exception:  # noqa: BLE001 - report and go on
-            results["failed"].append(f"generate {v}")
-            progress(f"generate: {v} FAILED\n{traceback.format_exc(limit=6)}")
-    calls = {(v, n): functools.partial(f[n], p, c, token) for v, (f, p, c, _) in fns.items() for n in (n1, n2)}
-    progress(f"generate: timing {len(fns)} variants")
-    timing.choose_rounds(list(calls.values()), 0.0, 1, 1, warmup=2)  # compile and warm up
-    samples = timing.interleaved(calls, sizes.rounds)
-    step = {v: float(np.median([(b - a) / (n2 - n1) for a, b in zip(samples[(v, n1)], samples[(v, n2)])]))
-            for v in fns}
-    ref = np.asarray(fns["bfloat16"][0][n2](params, cache, token))
-    base_cache = carried_cache_bytes(loops[n1], params, cache, token)[0]
-    rows = []
-    for v, (f, p, c, qp) in fns.items():
-        fn = loops[n1] if qp is None else jqt.quantize(loops[n1], qp)
-        kv, dtypes = carried_cache_bytes(fn, p, c, token)
-        same = int(np.sum(np.asarray(f[n2](p, c, token)) == ref))
-        results[f"generate {v}"] = dict(ms_per_token=step[v] * 1e3, tokens_s=1 / step[v],
-                                        ratio_bf16=step[v] / step["bfloat16"],
-                                        bytes_ratio=nbytes(p) / nbytes(params),
-                                        cache_ratio=kv / base_cache, cache_dtypes=dtypes)
-        rows.append((v, f"{step[v] * 1e3:.3f}", f"{1 / step[v]:.0f}", f"{step[v] / step['bfloat16']:.2f}",
-                     f"{nbytes(p) / nbytes(params):.3f}", f"{kv / base_cache:.3f} ({', '.join(dtypes)})"))
-    print(f"Generate loop, batch 1: {decoder.param_count(params32) / 1e6:.1f}M parameters; a lax.scan "
-          f"over decode steps (each a lax.scan over the layers), cache of {sizes.max_len} positions from "
-          f"position {sizes.prompt}; per-step time from loops of {n2} and {n1} steps, "
-          f"{sizes.rounds} interleaved rounds, medians")
+    variants = {"bfloat16": BF16, "float32": F32, **GENERATE}
+    rows, n = cache_speed(config, sizes.max_len, n1, n2, sizes.rounds, variants, start=sizes.prompt,
+                          policy=BASE["policy"], progress=lambda m: progress(f"generate: {m}"))
+    out = []
+    for v, sec, ratio, kv, kv_ratio, w_ratio, dtypes in rows:
+        results[f"generate {v}"] = dict(ms_per_token=sec * 1e3, tokens_s=1 / sec, ratio_bf16=ratio,
+                                        bytes_ratio=w_ratio, cache_ratio=kv_ratio, cache_dtypes=dtypes)
+        out.append((v, f"{sec * 1e3:.3f}", f"{1 / sec:.0f}", f"{ratio:.2f}", f"{w_ratio:.3f}",
+                    f"{kv_ratio:.3f} ({', '.join(dtypes)})"))
+    print(f"Generate loop, batch 1: {n / 1e6:.1f}M parameters; a lax.scan over decode steps (each a "
+          f"lax.scan over the layers), cache of {sizes.max_len} positions from position {sizes.prompt}; "
+          f"per-step time from loops of {n2} and {n1} steps, {sizes.rounds} interleaved rounds, medians")
     table(("variant", "ms / token", "tokens / s", "time / bf16", "weight bytes / bf16",
-           "carried cache bytes / bf16"), rows, markdown)
+           "carried cache bytes / bf16"), out, markdown)
 
 
 PARTS = {"dense": dense, "decode": decode, "minilm": minilm, "generate": generate}

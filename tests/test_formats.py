@@ -323,7 +323,7 @@ def test_packed_file_round_trip_every_format(tmp_path):
 def test_grad_through_simulated_groups_and_fp8():
     for r in (jqt.recipes.w4a8(group_size=64), jqt.recipes.fp8(), jqt.recipes.nf4()):
         qp = jqt.calibrate(dense, r, P, [(X,)], progress=False)
-        g = jax.grad(lambda qp: jnp.sum(jqt.quantize(dense, qp, simulate=True)(P, X) ** 2))(qp)
+        g = jax.jit(jax.grad(lambda qp: jnp.sum(jqt.quantize(dense, qp, simulate=True)(P, X) ** 2)))(qp)
         gs = g["w"].rhs.scale
         assert gs.shape == qp["w"].rhs.scale.shape and bool(jnp.isfinite(gs).all())
         assert float(jnp.abs(gs).max()) > 0

@@ -197,7 +197,7 @@ def test_grad_through_the_simulated_cache(setup):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)
     loss = lambda p: jnp.mean(jqt.quantize(teacher, qp, simulate=True)(p, x) ** 2)
-    g = jax.grad(loss)(p)
+    g = jax.jit(jax.grad(loss))(p)
     assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(g))
     assert float(jnp.abs(g["layers"]["wk"]).sum()) > 0  # flows through the cached keys (straight-through)
 

@@ -148,7 +148,8 @@ def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
-        large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True)
+        large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
+        decode_in_input_dtype=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
                                                                     weight_only_digits=3)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
@@ -191,3 +192,34 @@ def test_grouped_weight_with_int8_activations_on_cpu():
             out[dtype] = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
         np.testing.assert_allclose(out[np.float32], out[np.int8],
                                    atol=1e-5 * float(jnp.abs(out[np.int8]).max()))
+
+
+@pytest.mark.parametrize("rows", [8, 100])  # N-chunks of the (N, K) weight; the whole weight
+def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(rows):
+    """``decode_in_input_dtype``: a weight-only op on bfloat16 activations decodes a
+    per-channel int8 weight to bfloat16 (exact: integer codes of 8 bits) for a bfloat16
+    matmul with float32 accumulation; float32 activations and grouped weights (whose
+    decode multiplies by the group scale) keep the float32 decode. The outputs equal
+    the float32 decode's."""
+    f = lambda p, x: x @ p["w"]
+    key = jax.random.key(0)
+    p = {"w": (jax.random.normal(key, (512, 256)) * 0.05).astype(jnp.bfloat16)}
+    x = jax.random.normal(jax.random.key(1), (rows, 512)).astype(jnp.bfloat16)
+    old = dataclasses.replace(CPU, decode_in_input_dtype=False)
+
+    def dot_dtypes(recipe, x, policy):
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        packed = jqt.pack(qp, p, policy=policy)
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
+        dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        out = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
+        return {str(e.invars[1].aval.dtype) for e in dots}, out
+
+    got, y_new = dot_dtypes(jqt.recipes.w8(), x, CPU)
+    assert got == {"bfloat16"}
+    got, y_old = dot_dtypes(jqt.recipes.w8(), x, old)
+    assert got == {"float32"}
+    np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
+                               atol=1e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
+    assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU)[0] == {"float32"}
+    assert dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU)[0] == {"float32"}

@@ -323,17 +323,18 @@ def parts(v, nib):
             (slice(1, None, 2), b >> 4)]
 
 
-def decode_rows(codes, w, scale, zp, kd, rows_per_group):
+def decode_rows(codes, w, scale, zp, kd, rows_per_group, dtype=_F32):
     """Codes of a block of K rows -> float32 weight: grid value (int, nf4 table, fp8 bits),
     minus the group zero point, times the group scale (both broadcast over each group's
-    ``rows_per_group`` rows by a reshape, not a repeat)."""
+    ``rows_per_group`` rows by a reshape, not a repeat). ``dtype``: the dtype of int
+    codes without group scales (:func:`decode_dtype`)."""
     grid = w.qtype.grid
     if grid == "nf4":
         v = nx.decode(codes, grid)
     elif w.qtype.kind == "float":
         v = nx.fp8_units(codes, grid)
     else:
-        v = codes.astype(_F32)
+        v = codes.astype(_F32 if rows_per_group else dtype)
     if not rows_per_group:
         return v
     shp = v.shape
@@ -418,14 +419,34 @@ def k_order(x2, nib, nc=1):
     return x2.reshape(m, nc, k // nc // 2, 2).transpose(1, 0, 3, 2).reshape(nc, m, k // nc)
 
 
-def _decode_k(codes, w, scale, zp, kd, rows, nib):
+def decode_dtype(x_dtype, w, policy):
+    """The dtype a weight-only op decodes ``w``'s codes to: the activation's 16-bit float
+    dtype where ``policy.decode_in_input_dtype`` allows it and that is exact (int codes of
+    at most 8 bits, no group scale in the decode); float32 otherwise.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> from jqt._src.qparams import QArray
+    >>> w = QArray(values=jnp.zeros((4, 4), jnp.int8), scale=jnp.ones((4,)),
+    ...            qtype=jqt.QuantType(bits=8, per_channel=True), layout="kn")
+    >>> cpu = jqt.KernelPolicy.for_backend("cpu")
+    >>> decode_dtype(jnp.bfloat16, w, cpu).__name__, decode_dtype(jnp.float32, w, cpu).__name__
+    ('bfloat16', 'float32')
+    """
+    q = w.qtype
+    exact = q.kind == "int" and q.grid == "int" and q.bits <= 8 and not q.group_size
+    if policy.decode_in_input_dtype and exact and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16):
+        return jnp.dtype(x_dtype).type
+    return _F32
+
+
+def _decode_k(codes, w, scale, zp, kd, rows, nib, dtype=_F32):
     """:func:`decode_rows` of a block of codes (K along ``kd``), with nibbles unpacked by
     :func:`nibble_rows`: K in the order of :func:`k_order`. ``rows``: rows of the codes
     per group."""
     if not nib:
-        return decode_rows(codes, w, scale, zp, kd, rows)
+        return decode_rows(codes, w, scale, zp, kd, rows, dtype)
     e = lambda a: None if a is None else jnp.expand_dims(a, kd)  # the same group scale for both
-    v = decode_rows(nibble_rows(codes, kd), w, e(scale), e(zp), kd + 1, rows)
+    v = decode_rows(nibble_rows(codes, kd), w, e(scale), e(zp), kd + 1, rows, dtype)
     return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
 
 
@@ -475,7 +496,8 @@ def _weight_only_2d(x2, w, policy, precision):
     n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
-    dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib)
+    dt = decode_dtype(x2.dtype, w, policy)
+    dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt)
     if chunk:  # K-chunks, each decoded in cache, one matmul each, summed
         nc = k // chunk
         per = lambda a: None if a is None else a.reshape(nc, chunk // gs, n)

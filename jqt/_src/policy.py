@@ -73,6 +73,15 @@ copy of at most 3 MiB       exists (an integer zero
                             the tie XLA:CPU hoists
                             every decode: 43 MB of
                             temporaries, 1.75-2.04x)
+weight-only per channel,    codes decoded to that       float32 decode (16-bit
+bfloat16 / float16          dtype (exact: 8-bit         decode not measured on a
+activations                 integers), one 16-bit       GPU yet: gpu.py's rows
+(decode_in_input_dtype)     matmul, float32             "[decode_in_input_dtype=
+                            accumulation (bfloat16      True]")
+                            4096 layer, w8: 0.31-0.58x
+                            bfloat16 at 8-256 rows,
+                            against 0.61-1.08x decoded
+                            to float32)
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             nibbles decoded by one      3.9x, nf4 4.2x bfloat16
                             shift into one float block  at one row of a 4096
@@ -202,6 +211,15 @@ class KernelPolicy:
         ``"kn"``, whose ``(K, N)`` codes the batched matmul reads group by group
         in place.
 
+      decode_in_input_dtype: a weight-only op whose activation is bfloat16 or
+        float16 decodes a per-channel int weight (8 bits or fewer) to that dtype
+        instead of float32, for a 16-bit matmul with float32 accumulation: exact
+        (the codes are integers of at most 8 bits, which both dtypes hold; the
+        scale applies to the float32 output), half the bytes of the float32 copy.
+        Grouped weights, whose decode multiplies by the group scale, and NF4 and
+        fp8 weights stay float32. Measured on the CPU with a bfloat16 4096 x 4096
+        layer (``benchmarks/gpu.py --policy cpu --only dense``, docs/performance.md).
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -231,6 +249,7 @@ class KernelPolicy:
     large_weight_bytes: int = 0
     large_weight_rows: int = 0
     batched_map: bool = False
+    decode_in_input_dtype: bool = False
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -273,7 +292,7 @@ POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
-                        large_weight_rows=256, batched_map=True),
+                        large_weight_rows=256, batched_map=True, decode_in_input_dtype=True),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

@@ -198,9 +198,9 @@ def test_grouped_weight_with_int8_activations_on_cpu():
 def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(rows):
     """``decode_in_input_dtype``: a weight-only op on bfloat16 activations decodes a
     per-channel int8 weight to bfloat16 (exact: integer codes of 8 bits) for a bfloat16
-    matmul with float32 accumulation; float32 activations and grouped weights (whose
-    decode multiplies by the group scale) keep the float32 decode. The outputs equal
-    the float32 decode's."""
+    matmul with float32 accumulation, and a grouped one (decoded in float32, rounded to
+    bfloat16) above ``float_matmul_rows`` (64) rows; float32 activations keep the
+    float32 decode. The outputs equal the float32 decode's to bfloat16 rounding."""
     f = lambda p, x: x @ p["w"]
     key = jax.random.key(0)
     p = {"w": (jax.random.normal(key, (512, 256)) * 0.05).astype(jnp.bfloat16)}
@@ -222,4 +222,8 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
                                atol=1e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
     assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU)[0] == {"float32"}
-    assert dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU)[0] == {"float32"}
+    got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU)
+    assert got == ({"bfloat16"} if rows > CPU.float_matmul_rows else {"float32"})
+    y_old = dot_dtypes(jqt.recipes.w4(group_size=128), x, old)[1]
+    np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
+                               atol=2e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))

@@ -326,8 +326,9 @@ def parts(v, nib):
 def decode_rows(codes, w, scale, zp, kd, rows_per_group, dtype=_F32):
     """Codes of a block of K rows -> float32 weight: grid value (int, nf4 table, fp8 bits),
     minus the group zero point, times the group scale (both broadcast over each group's
-    ``rows_per_group`` rows by a reshape, not a repeat). ``dtype``: the dtype of int
-    codes without group scales (:func:`decode_dtype`)."""
+    ``rows_per_group`` rows by a reshape, not a repeat). ``dtype`` (:func:`decode_dtype`):
+    int codes without group scales are cast to it; a weight with group scales is decoded
+    in float32 and rounded to it."""
     grid = w.qtype.grid
     if grid == "nf4":
         v = nx.decode(codes, grid)
@@ -343,7 +344,7 @@ def decode_rows(codes, w, scale, zp, kd, rows_per_group, dtype=_F32):
     v = v.reshape(split)
     if zp is not None:
         v = v - jnp.round(g(zp))
-    return (v * g(scale)).reshape(shp)
+    return (v * g(scale)).reshape(shp).astype(dtype)
 
 
 def many_rows(m, policy, float_bytes=0) -> bool:
@@ -419,10 +420,14 @@ def k_order(x2, nib, nc=1):
     return x2.reshape(m, nc, k // nc // 2, 2).transpose(1, 0, 3, 2).reshape(nc, m, k // nc)
 
 
-def decode_dtype(x_dtype, w, policy):
-    """The dtype a weight-only op decodes ``w``'s codes to: the activation's 16-bit float
-    dtype where ``policy.decode_in_input_dtype`` allows it and that is exact (int codes of
-    at most 8 bits, no group scale in the decode); float32 otherwise.
+def decode_dtype(x_dtype, w, policy, m=None):
+    """The dtype a weight-only op of ``m`` rows decodes ``w`` to: the activation's 16-bit
+    float dtype where ``policy.decode_in_input_dtype`` allows it, for per-channel int
+    codes of at most 8 bits (exact) and, above ``policy.float_matmul_rows`` rows, for
+    weights with group scales (decoded in float32, then rounded to it, as the simulated
+    path rounds a weight of that dtype; at fewer rows XLA:CPU's 16-bit matmul is the
+    slower one); float32 otherwise (per-channel NF4 and fp8, whose float16 units can
+    overflow).
 
     >>> import jax.numpy as jnp, jqt
     >>> from jqt._src.qparams import QArray
@@ -434,7 +439,9 @@ def decode_dtype(x_dtype, w, policy):
     """
     q = w.qtype
     exact = q.kind == "int" and q.grid == "int" and q.bits <= 8 and not q.group_size
-    if policy.decode_in_input_dtype and exact and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16):
+    grouped = q.group_size and isinstance(m, int) and m > policy.float_matmul_rows
+    if policy.decode_in_input_dtype and (exact or grouped) \
+            and jnp.dtype(x_dtype) in (jnp.bfloat16, jnp.float16):
         return jnp.dtype(x_dtype).type
     return _F32
 
@@ -496,7 +503,7 @@ def _weight_only_2d(x2, w, policy, precision):
     n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
-    dt = decode_dtype(x2.dtype, w, policy)
+    dt = decode_dtype(x2.dtype, w, policy, m)
     dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt)
     if chunk:  # K-chunks, each decoded in cache, one matmul each, summed
         nc = k // chunk

@@ -73,15 +73,16 @@ copy of at most 3 MiB       exists (an integer zero
                             the tie XLA:CPU hoists
                             every decode: 43 MB of
                             temporaries, 1.75-2.04x)
-weight-only per channel,    codes decoded to that       float32 decode (16-bit
-bfloat16 / float16          dtype (exact: 8-bit         decode not measured on a
-activations                 integers), one 16-bit       GPU yet: gpu.py's rows
-(decode_in_input_dtype)     matmul, float32             "[decode_in_input_dtype=
-                            accumulation (bfloat16      True]")
-                            4096 layer, w8: 0.31-0.58x
+weight-only, bfloat16 /     the weight decoded to that  float32 decode (16-bit
+float16 activations         dtype, one 16-bit matmul,   decode not measured on a
+(decode_in_input_dtype)     float32 accumulation: per-  GPU yet: gpu.py's rows
+                            channel int8 codes (exact)  "[decode_in_input_dtype=
+                            at any rows, grouped w4 /   True]")
+                            nf4 above 64 rows (bfloat16
+                            4096 layer: w8 0.31-0.58x
                             bfloat16 at 8-256 rows,
-                            against 0.61-1.08x decoded
-                            to float32)
+                            against 0.61-1.08x; w4 g128
+                            0.58x against 0.92x at 128)
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             nibbles decoded by one      3.9x, nf4 4.2x bfloat16
                             shift into one float block  at one row of a 4096
@@ -216,9 +217,12 @@ class KernelPolicy:
         instead of float32, for a 16-bit matmul with float32 accumulation: exact
         (the codes are integers of at most 8 bits, which both dtypes hold; the
         scale applies to the float32 output), half the bytes of the float32 copy.
-        Grouped weights, whose decode multiplies by the group scale, and NF4 and
-        fp8 weights stay float32. Measured on the CPU with a bfloat16 4096 x 4096
-        layer (``benchmarks/gpu.py --policy cpu --only dense``, docs/performance.md).
+        Above ``float_matmul_rows`` rows a weight with group scales (w4, nf4) is
+        decoded in float32 and rounded to that dtype too, as the simulated path
+        rounds a weight of that dtype (at fewer rows XLA:CPU's 16-bit matmul was
+        the slower). Per-channel NF4 and fp8 weights stay float32. Measured on the
+        CPU with a bfloat16 4096 x 4096 layer (``benchmarks/gpu.py --policy cpu
+        --only dense``, docs/performance.md).
 
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one

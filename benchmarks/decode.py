@@ -232,6 +232,11 @@ def prefill(names, rounds, markdown, results):
         progress(f"prefill: calibrating and packing {name}")
         qp, packed, g = build(f, VARIANTS[name][0](), params, calib)
         calls[name] = lambda g=g, p=packed: g(p, x)
+        if name == "w8a8_dynamic":  # the int8 matmul that int_as_bfloat16_rows replaces
+            policy = dataclasses.replace(CPU, int_as_bfloat16_rows=0)
+            g0 = jax.jit(jqt.quantize(f, qp, policy=policy))
+            calls[f"{name}, int8 matmuls (int_as_bfloat16_rows=0)"] = \
+                lambda g=g0, p=jqt.pack(qp, params, policy=policy): g(p, x)
         if name in PREFILL_FORMULATIONS:
             for label, policy in (
                     (f"{PREFILL_FORMULATIONS[name]} (no float_matmul_rows, no whole_decode_bytes)",

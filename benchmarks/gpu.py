@@ -76,6 +76,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 # name -> (recipe factory, {KernelPolicy field: value} replacing the backend's, or None)
 DENSE = {
     "w8a8_dynamic": (R.w8a8_dynamic, None),
+    "w8a8_dynamic [int_as_bfloat16_rows=0]": (R.w8a8_dynamic, dict(int_as_bfloat16_rows=0)),
     "w8": (R.w8, None),
     "w8 [weight_only_digits=3]": (R.w8, dict(gemv_rows=16, weight_only_digits=3)),
     "w8 [weight_only_digits=0]": (R.w8, dict(weight_only_digits=0)),

@@ -149,7 +149,7 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
-        decode_in_input_dtype=True)
+        decode_in_input_dtype=True, int_as_bfloat16_rows=255)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
                                                                     weight_only_digits=3)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
@@ -227,3 +227,28 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
     y_old = dot_dtypes(jqt.recipes.w4(group_size=128), x, old)[1]
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
                                atol=2e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic()],
+                         ids=["w8a8", "w8a8_dynamic"])
+def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
+    """``int_as_bfloat16_rows``: above 255 rows the CPU table multiplies the int8 (or
+    uint8, with zero points) codes as bfloat16, which holds them exactly, with float32
+    accumulation; the result equals the int32 matmul's. At 255 rows, or for a weight
+    over ``large_weight_bytes``, the int8 matmul runs."""
+    f, p, x, qp, _ = _dense(recipe, k=512, n=64, m=256)
+    int8 = dataclasses.replace(CPU, int_as_bfloat16_rows=0)
+    for rows, dtype in ((256, "bfloat16"), (255, "int8")):
+        xr = x[:rows]
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(jqt.pack(qp, p, policy=CPU), xr)
+        dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        assert {str(e.invars[0].aval.dtype) for e in dots} == {dtype}
+        got = jax.jit(jqt.quantize(f, qp, policy=CPU))(jqt.pack(qp, p, policy=CPU), xr)
+        want = jax.jit(jqt.quantize(f, qp, policy=int8))(jqt.pack(qp, p, policy=int8), xr)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+    # a weight whose float32 copy exceeds large_weight_bytes keeps the int8 matmul
+    small_cache = dataclasses.replace(CPU, large_weight_bytes=4 * 512 * 64 - 1)
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=small_cache))(
+        jqt.pack(qp, p, policy=small_cache), x)
+    assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)
+            if e.primitive.name == "dot_general"} == {"int8"}

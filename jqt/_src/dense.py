@@ -189,9 +189,29 @@ def int_dense(ax, x, w, policy):
     return acc * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))
 
 
+def codes_as_bfloat16(x2, w2, layout, policy):
+    """int8 / uint8 codes ``(M, K)`` x a weight in ``layout`` -> float32 ``(M, N)`` through
+    one bfloat16 matmul, where ``policy.int_as_bfloat16_rows`` says so for ``M`` rows, or
+    None. bfloat16 holds 8-bit codes exactly, so the products are exact; the sums are
+    float32 (exact while they stay below 2**24). XLA:CPU's bfloat16 matmul with float32
+    accumulation outruns its int8 one at many rows, for a weight whose float32 copy fits
+    ``policy.large_weight_bytes`` (docs/performance.md)."""
+    m, top = x2.shape[0], policy.int_as_bfloat16_rows
+    if not (top and isinstance(m, int) and m > top):
+        return None
+    if policy.large_weight_bytes and 4 * w2.size > policy.large_weight_bytes:
+        return None  # its 16-bit copy, made every call, does not fit the cache
+    dn = (((1,), (_contract_dim(layout),)), ((), ()))
+    return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn,
+                           preferred_element_type=_F32)
+
+
 def _int_dense_acc(qx2, qw, layout, zx, zw, wsum, policy):
-    """``sum_k (qx - zx)(qw - zw)`` in int32 (the caller keeps K short enough)."""
-    acc = int_matmul(qx2, qw, layout, policy.pad_rows)
+    """``sum_k (qx - zx)(qw - zw)`` in int32 (the caller keeps K short enough), or in
+    float32 from a bfloat16 matmul of the codes (:func:`codes_as_bfloat16`)."""
+    acc = codes_as_bfloat16(qx2, qw, layout, policy)
+    if acc is None:
+        acc = int_matmul(qx2, qw, layout, policy.pad_rows)
     if zx is not None:
         wsum = wsum if wsum is not None else jnp.sum(qw, axis=_contract_dim(layout), dtype=_I32)
         acc = acc - zx * wsum

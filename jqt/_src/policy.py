@@ -2,7 +2,8 @@
 
 The numerics of every formulation are the same (integer arithmetic is exact;
 float sums run in another order, and an activation split into int8 digits
-keeps 24 bits of each row's absolute maximum): the policy changes speed, never
+keeps 24 bits of each row's absolute maximum; 8-bit codes multiplied as
+bfloat16 are exact products summed in float32): the policy changes speed, never
 results beyond float rounding.
 
 "Rows" are the rows M of the op as a 2-D matmul (tokens times batch): 1 when
@@ -29,6 +30,15 @@ packed dense weight, fp8    ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
 rows of an int8 matmul      padded up to 2 (one row     not padded
                             takes a 10-20x slower
                             path: a decode step 2x)
+int8 matmul, more than 255  the codes as bfloat16, one  an int8 matmul (bfloat16
+rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
+                            sums (exact products), for
+                            a weight of <= 32 MiB as
+                            float32 (decoder
+                            prefill, 1,024 rows:
+                            w8a8_dynamic 0.609x
+                            float32 against 0.726x
+                            with int8 matmuls)
 1-4 rows: w8 (weight-only)  the float activation as 3   the same (H200: 1.23-
                             int8 digits, one int8       1.29x bfloat16 at one row
                             matmul: 0.86-1.02x the      of a 4096 layer, 1.73x at
@@ -224,6 +234,16 @@ class KernelPolicy:
         CPU with a bfloat16 4096 x 4096 layer (``benchmarks/gpu.py --policy cpu
         --only dense``, docs/performance.md).
 
+      int_as_bfloat16_rows: an int8 x int8 dense matmul of more rows than this
+        runs as one bfloat16 matmul of the codes with float32 accumulation: the
+        products are exact (bfloat16 holds 8-bit codes), the sums float32 (exact
+        below 2**24), as on the other float paths over exact codes; 0: never.
+        Not for a weight whose float32 copy exceeds ``large_weight_bytes``: its
+        16-bit copy, made every call, does not fit the cache (a 4096 x 4096
+        layer at 256 rows: 0.81x bfloat16 against 0.64x with the int8 matmul;
+        the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
+        rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -254,6 +274,7 @@ class KernelPolicy:
     large_weight_rows: int = 0
     batched_map: bool = False
     decode_in_input_dtype: bool = False
+    int_as_bfloat16_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -296,7 +317,8 @@ POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
-                        large_weight_rows=256, batched_map=True, decode_in_input_dtype=True),
+                        large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
+                        int_as_bfloat16_rows=255),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

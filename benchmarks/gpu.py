@@ -205,6 +205,9 @@ def quantized(f, variants, params, calib, name, failed):
     is reported, named in ``failed`` and left out (the rest still run)."""
     out = {}
     for v, (make, fields) in variants.items():
+        if fields and policy_of(fields) == (BASE["policy"] or jqt.KernelPolicy.for_backend()):
+            progress(f"{name}: {v} is the backend's own table here: not run twice")
+            continue
         progress(f"{name}: calibrating and packing {v}")
         try:
             policy = policy_of(fields)

@@ -94,15 +94,22 @@ FORMULATIONS = {
            "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4)},
     "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
                      "int8 matmul, rows not padded": _p(pad_rows=1)},
-    "w4 g128": {"cast K-chunks of 256 (kn)": _p(grouped_digits=0, whole_decode_bytes=0),
-                "cast K-chunks of 256, weights up to 3 MiB whole (kn)": _p(grouped_digits=0),
-                "whole weights, each decoded after its input (kn)": _p(grouped_digits=0, weight_only_chunk=0),
-                "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3)},
-    "w4a8 g128": {"int8 matmul per group (nk)": _p(grouped_int_rows=0, whole_decode_bytes=0),
-                  "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(grouped_int_rows=0),
-                  "int8 matmul per group, weights up to 3 MiB decoded whole (kn)": _p(),
-                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True)},
+    "w4 g128": {"native kernel, jqt_grouped_gemv (kn)": _p(),
+                "cast K-chunks of 256 (kn)": _p(grouped_digits=0, whole_decode_bytes=0, native_gemv_rows=0),
+                "cast K-chunks of 256, weights up to 3 MiB whole (kn)": _p(grouped_digits=0, native_gemv_rows=0),
+                "whole weights, each decoded after its input (kn)": _p(grouped_digits=0, weight_only_chunk=0,
+                                                                       native_gemv_rows=0),
+                "3 int8 digits, batched group matmul (kn)": _p(gemv_rows=4, grouped_digits=3, native_gemv_rows=0)},
+    "w4a8 g128": {"native kernel, jqt_grouped_gemv (kn)": _p(),
+                  "int8 matmul per group (nk)": _p(grouped_int_rows=0, whole_decode_bytes=0, native_gemv_rows=0),
+                  "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(grouped_int_rows=0,
+                                                                                       native_gemv_rows=0),
+                  "int8 matmul per group, weights up to 3 MiB decoded whole (kn)": _p(native_gemv_rows=0),
+                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True, native_gemv_rows=0)},
 }
+# decode: A/B rows timed beside the table's (the same preset under another policy)
+DECODE_AB = {"w4 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
+             "w4a8 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))}
 FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
 PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",
@@ -198,6 +205,11 @@ def decode(names, rounds, markdown, results):
         out_cache = jax.eval_shape(f, packed, cache, token)[1]
         info[name] = dict(bytes=packed.nbytes(), cache=sum(
             np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_cache) if x.ndim))
+        if name in DECODE_AB:
+            label, policy = DECODE_AB[name]
+            _, pk, g = build(step, make(), params, calib, policy)
+            calls[f"{name}, {label}"] = lambda g=g, p=pk: g(p, cache, token)
+            info[f"{name}, {label}"] = info[name]
     progress(f"timing {len(calls)} variants x {rounds} rounds")
     med = timed(calls, rounds)
     base = med["float32"]["median"]

@@ -16,6 +16,9 @@ from jax import lax
 import jqt
 
 CPU = jqt.KernelPolicy.for_backend("cpu")
+# the CPU table's XLA formulations: without the native kernel that runs 4-bit grouped
+# weights at up to native_gemv_rows rows where it builds (test_native.py)
+CPU_XLA = dataclasses.replace(CPU, native_gemv_rows=0)
 
 
 def _eqns(jaxpr):
@@ -77,7 +80,7 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
     # a float copy of 4 MiB, above whole_decode_bytes; more rows than gemv_rows, up to float_matmul_rows
     f, _, x, qp, packed = _dense(recipe, n=1024, m=8)
     assert 4 * 1024 * 1024 > CPU.whole_decode_bytes
-    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x)
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU_XLA))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == 1024 // 256
     # one float matmul per chunk, over all its rows of K (int4: both nibbles decoded into it)
@@ -89,23 +92,23 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
     assert not casts
     # a weight whose float copy fits whole_decode_bytes (2 MiB) is decoded whole: no loop, one matmul
     fs, _, xs, qps, packeds = _dense(recipe, n=512, m=8)
-    small = jax.make_jaxpr(jqt.quantize(fs, qps, policy=CPU))(packeds, xs)
+    small = jax.make_jaxpr(jqt.quantize(fs, qps, policy=CPU_XLA))(packeds, xs)
     assert not [e for e in _eqns(small.jaxpr) if e.primitive.name == "scan"]
     assert len([e for e in _eqns(small.jaxpr) if e.primitive.name == "dot_general"]) == 1
     generic = jax.make_jaxpr(jqt.quantize(f, qp, policy=jqt.KernelPolicy()))(packed, x)
     assert not [e for e in _eqns(generic.jaxpr) if e.primitive.name == "scan"]
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
-    np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU)(packed, x), ref,
+    np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU_XLA)(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
     # many rows: the whole weight at once, one float matmul, its codes tied to the
     # activation (an integer zero from its first element) so that XLA cannot hoist the decode
     many = jax.random.normal(jax.random.key(5), (CPU.float_matmul_rows + 1, 1024))
-    for policy, tied in ((CPU, True), (dataclasses.replace(CPU, decode_after_input=False), False)):
+    for policy, tied in ((CPU_XLA, True), (dataclasses.replace(CPU_XLA, decode_after_input=False), False)):
         jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, many)
         assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
         assert ("clz" in {e.primitive.name for e in _eqns(jaxpr.jaxpr)}) == tied
         np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many),
-                                      jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, many))
+                                      jax.jit(jqt.quantize(f, qp, policy=CPU_XLA))(packed, many))
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow),
@@ -149,7 +152,7 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
-        decode_in_input_dtype=True, int_as_bfloat16_rows=255)
+        decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
                                                                     weight_only_digits=3)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
@@ -179,10 +182,10 @@ def test_grouped_weight_with_int8_activations_on_cpu():
     nibble half) up to ``grouped_int_rows`` (8) rows, and the float matmul above."""
     f, _, x9, qp, packed = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=9)
     assert packed.weights["w"].layout == "kn"
-    large = dataclasses.replace(CPU, whole_decode_bytes=0)
+    large = dataclasses.replace(CPU_XLA, whole_decode_bytes=0)
     for x in (x9[:8], x9):
         out = {}
-        for policy, dtype, count in ((CPU, np.float32, 1),
+        for policy, dtype, count in ((CPU_XLA, np.float32, 1),
                                      (large, np.int8, 4) if len(x) <= 8 else (large, np.float32, 1),
                                      # read (N, K): the nibbles unpacked when traced, one per group
                                      (dataclasses.replace(large, grouped_int_rows=0), np.int8, 2)):
@@ -205,7 +208,7 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
     key = jax.random.key(0)
     p = {"w": (jax.random.normal(key, (512, 256)) * 0.05).astype(jnp.bfloat16)}
     x = jax.random.normal(jax.random.key(1), (rows, 512)).astype(jnp.bfloat16)
-    old = dataclasses.replace(CPU, decode_in_input_dtype=False)
+    old = dataclasses.replace(CPU_XLA, decode_in_input_dtype=False)
 
     def dot_dtypes(recipe, x, policy):
         qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
@@ -222,7 +225,7 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
                                atol=1e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
     assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU)[0] == {"float32"}
-    got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU)
+    got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU_XLA)
     assert got == ({"bfloat16"} if rows > CPU.float_matmul_rows else {"float32"})
     y_old = dot_dtypes(jqt.recipes.w4(group_size=128), x, old)[1]
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),

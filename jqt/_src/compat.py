@@ -116,3 +116,19 @@ def pytree_serialization_registries():
         return _export.serialization_registry, _export.deserialization_registry
     except (ImportError, AttributeError):  # pragma: no cover - a JAX release moved them
         return {}, {}
+
+
+def lowering_is_portable(ctx) -> bool:
+    """Whether a lowering rule's context needs portable StableHLO, with no custom call
+    that only this process registered: a ``jax.export`` lowering (its artifact runs in
+    other processes), or an SPMD program over several devices (the partitioner does not
+    know how to split a custom call). ``ctx``: an ``mlir.LoweringRuleContext``."""
+    mod = ctx.module_context
+    params = getattr(mod, "lowering_parameters", None)
+    if params is None or getattr(params, "for_export", True):
+        return True
+    ax = mod.axis_context
+    mesh = getattr(ax, "mesh", None)
+    if mesh is not None:  # shard_map: per-device code where every mesh axis is manual
+        return set(getattr(ax, "manual_axes", ())) != set(mesh.axis_names)
+    return getattr(ax, "num_devices", 1) > 1

@@ -302,7 +302,7 @@ def int_grouped_as_float(ax, x, w, policy):
     qx2 = ax.act_2d(x.values).astype(_F32)
     if x.zero_point is not None:
         qx2 = qx2 - jnp.round(ax.act_vec(x.zero_point).astype(_F32))
-    return _weight_only_2d(qx2, w, policy, None) * ax.act_vec(x.scale.astype(_F32))
+    return weight_only_2d(qx2, w, policy, None) * ax.act_vec(x.scale.astype(_F32))
 
 
 def fp8_dense(ax, x, w, policy):
@@ -314,7 +314,7 @@ def fp8_dense(ax, x, w, policy):
         dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return out * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
-    out = _weight_only_2d(nx.decode(x2, x.qtype.grid), w, policy, None)
+    out = weight_only_2d(nx.decode(x2, x.qtype.grid), w, policy, None)
     return out * ax.act_vec(x.scale.astype(_F32))
 
 
@@ -501,7 +501,7 @@ def after(codes, x):
     return codes + zero.astype(codes.dtype)
 
 
-def _weight_only_2d(x2, w, policy, precision):
+def weight_only_2d(x2, w, policy, precision):
     """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
     q = w.qtype
@@ -567,4 +567,4 @@ def weight_only_dense(ax, x, w, policy, precision=None):
     to ``policy.whole_decode_rows`` rows), each over the whole of K. Per-channel
     scales apply to the (smaller) output; per-group scales to each decoded chunk.
     """
-    return _weight_only_2d(ax.act_2d(x), w, policy, precision)
+    return weight_only_2d(ax.act_2d(x), w, policy, precision)

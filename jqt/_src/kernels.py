@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, experts, gemv, intdot, patches
+from . import compat, dense, experts, gemv, intdot, native, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -153,7 +153,11 @@ def run(site, eqn, ops, policy):
     w2 = dense.weight_in_layout(ax, wq, want, w_shape)
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
-    if not isinstance(x_op, QArray):
+    if native.applies(w2, m, policy) and (not isinstance(x_op, QArray) or x_op.qtype.kind == "int"):
+        out2 = native.grouped_dense(_float_rows(ax, x_op), w2, policy)
+        if isinstance(x_op, QArray):
+            out2 = out2 * ax.act_vec(x_op.scale.astype(jnp.float32))
+    elif not isinstance(x_op, QArray):
         if gemv.weight_only_applies(w2, m, policy):
             out2 = gemv.weight_only(ax, x_op, w2, policy)
         else:
@@ -169,6 +173,17 @@ def run(site, eqn, ops, policy):
     else:
         out2 = dense.int_dense(ax, x_op, w2, policy)
     return ax.out(out2, x_shape, w_shape).astype(out.dtype)
+
+
+def _float_rows(ax, x_op):
+    """The activation as float rows ``(M, K)``: a float one as it is, an int one's codes
+    minus its zero point (exact in float32 for 16 bits or fewer)."""
+    if not isinstance(x_op, QArray):
+        return ax.act_2d(x_op)
+    q = ax.act_2d(x_op.values).astype(jnp.float32)
+    if x_op.zero_point is not None:
+        q = q - jnp.round(ax.act_vec(x_op.zero_point).astype(jnp.float32))
+    return q
 
 
 def gather(site, eqn, ops):

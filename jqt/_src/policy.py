@@ -244,6 +244,13 @@ class KernelPolicy:
         the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
         rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
 
+      native_gemv_rows: an op with 4-bit (or fewer) int or NF4 weights with group
+        scales packed ``"kn"`` (w4, w4a8, nf4) and at most this many rows runs jqt's
+        native XLA:CPU kernel (``jqt_grouped_gemv``, built on first use; see
+        :func:`jqt.native_status`), which reads the packed codes once and decodes them
+        in registers, where it is available; elsewhere, and inside ``jax.export``,
+        the formulations above. 0: never.
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -275,6 +282,7 @@ class KernelPolicy:
     batched_map: bool = False
     decode_in_input_dtype: bool = False
     int_as_bfloat16_rows: int = 0
+    native_gemv_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -318,7 +326,7 @@ POLICIES = {
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
-                        int_as_bfloat16_rows=255),
+                        int_as_bfloat16_rows=255, native_gemv_rows=8),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

@@ -1,0 +1,250 @@
+// jqt's native XLA:CPU kernel: few-row matmul with 4-bit weights in groups (int4, NF4).
+//
+//   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
+//
+// or, with a 16-entry table (NF4), table[code[k, n] + 8] in place of the bracket.
+//
+// x: float32 (M, K); codes: uint8 (K / 2, N), two signed 4-bit codes per byte along K (the
+// low nibble holds the even row of K, the high nibble the odd one: jqt's packed "kn"
+// layout); scale and zp: float32 (K / group_size, N), zp empty when symmetric; table:
+// float32 (16,) or empty.
+//
+// The codes are read once, in place, and decoded in registers: each byte row of the weight
+// is XORed with 0x88 (the nibbles become code + 8, in 0..15), widened, converted to float32
+// (or looked up in the table) and multiplied into float32 sums over the group (AVX2 + FMA);
+// the "+ 8" of int codes is removed with the group's sum of x. A group's sums are exact integers times x's float32 values, summed
+// in float32: the same arithmetic as a float32 matmul of the decoded weight, in another
+// order. The groups are split over XLA's intra-op thread pool, each thread's share of the
+// codes read front to back with a software prefetch 2 KiB ahead.
+//
+// Built by jqt/_src/native.py with the C++ compiler found at run time and XLA's FFI headers
+// (jax.ffi.include_dir()); registered as the FFI target "jqt_grouped_gemv".
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define JQT_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// acc[m][0:W] += x[m][2r] * lo(row r) + x[m][2r+1] * hi(row r), over byte rows r0..r1 of the
+// columns n0..n0+W; nibbles as code + 8.
+// The value of a nibble (code + 8): itself, or its entry of the table.
+inline float nibble(const float* table, unsigned u) { return table ? table[u] : float(u); }
+
+void rows_scalar(const float* x, int64_t K, int M, const uint8_t* w, int64_t N,
+                 int64_t r0, int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * N + n0;
+    for (int m = 0; m < M; ++m) {
+      const float xe = x[m * K + 2 * r], xo = x[m * K + 2 * r + 1];
+      float* a = acc + m * W;
+      for (int64_t n = 0; n < W; ++n) {
+        const uint8_t u = row[n] ^ 0x88;
+        a[n] += xe * nibble(table, u & 15) + xo * nibble(table, u >> 4);
+      }
+    }
+  }
+}
+
+#ifdef JQT_X86
+// 8 nibbles (code + 8, one per 32-bit lane) -> float32: converted, or looked up in the table
+// (two 8-entry halves, chosen by the nibble's bit 3).
+template <bool LUT>
+__attribute__((target("avx2,fma"))) inline __m256 values(__m256i u, __m256 lo_half, __m256 hi_half) {
+  if (!LUT) return _mm256_cvtepi32_ps(u);
+  const __m256 a = _mm256_permutevar8x32_ps(lo_half, u), b = _mm256_permutevar8x32_ps(hi_half, u);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
+}
+
+template <int M, bool LUT>
+__attribute__((target("avx2,fma"))) void rows_avx2(const float* __restrict x, int64_t K,
+                                                   const uint8_t* __restrict w, int64_t N,
+                                                   int64_t r0, int64_t r1,
+                                                   float* __restrict acc, int64_t W,
+                                                   int64_t n0, const float* table) {
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m256 t0 = LUT ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
+  const __m256 t1 = LUT ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * N + n0;
+    __m256 xe[M], xo[M];
+    for (int m = 0; m < M; ++m) {
+      xe[m] = _mm256_set1_ps(x[m * K + 2 * r]);
+      xo[m] = _mm256_set1_ps(x[m * K + 2 * r + 1]);
+    }
+    int64_t n = 0;
+    for (; n + 16 <= W; n += 16) {
+      // 2 KiB ahead in the order the codes are read (the next rows when W is the whole row)
+      if ((n & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + n + 2048), _MM_HINT_T0);
+      const __m128i b = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + n)), flip);
+      const __m256i va = _mm256_cvtepu8_epi32(b), vb = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+      const __m256 la = values<LUT>(_mm256_and_si256(va, low), t0, t1);
+      const __m256 ha = values<LUT>(_mm256_srli_epi32(va, 4), t0, t1);
+      const __m256 lb = values<LUT>(_mm256_and_si256(vb, low), t0, t1);
+      const __m256 hb = values<LUT>(_mm256_srli_epi32(vb, 4), t0, t1);
+      for (int m = 0; m < M; ++m) {
+        float* a = acc + m * W + n;
+        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+        a0 = _mm256_fmadd_ps(xo[m], ha, _mm256_fmadd_ps(xe[m], la, a0));
+        a1 = _mm256_fmadd_ps(xo[m], hb, _mm256_fmadd_ps(xe[m], lb, a1));
+        _mm256_storeu_ps(a, a0);
+        _mm256_storeu_ps(a + 8, a1);
+      }
+    }
+    for (; n < W; ++n) {
+      const uint8_t u = row[n] ^ 0x88;
+      for (int m = 0; m < M; ++m)
+        acc[m * W + n] += x[m * K + 2 * r] * nibble(table, u & 15) +
+                          x[m * K + 2 * r + 1] * nibble(table, u >> 4);
+    }
+  }
+}
+
+template <bool LUT>
+void rows_avx2_m(const float* x, int64_t K, int M, const uint8_t* w, int64_t N, int64_t r0,
+                 int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
+  switch (M) {
+    case 1: return rows_avx2<1, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
+    case 2: return rows_avx2<2, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
+    case 3: return rows_avx2<3, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
+    default: return rows_avx2<4, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
+  }
+}
+
+bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
+
+void rows(const float* x, int64_t K, int M, const uint8_t* w, int64_t N, int64_t r0,
+          int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
+#ifdef JQT_X86
+  if (has_avx2()) {
+    if (table) return rows_avx2_m<true>(x, K, M, w, N, r0, r1, acc, W, n0, table);
+    return rows_avx2_m<false>(x, K, M, w, N, r0, r1, acc, W, n0, table);
+  }
+#endif
+  rows_scalar(x, K, M, w, N, r0, r1, acc, W, n0, table);
+}
+
+// out[m][0:N] = the sum over the groups g0..g1 (every row and column).
+void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+            const float* scale, const float* zp, const float* table, int64_t gs, float* out,
+            int64_t g0, int64_t g1) {
+  const int64_t R = gs / 2;
+  std::vector<float> acc(static_cast<size_t>(M * N));
+  std::fill(out, out + M * N, 0.f);
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mm = static_cast<int>(std::min<int64_t>(4, M - m0));
+      rows(x + m0 * K, K, mm, w, N, g * R, (g + 1) * R, acc.data() + m0 * N, N, 0, table);
+    }
+    const float* sg = scale + g * N;
+    const float* zg = zp ? zp + g * N : nullptr;
+    for (int64_t m = 0; m < M; ++m) {
+      float* o = out + m * N;
+      const float* a = acc.data() + m * N;
+      if (table) {  // table values: no offset to remove
+        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * a[n];
+        continue;
+      }
+      float xs = 0.f;  // the group's sum of x, for the +8 (and the zero point)
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k];
+      if (zg) {
+        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - (8.f + __builtin_roundevenf(zg[n])) * xs);
+      } else {
+        const float z = 8.f * xs;
+        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - z);
+      }
+    }
+  }
+}
+
+ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                       ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out,
+                       int64_t group_size) {
+  const auto xd = x.dimensions(), wd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("jqt_grouped_gemv: x, codes and scale must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (group_size <= 0 || group_size % 2 || K % group_size || wd[0] * 2 != K ||
+      sd[0] != K / group_size || sd[1] != N ||
+      (zp.element_count() && zp.element_count() != scale.element_count()) ||
+      (table.element_count() != 0 && table.element_count() != 16) ||
+      (table.element_count() && zp.element_count()))
+    return ffi::Error::InvalidArgument("jqt_grouped_gemv: operand shapes do not match");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = codes.typed_data();
+  const float* sp = scale.typed_data();
+  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
+  const float* tp = table.element_count() ? table.typed_data() : nullptr;
+  float* op = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  // The groups (rows of K) split over XLA's intra-op threads, each part a contiguous run of
+  // the codes read front to back, at least 128 KiB of codes per part; the parts' sums added.
+  const int64_t G = K / group_size;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(
+      1, std::min({threads, G, static_cast<int64_t>(codes.element_count() >> 17)}));
+  std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
+  std::atomic<int64_t> left(parts - 1);
+  std::mutex mu;
+  std::condition_variable done;
+  for (int64_t t = 1; t < parts; ++t) {
+    partial[t - 1].resize(static_cast<size_t>(M * N));
+    float* dst = partial[t - 1].data();
+    const int64_t g0 = G * t / parts, g1 = G * (t + 1) / parts;
+    pool.Schedule([&, dst, g0, g1] {
+      groups(xp, M, K, wp, N, sp, zpp, tp, group_size, dst, g0, g1);
+      std::lock_guard<std::mutex> lock(mu);
+      if (left.fetch_sub(1) == 1) done.notify_all();
+    });
+  }
+  groups(xp, M, K, wp, N, sp, zpp, tp, group_size, op, 0, G / parts);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    done.wait(lock, [&] { return left.load() == 0; });
+  }
+  for (const auto& p : partial)
+    for (int64_t i = 0; i < M * N; ++i) op[i] += p[i];
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size"));
+
+// 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).
+extern "C" int jqt_native_isa() {
+#ifdef JQT_X86
+  return has_avx2() ? 2 : 0;
+#else
+  return 0;
+#endif
+}

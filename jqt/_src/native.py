@@ -1,0 +1,239 @@
+"""jqt's native XLA:CPU kernel: the few-row matmul of 4-bit weights with group scales
+(int4 and NF4).
+
+At one to a few rows (decoding at batch 1) a matmul reads every weight once and does
+little arithmetic per byte, so its time is the bytes it reads over the rate it reads
+them. XLA:CPU has no int4 matmul that reads packed codes in place: jqt's XLA
+formulations decode the codes to float32 (chunk by chunk, in cache) and multiply, at a
+fraction of the rate a float32 GEMV reads its own weight (``w4`` g128 0.75-0.83x a
+float32 4096 x 4096 layer at one row where its bytes are 0.125x;
+``benchmarks/formats.py``). The kernel in ``csrc/grouped_gemv.cc`` reads the packed
+``"kn"`` codes once and decodes them in registers (AVX2 + FMA), with float32 sums
+per group: the arithmetic of the float32 matmul of the decoded weight, in another
+order.
+
+It is an XLA FFI custom call, built on first use with the C++ compiler found at run
+time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
+(``jax.ffi.include_dir()``), cached under ``$JQT_CACHE_DIR`` (default
+``~/.cache/jqt``), and registered as the FFI target ``"jqt_grouped_gemv"``. Where it
+cannot be built or run (no compiler, not x86-64, a CPU without AVX2 + FMA, or
+``JQT_NATIVE=0``) the op runs the XLA formulation the policy would pick without it:
+the same numbers up to float rounding; :func:`jqt.native_status` says which and why.
+
+The op is one primitive, ``jqt_grouped_gemv``, whose CPU lowering is the custom call
+and whose lowering elsewhere is that XLA formulation: on other backends, inside
+``jax.export`` (its artifact must run in processes that never registered the target)
+and in SPMD programs over several devices (the partitioner cannot split a custom
+call). ``jax.vmap`` folds a batch of activations into its rows, and ``jax.jvp`` /
+``jax.grad`` differentiate the XLA formulation.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import compat, dense
+from .formats import NF4_TABLE
+from .qparams import QArray
+
+TARGET = "jqt_grouped_gemv"
+SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeStatus:
+    """Whether jqt's native CPU kernel runs in this process, and why (not).
+
+    Attributes:
+      available: the kernel is built, loaded and registered with XLA.
+      reason: where the library is, or why it is not used.
+      library: the path of the shared library, or ``None``.
+
+    >>> import jqt
+    >>> jqt.NativeStatus(False, "disabled by JQT_NATIVE=0")
+    NativeStatus(available=False, reason='disabled by JQT_NATIVE=0', library=None)
+    """
+
+    available: bool
+    reason: str
+    library: str | None = None
+
+
+_lock = threading.Lock()
+_status: NativeStatus | None = None
+
+
+def native_status() -> NativeStatus:
+    """Whether jqt's native CPU kernel (4-bit grouped weights at few rows) is in use in
+    this process, building it on the first call (a few seconds, once per machine: the
+    library is cached). See ``docs/performance.md``.
+
+    >>> import jqt
+    >>> s = jqt.native_status()
+    >>> isinstance(s.available, bool) and bool(s.reason)
+    True
+    """
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _build()
+        return _status
+
+
+def _compiler():
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or cxx
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("JQT_CACHE_DIR"):
+        return Path(os.environ["JQT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jqt"
+
+
+def _build() -> NativeStatus:
+    if os.environ.get("JQT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return NativeStatus(False, "disabled by JQT_NATIVE=0")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return NativeStatus(False, f"the kernel is for x86-64 CPUs (this is {platform.machine()})")
+    cxx = _compiler()
+    if cxx is None:
+        return NativeStatus(False, "no C++ compiler found ($CXX, c++, g++ or clang++); "
+                                   "install one (e.g. apt install g++) to build the kernel")
+    include = jax.ffi.include_dir()
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
+                                     cxx.encode(), " ".join(flags).encode(),
+                                     include.encode()])).hexdigest()[:16]
+    lib = _cache_dir() / f"grouped_gemv-{key}.so"
+    if not lib.exists():
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+            os.close(fd)
+            run = subprocess.run([cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
+                                 capture_output=True, text=True, timeout=600)
+            if run.returncode:
+                os.unlink(tmp)
+                tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
+                return NativeStatus(False, f"{cxx} failed to build {SOURCE}: " + " | ".join(tail))
+            os.replace(tmp, lib)  # atomic: concurrent builders each write their own file
+        except (OSError, subprocess.SubprocessError) as e:
+            return NativeStatus(False, f"could not build {SOURCE} into {lib.parent}: {e} "
+                                       "(set JQT_CACHE_DIR to a writable directory)")
+    try:
+        handle = ctypes.CDLL(str(lib))
+    except OSError as e:
+        return NativeStatus(False, f"could not load {lib}: {e}")
+    if handle.jqt_native_isa() < 2:
+        return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
+    return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
+
+
+def applies(w: QArray, m: int, policy) -> bool:
+    """Whether the op of the 2-D weight ``w`` at ``m`` rows runs the native kernel:
+    ``0 < m <= policy.native_gemv_rows``, int codes of 4 bits or fewer or NF4 codes,
+    packed two per byte in the ``"kn"`` layout with group scales (w4, w4a8, nf4), and
+    the kernel available here (:func:`native_status`)."""
+    q = w.qtype
+    return (0 < m <= policy.native_gemv_rows and w.layout == "kn" and w.nibbles
+            and q.grid in ("int", "nf4") and bool(q.group_size)
+            and q.group_size % 2 == 0 and w.values.ndim == 2 and native_status().available)
+
+
+def grouped_dense(x2, w: QArray, policy):
+    """``x2 (M, K) @ w`` in float32 (``x2`` float, or an int8 activation's codes minus
+    their zero point) through the ``jqt_grouped_gemv`` primitive."""
+    g, n = w.values.shape[0] * 2 // w.qtype.group_size, w.values.shape[1]
+    zp = (jnp.zeros((0, n), _F32) if w.zero_point is None
+          else w.zero_point.astype(_F32).reshape(g, n))
+    table = jnp.asarray(NF4_TABLE if w.qtype.grid == "nf4" else np.zeros(0), _F32)
+    return grouped_gemv_p.bind(x2.astype(_F32), w.values, w.scale.astype(_F32).reshape(g, n), zp, table,
+                               qtype=w.qtype, policy=dataclasses.replace(policy, native_gemv_rows=0),
+                               max_rows=policy.native_gemv_rows)
+
+
+def _reference(x2, codes, scale, zp, table, *, qtype, policy, max_rows):
+    """The op in XLA (the formulation ``policy`` picks without the kernel; ``table`` is
+    the NF4 table the kernel reads, which ``qtype`` names)."""
+    del table, max_rows
+    w = QArray(values=codes, scale=scale, zero_point=zp if zp.shape[0] else None, qtype=qtype,
+               layout="kn")
+    return dense.weight_only_2d(x2, w, policy, None)
+
+
+grouped_gemv_p = compat.Primitive(TARGET)
+
+
+@grouped_gemv_p.def_abstract_eval
+def _abstract(x2, codes, scale, zp, table, **params):
+    return jax.core.ShapedArray((x2.shape[0], codes.shape[1]), _F32)
+
+
+@grouped_gemv_p.def_impl
+def _impl(*args, **params):
+    return jax.jit(functools.partial(grouped_gemv_p.bind, **params))(*args)
+
+
+def _lower_cpu(ctx, x2, codes, scale, zp, table, **params):
+    if compat.lowering_is_portable(ctx) or not native_status().available:
+        return _lower_reference(ctx, x2, codes, scale, zp, table, **params)
+    return jax.ffi.ffi_lowering(TARGET)(ctx, x2, codes, scale, zp, table,
+                                        group_size=np.int64(params["qtype"].group_size))
+
+
+def _lower_reference(ctx, *args, **params):
+    return compat.mlir.lower_fun(functools.partial(_reference, **params),
+                                 multiple_results=False)(ctx, *args)
+
+
+compat.mlir.register_lowering(grouped_gemv_p, _lower_reference, cacheable=False)
+compat.mlir.register_lowering(grouped_gemv_p, _lower_cpu, platform="cpu", cacheable=False)
+
+
+def _batch(args, dims, **params):
+    x2, codes, scale, zp, table = args
+    bx = dims[0]
+    if all(d is compat.NOT_MAPPED for d in dims[1:]):  # a batch of activations: more rows
+        x = jnp.moveaxis(x2, bx, 0)
+        b, m, k = x.shape
+        if b * m <= params["max_rows"]:
+            out = grouped_gemv_p.bind(x.reshape(b * m, k), codes, scale, zp, table, **params)
+        else:
+            out = _reference(x.reshape(b * m, k), codes, scale, zp, table, **params)
+        return out.reshape(b, m, -1), 0
+    axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
+    return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0
+
+
+compat.batching.primitive_batchers[grouped_gemv_p] = _batch
+
+
+def _jvp(primals, tangents, **params):
+    tangents = [compat.ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_reference, **params), tuple(primals), tuple(tangents))
+
+
+compat.ad.primitive_jvps[grouped_gemv_p] = _jvp

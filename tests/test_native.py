@@ -1,0 +1,212 @@
+"""jqt's native XLA:CPU kernel (4-bit grouped weights at few rows): built where it can be,
+the same results as the XLA formulations, and composing with JAX's transformations.
+
+Each result is compared with the same quantized function under the CPU table without
+the kernel (``native_gemv_rows=0``): the XLA formulation that runs where the kernel
+cannot. Agreement with the simulated path, op by op, is test_formats.py's and
+test_numerics.py's (the CPU table there runs the kernel at few rows).
+"""
+import dataclasses
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+from jqt._src import native
+from shared import all_eqns
+
+R = jqt.recipes
+CPU = jqt.KernelPolicy.for_backend("cpu")
+XLA = dataclasses.replace(CPU, native_gemv_rows=0)
+CALL = f"custom_call @{native.TARGET}("
+
+
+def _buildable() -> bool:
+    """x86-64 with AVX2 + FMA, a C++ compiler, not disabled: where the kernel must build."""
+    if os.environ.get("JQT_NATIVE", "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    return bool(compiler) and "avx2" in flags and "fma" in flags
+
+
+needs_kernel = pytest.mark.skipif(not jqt.native_status().available,
+                                  reason=f"native kernel unavailable: {jqt.native_status().reason}")
+
+
+def test_the_kernel_builds_where_it_can():
+    s = jqt.native_status()
+    assert s.reason
+    if _buildable():
+        assert s.available, s.reason
+        assert os.path.exists(s.library)
+    else:
+        assert not s.available
+
+
+def _setup(recipe, k=512, n=72, m=1, seed=0):
+    f = lambda p, x: x @ p["w"]
+    keys = jax.random.split(jax.random.key(seed), 3)
+    p = {"w": jax.random.normal(keys[0], (k, n)) / np.sqrt(k)}
+    qp = jqt.calibrate(f, recipe, p, [(jax.random.normal(keys[1], (8, k)),)], progress=False)
+    x = jax.random.normal(keys[2], (m, k)).at[0, 3].set(6.0)
+    return f, p, qp, x
+
+
+def _custom_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(CALL)
+
+
+def _close(a, b, rel=2e-6):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=0, atol=rel * max(1.0, float(np.abs(b).max())) * 8)
+
+
+CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
+    "w4_g128": (R.w4(group_size=128), 512, 72, 1),
+    "w4_g32_asym": (R.w4(group_size=32, symmetric=False), 256, 40, 3),
+    "w4a8_g64_asym": (R.w4a8(group_size=64, symmetric=False), 256, 24, 2),
+    "nf4_g64": (R.nf4(group_size=64), 512, 72, 5),
+    "int3_g32": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3, group_size=32),
+                                            activation=None),)), 256, 40, 8),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", CASES)
+def test_same_results_as_the_xla_formulation(name):
+    recipe, k, n, m = CASES[name]
+    f, p, qp, x = _setup(recipe, k, n, m)
+    packed = jqt.pack(qp, p)
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 1
+    assert _custom_calls(jqt.quantize(f, qp, policy=XLA), packed, x) == 0
+    _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
+
+
+@needs_kernel
+def test_more_rows_than_native_gemv_rows_run_xla():
+    f, p, qp, _ = _setup(R.w4(group_size=128))
+    packed = jqt.pack(qp, p)
+    x = jax.random.normal(jax.random.key(5), (CPU.native_gemv_rows + 1, 512))
+    assert _custom_calls(jqt.quantize(f, qp), packed, x) == 0
+
+
+@needs_kernel
+def test_per_channel_4_bit_weights_are_not_the_kernels():
+    for recipe in (R.nf4(group_size=0), R.w4(group_size=0)):
+        f, p, qp, x = _setup(recipe)
+        assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
+
+
+@needs_kernel
+def test_bfloat16_activations():
+    f, p, qp, x = _setup(R.w4(group_size=128))
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    packed, xb = jqt.pack(qp, p), x.astype(jnp.bfloat16)
+    out = jax.jit(jqt.quantize(f, qp))(packed, xb)
+    assert out.dtype == jnp.bfloat16
+    assert _custom_calls(jqt.quantize(f, qp), packed, xb) == 1
+    _close(out, jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, xb), rel=1e-2)
+
+
+@needs_kernel
+def test_vmap_folds_a_batch_into_rows_and_batched_weights_run_xla():
+    f, p, qp, _ = _setup(R.w4(group_size=128))
+    packed = jqt.pack(qp, p)
+    q, ref = jqt.quantize(f, qp), jqt.quantize(f, qp, policy=XLA)
+    xs = jax.random.normal(jax.random.key(3), (3, 1, 512))
+    out = jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs)
+    assert _custom_calls(jax.vmap(q, in_axes=(None, 0)), packed, xs) == 1
+    _close(out, jnp.stack([ref(packed, x) for x in xs]))
+    # a batch larger than native_gemv_rows rows: the XLA formulation
+    xl = jax.random.normal(jax.random.key(4), (CPU.native_gemv_rows + 2, 1, 512))
+    assert _custom_calls(jax.vmap(q, in_axes=(None, 0)), packed, xl) == 0
+    _close(jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xl),
+           jax.vmap(ref, in_axes=(None, 0))(packed, xl))
+    # a batch of packed weights (vmap over the codes too)
+    two = jax.tree.map(lambda a: jnp.stack([a, a]), packed)
+    _close(jax.jit(jax.vmap(q))(two, xs[:2]), jnp.stack([ref(packed, x) for x in xs[:2]]))
+
+
+@needs_kernel
+def test_grad_with_respect_to_the_activation():
+    f, p, qp, x = _setup(R.w4(group_size=64, symmetric=False))
+    packed = jqt.pack(qp, p)
+    g = lambda pol: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(jqt.quantize(f, qp, policy=pol)(packed, x)))))(x)
+    _close(g(CPU), g(XLA))
+
+
+@needs_kernel
+def test_export_holds_no_custom_call_and_matches():
+    f, p, qp, x = _setup(R.w4(group_size=128))
+    packed = jqt.pack(qp, p)
+    q = jax.jit(jqt.quantize(f, qp))
+    exp = jax.export.export(q)(packed, x)
+    assert "stablehlo.custom_call" not in exp.mlir_module()
+    back = jax.export.deserialize(exp.serialize())
+    _close(back.call(packed, x), q(packed, x))
+
+
+@needs_kernel
+def test_scan_over_stacked_layers_cond_while_and_remat():
+    keys = jax.random.split(jax.random.key(7), 3)
+    p = {"w": jax.random.normal(keys[0], (3, 256, 256)) / 16}
+
+    def layers(p, h):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["w"])[0]
+
+    def f(p, x):
+        h = jax.checkpoint(layers)(p, x)
+        h = jax.lax.cond(h[0, 0] > 0, lambda h: layers(p, h), lambda h: -layers(p, h), h)
+        return jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, layers(p, c[1])), (0, h))[1]
+
+    x = jax.random.normal(keys[1], (1, 256))
+    qp = jqt.calibrate(f, R.w4(group_size=64), p, [(jax.random.normal(keys[2], (1, 256)),)],
+                       progress=False)
+    packed = jqt.pack(qp, p)
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) >= 1
+    _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
+    eqns = [e.primitive.name for e in all_eqns(jax.make_jaxpr(q)(packed, x).jaxpr)]
+    assert native.TARGET in eqns
+
+
+@needs_kernel
+def test_custom_vjp_around_the_quantized_op():
+    f0, p, qp0, x = _setup(R.w4(group_size=128))
+
+    @jax.custom_vjp
+    def f(p, x):
+        return x @ p["w"]
+
+    f.defvjp(lambda p, x: (x @ p["w"], (p, x)), lambda res, g: (jax.tree.map(jnp.zeros_like, res[0]), g @ res[0]["w"].T))
+    qp = jqt.calibrate(f, R.w4(group_size=128), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    assert _custom_calls(jqt.quantize(f, qp), packed, x) == 1
+    _close(jax.jit(jqt.quantize(f, qp))(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
+
+
+def test_disabled_by_environment_variable():
+    code = ("import jax, jqt, numpy as np\n"
+            "s = jqt.native_status(); assert not s.available and 'JQT_NATIVE' in s.reason, s\n"
+            "f = lambda w, x: x @ w\n"
+            "w = jax.random.normal(jax.random.key(0), (256, 32))\n"
+            "qp = jqt.calibrate(f, jqt.recipes.w4(group_size=128), w, [(w[:, :1].T,)], progress=False)\n"
+            "q = jax.jit(jqt.quantize(f, qp))\n"
+            "assert 'jqt_grouped_gemv' not in q.lower(jqt.pack(qp, w), w[:, :1].T).as_text()\n"
+            "print('ok')\n")
+    env = {**os.environ, "JQT_NATIVE": "0", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

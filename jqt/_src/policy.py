@@ -59,12 +59,20 @@ rows                        (exact), the weight decoded
                             2.04x float32 at 32 rows of
                             a 4096 layer against 0.75x,
                             2.9x at prefill)
-1-4 rows: w4 g128, nf4      K-chunked cast, as at any   as at any row count
-                            row count (digits through   (H200: digits 2.81x
-                            a batched matmul: 1.11-     bfloat16 at one row of a
-                            1.33x)                      4096 layer against 3.90x,
-                                                        but 1.09x against 1.05x in
-                                                        the decode step)
+1-8 rows: w4 g128, w4a8     jqt's native kernel         as at any row count
+g128, nf4 (4-bit codes      (``native.py``, an XLA FFI  (H200: digits 2.81x
+with group scales):         custom call built on first  bfloat16 at one row of a
+native_gemv_rows            use): the packed codes      4096 layer against 3.90x,
+                            read once, decoded in       but 1.09x against 1.05x in
+                            registers (4096 layer at    the decode step)
+                            one row: w4 0.20x float32
+                            against 0.76x K-chunked,
+                            nf4 0.31x against 1.09x;
+                            decoder step w4 0.284x
+                            against 0.433x); where it
+                            does not build and in
+                            ``jax.export``: K-chunked
+                            cast, as at any row count
 weight-only matmul, up to   ``lax.scan`` over chunks    cast the weight, one
 64 rows, a float copy       of <= 256 rows of K (of N   matmul
 over 3 MiB                  for ``(N, K)``), cast in

@@ -87,11 +87,13 @@ def _p(**kw):
 
 
 FORMULATIONS = {
-    "w8": {"cast K-chunks of 256 (kn)": _p(weight_only_digits=0, whole_decode_bytes=0),
-           "cast N-chunks of 256 (nk)": _p(gemv_rows=0, whole_decode_bytes=0),
-           "whole weights, each decoded after its input (kn)": _p(weight_only_digits=0, weight_only_chunk=0),
-           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3),
-           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4)},
+    "w8": {"native kernel, jqt_channel_gemv (nk)": _p(),
+           "cast K-chunks of 256 (kn)": _p(weight_only_digits=0, whole_decode_bytes=0, native_gemv_rows=0),
+           "cast N-chunks of 256 (nk)": _p(gemv_rows=0, whole_decode_bytes=0, native_gemv_rows=0),
+           "whole weights, each decoded after its input (kn)": _p(weight_only_digits=0, weight_only_chunk=0,
+                                                                  native_gemv_rows=0),
+           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3, native_gemv_rows=0),
+           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4, native_gemv_rows=0)},
     "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
                      "int8 matmul, rows not padded": _p(pad_rows=1)},
     "w4 g128": {"native kernel, jqt_grouped_gemv (kn)": _p(),
@@ -108,7 +110,8 @@ FORMULATIONS = {
                   "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True, native_gemv_rows=0)},
 }
 # decode: A/B rows timed beside the table's (the same preset under another policy)
-DECODE_AB = {"w4 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
+DECODE_AB = {"w8": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
+             "w4 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
              "w4a8 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))}
 FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why

@@ -218,13 +218,13 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
         out = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
         return {str(e.invars[1].aval.dtype) for e in dots}, out
 
-    got, y_new = dot_dtypes(jqt.recipes.w8(), x, CPU)
+    got, y_new = dot_dtypes(jqt.recipes.w8(), x, CPU_XLA)
     assert got == {"bfloat16"}
     got, y_old = dot_dtypes(jqt.recipes.w8(), x, old)
     assert got == {"float32"}
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
                                atol=1e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
-    assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU)[0] == {"float32"}
+    assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU_XLA)[0] == {"float32"}
     got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU_XLA)
     assert got == ({"bfloat16"} if rows > CPU.float_matmul_rows else {"float32"})
     y_old = dot_dtypes(jqt.recipes.w4(group_size=128), x, old)[1]

@@ -1,4 +1,4 @@
-"""jqt's native XLA:CPU kernel (4-bit grouped weights at few rows): built where it can be,
+"""jqt's native XLA:CPU kernels (4-bit grouped and int8 per-channel weights at few rows): built where they can be,
 the same results as the XLA formulations, and composing with JAX's transformations.
 
 Each result is compared with the same quantized function under the CPU table without
@@ -25,7 +25,7 @@ from shared import all_eqns
 R = jqt.recipes
 CPU = jqt.KernelPolicy.for_backend("cpu")
 XLA = dataclasses.replace(CPU, native_gemv_rows=0)
-CALL = f"custom_call @{native.TARGET}("
+CALLS = (f"custom_call @{native.GROUPED}(", f"custom_call @{native.CHANNEL}(")
 
 
 def _buildable() -> bool:
@@ -64,7 +64,8 @@ def _setup(recipe, k=512, n=72, m=1, seed=0):
 
 
 def _custom_calls(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).as_text().count(CALL)
+    text = jax.jit(fn).lower(*args).as_text()
+    return sum(text.count(c) for c in CALLS)
 
 
 def _close(a, b, rel=2e-6):
@@ -78,6 +79,9 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
     "w4_g32_asym": (R.w4(group_size=32, symmetric=False), 256, 40, 3),
     "w4a8_g64_asym": (R.w4a8(group_size=64, symmetric=False), 256, 24, 2),
     "nf4_g64": (R.nf4(group_size=64), 512, 72, 5),
+    "w8": (R.w8(), 512, 72, 1),
+    "w8_asym_k300": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(symmetric=False, per_channel=True),
+                                                activation=None),)), 300, 40, 3),
     "int3_g32": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3, group_size=32),
                                             activation=None),)), 256, 40, 8),
 }
@@ -104,8 +108,10 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 
 
 @needs_kernel
-def test_per_channel_4_bit_weights_are_not_the_kernels():
-    for recipe in (R.nf4(group_size=0), R.w4(group_size=0)):
+def test_what_the_kernels_do_not_run():
+    # per-channel 4-bit codes; grouped int8 codes; int8 x int8 (XLA's int8 matmul keeps
+    # its int32 sums exact, float32 sums would not be)
+    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128), R.w8a8_dynamic()):
         f, p, qp, x = _setup(recipe)
         assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
 
@@ -180,7 +186,7 @@ def test_scan_over_stacked_layers_cond_while_and_remat():
     assert _custom_calls(q, packed, x) >= 1
     _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
     eqns = [e.primitive.name for e in all_eqns(jax.make_jaxpr(q)(packed, x).jaxpr)]
-    assert native.TARGET in eqns
+    assert native.gemv_p.name in eqns
 
 
 @needs_kernel

@@ -106,7 +106,11 @@ def _combine(acc, scales):
 def weight_only(ax, x, w, policy):
     """Float activation x int weight (see :func:`weight_only_applies`) -> float32 ``(M, N)``,
     through the int8 digits of the activation."""
-    x2 = ax.act_2d(x)
+    return weight_only_rows(ax.act_2d(x), w, policy)
+
+
+def weight_only_rows(x2, w, policy):
+    """:func:`weight_only` on float rows ``x2 (M, K)``."""
     if w.qtype.group_size:
         c, scales = digits(x2, policy.grouped_digits)
         return _combine(group_sums(c, None, w, policy), scales)

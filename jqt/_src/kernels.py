@@ -153,8 +153,9 @@ def run(site, eqn, ops, policy):
     w2 = dense.weight_in_layout(ax, wq, want, w_shape)
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
-    if native.applies(w2, m, policy) and (not isinstance(x_op, QArray) or x_op.qtype.kind == "int"):
-        out2 = native.grouped_dense(_float_rows(ax, x_op), w2, policy)
+    int_act = isinstance(x_op, QArray)
+    if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"):
+        out2 = native.dense_rows(_float_rows(ax, x_op), w2, policy)
         if isinstance(x_op, QArray):
             out2 = out2 * ax.act_vec(x_op.scale.astype(jnp.float32))
     elif not isinstance(x_op, QArray):

@@ -1,30 +1,34 @@
-"""jqt's native XLA:CPU kernel: the few-row matmul of 4-bit weights with group scales
-(int4 and NF4).
+"""jqt's native XLA:CPU kernels: few-row matmuls of packed weights, read in place.
 
 At one to a few rows (decoding at batch 1) a matmul reads every weight once and does
 little arithmetic per byte, so its time is the bytes it reads over the rate it reads
-them. XLA:CPU has no int4 matmul that reads packed codes in place: jqt's XLA
-formulations decode the codes to float32 (chunk by chunk, in cache) and multiply, at a
-fraction of the rate a float32 GEMV reads its own weight (``w4`` g128 0.75-0.83x a
-float32 4096 x 4096 layer at one row where its bytes are 0.125x;
-``benchmarks/formats.py``). The kernel in ``csrc/grouped_gemv.cc`` reads the packed
-``"kn"`` codes once and decodes them in registers (AVX2 + FMA), with float32 sums
-per group: the arithmetic of the float32 matmul of the decoded weight, in another
-order.
+them. XLA:CPU has no matmul that reads packed int4 codes in place, and its int8 matmul
+reads int8 bytes at a fraction of the rate its float32 GEMV reads float32: jqt's XLA
+formulations decode the codes to float32 (chunk by chunk, in cache) or split the
+activation into int8 digits, and took 0.76x (``w4`` g128) and 0.59x (``w8``) a float32
+4096 x 4096 layer at one row where their bytes are 0.125x and 0.25x
+(``benchmarks/formats.py``). Two kernels in ``csrc/grouped_gemv.cc`` read the codes
+once, front to back, and decode them in registers (AVX2 + FMA) into float32 sums: the
+arithmetic of the float32 matmul of the decoded weight, in another order.
 
-It is an XLA FFI custom call, built on first use with the C++ compiler found at run
+* ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales, two per byte, packed
+  ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);
+* ``jqt_channel_gemv``: int8 codes with one scale per output channel, packed ``(N, K)``
+  (``w8``; float activations only).
+
+They are XLA FFI custom calls, built on first use with the C++ compiler found at run
 time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
-(``jax.ffi.include_dir()``), cached under ``$JQT_CACHE_DIR`` (default
-``~/.cache/jqt``), and registered as the FFI target ``"jqt_grouped_gemv"``. Where it
-cannot be built or run (no compiler, not x86-64, a CPU without AVX2 + FMA, or
-``JQT_NATIVE=0``) the op runs the XLA formulation the policy would pick without it:
-the same numbers up to float rounding; :func:`jqt.native_status` says which and why.
+(``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
+``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
+without AVX2 + FMA, or ``JQT_NATIVE=0``) the op runs the XLA formulation the policy
+would pick without them: the same numbers up to float rounding;
+:func:`jqt.native_status` says which and why.
 
-The op is one primitive, ``jqt_grouped_gemv``, whose CPU lowering is the custom call
-and whose lowering elsewhere is that XLA formulation: on other backends, inside
-``jax.export`` (its artifact must run in processes that never registered the target)
-and in SPMD programs over several devices (the partitioner cannot split a custom
-call). ``jax.vmap`` folds a batch of activations into its rows, and ``jax.jvp`` /
+The op is one primitive, ``jqt_gemv``, whose CPU lowering is the custom call and whose
+lowering elsewhere is that XLA formulation: on other backends, inside ``jax.export``
+(its artifact must run in processes that never registered the targets) and in SPMD
+programs over several devices (the partitioner cannot split a custom call).
+``jax.vmap`` folds a batch of activations into its rows, and ``jax.jvp`` /
 ``jax.grad`` differentiate the XLA formulation.
 """
 from __future__ import annotations
@@ -45,11 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, dense
+from . import compat, dense, gemv
 from .formats import NF4_TABLE
 from .qparams import QArray
 
-TARGET = "jqt_grouped_gemv"
+GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
+CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
+TARGET = GROUPED
 SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
 
@@ -78,8 +84,8 @@ _status: NativeStatus | None = None
 
 
 def native_status() -> NativeStatus:
-    """Whether jqt's native CPU kernel (4-bit grouped weights at few rows) is in use in
-    this process, building it on the first call (a few seconds, once per machine: the
+    """Whether jqt's native CPU kernels (4-bit grouped and int8 per-channel weights at
+    few rows) are in use in this process, building them on the first call (a few seconds, once per machine: the
     library is cached). See ``docs/performance.md``.
 
     >>> import jqt
@@ -148,60 +154,94 @@ def _build() -> NativeStatus:
         return NativeStatus(False, f"could not load {lib}: {e}")
     if handle.jqt_native_isa() < 2:
         return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
+    jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
+    jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
     return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
 
 
-def applies(w: QArray, m: int, policy) -> bool:
-    """Whether the op of the 2-D weight ``w`` at ``m`` rows runs the native kernel:
-    ``0 < m <= policy.native_gemv_rows``, int codes of 4 bits or fewer or NF4 codes,
-    packed two per byte in the ``"kn"`` layout with group scales (w4, w4a8, nf4), and
-    the kernel available here (:func:`native_status`)."""
+def _target(w: QArray):
+    """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
+    or fewer or NF4 codes with group scales, two per byte, ``"kn"`` (w4, w4a8, nf4);
+    ``CHANNEL`` for int codes of at most 8 bits, one per byte, one scale per output
+    channel, ``"nk"`` (w8)."""
     q = w.qtype
-    return (0 < m <= policy.native_gemv_rows and w.layout == "kn" and w.nibbles
-            and q.grid in ("int", "nf4") and bool(q.group_size)
-            and q.group_size % 2 == 0 and w.values.ndim == 2 and native_status().available)
+    if getattr(w.values, "ndim", 0) != 2:
+        return None
+    if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4") and q.group_size
+            and q.group_size % 2 == 0):
+        return GROUPED
+    if (w.layout == "nk" and q.kind == "int" and not q.group_size and q.bits <= 8
+            and w.values.dtype == np.int8):
+        return CHANNEL
+    return None
 
 
-def grouped_dense(x2, w: QArray, policy):
+def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
+    """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
+    ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
+    w4, w4a8, nf4; ``CHANNEL``: w8, float activations only, whose int8 x int8 sums
+    XLA's int8 matmul keeps exact), and the kernels available here
+    (:func:`native_status`)."""
+    target = _target(w)
+    if target is None or (int_activation and target != GROUPED):
+        return False
+    return 0 < m <= policy.native_gemv_rows and native_status().available
+
+
+def dense_rows(x2, w: QArray, policy):
     """``x2 (M, K) @ w`` in float32 (``x2`` float, or an int8 activation's codes minus
-    their zero point) through the ``jqt_grouped_gemv`` primitive."""
-    g, n = w.values.shape[0] * 2 // w.qtype.group_size, w.values.shape[1]
-    zp = (jnp.zeros((0, n), _F32) if w.zero_point is None
-          else w.zero_point.astype(_F32).reshape(g, n))
-    table = jnp.asarray(NF4_TABLE if w.qtype.grid == "nf4" else np.zeros(0), _F32)
-    return grouped_gemv_p.bind(x2.astype(_F32), w.values, w.scale.astype(_F32).reshape(g, n), zp, table,
-                               qtype=w.qtype, policy=dataclasses.replace(policy, native_gemv_rows=0),
-                               max_rows=policy.native_gemv_rows)
+    their zero point) through the ``jqt_gemv`` primitive."""
+    target = _target(w)
+    q = w.qtype
+    if target == GROUPED:
+        g, n = w.values.shape[0] * 2 // q.group_size, w.values.shape[1]
+        scale = w.scale.astype(_F32).reshape(g, n)
+        zp = None if w.zero_point is None else w.zero_point.astype(_F32).reshape(g, n)
+    else:
+        n = w.values.shape[0]
+        scale = w.scale.astype(_F32).reshape(n)
+        zp = None if w.zero_point is None else w.zero_point.astype(_F32).reshape(n)
+    zp = jnp.zeros((0,) + scale.shape[1:], _F32) if zp is None else zp
+    table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
+    return gemv_p.bind(x2.astype(_F32), w.values, scale, zp, table, target=target, qtype=q,
+                       policy=dataclasses.replace(policy, native_gemv_rows=0),
+                       max_rows=policy.native_gemv_rows)
 
 
-def _reference(x2, codes, scale, zp, table, *, qtype, policy, max_rows):
-    """The op in XLA (the formulation ``policy`` picks without the kernel; ``table`` is
-    the NF4 table the kernel reads, which ``qtype`` names)."""
+def _reference(x2, codes, scale, zp, table, *, target, qtype, policy, max_rows):
+    """The op in XLA: the formulation ``policy`` (the table without the kernels) picks
+    for a float activation (``table`` is the NF4 table the kernel reads, which ``qtype``
+    names)."""
     del table, max_rows
     w = QArray(values=codes, scale=scale, zero_point=zp if zp.shape[0] else None, qtype=qtype,
-               layout="kn")
+               layout="kn" if target == GROUPED else "nk")
+    if gemv.weight_only_applies(w, x2.shape[0], policy):
+        return gemv.weight_only_rows(x2, w, policy)
     return dense.weight_only_2d(x2, w, policy, None)
 
 
-grouped_gemv_p = compat.Primitive(TARGET)
+gemv_p = compat.Primitive("jqt_gemv")
 
 
-@grouped_gemv_p.def_abstract_eval
-def _abstract(x2, codes, scale, zp, table, **params):
-    return jax.core.ShapedArray((x2.shape[0], codes.shape[1]), _F32)
+@gemv_p.def_abstract_eval
+def _abstract(x2, codes, scale, zp, table, *, target, **params):
+    n = codes.shape[1] if target == GROUPED else codes.shape[0]
+    return jax.core.ShapedArray((x2.shape[0], n), _F32)
 
 
-@grouped_gemv_p.def_impl
+@gemv_p.def_impl
 def _impl(*args, **params):
-    return jax.jit(functools.partial(grouped_gemv_p.bind, **params))(*args)
+    return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
 
 
-def _lower_cpu(ctx, x2, codes, scale, zp, table, **params):
+def _lower_cpu(ctx, x2, codes, scale, zp, table, *, target, **params):
     if compat.lowering_is_portable(ctx) or not native_status().available:
-        return _lower_reference(ctx, x2, codes, scale, zp, table, **params)
-    return jax.ffi.ffi_lowering(TARGET)(ctx, x2, codes, scale, zp, table,
-                                        group_size=np.int64(params["qtype"].group_size))
+        return _lower_reference(ctx, x2, codes, scale, zp, table, target=target, **params)
+    if target == GROUPED:
+        return jax.ffi.ffi_lowering(GROUPED)(ctx, x2, codes, scale, zp, table,
+                                             group_size=np.int64(params["qtype"].group_size))
+    ctx = ctx.replace(avals_in=ctx.avals_in[:4])  # no table
+    return jax.ffi.ffi_lowering(CHANNEL)(ctx, x2, codes, scale, zp)
 
 
 def _lower_reference(ctx, *args, **params):
@@ -209,8 +249,8 @@ def _lower_reference(ctx, *args, **params):
                                  multiple_results=False)(ctx, *args)
 
 
-compat.mlir.register_lowering(grouped_gemv_p, _lower_reference, cacheable=False)
-compat.mlir.register_lowering(grouped_gemv_p, _lower_cpu, platform="cpu", cacheable=False)
+compat.mlir.register_lowering(gemv_p, _lower_reference, cacheable=False)
+compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=False)
 
 
 def _batch(args, dims, **params):
@@ -220,7 +260,7 @@ def _batch(args, dims, **params):
         x = jnp.moveaxis(x2, bx, 0)
         b, m, k = x.shape
         if b * m <= params["max_rows"]:
-            out = grouped_gemv_p.bind(x.reshape(b * m, k), codes, scale, zp, table, **params)
+            out = gemv_p.bind(x.reshape(b * m, k), codes, scale, zp, table, **params)
         else:
             out = _reference(x.reshape(b * m, k), codes, scale, zp, table, **params)
         return out.reshape(b, m, -1), 0
@@ -228,7 +268,7 @@ def _batch(args, dims, **params):
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0
 
 
-compat.batching.primitive_batchers[grouped_gemv_p] = _batch
+compat.batching.primitive_batchers[gemv_p] = _batch
 
 
 def _jvp(primals, tangents, **params):
@@ -236,4 +276,4 @@ def _jvp(primals, tangents, **params):
     return jax.jvp(functools.partial(_reference, **params), tuple(primals), tuple(tangents))
 
 
-compat.ad.primitive_jvps[grouped_gemv_p] = _jvp
+compat.ad.primitive_jvps[gemv_p] = _jvp

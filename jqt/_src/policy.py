@@ -39,13 +39,16 @@ rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
                             w8a8_dynamic 0.609x
                             float32 against 0.726x
                             with int8 matmuls)
-1-4 rows: w8 (weight-only)  the float activation as 3   the same (H200: 1.23-
-                            int8 digits, one int8       1.29x bfloat16 at one row
-                            matmul: 0.86-1.02x the      of a 4096 layer, 1.73x at
-                            K-chunked cast at 1 row (9  4, against 3.13-3.24x for
-                            runs), 0.98-1.03x at 4      the cast; the 100M decode
-                                                        step 0.84-0.89x against
-                                                        1.04-1.06x)
+1-8 rows: w8 (weight-only)  jqt's native kernel         1-4 rows: the float
+                            (``jqt_channel_gemv``: 4096 activation as 3 int8
+                            layer 0.30x float32 at one  digits, one int8 matmul
+                            row against 0.73x for the   (H200: 1.23-1.29x
+                            digits); without it, 1-4    bfloat16 at one row of a
+                            rows: the float activation  4096 layer, 1.73x at 4,
+                            as 3 int8 digits, one int8  against 3.13-3.24x for
+                            matmul (0.86-1.02x the      the cast; the 100M decode
+                            K-chunked cast at 1 row in  step 0.84-0.89x against
+                            9 runs, 0.98-1.03x at 4)    1.04-1.06x)
 1-8 rows: w4a8 g128         one int8 matmul per group   as at any row count
                             (one batched over the
                             groups: 0.68-1.14x, slower
@@ -252,12 +255,13 @@ class KernelPolicy:
         the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
         rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
 
-      native_gemv_rows: an op with 4-bit (or fewer) int or NF4 weights with group
-        scales packed ``"kn"`` (w4, w4a8, nf4) and at most this many rows runs jqt's
-        native XLA:CPU kernel (``jqt_grouped_gemv``, built on first use; see
-        :func:`jqt.native_status`), which reads the packed codes once and decodes them
-        in registers, where it is available; elsewhere, and inside ``jax.export``,
-        the formulations above. 0: never.
+      native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
+        or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8
+        weights per output channel packed ``"nk"`` on float activations (w8), runs
+        jqt's native XLA:CPU kernels (``jqt_grouped_gemv``, ``jqt_channel_gemv``,
+        built on first use; see :func:`jqt.native_status`), which read the packed
+        codes once and decode them in registers, where they are available; elsewhere,
+        and inside ``jax.export``, the formulations above. 0: never.
 
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one

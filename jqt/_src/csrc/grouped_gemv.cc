@@ -1,4 +1,5 @@
-// jqt's native XLA:CPU kernel: few-row matmul with 4-bit weights in groups (int4, NF4).
+// jqt's native XLA:CPU kernels: few-row matmuls with 4-bit weights in groups (int4, NF4),
+// "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (below).
 //
 //   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
 //
@@ -176,6 +177,25 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   }
 }
 
+// Runs fn(t) for every part t in 0..parts-1: part 0 on this thread, the others on XLA's
+// intra-op thread pool; returns when all have finished.
+template <typename F>
+void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
+  std::atomic<int64_t> left(parts - 1);
+  std::mutex mu;
+  std::condition_variable done;
+  for (int64_t t = 1; t < parts; ++t) {
+    pool.Schedule([&, t] {
+      fn(t);
+      std::lock_guard<std::mutex> lock(mu);
+      if (left.fetch_sub(1) == 1) done.notify_all();
+    });
+  }
+  fn(0);
+  std::unique_lock<std::mutex> lock(mu);
+  done.wait(lock, [&] { return left.load() == 0; });
+}
+
 ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
                        ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out,
@@ -204,26 +224,115 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t parts = std::max<int64_t>(
       1, std::min({threads, G, static_cast<int64_t>(codes.element_count() >> 17)}));
   std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
-  std::atomic<int64_t> left(parts - 1);
-  std::mutex mu;
-  std::condition_variable done;
-  for (int64_t t = 1; t < parts; ++t) {
-    partial[t - 1].resize(static_cast<size_t>(M * N));
-    float* dst = partial[t - 1].data();
-    const int64_t g0 = G * t / parts, g1 = G * (t + 1) / parts;
-    pool.Schedule([&, dst, g0, g1] {
-      groups(xp, M, K, wp, N, sp, zpp, tp, group_size, dst, g0, g1);
-      std::lock_guard<std::mutex> lock(mu);
-      if (left.fetch_sub(1) == 1) done.notify_all();
-    });
-  }
-  groups(xp, M, K, wp, N, sp, zpp, tp, group_size, op, 0, G / parts);
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    done.wait(lock, [&] { return left.load() == 0; });
-  }
+  for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
+  parallel(pool, parts, [&](int64_t t) {
+    groups(xp, M, K, wp, N, sp, zpp, tp, group_size, t ? partial[t - 1].data() : op,
+           G * t / parts, G * (t + 1) / parts);
+  });
   for (const auto& p : partial)
     for (int64_t i = 0; i < M * N; ++i) op[i] += p[i];
+  return ffi::Error::Success();
+}
+
+
+// ---------------------------------------------------------------------------------------
+// int8 weights with one scale (and zero point) per output channel, packed (N, K):
+//   out[m, n] = scale[n] * sum_k x[m, k] * (code[n, k] - round(zp[n]))
+// Each thread reads a contiguous block of the weight's rows front to back; each row's codes
+// are widened to float32 and multiplied into float32 sums (AVX2 + FMA).
+
+float channel_dot_scalar(const float* x, const int8_t* row, int64_t k0, int64_t K) {
+  float s = 0.f;
+  for (int64_t k = k0; k < K; ++k) s += x[k] * float(row[k]);
+  return s;
+}
+
+#ifdef JQT_X86
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+template <int M>
+__attribute__((target("avx2,fma"))) void channel_rows_avx2(const float* __restrict x, int64_t K,
+                                                           const int8_t* __restrict w, int64_t n0,
+                                                           int64_t n1, float* __restrict dots,
+                                                           int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * K;
+    __m256 a[M][2];
+    for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + k + 2048), _MM_HINT_T0);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      for (int m = 0; m < M; ++m) {
+        a[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), f0, a[m][0]);
+        a[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), f1, a[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      dots[m * N + n] = hsum(_mm256_add_ps(a[m][0], a[m][1])) + channel_dot_scalar(x + m * K, row, k, K);
+  }
+}
+#endif
+
+// dots[m][n] = sum_k x[m, k] * code[n, k] for the rows n0..n1 of the codes.
+void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
+                  float* dots, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mm = static_cast<int>(std::min<int64_t>(4, M - m0));
+    const float* xm = x + m0 * K;
+    float* dm = dots + m0 * N;
+#ifdef JQT_X86
+    if (has_avx2()) {
+      switch (mm) {
+        case 1: channel_rows_avx2<1>(xm, K, w, n0, n1, dm, N); continue;
+        case 2: channel_rows_avx2<2>(xm, K, w, n0, n1, dm, N); continue;
+        case 3: channel_rows_avx2<3>(xm, K, w, n0, n1, dm, N); continue;
+        default: channel_rows_avx2<4>(xm, K, w, n0, n1, dm, N); continue;
+      }
+    }
+#endif
+    for (int m = 0; m < mm; ++m)
+      for (int64_t n = n0; n < n1; ++n) dm[m * N + n] = channel_dot_scalar(xm + m * K, w + n * K, 0, K);
+  }
+}
+
+ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = codes.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("jqt_channel_gemv: x and codes must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (wd[1] != K || scale.element_count() != N || (zp.element_count() && zp.element_count() != N))
+    return ffi::Error::InvalidArgument("jqt_channel_gemv: operand shapes do not match");
+  const float* xp = x.typed_data();
+  const int8_t* wp = codes.typed_data();
+  const float* sp = scale.typed_data();
+  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
+  float* op = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  // The rows of the codes split over XLA's intra-op threads, at least 128 KiB per part.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(
+      1, std::min({threads, N, static_cast<int64_t>(codes.element_count() >> 17)}));
+  parallel(pool, parts, [&](int64_t t) {
+    channel_rows(xp, M, K, wp, N * t / parts, N * (t + 1) / parts, op, N);
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    float xs = 0.f;
+    if (zpp)
+      for (int64_t k = 0; k < K; ++k) xs += xp[m * K + k];
+    float* o = op + m * N;
+    for (int64_t n = 0; n < N; ++n)
+      o[n] = sp[n] * (zpp ? o[n] - __builtin_roundevenf(zpp[n]) * xs : o[n]);
+  }
   return ffi::Error::Success();
 }
 
@@ -239,6 +348,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {

@@ -143,7 +143,7 @@ class Sizes:
 
 FULL = Sizes()
 SMOKE = Sizes(dense_n=256, dense_rows=(1, 16), reps=2, minilm_tokens=16, minilm_batches=(1, 2),
-              max_len=64, prompt=32, rounds=2, loop_steps=(2, 4), full=False)
+              max_len=64, prompt=32, rounds=2, loop_steps=(2, 18), full=False)
 PIPELINE = 4  # calls dispatched per timing sample
 
 

@@ -216,3 +216,20 @@ def test_disabled_by_environment_variable():
     env = {**os.environ, "JQT_NATIVE": "0", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_failed_build_warns_and_falls_back(tmp_path):
+    code = ("import warnings, jqt\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    s = jqt.native_status()\n"
+            "assert not s.available and 'failed to build' in s.reason, s\n"
+            "assert any('native CPU kernels are not used' in str(x.message) for x in w), w\n"
+            "print('ok')\n")
+    false = shutil.which("false") or "/bin/false"
+    env = {**os.environ, "CXX": false, "JQT_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the build is only tried on x86-64")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

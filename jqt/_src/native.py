@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -55,17 +56,16 @@ from .qparams import QArray
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
-TARGET = GROUPED
 SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True)
 class NativeStatus:
-    """Whether jqt's native CPU kernel runs in this process, and why (not).
+    """Whether jqt's native CPU kernels run in this process, and why (not).
 
     Attributes:
-      available: the kernel is built, loaded and registered with XLA.
+      available: the kernels are built, loaded and registered with XLA.
       reason: where the library is, or why it is not used.
       library: the path of the shared library, or ``None``.
 
@@ -85,8 +85,10 @@ _status: NativeStatus | None = None
 
 def native_status() -> NativeStatus:
     """Whether jqt's native CPU kernels (4-bit grouped and int8 per-channel weights at
-    few rows) are in use in this process, building them on the first call (a few seconds, once per machine: the
-    library is cached). See ``docs/performance.md``.
+    few rows) are in use in this process, building them on the first call (a few
+    seconds, once per machine and jax version: the library is cached). Where they are
+    not, the same ops run as XLA programs; a build or load that fails with a compiler
+    present also warns once. See ``docs/performance.md``.
 
     >>> import jqt
     >>> s = jqt.native_status()
@@ -96,8 +98,18 @@ def native_status() -> NativeStatus:
     global _status
     with _lock:
         if _status is None:
-            _status = _build()
+            try:
+                _status = _build()
+            except _BuildError as e:  # a compiler is there, but the build or load failed
+                _status = NativeStatus(False, str(e))
+                warnings.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
+                              "run as XLA programs (slower at few rows); set JQT_NATIVE=0 to "
+                              "skip the build.", RuntimeWarning, stacklevel=2)
         return _status
+
+
+class _BuildError(Exception):
+    """The kernels' build or load failed (where nothing says it should not have run)."""
 
 
 def _compiler():
@@ -143,15 +155,15 @@ def _build() -> NativeStatus:
             if run.returncode:
                 os.unlink(tmp)
                 tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
-                return NativeStatus(False, f"{cxx} failed to build {SOURCE}: " + " | ".join(tail))
+                raise _BuildError(f"{cxx} failed to build {SOURCE}: " + " | ".join(tail))
             os.replace(tmp, lib)  # atomic: concurrent builders each write their own file
         except (OSError, subprocess.SubprocessError) as e:
-            return NativeStatus(False, f"could not build {SOURCE} into {lib.parent}: {e} "
-                                       "(set JQT_CACHE_DIR to a writable directory)")
+            raise _BuildError(f"could not build {SOURCE} into {lib.parent}: {e} (set "
+                              "JQT_CACHE_DIR to a writable directory)") from e
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
-        return NativeStatus(False, f"could not load {lib}: {e}")
+        raise _BuildError(f"could not load {lib}: {e}") from e
     if handle.jqt_native_isa() < 2:
         return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
     jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")

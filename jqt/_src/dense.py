@@ -299,10 +299,16 @@ def int_grouped_as_float(ax, x, w, policy):
     weight-only path (K-chunks, or whole: :func:`decodes_whole`), then the activation's
     scale. Equal to :func:`int_dense_grouped` up to float rounding; beyond a few rows
     one matmul per chunk beats a small one per group (:func:`grouped_as_float`)."""
+    return weight_only_2d(float_codes(ax, x), w, policy, None) * ax.act_vec(x.scale.astype(_F32))
+
+
+def float_codes(ax, x):
+    """An int activation's codes minus its zero point, as float32 rows ``(M, K)`` (exact
+    for codes of 16 bits or fewer)."""
     qx2 = ax.act_2d(x.values).astype(_F32)
     if x.zero_point is not None:
         qx2 = qx2 - jnp.round(ax.act_vec(x.zero_point).astype(_F32))
-    return weight_only_2d(qx2, w, policy, None) * ax.act_vec(x.scale.astype(_F32))
+    return qx2
 
 
 def fp8_dense(ax, x, w, policy):

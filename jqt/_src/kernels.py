@@ -155,10 +155,12 @@ def run(site, eqn, ops, policy):
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
     int_act = isinstance(x_op, QArray)
     if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"):
-        out2 = native.dense_rows(_float_rows(ax, x_op), w2, policy)
-        if isinstance(x_op, QArray):
+        if int_act:  # the exact codes as floats, the activation's scale after
+            out2 = native.dense_rows(dense.float_codes(ax, x_op), w2, policy)
             out2 = out2 * ax.act_vec(x_op.scale.astype(jnp.float32))
-    elif not isinstance(x_op, QArray):
+        else:
+            out2 = native.dense_rows(ax.act_2d(x_op), w2, policy)
+    elif not int_act:
         if gemv.weight_only_applies(w2, m, policy):
             out2 = gemv.weight_only(ax, x_op, w2, policy)
         else:
@@ -174,17 +176,6 @@ def run(site, eqn, ops, policy):
     else:
         out2 = dense.int_dense(ax, x_op, w2, policy)
     return ax.out(out2, x_shape, w_shape).astype(out.dtype)
-
-
-def _float_rows(ax, x_op):
-    """The activation as float rows ``(M, K)``: a float one as it is, an int one's codes
-    minus its zero point (exact in float32 for 16 bits or fewer)."""
-    if not isinstance(x_op, QArray):
-        return ax.act_2d(x_op)
-    q = ax.act_2d(x_op.values).astype(jnp.float32)
-    if x_op.zero_point is not None:
-        q = q - jnp.round(ax.act_vec(x_op.zero_point).astype(jnp.float32))
-    return q
 
 
 def gather(site, eqn, ops):

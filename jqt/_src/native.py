@@ -205,15 +205,11 @@ def dense_rows(x2, w: QArray, policy):
     their zero point) through the ``jqt_gemv`` primitive."""
     target = _target(w)
     q = w.qtype
-    if target == GROUPED:
-        g, n = w.values.shape[0] * 2 // q.group_size, w.values.shape[1]
-        scale = w.scale.astype(_F32).reshape(g, n)
-        zp = None if w.zero_point is None else w.zero_point.astype(_F32).reshape(g, n)
-    else:
-        n = w.values.shape[0]
-        scale = w.scale.astype(_F32).reshape(n)
-        zp = None if w.zero_point is None else w.zero_point.astype(_F32).reshape(n)
-    zp = jnp.zeros((0,) + scale.shape[1:], _F32) if zp is None else zp
+    v = w.values
+    shape = (v.shape[0] * 2 // q.group_size, v.shape[1]) if target == GROUPED else (v.shape[0],)
+    scale = w.scale.astype(_F32).reshape(shape)
+    zp = (jnp.zeros((0,) + shape[1:], _F32) if w.zero_point is None
+          else w.zero_point.astype(_F32).reshape(shape))
     table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
     return gemv_p.bind(x2.astype(_F32), w.values, scale, zp, table, target=target, qtype=q,
                        policy=dataclasses.replace(policy, native_gemv_rows=0),
@@ -252,8 +248,7 @@ def _lower_cpu(ctx, x2, codes, scale, zp, table, *, target, **params):
     if target == GROUPED:
         return jax.ffi.ffi_lowering(GROUPED)(ctx, x2, codes, scale, zp, table,
                                              group_size=np.int64(params["qtype"].group_size))
-    ctx = ctx.replace(avals_in=ctx.avals_in[:4])  # no table
-    return jax.ffi.ffi_lowering(CHANNEL)(ctx, x2, codes, scale, zp)
+    return jax.ffi.ffi_lowering(CHANNEL)(ctx, x2, codes, scale, zp, table)  # table: empty
 
 
 def _lower_reference(ctx, *args, **params):

@@ -305,12 +305,14 @@ void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t
 
 ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = codes.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
     return ffi::Error::InvalidArgument("jqt_channel_gemv: x and codes must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
-  if (wd[1] != K || scale.element_count() != N || (zp.element_count() && zp.element_count() != N))
+  // table: the operand list the grouped kernel has, empty here (int codes only)
+  if (wd[1] != K || scale.element_count() != N || (zp.element_count() && zp.element_count() != N) ||
+      table.element_count())
     return ffi::Error::InvalidArgument("jqt_channel_gemv: operand shapes do not match");
   const float* xp = x.typed_data();
   const int8_t* wp = codes.typed_data();
@@ -354,6 +356,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -110,9 +110,10 @@ FORMULATIONS = {
                   "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True, native_gemv_rows=0)},
 }
 # decode: A/B rows timed beside the table's (the same preset under another policy)
-DECODE_AB = {"w8": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
-             "w4 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0)),
-             "w4a8 g128": ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))}
+_NO_NATIVE = ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))
+_COPIED = ("each layer's codes copied out of the stack (native_in_place=False)", _p(native_in_place=False))
+DECODE_AB = {"w8": (_COPIED, _NO_NATIVE), "w4 g128": (_COPIED, _NO_NATIVE),
+             "w4a8 g128": (_COPIED, _NO_NATIVE)}
 FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
 PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",
@@ -208,8 +209,7 @@ def decode(names, rounds, markdown, results):
         out_cache = jax.eval_shape(f, packed, cache, token)[1]
         info[name] = dict(bytes=packed.nbytes(), cache=sum(
             np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_cache) if x.ndim))
-        if name in DECODE_AB:
-            label, policy = DECODE_AB[name]
+        for label, policy in DECODE_AB.get(name, ()):
             _, pk, g = build(step, make(), params, calib, policy)
             calls[f"{name}, {label}"] = lambda g=g, p=pk: g(p, cache, token)
             info[f"{name}, {label}"] = info[name]

@@ -9,7 +9,8 @@ same step, float32 and quantized, under ``jax.profiler`` and sums the duration o
 operation XLA:CPU executed (the trace's events carry the compiled HLO instruction's
 name; its result shape is read from the compiled HLO text), grouped as:
 
-* ``matmul``: dots (XLA's own, or YNNPACK fusions);
+* ``matmul``: dots (XLA's own, or YNNPACK fusions) and custom calls (jqt's native
+  kernels, named ``jqt_gemv``);
 * ``slice stacked weights``: ``dynamic-slice`` whose result is a weight-sized integer
   or float array: ``lax.scan`` over stacked layers copies each layer's weight out
   before its matmul;
@@ -66,7 +67,8 @@ def result_shapes(hlo_text):
 def group(name, shapes, max_len):
     """The group of one executed HLO instruction."""
     shape = shapes.get(name, ())
-    if "dot" in name or "ynn" in name or "convolution" in name:
+    if ("dot" in name or "ynn" in name or "convolution" in name
+            or name.startswith(("custom-call", "jqt_gemv"))):
         return "matmul"
     if name.startswith(("while", "conditional", "call")):
         return "loop control"

@@ -152,7 +152,8 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
-        decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8)
+        decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
+        native_in_place=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
                                                                     weight_only_digits=3)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()

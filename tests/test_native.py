@@ -9,6 +9,7 @@ test_numerics.py's (the CPU table there runs the kernel at few rows).
 import dataclasses
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -233,3 +234,112 @@ def test_a_failed_build_warns_and_falls_back(tmp_path):
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the build is only tried on x86-64")
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+# ---- layers of stacked weights read in place (``layerview.py``, ``native_in_place``) -------------
+
+COPIED = dataclasses.replace(CPU, native_in_place=False)
+
+
+def _layer_copies(fn, *args) -> int:
+    """Operations of the compiled program that copy a layer's integer codes out of a stack
+    (a dynamic slice, fused or not, whose result is a 2-D int8 / uint8 array)."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return sum(1 for line in text.splitlines()
+               if ("dynamic-slice" in line or "dynamic_slice" in line)
+               and re.search(r"=\s*[us]8\[\d+,\d+\]", line))
+
+
+STACKED = {  # recipe, rows, scan in reverse
+    "w4_g64": (R.w4(group_size=64), 1, False),
+    "w4_g64_reverse": (R.w4(group_size=64), 1, True),
+    "w4_g32_asym": (R.w4(group_size=32, symmetric=False), 2, False),
+    "nf4_g64": (R.nf4(group_size=64), 1, True),
+    "w4a8_g64": (R.w4a8(group_size=64), 3, False),
+    "w8": (R.w8(), 1, True),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", STACKED)
+def test_scan_reads_each_layer_in_place(name):
+    recipe, m, reverse = STACKED[name]
+    keys = jax.random.split(jax.random.key(11), 4)
+    p = {"up": jax.random.normal(keys[0], (3, 128, 192)) / 11,
+         "down": jax.random.normal(keys[1], (3, 192, 128)) / 14}
+
+    def f(p, x):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w[0]) @ w[1], None
+        return jax.lax.scan(layer, x, (p["up"], p["down"]), reverse=reverse)[0]
+
+    qp = jqt.calibrate(f, recipe, p, [(jax.random.normal(keys[2], (m, 128)),)], progress=False)
+    packed, x = jqt.pack(qp, p), jax.random.normal(keys[3], (m, 128))
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 2
+    assert _layer_copies(q, packed, x) == 0
+    assert _layer_copies(jqt.quantize(f, qp, policy=COPIED), packed, x) > 0
+    out = jax.jit(q)(packed, x)
+    _close(out, jax.jit(jqt.quantize(f, qp, policy=COPIED))(packed, x), rel=1e-5)
+    _close(out, jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
+
+
+@needs_kernel
+def test_nested_scans_index_the_stack_in_place():
+    """A loop over steps holding the scan over layers (a decode loop), and a weight that
+    two nested scans slice ``(A, L, K, N)``: the kernels read the stack in place."""
+    keys = jax.random.split(jax.random.key(12), 4)
+    p = {"w": jax.random.normal(keys[0], (3, 128, 128)) / 11,
+         "blocks": jax.random.normal(keys[1], (2, 3, 128, 128)) / 11}
+
+    def f(p, x):
+        def step(h, _):
+            h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["w"])[0]
+            return h, h[:, 0]
+
+        h, ys = jax.lax.scan(step, x, None, length=2)
+        h = jax.lax.scan(lambda h, b: (jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, b)[0], None),
+                         h, p["blocks"])[0]
+        return h, ys
+
+    qp = jqt.calibrate(f, R.w4(group_size=64), p, [(jax.random.normal(keys[2], (1, 128)),)],
+                       progress=False)
+    packed, x = jqt.pack(qp, p), jax.random.normal(keys[3], (1, 128))
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 2
+    assert _layer_copies(q, packed, x) == 0
+    for a, b in zip(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x)):
+        _close(a, b, rel=1e-5)
+
+
+@needs_kernel
+def test_stacked_kernel_operands_clamp_the_layer_and_batch():
+    """``jqt_gemv`` on stacked codes: the layer clamped as ``lax.dynamic_index_in_dim``
+    clamps it; vmap over activations folds rows; jvp differentiates the formulation."""
+    f, p, qp, x = _setup(R.w4(group_size=64, symmetric=False), k=256, n=40, m=2)
+    w = jqt.pack(qp, p).weight("w")
+    stack = jax.tree.map(lambda a: jnp.stack([a, 2 * a, 3 * a]) if a.dtype != jnp.uint8
+                         else jnp.stack([a, a, a]), w)
+    view = jqt._src.layerview.LayerView(stack, ())
+    for i, want in ((-3, 0), (1, 1), (7, 2)):
+        got = jax.jit(lambda x, i: native.dense_rows(x, view.at(i).sliced, CPU, view.at(i)))(x, i)
+        ref = native.dense_rows(x, jax.tree.map(lambda a: a[want], stack), XLA)
+        _close(got, ref)
+    fn = lambda x: native.dense_rows(x, view.at(1).sliced, CPU, view.at(1))
+    xs = jnp.stack([x, -x])
+    _close(jax.jit(jax.vmap(fn))(xs), jnp.stack([fn(x), fn(-x)]))
+    t = jnp.ones_like(x)
+    _close(jax.jvp(fn, (x,), (t,))[1], fn(t) - fn(jnp.zeros_like(x)))
+
+
+@needs_kernel
+def test_export_of_a_scan_over_stacked_layers_slices_in_xla():
+    keys = jax.random.split(jax.random.key(13), 3)
+    p = {"w": jax.random.normal(keys[0], (3, 128, 128)) / 11}
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    qp = jqt.calibrate(f, R.w4(group_size=64), p, [(jax.random.normal(keys[1], (1, 128)),)],
+                       progress=False)
+    packed, x = jqt.pack(qp, p), jax.random.normal(keys[2], (1, 128))
+    exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, x)
+    assert "stablehlo.custom_call" not in exp.mlir_module()
+    _close(exp.call(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)

@@ -461,6 +461,18 @@ def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
         jqt.quantize(g, bad)(ws, X)
 
 
+def test_packed_weights_with_the_wrong_number_of_layers_are_refused():
+    """The integer path reads a stacked packed weight whole (its layer indexed in the
+    scan's body): a stack of the wrong length is refused all the same."""
+    ws = jnp.asarray(np.random.default_rng(4).standard_normal((3, 4, 4)), jnp.float32)
+    g = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2)):
+        qp = jqt.calibrate(g, recipe, ws, [(X,)], progress=False)
+        bad = jax.tree.map(lambda a: a[:2], jqt.pack(qp, ws))
+        with pytest.raises(jqt.QParamsMismatchError, match=r"op 'ws' .* lax.scan of length 3 .* \(2, "):
+            jqt.quantize(g, qp)(bad, X)
+
+
 def test_constant_outputs_are_arrays_as_under_jit():
     """A function that returns constants (a Python float, a jnp scalar, an iota) gets
     jax.Arrays of jit's dtypes back on both paths, not the jaxpr's literal objects."""

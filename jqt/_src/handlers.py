@@ -24,6 +24,7 @@ from . import accumulator, compat, dense, groups, kvcache, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
+from .layerview import LayerView
 from .policy import KernelPolicy
 from .qparams import OpQParams, QArray
 
@@ -37,6 +38,12 @@ class Handler(Protocol):
     differentiable: bool
 
     def site(self, site, eqn, invals, ctx) -> list: ...
+
+    # Optional, read by the loop rules of ``hops.py``: ``enter_cache(x, qtype)`` (a
+    # loop's key/value cache in the handler's form); ``identity``, ``merge`` and
+    # ``reduce_iterations`` (collecting handlers: statistics across iterations);
+    # ``split_stacked(entry) -> (sliced, kept)`` and ``join_stacked(sliced, kept, i)``
+    # (the part of a stacked op's state a scan keeps whole, indexed in the body).
 
 
 class QParamsMismatchError(ValueError):
@@ -183,6 +190,8 @@ def lookup(ctx, site, invals):
             f"'{site.name_stack or '<top>'}'). The qparams were made for another function or "
             "another weight_argnums; run jqt.calibrate on this function.")
     qp, packed = entry
+    if isinstance(packed, LayerView):  # the integer path in a scan over stacked layers
+        packed = packed.sliced
     if not isinstance(qp, OpQParams):
         raise QParamsMismatchError(f"jqt: qparams['{site.key}'] is a {type(qp).__name__}, "
                                    "expected jqt.OpQParams.")
@@ -406,6 +415,23 @@ class Integer:
     def enter_cache(x, qtype):
         return kvcache.enter(x, qtype, simulate=False)
 
+    @staticmethod
+    def split_stacked(entry):
+        """``(sliced, kept)`` of an op's state under a scan over stacked layers: the
+        qparams travel as the scan's ``xs``; the packed weight is kept whole, a
+        :class:`LayerView` the body indexes (the native kernels read it in place)."""
+        qp, packed = entry
+        if isinstance(packed, QArray) and packed.values is not None:
+            return (qp, None), LayerView(packed, ())
+        if isinstance(packed, LayerView):
+            return (qp, None), packed
+        return entry, None
+
+    @staticmethod
+    def join_stacked(sliced, kept, i):
+        """The body's state from :meth:`split_stacked`'s parts at layer ``i``."""
+        return sliced if kept is None else (sliced[0], kept.at(i))
+
     def site(self, site, eqn, invals, ctx):
         if site.entry.is_cache:
             return cache_write(site, eqn, invals, ctx)
@@ -418,11 +444,12 @@ class Integer:
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)
+        view = ctx.state_in[site.key][1]
         ops, wide = list(invals), None
         for i in (0, 1):
             q = qp.operand(i)
             if packed is not None and q is not None and i == site.weight_operand:
-                ops[i] = packed
+                ops[i] = view if isinstance(view, LayerView) else packed
                 continue
             x = ops[i] = transformed(site, qp, i, invals[i])
             if q is None:

@@ -221,24 +221,36 @@ def _scan(eqn, invals, sub, ctx, evaluate):
     state = _state_for(sub, ctx)
     st_x = {k: v for k, v in state.items() if k in stacked}
     st_c = {k: v for k, v in state.items() if k not in stacked}
+    kept = {}  # state kept whole and indexed in the body (the integer path's packed weights)
+    split = getattr(ctx.handler, "split_stacked", None)
+    if split is not None:
+        for k in st_x:
+            st_x[k], kept[k] = split(st_x[k])
     for k, v in st_x.items():  # one set of parameters (or statistics) per iteration
-        for leaf in jax.tree_util.tree_leaves(v):
-            if not jnp.ndim(leaf) or jnp.shape(leaf)[0] != p["length"]:
+        shapes = [tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(v)]
+        if kept.get(k) is not None:
+            shapes += kept[k].shapes()
+        for shape in shapes:
+            if not shape or shape[0] != p["length"]:
                 raise QParamsMismatchError(
                     f"jqt: op '{k}' reads a weight that a lax.scan of length {p['length']} slices "
                     f"from stacked layers, so its parameters need a leading axis of {p['length']} "
-                    f"(one set per layer), but one has shape {tuple(jnp.shape(leaf))}. The "
+                    f"(one set per layer), but one has shape {shape}. The "
                     "qparams were made for other weights or edited; re-calibrate.")
     j, c = closed_parts(p["jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     init, entered = _enter_caches(sub, ctx, init)
+    kept = {k: v for k, v in kept.items() if v is not None}
+    index = jnp.arange(p["length"], dtype=jnp.int32) if kept else None  # xs: the layer
 
     def body(carry, x):
-        xs_t, sx = x
+        xs_t, sx, layer = x
+        sx = {k: ctx.handler.join_stacked(v, kept[k], layer) if k in kept else v
+              for k, v in sx.items()}
         outs, so = run({**st_c, **sx}, *consts, *carry, *xs_t)
         return [kvcache.coerce(o, i) for o, i in zip(outs[:nk], carry)], (list(outs[nk:]), so)
 
-    carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x), length=p["length"],
+    carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x, index), length=p["length"],
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
         ctx.put(k, v if k in stacked else ctx.handler.reduce_iterations({k: v})[k])

@@ -20,6 +20,7 @@ from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
 from .intdot import int_zp, operand_tuple, to_operand, to_out_dot
+from .layerview import LayerView
 from .qparams import QArray
 
 _I32 = jnp.int32
@@ -120,6 +121,10 @@ def run(site, eqn, ops, policy):
     layout the policy picks; everything else through the generic kernels above."""
     params, out = eqn.params, eqn.outvars[0].aval
     w = site.weight_operand
+    view = ops[w] if w is not None and isinstance(ops[w], LayerView) else None
+    if view is not None:  # a layer of stacked packed weights: the native kernels read it in place
+        ops = list(ops)
+        ops[w] = view.sliced
     wq = ops[w] if w is not None else None
     packed_2d = isinstance(wq, QArray) and wq.layout != "operand"  # dense path below
     grouped = isinstance(wq, QArray) and bool(wq.qtype.group_size)
@@ -150,16 +155,18 @@ def run(site, eqn, ops, policy):
                       f"{names[want]}: it is converted on every call. Pack it for this policy "
                       "(jqt.pack(qparams, params, policy=...), the policy given to "
                       "jqt.quantize) to skip the conversion.", stacklevel=2)
-    w2 = dense.weight_in_layout(ax, wq, want, w_shape)
+    to_layout = lambda q: dense.weight_in_layout(ax, q, want, w_shape)
+    w2 = to_layout(wq)
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
     int_act = isinstance(x_op, QArray)
     if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"):
+        stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
         if int_act:  # the exact codes as floats, the activation's scale after
-            out2 = native.dense_rows(dense.float_codes(ax, x_op), w2, policy)
+            out2 = native.dense_rows(dense.float_codes(ax, x_op), w2, policy, stack)
             out2 = out2 * ax.act_vec(x_op.scale.astype(jnp.float32))
         else:
-            out2 = native.dense_rows(ax.act_2d(x_op), w2, policy)
+            out2 = native.dense_rows(ax.act_2d(x_op), w2, policy, stack)
     elif not int_act:
         if gemv.weight_only_applies(w2, m, policy):
             out2 = gemv.weight_only(ax, x_op, w2, policy)

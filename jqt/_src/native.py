@@ -37,6 +37,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -49,9 +50,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import compat, dense, gemv
 from .formats import NF4_TABLE
+from .layerview import LayerView
 from .qparams import QArray
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
@@ -200,27 +203,55 @@ def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
     return 0 < m <= policy.native_gemv_rows and native_status().available
 
 
-def dense_rows(x2, w: QArray, policy):
+def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
     """``x2 (M, K) @ w`` in float32 (``x2`` float, or an int8 activation's codes minus
-    their zero point) through the ``jqt_gemv`` primitive."""
+    their zero point) through the ``jqt_gemv`` primitive. With ``stack`` (a view of
+    stacked layers whose layer is ``w``, its arrays the same up to a reshape) the kernel
+    reads the layer from the stack in place."""
     target = _target(w)
     q = w.qtype
     v = w.values
     shape = (v.shape[0] * 2 // q.group_size, v.shape[1]) if target == GROUPED else (v.shape[0],)
-    scale = w.scale.astype(_F32).reshape(shape)
-    zp = (jnp.zeros((0,) + shape[1:], _F32) if w.zero_point is None
-          else w.zero_point.astype(_F32).reshape(shape))
+    layer = jnp.int32(0)
+    lead = ()
+    if stack is not None:
+        w, layer = stack.flat()
+        lead = w.values.shape[:1]
+        v = w.values.reshape(lead + v.shape)
+    scale = w.scale.astype(_F32).reshape(lead + shape)
+    zp = (jnp.zeros(lead + (0,) + shape[1:], _F32) if w.zero_point is None
+          else w.zero_point.astype(_F32).reshape(lead + shape))
     table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
-    return gemv_p.bind(x2.astype(_F32), w.values, scale, zp, table, target=target, qtype=q,
+    return gemv_p.bind(x2.astype(_F32), v, scale, zp, table, layer, target=target, qtype=q,
                        policy=dataclasses.replace(policy, native_gemv_rows=0),
                        max_rows=policy.native_gemv_rows)
 
 
-def _reference(x2, codes, scale, zp, table, *, target, qtype, policy, max_rows):
+def in_place(stack: LayerView | None, wq: QArray, w2: QArray, to_layout) -> LayerView | None:
+    """``stack`` when the kernel can read ``w2 = to_layout(wq)`` (the weight in the
+    kernel's layout) from it in place: ``w2``'s codes are ``wq``'s and its scale (and
+    zero point, converted alike) ``wq``'s up to a reshape, checked at trace time on a
+    probe; else ``None``."""
+    if (stack is None or w2.values is not wq.values or wq.scale is None
+            or jnp.ndim(wq.scale) == 0):
+        return None
+    n = math.prod(jnp.shape(wq.scale))
+    with jax.ensure_compile_time_eval():  # a concrete probe: which element goes where
+        probe = jnp.arange(n, dtype=_F32).reshape(jnp.shape(wq.scale))
+        out = to_layout(dataclasses.replace(wq, scale=probe, zero_point=None)).scale
+        if not np.array_equal(np.asarray(out).ravel(), np.arange(n)):
+            return None
+    return stack
+
+
+def _reference(x2, codes, scale, zp, table, layer, *, target, qtype, policy, max_rows):
     """The op in XLA: the formulation ``policy`` (the table without the kernels) picks
     for a float activation (``table`` is the NF4 table the kernel reads, which ``qtype``
-    names)."""
+    names; stacked codes, scale and zero point are sliced at ``layer`` first)."""
     del table, max_rows
+    if codes.ndim == 3:
+        take = lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+        codes, scale, zp = take(codes), take(scale), take(zp)
     w = QArray(values=codes, scale=scale, zero_point=zp if zp.shape[0] else None, qtype=qtype,
                layout="kn" if target == GROUPED else "nk")
     if gemv.weight_only_applies(w, x2.shape[0], policy):
@@ -232,8 +263,8 @@ gemv_p = compat.Primitive("jqt_gemv")
 
 
 @gemv_p.def_abstract_eval
-def _abstract(x2, codes, scale, zp, table, *, target, **params):
-    n = codes.shape[1] if target == GROUPED else codes.shape[0]
+def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
+    n = codes.shape[-1] if target == GROUPED else codes.shape[-2]
     return jax.core.ShapedArray((x2.shape[0], n), _F32)
 
 
@@ -242,13 +273,14 @@ def _impl(*args, **params):
     return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
 
 
-def _lower_cpu(ctx, x2, codes, scale, zp, table, *, target, **params):
+def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
+    args = (x2, codes, scale, zp, table, layer)
     if compat.lowering_is_portable(ctx) or not native_status().available:
-        return _lower_reference(ctx, x2, codes, scale, zp, table, target=target, **params)
+        return _lower_reference(ctx, *args, target=target, **params)
     if target == GROUPED:
-        return jax.ffi.ffi_lowering(GROUPED)(ctx, x2, codes, scale, zp, table,
+        return jax.ffi.ffi_lowering(GROUPED)(ctx, *args,
                                              group_size=np.int64(params["qtype"].group_size))
-    return jax.ffi.ffi_lowering(CHANNEL)(ctx, x2, codes, scale, zp, table)  # table: empty
+    return jax.ffi.ffi_lowering(CHANNEL)(ctx, *args)  # table: empty
 
 
 def _lower_reference(ctx, *args, **params):
@@ -261,15 +293,15 @@ compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=Fals
 
 
 def _batch(args, dims, **params):
-    x2, codes, scale, zp, table = args
+    x2, *w = args
     bx = dims[0]
     if all(d is compat.NOT_MAPPED for d in dims[1:]):  # a batch of activations: more rows
         x = jnp.moveaxis(x2, bx, 0)
         b, m, k = x.shape
         if b * m <= params["max_rows"]:
-            out = gemv_p.bind(x.reshape(b * m, k), codes, scale, zp, table, **params)
+            out = gemv_p.bind(x.reshape(b * m, k), *w, **params)
         else:
-            out = _reference(x.reshape(b * m, k), codes, scale, zp, table, **params)
+            out = _reference(x.reshape(b * m, k), *w, **params)
         return out.reshape(b, m, -1), 0
     axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0

@@ -263,6 +263,11 @@ class KernelPolicy:
         codes once and decode them in registers, where they are available; elsewhere,
         and inside ``jax.export``, the formulations above. 0: never.
 
+      native_in_place: under ``lax.scan`` over stacked layers, those native kernels
+        read the iteration's layer from the stacked packed weight where it lies
+        (``layerview.py``) instead of the copy of it the scan's slicing makes
+        (``benchmarks/decode.py``: the decode step's stacked weights).
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -295,6 +300,7 @@ class KernelPolicy:
     decode_in_input_dtype: bool = False
     int_as_bfloat16_rows: int = 0
     native_gemv_rows: int = 0
+    native_in_place: bool = False
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -338,7 +344,8 @@ POLICIES = {
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
-                        int_as_bfloat16_rows=255, native_gemv_rows=8),
+                        int_as_bfloat16_rows=255, native_gemv_rows=8,
+                        native_in_place=True),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

@@ -8,7 +8,12 @@
 // x: float32 (M, K); codes: uint8 (K / 2, N), two signed 4-bit codes per byte along K (the
 // low nibble holds the even row of K, the high nibble the odd one: jqt's packed "kn"
 // layout); scale and zp: float32 (K / group_size, N), zp empty when symmetric; table:
-// float32 (16,) or empty.
+// float32 (16,) or empty; layer: int32 scalar.
+//
+// Stacked layers: codes (L, K / 2, N) with scale and zp (L, K / group_size, N) hold L
+// layers' weights (a lax.scan over stacked layers), and the kernel reads layer
+// clamp(layer, 0, L - 1) of them in place (as lax.dynamic_index_in_dim would pick it,
+// without the copy). Both kernels take the layer operand; 2-D codes are one layer.
 //
 // The codes are read once, in place, and decoded in registers: each byte row of the weight
 // is XORed with 0x88 (the nibbles become code + 8, in 0..15), widened, converted to float32
@@ -196,33 +201,41 @@ void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   done.wait(lock, [&] { return left.load() == 0; });
 }
 
+// The layer of L stacked ones that the (scalar) layer operand picks, clamped to 0..L-1.
+int64_t pick(ffi::Buffer<ffi::S32>& layer, int64_t L) {
+  return std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), L - 1);
+}
+
 ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out,
-                       int64_t group_size) {
+                       ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t group_size) {
   const auto xd = x.dimensions(), wd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("jqt_grouped_gemv: x, codes and scale must be 2-D");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (group_size <= 0 || group_size % 2 || K % group_size || wd[0] * 2 != K ||
-      sd[0] != K / group_size || sd[1] != N ||
+  const size_t r = wd.size();
+  if (xd.size() != 2 || (r != 2 && r != 3) || sd.size() != r || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "jqt_grouped_gemv: x must be 2-D, codes and scale 2-D (or 3-D, stacked layers), "
+        "layer a scalar");
+  const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[r - 1];
+  if (group_size <= 0 || group_size % 2 || K % group_size || wd[r - 2] * 2 != K ||
+      sd[r - 2] != K / group_size || sd[r - 1] != N || (r == 3 && sd[0] != L) || L < 1 ||
       (zp.element_count() && zp.element_count() != scale.element_count()) ||
       (table.element_count() != 0 && table.element_count() != 16) ||
       (table.element_count() && zp.element_count()))
     return ffi::Error::InvalidArgument("jqt_grouped_gemv: operand shapes do not match");
+  const int64_t G = K / group_size, l = pick(layer, L);
   const float* xp = x.typed_data();
-  const uint8_t* wp = codes.typed_data();
-  const float* sp = scale.typed_data();
-  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
+  const uint8_t* wp = codes.typed_data() + l * (K / 2) * N;
+  const float* sp = scale.typed_data() + l * G * N;
+  const float* zpp = zp.element_count() ? zp.typed_data() + l * G * N : nullptr;
   const float* tp = table.element_count() ? table.typed_data() : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // The groups (rows of K) split over XLA's intra-op threads, each part a contiguous run of
   // the codes read front to back, at least 128 KiB of codes per part; the parts' sums added.
-  const int64_t G = K / group_size;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts = std::max<int64_t>(
-      1, std::min({threads, G, static_cast<int64_t>(codes.element_count() >> 17)}));
+      1, std::min({threads, G, static_cast<int64_t>((codes.element_count() / L) >> 17)}));
   std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
   for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
   parallel(pool, parts, [&](int64_t t) {
@@ -305,25 +318,29 @@ void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t
 
 ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = codes.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("jqt_channel_gemv: x and codes must be 2-D");
-  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  const size_t r = wd.size();
+  if (xd.size() != 2 || (r != 2 && r != 3) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "jqt_channel_gemv: x must be 2-D, codes 2-D (or 3-D, stacked layers), layer a scalar");
+  const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[r - 2];
   // table: the operand list the grouped kernel has, empty here (int codes only)
-  if (wd[1] != K || scale.element_count() != N || (zp.element_count() && zp.element_count() != N) ||
-      table.element_count())
+  if (L < 1 || wd[r - 1] != K || scale.element_count() != L * N ||
+      (zp.element_count() && zp.element_count() != L * N) || table.element_count())
     return ffi::Error::InvalidArgument("jqt_channel_gemv: operand shapes do not match");
+  const int64_t l = pick(layer, L);
   const float* xp = x.typed_data();
-  const int8_t* wp = codes.typed_data();
-  const float* sp = scale.typed_data();
-  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
+  const int8_t* wp = codes.typed_data() + l * N * K;
+  const float* sp = scale.typed_data() + l * N;
+  const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // The rows of the codes split over XLA's intra-op threads, at least 128 KiB per part.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts = std::max<int64_t>(
-      1, std::min({threads, N, static_cast<int64_t>(codes.element_count() >> 17)}));
+      1, std::min({threads, N, static_cast<int64_t>((N * K) >> 17)}));
   parallel(pool, parts, [&](int64_t t) {
     channel_rows(xp, M, K, wp, N * t / parts, N * (t + 1) / parts, op, N);
   });
@@ -348,6 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size"));
 
@@ -359,6 +377,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).

@@ -260,7 +260,9 @@ def prefill(names, rounds, markdown, results):
                     ("decoded in blocks of 1024 output channels (many_rows_block=1024)",
                      dataclasses.replace(CPU, many_rows_block=1024)),
                     ("decoded whole, not tied to its input (decode_after_input=False)",
-                     dataclasses.replace(CPU, decode_after_input=False))):
+                     dataclasses.replace(CPU, decode_after_input=False)),
+                    *((("nibbles decoded in halves, the activation reordered (nibble_halves=True)",
+                        dataclasses.replace(CPU, nibble_halves=True)),) if "4" in name else ())):
                 g0 = jax.jit(jqt.quantize(f, qp, policy=policy))
                 calls[f"{name}, {label}"] = lambda g=g0, p=jqt.pack(qp, params, policy=policy): g(p, x)
     progress(f"prefill: timing {len(calls)} variants x {rounds} rounds")

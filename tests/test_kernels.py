@@ -256,3 +256,21 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
         jqt.pack(qp, p, policy=small_cache), x)
     assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)
             if e.primitive.name == "dot_general"} == {"int8"}
+
+
+@pytest.mark.parametrize("recipe,k,n,m", [
+    (jqt.recipes.w4(group_size=32, symmetric=False), 1024, 1024, 12),  # K-chunks (a 4 MiB float copy)
+    (jqt.recipes.nf4(group_size=64), 256, 48, 100),  # decoded whole, many rows
+    (jqt.recipes.w4a8(group_size=64), 256, 48, 70),  # int8 codes as floats, decoded whole
+])
+def test_nibbles_in_k_order_and_in_halves_agree(recipe, k, n, m):
+    """Two 4-bit codes per byte decoded with K in its own order (the default) or as the
+    low nibbles, then the high ones, with the activation reordered (``nibble_halves``):
+    the same weight, summed in another order."""
+    f, p, x, qp, packed = _dense(recipe, k=k, n=n, m=m)
+    plain = dataclasses.replace(CPU, native_gemv_rows=0)
+    got = jax.jit(jqt.quantize(f, qp, policy=plain))(packed, x)
+    halves = jax.jit(jqt.quantize(f, qp, policy=dataclasses.replace(plain, nibble_halves=True)))(packed, x)
+    np.testing.assert_allclose(got, halves, rtol=0, atol=1e-5 * float(jnp.abs(halves).max()))
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(got, sim, rtol=0, atol=1e-5 * float(jnp.abs(sim).max()))

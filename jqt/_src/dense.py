@@ -423,9 +423,9 @@ def nibble_rows(codes, kd):
     """Codes with two nibbles per byte along axis ``kd`` -> int8 codes with a new axis of 2
     at ``kd``: ``[0]`` the low nibbles (the even rows of K), ``[1]`` the high ones (the odd
     rows), from one shift of a broadcast (no concatenation, no interleaving copy). With
-    that axis merged into the next, K runs in the order of :func:`k_order`, and a block
-    of K is one matmul (all-MiniLM-L6-v2 at batch 8 under ``w4``: 1.17x float32, against
-    1.38x with one half-K matmul per nibble; ``benchmarks/formats.py``).
+    that axis merged into the next, K runs in the order of :func:`k_order` (the
+    ``policy.nibble_halves`` formulation; by default :func:`interleaved_nibbles` keeps
+    K's own order).
 
     >>> import numpy as np
     >>> nibble_rows(np.array([[0x21, 0xF3]], np.uint8), 1).tolist()  # K = [1, 2, 3, -1]
@@ -436,12 +436,31 @@ def nibble_rows(codes, kd):
     return jnp.left_shift(b, shift) >> 4  # arithmetic shifts sign-extend
 
 
-def k_order(x2, nib, nc=1):
-    """The activation ``(M, K)`` as ``nc`` K-chunks ``(nc, M, K / nc)``; with nibbles each
-    chunk's columns run even rows of K first, then odd ones, the order in which
+def interleaved_nibbles(codes, kd):
+    """Codes with two nibbles per byte along axis ``kd`` -> int8 codes with that axis twice
+    as long, in K's own order (row ``2r`` the low nibble of byte row ``r``, row ``2r + 1``
+    its high one), from one shift of a broadcast along a new axis after ``kd`` merged by a
+    reshape (a bitcast): the activation is read as it is, where :func:`nibble_rows`' order
+    makes every matmul copy its activation into :func:`k_order` first (all-MiniLM-L6-v2
+    at batch 8 under ``w4`` g128: 1.00x float32 against 1.08x, ``benchmarks/formats.py
+    --only minilm --ab nibble_halves=1``).
+
+    >>> import numpy as np
+    >>> interleaved_nibbles(np.array([[0x21, 0xF3]], np.uint8), 1).tolist()  # K = [1, 2, 3, -1]
+    [[1, 2, 3, -1]]
+    """
+    b = jnp.expand_dims(codes.astype(jnp.int8), kd + 1)
+    shift = jnp.asarray([4, 0], jnp.int8).reshape((2,) + (1,) * (b.ndim - kd - 2))
+    v = jnp.left_shift(b, shift) >> 4  # arithmetic shifts sign-extend
+    return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
+
+
+def k_order(x2, halves, nc=1):
+    """The activation ``(M, K)`` as ``nc`` K-chunks ``(nc, M, K / nc)``; with ``halves``
+    each chunk's columns run even rows of K first, then odd ones, the order in which
     :func:`nibble_rows` decodes a chunk of packed codes (so that a chunk is one matmul)."""
     m, k = x2.shape
-    if not nib:
+    if not halves:
         return x2.reshape(m, nc, k // nc).transpose(1, 0, 2)
     return x2.reshape(m, nc, k // nc // 2, 2).transpose(1, 0, 3, 2).reshape(nc, m, k // nc)
 
@@ -472,12 +491,15 @@ def decode_dtype(x_dtype, w, policy, m=None):
     return _F32
 
 
-def _decode_k(codes, w, scale, zp, kd, rows, nib, dtype=_F32):
+def _decode_k(codes, w, scale, zp, kd, rows, nib, dtype=_F32, halves=False):
     """:func:`decode_rows` of a block of codes (K along ``kd``), with nibbles unpacked by
-    :func:`nibble_rows`: K in the order of :func:`k_order`. ``rows``: rows of the codes
+    :func:`interleaved_nibbles` (K in its own order), or with ``halves`` by
+    :func:`nibble_rows` (K in the order of :func:`k_order`). ``rows``: rows of the codes
     per group."""
     if not nib:
         return decode_rows(codes, w, scale, zp, kd, rows, dtype)
+    if not halves:
+        return decode_rows(interleaved_nibbles(codes, kd), w, scale, zp, kd, 2 * rows, dtype)
     e = lambda a: None if a is None else jnp.expand_dims(a, kd)  # the same group scale for both
     v = decode_rows(nibble_rows(codes, kd), w, e(scale), e(zp), kd + 1, rows, dtype)
     return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
@@ -530,7 +552,8 @@ def weight_only_2d(x2, w, policy, precision):
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)
-    dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt)
+    halves = nib and policy.nibble_halves
+    dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt, halves)
     if chunk:  # K-chunks, each decoded in cache, one matmul each, summed
         nc = k // chunk
         per = lambda a: None if a is None else a.reshape(nc, chunk // gs, n)
@@ -539,10 +562,10 @@ def weight_only_2d(x2, w, policy, precision):
             xc, vc, sc, zc = xw
             return acc + dot(xc, dec(vc, sc, zc)), None
 
-        ins = (k_order(x2, nib, nc), v.reshape(nc, chunk // step, n), per(scale), per(zp))
+        ins = (k_order(x2, halves, nc), v.reshape(nc, chunk // step, n), per(scale), per(zp))
         out, _ = lax.scan(body, jnp.zeros((m, n), _F32), ins)
     else:
-        xk = k_order(x2, nib)[0]
+        xk = k_order(x2, halves)[0]
         if n_chunk:  # blocks of output channels, each decoded in cache, written in place
             def body(i, out):  # the weight's output-channel axis is the other one, 1 - kd
                 cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1 - kd)

@@ -363,3 +363,26 @@ def test_scan_counts_read_both_jax_forms_and_name_the_supported_jax_otherwise():
     jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((1, 4)))
     scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
     assert compat.scan_counts(scan) == (1, 1)  # the weight is a constant, h the one carry
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=32), jqt.recipes.w8()],
+                         ids=["w4_g32", "w8"])
+def test_stacked_embedding_tables_and_weights_in_a_layer_scan(recipe):
+    """A scan over layers that each look up their own table and multiply their own
+    weight: the integer path hands the matmul a view of the stacked packed weight (read
+    in place where the native kernels run) and the lookup its layer's slice."""
+    keys = jax.random.split(jax.random.key(21), 2)
+    p = {"tab": jax.random.normal(keys[0], (3, 50, 64)), "w": jax.random.normal(keys[1], (3, 64, 64)) / 8}
+
+    def f(p, ids):
+        def layer(h, xs):
+            t, w = xs
+            return h + jnp.tanh(t[ids] @ w), None
+        return lax.scan(layer, jnp.zeros((ids.shape[0], 64)), (p["tab"], p["w"]))[0]
+
+    ids = jnp.array([1, 5, 7])
+    qp = jqt.calibrate(f, recipe, p, [(ids,)], progress=False)
+    assert "tab" in qp  # the lookup is quantized too
+    out = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), ids)
+    sim = jqt.quantize(f, qp, simulate=True)(p, ids)
+    np.testing.assert_allclose(out, sim, rtol=0, atol=1e-5 * float(jnp.abs(sim).max()))

@@ -444,12 +444,13 @@ class Integer:
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)
-        view = ctx.state_in[site.key][1]
+        view = ctx.state_in[site.key][1]  # a LayerView where the entry's kernel reads one
+        view = view if isinstance(view, LayerView) and site.entry.reads_layer_views else None
         ops, wide = list(invals), None
         for i in (0, 1):
             q = qp.operand(i)
             if packed is not None and q is not None and i == site.weight_operand:
-                ops[i] = view if isinstance(view, LayerView) else packed
+                ops[i] = view or packed
                 continue
             x = ops[i] = transformed(site, qp, i, invals[i])
             if q is None:

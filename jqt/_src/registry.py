@@ -50,6 +50,7 @@ class Contraction:
 
     needs_weight = False
     is_cache = False
+    reads_layer_views = True  # kernels.run takes a LayerView weight (layerview.py)
 
     def __init__(self, prim):
         self.prim, self.name = prim, prim.name
@@ -149,6 +150,7 @@ class Gather:
 
     needs_weight = True
     is_cache = False
+    reads_layer_views = False
     name = "gather"
 
     def __init__(self, prim):
@@ -203,6 +205,7 @@ class CacheWrite:
 
     needs_weight = True
     is_cache = True
+    reads_layer_views = False
 
     def __init__(self, prim, update_index):
         self.prim, self.name, self.update_index = prim, prim.name, update_index

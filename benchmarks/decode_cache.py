@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 
@@ -84,10 +85,14 @@ def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=Non
             fns[name] = {n: jax.jit(f) for n, f in loops.items()}
             nbytes[name] = G.carried_cache_bytes(loops[n1], w, c, token)
         else:
+            pol = policy
+            if isinstance(make, tuple):  # (recipe factory, {KernelPolicy field: value})
+                make, fields = make
+                pol = dataclasses.replace(policy or jqt.KernelPolicy.for_backend(), **fields)
             qp = jqt.calibrate(loops[n1], make(), params, [(cache, token)], progress=False)
-            w, c = jqt.pack(qp, params, policy=policy), cache
-            fns[name] = {n: jax.jit(jqt.quantize(f, qp, policy=policy)) for n, f in loops.items()}
-            nbytes[name] = G.carried_cache_bytes(jqt.quantize(loops[n1], qp, policy=policy), w, c, token)
+            w, c = jqt.pack(qp, params, policy=pol), cache
+            fns[name] = {n: jax.jit(jqt.quantize(f, qp, policy=pol)) for n, f in loops.items()}
+            nbytes[name] = G.carried_cache_bytes(jqt.quantize(loops[n1], qp, policy=pol), w, c, token)
         wbytes[name] = _nbytes(w)
         for n in (n1, n2):
             calls[(name, n)] = functools.partial(fns[name][n], w, c, token)

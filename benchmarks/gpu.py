@@ -92,6 +92,14 @@ DENSE = {
     "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
     "w4a8 g128 [grouped_int_rows=4096]": (lambda: R.w4a8(group_size=128), dict(grouped_int_rows=4096)),
     "nf4 g64": (lambda: R.nf4(group_size=64), None),
+    "w8 [reduce_rows=0]": (R.w8, dict(reduce_rows=0)),
+    "w4 g128 [reduce_rows=0]": (lambda: R.w4(group_size=128), dict(reduce_rows=0)),
+    # the lease of 2026-11-26 (gpu-h100.md, second part), before the table took reduce_rows=1
+    "w8 [reduce_rows=16]": (R.w8, dict(reduce_rows=16)),
+    "w4 g128 [reduce_rows=16]": (lambda: R.w4(group_size=128), dict(reduce_rows=16)),
+    "nf4 g64 [reduce_rows=16]": (lambda: R.nf4(group_size=64), dict(reduce_rows=16)),
+    "w4a8 g128 [reduce_rows=16]": (lambda: R.w4a8(group_size=128), dict(reduce_rows=16)),
+    "w8a8_dynamic [reduce_rows=16]": (R.w8a8_dynamic, dict(reduce_rows=16)),
 }
 MINILM = {
     "w8a8": (R.w8a8, None),
@@ -103,6 +111,11 @@ MINILM = {
     "w4 g128": (lambda: R.w4(group_size=128), None),
     "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
     "nf4 g64": (lambda: R.nf4(group_size=64), None),
+    "w4 g128 [decode_in_input_dtype=True]": (lambda: R.w4(group_size=128), dict(decode_in_input_dtype=True)),
+    "nf4 g64 [decode_in_input_dtype=True]": (lambda: R.nf4(group_size=64), dict(decode_in_input_dtype=True)),
+    "w4 g128 [reduce_rows=4]": (lambda: R.w4(group_size=128), dict(reduce_rows=4)),
+    "w4 g128 [reduce_rows=4 decode_in_input_dtype=True]": (
+        lambda: R.w4(group_size=128), dict(reduce_rows=4, decode_in_input_dtype=True)),
 }
 DECODE = {
     "w8": (R.w8, None),
@@ -114,7 +127,7 @@ DECODE = {
     "w4a8 g128": (lambda: R.w4a8(group_size=128), None),
     "nf4 g64": (lambda: R.nf4(group_size=64), None),
 }
-GENERATE = {  # name -> recipe factory, under the backend's kernel policy
+GENERATE = {  # name -> recipe factory under the backend's kernel policy, or (factory, fields)
     "w8": R.w8,
     "w8a8_dynamic": R.w8a8_dynamic,
     "w8a8_dynamic + int8 KV": lambda: R.w8a8_dynamic(kv_cache=True),
@@ -123,6 +136,15 @@ GENERATE = {  # name -> recipe factory, under the backend's kernel policy
     "w4 g128": lambda: R.w4(group_size=128),
     "w4 g128 + int8 KV": lambda: R.w4(group_size=128, kv_cache=True),
     "nf4 g64": lambda: R.nf4(group_size=64),
+    "w8 [reduce_rows=0]": (R.w8, dict(reduce_rows=0)),
+    "w4 g128 [reduce_rows=0]": (lambda: R.w4(group_size=128), dict(reduce_rows=0)),
+    # the lease of 2026-11-26 (gpu-h100.md, second part), before the table took reduce_rows=1
+    "w8 [reduce_rows=4]": (R.w8, dict(reduce_rows=4)),
+    "w8a8_dynamic [reduce_rows=4]": (R.w8a8_dynamic, dict(reduce_rows=4)),
+    "w4 g128 [reduce_rows=4]": (lambda: R.w4(group_size=128), dict(reduce_rows=4)),
+    "w4a8 g128 [reduce_rows=4]": (lambda: R.w4a8(group_size=128), dict(reduce_rows=4)),
+    "nf4 g64 [reduce_rows=4]": (lambda: R.nf4(group_size=64), dict(reduce_rows=4)),
+    "w4 g128 + int8 KV [reduce_rows=4]": (lambda: R.w4(group_size=128, kv_cache=True), dict(reduce_rows=4)),
 }
 
 
@@ -429,6 +451,7 @@ def isolated(a):
         progress(f"--isolate: {name}")
         r = subprocess.run([sys.executable, __file__, *base, "--only", part, *extra],
                            capture_output=True, text=True)
+        sys.stderr.write(r.stderr)  # progress and any part's traceback
         lines = r.stdout.splitlines()
         print("\n".join(l for l in lines if not l.startswith("RESULTS ")), flush=True)
         got = [json.loads(l[len("RESULTS "):]) for l in lines if l.startswith("RESULTS ")]
@@ -458,6 +481,7 @@ def main():
                     "(jqt.KernelPolicy.for_backend), e.g. gpu")
     ap.add_argument("--variants", help="comma-separated variant names (default: all)")
     ap.add_argument("--rows", help="dense rows, comma-separated")
+    ap.add_argument("--batches", help="minilm batches, comma-separated")
     ap.add_argument("--large", action="store_true", help="generate: the 0.7B decoder (LARGE)")
     ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
                     "error table: its float simulations of grouped formats crashed XLA:GPU's "
@@ -473,6 +497,8 @@ def main():
         sizes = dataclasses.replace(sizes, rounds=a.rounds)
     if a.rows:
         sizes = dataclasses.replace(sizes, dense_rows=tuple(int(r) for r in a.rows.split(",")))
+    if a.batches:
+        sizes = dataclasses.replace(sizes, minilm_batches=tuple(int(b) for b in a.batches.split(",")))
     if a.large:
         sizes = dataclasses.replace(sizes, large=True)
     if a.policy:

@@ -17,7 +17,8 @@ from shared import all_eqns
 R = jqt.recipes
 K, N = 512, 48
 # every formulation of a dense op: few rows (digits, batched groups), K-chunked casts and
-# one int8 matmul per group, the generic kernels, the whole-weight float matmuls
+# one int8 matmul per group, the generic kernels, the whole-weight float matmuls, the
+# GPU table's one-row sums
 POLICIES = {
     "gemv": jqt.KernelPolicy(pad_rows=2, gemv_rows=8, weight_only_digits=3, grouped_digits=3,
                              batched_groups=True, weight_only_chunk=128),
@@ -26,6 +27,7 @@ POLICIES = {
     "generic": jqt.KernelPolicy(),
     "float_matmul": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=1),
     "cpu": jqt.KernelPolicy.for_backend("cpu"),
+    "gpu": jqt.KernelPolicy.for_backend("gpu"),  # one row: a product summed over K (reduce_rows)
 }
 RECIPES = {
     "w8": R.w8(),
@@ -163,20 +165,21 @@ def test_cpu_table_layouts():
         assert jqt.pack(qp, p, policy=cpu).weights["w"].layout == layout
 
 
-def test_gpu_table_runs_weight_only_int8_as_digits_up_to_4_rows():
-    """The GPU table (measured on an H200, benchmarks/results/gpu-h200.md): w8 at up to 4
-    rows as 3 int8 digits through one int8 matmul, the whole-weight cast above; the same
-    result as the simulation either way; the other layouts as before."""
+def test_gpu_table_runs_weight_only_int8_as_digits_at_2_to_4_rows():
+    """The GPU table (benchmarks/results/gpu-h200.md, gpu-h100.md): w8 at one row as one
+    product and sum over K (``reduce_rows``, no matmul), at 2-4 rows as 3 int8 digits
+    through one int8 matmul, the whole-weight cast above; the same result as the
+    simulation either way; grouped weight-only weights packed ``(N, K)`` for that sum."""
     gpu = jqt.KernelPolicy.for_backend("gpu")
-    for recipe, layout in ((R.w8a8_dynamic(), "nk"), (R.w4(group_size=128), "kn"), (R.fp8(), "nk")):
+    for recipe, layout in ((R.w8a8_dynamic(), "nk"), (R.w4(group_size=128), "nk"), (R.fp8(), "nk")):
         f, p, qp, _ = _setup(recipe)
         assert jqt.pack(qp, p, policy=gpu).weights["w"].layout == layout
     f, p, qp, _ = _setup(R.w8())
     packed = jqt.pack(qp, p, policy=gpu)
     assert packed.weights["w"].layout == "nk"
-    for m, dtype in ((1, np.int8), (4, np.int8), (5, np.float32)):
+    for m, dtypes in ((1, []), (2, [np.int8]), (4, [np.int8]), (5, [np.float32])):
         x = jax.random.normal(jax.random.key(m), (m, K))
-        assert [d.invars[0].aval.dtype for d in _dots(f, qp, packed, x, gpu)] == [dtype], m
+        assert [d.invars[0].aval.dtype for d in _dots(f, qp, packed, x, gpu)] == dtypes, m
         ref = jqt.quantize(f, qp, simulate=True)(p, x)
         np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=gpu))(packed, x), ref,
                                    atol=2e-6 * float(jnp.abs(ref).max()), err_msg=str(m))

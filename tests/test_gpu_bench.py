@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_benchmark_runs_under_the_gpu_table():
     """Every part in a process of its own (--isolate), the results merged."""
     variants = "w8,w8 [weight_only_digits=0],fp8,w4 g128,w4a8 g128"
-    loop = "w8a8_dynamic + int8 KV,fp8 + fp8 KV"
+    loop = "w8a8_dynamic + int8 KV,fp8 + fp8 KV,w4 g128 [reduce_rows=0]"
     r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--policy", "gpu", "--isolate",
                         "--only", "dense,decode,generate", "--variants", f"{variants},{loop}"], cwd=ROOT,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
@@ -38,6 +38,7 @@ def test_gpu_benchmark_runs_under_the_gpu_table():
         g = res[f"generate {v}"]
         assert g["tokens_s"] > 0 and dtype in g["cache_dtypes"]
         assert g["cache_ratio"] == 1.0 if dtype == "bfloat16" else g["cache_ratio"] < 0.55
+    assert res["generate w4 g128 [reduce_rows=0]"]["bytes_ratio"] < 0.3  # a policy A/B row
 
 
 @pytest.mark.slow

@@ -155,7 +155,7 @@ def test_policy_table():
         decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
         native_in_place=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
-                                                                    weight_only_digits=3)
+                                                                    weight_only_digits=3, reduce_rows=1)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
@@ -274,3 +274,45 @@ def test_nibbles_in_k_order_and_in_halves_agree(recipe, k, n, m):
     np.testing.assert_allclose(got, halves, rtol=0, atol=1e-5 * float(jnp.abs(halves).max()))
     sim = jqt.quantize(f, qp, simulate=True)(p, x)
     np.testing.assert_allclose(got, sim, rtol=0, atol=1e-5 * float(jnp.abs(sim).max()))
+
+
+REDUCE = dataclasses.replace(jqt.KernelPolicy.for_backend("gpu"), reduce_rows=4)
+
+
+def test_few_rows_reduce_over_k_without_a_matmul():
+    """``reduce_rows``: at few rows the decoded weight times the activation is summed over K
+    (one reduction, which XLA:GPU fuses with the decode); the same result as the simulated
+    path, no dot_general left, and under vmap and a scan over stacked layers too. An int8
+    x int8 op (w8a8_dynamic) keeps its int8 matmul."""
+    k, n = 256, 24  # w4a8: int8 codes on packed nibbles; every preset at one row: test_gemv.py
+    recipe = jqt.recipes.w4a8(group_size=64, symmetric=False)
+    f, p, x, qp, _ = _dense(recipe, k=k, n=n, m=3)
+    packed = jqt.pack(qp, p, policy=REDUCE)
+    q = jqt.quantize(f, qp, policy=REDUCE)
+    for rows in (x[:1], x):
+        got, sim = jax.jit(q)(packed, rows), jqt.quantize(f, qp, simulate=True)(p, rows)
+        np.testing.assert_allclose(got, sim, rtol=0, atol=2e-5 * float(jnp.abs(sim).max()))
+        prims = {e.primitive.name for e in _eqns(jax.make_jaxpr(q)(packed, rows).jaxpr)}
+        assert "dot_general" not in prims and "reduce_sum" in prims
+    many = jax.make_jaxpr(q)(packed, jnp.tile(x, (2, 1)))  # 6 rows: a matmul again
+    assert "dot_general" in {e.primitive.name for e in _eqns(many.jaxpr)}
+    np.testing.assert_allclose(jax.vmap(q, (None, 0))(packed, x[:, None]),
+                               jax.vmap(jqt.quantize(f, qp, simulate=True), (None, 0))(p, x[:, None]),
+                               rtol=0, atol=2e-5 * float(jnp.abs(sim).max()))
+
+    def g(ps, h):  # two stacked layers in a lax.scan
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ps["w"])[0]
+
+    ps = {"w": jax.random.normal(jax.random.key(2), (2, k, k)) / 16}
+    qp2 = jqt.calibrate(g, recipe, ps, [(x,)], progress=False)
+    got = jax.jit(jqt.quantize(g, qp2, policy=REDUCE))(jqt.pack(qp2, ps, policy=REDUCE), x[:1])
+    sim = jqt.quantize(g, qp2, simulate=True)(ps, x[:1])
+    np.testing.assert_allclose(got, sim, rtol=0, atol=5e-5)
+
+
+def test_few_rows_int8_times_int8_keeps_its_matmul_under_reduce_rows():
+    f, p, x, qp, _ = _dense(jqt.recipes.w8a8_dynamic(), k=256, n=24, m=1)
+    q = jqt.quantize(f, qp, policy=REDUCE)
+    dots = [e for e in _eqns(jax.make_jaxpr(q)(jqt.pack(qp, p, policy=REDUCE), x).jaxpr)
+            if e.primitive.name == "dot_general"]
+    assert [d.invars[0].aval.dtype for d in dots] == [jnp.int8]

@@ -296,8 +296,8 @@ def int_dense_grouped(ax, x, w, policy):
 def int_grouped_as_float(ax, x, w, policy):
     """int8 activation x grouped int weight as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
-    weight-only path (K-chunks, or whole: :func:`decodes_whole`), then the activation's
-    scale. Equal to :func:`int_dense_grouped` up to float rounding; beyond a few rows
+    weight-only path (K-chunks, whole: :func:`decodes_whole`, or one sum over K at few
+    rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped` up to float rounding; beyond a few rows
     one matmul per chunk beats a small one per group (:func:`grouped_as_float`)."""
     return weight_only_2d(float_codes(ax, x), w, policy, None) * ax.act_vec(x.scale.astype(_F32))
 
@@ -529,6 +529,18 @@ def after(codes, x):
     return codes + zero.astype(codes.dtype)
 
 
+def reduces(m, policy) -> bool:
+    """Whether an op of ``m`` rows whose weight is decoded to float runs as one elementwise
+    product and sum over K (``policy.reduce_rows``) instead of a matmul.
+
+    >>> import dataclasses, jqt
+    >>> p = dataclasses.replace(jqt.KernelPolicy(), reduce_rows=4)
+    >>> reduces(1, p), reduces(5, p), reduces(-1, p), reduces(1, jqt.KernelPolicy())
+    (True, False, False, False)
+    """
+    return isinstance(m, int) and 0 < m <= policy.reduce_rows
+
+
 def weight_only_2d(x2, w, policy, precision):
     """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
@@ -554,7 +566,13 @@ def weight_only_2d(x2, w, policy, precision):
     dt = decode_dtype(x2.dtype, w, policy, m)
     halves = nib and policy.nibble_halves
     dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt, halves)
-    if chunk:  # K-chunks, each decoded in cache, one matmul each, summed
+    if reduces(m, policy):  # one product and sum over K, which XLA:GPU fuses with the decode
+        x, terms = x2.astype(_F32), 0
+        for ks, c in parts(v, nib):  # two nibbles: K's even rows and odd rows, each elementwise
+            wf, xs = decode_rows(c, w, scale, zp, kd, rows, _F32), x[:, ks]
+            terms = terms + (xs[:, :, None] * wf[None] if kd == 0 else xs[:, None, :] * wf[None])
+        out = jnp.sum(terms, axis=1 + kd)
+    elif chunk:  # K-chunks, each decoded in cache, one matmul each, summed
         nc = k // chunk
         per = lambda a: None if a is None else a.reshape(nc, chunk // gs, n)
 

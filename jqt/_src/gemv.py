@@ -47,6 +47,8 @@ def weight_only_applies(w, m: int, policy) -> bool:
     without groups a K within int32's exact range."""
     q = w.qtype
     n = policy.grouped_digits if q.group_size else policy.weight_only_digits
+    if dense.reduces(m, policy):
+        return False
     if not (n and applies(m, policy) and q.kind == "int" and q.bits <= 8
             and w.layout in (("kn",) if q.group_size else ("nk", "kn"))):
         return False
@@ -57,7 +59,8 @@ def weight_only_applies(w, m: int, policy) -> bool:
 def grouped_applies(w, m: int, policy) -> bool:
     """Whether an int8-activation op with grouped int weights (``"kn"``, as
     ``policy.batched_groups`` packs them) runs one batched dot at ``m`` rows."""
-    return policy.batched_groups and applies(m, policy) and w.layout == "kn"
+    return (policy.batched_groups and applies(m, policy) and w.layout == "kn"
+            and not dense.reduces(m, policy))
 
 
 def _k(w):

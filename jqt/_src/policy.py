@@ -16,8 +16,14 @@ packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
 packed dense weight, w8     ``(N, K)``: the int8        ``(N, K)``, the same
 (weight-only per channel)   matmul of the digits reads
                             it at few rows
-packed dense weight, w4,    ``(K, N)``                  ``(K, N)``
-nf4 (grouped weight-only)
+packed dense weight, w4,    ``(K, N)``                  ``(N, K)``: the one-row sum
+nf4 (grouped weight-only)                               over K reads each output's
+                                                        codes contiguously (H100,
+                                                        100M generate loop, w4 g128
+                                                        0.58x bfloat16 against 0.67x
+                                                        ``(K, N)``; all-MiniLM-L6-v2
+                                                        shape b1/b8: 1.20x/1.25x
+                                                        against 1.12x/1.18x)
 packed dense weight, w4a8   ``(K, N)``, the layout it   ``(N, K)``
 g128 (groups, int8 acts)    is decoded in above 8 rows
                             and read in group by group
@@ -39,7 +45,7 @@ rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
                             w8a8_dynamic 0.609x
                             float32 against 0.726x
                             with int8 matmuls)
-1-8 rows: w8 (weight-only)  jqt's native kernel         1-4 rows: the float
+1-8 rows: w8 (weight-only)  jqt's native kernel         2-4 rows: the float
                             (``jqt_channel_gemv``: 4096 activation as 3 int8
                             layer 0.30x float32 at one  digits, one int8 matmul
                             row against 0.73x for the   (H200: 1.23-1.29x
@@ -62,6 +68,21 @@ rows                        (exact), the weight decoded
                             2.04x float32 at 32 rows of
                             a 4096 layer against 0.75x,
                             2.9x at prefill)
+1 row: a weight decoded to  the formulations below      one elementwise product of
+float (w8, w4, nf4, w4a8;                               the activation and the
+not w8a8): reduce_rows                                  decoded weight summed over
+                                                        K, which XLA:GPU fuses with
+                                                        the decode (H100 generate
+                                                        loop at batch 1, bfloat16 =
+                                                        1: 0.72B decoder w4 g128
+                                                        0.46x against 1.21x, w8
+                                                        0.49x, nf4 0.73x; 100M: w8
+                                                        0.58-0.59x against 0.79x,
+                                                        w4 0.58x against 0.98x; a
+                                                        4096 layer at one row: w8
+                                                        1.02x against the digits'
+                                                        1.19x; at 16 rows: 5.9-8.0x,
+                                                        so one row only)
 1-8 rows: w4 g128, w4a8     jqt's native kernel         as at any row count
 g128, nf4 (4-bit codes      (``native.py``, an XLA FFI  (H200: digits 2.81x
 with group scales):         custom call built on first  bfloat16 at one row of a
@@ -275,6 +296,16 @@ class KernelPolicy:
         (``layerview.py``) instead of the copy of it the scan's slicing makes
         (``benchmarks/decode.py``: the decode step's stacked weights).
 
+      reduce_rows: an op with at most this many rows whose weight is decoded to float
+        (weight-only int and NF4 weights, per channel or per group; int8 activations on
+        grouped int weights, w4a8, their codes upcast exactly) runs as one elementwise
+        product of the activation and the decoded weight summed over K, not as a
+        matmul: XLA:GPU fuses the decode into that reduction, so the codes are read
+        once and no float copy of the weight is written (it runs before the few-row
+        formulations above). Weight-only weights are then packed ``(N, K)``, so that
+        the sum reads each output's codes contiguously. int8 x int8 ops (w8a8) keep
+        their int8 matmul. 0: never.
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -309,6 +340,7 @@ class KernelPolicy:
     native_gemv_rows: int = 0
     native_in_place: bool = False
     nibble_halves: bool = False
+    reduce_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -331,7 +363,7 @@ class KernelPolicy:
         grouped = bool(weight.group_size)
         if activation is None:
             digits = weight.kind == "int" and not grouped and self.weight_only_digits
-            return "nk" if digits else "kn"
+            return "nk" if digits or self.reduce_rows else "kn"
         if weight.kind == "float" and not self.fp8_native:
             return "kn"
         if grouped and weight.kind == "int" and (self.grouped_int_rows
@@ -346,7 +378,8 @@ class KernelPolicy:
         return POLICIES.get(backend, POLICIES["default"])
 
 
-_GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3)  # benchmarks/results/gpu-h200.md
+_GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md
+                   reduce_rows=1)  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,

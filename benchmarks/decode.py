@@ -94,8 +94,9 @@ FORMULATIONS = {
                                                                   native_gemv_rows=0),
            "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3, native_gemv_rows=0),
            "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4, native_gemv_rows=0)},
-    "w8a8_dynamic": {"int8 matmul, rows padded to 2": _p(pad_rows=2),
-                     "int8 matmul, rows not padded": _p(pad_rows=1)},
+    "w8a8_dynamic": {"native kernel on the int8 codes, jqt_channel_gemv (nk)": _p(native_int8_rows=8),
+                     "int8 matmul, rows padded to 2": _p(pad_rows=2, native_int8_rows=0),
+                     "int8 matmul, rows not padded": _p(pad_rows=1, native_int8_rows=0)},
     "w4 g128": {"native kernel, jqt_grouped_gemv (kn)": _p(),
                 "cast K-chunks of 256 (kn)": _p(grouped_digits=0, whole_decode_bytes=0, native_gemv_rows=0),
                 "cast K-chunks of 256, weights up to 3 MiB whole (kn)": _p(grouped_digits=0, native_gemv_rows=0),
@@ -112,8 +113,9 @@ FORMULATIONS = {
 # decode: A/B rows timed beside the table's (the same preset under another policy)
 _NO_NATIVE = ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))
 _COPIED = ("each layer's codes copied out of the stack (native_in_place=False)", _p(native_in_place=False))
+_INT8_XLA = ("XLA's int8 matmul (native_int8_rows=0)", _p(native_int8_rows=0))
 DECODE_AB = {"w8": (_COPIED, _NO_NATIVE), "w4 g128": (_COPIED, _NO_NATIVE),
-             "w4a8 g128": (_COPIED, _NO_NATIVE)}
+             "w4a8 g128": (_COPIED, _NO_NATIVE), "w8a8_dynamic": (_INT8_XLA,)}
 FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
 PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",

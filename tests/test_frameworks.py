@@ -94,11 +94,15 @@ def _np_init(seed):
 
 
 def _int8_matmuls(jaxpr):
-    """int8 x int8 -> int32 dot_general / conv_general_dilated equations."""
+    """int8 x int8 -> int32 dot_general / conv_general_dilated equations, and jqt's native
+    kernel on int8 weight codes with int8 activation codes (the CPU table at 1-4 rows:
+    ``KernelPolicy.native_int8_rows``, the codes as floats, exact products)."""
     return [e for e in _all_eqns(jaxpr) if e.primitive.name in _MATMULS
             and all(v.aval.dtype == jnp.int8 for v in e.invars)
             and e.params.get("preferred_element_type") == jnp.int32
-            and e.outvars[0].aval.dtype == jnp.int32]
+            and e.outvars[0].aval.dtype == jnp.int32
+            or e.primitive.name == "jqt_gemv" and e.invars[1].aval.dtype == jnp.int8
+            and e.params["qtype"].bits == 8]
 
 
 def _float_matmuls(jaxpr):

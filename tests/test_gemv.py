@@ -73,8 +73,9 @@ def test_digits_hold_24_bits_of_the_row_maximum():
 
 
 @pytest.mark.parametrize("m", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3 rows: CI
-@pytest.mark.parametrize("name", [  # the symmetric grouped cases: CI (their asym twins run by default)
-    pytest.param(n, marks=pytest.mark.slow) if n in ("w4_g128", "w4a8_g128") else n for n in RECIPES])
+@pytest.mark.parametrize("name", [  # the symmetric grouped cases, asymmetric int8 and per-channel int4: CI
+    pytest.param(n, marks=pytest.mark.slow) if n in ("w4_g128", "w4a8_g128", "w8_asym", "w4_per_channel")
+    else n for n in RECIPES])
 def test_every_formulation_gives_the_same_result(name, m):
     f, p, qp, x = _setup(RECIPES[name], m)
     ref = jqt.quantize(f, qp, simulate=True)(p, x)

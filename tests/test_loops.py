@@ -273,7 +273,8 @@ def _same(q, expected):
         np.testing.assert_allclose(np.asarray(q.zero_point), np.asarray(expected[1]), atol=1e-4)
 
 
-@pytest.mark.parametrize("calibrator", ["MinMax", "MovingAverage", "Percentile"])
+@pytest.mark.parametrize("calibrator", ["MinMax", "MovingAverage",
+                                        pytest.param("Percentile", marks=pytest.mark.slow)])
 def test_decode_statistics_per_layer_over_steps(calibrator):
     """Each layer of the inner scan: the calibrator's range over every step of that layer's
     inputs, batches merged as the calibrator merges them; the head, closed over by the

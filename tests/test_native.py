@@ -110,11 +110,35 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 
 @needs_kernel
 def test_what_the_kernels_do_not_run():
-    # per-channel 4-bit codes; grouped int8 codes; int8 x int8 (XLA's int8 matmul keeps
-    # its int32 sums exact, float32 sums would not be)
-    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128), R.w8a8_dynamic()):
+    # per-channel 4-bit codes; grouped int8 codes; int8 x int8 above native_int8_rows
+    # (XLA's int8 matmul keeps its int32 sums exact, float32 sums would not be)
+    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128)):
         f, p, qp, x = _setup(recipe)
         assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
+    f, p, qp, x = _setup(R.w8a8_dynamic(), m=CPU.native_int8_rows + 1)
+    assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe", [R.w8a8_dynamic(), R.w8a8()], ids=["dynamic", "static_asym"])
+def test_int8_activations_through_the_channel_kernel(recipe):
+    """``native_int8_rows``: w8a8 at one row runs jqt_channel_gemv on the codes
+    (exact products, float32 sums): XLA's int8 matmul's result up to float rounding, and
+    each stacked layer read in place."""
+    pol, xla = CPU, dataclasses.replace(CPU, native_int8_rows=0)  # 1 in the CPU table
+    f, p, qp, x = _setup(recipe, 256, 40, 1)
+    packed = jqt.pack(qp, p, policy=pol)
+    q = jqt.quantize(f, qp, policy=pol)
+    assert _custom_calls(q, packed, x) == 1
+    _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=xla))(packed, x), rel=1e-5)
+    keys = jax.random.split(jax.random.key(3), 2)
+    ps = {"w": jax.random.normal(keys[0], (3, 64, 64)) / 8}
+    g = lambda ps, h: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ps["w"])[0]
+    h = jax.random.normal(keys[1], (1, 64))
+    qp2 = jqt.calibrate(g, recipe, ps, [(h,)], progress=False)
+    out, copies = _compiled(jqt.quantize(g, qp2, policy=pol), jqt.pack(qp2, ps, policy=pol), h)
+    assert copies == 0
+    _close(out, jax.jit(jqt.quantize(g, qp2, policy=xla))(jqt.pack(qp2, ps), h), rel=1e-5)
 
 
 @needs_kernel

@@ -14,7 +14,8 @@ arithmetic of the float32 matmul of the decoded weight, in another order.
 * ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales, two per byte, packed
   ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);
 * ``jqt_channel_gemv``: int8 codes with one scale per output channel, packed ``(N, K)``
-  (``w8``; float activations only).
+  (``w8``; and ``w8a8`` / ``w8a8_dynamic``, their int8 codes as floats, where
+  ``KernelPolicy.native_int8_rows`` says so: exact products, float32 sums).
 
 They are XLA FFI custom calls, built on first use with the C++ compiler found at run
 time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
@@ -194,11 +195,10 @@ def _target(w: QArray):
 def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
     """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
     ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
-    w4, w4a8, nf4; ``CHANNEL``: w8, float activations only, whose int8 x int8 sums
-    XLA's int8 matmul keeps exact), and the kernels available here
-    (:func:`native_status`)."""
+    w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows: otherwise XLA's int8 matmul keeps their int8 x int8 sums exact), and the
+    kernels available here (:func:`native_status`)."""
     target = _target(w)
-    if target is None or (int_activation and target != GROUPED):
+    if target is None or (int_activation and target == CHANNEL and m > policy.native_int8_rows):
         return False
     return 0 < m <= policy.native_gemv_rows and native_status().available
 
@@ -270,7 +270,8 @@ def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
 
 @gemv_p.def_impl
 def _impl(*args, **params):
-    return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
+    with jax.disable_jit(False):  # compiled even under jax.disable_jit (else bind recurses)
+        return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
 
 
 def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):

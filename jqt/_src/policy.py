@@ -55,6 +55,14 @@ rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
                             matmul (0.86-1.02x the      the cast; the 100M decode
                             K-chunked cast at 1 row in  step 0.84-0.89x against
                             9 runs, 0.98-1.03x at 4)    1.04-1.06x)
+1 row: w8a8, w8a8_dynamic   jqt's native kernel         an int8 matmul
+(int8 x int8 per channel):  (``jqt_channel_gemv``) on
+native_int8_rows            the activation's codes as
+                            floats, the layers read in
+                            place (decoder step 0.277 /
+                            0.247x float32 against
+                            0.421 / 0.345x with XLA's
+                            int8 matmul)
 1-8 rows: w4a8 g128         one int8 matmul per group   as at any row count
                             (one batched over the
                             groups: 0.68-1.14x, slower
@@ -296,6 +304,13 @@ class KernelPolicy:
         (``layerview.py``) instead of the copy of it the scan's slicing makes
         (``benchmarks/decode.py``: the decode step's stacked weights).
 
+      native_int8_rows: int8 activations on int8 weights per output channel (w8a8,
+        w8a8_dynamic) also run ``jqt_channel_gemv`` at up to this many rows (and
+        ``native_gemv_rows``): the activation's codes (minus its zero point) as float32,
+        so the products are exact and their sums float32 (as on the float paths), with
+        the stacked layers read in place (``native_in_place``); above, and at 0, XLA's
+        int8 matmul, whose int32 sums are exact.
+
       reduce_rows: an op with at most this many rows whose weight is decoded to float
         (weight-only int and NF4 weights, per channel or per group; int8 activations on
         grouped int weights, w4a8, their codes upcast exactly) runs as one elementwise
@@ -341,6 +356,7 @@ class KernelPolicy:
     native_in_place: bool = False
     nibble_halves: bool = False
     reduce_rows: int = 0
+    native_int8_rows: int = 0
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
@@ -386,7 +402,7 @@ POLICIES = {
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
                         int_as_bfloat16_rows=255, native_gemv_rows=8,
-                        native_in_place=True),
+                        native_in_place=True, native_int8_rows=4),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

@@ -297,8 +297,9 @@ def int_grouped_as_float(ax, x, w, policy):
     """int8 activation x grouped int weight as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
     weight-only path (K-chunks, whole: :func:`decodes_whole`, or one sum over K at few
-    rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped` up to float rounding; beyond a few rows
-    one matmul per chunk beats a small one per group (:func:`grouped_as_float`)."""
+    rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped`
+    up to float rounding; beyond a few rows one matmul per chunk beats a small one per
+    group (:func:`grouped_as_float`)."""
     return weight_only_2d(float_codes(ax, x), w, policy, None) * ax.act_vec(x.scale.astype(_F32))
 
 

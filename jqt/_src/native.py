@@ -195,8 +195,9 @@ def _target(w: QArray):
 def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
     """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
     ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
-    w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows: otherwise XLA's int8 matmul keeps their int8 x int8 sums exact), and the
-    kernels available here (:func:`native_status`)."""
+    w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows:
+    above, XLA's int8 matmul keeps their int8 x int8 sums exact), and the kernels
+    available here (:func:`native_status`)."""
     target = _target(w)
     if target is None or (int_activation and target == CHANNEL and m > policy.native_int8_rows):
         return False

@@ -55,14 +55,16 @@ rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
                             matmul (0.86-1.02x the      the cast; the 100M decode
                             K-chunked cast at 1 row in  step 0.84-0.89x against
                             9 runs, 0.98-1.03x at 4)    1.04-1.06x)
-1 row: w8a8, w8a8_dynamic   jqt's native kernel         an int8 matmul
-(int8 x int8 per channel):  (``jqt_channel_gemv``) on
-native_int8_rows            the activation's codes as
-                            floats, the layers read in
-                            place (decoder step 0.277 /
-                            0.247x float32 against
-                            0.421 / 0.345x with XLA's
-                            int8 matmul)
+1-4 rows: w8a8,             jqt's native kernel         an int8 matmul
+w8a8_dynamic (int8 x int8   (``jqt_channel_gemv``) on
+per channel):               the activation's codes as
+native_int8_rows            floats, the layers read in
+                            place (decoder step 0.271 /
+                            0.242x float32 against
+                            0.433 / 0.342x with XLA's
+                            int8 matmul; 0.315-0.707x
+                            against 0.459-0.752x at 1-4
+                            rows, a tie at 8)
 1-8 rows: w4a8 g128         one int8 matmul per group   as at any row count
                             (one batched over the
                             groups: 0.68-1.14x, slower

@@ -286,7 +286,8 @@ STACKED = {  # recipe, rows, scan in reverse
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", STACKED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "w4_g32_asym" else n
+                                  for n in STACKED])  # asymmetric 4-bit at 2 rows: CI
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]
     keys = jax.random.split(jax.random.key(11), 4)

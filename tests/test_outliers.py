@@ -359,7 +359,7 @@ def _decode(p, x):
     return jax.lax.scan(step, x, jnp.arange(3))[0]
 
 
-@pytest.mark.parametrize("recipe", ["w8a8_smooth", "w4_awq"])
+@pytest.mark.parametrize("recipe", ["w8a8_smooth", pytest.param("w4_awq", marks=pytest.mark.slow)])
 def test_outlier_statistics_through_nested_loops(recipe):
     rng = np.random.default_rng(9)
     p = {"w": jnp.asarray(rng.normal(size=(2, 32, 32)) * 0.15, jnp.float32)}

@@ -99,7 +99,6 @@ DENSE = {
     "w4 g128 [reduce_rows=16]": (lambda: R.w4(group_size=128), dict(reduce_rows=16)),
     "nf4 g64 [reduce_rows=16]": (lambda: R.nf4(group_size=64), dict(reduce_rows=16)),
     "w4a8 g128 [reduce_rows=16]": (lambda: R.w4a8(group_size=128), dict(reduce_rows=16)),
-    "w8a8_dynamic [reduce_rows=16]": (R.w8a8_dynamic, dict(reduce_rows=16)),
 }
 MINILM = {
     "w8a8": (R.w8a8, None),
@@ -140,7 +139,6 @@ GENERATE = {  # name -> recipe factory under the backend's kernel policy, or (fa
     "w4 g128 [reduce_rows=0]": (lambda: R.w4(group_size=128), dict(reduce_rows=0)),
     # the lease of 2026-11-26 (gpu-h100.md, second part), before the table took reduce_rows=1
     "w8 [reduce_rows=4]": (R.w8, dict(reduce_rows=4)),
-    "w8a8_dynamic [reduce_rows=4]": (R.w8a8_dynamic, dict(reduce_rows=4)),
     "w4 g128 [reduce_rows=4]": (lambda: R.w4(group_size=128), dict(reduce_rows=4)),
     "w4a8 g128 [reduce_rows=4]": (lambda: R.w4a8(group_size=128), dict(reduce_rows=4)),
     "nf4 g64 [reduce_rows=4]": (lambda: R.nf4(group_size=64), dict(reduce_rows=4)),

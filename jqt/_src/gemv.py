@@ -59,8 +59,7 @@ def weight_only_applies(w, m: int, policy) -> bool:
 def grouped_applies(w, m: int, policy) -> bool:
     """Whether an int8-activation op with grouped int weights (``"kn"``, as
     ``policy.batched_groups`` packs them) runs one batched dot at ``m`` rows."""
-    return (policy.batched_groups and applies(m, policy) and w.layout == "kn"
-            and not dense.reduces(m, policy))
+    return policy.batched_groups and applies(m, policy) and w.layout == "kn"
 
 
 def _k(w):

@@ -87,13 +87,17 @@ def _p(**kw):
 
 
 FORMULATIONS = {
-    "w8": {"native kernel, jqt_channel_gemv (nk)": _p(),
+    "w8": {"native kernel, jqt_channel_gemv_kn (kn)": _p(),
+           "native kernel, jqt_channel_gemv (nk)": _p(weight_only_kn=False),
            "cast K-chunks of 256 (kn)": _p(weight_only_digits=0, whole_decode_bytes=0, native_gemv_rows=0),
-           "cast N-chunks of 256 (nk)": _p(gemv_rows=0, whole_decode_bytes=0, native_gemv_rows=0),
+           "cast N-chunks of 256 (nk)": _p(gemv_rows=0, whole_decode_bytes=0, native_gemv_rows=0,
+                                           weight_only_kn=False),
            "whole weights, each decoded after its input (kn)": _p(weight_only_digits=0, weight_only_chunk=0,
                                                                   native_gemv_rows=0),
-           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3, native_gemv_rows=0),
-           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4, native_gemv_rows=0)},
+           "3 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=3, native_gemv_rows=0,
+                                                 weight_only_kn=False),
+           "4 int8 digits, int8 matmul (nk)": _p(gemv_rows=4, weight_only_digits=4, native_gemv_rows=0,
+                                                 weight_only_kn=False)},
     "w8a8_dynamic": {"native kernel on the int8 codes, jqt_channel_gemv (nk)": _p(native_int8_rows=8),
                      "int8 matmul, rows padded to 2": _p(pad_rows=2, native_int8_rows=0),
                      "int8 matmul, rows not padded": _p(pad_rows=1, native_int8_rows=0)},
@@ -114,11 +118,12 @@ FORMULATIONS = {
 _NO_NATIVE = ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))
 _COPIED = ("each layer's codes copied out of the stack (native_in_place=False)", _p(native_in_place=False))
 _INT8_XLA = ("XLA's int8 matmul (native_int8_rows=0)", _p(native_int8_rows=0))
-DECODE_AB = {"w8": (_COPIED, _NO_NATIVE), "w4 g128": (_COPIED, _NO_NATIVE),
+_W8_NK = ("packed (N, K), jqt_channel_gemv (weight_only_kn=False)", _p(weight_only_kn=False))
+DECODE_AB = {"w8": (_W8_NK, _COPIED, _NO_NATIVE), "w4 g128": (_COPIED, _NO_NATIVE),
              "w4a8 g128": (_COPIED, _NO_NATIVE), "w8a8_dynamic": (_INT8_XLA,)}
 FORMULATION_BATCHES = (1, 2, 4)
 # prefill rows (1024) under the formulation the table had before float_matmul_rows: shows why
-PREFILL_FORMULATIONS = {"w8": "cast N-chunks of 256", "w4 g128": "cast K-chunks of 256",
+PREFILL_FORMULATIONS = {"w8": "cast K-chunks of 256", "w4 g128": "cast K-chunks of 256",
                         "w4a8 g128": "int8 matmul per group"}
 
 
@@ -264,7 +269,9 @@ def prefill(names, rounds, markdown, results):
                     ("decoded whole, not tied to its input (decode_after_input=False)",
                      dataclasses.replace(CPU, decode_after_input=False)),
                     *((("nibbles decoded in halves, the activation reordered (nibble_halves=True)",
-                        dataclasses.replace(CPU, nibble_halves=True)),) if "4" in name else ())):
+                        dataclasses.replace(CPU, nibble_halves=True)),) if "4" in name else ()),
+                    *((("packed (N, K) (weight_only_kn=False)",
+                        dataclasses.replace(CPU, weight_only_kn=False)),) if name == "w8" else ())):
                 g0 = jax.jit(jqt.quantize(f, qp, policy=policy))
                 calls[f"{name}, {label}"] = lambda g=g0, p=jqt.pack(qp, params, policy=policy): g(p, x)
     progress(f"prefill: timing {len(calls)} variants x {rounds} rounds")

@@ -160,7 +160,7 @@ def test_long_contractions_leave_the_digits():
 
 def test_cpu_table_layouts():
     cpu = jqt.KernelPolicy.for_backend("cpu")
-    for recipe, layout in ((R.w8(), "nk"), (R.w8a8_dynamic(), "nk"), (R.w4(group_size=128), "kn"),
+    for recipe, layout in ((R.w8(), "kn"), (R.w8a8_dynamic(), "nk"), (R.w4(group_size=128), "kn"),
                            (R.w4a8(group_size=128), "kn"), (R.nf4(), "kn")):
         f, p, qp, _ = _setup(recipe)
         assert jqt.pack(qp, p, policy=cpu).weights["w"].layout == layout

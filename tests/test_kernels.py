@@ -40,14 +40,13 @@ def test_packed_layouts():
     _, _, _, _, packed = _dense(jqt.recipes.w8a8())
     w = packed.weights["w"]
     assert (w.layout, w.values.shape, w.values.dtype, w.sums.shape) == ("nk", (8, 1024), np.int8, (8,))
-    # weight-only int8 on CPU: (N, K), read by the int8 matmul of the digits at few rows
-    _, p, _, _, packed = _dense(jqt.recipes.w8())
-    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("nk", (8, 1024))
-    # the stored weight is the transposed quantized kernel, exactly
-    np.testing.assert_array_equal(packed.weights["w"].values,
-                                  jqt.pack(jqt.calibrate(lambda p, x: x @ p["w"] + p["b"], jqt.recipes.w8(),
-                                                         p, [(jnp.ones((1, 1024)),)], progress=False),
-                                           p).weights["w"].values)
+    # weight-only int8 on CPU: (K, N), which XLA's float matmul reads faster at many rows
+    # and jqt_channel_gemv_kn at few (weight_only_kn); (N, K) without it, the same codes
+    _, p, _, qp, packed = _dense(jqt.recipes.w8())
+    assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("kn", (1024, 8))
+    nk = jqt.pack(qp, p, policy=dataclasses.replace(CPU, weight_only_kn=False)).weights["w"]
+    assert (nk.layout, nk.values.shape) == ("nk", (8, 1024))
+    np.testing.assert_array_equal(nk.values, np.asarray(packed.weights["w"].values).T)
     _, _, _, _, packed = _dense(jqt.recipes.w4(group_size=128))
     assert (packed.weights["w"].layout, packed.weights["w"].values.shape) == ("kn", (512, 8))
 
@@ -74,13 +73,16 @@ def test_single_row_int8_matmul_is_padded_on_cpu():
         assert (a.shape, a.dtype, b.shape, b.dtype) == ((rows, 1024), np.int8, (8, 1024), np.int8)
 
 
-@pytest.mark.parametrize("recipe,k_rows", [(jqt.recipes.w8(), 1024),  # (N, K): N-chunks
-                                           (jqt.recipes.w4(group_size=128), 256)])  # K-chunks
-def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
+@pytest.mark.parametrize("recipe,k_rows,kn", [(jqt.recipes.w8(), 1024, False),  # (N, K): N-chunks
+                                              (jqt.recipes.w8(), 256, True),  # (K, N), the CPU table's
+                                              (jqt.recipes.w4(group_size=128), 256, True)])  # K-chunks
+def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
     # a float copy of 4 MiB, above whole_decode_bytes; more rows than gemv_rows, up to float_matmul_rows
-    f, _, x, qp, packed = _dense(recipe, n=1024, m=8)
+    policy = CPU_XLA if kn else dataclasses.replace(CPU_XLA, weight_only_kn=False)
+    f, p, x, qp, _ = _dense(recipe, n=1024, m=8)
+    packed = jqt.pack(qp, p, policy=policy)
     assert 4 * 1024 * 1024 > CPU.whole_decode_bytes
-    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU_XLA))(packed, x)
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
     scans = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == 1024 // 256
     # one float matmul per chunk, over all its rows of K (int4: both nibbles decoded into it)
@@ -98,17 +100,17 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows):
     generic = jax.make_jaxpr(jqt.quantize(f, qp, policy=jqt.KernelPolicy()))(packed, x)
     assert not [e for e in _eqns(generic.jaxpr) if e.primitive.name == "scan"]
     ref = jqt.quantize(f, qp, policy=jqt.KernelPolicy())(packed, x)  # float sums in another order
-    np.testing.assert_allclose(jqt.quantize(f, qp, policy=CPU_XLA)(packed, x), ref,
+    np.testing.assert_allclose(jqt.quantize(f, qp, policy=policy)(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
     # many rows: the whole weight at once, one float matmul, its codes tied to the
     # activation (an integer zero from its first element) so that XLA cannot hoist the decode
     many = jax.random.normal(jax.random.key(5), (CPU.float_matmul_rows + 1, 1024))
-    for policy, tied in ((CPU_XLA, True), (dataclasses.replace(CPU_XLA, decode_after_input=False), False)):
-        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, many)
+    for pol, tied in ((policy, True), (dataclasses.replace(policy, decode_after_input=False), False)):
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=pol))(packed, many)
         assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
         assert ("clz" in {e.primitive.name for e in _eqns(jaxpr.jaxpr)}) == tied
-        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many),
-                                      jax.jit(jqt.quantize(f, qp, policy=CPU_XLA))(packed, many))
+        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp, policy=pol))(packed, many),
+                                      jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many))
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow),
@@ -153,12 +155,28 @@ def test_policy_table():
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
-        native_in_place=True, native_int8_rows=4)
+        native_in_place=True, native_int8_rows=4, weight_only_kn=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
                                                                     weight_only_digits=3, reduce_rows=1)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
+
+
+def test_weight_only_int8_runs_in_the_layout_it_was_packed_in():
+    # w8 packed (N, K) (files of earlier versions, or weight_only_kn=False) under the CPU
+    # table, which packs (K, N): every formulation reads either, so no warning, no transpose
+    f, p, x, qp, packed = _dense(jqt.recipes.w8(), k=256, n=48, m=3)
+    old = jqt.pack(qp, p, policy=dataclasses.replace(CPU, weight_only_kn=False))
+    assert (old.weights["w"].layout, packed.weights["w"].layout) == ("nk", "kn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jax.jit(jqt.quantize(f, qp, policy=CPU_XLA))(old, x)
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU_XLA))(old, x)
+    assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "transpose"
+                and e.invars[0].aval.size == 256 * 48]  # the codes are read as they are
+    want = jax.jit(jqt.quantize(f, qp, policy=CPU_XLA))(packed, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def test_weight_packed_for_another_policy_warns_and_still_runs():
@@ -279,6 +297,7 @@ def test_nibbles_in_k_order_and_in_halves_agree(recipe, k, n, m):
 REDUCE = dataclasses.replace(jqt.KernelPolicy.for_backend("gpu"), reduce_rows=4)
 
 
+@pytest.mark.slow  # the GPU table's one-row sum for every recipe: test_gemv.py (default run)
 def test_few_rows_reduce_over_k_without_a_matmul():
     """``reduce_rows``: at few rows the decoded weight times the activation is summed over K
     (one reduction, which XLA:GPU fuses with the decode); the same result as the simulated

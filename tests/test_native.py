@@ -26,7 +26,7 @@ from shared import all_eqns
 R = jqt.recipes
 CPU = jqt.KernelPolicy.for_backend("cpu")
 XLA = dataclasses.replace(CPU, native_gemv_rows=0)
-CALLS = (f"custom_call @{native.GROUPED}(", f"custom_call @{native.CHANNEL}(")
+CALLS = tuple(f"custom_call @{t}(" for t in (native.GROUPED, native.CHANNEL, native.CHANNEL_KN))
 
 
 def _buildable() -> bool:
@@ -139,6 +139,21 @@ def test_int8_activations_through_the_channel_kernel(recipe):
     out, copies = _compiled(jqt.quantize(g, qp2, policy=pol), jqt.pack(qp2, ps, policy=pol), h)
     assert copies == 0
     _close(out, jax.jit(jqt.quantize(g, qp2, policy=xla))(jqt.pack(qp2, ps), h), rel=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_weights_in_either_layout(m):
+    """w8 packed (K, N) (the CPU table, ``weight_only_kn``: jqt_channel_gemv_kn) or (N, K)
+    (jqt_channel_gemv): each through its kernel, the XLA formulation's result."""
+    f, p, qp, x = _setup(R.w8(), 300, 40, m)
+    ref = jax.jit(jqt.quantize(f, qp, policy=XLA))(jqt.pack(qp, p, policy=XLA), x)
+    for pol, target in ((CPU, native.CHANNEL_KN),
+                        (dataclasses.replace(CPU, weight_only_kn=False), native.CHANNEL)):
+        packed, q = jqt.pack(qp, p, policy=pol), jqt.quantize(f, qp, policy=pol)
+        assert packed.weights["w"].layout == ("kn" if target == native.CHANNEL_KN else "nk")
+        assert jax.jit(q).lower(packed, x).as_text().count(f"custom_call @{target}(") == 1
+        _close(jax.jit(q)(packed, x), ref, rel=1e-5)
 
 
 @needs_kernel
@@ -286,8 +301,8 @@ STACKED = {  # recipe, rows, scan in reverse
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "w4_g32_asym" else n
-                                  for n in STACKED])  # asymmetric 4-bit at 2 rows: CI
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("w4_g32_asym", "w4_g64")
+                                  else n for n in STACKED])  # int4 (nf4 and w4a8 read the same kernel): CI
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]
     keys = jax.random.split(jax.random.key(11), 4)

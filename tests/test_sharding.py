@@ -87,7 +87,7 @@ def case(f, p, x, recipe, mesh, ops=(), const=False, policy=None):
 
 res = {"devices": len(jax.devices())}
 res["mlp_w8a8"], qp, packed = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, const=True)
-# weight-only in the "kn" layout (the CPU table packs w8 "nk", as w8a8 below, for its digits)
+# weight-only in the "kn" layout (as the CPU table packs w8), XLA formulations only
 KN = jqt.KernelPolicy(pad_rows=2, weight_only_chunk=256)
 res["mlp_w8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8(), AUTO, policy=KN)
 res["mlp_dynamic"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8_dynamic(), AUTO)

@@ -43,14 +43,18 @@ def applies(m: int, policy) -> bool:
 
 def weight_only_applies(w, m: int, policy) -> bool:
     """Whether the weight-only op of ``w`` (a 2-D weight QArray) runs as digits at ``m`` rows:
-    int codes of 8 bits or fewer in a packed 2-D layout (``"kn"`` with group scales), and
-    without groups a K within int32's exact range."""
+    int codes of 8 bits or fewer in a packed 2-D layout (``"kn"`` with group scales; ``"nk"``
+    only per channel under ``policy.weight_only_kn``), and without groups a K within
+    int32's exact range."""
     q = w.qtype
     n = policy.grouped_digits if q.group_size else policy.weight_only_digits
     if dense.reduces(m, policy):
         return False
+    # per channel (K, N) under weight_only_kn: K-chunks, not digits (the 100M decoder's step
+    # at 2 / 4 rows 0.590 / 0.737x float32 against 0.657 / 0.826x, a tie at one row)
+    per_channel = ("nk",) if policy.weight_only_kn else ("nk", "kn")
     if not (n and applies(m, policy) and q.kind == "int" and q.bits <= 8
-            and w.layout in (("kn",) if q.group_size else ("nk", "kn"))):
+            and w.layout in (("kn",) if q.group_size else per_channel)):
         return False
     # per group the partial sums are short; otherwise the whole of K must fit int32
     return bool(q.group_size) or _k(w) <= dense.safe_k(np.int8, False, np.int8, False)

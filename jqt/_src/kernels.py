@@ -148,6 +148,8 @@ def run(site, eqn, ops, policy):
     x_op = ops[1 - w]
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
     want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
+    if packed_2d and not isinstance(x_op, QArray) and not grouped and wq.qtype.kind == "int":
+        want = wq.layout  # weight-only per channel (w8): every formulation reads either layout
     if packed_2d and wq.layout != want:
         names = {"nk": "(N, K)", "kn": "(K, N)"}
         warnings.warn(f"jqt.quantize: op '{site.key}': its weight was packed {names[wq.layout]} "

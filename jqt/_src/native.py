@@ -17,6 +17,9 @@ arithmetic of the float32 matmul of the decoded weight, in another order.
   (``w8``; and ``w8a8`` / ``w8a8_dynamic``, their int8 codes as floats, where
   ``KernelPolicy.native_int8_rows`` says so: exact products, float32 sums).
 
+* ``jqt_channel_gemv_kn``: the same with the codes packed ``(K, N)`` (``w8`` under
+  ``KernelPolicy.weight_only_kn``, as the CPU table packs it).
+
 They are XLA FFI custom calls, built on first use with the C++ compiler found at run
 time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
 (``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
@@ -60,6 +63,7 @@ from .qparams import QArray
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
+CHANNEL_KN = "jqt_channel_gemv_kn"  # the same, packed (K, N)
 SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
 
@@ -172,23 +176,24 @@ def _build() -> NativeStatus:
         return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
     jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
+    jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
     return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
 
 
 def _target(w: QArray):
     """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
     or fewer or NF4 codes with group scales, two per byte, ``"kn"`` (w4, w4a8, nf4);
-    ``CHANNEL`` for int codes of at most 8 bits, one per byte, one scale per output
-    channel, ``"nk"`` (w8)."""
+    ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
+    most 8 bits, one per byte, one scale per output channel."""
     q = w.qtype
     if getattr(w.values, "ndim", 0) != 2:
         return None
     if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4") and q.group_size
             and q.group_size % 2 == 0):
         return GROUPED
-    if (w.layout == "nk" and q.kind == "int" and not q.group_size and q.bits <= 8
+    if (w.layout in ("nk", "kn") and q.kind == "int" and not q.group_size and q.bits <= 8
             and w.values.dtype == np.int8):
-        return CHANNEL
+        return CHANNEL if w.layout == "nk" else CHANNEL_KN
     return None
 
 
@@ -199,7 +204,7 @@ def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
     above, XLA's int8 matmul keeps their int8 x int8 sums exact), and the kernels
     available here (:func:`native_status`)."""
     target = _target(w)
-    if target is None or (int_activation and target == CHANNEL and m > policy.native_int8_rows):
+    if target is None or (int_activation and target != GROUPED and m > policy.native_int8_rows):
         return False
     return 0 < m <= policy.native_gemv_rows and native_status().available
 
@@ -212,7 +217,10 @@ def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
     target = _target(w)
     q = w.qtype
     v = w.values
-    shape = (v.shape[0] * 2 // q.group_size, v.shape[1]) if target == GROUPED else (v.shape[0],)
+    if target == GROUPED:
+        shape = (v.shape[0] * 2 // q.group_size, v.shape[1])
+    else:  # one scale per output channel: the codes' axis 0 "nk", axis 1 "kn"
+        shape = (v.shape[0] if target == CHANNEL else v.shape[1],)
     layer = jnp.int32(0)
     lead = ()
     if stack is not None:
@@ -254,7 +262,7 @@ def _reference(x2, codes, scale, zp, table, layer, *, target, qtype, policy, max
         take = lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
         codes, scale, zp = take(codes), take(scale), take(zp)
     w = QArray(values=codes, scale=scale, zero_point=zp if zp.shape[0] else None, qtype=qtype,
-               layout="kn" if target == GROUPED else "nk")
+               layout="nk" if target == CHANNEL else "kn")
     if gemv.weight_only_applies(w, x2.shape[0], policy):
         return gemv.weight_only_rows(x2, w, policy)
     return dense.weight_only_2d(x2, w, policy, None)
@@ -265,7 +273,7 @@ gemv_p = compat.Primitive("jqt_gemv")
 
 @gemv_p.def_abstract_eval
 def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
-    n = codes.shape[-1] if target == GROUPED else codes.shape[-2]
+    n = codes.shape[-2] if target == CHANNEL else codes.shape[-1]
     return jax.core.ShapedArray((x2.shape[0], n), _F32)
 
 
@@ -282,7 +290,7 @@ def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
     if target == GROUPED:
         return jax.ffi.ffi_lowering(GROUPED)(ctx, *args,
                                              group_size=np.int64(params["qtype"].group_size))
-    return jax.ffi.ffi_lowering(CHANNEL)(ctx, *args)  # table: empty
+    return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
 
 
 def _lower_reference(ctx, *args, **params):

@@ -169,7 +169,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     >>> jqt.save_packed(path, jqt.pack(qp, p))
     >>> packed = jqt.load_packed(path, qparams=qp)
     >>> packed.weights["w"].layout, packed.weights["w"].values.shape
-    ('nk', (4, 8))
+    ('kn', (8, 4))
     """
     fn = "jqt.load_packed"
     if is_zip(path):

@@ -13,9 +13,17 @@ decoding at batch 1 (a GEMV), 1024 for a prefill of 8 x 128 tokens.
 decision                    CPU (XLA:CPU)               GPU and other backends
 ==========================  ==========================  ==========================
 packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
-packed dense weight, w8     ``(N, K)``: the int8        ``(N, K)``, the same
-(weight-only per channel)   matmul of the digits reads
-                            it at few rows
+packed dense weight, w8     ``(K, N)``                  ``(N, K)``: the int8
+(weight-only per channel)   (``weight_only_kn``): the   matmul of the digits reads
+                            float matmul reads it       it at few rows
+                            decoded faster at many
+                            rows (all-MiniLM-L6-v2 at
+                            batch 1 / 8: 0.82-0.87x /
+                            0.95-0.98x float32 against
+                            0.93-1.00x / 0.97-1.00x
+                            ``(N, K)``); a weight
+                            packed ``(N, K)`` (older
+                            files) runs as packed
 packed dense weight, w4,    ``(K, N)``                  ``(N, K)``: the one-row sum
 nf4 (grouped weight-only)                               over K reads each output's
                                                         codes contiguously (H100,
@@ -46,15 +54,18 @@ rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
                             float32 against 0.726x
                             with int8 matmuls)
 1-8 rows: w8 (weight-only)  jqt's native kernel         2-4 rows: the float
-                            (``jqt_channel_gemv``: 4096 activation as 3 int8
-                            layer 0.30x float32 at one  digits, one int8 matmul
-                            row against 0.73x for the   (H200: 1.23-1.29x
-                            digits); without it, 1-4    bfloat16 at one row of a
-                            rows: the float activation  4096 layer, 1.73x at 4,
-                            as 3 int8 digits, one int8  against 3.13-3.24x for
-                            matmul (0.86-1.02x the      the cast; the 100M decode
-                            K-chunked cast at 1 row in  step 0.84-0.89x against
-                            9 runs, 0.98-1.03x at 4)    1.04-1.06x)
+                            (``jqt_channel_gemv_kn``;   activation as 3 int8
+                            ``jqt_channel_gemv`` for    digits, one int8 matmul
+                            ``(N, K)``): 4096 layer     (H200: 1.23-1.29x
+                            0.34x float32 at one row    bfloat16 at one row of a
+                            against 0.73x for the       4096 layer, 1.73x at 4,
+                            digits; without it, a       against 3.13-3.24x for
+                            ``(K, N)`` weight runs      the cast; the 100M decode
+                            K-chunks (decoder step      step 0.84-0.89x against
+                            0.437-0.737x at 1-4 rows),  1.04-1.06x)
+                            an ``(N, K)`` one at 1-4
+                            rows 3 int8 digits, one
+                            int8 matmul (0.372-0.812x)
 1-4 rows: w8a8,             jqt's native kernel         an int8 matmul
 w8a8_dynamic (int8 x int8   (``jqt_channel_gemv``) on
 per channel):               the activation's codes as
@@ -323,6 +334,12 @@ class KernelPolicy:
         the sum reads each output's codes contiguously. int8 x int8 ops (w8a8) keep
         their int8 matmul. 0: never.
 
+      weight_only_kn: weight-only int weights with one scale per output channel (w8)
+        are packed ``(K, N)`` even where few rows run them as int8 digits
+        (``weight_only_digits``), which read either layout: XLA:CPU's float matmul,
+        which runs them at many rows on the decoded weight, reads a ``(K, N)`` weight
+        faster, and ``jqt_channel_gemv_kn`` reads it at few rows.
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -359,13 +376,16 @@ class KernelPolicy:
     nibble_halves: bool = False
     reduce_rows: int = 0
     native_int8_rows: int = 0
+    weight_only_kn: bool = False
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and
         activation :class:`jqt.QuantType` (``activation=None``: weight-only): ``"nk"``
         where an integer (or native fp8) matmul contracts both operands' last axis
         (int8 activations; weight-only int per-channel weights when few rows run as
-        int8 digits), ``"kn"`` where the weight is decoded K-chunk by K-chunk
+        int8 digits, unless ``weight_only_kn``; every formulation of those reads
+        either layout, and runs the one they were packed in), ``"kn"`` where the
+        weight is decoded K-chunk by K-chunk
         (weight-only, fp8 where the backend has no fp8 matmul, and grouped int
         weights with int8 activations under ``grouped_int_rows``) or read group by
         group (the same when few rows run one batched matmul).
@@ -374,14 +394,14 @@ class KernelPolicy:
         >>> cpu = jqt.KernelPolicy.for_backend("cpu")
         >>> w8, w4g = jqt.QuantType(bits=8), jqt.QuantType(bits=4, group_size=128)
         >>> cpu.dense_layout(w8, None), cpu.dense_layout(w8, w8), cpu.dense_layout(w4g, None)
-        ('nk', 'nk', 'kn')
+        ('kn', 'nk', 'kn')
         >>> cpu.dense_layout(w4g, w8), jqt.KernelPolicy().dense_layout(w4g, w8)
         ('kn', 'nk')
         """
         grouped = bool(weight.group_size)
         if activation is None:
             digits = weight.kind == "int" and not grouped and self.weight_only_digits
-            return "nk" if digits or self.reduce_rows else "kn"
+            return "nk" if (digits and not self.weight_only_kn) or self.reduce_rows else "kn"
         if weight.kind == "float" and not self.fp8_native:
             return "kn"
         if grouped and weight.kind == "int" and (self.grouped_int_rows
@@ -404,7 +424,7 @@ POLICIES = {
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
                         int_as_bfloat16_rows=255, native_gemv_rows=8,
-                        native_in_place=True, native_int8_rows=4),
+                        native_in_place=True, native_int8_rows=4, weight_only_kn=True),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

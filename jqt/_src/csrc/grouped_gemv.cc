@@ -1,5 +1,6 @@
 // jqt's native XLA:CPU kernels: few-row matmuls with 4-bit weights in groups (int4, NF4),
-// "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (below).
+// "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (codes
+// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)) (below).
 //
 //   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
 //
@@ -31,7 +32,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -182,23 +186,42 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   }
 }
 
-// Runs fn(t) for every part t in 0..parts-1: part 0 on this thread, the others on XLA's
-// intra-op thread pool; returns when all have finished.
+// Runs fn(t) for every part t in 0..parts-1 and returns when all have finished. The parts go
+// to whichever thread claims them first: this one and the tasks it schedules on XLA's
+// intra-op thread pool. This thread claims every part no task has started, so it never waits
+// for a task that has not started: XLA runs independent ops at once (two projections of one
+// input), and two kernels each waiting on the pool for a task the other kernel's thread was
+// to run deadlocked the pool. A task that starts after the last part is claimed returns at
+// once; the state it reads is shared, so it outlives this call.
 template <typename F>
 void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
-  std::atomic<int64_t> left(parts - 1);
-  std::mutex mu;
-  std::condition_variable done;
-  for (int64_t t = 1; t < parts; ++t) {
-    pool.Schedule([&, t] {
-      fn(t);
-      std::lock_guard<std::mutex> lock(mu);
-      if (left.fetch_sub(1) == 1) done.notify_all();
-    });
+  if (parts <= 1) {
+    if (parts == 1) fn(0);
+    return;
   }
-  fn(0);
-  std::unique_lock<std::mutex> lock(mu);
-  done.wait(lock, [&] { return left.load() == 0; });
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  const F* f = &fn;  // called only for a claimed part, which this call waits for
+  auto work = [st, f, parts] {
+    for (int64_t t; (t = st->next.fetch_add(1)) < parts;) {
+      (*f)(t);
+      if (st->done.fetch_add(1) + 1 == parts) {
+        std::lock_guard<std::mutex> lock(st->mu);
+        st->cv.notify_all();
+      }
+    }
+  };
+  for (int64_t t = 1; t < parts; ++t) {
+    auto task = work;  // Schedule takes its task by value
+    pool.Schedule(std::move(task));
+  }
+  work();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == parts; });
 }
 
 // The layer of L stacked ones that the (scalar) layer operand picks, clamped to 0..L-1.
@@ -294,42 +317,124 @@ __attribute__((target("avx2,fma"))) void channel_rows_avx2(const float* __restri
 }
 #endif
 
-// dots[m][n] = sum_k x[m, k] * code[n, k] for the rows n0..n1 of the codes.
-void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
-                  float* dots, int64_t N) {
+// Calls f(m0, tile) for each tile of up to 4 rows of x from row m0, with the tile's row count
+// a compile-time constant (std::integral_constant) for the kernels' templates.
+template <typename F>
+void row_tiles(int64_t M, const F& f) {
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int mm = static_cast<int>(std::min<int64_t>(4, M - m0));
-    const float* xm = x + m0 * K;
-    float* dm = dots + m0 * N;
-#ifdef JQT_X86
-    if (has_avx2()) {
-      switch (mm) {
-        case 1: channel_rows_avx2<1>(xm, K, w, n0, n1, dm, N); continue;
-        case 2: channel_rows_avx2<2>(xm, K, w, n0, n1, dm, N); continue;
-        case 3: channel_rows_avx2<3>(xm, K, w, n0, n1, dm, N); continue;
-        default: channel_rows_avx2<4>(xm, K, w, n0, n1, dm, N); continue;
-      }
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: f(m0, std::integral_constant<int, 1>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      default: f(m0, std::integral_constant<int, 4>{}); break;
     }
-#endif
-    for (int m = 0; m < mm; ++m)
-      for (int64_t n = n0; n < n1; ++n) dm[m * N + n] = channel_dot_scalar(xm + m * K, w + n * K, 0, K);
   }
 }
 
-ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                       ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
-                       ffi::ResultBuffer<ffi::F32> out) {
+// dots[m][n] = sum_k x[m, k] * code[n, k] for the rows n0..n1 of the codes.
+void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
+                  float* dots, int64_t N) {
+  row_tiles(M, [&](int64_t m0, auto tile) {
+    constexpr int mm = decltype(tile)::value;
+    const float* xm = x + m0 * K;
+    float* dm = dots + m0 * N;
+#ifdef JQT_X86
+    if (has_avx2()) return channel_rows_avx2<mm>(xm, K, w, n0, n1, dm, N);
+#endif
+    for (int m = 0; m < mm; ++m)
+      for (int64_t n = n0; n < n1; ++n) dm[m * N + n] = channel_dot_scalar(xm + m * K, w + n * K, 0, K);
+  });
+}
+
+
+
+// ---------------------------------------------------------------------------------------
+// "jqt_channel_gemv_kn": the same op with the int8 codes packed (K, N) (w8 weight-only where
+// XLA's float matmul, at many rows, reads a (K, N) weight faster than an (N, K) one):
+//   out[m, n] = scale[n] * (sum_k x[m, k] * code[k, n] - round(zp[n]) * sum_k x[m, k])
+// Each thread reads a contiguous block of K's rows front to back, a few rows at a time, and
+// adds their codes (widened to float32) times x into float32 sums over the whole of N; the
+// threads' sums are added.
+void channel_kn_scalar(const float* x, int64_t K, int M, const int8_t* w, int64_t N,
+                       int64_t k0, int64_t k1, int64_t n0, float* acc) {
+  for (int64_t k = k0; k < k1; ++k)
+    for (int m = 0; m < M; ++m)
+      for (int64_t n = n0; n < N; ++n) acc[m * N + n] += x[m * K + k] * float(w[k * N + n]);
+}
+
+#ifdef JQT_X86
+// Four rows of K per pass over the sums, which are read and written once per four rows of
+// codes (two rows per pass ran the 100M decoder's step slower than jqt_channel_gemv).
+template <int M>
+__attribute__((target("avx2,fma"))) void channel_kn_avx2(const float* __restrict x, int64_t K,
+                                                         const int8_t* __restrict w, int64_t N,
+                                                         int64_t k0, int64_t k1,
+                                                         float* __restrict acc) {
+  constexpr int R = 4;
+  int64_t k = k0;
+  for (; k + R <= k1; k += R) {
+    const int8_t* rows = w + k * N;
+    __m256 xr[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) xr[r][m] = _mm256_set1_ps(x[m * K + k + r]);
+    int64_t n = 0;
+    for (; n + 16 <= N; n += 16) {
+      if ((n & 63) == 0)  // the same columns of the next R rows
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(rows + (R + r) * N + n), _MM_HINT_T0);
+      __m256 f[R], g[R];
+      for (int r = 0; r < R; ++r) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * N + n));
+        f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        g[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+      }
+      for (int m = 0; m < M; ++m) {
+        float* a = acc + m * N + n;
+        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+        for (int r = 0; r < R; ++r) {
+          a0 = _mm256_fmadd_ps(xr[r][m], f[r], a0);
+          a1 = _mm256_fmadd_ps(xr[r][m], g[r], a1);
+        }
+        _mm256_storeu_ps(a, a0);
+        _mm256_storeu_ps(a + 8, a1);
+      }
+    }
+    channel_kn_scalar(x, K, M, w, N, k, k + R, n, acc);
+  }
+  channel_kn_scalar(x, K, M, w, N, k, k1, 0, acc);
+}
+#endif
+
+// acc[m][0:N] += sum over K's rows k0..k1 of x[m, k] * code[k, 0:N], every row of x.
+void channel_kn_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
+                     int64_t k0, int64_t k1, float* acc) {
+  row_tiles(M, [&](int64_t m0, auto tile) {
+    constexpr int mm = decltype(tile)::value;
+#ifdef JQT_X86
+    if (has_avx2()) return channel_kn_avx2<mm>(x + m0 * K, K, w, N, k0, k1, acc + m0 * N);
+#endif
+    channel_kn_scalar(x + m0 * K, K, mm, w, N, k0, k1, 0, acc + m0 * N);
+  });
+}
+
+// Both int8 kernels: codes packed (N, K) (KN false: each thread a block of the codes' rows,
+// the outputs) or (K, N) (KN true: each thread a block of K's rows, their sums added).
+template <bool KN>
+ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                        ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> out) {
+  const std::string name = KN ? "jqt_channel_gemv_kn" : "jqt_channel_gemv";
   const auto xd = x.dimensions(), wd = codes.dimensions();
   const size_t r = wd.size();
   if (xd.size() != 2 || (r != 2 && r != 3) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "jqt_channel_gemv: x must be 2-D, codes 2-D (or 3-D, stacked layers), layer a scalar");
-  const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[r - 2];
+        name + ": x must be 2-D, codes 2-D (or 3-D, stacked layers), layer a scalar");
+  const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[KN ? r - 1 : r - 2];
   // table: the operand list the grouped kernel has, empty here (int codes only)
-  if (L < 1 || wd[r - 1] != K || scale.element_count() != L * N ||
+  if (L < 1 || wd[KN ? r - 2 : r - 1] != K || scale.element_count() != L * N ||
       (zp.element_count() && zp.element_count() != L * N) || table.element_count())
-    return ffi::Error::InvalidArgument("jqt_channel_gemv: operand shapes do not match");
+    return ffi::Error::InvalidArgument(name + ": operand shapes do not match");
   const int64_t l = pick(layer, L);
   const float* xp = x.typed_data();
   const int8_t* wp = codes.typed_data() + l * N * K;
@@ -337,13 +442,25 @@ ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  // The rows of the codes split over XLA's intra-op threads, at least 128 KiB per part.
+  // The codes split over XLA's intra-op threads, at least 128 KiB per part.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(
-      1, std::min({threads, N, static_cast<int64_t>((N * K) >> 17)}));
-  parallel(pool, parts, [&](int64_t t) {
-    channel_rows(xp, M, K, wp, N * t / parts, N * (t + 1) / parts, op, N);
-  });
+  const int64_t parts = std::max<int64_t>(1, std::min({threads, KN ? K / 2 : N, (N * K) >> 17}));
+  if (KN) {
+    std::fill(op, op + M * N, 0.f);
+    std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
+    for (auto& p : partial) p.assign(static_cast<size_t>(M * N), 0.f);
+    parallel(pool, parts, [&](int64_t t) {
+      // an even number of rows per part, the last part the rest
+      const int64_t a = (K / 2) * t / parts * 2, b = t + 1 == parts ? K : (K / 2) * (t + 1) / parts * 2;
+      channel_kn_rows(xp, M, K, wp, N, a, b, t ? partial[t - 1].data() : op);
+    });
+    for (const auto& p : partial)
+      for (int64_t i = 0; i < M * N; ++i) op[i] += p[i];
+  } else {
+    parallel(pool, parts, [&](int64_t t) {
+      channel_rows(xp, M, K, wp, N * t / parts, N * (t + 1) / parts, op, N);
+    });
+  }
   for (int64_t m = 0; m < M; ++m) {
     float xs = 0.f;
     if (zpp)
@@ -353,6 +470,20 @@ ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       o[n] = sp[n] * (zpp ? o[n] - __builtin_roundevenf(zpp[n]) * xs : o[n]);
   }
   return ffi::Error::Success();
+}
+
+ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                       ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  return ChannelGemvT<false>(pool, x, codes, scale, zp, table, layer, out);
+}
+
+ffi::Error ChannelGemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                         ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  return ChannelGemvT<true>(pool, x, codes, scale, zp, table, layer, out);
 }
 
 }  // namespace
@@ -369,16 +500,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The int8 kernels' operands: x, codes, scale, zero point, table (empty), layer.
+#define JQT_CHANNEL_BINDING                         \
+  ffi::Ffi::Bind()                                  \
+      .Ctx<ffi::ThreadPool>()                       \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::S8>>()                  \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()                 \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv, JQT_CHANNEL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemvKn, ChannelGemvKn, JQT_CHANNEL_BINDING);
 
 // 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {

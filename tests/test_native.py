@@ -142,11 +142,13 @@ def test_int8_activations_through_the_channel_kernel(recipe):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3])
-def test_int8_weights_in_either_layout(m):
+@pytest.mark.parametrize("m, k, n", [(1, 301, 40), (3, 1027, 264)])
+def test_int8_weights_in_either_layout(m, k, n):
     """w8 packed (K, N) (the CPU table, ``weight_only_kn``: jqt_channel_gemv_kn) or (N, K)
-    (jqt_channel_gemv): each through its kernel, the XLA formulation's result."""
-    f, p, qp, x = _setup(R.w8(), 300, 40, m)
+    (jqt_channel_gemv): each through its kernel, the XLA formulation's result. K not a
+    multiple of the kernel's four rows per pass, N of its 16 columns; the larger weight
+    (over 256 KiB) split over two threads."""
+    f, p, qp, x = _setup(R.w8(), k, n, m)
     ref = jax.jit(jqt.quantize(f, qp, policy=XLA))(jqt.pack(qp, p, policy=XLA), x)
     for pol, target in ((CPU, native.CHANNEL_KN),
                         (dataclasses.replace(CPU, weight_only_kn=False), native.CHANNEL)):

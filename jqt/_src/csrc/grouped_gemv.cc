@@ -124,32 +124,24 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* __restrict x, in
   }
 }
 
-template <bool LUT>
-void rows_avx2_m(const float* x, int64_t K, int M, const uint8_t* w, int64_t N, int64_t r0,
-                 int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
-  switch (M) {
-    case 1: return rows_avx2<1, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
-    case 2: return rows_avx2<2, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
-    case 3: return rows_avx2<3, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
-    default: return rows_avx2<4, LUT>(x, K, w, N, r0, r1, acc, W, n0, table);
-  }
-}
-
 bool has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
 #endif
 
-void rows(const float* x, int64_t K, int M, const uint8_t* w, int64_t N, int64_t r0,
-          int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
-#ifdef JQT_X86
-  if (has_avx2()) {
-    if (table) return rows_avx2_m<true>(x, K, M, w, N, r0, r1, acc, W, n0, table);
-    return rows_avx2_m<false>(x, K, M, w, N, r0, r1, acc, W, n0, table);
+// Calls f(m0, tile) for each tile of up to 4 rows of x from row m0, with the tile's row count
+// a compile-time constant (std::integral_constant) for the kernels' templates.
+template <typename F>
+void row_tiles(int64_t M, const F& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: f(m0, std::integral_constant<int, 1>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      default: f(m0, std::integral_constant<int, 4>{}); break;
+    }
   }
-#endif
-  rows_scalar(x, K, M, w, N, r0, r1, acc, W, n0, table);
 }
 
 // out[m][0:N] = the sum over the groups g0..g1 (every row and column).
@@ -161,10 +153,18 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   std::fill(out, out + M * N, 0.f);
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mm = static_cast<int>(std::min<int64_t>(4, M - m0));
-      rows(x + m0 * K, K, mm, w, N, g * R, (g + 1) * R, acc.data() + m0 * N, N, 0, table);
-    }
+    row_tiles(M, [&](int64_t m0, auto tile) {
+      constexpr int mm = decltype(tile)::value;
+      const float* xm = x + m0 * K;
+      float* am = acc.data() + m0 * N;
+#ifdef JQT_X86
+      if (has_avx2()) {
+        if (table) return rows_avx2<mm, true>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
+        return rows_avx2<mm, false>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
+      }
+#endif
+      rows_scalar(xm, K, mm, w, N, g * R, (g + 1) * R, am, N, 0, table);
+    });
     const float* sg = scale + g * N;
     const float* zg = zp ? zp + g * N : nullptr;
     for (int64_t m = 0; m < M; ++m) {
@@ -316,20 +316,6 @@ __attribute__((target("avx2,fma"))) void channel_rows_avx2(const float* __restri
   }
 }
 #endif
-
-// Calls f(m0, tile) for each tile of up to 4 rows of x from row m0, with the tile's row count
-// a compile-time constant (std::integral_constant) for the kernels' templates.
-template <typename F>
-void row_tiles(int64_t M, const F& f) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: f(m0, std::integral_constant<int, 1>{}); break;
-      case 2: f(m0, std::integral_constant<int, 2>{}); break;
-      case 3: f(m0, std::integral_constant<int, 3>{}); break;
-      default: f(m0, std::integral_constant<int, 4>{}); break;
-    }
-  }
-}
 
 // dots[m][n] = sum_k x[m, k] * code[n, k] for the rows n0..n1 of the codes.
 void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t n0, int64_t n1,

@@ -105,6 +105,39 @@ def test_int4_is_stored_two_per_byte():
     assert packed.nbytes() < 0.2 * fbytes
 
 
+@pytest.mark.parametrize("k,g", [(33, 11), (30, 3)])  # an odd K; an even K in odd groups
+def test_odd_lengths_keep_one_4bit_code_per_byte(tmp_path, k, g):
+    """Where two codes per byte would not fit (an odd K, or a byte across two groups) the
+    codes stay int8, one per byte, and every path reads them: the integer path at one
+    and at many rows against the simulated one, and files (an int4 cache whose head
+    dimension is odd: tests/test_kvcache.py)."""
+    rng = np.random.default_rng(1)
+    p = {"w": jnp.asarray(rng.standard_normal((k, 10)) * 0.2, jnp.float32)}
+    for recipe in (jqt.recipes.w4(group_size=g), jqt.recipes.w4a8(group_size=g),
+                   jqt.recipes.nf4(group_size=g)):
+        xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for m in (1, 4, 20)]
+        qp = jqt.calibrate(dense, recipe, p, [(x,) for x in xs], progress=False)
+        assert qp["w"].rhs.qtype.group_size == g
+        packed = jqt.pack(qp, p)
+        w = packed.weights["w"]
+        assert w.values.dtype == np.int8 and k in w.values.shape and not w.nibbles
+        jqt.save_packed(tmp_path / "odd.safetensors", packed, qp)
+        loaded = jqt.load_packed(tmp_path / "odd.safetensors")
+        for x in xs:
+            sim = jqt.quantize(dense, qp, simulate=True)(p, x)
+            out = jax.jit(jqt.quantize(dense, qp))(packed, x)
+            np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(jax.jit(jqt.quantize(dense, qp))(loaded, x), out)
+    # a damaged file: an even K without groups stored one code per byte is refused
+    qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=None), P, [(X,)], progress=False)
+    bad = jqt.pack(qp, P)
+    w = bad.weights["w"]
+    bad.weights["w"] = dataclasses.replace(w, values=unpack_nibbles(w.values, 0))
+    jqt.save_packed(tmp_path / "bad.safetensors", bad, qp)
+    with pytest.raises(jqt.FormatError, match="stores uint8 codes"):
+        jqt.load_packed(tmp_path / "bad.safetensors")
+
+
 def test_nibbles_round_trip():
     q = jnp.asarray(RNG.integers(-8, 8, (5, 6, 4)), jnp.int8)
     for axis in range(3):

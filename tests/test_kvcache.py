@@ -3,6 +3,7 @@ quantized on the integer path, simulated on the float path, and the function is
 otherwise unchanged."""
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,20 @@ def test_integer_matches_simulated(setup, kind, fn):
     # and the result stays close to float (int4 coarsest)
     rel = float(jnp.linalg.norm(y_int - y_f) / jnp.linalg.norm(y_f))
     assert rel < {True: 0.03, "int4": 0.15, "fp8": 0.05}[kind]
+
+
+def test_int4_cache_with_an_odd_head_dimension(monkeypatch):
+    """Head vectors of odd length do not pack two codes per byte: the int4 cache keeps
+    one int8 code per byte, and the integer path still follows the simulated one."""
+    monkeypatch.setattr(sys.modules[__name__], "DH", 7)
+    p = _params()
+    cal = [(jax.random.randint(jax.random.key(20), (B, 8), 0, V),)]
+    qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="int4"), p, cal, progress=False)
+    carried = _carry_avals(jqt.quantize(teacher, qp), p, cal[0][0])
+    assert [a.shape for a in carried if a.dtype == jnp.int8] == [(L, B, T, H, 7)] * 2
+    y_int = jax.jit(jqt.quantize(teacher, qp))(p, *cal[0])
+    y_sim = jax.jit(jqt.quantize(teacher, qp, simulate=True))(p, *cal[0])
+    np.testing.assert_allclose(y_int, y_sim, atol=2e-4 * float(jnp.abs(y_sim).max()), rtol=1e-4)
 
 
 def test_collected_outputs_are_not_a_cache(setup):

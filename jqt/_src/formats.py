@@ -157,8 +157,24 @@ class QuantType:
 
     @property
     def packs_nibbles(self) -> bool:
-        """Whether :func:`jqt.pack` stores two codes per byte (4 bits or fewer)."""
+        """Whether :func:`jqt.pack` stores two codes per byte (4 bits or fewer), where
+        :meth:`nibbles_fit` the axis they are packed along."""
         return self.bits <= 4 and self.kind != "float"
+
+    def nibbles_fit(self, n: int) -> bool:
+        """Whether codes along an axis of length ``n`` are stored two per byte: an even
+        length, and groups of an even size, so that no byte holds codes of two groups.
+        Otherwise they stay one int8 code per byte.
+
+        >>> import jqt
+        >>> t = jqt.QuantType(bits=4, group_size=32)
+        >>> t.nibbles_fit(64), t.nibbles_fit(33)
+        (True, False)
+        >>> jqt.QuantType(bits=4, group_size=3).nibbles_fit(30)
+        False
+        """
+        g = self.group_size
+        return self.packs_nibbles and n % 2 == 0 and not (g and g % 2)
 
     @property
     def qmin(self):

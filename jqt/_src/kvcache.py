@@ -98,7 +98,7 @@ def encode(x, qtype) -> QArray:
     """A float buffer ``x`` as a cache :class:`jqt.QArray` (codes and scales)."""
     s = scales(x, qtype)
     v = nx.quantize(x, s.astype(_F32), None, qtype)
-    if qtype.packs_nibbles:
+    if qtype.nibbles_fit(v.shape[-1]):  # else (an odd last axis) one int8 code per byte
         v = pack_nibbles(v, v.ndim - 1)
     return QArray(values=v, scale=s, qtype=qtype, layout="cache")
 
@@ -106,7 +106,7 @@ def encode(x, qtype) -> QArray:
 def codes(c: QArray, dtype):
     """The cache's codes as numbers of ``dtype`` (unpacked, decoded), without the scale."""
     v = c.values
-    if c.qtype.packs_nibbles:
+    if c.nibbles:
         v = unpack_nibbles(v, v.ndim - 1)
     return nx.decode(v, c.qtype.grid).astype(dtype)
 

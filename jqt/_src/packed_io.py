@@ -304,13 +304,16 @@ def _fp8_values(r, where, values, name, qtype):
 
 def _values_dtypes(w):
     """The dtypes a packed weight's codes can have: its type's storage, or uint8 for two
-    codes of 4 bits per byte (always in "nk" and "kn"; for a lookup table when its rows
-    are of even length)."""
+    codes of 4 bits per byte (in "nk" and "kn" where ``QuantType.nibbles_fit`` K, one
+    int8 code per byte otherwise; for a lookup table when its rows fit)."""
     q = w.qtype
     if not q.packs_nibbles:
         return (q.storage,)
     nibbles, codes = np.dtype(np.uint8), np.dtype(np.int8)
-    return (nibbles,) if w.layout in ("nk", "kn") else (codes, nibbles)
+    if w.layout in ("nk", "kn") and w.values is not None and w.values.ndim >= 2:
+        k = w.values.shape[-1 if w.layout == "nk" else -2]
+        return (codes,) if w.values.dtype == codes and not q.nibbles_fit(k) else (nibbles,)
+    return (codes, nibbles)
 
 
 def _check_weight(r, where, w):

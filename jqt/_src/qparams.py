@@ -73,9 +73,11 @@ class QArray:
       ``dot_general`` weight with no batch axes, 2-D ``"nk"`` (output features x
       contracted, for int8 x int8 matmuls) or ``"kn"`` (weight-only); stacked
       layers keep their leading axes. Codes of 4 bits or fewer are stored two
-      per byte (uint8) along the contracted axis. ``sums`` is the int32 sum of
-      the codes over the contracted axes (per group for grouped scales), for the
-      zero-point correction of asymmetric activations.
+      per byte (uint8) along the contracted axis where it fits
+      (:meth:`jqt.QuantType.nibbles_fit`), else one int8 code per byte.
+      ``sums`` is the int32 sum of the codes over the contracted axes (per group
+      for grouped scales), for the zero-point correction of asymmetric
+      activations.
 
     ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
     that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.

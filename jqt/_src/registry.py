@@ -115,7 +115,7 @@ class Contraction:
             # grouped: the kernel sums each group itself (experts.py)
             wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
                            dtype=_I32) if sums and not g else None
-            if self.name == "dot_general" and q.qtype.packs_nibbles and qv.shape[-1] % 2 == 0:
+            if self.name == "dot_general" and q.qtype.nibbles_fit(qv.shape[-1]):
                 qv = pack_nibbles(qv, qv.ndim - 1)  # read packed by experts.py (unpacked by
                 # intdot.to_operand elsewhere)
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
@@ -130,7 +130,7 @@ class Contraction:
             wsum = jnp.sum(q2.reshape(split), axis=kdim + 1, dtype=_I32)
         elif sums:
             wsum = jnp.sum(q2, axis=kdim, dtype=_I32)
-        if q.qtype.packs_nibbles:
+        if q.qtype.nibbles_fit(q2.shape[kdim]):  # else one int8 code per byte
             q2 = pack_nibbles(q2, kdim)
         return dataclasses.replace(q, values=q2, sums=wsum, layout=layout)
 
@@ -191,7 +191,7 @@ class Gather:
         gaxis = src.contract[-1] if src.contract else None
         qv = _quantize_weight(operand, q, gaxis, depth)
         last = qv.ndim - 1
-        if q.qtype.packs_nibbles and gaxis is not None and gaxis + depth == last and qv.shape[last] % 2 == 0:
+        if gaxis is not None and gaxis + depth == last and q.qtype.nibbles_fit(qv.shape[last]):
             qv = pack_nibbles(qv, last)
         return dataclasses.replace(q, values=qv, sums=None, layout="operand")
 

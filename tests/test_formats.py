@@ -138,6 +138,19 @@ def test_odd_lengths_keep_one_4bit_code_per_byte(tmp_path, k, g):
         jqt.load_packed(tmp_path / "bad.safetensors")
 
 
+@pytest.mark.parametrize("act", [None, jqt.QuantType(dtype="float8_e4m3fn")])
+def test_fp8_weights_in_groups_from_float_params(act):
+    """fp8 weights with group scales on the integer path from float weights (quantized as
+    the function runs) and from packed ones, against the simulated path."""
+    recipe = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn", group_size=64),
+                                        activation=act),))
+    qp = jqt.calibrate(dense, recipe, P, [(X,)], progress=False)
+    assert qp["w"].rhs.scale.shape == (K // 64, N)
+    sim = jqt.quantize(dense, qp, simulate=True)(P, X)
+    for w in (P, jqt.pack(qp, P)):
+        np.testing.assert_allclose(jqt.quantize(dense, qp)(w, X), sim, rtol=1e-5, atol=1e-5)
+
+
 def test_nibbles_round_trip():
     q = jnp.asarray(RNG.integers(-8, 8, (5, 6, 4)), jnp.int8)
     for axis in range(3):

@@ -248,6 +248,20 @@ def test_fallback_to_int16_activations(digits):
     assert _leaves_equal(again, result.qparams)
 
 
+@pytest.mark.parametrize("recipe,weight,act", [
+    (jqt.recipes.nf4(group_size=8), "nf4 sym g8", "float"),
+    (jqt.recipes.w4a8(group_size=8), "int4 sym g8", "int8 asym per-tensor"),
+    (jqt.recipes.fp8(), "float8_e4m3fn sym per-channel", "float8_e4m3fn sym per-tensor")])
+def test_rows_name_the_format(recipe, weight, act):
+    """The rows give each op's format as the qparams have it: the dtype and the groups."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)), jnp.float32)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    row, = jqt.report(f, qp, p, (x,)).rows
+    assert (row.weight, row.activation) == (weight, act)
+
+
 def test_int4_per_tensor_weights_diagnosed_and_repaired(digits):
     params, calib, metric = digits["params"], digits["calib"], digits["metric"]
     qp = jqt.calibrate(mlp, W4_PER_TENSOR, params, calib, progress=False)

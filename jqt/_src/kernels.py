@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, experts, gemv, intdot, native, patches
+from . import compat, dense, experts, gemv, groups, intdot, native, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -98,12 +98,20 @@ def conv(x_op, w_op, params, eqn):
 
 def _fp8_generic(site, eqn, ops):
     """fp8 x fp8 (or fp8 weight x float) on the generic path: the fp8 values upcast to
-    float32 (exact), the float op, then the scales."""
+    float32 (exact), the float op, then the scales. A weight with group scales (which
+    vary along the contraction) is scaled before the op, as the simulated path does."""
     w = site.weight_operand
     vals = [nx.decode(op.values, op.qtype.grid) if isinstance(op, QArray) else op for op in ops]
+    grouped = [False] * len(ops)
+    for i, op in enumerate(ops):
+        gaxes = [d for d, (a, b) in enumerate(zip(jnp.shape(op.scale), vals[i].shape))
+                 if a not in (1, b)] if isinstance(op, QArray) and op.qtype.group_size else []
+        if gaxes:  # several groups along the contraction
+            vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, gaxes[0])
+            grouped[i] = True
     out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
     for i, op in enumerate(ops):
-        if isinstance(op, QArray):
+        if isinstance(op, QArray) and not grouped[i]:
             s = op.scale.astype(_F32)
             if site.op == "dot_general":
                 out = out * to_out_dot(s, i, eqn.params["dimension_numbers"],

@@ -153,7 +153,7 @@ class OpReport:
     op: str
     weight_shape: tuple
     act_shape: tuple
-    weight: str            # the weight type, e.g. "int8 sym per-channel", or "float"
+    weight: str            # the weight type, e.g. "int8 sym per-channel", "nf4 sym g64", or "float"
     activation: str
     weight_scale: tuple    # (min, max) of the weight scales, or None
     act_scale: Optional[float]
@@ -250,11 +250,11 @@ def _db(v):
 
 
 def _short(q):
+    """The type's text (``QuantType.describe``), "dynamic" shortened: "nf4 sym g64",
+    "float8_e4m3fn sym per-tensor", "int8 asym per-channel dyn"."""
     if q is None:
         return "float"
-    t = q.qtype
-    return (f"int{t.bits} {'sym' if t.symmetric else 'asym'} "
-            f"{'per-channel' if t.per_channel else 'per-tensor'}{' dyn' if t.dynamic else ''}")
+    return q.qtype.describe().replace(" dynamic", " dyn")
 
 
 def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:

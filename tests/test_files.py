@@ -278,6 +278,18 @@ def test_a_save_keeps_the_file_mode_and_writes_through_a_link(tmp_path, models):
     assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "qp.safetensors"]
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_save_into_a_missing_folder_or_onto_a_folder_names_the_path(tmp_path, models, kind):
+    name, save, _, objects = KINDS[kind]
+    obj = objects(models)[0]
+    missing = tmp_path / "missing" / name
+    with pytest.raises(FileNotFoundError, match=r"missing.*does not exist\. Create it first"):
+        save(str(missing), obj)
+    with pytest.raises(IsADirectoryError, match="it is a folder"):
+        save(str(tmp_path), obj)
+    assert os.listdir(tmp_path) == []  # no temporary file left
+
+
 # ============================================================ loads checked: targeted cases
 
 

@@ -289,6 +289,21 @@ def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     assert float(jnp.abs(y - ref).max()) <= 6e38 / 255 * 4e-3
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2), jqt.recipes.fp8()])
+def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
+    """A non-finite weight would give a NaN or infinite scale: calibrate names the op and
+    the weight, and the rule it suggests keeps that op float."""
+    p = {"a": jnp.ones((4, 4)) * 0.1, "b": jnp.ones((4, 2)).at[1, 1].set(bad)}
+    f = lambda p, x: jnp.tanh(x @ p["a"]) @ p["b"]
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=r"op 'b' .*weight 'b'.*NaN or inf.*Rule\(key='\^b\$', weight=None\)"):
+        jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    keep = jqt.Recipe(rules=(jqt.Rule(key="^b$", weight=None),) + recipe.rules)
+    qp = jqt.calibrate(f, keep, p, [(x,)], progress=False)
+    assert qp["b"].is_float and not qp["a"].is_float
+
+
 # ---- calibration batches that carry non-array values -------------------------------------------
 
 W = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)), jnp.float32)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -354,6 +355,8 @@ def _decide(site, rule, st):
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate?); it stays float. Add calibration data that "
              "reaches it.")
+    if st is not None and st.weight is not None:
+        _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
         warnings.warn(never, stacklevel=3)
         return float_("never reached during calibration")
@@ -391,6 +394,20 @@ def _decide(site, rule, st):
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
+
+
+def _check_weight_finite(site, lo, hi):
+    """Raises if the weight's observed range holds NaN or inf (a range never observed is
+    ``[inf, -inf]``: an op that did not run, which warns instead)."""
+    seen = ~((lo == np.inf) & (hi == -np.inf))
+    if (seen & ~(np.isfinite(lo) & np.isfinite(hi))).any():
+        src = site.source
+        name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
+        raise ValueError(
+            f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') reads "
+            f"{name}, which holds NaN or inf values: its scale would not be finite. Fix the "
+            f"weight, or keep the op float with a rule ahead of the others, "
+            f"jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
 
 
 def _narrow(site, rule, p):

@@ -363,6 +363,13 @@ def atomic_write(path, write_to) -> None:
     disk, an interrupt), ``path`` keeps its old content and the temporary file is removed.
     A symbolic link is written through (its target is replaced)."""
     target = os.path.realpath(os.fspath(path))
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"jqt: cannot write {os.fspath(path)!r}: it is a folder. Give a file "
+                                "name in it, e.g. os.path.join(folder, 'model.safetensors').")
+    if not os.path.isdir(os.path.dirname(target)):
+        raise FileNotFoundError(f"jqt: cannot write {os.fspath(path)!r}: its folder "
+                                f"{os.path.dirname(target)!r} does not exist. Create it first "
+                                "(os.makedirs(folder, exist_ok=True)).")
     tmp = _create_temp(target)
     try:
         write_to(tmp)

@@ -161,6 +161,12 @@ def test_policy_table():
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
+    # each field's type and range is checked where the policy is made
+    for bad, err in [(dict(weight_only_digits=-1), ValueError), (dict(gemv_rows=2.5), ValueError),
+                     (dict(pad_rows=0), ValueError), (dict(native_gemv_rows=True), ValueError),
+                     (dict(weight_only_kn=1), TypeError)]:
+        with pytest.raises(err, match=f"KernelPolicy\\({next(iter(bad))}="):
+            jqt.KernelPolicy(**bad)
 
 
 def test_weight_only_int8_runs_in_the_layout_it_was_packed_in():

@@ -244,6 +244,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             "transforms, then the ranges on the transformed operands); pass a sequence (a list "
             f"or tuple of batches), not a {type(batches).__name__}.")
     st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
+    _warn_unmatched(last["traced"].sites(), recipe)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -265,6 +266,29 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                                                tf)[key]
         decided[key] = qparams[key]
     return qparams
+
+
+def _warn_unmatched(sites, recipe):
+    """Warns of ops that no rule matches (they stay float) and of rules with a ``key``
+    of their own that decide no op (a typo in the pattern, or an earlier rule takes
+    every op it matches)."""
+    chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
+    keys = sorted(chosen)
+    listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
+    unmatched = [k for k in keys if chosen[k] is None]
+    if unmatched:
+        warnings.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
+                      f"stay float: {listed(unmatched)}. Add a rule for them (a last "
+                      "jqt.Rule(key='.*', ...)) if they should be quantized.", stacklevel=3)
+    used = {id(r) for r in chosen.values() if r is not None}
+    for i, r in enumerate(recipe.rules):
+        if r.key != ".*" and id(r) not in used:
+            shadowed = any(r.matches(s.op, s.key) for s in sites)
+            why = ("every op it matches is taken by an earlier rule; move it ahead of them" if shadowed
+                   else f"its key matches none of the op keys ({listed(keys)}); check the pattern "
+                   "(jqt.summarize lists the keys)")
+            warnings.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.",
+                          stacklevel=3)
 
 
 def with_transforms(qparams, transforms):

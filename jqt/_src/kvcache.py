@@ -18,9 +18,12 @@ the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
 * the simulated path keeps float buffers holding exactly the values the cache
   would decode to (:func:`fake_quant` on entry and at every write).
 
-Scales are ``absmax / amax_code`` rounded *up* to float16 (so the largest
-value never clips) and kept within float16's normal range: a vector whose
-absolute maximum is below ``2**-14 * amax_code`` gets steps of ``2**-14``.
+Scales are ``absmax / amax_code`` rounded to the nearest float16 (the largest
+value takes the largest code, and encoding a decoded cache again changes
+nothing) and kept within float16's normal range ``[2**-14, 65504]``: a vector
+whose absolute maximum is below ``2**-14 * amax_code`` gets steps of
+``2**-14``, and values beyond ``65504 * amax_code`` (8.3e6 for int8, 4.6e5 for
+int4, 2.9e7 for e4m3) clip.
 """
 from __future__ import annotations
 
@@ -88,10 +91,21 @@ def is_cache(x) -> bool:
 
 
 def scales(x, qtype):
-    """One float16 scale per vector along the last axis of ``x`` (keepdims)."""
+    """One float16 scale per vector along the last axis of ``x`` (keepdims):
+    ``absmax / amax_code`` rounded to the nearest float16. The largest value takes the
+    largest code (clipped by at most ``2**-11`` of itself, far less than half a step).
+    Encoding a decoded cache again gives the same codes and scales (its absmax is
+    ``amax_code * scale`` to within float32 rounding, which rounds back to the same
+    float16), so a loop that re-enters or rewrites a cache does not drift.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.array([[0.3, -1.7, 0.01]])
+    >>> s = scales(x, INT8); again = jnp.round(x / s) * s.astype(jnp.float32)
+    >>> bool((scales(again, INT8) == s).all()), bool((scales(again * (1 + 2**-20), INT8) == s).all())
+    (True, True)
+    """
     amax = jnp.max(jnp.abs(lax.stop_gradient(x).astype(_F32)), axis=-1, keepdims=True)
-    s = amax / qtype.amax_code * (1.0 + 2.0 ** -10)  # rounding up: the largest value never clips
-    return jnp.clip(s, _TINY, _HUGE).astype(SCALE_DTYPE)
+    return jnp.clip(amax / qtype.amax_code, _TINY, _HUGE).astype(SCALE_DTYPE)
 
 
 def encode(x, qtype) -> QArray:

@@ -190,6 +190,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -377,6 +378,26 @@ class KernelPolicy:
     reduce_rows: int = 0
     native_int8_rows: int = 0
     weight_only_kn: bool = False
+
+    def __post_init__(self):
+        """Each field's type and range: flags are bools, counts ints >= 0 (``pad_rows`` >= 1).
+
+        >>> import jqt
+        >>> jqt.KernelPolicy(gemv_rows=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: KernelPolicy(gemv_rows=-1): expected an int >= 0 (0 turns it off).
+        """
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in (bool, "bool"):
+                if not isinstance(v, (bool, np.bool_)):
+                    raise TypeError(f"KernelPolicy({f.name}={v!r}): expected True or False.")
+                continue
+            low = 1 if f.name == "pad_rows" else 0
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"KernelPolicy({f.name}={v!r}): expected an int >= {low}"
+                                 + (" (0 turns it off)." if low == 0 else "."))
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and

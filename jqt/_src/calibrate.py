@@ -280,6 +280,14 @@ def _warn_unmatched(sites, recipe):
         warnings.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
                       f"stay float: {listed(unmatched)}. Add a rule for them (a last "
                       "jqt.Rule(key='.*', ...)) if they should be quantized.", stacklevel=3)
+    wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
+    if wants_cache and not any(s.entry.is_cache for s in sites):
+        warnings.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
+                      f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
+                      "that it writes whole vectors into: every buffer stays float. "
+                      "docs/generate.md lists the cache patterns jqt finds and those it does not "
+                      "(a jax.vmap inside f, a cache masked with jnp.where after the write).",
+                      stacklevel=3)
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
         if r.key != ".*" and id(r) not in used:

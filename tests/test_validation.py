@@ -289,6 +289,28 @@ def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     assert float(jnp.abs(y - ref).max()) <= 6e38 / 255 * 4e-3
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic(), jqt.recipes.fp8(),
+                                    jqt.recipes.w4a8(group_size=8)])
+def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe):
+    """Each formulation multiplies the activation's scale in before the weight's decoded
+    magnitudes meet the codes (or the two scales together): integer outputs stay finite
+    where the float and simulated ones are, at few rows (the native kernels) and many,
+    under the CPU table and the default policy, per matmul and per expert."""
+    rng = np.random.default_rng(0)
+    dense = lambda p, x: x @ p["w"]
+    experts = lambda p, x: jnp.einsum("emk,ekn->emn", x, p["w"])
+    for f, w, xshape in [(dense, (16, 8), (None, 16)), (experts, (2, 16, 8), (2, None, 16))]:
+        p = {"w": jnp.asarray(rng.standard_normal(w) * 0.1, jnp.float32).at[..., 0, 0].set(1e37)}
+        for m in (1, 80):  # a native kernel's rows; many rows
+            x = jnp.asarray(rng.standard_normal(tuple(m if d is None else d for d in xshape)), jnp.float32)
+            qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+            sim = jqt.quantize(f, qp, simulate=True)(p, x)
+            assert np.isfinite(np.asarray(sim)).all()
+            for policy in (jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy()):
+                y = jqt.quantize(f, qp, policy=policy)(jqt.pack(qp, p, policy=policy), x)
+                np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2), jqt.recipes.fp8()])
 def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):

@@ -274,6 +274,7 @@ def int_dense_grouped(ax, x, w, policy):
     k = w.values.shape[kd] * step
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
     scale = w.scale.astype(_F32)
+    sx = ax.act_vec(x.scale.astype(_F32))  # multiplies the group scales first (no overflow)
     per_group = (lambda a, g: a[:, g]) if kd == 1 else (lambda a, g: a[g])  # (N, G) or (G, N)
     out = 0.0
     for g in range(k // gs):
@@ -289,8 +290,8 @@ def int_dense_grouped(ax, x, w, policy):
             acc = acc - per_group(zw, g) * jnp.sum(xg, axis=1, keepdims=True, dtype=_I32)
             if zx is not None:
                 acc = acc + zx * per_group(zw, g) * gs
-        out = out + acc.astype(_F32) * per_group(scale, g)
-    return out * ax.act_vec(x.scale.astype(_F32))
+        out = out + acc.astype(_F32) * (sx * per_group(scale, g))
+    return out
 
 
 def int_grouped_as_float(ax, x, w, policy):
@@ -300,7 +301,24 @@ def int_grouped_as_float(ax, x, w, policy):
     rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped`
     up to float rounding; beyond a few rows one matmul per chunk beats a small one per
     group (:func:`grouped_as_float`)."""
-    return weight_only_2d(float_codes(ax, x), w, policy, None) * ax.act_vec(x.scale.astype(_F32))
+    lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))  # no overflow the real op has not
+    return weight_only_2d(float_codes(ax, x) * lo, w, policy, None) * hi
+
+
+def split_scale(sx):
+    """An activation's scale -> ``(lo, hi)`` with ``lo * hi == sx``: ``lo = min(sx, 1)``
+    multiplies the codes before a matmul with a decoded (scaled) weight, ``hi`` its
+    output. Every intermediate then stays within the real products' magnitude, whether
+    the activation's scale or the weight's is near float32's maximum (codes times a
+    decoded weight overflow for the one, codes times the activation's scale times a
+    weight's codes for the other); ``hi`` is exactly 1 below 1.
+
+    >>> import jax.numpy as jnp
+    >>> [v.tolist() for v in split_scale(jnp.array([0.25, 4.0]))]
+    [[0.25, 1.0], [1.0, 4.0]]
+    """
+    lo = jnp.minimum(sx, 1.0)
+    return lo, sx / lo
 
 
 def float_codes(ax, x):
@@ -320,9 +338,9 @@ def fp8_dense(ax, x, w, policy):
     if policy.fp8_native:
         dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
-        return out * ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32)
-    out = weight_only_2d(nx.decode(x2, x.qtype.grid), w, policy, None)
-    return out * ax.act_vec(x.scale.astype(_F32))
+        return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
+    lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))  # as in int_grouped_as_float
+    return weight_only_2d(nx.decode(x2, x.qtype.grid) * lo, w, policy, None) * hi
 
 
 def chunk_size(k, target, multiple=1):

@@ -135,13 +135,16 @@ def _grouped_axes(eqn, w):
 
 
 def _float_act(x):
-    """An activation operand -> (float32 values, its scale or ``None``): int codes minus
-    the rounded zero point and fp8 codes upcast (both exact); a float one as it is."""
+    """An activation operand -> (float32 values, the factor left for the output or
+    ``None``): int codes minus the rounded zero point and fp8 codes upcast (both exact),
+    times the part of their scale below 1 (``dense.split_scale``: no intermediate
+    overflows that the real products do not); a float one as it is."""
     if not isinstance(x, QArray):
         return x, None
     qx, sx, zx, _ = operand_tuple(x)  # fp8 activation codes come decoded
     xf = qx.astype(_F32) - (0 if zx is None else jnp.round(zx.astype(_F32)))
-    return xf, sx.astype(_F32)
+    lo, hi = dense.split_scale(sx.astype(_F32))
+    return xf * lo, hi
 
 
 def decoded_whole(site, eqn, ops):

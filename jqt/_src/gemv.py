@@ -135,16 +135,18 @@ def int_grouped(ax, x, w, policy):
     ``(M, N)``: :func:`group_sums` with the activation's zero point, times its scale."""
     qx2 = ax.act_2d(x.values)
     zx = None if x.zero_point is None else jnp.round(ax.act_vec(x.zero_point)).astype(_I32)
-    return group_sums(qx2, zx, w, policy) * ax.act_vec(x.scale.astype(_F32))
+    return group_sums(qx2, zx, w, policy, ax.act_vec(x.scale.astype(_F32)))
 
 
-def group_sums(c, zx, w, policy):
+def group_sums(c, zx, w, policy, row_scale=None):
     """``sum_g scale[g, n] * sum_{k in g} (c[m, k] - zx[m]) (q[k, n] - zw[g, n])`` in float32
     ``(M, N)`` for a ``"kn"`` weight with one scale per group of K: the int32 partial sums
     of all groups from one ``dot_general`` batched over the groups (``(K, N)`` codes are
     ``(G, gs, N)`` as they lie), each with its zero-point corrections, then scaled and
     summed over the groups. The activation's rows are stacked per group without a
-    transpose (XLA:CPU's int8 matmul takes row-major operands only).
+    transpose (XLA:CPU's int8 matmul takes row-major operands only). ``row_scale`` (the
+    activation's scale, ``(M, 1)`` or scalar) multiplies the group scales first: the
+    partial sums times one scale near float32's maximum could overflow.
     """
     nib = w.nibbles
     gs, step = w.qtype.group_size, (2 if nib else 1)
@@ -167,4 +169,7 @@ def group_sums(c, zx, w, policy):
         acc = acc - zw * jnp.sum(c.reshape(m, g, gs), axis=2, dtype=_I32).T[:, :, None]
         if zx is not None:
             acc = acc + zx[None] * zw * gs
-    return jnp.sum(acc.astype(_F32) * w.scale.astype(_F32)[:, None, :], axis=0)
+    scale = w.scale.astype(_F32)[:, None, :]
+    if row_scale is not None:
+        scale = scale * row_scale
+    return jnp.sum(acc.astype(_F32) * scale, axis=0)

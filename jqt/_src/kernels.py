@@ -110,17 +110,17 @@ def _fp8_generic(site, eqn, ops):
             vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, gaxes[0])
             grouped[i] = True
     out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
+    factor = None  # the scales' product first (the accumulator times one scale can overflow)
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:
             s = op.scale.astype(_F32)
             if site.op == "dot_general":
-                out = out * to_out_dot(s, i, eqn.params["dimension_numbers"],
-                                        [v.ndim for v in vals])
+                s = to_out_dot(s, i, eqn.params["dimension_numbers"], [v.ndim for v in vals])
             else:
                 nd = eqn.outvars[0].aval.ndim
-                out = out * (_out_channel(s, eqn.params, nd) if i == w else
-                             _out_batch(s, eqn.params, nd))
-    return out
+                s = _out_channel(s, eqn.params, nd) if i == w else _out_batch(s, eqn.params, nd)
+            factor = s if factor is None else factor * s
+    return out if factor is None else out * factor
 
 
 def run(site, eqn, ops, policy):
@@ -172,9 +172,9 @@ def run(site, eqn, ops, policy):
     int_act = isinstance(x_op, QArray)
     if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"):
         stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
-        if int_act:  # the exact codes as floats, the activation's scale after
-            out2 = native.dense_rows(dense.float_codes(ax, x_op), w2, policy, stack)
-            out2 = out2 * ax.act_vec(x_op.scale.astype(jnp.float32))
+        if int_act:  # the codes as floats, the activation's scale split around the kernel
+            lo, hi = dense.split_scale(ax.act_vec(x_op.scale.astype(jnp.float32)))
+            out2 = native.dense_rows(dense.float_codes(ax, x_op) * lo, w2, policy, stack) * hi
         else:
             out2 = native.dense_rows(ax.act_2d(x_op), w2, policy, stack)
     elif not int_act:

@@ -557,3 +557,45 @@ def test_packed_weights_of_another_format_and_params_of_another_shape_are_refuse
     with pytest.raises(jqt.QParamsMismatchError,
                        match=r"jqt.pack: op 'w': weight 'w' has shape \(4, 4\), which its scale of shape \(2, 4\)"):
         jqt.pack(q4, {"w": p["w"][:4]})
+
+
+# ---- recipes: wrong types, rules that decide nothing, empty ranges -----------------------------
+
+def test_recipe_arguments_of_the_wrong_type_are_refused():
+    with pytest.raises(TypeError, match=r"Rule\(weight='int8'\): expected a jqt.QuantType"):
+        jqt.Rule(weight="int8")
+    with pytest.raises(ValueError, match=r"QuantType\(group_size=True\)"):
+        jqt.QuantType(bits=4, group_size=True)
+    with pytest.raises(TypeError, match=r"embeddings='int4': expected True"):
+        jqt.recipes.w8(embeddings="int4")
+    # the cache names the presets take, on a rule too
+    assert jqt.Rule(kv_cache="int4").kv_cache == jqt.recipes.w8(kv_cache="int4").rules[0].kv_cache
+    assert jqt.Rule(kv_cache=False).kv_cache is None
+
+
+def _messages(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught]
+
+
+def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
+    p = {"w1": jnp.ones((4, 4)), "w2": jnp.ones((4, 2))}
+    f = lambda p, x: (x @ p["w1"]) @ p["w2"]
+    cal = lambda r: jqt.calibrate(f, jqt.Recipe(rules=r), p, [(jnp.ones((2, 4)),)], progress=False)
+    w8 = jqt.recipes.w8().rules[0]
+    typo = _messages(lambda: cal((dataclasses.replace(w8, key="^W1$"),)))
+    assert any("no rule of the recipe matches 2 op(s)" in m and "'w1', 'w2'" in m for m in typo)
+    assert any("rule 0 (Rule(key='^W1$')) decides no op: its key matches none" in m for m in typo)
+    shadowed = _messages(lambda: cal((w8, dataclasses.replace(w8, key="w1", weight=None))))
+    assert [m for m in shadowed if "rule 1" in m and "taken by an earlier rule" in m]
+    assert not [m for m in _messages(lambda: cal((dataclasses.replace(w8, key="w1", weight=None), w8)))
+                if "rule" in m]
+
+
+def test_an_activation_that_was_zero_on_every_batch_is_said():
+    p = {"w": jnp.ones((8, 4))}
+    f = lambda p, x: x @ p["w"]
+    msgs = _messages(lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.zeros((2, 8)),)], progress=False))
+    assert any("op 'w'" in m and "was 0 on every calibration batch" in m for m in msgs)

@@ -406,11 +406,16 @@ def _decide(site, rule, st):
                           "position of the others (finer than asked: more scales). Pick a group "
                           f"size that divides {eff.group_size}, or a Rule for this key.", stacklevel=3)
         else:
-            why = (f"a {site.op} weight takes no groups" if ax is None else
-                   f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
-                   f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
-            warnings.warn(f"{cannot} ({why}); it gets one scale per output channel. Pick a group "
-                          "size that divides it, or a Rule for this key.", stacklevel=3)
+            if ax is None:
+                why, fix = (f"a {site.op} weight takes no groups", "A rule ahead of the preset's "
+                            f"for these ops, jqt.Rule(ops=({site.op!r},), weight=jqt.QuantType("
+                            f"bits={wt.bits}, per_channel=True), ...), says so without a warning.")
+            else:
+                why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
+                       f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
+                fix = "Pick a group size that divides it, or a Rule for this key."
+            warnings.warn(f"{cannot} ({why}); it gets one scale per output channel. {fix}",
+                          stacklevel=3)
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)
@@ -423,6 +428,13 @@ def _decide(site, rule, st):
             if not np.isfinite(lo).all():
                 warnings.warn(never, stacklevel=3)
                 return float_("never reached during calibration")
+            if not (np.asarray(lo) != 0).any() and not (np.asarray(hi) != 0).any():
+                warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op} at "
+                              f"'{site.name_stack or '<top>'}'): its activation was 0 on every "
+                              "calibration batch, so its static range is empty and any other "
+                              "input clips to it. Calibrate on data that reaches it with real "
+                              "values, or use dynamic activations (jqt.recipes.w8a8_dynamic()).",
+                              stacklevel=3)
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))

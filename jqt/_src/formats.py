@@ -128,7 +128,7 @@ class QuantType:
             raise ValueError(
                 f"QuantType(bits={self.bits}, symmetric=False): types wider than 8 bits are "
                 "symmetric (zero point 0, as TFLite's int16 activations); set symmetric=True.")
-        if not isinstance(self.group_size, int) or self.group_size < 0:
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 0:
             raise ValueError(f"QuantType(group_size={self.group_size!r}): expected 0 (no groups) "
                              "or a positive group length such as 128.")
         if self.group_size:

@@ -101,6 +101,15 @@ class Rule:
         bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
         if bad:
             raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")
+        if self.kv_cache is not None and not isinstance(self.kv_cache, QuantType):
+            # the names the presets take (kv_cache=True, "int4", "fp8", ...); False: float
+            object.__setattr__(self, "kv_cache", kvcache.cache_type(self.kv_cache))
+        for name in ("weight", "activation", "act_x_act", "embedding", "kv_cache"):
+            t = getattr(self, name)
+            if t is not None and not isinstance(t, QuantType):
+                raise TypeError(f"Rule({name}={t!r}): expected a jqt.QuantType (e.g. "
+                                "jqt.QuantType(bits=8) or jqt.QuantType(dtype='nf4', group_size=64)) "
+                                "or None; the presets in jqt.recipes build them.")
         if self.activation is not None and self.weight is None:
             raise ValueError(
                 "Rule(activation=..., weight=None): an integer kernel needs both operands as "
@@ -266,6 +275,10 @@ def _int_weight(bits, group_size, per_channel=True, symmetric=True):
 
 def _embedding(embeddings, bits, group_size=0):
     """Per-row (or per-group) symmetric tables for every gather, or ``None``."""
+    if not isinstance(embeddings, bool):
+        raise TypeError(f"embeddings={embeddings!r}: expected True (the preset's table type) or "
+                        "False (float lookups); for another type put a rule ahead of the "
+                        "preset's, jqt.Rule(ops=('gather',), embedding=jqt.QuantType(...)).")
     return _int_weight(bits, group_size) if embeddings else None
 
 

@@ -301,7 +301,7 @@ def int_grouped_as_float(ax, x, w, policy):
     rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped`
     up to float rounding; beyond a few rows one matmul per chunk beats a small one per
     group (:func:`grouped_as_float`)."""
-    lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))  # no overflow the real op has not
+    w, lo, hi = _act_scale_around(ax, x, w)  # no overflow the real op has not
     return weight_only_2d(float_codes(ax, x) * lo, w, policy, None) * hi
 
 
@@ -319,6 +319,17 @@ def split_scale(sx):
     """
     lo = jnp.minimum(sx, 1.0)
     return lo, sx / lo
+
+
+def _act_scale_around(ax, x, w):
+    """:func:`split_scale` of the activation's scale for a matmul of its codes with the
+    decoded ``w``: ``(w, lo, hi)``, ``lo`` for the codes and ``hi`` for the output. One
+    scale (static, per tensor) goes into the weight's scales instead (``lo`` is then 1),
+    which saves a pass over the activation at many rows."""
+    lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))
+    if lo.size == 1:
+        return dataclasses.replace(w, scale=w.scale.astype(_F32) * lo.reshape(())), 1.0, hi
+    return w, lo, hi
 
 
 def float_codes(ax, x):
@@ -339,7 +350,7 @@ def fp8_dense(ax, x, w, policy):
         dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
-    lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))  # as in int_grouped_as_float
+    w, lo, hi = _act_scale_around(ax, x, w)  # as in int_grouped_as_float
     return weight_only_2d(nx.decode(x2, x.qtype.grid) * lo, w, policy, None) * hi
 
 

@@ -278,7 +278,8 @@ def test_a_save_keeps_the_file_mode_and_writes_through_a_link(tmp_path, models):
     assert sorted(os.listdir(tmp_path)) == ["link.safetensors", "qp.safetensors"]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", [k if k == "packed" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in sorted(KINDS)])  # one atomic_write serves them all
 def test_a_save_into_a_missing_folder_or_onto_a_folder_names_the_path(tmp_path, models, kind):
     name, save, _, objects = KINDS[kind]
     obj = objects(models)[0]

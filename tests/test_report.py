@@ -250,7 +250,8 @@ def test_fallback_to_int16_activations(digits):
 
 @pytest.mark.parametrize("recipe,weight,act", [
     (jqt.recipes.nf4(group_size=8), "nf4 sym g8", "float"),
-    (jqt.recipes.w4a8(group_size=8), "int4 sym g8", "int8 asym per-tensor"),
+    pytest.param(jqt.recipes.w4a8(group_size=8), "int4 sym g8", "int8 asym per-tensor",
+                 marks=pytest.mark.slow),
     (jqt.recipes.fp8(), "float8_e4m3fn sym per-channel", "float8_e4m3fn sym per-tensor")])
 def test_rows_name_the_format(recipe, weight, act):
     """The rows give each op's format as the qparams have it: the dtype and the groups."""

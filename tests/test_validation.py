@@ -289,9 +289,16 @@ def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     assert float(jnp.abs(y - ref).max()) <= 6e38 / 255 * 4e-3
 
 
-@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic(), jqt.recipes.fp8(),
-                                    jqt.recipes.w4a8(group_size=8)])
-def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe):
+_CPU, _DEFAULT = jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy()
+
+
+@pytest.mark.parametrize("recipe,policy", [
+    pytest.param(r, p, marks=() if (n, p) in (("w8a8", _CPU), ("w4a8", _CPU), ("w4a8", _DEFAULT))
+                 else pytest.mark.slow, id=f"{n}-{'cpu' if p is _CPU else 'default'}")
+    for n, r in [("w8a8", jqt.recipes.w8a8()), ("w8a8_dynamic", jqt.recipes.w8a8_dynamic()),
+                 ("fp8", jqt.recipes.fp8()), ("w4a8", jqt.recipes.w4a8(group_size=8))]
+    for p in (_CPU, _DEFAULT)])
+def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe, policy):
     """Each formulation multiplies the activation's scale in before the weight's decoded
     magnitudes meet the codes (or the two scales together): integer outputs stay finite
     where the float and simulated ones are, at few rows (the native kernels) and many,
@@ -306,13 +313,14 @@ def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe):
             qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
             sim = jqt.quantize(f, qp, simulate=True)(p, x)
             assert np.isfinite(np.asarray(sim)).all()
-            for policy in (jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy()):
-                y = jqt.quantize(f, qp, policy=policy)(jqt.pack(qp, p, policy=policy), x)
-                np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
+            y = jqt.quantize(f, qp, policy=policy)(jqt.pack(qp, p, policy=policy), x)
+            np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2), jqt.recipes.fp8()])
+@pytest.mark.parametrize("bad,recipe", [
+    pytest.param(b, r, marks=() if i == j else pytest.mark.slow)  # one of each by default
+    for i, b in enumerate([np.nan, np.inf, -np.inf])
+    for j, r in enumerate([jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2), jqt.recipes.fp8()])])
 def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
     """A non-finite weight would give a NaN or infinite scale: calibrate names the op and
     the weight, and the rule it suggests keeps that op float."""

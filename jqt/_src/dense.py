@@ -298,7 +298,8 @@ def int_grouped_as_float(ax, x, w, policy):
     """int8 activation x grouped int weight as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
     weight-only path (K-chunks, whole: :func:`decodes_whole`, or one sum over K at few
-    rows: :func:`reduces`), then the activation's scale. Equal to :func:`int_dense_grouped`
+    rows: :func:`reduces`), the activation's scale split around it (:func:`split_scale`;
+    a single one folded into the weight's scales). Equal to :func:`int_dense_grouped`
     up to float rounding; beyond a few rows one matmul per chunk beats a small one per
     group (:func:`grouped_as_float`)."""
     w, lo, hi = _act_scale_around(ax, x, w)  # no overflow the real op has not

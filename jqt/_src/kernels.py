@@ -102,13 +102,10 @@ def _fp8_generic(site, eqn, ops):
     vary along the contraction) is scaled before the op, as the simulated path does."""
     w = site.weight_operand
     vals = [nx.decode(op.values, op.qtype.grid) if isinstance(op, QArray) else op for op in ops]
-    grouped = [False] * len(ops)
+    grouped = [isinstance(op, QArray) and bool(op.qtype.group_size) for op in ops]  # the weight
     for i, op in enumerate(ops):
-        gaxes = [d for d, (a, b) in enumerate(zip(jnp.shape(op.scale), vals[i].shape))
-                 if a not in (1, b)] if isinstance(op, QArray) and op.qtype.group_size else []
-        if gaxes:  # several groups along the contraction
-            vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, gaxes[0])
-            grouped[i] = True
+        if grouped[i]:  # its groups run along the axis the registry's entry names
+            vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, site.entry.groups(site))
     out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
     factor = None  # the scales' product first (the accumulator times one scale can overflow)
     for i, op in enumerate(ops):

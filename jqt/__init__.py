@@ -36,7 +36,7 @@ from jqt._src.report import Report as Report
 from jqt._src.report import report as report
 from jqt._src.recipe import Recipe as Recipe
 from jqt._src.recipe import Rule as Rule
-from jqt._src.serialization import FormatError as FormatError
+from jqt._src.fileio import FormatError as FormatError
 from jqt._src.serialization import load as load
 from jqt._src.packed_io import load_packed as load_packed
 from jqt._src.serialization import save as save

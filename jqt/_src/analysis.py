@@ -24,7 +24,7 @@ import warnings
 
 from . import compat, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, DATA, Plan, Site, Sub, VarInfo  # noqa: F401  (DATA: used by tracing)
+from .plan import CONST, Plan, Site, Sub, VarInfo
 from .registry import OPS
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from . import serialization as ser
+from . import fileio, serialization as ser
 from .qparams import OpQParams, PackedParams, QArray, WeightSource
 from .formats import QuantType
 
@@ -86,7 +86,7 @@ def serialize_aux(cls, aux) -> bytes:
                 f"packed from hold {e} ({str(treedef)[:200]}). Register that node type with "
                 "jax.export.register_pytree_node_serialization, or pack params made of dicts, "
                 "lists and tuples.") from None
-        return _dump(cls, {"tree": tree, "avals": [ser.aval_to_json(a) for a in avals],
+        return _dump(cls, {"tree": tree, "avals": [fileio.aval_to_json(a) for a in avals],
                            "kept": list(kept), "tied": [list(t) for t in tied]})
     names = _static_fields(cls)
     return _dump(cls, {"fields": {n: _value_to_json(v) for n, v in zip(names, aux)}})

@@ -15,12 +15,12 @@ from .analysis import path_str
 from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
 from .qparams import PackedParams, QArray
-from .serialization import (FORMAT, PACKED_FORMAT, PACKED_READ, PACKED_VERSION, FormatError,
-                            TreeNotSerializable, is_zip, qparams_entries, versioned,
-                            qparams_from_entries, Reader, version_error, write,
-                            aval_to_json, qtype_to_json, treedef_from_json, treedef_to_json,
-                            check_scales, describe, float32_scale, qtype_from_header, reading,
-                            is_a, json_kind, check_values)
+from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
+                     is_zip, json_kind, reading, version_error, write)
+from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, check_scales,
+                            check_values, float32_scale, qparams_entries, qparams_from_entries,
+                            qtype_from_header, qtype_to_json, treedef_from_json, treedef_to_json,
+                            versioned)
 
 
 def leaf_paths(packed: PackedParams) -> list[str]:

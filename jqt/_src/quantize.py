@@ -13,7 +13,7 @@ from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
 from .policy import KernelPolicy
-from .qparams import OpQParams, PackedParams
+from .qparams import PackedParams
 from .registry import BY_NAME
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams

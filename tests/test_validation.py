@@ -11,6 +11,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 import safetensors
@@ -315,6 +316,43 @@ def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe, policy):
             assert np.isfinite(np.asarray(sim)).all()
             y = jqt.quantize(f, qp, policy=policy)(jqt.pack(qp, p, policy=policy), x)
             np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
+
+
+def test_float16_models_sum_codes_in_float32():
+    """Where a dot sums codes in units of their scale (the scale applied after), a float16
+    model sums them in float32: such sums exceed float16's 65504 where the real values
+    do not (an int8 code is up to 127 units, an fp8 e5m2 one 57344). Weight-only
+    convolutions and expert einsums, fp8 on float params, and a float16 KV cache."""
+    rng = np.random.default_rng(0)
+    h = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float16)
+    w = jnp.abs(h(128, 4)) * 0.1 + 0.2  # codes of 60-127 units: their sums reach 1e5
+    conv = lambda p, x: lax.conv_general_dilated(x, p["w"], (1,), "SAME",
+                                                 dimension_numbers=("NWC", "WIO", "NWC"))
+    cases = [  # (f, params, input, recipe, policy)
+        (conv, {"w": w[None]}, jnp.abs(h(1, 3, 128)) + 8, jqt.recipes.w8(), _CPU),
+        (lambda p, x: jnp.einsum("emk,ekn->emn", x, p["w"]), {"w": jnp.stack([w, w])},
+         jnp.abs(h(2, 3, 128)) + 8, jqt.recipes.w8(), _DEFAULT),
+        (lambda p, x: x @ p["w"], {"w": h(64, 16) * 0.1}, h(4, 64), jqt.recipes.fp8(), _CPU),
+    ]
+    for f, p, x, recipe, policy in cases:
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x), np.float32)
+        assert np.isfinite(sim).all() and np.abs(sim).max() > 1
+        for params in (p, jqt.pack(qp, p, policy=policy)):
+            y = np.asarray(jqt.quantize(f, qp, policy=policy)(params, x), np.float32)
+            np.testing.assert_allclose(y, sim, rtol=4e-3, atol=4e-3 * np.abs(sim).max())
+    # attention scores against an fp8 e5m2 cache in float16 (codes up to 57344)
+    def attend(p, q, kv):  # a decode loop writing one key per step into a carried cache
+        def step(cache, t):
+            cache = lax.dynamic_update_slice(cache, kv[t][None] @ p["w"], (t, 0))
+            return cache, jax.nn.softmax(jnp.einsum("qd,td->qt", q, cache), axis=-1) @ cache
+        return lax.scan(step, jnp.zeros((4, 8), jnp.float16), jnp.arange(4))[1]
+    p, q, kv = {"w": h(8, 8) * 0.3}, h(2, 8) * 3, h(4, 8)
+    qp = jqt.calibrate(attend, jqt.recipes.w8(kv_cache="float8_e5m2"), p, [(q, kv)], progress=False)
+    sim = np.asarray(jqt.quantize(attend, qp, simulate=True)(p, q, kv), np.float32)
+    y = np.asarray(jqt.quantize(attend, qp)(p, q, kv), np.float32)
+    assert np.isfinite(sim).all() and np.isfinite(y).all()
+    np.testing.assert_allclose(y, sim, rtol=2e-2, atol=2e-2 * np.abs(sim).max())
 
 
 @pytest.mark.parametrize("bad,recipe", [

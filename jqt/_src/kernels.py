@@ -64,8 +64,9 @@ def conv(x_op, w_op, params, eqn):
     out_ndim = eqn.outvars[0].aval.ndim
     dn = params["dimension_numbers"]
     if sx is None:  # weight-only
-        out = lax.conv_general_dilated(qx, qw.astype(qx.dtype), **cp,
-                                       preferred_element_type=params.get("preferred_element_type"))
+        dt = nx.codes_dtype(qx.dtype)  # the codes' sums exceed float16's range: float32 there
+        pref = params.get("preferred_element_type") if dt == qx.dtype else _F32
+        out = lax.conv_general_dilated(qx.astype(dt), qw.astype(dt), **cp, preferred_element_type=pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     cp.pop("precision", None)
     zx = _out_batch(int_zp(zx), params, out_ndim)
@@ -98,7 +99,7 @@ def conv(x_op, w_op, params, eqn):
 
 def _fp8_generic(site, eqn, ops):
     """fp8 x fp8 (or fp8 weight x float) on the generic path: the fp8 values upcast to
-    float32 (exact), the float op, then the scales. A weight with group scales (which
+    float32 (exact), the float op summed in float32, then the scales. A weight with group scales (which
     vary along the contraction) is scaled before the op, as the simulated path does."""
     w = site.weight_operand
     vals = [nx.decode(op.values, op.qtype.grid) if isinstance(op, QArray) else op for op in ops]
@@ -106,7 +107,8 @@ def _fp8_generic(site, eqn, ops):
     for i, op in enumerate(ops):
         if grouped[i]:  # its groups run along the axis the registry's entry names
             vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, site.entry.groups(site))
-    out = compat.bind_eqn(eqn, vals)[0].astype(_F32)
+    # in float32: fp8 values are up to 57344 units of their scale, beyond float16's range
+    out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], preferred_element_type=_F32)[0]
     factor = None  # the scales' product first (the accumulator times one scale can overflow)
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:

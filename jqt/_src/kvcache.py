@@ -199,8 +199,14 @@ def dot_general(eqn, invals):
         nd = [len(v.aval.shape) for v in eqn.invars]
         free = [[d for d in range(nd[k]) if d not in (lc, rc)[k] and d not in (lb, rb)[k]] for k in (0, 1)]
         axes = list(batch[0]) + [d if k == ci else None for k in (0, 1) for d in free[k]]
-        out = compat.bind_eqn(eqn, vals)[0]
-        return [(out.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(out.dtype)]
+        dt = nx.codes_dtype(dtype)  # sums of codes exceed float16's range: float32 there
+        if dt != dtype:
+            vals = [codes(c, dt) if k == ci else other.astype(dt) for k in (0, 1)]
+            out = compat.bind_eqn(eqn, vals, preferred_element_type=dt)[0]
+        else:
+            out = compat.bind_eqn(eqn, vals)[0]
+        out_dtype = eqn.outvars[0].aval.dtype
+        return [(out.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(out_dtype)]
     if scaled <= set(contract[0]) | set(batch[0]):  # fold the scale into the other operand
         axes = []
         for d in range(other.ndim):

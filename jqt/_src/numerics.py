@@ -132,6 +132,19 @@ def decode(codes, grid="int"):
     return codes.astype(_F32)
 
 
+def codes_dtype(dtype):
+    """The float dtype in which a dot over codes in units of their scale (the scale applied
+    after the sum) runs: ``dtype`` where it has float32's exponent range (bfloat16,
+    float32, float64), else float32. In float16 such sums overflow its maximum of 65504
+    where the real values do not: an int8 code is up to 127 units, an fp8 e5m2 one 57344.
+
+    >>> import jax.numpy as jnp
+    >>> codes_dtype(jnp.bfloat16).__name__, codes_dtype(jnp.float16).__name__
+    ('bfloat16', 'float32')
+    """
+    return jnp.dtype(dtype).type if jnp.finfo(dtype).nexp >= 8 else _F32
+
+
 def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):
     zp = _zp_f32(zero_point) if grid == "int" else jnp.zeros((), _F32)
     q = decode(_codes(x, scale, zero_point, qmin, qmax, grid), grid)

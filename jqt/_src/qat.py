@@ -179,8 +179,9 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
       params: the float weights (the argument of ``f`` that holds them).
       qparams: from :func:`jqt.calibrate`.
       train: the parts to train, among :data:`jqt.qat.PARTS` (``"weights"``,
-        ``"weight_scales"``, ``"activation_scales"``, ``"zero_points"``) and the
-        groups ``"scales"`` (both kinds of scales) and ``"all"``; every other
+        ``"weight_scales"``, ``"activation_scales"``, ``"zero_points"``,
+        ``"smoothing"``) and the groups ``"scales"`` (both kinds of scales and the
+        smoothing vectors) and ``"all"``; every other
         part is frozen. Default: all. Leaves that are not floating point
         (integer counters in ``params``) are always frozen.
       per_part: label a trained leaf with its part's name (as :func:`jqt.qat.parts`)
@@ -197,7 +198,7 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
         relative = optax.chain(optax.adam(1e-2), optax.scale_by_param_block_rms(1e-12))
         tx = optax.multi_transform(
             {"weights": optax.adam(1e-3), "weight_scales": relative, "activation_scales": relative,
-             "freeze": optax.set_to_zero()},
+             "smoothing": relative, "freeze": optax.set_to_zero()},
             jqt.qat.labels(params, qparams, train=("weights", "scales"), per_part=True))
 
     >>> import jax.numpy as jnp, jqt

@@ -315,6 +315,24 @@ def test_fallback_respects_max_trials_with_a_fallback_rule():
     assert len(result.trials) <= 1, result.trials
 
 
+def test_fallback_returns_the_best_choice_tried_when_the_budget_is_not_met():
+    """A fallback rule coarser than the recipe scores worse on every op it takes: with a
+    budget no choice meets, the result is the best choice tried (here: none kept back),
+    not the last one."""
+    f = lambda p, x: jnp.tanh(x @ p["a"]) @ p["b"]
+    p = {"a": _normal(2, (16, 16)) * 0.3, "b": _normal(3, (16, 8)) * 0.3}
+    x = _normal(4, (32, 16))
+    ref = f(p, x)
+    err = lambda g: float(jnp.linalg.norm(g(p, x) - ref) / jnp.linalg.norm(ref))
+    coarse = jqt.Rule(weight=jqt.QuantType(bits=2, per_channel=True))
+    with pytest.warns(UserWarning, match="not met"):
+        res = jqt.fallback(f, jqt.recipes.w8(), p, [(x,)], err, max_drop=1e-9, to=coarse,
+                           higher_is_better=False)
+    assert not res.met and len(res.trials) > 1
+    assert res.metric == min(v for _, v in res.trials), res.trials
+    assert res.kept == () and res.metric == res.quantized_metric
+
+
 def test_fallback_rejects_bad_arguments(digits):
     args = (mlp, jqt.recipes.w8a8(), digits["params"], digits["calib"], digits["metric"])
     with pytest.raises(ValueError, match="rank"):

@@ -294,6 +294,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 v = trial(cand)
                 if ok(v):
                     best = (cand, v)
+    if not ok(best[1]):  # the best-scoring choice tried (a fallback rule can score worse)
+        score = lambda t: (-math.inf if math.isnan(t[1]) else sign * t[1], -len(t[0]))
+        best = max(((k, v) for k, v in trials if frozenset(k) in seen), key=score)
     kept, m_final = best
     met = ok(m_final)
     rules, out_qp = recipe.rules, qp

@@ -269,6 +269,63 @@ def test_an_empty_batch_gives_the_empty_output(recipe):
         jqt.calibrate(f, r, w, [(empty,)], progress=False)
 
 
+def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
+    """Empty inputs where the native kernels and the experts' map run, and token ids with
+    no elements (JAX traces ``table[ids]`` to zeros then, without the gather)."""
+    rng = np.random.default_rng(0)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(rng.standard_normal((64, 24)) / 8, jnp.float32)}
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(jnp.ones((4, 64)),)], progress=False)
+    g = jax.vmap(jqt.quantize(f, qp), in_axes=(None, 0))  # a batch of 0 one-row activations
+    assert g(jqt.pack(qp, p), jnp.zeros((0, 1, 64))).shape == (0, 1, 24)
+    e = lambda p, x: jnp.einsum("ecd,edf->ecf", x, p["w"])
+    p = {"w": jnp.asarray(rng.standard_normal((3, 64, 24)) / 8, jnp.float32)}
+    qp = jqt.calibrate(e, jqt.recipes.w4(group_size=32), p, [(jnp.ones((3, 5, 64)),)], progress=False)
+    assert jqt.quantize(e, qp)(jqt.pack(qp, p), jnp.zeros((3, 0, 64))).shape == (3, 0, 24)
+    t = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["w"]
+    p = {"emb": jnp.asarray(rng.standard_normal((50, 8)), jnp.float32), "w": p["w"][0, :8]}
+    qp = jqt.calibrate(t, jqt.recipes.w8a8(), p, [(jnp.arange(12).reshape(3, 4),)], progress=False)
+    assert {q.op for q in qp.values()} == {"gather", "dot_general"}
+    ids = jnp.zeros((0, 1), jnp.int32)
+    for h, params in ((jqt.quantize(t, qp), jqt.pack(qp, p)), (jqt.quantize(t, qp), p),
+                      (jqt.quantize(t, qp, simulate=True), p)):
+        assert h(params, ids).shape == (0, 1, 24)
+    # tied: without the gather, the matmul takes the gather's key: refused, and said why
+    tied = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
+    qp = jqt.calibrate(tied, jqt.recipes.w8a8(), p, [(jnp.arange(12).reshape(3, 4),)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="has no elements.*tied embeddings"):
+        jqt.quantize(tied, qp)(p, ids)
+
+
+def test_one_scale_per_tensor_at_few_rows():
+    """int8 weights with one scale per tensor run the XLA formulations at the native
+    kernels' row counts (which read one scale per output channel)."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 20)) / 8, jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)), jnp.float32)
+    for act in (None, jqt.QuantType(bits=8)):
+        r = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=act),))
+        qp = jqt.calibrate(f, r, p, [(x,)], progress=False)
+        for m in (1, 3):
+            y = jqt.quantize(f, qp, policy=_CPU)(jqt.pack(qp, p, policy=_CPU), x[:m])
+            np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, x[:m]), atol=1e-5)
+
+
+def test_disable_jit_runs_a_scan_over_layers():
+    """Under jax.disable_jit the function is still traced with its scan (not unrolled, whose
+    ops would take other keys than calibrate gave them), then run op by op."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 32, 32)) / 6, jnp.float32)}
+    f = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    x = jnp.ones((2, 32))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(x,)], progress=False)
+    want = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
+    with jax.disable_jit():
+        got = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
+        sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(sim, want, atol=1e-5)
+
+
 def test_complex_operands_stay_float_instead_of_losing_the_imaginary_part():
     w = {"w": jnp.ones((4, 3), jnp.complex64)}
     f = lambda p, x: x @ p["w"]

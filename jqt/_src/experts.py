@@ -317,7 +317,7 @@ def _expert(wq, kn, nib, kc, g, precision):
         j = lambda a, i: None if a is None else a[i]
         out = jnp.stack([dot(x2, dec(lo, j(s, 0), j(z, 0))), dot(x2, dec(hi, j(s, 1), j(z, 1)))],
                         axis=-1)
-        return out.reshape(out.shape[0], -1)
+        return out.reshape(out.shape[0], out.shape[1] * 2)  # (M may be 0)
 
     def fn(args):
         x2, v, s, z = args

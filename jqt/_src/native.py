@@ -184,7 +184,7 @@ def _target(w: QArray):
     """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
     or fewer or NF4 codes with group scales, two per byte, ``"kn"`` (w4, w4a8, nf4);
     ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
-    most 8 bits, one per byte, one scale per output channel."""
+    most 8 bits, one per byte, one scale per output channel (not one per tensor)."""
     q = w.qtype
     if getattr(w.values, "ndim", 0) != 2:
         return None
@@ -193,6 +193,9 @@ def _target(w: QArray):
         return GROUPED
     if (w.layout in ("nk", "kn") and q.kind == "int" and not q.group_size and q.bits <= 8
             and w.values.dtype == np.int8):
+        n = w.values.shape[0 if w.layout == "nk" else 1]
+        if math.prod(jnp.shape(w.scale)) != n:  # one scale per tensor: the XLA formulations
+            return None
         return CHANNEL if w.layout == "nk" else CHANNEL_KN
     return None
 
@@ -312,7 +315,7 @@ def _batch(args, dims, **params):
             out = gemv_p.bind(x.reshape(b * m, k), *w, **params)
         else:
             out = _reference(x.reshape(b * m, k), *w, **params)
-        return out.reshape(b, m, -1), 0
+        return out.reshape(b, m, out.shape[-1]), 0  # (b or m may be 0)
     axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0
 

@@ -46,6 +46,38 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 "qparams (jqt.pack(qparams, params)) or pass the float params.")
 
 
+def _check_keys(traced, qparams, some_empty):
+    """The qparams' keys against the ops of the traced function. With an empty input,
+    unused gathers pass: JAX traces ``table[ids]`` with no ids to zeros, without the
+    gather."""
+    keys = [s.key for s in traced.sites()]
+    extra = sorted(set(qparams) - set(keys))
+    if extra and some_empty:
+        extra = [k for k in extra if qparams[k].op != "gather"]
+    if extra:
+        raise QParamsMismatchError(
+            f"jqt: qparams hold keys the function does not have: {extra[:5]}"
+            f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
+            f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
+            "another function or weight_argnums.")
+    # a cache write without an entry stays float (qparams saved before jqt quantized caches)
+    missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.is_cache]
+    if missing:
+        raise QParamsMismatchError(
+            f"jqt: no quantization parameters for ops {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
+            f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). The qparams were made "
+            "for another function or weight_argnums; run jqt.calibrate on this function.")
+
+
+def _some_empty(args, argnums) -> bool:
+    """Whether an array among the inputs (the arguments that do not hold weights) has no
+    elements: ``table[ids]`` with no ids traces to zeros of the output's shape, without
+    the gather whose qparams are then unused."""
+    return any(getattr(leaf, "size", 1) == 0 for i, a in enumerate(args) if i not in argnums
+               for leaf in jax.tree_util.tree_leaves(a))
+
+
 def _complete(pw, p):
     """A packed weight read from a version-1 file holds codes and sums only: its scale,
     zero point and type are the qparams'."""
@@ -110,26 +142,22 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         traced = tracer(args)
-        if dropped:
-            _check_packed_covers(traced, qparams, packed, dropped)
+        empty = _some_empty(args, argnums)
+        try:
+            if dropped:
+                _check_packed_covers(traced, qparams, packed, dropped)
+            if id(traced) not in checked:
+                _check_keys(traced, qparams, empty)
+                checked.add(id(traced))
+        except QParamsMismatchError as e:
+            if not empty:
+                raise
+            raise QParamsMismatchError(
+                f"{e} An input here has no elements: JAX traces a gather of no ids "
+                "(table[ids]) to zeros, without the gather, and where the table is also read "
+                "by a matmul (tied embeddings) that op takes the gather's key. Skip the call "
+                "for an empty input.") from None
         keys = [s.key for s in traced.sites()]
-        if id(traced) not in checked:
-            extra = sorted(set(qparams) - set(keys))
-            if extra:
-                raise QParamsMismatchError(
-                    f"jqt: qparams hold keys the function does not have: {extra[:5]}"
-                    f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
-                    f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-                    "another function or weight_argnums.")
-            # a cache write without an entry stays float (qparams saved before jqt quantized caches)
-            missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.is_cache]
-            if missing:
-                raise QParamsMismatchError(
-                    f"jqt: no quantization parameters for ops {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
-                    f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). The qparams were made "
-                    "for another function or weight_argnums; run jqt.calibrate on this function.")
-            checked.add(id(traced))
         state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
         outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, tracing.leaves(args),
                           traced.plan, Ctx(handler, state))

@@ -182,8 +182,11 @@ class Tracer:
             if a >= len(args):
                 raise ValueError(f"jqt: weight_argnums={self.argnums} but f was called with "
                                  f"{len(args)} positional arguments.")
-        closed, out_shape = jax.make_jaxpr(functools.wraps(self.f)(lambda *a: self.f(*unmark(a))),
-                                           return_shape=True)(*args)
+        # traced with jit on: under jax.disable_jit a lax.scan would trace unrolled, its
+        # layers' ops under other keys than calibrate gave them
+        with jax.disable_jit(False):
+            closed, out_shape = jax.make_jaxpr(
+                functools.wraps(self.f)(lambda *a: self.f(*unmark(a))), return_shape=True)(*args)
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
         infos = []

@@ -101,6 +101,29 @@ def test_same_results_as_the_xla_formulation(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["w4_g128", "w4_g32_asym"])
+def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name):
+    """The kernel's ``code + 8``, taken off with the group's sum of x, would give
+    ``inf - inf = NaN``: a row whose group holds an infinite x (or a huge one) is computed
+    as x times the decoded weight, and gives the XLA formulation's infinities (and its
+    finite numbers near float32's maximum)."""
+    recipe, k, n, m = CASES[name]
+    f, p, qp, x = _setup(recipe, k, n, m)
+    x = x.at[0, 5].set(jnp.inf)
+    packed = jqt.pack(qp, p)
+    want = np.asarray(jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
+    got = np.asarray(jax.jit(jqt.quantize(f, qp))(packed, x))
+    assert np.isinf(want[0]).sum() > n // 2
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    x = x.at[0, 5].set(1.0) * 1e36  # finite, but x times (code + 8) overflows
+    want = np.asarray(jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
+    got = np.asarray(jax.jit(jqt.quantize(f, qp))(packed, x))
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@needs_kernel
 def test_more_rows_than_native_gemv_rows_run_xla():
     f, p, qp, _ = _setup(R.w4(group_size=128))
     packed = jqt.pack(qp, p)
@@ -112,7 +135,9 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 def test_what_the_kernels_do_not_run():
     # per-channel 4-bit codes; grouped int8 codes; int8 x int8 above native_int8_rows
     # (XLA's int8 matmul keeps its int32 sums exact, float32 sums would not be)
-    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128)):
+    # and int8 weights with one scale per tensor (the kernels read one per output channel)
+    per_tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=None),))
+    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128), per_tensor):
         f, p, qp, x = _setup(recipe)
         assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
     f, p, qp, x = _setup(R.w8a8_dynamic(), m=CPU.native_int8_rows + 1)

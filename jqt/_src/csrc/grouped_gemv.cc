@@ -19,7 +19,8 @@
 // The codes are read once, in place, and decoded in registers: each byte row of the weight
 // is XORed with 0x88 (the nibbles become code + 8, in 0..15), widened, converted to float32
 // (or looked up in the table) and multiplied into float32 sums over the group (AVX2 + FMA);
-// the "+ 8" of int codes is removed with the group's sum of x. A group's sums are exact integers times x's float32 values, summed
+// the "+ 8" of int codes is removed with the group's sum of x (a row whose group's x could
+// make that overflow, inf - inf, takes exact_group instead). A group's sums are exact integers times x's float32 values, summed
 // in float32: the same arithmetic as a float32 matmul of the decoded weight, in another
 // order. The groups are split over XLA's intra-op thread pool, each thread's share of the
 // codes read front to back with a software prefetch 2 KiB ahead.
@@ -27,6 +28,7 @@
 // Built by jqt/_src/native.py with the C++ compiler found at run time and XLA's FFI headers
 // (jax.ffi.include_dir()); registered as the FFI target "jqt_grouped_gemv".
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -144,12 +146,31 @@ void row_tiles(int64_t M, const F& f) {
   }
 }
 
+// Where a group's sums with the offset taken off could be infinite (an infinite or NaN x,
+// or x so large that x times (code + 8) overflows: then inf - inf is NaN), the row's share
+// of the group, ``part``, is computed instead as x times the decoded weight, (code - round(zp)) *
+// scale, in float32: what the XLA formulation computes. Only such rows and groups take
+// this (scalar) path.
+void exact_group(const float* x, const uint8_t* w, int64_t N, const float* sg, const float* zg,
+                 int64_t g, int64_t gs, float* part) {
+  std::fill(part, part + N, 0.f);
+  for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+    const uint8_t* row = w + (k / 2) * N;
+    const float xk = x[k];
+    for (int64_t n = 0; n < N; ++n) {
+      const unsigned u = (k & 1) ? (row[n] >> 4) : (row[n] & 15u);
+      const float code = float(u >= 8 ? int(u) - 16 : int(u));
+      part[n] += xk * ((code - (zg ? __builtin_roundevenf(zg[n]) : 0.f)) * sg[n]);
+    }
+  }
+}
+
 // out[m][0:N] = the sum over the groups g0..g1 (every row and column).
 void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
             const float* scale, const float* zp, const float* table, int64_t gs, float* out,
             int64_t g0, int64_t g1) {
   const int64_t R = gs / 2;
-  std::vector<float> acc(static_cast<size_t>(M * N));
+  std::vector<float> acc(static_cast<size_t>(M * N)), part(table ? 0 : static_cast<size_t>(N));
   std::fill(out, out + M * N, 0.f);
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -174,9 +195,14 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
         for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * a[n];
         continue;
       }
-      float xs = 0.f;  // the group's sum of x, for the +8 (and the zero point)
-      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k];
-      if (zg) {
+      float xs = 0.f, ax = 0.f;  // the group's sum of x, for the +8 (and the zero point)
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k], ax += std::fabs(x[m * K + k]);
+      // |a| <= 15 ax and |(8 + zp) xs| <= 16 ax (zero points within the codes' range): finite
+      // below FLT_MAX / 32; else (an infinite or NaN x, or x near FLT_MAX) inf - inf is NaN
+      if (!(ax < 1e37f)) {
+        exact_group(x + m * K, w, N, sg, zg, g, gs, part.data());
+        for (int64_t n = 0; n < N; ++n) o[n] += part[n];
+      } else if (zg) {
         for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - (8.f + __builtin_roundevenf(zg[n])) * xs);
       } else {
         const float z = 8.f * xs;

@@ -387,3 +387,20 @@ def test_stacked_embedding_tables_and_weights_in_a_layer_scan(recipe):
     out = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), ids)
     sim = jqt.quantize(f, qp, simulate=True)(p, ids)
     np.testing.assert_allclose(out, sim, rtol=0, atol=1e-5 * float(jnp.abs(sim).max()))
+
+
+def test_a_weight_indexed_by_a_loop_counter_is_named_in_a_warning():
+    """``w[i]`` with ``i`` a fori_loop's counter: jqt cannot follow the index, so the op is
+    an activation x activation op and stays float; a warning names the weight and the
+    fix (a scan over the stacked weights), which quantizes it."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 16)) / 4, jnp.float32)}
+    x = jnp.ones((2, 16))
+    f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"][i]), x)
+    with pytest.warns(UserWarning, match=r"reads weight 'w' indexed by a value computed from the data.*lax\.scan"):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert [q.is_float for q in qp.values()] == [True]
+    g = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert [q.is_float for q in qp.values()] == [False]

@@ -28,6 +28,11 @@ from .plan import CONST, Plan, Site, Sub, VarInfo
 from .registry import OPS
 
 
+# Primitives that index their first operand by the others: a weight indexed by data (a loop
+# counter) is no weight jqt can follow (a warning names the op that reads it).
+_INDEXING = ("dynamic_slice", "gather")
+
+
 def _contains_quantizable(jaxpr) -> bool:
     for e in jaxpr.eqns:
         entry = OPS.get(e.primitive)
@@ -161,6 +166,11 @@ class Analyzer:
                 if step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
+                elif step is not None and len(ins) == 1 and ins[0].indexed:
+                    outs = [VarInfo(False, indexed=ins[0].indexed)]
+                elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
+                    self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
+                    outs = [VarInfo(False, indexed=path_str(ins[0].source.path))]
                 else:
                     for info in ins:
                         self._use(info, "float")
@@ -212,6 +222,15 @@ class Analyzer:
     def _site(self, entry, widx, eqn, ins, stack):
         op = entry.name
         src = ins[widx].source if widx is not None else None
+        indexed = [i.indexed for i in ins if i.indexed]
+        if widx is None and indexed and not entry.is_cache:
+            msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads weight '{indexed[0]}' indexed by "
+                   "a value computed from the data (w[i] with a loop's counter i): jqt does not "
+                   "follow such an index, so the op is an activation x activation op and stays "
+                   "float. Loop over the stacked weights with jax.lax.scan(body, h, w) (each "
+                   "layer's weights in xs), or index with a Python int.")
+            warnings.warn(msg, stacklevel=5)
+            self.warned.append(msg)
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

@@ -19,6 +19,7 @@ class VarInfo:
     stack_ids: tuple = ()                  # scans that sliced it from a stacked leaf
     buffer: tuple = ()                     # (loop id, carry slot) pairs it is (a slice of)
     writes: tuple = ()                     # keys of the cache writes it went through
+    indexed: str = ""                      # the weight leaf it was indexed from by data (w[i])
 
 
 DATA = VarInfo(False)

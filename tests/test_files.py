@@ -701,3 +701,29 @@ def test_fuzzed_headers_load_or_raise_a_format_error(files, valid, models, fuzz_
 
     run()
     assert "error" in outcomes and "loaded" in outcomes
+
+
+def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path):
+    """``jqt.pack`` finds each weight by its path, not its position: params holding one
+    more leaf pack the same weights, a missing one is named. A NumPy int64 leaf is stored
+    as the int32 JAX gives it; a typed PRNG key, which no file holds, is refused by name."""
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (8, 8)), "w2": jax.random.normal(k[1], (8, 4))}
+    x = jax.random.normal(k[2], (4, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x,)], progress=False)
+    q = jqt.quantize(f, qp)
+    more = {"a_extra": jnp.ones(3), **p}  # sorts first: shifts every leaf's position
+    np.testing.assert_array_equal(q(jqt.pack(qp, more), x), q(jqt.pack(qp, p), x))
+    with pytest.raises(jqt.QParamsMismatchError, match="reads weight 'w1', which params do not hold"):
+        jqt.pack(qp, {"w2": p["w2"]})
+    ids = {**p, "ids": np.arange(3)}  # int64 in NumPy, int32 in JAX
+    path = str(tmp_path / "ids.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, ids), qp)
+    loaded = jqt.load_packed(path)
+    np.testing.assert_array_equal(q(loaded, x), q(jqt.pack(qp, p), x))
+    keyed = {**p, "rng": jax.random.key(1)}
+    with pytest.raises(TypeError, match="params leaf 'rng' is a typed PRNG key"):
+        jqt.save_packed(str(tmp_path / "key.safetensors"), jqt.pack(qp, keyed), qp)
+    with pytest.raises(ValueError, match="is a typed PRNG key"):
+        jax.export.export(jax.jit(q))(jqt.pack(qp, keyed), x).serialize()

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
+
 from . import fileio, serialization as ser
 from .qparams import OpQParams, PackedParams, QArray, WeightSource
 from .formats import QuantType
@@ -86,6 +88,13 @@ def serialize_aux(cls, aux) -> bytes:
                 f"packed from hold {e} ({str(treedef)[:200]}). Register that node type with "
                 "jax.export.register_pytree_node_serialization, or pack params made of dicts, "
                 "lists and tuples.") from None
+        keys = [i for i, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
+        if keys:
+            raise ValueError(
+                f"jqt: jax.export cannot serialize these jqt.PackedParams: params leaf #{keys[0]} "
+                f"is a typed PRNG key ({avals[keys[0]].dtype}), whose dtype the artifact cannot "
+                "name. Pass jax.random.key_data(key) in its place, or leave the key out of the "
+                "params you pack (e.g. nnx.split the Rngs state apart).")
         return _dump(cls, {"tree": tree, "avals": [fileio.aval_to_json(a) for a in avals],
                            "kept": list(kept), "tied": [list(t) for t in tied]})
     names = _static_fields(cls)

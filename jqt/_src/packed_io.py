@@ -23,6 +23,27 @@ from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, ch
                             versioned)
 
 
+def _as_recorded(x, aval, path):
+    """A kept leaf as the file stores it: in the dtype ``jqt.pack`` recorded for it, which is
+    the one JAX gives it (a NumPy int64 leaf is int32 unless x64 is on), where converting
+    changes no value; a typed PRNG key, which the file cannot hold, is refused by name."""
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        raise TypeError(f"jqt.save_packed: params leaf '{path}' is a typed PRNG key ({x.dtype}), "
+                        "which a file cannot hold. Save jax.random.key_data(key) in its place, "
+                        "or leave the key out of the params you pack (e.g. nnx.split the Rngs "
+                        "state apart).")
+    a = np.asarray(x)
+    want = np.dtype(aval.dtype)
+    if a.dtype == want:
+        return a
+    b = a.astype(want)
+    if not np.array_equal(b.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc"):
+        raise TypeError(f"jqt.save_packed: params leaf '{path}' is {a.dtype.name}, and its values do "
+                        f"not fit {want.name}, the dtype JAX gives it (jax_enable_x64 is off). "
+                        "Enable x64 or pass it as an array of a narrower dtype.")
+    return b
+
+
 def leaf_paths(packed: PackedParams) -> list[str]:
     n = len(packed.avals)
     tree = jax.tree_util.tree_unflatten(packed.treedef, list(range(n)))
@@ -78,7 +99,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     leaves = []
     for i, x in zip(packed.kept, packed.leaves):
         n = _unique(f"params/{paths[i]}", used)
-        tensors[n] = x
+        tensors[n] = _as_recorded(x, packed.avals[i], paths[i])
         leaves.append(n)
     entries, shared = None, {}
     if qparams is not None:

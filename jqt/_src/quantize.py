@@ -15,6 +15,7 @@ from .layout import apply_chain
 from .policy import KernelPolicy
 from .qparams import PackedParams
 from .registry import BY_NAME
+from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
@@ -214,6 +215,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     policy = policy or KernelPolicy.for_backend()
     flat, treedef = jax.tree_util.tree_flatten(params)
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
+    index = {path_str(q): i for i, (q, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
     weights, consumed, needed, unpackable = {}, set(), set(), []
     for key, p in qparams.items():
         w = p.weight_operand
@@ -223,10 +225,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
         if src is None or src.arg != argnum:
             unpackable.append(key)
             continue
-        if not 0 <= src.leaf < len(flat):
+        if src.path not in index:  # leaves are found by path: params may hold other leaves too
             raise QParamsMismatchError(
-                f"jqt.pack: op '{key}' reads weight leaf #{src.leaf} ('{src.path}'), but params "
-                f"have {len(flat)} leaves. Pass the params the qparams were calibrated with.")
+                f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
+                f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
+                "the qparams were calibrated with.")
+        src = dataclasses.replace(src, leaf=index[src.path])
         operand = apply_chain(flat[src.leaf], src.chain)
         try:
             weights[key] = BY_NAME[p.op].pack(src, p, operand, policy)

@@ -47,6 +47,15 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 "qparams (jqt.pack(qparams, params)) or pass the float params.")
 
 
+def _find_leaf(src, index):
+    """The position in params (``index``: leaf path -> position) of the leaf ``src`` names,
+    or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
+    where the function has several weight arguments or params is a single array."""
+    names = [src.path] + ([src.path.split("/", 1)[1]] if "/" in src.path else [""])
+    found = [index[n] for n in names if n in index]
+    return src.leaf if src.leaf in found else (found[0] if found else None)
+
+
 def _check_keys(traced, qparams, some_empty):
     """The qparams' keys against the ops of the traced function. With an empty input,
     unused gathers pass: JAX traces ``table[ids]`` with no ids to zeros, without the
@@ -225,12 +234,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
         if src is None or src.arg != argnum:
             unpackable.append(key)
             continue
-        if src.path not in index:  # leaves are found by path: params may hold other leaves too
+        leaf = _find_leaf(src, index)
+        if leaf is None:  # leaves are found by path: params may hold other leaves too
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
                 "the qparams were calibrated with.")
-        src = dataclasses.replace(src, leaf=index[src.path])
+        src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
         try:
             weights[key] = BY_NAME[p.op].pack(src, p, operand, policy)

@@ -717,11 +717,14 @@ def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path)
     np.testing.assert_array_equal(q(jqt.pack(qp, more), x), q(jqt.pack(qp, p), x))
     with pytest.raises(jqt.QParamsMismatchError, match="reads weight 'w1', which params do not hold"):
         jqt.pack(qp, {"w2": p["w2"]})
-    ids = {**p, "ids": np.arange(3)}  # int64 in NumPy, int32 in JAX
+    ids = {**p, "ids": np.arange(3), "h": np.full(2, 0.1)}  # int64 / float64 in NumPy
     path = str(tmp_path / "ids.safetensors")
     jqt.save_packed(path, jqt.pack(qp, ids), qp)
     loaded = jqt.load_packed(path)
     np.testing.assert_array_equal(q(loaded, x), q(jqt.pack(qp, p), x))
+    assert {str(a.dtype) for a in loaded.leaves} == {"int32", "float32"}
+    with pytest.raises(TypeError, match="leaf 'ids' is int64, and its values do not fit int32"):
+        jqt.save_packed(path, jqt.pack(qp, {**p, "ids": np.array([2**40])}), qp)
     keyed = {**p, "rng": jax.random.key(1)}
     with pytest.raises(TypeError, match="params leaf 'rng' is a typed PRNG key"):
         jqt.save_packed(str(tmp_path / "key.safetensors"), jqt.pack(qp, keyed), qp)

@@ -25,8 +25,9 @@ from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, ch
 
 def _as_recorded(x, aval, path):
     """A kept leaf as the file stores it: in the dtype ``jqt.pack`` recorded for it, which is
-    the one JAX gives it (a NumPy int64 leaf is int32 unless x64 is on), where converting
-    changes no value; a typed PRNG key, which the file cannot hold, is refused by name."""
+    the one JAX gives it (a NumPy int64 leaf is int32 and a float64 one float32 unless x64
+    is on; integers must keep their values); a typed PRNG key, which the file cannot hold,
+    is refused by name."""
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         raise TypeError(f"jqt.save_packed: params leaf '{path}' is a typed PRNG key ({x.dtype}), "
                         "which a file cannot hold. Save jax.random.key_data(key) in its place, "
@@ -36,8 +37,8 @@ def _as_recorded(x, aval, path):
     want = np.dtype(aval.dtype)
     if a.dtype == want:
         return a
-    b = a.astype(want)
-    if not np.array_equal(b.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc"):
+    b = a.astype(want)  # floats round as JAX rounds them; integers must keep their values
+    if a.dtype.kind in "iub" and not np.array_equal(b.astype(a.dtype), a):
         raise TypeError(f"jqt.save_packed: params leaf '{path}' is {a.dtype.name}, and its values do "
                         f"not fit {want.name}, the dtype JAX gives it (jax_enable_x64 is off). "
                         "Enable x64 or pass it as an array of a narrower dtype.")

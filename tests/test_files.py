@@ -728,5 +728,5 @@ def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path)
     keyed = {**p, "rng": jax.random.key(1)}
     with pytest.raises(TypeError, match="params leaf 'rng' is a typed PRNG key"):
         jqt.save_packed(str(tmp_path / "key.safetensors"), jqt.pack(qp, keyed), qp)
-    with pytest.raises(ValueError, match="is a typed PRNG key"):
+    with pytest.raises(ValueError, match="params leaf 'rng' is a typed PRNG key"):
         jax.export.export(jax.jit(q))(jqt.pack(qp, keyed), x).serialize()

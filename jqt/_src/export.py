@@ -28,6 +28,7 @@ import json
 import jax
 
 from . import fileio, serialization as ser
+from .analysis import path_str
 from .qparams import OpQParams, PackedParams, QArray, WeightSource
 from .formats import QuantType
 
@@ -90,11 +91,14 @@ def serialize_aux(cls, aux) -> bytes:
                 "lists and tuples.") from None
         keys = [i for i, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
         if keys:
+            paths = jax.tree_util.tree_flatten_with_path(
+                jax.tree_util.tree_unflatten(treedef, list(range(len(avals)))))[0]
             raise ValueError(
-                f"jqt: jax.export cannot serialize these jqt.PackedParams: params leaf #{keys[0]} "
-                f"is a typed PRNG key ({avals[keys[0]].dtype}), whose dtype the artifact cannot "
-                "name. Pass jax.random.key_data(key) in its place, or leave the key out of the "
-                "params you pack (e.g. nnx.split the Rngs state apart).")
+                f"jqt: jax.export cannot serialize these jqt.PackedParams: params leaf "
+                f"'{path_str(paths[keys[0]][0])}' is a typed PRNG key ({avals[keys[0]].dtype}), "
+                "whose dtype the artifact cannot name. Pass jax.random.key_data(key) in its "
+                "place, or leave the key out of the params you pack (e.g. nnx.split the Rngs "
+                "state apart).")
         return _dump(cls, {"tree": tree, "avals": [fileio.aval_to_json(a) for a in avals],
                            "kept": list(kept), "tied": [list(t) for t in tied]})
     names = _static_fields(cls)

@@ -314,10 +314,10 @@ def test_one_scale_per_tensor_at_few_rows():
 def test_disable_jit_runs_a_scan_over_layers():
     """Under jax.disable_jit the function is still traced with its scan (not unrolled, whose
     ops would take other keys than calibrate gave them), then run op by op."""
-    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 32, 32)) / 6, jnp.float32)}
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 16)) / 4, jnp.float32)}
     f = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
-    x = jnp.ones((2, 32))
-    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(x,)], progress=False)
+    x = jnp.ones((2, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, [(x,)], progress=False)
     want = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
     with jax.disable_jit():
         got = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
@@ -375,7 +375,10 @@ def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe, policy):
             np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
 
 
-def test_float16_models_sum_codes_in_float32():
+@pytest.mark.parametrize("case", [  # one of each module by default: kernels and kvcache
+    "conv", pytest.param("experts", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow),
+    "cache"])
+def test_float16_models_sum_codes_in_float32(case):
     """Where a dot sums codes in units of their scale (the scale applied after), a float16
     model sums them in float32: such sums exceed float16's 65504 where the real values
     do not (an int8 code is up to 127 units, an fp8 e5m2 one 57344). Weight-only
@@ -385,19 +388,21 @@ def test_float16_models_sum_codes_in_float32():
     w = jnp.abs(h(128, 4)) * 0.1 + 0.2  # codes of 60-127 units: their sums reach 1e5
     conv = lambda p, x: lax.conv_general_dilated(x, p["w"], (1,), "SAME",
                                                  dimension_numbers=("NWC", "WIO", "NWC"))
-    cases = [  # (f, params, input, recipe, policy)
-        (conv, {"w": w[None]}, jnp.abs(h(1, 3, 128)) + 8, jqt.recipes.w8(), _CPU),
-        (lambda p, x: jnp.einsum("emk,ekn->emn", x, p["w"]), {"w": jnp.stack([w, w])},
-         jnp.abs(h(2, 3, 128)) + 8, jqt.recipes.w8(), _DEFAULT),
-        (lambda p, x: x @ p["w"], {"w": h(64, 16) * 0.1}, h(4, 64), jqt.recipes.fp8(), _CPU),
-    ]
-    for f, p, x, recipe, policy in cases:
+    cases = {  # (f, params, input, recipe, policy)
+        "conv": (conv, {"w": w[None]}, jnp.abs(h(1, 3, 128)) + 8, jqt.recipes.w8(), _CPU),
+        "experts": (lambda p, x: jnp.einsum("emk,ekn->emn", x, p["w"]), {"w": jnp.stack([w, w])},
+                    jnp.abs(h(2, 3, 128)) + 8, jqt.recipes.w8(), _DEFAULT),
+        "fp8": (lambda p, x: x @ p["w"], {"w": h(64, 16) * 0.1}, h(4, 64), jqt.recipes.fp8(), _CPU),
+    }
+    for f, p, x, recipe, policy in [cases[case]] if case in cases else []:
         qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
         sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x), np.float32)
         assert np.isfinite(sim).all() and np.abs(sim).max() > 1
         for params in (p, jqt.pack(qp, p, policy=policy)):
             y = np.asarray(jqt.quantize(f, qp, policy=policy)(params, x), np.float32)
             np.testing.assert_allclose(y, sim, rtol=4e-3, atol=4e-3 * np.abs(sim).max())
+    if case != "cache":
+        return
     # attention scores against an fp8 e5m2 cache in float16 (codes up to 57344)
     def attend(p, q, kv):  # a decode loop writing one key per step into a carried cache
         def step(cache, t):

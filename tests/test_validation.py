@@ -269,6 +269,7 @@ def test_an_empty_batch_gives_the_empty_output(recipe):
         jqt.calibrate(f, r, w, [(empty,)], progress=False)
 
 
+@pytest.mark.slow  # rare edge cases: CI's slow run (the default run stays under 5 minutes)
 def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
     """Empty inputs where the native kernels and the experts' map run, and token ids with
     no elements (JAX traces ``table[ids]`` to zeros then, without the gather)."""
@@ -311,6 +312,7 @@ def test_one_scale_per_tensor_at_few_rows():
             np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, x[:m]), atol=1e-5)
 
 
+@pytest.mark.slow  # rare edge cases: CI's slow run (the default run stays under 5 minutes)
 def test_disable_jit_runs_a_scan_over_layers():
     """Under jax.disable_jit the function is still traced with its scan (not unrolled, whose
     ops would take other keys than calibrate gave them), then run op by op."""

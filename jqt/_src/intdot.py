@@ -76,9 +76,9 @@ def dot_general(operands, params, eqn, pad_rows=1):
     w = 0 if sa is not None else 1
     x = operands[1 - w][0]
     qw, sw, zw, _ = operands[w]
-    dt = nx.codes_dtype(x.dtype)  # the codes' sums exceed float16's range: float32 there
+    # the codes' sums exceed float16's range: float32 there
+    dt, pref = nx.codes_dot_types(x.dtype, params.get("preferred_element_type"))
     args = [x.astype(dt), qw.astype(dt)][::1 if w == 1 else -1]
-    pref = params.get("preferred_element_type") if dt == x.dtype else _F32
     out = lax.dot_general(*args, dn, precision=params.get("precision"),
                           preferred_element_type=pref)
     out = out.astype(_F32)

@@ -64,8 +64,8 @@ def conv(x_op, w_op, params, eqn):
     out_ndim = eqn.outvars[0].aval.ndim
     dn = params["dimension_numbers"]
     if sx is None:  # weight-only
-        dt = nx.codes_dtype(qx.dtype)  # the codes' sums exceed float16's range: float32 there
-        pref = params.get("preferred_element_type") if dt == qx.dtype else _F32
+        # the codes' sums exceed float16's range: float32 there
+        dt, pref = nx.codes_dot_types(qx.dtype, params.get("preferred_element_type"))
         out = lax.conv_general_dilated(qx.astype(dt), qw.astype(dt), **cp, preferred_element_type=pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     cp.pop("precision", None)

@@ -145,6 +145,19 @@ def codes_dtype(dtype):
     return jnp.dtype(dtype).type if jnp.finfo(dtype).nexp >= 8 else _F32
 
 
+def codes_dot_types(dtype, preferred):
+    """``(operand dtype, preferred_element_type)`` for a dot over codes of activations of
+    ``dtype`` whose equation asked for ``preferred``: both float32 where
+    :func:`codes_dtype` says so, else ``dtype`` and ``preferred`` as they were.
+
+    >>> import jax.numpy as jnp
+    >>> [getattr(t, "__name__", t) for t in codes_dot_types(jnp.float16, jnp.float16)]
+    ['float32', 'float32']
+    """
+    dt = codes_dtype(dtype)
+    return dt, (preferred if dt == jnp.dtype(dtype) else _F32)
+
+
 def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):
     zp = _zp_f32(zero_point) if grid == "int" else jnp.zeros((), _F32)
     q = decode(_codes(x, scale, zero_point, qmin, qmax, grid), grid)

@@ -222,9 +222,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     """
     check_qparams(qparams, "jqt.pack")
     policy = policy or KernelPolicy.for_backend()
-    flat, treedef = jax.tree_util.tree_flatten(params)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flat = [x for _, x in with_paths]
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
-    index = {path_str(q): i for i, (q, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    index = {path_str(q): i for i, (q, _) in enumerate(with_paths)}  # weights are found by path
     weights, consumed, needed, unpackable = {}, set(), set(), []
     for key, p in qparams.items():
         w = p.weight_operand

@@ -18,8 +18,11 @@ same codes.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 
 from . import compat
 from .formats import FLOAT8, NF4_TABLE
@@ -228,12 +231,35 @@ Array([1, 7], dtype=int8)
 """
 
 
+def clip_edges(qmin, qmax, grid):
+    """The values of ``x / scale`` beyond which the gradient counts ``x`` as clipped: half
+    a step past the grid's ends, where the int grid's rounding leaves ``[qmin, qmax]``.
+    So an element at a range's end (a group's absolute maximum, divided by a scale
+    computed from it) is inside whether its quotient lands on the end or an ulp past it,
+    as float division does by backend (XLA:GPU's differs from XLA:CPU's). nf4: half its
+    outermost gap; fp8: half the step of its largest binade.
+
+    >>> clip_edges(-8, 7, "int"), clip_edges(-448.0, 448.0, "float8_e4m3fn")
+    ((-8.5, 7.5), (-464.0, 464.0))
+    >>> [round(v, 4) for v in clip_edges(-8, 7, "nf4")]
+    [-1.1519, 1.1385]
+    """
+    if grid == "nf4":
+        t = NF4_TABLE
+        return float(t[0] - (t[1] - t[0]) / 2), float(t[-1] + (t[-1] - t[-2]) / 2)
+    if grid == "int":
+        return qmin - 0.5, qmax + 0.5
+    fi = ml_dtypes.finfo(FLOAT8[grid])
+    half = float(fi.eps) * 2.0 ** math.floor(math.log2(float(fi.max))) / 2
+    return qmin - half, qmax + half
+
+
 def _masks(x, scale, zero_point, qmin, qmax, grid):
     xs = x.astype(_F32) / scale.astype(_F32)
     if grid == "int":
         q = jnp.round(xs) + _zp_f32(zero_point)
         return xs, q < qmin, q > qmax
-    lo, hi = (-1.0, 1.0) if grid == "nf4" else (qmin, qmax)
+    lo, hi = clip_edges(qmin, qmax, grid)
     return xs, xs < lo, xs > hi
 
 

@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -99,6 +100,8 @@ DENSE = {
     "w4 g128 [reduce_rows=16]": (lambda: R.w4(group_size=128), dict(reduce_rows=16)),
     "nf4 g64 [reduce_rows=16]": (lambda: R.nf4(group_size=64), dict(reduce_rows=16)),
     "w4a8 g128 [reduce_rows=16]": (lambda: R.w4a8(group_size=128), dict(reduce_rows=16)),
+    # int8 matmuls per group, the GPU table before 2026-11-27 (XLA:GPU aborted at 2-16 rows)
+    "w4a8 g128 [grouped_float=False]": (lambda: R.w4a8(group_size=128), dict(grouped_float=False)),
 }
 MINILM = {
     "w8a8": (R.w8a8, None),
@@ -115,6 +118,7 @@ MINILM = {
     "w4 g128 [reduce_rows=4]": (lambda: R.w4(group_size=128), dict(reduce_rows=4)),
     "w4 g128 [reduce_rows=4 decode_in_input_dtype=True]": (
         lambda: R.w4(group_size=128), dict(reduce_rows=4, decode_in_input_dtype=True)),
+    "w4a8 g128 [grouped_float=False]": (lambda: R.w4a8(group_size=128), dict(grouped_float=False)),
 }
 DECODE = {
     "w8": (R.w8, None),
@@ -444,11 +448,15 @@ def isolated(a):
     jobs = [(p, ["--rows", r] if p == "dense" else []) for p in a.only.split(",")
             for r in (rows if p == "dense" else [None])]
     results, failed = {}, []
+    # Each process takes GPU memory as it needs it. By default JAX takes 75% at start: on the
+    # H100 of 2026-11-27 every process started a second after another exited got less (that
+    # memory was not yet free, it seems), then failed to load its kernels (out of memory).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     for part, extra in jobs:
         name = part + (f" rows {extra[1]}" if extra else "")
         progress(f"--isolate: {name}")
         r = subprocess.run([sys.executable, __file__, *base, "--only", part, *extra],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=env)
         sys.stderr.write(r.stderr)  # progress and any part's traceback
         lines = r.stdout.splitlines()
         print("\n".join(l for l in lines if not l.startswith("RESULTS ")), flush=True)
@@ -482,8 +490,8 @@ def main():
     ap.add_argument("--batches", help="minilm batches, comma-separated")
     ap.add_argument("--large", action="store_true", help="generate: the 0.7B decoder (LARGE)")
     ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
-                    "error table: its float simulations of grouped formats crashed XLA:GPU's "
-                    "compiler in JAX 0.11.2)")
+                    "error table, whose float simulations of grouped formats crashed XLA:GPU's "
+                    "compiler on an H200 in JAX 0.11.2; gpu_compile.py found none on an H100)")
     ap.add_argument("--isolate", action="store_true", help="run each part (and each dense row "
                     "count) in a process of its own, so that a compiler that aborts the process "
                     "(XLA:GPU did, in JAX 0.11.2) loses only that table")

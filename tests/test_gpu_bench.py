@@ -49,3 +49,24 @@ def test_gpu_benchmark_isolate_names_a_process_that_died():
                        timeout=300)
     assert r.returncode != 0
     assert "decode (exit 1: --variants: no variant named no such variant)" in r.stdout
+
+
+@pytest.mark.slow
+def test_gpu_compile_check_runs_and_records_a_child_that_died():
+    """benchmarks/gpu_compile.py (the compile check behind gpu-h100.md's 2026-11-27 lease): each
+    case in a child process, a row per line; a child that dies (here: an unknown preset) is
+    recorded with its error, and the script goes on and exits 1."""
+    cases = "w4a8 g128/int,w4 g128/sim grad,nf4 g64/experts,nosuch/int"
+    r = subprocess.run([sys.executable, "benchmarks/gpu_compile.py", "--smoke", "--jobs", "2",
+                        "--cases", cases, "--policy", "grouped_float=True"], cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=600)
+    lines = [l for l in r.stdout.splitlines() if " rows " in l]
+    assert r.returncode == 1 and "2 of 8 failed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(lines) == 8
+    for line in lines:
+        ok = line.split(": ", 1)[1]
+        if line.startswith("nosuch/int"):
+            assert ok.startswith("FAILED") and "KeyError: 'nosuch'" in ok
+        else:  # the integer path and the gradient agree with the simulated path on the host
+            assert ok.startswith("ok ") and float(ok.split()[1]) < 1e-2, line

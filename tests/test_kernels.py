@@ -156,8 +156,8 @@ def test_policy_table():
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
         native_in_place=True, native_int8_rows=4, weight_only_kn=True)
-    assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(fp8_native=True, gemv_rows=4,
-                                                                    weight_only_digits=3, reduce_rows=1)
+    assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
+        fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only
@@ -332,6 +332,32 @@ def test_few_rows_reduce_over_k_without_a_matmul():
     qp2 = jqt.calibrate(g, recipe, ps, [(x,)], progress=False)
     got = jax.jit(jqt.quantize(g, qp2, policy=REDUCE))(jqt.pack(qp2, ps, policy=REDUCE), x[:1])
     np.testing.assert_allclose(got, jax.jit(jqt.quantize(g, qp2, simulate=True))(ps, x[:1]), rtol=0, atol=5e-5)
+
+
+def test_gpu_table_runs_w4a8_as_a_float_matmul_at_every_row_count():
+    """``grouped_float`` (the GPU table): int8 activations on grouped int4 weights never run
+    int8 matmuls per group, whose compilation aborted XLA:GPU at 2-16 rows (and which ran
+    11.7x / 28.9x bfloat16 at 64 / 256 rows where it compiled: gpu-h100.md): one float
+    matmul on the upcast codes (one sum over K at one row), the simulated path's result,
+    under a symbolic row count (jax.export) too. Without it the same rows run int8 dots."""
+    gpu = jqt.KernelPolicy.for_backend("gpu")
+    old = dataclasses.replace(gpu, grouped_float=False)
+    f, p, x, qp, _ = _dense(jqt.recipes.w4a8(group_size=32), k=128, n=16, m=16)
+    sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, x)
+    for pol, int_dots in ((gpu, False), (old, True)):
+        packed, q = jqt.pack(qp, p, policy=pol), jqt.quantize(f, qp, policy=pol)
+        for rows in (1, 2, 16):
+            np.testing.assert_allclose(jax.jit(q)(packed, x[:rows]), sim[:rows], rtol=0,
+                                       atol=2e-5 * float(jnp.abs(sim).max()))
+            dots = [e.invars[0].aval.dtype for e in _eqns(jax.make_jaxpr(q)(packed, x[:rows]).jaxpr)
+                    if e.primitive.name == "dot_general"]
+            assert (jnp.int8 in dots) == (int_dots and rows > 1), (pol.grouped_float, rows, dots)
+    packed = jqt.pack(qp, p, policy=gpu)
+    rows, = jax.export.symbolic_shape("m")
+    spec = jax.ShapeDtypeStruct((rows, 128), x.dtype)
+    lowered = jax.jit(jqt.quantize(f, qp, policy=gpu)).trace(packed, spec).jaxpr
+    assert jnp.int8 not in [e.invars[0].aval.dtype for e in _eqns(lowered.jaxpr)
+                            if e.primitive.name == "dot_general"]
 
 
 def test_few_rows_int8_times_int8_keeps_its_matmul_under_reduce_rows():

@@ -63,7 +63,8 @@ def weight_only_applies(w, m: int, policy) -> bool:
 def grouped_applies(w, m: int, policy) -> bool:
     """Whether an int8-activation op with grouped int weights (``"kn"``, as
     ``policy.batched_groups`` packs them) runs one batched dot at ``m`` rows."""
-    return policy.batched_groups and applies(m, policy) and w.layout == "kn"
+    return (policy.batched_groups and not policy.grouped_float and applies(m, policy)
+            and w.layout == "kn")
 
 
 def _k(w):

@@ -81,14 +81,15 @@ native_int8_rows            floats, the layers read in
                             groups: 0.68-1.14x, slower
                             in 4 of 5 runs on an idle
                             machine)
-w4a8 g128, more than 8      the int8 codes upcast       one int8 matmul per group
-rows                        (exact), the weight decoded
-                            as on the weight-only path
-                            below: K-chunks, or whole
-                            (one int8 matmul per group:
-                            2.04x float32 at 32 rows of
-                            a 4096 layer against 0.75x,
-                            2.9x at prefill)
+w4a8 g128, more than 8      the int8 codes upcast       the codes upcast, the weight
+rows (GPU: at any row       (exact), the weight decoded decoded whole, one float
+count, grouped_float)       as on the weight-only path  matmul: XLA:GPU's compiler
+                            below: K-chunks, or whole   aborted the process on the
+                            (one int8 matmul per group: int8 matmuls per group at
+                            2.04x float32 at 32 rows of 2-16 rows (H100, JAX
+                            a 4096 layer against 0.75x, 0.11.2), which ran 11.67x /
+                            2.9x at prefill)            28.89x bfloat16 at 64 / 256
+                                                        rows against 2.65x / 2.93x
 1 row: a weight decoded to  the formulations below      one elementwise product of
 float (w8, w4, nf4, w4a8;                               the activation and the
 not w8a8): reduce_rows                                  decoded weight summed over
@@ -270,6 +271,14 @@ class KernelPolicy:
         the layout that path decodes (0: int8 matmuls per group at any row
         count, up to ``float_matmul_rows``, and ``"nk"``).
 
+      grouped_float: int8 activations with grouped int weights (w4a8 g128) never run
+        as int8 matmuls per group (nor batched over the groups): at every row count
+        their codes are upcast (exactly) for the weight-only path, as above
+        ``grouped_int_rows`` (one row: ``reduce_rows``' sum). On one H100, JAX 0.11.2,
+        XLA:GPU's compiler aborted the process compiling the per-group int8 matmuls of
+        a 4096 x 4096 layer at 2, 4, 8 and 16 rows (``triton_tiling_propagation.cc``
+        check; ``benchmarks/gpu_compile.py``, ``benchmarks/results/gpu-h100.md``).
+
       batched_groups: at few rows, int weights with group scales and int8
         activations (w4a8 g128) run all groups as one matmul batched over the
         groups (instead of one matmul per group); such weights are packed
@@ -361,6 +370,7 @@ class KernelPolicy:
     weight_only_digits: int = 0
     grouped_digits: int = 0
     grouped_int_rows: int = 0
+    grouped_float: bool = False
     batched_groups: bool = False
     float_matmul_rows: int = 0
     many_rows_block: int = 0
@@ -438,7 +448,8 @@ class KernelPolicy:
 
 
 _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md
-                   reduce_rows=1)  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
+                   reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
+                   grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,

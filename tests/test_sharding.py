@@ -74,7 +74,8 @@ def case(f, p, x, recipe, mesh, ops=(), const=False, policy=None):
            "weights": {}}
     for k, w in pks.weights.items():
         q = qps[k].operand(qps[k].weight_operand)
-        shape = "s8[" + ",".join(map(str, w.values.shape)) + "]"
+        hlo_dtype = {"int8": "s8", "uint8": "u8"}.get(str(w.values.dtype), str(w.values.dtype))
+        shape = hlo_dtype.replace("float", "f") + "[" + ",".join(map(str, w.values.shape)) + "]"
         out["weights"][k] = {
             "layout": w.layout, "shape": list(w.values.shape), "qvalue": shard_shape(w.values),
             "wsum": shard_shape(w.sums), "scale": shard_shape(q.scale),
@@ -95,6 +96,13 @@ res["mlp_megatron"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), AUTO, op
 res["stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w8a8(), AUTO)
 res["cnn"], _, _ = case(cnn, P_CNN, X_CNN, jqt.recipes.w8a8(), AUTO)
 res["explicit"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w8a8(), EXPLICIT)
+# issue 11's formats: int4 codes two per byte (K, N), group scales (G, N), fp8 codes
+W4 = jqt.recipes.w4(group_size=32)
+res["w4_out"], _, _ = case(mlp, P_MLP, X_MLP, W4, AUTO)
+res["w4_in"], _, _ = case(mlp, P_MLP, X_MLP, W4, AUTO, ops=(("w2", "in"),))
+res["w4a8_in"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w4a8(group_size=32), AUTO, ops=(("w2", "in"),))
+res["nf4_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.nf4(group_size=32), AUTO)
+res["fp8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.fp8(), AUTO)
 
 # load straight into shards: device= takes a function of the host (NumPy) PackedParams
 path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
@@ -191,6 +199,41 @@ def test_convolution_kernels_in_operand_layout(result):
     assert c2["layout"] == "operand" and c2["qvalue"] == [3, 3, 16, 8]  # HWIO: O split
     assert c2["wsum"] == [1, 1, 1, 8] and c2["scale"] == [1, 1, 1, 8]
     assert r["weights"]["d"]["qvalue"] == [2, 512]
+
+
+def test_int4_codes_and_group_scales_split_their_output_features(result):
+    r = result["w4_out"]
+    _matches(r)
+    w2 = r["weights"]["w2"]  # (128, 256) weight: (64, 256) bytes of two codes, (4, 256) scales
+    assert w2["layout"] == "kn" and w2["shape"] == [64, 256] and w2["qvalue"] == [64, 64]
+    assert w2["scale_shape"] == [4, 256] and w2["scale"] == [4, 64]
+    assert not any(v["gathered"] for v in r["weights"].values())
+
+
+def test_in_rule_splits_a_grouped_weights_scales_and_sums_with_its_groups(result):
+    # K split in 4: each device holds one of w2's 4 groups of 32 inputs, with its scales
+    r = result["w4_in"]
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["qvalue"] == [16, 256] and w2["scale"] == [1, 256]
+    assert not any(v["gathered"] for v in r["weights"].values())
+    r = result["w4a8_in"]  # int8 activations: per-group int32 sums (G, N), split alike
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["qvalue"] == [16, 256] and w2["scale"] == [1, 256] and w2["wsum"] == [1, 256]
+    assert not any(v["gathered"] for v in r["weights"].values())
+
+
+def test_nf4_stacked_layers_and_fp8(result):
+    r = result["nf4_stacked"]
+    _matches(r)
+    w = r["weights"]["ws"]  # (3, 64, 64) weights: (3, 32, 64) bytes, (3, 2, 64) scales
+    assert w["qvalue"] == [3, 32, 16] and w["scale"] == [3, 2, 16]
+    r = result["fp8"]
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["qvalue"] == [128, 64] and w2["scale"] == [1, 64]
+    assert not any(v["gathered"] for v in r["weights"].values())
 
 
 def test_explicit_mesh_matches(result):

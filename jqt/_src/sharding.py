@@ -51,6 +51,17 @@ def _contract_axes(op: OpQParams, ndim: int, depth: int):
     return [] if src is None else [d + depth for d in src.contract if d + depth < ndim]
 
 
+def _group_axis(op: OpQParams, wq: QArray, depth: int, pw: QArray):
+    """The axis of a grouped weight's scale that holds its groups, where a ``"in"`` split
+    of the packed ``"nk"``/``"kn"`` weight's ``K`` splits the groups with it (one
+    contracted axis, the scale's groups along it); else None (scale replicated)."""
+    if not wq.qtype.group_size or wq.scale is None or pw.layout not in ("nk", "kn"):
+        return None
+    shape = np.shape(wq.scale)
+    grouped = [d for d in _contract_axes(op, len(shape), depth) if shape[d] > 1]
+    return grouped[0] if len(grouped) == 1 and len(_contract_axes(op, len(shape), depth)) == 1 else None
+
+
 def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",
                      ops: Sequence[tuple[str, str | None]] = (),
                      leaves: Sequence[tuple[str, Any]] = ()):
@@ -61,8 +72,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     (``"out"``, the default: the ``N`` axis of a ``"nk"``/``"kn"`` weight, the first
     output-feature axis of an ``"operand"`` weight), together with its int32 sums and
     its per-channel scale and zero point in ``qparams``; or along its contracted
-    features (``"in"``: the ``K`` axis of the weight, scale and sums replicated: each
-    device computes a partial sum, which XLA all-reduces); or replicated (``None``).
+    features (``"in"``: the ``K`` axis of the weight; per-channel scales and sums
+    replicated, a grouped weight's scale, zero point and sums split by group with it:
+    each device computes a partial sum, which XLA all-reduces); or replicated (``None``).
     An axis whose size the mesh axis does not divide is replicated. Activation
     scales and zero points are replicated. Float leaves kept in ``packed`` (biases,
     norms) are replicated unless a ``leaves`` rule says otherwise.
@@ -125,6 +137,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             nd = np.ndim(wq.scale) if wq.scale is not None else 0
             free = _free_axes(op, nd, depth) if nd else []
             scale_dim = free[0] if free else None
+        elif pw is not None and wq is not None and mode == "in":
+            scale_dim = _group_axis(op, wq, depth, pw)
         sides = []
         for i, q in enumerate((op.lhs, op.rhs)):
             if q is None:
@@ -149,7 +163,12 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             # sums are (..., N), or per group (..., N, G) ("nk") / (..., G, N) ("kn")
             grouped = bool(pw.qtype.group_size) and pw.layout == "nk"
             n_sum = None if pw.sums is None else np.ndim(pw.sums) - (2 if grouped else 1)
-            qdim, sdim = {"out": (n_dim, n_sum), "in": (k_dim, None),
+            # "in": a grouped weight's sums split by group with its K ("nk": (..., N, G),
+            # "kn": (..., G, N)); per-channel sums are replicated
+            g_sum = None
+            if pw.sums is not None and scale_dim is not None:
+                g_sum = np.ndim(pw.sums) - (1 if pw.layout == "nk" else 2)
+            qdim, sdim = {"out": (n_dim, n_sum), "in": (k_dim, g_sum),
                           None: (None, None)}[mode]
         else:
             free, contract = _free_axes(op, nd, depth), _contract_axes(op, nd, depth)

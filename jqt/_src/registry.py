@@ -222,7 +222,9 @@ class CacheWrite:
             return upd.shape[-1] == buf.shape[-1]
         dn = eqn.params["dimension_numbers"]
         last = buf.ndim - 1
-        return (last not in dn.inserted_window_dims and last not in dn.scatter_dims_to_operand_dims
+        # the last axis a window axis spanned whole (an index into it, as a batched
+        # dynamic_update_slice has, can only be 0: the codes and scales take the same)
+        return (last not in dn.inserted_window_dims
                 and last not in dn.operand_batching_dims and bool(dn.update_window_dims)
                 and upd.shape[dn.update_window_dims[-1]] == buf.shape[-1]
                 and eqn.params.get("update_jaxpr") is None)

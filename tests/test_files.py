@@ -12,6 +12,7 @@
 - Targeted cases: a packed weight re-typed to uint8, a scale of the wrong shape, a
   truncated file, a header that is not JSON, a missing field.
 """
+import dataclasses
 import json
 import os
 import stat
@@ -444,6 +445,65 @@ def test_a_missing_or_mistyped_field_is_rejected(tmp_path, files):
     npz = str(tmp_path / "bad.npz")
     _rewrite_npz(files["npz"], npz, header=lambda h: h["ops"]["l1/w"].pop("rhs"))
     _rejects(jqt.load, npz, "op 'l1/w' has no 'rhs'")
+
+
+def _drop(tensor, entry):
+    """Edits that remove a zero-point tensor and the header field naming it (the header's
+    list of tensors kept consistent)."""
+    def header(h):
+        entry(h).pop("zero_point")
+        h["tensors"].pop(tensor)
+    return dict(tensors=lambda t: t.pop(tensor), header=header)
+
+
+def test_a_missing_zero_point_of_an_asymmetric_type_is_rejected(tmp_path, files, models):
+    """An asymmetric weight or static activation without its zero point would compute
+    with 0 in its place; each file and the in-memory qparams refuse it."""
+    bad = str(tmp_path / "bad.safetensors")
+    _rewrite(files["int4"], bad, **_drop("packed/w/zero_point", lambda h: h["weights"]["w"]))
+    _rejects(jqt.load_packed, bad, "packed weight.zero_point: missing", "int4 asym g16")
+    _rewrite(files["qp"], bad, **_drop("l1/w/lhs.zero_point", lambda h: h["ops"]["l1/w"]["lhs"]))
+    _rejects(jqt.load, bad, "op 'l1/w'", "lhs.zero_point: missing", "int8 asym per-tensor")
+    qp, packed = models["int4"]
+    gone = dict(qp, w=dataclasses.replace(qp["w"], rhs=dataclasses.replace(qp["w"].rhs, zero_point=None)))
+    with pytest.raises(ValueError, match="op 'w'.*rhs.zero_point: missing"):
+        jqt.quantize(embed, gone)(packed, jnp.zeros((2, 3), jnp.int32))
+
+
+def test_sums_that_are_not_the_codes_sums_are_rejected(tmp_path, files):
+    """The stored int32 sums over K are checked against the codes: an edited sum, or a
+    square weight's layout changed (its sums then run along the other axis)."""
+    bad = str(tmp_path / "bad.safetensors")
+
+    def bump(key):  # one sum off by one
+        def edit(t):
+            t[key] = t[key].copy()
+            t[key].flat[0] += 1
+        return edit
+
+    _rewrite(files["packed"], bad, tensors=bump("packed/l1/w/sums"), drop_list=True)
+    _rejects(jqt.load_packed, bad, "packed weight 'l1/w'.sums: 1 of 32 are not the sums of its "
+             "codes over K in layout 'nk'")
+    _rewrite(files["int4"], bad, tensors=bump("packed/w/sums"), drop_list=True)  # nibbles, per group
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.sums: 1 of 32 are not the sums")
+    k = jax.random.split(jax.random.key(3))
+    sq = {"w": jax.random.normal(k[0], (16, 16)), "b": jnp.zeros(16)}
+    f = lambda p, x: x @ p["w"] + p["b"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), sq, [(jax.random.normal(k[1], (4, 16)),)], progress=False)
+    path = str(tmp_path / "square.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, sq), qp)
+    _rewrite(path, bad, header=lambda h: h["weights"]["w"].update(layout="kn"))
+    _rejects(jqt.load_packed, bad, "packed weight 'w'.sums", "in layout 'kn'")
+
+
+def test_a_dropped_leafs_shape_that_its_codes_do_not_fit_is_rejected(tmp_path, files):
+    bad = str(tmp_path / "bad.safetensors")
+
+    def shrink(h):
+        h["avals"][h["paths"].index("l1/w")][0] = [16, 16]
+    _rewrite(files["packed"], bad, header=shrink)
+    _rejects(jqt.load_packed, bad, "op 'l1/w' reads weight leaf 'l1/w', recorded with shape [16, 16], "
+             "but its packed weight holds codes of shape [32, 16]")
 
 
 def test_files_without_the_list_of_tensors_still_load(tmp_path, files, models):

@@ -14,6 +14,7 @@ from . import validate
 from .analysis import path_str
 from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
+from .layout import apply_chain
 from .qparams import PackedParams, QArray
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
                      is_zip, json_kind, reading, version_error, write)
@@ -377,6 +378,10 @@ def _check_dense(r, where, w, shape):
         if w.sums.shape != want:
             raise r.error(f"{where}.sums have shape {list(w.sums.shape)}; codes of shape "
                           f"{list(shape)} in layout '{w.layout}' have sums of shape {list(want)}")
+        bad = np.count_nonzero(np.asarray(w.sums) != _code_sums(w, g))
+        if bad:
+            raise r.error(f"{where}.sums: {bad} of {w.sums.size} are not the sums of its codes over "
+                          f"K in layout '{w.layout}' (the codes, sums or layout were changed)")
     if w.scale is None or w.scale.ndim == 0:
         return
     outer, size = math.prod(stack), w.scale.size
@@ -391,6 +396,21 @@ def _check_dense(r, where, w, shape):
         raise r.error(f"{where}.scale has shape {list(w.scale.shape)}, which does not fit codes of "
                       f"shape {list(shape)} in layout '{w.layout}' ({n} output channels, "
                       f"{w.qtype.describe()})")
+
+
+def _code_sums(w, g):
+    """The int32 sums over K of a "nk"/"kn" weight's codes (per group of ``g``), from its
+    stored (host) codes: what :func:`jqt.pack` stores as its sums."""
+    v = np.asarray(w.values)
+    kax = v.ndim - (1 if w.layout == "nk" else 2)
+    if w.nibbles:  # two codes per byte: the low nibble's and the high one's, sign-extended
+        b = v.view(np.int8)
+        v = ((b << 4).astype(np.int8) >> 4).astype(np.int16) + (b >> 4)
+        g //= 2
+    if not g:
+        return np.sum(v, axis=kax, dtype=np.int32)
+    split = v.shape[:kax] + (v.shape[kax] // g, g) + v.shape[kax + 1:]
+    return np.sum(v.reshape(split), axis=kax + 1, dtype=np.int32)
 
 
 def _check_operand(r, where, w, shape):
@@ -460,6 +480,23 @@ def _check_like(like, avals, paths, path):
     return treedef
 
 
+def _check_leaf_codes(fn, key, src, aval, pw, codes):
+    """The dropped weight leaf that op ``key`` reads, of the recorded ``aval``, holds as
+    many elements as its packed weight's codes (of shape ``codes``), after the
+    layout-only ops that lead from the leaf to the op."""
+    try:
+        shape = jax.eval_shape(lambda a: apply_chain(a, src.chain),
+                               jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype)).shape
+    except (TypeError, ValueError):
+        shape = None
+    if shape is None or math.prod(shape) != math.prod(codes):
+        raise QParamsMismatchError(
+            f"{fn}: op '{key}' reads weight leaf '{src.path}', recorded with shape "
+            f"{list(aval.shape)}, but its packed weight holds codes of shape {list(codes)} "
+            f"(layout '{pw.layout}'), which a weight of that shape does not give. The weights or "
+            "qparams changed since jqt.pack; re-run jqt.pack (and jqt.save_packed).")
+
+
 def _n_channels(q, depth):
     return int(np.prod(np.shape(q.scale)[depth:], dtype=np.int64))
 
@@ -508,6 +545,8 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"qparams quantize it as {q.qtype.describe()}. They were packed with other "
                 "qparams; re-run jqt.pack with these.")
         shape = values_shape(pw)
+        if src is not None and src.arg in args and src.leaf in dropped:
+            _check_leaf_codes(fn, key, src, packed.avals[src.leaf], pw, shape)
         depth = 0 if src is None else src.stack_depth
         if q.qtype.per_channel and not q.qtype.group_size and q.scale is not None and np.ndim(q.scale):
             n = _n_channels(q, depth)

@@ -82,6 +82,11 @@ def operand_problems(q, where):
     z = _concrete(q.zero_point)
     if z is not None:
         out += [f"{where}.zero_point: {t}" for t in _zero_point(z, q.qtype)]
+    t = q.qtype
+    if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
+            and not t.dynamic):
+        out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "
+                   "and needs one per scale")
     return out
 
 

@@ -425,6 +425,9 @@ def test_quant_type_errors_name_the_fix():
         jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(dtype="nf4"))
     with pytest.raises(ValueError, match="fp8 for both"):
         jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn"), activation=jqt.QuantType())
+    with pytest.raises(ValueError, match=r"Rule\(activation=QuantType\(group_size=...\)\): per-group "
+                       "scales are for weights"):  # not the per_channel text it implies
+        jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(bits=8, group_size=32))
     with pytest.raises(ValueError, match="symmetric format"):
         jqt.QuantType(dtype="float8_e4m3fn", symmetric=False)
     with pytest.raises(ValueError, match="formats are int2..int16"):

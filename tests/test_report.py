@@ -389,6 +389,23 @@ def chain_setup():
     return p, x, qp, jqt.report(chain, qp, p, (x,))
 
 
+def test_output_error_counts_float_outputs_only():
+    """Integer and bool outputs (token ids, masks) are not part of the output error."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    f = lambda p, x: x @ p["w"]
+    g = lambda p, x: (x @ p["w"], jnp.argmax(x @ p["w"], -1), x @ p["w"] > 0)
+    recipe = jqt.recipes.w4(group_size=16)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    qg = jqt.calibrate(g, recipe, p, [(x,)], progress=False)
+    ids = jqt.quantize(g, qg, simulate=True)(p, x)[1]
+    assert (ids != g(p, x)[1]).any()  # some ids differ, by whole numbers
+    rf, rg = jqt.report(f, qp, p, (x,)), jqt.report(g, qg, p, (x,))
+    assert (rg.output_sqnr, rg.output_rel_l2, rg.output_max_abs) == \
+        (rf.output_sqnr, rf.output_rel_l2, rf.output_max_abs)
+
+
 def test_report_rows_and_end_to_end_numbers(chain_setup):
     p, x, qp, rep = chain_setup
     assert isinstance(rep, jqt.Report)

@@ -6,7 +6,9 @@ found (nf4 on the generic kernels, scales of the wrong shape)."""
 import dataclasses
 import json
 import math
+import os
 import re
+import tempfile
 import warnings
 
 import jax
@@ -496,6 +498,49 @@ def test_a_string_argument_is_static():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, "relu"), (X, "tanh")], progress=False)
     for act in acts:
         np.testing.assert_allclose(jqt.quantize(f, qp)(W, X, act), f(W, X, act), atol=0.05)
+
+
+def test_a_string_leaf_in_params_reaches_f_in_every_tool():
+    """A config value among the weights (it sorts before them: leaf 0) reaches f as it
+    is in calibrate (with AWQ, which reads the weight by its leaf index), gptq, report
+    and fallback, with the results of the same function without it."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 32)) * 0.2, jnp.float32)
+    xs = [(jnp.asarray(rng.standard_normal((16, 64)), jnp.float32),) for _ in range(2)]
+    f = lambda p, x: {"relu": jax.nn.relu, "tanh": jnp.tanh}[p["act"]](x @ p["w"])
+    g = lambda p, x: jax.nn.relu(x @ p["w"])
+    p, ref = {"act": "relu", "w": w}, {"w": w}
+    recipe = jqt.recipes.w4(group_size=32, awq=True)
+    qp, qr = (jqt.calibrate(h, recipe, q, xs, progress=False) for h, q in ((f, p), (g, ref)))
+    assert qp["w"].source.leaf == 1 and qr["w"].source.leaf == 0
+    np.testing.assert_array_equal(qp["w"].smooth, qr["w"].smooth)
+    np.testing.assert_array_equal(qp["w"].rhs.scale, qr["w"].rhs.scale)
+    pg, rg = jqt.gptq(f, qp, p, xs, progress=False), jqt.gptq(g, qr, ref, xs, progress=False)
+    assert pg["act"] == "relu"
+    np.testing.assert_array_equal(pg["w"], rg["w"])
+    assert jqt.report(f, qp, p, xs[0]).output_sqnr == jqt.report(g, qr, ref, xs[0]).output_sqnr
+    err = lambda h: float(jnp.abs(h(p, xs[0][0]) - f(p, xs[0][0])).max())
+    res = jqt.fallback(f, recipe, p, xs, err, max_drop=1.0, higher_is_better=False)
+    assert res.met
+    packed = jqt.pack(qp, p)
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(packed, xs[0][0]),
+                                  jqt.quantize(g, qr)(jqt.pack(qr, ref), xs[0][0]))
+    with pytest.raises(TypeError, match="params leaf 'act' is a str .* a packed file holds arrays"):
+        jqt.save_packed(os.path.join(tempfile.mkdtemp(), "m.safetensors"), packed)
+
+
+def test_packed_params_where_the_float_ones_are_needed_are_refused():
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8(), {"w": W}, [(X,)], progress=False)
+    packed = jqt.pack(qp, {"w": W})
+    for name, call in [("calibrate", lambda: jqt.calibrate(f, jqt.recipes.w8(), packed, [(X,)])),
+                       ("gptq", lambda: jqt.gptq(f, qp, packed, [(X,)], progress=False)),
+                       ("report", lambda: jqt.report(f, qp, packed, (X,))),
+                       ("fallback", lambda: jqt.fallback(f, jqt.recipes.w8(), packed, [(X,)],
+                                                         lambda h: 0.0, max_drop=0.1))]:
+        with pytest.raises(TypeError, match=rf"jqt.{name}: params are jqt.PackedParams .* pass the "
+                           "float params"):
+            call()
 
 
 def test_static_values_that_change_the_ops_are_refused():

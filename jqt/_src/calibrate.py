@@ -172,8 +172,9 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     weights_seen = False  # weights are observed until every op has run once
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
-        new = jstep(params_t, tracing.mark_static(tuple(batch)), not weights_seen, decided,
-                    transformed or {})
+        # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
+        new = jstep(tracing.mark_static(params_t), tracing.mark_static(tuple(batch)), not weights_seen,
+                    decided, transformed or {})
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
@@ -231,6 +232,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                          f"(axes {tuple(mesh.shape)}).")
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
+    validate.check_float_params(params_t, "jqt.calibrate")
     jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
     sequence = hasattr(batches, "__len__") and hasattr(batches, "__getitem__")
     if propagate and not sequence:

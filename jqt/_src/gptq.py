@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, groups, tracing, transforms
+from . import compat, groups, tracing, transforms, validate
 from . import numerics as nx
 from .calibrate import CalibrationDataError, full_args
 from .dense import DenseAxes
@@ -268,6 +268,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     params_t = [params] if len(argnums) == 1 else list(params)
+    validate.check_float_params(params_t, "jqt.gptq")
     if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
                                    f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
@@ -308,7 +309,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc = None
         for batch in batches:
-            out = jstep(params_t, tracing.mark_static(tuple(batch)), flags)
+            # non-array leaves (a config string f reads) reach f as they are, as in a batch
+            out = jstep(tracing.mark_static(params_t), tracing.mark_static(tuple(batch)), flags)
             out = {k: out[k] for k in group}
             acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
         for key in group:

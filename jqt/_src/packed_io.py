@@ -15,6 +15,7 @@ from .analysis import path_str
 from .formats import FLOAT8
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
+from .tracing import Static
 from .qparams import PackedParams, QArray
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
                      is_zip, json_kind, reading, version_error, write)
@@ -100,6 +101,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     used, tensors = set(), {}
     leaves = []
     for i, x in zip(packed.kept, packed.leaves):
+        if isinstance(packed.avals[i], Static):
+            raise TypeError(f"jqt.save_packed: params leaf '{paths[i]}' is a {type(x).__name__} "
+                            f"({x!r}), not an array, and a packed file holds arrays. Pass such a "
+                            "value to f another way (functools.partial, or an argument of its own).")
         n = _unique(f"params/{paths[i]}", used)
         tensors[n] = _as_recorded(x, packed.avals[i], paths[i])
         leaves.append(n)

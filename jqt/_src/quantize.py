@@ -224,7 +224,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     policy = policy or KernelPolicy.for_backend()
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat = [x for _, x in with_paths]
-    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in flat]
+    avals = [_aval(x) for x in flat]
     index = {path_str(q): i for i, (q, _) in enumerate(with_paths)}  # weights are found by path
     weights, consumed, needed, unpackable = {}, set(), set(), []
     for key, p in qparams.items():
@@ -264,6 +264,15 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
     return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept, tied)
+
+
+def _aval(x):
+    """A params leaf's shape and dtype; a non-array leaf (a config string f reads), which
+    is kept as it is, as itself (:class:`tracing.Static`)."""
+    try:
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    except TypeError:
+        return tracing.Static(x)
 
 
 def _tied(qparams, weights):

@@ -117,7 +117,8 @@ class Rule:
         if self.weight is not None and self.weight.dynamic:
             raise ValueError("Rule(weight=QuantType(dynamic=True)): weights are quantized from "
                              "their own values; 'dynamic' applies to activations only.")
-        if self.activation is not None and self.activation.per_channel and not self.activation.dynamic:
+        if (self.activation is not None and self.activation.per_channel and not self.activation.dynamic
+                and not self.activation.group_size):  # (groups: refused below, by name)
             raise ValueError(
                 "Rule(activation=QuantType(per_channel=True, dynamic=False)): static activation "
                 "scales are per-tensor (a per-token scale changes with every input). Use "

@@ -27,13 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import accumulator, compat, kvcache, tracing
+from . import accumulator, compat, kvcache, tracing, validate
 from .calibrate import full_args
 from .handlers import (QParamsMismatchError, Simulate, exact_sums, expanded_params, lookup,
                        transformed)
 from .interpreter import Ctx, eval_jaxpr
 from .plotting import HIST_BINS, plot_report
-from .qparams import PackedParams
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
@@ -196,7 +195,7 @@ class Report:
     """
 
     rows: tuple
-    output_sqnr: float       # dB, the whole function's output, quantized vs float (inf: exact)
+    output_sqnr: float       # dB, the function's float outputs, quantized vs float (inf: exact)
     output_rel_l2: float     # 0 when exact, also on an all-zero batch
     output_max_abs: float
 
@@ -283,9 +282,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     check_qparams(qparams, "jqt.report")
     argnums = normalize_argnums(weight_argnums)
     params_t = (params,) if len(argnums) == 1 else tuple(params)
-    if any(isinstance(p, PackedParams) for p in params_t):
-        raise TypeError("jqt.report: params are jqt.PackedParams; the report compares with the "
-                        "float model, so pass the float params.")
+    validate.check_float_params(params_t, "jqt.report")
     if not isinstance(batch, (tuple, list)):
         raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
                         "remaining arguments of f, e.g. (x,).")
@@ -313,7 +310,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
 
     # weights and qparams are arguments, not constants XLA would spend minutes folding
     lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tracing.mark_static(batch))
-    outs, st = jax.jit(lanes_fn)(params_t, state, lanes)
+    outs, st = jax.jit(lanes_fn)(tracing.mark_static(params_t), state, lanes)  # config leaves static
     st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
     rows = []
     for s in traced.sites():
@@ -321,6 +318,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     f2 = e2 = 0.0
     mx = 0.0
     for o in outs:
+        if not np.issubdtype(np.asarray(o).dtype, np.inexact):
+            continue  # integer and bool outputs (token ids, masks) are not an error to measure
         o = np.asarray(o, np.float64)
         f2 += float(np.sum(o[0] ** 2))
         e2 += float(np.sum((o[1] - o[0]) ** 2))

@@ -104,6 +104,18 @@ def unmark(tree):
                                   is_leaf=lambda x: isinstance(x, Static))
 
 
+def jit_static(f):
+    """``jax.jit(f)`` whose non-array argument leaves (a config string among the weights)
+    reach ``f`` as they are, static, as jqt's quantized functions pass them.
+
+    >>> import jax.numpy as jnp
+    >>> jit_static(lambda p, x: x * p["k"] if p["op"] == "mul" else x)({"op": "mul", "k": 2.0}, 3.0)
+    Array(6., dtype=float32, weak_type=True)
+    """
+    jf = jax.jit(lambda *a: f(*unmark(a)))
+    return functools.wraps(f)(lambda *a: jf(*mark_static(a)))
+
+
 def leaves(args) -> list:
     """The traced leaves of ``args``: the inputs of the traced jaxpr, in order."""
     return jax.tree_util.tree_leaves(mark_static(args))

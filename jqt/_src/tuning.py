@@ -20,6 +20,8 @@ from .qparams import OpQParams
 from .quantize import quantize
 from .recipe import Recipe, Rule
 from .report import report
+from . import tracing, validate
+from .tracing import normalize_argnums
 from .validate import check_qparams
 
 
@@ -32,7 +34,7 @@ def _quantized_keys(qparams):
 
 
 def _score(f, qparams, metric, weight_argnums, simulate):
-    v = metric(jax.jit(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums)))
+    v = metric(tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums)))
     v = float(v)
     if math.isnan(v):
         raise ValueError("jqt: the metric returned NaN for a quantized variant; check the metric "
@@ -108,7 +110,7 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     score = lambda qp: _score(f, qp, metric, weight_argnums, simulate)
-    m_float = float(metric(jax.jit(f)))
+    m_float = float(metric(tracing.jit_static(f)))
     m_q = score(qparams)
     rows = []
     for k in keys:
@@ -248,6 +250,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
+    argnums = normalize_argnums(weight_argnums)
+    validate.check_float_params((params,) if len(argnums) == 1 else tuple(params), "jqt.fallback")
     batches = list(batches)
     qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
     if to is None:
@@ -258,7 +262,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             alt = calibrate(f, Recipe(rules=(dataclasses.replace(to, key=".*"),)), params, batches,
                             weight_argnums=weight_argnums, progress=progress)
     sign = 1.0 if higher_is_better else -1.0
-    m_float = float(metric(jax.jit(f)))
+    m_float = float(metric(tracing.jit_static(f)))
     trials = []
 
     seen = {}

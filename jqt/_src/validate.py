@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import accumulator, compat
-from .qparams import OpQParams
+from .qparams import OpQParams, PackedParams
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
 
@@ -164,3 +164,11 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
         found = problems(v)
         if found:
             raise ValueError(f"{fn}: {describe(k, found)}. {FIX}")
+
+
+def check_float_params(params_t, fn: str):
+    """Raises ``TypeError`` when a weight argument is a :class:`jqt.PackedParams`: ``fn``
+    runs the float function on the float weights (``params_t``: one per weight argnum)."""
+    if any(isinstance(p, PackedParams) for p in params_t):
+        raise TypeError(f"{fn}: params are jqt.PackedParams (from jqt.pack or jqt.load_packed); "
+                        f"{fn} runs the float model, so pass the float params they were packed from.")

@@ -18,7 +18,7 @@ import jqt
 CPU = jqt.KernelPolicy.for_backend("cpu")
 # the CPU table's XLA formulations: without the native kernel that runs 4-bit grouped
 # weights at up to native_gemv_rows rows where it builds (test_native.py)
-CPU_XLA = dataclasses.replace(CPU, native_gemv_rows=0, native_decode=False)  # XLA formulations only
+CPU_XLA = dataclasses.replace(CPU, native_gemv_rows=0)
 
 
 def _eqns(jaxpr):
@@ -155,7 +155,7 @@ def test_policy_table():
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
-        native_in_place=True, native_int8_rows=4, weight_only_kn=True, native_decode=True)
+        native_in_place=True, native_int8_rows=4, weight_only_kn=True)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
         fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()

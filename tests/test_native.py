@@ -271,60 +271,6 @@ def test_custom_vjp_around_the_quantized_op():
     _close(jax.jit(jqt.quantize(f, qp))(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
 
 
-NO_DECODE = dataclasses.replace(CPU, native_decode=False)
-DECODE_CASES = {  # recipe, K, N (75: the kernel's column tail), rows (above native_gemv_rows)
-    "nf4_g64": (R.nf4(group_size=64), 256, 75, 17),
-    "w4_g128": (R.w4(group_size=128), 512, 75, 9),
-    "w4_g32_asym": (R.w4(group_size=32, symmetric=False), 256, 75, 70),
-    "w4a8_g64_asym": (R.w4a8(group_size=64, symmetric=False), 256, 75, 17),
-    "int3_g32": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3, group_size=32),
-                                            activation=None),)), 256, 40, 12),
-}
-
-
-def _decode_calls(fn, *args) -> int:
-    return jax.jit(fn).lower(*args).as_text().count(f"custom_call @{native.DECODE}(")
-
-
-@needs_kernel
-@pytest.mark.parametrize("name", DECODE_CASES)
-def test_native_decode_of_many_rows_is_the_xla_decode_to_the_bit(name):
-    """``native_decode``: above the few-row kernels' rows, a 4-bit weight decoded whole for
-    one float matmul is decoded by ``jqt_decode_grouped``, with the XLA decode's
-    arithmetic: the outputs are equal, not close."""
-    recipe, k, n, m = DECODE_CASES[name]
-    f, p, qp, x = _setup(recipe, k, n, m)
-    x = x.at[1, 7].set(-3e4)  # a large activation: the same rounding either way
-    packed = jqt.pack(qp, p)
-    q, off = jqt.quantize(f, qp), jqt.quantize(f, qp, policy=NO_DECODE)
-    assert _decode_calls(q, packed, x) == 1 and _decode_calls(off, packed, x) == 0
-    np.testing.assert_array_equal(jax.jit(q)(packed, x), jax.jit(off)(packed, x))
-
-
-@needs_kernel
-def test_native_decode_under_vmap_grad_scan_and_export():
-    f, p, qp, x = _setup(R.nf4(group_size=64), 256, 64, 12)
-    packed = jqt.pack(qp, p)
-    q, off = jqt.quantize(f, qp), jqt.quantize(f, qp, policy=NO_DECODE)
-    xs = jax.random.normal(jax.random.key(9), (3, 12, 256))
-    np.testing.assert_array_equal(jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs),
-                                  jax.vmap(off, in_axes=(None, 0))(packed, xs))
-    two = jax.tree.map(lambda a: jnp.stack([a, a]), packed)  # batched codes: the XLA decode
-    np.testing.assert_array_equal(jax.jit(jax.vmap(q))(two, xs[:2]), jax.vmap(off)(two, xs[:2]))
-    g = lambda fn: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(fn(packed, x)))))(x)
-    np.testing.assert_array_equal(g(q), g(off))
-    exp = jax.export.export(jax.jit(q))(packed, x)
-    assert native.DECODE not in exp.mlir_module()
-    np.testing.assert_array_equal(jax.export.deserialize(exp.serialize()).call(packed, x), off(packed, x))
-    ps = {"w": jnp.stack([p["w"], -p["w"]])}  # stacked layers under lax.scan
-    fs = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh((h @ w) @ w.T), None), x, p["w"])[0]
-    qps = jqt.calibrate(fs, R.nf4(group_size=64), ps, [(x,)], progress=False)
-    pks = jqt.pack(qps, ps)
-    qs = jqt.quantize(fs, qps)
-    assert _decode_calls(qs, pks, x) >= 1
-    np.testing.assert_array_equal(jax.jit(qs)(pks, x), jax.jit(jqt.quantize(fs, qps, policy=NO_DECODE))(pks, x))
-
-
 def test_disabled_by_environment_variable():
     code = ("import jax, jqt, numpy as np\n"
             "s = jqt.native_status(); assert not s.available and 'JQT_NATIVE' in s.reason, s\n"

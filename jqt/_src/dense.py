@@ -294,7 +294,7 @@ def int_dense_grouped(ax, x, w, policy):
     return out
 
 
-def int_grouped_as_float(ax, x, w, policy, decoder=None):
+def int_grouped_as_float(ax, x, w, policy):
     """int8 activation x grouped int weight as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
     weight-only path (K-chunks, whole: :func:`decodes_whole`, or one sum over K at few
@@ -303,7 +303,7 @@ def int_grouped_as_float(ax, x, w, policy, decoder=None):
     up to float rounding; beyond a few rows one matmul per chunk beats a small one per
     group (:func:`grouped_as_float`)."""
     w, lo, hi = _act_scale_around(ax, x, w)  # no overflow the real op has not
-    return weight_only_2d(float_codes(ax, x) * lo, w, policy, None, decoder) * hi
+    return weight_only_2d(float_codes(ax, x) * lo, w, policy, None) * hi
 
 
 def split_scale(sx):
@@ -572,9 +572,8 @@ def reduces(m, policy) -> bool:
     return isinstance(m, int) and 0 < m <= policy.reduce_rows
 
 
-def weight_only_2d(x2, w, policy, precision, decoder=None):
-    """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`).
-    ``decoder``: a native decode of the whole weight (``native.decoder``), or ``None``."""
+def weight_only_2d(x2, w, policy, precision):
+    """``x2 (M, K) @ w`` for a 2-D weight QArray, in float32 (see :func:`weight_only_dense`)."""
     m, k = x2.shape
     q = w.qtype
     gs = q.group_size
@@ -623,8 +622,6 @@ def weight_only_2d(x2, w, policy, precision, decoder=None):
                                                        i * n_chunk, 1)
 
             out = lax.fori_loop(0, n // n_chunk, body, jnp.zeros((m, n), _F32))
-        elif decoder is not None and dt == _F32 and not halves:
-            out = dot(xk, decoder(v, scale, zp, xk if policy.decode_after_input else None))
         else:
             out = dot(xk, dec(after(v, xk) if policy.decode_after_input else v, scale, zp))
     if gs:
@@ -634,7 +631,7 @@ def weight_only_2d(x2, w, policy, precision, decoder=None):
     return out * (w.scale.astype(_F32) * unit)
 
 
-def weight_only_dense(ax, x, w, policy, precision=None, decoder=None):
+def weight_only_dense(ax, x, w, policy, precision=None):
     """Float activation x quantized weight (``w`` from :func:`weight_in_layout`) -> float
     ``(M, N)``.
 
@@ -648,4 +645,4 @@ def weight_only_dense(ax, x, w, policy, precision=None, decoder=None):
     to ``policy.whole_decode_rows`` rows), each over the whole of K. Per-channel
     scales apply to the (smaller) output; per-group scales to each decoded chunk.
     """
-    return weight_only_2d(ax.act_2d(x), w, policy, precision, decoder)
+    return weight_only_2d(ax.act_2d(x), w, policy, precision)

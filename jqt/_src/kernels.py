@@ -180,8 +180,7 @@ def run(site, eqn, ops, policy):
         if gemv.weight_only_applies(w2, m, policy):
             out2 = gemv.weight_only(ax, x_op, w2, policy)
         else:
-            out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"),
-                                           native.decoder(w2, policy))
+            out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))
     elif wq.qtype.kind == "float":
         out2 = dense.fp8_dense(ax, x_op, w2, policy)
     elif wq.qtype.group_size and x_op.qtype.kind == "int" and dense.reduces(m, policy):
@@ -189,7 +188,7 @@ def run(site, eqn, ops, policy):
     elif wq.qtype.group_size and gemv.grouped_applies(w2, m, policy):
         out2 = gemv.int_grouped(ax, x_op, w2, policy)
     elif wq.qtype.group_size and dense.grouped_as_float(m, w2, policy):
-        out2 = dense.int_grouped_as_float(ax, x_op, w2, policy, native.decoder(w2, policy))
+        out2 = dense.int_grouped_as_float(ax, x_op, w2, policy)
     elif wq.qtype.group_size:
         out2 = dense.int_dense_grouped(ax, x_op, w2, policy)
     else:

@@ -20,11 +20,6 @@ arithmetic of the float32 matmul of the decoded weight, in another order.
 * ``jqt_channel_gemv_kn``: the same with the codes packed ``(K, N)`` (``w8`` under
   ``KernelPolicy.weight_only_kn``, as the CPU table packs it).
 
-A fourth, ``jqt_decode_grouped``, serves many rows: it decodes a ``jqt_grouped_gemv``
-weight to float32 for one float matmul (``KernelPolicy.native_decode``), the arithmetic
-of the XLA decode to the bit, NF4 by two 8-entry lookups in registers where XLA:CPU
-selects among 16 constants per element.
-
 They are XLA FFI custom calls, built on first use with the C++ compiler found at run
 time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
 (``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
@@ -69,7 +64,6 @@ from .qparams import QArray
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
 CHANNEL_KN = "jqt_channel_gemv_kn"  # the same, packed (K, N)
-DECODE = "jqt_decode_grouped"  # 4-bit codes with group scales (K, N) -> float32, many rows
 SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
 
@@ -183,7 +177,6 @@ def _build() -> NativeStatus:
     jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
-    jax.ffi.register_ffi_target(DECODE, jax.ffi.pycapsule(handle.JqtDecodeGrouped), platform="cpu")
     return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
 
 
@@ -287,41 +280,29 @@ def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
     return jax.core.ShapedArray((x2.shape[0], n), _F32)
 
 
-def _define(prim, reference, lower_cpu):
-    """The rules of a native primitive besides its abstract evaluation: compiled when
-    called eagerly, the custom call on the CPU (``lower_cpu``), ``reference`` (its XLA
-    formulation) lowered elsewhere and differentiated."""
-    def impl(*args, **params):
-        with jax.disable_jit(False):  # compiled even under jax.disable_jit (else bind recurses)
-            return jax.jit(functools.partial(prim.bind, **params))(*args)
-
-    def lower_reference(ctx, *args, **params):
-        return compat.mlir.lower_fun(functools.partial(reference, **params),
-                                     multiple_results=False)(ctx, *args)
-
-    def lower(ctx, *args, **params):
-        if compat.lowering_is_portable(ctx) or not native_status().available:
-            return lower_reference(ctx, *args, **params)
-        return lower_cpu(ctx, *args, **params)
-
-    def jvp(primals, tangents, **params):
-        tangents = [compat.ad.instantiate_zeros(t) for t in tangents]
-        return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
-
-    prim.def_impl(impl)
-    compat.mlir.register_lowering(prim, lower_reference, cacheable=False)
-    compat.mlir.register_lowering(prim, lower, platform="cpu", cacheable=False)
-    compat.ad.primitive_jvps[prim] = jvp
+@gemv_p.def_impl
+def _impl(*args, **params):
+    with jax.disable_jit(False):  # compiled even under jax.disable_jit (else bind recurses)
+        return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
 
 
-def _lower_cpu(ctx, *args, target, **params):
+def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
+    args = (x2, codes, scale, zp, table, layer)
+    if compat.lowering_is_portable(ctx) or not native_status().available:
+        return _lower_reference(ctx, *args, target=target, **params)
     if target == GROUPED:
         return jax.ffi.ffi_lowering(GROUPED)(ctx, *args,
                                              group_size=np.int64(params["qtype"].group_size))
     return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
 
 
-_define(gemv_p, _reference, _lower_cpu)
+def _lower_reference(ctx, *args, **params):
+    return compat.mlir.lower_fun(functools.partial(_reference, **params),
+                                 multiple_results=False)(ctx, *args)
+
+
+compat.mlir.register_lowering(gemv_p, _lower_reference, cacheable=False)
+compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=False)
 
 
 def _batch(args, dims, **params):
@@ -342,53 +323,9 @@ def _batch(args, dims, **params):
 compat.batching.primitive_batchers[gemv_p] = _batch
 
 
-# ------------------------------------------------------------------ the decode of many rows
-
-def decoder(w: QArray, policy):
-    """A function ``(codes, scale, zp, x) -> float32 (K, N)`` that decodes the 2-D weight
-    ``w`` (4-bit int or NF4 codes with group scales, two per byte, ``"kn"``) with
-    ``jqt_decode_grouped`` after the activation ``x`` exists (``None``: at once), where
-    ``policy.native_decode`` asks for it and the kernels are available; else ``None``
-    (the XLA decode, :func:`dense.decode_rows`). ``scale`` and ``zp`` are the group
-    scales and zero points ``(K / group_size, N)`` (``zp`` may be ``None``)."""
-    q = w.qtype
-    if not (policy.native_decode and not policy.nibble_halves and w.layout == "kn" and w.nibbles
-            and q.grid in ("int", "nf4") and q.group_size and q.group_size % 2 == 0
-            and getattr(w.values, "ndim", 0) == 2 and native_status().available):
-        return None
-
-    def run(codes, scale, zp, x):
-        table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
-        zp = jnp.zeros((0,) + scale.shape[1:], _F32) if zp is None else zp.astype(_F32)
-        # one element of the activation to wait for (dense.after), or none
-        wait = jnp.zeros((0, 0), _F32) if x is None else x[:1, :1].astype(_F32)
-        return decode_p.bind(wait, codes, scale.astype(_F32), zp, table, jnp.int32(0), qtype=q)
-    return run
+def _jvp(primals, tangents, **params):
+    tangents = [compat.ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_reference, **params), tuple(primals), tuple(tangents))
 
 
-def _decode_reference(wait, codes, scale, zp, table, layer, *, qtype):
-    """The XLA decode (``dense.decode_rows`` of the codes in K's order), after ``wait``."""
-    del table, layer
-    w = QArray(values=codes, qtype=qtype, layout="kn")
-    c = dense.interleaved_nibbles(dense.after(codes, wait), 0)
-    return dense.decode_rows(c, w, scale, zp if zp.shape[0] else None, 0, qtype.group_size, _F32)
-
-
-decode_p = compat.Primitive("jqt_decode")
-
-
-@decode_p.def_abstract_eval
-def _decode_abstract(wait, codes, *args, **params):
-    return jax.core.ShapedArray((2 * codes.shape[0], codes.shape[1]), _F32)
-
-
-_define(decode_p, _decode_reference, lambda ctx, *args, qtype: jax.ffi.ffi_lowering(DECODE)(
-    ctx, *args, group_size=np.int64(qtype.group_size)))
-
-
-def _decode_batch(args, dims, **params):
-    axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
-    return jax.vmap(functools.partial(_decode_reference, **params), in_axes=axes)(*args), 0
-
-
-compat.batching.primitive_batchers[decode_p] = _decode_batch
+compat.ad.primitive_jvps[gemv_p] = _jvp

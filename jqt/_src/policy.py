@@ -334,12 +334,6 @@ class KernelPolicy:
         the stacked layers read in place (``native_in_place``); above, and at 0, XLA's
         int8 matmul, whose int32 sums are exact.
 
-      native_decode: a 4-bit int or NF4 weight with group scales packed ``"kn"`` (w4,
-        nf4; w4a8 above ``native_gemv_rows``) that is decoded whole to float32 for one
-        matmul is decoded by jqt's native kernel ``jqt_decode_grouped`` where it is
-        available (the same numbers to the bit: XLA:CPU decodes NF4 by 15 selects per
-        element); elsewhere, inside ``jax.export`` and over several devices, by XLA.
-
       reduce_rows: an op with at most this many rows whose weight is decoded to float
         (weight-only int and NF4 weights, per channel or per group; int8 activations on
         grouped int weights, w4a8, their codes upcast exactly) runs as one elementwise
@@ -393,7 +387,6 @@ class KernelPolicy:
     nibble_halves: bool = False
     reduce_rows: int = 0
     native_int8_rows: int = 0
-    native_decode: bool = False
     weight_only_kn: bool = False
 
     def __post_init__(self):
@@ -463,8 +456,7 @@ POLICIES = {
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
                         int_as_bfloat16_rows=255, native_gemv_rows=8,
-                        native_in_place=True, native_int8_rows=4, weight_only_kn=True,
-                        native_decode=True),
+                        native_in_place=True, native_int8_rows=4, weight_only_kn=True),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

@@ -1,7 +1,6 @@
 // jqt's native XLA:CPU kernels: few-row matmuls with 4-bit weights in groups (int4, NF4),
 // "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (codes
-// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)); and the decode of a 4-bit weight in
-// groups to float32 for a matmul of many rows, "jqt_decode_grouped" (below).
+// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)) (below).
 //
 //   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
 //
@@ -499,136 +498,34 @@ ffi::Error ChannelGemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ChannelGemvT<true>(pool, x, codes, scale, zp, table, layer, out);
 }
 
-// ---------------------------------------------------------------------------------------
-// "jqt_decode_grouped": a weight of 4-bit int or NF4 codes with group scales, packed (K, N)
-// two per byte along K (jqt_grouped_gemv's codes), decoded to float32 (K, N) for one float
-// matmul of many rows:
-//   out[k, n] = (code[k, n] - round(zp[g, n])) * scale[g, n]   (int codes; zp optional)
-//   out[k, n] = table[code[k, n] + 8] * scale[g, n]            (NF4)
-// with g = k / group_size: the arithmetic of jqt's XLA decode (dense.decode_rows), so the
-// result is the same to the bit. XLA:CPU decodes NF4 by a tree of 15 selects per element;
-// here two 8-entry lookups in registers. Byte rows split over XLA's intra-op threads.
-#ifdef JQT_X86
-template <bool LUT>
-__attribute__((target("avx2,fma"))) void decode_rows_avx2(const uint8_t* __restrict w, int64_t N,
-                                                          int64_t r0, int64_t r1, int64_t R,
-                                                          const float* scale, const float* zp,
-                                                          const float* table, float* __restrict out) {
-  const __m256i flip = _mm256_set1_epi32(0x88), low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-  const __m256 t0 = LUT ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
-  const __m256 t1 = LUT ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * N;
-    const float* sg = scale + (r / R) * N;
-    const float* zg = zp ? zp + (r / R) * N : nullptr;
-    float* lo = out + 2 * r * N;
-    float* hi = lo + N;
-    int64_t n = 0;
-    for (; n + 8 <= N; n += 8) {
-      const __m256i u = _mm256_xor_si256(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + n))), flip);
-      const __m256i ul = _mm256_and_si256(u, low), uh = _mm256_srli_epi32(u, 4);
-      __m256 vl, vh;
-      if (LUT) {
-        vl = values<true>(ul, t0, t1);
-        vh = values<true>(uh, t0, t1);
-      } else {
-        vl = _mm256_cvtepi32_ps(_mm256_sub_epi32(ul, eight));
-        vh = _mm256_cvtepi32_ps(_mm256_sub_epi32(uh, eight));
-        if (zg) {
-          const __m256 z = _mm256_round_ps(_mm256_loadu_ps(zg + n), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          vl = _mm256_sub_ps(vl, z);
-          vh = _mm256_sub_ps(vh, z);
-        }
-      }
-      const __m256 s = _mm256_loadu_ps(sg + n);
-      _mm256_storeu_ps(lo + n, _mm256_mul_ps(vl, s));
-      _mm256_storeu_ps(hi + n, _mm256_mul_ps(vh, s));
-    }
-    for (; n < N; ++n) {
-      const unsigned u = row[n] ^ 0x88u;
-      float a = LUT ? table[u & 15] : float(int(u & 15) - 8), b = LUT ? table[u >> 4] : float(int(u >> 4) - 8);
-      if (!LUT && zg) a -= __builtin_roundevenf(zg[n]), b -= __builtin_roundevenf(zg[n]);
-      lo[n] = a * sg[n];
-      hi[n] = b * sg[n];
-    }
-  }
-}
-#endif
-
-void decode_rows_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, int64_t R,
-                        const float* scale, const float* zp, const float* table, float* out) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t n = 0; n < N; ++n) {
-      const unsigned u = w[r * N + n] ^ 0x88u;
-      const float s = scale[(r / R) * N + n], z = zp ? __builtin_roundevenf(zp[(r / R) * N + n]) : 0.f;
-      const float a = table ? table[u & 15] : float(int(u & 15) - 8) - z;
-      const float b = table ? table[u >> 4] : float(int(u >> 4) - 8) - z;
-      out[2 * r * N + n] = a * s;
-      out[(2 * r + 1) * N + n] = b * s;
-    }
-}
-
-// The operands of jqt_grouped_gemv: ``x`` (one element of the op's activation, or none)
-// is not read, only waited for; ``layer`` is not read (one layer).
-ffi::Error DecodeGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                         ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
-                         ffi::ResultBuffer<ffi::F32> out, int64_t group_size) {
-  (void)x, (void)layer;
-  const auto wd = codes.dimensions(), sd = scale.dimensions();
-  if (wd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("jqt_decode_grouped: codes and scale must be 2-D");
-  const int64_t R = wd[0], N = wd[1], K = 2 * R;
-  if (group_size <= 0 || group_size % 2 || K % group_size || sd[0] != K / group_size || sd[1] != N ||
-      (zp.element_count() && zp.element_count() != scale.element_count()) ||
-      (table.element_count() != 0 && table.element_count() != 16) ||
-      (table.element_count() && zp.element_count()))
-    return ffi::Error::InvalidArgument("jqt_decode_grouped: operand shapes do not match");
-  const uint8_t* wp = codes.typed_data();
-  const float* sp = scale.typed_data();
-  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
-  const float* tp = table.element_count() ? table.typed_data() : nullptr;
-  float* op = out->typed_data();
-  if (R == 0 || N == 0) return ffi::Error::Success();
-  const int64_t rows_per_group = group_size / 2;
-  // byte rows split over the threads, at least 64 KiB of codes per part
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min({threads, R, (R * N) >> 16}));
-  parallel(pool, parts, [&](int64_t t) {
-    const int64_t r0 = R * t / parts, r1 = R * (t + 1) / parts;
-#ifdef JQT_X86
-    if (has_avx2()) {
-      if (tp) return decode_rows_avx2<true>(wp, N, r0, r1, rows_per_group, sp, zpp, tp, op);
-      return decode_rows_avx2<false>(wp, N, r0, r1, rows_per_group, sp, zpp, tp, op);
-    }
-#endif
-    decode_rows_scalar(wp, N, r0, r1, rows_per_group, sp, zpp, tp, op);
-  });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
-// Every kernel's operands: x, codes (CODES: two 4-bit codes per byte, U8, or int8, S8),
-// scale, zero point, table (empty for int codes), layer.
-#define JQT_BINDING(CODES)                          \
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size"));
+
+// The int8 kernels' operands: x, codes, scale, zero point, table (empty), layer.
+#define JQT_CHANNEL_BINDING                         \
   ffi::Ffi::Bind()                                  \
       .Ctx<ffi::ThreadPool>()                       \
       .Arg<ffi::Buffer<ffi::F32>>()                 \
-      .Arg<ffi::Buffer<CODES>>()                    \
+      .Arg<ffi::Buffer<ffi::S8>>()                  \
       .Arg<ffi::Buffer<ffi::F32>>()                 \
       .Arg<ffi::Buffer<ffi::F32>>()                 \
       .Arg<ffi::Buffer<ffi::F32>>()                 \
       .Arg<ffi::Buffer<ffi::S32>>()                 \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
-                              JQT_BINDING(ffi::U8).Attr<int64_t>("group_size"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtDecodeGrouped, DecodeGrouped,
-                              JQT_BINDING(ffi::U8).Attr<int64_t>("group_size"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv, JQT_BINDING(ffi::S8));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemvKn, ChannelGemvKn, JQT_BINDING(ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv, JQT_CHANNEL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemvKn, ChannelGemvKn, JQT_CHANNEL_BINDING);
 
 // 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {

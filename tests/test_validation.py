@@ -522,6 +522,7 @@ def test_a_string_leaf_in_params_reaches_f_in_every_tool():
     err = lambda h: float(jnp.abs(h(p, xs[0][0]) - f(p, xs[0][0])).max())
     res = jqt.fallback(f, recipe, p, xs, err, max_drop=1.0, higher_is_better=False)
     assert res.met
+    assert jqt.sensitivity(f, qp, err, higher_is_better=False).float_metric == 0.0
     packed = jqt.pack(qp, p)
     np.testing.assert_array_equal(jqt.quantize(f, qp)(packed, xs[0][0]),
                                   jqt.quantize(g, qr)(jqt.pack(qr, ref), xs[0][0]))

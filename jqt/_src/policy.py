@@ -150,13 +150,15 @@ float16 activations         dtype, one 16-bit matmul,   decode not measured on a
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             nibbles decoded by one      3.9x, nf4 4.2x bfloat16
                             shift into one float block  at one row of a 4096
-                            (K's even rows, then odd),  layer: XLA did not fuse
-                            the activation's columns    the decode into its GEMM)
-                            in that order: one matmul
-                            (one per nibble: MiniLM w4
-                            b8 1.39x float32, then
-                            1.11-1.17x); group scales
-                            by a reshape; nf4 by a
+                            in K's own order, the       layer: XLA did not fuse
+                            activation read as it is    the decode into its GEMM)
+                            (``nibble_halves``: even
+                            rows, then odd, the
+                            activation reordered:
+                            MiniLM w4 b8 1.08x float32
+                            against 1.00x; one matmul
+                            per nibble: 1.39x); group
+                            scales by a reshape; nf4 by a
                             tree of 15 selects on the
                             code's bits (a gather from
                             its 16-entry table was
@@ -309,9 +311,10 @@ class KernelPolicy:
 
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
         or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8
-        weights per output channel packed ``"nk"`` on float activations (w8), runs
-        jqt's native XLA:CPU kernels (``jqt_grouped_gemv``, ``jqt_channel_gemv``,
-        built on first use; see :func:`jqt.native_status`), which read the packed
+        weights per output channel on float activations (w8: ``"kn"``, as the CPU
+        table packs it, or ``"nk"``), runs jqt's native XLA:CPU kernels
+        (``jqt_grouped_gemv``, ``jqt_channel_gemv_kn``, ``jqt_channel_gemv``, built
+        on first use; see :func:`jqt.native_status`), which read the packed
         codes once and decode them in registers, where they are available; elsewhere,
         and inside ``jax.export``, the formulations above. 0: never.
 

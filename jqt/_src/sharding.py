@@ -58,8 +58,8 @@ def _group_axis(op: OpQParams, wq: QArray, depth: int, pw: QArray):
     if not wq.qtype.group_size or wq.scale is None or pw.layout not in ("nk", "kn"):
         return None
     shape = np.shape(wq.scale)
-    grouped = [d for d in _contract_axes(op, len(shape), depth) if shape[d] > 1]
-    return grouped[0] if len(grouped) == 1 and len(_contract_axes(op, len(shape), depth)) == 1 else None
+    contract = _contract_axes(op, len(shape), depth)
+    return contract[0] if len(contract) == 1 and shape[contract[0]] > 1 else None
 
 
 def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",

@@ -668,6 +668,36 @@ def test_weight_mse_beats_minmax_per_channel_at_4_bits():
     assert np.all(hi <= hi0) and np.all(hi >= 0.3 * hi0 - 1e-6)  # min_ratio 0.3
 
 
+@pytest.mark.parametrize("cal", [C.Percentile(99.0), C.MSE(), C.Entropy()],
+                         ids=["percentile", "mse", "entropy"])
+def test_histogram_ranges_scale_with_the_data_up_to_float32s_maximum(cal):
+    """Data times a power of two gives the range times that power, to the bit, up to
+    values near float32's maximum (x * bins/2 overflowed above 3.3e35 before: a range
+    that clipped most of the data, an inverted one at 1e38)."""
+    x = jnp.asarray(np.random.default_rng(4).uniform(-1, 1, 20_000), jnp.float32)
+    qt = jqt.QuantType(bits=8, symmetric=False)
+    lo, hi = (float(v) for v in cal.range(cal.observe(x), qt))
+    for k in (100, 126):  # 1.3e30, 8.5e37
+        big = cal.range(cal.observe(jnp.ldexp(x, k)), qt)
+        assert (float(big[0]), float(big[1])) == (np.ldexp(lo, k), np.ldexp(hi, k)), (k, big, lo, hi)
+
+
+def test_weight_mse_chooses_the_same_clipping_at_any_magnitude():
+    """Its squared errors are summed in units of each channel's range: a weight times
+    2**+-70 gets the same ratios (float32 sums of squares overflowed or vanished there,
+    and every channel fell back to its absolute maximum)."""
+    w = np.random.default_rng(5).standard_normal((128, 16)).astype(np.float32)
+    w[0, :4] *= 6.0
+    q4 = jqt.QuantType(bits=4, group_size=16)
+    lo, hi = (np.asarray(v) for v in C.WeightMSE().range(jnp.asarray(w.reshape(8, 16, 16)), (1,), q4))
+    assert (np.abs(hi) < np.abs(w.reshape(8, 16, 16)).max(axis=1, keepdims=True)).any()  # some clipped
+    for k in (70, -70):
+        lk, hk = (np.asarray(v) for v in C.WeightMSE().range(jnp.asarray(np.ldexp(w, k).reshape(8, 16, 16)),
+                                                              (1,), q4))
+        np.testing.assert_array_equal(lk, np.ldexp(lo, k))
+        np.testing.assert_array_equal(hk, np.ldexp(hi, k))
+
+
 def test_weight_mse_on_stacked_scan_weights(scan_setup):
     p, xs, _ = scan_setup
     q4 = jqt.QuantType(bits=4, narrow_range=True, per_channel=True)

@@ -201,11 +201,12 @@ class _Histogram(Calibrator):
         amax = jnp.max(jnp.abs(x))
         _, e = jnp.frexp(amax)  # amax < 2**e
         e = jnp.maximum(e, _EMPTY_EXP + 1).astype(jnp.int32)
-        # bin = B/2 + floor(x * B / (2 R)); x * (B/2) is rounded once, the same way at
-        # every radius, and the scaling by 2**-e is exact, so a value falls in nested
-        # bins at every radius (what makes merging exact).
+        # bin = B/2 + floor(x * B / (2 R)); the scaling by 2**-e is exact and x 2**-e * (B/2)
+        # is rounded once, as x * (B/2) would be at any radius, so a value falls in nested
+        # bins at every radius (what makes merging exact). Scaled first: x * (B/2) alone
+        # overflows float32 for |x| above 3.4e38 / (B/2).
         half = self.bins // 2
-        idx = jnp.floor(jnp.ldexp(x * jnp.float32(half), -e)).astype(jnp.int32) + half
+        idx = jnp.floor(jnp.ldexp(x, -e) * jnp.float32(half)).astype(jnp.int32) + half
         hist = jnp.zeros((self.bins,), _F32).at[jnp.clip(idx, 0, self.bins - 1)].add(1.0)
         return {**_minmax(x), "hist": hist, "exp": e}
 
@@ -471,11 +472,15 @@ class WeightMSE(WeightCalibrator):
     def range(self, w, axes, qtype):
         lo0, hi0 = WeightMinMax().range(w, axes, qtype)
         w = w.astype(_F32)
+        # errors in units of a power of two near each channel's range (exact scaling): the
+        # same choice at any magnitude, where float32 sums of squares would overflow (a
+        # weight of 1e20) or vanish (1e-20)
+        _, e = jnp.frexp(jnp.maximum(jnp.abs(lo0), jnp.abs(hi0)))
 
         def err(r):
             s, z = nx.params_from_range(lo0 * r, hi0 * r, qtype)
             d = nx.fake_quant(w, s, z, qtype) - w  # on the format's own grid (int, fp8, nf4)
-            return jnp.sum(d ** 2, axis=axes, keepdims=axes is not None)
+            return jnp.sum(jnp.ldexp(d, -e) ** 2, axis=axes, keepdims=axes is not None)
 
         ratios = jnp.linspace(1.0, self.min_ratio, self.candidates)
 

@@ -124,6 +124,23 @@ def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 3])
+def test_zero_weights_give_exact_zeros(m):
+    """The kernel takes the codes' ``+ 8`` off with the same fused multiply-adds that
+    summed them: output channels whose weights are all zero (a pruned column, the
+    column tail past a multiple of 16) are 0 exactly, as on the XLA path (they were
+    a few ulps of x off)."""
+    f, p, qp, x = _setup(R.w4(group_size=32), 256, 72, m)
+    w = p["w"].at[:, 5].set(0.0).at[:, 64:].set(0.0)
+    qp = jqt.calibrate(f, R.w4(group_size=32), {"w": w}, [(x,)], progress=False)
+    packed = jqt.pack(qp, {"w": w})
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 1
+    out = np.asarray(jax.jit(q)(packed, x))
+    assert (out[:, 5] == 0).all() and (out[:, 64:] == 0).all() and (out[:, :5] != 0).all()
+
+
+@needs_kernel
 def test_more_rows_than_native_gemv_rows_run_xla():
     f, p, qp, _ = _setup(R.w4(group_size=128))
     packed = jqt.pack(qp, p)

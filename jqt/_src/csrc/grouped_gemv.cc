@@ -19,9 +19,10 @@
 // The codes are read once, in place, and decoded in registers: each byte row of the weight
 // is XORed with 0x88 (the nibbles become code + 8, in 0..15), widened, converted to float32
 // (or looked up in the table) and multiplied into float32 sums over the group (AVX2 + FMA);
-// the "+ 8" of int codes is removed with the group's sum of x (a row whose group's x could
-// make that overflow, inf - inf, takes exact_group instead). A group's sums are exact integers times x's float32 values, summed
-// in float32: the same arithmetic as a float32 matmul of the decoded weight, in another
+// the "+ 8" of int codes is removed with 8 x summed by the same fused multiply-adds, so
+// zero codes give 0 exactly (a row whose group's x could make that overflow, inf - inf,
+// takes exact_group instead). A group's sums are exact integers times x's float32 values,
+// summed in float32: the same arithmetic as a float32 matmul of the decoded weight, in another
 // order. The groups are split over XLA's intra-op thread pool, each thread's share of the
 // codes read front to back with a software prefetch 2 KiB ahead.
 //
@@ -65,7 +66,7 @@ void rows_scalar(const float* x, int64_t K, int M, const uint8_t* w, int64_t N,
       float* a = acc + m * W;
       for (int64_t n = 0; n < W; ++n) {
         const uint8_t u = row[n] ^ 0x88;
-        a[n] += xe * nibble(table, u & 15) + xo * nibble(table, u >> 4);
+        a[n] = std::fma(xo, nibble(table, u >> 4), std::fma(xe, nibble(table, u & 15), a[n]));
       }
     }
   }
@@ -117,11 +118,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* __restrict x, in
         _mm256_storeu_ps(a + 8, a1);
       }
     }
-    for (; n < W; ++n) {
+    for (; n < W; ++n) {  // the same fused multiply-adds, in the same order, as above
       const uint8_t u = row[n] ^ 0x88;
       for (int m = 0; m < M; ++m)
-        acc[m * W + n] += x[m * K + 2 * r] * nibble(table, u & 15) +
-                          x[m * K + 2 * r + 1] * nibble(table, u >> 4);
+        acc[m * W + n] = std::fma(x[m * K + 2 * r + 1], nibble(table, u >> 4),
+                                  std::fma(x[m * K + 2 * r], nibble(table, u & 15), acc[m * W + n]));
     }
   }
 }
@@ -195,18 +196,21 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
         for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * a[n];
         continue;
       }
-      float xs = 0.f, ax = 0.f;  // the group's sum of x, for the +8 (and the zero point)
+      // the group's sum of x, for the zero point; x times the +8 summed by the fused
+      // multiply-adds that summed the codes (so a group of zero codes gives 0 exactly)
+      float xs = 0.f, ax = 0.f, z8 = 0.f;
       for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k], ax += std::fabs(x[m * K + k]);
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2)
+        z8 = std::fma(x[m * K + k + 1], 8.f, std::fma(x[m * K + k], 8.f, z8));
       // |a| <= 15 ax and |(8 + zp) xs| <= 16 ax (zero points within the codes' range): finite
       // below FLT_MAX / 32; else (an infinite or NaN x, or x near FLT_MAX) inf - inf is NaN
       if (!(ax < 1e37f)) {
         exact_group(x + m * K, w, N, sg, zg, g, gs, part.data());
         for (int64_t n = 0; n < N; ++n) o[n] += part[n];
       } else if (zg) {
-        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - (8.f + __builtin_roundevenf(zg[n])) * xs);
+        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * ((a[n] - z8) - __builtin_roundevenf(zg[n]) * xs);
       } else {
-        const float z = 8.f * xs;
-        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - z);
+        for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * (a[n] - z8);
       }
     }
   }

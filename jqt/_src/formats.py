@@ -241,11 +241,18 @@ def pack_nibbles(q, axis):
 
 
 def unpack_nibbles(p, axis):
-    """Inverse of :func:`pack_nibbles`: uint8 -> int8 codes, the axis doubled."""
+    """Inverse of :func:`pack_nibbles`: uint8 -> int8 codes, the axis doubled; NumPy
+    codes stay NumPy (a file's codes checked on the host, before any device).
+
+    >>> import numpy as np
+    >>> unpack_nibbles(np.array([[0x21, 0xF3]], np.uint8), 1).tolist()
+    [[1, 2, 3, -1]]
+    """
     import jax.numpy as jnp
+    xp = np if isinstance(p, np.ndarray) else jnp
     axis = axis % p.ndim
-    b = p.astype(jnp.int8)
-    lo = jnp.right_shift(jnp.left_shift(b, 4), 4)  # arithmetic shift sign-extends
-    hi = jnp.right_shift(b, 4)
-    both = jnp.stack([lo, hi], axis=axis + 1)
+    b = p.astype(np.int8)
+    lo = xp.right_shift(xp.left_shift(b, 4), 4)  # arithmetic shift sign-extends
+    hi = xp.right_shift(b, 4)
+    both = xp.stack([lo, hi], axis=axis + 1)
     return both.reshape(p.shape[:axis] + (2 * p.shape[axis],) + p.shape[axis + 1:])

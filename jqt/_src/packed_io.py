@@ -12,7 +12,7 @@ import numpy as np
 
 from . import validate
 from .analysis import path_str
-from .formats import FLOAT8
+from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
@@ -408,10 +408,8 @@ def _code_sums(w, g):
     stored (host) codes: what :func:`jqt.pack` stores as its sums."""
     v = np.asarray(w.values)
     kax = v.ndim - (1 if w.layout == "nk" else 2)
-    if w.nibbles:  # two codes per byte: the low nibble's and the high one's, sign-extended
-        b = v.view(np.int8)
-        v = ((b << 4).astype(np.int8) >> 4).astype(np.int16) + (b >> 4)
-        g //= 2
+    if w.nibbles:  # two codes per byte along K
+        v = unpack_nibbles(v, kax)
     if not g:
         return np.sum(v, axis=kax, dtype=np.int32)
     split = v.shape[:kax] + (v.shape[kax] // g, g) + v.shape[kax + 1:]

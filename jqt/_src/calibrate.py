@@ -170,11 +170,12 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                disable=None if progress is None else not progress)
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
+    # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
+    params_t = tracing.mark_static(params_t)
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
-        # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
-        new = jstep(tracing.mark_static(params_t), tracing.mark_static(tuple(batch)), not weights_seen,
-                    decided, transformed or {})
+        new = jstep(params_t, tracing.mark_static(tuple(batch)), not weights_seen, decided,
+                    transformed or {})
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:

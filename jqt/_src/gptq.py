@@ -308,9 +308,9 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
             lead = _stack_shape(site_of[k].source, argnums, params_t)
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc = None
+        marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
         for batch in batches:
-            # non-array leaves (a config string f reads) reach f as they are, as in a batch
-            out = jstep(tracing.mark_static(params_t), tracing.mark_static(tuple(batch)), flags)
+            out = jstep(marked, tracing.mark_static(tuple(batch)), flags)
             out = {k: out[k] for k in group}
             acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
         for key in group:

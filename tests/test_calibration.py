@@ -668,7 +668,8 @@ def test_weight_mse_beats_minmax_per_channel_at_4_bits():
     assert np.all(hi <= hi0) and np.all(hi >= 0.3 * hi0 - 1e-6)  # min_ratio 0.3
 
 
-@pytest.mark.parametrize("cal", [C.Percentile(99.0), C.MSE(), C.Entropy()],
+@pytest.mark.parametrize("cal", [C.Percentile(99.0), pytest.param(C.MSE(), marks=pytest.mark.slow),
+                                 pytest.param(C.Entropy(), marks=pytest.mark.slow)],
                          ids=["percentile", "mse", "entropy"])
 def test_histogram_ranges_scale_with_the_data_up_to_float32s_maximum(cal):
     """Data times a power of two gives the range times that power, to the bit, up to

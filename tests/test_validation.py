@@ -500,6 +500,7 @@ def test_a_string_argument_is_static():
         np.testing.assert_allclose(jqt.quantize(f, qp)(W, X, act), f(W, X, act), atol=0.05)
 
 
+@pytest.mark.slow  # every tool once: about 4 s (the default run keeps under 5 minutes)
 def test_a_string_leaf_in_params_reaches_f_in_every_tool():
     """A config value among the weights (it sorts before them: leaf 0) reaches f as it
     is in calibrate (with AWQ, which reads the weight by its leaf index), gptq, report

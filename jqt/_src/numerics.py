@@ -18,6 +18,7 @@ same codes.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -205,7 +206,11 @@ def _batch_rule(prim):
 
 def _primitive(name, impl):
     p = compat.Primitive(name)
-    p.def_impl(impl)
+    # called eagerly (jqt.pack quantizing a weight, calibration's scales): one compiled
+    # program per shape and parameters, as a JAX primitive applied outside jit runs, not
+    # a dispatch per jnp operation of ``impl``
+    p.def_impl(jax.jit(impl, static_argnames=tuple(
+        a for a in ("qmin", "qmax", "dtype", "grid") if a in inspect.signature(impl).parameters)))
     p.def_abstract_eval(_abstract)
     compat.mlir.register_lowering(p, compat.mlir.lower_fun(impl, multiple_results=False))
     compat.batching.primitive_batchers[p] = _batch_rule(p)
@@ -337,8 +342,20 @@ def split_int16(q):
 def params_from_range(lo, hi, qtype):
     """Scale and zero point (``None`` if symmetric) for the real range ``[lo, hi]``.
 
-    The range is widened to include 0, so that 0 (padding, ReLU) is exact.
+    The range is widened to include 0, so that 0 (padding, ReLU) is exact. Called on
+    concrete ranges (calibration's), it runs as one compiled program.
+
+    >>> import jqt
+    >>> s, z = params_from_range(-1.0, 3.0, jqt.QuantType(bits=8, symmetric=False))
+    >>> round(float(s) * 255, 6), float(z)
+    (4.0, -64.0)
     """
+    if compat.is_tracer(lo) or compat.is_tracer(hi):
+        return _params_from_range(lo, hi, qtype)
+    return _params_from_range_jit(lo, hi, qtype)
+
+
+def _params_from_range(lo, hi, qtype):
     lo = jnp.minimum(jnp.asarray(lo, _F32), 0.0)
     hi = jnp.maximum(jnp.asarray(hi, _F32), 0.0)
     if qtype.symmetric:
@@ -351,6 +368,9 @@ def params_from_range(lo, hi, qtype):
     scale = jnp.where(scale > 0, scale, 1.0)
     zp = jnp.clip(jnp.round(qtype.qmin - lo / scale), qtype.qmin, qtype.qmax)
     return scale, zp
+
+
+_params_from_range_jit = jax.jit(_params_from_range, static_argnames="qtype")
 
 
 def dynamic_params(x, reduce_axes, qtype):

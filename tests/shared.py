@@ -29,3 +29,14 @@ def unrolled_mlp(p, x):
     for i in range(L):
         h = jax.nn.relu(h @ p["layers"]["w"][i] + p["layers"]["b"][i]) + h
     return h @ p["out"]
+
+
+def ci_only(values, keep):
+    """``values`` as pytest parameters: those in ``keep`` run in the default run, the others
+    with the slow tests (CI runs both; the default run stays under 5 minutes on 2 cores).
+
+    >>> [getattr(p, "marks", ()) and "slow" or p for p in ci_only(["a", "b"], {"a"})]
+    ['a', 'slow']
+    """
+    import pytest
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]

@@ -260,6 +260,7 @@ def w4_trained_qparams(w4_setup):
     return loss, trained
 
 
+@pytest.mark.slow  # test_optax_adam_on_params_and_qparams by default: CI
 def test_optax_adam_on_qparams_lowers_loss(w4_setup, w4_trained_qparams):
     p, x, y, qp = w4_setup
     loss, trained = w4_trained_qparams
@@ -310,6 +311,7 @@ def scan_params(seed=60):
             "out": _normal(seed + 2, (16, 4), 0.3)}
 
 
+@pytest.mark.slow  # scans: test_loops, test_native and test_outliers by default: CI
 def test_lax_scan_stacked_layers():
     p = scan_params()
     batches = [(_normal(70 + i, (10, 8)),) for i in range(2)]
@@ -457,7 +459,8 @@ def ckpt_mlp(p, x, policy=None):
     return h @ p["w3"]
 
 
-@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_saveable])
+@pytest.mark.parametrize("policy", [None, pytest.param(jax.checkpoint_policies.dots_saveable,  # CI
+                                                     marks=pytest.mark.slow)])
 def test_checkpoint_grad_through_simulate(mlp_setup, policy):
     p, batches, qp_plain = mlp_setup
     x = batches[0][0]
@@ -547,7 +550,8 @@ def _custom_model(layer):
     return lambda p, x: layer(p["a"], x) @ p["b"]
 
 
-@pytest.mark.parametrize("layer", [loud_layer, loud_layer_jvp], ids=["custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("layer", [loud_layer, pytest.param(loud_layer_jvp, marks=pytest.mark.slow)],  # jvp: CI
+                         ids=["custom_vjp", "custom_jvp"])
 def test_custom_derivative_rule_kept_in_simulation(layer):
     p = {"a": _normal(90, (8, 8), 0.3), "b": _normal(91, (8, 4), 0.3)}
     x = _normal(92, (6, 8))

@@ -9,7 +9,7 @@ Conventions (HTML comments, invisible on GitHub and on the site):
 
 Each page runs in a fresh Python process (a page may set ``XLA_FLAGS`` before importing
 jax), in a temporary directory (pages write files). Running every page takes a few
-minutes, so it is marked ``slow`` (CI runs it); the README's first block runs by default.
+minutes, so it is marked ``slow`` (CI runs it), and so is the README's first block alone.
 """
 import os
 import re
@@ -53,6 +53,7 @@ def _run(code, cwd, what):
     assert r.returncode == 0, f"{what}:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
 
 
+@pytest.mark.slow  # the README's block in a fresh interpreter, with the docs pages: CI
 def test_readme_first_block_runs_as_pasted(tmp_path):
     """The README's first ```python block, alone: self-contained, no docs-test prelude."""
     assert not AFTER.search((ROOT / "README.md").read_text())

@@ -11,7 +11,7 @@ import pytest
 
 import jqt
 from jqt._src.formats import NF4_TABLE, pack_nibbles, unpack_nibbles
-from shared import all_eqns
+from shared import all_eqns, ci_only
 
 K, N, V, D = 256, 48, 40, 64
 RNG = np.random.default_rng(0)
@@ -84,11 +84,8 @@ def test_integer_matches_simulated_dense(name):
     assert float(jnp.max(jnp.abs(sim - ref))) > 0
 
 
-@pytest.mark.parametrize("name", [  # w8 groups, int4 g64 and e5m2: slow (w4a8, fp8 and the
-    # dense test cover them by default)
-    pytest.param(n, marks=pytest.mark.slow) if n in ("w8_g128", "w4_g64", "fp8_e5m2", "nf4_per_channel")
-    else n
-    for n in sorted(RECIPES)])
+@pytest.mark.parametrize("name", ci_only(sorted(RECIPES), {"fp8", "nf4_g64", "w4a8_asym_g64"}))  # the
+# others: CI (the dense test covers every format by default)
 def test_integer_matches_simulated_with_embeddings(name):
     qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
     emb = qp["emb"]
@@ -229,7 +226,7 @@ def tied_einsum(p, ids):
 
 
 @pytest.mark.parametrize("f", [tied, tied_einsum], ids=["transpose", "einsum"])
-@pytest.mark.parametrize("name", ["w8a8", "w8", "w4_g32", "nf4_g32"])
+@pytest.mark.parametrize("name", ci_only(["w8a8", "w8", "w4_g32", "nf4_g32"], {"w8a8", "w4_g32"}))
 def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     recipe = {"w8a8": jqt.recipes.w8a8(), "w8": jqt.recipes.w8(),
               "w4_g32": jqt.recipes.w4(group_size=32), "nf4_g32": jqt.recipes.nf4(group_size=32)}[name]

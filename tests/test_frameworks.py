@@ -36,7 +36,7 @@ from flax import nnx
 from jax import lax
 
 import jqt
-from shared import all_eqns as _all_eqns
+from shared import all_eqns as _all_eqns, ci_only
 
 # Tolerances, relative to the largest absolute float output.
 INT_VS_SIM = 1e-4   # integer path vs simulated path: float rounding only
@@ -199,7 +199,7 @@ class LinenMLP(nn.Module):
         return nn.Dense(8)(x)
 
 
-@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w8"])
+@pytest.mark.parametrize("recipe", ci_only(["w8a8", "w8a8_dynamic", "w8"], {"w8a8"}))
 def test_linen_mlp(recipe):
     m = LinenMLP()
     batches = _batches(0, (16, 12))
@@ -502,6 +502,7 @@ def _keras_cnn(keras, seed):
     return model
 
 
+@pytest.mark.slow  # Keras on JAX: test_keras_sequential by default, the functional CNN in CI
 def test_keras_functional_cnn(keras):
     model = _keras_cnn(keras, 12)
     f, params = jqt.from_keras(model)
@@ -527,6 +528,7 @@ def _keras_sequential(keras, seed):
                              keras.layers.Dense(8, kernel_initializer=init)])
 
 
+@pytest.mark.slow  # Keras on JAX: the jqt.from_keras docstring by default: CI
 def test_keras_sequential(keras):
     """``model.stateless_call`` on the list of variables gives keys that are positions
     in that list; ``jqt.from_keras`` keys them by variable path."""
@@ -606,7 +608,8 @@ def lax_conv_net(p, x):
                                     dimension_numbers=nhwc)
 
 
-@pytest.mark.parametrize("kind", ["positive"] + [pytest.param(k, marks=pytest.mark.slow) for k in ("negative", "shifted")])
+@pytest.mark.slow  # lax.conv with asymmetric padding (test_numerics' conv cases by default): CI
+@pytest.mark.parametrize("kind", ["positive", "negative", "shifted"])
 def test_lax_conv_same_padding_asymmetric(kind):
     """SAME padding with asymmetric activations: the integer path pads with the zero
     point (real value 0), so it must agree with the simulated path (float conv padded

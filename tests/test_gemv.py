@@ -12,7 +12,7 @@ import pytest
 
 import jqt
 from jqt._src import gemv
-from shared import all_eqns
+from shared import all_eqns, ci_only
 
 R = jqt.recipes
 K, N = 512, 48
@@ -73,9 +73,7 @@ def test_digits_hold_24_bits_of_the_row_maximum():
 
 
 @pytest.mark.parametrize("m", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3 rows: CI
-@pytest.mark.parametrize("name", [  # the symmetric grouped cases, asymmetric int8 and per-channel int4: CI
-    pytest.param(n, marks=pytest.mark.slow) if n in ("w4_g128", "w4a8_g128", "w8_asym", "w4_per_channel")
-    else n for n in RECIPES])
+@pytest.mark.parametrize("name", ci_only(RECIPES, {"w4_g128_asym"}))  # the others: CI
 def test_every_formulation_gives_the_same_result(name, m):
     f, p, qp, x = _setup(RECIPES[name], m)
     ref = jqt.quantize(f, qp, simulate=True)(p, x)
@@ -91,8 +89,8 @@ def test_every_formulation_gives_the_same_result(name, m):
     assert float(jnp.abs(outs["gemv"] - f(p, x)).max()) < 0.2 * scale  # and it approximates f
 
 
-@pytest.mark.parametrize("name", ["w8", "w4_g128_asym", "w4_per_channel", "nf4", "w8a8_dynamic",
-                                  "w4a8_g128_asym"])
+@pytest.mark.parametrize("name", ci_only(["w8", "w4_g128_asym", "w4_per_channel", "nf4", "w8a8_dynamic",
+                                          "w4a8_g128_asym"], {"w8", "nf4", "w4a8_g128_asym"}))
 def test_gemv_formulation_under_vmap(name):
     f, p, qp, _ = _setup(RECIPES[name])
     xs = jax.random.normal(jax.random.key(5), (3, 1, K)).at[:, 0, 7].set(-6.0)

@@ -63,7 +63,7 @@ RECIPES = {
         weight=jqt.QuantType(bits=8, group_size=G),
         activation=jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)),)),
 }
-DEFAULT = (("rhs", "w4_g32"), ("lhs", "w4a8_asym_g32"))  # the rest run with the slow tests
+DEFAULT = (("rhs", "w4a8_asym_g32"),)  # the rest run with the slow tests
 SPLIT = jqt.KernelPolicy(pad_rows=2, batched_groups=True, float_matmul_rows=64)
 
 
@@ -127,7 +127,8 @@ def test_one_token_per_expert_per_channel(name):
     assert float(jnp.max(jnp.abs(out - sim))) <= 2e-6 * float(jnp.max(jnp.abs(sim)))
 
 
-@pytest.mark.parametrize("name", ["w8", pytest.param("w4_asym_per_channel", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the digits formulation: test_gemv by default, experts in CI
+@pytest.mark.parametrize("name", ["w8", "w4_asym_per_channel"])
 def test_weight_only_experts_at_few_rows_run_int8_digits(name):
     """Weight-only per-channel experts at up to ``gemv_rows`` (4) tokens per expert run
     the activation as int8 digits through one int8 dot (``experts.batched_digits``),
@@ -162,6 +163,7 @@ def test_groups_beat_per_channel_on_expert_weights():
     assert errs[G] < 0.5 * errs[0], errs
 
 
+@pytest.mark.slow  # experts over two contracted axes (test_formats: dense ones): CI
 def test_experts_with_two_contracted_axes():
     """An expert weight contracted over (heads, head_dim): groups along head_dim, per head."""
     w = _weights((E, 2, D // 2, F)).reshape(E, 2, D // 2, F)
@@ -229,8 +231,8 @@ def test_stacked_expert_layers_compose(name):
     assert gs.shape == (L, E, D // G, F) and bool(jnp.isfinite(gs).all()) and float(jnp.abs(gs).max()) > 0
 
 
-@pytest.mark.parametrize("f", [experts, pytest.param(experts_lhs, marks=pytest.mark.slow)],
-                         ids=["rhs", "lhs"])
+@pytest.mark.slow  # GPTQ per expert: CI
+@pytest.mark.parametrize("f", [experts, experts_lhs], ids=["rhs", "lhs"])
 def test_gptq_rerounds_each_expert_with_its_own_hessian(f):
     """GPTQ on expert weights: one problem per expert, with the Hessian of the tokens
     routed to it, the same weights as GPTQ on each expert's 2-D matmul alone; on the
@@ -263,7 +265,7 @@ MAP_OPS = {   # name: (function, weight shape): the weight's K first or last, ni
 MAP_RECIPES = dict(RECIPES, w8=jqt.recipes.w8(),
                    w4_asym_per_channel=jqt.recipes.w4(group_size=0, symmetric=False))
 CHUNKED = jqt.KernelPolicy(pad_rows=2, batched_map=True, weight_only_chunk=64)  # K-chunks of 64
-MAP_DEFAULT = (("edf", "w4_g32"), ("efd", "w4a8_asym_g32"))  # the rest, ("def", "w8") too: slow
+MAP_DEFAULT = (("edf", "w4_g32"),)  # the rest, ("def", "w8") too: slow
 
 
 @pytest.mark.parametrize("op, name", [

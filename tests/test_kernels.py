@@ -73,9 +73,11 @@ def test_single_row_int8_matmul_is_padded_on_cpu():
         assert (a.shape, a.dtype, b.shape, b.dtype) == ((rows, 1024), np.int8, (8, 1024), np.int8)
 
 
-@pytest.mark.parametrize("recipe,k_rows,kn", [(jqt.recipes.w8(), 1024, False),  # (N, K): N-chunks
+@pytest.mark.parametrize("recipe,k_rows,kn", [pytest.param(jqt.recipes.w8(), 1024, False,  # (N, K): N-chunks (CI)
+                                                           marks=pytest.mark.slow),
                                               (jqt.recipes.w8(), 256, True),  # (K, N), the CPU table's
-                                              (jqt.recipes.w4(group_size=128), 256, True)])  # K-chunks
+                                              pytest.param(jqt.recipes.w4(group_size=128), 256, True,  # K-chunks
+                                                           marks=pytest.mark.slow)])  # (CI)
 def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
     # a float copy of 4 MiB, above whole_decode_bytes; more rows than gemv_rows, up to float_matmul_rows
     policy = CPU_XLA if kn else dataclasses.replace(CPU_XLA, weight_only_kn=False)
@@ -113,9 +115,9 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
                                       jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many))
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow),
-                                    jqt.recipes.w4(group_size=128),
-                                    pytest.param(jqt.recipes.w4a8(group_size=128), marks=pytest.mark.slow)])
+@pytest.mark.slow  # 4 MiB weights at three row counts: CI
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
+                                    jqt.recipes.w4a8(group_size=128)])
 def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
     # the CPU table's rule, scaled down: a float copy of 1 MiB counts as large above 512 KiB
     f, p, _, qp, packed = _dense(recipe, k=512, n=512, m=8)
@@ -283,7 +285,8 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
 
 
 @pytest.mark.parametrize("recipe,k,n,m", [
-    (jqt.recipes.w4(group_size=32, symmetric=False), 1024, 1024, 12),  # K-chunks (a 4 MiB float copy)
+    pytest.param(jqt.recipes.w4(group_size=32, symmetric=False), 1024, 1024, 12,  # K-chunks (a 4 MiB
+                 marks=pytest.mark.slow),  # float copy): CI
     (jqt.recipes.nf4(group_size=64), 256, 48, 100),  # decoded whole, many rows
     (jqt.recipes.w4a8(group_size=64), 256, 48, 70),  # int8 codes as floats, decoded whole
 ])

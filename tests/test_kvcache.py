@@ -263,6 +263,7 @@ def test_save_load_and_old_qparams_without_cache_entries(setup, tmp_path):
     np.testing.assert_allclose(y_old, jqt.quantize(teacher, qp_float)(p, x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # the report's cache rows: CI
 def test_report_rows_for_cache_writes(setup):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="int4"), p, cal, progress=False)

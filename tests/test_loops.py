@@ -203,16 +203,15 @@ def _evaluator(shape):
 CASES = ([(s, r) for s in SHAPES for r in ("w8a8", "w8")]
          + [("decode", r) for r in RECIPES if r not in ("w8a8", "w8")])
 # The default run keeps every shape and recipe on several batches (the harder case: a batch
-# after the first); one batch, and the structure comparison, run with the slow tests except
-# for the decode shape (the default suite stays under 5 minutes on 2 cores).
+# after the first); one batch runs with the slow tests, and so does the structure comparison
+# except for the decode shape (the default suite stays under 5 minutes on 2 cores).
 SLOW_CASES = [pytest.param(s, r, marks=pytest.mark.slow) if s != "decode" else (s, r) for s, r in CASES]
 
 
-@pytest.mark.parametrize("shape,recipe,n", [(s, r, 3) if r != "w8" or s == "decode"  # w8 on the
-                         # other shapes, several batches: slow (w8a8 runs them by default)
+@pytest.mark.parametrize("shape,recipe,n", [(s, r, 3) if r not in ("w8", "w8a16")  # w8 and w8a16,
+                         # several batches: slow (w8a8 and w4 run them by default)
                          else pytest.param(s, r, 3, marks=pytest.mark.slow) for s, r in CASES]
-                         + [pytest.param(*c.values, 1, marks=c.marks) if hasattr(c, "values")
-                            else (*c, 1) for c in SLOW_CASES])
+                         + [pytest.param(s, r, 1, marks=pytest.mark.slow) for s, r in CASES])
 def test_loop_calibrates_and_quantizes(shape, recipe, n):
     qp = _calibrated(shape, recipe, n)
     _check_shapes(qp)

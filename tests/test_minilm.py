@@ -45,6 +45,7 @@ def test_weights_load_completely(model):
     assert model.cfg.hidden_act == "gelu"
 
 
+@pytest.mark.slow  # the float model's own behaviour: CI
 def test_float_similarity_ordering(model):
     s = ["A man is playing a guitar.", "Someone plays an instrument.", "The stock market fell today.",
          "A cat is sleeping on the sofa.", "A kitten naps on the couch."]
@@ -57,6 +58,7 @@ def test_float_similarity_ordering(model):
     assert not minilm.check_float(model)  # the example's probe sentences, printed and ordered
 
 
+@pytest.mark.slow  # the float model's own behaviour: CI
 def test_padding_does_not_change_embeddings(model):
     s = ["A man is playing a guitar.", "The ferry crosses the bay every thirty minutes."]
     f = jax.jit(model.embed)
@@ -65,6 +67,7 @@ def test_padding_does_not_change_embeddings(model):
     np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+@pytest.mark.slow  # the packed w8a8 model end to end (13 s on 2 cores): CI
 def test_w8a8_integer_packed_close_to_float(model):
     calib, evals = minilm.split_corpus()
     evals = evals[:N_EVAL]

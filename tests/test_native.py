@@ -21,7 +21,7 @@ import pytest
 
 import jqt
 from jqt._src import native
-from shared import all_eqns
+from shared import all_eqns, ci_only
 
 R = jqt.recipes
 CPU = jqt.KernelPolicy.for_backend("cpu")
@@ -89,7 +89,7 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32"}))
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -288,6 +288,7 @@ def test_custom_vjp_around_the_quantized_op():
     _close(jax.jit(jqt.quantize(f, qp))(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
 
 
+@pytest.mark.slow  # a subprocess: CI
 def test_disabled_by_environment_variable():
     code = ("import jax, jqt, numpy as np\n"
             "s = jqt.native_status(); assert not s.available and 'JQT_NATIVE' in s.reason, s\n"
@@ -302,6 +303,7 @@ def test_disabled_by_environment_variable():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a subprocess: CI
 def test_a_failed_build_warns_and_falls_back(tmp_path):
     code = ("import warnings, jqt\n"
             "with warnings.catch_warnings(record=True) as w:\n"
@@ -345,8 +347,8 @@ STACKED = {  # recipe, rows, scan in reverse
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("w4_g32_asym", "w4_g64")
-                                  else n for n in STACKED])  # int4 (nf4 and w4a8 read the same kernel): CI
+@pytest.mark.parametrize("name", ci_only(STACKED, {"w4a8_g64", "w8"}))  # int4 and nf4 (w4a8 reads the same
+# kernel): CI
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]
     keys = jax.random.split(jax.random.key(11), 4)

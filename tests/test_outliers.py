@@ -11,6 +11,7 @@ import pytest
 import jqt
 from jqt._src import transforms
 from jqt._src.gptq import gptq_weight
+from shared import ci_only
 
 
 def _data(seed=0, k=64, n=48, rows=32, batches=4, outliers=True):
@@ -39,7 +40,7 @@ def _mlp_data(seed=1):
 
 # ---- Hadamard rotation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [2, 12, 20, 64, 384, 768, 1536, 96])
+@pytest.mark.parametrize("n", ci_only([2, 12, 20, 64, 384, 768, 1536, 96], {2, 12, 20, 64, 384, 96}))
 def test_hadamard_is_orthonormal_and_fast_path_matches_matrix(n):
     h = transforms.hadamard_matrix(n)
     np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-10)
@@ -196,6 +197,7 @@ def test_gptq_improves_and_packs_losslessly(recipe):
     np.testing.assert_allclose(sim(pq, x), q(pq, x), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow  # GPTQ over two contracted axes: CI
 def test_gptq_of_a_grouped_weight_contracted_over_two_axes():
     """An attention output projection ``"bthd,hdm->btm"`` (jnp.einsum pairs the weight's
     axes as ``(1, 0)``) gets the same GPTQ weights as the hand-flattened 2-D matmul. The
@@ -259,6 +261,7 @@ def test_integer_simulated_packed_and_files_agree(name, tmp_path):
     np.testing.assert_allclose(y_vm[1], jqt.quantize(mlp, qp)(packed, batches[1][0]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # jax.export with transforms (test_integer_simulated_packed_and_files_agree: files): CI
 def test_export_round_trip_with_transforms():
     p, batches = _mlp_data()
     qp = jqt.calibrate(mlp, jqt.recipes.w4a8(group_size=16, smooth=0.5, rotate=True), p, batches,
@@ -274,6 +277,7 @@ def test_export_round_trip_with_transforms():
     np.testing.assert_allclose(exp2.call(qp, p, x), g(qp, p, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # smoothing trained with optax: CI
 def test_smoothing_vector_trains_with_grad_and_project():
     p, batches = _data()
     qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, batches, progress=False)
@@ -384,6 +388,7 @@ def test_outlier_statistics_through_nested_loops(recipe):
                                rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.slow  # sensitivity with transforms: CI
 def test_sensitivity_ranks_ops_of_a_transformed_recipe():
     p, batches = _mlp_data()
     qp = jqt.calibrate(mlp, jqt.recipes.w4a8(group_size=16, smooth=0.5, rotate=True), p, batches,

@@ -183,8 +183,8 @@ MUTANTS = {
 }
 
 
-@pytest.mark.parametrize("mutant", [  # the layout mutant in the default run, the scales one slow
-    pytest.param(m, marks=pytest.mark.slow) if m == "scales" else m for m in sorted(MUTANTS)])
+@pytest.mark.slow  # the bound's own check: CI
+@pytest.mark.parametrize("mutant", sorted(MUTANTS))
 @settings(max_examples=5, **SETTINGS)
 @given(program=programs, recipe=st.sampled_from(["w8a8", "w8a8_dynamic", "w4_g2", "fp8"]))
 def test_the_bound_catches_a_wrong_integer_path(mutant, program, recipe):
@@ -281,6 +281,7 @@ test_edited_qparams_give_a_clear_error_or_the_simulated_result_many = pytest.mar
 FLIPS = {"dense": "dense_t", "dense_t": "dense", "einsum_t": "dense"}
 
 
+@pytest.mark.slow  # test_validation's case of it by default: CI
 @settings(max_examples=10, **SETTINGS)
 @given(program=programs, recipe=st.sampled_from(sorted(RECIPES)), data=st.data())
 def test_qparams_of_another_layout_are_refused(program, recipe, data):

@@ -339,6 +339,7 @@ def digits():
             "float_acc": acc(mlp(params, xte)), "ptq_acc": ptq_acc, "acc": acc, "xte": xte}
 
 
+@pytest.mark.slow  # QAT trained end to end on digits: CI
 def test_digits_qat_recovers_4bit_accuracy(digits):
     d = digits
     qp1, params1 = d["qp1"], d["params1"]
@@ -348,6 +349,7 @@ def test_digits_qat_recovers_4bit_accuracy(digits):
     assert qat_acc - d["ptq_acc"] >= 0.5 * lost, (d["float_acc"], d["ptq_acc"], qat_acc)
 
 
+@pytest.mark.slow  # QAT trained end to end on digits: CI
 def test_digits_qat_loss_decreases_and_scales_move(digits):
     losses = digits["losses"]
     assert np.all(np.isfinite(losses))
@@ -360,6 +362,7 @@ def test_digits_qat_loss_decreases_and_scales_move(digits):
             assert not np.allclose(np.asarray(s0), np.asarray(s1), rtol=1e-3), (k, side)
 
 
+@pytest.mark.slow  # QAT trained end to end on digits: CI
 def test_digits_integer_path_runs_what_was_trained(digits):
     """After fine-tuning and re-packing, the integer path computes the simulated path's codes.
 

@@ -580,6 +580,7 @@ def test_report_dynamic_attention():
     assert np.isfinite(rep.output_sqnr)
 
 
+@pytest.mark.slow  # matplotlib: CI
 def test_report_as_dicts_str_and_plot(chain_setup, tmp_path):
     _, _, qp, rep = chain_setup
     dicts = rep.as_dicts()

@@ -180,6 +180,31 @@ def test_activation_x_activation_dynamic():
 
 
 
+def test_eager_primitives_and_scales_compile_one_program_each(caplog):
+    """Applied to concrete arrays (calibration's scales, jqt.pack's codes), the
+    quantize primitives and ``params_from_range`` compile one program per shape and
+    parameters, as JAX's own primitives do, not one per jnp operation of their rules;
+    the values are those of the same computation under jit."""
+    t = jqt.QuantType(bits=4, symmetric=False)
+    x = jnp.linspace(-3.0, 5.0, 37)  # a length no other test uses: nothing compiled yet
+
+    def compiles(fn, *args):
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING"):
+            out = jax.block_until_ready(fn(*args))
+        return out, sum("Finished XLA compilation" in r.getMessage() for r in caplog.records)
+
+    (s, z), n = compiles(nx.params_from_range, x[:1] - 3.0, x[-1:] + 5.0, t)
+    assert n == 1 and s.shape == z.shape == (1,)
+    for fn in (nx.quantize, nx.fake_quant):
+        (out, n1), (_, n2) = compiles(fn, x, s, z, t), compiles(fn, x, s, z, t)
+        assert (n1, n2) == (1, 0)
+        np.testing.assert_array_equal(out, jax.jit(fn, static_argnums=3)(x, s, z, t))
+    s_jit, z_jit = jax.jit(nx.params_from_range, static_argnums=2)(x[:1] - 3.0, x[-1:] + 5.0, t)
+    np.testing.assert_array_equal(s, s_jit)
+    np.testing.assert_array_equal(z, z_jit)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_dynamic_params_are_the_plain_ones_bit_for_bit_under_jit(symmetric):
     """``nx.computed_once`` (a division by a computed 1, so XLA does not recompute the

@@ -481,6 +481,7 @@ def scan_setup():
     return p, xs, [scan_hidden(p, x) for x in xs]
 
 
+@pytest.mark.slow  # histograms per layer of a scan (test_weight_mse_on_stacked_scan_weights by default): CI
 def test_scan_over_stacked_layers_with_histogram_calibrator(scan_setup):
     p, xs, hidden = scan_setup
     cal = C.Percentile(99.0, bins=1024)

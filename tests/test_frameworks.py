@@ -287,7 +287,7 @@ class LinenScan(nn.Module):
         return nn.Dense(4)(h)
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [pytest.param(False, marks=pytest.mark.slow), True])  # without remat: CI
 def test_linen_scan_stacked_layers(remat):
     """``nn.scan`` over layers (optionally ``nn.remat`` inside): stacked params give
     stacked qparams with a leading (L,) axis, one set per layer."""
@@ -644,6 +644,7 @@ def test_lax_conv_same_padding_asymmetric(kind):
     assert _rel(out_int[:, :, -1], ref[:, :, -1], ref) < QUANT_VS_FLOAT
 
 
+@pytest.mark.slow  # dynamic conv activations (test_numerics' conv cases by default): CI
 def test_lax_conv_dynamic_activations():
     """Per-example dynamic activation scales and zero points with SAME padding and a
     dilated input: integer and simulated paths agree, and vmap equals a loop."""

@@ -370,6 +370,7 @@ def test_scan_reads_each_layer_in_place(name):
     _close(out, copied, rel=1e-5)
 
 
+@pytest.mark.slow  # nested scans: CI
 @needs_kernel
 def test_nested_scans_index_the_stack_in_place():
     """A loop over steps holding the scan over layers (a decode loop), and a weight that

@@ -296,6 +296,7 @@ def _stacked(p, x):
     return h
 
 
+@pytest.mark.slow  # transforms and GPTQ per layer of a scan: CI
 def test_scan_over_stacked_layers_gets_per_layer_transforms_and_gptq():
     rng = np.random.default_rng(5)
     p = {"w": jnp.asarray(rng.normal(size=(3, 32, 32)) * 0.2, jnp.float32)}

@@ -457,6 +457,7 @@ def test_report_activation_clipping(chain_setup):
     assert wide.worst(1)[0].key == "0"
 
 
+@pytest.mark.slow  # a report's rows per layer of a scan: CI
 def test_report_scan_one_row_per_layer():
     p = {"inp": _normal(60, (8, 16), 0.4),
          "layers": {"w": _normal(61, (L, 16, 16), 0.25), "b": jnp.zeros((L, 16))},

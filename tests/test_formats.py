@@ -84,8 +84,8 @@ def test_integer_matches_simulated_dense(name):
     assert float(jnp.max(jnp.abs(sim - ref))) > 0
 
 
-@pytest.mark.parametrize("name", ci_only(sorted(RECIPES), {"fp8", "nf4_g64", "w4a8_asym_g64"}))  # the
-# others: CI (the dense test covers every format by default)
+# three formats by default, the others in CI (the dense test covers every format by default)
+@pytest.mark.parametrize("name", ci_only(sorted(RECIPES), {"fp8", "nf4_g64", "w4a8_asym_g64"}))
 def test_integer_matches_simulated_with_embeddings(name):
     qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
     emb = qp["emb"]

@@ -233,7 +233,7 @@ CONVS = {
 }
 
 
-@pytest.mark.parametrize("case,recipe", [  # beyond "same", the static asymmetric recipe only: CI
+@pytest.mark.parametrize("case,recipe", [  # beyond "same", w8a8 by default; the rest: CI
     (c, r) if r == "w8a8" or c == "same" else pytest.param(c, r, marks=pytest.mark.slow)
     for c in CONVS for r in ("w8a8", "w8a8_sym", "dynamic", "w8")])
 def test_conv_integer_matches_simulated(case, recipe):

@@ -4,8 +4,10 @@ The model trains once per module (a few seconds on CPU). Each recipe is then
 calibrated on 10 batches of training images and evaluated on the held-out
 test split; the quantized accuracy must stay within 1 point of float.
 """
+import functools
 import importlib.util
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +16,20 @@ import pytest
 
 import jqt
 
-# The model, data split and training loop are the README's example, imported so that
-# this test checks exactly what the example shows.
-_spec = importlib.util.spec_from_file_location(
-    "quickstart", os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.py"))
-quickstart = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quickstart)
-CNN, load_data, accuracy = quickstart.CNN, quickstart.load_data, quickstart.accuracy
+
+@functools.cache
+def quickstart():
+    """The README's example (model, data split, training loop), imported so that this test
+    checks exactly what the example shows; on first use, not at collection (it imports
+    scikit-learn, seconds that every test worker would pay)."""
+    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+    if examples not in sys.path:  # quickstart imports jaxpr_utils from its own folder
+        sys.path.insert(0, examples)
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(examples, "quickstart.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # End to end (trains the quickstart CNN): in the slow run, with the examples themselves.
 pytestmark = pytest.mark.slow
@@ -30,15 +39,15 @@ RECIPES = ("w8a8", "w8a8_dynamic", "w8")
 
 
 def train(model, x_train, y_train):
-    return quickstart.train(model, x_train, y_train)[0]
+    return quickstart().train(model, x_train, y_train)[0]
 
 
 @pytest.fixture(scope="module")
 def trained():
-    x_train, x_test, y_train, y_test = load_data()
-    model = CNN()
+    x_train, x_test, y_train, y_test = quickstart().load_data()
+    model = quickstart().CNN()
     params = train(model, x_train, y_train)
-    float_acc = accuracy(jax.jit(model.apply)(params, x_test), y_test)
+    float_acc = quickstart().accuracy(jax.jit(model.apply)(params, x_test), y_test)
     calib = [(x_train[i * CALIB_BATCH:(i + 1) * CALIB_BATCH],) for i in range(CALIB_BATCHES)]
     return dict(model=model, params=params, x_test=x_test, y_test=y_test,
                 float_acc=float_acc, calib=calib)
@@ -58,7 +67,7 @@ def test_float_model_trains(trained):
 
 
 def test_quantized_accuracy_within_one_point(trained, quantized):
-    q_acc = accuracy(quantized["qf"](trained["params"], trained["x_test"]), trained["y_test"])
+    q_acc = quickstart().accuracy(quantized["qf"](trained["params"], trained["x_test"]), trained["y_test"])
     f_acc = trained["float_acc"]
     assert q_acc >= f_acc - 0.01, (quantized["name"], f_acc, q_acc)
 

@@ -29,8 +29,6 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import jqt
 from shared import L, scan_mlp, unrolled_mlp
@@ -107,6 +105,10 @@ def _inject_outlier(params, j, factor):
 
 @pytest.fixture(scope="module")
 def digits():
+    # scikit-learn imported here, not at collection, where every test worker would pay for it
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)  # (1797, 64) in [0, 1]
     y = d.target.astype(np.int32)

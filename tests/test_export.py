@@ -27,6 +27,7 @@ import safetensors.numpy
 import jqt
 from jqt._src import export as jqt_export
 from jqt._src.serialization import FormatError
+from shared import ci_only
 
 
 def mlp(p, x):
@@ -529,6 +530,26 @@ def test_export_symbolic_batch_and_length_every_format(name):
         out = back.call(packed, x)
         assert out.shape == (*shape, 128)
         np.testing.assert_allclose(out, qf(packed, x), rtol=1e-5, atol=1e-5)
+
+
+def scan_steps(p, xs):  # a loop over steps: its length is the argument's leading axis
+    return jax.lax.scan(lambda h, x: (jnp.tanh(h + x @ p["w"]), None), jnp.zeros((2, 8)), xs)[0]
+
+
+@pytest.mark.parametrize("simulate", ci_only([False, True], {False}))
+def test_export_of_a_scan_over_a_symbolic_length(simulate):
+    """A lax.scan whose length is a symbolic dimension (a decode loop over ``tokens.T``,
+    ``lax.map`` over a symbolic batch): jqt's rebuilt scan takes its length from what it
+    scans over (it passed ``length=``, which lax.scan refuses when symbolic)."""
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 8))}
+    xs = jax.random.normal(jax.random.key(1), (5, 2, 8))
+    qp = jqt.calibrate(scan_steps, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    weights = p if simulate else jqt.pack(qp, p)
+    qf = jax.jit(jqt.quantize(scan_steps, qp, simulate=simulate))
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("t, 2, 8"), jnp.float32)
+    back = jax.export.deserialize(jax.export.export(qf)(weights, spec).serialize())
+    for t in (1, 5):
+        np.testing.assert_allclose(back.call(weights, xs[:t]), qf(weights, xs[:t]), rtol=1e-6, atol=1e-6)
 
 
 # ============================================================ the fresh process's result

@@ -250,7 +250,11 @@ def _scan(eqn, invals, sub, ctx, evaluate):
         outs, so = run({**st_c, **sx}, *consts, *carry, *xs_t)
         return [kvcache.coerce(o, i) for o, i in zip(outs[:nk], carry)], (list(outs[nk:]), so)
 
-    carry, (ys, st_out) = lax.scan(body, list(init), (list(xs), st_x, index), length=p["length"],
+    scanned = (list(xs), st_x, index)
+    # the length comes from what is scanned over where there is any: under jax.export it
+    # may be symbolic, which lax.scan's length= argument refuses
+    length = None if jax.tree_util.tree_leaves(scanned) else p["length"]
+    carry, (ys, st_out) = lax.scan(body, list(init), scanned, length=length,
                                    reverse=p["reverse"], unroll=p["unroll"])
     for k, v in st_out.items():
         ctx.put(k, v if k in stacked else ctx.handler.reduce_iterations({k: v})[k])

@@ -1,12 +1,15 @@
 """The outlier algorithms: SmoothQuant, AWQ, GPTQ and Hadamard rotation, each against a
 direct NumPy reference, and on every path (integer, simulated, packed, files, export,
 scan over stacked layers, grad, report)."""
+import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 import jqt
 from jqt._src import transforms
@@ -259,6 +262,68 @@ def test_integer_simulated_packed_and_files_agree(name, tmp_path):
     assert len(rep.rows) == 2 and all(15 < r.sqnr_isolated < 80 and r.act_clip == 0 for r in rep.rows)
     y_vm = jax.vmap(jqt.quantize(mlp, qp), in_axes=(None, 0))(packed, jnp.stack([b[0] for b in batches[:2]]))
     np.testing.assert_allclose(y_vm[1], jqt.quantize(mlp, qp)(packed, batches[1][0]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ci_only(["w4_awq", "w8a8_smooth", "w8a8_rotate"], {"w4_awq"}))
+def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
+    """A bfloat16 weight times its smoothing vector (or rotated) is quantized in float32
+    on every path: jqt.pack (eager) rounded the product to bfloat16 first, the jitted
+    paths did not (XLA keeps the excess precision), and 6 of 6144 int4 codes differed."""
+    r = {"w4_awq": lambda: jqt.recipes.w4(group_size=32, awq=True),
+         "w8a8_smooth": lambda: jqt.recipes.w8a8(smooth=0.5),
+         "w8a8_rotate": lambda: jqt.recipes.w8a8(rotate=True)}[recipe]()
+    p, batches = _data(seed=2, k=96 if recipe != "w8a8_rotate" else 64, n=64, batches=3)
+    p = {"w": p["w"].astype(jnp.bfloat16)}
+    batches = [(b.astype(jnp.bfloat16),) for (b,) in batches]
+    qp = jqt.calibrate(f, r, p, batches, progress=False)
+    x = batches[0][0]
+    qf = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(qf(jqt.pack(qp, p), x), qf(p, x))
+    y_sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, x)
+    assert y_sim.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(qf(p, x), np.float32), np.asarray(y_sim, np.float32),
+                               rtol=0.02, atol=0.02 * float(jnp.abs(y_sim).max()))
+
+
+def test_weights_packed_with_other_transforms_are_refused(tmp_path):
+    """Codes hold the smoothing vector and rotation they were packed with; run under qparams
+    that transform the activation otherwise they gave silently wrong outputs (11x the error
+    of their own packing). Refused when the function is traced, and by save_packed; a file
+    written before jqt recorded the transforms still loads and runs."""
+    p, batches = _data()
+    x = batches[0][0]
+    cal = lambda r: jqt.calibrate(f, r, p, batches, progress=False)
+    plain, rotated = cal(jqt.recipes.w8a8()), cal(jqt.recipes.w8a8(rotate=True))
+    smooth5, smooth8 = cal(jqt.recipes.w8a8(smooth=0.5)), cal(jqt.recipes.w8a8(smooth=0.8))
+    assert plain["w"].fold_tag == "" and rotated["w"].fold_tag == "rotate"
+    assert smooth5["w"].fold_tag.startswith("smooth:") and smooth5["w"].fold_tag != smooth8["w"].fold_tag
+    cases = [(smooth5, plain, "holds? a smoothing vector"), (plain, smooth5, "packed without smoothing"),
+             (rotated, plain, "Hadamard rotation"), (plain, rotated, "were not rotated"),
+             (smooth5, smooth8, "another smoothing vector")]
+    for packed_with, run_with, why in cases:
+        packed = jqt.pack(packed_with, p)
+        with pytest.raises(jqt.QParamsMismatchError, match=f"packed weight for 'w' .*{why}"):
+            jax.jit(jqt.quantize(f, run_with))(packed, x)
+        with pytest.raises(jqt.QParamsMismatchError, match=why):
+            jqt.save_packed(os.path.join(tmp_path, "mixed.safetensors"), packed, run_with)
+    # qparams traced under grad: the vector's digest is unknown, its presence is checked
+    loss = lambda qp, packed: jqt.quantize(f, qp, simulate=True)(packed, x).sum()
+    with pytest.raises(jqt.QParamsMismatchError, match="packed without smoothing"):
+        jax.grad(loss)(smooth5, jqt.pack(plain, p))
+    assert np.isfinite(jax.grad(loss)(smooth5, jqt.pack(smooth8, p))["w"].smooth).all()
+    # files keep the record; one written without it (an older jqt) loads and runs
+    path, old = os.path.join(tmp_path, "p.safetensors"), os.path.join(tmp_path, "old.safetensors")
+    jqt.save_packed(path, jqt.pack(smooth5, p), smooth5)
+    assert jqt.load_packed(path).weights["w"].folded == smooth5["w"].fold_tag
+    with safetensors.safe_open(path, framework="np") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    header = json.loads(meta["jqt"])
+    del header["weights"]["w"]["folded"]
+    safetensors.numpy.save_file(tensors, old, metadata=dict(meta, jqt=json.dumps(header)))
+    back = jqt.load_packed(old)
+    assert back.weights["w"].folded is None
+    np.testing.assert_array_equal(jqt.quantize(f, smooth5)(back, x),
+                                  jqt.quantize(f, smooth5)(jqt.load_packed(path), x))
 
 
 @pytest.mark.slow  # jax.export with transforms (test_integer_simulated_packed_and_files_agree: files): CI

@@ -348,6 +348,7 @@ class Simulate:
             if q is not None:
                 s, z = _expanded(site, i, vals[i].shape, q, *operand_params(site, i, vals[i], q))
                 vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
+            vals[i] = vals[i].astype(invals[i].dtype)  # a transformed weight is float32
         out = compat.bind_eqn(eqn, vals)
         if qp.accumulator < accumulator.WIDEST:
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
@@ -454,6 +455,7 @@ class Integer:
                 continue
             x = ops[i] = transformed(site, qp, i, invals[i])
             if q is None:
+                ops[i] = x.astype(invals[i].dtype)  # a transformed weight is float32
                 continue
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)

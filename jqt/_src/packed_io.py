@@ -16,7 +16,7 @@ from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
-from .qparams import PackedParams, QArray
+from .qparams import PackedParams, QArray, fold_mismatch
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
                      is_zip, json_kind, reading, version_error, write)
 from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, check_scales,
@@ -119,6 +119,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     weights = {}
     for key, w in packed.weights.items():
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
+        if w.folded is not None:
+            d["folded"] = w.folded
         for field in ("values", "sums", "scale", "zero_point"):
             a = getattr(w, field)
             if a is None:
@@ -313,7 +315,10 @@ def _weight_from_entry(r, key, d, version):
         arrays = {f: r.get(r.need(d, f, str, where), f"{where}.{f}") for f in _FIELDS if f in d}
         if "values_dtype" in d:
             arrays["values"] = _fp8_values(r, where, arrays.get("values"), d["values_dtype"], qtype)
-        w = QArray(**arrays, qtype=qtype, layout=layout)
+        folded = d.get("folded")  # absent from files written before jqt recorded it
+        if folded is not None and not isinstance(folded, str):
+            raise r.error(f"{where}: 'folded' is a {type(folded).__name__}, expected a string")
+        w = QArray(**arrays, qtype=qtype, layout=layout, folded=folded)
     _check_weight(r, where, w)
     check_values(r, key, validate.operand_problems(w, "packed weight"))
     return w
@@ -547,6 +552,11 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"{fn}: the packed weight of op '{key}' is {pw.qtype.describe()}, but these "
                 f"qparams quantize it as {q.qtype.describe()}. They were packed with other "
                 "qparams; re-run jqt.pack with these.")
+        why = fold_mismatch(pw.folded, p.fold_tag)
+        if why:
+            raise QParamsMismatchError(
+                f"{fn}: the packed weight of op '{key}' does not fit these qparams: {why}. They "
+                "were packed with other qparams; re-run jqt.pack with these.")
         shape = values_shape(pw)
         if src is not None and src.arg in args and src.leaf in dropped:
             _check_leaf_codes(fn, key, src, packed.avals[src.leaf], pw, shape)

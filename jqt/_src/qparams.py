@@ -11,11 +11,13 @@ The invariant, as in MLIR's quant dialect: ``real ~= (q - zero_point) * scale``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
+from . import compat
 from .formats import QuantType
 
 
@@ -81,6 +83,10 @@ class QArray:
 
     ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
     that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.
+    ``folded`` (packed weights only) names the outlier transforms folded into the
+    codes (:attr:`OpQParams.fold_tag`): ``""`` none, ``"smooth:<digest of the
+    vector>"`` and/or ``"rotate"``; ``None`` where it was not recorded (a file
+    written before jqt recorded it).
 
     >>> import jax.numpy as jnp, jqt
     >>> p = jqt.QArray(scale=jnp.float32(0.5), qtype=jqt.QuantType())
@@ -94,6 +100,7 @@ class QArray:
     sums: Optional[jax.Array] = None
     qtype: QuantType = dataclasses.field(metadata=dict(static=True), default=QuantType())
     layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
+    folded: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def nibbles(self) -> bool:
@@ -186,6 +193,32 @@ class OpQParams:
     def transformed(self) -> bool:
         """True when the op's operands are smoothed or rotated before quantization."""
         return self.smooth is not None or self.rotate
+
+    @property
+    def fold_tag(self) -> str:
+        """What :func:`jqt.pack` folds into this op's weight codes, as a packed weight's
+        :attr:`QArray.folded` records it: ``""`` (nothing), ``"smooth:<digest>"`` (the
+        smoothing vector, by a digest of its float32 bytes; ``"smooth:?"`` where it is
+        a tracer), ``"rotate"``, or both joined by ``"+"``.
+
+        >>> import jax.numpy as jnp, jqt
+        >>> f = lambda w, x: x @ w
+        >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(rotate=True), jnp.eye(4), [(jnp.ones((2, 4)),)],
+        ...                    progress=False)
+        >>> qp["w"].fold_tag, jqt.pack(qp, jnp.eye(4)).weights["w"].folded
+        ('rotate', 'rotate')
+        """
+        parts = []
+        if self.smooth is not None:
+            if compat.is_tracer(self.smooth):
+                parts.append("smooth:?")
+            else:
+                raw = np.asarray(self.smooth, np.float32)
+                digest = hashlib.blake2b(raw.tobytes() + str(raw.shape).encode(), digest_size=6)
+                parts.append("smooth:" + digest.hexdigest())
+        if self.rotate:
+            parts.append("rotate")
+        return "+".join(parts)
 
     @property
     def is_float(self) -> bool:
@@ -300,3 +333,27 @@ def summarize(qparams: dict[str, Any]) -> str:
 
 def _short(p: Optional[QArray]) -> str:
     return "float" if p is None else p.qtype.describe()
+
+
+def fold_mismatch(packed: Optional[str], want: str) -> Optional[str]:
+    """Why a packed weight's :attr:`QArray.folded` does not fit qparams whose
+    :attr:`OpQParams.fold_tag` is ``want``, or ``None`` when it fits (or was not
+    recorded). A smoothing digest ``"?"`` (traced qparams) matches any digest.
+
+    >>> fold_mismatch("smooth:ab12", ""), fold_mismatch("smooth:ab12", "smooth:?")
+    ('its codes hold a smoothing vector (SmoothQuant or AWQ) that these qparams do not apply', None)
+    """
+    if packed is None:
+        return None
+    split = lambda tag: {p.split(":")[0]: p.partition(":")[2] for p in tag.split("+") if p}
+    a, b = split(packed), split(want)
+    if ("rotate" in a) != ("rotate" in b):
+        return ("its codes hold a Hadamard rotation that these qparams do not apply" if "rotate" in a
+                else "these qparams rotate the activation, but its codes were not rotated")
+    if ("smooth" in a) != ("smooth" in b):
+        return ("its codes hold a smoothing vector (SmoothQuant or AWQ) that these qparams do not "
+                "apply" if "smooth" in a else
+                "these qparams smooth the activation, but its codes were packed without smoothing")
+    if "smooth" in a and "?" not in (a["smooth"], b["smooth"]) and a["smooth"] != b["smooth"]:
+        return "its codes were smoothed by another smoothing vector than these qparams hold"
+    return None

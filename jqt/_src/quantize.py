@@ -13,7 +13,7 @@ from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
 from .policy import KernelPolicy
-from .qparams import PackedParams
+from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
@@ -88,6 +88,19 @@ def _some_empty(args, argnums) -> bool:
                for leaf in jax.tree_util.tree_leaves(a))
 
 
+def _check_folded(packed, folds):
+    """Each packed weight holds the outlier transforms (smoothing vector, rotation) its
+    op's qparams apply to the activation (``folds``: key -> ``OpQParams.fold_tag``):
+    codes smoothed or rotated for other qparams would give wrong results silently."""
+    for k, pw in packed.items():
+        why = None if pw is None or k not in folds else fold_mismatch(pw.folded, folds[k])
+        if why:
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{k}' does not fit qparams['{k}']: {why}. The weights "
+                "were packed with other qparams (another recipe, or before smooth/awq/rotate "
+                "changed); re-run jqt.pack(qparams, params) with these qparams.")
+
+
 def _complete(pw, p):
     """A packed weight read from a version-1 file holds codes and sums only: its scale,
     zero point and type are the qparams'."""
@@ -142,6 +155,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     tracer = Tracer(f, argnums)
     handler = Simulate() if simulate else Integer(policy)
     checked = set()
+    folds = {k: p.fold_tag for k, p in qparams.items()}  # digests of the concrete vectors
 
     def run(qparams, args):
         args = list(args)
@@ -153,6 +167,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 args[a] = _unpack(args[a])
         traced = tracer(args)
         empty = _some_empty(args, argnums)
+        _check_folded(packed, folds)
         try:
             if dropped:
                 _check_packed_covers(traced, qparams, packed, dropped)
@@ -244,7 +259,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
         try:
-            weights[key] = BY_NAME[p.op].pack(src, p, operand, policy)
+            weights[key] = dataclasses.replace(BY_NAME[p.op].pack(src, p, operand, policy),
+                                               folded=p.fold_tag)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight

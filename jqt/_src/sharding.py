@@ -182,7 +182,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         w_sh[key] = QArray(values=sharding(shape, qdim), sums=arr(pw.sums, sdim),
                            scale=sides[w].scale if sides[w] is not None else None,
                            zero_point=sides[w].zero_point if sides[w] is not None else None,
-                           qtype=pw.qtype, layout=pw.layout)
+                           qtype=pw.qtype, layout=pw.layout, folded=pw.folded)
     missing = sorted(set(packed.weights) - set(w_sh))
     if missing:
         raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "

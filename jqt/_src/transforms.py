@@ -202,7 +202,12 @@ def channel_stats(x, w, site, names):
 
 def weight(w, smooth, rotated, contract, depth=0):
     """The weight side: ``H^T (s * w)`` over ``contract`` (operand axes after ``depth``
-    stacked axes)."""
+    stacked axes), in float32 or wider: a 16-bit float weight's product is not rounded to
+    its dtype before it is quantized (under ``jax.jit`` XLA may keep it unrounded, and
+    :func:`jqt.pack`, which runs eagerly, would round it: other codes)."""
+    if smooth is None and not rotated:
+        return w
+    w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
     if smooth is not None:
         w = w * smooth.astype(w.dtype)
     if rotated:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import sys
 from typing import Callable
 
 import flax.linen as nn
@@ -62,9 +63,10 @@ class MLP(nn.Module):
 
 def _quickstart_cnn():
     """The CNN of ``examples/quickstart.py`` (8x8x1 digits, 10 classes), imported from it."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "examples", "quickstart.py")
-    spec = importlib.util.spec_from_file_location("jqt_quickstart", path)
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:  # quickstart imports jaxpr_utils from its own folder
+        sys.path.insert(0, examples)
+    spec = importlib.util.spec_from_file_location("jqt_quickstart", os.path.join(examples, "quickstart.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.CNN

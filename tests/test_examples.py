@@ -77,3 +77,33 @@ def test_training_is_deterministic():
     first = run_example("qat_digits")
     second = run_example("qat_digits", again=True)
     assert first == second
+
+
+_HELP_ALL = r"""
+import runpy, sys
+failed = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            failed.append((path, f"exit {e.code}"))
+    except Exception as e:
+        failed.append((path, f"{type(e).__name__}: {e}"))
+print("FAILED", failed)
+"""
+
+
+@pytest.mark.slow  # every benchmark script in one interpreter: CI
+def test_every_benchmark_script_imports_and_answers_help():
+    """The commands docs quote (``benchmarks/run.py`` and the others) start: each script's
+    imports resolve and its ``--help`` exits 0 (benchmarks/run.py once failed at import,
+    when the quickstart it imports began to import a helper from its own folder)."""
+    scripts = sorted(str(p) for p in (ROOT / "benchmarks").glob("*.py"))
+    assert len(scripts) > 10
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _HELP_ALL, *scripts], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FAILED []" in r.stdout, r.stdout[-3000:]

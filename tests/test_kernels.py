@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 import jqt
+from jqt._src import policy
 
 CPU = jqt.KernelPolicy.for_backend("cpu")
 # the CPU table's XLA formulations: without the native kernel that runs 4-bit grouped
@@ -156,8 +157,9 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
-        decode_in_input_dtype=True, int_as_bfloat16_rows=255, native_gemv_rows=8,
-        native_in_place=True, native_int8_rows=4, weight_only_kn=True)
+        decode_in_input_dtype=True, native_gemv_rows=8, native_in_place=True, native_int8_rows=4,
+        weight_only_kn=True,
+        int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
         fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
@@ -267,17 +269,18 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
     accumulation; the result equals the int32 matmul's. At 255 rows, or for a weight
     over ``large_weight_bytes``, the int8 matmul runs."""
     f, p, x, qp, _ = _dense(recipe, k=512, n=64, m=256)
+    bf16 = dataclasses.replace(CPU, int_as_bfloat16_rows=255)  # the table's on AVX512_BF16 CPUs
     int8 = dataclasses.replace(CPU, int_as_bfloat16_rows=0)
     for rows, dtype in ((256, "bfloat16"), (255, "int8")):
         xr = x[:rows]
-        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(jqt.pack(qp, p, policy=CPU), xr)
+        jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=bf16))(jqt.pack(qp, p, policy=bf16), xr)
         dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
         assert {str(e.invars[0].aval.dtype) for e in dots} == {dtype}
-        got = jax.jit(jqt.quantize(f, qp, policy=CPU))(jqt.pack(qp, p, policy=CPU), xr)
+        got = jax.jit(jqt.quantize(f, qp, policy=bf16))(jqt.pack(qp, p, policy=bf16), xr)
         want = jax.jit(jqt.quantize(f, qp, policy=int8))(jqt.pack(qp, p, policy=int8), xr)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
     # a weight whose float32 copy exceeds large_weight_bytes keeps the int8 matmul
-    small_cache = dataclasses.replace(CPU, large_weight_bytes=4 * 512 * 64 - 1)
+    small_cache = dataclasses.replace(bf16, large_weight_bytes=4 * 512 * 64 - 1)
     jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=small_cache))(
         jqt.pack(qp, p, policy=small_cache), x)
     assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)

@@ -44,15 +44,22 @@ packed dense weight, fp8    ``(K, N)`` (decoded)        ``(N, K)`` (fp8 GEMM)
 rows of an int8 matmul      padded up to 2 (one row     not padded
                             takes a 10-20x slower
                             path: a decode step 2x)
-int8 matmul, more than 255  the codes as bfloat16, one  an int8 matmul (bfloat16
-rows: int_as_bfloat16_rows  bfloat16 matmul, float32    not measured on a GPU)
-                            sums (exact products), for
-                            a weight of <= 32 MiB as
-                            float32 (decoder
-                            prefill, 1,024 rows:
-                            w8a8_dynamic 0.609x
-                            float32 against 0.726x
-                            with int8 matmuls)
+int8 matmul, more than 255  on a CPU with AVX512_BF16  an int8 matmul (bfloat16
+rows: int_as_bfloat16_rows  or AMX-BF16: the codes as   not measured on a GPU)
+                            bfloat16, one bfloat16
+                            matmul, float32 sums
+                            (exact products), for a
+                            weight of <= 32 MiB as
+                            float32 (decoder prefill,
+                            1,024 rows: w8a8_dynamic
+                            0.609x float32 against
+                            0.726x with int8 matmuls);
+                            elsewhere (AVX2) an int8
+                            matmul: there bfloat16 is
+                            the slower (a MiniLM-sized
+                            encoder block, 512 rows:
+                            w8a8 1.59x float32 against
+                            0.88x)
 1-8 rows: w8 (weight-only)  jqt's native kernel         2-4 rows: the float
                             (``jqt_channel_gemv_kn``;   activation as 3 int8
                             ``jqt_channel_gemv`` for    digits, one int8 matmul
@@ -308,6 +315,8 @@ class KernelPolicy:
         layer at 256 rows: 0.81x bfloat16 against 0.64x with the int8 matmul;
         the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
         rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
+        The CPU table sets 255 on a CPU with AVX512_BF16 or AMX-BF16
+        (:func:`bfloat16_dot_is_fast`) and 0 elsewhere.
 
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
         or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8
@@ -450,6 +459,32 @@ class KernelPolicy:
         return POLICIES.get(backend, POLICIES["default"])
 
 
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags as Linux's ``/proc/cpuinfo`` lists them; empty where it
+    cannot be read (another OS): the table then assumes none."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bfloat16_dot_is_fast(flags) -> bool:
+    """Whether XLA:CPU's bfloat16 matmul with float32 sums outruns its int8 one at many rows
+    on a CPU with these ``flags``: with AVX512_BF16 or AMX-BF16 (a Zen 4 EPYC: the 100M
+    decoder's prefill 0.609x float32 against 0.726x with int8 matmuls), not with AVX2
+    alone (a MiniLM-sized encoder block at 512 rows: 1.59x against 0.88x;
+    docs/performance.md).
+
+    >>> bfloat16_dot_is_fast({"avx2", "fma"}), bfloat16_dot_is_fast({"avx512f", "avx512_bf16"})
+    (False, True)
+    """
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
                    grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
@@ -458,7 +493,8 @@ POLICIES = {
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
-                        int_as_bfloat16_rows=255, native_gemv_rows=8,
+                        int_as_bfloat16_rows=255 if bfloat16_dot_is_fast(cpu_flags()) else 0,
+                        native_gemv_rows=8,
                         native_in_place=True, native_int8_rows=4, weight_only_kn=True),
     "gpu": _GPU,
     "cuda": _GPU,

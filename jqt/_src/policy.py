@@ -316,7 +316,7 @@ class KernelPolicy:
         the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
         rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
         The CPU table sets 255 on a CPU with AVX512_BF16 or AMX-BF16
-        (:func:`bfloat16_dot_is_fast`) and 0 elsewhere.
+        (``jqt._src.policy.bfloat16_dot_is_fast``) and 0 elsewhere.
 
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
         or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8

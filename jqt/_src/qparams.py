@@ -84,7 +84,7 @@ class QArray:
     ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
     that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.
     ``folded`` (packed weights only) names the outlier transforms folded into the
-    codes (:attr:`OpQParams.fold_tag`): ``""`` none, ``"smooth:<digest of the
+    codes (``OpQParams.fold_tag``): ``""`` none, ``"smooth:<digest of the
     vector>"`` and/or ``"rotate"``; ``None`` where it was not recorded (a file
     written before jqt recorded it).
 
@@ -197,7 +197,7 @@ class OpQParams:
     @property
     def fold_tag(self) -> str:
         """What :func:`jqt.pack` folds into this op's weight codes, as a packed weight's
-        :attr:`QArray.folded` records it: ``""`` (nothing), ``"smooth:<digest>"`` (the
+        ``QArray.folded`` records it: ``""`` (nothing), ``"smooth:<digest>"`` (the
         smoothing vector, by a digest of its float32 bytes; ``"smooth:?"`` where it is
         a tracer), ``"rotate"``, or both joined by ``"+"``.
 
@@ -336,8 +336,8 @@ def _short(p: Optional[QArray]) -> str:
 
 
 def fold_mismatch(packed: Optional[str], want: str) -> Optional[str]:
-    """Why a packed weight's :attr:`QArray.folded` does not fit qparams whose
-    :attr:`OpQParams.fold_tag` is ``want``, or ``None`` when it fits (or was not
+    """Why a packed weight's ``QArray.folded`` does not fit qparams whose
+    ``OpQParams.fold_tag`` is ``want``, or ``None`` when it fits (or was not
     recorded). A smoothing digest ``"?"`` (traced qparams) matches any digest.
 
     >>> fold_mismatch("smooth:ab12", ""), fold_mismatch("smooth:ab12", "smooth:?")

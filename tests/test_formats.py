@@ -432,19 +432,30 @@ def test_quant_type_errors_name_the_fix():
     assert dataclasses.replace(jqt.QuantType(bits=4), group_size=32).per_channel
 
 
-def test_fallback_moves_an_int4_op_to_int8():
+@pytest.mark.parametrize("to_groups", [0, 24])
+def test_fallback_moves_an_int4_op_to_int8(to_groups):
     # 'b' has one large weight in every group of 16 inputs: int4 rounds the rest of the group
-    # coarsely, int8 does not; int4 holds 'a' (zeros and ones) exactly
+    # coarsely, int8 does not; int4 holds 'a' (zeros and ones) exactly. With groups of 24,
+    # which do not tile b's 32 inputs, the kept op gets per-channel scales, with calibrate's
+    # warning (fallback used to calibrate ``to`` silently).
     p = {"a": jnp.eye(K, 32), "b": jnp.asarray(RNG.standard_normal((32, 16)) * 0.05,
                                                jnp.float32).at[::16].set(2.0)}
     f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
     err = lambda g: float(jnp.abs(g(p, X) - f(p, X)).mean())
     w4 = jqt.recipes.w4(group_size=16)
     all_w4 = err(jax.jit(jqt.quantize(f, jqt.calibrate(f, w4, p, [(X,)], progress=False))))
-    res = jqt.fallback(f, w4, p, [(X,)], err, max_drop=all_w4 / 3, higher_is_better=False,
-                       to=jqt.recipes.w8().rules[0])
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, w4, p, [(X,)], err, max_drop=all_w4 / 3, higher_is_better=False,
+                           to=jqt.recipes.w8(group_size=to_groups).rules[0], progress=False)
     assert res.met and res.kept == ("b",)
     assert res.qparams["b"].rhs.qtype.bits == 8 and res.qparams["a"].rhs.qtype.bits == 4
+    assert not res.qparams["b"].rhs.qtype.group_size  # per channel
+    texts = [str(w.message) for w in ws]
+    assert len(texts) == len(set(texts)), texts
+    warned = [t for t in texts if "op 'b'" in t and "group_size=24" in t]
+    assert len(warned) == (1 if to_groups else 0), texts
+    assert not any("op 'a'" in t for t in texts), texts
 
 
 SCALE = 100.0  # the custom rules below scale the gradient, so that keeping them shows

@@ -438,6 +438,30 @@ def test_report_rows_and_end_to_end_numbers(chain_setup):
     assert rep.output_sqnr == pytest.approx(-20 * math.log10(rel), abs=1e-3)
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.nf4(group_size=32), jqt.recipes.fp8()],
+                         ids=["nf4", "fp8"])
+def test_report_clipping_is_half_a_step_past_the_grids_ends(recipe):
+    # A weight or activation that merely rounds to the end code is not clipped, on every
+    # grid: the edges are numerics.clip_edges (half nf4's outermost gap, half fp8's top
+    # step), not the end codes themselves, as they were for nf4 and fp8.
+    from jqt._src.numerics import clip_edges
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    f = lambda w, x: x @ w
+    qp = jqt.calibrate(f, recipe, w, [(x,)], progress=False)
+    r = jqt.report(f, qp, w, (x,)).rows[0]
+    assert r.weight_clip == 0.0 and (r.act_qrange is None or r.act_clip == 0.0)
+    wide = jqt.report(f, qp, w, (3 * x,)).rows[0]  # calibrated on x, measured on 3x
+    if qp["w"].lhs is not None and not qp["w"].lhs.qtype.dynamic:
+        q = qp["w"].lhs
+        lo, hi = (e * float(q.scale) for e in clip_edges(q.qtype.qmin, q.qtype.qmax, q.qtype.grid))
+        assert wide.act_qrange == pytest.approx((lo, hi), rel=1e-6)
+        xs = np.asarray(3 * x)
+        assert wide.act_clip == pytest.approx(float(np.mean((xs < lo) | (xs > hi))), rel=1e-6)
+        assert wide.act_clip > 0.1
+
+
 def test_report_activation_clipping(chain_setup):
     p, x, qp, rep = chain_setup
     assert all(r.act_clip == 0.0 for r in rep.rows), [r.act_clip for r in rep.rows]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import accumulator, compat, kvcache, tracing, validate
+from . import accumulator, compat, kvcache, numerics, tracing, validate
 from .calibrate import full_args
 from .handlers import (QParamsMismatchError, Simulate, exact_sums, expanded_params, lookup,
                        transformed)
@@ -337,11 +337,19 @@ def _rel(signal, noise):
 
 
 def clip_range(qtype, s, z):
-    """The real values that quantize without clipping: the grid's bounds, widened by half
-    an integer step (integers round to the bound up to there)."""
-    lo, hi = qtype.bounds
-    half = 0.5 if qtype.kind == "int" else 0.0
-    return (lo - z - half) * s, (hi - z + half) * s
+    """The real values that quantize without clipping: the grid's ends widened by half a
+    step (``numerics.clip_edges``, the edges QAT's gradient uses), since a value up to
+    there rounds to the end code as it would to any other: an integer step, half nf4's
+    outermost gap, half the step of fp8's largest binade.
+
+    >>> import jqt
+    >>> clip_range(jqt.QuantType(bits=8), 0.5, 0.0)
+    (-64.25, 63.75)
+    >>> [round(v, 4) for v in clip_range(jqt.QuantType(dtype="nf4", group_size=64), 2.0, 0.0)]
+    [-2.3038, 2.277]
+    """
+    lo, hi = numerics.clip_edges(qtype.qmin, qtype.qmax, qtype.grid)
+    return (lo - z) * s, (hi - z) * s
 
 
 def _qrange(q, scale, zp):

@@ -253,7 +253,11 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     argnums = normalize_argnums(weight_argnums)
     validate.check_float_params((params,) if len(argnums) == 1 else tuple(params), "jqt.fallback")
     batches = list(batches)
-    qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
+    for w in shown:  # the user's to see; the final calibration re-emits only what is new
+        warnings.warn(w.message, stacklevel=2)
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     else:
@@ -310,10 +314,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         rules = (fb,) + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as final:
+            warnings.simplefilter("always")
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
+        before = {str(w.message) for w in shown}
+        for w in final:  # what ``to`` could not do for the kept ops (e.g. a group size)
+            if str(w.message) not in before:
+                warnings.warn(w.message, stacklevel=2)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:

@@ -319,6 +319,49 @@ def test_entropy_clips_far_outliers():
     assert lo == np.inf and hi == -np.inf
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_mse_and_entropy_model_fp8s_grid(dtype):
+    # fp8's step grows with the value's binade: MSE's expected error and Entropy's levels
+    # follow that grid (they modelled a uniform one: e4m3's error at the full range 9x
+    # too high, e5m2's 8000x too low, and Entropy clipped as if for int8)
+    import ml_dtypes
+    x = np.random.default_rng(2).standard_t(3, 200_000).astype(np.float32)
+    amax, qt = float(np.abs(x).max()), jqt.QuantType(dtype=dtype)
+
+    def error(t):  # fp8 rounding of x with the range [-t, t]
+        s = t / qt.qmax
+        y = np.clip(x / s, qt.qmin, qt.qmax).astype(getattr(ml_dtypes, dtype))
+        return float(np.sum((y.astype(np.float64) * s - x) ** 2))
+
+    st = _observe(C.MSE(), x)
+    hist, radius, _, _ = C.MSE._np(st)
+    centers = radius * ((np.arange(len(hist)) + 0.5) / len(hist) * 2 - 1)
+    for t in (amax, amax / 4):
+        model = float(_expected_sq_error(centers, hist, np.array([-t]), np.array([t]), qt)[0])
+        assert model == pytest.approx(error(t), rel=0.15), (t, model, error(t))
+    _, hi = C.MSE().range(st, qt)
+    assert error(hi) <= 1.05 * error(amax), (hi, amax)
+    e = C.Entropy()
+    _, hi_fp8 = e.range(_observe(e, x), qt)
+    _, hi_int8 = e.range(_observe(e, x), SYM8)
+    assert hi_fp8 > 2 * hi_int8, (hi_fp8, hi_int8)
+
+
+def test_calibration_under_x64_keeps_float32_statistics():
+    # with jax_enable_x64 on, WeightMSE (the 4-bit presets' weight calibrator) made its
+    # candidate ratios float64 and its loop carry changed type: a TypeError
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 32)) * 0.3, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    f = lambda p, x: x @ p["w"]
+    with jax.enable_x64(True):
+        for r in (jqt.recipes.w4(group_size=8), jqt.recipes.w8(weight_calibrator=C.WeightMSE())):
+            qp = jqt.calibrate(f, r, p, [(x,)], progress=False)
+            y = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
+            assert y.dtype == jnp.float32
+            assert float(jnp.abs(y - f(p, x)).max()) < 0.1 * float(jnp.abs(f(p, x)).max())
+
+
 # ============================================================ the streaming histogram
 
 # (Entropy shares Percentile's statistics code; MSE with a bin count that is not a power of 2)

@@ -392,13 +392,15 @@ def test_a_weight_indexed_by_a_loop_counter_is_named_in_a_warning():
     """``w[i]`` with ``i`` a fori_loop's counter: jqt cannot follow the index, so the op is
     an activation x activation op and stays float; a warning names the weight and the
     fix (a scan over the stacked weights), which quantizes it."""
-    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 16)) / 4, jnp.float32)}
+    p = {"layers": {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 16)) / 4,
+                                     jnp.float32)}}
     x = jnp.ones((2, 16))
-    f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"][i]), x)
-    with pytest.warns(UserWarning, match=r"reads weight 'w' indexed by a value computed from the data.*lax\.scan"):
+    f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["layers"]["w"][i]), x)
+    with pytest.warns(UserWarning, match=r"reads weight 'layers/w' indexed by a value computed "
+                      r"from the data.*lax\.scan"):  # the path, not its letters joined by '/'
         qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
     assert [q.is_float for q in qp.values()] == [True]
-    g = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    g = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"]["w"])[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qp = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,)], progress=False)

@@ -168,6 +168,31 @@ def test_dot_general_integer_matches_simulated(case, recipe):
     _check(f, w, xs, RECIPES[recipe])
 
 
+@pytest.mark.parametrize("recipe", ["w8a8", "dynamic", "fp8"])
+def test_mixed_dtype_operands_simulate_as_the_integer_path_computes(recipe):
+    # JAX traces int32 @ float32 (counts, one-hot rows) and bfloat16 @ float32 as one
+    # dot_general of mixed operands: the simulated path fake-quantizes them in float32,
+    # not in their own dtype (which truncated the int activation: 29% error; and rounded
+    # the bfloat16 weight's dequantized values to bfloat16)
+    rng = np.random.default_rng(0)
+    f = lambda w, x: x @ w
+    w = jnp.asarray(rng.standard_normal((16, 24)) * 0.3, jnp.float32)
+    r = jqt.recipes.fp8() if recipe == "fp8" else RECIPES[recipe]
+    for w_, x in [(w, jnp.asarray(rng.integers(-3, 4, (4, 16)), jnp.int32)),
+                  (w, jnp.asarray(rng.integers(0, 4, (4, 16)), jnp.uint8)),
+                  (w.astype(jnp.bfloat16), jnp.asarray(rng.standard_normal((4, 16)), jnp.float32))]:
+        qp = jqt.calibrate(f, r, w_, [(x,)], progress=False)
+        yi = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w_), x)
+        ys = jax.jit(jqt.quantize(f, qp, simulate=True))(w_, x)
+        yf = f(w_, x)
+        assert yi.dtype == ys.dtype == yf.dtype
+        scale = float(jnp.abs(yf).max())
+        np.testing.assert_allclose(ys, yi, atol=1e-5 * scale, err_msg=f"{x.dtype} x {w_.dtype}")
+        rep = jqt.report(f, qp, w_, (x,))  # the report's quantized lane is the simulated path
+        assert rep.output_rel_l2 == pytest.approx(
+            float(jnp.linalg.norm(ys - yf) / jnp.linalg.norm(yf)), rel=1e-3, abs=1e-6)
+
+
 def test_activation_x_activation_dynamic():
     f = lambda w, x: jnp.einsum("bqd,bkd->bqk", x @ w, x)
     w = jax.random.normal(jax.random.key(0), (8, 8))

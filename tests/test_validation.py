@@ -339,6 +339,43 @@ def test_complex_operands_stay_float_instead_of_losing_the_imaginary_part():
     np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), f(w, x))
 
 
+def test_integer_operands_stay_exact():
+    # int8 x int8 -> int32 (counts, one-hot products) and a lookup in a table of integers
+    # are exact already: kept as they are, with a note, on every path (they were
+    # quantized, changing the int32 result)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.integers(-20, 20, (16, 8)), jnp.int8),
+         "tab": jnp.asarray(rng.integers(0, 100, (10, 8)), jnp.int32)}
+    f = lambda p, x, ids: (jnp.matmul(x, p["w"], preferred_element_type=jnp.int32)
+                           + p["tab"][ids])
+    x, ids = jnp.asarray(rng.integers(-5, 5, (4, 16)), jnp.int8), jnp.array([1, 3, 3, 9])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, ids)], progress=False)
+    assert list(qp) and all(q.is_float and "integer operands" in q.note for q in qp.values())
+    want = f(p, x, ids)
+    for got in (jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x, ids),
+                jqt.quantize(f, qp, simulate=True)(p, x, ids)):
+        assert got.dtype == want.dtype and (got == want).all()
+
+
+def test_pack_tells_apart_leaves_whose_paths_read_the_same():
+    # a key "a/b" beside {"a": {"b": ...}}: jqt.pack took the last leaf of that path for
+    # both ops and blamed the params; it now takes the leaf calibrated, and where qparams
+    # do not record it, says which path is ambiguous
+    rng = np.random.default_rng(0)
+    p = {"a/b": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+         "a": {"b": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)}}
+    f = lambda p, x: (x @ p["a/b"]) @ p["a"]["b"]
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    q = jqt.quantize(f, qp)
+    np.testing.assert_array_equal(q(jqt.pack(qp, p), x), q(p, x))
+    unplaced = {k: dataclasses.replace(v, source=dataclasses.replace(v.source, leaf=-1))
+                for k, v in qp.items()}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'a/b' reads weight 'a/b', and "
+                       r"params hold 2 leaves whose paths read so.*Rename one"):
+        jqt.pack(unplaced, p)
+
+
 def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     w = {"w": jnp.full((4, 3), 1e-3)}
     f = lambda p, x: x @ p["w"]

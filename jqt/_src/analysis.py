@@ -170,7 +170,7 @@ class Analyzer:
                     outs = [VarInfo(False, indexed=ins[0].indexed)]
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
-                    outs = [VarInfo(False, indexed=path_str(ins[0].source.path))]
+                    outs = [VarInfo(False, indexed=ins[0].source.path)]
                 else:
                     for info in ins:
                         self._use(info, "float")

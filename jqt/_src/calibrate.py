@@ -368,6 +368,8 @@ def _decide(site, rule, st):
         return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
     if any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in site.eqn.invars):
         return float_("complex operands are kept float (quantization is of real numbers)")
+    if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in site.eqn.invars[:2]):
+        return float_("integer operands are kept as they are (the op is exact already)")
     w = site.weight_operand
     if w is None:
         if rule.act_x_act is None:

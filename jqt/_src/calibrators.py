@@ -31,10 +31,12 @@ import dataclasses
 from typing import Optional
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
 from . import numerics as nx
+from .formats import FLOAT8
 
 _F32 = jnp.float32
 
@@ -289,11 +291,25 @@ def _centers(n, width, start):
     return start + (np.arange(n) + 0.5) * width
 
 
+def _float_step(x, qtype):
+    """The fp8 grid's step at ``x`` (in units of the scale): ``2**(e - mantissa bits)`` for
+    ``x`` in the binade ``[2**e, 2**(e+1))``, the subnormal step below the smallest normal.
+
+    >>> import jqt
+    >>> _float_step(np.array([1.0, 3.0, 300.0, 1e-4]), jqt.QuantType(dtype="float8_e4m3fn")).tolist()
+    [0.125, 0.25, 32.0, 0.001953125]
+    """
+    fi = ml_dtypes.finfo(FLOAT8[qtype.dtype])
+    e = np.floor(np.log2(np.maximum(np.abs(x), float(fi.smallest_normal))))
+    return np.exp2(e - fi.nmant)
+
+
 def _expected_sq_error(centers, counts, lo, hi, qtype):
     """Expected squared quantization error of data with this histogram for the range
-    [lo, hi] (vectorized over candidate ranges: ``lo``/``hi`` of shape (C,)): uniform
-    rounding noise step**2 / 12 inside the representable range, the distance to
-    its edge outside."""
+    [lo, hi] (vectorized over candidate ranges: ``lo``/``hi`` of shape (C,)): rounding
+    noise step**2 / 12 inside the representable range, the distance to its edge outside.
+    The step is the grid's at the value: one scale for integers; for fp8, which is finer
+    near zero, the step of the value's binade."""
     s, z = (np.asarray(a, np.float64) if a is not None else None
             for a in nx.params_from_range(lo, hi, qtype))
     z = np.zeros_like(s) if z is None else z
@@ -302,7 +318,8 @@ def _expected_sq_error(centers, counts, lo, hi, qtype):
     c = centers[None, :]
     clip = np.where(c < lo_r, (c - lo_r) ** 2, np.where(c > hi_r, (c - hi_r) ** 2, 0.0))
     inside = (c >= lo_r) & (c <= hi_r)
-    err = clip + inside * (s[:, None] ** 2 / 12.0)
+    step = s[:, None] * (_float_step(c / s[:, None], qtype) if qtype.kind == "float" else 1.0)
+    err = clip + inside * (step ** 2 / 12.0)
     return (err * counts[None, :]).sum(axis=1)
 
 
@@ -341,10 +358,26 @@ class MSE(_Histogram):
         return min(lo, 0.0) * r, max(hi, 0.0) * r
 
 
-def _kl_threshold(hist, levels, stride):
+def _int_groups(i, levels):
+    """The level of each of ``i`` bins of ``|x|`` on an integer grid whose end is bin
+    ``i``'s upper edge: bin 0 alone, bins 1..i-1 split in ``levels - 1`` runs."""
+    edges = np.linspace(1, i, levels).astype(int)
+    return np.concatenate([[0], 1 + np.repeat(np.arange(levels - 1), np.diff(edges))])
+
+
+def _float_groups(i, qtype):
+    """The fp8 code each of ``i`` bins of ``|x|`` rounds to (numbered from 0) when the
+    grid's largest value sits at bin ``i``'s upper edge: many bins share a code near the
+    top, fewer near zero, where the grid is finer."""
+    codes = ((np.arange(i) + 0.5) * (qtype.qmax / i)).astype(FLOAT8[qtype.dtype])
+    return np.unique(codes.astype(np.float32), return_inverse=True)[1].reshape(-1)
+
+
+def _kl_threshold(hist, levels, stride, groups=_int_groups):
     """TensorRT's entropy calibration on a histogram of |x|: the bin count ``i`` whose
     clipped distribution P (outliers folded into bin i-1) is closest in KL divergence
-    to its quantization Q to ``levels`` levels.
+    to its quantization Q, bins sharing a level as ``groups(i, levels)`` says (the
+    integer grid's ``levels`` levels by default).
 
     Two departures, both because jqt's ranges represent 0 exactly: the first bin
     (values near 0, such as the zeros after a ReLU) is a level of its own in Q
@@ -357,10 +390,8 @@ def _kl_threshold(hist, levels, stride):
         p = hist[:i].copy()
         p[-1] += hist[i:].sum()
         nz = p > 0
-        # Q: bin 0 alone, bins 1..i-1 split in levels-1 groups; each group's mass is
-        # spread over its nonzero bins.
-        edges = np.linspace(1, i, levels).astype(int)
-        group = np.concatenate([[0], 1 + np.repeat(np.arange(levels - 1), np.diff(edges))])
+        # Q: each level's mass spread over its nonzero bins.
+        group = groups(i, levels)
         mass = np.bincount(group, weights=hist[:i], minlength=levels)
         cnt = np.bincount(group, weights=nz, minlength=levels)
         q = np.where(nz, mass[group] / np.maximum(cnt[group], 1), 0.0)
@@ -406,7 +437,8 @@ class Entropy(_Histogram):
         if last <= levels:
             return lo, hi
         stride = self.stride or max(1, (last - levels) // 500)
-        t = _kl_threshold(folded[:last], levels, stride) * width
+        groups = (lambda i, _: _float_groups(i, qtype)) if qtype.kind == "float" else _int_groups
+        t = _kl_threshold(folded[:last], levels, stride, groups) * width
         return max(lo, -t), min(hi, t)
 
 
@@ -482,7 +514,7 @@ class WeightMSE(WeightCalibrator):
             d = nx.fake_quant(w, s, z, qtype) - w  # on the format's own grid (int, fp8, nf4)
             return jnp.sum(jnp.ldexp(d, -e) ** 2, axis=axes, keepdims=axes is not None)
 
-        ratios = jnp.linspace(1.0, self.min_ratio, self.candidates)
+        ratios = jnp.linspace(1.0, self.min_ratio, self.candidates, dtype=_F32)  # under x64 too
 
         def body(i, carry):
             best_e, best_r = carry

@@ -122,8 +122,9 @@ class Calibrate:
         rule = self.recipe.rule_for(site.op, site.key)
         w = site.weight_operand
         wt = site.entry.weight_type(rule) if rule is not None and w is not None else None
-        if wt is None or any(jnp.iscomplexobj(v) for v in invals):  # complex: kept float
-            return outs
+        if wt is None or any(jnp.iscomplexobj(v) for v in invals) or not any(
+                jnp.issubdtype(v.dtype, jnp.inexact) for v in invals[:2]):
+            return outs  # complex or integer operands: kept as they are (calibrate._decide)
         at = site.entry.act_type(rule)
         act, weight, cal = None, None, None
         if at is not None and not at.dynamic:
@@ -341,19 +342,40 @@ class Simulate:
         for i in (0, 1):
             q = qp.operand(i)
             if packed is not None and q is not None and i == site.weight_operand:
-                vals[i] = dequantize_packed(packed, site, invals).astype(invals[i].dtype)
+                vals[i] = dequantize_packed(packed, site, invals).astype(_sim_dtype(eqn, invals, i))
                 continue
             if not qp.is_float:
                 vals[i] = transformed(site, qp, i, vals[i])
             if q is not None:
-                s, z = _expanded(site, i, vals[i].shape, q, *operand_params(site, i, vals[i], q))
-                vals[i] = nx.fake_quant(vals[i], s, z, q.qtype)
-            vals[i] = vals[i].astype(invals[i].dtype)  # a transformed weight is float32
+                x = vals[i].astype(jnp.promote_types(vals[i].dtype, _F32))  # int operands too
+                s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
+                vals[i] = nx.fake_quant(x, s, z, q.qtype)
+            if vals[i] is not invals[i]:  # a transformed weight is float32
+                vals[i] = vals[i].astype(_sim_dtype(eqn, invals, i))
         out = compat.bind_eqn(eqn, vals)
         if qp.accumulator < accumulator.WIDEST:
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
                                         qp.accumulator)]
         return out
+
+
+def _sim_dtype(eqn, invals, i):
+    """The dtype operand ``i`` of a simulated op takes once fake-quantized: its own where
+    both operands are floats of one dtype (the op computes in it); otherwise (an integer
+    operand, or mixed dtypes that the op promotes, e.g. int32 counts or a bfloat16 weight
+    with float32 activations) the op's float output dtype, or float32, so that the
+    quantized values are not rounded to the operand's own integer or narrow type.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 3), jnp.int32), jnp.ones((3, 4))).eqns[-1]
+    >>> [str(_sim_dtype(eqn, [jnp.ones((2, 3), jnp.int32), jnp.ones((3, 4))], i)) for i in (0, 1)]
+    ['float32', 'float32']
+    """
+    a, b = (v.dtype for v in invals[:2])
+    if a == b and jnp.issubdtype(a, jnp.floating):
+        return invals[i].dtype
+    out = eqn.outvars[0].aval.dtype
+    return out if jnp.issubdtype(out, jnp.floating) else _F32
 
 
 def exact_sums(site, eqn, qp, packed, invals):

@@ -47,13 +47,22 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 "qparams (jqt.pack(qparams, params)) or pass the float params.")
 
 
-def _find_leaf(src, index):
-    """The position in params (``index``: leaf path -> position) of the leaf ``src`` names,
+def _find_leaf(src, index, key):
+    """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
     or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
-    where the function has several weight arguments or params is a single array."""
+    where the function has several weight arguments or params is a single array. Where
+    several leaves have that path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one
+    at the calibrated position, ``src.leaf``; otherwise an error."""
     names = [src.path] + ([src.path.split("/", 1)[1]] if "/" in src.path else [""])
-    found = [index[n] for n in names if n in index]
-    return src.leaf if src.leaf in found else (found[0] if found else None)
+    found = [i for n in names for i in index.get(n, ())]
+    if src.leaf in found or not found:
+        return src.leaf if found else None
+    if len(set(found)) > 1:
+        raise QParamsMismatchError(
+            f"jqt.pack: op '{key}' reads weight '{src.path}', and params hold {len(set(found))} "
+            "leaves whose paths read so (e.g. a key 'a/b' beside a nested 'a' -> 'b'); jqt "
+            "names weights by their path. Rename one of them, and re-calibrate.")
+    return found[0]
 
 
 def _check_keys(traced, qparams, some_empty):
@@ -240,7 +249,9 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat = [x for _, x in with_paths]
     avals = [_aval(x) for x in flat]
-    index = {path_str(q): i for i, (q, _) in enumerate(with_paths)}  # weights are found by path
+    index = {}  # weights are found by path
+    for i, (q, _) in enumerate(with_paths):
+        index.setdefault(path_str(q), []).append(i)
     weights, consumed, needed, unpackable = {}, set(), set(), []
     for key, p in qparams.items():
         w = p.weight_operand
@@ -250,7 +261,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
         if src is None or src.arg != argnum:
             unpackable.append(key)
             continue
-        leaf = _find_leaf(src, index)
+        leaf = _find_leaf(src, index, key)
         if leaf is None:  # leaves are found by path: params may hold other leaves too
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "

@@ -791,3 +791,41 @@ def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path)
         jqt.save_packed(str(tmp_path / "key.safetensors"), jqt.pack(qp, keyed), qp)
     with pytest.raises(ValueError, match="params leaf 'rng' is a typed PRNG key"):
         jax.export.export(jax.jit(q))(jqt.pack(qp, keyed), x).serialize()
+
+
+SHARED_RECIPES = {"w8a8": jqt.recipes.w8a8(), "w4": jqt.recipes.w4(group_size=32),
+                  "fp8": jqt.recipes.fp8(), "nf4": jqt.recipes.nf4()}
+
+
+@pytest.mark.parametrize("recipe", ci_only(SHARED_RECIPES, {"w8a8", "fp8"}))
+def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
+    # one layer applied four times in a Python loop (ALBERT-style sharing, a shared Keras
+    # layer): four op keys, one copy of the codes and scales in memory, in the file and
+    # after loading (it was packed once per op: 2x the float32 bytes at 8 uses)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((128, 128)) * 0.05, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+
+    def f(p, x):
+        for _ in range(4):
+            x = jnp.tanh(x @ p["w"])
+        return x
+
+    qp = jqt.calibrate(f, SHARED_RECIPES[recipe], p, [(x,)], progress=False)
+    assert list(qp) == ["w", "w#1", "w#2", "w#3"]
+    packed = jqt.pack(qp, p)
+    one = packed.weights["w"]
+    assert all(packed.weights[k] is one for k in qp)
+    assert packed.nbytes() == sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(one))
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, packed, qp)
+    with safetensors.safe_open(path, "np") as fh:
+        stored = sum(fh.get_tensor(n).nbytes for n in fh.keys())
+    # the codes once, and every scale once (the activations' scales of four ops at most)
+    assert stored <= packed.nbytes() + 4 * 4 * 2, (stored, packed.nbytes())
+    loaded = jqt.load_packed(path)
+    assert all(loaded.weights[k].values is loaded.weights["w"].values for k in qp)
+    assert loaded.nbytes() == packed.nbytes()
+    q = jax.jit(jqt.quantize(f, qp))
+    np.testing.assert_array_equal(q(loaded, x), q(packed, x))
+    np.testing.assert_allclose(q(packed, x), q(p, x), atol=1e-5)  # the float params' codes

@@ -116,7 +116,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             fn="jqt.save_packed")
         tensors.update(arrays)
         shared = _weight_scales(entries, arrays)
-    weights = {}
+    weights, written = {}, {}  # id of an array -> (the array, its tensor's name)
     for key, w in packed.weights.items():
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
         if w.folded is not None:
@@ -125,6 +125,12 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             a = getattr(w, field)
             if a is None:
                 continue
+            if id(a) in written and written[id(a)][0] is a:  # shared by ops (jqt.pack)
+                d[field] = written[id(a)][1]
+                if a.dtype.name in FLOAT8:
+                    d["values_dtype"] = a.dtype.name
+                continue
+            orig = a
             a = (float32_scale(a, f"packed weight '{key}' {field}", "jqt.save_packed")
                  if field in ("scale", "zero_point") else np.asarray(a))
             same = shared.get((key, field))
@@ -137,6 +143,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
                 a = a.view(np.uint8)
             tensors[n] = a
             d[field] = n
+            written[id(orig)] = (orig, n)
         weights[key] = d
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
@@ -217,6 +224,13 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
     if callable(device):
         device = device(packed)
+    if device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
+        leaves, treedef = jax.tree_util.tree_flatten(packed)
+        put = {}  # an array that ops share (jqt.pack) is put once: they share the copy too
+        for x in leaves:
+            if id(x) not in put:
+                put[id(x)] = jax.device_put(x, device)
+        return treedef.unflatten([put[id(x)] for x in leaves])
     return jax.device_put(packed, device)
 
 
@@ -235,8 +249,11 @@ def _read_packed(r, path, like):
     avals, paths = _read_avals(r, h)
     treedef = _check_like(like, avals, paths, path) if like is not None else _read_tree(r, h, avals)
     kept, leaves = _read_leaves(r, h, avals, paths)
-    weights = {k: _weight_from_entry(r, k, d, r.version)
-               for k, d in r.need(h, "weights", dict, "the header").items()}
+    weights, same = {}, {}
+    for k, d in r.need(h, "weights", dict, "the header").items():
+        w = _weight_from_entry(r, k, d, r.version)
+        # entries that name the same tensors (ops that share codes, jqt.pack): one QArray
+        weights[k] = same.setdefault(json.dumps(d, sort_keys=True, default=str), w)
     tied = _check_tied(r, h.get("tied", []), weights)
     packed = PackedParams(leaves, weights, treedef, avals, kept, tied)
     stored = None if h.get("qparams") is None else qparams_from_entries(

@@ -292,8 +292,10 @@ class PackedParams:
         return dataclasses.replace(w, values=o.values, layout=o.layout)
 
     def nbytes(self) -> int:
-        """Bytes of every array held (int8 weights, sums and float leaves)."""
-        return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(self)))
+        """Bytes of every array held (int8 weights, sums and float leaves), an array that
+        several ops share counted once."""
+        held = {id(x): x for x in jax.tree_util.tree_leaves(self)}
+        return int(sum(np.asarray(x).nbytes for x in held.values()))
 
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""

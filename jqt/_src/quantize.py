@@ -252,7 +252,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     index = {}  # weights are found by path
     for i, (q, _) in enumerate(with_paths):
         index.setdefault(path_str(q), []).append(i)
-    weights, consumed, needed, unpackable = {}, set(), set(), []
+    weights, consumed, needed, unpackable, leaf_of = {}, set(), set(), [], {}
     for key, p in qparams.items():
         w = p.weight_operand
         if w is None or p.operand(w) is None:
@@ -280,6 +280,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
                 f"which its scale of shape {tuple(jnp.shape(p.operand(w).scale))} does not fit ({e}). "
                 "Pass the params the qparams were calibrated with, or re-calibrate.") from None
         consumed.add(src.leaf)
+        leaf_of[key] = src.leaf
         if src.float_needed:
             needed.add(src.leaf)
     if unpackable:
@@ -287,6 +288,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
                       "(constants or values computed from several leaves); they are quantized "
                       "at run time.", stacklevel=2)
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
+    _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
@@ -300,6 +302,31 @@ def _aval(x):
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
     except TypeError:
         return tracing.Static(x)
+
+
+_ARRAYS = ("values", "sums", "scale", "zero_point")
+
+
+def _share_equal(leaf_of, weights):
+    """Ops that read one leaf (``leaf_of[key]``) and pack it to equal codes and scales (a
+    layer applied several times in a Python loop, a shared Keras layer) share one
+    :class:`QArray` object, in place: its arrays are held once, and :func:`jqt.save_packed`
+    writes them once."""
+    first = {}
+    for k, w in weights.items():
+        arrays = [getattr(w, f) for f in _ARRAYS]
+        sig = (leaf_of[k], w.qtype, w.layout, w.folded,
+               tuple(None if a is None else (a.shape, a.dtype) for a in arrays))
+        if any(compat.is_tracer(a) for a in arrays):  # pack under a transformation
+            continue
+        for k0 in first.setdefault(sig, []):
+            w0 = weights[k0]
+            if all(a is None or bool(jnp.array_equal(a, getattr(w0, f)))
+                   for a, f in zip(arrays, _ARRAYS)):
+                weights[k] = w0
+                break
+        else:
+            first[sig].append(k)
 
 
 def _tied(qparams, weights):

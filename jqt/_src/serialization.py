@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -159,11 +160,25 @@ def treedef_from_json(d):
 
 
 def qparams_entries(qparams, name, fn="jqt.save"):
-    """(JSON entries, arrays): ``name(key, side, field)`` names each array."""
+    """(JSON entries, arrays): ``name(key, side, field)`` names each array. Equal arrays
+    (the scales of ops that read one weight, e.g. a layer applied in a Python loop) are
+    stored once, every entry naming the first."""
     if not isinstance(qparams, dict) or not all(isinstance(v, OpQParams) for v in qparams.values()):
         raise TypeError(f"{fn}: expected the qparams dict returned by jqt.calibrate, got a "
                         f"{type(qparams).__name__}.")
-    arrays, entries = {}, {}
+    arrays, entries, seen = {}, {}, {}
+
+    def store(a, i, key, side, field, where):
+        a = float32_scale(a, where, fn)
+        digest = (a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest())
+        for n in seen.get(digest, ()):
+            if np.array_equal(arrays[n], a):
+                return n
+        n = name(i, key, side, field)
+        arrays[n] = a
+        seen.setdefault(digest, []).append(n)
+        return n
+
     for i, (key, p) in enumerate(qparams.items()):
         ops = []
         for side, q in (("lhs", p.lhs), ("rhs", p.rhs)):
@@ -174,17 +189,14 @@ def qparams_entries(qparams, name, fn="jqt.save"):
             for field in ("scale", "zero_point"):
                 a = getattr(q, field)
                 if a is not None:
-                    n = name(i, key, side, field)
-                    arrays[n] = float32_scale(a, f"qparams['{key}'].{side}.{field}", fn)
-                    d[field] = n
+                    d[field] = store(a, i, key, side, field, f"qparams['{key}'].{side}.{field}")
             ops.append(d)
         entries[key] = {"lhs": ops[0], "rhs": ops[1], "op": p.op,
                         "weight_operand": p.weight_operand, "note": p.note,
                         "source": source_to_json(p.source)}
         if p.smooth is not None:
-            n = name(i, key, "op", "smooth")
-            arrays[n] = float32_scale(p.smooth, f"qparams['{key}'].smooth", fn)
-            entries[key]["smooth"] = n
+            entries[key]["smooth"] = store(p.smooth, i, key, "op", "smooth",
+                                           f"qparams['{key}'].smooth")
         if p.rotate:
             entries[key]["rotate"] = True
         if p.accumulator != 32:

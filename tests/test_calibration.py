@@ -319,7 +319,7 @@ def test_entropy_clips_far_outliers():
     assert lo == np.inf and hi == -np.inf
 
 
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("dtype", ci_only(["float8_e4m3fn", "float8_e5m2"], {"float8_e4m3fn"}))
 def test_mse_and_entropy_model_fp8s_grid(dtype):
     # fp8's step grows with the value's binade: MSE's expected error and Entropy's levels
     # follow that grid (they modelled a uniform one: e4m3's error at the full range 9x

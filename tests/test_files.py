@@ -825,6 +825,9 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     assert stored <= packed.nbytes() + 4 * 4 * 2, (stored, packed.nbytes())
     loaded = jqt.load_packed(path)
     assert all(loaded.weights[k].values is loaded.weights["w"].values for k in qp)
+    # qparams read back are the ops' own arrays, though the file holds equal ones once
+    scales = [q.rhs.scale for q in jqt.load(path).values()]
+    assert len({id(s) for s in scales}) == len(scales)
     assert loaded.nbytes() == packed.nbytes()
     q = jax.jit(jqt.quantize(f, qp))
     np.testing.assert_array_equal(q(loaded, x), q(packed, x))

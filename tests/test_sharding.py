@@ -113,6 +113,21 @@ res["loaded"] = {k: shard_shape(w.values) for k, w in loaded.weights.items()}
 xs = jax.device_put(X_MLP, NamedSharding(AUTO, P("data")))
 y = jax.jit(jqt.quantize(mlp, qp2))(loaded, xs)
 res["loaded_diff"] = float(jnp.abs(y - jax.jit(jqt.quantize(mlp, qp))(packed, X_MLP)).max())
+# one layer applied three times: packed once, and loaded into shards once
+def reuse(p, x):
+    for _ in range(3):
+        x = jnp.tanh(x @ p["w"])
+    return x
+P_REUSE = {"w": normal((64, 64), 0.15)}
+qr = jqt.calibrate(reuse, jqt.recipes.w8a8(), P_REUSE, [(X_MLP,)], progress=False)
+pr = jqt.pack(qr, P_REUSE)
+path_r = os.path.join(tempfile.mkdtemp(), "reuse.safetensors")
+jqt.save_packed(path_r, pr, qr)
+lr = jqt.load_packed(path_r, device=lambda host: jqt.packed_shardings(qr, host, AUTO)[1])
+res["reuse"] = {"keys": len(lr.weights), "distinct": len({id(w.values) for w in lr.weights.values()}),
+                "shard": shard_shape(lr.weights["w"].values),
+                "diff": float(jnp.abs(jax.jit(jqt.quantize(reuse, qr))(lr, xs)
+                                      - jax.jit(jqt.quantize(reuse, qr))(pr, X_MLP)).max())}
 try:
     jqt.packed_shardings(qp, packed, AUTO, axis="tensor")
 except ValueError as e:
@@ -249,6 +264,12 @@ def test_explicit_mesh_keeps_batch_sharding(result):
 def test_load_packed_straight_into_shards(result):
     assert result["loaded"] == {"w1": [32, 64], "w2": [64, 128], "w3": [8, 256]}
     assert result["loaded_diff"] == 0.0
+
+
+def test_a_weight_several_ops_read_loads_into_shards_once(result):
+    # three ops, one array of codes (each op's sharding is the same): load_packed with a
+    # tree of shardings put it once per op before
+    assert result["reuse"] == {"keys": 3, "distinct": 1, "shard": [16, 64], "diff": 0.0}
 
 
 def test_unknown_mesh_axis(result):

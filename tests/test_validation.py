@@ -369,6 +369,13 @@ def test_pack_tells_apart_leaves_whose_paths_read_the_same():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     q = jqt.quantize(f, qp)
     np.testing.assert_array_equal(q(jqt.pack(qp, p), x), q(p, x))
+    # params with another leaf in front: each op's weight is found by its whole path
+    # (op 'x/w' took leaf 'w', then at 'x/w''s old position, with x/w's scales)
+    p2 = {"w": p["a/b"] * 0, "x": {"w": p["a/b"]}}
+    g = lambda p, x: x @ p["x"]["w"]
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), {"x": p2["x"]}, [(x,)], progress=False)
+    np.testing.assert_array_equal(jqt.quantize(g, qg)(jqt.pack(qg, p2), x),
+                                  jqt.quantize(g, qg)(p2, x))
     unplaced = {k: dataclasses.replace(v, source=dataclasses.replace(v.source, leaf=-1))
                 for k, v in qp.items()}
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'a/b' reads weight 'a/b', and "

@@ -275,19 +275,14 @@ class _Checked:
 
     def get(self, name, what):
         """Tensor ``name`` (``what``: its role, for errors), checked against the header's
-        list of tensors. A tensor several entries name (codes that ops share) is read once:
-        they get the same array."""
+        list of tensors."""
         if not isinstance(name, str) or name not in self.names:
             raise self.error(f"{what} is tensor {json.dumps(name)}, which the file does not hold")
-        read = self.__dict__.setdefault("_got", {})
-        if name in read:
-            return read[name]
         want = None if self.tensors is None else self.tensors[name]
         a = self._read(name, what)
         if want is not None and (a.shape, a.dtype) != want:
             raise self.error(f"tensor '{name}' ({what}) is {describe(a)}, but the header says "
                              f"{want[1].name}{list(want[0])}")
-        read[name] = a
         return a
 
     def _open_checked(self):

@@ -476,8 +476,8 @@ class Integer:
                 ops[i] = view or packed
                 continue
             x = ops[i] = transformed(site, qp, i, invals[i])
-            if q is None:
-                ops[i] = x.astype(invals[i].dtype)  # a transformed weight is float32
+            if q is None:  # a transformed weight is float32, an integer activation too
+                ops[i] = x if x is invals[i] else x.astype(_sim_dtype(eqn, invals, i))
                 continue
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)

@@ -224,14 +224,32 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
     if callable(device):
         device = device(packed)
+    return _put_once(packed, device)
+
+
+def _put_once(packed, device):
+    """``jax.device_put(packed, device)``, where an array that ops share (:func:`jqt.pack`)
+    is put once per placement, so that the ops share the copy too. ``device``: ``None``, a
+    ``Device`` or ``Sharding``, or a pytree of them with the structure of ``packed``."""
+    leaves, treedef = jax.tree_util.tree_flatten(packed)
     if device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
-        leaves, treedef = jax.tree_util.tree_flatten(packed)
-        put = {}  # an array that ops share (jqt.pack) is put once: they share the copy too
-        for x in leaves:
-            if id(x) not in put:
-                put[id(x)] = jax.device_put(x, device)
-        return treedef.unflatten([put[id(x)] for x in leaves])
-    return jax.device_put(packed, device)
+        places = [device] * len(leaves)
+    else:
+        try:
+            places = treedef.flatten_up_to(device)
+        except (ValueError, TypeError):  # a prefix of packed's structure: JAX broadcasts it
+            return jax.device_put(packed, device)
+    put, out = {}, []
+    for x, d in zip(leaves, places):
+        try:
+            key = (id(x), d)
+            put.setdefault(key, None)
+        except TypeError:  # an unhashable placement
+            key = (id(x), id(d))
+        if put.get(key) is None:
+            put[key] = jax.device_put(x, d)
+        out.append(put[key])
+    return treedef.unflatten(out)
 
 
 def _read_packed(r, path, like):
@@ -251,9 +269,11 @@ def _read_packed(r, path, like):
     kept, leaves = _read_leaves(r, h, avals, paths)
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
-        w = _weight_from_entry(r, k, d, r.version)
         # entries that name the same tensors (ops that share codes, jqt.pack): one QArray
-        weights[k] = same.setdefault(json.dumps(d, sort_keys=True, default=str), w)
+        sig = json.dumps(d, sort_keys=True, default=str)
+        if sig not in same:
+            same[sig] = _weight_from_entry(r, k, d, r.version)
+        weights[k] = same[sig]
     tied = _check_tied(r, h.get("tied", []), weights)
     packed = PackedParams(leaves, weights, treedef, avals, kept, tied)
     stored = None if h.get("qparams") is None else qparams_from_entries(

@@ -50,11 +50,12 @@ def _check_packed_covers(traced, qparams, packed, dropped):
 def _find_leaf(src, index, key):
     """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
     or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
-    where the function has several weight arguments or params is a single array. Where
+    where the function has several weight arguments or params is a single array (tried
+    without it only where no leaf has the whole path). Where
     several leaves have that path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one
     at the calibrated position, ``src.leaf``; otherwise an error."""
-    names = [src.path] + ([src.path.split("/", 1)[1]] if "/" in src.path else [""])
-    found = [i for n in names for i in index.get(n, ())]
+    fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
+    found = index.get(src.path) or index.get(fallback, [])  # the whole path first
     if src.leaf in found or not found:
         return src.leaf if found else None
     if len(set(found)) > 1:

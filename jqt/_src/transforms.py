@@ -225,7 +225,15 @@ def unweight(w, smooth, rotated, contract, depth=0):
 
 
 def activation(x, smooth, rotated, x_contract, w_contract):
-    """The activation side: ``(x / s) @ H`` over ``x_contract``."""
+    """The activation side: ``(x / s) @ H`` over ``x_contract``; integer activations
+    (counts) in float32, as the op promotes them.
+
+    >>> import jax.numpy as jnp
+    >>> activation(jnp.array([[3, 3]]), jnp.array([0.5, 0.5]), False, (1,), (0,)).tolist()
+    [[6.0, 6.0]]
+    """
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.float32)
     if smooth is not None:
         x = x / move_contract(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
     if rotated:

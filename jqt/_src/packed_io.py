@@ -241,12 +241,12 @@ def _put_once(packed, device):
             return jax.device_put(packed, device)
     put, out = {}, []
     for x, d in zip(leaves, places):
+        key = (id(x), d)  # equal shardings of several ops: one placement
         try:
-            key = (id(x), d)
-            put.setdefault(key, None)
+            hash(key)
         except TypeError:  # an unhashable placement
             key = (id(x), id(d))
-        if put.get(key) is None:
+        if key not in put:
             put[key] = jax.device_put(x, d)
         out.append(put[key])
     return treedef.unflatten(out)

@@ -12,7 +12,7 @@ import numpy as np
 from . import numerics as nx
 from . import outliers, tracing, validate
 from . import stats as stats_lib
-from .handlers import Calibrate, weight_qtype
+from .handlers import Calibrate, kept_as_is, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
@@ -366,10 +366,9 @@ def _decide(site, rule, st):
         if rule.kv_cache is None:
             return float_("key/value cache kept float (kv_cache=True on a preset quantizes it)")
         return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
-    if any(jnp.issubdtype(v.aval.dtype, jnp.complexfloating) for v in site.eqn.invars):
-        return float_("complex operands are kept float (quantization is of real numbers)")
-    if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in site.eqn.invars[:2]):
-        return float_("integer operands are kept as they are (the op is exact already)")
+    why = kept_as_is([v.aval.dtype for v in site.eqn.invars])
+    if why is not None:
+        return float_(why)
     w = site.weight_operand
     if w is None:
         if rule.act_x_act is None:

@@ -60,6 +60,22 @@ class QParamsMismatchError(ValueError):
     """
 
 
+def kept_as_is(dtypes):
+    """Why an op whose operands have ``dtypes`` is kept as it is (the note its qparams
+    carry), or ``None``: complex operands (quantization is of real numbers), or only
+    integers among the first two (the op is exact already).
+
+    >>> import numpy as np
+    >>> kept_as_is([np.dtype("int8"), np.dtype("int8")]), kept_as_is([np.dtype("int32"), np.dtype("float32")])
+    ('integer operands are kept as they are (the op is exact already)', None)
+    """
+    if any(jnp.issubdtype(d, jnp.complexfloating) for d in dtypes):
+        return "complex operands are kept float (quantization is of real numbers)"
+    if not any(jnp.issubdtype(d, jnp.inexact) for d in dtypes[:2]):
+        return "integer operands are kept as they are (the op is exact already)"
+    return None
+
+
 def weight_qtype(site, qtype, shape):
     """The weight type an op really gets: ``qtype``; or, where its groups do not tile the
     innermost contracted axis but are a multiple of its length on a weight contracted
@@ -122,9 +138,8 @@ class Calibrate:
         rule = self.recipe.rule_for(site.op, site.key)
         w = site.weight_operand
         wt = site.entry.weight_type(rule) if rule is not None and w is not None else None
-        if wt is None or any(jnp.iscomplexobj(v) for v in invals) or not any(
-                jnp.issubdtype(v.dtype, jnp.inexact) for v in invals[:2]):
-            return outs  # complex or integer operands: kept as they are (calibrate._decide)
+        if wt is None or kept_as_is([v.dtype for v in invals]) is not None:
+            return outs
         at = site.entry.act_type(rule)
         act, weight, cal = None, None, None
         if at is not None and not at.dynamic:

@@ -31,7 +31,6 @@ its step included; one untimed call warms JAX up first).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -49,6 +48,7 @@ import numpy as np  # noqa: E402
 import jqt  # noqa: E402
 from report import environment as report_environment  # noqa: E402
 from report import table  # noqa: E402
+from workloads import quickstart  # noqa: E402
 
 C = jqt.calibrators
 CALIBRATORS = (
@@ -73,17 +73,6 @@ CALIB_BATCH = 32
 
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
-
-
-def quickstart():
-    """``examples/quickstart.py`` as a module (its ``CNN``, ``load_data``, ``train``)."""
-    if os.path.join(ROOT, "examples") not in sys.path:  # quickstart imports jaxpr_utils beside it
-        sys.path.insert(0, os.path.join(ROOT, "examples"))
-    spec = importlib.util.spec_from_file_location("jqt_quickstart",
-                                                  os.path.join(ROOT, "examples", "quickstart.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 QS = quickstart()

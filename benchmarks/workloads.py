@@ -25,7 +25,7 @@ The models (all float32):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import os
 import sys
 from typing import Callable
@@ -61,18 +61,15 @@ class MLP(nn.Module):
         return x
 
 
-def _quickstart_cnn():
-    """The CNN of ``examples/quickstart.py`` (8x8x1 digits, 10 classes), imported from it."""
+def quickstart():
+    """``examples/quickstart.py`` as a module (its ``CNN``, ``load_data``, ``train``)."""
     examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
     if examples not in sys.path:  # quickstart imports jaxpr_utils from its own folder
         sys.path.insert(0, examples)
-    spec = importlib.util.spec_from_file_location("jqt_quickstart", os.path.join(examples, "quickstart.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.CNN
+    return importlib.import_module("quickstart")
 
 
-DigitsCNN = _quickstart_cnn()
+DigitsCNN = quickstart().CNN
 
 
 class CNN32(nn.Module):

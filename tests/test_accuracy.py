@@ -5,7 +5,7 @@ calibrated on 10 batches of training images and evaluated on the held-out
 test split; the quantized accuracy must stay within 1 point of float.
 """
 import functools
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -25,10 +25,7 @@ def quickstart():
     examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
     if examples not in sys.path:  # quickstart imports jaxpr_utils from its own folder
         sys.path.insert(0, examples)
-    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(examples, "quickstart.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("quickstart")
 
 
 # End to end (trains the quickstart CNN): in the slow run, with the examples themselves.

@@ -3,6 +3,7 @@ direct NumPy reference, and on every path (integer, simulated, packed, files, ex
 scan over stacked layers, grad, report)."""
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -283,6 +284,25 @@ def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
     assert y_sim.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(qf(p, x), np.float32), np.asarray(y_sim, np.float32),
                                rtol=0.02, atol=0.02 * float(jnp.abs(y_sim).max()))
+
+
+def test_an_odd_contraction_says_that_it_is_not_rotated():
+    """An odd number of inputs has no Hadamard rotation (its largest power-of-two block is
+    1): the op was silently left unrotated under ``rotate=True``. Calibration now says so,
+    naming the op and the size, and the qparams do not claim a rotation; the outputs are
+    the plain recipe's. An even size rotates without the warning."""
+    p, batches = _data(k=45, batches=2)
+    with pytest.warns(UserWarning, match=r"ops \['w \(45\)'\] contract an odd number of inputs"):
+        rotated = jqt.calibrate(f, jqt.recipes.w8a8(rotate=True), p, batches, progress=False)
+    plain = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    assert rotated["w"].fold_tag == "" and not rotated["w"].rotate
+    x = batches[0][0]
+    np.testing.assert_array_equal(jqt.quantize(f, rotated)(jqt.pack(rotated, p), x),
+                                  jqt.quantize(f, plain)(jqt.pack(plain, p), x))
+    p, batches = _data(k=48, batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jqt.calibrate(f, jqt.recipes.w8a8(rotate=True), p, batches, progress=False)["w"].rotate
 
 
 def test_weights_packed_with_other_transforms_are_refused(tmp_path):

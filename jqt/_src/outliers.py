@@ -16,6 +16,7 @@ A second pass then calibrates every range on the transformed operands.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -106,10 +107,10 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     return jax.jit(one)
 
 
-def _awq(site, rule, wt, w, chan, depth):
+def _awq(site, rule, wt, w, chan, depth, rotate):
     gaxis = site.entry.groups(site) if wt.group_size else None
     fn = _awq_search(tuple(site.contract[site.weight_operand]), wt, rule.weight_calibrator, gaxis,
-                     bool(rule.rotate))
+                     rotate)
     count = chan["count"]
     mean_abs = chan["abssum"] / count.reshape(count.shape + (1,) * (chan["abssum"].ndim - count.ndim))
     return _vmapped(fn, depth)(w, chan["hessian"], mean_abs)
@@ -118,7 +119,7 @@ def _awq(site, rule, wt, w, chan, depth):
 def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     """Op key -> the op's transforms (an :class:`jqt.OpQParams` holding only ``smooth``
     and ``rotate``), for every op whose rule asks for one and can take it."""
-    out, skipped, no_leaf = {}, [], []
+    out, skipped, no_leaf, unrotated = {}, [], [], []
     for site in traced.sites():
         rule = recipe.rule_for(site.op, site.key)
         if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None:
@@ -126,6 +127,10 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         if not transforms.applies(site):
             skipped.append(site.key)
             continue
+        rotate = bool(rule.rotate)
+        if rotate and transforms.factors(_contract_size(site))[0] == 1:
+            unrotated.append(f"{site.key} ({_contract_size(site)})")
+            rotate = False
         st = stats.get(site.key)
         smooth = None
         if (rule.smooth is not None or rule.awq) and st is not None and st.chan is not None:
@@ -135,14 +140,14 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
                 no_leaf.append(site.key)
             elif rule.awq:
                 wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[depth:])
-                smooth = _awq(site, rule, wt, w, st.chan, depth)
+                smooth = _awq(site, rule, wt, w, st.chan, depth, rotate)
             else:
                 smooth = smoothquant(st.chan["absmax"], w, site.contract[site.weight_operand],
                                      float(rule.smooth), depth)
-        if smooth is None and not rule.rotate:
+        if smooth is None and not rotate:
             continue
         out[site.key] = OpQParams(lhs=None, rhs=None, op=site.op, weight_operand=site.weight_operand,
-                                  source=site.source, smooth=smooth, rotate=bool(rule.rotate))
+                                  source=site.source, smooth=smooth, rotate=rotate)
     if skipped:
         warnings.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
                       "convolutions, lookups or batched dots; smooth/awq/rotate apply to dense "
@@ -151,4 +156,16 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         warnings.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "
                       "leaves; their smoothing factor needs the weight itself, so they are not "
                       "smoothed.", stacklevel=3)
+    if unrotated:
+        warnings.warn(f"jqt.calibrate: ops {unrotated[:5]}{' ...' if len(unrotated) > 5 else ''} "
+                      "contract an odd number of inputs (in brackets), which has no Hadamard "
+                      "rotation (docs/outliers.md, 'Rotation sizes'), so they are quantized "
+                      "without it. Pad the contracted axis to a multiple of a power of two (32, "
+                      "say), or give these ops a rule without rotate=True.", stacklevel=3)
     return out
+
+
+def _contract_size(site) -> int:
+    """How many inputs the op's weight contracts: the size a rotation would mix."""
+    shape = site.eqn.invars[site.weight_operand].aval.shape
+    return math.prod(shape[d] for d in site.contract[site.weight_operand])

@@ -19,8 +19,9 @@ construction for the power of two and Paley's for ``m = q + 1`` (``q`` a prime
 ``= 3 mod 4``: 12, 20, 24, 32, 44, 48, 60, ...), so 384 = 12 x 32 and
 1536 = 12 x 128 rotate over all inputs. A size with no such factor rotates
 within blocks of its largest power-of-two divisor (block diagonal, still
-orthonormal). It runs as a few small matmuls over a reshaped axis: ``O(n (m + log n))``
-per row, not ``O(n^2)``.
+orthonormal; an odd size, blocks of 1, is not rotated, and calibration warns).
+It runs as a few small matmuls over a reshaped axis: ``O(n (m + log n))`` per
+row, not ``O(n^2)``.
 """
 from __future__ import annotations
 

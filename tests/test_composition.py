@@ -625,3 +625,42 @@ def test_simulated_jaxpr(mlp_setup):
     fq = [e for e in _all_eqns(jaxpr) if e.primitive is jqt.fake_quant_p]
     assert len(fq) == 6  # both operands of each of the 3 matmuls
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in fq)
+
+
+def test_a_weight_under_stop_gradient_is_the_leaf_it_reads():
+    """``x @ lax.stop_gradient(p["w"])`` (a frozen base weight, as LoRA code writes it) reads
+    leaf ``w``: its op is keyed and packed by it, where it was a computed weight, quantized
+    at every call. No gradient reaches ``w`` through the simulated path."""
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 16)) / 6}
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    f = lambda p, x: x @ lax.stop_gradient(p["w"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jqt.pack warned of a weight it could not pack
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, [(x,)], progress=False)
+        packed = jqt.pack(qp, p)
+    assert list(qp) == ["w"] and packed.weights["w"].values.dtype == jnp.uint8
+    np.testing.assert_allclose(jqt.quantize(f, qp)(packed, x), jqt.quantize(f, qp, simulate=True)(p, x),
+                               rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda p: jqt.quantize(f, qp, simulate=True)(p, x).sum())(p)
+    assert not np.asarray(g["w"]).any()
+
+
+def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():
+    """``jax.vmap`` of a ``lax.cond`` whose predicate is per example runs both branches and
+    selects, with the weights broadcast over the batch and selected from themselves. The
+    branch dots were silently float (activation x activation); calibration now says why,
+    naming the weight and the rewrite that quantizes (``jnp.where``)."""
+    p = {"a": jax.random.normal(jax.random.key(0), (32, 32)) / 6,
+         "b": jax.random.normal(jax.random.key(1), (32, 32)) / 6}
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    cond = lambda p, r: lax.cond(r.sum() > 0, lambda h: h @ p["a"], lambda h: jnp.tanh(h @ p["b"]), r)
+    where = lambda p, r: jnp.where(r.sum() > 0, r @ p["a"], jnp.tanh(r @ p["b"]))
+    f, g = (lambda p, x, e=e: jax.vmap(e, in_axes=(None, 0))(p, x) for e in (cond, where))
+    with pytest.warns(UserWarning, match=r"reads weight '[ab]' through a select.*jax.vmap of a lax.cond"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert all(v.is_float for v in qp.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
+    np.testing.assert_allclose(jqt.quantize(g, qp)(jqt.pack(qp, p), x), f(p, x), rtol=0.05, atol=0.05)

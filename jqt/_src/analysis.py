@@ -31,6 +31,17 @@ from .registry import OPS
 # Primitives that index their first operand by the others: a weight indexed by data (a loop
 # counter) is no weight jqt can follow (a warning names the op that reads it).
 _INDEXING = ("dynamic_slice", "gather")
+# How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
+_WEIGHTS_READ_AS_DATA = (
+    ("indexed", "indexed by a value computed from the data (w[i] with a loop's counter i): jqt "
+     "does not follow such an index", "Loop over the stacked weights with jax.lax.scan(body, h, "
+     "w) (each layer's weights in xs), or index with a Python int."),
+    ("selected", "through a select on the data whose every case is that weight, broadcast over "
+     "a batch: jax.vmap of a lax.cond with a per-example predicate runs both branches for "
+     "every example and selects, and jqt does not quantize a weight broadcast per example",
+     "Write the branches as jnp.where(pred, a(x), b(x)) (what vmap computes anyway), or take "
+     "the cond out of the vmap."),
+)
 
 
 def _contains_quantizable(jaxpr) -> bool:
@@ -163,11 +174,16 @@ class Analyzer:
                 outs = self._hop(plan, i, eqn, ins, stack)
             else:
                 step = layout.record(eqn)
-                if step is not None and len(ins) == 1 and ins[0].source is not None:
+                if step == ("copy",) and len(ins) == 1:  # the same values (copy, stop_gradient)
+                    outs = [ins[0]]
+                elif step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
-                elif step is not None and len(ins) == 1 and ins[0].indexed:
-                    outs = [VarInfo(False, indexed=ins[0].indexed)]
+                elif step is not None and len(ins) == 1 and (ins[0].indexed or ins[0].selected):
+                    outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected)]
+                elif name == "select_n" and ins[1].source is not None and not ins[0].weight \
+                        and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
+                    outs = [VarInfo(False, selected=ins[1].source.path)]
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
                     outs = [VarInfo(False, indexed=ins[0].source.path)]
@@ -222,15 +238,13 @@ class Analyzer:
     def _site(self, entry, widx, eqn, ins, stack):
         op = entry.name
         src = ins[widx].source if widx is not None else None
-        indexed = [i.indexed for i in ins if i.indexed]
-        if widx is None and indexed and not entry.is_cache:
-            msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads weight '{indexed[0]}' indexed by "
-                   "a value computed from the data (w[i] with a loop's counter i): jqt does not "
-                   "follow such an index, so the op is an activation x activation op and stays "
-                   "float. Loop over the stacked weights with jax.lax.scan(body, h, w) (each "
-                   "layer's weights in xs), or index with a Python int.")
-            warnings.warn(msg, stacklevel=5)
-            self.warned.append(msg)
+        for field, how, fix in _WEIGHTS_READ_AS_DATA:
+            path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
+            if widx is None and path and not entry.is_cache:
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads weight '{path}' {how}, so the "
+                       f"op is an activation x activation op and stays float. {fix}")
+                warnings.warn(msg, stacklevel=5)
+                self.warned.append(msg)
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

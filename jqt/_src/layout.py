@@ -33,6 +33,7 @@ RECORDERS = {
     "rev": lambda p: ("rev", _tup(p["dimensions"])),
     "copy": lambda p: ("copy",),
     "copy_p": lambda p: ("copy",),
+    "stop_gradient": lambda p: ("copy",),
 }
 
 _APPLY = {

@@ -20,6 +20,7 @@ class VarInfo:
     buffer: tuple = ()                     # (loop id, carry slot) pairs it is (a slice of)
     writes: tuple = ()                     # keys of the cache writes it went through
     indexed: str = ""                      # the weight leaf it was indexed from by data (w[i])
+    selected: str = ""                     # the weight leaf a select on the data picks in every case
 
 
 DATA = VarInfo(False)

@@ -174,13 +174,18 @@ def test_mixed_dtype_operands_simulate_as_the_integer_path_computes(recipe):
     # dot_general of mixed operands: the simulated path fake-quantizes them in float32,
     # not in their own dtype (which truncated the int activation: 29% error; and rounded
     # the bfloat16 weight's dequantized values to bfloat16)
+    # bfloat16 x bfloat16 with preferred_element_type=float32 likewise (the simulated
+    # weight was rounded to bfloat16: 2.5e-3 from the integer path)
     rng = np.random.default_rng(0)
-    f = lambda w, x: x @ w
+    mm = lambda w, x: x @ w
+    wide = lambda w, x: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     w = jnp.asarray(rng.standard_normal((16, 24)) * 0.3, jnp.float32)
     r = jqt.recipes.fp8() if recipe == "fp8" else RECIPES[recipe]
-    for w_, x in [(w, jnp.asarray(rng.integers(-3, 4, (4, 16)), jnp.int32)),
-                  (w, jnp.asarray(rng.integers(0, 4, (4, 16)), jnp.uint8)),
-                  (w.astype(jnp.bfloat16), jnp.asarray(rng.standard_normal((4, 16)), jnp.float32))]:
+    xn = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    for f, w_, x in [(mm, w, jnp.asarray(rng.integers(-3, 4, (4, 16)), jnp.int32)),
+                     (mm, w, jnp.asarray(rng.integers(0, 4, (4, 16)), jnp.uint8)),
+                     (mm, w.astype(jnp.bfloat16), xn),
+                     (wide, w.astype(jnp.bfloat16), xn.astype(jnp.bfloat16))]:
         qp = jqt.calibrate(f, r, w_, [(x,)], progress=False)
         yi = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w_), x)
         ys = jax.jit(jqt.quantize(f, qp, simulate=True))(w_, x)

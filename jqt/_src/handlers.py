@@ -376,10 +376,11 @@ class Simulate:
 
 def _sim_dtype(eqn, invals, i):
     """The dtype operand ``i`` of a simulated op takes once fake-quantized: its own where
-    both operands are floats of one dtype (the op computes in it); otherwise (an integer
-    operand, or mixed dtypes that the op promotes, e.g. int32 counts or a bfloat16 weight
-    with float32 activations) the op's float output dtype, or float32, so that the
-    quantized values are not rounded to the operand's own integer or narrow type.
+    both operands are floats of one dtype that the output is not wider than (the op
+    computes in it); otherwise (an integer operand, mixed dtypes that the op promotes, e.g.
+    int32 counts or a bfloat16 weight with float32 activations, or bfloat16 operands with
+    ``preferred_element_type=float32``) the op's float output dtype, or float32, so that
+    the quantized values are not rounded to the operand's own integer or narrow type.
 
     >>> import jax, jax.numpy as jnp
     >>> eqn = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 3), jnp.int32), jnp.ones((3, 4))).eqns[-1]
@@ -387,9 +388,10 @@ def _sim_dtype(eqn, invals, i):
     ['float32', 'float32']
     """
     a, b = (v.dtype for v in invals[:2])
-    if a == b and jnp.issubdtype(a, jnp.floating):
-        return invals[i].dtype
     out = eqn.outvars[0].aval.dtype
+    if a == b and jnp.issubdtype(a, jnp.floating) and \
+            not (jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize > jnp.dtype(a).itemsize):
+        return invals[i].dtype
     return out if jnp.issubdtype(out, jnp.floating) else _F32
 
 

@@ -1002,3 +1002,21 @@ def test_4bit_presets_clip_weight_ranges_at_the_squared_error_optimum(make):
     assert (s <= sa * (1 + 1e-6)).all() and (s < 0.99 * sa).mean() > 0.5
     err = lambda q: float(np.sum((np.asarray(jqt.quantize(f, q)(p, eye)) - w) ** 2))
     assert err(qp) < 0.9 * err(qa)
+
+
+def test_a_weight_computed_from_a_static_argument_is_observed_for_each_value():
+    """``f(p, x, gain)`` with a Python float ``gain`` computes its weight from it. Weights
+    were observed on the first batch only, so the scale fitted the first batch's gain and
+    a larger one clipped silently (48% error). A batch of new static values is observed
+    again: the range covers every value, in either order."""
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 32)) / 6}
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    f = lambda p, x, gain: x @ (p["w"] * gain)
+    scales = []
+    for gains in ((1.0, 3.0), (3.0, 1.0), (3.0,)):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, g) for g in gains], progress=False)
+        scales.append(np.asarray(qp["dot_general_0"].rhs.scale))
+        y, ref = jqt.quantize(f, qp)(p, x, 3.0), f(p, x, 3.0)
+        assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02, gains
+    np.testing.assert_array_equal(scales[0], scales[1])
+    np.testing.assert_array_equal(scales[0], scales[2])

@@ -170,12 +170,17 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                disable=None if progress is None else not progress)
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
+    statics = set()  # ... and again for a batch of new static values: f(p, x, gain) may
+    # compute its weights from them (p["w"] * gain), which are then other weights
     # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
     params_t = tracing.mark_static(params_t)
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
-        new = jstep(params_t, tracing.mark_static(tuple(batch)), not weights_seen, decided,
+        marked = tracing.mark_static(tuple(batch))
+        static = jax.tree_util.tree_structure(marked)  # holds the static values
+        new = jstep(params_t, marked, not weights_seen or static not in statics, decided,
                     transformed or {})
+        statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:

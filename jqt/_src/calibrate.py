@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
-from . import outliers, tracing, validate
+from . import groups, outliers, tracing, transforms, validate
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype
 from .interpreter import Ctx, eval_jaxpr
@@ -258,6 +258,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
         if tf:
             st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
+    st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
     qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
     if not propagate:
         return qparams
@@ -268,6 +269,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     for j, key in enumerate(order):
         if j > 0:
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
+            st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf)
             with warnings.catch_warnings():  # the first finalize warned already
                 warnings.simplefilter("ignore")
                 qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
@@ -322,6 +324,38 @@ def _static_act(p):
         return False
     a = p.operand(1 - w)
     return a is not None and not a.qtype.dynamic
+
+
+def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf):
+    """``st`` with the weight ranges of the layers an op under a scan over stacked layers
+    did not run in (a ``lax.cond`` on the layer index: alternating layer types) taken from
+    the weights themselves, which need no data; an op that ran in no layer is left as it
+    is (:func:`_decide` warns that it never ran)."""
+    out = dict(st)
+    for site in traced.sites():
+        s, src = st.get(site.key), site.source
+        if s is None or s.weight is None or src is None or not src.stack_depth:
+            continue
+        lo, hi = np.asarray(s.weight["min"]), np.asarray(s.weight["max"])
+        unseen = (lo == np.inf) & (hi == -np.inf)
+        w = outliers.weight_operand(site, params_t, argnums)
+        if not unseen.any() or unseen.all() or w is None:
+            continue
+        rule = recipe.rule_for(site.op, site.key)
+        t = tf.get(site.key)
+        if t is not None:
+            w = transforms.weight(w, t.smooth, t.rotate, site.contract[site.weight_operand], src.stack_depth)
+        wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[src.stack_depth:])
+        gaxis = site.entry.groups(site) if wt.group_size else None
+        axes = site.contract[site.weight_operand] if wt.per_channel else None
+        fn = lambda v: groups.weight_range(rule.weight_calibrator, v, axes, wt, gaxis)
+        for _ in range(src.stack_depth):
+            fn = jax.vmap(fn)
+        wlo, whi = (np.asarray(a, np.float32).reshape(lo.shape) for a in fn(w))
+        out[site.key] = stats_lib.SiteStats(s.act, {"min": np.where(unseen, wlo, lo),
+                                                    "max": np.where(unseen, whi, hi)},
+                                            s.calibrator, s.chan)
+    return out
 
 
 def finalize(traced, recipe, stats):
@@ -433,7 +467,7 @@ def _decide(site, rule, st):
         if act.dynamic:
             ops[1 - w] = QArray(qtype=act)
         else:
-            lo, hi = _act_range(rule, st.act, act)
+            lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
             if not np.isfinite(lo).all():
                 warnings.warn(never, stacklevel=3)
                 return float_("never reached during calibration")
@@ -447,6 +481,29 @@ def _decide(site, rule, st):
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
+
+
+def _unseen_iterations(site, lo, hi):
+    """Per-iteration activation ranges (an op under a scan over stacked layers or experts)
+    where some iterations saw nothing (not reached: a cond on the layer index; or only
+    zeros: an expert no token was routed to) -> those iterations given the range of the
+    ones that saw values, with a warning naming them; where all or none did, as given
+    (scale 1 for an empty range before: 0.69 error on an unrouted expert's tokens)."""
+    if np.ndim(lo) == 0:
+        return lo, hi
+    lo, hi = np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    unseen = ~np.isfinite(lo) | ((lo == 0) & (hi == 0))
+    if not unseen.any() or unseen.all():
+        return lo, hi
+    a, b = lo[~unseen].min(), hi[~unseen].max()
+    which = [tuple(int(i) for i in ix) if len(ix) > 1 else int(ix[0]) for ix in np.argwhere(unseen)]
+    warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under a scan over stacked layers "
+                  f"or experts): its activation saw no values (not reached, or only zeros) in "
+                  f"iterations {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
+                  f"they take the range of the others, [{a:.4g}, {b:.4g}]. Calibrate on data that "
+                  "reaches them (tokens for every expert), or use dynamic activations "
+                  "(jqt.recipes.w8a8_dynamic()).", stacklevel=4)
+    return np.where(unseen, a, lo), np.where(unseen, b, hi)
 
 
 def _check_weight_finite(site, lo, hi):

@@ -489,3 +489,23 @@ def test_sensitivity_ranks_ops_of_a_transformed_recipe():
                                                progress=False), metric)
     alone = lambda s: {r.key: r.alone for r in s.rows}["w1"]
     assert alone(plain) < alone(sens) <= 0
+
+
+def test_gptq_keeps_plain_rounding_for_an_expert_no_token_reached():
+    """An expert with no calibration tokens has a zero Hessian: every input is "dead", and
+    GPTQ zeroed its whole weight (the expert then output 0), silently. It keeps plain
+    rounding now, with a warning naming the op and the expert."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((4, 64, 96)) * 0.1, jnp.float32)}
+    f = lambda p, x: jnp.einsum("ecd,edf->ecf", x, p["w"])
+    cal = [(jnp.asarray(rng.standard_normal((4, 128, 64)), jnp.float32).at[2].set(0.0),)]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, cal, progress=False)
+    with pytest.warns(UserWarning, match=r"jqt.gptq: op 'w': .* experts \[2\] of 4"):
+        rounded = jqt.gptq(f, qp, p, cal, progress=False)
+    x = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
+    q = jax.jit(jqt.quantize(f, qp))
+    y, plain, ref = q(jqt.pack(qp, rounded), x), q(jqt.pack(qp, p), x), f(p, x)
+    np.testing.assert_array_equal(y[2], plain[2])
+    assert not np.array_equal(y[0], plain[0])  # the experts with tokens were re-rounded
+    err = float(jnp.linalg.norm(y[2] - ref[2]) / jnp.linalg.norm(ref[2]))
+    assert 0 < err < 0.2

@@ -215,10 +215,20 @@ def _rerounded(site, qp, leaf, h, n, opts):
     h = np.asarray(h, np.float64)
     n = np.broadcast_to(np.asarray(n), h.shape[:depth])  # the same rows for every expert
     lead = w2.shape[:nlead]
-    out = np.empty_like(w2)
+    out, unseen = np.empty_like(w2), []
     for i in np.ndindex(*lead):
         hi = h[i] / max(float(n[i[:depth]]), 1.0)
-        out[i] = gptq_weight(w2[i], s2[i], None if z2 is None else z2[i], hi, q.qtype, **opts)
+        zi = np.zeros_like(w2[i]) if z2 is None else np.round(z2[i])
+        if not np.diag(hi).any():  # no rows reached this layer or expert: every input "dead"
+            unseen.append(i[0] if len(i) == 1 else i)
+            out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
+            continue
+        out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
+    if unseen:  # GPTQ zeroes the weights of inputs that were always 0: here all of them
+        warnings.warn(f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
+                      f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
+                      f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate "
+                      "on data that reaches them (tokens for every expert).", stacklevel=3)
     layer_shape = tuple(wt.shape[d] for d in perm[nlead:])
     back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])

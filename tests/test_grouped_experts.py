@@ -300,3 +300,26 @@ def test_experts_decoded_one_at_a_time(op, name):
     assert loops(jqt.quantize(f, qp, policy=whole), packed, x) == 0
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=whole))(packed, x),
                                jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(jax.lax, "ragged_dot"), reason="this JAX has no lax.ragged_dot")
+def test_a_ragged_dot_says_that_its_expert_weights_stay_float():
+    """``lax.ragged_dot`` (grouped matmuls over tokens sorted by expert) has no rule: its
+    expert weights stayed float with no op key and no word. Calibration now says so,
+    naming the weight and the forms jqt quantizes; ``jqt.report``, whose two lanes
+    ragged_dot cannot be batched over, raises an error that says what to do instead."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((4, 16, 24)) * 0.1, jnp.float32)}
+    sizes = jnp.array([2, 2, 2, 2], jnp.int32)
+    f = lambda p, x: jax.lax.ragged_dot(x, p["w"], sizes)
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"reads weight 'w': jqt has no rule for ragged_dot.*'ecd,edf->ecf'"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert qp == {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "jqt: a ragged_dot")  # said again where f is traced
+        np.testing.assert_array_equal(jqt.quantize(f, qp)(jqt.pack(qp, p), x), f(p, x))
+        try:
+            jqt.report(f, qp, p, (x,))
+        except NotImplementedError as e:  # where this JAX cannot batch ragged_dot over the lanes
+            assert "jqt.report runs f on two lanes" in str(e) and "simulate=True" in str(e)

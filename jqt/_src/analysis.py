@@ -31,6 +31,8 @@ from .registry import OPS
 # Primitives that index their first operand by the others: a weight indexed by data (a loop
 # counter) is no weight jqt can follow (a warning names the op that reads it).
 _INDEXING = ("dynamic_slice", "gather")
+# Matmuls jqt has no rule for: reading a weight, they say so (the weight stays float).
+_GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
 # How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
 _WEIGHTS_READ_AS_DATA = (
     ("indexed", "indexed by a value computed from the data (w[i] with a loop's counter i): jqt "
@@ -190,6 +192,16 @@ class Analyzer:
                 else:
                     for info in ins:
                         self._use(info, "float")
+                    paths = [info.source.path for info in ins if info.source is not None]
+                    if name in _GROUPED_MATMULS and paths:
+                        msg = (f"jqt: a {name} (at '{stack or '<top>'}') reads weight '{paths[0]}': "
+                               f"jqt has no rule for {name} (the grouped matmul of a mixture of "
+                               "experts), so it stays float. Write the experts as an einsum over "
+                               "the expert axis ('ecd,edf->ecf' on tokens dispatched per expert) "
+                               "or a lax.scan over the stacked expert weights, which jqt "
+                               "quantizes per expert.")
+                        warnings.warn(msg, stacklevel=4)
+                        self.warned.append(msg)
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
                                "ops that jqt cannot rewrite; they stay float.")

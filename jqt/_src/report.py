@@ -310,7 +310,13 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
 
     # weights and qparams are arguments, not constants XLA would spend minutes folding
     lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tracing.mark_static(batch))
-    outs, st = jax.jit(lanes_fn)(tracing.mark_static(params_t), state, lanes)  # config leaves static
+    try:
+        outs, st = jax.jit(lanes_fn)(tracing.mark_static(params_t), state, lanes)  # config leaves static
+    except NotImplementedError as e:  # a primitive with no batching rule for the lane axis
+        raise NotImplementedError(
+            "jqt.report runs f on two lanes (float and quantized) under jax.vmap, and a "
+            f"primitive of f cannot be batched that way ({e}). Compare jqt.quantize(f, qparams, "
+            "simulate=True) with f on the batch instead.") from e
     st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
     rows = []
     for s in traced.sites():

@@ -664,3 +664,10 @@ def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():
         qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
     np.testing.assert_allclose(jqt.quantize(g, qp)(jqt.pack(qp, p), x), f(p, x), rtol=0.05, atol=0.05)
+    # 'a' read by the float select and by a quantized matmul: jqt.pack keeps its float leaf
+    h = lambda p, x: f(p, x) + x @ p["a"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "jqt: a dot_general .* through a select")
+        qp = jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        np.testing.assert_allclose(jqt.quantize(h, qp)(jqt.pack(qp, p), x),
+                                   jqt.quantize(h, qp, simulate=True)(p, x), rtol=1e-4, atol=1e-4)

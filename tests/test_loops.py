@@ -415,7 +415,7 @@ def _parity_layers(p, x):
     return jax.lax.scan(layer, x, (p["ws"], p["us"], jnp.arange(p["ws"].shape[0])))[0]
 
 
-@pytest.mark.parametrize("recipe", ["w4", "w8a8"])
+@pytest.mark.parametrize("recipe", ["w4", "w8a8", "w4_awq"])
 def test_a_cond_on_the_layer_index_quantizes_both_of_its_ops(recipe):
     """Alternating layer types: each op runs in half of the layers. Both were kept float
     on every layer ("never ran"). The layers an op did not run in take their weight
@@ -425,37 +425,42 @@ def test_a_cond_on_the_layer_index_quantizes_both_of_its_ops(recipe):
     k = jax.random.split(jax.random.key(0), 3)
     p = {"ws": jax.random.normal(k[0], (4, 32, 32)) / 6, "us": jax.random.normal(k[1], (4, 32, 32)) / 6}
     x = jax.random.normal(k[2], (8, 32))
-    r = jqt.recipes.w4(group_size=16) if recipe == "w4" else jqt.recipes.w8a8()
+    r = {"w4": jqt.recipes.w4(group_size=16), "w8a8": jqt.recipes.w8a8(),
+         "w4_awq": jqt.recipes.w4(group_size=16, awq=True)}[recipe]  # AWQ: no NaN factor
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         qp = jqt.calibrate(_parity_layers, r, p, [(x,)], progress=False)
     said = [str(w.message) for w in caught]
-    if recipe == "w4":
+    if recipe != "w8a8":
         assert said == []
     else:
         assert len(said) == 2 and any("op 'ws'" in m and "iterations [1, 3] of 4" in m for m in said)
     assert not qp["ws"].is_float and not qp["us"].is_float
     alone = jqt.calibrate(lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["us"])[0],
                           r, {"us": p["us"]}, [(x,)], progress=False)
-    np.testing.assert_array_equal(qp["us"].rhs.scale, alone["us"].rhs.scale)
+    if recipe != "w4_awq":  # AWQ's factors for the layers each op skips differ from these
+        np.testing.assert_array_equal(qp["us"].rhs.scale, alone["us"].rhs.scale)
     y, ref = jqt.quantize(_parity_layers, qp)(jqt.pack(qp, p), x), _parity_layers(p, x)
-    assert 0 < float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < (0.3 if recipe == "w4" else 0.03)
+    assert 0 < float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < (0.03 if recipe == "w8a8" else 0.3)
 
 
-def test_an_expert_without_tokens_takes_the_range_of_the_others():
+@pytest.mark.parametrize("smooth", [None, 0.5])
+def test_an_expert_without_tokens_takes_the_range_of_the_others(smooth):
     """A scan over stacked experts where one expert got no tokens (zero padding) in
     calibration: its static activation range was empty, so its scale was 1 (0.69 error on
-    its tokens), silently. It now takes the other experts' range, with a warning."""
+    its tokens), silently. It now takes the other experts' range, with a warning; under
+    SmoothQuant, its smoothing factor comes from the others' pooled statistics too (with
+    a factor of 1 against their smoothed range: 0.41 error)."""
     rng = np.random.default_rng(0)
     p = {"w_in": jnp.asarray(rng.standard_normal((4, 64, 96)) * 0.1, jnp.float32)}
     f = lambda p, x: jax.lax.scan(lambda _, a: (None, a[1] @ a[0]), None, (p["w_in"], x))[1]
     mask = jnp.ones((4, 1, 1)).at[2].set(0.0)
     cal = [(jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32) * mask,)]
     with pytest.warns(UserWarning, match=r"op 'w_in' .* iterations \[2\] of 4; they take the range"):
-        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, cal, progress=False)
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=smooth), p, cal, progress=False)
     s = np.asarray(qp["w_in"].lhs.scale).ravel()
     assert s[2] >= s[[0, 1, 3]].max()  # the union of their ranges
     x = jnp.asarray(rng.standard_normal((4, 8, 64)), jnp.float32)
     y, ref = jqt.quantize(f, qp)(p, x), f(p, x)
     errs = [float(jnp.linalg.norm(y[e] - ref[e]) / jnp.linalg.norm(ref[e])) for e in range(4)]
-    assert max(errs) < 0.06, errs
+    assert max(errs) < (0.06 if smooth is None else 0.15), errs

@@ -198,6 +198,22 @@ def test_mixed_dtype_operands_simulate_as_the_integer_path_computes(recipe):
             float(jnp.linalg.norm(ys - yf) / jnp.linalg.norm(yf)), rel=1e-3, abs=1e-6)
 
 
+def test_a_16bit_conv_with_a_float32_result_simulates_weight_only():
+    # bfloat16 operands with preferred_element_type=float32 under a weight-only recipe: the
+    # kernel is fake-quantized in float32, and the unquantized input is cast with it (a
+    # conv takes operands of one dtype; it raised a TypeError)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 8, 8, 3)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, 3, 3, 4)) * 0.3, jnp.bfloat16)
+    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=(
+        "NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8(), w, [(x,)], progress=False)
+    ys = jax.jit(jqt.quantize(f, qp, simulate=True))(w, x)
+    yi = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w), x)
+    assert ys.dtype == yi.dtype == jnp.float32
+    np.testing.assert_allclose(ys, yi, atol=1e-5 * float(jnp.abs(yi).max()))
+
+
 @pytest.mark.parametrize("recipe", ci_only(["rotate", "smooth", "awq"], {"awq"}))
 def test_integer_activations_with_outlier_transforms(recipe):
     # the smoothing vector and the Hadamard matrix were cast to the activation's int32:

@@ -509,3 +509,7 @@ def test_gptq_keeps_plain_rounding_for_an_expert_no_token_reached():
     assert not np.array_equal(y[0], plain[0])  # the experts with tokens were re-rounded
     err = float(jnp.linalg.norm(y[2] - ref[2]) / jnp.linalg.norm(ref[2]))
     assert 0 < err < 0.2
+    g = lambda p, x: x @ p["w"][0]  # no experts: its inputs were all zero
+    qp = jqt.calibrate(g, jqt.recipes.w4(group_size=32), p, [(jnp.zeros((8, 64)),)], progress=False)
+    with pytest.warns(UserWarning, match=r"op 'w': its calibration inputs were all zero"):
+        assert np.abs(np.asarray(jqt.gptq(g, qp, p, [(jnp.zeros((8, 64)),)], progress=False)["w"][0])).max() > 0

@@ -185,6 +185,7 @@ class Analyzer:
                     outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected)]
                 elif name == "select_n" and ins[1].source is not None and not ins[0].weight \
                         and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
+                    self._use(ins[1], "float")  # the op that reads it stays float
                     outs = [VarInfo(False, selected=ins[1].source.path)]
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 
@@ -184,8 +185,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
-            weights_seen = all(bool(np.isfinite(np.asarray(s.weight["min"])).all())
-                               for s in st.values() if s.weight is not None)
+            weights_seen = _weights_seen(last["traced"], st)
     if st is None:
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
                                    "one batch, e.g. batches=[(x,)].")
@@ -269,7 +269,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     for j, key in enumerate(order):
         if j > 0:
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
-            st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf)
+            st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf, {key})
             with warnings.catch_warnings():  # the first finalize warned already
                 warnings.simplefilter("ignore")
                 qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
@@ -326,13 +326,29 @@ def _static_act(p):
     return a is not None and not a.qtype.dynamic
 
 
-def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf):
+def _weights_seen(traced, st) -> bool:
+    """Whether every op's weight range is known: observed, or (an op under a scan over
+    stacked leaves that ran in some layers) to be taken from the weights by
+    :func:`_weigh_unreached_layers`, which need no more batches."""
+    for site in traced.sites():
+        s = st.get(site.key)
+        if s is None or s.weight is None:
+            continue
+        fin = np.isfinite(np.asarray(s.weight["min"]))
+        if not (fin.all() or (fin.any() and site.source is not None and site.source.stack_depth)):
+            return False
+    return True
+
+
+def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf, keys=None):
     """``st`` with the weight ranges of the layers an op under a scan over stacked layers
     did not run in (a ``lax.cond`` on the layer index: alternating layer types) taken from
     the weights themselves, which need no data; an op that ran in no layer is left as it
-    is (:func:`_decide` warns that it never ran)."""
+    is (:func:`_decide` warns that it never ran). ``keys``: only these ops."""
     out = dict(st)
     for site in traced.sites():
+        if keys is not None and site.key not in keys:
+            continue
         s, src = st.get(site.key), site.source
         if s is None or s.weight is None or src is None or not src.stack_depth:
             continue
@@ -348,14 +364,23 @@ def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf):
         wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[src.stack_depth:])
         gaxis = site.entry.groups(site) if wt.group_size else None
         axes = site.contract[site.weight_operand] if wt.per_channel else None
-        fn = lambda v: groups.weight_range(rule.weight_calibrator, v, axes, wt, gaxis)
-        for _ in range(src.stack_depth):
-            fn = jax.vmap(fn)
+        fn = _layer_ranges(rule.weight_calibrator, None if axes is None else tuple(axes), wt, gaxis,
+                           src.stack_depth)
         wlo, whi = (np.asarray(a, np.float32).reshape(lo.shape) for a in fn(w))
         out[site.key] = stats_lib.SiteStats(s.act, {"min": np.where(unseen, wlo, lo),
                                                     "max": np.where(unseen, whi, hi)},
                                             s.calibrator, s.chan)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_ranges(calibrator, axes, qtype, gaxis, depth):
+    """A jitted ``w -> (lo, hi)``: the weight calibrator's ranges of every layer of ``w``
+    (``depth`` stacked axes), as the Calibrate handler observes one layer."""
+    fn = lambda v: groups.weight_range(calibrator, v, axes, qtype, gaxis)
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return jax.jit(fn)
 
 
 def finalize(traced, recipe, stats):

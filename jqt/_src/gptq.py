@@ -224,7 +224,11 @@ def _rerounded(site, qp, leaf, h, n, opts):
             out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
             continue
         out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
-    if unseen:  # GPTQ zeroes the weights of inputs that were always 0: here all of them
+    if unseen and not lead:  # GPTQ zeroes the weights of inputs that were always 0: all here
+        warnings.warn(f"jqt.gptq: op '{site.key}': its calibration inputs were all zero (a zero "
+                      "Hessian); it keeps plain rounding. Calibrate on data that reaches it with "
+                      "real values.", stacklevel=3)
+    elif unseen:
         warnings.warn(f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
                       f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
                       f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate "

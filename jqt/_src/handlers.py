@@ -367,6 +367,11 @@ class Simulate:
                 vals[i] = nx.fake_quant(x, s, z, q.qtype)
             if vals[i] is not invals[i]:  # a transformed weight is float32
                 vals[i] = vals[i].astype(_sim_dtype(eqn, invals, i))
+        if invals[0].dtype == invals[1].dtype and vals[0].dtype != vals[1].dtype:
+            # one operand widened to the output's dtype (weight-only, preferred_element_type):
+            # the other with it, exactly, as a conv takes operands of one dtype only
+            wide = jnp.promote_types(vals[0].dtype, vals[1].dtype)
+            vals[:2] = [v.astype(wide) for v in vals[:2]]
         out = compat.bind_eqn(eqn, vals)
         if qp.accumulator < accumulator.WIDEST:
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),

@@ -21,11 +21,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import groups, transforms
 from . import numerics as nx
 from .layout import apply_chain
 from .qparams import OpQParams
+from .stats import CHAN_MERGE
 
 AWQ_GRID = 20
 """AWQ's search grid: exponents ``a = i / AWQ_GRID`` for ``i < AWQ_GRID``, as in the paper's code."""
@@ -136,13 +138,14 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         if (rule.smooth is not None or rule.awq) and st is not None and st.chan is not None:
             w = weight_operand(site, params_t, argnums)
             depth = site.source.stack_depth if site.source is not None else 0
+            chan = pooled_where_unseen(st.chan, depth)
             if w is None:
                 no_leaf.append(site.key)
             elif rule.awq:
                 wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[depth:])
-                smooth = _awq(site, rule, wt, w, st.chan, depth, rotate)
+                smooth = _awq(site, rule, wt, w, chan, depth, rotate)
             else:
-                smooth = smoothquant(st.chan["absmax"], w, site.contract[site.weight_operand],
+                smooth = smoothquant(chan["absmax"], w, site.contract[site.weight_operand],
                                      float(rule.smooth), depth)
         if smooth is None and not rotate:
             continue
@@ -162,6 +165,34 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
                       "rotation (docs/outliers.md, 'Rotation sizes'), so they are quantized "
                       "without it. Pad the contracted axis to a multiple of a power of two (32, "
                       "say), or give these ops a rule without rotate=True.", stacklevel=3)
+    return out
+
+
+def pooled_where_unseen(chan, depth):
+    """Per-layer channel statistics (``depth`` stacked axes) where some layers saw no rows
+    (a cond on the layer index; an expert no token reached) -> those layers given the
+    statistics of the others pooled (``stats.CHAN_MERGE``): their smoothing factor then
+    matches the activation range they take from the others (``calibrate``), where it was
+    1 (AWQ: NaN, from a mean over no rows) against the others' smoothed range.
+
+    >>> import numpy as np
+    >>> c = pooled_where_unseen({"absmax": np.array([[2.0, 1.0], [0.0, 0.0], [1.0, 3.0]])}, 1)
+    >>> c["absmax"].tolist()
+    [[2.0, 1.0], [2.0, 3.0], [1.0, 3.0]]
+    """
+    if not depth:
+        return chan
+    some = np.asarray(chan["count"] if "count" in chan else chan["absmax"])
+    seen = some.reshape(some.shape[:depth] + (-1,)).max(-1) > 0
+    if seen.all() or not seen.any():
+        return chan
+    out = {}
+    for k, v in chan.items():
+        v = np.asarray(v)
+        flat, ok = v.reshape((-1,) + v.shape[depth:]), seen.reshape(-1)
+        pooled = functools.reduce(CHAN_MERGE[k], list(flat[ok]))
+        ok = ok.reshape((-1,) + (1,) * (flat.ndim - 1))
+        out[k] = jnp.asarray(np.where(ok, flat, np.asarray(pooled)[None]).reshape(v.shape))
     return out
 
 

@@ -157,8 +157,8 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
-        decode_in_input_dtype=True, native_gemv_rows=8, native_in_place=True, native_int8_rows=4,
-        weight_only_kn=True,
+        decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
+        native_in_place=True, native_int8_rows=4, weight_only_kn=True,
         int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
         fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True)
@@ -234,16 +234,17 @@ def test_grouped_weight_with_int8_activations_on_cpu():
 
 @pytest.mark.parametrize("rows", [8, 100])  # N-chunks of the (N, K) weight; the whole weight
 def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(rows):
-    """``decode_in_input_dtype``: a weight-only op on bfloat16 activations decodes a
-    per-channel int8 weight to bfloat16 (exact: integer codes of 8 bits) for a bfloat16
-    matmul with float32 accumulation, and a grouped one (decoded in float32, rounded to
-    bfloat16) above ``float_matmul_rows`` (64) rows; float32 activations keep the
-    float32 decode. The outputs equal the float32 decode's to bfloat16 rounding."""
+    """``decode_in_input_dtype`` (the CPU table's where the CPU has AVX512_BF16): a
+    weight-only op on bfloat16 activations decodes a per-channel int8 weight to bfloat16
+    (exact: integer codes of 8 bits) for a bfloat16 matmul with float32 accumulation, and
+    a grouped one (decoded in float32, rounded to bfloat16) above ``float_matmul_rows``
+    (64) rows; float32 activations keep the float32 decode. The outputs equal the float32
+    decode's to bfloat16 rounding."""
     f = lambda p, x: x @ p["w"]
     key = jax.random.key(0)
     p = {"w": (jax.random.normal(key, (512, 256)) * 0.05).astype(jnp.bfloat16)}
     x = jax.random.normal(jax.random.key(1), (rows, 512)).astype(jnp.bfloat16)
-    old = dataclasses.replace(CPU_XLA, decode_in_input_dtype=False)
+    new, old = (dataclasses.replace(CPU_XLA, decode_in_input_dtype=d) for d in (True, False))
 
     def dot_dtypes(recipe, x, policy):
         qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
@@ -253,14 +254,14 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
         out = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
         return {str(e.invars[1].aval.dtype) for e in dots}, out
 
-    got, y_new = dot_dtypes(jqt.recipes.w8(), x, CPU_XLA)
+    got, y_new = dot_dtypes(jqt.recipes.w8(), x, new)
     assert got == {"bfloat16"}
     got, y_old = dot_dtypes(jqt.recipes.w8(), x, old)
     assert got == {"float32"}
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),
                                atol=1e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
-    assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), CPU_XLA)[0] == {"float32"}
-    got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, CPU_XLA)
+    assert dot_dtypes(jqt.recipes.w8(), x.astype(jnp.float32), new)[0] == {"float32"}
+    got, y_new = dot_dtypes(jqt.recipes.w4(group_size=128), x, new)
     assert got == ({"bfloat16"} if rows > CPU.float_matmul_rows else {"float32"})
     y_old = dot_dtypes(jqt.recipes.w4(group_size=128), x, old)[1]
     np.testing.assert_allclose(np.asarray(y_new, np.float32), np.asarray(y_old, np.float32),

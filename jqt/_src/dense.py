@@ -509,8 +509,8 @@ def decode_dtype(x_dtype, w, policy, m=None):
     >>> from jqt._src.qparams import QArray
     >>> w = QArray(values=jnp.zeros((4, 4), jnp.int8), scale=jnp.ones((4,)),
     ...            qtype=jqt.QuantType(bits=8, per_channel=True), layout="kn")
-    >>> cpu = jqt.KernelPolicy.for_backend("cpu")
-    >>> decode_dtype(jnp.bfloat16, w, cpu).__name__, decode_dtype(jnp.float32, w, cpu).__name__
+    >>> p = jqt.KernelPolicy(decode_in_input_dtype=True)  # the CPU table's with AVX512_BF16
+    >>> decode_dtype(jnp.bfloat16, w, p).__name__, decode_dtype(jnp.float32, w, p).__name__
     ('bfloat16', 'float32')
     """
     q = w.qtype

@@ -144,16 +144,24 @@ copy of at most 3 MiB       exists (an integer zero
                             the tie XLA:CPU hoists
                             every decode: 43 MB of
                             temporaries, 1.75-2.04x)
-weight-only, bfloat16 /     the weight decoded to that  float32 decode (16-bit
-float16 activations         dtype, one 16-bit matmul,   decode not measured on a
-(decode_in_input_dtype)     float32 accumulation: per-  GPU yet: gpu.py's rows
-                            channel int8 codes (exact)  "[decode_in_input_dtype=
-                            at any rows, grouped w4 /   True]")
-                            nf4 above 64 rows (bfloat16
+weight-only, bfloat16 /     on a CPU with AVX512_BF16   float32 decode (16-bit
+float16 activations         or AMX-BF16: the weight     decode not measured on a
+(decode_in_input_dtype)     decoded to that dtype, one  GPU yet: gpu.py's rows
+                            16-bit matmul, float32      "[decode_in_input_dtype=
+                            accumulation: per-channel   True]")
+                            int8 codes (exact) at any
+                            rows, grouped w4 / nf4
+                            above 64 rows (bfloat16
                             4096 layer: w8 0.31-0.58x
                             bfloat16 at 8-256 rows,
                             against 0.61-1.08x; w4 g128
-                            0.58x against 0.92x at 128)
+                            0.58x against 0.92x at
+                            128); elsewhere (AVX2) a
+                            float32 decode: there the
+                            bfloat16 matmul is the
+                            slower (w8 1.41-1.88x
+                            bfloat16 at 16-256 rows,
+                            against 0.55-1.09x)
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             nibbles decoded by one      3.9x, nf4 4.2x bfloat16
                             shift into one float block  at one row of a 4096
@@ -304,7 +312,9 @@ class KernelPolicy:
         rounds a weight of that dtype (at fewer rows XLA:CPU's 16-bit matmul was
         the slower). Per-channel NF4 and fp8 weights stay float32. Measured on the
         CPU with a bfloat16 4096 x 4096 layer (``benchmarks/gpu.py --policy cpu
-        --only dense``, docs/performance.md).
+        --only dense``, docs/performance.md). The CPU table sets it where the CPU
+        has AVX512_BF16 or AMX-BF16 (:func:`bfloat16_dot_is_fast`), as for
+        ``int_as_bfloat16_rows``: on AVX2 alone XLA:CPU's bfloat16 matmul is the slower.
 
       int_as_bfloat16_rows: an int8 x int8 dense matmul of more rows than this
         runs as one bfloat16 matmul of the codes with float32 accumulation: the
@@ -492,7 +502,8 @@ POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
-                        large_weight_rows=256, batched_map=True, decode_in_input_dtype=True,
+                        large_weight_rows=256, batched_map=True,
+                        decode_in_input_dtype=bfloat16_dot_is_fast(cpu_flags()),
                         int_as_bfloat16_rows=255 if bfloat16_dot_is_fast(cpu_flags()) else 0,
                         native_gemv_rows=8,
                         native_in_place=True, native_int8_rows=4, weight_only_kn=True),

@@ -154,7 +154,8 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
-        pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4, weight_only_digits=3,
+        pad_rows=2, weight_only_chunk=256, conv_patches_below=16, conv_codes_as_float=True,
+        gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
@@ -379,3 +380,37 @@ def test_few_rows_int8_times_int8_keeps_its_matmul_under_reduce_rows():
     dots = [e for e in _eqns(jax.make_jaxpr(q)(jqt.pack(qp, p, policy=REDUCE), x).jaxpr)
             if e.primitive.name == "dot_general"]
     assert [d.invars[0].aval.dtype for d in dots] == [jnp.int8]
+
+
+@pytest.mark.parametrize("spec", [("NWC", "WIO", "NWC"), ("NCHW", "OIHW", "NCHW"),
+                                  ("NDHWC", "DHWIO", "NDHWC")], ids=["1d", "nchw", "3d"])
+def test_int8_conv_in_other_layouts_runs_as_exact_float_convs_of_its_codes(spec):
+    """``conv_codes_as_float`` (the CPU table): XLA:CPU's int8 convolution is fast in 2-D
+    NHWC only (a 1-D one took 12-70x float32); in other layouts the codes run as float32
+    convolutions over chunks of input channels (1-D: 2 chunks of 160 channels x 5 taps) and
+    give the int8 convolution's result exactly, zero points and padding included."""
+    rng = np.random.default_rng(0)
+    nd = len(spec[0]) - 2
+    cin = 160 if nd == 1 else 24
+    k = (5,) if nd == 1 else (3,) * nd
+    xs = {"NWC": (2, 12, cin), "NCHW": (2, cin, 6, 6), "NDHWC": (1, 4, 5, 5, cin)}[spec[0]]
+    ws = {"WIO": k + (cin, 8), "OIHW": (8, cin) + k, "DHWIO": k + (cin, 8)}[spec[1]]
+    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,) * nd, "SAME", dimension_numbers=spec)
+    w = jnp.asarray(rng.standard_normal(ws) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.float32)
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic()):
+        qp = jqt.calibrate(f, recipe, w, [(x,)], progress=False)
+        packed = jqt.pack(qp, w)
+        outs = []
+        for as_float in (True, False):
+            p = dataclasses.replace(CPU, conv_codes_as_float=as_float)
+            convs = [e for e in _eqns(jax.make_jaxpr(jqt.quantize(f, qp, policy=p))(packed, x).jaxpr)
+                     if e.primitive.name == "conv_general_dilated"]
+            kinds = {jnp.dtype(e.invars[0].aval.dtype).kind for e in convs}
+            assert kinds == {"f"} if as_float else kinds <= {"i", "u"}  # float or integer codes
+            if as_float and nd == 1:
+                assert len(convs) in (2, 4)  # 160 input channels: 102 and 58 (and a zero point's)
+            outs.append(jax.jit(jqt.quantize(f, qp, policy=p))(packed, x))
+        np.testing.assert_array_equal(outs[0], outs[1])
+        ys = jqt.quantize(f, qp, simulate=True)(w, x)
+        np.testing.assert_allclose(outs[0], ys, atol=1e-4 * float(jnp.abs(ys).max()))

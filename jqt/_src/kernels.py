@@ -52,9 +52,39 @@ def _out_batch(a, params, out_ndim):
     return a.reshape(shape)
 
 
-def conv(x_op, w_op, params, eqn):
+def _nhwc_hwio(dn) -> bool:
+    """Whether a convolution's dimension numbers are 2-D ``NHWC`` / ``HWIO`` / ``NHWC``."""
+    return (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)) == \
+        ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
+
+
+def _int_conv(qx, qw, cp, as_float):
+    """``conv(qx, qw)`` of integer codes, int32: XLA's int8 convolution, or with
+    ``as_float`` (a layout XLA:CPU widens to int32, slowly) float32 convolutions of the
+    codes over chunks of input channels whose sums stay below ``2**24`` (exact), added
+    in int32. A grouped convolution whose sums may exceed that runs as XLA's."""
+    dn = cp["dimension_numbers"]
+    if not as_float or _nhwc_hwio(dn):
+        return lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+    per_in = int(np.prod([qw.shape[d] for d in dn.rhs_spec[2:]])) * 255 * 128  # |one input's terms|
+    step = max((1 << 24) // per_in, 1)
+    cin = qw.shape[dn.rhs_spec[1]]
+    if cin <= step or cp.get("feature_group_count", 1) == 1 == cp.get("batch_group_count", 1):
+        f = lambda a, b: lax.round(lax.conv_general_dilated(
+            a.astype(_F32), b.astype(_F32), **cp, precision=lax.Precision.HIGHEST)).astype(_I32)
+        out = None
+        for c0 in range(0, cin, step):
+            part = f(lax.slice_in_dim(qx, c0, min(c0 + step, cin), axis=dn.lhs_spec[1]),
+                     lax.slice_in_dim(qw, c0, min(c0 + step, cin), axis=dn.rhs_spec[1]))
+            out = part if out is None else out + part
+        return out
+    return lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+
+
+def conv(x_op, w_op, params, eqn, codes_as_float=False):
     """Integer (or weight-only) convolution; the activation is the lhs, with a
-    per-tensor or per-example scale and zero point."""
+    per-tensor or per-example scale and zero point (``codes_as_float``: see
+    :func:`_int_conv`)."""
     (qx, sx, zx, _), (qw, sw, zw, wsum) = x_op, w_op
     if zw is not None:
         raise NotImplementedError("jqt: asymmetric conv weights are not supported; use "
@@ -78,20 +108,20 @@ def conv(x_op, w_op, params, eqn):
             cfg[d] = (lo, hi, 0)
         qx = lax.pad(qx, zx.astype(qx.dtype).reshape(()), cfg)
         cp["padding"] = [(0, 0)] * len(cp["padding"])
-        acc = lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+        acc = _int_conv(qx, qw, cp, codes_as_float)
         if wsum is None:
             axes = tuple(d for d in range(qw.ndim) if d != dn.rhs_spec[0])
             wsum = jnp.sum(qw, axis=axes, keepdims=True, dtype=_I32)
         acc = acc - zx * _out_channel(wsum, params, out_ndim)
     else:
-        acc = lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+        acc = _int_conv(qx, qw, cp, codes_as_float)
         if zx is not None:
             # per-example zero points or a dilated input: subtract zx times the conv of
             # the indicator of real input positions (the same for every example).
             shape = list(qx.shape)
             shape[dn.lhs_spec[0]] = 1
             ones = jnp.ones(shape, np.int8)
-            acc = acc - zx * lax.conv_general_dilated(ones, qw, **cp, preferred_element_type=_I32)
+            acc = acc - zx * _int_conv(ones, qw, cp, codes_as_float)
     sx = _out_batch(sx.astype(_F32), params, out_ndim)
     out = acc.astype(_F32) * (sx * _out_channel(sw.astype(_F32), params, out_ndim))
     return out.astype(out_dtype)
@@ -146,7 +176,7 @@ def run(site, eqn, ops, policy):
         in_ch = w_op[0].shape[params["dimension_numbers"].rhs_spec[1]]
         if x_op[1] is not None and patches.applies(params, in_ch, policy):
             return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
-        return conv(x_op, w_op, params, eqn)
+        return conv(x_op, w_op, params, eqn, policy.conv_codes_as_float)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                       grouped=grouped)
     if ax is None:

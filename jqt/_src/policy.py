@@ -194,6 +194,10 @@ int8 convolution            im2col patches + int8       native int8 convolution
                             matmul when the input has
                             < 16 channels per group,
                             native int8 conv otherwise
+                            in 2-D NHWC / HWIO; in any
+                            other layout float32 convs
+                            of the codes, exact
+                            (conv_codes_as_float)
 ==========================  ==========================  ==========================
 
 The figures behind the CPU column are in ``benchmarks/`` and ``docs/performance.md``;
@@ -221,6 +225,11 @@ class KernelPolicy:
         packed ``(N, K)``), 0 to cast the whole weight and run one matmul.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
         input has fewer channels per group than this (0: never).
+      conv_codes_as_float: run an int8 convolution in any layout but 2-D
+        ``NHWC``/``HWIO`` (1-D, 3-D, ``NCHW``) as float32 convolutions of its codes,
+        over chunks of input channels whose sums float32 holds exactly, added in
+        int32: the int8 convolution's result. XLA:CPU has a fast int8 convolution in
+        that 2-D layout only; elsewhere it widens to int32 (a 1-D conv 12-70x float32).
       fp8_native: run an fp8 x fp8 matmul as one ``dot_general`` on fp8 operands
         (float32 accumulation); otherwise the fp8 weight is upcast chunk by chunk
         as on the weight-only path (XLA:CPU has no fp8 GEMM).
@@ -313,7 +322,7 @@ class KernelPolicy:
         the slower). Per-channel NF4 and fp8 weights stay float32. Measured on the
         CPU with a bfloat16 4096 x 4096 layer (``benchmarks/gpu.py --policy cpu
         --only dense``, docs/performance.md). The CPU table sets it where the CPU
-        has AVX512_BF16 or AMX-BF16 (:func:`bfloat16_dot_is_fast`), as for
+        has AVX512_BF16 or AMX-BF16 (``bfloat16_dot_is_fast``), as for
         ``int_as_bfloat16_rows``: on AVX2 alone XLA:CPU's bfloat16 matmul is the slower.
 
       int_as_bfloat16_rows: an int8 x int8 dense matmul of more rows than this
@@ -387,6 +396,7 @@ class KernelPolicy:
     pad_rows: int = 1
     weight_only_chunk: int = 0
     conv_patches_below: int = 0
+    conv_codes_as_float: bool = False
     fp8_native: bool = False
     gemv_rows: int = 0
     weight_only_digits: int = 0
@@ -499,7 +509,8 @@ _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # bench
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
                    grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
 POLICIES = {
-    "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16, gemv_rows=4,
+    "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16,
+                        conv_codes_as_float=True, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True,

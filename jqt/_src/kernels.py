@@ -69,9 +69,11 @@ def _int_conv(qx, qw, cp, as_float):
     per_in = int(np.prod([qw.shape[d] for d in dn.rhs_spec[2:]])) * 255 * 128  # |one input's terms|
     step = max((1 << 24) // per_in, 1)
     cin = qw.shape[dn.rhs_spec[1]]
-    if cin <= step or cp.get("feature_group_count", 1) == 1 == cp.get("batch_group_count", 1):
-        f = lambda a, b: lax.round(lax.conv_general_dilated(
-            a.astype(_F32), b.astype(_F32), **cp, precision=lax.Precision.HIGHEST)).astype(_I32)
+    f = lambda a, b: lax.round(lax.conv_general_dilated(
+        a.astype(_F32), b.astype(_F32), **cp, precision=lax.Precision.HIGHEST)).astype(_I32)
+    if cin <= step:  # one convolution, grouped or not
+        return f(qx, qw)
+    if cp.get("feature_group_count", 1) == 1 == cp.get("batch_group_count", 1):
         out = None
         for c0 in range(0, cin, step):
             part = f(lax.slice_in_dim(qx, c0, min(c0 + step, cin), axis=dn.lhs_spec[1]),

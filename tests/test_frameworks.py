@@ -93,20 +93,29 @@ def _np_init(seed):
                                       / np.sqrt(np.prod(shape[:-1])))
 
 
+def _codes_conv(e):
+    """A convolution of int8 codes as float32 at full precision (exact sums: the CPU
+    table's ``KernelPolicy.conv_codes_as_float`` outside 2-D NHWC)."""
+    return e.primitive.name == "conv_general_dilated" and \
+        e.params.get("precision") == (lax.Precision.HIGHEST,) * 2 and \
+        all(v.aval.dtype == jnp.float32 for v in e.invars)
+
+
 def _int8_matmuls(jaxpr):
     """int8 x int8 -> int32 dot_general / conv_general_dilated equations, and jqt's native
     kernel on int8 weight codes with int8 activation codes (the CPU table at 1-4 rows:
-    ``KernelPolicy.native_int8_rows``, the codes as floats, exact products)."""
+    ``KernelPolicy.native_int8_rows``, the codes as floats, exact products), and
+    convolutions of the codes as exact float32 sums (:func:`_codes_conv`)."""
     return [e for e in _all_eqns(jaxpr) if e.primitive.name in _MATMULS
             and all(v.aval.dtype == jnp.int8 for v in e.invars)
             and e.params.get("preferred_element_type") == jnp.int32
             and e.outvars[0].aval.dtype == jnp.int32
             or e.primitive.name == "jqt_gemv" and e.invars[1].aval.dtype == jnp.int8
-            and e.params["qtype"].bits == 8]
+            and e.params["qtype"].bits == 8 or _codes_conv(e)]
 
 
 def _float_matmuls(jaxpr):
-    return [e for e in _all_eqns(jaxpr) if e.primitive.name in _MATMULS
+    return [e for e in _all_eqns(jaxpr) if e.primitive.name in _MATMULS and not _codes_conv(e)
             and all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in e.invars)]
 
 

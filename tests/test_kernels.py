@@ -382,8 +382,10 @@ def test_few_rows_int8_times_int8_keeps_its_matmul_under_reduce_rows():
     assert [d.invars[0].aval.dtype for d in dots] == [jnp.int8]
 
 
-@pytest.mark.parametrize("spec", [("NWC", "WIO", "NWC"), ("NCHW", "OIHW", "NCHW"),
-                                  ("NDHWC", "DHWIO", "NDHWC")], ids=["1d", "nchw", "3d"])
+@pytest.mark.parametrize("spec", [("NWC", "WIO", "NWC"),
+                                  pytest.param(("NCHW", "OIHW", "NCHW"), marks=pytest.mark.slow),
+                                  pytest.param(("NDHWC", "DHWIO", "NDHWC"), marks=pytest.mark.slow)],
+                         ids=["1d", "nchw", "3d"])
 def test_int8_conv_in_other_layouts_runs_as_exact_float_convs_of_its_codes(spec):
     """``conv_codes_as_float`` (the CPU table): XLA:CPU's int8 convolution is fast in 2-D
     NHWC only (a 1-D one took 12-70x float32); in other layouts the codes run as float32

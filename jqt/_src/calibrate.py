@@ -13,7 +13,7 @@ import numpy as np
 from . import numerics as nx
 from . import groups, outliers, tracing, transforms, validate
 from . import stats as stats_lib
-from .handlers import Calibrate, kept_as_is, weight_qtype
+from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
 from .interpreter import Ctx, eval_jaxpr
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
@@ -361,9 +361,7 @@ def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf, keys=None
         t = tf.get(site.key)
         if t is not None:
             w = transforms.weight(w, t.smooth, t.rotate, site.contract[site.weight_operand], src.stack_depth)
-        wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[src.stack_depth:])
-        gaxis = site.entry.groups(site) if wt.group_size else None
-        axes = site.contract[site.weight_operand] if wt.per_channel else None
+        axes, wt, gaxis = weight_range_args(site, rule, w.shape[src.stack_depth:])
         fn = _layer_ranges(rule.weight_calibrator, None if axes is None else tuple(axes), wt, gaxis,
                            src.stack_depth)
         wlo, whi = (np.asarray(a, np.float32).reshape(lo.shape) for a in fn(w))

@@ -76,6 +76,14 @@ def kept_as_is(dtypes):
     return None
 
 
+def weight_range_args(site, rule, shape):
+    """``(axes, qtype, group_axis)`` of :func:`groups.weight_range` for the weight of
+    ``site`` (one layer, of ``shape``) under ``rule``: how calibration observes it."""
+    wt = weight_qtype(site, site.entry.weight_type(rule), shape)
+    return (site.contract[site.weight_operand] if wt.per_channel else None, wt,
+            site.entry.groups(site) if wt.group_size else None)
+
+
 def weight_qtype(site, qtype, shape):
     """The weight type an op really gets: ``qtype``; or, where its groups do not tile the
     innermost contracted axis but are a multiple of its length on a weight contracted
@@ -146,10 +154,8 @@ class Calibrate:
             cal = rule.calibrator
             act = cal.observe(invals[1 - w].astype(_F32))
         if self.observe_weights:
-            wt = weight_qtype(site, wt, invals[w].shape)
-            gaxis = site.entry.groups(site) if wt.group_size else None
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
-                                         site.contract[w] if wt.per_channel else None, wt, gaxis)
+                                         *weight_range_args(site, rule, invals[w].shape))
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
         chan = None
         names = transforms.wanted_stats(rule) if entry is None else ()

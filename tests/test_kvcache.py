@@ -1,6 +1,7 @@
 """Quantized key/value caches (issue 13): a cache carried by a decode loop is stored
 quantized on the integer path, simulated on the float path, and the function is
 otherwise unchanged."""
+import dataclasses
 import functools
 import math
 import sys
@@ -115,14 +116,19 @@ def _carry_avals(fn, *args):
     raise AssertionError("no loop")
 
 
-@pytest.mark.parametrize("kind,code_dtype,bits", [(True, jnp.int8, 8), ("int4", jnp.uint8, 4),
-                                                   ("fp8", jnp.float8_e4m3fn, 8)])
-def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits):
+_CPU, _FP8_NATIVE = jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy(fp8_native=True)
+
+
+@pytest.mark.parametrize("kind,code_dtype,bits,policy", [
+    (True, jnp.int8, 8, _CPU), ("int4", jnp.uint8, 4, _CPU),
+    ("fp8", jnp.uint8, 8, _CPU),  # fp8 codes as their bits where fp8 is not native
+    ("fp8", jnp.float8_e4m3fn, 8, _FP8_NATIVE)])
+def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits, policy):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal, progress=False)
     caches = [k for k in qp if k.startswith("kv_cache")]
     assert len(caches) == 2 and all(not qp[k].is_float for k in caches)
-    carried = _carry_avals(jqt.quantize(teacher, qp), p, x)
+    carried = _carry_avals(jqt.quantize(teacher, qp, policy=policy), p, x)
     assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]  # no float cache
     codes = [a for a in carried if a.dtype == code_dtype]
     scales = [a for a in carried if a.dtype == jnp.float16]
@@ -166,6 +172,21 @@ def test_integer_matches_simulated(setup, kind, fn):
     # and the result stays close to float (int4 coarsest)
     rel = float(jnp.linalg.norm(y_int - y_f) / jnp.linalg.norm(y_f))
     assert rel < {True: 0.03, "int4": 0.15, "fp8": 0.05}[kind]
+
+
+def test_an_fp8_cache_held_as_bits_decodes_to_the_same_outputs(setup):
+    """Where fp8 is not native (the CPU table) the loop carries fp8 codes as uint8 bits
+    (XLA:CPU computed on a carried fp8 buffer in float16, converting the whole cache at
+    every step: 5.5x a float cache); the outputs equal those of an fp8 buffer."""
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="fp8"), p, cal, progress=False)
+    carried = [_carry_avals(jqt.quantize(teacher, qp, policy=pol), p, x) for pol in (_CPU, _FP8_NATIVE)]
+    assert [a.dtype for a in carried[0] if a.ndim == 5 and a.shape[-1] == DH] == [jnp.uint8] * 2
+    assert [a.dtype for a in carried[1] if a.ndim == 5 and a.shape[-1] == DH] == [jnp.float8_e4m3fn] * 2
+    # fp8 matmuls run weight-only on both (w8): only the cache's storage differs
+    native = dataclasses.replace(_CPU, fp8_native=True)
+    y_bits, y_fp8 = (jax.jit(jqt.quantize(teacher, qp, policy=pol))(p, x) for pol in (_CPU, native))
+    np.testing.assert_array_equal(y_bits, y_fp8)
 
 
 def test_int4_cache_with_an_odd_head_dimension(monkeypatch):

@@ -462,9 +462,9 @@ class Integer:
     def __init__(self, policy=None):
         self.policy = policy
 
-    @staticmethod
-    def enter_cache(x, qtype):
-        return kvcache.enter(x, qtype, simulate=False)
+    def enter_cache(self, x, qtype):
+        fp8_bits = not (self.policy or KernelPolicy.for_backend()).fp8_native
+        return kvcache.enter(x, qtype, simulate=False, fp8_bits=fp8_bits)
 
     @staticmethod
     def split_stacked(entry):

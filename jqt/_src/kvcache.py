@@ -9,7 +9,10 @@ the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
 
 * the integer path carries the buffer as a :class:`jqt.QArray` with
   ``layout="cache"``: codes (int8; int4 two per byte along the last axis; or
-  fp8) and one float16 scale per vector along the last axis (per token and
+  fp8, held as their uint8 bits where the backend has no native fp8
+  (``KernelPolicy.fp8_native``: XLA:CPU computes on fp8 buffers in float16, so
+  each decode step converted the whole carried cache, 5.5x a float cache; see
+  :func:`encode`) and one float16 scale per vector along the last axis (per token and
   head), ``scale.shape == buffer.shape[:-1] + (1,)``. The loop quantizes the
   buffer it is given once, on entry, and returns float on exit; every write
   quantizes the new vectors; a ``dot_general`` reading the cache (attention)
@@ -33,7 +36,7 @@ from jax import lax
 
 from . import compat
 from . import numerics as nx
-from .formats import QuantType, pack_nibbles, unpack_nibbles
+from .formats import FLOAT8, QuantType, pack_nibbles, unpack_nibbles
 from .qparams import OpQParams, QArray
 
 SCALE_DTYPE = jnp.float16
@@ -108,13 +111,30 @@ def scales(x, qtype):
     return jnp.clip(amax / qtype.amax_code, _TINY, _HUGE).astype(SCALE_DTYPE)
 
 
-def encode(x, qtype) -> QArray:
-    """A float buffer ``x`` as a cache :class:`jqt.QArray` (codes and scales)."""
+def encode(x, qtype, fp8_bits: bool = False) -> QArray:
+    """A float buffer ``x`` as a cache :class:`jqt.QArray` (codes and scales). fp8 codes
+    are held as their uint8 bits where ``fp8_bits`` (a backend without native fp8): a
+    loop then writes bytes into its carried buffer, and :func:`codes` decodes them
+    with integer operations.
+
+    >>> import jax.numpy as jnp
+    >>> t = cache_type("fp8"); x = jnp.array([[0.3, -1.7, 0.01]])
+    >>> encode(x, t).values.dtype.name, encode(x, t, fp8_bits=True).values.dtype.name
+    ('float8_e4m3fn', 'uint8')
+    >>> bool((decode(encode(x, t), jnp.float32) == decode(encode(x, t, True), jnp.float32)).all())
+    True
+    """
     s = scales(x, qtype)
     v = nx.quantize(x, s.astype(_F32), None, qtype)
     if qtype.nibbles_fit(v.shape[-1]):  # else (an odd last axis) one int8 code per byte
         v = pack_nibbles(v, v.ndim - 1)
+    elif fp8_bits and qtype.kind == "float":
+        v = lax.bitcast_convert_type(v, jnp.uint8)
     return QArray(values=v, scale=s, qtype=qtype, layout="cache")
+
+
+def _holds_fp8_bits(c: QArray) -> bool:
+    return c.qtype.kind == "float" and c.values.dtype == jnp.uint8
 
 
 def codes(c: QArray, dtype):
@@ -122,6 +142,8 @@ def codes(c: QArray, dtype):
     v = c.values
     if c.nibbles:
         v = unpack_nibbles(v, v.ndim - 1)
+    if _holds_fp8_bits(c):
+        v = lax.bitcast_convert_type(v, FLOAT8[c.qtype.grid])  # free: decode reads the bits
     return nx.decode(v, c.qtype.grid).astype(dtype)
 
 
@@ -135,11 +157,11 @@ def fake_quant(x, qtype):
     return nx.fake_quant(x, scales(x, qtype).astype(_F32), None, qtype).astype(x.dtype)
 
 
-def enter(x, qtype, simulate: bool):
-    """A loop's initial buffer as the loop carries it."""
+def enter(x, qtype, simulate: bool, fp8_bits: bool = False):
+    """A loop's initial buffer as the loop carries it (``fp8_bits``: :func:`encode`'s)."""
     if is_cache(x):
         return x
-    return fake_quant(x, qtype) if simulate else encode(x, qtype)
+    return fake_quant(x, qtype) if simulate else encode(x, qtype, fp8_bits)
 
 
 def materialize(values, variables):
@@ -158,7 +180,7 @@ def write(eqn, invals, update_index, qtype):
         vals = list(invals)
         vals[update_index] = fake_quant(upd, qtype)
         return compat.bind_eqn(eqn, vals)
-    u = encode(upd.astype(_F32), qtype)
+    u = encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf))
 
     def put(b, x):
         vals = list(invals)
@@ -224,7 +246,7 @@ def dot_general(eqn, invals):
 def coerce(x, like):
     """``x`` in the carry form of ``like`` (a loop's carry must keep its type)."""
     if is_cache(like) and not is_cache(x):
-        return encode(x.astype(_F32), like.qtype)
+        return encode(x.astype(_F32), like.qtype, _holds_fp8_bits(like))
     if is_cache(x) and not is_cache(like):
         return decode(x, jnp.result_type(like))
     return x

@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense, --only experts
+    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
@@ -36,6 +36,11 @@ their ranges at the absolute maximum, as before the presets clipped them
 Part 3 (``experts``, only when asked for: ``--only experts``): a mixture-of-experts
 layer written densely, ``einsum("ecd,edf->ecf")``, 8 experts of 1024 x 2816, at 1, 8
 and 128 tokens per expert: time, packed bytes and relative error per preset.
+
+Part 4 (``wide``, only when asked for: ``--only wide``): weight-only ``w8`` and
+``w4 g128`` on wide layers (language-model heads 512 x 50257 and 2048 x 32000, a
+4096 x 11008 projection, a 1024 x 8192 weight) at 8, 32, 128 and 256 rows, with a
+quarter of the rounds (at least 9).
 
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
@@ -228,6 +233,40 @@ def dense(rounds, markdown, results, ab=None):
     table(("rows", "float32") + tuple(names) + ("w4 g128 / w8",), rows, markdown)
 
 
+WIDE_LAYERS = ((512, 50257), (2048, 32000), (4096, 11008), (1024, 8192))
+"""(K, N) of the ``wide`` part: language-model heads (a 512-wide model's over GPT-2's
+vocabulary, Llama's 2048 x 32000), a Llama-7B feed-forward projection, and a weight
+of exactly 32 MiB as float32."""
+WIDE_PRESETS = {"w8": R.w8, "w4 g128": lambda: R.w4(group_size=128)}
+
+
+def wide(rounds, markdown, results, ab=None):
+    """Weight-only ``x @ w`` on the :data:`WIDE_LAYERS` at 8-256 rows: weights whose
+    K-chunk, decoded to float32, outgrows the cache (``KernelPolicy.weight_only_block_bytes``),
+    or whose whole decode does (``large_weight_bytes``)."""
+    rng = np.random.default_rng(0)
+    f = lambda w, x: x @ w
+    for k, n in WIDE_LAYERS:
+        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+        cal = [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)]
+        fns, packs = {"float32": jax.jit(f)}, {"float32": w}
+        for name, (make, policy) in variants(WIDE_PRESETS, ab).items():
+            qp = jqt.calibrate(f, make(), w, cal, progress=False)
+            fns[name] = jax.jit(jqt.quantize(f, qp, policy=policy))
+            packs[name] = jqt.pack(qp, w, policy=policy)
+        names = [x for x in fns if x != "float32"]
+        rows = []
+        for b in (8, 32, 128, 256):
+            print(f"[wide] {k} x {n}, {b} rows", file=sys.stderr, flush=True)
+            x = jnp.asarray(rng.standard_normal((b, k)), jnp.float32)
+            med = interleaved_medians(fns, {x_: (packs[x_], x) for x_ in fns}, rounds)
+            results[f"wide{k}x{n} b{b}"] = {x_: v * 1e3 for x_, v in med.items()}
+            rows.append((str(b), f"{med['float32'] * 1e3:.2f}")
+                        + tuple(f"{med[x_] * 1e3:.2f} ({med[x_] / med['float32']:.2f}x)" for x_ in names))
+        print(f"dense {k} x {n}, median ms (ratio to float32)")
+        table(("rows", "float32") + tuple(names), rows, markdown)
+
+
 EXPERT_PRESETS = {
     "w8": R.w8,
     "w8a8_dynamic": R.w8a8_dynamic,
@@ -298,6 +337,8 @@ def main():
         dense(rounds, args.markdown, results, ab)
     if "experts" in args.only:
         experts(rounds, args.markdown, results)
+    if "wide" in args.only:
+        wide(max(rounds // 4, 9), args.markdown, results, ab)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

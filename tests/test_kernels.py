@@ -137,6 +137,34 @@ def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
         np.testing.assert_allclose(jax.jit(run)(packed, x), ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
+                                    jqt.recipes.w4(group_size=64, symmetric=False)])
+def test_a_wide_weight_is_decoded_in_blocks_of_output_columns(recipe):
+    """A (K, N) weight whose K-chunk would decode to more than weight_only_block_bytes of
+    float32 (an LM head, 512 x 50k: 1.3-1.7x float32 at 32-256 rows in K-chunks) runs
+    in blocks of output columns, each decoded over all of K; a last, shorter block
+    covers an N that no block divides."""
+    k, n, m = 512, 1000, 8
+    f, p, _, qp, _ = _dense(recipe, k=k, n=n, m=m)
+    x = jax.random.normal(jax.random.key(7), (m, k))
+    policy = dataclasses.replace(CPU_XLA, whole_decode_bytes=0, weight_only_block_bytes=256 << 10)
+    assert 4 * CPU.weight_only_chunk * n > policy.weight_only_block_bytes  # a K-chunk: 1 MB
+    packed = jqt.pack(qp, p, policy=policy)
+    jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=policy))(packed, x)
+    block = (256 << 10) // (4 * k)
+    loops = lambda j: [e.params["length"] for e in _eqns(j.jaxpr) if e.primitive.name in ("scan", "while")]
+    dots = lambda j: sorted(e.invars[1].aval.shape for e in _eqns(j.jaxpr) if e.primitive.name == "dot_general")
+    assert loops(jaxpr) == [n // block]
+    assert dots(jaxpr) == [(k, n % block), (k, block)]  # all of K: the loop's block, the last block
+    chunked = jax.make_jaxpr(jqt.quantize(f, qp, policy=dataclasses.replace(policy, weight_only_block_bytes=0)))
+    assert loops(chunked(packed, x)) == [k // CPU.weight_only_chunk]  # K-chunks of all of N
+    assert [d[-1] for d in dots(chunked(packed, x))] == [n]
+    generic = jqt.KernelPolicy()
+    ref = jax.jit(jqt.quantize(f, qp, policy=generic))(jqt.pack(qp, p, policy=generic), x)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x), ref,
+                               atol=1e-5 * float(jnp.abs(ref).max()))
+
+
 @pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])
 def test_conv_formulation_follows_the_input_channels(channels, patches):
     conv = lambda w, x: lax.conv_general_dilated(x, w, (1, 1), "SAME",
@@ -157,7 +185,7 @@ def test_policy_table():
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, conv_codes_as_float=True,
         gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
-        large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
+        weight_only_block_bytes=4 << 20, large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
         int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0)

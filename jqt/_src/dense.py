@@ -592,6 +592,8 @@ def weight_only_2d(x2, w, policy, precision):
     target = _many_rows_block(n, m, policy) if many else policy.weight_only_chunk
     chunk = chunk_size(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
     n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
+    if chunk and not reduces(m, policy) and 4 * chunk * n > policy.weight_only_block_bytes > 0:
+        chunk, n_chunk = 0, max(policy.weight_only_block_bytes // (4 * k), 128)  # wide: column blocks
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)
@@ -616,12 +618,15 @@ def weight_only_2d(x2, w, policy, precision):
     else:
         xk = k_order(x2, halves)[0]
         if n_chunk:  # blocks of output channels, each decoded in cache, written in place
-            def body(i, out):  # the weight's output-channel axis is the other one, 1 - kd
-                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, i * n_chunk, n_chunk, 1 - kd)
-                return lax.dynamic_update_slice_in_dim(out, dot(xk, dec(cut(v), cut(scale), cut(zp))),
-                                                       i * n_chunk, 1)
+            def block(start, size):  # the weight's output-channel axis is the other one, 1 - kd
+                cut = lambda a: None if a is None else lax.dynamic_slice_in_dim(a, start, size, 1 - kd)
+                return dot(xk, dec(cut(v), cut(scale), cut(zp)))
 
-            out = lax.fori_loop(0, n // n_chunk, body, jnp.zeros((m, n), _F32))
+            full = n // n_chunk * n_chunk
+            out = lax.fori_loop(0, n // n_chunk, lambda i, out: lax.dynamic_update_slice_in_dim(
+                out, block(i * n_chunk, n_chunk), i * n_chunk, 1), jnp.zeros((m, n), _F32))
+            if full < n:  # the last, shorter block
+                out = lax.dynamic_update_slice_in_dim(out, block(full, n - full), full, 1)
         else:
             out = dot(xk, dec(after(v, xk) if policy.decode_after_input else v, scale, zp))
     if gs:

@@ -132,7 +132,18 @@ over 3 MiB                  for ``(N, K)``), cast in
                             cache (the whole weight
                             cast at one row: 0.54-
                             0.57x of the float32 decode
-                            step against 0.43-0.49x)
+                            step against 0.43-0.49x);
+                            a wide weight whose K-chunk
+                            is over 4 MiB as float32
+                            (weight_only_block_bytes):
+                            blocks of output columns of
+                            <= 4 MiB over all of K (LM
+                            heads 512 x 50257 and 2048
+                            x 32000 at 32 rows: 0.63-
+                            0.89x float32 against 1.52-
+                            1.88x in K-chunks; at 128:
+                            1.12-1.25x against 1.29-
+                            1.87x)
 weight-only matmul, more    the whole weight decoded    the same
 than 64 rows or a float     once after its op's input
 copy of at most 3 MiB       exists (an integer zero
@@ -230,6 +241,10 @@ class KernelPolicy:
       pad_rows: pad the rows (M) of an int8 x int8 matmul up to this many.
       weight_only_chunk: K-chunk of the weight-only matmul (N-chunk for a weight
         packed ``(N, K)``), 0 to cast the whole weight and run one matmul.
+      weight_only_block_bytes: a weight packed ``(K, N)`` whose K-chunk decoded to
+        float32 would exceed this many bytes (a wide weight: an LM head of 512 x
+        50k) is decoded in blocks of output columns instead, all of K per block,
+        each block at most this many bytes (at least 128 columns); 0: K-chunks.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
         input has fewer channels per group than this (0: never).
       conv_codes_as_float: run an int8 convolution in any layout but 2-D
@@ -293,7 +308,10 @@ class KernelPolicy:
         dense --ab large_weight_bytes=0``); 0: by ``float_matmul_rows`` alone. A
         float copy that fits the cache (the 100M decoder's 4-11.5 MiB projections)
         costs far less, and its K-chunks' partial sums no less, so those weights
-        keep the rule above.
+        keep the rule above. A copy of exactly 32 MiB (1024 x 8192) decoded whole
+        at 128 rows was 1.13-1.27x float32, 1.10-1.13x at 16 MiB
+        (``benchmarks/formats.py --only wide``); left at 32 MiB, as the same
+        threshold bounds ``int_as_bfloat16_rows``, measured on AVX512_BF16 CPUs only.
       large_weight_rows: the rows up to which such a large weight keeps its
         K-chunks (at 256 rows of the 4096 layer, 1.04-1.15x float32 against
         1.45-1.50x decoded whole; above, neither won at both 512 and 1,024 rows).
@@ -404,6 +422,7 @@ class KernelPolicy:
 
     pad_rows: int = 1
     weight_only_chunk: int = 0
+    weight_only_block_bytes: int = 0
     conv_patches_below: int = 0
     conv_codes_as_float: bool = False
     fp8_native: bool = False
@@ -521,6 +540,7 @@ POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16,
                         conv_codes_as_float=True, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
+                        weight_only_block_bytes=4 << 20,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True,
                         decode_in_input_dtype=bfloat16_dot_is_fast(cpu_flags()),

@@ -208,27 +208,40 @@ def minilm(rounds, markdown, results, ab=None, presets=MINILM_PRESETS):
           rows, markdown)
 
 
+def _dense_layer(w, cal, presets, ab):
+    """``(fns, packs)`` for ``x @ w``: float32 and each variant, calibrated on ``cal``,
+    packed, quantized under jit."""
+    f = lambda w, x: x @ w
+    fns, packs = {"float32": jax.jit(f)}, {"float32": w}
+    for name, (make, policy) in variants(presets, ab).items():
+        qp = jqt.calibrate(f, make(), w, cal, progress=False)
+        fns[name] = jax.jit(jqt.quantize(f, qp, policy=policy))
+        packs[name] = jqt.pack(qp, w, policy=policy)
+    return fns, packs
+
+
+def _timed_row(fns, packs, x, rounds):
+    """Medians of every variant on ``x``, interleaved, and the table cells: rows, float32
+    ms, then ``ms (ratio)`` per variant."""
+    med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
+    cells = (str(x.shape[0]), f"{med['float32'] * 1e3:.2f}") + tuple(
+        f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in fns if k != "float32")
+    return med, cells
+
+
 def dense(rounds, markdown, results, ab=None):
     n = 4096
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
-    f = lambda w, x: x @ w
     cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
-    fns, packs = {"float32": jax.jit(f)}, {"float32": w}
-    for name, (make, policy) in variants(DENSE_PRESETS, ab).items():
-        qp = jqt.calibrate(f, make(), w, cal, progress=False)
-        fns[name] = jax.jit(jqt.quantize(f, qp, policy=policy))
-        packs[name] = jqt.pack(qp, w, policy=policy)
+    fns, packs = _dense_layer(w, cal, DENSE_PRESETS, ab)
     names = [k for k in fns if k != "float32"]
     rows = []
     for b in (1, 2, 4, 8, 32, 128, 256):
         print(f"[dense] batch {b}", file=sys.stderr, flush=True)
-        x = jnp.asarray(rng.standard_normal((b, n)), jnp.float32)
-        med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
+        med, cells = _timed_row(fns, packs, jnp.asarray(rng.standard_normal((b, n)), jnp.float32), rounds)
         results[f"dense4096 b{b}"] = {k: v * 1e3 for k, v in med.items()}
-        rows.append((str(b), f"{med['float32'] * 1e3:.2f}")
-                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in names)
-                    + (f"{med['w4 g128'] / med['w8']:.2f}",))
+        rows.append(cells + (f"{med['w4 g128'] / med['w8']:.2f}",))
     print("dense 4096 x 4096, median ms (ratio to float32)")
     table(("rows", "float32") + tuple(names) + ("w4 g128 / w8",), rows, markdown)
 
@@ -245,26 +258,18 @@ def wide(rounds, markdown, results, ab=None):
     K-chunk, decoded to float32, outgrows the cache (``KernelPolicy.weight_only_block_bytes``),
     or whose whole decode does (``large_weight_bytes``)."""
     rng = np.random.default_rng(0)
-    f = lambda w, x: x @ w
     for k, n in WIDE_LAYERS:
         w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
-        cal = [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)]
-        fns, packs = {"float32": jax.jit(f)}, {"float32": w}
-        for name, (make, policy) in variants(WIDE_PRESETS, ab).items():
-            qp = jqt.calibrate(f, make(), w, cal, progress=False)
-            fns[name] = jax.jit(jqt.quantize(f, qp, policy=policy))
-            packs[name] = jqt.pack(qp, w, policy=policy)
-        names = [x for x in fns if x != "float32"]
+        fns, packs = _dense_layer(w, [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)],
+                                  WIDE_PRESETS, ab)
         rows = []
         for b in (8, 32, 128, 256):
             print(f"[wide] {k} x {n}, {b} rows", file=sys.stderr, flush=True)
-            x = jnp.asarray(rng.standard_normal((b, k)), jnp.float32)
-            med = interleaved_medians(fns, {x_: (packs[x_], x) for x_ in fns}, rounds)
+            med, cells = _timed_row(fns, packs, jnp.asarray(rng.standard_normal((b, k)), jnp.float32), rounds)
             results[f"wide{k}x{n} b{b}"] = {x_: v * 1e3 for x_, v in med.items()}
-            rows.append((str(b), f"{med['float32'] * 1e3:.2f}")
-                        + tuple(f"{med[x_] * 1e3:.2f} ({med[x_] / med['float32']:.2f}x)" for x_ in names))
+            rows.append(cells)
         print(f"dense {k} x {n}, median ms (ratio to float32)")
-        table(("rows", "float32") + tuple(names), rows, markdown)
+        table(("rows", "float32") + tuple(x_ for x_ in fns if x_ != "float32"), rows, markdown)
 
 
 EXPERT_PRESETS = {

@@ -27,7 +27,7 @@ from shared import all_eqns, ci_only
 R = jqt.recipes
 CPU = jqt.KernelPolicy.for_backend("cpu")
 XLA = dataclasses.replace(CPU, native_gemv_rows=0)
-CALLS = tuple(f"custom_call @{t}(" for t in (native.GROUPED, native.CHANNEL, native.CHANNEL_KN))
+CALLS = tuple(f"custom_call @{t}(" for t in (native.GROUPED, native.CHANNEL, native.CHANNEL_KN, native.FP8_KN))
 
 
 def _buildable() -> bool:
@@ -86,11 +86,18 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
                                                 activation=None),)), 300, 40, 3),
     "int3_g32": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3, group_size=32),
                                             activation=None),)), 256, 40, 8),
+    "fp8": (R.fp8(), 512, 72, 1),  # e4m3 weights per channel, static e4m3 activations
+    "fp8_e5m2_dynamic_k301": (jqt.Recipe(rules=(jqt.Rule(
+        weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
+        activation=jqt.QuantType(dtype="float8_e5m2", dynamic=True)),)), 301, 40, 6),
+    "fp8_weight_only": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True),
+                                                   activation=None),)), 256, 24, 2),
 }
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32"}))
+@pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32",
+                                                 "fp8_e5m2_dynamic_k301", "fp8_weight_only"}))
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -139,6 +146,23 @@ def test_zero_weights_give_exact_zeros(m):
     assert _custom_calls(q, packed, x) == 1
     out = np.asarray(jax.jit(q)(packed, x))
     assert (out[:, 5] == 0).all() and (out[:, 64:] == 0).all() and (out[:, :5] != 0).all()
+
+
+@needs_kernel
+def test_fp8_nan_codes_stay_nan():
+    """e4m3fn's NaN (0x7F) is no number in float16's bits, which the kernel decodes
+    through: it is made a float16 NaN, so its output channel is NaN on both paths."""
+    f, p, qp, x = _setup(R.fp8(), 256, 40, 2)
+    packed = jqt.pack(qp, p)
+    w = packed.weights["w"]
+    codes = w.values.at[7, 3].set(jnp.nan).at[9, 33].set(-jnp.nan)
+    packed.weights["w"] = dataclasses.replace(w, values=codes)
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 1
+    got, want = (np.asarray(jax.jit(g)(packed, x)) for g in (q, jqt.quantize(f, qp, policy=XLA)))
+    assert np.isnan(want[:, [3, 33]]).all() and np.isnan(want).sum() == 4
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    _close(np.nan_to_num(got), np.nan_to_num(want))
 
 
 @needs_kernel

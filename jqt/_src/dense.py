@@ -334,9 +334,9 @@ def _act_scale_around(ax, x, w):
 
 
 def float_codes(ax, x):
-    """An int activation's codes minus its zero point, as float32 rows ``(M, K)`` (exact
-    for codes of 16 bits or fewer)."""
-    qx2 = ax.act_2d(x.values).astype(_F32)
+    """An int activation's codes minus its zero point (an fp8 one's values), as float32
+    rows ``(M, K)`` (exact for codes of 16 bits or fewer)."""
+    qx2 = nx.decode(ax.act_2d(x.values), x.qtype.grid)
     if x.zero_point is not None:
         qx2 = qx2 - jnp.round(ax.act_vec(x.zero_point).astype(_F32))
     return qx2

@@ -201,9 +201,10 @@ def run(site, eqn, ops, policy):
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
     int_act = isinstance(x_op, QArray)
-    if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"):
+    if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"
+                                                   or x_op.qtype.kind == wq.qtype.kind == "float"):
         stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
-        if int_act:  # the codes as floats, the activation's scale split around the kernel
+        if int_act:  # the codes as floats (fp8: decoded), the activation's scale split around the kernel
             lo, hi = dense.split_scale(ax.act_vec(x_op.scale.astype(jnp.float32)))
             out2 = native.dense_rows(dense.float_codes(ax, x_op) * lo, w2, policy, stack) * hi
         else:

@@ -19,6 +19,11 @@ arithmetic of the float32 matmul of the decoded weight, in another order.
 
 * ``jqt_channel_gemv_kn``: the same with the codes packed ``(K, N)`` (``w8`` under
   ``KernelPolicy.weight_only_kn``, as the CPU table packs it).
+* ``jqt_fp8_gemv_kn``: fp8 codes (``float8_e4m3fn``, ``float8_e5m2``) with one scale
+  per output channel, packed ``(K, N)`` (``fp8``, its activation's fp8 values taken as
+  float32, exact), each code's bits decoded through float16 (F16C): XLA:CPU has no fp8
+  arithmetic, and its formulation decoded the weight chunk by chunk, 1.44-2.45x a float32
+  4096 x 4096 layer at one row.
 
 They are XLA FFI custom calls, built on first use with the C++ compiler found at run
 time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
@@ -57,13 +62,14 @@ import numpy as np
 from jax import lax
 
 from . import compat, dense, gemv
-from .formats import NF4_TABLE
+from .formats import FLOAT8, NF4_TABLE
 from .layerview import LayerView
 from .qparams import QArray
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
 CHANNEL_KN = "jqt_channel_gemv_kn"  # the same, packed (K, N)
+FP8_KN = "jqt_fp8_gemv_kn"  # fp8 codes (e4m3fn, e5m2) with per-channel scales, packed (K, N)
 SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
 
@@ -177,6 +183,7 @@ def _build() -> NativeStatus:
     jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
+    jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
     return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
 
 
@@ -184,19 +191,23 @@ def _target(w: QArray):
     """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
     or fewer or NF4 codes with group scales, two per byte, ``"kn"`` (w4, w4a8, nf4);
     ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
-    most 8 bits, one per byte, one scale per output channel (not one per tensor)."""
+    most 8 bits, one per byte, one scale per output channel (not one per tensor);
+    ``FP8_KN`` for fp8 codes, ``"kn"``, one scale per output channel (fp8)."""
     q = w.qtype
     if getattr(w.values, "ndim", 0) != 2:
         return None
     if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4") and q.group_size
             and q.group_size % 2 == 0):
         return GROUPED
-    if (w.layout in ("nk", "kn") and q.kind == "int" and not q.group_size and q.bits <= 8
+    n = w.values.shape[0 if w.layout == "nk" else 1]
+    if math.prod(jnp.shape(w.scale)) != n or q.group_size:  # one scale per tensor, or groups
+        return None
+    if (w.layout in ("nk", "kn") and q.kind == "int" and q.bits <= 8
             and w.values.dtype == np.int8):
-        n = w.values.shape[0 if w.layout == "nk" else 1]
-        if math.prod(jnp.shape(w.scale)) != n:  # one scale per tensor: the XLA formulations
-            return None
         return CHANNEL if w.layout == "nk" else CHANNEL_KN
+    if w.layout == "kn" and q.kind == "float" and w.values.dtype == FLOAT8[q.grid] \
+            and w.zero_point is None:
+        return FP8_KN
     return None
 
 
@@ -204,10 +215,12 @@ def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
     """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
     ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
     w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows:
-    above, XLA's int8 matmul keeps their int8 x int8 sums exact), and the kernels
-    available here (:func:`native_status`)."""
+    above, XLA's int8 matmul keeps their int8 x int8 sums exact; ``FP8_KN``: fp8, whose
+    activation's values are exact in float32 as XLA's formulation takes them), and the
+    kernels available here (:func:`native_status`)."""
     target = _target(w)
-    if target is None or (int_activation and target != GROUPED and m > policy.native_int8_rows):
+    if target is None or (int_activation and target in (CHANNEL, CHANNEL_KN)
+                          and m > policy.native_int8_rows):
         return False
     return 0 < m <= policy.native_gemv_rows and native_status().available
 
@@ -222,7 +235,7 @@ def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
     v = w.values
     if target == GROUPED:
         shape = (v.shape[0] * 2 // q.group_size, v.shape[1])
-    else:  # one scale per output channel: the codes' axis 0 "nk", axis 1 "kn"
+    else:  # one scale per output channel: the codes' axis 0 "nk", axis 1 "kn" (fp8 too)
         shape = (v.shape[0] if target == CHANNEL else v.shape[1],)
     layer = jnp.int32(0)
     lead = ()

@@ -76,13 +76,19 @@ def fp8_units(bits, grid):
     ``FP8_BITS_UNIT[grid]``: the bits placed in a float16 (a shift and a mask, where
     XLA:CPU's own fp8 conversion costs as much as a matmul ten times over). e4m3fn's
     bias is 7 against float16's 15, hence its ``2**8``, which a caller folds into a
-    scale. e4m3fn's NaN (``0x7F``) comes out finite (480 / 256); :func:`decode` keeps
-    it NaN."""
+    scale. e4m3fn's NaN (``0x7F``, no number in float16's bits: 480 / 256) is made a
+    float16 NaN, as jqt's native fp8 kernel decodes it.
+
+    >>> import jax.numpy as jnp
+    >>> fp8_units(jnp.array([0x38, 0xB8, 0x7F, 0x01], jnp.uint8), "float8_e4m3fn").tolist()
+    [0.00390625, -0.00390625, nan, 7.62939453125e-06]
+    """
     u16 = bits.astype(jnp.uint16)
     if grid == "float8_e5m2":
         f16 = u16 << 8
     else:
-        f16 = ((u16 & 0x80) << 8) | ((u16 & 0x7F) << 7)
+        mag = u16 & 0x7F  # 0x7F: + 0x3E80 takes 0x3F80 (1.875) to 0x7E00 (NaN), no select
+        f16 = ((u16 & 0x80) << 8) | ((mag << 7) + ((mag + 1) >> 7) * 0x3E80)
     return jax.lax.bitcast_convert_type(f16, jnp.float16).astype(_F32)
 
 
@@ -90,11 +96,7 @@ def _fp8_decode(codes, grid):
     """fp8 codes -> their float32 values (exact, NaN kept) through :func:`fp8_units`."""
     if codes.dtype != FLOAT8[grid]:
         return codes.astype(_F32)
-    bits = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    v = fp8_units(bits, grid) * FP8_BITS_UNIT[grid]
-    if grid == "float8_e4m3fn":
-        v = jnp.where((bits & 0x7F) == 0x7F, jnp.nan, v)
-    return v
+    return fp8_units(jax.lax.bitcast_convert_type(codes, jnp.uint8), grid) * FP8_BITS_UNIT[grid]
 
 
 def _codes(x, scale, zero_point, qmin, qmax, grid="int"):

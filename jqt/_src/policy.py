@@ -112,6 +112,13 @@ not w8a8): reduce_rows                                  decoded weight summed ov
                                                         1.02x against the digits'
                                                         1.19x; at 16 rows: 5.9-8.0x,
                                                         so one row only)
+1-8 rows: fp8 (codes per    jqt's native kernel         one fp8 ``dot_general``
+channel, (K, N)):           ``jqt_fp8_gemv_kn``: the    (fp8_native)
+native_gemv_rows            bits decoded through
+                            float16 in registers (4096
+                            layer at 1-8 rows: 0.23-
+                            0.47x float32 against 0.74-
+                            2.05x K-chunked)
 1-8 rows: w4 g128, w4a8     jqt's native kernel         as at any row count
 g128, nf4 (4-bit codes      (``native.py``, an XLA FFI  (H200: digits 2.81x
 with group scales):         custom call built on first  bfloat16 at one row of a

@@ -1,6 +1,7 @@
 // jqt's native XLA:CPU kernels: few-row matmuls with 4-bit weights in groups (int4, NF4),
 // "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (codes
-// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)) (below).
+// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)), and with fp8 weights per output channel,
+// "jqt_fp8_gemv_kn" (below).
 //
 //   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
 //
@@ -128,7 +129,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* __restrict x, in
 }
 
 bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");  // every AVX2 CPU has F16C
   return ok;
 }
 #endif
@@ -371,25 +373,76 @@ void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t
 // Each thread reads a contiguous block of K's rows front to back, a few rows at a time, and
 // adds their codes (widened to float32) times x into float32 sums over the whole of N; the
 // threads' sums are added.
-void channel_kn_scalar(const float* x, int64_t K, int M, const int8_t* w, int64_t N,
+//
+// "jqt_fp8_gemv_kn": the same with fp8 codes (float8_e4m3fn or float8_e5m2, one scale per
+// output channel, no zero point: the fp8 weights of jqt.recipes.fp8 as the CPU table packs
+// them). A code's bits are shifted into a float16 and converted (F16C): e5m2 is a float16's
+// top byte; e4m3fn's bias is 7 against float16's 15, so its float16 is the value / 256, a
+// factor taken into the scale; its NaN (0x7F / 0xFF) is made a float16 NaN. The products
+// are exact in float32, as in XLA's formulation (which decodes the same bits to float32).
+enum class Codes { kInt8, kE4M3, kE5M2 };
+
+float half_to_float(uint32_t h) {
+  const uint32_t e = (h >> 10) & 31, m = h & 1023;
+  const float v = e == 0 ? std::ldexp(float(m), -24)
+                  : e == 31 ? (m ? NAN : INFINITY)
+                            : std::ldexp(float(m | 1024), int(e) - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+// A code's value (e4m3fn: / 256), as the vector loads below decode it.
+template <Codes C>
+float code_value(uint8_t u) {
+  if constexpr (C == Codes::kInt8) return float(static_cast<int8_t>(u));
+  if constexpr (C == Codes::kE5M2) return half_to_float(uint32_t(u) << 8);
+  if ((u & 0x7F) == 0x7F) return NAN;
+  return half_to_float(((u & 0x80u) << 8) | ((u & 0x7Fu) << 7));
+}
+
+template <Codes C>
+void channel_kn_scalar(const float* x, int64_t K, int M, const uint8_t* w, int64_t N,
                        int64_t k0, int64_t k1, int64_t n0, float* acc) {
   for (int64_t k = k0; k < k1; ++k)
     for (int m = 0; m < M; ++m)
-      for (int64_t n = n0; n < N; ++n) acc[m * N + n] += x[m * K + k] * float(w[k * N + n]);
+      for (int64_t n = n0; n < N; ++n) acc[m * N + n] += x[m * K + k] * code_value<C>(w[k * N + n]);
 }
 
 #ifdef JQT_X86
+// 16 codes from p as float32: f the first 8, g the next 8.
+template <Codes C>
+__attribute__((target("avx2,fma,f16c"))) inline void load16(const uint8_t* p, __m256& f, __m256& g) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (C == Codes::kInt8) {
+    f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  } else {
+    const __m256i u = _mm256_cvtepu8_epi16(b);
+    __m256i h;
+    if constexpr (C == Codes::kE5M2) {
+      h = _mm256_slli_epi16(u, 8);
+    } else {
+      const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7F));
+      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8),
+                          _mm256_slli_epi16(mag, 7));
+      h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00),
+                             _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)));
+    }
+    f = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    g = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
+}
+
 // Four rows of K per pass over the sums, which are read and written once per four rows of
 // codes (two rows per pass ran the 100M decoder's step slower than jqt_channel_gemv).
-template <int M>
-__attribute__((target("avx2,fma"))) void channel_kn_avx2(const float* __restrict x, int64_t K,
-                                                         const int8_t* __restrict w, int64_t N,
-                                                         int64_t k0, int64_t k1,
-                                                         float* __restrict acc) {
+template <int M, Codes C>
+__attribute__((target("avx2,fma,f16c"))) void channel_kn_avx2(const float* __restrict x, int64_t K,
+                                                              const uint8_t* __restrict w, int64_t N,
+                                                              int64_t k0, int64_t k1,
+                                                              float* __restrict acc) {
   constexpr int R = 4;
   int64_t k = k0;
   for (; k + R <= k1; k += R) {
-    const int8_t* rows = w + k * N;
+    const uint8_t* rows = w + k * N;
     __m256 xr[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) xr[r][m] = _mm256_set1_ps(x[m * K + k + r]);
@@ -399,11 +452,7 @@ __attribute__((target("avx2,fma"))) void channel_kn_avx2(const float* __restrict
         for (int r = 0; r < R; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(rows + (R + r) * N + n), _MM_HINT_T0);
       __m256 f[R], g[R];
-      for (int r = 0; r < R; ++r) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * N + n));
-        f[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        g[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-      }
+      for (int r = 0; r < R; ++r) load16<C>(rows + r * N + n, f[r], g[r]);
       for (int m = 0; m < M; ++m) {
         float* a = acc + m * N + n;
         __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
@@ -415,45 +464,47 @@ __attribute__((target("avx2,fma"))) void channel_kn_avx2(const float* __restrict
         _mm256_storeu_ps(a + 8, a1);
       }
     }
-    channel_kn_scalar(x, K, M, w, N, k, k + R, n, acc);
+    channel_kn_scalar<C>(x, K, M, w, N, k, k + R, n, acc);
   }
-  channel_kn_scalar(x, K, M, w, N, k, k1, 0, acc);
+  channel_kn_scalar<C>(x, K, M, w, N, k, k1, 0, acc);
 }
 #endif
 
 // acc[m][0:N] += sum over K's rows k0..k1 of x[m, k] * code[k, 0:N], every row of x.
-void channel_kn_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
+template <Codes C>
+void channel_kn_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                      int64_t k0, int64_t k1, float* acc) {
   row_tiles(M, [&](int64_t m0, auto tile) {
     constexpr int mm = decltype(tile)::value;
 #ifdef JQT_X86
-    if (has_avx2()) return channel_kn_avx2<mm>(x + m0 * K, K, w, N, k0, k1, acc + m0 * N);
+    if (has_avx2()) return channel_kn_avx2<mm, C>(x + m0 * K, K, w, N, k0, k1, acc + m0 * N);
 #endif
-    channel_kn_scalar(x + m0 * K, K, mm, w, N, k0, k1, 0, acc + m0 * N);
+    channel_kn_scalar<C>(x + m0 * K, K, mm, w, N, k0, k1, 0, acc + m0 * N);
   });
 }
 
-// Both int8 kernels: codes packed (N, K) (KN false: each thread a block of the codes' rows,
-// the outputs) or (K, N) (KN true: each thread a block of K's rows, their sums added).
-template <bool KN>
-ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
-                        ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> out) {
-  const std::string name = KN ? "jqt_channel_gemv_kn" : "jqt_channel_gemv";
-  const auto xd = x.dimensions(), wd = codes.dimensions();
+// The int8 and fp8 kernels: codes packed (N, K) (KN false, int8 only: each thread a block of
+// the codes' rows, the outputs) or (K, N) (KN true: each thread a block of K's rows, their
+// sums added). ``unit``: what the codes' decoded values are multiplied by (e4m3fn: 256).
+template <bool KN, Codes C>
+ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uint8_t* codes,
+                        ffi::Span<const int64_t> wd, ffi::Buffer<ffi::F32> scale,
+                        ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> table,
+                        ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                        const std::string& name, float unit) {
+  const auto xd = x.dimensions();
   const size_t r = wd.size();
   if (xd.size() != 2 || (r != 2 && r != 3) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
         name + ": x must be 2-D, codes 2-D (or 3-D, stacked layers), layer a scalar");
   const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[KN ? r - 1 : r - 2];
-  // table: the operand list the grouped kernel has, empty here (int codes only)
+  // table: the operand list the grouped kernel has, empty here (int or fp8 codes only)
   if (L < 1 || wd[KN ? r - 2 : r - 1] != K || scale.element_count() != L * N ||
       (zp.element_count() && zp.element_count() != L * N) || table.element_count())
     return ffi::Error::InvalidArgument(name + ": operand shapes do not match");
   const int64_t l = pick(layer, L);
   const float* xp = x.typed_data();
-  const int8_t* wp = codes.typed_data() + l * N * K;
+  const uint8_t* wp = codes + l * N * K;
   const float* sp = scale.typed_data() + l * N;
   const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
   float* op = out->typed_data();
@@ -461,20 +512,21 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   // The codes split over XLA's intra-op threads, at least 128 KiB per part.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts = std::max<int64_t>(1, std::min({threads, KN ? K / 2 : N, (N * K) >> 17}));
-  if (KN) {
+  if constexpr (KN) {
     std::fill(op, op + M * N, 0.f);
     std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
     for (auto& p : partial) p.assign(static_cast<size_t>(M * N), 0.f);
     parallel(pool, parts, [&](int64_t t) {
       // an even number of rows per part, the last part the rest
       const int64_t a = (K / 2) * t / parts * 2, b = t + 1 == parts ? K : (K / 2) * (t + 1) / parts * 2;
-      channel_kn_rows(xp, M, K, wp, N, a, b, t ? partial[t - 1].data() : op);
+      channel_kn_rows<C>(xp, M, K, wp, N, a, b, t ? partial[t - 1].data() : op);
     });
     for (const auto& p : partial)
       for (int64_t i = 0; i < M * N; ++i) op[i] += p[i];
   } else {
+    const int8_t* w8 = reinterpret_cast<const int8_t*>(wp);
     parallel(pool, parts, [&](int64_t t) {
-      channel_rows(xp, M, K, wp, N * t / parts, N * (t + 1) / parts, op, N);
+      channel_rows(xp, M, K, w8, N * t / parts, N * (t + 1) / parts, op, N);
     });
   }
   for (int64_t m = 0; m < M; ++m) {
@@ -483,7 +535,7 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       for (int64_t k = 0; k < K; ++k) xs += xp[m * K + k];
     float* o = op + m * N;
     for (int64_t n = 0; n < N; ++n)
-      o[n] = sp[n] * (zpp ? o[n] - __builtin_roundevenf(zpp[n]) * xs : o[n]);
+      o[n] = sp[n] * unit * (zpp ? o[n] - __builtin_roundevenf(zpp[n]) * xs : o[n]);
   }
   return ffi::Error::Success();
 }
@@ -492,14 +544,38 @@ ffi::Error ChannelGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
                        ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
                        ffi::ResultBuffer<ffi::F32> out) {
-  return ChannelGemvT<false>(pool, x, codes, scale, zp, table, layer, out);
+  return ChannelGemvT<false, Codes::kInt8>(pool, x, reinterpret_cast<const uint8_t*>(codes.typed_data()),
+                                           codes.dimensions(), scale, zp, table, layer, out,
+                                           "jqt_channel_gemv", 1.f);
 }
 
 ffi::Error ChannelGemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
                          ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::F32> out) {
-  return ChannelGemvT<true>(pool, x, codes, scale, zp, table, layer, out);
+  return ChannelGemvT<true, Codes::kInt8>(pool, x, reinterpret_cast<const uint8_t*>(codes.typed_data()),
+                                          codes.dimensions(), scale, zp, table, layer, out,
+                                          "jqt_channel_gemv_kn", 1.f);
+}
+
+ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> zp,
+                     ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> layer,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto* w = static_cast<const uint8_t*>(codes.untyped_data());
+  const std::string name = "jqt_fp8_gemv_kn";
+  if (zp.element_count())
+    return ffi::Error::InvalidArgument(name + ": fp8 codes take no zero point");
+  switch (codes.element_type()) {
+    case ffi::DataType::F8E4M3FN:
+      return ChannelGemvT<true, Codes::kE4M3>(pool, x, w, codes.dimensions(), scale, zp, table,
+                                              layer, out, name, 256.f);
+    case ffi::DataType::F8E5M2:
+      return ChannelGemvT<true, Codes::kE5M2>(pool, x, w, codes.dimensions(), scale, zp, table,
+                                              layer, out, name, 1.f);
+    default:
+      return ffi::Error::InvalidArgument(name + ": codes must be float8_e4m3fn or float8_e5m2");
+  }
 }
 
 }  // namespace
@@ -530,8 +606,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemv, ChannelGemv, JQT_CHANNEL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtChannelGemvKn, ChannelGemvKn, JQT_CHANNEL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtFp8GemvKn, Fp8GemvKn,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
-// 2: AVX2 + FMA kernels; 0: the portable scalar loop only (jqt does not use it then).
+// 2: AVX2 + FMA (+ F16C) kernels; 0: the portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {
 #ifdef JQT_X86
   return has_avx2() ? 2 : 0;

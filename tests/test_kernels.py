@@ -163,6 +163,12 @@ def test_a_wide_weight_is_decoded_in_blocks_of_output_columns(recipe):
     ref = jax.jit(jqt.quantize(f, qp, policy=generic))(jqt.pack(qp, p, policy=generic), x)
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x), ref,
                                atol=1e-5 * float(jnp.abs(ref).max()))
+    # fewer columns than the smallest block (128): one block of all of them
+    f, p, _, qp, _ = _dense(recipe, k=k, n=100, m=m)
+    policy = dataclasses.replace(policy, weight_only_block_bytes=64 << 10)
+    ref = jax.jit(jqt.quantize(f, qp, policy=generic))(jqt.pack(qp, p, policy=generic), x)
+    out = jax.jit(jqt.quantize(f, qp, policy=policy))(jqt.pack(qp, p, policy=policy), x)
+    np.testing.assert_allclose(out, ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
 @pytest.mark.parametrize("channels,patches", [(3, True), (32, False)])

@@ -593,7 +593,7 @@ def weight_only_2d(x2, w, policy, precision):
     chunk = chunk_size(k, target, math.lcm(max(gs, 1), step)) if w.layout == "kn" and not many else 0
     n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
     if chunk and not reduces(m, policy) and 4 * chunk * n > policy.weight_only_block_bytes > 0:
-        chunk, n_chunk = 0, max(policy.weight_only_block_bytes // (4 * k), 128)  # wide: column blocks
+        chunk, n_chunk = 0, min(n, max(policy.weight_only_block_bytes // (4 * k), 128))  # column blocks
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)

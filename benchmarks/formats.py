@@ -21,7 +21,7 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 
 Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32,
 128 and 256 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
-``nf4``, ``fp8``, interleaved.
+``nf4``, ``fp8``, ``w4(group_size=0)`` (one scale per output channel), interleaved.
 
 With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
 run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
@@ -86,6 +86,7 @@ DENSE_PRESETS = {
     "w4a8 g128": lambda: R.w4a8(group_size=128),
     "nf4 g64": lambda: R.nf4(group_size=64),
     "fp8": R.fp8,
+    "w4 per-channel": lambda: R.w4(group_size=0),
 }
 
 
@@ -325,11 +326,12 @@ def main():
     ap.add_argument("--absmax", action="store_true", help="the 4-bit MiniLM presets also "
                     "with absmax weight ranges (WeightMinMax)")
     args = ap.parse_args()
-    names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(MINILM_PRESETS_ALL)
-    unknown = [n for n in names if n not in MINILM_PRESETS_ALL]
+    known = {**MINILM_PRESETS_ALL, **DENSE_PRESETS, **WIDE_PRESETS}
+    names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(known)
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"--ab-presets: no preset {', '.join(map(repr, unknown))}; "
-                         f"the presets are {', '.join(map(repr, MINILM_PRESETS_ALL))}")
+                         f"the presets are {', '.join(map(repr, known))}")
     ab = parse_ab(args.ab, names)
     rounds = 20 if args.quick else 60
     results = {}

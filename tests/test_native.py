@@ -86,6 +86,9 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
                                                 activation=None),)), 300, 40, 3),
     "int3_g32": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3, group_size=32),
                                             activation=None),)), 256, 40, 8),
+    "w4_per_channel": (R.w4(group_size=0), 512, 72, 2),  # one scale row: K in blocks of 256
+    "nf4_per_channel_k300": (R.nf4(group_size=0), 300, 40, 3),
+    "w4_per_channel_asym_k258": (R.w4(group_size=0, symmetric=False), 258, 24, 1),  # one block
     "fp8": (R.fp8(), 512, 72, 1),  # e4m3 weights per channel, static e4m3 activations
     "fp8_e5m2_dynamic_k301": (jqt.Recipe(rules=(jqt.Rule(
         weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
@@ -97,7 +100,8 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32",
-                                                 "fp8_e5m2_dynamic_k301", "fp8_weight_only"}))
+                                                 "fp8_e5m2_dynamic_k301", "fp8_weight_only",
+                                                 "nf4_per_channel_k300", "w4_per_channel_asym_k258"}))
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -175,11 +179,12 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 
 @needs_kernel
 def test_what_the_kernels_do_not_run():
-    # per-channel 4-bit codes; grouped int8 codes; int8 x int8 above native_int8_rows
+    # grouped int8 codes; int8 x int8 above native_int8_rows
     # (XLA's int8 matmul keeps its int32 sums exact, float32 sums would not be)
-    # and int8 weights with one scale per tensor (the kernels read one per output channel)
+    # and int8 or int4 weights with one scale per tensor (the kernels read one per output channel)
     per_tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=None),))
-    for recipe in (R.nf4(group_size=0), R.w4(group_size=0), R.w8(group_size=128), per_tensor):
+    per_tensor4 = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4), activation=None),))
+    for recipe in (R.w8(group_size=128), per_tensor, per_tensor4):
         f, p, qp, x = _setup(recipe)
         assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
     f, p, qp, x = _setup(R.w8a8_dynamic(), m=CPU.native_int8_rows + 1)
@@ -370,11 +375,12 @@ STACKED = {  # recipe, rows, scan in reverse
     "nf4_g64": (R.nf4(group_size=64), 1, True),
     "w4a8_g64": (R.w4a8(group_size=64), 3, False),
     "w8": (R.w8(), 1, True),
+    "w4_per_channel": (R.w4(group_size=0), 2, False),
 }
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ci_only(STACKED, {"w4a8_g64", "w8"}))  # int4 and nf4 (w4a8 reads the same
+@pytest.mark.parametrize("name", ci_only(STACKED, {"w4a8_g64", "w8", "w4_per_channel"}))  # int4 and nf4 (w4a8 reads the same
 # kernel): CI
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]

@@ -11,8 +11,8 @@ activation into int8 digits, and took 0.76x (``w4`` g128) and 0.59x (``w8``) a f
 once, front to back, and decode them in registers (AVX2 + FMA) into float32 sums: the
 arithmetic of the float32 matmul of the decoded weight, in another order.
 
-* ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales, two per byte, packed
-  ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);
+* ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales (or one scale per
+  output channel), two per byte, packed ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);
 * ``jqt_channel_gemv``: int8 codes with one scale per output channel, packed ``(N, K)``
   (``w8``; and ``w8a8`` / ``w8a8_dynamic``, their int8 codes as floats, where
   ``KernelPolicy.native_int8_rows`` says so: exact products, float32 sums).
@@ -189,18 +189,20 @@ def _build() -> NativeStatus:
 
 def _target(w: QArray):
     """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
-    or fewer or NF4 codes with group scales, two per byte, ``"kn"`` (w4, w4a8, nf4);
+    or fewer or NF4 codes with group scales or one scale per output channel, two per
+    byte, ``"kn"`` (w4, w4a8, nf4);
     ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
     most 8 bits, one per byte, one scale per output channel (not one per tensor);
     ``FP8_KN`` for fp8 codes, ``"kn"``, one scale per output channel (fp8)."""
     q = w.qtype
     if getattr(w.values, "ndim", 0) != 2:
         return None
-    if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4") and q.group_size
-            and q.group_size % 2 == 0):
-        return GROUPED
     n = w.values.shape[0 if w.layout == "nk" else 1]
-    if math.prod(jnp.shape(w.scale)) != n or q.group_size:  # one scale per tensor, or groups
+    per_channel = math.prod(jnp.shape(w.scale)) == n and not q.group_size
+    if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4")
+            and (q.group_size and q.group_size % 2 == 0 or per_channel)):
+        return GROUPED
+    if not per_channel:  # one scale per tensor, or groups
         return None
     if (w.layout in ("nk", "kn") and q.kind == "int" and q.bits <= 8
             and w.values.dtype == np.int8):
@@ -209,6 +211,20 @@ def _target(w: QArray):
             and w.zero_point is None:
         return FP8_KN
     return None
+
+
+def kernel_group(qtype, k: int) -> int:
+    """The ``group_size`` ``jqt_grouped_gemv`` runs 4-bit codes of ``qtype`` over ``k``
+    rows in: the format's groups, or for one scale per output channel blocks of about 256
+    rows (one scale row for all of them), which the threads share.
+
+    >>> import jqt
+    >>> kernel_group(jqt.QuantType(bits=4, group_size=64), 4096), kernel_group(jqt.QuantType(bits=4), 4096)
+    (64, 256)
+    >>> kernel_group(jqt.QuantType(bits=4), 300), kernel_group(jqt.QuantType(bits=4), 4098)
+    (150, 4098)
+    """
+    return qtype.group_size or dense.chunk_size(k, 256, 2) or k
 
 
 def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
@@ -234,7 +250,7 @@ def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
     q = w.qtype
     v = w.values
     if target == GROUPED:
-        shape = (v.shape[0] * 2 // q.group_size, v.shape[1])
+        shape = (v.shape[0] * 2 // q.group_size if q.group_size else 1, v.shape[1])
     else:  # one scale per output channel: the codes' axis 0 "nk", axis 1 "kn" (fp8 too)
         shape = (v.shape[0] if target == CHANNEL else v.shape[1],)
     layer = jnp.int32(0)
@@ -304,8 +320,8 @@ def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
     if compat.lowering_is_portable(ctx) or not native_status().available:
         return _lower_reference(ctx, *args, target=target, **params)
     if target == GROUPED:
-        return jax.ffi.ffi_lowering(GROUPED)(ctx, *args,
-                                             group_size=np.int64(params["qtype"].group_size))
+        return jax.ffi.ffi_lowering(GROUPED)(
+            ctx, *args, group_size=np.int64(kernel_group(params["qtype"], 2 * ctx.avals_in[1].shape[-2])))
     return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
 
 

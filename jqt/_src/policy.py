@@ -121,15 +121,17 @@ native_gemv_rows            bits decoded through
                             2.05x K-chunked)
 1-8 rows: w4 g128, w4a8     jqt's native kernel         as at any row count
 g128, nf4 (4-bit codes      (``native.py``, an XLA FFI  (H200: digits 2.81x
-with group scales):         custom call built on first  bfloat16 at one row of a
-native_gemv_rows            use): the packed codes      4096 layer against 3.90x,
-                            read once, decoded in       but 1.09x against 1.05x in
+with group scales, or per   custom call built on first  bfloat16 at one row of a
+channel weight-only):       use): the packed codes      4096 layer against 3.90x,
+native_gemv_rows            read once, decoded in       but 1.09x against 1.05x in
                             registers (4096 layer at    the decode step)
                             one row: w4 0.20x float32
                             against 0.76x K-chunked,
                             nf4 0.31x against 1.09x;
-                            decoder step w4 0.284x
-                            against 0.433x); where it
+                            per channel w4 0.21-0.32x
+                            at 1-8 rows against 0.46-
+                            1.02x; decoder step w4
+                            0.284x against 0.433x); where it
                             does not build and in
                             ``jax.export``: K-chunked
                             cast, as at any row count

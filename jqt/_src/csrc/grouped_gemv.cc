@@ -9,8 +9,9 @@
 //
 // x: float32 (M, K); codes: uint8 (K / 2, N), two signed 4-bit codes per byte along K (the
 // low nibble holds the even row of K, the high nibble the odd one: jqt's packed "kn"
-// layout); scale and zp: float32 (K / group_size, N), zp empty when symmetric; table:
-// float32 (16,) or empty; layer: int32 scalar.
+// layout); scale and zp: float32 (K / group_size, N), zp empty when symmetric, or (1, N) for
+// codes with one scale per output channel (group_size then only splits K into the blocks
+// the threads share); table: float32 (16,) or empty; layer: int32 scalar.
 //
 // Stacked layers: codes (L, K / 2, N) with scale and zp (L, K / group_size, N) hold L
 // layers' weights (a lax.scan over stacked layers), and the kernel reads layer
@@ -171,7 +172,7 @@ void exact_group(const float* x, const uint8_t* w, int64_t N, const float* sg, c
 // out[m][0:N] = the sum over the groups g0..g1 (every row and column).
 void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
             const float* scale, const float* zp, const float* table, int64_t gs, float* out,
-            int64_t g0, int64_t g1) {
+            int64_t g0, int64_t g1, bool per_channel) {
   const int64_t R = gs / 2;
   std::vector<float> acc(static_cast<size_t>(M * N)), part(table ? 0 : static_cast<size_t>(N));
   std::fill(out, out + M * N, 0.f);
@@ -189,8 +190,8 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
 #endif
       rows_scalar(xm, K, mm, w, N, g * R, (g + 1) * R, am, N, 0, table);
     });
-    const float* sg = scale + g * N;
-    const float* zg = zp ? zp + g * N : nullptr;
+    const float* sg = scale + (per_channel ? 0 : g * N);
+    const float* zg = zp ? zp + (per_channel ? 0 : g * N) : nullptr;
     for (int64_t m = 0; m < M; ++m) {
       float* o = out + m * N;
       const float* a = acc.data() + m * N;
@@ -272,8 +273,11 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
         "jqt_grouped_gemv: x must be 2-D, codes and scale 2-D (or 3-D, stacked layers), "
         "layer a scalar");
   const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[r - 1];
+  // one row of scales: per output channel, group_size then only splits K into the parts
+  // the threads share (each part's sums scaled by the same scales)
+  const bool per_channel = sd[r - 2] == 1;
   if (group_size <= 0 || group_size % 2 || K % group_size || wd[r - 2] * 2 != K ||
-      sd[r - 2] != K / group_size || sd[r - 1] != N || (r == 3 && sd[0] != L) || L < 1 ||
+      (sd[r - 2] != K / group_size && !per_channel) || sd[r - 1] != N || (r == 3 && sd[0] != L) || L < 1 ||
       (zp.element_count() && zp.element_count() != scale.element_count()) ||
       (table.element_count() != 0 && table.element_count() != 16) ||
       (table.element_count() && zp.element_count()))
@@ -281,8 +285,9 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t G = K / group_size, l = pick(layer, L);
   const float* xp = x.typed_data();
   const uint8_t* wp = codes.typed_data() + l * (K / 2) * N;
-  const float* sp = scale.typed_data() + l * G * N;
-  const float* zpp = zp.element_count() ? zp.typed_data() + l * G * N : nullptr;
+  const int64_t SG = per_channel ? 1 : G;  // rows of scales per layer
+  const float* sp = scale.typed_data() + l * SG * N;
+  const float* zpp = zp.element_count() ? zp.typed_data() + l * SG * N : nullptr;
   const float* tp = table.element_count() ? table.typed_data() : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
@@ -295,7 +300,7 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
   parallel(pool, parts, [&](int64_t t) {
     groups(xp, M, K, wp, N, sp, zpp, tp, group_size, t ? partial[t - 1].data() : op,
-           G * t / parts, G * (t + 1) / parts);
+           G * t / parts, G * (t + 1) / parts, per_channel);
   });
   for (const auto& p : partial)
     for (int64_t i = 0; i < M * N; ++i) op[i] += p[i];

@@ -154,9 +154,9 @@ def attention(p, x):
     return jax.nn.softmax(q @ k.T / 4.0, axis=-1) @ v
 
 
-@pytest.mark.parametrize("case", [  # static w8a8 and act x act under vmap: CI's slow run
-    pytest.param("w8a8", marks=pytest.mark.slow), "w8a8_dynamic",
-    pytest.param("attention_act_x_act", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [  # CI's slow run (the default run's vmap checks: test_native,
+    pytest.param(c, marks=pytest.mark.slow)  # test_kvcache, test_accumulator, test_formats)
+    for c in ("w8a8", "w8a8_dynamic", "attention_act_x_act")])
 def test_vmap_equals_loop(case):
     if case == "attention_act_x_act":
         f = attention

@@ -137,8 +137,9 @@ def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
         np.testing.assert_allclose(jax.jit(run)(packed, x), ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
-@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
-                                    jqt.recipes.w4(group_size=64, symmetric=False)])
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8()] + [  # the 4-bit ones: CI
+    pytest.param(r, marks=pytest.mark.slow) for r in (jqt.recipes.w4(group_size=128),
+                                                      jqt.recipes.w4(group_size=64, symmetric=False))])
 def test_a_wide_weight_is_decoded_in_blocks_of_output_columns(recipe):
     """A (K, N) weight whose K-chunk would decode to more than weight_only_block_bytes of
     float32 (an LM head, 512 x 50k: 1.3-1.7x float32 at 32-256 rows in K-chunks) runs
@@ -382,6 +383,7 @@ def test_few_rows_reduce_over_k_without_a_matmul():
     np.testing.assert_allclose(got, jax.jit(jqt.quantize(g, qp2, simulate=True))(ps, x[:1]), rtol=0, atol=5e-5)
 
 
+@pytest.mark.slow  # the GPU table on this CPU: CI
 def test_gpu_table_runs_w4a8_as_a_float_matmul_at_every_row_count():
     """``grouped_float`` (the GPU table): int8 activations on grouped int4 weights never run
     int8 matmuls per group, whose compilation aborted XLA:GPU at 2-16 rows (and which ran

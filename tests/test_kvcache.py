@@ -122,7 +122,7 @@ _CPU, _FP8_NATIVE = jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy(fp8_na
 @pytest.mark.parametrize("kind,code_dtype,bits,policy", [
     (True, jnp.int8, 8, _CPU), ("int4", jnp.uint8, 4, _CPU),
     ("fp8", jnp.uint8, 8, _CPU),  # fp8 codes as their bits where fp8 is not native
-    ("fp8", jnp.float8_e4m3fn, 8, _FP8_NATIVE)])
+    pytest.param("fp8", jnp.float8_e4m3fn, 8, _FP8_NATIVE, marks=pytest.mark.slow)])  # CI
 def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits, policy):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal, progress=False)
@@ -189,6 +189,7 @@ def test_an_fp8_cache_held_as_bits_decodes_to_the_same_outputs(setup):
     np.testing.assert_array_equal(y_bits, y_fp8)
 
 
+@pytest.mark.slow  # CI
 def test_int4_cache_with_an_odd_head_dimension(monkeypatch):
     """Head vectors of odd length do not pack two codes per byte: the int4 cache keeps
     one int8 code per byte, and the integer path still follows the simulated one."""

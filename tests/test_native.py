@@ -100,8 +100,7 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32",
-                                                 "fp8_e5m2_dynamic_k301", "fp8_weight_only",
-                                                 "nf4_per_channel_k300", "w4_per_channel_asym_k258"}))
+                                                 "fp8", "w4_per_channel"}))  # the others: CI
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -280,6 +279,7 @@ def test_export_holds_no_custom_call_and_matches():
 
 
 @needs_kernel
+@pytest.mark.slow  # the remat / cond / while composition of the kernels: CI
 def test_scan_over_stacked_layers_cond_while_and_remat():
     keys = jax.random.split(jax.random.key(7), 3)
     p = {"w": jax.random.normal(keys[0], (3, 256, 256)) / 16}
@@ -380,7 +380,7 @@ STACKED = {  # recipe, rows, scan in reverse
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ci_only(STACKED, {"w4a8_g64", "w8", "w4_per_channel"}))  # int4 and nf4 (w4a8 reads the same
+@pytest.mark.parametrize("name", ci_only(STACKED, {"w4_g64"}))  # int4 and nf4 (w4a8 reads the same
 # kernel): CI
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]
@@ -434,6 +434,7 @@ def test_nested_scans_index_the_stack_in_place():
 
 
 @needs_kernel
+@pytest.mark.slow  # CI
 def test_stacked_kernel_operands_clamp_the_layer_and_batch():
     """``jqt_gemv`` on stacked codes: the layer clamped as ``lax.dynamic_index_in_dim``
     clamps it; vmap over activations folds rows; jvp differentiates the formulation."""

@@ -305,6 +305,7 @@ def test_an_odd_contraction_says_that_it_is_not_rotated():
         assert jqt.calibrate(f, jqt.recipes.w8a8(rotate=True), p, batches, progress=False)["w"].rotate
 
 
+@pytest.mark.slow  # CI
 def test_weights_packed_with_other_transforms_are_refused(tmp_path):
     """Codes hold the smoothing vector and rotation they were packed with; run under qparams
     that transform the activation otherwise they gave silently wrong outputs (11x the error

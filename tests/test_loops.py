@@ -366,7 +366,8 @@ def test_scan_counts_read_both_jax_forms_and_name_the_supported_jax_otherwise():
     assert compat.scan_counts(scan) == (1, 1)  # the weight is a constant, h the one carry
 
 
-@pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=32), jqt.recipes.w8()],
+@pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=32),
+                                    pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow)],  # w8: CI
                          ids=["w4_g32", "w8"])
 def test_stacked_embedding_tables_and_weights_in_a_layer_scan(recipe):
     """A scan over layers that each look up their own table and multiply their own

@@ -51,6 +51,7 @@ device's work. Reported: medians per call and ratios to bfloat16 in the same rou
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import json
@@ -213,9 +214,13 @@ def kernels(jitted, *args):
 
 
 def interleaved(calls, rounds):
+    """``{name: timing.summary}`` of seconds per call: each sample times ``PIPELINE`` calls
+    (before 2026-11-27 the tables of ``gpu-h100.md`` / ``gpu-h200.md`` gave that sample's
+    time as one call's: their dense µs and MiniLM ms are 4x a call's, their ratios right)."""
     calls = {n: functools.partial(_pipelined, c) for n, c in calls.items()}
     timing.choose_rounds(list(calls.values()), 0.0, 1, 1, warmup=3)  # compile and warm up
-    return {n: timing.summary(s) for n, s in timing.interleaved(calls, rounds).items()}
+    per_call = lambda d: {k: v / PIPELINE if k != "n" else v for k, v in d.items()}
+    return {n: per_call(timing.summary(s)) for n, s in timing.interleaved(calls, rounds).items()}
 
 
 def _pipelined(call):
@@ -252,21 +257,25 @@ def nbytes(tree):
 def dense(sizes, markdown, results, check=True):
     n, reps = sizes.dense_n, sizes.reps
     rng = np.random.default_rng(0)
-    w32 = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), F32)
+    base = rng.standard_normal((n, n)).astype(np.float32) / np.sqrt(n)
+    # a weight of its own for each layer (the base's columns rolled): with one weight for
+    # all, XLA computes a decode once for the chain and the weight stays in the L2 cache
+    ws32 = [jnp.asarray(np.roll(base, 7 * i, axis=1)) for i in range(reps)]
+    w32 = ws32[0]
     layer = lambda w, x: x @ w
 
-    def chain(w, x):  # the layer reps times, each output RMS-normalised into the next input
-        for _ in range(reps):
-            y = layer(w, x).astype(F32)
+    def chain(ws, x):  # each layer in turn, each output RMS-normalised into the next input
+        for w_ in ws:
+            y = layer(w_, x).astype(F32)
             x = (y * lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(x.dtype)
         return x
 
-    w = w32.astype(BF16)
+    w = [a.astype(BF16) for a in ws32]
     calib = [(jnp.asarray(rng.standard_normal((16, n)), BF16),) for _ in range(2)]
     q = quantized(chain, DENSE, w, calib, "dense", results["failed"])
-    fns = {"bfloat16": (jax.jit(chain), w), "float32": (jax.jit(chain), w32)}
+    fns = {"bfloat16": (jax.jit(chain), w), "float32": (jax.jit(chain), ws32)}
     fns.update({v: (fq, packed) for v, (fq, packed, _) in q.items()})
-    rows, kern = [], {}
+    rows, kern, per = [], {}, reps
     for m in sizes.dense_rows:
         progress(f"dense: {m} rows")
         x = jnp.asarray(rng.standard_normal((m, n)), BF16)
@@ -275,10 +284,10 @@ def dense(sizes, markdown, results, check=True):
         med = interleaved(calls, sizes.rounds)
         base = med["bfloat16"]["median"]
         for v, s in med.items():
-            results[f"dense{n} {v} m{m}"] = dict(us_per_layer=s["median"] / reps * 1e6,
+            results[f"dense{n} {v} m{m}"] = dict(us_per_layer=s["median"] / per * 1e6,
                                                  ratio_bf16=s["median"] / base)
-        rows.append((str(m), f"{base / reps * 1e6:.1f}")
-                    + tuple(f"{med[v]['median'] / reps * 1e6:.1f} ({med[v]['median'] / base:.2f}x)"
+        rows.append((str(m), f"{base / per * 1e6:.1f}")
+                    + tuple(f"{med[v]['median'] / per * 1e6:.1f} ({med[v]['median'] / base:.2f}x)"
                             for v in fns if v != "bfloat16"))
         if m in (1, sizes.dense_rows[-1]):
             for v, (fn, _) in fns.items():
@@ -291,7 +300,7 @@ def dense(sizes, markdown, results, check=True):
     # the chain's output against float32's; for the integer and fp8 kernels, one float32
     # layer's integer path against its float simulation (float32 rounding apart: ~1e-7)
     x1 = jnp.asarray(rng.standard_normal((16, n)), BF16)
-    ref = np.asarray(jax.jit(chain)(w32, x1.astype(F32)), np.float64)
+    ref = np.asarray(jax.jit(chain)(ws32, x1.astype(F32)), np.float64)
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
                              / np.linalg.norm(np.asarray(b, np.float64)))
     info = []
@@ -303,7 +312,7 @@ def dense(sizes, markdown, results, check=True):
             qp1, policy = jqt.calibrate(layer, DENSE[v][0](), w32, [(x32,)], progress=False), policy_of(None)
             out = jax.jit(jqt.quantize(layer, qp1, policy=policy))(jqt.pack(qp1, w32, policy=policy), x32)
             dif = rel(out, jax.jit(jqt.quantize(layer, qp1, simulate=True))(w32, x32))
-        ratio = nbytes(packed) / reps / w.nbytes  # a weight read by several ops is packed for each
+        ratio = nbytes(packed) / nbytes(w)
         results[f"dense{n} {v}"] = dict(rel_err=err, int_vs_sim=dif, bytes_ratio=ratio)
         info.append((v, f"{ratio:.3f}", f"{err:.4f}", "-" if dif is None else f"{dif:.1e}",
                      kern.get((v, 1), ""), kern.get((v, sizes.dense_rows[-1]), "")))
@@ -392,7 +401,7 @@ def decode(sizes, markdown, results):
         fn, p, c = fns[v]
         logits, new_cache = fn(p, c, token)
         err = np.linalg.norm(np.asarray(logits, np.float64) - ref) / np.linalg.norm(ref)
-        t = s["median"] / PIPELINE
+        t = s["median"]
         kv = nbytes(new_cache) / nbytes(cache)
         results[f"decode {v}"] = dict(ms_per_token=t * 1e3, tokens_s=1 / t, ratio_bf16=s["median"] / base,
                                       bytes_ratio=nbytes(p) / nbytes(params), cache_ratio=kv, logits_err=err)
@@ -476,6 +485,30 @@ def isolated(a):
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
+def derive(name):
+    """Adds ``"BASE [field=value ...]"`` to every table that has ``BASE`` without fields: the
+    same preset under the backend's table with those ``KernelPolicy`` fields replaced.
+
+    >>> derive("w8 [decode_in_input_dtype=True weight_only_digits=0]")
+    >>> DENSE["w8 [decode_in_input_dtype=True weight_only_digits=0]"][1]
+    {'decode_in_input_dtype': True, 'weight_only_digits': 0}
+    """
+    m = re.fullmatch(r"(.+?) \[(.+)\]", name)
+    if not m:
+        return
+    base, fields = m.group(1), {}
+    for item in m.group(2).split():
+        k, _, v = item.partition("=")
+        if k not in {f.name for f in dataclasses.fields(jqt.KernelPolicy)}:
+            raise SystemExit(f"--variants {name!r}: KernelPolicy has no field {k!r}")
+        fields[k] = ast.literal_eval(v)
+    for table_ in (DENSE, MINILM, DECODE, GENERATE):
+        if base in table_ and name not in table_:
+            entry = table_[base]
+            make, own = entry if isinstance(entry, tuple) else (entry, None)
+            table_[name] = (make, {**(own or {}), **fields})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(PARTS))
@@ -511,6 +544,8 @@ def main():
         BASE["policy"] = jqt.KernelPolicy.for_backend(a.policy)
     if a.variants:
         keep = a.variants.split(",")
+        for name in keep:
+            derive(name)
         unknown = set(keep) - set(DENSE) - set(MINILM) - set(DECODE) - set(GENERATE)
         if unknown:
             raise SystemExit(f"--variants: no variant named {', '.join(sorted(unknown))}")

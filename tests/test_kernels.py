@@ -116,6 +116,41 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
                                       jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many))
 
 
+def test_gpu_table_casts_int8_weights_to_the_activation_dtype_untied():
+    """The GPU table (``decode_in_input_dtype``, ``cast_in_gemm``) under a bfloat16 activation
+    at 2-64 rows: a per-channel int8 weight is cast straight to bfloat16 for one bfloat16
+    matmul with float32 sums, with no tie to the activation, so that XLA:GPU's GEMM can read
+    the codes and convert them in its tiles; a grouped int4 weight is decoded to bfloat16
+    and keeps its tie. Both agree with the simulated path to bfloat16's rounding, and the
+    int8 cast is exact: the float32 decode of the old table gives the same output to
+    float32 rounding."""
+    gpu = jqt.KernelPolicy.for_backend("gpu")
+    old = dataclasses.replace(gpu, decode_in_input_dtype=False, cast_in_gemm=False)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (256, 48), jnp.bfloat16)}
+    for recipe, cast_untied in ((jqt.recipes.w8(), True), (jqt.recipes.w4(group_size=64), False)):
+        x = jax.random.normal(jax.random.key(1), (64, 256), jnp.bfloat16)
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        sim = np.asarray(jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), np.float32)
+        for rows in (2, 64):
+            q = jqt.quantize(f, qp, policy=gpu)
+            packed = jqt.pack(qp, p, policy=gpu)
+            jaxpr = jax.make_jaxpr(q)(packed, x[:rows]).jaxpr
+            names = {e.primitive.name for e in _eqns(jaxpr)}
+            dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+            assert [d.invars[1].aval.dtype for d in dots] == [jnp.bfloat16], (recipe, rows)
+            assert ("clz" not in names) == cast_untied, (recipe, rows)  # the tie: a clz of x
+            if cast_untied:  # the weight operand: the int8 codes, one cast
+                cast = next(e for e in _eqns(jaxpr) if e.outvars[0] is dots[0].invars[1])
+                assert cast.primitive.name == "convert_element_type" and cast.invars[0].aval.dtype == jnp.int8
+            out = np.asarray(jax.jit(q)(packed, x[:rows]), np.float32)
+            np.testing.assert_allclose(out, sim[:rows], rtol=0, atol=1e-2 * float(np.abs(sim).max()))
+            if cast_untied:
+                ref = jax.jit(jqt.quantize(f, qp, policy=old))(jqt.pack(qp, p, policy=old), x[:rows])
+                np.testing.assert_allclose(out, np.asarray(ref, np.float32), rtol=0,
+                                           atol=1e-6 * float(np.abs(ref).max()))
+
+
 @pytest.mark.slow  # 4 MiB weights at three row counts: CI
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w4(group_size=128),
                                     jqt.recipes.w4a8(group_size=128)])
@@ -197,7 +232,8 @@ def test_policy_table():
         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
         int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0)
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
-        fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True)
+        fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True,
+        decode_in_input_dtype=True, cast_in_gemm=True)
     assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
     with pytest.raises(TypeError):
         jqt.KernelPolicy(2)  # keyword-only

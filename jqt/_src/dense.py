@@ -522,6 +522,23 @@ def decode_dtype(x_dtype, w, policy, m=None):
     return _F32
 
 
+def exact_cast(w, dtype) -> bool:
+    """Whether ``w`` decodes to ``dtype`` by one exact cast of its codes: per-channel int
+    codes of 8 bits, one to a byte (no group scales, no nibbles), to a 16-bit float
+    (``policy.cast_in_gemm`` leaves that cast free for the backend's GEMM to fuse).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> from jqt._src.qparams import QArray
+    >>> w = QArray(values=jnp.zeros((4, 4), jnp.int8), scale=jnp.ones((4,)),
+    ...            qtype=jqt.QuantType(bits=8, per_channel=True), layout="nk")
+    >>> exact_cast(w, jnp.bfloat16), exact_cast(w, jnp.float32)
+    (True, False)
+    """
+    q = w.qtype
+    return (q.kind == "int" and q.grid == "int" and not q.group_size and not w.nibbles
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
 def _decode_k(codes, w, scale, zp, kd, rows, nib, dtype=_F32, halves=False):
     """:func:`decode_rows` of a block of codes (K along ``kd``), with nibbles unpacked by
     :func:`interleaved_nibbles` (K in its own order), or with ``halves`` by
@@ -628,7 +645,8 @@ def weight_only_2d(x2, w, policy, precision):
             if full < n:  # the last, shorter block
                 out = lax.dynamic_update_slice_in_dim(out, block(full, n - full), full, 1)
         else:
-            out = dot(xk, dec(after(v, xk) if policy.decode_after_input else v, scale, zp))
+            tie = policy.decode_after_input and not (policy.cast_in_gemm and exact_cast(w, dt))
+            out = dot(xk, dec(after(v, xk) if tie else v, scale, zp))
     if gs:
         return out
     if w.zero_point is not None:

@@ -41,14 +41,20 @@ def applies(m: int, policy) -> bool:
     return 0 < m <= policy.gemv_rows
 
 
-def weight_only_applies(w, m: int, policy) -> bool:
+def weight_only_applies(w, m: int, policy, x_dtype=None) -> bool:
     """Whether the weight-only op of ``w`` (a 2-D weight QArray) runs as digits at ``m`` rows:
     int codes of 8 bits or fewer in a packed 2-D layout (``"kn"`` with group scales; ``"nk"``
     only per channel under ``policy.weight_only_kn``), and without groups a K within
-    int32's exact range."""
+    int32's exact range. Not where ``policy.cast_in_gemm`` casts the codes exactly to the
+    activation's dtype ``x_dtype`` for the backend's GEMM to convert in its tiles (GPU
+    table, bfloat16 activations: 0.84x bfloat16 at 2 rows of a 4096 layer against
+    0.94-1.02x for the digits, ``benchmarks/results/gpu-h100.md``)."""
     q = w.qtype
     n = policy.grouped_digits if q.group_size else policy.weight_only_digits
     if dense.reduces(m, policy):
+        return False
+    if x_dtype is not None and policy.cast_in_gemm \
+            and dense.exact_cast(w, dense.decode_dtype(x_dtype, w, policy, m)):
         return False
     # per channel (K, N) under weight_only_kn: K-chunks, not digits (the 100M decoder's step
     # at 2 / 4 rows 0.590 / 0.737x float32 against 0.657 / 0.826x, a tie at one row)

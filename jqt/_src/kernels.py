@@ -210,7 +210,7 @@ def run(site, eqn, ops, policy):
         else:
             out2 = native.dense_rows(ax.act_2d(x_op), w2, policy, stack)
     elif not int_act:
-        if gemv.weight_only_applies(w2, m, policy):
+        if gemv.weight_only_applies(w2, m, policy, x_op.dtype):
             out2 = gemv.weight_only(ax, x_op, w2, policy)
         else:
             out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))

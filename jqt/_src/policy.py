@@ -13,10 +13,10 @@ decoding at batch 1 (a GEMV), 1024 for a prefill of 8 x 128 tokens.
 decision                    CPU (XLA:CPU)               GPU and other backends
 ==========================  ==========================  ==========================
 packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
-packed dense weight, w8     ``(K, N)``                  ``(N, K)``: the int8
-(weight-only per channel)   (``weight_only_kn``): the   matmul of the digits reads
-                            float matmul reads it       it at few rows
-                            decoded faster at many
+packed dense weight, w8     ``(K, N)``                  ``(N, K)``: the one-row
+(weight-only per channel)   (``weight_only_kn``): the   sum over K and the digits
+                            float matmul reads it       read each output's codes
+                            decoded faster at many      contiguously
                             rows (all-MiniLM-L6-v2 at
                             batch 1 / 8: 0.82-0.87x /
                             0.95-0.98x float32 against
@@ -60,19 +60,23 @@ rows: int_as_bfloat16_rows  or AMX-BF16: the codes as   not measured on a GPU)
                             encoder block, 512 rows:
                             w8a8 1.59x float32 against
                             0.88x)
-1-8 rows: w8 (weight-only)  jqt's native kernel         2-4 rows: the float
-                            (``jqt_channel_gemv_kn``;   activation as 3 int8
-                            ``jqt_channel_gemv`` for    digits, one int8 matmul
-                            ``(N, K)``): 4096 layer     (H200: 1.23-1.29x
-                            0.34x float32 at one row    bfloat16 at one row of a
-                            against 0.73x for the       4096 layer, 1.73x at 4,
-                            digits; without it, a       against 3.13-3.24x for
-                            ``(K, N)`` weight runs      the cast; the 100M decode
-                            K-chunks (decoder step      step 0.84-0.89x against
-                            0.437-0.737x at 1-4 rows),  1.04-1.06x)
-                            an ``(N, K)`` one at 1-4
-                            rows 3 int8 digits, one
-                            int8 matmul (0.372-0.812x)
+1-8 rows: w8 (weight-only)  jqt's native kernel         one row: the sum over K
+                            (``jqt_channel_gemv_kn``;   (below); 2-4 rows: a
+                            ``jqt_channel_gemv`` for    float32 activation as 3
+                            ``(N, K)``): 4096 layer     int8 digits, one int8
+                            0.34x float32 at one row    matmul (H200: 1.23-1.29x
+                            against 0.73x for the       bfloat16 at one row, 1.73x
+                            digits; without it, a       at 4, against 3.13-3.24x
+                            ``(K, N)`` weight runs      for the cast); a 16-bit
+                            K-chunks (decoder step      one from 2 rows on: the
+                            0.437-0.737x at 1-4 rows),  codes cast to its dtype,
+                            an ``(N, K)`` one at 1-4    untied (``cast_in_gemm``):
+                            rows 3 int8 digits, one     XLA converts them in its
+                            int8 matmul (0.372-0.812x)  GEMM (H100, 4096 layer at
+                                                        2 / 16 rows: 0.84 / 0.83x
+                                                        bfloat16 against 0.94-
+                                                        1.02x for the digits and
+                                                        1.81x for the tied cast)
 1-4 rows: w8a8,             jqt's native kernel         an int8 matmul
 w8a8_dynamic (int8 x int8   (``jqt_channel_gemv``) on
 per channel):               the activation's codes as
@@ -164,22 +168,22 @@ copy of at most 3 MiB       exists (an integer zero
                             the tie XLA:CPU hoists
                             every decode: 43 MB of
                             temporaries, 1.75-2.04x)
-weight-only, bfloat16 /     on a CPU with AVX512_BF16   float32 decode (16-bit
-float16 activations         or AMX-BF16: the weight     decode not measured on a
-(decode_in_input_dtype)     decoded to that dtype, one  GPU yet: gpu.py's rows
-                            16-bit matmul, float32      "[decode_in_input_dtype=
-                            accumulation: per-channel   True]")
-                            int8 codes (exact) at any
-                            rows, grouped w4 / nf4
-                            above 64 rows (bfloat16
-                            4096 layer: w8 0.31-0.58x
-                            bfloat16 at 8-256 rows,
-                            against 0.61-1.08x; w4 g128
-                            0.58x against 0.92x at
-                            128); elsewhere (AVX2) a
-                            float32 decode: there the
-                            bfloat16 matmul is the
-                            slower (w8 1.41-1.88x
+weight-only, bfloat16 /     on a CPU with AVX512_BF16   decoded to that dtype:
+float16 activations         or AMX-BF16: the weight     int8 codes per channel
+(decode_in_input_dtype)     decoded to that dtype, one  exactly, grouped w4 / nf4
+                            16-bit matmul, float32      in float32 and rounded
+                            accumulation: per-channel   (H100, 4096 layer at 2-
+                            int8 codes (exact) at any   2048 rows: w4 g128 1.30-
+                            rows, grouped w4 / nf4      2.08x bfloat16 against
+                            above 64 rows (bfloat16     2.42-3.12x for float32,
+                            4096 layer: w8 0.31-0.58x   nf4 g64 1.36-2.40x against
+                            bfloat16 at 8-256 rows,     2.45-3.30x; w8 at 256 /
+                            against 0.61-1.08x; w4 g128 2048 rows 1.72 / 1.37x
+                            0.58x against 0.92x at      against 3.28 / 2.60x;
+                            128); elsewhere (AVX2) a    all-MiniLM-L6-v2 shape:
+                            float32 decode: there the   w8 1.08-1.10x against
+                            bfloat16 matmul is the      1.12-1.18x, w4 g128 1.23-
+                            slower (w8 1.41-1.88x       1.28x against 1.16-1.19x)
                             bfloat16 at 16-256 rows,
                             against 0.55-1.09x)
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
@@ -300,6 +304,16 @@ class KernelPolicy:
         ``lax.optimization_barrier`` does not stop it (XLA:CPU removes
         barriers before it schedules). Default ``True``: it costs one scalar
         add per code, fused into the decode.
+      cast_in_gemm: a weight-only weight of per-channel 8-bit int codes cast
+        exactly to the activation's 16-bit dtype (``decode_in_input_dtype``) is
+        cast with no tie to its op's input (``decode_after_input`` does not
+        apply to it): XLA:GPU's GEMM fusion then reads the int8 codes and
+        converts them in its tiles, where the tie kept the cast out of it (H100,
+        a 4096 layer at 2 / 16 / 256 / 2048 rows: 0.84 / 0.83 / 1.72 / 1.37x
+        bfloat16 against 0.94 / 1.81 / 2.53 / 1.58x tied, with int8 digits at 2
+        rows; ``benchmarks/results/gpu-h100.md``, fourth lease). Grouped int4 /
+        nf4 and fp8 weights, decoded to memory, keep the tie (untied: 1.89-2.04x
+        against 1.94-2.09x at 2-256 rows, no clear gain).
       whole_decode_bytes: a weight-only weight whose float32 copy takes at most
         this many bytes is decoded whole (after its input) for one float matmul
         at any row count, as above ``float_matmul_rows`` rows: K-chunks pay a
@@ -445,6 +459,7 @@ class KernelPolicy:
     many_rows_block: int = 0
     whole_decode_rows: int = 0
     decode_after_input: bool = True
+    cast_in_gemm: bool = False
     whole_decode_bytes: int = 0
     large_weight_bytes: int = 0
     large_weight_rows: int = 0
@@ -543,6 +558,7 @@ def bfloat16_dot_is_fast(flags) -> bool:
 
 
 _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md
+                   decode_in_input_dtype=True, cast_in_gemm=True,  # gpu-h100.md (fourth lease)
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
                    grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
 POLICIES = {

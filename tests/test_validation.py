@@ -800,3 +800,19 @@ def test_an_activation_that_was_zero_on_every_batch_is_said():
     f = lambda p, x: x @ p["w"]
     msgs = _messages(lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.zeros((2, 8)),)], progress=False))
     assert any("op 'w'" in m and "was 0 on every calibration batch" in m for m in msgs)
+
+
+def test_messages_name_an_op_inside_a_loop_by_its_scopes_from_the_top():
+    """An op in a scan's body is named with the scan's own scopes before the body's
+    (``Site.name_stack``): it read '<top>' or the body's scope alone before."""
+    p = {"w": jnp.ones((3, 8, 8)) * 0.1}
+
+    def f(p, x):
+        def body(h, w):
+            with jax.named_scope("block"):
+                return jnp.tanh(h @ w), None
+        with jax.named_scope("layers"):
+            return jax.lax.scan(body, x, p["w"])[0]
+
+    msgs = _messages(lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.zeros((2, 8)),)], progress=False))
+    assert any("op 'w' (dot_general at 'layers/block')" in m for m in msgs), msgs

@@ -267,7 +267,7 @@ class Analyzer:
             self._use(ins[widx], key)
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
-                    contract=entry.contract(eqn), entry=entry)
+                    contract=entry.contract(eqn), entry=entry, name_stack=stack)
 
     def _hop(self, plan, i, eqn, ins, stack):
         name = eqn.primitive.name

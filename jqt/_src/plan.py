@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from . import compat
 from .qparams import WeightSource
 
 
@@ -39,10 +38,7 @@ class Site:
     stack_ids: tuple
     contract: tuple  # per operand: the axes that share one scale (reduced by the op)
     entry: object = None
-
-    @property
-    def name_stack(self):
-        return compat.name_stack(self.eqn)
+    name_stack: str = ""  # the op's scopes from the top (a loop's or branch's body: theirs too)
 
     def batch_axes(self) -> tuple:
         """The weight operand's ``dot_general`` batch axes."""

@@ -177,6 +177,27 @@ def test_fp8_values_are_fp8():
 
 
 @pytest.mark.parametrize("grid", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_weight_only_conv_does_not_overflow_huge_activations(grid):
+    """The generic path (here a conv) sums an fp8 weight's codes against a float activation
+    in units of ``numerics.FP8_BITS_UNIT`` (at most 1.75), as the dense paths do: as fp8 values (up to 448 and 57344) times activations near 1e35 they
+    overflowed float32 where the simulated path is finite."""
+    conv = lambda p, x: jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    p = {"k": jnp.asarray(RNG.standard_normal((3, 3, 8, 16)) * 0.1, jnp.float32)}
+    x = jnp.asarray(RNG.standard_normal((2, 6, 6, 8)), jnp.float32)
+    recipe = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype=grid, per_channel=True),
+                                        activation=None),))
+    qp = jqt.calibrate(conv, recipe, p, [(x,)], progress=False)
+    x = x * 1e35
+    sim = np.asarray(jax.jit(jqt.quantize(conv, qp, simulate=True))(p, x))
+    assert np.isfinite(sim).all()
+    for w in (p, jqt.pack(qp, p)):
+        out = np.asarray(jax.jit(jqt.quantize(conv, qp))(w, x))
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, sim, rtol=0, atol=1e-5 * np.abs(sim).max())
+
+
+@pytest.mark.parametrize("grid", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_codes_match_xla_conversion_bit_for_bit(grid):
     # jqt rounds to fp8 and back with integer operations on the bits (XLA:CPU emulates its
     # fp8 conversions at 2-3x the cost): the same codes and values as astype, ties,

@@ -168,6 +168,57 @@ def test_fp8_nan_codes_stay_nan():
     _close(np.nan_to_num(got), np.nan_to_num(want))
 
 
+E5M2 = {  # e5m2 weights per channel: weight-only, and with dynamic e5m2 activations
+    "weight_only": jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
+                                              activation=None),)),
+    "dynamic": R.fp8(dynamic=True, weight_dtype="float8_e5m2", act_dtype="float8_e5m2"),
+}
+
+
+@pytest.mark.parametrize("m", [2, 40])
+@pytest.mark.parametrize("name", sorted(E5M2))
+def test_fp8_e5m2_codes_do_not_overflow_huge_activations(name, m):
+    """e5m2's float16 is its top byte: its codes are up to 57344 in their own units, and
+    an activation above about 6e33 times one overflowed float32 (the kernel gave NaN, the
+    XLA formulation infinities) where the simulated path is finite. The codes are summed
+    in units of 2^-15 (at most 1.75; the scale carries 2^15), as e4m3fn's are in units of
+    2^-8: the kernel (at 2 rows) and the XLA formulations give the simulated path's numbers.
+    The kernel takes the 2^-15 from x, or from each code where an x is below 2^-111 (x
+    times 2^-15 would not be exact): both ways are checked."""
+    f, p, qp, x = _setup(E5M2[name], 256, 40, m)
+    x = x * 1e35  # |x| up to about 6e35
+    for xs in (x, x.at[0, 1].set(1e-35)):
+        want = np.asarray(jax.jit(jqt.quantize(f, qp, simulate=True))(p, xs))
+        assert np.isfinite(want).all()
+        for pol in (CPU, XLA):
+            packed = jqt.pack(qp, p, policy=pol)
+            q = jqt.quantize(f, qp, policy=pol)
+            if pol is CPU and m <= CPU.native_gemv_rows and jqt.native_status().available:
+                assert _custom_calls(q, packed, xs) == 1
+            got = np.asarray(jax.jit(q)(packed, xs))
+            assert np.isfinite(got).all(), (pol is CPU, int(np.isnan(got).sum()), int(np.isinf(got).sum()))
+            _close(got, want, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(E5M2))
+def test_fp8_e5m2_weights_near_the_float32_maximum_give_finite_outputs(name):
+    """The scale times e5m2's unit (2^15) is at most 0.57x the weight's largest magnitude
+    (57344 / 2^15 = 1.75 is the largest code, as 448 / 2^8 is e4m3fn's): a weight range
+    near 3.3e38 gives finite outputs on the kernel and the XLA formulations, as on the
+    simulated path (a unit of 2^16 would make such a scale infinite)."""
+    f, p, qp, x = _setup(E5M2[name], 256, 40, 2)
+    p = {"w": p["w"].at[0, 3].set(3.3e38)}
+    for m in (2, 40):
+        xs = jnp.tile(x.at[:, 0].set(1e-3), (m // 2, 1))
+        qp = jqt.calibrate(f, E5M2[name], p, [(xs,)], progress=False)
+        want = np.asarray(jax.jit(jqt.quantize(f, qp, simulate=True))(p, xs))
+        assert np.isfinite(want).all()
+        for pol in (CPU, XLA):
+            got = np.asarray(jax.jit(jqt.quantize(f, qp, policy=pol))(jqt.pack(qp, p, policy=pol), xs))
+            assert np.isfinite(got).all(), (pol is CPU, m)
+            _close(got, want, rel=1e-6)
+
+
 @needs_kernel
 def test_more_rows_than_native_gemv_rows_run_xla():
     f, p, qp, _ = _setup(R.w4(group_size=128))

@@ -18,7 +18,7 @@ from jax import lax
 from . import compat, dense, experts, gemv, groups, intdot, native, patches
 from . import numerics as nx
 from .dense import DenseAxes
-from .formats import unpack_nibbles
+from .formats import FLOAT8, unpack_nibbles
 from .intdot import int_zp, operand_tuple, to_operand, to_out_dot
 from .layerview import LayerView
 from .qparams import QArray
@@ -132,10 +132,24 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
 def _fp8_generic(site, eqn, ops):
     """fp8 x fp8 (or fp8 weight x float) on the generic path: the fp8 values upcast to
     float32 (exact), the float op summed in float32, then the scales. A weight with group scales (which
-    vary along the contraction) is scaled before the op, as the simulated path does."""
+    vary along the contraction) is scaled before the op, as the simulated path does. Against
+    a float operand the codes are taken in units of ``numerics.FP8_BITS_UNIT`` (at most
+    1.75), the unit folded into their scale: as values (up to 448 and 57344) times
+    activations above about 7e35 and 6e33 they overflowed where the real products do not
+    (fp8 x fp8: values, whose products are at most 57344 ** 2)."""
     w = site.weight_operand
-    vals = [nx.decode(op.values, op.qtype.grid) if isinstance(op, QArray) else op for op in ops]
     grouped = [isinstance(op, QArray) and bool(op.qtype.group_size) for op in ops]  # the weight
+    against_float = not all(isinstance(op, QArray) for op in ops)
+    vals, units = list(ops), [1.0] * len(ops)
+    for i, op in enumerate(ops):
+        if not isinstance(op, QArray):
+            continue
+        q = op.qtype
+        if against_float and not grouped[i] and q.grid in FLOAT8 and op.values.dtype == FLOAT8[q.grid]:
+            units[i] = nx.FP8_BITS_UNIT[q.grid]
+            vals[i] = nx.fp8_units(lax.bitcast_convert_type(op.values, jnp.uint8), q.grid)
+        else:
+            vals[i] = nx.decode(op.values, q.grid)
     for i, op in enumerate(ops):
         if grouped[i]:  # its groups run along the axis the registry's entry names
             vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, site.entry.groups(site))
@@ -144,7 +158,7 @@ def _fp8_generic(site, eqn, ops):
     factor = None  # the scales' product first (the accumulator times one scale can overflow)
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:
-            s = op.scale.astype(_F32)
+            s = op.scale.astype(_F32) * units[i]
             if site.op == "dot_general":
                 s = to_out_dot(s, i, eqn.params["dimension_numbers"], [v.ndim for v in vals])
             else:

@@ -39,8 +39,14 @@ def _zp_f32(zero_point):
 _NF4_MIDS = jnp.asarray((NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2)
 
 
-FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
-"""What :func:`fp8_units`'s result is multiplied by to give the fp8 value."""
+FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 32768.0}
+"""What :func:`fp8_units`'s result is multiplied by to give the fp8 value (``2**8``,
+``2**15``): the integer paths sum codes in these units, at most 1.75 for both grids
+(448 / 2**8, 57344 / 2**15), and fold the unit into the scale, so that a code times a
+float activation is at most 1.75x the activation (e5m2's codes in their own units, up to
+57344, overflowed float32 with activations above about 6e33) and the scale times the unit
+is at most 0.57x the weight's largest magnitude (with ``2**16``, 1.14x: infinite for a
+weight range above about 3e38)."""
 
 # per fp8 grid: mantissa bits, exponent bias, smallest normal as float32 bits
 _FP8_LAYOUT = {"float8_e4m3fn": (3, 7, 0x3C800000), "float8_e5m2": (2, 15, 0x38800000)}
@@ -71,18 +77,12 @@ def fp8_encode(x, grid):
     return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), FLOAT8[grid])
 
 
-def fp8_units(bits, grid):
-    """fp8 codes as uint8 bits -> float32, the fp8 value divided by
-    ``FP8_BITS_UNIT[grid]``: the bits placed in a float16 (a shift and a mask, where
-    XLA:CPU's own fp8 conversion costs as much as a matmul ten times over). e4m3fn's
-    bias is 7 against float16's 15, hence its ``2**8``, which a caller folds into a
-    scale. e4m3fn's NaN (``0x7F``, no number in float16's bits: 480 / 256) is made a
-    float16 NaN, as jqt's native fp8 kernel decodes it.
-
-    >>> import jax.numpy as jnp
-    >>> fp8_units(jnp.array([0x38, 0xB8, 0x7F, 0x01], jnp.uint8), "float8_e4m3fn").tolist()
-    [0.00390625, -0.00390625, nan, 7.62939453125e-06]
-    """
+def _fp8_half(bits, grid):
+    """fp8 codes as uint8 bits -> float32 through float16's bits (a shift and a mask, where
+    XLA:CPU's own fp8 conversion costs as much as a matmul ten times over): e5m2's value
+    (a float16's top byte), e4m3fn's value / 256 (its bias is 7 against float16's 15).
+    e4m3fn's NaN (``0x7F``, no number in float16's bits: 480 / 256) is made a float16
+    NaN, as jqt's native fp8 kernel decodes it."""
     u16 = bits.astype(jnp.uint16)
     if grid == "float8_e5m2":
         f16 = u16 << 8
@@ -92,11 +92,33 @@ def fp8_units(bits, grid):
     return jax.lax.bitcast_convert_type(f16, jnp.float16).astype(_F32)
 
 
+def fp8_units(bits, grid):
+    """fp8 codes as uint8 bits -> float32, the fp8 value divided by
+    ``FP8_BITS_UNIT[grid]`` (exact), which a caller folds into a scale: the bits placed
+    in a float16 (a shift and a mask, where XLA:CPU's own fp8 conversion costs as much
+    as a matmul ten times over). e4m3fn's bias is 7 against float16's 15, hence its
+    ``2**8`` at no cost; e5m2 (a float16's top byte, up to 57344) is multiplied by
+    ``2**-15`` in float32, so that its codes times a float activation do not overflow
+    (the products are those of the values, times a power of two). e4m3fn's NaN
+    (``0x7F``, no number in float16's bits: 480 / 256) is made a float16 NaN, as jqt's
+    native fp8 kernel decodes it.
+
+    >>> import jax.numpy as jnp
+    >>> fp8_units(jnp.array([0x38, 0xB8, 0x7F, 0x01], jnp.uint8), "float8_e4m3fn").tolist()
+    [0.00390625, -0.00390625, nan, 7.62939453125e-06]
+    >>> fp8_units(jnp.array([0x3C, 0x7B, 0x01, 0x7F], jnp.uint8), "float8_e5m2").tolist()
+    [3.0517578125e-05, 1.75, 4.656612873077393e-10, nan]
+    """
+    v = _fp8_half(bits, grid)
+    return v if grid != "float8_e5m2" else v * (1.0 / FP8_BITS_UNIT[grid])
+
+
 def _fp8_decode(codes, grid):
-    """fp8 codes -> their float32 values (exact, NaN kept) through :func:`fp8_units`."""
+    """fp8 codes -> their float32 values (exact, NaN kept) through float16's bits."""
     if codes.dtype != FLOAT8[grid]:
         return codes.astype(_F32)
-    return fp8_units(jax.lax.bitcast_convert_type(codes, jnp.uint8), grid) * FP8_BITS_UNIT[grid]
+    v = _fp8_half(jax.lax.bitcast_convert_type(codes, jnp.uint8), grid)
+    return v if grid == "float8_e5m2" else v * FP8_BITS_UNIT[grid]
 
 
 def _codes(x, scale, zero_point, qmin, qmax, grid="int"):

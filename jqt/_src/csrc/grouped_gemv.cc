@@ -381,11 +381,17 @@ void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t
 //
 // "jqt_fp8_gemv_kn": the same with fp8 codes (float8_e4m3fn or float8_e5m2, one scale per
 // output channel, no zero point: the fp8 weights of jqt.recipes.fp8 as the CPU table packs
-// them). A code's bits are shifted into a float16 and converted (F16C): e5m2 is a float16's
-// top byte; e4m3fn's bias is 7 against float16's 15, so its float16 is the value / 256, a
-// factor taken into the scale; its NaN (0x7F / 0xFF) is made a float16 NaN. The products
-// are exact in float32, as in XLA's formulation (which decodes the same bits to float32).
-enum class Codes { kInt8, kE4M3, kE5M2 };
+// them). A code's bits are shifted into a float16 and converted (F16C): e4m3fn's bias is 7
+// against float16's 15, so its float16 is the value / 256; e5m2 is a float16's top byte (up
+// to 57344, which times an activation above about 6e33 overflows float32), summed in units
+// of 2^-15. Both factors are taken into the scale (numerics.FP8_BITS_UNIT), so the codes
+// are at most 1.75 (448 / 2^8, 57344 / 2^15) and the scale times the factor at most 0.57x
+// the weight's largest magnitude; e4m3fn's NaN (0x7F / 0xFF) is made a float16 NaN. The
+// products are those of XLA's formulation, which decodes the same bits to the same float32
+// units: e5m2's 2^-15 is taken from x (a copy, exact where no x but 0 is below 2^-111:
+// x 2^-15 code rounds the same number as x (code 2^-15)), else from each code (kE5M2Units:
+// a multiply per 8 codes, 10-25% of the kernel's time at one row on one thread).
+enum class Codes { kInt8, kE4M3, kE5M2, kE5M2Units };
 
 float half_to_float(uint32_t h) {
   const uint32_t e = (h >> 10) & 31, m = h & 1023;
@@ -395,11 +401,12 @@ float half_to_float(uint32_t h) {
   return (h & 0x8000) ? -v : v;
 }
 
-// A code's value (e4m3fn: / 256), as the vector loads below decode it.
+// A code's value (e4m3fn: / 256, kE5M2Units: / 32768), as the vector loads below decode it.
 template <Codes C>
 float code_value(uint8_t u) {
   if constexpr (C == Codes::kInt8) return float(static_cast<int8_t>(u));
   if constexpr (C == Codes::kE5M2) return half_to_float(uint32_t(u) << 8);
+  if constexpr (C == Codes::kE5M2Units) return half_to_float(uint32_t(u) << 8) * 0x1p-15f;
   if ((u & 0x7F) == 0x7F) return NAN;
   return half_to_float(((u & 0x80u) << 8) | ((u & 0x7Fu) << 7));
 }
@@ -423,7 +430,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void load16(const uint8_t* p, __
   } else {
     const __m256i u = _mm256_cvtepu8_epi16(b);
     __m256i h;
-    if constexpr (C == Codes::kE5M2) {
+    if constexpr (C == Codes::kE5M2 || C == Codes::kE5M2Units) {
       h = _mm256_slli_epi16(u, 8);
     } else {
       const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7F));
@@ -434,6 +441,10 @@ __attribute__((target("avx2,fma,f16c"))) inline void load16(const uint8_t* p, __
     }
     f = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     g = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    if constexpr (C == Codes::kE5M2Units) {  // in units of 2^-15 (exact: float32 has the range)
+      f = _mm256_mul_ps(f, _mm256_set1_ps(0x1p-15f));
+      g = _mm256_mul_ps(g, _mm256_set1_ps(0x1p-15f));
+    }
   }
 }
 
@@ -490,7 +501,8 @@ void channel_kn_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int
 
 // The int8 and fp8 kernels: codes packed (N, K) (KN false, int8 only: each thread a block of
 // the codes' rows, the outputs) or (K, N) (KN true: each thread a block of K's rows, their
-// sums added). ``unit``: what the codes' decoded values are multiplied by (e4m3fn: 256).
+// sums added). ``unit``: what the codes' decoded values are multiplied by (e4m3fn: 256,
+// e5m2: 32768), taken into the scale before it multiplies the sums.
 template <bool KN, Codes C>
 ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uint8_t* codes,
                         ffi::Span<const int64_t> wd, ffi::Buffer<ffi::F32> scale,
@@ -509,6 +521,12 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uin
     return ffi::Error::InvalidArgument(name + ": operand shapes do not match");
   const int64_t l = pick(layer, L);
   const float* xp = x.typed_data();
+  std::vector<float> x15;  // kE5M2: x in units of 2^-15 (exact), the codes in their own
+  if constexpr (C == Codes::kE5M2) {
+    x15.assign(xp, xp + M * K);
+    for (float& v : x15) v *= 0x1p-15f;
+    xp = x15.data();
+  }
   const uint8_t* wp = codes + l * N * K;
   const float* sp = scale.typed_data() + l * N;
   const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
@@ -575,9 +593,20 @@ ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     case ffi::DataType::F8E4M3FN:
       return ChannelGemvT<true, Codes::kE4M3>(pool, x, w, codes.dimensions(), scale, zp, table,
                                               layer, out, name, 256.f);
-    case ffi::DataType::F8E5M2:
+    case ffi::DataType::F8E5M2: {
+      // 2^-15 from x where x 2^-15 is exact (no x but 0 below 2^-111), else from the codes
+      const float* xp = x.typed_data();
+      bool tiny = false;
+      for (int64_t i = 0, n = int64_t(x.element_count()); i < n && !tiny; ++i) {
+        const float a = std::fabs(xp[i]);
+        tiny = a != 0.f && a < 0x1p-111f;
+      }
+      if (tiny)
+        return ChannelGemvT<true, Codes::kE5M2Units>(pool, x, w, codes.dimensions(), scale, zp,
+                                                     table, layer, out, name, 32768.f);
       return ChannelGemvT<true, Codes::kE5M2>(pool, x, w, codes.dimensions(), scale, zp, table,
-                                              layer, out, name, 1.f);
+                                              layer, out, name, 32768.f);
+    }
     default:
       return ffi::Error::InvalidArgument(name + ": codes must be float8_e4m3fn or float8_e5m2");
   }

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import numerics as nx
-from . import groups, outliers, tracing, transforms, validate
+from . import groups, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
 from .interpreter import Ctx, eval_jaxpr
@@ -261,7 +261,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
     qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
     if not propagate:
-        return qparams
+        return weightcheck.record(qparams, params_t, argnums)
     # Error propagation: op k's activation range is re-calibrated with every op
     # before it quantized (ops without a static activation range are final already).
     order = [s.key for s in last["traced"].sites() if _static_act(qparams[s.key])]
@@ -275,7 +275,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                 qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
                                                tf)[key]
         decided[key] = qparams[key]
-    return qparams
+    return weightcheck.record(qparams, params_t, argnums)
 
 
 def _warn_unmatched(sites, recipe):

@@ -289,6 +289,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
     unchanged, bit for bit. Jittable.
 
+    The result counts as fine-tuned: :func:`jqt.pack` packs weights with it without
+    comparing them against the weights it was calibrated with (weights trained through
+    the simulated path may lie past the grid's end, clipped there as ``pack`` clips them;
+    ``WeightSource.calibrated_reach`` is dropped).
+
     >>> import jax.numpy as jnp, jqt
     >>> f = lambda w, x: x @ w
     >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), jnp.eye(2), [(jnp.ones((1, 2)),)], progress=False)
@@ -327,7 +332,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                             "jqt.OpQParams.")
         sm = p.smooth  # a smoothing factor stays positive, as a scale does
         sm = None if sm is None else positive(sm, 1.0)
-        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs), smooth=sm)
+        src = p.source  # fine-tuned: jqt.pack takes the weights as trained with these qparams
+        if src is not None and src.calibrated_reach is not None:
+            src = dataclasses.replace(src, calibrated_reach=None)
+        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs), smooth=sm, source=src)
     return out
 
 

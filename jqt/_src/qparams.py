@@ -33,6 +33,15 @@ class WeightSource:
     in the flattened argument; ``contract`` the operand axes the op reduces;
     ``batch`` its ``dot_general`` batch axes.
 
+    ``calibrated_reach`` (set by :func:`jqt.calibrate`, ``None`` where unknown) is
+    ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
+    (its largest ``|x / scale|``, zero point subtracted, over the value where clipping
+    starts: at most 1 unless the weight calibrator clipped on purpose) and a digest of the
+    scale, zero point, smoothing vector and type it was measured with. :func:`jqt.pack`
+    checks the weights it packs against it while those are unchanged. It is not part of
+    the source's equality or hash (qparams of other weights have the same tree
+    structure), nor of its repr.
+
     >>> import jax.numpy as jnp, jqt
     >>> qp = jqt.calibrate(lambda p, x: x @ p["w"].T, jqt.recipes.w8a8(), {"w": jnp.eye(2)},
     ...                    [(jnp.ones((1, 2)),)], progress=False)
@@ -48,6 +57,7 @@ class WeightSource:
     float_needed: bool = False
     contract: tuple = ()
     batch: tuple = ()
+    calibrated_reach: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def stack_depth(self) -> int:

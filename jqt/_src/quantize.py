@@ -8,7 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from . import compat, kvcache, tracing
+from . import compat, kvcache, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
@@ -221,7 +221,7 @@ def _concrete(tree) -> bool:
     return not any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves(tree))
 
 
-def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
+def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -> PackedParams:
     """Stores the quantized weights as int8, once, for :func:`jqt.quantize`.
 
     Returns a :class:`jqt.PackedParams` to pass in place of ``params``: each quantized
@@ -234,6 +234,22 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     the layout of each dense weight (``KernelPolicy.dense_layout``); a function
     run under another policy converts the layout when it is traced.
 
+    The weights are quantized with the scales in ``qparams``, which were computed from
+    the weights :func:`jqt.calibrate` saw: an element beyond the grid's end would be
+    clipped to it. So ``pack`` compares the weights with those: a weight that reaches
+    further past its grid's end than the calibrated one did (by more than 1%; the
+    calibrated weight reached at most the end, or further where the weight calibrator
+    clips on purpose, e.g. ``WeightMSE``) raises :class:`jqt.QParamsMismatchError`
+    naming the op, the element and the grid's end: params other than the calibrated
+    ones (another checkpoint, weights trained further or rescaled). Re-calibrate with
+    them, or pass ``clip=True`` to clip them on purpose. Not checked (packed as given):
+    qparams whose scales, zero points or smoothing changed since calibration or that
+    went through :func:`jqt.qat.project` (fine-tuned: the simulated path clipped the
+    weights as ``pack`` does), qparams without the record (read from files written
+    before jqt made it, built by hand; ``WeightSource.calibrated_reach``), and values
+    that are tracers (``pack`` under ``jax.jit``). The check is one maximum over each
+    weight.
+
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"] + p["b"]
     >>> p = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
@@ -244,6 +260,17 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     >>> bool(jnp.allclose(jqt.quantize(f, qp)(packed, jnp.ones((2, 64))),
     ...                   jqt.quantize(f, qp)(p, jnp.ones((2, 64)))))
     True
+
+    Weights that outgrew the calibrated ones are refused; ``clip=True`` clips them:
+
+    >>> p2 = {"w": 2 * p["w"], "b": p["b"]}
+    >>> try:
+    ...     jqt.pack(qp, p2)
+    ... except jqt.QParamsMismatchError as e:
+    ...     print(str(e).split(". ")[0])
+    jqt.pack: op 'w': weight 'w' does not fit the grid its qparams were calibrated for (int8 sym per-channel): an element of 2 lies 2x as far out as its scale's end of the grid, 1, and would be clipped to it
+    >>> int(jqt.pack(qp, p2, clip=True).weights["w"].values.max())
+    127
     """
     check_qparams(qparams, "jqt.pack")
     policy = policy or KernelPolicy.for_backend()
@@ -253,7 +280,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
     index = {}  # weights are found by path
     for i, (q, _) in enumerate(with_paths):
         index.setdefault(path_str(q), []).append(i)
-    weights, consumed, needed, unpackable, leaf_of = {}, set(), set(), [], {}
+    weights, consumed, needed, unpackable, leaf_of, checks = {}, set(), set(), [], {}, []
     for key, p in qparams.items():
         w = p.weight_operand
         if w is None or p.operand(w) is None:
@@ -270,8 +297,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
                 "the qparams were calibrated with.")
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
+        entry = BY_NAME[p.op]
         try:
-            weights[key] = dataclasses.replace(BY_NAME[p.op].pack(src, p, operand, policy),
+            grid = entry.grid_operand(src, p, operand)
+            weights[key] = dataclasses.replace(entry.pack(src, p, operand, policy, grid=grid),
                                                folded=p.fold_tag)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
@@ -280,10 +309,14 @@ def pack(qparams, params, *, argnum: int = 0, policy=None) -> PackedParams:
                 f"jqt.pack: op '{key}': weight '{src.path}' has shape {tuple(jnp.shape(operand))}, "
                 f"which its scale of shape {tuple(jnp.shape(p.operand(w).scale))} does not fit ({e}). "
                 "Pass the params the qparams were calibrated with, or re-calibrate.") from None
+        if not clip:  # the weights against those the qparams were calibrated with
+            checks.append(weightcheck.start(key, p, src, *grid))
         consumed.add(src.leaf)
         leaf_of[key] = src.leaf
         if src.float_needed:
             needed.add(src.leaf)
+    weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
+        src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:
         warnings.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
                       "(constants or values computed from several leaves); they are quantized "

@@ -14,8 +14,11 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
   when the op cannot take them;
 * ``integer(site, eqn, ops, policy)``: the integer kernel (``ops`` holds a
   :class:`jqt.QArray` per quantized operand, the float array otherwise);
-* ``pack(site_source, qarray, operand)``: the packed layout of its weight
-  (with the op's outlier transforms, ``transforms.py``, folded in).
+* ``grid_operand(site_source, op_qparams, operand)``: the weight as its codes are
+  computed from it (with the op's outlier transforms, ``transforms.py``, applied) and the
+  axis its groups run along;
+* ``pack(site_source, op_qparams, operand, policy)``: the packed layout of its weight
+  (with the op's outlier transforms folded in).
 
 ``CacheWrite`` (``dynamic_update_slice``, ``scatter``) is the third kind: a write
 into a key/value cache (``kvcache.py``), typed by ``Rule.kv_cache``.
@@ -96,16 +99,24 @@ class Contraction:
     def integer(self, site, eqn, ops, policy):
         return [kernels.run(site, eqn, ops, policy)]
 
-    def pack(self, src, p, operand, policy):
+    def grid_operand(self, src, p, operand):
+        """``(weight, group axis)``: the weight operand as its codes are computed from it, with
+        the op's outlier transforms (smoothing, rotation) applied, and the axis its
+        grouped scales run along (``None``: not grouped), before stacked axes."""
+        q = p.operand(p.weight_operand)
+        operand = transforms.weight(operand, p.smooth, p.rotate, src.contract, src.stack_depth)
+        return operand, (max(src.contract) if q.qtype.group_size else None)
+
+    def pack(self, src, p, operand, policy, grid=None):
         """The weight's codes in the layout its kernel reads (``policy.dense_layout``):
         2-D ``"nk"`` or ``"kn"`` for a matmul, the op's own layout otherwise; nibbles
-        packed along K."""
+        packed along K. ``grid``: :meth:`grid_operand`'s result, where the caller has it."""
         depth = src.stack_depth
         q = p.operand(p.weight_operand)
         g = q.qtype.group_size
         # outlier transforms (smoothing, rotation) are folded into the stored weight
-        operand = transforms.weight(operand, p.smooth, p.rotate, src.contract, depth)
-        qv = _quantize_weight(operand, q, max(src.contract) if g else None, depth)
+        operand, gaxis = grid or self.grid_operand(src, p, operand)
+        qv = _quantize_weight(operand, q, gaxis, depth)
         act = p.operand(1 - p.weight_operand)
         # the weight's sums over K correct for the activation's zero point; without one
         # (weight-only, fp8, symmetric activations) they are not stored
@@ -185,10 +196,15 @@ class Gather:
     def integer(self, site, eqn, ops, policy):
         return [kernels.gather(site, eqn, ops)]
 
-    def pack(self, src, p, operand, policy):
+    def grid_operand(self, src, p, operand):
+        """``(table, group axis)``: a lookup's table is quantized as it is, grouped (where
+        its type has groups) along the last axis a lookup reads whole."""
+        return operand, (src.contract[-1] if src.contract else None)
+
+    def pack(self, src, p, operand, policy, grid=None):
         depth = src.stack_depth
         q = p.operand(0)
-        gaxis = src.contract[-1] if src.contract else None
+        operand, gaxis = grid or self.grid_operand(src, p, operand)
         qv = _quantize_weight(operand, q, gaxis, depth)
         last = qv.ndim - 1
         if gaxis is not None and gaxis + depth == last and q.qtype.nibbles_fit(qv.shape[last]):

@@ -8,7 +8,10 @@ Formats (the JSON header is in the safetensors metadata under ``"jqt"``; ``"form
 - ``jqt.qparams`` version 3 (``jqt.save`` to any path not ending in ``.npz``; version 2,
   from before formats were named by dtype, still loads): one tensor
   per scale / zero point, named ``<op key>/<lhs|rhs>.<scale|zero_point>``; the header
-  holds each op's static metadata (quantization types, op, weight operand, source).
+  holds each op's static metadata (quantization types, op, weight operand, source; and,
+  where calibration recorded it, ``"weight_reach"``: ``[reach, digest]``, the
+  ``WeightSource.calibrated_reach`` that :func:`jqt.pack` checks weights against, an
+  optional entry that earlier jqt ignores and files written before it lack).
 - ``jqt.qparams`` version 1: the same header in an ``.npz`` (``jqt.save`` to a path
   ending in ``.npz``; kept so that files written by earlier jqt still load).
 - ``jqt.packed`` version 2 (``jqt.save_packed``; version 1 still loads): per packed weight
@@ -37,6 +40,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 import os
 
 import jax
@@ -84,7 +88,13 @@ def qtype_from_json(d: dict) -> QuantType:
 
 
 def source_to_json(s):
-    return None if s is None else dataclasses.asdict(s)
+    """A :class:`WeightSource` as JSON, without ``calibrated_reach`` (files store it as the
+    op entry's own ``"weight_reach"``, which a jqt that does not know it ignores)."""
+    if s is None:
+        return None
+    d = dataclasses.asdict(s)
+    d.pop("calibrated_reach", None)
+    return d
 
 
 def source_from_json(d):
@@ -201,6 +211,9 @@ def qparams_entries(qparams, name, fn="jqt.save"):
             entries[key]["rotate"] = True
         if p.accumulator != 32:
             entries[key]["accumulator"] = p.accumulator
+        reach = None if p.source is None else p.source.calibrated_reach
+        if reach is not None:
+            entries[key]["weight_reach"] = [float(reach[0]), str(reach[1])]
     return entries, arrays
 
 
@@ -238,6 +251,8 @@ def _op_from_entry(r, key, e):
         check_scales(r, f"{where} smooth", smooth, None)
     rotate = r.need(e, "rotate", bool, where) if "rotate" in e else False
     acc = r.need(e, "accumulator", int, where) if "accumulator" in e else 32
+    if "weight_reach" in e and source is not None:
+        source = dataclasses.replace(source, calibrated_reach=_reach_from_entry(r, e, where))
     p = OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
                   note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate,
                   accumulator=acc)
@@ -246,6 +261,16 @@ def _op_from_entry(r, key, e):
         raise FormatError(f"{r.fn}: {r.path}: {why}")
     check_values(r, key, validate.problems(p))
     return p
+
+
+def _reach_from_entry(r, e, where):
+    """An op entry's ``"weight_reach"``: ``[reach, digest]`` (``WeightSource.calibrated_reach``)."""
+    d = r.need(e, "weight_reach", list, where)
+    if (len(d) != 2 or not is_a(d[0], (int, float)) or not math.isfinite(d[0]) or d[0] < 0
+            or not isinstance(d[1], str)):
+        raise r.error(f"{where}: 'weight_reach' is {json.dumps(d)[:80]}, expected "
+                      "[a finite number >= 0, a digest string]")
+    return float(d[0]), d[1]
 
 
 def check_values(r, key, found):

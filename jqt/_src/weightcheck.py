@@ -1,0 +1,211 @@
+"""Whether the weights :func:`jqt.pack` quantizes fit the grid their qparams were made for.
+
+A weight's scales (per tensor, channel or group) come from the weights ``jqt.calibrate``
+saw. Packing other weights with them (another checkpoint, weights trained further or
+rescaled) quantizes every element beyond the grid's end to that end: clipped, silently.
+A weight calibrator may clip on purpose (``WeightMSE``, a user's calibrator), so clipping
+alone is not an error; clipping further than the calibration did is.
+
+* :func:`record` (called by ``jqt.calibrate``) measures each quantized weight's *reach*:
+  its largest ``|x / scale|`` (zero point subtracted, on the operand the codes are
+  computed from: layout ops replayed, smoothing and rotation applied) over the value
+  where clipping starts on that side of the grid (the grid's end plus half a step for
+  integers, :func:`numerics.clip_edges`); at most 1 where nothing clips. It stores
+  ``(reach, digest)`` in ``WeightSource.calibrated_reach``, the digest covering the
+  scale, zero point, smoothing vector and type it was measured with.
+* :func:`start` / :func:`finish` (``jqt.pack``): where the digest still matches (the
+  qparams as calibrated), a weight whose reach exceeds ``max(calibrated reach, 1)`` by
+  more than :data:`TOLERANCE` raises :class:`QParamsMismatchError` naming the op.
+
+Not checked: qparams whose scales, zero points or smoothing changed since calibration
+(fine-tuned by QAT, edited), qparams after :func:`jqt.qat.project` (which marks them as
+fine-tuned: weights trained with them through the simulated path, which clips as
+``pack`` does), qparams without a record (files written before it, made by hand), and
+values that are tracers (``pack`` under ``jax.jit``). ``jqt.pack(..., clip=True)`` skips
+the check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import compat
+from . import numerics as nx
+from .handlers import QParamsMismatchError
+from .layout import apply_chain
+from .registry import BY_NAME
+
+TOLERANCE = 0.01
+"""How far past ``max(calibrated reach, 1)`` a packed weight may reach before ``jqt.pack``
+refuses it: 1%, above float rounding and a cast to bfloat16 (0.4%), far below the
+factor of a rescaled or retrained weight."""
+
+_F32 = jnp.float32
+
+
+def digest(p) -> str | None:
+    """A digest of what puts op ``p``'s weight on its grid (its scale, zero point, the op's
+    smoothing vector as float32 bytes, its type and rotation); ``None`` where one is a
+    tracer or the weight has no scale."""
+    q = p.operand(p.weight_operand)
+    if q is None or q.scale is None:
+        return None
+    h = hashlib.blake2b(f"{q.qtype.describe()}|{q.qtype.grid}|{p.rotate}".encode(), digest_size=8)
+    for a in (q.scale, q.zero_point, p.smooth):
+        if a is None:
+            h.update(b"|-")
+            continue
+        if compat.is_tracer(a):
+            return None
+        raw = np.asarray(a, np.float32)
+        h.update(f"|{raw.shape}".encode())
+        h.update(raw.tobytes())
+    return h.hexdigest()
+
+
+def _edges(qtype):
+    """Where clipping starts below and above the grid, in units of the scale (before the
+    zero point)."""
+    return nx.clip_edges(qtype.qmin, qtype.qmax, qtype.grid)
+
+
+def _grouping(x, s, qtype, gaxis, depth):
+    """``(axis, group size)`` where the scale holds one value per group along ``axis`` of
+    ``x`` (as ``registry._quantize_weight`` expands it), else ``None``."""
+    g = qtype.group_size
+    if not g or gaxis is None or jnp.ndim(s) == 0:
+        return None
+    ax = (gaxis + depth) % x.ndim
+    return None if s.shape[ax] == x.shape[ax] else (ax, g)
+
+
+def _ratios(x, s, z, lo, hi, group, int_grid):
+    """Per element of ``x``, ``x / scale`` (zero point subtracted) over where clipping
+    starts on its side; with ``group``, ``x`` split into groups along that axis."""
+    x = x.astype(_F32)
+    s = s.astype(_F32)
+    zr = jnp.round(z.astype(_F32)) if int_grid else jnp.zeros((), _F32)  # as both paths round it
+    if group is not None:
+        ax, g = group
+        x = x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:])
+        s = jnp.expand_dims(s, ax + 1)
+        zr = jnp.expand_dims(zr, ax + 1) if zr.ndim else zr
+    u = x / s
+    r = jnp.where(u >= 0, u / (hi - zr), u / (lo - zr))
+    return jnp.where(jnp.isnan(r), 0.0, r), u, s, zr  # a NaN element is no clipping question
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _max_ratio(x, s, z, lo, hi, group, int_grid):
+    return jnp.max(_ratios(x, s, z, lo, hi, group, int_grid)[0])
+
+
+def reach(x, q, gaxis, depth):
+    """The reach of weight operand ``x`` on ``q``'s grid (a float32 scalar array; see the
+    module docstring), or ``None`` where it cannot be measured (tracers, no elements)."""
+    s, z = q.scale, q.zero_point
+    if any(compat.is_tracer(a) for a in (x, s, z)) or s is None or jnp.size(x) == 0:
+        return None
+    lo, hi = (jnp.asarray(e, _F32) for e in _edges(q.qtype))
+    int_grid = q.qtype.grid == "int"
+    z = jnp.zeros((), _F32) if z is None else jnp.asarray(z)
+    s = jnp.asarray(s)
+    return _max_ratio(x, s, z, lo, hi, _grouping(x, s, q.qtype, gaxis, depth), int_grid)
+
+
+def _worst(x, gaxis, q, depth):
+    """``(value, grid end, ratio)`` of the element of ``x`` that reaches furthest: its real
+    value, the real value its scale and zero point end the grid at on its side, and the
+    one over the other (for the error message; eager)."""
+    s = jnp.asarray(q.scale)
+    z = jnp.zeros((), _F32) if q.zero_point is None else jnp.asarray(q.zero_point)
+    lo, hi = (jnp.asarray(e, _F32) for e in _edges(q.qtype))
+    group = _grouping(x, s, q.qtype, gaxis, depth)
+    r, u, s, zr = _ratios(x, s, z, lo, hi, group, q.qtype.grid == "int")
+    i = int(jnp.argmax(r.reshape(-1)))
+    u_i = float(u.reshape(-1)[i])
+    s_i = float(jnp.broadcast_to(s, r.shape).reshape(-1)[i])
+    z_i = float(jnp.broadcast_to(zr, r.shape).reshape(-1)[i])
+    blo, bhi = q.qtype.bounds
+    end = ((bhi if u_i >= 0 else blo) - z_i) * s_i
+    value = u_i * s_i
+    return value, end, (value / end if end else float("inf"))
+
+
+def record(qparams, params_t, argnums):
+    """``qparams`` with each quantized weight's ``WeightSource.calibrated_reach`` measured on
+    the weights they were calibrated with (``params_t``: one pytree per weight argument)."""
+    pending, flat = [], {}
+    for key, p in qparams.items():
+        w, src = p.weight_operand, p.source
+        if w is None or p.operand(w) is None or src is None or src.arg not in argnums:
+            continue
+        tag = digest(p)
+        if src.arg not in flat:  # the leaves as the tracer numbered them (gptq reads them so)
+            flat[src.arg] = jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])
+        leaves = flat[src.arg]
+        if tag is None or not 0 <= src.leaf < len(leaves) or not hasattr(leaves[src.leaf], "shape"):
+            continue
+        x, gaxis = BY_NAME[p.op].grid_operand(src, p, apply_chain(leaves[src.leaf], src.chain))
+        r = reach(x, p.operand(w), gaxis, src.stack_depth)
+        if r is not None:
+            pending.append((key, r, tag))
+    if not pending:
+        return qparams
+    values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
+    out = dict(qparams)
+    for (key, _, tag), r in zip(pending, values):
+        p = out[key]
+        out[key] = dataclasses.replace(p, source=dataclasses.replace(
+            p.source, calibrated_reach=(float(r), tag)))
+    return out
+
+
+def start(key, p, src, x, gaxis):
+    """The pending check of op ``key``'s weight (``x`` and ``gaxis`` from ``grid_operand``),
+    or ``None`` where there is nothing to check against (see the module docstring). It
+    holds the reach (a device scalar), not the weight."""
+    rec = None if p.source is None else p.source.calibrated_reach
+    if rec is None or digest(p) != rec[1]:
+        return None
+    r = reach(x, p.operand(p.weight_operand), gaxis, src.stack_depth)
+    return None if r is None else (key, p, src, r)
+
+
+def finish(pending, grid_operand, fn="jqt.pack"):
+    """Raises :class:`QParamsMismatchError` for the first weight of ``pending`` (from
+    :func:`start`) that reaches further than its calibration allows; ``grid_operand(p,
+    src)`` gives its weight again, for the message."""
+    pending = [c for c in pending if c is not None]
+    if not pending:
+        return
+    values = jax.device_get([c[-1] for c in pending])  # one transfer for every weight
+    bad = []
+    for c, r in zip(pending, values):
+        cal = c[1].source.calibrated_reach[0]
+        if float(r) > max(cal, 1.0) * (1 + TOLERANCE):
+            bad.append((c, float(r), cal))
+    if not bad:
+        return
+    (key, p, src, _), r, cal = bad[0]
+    q = p.operand(p.weight_operand)
+    value, end, ratio = _worst(*grid_operand(p, src), q, src.stack_depth)
+    was = "not clipped" if cal <= 1 else "clipped on purpose by the weight calibrator"
+    others = [c[0][0] for c in bad[1:]]
+    also = (f" Ops {others[:5]}{' ...' if len(others) > 5 else ''} do not fit theirs either."
+            if others else "")
+    raise QParamsMismatchError(
+        f"{fn}: op '{key}': weight '{src.path}' does not fit the grid its qparams were calibrated "
+        f"for ({q.qtype.describe()}): an element of {value:.4g} lies {ratio:.3g}x as far out as "
+        f"its scale's end of the grid, {end:.4g}, and would be clipped to it. The weights the "
+        f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts "
+        f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "
+        "with (another checkpoint, weights trained further or rescaled?): re-calibrate with them "
+        "(jqt.calibrate(f, recipe, params, batches)), or pass jqt.pack(..., clip=True) to clip "
+        "them on purpose (e.g. weights fine-tuned with these qparams through the simulated path, "
+        "which clips them the same way)." + also)

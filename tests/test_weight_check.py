@@ -1,0 +1,249 @@
+"""jqt.pack against weights other than those the qparams were calibrated with.
+
+The weight scales come from the calibrated weights; packing other weights with them
+clipped every element past the grid's end, silently (a 64x32 matmul packed with its
+weight doubled was off by 27% of its largest output). jqt.pack now refuses weights that
+reach further past their grid's end than the calibrated ones did
+(``jqt/_src/weightcheck.py``), naming the op, and ``clip=True`` clips on purpose.
+Legitimate flows pack as before: the calibrated weights (also where the weight calibrator
+clips on purpose: w4/nf4's WeightMSE, a user's calibrator), smaller or bfloat16-rounded
+weights, fine-tuned qparams (changed scales, or after jqt.qat.project), qparams without
+the record, and pack under jax.jit."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors
+import safetensors.numpy
+
+import jqt
+from jqt import QuantType as Q
+from shared import ci_only, scan_mlp
+
+
+def f(p, x):
+    return jnp.tanh(x @ p["w"]) @ p["v"]
+
+
+def _params(seed=0, scale=1.0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w": jax.random.normal(k1, (32, 16)) * 0.3 * scale,
+            "v": jax.random.normal(k2, (16, 8)) * 0.2 * scale}
+
+
+X = jax.random.normal(jax.random.key(9), (16, 32))
+
+ASYM_W = jqt.Recipe(rules=(jqt.Rule(weight=Q(bits=8, symmetric=False, per_channel=True),
+                                    activation=Q(bits=8, symmetric=False)),))
+RECIPES = {
+    "w8a8": jqt.recipes.w8a8,
+    "w8a8_asym_weights": lambda: ASYM_W,
+    "w4_g16": lambda: jqt.recipes.w4(group_size=16),            # WeightMSE: clips on purpose
+    "nf4_g16": lambda: jqt.recipes.nf4(group_size=16),          # WeightMSE: clips on purpose
+    "fp8": jqt.recipes.fp8,
+    "w8a8_smooth": lambda: jqt.recipes.w8a8(smooth=0.5),
+    "w8a8_rotate": lambda: jqt.recipes.w8a8(rotate=True),
+}
+DEFAULT_RUN = {"w8a8", "w4_g16", "w8a8_asym_weights"}
+
+
+def _calibrate(name, p=None):
+    p = _params() if p is None else p
+    return p, jqt.calibrate(f, RECIPES[name](), p, [(X,)], progress=False)
+
+
+def _bigger(p, factor=2.0):
+    return {k: v * factor for k, v in p.items()}
+
+
+@pytest.mark.parametrize("name", ci_only(list(RECIPES), DEFAULT_RUN))
+def test_pack_refuses_weights_the_calibrated_scales_would_clip(name):
+    p, qp = _calibrate(name)
+    for other in (_bigger(p), _params(seed=1, scale=1.6)):  # rescaled; another checkpoint
+        with pytest.raises(jqt.QParamsMismatchError) as e:
+            jqt.pack(qp, other)
+        s = str(e.value)
+        assert "jqt.pack: op 'w': weight 'w' does not fit the grid" in s, s
+        assert "would be clipped" in s and "re-calibrate" in s and "clip=True" in s, s
+    # clip=True packs them as before: clipped to the grid, as the float-params path runs them
+    qf = jqt.quantize(f, qp)
+    big = _bigger(p)
+    np.testing.assert_allclose(qf(jqt.pack(qp, big, clip=True), X), qf(big, X), rtol=2e-5, atol=2e-5)
+
+
+def test_the_message_gives_the_element_and_the_grid_end():
+    p, qp = _calibrate("w8a8")
+    scale = qp["w"].rhs.scale  # per channel: (1, 16)
+    w = np.array(p["w"])
+    w[3, 5] = 4 * 127 * float(scale[0, 5])  # one element 4x past its channel's grid end
+    with pytest.raises(jqt.QParamsMismatchError) as e:
+        jqt.pack(qp, {**p, "w": jnp.asarray(w)})
+    s = str(e.value)
+    assert f"an element of {w[3, 5]:.4g} lies 4x as far out as its scale's end of the grid, " \
+           f"{127 * float(scale[0, 5]):.4g}" in s, s
+    assert "(int8 sym per-channel)" in s and "(not clipped)" in s, s
+    assert "op 'v'" not in s  # the other op's weight is the calibrated one
+
+
+def test_every_op_that_does_not_fit_is_named():
+    p, qp = _calibrate("w8a8")
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'w'.* Ops \['v'\] do not fit theirs either"):
+        jqt.pack(qp, _bigger(p))
+
+
+@pytest.mark.slow  # CI
+def test_an_embedding_table_is_checked():
+    g = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["w"]
+    p = {"emb": jax.random.normal(jax.random.key(0), (20, 16)), "w": jax.random.normal(jax.random.key(1), (16, 4))}
+    ids = jnp.arange(12) % 20
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(ids,)], progress=False)
+    assert qp["emb"].op == "gather"
+    jqt.pack(qp, p)
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'emb': weight 'emb'"):
+        jqt.pack(qp, {**p, "emb": p["emb"] * 1.5})
+
+
+@pytest.mark.parametrize("name", ci_only(list(RECIPES), DEFAULT_RUN))
+def test_pack_takes_the_calibrated_weights_and_weights_within_their_grid(name):
+    p, qp = _calibrate(name)
+    reach, digest = qp["w"].source.calibrated_reach
+    assert 0.9 < reach < 1.1 and isinstance(digest, str), reach
+    for q in (p, _bigger(p, 0.5), jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)):
+        jqt.pack(qp, q)  # the calibrated weights, smaller ones, and them rounded to bfloat16
+
+
+@pytest.mark.parametrize("group_size", ci_only([0, 64], {64}))
+def test_weight_mse_clips_heavy_tails_on_purpose(group_size):
+    """w4's WeightMSE clips the tails of a heavy-tailed weight: the calibrated weight itself
+    reaches past its grid's end, and packs; weights reaching further do not."""
+    g = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_t(3, (256, 16)), jnp.float32) * 0.1}
+    x = jax.random.normal(jax.random.key(9), (16, 256))
+    qp = jqt.calibrate(g, jqt.recipes.w4(group_size=group_size), p, [(x,)], progress=False)
+    reach = qp["w"].source.calibrated_reach[0]
+    assert reach > 1.1, reach
+    jqt.pack(qp, p)
+    jqt.pack(qp, {"w": p["w"] * 1.005})  # within the tolerance (1%): float rounding, bfloat16
+    with pytest.raises(jqt.QParamsMismatchError, match="clipped on purpose by the weight calibrator"):
+        jqt.pack(qp, {"w": p["w"] * 1.5})
+
+
+def test_a_user_weight_calibrator_that_clips_on_purpose():
+    @dataclasses.dataclass(frozen=True)
+    class TwoSigma(jqt.calibrators.WeightCalibrator):
+        def range(self, w, axes, qtype):
+            s = 2 * jnp.std(w, axis=axes, keepdims=axes is not None)
+            return -s, s
+
+    p = _params()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(weight_calibrator=TwoSigma()), p, [(X,)], progress=False)
+    assert qp["w"].source.calibrated_reach[0] > 1.2
+    jqt.pack(qp, p)
+    with pytest.raises(jqt.QParamsMismatchError, match="clipped on purpose by the weight calibrator"):
+        jqt.pack(qp, _bigger(p))
+
+
+def test_weights_of_a_scan_over_stacked_layers():
+    k = jax.random.split(jax.random.key(3), 4)
+    p = {"inp": jax.random.normal(k[0], (8, 16)) * 0.3, "out": jax.random.normal(k[1], (16, 4)) * 0.3,
+         "layers": {"w": jax.random.normal(k[2], (3, 16, 16)) * 0.2, "b": jnp.zeros((3, 16))}}
+    x = jax.random.normal(k[3], (4, 8))
+    qp = jqt.calibrate(scan_mlp, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    jqt.pack(qp, p)
+    w = p["layers"]["w"].at[2].multiply(1.5)  # one layer of the stack outgrew its scales
+    with pytest.raises(jqt.QParamsMismatchError, match="weight 'layers/w'"):
+        jqt.pack(qp, {**p, "layers": {**p["layers"], "w": w}})
+
+
+def test_fine_tuned_qparams_pack_as_trained():
+    """Changed scales (as QAT trains them) and jqt.qat.project's result are fine-tuned: pack
+    takes the weights as trained with them, clipped as the simulated path clipped them."""
+    p, qp = _calibrate("w8a8")
+    wq = qp["w"].rhs
+    shrunk = {**qp, "w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(wq, scale=wq.scale * 0.7))}
+    jqt.pack(shrunk, p)  # the calibrated weights now clip: the scales were trained
+    # weights trained with the qparams frozen, one element pushed past the grid's end
+    moved = {**p, "w": p["w"].at[0, 0].set(1.5 * 127 * float(wq.scale[0, 0]))}
+    with pytest.raises(jqt.QParamsMismatchError):
+        jqt.pack(qp, moved)  # against the calibrated qparams: refused (clip=True packs it)
+    jqt.pack(qp, moved, clip=True)
+    projected = jqt.qat.project(qp)
+    assert projected["w"].source.calibrated_reach is None
+    assert projected["w"].source == qp["w"].source  # the same source otherwise
+    jqt.pack(projected, moved)
+
+
+@pytest.mark.slow  # CI
+def test_a_qat_loop_then_pack():
+    p, qp = _calibrate("w4_g16")
+    tx = optax.adam(3e-2)  # large steps: weights move past the grid's ends, scales move
+
+    def loss(state):
+        w, q = state
+        return jnp.mean((jqt.quantize(f, q, simulate=True)(w, X) - f(p, X) * 1.5) ** 2)
+
+    @jax.jit
+    def step(state, opt_state):
+        g = jax.grad(loss)(state)
+        updates, opt_state = tx.update(g, opt_state, state)
+        w, q = optax.apply_updates(state, updates)
+        return (w, jqt.qat.project(q)), opt_state
+
+    state = (p, qp)
+    opt_state = tx.init(state)
+    for _ in range(10):
+        state, opt_state = step(state, opt_state)
+    p1, qp1 = state
+    packed = jqt.pack(qp1, p1)
+    sim = jqt.quantize(f, qp1, simulate=True)(p1, X)
+    np.testing.assert_allclose(jqt.quantize(f, qp1)(packed, X), sim, rtol=1e-4, atol=1e-4)
+
+
+def test_pack_under_jit_is_not_checked():
+    """Traced weights have no values to compare: documented, packed as given."""
+    p, qp = _calibrate("w8a8")
+    packed = jax.jit(lambda w: jqt.pack(qp, w))(_bigger(p))
+    assert packed.weights["w"].values.dtype == jnp.int8
+
+
+def test_the_record_keeps_the_tree_structure_and_the_repr():
+    _, qp = _calibrate("w8a8")
+    _, qp2 = _calibrate("w8a8", _params(seed=1, scale=1.3))
+    assert qp["w"].source.calibrated_reach != qp2["w"].source.calibrated_reach
+    assert jax.tree.structure(qp) == jax.tree.structure(qp2)
+    jax.tree.map(lambda a, b: a - b, qp, qp2)
+    assert "calibrated_reach" not in repr(qp["w"].source)
+
+
+def _rewrite(src, dst, header):
+    with safetensors.safe_open(src, framework="np") as fh:
+        arrays, meta = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118
+    h = json.loads(meta["jqt"])
+    header(h)
+    safetensors.numpy.save_file(arrays, dst, metadata=dict(meta, jqt=json.dumps(h)))
+
+
+@pytest.mark.slow  # CI
+def test_files_keep_the_record(tmp_path):
+    p, qp = _calibrate("w8a8")
+    for name in ("qp.safetensors", "qp.npz"):
+        path = str(tmp_path / name)
+        jqt.save(path, qp)
+        loaded = jqt.load(path)
+        assert loaded["w"].source.calibrated_reach == qp["w"].source.calibrated_reach
+        jqt.pack(loaded, p)
+        with pytest.raises(jqt.QParamsMismatchError, match="op 'w'"):
+            jqt.pack(loaded, _bigger(p))
+    path = str(tmp_path / "qp.safetensors")
+    old = str(tmp_path / "old.safetensors")  # as written before the record: not checked
+    _rewrite(path, old, lambda h: [e.pop("weight_reach", None) for e in h["ops"].values()])
+    assert jqt.load(old)["w"].source.calibrated_reach is None
+    jqt.pack(jqt.load(old), _bigger(p))
+    bad = str(tmp_path / "bad.safetensors")
+    _rewrite(path, bad, lambda h: h["ops"]["w"].update(weight_reach=["x", 1]))
+    with pytest.raises(jqt.FormatError, match=r"op 'w': 'weight_reach' is \[\"x\", 1\]"):
+        jqt.load(bad)

@@ -109,6 +109,7 @@ def test_conv_act_x_act_and_dynamic_activations():
         assert float(jnp.max(f(p, xx))) > float(jnp.max(yi)) * 1.5
 
 
+@pytest.mark.slow  # CI: the accumulator's numerics run in the default tests above
 def test_composition_scan_jit_vmap_grad_export():
     rng = np.random.default_rng(2)
     ws = jnp.asarray(rng.standard_normal((3, 32, 32)) * 0.4, jnp.float32)

@@ -453,7 +453,7 @@ def test_quant_type_errors_name_the_fix():
     assert dataclasses.replace(jqt.QuantType(bits=4), group_size=32).per_channel
 
 
-@pytest.mark.parametrize("to_groups", [0, 24])
+@pytest.mark.parametrize("to_groups", [0, pytest.param(24, marks=pytest.mark.slow)])  # 24: CI
 def test_fallback_moves_an_int4_op_to_int8(to_groups):
     # 'b' has one large weight in every group of 16 inputs: int4 rounds the rest of the group
     # coarsely, int8 does not; int4 holds 'a' (zeros and ones) exactly. With groups of 24,

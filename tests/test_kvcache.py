@@ -146,8 +146,8 @@ def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits, pol
 
 _FNS = {"scan-dus": teacher, "scan-scatter": functools.partial(teacher, write=_scatter),
         "scan-per-sequence": functools.partial(teacher, write=_per_sequence), "while": teacher_while}
-_CASES = [("scan-dus", "int4"), ("scan-scatter", True),
-          ("while", True)]  # the default run; every other pair is slow
+_CASES = [("scan-dus", "int4"), ("scan-scatter", True)]  # the default run; every other pair is
+# slow (a while loop with a cache: test_collected_outputs_are_not_a_cache in the default run)
 _SLOW = [pytest.param(f, k, marks=pytest.mark.slow) for f in _FNS for k in (True, "int4", "fp8")
          if (f, k) not in _CASES]
 

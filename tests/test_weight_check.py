@@ -11,6 +11,7 @@ weights, fine-tuned qparams (changed scales, or after jqt.qat.project), qparams 
 the record, and pack under jax.jit."""
 import dataclasses
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -247,3 +248,39 @@ def test_files_keep_the_record(tmp_path):
     _rewrite(path, bad, lambda h: h["ops"]["w"].update(weight_reach=["x", 1]))
     with pytest.raises(jqt.FormatError, match=r"op 'w': 'weight_reach' is \[\"x\", 1\]"):
         jqt.load(bad)
+
+
+def test_an_infinite_reach_is_not_recorded_and_its_file_loads(tmp_path):
+    """A weight with an inf element under a calibrator with a fixed range reaches infinitely
+    far: nothing is recorded (a file holding Infinity would not load again), so pack does
+    not check it, and jqt.save's file loads."""
+    @dataclasses.dataclass(frozen=True)
+    class Fixed(jqt.calibrators.WeightCalibrator):
+        def range(self, w, axes, qtype):
+            s = jnp.ones(jnp.max(w, axis=axes, keepdims=True).shape)
+            return -s, s
+
+    f = lambda w, x: x @ w
+    w = jnp.eye(4).at[0, 1].set(jnp.inf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qp = jqt.calibrate(f, jqt.recipes.w8(weight_calibrator=Fixed()), w, [(jnp.ones((2, 4)),)],
+                           progress=False)
+    assert qp["w"].source.calibrated_reach is None
+    jqt.pack(qp, w)
+    for name in ("qp.safetensors", "qp.npz"):
+        jqt.save(str(tmp_path / name), qp)
+        assert jqt.load(str(tmp_path / name))["w"].source.calibrated_reach is None
+
+
+def test_the_message_says_when_the_element_is_of_the_transformed_weight():
+    """Under smoothing the element quoted is the smoothed weight's, which the message says."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="an element \\(of the weight as the op's smoothing"):
+        jqt.pack(qp, {"w": 2 * p["w"]})
+    plain = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="an element of "):
+        jqt.pack(plain, {"w": 2 * p["w"]})

@@ -11,7 +11,8 @@ alone is not an error; clipping further than the calibration did is.
   computed from: layout ops replayed, smoothing and rotation applied) over the value
   where clipping starts on that side of the grid (the grid's end plus half a step for
   integers, :func:`numerics.clip_edges`); at most 1 where nothing clips. It stores
-  ``(reach, digest)`` in ``WeightSource.calibrated_reach``, the digest covering the
+  ``(reach, digest)`` in ``WeightSource.calibrated_reach`` (nothing where the reach is
+  not finite: an inf element that the weight calibrator let through), the digest covering the
   scale, zero point, smoothing vector and type it was measured with.
 * :func:`start` / :func:`finish` (``jqt.pack``): where the digest still matches (the
   qparams as calibrated), a weight whose reach exceeds ``max(calibrated reach, 1)`` by
@@ -160,6 +161,8 @@ def record(qparams, params_t, argnums):
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
     out = dict(qparams)
     for (key, _, tag), r in zip(pending, values):
+        if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
+            continue
         p = out[key]
         out[key] = dataclasses.replace(p, source=dataclasses.replace(
             p.source, calibrated_reach=(float(r), tag)))
@@ -196,12 +199,14 @@ def finish(pending, grid_operand, fn="jqt.pack"):
     q = p.operand(p.weight_operand)
     value, end, ratio = _worst(*grid_operand(p, src), q, src.stack_depth)
     was = "not clipped" if cal <= 1 else "clipped on purpose by the weight calibrator"
+    moved = " (of the weight as the op's smoothing or rotation transforms it)" \
+        if p.smooth is not None or p.rotate else ""
     others = [c[0][0] for c in bad[1:]]
     also = (f" Ops {others[:5]}{' ...' if len(others) > 5 else ''} do not fit theirs either."
             if others else "")
     raise QParamsMismatchError(
         f"{fn}: op '{key}': weight '{src.path}' does not fit the grid its qparams were calibrated "
-        f"for ({q.qtype.describe()}): an element of {value:.4g} lies {ratio:.3g}x as far out as "
+        f"for ({q.qtype.describe()}): an element{moved} of {value:.4g} lies {ratio:.3g}x as far out as "
         f"its scale's end of the grid, {end:.4g}, and would be clipped to it. The weights the "
         f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts "
         f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "

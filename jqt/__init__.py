@@ -16,8 +16,8 @@ from jqt._src.calibrate import calibrate as calibrate
 from jqt._src.frameworks import from_keras as from_keras
 from jqt._src.gptq import gptq as gptq
 from jqt._src.handlers import QParamsMismatchError as QParamsMismatchError
-from jqt._src.native import NativeStatus as NativeStatus
-from jqt._src.native import native_status as native_status
+from jqt._src.nativelib import NativeStatus as NativeStatus
+from jqt._src.nativelib import native_status as native_status
 from jqt._src.numerics import fake_quant_p as fake_quant_p
 from jqt._src.numerics import quantize_p as quantize_p
 from jqt._src.policy import KernelPolicy as KernelPolicy

@@ -230,7 +230,8 @@ def test_policy_table():
         weight_only_block_bytes=4 << 20, large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
-        int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0)
+        int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0,
+        native_decode=int(policy.native_nf4_decode_pays(policy.cpu_flags())))
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
         fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True,
         decode_in_input_dtype=True, cast_in_gemm=True)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jqt
-from jqt._src import native
+from jqt._src import native, nativelib
 from shared import all_eqns, ci_only
 
 R = jqt.recipes
@@ -516,3 +516,73 @@ def test_export_of_a_scan_over_stacked_layers_slices_in_xla():
     exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, x)
     assert "stablehlo.custom_call" not in exp.mlir_module()
     _close(exp.call(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
+
+
+# ---- whole weights decoded by the native kernel (``nibbledecode.py``, ``native_decode``) ---------
+
+NDEC = dataclasses.replace(CPU, native_decode=2)  # NF4 and int codes
+XDEC = dataclasses.replace(CPU, native_decode=0)  # XLA's decode
+DECODE_CALL = f"custom_call @{nativelib.DECODE}("
+MANY = CPU.native_gemv_rows + 5  # rows: above the few-row kernels, the weight decoded whole
+DECODED = {  # recipe, K, N (not a multiple of 8: the kernel's column tail)
+    "nf4_g64": (R.nf4(group_size=64), 256, 44),
+    "w4_g32_asym": (R.w4(group_size=32, symmetric=False), 128, 40),
+    "w4a8_g64_asym": (R.w4a8(group_size=64, symmetric=False), 128, 24),
+    "w4_per_channel_asym": (R.w4(group_size=0, symmetric=False), 130, 24),
+    "nf4_per_channel_k300": (R.nf4(group_size=0), 300, 20),
+}
+
+
+def _decode_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(DECODE_CALL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ci_only(DECODED, {"nf4_g64", "nf4_per_channel_k300"}))  # int codes: CI
+def test_native_decode_gives_the_bits_of_xlas_decode(name):
+    """The kernel's decode is XLA's float32 operations in the same order: the outputs of
+    the op (one float matmul of the decoded weight) are equal, not only close."""
+    recipe, k, n = DECODED[name]
+    f, p, qp, x = _setup(recipe, k, n, MANY)
+    packed = jqt.pack(qp, p)
+    q, ref = jqt.quantize(f, qp, policy=NDEC), jqt.quantize(f, qp, policy=XDEC)
+    assert _decode_calls(q, packed, x) == 1
+    assert _decode_calls(ref, packed, x) == 0
+    np.testing.assert_array_equal(np.asarray(jax.jit(q)(packed, x)), np.asarray(jax.jit(ref)(packed, x)))
+
+
+@needs_kernel
+def test_native_decode_levels_and_what_it_does_not_run():
+    f, p, qp, x = _setup(R.nf4(group_size=64), 128, 24, MANY)
+    level1 = dataclasses.replace(CPU, native_decode=1)  # NF4 only
+    assert _decode_calls(jqt.quantize(f, qp, policy=level1), jqt.pack(qp, p), x) == 1
+    f, p, qp, x = _setup(R.w4(group_size=64), 128, 24, MANY)
+    assert _decode_calls(jqt.quantize(f, qp, policy=level1), jqt.pack(qp, p), x) == 0
+    assert _decode_calls(jqt.quantize(f, qp, policy=NDEC), jqt.pack(qp, p), x) == 1
+    # the few-row kernel, not the decode, at few rows
+    assert _decode_calls(jqt.quantize(f, qp, policy=NDEC), jqt.pack(qp, p), x[:1]) == 0
+    # int8 codes (one per byte) and the nibble_halves order: XLA's decode
+    for recipe, pol in ((R.w8(), NDEC), (R.w4(group_size=64), dataclasses.replace(NDEC, nibble_halves=True))):
+        f, p, qp, x = _setup(recipe, 128, 24, MANY)
+        assert _decode_calls(jqt.quantize(f, qp, policy=pol), jqt.pack(qp, p, policy=pol), x) == 0
+
+
+@needs_kernel
+def test_native_decode_under_jit_vmap_grad_scan_and_export():
+    keys = jax.random.split(jax.random.key(21), 4)
+    p = {"w": jax.random.normal(keys[0], (2, 128, 128)) / 11}
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    qp = jqt.calibrate(f, R.nf4(group_size=64), p, [(jax.random.normal(keys[1], (4, 128)),)],
+                       progress=False)
+    packed, x = jqt.pack(qp, p), jax.random.normal(keys[2], (MANY, 128))
+    q, ref = jqt.quantize(f, qp, policy=NDEC), jqt.quantize(f, qp, policy=XDEC)
+    assert _decode_calls(q, packed, x) == 1  # inside the scan's body
+    eq = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    eq(jax.jit(q)(packed, x), jax.jit(ref)(packed, x))
+    xs = jnp.stack([x, -x])  # vmap over activations: the decode's codes are tied to them
+    eq(jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs), jnp.stack([jax.jit(ref)(packed, v) for v in xs]))
+    g = lambda fn: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(fn(packed, x)))))(x)
+    eq(g(q), g(ref))
+    exp = jax.export.export(jax.jit(q))(packed, x)
+    assert "stablehlo.custom_call" not in exp.mlir_module()
+    eq(exp.call(packed, x), jax.jit(ref)(packed, x))

@@ -7,10 +7,11 @@ file to change.
 from __future__ import annotations
 
 import contextlib
+import functools
 
-from jax.extend import source_info_util
-
+import jax
 import jax.extend.core as jex_core
+from jax.extend import source_info_util
 from jax.extend.core import Literal, Primitive  # noqa: F401
 from jax.interpreters import ad, batching, mlir  # noqa: F401
 
@@ -132,3 +133,33 @@ def lowering_is_portable(ctx) -> bool:
     if mesh is not None:  # shard_map: per-device code where every mesh axis is manual
         return set(getattr(ax, "manual_axes", ())) != set(mesh.axis_names)
     return getattr(ax, "num_devices", 1) > 1
+
+
+def define_by_reference(prim, reference, batch=None):
+    """Rules for a primitive whose meaning is ``reference`` (a function of its operands and
+    params built of JAX ops), whose CPU lowering a caller registers (a custom call):
+    eager calls compiled, the lowering on other platforms ``reference``'s, ``jax.vmap``
+    by ``batch`` (default: ``reference`` mapped) and ``jax.jvp`` ``reference``'s.
+    Returns the reference lowering, for the CPU rule to fall back to."""
+
+    @prim.def_impl
+    def _impl(*args, **params):
+        with jax.disable_jit(False):  # compiled even under jax.disable_jit (else bind recurses)
+            return jax.jit(functools.partial(prim.bind, **params))(*args)
+
+    def lower(ctx, *args, **params):
+        return mlir.lower_fun(functools.partial(reference, **params),
+                              multiple_results=False)(ctx, *args)
+
+    def mapped(args, dims, **params):
+        axes = tuple(None if d is NOT_MAPPED else d for d in dims)
+        return jax.vmap(functools.partial(reference, **params), in_axes=axes)(*args), 0
+
+    def jvp(primals, tangents, **params):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        return jax.jvp(functools.partial(reference, **params), tuple(primals), tuple(tangents))
+
+    mlir.register_lowering(prim, lower, cacheable=False)
+    batching.primitive_batchers[prim] = batch or mapped
+    ad.primitive_jvps[prim] = jvp
+    return lower

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import nibbledecode
 from . import numerics as nx
 from .formats import unpack_nibbles
 
@@ -646,7 +647,11 @@ def weight_only_2d(x2, w, policy, precision):
                 out = lax.dynamic_update_slice_in_dim(out, block(full, n - full), full, 1)
         else:
             tie = policy.decode_after_input and not (policy.cast_in_gemm and exact_cast(w, dt))
-            out = dot(xk, dec(after(v, xk) if tie else v, scale, zp))
+            c = after(v, xk) if tie else v
+            if not halves and nibbledecode.applies(w, dt, policy):  # jqt's native decode
+                out = dot(xk, nibbledecode.decode(c, w))
+            else:
+                out = dot(xk, dec(c, scale, zp))
     if gs:
         return out
     if w.zero_point is not None:

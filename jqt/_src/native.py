@@ -25,10 +25,8 @@ arithmetic of the float32 matmul of the decoded weight, in another order.
   arithmetic, and its formulation decoded the weight chunk by chunk, 1.44-2.45x a float32
   4096 x 4096 layer at one row.
 
-They are XLA FFI custom calls, built on first use with the C++ compiler found at run
-time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
-(``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
-``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
+They are XLA FFI custom calls, built on first use (``nativelib.py``). Where they
+cannot be built or run (no compiler, not x86-64, a CPU
 without AVX2 + FMA, or ``JQT_NATIVE=0``) the op runs the XLA formulation the policy
 would pick without them: the same numbers up to float rounding;
 :func:`jqt.native_status` says which and why.
@@ -42,19 +40,9 @@ programs over several devices (the partitioner cannot split a custom call).
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -64,127 +52,10 @@ from jax import lax
 from . import compat, dense, gemv
 from .formats import FLOAT8, NF4_TABLE
 from .layerview import LayerView
+from .nativelib import CHANNEL, CHANNEL_KN, FP8_KN, GROUPED, native_status
 from .qparams import QArray
 
-GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
-CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
-CHANNEL_KN = "jqt_channel_gemv_kn"  # the same, packed (K, N)
-FP8_KN = "jqt_fp8_gemv_kn"  # fp8 codes (e4m3fn, e5m2) with per-channel scales, packed (K, N)
-SOURCE = Path(__file__).parent / "csrc" / "grouped_gemv.cc"
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class NativeStatus:
-    """Whether jqt's native CPU kernels run in this process, and why (not).
-
-    Attributes:
-      available: the kernels are built, loaded and registered with XLA.
-      reason: where the library is, or why it is not used.
-      library: the path of the shared library, or ``None``.
-
-    >>> import jqt
-    >>> jqt.NativeStatus(False, "disabled by JQT_NATIVE=0")
-    NativeStatus(available=False, reason='disabled by JQT_NATIVE=0', library=None)
-    """
-
-    available: bool
-    reason: str
-    library: str | None = None
-
-
-_lock = threading.Lock()
-_status: NativeStatus | None = None
-
-
-def native_status() -> NativeStatus:
-    """Whether jqt's native CPU kernels (4-bit grouped and int8 per-channel weights at
-    few rows) are in use in this process, building them on the first call (a few
-    seconds, once per machine and jax version: the library is cached). Where they are
-    not, the same ops run as XLA programs; a build or load that fails with a compiler
-    present also warns once. See ``docs/performance.md``.
-
-    >>> import jqt
-    >>> s = jqt.native_status()
-    >>> isinstance(s.available, bool) and bool(s.reason)
-    True
-    """
-    global _status
-    with _lock:
-        if _status is None:
-            try:
-                _status = _build()
-            except _BuildError as e:  # a compiler is there, but the build or load failed
-                _status = NativeStatus(False, str(e))
-                warnings.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
-                              "run as XLA programs (slower at few rows); set JQT_NATIVE=0 to "
-                              "skip the build.", RuntimeWarning, stacklevel=2)
-        return _status
-
-
-class _BuildError(Exception):
-    """The kernels' build or load failed (where nothing says it should not have run)."""
-
-
-def _compiler():
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shutil.which(cxx) or cxx
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _cache_dir() -> Path:
-    if os.environ.get("JQT_CACHE_DIR"):
-        return Path(os.environ["JQT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jqt"
-
-
-def _build() -> NativeStatus:
-    if os.environ.get("JQT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return NativeStatus(False, "disabled by JQT_NATIVE=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return NativeStatus(False, f"the kernel is for x86-64 CPUs (this is {platform.machine()})")
-    cxx = _compiler()
-    if cxx is None:
-        return NativeStatus(False, "no C++ compiler found ($CXX, c++, g++ or clang++); "
-                                   "install one (e.g. apt install g++) to build the kernel")
-    include = jax.ffi.include_dir()
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
-                                     cxx.encode(), " ".join(flags).encode(),
-                                     include.encode()])).hexdigest()[:16]
-    lib = _cache_dir() / f"grouped_gemv-{key}.so"
-    if not lib.exists():
-        try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-            os.close(fd)
-            run = subprocess.run([cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
-                                 capture_output=True, text=True, timeout=600)
-            if run.returncode:
-                os.unlink(tmp)
-                tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
-                raise _BuildError(f"{cxx} failed to build {SOURCE}: " + " | ".join(tail))
-            os.replace(tmp, lib)  # atomic: concurrent builders each write their own file
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _BuildError(f"could not build {SOURCE} into {lib.parent}: {e} (set "
-                              "JQT_CACHE_DIR to a writable directory)") from e
-    try:
-        handle = ctypes.CDLL(str(lib))
-    except OSError as e:
-        raise _BuildError(f"could not load {lib}: {e}") from e
-    if handle.jqt_native_isa() < 2:
-        return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
-    jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
-    jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
-    jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
-    jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
-    return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
 
 
 def _target(w: QArray):
@@ -309,31 +180,6 @@ def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
     return jax.core.ShapedArray((x2.shape[0], n), _F32)
 
 
-@gemv_p.def_impl
-def _impl(*args, **params):
-    with jax.disable_jit(False):  # compiled even under jax.disable_jit (else bind recurses)
-        return jax.jit(functools.partial(gemv_p.bind, **params))(*args)
-
-
-def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
-    args = (x2, codes, scale, zp, table, layer)
-    if compat.lowering_is_portable(ctx) or not native_status().available:
-        return _lower_reference(ctx, *args, target=target, **params)
-    if target == GROUPED:
-        return jax.ffi.ffi_lowering(GROUPED)(
-            ctx, *args, group_size=np.int64(kernel_group(params["qtype"], 2 * ctx.avals_in[1].shape[-2])))
-    return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
-
-
-def _lower_reference(ctx, *args, **params):
-    return compat.mlir.lower_fun(functools.partial(_reference, **params),
-                                 multiple_results=False)(ctx, *args)
-
-
-compat.mlir.register_lowering(gemv_p, _lower_reference, cacheable=False)
-compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=False)
-
-
 def _batch(args, dims, **params):
     x2, *w = args
     bx = dims[0]
@@ -349,12 +195,17 @@ def _batch(args, dims, **params):
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0
 
 
-compat.batching.primitive_batchers[gemv_p] = _batch
+_lower_reference = compat.define_by_reference(gemv_p, _reference, _batch)
 
 
-def _jvp(primals, tangents, **params):
-    tangents = [compat.ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(_reference, **params), tuple(primals), tuple(tangents))
+def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
+    args = (x2, codes, scale, zp, table, layer)
+    if compat.lowering_is_portable(ctx) or not native_status().available:
+        return _lower_reference(ctx, *args, target=target, **params)
+    if target == GROUPED:
+        return jax.ffi.ffi_lowering(GROUPED)(
+            ctx, *args, group_size=np.int64(kernel_group(params["qtype"], 2 * ctx.avals_in[1].shape[-2])))
+    return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
 
 
-compat.ad.primitive_jvps[gemv_p] = _jvp
+compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=False)

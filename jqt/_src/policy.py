@@ -202,6 +202,17 @@ int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             code's bits (a gather from
                             its 16-entry table was
                             slower: numerics.py)
+nf4 decoded whole (more     on AVX2 without AVX-512:    XLA's decode (the select
+than 8 rows, a float copy   jqt's native kernel         tree)
+of at most 3 MiB, or more   ``jqt_nibble_decode``, the
+than 64 rows):              table's halves in two
+native_decode               registers (MiniLM nf4 g64
+                            b1 / b8: 0.72 / 1.00x and
+                            0.82 / 1.01x float32
+                            against 0.89 / 1.08x and
+                            1.00 / 1.12x); int4 codes
+                            and AVX-512 CPUs: XLA's
+                            decode (faster there)
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             from its bits (float16 bit  (H200: 1.34x bfloat16 at
                             tricks: XLA:CPU's own fp8   one row of a 4096 layer,
@@ -431,6 +442,17 @@ class KernelPolicy:
         which runs them at many rows on the decoded weight, reads a ``(K, N)`` weight
         faster, and ``jqt_channel_gemv_kn`` reads it at few rows.
 
+      native_decode: a weight of 4-bit codes two per byte (packed ``"kn"``, group
+        scales or one scale per output channel) decoded whole to float32 for a matmul
+        (``dense.decodes_whole``: above ``native_gemv_rows`` rows) is decoded by jqt's
+        native kernel ``jqt_nibble_decode`` (``nibbledecode.py``) where it is available:
+        1 NF4 codes, which XLA:CPU decodes by a tree of 15 selects per code; 2 int codes
+        too (slower than XLA's decode in the model: all-MiniLM-L6-v2 ``w4`` g64 at
+        batch 1 0.67x float32 against 0.58x); 0 never. The same bits as XLA's decode;
+        inside ``jax.export`` and where the kernels do not build, XLA's. The CPU table
+        sets 1 on an AVX2 CPU without AVX-512, 0 elsewhere
+        (``jqt._src.policy.native_nf4_decode_pays``).
+
       batched_map: a weight with batch axes (a mixture's experts) decoded to
         float (weight-only, grouped int8-activation and fp8 formats) runs one
         batch entry at a time in a ``lax.map``, each decoded in K-chunks of
@@ -472,6 +494,7 @@ class KernelPolicy:
     reduce_rows: int = 0
     native_int8_rows: int = 0
     weight_only_kn: bool = False
+    native_decode: int = 0
 
     def __post_init__(self):
         """Each field's type and range: flags are bools, counts ints >= 0 (``pad_rows`` >= 1).
@@ -557,6 +580,20 @@ def bfloat16_dot_is_fast(flags) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
+def native_nf4_decode_pays(flags) -> bool:
+    """Whether jqt's native decode of a whole NF4 weight (``native_decode=1``) outruns
+    XLA:CPU's (a tree of 15 selects per code) on a CPU with these ``flags``: with AVX2 and
+    no AVX-512 (a 2-core AMD EPYC: all-MiniLM-L6-v2 ``nf4 g64`` at batch 1 / 8 0.72 /
+    1.00x and 0.82 / 1.01x float32 against 0.89 / 1.08x and 1.00 / 1.12x in two runs),
+    not on a Zen 4 EPYC with AVX-512, where an earlier such kernel ran batch 1 at 1.05x
+    against 0.98x (benchmarks/results/formats-cpu-2core.md).
+
+    >>> native_nf4_decode_pays({"avx2", "fma"}), native_nf4_decode_pays({"avx2", "avx512f"})
+    (True, False)
+    """
+    return "avx2" in flags and "avx512f" not in flags
+
+
 _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md
                    decode_in_input_dtype=True, cast_in_gemm=True,  # gpu-h100.md (fourth lease)
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
@@ -571,7 +608,8 @@ POLICIES = {
                         decode_in_input_dtype=bfloat16_dot_is_fast(cpu_flags()),
                         int_as_bfloat16_rows=255 if bfloat16_dot_is_fast(cpu_flags()) else 0,
                         native_gemv_rows=8,
-                        native_in_place=True, native_int8_rows=4, weight_only_kn=True),
+                        native_in_place=True, native_int8_rows=4, weight_only_kn=True,
+                        native_decode=int(native_nf4_decode_pays(cpu_flags()))),
     "gpu": _GPU,
     "cuda": _GPU,
     "default": KernelPolicy(),

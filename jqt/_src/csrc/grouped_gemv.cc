@@ -612,6 +612,131 @@ ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// "jqt_nibble_decode": the whole weight decoded to float32 for XLA's matmul at many rows,
+// the codes as jqt_grouped_gemv reads them (two 4-bit codes per byte along K, packed (K, N);
+// group scales and zero points, or one row of them for codes with one scale per output
+// channel; NF4's 16-entry table or none):
+//   out[k, n] = (value(code[k, n]) - round(zp[g, n])) * scale[g, n],  g = k / group_size
+// with value the code itself or table[code + 8]: the XLA formulation's float32 operations,
+// in the same order, so the same bits. XLA:CPU decodes NF4 by a tree of 15 selects per code;
+// here the table's two halves sit in two registers and a code is one permute of each and a
+// blend. Rows of K are split over XLA's intra-op threads.
+
+#ifdef JQT_X86
+template <bool LUT>
+__attribute__((target("avx2,fma"))) inline __m256 code_values(__m256i u, __m256 t0, __m256 t1) {
+  if (LUT) {  // u = code + 8: the entry of the half that bit 3 picks
+    const __m256 a = _mm256_permutevar8x32_ps(t0, u), b = _mm256_permutevar8x32_ps(t1, u);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(u, 28)));
+  }
+  return _mm256_sub_ps(_mm256_cvtepi32_ps(u), _mm256_set1_ps(8.f));  // the code, exactly
+}
+
+template <bool LUT, bool ZP>
+__attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* __restrict w, int64_t N,
+                                                     int64_t r0, int64_t r1, const float* scale,
+                                                     const float* zp, const float* table,
+                                                     int64_t R, bool per_channel,
+                                                     float* __restrict out) {
+  const __m256 t0 = LUT ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
+  const __m256 t1 = LUT ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t g = per_channel ? 0 : r / R;
+    const float* s = scale + g * N;
+    const float* z = ZP ? zp + g * N : nullptr;
+    const uint8_t* row = w + r * N;
+    float* even = out + 2 * r * N;
+    float* odd = even + N;
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) {
+      const __m256i u = _mm256_cvtepu8_epi32(
+          _mm_xor_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + n)), flip));
+      __m256 lo = code_values<LUT>(_mm256_and_si256(u, low), t0, t1);
+      __m256 hi = code_values<LUT>(_mm256_srli_epi32(u, 4), t0, t1);
+      if (ZP) {
+        const __m256 zr = _mm256_round_ps(_mm256_loadu_ps(z + n), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        lo = _mm256_sub_ps(lo, zr);
+        hi = _mm256_sub_ps(hi, zr);
+      }
+      const __m256 sv = _mm256_loadu_ps(s + n);
+      _mm256_storeu_ps(even + n, _mm256_mul_ps(lo, sv));
+      _mm256_storeu_ps(odd + n, _mm256_mul_ps(hi, sv));
+    }
+    for (; n < N; ++n) {
+      const unsigned u = row[n] ^ 0x88;
+      float lo = LUT ? table[u & 15] : float(int(u & 15) - 8);
+      float hi = LUT ? table[u >> 4] : float(int(u >> 4) - 8);
+      if (ZP) {
+        const float zr = __builtin_roundevenf(z[n]);
+        lo -= zr;
+        hi -= zr;
+      }
+      even[n] = lo * s[n];
+      odd[n] = hi * s[n];
+    }
+  }
+}
+#endif
+
+void decode_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, const float* scale,
+                   const float* zp, const float* table, int64_t R, bool per_channel, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t g = per_channel ? 0 : r / R;
+    for (int64_t n = 0; n < N; ++n) {
+      const unsigned u = w[r * N + n] ^ 0x88;
+      float lo = table ? table[u & 15] : float(int(u & 15) - 8);
+      float hi = table ? table[u >> 4] : float(int(u >> 4) - 8);
+      if (zp) {
+        const float zr = __builtin_roundevenf(zp[g * N + n]);
+        lo -= zr;
+        hi -= zr;
+      }
+      out[2 * r * N + n] = lo * scale[g * N + n];
+      out[(2 * r + 1) * N + n] = hi * scale[g * N + n];
+    }
+  }
+}
+
+ffi::Error NibbleDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
+                        ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> table,
+                        ffi::ResultBuffer<ffi::F32> out, int64_t group_size) {
+  const auto wd = codes.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (wd.size() != 2 || sd.size() != 2 || od.size() != 2)
+    return ffi::Error::InvalidArgument("jqt_nibble_decode: codes, scale and out must be 2-D");
+  const int64_t rows = wd[0], N = wd[1], K = 2 * rows;
+  const bool per_channel = sd[0] == 1;
+  if (group_size <= 0 || group_size % 2 || K % group_size || od[0] != K || od[1] != N ||
+      (sd[0] != K / group_size && !per_channel) || sd[1] != N ||
+      (zp.element_count() && zp.element_count() != scale.element_count()) ||
+      (table.element_count() != 0 && table.element_count() != 16) ||
+      (table.element_count() && zp.element_count()))
+    return ffi::Error::InvalidArgument("jqt_nibble_decode: operand shapes do not match");
+  const uint8_t* w = codes.typed_data();
+  const float* sp = scale.typed_data();
+  const float* zpp = zp.element_count() ? zp.typed_data() : nullptr;
+  const float* tp = table.element_count() ? table.typed_data() : nullptr;
+  float* op = out->typed_data();
+  const int64_t R = group_size / 2;  // byte rows per group
+  // at least 64 Ki codes per part
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (rows * N) >> 16));
+  parallel(pool, parts, [&](int64_t t) {
+    const int64_t r0 = rows * t / parts, r1 = rows * (t + 1) / parts;
+#ifdef JQT_X86
+    if (has_avx2()) {
+      if (tp) return decode_avx2<true, false>(w, N, r0, r1, sp, zpp, tp, R, per_channel, op);
+      if (zpp) return decode_avx2<false, true>(w, N, r0, r1, sp, zpp, tp, R, per_channel, op);
+      return decode_avx2<false, false>(w, N, r0, r1, sp, zpp, tp, R, per_channel, op);
+    }
+#endif
+    decode_scalar(w, N, r0, r1, sp, zpp, tp, R, per_channel, op);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtGroupedGemv, GroupedGemv,
@@ -650,6 +775,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtFp8GemvKn, Fp8GemvKn,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtNibbleDecode, NibbleDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group_size"));
 
 // 2: AVX2 + FMA (+ F16C) kernels; 0: the portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {

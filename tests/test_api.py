@@ -222,3 +222,23 @@ def test_packed_weights_with_qparams_that_keep_the_op_float():
     with pytest.raises(jqt.QParamsMismatchError, match="'w' reads weight 'w', which jqt.pack dropped"):
         jqt.quantize(f, qp_float)(packed, x)
     np.testing.assert_allclose(jqt.quantize(f, qp_float)(p, x), f(p, x))
+
+
+def test_packed_weights_a_function_also_reads_as_floats():
+    """A leaf jqt.pack dropped (the function it was calibrated on read it only through a
+    quantized op) is refused by a function with the same op keys that also reads it as
+    a float, instead of giving that read the zeros in its place; under jit and vmap too."""
+    f = lambda p, x: x @ p["w"]
+    g = lambda p, x: x @ p["w"] + jnp.max(jnp.abs(p["w"]))  # the same op keys as f
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    assert packed.kept == ()
+    for run in (jqt.quantize(g, qp), jax.jit(jqt.quantize(g, qp)),
+                jax.vmap(jqt.quantize(g, qp), in_axes=(None, 0))):
+        with pytest.raises(jqt.QParamsMismatchError, match="reads weight 'w' as a float value"):
+            run(packed, x)
+    np.testing.assert_allclose(jqt.quantize(f, qp)(packed, x), jqt.quantize(f, qp)(p, x))
+    qp_g = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    np.testing.assert_allclose(jqt.quantize(g, qp_g)(jqt.pack(qp_g, p), x), jqt.quantize(g, qp_g)(p, x))

@@ -409,6 +409,15 @@ def test_packed_weights_checked_against_qparams(tmp_path, models):
     other = jax.tree_util.tree_map(lambda a: a * 1.01, qp)
     with pytest.raises(jqt.QParamsMismatchError, match="other weight scales"):
         jqt.load_packed(path, qparams=other)
+    # saved with qparams other than those it was packed with: refused (each packed weight
+    # holds its own scales), where before the file recorded them as the ones it was packed
+    # with, and refused the right ones on load
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'l1/w' was quantized with other weight scales"):
+        jqt.save_packed(str(tmp_path / "wrong.safetensors"), packed, other)
+    plain_file = str(tmp_path / "weights_only.safetensors")
+    jqt.save_packed(plain_file, packed)
+    with pytest.raises(jqt.QParamsMismatchError, match="other weight scales"):
+        jqt.load_packed(plain_file, qparams=other)
     # qparams of a model whose layer is wider: shapes do not fit
     wide = {"l1": {"w": jnp.ones((32, 128)), "b": jnp.zeros(128)},
             "l2": {"w": jnp.ones((128, 16)), "b": jnp.zeros(16)}}

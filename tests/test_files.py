@@ -520,6 +520,44 @@ def test_files_without_the_list_of_tensors_still_load(tmp_path, files, models):
     _assert_same(jqt.load(npz), models["mlp"][0])
 
 
+
+V1 = os.path.join(os.path.dirname(__file__), "data", "packed_v1")  # written by jqt 6484788^ (README there)
+
+
+def _v1_model(p, x):
+    h = jnp.tanh(x @ p["a.b"]["w"] + p["a.b"]["b"])
+    h, _ = jax.lax.scan(lambda c, lw: (jnp.tanh(c @ lw), None), h, p["layers"])
+    return h @ p["out"][0]
+
+
+def test_packed_version_1_files_still_load():
+    """jqt.packed version 1 held codes and sums only (the scales and types are the
+    qparams'): such a file loads with the qparams it holds, and a weights-only one with
+    qparams given, and both run as they ran in the jqt that wrote them. Before, the
+    check against the qparams took the codes for int8 per-tensor weights and called
+    the file damaged."""
+    z = np.load(os.path.join(V1, "params.npz"))
+    params = {"a.b": {"w": z["w"], "b": z["b"]}, "layers": z["layers"], "out": [z["out"]]}
+    for packed_file, qparams_file, name in (("w8a8.p.safetensors", "w8a8.p.safetensors", "w8a8"),
+                                            ("w4a8.pw.safetensors", "w4a8.q.safetensors", "w4a8")):
+        qp = jqt.load(os.path.join(V1, qparams_file))
+        path = os.path.join(V1, packed_file)
+        packed = jqt.load_packed(path, qparams=qp)
+        if packed_file == qparams_file:
+            packed = jqt.load_packed(path)  # checked against the qparams it holds
+        q = jax.jit(jqt.quantize(_v1_model, qp))
+        y = np.asarray(q(packed, z["x"]))
+        np.testing.assert_array_equal(y, np.asarray(q(params, z["x"])))
+        np.testing.assert_array_equal(y, np.load(os.path.join(V1, f"{name}.y.npz"))["yp"])
+    qp = jqt.load(os.path.join(V1, "w8a8.p.safetensors"))  # fp8 weights: not what version 1 held
+    p = qp["a.b/w"]
+    side = ("lhs", "rhs")[p.weight_operand]
+    fp8 = dataclasses.replace(p.operand(p.weight_operand), qtype=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True))
+    other = {**qp, "a.b/w": dataclasses.replace(p, **{side: fp8})}
+    with pytest.raises(jqt.QParamsMismatchError, match="version 1 file"):
+        jqt.load_packed(os.path.join(V1, "w8a8.p.safetensors"), qparams=other)
+
+
 # ============================================================ loads checked: fuzzing
 
 FUZZ = settings(max_examples=150, deadline=None)

@@ -284,3 +284,31 @@ def test_the_message_says_when_the_element_is_of_the_transformed_weight():
     plain = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match="an element of "):
         jqt.pack(plain, {"w": 2 * p["w"]})
+
+
+NAN_RECIPES = {"w8a8": jqt.recipes.w8a8, "w4_g8": lambda: jqt.recipes.w4(group_size=8),
+               "nf4_g8": lambda: jqt.recipes.nf4(group_size=8)}
+
+
+@pytest.mark.parametrize("name", ci_only(list(NAN_RECIPES), {"w8a8", "nf4_g8"}))  # w4: CI
+def test_a_nan_weight_is_refused_even_with_clip(name):
+    """An int or NF4 code has no NaN: pack packed a NaN element as a finite number (the
+    packed model gave finite outputs where the float model gives NaN). jqt.calibrate
+    refuses such a weight, and now jqt.pack does too, with clip=True as well (clipping is
+    no answer to NaN)."""
+    p = _params()
+    qp = jqt.calibrate(f, NAN_RECIPES[name](), p, [(X,)], progress=False)
+    bad = {**p, "v": p["v"].at[3, 2].set(jnp.nan)}
+    for clip in (False, True):
+        with pytest.raises(ValueError, match=r"op 'v': weight 'v' holds 1 NaN value"):
+            jqt.pack(qp, bad, clip=clip)
+    assert np.isnan(np.asarray(f(bad, X))[:, 2]).all()
+
+
+def test_fp8_weights_keep_nan_codes():
+    """float8_e4m3fn has a NaN code: the packed weight keeps the NaN, as the float model."""
+    p = _params()
+    qp = jqt.calibrate(f, jqt.recipes.fp8(), p, [(X,)], progress=False)
+    bad = {**p, "v": p["v"].at[3, 2].set(jnp.nan)}
+    out = np.asarray(jqt.quantize(f, qp)(jqt.pack(qp, bad), X))
+    assert np.isnan(out[:, 2]).all() and np.isfinite(np.delete(out, 2, axis=1)).all()

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validate
+from . import compat, validate
 from .analysis import path_str
 from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
@@ -546,13 +546,25 @@ def _n_channels(q, depth):
     return int(np.prod(np.shape(q.scale)[depth:], dtype=np.int64))
 
 
+def _same_values(a, b) -> bool:
+    """Whether two scales (or zero points, or ``None``) hold the same numbers, in any
+    layout (a packed weight's are its qparams' up to a reshape); tracers pass."""
+    if a is None or b is None:
+        return a is None and b is None
+    if compat.is_tracer(a) or compat.is_tracer(b):
+        return True
+    a, b = np.ravel(np.asarray(a)), np.ravel(np.asarray(b))
+    return a.size == b.size and np.array_equal(np.sort(a), np.sort(b))
+
+
 def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
     """Checks that ``packed`` (from :func:`jqt.pack`) matches ``qparams``: every packed
     weight belongs to a quantized weight operand of ``qparams`` and has its format, its
     shape agrees with that operand's per-channel scale, and every weight leaf dropped
-    by ``pack`` is replaced by a packed weight. With ``packed_with`` (the qparams
-    stored with the weights), also checks that the weight scales and zero points are
-    the same.
+    by ``pack`` is replaced by a packed weight, and each packed weight's own scales and
+    zero points are the qparams' (a weight of a version-1 file holds none). With
+    ``packed_with`` (the qparams stored with the weights), also checks that those give
+    the same weight scales and zero points.
     Raises :class:`jqt.QParamsMismatchError`."""
     if not isinstance(packed, PackedParams):
         raise TypeError(f"{fn}: expected a jqt.PackedParams, got a {type(packed).__name__}.")
@@ -584,7 +596,14 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             raise QParamsMismatchError(
                 f"{fn}: the packed weights hold an int8 weight for op '{key}', which these qparams "
                 "keep float. They were packed with other qparams; re-run jqt.pack with these.")
-        if pw.qtype != q.qtype:
+        if pw.scale is None:  # a version-1 file's weight: int8 codes and sums, no scale or type
+            if not (q.qtype.kind == "int" and q.qtype.bits <= 8 and not q.qtype.group_size):
+                raise QParamsMismatchError(
+                    f"{fn}: the packed weight of op '{key}' holds codes in int8 without scales (a "
+                    f"jqt.packed version 1 file), but these qparams quantize it as "
+                    f"{q.qtype.describe()}. They were packed with other qparams; re-run jqt.pack "
+                    "with these.")
+        elif pw.qtype != q.qtype:
             raise QParamsMismatchError(
                 f"{fn}: the packed weight of op '{key}' is {pw.qtype.describe()}, but these "
                 f"qparams quantize it as {q.qtype.describe()}. They were packed with other "
@@ -625,4 +644,10 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{fn}: the weights of op '{key}' were quantized with other weight scales or "
                     "types than these qparams give (the file holds the qparams it was packed "
                     "with). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
+        if pw.scale is not None and not (_same_values(pw.scale, q.scale)
+                                         and _same_values(pw.zero_point, q.zero_point)):
+            raise QParamsMismatchError(
+                f"{fn}: the packed weight of op '{key}' was quantized with other weight scales "
+                "or zero points than these qparams give: they are not the qparams it was packed "
+                "with (another calibration?). Pass those, or re-run jqt.pack with these.")
 

@@ -34,7 +34,16 @@ def _unpack(packed: PackedParams):
 
 def _check_packed_covers(traced, qparams, packed, dropped):
     """Every op that reads a leaf jqt.pack dropped must quantize it and get its packed
-    int8 weight (otherwise it would read the zeros ``_unpack`` puts there)."""
+    int8 weight, and nothing else may read it (otherwise it would read the zeros
+    ``_unpack`` puts there)."""
+    for a, i in sorted(dropped):
+        if "float" in traced.uses(a, i):
+            raise QParamsMismatchError(
+                f"jqt: the function reads weight '{traced.leaf_paths[a, i]}' as a float value (not only "
+                "through the quantized ops that take its packed copy), but jqt.pack dropped it: "
+                "the qparams were calibrated on a function that read it only through those ops. "
+                "Calibrate this function (jqt.calibrate) and pack with its qparams, or pass the "
+                "float params.")
     for s in traced.sites():
         src, p = s.source, qparams.get(s.key)
         if src is None or (src.arg, src.leaf) not in dropped or p is None:
@@ -216,6 +225,25 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     return qf
 
 
+def _refuse_nans(nans):
+    """Raises ``ValueError`` for the first weight of ``nans`` (``(key, path, count)``, the
+    counts device scalars, read in one transfer) that holds NaN: an int or NF4 code has
+    no NaN, so the element would be packed as a finite number and the NaN lost, where
+    the float model gives NaN (``calibrate`` refuses such a weight too)."""
+    if not nans:
+        return
+    counts = jax.device_get([c for _, _, c in nans])
+    bad = [(k, path, int(c)) for (k, path, _), c in zip(nans, counts) if c]
+    if bad:
+        key, path, n = bad[0]
+        raise ValueError(
+            f"jqt.pack: op '{key}': weight '{path}' holds {n} NaN value{'s' * (n > 1)}, which its "
+            "integer codes cannot hold (they would be packed as finite numbers). Fix the weights "
+            "(they are not those the qparams were calibrated with, which jqt.calibrate checks), "
+            "or keep the op float (a jqt.Rule with weight=None)."
+            + (f" Ops {[b[0] for b in bad[1:6]]} hold NaN too." if len(bad) > 1 else ""))
+
+
 def _concrete(tree) -> bool:
     """No leaf of ``tree`` is a tracer (nothing is being transformed)."""
     return not any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves(tree))
@@ -248,7 +276,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     weights as ``pack`` does), qparams without the record (read from files written
     before jqt made it, built by hand; ``WeightSource.calibrated_reach``), and values
     that are tracers (``pack`` under ``jax.jit``). The check is one maximum over each
-    weight.
+    weight. A weight holding NaN raises ``ValueError`` under int and NF4 formats, with
+    ``clip=True`` too: their codes cannot hold NaN (fp8 codes keep it).
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"] + p["b"]
@@ -280,7 +309,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     index = {}  # weights are found by path
     for i, (q, _) in enumerate(with_paths):
         index.setdefault(path_str(q), []).append(i)
-    weights, consumed, needed, unpackable, leaf_of, checks = {}, set(), set(), [], {}, []
+    weights, consumed, needed, unpackable, leaf_of, checks, nans = {}, set(), set(), [], {}, [], []
     for key, p in qparams.items():
         w = p.weight_operand
         if w is None or p.operand(w) is None:
@@ -311,10 +340,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 "Pass the params the qparams were calibrated with, or re-calibrate.") from None
         if not clip:  # the weights against those the qparams were calibrated with
             checks.append(weightcheck.start(key, p, src, *grid))
+        if p.operand(w).qtype.kind != "float" and not compat.is_tracer(operand):
+            nans.append((key, src.path, jnp.sum(jnp.isnan(operand))))  # fp8 codes hold NaN
         consumed.add(src.leaf)
         leaf_of[key] = src.leaf
         if src.float_needed:
             needed.add(src.leaf)
+    _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
         src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:

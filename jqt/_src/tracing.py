@@ -30,6 +30,13 @@ class Traced:
     out_tree: object
     plan: Plan
     analyzer: Analyzer
+    leaf_paths: dict = dataclasses.field(default_factory=dict)  # (arg, leaf index) -> path
+
+    def uses(self, arg, leaf):
+        """The site keys that read leaf ``leaf`` of weight argument ``arg`` as their weight
+        operand, with ``"float"`` if anything else reads it (``Analyzer.leaf_uses``)."""
+        path = self.leaf_paths.get((arg, leaf))
+        return set() if path is None else self.analyzer.leaf_uses.get((arg, path), set())
 
     def sites(self):
         """The function's ops in evaluation order, one per key (the ops of a
@@ -216,7 +223,8 @@ class Tracer:
                 infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j)))
         analyzer = Analyzer()
         plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
-        traced = Traced(closed, out_tree, plan, analyzer)
+        paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
+        traced = Traced(closed, out_tree, plan, analyzer, paths)
         self.cache[key] = traced
         if len(self.cache) > 32:
             self.cache.popitem(last=False)

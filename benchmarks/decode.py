@@ -272,10 +272,10 @@ def prefill(names, rounds, markdown, results):
                      dataclasses.replace(CPU, decode_after_input=False)),
                     *((("nibbles decoded in halves, the activation reordered (nibble_halves=True)",
                         dataclasses.replace(CPU, nibble_halves=True)),) if "4" in name else ()),
-                    *(((f"decoded by {'XLA' if CPU.native_decode else 'the native kernel'} "
-                        f"(native_decode={0 if CPU.native_decode else 2})",
-                        dataclasses.replace(CPU, native_decode=0 if CPU.native_decode else 2)),)
-                      if "4" in name else ()),
+                    *(((f"decoded by {'XLA' if CPU.native_decode >= 2 else 'the native kernel'} "
+                        f"(native_decode={0 if CPU.native_decode >= 2 else 2})",
+                        dataclasses.replace(CPU, native_decode=0 if CPU.native_decode >= 2 else 2)),)
+                      if "4" in name else ()),  # int codes: the table's level 1 decodes them in XLA
                     *((("packed (N, K) (weight_only_kn=False)",
                         dataclasses.replace(CPU, weight_only_kn=False)),) if name == "w8" else ())):
                 g0 = jax.jit(jqt.quantize(f, qp, policy=policy))

@@ -400,6 +400,27 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
         jqt.load(npz)
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(smooth=0.5), jqt.recipes.w8a8(rotate=True)],
+                         ids=["smooth", "rotate"])
+def test_packed_files_of_transformed_codes_get_the_next_version(tmp_path, models, recipe):
+    """Codes with a smoothing vector or rotation folded in are written as jqt.packed
+    version 3, with or without their qparams: a jqt that reads version 2 only, and would
+    ignore the transform, refuses the file. Plain codes stay version 2."""
+    f, params, x = models["mlp_w8a8"][:3]
+    qp = jqt.calibrate(f, recipe, params, [(x,)], progress=False)
+    packed = jqt.pack(qp, params)
+    for with_qparams in (True, False):
+        path = str(tmp_path / f"t{with_qparams}.safetensors")
+        jqt.save_packed(path, packed, qp if with_qparams else None)
+        assert _metadata(path)[0]["version"] == "3"
+        back = jqt.load_packed(path, qparams=qp)
+        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp))(back, x),
+                                      jax.jit(jqt.quantize(f, qp))(packed, x))
+    plain = str(tmp_path / "plain.safetensors")
+    jqt.save_packed(plain, models["mlp_w8a8"][4])
+    assert _metadata(plain)[0]["version"] == "2"
+
+
 def test_packed_weights_checked_against_qparams(tmp_path, models):
     f, params, x, qp, packed = models["mlp_w8a8"]
     path = str(tmp_path / "w.safetensors")

@@ -149,7 +149,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
               "leaves": leaves, "weights": weights, "qparams": entries,
               "tied": [list(t) for t in packed.tied]}
-    write(path, tensors, header, PACKED_FORMAT, versioned(PACKED_VERSION, qparams))
+    version = versioned(PACKED_VERSION, qparams)
+    if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
+        version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
+    write(path, tensors, header, PACKED_FORMAT, version)
 
 
 def _weight_scales(entries, arrays):

@@ -56,8 +56,9 @@ from .formats import QuantType
 VERSION = 1  # the .npz format
 NPZ_READ = (1, 2)
 # Files whose qparams hold outlier transforms (smooth, rotate) or narrow accumulators get
-# the next version of their format (npz 2, safetensors 4, packed 3), so that a jqt that
-# cannot apply them refuses the file instead of dropping them.
+# the next version of their format (npz 2, safetensors 4, packed 3; packed 3 also for codes
+# with a transform folded in, saved without qparams), so that a jqt that cannot apply them
+# refuses the file instead of dropping them.
 
 
 def versioned(version, qparams):

@@ -408,6 +408,20 @@ def test_output_error_counts_float_outputs_only():
         (rf.output_sqnr, rf.output_rel_l2, rf.output_max_abs)
 
 
+def test_output_error_of_a_bfloat16_model():
+    """A bfloat16 output is a float output: its error is measured (numpy does not count
+    ml_dtypes' bfloat16 as inexact, and the report called such a model exact: SQNR inf)."""
+    rng = np.random.default_rng(0)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)}
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(x,)], progress=False)
+    rep = jqt.report(f, qp, p, (x,))
+    err = jnp.abs(jqt.quantize(f, qp, simulate=True)(p, x).astype(jnp.float32) - f(p, x).astype(jnp.float32))
+    assert 10 < rep.output_sqnr < 40 and 0 < rep.output_rel_l2 < 1
+    np.testing.assert_allclose(rep.output_max_abs, float(err.max()), rtol=1e-6)
+
+
 def test_report_rows_and_end_to_end_numbers(chain_setup):
     p, x, qp, rep = chain_setup
     assert isinstance(rep, jqt.Report)

@@ -271,6 +271,32 @@ def test_an_empty_batch_gives_the_empty_output(recipe):
         jqt.calibrate(f, r, w, [(empty,)], progress=False)
 
 
+def test_a_scale_of_the_wrong_shape_names_the_format():
+    """The error for a group scale cut short names its format (it called a g32 weight
+    "per channel")."""
+    import dataclasses
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 16)), jnp.float32)}
+    x = jnp.ones((4, 64))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(x,)], progress=False)
+    bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(qp["w"].rhs, scale=qp["w"].rhs.scale[:1]))}
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"qparams\['w'\] has a rhs scale of shape \(1, 16\), but the operand "
+                             r"\(64, 16\) \(int4 sym g32\) needs \(2, 16\)"):
+        jqt.quantize(f, bad, simulate=True)(p, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_non_finite_calibration_data_is_refused_in_any_float_dtype(dtype):
+    """NaN or inf in a batch is refused by name in bfloat16 too (numpy does not count
+    ml_dtypes' bfloat16 as inexact, and such a batch went through unchecked)."""
+    f = lambda p, x: x @ p["w"]
+    w = {"w": jnp.ones((4, 4), dtype) * 0.1}
+    bad = jnp.ones((2, 4), dtype).at[1, 2].set(jnp.nan)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] holds 1 NaN/inf values"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), w, [(bad,)], progress=False)
+
+
 @pytest.mark.slow  # rare edge cases: CI's slow run (the default run stays under 5 minutes)
 def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
     """Empty inputs where the native kernels and the experts' map run, and token ids with

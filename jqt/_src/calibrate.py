@@ -65,7 +65,7 @@ def _check_batch(i, batch, first_tree):
                 f"{where} is empty (shape {leaf.shape}); an empty batch has no statistics. Drop "
                 "it from the calibration set.")
         a = np.asarray(leaf)
-        if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+        if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
             raise CalibrationDataError(
                 f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
                 "calibration data (statistics from non-finite values would give infinite scales).")

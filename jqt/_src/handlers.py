@@ -234,7 +234,7 @@ def lookup(ctx, site, invals):
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {tuple(jnp.shape(a))}, but the operand {tuple(invals[i].shape)} "
-                    f"({'per channel' if q.qtype.per_channel else 'per tensor'}) needs {want}. "
+                    f"({q.qtype.describe()}) needs {want}. "
                     "The function or its weights changed shape since calibration, or the "
                     "qparams were edited; re-calibrate.")
     if packed is not None:

@@ -324,7 +324,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     f2 = e2 = 0.0
     mx = 0.0
     for o in outs:
-        if not np.issubdtype(np.asarray(o).dtype, np.inexact):
+        if not jnp.issubdtype(np.asarray(o).dtype, jnp.inexact):  # bfloat16 and fp8 too
             continue  # integer and bool outputs (token ids, masks) are not an error to measure
         o = np.asarray(o, np.float64)
         f2 += float(np.sum(o[0] ** 2))

@@ -373,8 +373,8 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     int8 static activations; int4 embedding tables.
 
     The int4 x int8 products sum in int32 per group and are scaled per group.
-    ``symmetric=False`` gives each weight group a zero point too. ``smooth``,
-    ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
+    ``symmetric=False`` gives each weight group of the dense ops a zero point too
+    (embedding tables stay symmetric). ``smooth``, ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
     Weight ranges are clipped at their squared-error optimum
     (:data:`WEIGHT_MSE_4BIT`) unless ``weight_calibrator`` says otherwise.
 
@@ -398,10 +398,10 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     """Weight-only int4 with one scale per group of ``group_size`` inputs (0: per
     channel), stored two per byte; int4 embedding tables.
 
-    ``symmetric=False`` gives each group a zero point as well (the range
-    ``[min, max]`` instead of ``[-absmax, absmax]``): more accurate on
-    skewed groups (on all-MiniLM-L6-v2, see docs/formats.md), one more
-    subtraction per weight element when decoding. ``awq=True`` searches AWQ's
+    ``symmetric=False`` gives each group of the dense ops' weights a zero point as well
+    (the range ``[min, max]`` instead of ``[-absmax, absmax]``; embedding tables stay
+    symmetric): more accurate on skewed groups (on all-MiniLM-L6-v2, see
+    docs/formats.md), one more subtraction per weight element when decoding. ``awq=True`` searches AWQ's
     per-input-channel scales; ``rotate=True`` applies a Hadamard rotation
     (:class:`jqt.Rule`); :func:`jqt.gptq` re-rounds the weights afterwards. Each
     group's range is clipped at its squared-error optimum (:data:`WEIGHT_MSE_4BIT`;

@@ -404,6 +404,27 @@ def test_a_failed_build_warns_and_falls_back(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a subprocess: CI
+def test_a_compiler_that_cannot_run_is_named_and_leaves_no_file(tmp_path):
+    """A $CXX that is not there is named as the reason (the message blamed the cache
+    directory), $CXX may carry arguments ("ccache g++" was taken as one program name),
+    and the failed build leaves no temporary file in the cache directory."""
+    code = ("import warnings, jqt\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.simplefilter('ignore')\n"
+            "    print(jqt.native_status().reason)\n")
+    for cxx, program in (("/nonexistent/g++", "/nonexistent/g++"), ("/nonexistent/ccache g++", "/nonexistent/ccache")):
+        env = {**os.environ, "CXX": cxx, "JQT_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+        env.pop("JQT_NATIVE", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip("the build is only tried on x86-64")
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"the C++ compiler {cxx!r} could not be run" in out.stdout and program in out.stdout, out.stdout
+        assert "JQT_CACHE_DIR" not in out.stdout
+        assert os.listdir(tmp_path) == []
+
+
 # ---- layers of stacked weights read in place (``layerview.py``, ``native_in_place``) -------------
 
 COPIED = dataclasses.replace(CPU, native_in_place=False)

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -86,13 +87,15 @@ class _BuildError(Exception):
 
 
 def _compiler():
-    cxx = os.environ.get("CXX")
+    """The compiler's command as a list (``$CXX`` split as a shell would, so that
+    ``ccache g++`` works), or ``None``."""
+    cxx = shlex.split(os.environ.get("CXX", ""))
     if cxx:
-        return shutil.which(cxx) or cxx
+        return [shutil.which(cxx[0]) or cxx[0], *cxx[1:]]
     for name in ("c++", "g++", "clang++"):
         path = shutil.which(name)
         if path:
-            return path
+            return [path]
     return None
 
 
@@ -101,6 +104,31 @@ def _cache_dir() -> Path:
         return Path(os.environ["JQT_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jqt"
+
+
+def _compile(cxx, flags, include, lib):
+    """Compiles ``SOURCE`` into ``lib`` through a temporary file in its folder (removed
+    whatever happens), renamed into place: concurrent builders each write their own."""
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+    except OSError as e:
+        raise _BuildError(f"could not write into {lib.parent}: {e} (set JQT_CACHE_DIR to a "
+                          "writable directory)") from e
+    try:
+        run = subprocess.run([*cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
+                             capture_output=True, text=True, timeout=600)
+        if run.returncode:
+            tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
+            raise _BuildError(f"{' '.join(cxx)} failed to build {SOURCE}: " + " | ".join(tail))
+        os.replace(tmp, lib)
+    except (OSError, subprocess.SubprocessError) as e:  # the compiler could not run
+        raise _BuildError(f"the C++ compiler {' '.join(cxx)!r} could not be run: {e} (set $CXX "
+                          "to a C++ compiler, or JQT_NATIVE=0 to skip the build)") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _build() -> NativeStatus:
@@ -115,24 +143,11 @@ def _build() -> NativeStatus:
     include = jax.ffi.include_dir()
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
-                                     cxx.encode(), " ".join(flags).encode(),
+                                     " ".join(cxx).encode(), " ".join(flags).encode(),
                                      include.encode()])).hexdigest()[:16]
     lib = _cache_dir() / f"grouped_gemv-{key}.so"
     if not lib.exists():
-        try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-            os.close(fd)
-            run = subprocess.run([cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
-                                 capture_output=True, text=True, timeout=600)
-            if run.returncode:
-                os.unlink(tmp)
-                tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
-                raise _BuildError(f"{cxx} failed to build {SOURCE}: " + " | ".join(tail))
-            os.replace(tmp, lib)  # atomic: concurrent builders each write their own file
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _BuildError(f"could not build {SOURCE} into {lib.parent}: {e} (set "
-                              "JQT_CACHE_DIR to a writable directory)") from e
+        _compile(cxx, flags, include, lib)
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
@@ -144,4 +159,4 @@ def _build() -> NativeStatus:
     jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
     jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
     jax.ffi.register_ffi_target(DECODE, jax.ffi.pycapsule(handle.JqtNibbleDecode), platform="cpu")
-    return NativeStatus(True, f"built with {cxx}: {lib}", str(lib))
+    return NativeStatus(True, f"built with {' '.join(cxx)}: {lib}", str(lib))

@@ -400,8 +400,9 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
         jqt.load(npz)
 
 
-@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(smooth=0.5), jqt.recipes.w8a8(rotate=True)],
-                         ids=["smooth", "rotate"])
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(smooth=0.5),
+                                    pytest.param(jqt.recipes.w8a8(rotate=True), marks=pytest.mark.slow)],
+                         ids=["smooth", "rotate"])  # rotate: CI
 def test_packed_files_of_transformed_codes_get_the_next_version(tmp_path, models, recipe):
     """Codes with a smoothing vector or rotation folded in are written as jqt.packed
     version 3, with or without their qparams: a jqt that reads version 2 only, and would

@@ -573,6 +573,7 @@ def test_native_decode_gives_the_bits_of_xlas_decode(name):
 
 
 @needs_kernel
+@pytest.mark.slow  # which ops take the decode: CI (the default run keeps its results and composition)
 def test_native_decode_levels_and_what_it_does_not_run():
     f, p, qp, x = _setup(R.nf4(group_size=64), 128, 24, MANY)
     level1 = dataclasses.replace(CPU, native_decode=1)  # NF4 only

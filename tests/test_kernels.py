@@ -305,7 +305,7 @@ def test_grouped_weight_with_int8_activations_on_cpu():
                                    atol=1e-5 * float(jnp.abs(out[np.int8]).max()))
 
 
-@pytest.mark.parametrize("rows", [8, 100])  # N-chunks of the (N, K) weight; the whole weight
+@pytest.mark.parametrize("rows", [pytest.param(8, marks=pytest.mark.slow), 100])  # 8: CI; N-chunks of the (N, K) weight; the whole weight
 def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(rows):
     """``decode_in_input_dtype`` (the CPU table's where the CPU has AVX512_BF16): a
     weight-only op on bfloat16 activations decodes a per-channel int8 weight to bfloat16

@@ -209,8 +209,9 @@ CASES = ([(s, r) for s in SHAPES for r in ("w8a8", "w8")]
 SLOW_CASES = [pytest.param(s, r, marks=pytest.mark.slow) if s != "decode" else (s, r) for s, r in CASES]
 
 
-@pytest.mark.parametrize("shape,recipe,n", [(s, r, 3) if r not in ("w8", "w8a16")  # w8 and w8a16,
-                         # several batches: slow (w8a8 and w4 run them by default)
+@pytest.mark.parametrize("shape,recipe,n", [(s, r, 3) if r not in ("w8", "w8a16", "w4a8", "nf4", "fp8")
+                         # w8, w8a16, w4a8, nf4 and fp8 on several batches: slow (w8a8 on
+                         # every shape, w8a8_dynamic and w4 on the decode shape by default)
                          else pytest.param(s, r, 3, marks=pytest.mark.slow) for s, r in CASES]
                          + [pytest.param(s, r, 1, marks=pytest.mark.slow) for s, r in CASES])
 def test_loop_calibrates_and_quantizes(shape, recipe, n):

@@ -99,8 +99,7 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ci_only(CASES, {"w4_g32_asym", "nf4_g64", "w8_asym_k300", "int3_g32",
-                                                 "fp8", "w4_per_channel"}))  # the others: CI
+@pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel"}))  # the others: CI
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)

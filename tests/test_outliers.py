@@ -492,6 +492,7 @@ def test_sensitivity_ranks_ops_of_a_transformed_recipe():
     assert alone(plain) < alone(sens) <= 0
 
 
+@pytest.mark.slow  # an edge case of experts: CI
 def test_gptq_keeps_plain_rounding_for_an_expert_no_token_reached():
     """An expert with no calibration tokens has a zero Hessian: every input is "dead", and
     GPTQ zeroed its whole weight (the expert then output 0), silently. It keeps plain

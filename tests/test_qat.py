@@ -213,6 +213,7 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
         jqt.qat.project((p, qp))
 
 
+@pytest.mark.slow  # large optimizer steps: CI
 def test_project_keeps_scales_positive_under_large_steps(net_setup):
     """Plain SGD with a step far larger than the scales: without project they go negative."""
     p, _, qp, loss = net_setup

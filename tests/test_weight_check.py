@@ -49,7 +49,7 @@ RECIPES = {
     "w8a8_smooth": lambda: jqt.recipes.w8a8(smooth=0.5),
     "w8a8_rotate": lambda: jqt.recipes.w8a8(rotate=True),
 }
-DEFAULT_RUN = {"w8a8", "w4_g16", "w8a8_asym_weights"}
+DEFAULT_RUN = {"w8a8", "w4_g16"}
 
 
 def _calibrate(name, p=None):

@@ -325,6 +325,19 @@ def test_bad_cache_types_are_refused():
     assert jqt.recipes.w4(kv_cache="fp8").rules[0].kv_cache.dtype == "float8_e4m3fn"
 
 
+def test_edited_cache_types_are_refused(setup):
+    """A cache type edited into qparams by hand is checked as a Rule's is: an asymmetric or
+    static cache type would otherwise run with its zero point or static flag ignored."""
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    for change in (dict(symmetric=False), dict(dynamic=False)):
+        e = qp["kv_cache_0"]
+        bad = dict(qp, kv_cache_0=dataclasses.replace(
+            e, lhs=dataclasses.replace(e.lhs, qtype=dataclasses.replace(e.lhs.qtype, **change))))
+        with pytest.raises(ValueError, match=r"qparams\['kv_cache_0'\].*KV cache type"):
+            jqt.quantize(teacher, bad)(p, x)
+
+
 @pytest.mark.slow
 def test_generate_example_runs():
     """examples/generate.py on the tiny decoder: every variant's decode loop carries an int8

@@ -223,6 +223,17 @@ def test_fp8_codes_match_xla_conversion_bit_for_bit(grid):
     assert np.isnan(np.asarray(nx.decode(got, grid))[~finite]).all()
 
 
+def test_simulated_formats_keep_nan():
+    """A NaN weight is NaN after fake quantization in every format, NF4 too (its table's
+    comparisons picked a code for NaN): the simulated path's outputs show it, as float's."""
+    from jqt._src import numerics as nx
+    x = jnp.array([0.3, jnp.nan, -0.7, 2.0])
+    for qt in (jqt.QuantType(bits=8), jqt.QuantType(bits=4), jqt.QuantType(dtype="nf4"),
+               jqt.QuantType(dtype="float8_e4m3fn")):
+        y = np.asarray(nx.fake_quant(x, jnp.float32(0.5), None, qt))
+        assert np.isnan(y).tolist() == [False, True, False, False], qt.describe()
+
+
 def test_nf4_decode_is_the_table():
     # every code, any shape, under jit
     from jqt._src import numerics as nx

@@ -189,7 +189,10 @@ def codes_dot_types(dtype, preferred):
 def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):
     zp = _zp_f32(zero_point) if grid == "int" else jnp.zeros((), _F32)
     q = decode(_codes(x, scale, zero_point, qmin, qmax, grid), grid)
-    return ((q - zp) * scale.astype(_F32)).astype(x.dtype)
+    out = (q - zp) * scale.astype(_F32)
+    if grid == "nf4":  # the table's comparisons pick a code for NaN; keep NaN, as the int grid does
+        out = jnp.where(jnp.isnan(x), jnp.nan, out)
+    return out.astype(x.dtype)
 
 
 def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype, grid="int"):

@@ -723,6 +723,12 @@ def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
     bad = {"ws": dataclasses.replace(qp["ws"], rhs=dataclasses.replace(rhs, scale=rhs.scale[:2]))}
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'ws' .* lax.scan of length 3 .* \(2, 1, 4\)"):
         jqt.quantize(g, bad)(ws, X)
+    # the right number of layers, each of the wrong shape: the message says the shapes are
+    # one layer's, which the qparams hold with a leading layer axis
+    bad = {"ws": dataclasses.replace(qp["ws"], rhs=dataclasses.replace(rhs, scale=rhs.scale[..., :2]))}
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"shape \(1, 2\).*needs \(1, 4\) \(one layer's shapes: .*leading layer axis"):
+        jqt.quantize(g, bad)(ws, X)
 
 
 def test_packed_weights_with_the_wrong_number_of_layers_are_refused():

@@ -231,10 +231,12 @@ def lookup(ctx, site, invals):
         for field in ("scale", "zero_point"):
             a = getattr(q, field)
             if a is not None and tuple(jnp.shape(a)) != want:
+                per_layer = (" (one layer's shapes: under the lax.scan over stacked layers the "
+                             "qparams hold them with a leading layer axis)") if site.stack_ids else ""
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {tuple(jnp.shape(a))}, but the operand {tuple(invals[i].shape)} "
-                    f"({q.qtype.describe()}) needs {want}. "
+                    f"({q.qtype.describe()}) needs {want}{per_layer}. "
                     "The function or its weights changed shape since calibration, or the "
                     "qparams were edited; re-calibrate.")
     if packed is not None:

@@ -284,6 +284,45 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     np.testing.assert_array_equal(qf(back, IDS), qf(packed, IDS))
 
 
+def _row_lookups(p, i, j):
+    """table[i] with a scalar i traces to a dynamic_slice (a decode step's token), a
+    column of the transposed table too; the same rows by an array of ids trace to a gather."""
+    return (p["emb"][i] + p["emb"].T[:, j]) @ p["emb"].T              # tied to a matmul
+
+
+def _row_gathers(p, i, j):
+    return (p["emb"][i[None]][0] + jnp.take(p["emb"].T, j[None], axis=1)[:, 0]) @ p["emb"].T
+
+
+@pytest.mark.parametrize("name", ci_only(["w8", "w4_g32", "nf4_g32", "fp8"], {"w4_g32"}))
+def test_a_row_read_by_a_scalar_index_is_a_lookup(name):
+    """``table[i]`` with a scalar ``i`` is quantized as ``table[ids]`` is: the same qparams,
+    packed table (tied to the matmul) and outputs, on both paths, clamped out of range as
+    ``dynamic_slice`` clamps; it stayed float without a word."""
+    recipe = {"w8": jqt.recipes.w8(), "w4_g32": jqt.recipes.w4(group_size=32),
+              "nf4_g32": jqt.recipes.nf4(group_size=32), "fp8": jqt.recipes.fp8()}[name]
+    args = (jnp.int32(3), jnp.int32(V - 1))
+    qs, qg = [jqt.calibrate(f, recipe, P, [args], progress=False) for f in (_row_lookups, _row_gathers)]
+    assert sorted(qs) == sorted(qg) == ["emb", "emb#1", "emb#2"] and qs["emb"].op == "gather"
+    np.testing.assert_array_equal(qs["emb"].lhs.scale, qg["emb"].lhs.scale)
+    packed = jqt.pack(qs, P)
+    assert packed.tied == jqt.pack(qg, P).tied == ((("emb", "emb#2"),) if name != "fp8" else ())
+    for simulate in (False, True):
+        for w in (P, packed):
+            a = jax.jit(jqt.quantize(_row_lookups, qs, simulate=simulate))(w, *args)
+            b = jax.jit(jqt.quantize(_row_gathers, qg, simulate=simulate))(w, *args)
+            np.testing.assert_array_equal(a, b)
+    assert float(jnp.abs(a - _row_lookups(P, *args)).max()) > 0      # really quantized
+    # vmap over the index, and an index beyond the table (clamped, as in float)
+    look = lambda p, i: p["emb"][i] * 2.0
+    qp = jqt.calibrate(look, recipe, P, [(jnp.int32(2),)], progress=False)
+    fq = jax.jit(jax.vmap(jqt.quantize(look, qp), in_axes=(None, 0)))
+    ii = jnp.asarray([0, 4, V + 3], jnp.int32)
+    ids = jnp.minimum(ii, V - 1)[:, None]  # the gather's lookup of the same rows
+    qi = jqt.calibrate(look, recipe, P, [(ids[:1],)], progress=False)
+    np.testing.assert_array_equal(fq(jqt.pack(qp, P), ii)[:, None], jqt.quantize(look, qi)(P, ids))
+
+
 def test_table_read_transposed_by_another_lookup_is_not_tied():
     # a matmul contracting the table's rows (V): one scale per column, other codes than the lookup's
     f = lambda p, ids: p["emb"][ids] + jax.nn.one_hot(ids, V) @ p["emb"]

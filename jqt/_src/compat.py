@@ -97,6 +97,7 @@ dot_general_p = _prims.dot_general_p
 conv_general_dilated_p = _prims.conv_general_dilated_p
 gather_p = _prims.gather_p
 dynamic_update_slice_p = _prims.dynamic_update_slice_p
+dynamic_slice_p = _prims.dynamic_slice_p
 scatter_p = _prims.scatter_p
 jit_p = _prims.jit_p
 closed_call_p = _prims.closed_call_p
@@ -107,6 +108,26 @@ custom_vjp_call_p = _prims.custom_vjp_call_p
 scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
+
+
+@functools.lru_cache(maxsize=256)
+def row_gather_eqn(shape, dtype, axis):
+    """The ``gather`` equation that reads one row (``axis=0``) or column (``axis=1``) of a
+    2-D table of ``shape`` at an index of shape ``(1, 1)``, clamped into the table as
+    ``dynamic_slice`` clamps: the output has the slice's shape, the indexed axis kept
+    with length 1.
+
+    >>> e = row_gather_eqn((5, 3), "float32", 0)
+    >>> e.primitive.name, e.outvars[0].aval.shape, e.params["slice_sizes"]
+    ('gather', (1, 3), (1, 3))
+    """
+    t = jax.ShapeDtypeStruct(shape, dtype)
+    i = jax.ShapeDtypeStruct((1, 1), "int32")
+    dn = jax.lax.GatherDimensionNumbers(offset_dims=(1 - axis,), collapsed_slice_dims=(axis,),
+                                        start_index_map=(axis,))
+    sizes = tuple(1 if d == axis else n for d, n in enumerate(shape))
+    gather = lambda t, i: jax.lax.gather(t, i, dn, sizes, mode=jax.lax.GatherScatterMode.CLIP)
+    return jax.make_jaxpr(gather)(t, i).jaxpr.eqns[-1]
 
 
 def pytree_serialization_registries():

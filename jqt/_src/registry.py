@@ -20,6 +20,8 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
 * ``pack(site_source, op_qparams, operand, policy)``: the packed layout of its weight
   (with the op's outlier transforms folded in).
 
+``RowLookup`` (``dynamic_slice``: ``table[i]`` with a scalar ``i``) is a ``Gather`` of
+one row, its integer rule that gather.
 ``CacheWrite`` (``dynamic_update_slice``, ``scatter``) is the third kind: a write
 into a key/value cache (``kvcache.py``), typed by ``Rule.kv_cache``.
 
@@ -212,6 +214,34 @@ class Gather:
         return dataclasses.replace(q, values=qv, sums=None, layout="operand")
 
 
+class RowLookup(Gather):
+    """``dynamic_slice`` of one row (or column) of a 2-D weight at an index computed from
+    the data: ``table[i]`` with a scalar ``i`` (a decode step's token, a position), which
+    JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a ``gather``. It is
+    that lookup: op ``"gather"`` in the qparams, the same scales, packed table and rule
+    (``Rule.embedding``), and the integer path runs it as the gather of that row."""
+
+    @staticmethod
+    def axis(eqn):
+        """The table axis the slice indexes (its other axis read whole), or ``None``."""
+        shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+        if len(shape) != 2:
+            return None
+        return next((a for a in (0, 1) if sizes[a] == 1 and shape[a] > 1
+                     and sizes[1 - a] == shape[1 - a]), None)
+
+    def weight_operand(self, eqn, ins):
+        a = self.axis(eqn)
+        return 0 if a is not None and ins[0].weight and not ins[1 + a].weight else None
+
+    def integer(self, site, eqn, ops, policy):
+        a = self.axis(eqn)
+        table = eqn.invars[0].aval
+        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), a)
+        idx = jnp.reshape(ops[1 + a].astype(_I32), (1, 1))
+        return [kernels.gather(site, geqn, [ops[0], idx])]
+
+
 class CacheWrite:
     """``dynamic_update_slice`` and ``scatter`` (``.at[...].set``) of data into a buffer
     that a loop carries (a key/value cache): the written vectors are quantized with
@@ -264,10 +294,11 @@ OPS = {
     compat.dot_general_p: Contraction(compat.dot_general_p),
     compat.conv_general_dilated_p: Contraction(compat.conv_general_dilated_p),
     compat.gather_p: Gather(compat.gather_p),
+    compat.dynamic_slice_p: RowLookup(compat.dynamic_slice_p),
     compat.dynamic_update_slice_p: CacheWrite(compat.dynamic_update_slice_p, 1),
     compat.scatter_p: CacheWrite(compat.scatter_p, 2),
 }
 """Primitive -> entry. A primitive not listed runs unchanged (float)."""
 
-NAMES = tuple(e.name for e in OPS.values())
-BY_NAME = {e.name: e for e in OPS.values()}
+NAMES = tuple(dict.fromkeys(e.name for e in OPS.values()))  # a row lookup is a "gather"
+BY_NAME = {n: next(e for e in OPS.values() if e.name == n) for n in NAMES}

@@ -318,6 +318,25 @@ def test_conv_integer_matches_simulated(case, recipe):
     _check(f, w, xs, RECIPES[recipe])
 
 
+def test_asymmetric_4bit_presets_keep_conv_kernels_symmetric():
+    """w4/w4a8(symmetric=False) give the dense weights zero points and the conv kernels
+    none (they take none): a model with a conv calibrates, where it raised before."""
+    k = jax.random.split(jax.random.key(3), 3)
+    p = {"k": jax.random.normal(k[0], (3, 3, 4, 8)) * 0.1, "w": jax.random.normal(k[1], (8, 10)) * 0.1}
+
+    def cnn(p, x):
+        h = lax.conv_general_dilated(x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(h).mean((1, 2)) @ p["w"]
+
+    x = jax.random.normal(k[2], (2, 6, 6, 4))
+    for recipe in (jqt.recipes.w4(group_size=0, symmetric=False), jqt.recipes.w4a8(symmetric=False)):
+        qp = jqt.calibrate(cnn, recipe, p, [(x,)], progress=False)
+        assert qp["k"].rhs.qtype.symmetric and qp["k"].rhs.zero_point is None
+        assert not qp["w"].rhs.qtype.symmetric and qp["w"].rhs.zero_point is not None
+        sim = jqt.quantize(cnn, qp, simulate=True)(p, x)
+        np.testing.assert_allclose(jqt.quantize(cnn, qp)(jqt.pack(qp, p), x), sim, rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_conv():
     def f(w, x):
         return lax.conv_general_dilated(x, w, (1, 1), "SAME", feature_group_count=2,

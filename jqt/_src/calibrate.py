@@ -447,8 +447,10 @@ def _decide(site, rule, st):
     if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:
             return float_("conv whose data operand is the kernel is kept float")
-        raise ValueError(f"jqt: op '{site.key}' is a conv; conv weights must be symmetric "
-                         "(QuantType(symmetric=True)).")
+        raise ValueError(f"jqt: op '{site.key}' is a conv; conv weights must be symmetric, but "
+                         f"the rule gives it {wt.describe()}. Put a rule for convs ahead of it: "
+                         "jqt.Rule(ops=('conv_general_dilated',), weight=jqt.QuantType(..., "
+                         "symmetric=True)), as the presets with symmetric=False do.")
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate?); it stays float. Add calibration data that "

@@ -283,6 +283,22 @@ def _embedding(embeddings, bits, group_size=0):
     return _int_weight(bits, group_size) if embeddings else None
 
 
+def _symmetric_convs(rule: Rule) -> tuple:
+    """A preset's rules: ``rule``, after a rule that gives convolutions its weight type
+    made symmetric where it is not (conv weights take no zero point, as tables do not;
+    ``symmetric=False`` is for the dense ops' weights).
+
+    >>> r = _symmetric_convs(Rule(weight=QuantType(bits=4, symmetric=False, group_size=32)))
+    >>> [(x.ops[0], x.weight.describe()) for x in r]
+    [('conv_general_dilated', 'int4 sym g32'), ('dot_general', 'int4 asym g32')]
+    """
+    if rule.weight is None or rule.weight.symmetric:
+        return (rule,)
+    conv = dataclasses.replace(rule, ops=("conv_general_dilated",),
+                               weight=dataclasses.replace(rule.weight, symmetric=True))
+    return (conv, rule)
+
+
 def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
          calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
          rotate: bool = False, kv_cache=False, accumulator: int = 32) -> Recipe:
@@ -374,7 +390,7 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
 
     The int4 x int8 products sum in int32 per group and are scaled per group.
     ``symmetric=False`` gives each weight group of the dense ops a zero point too
-    (embedding tables stay symmetric). ``smooth``, ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
+    (embedding tables and convolution kernels stay symmetric). ``smooth``, ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
     Weight ranges are clipped at their squared-error optimum
     (:data:`WEIGHT_MSE_4BIT`) unless ``weight_calibrator`` says otherwise.
 
@@ -384,12 +400,12 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
     True
     """
-    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+    return Recipe(rules=_symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
                               embedding=_embedding(embeddings, 4, group_size),
                               smooth=smooth, awq=awq, rotate=rotate,
-                              **_cal(calibrator, weight_calibrator, WEIGHT_MSE_4BIT)),))
+                              **_cal(calibrator, weight_calibrator, WEIGHT_MSE_4BIT))))
 
 
 def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True,
@@ -399,8 +415,8 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     channel), stored two per byte; int4 embedding tables.
 
     ``symmetric=False`` gives each group of the dense ops' weights a zero point as well
-    (the range ``[min, max]`` instead of ``[-absmax, absmax]``; embedding tables stay
-    symmetric): more accurate on skewed groups (on all-MiniLM-L6-v2, see
+    (the range ``[min, max]`` instead of ``[-absmax, absmax]``; embedding tables and
+    convolution kernels stay symmetric): more accurate on skewed groups (on all-MiniLM-L6-v2, see
     docs/formats.md), one more subtraction per weight element when decoding. ``awq=True`` searches AWQ's
     per-input-channel scales; ``rotate=True`` applies a Hadamard rotation
     (:class:`jqt.Rule`); :func:`jqt.gptq` re-rounds the weights afterwards. Each
@@ -413,10 +429,10 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     >>> jqt.recipes.w4(awq=True).rules[0].awq
     True
     """
-    return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
+    return Recipe(rules=_symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
                               embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
-                              **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT)),))
+                              **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT))))
 
 
 def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None,

@@ -144,12 +144,16 @@ explicit = jqt.calibrate(mlp, recipe, p, batches, progress=False,
 glob = jqt.calibrate(mlp, recipe, p, sharded, progress=False)
 minmax = jqt.calibrate(mlp, jqt.Recipe(rules=tuple(dataclasses.replace(r, calibrator=C.MinMax())
                                                      for r in recipe.rules)), p, batches, progress=False)
-try:
-    jqt.calibrate(mlp, recipe, p, [(normal((12, 8), 1.0),)], progress=False, mesh=mesh)
-    uneven = ""
-except jqt.CalibrationDataError as e:
-    uneven = str(e)
-out = {"devices": len(jax.devices()), "uneven": uneven,
+def refusal(f, batches):
+    try:
+        jqt.calibrate(f, recipe, p, batches, progress=False, mesh=mesh)
+        return ""
+    except jqt.CalibrationDataError as e:
+        return str(e)
+
+uneven = refusal(mlp, [(normal((8, 8), 1.0),), (normal((12, 8), 1.0),)])  # the second batch
+scalar = refusal(lambda p, x, t: mlp(p, x) * t, [(normal((8, 8), 1.0), jnp.float32(2.0))])
+out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar,
        "shard_devices": len(sharded[0][0].sharding.device_set),
        "shard_shape": list(sharded[0][0].addressable_shards[0].data.shape),
        # the histogram radius (power-of-two exponent) of each device's shard of the first input
@@ -968,7 +972,9 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     r = data_parallel_result
     assert r["devices"] == 8 and r["shard_devices"] == 8 and r["shard_shape"] == [4, 8]
     assert r["same_tree"] == [True, True]
-    assert "divide evenly over the 8 devices" in r["uneven"]  # a batch of 12 on 8 devices
+    assert "batch 1, argument [0] has shape (12, 8)" in r["uneven"]  # 12 rows on 8 devices
+    assert "divide evenly over the 8 devices" in r["uneven"]
+    assert "batch 0, argument [1] is a 0-d array" in r["scalar"]  # no batch axis to split
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
     for how in ("mesh", "sharded", "explicit"):

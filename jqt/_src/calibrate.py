@@ -120,11 +120,17 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
         def step(params_t, batch, observe_weights, decided, transformed):
             n_dev = mesh.shape[data_axis]
             for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-                if not jnp.ndim(leaf) or jnp.shape(leaf)[0] % n_dev:
+                where = f"jqt.calibrate(mesh=...): batch {last.get('batch', 0)}, argument " \
+                        f"{jax.tree_util.keystr(path)}"
+                if not jnp.ndim(leaf):
                     raise CalibrationDataError(
-                        f"jqt.calibrate(mesh=...): batch argument {jax.tree_util.keystr(path)} "
-                        f"has shape {jnp.shape(leaf)}; its leading (batch) axis must divide "
-                        f"evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
+                        f"{where} is a 0-d array, which has no batch axis to split over the "
+                        f"devices of mesh axis '{data_axis}'. Pass it as a Python number (a "
+                        "static value) or bind it with functools.partial.")
+                if jnp.shape(leaf)[0] % n_dev:
+                    raise CalibrationDataError(
+                        f"{where} has shape {jnp.shape(leaf)}; its leading (batch) axis must "
+                        f"divide evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
 
             if _explicit(mesh):  # shard_map takes explicitly sharded inputs as they are
                 params_t, batch, decided, transformed = _reshard(
@@ -177,6 +183,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     params_t = tracing.mark_static(params_t)
     for i, batch in enumerate(bar):
         tree = _check_batch(i, batch, tree)
+        last["batch"] = i  # for the errors raised while tracing its step
         marked = tracing.mark_static(tuple(batch))
         static = jax.tree_util.tree_structure(marked)  # holds the static values
         new = jstep(params_t, marked, not weights_seen or static not in statics, decided,

@@ -364,7 +364,9 @@ def save(path, qparams) -> None:
 
     A path ending in ``.npz`` gets the ``.npz`` format (version 1, readable by every jqt);
     any other path (``.safetensors`` recommended) gets a safetensors file (format
-    ``jqt.qparams`` version 3). :func:`jqt.load` reads both. To store the packed weights
+    ``jqt.qparams`` version 3). qparams with outlier transforms or narrow accumulators,
+    which an older jqt would drop, get the next version (``.npz`` 2, safetensors 4), so
+    that such a jqt refuses the file. :func:`jqt.load` reads them all. To store the packed weights
     too (one file to deploy), see :func:`jqt.save_packed`.
 
     The file is written atomically: to a temporary file in the same folder, renamed onto
@@ -398,8 +400,8 @@ def _qp_tensor_name(i, key, side, field):
 
 
 def load(path) -> dict:
-    """Loads qparams saved by :func:`jqt.save` (``.npz``, version 1, or safetensors,
-    versions 2 and 3) or stored with packed weights by :func:`jqt.save_packed`; checks
+    """Loads qparams saved by :func:`jqt.save` (``.npz``, versions 1 and 2, or
+    safetensors, versions 2 to 4) or stored with packed weights by :func:`jqt.save_packed`; checks
     the format and version, and every array's dtype and shape against the file's header.
     Arrays are returned as NumPy arrays. A damaged file raises a ``ValueError`` naming
     the file and what is wrong.

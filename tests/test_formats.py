@@ -323,6 +323,20 @@ def test_a_row_read_by_a_scalar_index_is_a_lookup(name):
     np.testing.assert_array_equal(fq(jqt.pack(qp, P), ii)[:, None], jqt.quantize(look, qi)(P, ids))
 
 
+def test_lookups_of_single_elements_stay_float_with_a_note():
+    """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element
+    stored more than the float table (1.25x), so the op stays float, noted, no warning."""
+    b = {"t": jnp.asarray(RNG.standard_normal(50), jnp.float32)}
+    for f, p in ((lambda p, i: p["t"][i], b), (lambda p, i: p["t"][i, i + 1], {"t": P["emb"]})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(jnp.arange(4),)], progress=False)
+        assert qp["t"].is_float and "single elements" in qp["t"].note
+        packed = jqt.pack(qp, p)
+        assert packed.nbytes() == p["t"].nbytes
+        np.testing.assert_array_equal(jqt.quantize(f, qp)(packed, jnp.arange(4)), f(p, jnp.arange(4)))
+
+
 def test_table_read_transposed_by_another_lookup_is_not_tied():
     # a matmul contracting the table's rows (V): one scale per column, other codes than the lookup's
     f = lambda p, ids: p["emb"][ids] + jax.nn.one_hot(ids, V) @ p["emb"]

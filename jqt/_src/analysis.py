@@ -35,9 +35,9 @@ _INDEXING = ("dynamic_slice", "gather")
 _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
 # How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
 _WEIGHTS_READ_AS_DATA = (
-    ("indexed", "indexed by a value computed from the data (w[i] with a loop's counter i): jqt "
-     "does not follow such an index", "Loop over the stacked weights with jax.lax.scan(body, h, "
-     "w) (each layer's weights in xs), or index with a Python int."),
+    ("indexed", "indexed by a value computed from the data (w[i] with i an argument of f or a "
+     "loop's counter): jqt does not follow such an index", "Index with a Python int, or loop "
+     "over the stacked weights with jax.lax.scan(body, h, w) (each layer's weights in xs)."),
     ("selected", "through a select on the data whose every case is that weight, broadcast over "
      "a batch: jax.vmap of a lax.cond with a per-example predicate runs both branches for "
      "every example and selects, and jqt does not quantize a weight broadcast per example",

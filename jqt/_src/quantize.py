@@ -351,8 +351,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:
         warnings.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
-                      "(constants or values computed from several leaves); they are quantized "
-                      "at run time.", stacklevel=2)
+                      "reached by layout ops (constants, values computed from several leaves, or "
+                      "a leaf reordered by an index array, w[perm]); they are quantized at run "
+                      "time. To pack such a weight, store it as computed in params (e.g. the "
+                      "reordered w) and calibrate on those params.", stacklevel=2)
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)

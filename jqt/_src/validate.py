@@ -22,6 +22,7 @@ import numpy as np
 
 from . import accumulator, compat, kvcache
 from .qparams import OpQParams, PackedParams
+from .registry import BY_NAME
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
 
@@ -158,7 +159,7 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
         why = accumulator_problem(k, v)
         if why:
             raise ValueError(f"{fn}: {why}")
-        if v.op in ("dynamic_update_slice", "scatter") and not v.is_float and v.lhs is not None:
+        if getattr(BY_NAME.get(v.op), "is_cache", False) and not v.is_float and v.lhs is not None:
             kvcache.check_type(v.lhs.qtype, f"{fn}: qparams['{k}'] (a key/value cache write)")
     if not values:
         return

@@ -323,6 +323,35 @@ def test_a_row_read_by_a_scalar_index_is_a_lookup(name):
     np.testing.assert_array_equal(fq(jqt.pack(qp, P), ii)[:, None], jqt.quantize(look, qi)(P, ids))
 
 
+def test_qparams_from_before_scalar_index_lookups_run_them_float():
+    """qparams made when ``table[i]`` stayed float have no entry for it: it runs float, as
+    then (both paths, the report too); where the table's matmul held key ``"emb"`` then,
+    the error says why the keys moved; an int64 index beyond int32 is clamped, not
+    wrapped, as dynamic_slice clamps it."""
+    f = lambda p, i: p["emb"][i] @ p["proj"]
+    i = jnp.int32(3)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), P, [(i,)], progress=False)
+    old = {k: v for k, v in qp.items() if k != "emb"}  # as calibrated then
+    kept = jqt.calibrate(f, jqt.recipes.w8a8(embeddings=False), P, [(i,)], progress=False)
+    for simulate in (False, True):
+        for w in (P, jqt.pack(old, P)):
+            np.testing.assert_array_equal(jqt.quantize(f, old, simulate=simulate)(w, i),
+                                          jqt.quantize(f, kept, simulate=simulate)(P, i))
+    assert [r.key for r in jqt.report(f, old, P, (i,)).rows] == ["proj"]
+    tied = lambda p, i: p["emb"][i] @ p["emb"].T
+    qt = jqt.calibrate(tied, jqt.recipes.w8a8(), P, [(i,)], progress=False)
+    then = {"emb": qt["emb#1"]}  # the matmul keyed by the table, as then
+    with pytest.raises(jqt.QParamsMismatchError, match=r"key 'emb' to a dot_general, where this "
+                       r"function has a gather \(table\[i\] with a scalar i\).*jqt.calibrate"):
+        jqt.quantize(tied, then)(P, i)
+    with jax.enable_x64(True):
+        big = jnp.int64(2 ** 32 + 1)  # row 1 if wrapped to int32; clamped: the last row
+        g = lambda p, i: jax.lax.dynamic_index_in_dim(p["emb"], i, keepdims=False)
+        qg = jqt.calibrate(g, jqt.recipes.w8(), P, [(jnp.int64(2),)], progress=False)
+        np.testing.assert_array_equal(jqt.quantize(g, qg)(P, big),
+                                      jqt.quantize(g, qg)(P, jnp.int64(V - 1)))
+
+
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element
     stored more than the float table (1.25x), so the op stays float, noted, no warning."""

@@ -450,7 +450,7 @@ def _decide(site, rule, st):
     if wt is None:
         return float_("the recipe keeps it float")
     if site.op == "gather" and not site.contract[0]:
-        return float_("a lookup of single elements (b[ids] of a 1-D table, t[i, j]) is kept "
+        return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
         return float_("conv with batch_group_count > 1 is kept float")

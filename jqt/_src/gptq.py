@@ -50,6 +50,8 @@ class _Hessians:
         self.eligible = eligible
 
     def site(self, site, eqn, invals, ctx):
+        if site.key not in ctx.state_in:  # an optional op without qparams (older ones): float
+            return compat.bind_eqn(eqn, invals)
         qp, on, take = ctx.state_in[site.key]
         outs = compat.bind_eqn(eqn, invals)
         if not qp.is_float:
@@ -288,11 +290,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
                                    f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
     tracer = Tracer(f, argnums)
     traced = tracer(full_args(argnums, params_t, batches[0]))
-    sites = traced.sites()
-    missing = [s.key for s in sites if s.key not in qparams]
-    if missing:
-        raise QParamsMismatchError(f"jqt.gptq: no quantization parameters for ops {missing[:5]}; "
-                                   "the qparams were made for another function. Run jqt.calibrate on it.")
+    validate.check_keys(traced, qparams, "jqt.gptq")
+    sites = [s for s in traced.sites() if s.key in qparams]  # an optional op without an entry: float
     order = list(dict.fromkeys(s.key for s in sites))
     why = {s.key: _why_not(s, qparams[s.key], traced, argnums) for s in sites}
     eligible = [k for k in order if why[k] is None]

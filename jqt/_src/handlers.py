@@ -360,6 +360,8 @@ class Simulate:
     def site(self, site, eqn, invals, ctx):
         if site.entry.is_cache:
             return cache_write(site, eqn, invals, ctx)
+        if site.entry.optional and site.key not in ctx.state_in:
+            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
         qp, packed = lookup(ctx, site, invals)
         vals = list(invals)
         for i in (0, 1):
@@ -494,6 +496,8 @@ class Integer:
                     and e[0].is_float:
                 return kvcache.dot_general(eqn, invals)
             invals = kvcache.materialize(invals, eqn.invars)
+        if site.entry.optional and site.key not in ctx.state_in:
+            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)

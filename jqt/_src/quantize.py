@@ -17,7 +17,7 @@ from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_qparams
+from .validate import check_keys, check_qparams
 
 
 def _unpack(packed: PackedParams):
@@ -73,30 +73,6 @@ def _find_leaf(src, index, key):
             "leaves whose paths read so (e.g. a key 'a/b' beside a nested 'a' -> 'b'); jqt "
             "names weights by their path. Rename one of them, and re-calibrate.")
     return found[0]
-
-
-def _check_keys(traced, qparams, some_empty):
-    """The qparams' keys against the ops of the traced function. With an empty input,
-    unused gathers pass: JAX traces ``table[ids]`` with no ids to zeros, without the
-    gather."""
-    keys = [s.key for s in traced.sites()]
-    extra = sorted(set(qparams) - set(keys))
-    if extra and some_empty:
-        extra = [k for k in extra if qparams[k].op != "gather"]
-    if extra:
-        raise QParamsMismatchError(
-            f"jqt: qparams hold keys the function does not have: {extra[:5]}"
-            f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
-            f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-            "another function or weight_argnums.")
-    # a cache write without an entry stays float (qparams saved before jqt quantized caches)
-    missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.is_cache]
-    if missing:
-        raise QParamsMismatchError(
-            f"jqt: no quantization parameters for ops {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
-            f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}). The qparams were made "
-            "for another function or weight_argnums; run jqt.calibrate on this function.")
 
 
 def _some_empty(args, argnums) -> bool:
@@ -191,7 +167,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if dropped:
                 _check_packed_covers(traced, qparams, packed, dropped)
             if id(traced) not in checked:
-                _check_keys(traced, qparams, empty)
+                check_keys(traced, qparams, "jqt", empty)
                 checked.add(id(traced))
         except QParamsMismatchError as e:
             if not empty:

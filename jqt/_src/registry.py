@@ -18,7 +18,9 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
   computed from it (with the op's outlier transforms, ``transforms.py``, applied) and the
   axis its groups run along;
 * ``pack(site_source, op_qparams, operand, policy)``: the packed layout of its weight
-  (with the op's outlier transforms folded in).
+  (with the op's outlier transforms folded in);
+* ``optional``: whether qparams may lack the op's entry (made before jqt quantized
+  such ops: key/value cache writes, scalar-index lookups), which then runs float.
 
 ``RowLookup`` (``dynamic_slice``: ``table[i]`` with a scalar ``i``) is a ``Gather`` of
 one row, its integer rule that gather.
@@ -55,6 +57,7 @@ class Contraction:
 
     needs_weight = False
     is_cache = False
+    optional = False
     reads_layer_views = True  # kernels.run takes a LayerView weight (layerview.py)
 
     def __init__(self, prim):
@@ -163,6 +166,7 @@ class Gather:
 
     needs_weight = True
     is_cache = False
+    optional = False
     reads_layer_views = False
     name = "gather"
 
@@ -219,7 +223,11 @@ class RowLookup(Gather):
     the data: ``table[i]`` with a scalar ``i`` (a decode step's token, a position), which
     JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a ``gather``. It is
     that lookup: op ``"gather"`` in the qparams, the same scales, packed table and rule
-    (``Rule.embedding``), and the integer path runs it as the gather of that row."""
+    (``Rule.embedding``), and the integer path runs it as the gather of that row.
+    qparams made before jqt quantized these lookups have no entry for them: they then
+    run float, as they did (``optional``)."""
+
+    optional = True
 
     @staticmethod
     def axis(eqn):
@@ -238,7 +246,10 @@ class RowLookup(Gather):
         a = self.axis(eqn)
         table = eqn.invars[0].aval
         geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), a)
-        idx = jnp.reshape(ops[1 + a].astype(_I32), (1, 1))
+        i = ops[1 + a]
+        if jnp.iinfo(i.dtype).max > jnp.iinfo(_I32).max:  # int64, uint32: clamped, not wrapped
+            i = jnp.clip(i, 0, table.shape[a] - 1)
+        idx = jnp.reshape(i.astype(_I32), (1, 1))
         return [kernels.gather(site, geqn, [ops[0], idx])]
 
 
@@ -251,6 +262,7 @@ class CacheWrite:
 
     needs_weight = True
     is_cache = True
+    optional = True
     reads_layer_views = False
 
     def __init__(self, prim, update_index):

@@ -56,8 +56,8 @@ class _Measure:
         return jnp.where(lax.axis_index(_AXIS) == 0, x, kvcache.fake_quant(x, qtype))
 
     def site(self, site, eqn, invals, ctx):
-        if site.entry.is_cache and site.key not in ctx.state_in:
-            return compat.bind_eqn(eqn, invals)  # qparams from before caches were quantized
+        if site.entry.optional and site.key not in ctx.state_in:
+            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
         qp, packed = lookup(ctx, site, invals)
         both = [lax.all_gather(v, _AXIS) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]
@@ -289,15 +289,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     batch = tuple(batch)
     tracer = Tracer(f, argnums)
     traced = tracer(full_args(argnums, params_t, batch))
-    keys = [s.key for s in traced.sites()]
-    missing = [k for k in keys if k not in qparams]
-    extra = [k for k in qparams if k not in keys]
-    if missing or extra:
-        what = (f"no quantization parameters for ops {missing[:5]}" if missing else
-                f"qparams hold keys the function does not have: {extra[:5]}")
-        raise QParamsMismatchError(f"jqt.report: {what}; the qparams were made for another "
-                                   "function or weight_argnums. Run jqt.calibrate on this function.")
-    state = {k: (qparams[k], None) for k in keys}
+    validate.check_keys(traced, qparams, "jqt.report")
+    state = {s.key: (qparams[s.key], None) for s in traced.sites() if s.key in qparams}
 
     def lanes_fn(params_t, state, b):
         def lane(*b):
@@ -320,7 +313,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     st = jax.tree_util.tree_map(lambda x: np.asarray(x[0], np.float64), st)
     rows = []
     for s in traced.sites():
-        rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
+        if s.key in qparams:  # an optional op without an entry ran float: no row
+            rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = 0.0
     mx = 0.0
     for o in outs:

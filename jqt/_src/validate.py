@@ -22,6 +22,7 @@ import numpy as np
 
 from . import accumulator, compat, kvcache
 from .qparams import OpQParams, PackedParams
+from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
@@ -167,6 +168,44 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
         found = problems(v)
         if found:
             raise ValueError(f"{fn}: {describe(k, found)}. {FIX}")
+
+
+def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
+    """Raises :class:`jqt.QParamsMismatchError` unless ``qparams`` has an entry for each op
+    of the traced function and no other: the one check of :func:`jqt.quantize`,
+    :func:`jqt.report` and :func:`jqt.gptq`. An optional op (``registry``: cache writes,
+    scalar-index lookups, which older qparams lack) may have none, and runs float. With an
+    empty input (``some_empty``) unused gathers pass: JAX traces ``table[ids]`` with no
+    ids to zeros, without the gather."""
+    keys = [s.key for s in traced.sites()]
+    extra = sorted(set(qparams) - set(keys))
+    if extra and some_empty:
+        extra = [k for k in extra if qparams[k].op != "gather"]
+    if extra:
+        raise QParamsMismatchError(
+            f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
+            f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
+            f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
+            "another function or weight_argnums.")
+    # an optional op without an entry stays float (qparams saved before jqt quantized caches
+    # or scalar-index lookups)
+    missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
+    if missing:
+        # an optional op whose key the qparams give to another op: made by a jqt that did
+        # not quantize it yet, whose keys for the same weight's later ops were one lower
+        moved = [s for s in traced.sites() if s.entry.optional and s.key in qparams
+                 and qparams[s.key].op != s.op]
+        what = lambda s: f"{s.op} (table[i] with a scalar i)" if s.op == "gather" else s.op
+        why = (f" The qparams give key '{moved[0].key}' to a {qparams[moved[0].key].op}, where "
+               f"this function has a {what(moved[0])}: they were made by a jqt that kept such "
+               "ops float, and the weight's other ops have other keys now. Run jqt.calibrate "
+               "on this function." if moved else
+               " The qparams were made for another function or weight_argnums; run "
+               "jqt.calibrate on this function.")
+        raise QParamsMismatchError(
+            f"{fn}: no quantization parameters for ops {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
+            f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}")
 
 
 def check_float_params(params_t, fn: str):

@@ -14,7 +14,6 @@ from . import numerics as nx
 from . import groups, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
-from .interpreter import Ctx, eval_jaxpr
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
 from .tracing import Tracer, normalize_argnums
@@ -104,13 +103,10 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     last = {}
 
     def local(params_t, batch, observe_weights, decided, transformed):
-        traced = tracer(full_args(argnums, params_t, batch))
-        last["traced"] = traced
+        args = full_args(argnums, params_t, batch)
+        traced = last["traced"] = tracer(args)
         state = {**transformed, **{k: (qp, None) for k, qp in decided.items()}}
-        ctx = Ctx(Calibrate(recipe, observe_weights), state)
-        eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                   tracing.leaves(full_args(argnums, params_t, batch)), traced.plan, ctx)
-        return ctx.state_out
+        return traced.run(args, Calibrate(recipe, observe_weights), state)[1]
 
     if mesh is None:
         step = local

@@ -29,8 +29,8 @@ from . import compat, groups, tracing, transforms, validate
 from . import numerics as nx
 from .calibrate import CalibrationDataError, full_args
 from .dense import DenseAxes
-from .handlers import QParamsMismatchError, Simulate, transformed
-from .interpreter import Ctx, eval_jaxpr
+from .handlers import Simulate, transformed
+from .interpreter import Ctx
 from .layout import apply_chain
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
@@ -304,11 +304,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
 
     def step(params_t, batch, flags):
         args = full_args(argnums, params_t, batch)
-        tr = tracer(args)
         state = {k: (qparams[k], *flags[k]) for k in order}
-        ctx = Ctx(handler, state)
-        eval_jaxpr(tr.closed.jaxpr, tr.closed.consts, tracing.leaves(args), tr.plan, ctx)
-        return ctx.state_out
+        return tracer(args).run(args, handler, state)[1]
 
     jstep = jax.jit(step)
     opts = dict(block_size=block_size, damp=damp, act_order=act_order)

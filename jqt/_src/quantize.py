@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from . import compat, kvcache, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate
-from .interpreter import Ctx, eval_jaxpr
 from .layout import apply_chain
 from .policy import KernelPolicy
 from .qparams import PackedParams, fold_mismatch
@@ -179,8 +178,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 "for an empty input.") from None
         keys = [s.key for s in traced.sites()]
         state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
-        outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts, tracing.leaves(args),
-                          traced.plan, Ctx(handler, state))
+        outs = traced.run(args, handler, state)[0]
         outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 

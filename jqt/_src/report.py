@@ -29,9 +29,7 @@ from jax import lax
 
 from . import accumulator, compat, kvcache, numerics, tracing, validate
 from .calibrate import full_args
-from .handlers import (QParamsMismatchError, Simulate, exact_sums, expanded_params, lookup,
-                       transformed)
-from .interpreter import Ctx, eval_jaxpr
+from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed
 from .plotting import HIST_BINS, plot_report
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
@@ -294,11 +292,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
 
     def lanes_fn(params_t, state, b):
         def lane(*b):
-            args = full_args(argnums, params_t, b)
-            ctx = Ctx(_Measure(), state)
-            outs = eval_jaxpr(traced.closed.jaxpr, traced.closed.consts,
-                              tracing.leaves(args), traced.plan, ctx)
-            return outs, ctx.state_out
+            return traced.run(full_args(argnums, params_t, b), _Measure(), state)
         return jax.vmap(lane, axis_name=_AXIS)(*b)
 
     # weights and qparams are arguments, not constants XLA would spend minutes folding

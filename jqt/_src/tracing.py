@@ -20,6 +20,7 @@ import numpy as np
 
 from . import compat
 from .analysis import Analyzer, path_str
+from .interpreter import Ctx, eval_jaxpr
 from .plan import DATA, Plan, VarInfo
 from .qparams import WeightSource
 
@@ -37,6 +38,14 @@ class Traced:
         operand, with ``"float"`` if anything else reads it (``Analyzer.leaf_uses``)."""
         path = self.leaf_paths.get((arg, leaf))
         return set() if path is None else self.analyzer.leaf_uses.get((arg, path), set())
+
+    def run(self, args, handler, state):
+        """Interprets the traced function on ``args`` (the pytree it was traced with) under
+        ``handler`` (``handlers.py``) with per-op ``state``: ``(flat outputs, the state the
+        handler wrote)``. The one driver of calibrate, quantize, report and gptq."""
+        ctx = Ctx(handler, state)
+        outs = eval_jaxpr(self.closed.jaxpr, self.closed.consts, leaves(args), self.plan, ctx)
+        return outs, ctx.state_out
 
     def sites(self):
         """The function's ops in evaluation order, one per key (the ops of a

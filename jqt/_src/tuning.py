@@ -13,8 +13,6 @@ import re
 import warnings
 from typing import Callable, Optional
 
-import jax
-
 from .calibrate import calibrate
 from .qparams import OpQParams
 from .quantize import quantize

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import math
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +324,31 @@ def test_bad_cache_types_are_refused():
     with pytest.raises(ValueError, match="kv_cache='int3'"):
         jqt.recipes.w8(kv_cache="int3")
     assert jqt.recipes.w4(kv_cache="fp8").rules[0].kv_cache.dtype == "float8_e4m3fn"
+
+
+def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
+    """Keys written with dynamic_update_slice are a cache; values updated with
+    jnp.where(mask, new, cache) are not, and stay float: calibrate says so, naming the
+    carry slot, where it said nothing (the loops with only caches stay silent)."""
+    p, cal, x = setup
+
+    def where_write(buf, v, pos):
+        return jnp.where((jnp.arange(T) == pos)[None, :, None, None], v[:, None], buf)
+
+    def mixed(p, tokens):
+        def body(carry, tok):
+            cache, pos = carry
+            logits, (k, _) = _step(p, cache, tok, pos, _dus)
+            _, (_, v) = _step(p, cache, tok, pos, where_write)
+            return ((k, v), pos + 1), logits
+        return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+    with pytest.warns(UserWarning, match=r"carry slot \d+ a buffer of the same shape and dtype"):
+        qp = jqt.calibrate(mixed, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(teacher, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
 
 
 def test_edited_cache_types_are_refused(setup):

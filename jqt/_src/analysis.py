@@ -119,6 +119,9 @@ class Analyzer:
         self.scan_ids = 0
         self.warned: list[str] = []
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
+        # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
+        # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
+        self.cache_lookalikes: list = []
 
     def _use(self, info, what):
         if info.source is not None:
@@ -304,10 +307,25 @@ class Analyzer:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
             default = VarInfo(all(info.weight for info in ins))
             outs = [default if o is None else o for o in found]
+        if caches:
+            self._cache_lookalikes(eqn, caches, scan_id, stack)
         keys = [s.key for p in plans for s in p.all_sites()]
         if keys:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)
         return outs
+
+
+    def _cache_lookalikes(self, eqn, caches, loop_id, stack):
+        p = eqn.params
+        if eqn.primitive.name == "scan":
+            nc, nk = compat.scan_counts(eqn)
+            carries = eqn.invars[nc:nc + nk]
+        else:
+            carries = eqn.invars[p["cond_nconsts"] + p["body_nconsts"]:]
+        kinds = {(carries[k].aval.shape, carries[k].aval.dtype) for k in caches}
+        for k, v in enumerate(carries):
+            if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
+                self.cache_lookalikes.append((stack or "<top>", k))
 
 
 def _cache_keys(plan) -> set:

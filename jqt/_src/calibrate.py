@@ -255,7 +255,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             "transforms, then the ranges on the transformed operands); pass a sequence (a list "
             f"or tuple of batches), not a {type(batches).__name__}.")
     st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
-    _warn_unmatched(last["traced"].sites(), recipe)
+    _warn_unmatched(last["traced"].sites(), recipe, last["traced"].analyzer.cache_lookalikes)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -281,7 +281,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     return weightcheck.record(qparams, params_t, argnums)
 
 
-def _warn_unmatched(sites, recipe):
+def _warn_unmatched(sites, recipe, lookalikes=()):
     """Warns of ops that no rule matches (they stay float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches)."""
@@ -301,6 +301,13 @@ def _warn_unmatched(sites, recipe):
                       "docs/generate.md lists the cache patterns jqt finds and those it does not "
                       "(a jax.vmap inside f, a cache masked with jnp.where after the write).",
                       stacklevel=3)
+    elif wants_cache and lookalikes:
+        where, slot = lookalikes[0]
+        warnings.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "
+                      f"quantizes, and in carry slot {slot} a buffer of the same shape and dtype "
+                      "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
+                      "new, cache) update?): that buffer stays float. Write it as the others "
+                      "are written to quantize it too (docs/generate.md).", stacklevel=3)
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
         if r.key != ".*" and id(r) not in used:

@@ -22,6 +22,7 @@ where its greedy text first diverges from float's. Greedy decoding is chaotic
 measure; agreement is.
 """
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -141,7 +142,9 @@ def main(argv=None):
         qp_t = jqt.calibrate(teacher, recipe, params, cal_teacher, progress=False)
         pred = jax.jit(jqt.quantize(teacher, qp_t))(jqt.pack(qp_t, params), heldout, float_tokens)
         agree = float(np.mean(np.asarray(pred) == np.asarray(float_tokens)))
-        qp_l = jqt.calibrate(D.loss, recipe, params, [(t,) for t in D.batches("train", 4, 256, 4, 5)],
+        # the loss reads whole sequences, with no decode loop and no cache to quantize
+        no_cache = jqt.Recipe(rules=tuple(dataclasses.replace(r, kv_cache=None) for r in recipe.rules))
+        qp_l = jqt.calibrate(D.loss, no_cache, params, [(t,) for t in D.batches("train", 4, 256, 4, 5)],
                              progress=False)
         qloss, packed_l = jax.jit(jqt.quantize(D.loss, qp_l)), jqt.pack(qp_l, params)
         loss = float(np.mean([qloss(packed_l, t) for t in

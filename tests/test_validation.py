@@ -848,3 +848,57 @@ def test_messages_name_an_op_inside_a_loop_by_its_scopes_from_the_top():
 
     msgs = _messages(lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.zeros((2, 8)),)], progress=False))
     assert any("op 'w' (dot_general at 'layers/block')" in m for m in msgs), msgs
+
+
+# ---------------------------------------------------------------- objects handled with JAX's tools
+
+def _mlp():
+    rng = np.random.default_rng(7)
+    p = {"w1": jnp.asarray(rng.standard_normal((4, 16)) * 0.5, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((16, 3)) * 0.5, jnp.float32)}
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    return f, p, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(X,)], progress=False)
+
+
+def test_packed_codes_cast_by_a_tree_map_are_refused(tmp_path):
+    """A bfloat16 cast over a whole PackedParams rounded the int32 code sums (wrong outputs,
+    silently); a float32 one gave files load_packed called damaged; int32 codes crashed with
+    a ZeroDivisionError. Each is refused, naming the weight."""
+    f, p, qp = _mlp()
+    packed = jqt.pack(qp, p)
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.int32):
+        cast = jax.tree_util.tree_map(lambda a: a.astype(dtype), packed)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"packed weight for 'w1': its codes are "
+                           rf"{jnp.dtype(dtype).name}, where int8 .* codes are int8"):
+            jax.jit(jqt.quantize(f, qp))(cast, X)
+        with pytest.raises(ValueError, match=r"save_packed: packed weight 'w1': its codes are"):
+            jqt.save_packed(str(tmp_path / "p.safetensors"), cast, qp)
+    # the float leaves cast alone run as before
+    floats = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
+                                    packed)
+    assert jnp.isfinite(jqt.quantize(f, qp)(floats, X)).all()
+
+
+def test_python_numbers_in_qparams_and_reprs_of_templates():
+    """Python floats among the qparams' leaves (tree_map(float), a JSON round trip) run
+    under jax.jit as eagerly (an AttributeError under jit before); reprs of qparams-shaped
+    trees of shapes or labels print (jax.eval_shape's template, jqt.qat.labels)."""
+    f, p, qp = _mlp()
+    as_floats = jax.tree_util.tree_map(lambda a: float(a) if np.ndim(a) == 0 else a, qp)
+    ref = jqt.quantize(f, qp)(p, X)
+    np.testing.assert_array_equal(jax.jit(jqt.quantize(f, as_floats))(p, X), ref)
+    np.testing.assert_array_equal(jqt.quantize(f, as_floats)(p, X), ref)
+    assert "scale: (1, 16)" in repr(jax.eval_shape(lambda: qp))
+    assert "scale='train'" in repr(jqt.qat.labels(p, qp)[1])
+
+
+def test_rules_with_list_ops_and_numpy_bit_widths():
+    """Rule(ops=[...]) is hashable (a jit static argument, a dict key) and equals the tuple
+    spelling; QuantType takes NumPy integers (a sweep over np.arange)."""
+    a, b = jqt.Rule(ops=["dot_general"]), jqt.Rule(ops=("dot_general",))
+    assert a == b and hash(a) == hash(b) and {jqt.Recipe(rules=(a,)): 1}
+    assert [jqt.QuantType(bits=b).describe() for b in np.arange(4, 9, 4)] == ["int4 sym per-tensor",
+                                                                              "int8 sym per-tensor"]
+    assert jqt.QuantType(bits=4, group_size=np.int32(32)).group_size == 32
+    with pytest.raises(ValueError, match="bits must be an int"):
+        jqt.QuantType(bits=True)

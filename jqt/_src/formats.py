@@ -25,6 +25,7 @@ and for a weight contracted over several axes, per position of the outer ones).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Optional
 
 import ml_dtypes
@@ -97,6 +98,10 @@ class QuantType:
     dynamic: bool = False
 
     def __post_init__(self):
+        for field in ("bits", "group_size"):  # NumPy integers (a sweep over np.arange) as ints
+            v = getattr(self, field)
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                object.__setattr__(self, field, int(v))
         if self.dtype is None:
             bits = 8 if self.bits is None else self.bits
             if not isinstance(bits, int) or not 2 <= bits <= 16:

@@ -26,7 +26,7 @@ from .dense import DenseAxes
 from .formats import unpack_nibbles
 from .layerview import LayerView
 from .policy import KernelPolicy
-from .qparams import OpQParams, QArray
+from .qparams import OpQParams, QArray, codes_problem
 
 _F32 = jnp.float32
 
@@ -245,6 +245,12 @@ def lookup(ctx, site, invals):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
+        why = codes_problem(packed)
+        if why:
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{site.key}': {why}. A cast over the whole "
+                "PackedParams (tree_map astype) changes them; leave the codes and sums as "
+                "jqt.pack made them (cast the float params and scales only), or re-run jqt.pack.")
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             raise QParamsMismatchError(

@@ -16,7 +16,7 @@ from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
-from .qparams import PackedParams, QArray, fold_mismatch
+from .qparams import PackedParams, QArray, codes_problem, fold_mismatch
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
                      is_zip, json_kind, reading, version_error, write)
 from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, check_scales,
@@ -97,6 +97,11 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         tree, why = treedef_to_json(packed.treedef), None
     except TreeNotSerializable as e:
         tree, why = None, str(e)
+    for key, w in packed.weights.items():
+        bad = codes_problem(w)
+        if bad:
+            raise ValueError(f"jqt.save_packed: packed weight '{key}': {bad}; a file holds them "
+                             "as jqt.pack made them. Re-run jqt.pack, or undo the cast.")
     paths = leaf_paths(packed)
     used, tensors = set(), {}
     leaves = []

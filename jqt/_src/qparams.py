@@ -131,6 +131,26 @@ class QArray:
                 f"{_arr_summary('zero_point', self.zero_point)})")
 
 
+def codes_problem(w: QArray) -> str:
+    """What is wrong with the dtypes of a packed weight's codes or code sums, or ``""``:
+    codes in the format's storage dtype (int8, or uint8 holding two 4-bit codes per
+    byte; the fp8 dtype), sums int32. A ``tree_map`` cast over a
+    :class:`jqt.PackedParams` changes them: a bfloat16 cast rounds the sums.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> w = jqt.QArray(values=jnp.zeros((2, 2), jnp.float32), qtype=jqt.QuantType())
+    >>> codes_problem(w)
+    'its codes are float32, where int8 sym per-tensor codes are int8'
+    """
+    want = {w.qtype.storage} | ({np.dtype(np.uint8)} if w.qtype.packs_nibbles else set())
+    if w.values is not None and np.dtype(w.values.dtype) not in want:
+        return (f"its codes are {np.dtype(w.values.dtype).name}, where {w.qtype.describe()} codes "
+                f"are {' or '.join(sorted(d.name for d in want))}")
+    if w.sums is not None and np.dtype(w.sums.dtype) != np.int32:
+        return f"its code sums are {np.dtype(w.sums.dtype).name}, where they are int32"
+    return ""
+
+
 QuantParams = QArray
 """The parameters of one operand in qparams: a :class:`QArray` without values (an alias).
 
@@ -148,15 +168,26 @@ True
 
 
 def _arr_summary(name, a):
+    """A leaf in a repr: its value or range where it holds numbers, else its shape or own
+    repr (a tracer, a ``jax.ShapeDtypeStruct`` of ``jax.eval_shape``, an optax label).
+
+    >>> _arr_summary("scale", np.float32(0.5)), _arr_summary("scale", "frozen")
+    (', scale=0.5', ", scale='frozen'")
+    """
     if a is None:
         return ""
     try:
-        a = np.asarray(a)
-    except Exception:  # a tracer
-        return f", {name}: {getattr(a, 'shape', '?')}"
-    if a.size == 1:
-        return f", {name}={a.reshape(()).item():.4g}"
-    return f", {name}[{'x'.join(map(str, a.shape))}] in [{a.min():.3g}, {a.max():.3g}]"
+        v = np.asarray(a)
+        if v.dtype.kind not in "biuf":  # a label, an object: not numbers
+            raise TypeError
+    except Exception:  # a tracer, a shape-only struct, a label
+        shape = getattr(a, "shape", None)
+        return f", {name}: {tuple(shape)}" if shape is not None else f", {name}={a!r}"
+    if v.size == 0:
+        return f", {name}[{'x'.join(map(str, v.shape))}]"
+    if v.size == 1:
+        return f", {name}={v.reshape(()).item():.4g}"
+    return f", {name}[{'x'.join(map(str, v.shape))}] in [{v.min():.3g}, {v.max():.3g}]"
 
 
 @jax.tree_util.register_dataclass

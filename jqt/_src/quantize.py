@@ -16,7 +16,7 @@ from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_keys, check_qparams
+from .validate import check_keys, check_qparams, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):
@@ -145,6 +145,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     are tracers, under ``jax.grad`` or ``jax.jit``).
     """
     check_qparams(qparams, "jqt.quantize")
+    qparams = numbers_as_arrays(qparams)
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums)
     handler = Simulate() if simulate else Integer(policy)
@@ -276,6 +277,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     127
     """
     check_qparams(qparams, "jqt.pack")
+    qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat = [x for _, x in with_paths]

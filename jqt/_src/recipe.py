@@ -98,6 +98,7 @@ class Rule:
         if isinstance(self.ops, str):
             raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, "
                             f"e.g. ops=({self.ops!r},).")
+        object.__setattr__(self, "ops", tuple(self.ops))  # a list too: a Rule is hashable
         bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
         if bad:
             raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")

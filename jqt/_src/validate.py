@@ -18,6 +18,7 @@ not checked: their numbers are not known. :func:`jqt.qat.project` repairs them.
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from . import accumulator, compat, kvcache
@@ -206,6 +207,22 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}")
+
+
+def numbers_as_arrays(qparams):
+    """``qparams`` with Python numbers among its leaves (``tree_map(float)``, a JSON round
+    trip) as float32 arrays, the dtype ``jqt.calibrate`` gives them, so that every path
+    (eager, under ``jax.jit``) reads them alike.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = {"w": jqt.OpQParams(op="dot_general", weight_operand=1, rhs=None,
+    ...                          lhs=jqt.QArray(scale=0.5, qtype=jqt.QuantType()))}
+    >>> numbers_as_arrays(qp)["w"].lhs.scale.dtype
+    dtype('float32')
+    """
+    as_array = lambda a: np.float32(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+    # per op: a tree_map over the dict would sort its keys, which are in evaluation order
+    return {k: jax.tree_util.tree_map(as_array, v) for k, v in qparams.items()}
 
 
 def check_float_params(params_t, fn: str):

@@ -902,3 +902,11 @@ def test_rules_with_list_ops_and_numpy_bit_widths():
     assert jqt.QuantType(bits=4, group_size=np.int32(32)).group_size == 32
     with pytest.raises(ValueError, match="bits must be an int"):
         jqt.QuantType(bits=True)
+
+
+def test_packed_params_paths_name_their_parts():
+    """Paths through a PackedParams name its parts (optax masks, orbax, JAX's errors),
+    where they were positional ('[<flat index 1>]')."""
+    f, p, qp = _mlp()
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(jqt.pack(qp, p))[0]]
+    assert ".weights['w1'].values" in paths and ".weights['w2'].scale" in paths

@@ -287,7 +287,7 @@ class OpQParams:
         return f"OpQParams({self.op}, " + ", ".join(parts) + ")"
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class PackedParams:
     """Weights with the quantized operands stored as int8 (see :func:`jqt.pack`).
 
@@ -316,6 +316,13 @@ class PackedParams:
 
     def tree_flatten(self):
         return (self.leaves, self.weights), (self.treedef, self.avals, self.kept, self.tied)
+
+    def tree_flatten_with_keys(self):
+        """The children with paths that name them (``.leaves[i]``, ``.weights['key']``):
+        what optax masks, orbax and JAX's error messages show."""
+        children, aux = self.tree_flatten()
+        names = (jax.tree_util.GetAttrKey("leaves"), jax.tree_util.GetAttrKey("weights"))
+        return tuple(zip(names, children)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):

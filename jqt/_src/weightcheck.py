@@ -22,8 +22,11 @@ Not checked: qparams whose scales, zero points or smoothing changed since calibr
 (fine-tuned by QAT, edited), qparams after :func:`jqt.qat.project` (which marks them as
 fine-tuned: weights trained with them through the simulated path, which clips as
 ``pack`` does), qparams without a record (files written before it, made by hand), and
-values that are tracers (``pack`` under ``jax.jit``). ``jqt.pack(..., clip=True)`` skips
-the check.
+values that are tracers (``pack`` under ``jax.jit``), and qparams returned by a
+``jax.jit``-compiled function that another set of qparams went through first (the record
+is static data that compares equal, so jit rebuilds outputs with the first call's: its
+digest then differs, and the check is skipped as for fine-tuned qparams).
+``jqt.pack(..., clip=True)`` skips the check.
 """
 from __future__ import annotations
 

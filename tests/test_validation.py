@@ -910,3 +910,11 @@ def test_packed_params_paths_name_their_parts():
     f, p, qp = _mlp()
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(jqt.pack(qp, p))[0]]
     assert ".weights['w1'].values" in paths and ".weights['w2'].scale" in paths
+
+
+def test_qparams_templates_of_shapes_are_refused_as_such():
+    """jax.eval_shape(lambda: qparams) (an orbax template) given to pack: said so, where
+    the error claimed the weight did not fit its scale."""
+    f, p, qp = _mlp()
+    with pytest.raises(TypeError, match=r"jqt.pack: qparams\['w1'\] holds shapes, not arrays"):
+        jqt.pack(jax.eval_shape(lambda: qp), p)

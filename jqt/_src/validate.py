@@ -158,6 +158,9 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
             raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
                             f"jqt.OpQParams.{swapped}")
     for k, v in qparams.items():
+        if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(v)):
+            raise TypeError(f"{fn}: qparams['{k}'] holds shapes, not arrays (a jax.eval_shape "
+                            "template?); pass the qparams jqt.calibrate or jqt.load returned.")
         why = accumulator_problem(k, v)
         if why:
             raise ValueError(f"{fn}: {why}")

@@ -29,7 +29,7 @@ from . import compat, groups, tracing, transforms, validate
 from . import numerics as nx
 from .calibrate import CalibrationDataError, full_args
 from .dense import DenseAxes
-from .handlers import Simulate, transformed
+from .handlers import Simulate, transformed, without_entry
 from .interpreter import Ctx
 from .layout import apply_chain
 from .tracing import Tracer, normalize_argnums
@@ -50,7 +50,7 @@ class _Hessians:
         self.eligible = eligible
 
     def site(self, site, eqn, invals, ctx):
-        if site.key not in ctx.state_in:  # an optional op without qparams (older ones): float
+        if without_entry(site, ctx):
             return compat.bind_eqn(eqn, invals)
         qp, on, take = ctx.state_in[site.key]
         outs = compat.bind_eqn(eqn, invals)

@@ -203,6 +203,13 @@ def values_shape(packed):
     return tuple(shape)
 
 
+def without_entry(site, ctx) -> bool:
+    """Whether ``site`` is an optional op (``registry``: cache writes, scalar-index
+    lookups) that ``ctx``'s qparams have no entry for (made before jqt quantized such
+    ops): it then runs float, unchanged."""
+    return site.entry.optional and site.key not in ctx.state_in
+
+
 def lookup(ctx, site, invals):
     """(OpQParams, packed QArray or None) for ``site``, checked against the op."""
     entry = ctx.state_in.get(site.key)
@@ -366,8 +373,8 @@ class Simulate:
     def site(self, site, eqn, invals, ctx):
         if site.entry.is_cache:
             return cache_write(site, eqn, invals, ctx)
-        if site.entry.optional and site.key not in ctx.state_in:
-            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
+        if without_entry(site, ctx):
+            return compat.bind_eqn(eqn, invals)
         qp, packed = lookup(ctx, site, invals)
         vals = list(invals)
         for i in (0, 1):
@@ -502,8 +509,8 @@ class Integer:
                     and e[0].is_float:
                 return kvcache.dot_general(eqn, invals)
             invals = kvcache.materialize(invals, eqn.invars)
-        if site.entry.optional and site.key not in ctx.state_in:
-            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
+        if without_entry(site, ctx):
+            return compat.bind_eqn(eqn, invals)
         qp, packed = lookup(ctx, site, invals)
         if qp.is_float:
             return compat.bind_eqn(eqn, invals)

@@ -178,9 +178,9 @@ def _arr_summary(name, a):
         return ""
     try:
         v = np.asarray(a)
-        if v.dtype.kind not in "biuf":  # a label, an object: not numbers
-            raise TypeError
-    except Exception:  # a tracer, a shape-only struct, a label
+    except Exception:  # a tracer
+        v = None
+    if v is None or v.dtype.kind not in "biuf":  # a tracer, a shape-only struct, a label
         shape = getattr(a, "shape", None)
         return f", {name}: {tuple(shape)}" if shape is not None else f", {name}={a!r}"
     if v.size == 0:

@@ -29,7 +29,7 @@ from jax import lax
 
 from . import accumulator, compat, kvcache, numerics, tracing, validate
 from .calibrate import full_args
-from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed
+from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed, without_entry
 from .plotting import HIST_BINS, plot_report
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
@@ -54,8 +54,8 @@ class _Measure:
         return jnp.where(lax.axis_index(_AXIS) == 0, x, kvcache.fake_quant(x, qtype))
 
     def site(self, site, eqn, invals, ctx):
-        if site.entry.optional and site.key not in ctx.state_in:
-            return compat.bind_eqn(eqn, invals)  # qparams from before jqt quantized such ops
+        if without_entry(site, ctx):
+            return compat.bind_eqn(eqn, invals)
         qp, packed = lookup(ctx, site, invals)
         both = [lax.all_gather(v, _AXIS) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]

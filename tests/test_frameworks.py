@@ -560,6 +560,8 @@ def test_keras_sequential(keras):
 def test_keras_errors(keras, monkeypatch):
     with pytest.raises(ValueError, match="not built"):
         jqt.from_keras(keras.Sequential([keras.layers.Dense(2)]))
+    with pytest.raises(TypeError, match="jqt.from_keras: model is a function; expected a Keras model"):
+        jqt.from_keras(lambda x: x)  # a JAX function goes to jqt.calibrate as it is
     monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
     with pytest.raises(ValueError, match="KERAS_BACKEND"):
         jqt.from_keras(object())

@@ -6,7 +6,8 @@ weight doubled was off by 27% of its largest output). jqt.pack now refuses weigh
 reach further past their grid's end than the calibrated ones did
 (``jqt/_src/weightcheck.py``), naming the op, and ``clip=True`` clips on purpose.
 Legitimate flows pack as before: the calibrated weights (also where the weight calibrator
-clips on purpose: w4/nf4's WeightMSE, a user's calibrator), smaller or bfloat16-rounded
+clips on purpose: w4/nf4's WeightMSE, a user's calibrator), smaller (down to a quarter
+of the calibrated reach: tests/test_misuse.py has the refusal below it) or bfloat16-rounded
 weights, fine-tuned qparams (changed scales, or after jqt.qat.project), qparams without
 the record, and pack under jax.jit."""
 import dataclasses

@@ -38,18 +38,36 @@ def full_args(argnums, params, batch):
     return args
 
 
-def _check_batch(i, batch, first_tree):
-    if not isinstance(batch, (tuple, list)):
+def check_batches(batches, fn="jqt.calibrate"):
+    """Raises :class:`CalibrationDataError` where ``batches`` is one array, a dict or a
+    string, whose items are not batches (rows, keys, characters)."""
+    if hasattr(batches, "shape") or isinstance(batches, (dict, str, bytes)):
+        what = (f"an array of shape {tuple(batches.shape)}" if hasattr(batches, "shape")
+                else f"a {type(batches).__name__}")
         raise CalibrationDataError(
-            f"jqt.calibrate: batch {i} is a {type(batch).__name__}; each batch must be a tuple "
+            f"{fn}: batches is {what}, whose items are not batches; pass a list of tuples of f's "
+            "remaining arguments, e.g. batches=[(x,)] for one batch x, [(x, y) for x, y in data] "
+            "for several.")
+
+
+def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
+    """Raises :class:`CalibrationDataError` (its text starting with ``fn``) where batch
+    ``i`` is not a tuple of ``f``'s remaining arguments, differs in structure from the
+    first (``first_tree``), or holds an empty or non-finite array; returns its tree
+    structure."""
+    if not isinstance(batch, (tuple, list)):
+        what = (f"an array of shape {tuple(batch.shape)}" if hasattr(batch, "shape")
+                else f"a {type(batch).__name__}")
+        raise CalibrationDataError(
+            f"{fn}: batch {i} is {what}; each batch must be a tuple "
             "of the remaining arguments of f, e.g. batches = [(x,) for x in xs].")
     tree = jax.tree_util.tree_structure(tuple(batch))
     if first_tree is not None and tree != first_tree:
         raise CalibrationDataError(
-            f"jqt.calibrate: batch {i} has structure {tree}, but batch 0 had {first_tree}. "
+            f"{fn}: batch {i} has structure {tree}, but batch 0 had {first_tree}. "
             "Every batch must hold the same arguments.")
     for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(batch))[0]:
-        where = f"jqt.calibrate: batch {i}, argument {jax.tree_util.keystr(path)}"
+        where = f"{fn}: batch {i}, argument {jax.tree_util.keystr(path)}"
         why = tracing.untraceable(leaf)
         if why is not None:
             raise CalibrationDataError(
@@ -62,13 +80,19 @@ def _check_batch(i, batch, first_tree):
         if leaf.size == 0:
             raise CalibrationDataError(
                 f"{where} is empty (shape {leaf.shape}); an empty batch has no statistics. Drop "
-                "it from the calibration set.")
+                "it from the batches.")
         a = np.asarray(leaf)
         if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
             raise CalibrationDataError(
                 f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
                 "calibration data (statistics from non-finite values would give infinite scales).")
     return tree
+
+
+def _note(e, text):
+    """Adds ``text`` to exception ``e``'s message as a note (Python 3.11 and later)."""
+    if hasattr(e, "add_note"):
+        e.add_note(text)
 
 
 def _check_same_ops(i, traced, first):
@@ -178,12 +202,17 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
     params_t = tracing.mark_static(params_t)
     for i, batch in enumerate(bar):
-        tree = _check_batch(i, batch, tree)
+        tree = check_batch(i, batch, tree)
         last["batch"] = i  # for the errors raised while tracing its step
         marked = tracing.mark_static(tuple(batch))
         static = jax.tree_util.tree_structure(marked)  # holds the static values
-        new = jstep(params_t, marked, not weights_seen or static not in statics, decided,
-                    transformed or {})
+        try:
+            new = jstep(params_t, marked, not weights_seen or static not in statics, decided,
+                        transformed or {})
+        except Exception as e:
+            _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
+                  f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})")
+            raise
         statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
         st = new if st is None else _accumulate(st, new)
@@ -236,13 +265,15 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     if not isinstance(recipe, Recipe):
         raise TypeError(f"jqt.calibrate: recipe is a {type(recipe).__name__}; expected a "
                         "jqt.Recipe such as jqt.recipes.w8a8().")
+    if mesh is not None:
+        validate.check_mesh(mesh, "jqt.calibrate")
     if mesh is not None and data_axis not in mesh.shape:
         raise ValueError(f"jqt.calibrate: data_axis={data_axis!r} is not an axis of the mesh "
                          f"(axes {tuple(mesh.shape)}).")
     argnums = normalize_argnums(weight_argnums)
-    params_t = (params,) if len(argnums) == 1 else tuple(params)
-    validate.check_float_params(params_t, "jqt.calibrate")
+    params_t = validate.weight_args(params, argnums, "jqt.calibrate")
     jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
+    check_batches(batches)
     sequence = hasattr(batches, "__len__") and hasattr(batches, "__getitem__")
     if propagate and not sequence:
         raise CalibrationDataError(
@@ -255,7 +286,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             "transforms, then the ranges on the transformed operands); pass a sequence (a list "
             f"or tuple of batches), not a {type(batches).__name__}.")
     st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
-    _warn_unmatched(last["traced"].sites(), recipe, last["traced"].analyzer.cache_lookalikes)
+    analyzer = last["traced"].analyzer
+    _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -281,10 +313,17 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     return weightcheck.record(qparams, params_t, argnums)
 
 
-def _warn_unmatched(sites, recipe, lookalikes=()):
-    """Warns of ops that no rule matches (they stay float) and of rules with a ``key``
+def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
+    """Warns of a function without ops to quantize, of ops that no rule matches (they stay
+    float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches)."""
+    if not sites and not warned:  # (where the analysis warned, it said why ops stay float)
+        warnings.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
+                      "convolution, an embedding lookup from a weight, a key/value cache write): "
+                      "the qparams are empty and jqt.quantize runs f in float. docs/supported-ops.md "
+                      "lists the ops; jax.make_jaxpr(f) shows f's.", stacklevel=3)
+        return
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")

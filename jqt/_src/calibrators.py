@@ -501,6 +501,15 @@ class WeightMSE(WeightCalibrator):
     candidates: int = 100
     min_ratio: float = 0.3
 
+    def __post_init__(self):
+        c, r = self.candidates, self.min_ratio
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+            raise ValueError(f"WeightMSE(candidates={c!r}): expected a positive int (the clipping "
+                             "factors tried), e.g. 100.")
+        if isinstance(r, bool) or not isinstance(r, (int, float, np.floating)) or not 0 < r <= 1:
+            raise ValueError(f"WeightMSE(min_ratio={r!r}): expected a float in (0, 1] (the "
+                             "smallest fraction of the range tried), e.g. 0.3.")
+
     def range(self, w, axes, qtype):
         lo0, hi0 = WeightMinMax().range(w, axes, qtype)
         w = w.astype(_F32)

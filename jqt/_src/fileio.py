@@ -164,9 +164,24 @@ def write(path, tensors, header, fmt, version):
     atomic_write(path, lambda tmp: st.numpy.save_file(stored, tmp, metadata=meta))
 
 
-def is_zip(path) -> bool:
-    with open(path, "rb") as fh:
-        return fh.read(4) == b"PK\x03\x04"
+def is_zip(path, fn) -> bool:
+    """Whether the file at ``path`` is a zip archive (an ``.npz``); a missing file, a
+    folder or another unreadable path raises the ``OSError`` subclass ``open`` raised,
+    its text starting with ``fn``."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{fn}: path is a {type(path).__name__}; pass the file's path (a str or "
+                        "os.PathLike).")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"PK\x03\x04"
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{fn}: {os.fspath(path)!s} does not exist; pass the path of a file "
+                                "that jqt.save or jqt.save_packed wrote.") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{fn}: {os.fspath(path)!s} is a folder; pass the path of the file "
+                                "in it (e.g. .../qparams.safetensors).") from None
+    except OSError as e:
+        raise type(e)(f"{fn}: {os.fspath(path)!s} cannot be read ({e.strerror or e}).") from None
 
 
 # ---- reading, checked ---------------------------------------------------------------------------
@@ -380,9 +395,11 @@ class NpzReader(_Checked):
 
     def __init__(self, path, fn):
         self.path, self.fn = path, fn
+        self._fh = open(path, "rb")  # ours to close: np.load leaks its own on a damaged archive
         try:
-            self._z = np.load(path)
+            self._z = np.load(self._fh)
         except Exception as e:  # noqa: BLE001 - zipfile, zlib and NumPy raise many types
+            self._fh.close()
             raise self.error(f"it is not a readable .npz archive ({_first_line(e)})") from None
         self._open_checked()
 
@@ -394,6 +411,7 @@ class NpzReader(_Checked):
 
     def close(self):
         self._z.close()
+        self._fh.close()
 
     def _read(self, name, what):
         try:

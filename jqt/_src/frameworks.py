@@ -51,6 +51,11 @@ def from_keras(model, *, training: bool = False):
             f"jqt.from_keras: keras runs on the '{keras.backend.backend()}' backend; jqt needs "
             "the JAX backend. Set os.environ['KERAS_BACKEND'] = 'jax' before keras is first "
             "imported.")
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"jqt.from_keras: model is a {type(model).__name__}; expected a Keras "
+                        "model or layer (keras.Model, keras.Sequential, keras.layers.Layer). For a "
+                        "JAX function (a flax apply, an Equinox model), pass it to jqt.calibrate "
+                        "directly.")
     if not model.built:
         raise ValueError("jqt.from_keras: the model is not built; call it once or build it "
                          "with keras.Input so that its variables exist.")

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, groups, tracing, transforms, validate
+from . import compat, groups, tracing, transforms, validate, weightcheck
 from . import numerics as nx
-from .calibrate import CalibrationDataError, full_args
+from .calibrate import CalibrationDataError, check_batch, check_batches, full_args
 from .dense import DenseAxes
 from .handlers import Simulate, transformed, without_entry
 from .interpreter import Ctx
@@ -265,6 +265,11 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       ``params`` with the same structure, each re-rounded weight's values on its
       quantization grid: ``jqt.pack(qparams, result)`` stores them exactly.
 
+    The weights must be those ``qparams`` were calibrated with: GPTQ rounds on the
+    calibrated grids, so weights that outgrew them (or shrank to a quarter of their reach)
+    raise :class:`jqt.QParamsMismatchError` naming the op, as :func:`jqt.pack` does. The
+    batches are checked as :func:`jqt.calibrate` checks them (no NaN, no empty arrays).
+
     Ops it leaves to plain rounding (warned): convolutions; weights computed from
     several leaves; weight leaves also read by another op
     (tied embeddings). Embedding lookups keep their per-row rounding (a lookup
@@ -283,14 +288,24 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     """
     check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
-    params_t = [params] if len(argnums) == 1 else list(params)
-    validate.check_float_params(params_t, "jqt.gptq")
+    params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
+    check_batches(batches, "jqt.gptq")
     if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
                                    f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"jqt.gptq: block_size={block_size!r}; expected a positive int (the rows "
+                         "updated together, 128 by default).")
+    if not (isinstance(damp, (int, float, np.floating)) and math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"jqt.gptq: damp={damp!r}; expected a finite number >= 0 (the fraction of "
+                         "the Hessian's mean diagonal added to it, 0.01 by default).")
+    tree = None
+    for i, b in enumerate(batches):
+        tree = check_batch(i, b, tree, "jqt.gptq")
     tracer = Tracer(f, argnums)
     traced = tracer(full_args(argnums, params_t, batches[0]))
     validate.check_keys(traced, qparams, "jqt.gptq")
+    weightcheck.check(qparams, params_t, argnums, "jqt.gptq")  # it rounds on the calibrated grids
     sites = [s for s in traced.sites() if s.key in qparams]  # an optional op without an entry: float
     order = list(dict.fromkeys(s.key for s in sites))
     why = {s.key: _why_not(s, qparams[s.key], traced, argnums) for s in sites}

@@ -217,7 +217,10 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     ('kn', (8, 4))
     """
     fn = "jqt.load_packed"
-    if is_zip(path):
+    if isinstance(device, str):
+        raise TypeError(f"{fn}: device={device!r} is a name; pass a jax.Device (e.g. "
+                        f"jax.devices({device!r})[0]) or a Sharding.")
+    if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
     with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError,)):

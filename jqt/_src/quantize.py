@@ -16,7 +16,7 @@ from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_keys, check_qparams, numbers_as_arrays
+from .validate import check_keys, check_policy, check_qparams, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):
@@ -145,6 +145,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     are tracers, under ``jax.grad`` or ``jax.jit``).
     """
     check_qparams(qparams, "jqt.quantize")
+    check_policy(policy, "jqt.quantize")
     qparams = numbers_as_arrays(qparams)
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums)
@@ -244,8 +245,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     calibrated weight reached at most the end, or further where the weight calibrator
     clips on purpose, e.g. ``WeightMSE``) raises :class:`jqt.QParamsMismatchError`
     naming the op, the element and the grid's end: params other than the calibrated
-    ones (another checkpoint, weights trained further or rescaled). Re-calibrate with
-    them, or pass ``clip=True`` to clip them on purpose. Not checked (packed as given):
+    ones (another checkpoint, weights trained further or rescaled). So does a weight that
+    reaches less than a quarter as far as the calibrated one (two bits of every code
+    lost: a unit mix-up, another checkpoint). Re-calibrate with them, or pass
+    ``clip=True`` to pack them as they are (clipped). Not checked (packed as given):
     qparams whose scales, zero points or smoothing changed since calibration or that
     went through :func:`jqt.qat.project` (fine-tuned: the simulated path clipped the
     weights as ``pack`` does), qparams without the record (read from files written
@@ -277,6 +280,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     127
     """
     check_qparams(qparams, "jqt.pack")
+    check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -286,12 +290,16 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     for i, (q, _) in enumerate(with_paths):
         index.setdefault(path_str(q), []).append(i)
     weights, consumed, needed, unpackable, leaf_of, checks, nans = {}, set(), set(), [], {}, [], []
+    other_args = set()
     for key, p in qparams.items():
         w = p.weight_operand
         if w is None or p.operand(w) is None:
             continue
         src = p.source
-        if src is None or src.arg != argnum:
+        if src is not None and src.arg != argnum:  # another weight argument's (its own pack)
+            other_args.add(src.arg)
+            continue
+        if src is None:
             unpackable.append(key)
             continue
         leaf = _find_leaf(src, index, key)
@@ -322,6 +330,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         leaf_of[key] = src.leaf
         if src.float_needed:
             needed.add(src.leaf)
+    if other_args and not weights:
+        raise ValueError(
+            f"jqt.pack(argnum={argnum}): the qparams' ops read their weights from argument(s) "
+            f"{sorted(other_args)} of f (the weight_argnums they were calibrated with), none from "
+            f"argument {argnum}. Pass argnum={min(other_args)}, once per weight argument where "
+            "there are several.")
     _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
         src, p, apply_chain(flat[src.leaf], src.chain)))

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from . import accumulator, compat, kvcache, numerics, tracing, validate
-from .calibrate import full_args
+from .calibrate import check_batch, full_args
 from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed, without_entry
 from .plotting import HIST_BINS, plot_report
 from .tracing import Tracer, normalize_argnums
@@ -279,12 +279,12 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     """
     check_qparams(qparams, "jqt.report")
     argnums = normalize_argnums(weight_argnums)
-    params_t = (params,) if len(argnums) == 1 else tuple(params)
-    validate.check_float_params(params_t, "jqt.report")
+    params_t = validate.weight_args(params, argnums, "jqt.report")
     if not isinstance(batch, (tuple, list)):
         raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
                         "remaining arguments of f, e.g. (x,).")
     batch = tuple(batch)
+    check_batch(0, batch, None, "jqt.report")  # no empty or non-finite arrays
     tracer = Tracer(f, argnums)
     traced = tracer(full_args(argnums, params_t, batch))
     validate.check_keys(traced, qparams, "jqt.report")

@@ -380,6 +380,13 @@ def save(path, qparams) -> None:
     >>> jqt.load(p)["w"].rhs.qtype == qp["w"].rhs.qtype
     True
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"jqt.save: path is a {type(path).__name__}; call jqt.save(path, qparams), "
+                        "the path first.")
+    if any(compat.is_tracer(a) for a in jax.tree_util.tree_leaves(qparams)):
+        raise TypeError("jqt.save: qparams hold traced values (jqt.save called inside jax.jit, "
+                        "jax.grad or another transformation); return the qparams from the "
+                        "transformed function and save them outside it.")
     if os.fspath(path).endswith(".npz"):
         entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
         header = json.dumps({"format": FORMAT, "version": versioned(VERSION, qparams), "ops": entries,
@@ -415,7 +422,7 @@ def load(path) -> dict:
     >>> jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(qp)
     True
     """
-    if is_zip(path):
+    if is_zip(path, "jqt.load"):
         return _load_npz(path)
     with Reader(path, "jqt.load") as r, reading(r):
         return _load_qparams(r, path)

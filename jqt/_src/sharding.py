@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import validate
 from .qparams import OpQParams, PackedParams, QArray
 
 _MODES = ("out", "in", None)
@@ -105,6 +106,14 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     if not isinstance(packed, PackedParams):
         raise TypeError(f"jqt.packed_shardings: packed is a {type(packed).__name__}; expected the "
                         "jqt.PackedParams returned by jqt.pack or jqt.load_packed.")
+    validate.check_mesh(mesh, "jqt.packed_shardings")
+    for name, rules in (("ops", ops), ("leaves", leaves)):
+        for rule in rules:
+            try:
+                re.compile(rule[0])
+            except (re.error, TypeError, IndexError) as e:
+                raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: its first item must "
+                                 f"be a regular expression ({e}).") from None
     if axis not in mesh.shape:
         raise ValueError(f"jqt.packed_shardings: the mesh has axes {tuple(mesh.shape)}, "
                          f"not {axis!r}.")

@@ -169,6 +169,18 @@ def normalize_argnums(weight_argnums) -> tuple[int, ...]:
     return nums
 
 
+def _unbound(f, n):
+    """Why ``f``'s signature does not take ``n`` positional arguments, or ``None`` (it
+    takes them, or it has no signature to read)."""
+    try:
+        inspect.signature(f).bind(*range(n))
+    except TypeError as e:
+        return str(e)
+    except ValueError:
+        return None
+    return None
+
+
 def _arg_names(f, n):
     try:
         params = list(inspect.signature(f).parameters.values())
@@ -213,8 +225,19 @@ class Tracer:
         # traced with jit on: under jax.disable_jit a lax.scan would trace unrolled, its
         # layers' ops under other keys than calibrate gave them
         with jax.disable_jit(False):
-            closed, out_shape = jax.make_jaxpr(
-                functools.wraps(self.f)(lambda *a: self.f(*unmark(a))), return_shape=True)(*args)
+            try:
+                closed, out_shape = jax.make_jaxpr(
+                    functools.wraps(self.f)(lambda *a: self.f(*unmark(a))), return_shape=True)(*args)
+            except TypeError as e:
+                why = _unbound(self.f, len(args))
+                if why is None:
+                    raise
+                raise TypeError(
+                    f"jqt: f was called with {len(args)} positional arguments, which its signature "
+                    f"does not take ({why}): the weight argument(s) at weight_argnums="
+                    f"{self.argnums}, then the batch's. calibrate, gptq and report take each batch "
+                    "as a tuple of f's remaining arguments (batches = [(x,) for x in xs]; report: "
+                    "(x,)).") from e
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
         infos = []

@@ -8,12 +8,15 @@ jqt passes it jitted, quantized variants of ``f``. Each call is a *trial*.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import warnings
 from typing import Callable, Optional
 
-from .calibrate import calibrate
+import numpy as np
+
+from .calibrate import calibrate, check_batches
 from .qparams import OpQParams
 from .quantize import quantize
 from .recipe import Recipe, Rule
@@ -31,13 +34,42 @@ def _quantized_keys(qparams):
     return [k for k, p in qparams.items() if not p.is_float]
 
 
-def _score(f, qparams, metric, weight_argnums, simulate):
-    v = metric(tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums)))
-    v = float(v)
+def _check_metric(metric, fn):
+    """Raises ``TypeError`` where ``metric`` cannot be called as ``metric(g)``."""
+    how = ("pass a function metric(g) -> float that scores g, a function with f's signature, "
+           "calling it with its own weights and data, e.g. metric = lambda g: "
+           "float(jnp.mean(g(params, x).argmax(-1) == y)).")
+    if not callable(metric):
+        raise TypeError(f"{fn}: metric is a {type(metric).__name__}; {how}")
+    try:
+        inspect.signature(metric).bind(None)
+    except ValueError:  # no signature to read (a builtin): its first call tells
+        return
+    except TypeError as e:
+        raise TypeError(f"{fn}: metric cannot be called as metric(g) ({e}); {how}") from None
+
+
+def _value(metric, g, fn, what):
+    """``metric(g)`` as a float; a ``TypeError`` or ``ValueError`` naming the metric where it
+    is not one finite-or-infinite number."""
+    v = metric(g)
+    a = None if v is None or isinstance(v, (str, bytes)) else np.asarray(v)
+    if a is None or a.size != 1 or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+        got = (f"an array of shape {a.shape} and dtype {a.dtype}" if a is not None and a.ndim
+               else repr(v)[:40])
+        raise TypeError(f"{fn}: metric returned {got} for {what}; it must "
+                        "return one number, the score of g (e.g. an accuracy or a loss: reduce "
+                        "an array with jnp.mean).")
+    v = float(a.reshape(()))
     if math.isnan(v):
-        raise ValueError("jqt: the metric returned NaN for a quantized variant; check the metric "
-                         "function (it must return a float score).")
+        raise ValueError(f"{fn}: the metric returned NaN for {what}; check the metric function "
+                         "(it must return a float score).")
     return v
+
+
+def _score(f, qparams, metric, weight_argnums, simulate, fn):
+    g = tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums))
+    return _value(metric, g, fn, "a quantized variant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +139,9 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     check_qparams(qparams)
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
-    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate)
-    m_float = float(metric(tracing.jit_static(f)))
+    _check_metric(metric, "jqt.sensitivity")
+    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity")
+    m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself")
     m_q = score(qparams)
     rows = []
     for k in keys:
@@ -248,8 +281,20 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
+    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float, np.number)) \
+            or not math.isfinite(max_drop) or max_drop < 0:
+        raise ValueError(f"jqt.fallback: max_drop={max_drop!r}; expected a finite number >= 0, the "
+                         "largest drop of the metric from float's allowed (in the metric's units, "
+                         "e.g. 0.005 for half a point of accuracy).")
+    if to is not None and not isinstance(to, Rule):
+        hint = (" (a recipe: pass one of its rules, e.g. jqt.recipes.w8a16().rules[0])"
+                if isinstance(to, Recipe) else "")
+        raise TypeError(f"jqt.fallback: to= is a {type(to).__name__}{hint}; expected a jqt.Rule "
+                        "for the ops kept back, or None to keep them float.")
+    _check_metric(metric, "jqt.fallback")
     argnums = normalize_argnums(weight_argnums)
-    validate.check_float_params((params,) if len(argnums) == 1 else tuple(params), "jqt.fallback")
+    validate.weight_args(params, argnums, "jqt.fallback")
+    check_batches(batches, "jqt.fallback")
     batches = list(batches)
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
@@ -264,7 +309,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             alt = calibrate(f, Recipe(rules=(dataclasses.replace(to, key=".*"),)), params, batches,
                             weight_argnums=weight_argnums, progress=progress)
     sign = 1.0 if higher_is_better else -1.0
-    m_float = float(metric(tracing.jit_static(f)))
+    m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
+    score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback")
     trials = []
 
     seen = {}
@@ -272,7 +318,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     def trial(kept):
         if frozenset(kept) in seen:  # the pruning pass may revisit a choice
             return seen[frozenset(kept)]
-        v = _score(f, {**qp, **{k: alt[k] for k in kept}}, metric, weight_argnums, simulate)
+        v = score({**qp, **{k: alt[k] for k in kept}})
         trials.append((tuple(kept), v))
         seen[frozenset(kept)] = v
         return v
@@ -284,7 +330,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         allf = {k: _as_float(p, "") for k, p in qp.items()}
         drop = {}
         for k in ranked[:max(0, max_trials - 2)]:
-            drop[k] = sign * (m_float - _score(f, {**allf, k: qp[k]}, metric, weight_argnums, simulate))
+            drop[k] = sign * (m_float - score({**allf, k: qp[k]}))
             trials.append(((f"quantized alone: {k}",), m_float - sign * drop[k]))
         ranked = sorted(ranked, key=lambda k: -drop.get(k, -math.inf))
     else:

@@ -24,6 +24,7 @@ import numpy as np
 from . import accumulator, compat, kvcache
 from .qparams import OpQParams, PackedParams
 from .handlers import QParamsMismatchError
+from .policy import KernelPolicy
 from .registry import BY_NAME
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
@@ -234,3 +235,49 @@ def check_float_params(params_t, fn: str):
     if any(isinstance(p, PackedParams) for p in params_t):
         raise TypeError(f"{fn}: params are jqt.PackedParams (from jqt.pack or jqt.load_packed); "
                         f"{fn} runs the float model, so pass the float params they were packed from.")
+
+
+def weight_args(params, argnums, fn: str) -> tuple:
+    """``params`` as one pytree per weight argument (``argnums`` from
+    ``normalize_argnums``), checked as :func:`check_float_params` checks them. With several
+    weight arguments ``params`` must be a tuple or list of as many: a dict or an array
+    would be split into its keys or rows.
+
+    >>> weight_args({"w": 1}, (0, 2), "jqt.calibrate")
+    Traceback (most recent call last):
+    ...
+    TypeError: jqt.calibrate: weight_argnums=(0, 2) names 2 weight arguments, so params must be a tuple of 2 pytrees (one per weight argument, in that order), not a dict.
+    """
+    if len(argnums) == 1:
+        params_t = (params,)
+    elif not isinstance(params, (tuple, list)):
+        raise TypeError(f"{fn}: weight_argnums={argnums} names {len(argnums)} weight arguments, so "
+                        f"params must be a tuple of {len(argnums)} pytrees (one per weight "
+                        f"argument, in that order), not a {type(params).__name__}.")
+    elif len(params) != len(argnums):
+        raise TypeError(f"{fn}: weight_argnums={argnums} names {len(argnums)} weight arguments, but "
+                        f"params holds {len(params)}; pass one pytree per weight argument, in that "
+                        "order.")
+    else:
+        params_t = tuple(params)
+    check_float_params(params_t, fn)
+    return params_t
+
+
+def check_mesh(mesh, fn: str):
+    """Raises ``TypeError`` where ``mesh`` is not a ``jax.sharding.Mesh`` (a list of
+    devices, a device)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{fn}: mesh is a {type(mesh).__name__}; pass a jax.sharding.Mesh, e.g. "
+                        "jax.sharding.Mesh(np.array(jax.devices()), ('data',)) for calibrate or "
+                        "('model',) for packed_shardings.")
+
+
+def check_policy(policy, fn: str):
+    """Raises ``TypeError`` where ``policy`` is neither ``None`` nor a
+    :class:`jqt.KernelPolicy` (a backend's name, for instance)."""
+    if policy is not None and not isinstance(policy, KernelPolicy):
+        hint = (f" (a backend's name: pass jqt.KernelPolicy.for_backend({policy!r}))"
+                if isinstance(policy, str) else "")
+        raise TypeError(f"{fn}: policy is a {type(policy).__name__}{hint}; expected a "
+                        "jqt.KernelPolicy, or None for the default backend's.")

@@ -4,7 +4,9 @@ A weight's scales (per tensor, channel or group) come from the weights ``jqt.cal
 saw. Packing other weights with them (another checkpoint, weights trained further or
 rescaled) quantizes every element beyond the grid's end to that end: clipped, silently.
 A weight calibrator may clip on purpose (``WeightMSE``, a user's calibrator), so clipping
-alone is not an error; clipping further than the calibration did is.
+alone is not an error; clipping further than the calibration did is. So is the other
+direction: a weight far smaller than the calibrated one (a unit mix-up, another checkpoint)
+rounds most of its elements to a few codes near zero.
 
 * :func:`record` (called by ``jqt.calibrate``) measures each quantized weight's *reach*:
   its largest ``|x / scale|`` (zero point subtracted, on the operand the codes are
@@ -14,9 +16,10 @@ alone is not an error; clipping further than the calibration did is.
   ``(reach, digest)`` in ``WeightSource.calibrated_reach`` (nothing where the reach is
   not finite: an inf element that the weight calibrator let through), the digest covering the
   scale, zero point, smoothing vector and type it was measured with.
-* :func:`start` / :func:`finish` (``jqt.pack``): where the digest still matches (the
-  qparams as calibrated), a weight whose reach exceeds ``max(calibrated reach, 1)`` by
-  more than :data:`TOLERANCE` raises :class:`QParamsMismatchError` naming the op.
+* :func:`start` / :func:`finish` (``jqt.pack``; :func:`check` for ``jqt.gptq``): where
+  the digest still matches (the qparams as calibrated), a weight whose reach exceeds
+  ``max(calibrated reach, 1)`` by more than :data:`TOLERANCE`, or is under :data:`SHRUNK`
+  of the calibrated reach, raises :class:`QParamsMismatchError` naming the op.
 
 Not checked: qparams whose scales, zero points or smoothing changed since calibration
 (fine-tuned by QAT, edited), qparams after :func:`jqt.qat.project` (which marks them as
@@ -48,6 +51,12 @@ TOLERANCE = 0.01
 """How far past ``max(calibrated reach, 1)`` a packed weight may reach before ``jqt.pack``
 refuses it: 1%, above float rounding and a cast to bfloat16 (0.4%), far below the
 factor of a rescaled or retrained weight."""
+
+SHRUNK = 0.25
+"""How little of its calibrated reach a packed weight may reach before ``jqt.pack``
+refuses it: a quarter, two bits of precision lost on every element (half of an int4
+grid's). Weights that shrank less (trained further with weight decay) pack as given; a
+weight rescaled by another checkpoint or a unit mix-up (0.01x) is refused."""
 
 _F32 = jnp.float32
 
@@ -141,22 +150,37 @@ def _worst(x, gaxis, q, depth):
     return value, end, (value / end if end else float("inf"))
 
 
-def record(qparams, params_t, argnums):
-    """``qparams`` with each quantized weight's ``WeightSource.calibrated_reach`` measured on
-    the weights they were calibrated with (``params_t``: one pytree per weight argument)."""
-    pending, flat = [], {}
+def _weights(qparams, params_t, argnums):
+    """``(key, op qparams, its weight's leaf)`` for each quantized op whose weight is a
+    leaf of ``params_t`` (one pytree per weight argument), numbered as the tracer numbered
+    the leaves (``WeightSource.leaf``)."""
+    flat = {}
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
         if w is None or p.operand(w) is None or src is None or src.arg not in argnums:
             continue
-        tag = digest(p)
-        if src.arg not in flat:  # the leaves as the tracer numbered them (gptq reads them so)
+        if src.arg not in flat:
             flat[src.arg] = jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])
         leaves = flat[src.arg]
-        if tag is None or not 0 <= src.leaf < len(leaves) or not hasattr(leaves[src.leaf], "shape"):
+        if 0 <= src.leaf < len(leaves) and hasattr(leaves[src.leaf], "shape"):
+            yield key, p, leaves[src.leaf]
+
+
+def _grid_operand(p, leaf):
+    """The weight as op ``p`` puts it on its grid, and its group axis (``grid_operand``)."""
+    return BY_NAME[p.op].grid_operand(p.source, p, apply_chain(leaf, p.source.chain))
+
+
+def record(qparams, params_t, argnums):
+    """``qparams`` with each quantized weight's ``WeightSource.calibrated_reach`` measured on
+    the weights they were calibrated with (``params_t``: one pytree per weight argument)."""
+    pending = []
+    for key, p, leaf in _weights(qparams, params_t, argnums):
+        tag = digest(p)
+        if tag is None:
             continue
-        x, gaxis = BY_NAME[p.op].grid_operand(src, p, apply_chain(leaves[src.leaf], src.chain))
-        r = reach(x, p.operand(w), gaxis, src.stack_depth)
+        x, gaxis = _grid_operand(p, leaf)
+        r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth)
         if r is not None:
             pending.append((key, r, tag))
     if not pending:
@@ -183,19 +207,48 @@ def start(key, p, src, x, gaxis):
     return None if r is None else (key, p, src, r)
 
 
-def finish(pending, grid_operand, fn="jqt.pack"):
+def check(qparams, params_t, argnums, fn):
+    """:func:`start` and :func:`finish` for every quantized weight of ``params_t`` (one
+    pytree per weight argument), as ``fn`` (``jqt.gptq``, which re-rounds the weights on
+    the calibrated grids) reads them."""
+    pending, leaf_of = [], {}
+    for key, p, leaf in _weights(qparams, params_t, argnums):
+        leaf_of[id(p)] = leaf
+        pending.append(start(key, p, p.source, *_grid_operand(p, leaf)))
+    finish(pending, lambda p, src: _grid_operand(p, leaf_of[id(p)]), fn, fix="re-calibrate with them (jqt.calibrate(f, recipe, params, batches)) and run "
+           f"{fn} with those qparams.")
+
+
+_PACK_FIX = ("re-calibrate with them (jqt.calibrate(f, recipe, params, batches)), or pass "
+             "jqt.pack(..., clip=True) to pack them as they are (e.g. weights fine-tuned with these "
+             "qparams through the simulated path, which clips them the same way).")
+
+
+def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     """Raises :class:`QParamsMismatchError` for the first weight of ``pending`` (from
-    :func:`start`) that reaches further than its calibration allows; ``grid_operand(p,
-    src)`` gives its weight again, for the message."""
+    :func:`start`) that reaches further than its calibration allows, or less than
+    :data:`SHRUNK` of the way its calibrated weight did; ``grid_operand(p, src)`` gives its
+    weight again, for the message."""
     pending = [c for c in pending if c is not None]
     if not pending:
         return
     values = jax.device_get([c[-1] for c in pending])  # one transfer for every weight
-    bad = []
+    bad, small = [], []
     for c, r in zip(pending, values):
         cal = c[1].source.calibrated_reach[0]
         if float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
+        elif float(r) < cal * SHRUNK:
+            small.append((c, float(r), cal))
+    if small and not bad:
+        (key, p, src, _), r, cal = small[0]
+        raise QParamsMismatchError(
+            f"{fn}: op '{key}': weight '{src.path}' reaches only {r:.3g}x the edge of the grid its "
+            f"qparams were calibrated for ({p.operand(p.weight_operand).qtype.describe()}), where "
+            f"the weights they were calibrated with reached {cal:.3g}x: its codes would span "
+            f"{r / cal:.2g} of the range theirs did, most of them a few codes near zero. They are "
+            "not the params the qparams were calibrated with (another checkpoint, weights "
+            "rescaled?): " + fix + _also(small, "reach as little of theirs"))
     if not bad:
         return
     (key, p, src, _), r, cal = bad[0]
@@ -204,16 +257,17 @@ def finish(pending, grid_operand, fn="jqt.pack"):
     was = "not clipped" if cal <= 1 else "clipped on purpose by the weight calibrator"
     moved = " (of the weight as the op's smoothing or rotation transforms it)" \
         if p.smooth is not None or p.rotate else ""
-    others = [c[0][0] for c in bad[1:]]
-    also = (f" Ops {others[:5]}{' ...' if len(others) > 5 else ''} do not fit theirs either."
-            if others else "")
     raise QParamsMismatchError(
         f"{fn}: op '{key}': weight '{src.path}' does not fit the grid its qparams were calibrated "
         f"for ({q.qtype.describe()}): an element{moved} of {value:.4g} lies {ratio:.3g}x as far out as "
         f"its scale's end of the grid, {end:.4g}, and would be clipped to it. The weights the "
         f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts "
         f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "
-        "with (another checkpoint, weights trained further or rescaled?): re-calibrate with them "
-        "(jqt.calibrate(f, recipe, params, batches)), or pass jqt.pack(..., clip=True) to clip "
-        "them on purpose (e.g. weights fine-tuned with these qparams through the simulated path, "
-        "which clips them the same way)." + also)
+        "with (another checkpoint, weights trained further or rescaled?): " + fix
+        + _also(bad, "do not fit theirs either"))
+
+
+def _also(found, what):
+    """The message's last sentence: the other ops ``found`` (after the first)."""
+    others = [c[0][0] for c in found[1:]]
+    return f" Ops {others[:5]}{' ...' if len(others) > 5 else ''} {what}." if others else ""

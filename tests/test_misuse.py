@@ -1,0 +1,161 @@
+"""Mistakes a user makes with the tools, each answered by an error (or warning) that names
+the tool, the argument and the fix, where it was silent or a deep traceback before.
+
+The silent ones: ``jqt.gptq`` re-rounded weights that outgrew their calibration on its
+grid (clipped, and ``pack`` could no longer tell) and took NaN batches; ``jqt.pack``
+packed weights far smaller than the calibrated ones (most codes near zero) and, given
+another ``argnum``, returned nothing packed with a misleading warning; ``calibrate`` of a
+function without quantizable ops returned ``{}`` without a word. The rest were internal
+errors (``range() arg 3 must not be zero``, ``'list' object has no attribute 'shape'``,
+``f() takes 2 positional arguments but 5 were given``, ...)."""
+import gc
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jqt
+from jqt._src.serialization import FormatError
+
+
+def f(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (32, 32)) * 0.3, "w2": jax.random.normal(k[1], (32, 8)) * 0.3}
+    batches = [(jax.random.normal(k[2], (16, 32)),)]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+    return p, batches, qp
+
+
+def test_gptq_refuses_weights_that_do_not_fit_their_grids(setup):
+    p, batches, qp = setup
+    jqt.gptq(f, qp, p, batches, progress=False)  # the calibrated weights: fine
+    with pytest.raises(jqt.QParamsMismatchError, match=r"^jqt.gptq: op 'w1': .*would be clipped.*"
+                       r"re-calibrate with them .* and run jqt.gptq with those qparams"):
+        jqt.gptq(f, qp, {**p, "w1": p["w1"] * 10}, batches, progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"^jqt.gptq: op 'w2': weight 'w2' reaches only 0.01"):
+        jqt.gptq(f, qp, {**p, "w2": p["w2"] * 0.01}, batches, progress=False)
+
+
+def test_gptq_checks_its_batches_and_options(setup):
+    p, batches, qp = setup
+    x = batches[0][0]
+    bad = [([(x.at[0, 0].set(jnp.nan),)], {}, "jqt.gptq: batch 0, argument \\[0\\] holds 1 NaN"),
+           ([x], {}, "jqt.gptq: batch 0 is an array of shape \\(16, 32\\)"),
+           (x, {}, "jqt.gptq: batches is an array of shape \\(16, 32\\), whose items are not batches"),
+           (batches, {"block_size": 0}, "jqt.gptq: block_size=0; expected a positive int"),
+           (batches, {"damp": -5.0}, "jqt.gptq: damp=-5.0; expected a finite number >= 0")]
+    for b, kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            jqt.gptq(f, qp, p, b, progress=False, **kw)
+
+
+def test_pack_refuses_weights_far_smaller_than_the_calibrated_ones(setup):
+    p, _, qp = setup
+    jqt.pack(qp, {**p, "w1": p["w1"] * 0.3})  # within a quarter: trained further, packed
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"jqt.pack: op 'w1': weight 'w1' reaches only 0.0\d+x .* clip=True"):
+        jqt.pack(qp, {**p, "w1": p["w1"] * 0.01})
+    jqt.pack(qp, {**p, "w1": p["w1"] * 0.01}, clip=True)  # on purpose
+
+
+def test_pack_of_another_argument_names_the_one_calibrated(setup):
+    p, _, qp = setup
+    with pytest.raises(ValueError, match=r"jqt.pack\(argnum=1\): .* from argument\(s\) \[0\] .* Pass argnum=0"):
+        jqt.pack(qp, p, argnum=1)
+    g = lambda a, b, x: (x @ a["w"]) @ b["w"]
+    pa, pb = {"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}
+    qp2 = jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), [(jnp.ones((2, 4)),)], weight_argnums=(0, 1),
+                        progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each argument packed on its own, without a word
+        packs = jqt.pack(qp2, pa, argnum=0), jqt.pack(qp2, pb, argnum=1)
+    assert [list(k.weights) for k in packs] == [["a/w"], ["b/w"]]
+
+
+def test_a_function_without_ops_to_quantize_is_said(setup):
+    _, batches, _ = setup
+    with pytest.warns(UserWarning, match="jqt.calibrate: f has no op that jqt quantizes"):
+        assert jqt.calibrate(lambda p, x: x * p["s"], jqt.recipes.w8a8(), {"s": jnp.ones(32)},
+                             batches, progress=False) == {}
+
+
+def test_batches_of_the_wrong_form_name_the_fix(setup):
+    p, batches, qp = setup
+    x = batches[0][0]
+    with pytest.raises(jqt.CalibrationDataError, match="batches is an array of shape \\(16, 32\\)"):
+        jqt.calibrate(f, jqt.recipes.w8(), p, x, progress=False)
+    with pytest.raises(jqt.CalibrationDataError, match="batches is a dict"):
+        jqt.calibrate(f, jqt.recipes.w8(), p, {"x": x}, progress=False)
+    with pytest.raises(TypeError, match=r"jqt: f was called with 5 positional arguments.*too many"
+                       r".*batches = \[\(x,\) for x in xs\]"):
+        jqt.report(f, qp, p, [x[:4]] * 4)
+    with pytest.raises(jqt.CalibrationDataError, match="jqt.report: batch 0, argument \\[0\\] is empty"):
+        jqt.report(f, qp, p, (x[:0],))
+    for params in ({"w": 1}, (p, p, p)):
+        with pytest.raises(TypeError, match=r"jqt.calibrate: weight_argnums=\(0, 1\) names 2 weight"):
+            jqt.calibrate(f, jqt.recipes.w8(), params, batches, weight_argnums=(0, 1), progress=False)
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions") as e:
+        jqt.calibrate(f, jqt.recipes.w8(), p, [(x,), (x[:, :8],)], progress=False)
+    if hasattr(e.value, "add_note"):  # an error inside f says which batch raised it (3.11+)
+        assert "raised while running f on batch 1" in "".join(e.value.__notes__), e.value.__notes__
+
+
+def test_tools_name_their_bad_arguments(setup):
+    p, batches, qp = setup
+    metric = lambda g: float(jnp.mean(g(p, batches[0][0])))
+    cases = [
+        (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=-1.0),
+         ValueError, "jqt.fallback: max_drop=-1.0; expected a finite number >= 0"),
+        (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1,
+                              to=jqt.recipes.w8a16()),
+         TypeError, r"jqt.fallback: to= is a Recipe .*jqt.recipes.w8a16\(\).rules\[0\]"),
+        (lambda: jqt.sensitivity(f, qp, 0.5), TypeError, "jqt.sensitivity: metric is a float"),
+        (lambda: jqt.sensitivity(f, qp, lambda g, x: 0.0), TypeError,
+         r"jqt.sensitivity: metric cannot be called as metric\(g\)"),
+        (lambda: jqt.sensitivity(f, qp, lambda g: g(p, batches[0][0])), TypeError,
+         r"jqt.sensitivity: metric returned an array of shape \(16, 8\)"),
+        (lambda: jqt.sensitivity(f, qp, lambda g: None), TypeError, "jqt.sensitivity: metric returned None"),
+        (lambda: jqt.calibrate(f, jqt.recipes.w8(), p, batches, mesh=jax.devices(), progress=False),
+         TypeError, "jqt.calibrate: mesh is a list; pass a jax.sharding.Mesh"),
+        (lambda: jqt.packed_shardings(qp, jqt.pack(qp, p), jax.devices()), TypeError,
+         "jqt.packed_shardings: mesh is a list"),
+        (lambda: jqt.packed_shardings(qp, jqt.pack(qp, p), jax.make_mesh((1,), ("model",)),
+                                      ops=[("w1[", "in")]),
+         ValueError, r"jqt.packed_shardings: ops rule \('w1\[', 'in'\): its first item must be a regular"),
+        (lambda: jqt.quantize(f, qp, policy="gpu"), TypeError,
+         r"jqt.quantize: policy is a str .*jqt.KernelPolicy.for_backend\('gpu'\)"),
+        (lambda: jqt.pack(qp, p, policy="cpu"), TypeError, "jqt.pack: policy is a str"),
+        (lambda: jqt.calibrators.WeightMSE(candidates=0), ValueError, r"WeightMSE\(candidates=0\)"),
+        (lambda: jqt.calibrators.WeightMSE(min_ratio=5.0), ValueError, r"WeightMSE\(min_ratio=5.0\)"),
+    ]
+    for call, kind, msg in cases:
+        with pytest.raises(kind, match=msg):
+            call()
+
+
+def test_files_name_the_path_and_the_fix(setup, tmp_path):
+    _, _, qp = setup
+    with pytest.raises(FileNotFoundError, match=r"jqt.load: .*nope.safetensors does not exist"):
+        jqt.load(tmp_path / "nope.safetensors")
+    with pytest.raises(IsADirectoryError, match=r"jqt.load_packed: .* is a folder"):
+        jqt.load_packed(tmp_path)
+    with pytest.raises(TypeError, match=r"jqt.load_packed: device='cpu' is a name"):
+        jqt.load_packed(tmp_path / "x.safetensors", device="cpu")
+    with pytest.raises(TypeError, match=r"jqt.save: path is a dict; call jqt.save\(path, qparams\)"):
+        jqt.save(qp, tmp_path / "qp.safetensors")
+    with pytest.raises(TypeError, match="jqt.save: qparams hold traced values"):
+        jax.jit(lambda q: jqt.save(tmp_path / "qp.safetensors", q))(qp)
+    (tmp_path / "m.pt").write_bytes(b"PK\x03\x04" + bytes(100))  # a zip that is no .npz
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(FormatError, match="not a readable .npz archive"):
+            jqt.load(tmp_path / "m.pt")
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught

@@ -135,6 +135,23 @@ def test_awq_search_matches_numpy_reference():
     assert _rel_err(jqt.quantize(f, qp), p, batches) < _rel_err(jqt.quantize(f, plain), p, batches)
 
 
+def test_awq_keeps_inputs_silent_in_calibration_unscaled():
+    """An input that was 0 on every calibration row got s = 1e-4 before normalization (the
+    other inputs' s about 100 after it): its weights were shrunk to nothing within their
+    group, and data that reached it later lost them. It keeps s = 1 now, as SmoothQuant's
+    does."""
+    p, batches = _data()
+    silent = np.arange(64) % 5 == 0
+    cal = [(b[0] * jnp.asarray(~silent, jnp.float32),) for b in batches]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True), p, cal, progress=False)
+    s = np.asarray(qp["w"].smooth).ravel()
+    np.testing.assert_array_equal(s[silent], 1.0)
+    plain = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, cal, progress=False)
+    # the mix of inputs AWQ was calibrated on (the silent ones seen at their usual scale)
+    err = lambda qp: _rel_err(jqt.quantize(f, qp, simulate=True), p, batches)
+    assert err(qp) < 1.5 * err(plain), (err(qp), err(plain))
+
+
 # ---- GPTQ ----------------------------------------------------------------------------------------
 
 def _gptq_reference(w, s, x, damp=0.01, bits=4):
@@ -284,6 +301,26 @@ def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
     assert y_sim.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(qf(p, x), np.float32), np.asarray(y_sim, np.float32),
                                rtol=0.02, atol=0.02 * float(jnp.abs(y_sim).max()))
+
+
+def test_gptq_says_when_a_bfloat16_cast_moves_the_codes_it_chose():
+    """GPTQ re-rounds in float32 and returns the params' dtype. Under a rotation, the
+    bfloat16 cast's rounding spreads over every element of the rotated weight, and fp8's
+    fine steps near zero took other codes (about 2.5% of them), which jqt.pack then
+    stored, without a word, where the docstring said it stores GPTQ's exactly. It warns
+    now, with the fix (float32 params), which keeps them."""
+    p, batches = _data(seed=3, k=64, n=64, batches=2)
+    qp = jqt.calibrate(f, jqt.recipes.fp8(rotate=True), p, batches, progress=False)
+    with pytest.warns(UserWarning, match=r"jqt.gptq: op 'w': \d+ of 4096 codes GPTQ chose change when "
+                      r"its result is cast back to the weight's bfloat16 \(the op's rotation"):
+        out = jqt.gptq(f, qp, {"w": p["w"].astype(jnp.bfloat16)}, batches, progress=False)
+    assert out["w"].dtype == jnp.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = jqt.gptq(f, qp, p, batches, progress=False)  # float32: GPTQ's codes, packed exactly
+    pk = jqt.pack(qp, exact)
+    x = batches[0][0]
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(pk, x), jqt.quantize(f, qp)(exact, x))
 
 
 def test_an_odd_contraction_says_that_it_is_not_rotated():

@@ -241,7 +241,21 @@ def _rerounded(site, qp, leaf, h, n, opts):
     back = jnp.transpose(back.reshape(tuple(wt.shape[d] for d in perm)), tuple(np.argsort(perm)))
     delta = transforms.unweight(back, qp.smooth, qp.rotate, contract, depth) - w0
     (dleaf,) = jax.linear_transpose(chain, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
-    return (jnp.asarray(leaf, _F32) + dleaf).astype(jnp.result_type(leaf))
+    exact = jnp.asarray(leaf, _F32) + dleaf
+    result = exact.astype(jnp.result_type(leaf))
+    if result.dtype != _F32:  # the cast may move values off the grid GPTQ rounded them onto
+        grid = lambda a: quantize_rows(transforms.weight(chain(a).astype(_F32), qp.smooth, qp.rotate,
+                                                         contract, depth), s, z, q.qtype)
+        moved = int(jnp.sum(grid(result) != grid(exact)))
+        if moved:
+            why = (" (the op's rotation or smoothing spreads the cast's rounding over every element)"
+                   if qp.rotate or qp.smooth is not None else "")
+            warnings.warn(f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ chose change "
+                          f"when its result is cast back to the weight's {result.dtype}{why}, and "
+                          f"jqt.pack stores the codes of the {result.dtype} weight. To keep GPTQ's codes, "
+                          "pass the params as float32 (jax.tree.map(lambda a: a.astype(jnp.float32), "
+                          "params)) to jqt.gptq and jqt.pack.", stacklevel=3)
+    return result
 
 
 def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128,
@@ -263,7 +277,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
 
     Returns:
       ``params`` with the same structure, each re-rounded weight's values on its
-      quantization grid: ``jqt.pack(qparams, result)`` stores them exactly.
+      quantization grid: ``jqt.pack(qparams, result)`` stores them exactly. (Params
+      of a narrower float dtype get GPTQ's float32 result cast back to it; where the cast
+      moves codes, under a rotation most of all, a warning says how many and that float32
+      params keep them.)
 
     The weights must be those ``qparams`` were calibrated with: GPTQ rounds on the
     calibrated grids, so weights that outgrew them (or shrank to a quarter of their reach)

@@ -8,6 +8,8 @@ another ``argnum``, returned nothing packed with a misleading warning; ``calibra
 function without quantizable ops returned ``{}`` without a word. The rest were internal
 errors (``range() arg 3 must not be zero``, ``'list' object has no attribute 'shape'``,
 ``f() takes 2 positional arguments but 5 were given``, ...)."""
+import dataclasses
+import functools
 import gc
 import warnings
 
@@ -63,12 +65,34 @@ def test_pack_refuses_weights_far_smaller_than_the_calibrated_ones(setup):
                        match=r"jqt.pack: op 'w1': weight 'w1' reaches only 0.0\d+x .* clip=True"):
         jqt.pack(qp, {**p, "w1": p["w1"] * 0.01})
     jqt.pack(qp, {**p, "w1": p["w1"] * 0.01}, clip=True)  # on purpose
+    jqt.pack(qp, {**p, "w1": jnp.zeros_like(p["w1"])})  # pruned to zeros: packed exactly
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreeSigma(jqt.calibrators.WeightCalibrator):  # clips the outlier on purpose
+    def range(self, w, axes, qtype):
+        s = 3 * jnp.std(w, axis=axes, keepdims=axes is not None)
+        return -s, s
+
+
+def test_gptq_results_pack_where_the_calibrator_clipped_far_on_purpose():
+    """A calibrator that clips a 20-sigma outlier records a reach near 4; GPTQ's result lies
+    on the grid (reach 1), which is not a shrunk weight."""
+    w = jax.random.normal(jax.random.key(1), (256, 16)).at[3, 5].set(20.0)
+    x = [(jax.random.normal(jax.random.key(2), (32, 256)),)]
+    g = lambda w, x: x @ w
+    qp = jqt.calibrate(g, jqt.recipes.w8(weight_calibrator=_ThreeSigma()), w, x, progress=False)
+    assert qp["w"].source.calibrated_reach[0] > 4
+    wq = jqt.gptq(g, qp, w, x, progress=False)
+    jqt.pack(qp, wq)
+    jqt.gptq(g, qp, wq, x, progress=False)
 
 
 def test_pack_of_another_argument_names_the_one_calibrated(setup):
     p, _, qp = setup
-    with pytest.raises(ValueError, match=r"jqt.pack\(argnum=1\): .* from argument\(s\) \[0\] .* Pass argnum=0"):
-        jqt.pack(qp, p, argnum=1)
+    with pytest.warns(UserWarning, match=r"jqt.pack\(argnum=1\): no quantized op reads .* argument\(s\) "
+                      r"\[0\] .* nothing is packed .* Pass argnum=0"):
+        assert not jqt.pack(qp, p, argnum=1).weights
     g = lambda a, b, x: (x @ a["w"]) @ b["w"]
     pa, pb = {"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}
     qp2 = jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), [(jnp.ones((2, 4)),)], weight_argnums=(0, 1),
@@ -110,6 +134,13 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
 def test_tools_name_their_bad_arguments(setup):
     p, batches, qp = setup
     metric = lambda g: float(jnp.mean(g(p, batches[0][0])))
+    mesh = jax.make_mesh((1,), ("model",))
+    packed = jqt.pack(qp, p)
+    jqt.packed_shardings(qp, packed, mesh.abstract_mesh)  # an abstract mesh is a mesh
+    rep = jqt.packed_shardings(qp, packed, mesh, ops=((k, None) for k in ["w1"]))[1]
+    assert rep.weights["w1"].values.spec == jax.sharding.PartitionSpec()  # a generator is read once
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=jnp.float32(1.0))
+    assert res.met  # a JAX scalar is a number
     cases = [
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=-1.0),
          ValueError, "jqt.fallback: max_drop=-1.0; expected a finite number >= 0"),
@@ -159,3 +190,20 @@ def test_files_name_the_path_and_the_fix(setup, tmp_path):
             jqt.load(tmp_path / "m.pt")
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+
+
+def test_a_type_error_inside_a_decorated_f_is_its_own():
+    """A decorator that binds an argument (functools.wraps names the inner signature, which
+    does not take the call's arguments): a TypeError raised inside f stays f's."""
+    def bind_cfg(g):
+        @functools.wraps(g)
+        def inner(p, x):
+            return g({"dtype": "not-a-dtype"}, p, x)
+        return inner
+
+    @bind_cfg
+    def h(cfg, p, x):
+        return (x @ p["w"]).astype(cfg["dtype"])
+
+    with pytest.raises(TypeError, match="not-a-dtype"):
+        jqt.calibrate(h, jqt.recipes.w8(), {"w": jnp.ones((4, 2))}, [(jnp.ones((2, 4)),)], progress=False)

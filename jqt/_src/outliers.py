@@ -94,14 +94,9 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     """A jitted ``(w, hessian, mean_abs) -> s`` for one layer."""
 
     def one(w, h, mean_abs):
-        seen = mean_abs > 0  # an input that was 0 on every row keeps s = 1, as in smoothquant:
-        # its weights are not shrunk to nothing for data that reaches it later
-
         def err(a):
-            s = jnp.where(seen, jnp.maximum(mean_abs ** a, 1e-4), 1.0)
-            hi = jnp.max(jnp.where(seen, s, 0.0))
-            lo = jnp.min(jnp.where(seen, s, jnp.inf))
-            s = jnp.where(seen, s / jnp.where(hi > 0, jnp.sqrt(hi * lo), 1.0), 1.0)
+            s = jnp.maximum(mean_abs ** a, 1e-4)
+            s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
             w2 = transforms.weight(w, s, rotated, contract)
             d = transforms.rows(quantized_weight(w2, contract, qtype, calibrator, gaxis) - w2, contract)
             sv = transforms.rows(s, contract)  # (1, K) in pair order

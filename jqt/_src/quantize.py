@@ -246,7 +246,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     clips on purpose, e.g. ``WeightMSE``) raises :class:`jqt.QParamsMismatchError`
     naming the op, the element and the grid's end: params other than the calibrated
     ones (another checkpoint, weights trained further or rescaled). So does a weight that
-    reaches less than a quarter as far as the calibrated one (two bits of every code
+    reaches less than a quarter as far as the calibrated one (or as the grid's edge, where
+    the calibrator clipped it on purpose) and is not all zeros (two bits of every code
     lost: a unit mix-up, another checkpoint). Re-calibrate with them, or pass
     ``clip=True`` to pack them as they are (clipped). Not checked (packed as given):
     qparams whose scales, zero points or smoothing changed since calibration or that
@@ -330,12 +331,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         leaf_of[key] = src.leaf
         if src.float_needed:
             needed.add(src.leaf)
-    if other_args and not weights:
-        raise ValueError(
-            f"jqt.pack(argnum={argnum}): the qparams' ops read their weights from argument(s) "
-            f"{sorted(other_args)} of f (the weight_argnums they were calibrated with), none from "
-            f"argument {argnum}. Pass argnum={min(other_args)}, once per weight argument where "
-            "there are several.")
+    if other_args and not weights and not unpackable:  # a weight argument without quantized
+        # ops (norm gains) packs to itself; argnum given by mistake is said
+        warnings.warn(
+            f"jqt.pack(argnum={argnum}): no quantized op reads a weight of argument {argnum} of f; "
+            f"the qparams' ops read argument(s) {sorted(other_args)} (the weight_argnums they were "
+            f"calibrated with), so nothing is packed and params are returned as they are. Pass "
+            f"argnum={min(other_args)} to pack those.", stacklevel=2)
     _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
         src, p, apply_chain(flat[src.leaf], src.chain)))

@@ -106,7 +106,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     if not isinstance(packed, PackedParams):
         raise TypeError(f"jqt.packed_shardings: packed is a {type(packed).__name__}; expected the "
                         "jqt.PackedParams returned by jqt.pack or jqt.load_packed.")
-    validate.check_mesh(mesh, "jqt.packed_shardings")
+    validate.check_mesh(mesh, "jqt.packed_shardings", abstract=True)
+    ops, leaves = tuple(ops), tuple(leaves)  # read twice: checked here, matched below
     for name, rules in (("ops", ops), ("leaves", leaves)):
         for rule in rules:
             try:

@@ -172,13 +172,17 @@ def normalize_argnums(weight_argnums) -> tuple[int, ...]:
 def _unbound(f, n):
     """Why ``f``'s signature does not take ``n`` positional arguments, or ``None`` (it
     takes them, or it has no signature to read)."""
-    try:
-        inspect.signature(f).bind(*range(n))
-    except TypeError as e:
-        return str(e)
-    except ValueError:
-        return None
-    return None
+    why = None
+    for follow in (True, False):  # a decorator's functools.wraps may name the inner signature
+        try:
+            inspect.signature(f, follow_wrapped=follow).bind(*range(n))
+        except TypeError as e:
+            why = why or str(e)
+        except ValueError:
+            return None
+        else:
+            return None
+    return why
 
 
 def _arg_names(f, n):

@@ -54,6 +54,11 @@ def _value(metric, g, fn, what):
     is not one finite-or-infinite number."""
     v = metric(g)
     a = None if v is None or isinstance(v, (str, bytes)) else np.asarray(v)
+    if a is not None and a.dtype == object and a.ndim == 0:  # a fractions.Fraction, a Decimal
+        try:
+            a = np.asarray(float(v))
+        except (TypeError, ValueError):
+            pass
     if a is None or a.size != 1 or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
         got = (f"an array of shape {a.shape} and dtype {a.dtype}" if a is not None and a.ndim
                else repr(v)[:40])
@@ -281,8 +286,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
-    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float, np.number)) \
-            or not math.isfinite(max_drop) or max_drop < 0:
+    drop = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None
+    if drop is None or drop.size != 1 or not np.issubdtype(drop.dtype, np.number) \
+            or not math.isfinite(float(drop.reshape(()))) or float(drop.reshape(())) < 0:
         raise ValueError(f"jqt.fallback: max_drop={max_drop!r}; expected a finite number >= 0, the "
                          "largest drop of the metric from float's allowed (in the metric's units, "
                          "e.g. 0.005 for half a point of accuracy).")

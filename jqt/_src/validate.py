@@ -264,10 +264,11 @@ def weight_args(params, argnums, fn: str) -> tuple:
     return params_t
 
 
-def check_mesh(mesh, fn: str):
+def check_mesh(mesh, fn: str, abstract: bool = False):
     """Raises ``TypeError`` where ``mesh`` is not a ``jax.sharding.Mesh`` (a list of
-    devices, a device)."""
-    if not isinstance(mesh, jax.sharding.Mesh):
+    devices, a device); with ``abstract``, a ``jax.sharding.AbstractMesh`` is taken too."""
+    kinds = (jax.sharding.Mesh, jax.sharding.AbstractMesh) if abstract else jax.sharding.Mesh
+    if not isinstance(mesh, kinds):
         raise TypeError(f"{fn}: mesh is a {type(mesh).__name__}; pass a jax.sharding.Mesh, e.g. "
                         "jax.sharding.Mesh(np.array(jax.devices()), ('data',)) for calibrate or "
                         "('model',) for packed_shardings.")

@@ -19,7 +19,8 @@ rounds most of its elements to a few codes near zero.
 * :func:`start` / :func:`finish` (``jqt.pack``; :func:`check` for ``jqt.gptq``): where
   the digest still matches (the qparams as calibrated), a weight whose reach exceeds
   ``max(calibrated reach, 1)`` by more than :data:`TOLERANCE`, or is under :data:`SHRUNK`
-  of the calibrated reach, raises :class:`QParamsMismatchError` naming the op.
+  of ``min(calibrated reach, 1)`` (and not 0: zeros pack exactly), raises
+  :class:`QParamsMismatchError` naming the op.
 
 Not checked: qparams whose scales, zero points or smoothing changed since calibration
 (fine-tuned by QAT, edited), qparams after :func:`jqt.qat.project` (which marks them as
@@ -238,7 +239,7 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
         cal = c[1].source.calibrated_reach[0]
         if float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
-        elif float(r) < cal * SHRUNK:
+        elif 0 < float(r) < min(cal, 1.0) * SHRUNK:  # zeros (a pruned weight) pack exactly
             small.append((c, float(r), cal))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]

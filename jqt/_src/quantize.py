@@ -336,7 +336,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         warnings.warn(
             f"jqt.pack(argnum={argnum}): no quantized op reads a weight of argument {argnum} of f; "
             f"the qparams' ops read argument(s) {sorted(other_args)} (the weight_argnums they were "
-            f"calibrated with), so nothing is packed and params are returned as they are. Pass "
+            f"calibrated with), so nothing is packed: every leaf is kept as it is. Pass "
             f"argnum={min(other_args)} to pack those.", stacklevel=2)
     _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(

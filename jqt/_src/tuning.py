@@ -286,9 +286,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
-    drop = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None
-    if drop is None or drop.size != 1 or not np.issubdtype(drop.dtype, np.number) \
-            or not math.isfinite(float(drop.reshape(()))) or float(drop.reshape(())) < 0:
+    budget = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None
+    if budget is None or budget.size != 1 or not np.issubdtype(budget.dtype, np.number) \
+            or not math.isfinite(float(budget.reshape(()))) or float(budget.reshape(())) < 0:
         raise ValueError(f"jqt.fallback: max_drop={max_drop!r}; expected a finite number >= 0, the "
                          "largest drop of the metric from float's allowed (in the metric's units, "
                          "e.g. 0.005 for half a point of accuracy).")

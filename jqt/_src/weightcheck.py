@@ -54,10 +54,11 @@ refuses it: 1%, above float rounding and a cast to bfloat16 (0.4%), far below th
 factor of a rescaled or retrained weight."""
 
 SHRUNK = 0.25
-"""How little of its calibrated reach a packed weight may reach before ``jqt.pack``
-refuses it: a quarter, two bits of precision lost on every element (half of an int4
-grid's). Weights that shrank less (trained further with weight decay) pack as given; a
-weight rescaled by another checkpoint or a unit mix-up (0.01x) is refused."""
+"""How little of ``min(calibrated reach, 1)`` (the part of the grid the calibrated codes
+span) a packed weight may reach before ``jqt.pack`` refuses it: a quarter, two bits of
+precision lost on every element (half of an int4 grid's). Weights that shrank less
+(trained further with weight decay) pack as given; a weight rescaled by another checkpoint
+or a unit mix-up (0.01x) is refused."""
 
 _F32 = jnp.float32
 
@@ -216,8 +217,9 @@ def check(qparams, params_t, argnums, fn):
     for key, p, leaf in _weights(qparams, params_t, argnums):
         leaf_of[id(p)] = leaf
         pending.append(start(key, p, p.source, *_grid_operand(p, leaf)))
-    finish(pending, lambda p, src: _grid_operand(p, leaf_of[id(p)]), fn, fix="re-calibrate with them (jqt.calibrate(f, recipe, params, batches)) and run "
-           f"{fn} with those qparams.")
+    fix = (f"re-calibrate with them (jqt.calibrate(f, recipe, params, batches)) and run {fn} "
+           "with those qparams.")
+    finish(pending, lambda p, src: _grid_operand(p, leaf_of[id(p)]), fn, fix=fix)
 
 
 _PACK_FIX = ("re-calibrate with them (jqt.calibrate(f, recipe, params, batches)), or pass "
@@ -228,8 +230,8 @@ _PACK_FIX = ("re-calibrate with them (jqt.calibrate(f, recipe, params, batches))
 def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     """Raises :class:`QParamsMismatchError` for the first weight of ``pending`` (from
     :func:`start`) that reaches further than its calibration allows, or less than
-    :data:`SHRUNK` of the way its calibrated weight did; ``grid_operand(p, src)`` gives its
-    weight again, for the message."""
+    :data:`SHRUNK` of the part of the grid its calibrated weight's codes spanned;
+    ``grid_operand(p, src)`` gives its weight again, for the message."""
     pending = [c for c in pending if c is not None]
     if not pending:
         return
@@ -247,7 +249,7 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"{fn}: op '{key}': weight '{src.path}' reaches only {r:.3g}x the edge of the grid its "
             f"qparams were calibrated for ({p.operand(p.weight_operand).qtype.describe()}), where "
             f"the weights they were calibrated with reached {cal:.3g}x: its codes would span "
-            f"{r / cal:.2g} of the range theirs did, most of them a few codes near zero. They are "
+            f"{r / min(cal, 1.0):.2g} of the range theirs did, most of them a few codes near zero. They are "
             "not the params the qparams were calibrated with (another checkpoint, weights "
             "rescaled?): " + fix + _also(small, "reach as little of theirs"))
     if not bad:

@@ -112,7 +112,9 @@ FORMULATIONS = {
                   "int8 matmul per group, weights up to 3 MiB decoded whole (nk)": _p(grouped_int_rows=0,
                                                                                        native_gemv_rows=0),
                   "int8 matmul per group, weights up to 3 MiB decoded whole (kn)": _p(native_gemv_rows=0),
-                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True, native_gemv_rows=0)},
+                  "batched group matmul (kn)": _p(gemv_rows=4, batched_groups=True, native_gemv_rows=0),
+                  "codes upcast, K-chunks and weights up to 3 MiB whole as w4 (kn)": _p(
+                      grouped_int_min_group=256, native_gemv_rows=0)},
 }
 # decode: A/B rows timed beside the table's (the same preset under another policy)
 _NO_NATIVE = ("XLA formulations, no native kernel (native_gemv_rows=0)", _p(native_gemv_rows=0))

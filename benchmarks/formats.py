@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide
+    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
@@ -42,6 +42,14 @@ Part 4 (``wide``, only when asked for: ``--only wide``): weight-only ``w8`` and
 4096 x 11008 projection, a 1024 x 8192 weight) at 8, 32, 128 and 256 rows, with a
 quarter of the rounds (at least 9).
 
+Part 5 (``groups``, only when asked for: ``--only groups``): ``w4a8`` at groups of 32,
+64 and 128 on the dense 4096 layer at 1, 2, 4, 8 and 16 rows, each under the backend's
+policy and under its other choice of ``KernelPolicy.grouped_int_min_group``: one int8
+matmul per group (``=0``) where the table upcasts the codes for a float matmul, and the
+reverse (``=2 * group size``), with each variant's compile time. Run it with ``JQT_NATIVE=0`` for the XLA
+formulations (jqt's native kernels take 1-8 rows on an AVX2 CPU), which other CPUs,
+``jax.export`` artifacts and SPMD programs run.
+
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
 from __future__ import annotations
@@ -52,6 +60,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -314,6 +323,49 @@ def experts(rounds, markdown, results):
           markdown)
 
 
+GROUP_SIZES = (32, 64, 128)
+
+
+def groups(rounds, markdown, results):
+    """w4a8 at groups of :data:`GROUP_SIZES` on the dense 4096 layer, each under the
+    backend's policy and under the other choice of ``grouped_int_min_group`` (int8 matmuls
+    per group where the table upcasts the codes, and the reverse): median ms per row
+    count, and compile times."""
+    n = 4096
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
+    cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
+    f = lambda w, x: x @ w
+    base = jqt.KernelPolicy.for_backend()
+    fns, packs = {"float32": jax.jit(f)}, {"float32": w}
+    for g in GROUP_SIZES:
+        qp = jqt.calibrate(f, R.w4a8(group_size=g), w, cal, progress=False)
+        other = 0 if g < base.grouped_int_min_group else 2 * g  # the table's other choice
+        for label, pol in ((f"w4a8 g{g}", base), (f"w4a8 g{g} [grouped_int_min_group={other}]",
+                                                 dataclasses.replace(base, grouped_int_min_group=other))):
+            fns[label] = jax.jit(jqt.quantize(f, qp, policy=pol))
+            packs[label] = jqt.pack(qp, w, policy=pol)
+    rows, compile_rows = [], []
+    for b in (1, 2, 4, 8, 16):
+        print(f"[groups] batch {b}", file=sys.stderr, flush=True)
+        x = jnp.asarray(rng.standard_normal((b, n)), jnp.float32)
+        secs = {}
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn.lower(packs[k], x).compile()
+            secs[k] = time.perf_counter() - t
+        med, cells = _timed_row(fns, packs, x, rounds)
+        results[f"groups4096 b{b}"] = {k: v * 1e3 for k, v in med.items()}
+        results[f"groups4096 b{b} compile_s"] = secs
+        rows.append(cells)
+        compile_rows.append((str(b),) + tuple(f"{secs[k]:.2f}" for k in fns))
+    print(f"w4a8 on the dense 4096 x 4096 layer by group size, median ms (ratio to float32); "
+          f"jqt native kernels: {'on' if jqt.native_status().available else 'off'}")
+    table(("rows", "float32") + tuple(k for k in fns if k != "float32"), rows, markdown)
+    print("\ncompile time, s (lower(...).compile() of each variant at that row count)")
+    table(("rows",) + tuple(fns), compile_rows, markdown)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="minilm,dense")
@@ -346,6 +398,8 @@ def main():
         experts(rounds, args.markdown, results)
     if "wide" in args.only:
         wide(max(rounds // 4, 9), args.markdown, results, ab)
+    if "groups" in args.only:
+        groups(max(rounds // 2, 9), args.markdown, results)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

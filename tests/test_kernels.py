@@ -226,7 +226,7 @@ def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
         pad_rows=2, weight_only_chunk=256, conv_patches_below=16, conv_codes_as_float=True,
         gemv_rows=4, weight_only_digits=3,
-        grouped_int_rows=8, float_matmul_rows=64, whole_decode_bytes=3 << 20,
+        grouped_int_rows=8, grouped_int_min_group=128, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         weight_only_block_bytes=4 << 20, large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
@@ -303,6 +303,32 @@ def test_grouped_weight_with_int8_activations_on_cpu():
                 out[dtype] = jax.jit(jqt.quantize(f, qp, policy=policy))(packed, x)
         np.testing.assert_allclose(out[np.float32], out[np.int8],
                                    atol=1e-5 * float(jnp.abs(out[np.int8]).max()))
+
+
+def test_small_groups_with_int8_activations_skip_matmuls_per_group_on_cpu():
+    """``grouped_int_min_group`` (128 on the CPU table): int8 activations on int4 weights
+    in groups of 32 run one float matmul on their upcast codes at every row count, a
+    symbolic one (jax.export) too, where one int8 matmul per group took 2-14x float32
+    on a 4096 layer and seconds to compile; groups of 128 keep their int8 matmuls per
+    group up to ``grouped_int_rows`` rows. Every formulation gives the simulated result."""
+    large = dataclasses.replace(CPU_XLA, whole_decode_bytes=0)  # not decoded whole for its size
+    every = dataclasses.replace(large, grouped_int_min_group=0)  # before: int8 per group at any size
+    for g, small in ((32, True), (128, False)):
+        f, p, x, qp, _ = _dense(jqt.recipes.w4a8(group_size=g), k=256, n=64, m=8)
+        sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, x)
+        for pol, int_dots in ((large, not small), (every, True)):
+            packed, q = jqt.pack(qp, p, policy=pol), jqt.quantize(f, qp, policy=pol)
+            assert packed.weights["w"].layout == "kn"
+            for rows in (1, 2, 8):
+                dots = [e.invars[0].aval.dtype for e in _eqns(jax.make_jaxpr(q)(packed, x[:rows]).jaxpr)
+                        if e.primitive.name == "dot_general"]
+                assert (jnp.int8 in dots) == int_dots, (g, pol.grouped_int_min_group, rows, dots)
+                np.testing.assert_allclose(jax.jit(q)(packed, x[:rows]), sim[:rows], rtol=0,
+                                           atol=2e-5 * float(jnp.abs(sim).max()))
+            rows, = jax.export.symbolic_shape("m")
+            lowered = jax.jit(q).trace(packed, jax.ShapeDtypeStruct((rows, 256), x.dtype)).jaxpr
+            dots = [e.invars[0].aval.dtype for e in _eqns(lowered.jaxpr) if e.primitive.name == "dot_general"]
+            assert (jnp.int8 in dots) == int_dots, (g, pol.grouped_int_min_group, "symbolic", dots)
 
 
 @pytest.mark.parametrize("rows", [pytest.param(8, marks=pytest.mark.slow), 100])  # 8: CI; N-chunks of the (N, K) weight; the whole weight

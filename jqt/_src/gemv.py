@@ -70,7 +70,7 @@ def grouped_applies(w, m: int, policy) -> bool:
     """Whether an int8-activation op with grouped int weights (``"kn"``, as
     ``policy.batched_groups`` packs them) runs one batched dot at ``m`` rows."""
     return (policy.batched_groups and not policy.grouped_float and applies(m, policy)
-            and w.layout == "kn")
+            and w.layout == "kn" and not policy.small_groups(w.qtype))
 
 
 def _k(w):

@@ -366,6 +366,22 @@ class KernelPolicy:
         a 4096 x 4096 layer at 2, 4, 8 and 16 rows (``triton_tiling_propagation.cc``
         check; ``benchmarks/gpu_compile.py``, ``benchmarks/results/gpu-h100.md``).
 
+      grouped_int_min_group: int8 activations with grouped int weights whose groups
+        are smaller than this (w4a8 g32, g64) never run int8 matmuls per group (nor
+        batched over the groups): their codes are upcast (exactly) for the weight-only
+        path at every row count, as above ``grouped_int_rows``; 0: any group size.
+        A matmul per group contracts only the group's elements and writes a whole
+        ``(M, N)`` partial sum, and the program holds one per group and nibble half.
+        On the CPU table's XLA path (what runs without jqt's native kernels: another
+        CPU, ``JQT_NATIVE=0``, a ``jax.export`` artifact), a 4096 x 4096 layer at 1-8
+        rows took 1.6-7.7x float32 at g32 and 1.1-2.8x at g64 that way in two runs,
+        against 0.73-1.03x upcast, and compiled in 4.3-5.2 s and 2.2-2.7 s against
+        0.1-0.2 s. At g128 the two tie (0.62-0.97x against 0.67-0.85x; the 100M
+        decoder's step at 1-4 rows 0.407-0.812x against 0.415-0.798x), so the table
+        keeps the matmuls per group there, which compile in 1.3-1.5 s against 0.2 s
+        (``JQT_NATIVE=0 benchmarks/formats.py --only groups``, ``benchmarks/decode.py
+        --only "formulations,w4a8 g128"``; ``benchmarks/results/formats-cpu-2core.md``).
+
       batched_groups: at few rows, int weights with group scales and int8
         activations (w4a8 g128) run all groups as one matmul batched over the
         groups (instead of one matmul per group); such weights are packed
@@ -476,6 +492,7 @@ class KernelPolicy:
     grouped_digits: int = 0
     grouped_int_rows: int = 0
     grouped_float: bool = False
+    grouped_int_min_group: int = 0
     batched_groups: bool = False
     float_matmul_rows: int = 0
     many_rows_block: int = 0
@@ -543,9 +560,22 @@ class KernelPolicy:
         if weight.kind == "float" and not self.fp8_native:
             return "kn"
         if grouped and weight.kind == "int" and (self.grouped_int_rows
-                                                  or self.gemv_rows and self.batched_groups):
+                                                  or self.gemv_rows and self.batched_groups
+                                                  or self.small_groups(weight)):
             return "kn"
         return "nk"
+
+    def small_groups(self, weight) -> bool:
+        """Whether int8 activations on the grouped int ``weight`` (a
+        :class:`jqt.QuantType`) skip int8 matmuls per group for the float matmul on
+        their upcast codes, their groups being smaller than ``grouped_int_min_group``.
+
+        >>> import jqt
+        >>> cpu = jqt.KernelPolicy.for_backend("cpu")
+        >>> [cpu.small_groups(jqt.QuantType(bits=4, group_size=g)) for g in (32, 64, 128, 0)]
+        [True, True, False, False]
+        """
+        return 0 < weight.group_size < self.grouped_int_min_group
 
     @staticmethod
     def for_backend(backend: str | None = None) -> "KernelPolicy":
@@ -602,6 +632,7 @@ POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16,
                         conv_codes_as_float=True, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
+                        grouped_int_min_group=128,
                         weight_only_block_bytes=4 << 20,
                         whole_decode_bytes=3 << 20, large_weight_bytes=32 << 20,
                         large_weight_rows=256, batched_map=True,

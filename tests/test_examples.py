@@ -110,3 +110,22 @@ def test_every_benchmark_script_imports():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FAILED []" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2,
+                    reason="the probe pins threads to CPUs 0 and 1 (Linux)")
+def test_crosscore_probe_builds_runs_and_stops(tmp_path):
+    """benchmarks/crosscore.c, the probe crosscore.py runs before each window: it builds with
+    the C compiler, prints its three medians and exits (its writer thread once spun forever
+    after the last round)."""
+    import shutil
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc})")
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import crosscore as c; "
+            f"print(json.dumps(c.probe(c.build_probe({str(tmp_path)!r}))))")  # check=True: exit 0
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out) == {"roundtrip_ns", "split_us", "one_core_us"} and min(out.values()) > 0, out

@@ -4,7 +4,8 @@
 //    of it, 16 times (median over rounds, us): what each K-chunk of an XLA:CPU decode
 //    does (a fusion split over two threads, then a dot on one);
 //  * one core: the same writes and reads on CPU 0 alone (us).
-// Usage: crosscore [rounds]; prints one JSON line. Linux only (thread affinity).
+// Usage: crosscore [rounds]; prints one JSON line. Linux only (thread affinity); exits 2
+// where it may not run threads on CPUs 0 and 1.
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -19,11 +20,14 @@ static double now(void) {
   clock_gettime(CLOCK_MONOTONIC, &t);
   return t.tv_sec * 1e9 + t.tv_nsec;
 }
-static void pin(int c) {
+static void pin(int c) {  // exits where CPU c is not this process's (taskset, a cpuset)
   cpu_set_t s;
   CPU_ZERO(&s);
   CPU_SET(c, &s);
-  pthread_setaffinity_np(pthread_self(), sizeof s, &s);
+  if (pthread_setaffinity_np(pthread_self(), sizeof s, &s) != 0) {
+    fprintf(stderr, "crosscore: cannot run a thread on CPU %d (needs CPUs 0 and 1)\n", c);
+    exit(2);
+  }
 }
 static int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;

@@ -2,8 +2,8 @@
 
     python benchmarks/crosscore.py                 # 120 s; --seconds, --rows, --markdown
 
-On the 2-core machines these benchmarks ran on, the host now and then (episodes of
-seconds) makes passing data from one vCPU to the other about 3x slower, perhaps by running
+On the 2-core machines these benchmarks ran on, the host now and then (in episodes)
+makes passing data from one vCPU to the other about 3x slower, perhaps by running
 them on cores that share no L3 (the guest cannot see which). A program that runs alone
 for a few seconds then falls wholly inside or outside an episode, which looks like a
 "slow process". It hits XLA:CPU programs in which one op writes a block that the next op

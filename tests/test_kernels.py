@@ -308,15 +308,16 @@ def test_grouped_weight_with_int8_activations_on_cpu():
 def test_small_groups_with_int8_activations_skip_matmuls_per_group_on_cpu():
     """``grouped_int_min_group`` (128 on the CPU table): int8 activations on int4 weights
     in groups of 32 run one float matmul on their upcast codes at every row count, a
-    symbolic one (jax.export) too, where one int8 matmul per group took 2-14x float32
-    on a 4096 layer and seconds to compile; groups of 128 keep their int8 matmuls per
+    symbolic one (jax.export) too, where one int8 matmul per group took 1.6-7.7x
+    float32 on a 4096 layer and 4.3-5.2 s to compile; groups of 128 keep their int8 matmuls per
     group up to ``grouped_int_rows`` rows. Every formulation gives the simulated result."""
     large = dataclasses.replace(CPU_XLA, whole_decode_bytes=0)  # not decoded whole for its size
     every = dataclasses.replace(large, grouped_int_min_group=0)  # before: int8 per group at any size
+    batched = dataclasses.replace(large, batched_groups=True)  # one int8 dot over the groups, <= 4 rows
     for g, small in ((32, True), (128, False)):
         f, p, x, qp, _ = _dense(jqt.recipes.w4a8(group_size=g), k=256, n=64, m=8)
         sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, x)
-        for pol, int_dots in ((large, not small), (every, True)):
+        for pol, int_dots in ((large, not small), (every, True), (batched, not small)):
             packed, q = jqt.pack(qp, p, policy=pol), jqt.quantize(f, qp, policy=pol)
             assert packed.weights["w"].layout == "kn"
             for rows in (1, 2, 8):
@@ -329,6 +330,12 @@ def test_small_groups_with_int8_activations_skip_matmuls_per_group_on_cpu():
             lowered = jax.jit(q).trace(packed, jax.ShapeDtypeStruct((rows, 256), x.dtype)).jaxpr
             dots = [e.invars[0].aval.dtype for e in _eqns(lowered.jaxpr) if e.primitive.name == "dot_general"]
             assert (jnp.int8 in dots) == int_dots, (g, pol.grouped_int_min_group, "symbolic", dots)
+    # the layout follows: the upcast codes' path reads (K, N), even where int8 matmuls per
+    # group (the generic table) would read (N, K); int codes only
+    generic = dataclasses.replace(jqt.KernelPolicy(), grouped_int_min_group=128)
+    w8, (g32, g128) = jqt.QuantType(bits=8), (jqt.QuantType(bits=4, group_size=g) for g in (32, 128))
+    assert (generic.dense_layout(g32, w8), generic.dense_layout(g128, w8)) == ("kn", "nk")
+    assert not generic.small_groups(jqt.QuantType(dtype="nf4", group_size=32))
 
 
 @pytest.mark.parametrize("rows", [pytest.param(8, marks=pytest.mark.slow), 100])  # 8: CI; N-chunks of the (N, K) weight; the whole weight

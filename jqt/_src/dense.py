@@ -438,7 +438,8 @@ def grouped_as_float(m, w2, policy) -> bool:
     as a float matmul on their upcast codes (:func:`int_grouped_as_float`) instead of one
     int8 matmul per group: under ``policy.grouped_float``, for groups smaller than
     ``policy.grouped_int_min_group``, :func:`decodes_whole`, or more than
-    ``policy.grouped_int_rows`` rows (``m = -1``, a symbolic count: int8 per group)."""
+    ``policy.grouped_int_rows`` rows (``m = -1``, a symbolic count: int8 per group, for
+    groups of at least ``grouped_int_min_group``)."""
     top = policy.grouped_int_rows
     return (policy.grouped_float or policy.small_groups(w2.qtype) or decodes_whole(m, w2, policy)
             or bool(top) and m > top)

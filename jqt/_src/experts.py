@@ -41,7 +41,7 @@ def run(site, eqn, ops, policy):
         return batched_digits(site, eqn, ops, policy)
     ints = isinstance(x, QArray) and x.qtype.kind == q.kind == "int"
     rows = _rows(eqn, w)
-    if (q.group_size and ints and policy.batched_groups
+    if (q.group_size and ints and policy.batched_groups and not policy.small_groups(q)
             and not dense.many_rows(rows, policy)):
         return split_groups(site, eqn, ops, policy)
     if not q.group_size and isinstance(x, QArray):

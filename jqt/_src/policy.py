@@ -574,8 +574,10 @@ class KernelPolicy:
         >>> cpu = jqt.KernelPolicy.for_backend("cpu")
         >>> [cpu.small_groups(jqt.QuantType(bits=4, group_size=g)) for g in (32, 64, 128, 0)]
         [True, True, False, False]
+        >>> cpu.small_groups(jqt.QuantType(dtype="nf4", group_size=32))  # int codes only
+        False
         """
-        return 0 < weight.group_size < self.grouped_int_min_group
+        return weight.kind == "int" and 0 < weight.group_size < self.grouped_int_min_group
 
     @staticmethod
     def for_backend(backend: str | None = None) -> "KernelPolicy":

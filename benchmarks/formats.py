@@ -239,11 +239,18 @@ def _timed_row(fns, packs, x, rounds):
     return med, cells
 
 
-def dense(rounds, markdown, results, ab=None):
+def _layer4096():
+    """``(n, rng, w, cal)``: the dense part's 4096 x 4096 weight and two calibration
+    batches of 8 rows, and the generator that makes its timing rows."""
     n = 4096
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
     cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
+    return n, rng, w, cal
+
+
+def dense(rounds, markdown, results, ab=None):
+    n, rng, w, cal = _layer4096()
     fns, packs = _dense_layer(w, cal, DENSE_PRESETS, ab)
     names = [k for k in fns if k != "float32"]
     rows = []
@@ -331,10 +338,7 @@ def groups(rounds, markdown, results):
     backend's policy and under the other choice of ``grouped_int_min_group`` (int8 matmuls
     per group where the table upcasts the codes, and the reverse): median ms per row
     count, and compile times."""
-    n = 4096
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n), jnp.float32)
-    cal = [(jnp.asarray(rng.standard_normal((8, n)), jnp.float32),) for _ in range(2)]
+    n, rng, w, cal = _layer4096()
     f = lambda w, x: x @ w
     base = jqt.KernelPolicy.for_backend()
     fns, packs = {"float32": jax.jit(f)}, {"float32": w}

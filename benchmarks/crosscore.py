@@ -34,6 +34,7 @@ import paths  # noqa: F401  (this checkout's jqt)
 import jax
 
 import jqt
+from formats import table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EPISODE_NS = 250
@@ -82,7 +83,7 @@ def main():
         fns = variants(args.rows)
         names, windows, t0 = list(fns), [], time.time()
         while time.time() - t0 < args.seconds:
-            w = {"t": round(time.time() - t0, 1), **probe(exe)}
+            w = probe(exe)
             names = names[1:] + names[:1]
             for k in names:
                 fn, a = fns[k]
@@ -101,22 +102,16 @@ def main():
            "episode": {k: med(ep, k) for k in keys}, "calm": {k: med(calm, k) for k in keys}}
     slow_in = lambda ws: sum(w["w4 g128, XLA K-chunks"] > 2 * med(calm, "w4 g128, XLA K-chunks") for w in ws)
     res["xla_over_2x_calm"] = {"episode": slow_in(ep), "calm": slow_in(calm)}
-    sep = " | " if args.markdown else "  "
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, {args.rows} row(s), {len(windows)} windows "
           f"of ~{args.seconds / max(len(windows), 1):.2f} s, {len(ep)} in an episode "
           f"(probe round trip > {EPISODE_NS} ns)\n")
     rows = [("probe: round trip, ns", "roundtrip_ns", "{:.0f}"), ("probe: split 4 MiB, us", "split_us", "{:.0f}"),
             ("probe: one core, us", "one_core_us", "{:.0f}")] + [(f"{k}, ms", k, "{:.2f}") for k in fns]
-    head = ("median over windows", f"episode ({len(ep)})", f"calm ({len(calm)})")
-    if args.markdown:
-        print("| " + " | ".join(head) + " |\n| --- | --- | --- |")
-    else:
-        print(sep.join(head))
-    for label, k, fmt in rows:
-        cells = (label, fmt.format(res["episode"][k]), fmt.format(res["calm"][k]))
-        print(("| " + sep.join(cells) + " |") if args.markdown else sep.join(cells))
+    table(("median over windows", f"episode ({len(ep)})", f"calm ({len(calm)})"),
+          [(label, fmt.format(res["episode"][k]), fmt.format(res["calm"][k])) for label, k, fmt in rows],
+          args.markdown)
     x = res["xla_over_2x_calm"]
-    print(f"\nwindows where the XLA formulation took over 2x its calm median: {x['episode']} of "
+    print(f"windows where the XLA formulation took over 2x its calm median: {x['episode']} of "
           f"{len(ep)} in episodes, {x['calm']} of {len(calm)} calm")
     print("RESULTS " + json.dumps(res, sort_keys=True))
 

@@ -634,6 +634,33 @@ def test_untraceable_values_name_the_batch_and_argument(value, what):
         jqt.quantize(f, qp)(W, X, value)
 
 
+def test_numpy_arrays_of_ml_dtypes_are_traced_as_jax_arrays_are():
+    """NumPy's kind of bfloat16 and float8 arrays is 'V', as of raw bytes: they are still
+    numbers, traced (params keep their keys and pack), not refused or made static."""
+    import ml_dtypes
+    f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["w2"]
+    p = {"w": jnp.asarray(W), "w2": jnp.asarray(W).T[:, :4] * 0.5}
+    x = np.asarray(X)
+    want = jqt.calibrate(f, jqt.recipes.w8a8(), jax.tree.map(lambda a: a.astype(jnp.bfloat16), p),
+                         [(x.astype(ml_dtypes.bfloat16),)], progress=False)
+    p16 = jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16), p)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p16, [(x.astype(ml_dtypes.bfloat16),)],
+                       progress=False)
+    assert list(qp) == list(want) == ["w", "w2"]
+    for k in qp:
+        np.testing.assert_array_equal(qp[k].lhs.scale, want[k].lhs.scale)
+    packed = jqt.pack(qp, p16)
+    assert all(isinstance(w, jqt.QArray) for w in packed.weights.values())
+    y = jqt.quantize(f, qp)(p16, x.astype(ml_dtypes.bfloat16))
+    np.testing.assert_allclose(y, jqt.quantize(f, qp)(packed, x.astype(ml_dtypes.bfloat16)),
+                               rtol=1e-2)  # bfloat16 outputs
+    q8 = jqt.calibrate(f, jqt.recipes.fp8(), p, [(x,)], progress=False)  # fp8 codes on the host
+    on_host = jax.device_get(jqt.pack(q8, p))
+    assert on_host.weights["w"].values.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_allclose(jqt.quantize(f, q8)(on_host, x), jqt.quantize(f, q8)(p, x),
+                               rtol=1e-6, atol=1e-6)  # packed vs float weights: float rounding
+
+
 # ---- lax.map(batch_size=) remainders ------------------------------------------------------------
 
 def _map_fn(batch_size):

@@ -16,6 +16,7 @@ import inspect
 from collections import OrderedDict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import compat
@@ -82,12 +83,18 @@ class Static:
         return f"Static({self.value!r})"
 
 
+def _jax_dtype(dtype) -> bool:
+    """Whether JAX traces a NumPy array of ``dtype``: numbers and booleans, ml_dtypes'
+    (bfloat16, float8, int4) included, whose NumPy kind is ``'V'`` as raw bytes' is."""
+    return dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
+
+
 def untraceable(leaf) -> str | None:
     """Why ``leaf`` can be neither traced nor passed to ``f`` as a static value, or
     ``None`` when it can."""
     if isinstance(leaf, (jax.Array, Static)) or compat.is_tracer(leaf):
         return None
-    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "OSUV":
+    if isinstance(leaf, np.ndarray) and not _jax_dtype(leaf.dtype):
         return (f"a NumPy array of dtype {leaf.dtype}, which JAX cannot trace (only numbers, "
                 "booleans and PRNG keys can)")
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -105,7 +112,7 @@ def is_static(leaf) -> bool:
     """Whether ``leaf`` reaches ``f`` as a static value rather than traced."""
     if isinstance(leaf, (jax.Array, Static)) or compat.is_tracer(leaf):
         return False
-    return not (isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype.kind not in "OSUV")
+    return not (isinstance(leaf, (np.ndarray, np.generic)) and _jax_dtype(leaf.dtype))
 
 
 def mark_static(tree):

@@ -945,3 +945,34 @@ def test_qparams_templates_of_shapes_are_refused_as_such():
     f, p, qp = _mlp()
     with pytest.raises(TypeError, match=r"jqt.pack: qparams\['w1'\] holds shapes, not arrays"):
         jqt.pack(jax.eval_shape(lambda: qp), p)
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=4)],
+                         ids=["w8a8", "w4 g4"])
+def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(recipe):
+    """jax.jit(qf, donate_argnums=0)(packed, x) hands the packed arrays to XLA: the qparams'
+    scales are not among them (pack copies them); a float leaf packed shares with params (a
+    bias) is named where it is used after its deletion."""
+    f = lambda p, x: jnp.tanh(x @ p["w"] + p["b"]) @ p["w2"]
+    rng = np.random.default_rng(3)
+    p = {"w": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32), "b": jnp.ones(16),
+         "w2": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 8)), jnp.float32)  # outputs (2, 16): a g4 scale's shape
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    qf = jqt.quantize(f, qp)
+    want = qf(p, x)
+    packed = jqt.pack(qp, p)
+    ours = {id(a) for a in jax.tree_util.tree_leaves(qp)}
+    assert not any(id(a) in ours for a in jax.tree_util.tree_leaves(packed))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Some donated buffers were not usable"
+        np.testing.assert_allclose(jax.jit(qf, donate_argnums=0)(packed, x), want, atol=1e-5)
+    assert not any(a.is_deleted() for a in jax.tree_util.tree_leaves(qp))
+    np.testing.assert_allclose(qf(jqt.pack(qp, p), x), want, atol=1e-5)  # qparams still usable
+    params = jax.tree.map(jnp.copy, p)
+    params["b"].delete()  # as a donation of packed (which holds this array) can
+    with pytest.raises(ValueError, match=r"jqt.pack: params leaf \['b'\] has been deleted: .*"
+                       "donate_argnums.*jnp.copy"):
+        jqt.pack(qp, params)
+    with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
+        qf(params, x)

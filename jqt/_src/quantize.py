@@ -16,7 +16,7 @@ from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_keys, check_policy, check_qparams, numbers_as_arrays
+from .validate import check_alive, check_keys, check_policy, check_qparams, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):
@@ -195,10 +195,30 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                             "calibrating and quantizing.")
         if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
-            return jitted(qparams, tracing.mark_static(list(args)))
+            try:
+                return jitted(qparams, tracing.mark_static(list(args)))
+            except RuntimeError as e:  # a donated array: say which
+                if "deleted" in str(e):
+                    check_alive(qparams, "jqt.quantize", "qparams")
+                    check_alive(list(args), f"{getattr(f, '__name__', 'f')} (quantized)",
+                                "argument")
+                raise
         return run(qparams, args)  # under a transformation: traced inline
 
     return qf
+
+
+def _own_scales(pw, p, **changes):
+    """The packed weight ``pw`` (with ``changes``), holding copies of the scale and zero
+    point it shares with its qparams ``p``: donating packed weights to a jitted call
+    (``donate_argnums``) must not delete the qparams' arrays."""
+    q = p.operand(p.weight_operand)
+    shared = () if q is None else (q.scale, q.zero_point)
+    for name in ("scale", "zero_point"):
+        a = getattr(pw, name)
+        if a is not None and any(a is b for b in shared) and not compat.is_tracer(a):
+            changes[name] = jnp.array(a, copy=True)
+    return dataclasses.replace(pw, **changes)
 
 
 def _refuse_nans(nans):
@@ -281,6 +301,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     127
     """
     check_qparams(qparams, "jqt.pack")
+    check_alive(params, "jqt.pack", "params")
     check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()
@@ -314,8 +335,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         entry = BY_NAME[p.op]
         try:
             grid = entry.grid_operand(src, p, operand)
-            weights[key] = dataclasses.replace(entry.pack(src, p, operand, policy, grid=grid),
-                                               folded=p.fold_tag)
+            weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
+                                       folded=p.fold_tag)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight

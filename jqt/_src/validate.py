@@ -158,6 +158,7 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
                        f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""
             raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
                             f"jqt.OpQParams.{swapped}")
+    check_alive(qparams, fn, "qparams")
     for k, v in qparams.items():
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(v)):
             raise TypeError(f"{fn}: qparams['{k}'] holds shapes, not arrays (a jax.eval_shape "
@@ -173,6 +174,38 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
         found = problems(v)
         if found:
             raise ValueError(f"{fn}: {describe(k, found)}. {FIX}")
+
+
+def deleted(tree) -> list:
+    """The paths of ``tree``'s arrays that were deleted (donated to a jitted call)."""
+    return [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_leaves_with_path(tree)
+            if isinstance(a, jax.Array) and not compat.is_tracer(a) and a.is_deleted()]
+
+
+def check_alive(tree, fn: str, what: str):
+    """Raises ``ValueError`` naming the leaves of ``tree`` (``what``: "qparams", "params",
+    ...) whose arrays were deleted: donated to a jitted call (``donate_argnums``), which
+    hands an argument's buffers to XLA, through any pytree that holds the same arrays
+    (:func:`jqt.pack`'s float leaves are the params' own arrays).
+
+    >>> import jax.numpy as jnp
+    >>> from jqt._src.validate import check_alive
+    >>> p = {"b": jnp.zeros(3)}
+    >>> p["b"].delete()
+    >>> check_alive(p, "jqt.pack", "params")
+    Traceback (most recent call last):
+    ...
+    ValueError: jqt.pack: params leaf ['b'] has been deleted: a jitted call it was passed to with donate_argnums (directly, or in another pytree holding the same array, such as jqt.pack's PackedParams, whose float leaves are the params' own arrays) handed its buffer to XLA. Pass a copy to the donating call (jax.tree.map(jnp.copy, tree)), or rebuild the value.
+    """
+    gone = deleted(tree)
+    if gone:
+        raise ValueError(
+            f"{fn}: {what} leaf {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''} "
+            f"{'has' if len(gone) == 1 else 'have'} been deleted: a jitted call it was passed to "
+            "with donate_argnums (directly, or in another pytree holding the same array, such as "
+            "jqt.pack's PackedParams, whose float leaves are the params' own arrays) handed its "
+            "buffer to XLA. Pass a copy to the donating call (jax.tree.map(jnp.copy, tree)), or "
+            "rebuild the value.")
 
 
 def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):

@@ -124,7 +124,11 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
 
     Called eagerly (concrete arguments and ``qparams``), the returned function runs
     as one XLA program, compiled once per argument shapes and static values, with
-    ``qparams`` passed as arguments rather than baked in as constants; under
+    ``qparams`` passed as arguments rather than baked in as constants. The compiled
+    program belongs to the returned function: a loop that calls ``jqt.quantize`` anew
+    each step (an evaluation during fine-tuning) compiles each step, as ``jax.jit`` of a
+    new lambda each step would; there, jit a function that takes the qparams as an argument,
+    ``jax.jit(lambda qp, p, x: jqt.quantize(f, qp)(p, x))``, once. Under
     ``jax.jit``, ``vmap``, ``grad`` or ``jax.export`` it is traced into the
     enclosing computation (and ``jax.disable_jit()`` runs it op by op).
 

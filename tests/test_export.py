@@ -531,6 +531,25 @@ def test_export_symbolic_batch_default_policy(models):
                                rtol=1e-6, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=16)],
+                         ids=["w8a8", "w4 g16"])
+def test_export_for_cpu_and_cuda_at_one_row(recipe):
+    """docs/export.md's platforms=("cpu", "cuda"): at one row the CPU table calls jqt's
+    native kernels, whose lowering is the portable formulation in such an export (it
+    raised TypeError inside JAX's per-platform dispatch)."""
+    rng = np.random.default_rng(0)
+    p = {"w1": jnp.asarray(rng.standard_normal((32, 64)) * 0.2, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((64, 8)) * 0.2, jnp.float32)}
+    f = lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    x = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    qf = jax.jit(jqt.quantize(f, qp))
+    exp = jax.export.export(qf, platforms=("cpu", "cuda"))(packed, x)
+    assert exp.platforms == ("cpu", "cuda") and "custom_call" not in exp.mlir_module()
+    np.testing.assert_allclose(exp.call(packed, x), qf(packed, x), rtol=1e-5, atol=1e-6)
+
 def embed_mlp(p, ids):  # a lookup's (b, t, d) rows reshaped for the matmuls: symbolic sizes
     h = p["emb"][ids]
     return jnp.tanh(h @ p["w"]) @ p["w2"]

@@ -2,6 +2,7 @@
 quantized embedding lookups, each checked op by op: the integer path against the simulated
 path (with float and with packed weights), packing, files, gradients and composition."""
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -392,6 +393,29 @@ def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
         qp = jqt.calibrate(dense, jqt.recipes.w4(group_size=64), p, [(X[:, :96],)], progress=False)
     assert qp["w"].rhs.qtype.group_size == 0 and qp["w"].rhs.scale.shape == (1, N)
 
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.nf4(group_size=4), jqt.recipes.w4(group_size=4)],
+                         ids=["nf4", "w4"])
+def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
+    """A conv takes no groups: the warning's suggested rule (copied as printed) gives the
+    same type without the warning, NF4 included (it said int4 bits=4, another format)."""
+    conv = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    w = jnp.asarray(RNG.standard_normal((3, 3, 8, 4)) * 0.2, jnp.float32)
+    x = jnp.asarray(RNG.standard_normal((2, 5, 5, 8)), jnp.float32)
+    with pytest.warns(UserWarning, match="takes no groups") as got:
+        qp = jqt.calibrate(conv, recipe, w, [(x,)], progress=False)
+    rule = re.search(r"jqt\.Rule\(ops=\('conv_general_dilated',\), weight=(jqt\.QuantType\(.*?\)), ",
+                     str(got[0].message))
+    told = eval(rule.group(1), {"jqt": jqt})
+    assert told == qp["w"].rhs.qtype and told.dtype == recipe.rules[-1].weight.dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = jqt.calibrate(conv, jqt.Recipe(rules=(jqt.Rule(ops=("conv_general_dilated",),
+                                                               weight=told),) + recipe.rules),
+                              w, [(x,)], progress=False)
+    assert again["w"].rhs.qtype == told
 
 HEADS, HEAD_DIM = 4, 64
 WO = jnp.asarray(RNG.standard_normal((HEADS, HEAD_DIM, N)) * 0.1, jnp.float32)

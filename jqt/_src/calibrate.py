@@ -528,8 +528,8 @@ def _decide(site, rule, st):
         else:
             if ax is None:
                 why, fix = (f"a {site.op} weight takes no groups", "A rule ahead of the preset's "
-                            f"for these ops, jqt.Rule(ops=({site.op!r},), weight=jqt.QuantType("
-                            f"bits={wt.bits}, per_channel=True), ...), says so without a warning.")
+                            f"for these ops, jqt.Rule(ops=({site.op!r},), weight=jqt.{eff!r}, "
+                            "...), says so without a warning.")
             else:
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")

@@ -156,6 +156,22 @@ def lowering_is_portable(ctx) -> bool:
     return getattr(ax, "num_devices", 1) > 1
 
 
+def register_cpu_lowering(prim, cpu_rule, reference_rule):
+    """Lowers ``prim`` by ``cpu_rule`` (a custom call) in modules lowered for the CPU alone
+    and by ``reference_rule`` in every other: another platform, or a ``jax.export`` for
+    several at once (``platforms=("cpu", "cuda")``), where JAX (0.10) cannot build its
+    per-platform dispatch around a rule registered for one platform that is not cached
+    (``cacheable=False``: the rule depends on the context, :func:`lowering_is_portable`).
+    One rule for every platform, choosing by the module's platforms, needs no dispatch."""
+
+    def lower(ctx, *args, **params):
+        if tuple(ctx.module_context.platforms) == ("cpu",):
+            return cpu_rule(ctx, *args, **params)
+        return reference_rule(ctx, *args, **params)
+
+    mlir.register_lowering(prim, lower, cacheable=False)
+
+
 def define_by_reference(prim, reference, batch=None):
     """Rules for a primitive whose meaning is ``reference`` (a function of its operands and
     params built of JAX ops), whose CPU lowering a caller registers (a custom call):

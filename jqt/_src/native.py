@@ -208,4 +208,4 @@ def _lower_cpu(ctx, x2, codes, scale, zp, table, layer, *, target, **params):
     return jax.ffi.ffi_lowering(target)(ctx, *args)  # table: empty
 
 
-compat.mlir.register_lowering(gemv_p, _lower_cpu, platform="cpu", cacheable=False)
+compat.register_cpu_lowering(gemv_p, _lower_cpu, _lower_reference)

@@ -109,4 +109,4 @@ def _lower_cpu(ctx, *args, grid, group_size):
     return jax.ffi.ffi_lowering(DECODE)(ctx, *args, group_size=np.int64(group_size))
 
 
-compat.mlir.register_lowering(decode_p, _lower_cpu, platform="cpu", cacheable=False)
+compat.register_cpu_lowering(decode_p, _lower_cpu, _lower_reference)

@@ -270,7 +270,8 @@ class KernelPolicy:
         50k) is decoded in blocks of output columns instead, all of K per block,
         each block at most this many bytes (at least 128 columns); 0: K-chunks.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
-        input has fewer channels per group than this (0: never).
+        input has fewer channels than this (0: never); ungrouped convolutions
+        without input dilation only.
       conv_codes_as_float: run an int8 convolution in any layout but 2-D
         ``NHWC``/``HWIO`` (1-D, 3-D, ``NCHW``) as float32 convolutions of its codes,
         over chunks of input channels whose sums float32 holds exactly, added in

@@ -359,12 +359,45 @@ def test_weights_packed_with_other_transforms_are_refused(tmp_path):
     with safetensors.safe_open(path, framework="np") as fh:
         meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
     header = json.loads(meta["jqt"])
-    del header["weights"]["w"]["folded"]
+    del header["weights"]["w"]["folded"], header["weights"]["w"]["smooth"]  # as an older jqt wrote
     safetensors.numpy.save_file(tensors, old, metadata=dict(meta, jqt=json.dumps(header)))
     back = jqt.load_packed(old)
-    assert back.weights["w"].folded is None
+    assert back.weights["w"].folded is None and back.weights["w"].smooth is None
     np.testing.assert_array_equal(jqt.quantize(f, smooth5)(back, x),
                                   jqt.quantize(f, smooth5)(jqt.load_packed(path), x))
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=16, awq=True),
+                                    jqt.recipes.w8a8_dynamic(smooth=0.5)], ids=["awq", "smooth dynamic"])
+def test_packed_weights_carry_their_smoothing_vector_under_traced_qparams(recipe, tmp_path):
+    """A server jitted with qparams as an argument (docs/export.md) cannot compare their
+    smoothing vector with the digest the packed weights record: the weights divide the
+    activation by the vector they were packed with (they hold it, as they hold their
+    scales), so weight-only and dynamic ops give their own calibration's results with
+    another calibration's qparams (they gave wrong ones; a pair is refused where the
+    qparams are known at trace time, guarantees.md). Files keep the vector."""
+    p, batches = _data()
+    x = batches[0][0]
+    qa = jqt.calibrate(f, recipe, p, batches[:2], progress=False)
+    qb = jqt.calibrate(f, recipe, p, batches[2:], progress=False)
+    assert not np.array_equal(qa["w"].smooth, qb["w"].smooth)
+    pa = jqt.pack(qa, p)
+    np.testing.assert_array_equal(pa.weights["w"].smooth, qa["w"].smooth)
+    assert pa.weights["w"].smooth is not qa["w"].smooth  # its own copy (donation)
+    serve = jax.jit(lambda qp, packed, x: jqt.quantize(f, qp)(packed, x))
+    own = serve(qa, pa, x)
+    np.testing.assert_allclose(serve(qb, pa, x), own, rtol=1e-6, atol=1e-6)
+    with pytest.raises(jqt.QParamsMismatchError, match="another smoothing vector"):
+        jax.jit(jqt.quantize(f, qb))(pa, x)  # qparams known at trace time: compared
+    path = str(tmp_path / "a.safetensors")
+    jqt.save_packed(path, pa, qa)
+    back = jqt.load_packed(path)
+    np.testing.assert_array_equal(back.weights["w"].smooth, qa["w"].smooth)
+    np.testing.assert_array_equal(serve(qb, back, x), own)
+    with pytest.raises(jqt.QParamsMismatchError, match="another smoothing vector"):
+        jqt.load_packed(path, qparams=qb)
+    plain = jqt.pack(jqt.calibrate(f, jqt.recipes.w8(), p, batches, progress=False), p)
+    assert jax.tree_util.tree_structure(plain.weights["w"]).num_leaves == 2  # no vector, no leaf
 
 
 @pytest.mark.slow  # jax.export with transforms (test_integer_simulated_packed_and_files_agree: files): CI

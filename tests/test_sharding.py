@@ -103,6 +103,8 @@ res["w4_in"], _, _ = case(mlp, P_MLP, X_MLP, W4, AUTO, ops=(("w2", "in"),))
 res["w4a8_in"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.w4a8(group_size=32), AUTO, ops=(("w2", "in"),))
 res["nf4_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.nf4(group_size=32), AUTO)
 res["fp8"], _, _ = case(mlp, P_MLP, X_MLP, jqt.recipes.fp8(), AUTO)
+# packed weights that hold their smoothing vector (AWQ), per layer under scan: replicated
+res["awq_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w4(group_size=32, awq=True), AUTO)
 
 # load straight into shards: device= takes a function of the host (NumPy) PackedParams
 path = os.path.join(tempfile.mkdtemp(), "mlp.safetensors")
@@ -249,6 +251,12 @@ def test_nf4_stacked_layers_and_fp8(result):
     w2 = r["weights"]["w2"]
     assert w2["qvalue"] == [128, 64] and w2["scale"] == [1, 64]
     assert not any(v["gathered"] for v in r["weights"].values())
+
+
+def test_awq_weights_shard_with_their_smoothing_vectors(result):
+    r = result["awq_stacked"]
+    _matches(r)
+    assert r["weights"]["ws"]["qvalue"] == [3, 32, 16]
 
 
 def test_explicit_mesh_matches(result):

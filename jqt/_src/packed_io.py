@@ -126,7 +126,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
         if w.folded is not None:
             d["folded"] = w.folded
-        for field in ("values", "sums", "scale", "zero_point"):
+        for field in _FIELDS:
             a = getattr(w, field)
             if a is None:
                 continue
@@ -137,7 +137,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
                 continue
             orig = a
             a = (float32_scale(a, f"packed weight '{key}' {field}", "jqt.save_packed")
-                 if field in ("scale", "zero_point") else np.asarray(a))
+                 if field in ("scale", "zero_point", "smooth") else np.asarray(a))
             same = shared.get((key, field))
             if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
                 d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
@@ -346,7 +346,7 @@ def _read_leaves(r, h, avals, paths):
 
 
 _LAYOUTS = ("nk", "kn", "operand", "tied")
-_FIELDS = ("values", "sums", "scale", "zero_point")
+_FIELDS = ("values", "sums", "scale", "zero_point", "smooth")
 
 
 def _weight_from_entry(r, key, d, version):
@@ -366,6 +366,9 @@ def _weight_from_entry(r, key, d, version):
         folded = d.get("folded")  # absent from files written before jqt recorded it
         if folded is not None and not isinstance(folded, str):
             raise r.error(f"{where}: 'folded' is a {type(folded).__name__}, expected a string")
+        if "smooth" in arrays and not (folded or "").startswith("smooth:"):
+            raise r.error(f"{where} holds a smoothing vector ('smooth'), but its 'folded' is "
+                          f"{folded!r}, not the 'smooth:<digest>' of a weight packed with one")
         w = QArray(**arrays, qtype=qtype, layout=layout, folded=folded)
     _check_weight(r, where, w)
     check_values(r, key, validate.operand_problems(w, "packed weight"))
@@ -568,6 +571,13 @@ def _same_values(a, b) -> bool:
     return a.size == b.size and np.array_equal(np.sort(a), np.sort(b))
 
 
+def _same_vector(a, b) -> bool:
+    """Whether two smoothing vectors hold the same numbers in the same order; tracers pass."""
+    if compat.is_tracer(a) or compat.is_tracer(b):
+        return True
+    return np.array_equal(np.ravel(np.asarray(a)), np.ravel(np.asarray(b)))
+
+
 def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
     """Checks that ``packed`` (from :func:`jqt.pack`) matches ``qparams``: every packed
     weight belongs to a quantized weight operand of ``qparams`` and has its format, its
@@ -655,6 +665,11 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{fn}: the weights of op '{key}' were quantized with other weight scales or "
                     "types than these qparams give (the file holds the qparams it was packed "
                     "with). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
+        if pw.smooth is not None and p.smooth is not None and not _same_vector(pw.smooth, p.smooth):
+            raise QParamsMismatchError(
+                f"{fn}: the packed weight of op '{key}' was smoothed by another smoothing vector "
+                "(SmoothQuant or AWQ) than these qparams hold: they are not the qparams it was "
+                "packed with (another calibration?). Pass those, or re-run jqt.pack with these.")
         if pw.scale is not None and not (_same_values(pw.scale, q.scale)
                                          and _same_values(pw.zero_point, q.zero_point)):
             raise QParamsMismatchError(

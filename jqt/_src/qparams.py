@@ -65,7 +65,6 @@ class WeightSource:
         return sum(1 for c in self.chain if c[0] == "scan_slice")
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QArray:
     """A quantized value: codes, scale and zero point, with the format as static data.
@@ -96,7 +95,13 @@ class QArray:
     ``folded`` (packed weights only) names the outlier transforms folded into the
     codes (``OpQParams.fold_tag``): ``""`` none, ``"smooth:<digest of the
     vector>"`` and/or ``"rotate"``; ``None`` where it was not recorded (a file
-    written before jqt recorded it).
+    written before jqt recorded it). ``smooth`` (packed weights only) is that
+    smoothing vector (SmoothQuant, AWQ), which the codes were multiplied by: the
+    weight's activation is divided by it, whatever vector the qparams hold (they are
+    compared by the digest where the qparams are known when the function is traced;
+    weights packed before jqt stored the vector run with the qparams'). A ``QArray``
+    without ``smooth`` has the four children it always had (the pytree structure of
+    ``jax.export`` artifacts taking one is unchanged).
 
     >>> import jax.numpy as jnp, jqt
     >>> p = jqt.QArray(scale=jnp.float32(0.5), qtype=jqt.QuantType())
@@ -111,6 +116,21 @@ class QArray:
     qtype: QuantType = dataclasses.field(metadata=dict(static=True), default=QuantType())
     layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
     folded: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
+    smooth: Optional[jax.Array] = None
+
+    def _children(self):
+        names = _QARRAY_DATA + (("smooth",) if self.smooth is not None else ())
+        return [(jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in names]
+
+    def _aux(self):
+        return (self.qtype, self.layout, self.folded)
+
+    @classmethod
+    def _rebuild(cls, aux, children):
+        children = list(children)  # four fields, then the smoothing vector where present
+        qtype, layout, folded = aux
+        return cls(*children[:4], qtype=qtype, layout=layout, folded=folded,
+                   smooth=children[4] if len(children) > 4 else None)
 
     @property
     def nibbles(self) -> bool:
@@ -128,7 +148,14 @@ class QArray:
             vals = f", values {getattr(self.values, 'dtype', '?')}{list(getattr(self.values, 'shape', ()))}" \
                    f" ({self.layout})"
         return (f"QArray({self.qtype.describe()}{vals}{_arr_summary('scale', self.scale)}"
-                f"{_arr_summary('zero_point', self.zero_point)})")
+                f"{_arr_summary('zero_point', self.zero_point)}"
+                f"{_arr_summary('smooth', self.smooth)})")
+
+
+_QARRAY_DATA = ("values", "scale", "zero_point", "sums")
+jax.tree_util.register_pytree_with_keys(
+    QArray, lambda a: (a._children(), a._aux()), QArray._rebuild,
+    lambda a: ([c for _, c in a._children()], a._aux()))
 
 
 def codes_problem(w: QArray) -> str:

@@ -95,6 +95,19 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
+def _with_packed(p, pw):
+    """An op's state: its qparams ``p`` and packed weight ``pw``, the activation divided
+    by the smoothing vector the codes were multiplied by (as the codes run with their own
+    scales). Where the qparams were known when ``f`` was traced, their vector's digest was
+    compared with the one the packed weight records (``_check_folded``); passed to
+    ``jax.jit`` as an argument they are not, and a weight-only or dynamic op still gives
+    its packed weight's results."""
+    pw = _complete(pw, p)
+    if pw is not None and pw.smooth is not None and p.smooth is not None:
+        p = dataclasses.replace(p, smooth=pw.smooth)
+    return p, pw
+
+
 def _complete(pw, p):
     """A packed weight read from a version-1 file holds codes and sums only: its scale,
     zero point and type are the qparams'."""
@@ -183,7 +196,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 "by a matmul (tied embeddings) that op takes the gather's key. Skip the call "
                 "for an empty input.") from None
         keys = [s.key for s in traced.sites()]
-        state = {k: (qparams[k], _complete(packed.get(k), qparams[k])) for k in keys if k in qparams}
+        state = {k: _with_packed(qparams[k], packed.get(k)) for k in keys if k in qparams}
         outs = traced.run(args, handler, state)[0]
         outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
@@ -213,12 +226,14 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
 
 
 def _own_scales(pw, p, **changes):
-    """The packed weight ``pw`` (with ``changes``), holding copies of the scale and zero
-    point it shares with its qparams ``p``: donating packed weights to a jitted call
-    (``donate_argnums``) must not delete the qparams' arrays."""
+    """The packed weight ``pw`` with ``changes``, holding copies of the scale, zero point
+    and smoothing vector it shares with its qparams ``p``: donating packed weights to a
+    jitted call (``donate_argnums``) must not delete the qparams' arrays."""
+    pw = dataclasses.replace(pw, **changes)
     q = p.operand(p.weight_operand)
-    shared = () if q is None else (q.scale, q.zero_point)
-    for name in ("scale", "zero_point"):
+    shared = (p.smooth,) + (() if q is None else (q.scale, q.zero_point))
+    changes = {}
+    for name in ("scale", "zero_point", "smooth"):
         a = getattr(pw, name)
         if a is not None and any(a is b for b in shared) and not compat.is_tracer(a):
             changes[name] = jnp.array(a, copy=True)
@@ -340,7 +355,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         try:
             grid = entry.grid_operand(src, p, operand)
             weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
-                                       folded=p.fold_tag)
+                                       folded=p.fold_tag, smooth=p.smooth)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight
@@ -389,7 +404,7 @@ def _aval(x):
         return tracing.Static(x)
 
 
-_ARRAYS = ("values", "sums", "scale", "zero_point")
+_ARRAYS = ("values", "sums", "scale", "zero_point", "smooth")
 
 
 def _share_equal(leaf_of, weights):

@@ -164,7 +164,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         if pw is None:
             continue
         if pw.values is None:  # a table tied to a matmul's codes: its scales only
-            w_sh[key] = dataclasses.replace(pw, scale=sides[w].scale, zero_point=sides[w].zero_point)
+            w_sh[key] = dataclasses.replace(pw, scale=sides[w].scale, zero_point=sides[w].zero_point,
+                                            smooth=None if pw.smooth is None else rep)
             continue
         shape = tuple(np.shape(pw.values))
         nd = len(shape)
@@ -192,7 +193,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         w_sh[key] = QArray(values=sharding(shape, qdim), sums=arr(pw.sums, sdim),
                            scale=sides[w].scale if sides[w] is not None else None,
                            zero_point=sides[w].zero_point if sides[w] is not None else None,
-                           qtype=pw.qtype, layout=pw.layout, folded=pw.folded)
+                           qtype=pw.qtype, layout=pw.layout, folded=pw.folded,
+                           smooth=None if pw.smooth is None else rep)  # K-long: replicated
     missing = sorted(set(packed.weights) - set(w_sh))
     if missing:
         raise ValueError(f"jqt.packed_shardings: the packed weights hold ops {missing[:5]} that "

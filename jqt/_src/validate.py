@@ -75,8 +75,9 @@ def _zero_point(a, qtype):
 
 
 def operand_problems(q, where):
-    """What is wrong with the numbers of one :class:`jqt.QArray` (its scale and zero
-    point): a list of texts such as ``"rhs.scale: 3 of 64 values are 0"``."""
+    """What is wrong with the numbers of one :class:`jqt.QArray` (its scale, zero point
+    and, packed, smoothing vector): a list of texts such as ``"rhs.scale: 3 of 64 values
+    are 0"``."""
     if q is None:
         return []
     out = []
@@ -86,6 +87,9 @@ def operand_problems(q, where):
     z = _concrete(q.zero_point)
     if z is not None:
         out += [f"{where}.zero_point: {t}" for t in _zero_point(z, q.qtype)]
+    sm = _concrete(q.smooth)  # a packed weight's smoothing vector
+    if sm is not None:
+        out += [f"{where}.smooth: {t}" for t in _positive(sm)]
     t = q.qtype
     if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
             and not t.dynamic):

@@ -391,6 +391,8 @@ def test_packed_weights_carry_their_smoothing_vector_under_traced_qparams(recipe
         jax.jit(jqt.quantize(f, qb))(pa, x)  # qparams known at trace time: compared
     path = str(tmp_path / "a.safetensors")
     jqt.save_packed(path, pa, qa)
+    with safetensors.safe_open(path, framework="np") as fh:
+        assert len([k for k in fh.keys() if "smooth" in k]) == 1  # noqa: SIM118 - qparams' and weight's
     back = jqt.load_packed(path)
     np.testing.assert_array_equal(back.weights["w"].smooth, qa["w"].smooth)
     np.testing.assert_array_equal(serve(qb, back, x), own)

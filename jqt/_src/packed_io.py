@@ -161,8 +161,9 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
 
 
 def _weight_scales(entries, arrays):
-    """``(op key, "scale" | "zero_point") -> (tensor name, array)`` of each op's weight
-    operand in the qparams entries: a packed weight's scale equal to it is stored once."""
+    """``(op key, "scale" | "zero_point" | "smooth") -> (tensor name, array)`` of each op's
+    weight operand, and its smoothing vector, in the qparams entries: a packed weight's
+    equal to it is stored once."""
     out = {}
     for key, e in entries.items():
         w = e["weight_operand"]
@@ -170,6 +171,8 @@ def _weight_scales(entries, arrays):
         for field in ("scale", "zero_point"):
             if d is not None and field in d:
                 out[(key, field)] = (d[field], arrays[d[field]])
+        if "smooth" in e:
+            out[(key, "smooth")] = (e["smooth"], arrays[e["smooth"]])
     return out
 
 

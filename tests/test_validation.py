@@ -976,3 +976,18 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         jqt.pack(qp, params)
     with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
         qf(params, x)
+
+
+def test_ops_inside_a_primitive_jqt_does_not_enter_are_named_with_their_weights():
+    """A matmul inside shard_map stays float; the warning names the weight it reads and
+    what to do (it named the primitive only)."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("d",))
+    f = lambda p, x: jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(), P()),
+                                   out_specs=P())(p["wq"], x) @ p["wo"]
+    p = {"wq": jnp.asarray(W[:, :3].T @ W[:, :3]), "wo": jnp.asarray(W[:3])}
+    x = jnp.asarray(X[:, :3])
+    with pytest.warns(UserWarning, match=r"primitive 'shard_map' .* stay float, with no qparams; "
+                      r"they read weight 'wq'\. .*jqt.quantize\(g, qparams\) inside"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert list(qp) == ["wo"]

@@ -207,8 +207,15 @@ class Analyzer:
                         warnings.warn(msg, stacklevel=4)
                         self.warned.append(msg)
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
+                        reads = (f"; they read weight{'s' if len(paths) > 1 else ''} "
+                                 f"{', '.join(repr(q) for q in paths[:4])}{' ...' if len(paths) > 4 else ''}"
+                                 if paths else "")
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
-                               "ops that jqt cannot rewrite; they stay float.")
+                               f"ops that jqt cannot rewrite: they stay float, with no qparams{reads}. "
+                               "jqt quantizes inside jit, closed_call, scan, while, cond, remat and "
+                               f"custom_jvp/vjp calls only; to quantize these ops, apply jqt to the "
+                               f"function {name} calls (calibrate it, and call jqt.quantize(g, "
+                               "qparams) inside).")
                         warnings.warn(msg, stacklevel=4)
                         self.warned.append(msg)
             if outs is None:

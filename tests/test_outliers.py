@@ -355,7 +355,7 @@ def test_weights_packed_with_other_transforms_are_refused(tmp_path):
     # files keep the record; one written without it (an older jqt) loads and runs
     path, old = os.path.join(tmp_path, "p.safetensors"), os.path.join(tmp_path, "old.safetensors")
     jqt.save_packed(path, jqt.pack(smooth5, p), smooth5)
-    assert jqt.load_packed(path).weights["w"].folded == smooth5["w"].fold_tag
+    assert jqt.load_packed(path).weights["w"].folded == smooth5["w"].fold_tag.replace(":", "=")
     with safetensors.safe_open(path, framework="np") as fh:
         meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
     header = json.loads(meta["jqt"])
@@ -400,6 +400,39 @@ def test_packed_weights_carry_their_smoothing_vector_under_traced_qparams(recipe
         jqt.load_packed(path, qparams=qb)
     plain = jqt.pack(jqt.calibrate(f, jqt.recipes.w8(), p, batches, progress=False), p)
     assert jax.tree_util.tree_structure(plain.weights["w"]).num_leaves == 2  # no vector, no leaf
+
+
+def test_a_packed_smoothing_vector_is_checked_and_kept_out_of_the_way(tmp_path):
+    """The vector a packed weight holds: a fifth pytree child by its static record, so a
+    tree of specs with None in its place fits (vmap in_axes, device_put); a file whose
+    vector is not the digest's, and a cast of it, are refused; the simulated path
+    divides by the qparams' vector, so it differentiates it with packed weights too."""
+    p, batches = _data()
+    x = batches[0][0]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True), p, batches, progress=False)
+    packed = jqt.pack(qp, p)
+    assert packed.weights["w"].folded.startswith("smooth=")
+    specs = jax.tree.map(lambda a: None, packed)
+    assert specs.weights["w"].smooth is None
+    qf = jqt.quantize(f, qp)
+    ys = jax.vmap(qf, in_axes=(specs, 0))(packed, jnp.stack([x, 2 * x]))
+    np.testing.assert_allclose(ys[1], qf(packed, 2 * x), rtol=1e-5, atol=1e-5)
+    assert jax.tree.structure(jax.device_put(packed, specs)) == jax.tree.structure(packed)
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, packed)
+    with pytest.raises(jqt.QParamsMismatchError, match="smoothing vector is bfloat16"):
+        qf(cast, x)
+    path = str(tmp_path / "w.safetensors")
+    jqt.save_packed(path, packed)
+    with safetensors.safe_open(path, framework="np") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    name = json.loads(meta["jqt"])["weights"]["w"]["smooth"]
+    tensors[name] = tensors[name] * 2
+    safetensors.numpy.save_file(tensors, path, metadata=meta)
+    with pytest.raises(jqt.FormatError, match="smoothing vector .* is not the one its codes"):
+        jqt.load_packed(path)
+    loss = lambda q, w: jqt.quantize(f, q, simulate=True)(w, x).sum()
+    g_packed, g_float = jax.grad(loss)(qp, packed)["w"].smooth, jax.grad(loss)(qp, p)["w"].smooth
+    assert np.abs(g_packed).sum() > 0 and np.abs(g_float).sum() > 0
 
 
 @pytest.mark.slow  # jax.export with transforms (test_integer_simulated_packed_and_files_agree: files): CI

@@ -256,8 +256,9 @@ def lookup(ctx, site, invals):
         if why:
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}': {why}. A cast over the whole "
-                "PackedParams (tree_map astype) changes them; leave the codes and sums as "
-                "jqt.pack made them (cast the float params and scales only), or re-run jqt.pack.")
+                "PackedParams (tree_map astype) changes them; leave the codes, sums and smoothing "
+                "vectors as jqt.pack made them (cast the float params and scales only), or re-run "
+                "jqt.pack.")
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             raise QParamsMismatchError(

@@ -16,7 +16,8 @@ from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
-from .qparams import PackedParams, QArray, codes_problem, fold_mismatch
+from .qparams import (PackedParams, QArray, codes_problem, fold_mismatch, fold_parts, holds_smooth,
+                      smooth_digest)
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
                      is_zip, json_kind, reading, version_error, write)
 from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, check_scales,
@@ -369,9 +370,14 @@ def _weight_from_entry(r, key, d, version):
         folded = d.get("folded")  # absent from files written before jqt recorded it
         if folded is not None and not isinstance(folded, str):
             raise r.error(f"{where}: 'folded' is a {type(folded).__name__}, expected a string")
-        if "smooth" in arrays and not (folded or "").startswith("smooth:"):
-            raise r.error(f"{where} holds a smoothing vector ('smooth'), but its 'folded' is "
-                          f"{folded!r}, not the 'smooth:<digest>' of a weight packed with one")
+        if ("smooth" in arrays) != holds_smooth(folded):
+            raise r.error(f"{where}: its 'folded' is {folded!r}, but it holds "
+                          f"{'a' if 'smooth' in arrays else 'no'} smoothing vector ('smooth'); a "
+                          "weight packed with one records 'smooth=<digest>'")
+        digest = fold_parts(folded).get("smooth")
+        if "smooth" in arrays and digest != "?" and smooth_digest(arrays["smooth"]) != digest:
+            raise r.error(f"{where}: its smoothing vector ('smooth') is not the one its codes "
+                          f"were multiplied by (its 'folded' records the digest {digest!r})")
         w = QArray(**arrays, qtype=qtype, layout=layout, folded=folded)
     _check_weight(r, where, w)
     check_values(r, key, validate.operand_problems(w, "packed weight"))

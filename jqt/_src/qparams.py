@@ -93,15 +93,17 @@ class QArray:
     ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
     that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.
     ``folded`` (packed weights only) names the outlier transforms folded into the
-    codes (``OpQParams.fold_tag``): ``""`` none, ``"smooth:<digest of the
-    vector>"`` and/or ``"rotate"``; ``None`` where it was not recorded (a file
-    written before jqt recorded it). ``smooth`` (packed weights only) is that
-    smoothing vector (SmoothQuant, AWQ), which the codes were multiplied by: the
+    codes: ``""`` none, ``"smooth=<digest of the vector>"`` and/or ``"rotate"``
+    (joined by ``"+"``); ``None`` where it was not recorded (a file written before
+    jqt recorded it). ``smooth`` (packed weights only) is that smoothing vector
+    (SmoothQuant, AWQ), which the codes were multiplied by: on the integer path the
     weight's activation is divided by it, whatever vector the qparams hold (they are
-    compared by the digest where the qparams are known when the function is traced;
-    weights packed before jqt stored the vector run with the qparams'). A ``QArray``
-    without ``smooth`` has the four children it always had (the pytree structure of
-    ``jax.export`` artifacts taking one is unchanged).
+    compared by the digest where the qparams are known when the function is traced).
+    Weights packed before jqt held the vector record ``"smooth:<digest>"`` and run with
+    the qparams' vector. A ``QArray`` whose ``folded`` has no ``"smooth="`` has the
+    four children it always had, and one that has it five, the vector last (``None`` in
+    a tree of specs), so the pytree structure of ``jax.export`` artifacts taking weights
+    without smoothing is unchanged.
 
     >>> import jax.numpy as jnp, jqt
     >>> p = jqt.QArray(scale=jnp.float32(0.5), qtype=jqt.QuantType())
@@ -118,8 +120,13 @@ class QArray:
     folded: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
     smooth: Optional[jax.Array] = None
 
+    def __post_init__(self):
+        if self.smooth is not None and not holds_smooth(self.folded):
+            raise ValueError(f"jqt.QArray(smooth=...): a packed weight that holds its smoothing "
+                             f"vector records it in folded ('smooth=<digest>'), not {self.folded!r}")
+
     def _children(self):
-        names = _QARRAY_DATA + (("smooth",) if self.smooth is not None else ())
+        names = _QARRAY_DATA + (("smooth",) if holds_smooth(self.folded) else ())
         return [(jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in names]
 
     def _aux(self):
@@ -153,6 +160,42 @@ class QArray:
 
 
 _QARRAY_DATA = ("values", "scale", "zero_point", "sums")
+
+
+def smooth_digest(v) -> str:
+    """The digest that names a smoothing vector in ``fold_tag`` and ``QArray.folded``:
+    of its float32 bytes and shape.
+
+    >>> smooth_digest(np.ones(4)) == smooth_digest(np.ones(4, np.float32)) != smooth_digest(np.ones(2))
+    True
+    """
+    raw = np.asarray(v, np.float32)
+    return hashlib.blake2b(raw.tobytes() + str(raw.shape).encode(), digest_size=6).hexdigest()
+
+
+def fold_parts(tag: Optional[str]) -> dict:
+    """A ``fold_tag`` or ``QArray.folded`` as ``{transform: digest}``, where a smoothing
+    vector's digest follows ``":"`` (named) or ``"="`` (the packed weight holds it).
+
+    >>> fold_parts("smooth=ab12+rotate"), fold_parts("smooth:ab12"), fold_parts(None)
+    ({'smooth': 'ab12', 'rotate': ''}, {'smooth': 'ab12'}, {})
+    """
+    out = {}
+    for part in (tag or "").split("+"):
+        if part:
+            name, _, digest = part.replace("=", ":", 1).partition(":")
+            out[name] = digest
+    return out
+
+
+def holds_smooth(folded: Optional[str]) -> bool:
+    """Whether a packed weight whose ``QArray.folded`` is ``folded`` holds its smoothing
+    vector (``"smooth=<digest>"``), a fifth pytree child.
+
+    >>> holds_smooth("smooth=ab12+rotate"), holds_smooth("smooth:ab12"), holds_smooth(None)
+    (True, False, False)
+    """
+    return any(p.startswith("smooth=") for p in (folded or "").split("+"))
 jax.tree_util.register_pytree_with_keys(
     QArray, lambda a: (a._children(), a._aux()), QArray._rebuild,
     lambda a: ([c for _, c in a._children()], a._aux()))
@@ -175,6 +218,9 @@ def codes_problem(w: QArray) -> str:
                 f"are {' or '.join(sorted(d.name for d in want))}")
     if w.sums is not None and np.dtype(w.sums.dtype) != np.int32:
         return f"its code sums are {np.dtype(w.sums.dtype).name}, where they are int32"
+    if w.smooth is not None and np.dtype(w.smooth.dtype) != np.float32:
+        return (f"its smoothing vector is {np.dtype(w.smooth.dtype).name}, where its codes were "
+                "multiplied by a float32 one")
     return ""
 
 
@@ -281,9 +327,7 @@ class OpQParams:
             if compat.is_tracer(self.smooth):
                 parts.append("smooth:?")
             else:
-                raw = np.asarray(self.smooth, np.float32)
-                digest = hashlib.blake2b(raw.tobytes() + str(raw.shape).encode(), digest_size=6)
-                parts.append("smooth:" + digest.hexdigest())
+                parts.append("smooth:" + smooth_digest(self.smooth))
         if self.rotate:
             parts.append("rotate")
         return "+".join(parts)
@@ -416,14 +460,15 @@ def fold_mismatch(packed: Optional[str], want: str) -> Optional[str]:
     """Why a packed weight's ``QArray.folded`` does not fit qparams whose
     ``OpQParams.fold_tag`` is ``want``, or ``None`` when it fits (or was not
     recorded). A smoothing digest ``"?"`` (traced qparams) matches any digest.
+    ``"smooth=<digest>"`` (the weight holds the vector) and ``"smooth:<digest>"`` compare
+    alike.
 
     >>> fold_mismatch("smooth:ab12", ""), fold_mismatch("smooth:ab12", "smooth:?")
     ('its codes hold a smoothing vector (SmoothQuant or AWQ) that these qparams do not apply', None)
     """
     if packed is None:
         return None
-    split = lambda tag: {p.split(":")[0]: p.partition(":")[2] for p in tag.split("+") if p}
-    a, b = split(packed), split(want)
+    a, b = fold_parts(packed), fold_parts(want)
     if ("rotate" in a) != ("rotate" in b):
         return ("its codes hold a Hadamard rotation that these qparams do not apply" if "rotate" in a
                 else "these qparams rotate the activation, but its codes were not rotated")

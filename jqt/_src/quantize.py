@@ -95,15 +95,16 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
-def _with_packed(p, pw):
-    """An op's state: its qparams ``p`` and packed weight ``pw``, the activation divided
-    by the smoothing vector the codes were multiplied by (as the codes run with their own
-    scales). Where the qparams were known when ``f`` was traced, their vector's digest was
-    compared with the one the packed weight records (``_check_folded``); passed to
-    ``jax.jit`` as an argument they are not, and a weight-only or dynamic op still gives
-    its packed weight's results."""
+def _with_packed(p, pw, own_smooth: bool):
+    """An op's state: its qparams ``p`` and packed weight ``pw``; on the integer path
+    (``own_smooth``) the activation divided by the smoothing vector the codes were
+    multiplied by (as the codes run with their own scales). Where the qparams were known
+    when ``f`` was traced, their vector's digest was compared with the one the packed
+    weight records (``_check_folded``); passed to ``jax.jit`` as an argument they are
+    not, and a weight-only or dynamic op still gives its packed weight's results. The
+    simulated path divides by the qparams' vector, which it differentiates."""
     pw = _complete(pw, p)
-    if pw is not None and pw.smooth is not None and p.smooth is not None:
+    if own_smooth and pw is not None and pw.smooth is not None and p.smooth is not None:
         p = dataclasses.replace(p, smooth=pw.smooth)
     return p, pw
 
@@ -196,7 +197,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 "by a matmul (tied embeddings) that op takes the gather's key. Skip the call "
                 "for an empty input.") from None
         keys = [s.key for s in traced.sites()]
-        state = {k: _with_packed(qparams[k], packed.get(k)) for k in keys if k in qparams}
+        state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
+                 for k in keys if k in qparams}
         outs = traced.run(args, handler, state)[0]
         outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
@@ -355,7 +357,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         try:
             grid = entry.grid_operand(src, p, operand)
             weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
-                                       folded=p.fold_tag, smooth=p.smooth)
+                                       folded=p.fold_tag.replace("smooth:", "smooth=", 1),
+                                       smooth=p.smooth)  # "=": the weight holds the vector
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight

@@ -557,6 +557,28 @@ def test_keras_sequential(keras):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=k)
 
 
+def test_keras_subclassed_model_whose_call_takes_no_training(keras):
+    """Legal Keras (model(x) works): from_keras passes training only where call takes it,
+    and says why training=True cannot be honoured there."""
+    class Plain(keras.Model):
+        def __init__(self):
+            super().__init__(name="plain")
+            self.fc = keras.layers.Dense(8, name="fc")
+
+        def call(self, x):
+            return self.fc(x)
+
+    m = Plain()
+    x = _normal(3, (4, 6), 1.0)
+    m(x)
+    f, params = jqt.from_keras(m)
+    np.testing.assert_allclose(f(params, x), m(x), rtol=1e-6)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), params, [(x,)], progress=False)
+    assert list(qp) == ["plain/fc/kernel"]
+    with pytest.raises(ValueError, match=r"training=True\): Plain.call takes no 'training'"):
+        jqt.from_keras(m, training=True)
+
+
 def test_keras_errors(keras, monkeypatch):
     with pytest.raises(ValueError, match="not built"):
         jqt.from_keras(keras.Sequential([keras.layers.Dense(2)]))

@@ -991,3 +991,14 @@ def test_ops_inside_a_primitive_jqt_does_not_enter_are_named_with_their_weights(
                       r"they read weight 'wq'\. .*jqt.quantize\(g, qparams\) inside"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert list(qp) == ["wo"]
+
+
+def test_warnings_point_at_the_line_that_called_jqt():
+    """A warning raised deep inside jqt (here: a group size that does not divide K, from
+    the calibration of one op) is attributed to the caller's line, not to jqt's."""
+    f = lambda w, x: jnp.tanh(x @ w)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(f, jqt.recipes.w4(group_size=5), jnp.ones((8, 4)), [(jnp.ones((2, 8)),)],
+                      progress=False)
+    assert got and all(w.filename == __file__ for w in got), [(w.filename, w.lineno) for w in got]

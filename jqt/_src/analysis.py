@@ -20,9 +20,8 @@ the body's keys (:func:`map_remainders`), so that their statistics are merged
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
-from . import compat, layout
+from . import compat, diagnostics, layout
 from .hops import HIGHER_ORDER
 from .plan import CONST, Plan, Site, Sub, VarInfo
 from .registry import OPS
@@ -204,7 +203,7 @@ class Analyzer:
                                "the expert axis ('ecd,edf->ecf' on tokens dispatched per expert) "
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
-                        warnings.warn(msg, stacklevel=4)
+                        diagnostics.warn(msg)
                         self.warned.append(msg)
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
                         reads = (f"; they read weight{'s' if len(paths) > 1 else ''} "
@@ -216,7 +215,7 @@ class Analyzer:
                                f"custom_jvp/vjp calls only; to quantize these ops, apply jqt to the "
                                f"function {name} calls (calibrate it, and call jqt.quantize(g, "
                                "qparams) inside).")
-                        warnings.warn(msg, stacklevel=4)
+                        diagnostics.warn(msg)
                         self.warned.append(msg)
             if outs is None:
                 w = all(info.weight for info in ins)
@@ -266,7 +265,7 @@ class Analyzer:
             if widx is None and path and not entry.is_cache:
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads weight '{path}' {how}, so the "
                        f"op is an activation x activation op and stays float. {fix}")
-                warnings.warn(msg, stacklevel=5)
+                diagnostics.warn(msg)
                 self.warned.append(msg)
         for k in range(len(ins)):
             if k != widx:
@@ -289,8 +288,8 @@ class Analyzer:
         subs = hop.subs(eqn, ins, scan_id)
         if name == "while":
             if _contains_quantizable(eqn.params["cond_jaxpr"].jaxpr):
-                warnings.warn(f"jqt: the cond_fun of a while_loop at '{stack or '<top>'}' holds a "
-                              "dot_general/conv; jqt leaves it float.", stacklevel=4)
+                diagnostics.warn(f"jqt: the cond_fun of a while_loop at '{stack or '<top>'}' holds a "
+                                 "dot_general/conv; jqt leaves it float.")
         if name == "scan":  # carries are data inside; a weight carried in is a float use
             nc, nk = compat.scan_counts(eqn)
             for info in ins[nc:nc + nk]:

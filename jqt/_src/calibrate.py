@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import numerics as nx
+from . import diagnostics, numerics as nx
 from . import groups, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
@@ -319,34 +319,33 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches)."""
     if not sites and not warned:  # (where the analysis warned, it said why ops stay float)
-        warnings.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
-                      "convolution, an embedding lookup from a weight, a key/value cache write): "
-                      "the qparams are empty and jqt.quantize runs f in float. docs/supported-ops.md "
-                      "lists the ops; jax.make_jaxpr(f) shows f's.", stacklevel=3)
+        diagnostics.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
+                         "convolution, an embedding lookup from a weight, a key/value cache write): "
+                         "the qparams are empty and jqt.quantize runs f in float. docs/supported-ops.md "
+                         "lists the ops; jax.make_jaxpr(f) shows f's.")
         return
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
     unmatched = [k for k in keys if chosen[k] is None]
     if unmatched:
-        warnings.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
-                      f"stay float: {listed(unmatched)}. Add a rule for them (a last "
-                      "jqt.Rule(key='.*', ...)) if they should be quantized.", stacklevel=3)
+        diagnostics.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
+                         f"stay float: {listed(unmatched)}. Add a rule for them (a last "
+                         "jqt.Rule(key='.*', ...)) if they should be quantized.")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
     if wants_cache and not any(s.entry.is_cache for s in sites):
-        warnings.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
-                      f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
-                      "that it writes whole vectors into: every buffer stays float. "
-                      "docs/generate.md lists the cache patterns jqt finds and those it does not "
-                      "(a jax.vmap inside f, a cache masked with jnp.where after the write).",
-                      stacklevel=3)
+        diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
+                         f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
+                         "that it writes whole vectors into: every buffer stays float. "
+                         "docs/generate.md lists the cache patterns jqt finds and those it does not "
+                         "(a jax.vmap inside f, a cache masked with jnp.where after the write).")
     elif wants_cache and lookalikes:
         where, slot = lookalikes[0]
-        warnings.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "
-                      f"quantizes, and in carry slot {slot} a buffer of the same shape and dtype "
-                      "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
-                      "new, cache) update?): that buffer stays float. Write it as the others "
-                      "are written to quantize it too (docs/generate.md).", stacklevel=3)
+        diagnostics.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "
+                         f"quantizes, and in carry slot {slot} a buffer of the same shape and dtype "
+                         "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
+                         "new, cache) update?): that buffer stays float. Write it as the others "
+                         "are written to quantize it too (docs/generate.md).")
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
         if r.key != ".*" and id(r) not in used:
@@ -354,8 +353,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
             why = ("every op it matches is taken by an earlier rule; move it ahead of them" if shadowed
                    else f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                    "(jqt.summarize lists the keys)")
-            warnings.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.",
-                          stacklevel=3)
+            diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.")
 
 
 def with_transforms(qparams, transforms):
@@ -510,7 +508,7 @@ def _decide(site, rule, st):
     if st is not None and st.weight is not None:
         _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
-        warnings.warn(never, stacklevel=3)
+        diagnostics.warn(never)
         return float_("never reached during calibration")
     shape = site.eqn.invars[w].aval.shape
     eff = weight_qtype(site, wt, shape)
@@ -520,11 +518,11 @@ def _decide(site, rule, st):
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
-            warnings.warn(f"{cannot} (groups run along axis {ax % len(shape)} of the weight "
-                          f"({where}), of length {eff.group_size}, and do not span the other "
-                          f"contracted axes); it gets group_size={eff.group_size}, one group per "
-                          "position of the others (finer than asked: more scales). Pick a group "
-                          f"size that divides {eff.group_size}, or a Rule for this key.", stacklevel=3)
+            diagnostics.warn(f"{cannot} (groups run along axis {ax % len(shape)} of the weight "
+                             f"({where}), of length {eff.group_size}, and do not span the other "
+                             f"contracted axes); it gets group_size={eff.group_size}, one group per "
+                             "position of the others (finer than asked: more scales). Pick a group "
+                             f"size that divides {eff.group_size}, or a Rule for this key.")
         else:
             if ax is None:
                 why, fix = (f"a {site.op} weight takes no groups", "A rule ahead of the preset's "
@@ -534,8 +532,7 @@ def _decide(site, rule, st):
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
                 fix = "Pick a group size that divides it, or a Rule for this key."
-            warnings.warn(f"{cannot} ({why}); it gets one scale per output channel. {fix}",
-                          stacklevel=3)
+            diagnostics.warn(f"{cannot} ({why}); it gets one scale per output channel. {fix}")
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)
@@ -546,15 +543,14 @@ def _decide(site, rule, st):
         else:
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
             if not np.isfinite(lo).all():
-                warnings.warn(never, stacklevel=3)
+                diagnostics.warn(never)
                 return float_("never reached during calibration")
             if not (np.asarray(lo) != 0).any() and not (np.asarray(hi) != 0).any():
-                warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op} at "
-                              f"'{site.name_stack or '<top>'}'): its activation was 0 on every "
-                              "calibration batch, so its static range is empty and any other "
-                              "input clips to it. Calibrate on data that reaches it with real "
-                              "values, or use dynamic activations (jqt.recipes.w8a8_dynamic()).",
-                              stacklevel=3)
+                diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} at "
+                                 f"'{site.name_stack or '<top>'}'): its activation was 0 on every "
+                                 "calibration batch, so its static range is empty and any other "
+                                 "input clips to it. Calibrate on data that reaches it with real "
+                                 "values, or use dynamic activations (jqt.recipes.w8a8_dynamic()).")
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
@@ -574,12 +570,12 @@ def _unseen_iterations(site, lo, hi):
         return lo, hi
     a, b = lo[~unseen].min(), hi[~unseen].max()
     which = [tuple(int(i) for i in ix) if len(ix) > 1 else int(ix[0]) for ix in np.argwhere(unseen)]
-    warnings.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under a scan over stacked layers "
-                  f"or experts): its activation saw no values (not reached, or only zeros) in "
-                  f"iterations {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
-                  f"they take the range of the others, [{a:.4g}, {b:.4g}]. Calibrate on data that "
-                  "reaches them (tokens for every expert), or use dynamic activations "
-                  "(jqt.recipes.w8a8_dynamic()).", stacklevel=4)
+    diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under a scan over stacked layers "
+                     f"or experts): its activation saw no values (not reached, or only zeros) in "
+                     f"iterations {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
+                     f"they take the range of the others, [{a:.4g}, {b:.4g}]. Calibrate on data that "
+                     "reaches them (tokens for every expert), or use dynamic activations "
+                     "(jqt.recipes.w8a8_dynamic()).")
     return np.where(unseen, a, lo), np.where(unseen, b, hi)
 
 

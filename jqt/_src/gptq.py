@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, groups, tracing, transforms, validate, weightcheck
+from . import compat, diagnostics, groups, tracing, transforms, validate, weightcheck
 from . import numerics as nx
 from .calibrate import CalibrationDataError, check_batch, check_batches, full_args
 from .dense import DenseAxes
@@ -227,14 +226,14 @@ def _rerounded(site, qp, leaf, h, n, opts):
             continue
         out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
     if unseen and not lead:  # GPTQ zeroes the weights of inputs that were always 0: all here
-        warnings.warn(f"jqt.gptq: op '{site.key}': its calibration inputs were all zero (a zero "
-                      "Hessian); it keeps plain rounding. Calibrate on data that reaches it with "
-                      "real values.", stacklevel=3)
+        diagnostics.warn(f"jqt.gptq: op '{site.key}': its calibration inputs were all zero (a zero "
+                         "Hessian); it keeps plain rounding. Calibrate on data that reaches it with "
+                         "real values.")
     elif unseen:
-        warnings.warn(f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
-                      f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
-                      f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate "
-                      "on data that reaches them (tokens for every expert).", stacklevel=3)
+        diagnostics.warn(f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
+                         f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
+                         f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate "
+                         "on data that reaches them (tokens for every expert).")
     layer_shape = tuple(wt.shape[d] for d in perm[nlead:])
     back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])
@@ -250,11 +249,11 @@ def _rerounded(site, qp, leaf, h, n, opts):
         if moved:
             why = (" (the op's rotation or smoothing spreads the cast's rounding over every element)"
                    if qp.rotate or qp.smooth is not None else "")
-            warnings.warn(f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ chose change "
-                          f"when its result is cast back to the weight's {result.dtype}{why}, and "
-                          f"jqt.pack stores the codes of the {result.dtype} weight. To keep GPTQ's codes, "
-                          "pass the params as float32 (jax.tree.map(lambda a: a.astype(jnp.float32), "
-                          "params)) to jqt.gptq and jqt.pack.", stacklevel=3)
+            diagnostics.warn(f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ chose change "
+                             f"when its result is cast back to the weight's {result.dtype}{why}, and "
+                             f"jqt.pack stores the codes of the {result.dtype} weight. To keep GPTQ's codes, "
+                             "pass the params as float32 (jax.tree.map(lambda a: a.astype(jnp.float32), "
+                             "params)) to jqt.gptq and jqt.pack.")
     return result
 
 
@@ -329,8 +328,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     eligible = [k for k in order if why[k] is None]
     skipped = [k for k in order if why[k] not in (None, "n/a")]
     if skipped:
-        warnings.warn("jqt.gptq: plain rounding for " + "; ".join(f"'{k}': {why[k]}" for k in skipped[:5])
-                      + (" ..." if len(skipped) > 5 else ""), stacklevel=2)
+        diagnostics.warn("jqt.gptq: plain rounding for " + "; ".join(f"'{k}': {why[k]}" for k in skipped[:5])
+                         + (" ..." if len(skipped) > 5 else ""))
     site_of = {s.key: s for s in sites}
     handler = _Hessians(set(eligible))
 

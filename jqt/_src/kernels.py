@@ -9,13 +9,12 @@ A weight matmul runs as a 2-D matmul over a packed weight (``dense.py``, and
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, experts, gemv, groups, intdot, native, patches
+from . import compat, dense, diagnostics, experts, gemv, groups, intdot, native, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import FLOAT8, unpack_nibbles
@@ -205,11 +204,11 @@ def run(site, eqn, ops, policy):
         want = wq.layout  # weight-only per channel (w8): every formulation reads either layout
     if packed_2d and wq.layout != want:
         names = {"nk": "(N, K)", "kn": "(K, N)"}
-        warnings.warn(f"jqt.quantize: op '{site.key}': its weight was packed {names[wq.layout]} "
-                      f"(another policy, or an older file), and this kernel policy reads it "
-                      f"{names[want]}: it is converted on every call. Pack it for this policy "
-                      "(jqt.pack(qparams, params, policy=...), the policy given to "
-                      "jqt.quantize) to skip the conversion.", stacklevel=2)
+        diagnostics.warn(f"jqt.quantize: op '{site.key}': its weight was packed {names[wq.layout]} "
+                         f"(another policy, or an older file), and this kernel policy reads it "
+                         f"{names[want]}: it is converted on every call. Pack it for this policy "
+                         "(jqt.pack(qparams, params, policy=...), the policy given to "
+                         "jqt.quantize) to skip the conversion.")
     to_layout = lambda q: dense.weight_in_layout(ax, q, want, w_shape)
     w2 = to_layout(wq)
     m = math.prod(x_shape[d] for d in ax.x_free)

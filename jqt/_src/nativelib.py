@@ -21,10 +21,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import jax
+
+from . import diagnostics
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
@@ -76,9 +77,9 @@ def native_status() -> NativeStatus:
                 _status = _build()
             except _BuildError as e:  # a compiler is there, but the build or load failed
                 _status = NativeStatus(False, str(e))
-                warnings.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
-                              "run as XLA programs (slower at few rows); set JQT_NATIVE=0 to "
-                              "skip the build.", RuntimeWarning, stacklevel=2)
+                diagnostics.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
+                                 "run as XLA programs (slower at few rows); set JQT_NATIVE=0 to "
+                                 "skip the build.", RuntimeWarning)
         return _status
 
 

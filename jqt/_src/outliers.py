@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import groups, transforms
+from . import diagnostics, groups, transforms
 from . import numerics as nx
 from .layout import apply_chain
 from .qparams import OpQParams
@@ -152,19 +151,19 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         out[site.key] = OpQParams(lhs=None, rhs=None, op=site.op, weight_operand=site.weight_operand,
                                   source=site.source, smooth=smooth, rotate=rotate)
     if skipped:
-        warnings.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
-                      "convolutions, lookups or batched dots; smooth/awq/rotate apply to dense "
-                      "ops only, so these are quantized without them.", stacklevel=3)
+        diagnostics.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
+                         "convolutions, lookups or batched dots; smooth/awq/rotate apply to dense "
+                         "ops only, so these are quantized without them.")
     if no_leaf:
-        warnings.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "
-                      "leaves; their smoothing factor needs the weight itself, so they are not "
-                      "smoothed.", stacklevel=3)
+        diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "
+                         "leaves; their smoothing factor needs the weight itself, so they are not "
+                         "smoothed.")
     if unrotated:
-        warnings.warn(f"jqt.calibrate: ops {unrotated[:5]}{' ...' if len(unrotated) > 5 else ''} "
-                      "contract an odd number of inputs (in brackets), which has no Hadamard "
-                      "rotation (docs/outliers.md, 'Rotation sizes'), so they are quantized "
-                      "without it. Pad the contracted axis to a multiple of a power of two (32, "
-                      "say), or give these ops a rule without rotate=True.", stacklevel=3)
+        diagnostics.warn(f"jqt.calibrate: ops {unrotated[:5]}{' ...' if len(unrotated) > 5 else ''} "
+                         "contract an odd number of inputs (in brackets), which has no Hadamard "
+                         "rotation (docs/outliers.md, 'Rotation sizes'), so they are quantized "
+                         "without it. Pad the contracted axis to a multiple of a power of two (32, "
+                         "say), or give these ops a rule without rotate=True.")
     return out
 
 

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
-from . import compat, kvcache, tracing, weightcheck
+from . import compat, diagnostics, kvcache, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .layout import apply_chain
 from .policy import KernelPolicy
@@ -376,20 +375,20 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             needed.add(src.leaf)
     if other_args and not weights and not unpackable:  # a weight argument without quantized
         # ops (norm gains) packs to itself; argnum given by mistake is said
-        warnings.warn(
+        diagnostics.warn(
             f"jqt.pack(argnum={argnum}): no quantized op reads a weight of argument {argnum} of f; "
             f"the qparams' ops read argument(s) {sorted(other_args)} (the weight_argnums they were "
             f"calibrated with), so nothing is packed: every leaf is kept as it is. Pass "
-            f"argnum={min(other_args)} to pack those.", stacklevel=2)
+            f"argnum={min(other_args)} to pack those.")
     _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
         src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:
-        warnings.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
-                      "reached by layout ops (constants, values computed from several leaves, or "
-                      "a leaf reordered by an index array, w[perm]); they are quantized at run "
-                      "time. To pack such a weight, store it as computed in params (e.g. the "
-                      "reordered w) and calibrate on those params.", stacklevel=2)
+        diagnostics.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
+                         "reached by layout ops (constants, values computed from several leaves, or "
+                         "a leaf reordered by an index array, w[perm]); they are quantized at run "
+                         "time. To pack such a weight, store it as computed in params (e.g. the "
+                         "reordered w) and calibrate on those params.")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)

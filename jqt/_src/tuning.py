@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import diagnostics
 from .calibrate import calibrate, check_batches
 from .qparams import OpQParams
 from .quantize import quantize
@@ -306,7 +307,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         warnings.simplefilter("always")
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
     for w in shown:  # the user's to see; the final calibration re-emits only what is new
-        warnings.warn(w.message, stacklevel=2)
+        diagnostics.warn(w.message)
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     else:
@@ -371,13 +372,13 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         before = {str(w.message) for w in shown}
         for w in final:  # what ``to`` could not do for the kept ops (e.g. a group size)
             if str(w.message) not in before:
-                warnings.warn(w.message, stacklevel=2)
+                diagnostics.warn(w.message)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:
-        warnings.warn(
+        diagnostics.warn(
             f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
             f"trials: the best choice keeps {list(kept)} back and scores {m_final:.4g} against "
             f"{m_float:.4g} in float. Allow more trials (max_trials), a larger max_drop, or a "
-            "more precise fallback (to=None keeps ops float).", stacklevel=2)
+            "more precise fallback (to=None keeps ops float).")
     return result

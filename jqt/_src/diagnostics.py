@@ -1,0 +1,34 @@
+"""jqt's warnings, attributed to the caller's code.
+
+A warning raised deep inside jqt (a calibrator, the analysis of a jaxpr) names the line
+of the user's program that called jqt, not jqt's own: :func:`warn` walks the stack out of
+the package first, as Python 3.12's ``skip_file_prefixes`` does.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` of the innermost frame outside jqt, seen from ``warn``'s caller."""
+    level, frame = 2, sys._getframe(2)  # the frame of warn's caller's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn(message: str, category: type = UserWarning) -> None:
+    """``warnings.warn(message, category)`` at the first frame outside jqt.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     warn("jqt: a test")
+    >>> w[0].filename.endswith("diagnostics.py"), str(w[0].message)
+    (False, 'jqt: a test')
+    """
+    warnings.warn(message, category, stacklevel=caller_level())

@@ -386,7 +386,7 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
     src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     jqt.save_packed(src, packed, qp)
     _rewrite_header(src, dst, version=99)
-    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads versions \(1, 2, 3\)"):
+    with pytest.raises(ValueError, match=r"'jqt.packed' version 99; this jqt reads versions \(1, 2, 3, 4\)"):
         jqt.load_packed(dst)
     jqt.save(src, qp)
     _rewrite_header(src, dst, version=5)
@@ -404,16 +404,18 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
                                     pytest.param(jqt.recipes.w8a8(rotate=True), marks=pytest.mark.slow)],
                          ids=["smooth", "rotate"])  # rotate: CI
 def test_packed_files_of_transformed_codes_get_the_next_version(tmp_path, models, recipe):
-    """Codes with a smoothing vector or rotation folded in are written as jqt.packed
-    version 3, with or without their qparams: a jqt that reads version 2 only, and would
-    ignore the transform, refuses the file. Plain codes stay version 2."""
+    """Codes with a rotation folded in are written as jqt.packed version 3, with or without
+    their qparams: a jqt that reads version 2 only, and would ignore the transform, refuses
+    the file. Codes with a smoothing vector folded in hold the vector too: version 4, which
+    a jqt that reads 3 (and would call the file damaged) refuses. Plain codes stay 2."""
     f, params, x = models["mlp_w8a8"][:3]
     qp = jqt.calibrate(f, recipe, params, [(x,)], progress=False)
     packed = jqt.pack(qp, params)
+    want = "4" if recipe.rules[-1].smooth is not None else "3"
     for with_qparams in (True, False):
         path = str(tmp_path / f"t{with_qparams}.safetensors")
         jqt.save_packed(path, packed, qp if with_qparams else None)
-        assert _metadata(path)[0]["version"] == "3"
+        assert _metadata(path)[0]["version"] == want
         back = jqt.load_packed(path, qparams=qp)
         np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp))(back, x),
                                       jax.jit(jqt.quantize(f, qp))(packed, x))

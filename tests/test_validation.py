@@ -976,6 +976,11 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         jqt.pack(qp, params)
     with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
         qf(params, x)
+    qp2 = jax.tree.map(jnp.copy, qp)
+    qf2 = jqt.quantize(f, qp2)
+    qp2["w"].rhs.scale.delete()  # closed over by jax.jit below: named when it traces
+    with pytest.raises(ValueError, match=r"jqt.quantize: qparams leaf \['w'\].rhs.scale has been"):
+        jax.jit(qf2)(p, x)
 
 
 def test_ops_inside_a_primitive_jqt_does_not_enter_are_named_with_their_weights():

@@ -206,9 +206,10 @@ class Analyzer:
                         diagnostics.warn(msg)
                         self.warned.append(msg)
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
-                        reads = (f"; they read weight{'s' if len(paths) > 1 else ''} "
-                                 f"{', '.join(repr(q) for q in paths[:4])}{' ...' if len(paths) > 4 else ''}"
-                                 if paths else "")
+                        named = list(dict.fromkeys(paths))
+                        reads = (f"; they read weight{'s' if len(named) > 1 else ''} "
+                                 f"{', '.join(repr(q) for q in named[:4])}{' ...' if len(named) > 4 else ''}"
+                                 if named else "")
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
                                f"ops that jqt cannot rewrite: they stay float, with no qparams{reads}. "
                                "jqt quantizes inside jit, closed_call, scan, while, cond, remat and "

@@ -22,8 +22,8 @@ def from_keras(model, *, training: bool = False):
     ``"dense/kernel"``) to its value, trainable and non-trainable variables
     alike (so batch-norm statistics are weights too). ``f(params, *inputs)``
     returns ``model.stateless_call(trainable, non_trainable, *inputs,
-    training=training)[0]`` (``training`` passed where the model's ``call`` takes it, as
-    Keras does): the model's outputs as a pure function, ready for
+    training=training)[0]`` (``training`` passed only where the model's ``call`` accepts
+    it): the model's outputs as a pure function, ready for
     :func:`jqt.calibrate`, :func:`jqt.quantize` and :func:`jqt.pack`. Updated
     non-trainable variables (``training=True``) are dropped.
 
@@ -72,10 +72,10 @@ def from_keras(model, *, training: bool = False):
     takes = any(q.name == "training" or q.kind is q.VAR_KEYWORD for q in sig)
     if training and not takes:
         raise ValueError(f"jqt.from_keras(training=True): {type(model).__name__}.call takes no "
-                         "'training' argument, so its layers cannot be told to run in training "
-                         "mode. Add 'training=None' to call and pass it on to the layers that use "
-                         "it, or use training=False.")
-    mode = {"training": training} if takes else {}  # Keras passes it only where call takes it
+                         "'training' argument, and stateless_call calls call directly, so its "
+                         "layers cannot be told to run in training mode. Add 'training=None' to "
+                         "call and pass it on to the layers that use it, or use training=False.")
+    mode = {"training": training} if takes else {}  # passed only where call accepts it
 
     def f(params, *inputs):
         outputs, _ = model.stateless_call([params[p] for p in trainable],

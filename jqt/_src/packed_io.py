@@ -158,6 +158,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     version = versioned(PACKED_VERSION, qparams)
     if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
         version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
+    if any(holds_smooth(w.folded) for w in packed.weights.values()):
+        version = PACKED_VERSION + 2  # smoothing vectors held: a jqt reading 3 must refuse it
     write(path, tensors, header, PACKED_FORMAT, version)
 
 

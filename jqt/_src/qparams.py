@@ -11,6 +11,7 @@ The invariant, as in MLIR's quant dialect: ``real ~= (q - zero_point) * scale``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Optional
 
@@ -125,20 +126,6 @@ class QArray:
             raise ValueError(f"jqt.QArray(smooth=...): a packed weight that holds its smoothing "
                              f"vector records it in folded ('smooth=<digest>'), not {self.folded!r}")
 
-    def _children(self):
-        names = _QARRAY_DATA + (("smooth",) if holds_smooth(self.folded) else ())
-        return [(jax.tree_util.GetAttrKey(n), getattr(self, n)) for n in names]
-
-    def _aux(self):
-        return (self.qtype, self.layout, self.folded)
-
-    @classmethod
-    def _rebuild(cls, aux, children):
-        children = list(children)  # four fields, then the smoothing vector where present
-        qtype, layout, folded = aux
-        return cls(*children[:4], qtype=qtype, layout=layout, folded=folded,
-                   smooth=children[4] if len(children) > 4 else None)
-
     @property
     def nibbles(self) -> bool:
         """Whether ``values`` hold two codes per byte (uint8 codes of 4 bits or fewer).
@@ -188,6 +175,7 @@ def fold_parts(tag: Optional[str]) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def holds_smooth(folded: Optional[str]) -> bool:
     """Whether a packed weight whose ``QArray.folded`` is ``folded`` holds its smoothing
     vector (``"smooth=<digest>"``), a fifth pytree child.
@@ -196,9 +184,37 @@ def holds_smooth(folded: Optional[str]) -> bool:
     (True, False, False)
     """
     return any(p.startswith("smooth=") for p in (folded or "").split("+"))
-jax.tree_util.register_pytree_with_keys(
-    QArray, lambda a: (a._children(), a._aux()), QArray._rebuild,
-    lambda a: ([c for _, c in a._children()], a._aux()))
+_KEYS = tuple(jax.tree_util.GetAttrKey(n) for n in _QARRAY_DATA + ("smooth",))
+
+
+def _flatten(a: QArray):
+    """Four children (values, scale, zero point, sums), and the smoothing vector fifth
+    where ``folded`` records that the weight holds one; the format as static data."""
+    aux = (a.qtype, a.layout, a.folded)
+    if holds_smooth(a.folded):
+        return (a.values, a.scale, a.zero_point, a.sums, a.smooth), aux
+    return (a.values, a.scale, a.zero_point, a.sums), aux
+
+
+def _flatten_with_keys(a: QArray):
+    children, aux = _flatten(a)
+    return tuple(zip(_KEYS, children)), aux
+
+
+def _unflatten(aux, children) -> QArray:
+    """Rebuilds without ``__init__`` (its check), as JAX fills the children with
+    placeholders (``None`` in a tree of specs, tracers, sentinels)."""
+    a = object.__new__(QArray)
+    children = tuple(children)
+    for name, value in zip(_QARRAY_DATA, children):
+        object.__setattr__(a, name, value)
+    object.__setattr__(a, "smooth", children[4] if len(children) > 4 else None)
+    for name, value in zip(("qtype", "layout", "folded"), aux):
+        object.__setattr__(a, name, value)
+    return a
+
+
+jax.tree_util.register_pytree_with_keys(QArray, _flatten_with_keys, _unflatten, _flatten)
 
 
 def codes_problem(w: QArray) -> str:

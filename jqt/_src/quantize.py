@@ -221,6 +221,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                     check_alive(list(args), f"{getattr(f, '__name__', 'f')} (quantized)",
                                 "argument")
                 raise
+        if qparams_concrete:  # closed over by jax.jit: constants, which a donation can delete
+            check_alive(qparams, "jqt.quantize", "qparams")
         return run(qparams, args)  # under a transformation: traced inline
 
     return qf

@@ -58,7 +58,9 @@ NPZ_READ = (1, 2)
 # Files whose qparams hold outlier transforms (smooth, rotate) or narrow accumulators get
 # the next version of their format (npz 2, safetensors 4, packed 3; packed 3 also for codes
 # with a transform folded in, saved without qparams), so that a jqt that cannot apply them
-# refuses the file instead of dropping them.
+# refuses the file instead of dropping them. Packed weights that hold their smoothing vector
+# (a tensor 'smooth', recorded as 'smooth=<digest>') are packed 4: a jqt that reads 3 would
+# call them damaged.
 
 
 def versioned(version, qparams):
@@ -71,7 +73,7 @@ def versioned(version, qparams):
 ST_VERSION = 3  # the safetensors format of qparams (3: QuantType by dtype and group size)
 ST_READ = (2, 3, 4)  # versions this jqt reads (2: integer types only)
 PACKED_VERSION = 2  # 2: each weight a QArray (codes, sums, scale, zero point, type)
-PACKED_READ = (1, 2, 3)
+PACKED_READ = (1, 2, 3, 4)  # 4: weights that hold their smoothing vector ('smooth=<digest>')
 
 
 def _tuplify(x):

@@ -85,8 +85,9 @@ class Static:
 
 def _jax_dtype(dtype) -> bool:
     """Whether JAX traces a NumPy array of ``dtype``: numbers and booleans, ml_dtypes'
-    (bfloat16, float8, int4) included, whose NumPy kind is ``'V'`` as raw bytes' is."""
-    return dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
+    (bfloat16, float8, int4) included, whose NumPy kind is ``'V'`` as raw bytes' is (not
+    ``timedelta64``, which NumPy counts as a signed integer)."""
+    return dtype == np.bool_ or (jnp.issubdtype(dtype, np.number) and dtype.kind != "m")
 
 
 def untraceable(leaf) -> str | None:

@@ -349,6 +349,20 @@ class OpQParams:
         return "+".join(parts)
 
     @property
+    def packed_tag(self) -> str:
+        """:attr:`fold_tag` as :func:`jqt.pack` records it in the ``QArray.folded`` of a
+        weight that holds its smoothing vector: ``"smooth=<digest>"`` for
+        ``"smooth:<digest>"`` (see :func:`holds_smooth`).
+
+        >>> import jax.numpy as jnp, jqt
+        >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(smooth=0.5), jnp.eye(4),
+        ...                    [(jnp.ones((2, 4)),)], progress=False)
+        >>> qp["w"].packed_tag == jqt.pack(qp, jnp.eye(4)).weights["w"].folded
+        True
+        """
+        return self.fold_tag.replace("smooth:", "smooth=", 1)
+
+    @property
     def is_float(self) -> bool:
         """True when neither operand is quantized (the op runs in float)."""
         return self.lhs is None and self.rhs is None

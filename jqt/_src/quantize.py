@@ -358,8 +358,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         try:
             grid = entry.grid_operand(src, p, operand)
             weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
-                                       folded=p.fold_tag.replace("smooth:", "smooth=", 1),
-                                       smooth=p.smooth)  # "=": the weight holds the vector
+                                       folded=p.packed_tag, smooth=p.smooth)
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight

@@ -352,7 +352,7 @@ class OpQParams:
     def packed_tag(self) -> str:
         """:attr:`fold_tag` as :func:`jqt.pack` records it in the ``QArray.folded`` of a
         weight that holds its smoothing vector: ``"smooth=<digest>"`` for
-        ``"smooth:<digest>"`` (see :func:`holds_smooth`).
+        ``"smooth:<digest>"``.
 
         >>> import jax.numpy as jnp, jqt
         >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(smooth=0.5), jnp.eye(4),

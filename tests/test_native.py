@@ -370,6 +370,41 @@ def test_custom_vjp_around_the_quantized_op():
     _close(jax.jit(jqt.quantize(f, qp))(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
 
 
+# kernels x row tiles (1-4 rows and 5, 8), N with a tail past 32 columns (72, 40, 24)
+ISA_CASES = ("w4_g128", "w4_g32_asym", "nf4_g64", "int3_g32", "w4_per_channel_asym_k258", "w8",
+             "w8_asym_k300", "fp8", "fp8_e5m2_dynamic_k301")
+
+
+def _isa_outputs(names):
+    """name -> the jitted quantized call's output on CASES[name]'s inputs."""
+    out = {}
+    for name in names:
+        recipe, k, n, m = CASES[name]
+        f, p, qp, x = _setup(recipe, k, n, m)
+        out[name] = np.asarray(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x))
+    return out
+
+
+@needs_kernel
+def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
+    """Where the CPU has AVX-512, the 4-bit and (K, N) int8 / fp8 kernels run 16 columns
+    per instruction; each column's fused multiply-adds are the AVX2 loop's, so a process
+    with ``JQT_NATIVE_ISA=avx2`` gives the same bits."""
+    if "AVX-512" not in jqt.native_status().reason:
+        pytest.skip(f"no AVX-512 kernels here: {jqt.native_status().reason}")
+    code = ("import sys, numpy as np\n"
+            f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            "import jqt, test_native as t\n"
+            "assert '(AVX2 kernels)' in jqt.native_status().reason, jqt.native_status()\n"
+            f"np.savez({str(tmp_path / 'avx2.npz')!r}, **t._isa_outputs(t.ISA_CASES))\n")
+    env = {**os.environ, "JQT_NATIVE_ISA": "avx2", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    avx2 = np.load(tmp_path / "avx2.npz")
+    for name, out in _isa_outputs(ISA_CASES).items():
+        np.testing.assert_array_equal(out, avx2[name], err_msg=name)
+
+
 @pytest.mark.slow  # a subprocess: CI
 def test_disabled_by_environment_variable():
     code = ("import jax, jqt, numpy as np\n"

@@ -8,8 +8,9 @@ formulations decode the codes to float32 (chunk by chunk, in cache) or split the
 activation into int8 digits, and took 0.76x (``w4`` g128) and 0.59x (``w8``) a float32
 4096 x 4096 layer at one row where their bytes are 0.125x and 0.25x
 (``benchmarks/formats.py``). Two kernels in ``csrc/grouped_gemv.cc`` read the codes
-once, front to back, and decode them in registers (AVX2 + FMA) into float32 sums: the
-arithmetic of the float32 matmul of the decoded weight, in another order.
+once, front to back, and decode them in registers (AVX2 + FMA, or AVX-512 where the CPU
+has it: the same bits) into float32 sums: the arithmetic of the float32 matmul of the
+decoded weight, in another order.
 
 * ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales (or one scale per
   output channel), two per byte, packed ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);

@@ -5,7 +5,10 @@ run time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI head
 (``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
 ``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
 without AVX2 + FMA, or ``JQT_NATIVE=0``) the ops that would call them run XLA
-formulations instead: :func:`native_status` says which and why. The ops themselves are
+formulations instead: :func:`native_status` says which and why. On CPUs with AVX-512
+(F + BW) the 4-bit and ``(K, N)`` int8 / fp8 kernels run 16 columns per instruction (the same
+bits as their AVX2 loops); ``JQT_NATIVE_ISA=avx2``, set before the first use, keeps them
+on AVX2. The ops themselves are
 primitives in ``native.py`` (few-row matmuls) and ``nibbledecode.py`` (whole-weight
 decodes); this module has no dependency on them.
 """
@@ -153,11 +156,15 @@ def _build() -> NativeStatus:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
         raise _BuildError(f"could not load {lib}: {e}") from e
-    if handle.jqt_native_isa() < 2:
+    isa = handle.jqt_native_isa()
+    if isa < 2:
         return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
     jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
     jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
     jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
     jax.ffi.register_ffi_target(DECODE, jax.ffi.pycapsule(handle.JqtNibbleDecode), platform="cpu")
-    return NativeStatus(True, f"built with {' '.join(cxx)}: {lib}", str(lib))
+    # AVX-512 where the CPU has it (F + BW) and JQT_NATIVE_ISA is not "avx2", for the 4-bit
+    # and (K, N) int8 / fp8 kernels: the same bits as their AVX2 loops
+    kind = "AVX-512" if isa == 3 else "AVX2"
+    return NativeStatus(True, f"built with {' '.join(cxx)}: {lib} ({kind} kernels)", str(lib))

@@ -20,7 +20,8 @@
 //
 // The codes are read once, in place, and decoded in registers: each byte row of the weight
 // is XORed with 0x88 (the nibbles become code + 8, in 0..15), widened, converted to float32
-// (or looked up in the table) and multiplied into float32 sums over the group (AVX2 + FMA);
+// (or looked up in the table) and multiplied into float32 sums over the group (AVX2 + FMA,
+// or AVX-512 where the CPU has it: each column's operations the same, in the same order);
 // the "+ 8" of int codes is removed with 8 x summed by the same fused multiply-adds, so
 // zero codes give 0 exactly (a row whose group's x could make that overflow, inf - inf,
 // takes exact_group instead). A group's sums are exact integers times x's float32 values,
@@ -134,6 +135,69 @@ bool has_avx2() {
                          __builtin_cpu_supports("f16c");  // every AVX2 CPU has F16C
   return ok;
 }
+
+// AVX-512 (F, BW): the 4-bit and int8 (K, N) kernels run 16 columns per instruction where the CPU
+// has it, unless JQT_NATIVE_ISA=avx2 (read once, when the library is first used). Each
+// column's fused multiply-adds are the AVX2 loop's, in its order: the same bits.
+bool has_avx512() {
+  static const bool ok = [] {
+    const char* isa = std::getenv("JQT_NATIVE_ISA");
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           !(isa && std::string(isa) == "avx2");
+  }();
+  return ok;
+}
+
+// 16 nibbles (code + 8) -> float32: converted, or the table's entry (one permute).
+template <bool LUT>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) inline __m512 values512(__m512i u, __m512 t) {
+  return LUT ? _mm512_permutexvar_ps(u, t) : _mm512_cvtepi32_ps(u);
+}
+
+template <int M, bool LUT>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void rows_avx512(const float* __restrict x, int64_t K,
+                                                             const uint8_t* __restrict w, int64_t N,
+                                                             int64_t r0, int64_t r1,
+                                                             float* __restrict acc, int64_t W,
+                                                             int64_t n0, const float* table) {
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  const __m512i low = _mm512_set1_epi32(15);
+  const __m512 t = LUT ? _mm512_loadu_ps(table) : _mm512_setzero_ps();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * N + n0;
+    __m512 xe[M], xo[M];
+    for (int m = 0; m < M; ++m) {
+      xe[m] = _mm512_set1_ps(x[m * K + 2 * r]);
+      xo[m] = _mm512_set1_ps(x[m * K + 2 * r + 1]);
+    }
+    int64_t n = 0;
+    for (; n + 32 <= W; n += 32) {
+      if ((n & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + n + 2048), _MM_HINT_T0);
+      const __m512i va = _mm512_cvtepu8_epi32(
+          _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + n)), flip));
+      const __m512i vb = _mm512_cvtepu8_epi32(
+          _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + n + 16)), flip));
+      const __m512 la = values512<LUT>(_mm512_and_si512(va, low), t);
+      const __m512 ha = values512<LUT>(_mm512_srli_epi32(va, 4), t);
+      const __m512 lb = values512<LUT>(_mm512_and_si512(vb, low), t);
+      const __m512 hb = values512<LUT>(_mm512_srli_epi32(vb, 4), t);
+      for (int m = 0; m < M; ++m) {
+        float* a = acc + m * W + n;
+        __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
+        a0 = _mm512_fmadd_ps(xo[m], ha, _mm512_fmadd_ps(xe[m], la, a0));
+        a1 = _mm512_fmadd_ps(xo[m], hb, _mm512_fmadd_ps(xe[m], lb, a1));
+        _mm512_storeu_ps(a, a0);
+        _mm512_storeu_ps(a + 16, a1);
+      }
+    }
+    for (; n < W; ++n) {  // the same fused multiply-adds, in the same order, as above
+      const uint8_t u = row[n] ^ 0x88;
+      for (int m = 0; m < M; ++m)
+        acc[m * W + n] = std::fma(x[m * K + 2 * r + 1], nibble(table, u >> 4),
+                                  std::fma(x[m * K + 2 * r], nibble(table, u & 15), acc[m * W + n]));
+    }
+  }
+}
 #endif
 
 // Calls f(m0, tile) for each tile of up to 4 rows of x from row m0, with the tile's row count
@@ -183,6 +247,10 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
       const float* xm = x + m0 * K;
       float* am = acc.data() + m0 * N;
 #ifdef JQT_X86
+      if (has_avx512()) {
+        if (table) return rows_avx512<mm, true>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
+        return rows_avx512<mm, false>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
+      }
       if (has_avx2()) {
         if (table) return rows_avx2<mm, true>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
         return rows_avx2<mm, false>(xm, K, w, N, g * R, (g + 1) * R, am, N, 0, table);
@@ -484,6 +552,70 @@ __attribute__((target("avx2,fma,f16c"))) void channel_kn_avx2(const float* __res
   }
   channel_kn_scalar<C>(x, K, M, w, N, k, k1, 0, acc);
 }
+
+// 32 codes from p as float32 (AVX-512): f the first 16, g the next 16, as load16 decodes them.
+template <Codes C>
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) inline void load32(const uint8_t* p, __m512& f, __m512& g) {
+  if constexpr (C == Codes::kInt8) {
+    f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    g = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  } else {
+    const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512i h;
+    if constexpr (C == Codes::kE5M2 || C == Codes::kE5M2Units) {
+      h = _mm512_slli_epi16(u, 8);
+    } else {
+      const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi16(0x7F));
+      h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8),
+                          _mm512_slli_epi16(mag, 7));
+      h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)),
+                                _mm512_set1_epi16(0x7E00));
+    }
+    f = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    g = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    if constexpr (C == Codes::kE5M2Units) {
+      f = _mm512_mul_ps(f, _mm512_set1_ps(0x1p-15f));
+      g = _mm512_mul_ps(g, _mm512_set1_ps(0x1p-15f));
+    }
+  }
+}
+
+// channel_kn_avx2 at 32 columns per step: each column's fused multiply-adds in the same order.
+// (A copy of its loop at another vector width on purpose: a function's target ISA cannot be a
+// template parameter, and the two must stay operation for operation the same.)
+template <int M, Codes C>
+__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void channel_kn_avx512(
+    const float* __restrict x, int64_t K, const uint8_t* __restrict w, int64_t N, int64_t k0,
+    int64_t k1, float* __restrict acc) {
+  constexpr int R = 4;
+  int64_t k = k0;
+  for (; k + R <= k1; k += R) {
+    const uint8_t* rows = w + k * N;
+    __m512 xr[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) xr[r][m] = _mm512_set1_ps(x[m * K + k + r]);
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32) {
+      if ((n & 63) == 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(rows + (R + r) * N + n), _MM_HINT_T0);
+      __m512 f[R], g[R];
+      for (int r = 0; r < R; ++r) load32<C>(rows + r * N + n, f[r], g[r]);
+      for (int m = 0; m < M; ++m) {
+        float* a = acc + m * N + n;
+        __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16);
+        for (int r = 0; r < R; ++r) {
+          a0 = _mm512_fmadd_ps(xr[r][m], f[r], a0);
+          a1 = _mm512_fmadd_ps(xr[r][m], g[r], a1);
+        }
+        _mm512_storeu_ps(a, a0);
+        _mm512_storeu_ps(a + 16, a1);
+      }
+    }
+    channel_kn_scalar<C>(x, K, M, w, N, k, k + R, n, acc);
+  }
+  channel_kn_scalar<C>(x, K, M, w, N, k, k1, 0, acc);
+}
 #endif
 
 // acc[m][0:N] += sum over K's rows k0..k1 of x[m, k] * code[k, 0:N], every row of x.
@@ -493,6 +625,7 @@ void channel_kn_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int
   row_tiles(M, [&](int64_t m0, auto tile) {
     constexpr int mm = decltype(tile)::value;
 #ifdef JQT_X86
+    if (has_avx512()) return channel_kn_avx512<mm, C>(x + m0 * K, K, w, N, k0, k1, acc + m0 * N);
     if (has_avx2()) return channel_kn_avx2<mm, C>(x + m0 * K, K, w, N, k0, k1, acc + m0 * N);
 #endif
     channel_kn_scalar<C>(x + m0 * K, K, mm, w, N, k0, k1, 0, acc + m0 * N);
@@ -786,10 +919,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtNibbleDecode, NibbleDecode,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group_size"));
 
-// 2: AVX2 + FMA (+ F16C) kernels; 0: the portable scalar loop only (jqt does not use it then).
+// 3: AVX-512 kernels where they exist, else AVX2; 2: AVX2 + FMA (+ F16C) kernels; 0: the
+// portable scalar loop only (jqt does not use it then).
 extern "C" int jqt_native_isa() {
 #ifdef JQT_X86
-  return has_avx2() ? 2 : 0;
+  return has_avx512() ? 3 : has_avx2() ? 2 : 0;
 #else
   return 0;
 #endif

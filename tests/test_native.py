@@ -93,6 +93,9 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
     "fp8_e5m2_dynamic_k301": (jqt.Recipe(rules=(jqt.Rule(
         weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
         activation=jqt.QuantType(dtype="float8_e5m2", dynamic=True)),)), 301, 40, 6),
+    # N = 56: 32 columns and 16 more, which the AVX-512 kernels take as the AVX2 ones do
+    "w8_n56": (R.w8(), 256, 56, 3),
+    "fp8_n56": (R.fp8(), 64, 56, 2),
     "fp8_weight_only": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True),
                                                    activation=None),)), 256, 24, 2),
 }
@@ -371,8 +374,8 @@ def test_custom_vjp_around_the_quantized_op():
 
 
 # kernels x row tiles (1-4 rows and 5, 8), N with a tail past 32 columns (72, 40, 24)
-ISA_CASES = ("w4_g128", "w4_g32_asym", "nf4_g64", "int3_g32", "w4_per_channel_asym_k258", "w8",
-             "w8_asym_k300", "fp8", "fp8_e5m2_dynamic_k301")
+ISA_CASES = ("w4_g128", "w4_g32_asym", "nf4_g64", "int3_g32", "w4_per_channel_asym_k258", "w8", "w8_n56",
+             "w8_asym_k300", "fp8", "fp8_n56", "fp8_e5m2_dynamic_k301")
 
 
 def _isa_outputs(names):

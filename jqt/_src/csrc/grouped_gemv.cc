@@ -516,6 +516,27 @@ __attribute__((target("avx2,fma,f16c"))) inline void load16(const uint8_t* p, __
   }
 }
 
+// The columns n..n+15 of R rows of K from rows (row r's x values broadcast in xr[r]) added
+// into the sums: acc[m][n + j] = fma(x[r], code[r][n + j], ...) for r = 0..R-1 in order.
+template <int M, Codes C, int R>
+__attribute__((target("avx2,fma,f16c"))) inline void kn_step16(const uint8_t* __restrict rows,
+                                                               int64_t N, int64_t n,
+                                                               const __m256 (&xr)[R][M],
+                                                               float* __restrict acc) {
+  __m256 f[R], g[R];
+  for (int r = 0; r < R; ++r) load16<C>(rows + r * N + n, f[r], g[r]);
+  for (int m = 0; m < M; ++m) {
+    float* a = acc + m * N + n;
+    __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+    for (int r = 0; r < R; ++r) {
+      a0 = _mm256_fmadd_ps(xr[r][m], f[r], a0);
+      a1 = _mm256_fmadd_ps(xr[r][m], g[r], a1);
+    }
+    _mm256_storeu_ps(a, a0);
+    _mm256_storeu_ps(a + 8, a1);
+  }
+}
+
 // Four rows of K per pass over the sums, which are read and written once per four rows of
 // codes (two rows per pass ran the 100M decoder's step slower than jqt_channel_gemv).
 template <int M, Codes C>
@@ -535,18 +556,7 @@ __attribute__((target("avx2,fma,f16c"))) void channel_kn_avx2(const float* __res
       if ((n & 63) == 0)  // the same columns of the next R rows
         for (int r = 0; r < R; ++r)
           _mm_prefetch(reinterpret_cast<const char*>(rows + (R + r) * N + n), _MM_HINT_T0);
-      __m256 f[R], g[R];
-      for (int r = 0; r < R; ++r) load16<C>(rows + r * N + n, f[r], g[r]);
-      for (int m = 0; m < M; ++m) {
-        float* a = acc + m * N + n;
-        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-        for (int r = 0; r < R; ++r) {
-          a0 = _mm256_fmadd_ps(xr[r][m], f[r], a0);
-          a1 = _mm256_fmadd_ps(xr[r][m], g[r], a1);
-        }
-        _mm256_storeu_ps(a, a0);
-        _mm256_storeu_ps(a + 8, a1);
-      }
+      kn_step16<M, C, R>(rows, N, n, xr, acc);
     }
     channel_kn_scalar<C>(x, K, M, w, N, k, k + R, n, acc);
   }
@@ -611,6 +621,13 @@ __attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))) void channel_kn_avx512
         _mm512_storeu_ps(a, a0);
         _mm512_storeu_ps(a + 16, a1);
       }
+    }
+    if (n + 16 <= N) {  // 16 more columns as the AVX2 loop takes them (fused; the rest is not)
+      __m256 xr8[R][M];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) xr8[r][m] = _mm256_set1_ps(x[m * K + k + r]);
+      kn_step16<M, C, R>(rows, N, n, xr8, acc);
+      n += 16;
     }
     channel_kn_scalar<C>(x, K, M, w, N, k, k + R, n, acc);
   }

@@ -202,17 +202,18 @@ int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             code's bits (a gather from
                             its 16-entry table was
                             slower: numerics.py)
-nf4 decoded whole (more     on AVX2 without AVX-512:    XLA's decode (the select
+nf4 decoded whole (more     on AVX2 (and AVX-512):      XLA's decode (the select
 than 8 rows, a float copy   jqt's native kernel         tree)
 of at most 3 MiB, or more   ``jqt_nibble_decode``, the
-than 64 rows):              table's halves in two
-native_decode               registers (MiniLM nf4 g64
-                            b1 / b8: 0.72 / 1.00x and
-                            0.82 / 1.01x float32
-                            against 0.89 / 1.08x and
-                            1.00 / 1.12x); int4 codes
-                            and AVX-512 CPUs: XLA's
-                            decode (faster there)
+than 64 rows):              table in registers (MiniLM
+native_decode               nf4 g64 b1 / b8, AVX2 CPU:
+                            0.72 / 1.00x and 0.82 /
+                            1.01x float32 against 0.89
+                            / 1.08x and 1.00 / 1.12x;
+                            AVX-512: 1.04 / 1.01x
+                            against 1.08 / 1.04x);
+                            int4 codes: XLA's decode
+                            (faster there)
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             from its bits (float16 bit  (H200: 1.34x bfloat16 at
                             tricks: XLA:CPU's own fp8   one row of a 4096 layer,
@@ -467,7 +468,7 @@ class KernelPolicy:
         too (slower than XLA's decode in the model: all-MiniLM-L6-v2 ``w4`` g64 at
         batch 1 0.67x float32 against 0.58x); 0 never. The same bits as XLA's decode;
         inside ``jax.export`` and where the kernels do not build, XLA's. The CPU table
-        sets 1 on an AVX2 CPU without AVX-512, 0 elsewhere
+        sets 1 on a CPU with AVX2 (with or without AVX-512), 0 elsewhere
         (``jqt._src.policy.native_nf4_decode_pays``).
 
       batched_map: a weight with batch axes (a mixture's experts) decoded to
@@ -615,16 +616,20 @@ def bfloat16_dot_is_fast(flags) -> bool:
 
 def native_nf4_decode_pays(flags) -> bool:
     """Whether jqt's native decode of a whole NF4 weight (``native_decode=1``) outruns
-    XLA:CPU's (a tree of 15 selects per code) on a CPU with these ``flags``: with AVX2 and
-    no AVX-512 (a 2-core AMD EPYC: all-MiniLM-L6-v2 ``nf4 g64`` at batch 1 / 8 0.72 /
+    XLA:CPU's (a tree of 15 selects per code) on a CPU with these ``flags``: with AVX2
+    (a 2-core AMD EPYC without AVX-512: all-MiniLM-L6-v2 ``nf4 g64`` at batch 1 / 8 0.72 /
     1.00x and 0.82 / 1.01x float32 against 0.89 / 1.08x and 1.00 / 1.12x in two runs),
-    not on a Zen 4 EPYC with AVX-512, where an earlier such kernel ran batch 1 at 1.05x
-    against 0.98x (benchmarks/results/formats-cpu-2core.md).
+    and with AVX-512, whose loop takes 16 codes per permute (a 2-core Zen 5 EPYC:
+    1.04 / 1.01x and 1.09 / 1.00x against 1.08 / 1.04x and 1.17 / 1.05x; an earlier
+    AVX2-only kernel had lost to XLA's decode on a Zen 4 EPYC, batch 1 1.05x against
+    0.98x); benchmarks/results/formats-cpu-2core.md.
 
     >>> native_nf4_decode_pays({"avx2", "fma"}), native_nf4_decode_pays({"avx2", "avx512f"})
-    (True, False)
+    (True, True)
+    >>> native_nf4_decode_pays({"sse4_2"})
+    False
     """
-    return "avx2" in flags and "avx512f" not in flags
+    return "avx2" in flags
 
 
 _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # benchmarks/results/gpu-h200.md

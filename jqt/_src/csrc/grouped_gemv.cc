@@ -773,6 +773,25 @@ ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // here the table's two halves sit in two registers and a code is one permute of each and a
 // blend. Rows of K are split over XLA's intra-op threads.
 
+// The columns n0..N-1 of byte row ``row`` decoded (scalar): its even row of K into even, its
+// odd row into odd; s and z the row's group's scales and zero points (z null: none), table
+// NF4's (null: int codes). The vector loops below take the same operations per code.
+inline void decode_columns(const uint8_t* row, int64_t n0, int64_t N, const float* s,
+                           const float* z, const float* table, float* even, float* odd) {
+  for (int64_t n = n0; n < N; ++n) {
+    const unsigned u = row[n] ^ 0x88;
+    float lo = table ? table[u & 15] : float(int(u & 15) - 8);
+    float hi = table ? table[u >> 4] : float(int(u >> 4) - 8);
+    if (z) {
+      const float zr = __builtin_roundevenf(z[n]);
+      lo -= zr;
+      hi -= zr;
+    }
+    even[n] = lo * s[n];
+    odd[n] = hi * s[n];
+  }
+}
+
 #ifdef JQT_X86
 template <bool LUT>
 __attribute__((target("avx2,fma"))) inline __m256 code_values(__m256i u, __m256 t0, __m256 t1) {
@@ -815,18 +834,7 @@ __attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* __restrict w
       _mm256_storeu_ps(even + n, _mm256_mul_ps(lo, sv));
       _mm256_storeu_ps(odd + n, _mm256_mul_ps(hi, sv));
     }
-    for (; n < N; ++n) {
-      const unsigned u = row[n] ^ 0x88;
-      float lo = LUT ? table[u & 15] : float(int(u & 15) - 8);
-      float hi = LUT ? table[u >> 4] : float(int(u >> 4) - 8);
-      if (ZP) {
-        const float zr = __builtin_roundevenf(z[n]);
-        lo -= zr;
-        hi -= zr;
-      }
-      even[n] = lo * s[n];
-      odd[n] = hi * s[n];
-    }
+    decode_columns(row, n, N, s, z, table, even, odd);
   }
 }
 #endif
@@ -869,18 +877,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void decode_avx512(
       _mm512_storeu_ps(even + n, _mm512_mul_ps(lo, sv));
       _mm512_storeu_ps(odd + n, _mm512_mul_ps(hi, sv));
     }
-    for (; n < N; ++n) {
-      const unsigned u = row[n] ^ 0x88;
-      float lo = LUT ? table[u & 15] : float(int(u & 15) - 8);
-      float hi = LUT ? table[u >> 4] : float(int(u >> 4) - 8);
-      if (ZP) {
-        const float zr = __builtin_roundevenf(z[n]);
-        lo -= zr;
-        hi -= zr;
-      }
-      even[n] = lo * s[n];
-      odd[n] = hi * s[n];
-    }
+    decode_columns(row, n, N, s, z, table, even, odd);
   }
 }
 #endif
@@ -889,18 +886,8 @@ void decode_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, const fl
                    const float* zp, const float* table, int64_t R, bool per_channel, float* out) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t g = per_channel ? 0 : r / R;
-    for (int64_t n = 0; n < N; ++n) {
-      const unsigned u = w[r * N + n] ^ 0x88;
-      float lo = table ? table[u & 15] : float(int(u & 15) - 8);
-      float hi = table ? table[u >> 4] : float(int(u >> 4) - 8);
-      if (zp) {
-        const float zr = __builtin_roundevenf(zp[g * N + n]);
-        lo -= zr;
-        hi -= zr;
-      }
-      out[2 * r * N + n] = lo * scale[g * N + n];
-      out[(2 * r + 1) * N + n] = hi * scale[g * N + n];
-    }
+    decode_columns(w + r * N, 0, N, scale + g * N, zp ? zp + g * N : nullptr, table,
+                   out + 2 * r * N, out + (2 * r + 1) * N);
   }
 }
 

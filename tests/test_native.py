@@ -610,6 +610,27 @@ def test_native_decode_gives_the_bits_of_xlas_decode(name):
 
 
 @needs_kernel
+def test_native_decode_waits_for_the_input_without_copying_the_codes():
+    """The decode depends on the op's activation (XLA must not hoist every weight's decode
+    to the program's start) through an operand of the custom call, its first element,
+    which the kernel does not read: the codes reach the kernel as they are, where the
+    integer zero added to them (``dense.after``, which XLA's own decode fuses) took a pass
+    of its own, a tenth of all-MiniLM-L6-v2's ``nf4`` time at batch 1."""
+    f, p, qp, x = _setup(R.nf4(group_size=64), 128, 24, MANY)
+    packed = jqt.pack(qp, p)
+    for pol, tied in ((CPU, True), (dataclasses.replace(CPU, decode_after_input=False), False)):
+        q = jqt.quantize(f, qp, policy=dataclasses.replace(pol, native_decode=1))
+        eqn, = [e for e in all_eqns(jax.make_jaxpr(q)(packed, x).jaxpr) if e.primitive.name == "jqt_nibble_decode"]
+        assert eqn.invars[-1].aval.shape == ((1,) if tied else (0,))
+        text = jax.jit(q).lower(packed, x).compile().as_text()
+        call, = [ln for ln in text.splitlines() if "custom-call(" in ln and "jqt_nibble_decode" in ln]
+        assert not re.search(r"= u8\[[\d,]*\]\{[\d,]*\} fusion\(", text)  # no pass over the codes
+        assert "constant" not in call.split("custom-call(")[1].split(")")[0].split(",")[-1] or not tied
+        np.testing.assert_array_equal(np.asarray(jax.jit(q)(packed, x)),
+                                      np.asarray(jax.jit(jqt.quantize(f, qp, policy=XDEC))(packed, x)))
+
+
+@needs_kernel
 @pytest.mark.slow  # which ops take the decode: CI (the default run keeps its results and composition)
 def test_native_decode_levels_and_what_it_does_not_run():
     f, p, qp, x = _setup(R.nf4(group_size=64), 128, 24, MANY)

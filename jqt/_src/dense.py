@@ -650,11 +650,10 @@ def weight_only_2d(x2, w, policy, precision):
                 out = lax.dynamic_update_slice_in_dim(out, block(full, n - full), full, 1)
         else:
             tie = policy.decode_after_input and not (policy.cast_in_gemm and exact_cast(w, dt))
-            c = after(v, xk) if tie else v
             if not halves and nibbledecode.applies(w, dt, policy):  # jqt's native decode
-                out = dot(xk, nibbledecode.decode(c, w))
+                out = dot(xk, nibbledecode.decode(v, w, after=xk if tie else None))
             else:
-                out = dot(xk, dec(c, scale, zp))
+                out = dot(xk, dec(after(v, xk) if tie else v, scale, zp))
     if gs:
         return out
     if w.zero_point is not None:

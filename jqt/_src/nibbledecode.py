@@ -7,7 +7,8 @@ XLA:CPU decodes an NF4 code by a tree of 15 selects on its bits (the table's con
 a gather from the table was slower still), where an int4 code is one conversion
 (all-MiniLM-L6-v2 ``nf4`` g64 at batch 1: 0.89-1.00x float32 against 0.58-0.70x for
 ``w4`` g64, ``benchmarks/results/formats-cpu-2core.md``). The kernel holds the table's two halves in two registers and
-decodes 8 codes with two permutes and a blend (AVX2), with the same float32 operations
+decodes 8 codes with two permutes and a blend (AVX2; with AVX-512, 16 codes with one
+permute of the whole table), with the same float32 operations
 as the XLA decode after the lookup (the group's zero point rounded and subtracted, then
 its scale multiplied), so the same bits. ``KernelPolicy.native_decode`` says which
 weights take it (see ``docs/performance.md``).
@@ -61,11 +62,16 @@ def applies(w: QArray, dtype, policy) -> bool:
     return fits and native_status().available
 
 
-def decode(codes, w: QArray):
-    """The float32 ``(K, N)`` weight of ``w`` (:func:`applies`), its codes ``codes`` (``w``'s
-    own, or the same tied to an input: ``dense.after``). A weight with one scale per output
-    channel is decoded to its codes' values alone (scale 1: the matmul's output takes the
-    scale), as the XLA path decodes it."""
+def decode(codes, w: QArray, after=None):
+    """The float32 ``(K, N)`` weight of ``w`` (:func:`applies`) from its codes ``codes``. A
+    weight with one scale per output channel is decoded to its codes' values alone (scale
+    1: the matmul's output takes the scale), as the XLA path decodes it.
+
+    ``after``: an activation the decode must wait for (``dense.after``'s purpose: XLA
+    cannot hoist the decode ahead of its op's input), or ``None``. Its first element is an
+    operand of the custom call that the kernel does not read: the dependency costs no
+    copy of the codes, where ``dense.after``'s integer zero would be a pass of its own
+    before the kernel (XLA fuses it into its own decode)."""
     q = w.qtype
     k, n = 2 * codes.shape[0], codes.shape[1]
     if q.group_size:
@@ -76,14 +82,16 @@ def decode(codes, w: QArray):
     else:
         scale, zp, gs = jnp.ones((1, n), _F32), jnp.zeros((0, n), _F32), k
     table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
-    return decode_p.bind(codes, scale, zp, table, grid=q.grid, group_size=gs)
+    tie = (jnp.zeros((0,), _F32) if after is None or after.size == 0
+           else after.reshape(-1)[:1].astype(_F32))
+    return decode_p.bind(codes, scale, zp, table, tie, grid=q.grid, group_size=gs)
 
 
-def _reference(codes, scale, zp, table, *, grid, group_size):
+def _reference(codes, scale, zp, table, tie, *, grid, group_size):
     """The decode in XLA: the codes unpacked (K in its own order), their grid values
     (NF4: the table the kernel reads), minus the rounded zero point, times the scale,
-    per group of ``group_size`` rows of K."""
-    del table
+    per group of ``group_size`` rows of K (``tie``: only a dependency)."""
+    del table, tie
     v = nx.decode(unpack_nibbles(codes, 0), grid)
     k, n = v.shape
     v = v.reshape(scale.shape[0], k // scale.shape[0], n)
@@ -96,7 +104,7 @@ decode_p = compat.Primitive("jqt_nibble_decode")
 
 
 @decode_p.def_abstract_eval
-def _abstract(codes, scale, zp, table, **params):
+def _abstract(codes, scale, zp, table, tie, **params):
     return jax.core.ShapedArray((2 * codes.shape[0], codes.shape[1]), _F32)
 
 

@@ -210,8 +210,8 @@ native_decode               nf4 g64 b1 / b8, AVX2 CPU:
                             0.72 / 1.00x and 0.82 /
                             1.01x float32 against 0.89
                             / 1.08x and 1.00 / 1.12x;
-                            AVX-512: 1.04 / 1.01x
-                            against 1.08 / 1.04x);
+                            AVX-512: 0.90 / 1.01x
+                            against 1.09 / 1.06x);
                             int4 codes: XLA's decode
                             (faster there)
 fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
@@ -620,7 +620,7 @@ def native_nf4_decode_pays(flags) -> bool:
     (a 2-core AMD EPYC without AVX-512: all-MiniLM-L6-v2 ``nf4 g64`` at batch 1 / 8 0.72 /
     1.00x and 0.82 / 1.01x float32 against 0.89 / 1.08x and 1.00 / 1.12x in two runs),
     and with AVX-512, whose loop takes 16 codes per permute (a 2-core Zen 5 EPYC:
-    1.04 / 1.01x and 1.09 / 1.00x against 1.08 / 1.04x and 1.17 / 1.05x; an earlier
+    0.90 / 1.01x and 1.00 / 1.01x against 1.09 / 1.06x and 1.09 / 1.07x; an earlier
     AVX2-only kernel had lost to XLA's decode on a Zen 4 EPYC, batch 1 1.05x against
     0.98x); benchmarks/results/formats-cpu-2core.md.
 

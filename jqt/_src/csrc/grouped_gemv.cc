@@ -771,7 +771,8 @@ ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // with value the code itself or table[code + 8]: the XLA formulation's float32 operations,
 // in the same order, so the same bits. XLA:CPU decodes NF4 by a tree of 15 selects per code;
 // here the table's two halves sit in two registers and a code is one permute of each and a
-// blend. Rows of K are split over XLA's intra-op threads.
+// blend (AVX-512: the whole table in one register, one permute). Rows of K are split over
+// XLA's intra-op threads.
 
 // The columns n0..N-1 of byte row ``row`` decoded (scalar): its even row of K into even, its
 // odd row into odd; s and z the row's group's scales and zero points (z null: none), table
@@ -891,9 +892,12 @@ void decode_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, const fl
   }
 }
 
+// tie: the op's activation's first element (or empty), not read: the dependency that keeps
+// XLA from decoding the weight before its op's input exists (dense.after).
 ffi::Error NibbleDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> table,
-                        ffi::ResultBuffer<ffi::F32> out, int64_t group_size) {
+                        ffi::Buffer<ffi::F32> tie, ffi::ResultBuffer<ffi::F32> out,
+                        int64_t group_size) {
   const auto wd = codes.dimensions(), sd = scale.dimensions(), od = out->dimensions();
   if (wd.size() != 2 || sd.size() != 2 || od.size() != 2)
     return ffi::Error::InvalidArgument("jqt_nibble_decode: codes, scale and out must be 2-D");
@@ -976,6 +980,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JqtNibbleDecode, NibbleDecode,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

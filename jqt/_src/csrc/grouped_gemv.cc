@@ -325,6 +325,20 @@ void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   st->cv.wait(lock, [&] { return st->done.load() == parts; });
 }
 
+// How many parts a kernel's work is split into: up to kPartsPerThread per intra-op thread,
+// each at least kMinPartBytes of codes. XLA runs independent ops at once (a layer's
+// projections of one input), so a thread may be busy elsewhere when a call starts: with
+// several parts per thread the others claim its share (parallel() hands parts to whoever
+// is free). The 100M decoder's batch-1 step (benchmarks/decode.py, AVX-512 EPYC, two runs
+// each): w8 10.2-10.5 ms against 11.3-12.8 with one part per thread of at least 128 KiB,
+// w4 g128 9.3-9.6 against 9.7-10.9.
+constexpr int64_t kPartsPerThread = 4, kMinPartBytes = 32 << 10;
+
+int64_t part_count(ffi::ThreadPool& pool, int64_t units, int64_t bytes) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  return std::max<int64_t>(1, std::min({threads * kPartsPerThread, units, bytes / kMinPartBytes}));
+}
+
 // The layer of L stacked ones that the (scalar) layer operand picks, clamped to 0..L-1.
 int64_t pick(ffi::Buffer<ffi::S32>& layer, int64_t L) {
   return std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), L - 1);
@@ -360,10 +374,8 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // The groups (rows of K) split over XLA's intra-op threads, each part a contiguous run of
-  // the codes read front to back, at least 128 KiB of codes per part; the parts' sums added.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(
-      1, std::min({threads, G, static_cast<int64_t>((codes.element_count() / L) >> 17)}));
+  // the codes read front to back (part_count); the parts' sums added.
+  const int64_t parts = part_count(pool, G, static_cast<int64_t>(codes.element_count() / L));
   std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
   for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
   parallel(pool, parts, [&](int64_t t) {
@@ -682,9 +694,8 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uin
   const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
-  // The codes split over XLA's intra-op threads, at least 128 KiB per part.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min({threads, KN ? K / 2 : N, (N * K) >> 17}));
+  // The codes split over XLA's intra-op threads (part_count).
+  const int64_t parts = part_count(pool, KN ? K / 2 : N, N * K);
   if constexpr (KN) {
     std::fill(op, op + M * N, 0.f);
     std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));

@@ -409,6 +409,23 @@ def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
 
 
 @pytest.mark.slow  # a subprocess: CI
+def test_an_unknown_isa_is_named_and_ignored():
+    code = ("import warnings, jqt\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    s = jqt.native_status()\n"
+            "msg = [str(x.message) for x in w if 'JQT_NATIVE_ISA' in str(x.message)]\n"
+            "assert msg and \"'sse4'\" in msg[0] and 'avx2' in msg[0], msg\n"
+            "print('ok', s.available)\n")
+    env = {**os.environ, "JQT_NATIVE_ISA": "sse4", "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if not _buildable():
+        pytest.skip("the kernels are not built here")
+    assert out.returncode == 0 and "ok True" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.slow  # a subprocess: CI
 def test_disabled_by_environment_variable():
     code = ("import jax, jqt, numpy as np\n"
             "s = jqt.native_status(); assert not s.available and 'JQT_NATIVE' in s.reason, s\n"

@@ -135,9 +135,17 @@ def _compile(cxx, flags, include, lib):
             os.unlink(tmp)
 
 
+ISA_CHOICES = ("avx2", "avx512")  # JQT_NATIVE_ISA: the vector width of the kernels' loops
+
+
 def _build() -> NativeStatus:
     if os.environ.get("JQT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return NativeStatus(False, "disabled by JQT_NATIVE=0")
+    isa = os.environ.get("JQT_NATIVE_ISA", "").strip()
+    if isa and isa.lower() not in ISA_CHOICES:
+        diagnostics.warn(f"jqt: JQT_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_CHOICES)}: "
+                         "ignored (the kernels use AVX-512 where the CPU has it). Set "
+                         "JQT_NATIVE_ISA=avx2 to keep them on AVX2, or unset it.", RuntimeWarning)
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return NativeStatus(False, f"the kernel is for x86-64 CPUs (this is {platform.machine()})")
     cxx = _compiler()

@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <strings.h>
 #include <type_traits>
 #include <vector>
 
@@ -143,7 +144,7 @@ bool has_avx512() {
   static const bool ok = [] {
     const char* isa = std::getenv("JQT_NATIVE_ISA");
     return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           !(isa && std::string(isa) == "avx2");
+           !(isa && strcasecmp(isa, "avx2") == 0);
   }();
   return ok;
 }

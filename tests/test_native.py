@@ -379,20 +379,24 @@ ISA_CASES = ("w4_g128", "w4_g32_asym", "nf4_g64", "int3_g32", "w4_per_channel_as
 
 
 def _isa_outputs(names):
-    """name -> the jitted quantized call's output on CASES[name]'s inputs."""
+    """name -> the jitted quantized call's output on CASES[name]'s inputs, and for each
+    of DECODED's cases ("decode <name>") the whole-weight decode's at MANY rows."""
     out = {}
     for name in names:
         recipe, k, n, m = CASES[name]
         f, p, qp, x = _setup(recipe, k, n, m)
         out[name] = np.asarray(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x))
+    for name, (recipe, k, n) in DECODED.items():
+        f, p, qp, x = _setup(recipe, k, n, MANY)
+        out[f"decode {name}"] = np.asarray(jax.jit(jqt.quantize(f, qp, policy=NDEC))(jqt.pack(qp, p), x))
     return out
 
 
 @needs_kernel
 def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
-    """Where the CPU has AVX-512, the 4-bit and (K, N) int8 / fp8 kernels run 16 columns
-    per instruction; each column's fused multiply-adds are the AVX2 loop's, so a process
-    with ``JQT_NATIVE_ISA=avx2`` gives the same bits."""
+    """Where the CPU has AVX-512, the 4-bit and (K, N) int8 / fp8 kernels and the 4-bit
+    decode run 16 columns per instruction; each column's operations are the AVX2 loop's,
+    so a process with ``JQT_NATIVE_ISA=avx2`` gives the same bits."""
     if "AVX-512" not in jqt.native_status().reason:
         pytest.skip(f"no AVX-512 kernels here: {jqt.native_status().reason}")
     code = ("import sys, numpy as np\n"
@@ -404,7 +408,9 @@ def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     avx2 = np.load(tmp_path / "avx2.npz")
-    for name, out in _isa_outputs(ISA_CASES).items():
+    outs = _isa_outputs(ISA_CASES)
+    assert set(outs) == set(avx2.files)
+    for name, out in outs.items():
         np.testing.assert_array_equal(out, avx2[name], err_msg=name)
 
 
@@ -631,10 +637,13 @@ def test_native_decode_waits_for_the_input_without_copying_the_codes():
     """The decode depends on the op's activation (XLA must not hoist every weight's decode
     to the program's start) through an operand of the custom call, its first element,
     which the kernel does not read: the codes reach the kernel as they are, where the
-    integer zero added to them (``dense.after``, which XLA's own decode fuses) took a pass
-    of its own, a tenth of all-MiniLM-L6-v2's ``nf4`` time at batch 1."""
+    integer zero added to them (``numerics.after``, which XLA's own decode fuses) took a
+    pass of its own. Where the op lowers to XLA's decode (``jax.export``, SPMD programs)
+    that zero is added from the operand, so the dependency stays."""
     f, p, qp, x = _setup(R.nf4(group_size=64), 128, 24, MANY)
     packed = jqt.pack(qp, p)
+    exported = jax.export.export(jax.jit(jqt.quantize(f, qp, policy=NDEC)))(packed, x)
+    assert "count_leading_zeros" in exported.mlir_module()  # numerics.after's zero
     for pol, tied in ((CPU, True), (dataclasses.replace(CPU, decode_after_input=False), False)):
         q = jqt.quantize(f, qp, policy=dataclasses.replace(pol, native_decode=1))
         eqn, = [e for e in all_eqns(jax.make_jaxpr(q)(packed, x).jaxpr) if e.primitive.name == "jqt_nibble_decode"]
@@ -676,7 +685,7 @@ def test_native_decode_under_jit_vmap_grad_scan_and_export():
     assert _decode_calls(q, packed, x) == 1  # inside the scan's body
     eq = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     eq(jax.jit(q)(packed, x), jax.jit(ref)(packed, x))
-    xs = jnp.stack([x, -x])  # vmap over activations: the decode's codes are tied to them
+    xs = jnp.stack([x, -x])  # vmap over activations: the decode is tied to them (its tie operand)
     eq(jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs), jnp.stack([jax.jit(ref)(packed, v) for v in xs]))
     g = lambda fn: jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(fn(packed, x)))))(x)
     eq(g(q), g(ref))

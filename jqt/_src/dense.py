@@ -267,7 +267,7 @@ def int_dense_grouped(ax, x, w, policy):
     groups as one batched dot instead.)"""
     nib = w.nibbles
     qx2 = ax.act_2d(x.values)
-    v = after(w.values, qx2) if policy.decode_after_input else w.values
+    v = nx.after(w.values, qx2) if policy.decode_after_input else w.values
     halves = parts(v, nib)  # nibble halves: even and odd inputs, no interleaving
     step = len(halves)
     gs = w.qtype.group_size
@@ -557,30 +557,6 @@ def _decode_k(codes, w, scale, zp, kd, rows, nib, dtype=_F32, halves=False):
     return v.reshape(codes.shape[:kd] + (2 * codes.shape[kd],) + codes.shape[kd + 1:])
 
 
-def after(codes, x):
-    """``codes`` unchanged, made to depend on the activation ``x`` (an integer zero
-    computed from one of its elements is added), so that a weight's decode cannot run
-    before its op's input exists.
-
-    A weight depends on nothing, so XLA:CPU schedules the decodes of all a program's
-    weights ahead of its first matmul and keeps their float copies alive together (43 MB
-    for all-MiniLM-L6-v2 at batch 8, ``benchmarks/temporaries.py``), which the allocator
-    maps afresh, and page-faults, at every call. ``lax.optimization_barrier`` does not
-    prevent it (XLA:CPU removes barriers before it schedules). With the dependency each
-    weight is decoded just before its matmul and its copy freed after it.
-
-    >>> import jax.numpy as jnp
-    >>> c = jnp.array([[-8, 7]], jnp.int8)
-    >>> bool((after(c, jnp.array([[float("nan"), -0.0]])) == c).all())
-    True
-    """
-    if x.size == 0:
-        return codes  # no rows: nothing to wait for
-    bits = lax.bitcast_convert_type(x[(0,) * x.ndim].astype(_F32), jnp.uint32)
-    zero = lax.clz(bits) >> 6  # a count of leading zeros is at most 32
-    return codes + zero.astype(codes.dtype)
-
-
 def reduces(m, policy) -> bool:
     """Whether an op of ``m`` rows whose weight is decoded to float runs as one elementwise
     product and sum over K (``policy.reduce_rows``) instead of a matmul.
@@ -653,7 +629,7 @@ def weight_only_2d(x2, w, policy, precision):
             if not halves and nibbledecode.applies(w, dt, policy):  # jqt's native decode
                 out = dot(xk, nibbledecode.decode(v, w, after=xk if tie else None))
             else:
-                out = dot(xk, dec(after(v, xk) if tie else v, scale, zp))
+                out = dot(xk, dec(nx.after(v, xk) if tie else v, scale, zp))
     if gs:
         return out
     if w.zero_point is not None:
@@ -670,7 +646,7 @@ def weight_only_dense(ax, x, w, policy, precision=None):
     output channels at a time), so no float copy of the whole weight is made.
     With more than ``policy.float_matmul_rows`` rows, or a weight whose float copy
     fits ``policy.whole_decode_bytes`` (:func:`decodes_whole`), the whole weight is
-    decoded once instead, after its input exists (:func:`after`); or in blocks of
+    decoded once instead, after its input exists (``numerics.after``); or in blocks of
     ``policy.many_rows_block`` output channels inside a loop where that is set (up
     to ``policy.whole_decode_rows`` rows), each over the whole of K. Per-channel
     scales apply to the (smaller) output; per-group scales to each decoded chunk.

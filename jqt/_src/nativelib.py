@@ -6,9 +6,10 @@ run time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI head
 ``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
 without AVX2 + FMA, or ``JQT_NATIVE=0``) the ops that would call them run XLA
 formulations instead: :func:`native_status` says which and why. On CPUs with AVX-512
-(F + BW) the 4-bit and ``(K, N)`` int8 / fp8 kernels run 16 columns per instruction (the same
-bits as their AVX2 loops); ``JQT_NATIVE_ISA=avx2``, set before the first use, keeps them
-on AVX2. The ops themselves are
+(F + BW) the 4-bit and ``(K, N)`` int8 / fp8 kernels and the 4-bit decode run 16 columns
+per instruction (the same numbers as their AVX2 loops, bit for bit; a NaN output may
+carry another NaN's sign or payload); ``JQT_NATIVE_ISA=avx2``, set before the first use,
+keeps them on AVX2. The ops themselves are
 primitives in ``native.py`` (few-row matmuls) and ``nibbledecode.py`` (whole-weight
 decodes); this module has no dependency on them.
 """
@@ -141,8 +142,8 @@ ISA_CHOICES = ("avx2", "avx512")  # JQT_NATIVE_ISA: the vector width of the kern
 def _build() -> NativeStatus:
     if os.environ.get("JQT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return NativeStatus(False, "disabled by JQT_NATIVE=0")
-    isa = os.environ.get("JQT_NATIVE_ISA", "").strip()
-    if isa and isa.lower() not in ISA_CHOICES:
+    isa = os.environ.get("JQT_NATIVE_ISA", "")
+    if isa and isa.lower() not in ISA_CHOICES:  # as the kernels read it: no spaces
         diagnostics.warn(f"jqt: JQT_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_CHOICES)}: "
                          "ignored (the kernels use AVX-512 where the CPU has it). Set "
                          "JQT_NATIVE_ISA=avx2 to keep them on AVX2, or unset it.", RuntimeWarning)
@@ -173,6 +174,6 @@ def _build() -> NativeStatus:
     jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
     jax.ffi.register_ffi_target(DECODE, jax.ffi.pycapsule(handle.JqtNibbleDecode), platform="cpu")
     # AVX-512 where the CPU has it (F + BW) and JQT_NATIVE_ISA is not "avx2", for the 4-bit
-    # and (K, N) int8 / fp8 kernels: the same bits as their AVX2 loops
+    # and (K, N) int8 / fp8 kernels and the 4-bit decode: the same numbers as their AVX2 loops
     kind = "AVX-512" if isa == 3 else "AVX2"
     return NativeStatus(True, f"built with {' '.join(cxx)}: {lib} ({kind} kernels)", str(lib))

@@ -67,11 +67,12 @@ def decode(codes, w: QArray, after=None):
     weight with one scale per output channel is decoded to its codes' values alone (scale
     1: the matmul's output takes the scale), as the XLA path decodes it.
 
-    ``after``: an activation the decode must wait for (``dense.after``'s purpose: XLA
+    ``after``: an activation the decode must wait for (``numerics.after``'s purpose: XLA
     cannot hoist the decode ahead of its op's input), or ``None``. Its first element is an
     operand of the custom call that the kernel does not read: the dependency costs no
-    copy of the codes, where ``dense.after``'s integer zero would be a pass of its own
-    before the kernel (XLA fuses it into its own decode)."""
+    copy of the codes, where ``numerics.after``'s integer zero would be a pass of its own
+    before the kernel. The XLA decode (``jax.export``, SPMD programs) adds that zero from
+    it, fused into the decode, as the XLA path does."""
     q = w.qtype
     k, n = 2 * codes.shape[0], codes.shape[1]
     if q.group_size:
@@ -90,8 +91,10 @@ def decode(codes, w: QArray, after=None):
 def _reference(codes, scale, zp, table, tie, *, grid, group_size):
     """The decode in XLA: the codes unpacked (K in its own order), their grid values
     (NF4: the table the kernel reads), minus the rounded zero point, times the scale,
-    per group of ``group_size`` rows of K (``tie``: only a dependency)."""
-    del table, tie
+    per group of ``group_size`` rows of K; the codes tied to ``tie`` (``numerics.after``)."""
+    del table
+    if tie.shape[0]:
+        codes = nx.after(codes, tie)
     v = nx.decode(unpack_nibbles(codes, 0), grid)
     k, n = v.shape
     v = v.reshape(scale.shape[0], k // scale.shape[0], n)

@@ -429,3 +429,27 @@ def computed_once(scale, zero_point=None):
     d = jnp.minimum(jnp.abs(scale), 1.0) + 1.0  # in [1, 2]: d / d is 1.0 exactly
     one = d / d
     return scale / one, (None if zero_point is None else zero_point / one)
+
+
+def after(codes, x):
+    """``codes`` unchanged, made to depend on the activation ``x`` (an integer zero
+    computed from one of its elements is added), so that a weight's decode cannot run
+    before its op's input exists.
+
+    A weight depends on nothing, so XLA:CPU schedules the decodes of all a program's
+    weights ahead of its first matmul and keeps their float copies alive together (43 MB
+    for all-MiniLM-L6-v2 at batch 8, ``benchmarks/temporaries.py``), which the allocator
+    maps afresh, and page-faults, at every call. ``lax.optimization_barrier`` does not
+    prevent it (XLA:CPU removes barriers before it schedules). With the dependency each
+    weight is decoded just before its matmul and its copy freed after it.
+
+    >>> import jax.numpy as jnp
+    >>> c = jnp.array([[-8, 7]], jnp.int8)
+    >>> bool((after(c, jnp.array([[float("nan"), -0.0]])) == c).all())
+    True
+    """
+    if x.size == 0:
+        return codes  # no rows: nothing to wait for
+    bits = jax.lax.bitcast_convert_type(x[(0,) * x.ndim].astype(jnp.float32), jnp.uint32)
+    zero = jax.lax.clz(bits) >> 6  # a count of leading zeros is at most 32
+    return codes + zero.astype(codes.dtype)

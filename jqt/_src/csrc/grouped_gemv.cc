@@ -61,19 +61,21 @@ namespace {
 // The value of a nibble (code + 8): itself, or its entry of the table.
 inline float nibble(const float* table, unsigned u) { return table ? table[u] : float(u); }
 
+// The columns n0..W-1 of byte row r (row: its columns from n0's base) added into acc, every
+// row of x, scalar: the fused multiply-adds the vector loops below make, in their order.
+inline void rows_columns(const float* x, int64_t K, int M, const uint8_t* row, int64_t r,
+                         int64_t n0, int64_t W, float* acc, const float* table) {
+  for (int64_t n = n0; n < W; ++n) {
+    const uint8_t u = row[n] ^ 0x88;
+    for (int m = 0; m < M; ++m)
+      acc[m * W + n] = std::fma(x[m * K + 2 * r + 1], nibble(table, u >> 4),
+                                std::fma(x[m * K + 2 * r], nibble(table, u & 15), acc[m * W + n]));
+  }
+}
+
 void rows_scalar(const float* x, int64_t K, int M, const uint8_t* w, int64_t N,
                  int64_t r0, int64_t r1, float* acc, int64_t W, int64_t n0, const float* table) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * N + n0;
-    for (int m = 0; m < M; ++m) {
-      const float xe = x[m * K + 2 * r], xo = x[m * K + 2 * r + 1];
-      float* a = acc + m * W;
-      for (int64_t n = 0; n < W; ++n) {
-        const uint8_t u = row[n] ^ 0x88;
-        a[n] = std::fma(xo, nibble(table, u >> 4), std::fma(xe, nibble(table, u & 15), a[n]));
-      }
-    }
-  }
+  for (int64_t r = r0; r < r1; ++r) rows_columns(x, K, M, w + r * N + n0, r, 0, W, acc, table);
 }
 
 #ifdef JQT_X86
@@ -122,12 +124,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const float* __restrict x, in
         _mm256_storeu_ps(a + 8, a1);
       }
     }
-    for (; n < W; ++n) {  // the same fused multiply-adds, in the same order, as above
-      const uint8_t u = row[n] ^ 0x88;
-      for (int m = 0; m < M; ++m)
-        acc[m * W + n] = std::fma(x[m * K + 2 * r + 1], nibble(table, u >> 4),
-                                  std::fma(x[m * K + 2 * r], nibble(table, u & 15), acc[m * W + n]));
-    }
+    rows_columns(x, K, M, row, r, n, W, acc, table);  // the rest, in the same order
   }
 }
 
@@ -137,9 +134,10 @@ bool has_avx2() {
   return ok;
 }
 
-// AVX-512 (F, BW): the 4-bit and int8 (K, N) kernels run 16 columns per instruction where the CPU
-// has it, unless JQT_NATIVE_ISA=avx2 (read once, when the library is first used). Each
-// column's fused multiply-adds are the AVX2 loop's, in its order: the same bits.
+// AVX-512 (F, BW): the 4-bit and int8 / fp8 (K, N) kernels and the 4-bit decode run 16
+// columns per instruction where the CPU has it, unless JQT_NATIVE_ISA=avx2 (read once, when
+// the library is first used). Each column's operations are the AVX2 loop's, in its order:
+// the same numbers (where two NaNs meet, the compiler's operand order may pass on the other).
 bool has_avx512() {
   static const bool ok = [] {
     const char* isa = std::getenv("JQT_NATIVE_ISA");
@@ -191,12 +189,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void rows_avx512(const floa
         _mm512_storeu_ps(a + 16, a1);
       }
     }
-    for (; n < W; ++n) {  // the same fused multiply-adds, in the same order, as above
-      const uint8_t u = row[n] ^ 0x88;
-      for (int m = 0; m < M; ++m)
-        acc[m * W + n] = std::fma(x[m * K + 2 * r + 1], nibble(table, u >> 4),
-                                  std::fma(x[m * K + 2 * r], nibble(table, u & 15), acc[m * W + n]));
-    }
+    rows_columns(x, K, M, row, r, n, W, acc, table);  // the rest, in the same order
   }
 }
 #endif
@@ -317,7 +310,9 @@ void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
       }
     }
   };
-  for (int64_t t = 1; t < parts; ++t) {
+  // a task runs parts until none is left: one per pool thread at most
+  const int64_t tasks = std::min<int64_t>(parts - 1, std::max<int64_t>(1, pool.num_threads()));
+  for (int64_t t = 0; t < tasks; ++t) {
     auto task = work;  // Schedule takes its task by value
     pool.Schedule(std::move(task));
   }
@@ -326,18 +321,21 @@ void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   st->cv.wait(lock, [&] { return st->done.load() == parts; });
 }
 
-// How many parts a kernel's work is split into: up to kPartsPerThread per intra-op thread,
-// each at least kMinPartBytes of codes. XLA runs independent ops at once (a layer's
-// projections of one input), so a thread may be busy elsewhere when a call starts: with
-// several parts per thread the others claim its share (parallel() hands parts to whoever
-// is free). The 100M decoder's batch-1 step (benchmarks/decode.py, AVX-512 EPYC, two runs
+// How many parts a kernel's work is split into: up to kPartsPerThread per intra-op thread
+// (but no more than kMaxParts, or one per thread where there are more threads), each at
+// least kMinPartBytes of codes. XLA runs independent ops at once (a layer's projections of
+// one input), so a thread may be busy elsewhere when a call starts: with several parts per
+// thread the others claim its share (parallel() hands parts to whoever is free). Each part
+// past the first sums into a buffer of its own, zeroed and added serially: hence the cap.
+// The 100M decoder's batch-1 step (benchmarks/decode.py, 2-core AVX-512 EPYC, two runs
 // each): w8 10.2-10.5 ms against 11.3-12.8 with one part per thread of at least 128 KiB,
 // w4 g128 9.3-9.6 against 9.7-10.9.
-constexpr int64_t kPartsPerThread = 4, kMinPartBytes = 32 << 10;
+constexpr int64_t kPartsPerThread = 4, kMaxParts = 16, kMinPartBytes = 32 << 10;
 
 int64_t part_count(ffi::ThreadPool& pool, int64_t units, int64_t bytes) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  return std::max<int64_t>(1, std::min({threads * kPartsPerThread, units, bytes / kMinPartBytes}));
+  const int64_t most = std::max(threads, std::min(threads * kPartsPerThread, kMaxParts));
+  return std::max<int64_t>(1, std::min({most, units, bytes / kMinPartBytes}));
 }
 
 // The layer of L stacked ones that the (scalar) layer operand picks, clamped to 0..L-1.
@@ -905,7 +903,7 @@ void decode_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, const fl
 }
 
 // tie: the op's activation's first element (or empty), not read: the dependency that keeps
-// XLA from decoding the weight before its op's input exists (dense.after).
+// XLA from decoding the weight before its op's input exists (numerics.after).
 ffi::Error NibbleDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::F32> zp, ffi::Buffer<ffi::F32> table,
                         ffi::Buffer<ffi::F32> tie, ffi::ResultBuffer<ffi::F32> out,

@@ -784,6 +784,23 @@ ffi::Error Fp8GemvKn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // blend (AVX-512: the whole table in one register, one permute). Rows of K are split over
 // XLA's intra-op threads.
 
+// Byte row r of the codes, its group's scales and zero points (null: none), and the two
+// rows of K it decodes into (even, odd).
+struct DecodeRow {
+  const uint8_t* row;
+  const float* s;
+  const float* z;
+  float* even;
+  float* odd;
+};
+
+inline DecodeRow decode_row(const uint8_t* w, int64_t N, int64_t r, const float* scale,
+                            const float* zp, int64_t R, bool per_channel, float* out) {
+  const int64_t g = per_channel ? 0 : r / R;  // R: byte rows per group
+  return {w + r * N, scale + g * N, zp ? zp + g * N : nullptr, out + 2 * r * N,
+          out + (2 * r + 1) * N};
+}
+
 // The columns n0..N-1 of byte row ``row`` decoded (scalar): its even row of K into even, its
 // odd row into odd; s and z the row's group's scales and zero points (z null: none), table
 // NF4's (null: int codes). The vector loops below take the same operations per code.
@@ -824,12 +841,7 @@ __attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* __restrict w
   const __m256i low = _mm256_set1_epi32(15);
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t g = per_channel ? 0 : r / R;
-    const float* s = scale + g * N;
-    const float* z = ZP ? zp + g * N : nullptr;
-    const uint8_t* row = w + r * N;
-    float* even = out + 2 * r * N;
-    float* odd = even + N;
+    const auto [row, s, z, even, odd] = decode_row(w, N, r, scale, zp, R, per_channel, out);
     int64_t n = 0;
     for (; n + 8 <= N; n += 8) {
       const __m256i u = _mm256_cvtepu8_epi32(
@@ -860,12 +872,7 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void decode_avx512(
   const __m512i low = _mm512_set1_epi32(15);
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t g = per_channel ? 0 : r / R;
-    const float* s = scale + g * N;
-    const float* z = ZP ? zp + g * N : nullptr;
-    const uint8_t* row = w + r * N;
-    float* even = out + 2 * r * N;
-    float* odd = even + N;
+    const auto [row, s, z, even, odd] = decode_row(w, N, r, scale, zp, R, per_channel, out);
     int64_t n = 0;
     for (; n + 16 <= N; n += 16) {
       const __m512i u = _mm512_cvtepu8_epi32(
@@ -896,9 +903,8 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void decode_avx512(
 void decode_scalar(const uint8_t* w, int64_t N, int64_t r0, int64_t r1, const float* scale,
                    const float* zp, const float* table, int64_t R, bool per_channel, float* out) {
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t g = per_channel ? 0 : r / R;
-    decode_columns(w + r * N, 0, N, scale + g * N, zp ? zp + g * N : nullptr, table,
-                   out + 2 * r * N, out + (2 * r + 1) * N);
+    const auto [row, s, z, even, odd] = decode_row(w, N, r, scale, zp, R, per_channel, out);
+    decode_columns(row, 0, N, s, z, table, even, odd);
   }
 }
 

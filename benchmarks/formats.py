@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups
+    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups, fp8rows
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
@@ -49,6 +49,12 @@ matmul per group (``=0``) where the table upcasts the codes for a float matmul, 
 reverse (``=2 * group size``), with each variant's compile time. Run it with ``JQT_NATIVE=0`` for the XLA
 formulations (jqt's native kernels take 1-8 rows on an AVX2 CPU), which other CPUs,
 ``jax.export`` artifacts and SPMD programs run.
+
+Part 6 (``fp8rows``, only when asked for: ``--only fp8rows``): ``fp8`` on
+all-MiniLM-L6-v2's, the 100M decoder's and the dense part's weight shapes at 17-1,024
+rows, under the backend's policy and under its other choice of
+``KernelPolicy.fp8_as_bfloat16_rows`` (one bfloat16 matmul of the fp8 values above 32
+rows, or the float32 path), with a quarter of the rounds (at least 9).
 
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
@@ -289,6 +295,34 @@ def wide(rounds, markdown, results, ab=None):
         table(("rows", "float32") + tuple(x_ for x_ in fns if x_ != "float32"), rows, markdown)
 
 
+FP8_LAYERS = ((384, 1536), (1536, 384), (1024, 2816), (4096, 4096))
+"""(K, N) of the ``fp8rows`` part: all-MiniLM-L6-v2's feed-forward weights, one of the
+100M decoder's, and the dense part's (64 MiB as float32, over ``large_weight_bytes``)."""
+FP8_ROWS = (17, 33, 64, 136, 256, 1024)
+
+
+def fp8rows(rounds, markdown, results):
+    """``fp8`` ``x @ w`` on the :data:`FP8_LAYERS` at :data:`FP8_ROWS` rows, under the
+    backend's policy and under its other choice of ``fp8_as_bfloat16_rows`` (0: the float32
+    path; 32: a bfloat16 matmul of the values above 32 rows)."""
+    rng = np.random.default_rng(0)
+    base = jqt.KernelPolicy.for_backend()
+    other = 0 if base.fp8_as_bfloat16_rows else 32
+    for k, n in FP8_LAYERS:
+        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+        fns, packs = _dense_layer(w, [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)],
+                                  {"fp8": R.fp8}, parse_ab(f"fp8_as_bfloat16_rows={other}", ["fp8"]))
+        rows = []
+        for b in FP8_ROWS if k * n < 4096 * 4096 else FP8_ROWS[:-1]:
+            print(f"[fp8rows] {k} x {n}, {b} rows", file=sys.stderr, flush=True)
+            med, cells = _timed_row(fns, packs, jnp.asarray(rng.standard_normal((b, k)), jnp.float32), rounds)
+            results[f"fp8rows{k}x{n} b{b}"] = {x_: v * 1e3 for x_, v in med.items()}
+            rows.append(cells)
+        print(f"fp8, dense {k} x {n}, median ms (ratio to float32); the table's "
+              f"fp8_as_bfloat16_rows={base.fp8_as_bfloat16_rows}")
+        table(("rows", "float32") + tuple(x_ for x_ in fns if x_ != "float32"), rows, markdown)
+
+
 EXPERT_PRESETS = {
     "w8": R.w8,
     "w8a8_dynamic": R.w8a8_dynamic,
@@ -404,6 +438,8 @@ def main():
         wide(max(rounds // 4, 9), args.markdown, results, ab)
     if "groups" in args.only:
         groups(max(rounds // 2, 9), args.markdown, results)
+    if "fp8rows" in args.only:
+        fp8rows(max(rounds // 4, 9), args.markdown, results)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

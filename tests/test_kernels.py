@@ -231,6 +231,7 @@ def test_policy_table():
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
         int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0,
+        fp8_as_bfloat16_rows=32 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0,
         native_decode=int(policy.native_nf4_decode_pays(policy.cpu_flags())))
     assert jqt.KernelPolicy.for_backend("gpu") == jqt.KernelPolicy(
         fp8_native=True, gemv_rows=4, weight_only_digits=3, reduce_rows=1, grouped_float=True,
@@ -398,6 +399,39 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
         jqt.pack(qp, p, policy=small_cache), x)
     assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)
             if e.primitive.name == "dot_general"} == {"int8"}
+
+
+@pytest.mark.parametrize("recipe", [
+    jqt.recipes.fp8(), jqt.recipes.fp8(dynamic=True),
+    jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2")],
+    ids=["e4m3", "e4m3_dynamic", "e5m2"])
+def test_many_row_fp8_matmul_runs_as_bfloat16_values(recipe):
+    """``fp8_as_bfloat16_rows``: above 32 rows (the CPU table's on AVX512_BF16 CPUs) an
+    fp8 x fp8 matmul multiplies both operands' values as bfloat16, which holds them
+    exactly, with float32 sums: the float32 path's products, summed in another order.
+    At 32 rows, or for a weight over ``large_weight_bytes`` up to ``large_weight_rows``
+    rows, the float32 path runs; a NaN in the activation stays NaN in its row."""
+    f, p, x, qp, _ = _dense(recipe, k=384, n=96, m=33)
+    bf16 = dataclasses.replace(CPU, fp8_as_bfloat16_rows=32, native_gemv_rows=0)
+    f32 = dataclasses.replace(bf16, fp8_as_bfloat16_rows=0)
+    dtypes = lambda pol, xr: {str(e.invars[0].aval.dtype) for e in _eqns(jax.make_jaxpr(
+        jqt.quantize(f, qp, policy=pol))(jqt.pack(qp, p, policy=pol), xr).jaxpr)
+        if e.primitive.name == "dot_general"}
+    for rows, dtype in ((32, "float32"), (33, "bfloat16")):
+        xr = x[:rows]
+        assert dtypes(bf16, xr) == {dtype}
+        got = jax.jit(jqt.quantize(f, qp, policy=bf16))(jqt.pack(qp, p, policy=bf16), xr)
+        want = jax.jit(jqt.quantize(f, qp, policy=f32))(jqt.pack(qp, p, policy=f32), xr)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)  # the 33 rows' bfloat16 matmul
+    np.testing.assert_allclose(got, sim, rtol=0, atol=1e-5 * float(jnp.abs(sim).max()))
+    nan = jax.jit(jqt.quantize(f, qp, policy=bf16))(jqt.pack(qp, p, policy=bf16), x.at[3, 5].set(jnp.nan))
+    assert np.isnan(nan[3]).all() and not np.isnan(np.delete(np.asarray(nan), 3, 0)).any()
+    # a weight whose float32 copy exceeds large_weight_bytes: float32 K-chunks up to
+    # large_weight_rows rows, bfloat16 above
+    large = dataclasses.replace(bf16, large_weight_bytes=4 * 384 * 96 - 1, large_weight_rows=33)
+    assert dtypes(large, x) == {"float32"}
+    assert dtypes(large, jnp.concatenate([x, x])) == {"bfloat16"}
 
 
 @pytest.mark.parametrize("recipe,k,n,m", [

@@ -352,8 +352,54 @@ def fp8_dense(ax, x, w, policy):
         dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
+    if fp8_as_bfloat16(x2.shape[0], w, policy):
+        return _fp8_bfloat16(ax, x, x2, w, policy)
     w, lo, hi = _act_scale_around(ax, x, w)  # as in int_grouped_as_float
     return weight_only_2d(nx.decode(x2, x.qtype.grid) * lo, w, policy, None) * hi
+
+
+def fp8_as_bfloat16(m, w, policy) -> bool:
+    """Whether an fp8 x fp8 op of ``m`` rows runs as one bfloat16 matmul
+    (:func:`_fp8_bfloat16`): more than ``policy.fp8_as_bfloat16_rows`` rows (a symbolic
+    count does not) and one scale per output channel; for a weight whose float32 copy
+    exceeds ``policy.large_weight_bytes``, more than ``policy.large_weight_rows`` rows too
+    (below, its float32 K-chunks in cache outrun a whole 16-bit copy made every call).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> from jqt._src.qparams import QArray
+    >>> w = QArray(values=jnp.zeros((4, 4), jnp.float8_e4m3fn), scale=jnp.ones((4,)),
+    ...            qtype=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True), layout="kn")
+    >>> p = jqt.KernelPolicy(fp8_as_bfloat16_rows=8, large_weight_bytes=64, large_weight_rows=16)
+    >>> fp8_as_bfloat16(9, w, p), fp8_as_bfloat16(8, w, p), fp8_as_bfloat16(-1, w, p)
+    (True, False, False)
+    >>> w9 = QArray(values=jnp.zeros((4, 9), jnp.float8_e4m3fn), scale=jnp.ones((9,)),
+    ...             qtype=w.qtype, layout="kn")  # 144 bytes as float32
+    >>> fp8_as_bfloat16(16, w9, p), fp8_as_bfloat16(17, w9, p)
+    (False, True)
+    """
+    top = policy.fp8_as_bfloat16_rows
+    if not (top and isinstance(m, int) and m > top) or w.qtype.group_size:
+        return False
+    large = policy.large_weight_bytes and 4 * w.values.size > policy.large_weight_bytes
+    return not large or m > policy.large_weight_rows
+
+
+def _fp8_bfloat16(ax, x, x2, w, policy):
+    """fp8 activation ``x`` (codes ``x2``, ``(M, K)``) x fp8 weight as one bfloat16 matmul
+    with float32 sums: both operands' values in their :func:`numerics.fp8_units` (at most
+    4 significant bits, within bfloat16's exponent range: exact), so the products are
+    exact and the sums float32, as on the float32 path this replaces (the decoded
+    weight's copy half its bytes; XLA:CPU's bfloat16 matmul the faster one where the CPU
+    has AVX512_BF16 or AMX-BF16). The weight is decoded after its input exists
+    (``policy.decode_after_input``); both units and scales apply to the output."""
+    units = lambda bits, grid: nx.fp8_units(bits, grid).astype(jnp.bfloat16)
+    v = lax.bitcast_convert_type(w.values, jnp.uint8)
+    v = nx.after(v, x2) if policy.decode_after_input else v
+    xb = units(lax.bitcast_convert_type(x2, jnp.uint8), x.qtype.grid)
+    dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
+    out = lax.dot_general(xb, units(v, w.qtype.grid), dn, preferred_element_type=_F32)
+    sx = ax.act_vec(x.scale.astype(_F32)) * nx.FP8_BITS_UNIT[x.qtype.grid]
+    return out * (sx * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]))  # scales first
 
 
 def chunk_size(k, target, multiple=1):

@@ -219,6 +219,18 @@ fp8 x fp8 matmul            weight decoded per K-chunk  one fp8 ``dot_general``
                             tricks: XLA:CPU's own fp8   one row of a 4096 layer,
                             conversion is ~10x slower), 3.09x decoded; the decode
                             activation upcast (exact)   step 0.69-0.81x)
+fp8 x fp8, more than 32     on a CPU with AVX512_BF16   one fp8 ``dot_general``
+rows: fp8_as_bfloat16_rows  or AMX-BF16: both operands'
+                            values as bfloat16 (exact),
+                            one bfloat16 matmul, float32
+                            sums (MiniLM at batch 8:
+                            0.94x float32 against 1.02x;
+                            its 384 x 1536 weight at
+                            1,024 rows 0.65x against
+                            1.06x); a weight over 32 MiB
+                            as float32 above 256 rows
+                            only; with AVX2 alone, the
+                            float32 path above
 weight with batch axes      one expert at a time in a   the whole weight decoded,
 (experts), decoded to       ``lax.map``, K-chunks as    one batched float
 float (weight-only, w4a8,   above, int4 codes two per   ``dot_general`` (keeps a
@@ -280,7 +292,8 @@ class KernelPolicy:
         that 2-D layout only; elsewhere it widens to int32 (a 1-D conv 12-70x float32).
       fp8_native: run an fp8 x fp8 matmul as one ``dot_general`` on fp8 operands
         (float32 accumulation); otherwise the fp8 weight is upcast chunk by chunk
-        as on the weight-only path (XLA:CPU has no fp8 GEMM), and an fp8 key/value
+        as on the weight-only path (XLA:CPU has no fp8 GEMM; many rows: see
+        ``fp8_as_bfloat16_rows``), and an fp8 key/value
         cache is carried as its uint8 bits (XLA:CPU computes on a carried fp8
         buffer in float16, converting the whole cache at every step).
       gemv_rows: an op with at most this many rows (M: tokens times batch; 1 when
@@ -416,6 +429,20 @@ class KernelPolicy:
         The CPU table sets 255 on a CPU with AVX512_BF16 or AMX-BF16
         (``jqt._src.policy.bfloat16_dot_is_fast``) and 0 elsewhere.
 
+      fp8_as_bfloat16_rows: an fp8 x fp8 dense matmul of more rows than this, where
+        the backend has no fp8 matmul (``fp8_native``), runs as one bfloat16 matmul of
+        both operands' values with float32 accumulation: bfloat16 holds every e4m3fn and
+        e5m2 value (in ``numerics.fp8_units``) exactly, so the products are those of the
+        float32 path, whose weight copy is twice the bytes, and only the order of the
+        float32 sums differs; 0: never. Weights with group scales keep the float32
+        path, and so does a weight whose float32 copy exceeds ``large_weight_bytes``
+        up to ``large_weight_rows`` rows (there its float32 K-chunks in cache win:
+        a 4096 x 4096 layer at 17-128 rows). ``benchmarks/formats.py --only fp8rows``
+        (docs/performance.md): at 33 rows a tie (1.07-1.51x float32 against
+        1.34-1.44x), from 64 rows on mostly faster (0.55-0.91x at 136-1,024 rows
+        against 0.82-1.23x). The CPU table sets 32 on a CPU with AVX512_BF16 or
+        AMX-BF16 (``bfloat16_dot_is_fast``) and 0 elsewhere.
+
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
         or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8
         weights per output channel on float activations (w8: ``"kn"``, as the CPU
@@ -507,6 +534,7 @@ class KernelPolicy:
     batched_map: bool = False
     decode_in_input_dtype: bool = False
     int_as_bfloat16_rows: int = 0
+    fp8_as_bfloat16_rows: int = 0
     native_gemv_rows: int = 0
     native_in_place: bool = False
     nibble_halves: bool = False
@@ -646,6 +674,7 @@ POLICIES = {
                         large_weight_rows=256, batched_map=True,
                         decode_in_input_dtype=bfloat16_dot_is_fast(cpu_flags()),
                         int_as_bfloat16_rows=255 if bfloat16_dot_is_fast(cpu_flags()) else 0,
+                        fp8_as_bfloat16_rows=32 if bfloat16_dot_is_fast(cpu_flags()) else 0,
                         native_gemv_rows=8,
                         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
                         native_decode=int(native_nf4_decode_pays(cpu_flags()))),

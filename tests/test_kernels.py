@@ -434,6 +434,31 @@ def test_many_row_fp8_matmul_runs_as_bfloat16_values(recipe):
     assert dtypes(large, jnp.concatenate([x, x])) == {"bfloat16"}
 
 
+def test_fp8_as_bfloat16_under_scan_vmap_and_export():
+    """The bfloat16 fp8 matmul (40 rows) inside a ``lax.scan`` over stacked layers: equal
+    to the simulated path, under ``jax.vmap`` to a loop over inputs, and through
+    ``jax.export`` (serialized, called back) to the jitted function."""
+    k = 64
+    p = {"ws": jax.random.normal(jax.random.key(0), (2, k, k)) * k ** -0.5}
+    f = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["ws"])[0]
+    xs = jax.random.normal(jax.random.key(1), (3, 40, k))
+    qp = jqt.calibrate(f, jqt.recipes.fp8(), p, [(xs[0],)], progress=False)
+    pol = dataclasses.replace(CPU, fp8_as_bfloat16_rows=32)
+    packed = jqt.pack(qp, p, policy=pol)
+    qf = jax.jit(jqt.quantize(f, qp, policy=pol))
+    dots = [e for e in _eqns(jax.make_jaxpr(jqt.quantize(f, qp, policy=pol))(packed, xs[0]).jaxpr)
+            if e.primitive.name == "dot_general"]
+    assert {str(e.invars[0].aval.dtype) for e in dots} == {"bfloat16"}
+    sim = jqt.quantize(f, qp, simulate=True)
+    loop = jnp.stack([qf(packed, x) for x in xs])
+    for x, out in zip(xs, loop):
+        np.testing.assert_allclose(out, sim(p, x), rtol=0, atol=1e-5)
+    vm = jax.jit(jax.vmap(jqt.quantize(f, qp, policy=pol), in_axes=(None, 0)))(packed, xs)
+    np.testing.assert_allclose(vm, loop, rtol=0, atol=1e-5)
+    back = jax.export.deserialize(jax.export.export(qf)(packed, xs[0]).serialize())
+    np.testing.assert_allclose(back.call(packed, xs[1]), loop[1], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("recipe,k,n,m", [
     pytest.param(jqt.recipes.w4(group_size=32, symmetric=False), 1024, 1024, 12,  # K-chunks (a 4 MiB
                  marks=pytest.mark.slow),  # float copy): CI

@@ -224,7 +224,8 @@ rows: fp8_as_bfloat16_rows  or AMX-BF16: both operands'
                             values as bfloat16 (exact),
                             one bfloat16 matmul, float32
                             sums (MiniLM at batch 8:
-                            0.94x float32 against 1.02x;
+                            0.94-0.95x float32 against
+                            1.02-1.03x;
                             its 384 x 1536 weight at
                             1,024 rows 0.65x against
                             1.06x); a weight over 32 MiB

@@ -2,8 +2,8 @@
 
 The numerics of every formulation are the same (integer arithmetic is exact;
 float sums run in another order, and an activation split into int8 digits
-keeps 24 bits of each row's absolute maximum; 8-bit codes multiplied as
-bfloat16 are exact products summed in float32): the policy changes speed, never
+keeps 24 bits of each row's absolute maximum; 8-bit codes and fp8 values
+multiplied as bfloat16 are exact products summed in float32): the policy changes speed, never
 results beyond float rounding.
 
 "Rows" are the rows M of the op as a 2-D matmul (tokens times batch): 1 when

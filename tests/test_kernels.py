@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import jqt
-from jqt._src import policy
+from jqt._src import native, policy
 
 CPU = jqt.KernelPolicy.for_backend("cpu")
 # the CPU table's XLA formulations: without the native kernel that runs 4-bit grouped
@@ -111,7 +111,7 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
     for pol, tied in ((policy, True), (dataclasses.replace(policy, decode_after_input=False), False)):
         jaxpr = jax.make_jaxpr(jqt.quantize(f, qp, policy=pol))(packed, many)
         assert not [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan"]
-        assert ("clz" in {e.primitive.name for e in _eqns(jaxpr.jaxpr)}) == tied
+        assert ("jqt_tie" in {e.primitive.name for e in _eqns(jaxpr.jaxpr)}) == tied
         np.testing.assert_array_equal(jax.jit(jqt.quantize(f, qp, policy=pol))(packed, many),
                                       jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many))
 
@@ -139,7 +139,7 @@ def test_gpu_table_casts_int8_weights_to_the_activation_dtype_untied():
             names = {e.primitive.name for e in _eqns(jaxpr)}
             dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
             assert [d.invars[1].aval.dtype for d in dots] == [jnp.bfloat16], (recipe, rows)
-            assert ("clz" not in names) == cast_untied, (recipe, rows)  # the tie: a clz of x
+            assert ("jqt_tie" not in names) == cast_untied, (recipe, rows)  # the tie (numerics.after)
             if cast_untied:  # the weight operand: the int8 codes, one cast
                 cast = next(e for e in _eqns(jaxpr) if e.outvars[0] is dots[0].invars[1])
                 assert cast.primitive.name == "convert_element_type" and cast.invars[0].aval.dtype == jnp.int8
@@ -434,6 +434,27 @@ def test_many_row_fp8_matmul_runs_as_bfloat16_values(recipe):
     assert dtypes(large, jnp.concatenate([x, x])) == {"bfloat16"}
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_fp8_as_bfloat16_near_the_float32_maximum(dynamic):
+    """The bfloat16 fp8 matmul applies units and scales in the float32 path's order: an
+    e5m2 weight range of 3.3e38 (its scale times e5m2's unit near float32's maximum)
+    gives finite outputs, equal to the float32 path's and the simulated path's (the two
+    scales' product first overflowed)."""
+    e5m2 = jqt.recipes.fp8(dynamic=dynamic, weight_dtype="float8_e5m2", act_dtype="float8_e5m2")
+    f = lambda p, x: x @ p["w"]
+    p = {"w": (jax.random.normal(jax.random.key(0), (256, 40)) * 0.1).at[0, 3].set(3.3e38)}
+    x = jax.random.normal(jax.random.key(1), (40, 256)).at[:, 0].set(1e-3)
+    qp = jqt.calibrate(f, e5m2, p, [(x,)], progress=False)
+    want = jqt.quantize(f, qp, simulate=True)(p, x)
+    outs = []
+    for rows in (32, 0):
+        pol = dataclasses.replace(CPU, fp8_as_bfloat16_rows=rows, native_gemv_rows=0)
+        outs.append(np.asarray(jax.jit(jqt.quantize(f, qp, policy=pol))(jqt.pack(qp, p, policy=pol), x)))
+        assert np.isfinite(outs[-1]).all(), rows
+        np.testing.assert_allclose(outs[-1], want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6 * float(np.abs(outs[1]).max()))
+
+
 def test_fp8_as_bfloat16_under_scan_vmap_and_export():
     """The bfloat16 fp8 matmul (40 rows) inside a ``lax.scan`` over stacked layers: equal
     to the simulated path, under ``jax.vmap`` to a loop over inputs, and through
@@ -457,6 +478,33 @@ def test_fp8_as_bfloat16_under_scan_vmap_and_export():
     np.testing.assert_allclose(vm, loop, rtol=0, atol=1e-5)
     back = jax.export.deserialize(jax.export.export(qf)(packed, xs[0]).serialize())
     np.testing.assert_allclose(back.call(packed, xs[1]), loop[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [
+    jqt.recipes.w8(), jqt.recipes.w4(group_size=64), jqt.recipes.nf4(group_size=64),
+    jqt.recipes.w4a8(group_size=64), jqt.recipes.fp8(), jqt.recipes.w8a8()],
+    ids=["w8", "w4_g64", "nf4_g64", "w4a8_g64", "fp8", "w8a8"])
+def test_vmap_over_activations_decodes_each_weight_once(recipe):
+    """``jax.vmap`` over activations of a weight decoded whole after its input
+    (``numerics.after``; NF4: the native decode's tie operand): the tie is taken from the
+    batch's first element, so the weight stays unbatched, decoded once, and each matmul
+    takes the batch as more rows (a batched tie made a decoded copy per batch entry and a
+    batched matmul). Equal to a loop over the inputs."""
+    f, p, _, qp, _ = _dense(recipe, k=256, n=48, m=40)
+    pol = dataclasses.replace(CPU, fp8_as_bfloat16_rows=32)
+    packed = jqt.pack(qp, p, policy=pol)
+    q = jqt.quantize(f, qp, policy=pol)
+    xs = jax.random.normal(jax.random.key(3), (3, 40, 256))
+    jaxpr = jax.make_jaxpr(jax.vmap(q, in_axes=(None, 0)))(packed, xs).jaxpr
+    dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(e.params["dimension_numbers"][1] == ((), ()) for e in dots)
+    decodes = [e for e in _eqns(jaxpr) if e.primitive.name == "jqt_nibble_decode"]
+    assert all(e.outvars[0].aval.ndim == 2 for e in decodes)
+    if recipe.rules[0].weight.grid == "nf4" and native.native_status().available:
+        assert len(decodes) == 1
+    out = jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs)
+    loop = jnp.stack([jax.jit(q)(packed, x) for x in xs])
+    np.testing.assert_allclose(out, loop, rtol=0, atol=1e-5 * float(jnp.abs(loop).max()))
 
 
 @pytest.mark.parametrize("recipe,k,n,m", [

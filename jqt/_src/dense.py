@@ -386,20 +386,25 @@ def fp8_as_bfloat16(m, w, policy) -> bool:
 
 def _fp8_bfloat16(ax, x, x2, w, policy):
     """fp8 activation ``x`` (codes ``x2``, ``(M, K)``) x fp8 weight as one bfloat16 matmul
-    with float32 sums: both operands' values in their :func:`numerics.fp8_units` (at most
-    4 significant bits, within bfloat16's exponent range: exact), so the products are
-    exact and the sums float32, as on the float32 path this replaces (the decoded
-    weight's copy half its bytes; XLA:CPU's bfloat16 matmul the faster one where the CPU
-    has AVX512_BF16 or AMX-BF16). The weight is decoded after its input exists
-    (``policy.decode_after_input``); both units and scales apply to the output."""
-    units = lambda bits, grid: nx.fp8_units(bits, grid).astype(jnp.bfloat16)
+    with float32 sums: the activation's fp8 values and the weight's
+    :func:`numerics.fp8_units` (at most 4 significant bits, within bfloat16's exponent
+    range: exact), so the products are exact and the sums float32, as on the float32 path
+    this replaces (the decoded weight's copy half its bytes; XLA:CPU's bfloat16 matmul the
+    faster one where the CPU has AVX512_BF16 or AMX-BF16). The weight is decoded after
+    its input exists (``policy.decode_after_input``). The scales apply as on the float32
+    path (:func:`_act_scale_around`: a per-tensor activation scale's ``lo`` folded into
+    the weight's scales, a per-row one's multiplying the output), so that no product of
+    two scales exceeds the real products' magnitude where one is near float32's maximum
+    (with both units on the output, XLA combined them into one infinite factor for an
+    e5m2 weight range of 3.3e38)."""
+    w, lo, hi = _act_scale_around(ax, x, w)
     v = lax.bitcast_convert_type(w.values, jnp.uint8)
     v = nx.after(v, x2) if policy.decode_after_input else v
-    xb = units(lax.bitcast_convert_type(x2, jnp.uint8), x.qtype.grid)
+    wb = nx.fp8_units(v, w.qtype.grid).astype(jnp.bfloat16)
     dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
-    out = lax.dot_general(xb, units(v, w.qtype.grid), dn, preferred_element_type=_F32)
-    sx = ax.act_vec(x.scale.astype(_F32)) * nx.FP8_BITS_UNIT[x.qtype.grid]
-    return out * (sx * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]))  # scales first
+    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn,
+                          preferred_element_type=_F32)
+    return out * lo * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]) * hi
 
 
 def chunk_size(k, target, multiple=1):

@@ -16,10 +16,14 @@ weights take it (see ``docs/performance.md``).
 The op is one primitive, ``jqt_nibble_decode``, lowered on CPU to the custom call where
 the kernels are available (``nativelib.native_status``) and elsewhere, inside
 ``jax.export`` and in SPMD programs over several devices, to the XLA decode.
-``jax.vmap`` maps the XLA decode; ``jax.jvp`` differentiates it (the scales and zero
-points; the codes are integers).
+``jax.vmap`` over activations alone keeps one decode of the weight (its tie to the
+activation taken from the batch's first element); over weights it maps the XLA decode.
+``jax.jvp`` differentiates the XLA decode (the scales and zero points; the codes are
+integers).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +115,18 @@ def _abstract(codes, scale, zp, table, tie, **params):
     return jax.core.ShapedArray((2 * codes.shape[0], codes.shape[1]), _F32)
 
 
-_lower_reference = compat.define_by_reference(decode_p, _reference)
+def _batch(args, dims, **params):
+    """``jax.vmap``: over activations alone (only ``tie`` batched) the one weight is decoded
+    once, tied to the batch's first element (the decode does not read it); otherwise the
+    XLA decode, mapped."""
+    if all(d is compat.NOT_MAPPED for d in dims[:-1]):
+        tie = jnp.moveaxis(args[-1], dims[-1], 0)[0]
+        return decode_p.bind(*args[:-1], tie, **params), compat.NOT_MAPPED
+    axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
+    return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0
+
+
+_lower_reference = compat.define_by_reference(decode_p, _reference, _batch)
 
 
 def _lower_cpu(ctx, *args, grid, group_size):

@@ -443,6 +443,12 @@ def after(codes, x):
     prevent it (XLA:CPU removes barriers before it schedules). With the dependency each
     weight is decoded just before its matmul and its copy freed after it.
 
+    The zero is one primitive (``jqt_tie``) so that under ``jax.vmap`` over activations
+    it stays one unbatched scalar (taken from the batch's first element): the codes, and
+    the weight decoded from them, stay unbatched, decoded once for the whole batch, and
+    the matmul takes the batch as more rows (a batched zero made a decoded copy of the
+    weight per batch entry and one batched matmul).
+
     >>> import jax.numpy as jnp
     >>> c = jnp.array([[-8, 7]], jnp.int8)
     >>> bool((after(c, jnp.array([[float("nan"), -0.0]])) == c).all())
@@ -450,6 +456,22 @@ def after(codes, x):
     """
     if x.size == 0:
         return codes  # no rows: nothing to wait for
+    return codes + tie_p.bind(x).astype(codes.dtype)
+
+
+def _tie_zero(x):
+    """``jqt_tie``'s meaning: an integer zero from ``x``'s first element (a count of its
+    bits' leading zeros, at most 32, shifted right by 6)."""
     bits = jax.lax.bitcast_convert_type(x[(0,) * x.ndim].astype(jnp.float32), jnp.uint32)
-    zero = jax.lax.clz(bits) >> 6  # a count of leading zeros is at most 32
-    return codes + zero.astype(codes.dtype)
+    return jax.lax.clz(bits) >> 6
+
+
+def _tie_batch(args, dims):
+    """``jax.vmap`` of ``jqt_tie``: the zero of the whole batched operand (the same zero),
+    unbatched."""
+    return tie_p.bind(args[0]), compat.NOT_MAPPED
+
+
+tie_p = compat.Primitive("jqt_tie")
+tie_p.def_abstract_eval(lambda x: jax.core.ShapedArray((), jnp.uint32))
+compat.define_by_reference(tie_p, _tie_zero, _tie_batch)

@@ -224,7 +224,7 @@ rows: fp8_as_bfloat16_rows  or AMX-BF16: both operands'
                             values as bfloat16 (exact),
                             one bfloat16 matmul, float32
                             sums (MiniLM at batch 8:
-                            0.94-0.95x float32 against
+                            0.94-0.96x float32 against
                             1.02-1.03x;
                             its 384 x 1536 weight at
                             1,024 rows 0.65x against
@@ -439,10 +439,11 @@ class KernelPolicy:
         path, and so does a weight whose float32 copy exceeds ``large_weight_bytes``
         up to ``large_weight_rows`` rows (there its float32 K-chunks in cache win:
         a 4096 x 4096 layer at 17-128 rows). ``benchmarks/formats.py --only fp8rows``
-        (docs/performance.md): at 33 rows a tie (1.07-1.51x float32 against
-        1.34-1.44x), from 64 rows on mostly faster (0.55-0.91x at 136-1,024 rows
-        against 0.82-1.23x). The CPU table sets 32 on a CPU with AVX512_BF16 or
-        AMX-BF16 (``bfloat16_dot_is_fast``) and 0 elsewhere.
+        (docs/performance.md), two runs: at 33-64 rows a tie on all-MiniLM-L6-v2's
+        weights and faster on a 1024 x 2816 one (0.89-1.12x float32 against
+        1.36-2.06x); from 136 rows on faster in every cell (0.42-1.30x against
+        0.62-1.36x). The CPU table sets 32 on a CPU with AVX512_BF16 or AMX-BF16
+        (``bfloat16_dot_is_fast``) and 0 elsewhere.
 
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
         or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8

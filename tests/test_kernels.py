@@ -505,6 +505,10 @@ def test_vmap_over_activations_decodes_each_weight_once(recipe):
     out = jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs)
     loop = jnp.stack([jax.jit(q)(packed, x) for x in xs])
     np.testing.assert_allclose(out, loop, rtol=0, atol=1e-5 * float(jnp.abs(loop).max()))
+    # nested, and an empty batch (no element to tie to)
+    nested = jax.jit(jax.vmap(jax.vmap(q, in_axes=(None, 0)), in_axes=(None, 0)))(packed, xs[None])
+    np.testing.assert_allclose(nested[0], loop, rtol=0, atol=1e-5 * float(jnp.abs(loop).max()))
+    assert jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs[:0]).shape == (0, 40, 48)
 
 
 @pytest.mark.parametrize("recipe,k,n,m", [

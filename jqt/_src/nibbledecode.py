@@ -120,7 +120,8 @@ def _batch(args, dims, **params):
     once, tied to the batch's first element (the decode does not read it); otherwise the
     XLA decode, mapped."""
     if all(d is compat.NOT_MAPPED for d in dims[:-1]):
-        tie = jnp.moveaxis(args[-1], dims[-1], 0)[0]
+        tie = jnp.moveaxis(args[-1], dims[-1], 0)
+        tie = tie[0] if tie.shape[0] else jnp.zeros((0,), _F32)  # an empty batch: no tie
         return decode_p.bind(*args[:-1], tie, **params), compat.NOT_MAPPED
     axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0

@@ -468,7 +468,9 @@ def _tie_zero(x):
 
 def _tie_batch(args, dims):
     """``jax.vmap`` of ``jqt_tie``: the zero of the whole batched operand (the same zero),
-    unbatched."""
+    unbatched (an empty batch: a constant zero, nothing to wait for)."""
+    if args[0].size == 0:
+        return jnp.zeros((), jnp.uint32), compat.NOT_MAPPED
     return tie_p.bind(args[0]), compat.NOT_MAPPED
 
 

@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups, fp8rows
+    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups, fp8rows, vmap
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
@@ -55,6 +55,12 @@ all-MiniLM-L6-v2's, the 100M decoder's and the dense part's weight shapes at 17-
 rows, under the backend's policy and under its other choice of
 ``KernelPolicy.fp8_as_bfloat16_rows`` (one bfloat16 matmul of the fp8 values above 32
 rows, or the float32 path), with a quarter of the rounds (at least 9).
+
+Part 7 (``vmap``, only when asked for: ``--only vmap``): ``jax.vmap`` of the quantized
+``x @ w`` over 8 activations of 17 rows (all-MiniLM-L6-v2's 384 x 1536 and 1536 x 384
+weights, its batch 8 written per sentence), against the same 136 rows in one call and
+float32 vmapped: each weight decoded once either way (``numerics.after``'s tie stays
+unbatched under ``vmap``).
 
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
@@ -323,6 +329,38 @@ def fp8rows(rounds, markdown, results):
         table(("rows", "float32") + tuple(x_ for x_ in fns if x_ != "float32"), rows, markdown)
 
 
+VMAP_LAYERS = ((384, 1536), (1536, 384))
+VMAP_PRESETS = ("w8", "w4 g128", "nf4 g64", "fp8")
+
+
+def vmapped(rounds, markdown, results):
+    """Each of :data:`VMAP_PRESETS` on the :data:`VMAP_LAYERS`: ``jax.vmap`` over 8 x 17
+    rows against the 136 rows in one call (median ms, ratio to float32 vmapped)."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, n in VMAP_LAYERS:
+        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+        xs = jnp.asarray(rng.standard_normal((8, 17, k)), jnp.float32)
+        f = lambda w, x: x @ w
+        fns = {"float32 vmapped": jax.jit(jax.vmap(f, in_axes=(None, 0)))}
+        packs = {"float32 vmapped": w}
+        for name in VMAP_PRESETS:
+            qp = jqt.calibrate(f, MINILM_PRESETS_ALL[name](), w, [(xs[0],)], progress=False)
+            q = jqt.quantize(f, qp)
+            packs[f"{name} vmapped"] = packs[f"{name}, one call"] = jqt.pack(qp, w)
+            fns[f"{name} vmapped"] = jax.jit(jax.vmap(q, in_axes=(None, 0)))
+            fns[f"{name}, one call"] = jax.jit(lambda p, x, q=q: q(p, x.reshape(-1, k)).reshape(8, 17, -1))
+        print(f"[vmap] {k} x {n}", file=sys.stderr, flush=True)
+        med = interleaved_medians(fns, {name: (packs[name], xs) for name in fns}, rounds)
+        base = med["float32 vmapped"]
+        results[f"vmap{k}x{n}"] = {name: v * 1e3 for name, v in med.items()}
+        rows.append((f"{k} x {n}", f"{base * 1e3:.3f}") + tuple(
+            f"{med[f'{p} vmapped'] * 1e3:.3f} ({med[f'{p} vmapped'] / base:.2f}x) / "
+            f"{med[f'{p}, one call'] * 1e3:.3f} ({med[f'{p}, one call'] / base:.2f}x)" for p in VMAP_PRESETS))
+    print("x @ w vmapped over 8 x 17 rows / the 136 rows in one call, median ms (ratio to float32 vmapped)")
+    table(("weight", "float32 vmapped") + VMAP_PRESETS, rows, markdown)
+
+
 EXPERT_PRESETS = {
     "w8": R.w8,
     "w8a8_dynamic": R.w8a8_dynamic,
@@ -440,6 +478,8 @@ def main():
         groups(max(rounds // 2, 9), args.markdown, results)
     if "fp8rows" in args.only:
         fp8rows(max(rounds // 4, 9), args.markdown, results)
+    if "vmap" in args.only:
+        vmapped(rounds, args.markdown, results)
     print("RESULTS " + json.dumps(results, sort_keys=True))
 
 

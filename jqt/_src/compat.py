@@ -20,6 +20,20 @@ NOT_MAPPED = getattr(batching, "not_mapped", None)  # vmap: operand has no batch
 jaxprs_in_params = jex_core.jaxprs_in_params
 
 
+def sharded_dims(x) -> tuple:
+    """The dimensions of ``x`` split over mesh axes in its type (explicit sharding, JAX's
+    default mesh axes since 0.7): slicing such a dimension to one element is not
+    implemented there. Empty for arrays without sharding in their type (auto axes, one
+    device).
+
+    >>> import jax.numpy as jnp
+    >>> sharded_dims(jnp.ones((2, 3)))
+    ()
+    """
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    return tuple(i for i, a in enumerate(spec) if a is not None)
+
+
 def _bind_params(eqn):
     r = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(r, tuple):  # older releases: (subfuns, params)

@@ -88,7 +88,7 @@ def decode(codes, w: QArray, after=None):
         scale, zp, gs = jnp.ones((1, n), _F32), jnp.zeros((0, n), _F32), k
     table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
     tie = (jnp.zeros((0,), _F32) if after is None or after.size == 0
-           else after.reshape(-1)[:1].astype(_F32))
+           else nx.first_element(after))
     return decode_p.bind(codes, scale, zp, table, tie, grid=q.grid, group_size=gs)
 
 
@@ -120,8 +120,8 @@ def _batch(args, dims, **params):
     once, tied to the batch's first element (the decode does not read it); otherwise the
     XLA decode, mapped."""
     if all(d is compat.NOT_MAPPED for d in dims[:-1]):
-        tie = jnp.moveaxis(args[-1], dims[-1], 0)
-        tie = tie[0] if tie.shape[0] else jnp.zeros((0,), _F32)  # an empty batch: no tie
+        tie = args[-1]  # an empty batch: no element to tie to
+        tie = nx.first_element(tie) if tie.size else jnp.zeros((0,), _F32)
         return decode_p.bind(*args[:-1], tie, **params), compat.NOT_MAPPED
     axes = tuple(None if d is compat.NOT_MAPPED else d for d in dims)
     return jax.vmap(functools.partial(_reference, **params), in_axes=axes)(*args), 0

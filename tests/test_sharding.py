@@ -116,6 +116,29 @@ for name, rec in (("w8", jqt.recipes.w8()), ("w4", W4), ("nf4", jqt.recipes.nf4(
     except Exception as e:
         r = {"error": f"{type(e).__name__}: {e}"[:500]}
     res["explicit_" + name] = r
+# few rows (jqt's native kernels' ops, their XLA formulations in a multi-device program),
+# the rows split over "data": plain at 2 rows, and vmapped at 4 rows per example
+def mlp_scan(p, x):  # an MLP, then 3 stacked layers under lax.scan
+    h = jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["ws"])[0]
+P_FEW = {"w1": normal((64, 128), 0.3), "w2": normal((128, 32), 0.1), "ws": normal((3, 32, 32), 0.2)}
+X_FEW = X_MLP[:8]
+for mesh_name, mesh in (("auto", AUTO), ("explicit", EXPLICIT)):
+    for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", W4)):
+        qx = jqt.calibrate(mlp_scan, rec, P_FEW, [(X_FEW,)], progress=False)
+        px = jqt.pack(qx, P_FEW)
+        want = jax.jit(jqt.quantize(mlp_scan, qx))(px, X_FEW)
+        pkx = jax.device_put(px, jqt.packed_shardings(qx, px, mesh)[1])
+        for how, run, x in (
+                ("plain_2_rows", jax.jit(jqt.quantize(mlp_scan, qx)), X_FEW[:2]),
+                ("vmap_4_rows", jax.jit(jax.vmap(jqt.quantize(mlp_scan, qx), in_axes=(None, 0))),
+                 X_FEW.reshape(2, 4, 64))):
+            try:  # each outcome is a result: the largest difference to one device, or the error
+                y = run(pkx, jax.device_put(x, NamedSharding(mesh, P("data")))).reshape(-1, 32)
+                got = float(jnp.abs(y - want[:y.shape[0]]).max())
+            except Exception as e:
+                got = f"{type(e).__name__}: {e}"[:300]
+            res[f"few_{mesh_name}_{name}_{how}"] = got
 # packed weights that hold their smoothing vector (AWQ), per layer under scan: replicated
 res["awq_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w4(group_size=32, awq=True), AUTO)
 
@@ -292,6 +315,28 @@ def test_explicit_mesh_weights_decoded_after_a_split_input(result, name):
     _matches(r)
     assert r["vmap_diff"] <= 1e-5 * r["max"]
     assert r["out_spec"][0] == "data"
+
+
+@pytest.mark.parametrize("case", ["w8a8_plain_2_rows", "w8a8_vmap_4_rows", "w4_plain_2_rows",
+                                  "w4_vmap_4_rows"])
+def test_few_rows_split_over_auto_axes(result, case):
+    """Ops of 1-8 rows (the native kernels' XLA formulations in a multi-device program)
+    with the rows split over an Auto mesh axis, plain and vmapped: as on one device."""
+    got = result[f"few_auto_{case}"]
+    assert isinstance(got, float) and got <= 1e-5, got
+
+
+def test_few_rows_split_over_explicit_axes(result):
+    got = result["few_explicit_w4_plain_2_rows"]
+    assert isinstance(got, float) and got <= 1e-5, got
+
+
+@pytest.mark.xfail(strict=True, reason="not yet: few-row formulations with rows split over an "
+                   "explicit mesh axis (docs/sharding.md#explicit-mesh-axes)")
+@pytest.mark.parametrize("case", ["w8a8_plain_2_rows", "w8a8_vmap_4_rows", "w4_vmap_4_rows"])
+def test_few_rows_split_over_explicit_axes_not_yet(result, case):
+    got = result[f"few_explicit_{case}"]
+    assert isinstance(got, float) and got <= 1e-5, got
 
 
 def test_load_packed_straight_into_shards(result):

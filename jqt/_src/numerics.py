@@ -460,21 +460,17 @@ def after(codes, x):
 
 
 def _tie_zero(x):
-    """``jqt_tie``'s meaning: an integer zero from one element of ``x`` (a count of its
-    bits' leading zeros, at most 32, shifted right by 6). The first element; along
-    dimensions split over mesh axes in ``x``'s type (explicit sharding, where slicing
-    them to one element is not implemented) the minimum instead, a scalar all-reduce."""
-    split = compat.sharded_dims(x)
-    v = x[tuple(slice(None) if d in split else 0 for d in range(x.ndim))]
-    v = jnp.min(v) if v.ndim else v
-    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+    """``jqt_tie``'s meaning: an integer zero from :func:`first_element` of ``x`` (a count
+    of its bits' leading zeros, at most 32, shifted right by 6)."""
+    bits = jax.lax.bitcast_convert_type(first_element(x)[0], jnp.uint32)
     return jax.lax.clz(bits) >> 6
 
 
 def first_element(x):
-    """``x``'s first element as a float32 ``(1,)`` array (the minimum along dimensions split
-    over mesh axes in its type, as :func:`_tie_zero` takes it): an operand that ties an
-    op to ``x`` (``nibbledecode.decode``'s ``after``).
+    """``x``'s first element as a float32 ``(1,)`` array, the value that ties an op to ``x``
+    (``jqt_tie``, ``nibbledecode.decode``'s ``after``). Along dimensions split over mesh
+    axes in ``x``'s type (explicit sharding, where slicing them to one element is not
+    implemented) the minimum instead, a scalar all-reduce.
 
     >>> import jax.numpy as jnp
     >>> first_element(jnp.array([[3.0, 1.0], [2.0, 0.0]])).tolist()

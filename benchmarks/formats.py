@@ -310,16 +310,23 @@ FP8_ROWS = (17, 33, 64, 136, 256, 1024)
 def fp8rows(rounds, markdown, results):
     """``fp8`` ``x @ w`` on the :data:`FP8_LAYERS` at :data:`FP8_ROWS` rows, under the
     backend's policy and under its other choice of ``fp8_as_bfloat16_rows`` (0: the float32
-    path; 32: a bfloat16 matmul of the values above 32 rows)."""
+    path; 32: a bfloat16 matmul of the values above 32 rows); a weight over
+    ``large_weight_bytes`` also with the bfloat16 matmul at every row count above 32."""
     rng = np.random.default_rng(0)
     base = jqt.KernelPolicy.for_backend()
     other = 0 if base.fp8_as_bfloat16_rows else 32
     for k, n in FP8_LAYERS:
         w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
-        fns, packs = _dense_layer(w, [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)],
-                                  {"fp8": R.fp8}, parse_ab(f"fp8_as_bfloat16_rows={other}", ["fp8"]))
+        cal = [(jnp.asarray(rng.standard_normal((8, k)), jnp.float32),)]
+        fns, packs = _dense_layer(w, cal, {"fp8": R.fp8}, parse_ab(f"fp8_as_bfloat16_rows={other}", ["fp8"]))
+        large = base.large_weight_bytes and 4 * k * n > base.large_weight_bytes
+        if large:  # the bfloat16 matmul at every row count: why the table keeps K-chunks
+            f3, p3 = _dense_layer(w, cal, {"fp8": R.fp8},
+                                  parse_ab("fp8_as_bfloat16_rows=32,large_weight_bytes=0", ["fp8"]))
+            key = "fp8 [fp8_as_bfloat16_rows=32,large_weight_bytes=0]"
+            fns[key], packs[key] = f3[key], p3[key]
         rows = []
-        for b in FP8_ROWS if k * n < 4096 * 4096 else FP8_ROWS[:-1]:
+        for b in FP8_ROWS if not large else FP8_ROWS[:-1]:
             print(f"[fp8rows] {k} x {n}, {b} rows", file=sys.stderr, flush=True)
             med, cells = _timed_row(fns, packs, jnp.asarray(rng.standard_normal((b, k)), jnp.float32), rounds)
             results[f"fp8rows{k}x{n} b{b}"] = {x_: v * 1e3 for x_, v in med.items()}

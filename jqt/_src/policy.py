@@ -438,7 +438,8 @@ class KernelPolicy:
         float32 sums differs; 0: never. Weights with group scales keep the float32
         path, and so does a weight whose float32 copy exceeds ``large_weight_bytes``
         up to ``large_weight_rows`` rows (there its float32 K-chunks in cache win:
-        a 4096 x 4096 layer at 17-128 rows). ``benchmarks/formats.py --only fp8rows``
+        a 4096 x 4096 layer at 33-136 rows 1.16-1.24x float32 against 1.38-2.85x for its
+        whole bfloat16 copy; 1.19-1.22x against 1.10x at 256 rows). ``benchmarks/formats.py --only fp8rows``
         (docs/performance.md), two runs: at 33-64 rows a tie on all-MiniLM-L6-v2's
         weights and faster on a 1024 x 2816 one (0.89-1.12x float32 against
         1.36-2.06x); from 136 rows on faster in every cell (0.42-1.30x against

@@ -671,3 +671,28 @@ def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():
         qp = jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False)
         np.testing.assert_allclose(jqt.quantize(h, qp)(jqt.pack(qp, p), x),
                                    jqt.quantize(h, qp, simulate=True)(p, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])
+def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
+    """Inputs whose type names a mesh axis (``jax.make_mesh``'s default, explicit axes;
+    here one device), few rows, after the same function ran on an unsplit input: the
+    trace cache keys on the sharding in the type (it reused the unsplit jaxpr and failed),
+    a plain op's split rows take the formulations that keep rows as they are (the few-row
+    ones reshape them), and vmapped the native kernel's output type keeps its input's
+    split (a ``lax.scan`` batching rule refused a carry typed on no mesh). Multi-device:
+    tests/test_sharding.py (slow)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("data",))
+    f = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jax.nn.relu(x @ p["w1"]), p["ws"])[0]
+    p = {"w1": _normal(0, (64, 32), 0.2), "ws": _normal(1, (3, 32, 32), 0.2)}
+    x = _normal(2, (8, 64))
+    rec = {"w8a8": jqt.recipes.w8a8(), "w8": jqt.recipes.w8(), "w4": jqt.recipes.w4(group_size=32)}[recipe]
+    qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    for run, xs in ((jax.jit(jqt.quantize(f, qp)), x[:2]),
+                    (jax.jit(jax.vmap(jqt.quantize(f, qp), in_axes=(None, 0))), x.reshape(2, 4, 64))):
+        want = run(packed, xs)
+        got = run(packed, jax.device_put(xs, NamedSharding(mesh, P("data"))))
+        assert jax.typeof(got).sharding.spec[0] == "data"
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # float sums in another order

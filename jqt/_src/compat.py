@@ -34,6 +34,31 @@ def sharded_dims(x) -> tuple:
     return tuple(i for i, a in enumerate(spec) if a is not None)
 
 
+def shaped(shape, dtype, like=(), dims=()):
+    """A ``ShapedArray`` for a primitive's abstract evaluation whose type keeps the split of
+    its operands' dimensions over explicit mesh axes: output dimension ``i`` is split as
+    ``like[j]``'s dimension ``dims[i][j]`` (``None``: not split), on their mesh. Without
+    sharding in the operands' types (one device, auto axes) the plain ``ShapedArray``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> shaped((2, 5), jnp.float32, (jax.typeof(jnp.ones((2, 3))),), ((0,), (None,))).shape
+    (2, 5)
+    """
+    meshes = [a.sharding for a in like if getattr(a, "sharding", None) is not None
+              and getattr(a.sharding, "spec", None) is not None and a.sharding.mesh.axis_names]
+    if not meshes:
+        return jax.core.ShapedArray(shape, dtype)
+    spec = []
+    for per_out in dims:
+        split = None
+        for a, d in zip(like, per_out):
+            if d is not None and split is None and a.sharding.mesh.axis_names:
+                split = a.sharding.spec[d % a.ndim] if len(a.sharding.spec) else None
+        spec.append(split)
+    sharding = meshes[0].update(spec=jax.sharding.PartitionSpec(*spec))
+    return jax.core.ShapedArray(shape, dtype, sharding=sharding)
+
+
 def _bind_params(eqn):
     r = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(r, tuple):  # older releases: (subfuns, params)

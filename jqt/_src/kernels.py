@@ -213,6 +213,9 @@ def run(site, eqn, ops, policy):
     w2 = to_layout(wq)
     m = math.prod(x_shape[d] for d in ax.x_free)
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
+    x_vals = x_op.values if isinstance(x_op, QArray) else x_op
+    if set(compat.sharded_dims(x_vals)) & set(ax.x_free):
+        m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
     int_act = isinstance(x_op, QArray)
     if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"
                                                    or x_op.qtype.kind == wq.qtype.kind == "float"):

@@ -177,8 +177,9 @@ gemv_p = compat.Primitive("jqt_gemv")
 
 @gemv_p.def_abstract_eval
 def _abstract(x2, codes, scale, zp, table, layer, *, target, **params):
-    n = codes.shape[-2] if target == CHANNEL else codes.shape[-1]
-    return jax.core.ShapedArray((x2.shape[0], n), _F32)
+    n_dim = -2 if target == CHANNEL else -1
+    # the rows split as the activation's, the outputs as the weight's (explicit mesh axes)
+    return compat.shaped((x2.shape[0], codes.shape[n_dim]), _F32, (x2, codes), ((0, None), (None, n_dim)))
 
 
 def _batch(args, dims, **params):

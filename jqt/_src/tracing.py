@@ -209,8 +209,10 @@ def _arg_names(f, n):
 
 
 def _aval_key(x):
+    # the sharding in the type too (explicit mesh axes): the jaxpr's ops carry it
     t = jax.typeof(x)
-    return (tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False)))
+    return (tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False)),
+            getattr(t, "sharding", None))
 
 
 class Tracer:

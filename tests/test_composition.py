@@ -696,3 +696,32 @@ def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
         got = run(packed, jax.device_put(xs, NamedSharding(mesh, P("data"))))
         assert jax.typeof(got).sharding.spec[0] == "data"
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # float sums in another order
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4", "fp8"])
+def test_quantized_function_inside_shard_map(recipe):
+    """``jax.shard_map`` around a quantized function (per-device code: a replicated weight
+    times a split activation, which JAX types through ``pvary``), plain, vmapped, and the
+    simulated path's gradient: as the same program on each device's rows. ``pvary`` is a
+    layout step from the weight leaf, and jqt's primitives type their outputs as varying
+    over the manual axes their operands vary over (a scan's carry typed otherwise was
+    refused). Eight devices: tests/test_sharding.py (slow)."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+    f = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jax.nn.relu(x @ p["w1"]), p["ws"])[0]
+    p = {"w1": _normal(0, (64, 32), 0.2), "ws": _normal(1, (3, 32, 32), 0.2)}
+    x = _normal(2, (8, 64))
+    rec = {"w8a8": jqt.recipes.w8a8(), "w8a8_dynamic": jqt.recipes.w8a8_dynamic(),
+           "w4": jqt.recipes.w4(group_size=32), "fp8": jqt.recipes.fp8()}[recipe]
+    qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    smap = lambda g, specs, out=P("d"): jax.jit(jax.shard_map(g, mesh=mesh, in_specs=specs, out_specs=out))
+    qf = jqt.quantize(f, qp)
+    np.testing.assert_array_equal(smap(qf, (P(), P("d")))(packed, x), jax.jit(qf)(packed, x))
+    vq = jax.vmap(qf, in_axes=(None, 0))
+    xv = x.reshape(2, 4, 64)
+    np.testing.assert_array_equal(smap(vq, (P(), P("d")))(packed, xv), jax.jit(vq)(packed, xv))
+    grad = jax.grad(lambda qp, p, x: jnp.sum(jqt.quantize(f, qp, simulate=True)(p, x) ** 2), argnums=(0, 1))
+    got, want = smap(grad, (P(), P(), P("d")), P())(qp, p, x), jax.jit(grad)(qp, p, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))

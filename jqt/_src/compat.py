@@ -34,29 +34,44 @@ def sharded_dims(x) -> tuple:
     return tuple(i for i, a in enumerate(spec) if a is not None)
 
 
+def _on_mesh(a) -> bool:
+    s = getattr(a, "sharding", None)
+    return getattr(s, "spec", None) is not None and bool(s.mesh.axis_names)
+
+
+def _varying(a) -> frozenset:
+    mat = getattr(a, "manual_axis_type", None)
+    return frozenset() if mat is None else mat.varying
+
+
 def shaped(shape, dtype, like=(), dims=()):
-    """A ``ShapedArray`` for a primitive's abstract evaluation whose type keeps the split of
-    its operands' dimensions over explicit mesh axes: output dimension ``i`` is split as
-    ``like[j]``'s dimension ``dims[i][j]`` (``None``: not split), on their mesh. Without
-    sharding in the operands' types (one device, auto axes) the plain ``ShapedArray``.
+    """A ``ShapedArray`` for a primitive's abstract evaluation whose type keeps what its
+    operands' types say about a mesh: output dimension ``i`` is split over explicit mesh
+    axes as ``like[j]``'s dimension ``dims[i][j]`` (``None``: not split), and inside
+    ``jax.shard_map`` the output varies over every manual axis some operand varies over
+    (as JAX's own primitives type it). Without a mesh in the operands' types (one
+    device, auto axes) the plain ``ShapedArray``.
 
     >>> import jax, jax.numpy as jnp
     >>> shaped((2, 5), jnp.float32, (jax.typeof(jnp.ones((2, 3))),), ((0,), (None,))).shape
     (2, 5)
     """
-    meshes = [a.sharding for a in like if getattr(a, "sharding", None) is not None
-              and getattr(a.sharding, "spec", None) is not None and a.sharding.mesh.axis_names]
-    if not meshes:
+    typed = [a for a in like if _on_mesh(a)]
+    if not typed:
         return jax.core.ShapedArray(shape, dtype)
+    base = max(typed, key=lambda a: len(_varying(a)))  # its mesh; its manual axis type
     spec = []
     for per_out in dims:
         split = None
         for a, d in zip(like, per_out):
-            if d is not None and split is None and a.sharding.mesh.axis_names:
-                split = a.sharding.spec[d % a.ndim] if len(a.sharding.spec) else None
+            if d is not None and split is None and _on_mesh(a) and len(a.sharding.spec):
+                split = a.sharding.spec[d % a.ndim]
         spec.append(split)
-    sharding = meshes[0].update(spec=jax.sharding.PartitionSpec(*spec))
-    return jax.core.ShapedArray(shape, dtype, sharding=sharding)
+    kw = {"sharding": base.sharding.update(spec=jax.sharding.PartitionSpec(*spec))}
+    varying = frozenset().union(*map(_varying, typed))
+    if varying != _varying(base):
+        kw["manual_axis_type"] = base.manual_axis_type.update(varying=varying)
+    return base.update(shape=tuple(shape), dtype=dtype, weak_type=False, **kw)
 
 
 def _bind_params(eqn):

@@ -34,6 +34,9 @@ RECORDERS = {
     "copy": lambda p: ("copy",),
     "copy_p": lambda p: ("copy",),
     "stop_gradient": lambda p: ("copy",),
+    # inside jax.shard_map: the same values, typed as varying over mesh axes for an op
+    # with a varying operand (a replicated weight times a split activation)
+    "pvary": lambda p: ("copy",),
 }
 
 _APPLY = {

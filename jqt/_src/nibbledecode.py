@@ -112,7 +112,8 @@ decode_p = compat.Primitive("jqt_nibble_decode")
 
 @decode_p.def_abstract_eval
 def _abstract(codes, scale, zp, table, tie, **params):
-    return jax.core.ShapedArray((2 * codes.shape[0], codes.shape[1]), _F32)
+    return compat.shaped((2 * codes.shape[0], codes.shape[1]), _F32, (codes, scale, zp, table, tie),
+                         ((0, None, None, None, None), (1, None, None, None, None)))
 
 
 def _batch(args, dims, **params):

@@ -206,8 +206,10 @@ def _abstract(x, scale, zero_point, *, dtype=None, **_):
         except ValueError:
             raise ValueError(f"jqt: {name} of shape {a.shape} does not broadcast to the "
                              f"operand's shape {x.shape}.") from None
-    # keep the operand's sharding (explicit mesh axes), as an elementwise op does
-    return jax.core.ShapedArray(x.shape, dtype or x.dtype, sharding=getattr(x, "sharding", None))
+    # keep the operand's sharding (explicit mesh axes), as an elementwise op does, and
+    # vary over the manual axes any operand varies over (jax.shard_map)
+    return compat.shaped(x.shape, dtype or x.dtype, (x, scale, zero_point),
+                         [(i, None, None) for i in range(x.ndim)])
 
 
 def _batch_rule(prim):
@@ -490,5 +492,5 @@ def _tie_batch(args, dims):
 
 
 tie_p = compat.Primitive("jqt_tie")
-tie_p.def_abstract_eval(lambda x: jax.core.ShapedArray((), jnp.uint32))
+tie_p.def_abstract_eval(lambda x: compat.shaped((), jnp.uint32, (x,)))
 compat.define_by_reference(tie_p, _tie_zero, _tie_batch)

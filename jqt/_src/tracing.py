@@ -209,10 +209,9 @@ def _arg_names(f, n):
 
 
 def _aval_key(x):
-    # the sharding in the type too (explicit mesh axes): the jaxpr's ops carry it
-    t = jax.typeof(x)
-    return (tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False)),
-            getattr(t, "sharding", None))
+    # the whole type: shape, dtype, weak type, and the sharding it names (explicit mesh
+    # axes) or the manual axes it varies over (shard_map), which the jaxpr's ops carry
+    return jax.typeof(x)
 
 
 class Tracer:

@@ -57,10 +57,11 @@ rows, under the backend's policy and under its other choice of
 rows, or the float32 path), with a quarter of the rounds (at least 9).
 
 Part 7 (``vmap``, only when asked for: ``--only vmap``): ``jax.vmap`` of the quantized
-``x @ w`` over 8 activations of 17 rows (all-MiniLM-L6-v2's 384 x 1536 and 1536 x 384
-weights, its batch 8 written per sentence), against the same 136 rows in one call and
-float32 vmapped: each weight decoded once either way (``numerics.after``'s tie stays
-unbatched under ``vmap``).
+``x @ w`` over 128 activations of one row (a model written per example) and over 8 of 17
+rows (all-MiniLM-L6-v2's batch 8 written per sentence), on its 384 x 1536 and 1536 x 384
+weights, against the same rows in one call and float32 vmapped: each weight decoded
+once either way (``numerics.after``'s tie stays unbatched under ``vmap``), and the
+formulation picked for all the rows (``jqt_dense_rows``, denserows.py).
 
 Prints tables (``--markdown`` for markdown) and a ``RESULTS {json}`` line.
 """
@@ -337,35 +338,41 @@ def fp8rows(rounds, markdown, results):
 
 
 VMAP_LAYERS = ((384, 1536), (1536, 384))
-VMAP_PRESETS = ("w8", "w4 g128", "nf4 g64", "fp8")
+VMAP_PRESETS = ("w8a8", "w8a8_dynamic", "w8", "w4 g128", "nf4 g64", "fp8")
+VMAP_BATCHES = ((128, 1), (8, 17))  # examples x rows per example: one row each (a per-example model)
 
 
 def vmapped(rounds, markdown, results):
-    """Each of :data:`VMAP_PRESETS` on the :data:`VMAP_LAYERS`: ``jax.vmap`` over 8 x 17
-    rows against the 136 rows in one call (median ms, ratio to float32 vmapped)."""
+    """Each of :data:`VMAP_PRESETS` on the :data:`VMAP_LAYERS`: ``jax.vmap`` over each of
+    :data:`VMAP_BATCHES` against the same rows in one call (median ms, ratio to float32
+    vmapped)."""
     rng = np.random.default_rng(0)
     rows = []
     for k, n in VMAP_LAYERS:
         w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
-        xs = jnp.asarray(rng.standard_normal((8, 17, k)), jnp.float32)
         f = lambda w, x: x @ w
-        fns = {"float32 vmapped": jax.jit(jax.vmap(f, in_axes=(None, 0)))}
-        packs = {"float32 vmapped": w}
-        for name in VMAP_PRESETS:
-            qp = jqt.calibrate(f, MINILM_PRESETS_ALL[name](), w, [(xs[0],)], progress=False)
-            q = jqt.quantize(f, qp)
-            packs[f"{name} vmapped"] = packs[f"{name}, one call"] = jqt.pack(qp, w)
-            fns[f"{name} vmapped"] = jax.jit(jax.vmap(q, in_axes=(None, 0)))
-            fns[f"{name}, one call"] = jax.jit(lambda p, x, q=q: q(p, x.reshape(-1, k)).reshape(8, 17, -1))
-        print(f"[vmap] {k} x {n}", file=sys.stderr, flush=True)
-        med = interleaved_medians(fns, {name: (packs[name], xs) for name in fns}, rounds)
-        base = med["float32 vmapped"]
-        results[f"vmap{k}x{n}"] = {name: v * 1e3 for name, v in med.items()}
-        rows.append((f"{k} x {n}", f"{base * 1e3:.3f}") + tuple(
-            f"{med[f'{p} vmapped'] * 1e3:.3f} ({med[f'{p} vmapped'] / base:.2f}x) / "
-            f"{med[f'{p}, one call'] * 1e3:.3f} ({med[f'{p}, one call'] / base:.2f}x)" for p in VMAP_PRESETS))
-    print("x @ w vmapped over 8 x 17 rows / the 136 rows in one call, median ms (ratio to float32 vmapped)")
-    table(("weight", "float32 vmapped") + VMAP_PRESETS, rows, markdown)
+        for b, m in VMAP_BATCHES:
+            xs = jnp.asarray(rng.standard_normal((b, m, k)), jnp.float32)
+            fns = {"float32 vmapped": jax.jit(jax.vmap(f, in_axes=(None, 0)))}
+            packs = {"float32 vmapped": w}
+            for name in VMAP_PRESETS:
+                qp = jqt.calibrate(f, MINILM_PRESETS_ALL[name](), w, [(xs[0],)], progress=False)
+                q = jqt.quantize(f, qp)
+                packs[f"{name} vmapped"] = packs[f"{name}, one call"] = jqt.pack(qp, w)
+                fns[f"{name} vmapped"] = jax.jit(jax.vmap(q, in_axes=(None, 0)))
+                fns[f"{name}, one call"] = jax.jit(
+                    lambda p, x, q=q, b=b, m=m: q(p, x.reshape(b * m, k)).reshape(b, m, -1))
+            print(f"[vmap] {k} x {n}, {b} x {m} rows", file=sys.stderr, flush=True)
+            med = interleaved_medians(fns, {name: (packs[name], xs) for name in fns}, rounds)
+            base = med["float32 vmapped"]
+            results[f"vmap{k}x{n} {b}x{m}"] = {name: v * 1e3 for name, v in med.items()}
+            rows.append((f"{k} x {n}", f"{b} x {m}", f"{base * 1e3:.3f}") + tuple(
+                f"{med[f'{p} vmapped'] * 1e3:.3f} ({med[f'{p} vmapped'] / base:.2f}x) / "
+                f"{med[f'{p}, one call'] * 1e3:.3f} ({med[f'{p}, one call'] / base:.2f}x)"
+                for p in VMAP_PRESETS))
+    print("x @ w vmapped over examples x rows / the same rows in one call, median ms "
+          "(ratio to float32 vmapped)")
+    table(("weight", "examples x rows", "float32 vmapped") + VMAP_PRESETS, rows, markdown)
 
 
 EXPERT_PRESETS = {

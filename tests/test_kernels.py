@@ -511,6 +511,48 @@ def test_vmap_over_activations_decodes_each_weight_once(recipe):
     assert jax.jit(jax.vmap(q, in_axes=(None, 0)))(packed, xs[:0]).shape == (0, 40, 48)
 
 
+def _ops(jaxpr):
+    """The formulation a jaxpr runs: its matmuls (operand types), jqt's primitives, pads."""
+    keep = ("dot_general", "jqt_gemv", "jqt_nibble_decode", "pad", "scan", "while")
+    return sorted((e.primitive.name, tuple(str(v.aval) for v in e.invars[:2]))
+                  for e in _eqns(jaxpr) if e.primitive.name in keep)
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w8a8_dynamic", "w8", "w4_g64", "w4a8_g64", "nf4_g64", "fp8"])
+@pytest.mark.parametrize("b,m", [(64, 1), (16, 4), (4, 17)])
+def test_vmap_over_activations_picks_the_formulation_for_all_rows(name, b, m):
+    """``jax.vmap`` over activations alone: the policy picks the formulation for the
+    batch's rows together (``b * m``), as one call of ``b * m`` rows does, not for one
+    example's ``m``: the jaxprs run the same matmuls and kernels. Each example's rows
+    decided before: at one row per example, ``w8a8`` ran the native GEMV kernel's float
+    formulation over the batch instead of the int8 matmul, ``fp8`` the float32 path
+    instead of the bfloat16 matmul. Equal to a loop over the examples; nested vmaps merge
+    too; a vmap over the weights as well maps the op per example."""
+    recipe = {"w8a8": jqt.recipes.w8a8(), "w8a8_dynamic": jqt.recipes.w8a8_dynamic(),
+              "w8": jqt.recipes.w8(), "w4_g64": jqt.recipes.w4(group_size=64),
+              "w4a8_g64": jqt.recipes.w4a8(group_size=64), "nf4_g64": jqt.recipes.nf4(group_size=64),
+              "fp8": jqt.recipes.fp8()}[name]
+    f, p, _, qp, _ = _dense(recipe, k=128, n=48, m=m)
+    pol = dataclasses.replace(CPU, fp8_as_bfloat16_rows=32)  # the table's value on any CPU
+    packed = jqt.pack(qp, p, policy=pol)
+    q = jqt.quantize(f, qp, policy=pol)
+    xs = jax.random.normal(jax.random.key(3), (b, m, 128))
+    vmapped = jax.vmap(q, in_axes=(None, 0))
+    one_call = lambda pk, x: q(pk, x.reshape(b * m, 128)).reshape(b, m, 48)
+    jaxpr = jax.make_jaxpr(vmapped)(packed, xs).jaxpr
+    assert _ops(jaxpr) == _ops(jax.make_jaxpr(one_call)(packed, xs).jaxpr)
+    assert "jqt_dense_rows" not in {e.primitive.name for e in _eqns(jaxpr)}  # only under the batch trace
+    loop = jnp.stack([jax.jit(q)(packed, x) for x in xs])
+    tol = 1e-5 * float(jnp.abs(loop).max())
+    np.testing.assert_allclose(jax.jit(vmapped)(packed, xs), loop, rtol=0, atol=tol)
+    nested = jax.vmap(vmapped, in_axes=(None, 0))
+    xs2 = xs.reshape(2, b // 2, m, 128) if b > 1 else xs[None]
+    assert _ops(jax.make_jaxpr(nested)(packed, xs2).jaxpr) == _ops(jax.make_jaxpr(one_call)(packed, xs).jaxpr)
+    np.testing.assert_allclose(jax.jit(nested)(packed, xs2).reshape(loop.shape), loop, rtol=0, atol=tol)
+    two = jax.tree.map(lambda a: jnp.stack([a, a]), packed)  # weights batched too
+    np.testing.assert_allclose(jax.jit(jax.vmap(q))(two, xs[:2]), loop[:2], rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("recipe,k,n,m", [
     pytest.param(jqt.recipes.w4(group_size=32, symmetric=False), 1024, 1024, 12,  # K-chunks (a 4 MiB
                  marks=pytest.mark.slow),  # float copy): CI

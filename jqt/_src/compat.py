@@ -34,6 +34,21 @@ def sharded_dims(x) -> tuple:
     return tuple(i for i, a in enumerate(spec) if a is not None)
 
 
+def is_vmapped(x) -> bool:
+    """Whether ``x`` is batched by a ``jax.vmap`` whose trace is the innermost around it (a
+    ``BatchTracer`` with a mapped axis): its type shows one example, the program runs all.
+
+    >>> import jax, jax.numpy as jnp
+    >>> is_vmapped(jnp.ones(2)), bool(jax.vmap(lambda r: jnp.float32(is_vmapped(r)) + r)(jnp.ones(2))[0])
+    (False, True)
+    """
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # a release that moved it: each example's rows decide, as before
+        return False
+    return isinstance(x, BatchTracer) and getattr(x, "batch_dim", NOT_MAPPED) is not NOT_MAPPED
+
+
 def _on_mesh(a) -> bool:
     s = getattr(a, "sharding", None)
     return getattr(s, "spec", None) is not None and bool(s.mesh.axis_names)

@@ -8,13 +8,12 @@ A weight matmul runs as a 2-D matmul over a packed weight (``dense.py``, and
 """
 from __future__ import annotations
 
-import math
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, dense, diagnostics, experts, gemv, groups, intdot, native, patches
+from . import compat, dense, denserows, diagnostics, experts, groups, intdot, native, patches
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import FLOAT8, unpack_nibbles
@@ -211,37 +210,8 @@ def run(site, eqn, ops, policy):
                          "jqt.quantize) to skip the conversion.")
     to_layout = lambda q: dense.weight_in_layout(ax, q, want, w_shape)
     w2 = to_layout(wq)
-    m = math.prod(x_shape[d] for d in ax.x_free)
-    m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
-    x_vals = x_op.values if isinstance(x_op, QArray) else x_op
-    if set(compat.sharded_dims(x_vals)) & set(ax.x_free):
-        m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
-    int_act = isinstance(x_op, QArray)
-    if native.applies(w2, m, policy, int_act) and (not int_act or x_op.qtype.kind == "int"
-                                                   or x_op.qtype.kind == wq.qtype.kind == "float"):
-        stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
-        if int_act:  # the codes as floats (fp8: decoded), the activation's scale split around the kernel
-            lo, hi = dense.split_scale(ax.act_vec(x_op.scale.astype(jnp.float32)))
-            out2 = native.dense_rows(dense.float_codes(ax, x_op) * lo, w2, policy, stack) * hi
-        else:
-            out2 = native.dense_rows(ax.act_2d(x_op), w2, policy, stack)
-    elif not int_act:
-        if gemv.weight_only_applies(w2, m, policy, x_op.dtype):
-            out2 = gemv.weight_only(ax, x_op, w2, policy)
-        else:
-            out2 = dense.weight_only_dense(ax, x_op, w2, policy, params.get("precision"))
-    elif wq.qtype.kind == "float":
-        out2 = dense.fp8_dense(ax, x_op, w2, policy)
-    elif wq.qtype.group_size and x_op.qtype.kind == "int" and dense.reduces(m, policy):
-        out2 = dense.int_grouped_as_float(ax, x_op, w2, policy)
-    elif wq.qtype.group_size and gemv.grouped_applies(w2, m, policy):
-        out2 = gemv.int_grouped(ax, x_op, w2, policy)
-    elif wq.qtype.group_size and dense.grouped_as_float(m, w2, policy):
-        out2 = dense.int_grouped_as_float(ax, x_op, w2, policy)
-    elif wq.qtype.group_size:
-        out2 = dense.int_dense_grouped(ax, x_op, w2, policy)
-    else:
-        out2 = dense.int_dense(ax, x_op, w2, policy)
+    stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
+    out2 = denserows.run(denserows.as_rows(ax, x_op), w2, stack, policy, params.get("precision"))
     return ax.out(out2, x_shape, w_shape).astype(out.dtype)
 
 

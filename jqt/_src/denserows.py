@@ -8,9 +8,10 @@ jqt's native kernels, the digits of the activation, an int8 or bfloat16 matmul, 
 weight decoded for a float matmul (docs/performance.md).
 
 Under ``jax.vmap`` over the activation alone, the policy would see one example's rows,
-while the compiled program runs all of them at once: ``vmap`` over 128 single-row
-examples picked the native GEMV kernel for one row, whose batching rule then fell back to
-a float formulation of 128 rows, where one call of 128 rows runs an int8 matmul. So
+while the compiled program runs all of them at once: a ``w8a8`` op vmapped over 128
+single-row examples picked the native GEMV kernel for one row, whose batching rule then
+fell back to a float formulation of 128 rows, where one call of 128 rows runs an int8
+matmul (1.08-1.51x its time, docs/performance.md). So
 :func:`run` binds such an op as ``jqt_dense_rows``, whose batching rule merges the batch
 into the rows and picks the formulation for all of them (as many rows as the program
 runs). The primitive lives only under the batch trace: without ``vmap`` the formulation is

@@ -551,6 +551,9 @@ def test_vmap_over_activations_picks_the_formulation_for_all_rows(name, b, m):
     np.testing.assert_allclose(jax.jit(nested)(packed, xs2).reshape(loop.shape), loop, rtol=0, atol=tol)
     two = jax.tree.map(lambda a: jnp.stack([a, a]), packed)  # weights batched too
     np.testing.assert_allclose(jax.jit(jax.vmap(q))(two, xs[:2]), loop[:2], rtol=0, atol=tol)
+    # no examples, and examples of no rows (per-row scales of size 0 merged)
+    assert jax.jit(vmapped)(packed, xs[:0]).shape == (0, m, 48)
+    assert jax.jit(vmapped)(packed, jnp.zeros((b, 0, 128))).shape == (b, 0, 48)
 
 
 @pytest.mark.parametrize("recipe,k,n,m", [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,16 +42,16 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
     value, or ``(M, 1)``); ``w2``: the weight in the layout the policy reads;
     ``stack``: the stacked layers ``w2`` is one of, which the native kernels read in
     place, or None."""
-    ax, wq = ROWS, w2
+    ax = ROWS
     int_act = isinstance(x2, QArray)
     x_vals = x2.values if int_act else x2
     m = x_vals.shape[0]
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
     if 0 in compat.sharded_dims(x_vals):
         m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
-    grouped = bool(wq.qtype.group_size)
+    grouped = bool(w2.qtype.group_size)
     if native.applies(w2, m, policy, int_act) and (not int_act or x2.qtype.kind == "int"
-                                                   or x2.qtype.kind == wq.qtype.kind == "float"):
+                                                   or x2.qtype.kind == w2.qtype.kind == "float"):
         if int_act:  # the codes as floats (fp8: decoded), the activation's scale split around the kernel
             lo, hi = dense.split_scale(x2.scale.astype(_F32))
             return native.dense_rows(dense.float_codes(ax, x2) * lo, w2, policy, stack) * hi
@@ -59,7 +60,7 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
         if gemv.weight_only_applies(w2, m, policy, x2.dtype):
             return gemv.weight_only(ax, x2, w2, policy)
         return dense.weight_only_dense(ax, x2, w2, policy, precision)
-    if wq.qtype.kind == "float":
+    if w2.qtype.kind == "float":
         return dense.fp8_dense(ax, x2, w2, policy)
     if grouped and x2.qtype.kind == "int" and dense.reduces(m, policy):
         return dense.int_grouped_as_float(ax, x2, w2, policy)
@@ -122,8 +123,11 @@ def _batch(args, dims, **params):
     m, kk = xs[0].shape[mapped[0]:]
     merged = [jnp.broadcast_to(xs[0], (b, m, kk)).reshape(b * m, kk)]
     for a, on in zip(xs[1:], mapped[1:k]):  # one value for all rows, or per example, or per row
-        merged.append(a if not on and a.ndim == 0 else
-                      jnp.broadcast_to(a.reshape((b if on else 1), -1, 1), (b, m, 1)).reshape(b * m, 1))
+        if not on and a.ndim == 0:
+            merged.append(a)
+            continue
+        rows = 1 if math.prod(a.shape[on:]) == 1 else m  # (shapes spelled out: b or m may be 0)
+        merged.append(jnp.broadcast_to(a.reshape(b if on else 1, rows, 1), (b, m, 1)).reshape(b * m, 1))
     w2, st = jax.tree_util.tree_unflatten(params["w_tree"], args[k:])
     out = run(jax.tree_util.tree_unflatten(params["x_tree"], merged), w2,
               None if st is None else LayerView(*st), params["policy"], params["precision"])

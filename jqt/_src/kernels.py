@@ -8,7 +8,6 @@ A weight matmul runs as a 2-D matmul over a packed weight (``dense.py``, and
 """
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -17,6 +17,10 @@ from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 DropVar = jex_core.DropVar
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # vmap: operand has no batch axis
+try:  # what a value batched by jax.vmap is while it traces (is_vmapped)
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # a release that moved it: each example's rows decide, as before
+    _BatchTracer = None
 jaxprs_in_params = jex_core.jaxprs_in_params
 
 
@@ -42,11 +46,8 @@ def is_vmapped(x) -> bool:
     >>> is_vmapped(jnp.ones(2)), bool(jax.vmap(lambda r: jnp.float32(is_vmapped(r)) + r)(jnp.ones(2))[0])
     (False, True)
     """
-    try:
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # a release that moved it: each example's rows decide, as before
-        return False
-    return isinstance(x, BatchTracer) and getattr(x, "batch_dim", NOT_MAPPED) is not NOT_MAPPED
+    return (_BatchTracer is not None and isinstance(x, _BatchTracer)
+            and getattr(x, "batch_dim", NOT_MAPPED) is not NOT_MAPPED)
 
 
 def _on_mesh(a) -> bool:

@@ -92,12 +92,17 @@ def run(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
                        n=w2.values.shape[0 if w2.layout == "nk" else 1])
 
 
+def _weight(w_tree, leaves):
+    """The weight and its stack (or None) from the primitive's operands after the rows'."""
+    w2, st = jax.tree_util.tree_unflatten(w_tree, leaves)
+    return w2, None if st is None else LayerView(*st)
+
+
 def _reference(*args, x_tree, w_tree, policy, precision, n):
     del n
     k = x_tree.num_leaves
-    w2, st = jax.tree_util.tree_unflatten(w_tree, args[k:])
-    return formulate(jax.tree_util.tree_unflatten(x_tree, args[:k]), w2,
-                     None if st is None else LayerView(*st), policy, precision)
+    return formulate(jax.tree_util.tree_unflatten(x_tree, args[:k]), *_weight(w_tree, args[k:]),
+                     policy, precision)
 
 
 rows_p = compat.Primitive("jqt_dense_rows")
@@ -128,9 +133,8 @@ def _batch(args, dims, **params):
             continue
         rows = 1 if math.prod(a.shape[on:]) == 1 else m  # (shapes spelled out: b or m may be 0)
         merged.append(jnp.broadcast_to(a.reshape(b if on else 1, rows, 1), (b, m, 1)).reshape(b * m, 1))
-    w2, st = jax.tree_util.tree_unflatten(params["w_tree"], args[k:])
-    out = run(jax.tree_util.tree_unflatten(params["x_tree"], merged), w2,
-              None if st is None else LayerView(*st), params["policy"], params["precision"])
+    out = run(jax.tree_util.tree_unflatten(params["x_tree"], merged), *_weight(params["w_tree"], args[k:]),
+              params["policy"], params["precision"])
     return out.reshape(b, m, out.shape[-1]), 0
 
 

@@ -1,7 +1,8 @@
 """Integer kernels: :func:`run` picks the formulation of a quantized op (``policy.py``).
 
-A weight matmul runs as a 2-D matmul over a packed weight (``dense.py``, and
-``gemv.py`` at few rows), a weight with batch axes (a mixture's experts) through
+A weight matmul runs as a 2-D matmul over a packed weight, its activation as rows
+(``denserows.py``, which picks among ``dense.py``, ``gemv.py`` at few rows and jqt's native
+kernels ``native.py``), a weight with batch axes (a mixture's experts) through
 ``experts.py``, a convolution with few input channels as a patch matmul on CPU
 (``patches.py``), anything else through the generic integer ``dot_general`` of
 ``intdot.py`` or the convolution below; an embedding lookup through :func:`gather`.

@@ -374,9 +374,9 @@ def test_few_rows_split_over_the_batch_axis(result, mesh, case):
     assert isinstance(got, dict), got  # else the error it raised
     if case == "dynamic_vmap_4_rows":
         # the partitioned program's float arithmetic (per-device shapes, other fusions)
-        # rounds differently at the ulp; one row's activation here has a code 8e-6 of a
-        # step from a rounding tie at the last layer (per-row scales), which flips: that
-        # row is one int8 step off, every other row within 1e-5
+        # rounds differently at the ulp; one row's activation here sits at a rounding
+        # near-tie of its per-row scale, whose code flips: that row differs by one int8
+        # step's effect, every other row within 1e-5
         assert got["rows_off"] <= 1 and got["max"] <= 0.005 * got["out_max"], got
     else:
         assert got["max"] <= 1e-5, got

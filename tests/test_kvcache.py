@@ -263,6 +263,34 @@ def test_export_of_the_decode_function(setup):
     assert "xi8>" in exp.mlir_module() or "i8" in exp.mlir_module()
 
 
+@pytest.mark.parametrize("recipe", ["w8a8_dynamic", "w4"])
+def test_decode_loop_inside_shard_map(setup, recipe):
+    """The decode loop as per-device code under ``jax.shard_map``, the batch split: its
+    embedding lookup gathers replicated packed codes with split token ids (cast to
+    varying first, as lax's own gather casts them), and the cache stays quantized. Each
+    device runs what one device runs on its sequences. Its float function casts the empty
+    cache to varying (``lax.pcast``), as JAX requires of a loop carry there."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,))
+    p, cal, x = setup
+
+    def teacher_in_shard_map(p, tokens):
+        empty = lax.pcast(jnp.zeros((L, B, T, H, DH)), ("d",), to="varying")
+
+        def body(carry, tok):
+            cache, pos = carry
+            logits, cache = _step(p, cache, tok, pos, _dus)
+            return (cache, pos + 1), logits
+        return lax.scan(body, ((empty, empty), jnp.int32(0)), tokens.T)[1]
+
+    rec = {"w8a8_dynamic": jqt.recipes.w8a8_dynamic(kv_cache=True), "w4": jqt.recipes.w4(group_size=8, kv_cache=True)}[recipe]
+    qp = jqt.calibrate(teacher, rec, p, cal, progress=False)
+    packed = jqt.pack(qp, p)
+    smap = jax.jit(jax.shard_map(jqt.quantize(teacher_in_shard_map, qp), mesh=mesh,
+                                 in_specs=(P(), P("d")), out_specs=P(None, "d")))
+    np.testing.assert_array_equal(smap(packed, x), jax.jit(jqt.quantize(teacher, qp))(packed, x))
+
+
 def test_grad_through_the_simulated_cache(setup):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)

@@ -17,6 +17,10 @@ from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 DropVar = jex_core.DropVar
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # vmap: operand has no batch axis
+try:  # what lax's ops call on their operands first inside jax.shard_map (bind_eqn)
+    from jax._src.core import auto_insert_reshard as _auto_insert_reshard
+except ImportError:  # a release that moved it: operands are bound as they are
+    _auto_insert_reshard = None
 try:  # what a value batched by jax.vmap is while it traces (is_vmapped)
     from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 except ImportError:  # a release that moved it: each example's rows decide, as before
@@ -103,8 +107,18 @@ def bind_eqn(eqn, invals, **overrides):
     ``dot_general``'s ``preferred_element_type``)."""
     subfuns, params = _bind_params(eqn)
     with eqn_context(eqn):
-        out = eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides})
+        out = (eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides}) if subfuns
+               else bind(eqn.primitive, *invals, **{**params, **overrides}))
     return out if eqn.primitive.multiple_results else [out]
+
+
+def bind(prim, *args, **params):
+    """``prim.bind``, its operands first cast to vary over the same manual axes inside
+    ``jax.shard_map`` (packed codes replicated, an index split), as lax's own functions
+    cast them; outside ``shard_map`` nothing changes."""
+    if _auto_insert_reshard is not None:
+        args = _auto_insert_reshard(*args)
+    return prim.bind(*args, **params)
 
 
 @contextlib.contextmanager

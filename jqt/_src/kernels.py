@@ -237,7 +237,7 @@ def gather(site, eqn, ops):
         # jnp.take fills out-of-range rows with NaN: codes get 0, and a per-row scale
         # gathered below with the NaN fill makes those rows NaN as in float
         params["fill_value"] = 0
-    g = compat.gather_p.bind(codes, idx, **params)
+    g = compat.bind(compat.gather_p, codes, idx, **params)
     if g.shape != out.shape:
         g = unpack_nibbles(g, _out_axis(eqn, len(shape) - 1))
     val = nx.decode(g, table.qtype.grid)
@@ -249,7 +249,7 @@ def gather(site, eqn, ops):
         if a.ndim:
             sp = dict(eqn.params)
             sp["slice_sizes"] = tuple(min(n, a.shape[d]) for d, n in enumerate(eqn.params["slice_sizes"]))
-            a = compat.gather_p.bind(a, idx, **sp)
+            a = compat.bind(compat.gather_p, a, idx, **sp)
             if table.qtype.group_size and site.contract[0]:
                 d = _out_axis(eqn, site.contract[0][-1])
                 a = jnp.repeat(a, table.qtype.group_size, axis=d) if a.shape[d] != out.shape[d] else a

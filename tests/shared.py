@@ -4,6 +4,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax import lax
 
@@ -31,6 +32,45 @@ def unrolled_mlp(p, x):
     for i in range(L):
         h = jax.nn.relu(h @ p["layers"]["w"][i] + p["layers"]["b"][i]) + h
     return h @ p["out"]
+
+
+def explicit_decoder(explicit, batch=2):
+    """A decode loop over tokens (B, T) whose steps scan two stacked layers with a
+    key/value cache; on explicit mesh axes it states the sharding JAX asks for: the
+    lookup's (``.at[ids].get(out_sharding=)``, which JAX runs in an ``auto_axes``
+    region) and its output projection's, split along the contracted features. Returns
+    ``(f, params, tokens)``. Used by test_composition.py and test_sharding.py."""
+    from jax.sharding import PartitionSpec as P
+    n_l, n_h, d_h, t = 2, 2, 8, 6
+
+    def f(p, tokens):
+        b = tokens.shape[0]
+
+        def step(carry, tok):
+            (kc0, vc0), pos = carry
+            h = p["emb"].at[tok].get(out_sharding=P("data", None)) if explicit else p["emb"][tok]
+
+            def layer(h, xs):
+                lp, kc, vc = xs
+                q, k, v = [(h @ lp[w]).reshape(b, n_h, d_h) for w in ("wq", "wk", "wv")]
+                kc = lax.dynamic_update_slice(kc, k[:, None], (0, pos, 0, 0))
+                vc = lax.dynamic_update_slice(vc, v[:, None], (0, pos, 0, 0))
+                s = jnp.where(jnp.arange(t) <= pos, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
+                o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s / d_h ** 0.5, axis=-1), vc)
+                return h + o.reshape(b, n_h * d_h) @ lp["wo"], (kc, vc)
+
+            h, (k, v) = lax.scan(layer, h, (p["layers"], kc0, vc0))
+            out = (jax.sharding.reshard(p["out"], P("data", None)) if explicit else p["out"])
+            return ((k, v), pos + 1), h @ out
+
+        kw = {"out_sharding": P(None, "data")} if explicit else {}
+        empty = jnp.zeros((n_l, b, t, n_h, d_h), **kw)
+        return lax.scan(step, ((empty, empty), jnp.int32(0)), tokens.T)[1]
+
+    normal = lambda seed, shape, scale=1.0: jax.random.normal(jax.random.key(seed), shape) * scale
+    p = {"emb": normal(0, (32, 16)), "out": normal(1, (16, 32), 0.25),
+         "layers": {w: normal(2 + i, (n_l, 16, 16), 0.25) for i, w in enumerate(("wq", "wk", "wv", "wo"))}}
+    return f, p, jax.random.randint(jax.random.key(9), (batch, t), 0, 32)
 
 
 def ci_only(values, keep):

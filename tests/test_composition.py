@@ -19,7 +19,7 @@ from jax import lax
 
 import jqt
 from shared import all_eqns as _all_eqns
-from shared import L, scan_mlp, unrolled_mlp
+from shared import L, explicit_decoder, scan_mlp, unrolled_mlp
 
 INT_VS_SIM = 1e-4      # integer vs simulated path, relative to the output scale
 QUANT_VS_FLOAT = 0.05  # quantized vs float, relative to the output scale
@@ -725,3 +725,34 @@ def test_quantized_function_inside_shard_map(recipe):
     got, want = smap(grad, (P(), P(), P("d")), P())(qp, p, x), jax.jit(grad)(qp, p, x)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic_kv", "w4_kv"])
+def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
+    """Under ``jax.set_mesh`` of explicit axes (one device here; eight: test_sharding.py,
+    slow), a decode loop whose embedding lookup JAX runs in an ``auto_axes`` region (typed
+    on another mesh) and whose weights go through ``reshard``: calibration, the integer
+    path and the simulated path's gradient give what the same loop gives without a mesh.
+    Calibration failed before (statistics made in the region were combined outside it),
+    and the integer path refused the table read through ``reshard``."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rec = {"w8a8": jqt.recipes.w8a8(), "w8a8_dynamic_kv": jqt.recipes.w8a8_dynamic(kv_cache=True),
+           "w4_kv": jqt.recipes.w4(group_size=8, kv_cache=True)}[recipe]
+    (fe, p, tok), (fp, _, _) = explicit_decoder(True), explicit_decoder(False)
+    mesh = jax.make_mesh((1,), ("data",))
+    want_qp = jqt.calibrate(fp, rec, p, [(tok,)], progress=False)
+    packed = jqt.pack(want_qp, p)
+    grad = lambda f: jax.jit(jax.grad(lambda q, p, t: jnp.sum(jqt.quantize(f, q, simulate=True)(p, t) ** 2),
+                                      argnums=(0, 1)))
+    with jax.set_mesh(mesh):
+        ts = jax.device_put(tok, NamedSharding(mesh, P("data")))
+        qp = jqt.calibrate(fe, rec, p, [(ts,)], progress=False)
+        got = jax.jit(jqt.quantize(fe, want_qp))(packed, ts)
+        g = grad(fe)(want_qp, p, ts)
+    assert jax.typeof(got).sharding.spec[1] == "data"
+    for a, b in zip(jax.tree_util.tree_leaves(qp), jax.tree_util.tree_leaves(want_qp)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    want = jax.jit(jqt.quantize(fp, want_qp))(packed, tok)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(grad(fp)(want_qp, p, tok))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))

@@ -25,6 +25,10 @@ try:  # what a value batched by jax.vmap is while it traces (is_vmapped)
     from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 except ImportError:  # a release that moved it: each example's rows decide, as before
     _BatchTracer = None
+try:  # a spec as it reads on another mesh's axis types (to_current_mesh)
+    from jax._src.core import modify_spec_for_auto_manual as _modify_spec
+except ImportError:  # a release that moved it: keep the spec's names
+    _modify_spec = lambda spec, mesh: spec  # noqa: E731
 jaxprs_in_params = jex_core.jaxprs_in_params
 
 
@@ -40,6 +44,23 @@ def sharded_dims(x) -> tuple:
     """
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
     return tuple(i for i, a in enumerate(spec) if a is not None)
+
+
+def unsplit(x, dims):
+    """``x`` with its ``dims`` no longer split over explicit mesh axes in its type (JAX
+    cannot reshape a split dimension into groups); unchanged where they are not split.
+
+    >>> import jax.numpy as jnp
+    >>> unsplit(jnp.ones((4, 2)), (0,)).shape
+    (4, 2)
+    """
+    split = sharded_dims(x)
+    if not any(d % x.ndim in split for d in dims):
+        return x
+    keep = {d % x.ndim for d in dims}
+    s = jax.typeof(x).sharding
+    spec = jax.sharding.PartitionSpec(*(None if i in keep else a for i, a in enumerate(s.spec)))
+    return jax.sharding.reshard(x, s.update(spec=spec))
 
 
 def is_vmapped(x) -> bool:
@@ -133,6 +154,40 @@ def eqn_context(eqn):
         else:
             with manager:
                 yield
+
+
+def eqn_mesh(eqn):
+    """The abstract mesh ``eqn`` was traced under (``None`` where JAX does not say): a
+    different one than the function's is JAX's ``auto_axes`` region, which ``jnp``
+    indexing with ``out_sharding=`` opens on explicit mesh axes."""
+    return getattr(getattr(eqn, "ctx", None), "cur_abstract_mesh", None)
+
+
+def current_mesh():
+    """The abstract mesh of the current trace context (empty outside ``jax.set_mesh``)."""
+    return jax.sharding.get_abstract_mesh()
+
+
+def to_current_mesh(tree):
+    """``tree``'s arrays retyped onto the current context's mesh where their type names
+    another mesh, or none (into or out of an ``auto_axes`` region: jqt's packed weights
+    and qparams go in, its calibration statistics come out), as ``auto_axes`` retypes
+    its operands and results; their specs keep the axes explicit on both meshes.
+    Outside ``jax.set_mesh`` nothing changes.
+
+    >>> import jax.numpy as jnp
+    >>> to_current_mesh({"scale": jnp.ones(3)})["scale"].shape
+    (3,)
+    """
+    mesh = current_mesh()
+
+    def one(x):
+        s = getattr(jax.typeof(x), "sharding", None) if is_tracer(x) or isinstance(x, jax.Array) else None
+        if s is None or not mesh.axis_names or s.mesh == mesh:
+            return x
+        return jax.sharding.reshard(x, _modify_spec(s.spec, mesh))
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def scan_counts(eqn) -> tuple[int, int]:

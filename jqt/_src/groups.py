@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import compat
 from . import numerics as nx
 
 
@@ -62,6 +63,7 @@ def weight_range(calibrator, w, axes, qtype, group_axis):
         return calibrator.range(w, axes, qtype)
     ax = group_axis % w.ndim
     n = w.shape[ax]
+    w = compat.unsplit(w, (ax,))  # split over explicit mesh axes: groups can't be reshaped out
     wg = w.reshape(w.shape[:ax] + (n // g, g) + w.shape[ax + 1:])
     gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
     lo, hi = calibrator.range(wg, gaxes, qtype)

@@ -64,7 +64,7 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         if i in plan.sites:
-            outs = ctx.handler.site(plan.sites[i], eqn, invals, ctx)
+            outs = _site(plan.sites[i], eqn, invals, ctx)
         elif i in plan.subs:
             outs = HIGHER_ORDER[eqn.primitive].run(eqn, invals, plan.subs[i], ctx, eval_jaxpr)
         else:
@@ -76,6 +76,22 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
                 env[v] = x
     # a constant output is a jax.Array, as under jax.jit (not the jaxpr's literal object)
     return [_constant(v) if compat.is_literal(v) else env[v] for v in jaxpr.outvars]
+
+
+def _site(site, eqn, invals, ctx):
+    """The handler's rule for a quantizable op. An op JAX traced under another mesh than
+    the function's (``table.at[ids].get(out_sharding=...)`` on explicit axes reads its
+    table in an ``auto_axes`` region) runs under that mesh: its state is retyped onto it,
+    and the statistics it writes back onto the function's."""
+    mesh = compat.eqn_mesh(eqn)
+    if mesh is None or mesh == compat.current_mesh():
+        return ctx.handler.site(site, eqn, invals, ctx)
+    with compat.eqn_context(eqn):
+        state = {site.key: compat.to_current_mesh(ctx.state_in[site.key])} if site.key in ctx.state_in else {}
+        inner = ctx.child({**ctx.state_in, **state})
+        outs = ctx.handler.site(site, eqn, invals, inner)
+    ctx.put_all(compat.to_current_mesh(inner.state_out))
+    return outs
 
 
 def _constant(lit):

@@ -37,6 +37,7 @@ RECORDERS = {
     # inside jax.shard_map: the same values, typed as varying over mesh axes for an op
     # with a varying operand (a replicated weight times a split activation)
     "pvary": lambda p: ("copy",),
+    "reshard": lambda p: ("copy",),
 }
 
 _APPLY = {

@@ -88,7 +88,14 @@ def test_integer_matches_simulated_dense(name):
 # one format by default, the others in CI (the dense test covers every format by default)
 @pytest.mark.parametrize("name", ci_only(sorted(RECIPES), {"nf4_g64"}))
 def test_integer_matches_simulated_with_embeddings(name):
-    qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qp, packed, sim, ref = _check(embed_mlp, RECIPES[name], (IDS,), 2e-5)
+    # groups of 128 do not divide proj's 64 input features: calibrate says so for that op,
+    # which gets one scale per output channel (w8's table is int8 per row, no groups)
+    said = [re.search(r"op '(\w+)'", str(w.message)).group(1) for w in caught
+            if "cannot take group_size" in str(w.message)]
+    assert said == (["proj"] if name == "w8_g128" else []), [str(w.message) for w in caught]
     emb = qp["emb"]
     assert emb.op == "gather" and emb.lhs is not None and emb.rhs is None
 

@@ -756,3 +756,62 @@ def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(grad(fp)(want_qp, p, tok))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+
+
+def test_explicit_mesh_awq_gptq_and_report_over_split_rows():
+    """Under ``jax.set_mesh`` of explicit axes with the batch split over ``"data"`` (one
+    device here; eight: test_sharding.py, slow), AWQ's and GPTQ's Gram matrices and the
+    report's histogram reduce over split rows: JAX asks such a reduction for its output
+    sharding there, and they failed to trace. They give what the same calls give without
+    a mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    p = {"w1": _normal(0, (16, 32), 0.2), "w2": _normal(1, (32, 16), 0.2)}
+    x = _normal(2, (8, 16))
+
+    def tools(xb):
+        qa = jqt.calibrate(f, jqt.recipes.w4(group_size=8, awq=True), p, [(xb,)], progress=False)
+        qg = jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(xb,)], progress=False)
+        rep = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xb,)], progress=False), p, (xb,))
+        return qa, jqt.gptq(f, qg, p, [(xb,)], progress=False), rep
+
+    mesh = jax.make_mesh((1,), ("data",))
+    with jax.set_mesh(mesh):
+        got = tools(jax.device_put(x, NamedSharding(mesh, P("data"))))
+    want = tools(x)
+    for a, b in zip(jax.tree_util.tree_leaves(got[:2]), jax.tree_util.tree_leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(got[2].rows, want[2].rows):
+        assert (a.key, a.act_clip, a.weight_clip) == (b.key, b.act_clip, b.weight_clip)
+        np.testing.assert_allclose([a.sqnr_isolated, a.sqnr_cumulative], [b.sqnr_isolated, b.sqnr_cumulative],
+                                   rtol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4", "w8a8_dynamic"])
+def test_auto_axes_region_around_a_scan_over_stacked_layers(recipe):
+    """A model part the user runs under ``jax.sharding.auto_axes`` on explicit axes (one
+    device here; eight: test_sharding.py, slow), holding a ``lax.scan`` over stacked
+    layers: jqt rebuilds the scan under the region's mesh, its stacked packed weights
+    and qparams retyped onto it. It failed before: the scan's ops read stacked weights
+    typed on the function's mesh."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    part = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jnp.tanh(x @ p["w1"]), p["ws"])[0]
+    f = lambda p, x: jax.sharding.auto_axes(part, out_sharding=P("data", None))(p, x)
+    p = {"w1": _normal(0, (16, 32), 0.2), "ws": _normal(1, (3, 32, 32), 0.2)}
+    x = _normal(2, (8, 16))
+    rec = {"w8a8": jqt.recipes.w8a8(), "w4": jqt.recipes.w4(group_size=8),
+           "w8a8_dynamic": jqt.recipes.w8a8_dynamic()}[recipe]
+    want_qp = jqt.calibrate(part, rec, p, [(x,)], progress=False)
+    packed = jqt.pack(want_qp, p)
+    grad = lambda g, x: jax.jit(jax.grad(lambda q: jnp.sum(jqt.quantize(g, q, simulate=True)(p, x) ** 2)))(want_qp)
+    mesh = jax.make_mesh((1,), ("data",))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        qp = jqt.calibrate(f, rec, p, [(xs,)], progress=False)
+        got = jax.jit(jqt.quantize(f, want_qp))(packed, xs)
+        g = grad(f, xs)
+    for a, b in zip(jax.tree_util.tree_leaves(qp), jax.tree_util.tree_leaves(want_qp)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, jax.jit(jqt.quantize(part, want_qp))(packed, x), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(grad(part, x))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))

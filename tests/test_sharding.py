@@ -219,6 +219,70 @@ for name, rec in (("w8a8", jqt.recipes.w8a8()), ("dynamic_kv", jqt.recipes.w8a8_
         res["region_" + name] = region_case(rec)
     except Exception as e:
         res["region_" + name] = f"{type(e).__name__}: {e}"[:300]
+# AWQ's and GPTQ's Gram matrices and jqt.report over rows split on explicit axes: the
+# decode loop above (report; its lookup in the auto_axes region) and an MLP (AWQ, GPTQ)
+
+
+def report_rows(rep):
+    return [(r.key, r.layer, r.act_clip, r.weight_clip, r.sqnr_isolated, r.sqnr_cumulative) for r in rep.rows]
+
+
+def tools(decoder, toks, mlp_p, x):
+    q8 = jqt.calibrate(decoder, jqt.recipes.w8a8(), P_DEC, [(toks,)], progress=False)
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    qa = jqt.calibrate(f, jqt.recipes.w4(group_size=8, awq=True), mlp_p, [(x,)], progress=False)
+    qg = jqt.calibrate(f, jqt.recipes.w4(group_size=8), mlp_p, [(x,)], progress=False)
+    return (report_rows(jqt.report(decoder, q8, P_DEC, (toks,))), qa,
+            jqt.gptq(f, qg, mlp_p, [(x,)], progress=False))
+
+
+try:
+    P_T = {"w1": normal((16, 32), 0.2), "w2": normal((32, 16), 0.2)}
+    X_T = normal((64, 16))
+    want_t = tools(DEC_P, TOK, P_T, X_T)
+    with jax.set_mesh(DATA):
+        got_t = tools(DEC_E, jax.device_put(TOK, NamedSharding(DATA, P("data"))), P_T,
+                      jax.device_put(X_T, NamedSharding(DATA, P("data"))))
+    res["explicit_tools"] = {
+        "report_same_rows": [a[:4] for a in got_t[0]] == [b[:4] for b in want_t[0]],
+        "report_sqnr_diff": max(abs(a[i] - b[i]) for a, b in zip(got_t[0], want_t[0]) for i in (4, 5)
+                                if np.isfinite(b[i])),
+        "awq_gptq_rel": max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(np.asarray(b)).max() + 1e-30))
+                            for a, b in zip(*(jax.tree_util.tree_leaves(t[1:]) for t in (got_t, want_t))))}
+except Exception as e:
+    res["explicit_tools"] = f"{type(e).__name__}: {e}"[:300]
+# a model part the user runs under jax.sharding.auto_axes, holding a scan over stacked
+# layers, on 8 explicit devices, against the part without a mesh
+PART = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), jnp.tanh(x @ p["w1"]), p["ws"])[0]
+IN_REGION = lambda p, x: jax.sharding.auto_axes(PART, out_sharding=P("data", None))(p, x)
+P_PART = {"w1": normal((16, 32), 0.2), "ws": normal((3, 32, 32), 0.2)}
+X_PART = normal((16, 16))
+for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", jqt.recipes.w4(group_size=8)),
+                  ("dynamic", jqt.recipes.w8a8_dynamic())):
+    try:
+        q1 = jqt.calibrate(PART, rec, P_PART, [(X_PART,)], progress=False)
+        pk1 = jqt.pack(q1, P_PART)
+        want = np.asarray(jax.export.export(jax.jit(jqt.quantize(PART, q1)))(pk1, X_PART).call(pk1, X_PART))
+        with jax.set_mesh(DATA):
+            xs = jax.device_put(X_PART, NamedSharding(DATA, P("data")))
+            q8 = jqt.calibrate(IN_REGION, rec, P_PART, [(xs,)], progress=False)
+            y = jax.jit(jqt.quantize(IN_REGION, q1))(pk1, xs)
+        res["auto_axes_" + name] = {
+            "qp_rel": max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / (np.abs(np.asarray(b)).max() + 1e-30))
+                          for a, b in zip(*(jax.tree_util.tree_leaves(t) for t in (q8, q1)))),
+            "diff": float(np.abs(np.asarray(y) - want).max()), "spec": str(jax.typeof(y).sharding.spec[0])}
+    except Exception as e:
+        res["auto_axes_" + name] = f"{type(e).__name__}: {e}"[:300]
+# traced under jax.set_mesh on an unsplit input, then called without a mesh: jqt's trace
+# cache reuses the jaxpr (the same input types), whose equations name the mesh
+try:
+    qf_r, sf_r, x_r = jqt.quantize(PART, q1), jqt.quantize(PART, q1, simulate=True), jnp.asarray(X_PART)
+    with jax.set_mesh(DATA):
+        inside = np.asarray(qf_r(pk1, x_r)), np.asarray(sf_r(P_PART, x_r))
+    res["traced_in_mesh_run_outside"] = max(float(np.abs(np.asarray(g(w, x_r)) - y).max())
+                                            for g, w, y in zip((qf_r, sf_r), (pk1, P_PART), inside))
+except Exception as e:
+    res["traced_in_mesh_run_outside"] = f"{type(e).__name__}: {e}"[:300]
 # packed weights that hold their smoothing vector (AWQ), per layer under scan: replicated
 res["awq_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w4(group_size=32, awq=True), AUTO)
 
@@ -462,6 +526,37 @@ def test_explicit_mesh_lookup_region_and_resharded_weights(result, name):
     # a partitioned program sums in another order; an LSQ scale's gradient is a sum whose
     # parts cancel, so its rounding is relative to their magnitudes, not to the result
     assert got["grad_rel"] <= 5e-4, got
+
+
+def test_explicit_mesh_report_awq_and_gptq_over_split_rows(result):
+    """On 8 explicit devices with the batch split: ``jqt.report`` of the decode loop (its
+    lookup in the ``auto_axes`` region, its ops under two scans), AWQ's smoothing vectors
+    and GPTQ's weights of an MLP, as without a mesh. Each failed before: AWQ's and
+    GPTQ's Gram matrices and the report's histogram reduce over split rows, which JAX
+    asks for an output sharding there, and JAX typed the report's ``all_gather`` of a
+    split value wrongly (the new leading lane axis took the split)."""
+    got = result["explicit_tools"]
+    assert isinstance(got, dict), got
+    assert got["report_same_rows"] and got["report_sqnr_diff"] <= 0.01, got
+    assert got["awq_gptq_rel"] <= 1e-5, got
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w4", "dynamic"])
+def test_auto_axes_region_around_a_scan_over_stacked_layers(result, name):
+    """A model part run under ``jax.sharding.auto_axes`` on 8 explicit devices, holding a
+    ``lax.scan`` over stacked layers: the one-device qparams, and the exported one-device
+    program's output with the batch still split. It failed before (the scan's ops read
+    stacked weights typed on the function's mesh)."""
+    got = result["auto_axes_" + name]
+    assert isinstance(got, dict), got
+    assert got["qp_rel"] <= 1e-6 and got["diff"] <= 1e-5 and got["spec"] == "data", got
+
+
+def test_traced_under_a_mesh_then_run_without_one(result):
+    """A quantized function traced under ``jax.set_mesh`` (8 explicit devices) on an
+    unsplit input and then called without a mesh reuses the jaxpr and runs as it did
+    (its ops in the calling context, not retyped onto the mesh its equations name)."""
+    assert result["traced_in_mesh_run_outside"] == 0.0, result["traced_in_mesh_run_outside"]
 
 
 def test_load_packed_straight_into_shards(result):

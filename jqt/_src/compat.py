@@ -63,6 +63,18 @@ def unsplit(x, dims):
     return jax.sharding.reshard(x, s.update(spec=spec))
 
 
+def replicated_if_split(*xs):
+    """``out_sharding`` for a reduction of split rows into a small result (a Gram matrix, a
+    histogram): ``PartitionSpec()`` (replicated, an all-reduce) where an operand's type
+    splits a dimension over explicit mesh axes, which JAX asks for there; else ``None``.
+
+    >>> import jax.numpy as jnp
+    >>> replicated_if_split(jnp.ones((4, 2))) is None
+    True
+    """
+    return jax.sharding.PartitionSpec() if any(sharded_dims(x) for x in xs) else None
+
+
 def is_vmapped(x) -> bool:
     """Whether ``x`` is batched by a ``jax.vmap`` whose trace is the innermost around it (a
     ``BatchTracer`` with a mapped axis): its type shows one example, the program runs all.

@@ -66,7 +66,8 @@ class _Hessians:
             xc = tuple(rest.index(d) + len(xb) for d in site.contract[1 - w])
             r = transforms.rows(x, xc).reshape(lead + (-1, math.prod(x.shape[d] for d in xc)))
             k = r.shape[-1]
-            h = lax.cond(take > 0, lambda: jnp.einsum("...mk,...ml->...kl", r, r),
+            h = lax.cond(take > 0, lambda: jnp.einsum("...mk,...ml->...kl", r, r,
+                                                      out_sharding=compat.replicated_if_split(r)),
                          lambda: jnp.zeros(lead + (k, k), _F32))
             ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[-2], 0).astype(_F32)})
         return outs

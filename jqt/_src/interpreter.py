@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from . import compat, kvcache
 from .hops import HIGHER_ORDER
+from .layerview import LayerView
 
 
 @dataclasses.dataclass
@@ -64,9 +65,13 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         if i in plan.sites:
-            outs = _site(plan.sites[i], eqn, invals, ctx)
+            site = plan.sites[i]
+            outs = _under_eqn_mesh(eqn, [site.key], ctx,
+                                   lambda c, site=site: ctx.handler.site(site, eqn, invals, c))
         elif i in plan.subs:
-            outs = HIGHER_ORDER[eqn.primitive].run(eqn, invals, plan.subs[i], ctx, eval_jaxpr)
+            sub = plan.subs[i]
+            outs = _under_eqn_mesh(eqn, sub.keys, ctx, lambda c, sub=sub: HIGHER_ORDER[eqn.primitive].run(
+                eqn, invals, sub, c, eval_jaxpr))
         else:
             if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
                 invals = kvcache.materialize(invals, eqn.invars)
@@ -78,20 +83,31 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
     return [_constant(v) if compat.is_literal(v) else env[v] for v in jaxpr.outvars]
 
 
-def _site(site, eqn, invals, ctx):
-    """The handler's rule for a quantizable op. An op JAX traced under another mesh than
-    the function's (``table.at[ids].get(out_sharding=...)`` on explicit axes reads its
-    table in an ``auto_axes`` region) runs under that mesh: its state is retyped onto it,
-    and the statistics it writes back onto the function's."""
-    mesh = compat.eqn_mesh(eqn)
-    if mesh is None or mesh == compat.current_mesh():
-        return ctx.handler.site(site, eqn, invals, ctx)
+def _under_eqn_mesh(eqn, keys, ctx, run):
+    """``run(ctx)``: a quantizable op's rule, or a higher-order primitive rebuilt. An
+    equation JAX traced under another mesh than the function's (an ``auto_axes`` region:
+    ``table.at[ids].get(out_sharding=...)`` on explicit axes reads its table in one) runs
+    under that mesh: the state of ``keys`` is retyped onto it, and the statistics written
+    back onto the function's mesh."""
+    mesh, current = compat.eqn_mesh(eqn), compat.current_mesh()
+    if mesh is None or mesh == current or not mesh.axis_names or not current.axis_names:
+        return run(ctx)  # a jaxpr traced under a mesh and run without one runs as it is
     with compat.eqn_context(eqn):
-        state = {site.key: compat.to_current_mesh(ctx.state_in[site.key])} if site.key in ctx.state_in else {}
-        inner = ctx.child({**ctx.state_in, **state})
-        outs = ctx.handler.site(site, eqn, invals, inner)
+        moved = {k: _retyped(ctx.state_in[k]) for k in keys if k in ctx.state_in}
+        inner = ctx.child({**ctx.state_in, **moved})
+        outs = run(inner)
     ctx.put_all(compat.to_current_mesh(inner.state_out))
     return outs
+
+
+def _retyped(state):
+    """``state`` (an op's qparams and packed weight, or a stacked layer's view of it) with
+    its arrays retyped onto the current mesh."""
+    if type(state) is tuple:
+        return tuple(_retyped(s) for s in state)
+    if isinstance(state, LayerView):
+        return LayerView(compat.to_current_mesh(state.full), compat.to_current_mesh(state.index))
+    return compat.to_current_mesh(state)
 
 
 def _constant(lit):

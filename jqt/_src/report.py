@@ -57,7 +57,7 @@ class _Measure:
         if without_entry(site, ctx):
             return compat.bind_eqn(eqn, invals)
         qp, packed = lookup(ctx, site, invals)
-        both = [lax.all_gather(v, _AXIS) for v in invals]
+        both = [_lanes(v) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]
         sim = Simulate()
         y_f = compat.bind_eqn(eqn, xf)[0].astype(_F32)
@@ -112,6 +112,15 @@ class _Measure:
         return {k: {n: _reduce(n)(v, axis=0) for n, v in st.items()} for k, st in stacked.items()}
 
 
+def _lanes(v):
+    """``v``'s value in lane 0 and in lane 1 (every lane gets both), gathered along a new
+    last axis: JAX's ``all_gather`` types its result as ``v``'s type with the shape
+    changed, so a new leading axis would take the split of ``v``'s first dimension
+    where ``v``'s type splits it over explicit mesh axes."""
+    both = lax.all_gather(v, _AXIS, axis=jnp.ndim(v))
+    return both[..., 0], both[..., 1]
+
+
 def _histogram(x, lo, hi):
     """HIST_BINS bins over [lo - w/2, hi + w/2] (w = hi - lo), plus an underflow and
     an overflow bin."""
@@ -119,7 +128,8 @@ def _histogram(x, lo, hi):
     a = lo - width / 2
     idx = jnp.floor((x - a) / (2 * width) * HIST_BINS).astype(jnp.int32) + 1
     idx = jnp.clip(idx, 0, HIST_BINS + 1)
-    return jnp.zeros((HIST_BINS + 2,), _F32).at[idx.reshape(-1)].add(1.0)
+    return jnp.zeros((HIST_BINS + 2,), _F32).at[idx.reshape(-1)].add(
+        1.0, out_sharding=compat.replicated_if_split(idx))
 
 
 def _sqnr(signal, noise):

@@ -31,6 +31,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from . import compat
+
 _MAX_FACTOR = 32  # Sylvester factors are applied in pieces of at most this size
 
 
@@ -197,7 +199,7 @@ def channel_stats(x, w, site, names):
         out["count"] = jnp.float32(math.prod(x.shape[d] for d in free))
     if "hessian" in names:
         r = rows(x, xc)
-        out["hessian"] = r.T @ r
+        out["hessian"] = jnp.matmul(r.T, r, out_sharding=compat.replicated_if_split(r))
     return out
 
 

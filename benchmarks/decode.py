@@ -20,7 +20,14 @@ on two batches of random tokens.
   int4 g128 <= 0.25x. A reference row runs the same float step with the layer
   loop unrolled over per-layer arrays (no stacked weights to slice): under
   ``lax.scan`` XLA:CPU copies each layer's stacked weights out before its
-  matmuls, which the quantized variants pay too, on 4-8x fewer bytes.
+  matmuls, which the quantized variants pay too, on 4-8x fewer bytes. A column
+  counts each variant's minor page faults per step, after the timing
+  (``faults_per_call``): a step's time includes the faults on whatever the
+  allocator mapped afresh for its outputs and temporaries, float32's sliced
+  weights on every call, and, in some runs and not others, a quantized step's
+  new cache (two blocks of 18.9 MB, under glibc's 32 MiB mmap limit, so where
+  they land depends on the allocator's state). Read the step times of a run
+  with its fault counts.
 * ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
   every preset <= 1.0x float32. Extra rows run three presets without the
   many-row formulation (``KernelPolicy.float_matmul_rows``), with the weight
@@ -48,6 +55,7 @@ import dataclasses
 import functools
 import json
 import os
+import resource
 import sys
 
 import paths  # noqa: F401  (this checkout's jqt, examples/)
@@ -192,6 +200,19 @@ def timed(calls, rounds):
     return {n: timing.summary(s) for n, s in timing.interleaved(calls, rounds).items()}
 
 
+def faults_per_call(call, n=5):
+    """Minor page faults per call of ``call`` (the process's count, over ``n`` calls): memory
+    the allocator maps afresh for a call's outputs and temporaries. glibc maps any block over
+    its mmap threshold (at most 32 MiB, raised to the size of the last such block freed) and
+    unmaps it when freed, so the next call faults on its pages again: a cost in the call's
+    time, which varies from run to run with the allocator's state."""
+    jax.block_until_ready(call())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        jax.block_until_ready(call())
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n
+
+
 def build(f, recipe, params, calib, policy=None):
     qp = jqt.calibrate(f, recipe, params, calib, progress=False)
     packed = jqt.pack(qp, params, policy=policy)
@@ -224,6 +245,7 @@ def decode(names, rounds, markdown, results):
             info[f"{name}, {label}"] = info[name]
     progress(f"timing {len(calls)} variants x {rounds} rounds")
     med = timed(calls, rounds)
+    faults = {name: faults_per_call(call) for name, call in calls.items()}  # after the timing
     base = med["float32"]["median"]
     ref = med[UNSTACKED]["median"]
     rows = []
@@ -233,16 +255,18 @@ def decode(names, rounds, markdown, results):
         check = "-" if target is None else f"{'PASS' if ratio <= target else 'MISS'} (<= {target})"
         rows.append((name, f"{s['median'] * 1e3:.1f}", f"{s['p25'] * 1e3:.1f}-{s['p75'] * 1e3:.1f}",
                      f"{ratio:.3f}", f"{s['median'] / ref:.2f}", f"{info[name]['bytes'] / fb:.3f}",
-                     f"{info[name]['cache'] / info['float32']['cache']:.2f}", check))
+                     f"{info[name]['cache'] / info['float32']['cache']:.2f}", f"{faults[name]:.0f}", check))
         results[f"decode {name}"] = dict(ms=s["median"] * 1e3, ratio=ratio, ratio_unstacked=s["median"] / ref,
-                                         bytes_ratio=info[name]["bytes"] / fb, target=target)
+                                         bytes_ratio=info[name]["bytes"] / fb, target=target,
+                                         page_faults=faults[name])
     n = decoder.param_count(params)
     print(f"Decode step, batch 1: {n / 1e6:.1f}M parameters ({CONFIG.n_layers} layers, d_model "
           f"{CONFIG.d_model}, d_ff {CONFIG.d_ff}, {CONFIG.n_heads} heads / {CONFIG.n_kv_heads} kv heads "
           f"of {CONFIG.head_dim}, vocab {CONFIG.vocab}), float32 cache of {MAX_LEN} positions, step at "
           f"position {PROMPT} (context {PROMPT + 1}); {rounds} interleaved rounds")
     table(("variant", "median ms", "p25-p75 ms", "time / float32", "time / float32 unstacked",
-           "weight bytes / float32", "cache bytes / float32", "target (time / float32)"), rows, markdown)
+           "weight bytes / float32", "cache bytes / float32", "page faults / step", "target (time / float32)"),
+          rows, markdown)
 
 
 def prefill(names, rounds, markdown, results):

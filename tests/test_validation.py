@@ -1007,3 +1007,21 @@ def test_warnings_point_at_the_line_that_called_jqt():
         jqt.calibrate(f, jqt.recipes.w4(group_size=5), jnp.ones((8, 4)), [(jnp.ones((2, 8)),)],
                       progress=False)
     assert got and all(w.filename == __file__ for w in got), [(w.filename, w.lineno) for w in got]
+
+
+def test_warnings_raised_inside_a_jax_trace_point_at_the_line_that_called_jqt():
+    """The analysis warns while JAX traces jqt's interpreter (here: a matmul inside
+    shard_map stays float): the warning names the caller's line, not JAX's
+    (it named jax/_src/interpreters/partial_eval.py)."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("d",))
+    f = lambda p, x: jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(), P()),
+                                   out_specs=P())(p["wq"], x) @ p["wo"]
+    p = {"wq": jnp.ones((3, 3)), "wo": jnp.ones((3, 2))}
+    x = jnp.ones((4, 3))
+    for run in (lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False),
+                lambda: jqt.quantize(f, qp)(p, x)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            qp = run()
+        assert got and all(w.filename == __file__ for w in got), [(w.filename, w.lineno) for w in got]

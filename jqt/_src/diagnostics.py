@@ -2,7 +2,9 @@
 
 A warning raised deep inside jqt (a calibrator, the analysis of a jaxpr) names the line
 of the user's program that called jqt, not jqt's own: :func:`warn` walks the stack out of
-the package first, as Python 3.12's ``skip_file_prefixes`` does.
+the package first, as Python 3.12's ``skip_file_prefixes`` does. It walks out of JAX's
+and jaxlib's frames too: jqt runs much of its work inside a JAX trace (``jax.jit`` of
+its interpreter), where the innermost frame outside jqt is JAX's.
 """
 from __future__ import annotations
 
@@ -10,13 +12,18 @@ import os
 import sys
 import warnings
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+import jax
+import jaxlib
+
+_SKIPPED = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                 for path in (os.path.dirname(__file__), jax.__file__, jaxlib.__file__))
 
 
 def caller_level() -> int:
-    """The ``stacklevel`` of the innermost frame outside jqt, seen from ``warn``'s caller."""
+    """The ``stacklevel`` of the innermost frame outside jqt, JAX and jaxlib, seen from
+    ``warn``'s caller."""
     level, frame = 2, sys._getframe(2)  # the frame of warn's caller's caller
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIPPED):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -283,6 +283,23 @@ try:
                                             for g, w, y in zip((qf_r, sf_r), (pk1, P_PART), inside))
 except Exception as e:
     res["traced_in_mesh_run_outside"] = f"{type(e).__name__}: {e}"[:300]
+# jqt.report of a function that vmaps its own per-example part (a scan over stacked
+# layers inside), its batch split on 8 explicit devices, against the report without a mesh
+try:
+    VMAPPED = lambda p, x: jax.vmap(lambda xi: PART(p, xi))(x)
+    X_V = normal((16, 4, 16))
+    want_v, got_v = [], []
+    for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", jqt.recipes.w4(group_size=8))):
+        qv = jqt.calibrate(VMAPPED, rec, P_PART, [(X_V,)], progress=False)
+        want_v += report_rows(jqt.report(VMAPPED, qv, P_PART, (X_V,)))
+        with jax.set_mesh(DATA):
+            got_v += report_rows(jqt.report(VMAPPED, qv, P_PART,
+                                            (jax.device_put(X_V, NamedSharding(DATA, P("data"))),)))
+    res["explicit_report_vmap"] = {
+        "rows": len(got_v), "same_rows": [a[:4] for a in got_v] == [b[:4] for b in want_v],
+        "sqnr_diff": max(abs(a[i] - b[i]) for a, b in zip(got_v, want_v) for i in (4, 5) if np.isfinite(b[i]))}
+except Exception as e:
+    res["explicit_report_vmap"] = f"{type(e).__name__}: {e}"[:300]
 # packed weights that hold their smoothing vector (AWQ), per layer under scan: replicated
 res["awq_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w4(group_size=32, awq=True), AUTO)
 
@@ -539,6 +556,16 @@ def test_explicit_mesh_report_awq_and_gptq_over_split_rows(result):
     assert isinstance(got, dict), got
     assert got["report_same_rows"] and got["report_sqnr_diff"] <= 0.01, got
     assert got["awq_gptq_rel"] <= 1e-5, got
+
+
+def test_explicit_mesh_report_of_a_function_that_vmaps_its_own_part(result):
+    """``jqt.report`` of a function that ``jax.vmap``s a per-example part (a scan over stacked
+    layers inside), its batch split on 8 explicit devices: the rows of the report without a
+    mesh, for ``w8a8`` and ``w4`` g8. The report's lane exchange (an ``all_gather`` along a new
+    last axis) then runs under the user's ``vmap`` as well as its own."""
+    got = result["explicit_report_vmap"]
+    assert isinstance(got, dict), got
+    assert got["rows"] == 8 and got["same_rows"] and got["sqnr_diff"] <= 0.01, got
 
 
 @pytest.mark.parametrize("name", ["w8a8", "w4", "dynamic"])

@@ -88,6 +88,31 @@ def teacher_while(p, tokens):
     return lax.while_loop(lambda c: c[1] < n, body, (_empty(), jnp.int32(0), jnp.zeros((n, B, V))))[2]
 
 
+def teacher_vmapped(p, tokens):
+    """teacher's loop written for one sequence (a cache of (L, T, H, DH)) and vmapped over
+    the batch inside the function: the scan over layers reads the loop's cache through a
+    transpose (vmap moves the batch axis behind the layer axis), and the loop carries it
+    back through another. Logits (B, n, V)."""
+    def one(tokens):
+        def layer(carry, xs):
+            h, pos = carry
+            lp, kc, vc = xs
+            q, k, v = [(h @ lp[w]).reshape(H, DH) for w in ("wq", "wk", "wv")]
+            kc = lax.dynamic_update_slice(kc, k[None], (pos, 0, 0))
+            vc = lax.dynamic_update_slice(vc, v[None], (pos, 0, 0))
+            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("hd,thd->ht", q, kc) / math.sqrt(DH), -1e30)
+            o = jnp.einsum("ht,thd->hd", jax.nn.softmax(s, axis=-1), vc).reshape(H * DH)
+            return (h + o @ lp["wo"], pos), (kc, vc)
+
+        def body(carry, tok):
+            cache, pos = carry
+            (h, _), cache = lax.scan(layer, (p["emb"][tok], pos), (p["layers"],) + cache)
+            return (cache, pos + 1), h @ p["out"]
+        empty = jnp.zeros((L, T, H, DH))
+        return lax.scan(body, ((empty, empty), jnp.int32(0)), tokens)[1]
+    return jax.vmap(one)(tokens)
+
+
 def greedy(p, first, steps):
     """Greedy generation from first tokens (B,)."""
     def body(carry, _):
@@ -225,6 +250,28 @@ def test_a_cache_written_back_unchanged_does_not_drift(kind):
     for y in (jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w), x),
               jax.jit(jqt.quantize(f, qp, simulate=True))(w, x)):
         np.testing.assert_array_equal(y, jnp.full_like(y, y[0]))
+
+
+@pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
+def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(setup, kind, code_dtype):
+    """A loop vmapped over the batch inside the function reads and returns its cache through
+    transposes (the batch axis moved behind the layer axis for the scan over layers): the
+    cache is found, carried quantized, and the outputs are teacher's (the same loop batched
+    by hand) with the same qparams. The cache stayed float before (the analysis did not
+    follow the transposes)."""
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher_vmapped, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal, progress=False)
+    caches = [k for k in qp if "kv_cache" in k]  # vmap()/kv_cache_0: under vmap's name
+    assert len(caches) == 2 and all(not qp[k].is_float for k in caches), jqt.summarize(qp)
+    qf = jqt.quantize(teacher_vmapped, qp)
+    carried = _carry_avals(qf, p, x)
+    assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
+    assert [a.shape[:-1] for a in carried if a.dtype == code_dtype] == [(B, L, T, H)] * 2
+    y = jax.jit(qf)(jqt.pack(qp, p), x)
+    np.testing.assert_allclose(y, jqt.quantize(teacher_vmapped, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
+    by_hand = jqt.quantize(teacher, jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal,
+                                                  progress=False))(p, x)
+    np.testing.assert_allclose(y, jnp.swapaxes(by_hand, 0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_collected_outputs_are_not_a_cache(setup):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import compat, diagnostics, layout
+from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
 from .plan import CONST, Plan, Site, Sub, VarInfo
 from .registry import OPS
@@ -167,7 +167,8 @@ class Analyzer:
             outs = None
             entry = OPS.get(eqn.primitive)
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
-            if not cache_write and eqn.primitive not in HIGHER_ORDER:
+            view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
+            if not cache_write and not view and eqn.primitive not in HIGHER_ORDER:
                 for info in ins:  # a loop body's reads (loops: inside their bodies)
                     self.reads.update(info.buffer)
             if entry is not None and entry.is_site(eqn, ins):
@@ -176,6 +177,8 @@ class Analyzer:
                     outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]
             elif eqn.primitive in HIGHER_ORDER:
                 outs = self._hop(plan, i, eqn, ins, stack)
+            elif view:  # the same buffer, its axes permuted (a vmap moved the batch axis)
+                outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes)]
             else:
                 step = layout.record(eqn)
                 if step == ("copy",) and len(ins) == 1:  # the same values (copy, stop_gradient)

@@ -250,6 +250,7 @@ gather_p = _prims.gather_p
 dynamic_update_slice_p = _prims.dynamic_update_slice_p
 dynamic_slice_p = _prims.dynamic_slice_p
 scatter_p = _prims.scatter_p
+transpose_p = _prims.transpose_p
 jit_p = _prims.jit_p
 closed_call_p = _prims.closed_call_p
 call_p = _prims.call_p

@@ -72,6 +72,8 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
             sub = plan.subs[i]
             outs = _under_eqn_mesh(eqn, sub.keys, ctx, lambda c, sub=sub: HIGHER_ORDER[eqn.primitive].run(
                 eqn, invals, sub, c, eval_jaxpr))
+        elif kvcache.is_buffer_view(eqn) and kvcache.is_cache(invals[0]):
+            outs = [kvcache.view(eqn, invals[0])]  # the same cache, its axes permuted
         else:
             if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
                 invals = kvcache.materialize(invals, eqn.invars)

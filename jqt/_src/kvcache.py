@@ -191,6 +191,22 @@ def write(eqn, invals, update_index, qtype):
                    layout="cache")]
 
 
+def is_buffer_view(eqn) -> bool:
+    """A ``transpose`` that keeps the last axis last. A cache under it is the same cache,
+    its codes and scales transposed alike (:func:`view`): ``jax.vmap`` of a decode loop
+    moves the batch axis behind the layer axis of the buffer the loop carries before the
+    scan over layers slices it, and back after."""
+    perm = eqn.params.get("permutation", ()) if eqn.primitive is compat.transpose_p else ()
+    return bool(perm) and perm[-1] == len(perm) - 1
+
+
+def view(eqn, c: QArray) -> QArray:
+    """:func:`is_buffer_view`'s ``transpose`` of a cache."""
+    perm = eqn.params["permutation"]
+    return QArray(values=lax.transpose(c.values, perm), scale=lax.transpose(c.scale, perm),
+                  qtype=c.qtype, layout="cache")
+
+
 def _arrange(scale, axes):
     """``scale`` (cache layout, size 1 on every axis not in ``axes``) laid out on target
     dimensions: ``axes[j]`` is the scale axis of target dimension ``j``, or ``None``."""

@@ -88,29 +88,46 @@ def teacher_while(p, tokens):
     return lax.while_loop(lambda c: c[1] < n, body, (_empty(), jnp.int32(0), jnp.zeros((n, B, V))))[2]
 
 
-def teacher_vmapped(p, tokens):
-    """teacher's loop written for one sequence (a cache of (L, T, H, DH)) and vmapped over
-    the batch inside the function: the scan over layers reads the loop's cache through a
-    transpose (vmap moves the batch axis behind the layer axis), and the loop carries it
-    back through another. Logits (B, n, V)."""
-    def one(tokens):
-        def layer(carry, xs):
-            h, pos = carry
-            lp, kc, vc = xs
-            q, k, v = [(h @ lp[w]).reshape(H, DH) for w in ("wq", "wk", "wv")]
-            kc = lax.dynamic_update_slice(kc, k[None], (pos, 0, 0))
-            vc = lax.dynamic_update_slice(vc, v[None], (pos, 0, 0))
-            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("hd,thd->ht", q, kc) / math.sqrt(DH), -1e30)
-            o = jnp.einsum("ht,thd->hd", jax.nn.softmax(s, axis=-1), vc).reshape(H * DH)
-            return (h + o @ lp["wo"], pos), (kc, vc)
+def _step_one(p, cache, tok, pos):
+    """_step for one sequence: a cache of (L, T, H, DH) per keys and values."""
+    def layer(h, xs):
+        lp, kc, vc = xs
+        q, k, v = [(h @ lp[w]).reshape(H, DH) for w in ("wq", "wk", "wv")]
+        kc = lax.dynamic_update_slice(kc, k[None], (pos, 0, 0))
+        vc = lax.dynamic_update_slice(vc, v[None], (pos, 0, 0))
+        s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("hd,thd->ht", q, kc) / math.sqrt(DH), -1e30)
+        o = jnp.einsum("ht,thd->hd", jax.nn.softmax(s, axis=-1), vc).reshape(H * DH)
+        return h + o @ lp["wo"], (kc, vc)
 
+    h, cache = lax.scan(layer, p["emb"][tok], (p["layers"],) + cache)
+    return h @ p["out"], cache
+
+
+def teacher_vmapped(p, tokens):
+    """teacher's loop written for one sequence and vmapped over the batch inside the
+    function: the scan over layers reads the loop's cache through a transpose (vmap moves
+    the batch axis behind the layer axis), and the loop carries it back through another.
+    Logits (B, n, V)."""
+    def one(tokens):
         def body(carry, tok):
             cache, pos = carry
-            (h, _), cache = lax.scan(layer, (p["emb"][tok], pos), (p["layers"],) + cache)
-            return (cache, pos + 1), h @ p["out"]
+            logits, cache = _step_one(p, cache, tok, pos)
+            return (cache, pos + 1), logits
         empty = jnp.zeros((L, T, H, DH))
         return lax.scan(body, ((empty, empty), jnp.int32(0)), tokens)[1]
     return jax.vmap(one)(tokens)
+
+
+def until(p, tokens, n):
+    """One sequence's logits (len(tokens), V), fed its tokens until its own length ``n``
+    (a while_loop whose stop depends on the sequence; the rest stays 0)."""
+    def body(c):
+        cache, pos, out = c
+        logits, cache = _step_one(p, cache, tokens[pos], pos)
+        return cache, pos + 1, out.at[pos].set(logits)
+    empty = jnp.zeros((L, T, H, DH))
+    init = ((empty, empty), jnp.int32(0), jnp.zeros((tokens.shape[0], V)))
+    return lax.while_loop(lambda c: c[1] < n, body, init)[2]
 
 
 def greedy(p, first, steps):
@@ -272,6 +289,24 @@ def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(s
     by_hand = jqt.quantize(teacher, jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal,
                                                   progress=False))(p, x)
     np.testing.assert_allclose(y, jnp.swapaxes(by_hand, 0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_loop_vmapped_with_a_stop_per_sequence(setup):
+    """``jax.vmap`` of a decode ``while_loop`` that stops at each sequence's own length: a
+    while whose predicate is batched. Its cache is carried quantized, a finished sequence
+    keeping its codes and scales, and each sequence's logits are those of the loop run
+    alone (calibrated alone: the weights' qparams and the caches' types are the same)."""
+    p, cal, x = setup
+    ns = jnp.array([3, 8], jnp.int32)
+    f = lambda p, toks, ns: jax.vmap(lambda t, n: until(p, t, n))(toks, ns)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(c[0], ns) for c in cal], progress=False)
+    assert len([k for k in qp if "kv_cache" in k]) == 2
+    assert [a.shape for a in _carry_avals(jqt.quantize(f, qp), p, x, ns) if a.dtype == jnp.int8] == [(B, L, T, H, DH)] * 2
+    y = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x, ns)
+    qa = jqt.calibrate(until, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(c[0][0], 8) for c in cal], progress=False)
+    alone = jnp.stack([jqt.quantize(until, qa)(p, t, n) for t, n in zip(x, ns)])
+    np.testing.assert_allclose(y, alone, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(y[0, 3:]).max()) == 0.0  # the first sequence stopped after 3 tokens
 
 
 def test_collected_outputs_are_not_a_cache(setup):

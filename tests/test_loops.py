@@ -467,3 +467,33 @@ def test_an_expert_without_tokens_takes_the_range_of_the_others(smooth):
     y, ref = jqt.quantize(f, qp)(p, x), f(p, x)
     errs = [float(jnp.linalg.norm(y[e] - ref[e]) / jnp.linalg.norm(ref[e])) for e in range(4)]
     assert max(errs) < (0.06 if smooth is None else 0.15), errs
+
+
+def _until(p, x, n):
+    """One example's steps over the layer scan until its own step count ``n``: a
+    ``while_loop`` whose stop depends on the example."""
+    step = lambda c: (jnp.tanh(_layers(c[0], p["layers"]) @ p["head"]), c[1] + 1)
+    return lax.while_loop(lambda c: c[1] < n, step, (x, 0))[0]
+
+
+def _per_example_until(p, xs, ns):
+    return jax.vmap(lambda x, n: _until(p, x, n))(xs, ns)
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4"])
+def test_a_while_loop_vmapped_with_a_stop_per_example(recipe):
+    """``jax.vmap`` of a ``while_loop`` whose stop depends on the example leaves a ``while``
+    whose predicate is batched (one per example). Rebuilding it failed ("cond_fun must
+    return a boolean scalar"); it now runs while any example is live, a finished example
+    keeping its carry, as XLA runs it: each example's output is that of the same loop run
+    alone with the same qparams, on the integer and on the simulated path. (Integer and
+    simulated differ by a dynamic scale's near-tie for one example here, run alone too.)"""
+    p, xs, ns = _params(), jnp.stack(_xs(3)), jnp.array([1, 3, 2])
+    qp = jqt.calibrate(_per_example_until, RECIPES[recipe](), p, [(xs, ns)], progress=False)
+    _check_shapes(qp)
+    for simulate in (False, True):
+        out = jax.jit(jqt.quantize(_per_example_until, qp, simulate=simulate))(
+            p if simulate else jqt.pack(qp, p), xs, ns)
+        alone = jnp.stack([jqt.quantize(_until, qp, simulate=simulate)(p, x, n) for x, n in zip(xs, ns)])
+        assert _rel(out, alone) < 1e-5, simulate
+        assert _rel(out, _per_example_until(p, xs, ns)) < TOL[recipe], simulate

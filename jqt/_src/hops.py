@@ -20,7 +20,9 @@ re-bound unchanged (its ops stay float; the analysis warns when its bodies hold
 quantizable ops). ``jit``, ``closed_call`` and ``call`` are inlined; ``remat``
 becomes ``jax.checkpoint`` with the same policy; ``custom_jvp_call`` and
 ``custom_vjp_call`` keep the user's rule for the inputs on the simulated path;
-``scan``, ``while`` and ``cond`` thread per-op state (see ``interpreter.py``).
+``scan``, ``while`` and ``cond`` thread per-op state (see ``interpreter.py``); a ``while``
+whose predicate is batched (``jax.vmap`` of a loop whose stop depends on the example) runs
+while any lane is live, a finished lane keeping its carry, as XLA lowers it.
 """
 from __future__ import annotations
 
@@ -284,6 +286,15 @@ def _leave_caches(carry, entered, outvars):
             for k, (x, v) in enumerate(zip(carry, outvars))]
 
 
+def _keep_finished(live, new, old):
+    """``new`` where the lane is ``live`` (a predicate over the leading axes), else ``old``;
+    a quantized cache's codes and scales alike."""
+    if kvcache.is_cache(old):
+        return dataclasses.replace(old, values=_keep_finished(live, new.values, old.values),
+                                   scale=_keep_finished(live, new.scale, old.scale))
+    return jnp.where(live.reshape(live.shape + (1,) * (jnp.ndim(old) - live.ndim)), new, old)
+
+
 def _while(eqn, invals, sub, ctx, evaluate):
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -294,12 +305,22 @@ def _while(eqn, invals, sub, ctx, evaluate):
     run = _runner(ctx, bj, bc, sub.plans[0], evaluate)
     init, entered = _enter_caches(sub, ctx, init)
 
-    def cond_fn(carry):
+    def pred(carry):
         return evaluate(cj, cc, [*cconsts, *carry], Plan(), ctx.child({}))[0]
+
+    # jax.vmap of a loop whose stop depends on the lane leaves a while whose predicate is
+    # batched (one per lane, over the carries' leading axes): it runs while any lane is
+    # live, and a finished lane keeps its carry, as XLA lowers it. (A finished lane's body
+    # still runs, so calibration observes it, as XLA computes it.)
+    batched = bool(cj.outvars[0].aval.shape)
+    cond_fn = (lambda carry: jnp.any(pred(carry))) if batched else pred
+
+    def lanes(outs, carry):
+        return [_keep_finished(pred(carry), o, i) for o, i in zip(outs, carry)] if batched else list(outs)
 
     if not ctx.handler.collects:
         def step(carry):
-            return [kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)]
+            return lanes([kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)], carry)
         return _leave_caches(lax.while_loop(cond_fn, step, list(init)), entered, eqn.outvars)
     shapes = jax.eval_shape(lambda *a: run(state, *bconsts, *a)[1], *init)
     st0 = ctx.handler.identity(shapes)
@@ -307,7 +328,7 @@ def _while(eqn, invals, sub, ctx, evaluate):
     def body_fn(cs):
         carry, acc = cs
         outs, so = run(state, *bconsts, *carry)
-        return list(outs), ctx.handler.merge(acc, so)
+        return lanes(outs, carry), ctx.handler.merge(acc, so)
 
     carry, st_out = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0))
     ctx.put_all(st_out)

@@ -316,7 +316,10 @@ def _while(eqn, invals, sub, ctx, evaluate):
     cond_fn = (lambda carry: jnp.any(pred(carry))) if batched else pred
 
     def lanes(outs, carry):
-        return [_keep_finished(pred(carry), o, i) for o, i in zip(outs, carry)] if batched else list(outs)
+        if not batched:
+            return list(outs)
+        live = pred(carry)
+        return [_keep_finished(live, o, i) for o, i in zip(outs, carry)]
 
     if not ctx.handler.collects:
         def step(carry):

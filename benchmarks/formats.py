@@ -1,7 +1,7 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
     python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
-    python benchmarks/formats.py --only minilm    # or: --only dense, experts, wide, groups, fp8rows, vmap
+    python benchmarks/formats.py --only minilm    # or: --only dense, experts, ragged, wide, groups, fp8rows, vmap
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
         # those presets also under the default policy with these fields replaced
@@ -36,6 +36,11 @@ their ranges at the absolute maximum, as before the presets clipped them
 Part 3 (``experts``, only when asked for: ``--only experts``): a mixture-of-experts
 layer written densely, ``einsum("ecd,edf->ecf")``, 8 experts of 1024 x 2816, at 1, 8
 and 128 tokens per expert: time, packed bytes and relative error per preset.
+
+Part 3b (``ragged``, only when asked for: ``--only ragged``): the same mixture written
+with ``lax.ragged_dot`` (tokens sorted by expert), at 1, 8, 32 and 128 tokens per
+expert: time, bytes and relative error per preset, and ``w8a8_dynamic`` also under the
+other choice of ``KernelPolicy.ragged_int_rows``.
 
 Part 4 (``wide``, only when asked for: ``--only wide``): weight-only ``w8`` and
 ``w4 g128`` on wide layers (language-model heads 512 x 50257 and 2048 x 32000, a
@@ -416,6 +421,47 @@ def experts(rounds, markdown, results):
           markdown)
 
 
+def ragged(rounds, markdown, results):
+    """The same mixture written with ``lax.ragged_dot`` (tokens sorted by expert, 8
+    experts of 1024 x 2816), 1, 8, 32 and 128 tokens per expert: each preset, and
+    ``w8a8_dynamic`` also under the other choice of ``KernelPolicy.ragged_int_rows`` (1:
+    int8 codes with int32 sums at every row count, 0: the weight decoded to float),
+    with relative error and bytes."""
+    e, d, f_ = 8, 1024, 2816
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((e, d, f_)) / np.sqrt(d), jnp.float32)
+    table_policy = jqt.KernelPolicy.for_backend()
+    other = dataclasses.replace(table_policy, ragged_int_rows=0 if table_policy.ragged_int_rows else 1)
+    variants, rows = {}, []
+    for c in (1, 8, 32, 128):
+        sizes = jnp.full((e,), c, jnp.int32)
+        f = lambda w, x, sizes=sizes: jax.lax.ragged_dot(x, w, sizes)
+        cal = [(jnp.asarray(rng.standard_normal((e * c, d)), jnp.float32),) for _ in range(2)]
+        x = jnp.asarray(rng.standard_normal((e * c, d)), jnp.float32)
+        fns, packs = {"float32": jax.jit(f)}, {"float32": w}
+        ref = f(w, x)
+        for name, make in EXPERT_PRESETS.items():
+            qp = jqt.calibrate(f, make(), w, cal, progress=False)
+            pol = {name: table_policy}
+            if name == "w8a8_dynamic":
+                pol[f"{name} [ragged_int_rows={other.ragged_int_rows}]"] = other
+            for label, policy in pol.items():
+                fns[label] = jax.jit(jqt.quantize(f, qp, policy=policy))
+                packs[label] = jqt.pack(qp, w, policy=policy)
+                err = float(jnp.linalg.norm(fns[label](packs[label], x) - ref) / jnp.linalg.norm(ref))
+                variants[label] = (packs[label].nbytes() / w.nbytes, err)
+        print(f"[ragged] {c} tokens per expert", file=sys.stderr, flush=True)
+        med = interleaved_medians(fns, {k: (packs[k], x) for k in fns}, rounds)
+        results[f"ragged c{c}"] = {k: v * 1e3 for k, v in med.items()}
+        rows.append((str(c), f"{med['float32'] * 1e3:.2f}")
+                    + tuple(f"{med[k] * 1e3:.2f} ({med[k] / med['float32']:.2f}x)" for k in variants))
+    print(f"mixture of {e} experts {d} x {f_}, lax.ragged_dot (ragged_int_rows="
+          f"{table_policy.ragged_int_rows} in the table): median ms (ratio to float32)")
+    table(("tokens / expert", "float32") + tuple(variants), rows, markdown)
+    table(("preset", "bytes / float32", "relative error (128 tokens / expert)"),
+          [(k, f"{b:.3f}", f"{r:.4f}") for k, (b, r) in variants.items()], markdown)
+
+
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -486,6 +532,8 @@ def main():
         dense(rounds, args.markdown, results, ab)
     if "experts" in args.only:
         experts(rounds, args.markdown, results)
+    if "ragged" in args.only:
+        ragged(rounds, args.markdown, results)
     if "wide" in args.only:
         wide(max(rounds // 4, 9), args.markdown, results, ab)
     if "groups" in args.only:

@@ -224,8 +224,8 @@ def test_conv_formulation_follows_the_input_channels(channels, patches):
 
 def test_policy_table():
     assert jqt.KernelPolicy.for_backend("cpu") == jqt.KernelPolicy(
-        pad_rows=2, weight_only_chunk=256, conv_patches_below=16, conv_codes_as_float=True,
-        gemv_rows=4, weight_only_digits=3,
+        pad_rows=2, ragged_int_rows=256, weight_only_chunk=256, conv_patches_below=16,
+        conv_codes_as_float=True, gemv_rows=4, weight_only_digits=3,
         grouped_int_rows=8, grouped_int_min_group=128, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         weight_only_block_bytes=4 << 20, large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,

@@ -300,6 +300,27 @@ try:
         "sqnr_diff": max(abs(a[i] - b[i]) for a, b in zip(got_v, want_v) for i in (4, 5) if np.isfinite(b[i]))}
 except Exception as e:
     res["explicit_report_vmap"] = f"{type(e).__name__}: {e}"[:300]
+# lax.ragged_dot (a mixture's grouped matmul): the expert weights split along the experts
+# ("out") or along K ("in"), against the same packed weights on one device
+try:
+    P_RAG = {"w": normal((8, 64, 32), 0.1)}
+    RAG = lambda p, x: jax.lax.ragged_dot(x, p["w"], jnp.array([3, 0, 5, 2, 4, 1, 0, 1], jnp.int32))
+    X_RAG = normal((16, 64))
+    res["ragged"] = {}
+    for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", jqt.recipes.w4(group_size=16))):
+        for rows in (0, 1):  # the weight decoded to float, and int8 codes with int32 sums
+            pol = jqt.KernelPolicy(ragged_int_rows=rows)
+            qg = jqt.calibrate(RAG, rec, P_RAG, [(X_RAG,)], progress=False)
+            pg = jqt.pack(qg, P_RAG, policy=pol)
+            want = jax.jit(jqt.quantize(RAG, qg, policy=pol))(pg, X_RAG)
+            for how in ("out", "in"):
+                qs, ps = jqt.packed_shardings(qg, pg, AUTO, ops=((".*", how),))
+                q2, p2 = jax.device_put((qg, pg), (qs, ps))
+                got = jax.jit(jqt.quantize(RAG, q2, policy=pol))(p2, X_RAG)
+                res["ragged"][f"{name} {rows} {how}"] = [shard_shape(p2.weights["w"].values),
+                                                         float(jnp.abs(got - want).max() / jnp.abs(want).max())]
+except Exception as e:
+    res["ragged"] = f"{type(e).__name__}: {e}"[:300]
 # packed weights that hold their smoothing vector (AWQ), per layer under scan: replicated
 res["awq_stacked"], _, _ = case(stacked, P_STACK, X_MLP, jqt.recipes.w4(group_size=32, awq=True), AUTO)
 
@@ -584,6 +605,21 @@ def test_traced_under_a_mesh_then_run_without_one(result):
     unsplit input and then called without a mesh reuses the jaxpr and runs as it did
     (its ops in the calling context, not retyped onto the mesh its equations name)."""
     assert result["traced_in_mesh_run_outside"] == 0.0, result["traced_in_mesh_run_outside"]
+
+
+def test_ragged_dot_expert_weights_split_over_the_experts_or_k(result):
+    """``lax.ragged_dot``'s packed expert weights (8 experts of 64 x 32, int8 and int4 g16
+    two per byte along N) split over 4 devices of the mesh's model axis along the experts
+    (``"out"``) or along K (``"in"``), run as on one device, the weight decoded to float
+    or as int8 codes with int32 sums."""
+    got = result["ragged"]
+    assert isinstance(got, dict), got
+    assert len(got) == 8
+    for case, (shard, diff) in got.items():
+        out = case.endswith("out")
+        four_bit = case.startswith("w4")
+        assert shard == ([2, 64, 16 if four_bit else 32] if out else [8, 16, 16 if four_bit else 32]), case
+        assert diff <= 1e-6, (case, diff)
 
 
 def test_load_packed_straight_into_shards(result):

@@ -72,9 +72,10 @@ def unsupported(qtypes) -> str:
 
 
 def exact_sums(eqn, codes):
-    """The op of ``eqn`` on ``codes`` (float32 operands holding ``q - z``): each output's
-    exact integer sum, in float32."""
-    codes = [lax.stop_gradient(c.astype(_F32)) for c in codes]
+    """The op of ``eqn`` on ``codes`` (its two float32 operands holding ``q - z``, then any
+    others as they are: a ``ragged_dot``'s group sizes): each output's exact integer sum,
+    in float32."""
+    codes = [lax.stop_gradient(c.astype(_F32)) for c in codes[:2]] + list(codes[2:])
     return compat.bind_eqn(eqn, codes, preferred_element_type=_F32,
                                 precision=lax.Precision.HIGHEST)[0]
 

@@ -201,8 +201,10 @@ class Analyzer:
                     paths = [info.source.path for info in ins if info.source is not None]
                     if name in _GROUPED_MATMULS and paths:
                         msg = (f"jqt: a {name} (at '{stack or '<top>'}') reads weight '{paths[0]}': "
-                               f"jqt has no rule for {name} (the grouped matmul of a mixture of "
-                               "experts), so it stays float. Write the experts as an einsum over "
+                               f"jqt has no rule for {name} in this form (jqt quantizes "
+                               "lax.ragged_dot(x, w, group_sizes) with x (M, K) ragged along M and "
+                               "the weight w (G, K, N), one matrix per group), so it stays float. "
+                               "Write it in that form, or the experts as an einsum over "
                                "the expert axis ('ecd,edf->ecf' on tokens dispatched per expert) "
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")

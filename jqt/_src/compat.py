@@ -251,6 +251,21 @@ dynamic_update_slice_p = _prims.dynamic_update_slice_p
 dynamic_slice_p = _prims.dynamic_slice_p
 scatter_p = _prims.scatter_p
 transpose_p = _prims.transpose_p
+try:  # lax.ragged_dot's primitive (not in jax.extend's list)
+    from jax._src.lax.lax import ragged_dot_general_p
+except ImportError:  # pragma: no cover - a JAX without lax.ragged_dot
+    ragged_dot_general_p = None
+
+
+def is_plain_ragged_dot(eqn) -> bool:
+    """Whether ``eqn`` is ``lax.ragged_dot(x, w, group_sizes)`` in its usual form: ``x (M, K)``
+    ragged along M, ``w (G, K, N)`` one ``(K, N)`` matrix per group, no group offset."""
+    rd = eqn.params.get("ragged_dot_dimension_numbers")
+    return (rd is not None and eqn.params.get("group_offset") is None
+            and tuple(map(tuple, rd.dot_dimension_numbers[0])) == ((1,), (1,))
+            and not any(rd.dot_dimension_numbers[1]) and tuple(rd.lhs_ragged_dimensions) == (0,)
+            and tuple(rd.rhs_group_dimensions) == (0,)
+            and [v.aval.ndim for v in eqn.invars[:2]] == [2, 3])
 jit_p = _prims.jit_p
 closed_call_p = _prims.closed_call_p
 call_p = _prims.call_p

@@ -91,7 +91,7 @@ def _why_not(site, qp, traced, argnums):
     if qp.is_float or w is None or qp.operand(w) is None or site.op == "gather":
         return "n/a"  # float, or a lookup (no products to correct): nothing to say
     if site.op != "dot_general":
-        return "not a dense op (a conv)"
+        return f"not a dense op (a {site.op})"
     src = site.source
     if src is None or src.arg not in argnums:
         return "its weight is not a leaf of the weights"

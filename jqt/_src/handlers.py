@@ -441,7 +441,7 @@ def exact_sums(site, eqn, qp, packed, invals):
         s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
         c = nx.quantize(x, s, z, q.qtype).astype(_F32)
         codes.append(c if z is None else c - jnp.round(z.astype(_F32)))
-    return accumulator.exact_sums(eqn, codes)
+    return accumulator.exact_sums(eqn, codes + list(invals[2:]))
 
 
 def _check_accumulator(site, eqn, ops, wide):

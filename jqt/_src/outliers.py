@@ -152,7 +152,7 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
                                   source=site.source, smooth=smooth, rotate=rotate)
     if skipped:
         diagnostics.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
-                         "convolutions, lookups or batched dots; smooth/awq/rotate apply to dense "
+                         "convolutions, lookups, batched dots or ragged dots; smooth/awq/rotate apply to dense "
                          "ops only, so these are quantized without them.")
     if no_leaf:
         diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "

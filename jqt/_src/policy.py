@@ -239,6 +239,14 @@ nf4, fp8)                   byte along N or K (the      sharded expert axis
                             whole weight decoded at     sharded)
                             once: 4-8x float32 at 1-8
                             tokens per expert)
+``lax.ragged_dot`` with     from 256 rows (all          the weight decoded to
+int codes (w8a8, w8a8_dyn)  experts'): one int8         float (not measured on
+(ragged_int_rows)           ragged_dot, int32 sums      a GPU)
+                            (1,024 rows of 8 experts
+                            of 1024 x 2816: 0.71-0.75x
+                            float32 against 1.00-1.02x
+                            decoded); fewer: the
+                            weight decoded to float
 fp8 key/value cache         carried as uint8 bits,      an fp8 buffer
 (fp8_native)                decoded by integer ops
                             where attention reads it
@@ -283,6 +291,19 @@ class KernelPolicy:
         float32 would exceed this many bytes (a wide weight: an LM head of 512 x
         50k) is decoded in blocks of output columns instead, all of K per block,
         each block at most this many bytes (at least 128 columns); 0: K-chunks.
+      ragged_int_rows: int activation codes on a symmetric int weight per output channel
+        (w8a8, w8a8_dynamic, w8a16) in a ``lax.ragged_dot`` (a mixture of experts'
+        grouped matmul, ``ragged.py``) with at least this many rows (tokens, all
+        experts') run one ``ragged_dot`` of the int8 codes with int32 sums, each row
+        then scaled by its expert's channel scales; with fewer rows, and at 0, the
+        weight is decoded to float for one float ``ragged_dot`` on the upcast codes
+        (exact products, float32 sums). XLA:CPU runs a ``ragged_dot`` as a masked
+        dense product over every expert. ``benchmarks/formats.py --only ragged`` (8
+        experts of 1024 x 2816; ``benchmarks/results/formats-cpu-2core.md``): at 1,024
+        rows the int8 one took 0.71x and 0.75x float32's time in two runs against 1.00x
+        and 1.02x decoded, at 256 rows 0.98x against 0.98x and 1.01x; in a run with it
+        at every row count, 1.31x and 1.19x against 1.09x and 0.95x at 8 and 64 rows.
+        Unmeasured on GPUs: 0 there.
       conv_patches_below: run an int8 convolution as an im2col matmul when the
         input has fewer channels than this (0: never); ungrouped convolutions
         without input dilation only.
@@ -514,6 +535,7 @@ class KernelPolicy:
     """
 
     pad_rows: int = 1
+    ragged_int_rows: int = 0
     weight_only_chunk: int = 0
     weight_only_block_bytes: int = 0
     conv_patches_below: int = 0
@@ -668,7 +690,7 @@ _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # bench
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
                    grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
 POLICIES = {
-    "cpu": KernelPolicy(pad_rows=2, weight_only_chunk=256, conv_patches_below=16,
+    "cpu": KernelPolicy(pad_rows=2, ragged_int_rows=256, weight_only_chunk=256, conv_patches_below=16,
                         conv_codes_as_float=True, gemv_rows=4,
                         weight_only_digits=3, grouped_int_rows=8, float_matmul_rows=64,
                         grouped_int_min_group=128,

@@ -36,7 +36,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import compat, groups, kernels, transforms
+from . import compat, groups, kernels, ragged, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import pack_nibbles
@@ -253,6 +253,50 @@ class RowLookup(Gather):
         return [kernels.gather(site, geqn, [ops[0], idx])]
 
 
+class RaggedDot(Contraction):
+    """``lax.ragged_dot(x, w, group_sizes)`` (``ragged_dot_general`` in that form,
+    :func:`compat.is_plain_ragged_dot`): a mixture of experts' grouped matmul, rows of
+    ``x (M, K)`` sorted by expert against ``w (G, K, N)``. The weight is quantized per
+    expert and output channel (or per group of K), the activation per tensor or per row;
+    the kernel is ``ragged.py``'s. Other forms (a ragged contraction, as in the
+    backward pass) are not sites: they run float, and the analysis says so. qparams
+    made before jqt quantized these ops have no entry for them: they then run float, as
+    they did (``optional``)."""
+
+    optional = True
+    reads_layer_views = False
+
+    def is_site(self, eqn, ins):
+        return compat.is_plain_ragged_dot(eqn) and self.weight_operand(eqn, ins) is not None
+
+    def weight_operand(self, eqn, ins):
+        return 1 if ins[1].weight and not ins[0].weight else None
+
+    def contract(self, eqn):
+        return ((1,), (1,))
+
+    def groups(self, site):
+        return 1
+
+    def integer(self, site, eqn, ops, policy):
+        return ragged.run(site, eqn, ops, policy)
+
+    def grid_operand(self, src, p, operand):
+        """The weight as it is (no outlier transforms), grouped along K."""
+        q = p.operand(p.weight_operand)
+        return operand, (1 if q.qtype.group_size else None)
+
+    def pack(self, src, p, operand, policy, grid=None):
+        """The codes in the op's layout, int4 two per byte along N (where N is even)."""
+        depth = src.stack_depth
+        q = p.operand(1)
+        operand, gaxis = grid or self.grid_operand(src, p, operand)
+        qv = _quantize_weight(operand, q, gaxis, depth)
+        if q.qtype.nibbles_fit(qv.shape[-1]):
+            qv = pack_nibbles(qv, qv.ndim - 1)
+        return dataclasses.replace(q, values=qv, sums=None, layout="operand")
+
+
 class CacheWrite:
     """``dynamic_update_slice`` and ``scatter`` (``.at[...].set``) of data into a buffer
     that a loop carries (a key/value cache): the written vectors are quantized with
@@ -310,6 +354,8 @@ OPS = {
     compat.dynamic_update_slice_p: CacheWrite(compat.dynamic_update_slice_p, 1),
     compat.scatter_p: CacheWrite(compat.scatter_p, 2),
 }
+if compat.ragged_dot_general_p is not None:
+    OPS[compat.ragged_dot_general_p] = RaggedDot(compat.ragged_dot_general_p)
 """Primitive -> entry. A primitive not listed runs unchanged (float)."""
 
 NAMES = tuple(dict.fromkeys(e.name for e in OPS.values()))  # a row lookup is a "gather"

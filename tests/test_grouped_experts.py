@@ -389,6 +389,49 @@ def test_ragged_dot_moe_layers_under_scan():
     np.testing.assert_array_equal(exp.call(packed, x), out)
 
 
+def _tanh_ragged(x, w):
+    return jnp.tanh(jax.lax.ragged_dot(x, w, SIZES))
+
+
+@jax.custom_vjp
+def _ragged_custom_vjp(x, w):
+    return _tanh_ragged(x, w)
+
+
+_ragged_custom_vjp.defvjp(lambda x, w: (_tanh_ragged(x, w), (x, w)),
+                          lambda res, g: jax.vjp(_tanh_ragged, *res)[1](g))
+
+RAGGED_IN = {
+    "cond": lambda p, x: jax.lax.cond(x.sum() > 0, lambda x: _tanh_ragged(x, p["w"]),
+                                      lambda x: -_tanh_ragged(x, p["w"]), x),
+    "while": lambda p, x: jax.lax.while_loop(  # square experts (F x F), twice
+        lambda c: c[1] < 2, lambda c: (_tanh_ragged(c[0], p["w"]), c[1] + 1), (x[:, :F], 0))[0],
+    "remat": lambda p, x: jax.checkpoint(lambda x: _tanh_ragged(x, p["w"]))(x),
+    "custom_vjp": lambda p, x: _ragged_custom_vjp(x, p["w"]),
+}
+
+
+@pytest.mark.parametrize("where", list(RAGGED_IN))
+def test_ragged_dot_inside_cond_while_remat_and_custom_vjp(where):
+    """A ragged_dot inside ``lax.cond`` (both branches calibrated), ``lax.while_loop``,
+    ``jax.checkpoint`` and a ``jax.custom_vjp`` function: quantized, the integer path (both
+    formulations) matches the simulated one, whose gradients reach the weights (but
+    through the while_loop, which JAX does not differentiate in reverse)."""
+    f = RAGGED_IN[where]
+    p = {"w": P["w"][:, :F]} if where == "while" else P
+    x = X_RAGGED
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,), (-x,)], progress=False)
+    assert qp and all(not q.is_float and q.op == "ragged_dot_general" for q in qp.values())
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    for rows in (0, 1):
+        policy = jqt.KernelPolicy(ragged_int_rows=rows)
+        out = jax.jit(jqt.quantize(f, qp, policy=policy))(jqt.pack(qp, p, policy=policy), x)
+        np.testing.assert_allclose(out, sim, rtol=2e-5, atol=2e-5 * float(jnp.abs(sim).max()))
+    if where != "while":
+        g = jax.grad(lambda p: jnp.sum(jqt.quantize(f, qp, simulate=True)(p, x) ** 2))(p)
+        assert float(jnp.abs(g["w"]).max()) > 0
+
+
 def test_ragged_dot_narrow_accumulator_and_symbolic_rows():
     """A 16-bit accumulator (``w8a8(accumulator=16)``) saturates the ragged_dot's sums alike
     on the integer path (int8 codes or decoded weight) and the simulated one, and the

@@ -76,6 +76,17 @@ def teacher(p, tokens, write=_dus):
     return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
 
+def teacher_masked(p, tokens, lengths):
+    """teacher, each sequence's cache frozen once it reaches its length (``lengths``, (B,)):
+    ``jnp.where(live, written, cache)`` before the loop carries it on."""
+    def body(carry, tok):
+        cache, pos = carry
+        logits, new = _step(p, cache, tok, pos, _dus)
+        live = (pos < lengths)[None, :, None, None, None]
+        return (tuple(jnp.where(live, n, c) for n, c in zip(new, cache)), pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
 def teacher_while(p, tokens):
     """The same with a while_loop over steps; the logits collected in a carried buffer
     (written, never read: not a cache)."""
@@ -307,6 +318,50 @@ def test_a_decode_loop_vmapped_with_a_stop_per_sequence(setup):
     alone = jnp.stack([jqt.quantize(until, qa)(p, t, n) for t, n in zip(x, ns)])
     np.testing.assert_allclose(y, alone, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(y[0, 3:]).max()) == 0.0  # the first sequence stopped after 3 tokens
+
+
+@pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
+def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, code_dtype):
+    """``jnp.where(live, written, cache)`` after the write (a finished sequence's cache
+    frozen) picks whole vectors: the buffer is still the cache, carried quantized, its
+    codes and scales picked alike. A sequence that never finishes gets teacher's logits
+    (the same qparams' cache types); the integer path matches the simulated one. The
+    buffer stayed float before (calibrate warned that no loop carries a cache)."""
+    p, cal, x = setup
+    lengths = jnp.array([T, 3], jnp.int32)
+    rec = jqt.recipes.w8a8_dynamic(kv_cache=kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(teacher_masked, rec, p, [(c[0], lengths) for c in cal], progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 2
+    carried = _carry_avals(jqt.quantize(teacher_masked, qp), p, x, lengths)
+    assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
+    assert len([a for a in carried if a.dtype == code_dtype]) == 2
+    packed = jqt.pack(qp, p)
+    out = jax.jit(jqt.quantize(teacher_masked, qp))(packed, x, lengths)
+    sim = jqt.quantize(teacher_masked, qp, simulate=True)(p, x, lengths)
+    np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)
+    free = jqt.quantize(teacher, jqt.calibrate(teacher, rec, p, cal, progress=False))(packed, x)
+    np.testing.assert_allclose(out[:, 0], free[:, 0], rtol=1e-6, atol=1e-6)  # never frozen
+    assert float(jnp.abs(out[3:, 1] - free[3:, 1]).max()) > 1e-3  # frozen after 3 steps
+
+
+def test_a_mask_that_varies_along_the_features_is_not_a_cache(setup):
+    """A ``jnp.where`` whose mask differs along the last axis would mix codes under one
+    scale: the buffer is not a cache and stays float, and calibrate says so."""
+    p, cal, x = setup
+
+    def masked_features(p, tokens):
+        def body(carry, tok):
+            cache, pos = carry
+            logits, new = _step(p, cache, tok, pos, _dus)
+            keep = (jnp.arange(DH) % 2 == 0)[None, None, None, None, :]
+            return (tuple(jnp.where(keep, n, c) for n, c in zip(new, cache)), pos + 1), logits
+        return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+    with pytest.warns(UserWarning, match="no loop of f carries a buffer"):
+        qp = jqt.calibrate(masked_features, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)
+    assert not [k for k in qp if "kv_cache" in k and not qp[k].is_float]
 
 
 def test_collected_outputs_are_not_a_cache(setup):

@@ -156,7 +156,10 @@ class Analyzer:
 
         plan = Plan()
         maps, pending = map_remainders(jaxpr), {}
+        made_by = {}  # var -> the equation of this jaxpr that made it
         for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                made_by[v] = eqn
             if i in pending:
                 self._share_remainder(plan, *pending.pop(i), i)
             if i in maps:  # the keys the remainder may take back (see _share_remainder)
@@ -168,7 +171,10 @@ class Analyzer:
             entry = OPS.get(eqn.primitive)
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
-            if not cache_write and not view and eqn.primitive not in HIGHER_ORDER:
+            picked = kvcache.is_buffer_select(
+                eqn, ins, None if compat.is_literal(eqn.invars[0]) else made_by.get(eqn.invars[0])) \
+                if name == "select_n" else False
+            if not cache_write and not view and not picked and eqn.primitive not in HIGHER_ORDER:
                 for info in ins:  # a loop body's reads (loops: inside their bodies)
                     self.reads.update(info.buffer)
             if entry is not None and entry.is_site(eqn, ins):
@@ -179,6 +185,10 @@ class Analyzer:
                 outs = self._hop(plan, i, eqn, ins, stack)
             elif view:  # the same buffer, its axes permuted (a vmap moved the batch axis)
                 outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes)]
+            elif picked:  # the same buffer, whole vectors from before or after a write
+                plan.cache_selects.add(i)
+                outs = [VarInfo(False, buffer=ins[1].buffer,
+                                writes=tuple(dict.fromkeys(w for x in ins[1:] for w in x.writes)))]
             else:
                 step = layout.record(eqn)
                 if step == ("copy",) and len(ins) == 1:  # the same values (copy, stop_gradient)

@@ -338,7 +338,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
                          "that it writes whole vectors into: every buffer stays float. "
                          "docs/generate.md lists the cache patterns jqt finds and those it does not "
-                         "(a cache masked with jnp.where after the write, a write of part of the last axis).")
+                         "(a cache masked with jnp.where along its last axis, a write of part of that axis).")
     elif wants_cache and lookalikes:
         where, slot = lookalikes[0]
         diagnostics.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "

@@ -74,6 +74,8 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
                 eqn, invals, sub, c, eval_jaxpr))
         elif kvcache.is_buffer_view(eqn) and kvcache.is_cache(invals[0]):
             outs = [kvcache.view(eqn, invals[0])]  # the same cache, its axes permuted
+        elif i in plan.cache_selects and any(kvcache.is_cache(x) for x in invals[1:]):
+            outs = kvcache.select(eqn, invals)  # whole vectors of the same cache
         else:
             if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
                 invals = kvcache.materialize(invals, eqn.invars)

@@ -207,6 +207,41 @@ def view(eqn, c: QArray) -> QArray:
                   qtype=c.qtype, layout="cache")
 
 
+def is_buffer_select(eqn, ins, pred_def) -> bool:
+    """A ``select_n`` whose cases are all one buffer (the cache before a write and after
+    it: ``jnp.where(live, written, cache)``, freezing finished sequences) on a predicate
+    that is the same along the buffer's last axis (a scalar, or a ``broadcast_in_dim``
+    that does not map an axis onto it, or maps one of size 1): it picks whole vectors,
+    so a cache under it is the same cache, its codes and scales picked alike
+    (:func:`select`). ``pred_def``: the equation that made the predicate, or ``None``."""
+    if eqn.primitive is not compat.select_n_p or not ins[1].buffer \
+            or any(i.buffer != ins[1].buffer for i in ins[2:]):
+        return False
+    shape = eqn.invars[0].aval.shape
+    if not shape:
+        return True
+    if pred_def is None or pred_def.primitive is not compat.broadcast_in_dim_p:
+        return False
+    last, dims = len(shape) - 1, tuple(pred_def.params["broadcast_dimensions"])
+    return last not in dims or pred_def.invars[0].aval.shape[dims.index(last)] == 1
+
+
+def select(eqn, invals):
+    """:func:`is_buffer_select`'s ``select_n`` of caches: one predicate per vector."""
+    pred, cases = invals[0], invals[1:]
+    if any(not is_cache(c) for c in cases):
+        return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
+    c0 = cases[0]
+    p = pred[..., :1] if pred.ndim else pred
+
+    def pick(field):
+        arrays = [getattr(c, field) for c in cases]
+        pb = jnp.broadcast_to(p, arrays[0].shape) if p.ndim else p
+        return lax.select_n(pb, *arrays)
+
+    return [QArray(values=pick("values"), scale=pick("scale"), qtype=c0.qtype, layout="cache")]
+
+
 def _arrange(scale, axes):
     """``scale`` (cache layout, size 1 on every axis not in ``axes``) laid out on target
     dimensions: ``axes[j]`` is the scale axis of target dimension ``j``, or ``None``."""

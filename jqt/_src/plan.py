@@ -65,6 +65,7 @@ class Sub:
 class Plan:
     sites: dict = dataclasses.field(default_factory=dict)  # eqn index -> Site
     subs: dict = dataclasses.field(default_factory=dict)   # eqn index -> Sub
+    cache_selects: set = dataclasses.field(default_factory=set)  # select_n of a buffer's cases
 
     def all_sites(self):
         """Every site, nested ones included, in evaluation order."""

@@ -24,7 +24,7 @@ from jax import lax
 
 from . import dense, gemv, groups
 from . import numerics as nx
-from .intdot import int_acc, int_zp, operand_tuple, to_operand, to_out_dot, x_axes
+from .intdot import float_act, int_acc, int_zp, operand_tuple, to_operand, to_out_dot, x_axes
 from .qparams import QArray
 
 _I32 = jnp.int32
@@ -134,19 +134,6 @@ def _grouped_axes(eqn, w):
     return wc, xc, wc.index(max(wc))
 
 
-def _float_act(x):
-    """An activation operand -> (float32 values, the factor left for the output or
-    ``None``): int codes minus the rounded zero point and fp8 codes upcast (both exact),
-    times the part of their scale below 1 (``dense.split_scale``: no intermediate
-    overflows that the real products do not); a float one as it is."""
-    if not isinstance(x, QArray):
-        return x, None
-    qx, sx, zx, _ = operand_tuple(x)  # fp8 activation codes come decoded
-    xf = qx.astype(_F32) - (0 if zx is None else jnp.round(zx.astype(_F32)))
-    lo, hi = dense.split_scale(sx.astype(_F32))
-    return xf * lo, hi
-
-
 def decoded_whole(site, eqn, ops):
     """The whole grouped weight decoded to float (codes minus zero point, times the
     group scales) for one float ``dot_general``; int8 activation codes upcast exactly."""
@@ -160,7 +147,7 @@ def decoded_whole(site, eqn, ops):
         args = [x, wf.astype(x.dtype)] if w == 1 else [wf.astype(x.dtype), x]
         return lax.dot_general(*args, dn, precision=eqn.params.get("precision"),
                                preferred_element_type=eqn.params.get("preferred_element_type"))
-    xf, sx = _float_act(x)
+    xf, sx = float_act(x)
     args = [xf, wf] if w == 1 else [wf, xf]
     out = lax.dot_general(*args, dn, preferred_element_type=_F32)
     return out * to_out_dot(sx, 1 - w, dn, [v.aval.ndim for v in eqn.invars])
@@ -264,7 +251,7 @@ def decoded_map(site, eqn, ops, policy):
     if not g:  # per channel (or per tensor): broadcast to one scale per expert and channel
         s = jnp.broadcast_to(s, keep)
         z = None if z is None else jnp.broadcast_to(z, keep)
-    xf, sx = _float_act(x)
+    xf, sx = float_act(x)
     perm_x = tuple(xb) + tuple(xfree) + tuple(xc)
     m = math.prod(xshape[d] for d in xfree)
     k = xshape[xc[0]]

@@ -289,10 +289,9 @@ def _leave_caches(carry, entered, outvars):
 def _keep_finished(live, new, old):
     """``new`` where the lane is ``live`` (a predicate over the leading axes), else ``old``;
     a quantized cache's codes and scales alike."""
-    if kvcache.is_cache(old):
-        return dataclasses.replace(old, values=_keep_finished(live, new.values, old.values),
-                                   scale=_keep_finished(live, new.scale, old.scale))
-    return jnp.where(live.reshape(live.shape + (1,) * (jnp.ndim(old) - live.ndim)), new, old)
+    nd = old.values.ndim if kvcache.is_cache(old) else jnp.ndim(old)
+    live = live.reshape(live.shape + (1,) * (nd - live.ndim))
+    return kvcache.pick(live, [old, new]) if kvcache.is_cache(old) else jnp.where(live, new, old)
 
 
 def _while(eqn, invals, sub, ctx, evaluate):

@@ -166,6 +166,19 @@ def operand_tuple(op):
 
 
 
+def float_act(x):
+    """An activation operand -> (float32 values, the factor left for the output or
+    ``None``): int codes minus the rounded zero point and fp8 codes upcast (both exact),
+    times the part of their scale below 1 (``dense.split_scale``: no intermediate
+    overflows that the real products do not); a float one as it is."""
+    if not isinstance(x, QArray):
+        return x, None
+    qx, sx, zx, _ = operand_tuple(x)  # fp8 activation codes come decoded
+    xf = qx.astype(_F32) - (0 if zx is None else jnp.round(zx.astype(_F32)))
+    lo, hi = dense.split_scale(sx.astype(_F32))
+    return xf * lo, hi
+
+
 def to_operand(site, eqn, op):
     """A QArray in a packed 2-D layout -> the op's own layout (nibbles unpacked)."""
     if not isinstance(op, QArray):

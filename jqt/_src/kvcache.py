@@ -231,15 +231,17 @@ def select(eqn, invals):
     pred, cases = invals[0], invals[1:]
     if any(not is_cache(c) for c in cases):
         return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
-    c0 = cases[0]
-    p = pred[..., :1] if pred.ndim else pred
+    return [pick(pred[..., :1] if pred.ndim else pred, cases)]
 
-    def pick(field):
+
+def pick(which, cases):
+    """``lax.select_n(which, *cases)`` of caches, vector by vector: ``which`` (bool or int,
+    broadcastable to the scales' shape: one value per vector) picks each vector's codes
+    and scale from the same case."""
+    def one(field):
         arrays = [getattr(c, field) for c in cases]
-        pb = jnp.broadcast_to(p, arrays[0].shape) if p.ndim else p
-        return lax.select_n(pb, *arrays)
-
-    return [QArray(values=pick("values"), scale=pick("scale"), qtype=c0.qtype, layout="cache")]
+        return lax.select_n(jnp.broadcast_to(which, arrays[0].shape), *arrays)
+    return QArray(values=one("values"), scale=one("scale"), qtype=cases[0].qtype, layout="cache")
 
 
 def _arrange(scale, axes):

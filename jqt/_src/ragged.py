@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from . import dense, groups
-from .intdot import operand_tuple, to_operand
+from .intdot import float_act, operand_tuple, to_operand
 from .qparams import QArray
 
 _I32 = jnp.int32
@@ -77,8 +77,6 @@ def decoded(eqn, x, wq, sizes):
     if not isinstance(x, QArray):
         return [lax.ragged_dot_general(x, wf.astype(x.dtype), sizes, rd, precision=eqn.params["precision"],
                                        preferred_element_type=eqn.params["preferred_element_type"])]
-    qx, sx, zx, _ = operand_tuple(x)  # fp8 codes come decoded
-    xf = qx.astype(_F32) - (0 if zx is None else jnp.round(zx.astype(_F32)))
-    lo, hi = dense.split_scale(sx.astype(_F32))  # no intermediate overflows
-    out = lax.ragged_dot_general(xf * lo, wf, sizes, rd, preferred_element_type=_F32)
+    xf, hi = float_act(x)  # exact codes, times the scale's part below 1
+    out = lax.ragged_dot_general(xf, wf, sizes, rd, preferred_element_type=_F32)
     return [(out * hi).astype(out_dtype)]

@@ -432,6 +432,26 @@ def test_ragged_dot_inside_cond_while_remat_and_custom_vjp(where):
         assert float(jnp.abs(g["w"]).max()) > 0
 
 
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+@pytest.mark.parametrize("name", ["w8a8", "w4_g32", "nf4_g32"])
+def test_ragged_dot_on_bfloat16(name, out_dtype):
+    """A bfloat16 model's ragged_dot, with a bfloat16 output or with
+    ``preferred_element_type=float32``: the integer path (both formulations) matches the
+    simulated one, to one bfloat16 rounding of the output where it is bfloat16, to float32
+    rounding where it is float32 (the decoded weight is not rounded to bfloat16 first)."""
+    p = {"w": P["w"].astype(jnp.bfloat16)}
+    x = X_RAGGED.astype(jnp.bfloat16)
+    f = lambda p, x: jax.lax.ragged_dot(x, p["w"], SIZES, preferred_element_type=out_dtype)
+    qp = jqt.calibrate(f, RAGGED_RECIPES[name], p, [(x,)], progress=False)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x).astype(jnp.float32)
+    tol = (2 ** -7 if out_dtype is None else 2e-5) * float(jnp.abs(sim).max())
+    for rows in (0, 1):
+        policy = jqt.KernelPolicy(ragged_int_rows=rows)
+        out = jax.jit(jqt.quantize(f, qp, policy=policy))(jqt.pack(qp, p, policy=policy), x)
+        assert out.dtype == (out_dtype or jnp.bfloat16)
+        np.testing.assert_allclose(out.astype(jnp.float32), sim, rtol=0, atol=tol)
+
+
 def test_ragged_dot_narrow_accumulator_and_symbolic_rows():
     """A 16-bit accumulator (``w8a8(accumulator=16)``) saturates the ragged_dot's sums alike
     on the integer path (int8 codes or decoded weight) and the simulated one, and the

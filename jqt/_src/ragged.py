@@ -74,8 +74,9 @@ def decoded(eqn, x, wq, sizes):
     expert's channels or groups) for one float ``ragged_dot``."""
     wf = groups.dequantize(wq.values, wq.scale, wq.zero_point, wq.qtype, 1)
     rd, out_dtype = eqn.params["ragged_dot_dimension_numbers"], eqn.outvars[0].aval.dtype
-    if not isinstance(x, QArray):
-        return [lax.ragged_dot_general(x, wf.astype(x.dtype), sizes, rd, precision=eqn.params["precision"],
+    if not isinstance(x, QArray):  # in the output's type where it is wider (bfloat16 -> float32),
+        ct = jnp.promote_types(x.dtype, out_dtype)  # as the simulated path computes
+        return [lax.ragged_dot_general(x.astype(ct), wf.astype(ct), sizes, rd, precision=eqn.params["precision"],
                                        preferred_element_type=eqn.params["preferred_element_type"])]
     xf, hi = float_act(x)  # exact codes, times the scale's part below 1
     out = lax.ragged_dot_general(xf, wf, sizes, rd, preferred_element_type=_F32)

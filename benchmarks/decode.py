@@ -27,7 +27,9 @@ on two batches of random tokens.
   weights on every call, and, in some runs and not others, a quantized step's
   new cache (two blocks of 18.9 MB, under glibc's 32 MiB mmap limit, so where
   they land depends on the allocator's state). Read the step times of a run
-  with its fault counts.
+  with its fault counts. The ``kv8`` rows run the step with an int8 key/value
+  cache: it returns the cache quantized and takes it back so (a decode step
+  called from a Python loop), timed on the quantized cache of the same context.
 * ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
   every preset <= 1.0x float32. Extra rows run three presets without the
   many-row formulation (``KernelPolicy.float_matmul_rows``), with the weight
@@ -75,14 +77,18 @@ MAX_LEN, PROMPT = 2048, 1024      # decode: cache positions, and the step's posi
 PREFILL = (8, 128)                # prefill: batch x tokens
 CPU = jqt.KernelPolicy.for_backend("cpu")
 
-# name -> (recipe factory, time-ratio target or None). KV-cache variants go here too,
-# e.g. "w8a8_dynamic kv8": (lambda: R.w8a8_dynamic(kv_cache=True), 0.4); their cache
-# bytes are reported by cache_bytes() below.
+# name -> (recipe factory, time-ratio target or None)
 VARIANTS = {
     "w8": (R.w8, 0.4),
     "w8a8_dynamic": (R.w8a8_dynamic, 0.4),
     "w4 g128": (lambda: R.w4(group_size=128), 0.25),
     "w4a8 g128": (lambda: R.w4a8(group_size=128), 0.25),
+}
+# decode only: the step with an int8 key/value cache, which it returns quantized and takes
+# back so (a decode step called from a Python loop; docs/generate.md)
+KV_VARIANTS = {
+    "w8a8_dynamic kv8": (lambda: R.w8a8_dynamic(kv_cache=True), 0.4),
+    "w4 g128 kv8": (lambda: R.w4(group_size=128, kv_cache=True), 0.25),
 }
 PREFILL_TARGET = 1.0
 UNSTACKED = "float32, layers unstacked (reference)"
@@ -233,12 +239,13 @@ def decode(names, rounds, markdown, results):
     info = {"float32": dict(bytes=fb, cache=cache_bytes(cache)), UNSTACKED: dict(bytes=fb, cache=cache_bytes(cache))}
     for name in names:
         progress(f"calibrating and packing {name}")
-        make, _ = VARIANTS[name]
+        make, _ = {**VARIANTS, **KV_VARIANTS}[name]
         _, packed, f = build(step, make(), params, calib)
-        calls[name] = lambda f=f, p=packed: f(p, cache, token)
-        out_cache = jax.eval_shape(f, packed, cache, token)[1]
-        info[name] = dict(bytes=packed.nbytes(), cache=sum(
-            np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_cache) if x.ndim))
+        out_cache = f(packed, cache, token)[1]
+        # a quantized cache (KV_VARIANTS) is taken back as the step returned it, at the same position
+        held = dict(out_cache, pos=cache["pos"]) if isinstance(out_cache["k"], jqt.QArray) else cache
+        calls[name] = lambda f=f, p=packed, c=held: f(p, c, token)
+        info[name] = dict(bytes=packed.nbytes(), cache=cache_bytes(out_cache))
         for label, policy in DECODE_AB.get(name, ()):
             _, pk, g = build(step, make(), params, calib, policy)
             calls[f"{name}, {label}"] = lambda g=g, p=pk: g(p, cache, token)
@@ -251,7 +258,7 @@ def decode(names, rounds, markdown, results):
     rows = []
     for name, s in med.items():
         ratio = s["median"] / base
-        target = VARIANTS.get(name, (None, None))[1]
+        target = {**VARIANTS, **KV_VARIANTS}.get(name, (None, None))[1]
         check = "-" if target is None else f"{'PASS' if ratio <= target else 'MISS'} (<= {target})"
         rows.append((name, f"{s['median'] * 1e3:.1f}", f"{s['p25'] * 1e3:.1f}-{s['p75'] * 1e3:.1f}",
                      f"{ratio:.3f}", f"{s['median'] / ref:.2f}", f"{info[name]['bytes'] / fb:.3f}",
@@ -413,21 +420,21 @@ def main():
     args = ap.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     all_parts = ("decode", "prefill", "formulations", "bandwidth", "cache")
-    by_key = {n.replace(" ", "_"): n for n in VARIANTS}  # "w4 g128" or w4_g128 on a command line
+    by_key = {n.replace(" ", "_"): n for n in [*VARIANTS, *KV_VARIANTS]}  # "w4 g128" or w4_g128
     unknown = [s for s in only if s not in all_parts and s.replace(" ", "_") not in by_key]
     if unknown:
         ap.error(f"unknown parts or variants {unknown}; parts: {list(all_parts)}, variants: {list(by_key)}")
     parts = [p for p in only if p in all_parts] or list(all_parts)
-    names = [by_key[s.replace(" ", "_")] for s in only if s not in all_parts] or list(VARIANTS)
+    names = [by_key[s.replace(" ", "_")] for s in only if s not in all_parts] or [*VARIANTS, *KV_VARIANTS]
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores)\n")
     rounds = lambda quick, full: args.rounds or (quick if args.quick else full)
     if "decode" in parts:
         decode(names, rounds(10, 30), args.markdown, results)
     if "prefill" in parts:
-        prefill(names, rounds(3, 5), args.markdown, results)
+        prefill([n for n in names if n in VARIANTS], rounds(3, 5), args.markdown, results)
     if "formulations" in parts:
-        formulations(names, rounds(5, 15), args.markdown, results,
+        formulations([n for n in names if n in VARIANTS], rounds(5, 15), args.markdown, results,
                      tuple(int(b) for b in args.batches.split(",")))
     if "bandwidth" in parts:
         bandwidth(rounds(10, 30), args.markdown, results)

@@ -27,6 +27,8 @@ from .plan import CONST, Plan, Site, Sub, VarInfo
 from .registry import OPS
 
 
+CALL = 0  # the loop id of the call itself: f's data arguments are its buffers (CALL, k)
+_PENDING = "\0call-write:"  # the key of a write into such a buffer until _boundary names it
 # Primitives that index their first operand by the others: a weight indexed by data (a loop
 # counter) is no weight jqt can follow (a warning names the op that reads it).
 _INDEXING = ("dynamic_slice", "gather")
@@ -121,6 +123,7 @@ class Analyzer:
         # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
         # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
         self.cache_lookalikes: list = []
+        self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
 
     def _use(self, info, what):
         if info.source is not None:
@@ -146,7 +149,9 @@ class Analyzer:
     def analyze(self, jaxpr, infos, prefix="", top=False):
         """Returns (plan, out infos)."""
         env = {}
-        for v, info in zip(jaxpr.invars, infos):
+        for k, (v, info) in enumerate(zip(jaxpr.invars, infos)):
+            if top and not info.weight and info.source is None:  # the call's own buffers
+                info = dataclasses.replace(info, buffer=((CALL, k),))
             env[v] = info
         for v in jaxpr.constvars:
             env[v] = CONST
@@ -243,8 +248,28 @@ class Analyzer:
         if top:
             for info in out_infos:
                 self._use(info, "float")
-            _prune_writes(plan, _cache_keys(plan))
+            named = self._boundary(plan, out_infos)
+            _prune_writes(plan, _cache_keys(plan) | named)
         return plan, out_infos
+
+    def _boundary(self, plan, out_infos) -> set:
+        """The caches ``f`` takes and returns (``Plan.boundary``): an output that is an
+        argument's buffer after cache writes, which ``f`` also reads (a decode step called
+        from a Python loop). Their writes outside any loop take their keys now, in
+        evaluation order; the keys of the writes kept."""
+        found = {j: (info.buffer[0][1], info.writes) for j, info in enumerate(out_infos)
+                 if info.writes and info.buffer and info.buffer[0][0] == CALL
+                 and info.buffer[0] in self.reads}
+        held = {w for _, ws in found.values() for w in ws}
+        names = {}
+        for site in plan.all_sites():
+            if site.key.startswith(_PENDING) and site.key in held and site.key not in names:
+                names[site.key] = self._fallback_key(site.name_stack, "kv_cache")
+            site.key = names.get(site.key, site.key)
+        _rekey(plan)
+        plan.boundary = {j: (k, tuple(dict.fromkeys(names.get(w, w) for w in ws)))
+                         for j, (k, ws) in found.items()}
+        return set(names.values())
 
     def _share_remainder(self, plan, scan, used, counters, end):
         """The ops of a ``lax.map`` remainder (equations ``scan+1 .. end-1``) take the keys
@@ -286,8 +311,15 @@ class Analyzer:
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")
-        key = self._key(src.path) if src is not None else \
-            self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
+        if entry.is_cache and all(b[0] == CALL for b in ins[0].buffer):
+            # a write into a buffer f takes, outside any loop that carries it: a cache only
+            # where f returns the buffer (_boundary), which is known at the end
+            self.call_writes += 1
+            key = f"{_PENDING}{self.call_writes}"
+        elif src is not None:
+            key = self._key(src.path)
+        else:
+            key = self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
         if src is not None:
             self._use(ins[widx], key)
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,

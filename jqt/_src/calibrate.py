@@ -336,7 +336,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
     if wants_cache and not any(s.entry.is_cache for s in sites):
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
-                         "that it writes whole vectors into: every buffer stays float. "
+                         "that it writes whole vectors into, and f returns no argument so written: "
+                         "every buffer stays float. "
                          "docs/generate.md lists the cache patterns jqt finds and those it does not "
                          "(a cache masked with jnp.where along its last axis, a write of part of that axis).")
     elif wants_cache and lookalikes:

@@ -40,7 +40,8 @@ class Handler(Protocol):
     def site(self, site, eqn, invals, ctx) -> list: ...
 
     # Optional, read by the loop rules of ``hops.py``: ``enter_cache(x, qtype)`` (a
-    # loop's key/value cache in the handler's form); ``identity``, ``merge`` and
+    # loop's key/value cache in the handler's form, and a cache f takes and returns: ``x``
+    # a float buffer, or a quantized cache passed to f); ``identity``, ``merge`` and
     # ``reduce_iterations`` (collecting handlers: statistics across iterations);
     # ``split_stacked(entry) -> (sliced, kept)`` and ``join_stacked(sliced, kept, i)``
     # (the part of a stacked op's state a scan keeps whole, indexed in the body).

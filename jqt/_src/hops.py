@@ -280,6 +280,41 @@ def _enter_caches(sub, ctx, init):
     return init, entered
 
 
+def enter_call(plan, ctx, args, invars):
+    """``f``'s flat arguments as the call runs on them, and the caches it entered (input
+    index -> the cache): each key/value cache ``f`` takes and returns written
+    (``Plan.boundary``: a decode step called from a Python loop) in the handler's form, as
+    a loop enters its carried caches (a cache passed back quantized, as the integer path
+    returned it, as it is); every other quantized cache decoded to its float buffer."""
+    enter = getattr(ctx.handler, "enter_cache", None)
+    args, entered = list(args), {}
+    for k, writes in dict(plan.boundary.values()).items():
+        qtype = kvcache.slot_type(writes, ctx.state_in)
+        x = args[k]
+        if enter is None or qtype is None:
+            continue
+        if kvcache.is_cache(x) and x.qtype != qtype:
+            raise QParamsMismatchError(
+                f"jqt: argument {k} of f (flattened) is a key/value cache of "
+                f"{x.qtype.describe()}, where qparams['{writes[0]}'] write "
+                f"{qtype.describe()} into it: the cache was made with other qparams. "
+                "Pass the cache the same quantized function returned, or a float buffer.")
+        args[k] = enter(x, qtype)
+        if kvcache.is_cache(args[k]):
+            entered[k] = args[k]
+    rest = kvcache.materialize(args, invars)
+    return [args[k] if k in entered else x for k, x in enumerate(rest)], entered
+
+
+def leave_call(plan, outs, entered, outvars):
+    """``f``'s flat outputs: each cache it took quantized (``entered``) returned quantized,
+    encoded again where a loop handed it back as float (the same codes: encoding a
+    decoded cache changes nothing); every other quantized cache decoded."""
+    like = {j: entered[k] for j, (k, _) in plan.boundary.items() if k in entered}
+    return [kvcache.coerce(x, like[j]) if j in like else kvcache.materialize([x], [v])[0]
+            for j, (x, v) in enumerate(zip(outs, outvars))]
+
+
 def _leave_caches(carry, entered, outvars):
     """Caches this loop converted on entry, back to float for what follows the loop."""
     return [kvcache.decode(x, v.aval.dtype) if k in entered else x

@@ -4,7 +4,8 @@ A *cache* is a float buffer carried by a ``lax.scan`` or ``lax.while_loop``
 (directly, or sliced per layer by an inner scan) into which the loop body
 writes new values with ``dynamic_update_slice`` or ``.at[...].set``
 (``scatter``), each write spanning the buffer's whole last axis (a head's
-features). The analysis finds them (``analysis.py``: the write is a site of
+features); or an argument of the function that it returns so written (a
+decode step called from a Python loop: the call is the loop). The analysis finds them (``analysis.py``: the write is a site of
 the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
 
 * the integer path carries the buffer as a :class:`jqt.QArray` with
@@ -14,7 +15,8 @@ the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
   each decode step converted the whole carried cache, 5.5x a float cache; see
   :func:`encode`) and one float16 scale per vector along the last axis (per token and
   head), ``scale.shape == buffer.shape[:-1] + (1,)``. The loop quantizes the
-  buffer it is given once, on entry, and returns float on exit; every write
+  buffer it is given once, on entry, and returns float on exit (a cache the
+  function takes and returns: quantized, passed back in as it is); every write
   quantizes the new vectors; a ``dot_general`` reading the cache (attention)
   takes the scale out of the contraction (:func:`dot_general`); any other
   reader gets the decoded float buffer.
@@ -31,7 +33,9 @@ int4, 2.9e7 for e4m3) clip.
 from __future__ import annotations
 
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import compat
@@ -111,11 +115,12 @@ def scales(x, qtype):
     return jnp.clip(amax / qtype.amax_code, _TINY, _HUGE).astype(SCALE_DTYPE)
 
 
-def encode(x, qtype, fp8_bits: bool = False) -> QArray:
+def encode(x, qtype, fp8_bits: bool = False, float_dtype=None) -> QArray:
     """A float buffer ``x`` as a cache :class:`jqt.QArray` (codes and scales). fp8 codes
     are held as their uint8 bits where ``fp8_bits`` (a backend without native fp8): a
     loop then writes bytes into its carried buffer, and :func:`codes` decodes them
-    with integer operations.
+    with integer operations. ``float_dtype``: the dtype of the buffer the cache stands
+    for (default ``x``'s).
 
     >>> import jax.numpy as jnp
     >>> t = cache_type("fp8"); x = jnp.array([[0.3, -1.7, 0.01]])
@@ -130,7 +135,8 @@ def encode(x, qtype, fp8_bits: bool = False) -> QArray:
         v = pack_nibbles(v, v.ndim - 1)
     elif fp8_bits and qtype.kind == "float":
         v = lax.bitcast_convert_type(v, jnp.uint8)
-    return QArray(values=v, scale=s, qtype=qtype, layout="cache")
+    return QArray(values=v, scale=s, qtype=qtype, layout="cache",
+                  float_dtype=np.dtype(float_dtype or x.dtype).name)
 
 
 def _holds_fp8_bits(c: QArray) -> bool:
@@ -158,10 +164,40 @@ def fake_quant(x, qtype):
 
 
 def enter(x, qtype, simulate: bool, fp8_bits: bool = False):
-    """A loop's initial buffer as the loop carries it (``fp8_bits``: :func:`encode`'s)."""
+    """A loop's initial buffer as the loop carries it (``fp8_bits``: :func:`encode`'s); a
+    cache passed to the function quantized stays so (the simulated path decodes it)."""
     if is_cache(x):
-        return x
+        return decode(x, x.float_dtype) if simulate else x
     return fake_quant(x, qtype) if simulate else encode(x, qtype, fp8_bits)
+
+
+def float_shape(c: QArray) -> tuple:
+    """The shape of the float buffer a cache stands for (two codes per byte: twice the
+    last axis of the codes)."""
+    shape = tuple(c.values.shape)
+    return shape[:-1] + (2 * shape[-1],) if c.nibbles else shape
+
+
+def placeholders(args):
+    """``args`` with each quantized cache (a :class:`jqt.QArray` with ``layout="cache"``,
+    as a quantized decode step returns it) replaced by zeros of the float buffer it
+    stands for: what ``f`` is traced with. Under ``jax.jit`` nothing reads them.
+
+    >>> import jax.numpy as jnp
+    >>> c = encode(jnp.ones((2, 3, 8), jnp.bfloat16), cache_type("int4"))
+    >>> c.values.shape, placeholders([{"k": c}])[0]["k"].dtype.name
+    ((2, 3, 4), 'bfloat16')
+    """
+    def one(x):
+        if not is_cache(x):
+            return x
+        if x.float_dtype is None or x.values is None or x.scale is None:
+            raise ValueError(
+                f"jqt: an argument is a key/value cache {x!r} without codes, scales or the float "
+                "dtype it stands for (float_dtype). Pass back the cache the quantized "
+                "function returned, as it is, or a float buffer.")
+        return jnp.zeros(float_shape(x), x.float_dtype)
+    return jax.tree_util.tree_map(one, args, is_leaf=is_cache)
 
 
 def materialize(values, variables):
@@ -180,7 +216,7 @@ def write(eqn, invals, update_index, qtype):
         vals = list(invals)
         vals[update_index] = fake_quant(upd, qtype)
         return compat.bind_eqn(eqn, vals)
-    u = encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf))
+    u = encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
 
     def put(b, x):
         vals = list(invals)
@@ -188,7 +224,7 @@ def write(eqn, invals, update_index, qtype):
         return compat.bind_eqn(eqn, vals)[0]
 
     return [QArray(values=put(buf.values, u.values), scale=put(buf.scale, u.scale), qtype=qtype,
-                   layout="cache")]
+                   layout="cache", float_dtype=buf.float_dtype)]
 
 
 def is_buffer_view(eqn) -> bool:
@@ -204,7 +240,7 @@ def view(eqn, c: QArray) -> QArray:
     """:func:`is_buffer_view`'s ``transpose`` of a cache."""
     perm = eqn.params["permutation"]
     return QArray(values=lax.transpose(c.values, perm), scale=lax.transpose(c.scale, perm),
-                  qtype=c.qtype, layout="cache")
+                  qtype=c.qtype, layout="cache", float_dtype=c.float_dtype)
 
 
 def is_buffer_select(eqn, ins, pred_def) -> bool:
@@ -241,7 +277,8 @@ def pick(which, cases):
     def one(field):
         arrays = [getattr(c, field) for c in cases]
         return lax.select_n(jnp.broadcast_to(which, arrays[0].shape), *arrays)
-    return QArray(values=one("values"), scale=one("scale"), qtype=cases[0].qtype, layout="cache")
+    return QArray(values=one("values"), scale=one("scale"), qtype=cases[0].qtype, layout="cache",
+                  float_dtype=cases[0].float_dtype)
 
 
 def _arrange(scale, axes):
@@ -299,7 +336,7 @@ def dot_general(eqn, invals):
 def coerce(x, like):
     """``x`` in the carry form of ``like`` (a loop's carry must keep its type)."""
     if is_cache(like) and not is_cache(x):
-        return encode(x.astype(_F32), like.qtype, _holds_fp8_bits(like))
+        return encode(x.astype(_F32), like.qtype, _holds_fp8_bits(like), like.float_dtype)
     if is_cache(x) and not is_cache(like):
         return decode(x, jnp.result_type(like))
     return x

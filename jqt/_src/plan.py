@@ -66,6 +66,9 @@ class Plan:
     sites: dict = dataclasses.field(default_factory=dict)  # eqn index -> Site
     subs: dict = dataclasses.field(default_factory=dict)   # eqn index -> Sub
     cache_selects: set = dataclasses.field(default_factory=set)  # select_n of a buffer's cases
+    # the top jaxpr's only: output index -> (input index, keys of its cache writes) of each
+    # key/value cache f takes and returns written (a decode step; analysis.Analyzer._boundary)
+    boundary: dict = dataclasses.field(default_factory=dict)
 
     def all_sites(self):
         """Every site, nested ones included, in evaluation order."""

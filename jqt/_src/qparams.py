@@ -90,6 +90,12 @@ class QArray:
       ``sums`` is the int32 sum of the codes over the contracted axes (per group
       for grouped scales), for the zero-point correction of asymmetric
       activations.
+    * a key/value cache (``layout="cache"``; a preset's ``kv_cache``): ``values``
+      holds the buffer's codes and ``scale`` one float16 scale per vector of its
+      last axis; ``float_dtype`` names the dtype of the float buffer it stands for.
+      A function that takes a cache and returns it written (a decode step called
+      from a Python loop) returns it in this form from :func:`jqt.quantize`'s
+      integer path, to be passed back in as it is (``docs/generate.md``).
 
     ``scale`` and ``zero_point`` have the operand's rank (size 1 on every axis
     that shares a scale; ``n / group_size`` on the grouped axis) or are scalars.
@@ -120,6 +126,7 @@ class QArray:
     layout: str = dataclasses.field(metadata=dict(static=True), default="operand")
     folded: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
     smooth: Optional[jax.Array] = None
+    float_dtype: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
 
     def __post_init__(self):
         if self.smooth is not None and not holds_smooth(self.folded):
@@ -190,7 +197,7 @@ _KEYS = tuple(jax.tree_util.GetAttrKey(n) for n in _QARRAY_DATA + ("smooth",))
 def _flatten(a: QArray):
     """Four children (values, scale, zero point, sums), and the smoothing vector fifth
     where ``folded`` records that the weight holds one; the format as static data."""
-    aux = (a.qtype, a.layout, a.folded)
+    aux = (a.qtype, a.layout, a.folded, a.float_dtype)
     if holds_smooth(a.folded):
         return (a.values, a.scale, a.zero_point, a.sums, a.smooth), aux
     return (a.values, a.scale, a.zero_point, a.sums), aux
@@ -209,7 +216,7 @@ def _unflatten(aux, children) -> QArray:
     for name, value in zip(_QARRAY_DATA, children):
         object.__setattr__(a, name, value)
     object.__setattr__(a, "smooth", children[4] if len(children) > 4 else None)
-    for name, value in zip(("qtype", "layout", "folded"), aux):
+    for name, value in zip(("qtype", "layout", "folded", "float_dtype"), aux):
         object.__setattr__(a, name, value)
     return a
 

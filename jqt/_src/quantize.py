@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import compat, diagnostics, kvcache, tracing, weightcheck
+from . import compat, diagnostics, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .layout import apply_chain
 from .policy import KernelPolicy
@@ -199,7 +199,6 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
                  for k in keys if k in qparams}
         outs = traced.run(args, handler, state)[0]
-        outs = kvcache.materialize(outs, traced.closed.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))

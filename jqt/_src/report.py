@@ -50,7 +50,10 @@ class _Measure:
 
     @staticmethod
     def enter_cache(x, qtype):
-        """A loop's key/value cache: float in lane 0, as the quantized cache holds it in lane 1."""
+        """A loop's key/value cache: float in lane 0, as the quantized cache holds it in lane 1
+        (a cache passed to f quantized: decoded)."""
+        if kvcache.is_cache(x):
+            x = kvcache.decode(x, x.float_dtype)
         return jnp.where(lax.axis_index(_AXIS) == 0, x, kvcache.fake_quant(x, qtype))
 
     def site(self, site, eqn, invals, ctx):

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, kvcache
 from .analysis import Analyzer, path_str
+from .hops import enter_call, leave_call
 from .interpreter import Ctx, eval_jaxpr
 from .plan import DATA, Plan, VarInfo
 from .qparams import WeightSource
@@ -43,10 +44,16 @@ class Traced:
     def run(self, args, handler, state):
         """Interprets the traced function on ``args`` (the pytree it was traced with) under
         ``handler`` (``handlers.py``) with per-op ``state``: ``(flat outputs, the state the
-        handler wrote)``. The one driver of calibrate, quantize, report and gptq."""
+        handler wrote)``. The one driver of calibrate, quantize, report and gptq.
+
+        A key/value cache ``f`` takes and returns written (``Plan.boundary``) runs in the
+        handler's form (:func:`hops.enter_call`) and is returned so; every other
+        quantized cache among the arguments and outputs is decoded to float."""
         ctx = Ctx(handler, state)
-        outs = eval_jaxpr(self.closed.jaxpr, self.closed.consts, leaves(args), self.plan, ctx)
-        return outs, ctx.state_out
+        jaxpr = self.closed.jaxpr
+        flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars)
+        outs = eval_jaxpr(jaxpr, self.closed.consts, flat, self.plan, ctx)
+        return leave_call(self.plan, outs, entered, jaxpr.outvars), ctx.state_out
 
     def sites(self):
         """The function's ops in evaluation order, one per key (the ops of a
@@ -141,8 +148,9 @@ def jit_static(f):
 
 
 def leaves(args) -> list:
-    """The traced leaves of ``args``: the inputs of the traced jaxpr, in order."""
-    return jax.tree_util.tree_leaves(mark_static(args))
+    """The traced leaves of ``args``: the inputs of the traced jaxpr, in order (a quantized
+    key/value cache, which stands for one float buffer, whole)."""
+    return jax.tree_util.tree_leaves(mark_static(args), is_leaf=kvcache.is_cache)
 
 
 def check_traceable(args, where="jqt"):
@@ -224,7 +232,7 @@ class Tracer:
 
     def __call__(self, args) -> Traced:
         check_traceable(args)
-        args = mark_static(list(args))
+        args = mark_static(kvcache.placeholders(list(args)))
         flat, treedef = jax.tree_util.tree_flatten(args)
         key = (treedef, tuple(_aval_key(x) for x in flat))
         hit = self.cache.get(key)

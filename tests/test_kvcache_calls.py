@@ -1,0 +1,335 @@
+"""A key/value cache that crosses the call: a decode step called from a Python loop
+takes its cache and returns it written, and with a preset's ``kv_cache`` the quantized
+step returns it quantized (a ``jqt.QArray`` with ``layout="cache"``), to be passed back
+in as it is. Flax's own decode caches (linen ``decode=True``, nnx ``init_cache``) are
+such caches."""
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jqt
+from jqt._src import kvcache
+
+from test_kvcache import B, DH, DM, H, L, T, V, _params  # the same small decoder's weights
+
+KINDS = [(True, jnp.int8), ("int4", jnp.uint8), ("fp8", jnp.uint8)]  # fp8 as bits on the CPU
+
+
+def step(p, cache, tok):
+    """One token (B,) at position cache["pos"] through a scan over the stacked layers,
+    written into the cache: the logits and the cache (the form of examples/decoder.py's
+    decode_step, called once per token from Python)."""
+    pos = cache["pos"]
+    h = p["emb"][tok]
+
+    def layer(h, xs):
+        lp, kc, vc = xs
+        q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
+        kc = lax.dynamic_update_slice(kc, k[:, None], (0, pos, 0, 0))
+        vc = vc.at[:, pos].set(v)
+        s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", q, kc) / math.sqrt(DH), -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, axis=-1), vc).reshape(B, H * DH)
+        return h + o @ lp["wo"], (kc, vc)
+
+    h, (k, v) = lax.scan(layer, h, (p["layers"], cache["k"], cache["v"]))
+    return h @ p["out"], {"k": k, "v": v, "pos": pos + 1}
+
+
+def empty(dtype=jnp.float32):
+    return {"k": jnp.zeros((L, B, T, H, DH), dtype), "v": jnp.zeros((L, B, T, H, DH), dtype),
+            "pos": jnp.int32(0)}
+
+
+def feed(fn, params, tokens, cache=None):
+    """Logits (n, B, V) of tokens (B, n) fed one per call from a Python loop, and the
+    last cache."""
+    cache = empty() if cache is None else cache
+    out = []
+    for t in range(tokens.shape[1]):
+        logits, cache = fn(params, cache, tokens[:, t])
+        out.append(logits)
+    return jnp.stack(out), cache
+
+
+def float_steps(params, tokens):
+    """Calibration batches: (cache, token) of the float model's own steps."""
+    batches, cache = [], empty()
+    for t in range(tokens.shape[1]):
+        batches.append((cache, tokens[:, t]))
+        cache = step(params, cache, tokens[:, t])[1]
+    return batches
+
+
+@pytest.fixture(scope="module")
+def setup():
+    p = _params()
+    toks = jax.random.randint(jax.random.key(3), (B, 8), 0, V)
+    return p, float_steps(p, toks[:, :4]), toks
+
+
+@pytest.mark.parametrize("kind,code_dtype", KINDS)
+def test_a_decode_step_returns_its_cache_quantized(setup, kind, code_dtype):
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, batches, progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"]
+    qstep = jax.jit(jqt.quantize(step, qp))
+    packed = jqt.pack(qp, p)
+    out_q, cache_q = feed(qstep, packed, toks)
+    out_s, cache_s = feed(jqt.quantize(step, qp, simulate=True), p, toks)
+    for name in ("k", "v"):
+        c = cache_q[name]
+        assert isinstance(c, jqt.QArray) and c.layout == "cache" and c.values.dtype == code_dtype
+        assert c.float_dtype == "float32" and c.scale.dtype == jnp.float16
+        assert isinstance(cache_s[name], jax.Array) and cache_s[name].dtype == jnp.float32
+        np.testing.assert_allclose(kvcache.decode(c, jnp.float32), cache_s[name], atol=2e-5)
+    assert int(cache_q["pos"]) == toks.shape[1]
+    np.testing.assert_allclose(out_q, out_s, atol=5e-4)
+    # the quantized cache goes in as it came out: int codes and float16 scales in the jaxpr
+    ins = [v.aval for v in jax.make_jaxpr(qstep)(packed, cache_q, toks[:, 0]).jaxpr.invars]
+    cache_shape = (L, B, T, H, DH)
+    assert not any(a.shape == cache_shape and a.dtype == jnp.float32 for a in ins)
+    assert sum(a.dtype == code_dtype and a.shape[:-1] == cache_shape[:-1] for a in ins) >= 2
+
+
+def test_the_cache_stays_float_without_kv_cache(setup):
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(), p, batches, progress=False)
+    out, cache = feed(jax.jit(jqt.quantize(step, qp)), p, toks)
+    assert all(isinstance(cache[n], jax.Array) and cache[n].dtype == jnp.float32 for n in ("k", "v"))
+    # qparams from before jqt found such caches (no kv_cache entries) run it float too
+    old = {k: v for k, v in qp.items() if not k.startswith("kv_cache")}
+    out_old, cache_old = feed(jax.jit(jqt.quantize(step, old)), p, toks)
+    np.testing.assert_array_equal(out_old, out)
+    assert cache_old["k"].dtype == jnp.float32
+
+
+def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
+    """The first call takes the float cache (a prefill's, or zeros) and quantizes it; every
+    later call takes the cache the previous one returned: two programs in all, from one
+    trace of f (jqt traces f with the float buffer a quantized cache stands for)."""
+    p, batches, toks = setup
+    traces = []
+
+    def counted(p, cache, tok):
+        traces.append(1)
+        return step(p, cache, tok)
+
+    qp = jqt.calibrate(counted, jqt.recipes.w8(kv_cache=True), p, batches, progress=False)
+    traces.clear()
+    qstep = jax.jit(jqt.quantize(counted, qp))
+    prefix = feed(step, p, toks[:, :3])[1]  # a float cache holding three tokens already
+    out, _ = feed(qstep, p, toks[:, 3:], cache=prefix)
+    assert len(traces) == 1 and qstep._cache_size() == 2
+    # the same as the whole sequence fed to the quantized step, up to the first three
+    # tokens' keys and values, which the float steps wrote and the first call quantized
+    ref, _ = feed(jax.jit(jqt.quantize(step, qp)), p, toks)
+    np.testing.assert_allclose(out, ref[3:], atol=0.05)
+
+
+def test_donated_cache_is_updated_in_place(setup):
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=True), p, batches, progress=False)
+    donating = jax.jit(jqt.quantize(step, qp), donate_argnums=1)
+    ref, _ = feed(jax.jit(jqt.quantize(step, qp)), p, toks)
+    logits, cache = donating(p, empty(), toks[:, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable" would raise
+        out = [logits]
+        for t in range(1, toks.shape[1]):
+            old = cache["k"].values
+            logits, cache = donating(p, cache, toks[:, t])
+            assert old.is_deleted()
+            out.append(logits)
+    np.testing.assert_allclose(jnp.stack(out), ref, atol=1e-6)
+
+
+def test_vmap_export_and_grad(setup):
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache="int4"), p, batches, progress=False)
+    qstep = jqt.quantize(step, qp)
+    _, cache = feed(jax.jit(qstep), p, toks[:, :3])
+    # jax.vmap over two independent sequences' caches
+    caches = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), cache)
+    both = jnp.stack([toks[:, 3], toks[:, 4]])
+    lg, new = jax.vmap(qstep, in_axes=(None, 0, 0))(p, caches, both)
+    for i in range(2):
+        one_lg, one = qstep(p, cache, both[i])
+        np.testing.assert_allclose(lg[i], one_lg, atol=1e-5)
+        np.testing.assert_array_equal(new["k"].values[i], one["k"].values)
+    # jax.export of the step taking and returning the quantized cache
+    exp = jax.export.export(jax.jit(qstep))(p, cache, toks[:, 3])
+    back = jax.export.deserialize(exp.serialize())
+    lg_e, new_e = back.call(p, cache, toks[:, 3])
+    lg_d, new_d = qstep(p, cache, toks[:, 3])
+    np.testing.assert_allclose(lg_e, lg_d, atol=1e-6)
+    assert isinstance(new_e["k"], jqt.QArray) and new_e["k"].float_dtype == "float32"
+    np.testing.assert_array_equal(new_e["v"].values, new_d["v"].values)
+    # gradients through the simulated step, to the weights, the cache written straight-through
+    def loss(p):
+        return feed(jqt.quantize(step, qp, simulate=True), p, toks[:, :3])[0].sum()
+    g = jax.grad(loss)(p)
+    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(g))
+    assert float(jnp.abs(g["layers"]["wk"]).max()) > 0
+
+
+def test_a_bfloat16_cache_comes_back_as_bfloat16(setup):
+    p, batches, toks = setup
+    pb = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
+    cb = [(jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if x.ndim else x, c), t)
+          for c, t in batches]
+    qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), pb, cb, progress=False)
+    qstep = jax.jit(jqt.quantize(step, qp))
+    out_q, cache = feed(qstep, pb, toks, cache=empty(jnp.bfloat16))
+    out_s, ref = feed(jqt.quantize(step, qp, simulate=True), pb, toks, cache=empty(jnp.bfloat16))
+    out_f, _ = feed(step, pb, toks, cache=empty(jnp.bfloat16))
+    assert cache["k"].float_dtype == "bfloat16" and out_q.dtype == jnp.bfloat16
+    assert kvcache.decode(cache["k"], jnp.bfloat16).dtype == ref["k"].dtype == jnp.bfloat16
+    # bfloat16 rounds the two paths' intermediates apart (logits of about 1 in magnitude):
+    # on average they stay closer to each other than the simulation is to float
+    mean = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).mean())
+    assert mean(out_q, out_s) < mean(out_s, out_f) < 0.05
+
+
+def test_a_cache_from_other_qparams_is_refused(setup):
+    p, batches, toks = setup
+    qp8 = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, batches, progress=False)
+    qp4 = jqt.calibrate(step, jqt.recipes.w8(kv_cache="int4"), p, batches, progress=False)
+    _, cache4 = jax.jit(jqt.quantize(step, qp4))(p, empty(), toks[:, 0])
+    for simulate in (False, True):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"int4 .*qparams\['kv_cache_0'\].*int8"):
+            jqt.quantize(step, qp8, simulate=simulate)(p, cache4, toks[:, 1])
+    # the simulated path of the same qparams decodes it
+    _, sim = jqt.quantize(step, qp4, simulate=True)(p, cache4, toks[:, 1])
+    assert sim["k"].dtype == jnp.float32
+
+
+def test_calibrate_and_report_take_a_quantized_cache(setup):
+    """A cache the quantized step returned is decoded for calibration and reports: the same
+    statistics as its float buffer."""
+    p, batches, toks = setup
+    recipe = jqt.recipes.w8a8(kv_cache=True)
+    qp = jqt.calibrate(step, recipe, p, batches, progress=False)
+    _, cache = jax.jit(jqt.quantize(step, qp))(p, batches[2][0], batches[2][1])
+    decoded = dict(cache, k=kvcache.decode(cache["k"], jnp.float32), v=kvcache.decode(cache["v"], jnp.float32))
+    a = jqt.calibrate(step, recipe, p, [(cache, toks[:, 3])], progress=False)
+    b = jqt.calibrate(step, recipe, p, [(decoded, toks[:, 3])], progress=False)
+    for k in a:
+        for x, y in zip(jax.tree_util.tree_leaves(a[k]), jax.tree_util.tree_leaves(b[k])):
+            np.testing.assert_array_equal(x, y)
+    rep = jqt.report(step, qp, p, (cache, toks[:, 3]))
+    assert {"kv_cache_0", "kv_cache_1"} <= {r.key for r in rep.rows}
+
+
+def test_keys_of_loop_caches_are_unchanged_by_writes_into_arguments():
+    """A write into an argument that f does not return (scratch) is no cache and takes no
+    key: the loop's caches keep the keys they had."""
+    p = _params()
+
+    def gen(p, scratch, first):
+        scratch = scratch.at[0].set(1.0)
+
+        def body(carry, _):
+            cache, tok = carry
+            logits, cache = step(p, cache, tok)
+            return (cache, jnp.argmax(logits + scratch[0, :V], -1).astype(jnp.int32)), logits
+        return lax.scan(body, (empty(), first), None, length=4)[1]
+
+    scratch = jnp.zeros((2, V))
+    qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), p, [(scratch, jnp.zeros((B,), jnp.int32))],
+                       progress=False)
+    assert sorted(k for k in qp if k.startswith("kv_cache")) == ["kv_cache_0", "kv_cache_1"]
+    out = jax.jit(jqt.quantize(gen, qp))(p, scratch, jnp.zeros((B,), jnp.int32))
+    assert out.shape == (4, B, V)
+
+
+def test_a_generate_function_that_takes_and_returns_the_cache(setup):
+    """A loop inside f that carries the cache f was given hands it back quantized too (the
+    loop's codes, re-encoded where a loop returned float: the same codes)."""
+    p, batches, toks = setup
+
+    def gen(p, cache, tokens):
+        def body(cache, tok):
+            logits, cache = step(p, cache, tok)
+            return cache, logits
+        cache, logits = lax.scan(body, cache, tokens.T)
+        return logits, cache
+
+    qp = jqt.calibrate(gen, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(empty(), toks[:, :4])],
+                       progress=False)
+    qgen = jax.jit(jqt.quantize(gen, qp))
+    lg1, c1 = qgen(p, empty(), toks[:, :4])
+    lg2, c2 = qgen(p, c1, toks[:, 4:])
+    assert isinstance(c2["k"], jqt.QArray) and int(c2["pos"]) == 8
+    whole, c = qgen(p, empty(), toks)
+    np.testing.assert_allclose(jnp.concatenate([lg1, lg2]), whole, atol=1e-5)
+    np.testing.assert_array_equal(c2["k"].values, c["k"].values)
+
+
+def test_flax_linen_decode_cache():
+    nn = pytest.importorskip("flax.linen")
+
+    class Dec(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            x = nn.Embed(V, DM)(tok)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=H, decode=True)(x)
+            return nn.Dense(V)(x)
+
+    m = Dec()
+    variables = m.init(jax.random.key(0), jnp.zeros((B, T), jnp.int32))
+    params, cache0 = variables["params"], variables["cache"]
+
+    def lstep(params, cache, tok):  # the cache collection passed and returned, as flax's own loop
+        out, mut = m.apply({"params": params, "cache": cache}, tok[:, None], mutable=["cache"])
+        return out[:, 0], mut["cache"]
+
+    toks = jax.random.randint(jax.random.key(1), (B, 6), 0, V)
+    cal, c = [], cache0
+    for t in range(3):
+        cal.append((c, toks[:, t]))
+        c = lstep(params, c, toks[:, t])[1]
+    qp = jqt.calibrate(lstep, jqt.recipes.w8a8_dynamic(kv_cache=True), params, cal, progress=False)
+    out_q, cache = feed(jax.jit(jqt.quantize(lstep, qp)), params, toks, cache=cache0)
+    out_s, _ = feed(jqt.quantize(lstep, qp, simulate=True), params, toks, cache=cache0)
+    att = cache["MultiHeadDotProductAttention_0"]
+    assert att["cached_key"].values.dtype == att["cached_value"].values.dtype == jnp.int8
+    assert int(att["cache_index"]) == 6
+    np.testing.assert_allclose(out_q, out_s, atol=1e-4)
+
+
+def test_flax_nnx_decode_cache():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Dec(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(V, DM, rngs=rngs)
+            self.att = nnx.MultiHeadAttention(num_heads=H, in_features=DM, decode=True, rngs=rngs)
+            self.out = nnx.Linear(DM, V, rngs=rngs)
+
+        def __call__(self, tok):
+            x = self.emb(tok)
+            return self.out(x + self.att(x))
+
+    model = Dec(nnx.Rngs(0))
+    model.att.init_cache((B, T, DM))
+    graphdef, params, cache0 = nnx.split(model, nnx.Param, nnx.Cache)
+
+    def nstep(params, cache, tok):
+        m = nnx.merge(graphdef, params, cache)
+        return m(tok[:, None])[:, 0], nnx.state(m, nnx.Cache)
+
+    toks = jax.random.randint(jax.random.key(2), (B, 5), 0, V)
+    cal, c = [], cache0
+    for t in range(3):
+        cal.append((c, toks[:, t]))
+        c = nstep(params, c, toks[:, t])[1]
+    qp = jqt.calibrate(nstep, jqt.recipes.w8(kv_cache="int4"), params, cal, progress=False)
+    out_q, cache = feed(jax.jit(jqt.quantize(nstep, qp)), params, toks, cache=cache0)
+    out_s, _ = feed(jqt.quantize(nstep, qp, simulate=True), params, toks, cache=cache0)
+    assert cache["att"]["cached_key"].get_value().values.dtype == jnp.uint8  # int4, two per byte
+    np.testing.assert_allclose(out_q, out_s, atol=1e-4)

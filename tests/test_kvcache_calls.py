@@ -333,3 +333,36 @@ def test_flax_nnx_decode_cache():
     out_s, _ = feed(jqt.quantize(nstep, qp, simulate=True), params, toks, cache=cache0)
     assert cache["att"]["cached_key"].get_value().values.dtype == jnp.uint8  # int4, two per byte
     np.testing.assert_allclose(out_q, out_s, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [True, "int4", "fp8"])
+def test_a_scan_over_the_quantized_step_starts_from_quantize_cache(setup, kind):
+    """lax.scan needs its carry's type to stay: the quantized step returns a quantized
+    cache, so the carry starts as one (jqt.quantize_cache); the same as the Python loop."""
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=kind), p, batches, progress=False)
+    qstep = jqt.quantize(step, qp)
+
+    def body(cache, tok):
+        logits, cache = qstep(p, cache, tok)
+        return cache, logits
+
+    start = empty()
+    start = dict(start, k=jqt.quantize_cache(start["k"], kind), v=jqt.quantize_cache(start["v"], kind))
+    cache, out = jax.jit(lambda c, t: lax.scan(body, c, t))(start, toks.T)
+    ref, ref_cache = feed(jax.jit(qstep), p, toks)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_array_equal(cache["k"].values, ref_cache["k"].values)
+    with pytest.raises(TypeError, match="carry"):  # a float carry: JAX names the QArray
+        lax.scan(body, empty(), toks.T)
+
+
+def test_quantize_cache_refuses_what_is_no_cache():
+    with pytest.raises(ValueError, match="give a cache type"):
+        jqt.quantize_cache(jnp.zeros((2, 4)), False)
+    with pytest.raises(ValueError, match="int32\\[2, 4\\].*float buffer"):
+        jqt.quantize_cache(jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="symmetric, dynamic and per vector"):
+        jqt.quantize_cache(jnp.zeros((2, 4)), jqt.QuantType(bits=8))
+    bf = jqt.quantize_cache(jnp.ones((2, 4), jnp.bfloat16), "int4")
+    assert bf.float_dtype == "bfloat16" and bf.values.dtype == jnp.uint8 and bf.values.shape == (2, 2)

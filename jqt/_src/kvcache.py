@@ -41,6 +41,7 @@ from jax import lax
 from . import compat
 from . import numerics as nx
 from .formats import FLOAT8, QuantType, pack_nibbles, unpack_nibbles
+from .policy import KernelPolicy
 from .qparams import OpQParams, QArray
 
 SCALE_DTYPE = jnp.float16
@@ -198,6 +199,41 @@ def placeholders(args):
                 "function returned, as it is, or a float buffer.")
         return jnp.zeros(float_shape(x), x.float_dtype)
     return jax.tree_util.tree_map(one, args, is_leaf=is_cache)
+
+
+def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
+    """A float key/value buffer as the quantized cache a decode step returns.
+
+    A decode step that takes its cache and returns it written, quantized with a preset's
+    ``kv_cache``, returns the cache as a :class:`jqt.QArray` (``docs/generate.md``). A
+    Python loop passes it back as it is; a ``lax.scan`` or ``lax.while_loop`` over the
+    step needs its carry to start as one: this quantizes the initial buffer (zeros, or a
+    prefill's keys and values) as the step's first call would.
+
+    Args:
+      x: the float buffer, its last axis the features of one head (one scale per vector
+        along it).
+      kv_cache: the cache type, as a preset's ``kv_cache=``: ``True`` or ``"int8"``,
+        ``"int4"``, ``"fp8"``, ``"float8_e5m2"`` or a :class:`jqt.QuantType`; it must
+        be the type the step's qparams write (else the step raises
+        :class:`jqt.QParamsMismatchError`).
+      policy: the :class:`jqt.KernelPolicy` the step runs under (default: the default
+        backend's), which decides how fp8 codes are held.
+
+    >>> import jax, jax.numpy as jnp, jqt
+    >>> c = jqt.quantize_cache(jnp.zeros((2, 1, 16, 2, 32)))
+    >>> c.values.dtype.name, c.scale.shape, c.float_dtype
+    ('int8', (2, 1, 16, 2, 1), 'float32')
+    """
+    t = cache_type(kv_cache)
+    if t is None:
+        raise ValueError(f"jqt.quantize_cache(kv_cache={kv_cache!r}): give a cache type (True for "
+                         "int8, 'int4', 'fp8'); a float cache needs no quantizing.")
+    check_type(t, "jqt.quantize_cache")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
+        raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, where a "
+                         "key/value cache is a float buffer of 2 or more axes, the last the features.")
+    return encode(x, t, fp8_bits=not (policy or KernelPolicy.for_backend()).fp8_native)
 
 
 def materialize(values, variables):

@@ -352,6 +352,46 @@ try:
     jqt.packed_shardings(qp, packed, AUTO, axis="tensor")
 except ValueError as e:
     res["bad_axis"] = str(e)
+# a decode step called from Python, its cache (batch 8) split over the 8 devices: the step
+# returns the cache quantized, split as the float one was, and takes it back so
+def kv_step(p, cache, tok):
+    pos = cache["pos"]
+    def layer(h, xs):
+        lp, kc, vc = xs
+        q, k, v = [(h @ lp[w]).reshape(8, 2, 8) for w in ("wq", "wk", "wv")]
+        kc = jax.lax.dynamic_update_slice(kc, k[:, None], (0, pos, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v[:, None], (0, pos, 0, 0))
+        s = jnp.where(jnp.arange(6) <= pos, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, axis=-1), vc).reshape(8, 16)
+        return h + o @ lp["wo"], (kc, vc)
+    h, (k, v) = jax.lax.scan(layer, p["emb"][tok], (p["layers"], cache["k"], cache["v"]))
+    return h @ p["emb"].T, {"k": k, "v": v, "pos": pos + 1}
+P_KV = {"emb": normal((20, 16), 0.5), "layers": {w: normal((2, 16, 16), 0.25) for w in ("wq", "wk", "wv", "wo")}}
+KV0 = {"k": jnp.zeros((2, 8, 6, 2, 8)), "v": jnp.zeros((2, 8, 6, 2, 8)), "pos": jnp.int32(0)}
+TOKS = jnp.asarray(rng.integers(0, 20, (4, 8)), jnp.int32)
+try:
+    cal, c = [], KV0
+    for t in TOKS[:2]:
+        cal.append((c, t))
+        c = kv_step(P_KV, c, t)[1]
+    qkv = jqt.calibrate(kv_step, jqt.recipes.w8a8_dynamic(kv_cache=True), P_KV, cal, progress=False)
+    run_kv = jax.jit(jqt.quantize(kv_step, qkv))
+    def loop(cache, toks):
+        outs = []
+        for t in toks:
+            lg, cache = run_kv(P_KV, cache, t)
+            outs.append(np.asarray(lg))
+        return np.stack(outs), cache
+    want_kv, want_c = loop(KV0, TOKS)
+    split = NamedSharding(AUTO, P(None, ("data", "model")))
+    got_kv, got_c = loop(dict(KV0, k=jax.device_put(KV0["k"], split), v=jax.device_put(KV0["v"], split)),
+                         jax.device_put(TOKS, NamedSharding(AUTO, P(None, ("data", "model")))))
+    res["kv_step"] = {"diff": float(np.abs(got_kv - want_kv).max()), "out_max": float(np.abs(want_kv).max()),
+                      "dtype": str(got_c["k"].values.dtype), "shard": shard_shape(got_c["k"].values),
+                      "scale_shard": shard_shape(got_c["k"].scale),
+                      "same_codes": bool((np.asarray(got_c["k"].values) == np.asarray(want_c["k"].values)).all())}
+except Exception as e:
+    res["kv_step"] = f"{type(e).__name__}: {e}"[:300]
 print("RESULT" + json.dumps(res))
 """
 
@@ -635,3 +675,13 @@ def test_a_weight_several_ops_read_loads_into_shards_once(result):
 
 def test_unknown_mesh_axis(result):
     assert "not 'tensor'" in result["bad_axis"]
+
+
+def test_a_decode_step_returns_its_cache_quantized_and_split(result):
+    """A decode step called from Python with its cache's batch split over the 8 devices
+    (docs/generate.md): the quantized cache it returns stays split along the batch, codes
+    and scales alike, and the logits and codes are the one-device ones."""
+    got = result["kv_step"]
+    assert isinstance(got, dict), got  # else the error it raised
+    assert got["dtype"] == "int8" and got["shard"] == [2, 1, 6, 2, 8] and got["scale_shard"] == [2, 1, 6, 2, 1], got
+    assert got["same_codes"] and got["diff"] <= 1e-5 * got["out_max"], got

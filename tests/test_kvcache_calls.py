@@ -7,6 +7,7 @@ import math
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from jax import lax
 import jqt
 from jqt._src import kvcache
 
+from shared import all_eqns
 from test_kvcache import B, DH, DM, H, L, T, V, _params  # the same small decoder's weights
 
 KINDS = [(True, jnp.int8), ("int4", jnp.uint8), ("fp8", jnp.uint8)]  # fp8 as bits on the CPU
@@ -366,3 +368,75 @@ def test_quantize_cache_refuses_what_is_no_cache():
         jqt.quantize_cache(jnp.zeros((2, 4)), jqt.QuantType(bits=8))
     bf = jqt.quantize_cache(jnp.ones((2, 4), jnp.bfloat16), "int4")
     assert bf.float_dtype == "bfloat16" and bf.values.dtype == jnp.uint8 and bf.values.shape == (2, 2)
+
+
+# ---- attention reading whole vectors of the cache through another op (kvcache.is_read_view) ----
+NP, PS, MAXP, KV, W = 8, 3, 3, 1, 4  # pages of PS tokens; kv heads (H / KV queries each); window
+PAGES = jnp.array([[5, 0, 7], [2, 6, 1]], jnp.int32)  # each sequence's pages (B, MAXP)
+
+
+def _read(cache, how, pos):
+    """The keys or values attention reads: (B, S, H, DH) and the position of each of S."""
+    if how == "repeat":  # grouped-query attention: each kv head repeated for its query heads
+        return jnp.repeat(cache, H // KV, axis=2), jnp.arange(T)
+    if how == "pages":  # a paged cache: this batch's pages, by its page table, joined
+        return cache[PAGES].reshape(B, MAXP * PS, H, DH), jnp.arange(MAXP * PS)
+    if how == "window":  # sliding-window attention: the last W positions
+        start = jnp.clip(pos - W + 1, 0, T - W)
+        return lax.dynamic_slice_in_dim(cache, start, W, axis=1), start + jnp.arange(W)
+    return cache[:, :T - 2], jnp.arange(T - 2)  # "prefix": a static slice
+
+
+def view_step(how):
+    def f(p, cache, tok):
+        pos = cache["pos"]
+        lp = jax.tree_util.tree_map(lambda w: w[0], p["layers"])
+        h = p["emb"][tok]
+        q = (h @ lp["wq"]).reshape(B, H, DH)
+        heads = KV if how == "repeat" else H
+        k, v = [(h @ lp[w][:, :heads * DH]).reshape(B, heads, DH) for w in ("wk", "wv")]
+        if how == "pages":
+            page, slot = PAGES[jnp.arange(B), pos // PS], pos % PS
+            kc, vc = cache["k"].at[page, slot].set(k), cache["v"].at[page, slot].set(v)
+        else:
+            kc = lax.dynamic_update_slice(cache["k"], k[:, None], (0, pos, 0, 0))
+            vc = lax.dynamic_update_slice(cache["v"], v[:, None], (0, pos, 0, 0))
+        (kr, at), (vr, _) = _read(kc, how, pos), _read(vc, how, pos)
+        s = jnp.where(at <= pos, jnp.einsum("bhd,bthd->bht", q, kr) / math.sqrt(DH), -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, axis=-1), vr).reshape(B, H * DH)
+        return (h + o @ lp["wo"]) @ p["out"], {"k": kc, "v": vc, "pos": pos + 1}
+    return f
+
+
+def view_cache(how):
+    shape = {"repeat": (B, T, KV, DH), "pages": (NP, PS, H, DH)}.get(how, (B, T, H, DH))
+    return {"k": jnp.zeros(shape), "v": jnp.zeros(shape), "pos": jnp.int32(0)}
+
+
+@pytest.mark.parametrize("kind", [True, "int4"])
+@pytest.mark.parametrize("how", ["repeat", "pages", "window", "prefix"])
+def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
+    """jnp.repeat of a grouped-query cache's heads, a paged cache's pages gathered by a page
+    table, a sliding window and a static slice read whole vectors: attention reads their
+    codes (the cache is never decoded whole), with the simulation's results."""
+    p, _, toks = setup
+    f, start = view_step(how), view_cache(how)
+    n = 7  # positions 0-6: within the prefix's T - 2 = 8 and each sequence's pages
+    cal, c = [], start
+    for t in range(3):
+        cal.append((c, toks[:, t]))
+        c = f(p, c, toks[:, t])[1]
+    qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=kind), p, cal, progress=False)
+    qf = jax.jit(jqt.quantize(f, qp))
+    out_q, cache = feed(qf, p, toks[:, :n], cache=start)
+    out_s, _ = feed(jqt.quantize(f, qp, simulate=True), p, toks[:, :n], cache=start)
+    assert isinstance(cache["k"], jqt.QArray)
+    np.testing.assert_allclose(out_q, out_s, atol=2e-5)
+    # no float array of the whole buffer's shape is computed (the zeros f is traced with,
+    # which nothing reads, aside): nothing decodes it
+    shape = start["k"].shape
+    floats = [e for e in all_eqns(jax.make_jaxpr(qf)(p, cache, toks[:, 0])) for v in e.outvars
+              if v.aval.shape == shape and jnp.issubdtype(v.aval.dtype, jnp.floating)
+              and not all(isinstance(i, jax.extend.core.Literal) for i in e.invars)]
+    assert not floats, floats[0]
+

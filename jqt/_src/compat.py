@@ -253,6 +253,8 @@ scatter_p = _prims.scatter_p
 transpose_p = _prims.transpose_p
 select_n_p = _prims.select_n_p
 broadcast_in_dim_p = _prims.broadcast_in_dim_p
+reshape_p = _prims.reshape_p
+slice_p = _prims.slice_p
 try:  # lax.ragged_dot's primitive (not in jax.extend's list)
     from jax._src.lax.lax import ragged_dot_general_p
 except ImportError:  # pragma: no cover - a JAX without lax.ragged_dot

@@ -302,8 +302,8 @@ def enter_call(plan, ctx, args, invars):
         args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):
             entered[k] = args[k]
-    rest = kvcache.materialize(args, invars)
-    return [args[k] if k in entered else x for k, x in enumerate(rest)], entered
+    return [x if k in entered else kvcache.materialize([x], [v])[0]
+            for k, (x, v) in enumerate(zip(args, invars))], entered
 
 
 def leave_call(plan, outs, entered, outvars):

@@ -74,6 +74,8 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
                 eqn, invals, sub, c, eval_jaxpr))
         elif kvcache.is_buffer_view(eqn) and kvcache.is_cache(invals[0]):
             outs = [kvcache.view(eqn, invals[0])]  # the same cache, its axes permuted
+        elif invals and kvcache.is_cache(invals[0]) and kvcache.is_read_view(eqn):
+            outs = [kvcache.read_view(eqn, invals)]  # whole vectors of it, still quantized
         elif i in plan.cache_selects and any(kvcache.is_cache(x) for x in invals[1:]):
             outs = kvcache.select(eqn, invals)  # whole vectors of the same cache
         else:

@@ -279,6 +279,55 @@ def view(eqn, c: QArray) -> QArray:
                   qtype=c.qtype, layout="cache", float_dtype=c.float_dtype)
 
 
+def is_read_view(eqn) -> bool:
+    """An op that reads whole vectors of its operand's last axis and keeps them last: a
+    ``broadcast_in_dim`` that maps the last axis onto the last (``jnp.repeat`` of a
+    grouped-query cache's heads), a ``reshape`` that keeps the last axis (a paged cache's
+    pages joined), a ``slice``, ``dynamic_slice`` or ``gather`` that takes the last axis
+    whole (a window; pages by a page table). A cache under it stays quantized, its codes
+    and scales read alike (:func:`read_view`), so attention reads the codes of what it
+    selects instead of a decoded copy of the whole buffer."""
+    prim, ins, out = eqn.primitive, eqn.invars[0].aval, eqn.outvars[0].aval
+    if ins.ndim < 1 or out.ndim < 1 or out.shape[-1] != ins.shape[-1]:
+        return False
+    p = eqn.params
+    if prim is compat.broadcast_in_dim_p:
+        return bool(p["broadcast_dimensions"]) and p["broadcast_dimensions"][-1] == out.ndim - 1
+    if prim is compat.reshape_p:
+        return p.get("dimensions") is None
+    if prim is compat.slice_p:
+        return p["start_indices"][-1] == 0 and (p["strides"] is None or p["strides"][-1] == 1)
+    if prim is compat.dynamic_slice_p:
+        return True  # the whole last axis: its start is clamped to 0
+    if prim is compat.gather_p:
+        dn, last = p["dimension_numbers"], ins.ndim - 1
+        return (p["slice_sizes"][-1] == ins.shape[-1] and last not in dn.collapsed_slice_dims
+                and last not in dn.operand_batching_dims and last not in dn.start_index_map
+                and bool(dn.offset_dims) and dn.offset_dims[-1] == out.ndim - 1)
+    return False
+
+
+def read_view(eqn, invals) -> QArray:
+    """:func:`is_read_view`'s op on a cache (``invals[0]``): the same op on its codes and
+    on its scales, each with its own last axis (packed codes: half the features; scales: 1)."""
+    p, c = eqn.params, invals[0]
+
+    def one(a):
+        n = a.shape[-1]
+        if eqn.primitive is compat.broadcast_in_dim_p:
+            over = dict(shape=tuple(p["shape"][:-1]) + (n,))
+        elif eqn.primitive is compat.reshape_p:
+            over = dict(new_sizes=tuple(p["new_sizes"][:-1]) + (n,))
+        elif eqn.primitive is compat.slice_p:
+            over = dict(limit_indices=tuple(p["limit_indices"][:-1]) + (n,))
+        else:  # dynamic_slice, gather
+            over = dict(slice_sizes=tuple(p["slice_sizes"][:-1]) + (n,))
+        return compat.bind_eqn(eqn, [a, *invals[1:]], **over)[0]
+
+    return QArray(values=one(c.values), scale=one(c.scale), qtype=c.qtype, layout="cache",
+                  float_dtype=c.float_dtype)
+
+
 def is_buffer_select(eqn, ins, pred_def) -> bool:
     """A ``select_n`` whose cases are all one buffer (the cache before a write and after
     it: ``jnp.where(live, written, cache)``, freezing finished sequences) on a predicate

@@ -20,6 +20,13 @@ generation (teacher forcing: the same decode loop fed the float tokens), and
 where its greedy text first diverges from float's. Greedy decoding is chaotic
 (one flipped near-tie changes every later token), so identical text is not the
 measure; agreement is.
+
+Then it streams: ``decoder.decode_step`` called once per token from a Python loop
+(as a server that sends each token as it comes does), quantized with
+``w8a8_dynamic + int8 KV``. The step takes its cache and returns it written, so the
+quantized step returns the cache quantized (a ``jqt.QArray`` of int8 codes and
+float16 scales) and takes it back as it is; it prints the tokens per second, the
+cache's dtypes and bytes, and where its text first differs from the loop's.
 """
 import argparse
 import dataclasses
@@ -97,6 +104,43 @@ def tokens_per_second(fn, params, prompt, steps, repeats=3):
     return steps / float(np.median(times))
 
 
+def stream(params, prompt, steps, calib_prompt):
+    """``steps`` greedy tokens after ``prompt`` (1, P), ``decoder.decode_step`` called
+    once per token from Python with an int8 cache kept between calls: (tokens, tokens
+    per second of the loop, the last cache)."""
+    recipe = jqt.recipes.w8a8_dynamic(kv_cache=True)
+    max_len = prompt.shape[1] + steps
+    prefill = functools.partial(D.prefill, max_len=max_len)
+    # the prefill returns the cache float (no loop carries it): its recipe needs no kv_cache
+    qp_pre = jqt.calibrate(prefill, jqt.recipes.w8a8_dynamic(), params, [(calib_prompt,)], progress=False)
+    # the step calibrates on the float model's own steps after the same prompts
+    logits, cache = jax.jit(prefill)(params, calib_prompt)
+    calib = []
+    for _ in range(3):
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        calib.append((cache, token))
+        logits, cache = D.decode_step(params, cache, token)
+    qp = jqt.calibrate(D.decode_step, recipe, params, calib, progress=False)
+    qpre = jax.jit(jqt.quantize(prefill, qp_pre))
+    qstep = jax.jit(jqt.quantize(D.decode_step, qp), donate_argnums=1)
+    packed_pre, packed = jqt.pack(qp_pre, params), jqt.pack(qp, params)
+
+    def run():
+        logits, cache = qpre(packed_pre, prompt)  # a float cache: the first step quantizes it
+        out = []
+        for _ in range(steps):
+            token = jnp.argmax(logits, -1).astype(jnp.int32)
+            out.append(token)
+            logits, cache = qstep(packed, cache, token)
+        return jnp.concatenate(out), cache
+
+    jax.block_until_ready(run())  # compile: the step twice (a float cache, then quantized)
+    t = time.perf_counter()
+    tokens, cache = run()
+    jax.block_until_ready(tokens)
+    return tokens, steps / (time.perf_counter() - t), cache
+
+
 def first_divergence(a, b):
     diff = np.nonzero(np.asarray(a) != np.asarray(b))[0]
     return int(diff[0]) if diff.size else None
@@ -164,7 +208,17 @@ def main(argv=None):
     print(f"{'float':24s} {text(float_sample[0][:80])}")
     for name, t in samples.items():
         print(f"{name:24s} {text(t[:80])}")
-    return rows
+
+    loop = "w8a8_dynamic + int8 KV"
+    tokens, speed, cache = stream(params, sample, args.length, cal_gen[0][0])
+    kv = [cache["k"], cache["v"]]
+    nbytes = sum(x.values.nbytes + x.scale.nbytes for x in kv)
+    dtypes = sorted({str(a.dtype) for x in kv for a in (x.values, x.scale)})
+    div = first_divergence(tokens, samples[loop])
+    print(f"\nstreaming, {loop}: decoder.decode_step called once per token from Python, its cache "
+          f"returned quantized and passed back: {speed:.0f} tokens/s, cache {nbytes:,d} bytes "
+          f"({','.join(dtypes)}), text {'the same as the loop' if div is None else f'differs from the loop at token {div}'}")
+    return rows, dict(tokens=tokens, speed=speed, dtypes=dtypes, nbytes=nbytes, divergence=div)
 
 
 if __name__ == "__main__":

@@ -539,7 +539,8 @@ def test_generate_example_runs():
     spec = importlib.util.spec_from_file_location("generate_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = mod.main(["--tiny", "--prompts", "2", "--tokens", "40", "--length", "20", "--calibration", "1"])
+    rows, streamed = mod.main(["--tiny", "--prompts", "2", "--tokens", "40", "--length", "20",
+                               "--calibration", "1"])
     by_name = {r[0]: r for r in rows}
     float_bytes = by_name["float"][2]
     assert set(by_name) == {"float", *mod.VARIANTS}
@@ -548,3 +549,8 @@ def test_generate_example_runs():
         assert nbytes / float_bytes <= 0.27 and "int8" in dtypes and "float32" not in dtypes
         assert speed > 0 and np.isfinite(loss)
     assert by_name["w8a8_dynamic + int8 KV"][5] >= 0.9
+    # streaming: decode_step from a Python loop keeps its cache int8 between calls and follows
+    # the loop's greedy text (the same numerics in another program)
+    assert streamed["dtypes"] == ["float16", "int8"] and streamed["nbytes"] / float_bytes <= 0.27
+    assert streamed["divergence"] is None or streamed["divergence"] > 10, streamed
+    assert streamed["tokens"].shape == (20,)

@@ -280,12 +280,13 @@ def _enter_caches(sub, ctx, init):
     return init, entered
 
 
-def enter_call(plan, ctx, args, invars):
+def enter_call(plan, ctx, args, invars, name=str):
     """``f``'s flat arguments as the call runs on them, and the caches it entered (input
     index -> the cache): each key/value cache ``f`` takes and returns written
     (``Plan.boundary``: a decode step called from a Python loop) in the handler's form, as
     a loop enters its carried caches (a cache passed back quantized, as the integer path
-    returned it, as it is); every other quantized cache decoded to its float buffer."""
+    returned it, as it is); every other quantized cache decoded to its float buffer.
+    ``name(k)``: how an error names flat argument ``k``."""
     enter = getattr(ctx.handler, "enter_cache", None)
     args, entered = list(args), {}
     for k, writes in dict(plan.boundary.values()).items():
@@ -295,7 +296,7 @@ def enter_call(plan, ctx, args, invars):
             continue
         if kvcache.is_cache(x) and x.qtype != qtype:
             raise QParamsMismatchError(
-                f"jqt: argument {k} of f (flattened) is a key/value cache of "
+                f"jqt: argument {name(k)} of f is a key/value cache of "
                 f"{x.qtype.describe()}, where qparams['{writes[0]}'] write "
                 f"{qtype.describe()} into it: the cache was made with other qparams. "
                 "Pass the cache the same quantized function returned, or a float buffer.")

@@ -51,7 +51,8 @@ class Traced:
         quantized cache among the arguments and outputs is decoded to float."""
         ctx = Ctx(handler, state)
         jaxpr = self.closed.jaxpr
-        flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars)
+        flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars,
+                                   lambda k: leaf_path(args, k))
         outs = eval_jaxpr(jaxpr, self.closed.consts, flat, self.plan, ctx)
         return leave_call(self.plan, outs, entered, jaxpr.outvars), ctx.state_out
 
@@ -151,6 +152,12 @@ def leaves(args) -> list:
     """The traced leaves of ``args``: the inputs of the traced jaxpr, in order (a quantized
     key/value cache, which stands for one float buffer, whole)."""
     return jax.tree_util.tree_leaves(mark_static(args), is_leaf=kvcache.is_cache)
+
+
+def leaf_path(args, k) -> str:
+    """How an error names the ``k``-th of :func:`leaves` of ``args``: ``[1]['k']``."""
+    paths = jax.tree_util.tree_flatten_with_path(mark_static(args), is_leaf=kvcache.is_cache)[0]
+    return jax.tree_util.keystr(paths[k][0])
 
 
 def check_traceable(args, where="jqt"):

@@ -441,3 +441,47 @@ def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
               and not all(isinstance(i, jax.extend.core.Literal) for i in e.invars)]
     assert not floats, floats[0]
 
+
+
+def beam_step(p, cache, tok, order):
+    """Beam search's step: the beams' caches reordered by the surviving beams (a gather of
+    whole vectors, the cache's shape kept), then one token written and attended."""
+    return step(p, dict(cache, k=cache["k"][:, order], v=cache["v"][:, order]), tok)
+
+
+def beam_loop(p, tokens, orders):
+    """The same in a lax.scan over steps carrying the cache: logits (n, B, V)."""
+    def body(cache, xs):
+        logits, cache = beam_step(p, cache, *xs)
+        return cache, logits
+    return lax.scan(body, empty(), (tokens.T, orders))[1]
+
+
+@pytest.mark.parametrize("kind,code_dtype", KINDS[:2])
+def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype):
+    """A cache reordered by beam (cache[:, order]) is still the cache: its codes and scales
+    are reordered alike, in a step called from Python and in a loop that carries it."""
+    p, _, toks = setup
+    orders = jnp.array([[1, 0], [0, 0], [1, 1], [0, 1]] * 2, jnp.int32)
+    cal, c = [], empty()
+    for t in range(3):
+        cal.append((c, toks[:, t], orders[t]))
+        c = beam_step(p, c, toks[:, t], orders[t])[1]
+    recipe = jqt.recipes.w8(kv_cache=kind)
+    qp = jqt.calibrate(beam_step, recipe, p, cal, progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"]
+    qs, ss = jax.jit(jqt.quantize(beam_step, qp)), jqt.quantize(beam_step, qp, simulate=True)
+    cq, cs = empty(), empty()
+    for t in range(toks.shape[1]):
+        a, cq = qs(p, cq, toks[:, t], orders[t])
+        b, cs = ss(p, cs, toks[:, t], orders[t])
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    assert cq["k"].values.dtype == code_dtype
+    np.testing.assert_allclose(kvcache.decode(cq["v"], jnp.float32), cs["v"], atol=2e-5)
+    # the loop form: the carry is the quantized cache
+    ql = jqt.calibrate(beam_loop, recipe, p, [(toks[:, :4], orders[:4])], progress=False)
+    out_q = jax.jit(jqt.quantize(beam_loop, ql))(p, toks, orders)
+    np.testing.assert_allclose(out_q, jqt.quantize(beam_loop, ql, simulate=True)(p, toks, orders), atol=2e-5)
+    loops = [e for e in all_eqns(jax.make_jaxpr(jqt.quantize(beam_loop, ql))(p, toks, orders))
+             if e.primitive.name == "scan" and e.params["length"] == toks.shape[1]]
+    assert any(v.aval.dtype == code_dtype and v.aval.ndim == 5 for v in loops[0].invars)

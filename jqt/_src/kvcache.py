@@ -264,17 +264,23 @@ def write(eqn, invals, update_index, qtype):
 
 
 def is_buffer_view(eqn) -> bool:
-    """A ``transpose`` that keeps the last axis last. A cache under it is the same cache,
-    its codes and scales transposed alike (:func:`view`): ``jax.vmap`` of a decode loop
-    moves the batch axis behind the layer axis of the buffer the loop carries before the
-    scan over layers slices it, and back after."""
-    perm = eqn.params.get("permutation", ()) if eqn.primitive is compat.transpose_p else ()
-    return bool(perm) and perm[-1] == len(perm) - 1
+    """A ``transpose`` that keeps the last axis last, or a :func:`is_read_view` op whose
+    output has its operand's shape. A cache under it is the same cache, its codes and
+    scales rearranged alike (:func:`view`): ``jax.vmap`` of a decode loop moves the batch
+    axis behind the layer axis of the buffer the loop carries before the scan over layers
+    slices it, and back after; beam search reorders the beams' caches
+    (``cache[:, order]``, a ``gather``) before it writes the next token."""
+    if eqn.primitive is compat.transpose_p:
+        perm = eqn.params["permutation"]
+        return bool(perm) and perm[-1] == len(perm) - 1
+    return is_read_view(eqn) and eqn.invars[0].aval.shape == eqn.outvars[0].aval.shape
 
 
-def view(eqn, c: QArray) -> QArray:
-    """:func:`is_buffer_view`'s ``transpose`` of a cache."""
-    perm = eqn.params["permutation"]
+def view(eqn, invals) -> QArray:
+    """:func:`is_buffer_view`'s op on a cache (``invals[0]``)."""
+    if eqn.primitive is not compat.transpose_p:
+        return read_view(eqn, invals)
+    c, perm = invals[0], eqn.params["permutation"]
     return QArray(values=lax.transpose(c.values, perm), scale=lax.transpose(c.scale, perm),
                   qtype=c.qtype, layout="cache", float_dtype=c.float_dtype)
 
@@ -287,7 +293,11 @@ def is_read_view(eqn) -> bool:
     whole (a window; pages by a page table). A cache under it stays quantized, its codes
     and scales read alike (:func:`read_view`), so attention reads the codes of what it
     selects instead of a decoded copy of the whole buffer."""
-    prim, ins, out = eqn.primitive, eqn.invars[0].aval, eqn.outvars[0].aval
+    prim = eqn.primitive
+    if prim not in (compat.broadcast_in_dim_p, compat.reshape_p, compat.slice_p,
+                    compat.dynamic_slice_p, compat.gather_p):
+        return False
+    ins, out = eqn.invars[0].aval, eqn.outvars[0].aval
     if ins.ndim < 1 or out.ndim < 1 or out.shape[-1] != ins.shape[-1]:
         return False
     p = eqn.params

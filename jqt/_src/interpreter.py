@@ -72,10 +72,9 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
             sub = plan.subs[i]
             outs = _under_eqn_mesh(eqn, sub.keys, ctx, lambda c, sub=sub: HIGHER_ORDER[eqn.primitive].run(
                 eqn, invals, sub, c, eval_jaxpr))
-        elif invals and kvcache.is_cache(invals[0]) and kvcache.is_read_view(eqn):
-            outs = [kvcache.read_view(eqn, invals)]  # whole vectors of it, still quantized
-        elif invals and kvcache.is_cache(invals[0]) and kvcache.is_buffer_view(eqn):
-            outs = [kvcache.view(eqn, invals)]  # the same cache, its axes permuted
+        elif invals and kvcache.is_cache(invals[0]) and (kvcache.is_read_view(eqn)
+                                                         or kvcache.is_buffer_view(eqn)):
+            outs = [kvcache.view(eqn, invals)]  # whole vectors of it (permuted), still quantized
         elif i in plan.cache_selects and any(kvcache.is_cache(x) for x in invals[1:]):
             outs = kvcache.select(eqn, invals)  # whole vectors of the same cache
         else:

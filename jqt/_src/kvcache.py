@@ -5,7 +5,8 @@ A *cache* is a float buffer carried by a ``lax.scan`` or ``lax.while_loop``
 writes new values with ``dynamic_update_slice`` or ``.at[...].set``
 (``scatter``), each write spanning the buffer's whole last axis (a head's
 features); or an argument of the function that it returns so written (a
-decode step called from a Python loop: the call is the loop). The analysis finds them (``analysis.py``: the write is a site of
+decode step called from a Python loop: the call is the loop). The analysis
+finds them (``analysis.py``: the write is a site of
 the registry's ``CacheWrite`` entry); with a rule's ``kv_cache`` type:
 
 * the integer path carries the buffer as a :class:`jqt.QArray` with
@@ -32,6 +33,7 @@ int4, 2.9e7 for e4m3) clip.
 """
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -259,8 +261,7 @@ def write(eqn, invals, update_index, qtype):
         vals[0], vals[update_index] = b, x
         return compat.bind_eqn(eqn, vals)[0]
 
-    return [QArray(values=put(buf.values, u.values), scale=put(buf.scale, u.scale), qtype=qtype,
-                   layout="cache", float_dtype=buf.float_dtype)]
+    return [dataclasses.replace(buf, values=put(buf.values, u.values), scale=put(buf.scale, u.scale))]
 
 
 def is_buffer_view(eqn) -> bool:
@@ -277,12 +278,11 @@ def is_buffer_view(eqn) -> bool:
 
 
 def view(eqn, invals) -> QArray:
-    """:func:`is_buffer_view`'s op on a cache (``invals[0]``)."""
+    """:func:`is_buffer_view`'s or :func:`is_read_view`'s op on a cache (``invals[0]``)."""
     if eqn.primitive is not compat.transpose_p:
         return read_view(eqn, invals)
     c, perm = invals[0], eqn.params["permutation"]
-    return QArray(values=lax.transpose(c.values, perm), scale=lax.transpose(c.scale, perm),
-                  qtype=c.qtype, layout="cache", float_dtype=c.float_dtype)
+    return dataclasses.replace(c, values=lax.transpose(c.values, perm), scale=lax.transpose(c.scale, perm))
 
 
 def is_read_view(eqn) -> bool:
@@ -334,8 +334,7 @@ def read_view(eqn, invals) -> QArray:
             over = dict(slice_sizes=tuple(p["slice_sizes"][:-1]) + (n,))
         return compat.bind_eqn(eqn, [a, *invals[1:]], **over)[0]
 
-    return QArray(values=one(c.values), scale=one(c.scale), qtype=c.qtype, layout="cache",
-                  float_dtype=c.float_dtype)
+    return dataclasses.replace(c, values=one(c.values), scale=one(c.scale))
 
 
 def is_buffer_select(eqn, ins, pred_def) -> bool:
@@ -372,8 +371,7 @@ def pick(which, cases):
     def one(field):
         arrays = [getattr(c, field) for c in cases]
         return lax.select_n(jnp.broadcast_to(which, arrays[0].shape), *arrays)
-    return QArray(values=one("values"), scale=one("scale"), qtype=cases[0].qtype, layout="cache",
-                  float_dtype=cases[0].float_dtype)
+    return dataclasses.replace(cases[0], values=one("values"), scale=one("scale"))
 
 
 def _arrange(scale, axes):

@@ -58,13 +58,17 @@ def feed(fn, params, tokens, cache=None):
     return jnp.stack(out), cache
 
 
-def float_steps(params, tokens):
-    """Calibration batches: (cache, token) of the float model's own steps."""
-    batches, cache = [], empty()
+def own_steps(f, params, tokens, cache):
+    """Calibration batches: (cache, token) of the float step f's own steps from cache."""
+    batches = []
     for t in range(tokens.shape[1]):
         batches.append((cache, tokens[:, t]))
-        cache = step(params, cache, tokens[:, t])[1]
+        cache = f(params, cache, tokens[:, t])[1]
     return batches
+
+
+def float_steps(params, tokens):
+    return own_steps(step, params, tokens, empty())
 
 
 @pytest.fixture(scope="module")
@@ -423,11 +427,8 @@ def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
     p, _, toks = setup
     f, start = view_step(how), view_cache(how)
     n = 7  # positions 0-6: within the prefix's T - 2 = 8 and each sequence's pages
-    cal, c = [], start
-    for t in range(3):
-        cal.append((c, toks[:, t]))
-        c = f(p, c, toks[:, t])[1]
-    qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=kind), p, cal, progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=kind), p, own_steps(f, p, toks[:, :3], start),
+                       progress=False)
     qf = jax.jit(jqt.quantize(f, qp))
     out_q, cache = feed(qf, p, toks[:, :n], cache=start)
     out_s, _ = feed(jqt.quantize(f, qp, simulate=True), p, toks[:, :n], cache=start)
@@ -485,3 +486,40 @@ def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype):
     loops = [e for e in all_eqns(jax.make_jaxpr(jqt.quantize(beam_loop, ql))(p, toks, orders))
              if e.primitive.name == "scan" and e.params["length"] == toks.shape[1]]
     assert any(v.aval.dtype == code_dtype and v.aval.ndim == 5 for v in loops[0].invars)
+
+
+def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):
+    """A float32 cache converted to bfloat16 for attention: the conversion passes the
+    quantized cache on (it decodes to bfloat16), with the simulation's results, and the
+    whole buffer is never decoded."""
+    p, batches, toks = setup
+
+    def mixed(p, cache, tok):
+        pos = cache["pos"]
+        lp = jax.tree_util.tree_map(lambda w: w[0], p["layers"])
+        h = p["emb"][tok]
+        q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
+        kc = lax.dynamic_update_slice(cache["k"], k[:, None], (0, pos, 0, 0))
+        vc = lax.dynamic_update_slice(cache["v"], v[:, None], (0, pos, 0, 0))
+        bf = jnp.bfloat16
+        s = jnp.einsum("bhd,bthd->bht", q.astype(bf), kc.astype(bf)).astype(jnp.float32)
+        s = jnp.where(jnp.arange(T) <= pos, s / math.sqrt(DH), -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, axis=-1).astype(bf), vc.astype(bf))
+        return (h + o.astype(jnp.float32).reshape(B, H * DH) @ lp["wo"]) @ p["out"], \
+            {"k": kc, "v": vc, "pos": pos + 1}
+
+    start = {"k": jnp.zeros((B, T, H, DH)), "v": jnp.zeros((B, T, H, DH)), "pos": jnp.int32(0)}
+    qp = jqt.calibrate(mixed, jqt.recipes.w8(kv_cache=True), p, own_steps(mixed, p, toks[:, :3], start),
+                       progress=False)
+    qf = jax.jit(jqt.quantize(mixed, qp))
+    out_q, cache = feed(qf, p, toks, cache=start)
+    out_s, _ = feed(jqt.quantize(mixed, qp, simulate=True), p, toks, cache=start)
+    assert cache["k"].float_dtype == "float32" and cache["k"].values.dtype == jnp.int8
+    # bfloat16 rounds the decoded values (codes times scale) where the simulation rounds the
+    # fake-quantized float32 ones: the same up to bfloat16's rounding
+    assert float(jnp.abs(out_q - out_s).mean()) < 0.01 and float(jnp.abs(out_q - out_s).max()) < 0.1
+    # the dots read the codes (upcast); nothing multiplies the whole buffer by its scales
+    shape = start["k"].shape
+    decoded = [e for e in all_eqns(jax.make_jaxpr(qf)(p, cache, toks[:, 0])) for v in e.outvars
+               if v.aval.shape == shape and e.primitive.name == "mul"]
+    assert not decoded, decoded[0]

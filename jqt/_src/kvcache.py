@@ -274,7 +274,10 @@ def is_buffer_view(eqn) -> bool:
     if eqn.primitive is compat.transpose_p:
         perm = eqn.params["permutation"]
         return bool(perm) and perm[-1] == len(perm) - 1
-    return is_read_view(eqn) and eqn.invars[0].aval.shape == eqn.outvars[0].aval.shape
+    if not is_read_view(eqn):
+        return False
+    ins, out = eqn.invars[0].aval, eqn.outvars[0].aval
+    return (ins.shape, ins.dtype) == (out.shape, out.dtype)
 
 
 def view(eqn, invals) -> QArray:
@@ -290,17 +293,20 @@ def is_read_view(eqn) -> bool:
     ``broadcast_in_dim`` that maps the last axis onto the last (``jnp.repeat`` of a
     grouped-query cache's heads), a ``reshape`` that keeps the last axis (a paged cache's
     pages joined), a ``slice``, ``dynamic_slice`` or ``gather`` that takes the last axis
-    whole (a window; pages by a page table). A cache under it stays quantized, its codes
-    and scales read alike (:func:`read_view`), so attention reads the codes of what it
-    selects instead of a decoded copy of the whole buffer."""
+    whole (a window; pages by a page table), or a ``convert_element_type`` to another
+    float dtype (a float32 cache read in bfloat16). A cache under it stays quantized, its
+    codes and scales read alike (:func:`read_view`), so attention reads the codes of what
+    it selects instead of a decoded copy of the whole buffer."""
     prim = eqn.primitive
     if prim not in (compat.broadcast_in_dim_p, compat.reshape_p, compat.slice_p,
-                    compat.dynamic_slice_p, compat.gather_p):
+                    compat.dynamic_slice_p, compat.gather_p, compat.convert_element_type_p):
         return False
     ins, out = eqn.invars[0].aval, eqn.outvars[0].aval
     if ins.ndim < 1 or out.ndim < 1 or out.shape[-1] != ins.shape[-1]:
         return False
     p = eqn.params
+    if prim is compat.convert_element_type_p:
+        return jnp.issubdtype(out.dtype, jnp.floating) and jnp.issubdtype(ins.dtype, jnp.floating)
     if prim is compat.broadcast_in_dim_p:
         return bool(p["broadcast_dimensions"]) and p["broadcast_dimensions"][-1] == out.ndim - 1
     if prim is compat.reshape_p:
@@ -319,8 +325,11 @@ def is_read_view(eqn) -> bool:
 
 def read_view(eqn, invals) -> QArray:
     """:func:`is_read_view`'s op on a cache (``invals[0]``): the same op on its codes and
-    on its scales, each with its own last axis (packed codes: half the features; scales: 1)."""
+    on its scales, each with its own last axis (packed codes: half the features; scales: 1);
+    a conversion changes the dtype it decodes to."""
     p, c = eqn.params, invals[0]
+    if eqn.primitive is compat.convert_element_type_p:
+        return dataclasses.replace(c, float_dtype=np.dtype(eqn.outvars[0].aval.dtype).name)
 
     def one(a):
         n = a.shape[-1]

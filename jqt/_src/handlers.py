@@ -482,8 +482,7 @@ class Integer:
         self.policy = policy
 
     def enter_cache(self, x, qtype):
-        fp8_bits = not (self.policy or KernelPolicy.for_backend()).fp8_native
-        return kvcache.enter(x, qtype, simulate=False, fp8_bits=fp8_bits)
+        return kvcache.enter(x, qtype, simulate=False, fp8_bits=kvcache.fp8_as_bits(self.policy))
 
     @staticmethod
     def split_stacked(entry):

@@ -235,7 +235,13 @@ def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
         raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, where a "
                          "key/value cache is a float buffer of 2 or more axes, the last the features.")
-    return encode(x, t, fp8_bits=not (policy or KernelPolicy.for_backend()).fp8_native)
+    return encode(x, t, fp8_bits=fp8_as_bits(policy))
+
+
+def fp8_as_bits(policy) -> bool:
+    """Whether a cache's fp8 codes are held as their uint8 bits under ``policy`` (default:
+    the default backend's): where the backend has no native fp8 (:func:`encode`)."""
+    return not (policy or KernelPolicy.for_backend()).fp8_native
 
 
 def materialize(values, variables):

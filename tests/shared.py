@@ -1,7 +1,12 @@
 """Helpers shared by the tests: walking jaxprs, a residual MLP scanned over stacked layers,
-the split of a parameter grid between the default run and the slow one."""
+the split of a parameter grid between the default run and the slow one, a subprocess on
+several host CPU devices."""
+import json
 import os
+import subprocess
 import sys
+import tempfile
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +86,26 @@ def ci_only(values, keep):
     [True, False]
     """
     return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+def on_devices(code, devices, timeout=300):
+    """Runs ``code`` (dedented) in a fresh Python on ``devices`` host CPU devices
+    (``XLA_FLAGS=--xla_force_host_platform_device_count``), with this directory importable
+    as ``JQT_TESTS_DIR``; returns the JSON of the last line it prints after ``RESULT``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JQT_TESTS_DIR=os.path.dirname(os.path.abspath(__file__)),
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                              stdout=out, stderr=err, text=True, timeout=timeout, check=False)
+        return result_json(proc.returncode, out, err)
+
+
+def result_json(returncode, out, err, what="subprocess"):
+    """The JSON a finished subprocess printed last after ``RESULT`` (``out``, ``err``: its
+    output files); a failure shows its output."""
+    out.seek(0)
+    err.seek(0)
+    text = out.read()
+    lines = [line for line in text.splitlines() if line.startswith("RESULT")]
+    assert returncode == 0 and lines, f"{what} failed:\n{text}\n{err.read()[-4000:]}"
+    return json.loads(lines[-1][len("RESULT"):])

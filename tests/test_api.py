@@ -197,17 +197,16 @@ def test_weight_argnums(setup):
 
 def test_unsupported_higher_order_primitive_warns():
     """A matmul inside a primitive jqt does not traverse stays float, and the user is told."""
-    from jax.sharding import PartitionSpec as P
-    mesh = jax.make_mesh((1,), ("x",))
-
+    @jax.custom_batching.custom_vmap
     def f(w, x):
-        return jax.shard_map(lambda w, x: x @ w, mesh=mesh, in_specs=(P(), P()), out_specs=P())(w, x)
+        return x @ w
 
+    f.def_vmap(lambda axis_size, in_batched, w, x: (jax.vmap(lambda x: f(w, x))(x), True))
     w, x = jnp.eye(4), jnp.ones((2, 4))
-    with pytest.warns(UserWarning, match="primitive 'shard_map'.*stay float"):
+    with pytest.warns(UserWarning, match="primitive 'custom_vmap_call'.*stay float"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
     assert qp == {}
-    with pytest.warns(UserWarning, match="shard_map"):
+    with pytest.warns(UserWarning, match="custom_vmap_call"):
         np.testing.assert_array_equal(jqt.quantize(f, qp)(w, x), f(w, x))
 
 

@@ -27,7 +27,7 @@ import safetensors.numpy
 import jqt
 from jqt._src import export as jqt_export
 from jqt._src.serialization import FormatError
-from shared import ci_only
+from shared import ci_only, result_json
 
 
 def mlp(p, x):
@@ -187,12 +187,7 @@ def server(models):
 def _server_result():
     proc, out, err = _PROC["proc"], _PROC["out"], _PROC["err"]
     proc.wait(timeout=120)
-    out.seek(0)
-    err.seek(0)
-    text = out.read()
-    lines = [line for line in text.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, f"server process failed:\n{text}\n{err.read()[-4000:]}"
-    return json.loads(lines[-1][len("RESULT"):])
+    return result_json(proc.returncode, out, err, "server process")
 
 
 @pytest.mark.slow  # with the fresh process below, end to end

@@ -6,14 +6,8 @@ Everything runs in one subprocess (``XLA_FLAGS=--xla_force_host_platform_device_
 JSON result. The mesh is ``("data", "model") = (2, 4)``: the batch is split over
 ``"data"``, the weights over ``"model"``.
 """
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import textwrap
-
 import pytest
+from shared import on_devices
 
 # One 8-device subprocess, end to end: in the slow run (CI: pytest -m slow).
 pytestmark = pytest.mark.slow
@@ -400,17 +394,7 @@ _RUN = {}
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", JQT_TESTS_DIR=os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], env=env,
-                              stdout=out, stderr=err, text=True, timeout=300, check=False)
-        out.seek(0)
-        err.seek(0)
-        text = out.read()
-        lines = [line for line in text.splitlines() if line.startswith("RESULT")]
-        assert proc.returncode == 0 and lines, f"subprocess failed:\n{text}\n{err.read()[-4000:]}"
-    return json.loads(lines[-1][len("RESULT"):])
+    return on_devices(_CODE, 8)
 
 
 def _matches(r):

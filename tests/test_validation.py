@@ -983,16 +983,25 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         jax.jit(qf2)(p, x)
 
 
+@jax.custom_batching.custom_vmap
+def _custom_vmap_tanh(w, x):
+    """``tanh(x @ w)`` under ``jax.custom_batching.custom_vmap``: a primitive
+    (``custom_vmap_call``) whose body jqt does not enter."""
+    return jnp.tanh(x @ w)
+
+
+@_custom_vmap_tanh.def_vmap
+def _custom_vmap_tanh_rule(axis_size, in_batched, w, x):
+    return jax.vmap(lambda x: _custom_vmap_tanh(w, x))(x), True
+
+
 def test_ops_inside_a_primitive_jqt_does_not_enter_are_named_with_their_weights():
-    """A matmul inside shard_map stays float; the warning names the weight it reads and
-    what to do (it named the primitive only)."""
-    from jax.sharding import PartitionSpec as P
-    mesh = jax.make_mesh((1,), ("d",))
-    f = lambda p, x: jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(), P()),
-                                   out_specs=P())(p["wq"], x) @ p["wo"]
+    """A matmul inside a custom_vmap function (a primitive jqt does not enter) stays float;
+    the warning names the weight it reads and what to do (it named the primitive only)."""
+    f = lambda p, x: _custom_vmap_tanh(p["wq"], x) @ p["wo"]
     p = {"wq": jnp.asarray(W[:, :3].T @ W[:, :3]), "wo": jnp.asarray(W[:3])}
     x = jnp.asarray(X[:, :3])
-    with pytest.warns(UserWarning, match=r"primitive 'shard_map' .* stay float, with no qparams; "
+    with pytest.warns(UserWarning, match=r"primitive 'custom_vmap_call' .* stay float, with no qparams; "
                       r"they read weight 'wq'\. .*jqt.quantize\(g, qparams\) inside"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert list(qp) == ["wo"]
@@ -1011,12 +1020,9 @@ def test_warnings_point_at_the_line_that_called_jqt():
 
 def test_warnings_raised_inside_a_jax_trace_point_at_the_line_that_called_jqt():
     """The analysis warns while JAX traces jqt's interpreter (here: a matmul inside
-    shard_map stays float): the warning names the caller's line, not JAX's
+    a custom_vmap function stays float): the warning names the caller's line, not JAX's
     (it named jax/_src/interpreters/partial_eval.py)."""
-    from jax.sharding import PartitionSpec as P
-    mesh = jax.make_mesh((1,), ("d",))
-    f = lambda p, x: jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(), P()),
-                                   out_specs=P())(p["wq"], x) @ p["wo"]
+    f = lambda p, x: _custom_vmap_tanh(p["wq"], x) @ p["wo"]
     p = {"wq": jnp.ones((3, 3)), "wo": jnp.ones((3, 2))}
     x = jnp.ones((4, 3))
     for run in (lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False),

@@ -232,7 +232,7 @@ class Analyzer:
                                  if named else "")
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
                                f"ops that jqt cannot rewrite: they stay float, with no qparams{reads}. "
-                               "jqt quantizes inside jit, closed_call, scan, while, cond, remat and "
+                               "jqt quantizes inside jit, closed_call, scan, while, cond, remat, shard_map and "
                                f"custom_jvp/vjp calls only; to quantize these ops, apply jqt to the "
                                f"function {name} calls (calibrate it, and call jqt.quantize(g, "
                                "qparams) inside).")
@@ -330,7 +330,8 @@ class Analyzer:
         name = eqn.primitive.name
         hop = HIGHER_ORDER[eqn.primitive]
         scan_id = -1
-        if name in ("scan", "while"):  # a loop's id: its carries are buffers (loop id, slot)
+        if name in ("scan", "while", "shard_map"):  # a loop's id: its carries are buffers
+            # (loop id, slot); a shard_map's: the blocks it splits a weight into
             self.scan_ids += 1
             scan_id = self.scan_ids
         subs = hop.subs(eqn, ins, scan_id)

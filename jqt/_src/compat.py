@@ -10,6 +10,7 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 import jax.extend.core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import Literal, Primitive  # noqa: F401
@@ -63,6 +64,35 @@ def unsplit(x, dims):
     return jax.sharding.reshard(x, s.update(spec=spec))
 
 
+def explicit_sharding(x):
+    """``x``'s ``NamedSharding`` where it splits a dimension over explicit mesh axes (a
+    concrete array), else ``None``.
+
+    >>> import jax.numpy as jnp
+    >>> explicit_sharding(jnp.ones((2, 3))) is None
+    True
+    """
+    if is_tracer(x) or not isinstance(x, jax.Array) or not sharded_dims(x):
+        return None
+    return x.sharding
+
+
+def zeros(shape, dtype, sharding=None):
+    """Zeros of ``shape`` split as ``sharding`` says (``None``: as JAX places them): in
+    their type under ``jax.jit``, else a concrete array placed so, where JAX asks for a
+    mesh context to type them (outside ``jit``: eagerly, under ``jax.vmap``).
+
+    >>> zeros((2, 3), "float32").shape
+    (2, 3)
+    """
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    try:
+        return jnp.zeros(shape, dtype, out_sharding=sharding)
+    except ValueError:
+        return jnp.zeros(shape, dtype, device=sharding)
+
+
 def replicated_if_split(*xs):
     """``out_sharding`` for a reduction of split rows into a small result (a Gram matrix, a
     histogram): ``PartitionSpec()`` (replicated, an all-reduce) where an operand's type
@@ -95,6 +125,19 @@ def _on_mesh(a) -> bool:
 def _varying(a) -> frozenset:
     mat = getattr(a, "manual_axis_type", None)
     return frozenset() if mat is None else mat.varying
+
+
+def vary_like(x, like):
+    """``x`` typed as varying over every manual mesh axis ``like`` varies over, inside
+    ``jax.shard_map`` (a loop's accumulator of statistics that each device gathers
+    itself); ``x`` itself elsewhere.
+
+    >>> import jax.numpy as jnp
+    >>> vary_like(jnp.zeros(2), jnp.ones(2)).shape
+    (2,)
+    """
+    missing = tuple(sorted(_varying(jax.typeof(like)) - _varying(jax.typeof(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def shaped(shape, dtype, like=(), dims=()):
@@ -280,6 +323,43 @@ custom_vjp_call_p = _prims.custom_vjp_call_p
 scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
+try:  # jax.shard_map's primitive (not in jax.extend's list)
+    from jax._src.shard_map import shard_map_p
+except ImportError:  # pragma: no cover - a release that moved it: shard_map stays float
+    shard_map_p = None
+
+
+def shard_map_axes(eqn) -> tuple:
+    """The mesh axes a ``shard_map`` equation makes manual, in the mesh's order."""
+    p = eqn.params
+    manual = set(p["newly_manual_axes"])
+    return tuple(a for a in p["mesh"].axis_names if a in manual)
+
+
+def spec_names(entry) -> tuple:
+    """A ``PartitionSpec`` entry's mesh axis names: ``()`` for ``None``, ``("x",)`` for
+    ``"x"``, the tuple itself for ``("x", "y")``."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def shard_map_bind(eqn, fn, args, in_specs, out_specs):
+    """``jax.shard_map(fn)(*args)`` with the mesh, manual axes and ``check_vma`` of the
+    ``shard_map`` equation ``eqn``. On explicit mesh axes each argument is first resharded
+    to its spec (a prefix of its tree), as ``shard_map`` takes explicitly sharded inputs
+    only as they are; arguments already so split are unchanged."""
+    p = eqn.params
+    mesh = p["mesh"]
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    if explicit and isinstance(mesh, jax.sharding.Mesh):
+        def put(spec, tree):
+            sh = jax.sharding.NamedSharding(mesh, spec)
+            return jax.tree_util.tree_map(lambda a: jax.reshard(a, sh), tree)
+        args = jax.tree_util.tree_map(put, in_specs, args, is_leaf=lambda s: isinstance(
+            s, jax.sharding.PartitionSpec))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"])(*args)
 
 
 @functools.lru_cache(maxsize=256)

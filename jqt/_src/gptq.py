@@ -95,6 +95,9 @@ def _why_not(site, qp, traced, argnums):
     src = site.source
     if src is None or src.arg not in argnums:
         return "its weight is not a leaf of the weights"
+    if any(c[0] == "shard_split" for c in src.chain):
+        return ("a jax.shard_map splits its weight into blocks, which GPTQ does not re-round "
+                "(each block's Hessian is its device's own)")
     if any(c[0] not in _INVERTIBLE for c in src.chain):
         return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
     uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())

@@ -27,14 +27,17 @@ while any lane is live, a finished lane keeping its carry, as XLA lowers it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from . import compat, kvcache
 from .handlers import QParamsMismatchError
+from .layerview import LayerView
 from .plan import Plan, VarInfo, closed_parts
 
 
@@ -130,6 +133,38 @@ def _cond_outs(eqn, infos, body_outs, _, reads):
         else:
             outs.append(None)
     return outs, {}
+
+
+def shard_splits(eqn, k):
+    """``(axis, blocks, mesh axis names)`` for each axis of operand ``k`` that the
+    ``shard_map`` equation ``eqn`` splits over devices."""
+    spec, shape = eqn.params["in_specs"][k], eqn.params["mesh"].shape
+    out = []
+    for d, entry in enumerate(spec):
+        names = compat.spec_names(entry)
+        if names:
+            out.append((d, int(math.prod(shape[n] for n in names)), names))
+    return tuple(out)
+
+
+def _shard_map_subs(eqn, infos, shard_id):
+    """The body sees each device's block of an operand: a weight split over devices is
+    read per block, one set of parameters per block (stacked in front, as a scan's
+    layers are: ``("shard_split", splits)`` in its chain, ``layout.split_blocks``); a
+    replicated weight is the weight itself. Data operands are plain data inside (a
+    key/value cache passed into the body stays float)."""
+    inner = []
+    for k, info in enumerate(infos):
+        if info.source is None:
+            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected))
+            continue
+        splits = shard_splits(eqn, k)
+        if not splits:
+            inner.append(_const(info))
+            continue
+        s = dataclasses.replace(info.source, chain=info.source.chain + (("shard_split", splits),))
+        inner.append(VarInfo(True, s, info.stack_ids + (shard_id,)))
+    return [(eqn.params["jaxpr"], (), inner)]
 
 
 def _cond_subs(eqn, infos, _):
@@ -373,6 +408,82 @@ def _while(eqn, invals, sub, ctx, evaluate):
     return carry
 
 
+def _layer_split(site, shard_id):
+    """The ``shard_split`` step of ``site``'s chain that the ``shard_map`` ``shard_id``
+    made: the loops and shard_maps that stacked its weight, in order, each own one
+    marker."""
+    markers = [c for c in site.source.chain if c[0] in ("scan_slice", "shard_split")]
+    return markers[site.stack_ids.index(shard_id)][1]
+
+
+def _materialized(entry):
+    """An op's state with a layer view (an outer scan's packed weight read in place)
+    replaced by its layer: what a ``shard_map`` can take as an operand."""
+    if type(entry) is tuple:
+        return tuple(_materialized(e) for e in entry)
+    return entry.sliced if isinstance(entry, LayerView) else entry
+
+
+def _restack(a, manual, sizes, splits):
+    """A statistic each device returned, ``a`` with one leading axis per manual mesh axis,
+    rearranged to ``(devices not splitting the weight, block per split axis, ...)``."""
+    split_names = [n for _, _, names in splits for n in names]
+    rest = [n for n in manual if n not in split_names]
+    order = [manual.index(n) for n in rest + split_names]
+    a = jnp.transpose(a, order + list(range(len(manual), a.ndim)))
+    lead = (math.prod(sizes[n] for n in rest),) + tuple(b for _, b, _ in splits)
+    return a.reshape(lead + a.shape[len(manual):])
+
+
+def _shard_map(eqn, invals, sub, ctx, evaluate):
+    """``jax.shard_map`` rebuilt around the interpreted body. An op whose weight the
+    shard_map splits takes its state per block (a leading axis per split axis, split over
+    the same mesh axes, which the body drops); other ops' state is replicated. Statistics
+    come back from every device, one leading axis per manual mesh axis: an op's blocks
+    keep theirs, and what the devices holding the same block saw is merged as a loop's
+    iterations are."""
+    if getattr(ctx.handler, "named_lanes", None):
+        raise NotImplementedError(  # jqt.report says what to do instead
+            f"ops {sub.keys[:4]}{' ...' if len(sub.keys) > 4 else ''} run inside a jax.shard_map, "
+            "and JAX does not carry a collective over the lanes' named axis into its body")
+    sites = {s.key: s for pl in sub.plans for s in pl.all_sites()}
+    manual = compat.shard_map_axes(eqn)
+    sizes = eqn.params["mesh"].shape
+    splits = {k: _layer_split(s, sub.scan_id) if sub.stacked(s) else () for k, s in sites.items()}
+    state, specs = {}, {}
+    for k, v in _state_for(sub, ctx).items():
+        state[k] = _materialized(v)
+        specs[k] = P(*[names for _, _, names in splits[k]])
+        for leaf in jax.tree_util.tree_leaves(state[k]):
+            lead = tuple(jnp.shape(leaf)[:len(splits[k])])
+            if lead != tuple(b for _, b, _ in splits[k]):
+                raise QParamsMismatchError(
+                    f"jqt: op '{k}' reads a weight that a jax.shard_map splits into blocks "
+                    f"{[b for _, b, _ in splits[k]]} over mesh axes "
+                    f"{[n for _, _, n in splits[k]]}, so its parameters need those leading axes "
+                    f"(one set per block), but one has shape {jnp.shape(leaf)}. The qparams "
+                    "were made for another function or mesh; re-calibrate.")
+    run = _runner(ctx, eqn.params["jaxpr"], (), sub.plans[0], evaluate)
+    collects = ctx.handler.collects
+
+    def body(args, st):
+        st = {k: jax.tree_util.tree_map(lambda a, n=len(splits[k]): a.reshape(a.shape[n:]), v)
+              for k, v in st.items()}
+        outs, so = run(st, *args)
+        if not collects:
+            return list(outs), {}
+        return list(outs), jax.tree_util.tree_map(lambda a: a.reshape((1,) * len(manual) + a.shape), so)
+
+    outs, st_out = compat.shard_map_bind(
+        eqn, body, (list(invals), state), (list(eqn.params["in_specs"]), specs),
+        (list(eqn.params["out_specs"]), P(*manual)))
+    for k, v in st_out.items():
+        v = jax.tree_util.tree_map(lambda a, k=k: _restack(
+            compat.unsplit(a, range(a.ndim)), manual, sizes, splits[k]), v)
+        ctx.put(k, ctx.handler.reduce_iterations({k: v})[k])
+    return outs
+
+
 def _cond(eqn, invals, sub, ctx, evaluate):
     index, ops = invals[0], invals[1:]
     state = _state_for(sub, ctx)
@@ -411,4 +522,6 @@ HIGHER_ORDER = {
     compat.while_p: Hop(_while_subs, _while, outs=_while_outs),
     compat.cond_p: Hop(_cond_subs, _cond, outs=_cond_outs),
 }
+if compat.shard_map_p is not None:
+    HIGHER_ORDER[compat.shard_map_p] = Hop(_shard_map_subs, _shard_map)
 """Higher-order primitive -> :class:`Hop`; a primitive not listed is re-bound unchanged."""

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from . import compat
+
 
 def _tup(x):
     return None if x is None else tuple(int(i) for i in x)
@@ -61,8 +63,34 @@ def record(eqn):
     return rec(eqn.params)
 
 
+def split_blocks(x, splits):
+    """``x`` split into the blocks a ``jax.shard_map`` hands each device: ``splits`` holds
+    ``(axis, blocks, mesh axis names)`` per split axis; each becomes a leading axis of
+    ``blocks`` (in the order of ``splits``), the block's own axes following in their order.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.arange(12).reshape(3, 4)
+    >>> b = split_blocks(x, ((1, 2, ("x",)),))
+    >>> b.shape, b[1].tolist() == x[:, 2:].tolist()
+    ((2, 3, 2), True)
+    """
+    by_axis = {d: n for d, n, _ in splits}
+    shape, blocks, rest = [], [], []
+    for d, size in enumerate(x.shape):
+        if d in by_axis:
+            blocks.append(len(shape))
+            shape += [by_axis[d], size // by_axis[d]]
+            rest.append(len(shape) - 1)
+        else:
+            rest.append(len(shape))
+            shape.append(size)
+    order = {d: b for (d, _, _), b in zip(sorted(splits), blocks)}
+    return lax.transpose(x.reshape(shape), tuple(order[d] for d, _, _ in splits) + tuple(rest))
+
+
 def apply_chain(x, chain):
-    """Replays ``chain`` on ``x``; steps after k ``scan_slice`` markers run under k vmaps.
+    """Replays ``chain`` on ``x``; steps after k ``scan_slice`` markers run under k vmaps,
+    and so do those after a ``shard_split`` of k axes (:func:`split_blocks`).
 
     >>> import jax.numpy as jnp
     >>> apply_chain(jnp.ones((3, 4, 5)), (("scan_slice",), ("transpose", (1, 0)))).shape
@@ -73,6 +101,15 @@ def apply_chain(x, chain):
         name, args = step[0], step[1:]
         if name == "scan_slice":
             depth += 1
+            continue
+        if name == "shard_split":  # the blocks stacked in front, not split over devices
+            # in their type (explicit mesh axes): stacked axes are batch axes of vmaps
+            x = compat.unsplit(x, range(x.ndim)) if x.ndim else x
+            fn = lambda v, splits=args[0]: split_blocks(v, splits)
+            for _ in range(depth):
+                fn = jax.vmap(fn)
+            x = fn(x)
+            depth += len(args[0])
             continue
         fn = lambda v, name=name, args=args: _APPLY[name](v, *args)
         for _ in range(depth):

@@ -28,7 +28,8 @@ class WeightSource:
     layout-only ops (``chain``) that lead from the leaf to the operand.
 
     ``chain`` entries are tuples ``(name, *static_args)``; ``("scan_slice",)``
-    marks the slicing of a stacked leaf by ``lax.scan``. ``float_needed`` is
+    marks the slicing of a stacked leaf by ``lax.scan``, ``("shard_split", splits)`` the
+    blocks of it a ``jax.shard_map`` hands each device (``layout.split_blocks``). ``float_needed`` is
     True when the leaf is used as a float value somewhere else in the
     function, so :func:`jqt.pack` must keep it. ``leaf`` is the leaf's index
     in the flattened argument; ``contract`` the operand axes the op reduces;
@@ -62,8 +63,11 @@ class WeightSource:
 
     @property
     def stack_depth(self) -> int:
-        """How many ``lax.scan`` calls sliced the leaf (leading stacked axes of its qparams)."""
-        return sum(1 for c in self.chain if c[0] == "scan_slice")
+        """How many leading stacked axes its qparams have: one per ``lax.scan`` that sliced
+        the leaf, and one per axis of it a ``jax.shard_map`` splits over devices (one set
+        of parameters per block)."""
+        return sum(1 if c[0] == "scan_slice" else len(c[1]) for c in self.chain
+                   if c[0] in ("scan_slice", "shard_split"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,9 @@ def _unpack(packed: PackedParams):
     for i, x in zip(packed.kept, packed.leaves):
         leaves[i] = x
     for i, a in enumerate(packed.avals):
-        if leaves[i] is None:
-            leaves[i] = jnp.zeros(a.shape, a.dtype)
+        if leaves[i] is None:  # split over explicit mesh axes as the leaf was (jax.shard_map
+            # takes such a leaf only split as its in_specs say)
+            leaves[i] = compat.zeros(a.shape, a.dtype, getattr(a, "sharding", None))
     return jax.tree_util.tree_unflatten(packed.treedef, leaves)
 
 
@@ -401,7 +402,7 @@ def _aval(x):
     """A params leaf's shape and dtype; a non-array leaf (a config string f reads), which
     is kept as it is, as itself (:class:`tracing.Static`)."""
     try:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x))
     except TypeError:
         return tracing.Static(x)
 

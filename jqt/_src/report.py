@@ -47,6 +47,7 @@ class _Measure:
 
     collects = True
     differentiable = False
+    named_lanes = _AXIS  # the lanes are a named vmap axis (not carried into jax.shard_map)
 
     @staticmethod
     def enter_cache(x, qtype):

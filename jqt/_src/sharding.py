@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -63,6 +64,21 @@ def _group_axis(op: OpQParams, wq: QArray, depth: int, pw: QArray):
     return contract[0] if len(contract) == 1 and shape[contract[0]] > 1 else None
 
 
+def _block_spec(op: OpQParams):
+    """The spec of the leading axes of an op's arrays where a ``jax.shard_map`` of the
+    function splits its weight into blocks (``("shard_split", ...)`` in its chain): each
+    split axis's mesh axes, ``None`` for a scan's layers; ``None`` for other ops."""
+    if op.source is None or not any(c[0] == "shard_split" for c in op.source.chain):
+        return None
+    lead = []
+    for c in op.source.chain:
+        if c[0] == "scan_slice":
+            lead.append(None)
+        elif c[0] == "shard_split":
+            lead += [names[0] if len(names) == 1 else tuple(names) for _, _, names in c[1]]
+    return P(*lead)
+
+
 def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",
                      ops: Sequence[tuple[str, str | None]] = (),
                      leaves: Sequence[tuple[str, Any]] = ()):
@@ -77,7 +93,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     replicated, a grouped weight's scale, zero point and sums split by group with it:
     each device computes a partial sum, which XLA all-reduces); or replicated (``None``).
     An axis whose size the mesh axis does not divide is replicated. Activation
-    scales and zero points are replicated. Float leaves kept in ``packed`` (biases,
+    scales and zero points are replicated. An op whose weight the function's own
+    ``jax.shard_map`` splits (one set of codes and scales per block, stacked in front) is
+    split as that ``shard_map`` splits it, whatever ``axis`` and ``ops`` say. Float leaves kept in ``packed`` (biases,
     norms) are replicated unless a ``leaves`` rule says otherwise.
 
     Args:
@@ -115,10 +133,11 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             except (re.error, TypeError, IndexError) as e:
                 raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: its first item must "
                                  f"be a regular expression ({e}).") from None
-    if axis not in mesh.shape:
+    if axis not in mesh.shape and not all(_block_spec(op) is not None for op in qparams.values()
+                                          if isinstance(op, OpQParams)):
         raise ValueError(f"jqt.packed_shardings: the mesh has axes {tuple(mesh.shape)}, "
                          f"not {axis!r}.")
-    size = mesh.shape[axis]
+    size = mesh.shape.get(axis, 1)
     rep = NamedSharding(mesh, P())
 
     def sharding(shape, dim):
@@ -139,6 +158,19 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             raise ValueError(f"jqt.packed_shardings: rule for op '{key}' gives {mode!r}; use "
                              "'out', 'in' or None.")
         pw = packed.weights.get(key)
+        blocks = _block_spec(op)
+        if blocks is not None:  # split by the function's own jax.shard_map: as it splits them
+            missing = [n for e in blocks for n in ((e,) if isinstance(e, str) else e or ())
+                       if n not in mesh.shape]
+            if missing:
+                raise ValueError(f"jqt.packed_shardings: op '{key}' reads its weight in blocks a "
+                                 f"jax.shard_map splits over mesh axes {missing}, which the mesh "
+                                 f"(axes {tuple(mesh.shape)}) lacks; pass the shard_map's mesh.")
+            put = lambda a: None if a is None else NamedSharding(mesh, blocks)
+            qp_sh[key] = jax.tree_util.tree_map(put, op)
+            if pw is not None:
+                w_sh[key] = jax.tree_util.tree_map(put, pw)
+            continue
         w = op.weight_operand
         depth = op.source.stack_depth if op.source is not None else 0
         wq = None if w is None else op.operand(w)

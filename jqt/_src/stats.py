@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import compat
+
 
 @jax.tree_util.register_pytree_node_class
 class SiteStats:
@@ -120,7 +122,9 @@ def reduce_stacked(stacked: SiteStats) -> SiteStats:
     if not leaves:
         return stacked
     first = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-    out, _ = lax.scan(lambda acc, s: (combine(acc, s), None), empty(first), stacked,
+    # inside jax.shard_map: the accumulator varies over the mesh axes the statistics do
+    init = jax.tree_util.tree_map(compat.vary_like, empty(first), stacked)
+    out, _ = lax.scan(lambda acc, s: (combine(acc, s), None), init, stacked,
                       length=leaves[0].shape[0])
     return out
 

@@ -159,7 +159,7 @@ def step_unstacked(params, cache, token, config=CONFIG):
         q, k, v = decoder._qkv(config, layer, h, pos[None])
         kc = jax.lax.dynamic_update_slice(kc, k, (0, pos, 0, 0))
         vc = jax.lax.dynamic_update_slice(vc, v, (0, pos, 0, 0))
-        h = decoder._finish(layer, h, decoder._attend(q, kc, vc, mask))
+        h = decoder._finish(config, layer, h, decoder._attend(q, kc, vc, mask))
         ks.append(kc)
         vs.append(vc)
     return decoder._logits(params, h[:, 0]), {"k": ks, "v": vs, "pos": pos + 1}

@@ -135,11 +135,16 @@ def _attend(q, k, v, mask):
     return out.reshape(B, Tq, H * D)
 
 
-def _finish(layer, h, attention):
-    """The rest of a block: output projection and the SwiGLU MLP, each with its residual."""
-    h = h + attention @ layer["wo"]
+def _finish(config, layer, h, attention):
+    """The rest of a block: output projection and the SwiGLU MLP, each with its residual.
+    A config with a ``tp_axis`` (tensor parallelism: the heads and d_ff split over that
+    ``jax.shard_map`` mesh axis, examples/tensor_parallel.py) sums the two projections'
+    partial results over the devices."""
+    axis = getattr(config, "tp_axis", None)
+    total = (lambda y: jax.lax.psum(y, axis)) if axis else (lambda y: y)
+    h = h + total(attention @ layer["wo"])
     x = rms_norm(h, layer["mlp_norm"])
-    return h + (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+    return h + total((jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"])
 
 
 def _logits(params, h):
@@ -154,7 +159,7 @@ def _run(params, tokens, config, keep_kv):
 
     def block(h, layer):
         q, k, v = _qkv(config, layer, h, positions)
-        return _finish(layer, h, _attend(q, k, v, mask)), ((k, v) if keep_kv else None)
+        return _finish(config, layer, h, _attend(q, k, v, mask)), ((k, v) if keep_kv else None)
 
     return jax.lax.scan(block, params["embed"][tokens], params["layers"])
 
@@ -196,7 +201,7 @@ def decode_step(params, cache, token, config=None):
         q, k, v = _qkv(config, layer, h, pos[None])
         k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, pos, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, pos, 0, 0))
-        return _finish(layer, h, _attend(q, k_cache, v_cache, mask)), (k_cache, v_cache)
+        return _finish(config, layer, h, _attend(q, k_cache, v_cache, mask)), (k_cache, v_cache)
 
     h, (k, v) = jax.lax.scan(block, params["embed"][token[:, None]],
                              (params["layers"], cache["k"], cache["v"]))

@@ -53,14 +53,14 @@ VARIANTS = {
 }
 
 
-def teacher(params, prompt, tokens):
+def teacher(params, prompt, tokens, config=None):
     """The decode loop fed ``tokens`` (B, n) after ``prompt`` (B, P): the greedy next
     token (B, n) predicted at each step (prefill, then a scan over steps, each a scan
     over layers with the cache in the carry, as in ``decoder.generate``)."""
-    logits, cache = D.prefill(params, prompt, prompt.shape[1] + tokens.shape[1])
+    logits, cache = D.prefill(params, prompt, prompt.shape[1] + tokens.shape[1], config)
 
     def step(cache, token):
-        logits, cache = D.decode_step(params, cache, token)
+        logits, cache = D.decode_step(params, cache, token, config)
         return cache, jnp.argmax(logits, -1).astype(jnp.int32)
 
     first = jnp.argmax(logits, -1).astype(jnp.int32)
@@ -146,18 +146,31 @@ def first_divergence(a, b):
     return int(diff[0]) if diff.size else None
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def decoder_parser(doc):
+    """The arguments of the examples that run the trained decoder (this one and
+    examples/tensor_parallel.py): its size and the agreement's prompts and tokens."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny decoder (tests)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts for the agreement")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per prompt for the agreement")
-    parser.add_argument("--length", type=int, default=200, help="tokens of the greedy sample")
-    parser.add_argument("--calibration", type=int, default=4, help="calibration batches of 4 prompts")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def load_decoder(args):
+    """The decoder's (config, params), trained or loaded from its cache, said in one line."""
     config = D.TINY if args.tiny else D.DEFAULT
     params, info = D.load_or_train(config, D.TINY_STEPS if args.tiny else D.DEFAULT_STEPS)
     print(f"decoder: {D.param_count(params):,} parameters, held-out loss {info['heldout_loss']:.4f} nats/byte "
           f"({'loaded' if info['loaded'] else 'trained'})")
+    return config, params
+
+
+def main(argv=None):
+    parser = decoder_parser(__doc__)
+    parser.add_argument("--length", type=int, default=200, help="tokens of the greedy sample")
+    parser.add_argument("--calibration", type=int, default=4, help="calibration batches of 4 prompts")
+    args = parser.parse_args(argv)
+    config, params = load_decoder(args)
 
     gen = functools.partial(D.generate, steps=args.length)
     # calibration runs the function being quantized: prompts from the training split

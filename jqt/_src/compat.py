@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import jax.extend.core as jex_core
 from jax.extend import source_info_util
 from jax.extend.core import Literal, Primitive  # noqa: F401
@@ -62,6 +63,23 @@ def unsplit(x, dims):
     s = jax.typeof(x).sharding
     spec = jax.sharding.PartitionSpec(*(None if i in keep else a for i, a in enumerate(s.spec)))
     return jax.sharding.reshard(x, s.update(spec=spec))
+
+
+def whole(x):
+    """``x`` not split over devices: a concrete array split over explicit mesh axes
+    gathered through the host (eager device collectives, dispatched one after another, can
+    stall XLA:CPU's in-process rendezvous), a traced one resharded in the program; others
+    unchanged.
+
+    >>> import jax.numpy as jnp
+    >>> whole(jnp.ones((2, 3))).shape
+    (2, 3)
+    """
+    if not getattr(x, "ndim", 0):
+        return x
+    if not is_tracer(x) and isinstance(x, jax.Array) and sharded_dims(x):
+        return jnp.asarray(np.asarray(x))
+    return unsplit(x, range(x.ndim))
 
 
 def explicit_sharding(x):

@@ -104,7 +104,7 @@ def apply_chain(x, chain):
             continue
         if name == "shard_split":  # the blocks stacked in front, not split over devices
             # in their type (explicit mesh axes): stacked axes are batch axes of vmaps
-            x = compat.unsplit(x, range(x.ndim)) if x.ndim else x
+            x = compat.whole(x)
             fn = lambda v, splits=args[0]: split_blocks(v, splits)
             for _ in range(depth):
                 fn = jax.vmap(fn)

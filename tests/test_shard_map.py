@@ -206,6 +206,74 @@ R["tp_decode"] = {"int_sim": err(y, sim), "max": float(jnp.abs(sim).max()),
                   "agree": float(jnp.mean(jnp.argmax(y, -1) == jnp.argmax(decode(pd, toks), -1))),
                   "keys": sorted(q), "wq_scale": list(jnp.shape(q["wq"].rhs.scale)), "cache_dtypes": cache_dtypes}
 
+# 6b. the decode step as servers write it: shard_map inside, the cache (heads split over
+# devices) taken and returned, called from Python; and a lax.scan over that step
+def tp_step(p, cache, tok, pos, spec=P(None, None, "x", None)):
+    def inner(emb, wq, wk, wv, wo, k_c, v_c, tok, pos):
+        B, h = tok.shape[0], wq.shape[1] // D
+        x = emb[tok]
+        q = (x @ wq).reshape(B, h, D)
+        k_c = jax.lax.dynamic_update_slice(k_c, (x @ wk).reshape(B, 1, h, D), (0, pos, 0, 0))
+        v_c = jax.lax.dynamic_update_slice(v_c, (x @ wv).reshape(B, 1, h, D), (0, pos, 0, 0))
+        s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", q, k_c) / 2.0, -1e9)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), v_c).reshape(B, h * D)
+        return jax.lax.psum(o @ wo, "x") @ emb.T, k_c, v_c
+    logits, k, v = jax.shard_map(
+        inner, mesh=EXPLICIT, in_specs=(P(), P(None, "x"), P(None, "x"), P(None, "x"), P("x", None), spec, spec,
+                                        P(), P()), out_specs=(P(), spec, spec))(
+        p["emb"], p["wq"], p["wk"], p["wv"], p["wo"], cache["k"], cache["v"], tok, pos)
+    return logits, {"k": k, "v": v}
+
+def tp_scan(p, cache, toks):
+    def body(cache, t):
+        logits, cache = tp_step(p, cache, toks[:, t], t)
+        return cache, jnp.argmax(logits, -1)
+    return jax.lax.scan(body, cache, jnp.arange(T))[1]
+
+for name, spec in (("heads", P(None, None, "x", None)),):
+    step = lambda p, c, t, i, spec=spec: tp_step(p, c, t, i, spec)
+    cs = NamedSharding(EXPLICIT, spec)
+    cache0 = {n: jax.device_put(jnp.zeros((2, T, H, D)), cs) for n in ("k", "v")}
+    fstep, cal, c = jax.jit(step), [], cache0
+    for t in range(4):
+        cal.append((c, toks[:, t], jnp.int32(t)))
+        c = fstep(pd, c, toks[:, t], jnp.int32(t))[1]
+    q = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=True), pd, cal, progress=False)
+    qstep, packed_s = jax.jit(jqt.quantize(step, q)), jqt.pack(q, pd)
+    qc, fc, same = cache0, cache0, []
+    for t in range(T):
+        lq, qc = qstep(packed_s, qc, toks[:, t], jnp.int32(t))
+        lf, fc = fstep(pd, fc, toks[:, t], jnp.int32(t))
+        same.append(float(jnp.mean(jnp.argmax(lq, -1) == jnp.argmax(lf, -1))))
+    k = qc["k"]
+    R[f"step/{name}"] = {"agree": float(np.mean(same)), "type": type(k).__name__,
+                         "dtype": str(getattr(k, "values", k).dtype),
+                         "codes_shard": list(getattr(k, "values", k).addressable_shards[0].data.shape)}
+def split_vectors(p, cache, h, pos):  # a cache whose vectors (its last axis) are split
+    def inner(w, c, h, pos):
+        x = (h @ w)[:, None]
+        c = jax.lax.dynamic_update_slice(c, x, (0, pos, 0))
+        return jax.lax.psum(jnp.einsum("bf,btf->bt", x[:, 0], c), "x"), c
+    return jax.shard_map(inner, mesh=EXPLICIT, in_specs=(P(None, "x"), P(None, None, "x"), P(), P()),
+                         out_specs=(P(), P(None, None, "x")))(p["w"], cache, h, pos)
+pw = {"w": jax.device_put(P_TP["w1"], NamedSharding(EXPLICIT, P(None, "x")))}
+cv = jax.device_put(jnp.zeros((2, T, 32)), NamedSharding(EXPLICIT, P(None, None, "x")))
+with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    q = jqt.calibrate(split_vectors, jqt.recipes.w8a8_dynamic(kv_cache=True), pw, [(cv, X[:2], jnp.int32(0))],
+                      progress=False)
+out = jqt.quantize(split_vectors, q)(jqt.pack(q, pw), cv, X[:2], jnp.int32(0))[1]
+R["step/split_vectors"] = {"keys": sorted(q), "dtype": str(out.dtype), "warnings": [str(w.message) for w in got]}
+q = jqt.calibrate(tp_scan, jqt.recipes.w8a8_dynamic(kv_cache=True), pd,
+                  [({n: jax.device_put(jnp.zeros((2, T, H, D)), NamedSharding(EXPLICIT, P(None, None, "x", None)))
+                     for n in ("k", "v")}, toks)], progress=False)
+c0 = {n: jax.device_put(jnp.zeros((2, T, H, D)), NamedSharding(EXPLICIT, P(None, None, "x", None))) for n in ("k", "v")}
+jx = jax.make_jaxpr(jqt.quantize(tp_scan, q))(jqt.pack(q, pd), c0, toks)
+loop = next(e for e in all_eqns(jx) if e.primitive.name == "scan" and e.params["length"] == T)
+R["step/scan"] = {"carry_dtypes": sorted({str(v.aval.dtype) for v in loop.invars if v.aval.ndim == 4}),
+                  "agree": float(jnp.mean(jax.jit(jqt.quantize(tp_scan, q))(jqt.pack(q, pd), c0, toks)
+                                          == tp_scan(pd, c0, toks)))}
+
 # 7. a vocabulary-parallel embedding (the table split by rows, each device looking up its
 # own ids) and a weight the body closes over (auto axes: JAX passes it replicated)
 VOC = normal((32, 16), 0.5)
@@ -371,3 +439,19 @@ def test_vocabulary_parallel_embedding_and_a_closed_over_weight(result):
     r = result["vocab"]
     assert r["emb_scale"] == [4, 8, 1] and r["w_scale"] == [1, 16], r
     assert _small(r) and 0 < r["sim_err"] < 0.05, r
+
+
+def test_decode_step_with_a_cache_split_by_heads_returns_it_quantized(result):
+    """A server's step (shard_map inside, the cache split by heads over the 4 devices,
+    taken and returned, called once per token from Python) returns the cache as int8
+    codes still split by heads (each device: its one head), with float's next tokens; a
+    lax.scan over that step carries it int8. A cache split along its vectors (its last
+    axis) stays float: one scale per vector cannot be split."""
+    r = result["step/heads"]
+    assert r["type"] == "QArray" and r["dtype"] == "int8" and r["codes_shard"] == [2, 12, 1, 4], r
+    assert r["agree"] >= 0.95, r
+    r = result["step/split_vectors"]
+    assert "kv_cache_0" not in r["keys"] and r["dtype"] == "float32", r
+    assert any("shard_map splits along that axis" in w for w in r["warnings"]), r
+    r = result["step/scan"]
+    assert "int8" in r["carry_dtypes"] and "float32" not in r["carry_dtypes"] and r["agree"] >= 0.95, r

@@ -339,7 +339,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
                          "that it writes whole vectors into, and f returns no argument so written: "
                          "every buffer stays float. "
                          "docs/generate.md lists the cache patterns jqt finds and those it does not "
-                         "(a cache masked with jnp.where along its last axis, a write of part of that axis).")
+                         "(a cache masked with jnp.where along its last axis, a write of part of that axis, "
+                         "a cache a jax.shard_map splits along that axis).")
     elif wants_cache and lookalikes:
         where, slot = lookalikes[0]
         diagnostics.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "

@@ -82,17 +82,19 @@ def whole(x):
     return unsplit(x, range(x.ndim))
 
 
-def explicit_sharding(x):
+def explicit_sharding(x, traced=False):
     """``x``'s ``NamedSharding`` where it splits a dimension over explicit mesh axes (a
-    concrete array), else ``None``.
+    concrete array; with ``traced``, a traced one's, from its type), else ``None``.
 
     >>> import jax.numpy as jnp
     >>> explicit_sharding(jnp.ones((2, 3))) is None
     True
     """
-    if is_tracer(x) or not isinstance(x, jax.Array) or not sharded_dims(x):
+    if not sharded_dims(x):
         return None
-    return x.sharding
+    if is_tracer(x):
+        return jax.typeof(x).sharding if traced else None
+    return x.sharding if isinstance(x, jax.Array) else None
 
 
 def zeros(shape, dtype, sharding=None):

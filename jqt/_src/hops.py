@@ -151,12 +151,15 @@ def _shard_map_subs(eqn, infos, shard_id):
     """The body sees each device's block of an operand: a weight split over devices is
     read per block, one set of parameters per block (stacked in front, as a scan's
     layers are: ``("shard_split", splits)`` in its chain, ``layout.split_blocks``); a
-    replicated weight is the weight itself. Data operands are plain data inside (a
-    key/value cache passed into the body stays float)."""
+    replicated weight is the weight itself. A key/value cache passed in is each device's
+    block of it (quantized as a whole where the shard_map keeps its last axis whole)."""
     inner = []
     for k, info in enumerate(infos):
-        if info.source is None:
-            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected))
+        if info.source is None:  # data; a buffer (a key/value cache) is its block of it,
+            # unless its vectors are split over devices (one scale per vector: a split last axis)
+            whole = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
+            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
+                                 buffer=info.buffer if whole else (), writes=info.writes if whole else ()))
             continue
         splits = shard_splits(eqn, k)
         if not splits:
@@ -165,6 +168,13 @@ def _shard_map_subs(eqn, infos, shard_id):
         s = dataclasses.replace(info.source, chain=info.source.chain + (("shard_split", splits),))
         inner.append(VarInfo(True, s, info.stack_ids + (shard_id,)))
     return [(eqn.params["jaxpr"], (), inner)]
+
+
+def _shard_map_outs(eqn, infos, body_outs, _, reads):
+    """A buffer the body returns (written or not) is still that buffer: a key/value cache
+    each device writes its block of."""
+    return [VarInfo(False, buffer=o.buffer, writes=o.writes) if o.buffer else None
+            for o in body_outs[0]], {}
 
 
 def _cond_subs(eqn, infos, _):
@@ -523,5 +533,5 @@ HIGHER_ORDER = {
     compat.cond_p: Hop(_cond_subs, _cond, outs=_cond_outs),
 }
 if compat.shard_map_p is not None:
-    HIGHER_ORDER[compat.shard_map_p] = Hop(_shard_map_subs, _shard_map)
+    HIGHER_ORDER[compat.shard_map_p] = Hop(_shard_map_subs, _shard_map, outs=_shard_map_outs)
 """Higher-order primitive -> :class:`Hop`; a primitive not listed is re-bound unchanged."""

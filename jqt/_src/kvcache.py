@@ -199,7 +199,8 @@ def placeholders(args):
                 f"jqt: an argument is a key/value cache {x!r} without codes, scales or the float "
                 "dtype it stands for (float_dtype). Pass back the cache the quantized "
                 "function returned, as it is, or a float buffer.")
-        return jnp.zeros(float_shape(x), x.float_dtype)
+        # split over explicit mesh axes as the codes are (a cache jax.shard_map splits by heads)
+        return compat.zeros(float_shape(x), x.float_dtype, compat.explicit_sharding(x.values, traced=True))
     return jax.tree_util.tree_map(one, args, is_leaf=is_cache)
 
 

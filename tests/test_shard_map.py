@@ -135,6 +135,14 @@ exp = jax.export.export(jax.jit(qf))(packed, x)
 with tempfile.TemporaryDirectory() as d:
     jqt.save(os.path.join(d, "q.jqt"), qp)
     qp_loaded = jqt.load(os.path.join(d, "q.jqt"))
+    jqt.save_packed(os.path.join(d, "p.safetensors"), packed)
+    packed_like = jqt.load_packed(os.path.join(d, "p.safetensors"), like=p)  # split as f takes them
+    packed_bare = jqt.load_packed(os.path.join(d, "p.safetensors"))
+try:
+    qf(packed_bare, x)
+    bare = "no error"
+except ValueError as e:
+    bare = str(e)
 try:
     jqt.report(f, qp, p, (x,))
     report = "no error"
@@ -146,6 +154,7 @@ R["compose"] = {
     "export_err": err(exp.call(packed, x), qf(packed, x)),
     "loaded_same": err(jqt.quantize(f, qp_loaded)(packed, x), qf(packed, x)),
     "loaded_chain": [list(map(str, c)) for c in qp_loaded["w1"].source.chain],
+    "packed_file_err": err(jax.jit(qf)(packed_like, x), qf(packed, x)), "packed_bare": bare,
     "report": report}
 
 # packed weights and qparams placed as the shard_map splits them (jqt.packed_shardings)
@@ -274,6 +283,22 @@ R["step/scan"] = {"carry_dtypes": sorted({str(v.aval.dtype) for v in loop.invars
                   "agree": float(jnp.mean(jax.jit(jqt.quantize(tp_scan, q))(jqt.pack(q, pd), c0, toks)
                                           == tp_scan(pd, c0, toks)))}
 
+# 6c. a weight split along both axes over a 2-D mesh: a block per (row, column) block
+def two_d(p, x):
+    return jax.shard_map(lambda w, x: jax.lax.psum(x @ w, "data"), mesh=MESH2,
+                         in_specs=(P("data", "model"), P(None, "data")), out_specs=P(None, "model"))(p["w"], x)
+p2d = {"w": jax.device_put(P_TP["w1"], NamedSharding(MESH2, P("data", "model")))}
+x2d = jax.device_put(X, NamedSharding(MESH2, P(None, "data")))
+for rname, recipe in (("w8a8", jqt.recipes.w8a8()), ("w4_g4", jqt.recipes.w4(group_size=4))):
+    q = jqt.calibrate(two_d, recipe, p2d, [(x2d,)], progress=False)
+    sim = jqt.quantize(two_d, q, simulate=True)(p2d, x2d)
+    pk = jqt.pack(q, p2d)
+    qq, pp = jax.device_put((q, pk), jqt.packed_shardings(q, pk, MESH2))
+    y = jax.jit(lambda a, b, c: jqt.quantize(two_d, a)(b, c))(qq, pp, x2d)
+    R[f"two_d/{rname}"] = {"int_sim": err(y, sim), "sim_err": err(sim, two_d(p2d, x2d)),
+                           "scale_shape": list(jnp.shape(q["w"].rhs.scale)),
+                           "codes_shard": list(pp.weights["w"].values.addressable_shards[0].data.shape)}
+
 # 7. a vocabulary-parallel embedding (the table split by rows, each device looking up its
 # own ids) and a weight the body closes over (auto axes: JAX passes it replicated)
 VOC = normal((32, 16), 0.5)
@@ -363,6 +388,10 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result):
     assert r["grad_rel"] < 0.05, r
     assert r["vmap_err"] <= 1e-6 and r["export_err"] <= 1e-6 and r["loaded_same"] == 0.0, r
     assert r["loaded_chain"][0][0] == "shard_split", r
+    # packed files: loaded with like= (the params as f takes them, split), the same; without,
+    # the error says what to pass
+    assert r["packed_file_err"] == 0.0, r
+    assert "jqt.load_packed(path, like=params)" in r["packed_bare"], r
 
 
 def test_report_and_mismatched_qparams_say_what_to_do(result):
@@ -455,3 +484,12 @@ def test_decode_step_with_a_cache_split_by_heads_returns_it_quantized(result):
     assert any("shard_map splits along that axis" in w for w in r["warnings"]), r
     r = result["step/scan"]
     assert "int8" in r["carry_dtypes"] and "float32" not in r["carry_dtypes"] and r["agree"] >= 0.95, r
+
+
+@pytest.mark.parametrize("recipe", ["w8a8", "w4_g4"])
+def test_weight_split_along_both_axes_of_a_2d_mesh(result, recipe):
+    """A weight split by rows over "data" and by columns over "model": two leading block
+    axes ``(2, 2, ...)`` in its qparams and packed codes, each device holding its block."""
+    r = result[f"two_d/{recipe}"]
+    assert r["scale_shape"][:2] == [2, 2] and r["codes_shard"][:2] == [1, 1], r
+    assert _small(r) and 0 < r["sim_err"] < 0.4, r

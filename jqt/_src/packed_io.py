@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from . import compat, validate
 from .analysis import path_str
@@ -188,7 +189,9 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape(model.init, ...)``): its
         structure replaces the one described in the file (needed when the params
         tree holds node types jqt cannot describe, such as ``nnx.State`` or an
-        Equinox module); its leaves' shapes and dtypes must match the file's.
+        Equinox module); its leaves' shapes and dtypes must match the file's. Leaves
+        split over explicit mesh axes in it (a weight a ``jax.shard_map`` of ``f`` takes
+        split) are traced split so, as ``jax.shard_map`` requires.
       qparams: optional qparams to check the weights against (the op keys, the
         weights' shapes against the per-channel scales, and, when the file holds
         qparams too, that the weights were quantized with the same weight scales).
@@ -283,6 +286,8 @@ def _read_packed(r, path, like):
     h = r.header
     avals, paths = _read_avals(r, h)
     treedef = _check_like(like, avals, paths, path) if like is not None else _read_tree(r, h, avals)
+    if like is not None:  # leaves split over explicit mesh axes in like= trace split so
+        avals = [_split_as(a, x) for a, x in zip(avals, jax.tree_util.tree_leaves(like))]
     kept, leaves = _read_leaves(r, h, avals, paths)
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
@@ -532,6 +537,17 @@ def _check_tied(r, tied, weights):
     if loose:
         raise r.error(f"packed weight '{loose[0]}' has layout 'tied' but is tied to no matmul")
     return [tuple(t) for t in tied]
+
+
+def _split_as(aval, x):
+    """``aval`` with the ``NamedSharding`` of the template leaf ``x`` where it splits a
+    dimension (an array or a ``jax.ShapeDtypeStruct`` placed on explicit mesh axes): the
+    quantized function traces that leaf so (``jax.shard_map`` takes such a leaf only split
+    as its ``in_specs`` say)."""
+    sh = None if compat.is_tracer(x) else getattr(x, "sharding", None)
+    if not isinstance(sh, NamedSharding) or not any(e is not None for e in sh.spec):
+        return aval
+    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
 
 
 def _check_like(like, avals, paths, path):

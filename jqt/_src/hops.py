@@ -157,9 +157,9 @@ def _shard_map_subs(eqn, infos, shard_id):
     for k, info in enumerate(infos):
         if info.source is None:  # data; a buffer (a key/value cache) is its block of it,
             # unless its vectors are split over devices (one scale per vector: a split last axis)
-            whole = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
+            keeps = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
             inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
-                                 buffer=info.buffer if whole else (), writes=info.writes if whole else ()))
+                                 buffer=info.buffer if keeps else (), writes=info.writes if keeps else ()))
             continue
         splits = shard_splits(eqn, k)
         if not splits:
@@ -488,8 +488,7 @@ def _shard_map(eqn, invals, sub, ctx, evaluate):
         eqn, body, (list(invals), state), (list(eqn.params["in_specs"]), specs),
         (list(eqn.params["out_specs"]), P(*manual)))
     for k, v in st_out.items():
-        v = jax.tree_util.tree_map(lambda a, k=k: _restack(
-            compat.unsplit(a, range(a.ndim)), manual, sizes, splits[k]), v)
+        v = jax.tree_util.tree_map(lambda a, k=k: _restack(compat.whole(a), manual, sizes, splits[k]), v)
         ctx.put(k, ctx.handler.reduce_iterations({k: v})[k])
     return outs
 

@@ -35,7 +35,8 @@ from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
 _F32 = jnp.float32
-_INVERTIBLE = {"transpose", "reshape", "convert", "squeeze", "rev", "copy", "scan_slice", "slice"}
+_INVERTIBLE = {"transpose", "reshape", "convert", "squeeze", "rev", "copy", "scan_slice", "slice",
+               "shard_split"}  # shard_split: the blocks of a jax.shard_map, each with its Hessian
 
 
 class _Hessians:
@@ -66,9 +67,10 @@ class _Hessians:
             xc = tuple(rest.index(d) + len(xb) for d in site.contract[1 - w])
             r = transforms.rows(x, xc).reshape(lead + (-1, math.prod(x.shape[d] for d in xc)))
             k = r.shape[-1]
-            h = lax.cond(take > 0, lambda: jnp.einsum("...mk,...ml->...kl", r, r,
-                                                      out_sharding=compat.replicated_if_split(r)),
-                         lambda: jnp.zeros(lead + (k, k), _F32))
+            gram = lambda: jnp.einsum("...mk,...ml->...kl", r, r, out_sharding=compat.replicated_if_split(r))
+            # inside jax.shard_map the zeros vary over the mesh axes the Gram matrix does
+            h = lax.cond(take > 0, gram, lambda: compat.vary_like(
+                jnp.zeros(lead + (k, k), _F32), jax.eval_shape(gram)))
             ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[-2], 0).astype(_F32)})
         return outs
 
@@ -95,9 +97,6 @@ def _why_not(site, qp, traced, argnums):
     src = site.source
     if src is None or src.arg not in argnums:
         return "its weight is not a leaf of the weights"
-    if any(c[0] == "shard_split" for c in src.chain):
-        return ("a jax.shard_map splits its weight into blocks, which GPTQ does not re-round "
-                "(each block's Hessian is its device's own)")
     if any(c[0] not in _INVERTIBLE for c in src.chain):
         return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
     uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())
@@ -392,4 +391,7 @@ def _stack_shape(src, argnums, params_t):
     if src is None or not src.stack_depth or src.arg not in argnums:
         return ()
     leaf = jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])[src.leaf]
-    return tuple(np.shape(leaf)[:src.stack_depth])
+    # the leaf's layers, and the blocks a jax.shard_map splits it into, stacked in front
+    shape = jax.eval_shape(lambda a: apply_chain(a, src.chain),
+                           jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))).shape
+    return tuple(shape[:src.stack_depth])

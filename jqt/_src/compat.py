@@ -84,17 +84,18 @@ def whole(x):
 
 def explicit_sharding(x, traced=False):
     """``x``'s ``NamedSharding`` where it splits a dimension over explicit mesh axes (a
-    concrete array; with ``traced``, a traced one's, from its type), else ``None``.
+    concrete array or a ``jax.ShapeDtypeStruct`` template placed so; with ``traced``, a
+    traced one's, from its type), else ``None``.
 
     >>> import jax.numpy as jnp
     >>> explicit_sharding(jnp.ones((2, 3))) is None
     True
     """
-    if not sharded_dims(x):
+    if not hasattr(x, "shape") or not sharded_dims(x):
         return None
     if is_tracer(x):
         return jax.typeof(x).sharding if traced else None
-    return x.sharding if isinstance(x, jax.Array) else None
+    return x.sharding
 
 
 def zeros(shape, dtype, sharding=None):

@@ -9,7 +9,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from . import compat, validate
 from .analysis import path_str
@@ -541,13 +540,10 @@ def _check_tied(r, tied, weights):
 
 def _split_as(aval, x):
     """``aval`` with the ``NamedSharding`` of the template leaf ``x`` where it splits a
-    dimension (an array or a ``jax.ShapeDtypeStruct`` placed on explicit mesh axes): the
-    quantized function traces that leaf so (``jax.shard_map`` takes such a leaf only split
-    as its ``in_specs`` say)."""
-    sh = None if compat.is_tracer(x) else getattr(x, "sharding", None)
-    if not isinstance(sh, NamedSharding) or not any(e is not None for e in sh.spec):
-        return aval
-    return jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
+    dimension over explicit mesh axes: the quantized function traces that leaf so
+    (``jax.shard_map`` takes such a leaf only split as its ``in_specs`` say)."""
+    sh = compat.explicit_sharding(x)
+    return aval if sh is None else jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
 
 
 def _check_like(like, avals, paths, path):

@@ -179,7 +179,17 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 packed.update({k: args[a].weight(k) for k in args[a].weights})
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
-        traced = tracer(args)
+        try:
+            traced = tracer(args)
+        except ValueError as e:
+            if not dropped or "does not match the specs of the input" not in str(e):
+                raise
+            raise ValueError(
+                f"{e}\njqt: f was traced with zeros in place of the weights jqt.pack dropped, "
+                "split over explicit mesh axes as the params it packed were (or as like= says, "
+                "for jqt.load_packed); a jax.shard_map of f takes them only split as its "
+                "in_specs say. Pack the params as f takes them, or load the packed file with "
+                "jqt.load_packed(path, like=params) where params are so split.") from e
         empty = _some_empty(args, argnums)
         _check_folded(packed, folds)
         try:

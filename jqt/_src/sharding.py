@@ -166,7 +166,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                 raise ValueError(f"jqt.packed_shardings: op '{key}' reads its weight in blocks a "
                                  f"jax.shard_map splits over mesh axes {missing}, which the mesh "
                                  f"(axes {tuple(mesh.shape)}) lacks; pass the shard_map's mesh.")
-            put = lambda a: None if a is None else NamedSharding(mesh, blocks)
+            put = lambda a: NamedSharding(mesh, blocks)
             qp_sh[key] = jax.tree_util.tree_map(put, op)
             if pw is not None:
                 w_sh[key] = jax.tree_util.tree_map(put, pw)

@@ -256,15 +256,6 @@ class Tracer:
             try:
                 closed, out_shape = jax.make_jaxpr(
                     functools.wraps(self.f)(lambda *a: self.f(*unmark(a))), return_shape=True)(*args)
-            except ValueError as e:
-                if "does not match the specs of the input" not in str(e):
-                    raise
-                raise ValueError(
-                    f"{e}\njqt: f was traced with zeros in place of the weights jqt.pack dropped, "
-                    "split over explicit mesh axes as the params it packed were (or as like= "
-                    "says, for jqt.load_packed); a jax.shard_map of f takes them only split as "
-                    "its in_specs say. Pack the params as f takes them, or load the packed file "
-                    "with jqt.load_packed(path, like=params) where params are so split.") from e
             except TypeError as e:
                 why = _unbound(self.f, len(args))
                 if why is None:

@@ -572,9 +572,15 @@ def _unseen_iterations(site, lo, hi):
         return lo, hi
     a, b = lo[~unseen].min(), hi[~unseen].max()
     which = [tuple(int(i) for i in ix) if len(ix) > 1 else int(ix[0]) for ix in np.argwhere(unseen)]
-    diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under a scan over stacked layers "
-                     f"or experts): its activation saw no values (not reached, or only zeros) in "
-                     f"iterations {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
+    steps = {c[0] for c in site.source.chain if c[1:] != ((),)} if site.source is not None else set()
+    where, parts = (("a jax.shard_map that splits its weight into blocks", "blocks (devices)")
+                    if "scan_slice" not in steps and "shard_split" in steps else
+                    ("a scan over stacked layers or experts and a jax.shard_map", "layers x blocks")
+                    if "shard_split" in steps else
+                    ("a scan over stacked layers or experts", "iterations"))
+    diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under {where}): its activation "
+                     f"saw no values (not reached, or only zeros) in "
+                     f"{parts} {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
                      f"they take the range of the others, [{a:.4g}, {b:.4g}]. Calibrate on data that "
                      "reaches them (tokens for every expert), or use dynamic activations "
                      "(jqt.recipes.w8a8_dynamic()).")

@@ -149,7 +149,8 @@ def _varying(a) -> frozenset:
 
 
 def vary_like(x, like):
-    """``x`` typed as varying over every manual mesh axis ``like`` varies over, inside
+    """``x`` typed as varying over every manual mesh axis ``like`` (an array, or the
+    ``jax.ShapeDtypeStruct`` ``jax.eval_shape`` gives for one) varies over, inside
     ``jax.shard_map`` (a loop's accumulator of statistics that each device gathers
     itself); ``x`` itself elsewhere.
 
@@ -157,7 +158,8 @@ def vary_like(x, like):
     >>> vary_like(jnp.zeros(2), jnp.ones(2)).shape
     (2,)
     """
-    missing = tuple(sorted(_varying(jax.typeof(like)) - _varying(jax.typeof(x))))
+    t = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
+    missing = tuple(sorted(_varying(t) - _varying(jax.typeof(x))))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

@@ -12,7 +12,8 @@ type                   serialized name           aux data (JSON, versioned)
 ``jqt.QArray``         ``"jqt.QArray"``          the ``QuantType`` and the layout
 ``jqt.OpQParams``      ``"jqt.OpQParams"``       op, weight operand, ``WeightSource``, note, rotate, accumulator
 ``jqt.PackedParams``   ``"jqt.PackedParams"``    the original params' tree (JSON, as in
-                                                 :func:`jqt.save_packed`), avals, kept leaves,
+                                                 :func:`jqt.save_packed`), avals (with the
+                                                 explicit sharding of a dropped leaf), kept leaves,
                                                  tied lookups (absent in older exports: none)
 =====================  ========================  ==========================================
 
@@ -26,6 +27,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 
 from . import fileio, serialization as ser
 from .analysis import path_str
@@ -77,6 +79,38 @@ def _parse(cls, data) -> dict:
     return d
 
 
+def _aval_to_json(a) -> list:
+    """A placeholder's aval: ``[shape, dtype]``, and where ``jqt.pack`` recorded the
+    explicit sharding of the leaf it dropped (a weight a ``jax.shard_map`` splits), that
+    sharding: its mesh (axis names, sizes, types, device ids) and its spec."""
+    out = fileio.aval_to_json(a)
+    s = getattr(a, "sharding", None)
+    if s is not None:
+        mesh = s.mesh
+        out.append({"axes": list(mesh.axis_names), "sizes": [int(n) for n in mesh.devices.shape],
+                    "types": [t.name for t in mesh.axis_types],
+                    "devices": [int(d.id) for d in mesh.devices.flat],
+                    "spec": [list(e) if isinstance(e, tuple) else e for e in s.spec]})
+    return out
+
+
+def _aval_from_json(d) -> jax.ShapeDtypeStruct:
+    """Inverse of :func:`_aval_to_json`. A sharding whose devices this process does not
+    have is left out: the artifact then takes only params split over those devices."""
+    a = ser.aval_from_json(d[:2])
+    if len(d) < 3:
+        return a
+    m = d[2]
+    have = {dev.id: dev for dev in jax.devices()}
+    if not all(i in have for i in m["devices"]):
+        return a
+    devices = np.array([have[i] for i in m["devices"]], dtype=object).reshape(m["sizes"])
+    mesh = jax.sharding.Mesh(devices, tuple(m["axes"]),
+                             axis_types=tuple(jax.sharding.AxisType[t] for t in m["types"]))
+    spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in m["spec"]])
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
 def serialize_aux(cls, aux) -> bytes:
     """The aux data of a ``cls`` node (``jax.tree_util`` flatten) as bytes."""
     if cls is PackedParams:
@@ -99,7 +133,7 @@ def serialize_aux(cls, aux) -> bytes:
                 "whose dtype the artifact cannot name. Pass jax.random.key_data(key) in its "
                 "place, or leave the key out of the params you pack (e.g. nnx.split the Rngs "
                 "state apart).")
-        return _dump(cls, {"tree": tree, "avals": [fileio.aval_to_json(a) for a in avals],
+        return _dump(cls, {"tree": tree, "avals": [_aval_to_json(a) for a in avals],
                            "kept": list(kept), "tied": [list(t) for t in tied]})
     names = _static_fields(cls)
     return _dump(cls, {"fields": {n: _value_to_json(v) for n, v in zip(names, aux)}})
@@ -114,7 +148,7 @@ def deserialize_aux(cls, data):
         except ser.TreeNotSerializable as e:
             raise ValueError(f"jqt: cannot rebuild the params tree of a serialized "
                              f"jqt.PackedParams: it holds {e}.") from None
-        return (treedef, tuple(ser.aval_from_json(a) for a in d["avals"]), tuple(d["kept"]),
+        return (treedef, tuple(_aval_from_json(a) for a in d["avals"]), tuple(d["kept"]),
                 tuple(tuple(t) for t in d.get("tied", ())))
     fields = dict(d["fields"])
     names = _static_fields(cls)

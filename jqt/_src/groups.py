@@ -28,7 +28,19 @@ def expand(a, group_size, axis, shape):
     axis = axis % len(shape)
     if a.shape[axis] == shape[axis]:
         return a
-    return jnp.repeat(a, group_size, axis=axis)
+    return repeat(a, group_size, axis)
+
+
+def repeat(a, n, axis):
+    """``jnp.repeat(a, n, axis=axis)`` for a static ``n``, written as a broadcast and a
+    reshape (``jnp.repeat`` fails eagerly on a partially manual explicit mesh).
+
+    >>> repeat(jnp.array([[1, 2]]), 2, 1).tolist()
+    [[1, 1, 2, 2]]
+    """
+    axis = axis % a.ndim
+    b = jnp.broadcast_to(jnp.expand_dims(a, axis + 1), a.shape[:axis + 1] + (n,) + a.shape[axis + 1:])
+    return b.reshape(a.shape[:axis] + (a.shape[axis] * n,) + a.shape[axis + 1:])
 
 
 def dequantize(codes, scale, zero_point, qtype, axis):

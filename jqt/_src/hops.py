@@ -151,7 +151,7 @@ def _shard_map_subs(eqn, infos, shard_id):
     """The body sees each device's block of an operand: a weight split over devices is
     read per block, one set of parameters per block (stacked in front, as a scan's
     layers are: ``("shard_split", splits)`` in its chain, ``layout.split_blocks``); a
-    replicated weight is the weight itself. A key/value cache passed in is each device's
+    replicated weight is the weight itself (``("shard_split", ())``: no blocks). A key/value cache passed in is each device's
     block of it (quantized as a whole where the shard_map keeps its last axis whole)."""
     inner = []
     for k, info in enumerate(infos):
@@ -161,12 +161,11 @@ def _shard_map_subs(eqn, infos, shard_id):
             inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
                                  buffer=info.buffer if keeps else (), writes=info.writes if keeps else ()))
             continue
+        # a replicated weight gets an empty split: each device reads it whole (so
+        # jqt.packed_shardings places it whole on every device)
         splits = shard_splits(eqn, k)
-        if not splits:
-            inner.append(_const(info))
-            continue
         s = dataclasses.replace(info.source, chain=info.source.chain + (("shard_split", splits),))
-        inner.append(VarInfo(True, s, info.stack_ids + (shard_id,)))
+        inner.append(VarInfo(True, s, info.stack_ids + ((shard_id,) if splits else ())))
     return [(eqn.params["jaxpr"], (), inner)]
 
 
@@ -406,7 +405,7 @@ def _while(eqn, invals, sub, ctx, evaluate):
             return lanes([kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)], carry)
         return _leave_caches(lax.while_loop(cond_fn, step, list(init)), entered, eqn.outvars)
     shapes = jax.eval_shape(lambda *a: run(state, *bconsts, *a)[1], *init)
-    st0 = ctx.handler.identity(shapes)
+    st0 = _no_statistics(ctx, shapes)
 
     def body_fn(cs):
         carry, acc = cs
@@ -418,11 +417,18 @@ def _while(eqn, invals, sub, ctx, evaluate):
     return carry
 
 
+def _no_statistics(ctx, shapes):
+    """The handler's statistics of no data, shaped like ``shapes`` (``jax.eval_shape``'s)
+    and, inside ``jax.shard_map``, typed as varying over the mesh axes they vary over
+    (a while loop's carry and the branches of a cond must keep one type)."""
+    return jax.tree_util.tree_map(compat.vary_like, ctx.handler.identity(shapes), shapes)
+
+
 def _layer_split(site, shard_id):
     """The ``shard_split`` step of ``site``'s chain that the ``shard_map`` ``shard_id``
     made: the loops and shard_maps that stacked its weight, in order, each own one
     marker."""
-    markers = [c for c in site.source.chain if c[0] in ("scan_slice", "shard_split")]
+    markers = [c for c in site.source.chain if c[0] == "scan_slice" or (c[0] == "shard_split" and c[1])]
     return markers[site.stack_ids.index(shard_id)][1]
 
 
@@ -511,7 +517,7 @@ def _cond(eqn, invals, sub, ctx, evaluate):
     def branch(r):
         def fn(*a):
             outs, so = r(state, *a)
-            full = {k: so[k] if k in so else ctx.handler.identity({k: union[k]})[k] for k in union}
+            full = {k: so[k] if k in so else _no_statistics(ctx, {k: union[k]})[k] for k in union}
             return list(outs), full
         return fn
 

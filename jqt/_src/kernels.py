@@ -252,7 +252,7 @@ def gather(site, eqn, ops):
             a = compat.bind(compat.gather_p, a, idx, **sp)
             if table.qtype.group_size and site.contract[0]:
                 d = _out_axis(eqn, site.contract[0][-1])
-                a = jnp.repeat(a, table.qtype.group_size, axis=d) if a.shape[d] != out.shape[d] else a
+                a = groups.repeat(a, table.qtype.group_size, d) if a.shape[d] != out.shape[d] else a
         if is_zp:
             val = val - jnp.round(a)
         else:

@@ -104,6 +104,8 @@ def apply_chain(x, chain):
             continue
         if name == "shard_split":  # the blocks stacked in front, not split over devices
             # in their type (explicit mesh axes): stacked axes are batch axes of vmaps
+            if not args[0]:  # a weight the shard_map hands every device whole
+                continue
             x = compat.whole(x)
             fn = lambda v, splits=args[0]: split_blocks(v, splits)
             for _ in range(depth):

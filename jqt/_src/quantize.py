@@ -396,10 +396,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:
         diagnostics.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
-                         "reached by layout ops (constants, values computed from several leaves, or "
-                         "a leaf reordered by an index array, w[perm]); they are quantized at run "
-                         "time. To pack such a weight, store it as computed in params (e.g. the "
-                         "reordered w) and calibrate on those params.")
+                         "reached by layout ops (constants, values computed from several leaves, "
+                         "a leaf reordered by an index array, w[perm], or gathered across devices "
+                         "inside a jax.shard_map, all_gather, as FSDP does); they are quantized at "
+                         "run time. To pack such a weight, store it as computed in params (e.g. "
+                         "the reordered w) and calibrate on those params; a shard_map's weight, "
+                         "pass it whole (P() in in_specs) or split as its matmul reads it "
+                         "(tensor parallelism).")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)

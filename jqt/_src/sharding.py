@@ -67,7 +67,9 @@ def _group_axis(op: OpQParams, wq: QArray, depth: int, pw: QArray):
 def _block_spec(op: OpQParams):
     """The spec of the leading axes of an op's arrays where a ``jax.shard_map`` of the
     function splits its weight into blocks (``("shard_split", ...)`` in its chain): each
-    split axis's mesh axes, ``None`` for a scan's layers; ``None`` for other ops."""
+    split axis's mesh axes, ``None`` for a scan's layers (so ``P()`` for a weight the
+    ``shard_map`` hands every device whole: replicated); ``None`` for ops outside any
+    ``shard_map``."""
     if op.source is None or not any(c[0] == "shard_split" for c in op.source.chain):
         return None
     lead = []
@@ -95,7 +97,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     An axis whose size the mesh axis does not divide is replicated. Activation
     scales and zero points are replicated. An op whose weight the function's own
     ``jax.shard_map`` splits (one set of codes and scales per block, stacked in front) is
-    split as that ``shard_map`` splits it, whatever ``axis`` and ``ops`` say. Float leaves kept in ``packed`` (biases,
+    split as that ``shard_map`` splits it, whatever ``axis`` and ``ops`` say, and one it
+    hands every device whole (``P()`` in its ``in_specs``) is replicated. Float leaves kept in ``packed`` (biases,
     norms) are replicated unless a ``leaves`` rule says otherwise.
 
     Args:
@@ -136,7 +139,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     if axis not in mesh.shape and not all(_block_spec(op) is not None for op in qparams.values()
                                           if isinstance(op, OpQParams)):
         raise ValueError(f"jqt.packed_shardings: the mesh has axes {tuple(mesh.shape)}, "
-                         f"not {axis!r}.")
+                         f"not {axis!r}; pass axis= the mesh axis that splits the weights "
+                         f"(e.g. axis={next(iter(mesh.shape))!r}).")
     size = mesh.shape.get(axis, 1)
     rep = NamedSharding(mesh, P())
 

@@ -477,8 +477,8 @@ def test_writes_that_are_not_a_cache_stay_unchanged(setup):
         buf = lax.dynamic_update_slice(jnp.zeros((B, 8, DM)), p["emb"][tokens], (0, 0, 0))
         return buf @ p["out"]
 
-    for fn in (partial_write, no_loop):
-        with pytest.warns(UserWarning, match="no loop of f carries a buffer"):  # said, not silent
+    for fn, said in ((partial_write, "covers part of its last axis"), (no_loop, "no loop of f carries a buffer")):
+        with pytest.warns(UserWarning, match=said):  # said, not silent
             qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
         assert not [k for k in qp if k.startswith("kv_cache")]
 
@@ -514,6 +514,71 @@ def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.calibrate(teacher, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+
+
+def test_writes_that_miss_the_cache_pattern_are_named(setup):
+    """Writes into a buffer a loop carries and reads that jqt cannot quantize as a cache
+    are named by calibrate, where they were silent: keys kept transposed, (..., DH, T), and
+    written a time column per step (part of the last axis), beside a value cache that is
+    quantized; and a bfloat16 cache written with a float32 value by ``.at[...].set`` (JAX
+    converts the whole buffer). A step calibrated on float32 caches and given bfloat16 ones
+    says so. A buffer the loop only collects results in, written a column per step, stays
+    silent."""
+    p, cal, x = setup
+
+    def transposed_keys(p, tokens):
+        def body(carry, tok):
+            (kt, vc), pos = carry
+            h = p["emb"][tok]
+            lp = jax.tree.map(lambda a: a[0], p["layers"])
+            q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
+            kt = lax.dynamic_update_slice(kt, k[..., None], (0, 0, 0, pos))
+            vc = _dus(vc, v, pos)
+            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bhdt->bht", q, kt), -1e30)
+            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc).reshape(B, H * DH)
+            return ((kt, vc), pos + 1), (h + o @ lp["wo"]) @ p["out"]
+        start = (jnp.zeros((B, H, DH, T)), jnp.zeros((B, T, H, DH)))
+        return lax.scan(body, (start, jnp.int32(0)), tokens.T)[1]
+
+    with pytest.warns(UserWarning, match=r"dynamic_update_slice into a buffer of shape \(2, 2, 8, 10\) "
+                                         r"that covers part of its last axis"):
+        qp = jqt.calibrate(transposed_keys, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the values
+
+    def step(p, cache, tok, pos):  # k, v float32 written into the cache as it is
+        h = p["emb"][tok]
+        lp = jax.tree.map(lambda a: a[0], p["layers"])
+        k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wk", "wv")]
+        return {"k": cache["k"].at[:, pos].set(k), "v": cache["v"].at[:, pos].set(v)}, \
+            jnp.sum(cache["k"].astype(jnp.float32)) + h @ p["out"]
+
+    cache = lambda dt: {n: jnp.zeros((B, T, H, DH), dt) for n in ("k", "v")}
+    tok = jnp.zeros((B,), jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # JAX's own, on the implicit cast
+        with pytest.warns(UserWarning, match=r"scatter into a bfloat16 buffer converted to float32 first.*"
+                                             r"new.astype\(cache.dtype\)"):
+            qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, [(cache(jnp.bfloat16), tok, 0)],
+                               progress=False)
+        assert not [k for k in qp if k.startswith("kv_cache")]
+        qp32 = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, [(cache(jnp.float32), tok, 0)],
+                             progress=False)
+        assert [k for k in qp32 if k.startswith("kv_cache")]
+        with pytest.raises(jqt.QParamsMismatchError, match=r"key/value caches \['kv_cache_0'\] "
+                                                           r".*new.astype\(cache.dtype\)"):
+            jqt.quantize(step, qp32)(p, cache(jnp.bfloat16), tok, 0)
+
+    def scores(p, tokens):  # per-step scores collected a column at a time: not a cache
+        def body(carry, tok):
+            (cache, pos), out = carry
+            logits, cache = _step(p, cache, tok, pos, _dus)
+            return ((cache, pos + 1), out.at[:, pos].set(logits.max(-1))), None
+        start = ((_empty(), jnp.int32(0)), jnp.zeros((B, tokens.shape[1])))
+        return lax.scan(body, start, tokens.T)[0][1]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(scores, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
 
 
 def test_edited_cache_types_are_refused(setup):

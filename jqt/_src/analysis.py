@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
 from .plan import CONST, Plan, Site, Sub, VarInfo
@@ -123,6 +125,12 @@ class Analyzer:
         # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
         # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
         self.cache_lookalikes: list = []
+        # (where, why, buffers): a write into a carried or passed float buffer that is not
+        # a cache write (part of the last axis; a buffer converted to another dtype first)
+        self.cache_near_misses: list = []
+        self._converted: dict = {}  # var -> (dtype from, dtype to, buffers): a buffer converted
+        self._missed: dict = {}  # var -> buffers: the result of such a write
+        self._missed_reads: set = set()  # buffers whose such results an op reads
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
 
     def _use(self, info, what):
@@ -180,8 +188,18 @@ class Analyzer:
                 eqn, ins, None if compat.is_literal(eqn.invars[0]) else made_by.get(eqn.invars[0])) \
                 if name == "select_n" else False
             if not cache_write and not view and not picked and eqn.primitive not in HIGHER_ORDER:
-                for info in ins:  # a loop body's reads (loops: inside their bodies)
+                # a loop body's reads (loops: inside their bodies); a write of part of a
+                # buffer's vectors does not read it
+                skip = 1 if entry is not None and entry.is_cache else 0
+                for v, info in zip(eqn.invars[skip:], ins[skip:]):
                     self.reads.update(info.buffer)
+                    if not compat.is_literal(v) and v in self._missed:
+                        self._missed_reads.update(self._missed[v])
+            if entry is not None and entry.is_cache and not cache_write:
+                self._near_miss(eqn, ins, stack)
+            elif name == "convert_element_type" and ins[0].buffer:
+                self._converted[eqn.outvars[0]] = (eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype,
+                                                   ins[0].buffer)
             if entry is not None and entry.is_site(eqn, ins):
                 site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
                 if entry.is_cache:  # the buffer after the write: still the loop's buffer
@@ -369,6 +387,37 @@ class Analyzer:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)
         return outs
 
+
+    def _near_miss(self, eqn, ins, stack):
+        """Records a write that is not a cache write but may be meant as one: into a float
+        buffer a loop carries or ``f`` takes, covering part of its last axis; or into such
+        a buffer converted to another dtype first (``.at[...].set`` of a float32 value
+        into a bfloat16 buffer: JAX converts the whole buffer, writes, converts back)."""
+        buf, where = eqn.invars[0], stack or "<top>"
+        if compat.is_literal(buf) or buf.aval.ndim < 2 or not jnp.issubdtype(buf.aval.dtype, jnp.floating):
+            return
+        if buf in self._converted:
+            src, dst, buffers = self._converted[buf]
+            self._missed[eqn.outvars[0]] = buffers
+            self.cache_near_misses.append((where, buffers, (
+                f"a {eqn.primitive.name} into a {src} buffer converted to {dst} first (a {dst} "
+                f"value written with .at[...].set into a {src} cache converts the whole buffer): "
+                f"write the value in the buffer's dtype, new.astype(cache.dtype)")))
+        elif ins[0].buffer:
+            self._missed[eqn.outvars[0]] = ins[0].buffer
+            self.cache_near_misses.append((where, ins[0].buffer, (
+                f"a {eqn.primitive.name} into a buffer of shape {tuple(buf.aval.shape)} that covers "
+                f"part of its last axis (update {tuple(eqn.invars[1 if eqn.primitive.name == 'dynamic_update_slice' else 2].aval.shape)}): "
+                "jqt's cache vectors lie along the last axis (one scale per token and head); "
+                "keep the features last, (..., T, H, D) or (..., H, T, D), and write whole vectors")))
+
+    def near_misses(self) -> list:
+        """``(where, why)`` of the writes :meth:`_near_miss` recorded into buffers that
+        some op also reads, before or after the write (a cache; not a buffer of results
+        the loop only collects)."""
+        read = self.reads | self._missed_reads
+        return list(dict.fromkeys((w, why) for w, bufs, why in self.cache_near_misses
+                                  if set(bufs) & read))
 
     def _cache_lookalikes(self, eqn, caches, loop_id, stack):
         p = eqn.params

@@ -287,7 +287,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             f"or tuple of batches), not a {type(batches).__name__}.")
     st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
     analyzer = last["traced"].analyzer
-    _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned)
+    _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned,
+                    analyzer.near_misses())
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -313,7 +314,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     return weightcheck.record(qparams, params_t, argnums)
 
 
-def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
+def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     """Warns of a function without ops to quantize, of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
@@ -333,7 +334,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
                          f"stay float: {listed(unmatched)}. Add a rule for them (a last "
                          "jqt.Rule(key='.*', ...)) if they should be quantized.")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
-    if wants_cache and not any(s.entry.is_cache for s in sites):
+    if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
                          "that it writes whole vectors into, and f returns no argument so written: "
@@ -341,7 +342,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=()):
                          "docs/generate.md lists the cache patterns jqt finds and those it does not "
                          "(a cache masked with jnp.where along its last axis, a write of part of that axis, "
                          "a cache a jax.shard_map splits along that axis).")
-    elif wants_cache and lookalikes:
+    if wants_cache:
+        for where, why in near_misses[:3]:
+            diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
+                             f"{why}. That buffer stays float (docs/generate.md).")
+    if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
         where, slot = lookalikes[0]
         diagnostics.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "
                          f"quantizes, and in carry slot {slot} a buffer of the same shape and dtype "

@@ -499,3 +499,25 @@ def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():
         jqt.report(ragged, qp, P, (X_RAGGED,))
     except NotImplementedError as e:  # where this JAX cannot batch ragged_dot over the lanes
         assert "jqt.report runs f on two lanes" in str(e) and "simulate=True" in str(e)
+
+
+def test_experts_gathered_per_token_are_named():
+    """Mixtral's form, each token's expert matrix gathered (``w[expert_ids]``) and
+    contracted per token: jqt can only quantize the gather as a lookup table (one scale per
+    matrix) and the matmul on what it gathers stays float, so calibrate says so and names
+    the forms it quantizes per expert, where it was silent. A rule keeping the lookup float
+    silences it; an embedding table (a vector per index) does not warn."""
+    def gathered(p, x, ids):
+        return jnp.einsum("td,tdf->tf", x, p["w"][ids])
+
+    x, ids = jnp.asarray(RNG.standard_normal((6, D)), jnp.float32), jnp.array([0, 1, 2, 0, 1, 2])
+    with pytest.warns(UserWarning, match=r"op 'w' \(gather at '<top>'\) looks up whole \(128, 64\) "
+                                         r"matrices.*einsum over the expert axis"):
+        qp = jqt.calibrate(gathered, jqt.recipes.w8(), P, [(x, ids)], progress=False)
+    assert qp["w"].op == "gather"
+    keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", embedding=None),) + tuple(jqt.recipes.w8().rules))
+    table = {"emb": jnp.asarray(RNG.standard_normal((10, D)), jnp.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(gathered, keep, P, [(x, ids)], progress=False)
+        jqt.calibrate(lambda p, ids: p["emb"][ids], jqt.recipes.w8(), table, [(ids,)], progress=False)

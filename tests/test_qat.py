@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jqt
+from shared import all_eqns
 
 Q = jqt.QuantType
 INT_VS_SIM = 1e-4  # integer vs simulated path, relative to the output's scale
@@ -393,6 +394,44 @@ def _lora_mlp(p, lora, x):
     adapter ``x @ a @ b`` from the second argument (data to jqt: its ops stay float)."""
     h = jnp.tanh(x @ p["w1"] + (x @ lora["a1"]) @ lora["b1"])
     return h @ p["w2"] + (h @ lora["a2"]) @ lora["b2"]
+
+
+def _lora_experts(p, lora, x):
+    """An input projection with a rank-4 adapter, then a mixture's experts as an einsum
+    over the expert axis (tokens already dispatched, (E, C, D))."""
+    h = jnp.tanh(x @ p["w_in"] + (x @ lora["a"]) @ lora["b"])
+    return jnp.einsum("ecd,edf->ecf", h, p["experts"])
+
+
+@pytest.mark.parametrize("recipe", ["w8", "w4_channel"])
+def test_lora_gradients_through_the_few_row_digits_formulations(recipe):
+    """Per-channel weight-only bases at few rows run the activation as int8 digits (the
+    experts' einsum at 2 tokens per expert on the CPU table; a dense layer at 2 rows under
+    a policy with ``weight_only_digits``, as the GPU table has): the adapters' gradients
+    through the integer path are the simulated path's. Before, the digits' rounding
+    passed no gradient to the activation: relative errors near 1, the forward right."""
+    make = {"w8": jqt.recipes.w8, "w4_channel": lambda: jqt.recipes.w4(group_size=0)}[recipe]
+    E, C, D, F, r = 4, 2, 64, 32, 4
+    base = {"w_in": _normal(1, (D, D), 0.1), "experts": _normal(2, (E, D, F), 0.1)}
+    lora = {"a": _normal(3, (D, r), 0.1), "b": _normal(4, (r, D), 0.1)}
+    x = _normal(5, (E, C, D), 1.0)
+    dense_base = {"w1": _normal(6, (128, 128), 0.05), "w2": _normal(7, (128, 128), 0.05)}
+    dense_lora = {"a1": _normal(8, (128, r), 0.05), "b1": _normal(9, (r, 128), 0.05),
+                  "a2": _normal(10, (128, r), 0.05), "b2": _normal(11, (r, 128), 0.05)}
+    xd = _normal(12, (2, 128), 1.0)
+    digits = jqt.KernelPolicy(gemv_rows=4, weight_only_digits=3)
+    for f, p, l, xx, policy in ((_lora_experts, base, lora, x, None),
+                                (_lora_mlp, dense_base, dense_lora, xd, digits)):
+        qp = jqt.calibrate(f, make(), p, [(l, xx)], progress=False)
+        packed = jqt.pack(qp, p, policy=policy)
+        qf = jqt.quantize(f, qp, policy=policy)
+        dots = [[str(v.aval.dtype) for v in e.invars] for e in all_eqns(jax.make_jaxpr(qf)(packed, l, xx))
+                if e.primitive.name == "dot_general"]
+        assert ["int8", "int8"] in dots or ["int8", "uint8"] in dots, dots  # the digits ran
+        gi = jax.grad(lambda l: jnp.sum(qf(packed, l, xx) ** 2))(l)
+        gs = jax.grad(lambda l: jnp.sum(jqt.quantize(f, qp, simulate=True)(p, l, xx) ** 2))(l)
+        for k in l:
+            assert _rel(gi[k], gs[k], gs[k]) < 1e-4, (f.__name__, k)
 
 
 @pytest.mark.parametrize("recipe", ["nf4_g64", "w4_g128"])

@@ -333,6 +333,19 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         diagnostics.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
                          f"stay float: {listed(unmatched)}. Add a rule for them (a last "
                          "jqt.Rule(key='.*', ...)) if they should be quantized.")
+    for s in sites:  # a lookup of whole matrices: experts gathered per token
+        if s.op == "gather" and len(s.contract[0]) > 1 and chosen[s.key] is not None \
+                and chosen[s.key].embedding is not None:
+            whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
+            diagnostics.warn(
+                f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up whole "
+                f"{whole} matrices of weight '{s.source.path}' by index (a mixture's experts "
+                "gathered per token, w[expert_ids]?): it is quantized as a lookup table, one scale "
+                "per matrix, and the matmuls that read what it gathers stay float. Write the "
+                "experts as an einsum over the expert axis ('ecd,edf->ecf' on tokens dispatched "
+                "per expert), lax.ragged_dot or a lax.scan over the experts, which jqt quantizes "
+                "per expert and output channel; or keep the lookup float, a rule ahead of the "
+                f"others jqt.Rule(key='^{re.escape(s.key)}$', embedding=None).")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="

@@ -125,7 +125,8 @@ def _int_zp(z):
     return None if z is None else jnp.round(z).astype(_I32)
 
 
-def _contract_dim(layout):
+def contract_dim(layout):
+    """The contracted (K) axis of a 2-D weight in ``layout`` (``"nk"``: 1, ``"kn"``: 0)."""
     return 1 if layout == "nk" else 0
 
 
@@ -133,7 +134,7 @@ def unpacked(w2):
     """The int8 codes of a 2-D weight QArray (nibbles unpacked along K)."""
     v = w2.values
     if w2.nibbles:
-        v = unpack_nibbles(v, v.ndim - 2 + _contract_dim(w2.layout))
+        v = unpack_nibbles(v, v.ndim - 2 + contract_dim(w2.layout))
     return v
 
 
@@ -159,7 +160,7 @@ def int_matmul(x2, w2, layout, pad_rows):
     m = x2.shape[0]
     if isinstance(m, int) and m < pad_rows:  # a symbolic row count (jax.export) is not padded
         x2 = jnp.pad(x2, ((0, pad_rows - m), (0, 0)))
-    dn = (((1,), (_contract_dim(layout),)), ((), ()))
+    dn = (((1,), (contract_dim(layout),)), ((), ()))
     return lax.dot_general(x2, w2, dn, preferred_element_type=_I32)[:m]
 
 
@@ -177,7 +178,7 @@ def int_dense(ax, x, w, policy):
     qw = unpacked(w)
     qx2 = ax.act_2d(x.values)
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
-    k, kd = qx2.shape[1], _contract_dim(w.layout)
+    k, kd = qx2.shape[1], contract_dim(w.layout)
     kc = safe_k(qx2.dtype, zx is not None, qw.dtype, zw is not None)
     if not isinstance(k, int) or k <= kc:
         acc = _int_dense_acc(qx2, qw, w.layout, zx, zw, w.sums, policy).astype(_F32)
@@ -202,7 +203,7 @@ def codes_as_bfloat16(x2, w2, layout, policy):
         return None
     if policy.large_weight_bytes and 4 * w2.size > policy.large_weight_bytes:
         return None  # its 16-bit copy, made every call, does not fit the cache
-    dn = (((1,), (_contract_dim(layout),)), ((), ()))
+    dn = (((1,), (contract_dim(layout),)), ((), ()))
     return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn,
                            preferred_element_type=_F32)
 
@@ -214,7 +215,7 @@ def _int_dense_acc(qx2, qw, layout, zx, zw, wsum, policy):
     if acc is None:
         acc = int_matmul(qx2, qw, layout, policy.pad_rows)
     if zx is not None:
-        wsum = wsum if wsum is not None else jnp.sum(qw, axis=_contract_dim(layout), dtype=_I32)
+        wsum = wsum if wsum is not None else jnp.sum(qw, axis=contract_dim(layout), dtype=_I32)
         acc = acc - zx * wsum
     if zw is not None:
         acc = acc - zw * jnp.sum(qx2, axis=1, keepdims=True, dtype=_I32)
@@ -271,7 +272,7 @@ def int_dense_grouped(ax, x, w, policy):
     halves = parts(v, nib)  # nibble halves: even and odd inputs, no interleaving
     step = len(halves)
     gs = w.qtype.group_size
-    kd = _contract_dim(w.layout)
+    kd = contract_dim(w.layout)
     k = w.values.shape[kd] * step
     zx, zw = _int_zp(ax.act_vec(x.zero_point)), _int_zp(w.zero_point)
     scale = w.scale.astype(_F32)
@@ -349,7 +350,7 @@ def fp8_dense(ax, x, w, policy):
     (exact) activation; then both scales."""
     x2 = ax.act_2d(x.values)
     if policy.fp8_native:
-        dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
+        dn = (((1,), (contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
     if fp8_as_bfloat16(x2.shape[0], w, policy):
@@ -401,7 +402,7 @@ def _fp8_bfloat16(ax, x, x2, w, policy):
     v = lax.bitcast_convert_type(w.values, jnp.uint8)
     v = nx.after(v, x2) if policy.decode_after_input else v
     wb = nx.fp8_units(v, w.qtype.grid).astype(jnp.bfloat16)
-    dn = (((1,), (_contract_dim(w.layout),)), ((), ()))
+    dn = (((1,), (contract_dim(w.layout),)), ((), ()))
     out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn,
                           preferred_element_type=_F32)
     return out * lo * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]) * hi
@@ -626,7 +627,7 @@ def weight_only_2d(x2, w, policy, precision):
     q = w.qtype
     gs = q.group_size
     nib = w.nibbles
-    kd = _contract_dim(w.layout)
+    kd = contract_dim(w.layout)
     v = w.values
     unit = 1.0
     if q.kind == "float":  # fp8 bits, decoded with integer ops (outside the scan: one bitcast)

@@ -80,9 +80,21 @@ def batched_digits(site, eqn, ops, policy):
     (:func:`gemv.digits`, per row and batch entry), stacked along its first free axis,
     for one int8 x int8 ``dot_general`` (XLA:CPU reads int8 weights fastest there,
     not through a float cast of the whole weight); the int32 results are scaled per
-    digit and summed, then by the weight's scales."""
+    digit and summed, then by the weight's scales. Differentiated as the float
+    ``dot_general`` with the weight decoded (:func:`gemv.derivative_of`)."""
     w = site.weight_operand
-    wq, x = to_operand(site, eqn, ops[w]), ops[1 - w]
+    dn = eqn.params["dimension_numbers"]
+
+    def decoded(x, wq):
+        wf = groups.dequantize(wq.values, wq.scale, wq.zero_point, wq.qtype, 0)  # per channel
+        args = [x.astype(_F32), wf] if w == 1 else [wf, x.astype(_F32)]
+        return lax.dot_general(*args, dn, preferred_element_type=_F32)
+
+    return gemv.derivative_of(decoded, lambda x, wq: _batched_digits(eqn, w, x, wq, policy),
+                              ops[1 - w], to_operand(site, eqn, ops[w]))
+
+
+def _batched_digits(eqn, w, x, wq, policy):
     dn = eqn.params["dimension_numbers"]
     xc, _, free = x_axes(eqn, w)
     n, ax = policy.weight_only_digits, free[0]

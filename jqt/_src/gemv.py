@@ -23,11 +23,12 @@ int32, :func:`dense.safe_k`).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import dense
+from . import dense, groups
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -122,8 +123,42 @@ def weight_only(ax, x, w, policy):
     return weight_only_rows(ax.act_2d(x), w, policy)
 
 
+def derivative_of(reference, fn, *args):
+    """``fn(*args)``, differentiated (``jax.jvp``, ``jax.grad``) as ``reference(*args)``, the
+    same function written with float operations: the digits of an activation are rounded
+    (a zero derivative), so a formulation through them would pass no gradient to its
+    input (a LoRA adapter before a packed base, as :func:`jqt.quantize`'s weight-only
+    kernels promise). Without differentiation ``reference`` is not computed.
+
+    >>> import jax, jax.numpy as jnp
+    >>> jax.grad(lambda x: derivative_of(lambda x: 3 * x, lambda x: jnp.round(x), x))(1.2).item()
+    3.0
+    """
+    g = jax.custom_jvp(fn)
+    g.defjvp(lambda primals, tangents: (fn(*primals), jax.jvp(reference, primals, tangents)[1]))
+    return g(*args)
+
+
+def decoded(x2, w):
+    """``x2 (M, K) @ w`` with the int weight decoded whole, in float32: what the digits
+    formulations compute, written with float operations (their derivative)."""
+    kd = dense.contract_dim(w.layout)
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), preferred_element_type=_F32)
+    x, q = x2.astype(_F32), w.qtype
+    if q.group_size:
+        return dot(x, groups.dequantize(dense.unpacked(w), w.scale, w.zero_point, q, kd))
+    out = dot(x, dense.unpacked(w).astype(_F32))
+    if w.zero_point is not None:
+        out = out - jnp.round(w.zero_point).astype(_F32) * jnp.sum(x, axis=1, keepdims=True)
+    return out * w.scale.astype(_F32)
+
+
 def weight_only_rows(x2, w, policy):
-    """:func:`weight_only` on float rows ``x2 (M, K)``."""
+    """:func:`weight_only` on float rows ``x2 (M, K)`` (differentiated as :func:`decoded`)."""
+    return derivative_of(decoded, lambda x2, w: _weight_only_rows(x2, w, policy), x2, w)
+
+
+def _weight_only_rows(x2, w, policy):
     if w.qtype.group_size:
         c, scales = digits(x2, policy.grouped_digits)
         return _combine(group_sums(c, None, w, policy), scales)

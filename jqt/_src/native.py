@@ -10,7 +10,9 @@ activation into int8 digits, and took 0.76x (``w4`` g128) and 0.59x (``w8``) a f
 (``benchmarks/formats.py``). Two kernels in ``csrc/grouped_gemv.cc`` read the codes
 once, front to back, and decode them in registers (AVX2 + FMA, or AVX-512 where the CPU
 has it: the same bits) into float32 sums: the arithmetic of the float32 matmul of the
-decoded weight, in another order.
+decoded weight, in another order (4-bit int codes summed as ``code + 8``, the offset taken
+off after each group: with activations of one sign that cancels, within the bound
+``docs/performance.md`` gives).
 
 * ``jqt_grouped_gemv``: 4-bit int or NF4 codes with group scales (or one scale per
   output channel), two per byte, packed ``(K, N)`` (``w4``, ``w4a8``, ``nf4``);

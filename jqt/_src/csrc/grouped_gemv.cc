@@ -26,7 +26,8 @@
 // zero codes give 0 exactly (a row whose group's x could make that overflow, inf - inf,
 // takes exact_group instead). A group's sums are exact integers times x's float32 values,
 // summed in float32: the same arithmetic as a float32 matmul of the decoded weight, in another
-// order. The groups are split over XLA's intra-op thread pool, each thread's share of the
+// order (but the offset, taken off after the sums, cancels with x of one sign: a rounding
+// error up to about 8 sum|x| float32 steps, docs/performance.md). The groups are split over XLA's intra-op thread pool, each thread's share of the
 // codes read front to back with a software prefetch 2 KiB ahead.
 //
 // Built by jqt/_src/native.py with the C++ compiler found at run time and XLA's FFI headers

@@ -387,7 +387,6 @@ class Analyzer:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)
         return outs
 
-
     def _near_miss(self, eqn, ins, stack):
         """Records a write that is not a cache write but may be meant as one: into a float
         buffer a loop carries or ``f`` takes, covering part of its last axis; or into such
@@ -405,9 +404,10 @@ class Analyzer:
                 f"write the value in the buffer's dtype, new.astype(cache.dtype)")))
         elif ins[0].buffer:
             self._missed[eqn.outvars[0]] = ins[0].buffer
+            upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape
             self.cache_near_misses.append((where, ins[0].buffer, (
                 f"a {eqn.primitive.name} into a buffer of shape {tuple(buf.aval.shape)} that covers "
-                f"part of its last axis (update {tuple(eqn.invars[1 if eqn.primitive.name == 'dynamic_update_slice' else 2].aval.shape)}): "
+                f"part of its last axis (update {tuple(upd)}): "
                 "jqt's cache vectors lie along the last axis (one scale per token and head); "
                 "keep the features last, (..., T, H, D) or (..., H, T, D), and write whole vectors")))
 

@@ -151,8 +151,9 @@ def _shard_map_subs(eqn, infos, shard_id):
     """The body sees each device's block of an operand: a weight split over devices is
     read per block, one set of parameters per block (stacked in front, as a scan's
     layers are: ``("shard_split", splits)`` in its chain, ``layout.split_blocks``); a
-    replicated weight is the weight itself (``("shard_split", ())``: no blocks). A key/value cache passed in is each device's
-    block of it (quantized as a whole where the shard_map keeps its last axis whole)."""
+    replicated weight is the weight itself (``("shard_split", ())``: no blocks). A
+    key/value cache passed in is each device's block of it (quantized as a whole where the
+    shard_map keeps its last axis whole)."""
     inner = []
     for k, info in enumerate(infos):
         if info.source is None:  # data; a buffer (a key/value cache) is its block of it,

@@ -215,6 +215,20 @@ def test_a_cache_from_other_qparams_is_refused(setup):
     assert sim["k"].dtype == jnp.float32
 
 
+def test_a_returned_cache_with_its_scales_recast_is_refused_by_name(setup):
+    """A state whose floating leaves were cast (to bfloat16, say) hands back a cache whose
+    float16 scales changed: refused naming the argument and what a cache holds (was JAX's
+    dtype error from inside the cache write, naming nothing)."""
+    p, batches, toks = setup
+    qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, batches, progress=False)
+    qstep = jax.jit(jqt.quantize(step, qp))
+    _, cache = qstep(p, empty(), toks[:, 0])
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, cache)
+    with pytest.raises(ValueError, match=r"argument \[1\]\['k'\] is a key/value cache whose codes are int8.* "
+                                         r"scales bfloat16.*float16\[.*\] scales"):
+        qstep(p, cast, toks[:, 1])
+
+
 def test_calibrate_and_report_take_a_quantized_cache(setup):
     """A cache the quantized step returned is decoded for calibration and reports: the same
     statistics as its float buffer."""

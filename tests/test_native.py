@@ -435,6 +435,24 @@ def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
         np.testing.assert_array_equal(out, avx2[name], err_msg=name)
 
 
+def test_an_unknown_native_switch_is_named():
+    """JQT_NATIVE=disable (neither an off nor an on word) leaves the kernels on, as before,
+    but now says so and how to turn them off."""
+    code = ("import warnings, jqt\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    s = jqt.native_status()\n"
+            "msg = [str(x.message) for x in w if 'JQT_NATIVE=' in str(x.message)]\n"
+            "assert msg and \"'disable'\" in msg[0] and 'JQT_NATIVE=0' in msg[0], msg\n"
+            "print('ok', s.available)\n")
+    env = {**os.environ, "JQT_NATIVE": "disable", "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE_ISA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if _buildable():
+        assert "ok True" in out.stdout, out.stdout
+
+
 @pytest.mark.slow  # a subprocess: CI
 def test_an_unknown_isa_is_named_and_ignored():
     code = ("import warnings, jqt\n"

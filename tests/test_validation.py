@@ -831,6 +831,53 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
     # the cache names the presets take, on a rule too
     assert jqt.Rule(kv_cache="int4").kv_cache == jqt.recipes.w8(kv_cache="int4").rules[0].kv_cache
     assert jqt.Rule(kv_cache=False).kv_cache is None
+    # the outlier switches take booleans: a string was truthy (rotate="false" rotated every
+    # op), a number ran AWQ (awq=0.5 meant as SmoothQuant's alpha)
+    with pytest.raises(TypeError, match=r"Rule\(rotate='false'\): expected True or False"):
+        jqt.recipes.w4a8(rotate="false")
+    with pytest.raises(TypeError, match=r"Rule\(awq=0.5\): expected True or False \(SmoothQuant's alpha is smooth="):
+        jqt.recipes.w4(awq=0.5)
+    with pytest.raises(TypeError, match=r"Rule\(key=None\): expected a regular expression string"):
+        jqt.Rule(key=None)
+    with pytest.raises(ValueError, match=r"Rule\(smooth='abc'\): SmoothQuant's alpha is a number"):
+        jqt.recipes.w8a8(smooth="abc")
+    assert jqt.recipes.w4(awq=np.bool_(True)).rules[0].awq
+
+
+def test_backend_names_and_cache_arguments_are_checked():
+    """KernelPolicy.for_backend: any case of a table's name, the default policy for other
+    JAX platforms, an error for other names (a typo took the default table silently);
+    jqt.quantize_cache: a backend name as policy, a cache dict, a cache quantized already."""
+    assert jqt.KernelPolicy.for_backend("GPU") == jqt.KernelPolicy.for_backend("gpu")
+    assert jqt.KernelPolicy.for_backend("tpu") == jqt.KernelPolicy()
+    with pytest.raises(ValueError, match=r"for_backend\('nvidia'\): expected a backend name, one of"):
+        jqt.KernelPolicy.for_backend("nvidia")
+    z = jnp.zeros((2, 4, 8))
+    with pytest.raises(TypeError, match=r"quantize_cache: policy is a str .*for_backend\('gpu'\)"):
+        jqt.quantize_cache(z, policy="gpu")
+    with pytest.raises(TypeError, match=r"x is a dict; pass one float buffer"):
+        jqt.quantize_cache({"k": z})
+    with pytest.raises(TypeError, match=r"x is a jqt.QArray, a cache quantized already"):
+        jqt.quantize_cache(jqt.quantize_cache(z))
+    assert jqt.quantize_cache(np.zeros((2, 4, 8))).float_dtype == "float32"  # JAX's float
+
+
+def test_gptq_names_the_op_for_other_params_and_a_singular_hessian():
+    """jqt.gptq with params of another shape: the op and the shapes, as jqt.pack says (was
+    a broadcasting error); damp=0 with fewer rows than input features: the op and the fix
+    (was numpy's LinAlgError)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k1, (48, 40)) * 0.3, "w2": jax.random.normal(k2, (40, 24)) * 0.2}
+    f = lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    x = jax.random.normal(k3, (16, 48))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x,)], progress=False)
+    with pytest.raises(ValueError, match=r"op 'w1': its damped Hessian is not positive definite "
+                                         r"\(damp=0.0; fewer calibration rows than its 48 input"):
+        jqt.gptq(f, qp, p, [(x,)], progress=False, damp=0.0)
+    other = dict(p, w1=p["w1"][:, :32])
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: op 'w1': weight 'w1' has shape "
+                                                       r"\(48, 32\), which its scale of shape"):
+        jqt.gptq(lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"][:32], qp, other, [(x,)], progress=False)
 
 
 def _messages(fn):

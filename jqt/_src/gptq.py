@@ -227,7 +227,15 @@ def _rerounded(site, qp, leaf, h, n, opts):
             unseen.append(i[0] if len(i) == 1 else i)
             out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
             continue
-        out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
+        try:
+            out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
+        except np.linalg.LinAlgError:
+            where = f" (layer or expert {i[0] if len(i) == 1 else i})" if lead else ""
+            raise ValueError(
+                f"jqt.gptq: op '{site.key}'{where}: its damped Hessian is not positive definite "
+                f"(damp={opts['damp']!r}; fewer calibration rows than its {hi.shape[0]} input "
+                "features, or inputs that move together). Pass damp > 0 (0.01 by default) or "
+                "more calibration rows.") from None
     if unseen and not lead:  # GPTQ zeroes the weights of inputs that were always 0: all here
         diagnostics.warn(f"jqt.gptq: op '{site.key}': its calibration inputs were all zero (a zero "
                          "Hessian); it keeps plain rounding. Calibrate on data that reaches it with "

@@ -43,7 +43,7 @@ from jax import lax
 from . import compat
 from . import numerics as nx
 from .formats import FLOAT8, QuantType, pack_nibbles, unpack_nibbles
-from .policy import KernelPolicy
+from .policy import KernelPolicy, check_policy
 from .qparams import OpQParams, QArray
 
 SCALE_DTYPE = jnp.float16
@@ -191,17 +191,30 @@ def placeholders(args):
     >>> c.values.shape, placeholders([{"k": c}])[0]["k"].dtype.name
     ((2, 3, 4), 'bfloat16')
     """
-    def one(x):
+    def one(path, x):
         if not is_cache(x):
             return x
         if x.float_dtype is None or x.values is None or x.scale is None:
             raise ValueError(
-                f"jqt: an argument is a key/value cache {x!r} without codes, scales or the float "
-                "dtype it stands for (float_dtype). Pass back the cache the quantized "
-                "function returned, as it is, or a float buffer.")
+                f"jqt: argument {jax.tree_util.keystr(path)} is a key/value cache {x!r} without "
+                "codes, scales or the float dtype it stands for (float_dtype). Pass back the cache "
+                "the quantized function returned, as it is, or a float buffer.")
+        kind = x.qtype.kind
+        codes_ok = (("int8", "uint8") if x.nibbles else ("int8",)) if kind == "int" else \
+            (np.dtype(FLOAT8[x.qtype.grid]).name, "uint8") if kind == "float" else ()
+        want = tuple(x.values.shape[:-1]) + (1,)
+        if np.dtype(x.values.dtype).name not in codes_ok or np.dtype(x.scale.dtype) != SCALE_DTYPE \
+                or tuple(x.scale.shape) != want:
+            raise ValueError(
+                f"jqt: argument {jax.tree_util.keystr(path)} is a key/value cache whose codes are "
+                f"{np.dtype(x.values.dtype).name}{list(x.values.shape)} and scales "
+                f"{np.dtype(x.scale.dtype).name}{list(x.scale.shape)}, where a cache of type "
+                f"{x.qtype.describe()} holds {' or '.join(codes_ok)} codes and float16{list(want)} scales (one per "
+                "vector). Pass back the cache the quantized function returned as it is: casting "
+                "the floating leaves of a state (to bfloat16, say) changes its scales too.")
         # split over explicit mesh axes as the codes are (a cache jax.shard_map splits by heads)
         return compat.zeros(float_shape(x), x.float_dtype, compat.explicit_sharding(x.values, traced=True))
-    return jax.tree_util.tree_map(one, args, is_leaf=is_cache)
+    return jax.tree_util.tree_map_with_path(one, args, is_leaf=is_cache)
 
 
 def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
@@ -233,6 +246,15 @@ def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
         raise ValueError(f"jqt.quantize_cache(kv_cache={kv_cache!r}): give a cache type (True for "
                          "int8, 'int4', 'fp8'); a float cache needs no quantizing.")
     check_type(t, "jqt.quantize_cache")
+    check_policy(policy, "jqt.quantize_cache")
+    if isinstance(x, QArray):
+        raise TypeError("jqt.quantize_cache: x is a jqt.QArray, a cache quantized already; pass it "
+                        "to the step as it is.")
+    if not hasattr(x, "shape") and not isinstance(x, (int, float)):
+        raise TypeError(f"jqt.quantize_cache: x is a {type(x).__name__}; pass one float buffer, "
+                        "and for a cache dict each of its buffers, e.g. dict(cache, "
+                        "k=jqt.quantize_cache(cache['k']), v=jqt.quantize_cache(cache['v'])).")
+    x = jnp.asarray(x)  # a NumPy float64 buffer: JAX's float (float32 unless x64 is on)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
         raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, where a "
                          "key/value cache is a float buffer of 2 or more axes, the last the features.")

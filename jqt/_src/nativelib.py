@@ -140,8 +140,13 @@ ISA_CHOICES = ("avx2", "avx512")  # JQT_NATIVE_ISA: the vector width of the kern
 
 
 def _build() -> NativeStatus:
-    if os.environ.get("JQT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    flag = os.environ.get("JQT_NATIVE", "1").strip().lower()
+    if flag in ("0", "false", "no", "off"):
         return NativeStatus(False, "disabled by JQT_NATIVE=0")
+    if flag not in ("", "1", "true", "yes", "on"):
+        diagnostics.warn(f"jqt: JQT_NATIVE={os.environ['JQT_NATIVE']!r} is neither off (0, false, "
+                         "no, off) nor on (1, true, yes, on): the native kernels stay on. Set "
+                         "JQT_NATIVE=0 to turn them off.", RuntimeWarning)
     isa = os.environ.get("JQT_NATIVE_ISA", "")
     if isa and isa.lower() not in ISA_CHOICES:  # as the kernels read it: no spaces
         diagnostics.warn(f"jqt: JQT_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_CHOICES)}: "

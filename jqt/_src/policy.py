@@ -636,9 +636,34 @@ class KernelPolicy:
 
     @staticmethod
     def for_backend(backend: str | None = None) -> "KernelPolicy":
-        """The table's policy for ``backend`` (default: ``jax.default_backend()``)."""
-        backend = backend or jax.default_backend()
-        return POLICIES.get(backend, POLICIES["default"])
+        """The table's policy for ``backend`` (default: ``jax.default_backend()``): ``"cpu"``,
+        ``"gpu"`` (or ``"cuda"``), any case; another JAX platform (``"tpu"``, ``"rocm"``,
+        ``"metal"``) gets the default :class:`KernelPolicy`; other names are refused.
+
+        >>> import jqt
+        >>> jqt.KernelPolicy.for_backend("GPU") == jqt.KernelPolicy.for_backend("cuda")
+        True
+        """
+        if backend is None:
+            return POLICIES.get(jax.default_backend(), POLICIES["default"])
+        name = backend.lower() if isinstance(backend, str) else None
+        if name in POLICIES:
+            return POLICIES[name]
+        if name in _PLATFORMS:
+            return POLICIES["default"]
+        raise ValueError(f"jqt.KernelPolicy.for_backend({backend!r}): expected a backend name, "
+                         f"one of {sorted(set(POLICIES) | _PLATFORMS)} (the policy table has rows "
+                         "for 'cpu' and 'gpu'; other platforms take the default policy).")
+
+
+def check_policy(policy, fn: str):
+    """Raises ``TypeError`` where ``policy`` is neither ``None`` nor a
+    :class:`jqt.KernelPolicy` (a backend's name, for instance)."""
+    if policy is not None and not isinstance(policy, KernelPolicy):
+        hint = (f" (a backend's name: pass jqt.KernelPolicy.for_backend({policy!r}))"
+                if isinstance(policy, str) else "")
+        raise TypeError(f"{fn}: policy is a {type(policy).__name__}{hint}; expected a "
+                        "jqt.KernelPolicy, or None for the default backend's.")
 
 
 def cpu_flags() -> frozenset:
@@ -689,6 +714,8 @@ _GPU = KernelPolicy(fp8_native=True, gemv_rows=4, weight_only_digits=3,  # bench
                    decode_in_input_dtype=True, cast_in_gemm=True,  # gpu-h100.md (fourth lease)
                    reduce_rows=1,  # benchmarks/results/gpu-h100.md (2026-11-26, second lease)
                    grouped_float=True)  # the same file (2026-11-27: XLA:GPU's compiler aborted)
+_PLATFORMS = {"tpu", "rocm", "metal"}  # JAX platforms without a row of their own
+
 POLICIES = {
     "cpu": KernelPolicy(pad_rows=2, ragged_int_rows=256, weight_only_chunk=256, conv_patches_below=16,
                         conv_codes_as_float=True, gemv_rows=4,

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from . import compat, diagnostics, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate
 from .layout import apply_chain
-from .policy import KernelPolicy
+from .policy import KernelPolicy, check_policy
 from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_alive, check_keys, check_policy, check_qparams, numbers_as_arrays
+from .validate import check_alive, check_keys, check_qparams, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):

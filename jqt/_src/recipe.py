@@ -13,6 +13,8 @@ import dataclasses
 import re
 from typing import Optional
 
+import numpy as np
+
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax, WeightMSE
 from . import accumulator, kvcache
 from .formats import QuantType
@@ -91,10 +93,20 @@ class Rule:
     accumulator: int = 32
 
     def __post_init__(self):
+        if not isinstance(self.key, str):
+            raise TypeError(f"Rule(key={self.key!r}): expected a regular expression string matched "
+                            "against the op keys (jqt.summarize lists them), e.g. key='attn' or "
+                            "key='.*' for every op.")
         try:
             re.compile(self.key)
         except re.error as e:
             raise ValueError(f"Rule(key={self.key!r}) is not a valid regular expression: {e}") from None
+        for name in ("awq", "rotate"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"Rule({name}={v!r}): expected True or False"
+                                + (" (SmoothQuant's alpha is smooth=, a number in [0, 1])"
+                                   if name == "awq" and isinstance(v, (int, float)) else "") + ".")
         if isinstance(self.ops, str):
             raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, "
                             f"e.g. ops=({self.ops!r},).")
@@ -180,7 +192,8 @@ class Rule:
 
     def _check_outliers(self):
         if self.smooth is not None:
-            if isinstance(self.smooth, bool) or not 0.0 <= float(self.smooth) <= 1.0:
+            if isinstance(self.smooth, (bool, str)) or not isinstance(self.smooth, (int, float, np.number)) \
+                    or not 0.0 <= float(self.smooth) <= 1.0:
                 raise ValueError(f"Rule(smooth={self.smooth!r}): SmoothQuant's alpha is a number in "
                                  "[0, 1] (0.5 is the paper's default), or None for no smoothing.")
             if self.activation is None:

@@ -24,7 +24,6 @@ import numpy as np
 from . import accumulator, compat, kvcache
 from .qparams import OpQParams, PackedParams
 from .handlers import QParamsMismatchError
-from .policy import KernelPolicy
 from .registry import BY_NAME
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
@@ -317,13 +316,3 @@ def check_mesh(mesh, fn: str, abstract: bool = False):
         raise TypeError(f"{fn}: mesh is a {type(mesh).__name__}; pass a jax.sharding.Mesh, e.g. "
                         "jax.sharding.Mesh(np.array(jax.devices()), ('data',)) for calibrate or "
                         "('model',) for packed_shardings.")
-
-
-def check_policy(policy, fn: str):
-    """Raises ``TypeError`` where ``policy`` is neither ``None`` nor a
-    :class:`jqt.KernelPolicy` (a backend's name, for instance)."""
-    if policy is not None and not isinstance(policy, KernelPolicy):
-        hint = (f" (a backend's name: pass jqt.KernelPolicy.for_backend({policy!r}))"
-                if isinstance(policy, str) else "")
-        raise TypeError(f"{fn}: policy is a {type(policy).__name__}{hint}; expected a "
-                        "jqt.KernelPolicy, or None for the default backend's.")

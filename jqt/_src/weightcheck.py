@@ -216,7 +216,14 @@ def check(qparams, params_t, argnums, fn):
     pending, leaf_of = [], {}
     for key, p, leaf in _weights(qparams, params_t, argnums):
         leaf_of[id(p)] = leaf
-        pending.append(start(key, p, p.source, *_grid_operand(p, leaf)))
+        try:
+            pending.append(start(key, p, p.source, *_grid_operand(p, leaf)))
+        except TypeError as e:  # the scales do not broadcast against the weight
+            w = p.operand(p.weight_operand)
+            raise QParamsMismatchError(
+                f"{fn}: op '{key}': weight '{p.source.path}' has shape {tuple(jnp.shape(leaf))}, which "
+                f"its scale of shape {tuple(jnp.shape(w.scale))} does not fit ({e}). Pass the params "
+                "the qparams were calibrated with, or re-calibrate.") from None
     fix = (f"re-calibrate with them (jqt.calibrate(f, recipe, params, batches)) and run {fn} "
            "with those qparams.")
     finish(pending, lambda p, src: _grid_operand(p, leaf_of[id(p)]), fn, fix=fix)

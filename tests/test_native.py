@@ -435,39 +435,36 @@ def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
         np.testing.assert_array_equal(out, avx2[name], err_msg=name)
 
 
-def test_an_unknown_native_switch_is_named():
-    """JQT_NATIVE=disable (neither an off nor an on word) leaves the kernels on, as before,
-    but now says so and how to turn them off."""
+def _status_warning(var, value, *needles):
+    """jqt.native_status() in a subprocess with ``var=value`` (the other switch unset): the
+    warning naming ``var=`` holds ``needles``; returns the subprocess's stdout."""
     code = ("import warnings, jqt\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    s = jqt.native_status()\n"
-            "msg = [str(x.message) for x in w if 'JQT_NATIVE=' in str(x.message)]\n"
-            "assert msg and \"'disable'\" in msg[0] and 'JQT_NATIVE=0' in msg[0], msg\n"
+            f"msg = [str(x.message) for x in w if {var + '='!r} in str(x.message)]\n"
+            f"assert msg and all(n in msg[0] for n in {needles!r}), msg\n"
             "print('ok', s.available)\n")
-    env = {**os.environ, "JQT_NATIVE": "disable", "JAX_PLATFORMS": "cpu"}
-    env.pop("JQT_NATIVE_ISA", None)
+    env = {**os.environ, var: value, "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE_ISA" if var == "JQT_NATIVE" else "JQT_NATIVE", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_an_unknown_native_switch_is_named():
+    """JQT_NATIVE=disable (neither an off nor an on word) leaves the kernels on, as before,
+    but now says so and how to turn them off."""
+    out = _status_warning("JQT_NATIVE", "disable", "'disable'", "JQT_NATIVE=0")
     if _buildable():
-        assert "ok True" in out.stdout, out.stdout
+        assert "ok True" in out, out
 
 
 @pytest.mark.slow  # a subprocess: CI
 def test_an_unknown_isa_is_named_and_ignored():
-    code = ("import warnings, jqt\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('always')\n"
-            "    s = jqt.native_status()\n"
-            "msg = [str(x.message) for x in w if 'JQT_NATIVE_ISA' in str(x.message)]\n"
-            "assert msg and \"'sse4'\" in msg[0] and 'avx2' in msg[0], msg\n"
-            "print('ok', s.available)\n")
-    env = {**os.environ, "JQT_NATIVE_ISA": "sse4", "JAX_PLATFORMS": "cpu"}
-    env.pop("JQT_NATIVE", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     if not _buildable():
         pytest.skip("the kernels are not built here")
-    assert out.returncode == 0 and "ok True" in out.stdout, out.stderr[-2000:]
+    assert "ok True" in _status_warning("JQT_NATIVE_ISA", "sse4", "'sse4'", "avx2")
 
 
 @pytest.mark.slow  # a subprocess: CI

@@ -168,6 +168,8 @@ class Analyzer:
             return CONST if compat.is_literal(v) else env[v]
 
         plan = Plan()
+        read_vars = {v for e in jaxpr.eqns for v in e.invars if not compat.is_literal(v)} \
+            | {v for v in jaxpr.outvars if not compat.is_literal(v)}
         maps, pending = map_remainders(jaxpr), {}
         made_by = {}  # var -> the equation of this jaxpr that made it
         for i, eqn in enumerate(jaxpr.eqns):
@@ -205,7 +207,8 @@ class Analyzer:
                 if entry.is_cache:  # the buffer after the write: still the loop's buffer
                     outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]
             elif eqn.primitive in HIGHER_ORDER:
-                outs = self._hop(plan, i, eqn, ins, stack)
+                unread = {k for k, v in enumerate(eqn.outvars) if compat.is_dropvar(v) or v not in read_vars}
+                outs = self._hop(plan, i, eqn, ins, stack, unread)
             elif view:  # the same buffer, its axes permuted (a vmap moved the batch axis)
                 outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes)]
             elif picked:  # the same buffer, whole vectors from before or after a write
@@ -344,7 +347,9 @@ class Analyzer:
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
                     contract=entry.contract(eqn), entry=entry, name_stack=stack)
 
-    def _hop(self, plan, i, eqn, ins, stack):
+    def _hop(self, plan, i, eqn, ins, stack, unread=frozenset()):
+        """A higher-order equation: its bodies analyzed; ``unread``: the indices of its
+        outputs that nothing reads (dropped)."""
         name = eqn.primitive.name
         hop = HIGHER_ORDER[eqn.primitive]
         scan_id = -1
@@ -372,9 +377,10 @@ class Analyzer:
             body_outs.append(sub_outs)
             if hop.transparent:
                 outs = sub_outs
-            else:
-                for info in sub_outs:
-                    self._use(info, "float")
+            else:  # what the body returns is read as a value, unless nothing reads it
+                for k, info in enumerate(sub_outs):
+                    if not _unread_output(eqn, k, unread):
+                        self._use(info, "float")
         caches = {}
         if hop.outs is not None:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
@@ -430,6 +436,19 @@ class Analyzer:
         for k, v in enumerate(carries):
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
                 self.cache_lookalikes.append((stack or "<top>", k))
+
+
+def _unread_output(eqn, k, unread) -> bool:
+    """Whether output ``k`` of a higher-order equation's body feeds nothing: a
+    ``lax.scan``'s stacked output or a ``cond``'s or ``shard_map``'s output that nothing
+    outside reads (``unread``: a ``jax.checkpoint`` body in a scan that passes its weight
+    slice back out, as ``nnx.remat`` does); not a loop's carry, which the next iteration
+    reads."""
+    if eqn.primitive.name == "while":
+        return False
+    if eqn.primitive.name == "scan" and k < compat.scan_counts(eqn)[1]:
+        return False
+    return k in unread
 
 
 def _cache_keys(plan) -> set:

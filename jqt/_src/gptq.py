@@ -101,8 +101,11 @@ def _why_not(site, qp, traced, argnums):
         return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
     uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())
     if uses != {site.key}:
-        return (f"its weight leaf '{src.path}' is also read by {sorted(uses - {site.key})} (tied "
-                "or reused weights: re-rounding it would change those ops' weights)")
+        ops = sorted(uses - {site.key, "float"})
+        return (f"its weight leaf '{src.path}' is also read "
+                + (f"by ops {ops} (tied or reused weights" if ops else
+                   "as a float value (by an op that stays float, or returned by f")
+                + ": re-rounding it would change what they read)")
     return None
 
 

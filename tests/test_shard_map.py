@@ -376,7 +376,13 @@ qs, ps = jqt.packed_shardings(q, pk, AUTO)
 q2, p2 = jax.device_put((q, pk), (qs, ps))
 g = jax.jit(lambda a, b, c: jqt.quantize(tp_emb, a)(b, c))
 hlo = g.lower(q2, p2, ids).compile().as_text()
-R["replicated_op"] = {"specs": {k: str(w.values.spec) for k, w in ps.weights.items() if w.values is not None},
+try:  # a mesh of another size under the shard_map's axis name
+    jqt.packed_shardings(q, pk, jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,)))
+    other_mesh = "no error"
+except ValueError as e:
+    other_mesh = str(e)
+R["replicated_op"] = {"other_mesh": other_mesh,
+                      "specs": {k: str(w.values.spec) for k, w in ps.weights.items() if w.values is not None},
                       "int8_collectives": sum(1 for l in hlo.splitlines() if "s8[" in l.split("=")[0]
                                               and any(c in l for c in ("all-gather(", "all-to-all(", "collective-permute("))),
                       "err": err(g(q2, p2, ids), jqt.quantize(tp_emb, q, simulate=True)(pe, ids))}
@@ -609,6 +615,8 @@ def test_a_weight_every_device_reads_whole_is_placed_replicated(result):
     every call)."""
     r = result["replicated_op"]
     assert r["specs"] == {"w1": "P('x',)", "w2": "P('x',)", "emb#1": "P()"}, r
+    # a mesh whose "x" has 2 devices, not the shard_map's 4: named (was JAX's error in jit)
+    assert "in 4 blocks" in r["other_mesh"] and "which have 2 devices" in r["other_mesh"], r
     assert r["int8_collectives"] == 0 and r["err"] <= 1e-6, r
 
 

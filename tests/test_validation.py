@@ -179,6 +179,21 @@ def test_load_packed_refuses(tmp_path, tensor, value, msg):
     assert bad in s and (msg in s or msg.replace("rhs.", "packed weight.") in s), s
 
 
+def test_load_packed_names_a_template_of_other_leaf_names(tmp_path):
+    """like= whose leaves match the file's in number, shapes and dtypes but not in names
+    (a template of other params) is matched by position, with a warning naming a pair;
+    the template of the packed params is silent."""
+    p, x, qp = _setup()
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, p))
+    renamed = {f"other_{k}": v for k, v in p.items()}
+    with pytest.warns(UserWarning, match=r"like= names its leaves otherwise .*'other_"):
+        jqt.load_packed(path, like=renamed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.load_packed(path, like=p)
+
+
 def test_load_packed_refuses_bad_packed_scale(tmp_path):
     p, x, qp = _setup()
     good, bad = str(tmp_path / "m.safetensors"), str(tmp_path / "bad.safetensors")
@@ -860,6 +875,44 @@ def test_backend_names_and_cache_arguments_are_checked():
     with pytest.raises(TypeError, match=r"x is a jqt.QArray, a cache quantized already"):
         jqt.quantize_cache(jqt.quantize_cache(z))
     assert jqt.quantize_cache(np.zeros((2, 4, 8))).float_dtype == "float32"  # JAX's float
+
+
+def test_qparams_edited_into_operand_types_no_rule_makes_are_refused():
+    """nf4 weights with int8 activations (the integer path computed something else than the
+    simulation), and an int8 activation with a float weight (an AttributeError from the
+    kernels): refused naming the op, as jqt.Rule refuses them."""
+    p, x, _ = _setup()
+    q4 = jqt.calibrate(f, jqt.recipes.nf4(group_size=8), p, [(x,)], progress=False)
+    q8 = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    w = q4["w"].weight_operand
+    act = q8["w"].operand(1 - w)
+    nf4_int8 = {"w": dataclasses.replace(q4["w"], **{("lhs", "rhs")[1 - w]: act})}
+    with pytest.raises(ValueError, match=r"qparams\['w'\] pairs nf4 weights with int8 .* activations"):
+        jqt.quantize(f, nf4_int8, simulate=True)(p, x)
+    no_weight = {"w": dataclasses.replace(q8["w"], **{("lhs", "rhs")[w]: None})}
+    with pytest.raises(ValueError, match=r"quantizes the activation but not the weight"):
+        jqt.quantize(f, no_weight)(p, x)
+
+
+def test_packed_shardings_arguments_of_the_wrong_form_are_named():
+    """ops= as a string, one pair or a dict; axis= as a tuple; qparams as a list: each
+    named with the form expected (were unpacking errors, or 'rule gives 1')."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.ones((8, 4))}
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    pk = jqt.pack(qp, p)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    for ops in ("w", ("w", "in"), {"w": "in"}):
+        with pytest.raises(TypeError, match=r"ops=.*expected a list of \(regex, mode\) pairs"):
+            jqt.packed_shardings(qp, pk, mesh, ops=ops)
+    with pytest.raises(ValueError, match=r"ops rule \('w',\): expected a pair"):
+        jqt.packed_shardings(qp, pk, mesh, ops=[("w",)])
+    with pytest.raises(TypeError, match=r"axis=\('data', 'model'\); expected the name of one mesh axis"):
+        jqt.packed_shardings(qp, pk, mesh, axis=("data", "model"))
+    with pytest.raises(TypeError, match=r"qparams is a list"):
+        jqt.packed_shardings(list(qp.values()), pk, mesh)
+    assert str(jqt.packed_shardings(qp, pk, mesh, ops=(("w", "in"),))[1].weights["w"].values.spec) \
+        == "P(None, 'model')"
 
 
 def test_gptq_names_the_op_for_other_params_and_a_singular_hessian():

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, validate
+from . import compat, diagnostics, validate
 from .analysis import path_str
 from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
@@ -547,7 +547,16 @@ def _split_as(aval, x):
 
 
 def _check_like(like, avals, paths, path):
-    flat, treedef = jax.tree_util.tree_flatten(like)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    flat = [x for _, x in with_paths]
+    trim = lambda p: p[:-len("/value")] if p.endswith("/value") else p  # an nnx Variable's value
+    named = [(a, b) for a, b in zip(paths, (path_str(q) for q, _ in with_paths)) if trim(a) != trim(b)]
+    if len(flat) == len(avals) and named:
+        diagnostics.warn(
+            f"jqt.load_packed: like= names its leaves otherwise than the params packed in {path} "
+            f"(e.g. '{named[0][1]}' where the file has '{named[0][0]}'; {len(named)} of "
+            f"{len(flat)}): leaves are matched by position, so a template of other params "
+            "could swap two leaves of one shape. Pass a template of the params that were packed.")
     if len(flat) != len(avals):
         raise QParamsMismatchError(
             f"jqt.load_packed: like= has {len(flat)} leaves, but the params packed in {path} had "

@@ -11,6 +11,7 @@ means a different axis of each of the three arrays; this module finds it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -128,12 +129,28 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         raise TypeError(f"jqt.packed_shardings: packed is a {type(packed).__name__}; expected the "
                         "jqt.PackedParams returned by jqt.pack or jqt.load_packed.")
     validate.check_mesh(mesh, "jqt.packed_shardings", abstract=True)
+    if not isinstance(qparams, dict):
+        raise TypeError(f"jqt.packed_shardings: qparams is a {type(qparams).__name__}; expected the "
+                        "dict jqt.calibrate returns (op key -> jqt.OpQParams).")
+    if not isinstance(axis, str):
+        raise TypeError(f"jqt.packed_shardings: axis={axis!r}; expected the name of one mesh axis "
+                        f"(one of {tuple(mesh.shape)}).")
+    for name, rules in (("ops", ops), ("leaves", leaves)):
+        if isinstance(rules, (str, dict)) or (isinstance(rules, tuple) and rules
+                                              and isinstance(rules[0], str)):
+            example = "[('attn', 'in')]" if name == "ops" else "[('bias', P())]"
+            raise TypeError(f"jqt.packed_shardings: {name}={rules!r}; expected a list of "
+                            f"(regex, {'mode' if name == 'ops' else 'PartitionSpec'}) pairs, e.g. "
+                            f"{name}={example}.")
     ops, leaves = tuple(ops), tuple(leaves)  # read twice: checked here, matched below
     for name, rules in (("ops", ops), ("leaves", leaves)):
         for rule in rules:
+            if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+                raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: expected a pair "
+                                 "(regex, value).")
             try:
                 re.compile(rule[0])
-            except (re.error, TypeError, IndexError) as e:
+            except (re.error, TypeError) as e:
                 raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: its first item must "
                                  f"be a regular expression ({e}).") from None
     if axis not in mesh.shape and not all(_block_spec(op) is not None for op in qparams.values()
@@ -170,6 +187,14 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
                 raise ValueError(f"jqt.packed_shardings: op '{key}' reads its weight in blocks a "
                                  f"jax.shard_map splits over mesh axes {missing}, which the mesh "
                                  f"(axes {tuple(mesh.shape)}) lacks; pass the shard_map's mesh.")
+            for c in op.source.chain:
+                for _, n, names in (c[1] if c[0] == "shard_split" else ()):
+                    if math.prod(mesh.shape[a] for a in names) != n:
+                        raise ValueError(
+                            f"jqt.packed_shardings: op '{key}' reads its weight in {n} blocks a "
+                            f"jax.shard_map splits over mesh axes {list(names)}, which have "
+                            f"{math.prod(mesh.shape[a] for a in names)} devices in this mesh "
+                            f"({dict(mesh.shape)}); pass the shard_map's mesh.")
             put = lambda a: NamedSharding(mesh, blocks)
             qp_sh[key] = jax.tree_util.tree_map(put, op)
             if pw is not None:

@@ -134,6 +134,26 @@ def describe(key, found) -> str:
             "type's range)")
 
 
+def operand_types_problem(p: OpQParams):
+    """What is wrong with the pair of operand types of a contraction's qparams (the
+    combinations :class:`jqt.Rule` refuses), or ``None``."""
+    w = p.weight_operand
+    if w is None or p.op == "gather" or getattr(BY_NAME.get(p.op), "is_cache", False):
+        return None
+    wq, aq = p.operand(w), p.operand(1 - w)
+    if aq is not None and wq is None:
+        return "quantizes the activation but not the weight: an integer kernel needs both"
+    if wq is None or aq is None:
+        return None
+    if wq.qtype.kind == "lut":
+        return (f"pairs nf4 weights with {aq.qtype.describe()} activations: nf4 weights are "
+                "decoded by lookup and multiplied in float (activation None)")
+    if (wq.qtype.kind == "float") != (aq.qtype.kind == "float"):
+        return (f"pairs {wq.qtype.describe()} weights with {aq.qtype.describe()} activations: an "
+                "integer kernel needs integer operands, an fp8 kernel fp8 operands")
+    return None
+
+
 def check_qparams(qparams, fn: str = "jqt", values: bool = True):
     """Raises ``TypeError`` unless ``qparams`` is a dict of :class:`jqt.OpQParams`, and
     (``values=True``) ``ValueError`` naming the op, the field and what is wrong when a
@@ -171,6 +191,10 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
             raise ValueError(f"{fn}: {why}")
         if getattr(BY_NAME.get(v.op), "is_cache", False) and not v.is_float and v.lhs is not None:
             kvcache.check_type(v.lhs.qtype, f"{fn}: qparams['{k}'] (a key/value cache write)")
+        why = operand_types_problem(v)
+        if why:
+            raise ValueError(f"{fn}: qparams['{k}'] {why} (qparams edited by hand?). Re-calibrate "
+                             "with a recipe that asks for it; jqt.Rule checks these combinations.")
     if not values:
         return
     for k, v in qparams.items():

@@ -540,7 +540,11 @@ def test_tensor_parallel_decode_keeps_each_devices_cache_int8(result):
 def test_tensor_parallel_example_runs():
     """examples/tensor_parallel.py on the tiny decoder, split over 2 devices: the float split
     agrees with the one-device model, each device's cache is int8 at <= 0.27x the float
-    bytes and its weights at <= 0.27x (int8) and <= 0.17x (int4), w8a8_dynamic agrees."""
+    bytes and its weights at <= 0.30x (int8) and <= 0.19x (int4), w8a8_dynamic agrees. (The
+    weights count the whole int8 embedding table, which the shard_map hands every device
+    and jqt.packed_shardings now places whole: 0.287x and 0.181x here. Before, it split
+    the table, the compiled step all-gathered it on every call, and half of it was counted:
+    0.265x and 0.165x against bounds of 0.27x and 0.17x.)"""
     import pathlib
     path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
     rows = on_devices(f"""
@@ -553,7 +557,7 @@ def test_tensor_parallel_example_runs():
     # the split float model sums in another order than one device: a near-tie may flip
     assert by["float, split"][4] >= 0.95 and by["float, split"][3] == ["float32"], by
     float_w, float_c = by["float, split"][1], by["float, split"][2]
-    for name, most in (("w8a8_dynamic + int8 KV", 0.27), ("w4 g64 + int8 KV", 0.17)):
+    for name, most in (("w8a8_dynamic + int8 KV", 0.30), ("w4 g64 + int8 KV", 0.19)):
         _, wbytes, cbytes, dtypes, agree = by[name]
         assert dtypes == ["float16", "int8"] and cbytes / float_c <= 0.27, by[name]
         assert wbytes / float_w <= most and agree >= 0.9, by[name]

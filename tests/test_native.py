@@ -489,6 +489,7 @@ def test_a_failed_build_warns_and_falls_back(tmp_path):
             "    warnings.simplefilter('always')\n"
             "    s = jqt.native_status()\n"
             "assert not s.available and 'failed to build' in s.reason, s\n"
+            "assert 'exited with status 1 and printed nothing' in s.reason, s  # not an empty reason\n"
             "assert any('native CPU kernels are not used' in str(x.message) for x in w), w\n"
             "print('ok')\n")
     false = shutil.which("false") or "/bin/false"

@@ -125,7 +125,8 @@ def _compile(cxx, flags, include, lib):
         run = subprocess.run([*cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
                              capture_output=True, text=True, timeout=600)
         if run.returncode:
-            tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
+            tail = (run.stderr or run.stdout).strip().splitlines()[-5:] or [
+                f"it exited with status {run.returncode} and printed nothing (is $CXX a C++ compiler?)"]
             raise _BuildError(f"{' '.join(cxx)} failed to build {SOURCE}: " + " | ".join(tail))
         os.replace(tmp, lib)
     except (OSError, subprocess.SubprocessError) as e:  # the compiler could not run

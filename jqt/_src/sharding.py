@@ -99,8 +99,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     scales and zero points are replicated. An op whose weight the function's own
     ``jax.shard_map`` splits (one set of codes and scales per block, stacked in front) is
     split as that ``shard_map`` splits it, whatever ``axis`` and ``ops`` say, and one it
-    hands every device whole (``P()`` in its ``in_specs``) is replicated. Float leaves kept in ``packed`` (biases,
-    norms) are replicated unless a ``leaves`` rule says otherwise.
+    hands every device whole (``P()`` in its ``in_specs``) is replicated. Float leaves
+    kept in ``packed`` (biases, norms) are replicated unless a ``leaves`` rule says
+    otherwise.
 
     Args:
       qparams: the qparams the weights were packed with.

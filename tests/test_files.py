@@ -293,6 +293,85 @@ def test_a_save_into_a_missing_folder_or_onto_a_folder_names_the_path(tmp_path, 
     assert os.listdir(tmp_path) == []  # no temporary file left
 
 
+_PERMISSIONS = r"""
+import os, stat, sys
+import jax.numpy as jnp, jqt
+d = sys.argv[1]
+qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2), [(jnp.ones((1, 2)),)], progress=False)
+packed = jqt.pack(qp, jnp.eye(2))
+old = os.umask(0o222)  # new files are read-only, as open(path, "w") makes them
+for name, save, obj in (("q.safetensors", jqt.save, qp), ("q.npz", jqt.save, qp),
+                        ("m.safetensors", jqt.save_packed, packed)):
+    save(os.path.join(d, name), obj)
+    print(name, oct(stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode)))
+os.umask(old)
+for what, path in (("read-only file", os.path.join(d, "q.safetensors")),
+                   ("read-only folder", os.path.join(d, "ro", "q.safetensors"))):
+    os.makedirs(os.path.join(d, "ro"), exist_ok=True)
+    os.chmod(os.path.join(d, "ro"), 0o555)
+    try:
+        jqt.save(path, qp)
+        print(what, "saved")
+    except PermissionError as e:
+        print(what, "|", e)
+print(sorted(os.listdir(d)), jqt.load(os.path.join(d, "q.npz"))["w"].rhs.qtype.bits)
+"""
+
+
+def test_saves_follow_the_users_permissions_and_name_the_file(tmp_path):
+    """As ``open(path, "w")``: under a umask without the owner's write bit a new file is
+    saved (read-only); a read-only file or folder is refused naming it, with no temporary
+    file left. Run as a user without the override of file permissions that root has."""
+    import shutil
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-c", _PERMISSIONS, str(tmp_path)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: permissions are not enforced")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+               "--inh-caps", "-dac_override,-dac_read_search"] + cmd
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[:3] == ["q.safetensors 0o444", "q.npz 0o444", "m.safetensors 0o444"]
+    assert lines[3].startswith("read-only file | jqt: cannot write") and "q.safetensors" in lines[3] \
+        and "read-only" in lines[3]
+    assert lines[4].startswith("read-only folder | jqt: cannot write") and "may not create files in " \
+        "its folder" in lines[4]
+    assert lines[5] == "['m.safetensors', 'q.npz', 'q.safetensors', 'ro'] 8"
+
+
+def test_a_bytes_path_works_as_a_str(tmp_path, models):
+    qp, packed = models["mlp"]
+    jqt.save(os.fsencode(tmp_path / "q.safetensors"), qp)
+    jqt.save_packed(os.fsencode(tmp_path / "m.safetensors"), packed, qp)
+    _assert_same(jqt.load(os.fsencode(tmp_path / "q.safetensors")), qp)
+    _assert_same(jqt.load_packed(os.fsencode(tmp_path / "m.safetensors")), packed)
+    with pytest.raises(TypeError, match=r"jqt.save_packed: path is a PackedParams; call "
+                                        r"jqt.save_packed\(path, packed, qparams\), the path first"):
+        jqt.save_packed(packed, str(tmp_path / "x.safetensors"))
+    with pytest.raises(TypeError, match=r"jqt.load: path is a int; pass the file's path"):
+        jqt.load(3)
+
+
+def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):
+    """Their scales are the same numbers in another order: the check compares them in order."""
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    qa = jqt.calibrate(f, jqt.recipes.w8(), {"w": w}, [(x,)], progress=False)
+    qb = jqt.calibrate(f, jqt.recipes.w8(), {"w": w[:, ::-1]}, [(x,)], progress=False)
+    assert np.array_equal(np.sort(np.ravel(qa["w"].rhs.scale)), np.sort(np.ravel(qb["w"].rhs.scale)))
+    path = str(tmp_path / "a.safetensors")
+    jqt.save_packed(path, jqt.pack(qa, {"w": w}))
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'w' was quantized with other weight scales"):
+        jqt.load_packed(path, qparams=qb)
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'w' was quantized with other weight scales"):
+        jqt.save_packed(path, jqt.pack(qa, {"w": w}), qb)
+    jqt.load_packed(path, qparams=qa)
+
+
 # ============================================================ loads checked: targeted cases
 
 

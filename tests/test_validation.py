@@ -832,6 +832,15 @@ def test_packed_weights_of_another_format_and_params_of_another_shape_are_refuse
     with pytest.raises(jqt.QParamsMismatchError,
                        match=r"jqt.pack: op 'w': weight 'w' has shape \(4, 4\), which its scale of shape \(2, 4\)"):
         jqt.pack(q4, {"w": p["w"][:4]})
+    # formats whose short names read the same name the field that differs
+    wide = jqt.QuantType(bits=8, per_channel=True)  # narrow_range=False, where the preset's is True
+    _, _, qw = _setup(jqt.Recipe(rules=(jqt.Rule(weight=wide),)))
+    msg = ("is int8 sym per-channel (narrow_range=False), but qparams['w'] quantize it as int8 sym "
+           "per-channel (narrow_range=True)")
+    with pytest.raises(jqt.QParamsMismatchError, match=re.escape(msg)):
+        jqt.quantize(f, q8)(jqt.pack(qw, p), x)
+    with pytest.raises(jqt.QParamsMismatchError, match=re.escape(msg.replace("qparams['w']", "these qparams"))):
+        jqt.save_packed(path, jqt.pack(qw, p), q8)
 
 
 # ---- recipes: wrong types, rules that decide nothing, empty ranges -----------------------------

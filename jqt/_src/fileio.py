@@ -78,12 +78,23 @@ def atomic_write(path, write_to) -> None:
         raise FileNotFoundError(f"jqt: cannot write {os.fspath(path)!r}: its folder "
                                 f"{os.path.dirname(target)!r} does not exist. Create it first "
                                 "(os.makedirs(folder, exist_ok=True)).")
-    tmp = _create_temp(target)
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        raise PermissionError(f"jqt: cannot write {os.fspath(path)!r}: the file is read-only for this "
+                              "user (as open(path, 'w') would find). Make it writable (chmod u+w) "
+                              "or write another file.")
+    try:
+        tmp, mode = _create_temp(target)
+    except PermissionError as e:
+        raise PermissionError(f"jqt: cannot write {os.fspath(path)!r}: this user may not create files "
+                              f"in its folder {os.path.dirname(target)!r} ({e.strerror}). Write into "
+                              "another folder, or make this one writable.") from None
     try:
         write_to(tmp)
-        with contextlib.suppress(OSError):  # an existing file keeps its permissions
-            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        _writable(tmp)  # (a writer that made the file anew gave it the umask's mode)
         _fsync(tmp)
+        with contextlib.suppress(OSError):  # an existing file keeps its permissions, a new
+            # one gets those open() gives (0o666 less the umask)
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else mode)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -93,12 +104,27 @@ def atomic_write(path, write_to) -> None:
 
 
 def _create_temp(target):
-    """A new empty file ``.<name>.<random>.tmp`` next to ``target`` (0o666 less the umask,
-    as ``open`` creates)."""
+    """A new empty file ``.<name>.<random>.tmp`` next to ``target``, and the mode ``open``
+    gives a new file (0o666 less the umask). The temporary file stays writable by its
+    owner until it is complete (a umask such as 0o222 would leave the writer, which
+    reopens it, unable to)."""
     folder, name = os.path.split(target)
     tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    return tmp
+    mode = stat.S_IMODE(os.stat(tmp).st_mode)
+    try:
+        _writable(tmp)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp, mode
+
+
+def _writable(path):
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if not mode & stat.S_IWUSR:
+        os.chmod(path, mode | stat.S_IWUSR)
 
 
 def _fsync(path):
@@ -162,6 +188,18 @@ def write(path, tensors, header, fmt, version):
                   tensors=tensor_list(tensors))
     meta = {"format": fmt, "version": str(version), "jqt": json.dumps(header)}
     atomic_write(path, lambda tmp: st.numpy.save_file(stored, tmp, metadata=meta))
+
+
+def file_path(path, fn, hint="pass the file's path (a str or os.PathLike)") -> str:
+    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``) as a ``str``; any other value
+    raises a ``TypeError`` starting with ``fn`` and ending with ``hint``.
+
+    >>> file_path(b"/tmp/q.safetensors", "jqt.load")
+    '/tmp/q.safetensors'
+    """
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return os.fsdecode(os.fspath(path))
+    raise TypeError(f"{fn}: path is a {type(path).__name__}; {hint}.")
 
 
 def is_zip(path, fn) -> bool:

@@ -224,6 +224,22 @@ class QuantType:
         sym = "sym" if self.symmetric else "asym"
         return f"{self.dtype} {sym} {gran}{' dynamic' if self.dynamic else ''}"
 
+    def contrast(self, other: "QuantType") -> tuple:
+        """The two types' :meth:`describe` texts, for an error that names both; where
+        those read the same, each names the fields that differ.
+
+        >>> import jqt
+        >>> a = jqt.QuantType(bits=8, per_channel=True)
+        >>> a.contrast(jqt.QuantType(bits=8, per_channel=True, narrow_range=True))
+        ('int8 sym per-channel (narrow_range=False)', 'int8 sym per-channel (narrow_range=True)')
+        """
+        da, db = self.describe(), other.describe()
+        if da != db:
+            return da, db
+        diff = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return tuple(f"{d} ({', '.join(f'{n}={getattr(t, n)!r}' for n in diff)})" if diff else d
+                     for d, t in ((da, self), (db, other)))
+
 
 def pack_nibbles(q, axis):
     """int8 codes in ``[-8, 7]`` -> uint8, two per byte along ``axis`` (even index in the

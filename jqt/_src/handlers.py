@@ -262,9 +262,10 @@ def lookup(ctx, site, invals):
                 "jqt.pack.")
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
+            have, want = packed.qtype.contrast(q.qtype)
             raise QParamsMismatchError(
-                f"jqt: the packed weight for '{site.key}' is {packed.qtype.describe()}, but "
-                f"qparams['{site.key}'] quantize it as {q.qtype.describe()}: the weights were "
+                f"jqt: the packed weight for '{site.key}' is {have}, but "
+                f"qparams['{site.key}'] quantize it as {want}: the weights were "
                 "packed with other qparams (another recipe, or before a fallback or edit). "
                 "Re-run jqt.pack(qparams, params) with these qparams.")
     return qp, packed

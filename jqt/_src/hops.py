@@ -340,10 +340,11 @@ def enter_call(plan, ctx, args, invars, name=str):
         if enter is None or qtype is None:
             continue
         if kvcache.is_cache(x) and x.qtype != qtype:
+            have, want = x.qtype.contrast(qtype)
             raise QParamsMismatchError(
                 f"jqt: argument {name(k)} of f is a key/value cache of "
-                f"{x.qtype.describe()}, where qparams['{writes[0]}'] write "
-                f"{qtype.describe()} into it: the cache was made with other qparams. "
+                f"{have}, where qparams['{writes[0]}'] write "
+                f"{want} into it: the cache was made with other qparams. "
                 "Pass the cache the same quantized function returned, or a float buffer.")
         args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):

@@ -18,7 +18,7 @@ from .layout import apply_chain
 from .tracing import Static
 from .qparams import (PackedParams, QArray, codes_problem, fold_mismatch, fold_parts, holds_smooth,
                       smooth_digest)
-from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, is_a,
+from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, file_path, is_a,
                      is_zip, json_kind, reading, version_error, write)
 from .serialization import (PACKED_READ, PACKED_VERSION, TreeNotSerializable, check_scales,
                             check_values, float32_scale, qparams_entries, qparams_from_entries,
@@ -91,6 +91,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     >>> packed.weights["w"].values.dtype, packed.weights["w"].layout
     (dtype('int8'), 'nk')
     """
+    path = file_path(path, "jqt.save_packed", "call jqt.save_packed(path, packed, qparams), the "
+                     "path first")
     if not isinstance(packed, PackedParams):
         raise TypeError(f"jqt.save_packed: expected the jqt.PackedParams returned by jqt.pack, got "
                         f"a {type(packed).__name__}.")
@@ -228,6 +230,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if isinstance(device, str):
         raise TypeError(f"{fn}: device={device!r} is a name; pass a jax.Device (e.g. "
                         f"jax.devices({device!r})[0]) or a Sharding.")
+    path = file_path(path, fn)
     if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
@@ -593,14 +596,15 @@ def _n_channels(q, depth):
 
 
 def _same_values(a, b) -> bool:
-    """Whether two scales (or zero points, or ``None``) hold the same numbers, in any
-    layout (a packed weight's are its qparams' up to a reshape); tracers pass."""
+    """Whether two scales (or zero points, or ``None``) hold the same numbers in the same
+    order (a packed weight's are its qparams' up to a reshape); tracers pass. Order
+    matters: weights with their output channels permuted have the same set of scales."""
     if a is None or b is None:
         return a is None and b is None
     if compat.is_tracer(a) or compat.is_tracer(b):
         return True
     a, b = np.ravel(np.asarray(a)), np.ravel(np.asarray(b))
-    return a.size == b.size and np.array_equal(np.sort(a), np.sort(b))
+    return a.size == b.size and np.array_equal(a, b)
 
 
 def _same_vector(a, b) -> bool:
@@ -657,9 +661,10 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{q.qtype.describe()}. They were packed with other qparams; re-run jqt.pack "
                     "with these.")
         elif pw.qtype != q.qtype:
+            have, want = pw.qtype.contrast(q.qtype)
             raise QParamsMismatchError(
-                f"{fn}: the packed weight of op '{key}' is {pw.qtype.describe()}, but these "
-                f"qparams quantize it as {q.qtype.describe()}. They were packed with other "
+                f"{fn}: the packed weight of op '{key}' is {have}, but these "
+                f"qparams quantize it as {want}. They were packed with other "
                 "qparams; re-run jqt.pack with these.")
         why = fold_mismatch(pw.folded, p.fold_tag)
         if why:

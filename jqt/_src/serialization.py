@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from . import compat, validate
-from .fileio import (FORMAT, PACKED_FORMAT, FormatError, NpzReader, Reader, atomic_write,
+from .fileio import (FORMAT, PACKED_FORMAT, FormatError, NpzReader, Reader, atomic_write, file_path,
                      describe, dtype_from_name, is_a, is_zip, json_kind, kind_name, reading,
                      tensor_list, version_error, write)
 from .qparams import OpQParams, QArray, WeightSource
@@ -382,9 +382,7 @@ def save(path, qparams) -> None:
     >>> jqt.load(p)["w"].rhs.qtype == qp["w"].rhs.qtype
     True
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"jqt.save: path is a {type(path).__name__}; call jqt.save(path, qparams), "
-                        "the path first.")
+    path = file_path(path, "jqt.save", "call jqt.save(path, qparams), the path first")
     if any(compat.is_tracer(a) for a in jax.tree_util.tree_leaves(qparams)):
         raise TypeError("jqt.save: qparams hold traced values (jqt.save called inside jax.jit, "
                         "jax.grad or another transformation); return the qparams from the "
@@ -424,6 +422,7 @@ def load(path) -> dict:
     >>> jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(qp)
     True
     """
+    path = file_path(path, "jqt.load")
     if is_zip(path, "jqt.load"):
         return _load_npz(path)
     with Reader(path, "jqt.load") as r, reading(r):

@@ -207,3 +207,40 @@ def test_a_type_error_inside_a_decorated_f_is_its_own():
 
     with pytest.raises(TypeError, match="not-a-dtype"):
         jqt.calibrate(h, jqt.recipes.w8(), {"w": jnp.ones((4, 2))}, [(jnp.ones((2, 4)),)], progress=False)
+
+
+def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
+    """A weight broadcast before a batched matmul (packed per copy: more bytes than float),
+    a weight sliced by the input's length (the qparams fit one length: the message names
+    the slice bounds, not the axes, which did not change), and a conv whose weight is its
+    input (lhs) with a data kernel (float: named, not called act x act with a fix that
+    does not apply)."""
+    from jax import lax
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4, 64)), jnp.float32)
+    bf = lambda p, x: jnp.einsum("btk,bkn->btn", x, jnp.broadcast_to(p["w"], (x.shape[0],) + p["w"].shape))  # noqa: E731
+    qp = jqt.calibrate(bf, jqt.recipes.w8(), {"w": w}, [(x,)], progress=False)
+    with pytest.warns(UserWarning, match=r"jqt.pack: op 'w' reads weight 'w' broadcast to shape "
+                                         r"\(8, 64, 16\).*each of the 8 copies, 8x the leaf's elements"):
+        jqt.pack(qp, {"w": w})
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"reached by broadcast_in_dim\(shape=\(8, 64, 16\), dims=\(1, 2\)\), but this call "
+                             r"reaches it by broadcast_in_dim\(shape=\(3, 64, 16\).*follow the input's shape"):
+        jqt.quantize(bf, qp)({"w": w}, x[:3])
+    sf = lambda p, x: x @ p["pos"][: x.shape[-1]]  # noqa: E731
+    qs = jqt.calibrate(sf, jqt.recipes.w8a8(), {"pos": w}, [(x[:, :, :32],)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"slice\(start=\(0, 0\), limit=\(32, 16\), "
+                                                      r"strides=None\), but this call reaches it by slice\("
+                                                      r"start=\(0, 0\), limit=\(24, 16\)"):
+        jqt.quantize(sf, qs)({"pos": w}, x[:, :, :24])
+    img = {"img": jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)}
+    cf = lambda p, k: lax.conv_general_dilated(p["img"], k, (1, 1), "VALID",  # noqa: E731
+                                               dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    k = jnp.asarray(rng.standard_normal((3, 3, 4, 6)), jnp.float32)
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic(act_x_act=True)):
+        with pytest.warns(UserWarning, match=r"reads weight 'img' as its input \(lhs\), with a kernel "
+                                             r"computed from the data.*stays float"):
+            qc = jqt.calibrate(cf, recipe, img, [(k,)], progress=False)
+        (p,) = qc.values()
+        assert p.is_float and "act_x_act" not in p.note and "kernel, the rhs" in p.note

@@ -329,6 +329,13 @@ class Analyzer:
                        f"op is an activation x activation op and stays float. {fix}")
                 diagnostics.warn(msg)
                 self.warned.append(msg)
+        if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
+            msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
+                   f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "
+                   "kernel computed from the data: jqt quantizes a convolution's weight only as its "
+                   "kernel (rhs), so this op stays float.")
+            diagnostics.warn(msg)
+            self.warned.append(msg)
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

@@ -500,10 +500,11 @@ def _decide(site, rule, st):
         return float_(why)
     w = site.weight_operand
     if w is None:
+        if site.op != "dot_general":  # act_x_act does not apply
+            return float_("conv with a data-dependent kernel is kept float (a conv's weight is "
+                          "quantized as its kernel, the rhs)")
         if rule.act_x_act is None:
             return float_("activation x activation op (set Rule(act_x_act=...) to quantize)")
-        if site.op != "dot_general":
-            return float_("conv with a data-dependent kernel is kept float")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)

@@ -281,6 +281,15 @@ def _check_source(site, qp):
     axes_only = lambda chain: tuple(c for c in chain if c[0] not in ("convert", "copy"))
     want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
     got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])
+    if got != want and got[1] == want[1] and [c[0] for c in got[0]] == [c[0] for c in want[0]]:
+        was, now = next((c, d) for c, d in zip(got[0], want[0]) if c != d)
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
+            f"{_step(was)}, but this call reaches it by {_step(now)}: the layout op's arguments "
+            "follow the input's shape (e.g. p['pos'][:x.shape[1]], or a broadcast to the batch "
+            "size), so the weight's scales were computed for another view of it. Calibrate with "
+            "inputs of the shape you call it with (one qparams per shape), or read the weight "
+            "the same way at every shape.")
     if got != want:
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
@@ -288,6 +297,14 @@ def _check_source(site, qp):
             f"this function reaches it by {[c[0] for c in b.chain] or 'no layout ops'} and "
             f"contracts axes {want[1]}: the scales would lie on the wrong axes. Re-calibrate for "
             "this function.")
+
+
+def _step(c):
+    """A layout step of a weight's chain as text: ``slice(start=(0, 0), limit=(32, 8), ...)``."""
+    names = {"slice": ("start", "limit", "strides"), "broadcast_in_dim": ("shape", "dims")}.get(c[0])
+    if names and len(names) == len(c) - 1:
+        return f"{c[0]}({', '.join(f'{n}={v}' for n, v in zip(names, c[1:]))})"
+    return f"{c[0]}{tuple(c[1:])}"
 
 
 def _weight_axes(site, invals, qtype):

@@ -344,7 +344,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     for i, (q, _) in enumerate(with_paths):
         index.setdefault(path_str(q), []).append(i)
     weights, consumed, needed, unpackable, leaf_of, checks, nans = {}, set(), set(), [], {}, [], []
-    other_args = set()
+    other_args, copies = set(), []
     for key, p in qparams.items():
         w = p.weight_operand
         if w is None or p.operand(w) is None:
@@ -382,6 +382,9 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             nans.append((key, src.path, jnp.sum(jnp.isnan(operand))))  # fp8 codes hold NaN
         consumed.add(src.leaf)
         leaf_of[key] = src.leaf
+        if any(c[0] == "broadcast_in_dim" for c in src.chain) \
+                and jnp.size(operand) > jnp.size(flat[src.leaf]):
+            copies.append((key, src.path, tuple(jnp.shape(operand)), jnp.size(operand) // jnp.size(flat[src.leaf])))
         if src.float_needed:
             needed.add(src.leaf)
     if other_args and not weights and not unpackable:  # a weight argument without quantized
@@ -403,6 +406,14 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                          "the reordered w) and calibrate on those params; a shard_map's weight, "
                          "pass it whole (P() in in_specs) or split as its matmul reads it "
                          "(tensor parallelism).")
+    if copies:
+        key, path, shape, n = copies[0]
+        diagnostics.warn(
+            f"jqt.pack: op '{key}' reads weight '{path}' broadcast to shape {shape} (jnp.broadcast_to "
+            f"before a batched matmul?): its codes and scales are stored for each of the {n} copies, "
+            f"{n}x the leaf's elements{f' (and {len(copies) - 1} more such ops)' if len(copies) > 1 else ''}, "
+            "so the packed weights can outgrow the float ones. Contract the weight itself, "
+            "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w), and re-calibrate.")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)

@@ -516,6 +516,40 @@ def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():
     np.testing.assert_array_equal(pq["w"], p["w"])
 
 
+def test_gptq_re_rounds_slices_of_one_leaf_and_weights_cast_to_bfloat16():
+    """A fused QKV weight read as three slices: each op reads its own elements, so GPTQ
+    re-rounds each (it kept plain rounding, calling them tied). A float32 weight cast to
+    bfloat16 before its matmul (mixed precision): GPTQ ran into a TypeError from
+    jax.linear_transpose. Both now lower the error as GPTQ does on a plain leaf."""
+    p, batches = _data(seed=2, k=64, n=96, batches=3)
+    d = 32
+    fused = lambda p, x: jnp.concatenate([x @ p["w"][:, i * d:(i + 1) * d] for i in range(3)], -1)  # noqa: E731
+    bf = lambda p, x: (x.astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)).astype(jnp.float32)  # noqa: E731
+    x = batches[-1][0]
+    for g in (fused, bf):
+        qp = jqt.calibrate(g, jqt.recipes.w4(group_size=16), p, batches[:2], progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pq = jqt.gptq(g, qp, p, batches[:2], progress=False)
+        err = lambda w: float(jnp.mean((jqt.quantize(g, qp)(jqt.pack(qp, w), x) - g(p, x)) ** 2))  # noqa: B023
+        assert err(pq) < 0.5 * err(p), (err(pq), err(p))
+    # overlapping reads stay tied: w[:, :48] and w[:, 16:]
+    over = lambda p, x: x @ p["w"][:, :48] + x @ p["w"][:, 16:64]  # noqa: E731
+    qp = jqt.calibrate(over, jqt.recipes.w4(group_size=16), p, batches[:2], progress=False)
+    with pytest.warns(UserWarning, match="also read by ops.*reading the same elements"):
+        pq = jqt.gptq(over, qp, p, batches[:2], progress=False)
+    np.testing.assert_array_equal(pq["w"], p["w"])
+
+
+def test_a_weight_computed_by_arithmetic_is_said_not_smoothed():
+    p, batches = _data(k=64, n=64)
+    with pytest.warns(UserWarning, match=r"ops \['dot_general_0'\] read weights that are not a leaf.*"
+                                         r"computed by arithmetic"):
+        qp = jqt.calibrate(lambda p, x: x @ (p["w"] * 2.0), jqt.recipes.w8a8(smooth=0.5), p, batches,
+                           progress=False)
+    assert qp["dot_general_0"].smooth is None
+
+
 @pytest.mark.slow
 def test_fallback_can_try_an_algorithm_before_keeping_an_op_float():
     # 'w1' reads the outlier channels: fallback moves it to a smoothed rule, 'w2' stays plain

@@ -87,8 +87,9 @@ class _Hessians:
         return jax.tree_util.tree_map(lambda v: jnp.sum(v, axis=0), stacked)
 
 
-def _why_not(site, qp, traced, argnums):
-    """Why GPTQ leaves op ``site`` with plain rounding, or ``None`` when it re-rounds it."""
+def _why_not(site, qp, traced, argnums, leaf_shape=None):
+    """Why GPTQ leaves op ``site`` with plain rounding, or ``None`` when it re-rounds it
+    (``leaf_shape``: its weight leaf's, to tell ops reading other parts of it)."""
     w = site.weight_operand
     if qp.is_float or w is None or qp.operand(w) is None or site.op == "gather":
         return "n/a"  # float, or a lookup (no products to correct): nothing to say
@@ -102,11 +103,36 @@ def _why_not(site, qp, traced, argnums):
     uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())
     if uses != {site.key}:
         ops = sorted(uses - {site.key, "float"})
+        if "float" not in uses and leaf_shape is not None and _apart(site, ops, traced, leaf_shape):
+            return None  # other ops read other parts of the leaf (a fused QKV weight's slices)
         return (f"its weight leaf '{src.path}' is also read "
-                + (f"by ops {ops} (tied or reused weights" if ops else
+                + (f"by ops {ops} (tied or reused weights, reading the same elements" if ops else
                    "as a float value (by an op that stays float, or returned by f")
                 + ": re-rounding it would change what they read)")
     return None
+
+
+def _apart(site, others, traced, leaf_shape) -> bool:
+    """Whether the ops ``others`` read elements of ``site``'s weight leaf that it does not
+    (slices of one leaf: ``w[:, :d]``, ``w[:, d:]``, a Python loop's ``w[i]``)."""
+    srcs = {s.key: s.source for s in traced.sites() if s.key in others}
+    if set(srcs) != set(others) or any(c is None or any(step[0] not in _INVERTIBLE for step in c.chain)
+                                       for c in srcs.values()):
+        return False
+    size = int(np.prod(leaf_shape, dtype=np.int64))
+
+    def read(src):  # the flat indices of the leaf's elements an op reads
+        mask = np.zeros(size, bool)
+        idx = np.arange(size, dtype=np.int64 if size > 2 ** 31 - 1 else np.int32).reshape(leaf_shape)
+        mask[np.ravel(np.asarray(apply_chain(jnp.asarray(idx), _values_chain(src.chain))))] = True
+        return mask
+    mine = read(site.source)
+    return not any(np.any(mine & read(src)) for src in srcs.values())
+
+
+def _values_chain(chain):
+    """The chain without its casts: the same elements, in float32 (or the index type)."""
+    return tuple(c for c in chain if c[0] != "convert")
 
 
 def quantize_rows(w, s, z, qtype):
@@ -252,22 +278,30 @@ def _rerounded(site, qp, leaf, h, n, opts):
     back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])
     back = jnp.transpose(back.reshape(tuple(wt.shape[d] for d in perm)), tuple(np.argsort(perm)))
-    delta = transforms.unweight(back, qp.smooth, qp.rotate, contract, depth) - w0
-    (dleaf,) = jax.linear_transpose(chain, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
-    exact = jnp.asarray(leaf, _F32) + dleaf
+    # the change, in float32, placed in the leaf by the chain's transpose (without its casts:
+    # a float32 weight cast to bfloat16 before its matmul gets float32 values on the grid)
+    values = lambda a: apply_chain(a, _values_chain(src.chain))
+    leaf32 = jnp.asarray(leaf, _F32)
+    delta = transforms.unweight(back, qp.smooth, qp.rotate, contract, depth) - values(leaf32)
+    (dleaf,) = jax.linear_transpose(values, jax.ShapeDtypeStruct(jnp.shape(leaf), _F32))(delta)
+    exact = leaf32 + dleaf
     result = exact.astype(jnp.result_type(leaf))
-    if result.dtype != _F32:  # the cast may move values off the grid GPTQ rounded them onto
-        grid = lambda a: quantize_rows(transforms.weight(chain(a).astype(_F32), qp.smooth, qp.rotate,
-                                                         contract, depth), s, z, q.qtype)
-        moved = int(jnp.sum(grid(result) != grid(exact)))
+    cast = chain(result).dtype
+    if result.dtype != _F32 or cast != _F32:  # a cast may move values off the grid GPTQ chose
+        grid = lambda a, c: quantize_rows(transforms.weight(c(a).astype(_F32), qp.smooth, qp.rotate,
+                                                            contract, depth), s, z, q.qtype)
+        moved = int(jnp.sum(grid(result, chain) != grid(exact, values)))
         if moved:
+            narrow = result.dtype if result.dtype != _F32 else cast
             why = (" (the op's rotation or smoothing spreads the cast's rounding over every element)"
                    if qp.rotate or qp.smooth is not None else "")
+            where = (f"when its result is cast back to the weight's {result.dtype}" if result.dtype != _F32
+                     else f"when f casts the weight to {cast} before its matmul")
             diagnostics.warn(f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ chose change "
-                             f"when its result is cast back to the weight's {result.dtype}{why}, and "
-                             f"jqt.pack stores the codes of the {result.dtype} weight. To keep GPTQ's codes, "
-                             "pass the params as float32 (jax.tree.map(lambda a: a.astype(jnp.float32), "
-                             "params)) to jqt.gptq and jqt.pack.")
+                             f"{where}{why}, and jqt.pack stores the codes of the {narrow} weight. "
+                             + ("To keep GPTQ's codes, pass the params as float32 (jax.tree.map(lambda "
+                                "a: a.astype(jnp.float32), params)) to jqt.gptq and jqt.pack."
+                                if result.dtype != _F32 else "The op reads those."))
     return result
 
 
@@ -300,9 +334,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     raise :class:`jqt.QParamsMismatchError` naming the op, as :func:`jqt.pack` does. The
     batches are checked as :func:`jqt.calibrate` checks them (no NaN, no empty arrays).
 
-    Ops it leaves to plain rounding (warned): convolutions; weights computed from
-    several leaves; weight leaves also read by another op
-    (tied embeddings). Embedding lookups keep their per-row rounding (a lookup
+    Ops it leaves to plain rounding (warned): convolutions; weights computed from their
+    leaves by more than layout ops; weight elements also read by another op (tied
+    embeddings; ops reading separate slices of one leaf, a fused QKV weight's, are each
+    re-rounded). Embedding lookups keep their per-row rounding (a lookup
     has no products whose error GPTQ could correct).
 
     >>> import jax, jax.numpy as jnp, jqt
@@ -338,7 +373,11 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     weightcheck.check(qparams, params_t, argnums, "jqt.gptq")  # it rounds on the calibrated grids
     sites = [s for s in traced.sites() if s.key in qparams]  # an optional op without an entry: float
     order = list(dict.fromkeys(s.key for s in sites))
-    why = {s.key: _why_not(s, qparams[s.key], traced, argnums) for s in sites}
+    def leaf_shape(src):
+        if src is None or src.arg not in argnums:
+            return None
+        return np.shape(jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])[src.leaf])
+    why = {s.key: _why_not(s, qparams[s.key], traced, argnums, leaf_shape(s.source)) for s in sites}
     eligible = [k for k in order if why[k] is None]
     skipped = [k for k in order if why[k] not in (None, "n/a")]
     if skipped:

@@ -155,9 +155,11 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
                          "convolutions, lookups, batched dots or ragged dots; smooth/awq/rotate apply to dense "
                          "ops only, so these are quantized without them.")
     if no_leaf:
-        diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]} read weights computed from several "
-                         "leaves; their smoothing factor needs the weight itself, so they are not "
-                         "smoothed.")
+        diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]}{' ...' if len(no_leaf) > 5 else ''} read "
+                         "weights that are not a leaf of the weights reached by layout ops only "
+                         "(computed by arithmetic: p['w'] * 2.0, a sum of leaves, a constant); their "
+                         "smoothing factor is folded into a stored weight, so they are not smoothed "
+                         "(nor packed). Store the weight as the op reads it in the params to smooth it.")
     if unrotated:
         diagnostics.warn(f"jqt.calibrate: ops {unrotated[:5]}{' ...' if len(unrotated) > 5 else ''} "
                          "contract an odd number of inputs (in brackets), which has no Hadamard "

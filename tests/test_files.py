@@ -355,6 +355,18 @@ def test_a_bytes_path_works_as_a_str(tmp_path, models):
         jqt.load(3)
 
 
+def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path, models):
+    """The cast jqt's own message recommends (floats only, codes kept) runs; saving it with
+    its qparams named another calibration as the cause."""
+    qp, packed = models["mlp"]
+    cast = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, packed)
+    jqt.quantize(mlp, qp)(cast, jnp.ones((2, 16)))
+    with pytest.raises(ValueError, match=r"jqt.save_packed: the packed weight of op 'l1/w': its scale "
+                                         r"is bfloat16, where jqt.pack made it float32.*cast after"):
+        jqt.save_packed(str(tmp_path / "m.safetensors"), cast, qp)
+
+
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):
     """Their scales are the same numbers in another order: the check compares them in order."""
     w = jax.random.normal(jax.random.key(0), (16, 8))

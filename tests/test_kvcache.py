@@ -280,6 +280,39 @@ def test_a_cache_written_back_unchanged_does_not_drift(kind):
         np.testing.assert_array_equal(y, jnp.full_like(y, y[0]))
 
 
+@pytest.mark.parametrize("kind", [True, "int4", "fp8"])
+@pytest.mark.parametrize("shift", ["dus", "at"])
+def test_a_window_shifted_in_place_keeps_its_codes(kind, shift):
+    """A fixed window that shifts left by writing the cache's own slice into it
+    (``dynamic_update_slice(c, c[1:], 0)`` or ``c.at[:-1].set(c[1:])``) and writes the new
+    vector last: the integer path failed on the quantized slice (AttributeError deep in
+    kvcache.write); it now copies its codes and scales, as the simulation re-quantizes
+    them to the same values."""
+    w_, d = 8, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    p = {"wk": jax.random.normal(ks[0], (d, d)), "wv": jax.random.normal(ks[1], (d, d))}
+
+    def f(p, xs):
+        def step(c, x):
+            k = x @ p["wk"]
+            c = lax.dynamic_update_slice(c, c[1:], (0, 0)) if shift == "dus" else c.at[:-1].set(c[1:])
+            c = c.at[-1].set(k)
+            return c, jax.nn.softmax(c @ x) @ c + x @ p["wv"]
+        return lax.scan(step, jnp.zeros((w_, d)), xs)[1]
+
+    xs = jax.random.normal(ks[2], (12, d))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(kv_cache=kind), p, [(xs,)], progress=False)
+    assert sorted(k for k in qp if k.startswith("kv_cache")) == ["kv_cache_0", "kv_cache_1"]
+    qf = jqt.quantize(f, qp)
+    jaxpr = jax.make_jaxpr(qf)(p, xs)
+    scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    carried = [v.aval for v in scan.outvars[:scan.params["num_carry"]]]
+    assert any(a.dtype in (jnp.int8, jnp.uint8) and a.shape[0] == w_ for a in carried), carried
+    y_int = jax.jit(qf)(jqt.pack(qp, p), xs)
+    y_sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, xs)
+    np.testing.assert_allclose(y_int, y_sim, atol=1e-4 * float(jnp.abs(y_sim).max()), rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(setup, kind, code_dtype):
     """A loop vmapped over the batch inside the function reads and returns its cache through

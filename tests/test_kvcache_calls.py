@@ -244,6 +244,12 @@ def test_calibrate_and_report_take_a_quantized_cache(setup):
             np.testing.assert_array_equal(x, y)
     rep = jqt.report(step, qp, p, (cache, toks[:, 3]))
     assert {"kv_cache_0", "kv_cache_1"} <= {r.key for r in rep.rows}
+    # batches recorded from a quantized run: the first holds the float cache it started
+    # from, the others the caches it returned (refused as batches of another structure)
+    mixed = jqt.calibrate(step, recipe, p, [(decoded, toks[:, 3]), (cache, toks[:, 3])], progress=False)
+    for k in a:
+        for x, y in zip(jax.tree_util.tree_leaves(a[k]), jax.tree_util.tree_leaves(mixed[k])):
+            np.testing.assert_array_equal(x, y)
 
 
 def test_keys_of_loop_caches_are_unchanged_by_writes_into_arguments():

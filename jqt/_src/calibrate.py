@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import diagnostics, numerics as nx
-from . import groups, outliers, tracing, transforms, validate, weightcheck
+from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
@@ -61,7 +61,8 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         raise CalibrationDataError(
             f"{fn}: batch {i} is {what}; each batch must be a tuple "
             "of the remaining arguments of f, e.g. batches = [(x,) for x in xs].")
-    tree = jax.tree_util.tree_structure(tuple(batch))
+    # a quantized cache (a step's output recorded as a batch) stands for its float buffer
+    tree = jax.tree_util.tree_structure(tuple(batch), is_leaf=kvcache.is_cache)
     if first_tree is not None and tree != first_tree:
         raise CalibrationDataError(
             f"{fn}: batch {i} has structure {tree}, but batch 0 had {first_tree}. "

@@ -279,11 +279,17 @@ def write(eqn, invals, update_index, qtype):
     vector and its codes and scales are written with the same indices. Into a float
     buffer, the update is written as the cache would hold it."""
     buf, upd = invals[0], invals[update_index]
+    same = is_cache(buf) and is_cache(upd) and upd.qtype == buf.qtype \
+        and _holds_fp8_bits(upd) == _holds_fp8_bits(buf)
+    if is_cache(upd) and not same:  # a view of another cache: its values
+        upd = decode(upd, eqn.invars[update_index].aval.dtype)
     if not is_cache(buf):
         vals = list(invals)
         vals[update_index] = fake_quant(upd, qtype)
         return compat.bind_eqn(eqn, vals)
-    u = encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
+    # a view of the cache written back into it (a window shifted in place, cache[1:] into
+    # cache[:-1]) keeps its codes and scales: the values the simulation re-quantizes to
+    u = upd if same else encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
 
     def put(b, x):
         vals = list(invals)

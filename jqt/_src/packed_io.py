@@ -707,6 +707,15 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"{fn}: the packed weight of op '{key}' was smoothed by another smoothing vector "
                 "(SmoothQuant or AWQ) than these qparams hold: they are not the qparams it was "
                 "packed with (another calibration?). Pass those, or re-run jqt.pack with these.")
+        cast = next((f"{name} is {np.dtype(a.dtype).name}" for name, a, b in
+                     (("scale", pw.scale, q.scale), ("zero point", pw.zero_point, q.zero_point))
+                     if a is not None and b is not None and np.dtype(a.dtype) != np.dtype(b.dtype)), None)
+        if cast:
+            raise ValueError(
+                f"{fn}: the packed weight of op '{key}': its {cast}, where jqt.pack made it "
+                f"{np.dtype(q.scale.dtype).name} as the qparams' (a cast over the PackedParams' "
+                "floats?). jqt files hold float32 scales and zero points: save the weights jqt.pack "
+                "returned, and cast after jqt.load_packed.")
         if pw.scale is not None and not (_same_values(pw.scale, q.scale)
                                          and _same_values(pw.zero_point, q.zero_point)):
             raise QParamsMismatchError(

@@ -335,6 +335,68 @@ def test_fallback_returns_the_best_choice_tried_when_the_budget_is_not_met():
     assert res.kept == () and res.metric == res.quantized_metric
 
 
+def test_fallback_trials_quantize_as_its_recipe_does():
+    """The ops a ``to=`` rule cannot take are no candidates, and a conv kept back takes
+    ``to``'s weight type made symmetric, as the presets give convs: the trials scored a
+    choice (``to``'s rule on every op) that the final recipe did not make, so
+    ``res.recipe`` gave another metric, and an asymmetric ``to`` failed on any conv."""
+    from jax import lax
+    p = {"c": _normal(1, (3, 3, 2, 4)) * 0.3, "d": _normal(2, (144, 8)) * 0.1}
+    p["d"] = p["d"].at[0].multiply(50.0)
+    x = _normal(3, (4, 8, 8, 2))
+
+    def f(p, x):
+        h = lax.conv_general_dilated(x, p["c"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(h).reshape(x.shape[0], -1) @ p["d"]
+    ref = f(p, x)
+    err = lambda g: float(jnp.linalg.norm(g(p, x) - ref) / jnp.linalg.norm(ref))  # noqa: E731
+    asym = jqt.Rule(weight=jqt.QuantType(bits=8, symmetric=False, per_channel=True),
+                    activation=jqt.QuantType(bits=8, symmetric=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = jqt.fallback(f, jqt.recipes.w4a8(group_size=0), p, [(x,)], err, max_drop=1e-4, to=asym,
+                           higher_is_better=False, max_trials=6)
+        again = jqt.calibrate(f, res.recipe, p, [(x,)], progress=False)
+    assert res.kept and err(jax.jit(jqt.quantize(f, res.qparams))) == res.metric
+    for k in again:
+        for a, b in zip(jax.tree_util.tree_leaves(again[k]), jax.tree_util.tree_leaves(res.qparams[k])):
+            np.testing.assert_array_equal(a, b)
+    if "c" in res.kept:
+        assert res.qparams["c"].rhs.qtype.symmetric and res.qparams["c"].rhs.qtype.bits == 8
+    with pytest.raises(ValueError, match=r"to= applies to none of the quantized ops \(its ops=\('conv_general"
+                                         r"_dilated',\); the ops: \['dot_general'\]\).*recipe.rules\[-1\]"):
+        jqt.fallback(lambda w, x: x @ w, jqt.recipes.w8a8(), p["d"], [(_normal(5, (4, 144)),)],
+                     lambda g: 0.0, max_drop=0.0, to=jqt.recipes.w4a8(symmetric=False).rules[0])
+
+
+def test_tuning_tools_name_what_to_pass_instead():
+    """fallback's default ranking runs jqt.report, which cannot batch a ragged_dot: the
+    error names rank='sensitivity', which works. sensitivity given a part of the qparams
+    says how to compare a few ops."""
+    p = {"w": _normal(1, (4, 16, 8)) * 0.3, "h": _normal(2, (8, 4)) * 0.3}
+    gs = jnp.array([4, 4, 4, 4], jnp.int32)
+    f = lambda p, x: lax_ragged_dot(x, p["w"], gs) @ p["h"]  # noqa: E731
+    x = _normal(3, (16, 16))
+    ref = f(p, x)
+    err = lambda g: float(jnp.abs(g(p, x) - ref).max())  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NotImplementedError, match=r"jqt.fallback\(rank='report'\).*Pass rank='sensitivity'"):
+            jqt.fallback(f, jqt.recipes.w4(group_size=8), p, [(x,)], err, max_drop=1e-4, higher_is_better=False)
+        res = jqt.fallback(f, jqt.recipes.w4(group_size=8), p, [(x,)], err, max_drop=1e-4,
+                           higher_is_better=False, rank="sensitivity")
+    assert res.met
+    g = lambda p, x: jnp.tanh(x @ p["w"][0]) @ p["h"]  # noqa: E731
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.sensitivity: .*no quantization parameters for "
+                                                      r"ops \['w'\].*the others made float"):
+        jqt.sensitivity(g, {"h": qp["h"]}, lambda q: float(jnp.sum(q(p, x))))
+
+
+def lax_ragged_dot(x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs)
+
+
 def test_fallback_rejects_bad_arguments(digits):
     args = (mlp, jqt.recipes.w8a8(), digits["params"], digits["calib"], digits["metric"])
     with pytest.raises(ValueError, match="rank"):

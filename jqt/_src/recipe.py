@@ -297,12 +297,12 @@ def _embedding(embeddings, bits, group_size=0):
     return _int_weight(bits, group_size) if embeddings else None
 
 
-def _symmetric_convs(rule: Rule) -> tuple:
+def symmetric_convs(rule: Rule) -> tuple:
     """A preset's rules: ``rule``, after a rule that gives convolutions its weight type
     made symmetric where it is not (conv weights take no zero point, as tables do not;
     ``symmetric=False`` is for the dense ops' weights).
 
-    >>> r = _symmetric_convs(Rule(weight=QuantType(bits=4, symmetric=False, group_size=32)))
+    >>> r = symmetric_convs(Rule(weight=QuantType(bits=4, symmetric=False, group_size=32)))
     >>> [(x.ops[0], x.weight.describe()) for x in r]
     [('conv_general_dilated', 'int4 sym g32'), ('dot_general', 'int4 asym g32')]
     """
@@ -414,7 +414,7 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
     True
     """
-    return Recipe(rules=_symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
+    return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
                               embedding=_embedding(embeddings, 4, group_size),
@@ -443,7 +443,7 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     >>> jqt.recipes.w4(awq=True).rules[0].awq
     True
     """
-    return Recipe(rules=_symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
+    return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
                               embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT))))

@@ -19,8 +19,9 @@ import numpy as np
 from . import diagnostics
 from .calibrate import calibrate, check_batches
 from .qparams import OpQParams
+from .handlers import QParamsMismatchError
 from .quantize import quantize
-from .recipe import Recipe, Rule
+from .recipe import Recipe, Rule, symmetric_convs
 from .report import report
 from . import tracing, validate
 from .tracing import normalize_argnums
@@ -148,7 +149,15 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     _check_metric(metric, "jqt.sensitivity")
     score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity")
     m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself")
-    m_q = score(qparams)
+    try:
+        m_q = score(qparams)
+    except QParamsMismatchError as e:
+        if "no quantization parameters for ops" not in str(e):
+            raise
+        raise QParamsMismatchError(
+            f"jqt.sensitivity: {e} (If these qparams are part of f's, a dict restricted to the ops "
+            "to compare: pass every op's entry, the others made float, {k: dataclasses.replace(p, "
+            "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)") from None
     rows = []
     for k in keys:
         alone = score({**allf, k: qparams[k]})
@@ -308,12 +317,24 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
     for w in shown:  # the user's to see; the final calibration re-emits only what is new
         diagnostics.warn(w.message)
+    # the rules for the ops kept back: ``to`` (convs given its weight type made symmetric,
+    # as the presets do), ahead of the recipe's, whose rules decide the ops ``to`` does not
+    # take (its ``ops=``): each trial quantizes an op as the final recipe will
+    to_rules = () if to is None else symmetric_convs(to)
+    candidates = _quantized_keys(qp)
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     else:
+        anywhere = tuple(dataclasses.replace(r, key=".*") for r in to_rules)
+        candidates = [k for k in candidates if any(r.matches(qp[k].op, k) for r in anywhere)]
+        if not candidates:
+            raise ValueError(f"jqt.fallback: to= applies to none of the quantized ops (its ops={to.ops}; "
+                             f"the ops: {sorted({qp[k].op for k in _quantized_keys(qp)})}). Give a rule for "
+                             "those ops (a preset with symmetric=False has a rule for convolutions "
+                             "first: take its last, recipe.rules[-1]), or None to keep them float.")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # calibrate warned already about unreached ops
-            alt = calibrate(f, Recipe(rules=(dataclasses.replace(to, key=".*"),)), params, batches,
+            alt = calibrate(f, Recipe(rules=anywhere + recipe.rules), params, batches,
                             weight_argnums=weight_argnums, progress=progress)
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
@@ -332,7 +353,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
 
     ok = lambda v: sign * (m_float - v) <= max_drop
     m_q = trial(())
-    ranked = _quantized_keys(qp)
+    ranked = candidates
     if rank == "sensitivity":
         allf = {k: _as_float(p, "") for k, p in qp.items()}
         drop = {}
@@ -341,7 +362,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             trials.append(((f"quantized alone: {k}",), m_float - sign * drop[k]))
         ranked = sorted(ranked, key=lambda k: -drop.get(k, -math.inf))
     else:
-        ranked = _rank_by_report(f, qp, params, batches[0], weight_argnums)
+        try:
+            ranked = [k for k in _rank_by_report(f, qp, params, batches[0], weight_argnums) if k in candidates]
+        except NotImplementedError as e:
+            raise NotImplementedError(f"jqt.fallback(rank='report') ranks the ops by jqt.report, which "
+                                      f"cannot run this f: {e} Pass rank='sensitivity', which ranks them "
+                                      "by trials instead.") from None
     best = ((), m_q)  # the best-scoring choice seen; the answer when the budget is met
     if not ok(m_q):
         best = _search(ranked, trial, ok, max_trials, trials, m_float if to is None else None)
@@ -361,8 +387,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     rules, out_qp = recipe.rules, qp
     if kept:
         pattern = "^(" + "|".join(re.escape(k) for k in kept) + ")$"
-        fb = Rule(key=pattern, weight=None) if to is None else dataclasses.replace(to, key=pattern)
-        rules = (fb,) + rules
+        fb = (Rule(key=pattern, weight=None),) if to is None else \
+            tuple(dataclasses.replace(r, key=pattern) for r in to_rules)
+        rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
         with warnings.catch_warnings(record=True) as final:

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jqt
 from shared import all_eqns as _all_eqns
@@ -643,6 +644,38 @@ def test_a_weight_under_stop_gradient_is_the_leaf_it_reads():
                                rtol=1e-5, atol=1e-6)
     g = jax.grad(lambda p: jqt.quantize(f, qp, simulate=True)(p, x).sum())(p)
     assert not np.asarray(g["w"]).any()
+
+
+def _named(w):
+    return checkpoint_name(w, "w")
+
+
+def _constrained(w):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    return lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d")))
+
+
+@pytest.mark.parametrize("how", ["checkpoint_name", "sharding_constraint", "barrier", "barrier_with_x"])
+def test_a_weight_through_a_value_identity_is_the_leaf_it_reads(how):
+    """checkpoint_name (for a remat policy), with_sharding_constraint (FSDP code) and
+    optimization_barrier pass the weight's values on: its op is keyed and packed by the
+    leaf. They made it a computed weight (key 'dot_general_0', re-quantized at every call,
+    with a warning naming causes that did not apply), and a barrier over (w, x) together an
+    activation, left float without a word."""
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 16)) / 6}
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    f = {"checkpoint_name": lambda p, x: jax.checkpoint(
+             lambda w, x: x @ _named(w), policy=jax.checkpoint_policies.save_only_these_names("w"))(p["w"], x),
+         "sharding_constraint": lambda p, x: x @ _constrained(p["w"]),
+         "barrier": lambda p, x: x @ lax.optimization_barrier(p["w"]),
+         "barrier_with_x": lambda p, x: (lambda w, x: x @ w)(*lax.optimization_barrier((p["w"], x)))}[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # jqt.pack warned of a weight it could not pack
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        packed = jqt.pack(qp, p)
+    assert list(qp) == ["w"] and not qp["w"].is_float and packed.weights["w"].values.dtype == jnp.int8
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x), jqt.quantize(f, qp, simulate=True)(p, x),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():

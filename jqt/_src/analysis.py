@@ -217,8 +217,8 @@ class Analyzer:
                                 writes=tuple(dict.fromkeys(w for x in ins[1:] for w in x.writes)))]
             else:
                 step = layout.record(eqn)
-                if step == ("copy",) and len(ins) == 1:  # the same values (copy, stop_gradient)
-                    outs = [ins[0]]
+                if step == ("copy",) and len(ins) == len(eqn.outvars):  # the same values (copy,
+                    outs = list(ins)  # stop_gradient; an optimization_barrier of several)
                 elif step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]

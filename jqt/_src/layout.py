@@ -40,6 +40,12 @@ RECORDERS = {
     # with a varying operand (a replicated weight times a split activation)
     "pvary": lambda p: ("copy",),
     "reshard": lambda p: ("copy",),
+    # value identities that name or place a value: jax.ad_checkpoint.checkpoint_name (for a
+    # remat policy), lax.with_sharding_constraint, lax.optimization_barrier (one operand;
+    # several: analysis.py follows each through)
+    "name": lambda p: ("copy",),
+    "sharding_constraint": lambda p: ("copy",),
+    "optimization_barrier": lambda p: ("copy",),
 }
 
 _APPLY = {

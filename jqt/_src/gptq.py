@@ -119,12 +119,16 @@ def _apart(site, others, traced, leaf_shape) -> bool:
     if set(srcs) != set(others) or any(c is None or any(step[0] not in _INVERTIBLE for step in c.chain)
                                        for c in srcs.values()):
         return False
+    if not all(any(step[0] == "slice" for step in c.chain) for c in (site.source, *srcs.values())):
+        return False  # an op that reads the whole leaf (a tied table's lookup): no index arrays
     size = int(np.prod(leaf_shape, dtype=np.int64))
+    if size > np.iinfo(np.int32).max:  # (indices in int32, as JAX holds them by default)
+        return False
+    idx = jnp.arange(size, dtype=jnp.int32).reshape(leaf_shape)
 
     def read(src):  # the flat indices of the leaf's elements an op reads
         mask = np.zeros(size, bool)
-        idx = np.arange(size, dtype=np.int64 if size > 2 ** 31 - 1 else np.int32).reshape(leaf_shape)
-        mask[np.ravel(np.asarray(apply_chain(jnp.asarray(idx), _values_chain(src.chain))))] = True
+        mask[np.ravel(np.asarray(apply_chain(idx, _values_chain(src.chain))))] = True
         return mask
     mine = read(site.source)
     return not any(np.any(mine & read(src)) for src in srcs.values())

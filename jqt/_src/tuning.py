@@ -155,7 +155,7 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
         if "no quantization parameters for ops" not in str(e):
             raise
         raise QParamsMismatchError(
-            f"jqt.sensitivity: {e} (If these qparams are part of f's, a dict restricted to the ops "
+            f"jqt.sensitivity: {str(e).removeprefix('jqt: ')} (If these qparams are part of f's, a dict restricted to the ops "
             "to compare: pass every op's entry, the others made float, {k: dataclasses.replace(p, "
             "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)") from None
     rows = []

@@ -413,6 +413,7 @@ def _isa_outputs(names):
     return out
 
 
+@pytest.mark.slow  # a second process builds and runs every kernel: 16-18 s of the default run
 @needs_kernel
 def test_avx512_kernels_give_the_bits_of_the_avx2_ones(tmp_path):
     """Where the CPU has AVX-512, the 4-bit and (K, N) int8 / fp8 kernels and the 4-bit

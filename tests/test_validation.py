@@ -961,6 +961,64 @@ def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
     assert [m for m in shadowed if "rule 1" in m and "taken by an earlier rule" in m]
     assert not [m for m in _messages(lambda: cal((dataclasses.replace(w8, key="w1", weight=None), w8)))
                 if "rule" in m]
+    # a key that matches, with ops= that leave out the op's primitive: said so, not "a typo"
+    conv_only = _messages(lambda: cal((dataclasses.replace(w8, key="w1", ops=("conv_general_dilated",)), w8)))
+    assert any("rule 0 (Rule(key='w1')) decides no op: its key matches 'w1' (dot_general), but its "
+               "ops=('conv_general_dilated',) leave out that primitive" in m for m in conv_only)
+
+
+def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_made():
+    C = jqt.calibrators
+    cases = [  # (call, error, message): each was accepted, or failed after every batch had run
+        (lambda: C.MSE(candidates=0), ValueError, r"MSE\(candidates=0\): expected a positive int"),
+        (lambda: C.MSE(min_ratio=2.0), ValueError, r"MSE\(min_ratio=2.0\): expected a float in \(0, 1\]"),
+        (lambda: C.Entropy(stride=-1), ValueError, r"Entropy\(stride=-1\)"),
+        (lambda: C.Entropy(stride=2.5), ValueError, r"Entropy\(stride=2.5\)"),
+        (lambda: jqt.recipes.w8a8(calibrator=C.Entropy(bins=256)), ValueError,
+         r"Entropy\(bins=256\) for int8 asym per-tensor activations: .* give bins >= 2048"),
+        (lambda: jqt.recipes.w8a16(calibrator=C.Entropy()), ValueError,
+         r"Entropy\(bins=8192\) for int16 sym .* give bins >= 262144"),
+        (lambda: C.Percentile("99"), ValueError, r"Percentile\('99'\)"),
+        (lambda: C.MovingAverage(momentum="0.9"), ValueError, r"MovingAverage\(momentum='0.9'\)"),
+        (lambda: jqt.QuantType(symmetric=None), TypeError, r"QuantType\(symmetric=None\): expected True or False"),
+        (lambda: jqt.QuantType(dtype="float8_e4m3fn", narrow_range=True), ValueError,
+         r"narrow_range drops the most negative integer code"),
+        (lambda: dataclasses.replace(jqt.recipes.INT8_WEIGHT, bits=4), ValueError,
+         r"dataclasses.replace\(t, bits=4\) needs dtype=None"),
+        (lambda: jqt.recipes.nf4(embeddings="no"), TypeError, r"embeddings='no': expected True"),
+        (lambda: jqt.recipes.fp8(dynamic="no"), TypeError, r"dynamic='no': expected True"),
+        (lambda: jqt.recipes.w8a8_dynamic(act_x_act=None), TypeError, r"act_x_act=None: expected True"),
+        (lambda: jqt.Rule(ops=("gather",), weight=jqt.QuantType(bits=4)), ValueError,
+         r"takes its type from embedding=, not weight="),
+        (lambda: jqt.Recipe(rules=None), TypeError, r"Recipe\(rules=None\): expected a tuple of jqt.Rule"),
+        (lambda: jqt.Recipe(rules=jqt.recipes.w8a8()), TypeError, r"pass recipe.rules"),
+    ]
+    for call, kind, msg in cases:
+        with pytest.raises(kind, match=msg):
+            call()
+
+    @dataclasses.dataclass  # not frozen: unhashable, found at the end of calibration before
+    class MeanAbs(C.Calibrator):
+        pass
+    with pytest.raises(TypeError, match=r"MeanAbs is not hashable; declare it @dataclasses.dataclass\(frozen=True\)"):
+        jqt.recipes.w8a8(calibrator=MeanAbs())
+    # what these refusals leave accepted
+    assert jqt.recipes.w8a8(calibrator=C.Entropy(stride=1)).rules[0].calibrator.stride == 1
+    assert C.Percentile(bins=np.int64(128)).bins == 128
+    assert jqt.recipes.nf4(group_size=None).rules[0].weight.group_size == 0  # per channel, as w4's
+    assert jqt.recipes.fp8(dynamic=np.bool_(True)).rules[0].activation.dynamic
+    t = dataclasses.replace(jqt.recipes.INT8_WEIGHT, bits=4, dtype=None)
+    assert (t.dtype, t.narrow_range) == ("int4", True)
+
+
+def test_a_rule_for_attention_alone_takes_a_narrow_accumulator():
+    # an act x act rule without a weight type was refused as "weight-only"
+    act = jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
+    r = jqt.Recipe(rules=(jqt.Rule(act_x_act=act, accumulator=16),))
+    f = lambda w, x: jnp.einsum("bd,cd->bc", x @ w, x)
+    qp = jqt.calibrate(f, r, jnp.eye(4), [(jnp.ones((2, 4)),)], progress=False)
+    (axa,) = [p for p in qp.values() if not p.is_float]
+    assert axa.weight_operand is None and axa.accumulator == 16
 
 
 def test_an_activation_that_was_zero_on_every_batch_is_said():

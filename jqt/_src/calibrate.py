@@ -371,9 +371,16 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     for i, r in enumerate(recipe.rules):
         if r.key != ".*" and id(r) not in used:
             shadowed = any(r.matches(s.op, s.key) for s in sites)
-            why = ("every op it matches is taken by an earlier rule; move it ahead of them" if shadowed
-                   else f"its key matches none of the op keys ({listed(keys)}); check the pattern "
-                   "(jqt.summarize lists the keys)")
+            other = sorted({f"{s.key!r} ({s.op})" for s in sites
+                            if s.op not in r.ops and re.search(r.key, s.key)})
+            if shadowed:
+                why = "every op it matches is taken by an earlier rule; move it ahead of them"
+            elif other:  # the key matches, its ops= does not
+                why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
+                       "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
+            else:
+                why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
+                       "(jqt.summarize lists the keys)")
             diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.")
 
 

@@ -86,6 +86,18 @@ class Calibrator:
         """The real range ``(lo, hi)`` to quantize; non-finite when no data was seen."""
         raise NotImplementedError
 
+    def check(self, qtype):
+        """Raises ``ValueError`` if this calibrator cannot serve activations of ``qtype``
+        (:class:`jqt.Rule` calls it when the rule is made); the default accepts any."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
 
 def _minmax(x):
     return {"min": jnp.min(x).astype(_F32), "max": jnp.max(x).astype(_F32)}
@@ -145,7 +157,7 @@ class MovingAverage(Calibrator):
     momentum: Optional[float] = None
 
     def __post_init__(self):
-        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
+        if self.momentum is not None and not (_is_real(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ValueError(f"MovingAverage(momentum={self.momentum!r}): expected None or a "
                              "float in [0, 1), e.g. 0.9.")
 
@@ -194,7 +206,7 @@ class _Histogram(Calibrator):
     bins: int
 
     def __post_init__(self):
-        if not isinstance(self.bins, int) or self.bins < 64 or self.bins % 2:
+        if not _is_int(self.bins) or self.bins < 64 or self.bins % 2:
             raise ValueError(f"{type(self).__name__}(bins={self.bins!r}): expected an even int "
                              ">= 64, e.g. 2048.")
 
@@ -272,7 +284,7 @@ class Percentile(_Histogram):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 50.0 < self.percentile <= 100.0:
+        if not (_is_real(self.percentile) and 50.0 < self.percentile <= 100.0):
             raise ValueError(f"Percentile({self.percentile!r}): expected a percentile in "
                              "(50, 100], e.g. 99.99.")
 
@@ -343,6 +355,10 @@ class MSE(_Histogram):
     min_ratio: float = 0.05
     bins: int = 2048
 
+    def __post_init__(self):
+        super().__post_init__()
+        _check_search(self, 0.05)
+
     def _choose(self, hist, radius, lo, hi, qtype):
         width = 2 * radius / len(hist)
         ratios = np.linspace(1.0, self.min_ratio, self.candidates)
@@ -356,6 +372,18 @@ class MSE(_Histogram):
         if qtype.symmetric:
             return -amax * r, amax * r
         return min(lo, 0.0) * r, max(hi, 0.0) * r
+
+
+def _check_search(c, min_ratio):
+    """The fields of a clipping search (:class:`MSE`, :class:`WeightMSE`): ``candidates``
+    factors from 1 down to ``min_ratio`` (its default given)."""
+    name = type(c).__name__
+    if not _is_int(c.candidates) or c.candidates < 1:
+        raise ValueError(f"{name}(candidates={c.candidates!r}): expected a positive int (the "
+                         "clipping factors tried), e.g. 100.")
+    if not _is_real(c.min_ratio) or not 0 < c.min_ratio <= 1:
+        raise ValueError(f"{name}(min_ratio={c.min_ratio!r}): expected a float in (0, 1] (the "
+                         f"smallest fraction of the range tried), e.g. {min_ratio}.")
 
 
 def _int_groups(i, levels):
@@ -428,13 +456,42 @@ class Entropy(_Histogram):
     stride: Optional[int] = None
     bins: int = 8192
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.stride is not None and (not _is_int(self.stride) or self.stride < 1):
+            raise ValueError(f"Entropy(stride={self.stride!r}): expected None (at most about 500 "
+                             "thresholds tried) or a positive int.")
+
+    def check(self, qtype):
+        """Refuses a histogram too coarse to clip ``qtype``: the data fill at least the
+        upper half of the ``bins / 2`` bins of ``|x|`` (the histogram's radius is the
+        power of two above their maximum), and a threshold needs more bins below it than
+        the type has levels, so ``bins`` must exceed four times the levels (``2**bits``
+        for asymmetric types, whose one-sided data use them all).
+
+        >>> import jqt
+        >>> jqt.calibrators.Entropy(bins=256).check(jqt.QuantType())
+        Traceback (most recent call last):
+        ...
+        ValueError: Entropy(bins=256) for int8 sym per-tensor activations: ...
+        """
+        levels = 2 ** qtype.bits if not qtype.symmetric else 2 ** (qtype.bits - 1)
+        if self.bins <= 4 * levels:
+            raise ValueError(
+                f"Entropy(bins={self.bins}) for {qtype.describe()} activations: a threshold "
+                f"needs more bins of |x| below it than the type's {levels} levels, and the data "
+                f"may fill as few as {self.bins // 4} of these {self.bins} bins, where the search "
+                f"would keep the whole range, as MinMax does; give bins >= {8 * levels} (or "
+                "another calibrator).")
+
     def _choose(self, hist, radius, lo, hi, qtype):
+        self.check(qtype)
         folded = _fold(hist)
         width = radius / len(folded)
         last = int(np.nonzero(folded)[0][-1]) + 1
         one_sided = (lo >= 0 or hi <= 0) and not qtype.symmetric
         levels = 2 ** qtype.bits if one_sided else 2 ** (qtype.bits - 1)
-        if last <= levels:
+        if last <= levels:  # all the data lie within the first levels bins: nothing to clip
             return lo, hi
         stride = self.stride or max(1, (last - levels) // 500)
         groups = (lambda i, _: _float_groups(i, qtype)) if qtype.kind == "float" else _int_groups
@@ -502,13 +559,7 @@ class WeightMSE(WeightCalibrator):
     min_ratio: float = 0.3
 
     def __post_init__(self):
-        c, r = self.candidates, self.min_ratio
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
-            raise ValueError(f"WeightMSE(candidates={c!r}): expected a positive int (the clipping "
-                             "factors tried), e.g. 100.")
-        if isinstance(r, bool) or not isinstance(r, (int, float, np.floating)) or not 0 < r <= 1:
-            raise ValueError(f"WeightMSE(min_ratio={r!r}): expected a float in (0, 1] (the "
-                             "smallest fraction of the range tried), e.g. 0.3.")
+        _check_search(self, 0.3)
 
     def range(self, w, axes, qtype):
         lo0, hi0 = WeightMinMax().range(w, axes, qtype)

@@ -102,6 +102,11 @@ class QuantType:
             v = getattr(self, field)
             if isinstance(v, numbers.Integral) and not isinstance(v, bool):
                 object.__setattr__(self, field, int(v))
+        for field in ("symmetric", "narrow_range", "per_channel", "dynamic"):
+            v = getattr(self, field)
+            if not isinstance(v, (bool, np.bool_)):  # None or "no" would be taken by truth value
+                raise TypeError(f"QuantType({field}={v!r}): expected True or False.")
+            object.__setattr__(self, field, bool(v))
         if self.dtype is None:
             bits = 8 if self.bits is None else self.bits
             if not isinstance(bits, int) or not 2 <= bits <= 16:
@@ -123,9 +128,16 @@ class QuantType:
                 "float8_e4m3fn, float8_e5m2 and nf4.")
         if self.bits is not None and self.bits != bits:
             raise ValueError(f"QuantType(dtype={name!r}, bits={self.bits}): {name} has {bits} bits; "
-                             "give one of dtype or bits.")
+                             "give one of dtype or bits (a QuantType holds both, so "
+                             "dataclasses.replace(t, bits=4) needs dtype=None beside it, and "
+                             "replace(t, dtype='nf4') bits=None).")
         object.__setattr__(self, "dtype", name)
         object.__setattr__(self, "bits", bits)
+        if self.narrow_range and self.kind != "int":
+            raise ValueError(f"QuantType(dtype={name!r}, narrow_range=True): narrow_range drops the "
+                             f"most negative integer code; {name} has no such code. Drop "
+                             "narrow_range=True (with dataclasses.replace from an int type, pass "
+                             "narrow_range=False).")
         if self.kind != "int" and not self.symmetric:
             raise ValueError(f"QuantType(dtype={name!r}, symmetric=False): {name} is a symmetric "
                              "format (no zero point); drop symmetric=False.")

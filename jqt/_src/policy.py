@@ -278,6 +278,9 @@ import dataclasses
 import jax
 import numpy as np
 
+_EXACT_DIGITS = 3
+"""The fewest int8 digits of a float32 activation that hold its 24 bits (``gemv.py``)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelPolicy:
@@ -569,7 +572,8 @@ class KernelPolicy:
     native_decode: int = 0
 
     def __post_init__(self):
-        """Each field's type and range: flags are bools, counts ints >= 0 (``pad_rows`` >= 1).
+        """Each field's type and range: flags are bools, counts ints >= 0 (``pad_rows`` >= 1;
+        the digit counts 0 or at least 3, as float32's 24 bits need).
 
         >>> import jqt
         >>> jqt.KernelPolicy(gemv_rows=-1)
@@ -587,6 +591,14 @@ class KernelPolicy:
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError(f"KernelPolicy({f.name}={v!r}): expected an int >= {low}"
                                  + (" (0 turns it off)." if low == 0 else "."))
+            if f.name in ("weight_only_digits", "grouped_digits") and 0 < v < _EXACT_DIGITS:
+                # fewer digits would round the float activation to 8 or 16 bits: the
+                # integer path would then differ from the float kernel by far more than
+                # float rounding, which every formulation promises
+                raise ValueError(
+                    f"KernelPolicy({f.name}={v!r}): expected 0 (off) or at least "
+                    f"{_EXACT_DIGITS}: {_EXACT_DIGITS} int8 digits carry the 24 bits of a "
+                    f"float32 activation; {v} would round it to {8 * v} bits.")
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and

@@ -148,6 +148,19 @@ class Rule:
         if not isinstance(self.weight_calibrator, WeightCalibrator):
             raise TypeError(f"Rule(weight_calibrator={self.weight_calibrator!r}): expected a "
                             "jqt.calibrators.WeightCalibrator such as jqt.calibrators.WeightMSE().")
+        for name in ("calibrator", "weight_calibrator"):
+            c = getattr(self, name)
+            try:
+                hash(c)  # a Rule is hashable (a jit static argument, a cache key)
+            except TypeError:
+                raise TypeError(f"Rule({name}={c!r}): {type(c).__name__} is not hashable; declare it "
+                                "@dataclasses.dataclass(frozen=True), as jqt's calibrators "
+                                "are.") from None
+        if self.activation is not None and not self.activation.dynamic:
+            self.calibrator.check(self.activation)
+        if self.weight is not None and self.embedding is None and set(self.ops) <= {"gather"}:
+            raise ValueError(f"Rule(ops={self.ops}, weight=...): an embedding lookup's table takes "
+                             "its type from embedding=, not weight=; set embedding=QuantType(...).")
         for name in ("activation", "act_x_act"):
             t = getattr(self, name)
             if t is not None and t.kind == "lut":
@@ -182,7 +195,10 @@ class Rule:
         accumulator.check_bits(self.accumulator, "Rule")
         if self.accumulator == accumulator.WIDEST:
             return
-        why = accumulator.unsupported([self.weight, self.activation or self.act_x_act])
+        # weight ops (if the rule quantizes any) and act x act ops (if it quantizes those)
+        why = ""
+        if self.weight is not None or self.act_x_act is None:
+            why = accumulator.unsupported([self.weight, self.activation or self.act_x_act])
         if self.act_x_act is not None and not why:
             why = accumulator.unsupported([self.act_x_act])
         if why:
@@ -229,7 +245,15 @@ class Recipe:
     def __post_init__(self):
         if isinstance(self.rules, Rule):
             object.__setattr__(self, "rules", (self.rules,))
-        object.__setattr__(self, "rules", tuple(self.rules))
+        if isinstance(self.rules, Recipe):
+            raise TypeError("Recipe(rules=<a Recipe>): expected a tuple of jqt.Rule; pass "
+                            "recipe.rules (or join recipes: recipe_a.rules + recipe_b.rules).")
+        try:
+            object.__setattr__(self, "rules", tuple(self.rules))
+        except TypeError:
+            raise TypeError(f"Recipe(rules={self.rules!r}): expected a tuple of jqt.Rule, e.g. "
+                            "rules=(jqt.Rule(key='head', weight=None),) + "
+                            "jqt.recipes.w8a8().rules.") from None
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise TypeError(f"Recipe(rules=...) holds {type(r).__name__}; expected jqt.Rule.")
@@ -288,13 +312,24 @@ def _int_weight(bits, group_size, per_channel=True, symmetric=True):
                      group_size=group_size or 0)
 
 
-def _embedding(embeddings, bits, group_size=0):
-    """Per-row (or per-group) symmetric tables for every gather, or ``None``."""
-    if not isinstance(embeddings, bool):
+def _embedding(embeddings, bits, group_size=0, table=None):
+    """Per-row (or per-group) symmetric tables for every gather (``table``, or int ``bits``),
+    or ``None``."""
+    if not isinstance(embeddings, (bool, np.bool_)):
         raise TypeError(f"embeddings={embeddings!r}: expected True (the preset's table type) or "
                         "False (float lookups); for another type put a rule ahead of the "
                         "preset's, jqt.Rule(ops=('gather',), embedding=jqt.QuantType(...)).")
-    return _int_weight(bits, group_size) if embeddings else None
+    if not embeddings:
+        return None
+    return table if table is not None else _int_weight(bits, group_size)
+
+
+def _flag(name, v):
+    """A preset's boolean argument ``name``, checked (``None`` or ``"no"`` are not taken by
+    their truth value)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}={v!r}: expected True or False.")
+    return bool(v)
 
 
 def symmetric_convs(rule: Rule) -> tuple:
@@ -357,7 +392,8 @@ def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_cal
     """
     act = QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
-                              weight=INT8_WEIGHT, activation=act, act_x_act=act if act_x_act else None,
+                              weight=INT8_WEIGHT, activation=act,
+                              act_x_act=act if _flag("act_x_act", act_x_act) else None,
                               embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
                               accumulator=accumulator, **_cal(None, weight_calibrator)),))
 
@@ -453,7 +489,7 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
         awq: bool = False,
         kv_cache=False) -> Recipe:
     """Weight-only 4-bit NormalFloat (QLoRA's format) with one scale per group of
-    ``group_size`` inputs (0: per channel, as in :func:`w4`), decoded by lookup; nf4
+    ``group_size`` inputs (0 or ``None``: per channel, as in :func:`w4`), decoded by lookup; nf4
     embedding tables; ``awq=True`` and the clipped ranges (:data:`WEIGHT_MSE_4BIT`) as in
     :func:`w4`.
 
@@ -461,9 +497,10 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
     >>> jqt.recipes.nf4().rules[0].weight.describe(), jqt.recipes.nf4(group_size=0).rules[0].weight.describe()
     ('nf4 sym g64', 'nf4 sym per-channel')
     """
-    t = QuantType(dtype="nf4", group_size=group_size, per_channel=True)  # group_size=0: per channel
+    t = QuantType(dtype="nf4", group_size=group_size or 0, per_channel=True)  # 0 or None: per channel
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
-                              weight=t, activation=None, embedding=t if embeddings else None, awq=awq,
+                              weight=t, activation=None, embedding=_embedding(embeddings, 4, table=t),
+                              awq=awq,
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT)),))
 
 
@@ -481,6 +518,7 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     ('float8_e4m3fn', 448.0)
     """
     w = QuantType(dtype=weight_dtype, per_channel=True)
+    dynamic = _flag("dynamic", dynamic)
     a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=w, activation=a, embedding=_embedding(embeddings, 8),

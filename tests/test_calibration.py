@@ -142,6 +142,9 @@ meshed = jqt.calibrate(mlp, recipe, p, batches, progress=False, mesh=mesh)
 explicit = jqt.calibrate(mlp, recipe, p, batches, progress=False,
                          mesh=jax.make_mesh((8,), ("data",)))
 glob = jqt.calibrate(mlp, recipe, p, sharded, progress=False)
+emesh = jax.make_mesh((8,), ("data",))  # Explicit axes: the histograms' scatter names its sharding
+glob_explicit = jqt.calibrate(mlp, recipe, p, [tuple(jax.device_put(a, NamedSharding(emesh, P("data")))
+                                                     for a in b) for b in batches], progress=False)
 minmax = jqt.calibrate(mlp, jqt.Recipe(rules=tuple(dataclasses.replace(r, calibrator=C.MinMax())
                                                      for r in recipe.rules)), p, batches, progress=False)
 def refusal(f, batches):
@@ -160,7 +163,7 @@ out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar,
        "shard_exps": [int(np.frexp(np.abs(np.asarray(s.data)).max())[1])
                       for s in sharded[0][0].addressable_shards],
        "single": flat(single), "mesh": flat(meshed), "sharded": flat(glob),
-       "explicit": flat(explicit),
+       "explicit": flat(explicit), "sharded_explicit": flat(glob_explicit),
        "minmax": flat(minmax),
        "same_tree": [jax.tree_util.tree_structure(single) == jax.tree_util.tree_structure(q)
                      for q in (meshed, glob)]}
@@ -969,7 +972,8 @@ def data_parallel_result():
 def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     """MinMax, Percentile and Entropy statistics gathered on 8 devices (each with its own
     histogram radius) and combined give the single-device qparams, with ``mesh=`` (Auto
-    and Explicit mesh axes) and with globally sharded batches (no ``mesh=``)."""
+    and Explicit mesh axes) and with globally sharded batches (no ``mesh=``; Auto and
+    Explicit axes: the histograms' scatter failed on Explicit ones)."""
     r = data_parallel_result
     assert r["devices"] == 8 and r["shard_devices"] == 8 and r["shard_shape"] == [4, 8]
     assert r["same_tree"] == [True, True]
@@ -978,7 +982,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     assert "batch 0, argument [1] is a 0-d array" in r["scalar"]  # no batch axis to split
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
-    for how in ("mesh", "sharded", "explicit"):
+    for how in ("mesh", "sharded", "explicit", "sharded_explicit"):
         assert list(r[how]) == list(r["single"])
         for k in r["single"]:
             assert len(r[how][k]) == len(r["single"][k])
@@ -988,6 +992,24 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     # leaf 0 is the activation scale
     for k in ("w1", "w3"):
         assert r["single"][k][0] < r["minmax"][k][0], k
+
+
+def test_histograms_of_batches_sharded_over_explicit_mesh_axes():
+    # the scatter that counts a histogram's bins failed on rows split over Explicit axes
+    # (jax.make_mesh's default), inside and outside jax.set_mesh
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.make_mesh((1,), ("data",))
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+    for cal in (C.Percentile(99.0), C.MSE(), C.Entropy()):
+        r = jqt.recipes.w8a8(calibrator=cal)
+        want = jqt.calibrate(f, r, p, [(x,)], progress=False)["w"].lhs.scale
+        with jax.set_mesh(mesh):
+            inside = jqt.calibrate(f, r, p, [(xs,)], progress=False)["w"].lhs.scale
+        outside = jqt.calibrate(f, r, p, [(xs,)], progress=False)["w"].lhs.scale
+        assert float(inside) == float(outside) == float(want), cal
 
 
 @pytest.mark.parametrize("make", [lambda **k: jqt.recipes.w4(group_size=64, **k),

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from . import compat
 from . import numerics as nx
 from .formats import FLOAT8
 
@@ -221,7 +222,10 @@ class _Histogram(Calibrator):
         # overflows float32 for |x| above 3.4e38 / (B/2).
         half = self.bins // 2
         idx = jnp.floor(jnp.ldexp(x, -e) * jnp.float32(half)).astype(jnp.int32) + half
-        hist = jnp.zeros((self.bins,), _F32).at[jnp.clip(idx, 0, self.bins - 1)].add(1.0)
+        # (rows split over explicit mesh axes: the counts summed over them, as a histogram
+        # of the whole tensor; JAX asks for the result's sharding there)
+        hist = jnp.zeros((self.bins,), _F32).at[jnp.clip(idx, 0, self.bins - 1)].add(
+            1.0, out_sharding=compat.replicated_if_split(idx))
         return {**_minmax(x), "hist": hist, "exp": e}
 
     def combine(self, a, b):

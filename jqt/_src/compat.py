@@ -116,14 +116,19 @@ def zeros(shape, dtype, sharding=None):
 
 def replicated_if_split(*xs):
     """``out_sharding`` for a reduction of split rows into a small result (a Gram matrix, a
-    histogram): ``PartitionSpec()`` (replicated, an all-reduce) where an operand's type
+    histogram): replicated on the operand's mesh (an all-reduce) where an operand's type
     splits a dimension over explicit mesh axes, which JAX asks for there; else ``None``.
 
     >>> import jax.numpy as jnp
     >>> replicated_if_split(jnp.ones((4, 2))) is None
     True
     """
-    return jax.sharding.PartitionSpec() if any(sharded_dims(x) for x in xs) else None
+    for x in xs:
+        if sharded_dims(x):
+            # the operand's own (abstract) mesh: outside a jax.set_mesh a bare PartitionSpec
+            # names no mesh, and the program takes the inputs' mesh
+            return jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec())
+    return None
 
 
 def is_vmapped(x) -> bool:

@@ -760,6 +760,31 @@ def test_quantized_function_inside_shard_map(recipe):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
 
 
+def test_packed_shardings_of_a_tensor_parallel_shard_map_with_an_op_without_weight():
+    """A tensor-parallel ``jax.shard_map`` on a mesh whose axis is not called "model", with
+    an activation x activation op: its weights are split as the shard_map splits them, no
+    ``axis=`` needed (the op without a weight made jqt ask for one, naming the wrong cause)."""
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+
+    def f(p, x):
+        def body(w1, w2, x):
+            h = jax.nn.relu(x @ w1)
+            h = jnp.einsum("bi,ci->bc", h, h) @ h  # activation x activation
+            return lax.psum(h @ w2, "x")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x", None), P()),
+                             out_specs=P())(p["w1"], p["w2"], x)
+    p = {"w1": _normal(0, (16, 32), 0.2), "w2": _normal(1, (32, 16), 0.2)}
+    x = _normal(2, (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(act_x_act=True), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    qs, ps = jqt.packed_shardings(qp, packed, mesh)
+    # (packed per block of the shard_map's split: a leading axis of blocks, split over "x")
+    assert [ps.weights[k].values.spec for k in ("w1", "w2")] == [P("x"), P("x")]
+    y = jax.jit(jqt.quantize(f, qp))(*jax.device_put((packed, x), (ps, None)))
+    np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic_kv", "w4_kv"])
 def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
     """Under ``jax.set_mesh`` of explicit axes (one device here; eight: test_sharding.py,

@@ -386,6 +386,32 @@ try:
                       "same_codes": bool((np.asarray(got_c["k"].values) == np.asarray(want_c["k"].values)).all())}
 except Exception as e:
     res["kv_step"] = f"{type(e).__name__}: {e}"[:300]
+# a matmul that names its output sharding on explicit axes (out_sharding=, which JAX asks
+# for where the contraction is split: a row-parallel layer), also as a scan's carry: the
+# integer kernels ran without it (JAX's error on a split contraction; another output type)
+def row_parallel(p, x):
+    h = jnp.matmul(x, p["w1"], out_sharding=P("data", "model"))  # column-parallel
+    h = jnp.matmul(jax.nn.relu(h), p["w2"], out_sharding=P("data", None))  # row-parallel
+    return jax.lax.scan(lambda c, w: (jnp.matmul(jnp.tanh(c), w, out_sharding=P("data", None)), None),
+                        h, p["ws"])[0]
+P_ROW = {"w1": normal((64, 128), 0.2), "w2": normal((128, 32), 0.1), "ws": normal((2, 32, 32), 0.2)}
+SPLITS = {"w1": P(None, "model"), "w2": P("model", None), "ws": P()}
+res["out_sharding"] = {}
+with jax.set_mesh(EXPLICIT):
+    p_row = {k: jax.device_put(v, NamedSharding(EXPLICIT, SPLITS[k])) for k, v in P_ROW.items()}
+    x_row = jax.device_put(X_MLP, NamedSharding(EXPLICIT, P("data")))
+    for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", W4), ("fp8", jqt.recipes.fp8()),
+                      ("dynamic", jqt.recipes.w8a8_dynamic())):
+        try:
+            qx = jqt.calibrate(row_parallel, rec, p_row, [(x_row,)], progress=False)
+            sim = jax.jit(jqt.quantize(row_parallel, qx, simulate=True))(p_row, x_row)
+            y = jax.jit(jqt.quantize(row_parallel, qx))(jqt.pack(qx, p_row), x_row)
+            res["out_sharding"][name] = {
+                "diff": float(jnp.abs(y - sim).max()), "max": float(jnp.abs(sim).max()),
+                "spec": [a for a in jax.typeof(y).sharding.spec],
+                "float_spec": [a for a in jax.typeof(jax.jit(row_parallel)(p_row, x_row)).sharding.spec]}
+        except Exception as e:
+            res["out_sharding"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
 print("RESULT" + json.dumps(res))
 """
 
@@ -509,6 +535,17 @@ def test_explicit_mesh_matches(result):
 
 def test_explicit_mesh_keeps_batch_sharding(result):
     assert result["explicit"]["out_spec"] == ["data", "model"]
+
+
+@pytest.mark.parametrize("name", ["w8a8", "w4", "fp8", "dynamic"])
+def test_explicit_mesh_ops_that_name_their_output_sharding(result, name):
+    """Column- and row-parallel matmuls with ``out_sharding=`` on explicit axes, the last
+    one a scan's carry: the integer path runs them (a split contraction failed in JAX) and
+    its output has the float function's type (it lost the split, which broke the carry)."""
+    r = result["out_sharding"][name]
+    assert "error" not in r, r.get("error")
+    assert r["diff"] <= 1e-5 * r["max"]
+    assert r["spec"] == r["float_spec"] == ["data", None]
 
 
 @pytest.mark.parametrize("name", ["w8", "w4", "nf4", "fp8"])

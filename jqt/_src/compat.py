@@ -251,6 +251,31 @@ def current_mesh():
     return jax.sharding.get_abstract_mesh()
 
 
+def as_typed(fn, out_aval, *args):
+    """``fn(*args)``, a kernel standing for one op whose float result has the type
+    ``out_aval``, with that type's sharding on explicit mesh axes. There JAX asks each op
+    for its output's sharding where its operands leave it open (a contraction split over a
+    mesh axis: a row-parallel matmul), which the op's ``out_sharding=`` gave; the kernel's
+    own ops (integer matmuls over rows, K-chunks, groups) cannot all repeat it. So the
+    kernel runs with the mesh's explicit axes auto (``jax.sharding.auto_axes``: XLA places
+    its intermediates and partial sums, as for auto axes), and its result is typed as the
+    op's. Elsewhere (no explicit axes in the context, an output split over none and no
+    operand split) ``fn(*args)`` as it is.
+
+    >>> import jax.numpy as jnp
+    >>> as_typed(lambda a: a + 1, jax.typeof(jnp.ones(2)), jnp.ones(2)).tolist()
+    [2.0, 2.0]
+    """
+    mesh = current_mesh()
+    explicit = tuple(n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
+                     if t == jax.sharding.AxisType.Explicit)
+    split = any(sharded_dims(a) for a in jax.tree_util.tree_leaves(args) if hasattr(a, "shape"))
+    spec = getattr(getattr(out_aval, "sharding", None), "spec", None)
+    if not explicit or not (split or (spec is not None and any(a is not None for a in spec))):
+        return fn(*args)
+    return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=spec)(*args)
+
+
 def to_current_mesh(tree):
     """``tree``'s arrays retyped onto the current context's mesh where their type names
     another mesh, or none (into or out of an ``auto_axes`` region: jqt's packed weights

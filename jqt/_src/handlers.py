@@ -13,6 +13,7 @@ What differs between primitives comes from the site's registry entry
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Protocol
 
@@ -552,18 +553,32 @@ class Integer:
                 wide = i
         _check_accumulator(site, eqn, ops, wide)
         policy = self.policy or KernelPolicy.for_backend()
+        integer = functools.partial(_integer_typed, eqn.outvars[0].aval)
         if wide is None and qp.accumulator < accumulator.WIDEST:
-            out = site.entry.integer(site, eqn, ops, policy)[0]
+            out = integer(site, eqn, ops, policy)[0]
             return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
                                          qp.accumulator)]
         if wide is None:
-            return site.entry.integer(site, eqn, ops, policy)
+            return integer(site, eqn, ops, policy)
         # int16 activation (symmetric): q = 256 * hi + (lo + 128), two int8 kernels.
         q16 = ops[wide]
         hi, lo = nx.split_int16(q16.values)
         ops_hi, ops_lo = list(ops), list(ops)
         ops_hi[wide] = dataclasses.replace(q16, values=hi, zero_point=None)
         ops_lo[wide] = dataclasses.replace(q16, values=lo, zero_point=jnp.float32(-128.0))
-        out_hi = site.entry.integer(site, eqn, ops_hi, policy)[0].astype(_F32)
-        out_lo = site.entry.integer(site, eqn, ops_lo, policy)[0].astype(_F32)
+        out_hi = integer(site, eqn, ops_hi, policy)[0].astype(_F32)
+        out_lo = integer(site, eqn, ops_lo, policy)[0].astype(_F32)
         return [(256.0 * out_hi + out_lo).astype(eqn.outvars[0].aval.dtype)]
+
+
+def _integer_typed(out_aval, site, eqn, ops, policy):
+    """The op's integer kernel on ``ops``, its result typed as the float op's ``out_aval``
+    on explicit mesh axes (:func:`compat.as_typed`); a :class:`LayerView` operand travels
+    as its arrays."""
+    views = [isinstance(o, LayerView) for o in ops]
+    parts = [(o.full, o.index) if v else o for o, v in zip(ops, views)]
+
+    def kernel(parts):
+        ops = [LayerView(*p) if v else p for p, v in zip(parts, views)]
+        return site.entry.integer(site, eqn, ops, policy)[0]
+    return [compat.as_typed(kernel, out_aval, parts)]

@@ -154,8 +154,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             except (re.error, TypeError) as e:
                 raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: its first item must "
                                  f"be a regular expression ({e}).") from None
+    # ops without a weight (activation x activation, caches) carry replicated scales only
     if axis not in mesh.shape and not all(_block_spec(op) is not None for op in qparams.values()
-                                          if isinstance(op, OpQParams)):
+                                          if isinstance(op, OpQParams) and op.source is not None):
         raise ValueError(f"jqt.packed_shardings: the mesh has axes {tuple(mesh.shape)}, "
                          f"not {axis!r}; pass axis= the mesh axis that splits the weights "
                          f"(e.g. axis={next(iter(mesh.shape))!r}).")

@@ -599,6 +599,26 @@ def test_export_of_a_scan_over_a_symbolic_length(simulate):
         np.testing.assert_allclose(back.call(weights, xs[:t]), qf(weights, xs[:t]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ci_only(["w8", "w8a8_dynamic", "w4"], {"w8"}))
+def test_export_of_a_vmapped_decode_step_over_a_symbolic_batch(recipe):
+    """``jax.vmap`` of a quantized function running a scan over stacked layers at one row
+    per example (a decode step), exported over a symbolic batch: the native kernel's
+    batching rule compared the symbolic row count with its limit (JAX's
+    InconclusiveDimensionOperation); rows of any number take the XLA formulations."""
+    f = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    ws = jax.random.normal(jax.random.key(0), (3, 32, 32)) * 0.2
+    x = jax.random.normal(jax.random.key(1), (1, 32))
+    rec = {"w8": jqt.recipes.w8(), "w8a8_dynamic": jqt.recipes.w8a8_dynamic(),
+           "w4": jqt.recipes.w4(group_size=16)}[recipe]
+    qp = jqt.calibrate(f, rec, ws, [(x,)], progress=False)
+    packed = jqt.pack(qp, ws)
+    vf = jax.jit(jax.vmap(jqt.quantize(f, qp), in_axes=(None, 0)))
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 1, 32"), jnp.float32)
+    exp = jax.export.export(vf)(packed, spec)
+    xb = jnp.stack([x, 2 * x, -x])
+    np.testing.assert_allclose(exp.call(packed, xb), vf(packed, xb), rtol=1e-5, atol=1e-5)
+
+
 # ============================================================ the fresh process's result
 
 

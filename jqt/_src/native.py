@@ -169,7 +169,9 @@ def _reference(x2, codes, scale, zp, table, layer, *, target, qtype, policy, max
         codes, scale, zp = take(codes), take(scale), take(zp)
     w = QArray(values=codes, scale=scale, zero_point=zp if zp.shape[0] else None, qtype=qtype,
                layout="nk" if target == CHANNEL else "kn")
-    if gemv.weight_only_applies(w, x2.shape[0], policy):
+    m = x2.shape[0]
+    m = m if isinstance(m, (int, np.integer)) else -1  # a symbolic row count (jax.export)
+    if gemv.weight_only_applies(w, m, policy):
         return gemv.weight_only_rows(x2, w, policy)
     return dense.weight_only_2d(x2, w, policy, None)
 
@@ -190,7 +192,8 @@ def _batch(args, dims, **params):
     if all(d is compat.NOT_MAPPED for d in dims[1:]):  # a batch of activations: more rows
         x = jnp.moveaxis(x2, bx, 0)
         b, m, k = x.shape
-        if b * m <= params["max_rows"]:
+        # (a symbolic batch, jax.export's shape polymorphism: rows of any number)
+        if isinstance(b * m, (int, np.integer)) and b * m <= params["max_rows"]:
             out = gemv_p.bind(x.reshape(b * m, k), *w, **params)
         else:
             out = _reference(x.reshape(b * m, k), *w, **params)

@@ -557,6 +557,30 @@ def test_scan_over_stacked_layers_with_histogram_calibrator(scan_setup):
     np.testing.assert_array_equal(qp["inp"].lhs.scale, s)
 
 
+@pytest.mark.parametrize("make", ["stack", "scaled", "indexed"])
+def test_a_scan_over_layers_stacked_inside_f_gets_a_range_per_layer(make):
+    """``lax.scan`` over layers stacked by ``f`` itself (``jnp.stack`` of per-layer leaves,
+    ``w * 2``, ``w[idx]``): each iteration reads another layer, so each gets its own weight
+    scales and activation range, as for a stacked leaf. They shared one (silently: layer 2,
+    10x smaller than layer 1, had half its int8 codes 0; error 0.51 against 0.012)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((3, 8, 8)) / np.sqrt(8) * np.array([1.0, 10.0, 0.1])[:, None, None]).astype(np.float32)
+    p = {"w": jnp.asarray(w), **{f"l{i}": jnp.asarray(w[i]) for i in range(3)}}
+    xs = {"stack": lambda p: jnp.stack([p["l0"], p["l1"], p["l2"]]), "scaled": lambda p: p["w"] * 2.0,
+          "indexed": lambda p: p["w"][jnp.array([0, 1, 2])]}[make]
+    f = lambda p, x: jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, xs(p))[0]
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x[:2],), (x,)], progress=False)
+    (op,) = qp.values()
+    assert op.rhs.scale.shape == (3, 1, 8) and op.lhs.scale.shape == (3,)
+    amax = np.abs(np.asarray(xs(p))).max(axis=1)  # each layer's per-channel range
+    np.testing.assert_allclose(np.asarray(op.rhs.scale)[:, 0], amax / 127, rtol=1e-6)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(p, x), sim, rtol=1e-5, atol=1e-6)
+    ref = f(p, x)
+    assert float(jnp.linalg.norm(sim - ref) / jnp.linalg.norm(ref)) < 0.05
+
+
 def test_scan_moving_average_per_layer_and_over_iterations(scan_setup):
     """Per layer: the mean over batches of each batch's extremes. The shared op: the L
     iterations of a batch are one batch (min/max), not L batches."""

@@ -77,7 +77,10 @@ def _scan_subs(eqn, infos, scan_id):
         s = info.source
         if s is not None:
             s = dataclasses.replace(s, chain=s.chain + (("scan_slice",),))
-        inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None else ()),
+        # a weight computed before the scan (jnp.stack of per-layer leaves, w * 2) is
+        # stacked too: each iteration reads another layer, with ranges of its own
+        inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None or info.weight
+                                                               else ()),
                              buffer=info.buffer))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]

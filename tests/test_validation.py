@@ -4,6 +4,7 @@ report on degenerate (all-zero) data, edge inputs (empty, complex, near float32'
 non-array values in batches, lax.map remainders), and the bugs tests/test_properties.py
 found (nf4 on the generic kernels, scales of the wrong shape)."""
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -422,6 +423,45 @@ def test_pack_tells_apart_leaves_whose_paths_read_the_same():
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'a/b' reads weight 'a/b', and "
                        r"params hold 2 leaves whose paths read so.*Rename one"):
         jqt.pack(unplaced, p)
+
+
+@pytest.mark.parametrize("read", ["split", "unstack", "device_put"])
+def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_path):
+    """``jnp.split`` of a fused weight (the ``split`` primitive, not ``slice``), ``jnp.unstack``
+    of stacked layers and ``jax.device_put`` inside ``f`` are layout steps: each part is
+    keyed by its leaf and packed, and under a scan over layers keeps its per-layer scales.
+    They were computed weights: not packed, keyed ``dot_general_N``, and under a scan one
+    scale for every layer."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    if read == "split":
+        p = {"wqkv": jnp.asarray(rng.standard_normal((16, 48)) * 0.2, jnp.float32)}
+        f = lambda p, x: sum(jnp.tanh(x @ w) for w in jnp.split(p["wqkv"], 3, axis=1))
+        keys = ["wqkv", "wqkv#1", "wqkv#2"]
+    elif read == "unstack":
+        scale = jnp.array([1.0, 10.0, 0.1])[:, None, None]
+        p = {"ws": jnp.asarray(rng.standard_normal((3, 16, 16)) * 0.2, jnp.float32) * scale}
+        f = lambda p, x: functools.reduce(lambda h, w: jnp.tanh(h @ w), jnp.unstack(p["ws"]), x)
+        keys = ["ws", "ws#1", "ws#2"]
+    else:
+        p = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 0.2, jnp.float32)}
+        f = lambda p, x: x @ jax.device_put(p["w"])
+        keys = ["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert sorted(qp) == keys
+    packed = jqt.pack(qp, p)
+    assert sorted(packed.weights) == keys
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x), sim, rtol=1e-5, atol=1e-5)
+    jqt.save_packed(tmp_path / "m.safetensors", packed, qp)
+    back = jqt.load_packed(tmp_path / "m.safetensors", qparams=qp)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(back, x), sim, rtol=1e-5, atol=1e-5)
+    if read == "split":  # under a scan over stacked fused weights: per-layer scales
+        ps = {"wqkv": jnp.stack([p["wqkv"], 10 * p["wqkv"]])}
+        g = lambda p, x: jax.lax.scan(lambda h, w: (sum(jnp.tanh(h @ v[:, :16]) for v in jnp.split(w, 3, 1)), None),
+                                      x, p["wqkv"])[0]
+        qs = jqt.calibrate(g, jqt.recipes.w8a8(), ps, [(x,)], progress=False)
+        assert sorted(qs) == keys and qs["wqkv"].rhs.scale.shape == (2, 1, 16)
 
 
 def test_magnitudes_near_the_float32_maximum_give_finite_scales():

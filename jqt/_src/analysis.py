@@ -217,7 +217,12 @@ class Analyzer:
                                 writes=tuple(dict.fromkeys(w for x in ins[1:] for w in x.writes)))]
             else:
                 step = layout.record(eqn)
-                if step == ("copy",) and len(ins) == len(eqn.outvars):  # the same values (copy,
+                parts = layout.record_each(eqn) if ins and ins[0].source is not None else None
+                if parts is not None:  # jnp.split, jnp.unstack of a weight: slices of it
+                    s = ins[0].source
+                    outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + c), ins[0].stack_ids)
+                            for c in parts]
+                elif step == ("copy",) and len(ins) == len(eqn.outvars):  # the same values (copy,
                     outs = list(ins)  # stop_gradient; an optimization_barrier of several)
                 elif step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source

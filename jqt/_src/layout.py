@@ -46,6 +46,7 @@ RECORDERS = {
     "name": lambda p: ("copy",),
     "sharding_constraint": lambda p: ("copy",),
     "optimization_barrier": lambda p: ("copy",),
+    "device_put": lambda p: ("copy",),  # jax.device_put inside f: the same values, placed
 }
 
 _APPLY = {
@@ -67,6 +68,33 @@ def record(eqn):
     if rec is None or not all(isinstance(d, int) for v in eqn.outvars for d in v.aval.shape):
         return None
     return rec(eqn.params)
+
+
+def record_each(eqn):
+    """The steps (a tuple per output) for a layout-only ``eqn`` with several outputs, each a
+    part of its one operand: ``split`` (``jnp.split``: slices) and ``unstack``
+    (``jnp.unstack``: a slice and a squeeze each); else ``None``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda w: jnp.split(w, 2, 1))(jnp.ones((4, 6))).eqns[0]
+    >>> record_each(eqn)[1]
+    (('slice', (0, 3), (4, 6), (1, 1)),)
+    """
+    name = eqn.primitive.name
+    shape = eqn.invars[0].aval.shape if eqn.invars else ()
+    if name not in ("split", "unstack") or len(eqn.invars) != 1 \
+            or not all(isinstance(d, int) for d in shape):
+        return None
+    axis = int(eqn.params["axis"]) % len(shape)
+    sizes = [int(n) for n in eqn.params["sizes"]] if name == "split" else [1] * shape[axis]
+    steps, start = [], 0
+    for n in sizes:
+        lo = tuple(start if d == axis else 0 for d in range(len(shape)))
+        hi = tuple(start + n if d == axis else shape[d] for d in range(len(shape)))
+        step = (("slice", lo, hi, (1,) * len(shape)),)
+        steps.append(step + ((("squeeze", (axis,)),) if name == "unstack" else ()))
+        start += n
+    return steps
 
 
 def split_blocks(x, splits):

@@ -464,6 +464,25 @@ def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_
         assert sorted(qs) == keys and qs["wqkv"].rhs.scale.shape == (2, 1, 16)
 
 
+@pytest.mark.parametrize("recipe", ["w8", "w8a8", "w4", "w8a8_dynamic_axa"])
+def test_an_op_over_an_empty_contraction_stays_float(recipe, tmp_path):
+    """A weight whose contracted axis has length 0 (an optional block of features of width
+    0) and an act x act op over no features compute exact zeros: they stay float. Calibrate
+    failed inside a reduction of no values (w8, w8a8), and w4's saved file did not load."""
+    rec = {"w8": jqt.recipes.w8(), "w8a8": jqt.recipes.w8a8(), "w4": jqt.recipes.w4(group_size=16),
+           "w8a8_dynamic_axa": jqt.recipes.w8a8_dynamic(act_x_act=True)}[recipe]
+    p = {"w": jnp.ones((32, 8)) * 0.1, "w_extra": jnp.zeros((0, 8))}
+    f = lambda p, x: x @ p["w"] + x[:, 32:] @ p["w_extra"] + jnp.einsum("bk,ck->bc", x[:, 32:], x[:, 32:]).sum()
+    x = jax.random.normal(jax.random.key(0), (4, 32))
+    qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    assert sorted(qp) == ["w"]
+    packed = jqt.pack(qp, p)
+    jqt.save_packed(tmp_path / "m.safetensors", packed, qp)
+    back = jqt.load_packed(tmp_path / "m.safetensors", qparams=qp)
+    np.testing.assert_allclose(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp, simulate=True)(p, x),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_magnitudes_near_the_float32_maximum_give_finite_scales():
     w = {"w": jnp.full((4, 3), 1e-3)}
     f = lambda p, x: x @ p["w"]

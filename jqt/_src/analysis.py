@@ -107,6 +107,22 @@ def _rekey(plan):
         sub.keys = [s.key for p in sub.plans for s in p.all_sites()]
 
 
+def _empty(entry, eqn, ins) -> bool:
+    """Whether a quantizable op has nothing to quantize: a weight of no elements (an
+    optional block of features of width 0), or a dot_general over an empty contraction
+    (exact zeros). It stays float, without qparams: ranges of no values are undefined."""
+    if entry.is_cache:
+        return False
+    shapes = [v.aval.shape for v in eqn.invars]
+    w = entry.weight_operand(eqn, ins)
+    if w is not None and any(d == 0 for d in shapes[w]):
+        return True
+    if entry.name == "dot_general":
+        (lc, _), _ = eqn.params["dimension_numbers"]
+        return any(shapes[0][d] == 0 for d in lc)
+    return False
+
+
 class Analyzer:
     """Walks a closed jaxpr once and builds its :class:`Plan`.
 
@@ -202,7 +218,7 @@ class Analyzer:
             elif name == "convert_element_type" and ins[0].buffer:
                 self._converted[eqn.outvars[0]] = (eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype,
                                                    ins[0].buffer)
-            if entry is not None and entry.is_site(eqn, ins):
+            if entry is not None and entry.is_site(eqn, ins) and not _empty(entry, eqn, ins):
                 site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
                 if entry.is_cache:  # the buffer after the write: still the loop's buffer
                     outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]

@@ -120,7 +120,9 @@ def _complete(pw, p):
 
 
 def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
-    """Returns ``f`` running with quantized ops: same signature, same outputs' structure.
+    """Returns ``f`` running with quantized ops: ``f``'s positional signature, the same
+    outputs' structure. Keyword arguments (``train=False``) are refused, naming them: bind
+    them with ``functools.partial`` before calibrating, as the batches are positional.
 
     Args:
       f: the function that was calibrated.

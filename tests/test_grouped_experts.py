@@ -355,6 +355,40 @@ def test_ragged_dot_integer_matches_simulated(name):
     assert (codes.dtype == jnp.uint8, codes.shape[-1]) == ((True, F // 2) if four_bit else (False, F))
 
 
+@pytest.mark.slow  # GPTQ per expert on 1,536 rows: CI
+def test_gptq_rerounds_a_ragged_dot_mixture_per_expert_as_its_einsum():
+    """``jqt.gptq`` on a ``lax.ragged_dot`` mixture: one problem per expert with the Hessian
+    of the rows routed to it (rows past the groups reach none), the same weights as GPTQ on
+    the einsum form of the same experts; an expert no row reaches keeps plain rounding,
+    warned. It kept plain rounding for every expert ("not a dense op")."""
+    # correlated inputs (GPTQ's gain; with independent ones its best is plain rounding) and
+    # rows enough for a Hessian that holds on held-out rows
+    c = 512
+    mix = jnp.asarray(RNG.standard_normal((E, D, D)) / np.sqrt(D) + np.eye(D), jnp.float32)
+    draw = lambda: jnp.einsum("ecd,edk->eck", jnp.asarray(RNG.standard_normal((E, c, D)), jnp.float32), mix)
+    x = draw()
+    sizes = jnp.full((E,), c, jnp.int32)
+    rag = lambda p, x: jax.lax.ragged_dot(x, p["w"], sizes)
+    recipe = jqt.recipes.w4(group_size=G)
+    xr = x.reshape(E * c, D)
+    qr, qe = _calibrate(rag, recipe, P, xr), _calibrate(experts, recipe, P, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plain rounding" warning
+        pr = jqt.gptq(rag, qr, P, [(xr,)], progress=False)
+    np.testing.assert_allclose(pr["w"], jqt.gptq(experts, qe, P, [(x,)], progress=False)["w"],
+                               rtol=1e-5, atol=1e-6)
+    held = draw().reshape(E * c, D)
+    sim, ref = jqt.quantize(rag, qr, simulate=True), rag(P, held)
+    assert _rel(sim(pr, held), ref) < 0.9 * _rel(sim(P, held), ref)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(rag, qr))(jqt.pack(qr, pr), held), sim(pr, held),
+                               rtol=1e-5, atol=2e-5 * float(jnp.max(jnp.abs(ref))))
+    empty = lambda p, x: jax.lax.ragged_dot(x, p["w"], jnp.array([c, 0, c], jnp.int32))  # expert 1: none
+    q0 = _calibrate(empty, recipe, P, xr[:2 * c])
+    with pytest.warns(UserWarning, match=r"no calibration rows reached its layers or experts \[1\]"):
+        p0 = jqt.gptq(empty, q0, P, [(xr[:2 * c],)], progress=False)
+    assert not bool(jnp.array_equal(p0["w"][0], P["w"][0]))
+
+
 def test_ragged_dot_moe_layers_under_scan():
     """A mixture-of-experts layer written with ``lax.ragged_dot`` (routing by argmax, rows
     sorted by expert), stacked layers under ``lax.scan``: calibrated per layer and expert,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat, diagnostics, groups, tracing, transforms, validate, weightcheck
+from . import compat, diagnostics, groups, ragged, tracing, transforms, validate, weightcheck
 from . import numerics as nx
 from .calibrate import CalibrationDataError, check_batch, check_batches, full_args
 from .dense import DenseAxes
@@ -35,6 +35,7 @@ from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
 _F32 = jnp.float32
+_RAGGED = "ragged_dot_general"  # lax.ragged_dot in its plain form (registry.RaggedDot)
 _INVERTIBLE = {"transpose", "reshape", "convert", "squeeze", "rev", "copy", "scan_slice", "slice",
                "shard_split"}  # shard_split: the blocks of a jax.shard_map, each with its Hessian
 
@@ -57,7 +58,9 @@ class _Hessians:
         if not qp.is_float:
             sim = Simulate().site(site, eqn, invals, Ctx(None, {site.key: (qp, None)}))
             outs = [jnp.where(on > 0, s, o) for s, o in zip(sim, outs)]
-        if site.key in self.eligible:
+        if site.key in self.eligible and site.op == _RAGGED:
+            self._ragged(site, invals, take, ctx)
+        elif site.key in self.eligible:
             w = site.weight_operand
             x = transformed(site, qp, 1 - w, invals[1 - w]).astype(_F32)
             xb = site.eqn.params["dimension_numbers"][1][1 - w]  # paired with the weight's
@@ -73,6 +76,19 @@ class _Hessians:
                 jnp.zeros(lead + (k, k), _F32), jax.eval_shape(gram)))
             ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, r.shape[-2], 0).astype(_F32)})
         return outs
+
+    @staticmethod
+    def _ragged(site, invals, take, ctx):
+        """``lax.ragged_dot(x, w, sizes)``: one Hessian per expert, from the rows routed to it
+        (rows past ``sum(sizes)`` reach none)."""
+        x, w, sizes = invals[0].astype(_F32), invals[1], invals[2]
+        g, live = ragged.row_groups(sizes, x.shape[0])
+        member = (g[:, None] == jnp.arange(w.shape[0])[None, :]) & live[:, None]  # (M, G)
+        gram = lambda: jnp.einsum("mg,mk,ml->gkl", member.astype(_F32), x, x)
+        k = x.shape[1]
+        h = lax.cond(take > 0, gram, lambda: compat.vary_like(
+            jnp.zeros((w.shape[0], k, k), _F32), jax.eval_shape(gram)))
+        ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, x.shape[0], 0).astype(_F32)})
 
     @staticmethod
     def identity(shapes):
@@ -93,7 +109,7 @@ def _why_not(site, qp, traced, argnums, leaf_shape=None):
     w = site.weight_operand
     if qp.is_float or w is None or qp.operand(w) is None or site.op == "gather":
         return "n/a"  # float, or a lookup (no products to correct): nothing to say
-    if site.op != "dot_general":
+    if site.op not in ("dot_general", _RAGGED):
         return f"not a dense op (a {site.op})"
     src = site.source
     if src is None or src.arg not in argnums:
@@ -240,7 +256,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
     s, z = _grid(site, q, wt.shape, depth)
     # the weight's batch axes (a mixture's experts) go after the stacked ones: one GPTQ
     # problem per layer and expert, with that expert's Hessian
-    wb = site.batch_axes()
+    wb = (0,) if site.op == _RAGGED else site.batch_axes()  # a ragged dot's experts: (G, K, N)
     rest = [d for d in range(wt.ndim - depth) if d not in wb]
     perm = tuple(range(depth)) + tuple(d + depth for d in tuple(wb) + tuple(rest))
     nlead = depth + len(wb)

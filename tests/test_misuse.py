@@ -122,6 +122,10 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
         jqt.report(f, qp, p, [x[:4]] * 4)
     with pytest.raises(jqt.CalibrationDataError, match="jqt.report: batch 0, argument \\[0\\] is empty"):
         jqt.report(f, qp, p, (x[:0],))
+    with pytest.raises(TypeError) as e:  # calibrate's list of batches: f fails on a tuple
+        jqt.report(f, qp, p, batches[:1])
+    assert any("jqt.report: batch is a list of 1 tuples" in n and "pass batches[0]" in n
+               for n in getattr(e.value, "__notes__", []))
     for params in ({"w": 1}, (p, p, p)):
         with pytest.raises(TypeError, match=r"jqt.calibrate: weight_argnums=\(0, 1\) names 2 weight"):
             jqt.calibrate(f, jqt.recipes.w8(), params, batches, weight_argnums=(0, 1), progress=False)

@@ -243,8 +243,35 @@ def test_long_conv_refused():
     cin = 70_000
     w, x = jnp.ones((1, cin, 1)), jnp.ones((1, cin, 1))  # OIW, NCW
     qp = jqt.calibrate(g, jqt.recipes.w8a8(), w, [(jnp.concatenate([x, 0 * x]),)], progress=False)
-    with pytest.raises(ValueError, match="op 'w'.*int32 accumulator"):
+    with pytest.raises(ValueError, match="op 'w'.*int32 accumulator") as e:
         jqt.quantize(g, qp)(w, x)
+    # a conv kernel takes no groups: the fix names what a conv can change
+    assert "feature_group_count" in str(e.value) and "group size" not in str(e.value)
+
+
+def test_a_vmap_of_a_conv_over_stacked_kernels_reads_its_leaf():
+    """``jax.vmap`` of a conv over stacked kernels (an ensemble): JAX folds the mapped axis
+    into the output features with a ``reshape`` that transposes first (its ``dimensions``),
+    a layout step: the kernel is keyed by its leaf and packed, as under a ``lax.scan``. It
+    was a computed weight: float in the packed params, quantized on every call."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((3, 3, 3, 4, 6)) * 0.2, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)
+    conv = lambda w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    f = lambda p, x: jax.vmap(lambda w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))(p["w"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert list(qp) == ["w"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "quantized at run time"
+        packed = jqt.pack(qp, p)
+    assert list(packed.weights) == ["w"] and packed.nbytes() < 0.35 * p["w"].nbytes
+    # one scale per member and output channel: each member's own absmax over (H, W, I)
+    amax = np.abs(np.asarray(p["w"])).max(axis=(1, 2, 3)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(qp["w"].rhs.scale).reshape(-1), amax / 127, rtol=1e-6)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x), sim, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(sim - jax.vmap(conv)(p["w"])).max()) < 0.05 * float(jnp.abs(sim).max())
 
 
 # ---- the report on degenerate data --------------------------------------------------------------

@@ -482,11 +482,13 @@ def _check_accumulator(site, eqn, ops, wide):
         k = ops[w].qtype.group_size if w is not None else 0
         what = "group of the weight sums"
     if k > kc:
+        smaller = ("fewer input channels per group (feature_group_count) or a smaller kernel"
+                   if site.op == "conv_general_dilated" else "a smaller group size")
         raise ValueError(
             f"jqt.quantize: op '{site.key}': each {what} {k} products of codes, more than "
             f"the {kc} whose worst case fits its int32 accumulator (it could overflow). "
-            "Quantize this op weight-only or keep it float (a recipe rule), use a smaller "
-            "group size, or run it with simulate=True.")
+            "Quantize this op weight-only or keep it float (a recipe rule), use "
+            f"{smaller}, or run it with simulate=True.")
 
 
 class Integer:

@@ -71,9 +71,10 @@ def record(eqn):
 
 
 def record_each(eqn):
-    """The steps (a tuple per output) for a layout-only ``eqn`` with several outputs, each a
-    part of its one operand: ``split`` (``jnp.split``: slices) and ``unstack``
-    (``jnp.unstack``: a slice and a squeeze each); else ``None``.
+    """The steps (a tuple per output) for a layout-only ``eqn`` that is several steps: with
+    several outputs, each a part of its one operand, ``split`` (``jnp.split``: slices) and
+    ``unstack`` (``jnp.unstack``: a slice and a squeeze each); a ``reshape`` with
+    ``dimensions`` (a transpose, then the reshape); else ``None``.
 
     >>> import jax, jax.numpy as jnp
     >>> eqn = jax.make_jaxpr(lambda w: jnp.split(w, 2, 1))(jnp.ones((4, 6))).eqns[0]
@@ -82,8 +83,14 @@ def record_each(eqn):
     """
     name = eqn.primitive.name
     shape = eqn.invars[0].aval.shape if eqn.invars else ()
-    if name not in ("split", "unstack") or len(eqn.invars) != 1 \
-            or not all(isinstance(d, int) for d in shape):
+    if not eqn.invars or not all(isinstance(d, int) for v in (*eqn.invars, *eqn.outvars)
+                                 for d in v.aval.shape):
+        return None
+    if name == "reshape" and eqn.params.get("dimensions") is not None:
+        # a transpose, then a reshape (jax.vmap of a conv over stacked kernels folds the
+        # mapped axis into the output features so)
+        return [(("transpose", _tup(eqn.params["dimensions"])), ("reshape", _tup(eqn.params["new_sizes"])))]
+    if name not in ("split", "unstack") or len(eqn.invars) != 1:
         return None
     axis = int(eqn.params["axis"]) % len(shape)
     sizes = [int(n) for n in eqn.params["sizes"]] if name == "split" else [1] * shape[axis]

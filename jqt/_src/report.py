@@ -297,10 +297,18 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     if not isinstance(batch, (tuple, list)):
         raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
                         "remaining arguments of f, e.g. (x,).")
+    batches_like = isinstance(batch, list) and bool(batch) and all(isinstance(b, tuple) for b in batch)
     batch = tuple(batch)
     check_batch(0, batch, None, "jqt.report")  # no empty or non-finite arrays
     tracer = Tracer(f, argnums)
-    traced = tracer(full_args(argnums, params_t, batch))
+    try:
+        traced = tracer(full_args(argnums, params_t, batch))
+    except Exception as e:
+        if batches_like:  # calibrate's list of batches, where report takes one batch
+            e.add_note(f"jqt.report: batch is a list of {len(batch)} tuples, as jqt.calibrate's "
+                       "batches are; jqt.report measures one batch, a tuple of f's remaining "
+                       "arguments: pass batches[0].")
+        raise
     validate.check_keys(traced, qparams, "jqt.report")
     state = {s.key: (qparams[s.key], None) for s in traced.sites() if s.key in qparams}
 

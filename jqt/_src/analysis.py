@@ -113,14 +113,8 @@ def _empty(entry, eqn, ins) -> bool:
     (exact zeros). It stays float, without qparams: ranges of no values are undefined."""
     if entry.is_cache:
         return False
-    shapes = [v.aval.shape for v in eqn.invars]
     w = entry.weight_operand(eqn, ins)
-    if w is not None and any(d == 0 for d in shapes[w]):
-        return True
-    if entry.name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        return any(shapes[0][d] == 0 for d in lc)
-    return False
+    return w is not None and any(d == 0 for d in eqn.invars[w].aval.shape)
 
 
 class Analyzer:

@@ -406,8 +406,10 @@ def dynamic_params(x, reduce_axes, qtype):
     """Scale and zero point computed from the live tensor (no gradient flows into them)."""
     x = jax.lax.stop_gradient(x.astype(_F32))
     axes = tuple(reduce_axes) if qtype.per_channel else tuple(range(x.ndim))
-    return computed_once(*params_from_range(jnp.min(x, axis=axes, keepdims=True),
-                                            jnp.max(x, axis=axes, keepdims=True), qtype))
+    # initial=0: the range holds 0 anyway (params_from_range), and a contraction over no
+    # elements (attention over a sequence of length 0) then has one
+    return computed_once(*params_from_range(jnp.min(x, axis=axes, keepdims=True, initial=0.0),
+                                            jnp.max(x, axis=axes, keepdims=True, initial=0.0), qtype))
 
 
 def computed_once(scale, zero_point=None):

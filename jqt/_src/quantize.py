@@ -82,6 +82,15 @@ def _some_empty(args, argnums) -> bool:
                for leaf in jax.tree_util.tree_leaves(a))
 
 
+def _static_inputs(args, argnums) -> list:
+    """The non-array values among the inputs (the arguments that do not hold weights), which
+    reach ``f`` as constants (``tracing.is_static``), as reprs."""
+    leaves = [leaf for i, a in enumerate(args) if i not in argnums
+              for leaf in jax.tree_util.tree_leaves(a, is_leaf=lambda x: isinstance(x, tracing.Static))]
+    return [repr(leaf.value if isinstance(leaf, tracing.Static) else leaf) for leaf in leaves
+            if isinstance(leaf, tracing.Static) or tracing.is_static(leaf)]
+
+
 def _check_folded(packed, folds):
     """Each packed weight holds the outlier transforms (smoothing vector, rotation) its
     op's qparams apply to the activation (``folds``: key -> ``OpQParams.fold_tag``):
@@ -201,13 +210,21 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 check_keys(traced, qparams, "jqt", empty)
                 checked.add(id(traced))
         except QParamsMismatchError as e:
-            if not empty:
+            notes, statics = [], _static_inputs(args, argnums)
+            if empty:
+                notes.append("An input here has no elements: JAX traces a gather of no ids "
+                             "(table[ids]) to zeros, without the gather, and where the table is "
+                             "also read by a matmul (tied embeddings) that op takes the gather's "
+                             "key. Skip the call for an empty input.")
+            if statics:
+                notes.append(f"This call passes Python values ({', '.join(statics[:4])}), which "
+                             "reach f as constants, as in a direct call: table[i] with a Python "
+                             "int i is a slice, not a lookup, and a flag can change the ops f "
+                             "runs. Pass the values calibration passed, or an array "
+                             "(jnp.int32(i)) for a value f should trace.")
+            if not notes:
                 raise
-            raise QParamsMismatchError(
-                f"{e} An input here has no elements: JAX traces a gather of no ids "
-                "(table[ids]) to zeros, without the gather, and where the table is also read "
-                "by a matmul (tied embeddings) that op takes the gather's key. Skip the call "
-                "for an empty input.") from None
+            raise QParamsMismatchError(f"{e} {' '.join(notes)}") from None
         keys = [s.key for s in traced.sites()]
         state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
                  for k in keys if k in qparams}

@@ -109,8 +109,9 @@ def _rekey(plan):
 
 def _empty(entry, eqn, ins) -> bool:
     """Whether a quantizable op has nothing to quantize: a weight of no elements (an
-    optional block of features of width 0), or a dot_general over an empty contraction
-    (exact zeros). It stays float, without qparams: ranges of no values are undefined."""
+    optional block of features of width 0; its products are exact zeros). It stays float,
+    without qparams: ranges of no values are undefined. (An activation of no elements is
+    not one: its shape changes from call to call, and the op's key must not.)"""
     if entry.is_cache:
         return False
     w = entry.weight_operand(eqn, ins)
@@ -228,7 +229,7 @@ class Analyzer:
             else:
                 step = layout.record(eqn)
                 parts = layout.record_each(eqn) if ins and ins[0].source is not None else None
-                if parts is not None:  # jnp.split, jnp.unstack of a weight: slices of it
+                if parts is not None:  # jnp.split, jnp.unstack: slices; a transposing reshape
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + c), ins[0].stack_ids)
                             for c in parts]

@@ -82,16 +82,16 @@ def record_each(eqn):
     (('slice', (0, 3), (4, 6), (1, 1)),)
     """
     name = eqn.primitive.name
-    shape = eqn.invars[0].aval.shape if eqn.invars else ()
-    if not eqn.invars or not all(isinstance(d, int) for v in (*eqn.invars, *eqn.outvars)
-                                 for d in v.aval.shape):
+    if name not in ("split", "unstack", "reshape") or len(eqn.invars) != 1 \
+            or (name == "reshape" and eqn.params.get("dimensions") is None):
         return None
-    if name == "reshape" and eqn.params.get("dimensions") is not None:
+    shape = eqn.invars[0].aval.shape
+    if not all(isinstance(d, int) for v in (*eqn.invars, *eqn.outvars) for d in v.aval.shape):
+        return None
+    if name == "reshape":
         # a transpose, then a reshape (jax.vmap of a conv over stacked kernels folds the
         # mapped axis into the output features so)
         return [(("transpose", _tup(eqn.params["dimensions"])), ("reshape", _tup(eqn.params["new_sizes"])))]
-    if name not in ("split", "unstack") or len(eqn.invars) != 1:
-        return None
     axis = int(eqn.params["axis"]) % len(shape)
     sizes = [int(n) for n in eqn.params["sizes"]] if name == "split" else [1] * shape[axis]
     steps, start = [], 0

@@ -269,9 +269,11 @@ def as_typed(fn, out_aval, *args):
     mesh = current_mesh()
     explicit = tuple(n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
                      if t == jax.sharding.AxisType.Explicit)
-    split = any(sharded_dims(a) for a in jax.tree_util.tree_leaves(args) if hasattr(a, "shape"))
+    if not explicit:  # (every op without a mesh: nothing more to look at)
+        return fn(*args)
     spec = getattr(getattr(out_aval, "sharding", None), "spec", None)
-    if not explicit or not (split or (spec is not None and any(a is not None for a in spec))):
+    if not (spec is not None and any(a is not None for a in spec)) and not any(
+            sharded_dims(a) for a in jax.tree_util.tree_leaves(args) if hasattr(a, "shape")):
         return fn(*args)
     return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=spec)(*args)
 

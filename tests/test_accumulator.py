@@ -170,9 +170,10 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="per-group scales"):
         jqt.Rule(weight=jqt.QuantType(bits=4, group_size=32, per_channel=True),
                  activation=jqt.QuantType(), accumulator=16)
-    with pytest.raises(ValueError, match="int16 activation.s products"):
-        jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(bits=16, symmetric=True),
-                 accumulator=16)
+    for bits, acc in ((16, 16), (12, 28)):  # names the width it was given
+        with pytest.raises(ValueError, match=f"an int{bits} operand runs as two int8 halves"):
+            jqt.Rule(weight=jqt.QuantType(), activation=jqt.QuantType(bits=bits, symmetric=True),
+                     accumulator=acc)
     # qparams edited by hand: a weight-only op cannot have one; quantize names the op
     f, p, x = _dense()
     qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)

@@ -893,6 +893,22 @@ def test_int16_activation_integer_matches_simulated(recipe):
     assert any(e.primitive.name == "conv_general_dilated" for e in eqns)  # generic: native conv
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_int16_activation_halves_are_summed_before_the_model_dtype(dtype):
+    """The two int8 halves of an int16 activation cancel where its codes are small (-2 is
+    256 * -1 + 254): each is kept in float32 until they are summed, then cast once, so a
+    bfloat16 or float16 model's integer path stays within a step of its simulated one."""
+    w = {"w": (jnp.abs(_normal(0, (64, 4))) + 0.5).astype(dtype)}
+    cal = jnp.zeros((2, 64)).at[0, 0].set(8.0).at[1, 0].set(-8.0).astype(dtype)  # range [-8, 8]
+    x = (-3e-4 * (1 + jnp.abs(_normal(1, (4, 64))))).astype(dtype)  # codes of -1 to -4
+    f = lambda w, x: x @ w["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a16(), w, [(cal,)], progress=False)
+    sim = np.asarray(jqt.quantize(f, qp, simulate=True)(w, x), np.float32)
+    for y in (jqt.quantize(f, qp)(w, x), jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w), x)):
+        assert y.dtype == dtype
+        assert _rel(np.asarray(y, np.float32), sim) < 0.02  # was 0.7 (bfloat16), 0.13 (float16)
+
+
 def test_int16_activations_beat_int8_with_an_outlier():
     f = lambda w, x: x @ w
     w = _normal(0, (32, 16), 0.2)

@@ -626,6 +626,48 @@ def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
     assert qp["b"].is_float and not qp["a"].is_float
 
 
+@pytest.mark.parametrize("make,what", [
+    (lambda x: jnp.exp(60 * x), r"extremes \[0.0, inf\]"),  # exp overflows: scale inf before
+    (lambda x: -jnp.exp(60 * x), r"extremes \[-inf"),  # "never ran on the calibration data" before
+    (lambda x: jnp.log(x), "NaN")])  # the same
+def test_a_non_finite_activation_made_by_f_is_refused_by_name(make, what, tmp_path):
+    """The batches are finite, but f makes an inf or NaN before a quantized op: its static
+    range would give a scale of inf (or be taken for an op that never ran). calibrate names
+    the op, what it saw and the rule that keeps it float, for every built-in calibrator."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)}
+    f = lambda p, x: make(x) @ p["w"]
+    for cal in (jqt.calibrators.MinMax(), jqt.calibrators.Percentile(99.9)):
+        with pytest.raises(ValueError, match=rf"op 'w' .*NaN or inf.*{what}.*Rule\(key='\^w\$', weight=None\)"):
+            jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cal), p, [(x,)], progress=False)
+    keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", weight=None),) + jqt.recipes.w8a8().rules)
+    assert jqt.calibrate(f, keep, p, [(x,)], progress=False)["w"].is_float
+    # qparams that hold such a scale are not written to a file jqt.load would refuse
+    qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    bad = {"w": dataclasses.replace(qp["w"], lhs=dataclasses.replace(qp["w"].lhs, scale=jnp.float32(np.inf)))}
+    with pytest.raises(ValueError, match=r"jqt.save: op 'w' holds invalid .*lhs.scale"):
+        jqt.save(tmp_path / "q.safetensors", bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_float16_simulated_grid_ends_stay_finite():
+    """An asymmetric grid's far end, (qmax - zp) * scale, can pass float16's 65504 where
+    every weight is finite: the simulated path clips it to float16's range (the integer
+    path, in float32, never casts it) instead of returning inf."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 16)).astype(np.float32)
+    p = {"w": jnp.asarray(w / np.abs(w).max() * 65000, jnp.float16)}
+    x = jnp.asarray(rng.standard_normal((4, 64)) * 1e-3, jnp.float16)
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32, symmetric=False), p, [(x,)], progress=False)
+    assert np.any(np.asarray((-8 - qp["w"].rhs.zero_point) * qp["w"].rhs.scale) < -65504)
+    sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x), np.float32)
+    y = np.asarray(jqt.quantize(f, qp)(jqt.pack(qp, p), x), np.float32)
+    assert np.isfinite(sim).all() and np.isfinite(y).all()  # sim had 4 infs before
+    np.testing.assert_allclose(sim, y, atol=0.05 * np.abs(y).max())
+
+
 # ---- calibration batches that carry non-array values -------------------------------------------
 
 W = jnp.asarray(np.random.default_rng(1).standard_normal((4, 3)), jnp.float32)

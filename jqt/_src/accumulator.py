@@ -65,7 +65,8 @@ def unsupported(qtypes) -> str:
         if t.kind != "int":
             return f"a {t.dtype} operand accumulates in float32"
         if t.bits > 8:
-            return "an int16 activation's products do not fit a 16-bit accumulator"
+            return (f"an int{t.bits} operand runs as two int8 halves (its products with "
+                    "int8 codes can overflow int32), not as one narrow sum")
         if t.group_size:
             return "per-group scales sum each group separately (a per-group accumulator)"
     return ""

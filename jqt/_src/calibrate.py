@@ -570,10 +570,13 @@ def _decide(site, rule, st):
         if act.dynamic:
             ops[1 - w] = QArray(qtype=act)
         else:
+            _check_act_finite(site, st.act)
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
             if not np.isfinite(lo).all():
                 diagnostics.warn(never)
                 return float_("never reached during calibration")
+            if not np.isfinite(hi).all():  # a calibrator of the user's that saw an inf
+                raise ValueError(_act_not_finite(site, f"its calibrator's range is [{lo}, {hi}]"))
             if not (np.asarray(lo) != 0).any() and not (np.asarray(hi) != 0).any():
                 diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} at "
                                  f"'{site.name_stack or '<top>'}'): its activation was 0 on every "
@@ -623,9 +626,42 @@ def _check_weight_finite(site, lo, hi):
         name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
         raise ValueError(
             f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') reads "
-            f"{name}, which holds NaN or inf values: its scale would not be finite. Fix the "
+            f"{name}, which holds NaN or inf values{_wide(site, site.weight_operand)}: its scale "
+            "would not be finite. Fix the "
             f"weight, or keep the op float with a rule ahead of the others, "
             f"jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
+def _wide(site, i):
+    """For a float64 operand: that values beyond float32's range count as inf."""
+    if site.eqn.invars[i].aval.dtype != np.float64:
+        return ""
+    return (" (or, this operand being float64, values beyond float32's range, 3.4e38: jqt's "
+            "statistics and scales are float32)")
+
+
+def _act_not_finite(site, what):
+    return (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): its "
+            f"activation held NaN or inf on the calibration data ({what})"
+            f"{_wide(site, 1 - site.weight_operand)}, so its static range "
+            "and scale would not be finite. Where the batches were finite, f made them (an exp "
+            "that overflowed, a log of 0?): make f finite on them, or keep the op float with a "
+            f"rule ahead of the others, jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
+def _check_act_finite(site, act):
+    """Raises if activation statistics that keep the observed extremes (``min`` and
+    ``max``, as every built-in calibrator does) saw NaN or inf. Extremes never observed,
+    ``[inf, -inf]``, are an op that did not run (:func:`_decide` warns instead)."""
+    if not (isinstance(act, dict) and "min" in act and "max" in act):
+        return
+    lo, hi = np.asarray(act["min"]), np.asarray(act["max"])
+    seen = ~((lo == np.inf) & (hi == -np.inf))
+    bad = seen & ~(np.isfinite(lo) & np.isfinite(hi))
+    if bad.any():
+        what = ("NaN" if np.isnan(lo[bad]).any() or np.isnan(hi[bad]).any() else
+                f"extremes [{lo[bad].min()}, {hi[bad].max()}]")
+        raise ValueError(_act_not_finite(site, what))
 
 
 def _narrow(site, rule, p):

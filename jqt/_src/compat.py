@@ -417,6 +417,23 @@ def shard_map_bind(eqn, fn, args, in_specs, out_specs):
                          axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"])(*args)
 
 
+def with_output_dtype(eqn, dtype):
+    """``eqn`` (one output) with its output typed ``dtype`` (and its
+    ``preferred_element_type``, where it names one): a kernel that casts its result to
+    the output's dtype then keeps ``dtype``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> e = jax.make_jaxpr(jnp.dot)(jnp.ones((2, 2), jnp.bfloat16), jnp.ones((2, 2), jnp.bfloat16)).eqns[0]
+    >>> with_output_dtype(e, jnp.float32).outvars[0].aval.dtype
+    dtype('float32')
+    """
+    aval = eqn.outvars[0].aval.update(dtype=np.dtype(dtype), weak_type=False)
+    params = dict(eqn.params)
+    if params.get("preferred_element_type") is not None:
+        params["preferred_element_type"] = np.dtype(dtype)
+    return eqn.replace(outvars=[jex_core.Var(aval)], params=params)
+
+
 @functools.lru_cache(maxsize=256)
 def row_gather_eqn(shape, dtype, axis):
     """The ``gather`` equation that reads one row (``axis=0``) or column (``axis=1``) of a

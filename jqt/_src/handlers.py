@@ -401,7 +401,7 @@ class Simulate:
         for i in (0, 1):
             q = qp.operand(i)
             if packed is not None and q is not None and i == site.weight_operand:
-                vals[i] = dequantize_packed(packed, site, invals).astype(_sim_dtype(eqn, invals, i))
+                vals[i] = nx.cast_finite(dequantize_packed(packed, site, invals), _sim_dtype(eqn, invals, i))
                 continue
             if not qp.is_float:
                 vals[i] = transformed(site, qp, i, vals[i])
@@ -410,7 +410,7 @@ class Simulate:
                 s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
                 vals[i] = nx.fake_quant(x, s, z, q.qtype)
             if vals[i] is not invals[i]:  # a transformed weight is float32
-                vals[i] = vals[i].astype(_sim_dtype(eqn, invals, i))
+                vals[i] = nx.cast_finite(vals[i], _sim_dtype(eqn, invals, i))
         if invals[0].dtype == invals[1].dtype and vals[0].dtype != vals[1].dtype:
             # one operand widened to the output's dtype (weight-only, preferred_element_type):
             # the other with it, exactly, as a conv takes operands of one dtype only
@@ -568,9 +568,12 @@ class Integer:
         ops_hi, ops_lo = list(ops), list(ops)
         ops_hi[wide] = dataclasses.replace(q16, values=hi, zero_point=None)
         ops_lo[wide] = dataclasses.replace(q16, values=lo, zero_point=jnp.float32(-128.0))
-        out_hi = integer(site, eqn, ops_hi, policy)[0].astype(_F32)
-        out_lo = integer(site, eqn, ops_lo, policy)[0].astype(_F32)
-        return [(256.0 * out_hi + out_lo).astype(eqn.outvars[0].aval.dtype)]
+        # both halves in float32, cast once: they cancel where the codes are small (-2 is
+        # 256 * -1 + 254), and each rounded to bfloat16 first lost the result
+        e32 = compat.with_output_dtype(eqn, _F32)
+        half = lambda o: _integer_typed(e32.outvars[0].aval, site, e32, o, policy)[0]
+        out = 256.0 * half(ops_hi) + half(ops_lo)
+        return [out.astype(eqn.outvars[0].aval.dtype)]
 
 
 def _integer_typed(out_aval, site, eqn, ops, policy):

@@ -192,7 +192,22 @@ def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):
     out = (q - zp) * scale.astype(_F32)
     if grid == "nf4":  # the table's comparisons pick a code for NaN; keep NaN, as the int grid does
         out = jnp.where(jnp.isnan(x), jnp.nan, out)
-    return out.astype(x.dtype)
+    return cast_finite(out, x.dtype)
+
+
+def cast_finite(x, dtype):
+    """``x`` (float32) as ``dtype``, clipped to its finite range where that is narrower
+    (float16): an asymmetric grid's far end, ``(qmax - zp) * scale``, can pass 65504,
+    where the integer path, in float32, never casts a grid value to the model's dtype.
+
+    >>> import jax.numpy as jnp
+    >>> cast_finite(jnp.array([-66566.0, 1.0]), jnp.float16).tolist()
+    [-65504.0, 1.0]
+    """
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).max < jnp.finfo(_F32).max:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)  # NaN stays NaN
+    return x.astype(dtype)
 
 
 def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype, grid="int"):

@@ -387,6 +387,7 @@ def save(path, qparams) -> None:
         raise TypeError("jqt.save: qparams hold traced values (jqt.save called inside jax.jit, "
                         "jax.grad or another transformation); return the qparams from the "
                         "transformed function and save them outside it.")
+    validate.check_qparams(qparams, "jqt.save")  # a file jqt.load would refuse is not written
     if os.fspath(path).endswith(".npz"):
         entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
         header = json.dumps({"format": FORMAT, "version": versioned(VERSION, qparams), "ops": entries,

@@ -17,7 +17,7 @@ is a dense ``x @ w``, w of shape (in, out), contracting over a multiple of 128
 * ``batches(split, batch, seq_len, n, seed)``: windows of the standard
   library's ``.py`` files, every 20th file held out; no download.
 * ``load_or_train(config, steps)``: AdamW, the parameters cached as ``.npz`` in
-  ``$JQT_CACHE`` (default ``~/.cache/jqt``), keyed by a hash of the config, the
+  ``$JQT_CACHE_DIR`` (default ``~/.cache/jqt``), keyed by a hash of the config, the
   training settings and the data.
 
 As a script: trains (or loads) the model and prints its size, training time,
@@ -211,6 +211,9 @@ def decode_step(params, cache, token, config=None):
 def generate(params, prompt, steps, config=None):
     """Greedy continuation of prompt (B, T): the next ``steps`` tokens (B, steps), int32.
     Pure in (params, prompt); jit it with ``static_argnames="steps"``."""
+    if steps < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"generate: steps={steps} and a prompt of {prompt.shape[1]} tokens; "
+                         "both must be at least 1.")
     logits, cache = prefill(params, prompt, prompt.shape[1] + steps, config)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -309,13 +312,13 @@ def train(config=DEFAULT, steps=DEFAULT_STEPS, *, batch=4, seq_len=256, lr=3e-3,
 
 
 def cache_path(config=DEFAULT, steps=DEFAULT_STEPS, **settings):
-    """``$JQT_CACHE`` (default ``~/.cache/jqt``) / decoder-<hash>.npz: the hash of the config,
+    """``$JQT_CACHE_DIR`` (default ``~/.cache/jqt``) / decoder-<hash>.npz: the hash of the config,
     the steps, ``train``'s settings (defaults filled in, log_every left out) and data_digest()."""
     bound = inspect.signature(train).bind(config, steps, **settings)
     bound.apply_defaults()
     recipe = {k: v for k, v in bound.arguments.items() if k not in ("config", "log_every")}
     key = json.dumps([RECIPE, dataclasses.asdict(config), recipe, data_digest()], sort_keys=True)
-    root = os.environ.get("JQT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jqt")
+    root = os.environ.get("JQT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jqt")
     return os.path.join(root, f"decoder-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
 
 
@@ -349,15 +352,30 @@ def load_or_train(config=DEFAULT, steps=DEFAULT_STEPS, **settings):
     return params, {**info, "path": path, "loaded": False}
 
 
+def positive(text):
+    """argparse type: an int of at least 1."""
+    n = int(text)  # argparse turns a ValueError into "invalid positive value: 'x'"
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text}")
+    return n
+
+
+def nonempty(text):
+    """argparse type: a string of at least one character."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected at least one character")
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny config (tests)")
-    parser.add_argument("--steps", type=int, help="training steps")
-    parser.add_argument("--prompt", default="def __init__(self")
-    parser.add_argument("--length", type=int, default=200, help="bytes to generate")
+    parser.add_argument("--steps", type=positive, help="training steps")
+    parser.add_argument("--prompt", type=nonempty, default="def __init__(self")
+    parser.add_argument("--length", type=positive, default=200, help="bytes to generate")
     args = parser.parse_args()
     config = TINY if args.tiny else DEFAULT
-    steps = args.steps or (TINY_STEPS if args.tiny else DEFAULT_STEPS)
+    steps = args.steps if args.steps is not None else (TINY_STEPS if args.tiny else DEFAULT_STEPS)
 
     params, info = load_or_train(config, steps)
     print(f"config {config}\nparameters {param_count(params):,}")

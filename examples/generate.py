@@ -151,8 +151,8 @@ def decoder_parser(doc):
     examples/tensor_parallel.py): its size and the agreement's prompts and tokens."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny decoder (tests)")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts for the agreement")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens per prompt for the agreement")
+    parser.add_argument("--prompts", type=D.positive, default=8, help="prompts for the agreement")
+    parser.add_argument("--tokens", type=D.positive, default=200, help="tokens per prompt for the agreement")
     return parser
 
 
@@ -167,8 +167,8 @@ def load_decoder(args):
 
 def main(argv=None):
     parser = decoder_parser(__doc__)
-    parser.add_argument("--length", type=int, default=200, help="tokens of the greedy sample")
-    parser.add_argument("--calibration", type=int, default=4, help="calibration batches of 4 prompts")
+    parser.add_argument("--length", type=D.positive, default=200, help="tokens of the greedy sample")
+    parser.add_argument("--calibration", type=D.positive, default=4, help="calibration batches of 4 prompts")
     args = parser.parse_args(argv)
     config, params = load_decoder(args)
 

@@ -119,6 +119,23 @@ def test_jitted_generate_is_greedy_decoding(params, tokens):
     assert decoder.to_text(decoder.to_tokens("def f(x):")[0]) == "def f(x):"
 
 
+def test_bad_lengths_are_refused_by_name(params, tokens):
+    """generate with 0 steps or an empty prompt, and the examples' flags below 1, are
+    refused with a line that names them (a scan of length -1 failed inside MLIR)."""
+    with pytest.raises(ValueError, match="steps=0 and a prompt of 8 tokens"):
+        decoder.generate(params, tokens[:, :8], 0, CONFIG)
+    with pytest.raises(ValueError, match="a prompt of 0 tokens"):
+        decoder.generate(params, tokens[:, :0], 4, CONFIG)
+    import argparse
+    for bad in ("0", "-5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+            decoder.positive(bad)
+    assert decoder.positive("3") == 3
+    import generate as G
+    with pytest.raises(SystemExit):
+        G.main(["--tiny", "--tokens", "0"])
+
+
 def test_data_split_and_batches():
     files = decoder.stdlib_files()
     assert len(files) > 100 and files == sorted(files) and not any("site-packages" in f for f in files)
@@ -132,7 +149,7 @@ def test_data_split_and_batches():
 
 
 def test_parameter_cache_round_trip(params, tmp_path, monkeypatch):
-    monkeypatch.setenv("JQT_CACHE", str(tmp_path))
+    monkeypatch.setenv("JQT_CACHE_DIR", str(tmp_path))
     calls = []
 
     def fake_train(config, steps, **settings):
@@ -149,20 +166,20 @@ def test_parameter_cache_round_trip(params, tmp_path, monkeypatch):
 
 
 def test_cache_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("JQT_CACHE", str(tmp_path))
+    monkeypatch.setenv("JQT_CACHE_DIR", str(tmp_path))
     assert decoder.cache_path().startswith(str(tmp_path) + os.sep)
     # another config, step count or setting is another file; train's defaults are filled in
     paths = {decoder.cache_path(CONFIG, 7, batch=4), decoder.cache_path(CONFIG, 8, batch=4),
              decoder.cache_path(CONFIG, 7, batch=8), decoder.cache_path(decoder.DEFAULT, 7, batch=4)}
     assert len(paths) == 4
     assert decoder.cache_path(CONFIG, 7) == decoder.cache_path(CONFIG, 7, seed=0, log_every=1)
-    monkeypatch.delenv("JQT_CACHE")
+    monkeypatch.delenv("JQT_CACHE_DIR")
     assert decoder.cache_path().startswith(os.path.join(os.path.expanduser("~"), ".cache", "jqt") + os.sep)
 
 
 @pytest.mark.slow
 def test_tiny_model_learns(tmp_path, monkeypatch):
-    monkeypatch.setenv("JQT_CACHE", str(tmp_path))
+    monkeypatch.setenv("JQT_CACHE_DIR", str(tmp_path))
     params, info = decoder.load_or_train(decoder.TINY, decoder.TINY_STEPS)
     assert info["heldout_loss"] < 2.3, info  # 2.02 measured; uniform bytes: 5.5 nats
     assert abs(decoder.heldout_loss(params) - info["heldout_loss"]) < 1e-3  # saved, loaded, same model

@@ -544,6 +544,16 @@ def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
     with pytest.warns(UserWarning, match=r"carry slot \d+ a buffer of the same shape and dtype"):
         qp = jqt.calibrate(mixed, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")]
+
+    def step(p, cache, tok, pos):  # the same as a step called from Python: it was silent
+        logits, (k, _) = _step(p, cache, tok, pos, _dus)
+        _, (_, v) = _step(p, cache, tok, pos, where_write)
+        return logits, (k, v)
+    with pytest.warns(UserWarning, match=r"f takes and returns .*among its arguments and results "
+                                         r"a buffer of the same shape and dtype \(float32\["):
+        qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p,
+                           [(_empty(), cal[0][0][:, 0], jnp.int32(0))], progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.calibrate(teacher, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)

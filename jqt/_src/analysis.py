@@ -286,6 +286,7 @@ class Analyzer:
             for info in out_infos:
                 self._use(info, "float")
             named = self._boundary(plan, out_infos)
+            self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
         return plan, out_infos
 
@@ -458,7 +459,24 @@ class Analyzer:
         kinds = {(carries[k].aval.shape, carries[k].aval.dtype) for k in caches}
         for k, v in enumerate(carries):
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
-                self.cache_lookalikes.append((stack or "<top>", k))
+                self.cache_lookalikes.append((f"a loop at '{stack or '<top>'}' carries", f"in carry slot {k}",
+                                              v.aval))
+
+    def _boundary_lookalikes(self, jaxpr, boundary):
+        """:meth:`_cache_lookalikes` for the caches ``f`` takes and returns (a decode step
+        called from a Python loop): an argument of a cache's shape and dtype that ``f``
+        reads, and an output of that type that is no cache."""
+        if not boundary:
+            return
+        ins = jaxpr.invars
+        args = {k for k, _ in boundary.values()}
+        kinds = {(ins[k].aval.shape, ins[k].aval.dtype) for k in args}
+        outs = {(v.aval.shape, v.aval.dtype) for j, v in enumerate(jaxpr.outvars) if j not in boundary}
+        for k, v in enumerate(ins):
+            kind = (v.aval.shape, v.aval.dtype)
+            if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads:
+                self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
+                                              "among its arguments and results", v.aval))
 
 
 def _unread_output(eqn, k, unread) -> bool:

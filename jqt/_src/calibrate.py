@@ -351,19 +351,21 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
-                         "that it writes whole vectors into, and f returns no argument so written: "
-                         "every buffer stays float. "
-                         "docs/generate.md lists the cache patterns jqt finds and those it does not "
-                         "(a cache masked with jnp.where along its last axis, a write of part of that axis, "
-                         "a cache a jax.shard_map splits along that axis).")
+                         "that a dynamic_update_slice or .at[...].set writes whole vectors into, and "
+                         "f returns no argument so written: every buffer stays float. A cache "
+                         "updated with jnp.where(mask, new, cache) is not written in either form: "
+                         "write it with one of them. docs/generate.md lists the cache patterns jqt "
+                         "finds and those it does not (a write of part of the last axis, a cache a "
+                         "jax.shard_map splits along that axis).")
     if wants_cache:
         for where, why in near_misses[:3]:
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
                              f"{why}. That buffer stays float (docs/generate.md).")
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
-        where, slot = lookalikes[0]
-        diagnostics.warn(f"jqt.calibrate: a loop at '{where}' carries key/value caches that jqt "
-                         f"quantizes, and in carry slot {slot} a buffer of the same shape and dtype "
+        who, where, aval = lookalikes[0]
+        diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {where} "
+                         f"a buffer of the same shape and dtype ({np.dtype(aval.dtype).name}"
+                         f"{list(aval.shape)}) "
                          "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
                          "new, cache) update?): that buffer stays float. Write it as the others "
                          "are written to quantize it too (docs/generate.md).")

@@ -467,6 +467,33 @@ def test_a_sequence_of_length_zero_runs_to_the_empty_output(recipe):
         assert out.shape == (2, 0, 4)
 
 
+def test_an_activation_of_no_rows_inside_f_is_calibrated_as_no_data():
+    """lax.associative_scan calls its combine function on slices of no rows: a static
+    calibrator (MinMax, Percentile), SmoothQuant's and AWQ's channel statistics took a
+    minimum over nothing (a raw NumPy error), and AWQ's mean over no rows was named a
+    weight holding NaN. Such an op records no data: alone, it stays float with a warning."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 0.2, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    scan = lambda p, x: lax.associative_scan(lambda a, b: jnp.tanh(a @ p["w"]) + b, x, axis=0)
+    assert any(e.invars[0].aval.shape[0] == 0 for e in jax.make_jaxpr(scan)(p, x).eqns
+               if e.primitive.name == "dot_general")
+    recipes = [jqt.recipes.w8a8(), jqt.recipes.w8a8(calibrator=jqt.calibrators.Percentile(99.9)),
+               jqt.recipes.w8a8_dynamic(smooth=0.5), jqt.recipes.w4(group_size=8, awq=True)]
+    for r in recipes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the empty op "never ran"
+            qp = jqt.calibrate(scan, r, p, [(x,)], progress=False)
+        assert sum(not q.is_float for q in qp.values()) >= 3
+        sim = jqt.quantize(scan, qp, simulate=True)(p, x)
+        np.testing.assert_allclose(jax.jit(jqt.quantize(scan, qp))(jqt.pack(qp, p), x), sim,
+                                   rtol=1e-5, atol=1e-5)
+    alone = lambda p, x: jnp.concatenate([x[:0] @ p["w"], x @ p["w"]])
+    with pytest.warns(UserWarning, match=r"op 'w' .*never ran.*an activation of no elements"):
+        qp = jqt.calibrate(alone, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert qp["w"].is_float and not qp["w#1"].is_float
+
+
 @pytest.mark.parametrize("read", ["split", "unstack", "device_put"])
 def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_path):
     """``jnp.split`` of a fused weight (the ``split`` primitive, not ``slice``), ``jnp.unstack``

@@ -534,8 +534,8 @@ def _decide(site, rule, st):
                          "symmetric=True)), as the presets with symmetric=False do.")
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
-             "while_loop that did not iterate?); it stays float. Add calibration data that "
-             "reaches it.")
+             "while_loop that did not iterate, an activation of no elements?); it stays float. "
+             "Add calibration data that reaches it.")
     if st is not None and st.weight is not None:
         _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():

@@ -154,7 +154,7 @@ class Calibrate:
         act, weight, cal = None, None, None
         if at is not None and not at.dynamic:
             cal = rule.calibrator
-            act = cal.observe(invals[1 - w].astype(_F32))
+            act = _observe(cal, invals[1 - w].astype(_F32))
         if self.observe_weights:
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
                                          *weight_range_args(site, rule, invals[w].shape))
@@ -177,6 +177,16 @@ class Calibrate:
     @staticmethod
     def reduce_iterations(stacked):
         return {k: stats.reduce_stacked(v) for k, v in stacked.items()}
+
+
+def _observe(cal, x):
+    """``cal.observe(x)``; for an activation with no elements (a slice of no rows, as
+    ``lax.associative_scan`` makes), the statistics of no data, ``cal.empty``, in the
+    shapes ``observe`` gives (a reduction over nothing has no value to give)."""
+    if x.size:
+        return cal.observe(x)
+    like = jax.eval_shape(cal.observe, jax.ShapeDtypeStruct(tuple(max(n, 1) for n in x.shape), x.dtype))
+    return cal.empty(like)
 
 
 def _expected_scale_shape(site, i, shape, qtype):

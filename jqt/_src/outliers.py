@@ -138,7 +138,9 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             w = weight_operand(site, params_t, argnums)
             depth = site.source.stack_depth if site.source is not None else 0
             chan = pooled_where_unseen(st.chan, depth)
-            if w is None:
+            if "count" in chan and not np.asarray(chan["count"]).any():
+                pass  # no rows ever (a slice of none): nothing to weigh the channels by
+            elif w is None:
                 no_leaf.append(site.key)
             elif rule.awq:
                 wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[depth:])

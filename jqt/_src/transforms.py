@@ -192,7 +192,8 @@ def channel_stats(x, w, site, names):
     free = tuple(d for d in range(x.ndim) if d not in xc)
     out = {}
     if "absmax" in names:
-        out["absmax"] = move_contract(jnp.max(jnp.abs(x), axis=free, keepdims=True), xc, wc, w.ndim)
+        out["absmax"] = move_contract(jnp.max(jnp.abs(x), axis=free, keepdims=True, initial=0.0),
+                                      xc, wc, w.ndim)  # (initial: no rows, as for an empty slice)
     if "abssum" in names:
         out["abssum"] = move_contract(jnp.sum(jnp.abs(x), axis=free, keepdims=True), xc, wc, w.ndim)
     if "count" in names:

@@ -63,6 +63,20 @@ def test_saturates_like_a_16_bit_accumulator_on_both_paths(dense16):
     np.testing.assert_allclose(y32[0], ref[0], rtol=1e-5, atol=1e-5)  # the row inside the range
 
 
+def test_gradients_pass_straight_through_the_saturation(dense16):
+    """guarantees.md: gradients pass straight through a saturated accumulator, as through
+    rounding: the weights', the activation's and the scales' gradients are those of the
+    int32 accumulator (they were scaled by bound / sum, 1/20 to 1/30 here)."""
+    f, p, x, qp = dense16
+    wide = {"w": dataclasses.replace(qp["w"], accumulator=32)}
+    grads = [jax.grad(lambda p, x, q: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x)),
+                      argnums=(0, 1, 2))(p, x, q) for q in (qp, wide)]
+    leaves = [jax.tree_util.tree_leaves(g) for g in grads]
+    assert len(leaves[0]) == len(leaves[1]) >= 3
+    for a, b in zip(*leaves):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 def test_a_wider_narrow_accumulator_saturates_less(dense16):
     f, p, x, _ = dense16
     qp = jqt.calibrate(f, jqt.recipes.w8a8(accumulator=20), p, [(x,)], progress=False)

@@ -212,6 +212,29 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
     assert jax.tree_util.tree_structure(half) == jax.tree_util.tree_structure(trainable[1])
     with pytest.raises(TypeError, match="qparams half"):
         jqt.qat.project((p, qp))
+    # float16 qparams: 1e-8 rounds to 0 there; a bad scale takes float16's smallest value
+    # (it became 0, which jqt.quantize refuses)
+    f16 = {k: dataclasses.replace(v, lhs=dataclasses.replace(v.lhs, scale=v.lhs.scale.astype(jnp.float16)))
+           if v.lhs is not None and v.lhs.scale is not None else v for k, v in bad.items()}
+    for s in (-1.0, np.nan, 0.0):
+        one = dict(f16, a=dataclasses.replace(f16["a"], lhs=dataclasses.replace(
+            f16["a"].lhs, scale=jnp.float16(s))))
+        fixed = jqt.qat.project(one)["a"].lhs.scale
+        assert fixed.dtype == jnp.float16 and float(fixed) == float(jnp.finfo(jnp.float16).smallest_subnormal)
+        jqt.quantize(net, jqt.qat.project(one))
+
+
+def test_labels_freeze_non_array_leaves(net_setup):
+    """A config string among the params (supported by calibrate, quantize and pack) is
+    frozen: labels read it as a dtype name ('tanh': a TypeError; 'float32': trained)."""
+    p, _, qp, _ = net_setup
+    for s in ("tanh", "float32"):
+        lp, _ = jqt.qat.labels({**p, "cfg": s}, qp)
+        assert lp["cfg"] == "freeze" and lp["a"] == "train"
+        trainable, frozen = jqt.qat.split({**p, "cfg": s}, qp)
+        assert trainable[0]["cfg"] is None and frozen[0]["cfg"] == s
+    lp, _ = jqt.qat.labels({**p, "n": 3, "t": 0.5}, qp)  # Python numbers: by their type
+    assert lp["n"] == "freeze" and lp["t"] == "train"
 
 
 @pytest.mark.slow  # large optimizer steps: CI

@@ -87,8 +87,10 @@ def saturate(out, sums, bits: int):
     factor is a constant for gradients (straight through, as rounding is)."""
     lo, hi = bounds(bits)
     safe = jnp.where(sums == 0, 1.0, sums)
-    factor = jnp.where(sums > hi, hi / safe, jnp.where(sums < lo, lo / safe, 1.0))
-    return (out.astype(_F32) * jax.lax.stop_gradient(factor)).astype(out.dtype)
+    factor = jax.lax.stop_gradient(jnp.where(sums > hi, hi / safe, jnp.where(sums < lo, lo / safe, 1.0)))
+    x = out.astype(_F32)
+    # x * factor, whose gradient is x's (the second term is exactly 0, its gradient 1 - factor)
+    return (x * factor + (x - jax.lax.stop_gradient(x)) * (1.0 - factor)).astype(out.dtype)
 
 
 def saturated(sums, bits: int):

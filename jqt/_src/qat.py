@@ -82,7 +82,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from . import compat
 from .qparams import OpQParams, PackedParams
 
 PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smoothing")
@@ -216,7 +218,11 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
     state_parts = parts(params, qparams)
 
     def label(part, leaf):
-        floating = jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+        # an array or a Python/NumPy number; a string (a config value) is not one, even where
+        # it names a dtype ("float32"), nor is any other object
+        dt = getattr(leaf, "dtype", None) if not isinstance(leaf, (bool, int, float, complex)) \
+            else jnp.result_type(leaf)
+        floating = dt is not None and jnp.issubdtype(dt, jnp.inexact)
         if part not in chosen or not floating:
             return _FREEZE
         return part if per_part else _TRAIN
@@ -280,6 +286,8 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     operand); zero points are clipped to their type's ``[qmin, qmax]`` (a zero
     point outside it cannot be stored as a code: the int8 padding value of a
     convolution would wrap); smoothing factors are clamped as scales are.
+    A scale of a dtype in which ``min_scale`` rounds to 0 (float16 qparams: 1e-8) is
+    clamped to the dtype's smallest positive value instead.
     Non-finite values (a diverged step) are repaired too: a NaN scale becomes
     ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
     (then clipped), and an infinite scale or smoothing factor the largest finite
@@ -321,9 +329,13 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     def positive(a, nan):
         a = jnp.asarray(a)
         dt = jnp.result_type(a)
-        a = jnp.where(jnp.isnan(a), jnp.asarray(nan, dt), a)
+        # a floor the dtype holds: 1e-8 rounds to 0 in float16 (smallest value 6e-8)
+        floor = min_scale
+        if not compat.is_tracer(min_scale) and not np.asarray(min_scale, dt):
+            floor = jnp.finfo(dt).smallest_subnormal
+        a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), jnp.asarray(floor, dt)), a)
         a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
-        return jnp.maximum(a, jnp.asarray(min_scale, dt))
+        return jnp.maximum(a, jnp.asarray(floor, dt))
 
     out = {}
     for k, p in qparams.items():

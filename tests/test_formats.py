@@ -292,6 +292,26 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     np.testing.assert_array_equal(qf(back, IDS), qf(packed, IDS))
 
 
+@pytest.mark.parametrize("name", ["w8_g16", "w8a8_g16", "fp8", "w4_asym"])
+def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
+    """w8 and w8a8 with group_size give the table the matmul's groups, so the tie holds (it
+    was stored twice); fp8 (int8 tables, fp8 matmuls) and w4(symmetric=False) (symmetric
+    tables) cannot tie, and pack says so, naming both ops and their types."""
+    recipe = {"w8_g16": jqt.recipes.w8(group_size=16), "w8a8_g16": jqt.recipes.w8a8(group_size=16),
+              "fp8": jqt.recipes.fp8(), "w4_asym": jqt.recipes.w4(group_size=16, symmetric=False)}[name]
+    qp = jqt.calibrate(tied, recipe, P, [(IDS,)], progress=False)
+    if name.startswith("w8"):
+        wq = lambda k: qp[k].operand(qp[k].weight_operand).qtype
+        assert wq("emb") == wq("emb#1") and wq("emb").group_size == 16
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert jqt.pack(qp, P).tied == (("emb", "emb#1"),)
+        return
+    with pytest.warns(UserWarning, match=r"lookup 'emb' and the matmul 'emb#1' read the same table "
+                                         r"'emb'.*the lookup's type is .*codes are stored twice"):
+        assert jqt.pack(qp, P).tied == ()
+
+
 def _row_lookups(p, i, j):
     """table[i] with a scalar i traces to a dynamic_slice (a decode step's token), a
     column of the transposed table too; the same rows by an array of ids trace to a gather."""

@@ -485,7 +485,7 @@ def _tied(qparams, weights):
         p = qparams[k]
         if p.op == "dot_general" and w.layout in ("nk", "kn") and w.values.ndim == 2:
             matmuls.setdefault((p.source.arg, p.source.leaf), []).append(k)
-    out = []
+    out, apart = [], []
     for k, w in weights.items():
         p = qparams[k]
         if p.op != "gather" or w.values.ndim != 2:
@@ -493,7 +493,21 @@ def _tied(qparams, weights):
         for m in matmuls.get((p.source.arg, p.source.leaf), ()):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
-            if o.qtype == w.qtype and table.shape == w.values.shape and bool(jnp.array_equal(table, w.values)):
+            if table.shape != w.values.shape:
+                continue
+            if o.qtype == w.qtype and bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break
+            apart.append((k, m, w.qtype, o.qtype))
+        else:
+            if apart and apart[-1][0] == k:
+                g, m, tg, tm = apart[-1]
+                why = (f"the lookup's type is {tg.describe()}, the matmul's {tm.describe()}"
+                       if tg != tm else "their codes differ (the matmul's weight is smoothed or "
+                       "rotated, or its scales were edited)")
+                diagnostics.warn(
+                    f"jqt.pack: the lookup '{g}' and the matmul '{m}' read the same table "
+                    f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "
+                    "To store them once, give both ops one weight type (a Rule for one of the two "
+                    "keys ahead of the preset's) without smoothing or rotation.")
     return tuple(out)

@@ -352,7 +352,7 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
          calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
          rotate: bool = False, kv_cache=False, accumulator: int = 32) -> Recipe:
     """int8 per-channel symmetric weights, int8 static per-tensor activations, int8
-    embedding tables (one scale per row).
+    embedding tables (one scale per row, or per group of ``group_size``, as the weights).
 
     Activations are asymmetric by default: the output of a GELU or ReLU is
     mostly non-negative, and a symmetric range would leave half the codes
@@ -372,7 +372,7 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(8, group_size),
                               activation=QuantType(bits=8, symmetric=act_symmetric),
-                              embedding=_embedding(embeddings, 8), smooth=smooth, rotate=rotate,
+                              embedding=_embedding(embeddings, 8, group_size), smooth=smooth, rotate=rotate,
                               accumulator=accumulator, **_cal(calibrator, weight_calibrator)),))
 
 
@@ -402,7 +402,7 @@ def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, 
        rotate: bool = False,
         kv_cache=False) -> Recipe:
     """Weight-only int8 (per-channel, or per group of ``group_size`` inputs), int8
-    embedding tables; activations stay float. ``awq=True`` searches AWQ's
+    embedding tables (grouped as the weights); activations stay float. ``awq=True`` searches AWQ's
     per-channel scales, ``rotate=True`` applies a Hadamard rotation.
 
     >>> import jqt
@@ -411,7 +411,7 @@ def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, 
     """
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(8, group_size), activation=None,
-                              embedding=_embedding(embeddings, 8), awq=awq, rotate=rotate,
+                              embedding=_embedding(embeddings, 8, group_size), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator)),))
 
 

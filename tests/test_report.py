@@ -405,6 +405,39 @@ def test_fallback_rejects_bad_arguments(digits):
         jqt.fallback(*args, max_drop=MAX_DROP, max_trials=0)
 
 
+def test_fallback_names_itself_and_skips_ops_to_gives_no_type():
+    """An act x act op that to= matches without an act_x_act type would have become float
+    while listed as kept at to='s precision: it is no candidate, with a warning. Misuse
+    names jqt.fallback (it said jqt.calibrate) and jqt.sensitivity (it said jqt); the
+    sensitivity table fits long keys."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"wq": jax.random.normal(k[0], (16, 16)) * 0.25, "wk": jax.random.normal(k[1], (16, 16)) * 0.25}
+    f = lambda p, x: jax.nn.softmax(4 * jnp.einsum("btd,bsd->bts", x @ p["wq"], x @ p["wk"]), -1)
+    x = jax.random.normal(k[2], (4, 6, 16))
+    err = lambda g: float(jnp.mean((g(p, x) - f(p, x)) ** 2))
+    r = jqt.recipes.w8a8_dynamic(act_x_act=True)
+    with pytest.warns(UserWarning, match=r"to= matches ops \['btd,bsd->bts/dot_general_0'\] but gives them no type"):
+        res = jqt.fallback(f, r, p, [(x,)], err, max_drop=0.0, higher_is_better=False,
+                           to=jqt.recipes.w8a16().rules[0], max_trials=4)
+    axa = "btd,bsd->bts/dot_general_0"
+    assert axa not in res.kept and not res.qparams[axa].is_float
+    assert all(res.qparams[k].lhs.qtype.bits == 16 for k in res.kept)
+    with pytest.raises(ValueError, match="to= gives none of the quantized ops a type"):
+        jqt.fallback(f, jqt.Recipe(rules=(jqt.Rule(act_x_act=r.rules[0].act_x_act),)), p, [(x,)],
+                     err, max_drop=0.0, higher_is_better=False, to=jqt.recipes.w8a16().rules[0])
+    with pytest.raises(TypeError, match="jqt.fallback: recipe is a Rule"):
+        jqt.fallback(f, r.rules[0], p, [(x,)], err, max_drop=0.0)
+    with pytest.raises(jqt.CalibrationDataError, match="jqt.fallback: batch 0 is an array"):
+        jqt.fallback(f, r, p, (x,), err, max_drop=0.0)
+    with pytest.raises(TypeError, match="jqt.sensitivity: qparams is a Recipe"):
+        jqt.sensitivity(f, r, err)
+    long = jqt.Sensitivity(rows=(jqt.SensitivityRow("params/encoder_layer_0/attention/query/kernel", 0.5, 0.9),
+                                 jqt.SensitivityRow("params/head/kernel", 0.6, 0.8)),
+                           float_metric=1.0, quantized_metric=0.5, higher_is_better=True)
+    cols = [line.index("0.") for line in str(long).splitlines()[2:]]
+    assert cols[0] == cols[1]
+
+
 def test_fallback_qparams_pack_with_a_shared_weight():
     """Two ops read the same weight leaf; fallback keeps one float and quantizes the other."""
     # Regression (fixed; was in jqt/_src/tuning.py lines 223 and 263): with to=None, fallback builds

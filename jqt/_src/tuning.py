@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import diagnostics
-from .calibrate import calibrate, check_batches
+from .calibrate import calibrate, check_batch, check_batches
 from .qparams import OpQParams
 from .handlers import QParamsMismatchError
 from .quantize import quantize
@@ -115,10 +115,11 @@ class Sensitivity:
         return (self.float_metric - v) if self.higher_is_better else (v - self.float_metric)
 
     def __str__(self):
+        w = max([32] + [len(r.key) for r in self.rows])  # the key column fits the longest key
         lines = [f"metric: float {self.float_metric:.4g}, all quantized {self.quantized_metric:.4g}",
-                 f"{'op':<32} {'quantized alone':>16} {'drop':>8} {'all but this':>13} {'drop':>8}"]
+                 f"{'op':<{w}} {'quantized alone':>16} {'drop':>8} {'all but this':>13} {'drop':>8}"]
         for r in self.rows:
-            lines.append(f"{r.key:<32} {r.alone:>16.4g} {self._drop(r.alone):>8.3g} "
+            lines.append(f"{r.key:<{w}} {r.alone:>16.4g} {self._drop(r.alone):>8.3g} "
                          f"{r.all_but:>13.4g} {self._drop(r.all_but):>8.3g}")
         return "\n".join(lines)
 
@@ -143,7 +144,7 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     >>> sorted(r.key for r in s.rows)
     ['a', 'b']
     """
-    check_qparams(qparams)
+    check_qparams(qparams, "jqt.sensitivity")
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     _check_metric(metric, "jqt.sensitivity")
@@ -179,7 +180,9 @@ class FallbackResult:
       kept: the op keys kept float (or given the fallback rule).
       met: whether the metric is within ``max_drop`` of float.
       float_metric, quantized_metric, metric: float, before the fallback, after.
-      trials: ``(kept keys, metric)`` for every trial run.
+      trials: ``(kept keys, metric)`` for every trial run; with ``rank="sensitivity"``
+        the ranking trials come first, as ``(("quantized alone: KEY",), metric)``: that
+        op quantized and every other float.
 
     >>> import jqt
     >>> r = jqt.FallbackResult(recipe=jqt.recipes.w8a8(), qparams={}, kept=("b",), met=True,
@@ -310,8 +313,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     _check_metric(metric, "jqt.fallback")
     argnums = normalize_argnums(weight_argnums)
     validate.weight_args(params, argnums, "jqt.fallback")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"jqt.fallback: recipe is a {type(recipe).__name__}; expected a "
+                        "jqt.Recipe such as jqt.recipes.w8a8() (a rule for the ops kept back "
+                        "goes to to=).")
     check_batches(batches, "jqt.fallback")
     batches = list(batches)
+    if batches:
+        check_batch(0, batches[0], None, "jqt.fallback")
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
@@ -326,8 +335,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     else:
         anywhere = tuple(dataclasses.replace(r, key=".*") for r in to_rules)
-        candidates = [k for k in candidates if any(r.matches(qp[k].op, k) for r in anywhere)]
-        if not candidates:
+        matched = [k for k in candidates if any(r.matches(qp[k].op, k) for r in anywhere)]
+        if not matched:
             raise ValueError(f"jqt.fallback: to= applies to none of the quantized ops (its ops={to.ops}; "
                              f"the ops: {sorted({qp[k].op for k in _quantized_keys(qp)})}). Give a rule for "
                              "those ops (a preset with symmetric=False has a rule for convolutions "
@@ -336,6 +345,21 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             warnings.simplefilter("ignore")  # calibrate warned already about unreached ops
             alt = calibrate(f, Recipe(rules=anywhere + recipe.rules), params, batches,
                             weight_argnums=weight_argnums, progress=progress)
+        # an op to= matches but gives no type (an act x act op without act_x_act=, a cache
+        # write without kv_cache=, a lookup without embedding=) would end up float, not at
+        # to='s precision: not a candidate
+        candidates = [k for k in matched if not alt[k].is_float]
+        untyped = [k for k in matched if alt[k].is_float]
+        if untyped:
+            diagnostics.warn(f"jqt.fallback: to= matches ops {untyped[:5]}"
+                             f"{' ...' if len(untyped) > 5 else ''} but gives them no type "
+                             f"({alt[untyped[0]].note}): they stay as the recipe quantizes them. "
+                             "Give to= the type they need (act_x_act=, kv_cache=, embedding=), or "
+                             "pass to=None to let fallback keep them float.")
+        if not candidates:
+            raise ValueError(f"jqt.fallback: to= gives none of the quantized ops a type (it "
+                             f"matches {untyped[:5]}, and gives them none: {alt[untyped[0]].note}); "
+                             "give it the type they need, or pass to=None to keep them float.")
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
     score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback")

@@ -101,6 +101,39 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
         warnings.simplefilter("error")  # each argument packed on its own, without a word
         packs = jqt.pack(qp2, pa, argnum=0), jqt.pack(qp2, pb, argnum=1)
     assert [list(k.weights) for k in packs] == [["a/w"], ["b/w"]]
+    # argnum is one int >= 0 (a tuple, a string, -1 warned that nothing was packed)
+    for bad in ((0, 1), "0", -1, True):
+        with pytest.raises(TypeError, match=r"jqt.pack: argnum=.*Pack each weight argument on its own"):
+            jqt.pack(qp2, pa, argnum=bad)
+
+
+def test_packed_params_in_place_of_float_params_or_qparams_are_named(setup, tmp_path):
+    """pack of PackedParams, summarize of them, a bfloat16 cast over 4-bit codes (said
+    to be a shape mismatch), load_packed(like=) of the NumPy float64 params that were
+    packed (refused as float32 in the file), nbytes of abstract PackedParams (8 bytes per
+    leaf), and pack under jax.jit with tied embeddings (a TracerBoolConversionError)."""
+    p, batches, qp = setup
+    packed = jqt.pack(qp, p)
+    with pytest.raises(TypeError, match="jqt.pack: params are already jqt.PackedParams"):
+        jqt.pack(qp, packed)
+    with pytest.raises(TypeError, match="jqt.summarize: expected the qparams dict"):
+        jqt.summarize(packed)
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), packed)
+    with pytest.raises(jqt.QParamsMismatchError, match="codes are bfloat16.*tree_map astype"):
+        jqt.quantize(f, qp)(cast, batches[0][0])
+    assert jax.eval_shape(lambda p: jqt.pack(qp, p), p).nbytes() == packed.nbytes() > 500
+    g = lambda p, x: x @ p["w"]
+    p64 = {"w": np.random.default_rng(0).standard_normal((8, 4)), "b": np.zeros(4)}
+    q64 = jqt.calibrate(lambda p, x: g(p, x) + p["b"], jqt.recipes.w8(), p64, [(jnp.ones((2, 8)),)],
+                        progress=False)
+    jqt.save_packed(tmp_path / "m.safetensors", jqt.pack(q64, p64))
+    jqt.load_packed(tmp_path / "m.safetensors", like=p64)
+    tied = lambda p, ids: p["emb"][ids] @ p["emb"].T
+    pe = {"emb": jax.random.normal(jax.random.key(1), (16, 8))}
+    qe = jqt.calibrate(tied, jqt.recipes.w8a8(), pe, [(jnp.arange(4),)], progress=False)
+    under_jit = jax.jit(lambda p: jqt.pack(qe, p))(pe)  # the codes stored apart
+    np.testing.assert_array_equal(jqt.quantize(tied, qe)(under_jit, jnp.arange(4)),
+                                  jqt.quantize(tied, qe)(jqt.pack(qe, pe), jnp.arange(4)))
 
 
 def test_a_function_without_ops_to_quantize_is_said(setup):

@@ -260,17 +260,17 @@ def lookup(ctx, site, invals):
                     "qparams were edited; re-calibrate.")
     if packed is not None:
         w = site.weight_operand
-        if values_shape(packed) != _packed_shape(site, invals, packed):
-            raise QParamsMismatchError(
-                f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
-                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
-        why = codes_problem(packed)
+        why = codes_problem(packed)  # first: cast nibbles read as other shapes
         if why:
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}': {why}. A cast over the whole "
                 "PackedParams (tree_map astype) changes them; leave the codes, sums and smoothing "
                 "vectors as jqt.pack made them (cast the float params and scales only), or re-run "
                 "jqt.pack.")
+        if values_shape(packed) != _packed_shape(site, invals, packed):
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
+                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             have, want = packed.qtype.contrast(q.qtype)

@@ -566,6 +566,7 @@ def _check_like(like, avals, paths, path):
             f"{len(avals)}. Pass a template of the params that were packed.")
     for i, (x, a) in enumerate(zip(flat, avals)):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+        dtype = jax.dtypes.canonicalize_dtype(dtype)  # as jqt.pack recorded it (float64: float32)
         if shape != tuple(a.shape) or jnp.dtype(dtype) != jnp.dtype(a.dtype):
             raise QParamsMismatchError(
                 f"jqt.load_packed: leaf #{i} ('{paths[i]}') is {shape} {jnp.dtype(dtype).name} in "

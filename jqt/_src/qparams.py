@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from typing import Any, Optional
 
 import jax
@@ -455,7 +456,10 @@ class PackedParams:
         """Bytes of every array held (int8 weights, sums and float leaves), an array that
         several ops share counted once."""
         held = {id(x): x for x in jax.tree_util.tree_leaves(self)}
-        return int(sum(np.asarray(x).nbytes for x in held.values()))
+        # from shapes and dtypes: no copy to the host, and shapes alone (jax.eval_shape) count
+        size = lambda x: math.prod(np.shape(x)) * np.dtype(x.dtype if hasattr(x, "dtype")
+                                                           else np.asarray(x).dtype).itemsize
+        return int(sum(size(x) for x in held.values()))
 
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""
@@ -472,6 +476,9 @@ def summarize(qparams: dict[str, Any]) -> str:
     >>> print(jqt.summarize(qp))  # doctest: +ELLIPSIS
     key  op           weight ...
     """
+    if not isinstance(qparams, dict):
+        raise TypeError(f"jqt.summarize: expected the qparams dict jqt.calibrate (or jqt.load) "
+                        f"returns, got a {type(qparams).__name__}.")
     rows = [("key", "op", "weight", "activation")]
     for k, p in qparams.items():
         if not isinstance(p, OpQParams):

@@ -352,6 +352,14 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     127
     """
     check_qparams(qparams, "jqt.pack")
+    if not isinstance(argnum, int) or isinstance(argnum, bool) or argnum < 0:
+        raise TypeError(f"jqt.pack: argnum={argnum!r}; expected the index (an int >= 0) of the "
+                        "one argument of f whose weights params holds, as in weight_argnums. Pack "
+                        "each weight argument on its own: jqt.pack(qp, enc, argnum=0), "
+                        "jqt.pack(qp, head, argnum=1).")
+    if isinstance(params, PackedParams):
+        raise TypeError("jqt.pack: params are already jqt.PackedParams (from jqt.pack or "
+                        "jqt.load_packed); pass the float params to pack, or use these as they are.")
     check_alive(params, "jqt.pack", "params")
     check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
@@ -493,8 +501,8 @@ def _tied(qparams, weights):
         for m in matmuls.get((p.source.arg, p.source.leaf), ()):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
-            if table.shape != w.values.shape:
-                continue
+            if table.shape != w.values.shape or compat.is_tracer(table) or compat.is_tracer(w.values):
+                continue  # (under jax.jit the codes cannot be compared: stored apart)
             if o.qtype == w.qtype and bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break

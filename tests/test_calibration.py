@@ -971,6 +971,46 @@ def test_propagate_recalibrates_later_ops_on_quantized_inputs():
         np.testing.assert_array_equal(prop[k].lhs.zero_point, z)
 
 
+def test_propagate_recalibrates_the_first_static_op_after_a_quantized_one():
+    """A weight-only op (or a quantized lookup) before the first static op: the first pass
+    saw it float, so the first static op is re-calibrated too (it kept the float range,
+    which the quantized input passes)."""
+    p = {"w1": _normal(0, (8, 16), 0.5), "w2": _normal(1, (16, 4), 0.4)}
+    g = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    recipe = jqt.Recipe(rules=(jqt.Rule(key="^w1$", weight=jqt.QuantType(bits=2), activation=None),)
+                        + W4A4.rules)
+    batches = [(_normal(10 + i, (16, 8)),) for i in range(2)]
+    plain = jqt.calibrate(g, recipe, p, batches, progress=False)
+    prop = jqt.calibrate(g, recipe, p, batches, progress=False, propagate=True)
+    sim = jax.jit(jqt.quantize(lambda q, x: jnp.tanh(x @ q["w1"]), {"w1": prop["w1"]}, simulate=True))
+    hs = [np.asarray(sim({"w1": p["w1"]}, x)) for (x,) in batches]
+    s, z = nx.params_from_range(min(h.min() for h in hs), max(h.max() for h in hs), W4A4.rules[0].activation)
+    np.testing.assert_allclose(prop["w2"].lhs.scale, s, rtol=1e-5)
+    assert float(prop["w2"].lhs.scale) != float(plain["w2"].lhs.scale)
+
+
+def test_weight_argnums_out_of_order_repeated_or_numpy():
+    """weight_argnums=(2, 0) with params (w2, w1) put the weights at the wrong positions
+    (op 'b' took its weight range from a batch argument); a repeated position failed inside
+    f; NumPy integers are positions too; string flags are refused."""
+    f = lambda a, x, b, y: jax.nn.relu(x @ a) @ b + y.sum()
+    w1, w2 = _normal(0, (8, 16), 0.3), _normal(1, (16, 4), 0.2)
+    batches = [(_normal(2, (4, 8)), _normal(3, (16, 4), 30.0))]
+    ref = jqt.calibrate(f, jqt.recipes.w8a8(), (w1, w2), batches, weight_argnums=(0, 2), progress=False)
+    for nums, params in (((2, 0), (w2, w1)), ((0, np.int64(2)), (w1, w2))):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), params, batches, weight_argnums=nums, progress=False)
+        _assert_tree_equal(qp, ref, str(nums))
+    with pytest.raises(ValueError, match=r"weight_argnums=\(0, 0\) names a position twice"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), (w1, w1), batches, weight_argnums=(0, 0), progress=False)
+    with pytest.raises(TypeError, match="jqt.calibrate: propagate='no'; expected True or False"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), (w1, w2), batches, weight_argnums=(0, 2), propagate="no")
+    with pytest.raises(TypeError, match="jqt.gptq: act_order='no'"):
+        jqt.gptq(f, ref, (w1, w2), batches, weight_argnums=(0, 2), act_order="no")
+    kw = lambda a, x, *, train: x @ a  # a keyword-only argument: bind it
+    with pytest.raises(TypeError, match=r"keyword-only argument\(s\) \['train'\].*functools.partial\(f, train=...\)"):
+        jqt.calibrate(kw, jqt.recipes.w8a8(), w1, batches[:1], progress=False)
+
+
 def test_propagate_needs_a_sequence_of_batches():
     p = {"w1": jnp.ones((4, 4)), "w2": jnp.ones((4, 4)), "w3": jnp.ones((4, 2))}
     gen = ((jnp.ones((2, 4)) * i,) for i in range(2))

@@ -33,7 +33,7 @@ class CalibrationDataError(ValueError):
 
 def full_args(argnums, params, batch):
     args = list(batch)
-    for n, p in zip(argnums, params):
+    for n, p in sorted(zip(argnums, params), key=lambda np_: np_[0]):  # (2, 0): 0 first
         args.insert(n, p)
     return args
 
@@ -274,6 +274,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     argnums = normalize_argnums(weight_argnums)
     params_t = validate.weight_args(params, argnums, "jqt.calibrate")
     jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
+    validate.flags("jqt.calibrate", progress=progress, propagate=propagate)
     check_batches(batches)
     sequence = hasattr(batches, "__len__") and hasattr(batches, "__getitem__")
     if propagate and not sequence:
@@ -301,10 +302,14 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
         return weightcheck.record(qparams, params_t, argnums)
     # Error propagation: op k's activation range is re-calibrated with every op
     # before it quantized (ops without a static activation range are final already).
-    order = [s.key for s in last["traced"].sites() if _static_act(qparams[s.key])]
+    keys = [s.key for s in last["traced"].sites()]
+    order = [k for k in keys if _static_act(qparams[k])]
     decided = {k: p for k, p in qparams.items() if k not in order}
     for j, key in enumerate(order):
-        if j > 0:
+        # the first pass saw every op float: re-run for the first static op too where a
+        # quantized op (weight-only, dynamic, a lookup) runs before it
+        before = keys[:keys.index(key)]
+        if j > 0 or any(not decided[k].is_float for k in before if k in decided):
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf, {key})
             with warnings.catch_warnings():  # the first finalize warned already

@@ -374,6 +374,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
+    validate.flags("jqt.gptq", progress=progress, act_order=act_order)
     check_batches(batches, "jqt.gptq")
     if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "

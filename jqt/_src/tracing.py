@@ -185,11 +185,19 @@ def signature(traced) -> tuple:
 
 
 def normalize_argnums(weight_argnums) -> tuple[int, ...]:
-    nums = (weight_argnums,) if isinstance(weight_argnums, int) else tuple(weight_argnums)
-    if not nums or not all(isinstance(n, int) and n >= 0 for n in nums):
+    is_int = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+    nums = (weight_argnums,) if is_int(weight_argnums) else weight_argnums
+    try:
+        nums = tuple(nums)
+    except TypeError:
+        nums = ()
+    if not nums or not all(is_int(n) and n >= 0 for n in nums):
         raise ValueError(f"weight_argnums={weight_argnums!r}: expected a non-negative int or a "
                          "tuple of them (the positions of the weight arguments of f).")
-    return nums
+    if len(set(nums)) != len(nums):
+        raise ValueError(f"weight_argnums={weight_argnums!r} names a position twice; give each "
+                         "weight argument's position once.")
+    return tuple(int(n) for n in nums)
 
 
 def _unbound(f, n):
@@ -206,6 +214,16 @@ def _unbound(f, n):
         else:
             return None
     return why
+
+
+def _keyword_only(f) -> list:
+    """The names of ``f``'s keyword-only arguments without a default (``[]`` where it
+    has no signature to read)."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
 
 
 def _arg_names(f, n):
@@ -260,12 +278,15 @@ class Tracer:
                 why = _unbound(self.f, len(args))
                 if why is None:
                     raise
+                kwonly = _keyword_only(self.f)
+                also = (f" f's keyword-only argument(s) {kwonly} are not passed by jqt: bind them "
+                        f"first, functools.partial(f, {kwonly[0]}=...).") if kwonly else ""
                 raise TypeError(
                     f"jqt: f was called with {len(args)} positional arguments, which its signature "
                     f"does not take ({why}): the weight argument(s) at weight_argnums="
                     f"{self.argnums}, then the batch's. calibrate, gptq and report take each batch "
                     "as a tuple of f's remaining arguments (batches = [(x,) for x in xs]; report: "
-                    "(x,)).") from e
+                    f"(x,)).{also}") from e
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
         infos = []

@@ -305,6 +305,22 @@ def check_float_params(params_t, fn: str):
                         f"{fn} runs the float model, so pass the float params they were packed from.")
 
 
+def flags(fn: str, **values):
+    """Raises ``TypeError`` for a flag that is not a bool (``progress`` may be ``None`` too):
+    ``"no"`` would be taken by its truth value.
+
+    >>> flags("jqt.calibrate", propagate="no")
+    Traceback (most recent call last):
+    ...
+    TypeError: jqt.calibrate: propagate='no'; expected True or False.
+    """
+    for name, v in values.items():
+        if (v is None and name == "progress") or isinstance(v, (bool, np.bool_)):
+            continue
+        also = " (or None: a bar where the output is a terminal)" if name == "progress" else ""
+        raise TypeError(f"{fn}: {name}={v!r}; expected True or False{also}.")
+
+
 def weight_args(params, argnums, fn: str) -> tuple:
     """``params`` as one pytree per weight argument (``argnums`` from
     ``normalize_argnums``), checked as :func:`check_float_params` checks them. With several

@@ -376,6 +376,24 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
                                atol=2e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
 
 
+def test_bfloat16_decode_with_the_weight_on_the_left():
+    """w @ x in a bfloat16 model under decode_in_input_dtype: XLA:CPU folded the
+    activation's transpose into the bfloat16 dot and failed at run time ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32")."""
+    bf = jnp.bfloat16
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": (jax.random.normal(k[0], (48, 64)) / 8).astype(bf), "u": (jax.random.normal(k[1], (32, 48)) / 8).astype(bf)}
+    f = lambda p, x: p["u"] @ jnp.tanh(p["w"] @ x)
+    x = jax.random.normal(k[2], (64, 32)).astype(bf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 32 does not divide 48: per channel
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, [(x,)], progress=False)
+    sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x), np.float32)
+    policy = dataclasses.replace(CPU_XLA, decode_in_input_dtype=True)
+    y = np.asarray(jax.jit(jqt.quantize(f, qp, policy=policy))(jqt.pack(qp, p, policy=policy), x), np.float32)
+    np.testing.assert_allclose(y, sim, atol=2e-2 * np.abs(sim).max())
+
+
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic()],
                          ids=["w8a8", "w8a8_dynamic"])
 def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):

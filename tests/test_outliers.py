@@ -507,6 +507,19 @@ def test_bad_options_are_clear_errors():
         jqt.gptq(f, qp, p, iter(batches), progress=False)
 
 
+def test_ops_that_cannot_take_a_transform_are_named_with_their_reason():
+    """The warning said 'convolutions, lookups, batched dots or ragged dots' for every op;
+    it names each op's own reason (here a weight batched by jax.vmap)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (3, 16, 16)) * 0.3, "w2": jax.random.normal(k[1], (3, 16, 8)) * 0.3}
+    mlp = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    f = lambda p, x: jax.vmap(mlp, in_axes=(0, None))(p, x)  # an ensemble of MLPs
+    x = jax.random.normal(k[2], (4, 16))
+    with pytest.warns(UserWarning, match=r"quantized without them: .*w2.* \(a dot with batch axes: a weight batched by jax.vmap"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    assert qp["w1"].smooth is not None and qp["w2"].smooth is None
+
+
 def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():
     p, batches = _data(k=64, n=64)
     g = lambda p, x: (x @ p["w"]) @ p["w"].T

@@ -646,6 +646,12 @@ def weight_only_2d(x2, w, policy, precision):
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)
+    if dt != _F32:
+        # XLA:CPU runs a 16-bit dot into float32 with its operands as laid out: a transpose
+        # of the activation folded into the dot (contracting its dim 0: a weight on the
+        # left, w @ x) ended in "Unsupported element type for DotThunk". The barrier keeps
+        # the (M, K) activation as written.
+        x2 = lax.optimization_barrier(x2)
     halves = nib and policy.nibble_halves
     dec = lambda c, sc, zc: _decode_k(c, w, sc, zc, kd, rows, nib, dt, halves)
     if reduces(m, policy):  # one product and sum over K, which XLA:GPU fuses with the decode

@@ -126,7 +126,10 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None:
             continue
         if not transforms.applies(site):
-            skipped.append(site.key)
+            what = {"conv_general_dilated": "a convolution", "gather": "a lookup",
+                    "ragged_dot": "a ragged dot"}.get(site.op, "a dot with batch axes: a weight "
+                                                     "batched by jax.vmap, experts stacked in an einsum")
+            skipped.append(f"{site.key} ({what})")
             continue
         rotate = bool(rule.rotate)
         if rotate and transforms.factors(_contract_size(site))[0] == 1:
@@ -153,9 +156,9 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         out[site.key] = OpQParams(lhs=None, rhs=None, op=site.op, weight_operand=site.weight_operand,
                                   source=site.source, smooth=smooth, rotate=rotate)
     if skipped:
-        diagnostics.warn(f"jqt.calibrate: ops {skipped[:5]}{' ...' if len(skipped) > 5 else ''} are "
-                         "convolutions, lookups, batched dots or ragged dots; smooth/awq/rotate apply to dense "
-                         "ops only, so these are quantized without them.")
+        diagnostics.warn(f"jqt.calibrate: smooth/awq/rotate apply to dense ops only (a dot_general "
+                         f"with a weight and no batch axes), so these are quantized without them: "
+                         f"{'; '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}.")
     if no_leaf:
         diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]}{' ...' if len(no_leaf) > 5 else ''} read "
                          "weights that are not a leaf of the weights reached by layout ops only "

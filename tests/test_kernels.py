@@ -376,6 +376,23 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
                                atol=2e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
 
 
+def test_bfloat16_activations_into_float32_weights_decode_in_float32():
+    """Mixed precision, bfloat16 x into a float32 weight (a float32 op): the grouped weight
+    was decoded to the activation's bfloat16 above float_matmul_rows under
+    decode_in_input_dtype (1.7e-3 from the simulated path, which keeps it float32)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((192, 64)) * 0.1, jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.asarray(rng.standard_normal((100, 192)), jnp.bfloat16)
+    policy = dataclasses.replace(CPU_XLA, decode_in_input_dtype=True)
+    for recipe in (jqt.recipes.w4(group_size=32), jqt.recipes.nf4(group_size=64)):
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x))
+        y = np.asarray(jax.jit(jqt.quantize(f, qp, policy=policy))(jqt.pack(qp, p, policy=policy), x))
+        assert y.dtype == np.float32
+        np.testing.assert_allclose(y, sim, atol=1e-5 * np.abs(sim).max())
+
+
 def test_bfloat16_decode_with_the_weight_on_the_left():
     """w @ x in a bfloat16 model under decode_in_input_dtype: XLA:CPU folded the
     activation's transpose into the bfloat16 dot and failed at run time ("Unsupported

@@ -197,6 +197,11 @@ def run(site, eqn, ops, policy):
         return intdot.dot_general([operand_tuple(to_operand(site, eqn, o)) for o in ops], params, eqn,
                            policy.pad_rows)
     x_op = ops[1 - w]
+    if not isinstance(x_op, QArray) and jnp.dtype(x_op.dtype).itemsize < jnp.dtype(out.dtype).itemsize \
+            and jnp.issubdtype(x_op.dtype, jnp.floating) and jnp.issubdtype(out.dtype, jnp.floating):
+        # 16-bit activations into a float32 op (float32 weights): the op computes in
+        # float32, so its weight decodes to float32, not to the activation's dtype
+        x_op = x_op.astype(out.dtype)
     w_shape, x_shape = eqn.invars[w].aval.shape, eqn.invars[1 - w].aval.shape
     want = policy.dense_layout(wq.qtype, x_op.qtype if isinstance(x_op, QArray) else None)
     if packed_2d and not isinstance(x_op, QArray) and not grouped and wq.qtype.kind == "int":

@@ -197,8 +197,8 @@ def run(site, eqn, ops, policy):
         return intdot.dot_general([operand_tuple(to_operand(site, eqn, o)) for o in ops], params, eqn,
                            policy.pad_rows)
     x_op = ops[1 - w]
-    if not isinstance(x_op, QArray) and jnp.dtype(x_op.dtype).itemsize < jnp.dtype(out.dtype).itemsize \
-            and jnp.issubdtype(x_op.dtype, jnp.floating) and jnp.issubdtype(out.dtype, jnp.floating):
+    if not isinstance(x_op, QArray) and jnp.dtype(x_op.dtype) in (jnp.bfloat16, jnp.float16) \
+            and jnp.dtype(out.dtype) == jnp.float32:
         # 16-bit activations into a float32 op (float32 weights): the op computes in
         # float32, so its weight decodes to float32, not to the activation's dtype
         x_op = x_op.astype(out.dtype)

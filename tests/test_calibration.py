@@ -1030,6 +1030,16 @@ def test_data_axis_must_be_an_axis_of_the_mesh():
     with pytest.raises(ValueError, match="data_axis"):
         jqt.calibrate(f, jqt.recipes.w8a8(), jnp.ones((4, 2)), [(jnp.ones((2, 4)),)], progress=False,
                       mesh=mesh, data_axis="batch")
+    with pytest.raises(ValueError, match="expected one axis name, a str"):  # listed the same names
+        jqt.calibrate(f, jqt.recipes.w8a8(), jnp.ones((4, 2)), [(jnp.ones((2, 4)),)], progress=False,
+                      mesh=mesh, data_axis=("data",))
+    # an error inside f under mesh= says what each device ran on (the shards' shapes)
+    g = lambda w, x, t: (x @ t) @ w
+    with pytest.raises(TypeError) as e:
+        jqt.calibrate(g, jqt.recipes.w8a8(), jnp.ones((4, 2)), [(jnp.ones((2, 4)), jnp.ones((3, 4)))],
+                      progress=False, mesh=mesh)
+    assert any("split along its leading axis over the 1 devices of mesh axis 'data', so f ran on "
+               "shapes [(2, 4), (3, 4)]" in n for n in getattr(e.value, "__notes__", []))
 
 
 @pytest.fixture(scope="module")

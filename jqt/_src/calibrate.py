@@ -166,8 +166,18 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                     out = stats_lib.combine_all(out, jax.tree_util.tree_map(lambda x, i=i: x[i], gathered))
                 return out
 
-            return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P(), P()),
-                                 out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
+            try:
+                return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P(), P()),
+                                     out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
+            except Exception as e:
+                shards = [(jnp.shape(x)[0] // n_dev,) + tuple(jnp.shape(x)[1:])
+                          for x in jax.tree_util.tree_leaves(batch)]
+                _note(e, f"jqt.calibrate(mesh=...): every batch argument is split along its "
+                         f"leading axis over the {n_dev} devices of mesh axis '{data_axis}', so f "
+                         f"ran on shapes {shards}; an argument every device needs whole (a "
+                         "matrix without a batch axis) cannot be split: bind it with "
+                         "functools.partial, or pass it as part of the weights.")
+                raise
 
     return jax.jit(step, static_argnums=2), last
 
@@ -268,9 +278,10 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                         "jqt.Recipe such as jqt.recipes.w8a8().")
     if mesh is not None:
         validate.check_mesh(mesh, "jqt.calibrate")
-    if mesh is not None and data_axis not in mesh.shape:
+    if mesh is not None and (not isinstance(data_axis, str) or data_axis not in mesh.shape):
+        one = "" if isinstance(data_axis, str) else "; expected one axis name, a str"
         raise ValueError(f"jqt.calibrate: data_axis={data_axis!r} is not an axis of the mesh "
-                         f"(axes {tuple(mesh.shape)}).")
+                         f"(axes {tuple(mesh.shape)}){one}.")
     argnums = normalize_argnums(weight_argnums)
     params_t = validate.weight_args(params, argnums, "jqt.calibrate")
     jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)

@@ -638,8 +638,7 @@ def _unseen_iterations(site, lo, hi):
 def _check_weight_finite(site, lo, hi):
     """Raises if the weight's observed range holds NaN or inf (a range never observed is
     ``[inf, -inf]``: an op that did not run, which warns instead)."""
-    seen = ~((lo == np.inf) & (hi == -np.inf))
-    if (seen & ~(np.isfinite(lo) & np.isfinite(hi))).any():
+    if _seen_not_finite(lo, hi).any():
         src = site.source
         name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
         raise ValueError(
@@ -648,6 +647,11 @@ def _check_weight_finite(site, lo, hi):
             "would not be finite. Fix the "
             f"weight, or keep the op float with a rule ahead of the others, "
             f"jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
+def _seen_not_finite(lo, hi):
+    """Where observed extremes hold NaN or inf; ``[inf, -inf]`` is nothing observed."""
+    return ~((lo == np.inf) & (hi == -np.inf)) & ~(np.isfinite(lo) & np.isfinite(hi))
 
 
 def _wide(site, i):
@@ -674,8 +678,7 @@ def _check_act_finite(site, act):
     if not (isinstance(act, dict) and "min" in act and "max" in act):
         return
     lo, hi = np.asarray(act["min"]), np.asarray(act["max"])
-    seen = ~((lo == np.inf) & (hi == -np.inf))
-    bad = seen & ~(np.isfinite(lo) & np.isfinite(hi))
+    bad = _seen_not_finite(lo, hi)
     if bad.any():
         what = ("NaN" if np.isnan(lo[bad]).any() or np.isnan(hi[bad]).any() else
                 f"extremes [{lo[bad].min()}, {hi[bad].max()}]")

@@ -493,11 +493,12 @@ def _tied(qparams, weights):
         p = qparams[k]
         if p.op == "dot_general" and w.layout in ("nk", "kn") and w.values.ndim == 2:
             matmuls.setdefault((p.source.arg, p.source.leaf), []).append(k)
-    out, apart = [], []
+    out = []
     for k, w in weights.items():
         p = qparams[k]
         if p.op != "gather" or w.values.ndim != 2:
             continue
+        apart = None  # a matmul reading the table with other codes: (its key, its type)
         for m in matmuls.get((p.source.arg, p.source.leaf), ()):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
@@ -506,15 +507,15 @@ def _tied(qparams, weights):
             if o.qtype == w.qtype and bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break
-            apart.append((k, m, w.qtype, o.qtype))
+            apart = (m, o.qtype)
         else:
-            if apart and apart[-1][0] == k:
-                g, m, tg, tm = apart[-1]
-                why = (f"the lookup's type is {tg.describe()}, the matmul's {tm.describe()}"
-                       if tg != tm else "their codes differ (the matmul's weight is smoothed or "
-                       "rotated, or its scales were edited)")
+            if apart is not None:
+                m, tm = apart
+                why = (f"the lookup's type is {w.qtype.describe()}, the matmul's {tm.describe()}"
+                       if w.qtype != tm else "their codes differ (the matmul's weight is smoothed "
+                       "or rotated, or its scales were edited)")
                 diagnostics.warn(
-                    f"jqt.pack: the lookup '{g}' and the matmul '{m}' read the same table "
+                    f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "
                     "To store them once, give both ops one weight type (a Rule for one of the two "
                     "keys ahead of the preset's) without smoothing or rotation.")

@@ -11,6 +11,7 @@ affine-region rewrite would emit) and times them against float, interleaved, med
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
@@ -152,4 +153,5 @@ def main(rounds=40):
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     main()

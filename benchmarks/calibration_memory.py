@@ -1,7 +1,7 @@
 """Calibration memory: process RSS over 1000 calibration batches stays flat.
 
     python benchmarks/calibration_memory.py            # MLP and CNN, and GPTQ on the MLP
-                                                       # (about 2 minutes on 2 cores)
+                                                       # (1-2 minutes on 2 cores)
     python benchmarks/calibration_memory.py --quick    # the MLP only
 
 ``jqt.calibrate`` keeps fixed-size statistics per op (a min/max pair, or a
@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # the jqt of this checkout
 sys.path.insert(0, HERE)
+
+import cli  # noqa: E402
 
 CHECKPOINTS = (10, 100, 250, 500)  # plus the number of batches
 BATCH = 64
@@ -182,7 +184,8 @@ def environment():
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the MLP only")
-    p.add_argument("--batches", type=int, default=1000, help="calibration batches (default 1000)")
+    p.add_argument("--batches", type=cli.at_least(max(CHECKPOINTS) + 1), default=1000,
+                   help=f"calibration batches (default 1000, more than {max(CHECKPOINTS)})")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "CALIBRATOR"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -202,8 +205,6 @@ def main(argv=None):
     from report import table
 
     n = args.batches
-    if n <= max(CHECKPOINTS):
-        raise SystemExit(f"--batches {n}: use more than {max(CHECKPOINTS)}")
     models = ("mlp",) if args.quick else ("mlp", "cnn")
     t_start = time.perf_counter()
     cmd = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])

@@ -8,6 +8,8 @@ and those whose ``x / scale`` lies past the grid's end yet get a gradient (withi
 step of it, where the codes round back onto the grid). Before 2026-11-27 the nf4 and fp8
 grids gave those none; the int grid always gave them one.
 """
+import argparse
+
 import paths  # noqa: F401  (this checkout's jqt)
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,8 @@ R = jqt.recipes
 N = 1024
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     rng = np.random.default_rng(0)
     w = {"w": jnp.asarray(rng.standard_normal((N, N)) / np.sqrt(N), jnp.float32)}
     x = jnp.asarray(rng.standard_normal((8, N)), jnp.float32)

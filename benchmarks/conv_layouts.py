@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cli
 import jqt
 import timing
 
@@ -64,8 +65,9 @@ def layer(spec, xs, ws, rounds):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--rounds", type=cli.positive_int, default=9,
+                    help="interleaved timing rounds per layer (default 9)")
+    ap.add_argument("--markdown", action="store_true", help="(accepted; the table is markdown either way)")
     a = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.default_backend()}; {a.rounds} interleaved rounds; "
           f"policy: conv_codes_as_float={jqt.KernelPolicy.for_backend('cpu').conv_codes_as_float}")

@@ -33,6 +33,7 @@ import time
 import paths  # noqa: F401  (this checkout's jqt)
 import jax
 
+import cli
 import jqt
 from formats import table
 
@@ -73,10 +74,12 @@ def variants(rows):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=120)
-    ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--markdown", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=cli.positive_float, default=120,
+                    help="how long to run windows of probe and timings (default 120)")
+    ap.add_argument("--rows", type=cli.positive_int, default=1,
+                    help="rows of the 4096 x 4096 matmuls timed (default 1)")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         exe = build_probe(d)

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import cli
 import decoder
 import jqt
 import timing
@@ -413,10 +414,12 @@ def main():
                     help="parts (decode, prefill, formulations, bandwidth, cache) and/or variant names, "
                          "comma-separated")
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--batches", default=",".join(map(str, FORMULATION_BATCHES)),
-                    help="decode batch sizes of the formulations part")
-    ap.add_argument("--rounds", type=int, help="timing rounds of every table (default: by --quick)")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
+    ap.add_argument("--batches", type=cli.int_list, default=FORMULATION_BATCHES,
+                    help="decode batch sizes of the formulations part, comma-separated "
+                         f"(default: {','.join(map(str, FORMULATION_BATCHES))})")
+    ap.add_argument("--rounds", type=cli.positive_int, default=None,
+                    help="timing rounds of every table (default: by --quick)")
     args = ap.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     all_parts = ("decode", "prefill", "formulations", "bandwidth", "cache")
@@ -428,14 +431,14 @@ def main():
     names = [by_key[s.replace(" ", "_")] for s in only if s not in all_parts] or [*VARIANTS, *KV_VARIANTS]
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores)\n")
-    rounds = lambda quick, full: args.rounds or (quick if args.quick else full)
+    rounds = lambda quick, full: (quick if args.quick else full) if args.rounds is None else args.rounds
     if "decode" in parts:
         decode(names, rounds(10, 30), args.markdown, results)
     if "prefill" in parts:
         prefill([n for n in names if n in VARIANTS], rounds(3, 5), args.markdown, results)
     if "formulations" in parts:
         formulations([n for n in names if n in VARIANTS], rounds(5, 15), args.markdown, results,
-                     tuple(int(b) for b in args.batches.split(",")))
+                     args.batches)
     if "bandwidth" in parts:
         bandwidth(rounds(10, 30), args.markdown, results)
     if "cache" in parts:

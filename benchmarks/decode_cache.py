@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import cli
 import decoder as D
 import generate as G
 import jqt
@@ -47,6 +48,12 @@ CACHE_VARIANTS = {
 """name -> a float dtype (the float model and cache in it) or a recipe factory (the model in
 the first entry's dtype, quantized). The first entry is the baseline."""
 
+N1, N2 = 4, 16
+"""The two loop lengths whose difference gives the per-step time."""
+MIN_CONTEXT = N2 + 1
+"""The shortest context ``report`` (``--context``) takes: the loop of ``N2`` steps starts
+``N2 + 1`` positions before the end of the cache."""
+
 
 def decode_loop(params, cache, token, *, steps, config):
     """``steps`` greedy decode steps from ``cache`` (a ``lax.scan`` carrying it); the last token."""
@@ -67,15 +74,21 @@ def _nbytes(tree):
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def cache_speed(config=CONFIG, context=2048, n1=4, n2=16, rounds=8, variants=None, *, start=None,
+def cache_speed(config=CONFIG, context=2048, n1=N1, n2=N2, rounds=8, variants=None, *, start=None,
                 policy=None, progress=None):
     """Rows (name, step seconds, step ratio to the first variant, cache bytes, cache ratio,
     weight bytes ratio, the carried cache's dtypes) and the decoder's parameter count. The loop starts at position
     ``start`` (default: ``n2 + 1`` before the end of the context); ``policy``: the kernel
     policy of the quantized variants; ``progress``: a callable given a line per variant."""
     variants = variants or CACHE_VARIANTS
+    start = context - n2 - 1 if start is None else start
+    if rounds < 1 or not 0 < n1 < n2:
+        raise ValueError(f"rounds={rounds}, n1={n1}, n2={n2}: need rounds >= 1 and 0 < n1 < n2")
+    if start < 0 or start + n2 > context:
+        raise ValueError(f"a loop of {n2} steps from position {start} does not fit a cache of {context} "
+                         f"positions (by default the loop starts {n2 + 1} before its end: context >= {n2 + 1})")
     params32 = D.init_params(config, jax.random.key(0))
-    cache32 = _cache(config, context, context - n2 - 1 if start is None else start)
+    cache32 = _cache(config, context, start)
     cast = lambda tree, dt: jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
     base_dtype = next(iter(variants.values()))
     params, cache = cast(params32, base_dtype), cast(cache32, base_dtype)
@@ -133,7 +146,7 @@ def report(context=2048, rounds=8, markdown=False, results=None):
     from formats import table
     rows, n = cache_speed(context=context, rounds=rounds)
     print(f"{jax.__version__} on {jax.default_backend()}: decode steps at context {context}, "
-          f"batch 1, {n / 1e6:.1f}M parameters ({CONFIG}); per-step time from loops of 16 and 4 "
+          f"batch 1, {n / 1e6:.1f}M parameters ({CONFIG}); per-step time from loops of {N2} and {N1} "
           f"steps, {rounds} interleaved rounds, medians\n")
     step = {r[0]: r[1] for r in rows}
     out = []
@@ -160,9 +173,12 @@ def report(context=2048, rounds=8, markdown=False, results=None):
 def main(argv=None):
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--context", type=cli.at_least(MIN_CONTEXT), default=2048,
+                        help=f"cache positions; the {N2}-step loop starts {N2 + 1} before the end "
+                             f"(default 2048, at least {MIN_CONTEXT})")
+    parser.add_argument("--rounds", type=cli.positive_int, default=8,
+                        help="interleaved timing rounds (default 8)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = parser.parse_args(argv)
     report(args.context, args.rounds, args.markdown)
 

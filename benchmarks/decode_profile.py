@@ -45,6 +45,7 @@ import tempfile
 import paths  # noqa: F401  (this checkout's jqt, examples/)
 import jax
 
+import cli
 import decode as D
 import decoder
 from formats import table
@@ -128,13 +129,14 @@ def profile(fn, args, steps, shapes, max_len):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="variants of decode.py, comma-separated (default: all)")
-    ap.add_argument("--steps", type=int, default=4, help="profiled steps per variant and round")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds, the variants interleaved in each")
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--only", default=None, type=cli.names(list(D.VARIANTS), key=lambda s: s.replace(" ", "_")),
+                    help="variants of decode.py, comma-separated, a space or _ in a name: "
+                         f"{', '.join(D.VARIANTS)} (default: all)")
+    ap.add_argument("--steps", type=cli.positive_int, default=4, help="profiled steps per variant and round")
+    ap.add_argument("--rounds", type=cli.positive_int, default=5, help="rounds, the variants interleaved in each")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     args = ap.parse_args()
-    by_key = {n.replace(" ", "_"): n for n in D.VARIANTS}
-    names = [by_key[s.strip().replace(" ", "_")] for s in args.only.split(",") if s.strip()] or list(D.VARIANTS)
+    names = args.only or list(D.VARIANTS)
     params = decoder.init_params(D.CONFIG, jax.random.key(0))
     step = functools.partial(decoder.decode_step, config=D.CONFIG)
     calib = D.decode_inputs(params, (1, 2))

@@ -28,6 +28,7 @@ import paths  # noqa: F401  (this checkout's jqt, examples/)
 import jax
 import numpy as np
 
+import cli
 import decoder
 import jqt
 from formats import table
@@ -74,16 +75,17 @@ def heldout(fn, params):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--only", help="comma-separated variant names")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--only", type=cli.names(list(VARIANTS)),
+                    help=f"comma-separated variant names: {', '.join(VARIANTS)} (default: all)")
     a = ap.parse_args()
     params, info = decoder.load_or_train()
     f = decoder.loss
     calib = [(t,) for t in decoder.batches("train", 8, 256, 8, seed=99)]
     base = heldout(jax.jit(f), params)
     results = {"float32": {"loss": base}}
-    names = a.only.split(",") if a.only else list(VARIANTS)
+    names = a.only or list(VARIANTS)
     for name in names:
         make, use_gptq = VARIANTS[name]
         print(f"[decoder] {name}", file=sys.stderr, flush=True)

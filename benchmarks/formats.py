@@ -90,6 +90,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import cli  # noqa: E402
 import jqt  # noqa: E402
 import timing  # noqa: E402
 
@@ -144,22 +145,12 @@ def variants(presets, ab):
 
 
 def parse_ab(text, names):
-    """``"field=value,..."`` -> ``({field: int or bool}, names)``, or None."""
+    """``"field=value,..."`` -> ``({field: int or bool}, names)``, or None. A bool field
+    takes 1, 0, true or false (any case), an int field an integer; anything else, or a
+    name that is no ``jqt.KernelPolicy`` field, raises ``ValueError`` (``cli.policy_fields``)."""
     if not text:
         return None
-    known = {f.name: f.type for f in dataclasses.fields(jqt.KernelPolicy)}
-    fields = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        if k not in known:
-            raise SystemExit(f"--ab: {k!r} is not a jqt.KernelPolicy field ({', '.join(known)})")
-        if known[k] in (bool, "bool"):
-            fields[k] = v.lower() in ("1", "true")
-        elif v.lstrip("-").isdigit():
-            fields[k] = int(v)
-        else:
-            raise SystemExit(f"--ab: {k}={v!r}: {k} takes an integer")
-    return fields, names
+    return cli.policy_fields(text), names
 
 
 def interleaved_medians(fns, args_of, rounds):
@@ -502,13 +493,19 @@ def groups(rounds, markdown, results):
     table(("rows",) + tuple(fns), compile_rows, markdown)
 
 
+PARTS = ("minilm", "dense", "experts", "ragged", "wide", "groups", "fp8rows", "vmap")
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="minilm,dense")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="minilm,dense", type=cli.names(PARTS),
+                    help=f"comma-separated parts: {', '.join(PARTS)} (default: minilm,dense; "
+                         "the others run only when named)")
+    ap.add_argument("--quick", action="store_true", help="fewer timing rounds (20 instead of 60)")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     ap.add_argument("--ab", default="", help="FIELD=VALUE,...: presets also under the "
-                    "default jqt.KernelPolicy with these fields replaced")
+                    "default jqt.KernelPolicy with these fields replaced (bool fields: 1, 0, "
+                    "true or false; int fields: an integer)")
     ap.add_argument("--ab-presets", default="", help="comma-separated presets for --ab "
                     "(default: all)")
     ap.add_argument("--absmax", action="store_true", help="the 4-bit MiniLM presets also "
@@ -518,9 +515,12 @@ def main():
     names = [n.strip() for n in args.ab_presets.split(",") if n.strip()] or list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"--ab-presets: no preset {', '.join(map(repr, unknown))}; "
-                         f"the presets are {', '.join(map(repr, known))}")
-    ab = parse_ab(args.ab, names)
+        ap.error(f"--ab-presets: no preset {', '.join(map(repr, unknown))}; "
+                 f"the presets are {', '.join(map(repr, known))}")
+    try:
+        ab = parse_ab(args.ab, names)
+    except ValueError as e:
+        ap.error(f"--ab: {e}")
     rounds = 20 if args.quick else 60
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import cli
 import jqt
 import timing
 from formats import table
@@ -289,7 +290,7 @@ def dense(sizes, markdown, results, check=True):
         rows.append((str(m), f"{base / per * 1e6:.1f}")
                     + tuple(f"{med[v]['median'] / per * 1e6:.1f} ({med[v]['median'] / base:.2f}x)"
                             for v in fns if v != "bfloat16"))
-        if m in (1, sizes.dense_rows[-1]):
+        if m in (sizes.dense_rows[0], sizes.dense_rows[-1]):
             for v, (fn, _) in fns.items():
                 kern[(v, m)] = kernels(fn, *args[v])
     print(f"dense {n} x {n}, {reps} chained layers a call: median microseconds per layer "
@@ -303,7 +304,7 @@ def dense(sizes, markdown, results, check=True):
     ref = np.asarray(jax.jit(chain)(ws32, x1.astype(F32)), np.float64)
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
                              / np.linalg.norm(np.asarray(b, np.float64)))
-    info = []
+    info, first, last = [], sizes.dense_rows[0], sizes.dense_rows[-1]
     for v, (fq, packed, qp) in q.items():
         err = rel(fq(packed, x1).astype(F32), ref)
         dif = None
@@ -315,13 +316,13 @@ def dense(sizes, markdown, results, check=True):
         ratio = nbytes(packed) / nbytes(w)
         results[f"dense{n} {v}"] = dict(rel_err=err, int_vs_sim=dif, bytes_ratio=ratio)
         info.append((v, f"{ratio:.3f}", f"{err:.4f}", "-" if dif is None else f"{dif:.1e}",
-                     kern.get((v, 1), ""), kern.get((v, sizes.dense_rows[-1]), "")))
-    info += [(v, "1.000" if v == "bfloat16" else "2.000", "-", "-", kern.get((v, 1), ""),
-              kern.get((v, sizes.dense_rows[-1]), "")) for v in ("bfloat16", "float32")]
+                     kern.get((v, first), ""), kern.get((v, last), "")))
+    info += [(v, "1.000" if v == "bfloat16" else "2.000", "-", "-", kern.get((v, first), ""),
+              kern.get((v, last), "")) for v in ("bfloat16", "float32")]
     print(f"dense {n}: bytes against bfloat16, the {reps}-layer chain's error against float32, "
           "one float32 layer's integer path against its simulation, and the matmul kernels XLA chose")
-    table(("variant", "bytes / bf16", "rel. error", "int vs sim", f"kernels, {sizes.dense_rows[0]} row",
-           f"kernels, {sizes.dense_rows[-1]} rows"), info, markdown)
+    table(("variant", "bytes / bf16", "rel. error", "int vs sim", f"kernels, {first} row{'s' * (first != 1)}",
+           f"kernels, {last} row{'s' * (last != 1)}"), info, markdown)
 
 
 # ----------------------------------------------------------------------------- minilm
@@ -453,8 +454,8 @@ def isolated(a):
     argv = [x for x in sys.argv[1:] if x != "--isolate"]
     drop = {"--only", "--rows", "--out"}
     base = [x for i, x in enumerate(argv) if x not in drop and (i == 0 or argv[i - 1] not in drop)]
-    rows = a.rows.split(",") if a.rows else [str(r) for r in (SMOKE if a.smoke else FULL).dense_rows]
-    jobs = [(p, ["--rows", r] if p == "dense" else []) for p in a.only.split(",")
+    rows = [str(r) for r in (a.rows or (SMOKE if a.smoke else FULL).dense_rows)]
+    jobs = [(p, ["--rows", r] if p == "dense" else []) for p in a.only
             for r in (rows if p == "dense" else [None])]
     results, failed = {}, []
     # Each process takes GPU memory as it needs it. By default JAX takes 75% at start: on the
@@ -511,16 +512,18 @@ def derive(name):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default=",".join(PARTS))
+    ap.add_argument("--only", default=",".join(PARTS), type=cli.names(list(PARTS)),
+                    help=f"comma-separated parts, run in this order: {', '.join(PARTS)} (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds")
-    ap.add_argument("--rounds", type=int)
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--rounds", type=cli.positive_int, default=None,
+                    help="interleaved timing rounds of every table (default: 40, 2 with --smoke)")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     ap.add_argument("--out", help="also write the results JSON here after each part")
     ap.add_argument("--policy", help="start every variant from this backend's kernel policy "
                     "(jqt.KernelPolicy.for_backend), e.g. gpu")
     ap.add_argument("--variants", help="comma-separated variant names (default: all)")
-    ap.add_argument("--rows", help="dense rows, comma-separated")
-    ap.add_argument("--batches", help="minilm batches, comma-separated")
+    ap.add_argument("--rows", type=cli.int_list, help="dense rows, comma-separated")
+    ap.add_argument("--batches", type=cli.int_list, help="minilm batches, comma-separated")
     ap.add_argument("--large", action="store_true", help="generate: the 0.7B decoder (LARGE)")
     ap.add_argument("--no-check", action="store_true", help="dense: timings and kernels only (no "
                     "error table, whose float simulations of grouped formats crashed XLA:GPU's "
@@ -532,12 +535,12 @@ def main():
     if a.isolate:
         return isolated(a)
     sizes = SMOKE if a.smoke else FULL
-    if a.rounds:
+    if a.rounds is not None:
         sizes = dataclasses.replace(sizes, rounds=a.rounds)
     if a.rows:
-        sizes = dataclasses.replace(sizes, dense_rows=tuple(int(r) for r in a.rows.split(",")))
+        sizes = dataclasses.replace(sizes, dense_rows=a.rows)
     if a.batches:
-        sizes = dataclasses.replace(sizes, minilm_batches=tuple(int(b) for b in a.batches.split(",")))
+        sizes = dataclasses.replace(sizes, minilm_batches=a.batches)
     if a.large:
         sizes = dataclasses.replace(sizes, large=True)
     if a.policy:
@@ -558,9 +561,7 @@ def main():
     print(f"{results['device']}, jax {jax.__version__}; kernel policy: "
           f"{BASE['policy'] or jqt.KernelPolicy.for_backend()}")
     failed = results["failed"]
-    for part in a.only.split(","):
-        if part not in PARTS:
-            raise SystemExit(f"--only: {part!r} is not one of {', '.join(PARTS)}")
+    for part in a.only:  # every name checked by the parser, before any part ran
         try:
             kw = dict(check=not a.no_check) if part == "dense" else {}
             PARTS[part](sizes, a.markdown, results, **kw)

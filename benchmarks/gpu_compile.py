@@ -29,9 +29,13 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
+import json
 import subprocess
 import sys
 
+import cli  # argument types; no jax in this (the parent) process
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 PRESETS = {
     "w4 g128": "R.w4(group_size=128)",
     "w4a8 g128": "R.w4a8(group_size=128)",
@@ -54,15 +58,26 @@ def default_cases():
     return cases + ["w4 g128/experts", "nf4 g64/experts"]
 
 
-def parse_fields(text):
-    """``"a=1,b=False"`` -> ``{"a": 1, "b": False}``."""
-    fields = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if value not in ("True", "False") and not value.lstrip("-").isdigit():
-            raise SystemExit(f"--policy: {item!r} is not field=integer or field=True/False")
-        fields[key.strip()] = value == "True" if value in ("True", "False") else int(value)
-    return fields
+def parse_fields(text, types=None):
+    """``"a=1,b=False"`` -> ``{"a": 1, "b": False}``, checked against ``jqt.KernelPolicy``'s
+    fields and their types (``cli.policy_fields``; ``types``: ``{field: type name}``, default
+    from jqt in this process); a bad item exits naming it."""
+    try:
+        return cli.policy_fields(text, types)
+    except ValueError as e:
+        raise SystemExit(f"--policy: {e}") from None
+
+
+def policy_types():
+    """``{field: type name}`` of ``jqt.KernelPolicy``, read in a child process on the CPU: importing
+    jqt starts JAX's backends, and this process leaves the accelerator to the children."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import cli; "
+            "print(json.dumps(cli.kernel_policy_types()))")
+    p = subprocess.run([sys.executable, "-c", code, HERE], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if p.returncode:
+        raise SystemExit(f"gpu_compile: could not read jqt.KernelPolicy's fields:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def child(case, rows, n, fields):
@@ -148,23 +163,30 @@ def run_case(case, rows, n, timeout, policy):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the case a child process runs
     ap.add_argument("--cases", help="comma-separated preset/path (default: all)")
-    ap.add_argument("--rows", help="comma-separated row counts")
-    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--rows", type=cli.int_list, help="comma-separated row counts")
+    ap.add_argument("--n", type=cli.positive_int, default=4096,
+                    help="the layer's size, n x n (default 4096; experts: 4 of n/4 x n/4)")
     ap.add_argument("--smoke", action="store_true", help="n = 256, rows 1 and 4")
-    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--jobs", type=cli.positive_int, default=8,
+                    help="child processes run at a time (default 8)")
     ap.add_argument("--policy", default="", help="KernelPolicy fields replacing the backend's, "
-                    "e.g. grouped_float=False,gemv_rows=0 (integers and True / False)")
-    ap.add_argument("--timeout", type=int, default=240, help="seconds a child may run")
+                    "e.g. grouped_float=False,gemv_rows=0 (int fields: integers; bool fields: "
+                    "1, 0, true or false)")
+    ap.add_argument("--timeout", type=cli.positive_int, default=240, help="seconds a child may run")
     a = ap.parse_args()
-    rows = tuple(int(r) for r in a.rows.split(",")) if a.rows else ROWS
+    rows = a.rows or ROWS
     if a.smoke:
         a.n, rows = 256, (1, 4)
     if a.child:
         return child(a.child, rows, a.n, parse_fields(a.policy))
-    parse_fields(a.policy)  # a bad --policy fails here, not in every child
+    if a.policy.strip():  # a bad --policy fails here, not in every child
+        try:
+            cli.policy_fields(a.policy, policy_types())
+        except ValueError as e:
+            ap.error(f"--policy: {e}")
     cases = a.cases.split(",") if a.cases else default_cases()
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
         futs = {c: pool.submit(run_case, c, rows, a.n, a.timeout, a.policy) for c in cases}

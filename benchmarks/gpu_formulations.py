@@ -40,6 +40,8 @@ import subprocess
 import sys
 import time
 
+import cli  # argument types; no jax in this (the parent) process
+
 N, G, L, PIPELINE = 4096, 128, 8, 4
 ROWS = (1, 2, 4, 16, 64, 256, 2048)
 
@@ -175,15 +177,16 @@ def child(name, rows, rounds, n, g):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated formulation names (default: all)")
-    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--timeout", type=int, default=150, help="seconds per formulation's process")
+    ap.add_argument("--rows", type=cli.int_list, default=ROWS,
+                    help=f"row counts, comma-separated (default: {','.join(map(str, ROWS))})")
+    ap.add_argument("--rounds", type=cli.positive_int, default=10, help="interleaved timing rounds (default 10)")
+    ap.add_argument("--timeout", type=cli.positive_int, default=150, help="seconds per formulation's process")
     ap.add_argument("--smoke", action="store_true", help="a 256 layer, groups of 32, 2 rounds")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     n, g = (256, 32) if a.smoke else (N, G)
     rounds = 2 if a.smoke else a.rounds
-    rows = tuple(int(r) for r in a.rows.split(","))
+    rows = a.rows
     if a.child:
         return child(a.child, rows, rounds, n, g)
     names = [v for v in formulations(n, g) if v != "bf16"]  # builds the weights once on the host
@@ -196,7 +199,7 @@ def main():
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     results, failed = [], []
     for v in names:
-        cmd = [sys.executable, __file__, "--child", v, "--rows", a.rows, "--rounds", str(rounds)]
+        cmd = [sys.executable, __file__, "--child", v, "--rows", ",".join(map(str, rows)), "--rounds", str(rounds)]
         cmd += ["--smoke"] if a.smoke else []
         t = time.perf_counter()
         try:

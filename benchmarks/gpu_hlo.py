@@ -8,6 +8,7 @@ kernel table with ``reduce_rows=0`` (on a GPU: decode, then a matmul) and with
 with ``reduce_rows=1``; and each one's time a call, dispatch included (a probe, not a
 benchmark: ``gpu.py`` times them). ``benchmarks/results/gpu-h100.md`` quotes what an H100 printed.
 """
+import argparse
 import dataclasses
 import re
 import time
@@ -23,7 +24,8 @@ R = jqt.recipes
 N = 4096
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     w = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((N, N)) / 64, jnp.bfloat16)}
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, N)), jnp.bfloat16)
     f = lambda p, x: x @ p["w"]

@@ -31,6 +31,7 @@ import paths  # noqa: F401  (this checkout's jqt, examples/)
 import jax
 import numpy as np
 
+import cli
 import jqt
 from formats import interleaved_medians, minilm_setup, table
 
@@ -58,16 +59,17 @@ VARIANTS = {  # name -> (recipe, run GPTQ, timed)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--only", help="comma-separated variant names")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer timing rounds (20 instead of 60)")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--only", type=cli.names(list(VARIANTS)),
+                    help=f"comma-separated variant names: {', '.join(VARIANTS)} (default: all)")
     a = ap.parse_args()
     from minilm import compare
 
     m, batches, evals, ids, mask, ref, length = minilm_setup()
     f = m.embed
-    names = a.only.split(",") if a.only else list(VARIANTS)
+    names = a.only or list(VARIANTS)
     results, rows = {}, []
     fns, packs = {"float32": jax.jit(f)}, {"float32": m.params}
     for name in names:

@@ -71,6 +71,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import cli  # noqa: E402
 import jqt  # noqa: E402
 from report import environment, table  # noqa: E402
 
@@ -306,10 +307,13 @@ W4 = dict(weight_qtype=jnp.int4, tile_size=GROUP)
 W8A8 = dict(weight_qtype=jnp.int8, act_qtype=jnp.int8)  # Qwix: dynamic per-token, absmax
 
 
+ALGORITHMS = ("RTN", "GPTQ", "AWQ", "SmoothQuant")  # Case.algo: what --only selects
+
+
 @dataclasses.dataclass
 class Case:
     section: str
-    algo: str
+    algo: str  # one of ALGORITHMS
     lib: str
     config: str
     run: Callable
@@ -475,17 +479,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     ap.add_argument("--quick", action="store_true", help="one timed call per row, no extra rows")
-    ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 3)")
-    ap.add_argument("--only", default=None, help="comma-separated algorithms: RTN,GPTQ,AWQ,SmoothQuant")
+    ap.add_argument("--repeats", type=cli.positive_int, default=None,
+                    help="timed calls per row after the first (default 3, 1 with --quick)")
+    ap.add_argument("--only", default=None, type=cli.names(ALGORITHMS, key=str.lower),
+                    help=f"comma-separated algorithms, any case: {','.join(ALGORITHMS)}")
     ap.add_argument("--save", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     cmd = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] +
                    (sys.argv[1:] if argv is None else list(argv)))
     t_start = time.perf_counter()
     print("[qwix_outliers] training the model", file=sys.stderr, flush=True)
     s = setup()
-    only = set(args.only.split(",")) if args.only else None
+    only = set(args.only) if args.only else None
     results = []
     for c in cases():
         if (args.quick and c.extra) or (only and c.algo not in only):

@@ -1,7 +1,7 @@
 """jqt benchmark suite: one command, ``python benchmarks/run.py``.
 
-    python benchmarks/run.py                 # full run (about 10 minutes on 2 cores)
-    python benchmarks/run.py --quick         # short run (under 3 minutes)
+    python benchmarks/run.py                 # full run (about 6 minutes on 2 cores)
+    python benchmarks/run.py --quick         # short run: fewer batch sizes and samples (a few minutes)
     python benchmarks/run.py --only dense,encoder --repeats 50 --markdown
 
 For every workload (see ``workloads.py``) and batch size it times, interleaved
@@ -27,6 +27,7 @@ sys.path.insert(0, HERE)
 
 import jax  # noqa: E402
 
+import cli  # noqa: E402
 import jqt  # noqa: E402
 import report  # noqa: E402
 import timing  # noqa: E402
@@ -47,13 +48,13 @@ def log(msg):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer batch sizes and samples (< 3 min)")
+    p.add_argument("--quick", action="store_true", help="fewer batch sizes and samples")
     p.add_argument("--only", default=None,
                    help="comma-separated groups or workload names: dense, mlp, cnn, encoder, "
                         "dense4096, cnn32, ... ('mlp' also selects the trace-time measurement)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timing rounds per (workload, batch); default: as many as fit in a "
-                        "time budget, at least 40 (20 with --quick)")
+    p.add_argument("--repeats", type=cli.positive_int, default=None,
+                   help="timing rounds per (workload, batch), after the same warm-up; default: "
+                        "as many as fit in a time budget, at least 40 (20 with --quick)")
     p.add_argument("--markdown", action="store_true", help="print markdown tables")
     p.add_argument("--no-qwix", action="store_true", help="skip the Qwix variants")
     return p.parse_args(argv)
@@ -95,8 +96,14 @@ def bench_workload(wl, cfg, args) -> list:
             else:
                 outs[v.name] = y
         calls = {n: functools.partial(v, x) for v in prep.variants if (n := v.name) in outs}
-        rounds = args.repeats or timing.choose_rounds(
-            calls.values(), cfg["budget_s"], cfg["min_rounds"], cfg["max_rounds"])
+        # choose_rounds compiles and warms every call up (3 calls each) before timing one
+        # round; with --repeats it still warms up, and the rounds are the ones asked for
+        if args.repeats is None:
+            rounds = timing.choose_rounds(
+                calls.values(), cfg["budget_s"], cfg["min_rounds"], cfg["max_rounds"])
+        else:
+            timing.choose_rounds(calls.values(), 0.0, 1, 1)
+            rounds = args.repeats
         stats = {n: timing.summary(s) for n, s in timing.interleaved(calls, rounds).items()}
         f32 = stats["float32"]["median"]
         for v in prep.variants:

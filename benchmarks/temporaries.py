@@ -15,6 +15,7 @@ hoists every decode ahead of the first matmul when nothing ties it to its input.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import resource
@@ -49,10 +50,13 @@ def rows(policies):
             print(f"| {name} | {pname} | {temp / 1e6:.1f} | {faults:.0f} |", flush=True)
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the last rows
+    args = ap.parse_args(argv)
     cpu = jqt.KernelPolicy.for_backend("cpu")
     free = dataclasses.replace(cpu, decode_after_input=False)
-    if "--child" in sys.argv:
+    if args.child:
         rows({f"decode_after_input=False, {FLAG}": free})
         return
     print(f"jax {jax.__version__} on {jax.default_backend()}; all-MiniLM-L6-v2, batch 8 (104 rows)")

@@ -199,17 +199,27 @@ def file_breakdown(path):
     return by
 
 
+def regex(text):
+    """An ``argparse`` type: ``text`` compiled, or refused with the regex's error."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {e}") from None
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="regex on config names")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--breakdown", default=None, help="regex: configs to break the file down for")
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--only", default="", type=regex, help="regex on config names (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the names of the configs --only selects and exit")
+    ap.add_argument("--breakdown", default=None, type=regex, help="regex: configs to break the file down for")
     args = ap.parse_args()
-    names = [n for n in configs() if re.search(args.only, n)]
+    names = [n for n in configs() if args.only.search(n)]
+    if not names:
+        ap.error(f"--only {args.only.pattern!r} matches no config name (--list shows them)")
     if args.list:
         print("\n".join(names))
         return
-    out, float_file, n, length = run(names, args.breakdown)
+    out, float_file, n, length = run(names, args.breakdown.pattern if args.breakdown else None)
     print(f"all-MiniLM-L6-v2: float32 file {float_file:,} B; {n} evaluation sentences of "
           f"{length} tokens; weight-only, round to nearest")
     print("| config | file / float | mean cos | min cos |")

@@ -312,13 +312,15 @@ def train(config=DEFAULT, steps=DEFAULT_STEPS, *, batch=4, seq_len=256, lr=3e-3,
 
 
 def cache_path(config=DEFAULT, steps=DEFAULT_STEPS, **settings):
-    """``$JQT_CACHE_DIR`` (default ``~/.cache/jqt``) / decoder-<hash>.npz: the hash of the config,
-    the steps, ``train``'s settings (defaults filled in, log_every left out) and data_digest()."""
+    """``$JQT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/jqt``, or ``~/.cache/jqt``: the folder of
+    jqt's native kernels) / decoder-<hash>.npz: the hash of the config, the steps,
+    ``train``'s settings (defaults filled in, log_every left out) and data_digest()."""
     bound = inspect.signature(train).bind(config, steps, **settings)
     bound.apply_defaults()
     recipe = {k: v for k, v in bound.arguments.items() if k not in ("config", "log_every")}
     key = json.dumps([RECIPE, dataclasses.asdict(config), recipe, data_digest()], sort_keys=True)
-    root = os.environ.get("JQT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jqt")
+    root = os.path.expanduser(os.environ.get("JQT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "jqt"))
     return os.path.join(root, f"decoder-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
 
 

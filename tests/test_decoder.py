@@ -174,7 +174,13 @@ def test_cache_path(tmp_path, monkeypatch):
     assert len(paths) == 4
     assert decoder.cache_path(CONFIG, 7) == decoder.cache_path(CONFIG, 7, seed=0, log_every=1)
     monkeypatch.delenv("JQT_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert decoder.cache_path().startswith(os.path.join(os.path.expanduser("~"), ".cache", "jqt") + os.sep)
+    # the native kernels' folder: $XDG_CACHE_HOME/jqt where it is set; "~" expanded
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert decoder.cache_path().startswith(str(tmp_path / "xdg" / "jqt") + os.sep)
+    monkeypatch.setenv("JQT_CACHE_DIR", "~/models")
+    assert decoder.cache_path().startswith(os.path.join(os.path.expanduser("~"), "models") + os.sep)
 
 
 @pytest.mark.slow

@@ -523,6 +523,37 @@ def test_a_compiler_that_cannot_run_is_named_and_leaves_no_file(tmp_path):
         assert os.listdir(tmp_path) == []
 
 
+
+@pytest.mark.slow  # subprocesses that build the kernel: CI
+def test_the_cached_library_is_rebuilt_when_damaged_and_readable_by_others(tmp_path):
+    """A cached library cut short (a copy or crash) killed every process with SIGBUS in
+    dlopen, and an empty one was never rebuilt; the library was written mode 0600-based
+    (0711), so other users of a shared cache could not load it; ``JQT_CACHE_DIR="~/..."``
+    made a folder named ``~`` in the working directory."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the build is only tried on x86-64")
+    code = "import jqt; print(jqt.native_status().reason)"
+    env = {**os.environ, "JQT_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE", None)
+    run = lambda e=env: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                                       text=True, timeout=600, cwd=tmp_path)
+    out = run()
+    assert out.returncode == 0 and "built with" in out.stdout, out.stderr[-2000:]
+    lib = next(tmp_path.glob("grouped_gemv-*.so"))
+    assert lib.stat().st_mode & 0o044 == 0o044, oct(lib.stat().st_mode)  # others may read it
+    data = lib.read_bytes()
+    for cut in (0, 1000, len(data) // 2):
+        lib.write_bytes(data[:cut])
+        out = run()
+        assert out.returncode == 0 and "built with" in out.stdout, (cut, out.returncode, out.stderr[-2000:])
+        assert lib.read_bytes() == data
+    home = tmp_path / "home"
+    home.mkdir()
+    out = run({**env, "HOME": str(home), "JQT_CACHE_DIR": "~/jqtcache"})
+    assert out.returncode == 0 and str(home / "jqtcache") in out.stdout, out.stdout + out.stderr[-2000:]
+    assert not (tmp_path / "~").exists()
+
+
 # ---- layers of stacked weights read in place (``layerview.py``, ``native_in_place``) -------------
 
 COPIED = dataclasses.replace(CPU, native_in_place=False)

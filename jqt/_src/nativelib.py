@@ -105,15 +105,54 @@ def _compiler():
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("JQT_CACHE_DIR"):
-        return Path(os.environ["JQT_CACHE_DIR"])
+    if os.environ.get("JQT_CACHE_DIR"):  # "~/..." from a Dockerfile ENV or os.environ: the home
+        return Path(os.environ["JQT_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jqt"
 
 
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _intact(lib: Path):
+    """Whether ``lib`` is the library :func:`_compile` wrote (its SHA-256 matches the one
+    written beside it): ``False`` where it is missing or differs (cut short by a copy or a
+    crash: ``dlopen`` of a truncated library kills the process with SIGBUS), ``None``
+    where it exists without a recorded digest (built by an earlier jqt)."""
+    if not lib.exists():
+        return False
+    try:
+        want = _digest_path(lib).read_text().strip()
+    except OSError:
+        return None
+    return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+
+
+def _write_atomic(path: Path, data: bytes, mode: int):
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _compile(cxx, flags, include, lib):
     """Compiles ``SOURCE`` into ``lib`` through a temporary file in its folder (removed
-    whatever happens), renamed into place: concurrent builders each write their own."""
+    whatever happens), renamed into place: concurrent builders each write their own. The
+    library gets the modes of a plain ``c++ -o`` under the umask (``mkstemp`` makes 0600
+    files, which other users could not load from a shared cache), and its SHA-256 beside it
+    (:func:`_intact`)."""
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
@@ -128,7 +167,10 @@ def _compile(cxx, flags, include, lib):
             tail = (run.stderr or run.stdout).strip().splitlines()[-5:] or [
                 f"it exited with status {run.returncode} and printed nothing (is $CXX a C++ compiler?)"]
             raise _BuildError(f"{' '.join(cxx)} failed to build {SOURCE}: " + " | ".join(tail))
+        os.chmod(tmp, 0o777 & ~_umask())
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)
+        _write_atomic(_digest_path(lib), digest.encode(), 0o666 & ~_umask())
     except (OSError, subprocess.SubprocessError) as e:  # the compiler could not run
         raise _BuildError(f"the C++ compiler {' '.join(cxx)!r} could not be run: {e} (set $CXX "
                           "to a C++ compiler, or JQT_NATIVE=0 to skip the build)") from e
@@ -165,12 +207,19 @@ def _build() -> NativeStatus:
                                      " ".join(cxx).encode(), " ".join(flags).encode(),
                                      include.encode()])).hexdigest()[:16]
     lib = _cache_dir() / f"grouped_gemv-{key}.so"
-    if not lib.exists():
-        _compile(cxx, flags, include, lib)
+    intact = _intact(lib)
+    if not intact:
+        try:
+            _compile(cxx, flags, include, lib)
+        except _BuildError:
+            if intact is not None:  # missing or damaged: nothing to load
+                raise
+            # an earlier jqt's library in a folder this process cannot write: loaded as it is
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
-        raise _BuildError(f"could not load {lib}: {e}") from e
+        raise _BuildError(f"could not load {lib}: {e} (delete it to have it built again, or "
+                          "set JQT_CACHE_DIR to a folder of your own)") from e
     isa = handle.jqt_native_isa()
     if isa < 2:
         return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")

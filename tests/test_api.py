@@ -1,4 +1,5 @@
 """Public API: recipes, qparams pytrees, pack, save/load, and the errors users hit."""
+import dataclasses
 import os
 
 import jax
@@ -134,8 +135,13 @@ def test_weights_changed_shape(setup):
     p, xs, qp = setup
     p2 = {"l1": {"w": jnp.ones((6, 8)), "b": jnp.zeros(8)},
           "l2": {"w": jnp.ones((3, 8)), "b": jnp.zeros(3)}}
-    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w'.*\(1, 16\).*needs \(1, 8\)"):
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w' of shape \(6, 16\), but this call "
+                       r"passes it with shape \(6, 8\): the weights changed shape"):
         jqt.quantize(mlp, qp)(p2, xs[0][0])
+    # qparams that do not record the shape (files written before it): the scale's shape tells
+    old = {k: dataclasses.replace(v, source=dataclasses.replace(v.source, shape=None)) for k, v in qp.items()}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w'.*\(1, 16\).*needs \(1, 8\)"):
+        jqt.quantize(mlp, old)(p2, xs[0][0])
 
 
 def test_keyword_arguments_rejected(setup):
@@ -241,3 +247,35 @@ def test_packed_weights_a_function_also_reads_as_floats():
     np.testing.assert_allclose(jqt.quantize(f, qp)(packed, x), jqt.quantize(f, qp)(p, x))
     qp_g = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     np.testing.assert_allclose(jqt.quantize(g, qp_g)(jqt.pack(qp_g, p), x), jqt.quantize(g, qp_g)(p, x))
+
+
+def test_importing_jqt_starts_no_jax_backend():
+    """A module-level ``jnp.asarray`` started JAX's backends at ``import jqt``, so settings
+    JAX takes only before its first computation failed when made after the imports:
+    ``jax.distributed.initialize()``, ``jax_num_cpu_devices``, ``jax_platforms``."""
+    import subprocess
+    import sys
+    code = ("import jax, jqt\njax.config.update('jax_num_cpu_devices', 3)\n"
+            "print(len(jax.devices('cpu')))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-800:]
+
+
+def test_a_quantized_function_follows_x64_and_names_a_donated_argument_when_warm():
+    """The trace was kept across ``jax_enable_x64`` changes (the output dtype followed the
+    first call's mode); after a warm call, an argument another jit had donated gave XLA's
+    "Invalid buffer passed to Execute() as argument 8", not jqt's message naming it."""
+    f = lambda p, x: (x @ p["w"]) * jnp.asarray(1.0, dtype=float)  # float64 under x64
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qf = jqt.quantize(f, qp)
+    with jax.enable_x64(True):
+        assert qf(p, x).dtype == jnp.float64
+    assert qf(p, x).dtype == f(p, x).dtype == jnp.float32
+    gone = x + 0
+    jax.jit(lambda a: a * 2, donate_argnums=0)(gone)
+    with pytest.raises(ValueError, match=r"\(quantized\): argument leaf \[1\] has been deleted"):
+        qf(p, gone)

@@ -11,6 +11,7 @@ errors (``range() arg 3 must not be zero``, ``'list' object has no attribute 'sh
 import dataclasses
 import functools
 import gc
+import re
 import warnings
 
 import jax
@@ -281,3 +282,88 @@ def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
             qc = jqt.calibrate(cf, recipe, img, [(k,)], progress=False)
         (p,) = qc.values()
         assert p.is_float and "act_x_act" not in p.note and "kernel, the rhs" in p.note
+
+
+def test_string_flags_are_refused_by_every_public_function():
+    """``simulate="no"`` ran the float simulation, ``clip="no"`` clipped outgrown weights
+    without a word, ``higher_is_better="no"`` read an error metric as a score ("budget
+    met", nothing kept), and ``per_part="no"`` labelled leaves by part: each flag is now
+    refused as jqt.calibrate's are."""
+    f = lambda p, x: x @ p["w"]
+    p, x = {"w": jnp.eye(4) * 0.5}, jnp.ones((2, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    metric = lambda g: float(jnp.abs(g(p, x) - f(p, x)).mean())
+    calls = [
+        ("jqt.quantize: simulate='no'", lambda: jqt.quantize(f, qp, simulate="no")),
+        ("jqt.pack: clip='no'", lambda: jqt.pack(qp, p, clip="no")),
+        ("jqt.sensitivity: simulate='yes'", lambda: jqt.sensitivity(f, qp, metric, simulate="yes")),
+        ("jqt.sensitivity: higher_is_better='no'",
+         lambda: jqt.sensitivity(f, qp, metric, higher_is_better="no")),
+        ("jqt.fallback: higher_is_better='no'",
+         lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=0.1,
+                              higher_is_better="no", progress=False)),
+        ("jqt.qat.labels: per_part='no'", lambda: jqt.qat.labels(p, qp, per_part="no")),
+        ("jqt.from_keras: training=1", lambda: jqt.from_keras(None, training=1)),
+    ]
+    for match, call in calls:
+        with pytest.raises(TypeError, match=re.escape(match) + "; expected True or False"):
+            call()
+    assert jqt.quantize(f, qp, simulate=np.bool_(True))(p, x).shape == (2, 4)  # NumPy bools are bools
+
+
+def test_a_weight_whose_contracted_axis_changed_size_is_refused(tmp_path):
+    """A weight grown along its contracted axis keeps its per-channel scale's shape (1, N):
+    the float-params path ran it with the old scales and ``jqt.pack`` packed it, without a
+    word. The leaf's shape is now part of the qparams (and of their files)."""
+    f = lambda p, x: jnp.tanh(x @ p["l0"]) @ p["l1"]
+    p = {"l0": jnp.full((8, 16), 0.1), "l1": jnp.full((16, 4), 0.1)}
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    p2, x2 = {"l0": jnp.full((32, 16), 0.1), "l1": p["l1"]}, jnp.ones((2, 32))
+    jqt.save(tmp_path / "q.jqt", qp)
+    jqt.save(tmp_path / "q.npz", qp)
+    for q in (qp, jqt.load(tmp_path / "q.jqt"), jqt.load(tmp_path / "q.npz")):
+        assert q["l0"].source.shape == (8, 16)
+        for simulate in (False, True):
+            with pytest.raises(jqt.QParamsMismatchError,
+                               match=r"qparams\['l0'\] were calibrated for weight 'l0' of shape \(8, 16\), "
+                                     r"but this call passes it with shape \(32, 16\)"):
+                jqt.quantize(f, q, simulate=simulate)(p2, x2)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'l0' was calibrated for "
+                           r"weight 'l0' of shape \(8, 16\), but params hold it with shape \(32, 16\)"):
+            jqt.pack(q, p2)
+        assert jqt.quantize(f, q)(jqt.pack(q, p), jnp.ones((2, 8))).shape == (2, 4)
+
+
+def test_pack_under_grad_and_save_packed_under_jit_name_the_misuse(tmp_path):
+    """``jqt.pack`` under ``jax.grad`` blamed a shape mismatch that was not there;
+    ``jqt.save_packed`` under ``jax.jit`` raised JAX's TracerArrayConversionError, where
+    ``jqt.save`` names the misuse."""
+    f = lambda p, x: x @ p["w"]
+    p, x = {"w": jnp.eye(8) * 0.5}, jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(TypeError, match="jqt.pack cannot be differentiated"):
+        jax.grad(lambda pr: jnp.sum(jqt.pack(qp, pr).weights["w"].scale))(p)
+    path = tmp_path / "p.safetensors"
+    packed = jqt.pack(qp, p)
+    for what, call in (("the packed params", lambda pk, q: jqt.save_packed(path, pk, qp)),
+                       ("qparams", lambda pk, q: jqt.save_packed(path, packed, q))):
+        with pytest.raises(TypeError, match=f"jqt.save_packed: {what} hold traced values"):
+            jax.jit(call)(packed, qp)
+    assert not path.exists()
+
+
+def test_per_tensor_weights_of_stacked_layers_calibrate_and_pack():
+    """A per-tensor weight type on layers stacked under a lax.scan (scale ``(L,)``) failed
+    in jqt.calibrate's weight check and in jqt.pack with "Incompatible shapes for
+    broadcasting" (w4a8(per_channel=False) too)."""
+    def f(p, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"])[0]
+    p = {"layers": jax.random.normal(jax.random.key(0), (2, 16, 16)) * 0.3}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    for recipe in (jqt.recipes.w4a8(per_channel=False),
+                   jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=None),))):
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        assert qp["layers"].rhs.scale.shape == (2,)
+        sim = jqt.quantize(f, qp, simulate=True)(p, x)
+        for params in (p, jqt.pack(qp, p)):
+            np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(params, x), sim, atol=1e-5)

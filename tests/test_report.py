@@ -766,3 +766,26 @@ def test_report_rejects_qparams_with_extra_keys(chain_setup):
         jqt.quantize(chain, qp)(p[:2], x)
     with pytest.raises(jqt.QParamsMismatchError):
         jqt.report(chain, qp, p[:2], (x,))
+
+
+def test_fallback_in_two_threads_leaves_the_warnings_machinery_as_it_was():
+    """jqt.fallback wrapped calibrations in warnings.catch_warnings, which swaps process-wide
+    state: two calls in two threads whose windows overlapped restored each other's hooks,
+    and every later warning of the process went into a dead list. jqt's warnings are now
+    captured per thread (diagnostics.captured)."""
+    from concurrent.futures import ThreadPoolExecutor
+    f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    p = {"a": jax.random.normal(jax.random.key(0), (8, 16)) * 0.4,
+         "b": jax.random.normal(jax.random.key(1), (16, 4)) * 0.4}
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+    metric = lambda g: float(jnp.abs(g(p, x) - f(p, x)).mean())
+    hook, show, filters = warnings._showwarnmsg_impl, warnings.showwarning, list(warnings.filters)
+    run = lambda _: jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1e-6,
+                                 higher_is_better=False, max_trials=3, progress=False)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(4)))
+    assert warnings._showwarnmsg_impl is hook and warnings.showwarning is show
+    assert list(warnings.filters) == filters
+    assert len({r.kept for r in results}) == 1  # the same answer in every thread
+    with pytest.warns(UserWarning, match="no op that jqt quantizes"):
+        jqt.calibrate(lambda p, x: x * p["a"].sum(), jqt.recipes.w8a8(), p, [(x,)], progress=False)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import diagnostics, numerics as nx
+from . import compat, diagnostics, numerics as nx
 from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
@@ -310,7 +309,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
     qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
     if not propagate:
-        return weightcheck.record(qparams, params_t, argnums)
+        return weightcheck.record(tie_tables(qparams), params_t, argnums)
     # Error propagation: op k's activation range is re-calibrated with every op
     # before it quantized (ops without a static activation range are final already).
     keys = [s.key for s in last["traced"].sites()]
@@ -323,12 +322,11 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
         if j > 0 or any(not decided[k].is_float for k in before if k in decided):
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf, {key})
-            with warnings.catch_warnings():  # the first finalize warned already
-                warnings.simplefilter("ignore")
+            with diagnostics.captured():  # the first finalize warned already
                 qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
                                                tf)[key]
         decided[key] = qparams[key]
-    return weightcheck.record(qparams, params_t, argnums)
+    return weightcheck.record(tie_tables(qparams), params_t, argnums)
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
@@ -368,11 +366,15 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
                          "that a dynamic_update_slice or .at[...].set writes whole vectors into, and "
-                         "f returns no argument so written: every buffer stays float. A cache "
+                         "f returns no argument so written (weight arguments aside): every buffer stays float. A cache "
                          "updated with jnp.where(mask, new, cache) is not written in either form: "
                          "write it with one of them. docs/generate.md lists the cache patterns jqt "
-                         "finds and those it does not (a write of part of the last axis, a cache a "
-                         "jax.shard_map splits along that axis).")
+                         "finds and those it does not: a write of part of the last axis; a cache a "
+                         "jax.shard_map splits along that axis; a cache held in the weights argument "
+                         "(weight_argnums: flax variables passed whole, an Equinox module's fields), "
+                         "which is a weight to jqt: pass it as an argument of its own; a cache sliced "
+                         "per layer or into keys and values and rebuilt with jnp.stack: write into "
+                         "the stacked buffer with an index.")
     if wants_cache:
         for where, why in near_misses[:3]:
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
@@ -399,7 +401,59 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             else:
                 why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                        "(jqt.summarize lists the keys)")
+                if re.search(r"\\?\[\d+\\?\]", r.key) and any(s.stack_ids for s in sites):
+                    why += ("; jqt.report names one layer of a lax.scan over stacked weights "
+                            "'key[n]', but the layers share one op key and one rule: match the key "
+                            "itself for every layer, or keep that layer out of the scan")
             diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.")
+
+
+def tie_tables(qparams):
+    """``qparams`` where a table that an embedding lookup and a matmul both read with one
+    type (tied input and output embeddings, the matmul reading it as it is or transposed)
+    has one set of weight scales: the matmul takes the lookup's where the two differ in at
+    most 1% of their entries. ``WeightMSE`` sums each group's squared error in its
+    operand's layout, ``(V, D)`` for the lookup and ``(D, V)`` for ``table.T``; float32 sums
+    in another order can settle a near-tie between two clip factors the other way, and
+    ``jqt.pack`` then stored the table's codes twice (one group in 262,144 of a
+    131072 x 256 table under ``w4``). Scales that differ more (other calibrators, smoothing)
+    are left as they are.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> f = lambda p, ids: p["emb"][ids] @ p["emb"].T
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8(), {"emb": jnp.eye(4)}, [(jnp.arange(2),)], progress=False)
+    >>> bool((qp["emb"].lhs.scale == qp["emb#1"].rhs.scale.T).all())
+    True
+    """
+    lookups = {}
+    for k, p in qparams.items():
+        if p.op == "gather" and p.source is not None and not p.source.chain \
+                and p.weight_operand is not None and p.operand(p.weight_operand) is not None:
+            lookups.setdefault((p.source.arg, p.source.leaf), k)
+    out = dict(qparams)
+    for k, p in qparams.items():
+        g = None if p.op != "dot_general" or p.source is None else lookups.get((p.source.arg, p.source.leaf))
+        chain = () if g is None else p.source.chain
+        if g is None or p.smooth is not None or p.rotate or len(chain) > 1 \
+                or (chain and chain[0][0] != "transpose"):
+            continue
+        a, b = qparams[g].operand(qparams[g].weight_operand), p.operand(p.weight_operand)
+        if b is None or a.qtype != b.qtype or (a.zero_point is None) != (b.zero_point is None) \
+                or any(compat.is_tracer(x) for x in (a.scale, b.scale)):
+            continue
+        fit = lambda x: np.transpose(np.asarray(x), chain[0][1]) if chain else np.asarray(x)
+        scale = fit(a.scale)
+        if scale.shape != np.shape(b.scale):
+            continue
+        differ = np.mean(scale != np.asarray(b.scale))
+        if a.zero_point is not None:
+            differ = max(differ, np.mean(fit(a.zero_point) != np.asarray(b.zero_point)))
+        if 0 < differ <= 0.01:
+            zp = None if a.zero_point is None else jnp.asarray(fit(a.zero_point), jnp.asarray(b.zero_point).dtype)
+            side = "lhs" if p.weight_operand == 0 else "rhs"
+            out[k] = dataclasses.replace(p, **{side: dataclasses.replace(
+                b, scale=jnp.asarray(scale, jnp.asarray(b.scale).dtype), zero_point=zp)})
+    return out
 
 
 def with_transforms(qparams, transforms):

@@ -485,8 +485,8 @@ class Entropy(_Histogram):
                 f"Entropy(bins={self.bins}) for {qtype.describe()} activations: a threshold "
                 f"needs more bins of |x| below it than the type's {levels} levels, and the data "
                 f"may fill as few as {self.bins // 4} of these {self.bins} bins, where the search "
-                f"would keep the whole range, as MinMax does; give bins >= {8 * levels} (or "
-                "another calibrator).")
+                f"would keep the whole range, as MinMax does; give bins > {4 * levels} "
+                f"({8 * levels} or more clips finer), or another calibrator.")
 
     def _choose(self, hist, radius, lo, hi, qtype):
         self.check(qtype)

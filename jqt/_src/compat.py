@@ -333,6 +333,17 @@ def is_dropvar(v) -> bool:
     return isinstance(v, DropVar)
 
 
+_TRACE_SETTINGS = ("jax_enable_x64", "jax_numpy_rank_promotion", "jax_numpy_dtype_promotion",
+                   "jax_default_matmul_precision")
+
+
+def trace_settings() -> tuple:
+    """The JAX settings a trace depends on (the dtype of ``jnp.asarray(1.0)``, promotion
+    checks, matmul precision), as ``jax.jit`` keys its own cache on them: a jaxpr traced
+    under others is not reused."""
+    return tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
+
+
 def is_tracer(x) -> bool:
     """Whether ``x`` is a tracer (its values unknown: under ``jax.jit``, ``jax.grad``...)."""
     import jax

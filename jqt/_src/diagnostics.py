@@ -8,8 +8,10 @@ its interpreter), where the innermost frame outside jqt is JAX's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import warnings
 
 import jax
@@ -28,8 +30,33 @@ def caller_level() -> int:
     return level
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def captured():
+    """jqt's warnings (:func:`warn`) in this thread, collected into the list it yields as
+    ``(message, category)`` pairs instead of shown. Thread-local: ``warnings.catch_warnings``
+    swaps process-wide state, and two threads' windows that overlapped (two
+    ``jqt.fallback`` calls) left every later warning of the process in a dead list.
+
+    >>> with captured() as got:
+    ...     warn("jqt: kept")
+    >>> got
+    [('jqt: kept', <class 'UserWarning'>)]
+    """
+    stack = _local.__dict__.setdefault("stack", [])
+    got = []
+    stack.append(got)
+    try:
+        yield got
+    finally:
+        stack.pop()
+
+
 def warn(message: str, category: type = UserWarning) -> None:
-    """``warnings.warn(message, category)`` at the first frame outside jqt.
+    """``warnings.warn(message, category)`` at the first frame outside jqt; inside
+    :func:`captured`, recorded instead.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as w:
@@ -38,4 +65,8 @@ def warn(message: str, category: type = UserWarning) -> None:
     >>> w[0].filename.endswith("diagnostics.py"), str(w[0].message)
     (False, 'jqt: a test')
     """
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1].append((message, category))
+        return
     warnings.warn(message, category, stacklevel=caller_level())

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import collections
 import inspect
+import os
+
+from . import validate
 
 
 def from_keras(model, *, training: bool = False):
@@ -46,7 +49,16 @@ def from_keras(model, *, training: bool = False):
     >>> bool(abs(y - model(x)).max() < 0.05)
     True
     """
-    import keras  # only when asked for: importing keras fixes its backend
+    validate.flags("jqt.from_keras", training=training)
+    try:
+        import keras  # only when asked for: importing keras fixes its backend
+    except ModuleNotFoundError as e:
+        if e.name in ("keras", None):
+            raise
+        raise ImportError(
+            f"jqt.from_keras: importing keras failed ({e}): keras loads the backend "
+            f"os.environ['KERAS_BACKEND'] names ({os.environ.get('KERAS_BACKEND', 'tensorflow, its default')}). "
+            "Set os.environ['KERAS_BACKEND'] = 'jax' before keras is first imported.") from e
 
     if keras.backend.backend() != "jax":
         raise ValueError(

@@ -289,6 +289,13 @@ def _check_source(site, qp):
     a, b = qp.source, site.source
     if a is None or b is None or qp.is_float or site.weight_operand is None:
         return
+    if a.shape is not None and b.shape is not None and tuple(a.shape) != tuple(b.shape):
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' of shape "
+            f"{tuple(a.shape)}, but this call passes it with shape {tuple(b.shape)}: the weights "
+            "changed shape since calibration, and their scales were computed for other weights "
+            "(a per-channel scale does not see the contracted axis, so its own shape can still "
+            "fit). Re-calibrate with these weights.")
     axes_only = lambda chain: tuple(c for c in chain if c[0] not in ("convert", "copy"))
     want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
     got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])

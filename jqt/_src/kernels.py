@@ -238,10 +238,9 @@ def gather(site, eqn, ops):
             codes = codes.T
         if codes.shape != shape:  # nibbles packed along the last axis
             params["slice_sizes"] = tuple(params["slice_sizes"][:-1]) + (codes.shape[-1],)
-    if params.get("fill_value") is not None and jnp.issubdtype(codes.dtype, jnp.integer):
-        # jnp.take fills out-of-range rows with NaN: codes get 0, and a per-row scale
-        # gathered below with the NaN fill makes those rows NaN as in float
-        params["fill_value"] = 0
+    filled = _in_range(eqn, idx)
+    if filled is not None and jnp.issubdtype(codes.dtype, jnp.integer):
+        params["fill_value"] = 0  # out-of-range rows get the fill value below
     g = compat.bind(compat.gather_p, codes, idx, **params)
     if g.shape != out.shape:
         g = unpack_nibbles(g, _out_axis(eqn, len(shape) - 1))
@@ -262,7 +261,40 @@ def gather(site, eqn, ops):
             val = val - jnp.round(a)
         else:
             val = val * a
+    if filled is not None:  # as the float gather: its fill value (NaN by default) there
+        fill = eqn.params.get("fill_value")
+        val = jnp.where(filled, val, jnp.nan if fill is None else fill)
     return val.astype(out.dtype)
+
+
+def _in_range(eqn, idx):
+    """For a gather in fill mode (``jnp.take``'s default, ``.at[i].get(mode="fill")``), a
+    boolean mask, broadcastable to its output, of the slices it reads in range (the others
+    take ``fill_value``); ``None`` in the other modes. The same gather of a table of
+    ``True`` holding only the indexed axes (size 1 on the others) with ``False`` as fill.
+
+    >>> import jax, jax.numpy as jnp
+    >>> take = jax.make_jaxpr(lambda t, i: jnp.take(t, i, axis=0))(jnp.ones((3, 4)), jnp.arange(2))
+    >>> eqn = take.eqns[-1].params["jaxpr"].eqns[-1]  # the gather inside jnp.take's jit
+    >>> eqn.primitive.name, eqn.params["fill_value"]
+    ('gather', nan)
+    >>> _in_range(eqn, jnp.array([[2], [3]])).ravel().tolist()
+    [True, False]
+    """
+    params = dict(eqn.params)
+    mode = params.get("mode")
+    if getattr(mode, "name", str(mode)) != "FILL_OR_DROP":
+        return None
+    dn = params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    if getattr(dn, "operand_batching_dims", ()):  # the whole table's shape, for its batch axes
+        ones = jnp.ones(shape, bool)
+    else:
+        keep = set(dn.start_index_map)
+        ones = jnp.ones(tuple(n if d in keep else 1 for d, n in enumerate(shape)), bool)
+        params["slice_sizes"] = tuple(n if d in keep else 1 for d, n in enumerate(params["slice_sizes"]))
+    params["fill_value"] = False
+    return compat.bind(compat.gather_p, ones, idx, **params)
 
 
 def _row_lookup(eqn):

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import numpy as np
 
 from . import compat
 from .formats import FLOAT8, NF4_TABLE
@@ -31,12 +32,28 @@ from .formats import FLOAT8, NF4_TABLE
 _F32 = jnp.float32
 
 
+def per_layer(a, ndim):
+    """A per-tensor scale (or zero point) of stacked layers, ``(L,)`` for a weight ``(L, K,
+    N)`` under a ``lax.scan``, with size-1 axes for the weight's own (``ndim`` in all), so
+    that it broadcasts against the weight; other scales (``None``, per tensor, per channel:
+    the weight's rank) as they are.
+
+    >>> per_layer(jnp.ones(2), 3).shape
+    (2, 1, 1)
+    """
+    if a is not None and 0 < jnp.ndim(a) < ndim:
+        return jnp.reshape(a, jnp.shape(a) + (1,) * (ndim - jnp.ndim(a)))
+    return a
+
+
 def _zp_f32(zero_point):
     # Zero points are integers; a trained (float) zero point is rounded, by both paths.
     return jnp.round(zero_point.astype(_F32))
 
 
-_NF4_MIDS = jnp.asarray((NF4_TABLE[1:] + NF4_TABLE[:-1]) / 2)
+# a NumPy constant: a jnp array made at import would start JAX's backends when jqt is
+# imported (before jax.distributed.initialize() or jax_num_cpu_devices could be set)
+_NF4_MIDS = np.asarray((np.asarray(NF4_TABLE[1:]) + np.asarray(NF4_TABLE[:-1])) / 2, np.float32)
 
 
 FP8_BITS_UNIT = {"float8_e4m3fn": 256.0, "float8_e5m2": 32768.0}

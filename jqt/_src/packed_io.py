@@ -96,6 +96,11 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     if not isinstance(packed, PackedParams):
         raise TypeError(f"jqt.save_packed: expected the jqt.PackedParams returned by jqt.pack, got "
                         f"a {type(packed).__name__}.")
+    for what, tree in (("the packed params", packed), ("qparams", qparams)):
+        if any(compat.is_tracer(a) for a in jax.tree_util.tree_leaves(tree)):
+            raise TypeError(f"jqt.save_packed: {what} hold traced values (jqt.save_packed called "
+                            "inside jax.jit, jax.grad or another transformation); return them from "
+                            "the transformed function and save them outside it.")
     try:
         tree, why = treedef_to_json(packed.treedef), None
     except TreeNotSerializable as e:

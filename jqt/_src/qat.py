@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, validate
 from .qparams import OpQParams, PackedParams
 
 PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smoothing")
@@ -214,6 +214,7 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
     ('freeze', 'weight_scales', 'activation_scales', 'freeze')
     """
     _check(params, qparams, "labels")
+    validate.flags("jqt.qat.labels", per_part=per_part)
     chosen = _resolve(train)
     state_parts = parts(params, qparams)
 

@@ -32,9 +32,14 @@ class WeightSource:
     marks the slicing of a stacked leaf by ``lax.scan``, ``("shard_split", splits)`` the
     blocks of it a ``jax.shard_map`` hands each device (``layout.split_blocks``). ``float_needed`` is
     True when the leaf is used as a float value somewhere else in the
-    function, so :func:`jqt.pack` must keep it. ``leaf`` is the leaf's index
+    function, so :func:`jqt.pack` must keep it. ``arg`` is the position of the weight
+    argument among ``f``'s arguments (``weight_argnums``); ``leaf`` is the leaf's index
     in the flattened argument; ``contract`` the operand axes the op reduces;
-    ``batch`` its ``dot_general`` batch axes.
+    ``batch`` its ``dot_general`` batch axes. ``shape`` is the leaf's shape as ``f`` was
+    given it (``None`` in qparams saved before jqt recorded it): :func:`jqt.quantize`
+    refuses weights of another shape, whose scales were computed for other weights even
+    where their own shape would fit (a per-channel scale does not see its contracted
+    axis). Like ``calibrated_reach``, it is not part of equality, hash or repr.
 
     ``calibrated_reach`` (set by :func:`jqt.calibrate`, ``None`` where unknown) is
     ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
@@ -61,6 +66,7 @@ class WeightSource:
     contract: tuple = ()
     batch: tuple = ()
     calibrated_reach: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
+    shape: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def stack_depth(self) -> int:
@@ -294,10 +300,13 @@ def _arr_summary(name, a):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OpQParams:
-    """Quantization parameters of one op (``dot_general`` or ``conv_general_dilated``).
+    """Quantization parameters of one op: a ``dot_general``, ``conv_general_dilated``,
+    embedding ``gather``, ``ragged_dot_general`` or key/value cache write
+    (``supported-ops.md``).
 
     Attributes:
-      lhs, rhs: :class:`QuantParams` of each operand, or ``None`` for float.
+      lhs, rhs: :class:`jqt.QArray` of each operand (scale, zero point, type; no
+        values), or ``None`` for float.
       op: the primitive name (static).
       weight_operand: 0 or 1, the operand computed from the weights alone, or
         ``None`` for an activation x activation op (static).

@@ -15,7 +15,7 @@ from .qparams import PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_alive, check_keys, check_qparams, numbers_as_arrays
+from .validate import check_alive, check_keys, check_qparams, flags, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):
@@ -174,6 +174,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     are tracers, under ``jax.grad`` or ``jax.jit``).
     """
     check_qparams(qparams, "jqt.quantize")
+    flags("jqt.quantize", simulate=simulate)
     check_policy(policy, "jqt.quantize")
     qparams = numbers_as_arrays(qparams)
     argnums = normalize_argnums(weight_argnums)
@@ -244,8 +245,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             tracing.check_traceable(args)
             try:
                 return jitted(qparams, tracing.mark_static(list(args)))
-            except RuntimeError as e:  # a donated array: say which
-                if "deleted" in str(e):
+            except (RuntimeError, ValueError) as e:  # a donated array: say which (a compiled
+                # program given one reports it from XLA's Execute, a ValueError)
+                if "deleted" in str(e) or "donated" in str(e):
                     check_alive(qparams, "jqt.quantize", "qparams")
                     check_alive(list(args), f"{getattr(f, '__name__', 'f')} (quantized)",
                                 "argument")
@@ -305,6 +307,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     ops are dropped (the quantized copy replaces them);
     leaves used as floats elsewhere (biases, norms, float ops) are kept.
 
+    ``argnum`` (default 0) is the position of ``params`` among ``f``'s arguments, as
+    in ``weight_argnums``: with several weight arguments, pack each on its own,
+    ``jqt.pack(qp, enc, argnum=0)``, ``jqt.pack(qp, head, argnum=1)``.
+
     ``policy`` (a :class:`jqt.KernelPolicy`, default: the default backend's) picks
     the layout of each dense weight (``KernelPolicy.dense_layout``); a function
     run under another policy converts the layout when it is traced.
@@ -352,6 +358,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     127
     """
     check_qparams(qparams, "jqt.pack")
+    flags("jqt.pack", clip=clip)
     if not isinstance(argnum, int) or isinstance(argnum, bool) or argnum < 0:
         raise TypeError(f"jqt.pack: argnum={argnum!r}; expected the index (an int >= 0) of the "
                         "one argument of f whose weights params holds, as in weight_argnums. Pack "
@@ -389,6 +396,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
                 "the qparams were calibrated with.")
+        if src.shape is not None and tuple(jnp.shape(flat[leaf])) != tuple(src.shape):
+            raise QParamsMismatchError(
+                f"jqt.pack: op '{key}' was calibrated for weight '{src.path}' of shape "
+                f"{tuple(src.shape)}, but params hold it with shape {tuple(jnp.shape(flat[leaf]))}. "
+                "Pass the params the qparams were calibrated with, or re-calibrate.")
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
         entry = BY_NAME[p.op]
@@ -399,6 +411,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         except ValueError as e:
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight
+            if compat.is_tracer(operand) and "not differentiable" in str(e):
+                raise TypeError("jqt.pack cannot be differentiated (it was called under jax.grad "
+                                "or jax.jvp): packed codes are integers. Pack outside the "
+                                "differentiated function, or differentiate the simulated path, "
+                                "jqt.quantize(f, qparams, simulate=True), with the float params."
+                                ) from None
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}': weight '{src.path}' has shape {tuple(jnp.shape(operand))}, "
                 f"which its scale of shape {tuple(jnp.shape(p.operand(w).scale))} does not fit ({e}). "
@@ -513,7 +531,7 @@ def _tied(qparams, weights):
                 m, tm = apart
                 why = (f"the lookup's type is {w.qtype.describe()}, the matmul's {tm.describe()}"
                        if w.qtype != tm else "their codes differ (the matmul's weight is smoothed "
-                       "or rotated, or its scales were edited)")
+                       "or rotated, its weight calibrator is another, or its scales were edited)")
                 diagnostics.warn(
                     f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "

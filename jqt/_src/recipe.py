@@ -439,7 +439,9 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     int8 static activations; int4 embedding tables.
 
     The int4 x int8 products sum in int32 per group and are scaled per group.
-    ``symmetric=False`` gives each weight group of the dense ops a zero point too
+    ``per_channel=False`` gives each dense weight one scale (per tensor; embedding tables
+    stay per row); it cannot be combined with ``group_size``, whose groups are per output
+    channel. ``symmetric=False`` gives each weight group of the dense ops a zero point too
     (embedding tables and convolution kernels stay symmetric). ``smooth``, ``awq`` and ``rotate`` select the outlier algorithms (:class:`jqt.Rule`).
     Weight ranges are clipped at their squared-error optimum
     (:data:`WEIGHT_MSE_4BIT`) unless ``weight_calibrator`` says otherwise.
@@ -450,6 +452,10 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
     True
     """
+    if group_size and not _flag("per_channel", per_channel):
+        raise ValueError(f"w4a8(group_size={group_size}, per_channel=False): groups lie within each "
+                         "output channel, so a grouped weight is per channel; drop per_channel=False "
+                         "(groups) or group_size (one scale per weight).")
     return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, per_channel, symmetric),
                               activation=QuantType(bits=8, symmetric=False),
@@ -509,8 +515,9 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
         weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False,
         kv_cache=False) -> Recipe:
     """fp8 weights (per channel) and fp8 activations (static per-tensor, or per-token
-    with ``dynamic=True``), e4m3 by default (``"float8_e5m2"`` selectable); int8
-    embedding tables.
+    with ``dynamic=True``), e4m3 by default: ``weight_dtype`` and ``act_dtype`` each take
+    ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (wider range, fewer mantissa bits: gradients'
+    format); int8 embedding tables.
 
     >>> import jqt
     >>> r = jqt.recipes.fp8()

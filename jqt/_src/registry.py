@@ -157,7 +157,7 @@ def _quantize_weight(operand, q, gaxis, depth):
     if q.qtype.group_size and gaxis is not None:
         s = groups.expand(s, q.qtype.group_size, gaxis + depth, shape)
         z = groups.expand(z, q.qtype.group_size, gaxis + depth, shape)
-    return nx.quantize(operand, s, z, q.qtype)
+    return nx.quantize(operand, nx.per_layer(s, len(shape)), nx.per_layer(z, len(shape)), q.qtype)
 
 
 class Gather:

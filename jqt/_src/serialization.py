@@ -10,8 +10,9 @@ Formats (the JSON header is in the safetensors metadata under ``"jqt"``; ``"form
   per scale / zero point, named ``<op key>/<lhs|rhs>.<scale|zero_point>``; the header
   holds each op's static metadata (quantization types, op, weight operand, source; and,
   where calibration recorded it, ``"weight_reach"``: ``[reach, digest]``, the
-  ``WeightSource.calibrated_reach`` that :func:`jqt.pack` checks weights against, an
-  optional entry that earlier jqt ignores and files written before it lack).
+  ``WeightSource.calibrated_reach`` that :func:`jqt.pack` checks weights against, and
+  ``"weight_shape"``, the leaf's shape, ``WeightSource.shape``: optional entries that
+  earlier jqt ignores and files written before them lack).
 - ``jqt.qparams`` version 1: the same header in an ``.npz`` (``jqt.save`` to a path
   ending in ``.npz``; kept so that files written by earlier jqt still load).
 - ``jqt.packed`` version 2 (``jqt.save_packed``; version 1 still loads): per packed weight
@@ -91,12 +92,14 @@ def qtype_from_json(d: dict) -> QuantType:
 
 
 def source_to_json(s):
-    """A :class:`WeightSource` as JSON, without ``calibrated_reach`` (files store it as the
-    op entry's own ``"weight_reach"``, which a jqt that does not know it ignores)."""
+    """A :class:`WeightSource` as JSON, without ``calibrated_reach`` and ``shape`` (files
+    store them as the op entry's own ``"weight_reach"`` and ``"weight_shape"``, which a jqt
+    that does not know them ignores)."""
     if s is None:
         return None
     d = dataclasses.asdict(s)
     d.pop("calibrated_reach", None)
+    d.pop("shape", None)
     return d
 
 
@@ -217,6 +220,8 @@ def qparams_entries(qparams, name, fn="jqt.save"):
         reach = None if p.source is None else p.source.calibrated_reach
         if reach is not None:
             entries[key]["weight_reach"] = [float(reach[0]), str(reach[1])]
+        if p.source is not None and p.source.shape is not None:
+            entries[key]["weight_shape"] = [int(n) for n in p.source.shape]
     return entries, arrays
 
 
@@ -256,6 +261,12 @@ def _op_from_entry(r, key, e):
     acc = r.need(e, "accumulator", int, where) if "accumulator" in e else 32
     if "weight_reach" in e and source is not None:
         source = dataclasses.replace(source, calibrated_reach=_reach_from_entry(r, e, where))
+    if "weight_shape" in e and source is not None:
+        shape = r.need(e, "weight_shape", list, where)
+        if not all(is_a(n, int) and n >= 0 for n in shape):
+            raise r.error(f"{where}: 'weight_shape' is {json.dumps(shape)[:80]}, expected a list "
+                          "of sizes (ints >= 0)")
+        source = dataclasses.replace(source, shape=tuple(shape))
     p = OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
                   note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate,
                   accumulator=acc)

@@ -259,7 +259,7 @@ class Tracer:
         check_traceable(args)
         args = mark_static(kvcache.placeholders(list(args)))
         flat, treedef = jax.tree_util.tree_flatten(args)
-        key = (treedef, tuple(_aval_key(x) for x in flat))
+        key = (treedef, tuple(_aval_key(x) for x in flat), compat.trace_settings())
         hit = self.cache.get(key)
         if hit is not None:
             self.cache.move_to_end(key)
@@ -301,7 +301,7 @@ class Tracer:
                 p = path_str(path)
                 if len(self.argnums) > 1 or not p:
                     p = f"{names[i]}/{p}" if p else names[i]
-                infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j)))
+                infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)))))
         analyzer = Analyzer()
         plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}

@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import math
 import re
-import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -132,7 +131,10 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     ``metric(g) -> float`` scores a function ``g`` with ``f``'s signature (it
     calls ``g`` with its own weights and data); jqt passes ``f`` itself and
     jitted quantized variants. Rows are ranked by the drop when the op is
-    quantized alone, largest first.
+    quantized alone, largest first. ``weight_argnums`` is as in :func:`jqt.calibrate`;
+    ``simulate=True`` runs the variants on the simulated path (as
+    ``jqt.quantize(..., simulate=True)``), default the integer path;
+    ``higher_is_better=False`` for a metric that is an error (a drop is then a rise).
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
@@ -145,6 +147,7 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     ['a', 'b']
     """
     check_qparams(qparams, "jqt.sensitivity")
+    validate.flags("jqt.sensitivity", simulate=simulate, higher_is_better=higher_is_better)
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     _check_metric(metric, "jqt.sensitivity")
@@ -295,6 +298,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     >>> res.met, res.kept
     (True, ('b',))
     """
+    validate.flags("jqt.fallback", simulate=simulate, higher_is_better=higher_is_better)
     if rank not in ("report", "sensitivity"):
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
     if max_trials < 1:
@@ -321,11 +325,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     batches = list(batches)
     if batches:
         check_batch(0, batches[0], None, "jqt.fallback")
-    with warnings.catch_warnings(record=True) as shown:
-        warnings.simplefilter("always")
+    with diagnostics.captured() as shown:  # thread-local: not warnings.catch_warnings
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
-    for w in shown:  # the user's to see; the final calibration re-emits only what is new
-        diagnostics.warn(w.message)
+    for message, category in shown:  # the user's to see; the final calibration re-emits only what is new
+        diagnostics.warn(message, category)
     # the rules for the ops kept back: ``to`` (convs given its weight type made symmetric,
     # as the presets do), ahead of the recipe's, whose rules decide the ops ``to`` does not
     # take (its ``ops=``): each trial quantizes an op as the final recipe will
@@ -341,8 +344,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              f"the ops: {sorted({qp[k].op for k in _quantized_keys(qp)})}). Give a rule for "
                              "those ops (a preset with symmetric=False has a rule for convolutions "
                              "first: take its last, recipe.rules[-1]), or None to keep them float.")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # calibrate warned already about unreached ops
+        with diagnostics.captured():  # calibrate warned already about unreached ops
             alt = calibrate(f, Recipe(rules=anywhere + recipe.rules), params, batches,
                             weight_argnums=weight_argnums, progress=progress)
         # an op to= matches but gives no type (an act x act op without act_x_act=, a cache
@@ -416,14 +418,13 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
-        with warnings.catch_warnings(record=True) as final:
-            warnings.simplefilter("always")
+        with diagnostics.captured() as final:
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
-        before = {str(w.message) for w in shown}
-        for w in final:  # what ``to`` could not do for the kept ops (e.g. a group size)
-            if str(w.message) not in before:
-                diagnostics.warn(w.message)
+        before = {str(m) for m, _ in shown}
+        for message, category in final:  # what ``to`` could not do for the kept ops (e.g. a group size)
+            if str(message) not in before:
+                diagnostics.warn(message, category)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:

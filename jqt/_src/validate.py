@@ -259,7 +259,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-            "another function or weight_argnums.")
+            f"another function or weight_argnums.{_renamed_argument(extra, keys, qparams)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -295,6 +295,24 @@ def numbers_as_arrays(qparams):
     as_array = lambda a: np.float32(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
     # per op: a tree_map over the dict would sort its keys, which are in evaluation order
     return {k: jax.tree_util.tree_map(as_array, v) for k, v in qparams.items()}
+
+
+def _renamed_argument(extra, keys, qparams) -> str:
+    """A note when the keys differ only in their first part, the name of ``f``'s weight
+    parameter (keys start with it with several weight arguments, or where the weight is
+    one bare array): ``f`` wrapped by a function whose parameters have other names.
+
+    >>> _renamed_argument(["enc/k"], ["arg0/k"], {"enc/k": None})[:48]
+    ' The keys differ in their first part only, which'
+    """
+    rest = lambda k: k.split("/", 1)[1] if "/" in k else ""
+    missing = [k for k in keys if k not in qparams]
+    if not missing or sorted(map(rest, extra)) != sorted(map(rest, missing)):
+        return ""
+    return (" The keys differ in their first part only, which is the name of f's weight "
+            "parameter (with several weight arguments, or a weight that is one bare array): "
+            "f is wrapped by a function whose parameters have other names (a lambda *a, a "
+            "decorator without functools.wraps). Keep f's signature, or re-calibrate.")
 
 
 def check_float_params(params_t, fn: str):

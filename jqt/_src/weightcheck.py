@@ -103,7 +103,8 @@ def _ratios(x, s, z, lo, hi, group, int_grid):
     """Per element of ``x``, ``x / scale`` (zero point subtracted) over where clipping
     starts on its side; with ``group``, ``x`` split into groups along that axis."""
     x = x.astype(_F32)
-    s = s.astype(_F32)
+    s = nx.per_layer(s.astype(_F32), x.ndim)
+    z = nx.per_layer(z, x.ndim)
     zr = jnp.round(z.astype(_F32)) if int_grid else jnp.zeros((), _F32)  # as both paths round it
     if group is not None:
         ax, g = group

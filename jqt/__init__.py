@@ -16,6 +16,7 @@ from jqt._src.calibrate import calibrate as calibrate
 from jqt._src.frameworks import from_keras as from_keras
 from jqt._src.gptq import gptq as gptq
 from jqt._src.handlers import QParamsMismatchError as QParamsMismatchError
+from jqt._src.kvcache import dequantize_cache as dequantize_cache
 from jqt._src.kvcache import quantize_cache as quantize_cache
 from jqt._src.nativelib import NativeStatus as NativeStatus
 from jqt._src.nativelib import native_status as native_status

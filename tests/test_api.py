@@ -279,3 +279,27 @@ def test_a_quantized_function_follows_x64_and_names_a_donated_argument_when_warm
     jax.jit(lambda a: a * 2, donate_argnums=0)(gone)
     with pytest.raises(ValueError, match=r"\(quantized\): argument leaf \[1\] has been deleted"):
         qf(p, gone)
+
+
+def test_review_of_the_key_and_shape_checks():
+    """The weight-shape check held eagerly but not for qparams passed to jax.jit as an
+    argument (WeightSource.shape was left out of equality, so the jit cache hit); the
+    renamed-argument note fired for any two one-argument models; a lookup of whole matrices
+    from a stack computed in f crashed calibrate's warning (source None)."""
+    f = lambda p, x: x @ p["w"]
+    x = jnp.ones((2, 3))
+    qa = jqt.calibrate(f, jqt.recipes.w8a8(), {"w": jnp.ones((3, 4))}, [(x,)], progress=False)
+    qb = jqt.calibrate(f, jqt.recipes.w8a8(), {"w": jnp.ones((3, 6))}, [(x,)], progress=False)
+    step = jax.jit(lambda qp, p, x: jqt.quantize(f, qp)(p, x))
+    step(qa, {"w": jnp.ones((3, 4))}, x)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"of shape \(3, 6\), but this call passes it with shape \(3, 4\)"):
+        step(qb, {"w": jnp.ones((3, 4))}, x)
+    g = lambda p, x: x @ p["b"]
+    with pytest.raises(jqt.QParamsMismatchError) as e:
+        jqt.quantize(g, jqt.calibrate(f, jqt.recipes.w8a8(), {"w": jnp.ones((3, 4))}, [(x,)],
+                                      progress=False))({"b": jnp.ones((3, 4))}, x)
+    assert "first part only" not in str(e.value)
+    p = {"a": jnp.ones((4, 3)), "b": jnp.ones((4, 3)) * 2}
+    experts = lambda p, e, x: jnp.einsum("td,tdf->tf", x, jnp.stack([p["a"], p["b"]])[e])
+    with pytest.warns(UserWarning, match=r"looks up whole \(4, 3\) matrices of weight '\(computed\)'"):
+        jqt.calibrate(experts, jqt.recipes.w8(), p, [(jnp.array([0, 1]), jnp.ones((2, 4)))], progress=False)

@@ -367,3 +367,58 @@ def test_per_tensor_weights_of_stacked_layers_calibrate_and_pack():
         sim = jqt.quantize(f, qp, simulate=True)(p, x)
         for params in (p, jqt.pack(qp, p)):
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(params, x), sim, atol=1e-5)
+
+
+def test_qparams_edited_by_hand_are_checked_or_honoured(tmp_path):
+    """A static operand without a scale (the frozen half of jqt.qat.split) failed inside JAX
+    and jqt.save wrote a file jqt.load called damaged; a scale set on a dynamic operand was
+    ignored; a smoothing vector of another layout failed inside JAX (or multiplied the codes
+    per output channel in jqt.pack); 16-bit qparams with a smoothing vector packed weights
+    jqt.quantize refused; Python-float scales ran but jqt.save refused them; a bfloat16
+    scale printed as its shape."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 8)) * 0.3}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    w = qp["w"]
+    no_scale = {"w": dataclasses.replace(w, lhs=dataclasses.replace(w.lhs, scale=None))}
+    for call in (lambda: jqt.quantize(f, no_scale)(p, x), lambda: jqt.save(tmp_path / "q.jqt", no_scale)):
+        with pytest.raises(ValueError, match=r"lhs.scale: missing, but its type \(int8 asym per-tensor\) is static"):
+            call()
+    assert not (tmp_path / "q.jqt").exists()
+    qd = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), p, [(x,)], progress=False)
+    d = qd["w"]
+    dead = {"w": dataclasses.replace(d, lhs=dataclasses.replace(d.lhs, scale=jnp.full((4, 1), 100.0)))}
+    with pytest.raises(ValueError, match=r"lhs.scale: set, but its type .* is dynamic"):
+        jqt.quantize(f, dead)(p, x)
+    qs = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    assert qs["w"].smooth.shape == (16, 1)
+    for shape in ((1, 8), (8, 1)):
+        bad = {"w": dataclasses.replace(qs["w"], smooth=jnp.ones(shape))}
+        with pytest.raises(jqt.QParamsMismatchError, match=r"smoothing vector of shape .* needs \(16, 1\)"):
+            jqt.quantize(f, bad)(p, x)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w': its smoothing vector"):
+            jqt.pack(bad, p)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), qs)
+    np.testing.assert_allclose(jqt.quantize(f, half)(jqt.pack(half, p), x),
+                               jqt.quantize(f, half, simulate=True)(p, x), rtol=0.02, atol=0.02)
+    floats = jax.tree.map(lambda a: float(a) if jnp.size(a) == 1 else a, qp)  # the per-tensor ones
+    jqt.save(tmp_path / "f.jqt", floats)
+    np.testing.assert_array_equal(jqt.quantize(f, jqt.load(tmp_path / "f.jqt"))(p, x), jqt.quantize(f, qp)(p, x))
+    assert "scale=0." in repr(jax.tree.map(lambda a: a.astype(jnp.bfloat16), qp)["w"].lhs)
+
+
+def test_a_returned_cache_decodes_with_dequantize_cache():
+    """A cache a decode step returns had no public decode, and ``values * scale`` is not it
+    for int4 (two codes a byte) or fp8 (uint8 bits on the CPU); an empty feature axis failed
+    inside JAX."""
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8)).astype(jnp.bfloat16)
+    for kind, tol in (("int8", 0.02), ("int4", 0.3), ("fp8", 0.1)):
+        y = jqt.dequantize_cache(jqt.quantize_cache(x, kind))
+        assert y.shape == x.shape and y.dtype == jnp.bfloat16, (kind, y.shape, y.dtype)
+        assert float(jnp.abs(y.astype(jnp.float32) - x.astype(jnp.float32)).max()) < tol, kind
+    assert jqt.dequantize_cache(jqt.quantize_cache(x), jnp.float32).dtype == jnp.float32
+    with pytest.raises(TypeError, match="jqt.dequantize_cache: expected a quantized cache"):
+        jqt.dequantize_cache(x)
+    with pytest.raises(ValueError, match="whose last axis .* is empty"):
+        jqt.quantize_cache(jnp.ones((2, 0)))

@@ -1425,3 +1425,31 @@ def test_key_messages_explain_layer_names_and_parameter_names():
     with pytest.raises(jqt.QParamsMismatchError, match=r"the function's op keys are \['arg0/k', "
                        r"'arg1/k'\].* differ in their first part only, which is the name of f's weight"):
         jqt.quantize(lambda *a: g(*a), qp, weight_argnums=(0, 1))(e, d, x)
+
+
+def test_rule_settings_that_can_never_apply_are_refused():
+    """A calibrator on a rule without static activations (weight-only, dynamic), a weight
+    calibrator on a rule without weights or tables, embedding= or kv_cache= on a rule whose
+    ops= leave out lookups or cache writes: each was accepted and had no effect."""
+    C, W8 = jqt.calibrators, jqt.recipes.INT8_WEIGHT
+    dyn = jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
+    cases = [
+        (lambda: jqt.Rule(weight=W8, calibrator=C.Percentile(99.0)),
+         r"Rule\(calibrator=Percentile.*this rule has none \(activation=None\)"),
+        (lambda: jqt.Rule(weight=W8, activation=dyn, calibrator=C.Entropy(bins=128)),
+         r"Rule\(calibrator=Entropy.*its activations are dynamic"),
+        (lambda: jqt.Rule(kv_cache=True, accumulator=16),
+         r"Rule\(accumulator=16\): it applies to int x int dot and conv ops, and this rule quantizes none"),
+    ]
+    for make, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            make()
+    jqt.Rule(weight=W8, calibrator=C.MinMax())  # the default, named: nothing ignored
+    # embedding= on a rule whose ops= leave out lookups: the lookups it names stay float, said
+    f = lambda p, ids, x: p["emb"][ids] @ p["w"] + x
+    p = {"emb": jnp.ones((10, 4)), "w": jnp.ones((4, 4))}
+    r = jqt.Recipe(rules=(jqt.Rule(ops=("dot_general",), weight=W8, embedding=W8),
+                          *jqt.recipes.w8(embeddings=False).rules))
+    msgs = _messages(lambda: jqt.calibrate(f, r, p, [(jnp.arange(3), jnp.ones((3, 4)))], progress=False))
+    assert any("rule 0 (Rule(key='.*')) sets embedding=, but its ops=('dot_general',) leave out the "
+               "lookups ('gather'), and the lookups its key matches stay float: 'emb'" in m for m in msgs), msgs

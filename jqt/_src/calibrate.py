@@ -354,7 +354,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
             diagnostics.warn(
                 f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up whole "
-                f"{whole} matrices of weight '{s.source.path}' by index (a mixture's experts "
+                f"{whole} matrices of weight '{s.source.path if s.source else '(computed)'}' by index (a mixture's experts "
                 "gathered per token, w[expert_ids]?): it is quantized as a lookup table, one scale "
                 "per matrix, and the matmuls that read what it gathers stay float. Write the "
                 "experts as an einsum over the expert axis ('ecd,edf->ecf' on tokens dispatched "
@@ -387,6 +387,18 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                          "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
                          "new, cache) update?): that buffer stays float. Write it as the others "
                          "are written to quantize it too (docs/generate.md).")
+    for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
+        for field, prims, what in (("embedding", ("gather",), "lookups"),
+                                   ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):
+            if getattr(r, field) is None or set(prims) & set(r.ops):
+                continue
+            left = [s.key for s in sites if s.op in prims and re.search(r.key, s.key)
+                    and (chosen[s.key] is None or getattr(chosen[s.key], field) is None)]
+            if left:
+                diagnostics.warn(
+                    f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) sets {field}=, but its ops={r.ops} "
+                    f"leave out the {what} ({' and '.join(map(repr, prims))}), and the {what} its key "
+                    f"matches stay float: {listed(left)}. Add {prims[0]!r} to its ops=.")
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
         if r.key != ".*" and id(r) not in used:

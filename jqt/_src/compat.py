@@ -339,9 +339,13 @@ _TRACE_SETTINGS = ("jax_enable_x64", "jax_numpy_rank_promotion", "jax_numpy_dtyp
 
 def trace_settings() -> tuple:
     """The JAX settings a trace depends on (the dtype of ``jnp.asarray(1.0)``, promotion
-    checks, matmul precision), as ``jax.jit`` keys its own cache on them: a jaxpr traced
-    under others is not reused."""
-    return tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
+    checks, matmul precision, ...): JAX's own trace context, which ``jax.jit`` keys its
+    cache on, where this JAX has it; a jaxpr traced under others is not reused."""
+    try:
+        from jax._src import config as _config
+        return _config.trace_context()
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        return tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
 
 
 def is_tracer(x) -> bool:

@@ -40,8 +40,9 @@ AUX_VERSION = 2  # 2: one jqt.QArray node (was QuantParams / PackedWeight); Quan
 def _value_to_json(v):
     if isinstance(v, QuantType):
         return {"QuantType": ser.qtype_to_json(v)}
-    if isinstance(v, WeightSource):
-        return {"WeightSource": ser.source_to_json(v)}
+    if isinstance(v, WeightSource):  # with the leaf's shape (part of its equality)
+        d = ser.source_to_json(v)
+        return {"WeightSource": d if v.shape is None else {**d, "shape": list(v.shape)}}
     if v is None or isinstance(v, (str, int, float, bool)):
         return v
     raise ValueError(f"jqt: cannot serialize static field value {v!r} for jax.export.")

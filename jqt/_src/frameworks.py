@@ -53,8 +53,8 @@ def from_keras(model, *, training: bool = False):
     try:
         import keras  # only when asked for: importing keras fixes its backend
     except ModuleNotFoundError as e:
-        if e.name in ("keras", None):
-            raise
+        if (e.name or "").split(".")[0] not in ("tensorflow", "torch", "jax", "jaxlib"):
+            raise  # keras itself, or another of its dependencies, is missing
         raise ImportError(
             f"jqt.from_keras: importing keras failed ({e}): keras loads the backend "
             f"os.environ['KERAS_BACKEND'] names ({os.environ.get('KERAS_BACKEND', 'tensorflow, its default')}). "

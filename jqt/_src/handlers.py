@@ -258,6 +258,7 @@ def lookup(ctx, site, invals):
                     f"({q.qtype.describe()}) needs {want}{per_layer}. "
                     "The function or its weights changed shape since calibration, or the "
                     "qparams were edited; re-calibrate.")
+    _check_smooth(site, qp, invals)
     if packed is not None:
         w = site.weight_operand
         why = codes_problem(packed)  # first: cast nibbles read as other shapes
@@ -280,6 +281,31 @@ def lookup(ctx, site, invals):
                 "packed with other qparams (another recipe, or before a fallback or edit). "
                 "Re-run jqt.pack(qparams, params) with these qparams.")
     return qp, packed
+
+
+def smooth_shape(shape, contract, depth=0):
+    """The shape of an op's smoothing vector for a weight operand of ``shape`` (its first
+    ``depth`` axes stacked layers): full length on the contracted axes, 1 elsewhere.
+
+    >>> smooth_shape((16, 8), (0,)), smooth_shape((3, 16, 8), (0,), depth=1)
+    ((16, 1), (3, 16, 1))
+    """
+    return tuple(shape[:depth]) + tuple(n if d in contract else 1 for d, n in enumerate(shape[depth:]))
+
+
+def _check_smooth(site, qp, invals):
+    """A smoothing vector edited into qparams must have its layout (an ``(N,)`` or ``(1, N)``
+    vector failed inside JAX, or multiplied the codes per output channel)."""
+    w = site.weight_operand
+    if qp.smooth is None or w is None or site.op != "dot_general":
+        return
+    want = smooth_shape(invals[w].shape, site.contract[w])
+    if tuple(jnp.shape(qp.smooth)) != want:
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] has a smoothing vector of shape "
+            f"{tuple(jnp.shape(qp.smooth))}, but its weight operand {tuple(invals[w].shape)} needs "
+            f"{want}: full length on the contracted axes {tuple(site.contract[w])}, 1 elsewhere. "
+            "Re-calibrate, or edit it in that layout.")
 
 
 def _check_source(site, qp):

@@ -258,7 +258,30 @@ def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
         raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, where a "
                          "key/value cache is a float buffer of 2 or more axes, the last the features.")
+    if jnp.shape(x)[-1] == 0:
+        raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, whose "
+                         "last axis (the features, one scale per vector of it) is empty.")
     return encode(x, t, fp8_bits=fp8_as_bits(policy))
+
+
+def dequantize_cache(c, dtype=None):
+    """The float buffer a quantized key/value cache stands for: the inverse of
+    :func:`jqt.quantize_cache`, for a cache a decode step returned (its codes may be
+    int4 two per byte, or fp8 held as their uint8 bits: ``values * scale`` is not it).
+    ``dtype`` defaults to the buffer's own (``QArray.float_dtype``).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> x = jnp.linspace(-1, 1, 16).reshape(2, 8)
+    >>> c = jqt.quantize_cache(x, "int4")
+    >>> y = jqt.dequantize_cache(c)
+    >>> y.shape, y.dtype.name, bool(jnp.abs(y - x).max() < 0.08)
+    ((2, 8), 'float32', True)
+    """
+    if not is_cache(c):
+        raise TypeError(f"jqt.dequantize_cache: expected a quantized cache (a jqt.QArray with "
+                        f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
+                        f"{type(c).__name__}.")
+    return decode(c, dtype or c.float_dtype)
 
 
 def fp8_as_bits(policy) -> bool:

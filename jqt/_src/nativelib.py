@@ -142,6 +142,15 @@ def _write_atomic(path: Path, data: bytes, mode: int):
 
 
 def _umask() -> int:
+    """The process's umask, read from /proc where Linux has it (``os.umask`` sets it, for
+    a moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

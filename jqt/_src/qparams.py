@@ -39,7 +39,9 @@ class WeightSource:
     given it (``None`` in qparams saved before jqt recorded it): :func:`jqt.quantize`
     refuses weights of another shape, whose scales were computed for other weights even
     where their own shape would fit (a per-channel scale does not see its contracted
-    axis). Like ``calibrated_reach``, it is not part of equality, hash or repr.
+    axis). It is part of equality and hash (qparams passed to ``jax.jit`` as an argument
+    are told apart by it, so a function traced for one weight shape is not reused for
+    another), not of the repr.
 
     ``calibrated_reach`` (set by :func:`jqt.calibrate`, ``None`` where unknown) is
     ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
@@ -66,7 +68,7 @@ class WeightSource:
     contract: tuple = ()
     batch: tuple = ()
     calibrated_reach: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
-    shape: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
+    shape: Optional[tuple] = dataclasses.field(default=None, repr=False)
 
     @property
     def stack_depth(self) -> int:
@@ -83,7 +85,9 @@ class QArray:
 
     The invariant, as in MLIR's quant dialect: ``real ~= decode(values - zero_point) * scale``,
     where ``decode`` is the identity for integers and fp8 and ``NF4_TABLE[code + 8]``
-    for nf4 (see :class:`jqt.QuantType`).
+    for nf4 (see :class:`jqt.QuantType`), on the codes unpacked: ``values`` may hold two
+    4-bit codes per byte (``nibbles``), and a key/value cache's fp8 codes their uint8 bits
+    where the backend has no fp8 (read a cache with :func:`jqt.dequantize_cache`).
 
     One type for every role:
 
@@ -287,7 +291,8 @@ def _arr_summary(name, a):
         v = np.asarray(a)
     except Exception:  # a tracer
         v = None
-    if v is None or v.dtype.kind not in "biuf":  # a tracer, a shape-only struct, a label
+    if v is None or not (v.dtype.kind in "biuf" or jax.numpy.issubdtype(v.dtype, jax.numpy.number)):
+        # a tracer, a shape-only struct, a label (bfloat16 and fp8 are numbers: kind 'V')
         shape = getattr(a, "shape", None)
         return f", {name}: {tuple(shape)}" if shape is not None else f", {name}={a!r}"
     if v.size == 0:

@@ -158,6 +158,14 @@ class Rule:
                                 "are.") from None
         if self.activation is not None and not self.activation.dynamic:
             self.calibrator.check(self.activation)
+        elif self.calibrator != MinMax():
+            raise ValueError(
+                f"Rule(calibrator={self.calibrator!r}): a calibrator finds static activation "
+                "ranges, and this rule has none ("
+                + ("activation=None" if self.activation is None else "its activations are dynamic: "
+                   "their scales come from each input at run time")
+                + "); drop calibrator=, or give a static activation type.")
+
         if self.weight is not None and self.embedding is None and set(self.ops) <= {"gather"}:
             raise ValueError(f"Rule(ops={self.ops}, weight=...): an embedding lookup's table takes "
                              "its type from embedding=, not weight=; set embedding=QuantType(...).")
@@ -197,7 +205,10 @@ class Rule:
             return
         # weight ops (if the rule quantizes any) and act x act ops (if it quantizes those)
         why = ""
-        if self.weight is not None or self.act_x_act is None:
+        if self.weight is None and self.act_x_act is None:
+            why = ("it applies to int x int dot and conv ops, and this rule quantizes none (no "
+                   "weight=, no act_x_act=: lookups and cache writes have no accumulator)")
+        elif self.weight is not None:
             why = accumulator.unsupported([self.weight, self.activation or self.act_x_act])
         if self.act_x_act is not None and not why:
             why = accumulator.unsupported([self.act_x_act])

@@ -399,6 +399,7 @@ def save(path, qparams) -> None:
                         "jax.grad or another transformation); return the qparams from the "
                         "transformed function and save them outside it.")
     validate.check_qparams(qparams, "jqt.save")  # a file jqt.load would refuse is not written
+    qparams = validate.numbers_as_arrays(qparams)  # Python floats as the float32 they run as
     if os.fspath(path).endswith(".npz"):
         entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")
         header = json.dumps({"format": FORMAT, "version": versioned(VERSION, qparams), "ops": entries,

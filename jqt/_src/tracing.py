@@ -289,7 +289,7 @@ class Tracer:
                     f"(x,)).{also}") from e
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
-        infos = []
+        infos, prefixes = [], set()
         for i, a in enumerate(args):
             flat_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda x: isinstance(x, Static))[0]
             if i not in self.argnums:
@@ -301,11 +301,13 @@ class Tracer:
                 p = path_str(path)
                 if len(self.argnums) > 1 or not p:
                     p = f"{names[i]}/{p}" if p else names[i]
+                    prefixes.add(names[i])
                 infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)))))
         analyzer = Analyzer()
         plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
         traced = Traced(closed, out_tree, plan, analyzer, paths)
+        traced.arg_prefixes = frozenset(prefixes)  # keys that start with f's parameter names
         self.cache[key] = traced
         if len(self.cache) > 32:
             self.cache.popitem(last=False)

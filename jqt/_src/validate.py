@@ -90,6 +90,15 @@ def operand_problems(q, where):
     if sm is not None:
         out += [f"{where}.smooth: {t}" for t in _positive(sm)]
     t = q.qtype
+    if q.scale is None and t is not None and not t.dynamic and q.values is None:
+        # (a packed weight of a version-1 file holds no scale: it takes the qparams')
+        out.append(f"{where}.scale: missing, but its type ({t.describe()}) is static and needs one "
+                   "(the frozen half of jqt.qat.split holds None where the trained half holds "
+                   "the scales: jqt.qat.merge them first)")
+    if q.scale is not None and t is not None and t.dynamic and q.values is None:
+        out.append(f"{where}.scale: set, but its type ({t.describe()}) is dynamic: its scale is "
+                   "computed from each input at run time, and this one would be ignored; remove "
+                   "it, or make the type static")
     if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
             and not t.dynamic):
         out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "
@@ -259,7 +268,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-            f"another function or weight_argnums.{_renamed_argument(extra, keys, qparams)}")
+            f"another function or weight_argnums."
+            f"{_renamed_argument(extra, keys, qparams, getattr(traced, 'arg_prefixes', ()))}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -297,17 +307,22 @@ def numbers_as_arrays(qparams):
     return {k: jax.tree_util.tree_map(as_array, v) for k, v in qparams.items()}
 
 
-def _renamed_argument(extra, keys, qparams) -> str:
-    """A note when the keys differ only in their first part, the name of ``f``'s weight
-    parameter (keys start with it with several weight arguments, or where the weight is
-    one bare array): ``f`` wrapped by a function whose parameters have other names.
+def _renamed_argument(extra, keys, qparams, prefixes) -> str:
+    """A note when the keys differ only in their first part and the function's keys start
+    with the names of its weight parameters (``prefixes``: with several weight arguments,
+    or where the weight is one bare array): ``f`` wrapped by a function whose parameters
+    have other names.
 
-    >>> _renamed_argument(["enc/k"], ["arg0/k"], {"enc/k": None})[:48]
+    >>> _renamed_argument(["enc/k"], ["arg0/k"], {"enc/k": None}, {"arg0"})[:48]
     ' The keys differ in their first part only, which'
+    >>> _renamed_argument(["a"], ["b"], {"a": None}, set())  # another model
+    ''
     """
+    first = lambda k: k.split("/", 1)[0]
     rest = lambda k: k.split("/", 1)[1] if "/" in k else ""
     missing = [k for k in keys if k not in qparams]
-    if not missing or sorted(map(rest, extra)) != sorted(map(rest, missing)):
+    if not missing or not all(first(k) in prefixes for k in missing) \
+            or sorted(map(rest, extra)) != sorted(map(rest, missing)):
         return ""
     return (" The keys differ in their first part only, which is the name of f's weight "
             "parameter (with several weight arguments, or a weight that is one bare array): "

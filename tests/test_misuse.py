@@ -395,9 +395,10 @@ def test_qparams_edited_by_hand_are_checked_or_honoured(tmp_path):
     assert qs["w"].smooth.shape == (16, 1)
     for shape in ((1, 8), (8, 1)):
         bad = {"w": dataclasses.replace(qs["w"], smooth=jnp.ones(shape))}
-        with pytest.raises(jqt.QParamsMismatchError, match=r"smoothing vector of shape .* needs \(16, 1\)"):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"qparams\['w'\]: its smoothing vector has shape "
+                                                           r".* needs \(16, 1\)"):
             jqt.quantize(f, bad)(p, x)
-        with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w': its smoothing vector"):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w' \(weight 'w'\): its smoothing vector"):
             jqt.pack(bad, p)
     half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), qs)
     np.testing.assert_allclose(jqt.quantize(f, half)(jqt.pack(half, p), x),

@@ -283,29 +283,31 @@ def lookup(ctx, site, invals):
     return qp, packed
 
 
-def smooth_shape(shape, contract, depth=0):
-    """The shape of an op's smoothing vector for a weight operand of ``shape`` (its first
-    ``depth`` axes stacked layers): full length on the contracted axes, 1 elsewhere.
+def smooth_mismatch(smooth, shape, contract, depth=0) -> str:
+    """Why a smoothing vector does not fit a weight operand of ``shape`` (its first
+    ``depth`` axes stacked layers), or ``""``: it must be full length on the contracted
+    axes, 1 elsewhere (an ``(N,)`` or ``(1, N)`` vector edited into qparams failed inside
+    JAX, or multiplied the codes per output channel).
 
-    >>> smooth_shape((16, 8), (0,)), smooth_shape((3, 16, 8), (0,), depth=1)
-    ((16, 1), (3, 16, 1))
+    >>> smooth_mismatch(jnp.ones((16, 1)), (16, 8), (0,))
+    ''
+    >>> smooth_mismatch(jnp.ones((3, 1, 8)), (3, 16, 8), (0,), depth=1)[:60]
+    'its smoothing vector has shape (3, 1, 8), but its weight ope'
     """
-    return tuple(shape[:depth]) + tuple(n if d in contract else 1 for d, n in enumerate(shape[depth:]))
+    want = tuple(shape[:depth]) + tuple(n if d in contract else 1 for d, n in enumerate(shape[depth:]))
+    if smooth is None or tuple(jnp.shape(smooth)) == want:
+        return ""
+    return (f"its smoothing vector has shape {tuple(jnp.shape(smooth))}, but its weight operand "
+            f"{tuple(shape)} needs {want}: full length on the contracted axes, 1 elsewhere. "
+            "Re-calibrate, or edit it in that layout")
 
 
 def _check_smooth(site, qp, invals):
-    """A smoothing vector edited into qparams must have its layout (an ``(N,)`` or ``(1, N)``
-    vector failed inside JAX, or multiplied the codes per output channel)."""
     w = site.weight_operand
-    if qp.smooth is None or w is None or site.op != "dot_general":
-        return
-    want = smooth_shape(invals[w].shape, site.contract[w])
-    if tuple(jnp.shape(qp.smooth)) != want:
-        raise QParamsMismatchError(
-            f"jqt: qparams['{site.key}'] has a smoothing vector of shape "
-            f"{tuple(jnp.shape(qp.smooth))}, but its weight operand {tuple(invals[w].shape)} needs "
-            f"{want}: full length on the contracted axes {tuple(site.contract[w])}, 1 elsewhere. "
-            "Re-calibrate, or edit it in that layout.")
+    why = "" if w is None or site.op != "dot_general" else \
+        smooth_mismatch(qp.smooth, invals[w].shape, site.contract[w])
+    if why:
+        raise QParamsMismatchError(f"jqt: qparams['{site.key}']: {why}.")
 
 
 def _check_source(site, qp):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from . import compat, diagnostics, tracing, weightcheck
-from .handlers import Integer, QParamsMismatchError, Simulate, smooth_shape
+from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
 from .layout import apply_chain
 from .policy import KernelPolicy, check_policy
 from .qparams import PackedParams, fold_mismatch
@@ -403,13 +403,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 "Pass the params the qparams were calibrated with, or re-calibrate.")
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
-        if p.smooth is not None and p.op == "dot_general":
-            want = smooth_shape(jnp.shape(operand), src.contract, src.stack_depth)
-            if tuple(jnp.shape(p.smooth)) != want:
-                raise QParamsMismatchError(
-                    f"jqt.pack: op '{key}': its smoothing vector has shape {tuple(jnp.shape(p.smooth))}, "
-                    f"but weight '{src.path}' {tuple(jnp.shape(operand))} needs {want} (full length "
-                    "on the contracted axes, 1 elsewhere). Re-calibrate, or edit it in that layout.")
+        why = "" if p.op != "dot_general" else \
+            smooth_mismatch(p.smooth, jnp.shape(operand), src.contract, src.stack_depth)
+        if why:
+            raise QParamsMismatchError(f"jqt.pack: op '{key}' (weight '{src.path}'): {why}.")
         entry = BY_NAME[p.op]
         try:
             grid = entry.grid_operand(src, p, operand)

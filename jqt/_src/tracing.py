@@ -34,6 +34,7 @@ class Traced:
     plan: Plan
     analyzer: Analyzer
     leaf_paths: dict = dataclasses.field(default_factory=dict)  # (arg, leaf index) -> path
+    arg_prefixes: frozenset = frozenset()  # f's parameter names that its keys start with
 
     def uses(self, arg, leaf):
         """The site keys that read leaf ``leaf`` of weight argument ``arg`` as their weight
@@ -306,8 +307,7 @@ class Tracer:
         analyzer = Analyzer()
         plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
-        traced = Traced(closed, out_tree, plan, analyzer, paths)
-        traced.arg_prefixes = frozenset(prefixes)  # keys that start with f's parameter names
+        traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
         self.cache[key] = traced
         if len(self.cache) > 32:
             self.cache.popitem(last=False)

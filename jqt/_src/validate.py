@@ -269,7 +269,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
             f"another function or weight_argnums."
-            f"{_renamed_argument(extra, keys, qparams, getattr(traced, 'arg_prefixes', ()))}")
+            f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 
-from . import diagnostics
+from . import diagnostics, fileio
 
 GROUPED = "jqt_grouped_gemv"  # FFI targets: 4-bit codes with group scales, packed (K, N)
 CHANNEL = "jqt_channel_gemv"  # int8 codes with per-channel scales, packed (N, K)
@@ -129,18 +129,6 @@ def _intact(lib: Path):
     return hashlib.sha256(lib.read_bytes()).hexdigest() == want
 
 
-def _write_atomic(path: Path, data: bytes, mode: int):
-    fd, tmp = tempfile.mkstemp(dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _umask() -> int:
     """The process's umask, read from /proc where Linux has it (``os.umask`` sets it, for
     a moment, for every thread)."""
@@ -179,7 +167,7 @@ def _compile(cxx, flags, include, lib):
         os.chmod(tmp, 0o777 & ~_umask())
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)
-        _write_atomic(_digest_path(lib), digest.encode(), 0o666 & ~_umask())
+        fileio.atomic_write(_digest_path(lib), lambda path: Path(path).write_text(digest))
     except (OSError, subprocess.SubprocessError) as e:  # the compiler could not run
         raise _BuildError(f"the C++ compiler {' '.join(cxx)!r} could not be run: {e} (set $CXX "
                           "to a C++ compiler, or JQT_NATIVE=0 to skip the build)") from e

@@ -1191,6 +1191,12 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_
         pass
     with pytest.raises(TypeError, match=r"MeanAbs is not hashable; declare it @dataclasses.dataclass\(frozen=True\)"):
         jqt.recipes.w8a8(calibrator=MeanAbs())
+
+    @dataclasses.dataclass(frozen=True)  # frozen, but a field is a list: the fix is the field
+    class Clipped(C.MinMax):
+        clip_at: list = dataclasses.field(default_factory=lambda: [0.99])
+    with pytest.raises(TypeError, match=r"Clipped is not hashable; a field of it is not .*list.*tuples"):
+        jqt.recipes.w8a8(calibrator=Clipped())
     # what these refusals leave accepted
     assert jqt.recipes.w8a8(calibrator=C.Entropy(stride=1)).rules[0].calibrator.stride == 1
     assert C.Percentile(bins=np.int64(128)).bins == 128

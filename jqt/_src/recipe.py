@@ -152,10 +152,13 @@ class Rule:
             c = getattr(self, name)
             try:
                 hash(c)  # a Rule is hashable (a jit static argument, a cache key)
-            except TypeError:
-                raise TypeError(f"Rule({name}={c!r}): {type(c).__name__} is not hashable; declare it "
-                                "@dataclasses.dataclass(frozen=True), as jqt's calibrators "
-                                "are.") from None
+            except TypeError as e:
+                frozen = getattr(getattr(type(c), "__dataclass_params__", None), "frozen", False)
+                fix = (f"a field of it is not ({e}); hold lists as tuples and dicts as tuples "
+                       "of pairs" if frozen else "declare it @dataclasses.dataclass(frozen=True), "
+                       "as jqt's calibrators are")
+                raise TypeError(f"Rule({name}={c!r}): {type(c).__name__} is not hashable; "
+                                f"{fix}.") from None
         if self.activation is not None and not self.activation.dynamic:
             self.calibrator.check(self.activation)
         elif self.calibrator != MinMax():

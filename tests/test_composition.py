@@ -591,6 +591,47 @@ def test_custom_derivative_rule_kept_in_simulation(layer):
         assert _rel(t_sim, t_float) < 0.05
 
 
+def test_custom_rules_closing_over_values():
+    # A custom_vjp whose body holds a quantized op and closes over a constant array: its
+    # closed-over values (num_consts) were differentiated, and JAX raised "differentiation of
+    # a custom_vjp function with respect to a closed-over value" (plain jax.grad works).
+    wc = _normal(93, (8, 8), 0.3)
+
+    @jax.custom_vjp
+    def lin(h):
+        return h @ wc
+    lin.defvjp(lambda h: (lin(h), None), lambda _, ct: (ct @ wc.T,))
+    p = {"a": _normal(94, (8, 8), 0.3)}
+    x = _normal(95, (6, 8))
+    f = lambda p, x: jnp.tanh(lin(x @ p["a"]))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert len(qp) == 2 and not any(q.is_float for q in qp.values())  # wc keyed by position
+    sim = jqt.quantize(f, qp, simulate=True)
+    g_sim = jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
+    assert _rel(g_sim, jax.grad(lambda x: jnp.sum(f(p, x)))(x)) < 0.05
+    # A rule that captured a value of f's trace (nondiff_argnums from the params) cannot run
+    # again outside that trace: a jqt error naming the function and the fix, not JAX's
+    # UnexpectedTracerError from inside the rule.
+    from functools import partial
+
+    @partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def softclip(t, y):
+        return t * jnp.tanh(y / t)
+
+    @softclip.defjvp
+    def _(t, primals, tangents):
+        (y,), (dy,) = primals, tangents
+        return softclip(t, y), dy * (1.0 - jnp.tanh(y / t) ** 2)
+    p = {"a": _normal(94, (8, 8), 0.3), "t": jnp.float32(2.0)}
+    g = lambda p, x: softclip(p["t"], x @ p["a"])
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    sim = jqt.quantize(g, qp, simulate=True)
+    assert jnp.all(jnp.isfinite(sim(p, x)))  # the forward pass runs
+    with pytest.raises(TypeError, match=r"derivative rule of a custom_jvp function at '<top>' "
+                       r"\(its body: div, mul, tanh\).*nondiff_argnums.*regular argument"):
+        jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
+
+
 # --------------------------------------------------------------------------- jaxprs
 
 

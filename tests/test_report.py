@@ -641,6 +641,24 @@ def test_report_untaken_cond_branch_did_not_run():
             assert rep.output_sqnr == pytest.approx(rows[ran].sqnr_cumulative, abs=1e-3)
 
 
+def test_report_and_fallback_on_an_op_over_no_elements():
+    # An op whose activation has no elements on the batch (a slice of length 0 here; one of
+    # lax.associative_scan's inner matmuls over a short sequence) reduced its operand with
+    # jnp.min, which has no identity: report and fallback raised inside JAX.
+    p = {"a": jnp.eye(4) * 0.5, "b": jnp.full((4, 4), 0.1)}
+    f = lambda p, x: jnp.concatenate([(x @ p["a"])[4:] @ p["b"], x @ p["a"]])
+    x6 = jnp.linspace(-1.0, 1.0, 24).reshape(6, 4)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x6,)], progress=False)
+    assert not qp["b"].is_float
+    rows = {r.key: r for r in jqt.report(f, qp, p, (x6[:4],)).rows}
+    assert rows["b"].note == "did not run on this batch" and math.isnan(rows["b"].sqnr_isolated)
+    assert rows["a"].sqnr_isolated > 30.0
+    g = lambda p, x: lax.associative_scan(lambda u, v: u @ p["b"] + v, x @ p["a"])
+    metric = lambda q: -float(jnp.abs(q(p, x6[:4]) - g(p, x6[:4])).max())
+    res = jqt.fallback(g, jqt.recipes.w8a8(), p, [(x6[:4],)], metric, max_drop=1e-6, progress=False)
+    assert res.trials
+
+
 def test_report_worst_skips_ops_that_did_not_run():
     # Regression (fixed; was in jqt/_src/report.py line 164, Report.worst): ops that did not run on the
     # batch have sqnr_isolated = NaN and are not filtered out; sorted() with a NaN key

@@ -26,6 +26,7 @@ while any lane is live, a finished lane keeping its carry, as XLA lowers it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable
@@ -231,7 +232,8 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
         st, *args = primals
         tst, *targs = tangents
         out = g(st, *args)
-        _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), tuple(targs))
+        with user_rule(eqn):
+            _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), tuple(targs))
         _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
         return out, [u + s for u, s in zip(t_user, t_st)]
 
@@ -246,20 +248,49 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
         return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
     j, c = closed_parts(eqn.params["call_jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
-    fwd_fn = lambda st, *a: run(st, *a)[0]
+    # The values the function closes over (num_consts) are not differentiated, as JAX's own
+    # custom_vjp does not; differentiating them raised "with respect to a closed-over value".
+    nc = eqn.params.get("num_consts", 0)
+    consts, invals = tuple(invals[:nc]), invals[nc:]
+    fwd_fn = lambda st, *a: run(st, *consts, *a)[0]
     g = jax.custom_vjp(fwd_fn)
 
     def g_fwd(st, *args):
         out, vjp_st = jax.vjp(lambda s: fwd_fn(s, *args), st)
-        _, vjp_user = jax.vjp(lambda *a: compat.bind_eqn(eqn, a), *args)
+        with user_rule(eqn):
+            _, vjp_user = jax.vjp(lambda *a: compat.bind_eqn(eqn, consts + a), *args)
         return out, (vjp_st, vjp_user)
 
     def g_bwd(res, ct):
         vjp_st, vjp_user = res
-        return (*vjp_st(ct), *vjp_user(ct))
+        with user_rule(eqn):
+            return (*vjp_st(ct), *vjp_user(ct))
 
     g.defvjp(g_fwd, g_bwd)
     return g(_state_for(sub, ctx), *invals)
+
+
+CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call")
+
+
+@contextlib.contextmanager
+def user_rule(eqn):
+    """Runs (or re-binds) a custom_jvp/custom_vjp function whose own derivative rule may run.
+    A rule that captured a value of f's trace (a nondiff_argnums argument, a closure over a
+    parameter) refers to a tracer of the trace jqt made f's jaxpr with, which is gone: JAX
+    raises UnexpectedTracerError from inside the rule. Name the function and the fix instead."""
+    try:
+        yield
+    except jax.errors.UnexpectedTracerError as e:
+        body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
+        raise TypeError(
+            f"jqt: the derivative rule of a {eqn.primitive.name.removesuffix('_call')} function "
+            f"at '{compat.name_stack(eqn) or '<top>'}' (its body: {', '.join(body) or 'no ops'}) "
+            "uses a value it captured when jqt traced f, through nondiff_argnums or a closure "
+            "over an argument of f (a parameter, or a value computed from one). Differentiating "
+            "the simulated path runs f's jaxpr again, and JAX cannot run such a rule outside the "
+            "trace that made it (jax.core.eval_jaxpr cannot either). Pass that value to the "
+            "function as a regular argument, or wrap the closure with jax.closure_convert.") from e
 
 
 def _scan(eqn, invals, sub, ctx, evaluate):

@@ -747,6 +747,31 @@ def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():
                                    jqt.quantize(h, qp, simulate=True)(p, x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
+    """``x @ lax.cond(m, lambda: a, lambda: b)`` (or ``lax.switch``, ``jnp.where(m, a, b)``):
+    the op reads no one weight, so it is an activation x activation op and stays float, as
+    both weights do; calibration said nothing. It now names both weights and the rewrite."""
+    p = {"a": jax.random.normal(jax.random.key(0), (8, 8)) / 3,
+         "b": jax.random.normal(jax.random.key(1), (8, 8)) / 3}
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+    picks = {"cond": lambda p, m: lax.cond(m, lambda: p["a"], lambda: p["b"]),
+             "switch": lambda p, m: lax.switch(m.astype(jnp.int32), [lambda: p["a"], lambda: p["b"]]),
+             "where": lambda p, m: jnp.where(m, p["a"], p["b"]).T.T}
+    for name, pick in picks.items():
+        f = lambda p, x, m, pick=pick: x @ pick(p, m)
+        with pytest.warns(UserWarning, match=r"reads weights '[ab]', '[ab]' as one of several "
+                          r"weights that a lax.cond, lax.switch or jnp.where.*jnp.where\(pred, x @ a"):
+            qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, jnp.bool_(True)), (x, jnp.bool_(False))],
+                               progress=False)
+        assert all(v.is_float for v in qp.values()), name
+    # the rewrite it names quantizes both
+    g = lambda p, x, m: jnp.where(m, x @ p["a"], x @ p["b"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x, jnp.bool_(True))], progress=False)
+    assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
+
+
 @pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])
 def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
     """Inputs whose type names a mesh axis (``jax.make_mesh``'s default, explicit axes;

@@ -46,7 +46,17 @@ _WEIGHTS_READ_AS_DATA = (
      "every example and selects, and jqt does not quantize a weight broadcast per example",
      "Write the branches as jnp.where(pred, a(x), b(x)) (what vmap computes anyway), or take "
      "the cond out of the vmap."),
+    ("chosen", "as one of several weights that a lax.cond, lax.switch or jnp.where on the data "
+     "picks between, so the op's operand is no one weight", "Move the op into the branches "
+     "(lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x)) or select the outputs "
+     "(jnp.where(pred, x @ a, x @ b)): each weight is then an op's own."),
 )
+
+
+def _chosen(cases) -> tuple:
+    """The weight leaves a select or a cond on the data picks between (``VarInfo.chosen``)."""
+    paths = [q for c in cases for q in ((c.source.path,) if c.source is not None else c.chosen)]
+    return tuple(dict.fromkeys(paths))
 
 
 def _contains_quantizable(jaxpr) -> bool:
@@ -238,12 +248,18 @@ class Analyzer:
                 elif step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
-                elif step is not None and len(ins) == 1 and (ins[0].indexed or ins[0].selected):
-                    outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected)]
+                elif step is not None and len(ins) == 1 and (ins[0].indexed or ins[0].selected
+                                                             or ins[0].chosen):
+                    outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected,
+                                    chosen=ins[0].chosen)]
                 elif name == "select_n" and ins[1].source is not None and not ins[0].weight \
                         and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
                     self._use(ins[1], "float")  # the op that reads it stays float
                     outs = [VarInfo(False, selected=ins[1].source.path)]
+                elif name == "select_n" and not ins[0].weight and _chosen(ins[1:]):
+                    for info in ins[1:]:  # jnp.where(pred, a, b) of weights: see _site
+                        self._use(info, "float")
+                    outs = [VarInfo(False, chosen=_chosen(ins[1:]))]
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
                     outs = [VarInfo(False, indexed=ins[0].source.path)]
@@ -342,7 +358,9 @@ class Analyzer:
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if widx is None and path and not entry.is_cache:
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads weight '{path}' {how}, so the "
+                what = (f"weight '{path}'" if isinstance(path, str)
+                        else "weights " + ", ".join(f"'{q}'" for q in path))
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}, so the "
                        f"op is an activation x activation op and stays float. {fix}")
                 diagnostics.warn(msg)
                 self.warned.append(msg)

@@ -127,13 +127,19 @@ def _while_outs(eqn, infos, body_outs, loop_id, reads):
 
 
 def _cond_outs(eqn, infos, body_outs, _, reads):
-    """A buffer every branch returns (written or not) is still that buffer."""
+    """A buffer every branch returns (written or not) is still that buffer. Weights the
+    branches return, picked by an index from the data, are ``chosen`` (no one weight: the
+    op that reads them stays float, and calibrate says so)."""
     outs = []
     for per_branch in zip(*body_outs):
         bufs = {o.buffer for o in per_branch}
         if len(bufs) == 1 and per_branch[0].buffer:
             writes = tuple(dict.fromkeys(w for o in per_branch for w in o.writes))
             outs.append(VarInfo(False, buffer=per_branch[0].buffer, writes=writes))
+        elif not infos[0].weight and any(o.source is not None or o.chosen for o in per_branch):
+            paths = [q for o in per_branch for q in ((o.source.path,) if o.source is not None
+                                                     else o.chosen)]
+            outs.append(VarInfo(False, chosen=tuple(dict.fromkeys(paths))))
         else:
             outs.append(None)
     return outs, {}
@@ -163,7 +169,7 @@ def _shard_map_subs(eqn, infos, shard_id):
         if info.source is None:  # data; a buffer (a key/value cache) is its block of it,
             # unless its vectors are split over devices (one scale per vector: a split last axis)
             keeps = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
-            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
+            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected, chosen=info.chosen,
                                  buffer=info.buffer if keeps else (), writes=info.writes if keeps else ()))
             continue
         # a replicated weight gets an empty split: each device reads it whole (so

@@ -20,6 +20,7 @@ class VarInfo:
     writes: tuple = ()                     # keys of the cache writes it went through
     indexed: str = ""                      # the weight leaf it was indexed from by data (w[i])
     selected: str = ""                     # the weight leaf a select on the data picks in every case
+    chosen: tuple = ()                     # the weight leaves a select or cond on the data picks from
 
 
 DATA = VarInfo(False)

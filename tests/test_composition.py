@@ -772,6 +772,27 @@ def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
     assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
 
 
+def test_an_einsum_that_contracts_two_weights_first_says_so():
+    """``jnp.einsum('bi,ij,jk->bk', x, a, b)`` contracts ``a`` and ``b`` first at large
+    batches (its optimize= order follows the shapes): one weight was quantized as the other's
+    activation with no word, and another batch was refused as 'another function'."""
+    p = {"a": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3,
+         "b": jax.random.normal(jax.random.key(1), (16, 8)) * 0.3}
+    xs = jax.random.normal(jax.random.key(2), (64, 8))
+    f = lambda p, x: jnp.einsum("bi,ij,jk->bk", x, p["a"], p["b"])
+    with pytest.warns(UserWarning, match=r"multiplies two weights, '[ab]' and '[ab]'.*optimize=False"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"An einsum of three or more operands "
+                       r"\('bi,ij,jk->bk'\).*optimize=False"):
+        jqt.quantize(f, qp)(p, xs[:2])
+    g = lambda p, x: jnp.einsum("bi,ij,jk->bk", x, p["a"], p["b"], optimize=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    assert sorted(qp) == ["a", "b"]
+    assert jqt.quantize(g, qp)(jqt.pack(qp, p), xs[:2]).shape == (2, 8)
+
+
 @pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])
 def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
     """Inputs whose type names a mesh axis (``jax.make_mesh``'s default, explicit axes;

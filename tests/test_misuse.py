@@ -423,3 +423,55 @@ def test_a_returned_cache_decodes_with_dequantize_cache():
         jqt.dequantize_cache(x)
     with pytest.raises(ValueError, match="whose last axis .* is empty"):
         jqt.quantize_cache(jnp.ones((2, 0)))
+
+
+def test_keyword_arguments_of_the_quantized_function():
+    """A keyword naming a positional parameter of f (``jax.jit(qf, static_argnames=...)``,
+    JAX's idiom) was refused with advice to bind it and re-calibrate; it is put in its
+    place. Keyword-only arguments are still refused, naming them."""
+    p = {"w1": jnp.linspace(-1, 1, 64).reshape(8, 8), "w2": jnp.linspace(1, -1, 32).reshape(8, 4)}
+    x = jnp.linspace(-2, 2, 32).reshape(4, 8)
+
+    def g(p, x, act="relu", scale=1.0):
+        return {"relu": jax.nn.relu, "tanh": jnp.tanh}[act](x @ p["w1"]) @ p["w2"] * scale
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x, "relu"), (x, "tanh")], progress=False)
+    qg = jqt.quantize(g, qp)
+    want = qg(p, x, "tanh")
+    np.testing.assert_array_equal(qg(p, x=x, act="tanh"), want)
+    np.testing.assert_array_equal(jax.jit(qg, static_argnames="act")(p, x, act="tanh"), want)
+    np.testing.assert_array_equal(qg(p, x, scale=2.0), 2.0 * qg(p, x))  # act's default filled in
+    with pytest.raises(TypeError, match=r"jqt: g \(quantized\): .*unexpected keyword argument 'sclae'"):
+        qg(p, x, sclae=2.0)
+
+    def h(p, x, **options):
+        return x @ p["w1"] * options.get("scale", 1.0)
+    qh = jqt.quantize(h, jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False))
+    with pytest.raises(TypeError, match=r"bind keyword-only arguments \(\['scale'\]\) with functools.partial"):
+        qh(p, x, scale=2.0)
+
+
+def test_qparams_passed_where_the_weights_go_are_named():
+    p = {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}
+    x = jnp.linspace(-2, 2, 32).reshape(4, 8)
+    f = lambda p, x: jnp.tanh(x @ p["w"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    for call in (jqt.quantize(f, qp), jax.jit(jqt.quantize(f, qp))):
+        with pytest.raises(TypeError, match=r"argument 0 of the quantized function holds "
+                           r"jqt.OpQParams where f takes its weights: are the arguments swapped"):
+            call(qp, x)
+
+
+def test_a_stack_of_models_passed_whole_is_told_to_vmap():
+    p = {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}
+    x = jnp.linspace(-2, 2, 32).reshape(4, 8)
+    f = lambda p, x: jnp.tanh(x @ p["w"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    stack = {"w": jnp.stack([p["w"], 0.5 * p["w"], -p["w"]])}
+    qf = jqt.quantize(f, qp)
+    hint = r"leading axes \(3,\): for a stack of models .*jax.vmap\(qf, in_axes=\(0, None\)\)"
+    with pytest.raises(jqt.QParamsMismatchError, match=r"of shape \(8, 8\).*" + hint):
+        qf(stack, x)
+    packed = jax.vmap(lambda w: jqt.pack(qp, {"w": w}))(stack["w"])
+    with pytest.raises(jqt.QParamsMismatchError, match=r"Re-run jqt.pack. .*" + hint):
+        qf(packed, x)
+    np.testing.assert_allclose(jax.vmap(qf, in_axes=(0, None))(packed, x)[2], -qf(p, x), atol=1e-6)

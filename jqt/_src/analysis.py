@@ -371,6 +371,18 @@ class Analyzer:
                    "kernel (rhs), so this op stays float.")
             diagnostics.warn(msg)
             self.warned.append(msg)
+        other = ins[1 - widx] if op == "dot_general" and widx is not None else None
+        if other is not None and other.weight and other.source is not None:
+            msg = (f"jqt: a dot_general (at '{stack or '<top>'}') multiplies two weights, "
+                   f"'{src.path}' and '{other.source.path}': the product does not depend on the "
+                   f"data, yet jqt treats '{other.source.path}' as the op's activation and "
+                   "recomputes the product at every call (jqt.pack cannot store it). A jnp.einsum "
+                   "of three or more operands contracts two weights first at some input shapes "
+                   "(the order its optimize= picks depends on them), so other shapes give other "
+                   "ops and keys: pass optimize=False, or write it as two einsums. A merged "
+                   "weight (LoRA's w + a @ b): merge it into params before calibrating.")
+            diagnostics.warn(msg)
+            self.warned.append(msg)
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

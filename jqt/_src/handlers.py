@@ -271,7 +271,8 @@ def lookup(ctx, site, invals):
         if values_shape(packed) != _packed_shape(site, invals, packed):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
-                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack.")
+                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack."
+                f"{_leading_axes(_packed_shape(site, invals, packed), values_shape(packed))}")
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             have, want = packed.qtype.contrast(q.qtype)
@@ -310,6 +311,17 @@ def _check_smooth(site, qp, invals):
         raise QParamsMismatchError(f"jqt: qparams['{site.key}']: {why}.")
 
 
+def _leading_axes(want, got) -> str:
+    """A hint where ``got`` is ``want`` with axes in front: a stack of models (an ensemble)
+    passed whole, where ``jax.vmap`` over it runs one at a time."""
+    want, got = tuple(want), tuple(got)
+    if len(got) <= len(want) or got[len(got) - len(want):] != want:
+        return ""
+    return (f" Its shape is the expected one with leading axes {got[:len(got) - len(want)]}: "
+            "for a stack of models (an ensemble), map the quantized function over them with "
+            "jax.vmap(qf, in_axes=(0, None))(stacked_params, x), with qparams stacked or shared.")
+
+
 def _check_source(site, qp):
     """The weight must reach the op the way it did at calibration: the same layout ops
     from its leaf and the same contracted axes (``x @ w`` and ``x @ w.T`` of a square
@@ -323,7 +335,7 @@ def _check_source(site, qp):
             f"{tuple(a.shape)}, but this call passes it with shape {tuple(b.shape)}: the weights "
             "changed shape since calibration, and their scales were computed for other weights "
             "(a per-channel scale does not see the contracted axis, so its own shape can still "
-            "fit). Re-calibrate with these weights.")
+            f"fit). Re-calibrate with these weights.{_leading_axes(a.shape, b.shape)}")
     axes_only = lambda chain: tuple(c for c in chain if c[0] not in ("convert", "copy"))
     want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
     got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])

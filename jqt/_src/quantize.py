@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from . import compat, diagnostics, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
 from .layout import apply_chain
 from .policy import KernelPolicy, check_policy
-from .qparams import PackedParams, fold_mismatch
+from .qparams import OpQParams, PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
@@ -130,8 +131,10 @@ def _complete(pw, p):
 
 def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
     """Returns ``f`` running with quantized ops: ``f``'s positional signature, the same
-    outputs' structure. Keyword arguments (``train=False``) are refused, naming them: bind
-    them with ``functools.partial`` before calibrating, as the batches are positional.
+    outputs' structure. A keyword argument naming a positional parameter of ``f`` is put
+    in its place (so ``jax.jit(qf, static_argnames=...)`` works); keyword-only arguments
+    (``train=False`` through ``**kwargs``) are refused, naming them: bind them with
+    ``functools.partial`` before calibrating, as the batches are positional.
 
     Args:
       f: the function that was calibrated.
@@ -145,7 +148,10 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         the function is traced (results agree up to float rounding).
 
     The weight argument may be the float weights or :func:`jqt.pack`'s
-    :class:`jqt.PackedParams`.
+    :class:`jqt.PackedParams`. Packed weights run with the scales they were packed with,
+    so on the simulated path the weights' halves of ``qparams`` (scales, zero points, the
+    weight side of a smoothing vector) get zero gradients: differentiate with the float
+    weights.
 
     Called eagerly (concrete arguments and ``qparams``), the returned function runs
     as one XLA program, compiled once per argument shapes and static values, with
@@ -193,6 +199,15 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 args[a] = _unpack(args[a])
         try:
             traced = tracer(args)
+        except TypeError as e:  # f failed on its arguments: qparams where the weights go?
+            given = [a for a in argnums if a < len(args) and _holds_qparams(args[a])]
+            if not given:
+                raise
+            raise TypeError(
+                f"{e}\njqt: argument {given[0]} of the quantized function holds jqt.OpQParams "
+                "where f takes its weights: are the arguments swapped? Call "
+                "jqt.quantize(f, qparams)(params, ...) with the params (or jqt.pack(qparams, "
+                "params)).") from e
         except ValueError as e:
             if not dropped or "does not match the specs of the input" not in str(e):
                 raise
@@ -238,9 +253,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     @functools.wraps(f)
     def qf(*args, **kwargs):
         if kwargs:
-            raise TypeError("jqt: a quantized function takes positional arguments only; bind "
-                            f"keyword arguments ({sorted(kwargs)}) with functools.partial before "
-                            "calibrating and quantizing.")
+            args = _positional(f, args, kwargs)
         if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
             try:
@@ -257,6 +270,38 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         return run(qparams, args)  # under a transformation: traced inline
 
     return qf
+
+
+def _holds_qparams(tree) -> bool:
+    return any(isinstance(v, OpQParams) for v in
+               jax.tree_util.tree_leaves(tree, is_leaf=lambda v: isinstance(v, OpQParams)))
+
+
+def _positional(f, args, kwargs) -> tuple:
+    """``args`` with the keyword arguments that name positional parameters of ``f`` put in
+    their places (defaults filled in before them), as calibration's positional batches
+    trace ``f``; keyword-only ones (``**kwargs``, flax's ``apply(..., train=False)``) are
+    refused, naming them."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin or a callable without one
+        sig = None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = sig.parameters if sig is not None else {}
+    var_keyword = any(q.kind == q.VAR_KEYWORD for q in params.values())
+    keyword = sorted(k for k in kwargs if sig is None or (params[k].kind not in positional
+                                                          if k in params else var_keyword))
+    name = getattr(f, "__name__", "f")
+    if keyword:
+        raise TypeError(f"jqt: {name} (quantized) takes its positional parameters, as "
+                        f"calibration traced it; bind keyword-only arguments ({keyword}) with "
+                        "functools.partial before calibrating and quantizing.")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"jqt: {name} (quantized): {e}") from None
+    bound.apply_defaults()
+    return bound.args
 
 
 def _own_scales(pw, p, **changes):

@@ -144,10 +144,11 @@ def test_weights_changed_shape(setup):
         jqt.quantize(mlp, old)(p2, xs[0][0])
 
 
-def test_keyword_arguments_rejected(setup):
+def test_keyword_arguments_naming_positional_parameters_are_bound(setup):
+    # (keyword-only ones are refused: tests/test_misuse.py)
     p, xs, qp = setup
-    with pytest.raises(TypeError, match="functools.partial"):
-        jqt.quantize(mlp, qp)(p, x=xs[0][0])
+    qf = jqt.quantize(mlp, qp)
+    np.testing.assert_array_equal(qf(p, x=xs[0][0]), qf(p, xs[0][0]))
 
 
 def test_recipe_validation():

@@ -759,11 +759,20 @@ def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
              "where": lambda p, m: jnp.where(m, p["a"], p["b"]).T.T}
     for name, pick in picks.items():
         f = lambda p, x, m, pick=pick: x @ pick(p, m)
-        with pytest.warns(UserWarning, match=r"reads weights '[ab]', '[ab]' as one of several "
-                          r"weights that a lax.cond, lax.switch or jnp.where.*jnp.where\(pred, x @ a"):
+        with pytest.warns(UserWarning, match=r"reads weights '[ab]', '[ab]' through a lax.cond, "
+                          r"lax.switch or jnp.where on the data that picks between weights.*stays "
+                          r"float.*as the weights do.*jnp.where\(pred, x @ a"):
             qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, jnp.bool_(True)), (x, jnp.bool_(False))],
                                progress=False)
         assert all(v.is_float for v in qp.values()), name
+    # a weight masked by the data: the same; data in a case (a mask token) is data, no warning
+    with pytest.warns(UserWarning, match=r"reads weight 'a' through .* \(or masks one\)"):
+        jqt.calibrate(lambda p, x: x @ jnp.where(x.sum() > 0, p["a"], 0.0), jqt.recipes.w8a8(),
+                      p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(lambda p, x: jnp.where(x > 0, p["a"][:4], x) @ p["b"], jqt.recipes.w8a8(),
+                      p, [(x,)], progress=False)
     # the rewrite it names quantizes both
     g = lambda p, x, m: jnp.where(m, x @ p["a"], x @ p["b"])
     with warnings.catch_warnings():
@@ -785,6 +794,13 @@ def test_an_einsum_that_contracts_two_weights_first_says_so():
     with pytest.raises(jqt.QParamsMismatchError, match=r"An einsum of three or more operands "
                        r"\('bi,ij,jk->bk'\).*optimize=False"):
         jqt.quantize(f, qp)(p, xs[:2])
+    def scoped(p, x):  # inside a module's scope (flax's 'E/...'): the hint still names it
+        with jax.named_scope("E"):
+            return f(p, x)
+    with pytest.warns(UserWarning, match=r"multiplies two weights"):
+        qs = jqt.calibrate(scoped, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"An einsum of three or more operands"):
+        jqt.quantize(scoped, qs)(p, xs[:2])
     g = lambda p, x: jnp.einsum("bi,ij,jk->bk", x, p["a"], p["b"], optimize=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

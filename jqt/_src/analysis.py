@@ -46,10 +46,10 @@ _WEIGHTS_READ_AS_DATA = (
      "every example and selects, and jqt does not quantize a weight broadcast per example",
      "Write the branches as jnp.where(pred, a(x), b(x)) (what vmap computes anyway), or take "
      "the cond out of the vmap."),
-    ("chosen", "as one of several weights that a lax.cond, lax.switch or jnp.where on the data "
-     "picks between, so the op's operand is no one weight", "Move the op into the branches "
-     "(lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x)) or select the outputs "
-     "(jnp.where(pred, x @ a, x @ b)): each weight is then an op's own."),
+    ("chosen", "through a lax.cond, lax.switch or jnp.where on the data that picks between "
+     "weights (or masks one), not as one weight", "Pick or mask the op's outputs instead where "
+     "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
+     "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
 )
 
 
@@ -256,7 +256,8 @@ class Analyzer:
                         and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
                     self._use(ins[1], "float")  # the op that reads it stays float
                     outs = [VarInfo(False, selected=ins[1].source.path)]
-                elif name == "select_n" and not ins[0].weight and _chosen(ins[1:]):
+                elif name == "select_n" and not ins[0].weight and _chosen(ins[1:]) \
+                        and all(c.weight or c.chosen for c in ins[1:]):
                     for info in ins[1:]:  # jnp.where(pred, a, b) of weights: see _site
                         self._use(info, "float")
                     outs = [VarInfo(False, chosen=_chosen(ins[1:]))]
@@ -358,10 +359,12 @@ class Analyzer:
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if widx is None and path and not entry.is_cache:
-                what = (f"weight '{path}'" if isinstance(path, str)
-                        else "weights " + ", ".join(f"'{q}'" for q in path))
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}, so the "
-                       f"op is an activation x activation op and stays float. {fix}")
+                names = (path,) if isinstance(path, str) else path
+                what = (f"weight '{names[0]}'" if len(names) == 1 else
+                        "weights " + ", ".join(f"'{q}'" for q in names))
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
+                       "an activation x activation op: it stays float (unless the recipe "
+                       f"quantizes those, act_x_act=), as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
                 diagnostics.warn(msg)
                 self.warned.append(msg)
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:

@@ -318,8 +318,9 @@ def _leading_axes(want, got) -> str:
     if len(got) <= len(want) or got[len(got) - len(want):] != want:
         return ""
     return (f" Its shape is the expected one with leading axes {got[:len(got) - len(want)]}: "
-            "for a stack of models (an ensemble), map the quantized function over them with "
-            "jax.vmap(qf, in_axes=(0, None))(stacked_params, x), with qparams stacked or shared.")
+            "for a stack of models (an ensemble), calibrate the function mapped over them, "
+            "jqt.calibrate(jax.vmap(f, in_axes=(0, None)), recipe, stacked_params, batches), "
+            "which gives each model its own scales, and quantize that function.")
 
 
 def _check_source(site, qp):

@@ -136,7 +136,8 @@ def _cond_outs(eqn, infos, body_outs, _, reads):
         if len(bufs) == 1 and per_branch[0].buffer:
             writes = tuple(dict.fromkeys(w for o in per_branch for w in o.writes))
             outs.append(VarInfo(False, buffer=per_branch[0].buffer, writes=writes))
-        elif not infos[0].weight and any(o.source is not None or o.chosen for o in per_branch):
+        elif not infos[0].weight and any(o.source is not None or o.chosen for o in per_branch) \
+                and all(o.weight or o.chosen for o in per_branch):
             paths = [q for o in per_branch for q in ((o.source.path,) if o.source is not None
                                                      else o.chosen)]
             outs.append(VarInfo(False, chosen=tuple(dict.fromkeys(paths))))
@@ -293,7 +294,7 @@ def user_rule(eqn):
             f"jqt: the derivative rule of a {eqn.primitive.name.removesuffix('_call')} function "
             f"at '{compat.name_stack(eqn) or '<top>'}' (its body: {', '.join(body) or 'no ops'}) "
             "uses a value it captured when jqt traced f, through nondiff_argnums or a closure "
-            "over an argument of f (a parameter, or a value computed from one). Differentiating "
+            "(over a parameter of f, or any array f computes). Differentiating "
             "the simulated path runs f's jaxpr again, and JAX cannot run such a rule outside the "
             "trace that made it (jax.core.eval_jaxpr cannot either). Pass that value to the "
             "function as a regular argument, or wrap the closure with jax.closure_convert.") from e

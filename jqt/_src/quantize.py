@@ -198,16 +198,17 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         try:
-            traced = tracer(args)
-        except TypeError as e:  # f failed on its arguments: qparams where the weights go?
-            given = [a for a in argnums if a < len(args) and _holds_qparams(args[a])]
-            if not given:
-                raise
-            raise TypeError(
-                f"{e}\njqt: argument {given[0]} of the quantized function holds jqt.OpQParams "
-                "where f takes its weights: are the arguments swapped? Call "
-                "jqt.quantize(f, qparams)(params, ...) with the params (or jqt.pack(qparams, "
-                "params)).") from e
+            try:
+                traced = tracer(args)
+            except Exception as e:  # f failed on its arguments: qparams where the weights go?
+                given = [a for a in argnums if a < len(args) and _holds_qparams(args[a])]
+                if not given:
+                    raise
+                raise TypeError(
+                    f"{type(e).__name__}: {e}\njqt: argument {given[0]} of the quantized "
+                    "function holds jqt.OpQParams where f takes its weights: are the arguments "
+                    "swapped? Call jqt.quantize(f, qparams)(params, ...) with the params (or "
+                    "jqt.pack(qparams, params)).") from e
         except ValueError as e:
             if not dropped or "does not match the specs of the input" not in str(e):
                 raise
@@ -291,17 +292,24 @@ def _positional(f, args, kwargs) -> tuple:
     var_keyword = any(q.kind == q.VAR_KEYWORD for q in params.values())
     keyword = sorted(k for k in kwargs if sig is None or (params[k].kind not in positional
                                                           if k in params else var_keyword))
-    name = getattr(f, "__name__", "f")
+    name = getattr(f, "__name__", type(f).__name__)
     if keyword:
         raise TypeError(f"jqt: {name} (quantized) takes its positional parameters, as "
-                        f"calibration traced it; bind keyword-only arguments ({keyword}) with "
-                        "functools.partial before calibrating and quantizing.")
+                        f"calibration traced it; keyword-only arguments ({keyword}) reach f "
+                        "only through functools.partial: calibrate and quantize "
+                        "functools.partial(f, name=value), one per value.")
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
         raise TypeError(f"jqt: {name} (quantized): {e}") from None
-    bound.apply_defaults()
-    return bound.args
+    # up to the last parameter given, as a positional call would pass them: a default only
+    # fills a gap before a later parameter given by keyword
+    names = [n for n, q in params.items() if q.kind in positional]
+    last = max(names.index(n) for n in bound.arguments if n in names)
+    out = [bound.arguments[n] if n in bound.arguments else params[n].default
+           for n in names[:last + 1]]
+    star = next((n for n, q in params.items() if q.kind == q.VAR_POSITIONAL), None)
+    return tuple(out) + tuple(bound.arguments.get(star, ()))
 
 
 def _own_scales(pw, p, **changes):

@@ -153,7 +153,8 @@ class Rule:
             try:
                 hash(c)  # a Rule is hashable (a jit static argument, a cache key)
             except TypeError as e:
-                frozen = getattr(getattr(type(c), "__dataclass_params__", None), "frozen", False)
+                own = type(c).__dict__.get("__dataclass_params__")  # not a base class's
+                frozen = own is not None and own.frozen
                 fix = (f"a field of it is not ({e}); hold lists as tuples and dicts as tuples "
                        "of pairs" if frozen else "declare it @dataclasses.dataclass(frozen=True), "
                        "as jqt's calibrators are")

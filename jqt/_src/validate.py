@@ -269,7 +269,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
             f"another function or weight_argnums."
-            f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}{_einsum_order(extra + keys)}")
+            f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
+            f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -289,14 +290,15 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}"
-            f"{_einsum_order(missing + list(qparams))}")
+            f"{_einsum_order(missing + [k for k in qparams if k not in keys])}")
 
 
 def _einsum_order(keys) -> str:
-    """A hint where a key is a ``jnp.einsum``'s (its scope is its spec, ``'bi,ij,jk->bk'``):
-    with three or more operands, the order it contracts them in follows their shapes."""
-    spec = next((k.split("/")[0] for k in keys if "->" in k.split("/")[0]
-                 and k.split("/")[0].split("->")[0].count(",") >= 2), None)
+    """A hint where a mismatched key is a ``jnp.einsum``'s (a scope of it is the spec,
+    ``'bi,ij,jk->bk'``): with three or more operands, the order it contracts them in
+    follows their shapes."""
+    spec = next((part for k in keys for part in k.split("/")
+                 if "->" in part and part.split("->")[0].count(",") >= 2), None)
     return ("" if spec is None else
             f" An einsum of three or more operands ('{spec}') contracts them in an order "
             "jnp.einsum picks from their shapes, so other input shapes can give other ops: "

@@ -487,3 +487,16 @@ def test_a_stack_of_models_passed_whole_is_told_to_vmap():
     got = jqt.quantize(vf, qv)(jqt.pack(qv, stack), x)
     for m in range(3):
         assert float(jnp.abs(got[m] - want[m]).max()) < 0.02 * float(jnp.abs(want[m]).max())
+
+
+def test_a_computed_weight_tiled_to_the_batch_says_so_at_another_batch():
+    # A learned probe tiled to the batch, projected, then attending over x (a MAP head):
+    # the projected probe is a computed weight keyed by position whose shape follows the
+    # batch, so another batch size is refused; the message said only "changed shape".
+    p = {"probe": jnp.linspace(-1, 1, 8).reshape(1, 8), "wq": jnp.eye(8) * 0.5}
+    f = lambda p, x: jnp.einsum("bd,bld->bl", jnp.tile(p["probe"], (x.shape[0], 1)) @ p["wq"], x)
+    x = jnp.linspace(-1, 1, 2 * 5 * 8).reshape(2, 5, 8)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"This op's weight is computed in f .* "
+                       r"tiled or broadcast to the batch.*jqt.Rule\(key=...\)"):
+        jqt.quantize(f, qp)(p, jnp.concatenate([x, x[:1]]))

@@ -252,12 +252,20 @@ def lookup(ctx, site, invals):
             if a is not None and tuple(jnp.shape(a)) != want:
                 per_layer = (" (one layer's shapes: under the lax.scan over stacked layers the "
                              "qparams hold them with a leading layer axis)") if site.stack_ids else ""
+                computed = (" This op's weight is computed in f (no leaf of params reaches it "
+                            "by layout ops alone: it is keyed by position), and its shape "
+                            "follows the input's: a weight tiled or broadcast to the batch "
+                            "(jnp.tile(probe, [n, 1, 1]) @ w). Keep the batch out of the weight "
+                            "(multiply the untiled weight, then broadcast the product), or keep "
+                            "this op float: a jqt.Rule(key=...) matching its key, with no types, "
+                            "first in the recipe's rules."
+                            ) if i == site.weight_operand and site.source is None else ""
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {tuple(jnp.shape(a))}, but the operand {tuple(invals[i].shape)} "
                     f"({q.qtype.describe()}) needs {want}{per_layer}. "
                     "The function or its weights changed shape since calibration, or the "
-                    "qparams were edited; re-calibrate.")
+                    f"qparams were edited; re-calibrate.{computed}")
     _check_smooth(site, qp, invals)
     if packed is not None:
         w = site.weight_operand

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import jax
@@ -625,8 +626,13 @@ def _decide(site, rule, st):
         return float_("never reached during calibration")
     shape = site.eqn.invars[w].aval.shape
     eff = weight_qtype(site, wt, shape)
-    if eff != wt:
-        ax = site.entry.groups(site)
+    ax = site.entry.groups(site)
+    k = math.prod(shape[a] for a in site.contract[w])
+    # silent where per channel is what the rule means: an op that takes no groups under a
+    # rule for more ops than it (a preset's; convs are per output channel), or a weight
+    # whose whole contracted size fits one group (a LoRA factor of rank 4 under g16)
+    quiet = (ax is None and rule.ops != (site.op,)) or (ax is not None and k <= wt.group_size)
+    if eff != wt and not quiet:
         where = ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")

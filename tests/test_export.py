@@ -335,6 +335,26 @@ def test_custom_tree_needs_like(tmp_path):
         jqt.load_packed(path, like={"w": jnp.zeros((8, 4))})
 
 
+def test_a_file_packed_under_x64_loads_with_a_template_without_it(tmp_path):
+    # jqt.pack recorded float64/int64 leaves where jax_enable_x64 was on; load_packed reads
+    # them as float32/int32 in a process without it, but like= (the same params, as this
+    # process holds them) was refused as "does not describe the params that were packed".
+    p = {"b": jnp.zeros(8), "step": jnp.int32(3), "w": jnp.linspace(-1, 1, 64).reshape(8, 8)}
+    f = lambda p, x: x @ p["w"] + p["b"]
+    x = jnp.linspace(-1, 1, 16).reshape(2, 8)
+    path = str(tmp_path / "x64.jqt")
+    with jax.enable_x64(True):
+        p64 = {"b": jnp.zeros(8, jnp.float64), "step": jnp.int64(3),
+               "w": jnp.asarray(p["w"], jnp.float64)}
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p64, [(x.astype(jnp.float64),)], progress=False)
+        jqt.save_packed(path, jqt.pack(qp, p64))
+    back = jqt.load_packed(path, like=jax.eval_shape(lambda: p))
+    plain = jqt.load_packed(path)
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(plain, x))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"leaf #0 \('b'\) is \(9,\) float32 in like="):
+        jqt.load_packed(path, like={**p, "b": jnp.zeros(9)})
+
+
 def test_load_packed_device_and_callable(tmp_path, models):
     _, _, _, _, packed = models["mlp_w8a8"]
     path = str(tmp_path / "w.safetensors")

@@ -296,6 +296,10 @@ def _read_packed(r, path, like):
     if like is not None:  # leaves split over explicit mesh axes in like= trace split so
         avals = [_split_as(a, x) for a, x in zip(avals, jax.tree_util.tree_leaves(like))]
     kept, leaves = _read_leaves(r, h, avals, paths)
+    # the leaves as this process holds them (a file packed under jax_enable_x64 records
+    # float64 leaves: float32 here without it, as the kept leaves become on the device)
+    avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
+                                  sharding=getattr(a, "sharding", None)) for a in avals]
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
         # entries that name the same tensors (ops that share codes, jqt.pack): one QArray
@@ -571,8 +575,10 @@ def _check_like(like, avals, paths, path):
             f"{len(avals)}. Pass a template of the params that were packed.")
     for i, (x, a) in enumerate(zip(flat, avals)):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-        dtype = jax.dtypes.canonicalize_dtype(dtype)  # as jqt.pack recorded it (float64: float32)
-        if shape != tuple(a.shape) or jnp.dtype(dtype) != jnp.dtype(a.dtype):
+        # both as this process holds them: jqt.pack recorded the dtypes of its own process
+        # (float64 where jax_enable_x64 was on; load_packed reads such a leaf as float32 here)
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+        if shape != tuple(a.shape) or jnp.dtype(dtype) != jax.dtypes.canonicalize_dtype(a.dtype):
             raise QParamsMismatchError(
                 f"jqt.load_packed: leaf #{i} ('{paths[i]}') is {shape} {jnp.dtype(dtype).name} in "
                 f"like=, but {tuple(a.shape)} {jnp.dtype(a.dtype).name} in {path}. The template "

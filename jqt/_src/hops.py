@@ -170,8 +170,9 @@ def _shard_map_subs(eqn, infos, shard_id):
         if info.source is None:  # data; a buffer (a key/value cache) is its block of it,
             # unless its vectors are split over devices (one scale per vector: a split last axis)
             keeps = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
-            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected, chosen=info.chosen,
-                                 buffer=info.buffer if keeps else (), writes=info.writes if keeps else ()))
+            inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
+                                 chosen=info.chosen, buffer=info.buffer if keeps else (),
+                                 writes=info.writes if keeps else ()))
             continue
         # a replicated weight gets an empty split: each device reads it whole (so
         # jqt.packed_shardings places it whole on every device)
@@ -282,13 +283,16 @@ CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call")
 
 @contextlib.contextmanager
 def user_rule(eqn):
-    """Runs (or re-binds) a custom_jvp/custom_vjp function whose own derivative rule may run.
-    A rule that captured a value of f's trace (a nondiff_argnums argument, a closure over a
-    parameter) refers to a tracer of the trace jqt made f's jaxpr with, which is gone: JAX
-    raises UnexpectedTracerError from inside the rule. Name the function and the fix instead."""
+    """Runs (or re-binds) an equation; a custom_jvp/custom_vjp function's own derivative
+    rule may run in it. A rule that captured a value of f's trace (a nondiff_argnums
+    argument, a closure over a parameter) refers to a tracer of the trace jqt made f's jaxpr
+    with, which is gone: JAX raises UnexpectedTracerError from inside the rule. Name the
+    function and the fix instead."""
     try:
         yield
     except jax.errors.UnexpectedTracerError as e:
+        if eqn.primitive.name not in CUSTOM_RULES:
+            raise
         body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
         raise TypeError(
             f"jqt: the derivative rule of a {eqn.primitive.name.removesuffix('_call')} function "

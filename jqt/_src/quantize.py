@@ -198,17 +198,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         try:
-            try:
-                traced = tracer(args)
-            except Exception as e:  # f failed on its arguments: qparams where the weights go?
-                given = [a for a in argnums if a < len(args) and _holds_qparams(args[a])]
-                if not given:
-                    raise
-                raise TypeError(
-                    f"{type(e).__name__}: {e}\njqt: argument {given[0]} of the quantized "
-                    "function holds jqt.OpQParams where f takes its weights: are the arguments "
-                    "swapped? Call jqt.quantize(f, qparams)(params, ...) with the params (or "
-                    "jqt.pack(qparams, params)).") from e
+            traced = _trace(tracer, args, argnums)
         except ValueError as e:
             if not dropped or "does not match the specs of the input" not in str(e):
                 raise
@@ -273,15 +263,28 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     return qf
 
 
-def _holds_qparams(tree) -> bool:
-    return any(isinstance(v, OpQParams) for v in
-               jax.tree_util.tree_leaves(tree, is_leaf=lambda v: isinstance(v, OpQParams)))
+def _trace(tracer, args, argnums):
+    """``tracer(args)``; where ``f`` fails on its arguments and a weight argument holds
+    qparams (``qf(qparams, x)``), says so."""
+    try:
+        return tracer(args)
+    except Exception as e:
+        is_qp = lambda v: isinstance(v, OpQParams)
+        given = [a for a in argnums if a < len(args) and any(
+            is_qp(v) for v in jax.tree_util.tree_leaves(args[a], is_leaf=is_qp))]
+        if not given:
+            raise
+        raise TypeError(
+            f"{type(e).__name__}: {e}\njqt: argument {given[0]} of the quantized function "
+            "holds jqt.OpQParams where f takes its weights: are the arguments swapped? Call "
+            "jqt.quantize(f, qparams)(params, ...) with the params (or jqt.pack(qparams, "
+            "params)).") from e
 
 
 def _positional(f, args, kwargs) -> tuple:
     """``args`` with the keyword arguments that name positional parameters of ``f`` put in
-    their places (defaults filled in before them), as calibration's positional batches
-    trace ``f``; keyword-only ones (``**kwargs``, flax's ``apply(..., train=False)``) are
+    their places (a skipped parameter's default before them), as calibration's positional
+    batches trace ``f``; keyword-only ones (``**kwargs``, flax's ``apply(..., train=False)``) are
     refused, naming them."""
     try:
         sig = inspect.signature(f)

@@ -78,7 +78,8 @@ class _Measure:
             x = transformed(site, qp, i, xf[i]).astype(_F32)  # what is quantized
             role = "w" if i == w else ("x" if w is not None or i == 0 else "y")
             # initial=: an operand with no elements (a length-0 sequence) has the merge's identity
-            st[f"{role}_min"], st[f"{role}_max"] = jnp.min(x, initial=jnp.inf), jnp.max(x, initial=-jnp.inf)
+            st[f"{role}_min"] = jnp.min(x, initial=jnp.inf)
+            st[f"{role}_max"] = jnp.max(x, initial=-jnp.inf)
             st[f"{role}_n"] = jnp.float32(x.size)
             st[f"{role}_clip"] = jnp.float32(0)
             if q is None or q.qtype.dynamic:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, Plan, Site, Sub, VarInfo
+from .plan import CONST, Plan, Site, Sub, VarInfo, picked_weights
 from .registry import OPS
 
 
@@ -51,12 +51,6 @@ _WEIGHTS_READ_AS_DATA = (
      "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
      "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
 )
-
-
-def _chosen(cases) -> tuple:
-    """The weight leaves a select or a cond on the data picks between (``VarInfo.chosen``)."""
-    paths = [q for c in cases for q in ((c.source.path,) if c.source is not None else c.chosen)]
-    return tuple(dict.fromkeys(paths))
 
 
 def _contains_quantizable(jaxpr) -> bool:
@@ -256,11 +250,10 @@ class Analyzer:
                         and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
                     self._use(ins[1], "float")  # the op that reads it stays float
                     outs = [VarInfo(False, selected=ins[1].source.path)]
-                elif name == "select_n" and not ins[0].weight and _chosen(ins[1:]) \
-                        and all(c.weight or c.chosen for c in ins[1:]):
+                elif name == "select_n" and (chosen := picked_weights(ins[0], ins[1:])):
                     for info in ins[1:]:  # jnp.where(pred, a, b) of weights: see _site
                         self._use(info, "float")
-                    outs = [VarInfo(False, chosen=_chosen(ins[1:]))]
+                    outs = [VarInfo(False, chosen=chosen)]
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
                     outs = [VarInfo(False, indexed=ins[0].source.path)]

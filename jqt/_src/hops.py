@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from . import compat, kvcache
 from .handlers import QParamsMismatchError
 from .layerview import LayerView
-from .plan import Plan, VarInfo, closed_parts
+from .plan import Plan, VarInfo, closed_parts, picked_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +136,8 @@ def _cond_outs(eqn, infos, body_outs, _, reads):
         if len(bufs) == 1 and per_branch[0].buffer:
             writes = tuple(dict.fromkeys(w for o in per_branch for w in o.writes))
             outs.append(VarInfo(False, buffer=per_branch[0].buffer, writes=writes))
-        elif not infos[0].weight and any(o.source is not None or o.chosen for o in per_branch) \
-                and all(o.weight or o.chosen for o in per_branch):
-            paths = [q for o in per_branch for q in ((o.source.path,) if o.source is not None
-                                                     else o.chosen)]
-            outs.append(VarInfo(False, chosen=tuple(dict.fromkeys(paths))))
+        elif chosen := picked_weights(infos[0], per_branch):
+            outs.append(VarInfo(False, chosen=chosen))
         else:
             outs.append(None)
     return outs, {}

@@ -23,6 +23,16 @@ class VarInfo:
     chosen: tuple = ()                     # the weight leaves a select or cond on the data picks from
 
 
+def picked_weights(pred, cases) -> tuple:
+    """``VarInfo.chosen`` of a select or a cond: the weight leaves it picks between by a
+    predicate (``pred``) from the data; ``()`` unless every case is a weight (a constant, a
+    leaf, or such a pick itself) and one reaches a leaf."""
+    if pred.weight or not all(c.weight or c.chosen for c in cases):
+        return ()
+    return tuple(dict.fromkeys(q for c in cases
+                               for q in ((c.source.path,) if c.source is not None else c.chosen)))
+
+
 DATA = VarInfo(False)
 CONST = VarInfo(True)
 

@@ -241,10 +241,17 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))
     qparams_concrete = _concrete(qparams)  # tracers when quantize is called under grad
 
+    @functools.cache
+    def signature():  # once, for calls with keywords
+        try:
+            return inspect.signature(f)
+        except (TypeError, ValueError):  # a builtin or a callable without one
+            return None
+
     @functools.wraps(f)
     def qf(*args, **kwargs):
         if kwargs:
-            args = _positional(f, args, kwargs)
+            args = _positional(f, signature(), args, kwargs)
         if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
             try:
@@ -281,15 +288,11 @@ def _trace(tracer, args, argnums):
             "params)).") from e
 
 
-def _positional(f, args, kwargs) -> tuple:
+def _positional(f, sig, args, kwargs) -> tuple:
     """``args`` with the keyword arguments that name positional parameters of ``f`` put in
     their places (a skipped parameter's default before them), as calibration's positional
     batches trace ``f``; keyword-only ones (``**kwargs``, flax's ``apply(..., train=False)``) are
-    refused, naming them."""
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):  # a builtin or a callable without one
-        sig = None
+    refused, naming them. ``sig``: ``f``'s signature, or ``None``."""
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = sig.parameters if sig is not None else {}
     var_keyword = any(q.kind == q.VAR_KEYWORD for q in params.values())

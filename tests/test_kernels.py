@@ -270,7 +270,7 @@ def test_weight_packed_for_another_policy_warns_and_still_runs():
     f, p, x, qp, _ = _dense(jqt.recipes.w4a8(group_size=128), k=256, n=64, m=2)
     other = jqt.pack(qp, p, policy=jqt.KernelPolicy())
     assert other.weights["w"].layout == "nk"
-    with pytest.warns(UserWarning, match=r"op 'w': its weight was packed \(N, K\) .*reads it "
+    with pytest.warns(UserWarning, match=r"op 'w': the weight was packed \(N, K\) .*reads it "
                                          r"\(K, N\): it is converted on every call"):
         got = jax.jit(jqt.quantize(f, qp, policy=CPU))(other, x)
     with warnings.catch_warnings():

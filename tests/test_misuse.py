@@ -500,3 +500,90 @@ def test_a_computed_weight_tiled_to_the_batch_says_so_at_another_batch():
     with pytest.raises(jqt.QParamsMismatchError, match=r"This op's weight is computed in f .* "
                        r"tiled or broadcast to the batch.*jqt.Rule\(key=...\)"):
         jqt.quantize(f, qp)(p, jnp.concatenate([x, x[:1]]))
+
+
+def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, tmp_path):
+    """A bad min_scale made valid scales NaN or inf (project's result then failed the checks
+    it promises to pass); train=None, max_trials='3' and device=0 ended in Python's own
+    TypeErrors; save_packed / load_packed given the params as qparams in an AttributeError."""
+    p, batches, qp = setup
+    for ms in (float("nan"), float("inf"), 0.0, -1.0, "tiny", np.ones(2)):
+        with pytest.raises(ValueError, match=r"jqt.qat.project: min_scale=.* is not a finite number above 0"):
+            jqt.qat.project(qp, min_scale=ms)
+    assert float(jqt.qat.project(qp, min_scale=jnp.float32(0.5))["w1"].rhs.scale.min()) >= 0.5
+    with pytest.raises(TypeError, match=r"jqt.qat: train=None is not a part name"):
+        jqt.qat.labels(p, qp, train=None)
+    metric = lambda g: float(g(p, *batches[0]).mean())
+    for bad in ("3", 1.5, True):
+        with pytest.raises(TypeError, match=r"jqt.fallback: max_trials=.* is not an int"):
+            jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1, max_trials=bad)
+    path = str(tmp_path / "m.safetensors")
+    packed = jqt.pack(qp, p)
+    for call in (lambda: jqt.save_packed(path, packed, p), lambda: jqt.load_packed(path, qparams=p)):
+        jqt.save_packed(path, packed)
+        with pytest.raises(TypeError, match=r"qparams\['w1'\] is of type ArrayImpl.*arguments swapped"):
+            call()
+    with pytest.raises(TypeError, match=r"jqt.load_packed: device=0 is a number; pass a jax.Device"):
+        jqt.load_packed(path, device=0)
+
+
+def test_a_function_that_is_not_callable_is_named():
+    p = {"w": jnp.ones((4, 4))}
+    with pytest.raises(TypeError, match=r"jqt.calibrate: f is a NoneType, not a function"):
+        jqt.calibrate(None, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    with pytest.raises(TypeError, match=r"jqt.quantize: f is a dict, not a function"):
+        jqt.quantize(p, {})
+
+
+def test_per_op_warnings_are_one_warning_naming_the_ops():
+    """Twelve layers whose weight is merged as w + a @ b (a LoRA merge), and twelve weights
+    packed for another policy: one warning each, naming the ops (there were twelve)."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    p = {f"l{i}": {"w": jax.random.normal(ks[0], (16, 16)) * 0.2, "a": jax.random.normal(ks[1], (16, 2)),
+                   "b": jax.random.normal(ks[2], (2, 16)) * 0.1} for i in range(12)}
+
+    def g(p, x):
+        for i in range(12):
+            x = jnp.tanh(x @ (p[f"l{i}"]["w"] + p[f"l{i}"]["a"] @ p[f"l{i}"]["b"]))
+        return x
+
+    x = jnp.ones((2, 16))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    products = [str(w.message) for w in got if "multiply two weights" in str(w.message)]
+    assert len(products) == 1, products
+    assert re.search(r"jqt: 12 dot_generals multiply two weights: 'l0/[ab]' and 'l0/[ab]' \(at .*; and 7 more\. ",
+                     products[0])
+
+    h = lambda p, x: functools.reduce(lambda x, i: jnp.tanh(x @ p[f"w{i}"]), range(12), x)
+    pw = {f"w{i}": jax.random.normal(ks[0], (64, 64)) * 0.1 for i in range(12)}
+    xs = jnp.ones((2, 64))
+    qp = jqt.calibrate(h, jqt.recipes.w4a8(group_size=32), pw, [(xs,)], progress=False)
+    cpu = jqt.KernelPolicy.for_backend("cpu")
+    other = jqt.pack(qp, pw, policy=jqt.KernelPolicy())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jax.jit(jqt.quantize(h, qp, policy=cpu))(other, xs)
+    layout = [str(w.message) for w in got if "converted on every call" in str(w.message)]
+    assert len(layout) == 1 and layout[0].startswith(
+        "jqt.quantize: ops 'w0', 'w1', 'w2', 'w3', 'w4', 'w5', 'w6', 'w7' and 4 more: the weight "
+        "was packed (N, K)"), layout
+
+
+def test_a_conv_with_batch_groups_warns_that_it_stays_float():
+    k = jnp.ones((3, 3, 2, 4)) * 0.1  # HWIO, batch_group_count=2 splits the 4 outputs
+
+    def g(p, x):
+        return jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME", batch_group_count=2,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    x = jnp.ones((2, 6, 6, 2))
+    with pytest.warns(UserWarning, match=r"jqt.calibrate: op 'k' \(conv_general_dilated .*"
+                                         r"batch_group_count=2\) stays float.*Rule\(key='\^k\$', weight=None\)"):
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), {"k": k}, [(x,)], progress=False)
+    assert qp["k"].rhs is None
+    quiet = jqt.Recipe(rules=(jqt.Rule(key="^k$", weight=None),) + jqt.recipes.w8a8().rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(g, quiet, {"k": k}, [(x,)], progress=False)

@@ -136,6 +136,7 @@ class Analyzer:
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
         self.warned: list[str] = []
+        self.weight_products: list = []  # (where, weight, weight read as the activation)
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
         # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
         # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
@@ -298,7 +299,26 @@ class Analyzer:
             named = self._boundary(plan, out_infos)
             self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
+            self._warn_weight_products()
         return plan, out_infos
+
+    def _warn_weight_products(self):
+        """One warning for every dot_general that multiplies two weights."""
+        if not self.weight_products:
+            return
+        pairs = [f"'{a}' and '{b}' (at '{at}')" for at, a, b in self.weight_products]
+        n = len(pairs)
+        listed = "; ".join(pairs[:5]) + (f"; and {n - 5} more" if n > 5 else "")
+        msg = (f"jqt: {'a dot_general multiplies' if n == 1 else f'{n} dot_generals multiply'} two "
+               f"weights: {listed}. The product does not depend on the data, yet jqt treats the "
+               "second weight as the op's activation and recomputes the product at every call "
+               "(jqt.pack cannot store it). A jnp.einsum of three or more operands contracts two "
+               "weights first at some input shapes (the order its optimize= picks depends on "
+               "them), so other shapes give other ops and keys: pass optimize=False, or write it "
+               "as two einsums. A merged weight (LoRA's w + a @ b): merge it into params before "
+               "calibrating.")
+        diagnostics.warn(msg)
+        self.warned.append(msg)
 
     def _boundary(self, plan, out_infos) -> set:
         """The caches ``f`` takes and returns (``Plan.boundary``): an output that is an
@@ -369,16 +389,7 @@ class Analyzer:
             self.warned.append(msg)
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
         if other is not None and other.weight and other.source is not None:
-            msg = (f"jqt: a dot_general (at '{stack or '<top>'}') multiplies two weights, "
-                   f"'{src.path}' and '{other.source.path}': the product does not depend on the "
-                   f"data, yet jqt treats '{other.source.path}' as the op's activation and "
-                   "recomputes the product at every call (jqt.pack cannot store it). A jnp.einsum "
-                   "of three or more operands contracts two weights first at some input shapes "
-                   "(the order its optimize= picks depends on them), so other shapes give other "
-                   "ops and keys: pass optimize=False, or write it as two einsums. A merged "
-                   "weight (LoRA's w + a @ b): merge it into params before calibrating.")
-            diagnostics.warn(msg)
-            self.warned.append(msg)
+            self.weight_products.append((stack or "<top>", src.path, other.source.path))
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

@@ -284,7 +284,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                          f"(axes {tuple(mesh.shape)}){one}.")
     argnums = normalize_argnums(weight_argnums)
     params_t = validate.weight_args(params, argnums, "jqt.calibrate")
-    jstep, last = _step_fn(Tracer(f, argnums), argnums, recipe, mesh, data_axis)
+    jstep, last = _step_fn(Tracer(f, argnums, "jqt.calibrate"), argnums, recipe, mesh, data_axis)
     validate.flags("jqt.calibrate", progress=progress, propagate=propagate)
     check_batches(batches)
     sequence = hasattr(batches, "__len__") and hasattr(batches, "__getitem__")
@@ -607,6 +607,12 @@ def _decide(site, rule, st):
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
+        diagnostics.warn(f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
+                         f"'{site.name_stack or '<top>'}', batch_group_count="
+                         f"{site.eqn.params['batch_group_count']}) stays float: jqt has no integer "
+                         "rule for a convolution with batch_group_count > 1. To keep it float "
+                         f"without this warning, put jqt.Rule(key='^{re.escape(site.key)}$', "
+                         "weight=None) ahead of the recipe's rules.")
         return float_("conv with batch_group_count > 1 is kept float")
     if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:

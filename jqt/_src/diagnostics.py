@@ -70,3 +70,40 @@ def warn(message: str, category: type = UserWarning) -> None:
         stack[-1].append((message, category))
         return
     warnings.warn(message, category, stacklevel=caller_level())
+
+
+@contextlib.contextmanager
+def per_op():
+    """Warnings given with :func:`warn_op` inside, one per message on exit that names every
+    op it was given for (a model of 128 layers: one warning, not 128). Thread-local.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as w:
+    ...     warnings.simplefilter("always")
+    ...     with per_op():
+    ...         for k in ("l0", "l1"):
+    ...             warn_op("jqt: {ops}: slow.", k)
+    >>> [str(m.message) for m in w]
+    ["jqt: ops 'l0', 'l1': slow."]
+    """
+    outer = getattr(_local, "ops", None)
+    _local.ops = groups = {}
+    try:
+        yield
+    finally:
+        _local.ops = outer
+    for template, keys in groups.items():
+        shown = ", ".join(f"'{k}'" for k in keys[:8]) + (f" and {len(keys) - 8} more"
+                                                        if len(keys) > 8 else "")
+        warn(template.format(ops=f"op {shown}" if len(keys) == 1 else f"ops {shown}"))
+
+
+def warn_op(template: str, key: str) -> None:
+    """:func:`warn` of ``template`` with ``{ops}`` naming op ``key``; inside :func:`per_op`,
+    collected with the other ops of the same template."""
+    groups = getattr(_local, "ops", None)
+    if groups is None:
+        warn(template.format(ops=f"op '{key}'"))
+    elif key not in groups.setdefault(template, []):
+        groups[template].append(key)
+

@@ -388,7 +388,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     tree = None
     for i, b in enumerate(batches):
         tree = check_batch(i, b, tree, "jqt.gptq")
-    tracer = Tracer(f, argnums)
+    tracer = Tracer(f, argnums, "jqt.gptq")
     traced = tracer(full_args(argnums, params_t, batches[0]))
     validate.check_keys(traced, qparams, "jqt.gptq")
     weightcheck.check(qparams, params_t, argnums, "jqt.gptq")  # it rounds on the calibrated grids

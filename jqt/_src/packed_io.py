@@ -235,6 +235,9 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if isinstance(device, str):
         raise TypeError(f"{fn}: device={device!r} is a name; pass a jax.Device (e.g. "
                         f"jax.devices({device!r})[0]) or a Sharding.")
+    if isinstance(device, (int, float, np.number)):
+        raise TypeError(f"{fn}: device={device!r} is a number; pass a jax.Device (e.g. "
+                        f"jax.devices()[{device!r}]) or a Sharding.")
     path = file_path(path, fn)
     if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
@@ -637,9 +640,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
     Raises :class:`jqt.QParamsMismatchError`."""
     if not isinstance(packed, PackedParams):
         raise TypeError(f"{fn}: expected a jqt.PackedParams, got a {type(packed).__name__}.")
-    if not isinstance(qparams, dict):
-        raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
-                        "by jqt.calibrate (or jqt.load).")
+    validate.check_qparams_types(qparams, fn)
     extra = sorted(set(packed.weights) - set(qparams))
     if extra:
         raise QParamsMismatchError(

@@ -122,7 +122,13 @@ def _check(params, qparams, fn):
 
 
 def _resolve(train: str | Iterable[str]) -> frozenset:
-    names = (train,) if isinstance(train, str) else tuple(train)
+    if isinstance(train, str):
+        names = (train,)
+    elif isinstance(train, Iterable):
+        names = tuple(train)
+    else:
+        raise TypeError(f"jqt.qat: train={train!r} is not a part name or an iterable of them; "
+                        f"pass one of {PARTS} or {tuple(_GROUPS)}, or a list of them.")
     out = set()
     for n in names:
         if n in _GROUPS:
@@ -314,6 +320,15 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     if not isinstance(qparams, dict):
         raise TypeError(f"jqt.qat.project: expected a qparams dict, got {type(qparams).__name__}; "
                         "project the qparams half of the state: (params, jqt.qat.project(qp)).")
+    if not compat.is_tracer(min_scale):
+        try:
+            ok = np.ndim(min_scale) == 0 and np.isfinite(float(min_scale)) and float(min_scale) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"jqt.qat.project: min_scale={min_scale!r} is not a finite number "
+                             "above 0; scales are clamped to at least min_scale, so pass a small "
+                             "positive float (the default is 1e-8).")
 
     def fix(q):
         if q is None:

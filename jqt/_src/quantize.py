@@ -184,7 +184,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     check_policy(policy, "jqt.quantize")
     qparams = numbers_as_arrays(qparams)
     argnums = normalize_argnums(weight_argnums)
-    tracer = Tracer(f, argnums)
+    tracer = Tracer(f, argnums, "jqt.quantize")
     handler = Simulate() if simulate else Integer(policy)
     checked = set()
     folds = {k: p.fold_tag for k, p in qparams.items()}  # digests of the concrete vectors
@@ -235,7 +235,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         keys = [s.key for s in traced.sites()]
         state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
                  for k in keys if k in qparams}
-        outs = traced.run(args, handler, state)[0]
+        with diagnostics.per_op():
+            outs = traced.run(args, handler, state)[0]
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))

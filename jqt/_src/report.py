@@ -302,7 +302,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     batches_like = isinstance(batch, list) and bool(batch) and all(isinstance(b, tuple) for b in batch)
     batch = tuple(batch)
     check_batch(0, batch, None, "jqt.report")  # no empty or non-finite arrays
-    tracer = Tracer(f, argnums)
+    tracer = Tracer(f, argnums, "jqt.report")
     try:
         traced = tracer(full_args(argnums, params_t, batch))
     except Exception as e:

@@ -251,7 +251,10 @@ def _aval_key(x):
 class Tracer:
     """Traces ``f`` once per input structure and types; keeps the last 32."""
 
-    def __init__(self, f, weight_argnums):
+    def __init__(self, f, weight_argnums, fn: str = "jqt"):
+        if not callable(f):
+            raise TypeError(f"{fn}: f is a {type(f).__name__}, not a function; pass the function "
+                            "first (e.g. model.apply), then the weights and the data.")
         self.f = f
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()

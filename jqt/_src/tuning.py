@@ -301,6 +301,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     validate.flags("jqt.fallback", simulate=simulate, higher_is_better=higher_is_better)
     if rank not in ("report", "sensitivity"):
         raise ValueError(f"jqt.fallback: rank={rank!r}; expected 'report' or 'sensitivity'.")
+    if isinstance(max_trials, bool) or not isinstance(max_trials, (int, np.integer)):
+        raise TypeError(f"jqt.fallback: max_trials={max_trials!r} is not an int; pass the most "
+                        "metric evaluations of quantized variants, e.g. max_trials=12.")
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
     budget = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None

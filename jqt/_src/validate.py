@@ -163,6 +163,21 @@ def operand_types_problem(p: OpQParams):
     return None
 
 
+def check_qparams_types(qparams, fn: str = "jqt") -> None:
+    """Raises ``TypeError`` unless ``qparams`` is a dict of :class:`jqt.OpQParams` (the
+    first check of :func:`check_qparams`), with a hint where it looks like model parameters."""
+    if not isinstance(qparams, dict):
+        raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
+                        "by jqt.calibrate (or jqt.load).")
+    for k, v in qparams.items():
+        if not isinstance(v, OpQParams):
+            params_like = hasattr(v, "shape") or isinstance(v, (dict, list, tuple))
+            swapped = (" It looks like model parameters: are the arguments swapped? qparams is "
+                       f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""
+            raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
+                            f"jqt.OpQParams.{swapped}")
+
+
 def check_qparams(qparams, fn: str = "jqt", values: bool = True):
     """Raises ``TypeError`` unless ``qparams`` is a dict of :class:`jqt.OpQParams`, and
     (``values=True``) ``ValueError`` naming the op, the field and what is wrong when a
@@ -180,16 +195,7 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
     ...
     ValueError: jqt.quantize: op 'w' holds invalid quantization parameters: rhs.scale: 2 of 2 values are 0 (scales and smoothing factors must be finite and > 0, zero points finite and within their type's range). Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning.
     """
-    if not isinstance(qparams, dict):
-        raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
-                        "by jqt.calibrate (or jqt.load).")
-    for k, v in qparams.items():
-        if not isinstance(v, OpQParams):
-            params_like = hasattr(v, "shape") or isinstance(v, (dict, list, tuple))
-            swapped = (" It looks like model parameters: are the arguments swapped? qparams is "
-                       f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""
-            raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
-                            f"jqt.OpQParams.{swapped}")
+    check_qparams_types(qparams, fn)
     check_alive(qparams, fn, "qparams")
     for k, v in qparams.items():
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree_util.tree_leaves(v)):

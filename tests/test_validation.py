@@ -1156,6 +1156,60 @@ def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
                "ops=('conv_general_dilated',) leave out that primitive" in m for m in conv_only)
 
 
+def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_said():
+    """A keyed rule with weight= on an embedding lookup (or on an attention product) made
+    the ops float, overriding the preset behind it, without a word; a rule of every key
+    appended after a preset's (a conv type, the float-lookup rule) decided nothing silently."""
+    Q, R = jqt.QuantType, jqt.recipes
+    p = {"emb": jnp.ones((16, 8)) * 0.1, "w": jnp.ones((8, 8)) * 0.1,
+         "k": jnp.ones((3, 3, 2, 2)) * 0.1}
+
+    def f(p, ids):
+        h = p["emb"][ids] @ p["w"]
+        return jnp.einsum("btd,bsd->bts", h, h)
+
+    ids = [(jnp.array([[1, 2, 3]]),)]
+    cal = lambda rules: _messages(lambda: jqt.calibrate(f, jqt.Recipe(rules=rules), p, ids, progress=False))
+    base = R.w8a8_dynamic(act_x_act=True).rules
+    got = cal((jqt.Rule(key="^emb$", weight=Q(bits=4, per_channel=True)),) + base)
+    assert any("rule 0 (Rule(key='^emb$')) decides 1 op(s) that take none of its types, which "
+               "stay float: 'emb' (embedding=)" in m for m in got), got
+    got = cal((jqt.Rule(key="bts", weight=R.INT8_WEIGHT, activation=Q(bits=8, dynamic=True)),) + base)
+    assert any("rule 0 (Rule(key='bts')) decides 1 op(s)" in m and "(act_x_act=)" in m for m in got), got
+    # a rule that keeps its ops float, or whose types some op it decides takes: no warning
+    for rules in ((jqt.Rule(key="^emb$"),) + base, (jqt.Rule(key=".", **{f: getattr(base[-1], f)
+                                                    for f in ("weight", "activation")}),) + base):
+        assert not [m for m in cal(rules) if "take none of its types" in m]
+    # appended after the preset's rule of every key: shadowed, said so
+    got = cal(R.w8a8().rules + (jqt.Rule(ops=("gather",), embedding=None),))
+    assert any(re.search(r"rule \d+ \(Rule\(ops=\('gather',\)\)\) decides no op: every op it "
+                         r"matches is taken by an earlier rule", m) for m in got), got
+    # a preset's rule of every key that matches no op (w4's conv rule, no convs): silent
+    assert not [m for m in cal(R.w4().rules) if "decides no op" in m]
+
+
+def test_packed_shardings_rules_that_decide_nothing_are_said():
+    f = lambda p, x: x @ p["attn"]["w"] + p["attn"]["b"]
+    p = {"attn": {"w": jnp.ones((4, 8)) * 0.1, "b": jnp.zeros(8)}}
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    packed = jqt.pack(qp, p)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    P = jax.sharding.PartitionSpec
+    got = _messages(lambda: jqt.packed_shardings(qp, packed, mesh, ops=[("atn/w", "in")],
+                                                 leaves=[("attn/bias", P("model")), ("b", P()), ("b$", P())]))
+    assert any("ops rule 0 ('atn/w', 'in') decides nothing: its pattern matches none of the op "
+               "keys ('attn/w')" in m for m in got), got
+    assert any(re.search(r"leaves rule 0 \('attn/bias', .*\) decides nothing: its pattern matches "
+                         r"none of the kept float leaves \('attn/b'; jqt.pack drops", m) for m in got), got
+    assert any(re.search(r"leaves rule 2 \('b\$', .*\) decides nothing: an earlier rule takes", m)
+               for m in got), got
+    assert not [m for m in got if "leaves rule 1" in m]
+    with pytest.raises(ValueError, match=r"ops rule \('zzz', 'inn'\) gives 'inn'"):
+        jqt.packed_shardings(qp, packed, mesh, ops=[("zzz", "inn")])
+    with pytest.raises(TypeError, match=r"dequantize_cache: dtype='int8' is not a float dtype"):
+        jqt.dequantize_cache(jqt.quantize_cache(jnp.ones((2, 8))), "int8")
+
+
 def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_made():
     C = jqt.calibrators
     cases = [  # (call, error, message): each was accepted, or failed after every batch had run

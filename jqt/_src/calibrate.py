@@ -400,10 +400,18 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                     f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) sets {field}=, but its ops={r.ops} "
                     f"leave out the {what} ({' and '.join(map(repr, prims))}), and the {what} its key "
                     f"matches stay float: {listed(left)}. Add {prims[0]!r} to its ops=.")
+    _warn_untyped(sites, recipe, chosen)
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
-        if r.key != ".*" and id(r) not in used:
-            shadowed = any(r.matches(s.op, s.key) for s in sites)
+        if id(r) in used:
+            continue
+        # a rule of every key is left unused by the presets' own (a conv rule, no convs);
+        # one that an earlier rule of every key shadows (appended after a preset's) is not
+        taken = [chosen[s.key] for s in sites if r.matches(s.op, s.key)]
+        if r.key == ".*" and not (taken and all(t.key == ".*" for t in taken)):
+            continue
+        if r.key != ".*" or taken:
+            shadowed = bool(taken)
             other = sorted({f"{s.key!r} ({s.op})" for s in sites
                             if s.op not in r.ops and re.search(r.key, s.key)})
             if shadowed:
@@ -418,7 +426,37 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                     why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                             "'key[n]', but the layers share one op key and one rule: match the key "
                             "itself for every layer, or keep that layer out of the scan")
-            diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides no op: {why}.")
+            named = f"key={r.key!r}" if r.key != ".*" else f"ops={r.ops}"
+            diagnostics.warn(f"jqt.calibrate: rule {i} (Rule({named})) decides no op: {why}.")
+
+
+def _warn_untyped(sites, recipe, chosen):
+    """Warns of a rule with a key of its own that gives types, yet decides only ops that
+    take none of them (a lookup takes ``embedding=``, a cache write ``kv_cache=``, an
+    activation x activation op ``act_x_act=``): they stay float, in place of what the
+    rules after it would give them."""
+    def field(s):
+        if s.entry.is_cache:
+            return "kv_cache"
+        if s.op == "gather":
+            return "embedding"
+        return "act_x_act" if s.weight_operand is None and s.op == "dot_general" else None
+
+    types = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
+    for i, r in enumerate(recipe.rules):
+        if r.key == ".*" or all(getattr(r, t) is None for t in types):
+            continue  # a rule of every key (a preset's), or one that keeps its ops float
+        decided = [s for s in sites if chosen[s.key] is r]
+        untyped = [(s.key, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
+        if decided and len(untyped) == len(decided):
+            ops = ", ".join(f"'{k}' ({f}=)" for k, f in untyped[:6])
+            diagnostics.warn(
+                f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides {len(untyped)} op(s) that "
+                f"take none of its types, which stay float: {ops}{' ...' if len(untyped) > 6 else ''}"
+                ". Each takes its type from the field named (an embedding lookup's table from "
+                "embedding=, a cache from kv_cache=, an activation x activation op from "
+                "act_x_act=): set it on the rule, or narrow the rule's key to the ops its types "
+                "are for.")
 
 
 def tie_tables(qparams):

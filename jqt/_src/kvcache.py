@@ -281,6 +281,15 @@ def dequantize_cache(c, dtype=None):
         raise TypeError(f"jqt.dequantize_cache: expected a quantized cache (a jqt.QArray with "
                         f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
                         f"{type(c).__name__}.")
+    if dtype is not None:
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise TypeError(f"jqt.dequantize_cache: dtype={dtype!r} is not a float dtype; the "
+                            "decoded cache is float (float32, bfloat16, ...). The codes "
+                            "themselves are the cache's .values.")
     return decode(c, dtype or c.float_dtype)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import validate
+from . import diagnostics, validate
 from .qparams import OpQParams, PackedParams, QArray
 
 _MODES = ("out", "in", None)
@@ -33,11 +33,25 @@ def _spec(ndim, dim, axis):
     return P(*([None] * dim + [axis] + [None] * (ndim - dim - 1)))
 
 
-def _first_match(rules, name, default):
-    for pattern, value in rules:
+def _first_match(rules, name, default, used=None):
+    for i, (pattern, value) in enumerate(rules):
         if re.search(pattern, name):
+            if used is not None:
+                used.add(i)
             return value
     return default
+
+
+def _warn_unused(name, rules, used, names, what, note=""):
+    """Warns of each rule of ``rules`` that was the first match of no name."""
+    listed = ", ".join(repr(n) for n in names[:6]) + (" ..." if len(names) > 6 else "") + note
+    for i, rule in enumerate(rules):
+        if i not in used:
+            taken = any(re.search(rule[0], n) for n in names)
+            why = ("an earlier rule takes every one it matches; move it ahead of them" if taken
+                   else f"its pattern matches none of the {what} ({listed or 'none'}); check it")
+            diagnostics.warn(f"jqt.packed_shardings: {name} rule {i} {tuple(rule)!r} decides "
+                             f"nothing: {why}.")
 
 
 def _free_axes(op: OpQParams, ndim: int, depth: int):
@@ -154,6 +168,12 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
             except (re.error, TypeError) as e:
                 raise ValueError(f"jqt.packed_shardings: {name} rule {rule!r}: its first item must "
                                  f"be a regular expression ({e}).") from None
+            if name == "ops" and rule[1] not in _MODES:
+                raise ValueError(f"jqt.packed_shardings: ops rule {rule!r} gives {rule[1]!r}; use "
+                                 "'out', 'in' or None.")
+            if name == "leaves" and rule[1] is not None and not isinstance(rule[1], P):
+                raise ValueError(f"jqt.packed_shardings: leaves rule {rule!r} gives {rule[1]!r}; "
+                                 "use a jax.sharding.PartitionSpec or None.")
     # ops without a weight (activation x activation, caches) carry replicated scales only
     if axis not in mesh.shape and not all(_block_spec(op) is not None for op in qparams.values()
                                           if isinstance(op, OpQParams) and op.source is not None):
@@ -171,15 +191,12 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     def arr(a, dim):
         return None if a is None else sharding(tuple(np.shape(a)), dim)
 
-    qp_sh, w_sh = {}, {}
+    qp_sh, w_sh, used_ops, used_leaves = {}, {}, set(), set()
     for key, op in qparams.items():
         if not isinstance(op, OpQParams):
             raise TypeError(f"jqt.packed_shardings: qparams['{key}'] is a {type(op).__name__}; "
                             "expected jqt.OpQParams.")
-        mode = _first_match(ops, key, "out")
-        if mode not in _MODES:
-            raise ValueError(f"jqt.packed_shardings: rule for op '{key}' gives {mode!r}; use "
-                             "'out', 'in' or None.")
+        mode = _first_match(ops, key, "out", used_ops)
         pw = packed.weights.get(key)
         blocks = _block_spec(op)
         if blocks is not None:  # split by the function's own jax.shard_map: as it splits them
@@ -266,14 +283,11 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     paths = leaf_paths(packed)
     leaf_sh = []
     for i, x in zip(packed.kept, packed.leaves):
-        spec = _first_match(leaves, paths[i], None)
-        if spec is None:
-            leaf_sh.append(rep)
-        elif isinstance(spec, P):
-            leaf_sh.append(NamedSharding(mesh, spec))
-        else:
-            raise ValueError(f"jqt.packed_shardings: rule for leaf '{paths[i]}' gives {spec!r}; "
-                             "use a jax.sharding.PartitionSpec or None.")
+        spec = _first_match(leaves, paths[i], None, used_leaves)
+        leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
+    _warn_unused("ops", ops, used_ops, list(qparams), "op keys")
+    _warn_unused("leaves", leaves, used_leaves, [paths[i] for i in packed.kept],
+                 "kept float leaves", "; jqt.pack drops the weights it packs")
     out = PackedParams(leaf_sh, {k: w_sh[k] for k in packed.weights}, packed.treedef, packed.avals,
                        packed.kept, packed.tied)
     return qp_sh, out

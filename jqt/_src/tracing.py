@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections import OrderedDict
 
 import jax
@@ -258,16 +259,18 @@ class Tracer:
         self.f = f
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # threads calling one quantized function share the cache
 
     def __call__(self, args) -> Traced:
         check_traceable(args)
         args = mark_static(kvcache.placeholders(list(args)))
         flat, treedef = jax.tree_util.tree_flatten(args)
         key = (treedef, tuple(_aval_key(x) for x in flat), compat.trace_settings())
-        hit = self.cache.get(key)
-        if hit is not None:
-            self.cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.cache.move_to_end(key)
+                return hit
         for a in self.argnums:
             if a >= len(args):
                 raise ValueError(f"jqt: weight_argnums={self.argnums} but f was called with "
@@ -311,7 +314,8 @@ class Tracer:
         plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
         traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
-        self.cache[key] = traced
-        if len(self.cache) > 32:
-            self.cache.popitem(last=False)
+        with self._lock:
+            self.cache[key] = traced
+            if len(self.cache) > 32:
+                self.cache.popitem(last=False)
         return traced

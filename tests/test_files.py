@@ -365,6 +365,15 @@ def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path
     with pytest.raises(ValueError, match=r"jqt.save_packed: the packed weight of op 'l1/w': its scale "
                                          r"is bfloat16, where jqt.pack made it float32.*cast after"):
         jqt.save_packed(str(tmp_path / "m.safetensors"), cast, qp)
+    # the qparams cast, the packed weights as jqt.pack made them: the qparams are named
+    # (the message told to save the weights jqt.pack returned, which these are)
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, packed, qp)
+    qcast = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), qp)
+    for call in (lambda: jqt.save_packed(path, packed, qcast), lambda: jqt.load_packed(path, qparams=qcast)):
+        with pytest.raises(ValueError, match=r"qparams\['l1/w'\]\.rhs\.scale is bfloat16, where the "
+                                             r"packed weight's is float32 .*the qparams were cast"):
+            call()
 
 
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):

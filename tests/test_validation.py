@@ -1355,6 +1355,24 @@ def test_packed_params_paths_name_their_parts():
     assert ".weights['w1'].values" in paths and ".weights['w2'].scale" in paths
 
 
+def test_packed_params_with_no_float_leaf_round_trips_through_orbax(tmp_path):
+    """docs/export.md: orbax saves and restores PackedParams with a template. With every
+    leaf packed (no bias, no norm) orbax put its SaveArgs where the empty tuple of float
+    leaves was, and PackedParams' unflatten, which rebuilt the tuple, raised a TypeError."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    assert packed.leaves == ()
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "packed", packed)
+    ck.wait_until_finished()
+    back = ck.restore(tmp_path / "packed", jax.eval_shape(lambda: packed))
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(packed, x))
+
+
 def test_qparams_templates_of_shapes_are_refused_as_such():
     """jax.eval_shape(lambda: qparams) (an orbax template) given to pack: said so, where
     the error claimed the weight did not fit its scale."""

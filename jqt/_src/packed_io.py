@@ -702,6 +702,16 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{fn}: the packed weight of op '{key}' has shape {shape} (layout "
                     f"'{pw.layout}'), which does not fit its weight scale of shape "
                     f"{tuple(np.shape(q.scale))}. The weights or qparams changed; re-run jqt.pack.")
+        side = "lhs" if w == 0 else "rhs"
+        recast = next((f"qparams['{key}'].{side}.{name} is {np.dtype(b.dtype).name}" for name, a, b in
+                       (("scale", pw.scale, q.scale), ("zero_point", pw.zero_point, q.zero_point))
+                       if a is not None and b is not None and np.dtype(a.dtype) == np.float32
+                       and np.dtype(b.dtype) != np.float32), None)
+        if recast:  # the qparams were cast, not the packed weights
+            raise ValueError(
+                f"{fn}: {recast}, where the packed weight's is float32 (as jqt.calibrate and "
+                "jqt.pack make them, and jqt files hold them): the qparams were cast. Pass them "
+                "as float32 (cast a copy for other uses).")
         if packed_with is not None:
             other = packed_with.get(key)
             ow = None if other is None else other.weight_operand

@@ -453,8 +453,12 @@ class PackedParams:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        leaves, weights = children
-        return cls(leaves, weights, *aux)
+        # children as they come: JAX's transformations and orbax put objects of their own
+        # in place of each child (orbax one SaveArgs for an empty tuple or dict)
+        out = object.__new__(cls)
+        out.leaves, out.weights = children
+        out.treedef, out.avals, out.kept, out.tied = aux
+        return out
 
     def weight(self, key):
         """The packed :class:`QArray` op ``key`` reads, or ``None``. An embedding table

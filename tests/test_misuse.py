@@ -10,6 +10,7 @@ errors (``range() arg 3 must not be zero``, ``'list' object has no attribute 'sh
 ``f() takes 2 positional arguments but 5 were given``, ...)."""
 import dataclasses
 import functools
+import math
 import gc
 import re
 import warnings
@@ -587,3 +588,73 @@ def test_a_conv_with_batch_groups_warns_that_it_stays_float():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.calibrate(g, quiet, {"k": k}, [(x,)], progress=False)
+
+
+def test_report_of_a_function_that_returns_only_integers_measures_nothing():
+    """A generate loop returning token ids: the report said 'SQNR inf dB (exact)' while the
+    quantized tokens differed. Integer outputs are counted apart."""
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    g = lambda p, x: jnp.argmax(x @ p["w"], axis=-1)
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+    qp = jqt.calibrate(g, jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=2, per_channel=True)),)),
+                       {"w": w}, [(x,)], progress=False)
+    r = jqt.report(g, qp, {"w": w}, (x,))
+    differ = int(jnp.sum(jqt.quantize(g, qp)({"w": w}, x) != g({"w": w}, x)))
+    assert differ > 0 and r.output_int_differ == (differ, 64)
+    assert math.isnan(r.output_sqnr) and "exact" not in str(r)
+    assert "f returns no float output, so no output error was measured" in str(r)
+    assert f"integer outputs: {differ} of 64 values differ from float's" in str(r)
+    h = lambda p, x: (lambda y: (y, jnp.argmax(y, axis=-1)))(x @ p["w"])  # the same op, one key
+    both = jqt.report(h, qp, {"w": w}, (x,))
+    assert math.isfinite(both.output_sqnr) and both.output_int_differ == (differ, 64)
+
+
+def test_a_tied_table_split_across_formats_is_said_to_be_stored_twice():
+    """A fallback moving the matmul of a tied table to int8 while the lookup stays int4:
+    the codes were stored twice without the warning the int8 / fp8 split gets."""
+    emb = jax.random.normal(jax.random.key(0), (32, 16))
+    g = lambda p, ids: p["emb"][ids] @ p["emb"].T
+    ids = [(jnp.arange(8).reshape(2, 4),)]
+    w4 = jqt.recipes.w4(group_size=16)
+    qp = jqt.calibrate(g, w4, {"emb": emb}, ids, progress=False)
+    assert jqt.pack(qp, {"emb": emb}).tied
+    split = jqt.Recipe(rules=(dataclasses.replace(jqt.recipes.w8().rules[0], key="^emb#1$"),) + w4.rules)
+    qs = jqt.calibrate(g, split, {"emb": emb}, ids, progress=False)
+    with pytest.warns(UserWarning, match=r"jqt.pack: the lookup 'emb' and the matmul 'emb#1' read the same "
+                                         r"table 'emb' \(tied embeddings\), but the lookup's type is int4"):
+        assert not jqt.pack(qs, {"emb": emb}).tied
+
+
+def test_weights_packed_before_a_fallback_to_float_name_the_packed_format():
+    p, batches, qp = _w4_setup()
+    packed = jqt.pack(qp, p)
+    kept = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="^w1$", weight=None),) + jqt.recipes.w4(
+        group_size=16).rules), p, batches, progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'w1' reads weight 'w1', which jqt.pack dropped: "
+                                                       r"the packed params hold it as int4 sym g16 codes, but "
+                                                       r"these qparams keep the op float"):
+        jqt.quantize(f, kept)(packed, *batches[0])
+
+
+def _w4_setup():
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (32, 32)) * 0.3, "w2": jax.random.normal(k[1], (32, 8)) * 0.3}
+    batches = [(jax.random.normal(k[2], (16, 32)),)]
+    return p, batches, jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+
+
+def test_a_fallback_that_every_candidate_at_to_misses_says_more_trials_cannot_help():
+    p, batches, qp = _w4_setup()
+    x = batches[0][0]
+    err = lambda g: float(jnp.mean((g(p, x) - f(p, x)) ** 2))
+    for recipe, to, same in ((jqt.recipes.w4(group_size=16), jqt.recipes.w8().rules[0], False),
+                             (jqt.recipes.w8a8(), jqt.recipes.w8a8().rules[0], True)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            res = jqt.fallback(f, recipe, p, batches, err, max_drop=1e-12, higher_is_better=False,
+                               to=to, max_trials=12)
+        assert not res.met and len(res.trials) == 2
+        msg = [str(w.message) for w in got if "was not met" in str(w.message)]
+        assert len(msg) == 1 and "keeping every one of the 2 candidate ops back at to= scores" in msg[0] \
+            and "more trials cannot meet it" in msg[0] and "Allow more trials" not in msg[0], msg
+        assert ("to= gives them the types they have?" in msg[0]) == same, msg

@@ -89,6 +89,9 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
     "w4_per_channel": (R.w4(group_size=0), 512, 72, 2),  # one scale row: K in blocks of 256
     "nf4_per_channel_k300": (R.nf4(group_size=0), 300, 40, 3),
     "w4_per_channel_asym_k258": (R.w4(group_size=0, symmetric=False), 258, 24, 1),  # one block
+    # w4a8() per channel: packed (K, N) for the kernel (it was (N, K), unpacked by XLA per call)
+    "w4a8_per_channel": (R.w4a8(), 512, 72, 2),
+    "w4a8_per_channel_asym_k258": (R.w4a8(symmetric=False), 258, 24, 1),
     "fp8": (R.fp8(), 512, 72, 1),  # e4m3 weights per channel, static e4m3 activations
     "fp8_e5m2_dynamic_k301": (jqt.Recipe(rules=(jqt.Rule(
         weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
@@ -102,7 +105,8 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel"}))  # the others: CI
+@pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel",
+                                                  "w4a8_per_channel"}))  # the others: CI
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)

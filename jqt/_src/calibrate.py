@@ -405,10 +405,13 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     for i, r in enumerate(recipe.rules):
         if id(r) in used:
             continue
-        # a rule of every key is left unused by the presets' own (a conv rule, no convs);
-        # one that an earlier rule of every key shadows (appended after a preset's) is not
+        # a rule of every key is left unused by the presets' own (a conv rule, no convs),
+        # or by a rule for some ops put ahead of a preset's; one that an earlier rule of
+        # every key and of all its ops shadows on any function (appended after a
+        # preset's) is dead
         taken = [chosen[s.key] for s in sites if r.matches(s.op, s.key)]
-        if r.key == ".*" and not (taken and all(t.key == ".*" for t in taken)):
+        dead = any(e.key == ".*" and set(r.ops) <= set(e.ops) for e in recipe.rules[:i])
+        if r.key == ".*" and not (taken and dead):
             continue
         if r.key != ".*" or taken:
             shadowed = bool(taken)

@@ -610,7 +610,11 @@ class KernelPolicy:
         weight is decoded K-chunk by K-chunk
         (weight-only, fp8 where the backend has no fp8 matmul, and grouped int
         weights with int8 activations under ``grouped_int_rows``) or read group by
-        group (the same when few rows run one batched matmul).
+        group (the same when few rows run one batched matmul), and for int weights of
+        4 bits or fewer with one scale per output channel and int8 activations
+        (``w4a8()``) where ``native_gemv_rows`` runs few rows through jqt's native
+        4-bit kernel, which reads ``"kn"`` codes two per byte (``"nk"`` nibbles were
+        unpacked for XLA's int8 matmul on every call: docs/performance.md).
 
         >>> import jqt
         >>> cpu = jqt.KernelPolicy.for_backend("cpu")
@@ -618,6 +622,9 @@ class KernelPolicy:
         >>> cpu.dense_layout(w8, None), cpu.dense_layout(w8, w8), cpu.dense_layout(w4g, None)
         ('kn', 'nk', 'kn')
         >>> cpu.dense_layout(w4g, w8), jqt.KernelPolicy().dense_layout(w4g, w8)
+        ('kn', 'nk')
+        >>> w4 = jqt.QuantType(bits=4, per_channel=True)
+        >>> cpu.dense_layout(w4, w8), jqt.KernelPolicy().dense_layout(w4, w8)
         ('kn', 'nk')
         """
         grouped = bool(weight.group_size)
@@ -629,6 +636,9 @@ class KernelPolicy:
         if grouped and weight.kind == "int" and (self.grouped_int_rows
                                                   or self.gemv_rows and self.batched_groups
                                                   or self.small_groups(weight)):
+            return "kn"
+        if (weight.kind == "int" and weight.bits <= 4 and weight.per_channel and not grouped
+                and self.native_gemv_rows):
             return "kn"
         return "nk"
 

@@ -48,12 +48,17 @@ def _check_packed_covers(traced, qparams, packed, dropped):
         src, p = s.source, qparams.get(s.key)
         if src is None or (src.arg, src.leaf) not in dropped or p is None:
             continue
-        if s.key not in packed or p.operand(s.weight_operand) is None:
+        fix = ("the qparams differ from those the weights were packed with. Pack again with "
+               "these qparams (jqt.pack(qparams, params)) or pass the float params.")
+        if s.key not in packed:
             raise QParamsMismatchError(
-                f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped (its int8 "
-                "copy replaced it), but the packed params hold no int8 weight for this op: the "
-                "qparams differ from those the weights were packed with. Pack again with these "
-                "qparams (jqt.pack(qparams, params)) or pass the float params.")
+                f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped (its "
+                f"quantized copy replaced it), but the packed params hold no weight for this op: {fix}")
+        if s.weight_operand is None or p.operand(s.weight_operand) is None:
+            raise QParamsMismatchError(
+                f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped: the packed "
+                f"params hold it as {packed[s.key].qtype.describe()} codes, but these qparams keep "
+                f"the op float (a jqt.fallback to float?): {fix}")
 
 
 def _find_leaf(src, index, key):
@@ -585,18 +590,23 @@ def _tied(qparams, weights):
         for m in matmuls.get((p.source.arg, p.source.leaf), ()):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
-            if table.shape != w.values.shape or compat.is_tracer(table) or compat.is_tracer(w.values):
+            if compat.is_tracer(table) or compat.is_tracer(w.values):
                 continue  # (under jax.jit the codes cannot be compared: stored apart)
-            if o.qtype == w.qtype and bool(jnp.array_equal(table, w.values)):
+            if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
+                apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
+                            f"{o.qtype.describe()}")
+            elif table.shape != w.values.shape:
+                apart = (m, "the matmul holds its codes in another shape (it contracts the "
+                            "table's other axis)")
+            elif bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break
-            apart = (m, o.qtype)
+            else:
+                apart = (m, "their codes differ (the matmul's weight is smoothed or rotated, "
+                            "its weight calibrator is another, or its scales were edited)")
         else:
             if apart is not None:
-                m, tm = apart
-                why = (f"the lookup's type is {w.qtype.describe()}, the matmul's {tm.describe()}"
-                       if w.qtype != tm else "their codes differ (the matmul's weight is smoothed "
-                       "or rotated, its weight calibrator is another, or its scales were edited)")
+                m, why = apart
                 diagnostics.warn(
                     f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "

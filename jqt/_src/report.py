@@ -209,9 +209,11 @@ class Report:
     """
 
     rows: tuple
-    output_sqnr: float       # dB, the function's float outputs, quantized vs float (inf: exact)
+    output_sqnr: float       # dB, the function's float outputs, quantized vs float (inf: exact;
+    #                          nan: f returns no float output)
     output_rel_l2: float     # 0 when exact, also on an all-zero batch
     output_max_abs: float
+    output_int_differ: tuple = (0, 0)  # integer / bool outputs: (values that differ, values)
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
@@ -238,8 +240,14 @@ class Report:
         out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
         exact = " (exact)" if self.output_sqnr == math.inf else ""
-        out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
-                   f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
+        if math.isnan(self.output_sqnr):
+            out.append("output: f returns no float output, so no output error was measured")
+        else:
+            out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
+                       f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
+        differ, total = self.output_int_differ
+        if total:
+            out.append(f"integer outputs: {differ} of {total} values differ from float's")
         worst = self.worst(1)
         if worst and worst[0].sqnr_isolated < math.inf:  # every op exact: no worst one
             out.append(f"worst op (SQNR alone): {worst[0].name} ({_db(worst[0].sqnr_isolated)} dB)")
@@ -333,17 +341,23 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     for s in traced.sites():
         if s.key in qparams:  # an optional op without an entry ran float: no row
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
-    f2 = e2 = 0.0
-    mx = 0.0
+    f2 = e2 = mx = 0.0
+    floats, differ, total = False, 0, 0
     for o in outs:
         if not jnp.issubdtype(np.asarray(o).dtype, jnp.inexact):  # bfloat16 and fp8 too
-            continue  # integer and bool outputs (token ids, masks) are not an error to measure
+            o = np.asarray(o)  # integer and bool outputs (token ids, masks): counted apart
+            differ, total = differ + int(np.sum(o[1] != o[0])), total + o[0].size
+            continue
+        floats = True
         o = np.asarray(o, np.float64)
         f2 += float(np.sum(o[0] ** 2))
         e2 += float(np.sum((o[1] - o[0]) ** 2))
         mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
-    return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2),
-                  output_rel_l2=_rel(f2, e2), output_max_abs=mx)
+    if not floats:
+        return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
+                      output_max_abs=math.nan, output_int_differ=(differ, total))
+    return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
+                  output_max_abs=mx, output_int_differ=(differ, total))
 
 
 def _rel(signal, noise):

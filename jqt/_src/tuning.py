@@ -431,9 +431,18 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:
+        every = [v for k, v in trials if ranked and frozenset(k) == frozenset(ranked)]
+        if to is not None and every and not ok(every[0]):
+            same = " (the same as with none: to= gives them the types they have?)" \
+                if every[0] == m_q else ""
+            why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
+                   f"{every[0]:.4g}{same}, so more trials cannot meet it. Use a more precise "
+                   "fallback (to=None keeps ops float) or a larger max_drop.")
+        else:
+            why = ("Allow more trials (max_trials), a larger max_drop, or a more precise "
+                   "fallback (to=None keeps ops float).")
         diagnostics.warn(
             f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
             f"trials: the best choice keeps {list(kept)} back and scores {m_final:.4g} against "
-            f"{m_float:.4g} in float. Allow more trials (max_trials), a larger max_drop, or a "
-            "more precise fallback (to=None keeps ops float).")
+            f"{m_float:.4g} in float; {why}")
     return result

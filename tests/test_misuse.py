@@ -658,3 +658,19 @@ def test_a_fallback_that_every_candidate_at_to_misses_says_more_trials_cannot_he
         assert len(msg) == 1 and "keeping every one of the 2 candidate ops back at to= scores" in msg[0] \
             and "more trials cannot meet it" in msg[0] and "Allow more trials" not in msg[0], msg
         assert ("to= gives them the types they have?" in msg[0]) == same, msg
+
+
+def test_a_quantized_function_pickles_as_jax_jit_does(setup):
+    """cloudpickle (Ray, spawn pools) sends jax.jit(f) to a worker; a quantized function
+    failed on its cached signature, and after a call on its traces (which hold tracebacks)."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    p, batches, qp = setup
+    x = batches[0][0]
+    for simulate in (False, True):
+        qf = jqt.quantize(f, qp, simulate=simulate)
+        want = qf(p, x)  # a call first: its traces stay behind
+        again = cloudpickle.loads(cloudpickle.dumps(qf))
+        np.testing.assert_array_equal(again(p, x=x), want)
+        np.testing.assert_array_equal(again(jqt.pack(qp, p), x), qf(jqt.pack(qp, p), x))
+    with pytest.raises(jqt.QParamsMismatchError, match="no quantization parameters"):
+        cloudpickle.loads(cloudpickle.dumps(jqt.quantize(lambda p, x: f(p, x) @ p["w2"].T, qp)))(p, x)

@@ -191,7 +191,6 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     argnums = normalize_argnums(weight_argnums)
     tracer = Tracer(f, argnums, "jqt.quantize")
     handler = Simulate() if simulate else Integer(policy)
-    checked = set()
     folds = {k: p.fold_tag for k, p in qparams.items()}  # digests of the concrete vectors
 
     def run(qparams, args):
@@ -218,9 +217,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         try:
             if dropped:
                 _check_packed_covers(traced, qparams, packed, dropped)
-            if id(traced) not in checked:
+            if not traced.keys_checked:  # (each trace belongs to this function's tracer)
                 check_keys(traced, qparams, "jqt", empty)
-                checked.add(id(traced))
+                traced.keys_checked = True
         except QParamsMismatchError as e:
             notes, statics = [], _static_inputs(args, argnums)
             if empty:
@@ -247,12 +246,16 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))
     qparams_concrete = _concrete(qparams)  # tracers when quantize is called under grad
 
-    @functools.cache
-    def signature():  # once, for calls with keywords
-        try:
-            return inspect.signature(f)
-        except (TypeError, ValueError):  # a builtin or a callable without one
-            return None
+    read = []  # f's signature, read once, for calls with keywords (a plain list: the
+    # quantized function pickles, cloudpickle, as jax.jit's does)
+
+    def signature():
+        if not read:
+            try:
+                read.append(inspect.signature(f))
+            except (TypeError, ValueError):  # a builtin or a callable without one
+                read.append(None)
+        return read[0]
 
     @functools.wraps(f)
     def qf(*args, **kwargs):

@@ -36,6 +36,7 @@ class Traced:
     analyzer: Analyzer
     leaf_paths: dict = dataclasses.field(default_factory=dict)  # (arg, leaf index) -> path
     arg_prefixes: frozenset = frozenset()  # f's parameter names that its keys start with
+    keys_checked: bool = False  # jqt.quantize checked its qparams' keys against it
 
     def uses(self, arg, leaf):
         """The site keys that read leaf ``leaf`` of weight argument ``arg`` as their weight
@@ -260,6 +261,14 @@ class Tracer:
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # threads calling one quantized function share the cache
+
+    def __getstate__(self):  # pickled (a quantized function sent to a worker): no traces
+        # (their jaxprs hold tracebacks) and no lock; they are made again there
+        return {"f": self.f, "argnums": self.argnums}
+
+    def __setstate__(self, state):
+        self.f, self.argnums = state["f"], state["argnums"]
+        self.cache, self._lock = OrderedDict(), threading.Lock()
 
     def __call__(self, args) -> Traced:
         check_traceable(args)

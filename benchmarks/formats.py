@@ -22,7 +22,7 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32,
 128 and 256 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
 ``nf4``, ``fp8``, ``w4(group_size=0)`` and ``w4a8()`` (one scale per output channel),
-interleaved.
+``w4a8(per_channel=False)`` and ``w8a16``, interleaved.
 
 With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
 run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
@@ -117,6 +117,8 @@ DENSE_PRESETS = {
     "fp8": R.fp8,
     "w4 per-channel": lambda: R.w4(group_size=0),
     "w4a8 per-channel": R.w4a8,
+    "w4a8 per-tensor": lambda: R.w4a8(per_channel=False),
+    "w8a16": R.w8a16,
 }
 
 

@@ -789,7 +789,7 @@ def test_an_einsum_that_contracts_two_weights_first_says_so():
          "b": jax.random.normal(jax.random.key(1), (16, 8)) * 0.3}
     xs = jax.random.normal(jax.random.key(2), (64, 8))
     f = lambda p, x: jnp.einsum("bi,ij,jk->bk", x, p["a"], p["b"])
-    with pytest.warns(UserWarning, match=r"multiplies two weights: '[ab]' and '[ab]'.*optimize=False"):
+    with pytest.warns(UserWarning, match=r"multiplies two weights, '[ab]' and '[ab]'.*optimize=False"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"An einsum of three or more operands "
                        r"\('bi,ij,jk->bk'\).*optimize=False"):

@@ -552,10 +552,11 @@ def test_per_op_warnings_are_one_warning_naming_the_ops():
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
-    products = [str(w.message) for w in got if "multiply two weights" in str(w.message)]
+    products = [str(w.message) for w in got if "multiplies two weights" in str(w.message)]
     assert len(products) == 1, products
-    assert re.search(r"jqt: 12 dot_generals multiply two weights: 'l0/[ab]' and 'l0/[ab]' \(at .*; and 7 more\. ",
-                     products[0])
+    assert re.search(r"^jqt: a dot_general \(at '<top>'\) multiplies two weights, 'l0/[ab]' and "
+                     r"'l0/[ab]': .* The same holds for 11 more ops: 'l1/[ab]' x 'l1/[ab]' at '<top>', "
+                     r".* and 5 more\.$", products[0]), products[0]
 
     h = lambda p, x: functools.reduce(lambda x, i: jnp.tanh(x @ p[f"w{i}"]), range(12), x)
     pw = {f"w{i}": jax.random.normal(ks[0], (64, 64)) * 0.1 for i in range(12)}
@@ -568,8 +569,9 @@ def test_per_op_warnings_are_one_warning_naming_the_ops():
         jax.jit(jqt.quantize(h, qp, policy=cpu))(other, xs)
     layout = [str(w.message) for w in got if "converted on every call" in str(w.message)]
     assert len(layout) == 1 and layout[0].startswith(
-        "jqt.quantize: ops 'w0', 'w1', 'w2', 'w3', 'w4', 'w5', 'w6', 'w7' and 4 more: the weight "
-        "was packed (N, K)"), layout
+        "jqt.quantize: op 'w0': the weight was packed (N, K)") and layout[0].endswith(
+        "The same holds for 11 more ops: 'w1', 'w2', 'w3', 'w4', 'w5', 'w6' and 5 more."), layout
+    assert layout[0].count("'w") == 7 and got[0].filename == __file__  # the caller's line
 
 
 def test_a_conv_with_batch_groups_warns_that_it_stays_float():
@@ -674,3 +676,57 @@ def test_a_quantized_function_pickles_as_jax_jit_does(setup):
         np.testing.assert_array_equal(again(jqt.pack(qp, p), x), qf(jqt.pack(qp, p), x))
     with pytest.raises(jqt.QParamsMismatchError, match="no quantization parameters"):
         cloudpickle.loads(cloudpickle.dumps(jqt.quantize(lambda p, x: f(p, x) @ p["w2"].T, qp)))(p, x)
+
+
+def _warned(fn):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [w for w in got if str(w.message).startswith("jqt")]
+
+
+def test_per_op_warnings_of_the_analysis_calibrate_and_the_tools_are_given_once():
+    """Eight layers that each read a weight by an index from the data (stays float), each
+    with an activation that is 0 on every batch: one warning of each kind per call (there
+    were eight), pointing at the caller's line; jqt.sensitivity and jqt.fallback showed
+    the analysis' warnings again on every trial (a new trace each)."""
+    ks = jax.random.split(jax.random.key(2), 2)
+    p = {f"l{i}": {"w": jax.random.normal(ks[0], (8, 8)) * 0.3, "t": jax.random.normal(ks[1], (4, 8, 8))}
+         for i in range(8)}
+
+    def g(p, x, i):
+        y = 0.0
+        for k in range(8):
+            y = y + (x * 0.0) @ p[f"l{k}"]["w"] + x @ p[f"l{k}"]["t"][i]
+        return y
+
+    x, i = jnp.ones((2, 8)), jnp.int32(1)
+    qp, got = _warned(lambda: jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x, i)], progress=False))
+    indexed = [str(w.message) for w in got if "indexed by a value computed" in str(w.message)]
+    zero = [str(w.message) for w in got if "activation was 0 on every" in str(w.message)]
+    assert len(indexed) == 1 and "The same holds for 7 more ops: weight 'l1/t' at '<top>'" in indexed[0], \
+        indexed
+    assert len(zero) == 1 and "The same holds for 7 more ops: 'l1/w'" in zero[0], zero
+    assert all(w.filename == __file__ for w in got), [w.filename for w in got]
+    metric = lambda q: float(jnp.sum(q(p, x, i)))
+    for tool in (lambda: jqt.sensitivity(g, qp, metric),
+                 lambda: jqt.fallback(g, jqt.recipes.w8a8(), p, [(x, i)], metric, max_drop=1e9)):
+        _, got = _warned(tool)
+        assert sum("indexed by a value computed" in str(w.message) for w in got) == 1, \
+            [str(w.message)[:60] for w in got]
+
+
+def test_a_fallback_recipe_with_an_asymmetric_to_recalibrates_without_warnings():
+    """to= with asymmetric weights gets a symmetric copy for convolutions first; on a
+    model without convolutions that copy decided nothing, and every re-calibration of the
+    result warned to add dot_general to its ops= (which would have taken the matmuls)."""
+    p, batches, _ = _w4_setup()
+    x = batches[0][0]
+    err = lambda g: float(jnp.mean((g(p, x) - f(p, x)) ** 2))
+    to = jqt.Rule(weight=jqt.QuantType(bits=8, symmetric=False, per_channel=True),
+                  activation=jqt.QuantType(bits=8, symmetric=False))
+    res, _ = _warned(lambda: jqt.fallback(f, jqt.recipes.w4a8(), p, batches, err,
+                                          max_drop=1e-7, higher_is_better=False, to=to))
+    assert res.kept and res.recipe.rules[0].ops != ("conv_general_dilated",)
+    _, got = _warned(lambda: jqt.calibrate(f, res.recipe, p, batches, progress=False))
+    assert not got, [str(w.message) for w in got]

@@ -92,6 +92,10 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
     # w4a8() per channel: packed (K, N) for the kernel (it was (N, K), unpacked by XLA per call)
     "w4a8_per_channel": (R.w4a8(), 512, 72, 2),
     "w4a8_per_channel_asym_k258": (R.w4a8(symmetric=False), 258, 24, 1),
+    "w4a8_per_tensor": (R.w4a8(per_channel=False), 512, 72, 3),  # one scale, read per channel
+    "w4_per_tensor": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4), activation=None),)),
+                      256, 40, 2),
+    "w4a8_per_tensor_asym": (R.w4a8(per_channel=False, symmetric=False), 258, 24, 2),
     "fp8": (R.fp8(), 512, 72, 1),  # e4m3 weights per channel, static e4m3 activations
     "fp8_e5m2_dynamic_k301": (jqt.Recipe(rules=(jqt.Rule(
         weight=jqt.QuantType(dtype="float8_e5m2", per_channel=True),
@@ -106,7 +110,7 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel",
-                                                  "w4a8_per_channel"}))  # the others: CI
+                                                  "w4a8_per_channel", "w4a8_per_tensor_asym"}))  # the others: CI
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -258,10 +262,10 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 def test_what_the_kernels_do_not_run():
     # grouped int8 codes; int8 x int8 above native_int8_rows
     # (XLA's int8 matmul keeps its int32 sums exact, float32 sums would not be)
-    # and int8 or int4 weights with one scale per tensor (the kernels read one per output channel)
+    # and int8 weights with one scale per tensor (the int8 kernels read one per output
+    # channel; the 4-bit kernel reads one per tensor as one per channel, all equal)
     per_tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=None),))
-    per_tensor4 = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4), activation=None),))
-    for recipe in (R.w8(group_size=128), per_tensor, per_tensor4):
+    for recipe in (R.w8(group_size=128), per_tensor):
         f, p, qp, x = _setup(recipe)
         assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
     f, p, qp, x = _setup(R.w8a8_dynamic(), m=CPU.native_int8_rows + 1)
@@ -765,3 +769,16 @@ def test_native_decode_under_jit_vmap_grad_scan_and_export():
     exp = jax.export.export(jax.jit(q))(packed, x)
     assert "stablehlo.custom_call" not in exp.mlir_module()
     eq(exp.call(packed, x), jax.jit(ref)(packed, x))
+
+
+@needs_kernel
+def test_w8a16_halves_run_the_kernel_at_every_row_it_takes():
+    """w8a16's int16 activations run as two int8 halves: at 5-8 rows (past native_int8_rows)
+    they took XLA's two int8 matmuls, slower than float32's; the kernel takes them, with
+    the same results."""
+    f, p, qp, x = _setup(R.w8a16(), 256, 40, 6)
+    packed = jqt.pack(qp, p)
+    q = jqt.quantize(f, qp)
+    assert _custom_calls(q, packed, x) == 2 and _custom_calls(jqt.quantize(f, qp, policy=XLA), packed, x) == 0
+    _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
+    _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rel=1e-3)

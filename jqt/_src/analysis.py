@@ -136,7 +136,6 @@ class Analyzer:
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
         self.warned: list[str] = []
-        self.weight_products: list = []  # (where, weight, weight read as the activation)
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
         # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
         # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
@@ -271,8 +270,7 @@ class Analyzer:
                                "the expert axis ('ecd,edf->ecf' on tokens dispatched per expert) "
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
-                        diagnostics.warn(msg)
-                        self.warned.append(msg)
+                        self._defer(("ragged", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
                         named = list(dict.fromkeys(paths))
                         reads = (f"; they read weight{'s' if len(named) > 1 else ''} "
@@ -284,8 +282,7 @@ class Analyzer:
                                f"custom_jvp/vjp calls only; to quantize these ops, apply jqt to the "
                                f"function {name} calls (calibrate it, and call jqt.quantize(g, "
                                "qparams) inside).")
-                        diagnostics.warn(msg)
-                        self.warned.append(msg)
+                        self._defer(("holds", name), msg, f"'{name}' at '{stack or '<top>'}'")
             if outs is None:
                 w = all(info.weight for info in ins)
                 outs = [VarInfo(w)] * len(eqn.outvars)
@@ -299,26 +296,13 @@ class Analyzer:
             named = self._boundary(plan, out_infos)
             self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
-            self._warn_weight_products()
         return plan, out_infos
 
-    def _warn_weight_products(self):
-        """One warning for every dot_general that multiplies two weights."""
-        if not self.weight_products:
-            return
-        pairs = [f"'{a}' and '{b}' (at '{at}')" for at, a, b in self.weight_products]
-        n = len(pairs)
-        listed = "; ".join(pairs[:5]) + (f"; and {n - 5} more" if n > 5 else "")
-        msg = (f"jqt: {'a dot_general multiplies' if n == 1 else f'{n} dot_generals multiply'} two "
-               f"weights: {listed}. The product does not depend on the data, yet jqt treats the "
-               "second weight as the op's activation and recomputes the product at every call "
-               "(jqt.pack cannot store it). A jnp.einsum of three or more operands contracts two "
-               "weights first at some input shapes (the order its optimize= picks depends on "
-               "them), so other shapes give other ops and keys: pass optimize=False, or write it "
-               "as two einsums. A merged weight (LoRA's w + a @ b): merge it into params before "
-               "calibrating.")
-        diagnostics.warn(msg)
-        self.warned.append(msg)
+    def _defer(self, kind, message, label):
+        """A warning about one op: one per ``kind`` for the whole function
+        (:func:`diagnostics.grouped`, around the analysis)."""
+        diagnostics.warn_grouped(kind, message, label)
+        self.warned.append(message)
 
     def _boundary(self, plan, out_infos) -> set:
         """The caches ``f`` takes and returns (``Plan.boundary``): an output that is an
@@ -378,18 +362,26 @@ class Analyzer:
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
                        "an activation x activation op: it stays float (unless the recipe "
                        f"quantizes those, act_x_act=), as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
-                diagnostics.warn(msg)
-                self.warned.append(msg)
+                self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "
                    "kernel computed from the data: jqt quantizes a convolution's weight only as its "
                    "kernel (rhs), so this op stays float.")
-            diagnostics.warn(msg)
-            self.warned.append(msg)
+            self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
+                        f"'{stack or '<top>'}'")
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
         if other is not None and other.weight and other.source is not None:
-            self.weight_products.append((stack or "<top>", src.path, other.source.path))
+            at, a, b = stack or "<top>", src.path, other.source.path
+            self._defer(("products",), f"jqt: a dot_general (at '{at}') multiplies two weights, "
+                        f"'{a}' and '{b}': the product does not depend on the data, yet jqt treats "
+                        f"'{b}' as the op's activation and recomputes the product at every call "
+                        "(jqt.pack cannot store it). A jnp.einsum of three or more operands "
+                        "contracts two weights first at some input shapes (the order its "
+                        "optimize= picks depends on them), so other shapes give other ops and "
+                        "keys: pass optimize=False, or write it as two einsums. A merged weight "
+                        "(LoRA's w + a @ b): merge it into params before calibrating.",
+                        f"'{a}' x '{b}' at '{at}'")
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")
@@ -421,8 +413,9 @@ class Analyzer:
         subs = hop.subs(eqn, ins, scan_id)
         if name == "while":
             if _contains_quantizable(eqn.params["cond_jaxpr"].jaxpr):
-                diagnostics.warn(f"jqt: the cond_fun of a while_loop at '{stack or '<top>'}' holds a "
-                                 "dot_general/conv; jqt leaves it float.")
+                self._defer(("while_cond",), f"jqt: the cond_fun of a while_loop at "
+                            f"'{stack or '<top>'}' holds a dot_general/conv; jqt leaves it float.",
+                            f"'{stack or '<top>'}'")
         if name == "scan":  # carries are data inside; a weight carried in is a float use
             nc, nk = compat.scan_counts(eqn)
             for info in ins[nc:nc + nk]:

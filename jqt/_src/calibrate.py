@@ -349,19 +349,22 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         diagnostics.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
                          f"stay float: {listed(unmatched)}. Add a rule for them (a last "
                          "jqt.Rule(key='.*', ...)) if they should be quantized.")
-    for s in sites:  # a lookup of whole matrices: experts gathered per token
-        if s.op == "gather" and len(s.contract[0]) > 1 and chosen[s.key] is not None \
-                and chosen[s.key].embedding is not None:
+    with diagnostics.grouped():  # a lookup of whole matrices: experts gathered per token
+        for s in sites:
+            if s.op != "gather" or len(s.contract[0]) < 2 or chosen[s.key] is None \
+                    or chosen[s.key].embedding is None:
+                continue
             whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
-            diagnostics.warn(
-                f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up whole "
-                f"{whole} matrices of weight '{s.source.path if s.source else '(computed)'}' by index (a mixture's experts "
-                "gathered per token, w[expert_ids]?): it is quantized as a lookup table, one scale "
-                "per matrix, and the matmuls that read what it gathers stay float. Write the "
-                "experts as an einsum over the expert axis ('ecd,edf->ecf' on tokens dispatched "
-                "per expert), lax.ragged_dot or a lax.scan over the experts, which jqt quantizes "
-                "per expert and output channel; or keep the lookup float, a rule ahead of the "
-                f"others jqt.Rule(key='^{re.escape(s.key)}$', embedding=None).")
+            diagnostics.warn_grouped("whole", (
+                f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up "
+                f"whole {whole} matrices of weight '{s.source.path if s.source else '(computed)'}' "
+                "by index (a mixture's experts gathered per token, w[expert_ids]?): it is "
+                "quantized as a lookup table, one scale per matrix, and the matmuls that read "
+                "what it gathers stay float. Write the experts as an einsum over the expert axis "
+                "('ecd,edf->ecf' on tokens dispatched per expert), lax.ragged_dot or a lax.scan "
+                "over the experts, which jqt quantizes per expert and output channel; or keep the "
+                f"lookup float, a rule ahead of the others jqt.Rule(key='^{re.escape(s.key)}$', "
+                "embedding=None)."), f"'{s.key}'")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
@@ -437,7 +440,8 @@ def _warn_untyped(sites, recipe, chosen):
     """Warns of a rule with a key of its own that gives types, yet decides only ops that
     take none of them (a lookup takes ``embedding=``, a cache write ``kv_cache=``, an
     activation x activation op ``act_x_act=``): they stay float, in place of what the
-    rules after it would give them."""
+    rules after it would give them (a weight op without ``weight=`` is kept float as the
+    rule says: ``weight=None`` keeps an op float)."""
     def field(s):
         if s.entry.is_cache:
             return "kv_cache"
@@ -586,8 +590,9 @@ def finalize(traced, recipe, stats):
     """Statistics -> qparams, one :class:`OpQParams` per op."""
     sites = traced.sites()
     decided = {}
-    for s in sites:
-        decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key))
+    with diagnostics.grouped():  # a warning per kind, naming the ops (24 layers: not 24)
+        for s in sites:
+            decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key))
     quantized_w = {k for k, p in decided.items() if p.weight_operand is not None
                    and p.operand(p.weight_operand) is not None}
     out = {}
@@ -648,12 +653,13 @@ def _decide(site, rule, st):
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
-        diagnostics.warn(f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
+        diagnostics.warn_grouped("batch_groups",
+                                 f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
                          f"'{site.name_stack or '<top>'}', batch_group_count="
                          f"{site.eqn.params['batch_group_count']}) stays float: jqt has no integer "
                          "rule for a convolution with batch_group_count > 1. To keep it float "
                          f"without this warning, put jqt.Rule(key='^{re.escape(site.key)}$', "
-                         "weight=None) ahead of the recipe's rules.")
+                         "weight=None) ahead of the recipe's rules.", f"'{site.key}'")
         return float_("conv with batch_group_count > 1 is kept float")
     if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:
@@ -669,7 +675,7 @@ def _decide(site, rule, st):
     if st is not None and st.weight is not None:
         _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
-        diagnostics.warn(never)
+        diagnostics.warn_grouped("never", never, f"'{site.key}'")
         return float_("never reached during calibration")
     shape = site.eqn.invars[w].aval.shape
     eff = weight_qtype(site, wt, shape)
@@ -684,11 +690,13 @@ def _decide(site, rule, st):
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
-            diagnostics.warn(f"{cannot} (groups run along axis {ax % len(shape)} of the weight "
-                             f"({where}), of length {eff.group_size}, and do not span the other "
-                             f"contracted axes); it gets group_size={eff.group_size}, one group per "
-                             "position of the others (finer than asked: more scales). Pick a group "
-                             f"size that divides {eff.group_size}, or a Rule for this key.")
+            diagnostics.warn_grouped(("groups", "axis"), f"{cannot} (groups run along axis "
+                                     f"{ax % len(shape)} of the weight ({where}), of length "
+                                     f"{eff.group_size}, and do not span the other contracted "
+                                     f"axes); it gets group_size={eff.group_size}, one group per "
+                                     "position of the others (finer than asked: more scales). "
+                                     f"Pick a group size that divides {eff.group_size}, or a Rule "
+                                     "for this key.", f"'{site.key}'")
         else:
             if ax is None:
                 why, fix = (f"a {site.op} weight takes no groups", "A rule ahead of the preset's "
@@ -698,7 +706,8 @@ def _decide(site, rule, st):
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
                 fix = "Pick a group size that divides it, or a Rule for this key."
-            diagnostics.warn(f"{cannot} ({why}); it gets one scale per output channel. {fix}")
+            diagnostics.warn_grouped(("groups", why), f"{cannot} ({why}); it gets one scale per "
+                                     f"output channel. {fix}", f"'{site.key}'")
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)
@@ -710,16 +719,17 @@ def _decide(site, rule, st):
             _check_act_finite(site, st.act)
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
             if not np.isfinite(lo).all():
-                diagnostics.warn(never)
+                diagnostics.warn_grouped("never", never, f"'{site.key}'")
                 return float_("never reached during calibration")
             if not np.isfinite(hi).all():  # a calibrator of the user's that saw an inf
                 raise ValueError(_act_not_finite(site, f"its calibrator's range is [{lo}, {hi}]"))
             if not (np.asarray(lo) != 0).any() and not (np.asarray(hi) != 0).any():
-                diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} at "
-                                 f"'{site.name_stack or '<top>'}'): its activation was 0 on every "
-                                 "calibration batch, so its static range is empty and any other "
-                                 "input clips to it. Calibrate on data that reaches it with real "
-                                 "values, or use dynamic activations (jqt.recipes.w8a8_dynamic()).")
+                diagnostics.warn_grouped(
+                    "zero", f"jqt.calibrate: op '{site.key}' ({site.op} at "
+                    f"'{site.name_stack or '<top>'}'): its activation was 0 on every calibration "
+                    "batch, so its static range is empty and any other input clips to it. "
+                    "Calibrate on data that reaches it with real values, or use dynamic "
+                    "activations (jqt.recipes.w8a8_dynamic()).", f"'{site.key}'")
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
@@ -745,12 +755,14 @@ def _unseen_iterations(site, lo, hi):
                     ("a scan over stacked layers or experts and a jax.shard_map", "layers x blocks")
                     if "shard_split" in steps else
                     ("a scan over stacked layers or experts", "iterations"))
-    diagnostics.warn(f"jqt.calibrate: op '{site.key}' ({site.op} under {where}): its activation "
-                     f"saw no values (not reached, or only zeros) in "
-                     f"{parts} {which[:8]}{' ...' if len(which) > 8 else ''} of {unseen.size}; "
-                     f"they take the range of the others, [{a:.4g}, {b:.4g}]. Calibrate on data that "
-                     "reaches them (tokens for every expert), or use dynamic activations "
-                     "(jqt.recipes.w8a8_dynamic()).")
+    diagnostics.warn_grouped(("unseen", where), f"jqt.calibrate: op '{site.key}' ({site.op} "
+                             f"under {where}): its activation saw no values (not reached, or "
+                             f"only zeros) in {parts} {which[:8]}{' ...' if len(which) > 8 else ''} "
+                             f"of {unseen.size}; they take the range of the others, [{a:.4g}, "
+                             f"{b:.4g}]. Calibrate on data that reaches them (tokens for every "
+                             "expert), or use dynamic activations (jqt.recipes.w8a8_dynamic()).",
+                             f"'{site.key}' ({parts} {which[:8]}{' ...' if len(which) > 8 else ''} "
+                             f"of {unseen.size})")
     return np.where(unseen, a, lo), np.where(unseen, b, hi)
 
 

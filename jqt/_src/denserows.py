@@ -50,7 +50,8 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
     if 0 in compat.sharded_dims(x_vals):
         m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
     grouped = bool(w2.qtype.group_size)
-    if native.applies(w2, m, policy, int_act) and (not int_act or x2.qtype.kind == "int"
+    if native.applies(w2, m, policy, int_act, x2.qtype.bits if int_act else 8) and (
+            not int_act or x2.qtype.kind == "int"
                                                    or x2.qtype.kind == w2.qtype.kind == "float"):
         if int_act:  # the codes as floats (fp8: decoded), the activation's scale split around the kernel
             lo, hi = dense.split_scale(x2.scale.astype(_F32))

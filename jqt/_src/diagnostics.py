@@ -9,6 +9,7 @@ its interpreter), where the innermost frame outside jqt is JAX's.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import threading
@@ -17,8 +18,21 @@ import warnings
 import jax
 import jaxlib
 
+def _package_dir(name):
+    """The folder of package ``name`` (not imported), or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return None if spec is None or not spec.origin else os.path.dirname(os.path.abspath(spec.origin))
+
+
+# jqt, JAX and jaxlib; the frameworks' jit wrappers a quantized function runs under
+# (equinox.filter_jit, flax.nnx.jit); contextlib's own frame (per_op warns on exit)
 _SKIPPED = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
-                 for path in (os.path.dirname(__file__), jax.__file__, jaxlib.__file__))
+                 for path in (os.path.dirname(__file__), jax.__file__, jaxlib.__file__)) + tuple(
+    d + os.sep for d in map(_package_dir, ("equinox", "flax")) if d) + (
+    os.path.abspath(contextlib.__file__),)
 
 
 def caller_level() -> int:
@@ -73,37 +87,45 @@ def warn(message: str, category: type = UserWarning) -> None:
 
 
 @contextlib.contextmanager
-def per_op():
-    """Warnings given with :func:`warn_op` inside, one per message on exit that names every
-    op it was given for (a model of 128 layers: one warning, not 128). Thread-local.
+def grouped():
+    """Warnings given with :func:`warn_grouped` inside, one per kind when it ends: the
+    first op's message, naming the others (a model of 24 layers: one warning, not 24).
+    Thread-local; a nested one gathers into the outer one.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as w:
     ...     warnings.simplefilter("always")
-    ...     with per_op():
-    ...         for k in ("l0", "l1"):
-    ...             warn_op("jqt: {ops}: slow.", k)
+    ...     with grouped():
+    ...         for k in ("l0", "l1", "l2"):
+    ...             warn_grouped("slow", f"jqt: op '{k}' is slow.", f"'{k}'")
     >>> [str(m.message) for m in w]
-    ["jqt: ops 'l0', 'l1': slow."]
+    ["jqt: op 'l0' is slow. The same holds for 2 more ops: 'l1', 'l2'."]
     """
-    outer = getattr(_local, "ops", None)
-    _local.ops = groups = {}
+    if getattr(_local, "groups", None) is not None:
+        yield
+        return
+    _local.groups = groups = {}
     try:
         yield
     finally:
-        _local.ops = outer
-    for template, keys in groups.items():
-        shown = ", ".join(f"'{k}'" for k in keys[:8]) + (f" and {len(keys) - 8} more"
-                                                        if len(keys) > 8 else "")
-        warn(template.format(ops=f"op {shown}" if len(keys) == 1 else f"ops {shown}"))
+        _local.groups = None
+        for msgs, labels in groups.values():
+            n = len(msgs) - 1
+            more = "" if not n else (f" The same holds for {n} more op{'s' if n > 1 else ''}: "
+                                     + ", ".join(labels[1:7]) + (f" and {n - 6} more" if n > 6
+                                                                 else "") + ".")
+            warn(msgs[0] + more)
 
 
-def warn_op(template: str, key: str) -> None:
-    """:func:`warn` of ``template`` with ``{ops}`` naming op ``key``; inside :func:`per_op`,
-    collected with the other ops of the same template."""
-    groups = getattr(_local, "ops", None)
+def warn_grouped(kind, message: str, label: str) -> None:
+    """:func:`warn` of ``message`` (about one op, named ``label`` in a list); inside
+    :func:`grouped`, gathered with the other messages of the same ``kind`` (an identical
+    message once)."""
+    groups = getattr(_local, "groups", None)
     if groups is None:
-        warn(template.format(ops=f"op '{key}'"))
-    elif key not in groups.setdefault(template, []):
-        groups[template].append(key)
-
+        warn(message)
+        return
+    msgs, labels = groups.setdefault(kind, ([], []))
+    if message not in msgs:
+        msgs.append(message)
+        labels.append(label)

@@ -286,14 +286,15 @@ def _rerounded(site, qp, leaf, h, n, opts):
                 "features, or inputs that move together). Pass damp > 0 (0.01 by default) or "
                 "more calibration rows.") from None
     if unseen and not lead:  # GPTQ zeroes the weights of inputs that were always 0: all here
-        diagnostics.warn(f"jqt.gptq: op '{site.key}': its calibration inputs were all zero (a zero "
-                         "Hessian); it keeps plain rounding. Calibrate on data that reaches it with "
-                         "real values.")
+        diagnostics.warn_grouped("zero", f"jqt.gptq: op '{site.key}': its calibration inputs were "
+                                 "all zero (a zero Hessian); it keeps plain rounding. Calibrate on "
+                                 "data that reaches it with real values.", f"'{site.key}'")
     elif unseen:
-        diagnostics.warn(f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
-                         f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
-                         f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate "
-                         "on data that reaches them (tokens for every expert).")
+        diagnostics.warn_grouped(
+            "unseen", f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
+            f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of {int(np.prod(lead))} (a "
+            "zero Hessian); they keep plain rounding. Calibrate on data that reaches them (tokens "
+            "for every expert).", f"'{site.key}'")
     layer_shape = tuple(wt.shape[d] for d in perm[nlead:])
     back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])
@@ -317,11 +318,12 @@ def _rerounded(site, qp, leaf, h, n, opts):
                    if qp.rotate or qp.smooth is not None else "")
             where = (f"when its result is cast back to the weight's {result.dtype}" if result.dtype != _F32
                      else f"when f casts the weight to {cast} before its matmul")
-            diagnostics.warn(f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ chose change "
-                             f"{where}{why}, and jqt.pack stores the codes of the {narrow} weight. "
-                             + ("To keep GPTQ's codes, pass the params as float32 (jax.tree.map(lambda "
-                                "a: a.astype(jnp.float32), params)) to jqt.gptq and jqt.pack."
-                                if result.dtype != _F32 else "The op reads those."))
+            diagnostics.warn_grouped(
+                ("cast", where), f"jqt.gptq: op '{site.key}': {moved} of {exact.size} codes GPTQ "
+                f"chose change {where}{why}, and jqt.pack stores the codes of the {narrow} weight. "
+                + ("To keep GPTQ's codes, pass the params as float32 (jax.tree.map(lambda "
+                   "a: a.astype(jnp.float32), params)) to jqt.gptq and jqt.pack."
+                   if result.dtype != _F32 else "The op reads those."), f"'{site.key}'")
     return result
 
 
@@ -415,8 +417,17 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     jstep = jax.jit(step)
     opts = dict(block_size=block_size, damp=damp, act_order=act_order)
     from tqdm.auto import tqdm
-    for group in tqdm(_groups(eligible, order, site_of), desc="jqt.gptq", unit="pass",
-                      disable=None if progress is None else not progress):
+    with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
+        _passes(tqdm(_groups(eligible, order, site_of), desc="jqt.gptq", unit="pass",
+                     disable=None if progress is None else not progress),
+                order, site_of, argnums, params_t, batches, jstep, qparams, opts)
+    return params_t[0] if len(argnums) == 1 else tuple(params_t)
+
+
+def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, opts):
+    """One pass over the batches per group of ops: their Hessians, then their weights
+    re-rounded in ``params_t`` (in place)."""
+    for group in groups:
         pos = order.index(group[0])
         flags = {}
         for i, k in enumerate(order):
@@ -436,7 +447,6 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
             leaves[src.leaf] = _rerounded(site, qparams[key], leaves[src.leaf], acc[key]["h"],
                                           acc[key]["n"], opts)
             params_t[a] = jax.tree_util.tree_unflatten(tdef, leaves)
-    return params_t[0] if len(argnums) == 1 else tuple(params_t)
 
 
 def _groups(eligible, order, site_of):

@@ -208,11 +208,12 @@ def run(site, eqn, ops, policy):
         want = wq.layout  # weight-only per channel (w8): every formulation reads either layout
     if packed_2d and wq.layout != want:
         names = {"nk": "(N, K)", "kn": "(K, N)"}
-        diagnostics.warn_op("jqt.quantize: {ops}: the weight was packed " + names[wq.layout] + " ("
-                            "another policy, or an older file), and this kernel policy reads "
-                            f"it {names[want]}: it is converted on every call. Pack for this "
-                            "policy (jqt.pack(qparams, params, policy=...), the policy given to "
-                            "jqt.quantize) to skip the conversion.", site.key)
+        diagnostics.warn_grouped(
+            ("layout", wq.layout), f"jqt.quantize: op '{site.key}': the weight was packed "
+            f"{names[wq.layout]} (another policy, or an older file), and this kernel policy reads "
+            f"it {names[want]}: it is converted on every call. Pack for this policy (jqt.pack("
+            "qparams, params, policy=...), the policy given to jqt.quantize) to skip the "
+            "conversion.", f"'{site.key}'")
     to_layout = lambda q: dense.weight_in_layout(ax, q, want, w_shape)
     w2 = to_layout(wq)
     stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None

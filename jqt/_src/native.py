@@ -63,8 +63,8 @@ _F32 = jnp.float32
 
 def _target(w: QArray):
     """The kernel for the 2-D weight ``w``, or ``None``: ``GROUPED`` for int codes of 4 bits
-    or fewer or NF4 codes with group scales or one scale per output channel, two per
-    byte, ``"kn"`` (w4, w4a8, nf4);
+    or fewer or NF4 codes with group scales or one scale per output channel (or one per
+    tensor, read as one per channel), two per byte, ``"kn"`` (w4, w4a8, nf4);
     ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
     most 8 bits, one per byte, one scale per output channel (not one per tensor);
     ``FP8_KN`` for fp8 codes, ``"kn"``, one scale per output channel (fp8)."""
@@ -73,8 +73,9 @@ def _target(w: QArray):
         return None
     n = w.values.shape[0 if w.layout == "nk" else 1]
     per_channel = math.prod(jnp.shape(w.scale)) == n and not q.group_size
+    per_tensor = jnp.ndim(w.scale) == 0 and not q.group_size  # read as per channel, all equal
     if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4")
-            and (q.group_size and q.group_size % 2 == 0 or per_channel)):
+            and (q.group_size and q.group_size % 2 == 0 or per_channel or per_tensor)):
         return GROUPED
     if not per_channel:  # one scale per tensor, or groups
         return None
@@ -101,15 +102,16 @@ def kernel_group(qtype, k: int) -> int:
     return qtype.group_size or dense.chunk_size(k, 256, 2) or k
 
 
-def applies(w: QArray, m: int, policy, int_activation: bool = False) -> bool:
+def applies(w: QArray, m: int, policy, int_activation: bool = False, act_bits: int = 8) -> bool:
     """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
     ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
     w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows:
-    above, XLA's int8 matmul keeps their int8 x int8 sums exact; ``FP8_KN``: fp8, whose
-    activation's values are exact in float32 as XLA's formulation takes them), and the
-    kernels available here (:func:`native_status`)."""
+    above, XLA's int8 matmul keeps their int8 x int8 sums exact; the two int8 halves of
+    w8a16's int16 activations (``act_bits`` 16: the halves keep the int16 type) at any of
+    the kernel's rows, XLA's two int8 matmuls being slower than float32's there; ``FP8_KN``: fp8, whose activation's values are exact in float32 as
+    XLA's formulation takes them), and the kernels available here (:func:`native_status`)."""
     target = _target(w)
-    if target is None or (int_activation and target in (CHANNEL, CHANNEL_KN)
+    if target is None or (int_activation and act_bits <= 8 and target in (CHANNEL, CHANNEL_KN)
                           and m > policy.native_int8_rows):
         return False
     return 0 < m <= policy.native_gemv_rows and native_status().available
@@ -133,9 +135,13 @@ def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
         w, layer = stack.flat()
         lead = w.values.shape[:1]
         v = w.values.reshape(lead + v.shape)
-    scale = w.scale.astype(_F32).reshape(lead + shape)
+    # (one scale and zero point per tensor: the same for every output channel; a stacked
+    # one is not read in place, in_place)
+    fit = lambda a: a.reshape(lead + shape) if a.size > 1 or math.prod(shape) == 1 \
+        else jnp.broadcast_to(a.reshape(lead + (1,) * len(shape)), lead + shape)
+    scale = fit(w.scale.astype(_F32))
     zp = (jnp.zeros(lead + (0,) + shape[1:], _F32) if w.zero_point is None
-          else w.zero_point.astype(_F32).reshape(lead + shape))
+          else fit(w.zero_point.astype(_F32)))
     table = jnp.asarray(NF4_TABLE if q.grid == "nf4" else np.zeros(0), _F32)
     return gemv_p.bind(x2.astype(_F32), v, scale, zp, table, layer, target=target, qtype=q,
                        policy=dataclasses.replace(policy, native_gemv_rows=0),

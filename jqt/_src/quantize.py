@@ -239,7 +239,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         keys = [s.key for s in traced.sites()]
         state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
                  for k in keys if k in qparams}
-        with diagnostics.per_op():
+        with diagnostics.grouped():
             outs = traced.run(args, handler, state)[0]
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 

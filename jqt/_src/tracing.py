@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, kvcache
+from . import compat, diagnostics, kvcache
 from .analysis import Analyzer, path_str
 from .hops import enter_call, leave_call
 from .interpreter import Ctx, eval_jaxpr
@@ -320,7 +320,8 @@ class Tracer:
                     prefixes.add(names[i])
                 infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)))))
         analyzer = Analyzer()
-        plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
+        with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
+            plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
         traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
         with self._lock:

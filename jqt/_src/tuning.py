@@ -7,6 +7,7 @@ jqt passes it jitted, quantized variants of ``f``. Each call is a *trial*.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -73,9 +74,29 @@ def _value(metric, g, fn, what):
     return v
 
 
-def _score(f, qparams, metric, weight_argnums, simulate, fn):
-    g = tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums))
-    return _value(metric, g, fn, "a quantized variant")
+class _Once:
+    """The warnings of a tool's trials, each shown once: every trial traces ``f`` again
+    (a new quantized function), and its analysis warned again (a model whose 6 layers each
+    warn, under 13 trials: 78 warnings). ``seen``: ``(message, category)`` pairs shown
+    already (the tool's own calibration)."""
+
+    def __init__(self, seen=()):
+        self.seen = {str(m) for m, _ in seen}
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with diagnostics.captured() as got:
+            yield
+        for message, category in got:
+            if str(message) not in self.seen:
+                self.seen.add(str(message))
+                diagnostics.warn(message, category)
+
+
+def _score(f, qparams, metric, weight_argnums, simulate, fn, once):
+    with once():
+        g = tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums))
+        return _value(metric, g, fn, "a quantized variant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +172,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     keys = _quantized_keys(qparams)
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     _check_metric(metric, "jqt.sensitivity")
-    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity")
+    once = _Once()
+    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity", once)
     m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself")
     try:
         m_q = score(qparams)
@@ -367,7 +389,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              "give it the type they need, or pass to=None to keep them float.")
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
-    score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback")
+    once = _Once(shown)  # calibrate's warnings were shown: the trials' copies are not
+    score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)
     trials = []
 
     seen = {}
@@ -392,7 +415,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         ranked = sorted(ranked, key=lambda k: -drop.get(k, -math.inf))
     else:
         try:
-            ranked = [k for k in _rank_by_report(f, qp, params, batches[0], weight_argnums) if k in candidates]
+            with once():
+                ranked = [k for k in _rank_by_report(f, qp, params, batches[0], weight_argnums)
+                          if k in candidates]
         except NotImplementedError as e:
             raise NotImplementedError(f"jqt.fallback(rank='report') ranks the ops by jqt.report, which "
                                       f"cannot run this f: {e} Pass rank='sensitivity', which ranks them "
@@ -416,8 +441,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     rules, out_qp = recipe.rules, qp
     if kept:
         pattern = "^(" + "|".join(re.escape(k) for k in kept) + ")$"
+        # (only to='s rules for kept ops' primitives: its conv copy, for none, warned)
+        prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
-            tuple(dataclasses.replace(r, key=pattern) for r in to_rules)
+            tuple(dataclasses.replace(r, key=pattern) for r in to_rules if prims & set(r.ops))
         rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.

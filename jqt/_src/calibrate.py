@@ -416,24 +416,23 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         dead = any(e.key == ".*" and set(r.ops) <= set(e.ops) for e in recipe.rules[:i])
         if r.key == ".*" and not (taken and dead):
             continue
-        if r.key != ".*" or taken:
-            shadowed = bool(taken)
-            other = sorted({f"{s.key!r} ({s.op})" for s in sites
-                            if s.op not in r.ops and re.search(r.key, s.key)})
-            if shadowed:
-                why = "every op it matches is taken by an earlier rule; move it ahead of them"
-            elif other:  # the key matches, its ops= does not
-                why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
-                       "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
-            else:
-                why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
-                       "(jqt.summarize lists the keys)")
-                if re.search(r"\\?\[\d+\\?\]", r.key) and any(s.stack_ids for s in sites):
-                    why += ("; jqt.report names one layer of a lax.scan over stacked weights "
-                            "'key[n]', but the layers share one op key and one rule: match the key "
-                            "itself for every layer, or keep that layer out of the scan")
-            named = f"key={r.key!r}" if r.key != ".*" else f"ops={r.ops}"
-            diagnostics.warn(f"jqt.calibrate: rule {i} (Rule({named})) decides no op: {why}.")
+        shadowed = bool(taken)
+        other = sorted({f"{s.key!r} ({s.op})" for s in sites
+                        if s.op not in r.ops and re.search(r.key, s.key)})
+        if shadowed:
+            why = "every op it matches is taken by an earlier rule; move it ahead of them"
+        elif other:  # the key matches, its ops= does not
+            why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
+                   "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
+        else:
+            why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
+                   "(jqt.summarize lists the keys)")
+            if re.search(r"\\?\[\d+\\?\]", r.key) and any(s.stack_ids for s in sites):
+                why += ("; jqt.report names one layer of a lax.scan over stacked weights "
+                        "'key[n]', but the layers share one op key and one rule: match the key "
+                        "itself for every layer, or keep that layer out of the scan")
+        named = f"key={r.key!r}" if r.key != ".*" else f"ops={r.ops}"
+        diagnostics.warn(f"jqt.calibrate: rule {i} (Rule({named})) decides no op: {why}.")
 
 
 def _warn_untyped(sites, recipe, chosen):
@@ -653,13 +652,13 @@ def _decide(site, rule, st):
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
-        diagnostics.warn_grouped("batch_groups",
-                                 f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
-                         f"'{site.name_stack or '<top>'}', batch_group_count="
-                         f"{site.eqn.params['batch_group_count']}) stays float: jqt has no integer "
-                         "rule for a convolution with batch_group_count > 1. To keep it float "
-                         f"without this warning, put jqt.Rule(key='^{re.escape(site.key)}$', "
-                         "weight=None) ahead of the recipe's rules.", f"'{site.key}'")
+        diagnostics.warn_grouped(
+            "batch_groups", f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
+            f"'{site.name_stack or '<top>'}', batch_group_count="
+            f"{site.eqn.params['batch_group_count']}) stays float: jqt has no integer rule for a "
+            "convolution with batch_group_count > 1. To keep it float without this warning, put "
+            f"jqt.Rule(key='^{re.escape(site.key)}$', weight=None) ahead of the recipe's rules.",
+            f"'{site.key}'")
         return float_("conv with batch_group_count > 1 is kept float")
     if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:

@@ -18,6 +18,7 @@ import warnings
 import jax
 import jaxlib
 
+
 def _package_dir(name):
     """The folder of package ``name`` (not imported), or None."""
     try:
@@ -28,7 +29,7 @@ def _package_dir(name):
 
 
 # jqt, JAX and jaxlib; the frameworks' jit wrappers a quantized function runs under
-# (equinox.filter_jit, flax.nnx.jit); contextlib's own frame (per_op warns on exit)
+# (equinox.filter_jit, flax.nnx.jit); contextlib's own frame (grouped warns on exit)
 _SKIPPED = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
                  for path in (os.path.dirname(__file__), jax.__file__, jaxlib.__file__)) + tuple(
     d + os.sep for d in map(_package_dir, ("equinox", "flax")) if d) + (

@@ -108,8 +108,9 @@ def applies(w: QArray, m: int, policy, int_activation: bool = False, act_bits: i
     w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows:
     above, XLA's int8 matmul keeps their int8 x int8 sums exact; the two int8 halves of
     w8a16's int16 activations (``act_bits`` 16: the halves keep the int16 type) at any of
-    the kernel's rows, XLA's two int8 matmuls being slower than float32's there; ``FP8_KN``: fp8, whose activation's values are exact in float32 as
-    XLA's formulation takes them), and the kernels available here (:func:`native_status`)."""
+    the kernel's rows, XLA's two int8 matmuls being slower than float32's there;
+    ``FP8_KN``: fp8, whose activation's values are exact in float32 as XLA's formulation
+    takes them), and the kernels available here (:func:`native_status`)."""
     target = _target(w)
     if target is None or (int_activation and act_bits <= 8 and target in (CHANNEL, CHANNEL_KN)
                           and m > policy.native_int8_rows):

@@ -614,8 +614,8 @@ class KernelPolicy:
         (weight-only, fp8 where the backend has no fp8 matmul, and grouped int
         weights with int8 activations under ``grouped_int_rows``) or read group by
         group (the same when few rows run one batched matmul), and for int weights of
-        4 bits or fewer with one scale per output channel (or per tensor) and int8 activations
-        (``w4a8()``) where ``native_gemv_rows`` runs few rows through jqt's native
+        4 bits or fewer with one scale per output channel (or per tensor) and int8
+        activations (``w4a8()``) where ``native_gemv_rows`` runs few rows through jqt's native
         4-bit kernel, which reads ``"kn"`` codes two per byte (``"nk"`` nibbles were
         unpacked for XLA's int8 matmul on every call: docs/performance.md).
 

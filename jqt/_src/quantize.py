@@ -53,7 +53,8 @@ def _check_packed_covers(traced, qparams, packed, dropped):
         if s.key not in packed:
             raise QParamsMismatchError(
                 f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped (its "
-                f"quantized copy replaced it), but the packed params hold no weight for this op: {fix}")
+                f"quantized copy replaced it), but the packed params hold no weight for this "
+                f"op: {fix}")
         if s.weight_operand is None or p.operand(s.weight_operand) is None:
             raise QParamsMismatchError(
                 f"jqt: op '{s.key}' reads weight '{src.path}', which jqt.pack dropped: the packed "

@@ -730,3 +730,18 @@ def test_a_fallback_recipe_with_an_asymmetric_to_recalibrates_without_warnings()
     assert res.kept and res.recipe.rules[0].ops != ("conv_general_dilated",)
     _, got = _warned(lambda: jqt.calibrate(f, res.recipe, p, batches, progress=False))
     assert not got, [str(w.message) for w in got]
+
+
+def test_a_tied_table_with_one_scale_per_tensor_calibrates():
+    """tie_tables transposed the lookup's scale for the matmul reading table.T: a scalar
+    scale (per_channel=False, the QuantType default) raised 'axes don't match array'."""
+    emb = jax.random.normal(jax.random.key(0), (32, 16))
+    g = lambda p, ids: p["emb"][ids] @ p["emb"].T
+    q8 = jqt.QuantType(bits=8)
+    ids = jnp.arange(8)
+    qp = jqt.calibrate(g, jqt.Recipe(rules=(jqt.Rule(weight=q8, embedding=q8),)), {"emb": emb}, [(ids,)],
+                       progress=False)
+    assert qp["emb"].lhs.scale.shape == () and float(qp["emb"].lhs.scale) == float(qp["emb#1"].rhs.scale)
+    packed = jqt.pack(qp, {"emb": emb})
+    want = jqt.quantize(g, qp, simulate=True)({"emb": emb}, ids)
+    np.testing.assert_allclose(jqt.quantize(g, qp)(packed, ids), want, rtol=0, atol=1e-4 * float(jnp.abs(want).max()))

@@ -1197,7 +1197,7 @@ def test_packed_shardings_rules_that_decide_nothing_are_said():
     P = jax.sharding.PartitionSpec
     got = _messages(lambda: jqt.packed_shardings(qp, packed, mesh, ops=[("atn/w", "in")],
                                                  leaves=[("attn/bias", P("model")), ("b", P()), ("b$", P())]))
-    assert any("ops rule 0 ('atn/w', 'in') decides nothing: its pattern matches none of the op "
+    assert any("ops rule 0 ('atn/w', 'in') decides nothing: its pattern matches none of the quantized op "
                "keys ('attn/w')" in m for m in got), got
     assert any(re.search(r"leaves rule 0 \('attn/bias', .*\) decides nothing: its pattern matches "
                          r"none of the kept float leaves \('attn/b'; jqt.pack drops", m) for m in got), got
@@ -1206,6 +1206,13 @@ def test_packed_shardings_rules_that_decide_nothing_are_said():
     assert not [m for m in got if "leaves rule 1" in m]
     with pytest.raises(ValueError, match=r"ops rule \('zzz', 'inn'\) gives 'inn'"):
         jqt.packed_shardings(qp, packed, mesh, ops=[("zzz", "inn")])
+    # an op kept float (a fallback's) has no packed weight for an ops rule to place
+    kept = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="attn/w"),) + jqt.recipes.w8().rules), p,
+                         [(jnp.ones((2, 4)),)], progress=False)
+    got = _messages(lambda: jqt.packed_shardings(kept, jqt.pack(kept, p), mesh, ops=[("attn/w", "in")]))
+    assert any("ops rule 0 ('attn/w', 'in') decides nothing: it matches only ops kept float "
+               "('attn/w'), whose weights are kept float leaves: place them with a leaves= rule" in m
+               for m in got), got
     with pytest.raises(TypeError, match=r"dequantize_cache: dtype='int8' is not a float dtype"):
         jqt.dequantize_cache(jqt.quantize_cache(jnp.ones((2, 8))), "int8")
 

@@ -498,7 +498,9 @@ def tie_tables(qparams):
         if b is None or a.qtype != b.qtype or (a.zero_point is None) != (b.zero_point is None) \
                 or any(compat.is_tracer(x) for x in (a.scale, b.scale)):
             continue
-        fit = lambda x: np.transpose(np.asarray(x), chain[0][1]) if chain else np.asarray(x)
+        # (one scale per tensor, a scalar: nothing to transpose)
+        fit = lambda x: np.transpose(np.asarray(x), chain[0][1]) if chain and np.ndim(x) \
+            else np.asarray(x)
         scale = fit(a.scale)
         if scale.shape != np.shape(b.scale):
             continue

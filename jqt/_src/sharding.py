@@ -42,13 +42,17 @@ def _first_match(rules, name, default, used=None):
     return default
 
 
-def _warn_unused(name, rules, used, names, what, note=""):
-    """Warns of each rule of ``rules`` that was the first match of no name."""
+def _warn_unused(name, rules, used, names, what, note="", float_ops=()):
+    """Warns of each rule of ``rules`` that was the first match of no name (``float_ops``:
+    op keys kept float, which an ``ops`` rule does not place)."""
     listed = ", ".join(repr(n) for n in names[:6]) + (" ..." if len(names) > 6 else "") + note
     for i, rule in enumerate(rules):
         if i not in used:
             taken = any(re.search(rule[0], n) for n in names)
+            kept = [k for k in float_ops if re.search(rule[0], k)]
             why = ("an earlier rule takes every one it matches; move it ahead of them" if taken
+                   else f"it matches only ops kept float ({', '.join(map(repr, kept[:6]))}), "
+                   "whose weights are kept float leaves: place them with a leaves= rule" if kept
                    else f"its pattern matches none of the {what} ({listed or 'none'}); check it")
             diagnostics.warn(f"jqt.packed_shardings: {name} rule {i} {tuple(rule)!r} decides "
                              f"nothing: {why}.")
@@ -196,7 +200,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         if not isinstance(op, OpQParams):
             raise TypeError(f"jqt.packed_shardings: qparams['{key}'] is a {type(op).__name__}; "
                             "expected jqt.OpQParams.")
-        mode = _first_match(ops, key, "out", used_ops)
+        mode = _first_match(ops, key, "out", None if op.is_float else used_ops)
         pw = packed.weights.get(key)
         blocks = _block_spec(op)
         if blocks is not None:  # split by the function's own jax.shard_map: as it splits them
@@ -285,7 +289,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     for i, x in zip(packed.kept, packed.leaves):
         spec = _first_match(leaves, paths[i], None, used_leaves)
         leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
-    _warn_unused("ops", ops, used_ops, list(qparams), "op keys")
+    _warn_unused("ops", ops, used_ops, [k for k, op in qparams.items() if not op.is_float],
+                 "quantized op keys", float_ops=[k for k, op in qparams.items() if op.is_float])
     _warn_unused("leaves", leaves, used_leaves, [paths[i] for i in packed.kept],
                  "kept float leaves", "; jqt.pack drops the weights it packs")
     out = PackedParams(leaf_sh, {k: w_sh[k] for k in packed.weights}, packed.treedef, packed.avals,

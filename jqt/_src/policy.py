@@ -493,8 +493,9 @@ class KernelPolicy:
 
       native_int8_rows: int8 activations on int8 weights per output channel (w8a8,
         w8a8_dynamic) also run ``jqt_channel_gemv`` at up to this many rows (and
-        ``native_gemv_rows``): the activation's codes (minus its zero point) as float32,
-        so the products are exact and their sums float32 (as on the float paths), with
+        ``native_gemv_rows``): the activation's codes (minus its zero point) as float32
+        times the part of its scale below 1 (the rest multiplies the output): float32
+        products and sums, as on the float paths, with
         the stacked layers read in place (``native_in_place``); above, and at 0, XLA's
         int8 matmul, whose int32 sums are exact. The two int8 halves of w8a16's int16
         activations run the kernel at any of its rows (``native_gemv_rows``): XLA's int8

@@ -77,11 +77,10 @@ def _value(metric, g, fn, what):
 class _Once:
     """The warnings of a tool's trials, each shown once: every trial traces ``f`` again
     (a new quantized function), and its analysis warned again (a model whose 6 layers each
-    warn, under 13 trials: 78 warnings). ``seen``: ``(message, category)`` pairs shown
-    already (the tool's own calibration)."""
+    warn, under 13 trials: 78 warnings). ``seen``: the messages shown already."""
 
     def __init__(self, seen=()):
-        self.seen = {str(m) for m, _ in seen}
+        self.seen = set(seen)
 
     @contextlib.contextmanager
     def __call__(self):
@@ -350,10 +349,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     batches = list(batches)
     if batches:
         check_batch(0, batches[0], None, "jqt.fallback")
-    with diagnostics.captured() as shown:  # thread-local: not warnings.catch_warnings
+    once = _Once()  # calibrate's warnings, shown; the trials' copies of them are not
+    with once():
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)
-    for message, category in shown:  # the user's to see; the final calibration re-emits only what is new
-        diagnostics.warn(message, category)
+    calibrated = set(once.seen)  # the final calibration shows only what is new to these
     # the rules for the ops kept back: ``to`` (convs given its weight type made symmetric,
     # as the presets do), ahead of the recipe's, whose rules decide the ops ``to`` does not
     # take (its ``ops=``): each trial quantizes an op as the final recipe will
@@ -389,7 +388,6 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              "give it the type they need, or pass to=None to keep them float.")
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
-    once = _Once(shown)  # calibrate's warnings were shown: the trials' copies are not
     score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)
     trials = []
 
@@ -448,13 +446,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
-        with diagnostics.captured() as final:
+        with _Once(calibrated)():  # what ``to`` could not do for the kept ops (a group size)
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
-        before = {str(m) for m, _ in shown}
-        for message, category in final:  # what ``to`` could not do for the kept ops (e.g. a group size)
-            if str(message) not in before:
-                diagnostics.warn(message, category)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
                             tuple(trials))
     if not met:

@@ -119,6 +119,8 @@ DENSE_PRESETS = {
     "w4a8 per-channel": R.w4a8,
     "w4a8 per-tensor": lambda: R.w4a8(per_channel=False),
     "w8a16": R.w8a16,
+    "w8 g128": lambda: R.w8(group_size=128),
+    "w8a8 g128": lambda: R.w8a8(group_size=128),
 }
 
 

@@ -105,12 +105,18 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
     "fp8_n56": (R.fp8(), 64, 56, 2),
     "fp8_weight_only": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True),
                                                    activation=None),)), 256, 24, 2),
+    # int8 codes (K, N) with group scales: jqt_channel_gemv_kn, each group's sums scaled
+    "w8_g128": (R.w8(group_size=128), 512, 72, 1),
+    "w8_g64_asym_k320": (jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(symmetric=False, group_size=64),
+                                                    activation=None),)), 320, 40, 3),
+    "w8a8_g64_rows6": (R.w8a8(group_size=64), 256, 40, 6),  # past native_int8_rows: groups
 }
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel",
-                                                  "w4a8_per_channel", "w4a8_per_tensor_asym"}))  # the others: CI
+                                                  "w4a8_per_channel", "w4a8_per_tensor_asym",
+                                                  "w8_g64_asym_k320"}))  # the others: CI
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -260,14 +266,13 @@ def test_more_rows_than_native_gemv_rows_run_xla():
 
 @needs_kernel
 def test_what_the_kernels_do_not_run():
-    # grouped int8 codes; int8 x int8 above native_int8_rows
+    # int8 x int8 per channel above native_int8_rows
     # (XLA's int8 matmul keeps its int32 sums exact, float32 sums would not be)
     # and int8 weights with one scale per tensor (the int8 kernels read one per output
     # channel; the 4-bit kernel reads one per tensor as one per channel, all equal)
     per_tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8), activation=None),))
-    for recipe in (R.w8(group_size=128), per_tensor):
-        f, p, qp, x = _setup(recipe)
-        assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
+    f, p, qp, x = _setup(per_tensor)
+    assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
     f, p, qp, x = _setup(R.w8a8_dynamic(), m=CPU.native_int8_rows + 1)
     assert _custom_calls(jqt.quantize(f, qp), jqt.pack(qp, p), x) == 0
 
@@ -404,7 +409,7 @@ def test_custom_vjp_around_the_quantized_op():
 
 # kernels x row tiles (1-4 rows and 5, 8), N with a tail past 32 columns (72, 40, 24)
 ISA_CASES = ("w4_g128", "w4_g32_asym", "nf4_g64", "int3_g32", "w4_per_channel_asym_k258", "w8", "w8_n56",
-             "w8_asym_k300", "fp8", "fp8_n56", "fp8_e5m2_dynamic_k301")
+             "w8_asym_k300", "fp8", "fp8_n56", "fp8_e5m2_dynamic_k301", "w8_g64_asym_k320")
 
 
 def _isa_outputs(names):
@@ -585,6 +590,7 @@ STACKED = {  # recipe, rows, scan in reverse
     "w4a8_g64": (R.w4a8(group_size=64), 3, False),
     "w8": (R.w8(), 1, True),
     "w4_per_channel": (R.w4(group_size=0), 2, False),
+    "w8_g64": (R.w8(group_size=64), 2, False),
 }
 
 

@@ -66,7 +66,9 @@ def _target(w: QArray):
     or fewer or NF4 codes with group scales or one scale per output channel (or one per
     tensor, read as one per channel), two per byte, ``"kn"`` (w4, w4a8, nf4);
     ``CHANNEL`` (``"nk"``: w8, w8a8) or ``CHANNEL_KN`` (``"kn"``: w8) for int codes of at
-    most 8 bits, one per byte, one scale per output channel (not one per tensor);
+    most 8 bits, one per byte, one scale per output channel (not one per tensor), and
+    ``CHANNEL_KN`` for such codes ``"kn"`` with group scales (w8 and w8a8 with
+    ``group_size``);
     ``FP8_KN`` for fp8 codes, ``"kn"``, one scale per output channel (fp8)."""
     q = w.qtype
     if getattr(w.values, "ndim", 0) != 2:
@@ -77,6 +79,12 @@ def _target(w: QArray):
     if (w.layout == "kn" and w.nibbles and q.grid in ("int", "nf4")
             and (q.group_size and q.group_size % 2 == 0 or per_channel or per_tensor)):
         return GROUPED
+    k = w.values.shape[0] if w.layout == "kn" else 0
+    grouped8 = (w.layout == "kn" and q.kind == "int" and q.bits <= 8 and w.values.dtype == np.int8
+                and bool(q.group_size) and k % q.group_size == 0
+                and jnp.shape(w.scale) == (k // q.group_size, n))
+    if grouped8:
+        return CHANNEL_KN
     if not per_channel:  # one scale per tensor, or groups
         return None
     if (w.layout in ("nk", "kn") and q.kind == "int" and q.bits <= 8
@@ -105,15 +113,17 @@ def kernel_group(qtype, k: int) -> int:
 def applies(w: QArray, m: int, policy, int_activation: bool = False, act_bits: int = 8) -> bool:
     """Whether the op of the 2-D weight ``w`` at ``m`` rows runs a native kernel:
     ``0 < m <= policy.native_gemv_rows``, a weight one of the kernels reads (``GROUPED``:
-    w4, w4a8, nf4; ``CHANNEL``: w8, and w8a8 at up to ``policy.native_int8_rows`` rows:
-    above, XLA's int8 matmul keeps their int8 x int8 sums exact; the two int8 halves of
+    w4, w4a8, nf4; ``CHANNEL`` / ``CHANNEL_KN``: w8, and w8a8 per channel at up to
+    ``policy.native_int8_rows`` rows: above, XLA's int8 matmul keeps their int8 x int8
+    sums exact; w8 and w8a8 with ``group_size`` at any of the kernel's rows, as w4a8's
+    groups: XLA's int8 matmul per group was slower than float32 there; the two int8 halves of
     w8a16's int16 activations (``act_bits`` 16: the halves keep the int16 type) at any of
     the kernel's rows, XLA's two int8 matmuls being slower than float32's there;
     ``FP8_KN``: fp8, whose activation's values are exact in float32 as XLA's formulation
     takes them), and the kernels available here (:func:`native_status`)."""
     target = _target(w)
     if target is None or (int_activation and act_bits <= 8 and target in (CHANNEL, CHANNEL_KN)
-                          and m > policy.native_int8_rows):
+                          and not w.qtype.group_size and m > policy.native_int8_rows):
         return False
     return 0 < m <= policy.native_gemv_rows and native_status().available
 
@@ -128,6 +138,8 @@ def dense_rows(x2, w: QArray, policy, stack: LayerView | None = None):
     v = w.values
     if target == GROUPED:
         shape = (v.shape[0] * 2 // q.group_size if q.group_size else 1, v.shape[1])
+    elif q.group_size:  # int8 codes "kn" with group scales (CHANNEL_KN)
+        shape = (v.shape[0] // q.group_size, v.shape[1])
     else:  # one scale per output channel: the codes' axis 0 "nk", axis 1 "kn" (fp8 too)
         shape = (v.shape[0] if target == CHANNEL else v.shape[1],)
     layer = jnp.int32(0)

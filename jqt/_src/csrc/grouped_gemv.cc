@@ -1,6 +1,7 @@
 // jqt's native XLA:CPU kernels: few-row matmuls with 4-bit weights in groups (int4, NF4),
 // "jqt_grouped_gemv", and with int8 weights per output channel, "jqt_channel_gemv" (codes
-// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N)), and with fp8 weights per output channel,
+// packed (N, K)) and "jqt_channel_gemv_kn" ((K, N); also with group scales), and with fp8
+// weights per output channel,
 // "jqt_fp8_gemv_kn" (below).
 //
 //   out[m, n] = sum_g scale[g, n] * sum_{k in group g} x[m, k] * (code[k, n] - round(zp[g, n]))
@@ -457,7 +458,8 @@ void channel_rows(const float* x, int64_t M, int64_t K, const int8_t* w, int64_t
 //   out[m, n] = scale[n] * (sum_k x[m, k] * code[k, n] - round(zp[n]) * sum_k x[m, k])
 // Each thread reads a contiguous block of K's rows front to back, a few rows at a time, and
 // adds their codes (widened to float32) times x into float32 sums over the whole of N; the
-// threads' sums are added.
+// threads' sums are added. With group scales (G rows of scales per layer, w8 / w8a8 with
+// group_size) each group's sums are scaled by its row first (grouped_kn, below).
 //
 // "jqt_fp8_gemv_kn": the same with fp8 codes (float8_e4m3fn or float8_e5m2, one scale per
 // output channel, no zero point: the fp8 weights of jqt.recipes.fp8 as the CPU table packs
@@ -661,6 +663,43 @@ void channel_kn_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int
   });
 }
 
+// int8 codes packed (K, N) with G groups of K / G rows along K, each with its row of scales
+// (and zero points):
+//   out[m, n] = sum_g scale[g, n] * (sum_{k in g} x[m, k] * code[k, n] - round(zp[g, n]) * sum_{k in g} x[m, k])
+// The groups split over XLA's intra-op threads (part_count), each part a contiguous run of
+// the codes read front to back; each group's sums (channel_kn_rows) scaled into the part's
+// outputs, the parts' outputs added.
+template <Codes C>
+void grouped_kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                int64_t N, const float* scale, const float* zp, int64_t G, float unit, float* out) {
+  const int64_t gs = K / G;
+  const int64_t parts = part_count(pool, G, N * K);
+  std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
+  for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
+  parallel(pool, parts, [&](int64_t t) {
+    float* o = t ? partial[t - 1].data() : out;
+    std::fill(o, o + M * N, 0.f);
+    std::vector<float> acc(static_cast<size_t>(M * N));
+    for (int64_t g = G * t / parts; g < G * (t + 1) / parts; ++g) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      channel_kn_rows<C>(x, M, K, w, N, g * gs, (g + 1) * gs, acc.data());
+      const float* sg = scale + g * N;
+      const float* zg = zp ? zp + g * N : nullptr;
+      for (int64_t m = 0; m < M; ++m) {
+        float xs = 0.f;
+        if (zg)
+          for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k];
+        const float* a = acc.data() + m * N;
+        float* om = o + m * N;
+        for (int64_t n = 0; n < N; ++n)
+          om[n] += sg[n] * unit * (zg ? a[n] - __builtin_roundevenf(zg[n]) * xs : a[n]);
+      }
+    }
+  });
+  for (const auto& p : partial)
+    for (int64_t i = 0; i < M * N; ++i) out[i] += p[i];
+}
+
 // The int8 and fp8 kernels: codes packed (N, K) (KN false, int8 only: each thread a block of
 // the codes' rows, the outputs) or (K, N) (KN true: each thread a block of K's rows, their
 // sums added). ``unit``: what the codes' decoded values are multiplied by (e4m3fn: 256,
@@ -677,9 +716,13 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uin
     return ffi::Error::InvalidArgument(
         name + ": x must be 2-D, codes 2-D (or 3-D, stacked layers), layer a scalar");
   const int64_t L = r == 3 ? wd[0] : 1, M = xd[0], K = xd[1], N = wd[KN ? r - 1 : r - 2];
+  // G rows of scales per layer: 1 (per output channel), or K / G rows of K per group ((K, N)
+  // int8 codes only: w8 / w8a8 with group_size)
+  const int64_t G = L >= 1 && N > 0 ? int64_t(scale.element_count()) / (L * N) : 1;
   // table: the operand list the grouped kernel has, empty here (int or fp8 codes only)
-  if (L < 1 || wd[KN ? r - 2 : r - 1] != K || scale.element_count() != L * N ||
-      (zp.element_count() && zp.element_count() != L * N) || table.element_count())
+  if (L < 1 || wd[KN ? r - 2 : r - 1] != K || G < 1 || scale.element_count() != L * G * N ||
+      (G > 1 && (!KN || C != Codes::kInt8 || K % G)) ||
+      (zp.element_count() && zp.element_count() != L * G * N) || table.element_count())
     return ffi::Error::InvalidArgument(name + ": operand shapes do not match");
   const int64_t l = pick(layer, L);
   const float* xp = x.typed_data();
@@ -690,10 +733,14 @@ ffi::Error ChannelGemvT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uin
     xp = x15.data();
   }
   const uint8_t* wp = codes + l * N * K;
-  const float* sp = scale.typed_data() + l * N;
-  const float* zpp = zp.element_count() ? zp.typed_data() + l * N : nullptr;
+  const float* sp = scale.typed_data() + l * G * N;
+  const float* zpp = zp.element_count() ? zp.typed_data() + l * G * N : nullptr;
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
+  if (KN && G > 1) {  // groups: each group's sums scaled by its scales, as jqt_grouped_gemv does
+    grouped_kn<C>(pool, xp, M, K, wp, N, sp, zpp, G, unit, op);
+    return ffi::Error::Success();
+  }
   // The codes split over XLA's intra-op threads (part_count).
   const int64_t parts = part_count(pool, KN ? K / 2 : N, N * K);
   if constexpr (KN) {

@@ -364,8 +364,9 @@ def test_gptq_rerounds_a_ragged_dot_mixture_per_expert_as_its_einsum():
     # correlated inputs (GPTQ's gain; with independent ones its best is plain rounding) and
     # rows enough for a Hessian that holds on held-out rows
     c = 512
-    mix = jnp.asarray(RNG.standard_normal((E, D, D)) / np.sqrt(D) + np.eye(D), jnp.float32)
-    draw = lambda: jnp.einsum("ecd,edk->eck", jnp.asarray(RNG.standard_normal((E, c, D)), jnp.float32), mix)
+    rng = np.random.default_rng(7)  # its own draws: the module's RNG state depends on test order
+    mix = jnp.asarray(rng.standard_normal((E, D, D)) / np.sqrt(D) + np.eye(D), jnp.float32)
+    draw = lambda: jnp.einsum("ecd,edk->eck", jnp.asarray(rng.standard_normal((E, c, D)), jnp.float32), mix)
     x = draw()
     sizes = jnp.full((E,), c, jnp.int32)
     rag = lambda p, x: jax.lax.ragged_dot(x, p["w"], sizes)

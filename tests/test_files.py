@@ -599,8 +599,8 @@ def test_sums_that_are_not_the_codes_sums_are_rejected(tmp_path, files):
 
 def test_the_sums_check_of_stacked_4bit_codes_unpacks_one_layer_at_a_time():
     """Loading checks stored sums against the codes: a stack of 4-bit codes unpacked whole
-    held about six times its packed bytes on the host (w4a8, 8 layers of 1024 x 4096: 144
-    MiB over a 32 MiB file); one layer at a time, the same sums."""
+    held several times its packed bytes on the host at once (w4a8's stored sums); one layer
+    at a time, the same sums."""
     import tracemalloc
     from jqt._src import packed_io
     codes = np.random.default_rng(0).integers(0, 256, (8, 256, 512), dtype=np.uint8)

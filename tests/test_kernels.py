@@ -229,7 +229,7 @@ def test_policy_table():
         grouped_int_rows=8, grouped_int_min_group=128, float_matmul_rows=64, whole_decode_bytes=3 << 20,
         weight_only_block_bytes=4 << 20, large_weight_bytes=32 << 20, large_weight_rows=256, batched_map=True,
         decode_in_input_dtype=policy.bfloat16_dot_is_fast(policy.cpu_flags()), native_gemv_rows=8,
-        native_in_place=True, native_int8_rows=4, weight_only_kn=True,
+        native_in_place=True, native_int8_rows=4, weight_only_kn=True, int16_as_float=True,
         int_as_bfloat16_rows=255 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0,
         fp8_as_bfloat16_rows=32 if policy.bfloat16_dot_is_fast(policy.cpu_flags()) else 0,
         native_decode=int(policy.native_nf4_decode_pays(policy.cpu_flags())))
@@ -435,6 +435,59 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
         jqt.pack(qp, p, policy=small_cache), x)
     assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)
             if e.primitive.name == "dot_general"} == {"int8"}
+
+
+def _as_the_halves_and_simulated(f, qp, p, packed, x, halves):
+    """The CPU table's result (int16 codes as float32) is the halves' (``halves``) up to
+    float32 sums, and the simulated path's."""
+    got = jax.jit(jqt.quantize(f, qp))(packed, x)
+    want = jax.jit(jqt.quantize(f, qp, policy=halves))(packed, x)
+    sim = jax.jit(jqt.quantize(f, qp, simulate=True))(p, x)
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+    np.testing.assert_allclose(got, sim, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("m", [9, 40])
+def test_many_row_int16_activations_run_as_float_codes_on_cpu(m):
+    """``int16_as_float``: above ``native_gemv_rows`` the CPU table runs w8a16's int16
+    codes whole as float32 (exact) on the decoded weight, one float matmul (two int8
+    matmuls on their halves took 1.9-3.0x float32, ``benchmarks/formats.py --only
+    dense``); the result is the halves' up to float32 sums, and the simulated path's."""
+    f, p, x, qp, packed = _dense(jqt.recipes.w8a16(), k=384, n=64, m=m)
+    halves = dataclasses.replace(CPU, int16_as_float=False)
+    dots = lambda pol: [str(e.invars[0].aval.dtype) for e in _eqns(jax.make_jaxpr(
+        jqt.quantize(f, qp, policy=pol))(packed, x).jaxpr) if e.primitive.name == "dot_general"]
+    assert dots(CPU) == ["float32"] and dots(halves) == ["int8", "int8"]
+    _as_the_halves_and_simulated(f, qp, p, packed, x, halves)
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_int16_activations_run_convolutions_as_float_codes_on_cpu(layout):
+    """``int16_as_float`` for convolutions: w8a16's int16 codes whole in one float32
+    convolution (exact products, float32 sums), where their halves ran two int8 ones;
+    the halves' result up to float32 sums, and the simulated path's. A conv that runs
+    as a patch matmul (few input channels) keeps the halves."""
+    dn = (layout, "HWIO", layout)
+    f = lambda p, x: jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME", dimension_numbers=dn)
+    keys = jax.random.split(jax.random.key(4), 3)
+    p = {"w": jax.random.normal(keys[0], (3, 3, 24, 16)) / 9}
+    shape = (2, 10, 10, 24) if layout == "NHWC" else (2, 24, 10, 10)
+    x = jax.random.normal(keys[1], shape)
+    qp = jqt.calibrate(f, jqt.recipes.w8a16(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    halves = dataclasses.replace(CPU, int16_as_float=False)
+    convs = lambda pol: [str(e.invars[0].aval.dtype) for e in _eqns(jax.make_jaxpr(
+        jqt.quantize(f, qp, policy=pol))(packed, x).jaxpr) if e.primitive.name == "conv_general_dilated"]
+    assert convs(CPU) == ["float32"] and len(convs(halves)) == 2  # (NCHW halves: as float codes)
+    _as_the_halves_and_simulated(f, qp, p, packed, x, halves)
+    few = {"w": p["w"][:, :, :3]}  # 3 input channels: a patch matmul, the halves
+    x3 = x[..., :3] if layout == "NHWC" else x[:, :3]
+    qp3 = jqt.calibrate(f, jqt.recipes.w8a16(), few, [(x3,)], progress=False)
+    if layout == "NHWC":
+        assert not [e for e in _eqns(jax.make_jaxpr(jqt.quantize(f, qp3))(jqt.pack(qp3, few), x3).jaxpr)
+                    if e.primitive.name in ("conv_general_dilated", "dot_general")
+                    and e.invars[0].aval.dtype == jnp.int16]
 
 
 @pytest.mark.parametrize("recipe", [

@@ -778,13 +778,15 @@ def test_native_decode_under_jit_vmap_grad_scan_and_export():
 
 
 @needs_kernel
-def test_w8a16_halves_run_the_kernel_at_every_row_it_takes():
-    """w8a16's int16 activations run as two int8 halves: at 5-8 rows (past native_int8_rows)
-    they took XLA's two int8 matmuls, slower than float32's; the kernel takes them, with
-    the same results."""
-    f, p, qp, x = _setup(R.w8a16(), 256, 40, 6)
+@pytest.mark.parametrize("m", [1, 6])
+def test_w8a16_codes_run_the_kernel_whole_at_every_row_it_takes(m):
+    """w8a16's int16 activations: at 5-8 rows (past native_int8_rows) their two int8 halves
+    took XLA's two int8 matmuls, slower than float32's; then the kernel took each half (two
+    calls, the weight read twice); now it takes the codes whole (exact in float32), one
+    call, with the same results."""
+    f, p, qp, x = _setup(R.w8a16(), 256, 40, m)
     packed = jqt.pack(qp, p)
     q = jqt.quantize(f, qp)
-    assert _custom_calls(q, packed, x) == 2 and _custom_calls(jqt.quantize(f, qp, policy=XLA), packed, x) == 0
+    assert _custom_calls(q, packed, x) == 1 and _custom_calls(jqt.quantize(f, qp, policy=XLA), packed, x) == 0
     _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x), rel=1e-5)
     _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rel=1e-3)

@@ -572,11 +572,18 @@ class WeightMSE(WeightCalibrator):
         # same choice at any magnitude, where float32 sums of squares would overflow (a
         # weight of 1e20) or vanish (1e-20)
         _, e = jnp.frexp(jnp.maximum(jnp.abs(lo0), jnp.abs(hi0)))
+        # 2 ** -e as two powers of two, each a normal float32 (e runs -148..128), made once
+        # per channel: multiplying by them is exact, as jnp.ldexp(d, -e) is, up to products
+        # below float32's normal range, whose squares are 0 either way; ldexp on every
+        # element of every candidate was most of a 4-bit calibration's time
+        h = -e // 2
+        f1 = jnp.ldexp(jnp.ones(jnp.shape(e), _F32), h)
+        f2 = jnp.ldexp(jnp.ones(jnp.shape(e), _F32), -e - h)
 
         def err(r):
             s, z = nx.params_from_range(lo0 * r, hi0 * r, qtype)
             d = nx.fake_quant(w, s, z, qtype) - w  # on the format's own grid (int, fp8, nf4)
-            return jnp.sum(jnp.ldexp(d, -e) ** 2, axis=axes, keepdims=axes is not None)
+            return jnp.sum(((d * f1) * f2) ** 2, axis=axes, keepdims=axes is not None)
 
         ratios = jnp.linspace(1.0, self.min_ratio, self.candidates, dtype=_F32)  # under x64 too
 

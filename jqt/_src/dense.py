@@ -296,8 +296,9 @@ def int_dense_grouped(ax, x, w, policy):
     return out
 
 
-def int_grouped_as_float(ax, x, w, policy):
-    """int8 activation x grouped int weight as a float matmul: the activation codes minus
+def int_codes_as_float(ax, x, w, policy):
+    """int8 activation x grouped int weight (or int16 codes x an int weight, w8a16 under
+    ``policy.int16_as_float``) as a float matmul: the activation codes minus
     their zero point upcast (exact), the weight decoded with its group scales as on the
     weight-only path (K-chunks, whole: :func:`decodes_whole`, or one sum over K at few
     rows: :func:`reduces`), the activation's scale split around it (:func:`split_scale`;
@@ -306,6 +307,18 @@ def int_grouped_as_float(ax, x, w, policy):
     group (:func:`grouped_as_float`)."""
     w, lo, hi = _act_scale_around(ax, x, w)  # no overflow the real op has not
     return weight_only_2d(float_codes(ax, x) * lo, w, policy, None) * hi
+
+
+def int16_halves(q):
+    """An int16 activation's codes (a :class:`jqt.QArray`, symmetric) -> its int8 halves
+    ``(hi, lo)`` with ``q = 256 * hi + (lo + 128)`` (``lo``'s zero point -128; both keep
+    the int16 type): an int16 x int8 contraction as two int8 x int8 ones, ``256 * op(hi) +
+    op(lo)`` in float32 (each cast first lost the result where they cancel: -2 is
+    ``256 * -1 + 254``), neither of which can overflow int32 the way an int16 x int8 one
+    can."""
+    hi, lo = nx.split_int16(q.values)
+    return (dataclasses.replace(q, values=hi, zero_point=None),
+            dataclasses.replace(q, values=lo, zero_point=jnp.float32(-128.0)))
 
 
 def split_scale(sx):
@@ -355,7 +368,7 @@ def fp8_dense(ax, x, w, policy):
         return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
     if fp8_as_bfloat16(x2.shape[0], w, policy):
         return _fp8_bfloat16(ax, x, x2, w, policy)
-    w, lo, hi = _act_scale_around(ax, x, w)  # as in int_grouped_as_float
+    w, lo, hi = _act_scale_around(ax, x, w)  # as in int_codes_as_float
     return weight_only_2d(nx.decode(x2, x.qtype.grid) * lo, w, policy, None) * hi
 
 
@@ -487,7 +500,7 @@ def decodes_whole(m, w2, policy) -> bool:
 
 def grouped_as_float(m, w2, policy) -> bool:
     """Whether int8 activations with a grouped int weight (w4a8 g128) at ``m`` rows run
-    as a float matmul on their upcast codes (:func:`int_grouped_as_float`) instead of one
+    as a float matmul on their upcast codes (:func:`int_codes_as_float`) instead of one
     int8 matmul per group: under ``policy.grouped_float``, for groups smaller than
     ``policy.grouped_int_min_group``, :func:`decodes_whole`, or more than
     ``policy.grouped_int_rows`` rows (``m = -1``, a symbolic count: int8 per group, for

@@ -50,6 +50,7 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
     if 0 in compat.sharded_dims(x_vals):
         m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
     grouped = bool(w2.qtype.group_size)
+    wide = int_act and x2.values.dtype == jnp.int16  # w8a16's codes whole (kernels.takes_wide)
     if native.applies(w2, m, policy, int_act, x2.qtype.bits if int_act else 8) and (
             not int_act or x2.qtype.kind == "int"
                                                    or x2.qtype.kind == w2.qtype.kind == "float"):
@@ -57,6 +58,11 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
             lo, hi = dense.split_scale(x2.scale.astype(_F32))
             return native.dense_rows(dense.float_codes(ax, x2) * lo, w2, policy, stack) * hi
         return native.dense_rows(x2, w2, policy, stack)
+    if wide and policy.int16_as_float:  # the codes in float32 (exact), one float matmul
+        return dense.int_codes_as_float(ax, x2, w2, policy)
+    if wide:  # two int8 x int8 contractions (dense.int16_halves), in float32
+        hi, lo = dense.int16_halves(x2)
+        return 256.0 * formulate(hi, w2, stack, policy, precision) + formulate(lo, w2, stack, policy, precision)
     if not int_act:
         if gemv.weight_only_applies(w2, m, policy, x2.dtype):
             return gemv.weight_only(ax, x2, w2, policy)
@@ -64,11 +70,11 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
     if w2.qtype.kind == "float":
         return dense.fp8_dense(ax, x2, w2, policy)
     if grouped and x2.qtype.kind == "int" and dense.reduces(m, policy):
-        return dense.int_grouped_as_float(ax, x2, w2, policy)
+        return dense.int_codes_as_float(ax, x2, w2, policy)
     if grouped and gemv.grouped_applies(w2, m, policy):
         return gemv.int_grouped(ax, x2, w2, policy)
     if grouped and dense.grouped_as_float(m, w2, policy):
-        return dense.int_grouped_as_float(ax, x2, w2, policy)
+        return dense.int_codes_as_float(ax, x2, w2, policy)
     if grouped:
         return dense.int_dense_grouped(ax, x2, w2, policy)
     return dense.int_dense(ax, x2, w2, policy)

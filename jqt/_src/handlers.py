@@ -626,16 +626,13 @@ class Integer:
             out = integer(site, eqn, ops, policy)[0]
             return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
                                          qp.accumulator)]
-        if wide is None:
+        if wide is None or site.entry.takes_wide(site, eqn, ops, policy):
+            # (a dense weight or a convolution: the int16 codes whole, kernels.takes_wide)
             return integer(site, eqn, ops, policy)
-        # int16 activation (symmetric): q = 256 * hi + (lo + 128), two int8 kernels.
-        q16 = ops[wide]
-        hi, lo = nx.split_int16(q16.values)
+        # int16 activation (symmetric): its int8 halves, two int8 kernels, both in float32
+        # and cast once (dense.int16_halves)
         ops_hi, ops_lo = list(ops), list(ops)
-        ops_hi[wide] = dataclasses.replace(q16, values=hi, zero_point=None)
-        ops_lo[wide] = dataclasses.replace(q16, values=lo, zero_point=jnp.float32(-128.0))
-        # both halves in float32, cast once: they cancel where the codes are small (-2 is
-        # 256 * -1 + 254), and each rounded to bfloat16 first lost the result
+        ops_hi[wide], ops_lo[wide] = dense.int16_halves(ops[wide])
         e32 = compat.with_output_dtype(eqn, _F32)
         half = lambda o: _integer_typed(e32.outvars[0].aval, site, e32, o, policy)[0]
         out = 256.0 * half(ops_hi) + half(ops_lo)

@@ -99,6 +99,11 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
         out = lax.conv_general_dilated(qx.astype(dt), qw.astype(dt), **cp, preferred_element_type=pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     cp.pop("precision", None)
+    if qx.dtype == jnp.int16:  # w8a16's codes whole (takes_wide): exact products, float32 sums
+        acc = lax.conv_general_dilated(qx.astype(_F32), qw.astype(_F32), **cp,
+                                       precision=lax.Precision.HIGHEST)
+        sx = _out_batch(sx.astype(_F32), params, out_ndim)
+        return (acc * (sx * _out_channel(sw.astype(_F32), params, out_ndim))).astype(out_dtype)
     zx = _out_batch(int_zp(zx), params, out_ndim)
     if zx is not None and zx.ndim == 0 and all(d == 1 for d in cp["lhs_dilation"]):
         # pad with the zero point, whose real value is exactly 0, then correct by
@@ -164,6 +169,26 @@ def _fp8_generic(site, eqn, ops):
                 s = _out_channel(s, eqn.params, nd) if i == w else _out_batch(s, eqn.params, nd)
             factor = s if factor is None else factor * s
     return out if factor is None else out * factor
+
+
+def takes_wide(site, eqn, ops, policy) -> bool:
+    """Whether :func:`run` takes an int16 activation's codes (w8a16) whole: a
+    ``dot_general`` whose int weight is dense (``DenseAxes``, no batch axes), which
+    ``denserows.formulate`` runs as float codes (the native kernel, or
+    ``KernelPolicy.int16_as_float``) or splits into int8 halves itself; a convolution
+    under ``int16_as_float`` that is no patch matmul (:func:`conv`: one float32
+    convolution of the codes). Other ops get the halves (``dense.int16_halves``)."""
+    w = site.weight_operand
+    if w is None or site.op not in ("dot_general", "conv_general_dilated") or site.batch_axes():
+        return False
+    wq = ops[w].sliced if isinstance(ops[w], LayerView) else ops[w]
+    if not isinstance(wq, QArray) or wq.qtype.kind != "int":
+        return False
+    if site.op == "conv_general_dilated":
+        in_ch = eqn.invars[1].aval.shape[eqn.params["dimension_numbers"].rhs_spec[1]]
+        return policy.int16_as_float and not patches.applies(eqn.params, in_ch, policy)
+    return DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
+                        grouped=bool(wq.qtype.group_size)) is not None
 
 
 def run(site, eqn, ops, policy):

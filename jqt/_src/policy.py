@@ -123,6 +123,22 @@ native_gemv_rows            bits decoded through
                             layer at 1-8 rows: 0.23-
                             0.47x float32 against 0.74-
                             2.05x K-chunked)
+1-8 rows: w8 g128, w8a8     jqt's native kernel         as at any row count
+g128 (int8 codes with       ``jqt_channel_gemv_kn``,
+group scales, (K, N)):      each group's sums scaled
+native_gemv_rows            (4096 layer at 1 / 8 rows:
+                            w8 g128 0.36 / 0.46x
+                            float32 against 1.11 /
+                            0.88x, w8a8 g128 0.40 /
+                            0.52x against 0.97 / 1.60x)
+w8a16 (int16 activations),  the codes as float32        the halves' int8 matmuls
+more than 8 rows:           (exact), the weight decoded
+int16_as_float              as on the weight-only path,
+                            one float matmul (4096
+                            layer at 32 / 128 rows:
+                            1.04 / 0.84x float32
+                            against 3.82 / 1.93x for
+                            the halves' int8 matmuls)
 1-8 rows: w4 g128, w4a8     jqt's native kernel         as at any row count
 g128, nf4 (4-bit codes      (``native.py``, an XLA FFI  (H200: digits 2.81x
 with group scales, or per   custom call built on first  bfloat16 at one row of a
@@ -502,6 +518,16 @@ class KernelPolicy:
         matmuls on them took 5.66x float32 at 8 rows of the dense 4096 layer against 1.33x
         with the kernel (``benchmarks/formats.py --only dense``: w8a16).
 
+      int16_as_float: int16 activations on int weights (w8a16) above
+        ``native_gemv_rows`` rows run as their codes in float32 (exact) times the part of
+        their scale below 1, on the weight decoded as on the weight-only path (K-chunks, or
+        whole at many rows): one float matmul, float32 sums, as the native kernel sums them
+        at fewer rows; otherwise their two int8 halves run XLA's int8 matmuls (exact int32
+        sums), which took 3.82 / 1.93 / 1.76x float32 at 32 / 128 / 256 rows of the dense
+        4096 layer against 1.04 / 0.84 / 1.05x (``benchmarks/formats.py --only dense
+        --quick --ab int16_as_float=0 --ab-presets w8a16``). A convolution that runs no patch
+        matmul takes them as one float32 convolution of the codes, where the halves ran two.
+
       reduce_rows: an op with at most this many rows whose weight is decoded to float
         (weight-only int and NF4 weights, per channel or per group; int8 activations on
         grouped int weights, w4a8, their codes upcast exactly) runs as one elementwise
@@ -572,6 +598,7 @@ class KernelPolicy:
     nibble_halves: bool = False
     reduce_rows: int = 0
     native_int8_rows: int = 0
+    int16_as_float: bool = False
     weight_only_kn: bool = False
     native_decode: int = 0
 
@@ -754,6 +781,7 @@ POLICIES = {
                         fp8_as_bfloat16_rows=32 if bfloat16_dot_is_fast(cpu_flags()) else 0,
                         native_gemv_rows=8,
                         native_in_place=True, native_int8_rows=4, weight_only_kn=True,
+                        int16_as_float=True,
                         native_decode=int(native_nf4_decode_pays(cpu_flags()))),
     "gpu": _GPU,
     "cuda": _GPU,

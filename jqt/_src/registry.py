@@ -14,6 +14,8 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
   when the op cannot take them;
 * ``integer(site, eqn, ops, policy)``: the integer kernel (``ops`` holds a
   :class:`jqt.QArray` per quantized operand, the float array otherwise);
+  ``takes_wide(site, eqn, ops, policy)``: whether it takes an int16 activation's codes whole
+  (else they arrive as two int8 halves, ``dense.int16_halves``);
 * ``grid_operand(site_source, op_qparams, operand)``: the weight as its codes are
   computed from it (with the op's outlier transforms, ``transforms.py``, applied) and the
   axis its groups run along;
@@ -103,6 +105,11 @@ class Contraction:
 
     def integer(self, site, eqn, ops, policy):
         return [kernels.run(site, eqn, ops, policy)]
+
+    def takes_wide(self, site, eqn, ops, policy):
+        """Whether :meth:`integer` takes an int16 activation's codes whole under ``policy``
+        (else the caller splits them into int8 halves, ``dense.int16_halves``)."""
+        return kernels.takes_wide(site, eqn, ops, policy)
 
     def grid_operand(self, src, p, operand):
         """``(weight, group axis)``: the weight operand as its codes are computed from it, with
@@ -202,6 +209,9 @@ class Gather:
     def integer(self, site, eqn, ops, policy):
         return [kernels.gather(site, eqn, ops)]
 
+    def takes_wide(self, site, eqn, ops, policy):
+        return False  # no quantized activation
+
     def grid_operand(self, src, p, operand):
         """``(table, group axis)``: a lookup's table is quantized as it is, grouped (where
         its type has groups) along the last axis a lookup reads whole."""
@@ -280,6 +290,9 @@ class RaggedDot(Contraction):
 
     def integer(self, site, eqn, ops, policy):
         return ragged.run(site, eqn, ops, policy)
+
+    def takes_wide(self, site, eqn, ops, policy):
+        return False
 
     def grid_operand(self, src, p, operand):
         """The weight as it is (no outlier transforms), grouped along K."""

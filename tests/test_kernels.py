@@ -5,6 +5,7 @@ by op in test_numerics.py (``POLICIES``); here the jaxprs show that the
 formulation the table names is the one that runs.
 """
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -435,6 +436,42 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
         jqt.pack(qp, p, policy=small_cache), x)
     assert {str(e.invars[0].aval.dtype) for e in _eqns(jaxpr.jaxpr)
             if e.primitive.name == "dot_general"} == {"int8"}
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w4(), jqt.recipes.nf4()], ids=["w4", "nf4"])
+def test_a_weight_on_the_left_keeps_its_matmul_rows_first(recipe):
+    """A dense op with the weight as the dot's lhs (output ``(N, rows)``: equinox's Linear
+    under two vmaps) computes ``(rows, N)`` and transposes it: XLA:CPU folded that transpose
+    into the float matmul of a decoded 4-bit weight, a dot contracting the weight's first
+    axis on its slow generic path (3.2x float32 at 64 rows, ``hunt28_speed2``)."""
+    k, n, t = 256, 384, 64
+    p = {"w": jax.random.normal(jax.random.key(0), (n, k)) * 0.05}
+    x = jax.random.normal(jax.random.key(1), (1, t, k))
+    f = lambda p, x: jnp.transpose(jax.lax.dot_general(p["w"], x, (((1,), (2,)), ((), ()))), (1, 2, 0))
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    text = jax.jit(jqt.quantize(f, qp)).lower(packed, x).compile().as_text()
+    dots = re.findall(r"= f32\[(\d+),(\d+)\]\S* (?:dot|fusion)\(", text)
+    assert (str(t), str(n)) in dots and (str(n), str(t)) not in dots, dots
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x),
+                               jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rtol=0, atol=1e-4)
+
+
+def test_stacked_fp8_layers_are_sliced_as_bytes():
+    """A scan over stacked fp8 layers at more rows than the native kernel takes: XLA:CPU
+    slices fp8 by converting the operand to float16 and back, and hoisted the conversion of
+    the whole stack out of the loop (a float16 copy of every layer, each call,
+    ``hunt28_memory``); the layer is sliced as its bytes."""
+    L, k = 3, 128
+    p = {"w": jax.random.normal(jax.random.key(0), (L, k, k)) / 11}
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    x = jax.random.normal(jax.random.key(1), (16, k))
+    qp = jqt.calibrate(f, jqt.recipes.fp8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    text = jax.jit(jqt.quantize(f, qp)).lower(packed, x).compile().as_text()
+    assert not re.findall(rf"(?:f16|bf16|f32)\[{L},{k},{k}\]", text)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, x),
+                               jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rtol=0, atol=2e-3)
 
 
 def _as_the_halves_and_simulated(f, qp, p, packed, x, halves):

@@ -105,7 +105,11 @@ class DenseAxes:
         ws = [w_shape[d] for d in self.w_free]
         if self.w == 1:
             return out2.reshape(xs + ws)
-        return out2.T.reshape(ws + xs)
+        # the transpose kept out of the matmul: XLA:CPU folded it into a float matmul of a
+        # decoded weight (w4, nf4: nothing between them) as a dot contracting the weight's
+        # first axis, which it runs on a slow generic path (equinox's Linear under two
+        # vmaps, 64 rows: 3.2x float32 against 1.0x), where the transpose is one copy
+        return lax.optimization_barrier(out2).T.reshape(ws + xs)
 
 
 def group_order(contract):

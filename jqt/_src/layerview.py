@@ -60,9 +60,14 @@ class LayerView:
     def sliced(self) -> QArray:
         """The layer as its own QArray (what a scan's ``xs`` would slice)."""
         def take(a):
+            # fp8 codes sliced as their bytes: XLA:CPU slices fp8 by converting the operand
+            # to float16 and back, and the conversion of the whole stack, loop-invariant,
+            # was hoisted out of the loop (a float16 copy of every layer, each call)
+            fp8 = jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 1
+            b = lax.bitcast_convert_type(a, jnp.uint8) if fp8 else a
             for i in self.index:
-                a = lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
-            return a
+                b = lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+            return lax.bitcast_convert_type(b, a.dtype) if fp8 else b
         return jax.tree_util.tree_map(take, self.full)
 
     def flat(self):

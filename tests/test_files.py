@@ -597,6 +597,28 @@ def test_sums_that_are_not_the_codes_sums_are_rejected(tmp_path, files):
     _rejects(jqt.load_packed, bad, "packed weight 'w'.sums", "in layout 'kn'")
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8(), jqt.recipes.w8a8()], ids=["w8", "w8a8"])
+def test_qparams_from_before_lookups_were_quantized_run_them_float(tmp_path, recipe):
+    """qparams (and files) made before jqt quantized embedding lookups have no entry for
+    a lookup: it runs float, as it did, where the function was refused as "made for
+    another function" (a file of an earlier jqt, hunt28_oldfiles)."""
+    keys = jax.random.split(jax.random.key(8), 3)
+    p = {"emb": jax.random.normal(keys[0], (16, 24)), "w": jax.random.normal(keys[1], (24, 8)) / 5}
+    f = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["w"]
+    g = lambda p, e: jnp.tanh(e) @ p["w"]  # the same function with the lookup taken out
+    ids = jax.random.randint(keys[2], (3, 5), 0, 16)
+    qp = jqt.calibrate(f, recipe, p, [(ids,)], progress=False)
+    old = {k: v for k, v in qp.items() if v.op != "gather"}
+    assert sorted(qp) == ["emb", "w"] and sorted(old) == ["w"]
+    jqt.save(str(tmp_path / "old.safetensors"), old)
+    old = jqt.load(str(tmp_path / "old.safetensors"))
+    want = jax.jit(jqt.quantize(g, old))(jqt.pack(old, p), p["emb"][ids])
+    got = jax.jit(jqt.quantize(f, old))(jqt.pack(old, p), ids)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(jqt.quantize(f, old, simulate=True)(p, ids),
+                               jqt.quantize(g, old, simulate=True)(p, p["emb"][ids]), rtol=1e-6, atol=1e-6)
+
+
 def test_the_sums_check_of_stacked_4bit_codes_unpacks_one_layer_at_a_time():
     """Loading checks stored sums against the codes: a stack of 4-bit codes unpacked whole
     held several times its packed bytes on the host at once (w4a8's stored sums); one layer

@@ -169,11 +169,13 @@ def _quantize_weight(operand, q, gaxis, depth):
 
 class Gather:
     """``gather`` from a weight by data-dependent indices: an embedding lookup,
-    quantized weight-only with one scale per row (or per group of a row)."""
+    quantized weight-only with one scale per row (or per group of a row). qparams made
+    before jqt quantized lookups (files written before 2026-11-23) have no entry for them:
+    they then run float, as they did (``optional``)."""
 
     needs_weight = True
     is_cache = False
-    optional = False
+    optional = True
     reads_layer_views = False
     name = "gather"
 

@@ -375,7 +375,9 @@ def _check_weight_scale(r, where, scale, qtype, source):
 def save(path, qparams) -> None:
     """Saves ``qparams`` (arrays and metadata) to ``path``.
 
-    A path ending in ``.npz`` gets the ``.npz`` format (version 1, readable by every jqt);
+    A path ending in ``.npz`` gets the ``.npz`` format (version 1, the one every jqt
+    reads; but a jqt from before formats were named by dtype, 2026-11-23, fails on the
+    ``"dtype"`` entries of its types with a ``TypeError`` instead of refusing the file);
     any other path (``.safetensors`` recommended) gets a safetensors file (format
     ``jqt.qparams`` version 3). qparams with outlier transforms or narrow accumulators,
     which an older jqt would drop, get the next version (``.npz`` 2, safetensors 4), so

@@ -66,7 +66,7 @@ def unsupported(qtypes) -> str:
             return f"a {t.dtype} operand accumulates in float32"
         if t.bits > 8:
             return (f"an int{t.bits} operand runs as two int8 halves (its products with "
-                    "int8 codes can overflow int32), not as one narrow sum")
+                    "int8 codes can overflow int32) or as float32 codes, not as one narrow sum")
         if t.group_size:
             return "per-group scales sum each group separately (a per-group accumulator)"
     return ""

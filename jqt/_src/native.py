@@ -21,7 +21,8 @@ off after each group: with activations of one sign that cancels, within the boun
   ``KernelPolicy.native_int8_rows`` says so: exact products, float32 sums).
 
 * ``jqt_channel_gemv_kn``: the same with the codes packed ``(K, N)`` (``w8`` under
-  ``KernelPolicy.weight_only_kn``, as the CPU table packs it).
+  ``KernelPolicy.weight_only_kn``, as the CPU table packs it), also with group scales
+  (``w8`` / ``w8a8`` with ``group_size``).
 * ``jqt_fp8_gemv_kn``: fp8 codes (``float8_e4m3fn``, ``float8_e5m2``) with one scale
   per output channel, packed ``(K, N)`` (``fp8``, its activation's fp8 values taken as
   float32, exact), each code's bits decoded through float16 (F16C): XLA:CPU has no fp8
@@ -116,9 +117,9 @@ def applies(w: QArray, m: int, policy, int_activation: bool = False, act_bits: i
     w4, w4a8, nf4; ``CHANNEL`` / ``CHANNEL_KN``: w8, and w8a8 per channel at up to
     ``policy.native_int8_rows`` rows: above, XLA's int8 matmul keeps their int8 x int8
     sums exact; w8 and w8a8 with ``group_size`` at any of the kernel's rows, as w4a8's
-    groups: XLA's int8 matmul per group was slower than float32 there; the two int8 halves of
-    w8a16's int16 activations (``act_bits`` 16: the halves keep the int16 type) at any of
-    the kernel's rows, XLA's two int8 matmuls being slower than float32's there;
+    groups: XLA's int8 matmul per group was slower than float32 there; w8a16's int16
+    activation codes (``act_bits`` 16), whole, at any of the kernel's rows, XLA's two int8
+    matmuls on their halves being slower than float32's there;
     ``FP8_KN``: fp8, whose activation's values are exact in float32 as XLA's formulation
     takes them), and the kernels available here (:func:`native_status`)."""
     target = _target(w)

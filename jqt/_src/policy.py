@@ -513,10 +513,11 @@ class KernelPolicy:
         times the part of its scale below 1 (the rest multiplies the output): float32
         products and sums, as on the float paths, with
         the stacked layers read in place (``native_in_place``); above, and at 0, XLA's
-        int8 matmul, whose int32 sums are exact. The two int8 halves of w8a16's int16
-        activations run the kernel at any of its rows (``native_gemv_rows``): XLA's int8
-        matmuls on them took 5.66x float32 at 8 rows of the dense 4096 layer against 1.33x
-        with the kernel (``benchmarks/formats.py --only dense``: w8a16).
+        int8 matmul, whose int32 sums are exact. w8a16's int16 activation codes run the
+        kernel whole at any of its rows (``native_gemv_rows``): XLA's int8 matmuls on their
+        two int8 halves took 5.66x float32 at 8 rows of the dense 4096 layer against 1.33x
+        with the kernel on each half, and 0.59-0.69x with the codes whole in one call
+        (``benchmarks/formats.py --only dense``: w8a16).
 
       int16_as_float: int16 activations on int weights (w8a16) above
         ``native_gemv_rows`` rows run as their codes in float32 (exact) times the part of

@@ -90,8 +90,9 @@ def test_export_round_trip(setup):
     qf = jax.jit(jqt.quantize(composed, qp))
     # an export holds XLA formulations, never the native CPU kernels (custom calls only
     # this process registered): bit for bit the CPU table's program without them for
-    # weight-only formats; for int8 activations with int4 weights, the float formulation
-    # of their exact codes, equal to the table's int8 matmuls per group to float rounding;
+    # weight-only formats; for int8 activations with grouped int4 or int8 weights, the float
+    # formulation of their exact codes, equal to the table's int8 matmuls per group to float
+    # rounding;
     # for fp8, the kernel's XLA formulation takes the activation's scale around it, where
     # the table's fp8 path folds a per-tensor one into the weight's scales (float rounding)
     xla = jax.jit(jqt.quantize(composed, qp, policy=dataclasses.replace(
@@ -100,7 +101,7 @@ def test_export_round_trip(setup):
     assert "stablehlo.custom_call" not in jax.export.export(qf)(packed, EVEN).mlir_module()
     for ids in (EVEN, ODD):
         out, ref = back.call(packed, ids), xla(packed, ids)
-        if name.startswith("w4a8") or name == "fp8":
+        if name.startswith("w4a8") or name in ("w8a8_g32", "fp8"):
             np.testing.assert_allclose(out, ref, rtol=0, atol=1e-6 * float(jnp.abs(ref).max()), err_msg=name)
         else:
             np.testing.assert_array_equal(out, ref, err_msg=name)

@@ -577,8 +577,9 @@ class WeightMSE(WeightCalibrator):
         # below float32's normal range, whose squares are 0 either way; ldexp on every
         # element of every candidate was most of a 4-bit calibration's time
         h = -e // 2
-        f1 = jnp.ldexp(jnp.ones(jnp.shape(e), _F32), h)
-        f2 = jnp.ldexp(jnp.ones(jnp.shape(e), _F32), -e - h)
+        # (ones_like: e's sharding, where its channels are split over an explicit mesh axis)
+        f1 = jnp.ldexp(jnp.ones_like(e, dtype=_F32), h)
+        f2 = jnp.ldexp(jnp.ones_like(e, dtype=_F32), -e - h)
 
         def err(r):
             s, z = nx.params_from_range(lo0 * r, hi0 * r, qtype)

@@ -128,7 +128,7 @@ def test_same_results_as_the_xla_formulation(name):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["w4_g128", "w4_g32_asym"])
+@pytest.mark.parametrize("name", ["w4_g128", "w4_g32_asym", "w8_g64_asym_k320"])  # int8 groups too
 def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name):
     """A zero point taken off with the group's sum of x could give ``inf - inf = NaN``: a
     row whose group holds an infinite x (or a huge one) is computed as x times the decoded

@@ -169,13 +169,14 @@ def _quantize_weight(operand, q, gaxis, depth):
 
 class Gather:
     """``gather`` from a weight by data-dependent indices: an embedding lookup,
-    quantized weight-only with one scale per row (or per group of a row). qparams made
-    before jqt quantized lookups (files written before 2026-11-23) have no entry for them:
-    they then run float, as they did (``optional``)."""
+    quantized weight-only with one scale per row (or per group of a row). Not
+    ``optional``: qparams without an entry for a lookup are refused, naming both of their
+    causes (made for another function, or by a jqt from before lookups were quantized),
+    since either would leave the lookup float without a word."""
 
     needs_weight = True
     is_cache = False
-    optional = True
+    optional = False
     reads_layer_views = False
     name = "gather"
 

@@ -254,7 +254,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
     """Raises :class:`jqt.QParamsMismatchError` unless ``qparams`` has an entry for each op
     of the traced function and no other: the one check of :func:`jqt.quantize`,
     :func:`jqt.report` and :func:`jqt.gptq`. An optional op (``registry``: cache writes,
-    lookups, which older qparams lack) may have none, and runs float. With an
+    scalar-index lookups, which older qparams lack) may have none, and runs float. With an
     empty input (``some_empty``) unused gathers pass: JAX traces ``table[ids]`` with no
     ids to zeros, without the gather."""
     keys = [s.key for s in traced.sites()]
@@ -278,7 +278,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
-    # or lookups)
+    # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
     if missing:
         # an optional op whose key the qparams give to another op: made by a jqt that did
@@ -290,7 +290,11 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
                f"this function has a {what(moved[0])}: they were made by a jqt that kept such "
                "ops float, and the weight's other ops have other keys now. Run jqt.calibrate "
                "on this function." if moved else
-               " The qparams were made for another function or weight_argnums; run "
+               " They are embedding lookups: qparams made by a jqt from before 2026-11-23, "
+               "which kept lookups float, have no entries for them, nor have qparams made for "
+               "another function or weight_argnums; run jqt.calibrate on this function with "
+               "this jqt." if all(s.op == "gather" for s in traced.sites() if s.key in missing)
+               else " The qparams were made for another function or weight_argnums; run "
                "jqt.calibrate on this function.")
         raise QParamsMismatchError(
             f"{fn}: no quantization parameters for ops {missing[:5]}"

@@ -668,7 +668,10 @@ void channel_kn_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int
 //   out[m, n] = sum_g scale[g, n] * (sum_{k in g} x[m, k] * code[k, n] - round(zp[g, n]) * sum_{k in g} x[m, k])
 // The groups split over XLA's intra-op threads (part_count), each part a contiguous run of
 // the codes read front to back; each group's sums (channel_kn_rows) scaled into the part's
-// outputs, the parts' outputs added.
+// outputs, the parts' outputs added. A row whose group's sums could overflow (sum |x| of
+// 1e36 or more: x times codes up to 128, and the zero point's term; an infinite or NaN x)
+// takes that group as x times the decoded weight, (code - round(zp)) * scale, in float32:
+// what the XLA formulation computes.
 template <Codes C>
 void grouped_kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w,
                 int64_t N, const float* scale, const float* zp, int64_t G, float unit, float* out) {
@@ -686,11 +689,19 @@ void grouped_kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, con
       const float* sg = scale + g * N;
       const float* zg = zp ? zp + g * N : nullptr;
       for (int64_t m = 0; m < M; ++m) {
-        float xs = 0.f;
-        if (zg)
-          for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k];
-        const float* a = acc.data() + m * N;
+        float xs = 0.f, ax = 0.f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) xs += x[m * K + k], ax += std::fabs(x[m * K + k]);
         float* om = o + m * N;
+        if (!(ax < 1e36f)) {  // the decoded weight (int8 codes: the only ones with groups here)
+          for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+            const int8_t* row = reinterpret_cast<const int8_t*>(w + k * N);
+            const float xk = x[m * K + k];
+            for (int64_t n = 0; n < N; ++n)
+              om[n] += xk * ((float(row[n]) - (zg ? __builtin_roundevenf(zg[n]) : 0.f)) * sg[n] * unit);
+          }
+          continue;
+        }
+        const float* a = acc.data() + m * N;
         for (int64_t n = 0; n < N; ++n)
           om[n] += sg[n] * unit * (zg ? a[n] - __builtin_roundevenf(zg[n]) * xs : a[n]);
       }

@@ -286,16 +286,20 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
         moved = [s for s in traced.sites() if s.entry.optional and s.key in qparams
                  and qparams[s.key].op != s.op]
         what = lambda s: f"{s.op} (table[i] with a scalar i)" if s.op == "gather" else s.op
-        why = (f" The qparams give key '{moved[0].key}' to a {qparams[moved[0].key].op}, where "
-               f"this function has a {what(moved[0])}: they were made by a jqt that kept such "
-               "ops float, and the weight's other ops have other keys now. Run jqt.calibrate "
-               "on this function." if moved else
-               " They are embedding lookups: qparams made by a jqt from before 2026-11-23, "
-               "which kept lookups float, have no entries for them, nor have qparams made for "
-               "another function or weight_argnums; run jqt.calibrate on this function with "
-               "this jqt." if all(s.op == "gather" for s in traced.sites() if s.key in missing)
-               else " The qparams were made for another function or weight_argnums; run "
-               "jqt.calibrate on this function.")
+        lookups = all(s.op == "gather" for s in traced.sites() if s.key in missing)
+        if moved:
+            why = (f" The qparams give key '{moved[0].key}' to a {qparams[moved[0].key].op}, "
+                   f"where this function has a {what(moved[0])}: they were made by a jqt that "
+                   "kept such ops float, and the weight's other ops have other keys now. Run "
+                   "jqt.calibrate on this function.")
+        elif lookups:
+            why = (" They are embedding lookups: qparams made by a jqt from before 2026-11-23, "
+                   "which kept lookups float, have no entries for them, nor have qparams made "
+                   "for another function or weight_argnums; run jqt.calibrate on this function "
+                   "with this jqt.")
+        else:
+            why = (" The qparams were made for another function or weight_argnums; run "
+                   "jqt.calibrate on this function.")
         raise QParamsMismatchError(
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "

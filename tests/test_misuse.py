@@ -164,6 +164,14 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
     for params in ({"w": 1}, (p, p, p)):
         with pytest.raises(TypeError, match=r"jqt.calibrate: weight_argnums=\(0, 1\) names 2 weight"):
             jqt.calibrate(f, jqt.recipes.w8(), params, batches, weight_argnums=(0, 1), progress=False)
+    for argnums in (0, (0,)):  # params=(p,) gives f a tuple: a note says to pass p itself
+        with pytest.raises(TypeError) as e:
+            jqt.calibrate(f, jqt.recipes.w8(), (p,), batches, weight_argnums=argnums, progress=False)
+        assert any("params is that argument itself" in n and "pass p, not (p,)" in n
+                   for n in getattr(e.value, "__notes__", [])), getattr(e.value, "__notes__", None)
+        with pytest.raises(TypeError) as e:
+            jqt.quantize(f, qp, weight_argnums=argnums)((p,), x)
+        assert any("pass p, not (p,)" in n for n in getattr(e.value, "__notes__", []))
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions") as e:
         jqt.calibrate(f, jqt.recipes.w8(), p, [(x,), (x[:, :8],)], progress=False)
     if hasattr(e.value, "add_note"):  # an error inside f says which batch raised it (3.11+)

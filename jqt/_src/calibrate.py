@@ -243,7 +243,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
       f: any JAX function; the argument(s) at ``weight_argnums`` hold the weights.
       recipe: a :class:`jqt.Recipe`, e.g. ``jqt.recipes.w8a8()``; each rule's
         calibrators (:mod:`jqt.calibrators`) decide the ranges.
-      params: the weights (a tuple of them when ``weight_argnums`` has several).
+      params: the weights: the weight argument itself, also with ``weight_argnums=(0,)``
+        (pass ``p``, not ``(p,)``); a tuple of them when ``weight_argnums`` has several.
       batches: an iterable of tuples of the remaining arguments of ``f``.
       weight_argnums: position(s) of the weight argument(s); default 0.
       progress: show a progress bar (tqdm); ``None`` shows it on a terminal only.

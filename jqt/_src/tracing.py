@@ -244,6 +244,23 @@ def _arg_names(f, n):
     return names
 
 
+def _note_one_tuple(e: BaseException, args, argnums):
+    """Adds a note to an error ``f`` raised while traced where a weight argument is a
+    tuple or list of one pytree: with one weight argument, ``params`` is that argument
+    itself (``weight_argnums=(0,)`` as ``0``), so ``params=(p,)`` gave ``f`` the tuple."""
+    ones = [a for a in argnums if a < len(args) and isinstance(args[a], (tuple, list))
+            and len(args[a]) == 1]
+    if ones and hasattr(e, "add_note"):
+        e.add_note(f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "
+                   f"argument {ones[0]}. With one weight argument params is that argument "
+                   f"itself (weight_argnums={argnums} means the same as {argnums[0]}): pass p, "
+                   "not (p,), unless f takes a tuple there."
+                   if len(argnums) == 1 else
+                   f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "
+                   f"argument {ones[0]}: params holds one pytree per weight argument, each "
+                   "passed to f as it is.")
+
+
 def _aval_key(x):
     # the whole type: shape, dtype, weak type, and the sharding it names (explicit mesh
     # axes) or the manual axes it varies over (shard_map), which the jaxpr's ops carry
@@ -293,6 +310,7 @@ class Tracer:
             except TypeError as e:
                 why = _unbound(self.f, len(args))
                 if why is None:
+                    _note_one_tuple(e, args, self.argnums)
                     raise
                 kwonly = _keyword_only(self.f)
                 also = (f" f's keyword-only argument(s) {kwonly} are not passed by jqt: bind them "
@@ -303,6 +321,9 @@ class Tracer:
                     f"{self.argnums}, then the batch's. calibrate, gptq and report take each batch "
                     "as a tuple of f's remaining arguments (batches = [(x,) for x in xs]; report: "
                     f"(x,)).{also}") from e
+            except Exception as e:
+                _note_one_tuple(e, args, self.argnums)
+                raise
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
         infos, prefixes = [], set()

@@ -353,6 +353,30 @@ def test_a_decode_loop_vmapped_with_a_stop_per_sequence(setup):
     assert float(jnp.abs(y[0, 3:]).max()) == 0.0  # the first sequence stopped after 3 tokens
 
 
+def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
+    """``f(p, tokens, per_row)``, teacher with the second sequence's cache changed from step
+    3 on (``per_row``: (B,)) and the first's never: calibrated without a warning, its two
+    caches carried quantized (codes of ``code_dtype``, or any non-float where ``None``), the
+    integer path matching the simulated one, the first sequence teacher's logits."""
+    p, cal, x = setup
+    rec = jqt.recipes.w8a8_dynamic(kv_cache=kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, rec, p, [(c[0], per_row) for c in cal], progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 2
+    carried = _carry_avals(jqt.quantize(f, qp), p, x, per_row)
+    assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
+    assert len([a for a in carried if a.ndim == 5 and a.dtype != jnp.float16
+                and (code_dtype is None or a.dtype == code_dtype)]) == 2
+    packed = jqt.pack(qp, p)
+    out = jax.jit(jqt.quantize(f, qp))(packed, x, per_row)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x, per_row)
+    np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)
+    free = jqt.quantize(teacher, jqt.calibrate(teacher, rec, p, cal, progress=False))(packed, x)
+    np.testing.assert_allclose(out[:, 0], free[:, 0], rtol=1e-6, atol=1e-6)  # never changed
+    assert float(jnp.abs(out[3:, 1] - free[3:, 1]).max()) > 1e-3  # changed at step 3
+
+
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, code_dtype):
     """``jnp.where(live, written, cache)`` after the write (a finished sequence's cache
@@ -360,23 +384,32 @@ def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, c
     codes and scales picked alike. A sequence that never finishes gets teacher's logits
     (the same qparams' cache types); the integer path matches the simulated one. The
     buffer stayed float before (calibrate warned that no loop carries a cache)."""
-    p, cal, x = setup
-    lengths = jnp.array([T, 3], jnp.int32)
-    rec = jqt.recipes.w8a8_dynamic(kv_cache=kind)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        qp = jqt.calibrate(teacher_masked, rec, p, [(c[0], lengths) for c in cal], progress=False)
-    assert len([k for k in qp if k.startswith("kv_cache")]) == 2
-    carried = _carry_avals(jqt.quantize(teacher_masked, qp), p, x, lengths)
-    assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
-    assert len([a for a in carried if a.dtype == code_dtype]) == 2
-    packed = jqt.pack(qp, p)
-    out = jax.jit(jqt.quantize(teacher_masked, qp))(packed, x, lengths)
-    sim = jqt.quantize(teacher_masked, qp, simulate=True)(p, x, lengths)
-    np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5)
-    free = jqt.quantize(teacher, jqt.calibrate(teacher, rec, p, cal, progress=False))(packed, x)
-    np.testing.assert_allclose(out[:, 0], free[:, 0], rtol=1e-6, atol=1e-6)  # never frozen
-    assert float(jnp.abs(out[3:, 1] - free[3:, 1]).max()) > 1e-3  # frozen after 3 steps
+    _carried_quantized_as_teacher(teacher_masked, setup, jnp.array([T, 3], jnp.int32), kind, code_dtype)
+
+
+def teacher_cleared(p, tokens, clear_at, zeros_like=False):
+    """teacher, each sequence's cache slot cleared with zeros at step ``clear_at`` (B,)
+    before that step writes (a finished sequence's slot reused: continuous batching):
+    ``jnp.where(clear, 0.0, cache)``, or ``jnp.where(clear, jnp.zeros_like(cache), cache)``."""
+    def body(carry, tok):
+        cache, pos = carry
+        clear = (pos == clear_at)[None, :, None, None, None]
+        cache = tuple(jnp.where(clear, jnp.zeros_like(c) if zeros_like else 0.0, c) for c in cache)
+        logits, cache = _step(p, cache, tok, pos, _dus)
+        return (cache, pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
+@pytest.mark.parametrize("kind,zeros_like,code_dtype", [(True, False, jnp.int8), ("int4", True, jnp.uint8),
+                                                        ("fp8", False, None)])
+def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros_like, code_dtype):
+    """``jnp.where(clear, 0.0, cache)`` picks whole zero vectors: the buffer is still the
+    cache, carried quantized, a cleared vector taking zero codes and the scale zeros
+    encode to. A sequence never cleared gets teacher's logits; the integer path matches
+    the simulated one. The whole cache stayed float before, and calibrate warned that no
+    loop carries a buffer written with dynamic_update_slice."""
+    f = functools.partial(teacher_cleared, zeros_like=zeros_like)
+    _carried_quantized_as_teacher(f, setup, jnp.array([T + 1, 3], jnp.int32), kind, code_dtype)
 
 
 def test_a_mask_that_varies_along_the_features_is_not_a_cache(setup):

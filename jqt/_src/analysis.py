@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, Plan, Site, Sub, VarInfo, picked_weights
+from .plan import CONST, ZERO, Plan, Site, Sub, VarInfo, picked_weights
 from .registry import OPS
 
 
@@ -180,7 +180,9 @@ class Analyzer:
             env[v] = CONST
 
         def read(v):
-            return CONST if compat.is_literal(v) else env[v]
+            if compat.is_literal(v):
+                return ZERO if compat.is_zero_literal(v) else CONST
+            return env[v]
 
         plan = Plan()
         read_vars = {v for e in jaxpr.eqns for v in e.invars if not compat.is_literal(v)} \
@@ -226,10 +228,13 @@ class Analyzer:
                 outs = self._hop(plan, i, eqn, ins, stack, unread)
             elif view:  # the same buffer, its axes permuted (a vmap moved the batch axis)
                 outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes)]
-            elif picked:  # the same buffer, whole vectors from before or after a write
-                plan.cache_selects.add(i)
-                outs = [VarInfo(False, buffer=ins[1].buffer,
+            elif picked:  # the same buffer, whole vectors from before or after a write, or
+                # zero vectors (a slot cleared)
+                plan.cache_selects[i] = tuple(k for k, x in enumerate(ins[1:]) if not x.buffer)
+                outs = [VarInfo(False, buffer=next(x.buffer for x in ins[1:] if x.buffer),
                                 writes=tuple(dict.fromkeys(w for x in ins[1:] for w in x.writes)))]
+            elif name in ("convert_element_type", "broadcast_in_dim") and ins[0].zero:
+                outs = [ZERO]  # zeros of another dtype or shape (jnp.zeros_like(cache))
             else:
                 step = layout.record(eqn)
                 parts = layout.record_each(eqn) if ins and ins[0].source is not None else None

@@ -329,6 +329,12 @@ def is_literal(v) -> bool:
     return isinstance(v, Literal)
 
 
+def is_zero_literal(v) -> bool:
+    """A literal scalar 0 (``jnp.where(done, 0.0, cache)`` passes one to ``_where``)."""
+    return isinstance(v, Literal) and np.ndim(v.val) == 0 and not isinstance(v.val, (bool, np.bool_)) \
+        and v.val == 0
+
+
 def is_dropvar(v) -> bool:
     return isinstance(v, DropVar)
 

@@ -76,7 +76,8 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
                                                          or kvcache.is_buffer_view(eqn)):
             outs = [kvcache.view(eqn, invals)]  # whole vectors of it (permuted), still quantized
         elif i in plan.cache_selects and any(kvcache.is_cache(x) for x in invals[1:]):
-            outs = kvcache.select(eqn, invals)  # whole vectors of the same cache
+            outs = kvcache.select(eqn, invals, plan.cache_selects[i])  # whole vectors of the
+            # same cache, or zero vectors
         else:
             if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
                 invals = kvcache.materialize(invals, eqn.invars)

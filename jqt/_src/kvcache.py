@@ -415,13 +415,14 @@ def read_view(eqn, invals) -> QArray:
 
 def is_buffer_select(eqn, ins, pred_def) -> bool:
     """A ``select_n`` whose cases are all one buffer (the cache before a write and after
-    it: ``jnp.where(live, written, cache)``, freezing finished sequences) on a predicate
+    it: ``jnp.where(live, written, cache)``, freezing finished sequences), or that buffer
+    and zeros (``jnp.where(done, 0.0, cache)``, a finished sequence's slot cleared), on a predicate
     that is the same along the buffer's last axis (a scalar, or a ``broadcast_in_dim``
     that does not map an axis onto it, or maps one of size 1): it picks whole vectors,
     so a cache under it is the same cache, its codes and scales picked alike
     (:func:`select`). ``pred_def``: the equation that made the predicate, or ``None``."""
-    if eqn.primitive is not compat.select_n_p or not ins[1].buffer \
-            or any(i.buffer != ins[1].buffer for i in ins[2:]):
+    buffers = {i.buffer for i in ins[1:] if not i.zero}
+    if eqn.primitive is not compat.select_n_p or len(buffers) != 1 or not next(iter(buffers)):
         return False
     shape = eqn.invars[0].aval.shape
     if not shape:
@@ -432,9 +433,16 @@ def is_buffer_select(eqn, ins, pred_def) -> bool:
     return last not in dims or pred_def.invars[0].aval.shape[dims.index(last)] == 1
 
 
-def select(eqn, invals):
-    """:func:`is_buffer_select`'s ``select_n`` of caches: one predicate per vector."""
-    pred, cases = invals[0], invals[1:]
+def select(eqn, invals, zeros=()):
+    """:func:`is_buffer_select`'s ``select_n`` of caches: one predicate per vector. The
+    cases at ``zeros`` are zeros (the analysis saw them made so): zero codes, each vector
+    with the scale :func:`encode` gives zeros (``2**-14``)."""
+    pred, cases = invals[0], list(invals[1:])
+    like = next((c for c in cases if is_cache(c)), None)
+    for k in zeros:
+        if like is not None:
+            cases[k] = dataclasses.replace(like, values=jnp.zeros_like(like.values),
+                                           scale=jnp.full_like(like.scale, _TINY))
     if any(not is_cache(c) for c in cases):
         return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
     return [pick(pred[..., :1] if pred.ndim else pred, cases)]

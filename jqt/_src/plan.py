@@ -21,6 +21,7 @@ class VarInfo:
     indexed: str = ""                      # the weight leaf it was indexed from by data (w[i])
     selected: str = ""                     # the weight leaf a select on the data picks in every case
     chosen: tuple = ()                     # the weight leaves a select or cond on the data picks from
+    zero: bool = False                     # all zeros (a literal 0, converted or broadcast)
 
 
 def picked_weights(pred, cases) -> tuple:
@@ -35,6 +36,7 @@ def picked_weights(pred, cases) -> tuple:
 
 DATA = VarInfo(False)
 CONST = VarInfo(True)
+ZERO = VarInfo(True, zero=True)
 
 
 @dataclasses.dataclass
@@ -76,7 +78,8 @@ class Sub:
 class Plan:
     sites: dict = dataclasses.field(default_factory=dict)  # eqn index -> Site
     subs: dict = dataclasses.field(default_factory=dict)   # eqn index -> Sub
-    cache_selects: set = dataclasses.field(default_factory=set)  # select_n of a buffer's cases
+    cache_selects: dict = dataclasses.field(default_factory=dict)  # select_n of a buffer's
+    # cases: equation index -> the positions of its cases that are zeros (a slot cleared)
     # the top jaxpr's only: output index -> (input index, keys of its cache writes) of each
     # key/value cache f takes and returns written (a decode step; analysis.Analyzer._boundary)
     boundary: dict = dataclasses.field(default_factory=dict)

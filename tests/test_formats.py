@@ -526,6 +526,22 @@ def test_groups_longer_than_head_dim_take_one_group_per_head(f):
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), a), sim, rtol=1e-5, atol=1e-5)
 
 
+def test_a_contraction_that_fits_one_group_is_per_channel():
+    """``group_size`` at least the whole contraction (heads x head_dim = 256) on an output
+    projection: one scale per output channel is one group, no coarser than asked, and the
+    op gets that, silently. It got one group per head (4 scales a channel) before, with no
+    warning: the warning is silent exactly where per channel is what the rule means."""
+    p = {"wo": WO}
+    a = jnp.asarray(RNG.standard_normal((6, 1, HEADS, HEAD_DIM)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(out_proj_einsum, jqt.recipes.w4(group_size=HEADS * HEAD_DIM), p, [(a,)],
+                           progress=False)
+    want = jqt.calibrate(out_proj_einsum, jqt.recipes.w4(group_size=0), p, [(a,)], progress=False)
+    assert qp["wo"].rhs.qtype == want["wo"].rhs.qtype and qp["wo"].rhs.scale.shape == (1, 1, N)
+    np.testing.assert_array_equal(qp["wo"].rhs.scale, want["wo"].rhs.scale)
+
+
 def test_packed_file_round_trip_every_format(tmp_path):
     for name in ("w4_g64", "nf4_g64", "fp8", "w4a8_asym_g64"):
         qp = jqt.calibrate(embed_mlp, RECIPES[name], P, [(IDS,)], progress=False)

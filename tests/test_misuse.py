@@ -124,6 +124,13 @@ def test_packed_params_in_place_of_float_params_or_qparams_are_named(setup, tmp_
     with pytest.raises(jqt.QParamsMismatchError, match="codes are bfloat16.*tree_map astype"):
         jqt.quantize(f, qp)(cast, batches[0][0])
     assert jax.eval_shape(lambda p: jqt.pack(qp, p), p).nbytes() == packed.nbytes() > 500
+    # a typed PRNG key (an nnx model's Rngs) counts its key data, a function or string leaf
+    # nothing (nbytes raised NumPy's TypeError on the key; pack warned of the function's shape)
+    extra = {"key": jax.random.key(0), "act": jax.nn.gelu, "name": "mlp"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed_extra = jqt.pack(qp, dict(p, **extra))
+    assert packed_extra.nbytes() == packed.nbytes() + 8  # uint32[2]
     g = lambda p, x: x @ p["w"]
     p64 = {"w": np.random.default_rng(0).standard_normal((8, 4)), "b": np.zeros(4)}
     q64 = jqt.calibrate(lambda p, x: g(p, x) + p["b"], jqt.recipes.w8(), p64, [(jnp.ones((2, 8)),)],

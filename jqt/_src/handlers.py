@@ -91,16 +91,19 @@ def weight_qtype(site, qtype, shape):
     innermost contracted axis but are a multiple of its length on a weight contracted
     over several axes (``head_dim`` 64 with ``group_size=128`` on an attention output
     projection), groups of that length (one per head: finer than asked, as groups do
-    not span several axes); otherwise ``qtype`` without groups (per channel) when the op
-    cannot take groups or they do not tile its axis."""
+    not span several axes) unless the whole contraction fits one group (4 heads of 16
+    under ``group_size=64``: one scale per output channel is one group, as asked);
+    otherwise ``qtype`` without groups (per channel) when the op cannot take groups or
+    they do not tile its axis."""
     if not qtype.group_size:
         return qtype
     ax = site.entry.groups(site)
     if ax is not None and groups.fits(qtype, shape, ax):
         return qtype
     n = shape[ax % len(shape)] if ax is not None else 0
-    several = site.weight_operand is not None and len(site.contract[site.weight_operand]) > 1
-    if several and n and qtype.group_size % n == 0:
+    contract = site.contract[site.weight_operand] if site.weight_operand is not None else ()
+    if len(contract) > 1 and n and qtype.group_size % n == 0 \
+            and math.prod(shape[a] for a in contract) > qtype.group_size:
         return dataclasses.replace(qtype, group_size=n)
     return dataclasses.replace(qtype, group_size=0)
 

@@ -471,12 +471,19 @@ class PackedParams:
         return dataclasses.replace(w, values=o.values, layout=o.layout)
 
     def nbytes(self) -> int:
-        """Bytes of every array held (int8 weights, sums and float leaves), an array that
-        several ops share counted once."""
+        """Bytes of every array held (int8 weights, sums and float leaves; a typed PRNG
+        key's key data), an array that several ops share counted once; a leaf that is no
+        array (a function, a string) counts none."""
         held = {id(x): x for x in jax.tree_util.tree_leaves(self)}
-        # from shapes and dtypes: no copy to the host, and shapes alone (jax.eval_shape) count
-        size = lambda x: math.prod(np.shape(x)) * np.dtype(x.dtype if hasattr(x, "dtype")
-                                                           else np.asarray(x).dtype).itemsize
+
+        def size(x):  # from shapes and dtypes: no copy to the host; shapes alone count
+            dtype = getattr(x, "dtype", None)
+            if dtype is None and not isinstance(x, (bool, int, float, complex)):
+                return 0
+            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                x = jax.eval_shape(jax.random.key_data, x)  # a typed PRNG key: its key data
+            dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+            return math.prod(np.shape(x)) * np.dtype(dtype).itemsize
         return int(sum(size(x) for x in held.values()))
 
     def __repr__(self):

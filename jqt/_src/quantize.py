@@ -7,6 +7,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import compat, diagnostics, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
@@ -543,7 +544,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
 
 def _aval(x):
     """A params leaf's shape and dtype; a non-array leaf (a config string f reads), which
-    is kept as it is, as itself (:class:`tracing.Static`)."""
+    is kept as it is, as itself (:class:`tracing.Static`): a function (an Equinox MLP's
+    activation) is not asked for a shape."""
+    if not (hasattr(x, "dtype") or hasattr(x, "__jax_array__")
+            or isinstance(x, (bool, int, float, complex, np.generic))):
+        return tracing.Static(x)
     try:
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x))
     except TypeError:

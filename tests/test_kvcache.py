@@ -400,8 +400,9 @@ def teacher_cleared(p, tokens, clear_at, zeros_like=False):
     return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
 
-@pytest.mark.parametrize("kind,zeros_like,code_dtype", [(True, False, jnp.int8), ("int4", True, jnp.uint8),
-                                                        ("fp8", False, None)])
+@pytest.mark.parametrize("kind,zeros_like,code_dtype", [
+    (True, False, jnp.int8), pytest.param("int4", True, jnp.uint8, marks=pytest.mark.slow),
+    pytest.param("fp8", False, None, marks=pytest.mark.slow)])
 def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros_like, code_dtype):
     """``jnp.where(clear, 0.0, cache)`` picks whole zero vectors: the buffer is still the
     cache, carried quantized, a cleared vector taking zero codes and the scale zeros

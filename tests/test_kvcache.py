@@ -387,29 +387,33 @@ def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, c
     _carried_quantized_as_teacher(teacher_masked, setup, jnp.array([T, 3], jnp.int32), kind, code_dtype)
 
 
-def teacher_cleared(p, tokens, clear_at, zeros_like=False):
+def teacher_cleared(p, tokens, clear_at, zeros="literal"):
     """teacher, each sequence's cache slot cleared with zeros at step ``clear_at`` (B,)
     before that step writes (a finished sequence's slot reused: continuous batching):
-    ``jnp.where(clear, 0.0, cache)``, or ``jnp.where(clear, jnp.zeros_like(cache), cache)``."""
+    ``jnp.where(clear, 0.0, cache)``, ``jnp.where(clear, jnp.zeros_like(cache), cache)``,
+    or the same with zeros made once before the loop (``"hoisted"``)."""
+    made = jnp.zeros_like(_empty()[0])
+
     def body(carry, tok):
         cache, pos = carry
         clear = (pos == clear_at)[None, :, None, None, None]
-        cache = tuple(jnp.where(clear, jnp.zeros_like(c) if zeros_like else 0.0, c) for c in cache)
+        zero = {"literal": lambda c: 0.0, "like": jnp.zeros_like, "hoisted": lambda c: made}[zeros]
+        cache = tuple(jnp.where(clear, zero(c), c) for c in cache)
         logits, cache = _step(p, cache, tok, pos, _dus)
         return (cache, pos + 1), logits
     return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
 
-@pytest.mark.parametrize("kind,zeros_like,code_dtype", [
-    (True, False, jnp.int8), pytest.param("int4", True, jnp.uint8, marks=pytest.mark.slow),
-    pytest.param("fp8", False, None, marks=pytest.mark.slow)])
-def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros_like, code_dtype):
+@pytest.mark.parametrize("kind,zeros,code_dtype", [
+    (True, "literal", jnp.int8), pytest.param("int4", "like", jnp.uint8, marks=pytest.mark.slow),
+    pytest.param("fp8", "hoisted", None, marks=pytest.mark.slow)])
+def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros, code_dtype):
     """``jnp.where(clear, 0.0, cache)`` picks whole zero vectors: the buffer is still the
     cache, carried quantized, a cleared vector taking zero codes and the scale zeros
     encode to. A sequence never cleared gets teacher's logits; the integer path matches
     the simulated one. The whole cache stayed float before, and calibrate warned that no
     loop carries a buffer written with dynamic_update_slice."""
-    f = functools.partial(teacher_cleared, zeros_like=zeros_like)
+    f = functools.partial(teacher_cleared, zeros=zeros)
     _carried_quantized_as_teacher(f, setup, jnp.array([T + 1, 3], jnp.int32), kind, code_dtype)
 
 

@@ -8,6 +8,7 @@ another ``argnum``, returned nothing packed with a misleading warning; ``calibra
 function without quantizable ops returned ``{}`` without a word. The rest were internal
 errors (``range() arg 3 must not be zero``, ``'list' object has no attribute 'shape'``,
 ``f() takes 2 positional arguments but 5 were given``, ...)."""
+import collections
 import dataclasses
 import functools
 import math
@@ -179,6 +180,10 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
         with pytest.raises(TypeError) as e:
             jqt.quantize(f, qp, weight_argnums=argnums)((p,), x)
         assert any("pass p, not (p,)" in n for n in getattr(e.value, "__notes__", []))
+    One = collections.namedtuple("One", ["w"])  # params of one field, passed right: f's own
+    with pytest.raises(TypeError) as e:  # error (a shape) gets no such note
+        jqt.calibrate(lambda p, x: x @ p.w, jqt.recipes.w8(), One(p["w1"]), [(x[:, :8],)], progress=False)
+    assert not any("pass p, not (p,)" in n for n in getattr(e.value, "__notes__", []))
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions") as e:
         jqt.calibrate(f, jqt.recipes.w8(), p, [(x,), (x[:, :8],)], progress=False)
     if hasattr(e.value, "add_note"):  # an error inside f says which batch raised it (3.11+)

@@ -60,8 +60,9 @@ def _same(param):
 
 
 def _const(info):
-    """A loop's constant: the same value every iteration, not a buffer the loop writes."""
-    return VarInfo(info.weight, info.source, info.stack_ids)
+    """A loop's constant: the same value every iteration, not a buffer the loop writes
+    (zeros stay zeros: a slot cleared with zeros made before the loop)."""
+    return VarInfo(info.weight, info.source, info.stack_ids, zero=info.zero)
 
 
 def _carries(infos, loop_id):

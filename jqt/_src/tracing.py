@@ -248,12 +248,13 @@ def _note_one_tuple(e: BaseException, args, argnums):
     """Adds a note to an error ``f`` raised while traced where a weight argument is a
     tuple or list of one pytree: with one weight argument, ``params`` is that argument
     itself (``weight_argnums=(0,)`` as ``0``), so ``params=(p,)`` gave ``f`` the tuple."""
-    ones = [a for a in argnums if a < len(args) and isinstance(args[a], (tuple, list))
-            and len(args[a]) == 1]
-    if ones and hasattr(e, "add_note"):
+    ones = [a for a in argnums if a < len(args) and type(args[a]) in (tuple, list)
+            and len(args[a]) == 1]  # a plain one (a NamedTuple of params is no such mistake)
+    if ones and isinstance(e, (TypeError, AttributeError, KeyError, IndexError)) \
+            and hasattr(e, "add_note"):  # what indexing a tuple as the params raises
         e.add_note(f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "
                    f"argument {ones[0]}. With one weight argument params is that argument "
-                   f"itself (weight_argnums={argnums} means the same as {argnums[0]}): pass p, "
+                   f"itself (weight_argnums={argnums[0]} and ({argnums[0]},) alike): pass p, "
                    "not (p,), unless f takes a tuple there."
                    if len(argnums) == 1 else
                    f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "

@@ -438,11 +438,10 @@ def select(eqn, invals, zeros=()):
     cases at ``zeros`` are zeros (the analysis saw them made so): zero codes, each vector
     with the scale :func:`encode` gives zeros (``2**-14``)."""
     pred, cases = invals[0], list(invals[1:])
-    like = next((c for c in cases if is_cache(c)), None)
+    like = next(c for c in cases if is_cache(c))  # the interpreter calls it with one
     for k in zeros:
-        if like is not None:
-            cases[k] = dataclasses.replace(like, values=jnp.zeros_like(like.values),
-                                           scale=jnp.full_like(like.scale, _TINY))
+        cases[k] = dataclasses.replace(like, values=jnp.zeros_like(like.values),
+                                       scale=jnp.full_like(like.scale, _TINY))
     if any(not is_cache(c) for c in cases):
         return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
     return [pick(pred[..., :1] if pred.ndim else pred, cases)]

@@ -250,16 +250,16 @@ def _note_one_tuple(e: BaseException, args, argnums):
     itself (``weight_argnums=(0,)`` as ``0``), so ``params=(p,)`` gave ``f`` the tuple."""
     ones = [a for a in argnums if a < len(args) and type(args[a]) in (tuple, list)
             and len(args[a]) == 1]  # a plain one (a NamedTuple of params is no such mistake)
-    if ones and isinstance(e, (TypeError, AttributeError, KeyError, IndexError)) \
-            and hasattr(e, "add_note"):  # what indexing a tuple as the params raises
-        e.add_note(f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "
-                   f"argument {ones[0]}. With one weight argument params is that argument "
-                   f"itself (weight_argnums={argnums[0]} and ({argnums[0]},) alike): pass p, "
-                   "not (p,), unless f takes a tuple there."
-                   if len(argnums) == 1 else
-                   f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight "
-                   f"argument {ones[0]}: params holds one pytree per weight argument, each "
-                   "passed to f as it is.")
+    if not ones or not isinstance(e, (TypeError, AttributeError, KeyError, IndexError)) \
+            or not hasattr(e, "add_note"):  # those: what indexing a tuple as the params raises
+        return
+    got = f"jqt: f got a {type(args[ones[0]]).__name__} of one pytree as its weight argument {ones[0]}"
+    if len(argnums) == 1:
+        e.add_note(f"{got}. With one weight argument params is that argument itself "
+                   f"(weight_argnums={argnums[0]} and ({argnums[0]},) alike): pass p, not (p,), "
+                   "unless f takes a tuple there.")
+    else:
+        e.add_note(f"{got}: params holds one pytree per weight argument, each passed to f as it is.")
 
 
 def _aval_key(x):

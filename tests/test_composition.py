@@ -888,7 +888,8 @@ def test_packed_shardings_of_a_tensor_parallel_shard_map_with_an_op_without_weig
     np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic_kv", "w4_kv"])
+@pytest.mark.parametrize("recipe", ["w8a8", pytest.param("w8a8_dynamic_kv", marks=pytest.mark.slow),
+                                    pytest.param("w4_kv", marks=pytest.mark.slow)])
 def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
     """Under ``jax.set_mesh`` of explicit axes (one device here; eight: test_sharding.py,
     slow), a decode loop whose embedding lookup JAX runs in an ``auto_axes`` region (typed
@@ -919,6 +920,7 @@ def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
 
 
+@pytest.mark.slow
 def test_explicit_mesh_awq_gptq_and_report_over_split_rows():
     """Under ``jax.set_mesh`` of explicit axes with the batch split over ``"data"`` (one
     device here; eight: test_sharding.py, slow), AWQ's and GPTQ's Gram matrices and the

@@ -457,7 +457,7 @@ def test_lora_gradients_through_the_few_row_digits_formulations(recipe):
             assert _rel(gi[k], gs[k], gs[k]) < 1e-4, (f.__name__, k)
 
 
-@pytest.mark.parametrize("recipe", ["nf4_g64", "w4_g128"])
+@pytest.mark.parametrize("recipe", [pytest.param("nf4_g64", marks=pytest.mark.slow), "w4_g128"])
 def test_lora_adapters_train_on_a_packed_4bit_base(recipe):
     """QLoRA: adapters passed as an argument of f are trained with optax through the
     integer path on a packed 4-bit base (jqt's native kernels at 2 rows, the decoded

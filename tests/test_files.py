@@ -1012,3 +1012,48 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     q = jax.jit(jqt.quantize(f, qp))
     np.testing.assert_array_equal(q(loaded, x), q(packed, x))
     np.testing.assert_allclose(q(packed, x), q(p, x), atol=1e-5)  # the float params' codes
+
+
+def _bare(tree):
+    """``tree`` as nested dicts of its arrays, keyed by its paths' names: what orbax's
+    restore without a template gives for jqt's types (their formats are not arrays)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        node = out
+        names = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
+        for n in names[:-1]:
+            node = node.setdefault(n, {})
+        node[names[-1]] = leaf
+    return out
+
+
+def test_qparams_packed_params_and_a_cache_restored_without_a_template_are_named():
+    """A checkpointer that restores without a template (orbax's restore(path)) gives plain
+    dicts: qparams were said to "look like model parameters: are the arguments swapped?",
+    and packed weights or a quantized cache failed in f with a KeyError or AttributeError
+    and no word from jqt."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)), jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qp_bare = _bare(qp)
+    assert set(qp_bare["w"]) == {"lhs", "rhs"}
+    for call in (lambda: jqt.quantize(f, qp_bare)(p, x), lambda: jqt.pack(qp_bare, p)):
+        with pytest.raises(TypeError, match=r"qparams\['w'\] is a dict with keys \['lhs', 'rhs'\]: "
+                                            r"jqt.OpQParams flattened .* without a template"):
+            call()
+    packed_bare = _bare(jqt.pack(qp, p))
+    with pytest.raises(KeyError) as got:
+        jqt.quantize(f, qp)(packed_bare, x)
+    assert any("argument 'p' is a plain dict with the fields of a jqt.PackedParams" in n
+               for n in got.value.__notes__)
+
+    def step(p, cache, x):
+        cache = cache.at[0].set(x[0])
+        return x @ p["w"] + cache.sum(), cache
+
+    cache = jqt.quantize_cache(jnp.zeros((4, 8)), True)
+    with pytest.raises(AttributeError) as got:
+        jqt.quantize(step, qp)(p, _bare({"c": cache})["c"], x)
+    assert any("argument 'cache' is a plain dict with the fields of a jqt.QArray" in n
+               for n in got.value.__notes__)

@@ -351,10 +351,11 @@ def test_flax_nnx_decode_cache():
         return m(tok[:, None])[:, 0], nnx.state(m, nnx.Cache)
 
     toks = jax.random.randint(jax.random.key(2), (B, 5), 0, V)
-    cal, c = [], cache0
+    cal, c, fstep = [], cache0, jax.jit(nstep)  # eager, nnx.merge would write into cache0 itself
     for t in range(3):
         cal.append((c, toks[:, t]))
-        c = nstep(params, c, toks[:, t])[1]
+        c = fstep(params, c, toks[:, t])[1]
+    assert [int(c["att"]["cache_index"].get_value()) for c, _ in cal] == [0, 1, 2]
     qp = jqt.calibrate(nstep, jqt.recipes.w8(kv_cache="int4"), params, cal, progress=False)
     out_q, cache = feed(jax.jit(jqt.quantize(nstep, qp)), params, toks, cache=cache0)
     out_s, _ = feed(jqt.quantize(nstep, qp, simulate=True), params, toks, cache=cache0)

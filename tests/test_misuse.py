@@ -765,3 +765,75 @@ def test_a_tied_table_with_one_scale_per_tensor_calibrates():
     packed = jqt.pack(qp, {"emb": emb})
     want = jqt.quantize(g, qp, simulate=True)({"emb": emb}, ids)
     np.testing.assert_allclose(jqt.quantize(g, qp)(packed, ids), want, rtol=0, atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_changes_f_makes_to_its_arguments_in_place_are_named():
+    """A step that writes into an nnx module it is given (a decode cache's index and
+    buffers) loses the change under jqt as under jax.jit: each call wrote slot 0, silently
+    (logits off by 0.4 from the second token). It is warned, naming the argument and the
+    leaves; returned, the change is kept and nothing is warned. A plain dict set or
+    extended in place is named too."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Dec(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(12, 8, rngs=rngs)
+            self.att = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=True, rngs=rngs)
+
+        def __call__(self, tok):
+            return self.emb.attend(self.att(self.emb(tok)))
+
+    model = Dec(nnx.Rngs(0))
+    model.att.init_cache((1, 4, 8))
+    tok = jnp.array([3])
+    step = lambda model, tok: model(tok[:, None])[:, 0]
+    lost = r"f changes its argument 'model' \('att/cache_index/value', 'att/cached_key/value', " \
+           r"'att/cached_value/value'\) in place and does not return the new values"
+    with pytest.warns(UserWarning, match="jqt.calibrate: " + lost):
+        qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(), model, [(tok,)], progress=False)
+    with pytest.warns(UserWarning, match="jqt.quantize: " + lost):
+        jqt.quantize(step, qp)(model, tok)
+
+    def kept(model, tok):
+        return model(tok[:, None])[:, 0], nnx.state(model, nnx.Cache)
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(kept, jqt.recipes.w8a8_dynamic(), model, [(tok,)], progress=False)
+        _, cache = jqt.quantize(kept, qp)(model, tok)
+    assert not [w for w in got if "in place" in str(w.message)]
+    assert int(cache["att"]["cache_index"].get_value()) == 1
+
+    p, x = {"w": jnp.eye(4)}, jnp.ones((2, 4))
+
+    def scaled(p, x):
+        p["w"] = p["w"] * 2
+        return x @ p["w"]
+
+    def extended(p, x):
+        p["seen"] = x
+        return x @ p["w"]
+
+    with pytest.warns(UserWarning, match=r"f changes its argument 'p' \('w'\) in place"):
+        jqt.calibrate(scaled, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.warns(UserWarning, match=r"argument 'p' \(its structure: an entry added or removed\)"):
+        jqt.calibrate(extended, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert list(p) == ["w"]  # the caller's dict as it was
+
+
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=4), jqt.recipes.fp8()],
+                         ids=["w8a8", "w4_g4", "fp8"])
+def test_pack_traced_with_the_params_closed_over(recipe):
+    """jax.eval_shape(lambda: jqt.pack(qp, params)), the abstract template orbax restores
+    into, and jax.jit of it: the params are concrete but their NaN counts and reaches are
+    computed in the trace (a TracerBoolConversionError, fp8 a ConcretizationTypeError)."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)), jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, recipe, p, [(jnp.ones((2, 8)),)], progress=False)
+    packed = jqt.pack(qp, p)
+    abstract = jax.eval_shape(lambda: jqt.pack(qp, p))
+    assert jax.tree.structure(abstract) == jax.tree.structure(packed)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract)] == \
+        [(a.shape, a.dtype) for a in jax.tree.leaves(packed)]
+    for a, b in zip(jax.tree.leaves(jax.jit(lambda: jqt.pack(qp, p))()), jax.tree.leaves(packed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

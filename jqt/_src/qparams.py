@@ -492,6 +492,25 @@ class PackedParams:
                 f"leaves kept of {len(self.avals)})")
 
 
+_BARE = {"jqt.OpQParams": ({"lhs", "rhs", "smooth"}, {"lhs", "rhs"}),
+         "jqt.PackedParams": ({"leaves", "weights"}, {"leaves", "weights"}),
+         "jqt.QArray": (set(_QARRAY_DATA) | {"smooth"}, {"values", "scale"})}
+
+
+def restored_bare(v) -> Optional[str]:
+    """The jqt type that the plain dict ``v`` looks like, flattened to its arrays (what a
+    checkpointer such as orbax restores without a template: the formats, which are no
+    arrays, are lost), or ``None``.
+
+    >>> restored_bare({"lhs": {"scale": 1.0}, "rhs": {"scale": 1.0}}), restored_bare({"w": 1})
+    ('jqt.OpQParams', None)
+    """
+    if not isinstance(v, dict) or not v or not all(isinstance(k, str) for k in v):
+        return None
+    return next((name for name, (allowed, some) in _BARE.items()
+                 if set(v) <= allowed and set(v) & some), None)
+
+
 def summarize(qparams: dict[str, Any]) -> str:
     """A readable table of ``qparams``: one line per op key.
 

@@ -349,6 +349,8 @@ def _refuse_nans(nans):
     counts device scalars, read in one transfer) that holds NaN: an int or NF4 code has
     no NaN, so the element would be packed as a finite number and the NaN lost, where
     the float model gives NaN (``calibrate`` refuses such a weight too)."""
+    nans = [n for n in nans if not compat.is_tracer(n[2])]  # pack traced (jax.eval_shape of it
+    # with the params closed over computes the counts in the trace too): nothing to read
     if not nans:
         return
     counts = jax.device_get([c for _, _, c in nans])

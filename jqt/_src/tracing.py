@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, diagnostics, kvcache
+from . import compat, diagnostics, inplace, kvcache
 from .analysis import Analyzer, path_str
 from .hops import enter_call, leave_call
 from .interpreter import Ctx, eval_jaxpr
 from .plan import DATA, Plan, VarInfo
+from . import qparams as qparams_mod
 from .qparams import WeightSource
 
 
@@ -262,6 +263,39 @@ def _note_one_tuple(e: BaseException, args, argnums):
         e.add_note(f"{got}: params holds one pytree per weight argument, each passed to f as it is.")
 
 
+def _note_restored_bare(e: BaseException, args, f):
+    """Adds a note to an error ``f`` raised while traced where an argument holds a plain
+    dict shaped like a :class:`jqt.PackedParams` or a quantized cache (``QArray``): one a
+    checkpointer restored without a template, its formats lost."""
+    if not hasattr(e, "add_note"):
+        return
+    for i, a in enumerate(args):
+        found = [(path, kind) for path, kind in _bare_dicts(a, ()) if kind != "jqt.OpQParams"]
+        if found:
+            path, kind = found[0]
+            where = f"'{_arg_names(f, len(args))[i]}{path_str(path) and '/' + path_str(path)}'"
+            e.add_note(
+                f"jqt: argument {where} is a plain dict with the fields of a {kind}: one flattened "
+                "to its arrays, as a checkpointer (orbax) restores it without a template. Its "
+                "formats are not arrays, so they are lost. Restore with a template, e.g. "
+                "jax.eval_shape(lambda: jqt.pack(qparams, params)) or of "
+                "jqt.quantize_cache(cache, kind) for a cache, or use jqt.save_packed / "
+                "jqt.load_packed.")
+            return
+
+
+def _bare_dicts(a, path):
+    kind = qparams_mod.restored_bare(a)
+    if kind is not None:
+        yield path, kind
+    elif isinstance(a, dict):
+        for k, v in a.items():
+            yield from _bare_dicts(v, path + (jax.tree_util.DictKey(k),))
+    elif isinstance(a, (list, tuple)):
+        for k, v in enumerate(a):
+            yield from _bare_dicts(v, path + (jax.tree_util.SequenceKey(k),))
+
+
 def _aval_key(x):
     # the whole type: shape, dtype, weak type, and the sharding it names (explicit mesh
     # axes) or the manual axes it varies over (shard_map), which the jaxpr's ops carry
@@ -276,16 +310,17 @@ class Tracer:
             raise TypeError(f"{fn}: f is a {type(f).__name__}, not a function; pass the function "
                             "first (e.g. model.apply), then the weights and the data.")
         self.f = f
+        self.fn = fn
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # threads calling one quantized function share the cache
 
     def __getstate__(self):  # pickled (a quantized function sent to a worker): no traces
         # (their jaxprs hold tracebacks) and no lock; they are made again there
-        return {"f": self.f, "argnums": self.argnums}
+        return {"f": self.f, "argnums": self.argnums, "fn": self.fn}
 
     def __setstate__(self, state):
-        self.f, self.argnums = state["f"], state["argnums"]
+        self.f, self.argnums, self.fn = state["f"], state["argnums"], state.get("fn", "jqt")
         self.cache, self._lock = OrderedDict(), threading.Lock()
 
     def __call__(self, args) -> Traced:
@@ -304,14 +339,28 @@ class Tracer:
                                  f"{len(args)} positional arguments.")
         # traced with jit on: under jax.disable_jit a lax.scan would trace unrolled, its
         # layers' ops under other keys than calibrate gave them
+        changed = []
+
+        def traced_f(*marked):
+            a = unmark(marked)
+            before = [jax.tree_util.tree_flatten_with_path(x) for x in a]
+            out = self.f(*a)
+            changed.extend(inplace.changed_leaves(marked, a, before, out))
+            return out
+
+        def new_leaves(marked, which):
+            a = unmark(marked)
+            self.f(*a)
+            return [jax.tree_util.tree_leaves(a[i])[j] for i, _, _, j in which]
+
         with jax.disable_jit(False):
             try:
-                closed, out_shape = jax.make_jaxpr(
-                    functools.wraps(self.f)(lambda *a: self.f(*unmark(a))), return_shape=True)(*args)
+                closed, out_shape = jax.make_jaxpr(functools.wraps(self.f)(traced_f), return_shape=True)(*args)
             except TypeError as e:
                 why = _unbound(self.f, len(args))
                 if why is None:
                     _note_one_tuple(e, args, self.argnums)
+                    _note_restored_bare(e, args, self.f)
                     raise
                 kwonly = _keyword_only(self.f)
                 also = (f" f's keyword-only argument(s) {kwonly} are not passed by jqt: bind them "
@@ -324,9 +373,15 @@ class Tracer:
                     f"(x,)).{also}") from e
             except Exception as e:
                 _note_one_tuple(e, args, self.argnums)
+                _note_restored_bare(e, args, self.f)
                 raise
         out_tree = jax.tree_util.tree_structure(out_shape)
         names = _arg_names(self.f, len(args))
+        if changed:
+            with jax.disable_jit(False):
+                lost = inplace.lost_changes(changed, new_leaves, args)
+            if lost:
+                inplace.warn_lost(self.fn, names, lost)
         infos, prefixes = [], set()
         for i, a in enumerate(args):
             flat_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda x: isinstance(x, Static))[0]

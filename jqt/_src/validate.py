@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from . import accumulator, compat, kvcache
-from .qparams import OpQParams, PackedParams
+from .qparams import OpQParams, PackedParams, restored_bare
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
@@ -171,6 +171,13 @@ def check_qparams_types(qparams, fn: str = "jqt") -> None:
                         "by jqt.calibrate (or jqt.load).")
     for k, v in qparams.items():
         if not isinstance(v, OpQParams):
+            if restored_bare(v) == "jqt.OpQParams":
+                raise TypeError(
+                    f"{fn}: qparams['{k}'] is a dict with keys {sorted(v)}: jqt.OpQParams flattened "
+                    "to their arrays, as a checkpointer (orbax) restores them without a template. "
+                    "Their formats are not arrays, so they are lost. Restore with a template made "
+                    "from qparams of the same recipe, e.g. jax.eval_shape(lambda: qparams), or "
+                    "save and load with jqt.save / jqt.load, which keep them.")
             params_like = hasattr(v, "shape") or isinstance(v, (dict, list, tuple))
             swapped = (" It looks like model parameters: are the arguments swapped? qparams is "
                        f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""

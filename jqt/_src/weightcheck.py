@@ -240,7 +240,7 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     :func:`start`) that reaches further than its calibration allows, or less than
     :data:`SHRUNK` of the part of the grid its calibrated weight's codes spanned;
     ``grid_operand(p, src)`` gives its weight again, for the message."""
-    pending = [c for c in pending if c is not None]
+    pending = [c for c in pending if c is not None and not compat.is_tracer(c[-1])]  # traced: no value
     if not pending:
         return
     values = jax.device_get([c[-1] for c in pending])  # one transfer for every weight

@@ -1,0 +1,117 @@
+"""Changes ``f`` makes to its arguments in place, which a trace does not keep.
+
+``jax.make_jaxpr`` (and ``jax.jit``) give ``f`` rebuilt copies of its arguments, so a
+value ``f`` writes into one (an nnx module's decode cache, an RNG count, a dict entry)
+stays inside the trace unless ``f`` returns it: each call starts again from the values
+passed in. :func:`changed_leaves` finds such writes while ``f`` is traced;
+:func:`forwarded_input` tells a leaf replaced by the same value back (nnx's ``scan`` and
+``remat`` return a layer's state through the loop) from a change.
+"""
+from __future__ import annotations
+
+import jax
+
+from . import compat, diagnostics
+from .analysis import path_str
+from .plan import closed_parts
+
+_CALLS = {compat.jit_p: "jaxpr", compat.closed_call_p: "call_jaxpr", compat.call_p: "call_jaxpr",
+          compat.remat_p: "jaxpr", compat.custom_jvp_call_p: "call_jaxpr",
+          compat.custom_vjp_call_p: "call_jaxpr"}
+
+
+def changed_leaves(marked, args, before, out):
+    """What ``f`` changed in ``args`` (the copies it was given, ``before``: their
+    ``tree_flatten_with_path`` when it got them) and did not return in ``out``: a list of
+    ``(argument, path or None for its structure, invar index of the old leaf or None,
+    leaf index)``. ``marked``: the traced arguments, whose leaves are the jaxpr's inputs."""
+    inputs = {id(t): n for n, t in enumerate(jax.tree_util.tree_leaves(marked))}
+    returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
+    found = []
+    for i, (a, (old, tree)) in enumerate(zip(args, before)):
+        new, new_tree = jax.tree_util.tree_flatten_with_path(a)
+        try:
+            same = new_tree == tree
+        except Exception:  # a node whose metadata does not compare
+            same = True
+        if not same:
+            found.append((i, None, None, None))
+            continue
+        found += [(i, path, inputs.get(id(x)), j) for j, ((path, x), (_, y)) in enumerate(zip(old, new))
+                  if y is not x and id(y) not in returned]
+    return found
+
+
+def forwarded_input(jaxpr, var):
+    """The index of the input of ``jaxpr`` that ``var`` is, passed unchanged through calls,
+    ``remat``, a loop's carry or a ``scan``'s restacked slices, and a ``cond`` whose every
+    branch returns it; ``None`` for anything computed.
+
+    >>> j = jax.make_jaxpr(lambda a, b: (jax.lax.scan(lambda c, x: (c, x), a, b), a + 1))(1.0, jax.numpy.ones(3))
+    >>> [forwarded_input(j.jaxpr, v) for v in j.jaxpr.outvars]
+    [0, 1, None]
+    """
+    inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+    producer = {v: (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
+    while not compat.is_literal(var):
+        if var in inputs:
+            return inputs[var]
+        if var not in producer:  # a constant
+            return None
+        eqn, k = producer[var]
+        i = _through(eqn, k)
+        if i is None:
+            return None
+        var = eqn.invars[i]
+    return None
+
+
+def _through(eqn, k):
+    """The operand of ``eqn`` its output ``k`` is unchanged, or None."""
+    prim, p = eqn.primitive, eqn.params
+    if prim in _CALLS:
+        j = closed_parts(p[_CALLS[prim]])[0]
+        return forwarded_input(j, j.outvars[k])
+    if prim is compat.scan_p:
+        nc, nk = compat.scan_counts(eqn)
+        j = closed_parts(p["jaxpr"])[0]
+        i = forwarded_input(j, j.outvars[k])  # body operands: consts, carries, slices
+        return i if i is not None and (i == nc + k if k < nk else i >= nc + nk) else None
+    if prim is compat.while_p:
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        j = closed_parts(p["body_jaxpr"])[0]
+        return cn + bn + k if forwarded_input(j, j.outvars[k]) == bn + k else None
+    if prim is compat.cond_p:
+        picks = {forwarded_input(b.jaxpr, b.jaxpr.outvars[k]) for b in p["branches"]}
+        return 1 + picks.pop() if len(picks) == 1 and None not in picks else None
+    return None
+
+
+def lost_changes(found, new_leaves, args):
+    """``found`` (:func:`changed_leaves`) less the leaves that ``f`` replaced by the value
+    they held: ``new_leaves(found)`` traces ``f`` again returning the new leaves."""
+    check = [c for c in found if c[2] is not None]
+    if not check:
+        return found
+    try:
+        j = jax.make_jaxpr(lambda *a: new_leaves(a, check))(*args).jaxpr
+    except Exception:  # a leaf replaced by a value of no JAX type: a change
+        return found
+    same = {c for c, v in zip(check, j.outvars) if forwarded_input(j, v) == c[2]}
+    return [c for c in found if c not in same]
+
+
+def warn_lost(fn, names, lost):
+    what = []
+    for i in dict.fromkeys(c[0] for c in lost):
+        paths = [path_str(c[1]) for c in lost if c[0] == i and c[1] is not None]
+        shown = ", ".join(f"'{p}'" for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        what.append(f"'{names[i]}' ({shown})" if paths else
+                    f"'{names[i]}' (its structure: an entry added or removed)")
+    diagnostics.warn(
+        f"{fn}: f changes its argument {' and '.join(what)} in place and does not return the new "
+        "values. As under jax.jit, such a change stays inside the trace: each call starts again "
+        "from the values passed in (a decode cache that does not advance, a dropout RNG count or "
+        "batch statistics that do not update), in calibration too. Return the new state from f "
+        "and pass it back in (flax nnx: `return y, nnx.state(model, nnx.Cache)`, then "
+        "nnx.update(model, cache)); a returned cache is quantized with kv_cache=.")

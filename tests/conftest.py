@@ -15,7 +15,9 @@ compiled again by the other (``JQT_TEST_XLA_CACHE`` names another directory, kep
 
 ``slow``: end-to-end tests (the examples and the numbers the docs quote, docs pages that
 train a model). The default run (pyproject.toml's addopts) leaves them out; CI runs them
-with ``.venv/bin/python -m pytest -m slow``.
+with ``.venv/bin/python -m pytest -m slow``. ``slow_variants`` on a parametrized test: its
+first parameter set runs by default, the others are ``slow`` (the default run stays under
+5 minutes on a 2-core machine whose XLA compiles a third slower than another's).
 """
 import os
 
@@ -32,6 +34,7 @@ if "JQT_TEST_XLA_CACHE" not in os.environ:  # the pytest process; its xdist work
     atexit.register(shutil.rmtree, os.environ["JQT_TEST_XLA_CACHE"], ignore_errors=True)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_compilation_cache_dir", os.environ["JQT_TEST_XLA_CACHE"])
@@ -41,3 +44,19 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end; not in the default run, CI runs it (-m slow)")
+    config.addinivalue_line("markers", "slow_variants: the test's first parameter set runs by default, "
+                                       "the others with the slow tests")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(config, items):
+    """``slow_variants``: every parameter set of a test after the first one collected is
+    ``slow`` (a grid of formats or shapes: the default run checks one, CI all)."""
+    seen = set()
+    for item in items:
+        if item.get_closest_marker("slow_variants") is None:
+            continue
+        fn = (str(item.path), item.originalname)
+        if fn in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(fn)

@@ -63,6 +63,7 @@ def test_saturates_like_a_16_bit_accumulator_on_both_paths(dense16):
     np.testing.assert_allclose(y32[0], ref[0], rtol=1e-5, atol=1e-5)  # the row inside the range
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gradients_pass_straight_through_the_saturation(dense16):
     """guarantees.md: gradients pass straight through a saturated accumulator, as through
     rounding: the weights', the activation's and the scales' gradients are those of the

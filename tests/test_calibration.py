@@ -558,6 +558,7 @@ def test_scan_over_stacked_layers_with_histogram_calibrator(scan_setup):
 
 
 @pytest.mark.parametrize("make", ["stack", "scaled", "indexed"])
+@pytest.mark.slow_variants
 def test_a_scan_over_layers_stacked_inside_f_gets_a_range_per_layer(make):
     """``lax.scan`` over layers stacked by ``f`` itself (``jnp.stack`` of per-layer leaves,
     ``w * 2``, ``w[idx]``): each iteration reads another layer, so each gets its own weight
@@ -903,6 +904,7 @@ def test_int16_activation_integer_matches_simulated(recipe):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow_variants
 def test_int16_activation_halves_are_summed_before_the_model_dtype(dtype):
     """The two int8 halves of an int16 activation cancel where its codes are small (-2 is
     256 * -1 + 254): each is kept in float32 until they are summed, then cast once, so a
@@ -1115,6 +1117,7 @@ def test_histograms_of_batches_sharded_over_explicit_mesh_axes():
                                   lambda **k: jqt.recipes.nf4(group_size=64, **k),
                                   lambda **k: jqt.recipes.w4a8(group_size=64, **k)],
                          ids=["w4", "nf4", "w4a8"])
+@pytest.mark.slow_variants
 def test_4bit_presets_clip_weight_ranges_at_the_squared_error_optimum(make):
     """The 4-bit presets' default ranges (jqt.recipes.WEIGHT_MSE_4BIT) are clipped inside the
     absolute maximum, and the rounded weight is closer to the float one than with absmax."""

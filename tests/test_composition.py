@@ -398,6 +398,7 @@ def test_cond_untaken_branch_warns_and_stays_float():
 
 
 @pytest.mark.parametrize("order", [(True, False), (False, True)])
+@pytest.mark.slow_variants
 def test_cond_both_branches_quantized(order):
     p = cond_params()
     x = _normal(83, (6, 8))
@@ -697,6 +698,7 @@ def _constrained(w):
 
 
 @pytest.mark.parametrize("how", ["checkpoint_name", "sharding_constraint", "barrier", "barrier_with_x"])
+@pytest.mark.slow_variants
 def test_a_weight_through_a_value_identity_is_the_leaf_it_reads(how):
     """checkpoint_name (for a remat policy), with_sharding_constraint (FSDP code) and
     optimization_barrier pass the weight's values on: its op is keyed and packed by the
@@ -810,6 +812,7 @@ def test_an_einsum_that_contracts_two_weights_first_says_so():
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])
+@pytest.mark.slow_variants
 def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
     """Inputs whose type names a mesh axis (``jax.make_mesh``'s default, explicit axes;
     here one device), few rows, after the same function ran on an unsplit input: the
@@ -835,6 +838,7 @@ def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4", "fp8"])
+@pytest.mark.slow_variants
 def test_quantized_function_inside_shard_map(recipe):
     """``jax.shard_map`` around a quantized function (per-device code: a replicated weight
     times a split activation, which JAX types through ``pvary``), plain, vmapped, and the
@@ -890,6 +894,7 @@ def test_packed_shardings_of_a_tensor_parallel_shard_map_with_an_op_without_weig
 
 @pytest.mark.parametrize("recipe", ["w8a8", pytest.param("w8a8_dynamic_kv", marks=pytest.mark.slow),
                                     pytest.param("w4_kv", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_explicit_mesh_lookup_region_and_resharded_weights(recipe):
     """Under ``jax.set_mesh`` of explicit axes (one device here; eight: test_sharding.py,
     slow), a decode loop whose embedding lookup JAX runs in an ``auto_axes`` region (typed
@@ -951,6 +956,7 @@ def test_explicit_mesh_awq_gptq_and_report_over_split_rows():
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w4", "w8a8_dynamic"])
+@pytest.mark.slow_variants
 def test_auto_axes_region_around_a_scan_over_stacked_layers(recipe):
     """A model part the user runs under ``jax.sharding.auto_axes`` on explicit axes (one
     device here; eight: test_sharding.py, slow), holding a ``lax.scan`` over stacked

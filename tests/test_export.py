@@ -551,6 +551,7 @@ def test_export_symbolic_batch_default_policy(models):
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=16)],
                          ids=["w8a8", "w4 g16"])
+@pytest.mark.slow_variants
 def test_export_for_cpu_and_cuda_at_one_row(recipe):
     """docs/export.md's platforms=("cpu", "cuda"): at one row the CPU table calls jqt's
     native kernels, whose lowering is the portable formulation in such an export (it

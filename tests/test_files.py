@@ -214,6 +214,7 @@ def _calls(kind, target, save, new, path):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow_variants
 def test_a_save_interrupted_at_any_write_leaves_the_old_file(tmp_path, models, kind):
     name, save, load, objs = KINDS[kind]
     old, new = objs(models)
@@ -978,6 +979,7 @@ SHARED_RECIPES = {"w8a8": jqt.recipes.w8a8(), "w4": jqt.recipes.w4(group_size=32
 
 
 @pytest.mark.parametrize("recipe", ci_only(SHARED_RECIPES, {"w8a8", "fp8"}))
+@pytest.mark.slow_variants
 def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     # one layer applied four times in a Python loop (ALBERT-style sharing, a shared Keras
     # layer): four op keys, one copy of the codes and scales in memory, in the file and

@@ -76,6 +76,7 @@ def _check(f, recipe, inputs, tol):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.slow_variants
 def test_integer_matches_simulated_dense(name):
     qp, packed, sim, ref = _check(dense, RECIPES[name], (X,), 1e-5)
     t = qp["w"].rhs.qtype
@@ -269,6 +270,7 @@ def tied_einsum(p, ids):
 
 @pytest.mark.parametrize("f", [tied, tied_einsum], ids=["transpose", "einsum"])
 @pytest.mark.parametrize("name", ci_only(["w8a8", "w8", "w4_g32", "nf4_g32"], {"w4_g32"}))  # the rest: CI
+@pytest.mark.slow_variants
 def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     recipe = {"w8a8": jqt.recipes.w8a8(), "w8": jqt.recipes.w8(),
               "w4_g32": jqt.recipes.w4(group_size=32), "nf4_g32": jqt.recipes.nf4(group_size=32)}[name]
@@ -295,6 +297,7 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
 
 
 @pytest.mark.parametrize("name", ["w8_g16", "w8a8_g16", "fp8", "w4_asym"])
+@pytest.mark.slow_variants
 def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     """w8 and w8a8 with group_size give the table the matmul's groups, so the tie holds (it
     was stored twice); fp8 (int8 tables, fp8 matmuls) and w4(symmetric=False) (symmetric
@@ -426,6 +429,7 @@ def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.nf4(group_size=4), jqt.recipes.w4(group_size=4)],
                          ids=["nf4", "w4"])
+@pytest.mark.slow_variants
 def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
     """A conv takes no groups. Under a preset (a rule for every op) it gets one scale per
     output channel without a word, as docs/supported-ops.md says (every CNN warned once
@@ -739,6 +743,7 @@ def test_a_near_tie_between_clip_factors_does_not_untie_a_table():
 
 
 @pytest.mark.parametrize("name", ["w8", "w4_g32", "nf4_g32"])
+@pytest.mark.slow_variants
 def test_lookups_in_fill_mode_give_the_fill_value_on_the_integer_path(name):
     """``t.at[ids].get(mode="fill", fill_value=7)`` gave 0 (int codes) or 0.56 (nf4) for
     out-of-range ids on the integer path, and a per-tensor table lost jnp.take's NaN fill:

@@ -91,6 +91,7 @@ def test_every_formulation_gives_the_same_result(name, m):
 
 @pytest.mark.parametrize("name", ci_only(["w8", "w4_g128_asym", "w4_per_channel", "nf4", "w8a8_dynamic",
                                           "w4a8_g128_asym"], {"w8", "nf4"}))
+@pytest.mark.slow_variants
 def test_gemv_formulation_under_vmap(name):
     f, p, qp, _ = _setup(RECIPES[name])
     xs = jax.random.normal(jax.random.key(5), (3, 1, K)).at[:, 0, 7].set(-6.0)

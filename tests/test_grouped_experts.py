@@ -116,6 +116,7 @@ def test_expert_weights_get_groups_and_integer_matches_simulated(tmp_path, f, na
 
 
 @pytest.mark.parametrize("name", ["w8a8_dynamic", "w8a8"])
+@pytest.mark.slow_variants
 def test_one_token_per_expert_per_channel(name):
     """Per-channel int8 experts at one token each: the int8 dot's single row is padded to
     two (``intdot.one_row_padded``), and the result equals the simulated path's."""
@@ -320,6 +321,7 @@ INT_RAGGED = ("w8a8", "w8a8_dynamic", "w8a16")  # int codes x a symmetric per-ch
 
 
 @pytest.mark.parametrize("name", list(RAGGED_RECIPES))
+@pytest.mark.slow_variants
 def test_ragged_dot_integer_matches_simulated(name):
     """``lax.ragged_dot`` (tokens sorted by expert against the stacked expert weights) is
     quantized per expert and output channel (or group of K): the integer path on packed
@@ -390,6 +392,7 @@ def test_gptq_rerounds_a_ragged_dot_mixture_per_expert_as_its_einsum():
     assert not bool(jnp.array_equal(p0["w"][0], P["w"][0]))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_ragged_dot_moe_layers_under_scan():
     """A mixture-of-experts layer written with ``lax.ragged_dot`` (routing by argmax, rows
     sorted by expert), stacked layers under ``lax.scan``: calibrated per layer and expert,
@@ -447,6 +450,7 @@ RAGGED_IN = {
 
 
 @pytest.mark.parametrize("where", list(RAGGED_IN))
+@pytest.mark.slow_variants
 def test_ragged_dot_inside_cond_while_remat_and_custom_vjp(where):
     """A ragged_dot inside ``lax.cond`` (both branches calibrated), ``lax.while_loop``,
     ``jax.checkpoint`` and a ``jax.custom_vjp`` function: quantized, the integer path (both
@@ -469,6 +473,7 @@ def test_ragged_dot_inside_cond_while_remat_and_custom_vjp(where):
 
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 @pytest.mark.parametrize("name", ["w8a8", "w4_g32", "nf4_g32"])
+@pytest.mark.slow_variants
 def test_ragged_dot_on_bfloat16(name, out_dtype):
     """A bfloat16 model's ragged_dot, with a bfloat16 output or with
     ``preferred_element_type=float32``: the integer path (both formulations) matches the

@@ -394,6 +394,7 @@ def test_bfloat16_activations_into_float32_weights_decode_in_float32():
         np.testing.assert_allclose(y, sim, atol=1e-5 * np.abs(sim).max())
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_bfloat16_decode_with_the_weight_on_the_left():
     """w @ x in a bfloat16 model under decode_in_input_dtype: XLA:CPU folded the
     activation's transpose into the bfloat16 dot and failed at run time ("Unsupported
@@ -414,6 +415,7 @@ def test_bfloat16_decode_with_the_weight_on_the_left():
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w8a8_dynamic()],
                          ids=["w8a8", "w8a8_dynamic"])
+@pytest.mark.slow_variants
 def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
     """``int_as_bfloat16_rows``: above 255 rows the CPU table multiplies the int8 (or
     uint8, with zero points) codes as bfloat16, which holds them exactly, with float32
@@ -439,6 +441,7 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
 
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w4(), jqt.recipes.nf4()], ids=["w4", "nf4"])
+@pytest.mark.slow_variants
 def test_a_weight_on_the_left_keeps_its_matmul_rows_first(recipe):
     """A dense op with the weight as the dot's lhs (output ``(N, rows)``: equinox's Linear
     under two vmaps) computes ``(rows, N)`` and transposes it: XLA:CPU folded that transpose
@@ -486,6 +489,7 @@ def _as_the_halves_and_simulated(f, qp, p, packed, x, halves):
 
 
 @pytest.mark.parametrize("m", [9, 40])
+@pytest.mark.slow_variants
 def test_many_row_int16_activations_run_as_float_codes_on_cpu(m):
     """``int16_as_float``: above ``native_gemv_rows`` the CPU table runs w8a16's int16
     codes whole as float32 (exact) on the decoded weight, one float matmul (two int8
@@ -500,6 +504,7 @@ def test_many_row_int16_activations_run_as_float_codes_on_cpu(m):
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.slow_variants
 def test_int16_activations_run_convolutions_as_float_codes_on_cpu(layout):
     """``int16_as_float`` for convolutions: w8a16's int16 codes whole in one float32
     convolution (exact products, float32 sums), where their halves ran two int8 ones;
@@ -531,6 +536,7 @@ def test_int16_activations_run_convolutions_as_float_codes_on_cpu(layout):
     jqt.recipes.fp8(), jqt.recipes.fp8(dynamic=True),
     jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2")],
     ids=["e4m3", "e4m3_dynamic", "e5m2"])
+@pytest.mark.slow_variants
 def test_many_row_fp8_matmul_runs_as_bfloat16_values(recipe):
     """``fp8_as_bfloat16_rows``: above 32 rows (the CPU table's on AVX512_BF16 CPUs) an
     fp8 x fp8 matmul multiplies both operands' values as bfloat16, which holds them
@@ -561,6 +567,7 @@ def test_many_row_fp8_matmul_runs_as_bfloat16_values(recipe):
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.slow_variants
 def test_fp8_as_bfloat16_near_the_float32_maximum(dynamic):
     """The bfloat16 fp8 matmul applies units and scales in the float32 path's order: an
     e5m2 weight range of 3.3e38 (its scale times e5m2's unit near float32's maximum)
@@ -610,6 +617,7 @@ def test_fp8_as_bfloat16_under_scan_vmap_and_export():
     jqt.recipes.w8(), jqt.recipes.w4(group_size=64), jqt.recipes.nf4(group_size=64),
     jqt.recipes.w4a8(group_size=64), jqt.recipes.fp8(), jqt.recipes.w8a8()],
     ids=["w8", "w4_g64", "nf4_g64", "w4a8_g64", "fp8", "w8a8"])
+@pytest.mark.slow_variants
 def test_vmap_over_activations_decodes_each_weight_once(recipe):
     """``jax.vmap`` over activations of a weight decoded whole after its input
     (``numerics.after``; NF4: the native decode's tie operand): the tie is taken from the
@@ -646,6 +654,7 @@ def _ops(jaxpr):
 
 @pytest.mark.parametrize("name", ["w8a8", "w8a8_dynamic", "w8", "w4_g64", "w4a8_g64", "nf4_g64", "fp8"])
 @pytest.mark.parametrize("b,m", [(64, 1), (16, 4), (4, 17)])
+@pytest.mark.slow_variants
 def test_vmap_over_activations_picks_the_formulation_for_all_rows(name, b, m):
     """``jax.vmap`` over activations alone: the policy picks the formulation for the
     batch's rows together (``b * m``), as one call of ``b * m`` rows does, not for one
@@ -688,6 +697,7 @@ def test_vmap_over_activations_picks_the_formulation_for_all_rows(name, b, m):
     (jqt.recipes.nf4(group_size=64), 256, 48, 100),  # decoded whole, many rows
     (jqt.recipes.w4a8(group_size=64), 256, 48, 70),  # int8 codes as floats, decoded whole
 ])
+@pytest.mark.slow_variants
 def test_nibbles_in_k_order_and_in_halves_agree(recipe, k, n, m):
     """Two 4-bit codes per byte decoded with K in its own order (the default) or as the
     low nibbles, then the high ones, with the activation reordered (``nibble_halves``):

@@ -177,6 +177,7 @@ _CPU, _FP8_NATIVE = jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy(fp8_na
     (True, jnp.int8, 8, _CPU), ("int4", jnp.uint8, 4, _CPU),
     ("fp8", jnp.uint8, 8, _CPU),  # fp8 codes as their bits where fp8 is not native
     pytest.param("fp8", jnp.float8_e4m3fn, 8, _FP8_NATIVE, marks=pytest.mark.slow)])  # CI
+@pytest.mark.slow_variants
 def test_the_loop_carries_the_cache_quantized(setup, kind, code_dtype, bits, policy):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, cal, progress=False)
@@ -207,6 +208,7 @@ _SLOW = [pytest.param(f, k, marks=pytest.mark.slow) for f in _FNS for k in (True
 
 
 @pytest.mark.parametrize("fn,kind", _CASES + _SLOW)
+@pytest.mark.slow_variants
 def test_integer_matches_simulated(setup, kind, fn):
     fn = _FNS[fn]
     p, cal, x = setup
@@ -259,6 +261,7 @@ def test_int4_cache_with_an_odd_head_dimension(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", [True, "int4", "fp8"])
+@pytest.mark.slow_variants
 def test_a_cache_written_back_unchanged_does_not_drift(kind):
     """Each step reads the cache and writes a slice of it back as it was: that re-encodes
     decoded values, which must give the same codes and scales again (a float16 scale one
@@ -282,6 +285,7 @@ def test_a_cache_written_back_unchanged_does_not_drift(kind):
 
 @pytest.mark.parametrize("kind", [True, "int4", "fp8"])
 @pytest.mark.parametrize("shift", ["dus", "at"])
+@pytest.mark.slow_variants
 def test_a_window_shifted_in_place_keeps_its_codes(kind, shift):
     """A fixed window that shifts left by writing the cache's own slice into it
     (``dynamic_update_slice(c, c[1:], 0)`` or ``c.at[:-1].set(c[1:])``) and writes the new
@@ -314,6 +318,7 @@ def test_a_window_shifted_in_place_keeps_its_codes(kind, shift):
 
 
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
+@pytest.mark.slow_variants
 def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(setup, kind, code_dtype):
     """A loop vmapped over the batch inside the function reads and returns its cache through
     transposes (the batch axis moved behind the layer axis for the scan over layers): the
@@ -378,6 +383,7 @@ def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
 
 
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
+@pytest.mark.slow_variants
 def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, code_dtype):
     """``jnp.where(live, written, cache)`` after the write (a finished sequence's cache
     frozen) picks whole vectors: the buffer is still the cache, carried quantized, its
@@ -472,6 +478,7 @@ def test_export_of_the_decode_function(setup):
 
 
 @pytest.mark.parametrize("recipe", ["w8a8_dynamic", "w4"])
+@pytest.mark.slow_variants
 def test_decode_loop_inside_shard_map(setup, recipe):
     """The decode loop as per-device code under ``jax.shard_map``, the batch split: its
     embedding lookup gathers replicated packed codes with split token ids (cast to
@@ -508,6 +515,7 @@ def test_grad_through_the_simulated_cache(setup):
     assert float(jnp.abs(g["layers"]["wk"]).sum()) > 0  # flows through the cached keys (straight-through)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_save_load_and_old_qparams_without_cache_entries(setup, tmp_path):
     p, cal, x = setup
     qp = jqt.calibrate(teacher, jqt.recipes.w8(kv_cache="int4"), p, cal, progress=False)

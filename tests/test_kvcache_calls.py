@@ -79,6 +79,7 @@ def setup():
 
 
 @pytest.mark.parametrize("kind,code_dtype", KINDS)
+@pytest.mark.slow_variants
 def test_a_decode_step_returns_its_cache_quantized(setup, kind, code_dtype):
     p, batches, toks = setup
     qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=kind), p, batches, progress=False)
@@ -154,6 +155,7 @@ def test_donated_cache_is_updated_in_place(setup):
     np.testing.assert_allclose(jnp.stack(out), ref, atol=1e-6)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_vmap_export_and_grad(setup):
     p, batches, toks = setup
     qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache="int4"), p, batches, progress=False)
@@ -183,6 +185,7 @@ def test_vmap_export_and_grad(setup):
     assert float(jnp.abs(g["layers"]["wk"]).max()) > 0
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_bfloat16_cache_comes_back_as_bfloat16(setup):
     p, batches, toks = setup
     pb = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
@@ -229,6 +232,7 @@ def test_a_returned_cache_with_its_scales_recast_is_refused_by_name(setup):
         qstep(p, cast, toks[:, 1])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_calibrate_and_report_take_a_quantized_cache(setup):
     """A cache the quantized step returned is decoded for calibration and reports: the same
     statistics as its float buffer."""
@@ -297,6 +301,7 @@ def test_a_generate_function_that_takes_and_returns_the_cache(setup):
     np.testing.assert_array_equal(c2["k"].values, c["k"].values)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_flax_linen_decode_cache():
     nn = pytest.importorskip("flax.linen")
 
@@ -364,6 +369,7 @@ def test_flax_nnx_decode_cache():
 
 
 @pytest.mark.parametrize("kind", [True, "int4", "fp8"])
+@pytest.mark.slow_variants
 def test_a_scan_over_the_quantized_step_starts_from_quantize_cache(setup, kind):
     """lax.scan needs its carry's type to stay: the quantized step returns a quantized
     cache, so the carry starts as one (jqt.quantize_cache); the same as the Python loop."""
@@ -441,6 +447,7 @@ def view_cache(how):
 
 @pytest.mark.parametrize("kind", [True, "int4"])
 @pytest.mark.parametrize("how", ["repeat", "pages", "window", "prefix"])
+@pytest.mark.slow_variants
 def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
     """jnp.repeat of a grouped-query cache's heads, a paged cache's pages gathered by a page
     table, a sliding window and a static slice read whole vectors: attention reads their
@@ -480,6 +487,7 @@ def beam_loop(p, tokens, orders):
 
 
 @pytest.mark.parametrize("kind,code_dtype", KINDS[:2])
+@pytest.mark.slow_variants
 def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype):
     """A cache reordered by beam (cache[:, order]) is still the cache: its codes and scales
     are reordered alike, in a step called from Python and in a loop that carries it."""

@@ -214,6 +214,7 @@ SLOW_CASES = [pytest.param(s, r, marks=pytest.mark.slow) if s != "decode" else (
                          # every shape, w8a8_dynamic and w4 on the decode shape by default)
                          else pytest.param(s, r, 3, marks=pytest.mark.slow) for s, r in CASES]
                          + [pytest.param(s, r, 1, marks=pytest.mark.slow) for s, r in CASES])
+@pytest.mark.slow_variants
 def test_loop_calibrates_and_quantizes(shape, recipe, n):
     qp = _calibrated(shape, recipe, n)
     _check_shapes(qp)
@@ -232,6 +233,7 @@ def _structure(qp):
 
 
 @pytest.mark.parametrize("shape,recipe", SLOW_CASES)
+@pytest.mark.slow_variants
 def test_qparams_structure_independent_of_batch_count(shape, recipe):
     assert _structure(_calibrated(shape, recipe, 1)) == _structure(_calibrated(shape, recipe, 3))
 
@@ -276,6 +278,7 @@ def _same(q, expected):
 
 @pytest.mark.parametrize("calibrator", ["MinMax", "MovingAverage",
                                         pytest.param("Percentile", marks=pytest.mark.slow)])
+@pytest.mark.slow_variants
 def test_decode_statistics_per_layer_over_steps(calibrator):
     """Each layer of the inner scan: the calibrator's range over every step of that layer's
     inputs, batches merged as the calibrator merges them; the head, closed over by the
@@ -483,6 +486,7 @@ def _per_example_until(p, xs, ns):
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4"])
+@pytest.mark.slow_variants
 def test_a_while_loop_vmapped_with_a_stop_per_example(recipe):
     """``jax.vmap`` of a ``while_loop`` whose stop depends on the example leaves a ``while``
     whose predicate is batched (one per example). Rebuilding it failed ("cond_fun must

@@ -556,6 +556,7 @@ def test_a_function_that_is_not_callable_is_named():
         jqt.quantize(p, {})
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_per_op_warnings_are_one_warning_naming_the_ops():
     """Twelve layers whose weight is merged as w + a @ b (a LoRA merge), and twelve weights
     packed for another policy: one warning each, naming the ops (there were twelve)."""

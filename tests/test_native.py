@@ -117,6 +117,7 @@ CASES = {  # recipe, K, N (not a multiple of 16: the kernel's column tail), rows
 @pytest.mark.parametrize("name", ci_only(CASES, {"nf4_g64", "w8_asym_k300", "fp8", "w4_per_channel",
                                                   "w4a8_per_channel", "w4a8_per_tensor_asym",
                                                   "w8_g64_asym_k320"}))  # the others: CI
+@pytest.mark.slow_variants
 def test_same_results_as_the_xla_formulation(name):
     recipe, k, n, m = CASES[name]
     f, p, qp, x = _setup(recipe, k, n, m)
@@ -129,6 +130,7 @@ def test_same_results_as_the_xla_formulation(name):
 
 @needs_kernel
 @pytest.mark.parametrize("name", ["w4_g128", "w4_g32_asym", "w8_g64_asym_k320"])  # int8 groups too
+@pytest.mark.slow_variants
 def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name):
     """A zero point taken off with the group's sum of x could give ``inf - inf = NaN``: a
     row whose group holds an infinite x (or a huge one) is computed as x times the decoded
@@ -152,6 +154,7 @@ def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name
 
 @needs_kernel
 @pytest.mark.parametrize("name", ["w4_per_channel", "w4_g128"])
+@pytest.mark.slow_variants
 def test_activations_of_one_sign_stay_within_the_documented_bound(name):
     """Activations after a ReLU (all positive) at K = 4096: the 4-bit kernel sums the codes
     as ``code + 8`` and takes ``8 * sum(x)`` off after each group, which cancels, so its
@@ -173,6 +176,7 @@ def test_activations_of_one_sign_stay_within_the_documented_bound(name):
 
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.slow_variants
 def test_zero_weights_give_exact_zeros(m):
     """The kernel takes the codes' ``+ 8`` off with the same fused multiply-adds that
     summed them: output channels whose weights are all zero (a pruned column, the
@@ -214,6 +218,7 @@ E5M2 = {  # e5m2 weights per channel: weight-only, and with dynamic e5m2 activat
 
 @pytest.mark.parametrize("m", [2, 40])
 @pytest.mark.parametrize("name", ci_only(sorted(E5M2), {"weight_only"}))  # fp8 activations: CI
+@pytest.mark.slow_variants
 def test_fp8_e5m2_codes_do_not_overflow_huge_activations(name, m):
     """e5m2's float16 is its top byte: its codes are up to 57344 in their own units, and
     an activation above about 6e33 times one overflowed float32 (the kernel gave NaN, the
@@ -279,6 +284,7 @@ def test_what_the_kernels_do_not_run():
 
 @needs_kernel
 @pytest.mark.parametrize("recipe", [R.w8a8_dynamic(), R.w8a8()], ids=["dynamic", "static_asym"])
+@pytest.mark.slow_variants
 def test_int8_activations_through_the_channel_kernel(recipe):
     """``native_int8_rows``: w8a8 at one row runs jqt_channel_gemv on the codes
     (exact products, float32 sums): XLA's int8 matmul's result up to float rounding, and
@@ -301,6 +307,7 @@ def test_int8_activations_through_the_channel_kernel(recipe):
 
 @needs_kernel
 @pytest.mark.parametrize("m, k, n", [(1, 301, 40), (3, 1027, 264)])
+@pytest.mark.slow_variants
 def test_int8_weights_in_either_layout(m, k, n):
     """w8 packed (K, N) (the CPU table, ``weight_only_kn``: jqt_channel_gemv_kn) or (N, K)
     (jqt_channel_gemv): each through its kernel, the XLA formulation's result. K not a
@@ -703,6 +710,7 @@ def _decode_calls(fn, *args) -> int:
 
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(DECODED, {"nf4_g64", "nf4_per_channel_k300"}))  # int codes: CI
+@pytest.mark.slow_variants
 def test_native_decode_gives_the_bits_of_xlas_decode(name):
     """The kernel's decode is XLA's float32 operations in the same order: the outputs of
     the op (one float matmul of the decoded weight) are equal, not only close."""
@@ -715,6 +723,7 @@ def test_native_decode_gives_the_bits_of_xlas_decode(name):
     np.testing.assert_array_equal(np.asarray(jax.jit(q)(packed, x)), np.asarray(jax.jit(ref)(packed, x)))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @needs_kernel
 def test_native_decode_waits_for_the_input_without_copying_the_codes():
     """The decode depends on the op's activation (XLA must not hoist every weight's decode
@@ -779,6 +788,7 @@ def test_native_decode_under_jit_vmap_grad_scan_and_export():
 
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.slow_variants
 def test_w8a16_codes_run_the_kernel_whole_at_every_row_it_takes(m):
     """w8a16's int16 activations: at 5-8 rows (past native_int8_rows) their two int8 halves
     took XLA's two int8 matmuls, slower than float32's; then the kernel took each half (two

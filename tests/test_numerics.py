@@ -70,6 +70,7 @@ def test_fake_quant_gradients_are_straight_through_with_clipping_mask():
 
 @pytest.mark.parametrize("dtype", ci_only(["nf4", "float8_e4m3fn", "float8_e5m2", "int4"],
                                            {"float8_e5m2", "int4"}))  # nf4, e4m3: CI
+@pytest.mark.slow_variants
 def test_a_range_end_an_ulp_past_still_passes_its_gradient(dtype):
     """The clipping mask counts ``x`` as clipped only where ``x / scale`` rounds past the grid
     (half a step beyond its end), for every grid as for int: a weight group's absolute
@@ -161,6 +162,7 @@ _DOT_GRID = [(c, r) if c == "x@w" or r == "w8a8"  # every case w8a8, every recip
 
 
 @pytest.mark.parametrize("case,recipe", _DOT_GRID)
+@pytest.mark.slow_variants
 def test_dot_general_integer_matches_simulated(case, recipe):
     f, wshape, xshape = DOTS[case]
     k = jax.random.split(jax.random.key(0), 4)
@@ -304,6 +306,7 @@ CONVS = {
 @pytest.mark.parametrize("case,recipe", [  # beyond "same", w8a8 by default; the rest: CI
     (c, r) if r == "w8a8" or c == "same" and r != "dynamic" else pytest.param(c, r, marks=pytest.mark.slow)
     for c in CONVS for r in ("w8a8", "w8a8_sym", "dynamic", "w8")])
+@pytest.mark.slow_variants
 def test_conv_integer_matches_simulated(case, recipe):
     kw = dict(CONVS[case])
     dn = kw.pop("dimension_numbers", ("NHWC", "HWIO", "NHWC"))

@@ -45,6 +45,7 @@ def _mlp_data(seed=1):
 # ---- Hadamard rotation ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", ci_only([2, 12, 20, 64, 384, 768, 1536, 96], {2, 12, 20, 64, 384, 96}))
+@pytest.mark.slow_variants
 def test_hadamard_is_orthonormal_and_fast_path_matches_matrix(n):
     h = transforms.hadamard_matrix(n)
     np.testing.assert_allclose(h @ h.T, np.eye(n), atol=1e-10)
@@ -93,6 +94,7 @@ def _rel_err(g, p, batches, ref_f=f):
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic"])
+@pytest.mark.slow_variants
 def test_smoothing_lowers_error_on_outlier_channels(recipe):
     p, batches = _data()
     make = getattr(jqt.recipes, recipe)
@@ -369,6 +371,7 @@ def test_weights_packed_with_other_transforms_are_refused(tmp_path):
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=16, awq=True),
                                     jqt.recipes.w8a8_dynamic(smooth=0.5)], ids=["awq", "smooth dynamic"])
+@pytest.mark.slow_variants
 def test_packed_weights_carry_their_smoothing_vector_under_traced_qparams(recipe, tmp_path):
     """A server jitted with qparams as an argument (docs/export.md) cannot compare their
     smoothing vector with the digest the packed weights record: the weights divide the
@@ -402,6 +405,7 @@ def test_packed_weights_carry_their_smoothing_vector_under_traced_qparams(recipe
     assert jax.tree_util.tree_structure(plain.weights["w"]).num_leaves == 2  # no vector, no leaf
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_packed_smoothing_vector_is_checked_and_kept_out_of_the_way(tmp_path):
     """The vector a packed weight holds: a fifth pytree child by its static record, so a
     tree of specs with None in its place fits (vmap in_axes, device_put); a file whose
@@ -529,6 +533,7 @@ def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():
     np.testing.assert_array_equal(pq["w"], p["w"])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gptq_re_rounds_slices_of_one_leaf_and_weights_cast_to_bfloat16():
     """A fused QKV weight read as three slices: each op reads its own elements, so GPTQ
     re-rounds each (it kept plain rounding, calling them tied). A float32 weight cast to

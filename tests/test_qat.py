@@ -277,6 +277,7 @@ ASYM_W = Q(bits=8, symmetric=False, per_channel=True)
     (matmul, (16, 8), (4, 16), None),
     (matmul, (16, 8), (4, 16), Q(bits=8, symmetric=False)),
 ], ids=["einsum-batch-weight-only", "einsum-batch-w8a8", "matmul-weight-only", "matmul-w8a8"])
+@pytest.mark.slow_variants
 def test_trained_weight_zero_point_is_rounded_on_integer_path(f, w_shape, x_shape, activation):
     """A trained (non-integer) weight zero point: both paths round it (the weight-only
     generic kernel used to subtract it unrounded)."""
@@ -426,7 +427,9 @@ def _lora_experts(p, lora, x):
     return jnp.einsum("ecd,edf->ecf", h, p["experts"])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("recipe", ["w8", "w4_channel"])
+@pytest.mark.slow_variants
 def test_lora_gradients_through_the_few_row_digits_formulations(recipe):
     """Per-channel weight-only bases at few rows run the activation as int8 digits (the
     experts' einsum at 2 tokens per expert on the CPU table; a dense layer at 2 rows under

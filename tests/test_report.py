@@ -255,6 +255,7 @@ def test_fallback_to_int16_activations(digits):
     pytest.param(jqt.recipes.w4a8(group_size=8), "int4 sym g8", "int8 asym per-tensor",
                  marks=pytest.mark.slow),
     (jqt.recipes.fp8(), "float8_e4m3fn sym per-channel", "float8_e4m3fn sym per-tensor")])
+@pytest.mark.slow_variants
 def test_rows_name_the_format(recipe, weight, act):
     """The rows give each op's format as the qparams have it: the dtype and the groups."""
     p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)}
@@ -265,6 +266,7 @@ def test_rows_name_the_format(recipe, weight, act):
     assert (row.weight, row.activation) == (weight, act)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_int4_per_tensor_weights_diagnosed_and_repaired(digits):
     params, calib, metric = digits["params"], digits["calib"], digits["metric"]
     qp = jqt.calibrate(mlp, W4_PER_TENSOR, params, calib, progress=False)
@@ -335,6 +337,7 @@ def test_fallback_returns_the_best_choice_tried_when_the_budget_is_not_met():
     assert res.kept == () and res.metric == res.quantized_metric
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_fallback_trials_quantize_as_its_recipe_does():
     """The ops a ``to=`` rule cannot take are no candidates, and a conv kept back takes
     ``to``'s weight type made symmetric, as the presets give convs: the trials scored a
@@ -549,6 +552,7 @@ def test_report_rows_and_end_to_end_numbers(chain_setup):
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.nf4(group_size=32), jqt.recipes.fp8()],
                          ids=["nf4", "fp8"])
+@pytest.mark.slow_variants
 def test_report_clipping_is_half_a_step_past_the_grids_ends(recipe):
     # A weight or activation that merely rounds to the end code is not clipped, on every
     # grid: the edges are numerics.clip_edges (half nf4's outermost gap, half fp8's top
@@ -641,6 +645,7 @@ def test_report_untaken_cond_branch_did_not_run():
             assert rep.output_sqnr == pytest.approx(rows[ran].sqnr_cumulative, abs=1e-3)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_report_and_fallback_on_an_op_over_no_elements():
     # An op whose activation has no elements on the batch (a slice of length 0 here; one of
     # lax.associative_scan's inner matmuls over a short sequence) reduced its operand with
@@ -786,6 +791,7 @@ def test_report_rejects_qparams_with_extra_keys(chain_setup):
         jqt.report(chain, qp, p[:2], (x,))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_fallback_in_two_threads_leaves_the_warnings_machinery_as_it_was():
     """jqt.fallback wrapped calibrations in warnings.catch_warnings, which swaps process-wide
     state: two calls in two threads whose windows overlapped restored each other's hooks,

@@ -1,9 +1,10 @@
 """Ops inside ``jax.shard_map`` (tensor-parallel code): quantized per block of the weight
 each device holds, on a mesh of 4 host CPU devices.
 
-Everything runs in one subprocess (``XLA_FLAGS=--xla_force_host_platform_device_count=4``,
-``JAX_PLATFORMS=cpu``), started by a module fixture; each test checks a part of its JSON
-result.
+The cases run in subprocesses (``XLA_FLAGS=--xla_force_host_platform_device_count=4``,
+``JAX_PLATFORMS=cpu``), each started by a module fixture; each test checks a part of its
+JSON result. The default run's fixture runs three presets on the tensor-parallel MLP; the
+slow run's, the others and every other case.
 """
 import pytest
 from shared import on_devices
@@ -45,7 +46,10 @@ def dot_operands(fn, *args):  # dtypes of every dot_general's operands, nested j
     return [[str(v.aval.dtype) for v in e.invars] for e in all_eqns(jax.make_jaxpr(fn)(*args))
             if e.primitive.name == "dot_general"]
 
-# 1. the presets on the tensor-parallel MLP, explicit mesh axes and auto ones
+"""
+
+_PRESETS = r"""
+# 1. the presets on the tensor-parallel MLP, explicit mesh axes and auto ones (CASES)
 for mesh_name, mesh in (("explicit", EXPLICIT), ("auto", AUTO)):
     f = tp(mesh)
     p = put(mesh, P_TP, {"w1": P(None, "x"), "w2": P("x", None)})
@@ -57,6 +61,8 @@ for mesh_name, mesh in (("explicit", EXPLICIT), ("auto", AUTO)):
     if mesh_name == "auto":
         presets = {k: presets[k] for k in ("w8a8", "w4_g4")}
     for name, recipe in presets.items():
+        if f"{mesh_name}/{name}" not in CASES:
+            continue
         qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
         sim = jqt.quantize(f, qp, simulate=True)(p, x)
         packed = jqt.pack(qp, p)
@@ -71,6 +77,9 @@ for mesh_name, mesh in (("explicit", EXPLICIT), ("auto", AUTO)):
             "codes": {k: [str(w.values.dtype), list(w.values.shape)] for k, w in packed.weights.items()},
             "dots": dot_operands(lambda pk, x: jqt.quantize(f, qp)(pk, x), packed, x)}
 
+"""
+
+_REST = r"""
 # 2. statistics merged over the devices: a 2-D mesh, the batch split over "data"
 f2 = tp(MESH2, data="data", model="model")
 p2 = put(MESH2, P_TP, {"w1": P(None, "model"), "w2": P("model", None)})
@@ -414,28 +423,42 @@ with jax.set_mesh(PM):
     g = jax.grad(lambda x: jnp.sum(jqt.quantize(partial, q, simulate=True)(pp, x) ** 2))(xp)
     g_float = jax.grad(lambda x: jnp.sum(partial(pp, x) ** 2))(xp)
 R["partial_grad"] = {"rel": float(jnp.linalg.norm(g - g_float) / jnp.linalg.norm(g_float))}
-print("RESULT" + json.dumps(R))
 """
+
+_DEFAULT = ("explicit/w8a8", "explicit/w4_g4", "auto/w8a8")  # the default run's; the rest slow
+_ALL = ("explicit/w8a8", "explicit/w8a8_dynamic", "explicit/w8", "explicit/w4_g4", "explicit/nf4_g4",
+        "explicit/fp8", "auto/w8a8", "auto/w4_g4")
+
+
+def _run(cases, rest):
+    code = _CODE + f"CASES = {set(cases)!r}\n" + _PRESETS + (_REST if rest else "")
+    return on_devices(code + '\nprint("RESULT" + json.dumps(R))\n', 4)
 
 
 @pytest.fixture(scope="module")
 def result():
-    return on_devices(_CODE, 4)
+    """Three of the presets on the tensor-parallel MLP (the default run)."""
+    return _run(_DEFAULT, rest=False)
+
+
+@pytest.fixture(scope="module")
+def result_slow():
+    """The other presets and every other case (the slow run: 45-60 s of a 2-core machine)."""
+    return _run([c for c in _ALL if c not in _DEFAULT], rest=True)
 
 
 def _small(r):  # the integer path computes what the simulation does
     return r["int_sim"] <= 1e-5 * max(1.0, r.get("max", 1.0))
 
 
-@pytest.mark.parametrize("case", ["explicit/w8a8", "explicit/w8a8_dynamic", "explicit/w8", "explicit/w4_g4",
-                                  "explicit/nf4_g4", "explicit/fp8", "auto/w8a8", "auto/w4_g4"])
-def test_tensor_parallel_matmuls_are_quantized_per_block(result, case):
+@pytest.mark.parametrize("case", [c if c in _DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in _ALL])
+def test_tensor_parallel_matmuls_are_quantized_per_block(request, case):
     """Megatron's MLP (w1 split by columns, w2 by rows, a psum) under ``jax.shard_map``:
     each device's block of a weight gets its own scales (a leading axis of 4 blocks in
     qparams and in the packed codes), the integer path computes what the simulation does,
     and the error is no larger than quantizing the same MLP without ``shard_map``. Before,
     these matmuls stayed float with a warning."""
-    r = result[case]
+    r = request.getfixturevalue("result" if case in _DEFAULT else "result_slow")[case]
     assert _small(r), r
     assert 0 < r["sim_err"] <= 1.05 * r["plain_err"] + 1e-6, r
     for k in ("w1", "w2"):
@@ -446,38 +469,41 @@ def test_tensor_parallel_matmuls_are_quantized_per_block(result, case):
         assert r["dots"] and all(d == ["int8", "int8"] for d in r["dots"]), r
 
 
-def test_statistics_are_merged_over_the_devices_that_share_a_block(result):
+@pytest.mark.slow
+def test_statistics_are_merged_over_the_devices_that_share_a_block(result_slow):
     """On a ``("data", "model")`` mesh with the batch split over ``"data"``: the static
     activation scale is the one of the whole batch (the same as calibrating the function
     without ``shard_map``); a column-parallel weight's blocks hold the whole weight's
     channel scales; a row-parallel weight's block scales come from its own rows; the
     output keeps the batch split."""
-    r = result["merge"]
+    r = result_slow["merge"]
     assert r["act_scale"] == pytest.approx([r["act_scale_plain"]] * 2, rel=1e-6)
     assert r["w1_scales_equal"] and r["w2_block_scales"], r
     assert r["int_sim"] <= 1e-5 and r["out_spec"] == "P('data', None)", r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["scan_inside/w8a8", "scan_inside/w4_g4", "scan_outside/w8a8",
                                   "scan_outside/w4_g4"])
-def test_stacked_layers_with_shard_map_inside_or_around_the_scan(result, case):
+def test_stacked_layers_with_shard_map_inside_or_around_the_scan(result_slow, case):
     """A ``lax.scan`` over 3 stacked layers inside the ``shard_map`` (scales ``(4 blocks,
     3 layers, ...)``) and a ``shard_map`` inside the scan's body (``(3, 4, ...)``), with
     ``check_vma=False``: integer path against the simulation."""
-    r = result[case]
+    r = result_slow[case]
     lead = [4, 3] if case.startswith("scan_inside") else [3, 4]
     assert r["scale_shape"][:2] == lead, r
     assert _small(r), r
     assert 0 < r["sim_err"] < (0.05 if "w8a8" in case else 0.3), r
 
 
-def test_shard_map_composes_with_grad_vmap_export_and_files(result):
+@pytest.mark.slow
+def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     """Straight-through gradients through the simulated ``shard_map``, ``jax.vmap`` of the
     quantized function, ``jax.export`` of it (called, and serialized and deserialized: the
     explicit shardings of the packed placeholders travel in the artifact; before, the
     deserialized call failed with a pytree mismatch), and qparams saved and loaded (the
     split in the weight's chain kept)."""
-    r = result["compose"]
+    r = result_slow["compose"]
     assert r["grad_rel"] < 0.05, r
     assert r["vmap_err"] <= 1e-6 and r["export_err"] <= 1e-6 and r["loaded_same"] == 0.0, r
     assert r["export_back_err"] <= 1e-6, r  # serialized and deserialized: the same call
@@ -488,49 +514,54 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result):
     assert "jqt.load_packed(path, like=params)" in r["packed_bare"], r
 
 
-def test_report_and_mismatched_qparams_say_what_to_do(result):
+@pytest.mark.slow
+def test_report_and_mismatched_qparams_say_what_to_do(result_slow):
     """``jqt.report`` cannot run its two lanes through a ``shard_map``: it says so and
     what to compare instead. qparams calibrated without the ``shard_map`` are refused,
     naming the op and the blocks it needs."""
-    assert "shard_map" in result["compose"]["report"]
-    assert "simulate=True" in result["compose"]["report"]
-    assert result["mismatch"].startswith("QParamsMismatchError: jqt: op 'w1'")
-    assert "blocks [4]" in result["mismatch"] and "re-calibrate" in result["mismatch"]
+    assert "shard_map" in result_slow["compose"]["report"]
+    assert "simulate=True" in result_slow["compose"]["report"]
+    assert result_slow["mismatch"].startswith("QParamsMismatchError: jqt: op 'w1'")
+    assert "blocks [4]" in result_slow["mismatch"] and "re-calibrate" in result_slow["mismatch"]
 
 
-def test_packed_shardings_place_each_block_on_its_device(result):
+@pytest.mark.slow
+def test_packed_shardings_place_each_block_on_its_device(result_slow):
     """``jqt.packed_shardings`` splits an op that a ``shard_map`` reads in blocks as the
     ``shard_map`` does: each device holds its block's codes ``(1, 8, 16)`` and scales, no
-    int8 array moves between devices, and the result is the one of unplaced arrays."""
-    r = result["placed"]
+    int8 array moves between devices, and the result_slow is the one of unplaced arrays."""
+    r = result_slow["placed"]
     assert r["codes_shard"] == [1, 8, 16] and r["scale_shard"] == [1, 1, 8], r
     assert r["int8_collectives"] == 0 and r["err"] <= 1e-6, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smooth", "rotate", "awq"])
-def test_outlier_algorithms_per_block(result, name):
+def test_outlier_algorithms_per_block(result_slow, name):
     """SmoothQuant, rotation and AWQ on the ``shard_map``'s blocks: the integer path
     computes what the simulation does (a smoothing vector per block)."""
-    r = result[f"outliers/{name}"]
+    r = result_slow[f"outliers/{name}"]
     assert _small(r) and 0 < r["sim_err"] < 0.3, r
     if name != "rotate":
         assert r["smooth_shape"] == [4, 16, 1], r  # per block, along w1's 16 input rows
 
 
-def test_gptq_rerounds_each_block_with_its_devices_hessian(result):
+@pytest.mark.slow
+def test_gptq_rerounds_each_block_with_its_devices_hessian(result_slow):
     """``jqt.gptq`` re-rounds a split weight block by block, each with the Hessian of the
     rows its device saw: no plain-rounding warning, a smaller error than plain rounding on
-    the calibration batch, and the packed result runs as simulated."""
-    r = result["gptq"]
+    the calibration batch, and the packed result_slow runs as simulated."""
+    r = result_slow["gptq"]
     assert not any("plain rounding" in w for w in r["warnings"]), r
     assert r["gptq_mse"] < r["rtn_mse"] and _small(r), r
 
 
-def test_tensor_parallel_decode_keeps_each_devices_cache_int8(result):
+@pytest.mark.slow
+def test_tensor_parallel_decode_keeps_each_devices_cache_int8(result_slow):
     """A decode loop inside ``shard_map`` with the heads split over devices (wq/wk/wv by
     columns, wo by rows): the matmuls per block, the cache each device carries int8 (its
     one head), the integer path against the simulation."""
-    r = result["tp_decode"]
+    r = result_slow["tp_decode"]
     assert {"wq", "wk", "wv", "wo", "kv_cache_0"} <= set(r["keys"]) and r["wq_scale"] == [4, 1, 4], r
     assert r["cache_dtypes"] and set(r["cache_dtypes"]) == {"int8"}, r
     assert _small(r) and r["agree"] == 1.0, r
@@ -563,47 +594,51 @@ def test_tensor_parallel_example_runs():
         assert wbytes / float_w <= most and agree >= 0.9, by[name]
 
 
-def test_vocabulary_parallel_embedding_and_a_closed_over_weight(result):
+@pytest.mark.slow
+def test_vocabulary_parallel_embedding_and_a_closed_over_weight(result_slow):
     """A table split by rows, each device looking up the ids in its rows: one scale per row
     of each block; a weight the body closes over: replicated, one set of scales."""
-    r = result["vocab"]
+    r = result_slow["vocab"]
     assert r["emb_scale"] == [4, 8, 1] and r["w_scale"] == [1, 16], r
     assert _small(r) and 0 < r["sim_err"] < 0.05, r
 
 
-def test_decode_step_with_a_cache_split_by_heads_returns_it_quantized(result):
+@pytest.mark.slow
+def test_decode_step_with_a_cache_split_by_heads_returns_it_quantized(result_slow):
     """A server's step (shard_map inside, the cache split by heads over the 4 devices,
     taken and returned, called once per token from Python) returns the cache as int8
     codes still split by heads (each device: its one head), with float's next tokens; a
     lax.scan over that step carries it int8. A cache split along its vectors (its last
     axis) stays float: one scale per vector cannot be split."""
-    r = result["step/heads"]
+    r = result_slow["step/heads"]
     assert r["type"] == "QArray" and r["dtype"] == "int8" and r["codes_shard"] == [2, 12, 1, 4], r
     assert r["agree"] >= 0.95, r
-    r = result["step/split_vectors"]
+    r = result_slow["step/split_vectors"]
     assert "kv_cache_0" not in r["keys"] and r["dtype"] == "float32", r
     assert any("shard_map splits along that axis" in w for w in r["warnings"]), r
-    r = result["step/scan"]
+    r = result_slow["step/scan"]
     assert "int8" in r["carry_dtypes"] and "float32" not in r["carry_dtypes"] and r["agree"] >= 0.95, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["w8a8", "w4_g4"])
-def test_weight_split_along_both_axes_of_a_2d_mesh(result, recipe):
+def test_weight_split_along_both_axes_of_a_2d_mesh(result_slow, recipe):
     """A weight split by rows over "data" and by columns over "model": two leading block
     axes ``(2, 2, ...)`` in its qparams and packed codes, each device holding its block."""
-    r = result[f"two_d/{recipe}"]
+    r = result_slow[f"two_d/{recipe}"]
     assert r["scale_shape"][:2] == [2, 2] and r["codes_shard"][:2] == [1, 1], r
     assert _small(r) and 0 < r["sim_err"] < 0.4, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["while", "cond", "dp_cond"])
-def test_while_loop_and_cond_inside_the_shard_map(result, case):
+def test_while_loop_and_cond_inside_the_shard_map(result_slow, case):
     """A ``lax.while_loop`` and a ``lax.cond`` inside the ``shard_map`` (``check_vma`` on,
     the default), over split weights and in data-parallel code: they calibrate (before, a
     TypeError: the statistics' empty start was not typed as varying over the mesh axis),
     and the integer path runs int8 dots as simulated. The cond on the device index leaves
     some blocks of each branch's op unreached: the warning names them as blocks."""
-    r = result[f"loops/{case}"]
+    r = result_slow[f"loops/{case}"]
     assert _small(r) and 0 < r["sim_err"] < 0.1 * r["max"], r
     assert ["int8", "int8"] in r["dots"], r
     if case == "cond":
@@ -611,30 +646,33 @@ def test_while_loop_and_cond_inside_the_shard_map(result, case):
                    for w in r["warnings"]), r
 
 
-def test_a_weight_every_device_reads_whole_is_placed_replicated(result):
+@pytest.mark.slow
+def test_a_weight_every_device_reads_whole_is_placed_replicated(result_slow):
     """``jqt.packed_shardings`` with its default ``axis`` on a mesh whose axis is ``"x"``:
     an embedding the ``shard_map`` takes whole (``P()``) stays replicated, the split weights
     are placed as split, and no int8 array moves between devices (before: an error for the
     missing ``"model"`` axis, and with ``axis="x"`` the table split and all-gathered on
     every call)."""
-    r = result["replicated_op"]
+    r = result_slow["replicated_op"]
     assert r["specs"] == {"w1": "P('x',)", "w2": "P('x',)", "emb#1": "P()"}, r
     # a mesh whose "x" has 2 devices, not the shard_map's 4: named (was JAX's error in jit)
     assert "in 4 blocks" in r["other_mesh"] and "which have 2 devices" in r["other_mesh"], r
     assert r["int8_collectives"] == 0 and r["err"] <= 1e-6, r
 
 
-def test_fsdp_gathered_weights_are_quantized_at_run_time_and_say_so(result):
+@pytest.mark.slow
+def test_fsdp_gathered_weights_are_quantized_at_run_time_and_say_so(result_slow):
     """Weights stored split and all-gathered inside the ``shard_map`` (FSDP) cannot be
     packed: they are quantized at run time, and ``jqt.pack``'s warning names the gather
     and what to pass instead."""
-    r = result["fsdp"]
+    r = result_slow["fsdp"]
     assert any("all_gather" in w and "P() in in_specs" in w for w in r["warnings"]), r
     assert r["int_sim"] <= 1e-5, r
 
 
-def test_grad_of_a_grouped_preset_on_a_partially_manual_mesh(result):
+@pytest.mark.slow
+def test_grad_of_a_grouped_preset_on_a_partially_manual_mesh(result_slow):
     """``jax.grad`` through ``simulate=True`` with ``w4`` g4 inside a ``shard_map`` manual
     over ``"model"`` only, eagerly on explicit axes (before: broadcast_in_dim's mesh error
     from ``jnp.repeat`` of the group scales)."""
-    assert result["partial_grad"]["rel"] < 0.2, result["partial_grad"]
+    assert result_slow["partial_grad"]["rel"] < 0.2, result_slow["partial_grad"]

@@ -80,6 +80,7 @@ def _fix_message(e):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow_variants
 def test_quantize_and_pack_refuse(name):
     p, x, qp, bad, msg = _bad(name)
     for fn, call in (("jqt.quantize", lambda: jqt.quantize(f, bad)),
@@ -92,6 +93,7 @@ def test_quantize_and_pack_refuse(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow_variants
 def test_project_repairs(name):
     p, x, qp, bad, _ = _bad(name)
     fixed = jqt.qat.project(bad)
@@ -215,6 +217,7 @@ K_LONG = 100_000
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a16"])
 @pytest.mark.parametrize("form", ["dense", "batched"])
+@pytest.mark.slow_variants
 def test_long_contraction_matches_simulate(recipe, form):
     """Full-range codes over K = 100,000: sum (qx - zx) * qw is 255 * 127 * K (w8a8, asymmetric
     activation) or far more (w8a16), past int32; the integer path splits K and agrees."""
@@ -301,6 +304,7 @@ def test_qparams_of_another_layout_are_refused():
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w8", "w4", "fp8"])
+@pytest.mark.slow_variants
 def test_an_empty_batch_gives_the_empty_output(recipe):
     w = {"w": jnp.ones((4, 4)) * 0.1}
     f = lambda p, x: x @ p["w"]
@@ -467,6 +471,7 @@ def test_a_sequence_of_length_zero_runs_to_the_empty_output(recipe):
         assert out.shape == (2, 0, 4)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_an_activation_of_no_rows_inside_f_is_calibrated_as_no_data():
     """lax.associative_scan calls its combine function on slices of no rows: a static
     calibrator (MinMax, Percentile), SmoothQuant's and AWQ's channel statistics took a
@@ -495,6 +500,7 @@ def test_an_activation_of_no_rows_inside_f_is_calibrated_as_no_data():
 
 
 @pytest.mark.parametrize("read", ["split", "unstack", "device_put"])
+@pytest.mark.slow_variants
 def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_path):
     """``jnp.split`` of a fused weight (the ``split`` primitive, not ``slice``), ``jnp.unstack``
     of stacked layers and ``jax.device_put`` inside ``f`` are layout steps: each part is
@@ -534,6 +540,7 @@ def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_
 
 
 @pytest.mark.parametrize("recipe", ["w8", "w8a8", "w4", "w8a8_dynamic_axa"])
+@pytest.mark.slow_variants
 def test_an_op_over_an_empty_contraction_stays_float(recipe, tmp_path):
     """A weight whose contracted axis has length 0 (an optional block of features of width
     0) computes exact zeros: it stays float, without qparams (the weight's shape is the
@@ -597,6 +604,7 @@ def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe, policy):
 @pytest.mark.parametrize("case", [  # one of each module by default: kernels and kvcache
     "conv", pytest.param("experts", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow),
     "cache"])
+@pytest.mark.slow_variants
 def test_float16_models_sum_codes_in_float32(case):
     """Where a dot sums codes in units of their scale (the scale applied after), a float16
     model sums them in float32: such sums exceed float16's 65504 where the real values
@@ -640,6 +648,7 @@ def test_float16_models_sum_codes_in_float32(case):
     pytest.param(b, r, marks=() if i == j else pytest.mark.slow)  # one of each by default
     for i, b in enumerate([np.nan, np.inf, -np.inf])
     for j, r in enumerate([jqt.recipes.w8a8(), jqt.recipes.w4(group_size=2), jqt.recipes.fp8()])])
+@pytest.mark.slow_variants
 def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
     """A non-finite weight would give a NaN or infinite scale: calibrate names the op and
     the weight, and the rule it suggests keeps that op float."""
@@ -657,6 +666,7 @@ def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
     (lambda x: jnp.exp(60 * x), r"extremes \[0.0, inf\]"),  # exp overflows: scale inf before
     (lambda x: -jnp.exp(60 * x), r"extremes \[-inf"),  # "never ran on the calibration data" before
     (lambda x: jnp.log(x), "NaN")])  # the same
+@pytest.mark.slow_variants
 def test_a_non_finite_activation_made_by_f_is_refused_by_name(make, what, tmp_path):
     """The batches are finite, but f makes an inf or NaN before a quantized op: its static
     range would give a scale of inf (or be taken for an op that never ran). calibrate names
@@ -908,6 +918,7 @@ def test_a_weight_read_twice_outside_lax_map_keeps_two_keys():
 # ---- found by tests/test_properties.py ----------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["conv", "batched einsum"])
+@pytest.mark.slow_variants
 def test_nf4_weights_are_decoded_on_the_generic_kernels(form):
     # a conv, or a dot_general whose weight has a batch axis, runs the generic kernels,
     # which cast the codes: nf4 codes must be decoded to their table values first
@@ -1390,6 +1401,7 @@ def test_qparams_templates_of_shapes_are_refused_as_such():
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=4)],
                          ids=["w8a8", "w4 g4"])
+@pytest.mark.slow_variants
 def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(recipe):
     """jax.jit(qf, donate_argnums=0)(packed, x) hands the packed arrays to XLA: the qparams'
     scales are not among them (pack copies them); a float leaf packed shares with params (a

@@ -63,6 +63,7 @@ def _bigger(p, factor=2.0):
 
 
 @pytest.mark.parametrize("name", ci_only(list(RECIPES), DEFAULT_RUN))
+@pytest.mark.slow_variants
 def test_pack_refuses_weights_the_calibrated_scales_would_clip(name):
     p, qp = _calibrate(name)
     for other in (_bigger(p), _params(seed=1, scale=1.6)):  # rescaled; another checkpoint

@@ -103,6 +103,7 @@ def test_jit_of_quantized(mlp_setup):
     assert _rel(jax.jit(qf)(p, x2), qf(p, x2), mlp(p, x2)) < INT_VS_SIM
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_an_eager_call_is_one_compiled_program(mlp_setup, caplog):
     """Called with concrete arrays, the quantized function compiles once per input shapes
     and static values (not op by op), to what jax.jit of it computes; under

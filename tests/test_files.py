@@ -319,6 +319,7 @@ print(sorted(os.listdir(d)), jqt.load(os.path.join(d, "q.npz"))["w"].rhs.qtype.b
 """
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_saves_follow_the_users_permissions_and_name_the_file(tmp_path):
     """As ``open(path, "w")``: under a umask without the owner's write bit a new file is
     saved (read-only); a read-only file or folder is refused naming it, with no temporary

@@ -115,6 +115,7 @@ def test_int4_is_stored_two_per_byte():
 
 @pytest.mark.parametrize("k,g", [(33, 11), pytest.param(30, 3, marks=pytest.mark.slow)])
 # an odd K (default run); an even K in odd groups
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_odd_lengths_keep_one_4bit_code_per_byte(tmp_path, k, g):
     """Where two codes per byte would not fit (an odd K, or a byte across two groups) the
     codes stay int8, one per byte, and every path reads them: the integer path at one
@@ -327,6 +328,7 @@ def _row_gathers(p, i, j):
     return (p["emb"][i[None]][0] + jnp.take(p["emb"].T, j[None], axis=1)[:, 0]) @ p["emb"].T
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("name", ci_only(["w8", "w4_g32", "nf4_g32", "fp8"], {"w4_g32"}))
 def test_a_row_read_by_a_scalar_index_is_a_lookup(name):
     """``table[i]`` with a scalar ``i`` is quantized as ``table[ids]`` is: the same qparams,
@@ -356,6 +358,7 @@ def test_a_row_read_by_a_scalar_index_is_a_lookup(name):
     np.testing.assert_array_equal(fq(jqt.pack(qp, P), ii)[:, None], jqt.quantize(look, qi)(P, ids))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_qparams_from_before_scalar_index_lookups_run_them_float():
     """qparams made when ``table[i]`` stayed float have no entry for it: it runs float, as
     then (both paths, the report too); where the table's matmul held key ``"emb"`` then,
@@ -715,6 +718,7 @@ def test_remat_and_custom_derivatives_with_new_formats(name, act):
         assert bool(jnp.all(jnp.isfinite(s))) and float(jnp.abs(s).max()) > 0
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_near_tie_between_clip_factors_does_not_untie_a_table():
     """WeightMSE sums each group's error in its operand's layout, (V, D) for the lookup and
     (D, V) for table.T: float32 sums in another order settled a near-tie between two clip

@@ -274,6 +274,7 @@ MAP_DEFAULT = (("edf", "w4_g32"),)  # the rest, ("def", "w8") too: slow
     pytest.param(o, n, id=f"{o}-{n}", marks=() if (o, n) in MAP_DEFAULT else pytest.mark.slow)
     for o in MAP_OPS for n in ("w4_g32", "w4_asym_g32", "nf4_g32", "w4a8_asym_g32", "fp8_g32",
                                "w8", "w4_asym_per_channel")])
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_experts_decoded_one_at_a_time(op, name):
     """``experts.decoded_map`` (the CPU table's ``batched_map``): one expert at a time,
     whole or in K-chunks, int4 codes kept two per byte along N or along K, equals the

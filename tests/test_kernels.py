@@ -80,6 +80,7 @@ def test_single_row_int8_matmul_is_padded_on_cpu():
                                               (jqt.recipes.w8(), 256, True),  # (K, N), the CPU table's
                                               pytest.param(jqt.recipes.w4(group_size=128), 256, True,  # K-chunks
                                                            marks=pytest.mark.slow)])  # (CI)
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
     # a float copy of 4 MiB, above whole_decode_bytes; more rows than gemv_rows, up to float_matmul_rows
     policy = CPU_XLA if kn else dataclasses.replace(CPU_XLA, weight_only_kn=False)
@@ -308,6 +309,7 @@ def test_grouped_weight_with_int8_activations_on_cpu():
                                    atol=1e-5 * float(jnp.abs(out[np.int8]).max()))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_small_groups_with_int8_activations_skip_matmuls_per_group_on_cpu():
     """``grouped_int_min_group`` (128 on the CPU table): int8 activations on int4 weights
     in groups of 32 run one float matmul on their upcast codes at every row count, a
@@ -341,6 +343,7 @@ def test_small_groups_with_int8_activations_skip_matmuls_per_group_on_cpu():
     assert not generic.small_groups(jqt.QuantType(dtype="nf4", group_size=32))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("rows", [pytest.param(8, marks=pytest.mark.slow), 100])  # 8: CI; N-chunks of the (N, K) weight; the whole weight
 def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(rows):
     """``decode_in_input_dtype`` (the CPU table's where the CPU has AVX512_BF16): a

@@ -382,6 +382,7 @@ def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
     assert float(jnp.abs(out[3:, 1] - free[3:, 1]).max()) > 1e-3  # changed at step 3
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 @pytest.mark.slow_variants
 def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, code_dtype):

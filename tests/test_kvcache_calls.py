@@ -115,6 +115,7 @@ def test_the_cache_stays_float_without_kv_cache(setup):
     assert cache_old["k"].dtype == jnp.float32
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
     """The first call takes the float cache (a prefill's, or zeros) and quantizes it; every
     later call takes the cache the previous one returned: two programs in all, from one

@@ -38,6 +38,7 @@ def setup():
     return p, batches, qp
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gptq_refuses_weights_that_do_not_fit_their_grids(setup):
     p, batches, qp = setup
     jqt.gptq(f, qp, p, batches, progress=False)  # the calibrated weights: fine
@@ -373,6 +374,7 @@ def test_pack_under_grad_and_save_packed_under_jit_name_the_misuse(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_per_tensor_weights_of_stacked_layers_calibrate_and_pack():
     """A per-tensor weight type on layers stacked under a lax.scan (scale ``(L,)``) failed
     in jqt.calibrate's weight check and in jqt.pack with "Incompatible shapes for
@@ -632,6 +634,7 @@ def test_report_of_a_function_that_returns_only_integers_measures_nothing():
     assert math.isfinite(both.output_sqnr) and both.output_int_differ == (differ, 64)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_tied_table_split_across_formats_is_said_to_be_stored_twice():
     """A fallback moving the matmul of a tied table to int8 while the lookup stays int4:
     the codes were stored twice without the warning the int8 / fp8 split gets."""
@@ -706,6 +709,7 @@ def _warned(fn):
     return out, [w for w in got if str(w.message).startswith("jqt")]
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_per_op_warnings_of_the_analysis_calibrate_and_the_tools_are_given_once():
     """Eight layers that each read a weight by an index from the data (stays float), each
     with an activation that is 0 on every batch: one warning of each kind per call (there

@@ -152,6 +152,7 @@ def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @needs_kernel
 @pytest.mark.parametrize("name", ["w4_per_channel", "w4_g128"])
 @pytest.mark.slow_variants
@@ -334,6 +335,7 @@ def test_bfloat16_activations():
     _close(out, jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, xb), rel=1e-2)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @needs_kernel
 def test_vmap_folds_a_batch_into_rows_and_batched_weights_run_xla():
     f, p, qp, _ = _setup(R.w4(group_size=128))
@@ -604,6 +606,7 @@ STACKED = {  # recipe, rows, scan in reverse
 @needs_kernel
 @pytest.mark.parametrize("name", ci_only(STACKED, {"w4_g64"}))  # int4 and nf4 (w4a8 reads the same
 # kernel): CI
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_scan_reads_each_layer_in_place(name):
     recipe, m, reverse = STACKED[name]
     keys = jax.random.split(jax.random.key(11), 4)

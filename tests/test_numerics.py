@@ -171,6 +171,7 @@ def test_dot_general_integer_matches_simulated(case, recipe):
     _check(f, w, xs, RECIPES[recipe])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("recipe", ci_only(["w8a8", "dynamic", "fp8"], {"w8a8"}))
 def test_mixed_dtype_operands_simulate_as_the_integer_path_computes(recipe):
     # JAX traces int32 @ float32 (counts, one-hot rows) and bfloat16 @ float32 as one
@@ -321,6 +322,7 @@ def test_conv_integer_matches_simulated(case, recipe):
     _check(f, w, xs, RECIPES[recipe])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("preset", ci_only(["w4", "w4a8"], {"w4"}))  # w4a8: CI
 def test_asymmetric_4bit_presets_keep_conv_kernels_symmetric(preset):
     """w4/w4a8(symmetric=False) give the dense weights zero points and the conv kernels

@@ -288,6 +288,7 @@ def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
                                rtol=0.02, atol=0.02 * float(jnp.abs(y_sim).max()))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gptq_says_when_a_bfloat16_cast_moves_the_codes_it_chose():
     """GPTQ re-rounds in float32 and returns the params' dtype. Under a rotation, the
     bfloat16 cast's rounding spreads over every element of the rotated weight, and fp8's
@@ -308,6 +309,7 @@ def test_gptq_says_when_a_bfloat16_cast_moves_the_codes_it_chose():
     np.testing.assert_array_equal(jqt.quantize(f, qp)(pk, x), jqt.quantize(f, qp)(exact, x))
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_an_odd_contraction_says_that_it_is_not_rotated():
     """An odd number of inputs has no Hadamard rotation (its largest power-of-two block is
     1): the op was silently left unrotated under ``rotate=True``. Calibration now says so,
@@ -590,6 +592,7 @@ def _decode(p, x):
     return jax.lax.scan(step, x, jnp.arange(3))[0]
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("recipe", ["w8a8_smooth", pytest.param("w4_awq", marks=pytest.mark.slow)])
 def test_outlier_statistics_through_nested_loops(recipe):
     rng = np.random.default_rng(9)

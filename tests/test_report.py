@@ -372,6 +372,7 @@ def test_fallback_trials_quantize_as_its_recipe_does():
                      lambda g: 0.0, max_drop=0.0, to=jqt.recipes.w4a8(symmetric=False).rules[0])
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_tuning_tools_name_what_to_pass_instead():
     """fallback's default ranking runs jqt.report, which cannot batch a ragged_dot: the
     error names rank='sensitivity', which works. sensitivity given a part of the qparams
@@ -408,6 +409,7 @@ def test_fallback_rejects_bad_arguments(digits):
         jqt.fallback(*args, max_drop=MAX_DROP, max_trials=0)
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_fallback_names_itself_and_skips_ops_to_gives_no_type():
     """An act x act op that to= matches without an act_x_act type would have become float
     while listed as kept at to='s precision: it is no candidate, with a warning. Misuse

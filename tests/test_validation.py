@@ -582,6 +582,7 @@ _CPU, _DEFAULT = jqt.KernelPolicy.for_backend("cpu"), jqt.KernelPolicy()
     for n, r in [("w8a8", jqt.recipes.w8a8()), ("w8a8_dynamic", jqt.recipes.w8a8_dynamic()),
                  ("fp8", jqt.recipes.fp8()), ("w4a8", jqt.recipes.w4a8(group_size=8))]
     for p in (_CPU, _DEFAULT)])
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_weight_near_the_float32_maximum_gives_finite_outputs(recipe, policy):
     """Each formulation multiplies the activation's scale in before the weight's decoded
     magnitudes meet the codes (or the two scales together): integer outputs stay finite
@@ -886,6 +887,7 @@ def _rows_fn(w, xs):
     return h @ w.T, h
 
 
+@pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_lax_map_remainder_shares_the_keys_and_statistics_of_its_body(jit):
     xs = jnp.asarray(np.random.default_rng(2).standard_normal((10, 4)), jnp.float32)

@@ -492,9 +492,10 @@ class PackedParams:
                 f"leaves kept of {len(self.avals)})")
 
 
-_BARE = {"jqt.OpQParams": ({"lhs", "rhs", "smooth"}, {"lhs", "rhs"}),
-         "jqt.PackedParams": ({"leaves", "weights"}, {"leaves", "weights"}),
-         "jqt.QArray": (set(_QARRAY_DATA) | {"smooth"}, {"values", "scale"})}
+_BARE = {  # the keys such a dict may have, and those it has (one of them for OpQParams)
+    "jqt.OpQParams": ({"lhs", "rhs", "smooth"}, ({"lhs"}, {"rhs"})),
+    "jqt.PackedParams": ({"leaves", "weights"}, ({"weights"},)),  # weights: QArray dicts
+    "jqt.QArray": (set(_QARRAY_DATA) | {"smooth"}, ({"values", "scale"},))}
 
 
 def restored_bare(v) -> Optional[str]:
@@ -504,11 +505,16 @@ def restored_bare(v) -> Optional[str]:
 
     >>> restored_bare({"lhs": {"scale": 1.0}, "rhs": {"scale": 1.0}}), restored_bare({"w": 1})
     ('jqt.OpQParams', None)
+    >>> restored_bare({"scale": 1.0})  # flax RMSNorm's params
     """
     if not isinstance(v, dict) or not v or not all(isinstance(k, str) for k in v):
         return None
-    return next((name for name, (allowed, some) in _BARE.items()
-                 if set(v) <= allowed and set(v) & some), None)
+    kind = next((name for name, (allowed, needs) in _BARE.items()
+                 if set(v) <= allowed and any(n <= set(v) for n in needs)), None)
+    if kind == "jqt.PackedParams" and not (isinstance(v["weights"], dict) and v["weights"] and all(
+            restored_bare(w) == "jqt.QArray" for w in v["weights"].values())):
+        return None
+    return kind
 
 
 def summarize(qparams: dict[str, Any]) -> str:

@@ -821,6 +821,28 @@ def test_changes_f_makes_to_its_arguments_in_place_are_named():
 
     with pytest.warns(UserWarning, match=r"f changes its argument 'p' \('w'\) in place"):
         jqt.calibrate(scaled, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+
+    # nothing lost (the review's false alarms): a leaf set to itself through stop_gradient
+    # or a barrier, an equal string, a mode set on every call, a module through a shard_map
+    def frozen(p, x):
+        p["w"] = jax.lax.optimization_barrier(jax.lax.stop_gradient(p["w"]))
+        p["act"] = "tan" + "h"
+        return x @ p["w"]
+
+    P = jax.sharding.PartitionSpec
+    lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((1,), ("d",))
+    through = nnx.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+
+    def eval_inside(m, x):
+        m.eval()
+        return through(m, x)
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(frozen, jqt.recipes.w8a8(), dict(p, act="tanh"), [(x,)], progress=False)
+        jqt.calibrate(eval_inside, jqt.recipes.w8a8(), lin, [(x,)], progress=False)
+    assert not [w for w in got if "in place" in str(w.message)], [str(w.message) for w in got]
     with pytest.warns(UserWarning, match=r"argument 'p' \(its structure: an entry added or removed\)"):
         jqt.calibrate(extended, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert list(p) == ["w"]  # the caller's dict as it was

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from . import compat, diagnostics
+from . import compat, diagnostics, layout
 from .analysis import path_str
 from .plan import closed_parts
 
@@ -28,18 +28,24 @@ def changed_leaves(marked, args, before, out):
     inputs = {id(t): n for n, t in enumerate(jax.tree_util.tree_leaves(marked))}
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
     found = []
-    for i, (a, (old, tree)) in enumerate(zip(args, before)):
-        new, new_tree = jax.tree_util.tree_flatten_with_path(a)
-        try:
-            same = new_tree == tree
-        except Exception:  # a node whose metadata does not compare
-            same = True
-        if not same:
-            found.append((i, None, None, None))
+    for i, (a, (old, _)) in enumerate(zip(args, before)):
+        new = jax.tree_util.tree_flatten_with_path(a)[0]
+        if [p for p, _ in new] != [p for p, _ in old]:  # an entry added or removed (a static
+            found.append((i, None, None, None))  # attribute changed, model.eval(): no loss)
             continue
         found += [(i, path, inputs.get(id(x)), j) for j, ((path, x), (_, y)) in enumerate(zip(old, new))
-                  if y is not x and id(y) not in returned]
+                  if y is not x and id(y) not in returned and not _equal_static(x, y)]
     return found
+
+
+def _equal_static(x, y) -> bool:
+    """Two leaves that are no arrays and compare equal (a string set to the same string)."""
+    if compat.is_tracer(x) or compat.is_tracer(y) or hasattr(x, "shape") or hasattr(y, "shape"):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
 
 
 def forwarded_input(jaxpr, var):
@@ -69,6 +75,14 @@ def forwarded_input(jaxpr, var):
 def _through(eqn, k):
     """The operand of ``eqn`` its output ``k`` is unchanged, or None."""
     prim, p = eqn.primitive, eqn.params
+    if layout.record(eqn) == ("copy",) and len(eqn.invars) == len(eqn.outvars):
+        return k  # stop_gradient, optimization_barrier, a sharding constraint, ...
+    if prim is compat.shard_map_p and prim is not None:  # nnx.shard_map returns the state
+        j = closed_parts(p["jaxpr"])[0]
+        i = forwarded_input(j, j.outvars[k])
+        same = i is not None and p["in_specs"][i] == p["out_specs"][k] \
+            and eqn.invars[i].aval.shape == eqn.outvars[k].aval.shape
+        return i if same else None
     if prim in _CALLS:
         j = closed_parts(p[_CALLS[prim]])[0]
         return forwarded_input(j, j.outvars[k])

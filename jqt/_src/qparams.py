@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from . import compat
-from .formats import QuantType
+from .formats import FLOAT8, QuantType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +506,9 @@ def restored_bare(v) -> Optional[str]:
     >>> restored_bare({"lhs": {"scale": 1.0}, "rhs": {"scale": 1.0}}), restored_bare({"w": 1})
     ('jqt.OpQParams', None)
     >>> restored_bare({"scale": 1.0})  # flax RMSNorm's params
+    >>> restored_bare({"values": np.zeros(4, np.int8), "scale": np.ones(1, np.float32)})
+    'jqt.QArray'
+    >>> restored_bare({"values": np.zeros(4, np.float32), "scale": np.ones(1, np.float32)})
     """
     if not isinstance(v, dict) or not v or not all(isinstance(k, str) for k in v):
         return None
@@ -514,7 +517,18 @@ def restored_bare(v) -> Optional[str]:
     if kind == "jqt.PackedParams" and not (isinstance(v["weights"], dict) and v["weights"] and all(
             restored_bare(w) == "jqt.QArray" for w in v["weights"].values())):
         return None
+    if kind == "jqt.QArray" and not _code_dtype(getattr(v["values"], "dtype", None)):
+        return None  # float values: a user's own parameters (a codebook), not codes
     return kind
+
+
+def _code_dtype(dtype) -> bool:
+    """Integers (int8 codes, 4-bit pairs in uint8) or an fp8 type."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return False
+    return dtype.kind in "iu" or dtype in tuple(np.dtype(t) for t in FLOAT8.values())
 
 
 def summarize(qparams: dict[str, Any]) -> str:

@@ -77,7 +77,7 @@ def _through(eqn, k):
     prim, p = eqn.primitive, eqn.params
     if layout.record(eqn) == ("copy",) and len(eqn.invars) == len(eqn.outvars):
         return k  # stop_gradient, optimization_barrier, a sharding constraint, ...
-    if prim is compat.shard_map_p and prim is not None:  # nnx.shard_map returns the state
+    if prim is compat.shard_map_p:  # nnx.shard_map returns the module's state
         j = closed_parts(p["jaxpr"])[0]
         i = forwarded_input(j, j.outvars[k])
         same = i is not None and p["in_specs"][i] == p["out_specs"][k] \

@@ -25,8 +25,7 @@ from .analysis import Analyzer, path_str
 from .hops import enter_call, leave_call
 from .interpreter import Ctx, eval_jaxpr
 from .plan import DATA, Plan, VarInfo
-from . import qparams as qparams_mod
-from .qparams import WeightSource
+from .qparams import WeightSource, restored_bare
 
 
 @dataclasses.dataclass
@@ -285,7 +284,7 @@ def _note_restored_bare(e: BaseException, args, f):
 
 
 def _bare_dicts(a, path):
-    kind = qparams_mod.restored_bare(a)
+    kind = restored_bare(a)
     if kind is not None:
         yield path, kind
     elif isinstance(a, dict):

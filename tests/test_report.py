@@ -666,6 +666,33 @@ def test_report_and_fallback_on_an_op_over_no_elements():
     assert res.trials
 
 
+def test_report_and_fallback_name_an_ordered_io_callback_they_cannot_batch():
+    # jqt.report runs f on two lanes under jax.vmap, which JAX refuses for an ordered
+    # io_callback with a ValueError: that got past report's NotImplementedError handler,
+    # so report and fallback(rank='report') raised JAX's bare "Cannot `vmap` ordered IO
+    # callback." without jqt's explanation or fallback's rank='sensitivity' hint.
+    from jax.experimental import io_callback
+    p = {"w": _normal(0, (8, 4), 0.3)}
+    x = _normal(1, (3, 8))
+    seen = []
+
+    def f(p, x):
+        h = x @ p["w"]
+        io_callback(lambda v: seen.append(float(np.sum(v))), None, h, ordered=True)
+        return jnp.tanh(h)
+
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(NotImplementedError, match=r"jqt.report runs f on two lanes.*ordered IO "
+                                                  r"callback.*simulate=True"):
+        jqt.report(f, qp, p, (x,))
+    metric = lambda q: -float(jnp.abs(q(p, x) - f(p, x)).max())
+    with pytest.raises(NotImplementedError, match=r"rank='report'.*ordered IO.*rank='sensitivity'"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1e-6, progress=False)
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1.0, rank="sensitivity",
+                       progress=False)
+    assert res.trials and seen
+
+
 def test_report_worst_skips_ops_that_did_not_run():
     # Regression (fixed; was in jqt/_src/report.py line 164, Report.worst): ops that did not run on the
     # batch have sqnr_isolated = NaN and are not filtered out; sorted() with a NaN key

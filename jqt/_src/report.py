@@ -331,7 +331,10 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tracing.mark_static(batch))
     try:
         outs, st = jax.jit(lanes_fn)(tracing.mark_static(params_t), state, lanes)  # config leaves static
-    except NotImplementedError as e:  # a primitive with no batching rule for the lane axis
+    except (NotImplementedError, ValueError) as e:  # a primitive with no batching rule for
+        # the lane axis; JAX refuses an ordered io_callback with a ValueError
+        if isinstance(e, ValueError) and "vmap" not in str(e):
+            raise
         raise NotImplementedError(
             "jqt.report runs f on two lanes (float and quantized) under jax.vmap, and a "
             f"primitive of f cannot be batched that way ({e}). Compare jqt.quantize(f, qparams, "

@@ -537,11 +537,31 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             "so the packed weights can outgrow the float ones. Contract the weight itself, "
             "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w), and re-calibrate.")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
+    _warn_kept_twice(consumed & needed, leaf_of, with_paths, flat)
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
     return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept, tied)
+
+
+def _warn_kept_twice(both, leaf_of, with_paths, flat):
+    """Warns of weights packed and also kept float (f reads them outside their quantized
+    ops too): the packed params hold both, which nothing else would tell."""
+    if not both:
+        return
+    names = [f"'{path_str(with_paths[i][0])}' (op{'s' if len(ks) > 1 else ''} "
+             f"{', '.join(repr(k) for k in ks)})" for i in sorted(both)
+             for ks in [[k for k, j in leaf_of.items() if j == i]]]
+    extra = sum(int(jnp.size(flat[i])) * jnp.dtype(jnp.result_type(flat[i])).itemsize for i in both)
+    diagnostics.warn(
+        f"jqt.pack: weight{'s' if len(names) > 1 else ''} {', '.join(names[:4])}"
+        f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} packed and also kept as float "
+        f"({extra} bytes): f reads {'them' if len(names) > 1 else 'it'} outside the quantized ops "
+        "too (a jax.debug.print or a norm of the weight, an op the recipe leaves float, a "
+        "float embedding lookup of a tied table), so the packed params hold both. Move such a "
+        "read out of f, or quantize the op that reads it; where the float read is meant, "
+        "nothing is wrong.")
 
 
 def _aval(x):

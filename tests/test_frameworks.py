@@ -580,6 +580,53 @@ def test_keras_subclassed_model_whose_call_takes_no_training(keras):
         jqt.from_keras(m, training=True)
 
 
+def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
+    """Dropout's seed state was a params leaf keyed by a process-wide counter
+    (``seed_generator_2/...``), so a model rebuilt after another Dropout could not run the
+    saved qparams and packed weights (a bare KeyError inside f), and its uint32 leaf broke
+    ``jax.grad`` of params. With ``training=False`` it is out of params; with
+    ``training=True`` it is keyed by its layer, and the fixed masks are said. Two inputs
+    passed apart, and the model passed as f, got Keras's errors with no pointer to the fix."""
+    L = keras.layers
+
+    def build(seed):
+        init = keras.initializers.GlorotUniform(seed)
+        return keras.Sequential([keras.Input((6,)), L.Dense(8, kernel_initializer=init, name="fc"),
+                                 L.Dropout(0.5, name="drop")], name="m")
+
+    x = _normal(4, (5, 6), 1.0)
+    f, params = jqt.from_keras(build(1))
+    assert sorted(params) == ["m/fc/bias", "m/fc/kernel"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), params, [(x,)], progress=False)
+    packed = jqt.pack(qp, params)
+    L.Dropout(0.1)  # another seed generator built in the process: Keras's numbering moves on
+    f2, params2 = jqt.from_keras(build(1))
+    assert sorted(params2) == sorted(params)
+    np.testing.assert_array_equal(jax.jit(jqt.quantize(f2, qp))(packed, x), jqt.quantize(f, qp)(packed, x))
+    jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(params)  # float leaves only
+
+    with pytest.warns(UserWarning, match=r"seed states \(\['m/drop/seed_generator_state'\]\).*same "
+                                         r"masks.*jax.random.key_data"):
+        ft, pt = jqt.from_keras(build(1), training=True)
+    k = "m/drop/seed_generator_state"
+    assert pt[k].dtype == jnp.uint32 and sorted(pt) == [k, "m/fc/bias", "m/fc/kernel"]
+    y0, y1 = jax.jit(ft)(pt, x), jax.jit(ft)(pt, x)
+    np.testing.assert_array_equal(y0, y1)  # a fixed seed state: one mask, as a fixed key
+    y2 = jax.jit(ft)({**pt, k: jax.random.key_data(jax.random.key(7))}, x)
+    assert np.any((np.asarray(y2) == 0) != (np.asarray(y0) == 0))
+
+    inp_a, inp_b = keras.Input((6,), name="xa"), keras.Input((6,), name="xb")
+    two = keras.Model([inp_a, inp_b], L.Dense(3, name="o")(L.Concatenate()([inp_a, inp_b])))
+    f3, p3 = jqt.from_keras(two)
+    with pytest.raises(TypeError) as e:
+        jqt.calibrate(f3, jqt.recipes.w8a8(), p3, [(x, x)], progress=False)
+    assert "one list or dict" in "\n".join(getattr(e.value, "__notes__", []))
+    qp3 = jqt.calibrate(f3, jqt.recipes.w8a8(), p3, [([x, x],)], progress=False)
+    assert [k.rsplit("/", 2)[-2:] for k in qp3] == [["o", "kernel"]]
+    with pytest.raises(TypeError, match=r"f is a Keras Functional.*jqt.from_keras\(model\)"):
+        jqt.calibrate(two, jqt.recipes.w8a8(), p3, [([x, x],)], progress=False)
+
+
 def test_keras_errors(keras, monkeypatch):
     with pytest.raises(ValueError, match="not built"):
         jqt.from_keras(keras.Sequential([keras.layers.Dense(2)]))

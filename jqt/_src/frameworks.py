@@ -15,7 +15,7 @@ import collections
 import inspect
 import os
 
-from . import validate
+from . import diagnostics, validate
 
 
 def from_keras(model, *, training: bool = False):
@@ -28,11 +28,25 @@ def from_keras(model, *, training: bool = False):
     training=training)[0]`` (``training`` passed only where the model's ``call`` accepts
     it): the model's outputs as a pure function, ready for
     :func:`jqt.calibrate`, :func:`jqt.quantize` and :func:`jqt.pack`. Updated
-    non-trainable variables (``training=True``) are dropped.
+    non-trainable variables (``training=True``) are dropped. A model of several
+    inputs takes them as Keras does, as one list or dict: ``f(params, [xa, xb])``.
 
     Keys follow the layer names: name the layers (``Dense(16, name="fc1")``),
     or build the model after ``keras.backend.clear_session()``, for keys that
     do not depend on how many layers were built before in the process.
+
+    Random layers (``Dropout``, ``GaussianNoise``) keep a seed state. With
+    ``training=False`` they do not draw, and it is left out of ``params`` (f passes
+    its current value). With ``training=True`` it is a ``uint32`` leaf of ``params``
+    keyed by the layer (``"model/drop/seed_generator_state"``): as with a fixed
+    PRNG key in JAX, calls with the same ``params`` draw the same masks (a warning
+    says so); set it from a key for new ones,
+    ``params[k] = jax.random.key_data(jax.random.fold_in(key, step))``. Its integer
+    leaf is frozen by :func:`jqt.qat.labels` and :func:`jqt.qat.split` (``jax.grad``
+    of the whole ``params`` refuses it: differentiate ``split``'s trainable half).
+    :mod:`jqt.qat` trains every float leaf, non-trainable variables too; to keep
+    batch-norm statistics fixed, freeze their keys,
+    ``[v.path for v in model.non_trainable_variables]``.
 
     >>> import os
     >>> os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported
@@ -79,7 +93,21 @@ def from_keras(model, *, training: bool = False):
     if dup:
         raise ValueError(f"jqt.from_keras: several variables share the path(s) {dup[:5]}; give "
                          "the layers distinct names.")
-    params = {v.path: v.value for v in model.trainable_variables + model.non_trainable_variables}
+    seeds = _seed_keys(model)  # id(state variable) -> its key in params
+    by_id = {id(v): v for v in model.non_trainable_variables}
+    if not training:  # the seed states are not drawn from: kept out of params, as they are
+        fixed = {p: by_id[i].value for i, p in ((id(v), v.path) for v in model.non_trainable_variables)
+                 if i in seeds}
+    else:
+        fixed, rename = {}, {by_id[i].path: k for i, k in seeds.items() if i in by_id}
+        if len(set(rename.values())) == len(rename) and not set(rename.values()) & set(trainable):
+            non_trainable = [rename.get(p, p) for p in non_trainable]
+        else:  # two layers' keys met: Keras's own paths
+            rename = {p: p for p in rename}
+    values = {v.path: v.value for v in model.trainable_variables + model.non_trainable_variables}
+    if training:
+        values = {rename.get(p, p): x for p, x in values.items()}
+    params = {p: x for p, x in values.items() if p not in fixed}
     sig = inspect.signature(model.call).parameters.values()
     takes = any(q.name == "training" or q.kind is q.VAR_KEYWORD for q in sig)
     if training and not takes:
@@ -89,9 +117,48 @@ def from_keras(model, *, training: bool = False):
                          "call and pass it on to the layers that use it, or use training=False.")
     mode = {"training": training} if takes else {}  # passed only where call accepts it
 
+    if training and rename:
+        keys = list(rename.values())
+        diagnostics.warn(
+            f"jqt.from_keras(training=True): the random layers' seed states ({keys[:3]}"
+            f"{' ...' if len(keys) > 3 else ''}) are uint32 leaves of params and f returns the "
+            "outputs only, so every call with the same params draws the same masks, as a fixed "
+            "PRNG key does in JAX. For new masks on each step, set them from a key: "
+            "params[k] = jax.random.key_data(jax.random.fold_in(key, step)).")
+
     def f(params, *inputs):
-        outputs, _ = model.stateless_call([params[p] for p in trainable],
-                                          [params[p] for p in non_trainable], *inputs, **mode)
+        get = lambda p: fixed[p] if p in fixed else params[p]
+        try:
+            outputs, _ = model.stateless_call([get(p) for p in trainable],
+                                              [get(p) for p in non_trainable], *inputs, **mode)
+        except TypeError as e:
+            if len(inputs) > 1 and "multiple values for argument" in str(e):
+                e.add_note(f"jqt.from_keras: f got {len(inputs)} input arguments; a Keras model of "
+                           "several inputs takes them as one list or dict, as model(...) does: "
+                           "f(params, [xa, xb]), and calibration batches [([xa, xb],), ...].")
+            raise
         return outputs
 
     return f, params
+
+
+def _seed_keys(model):
+    """``{id(state variable): key}`` for the seed generators of ``model``'s layers, keyed
+    by the layer names from the model down (``"model/drop/seed_generator_state"``): Keras's
+    own path numbers them in the order they were built in the process. Found through
+    Keras's layer tracking; where a Keras version has none, ``{}`` (Keras's paths)."""
+    out = {}
+
+    def walk(layer, prefix):
+        name = f"{prefix}/{layer.name}" if prefix else layer.name
+        own = list(getattr(layer, "_seed_generators", None) or [])
+        for i, g in enumerate(own):
+            state = getattr(g, "state", None)
+            if state is not None and id(state) not in out:
+                out[id(state)] = f"{name}/seed_generator_state" + (f"#{i}" if i else "")
+        children = getattr(layer, "_flatten_layers", None)
+        for child in (children(include_self=False, recursive=False) if children else ()):
+            walk(child, name)
+
+    walk(model, "")
+    return out

@@ -308,6 +308,10 @@ class Tracer:
         if not callable(f):
             raise TypeError(f"{fn}: f is a {type(f).__name__}, not a function; pass the function "
                             "first (e.g. model.apply), then the weights and the data.")
+        if type(f).__module__.split(".")[0] == "keras" and hasattr(f, "stateless_call"):
+            raise TypeError(f"{fn}: f is a Keras {type(f).__name__}, which keeps its weights in "
+                            "keras.Variables, not in the params jqt is given. Make it a function "
+                            "of its weights first: f, params = jqt.from_keras(model).")
         self.f = f
         self.fn = fn
         self.argnums = normalize_argnums(weight_argnums)

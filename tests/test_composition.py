@@ -634,6 +634,43 @@ def test_custom_rules_closing_over_values():
         jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
 
 
+def test_custom_vjp_around_a_while_loop():
+    """A custom_vjp whose forward runs a lax.while_loop (Equinox's checkpointed while_loop,
+    diffrax's adjoint): its bwd rule is what makes it differentiable. The simulated path
+    differentiated the quantized body with respect to the qparams on every jax.grad, so
+    the gradient of the inputs or the weights alone raised JAX's "Reverse-mode
+    differentiation does not work for lax.while_loop"; now only the qparams' own gradient
+    needs the body's reverse pass, and its error names the function and the fix."""
+    @jax.custom_vjp
+    def loop(w, h):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, h))[1]
+
+    def unrolled(w, h):
+        for _ in range(3):
+            h = jnp.tanh(h @ w)
+        return h
+    loop.defvjp(lambda w, h: (loop(w, h), (w, h)), lambda r, ct: jax.vjp(unrolled, *r)[1](ct))
+    p = {"a": _normal(96, (8, 8), 0.3), "w": _normal(97, (8, 8), 0.3)}
+    x = _normal(98, (6, 8))
+    f = lambda p, x: loop(p["w"], x @ p["a"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert not qp["w"].is_float  # the matmul inside the loop is quantized
+    sim = jqt.quantize(f, qp, simulate=True)
+    loss = lambda p, x, q=qp: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x) ** 2)
+    f_loss = lambda p, x: jnp.sum(f(p, x) ** 2)
+    assert _rel(jax.jit(jax.grad(loss, 1))(p, x), jax.grad(f_loss, 1)(p, x)) < 0.05
+    gw, gw_float = jax.grad(loss)(p, x), jax.grad(f_loss)(p, x)
+    assert _rel(gw["w"], gw_float["w"]) < 0.05 and _rel(gw["a"], gw_float["a"]) < 0.05
+    trainable, frozen = jqt.qat.split(p, qp, train="weights")
+    g = jax.grad(lambda t: loss(*jqt.qat.merge(t, frozen)[:1], x, jqt.qat.merge(t, frozen)[1]))(trainable)
+    assert _rel(g[0]["w"], gw["w"]) < 1e-5
+    with pytest.raises(TypeError, match=r"qparams of the quantized ops inside the custom_vjp "
+                                        r"function at '<top>' cannot be differentiated.*while_loop"
+                                        r".*train='weights'"):
+        jax.grad(lambda q: loss(p, x, q))(qp)
+    assert sim(p, x).shape == (6, 8)
+
+
 # --------------------------------------------------------------------------- jaxprs
 
 

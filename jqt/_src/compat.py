@@ -390,6 +390,25 @@ def is_plain_ragged_dot(eqn) -> bool:
             and not any(rd.dot_dimension_numbers[1]) and tuple(rd.lhs_ragged_dimensions) == (0,)
             and tuple(rd.rhs_group_dimensions) == (0,)
             and [v.aval.ndim for v in eqn.invars[:2]] == [2, 3])
+def vjp_primal_values(tree):
+    """A ``custom_vjp`` fwd's argument under ``symbolic_zeros=True`` (a pytree of
+    ``CustomVJPPrimal``): ``(values, whether any leaf is perturbed)``."""
+    from jax.custom_derivatives import CustomVJPPrimal
+    is_p = lambda x: isinstance(x, CustomVJPPrimal)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_p)
+    return (jax.tree_util.tree_map(lambda x: x.value if is_p(x) else x, tree, is_leaf=is_p),
+            any(x.perturbed for x in leaves if is_p(x)))
+
+
+def instantiate_zeros(tree):
+    """A ``custom_vjp`` bwd's cotangents under ``symbolic_zeros=True`` with each
+    ``SymbolicZero`` made an array of zeros."""
+    from jax.custom_derivatives import SymbolicZero
+    z = lambda x: isinstance(x, SymbolicZero)
+    return jax.tree_util.tree_map(
+        lambda x: jax.numpy.zeros(x.shape, x.dtype) if z(x) else x, tree, is_leaf=z)
+
+
 jit_p = _prims.jit_p
 closed_call_p = _prims.closed_call_p
 call_p = _prims.call_p

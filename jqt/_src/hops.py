@@ -262,18 +262,49 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
     g = jax.custom_vjp(fwd_fn)
 
     def g_fwd(st, *args):
-        out, vjp_st = jax.vjp(lambda s: fwd_fn(s, *args), st)
+        # symbolic zeros: the quantization state is differentiated only where it is
+        # perturbed (jax.grad of the inputs or weights alone does not need the body's
+        # reverse pass, which a while_loop in it does not have)
+        st, st_perturbed = compat.vjp_primal_values(st)
+        args = tuple(compat.vjp_primal_values(a)[0] for a in args)
+        if st_perturbed:
+            with body_transpose(eqn):
+                out, vjp_st = jax.vjp(lambda s: fwd_fn(s, *args), st)
+        else:
+            out, vjp_st = fwd_fn(st, *args), None
         with user_rule(eqn):
             _, vjp_user = jax.vjp(lambda *a: compat.bind_eqn(eqn, consts + a), *args)
         return out, (vjp_st, vjp_user)
 
     def g_bwd(res, ct):
         vjp_st, vjp_user = res
+        ct = compat.instantiate_zeros(ct)
+        with body_transpose(eqn):
+            ct_st = (None,) if vjp_st is None else vjp_st(ct)
         with user_rule(eqn):
-            return (*vjp_st(ct), *vjp_user(ct))
+            return (*ct_st, *vjp_user(ct))
 
-    g.defvjp(g_fwd, g_bwd)
+    g.defvjp(g_fwd, g_bwd, symbolic_zeros=True)
     return g(_state_for(sub, ctx), *invals)
+
+
+@contextlib.contextmanager
+def body_transpose(eqn):
+    """The reverse pass of a custom_vjp function's quantized body, for the gradient of
+    its quantization state: JAX has none through a ``while_loop`` (the user's bwd rule
+    is what made the function differentiable). Name the function and the fix."""
+    try:
+        yield
+    except ValueError as e:
+        if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
+            raise
+        raise TypeError(
+            f"jqt: the qparams of the quantized ops inside the custom_vjp function at "
+            f"'{compat.name_stack(eqn) or '<top>'}' cannot be differentiated: its body runs a "
+            "lax.while_loop (Equinox's checkpointed while_loop, diffrax's adjoint), which JAX "
+            "cannot differentiate in reverse mode, and the function's own bwd rule covers its "
+            "inputs, not jqt's scales. Differentiate the weights and inputs only, with the "
+            "qparams frozen: jqt.qat.split(params, qparams, train='weights').") from e
 
 
 CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call")

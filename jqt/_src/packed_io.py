@@ -117,7 +117,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         if isinstance(packed.avals[i], Static):
             raise TypeError(f"jqt.save_packed: params leaf '{paths[i]}' is a {type(x).__name__} "
                             f"({x!r}), not an array, and a packed file holds arrays. Pass such a "
-                            "value to f another way (functools.partial, or an argument of its own).")
+                            "value to f another way (functools.partial, or an argument of its own; "
+                            "for an Equinox module, pack and save the arrays of "
+                            "eqx.partition(model, eqx.is_array) and eqx.combine them with the "
+                            "rest inside f).")
         n = _unique(f"params/{paths[i]}", used)
         tensors[n] = _as_recorded(x, packed.avals[i], paths[i])
         leaves.append(n)

@@ -122,6 +122,18 @@ def _empty(entry, eqn, ins) -> bool:
     return w is not None and any(d == 0 for d in eqn.invars[w].aval.shape)
 
 
+def _rolled(eqn, ins) -> tuple:
+    """The buffers a ``slice`` of a buffer, or a ``concatenate`` of such slices along a
+    non-last axis (``jnp.roll`` of a cache), is made of; ``()`` otherwise."""
+    name = eqn.primitive.name
+    if name == "slice" and ins and (ins[0].buffer or ins[0].rolled):
+        return ins[0].buffer or ins[0].rolled
+    if name == "concatenate" and ins and eqn.params["dimension"] != eqn.outvars[0].aval.ndim - 1 \
+            and all(i.buffer or i.rolled for i in ins):
+        return tuple(dict.fromkeys(b for i in ins for b in i.buffer + i.rolled))
+    return ()
+
+
 class Analyzer:
     """Walks a closed jaxpr once and builds its :class:`Plan`.
 
@@ -288,6 +300,8 @@ class Analyzer:
                                f"function {name} calls (calibrate it, and call jqt.quantize(g, "
                                "qparams) inside).")
                         self._defer(("holds", name), msg, f"'{name}' at '{stack or '<top>'}'")
+            if outs is None and (rolled := _rolled(eqn, ins)):
+                outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)
                 outs = [VarInfo(w)] * len(eqn.outvars)
@@ -467,6 +481,14 @@ class Analyzer:
                 f"a {eqn.primitive.name} into a {src} buffer converted to {dst} first (a {dst} "
                 f"value written with .at[...].set into a {src} cache converts the whole buffer): "
                 f"write the value in the buffer's dtype, new.astype(cache.dtype)")))
+        elif ins[0].rolled:
+            self._missed[eqn.outvars[0]] = ins[0].rolled
+            self.cache_near_misses.append((where, ins[0].rolled, (
+                f"a {eqn.primitive.name} into slices of a carried buffer concatenated along a "
+                "non-last axis (jnp.roll(cache, -1, axis=1) before the write?): the roll makes "
+                "a new array, not the buffer, so no cache is found. Shift it in place, "
+                "cache.at[:, :-1].set(cache[:, 1:]).at[:, -1].set(new), or keep a ring "
+                "buffer written at step % window")))
         elif ins[0].buffer:
             self._missed[eqn.outvars[0]] = ins[0].buffer
             upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape

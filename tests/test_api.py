@@ -2,6 +2,8 @@
 import dataclasses
 import os
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,6 +255,14 @@ def test_packed_weights_a_function_also_reads_as_floats():
                                          r"\(128 bytes\): f reads it outside"):
         packed_g = jqt.pack(qp_g, p)
     assert packed_g.kept == (0,)
+    # ... but not where an op the recipe leaves float reads it (a tied table's lookup under
+    # embeddings=False): kept by choice
+    t = {"emb": jax.random.normal(jax.random.key(2), (16, 8))}
+    tied = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
+    qp_t = jqt.calibrate(tied, jqt.recipes.w8a8(embeddings=False), t, [(jnp.arange(4),)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert jqt.pack(qp_t, t).kept == (0,)
     np.testing.assert_allclose(jqt.quantize(g, qp_g)(packed_g, x), jqt.quantize(g, qp_g)(p, x))
 
 

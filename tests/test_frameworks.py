@@ -606,7 +606,7 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(params)  # float leaves only
 
     with pytest.warns(UserWarning, match=r"seed states \(\['m/drop/seed_generator_state'\]\).*same "
-                                         r"masks.*jax.random.key_data"):
+                                         r"random numbers.*jax.random.key_data"):
         ft, pt = jqt.from_keras(build(1), training=True)
     k = "m/drop/seed_generator_state"
     assert pt[k].dtype == jnp.uint32 and sorted(pt) == [k, "m/fc/bias", "m/fc/kernel"]
@@ -625,6 +625,33 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     assert [k.rsplit("/", 2)[-2:] for k in qp3] == [["o", "kernel"]]
     with pytest.raises(TypeError, match=r"f is a Keras Functional.*jqt.from_keras\(model\)"):
         jqt.calibrate(two, jqt.recipes.w8a8(), p3, [([x, x],)], progress=False)
+
+    class Sampling(keras.layers.Layer):  # draws at inference too (a VAE's): a leaf, warned
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.seed = keras.random.SeedGenerator(1)
+
+        def call(self, h):
+            return h + keras.random.normal(h.shape, seed=self.seed)
+
+    class Vae(keras.Model):  # a subclass (its module is the test's): refused as f too
+        def __init__(self):
+            super().__init__(name="vae")
+            self.fc, self.samp = L.Dense(4, name="fc"), Sampling(name="samp")
+
+        def call(self, h, training=None):
+            return self.samp(self.fc(h))
+
+    vae = Vae()
+    vae(x)
+    with pytest.warns(UserWarning, match=r"training=False\): the random layers' seed states "
+                                         r"\(\['vae/samp/seed_generator_state'\]\)"):
+        fv, pv = jqt.from_keras(vae)
+    ks = "vae/samp/seed_generator_state"
+    np.testing.assert_array_equal(fv(pv, x), fv(pv, x))
+    assert not np.allclose(fv(pv, x), fv({**pv, ks: jax.random.key_data(jax.random.key(3))}, x))
+    with pytest.raises(TypeError, match=r"f is a Keras Vae.*jqt.from_keras\(model\)"):
+        jqt.quantize(vae, {})
 
 
 def test_keras_errors(keras, monkeypatch):

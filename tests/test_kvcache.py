@@ -658,21 +658,27 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
                                                            r".*new.astype\(cache.dtype\)"):
             jqt.quantize(step, qp32)(p, cache(jnp.bfloat16), tok, 0)
 
-    def rolled(p, tokens):  # a shifting window: jnp.roll (slices concatenated), then a write
+    def window(p, tokens, shift):  # a shifting window: shift(cache), then a write
         def body(carry, tok):
             kc, vc = carry
             h = p["emb"][tok]
             lp = jax.tree.map(lambda a: a[0], p["layers"])
             q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
-            kc, vc = (jnp.roll(c, -1, axis=1).at[:, -1].set(n) for c, n in ((kc, k), (vc, v)))
+            kc, vc = (shift(c).at[:, -1].set(n) for c, n in ((kc, k), (vc, v)))
             o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(jnp.einsum("bhd,bthd->bht", q, kc), -1), vc)
             return (kc, vc), (h + o.reshape(B, H * DH) @ lp["wo"]) @ p["out"]
         return lax.scan(body, tuple(c[0] for c in _empty()), tokens.T)[1]
+    rolled = lambda p, tokens: window(p, tokens, lambda c: jnp.roll(c, -1, axis=1))
+    sliced = lambda p, tokens: window(p, tokens, lambda c: jnp.pad(c[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))))
 
     with pytest.warns(UserWarning, match=r"scatter into slices of a carried buffer concatenated.*"
                                          r"jnp.roll.*cache.at\[:, :-1\].set\(cache\[:, 1:\]\)"):
         qp = jqt.calibrate(rolled, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
     assert not [k for k in qp if k.startswith("kv_cache")]
+    with warnings.catch_warnings(record=True) as seen:  # a slice padded: no word of a roll
+        warnings.simplefilter("always")
+        jqt.calibrate(sliced, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    assert seen and not any("concatenated" in str(w.message) for w in seen)
 
     def scores(p, tokens):  # per-step scores collected a column at a time: not a cache
         def body(carry, tok):

@@ -122,16 +122,15 @@ def _empty(entry, eqn, ins) -> bool:
     return w is not None and any(d == 0 for d in eqn.invars[w].aval.shape)
 
 
-def _rolled(eqn, ins) -> tuple:
-    """The buffers a ``slice`` of a buffer, or a ``concatenate`` of such slices along a
-    non-last axis (``jnp.roll`` of a cache), is made of; ``()`` otherwise."""
-    name = eqn.primitive.name
-    if name == "slice" and ins and (ins[0].buffer or ins[0].rolled):
-        return ins[0].buffer or ins[0].rolled
-    if name == "concatenate" and ins and eqn.params["dimension"] != eqn.outvars[0].aval.ndim - 1 \
-            and all(i.buffer or i.rolled for i in ins):
-        return tuple(dict.fromkeys(b for i in ins for b in i.buffer + i.rolled))
-    return ()
+def _rolled(eqn, ins, sliced) -> tuple:
+    """The buffers a ``concatenate`` along a non-last axis of slices of them (``sliced``:
+    var -> buffers) is made of (``jnp.roll`` of a cache); ``()`` otherwise."""
+    if eqn.primitive.name != "concatenate" or not ins \
+            or eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
+        return ()
+    parts = [i.buffer or i.rolled or (() if compat.is_literal(v) else sliced.get(v, ()))
+             for v, i in zip(eqn.invars, ins)]
+    return tuple(dict.fromkeys(b for q in parts for b in q)) if all(parts) else ()
 
 
 class Analyzer:
@@ -201,6 +200,7 @@ class Analyzer:
             | {v for v in jaxpr.outvars if not compat.is_literal(v)}
         maps, pending = map_remainders(jaxpr), {}
         made_by = {}  # var -> the equation of this jaxpr that made it
+        sliced = {}  # var -> the buffers it is a slice of (see _rolled)
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 made_by[v] = eqn
@@ -300,7 +300,9 @@ class Analyzer:
                                f"function {name} calls (calibrate it, and call jqt.quantize(g, "
                                "qparams) inside).")
                         self._defer(("holds", name), msg, f"'{name}' at '{stack or '<top>'}'")
-            if outs is None and (rolled := _rolled(eqn, ins)):
+            if name == "slice" and (ins[0].buffer or ins[0].rolled):
+                sliced[eqn.outvars[0]] = ins[0].buffer or ins[0].rolled
+            if outs is None and (rolled := _rolled(eqn, ins, sliced)):
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)

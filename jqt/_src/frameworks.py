@@ -35,12 +35,13 @@ def from_keras(model, *, training: bool = False):
     or build the model after ``keras.backend.clear_session()``, for keys that
     do not depend on how many layers were built before in the process.
 
-    Random layers (``Dropout``, ``GaussianNoise``) keep a seed state. With
-    ``training=False`` they do not draw, and it is left out of ``params`` (f passes
-    its current value). With ``training=True`` it is a ``uint32`` leaf of ``params``
-    keyed by the layer (``"model/drop/seed_generator_state"``): as with a fixed
-    PRNG key in JAX, calls with the same ``params`` draw the same masks (a warning
-    says so); set it from a key for new ones,
+    Random layers keep a seed state. Dropout and noise layers (``Dropout``,
+    ``GaussianNoise``, ...) do not draw with ``training=False``, and theirs is left out
+    of ``params`` (f passes its current value). Otherwise (``training=True``, or a layer
+    that samples at inference, a VAE's sampling layer) it is a ``uint32`` leaf of
+    ``params`` keyed by the layer (``"model/drop/seed_generator_state"``): as with a
+    fixed PRNG key in JAX, calls with the same ``params`` draw the same numbers (a
+    warning says so); set it from a key for new ones,
     ``params[k] = jax.random.key_data(jax.random.fold_in(key, step))``. Its integer
     leaf is frozen by :func:`jqt.qat.labels` and :func:`jqt.qat.split` (``jax.grad``
     of the whole ``params`` refuses it: differentiate ``split``'s trainable half).
@@ -93,20 +94,19 @@ def from_keras(model, *, training: bool = False):
     if dup:
         raise ValueError(f"jqt.from_keras: several variables share the path(s) {dup[:5]}; give "
                          "the layers distinct names.")
-    seeds = _seed_keys(model)  # id(state variable) -> its key in params
+    seeds = _seed_keys(model, keras)  # id(state variable) -> (its key, drawn only in training)
     by_id = {id(v): v for v in model.non_trainable_variables}
-    if not training:  # the seed states are not drawn from: kept out of params, as they are
-        fixed = {p: by_id[i].value for i, p in ((id(v), v.path) for v in model.non_trainable_variables)
-                 if i in seeds}
-    else:
-        fixed, rename = {}, {by_id[i].path: k for i, k in seeds.items() if i in by_id}
-        if len(set(rename.values())) == len(rename) and not set(rename.values()) & set(trainable):
-            non_trainable = [rename.get(p, p) for p in non_trainable]
-        else:  # two layers' keys met: Keras's own paths
-            rename = {p: p for p in rename}
-    values = {v.path: v.value for v in model.trainable_variables + model.non_trainable_variables}
-    if training:
-        values = {rename.get(p, p): x for p, x in values.items()}
+    # Dropout-like layers do not draw with training=False: their seed states are kept out of
+    # params, as they are; any other layer's (one that samples at inference) stays a leaf
+    fixed = {by_id[i].path: by_id[i].value for i, (_, quiet) in seeds.items()
+             if i in by_id and quiet and not training}
+    rename = {by_id[i].path: k for i, (k, _) in seeds.items() if i in by_id and by_id[i].path not in fixed}
+    if len(set(rename.values())) != len(rename) or set(rename.values()) & set(trainable):
+        rename = {p: p for p in rename}  # two layers' keys met: Keras's own paths
+    non_trainable = [rename.get(p, p) for p in non_trainable]
+    fixed = {rename.get(p, p): x for p, x in fixed.items()}
+    values = {rename.get(v.path, v.path): v.value
+              for v in model.trainable_variables + model.non_trainable_variables}
     params = {p: x for p, x in values.items() if p not in fixed}
     sig = inspect.signature(model.call).parameters.values()
     takes = any(q.name == "training" or q.kind is q.VAR_KEYWORD for q in sig)
@@ -117,13 +117,14 @@ def from_keras(model, *, training: bool = False):
                          "call and pass it on to the layers that use it, or use training=False.")
     mode = {"training": training} if takes else {}  # passed only where call accepts it
 
-    if training and rename:
+    if rename:
         keys = list(rename.values())
         diagnostics.warn(
-            f"jqt.from_keras(training=True): the random layers' seed states ({keys[:3]}"
+            f"jqt.from_keras(training={training}): the random layers' seed states ({keys[:3]}"
             f"{' ...' if len(keys) > 3 else ''}) are uint32 leaves of params and f returns the "
-            "outputs only, so every call with the same params draws the same masks, as a fixed "
-            "PRNG key does in JAX. For new masks on each step, set them from a key: "
+            "outputs only, so every call with the same params draws the same random numbers "
+            "(dropout masks, noise), as a fixed PRNG key does in JAX. For new ones on each call, "
+            "set them from a key: "
             "params[k] = jax.random.key_data(jax.random.fold_in(key, step)).")
 
     def f(params, *inputs):
@@ -142,11 +143,18 @@ def from_keras(model, *, training: bool = False):
     return f, params
 
 
-def _seed_keys(model):
-    """``{id(state variable): key}`` for the seed generators of ``model``'s layers, keyed
-    by the layer names from the model down (``"model/drop/seed_generator_state"``): Keras's
-    own path numbers them in the order they were built in the process. Found through
-    Keras's layer tracking; where a Keras version has none, ``{}`` (Keras's paths)."""
+# Keras layers that draw random numbers only with training=True
+_TRAINING_ONLY = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+                  "GaussianDropout", "GaussianNoise", "AlphaDropout")
+
+
+def _seed_keys(model, keras):
+    """``{id(state variable): (key, quiet)}`` for the seed generators of ``model``'s layers,
+    keyed by the layer names from the model down (``"model/drop/seed_generator_state"``):
+    Keras's own path numbers them in the order they were built in the process. ``quiet``:
+    the layer draws only in training (dropout and noise layers). Found through Keras's
+    layer tracking; where a Keras version has none, ``{}`` (Keras's paths)."""
+    quiet_types = tuple(getattr(keras.layers, n) for n in _TRAINING_ONLY if hasattr(keras.layers, n))
     out = {}
 
     def walk(layer, prefix):
@@ -155,7 +163,8 @@ def _seed_keys(model):
         for i, g in enumerate(own):
             state = getattr(g, "state", None)
             if state is not None and id(state) not in out:
-                out[id(state)] = f"{name}/seed_generator_state" + (f"#{i}" if i else "")
+                out[id(state)] = (f"{name}/seed_generator_state" + (f"#{i}" if i else ""),
+                                  isinstance(layer, quiet_types))
         children = getattr(layer, "_flatten_layers", None)
         for child in (children(include_self=False, recursive=False) if children else ()):
             walk(child, name)

@@ -537,7 +537,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             "so the packed weights can outgrow the float ones. Contract the weight itself, "
             "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w), and re-calibrate.")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
-    _warn_kept_twice(consumed & needed, leaf_of, with_paths, flat)
+    chosen = {q.source.path for q in qparams.values()  # ops the recipe left float (a lookup of
+              if q.source is not None and q.source.arg == argnum  # a tied table under
+              and (q.weight_operand is None or q.operand(q.weight_operand) is None)}  # embeddings=False)
+    _warn_kept_twice({i for i in consumed & needed if path_str(with_paths[i][0]) not in chosen},
+                     leaf_of, with_paths, flat)
     _share_equal(leaf_of, weights)
     tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
@@ -547,7 +551,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
 
 def _warn_kept_twice(both, leaf_of, with_paths, flat):
     """Warns of weights packed and also kept float (f reads them outside their quantized
-    ops too): the packed params hold both, which nothing else would tell."""
+    ops too): the packed params hold both, which nothing else would tell. A weight an op
+    the recipe left float reads (``both`` leaves it out) is kept by choice."""
     if not both:
         return
     names = [f"'{path_str(with_paths[i][0])}' (op{'s' if len(ks) > 1 else ''} "

@@ -308,7 +308,8 @@ class Tracer:
         if not callable(f):
             raise TypeError(f"{fn}: f is a {type(f).__name__}, not a function; pass the function "
                             "first (e.g. model.apply), then the weights and the data.")
-        if type(f).__module__.split(".")[0] == "keras" and hasattr(f, "stateless_call"):
+        if hasattr(f, "stateless_call") and any(c.__module__.split(".")[0] == "keras"
+                                                for c in type(f).__mro__):  # a subclass too
             raise TypeError(f"{fn}: f is a Keras {type(f).__name__}, which keeps its weights in "
                             "keras.Variables, not in the params jqt is given. Make it a function "
                             "of its weights first: f, params = jqt.from_keras(model).")

@@ -252,7 +252,7 @@ def test_packed_weights_a_function_also_reads_as_floats():
     # g's float read keeps 'w' beside its codes: pack says so (it said nothing, and the
     # packed params outgrew the float ones)
     with pytest.warns(UserWarning, match=r"weight 'w' \(op 'w'\) packed and also kept as float "
-                                         r"\(128 bytes\): f reads it outside"):
+                                         r"\(128 bytes\): f reads it as a float outside"):
         packed_g = jqt.pack(qp_g, p)
     assert packed_g.kept == (0,)
     # ... but not where an op the recipe leaves float reads it (a tied table's lookup under

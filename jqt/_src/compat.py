@@ -390,6 +390,8 @@ def is_plain_ragged_dot(eqn) -> bool:
             and not any(rd.dot_dimension_numbers[1]) and tuple(rd.lhs_ragged_dimensions) == (0,)
             and tuple(rd.rhs_group_dimensions) == (0,)
             and [v.aval.ndim for v in eqn.invars[:2]] == [2, 3])
+
+
 def vjp_primal_values(tree):
     """A ``custom_vjp`` fwd's argument under ``symbolic_zeros=True`` (a pytree of
     ``CustomVJPPrimal``): ``(values, whether any leaf is perturbed)``."""

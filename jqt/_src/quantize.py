@@ -550,9 +550,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
 
 
 def _warn_kept_twice(both, leaf_of, with_paths, flat):
-    """Warns of weights packed and also kept float (f reads them outside their quantized
-    ops too): the packed params hold both, which nothing else would tell. A weight an op
-    the recipe left float reads (``both`` leaves it out) is kept by choice."""
+    """Warns of the weights ``both`` lists, packed and also kept float (f reads them
+    outside their quantized ops too): the packed params hold both, which nothing else
+    would tell. The caller leaves out weights an op the recipe left float reads: those are
+    kept by choice."""
     if not both:
         return
     names = [f"'{path_str(with_paths[i][0])}' (op{'s' if len(ks) > 1 else ''} "
@@ -562,11 +563,10 @@ def _warn_kept_twice(both, leaf_of, with_paths, flat):
     diagnostics.warn(
         f"jqt.pack: weight{'s' if len(names) > 1 else ''} {', '.join(names[:4])}"
         f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} packed and also kept as float "
-        f"({extra} bytes): f reads {'them' if len(names) > 1 else 'it'} outside the quantized ops "
-        "too (a jax.debug.print or a norm of the weight, an op the recipe leaves float, a "
-        "float embedding lookup of a tied table), so the packed params hold both. Move such a "
-        "read out of f, or quantize the op that reads it; where the float read is meant, "
-        "nothing is wrong.")
+        f"({extra} bytes): f reads {'them' if len(names) > 1 else 'it'} as a float outside the "
+        "quantized ops too (a jax.debug.print or a norm of the weight, w * 2 or another op jqt "
+        "does not quantize), so the packed params hold both. Move such a read out of f; "
+        "where the float read is meant, nothing is wrong.")
 
 
 def _aval(x):

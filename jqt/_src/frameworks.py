@@ -104,7 +104,6 @@ def from_keras(model, *, training: bool = False):
     if len(set(rename.values())) != len(rename) or set(rename.values()) & set(trainable):
         rename = {p: p for p in rename}  # two layers' keys met: Keras's own paths
     non_trainable = [rename.get(p, p) for p in non_trainable]
-    fixed = {rename.get(p, p): x for p, x in fixed.items()}
     values = {rename.get(v.path, v.path): v.value
               for v in model.trainable_variables + model.non_trainable_variables}
     params = {p: x for p, x in values.items() if p not in fixed}

@@ -398,6 +398,30 @@ def test_cond_untaken_branch_warns_and_stays_float():
     assert _rel(qf(p, x, True), cond_fn(p, x, True)) > 0
 
 
+def test_a_platform_dependent_branch_of_another_platform_is_named():
+    """lax.platform_dependent: calibration runs only this platform's branch; the other
+    branch's op stays float with a warning that names it (not a call for more data)."""
+    p = cond_params()
+    x = _normal(83, (6, 8))
+
+    def f(p, x):
+        return lax.platform_dependent(x, p["a"], cpu=lambda x, w: x @ w,
+                                      cuda=lambda x, w: jnp.tanh(x @ w))
+
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    msgs = [str(w.message) for w in ws]
+    assert not any("never ran on the calibration data" in m for m in msgs), msgs
+    named = [m for m in msgs if "lax.platform_dependent" in m]
+    assert len(named) == 1 and "'a#1'" in named[0] and "branch for cuda" in named[0], msgs
+    assert "calibrate on that platform" in named[0]
+    assert not qp["a"].is_float and qp["a#1"].is_float
+    assert "platform_dependent" in qp["a#1"].note
+    out = jax.jit(jqt.quantize(f, qp))(p, x)
+    assert _rel(out, f(p, x)) < QUANT_VS_FLOAT
+
+
 @pytest.mark.parametrize("order", [(True, False), (False, True)])
 @pytest.mark.slow_variants
 def test_cond_both_branches_quantized(order):

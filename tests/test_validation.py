@@ -760,6 +760,41 @@ def test_a_python_int_that_changes_the_ops_is_named_in_the_mismatch():
         jqt.quantize(f, qp)(p, 3)
 
 
+def test_a_function_with_more_ops_at_another_length_is_named_in_the_mismatch():
+    """lax.associative_scan with a matmul in its combine traces more ops for longer inputs:
+    calibrated at 4 rows, called at 8 or 3, the refusal says so (hunt32_jaxexp), not only
+    "another function"."""
+    p = {"w": W, "sq": jnp.eye(3) * 0.5}
+    f = lambda p, x: lax.associative_scan(lambda a, b: a + jnp.tanh(b @ p["sq"]), x @ p["w"])
+    x = jnp.tile(X[:1], (8, 1))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x[:4],)], progress=False)
+    for n in (8, 3):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"another function.* Or they were made "
+                           r"for this function at other input shapes.*lax.associative_scan"):
+            jqt.quantize(f, qp)(p, x[:n])
+    with pytest.raises(jqt.QParamsMismatchError) as e:  # another weight: no such hint
+        jqt.quantize(lambda p, x: x @ p["w"] @ p["sq"], {"w": qp["w"]})(p, x)
+    assert "other input shapes" not in str(e.value)
+
+
+def test_a_matmul_inside_a_pallas_kernel_gets_a_fix_that_can_be_done():
+    """A Pallas kernel's body works on Refs: the warning does not tell to call jqt.quantize
+    inside it (hunt32_jaxexp)."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+    def f(w, x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2, 3), x.dtype),
+                              interpret=True)(x, w)
+
+    with pytest.warns(UserWarning, match=r"'pallas_call'.*read weight 'w'.*a Pallas kernel "
+                      r"works on Refs.*compute the matmul outside the pallas_call") as ws:
+        jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X,)], progress=False)
+    assert not any("jqt.quantize(g" in str(w.message) for w in ws)
+
+
 def test_a_python_list_batch_works_like_a_tuple():
     f = lambda w, xs: xs[0] @ w + xs[1] @ w
     x2 = 2 * X

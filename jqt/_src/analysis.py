@@ -293,12 +293,17 @@ class Analyzer:
                         reads = (f"; they read weight{'s' if len(named) > 1 else ''} "
                                  f"{', '.join(repr(q) for q in named[:4])}{' ...' if len(named) > 4 else ''}"
                                  if named else "")
+                        fix = (f"to quantize these ops, apply jqt to the function {name} calls "
+                               "(calibrate it, and call jqt.quantize(g, qparams) inside)")
+                        if name == "pallas_call":  # a kernel's body reads and writes Refs
+                            fix = ("a Pallas kernel works on Refs, which jqt cannot quantize "
+                                   "inside: to quantize these ops, compute the matmul outside "
+                                   "the pallas_call, or write the kernel on integer codes "
+                                   "yourself")
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
                                f"ops that jqt cannot rewrite: they stay float, with no qparams{reads}. "
                                "jqt quantizes inside jit, closed_call, scan, while, cond, remat, shard_map and "
-                               f"custom_jvp/vjp calls only; to quantize these ops, apply jqt to the "
-                               f"function {name} calls (calibrate it, and call jqt.quantize(g, "
-                               "qparams) inside).")
+                               f"custom_jvp/vjp calls only; {fix}.")
                         self._defer(("holds", name), msg, f"'{name}' at '{stack or '<top>'}'")
             if name == "slice" and (ins[0].buffer or ins[0].rolled):
                 sliced[eqn.outvars[0]] = ins[0].buffer or ins[0].rolled
@@ -463,6 +468,10 @@ class Analyzer:
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)
+        for p, names in zip(plans, eqn.params.get("branches_platforms") or ()):
+            for site in p.all_sites():  # lax.platform_dependent: the innermost branch's
+                if site.platforms == ():
+                    site.platforms = names
         keys = [s.key for p in plans for s in p.all_sites()]
         if keys:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)

@@ -676,11 +676,25 @@ def _decide(site, rule, st):
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate, an activation of no elements?); it stays float. "
              "Add calibration data that reaches it.")
+    unreached = "never reached during calibration"
+    if site.platforms != ():
+        branch = ("the default branch" if site.platforms is None
+                  else f"the branch for {'/'.join(site.platforms)}")
+        never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
+                 f"is in {branch} of a lax.platform_dependent, which calibration did not run: "
+                 "it runs only the branch of the platform it runs on. The op stays float (a "
+                 "jax.export for that platform computes it in float, its weight kept float "
+                 "by jqt.pack). To quantize it, calibrate on that platform (those qparams "
+                 "quantize its branch), or move the matmul out of lax.platform_dependent so "
+                 "that every platform runs it; to keep it float without this "
+                 f"warning, put jqt.Rule(key='^{re.escape(site.key)}$', weight=None) ahead of "
+                 "the recipe's rules.")
+        unreached = f"in {branch} of a lax.platform_dependent: not run by calibration"
     if st is not None and st.weight is not None:
         _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
         diagnostics.warn_grouped("never", never, f"'{site.key}'")
-        return float_("never reached during calibration")
+        return float_(unreached)
     shape = site.eqn.invars[w].aval.shape
     eff = weight_qtype(site, wt, shape)
     ax = site.entry.groups(site)
@@ -724,7 +738,7 @@ def _decide(site, rule, st):
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
             if not np.isfinite(lo).all():
                 diagnostics.warn_grouped("never", never, f"'{site.key}'")
-                return float_("never reached during calibration")
+                return float_(unreached)
             if not np.isfinite(hi).all():  # a calibrator of the user's that saw an inf
                 raise ValueError(_act_not_finite(site, f"its calibrator's range is [{lo}, {hi}]"))
             if not (np.asarray(lo) != 0).any() and not (np.asarray(hi) != 0).any():

@@ -53,6 +53,9 @@ class Site:
     contract: tuple  # per operand: the axes that share one scale (reduced by the op)
     entry: object = None
     name_stack: str = ""  # the op's scopes from the top (a loop's or branch's body: theirs too)
+    # the platforms of the lax.platform_dependent branch the op is in (None: the default
+    # branch; () when the op is in no such branch)
+    platforms: Optional[tuple] = ()
 
     def batch_axes(self) -> tuple:
         """The weight operand's ``dot_general`` batch axes."""

@@ -277,11 +277,12 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"with ({why or 'another dtype, shape or layout?'}). Pass caches as at calibration, or "
             "calibrate with these.")
     if extra:
+        counted = _op_count(extra + [k for k in keys if k not in qparams], keys, qparams)
         raise QParamsMismatchError(
             f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-            f"another function or weight_argnums."
+            f"another function or weight_argnums.{counted}"
             f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
@@ -306,7 +307,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
                    "with this jqt.")
         else:
             why = (" The qparams were made for another function or weight_argnums; run "
-                   "jqt.calibrate on this function.")
+                   "jqt.calibrate on this function."
+                   f"{_op_count(missing + [k for k in qparams if k not in keys], keys, qparams)}")
         raise QParamsMismatchError(
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
@@ -324,6 +326,28 @@ def _einsum_order(keys) -> str:
             f" An einsum of three or more operands ('{spec}') contracts them in an order "
             "jnp.einsum picks from their shapes, so other input shapes can give other ops: "
             "pass optimize=False to it, or write it as two einsums, and re-calibrate.")
+
+
+def _op_count(mismatched, keys, qparams) -> str:
+    """A hint where every mismatched key is a later op (``'w#3'``) of a weight both the
+    function and the qparams have: the same function, tracing its weights' ops another
+    number of times at these inputs.
+
+    >>> _op_count(["sq#2", "sq#3"], ["w", "sq", "sq#1"], {"w": 0, "sq": 0, "sq#1": 0})[:45]
+    ' Or they were made for this function at other'
+    >>> _op_count(["v"], ["w"], {"v": 0})  # another model
+    ''
+    """
+    base = lambda k: k.rsplit("#", 1)[0]
+    common = {base(k) for k in keys if k in qparams}
+    if not mismatched or not all("#" in k and base(k) in common for k in mismatched):
+        return ""
+    return (" Or they were made for this function at other input shapes or arguments: it "
+            "reads the same weights as the qparams' ops another number of times, so it traces "
+            "more or fewer ops here than at calibration (a Python loop over an input's length "
+            "or an argument, lax.associative_scan). Then calibrate with inputs of the shapes "
+            "and arguments it will be called with (one qparams per shape), or write the loop "
+            "as a lax.scan.")
 
 
 def numbers_as_arrays(qparams):

@@ -15,6 +15,7 @@ from jax import lax
 
 import jqt
 from jqt._src import compat
+from shared import all_eqns
 
 L, H, DH, DM, V, T, B = 2, 2, 8, 16, 32, 10, 2
 
@@ -373,6 +374,14 @@ def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
     assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
     assert len([a for a in carried if a.ndim == 5 and a.dtype != jnp.float16
                 and (code_dtype is None or a.dtype == code_dtype)]) == 2
+    # nothing in the loop decodes the whole cache (jnp.where's own jit around it did,
+    # hunt32_sampling); zeros made of a literal, which nothing reads, aside
+    loop = next(e for e in jax.make_jaxpr(jqt.quantize(f, qp))(p, x, per_row).jaxpr.eqns
+                if e.primitive.name == "scan")
+    whole = [e for e in all_eqns(loop.params["jaxpr"]) for v in e.outvars
+             if v.aval.shape == _empty()[0].shape and jnp.issubdtype(v.aval.dtype, jnp.floating)
+             and not all(compat.is_literal(i) for i in e.invars)]
+    assert not whole, whole[0]
     packed = jqt.pack(qp, p)
     out = jax.jit(jqt.quantize(f, qp))(packed, x, per_row)
     sim = jqt.quantize(f, qp, simulate=True)(p, x, per_row)
@@ -691,6 +700,20 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.calibrate(scores, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+
+    def penalized(p, tokens):  # a presence penalty's (B, V) buffer, read and set element
+        def body(carry, tok):   # by element: not a cache written along the wrong axis
+            (cache, pos), seen = carry
+            logits, cache = _step(p, cache, tok, pos, _dus)
+            logits = logits - 1.5 * seen
+            return ((cache, pos + 1), seen.at[jnp.arange(B), jnp.argmax(logits, -1)].set(1.0)), logits
+        start = ((_empty(), jnp.int32(0)), jnp.zeros((B, V)))
+        return lax.scan(body, start, tokens.T)[1]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it warned to keep the features last (hunt32_sampling)
+        qp = jqt.calibrate(penalized, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 2
 
 
 def test_edited_cache_types_are_refused(setup):

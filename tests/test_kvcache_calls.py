@@ -3,6 +3,7 @@ takes its cache and returns it written, and with a preset's ``kv_cache`` the qua
 step returns it quantized (a ``jqt.QArray`` with ``layout="cache"``), to be passed back
 in as it is. Flax's own decode caches (linen ``decode=True``, nnx ``init_cache``) are
 such caches."""
+import functools
 import math
 import warnings
 
@@ -473,26 +474,43 @@ def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
 
 
 
-def beam_step(p, cache, tok, order):
+REORDERS = {"index": lambda c, order: c[:, order],
+            # jnp.take and a jitted helper: a nested jit around the gather, with no
+            # quantized op in it (hunt32_sampling: the whole cache was decoded at it)
+            "take": lambda c, order: jnp.take(c, order, axis=1),
+            "jitted": jax.jit(lambda c, order: c[:, order]),
+            # t5x's gather_beams: the (batch * beams) axis split, the beams gathered by
+            # (batch, parent), joined again (one batch of B beams here)
+            "t5x": lambda c, order: c.reshape(c.shape[0], 1, B, *c.shape[2:])[
+                :, jnp.arange(1)[:, None], order[None]].reshape(c.shape)}
+
+
+def beam_step(p, cache, tok, order, reorder="index"):
     """Beam search's step: the beams' caches reordered by the surviving beams (a gather of
     whole vectors, the cache's shape kept), then one token written and attended."""
-    return step(p, dict(cache, k=cache["k"][:, order], v=cache["v"][:, order]), tok)
+    r = REORDERS[reorder]
+    return step(p, dict(cache, k=r(cache["k"], order), v=r(cache["v"], order)), tok)
 
 
-def beam_loop(p, tokens, orders):
+def beam_loop(p, tokens, orders, reorder="index"):
     """The same in a lax.scan over steps carrying the cache: logits (n, B, V)."""
     def body(cache, xs):
-        logits, cache = beam_step(p, cache, *xs)
+        logits, cache = beam_step(p, cache, *xs, reorder=reorder)
         return cache, logits
     return lax.scan(body, empty(), (tokens.T, orders))[1]
 
 
-@pytest.mark.parametrize("kind,code_dtype", KINDS[:2])
+@pytest.mark.parametrize("kind,code_dtype,reorder", [(*KINDS[0], "index"), (*KINDS[1], "index"),
+                                                     (*KINDS[0], "take"), (*KINDS[1], "jitted"),
+                                                     (*KINDS[0], "t5x")])
 @pytest.mark.slow_variants
-def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype):
-    """A cache reordered by beam (cache[:, order]) is still the cache: its codes and scales
-    are reordered alike, in a step called from Python and in a loop that carries it."""
+def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype, reorder):
+    """A cache reordered by beam (cache[:, order], jnp.take, a jitted gather) is still the
+    cache: its codes and scales are reordered alike, in a step called from Python and in a
+    loop that carries it, and nothing decodes the whole cache."""
     p, _, toks = setup
+    beam_step = functools.partial(globals()["beam_step"], reorder=reorder)
+    beam_loop = functools.partial(globals()["beam_loop"], reorder=reorder)
     orders = jnp.array([[1, 0], [0, 0], [1, 1], [0, 1]] * 2, jnp.int32)
     cal, c = [], empty()
     for t in range(3):
@@ -516,6 +534,10 @@ def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype):
     loops = [e for e in all_eqns(jax.make_jaxpr(jqt.quantize(beam_loop, ql))(p, toks, orders))
              if e.primitive.name == "scan" and e.params["length"] == toks.shape[1]]
     assert any(v.aval.dtype == code_dtype and v.aval.ndim == 5 for v in loops[0].invars)
+    shape = empty()["k"].shape
+    floats = [e for e in all_eqns(loops[0].params["jaxpr"]) for v in e.outvars
+              if v.aval.shape == shape and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    assert not floats, floats[0]
 
 
 def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):

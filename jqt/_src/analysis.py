@@ -240,6 +240,11 @@ class Analyzer:
                 outs = self._hop(plan, i, eqn, ins, stack, unread)
             elif view:  # the same buffer, its axes permuted (a vmap moved the batch axis)
                 outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes)]
+            elif (unflat := _unflat(eqn, ins[0] if ins else None)) is not None:
+                buf, writes, shape = unflat
+                outs = [VarInfo(False, buffer=buf, writes=writes)
+                        if eqn.outvars[0].aval.shape == shape and name == "reshape"
+                        else VarInfo(False, unflat=unflat)]
             elif picked:  # the same buffer, whole vectors from before or after a write, or
                 # zero vectors (a slot cleared)
                 plan.cache_selects[i] = tuple(k for k, x in enumerate(ins[1:]) if not x.buffer)
@@ -473,8 +478,13 @@ class Analyzer:
                 if site.platforms == ():
                     site.platforms = names
         keys = [s.key for p in plans for s in p.all_sites()]
-        if keys:
-            plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches)
+        # a call that takes a buffer (jnp.where's and jnp.take's own jit around a cache) is
+        # interpreted even with no op in it, so that a quantized cache stays one through it
+        takes = (eqn.primitive in (compat.jit_p, compat.closed_call_p, compat.call_p)
+                 and any(info.buffer for info in ins))
+        if keys or takes:
+            plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches,
+                               takes_buffer=takes)
         return outs
 
     def _near_miss(self, eqn, ins, stack):
@@ -500,7 +510,7 @@ class Analyzer:
                 "a new array, not the buffer, so no cache is found. Shift it in place, "
                 "cache.at[:, :-1].set(cache[:, 1:]).at[:, -1].set(new), or keep a ring "
                 "buffer written at step % window")))
-        elif ins[0].buffer:
+        elif ins[0].buffer and not _elementwise_scatter(eqn):
             self._missed[eqn.outvars[0]] = ins[0].buffer
             upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape
             self.cache_near_misses.append((where, ins[0].buffer, (
@@ -570,6 +580,29 @@ def _cache_keys(plan) -> set:
     return keys
 
 
+def _elementwise_scatter(eqn) -> bool:
+    """A scatter of single elements (``seen.at[rows, tok].set(1.0)``: a presence penalty's
+    or a mask's buffer), no vectors: no cache written along the wrong axis."""
+    return eqn.primitive.name.startswith("scatter") \
+        and not eqn.params["dimension_numbers"].update_window_dims
+
+
+def _unflat(eqn, first):
+    """``VarInfo.unflat`` of a ``reshape`` or ``gather`` of whole vectors (their last axis
+    kept) of a buffer, or of such a view of one: beam search's reorder in the t5x style
+    (``cache.reshape(L, B, K, ...)``, the beams gathered, reshaped back); None otherwise."""
+    if first is None or eqn.primitive not in (compat.reshape_p, compat.gather_p) \
+            or not kvcache.is_read_view(eqn):
+        return None
+    if first.unflat:
+        return first.unflat
+    if first.buffer:
+        aval = eqn.invars[0].aval
+        return (first.buffer, first.writes, aval.shape) if aval.dtype == eqn.outvars[0].aval.dtype \
+            else None
+    return None
+
+
 def _prune_writes(plan, caches):
     """Drops the writes into carried buffers that no loop keeps as a cache (written but
     never read: collected outputs); they run unchanged."""
@@ -580,7 +613,7 @@ def _prune_writes(plan, caches):
         for p in sub.plans:
             _prune_writes(p, caches)
         sub.keys = [k for p in sub.plans for k in (s.key for s in p.all_sites())]
-        if not sub.keys:
+        if not sub.keys and not sub.takes_buffer:
             del plan.subs[i]
 
 

@@ -408,6 +408,8 @@ def read_view(eqn, invals) -> QArray:
             over = dict(limit_indices=tuple(p["limit_indices"][:-1]) + (n,))
         else:  # dynamic_slice, gather
             over = dict(slice_sizes=tuple(p["slice_sizes"][:-1]) + (n,))
+            if p.get("fill_value") is not None and not jnp.issubdtype(a.dtype, jnp.floating):
+                over["fill_value"] = 0  # jnp.take's NaN: the codes 0, the scale NaN
         return compat.bind_eqn(eqn, [a, *invals[1:]], **over)[0]
 
     return dataclasses.replace(c, values=one(c.values), scale=one(c.scale))

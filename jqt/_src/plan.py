@@ -23,6 +23,10 @@ class VarInfo:
     chosen: tuple = ()                     # the weight leaves a select or cond on the data picks from
     zero: bool = False                     # all zeros (a literal 0, converted or broadcast)
     rolled: tuple = ()                     # buffers it is slices of, concatenated (jnp.roll)
+    # (buffer, writes, the buffer's shape): whole vectors of a buffer, reshaped or gathered
+    # (beam search's (B*K) axis split to (B, K), the beams gathered), until a reshape
+    # back to its shape makes it that buffer again
+    unflat: tuple = ()
 
 
 def picked_weights(pred, cases) -> tuple:
@@ -73,6 +77,7 @@ class Sub:
     keys: list            # every site key below this equation
     scan_id: int = -1
     caches: dict = dataclasses.field(default_factory=dict)  # carry slot -> keys of its writes
+    takes_buffer: bool = False  # a call given a loop's buffer: interpreted with no op in it
 
     def stacked(self, site: Site) -> bool:
         return self.scan_id in site.stack_ids

@@ -239,6 +239,29 @@ class LinenConvNet(nn.Module):
         return nn.Dense(5)(x)
 
 
+def test_linen_boxed_and_unboxed_params_are_named_when_mixed():
+    """nn.with_partitioning boxes a leaf (its key ends in /value): qparams calibrated on
+    the boxed variables and run or packed with nn.unbox(variables), or the reverse, are
+    refused with a note naming the boxes (hunt32_linen), not only "another function"."""
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+            return nn.Dense(3)(nn.relu(nn.Dense(4, kernel_init=init)(x)))
+
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    boxed = Net().init(jax.random.key(0), x)
+    plain = nn.unbox(boxed)
+    for cal, run in ((boxed, plain), (plain, boxed)):
+        qp = jqt.calibrate(Net().apply, jqt.recipes.w8a8(), cal, [(x,)], progress=False)
+        assert jqt.quantize(Net().apply, qp)(cal, x).shape == (2, 3)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"differ by a /value part only.*"
+                           r"nn.with_partitioning.*nn.unbox\(variables\) for both"):
+            jqt.quantize(Net().apply, qp)(run, x)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"differ by a /value part only"):
+            jqt.pack(qp, run)
+
+
 def test_linen_conv_net():
     m = LinenConvNet()
     batches = _batches(2, (2, 10, 10, 3))

@@ -237,6 +237,33 @@ def test_labels_freeze_non_array_leaves(net_setup):
     assert lp["n"] == "freeze" and lp["t"] == "train"
 
 
+def test_labels_freeze_a_linen_batch_stats_collection():
+    """Flax linen variables passed whole: the running statistics under "batch_stats" are
+    frozen (under use_running_average=True they have a gradient, and adamw moved the
+    running mean, hunt32_linen); the weights under "params" train."""
+    import flax
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.BatchNorm(use_running_average=True)(nn.Dense(4)(x)))
+
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    v = Net().init(jax.random.key(0), x)
+    qp = jqt.calibrate(Net().apply, jqt.recipes.w8a8(), v, [(x,)], progress=False)
+    for variables in (v, flax.core.freeze(v)):
+        lp, lq = jqt.qat.labels(variables, qp, train=("weights", "scales"))
+        assert set(jax.tree.leaves(lp["batch_stats"])) == {"freeze"}
+        assert set(jax.tree.leaves(lp["params"])) == {"train"}
+        assert jax.tree.structure(lp) == jax.tree.structure(jax.tree.map(lambda _: 0, variables))
+        trainable, frozen = jqt.qat.split(variables, qp, train="weights")
+        assert jax.tree.leaves(trainable[0]["batch_stats"]) == []
+        g = jax.grad(lambda t: jnp.sum(jqt.quantize(Net().apply, qp, simulate=True)(
+            *jqt.qat.merge(t, frozen)[:1], x)))(trainable)
+        assert jax.tree.leaves(g[0]["params"])
+
+
 @pytest.mark.slow  # large optimizer steps: CI
 def test_project_keeps_scales_positive_under_large_steps(net_setup):
     """Plain SGD with a step far larger than the scales: without project they go negative."""

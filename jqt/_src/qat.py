@@ -191,7 +191,9 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
         ``"smoothing"``) and the groups ``"scales"`` (both kinds of scales and the
         smoothing vectors) and ``"all"``; every other
         part is frozen. Default: all. Leaves that are not floating point
-        (integer counters in ``params``) are always frozen.
+        (integer counters in ``params``) are always frozen, and so is a Flax linen
+        ``batch_stats`` collection (``params["batch_stats"]``: running statistics, which
+        the model updates, not gradients).
       per_part: label a trained leaf with its part's name (as :func:`jqt.qat.parts`)
         instead of ``"train"``, for one optimizer per trained part.
 
@@ -234,7 +236,9 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
             return _FREEZE
         return part if per_part else _TRAIN
 
-    return jax.tree.map(label, state_parts, (params, qparams))
+    lp, lq = jax.tree.map(label, state_parts, (params, qparams))
+    stats = lambda path, lab: _FREEZE if path and getattr(path[0], "key", None) == "batch_stats" else lab
+    return jax.tree_util.tree_map_with_path(stats, lp), lq
 
 
 def split(params, qparams, *, train: str | Iterable[str] = PARTS) -> tuple[tuple, tuple]:

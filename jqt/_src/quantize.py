@@ -17,7 +17,7 @@ from .qparams import OpQParams, PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import check_alive, check_keys, check_qparams, flags, numbers_as_arrays
+from .validate import boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays
 
 
 def _unpack(packed: PackedParams):
@@ -467,7 +467,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
-                "the qparams were calibrated with.")
+                f"the qparams were calibrated with.{boxed_leaf(src.path, index)}")
         if src.shape is not None and tuple(jnp.shape(flat[leaf])) != tuple(src.shape):
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' was calibrated for weight '{src.path}' of shape "

@@ -18,6 +18,8 @@ not checked: their numbers are not known. :func:`jqt.qat.project` repairs them.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
@@ -284,6 +286,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
             f"another function or weight_argnums.{counted}"
             f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
+            f"{_boxed(extra, [k for k in keys if k not in qparams])}"
             f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
@@ -313,6 +316,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}"
+            f"{_boxed([k for k in qparams if k not in keys], missing)}"
             f"{_einsum_order(missing + [k for k in qparams if k not in keys])}")
 
 
@@ -326,6 +330,35 @@ def _einsum_order(keys) -> str:
             f" An einsum of three or more operands ('{spec}') contracts them in an order "
             "jnp.einsum picks from their shapes, so other input shapes can give other ops: "
             "pass optimize=False to it, or write it as two einsums, and re-calibrate.")
+
+
+def _boxed(theirs, ours, reads="the function reads") -> str:
+    """A hint where the qparams' keys (``theirs``) and the function's (``ours``) differ by
+    a ``/value`` part only: Flax's boxed params (``nn.with_partitioning``) on one side.
+
+    >>> _boxed(["params/d/kernel/value"], ["params/d/kernel"])[:40]
+    ' The keys differ by a /value part only: '
+    >>> _boxed(["a"], ["b"])
+    ''
+    """
+    plain = lambda ks: sorted(re.sub(r"/value(?=#\d+$|$)", "", k) for k in ks)
+    if not theirs or sorted(theirs) == sorted(ours) or plain(theirs) != plain(ours):
+        return ""
+    boxed, plain_ = "Flax's boxed params (nn.Partitioned, from nn.with_partitioning)", \
+        "unboxed ones (nn.unbox(variables))"
+    sides = (f"the qparams were calibrated on {boxed}, {reads} {plain_}"
+             if any("/value" in k for k in theirs) else
+             f"{reads} {boxed}, the qparams were calibrated on {plain_}")
+    return (f" The keys differ by a /value part only: {sides}. Calibrate and run f on the "
+            "same form: nn.unbox(variables) for both, or the boxed variables for both.")
+
+
+def boxed_leaf(path, leaves) -> str:
+    """:func:`_boxed`'s hint for ``jqt.pack``: weight ``path`` is not among ``leaves``,
+    but is with or without a ``/value`` part."""
+    plain = lambda k: re.sub(r"/value$", "", k)
+    match = [k for k in leaves if plain(k) == plain(path)]
+    return _boxed([path], match[:1], "params hold") if match else ""
 
 
 def _op_count(mismatched, keys, qparams) -> str:

@@ -629,6 +629,41 @@ def cond_fn(p, x, flag):
     return lax.cond(flag, lambda h: h @ p["a"], lambda h: jnp.tanh(h @ p["b"]) * 2.0, x)
 
 
+def test_report_passes_complex_values_on_whole_and_names_float_ops():
+    """A complex matmul (kept float) before a real op: the report ran every later op on the
+    real part only (its ranges and errors measured on other values than f computes, with
+    JAX's complex-to-real warnings), and a complex output's error on its real part
+    (hunt32_vision). The table prints no clip for float operands and names why an op
+    stays float."""
+    k, n = 8, 5
+    dft = jnp.asarray(np.exp(-2j * np.pi * np.outer(np.arange(k), np.arange(n)) / k), jnp.complex64)
+    p = {"dft": dft, "o": jnp.asarray(np.random.default_rng(0).standard_normal((n, 3)), jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((6, k)), jnp.float32)
+    spectrum = lambda p, x: x.astype(jnp.complex64) @ p["dft"]
+    f = lambda p, x: jnp.abs(spectrum(p, x)) @ p["o"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # JAX's ComplexWarning / DeprecationWarning on a cast
+        rep = jqt.report(f, qp, p, (x,))
+    mags = np.abs(np.asarray(spectrum(p, x)))
+    row = {r.key: r for r in rep.rows}["o"]
+    np.testing.assert_allclose(row.act_range, (mags.min(), mags.max()), rtol=1e-5)
+    text = str(rep)
+    assert "kept float (complex operands are kept float" in text and ": dft" in text
+    dft_line = next(line for line in text.splitlines() if line.startswith("dft "))
+    assert "%" not in dft_line, dft_line
+    # a complex output: its error is the complex one
+    p["w2"] = jnp.asarray(np.random.default_rng(2).standard_normal((k, n)), jnp.float32)
+    g = lambda p, x: (x @ p["w2"]).astype(jnp.complex64) * p["dft"][1]  # rotated by phases
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jqt.report(g, qg, p, (x,))
+    ref, q = np.asarray(g(p, x)), np.asarray(jqt.quantize(g, qg, simulate=True)(p, x))
+    true = 10 * np.log10(np.sum(np.abs(ref) ** 2) / np.sum(np.abs(q - ref) ** 2))
+    assert out.output_sqnr == pytest.approx(true, abs=0.05)
+
+
 def test_report_untaken_cond_branch_did_not_run():
     p = {"a": _normal(80, (8, 8), 0.3), "b": _normal(81, (8, 8), 0.3)}
     x = _normal(82, (6, 8))

@@ -38,6 +38,11 @@ _AXIS = "jqt_report_lane"
 _F32 = jnp.float32
 
 
+def _real(a):
+    """``a`` as float32; a complex array by its magnitudes."""
+    return (jnp.abs(a) if jnp.iscomplexobj(a) else a).astype(_F32)
+
+
 def _reduce(name):
     return jnp.min if name.endswith("_min") else jnp.max if name.endswith("_max") else jnp.sum
 
@@ -64,18 +69,20 @@ class _Measure:
         both = [_lanes(v) for v in invals]
         xf, xq = [b[0] for b in both], [b[1] for b in both]
         sim = Simulate()
-        y_f = compat.bind_eqn(eqn, xf)[0].astype(_F32)
-        y_iso = sim.site(site, eqn, xf, ctx)[0].astype(_F32)
-        y_all = sim.site(site, eqn, xq, ctx)[0].astype(_F32)
+        # complex values (an op kept float) are measured by their magnitudes, and passed
+        # on whole: the imaginary part is not dropped
+        y_f = compat.bind_eqn(eqn, xf)[0]
+        y_iso = sim.site(site, eqn, xf, ctx)[0]
+        y_all = sim.site(site, eqn, xq, ctx)[0]
         if site.entry.is_cache:  # the operands measured: the buffer and the written update
             xf = [xf[0], xf[site.entry.update_index]]
-        st = {"f2": jnp.sum(y_f ** 2), "e_iso": jnp.sum((y_iso - y_f) ** 2),
-              "e_all": jnp.sum((y_all - y_f) ** 2)}
+        sq = lambda a: jnp.sum(_real(a if jnp.iscomplexobj(a) else a.astype(_F32)) ** 2)
+        st = {"f2": sq(y_f), "e_iso": sq(y_iso - y_f), "e_all": sq(y_all - y_f)}
         w = site.weight_operand
         hist = jnp.zeros((HIST_BINS + 2,), _F32)
         for i in (0, 1):
             q = qp.operand(i)
-            x = transformed(site, qp, i, xf[i]).astype(_F32)  # what is quantized
+            x = _real(transformed(site, qp, i, xf[i]))  # what is quantized
             role = "w" if i == w else ("x" if w is not None or i == 0 else "y")
             # initial=: an operand with no elements (a length-0 sequence) has the merge's identity
             st[f"{role}_min"] = jnp.min(x, initial=jnp.inf)
@@ -95,6 +102,7 @@ class _Measure:
             st["acc_sat"] = accumulator.saturated(sums, qp.accumulator)
             st["acc_n"] = jnp.float32(sums.size)
         ctx.put(site.key, st)
+        y_all = y_all.astype(y_f.dtype)
         return [jnp.where(lax.axis_index(_AXIS) == 0, y_f, y_all).astype(eqn.outvars[0].aval.dtype)]
 
     @staticmethod
@@ -233,9 +241,11 @@ class Report:
             scale = "-" if r.act_scale is None else f"{r.act_scale:.3g}"
             sat = (("-" if r.accumulator == accumulator.WIDEST else
                     f"{_pct(r.acc_saturated)} (int{r.accumulator})",) if narrow else ())
+            # no clip where there is no range to clip to (a float or dynamic operand)
+            wclip = "-" if r.weight in ("float", "-") or r.weight.endswith(" dyn") else _pct(r.weight_clip)
             lines.append((r.name, r.op.replace("_general", "").replace("_dilated", ""), r.weight,
-                          r.activation, scale, _pct(r.act_clip), _pct(r.weight_clip),
-                          _db(r.sqnr_isolated), _db(r.sqnr_cumulative)) + sat)
+                          r.activation, scale, "-" if r.act_scale is None else _pct(r.act_clip),
+                          wclip, _db(r.sqnr_isolated), _db(r.sqnr_cumulative)) + sat)
         widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
         out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
@@ -245,6 +255,13 @@ class Report:
         else:
             out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
                        f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
+        kept = {}
+        for r in self.rows:
+            if not r.quantized and r.note:
+                kept.setdefault(r.note, []).append(r.name)
+        for note, names in kept.items():
+            names = list(dict.fromkeys(names))
+            out.append(f"kept float ({note}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
         differ, total = self.output_int_differ
         if total:
             out.append(f"integer outputs: {differ} of {total} values differ from float's")
@@ -352,9 +369,9 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             differ, total = differ + int(np.sum(o[1] != o[0])), total + o[0].size
             continue
         floats = True
-        o = np.asarray(o, np.float64)
-        f2 += float(np.sum(o[0] ** 2))
-        e2 += float(np.sum((o[1] - o[0]) ** 2))
+        o = np.asarray(o, np.complex128 if np.iscomplexobj(o) else np.float64)
+        f2 += float(np.sum(np.abs(o[0]) ** 2))
+        e2 += float(np.sum(np.abs(o[1] - o[0]) ** 2))
         mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
     if not floats:
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,

@@ -76,8 +76,10 @@ class _Measure:
         y_all = sim.site(site, eqn, xq, ctx)[0]
         if site.entry.is_cache:  # the operands measured: the buffer and the written update
             xf = [xf[0], xf[site.entry.update_index]]
-        sq = lambda a: jnp.sum(_real(a if jnp.iscomplexobj(a) else a.astype(_F32)) ** 2)
-        st = {"f2": sq(y_f), "e_iso": sq(y_iso - y_f), "e_all": sq(y_all - y_f)}
+        wide = lambda a: a if jnp.iscomplexobj(a) else a.astype(_F32)
+        sq = lambda a: jnp.sum(_real(a) ** 2)
+        st = {"f2": sq(wide(y_f)), "e_iso": sq(wide(y_iso) - wide(y_f)),
+              "e_all": sq(wide(y_all) - wide(y_f))}
         w = site.weight_operand
         hist = jnp.zeros((HIST_BINS + 2,), _F32)
         for i in (0, 1):

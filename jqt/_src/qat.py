@@ -298,7 +298,8 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     point outside it cannot be stored as a code: the int8 padding value of a
     convolution would wrap); smoothing factors are clamped as scales are.
     A scale of a dtype in which ``min_scale`` rounds to 0 (float16 qparams: 1e-8) is
-    clamped to the dtype's smallest positive value instead.
+    clamped to the dtype's smallest positive value instead; a float32 or bfloat16 scale
+    to at least the smallest normal value (1.2e-38: XLA flushes smaller ones to 0).
     Non-finite values (a diverged step) are repaired too: a NaN scale becomes
     ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
     (then clipped), and an infinite scale or smoothing factor the largest finite
@@ -350,9 +351,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         a = jnp.asarray(a)
         dt = jnp.result_type(a)
         # a floor the dtype holds: 1e-8 rounds to 0 in float16 (smallest value 6e-8)
-        floor = min_scale
+        floor, fi = min_scale, jnp.finfo(dt)
         if not compat.is_tracer(min_scale) and not np.asarray(min_scale, dt):
-            floor = jnp.finfo(dt).smallest_subnormal
+            floor = fi.smallest_subnormal
+        elif not compat.is_tracer(min_scale) and dt != jnp.float16 and float(min_scale) < float(fi.tiny):
+            floor = fi.tiny  # a subnormal float32 (bfloat16) floor: XLA flushes it to 0
         a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), jnp.asarray(floor, dt)), a)
         a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
         return jnp.maximum(a, jnp.asarray(floor, dt))

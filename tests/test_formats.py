@@ -279,6 +279,10 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     assert qp["emb"].op == "gather" and qp["emb#1"].op == "dot_general"
     assert qp["emb#1"].source.leaf == qp["emb"].source.leaf not in packed.kept  # float table dropped
     assert packed.tied == (("emb", "emb#1"),)
+    # a template (jax.eval_shape, as export.md advises for orbax and AOT lowering) and a
+    # pack under jax.jit tie alike: they were untied, another structure (hunt32_aot)
+    assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == packed.tied
+    assert jax.tree.structure(jax.jit(lambda p: jqt.pack(qp, p))(P)) == jax.tree.structure(packed)
     assert packed.weights["emb"].values is None              # one copy of the codes: the matmul's
     layout = packed.weights["emb#1"].layout                  # the matmul's layout (the policy's)...
     op = qp["emb#1"]
@@ -312,10 +316,12 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert jqt.pack(qp, P).tied == (("emb", "emb#1"),)
+            assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == (("emb", "emb#1"),)  # a template
         return
     with pytest.warns(UserWarning, match=r"lookup 'emb' and the matmul 'emb#1' read the same table "
                                          r"'emb'.*the lookup's type is .*codes are stored twice"):
         assert jqt.pack(qp, P).tied == ()
+    assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
 def _row_lookups(p, i, j):

@@ -607,6 +607,28 @@ def _share_equal(leaf_of, weights):
             first[sig].append(k)
 
 
+def _same_grid(lookup, matmul) -> bool:
+    """Whether a tied table's lookup and matmul quantize it alike (so their codes are
+    equal), from their qparams: no smoothing or rotation, and the same scales and zero
+    points (the matmul's may be the transpose). False where the qparams are traced."""
+    if matmul.smooth is not None or matmul.rotate or lookup.smooth is not None or lookup.rotate:
+        return False
+    a, b = lookup.operand(lookup.weight_operand), matmul.operand(matmul.weight_operand)
+    for x, y in ((a.scale, b.scale), (a.zero_point, b.zero_point)):
+        if (x is None) != (y is None):
+            return False
+        if x is None:
+            continue
+        if compat.is_tracer(x) or compat.is_tracer(y):
+            return False
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape and x.ndim == 2 and y.T.shape == x.shape:
+            y = y.T
+        if x.shape != y.shape or not np.array_equal(x, y):
+            return False
+    return True
+
+
 def _tied(qparams, weights):
     """``((gather key, matmul key), ...)``: embedding lookups whose table a matmul also
     reads (tied input and output embeddings) with the same codes, so that the codes
@@ -626,14 +648,18 @@ def _tied(qparams, weights):
         for m in matmuls.get((p.source.arg, p.source.leaf), ()):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
-            if compat.is_tracer(table) or compat.is_tracer(w.values):
-                continue  # (under jax.jit the codes cannot be compared: stored apart)
+            traced = compat.is_tracer(table) or compat.is_tracer(w.values)
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}")
             elif table.shape != w.values.shape:
                 apart = (m, "the matmul holds its codes in another shape (it contracts the "
                             "table's other axis)")
+            elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are
+                # not known, so the qparams decide, as the codes would
+                if _same_grid(p, qparams[m]):
+                    out.append((k, m))
+                    break
             elif bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break

@@ -280,6 +280,20 @@ def test_importing_jqt_starts_no_jax_backend():
     assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-800:]
 
 
+def test_an_eager_call_compiles_a_program_named_after_f(caplog):
+    """The program an eager call compiles carries f's name, as jax.jit(qf)'s does: it was
+    '<lambda>' in compile logs and compilation-cache keys (hunt32_aot)."""
+    def served(w, x):
+        return x @ w
+
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    qp = jqt.calibrate(served, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    with jax.log_compiles(), caplog.at_level("DEBUG"):
+        jqt.quantize(served, qp)(w, x)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert compiled and all(m.startswith("Compiling jit(served)") for m in compiled), compiled
+
+
 def test_a_quantized_function_follows_x64_and_names_a_donated_argument_when_warm():
     """The trace was kept across ``jax_enable_x64`` changes (the output dtype followed the
     first call's mode); after a warm call, an argument another jit had donated gave XLA's

@@ -484,6 +484,40 @@ def test_an_unknown_native_switch_is_named():
 
 
 @pytest.mark.slow  # a subprocess: CI
+def test_a_serialized_executable_runs_after_native_status(tmp_path):
+    """A compiled function holding a native kernel, saved with serialize_executable and
+    loaded in a new process: it runs once jqt.native_status() registered the kernels, as
+    the docs say (hunt32_aot: without it XLA finds no handler)."""
+    if not _buildable():
+        pytest.skip("the kernels are not built here")
+    import pickle
+    from jax.experimental.serialize_executable import serialize
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 64))}
+    x = jnp.ones((1, 32))  # one row: the native kernel
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    comp = jax.jit(jqt.quantize(f, qp)).lower(packed, x).compile()
+    assert "jqt_" in comp.as_text()
+    (tmp_path / "exe.pkl").write_bytes(pickle.dumps(serialize(comp)))
+    jqt.save_packed(str(tmp_path / "w.safetensors"), packed, qp)
+    np.save(tmp_path / "ref.npy", np.asarray(comp(packed, x)))
+    code = ("import pickle, sys, numpy as np, jqt\n"
+            "from jax.experimental.serialize_executable import deserialize_and_load\n"
+            "if sys.argv[1] == '1':\n    jqt.native_status()\n"
+            "exe = deserialize_and_load(*pickle.load(open(sys.argv[2] + '/exe.pkl', 'rb')))\n"
+            "out = exe(jqt.load_packed(sys.argv[2] + '/w.safetensors'), np.ones((1, 32), np.float32))\n"
+            "np.testing.assert_array_equal(np.asarray(out), np.load(sys.argv[2] + '/ref.npy'))\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = lambda first: subprocess.run([sys.executable, "-c", code, first, str(tmp_path)], env=env,
+                                       capture_output=True, text=True, timeout=300)
+    ok = run("1")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    bare = run("0")  # what the docs warn of
+    assert bare.returncode != 0 and "No FFI handler registered for jqt_" in bare.stderr, bare.stderr[-2000:]
+
+
+@pytest.mark.slow  # a subprocess: CI
 def test_an_unknown_isa_is_named_and_ignored():
     if not _buildable():
         pytest.skip("the kernels are not built here")

@@ -69,6 +69,12 @@ def native_status() -> NativeStatus:
     not, the same ops run as XLA programs; a build or load that fails with a compiler
     present also warns once. See ``docs/performance.md``.
 
+    It also registers the kernels with XLA, which lowering a quantized function does on
+    its own. A compiled executable loaded in a new process without lowering anything
+    (``jax.experimental.serialize_executable.deserialize_and_load``) needs them
+    registered first: call ``jqt.native_status()`` before loading it (else XLA raises
+    ``No FFI handler registered for jqt_...``).
+
     >>> import jqt
     >>> s = jqt.native_status()
     >>> isinstance(s.available, bool) and bool(s.reason)

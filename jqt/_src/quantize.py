@@ -245,7 +245,12 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             outs = traced.run(args, handler, state)[0]
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
-    jitted = jax.jit(lambda qparams, args: run(qparams, tracing.unmark(args)))
+    def eager(qparams, args):
+        return run(qparams, tracing.unmark(args))
+
+    # an eager call's program carries f's name (jax.log_compiles, the compilation cache)
+    eager.__name__ = eager.__qualname__ = str(getattr(f, "__name__", "f"))
+    jitted = jax.jit(eager)
     qparams_concrete = _concrete(qparams)  # tracers when quantize is called under grad
 
     read = []  # f's signature, read once, for calls with keywords (a plain list: the

@@ -324,6 +324,23 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
+def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():
+    """A lookup of the float32 table and a matmul of its bfloat16 copy with equal scales:
+    their codes differ, so pack stores them apart; a template (jax.eval_shape) and a pack
+    under jax.jit decided from the scales alone and tied them (hunt32_review)."""
+    rng = np.random.default_rng(5)
+    emb = rng.standard_normal((16, 8)).astype(np.float32)
+    emb[:, 0] = np.where(emb[:, 0] > 0, 4.0, -4.0)  # each row's largest value exact in bf16
+    p = {"emb": jnp.asarray(emb)}
+    f = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].astype(jnp.bfloat16).T.astype(jnp.float32)
+    ids = jnp.arange(6).reshape(2, 3)
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(ids,)], progress=False)
+    with pytest.warns(UserWarning, match="codes differ"):
+        assert jqt.pack(qp, p).tied == ()
+    assert jax.eval_shape(lambda: jqt.pack(qp, p)).tied == ()
+    assert jax.jit(lambda q: jqt.pack(qp, q))(p).tied == ()
+
+
 def _row_lookups(p, i, j):
     """table[i] with a scalar i traces to a dynamic_slice (a decode step's token), a
     column of the transposed table too; the same rows by an array of ids trace to a gather."""

@@ -482,7 +482,11 @@ REORDERS = {"index": lambda c, order: c[:, order],
             # t5x's gather_beams: the (batch * beams) axis split, the beams gathered by
             # (batch, parent), joined again (one batch of B beams here)
             "t5x": lambda c, order: c.reshape(c.shape[0], 1, B, *c.shape[2:])[
-                :, jnp.arange(1)[:, None], order[None]].reshape(c.shape)}
+                :, jnp.arange(1)[:, None], order[None]].reshape(c.shape),
+            # the same with jnp.take (a jit of its own) on the split view, the parents
+            # computed in the step (not an argument of f)
+            "t5x_take": lambda c, order: jnp.take(c.reshape(c.shape[0], 1, B, *c.shape[2:]),
+                                                  order * 1, axis=2).reshape(c.shape)}
 
 
 def beam_step(p, cache, tok, order, reorder="index"):
@@ -502,7 +506,7 @@ def beam_loop(p, tokens, orders, reorder="index"):
 
 @pytest.mark.parametrize("kind,code_dtype,reorder", [(*KINDS[0], "index"), (*KINDS[1], "index"),
                                                      (*KINDS[0], "take"), (*KINDS[1], "jitted"),
-                                                     (*KINDS[0], "t5x")])
+                                                     (*KINDS[0], "t5x"), (*KINDS[0], "t5x_take")])
 @pytest.mark.slow_variants
 def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype, reorder):
     """A cache reordered by beam (cache[:, order], jnp.take, a jitted gather) is still the

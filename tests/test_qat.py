@@ -225,8 +225,9 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
     # a float32 subnormal floor: XLA flushed it to 0, which jqt.quantize refused
     # (hunt32_training); it is raised to float32's smallest normal value
     for call in (jqt.qat.project, jax.jit(jqt.qat.project, static_argnames="min_scale")):
-        tiny = call(bad, min_scale=1e-40)["a"].lhs.scale
-        assert float(tiny) == float(jnp.finfo(jnp.float32).tiny)
+        for floor in (1e-40, 1e-46):  # a subnormal, and one that rounds to 0 in float32
+            tiny = call(bad, min_scale=floor)["a"].lhs.scale
+            assert float(tiny) == float(jnp.finfo(jnp.float32).tiny)
     jqt.quantize(net, jqt.qat.project(bad, min_scale=1e-40), simulate=True)(p, jnp.ones((2, p["a"].shape[0])))
 
 

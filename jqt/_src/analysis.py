@@ -481,7 +481,7 @@ class Analyzer:
         # a call that takes a buffer (jnp.where's and jnp.take's own jit around a cache) is
         # interpreted even with no op in it, so that a quantized cache stays one through it
         takes = (eqn.primitive in (compat.jit_p, compat.closed_call_p, compat.call_p)
-                 and any(info.buffer for info in ins))
+                 and any(info.buffer or info.unflat for info in ins))
         if keys or takes:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches,
                                takes_buffer=takes)

@@ -352,10 +352,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         dt = jnp.result_type(a)
         # a floor the dtype holds: 1e-8 rounds to 0 in float16 (smallest value 6e-8)
         floor, fi = min_scale, jnp.finfo(dt)
-        if not compat.is_tracer(min_scale) and not np.asarray(min_scale, dt):
-            floor = fi.smallest_subnormal
-        elif not compat.is_tracer(min_scale) and dt != jnp.float16 and float(min_scale) < float(fi.tiny):
+        if not compat.is_tracer(min_scale) and dt != jnp.float16 and float(min_scale) < float(fi.tiny):
             floor = fi.tiny  # a subnormal float32 (bfloat16) floor: XLA flushes it to 0
+        elif not compat.is_tracer(min_scale) and not np.asarray(min_scale, dt):
+            floor = fi.smallest_subnormal
         a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), jnp.asarray(floor, dt)), a)
         a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
         return jnp.maximum(a, jnp.asarray(floor, dt))

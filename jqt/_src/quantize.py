@@ -614,9 +614,13 @@ def _share_equal(leaf_of, weights):
 
 def _same_grid(lookup, matmul) -> bool:
     """Whether a tied table's lookup and matmul quantize it alike (so their codes are
-    equal), from their qparams: no smoothing or rotation, and the same scales and zero
-    points (the matmul's may be the transpose). False where the qparams are traced."""
+    equal), from their qparams: no smoothing or rotation, the table read through the same
+    steps (a transpose aside), and the same scales and zero points (the matmul's may be
+    the transpose). False where the qparams are traced."""
     if matmul.smooth is not None or matmul.rotate or lookup.smooth is not None or lookup.rotate:
+        return False
+    steps = lambda p: [s for s in p.source.chain if s[0] != "transpose"]
+    if steps(lookup) != steps(matmul):  # (a table read in bfloat16 by one op)
         return False
     a, b = lookup.operand(lookup.weight_operand), matmul.operand(matmul.weight_operand)
     for x, y in ((a.scale, b.scale), (a.zero_point, b.zero_point)):

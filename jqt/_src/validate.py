@@ -340,6 +340,8 @@ def _boxed(theirs, ours, reads="the function reads") -> str:
     ' The keys differ by a /value part only: '
     >>> _boxed(["a"], ["b"])
     ''
+    >>> _boxed(["p/value/kernel"], ["p/value/kernel/value"])[40:75]  # a module named value
+    "the function reads Flax's boxed par"
     """
     plain = lambda ks: sorted(re.sub(r"/value(?=#\d+$|$)", "", k) for k in ks)
     if not theirs or sorted(theirs) == sorted(ours) or plain(theirs) != plain(ours):
@@ -347,7 +349,7 @@ def _boxed(theirs, ours, reads="the function reads") -> str:
     boxed, plain_ = "Flax's boxed params (nn.Partitioned, from nn.with_partitioning)", \
         "unboxed ones (nn.unbox(variables))"
     sides = (f"the qparams were calibrated on {boxed}, {reads} {plain_}"
-             if any("/value" in k for k in theirs) else
+             if any(re.search(r"/value(#\d+)?$", k) for k in theirs) else
              f"{reads} {boxed}, the qparams were calibrated on {plain_}")
     return (f" The keys differ by a /value part only: {sides}. Calibrate and run f on the "
             "same form: nn.unbox(variables) for both, or the boxed variables for both.")

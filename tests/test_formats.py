@@ -283,6 +283,8 @@ def test_tied_embedding_codes_are_packed_once(tmp_path, f, name):
     # pack under jax.jit tie alike: they were untied, another structure (hunt32_aot)
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == packed.tied
     assert jax.tree.structure(jax.jit(lambda p: jqt.pack(qp, p))(P)) == jax.tree.structure(packed)
+    with pytest.warns(UserWarning, match="qparams are traced.*close over the qparams"):
+        assert jax.eval_shape(jqt.pack, qp, P).tied == ()  # traced qparams: cannot decide
     assert packed.weights["emb"].values is None              # one copy of the codes: the matmul's
     layout = packed.weights["emb#1"].layout                  # the matmul's layout (the policy's)...
     op = qp["emb#1"]
@@ -317,6 +319,8 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
             warnings.simplefilter("error")
             assert jqt.pack(qp, P).tied == (("emb", "emb#1"),)
             assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == (("emb", "emb#1"),)  # a template
+        with pytest.warns(UserWarning, match="qparams are traced.*close over the qparams"):
+            assert jax.eval_shape(jqt.pack, qp, P).tied == ()  # traced qparams: cannot decide
         return
     with pytest.warns(UserWarning, match=r"lookup 'emb' and the matmul 'emb#1' read the same table "
                                          r"'emb'.*the lookup's type is .*codes are stored twice"):

@@ -669,6 +669,15 @@ def _tied(qparams, weights):
                 if _same_grid(p, qparams[m]):
                     out.append((k, m))
                     break
+                scales = (p.operand(p.weight_operand).scale, qparams[m].operand(qparams[m].weight_operand).scale)
+                if any(compat.is_tracer(s) for s in scales):
+                    diagnostics.warn(
+                        f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
+                        f"'{p.source.path}' (tied embeddings), but under this transformation the "
+                        "qparams are traced, so whether their codes are equal is not known: "
+                        "they are stored twice, another pytree structure than jqt.pack gives "
+                        "outside it. For a template, close over the qparams: "
+                        "jax.eval_shape(lambda: jqt.pack(qparams, params)).")
             elif bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break

@@ -398,6 +398,38 @@ def test_cond_untaken_branch_warns_and_stays_float():
     assert _rel(qf(p, x, True), cond_fn(p, x, True)) > 0
 
 
+def test_matrices_f_builds_from_iota_stay_float():
+    """jax.image.resize (bilinear) multiplies by interpolation matrices, and
+    lax.conv_general_dilated_patches convolves with a one-hot filter, both built in f from
+    iota: they were quantized as weights (a constant image no longer constant after the
+    resize; hunt32_diffusion, hunt32_linen). They stay float with a note; a weight closed
+    over as a constant is still quantized."""
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    closed = jnp.asarray(rng.standard_normal((3, 3)), jnp.float32)
+
+    def f(w, x):  # x (1, 4, 4, 2)
+        up = jax.image.resize(x, (1, 8, 8, 2), "bilinear") @ w
+        patches = lax.conv_general_dilated_patches(x, (2, 2), (1, 1), "VALID",
+                                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return up.sum() + patches.sum() + (up @ closed).sum()
+
+    x = jnp.asarray(rng.standard_normal((1, 4, 4, 2)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    built = [k for k, v in qp.items() if "builds from iota" in v.note]
+    assert len(built) == 3, {k: v.note for k, v in qp.items()}  # two einsums, one conv
+    assert all(qp[k].is_float for k in built)
+    quantized = [k for k, v in qp.items() if not v.is_float]
+    assert "w" in quantized and len(quantized) == 2, quantized  # w and the closed-over matrix
+    rep = str(jqt.report(f, qp, w, (x,)))
+    assert "kept float (its weight is a matrix f builds from iota" in rep
+    # the resize of a constant image stays constant
+    const = jnp.full((1, 4, 4, 2), 0.7)
+    g = lambda w, x: jax.image.resize(x, (1, 8, 8, 2), "bilinear")
+    qg = jqt.calibrate(g, jqt.recipes.w4(), w, [(const,)], progress=False)
+    np.testing.assert_allclose(jqt.quantize(g, qg)(w, const), 0.7, rtol=1e-6)
+
+
 def test_a_platform_dependent_branch_of_another_platform_is_named():
     """lax.platform_dependent: calibration runs only this platform's branch; the other
     branch's op stays float with a warning that names it (not a call for more data)."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, ZERO, Plan, Site, Sub, VarInfo, picked_weights
+from .plan import CONST, LITERAL, ZERO, Plan, Site, Sub, VarInfo, picked_weights
 from .registry import OPS
 
 
@@ -192,7 +192,7 @@ class Analyzer:
 
         def read(v):
             if compat.is_literal(v):
-                return ZERO if compat.is_zero_literal(v) else CONST
+                return ZERO if compat.is_zero_literal(v) else LITERAL
             return env[v]
 
         plan = Plan()
@@ -316,7 +316,8 @@ class Analyzer:
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)
-                outs = [VarInfo(w)] * len(eqn.outvars)
+                built = name == "iota" or (w and bool(ins) and all(info.built or info.zero for info in ins))
+                outs = [VarInfo(w, built=built)] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -429,7 +430,8 @@ class Analyzer:
             self._use(ins[widx], key)
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
-                    contract=entry.contract(eqn), entry=entry, name_stack=stack)
+                    contract=entry.contract(eqn), entry=entry, name_stack=stack,
+                    built=widx is not None and ins[widx].built)
 
     def _hop(self, plan, i, eqn, ins, stack, unread=frozenset()):
         """A higher-order equation: its bodies analyzed; ``unread``: the indices of its

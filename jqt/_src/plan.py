@@ -27,6 +27,7 @@ class VarInfo:
     # (beam search's (B*K) axis split to (B, K), the beams gathered), until a reshape
     # back to its shape makes it that buffer again
     unflat: tuple = ()
+    built: bool = False  # made in f from iota and literals alone (an interpolation matrix)
 
 
 def picked_weights(pred, cases) -> tuple:
@@ -41,6 +42,7 @@ def picked_weights(pred, cases) -> tuple:
 
 DATA = VarInfo(False)
 CONST = VarInfo(True)
+LITERAL = VarInfo(True, built=True)  # a literal of the jaxpr (a constvar is a CONST)
 ZERO = VarInfo(True, zero=True)
 
 
@@ -60,6 +62,9 @@ class Site:
     # the platforms of the lax.platform_dependent branch the op is in (None: the default
     # branch; () when the op is in no such branch)
     platforms: Optional[tuple] = ()
+    # the weight operand is made in f from iota and literals alone: jax.image.resize's
+    # interpolation matrices, lax.conv_general_dilated_patches' filter, a DFT matrix
+    built: bool = False
 
     def batch_axes(self) -> tuple:
         """The weight operand's ``dot_general`` batch axes."""

@@ -423,6 +423,31 @@ def test_matrices_f_builds_from_iota_stay_float():
     assert "w" in quantized and len(quantized) == 2, quantized  # w and the closed-over matrix
     rep = str(jqt.report(f, qp, w, (x,)))
     assert "kept float (its weight is a matrix f builds from iota" in rep
+    # the same matrix read inside a lax.scan; a weight times a built matrix, x @ (w @ m)
+    # (an AttributeError in the two-weights note); smoothing passes over the float ops
+    m = lambda: jnp.cos(jnp.outer(jnp.arange(3.0), jnp.arange(3.0)))
+    def h(w, x):
+        mm = m()  # made in f outside the loop, read inside
+        return lax.scan(lambda c, _: (jnp.tanh(c @ mm[:2, :2] + (c @ w)[:, :2]), None), x, None,
+                        length=2)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pack or smoothing warning for the float ops
+        qh = jqt.calibrate(h, jqt.recipes.w8a8(smooth=0.5), w, [(jnp.ones((4, 2)),)], progress=False)
+        jqt.pack(qh, w)
+    assert [k for k, v in qh.items() if "builds from iota" in v.note] == ["dot_general_0"]
+    g = lambda w, x: x @ (w @ m())
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), w, [(jnp.ones((4, 2)),)], progress=False)
+    assert "builds from iota" in qg["dot_general_0"].note
+    # a closed-over array JAX keeps as a literal (jax_use_simplified_jaxpr_constants) is
+    # a weight still
+    before = jax.config.values["jax_use_simplified_jaxpr_constants"]
+    jax.config.update("jax_use_simplified_jaxpr_constants", True)
+    try:
+        qc = jqt.calibrate(lambda w, x: (x @ w) @ closed, jqt.recipes.w8a8(), w, [(x[0, 0],)],
+                           progress=False)
+    finally:
+        jax.config.update("jax_use_simplified_jaxpr_constants", before)
+    assert all(not v.is_float for v in qc.values()), {k: v.note for k, v in qc.items()}
     # the resize of a constant image stays constant
     const = jnp.full((1, 4, 4, 2), 0.7)
     g = lambda w, x: jax.image.resize(x, (1, 8, 8, 2), "bilinear")

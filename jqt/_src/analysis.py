@@ -192,7 +192,11 @@ class Analyzer:
 
         def read(v):
             if compat.is_literal(v):
-                return ZERO if compat.is_zero_literal(v) else LITERAL
+                if compat.is_zero_literal(v):
+                    return ZERO
+                # a scalar literal; an array one is a closed-over array (JAX's
+                # jax_use_simplified_jaxpr_constants), a weight like a constvar
+                return LITERAL if not getattr(v.aval, "shape", ()) else CONST
             return env[v]
 
         plan = Plan()
@@ -403,8 +407,9 @@ class Analyzer:
             self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
                         f"'{stack or '<top>'}'")
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
-        if other is not None and other.weight and other.source is not None:
-            at, a, b = stack or "<top>", src.path, other.source.path
+        if other is not None and other.weight and other.source is not None and not ins[widx].built:
+            at, a, b = stack or "<top>", src.path if src is not None else "a computed weight", \
+                other.source.path
             self._defer(("products",), f"jqt: a dot_general (at '{at}') multiplies two weights, "
                         f"'{a}' and '{b}': the product does not depend on the data, yet jqt treats "
                         f"'{b}' as the op's activation and recomputes the product at every call "

@@ -123,7 +123,8 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     out, skipped, no_leaf, unrotated = {}, [], [], []
     for site in traced.sites():
         rule = recipe.rule_for(site.op, site.key)
-        if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None:
+        if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None \
+                or site.built:  # kept float (calibrate._decide)
             continue
         if not transforms.applies(site):
             what = {"conv_general_dilated": "a convolution", "gather": "a lookup",

@@ -601,13 +601,9 @@ def _unflat(eqn, first):
     if first is None or eqn.primitive not in (compat.reshape_p, compat.gather_p) \
             or not kvcache.is_read_view(eqn):
         return None
-    if first.unflat:
-        return first.unflat
-    if first.buffer:
-        aval = eqn.invars[0].aval
-        return (first.buffer, first.writes, aval.shape) if aval.dtype == eqn.outvars[0].aval.dtype \
-            else None
-    return None
+    if first.unflat or not first.buffer:
+        return first.unflat or None
+    return (first.buffer, first.writes, eqn.invars[0].aval.shape)
 
 
 def _prune_writes(plan, caches):

@@ -356,6 +356,19 @@ def test_a_weight_whose_contracted_axis_changed_size_is_refused(tmp_path):
         assert jqt.quantize(f, q)(jqt.pack(q, p), jnp.ones((2, 8))).shape == (2, 4)
 
 
+def test_grad_of_the_integer_path_names_the_op():
+    """``jax.grad`` of the integer path said "jqt_quantize ... is not differentiable"
+    without naming the op whose operand it could not differentiate."""
+    f = lambda p, x: jnp.tanh(x @ p["l0"]) @ p["l1"]
+    p, x = {"l0": jnp.full((8, 16), 0.1), "l1": jnp.full((16, 4), 0.1)}, jnp.ones((2, 8))
+    qf = jqt.quantize(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False))
+    for grad in (lambda: jax.grad(lambda x: qf(p, x).sum())(x),
+                 lambda: jax.grad(lambda p: qf(p, x).sum())(p)):
+        with pytest.raises(TypeError, match=r"op 'l0': jqt_quantize .* is not differentiable.*"
+                                            r"simulate=True"):
+            grad()
+
+
 def test_pack_under_grad_and_save_packed_under_jit_name_the_misuse(tmp_path):
     """``jqt.pack`` under ``jax.grad`` blamed a shape mismatch that was not there;
     ``jqt.save_packed`` under ``jax.jit`` raised JAX's TracerArrayConversionError, where

@@ -533,6 +533,16 @@ def exact_sums(site, eqn, qp, packed, invals):
     return accumulator.exact_sums(eqn, codes + list(invals[2:]))
 
 
+def _codes(site, x, scale, zero_point, qtype):
+    """``x``'s integer codes for op ``site``; under ``jax.grad`` the error names the op."""
+    try:
+        return nx.quantize(x, scale, zero_point, qtype)
+    except TypeError as e:
+        if "not differentiable" not in str(e):
+            raise
+        raise TypeError(f"op '{site.key}': {e}") from None
+
+
 def _check_accumulator(site, eqn, ops, wide):
     """Refuses an integer convolution (or a group of a grouped weight) whose int32
     accumulator could overflow: a contraction longer than :func:`dense.safe_k` allows.
@@ -619,7 +629,7 @@ class Integer:
                 continue
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)
-            ops[i] = QArray(values=nx.quantize(x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)
+            ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)
             if q.qtype.kind == "int" and q.qtype.bits > 8:
                 wide = i
         _check_accumulator(site, eqn, ops, wide)

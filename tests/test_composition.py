@@ -816,21 +816,25 @@ def _constrained(w):
     return lax.with_sharding_constraint(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d")))
 
 
-@pytest.mark.parametrize("how", ["checkpoint_name", "sharding_constraint", "barrier", "barrier_with_x"])
+@pytest.mark.parametrize("how", ["checkpoint_name", "sharding_constraint", "barrier", "barrier_with_x",
+                                 "reduce_precision"])
 @pytest.mark.slow_variants
 def test_a_weight_through_a_value_identity_is_the_leaf_it_reads(how):
     """checkpoint_name (for a remat policy), with_sharding_constraint (FSDP code) and
     optimization_barrier pass the weight's values on: its op is keyed and packed by the
     leaf. They made it a computed weight (key 'dot_general_0', re-quantized at every call,
     with a warning naming causes that did not apply), and a barrier over (w, x) together an
-    activation, left float without a word."""
+    activation, left float without a word. ``lax.reduce_precision`` (a bfloat16 weight
+    emulated in float32) is a step of the chain as a cast is: its op was keyed
+    'dot_general_0' and quantized at run time."""
     p = {"w": jax.random.normal(jax.random.key(0), (32, 16)) / 6}
     x = jax.random.normal(jax.random.key(1), (8, 32))
     f = {"checkpoint_name": lambda p, x: jax.checkpoint(
              lambda w, x: x @ _named(w), policy=jax.checkpoint_policies.save_only_these_names("w"))(p["w"], x),
          "sharding_constraint": lambda p, x: x @ _constrained(p["w"]),
          "barrier": lambda p, x: x @ lax.optimization_barrier(p["w"]),
-         "barrier_with_x": lambda p, x: (lambda w, x: x @ w)(*lax.optimization_barrier((p["w"], x)))}[how]
+         "barrier_with_x": lambda p, x: (lambda w, x: x @ w)(*lax.optimization_barrier((p["w"], x))),
+         "reduce_precision": lambda p, x: x @ lax.reduce_precision(p["w"], 8, 7)}[how]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # jqt.pack warned of a weight it could not pack
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)

@@ -29,6 +29,8 @@ RECORDERS = {
     "transpose": lambda p: ("transpose", _tup(p["permutation"])),
     "reshape": _reshape,
     "convert_element_type": lambda p: ("convert", np.dtype(p["new_dtype"]).name),
+    # lax.reduce_precision (a bfloat16 or fp8 weight emulated in float32): a cast's rounding
+    "reduce_precision": lambda p: ("reduce_precision", int(p["exponent_bits"]), int(p["mantissa_bits"])),
     "broadcast_in_dim": lambda p: ("broadcast_in_dim", _tup(p["shape"]), _tup(p["broadcast_dimensions"])),
     "squeeze": lambda p: ("squeeze", _tup(p["dimensions"])),
     "slice": lambda p: ("slice", _tup(p["start_indices"]), _tup(p["limit_indices"]), _tup(p["strides"])),
@@ -53,6 +55,7 @@ _APPLY = {
     "transpose": lambda x, perm: lax.transpose(x, perm),
     "reshape": lambda x, sizes: lax.reshape(x, sizes),
     "convert": lambda x, dt: x.astype(np.dtype(dt)),
+    "reduce_precision": lambda x, e, m: lax.reduce_precision(x, e, m),
     "broadcast_in_dim": lambda x, shape, dims: lax.broadcast_in_dim(x, shape, dims),
     "squeeze": lambda x, dims: lax.squeeze(x, dims),
     "slice": lambda x, s, l, st: lax.slice(x, s, l, st),

@@ -413,6 +413,29 @@ def test_a_weight_indexed_by_a_loop_counter_is_named_in_a_warning():
     assert [q.is_float for q in qp.values()] == [False]
 
 
+def test_tables_indexed_by_a_loop_counter_are_named_in_a_warning():
+    """``tables[k][ids]`` (``jnp.take(tables[k], ids)``) with ``k`` a fori_loop's counter or
+    a value from the data: the lookups stayed float without a word (a matmul of ``w[k]``
+    is warned about); a scan over the stacked tables quantizes them."""
+    p = {"tables": jnp.asarray(np.random.default_rng(0).standard_normal((3, 40, 8)) / 4, jnp.float32)}
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 40, (3, 5)), jnp.int32)
+    fs = [lambda p, s: jax.lax.fori_loop(0, 3, lambda k, a: a + p["tables"][k][s[k]], jnp.zeros((5, 8))),
+          lambda p, s: jax.lax.fori_loop(0, 3, lambda k, a: a + jnp.take(p["tables"][k], s[k], axis=0),
+                                         jnp.zeros((5, 8))),
+          lambda p, s: p["tables"][s[0, 0] % 3][s[1]]]
+    for f in fs:
+        with pytest.warns(UserWarning, match=r"a gather \(at '.*'\) looks rows up in weight 'tables' "
+                          r"indexed by a value computed from the data.*stays float.*lax\.scan"):
+            qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(ids,)], progress=False)
+        assert not any(not q.is_float for q in qp.values())
+    g = lambda p, s: jax.lax.scan(lambda a, ts: (a + ts[0][ts[1]], None), jnp.zeros((5, 8)),
+                                  (p["tables"], s))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(g, jqt.recipes.w8(), p, [(ids,)], progress=False)
+    assert [q.is_float for q in qp.values()] == [False]
+
+
 def _parity_layers(p, x):
     """A cond on the layer index: even layers read ``ws``, odd ones ``us``."""
     def layer(h, lw):

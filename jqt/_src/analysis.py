@@ -287,6 +287,9 @@ class Analyzer:
                     for info in ins:
                         self._use(info, "float")
                     paths = [info.source.path for info in ins if info.source is not None]
+                    if entry is not None and entry.needs_weight and not entry.is_cache and ins \
+                            and not any(i.weight for i in ins[1:]):
+                        self._table_read_as_data(entry.name, ins[0], stack)
                     if name in _GROUPED_MATMULS and paths:
                         msg = (f"jqt: a {name} (at '{stack or '<top>'}') reads weight '{paths[0]}': "
                                f"jqt has no rule for {name} in this form (jqt quantizes "
@@ -333,6 +336,19 @@ class Analyzer:
             self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
         return plan, out_infos
+
+    def _table_read_as_data(self, op, table, stack):
+        """A lookup (``gather``) from a table read as data (``tables[k][ids]`` with ``k`` a
+        loop's counter): the table stays float, which the warning says."""
+        for field, how, fix in _WEIGHTS_READ_AS_DATA:
+            path = getattr(table, field)
+            if path:
+                names = (path,) if isinstance(path, str) else path
+                what = (f"weight '{names[0]}'" if len(names) == 1 else
+                        "weights " + ", ".join(f"'{q}'" for q in names))
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') looks rows up in {what} {how}; the "
+                       f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. {fix}")
+                self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
 
     def _defer(self, kind, message, label):
         """A warning about one op: one per ``kind`` for the whole function

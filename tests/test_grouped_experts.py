@@ -529,6 +529,23 @@ def test_a_ragged_dot_in_another_form_says_that_its_weight_stays_float():
         np.testing.assert_array_equal(jqt.quantize(f, qp)(p, X_RAGGED), f(p, X_RAGGED))
 
 
+def test_a_sparse_matmul_that_reads_a_weight_says_that_it_stays_float():
+    """Multi-hot features as a ``jax.experimental.sparse`` BCOO matrix times an embedding
+    table (``bcoo_dot_general``): the table stayed float without a word; now a warning
+    names it and the form jqt quantizes (an embedding bag)."""
+    from jax.experimental import sparse
+    p = {"emb": jnp.asarray(np.random.default_rng(0).standard_normal((50, 8)), jnp.float32),
+         "w": jnp.asarray(np.random.default_rng(1).standard_normal((8, 4)), jnp.float32)}
+    idx = jnp.asarray([[0, 3], [0, 7], [1, 7], [1, 49]], jnp.int32)
+    data = jnp.asarray([1.0, 0.5, 2.0, 1.0], jnp.float32)
+    f = lambda p, d, i: (sparse.BCOO((d, i), shape=(2, 50)) @ p["emb"]) @ p["w"]
+    with pytest.warns(UserWarning, match=r"a bcoo_dot_general \(a jax.experimental.sparse matmul, at "
+                      r"'<top>'\) reads weight 'emb': jqt has no rule for sparse matmuls, so it "
+                      r"stays float.*embedding bag"):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(data, idx)], progress=False)
+    assert list(qp) == ["w"]
+
+
 def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():
     """qparams made before jqt quantized ``lax.ragged_dot`` have no entry for it: the op
     runs float, as it did. ``jqt.report``, whose two lanes ragged_dot cannot be batched

@@ -36,6 +36,7 @@ _PENDING = "\0call-write:"  # the key of a write into such a buffer until _bound
 _INDEXING = ("dynamic_slice", "gather")
 # Matmuls jqt has no rule for: reading a weight, they say so (the weight stays float).
 _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
+_SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general")  # jax.experimental.sparse
 # How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
 _WEIGHTS_READ_AS_DATA = (
     ("indexed", "indexed by a value computed from the data (w[i] with i an argument of f or a "
@@ -300,6 +301,15 @@ class Analyzer:
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
                         self._defer(("ragged", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
+                    if name in _SPARSE_MATMULS and paths:
+                        msg = (f"jqt: a {name} (a jax.experimental.sparse matmul, at "
+                               f"'{stack or '<top>'}') reads weight '{paths[0]}': jqt has no rule "
+                               "for sparse matmuls, so it stays float. Multi-hot features times "
+                               "a table: look the rows up and sum them (an embedding bag, "
+                               "jnp.take(table, ids, axis=0) times the per-lookup weights, summed "
+                               "over the bag or with jax.ops.segment_sum), which jqt quantizes as "
+                               "a lookup; a sparse weight: pass it dense (BCOO.todense()) to quantize it.")
+                        self._defer(("sparse", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
                         named = list(dict.fromkeys(paths))
                         reads = (f"; they read weight{'s' if len(named) > 1 else ''} "

@@ -328,6 +328,17 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
+def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
+    """Scoring against a slice of the table's rows (``u @ emb[1:].T``, the padding row left
+    out): pack said the matmul "contracts the table's other axis" and to give both ops one
+    weight type, neither of which held; it names the slice and the form that ties."""
+    f = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"][1:].T
+    qp = jqt.calibrate(f, jqt.recipes.w8(), P, [(IDS,)], progress=False)
+    with pytest.warns(UserWarning, match=r"the matmul reads a slice of the table \(codes of shape "
+                      r"\(\d+, \d+\), the table's \(\d+, \d+\)\).*multiply by the whole table"):
+        assert jqt.pack(qp, P).tied == ()
+
+
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():
     """A lookup of the float32 table and a matmul of its bfloat16 copy with equal scales:
     their codes differ, so pack stores them apart; a template (jax.eval_shape) and a pack

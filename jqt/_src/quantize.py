@@ -660,10 +660,16 @@ def _tied(qparams, weights):
             traced = compat.is_tracer(table) or compat.is_tracer(w.values)
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
-                            f"{o.qtype.describe()}")
+                            f"{o.qtype.describe()}", _TYPE_FIX)
+            elif table.shape != w.values.shape and any(
+                    c[0] == "slice" for c in qparams[m].source.chain):
+                apart = (m, f"the matmul reads a slice of the table (codes of shape "
+                            f"{tuple(table.shape)}, the table's {tuple(w.values.shape)})",
+                         "To store them once, multiply by the whole table and slice the "
+                         "product ((u @ table.T)[:, 1:] for u @ table[1:].T).")
             elif table.shape != w.values.shape:
                 apart = (m, "the matmul holds its codes in another shape (it contracts the "
-                            "table's other axis)")
+                            "table's other axis)", _TYPE_FIX)
             elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are
                 # not known, so the qparams decide, as the codes would
                 if _same_grid(p, qparams[m]):
@@ -683,13 +689,16 @@ def _tied(qparams, weights):
                 break
             else:
                 apart = (m, "their codes differ (the matmul's weight is smoothed or rotated, "
-                            "its weight calibrator is another, or its scales were edited)")
+                            "its weight calibrator is another, or its scales were edited)", _TYPE_FIX)
         else:
             if apart is not None:
-                m, why = apart
+                m, why, fix = apart
                 diagnostics.warn(
                     f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "
-                    "To store them once, give both ops one weight type (a Rule for one of the two "
-                    "keys ahead of the preset's) without smoothing or rotation.")
+                    f"{fix}")
     return tuple(out)
+
+
+_TYPE_FIX = ("To store them once, give both ops one weight type (a Rule for one of the two "
+             "keys ahead of the preset's) without smoothing or rotation.")

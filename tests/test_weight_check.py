@@ -206,6 +206,29 @@ def test_a_qat_loop_then_pack():
     np.testing.assert_allclose(jqt.quantize(f, qp1)(packed, X), sim, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ci_only(["w8a8", "w4_g16", "nf4_g16", "fp8"], {"w8a8"}))
+@pytest.mark.slow_variants
+def test_a_weight_calibrated_at_zeros_is_named(name):
+    """A weight that is all zeros where it is calibrated (a LoRA adapter's B, zeros at
+    initialisation) gets a placeholder scale of 1: trained after calibration through the
+    simulated path, every value under 0.5 rounded to 0 (the adapter never reached the
+    forward pass) and jqt.pack stored zeros, all without a word. Calibration now warns,
+    naming the op, and pack refuses the trained weight unless clip=True."""
+    p = {**_params(), "v": jnp.zeros((16, 8))}
+    with pytest.warns(UserWarning, match=r"op 'v' reads weight 'v', which is all zeros in these "
+                      r"params.*placeholder \(1\).*LoRA"):
+        qp = jqt.calibrate(f, RECIPES[name](), p, [(X,)], progress=False)
+    assert float(jnp.max(qp["v"].rhs.scale)) == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.pack(qp, p)  # the zeros as calibrated pack exactly
+    trained = {**p, "v": _params()["v"] * 0.1}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'v': weight 'v' was all zeros in the "
+                       r"params the qparams were calibrated with.*placeholder.*clip=True"):
+        jqt.pack(qp, trained)
+    jqt.pack(qp, trained, clip=True)
+
+
 def test_pack_under_jit_is_not_checked():
     """Traced weights have no values to compare: documented, packed as given."""
     p, qp = _calibrate("w8a8")

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
+from . import compat, diagnostics
 from . import numerics as nx
 from .handlers import QParamsMismatchError
 from .layout import apply_chain
@@ -190,6 +190,10 @@ def record(qparams, params_t, argnums):
         return qparams
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
     out = dict(qparams)
+    with diagnostics.grouped():
+        for (key, _, _), r in zip(pending, values):
+            if r == 0:
+                _warn_zero(key, qparams[key])
     for (key, _, tag), r in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
             continue
@@ -197,6 +201,19 @@ def record(qparams, params_t, argnums):
         out[key] = dataclasses.replace(p, source=dataclasses.replace(
             p.source, calibrated_reach=(float(r), tag)))
     return out
+
+
+def _warn_zero(key, p):
+    """A weight that is all zeros where it is calibrated has no range: its scale is a
+    placeholder (1), on which values a training gives it later round to 0."""
+    diagnostics.warn_grouped(
+        ("zero weight",),
+        f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', which is all zeros in these "
+        "params: it has no range, so its scale is a placeholder (1), on which any value under "
+        "half of it rounds to 0. If it is trained after calibration (a LoRA adapter's B, zeros "
+        "at initialisation), keep it float (jqt.Rule(key=..., weight=None) ahead of the "
+        "preset's rules) or pass the adapters as another argument of f (docs/fine-tuning.md, "
+        "QLoRA), or calibrate after training it.", f"'{key}'")
 
 
 def start(key, p, src, x, gaxis):
@@ -244,13 +261,23 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     if not pending:
         return
     values = jax.device_get([c[-1] for c in pending])  # one transfer for every weight
-    bad, small = [], []
+    bad, small, zeroed = [], [], []
     for c, r in zip(pending, values):
         cal = c[1].source.calibrated_reach[0]
-        if float(r) > max(cal, 1.0) * (1 + TOLERANCE):
+        if cal == 0 and float(r) > 0:  # calibrated at zeros: the scale is a placeholder
+            zeroed.append((c, float(r), cal))
+        elif float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
         elif 0 < float(r) < min(cal, 1.0) * SHRUNK:  # zeros (a pruned weight) pack exactly
             small.append((c, float(r), cal))
+    if zeroed:
+        (key, p, src, _), r, _ = zeroed[0]
+        raise QParamsMismatchError(
+            f"{fn}: op '{key}': weight '{src.path}' was all zeros in the params the qparams were "
+            "calibrated with, so its scale is a placeholder (1); these params hold it nonzero "
+            f"(it reaches {r:.3g}x the edge of that grid, "
+            f"{p.operand(p.weight_operand).qtype.describe()}), and on it values under half the "
+            "scale round to 0. " + fix[0].upper() + fix[1:] + _also(zeroed, "were calibrated at zeros too"))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]
         raise QParamsMismatchError(

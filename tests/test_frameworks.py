@@ -262,6 +262,31 @@ def test_linen_boxed_and_unboxed_params_are_named_when_mixed():
             jqt.pack(qp, run)
 
 
+def test_an_nnx_state_and_its_pure_dict_are_named_when_mixed():
+    """qparams calibrated on an nnx.State (keys ending in /value) and run or packed with
+    nnx.to_pure_dict of it, or the reverse: the note named linen's boxes only (hunt33_nnxdeep)."""
+    model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    gd, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+
+    def f_state(s, x):
+        return nnx.merge(gd, s)(x)
+
+    def f_pure(p, x):
+        s = nnx.state(nnx.merge(gd, state))
+        nnx.replace_by_pure_dict(s, p)
+        return nnx.merge(gd, s)(x)
+
+    x = jnp.linspace(-1, 1, 10).reshape(2, 5)
+    for f, cal, g, run in ((f_state, state, f_pure, pure), (f_pure, pure, f_state, state)):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), cal, [(x,)], progress=False)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"differ by a /value part only.*"
+                           r"nnx.State.*nnx.to_pure_dict\(state\) for both"):
+            jqt.quantize(g, qp)(run, x)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"differ by a /value part only.*nnx"):
+            jqt.pack(qp, run)
+
+
 def test_linen_conv_net():
     m = LinenConvNet()
     batches = _batches(2, (2, 10, 10, 3))

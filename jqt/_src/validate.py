@@ -346,13 +346,15 @@ def _boxed(theirs, ours, reads="the function reads") -> str:
     plain = lambda ks: sorted(re.sub(r"/value(?=#\d+$|$)", "", k) for k in ks)
     if not theirs or sorted(theirs) == sorted(ours) or plain(theirs) != plain(ours):
         return ""
-    boxed, plain_ = "Flax's boxed params (nn.Partitioned, from nn.with_partitioning)", \
-        "unboxed ones (nn.unbox(variables))"
+    boxed, plain_ = ("Flax's boxed params (linen's nn.Partitioned, from nn.with_partitioning, "
+                     "or an nnx.State, whose Variables add /value)"), \
+        "plain ones (nn.unbox(variables), nnx.to_pure_dict(state))"
     sides = (f"the qparams were calibrated on {boxed}, {reads} {plain_}"
              if any(re.search(r"/value(#\d+)?$", k) for k in theirs) else
              f"{reads} {boxed}, the qparams were calibrated on {plain_}")
     return (f" The keys differ by a /value part only: {sides}. Calibrate and run f on the "
-            "same form: nn.unbox(variables) for both, or the boxed variables for both.")
+            "same form: nn.unbox(variables) for both, or the boxed variables for both (nnx: "
+            "the nnx.State for both, or nnx.to_pure_dict(state) for both).")
 
 
 def boxed_leaf(path, leaves) -> str:

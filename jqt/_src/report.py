@@ -342,12 +342,14 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     state = {s.key: (qparams[s.key], None) for s in traced.sites() if s.key in qparams}
 
     def lanes_fn(params_t, state, b):
-        def lane(*b):
+        def lane(_, *b):
             return traced.run(full_args(argnums, params_t, b), _Measure(), state)
-        return jax.vmap(lane, axis_name=_AXIS)(*b)
+        # the batch is the same for both lanes, not stacked: a PRNG key in it draws the same
+        # bits in both (an rbg key under vmap draws other bits in each lane of a stack)
+        return jax.vmap(lane, in_axes=(0,) + (None,) * len(b), axis_name=_AXIS)(jnp.arange(2), *b)
 
     # weights and qparams are arguments, not constants XLA would spend minutes folding
-    lanes = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tracing.mark_static(batch))
+    lanes = tracing.mark_static(batch)
     try:
         outs, st = jax.jit(lanes_fn)(tracing.mark_static(params_t), state, lanes)  # config leaves static
     except (NotImplementedError, ValueError) as e:  # a primitive with no batching rule for
@@ -366,6 +368,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     f2 = e2 = mx = 0.0
     floats, differ, total = False, 0, 0
     for o in outs:
+        if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
+            o = jax.random.key_data(o)
         if not jnp.issubdtype(np.asarray(o).dtype, jnp.inexact):  # bfloat16 and fp8 too
             o = np.asarray(o)  # integer and bool outputs (token ids, masks): counted apart
             differ, total = differ + int(np.sum(o[1] != o[0])), total + o[0].size

@@ -570,8 +570,9 @@ def _warn_kept_twice(both, leaf_of, with_paths, flat):
         f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} packed and also kept as float "
         f"({extra} bytes): f reads {'them' if len(names) > 1 else 'it'} as a float outside the "
         "quantized ops too (a jax.debug.print or a norm of the weight, w * 2 or another op jqt "
-        "does not quantize), so the packed params hold both. Move such a read out of f; "
-        "where the float read is meant, nothing is wrong.")
+        "does not quantize, or f returns it: an nnx step that returns nnx.state(model), where "
+        "nnx.state(model, nnx.Cache) returns what changes), so the packed params hold both. "
+        "Move such a read out of f; where the float read is meant, nothing is wrong.")
 
 
 def _aval(x):

@@ -154,6 +154,11 @@ def refusal(f, batches):
     except jqt.CalibrationDataError as e:
         return str(e)
 
+# a typed PRNG key of one draw goes whole to every device (it was refused as a 0-d array)
+keyed_f = lambda p, x, k: mlp(p, x) * (jax.random.uniform(k) >= 0)
+keyed = {m: flat(jqt.calibrate(keyed_f, recipe, p, [b + (jax.random.key(i),) for i, b in enumerate(batches)],
+                               progress=False, mesh=mm))
+         for m, mm in (("keyed_mesh", mesh), ("keyed_explicit", emesh))}
 uneven = refusal(mlp, [(normal((8, 8), 1.0),), (normal((12, 8), 1.0),)])  # the second batch
 scalar = refusal(lambda p, x, t: mlp(p, x) * t, [(normal((8, 8), 1.0), jnp.float32(2.0))])
 out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar,
@@ -164,7 +169,7 @@ out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar,
                       for s in sharded[0][0].addressable_shards],
        "single": flat(single), "mesh": flat(meshed), "sharded": flat(glob),
        "explicit": flat(explicit), "sharded_explicit": flat(glob_explicit),
-       "minmax": flat(minmax),
+       "minmax": flat(minmax), **keyed,
        "same_tree": [jax.tree_util.tree_structure(single) == jax.tree_util.tree_structure(q)
                      for q in (meshed, glob)]}
 print("RESULT" + json.dumps(out))
@@ -1083,7 +1088,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     assert "batch 0, argument [1] is a 0-d array" in r["scalar"]  # no batch axis to split
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
-    for how in ("mesh", "sharded", "explicit", "sharded_explicit"):
+    for how in ("mesh", "sharded", "explicit", "sharded_explicit", "keyed_mesh", "keyed_explicit"):
         assert list(r[how]) == list(r["single"])
         for k in r["single"]:
             assert len(r[how][k]) == len(r["single"][k])

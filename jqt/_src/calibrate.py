@@ -140,9 +140,13 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
 
         def step(params_t, batch, observe_weights, decided, transformed):
             n_dev = mesh.shape[data_axis]
+            # a typed PRNG key of one draw (dropout's) goes whole to every device
+            bspec = jax.tree_util.tree_map(lambda x: P() if _one_key(x) else P(data_axis), batch)
             for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
                 where = f"jqt.calibrate(mesh=...): batch {last.get('batch', 0)}, argument " \
                         f"{jax.tree_util.keystr(path)}"
+                if _one_key(leaf):
+                    continue
                 if not jnp.ndim(leaf):
                     raise CalibrationDataError(
                         f"{where} is a 0-d array, which has no batch axis to split over the "
@@ -155,7 +159,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
 
             if _explicit(mesh):  # shard_map takes explicitly sharded inputs as they are
                 params_t, batch, decided, transformed = _reshard(
-                    mesh, (params_t, batch, decided, transformed), (P(), P(data_axis), P(), P()))
+                    mesh, (params_t, batch, decided, transformed), (P(), bspec, P(), P()))
 
             def per_device(params_t, batch, decided, transformed):
                 st = local(params_t, batch, observe_weights, decided, transformed)
@@ -167,19 +171,27 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                 return out
 
             try:
-                return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(data_axis), P(), P()),
+                return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), bspec, P(), P()),
                                      out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
             except Exception as e:
-                shards = [(jnp.shape(x)[0] // n_dev,) + tuple(jnp.shape(x)[1:])
+                shards = [jnp.shape(x) if _one_key(x) else (jnp.shape(x)[0] // n_dev,) + tuple(jnp.shape(x)[1:])
                           for x in jax.tree_util.tree_leaves(batch)]
                 _note(e, f"jqt.calibrate(mesh=...): every batch argument is split along its "
                          f"leading axis over the {n_dev} devices of mesh axis '{data_axis}', so f "
                          f"ran on shapes {shards}; an argument every device needs whole (a "
                          "matrix without a batch axis) cannot be split: bind it with "
-                         "functools.partial, or pass it as part of the weights.")
+                         "functools.partial, or pass it as part of the weights. A PRNG key: "
+                         "pass a typed one (jax.random.key(seed), not jax.random.PRNGKey), "
+                         "which every device is given whole.")
                 raise
 
     return jax.jit(step, static_argnums=2), last
+
+
+def _one_key(x) -> bool:
+    """A typed PRNG key with no batch axis (``jax.random.key(seed)``)."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) \
+        and not jnp.ndim(x)
 
 
 def _explicit(mesh) -> bool:
@@ -188,9 +200,12 @@ def _explicit(mesh) -> bool:
 
 
 def _reshard(mesh, trees, specs):
-    """Each tree's array leaves resharded to its spec on ``mesh`` (``jax.reshard``)."""
-    from jax.sharding import NamedSharding
-    return tuple(jax.tree_util.tree_map(lambda x, s=spec: jax.reshard(x, NamedSharding(mesh, s)), t)
+    """Each tree's array leaves resharded to its spec on ``mesh`` (``jax.reshard``): one
+    ``PartitionSpec`` for the tree, or a tree of them (one per leaf)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    put = lambda x, s: jax.reshard(x, NamedSharding(mesh, s))
+    return tuple(jax.tree_util.tree_map(lambda x, s=spec: put(x, s), t)
+                 if isinstance(spec, PartitionSpec) else jax.tree_util.tree_map(put, t, spec)
                  for t, spec in zip(trees, specs))
 
 

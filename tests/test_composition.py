@@ -448,6 +448,18 @@ def test_matrices_f_builds_from_iota_stay_float():
     finally:
         jax.config.update("jax_use_simplified_jaxpr_constants", before)
     assert all(not v.is_float for v in qc.values()), {k: v.note for k, v in qc.items()}
+    # a matrix built row by row in a loop or under a cond (lax.map of a filterbank's rows,
+    # a fori_loop): it was quantized as a weight (hunt33_speech); one that reads a closed-
+    # over array in the loop is a weight still
+    row = lambda i: jnp.cos(i * jnp.arange(3.0))
+    loops = {"map": lambda: lax.map(row, jnp.arange(3.0)),
+             "fori": lambda: lax.fori_loop(0, 2, lambda i, a: a + m(), jnp.zeros((3, 3))),
+             "cond": lambda: lax.cond(True, m, lambda: jnp.eye(3)),
+             "closed": lambda: lax.map(lambda i: row(i) * closed[0], jnp.arange(3.0))}
+    for name, mk in loops.items():
+        ql = jqt.calibrate(lambda w, x: (x @ w) @ mk(), jqt.recipes.w8a8(), w, [(jnp.ones((4, 2)),)],
+                           progress=False)
+        assert ("builds from iota" in ql["dot_general_0"].note) == (name != "closed"), name
     # the resize of a constant image stays constant
     const = jnp.full((1, 4, 4, 2), 0.7)
     g = lambda w, x: jax.image.resize(x, (1, 8, 8, 2), "bilinear")

@@ -502,7 +502,12 @@ class Analyzer:
         caches = {}
         if hop.outs is not None:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
-            default = VarInfo(all(info.weight for info in ins))
+            w = all(info.weight for info in ins)
+            # a loop or cond over values f builds (iota, scalar literals) builds its outputs:
+            # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
+            built = w and bool(ins) and all(info.built or info.zero for info in ins) \
+                and all(info.built or info.zero or not info.weight for outs_ in body_outs for info in outs_)
+            default = VarInfo(w, built=built)
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)

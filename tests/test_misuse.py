@@ -538,6 +538,26 @@ def test_a_computed_weight_tiled_to_the_batch_says_so_at_another_batch():
         jqt.quantize(f, qp)(p, jnp.concatenate([x, x[:1]]))
 
 
+def test_a_computed_weight_sized_by_the_length_is_refused_at_calibration():
+    """A Conformer's relative positions, ``sinusoid(T) @ w_pos``: a weight f computes whose
+    shape (and scales) follow the sequence length. Calibration on two lengths passed
+    without a word, with the first length's scales, and quantize then refused the second
+    calibration batch itself; now calibrate refuses it as it does a leaf sliced to the
+    length, and quantize at another length names the cause."""
+    def f(p, x):
+        pos = jnp.arange(x.shape[1] - 1, -x.shape[1], -1.0)[:, None]
+        pe = jnp.concatenate([jnp.sin(pos * jnp.arange(1.0, 5.0)), jnp.cos(pos * jnp.arange(1.0, 5.0))], -1)
+        return jnp.einsum("btd,pd->btp", x @ p["wq"], pe @ p["w_pos"])
+    p = {"wq": jnp.eye(8) * 0.5, "w_pos": jnp.eye(8) * 0.3}
+    x12, x20 = jnp.linspace(-1, 1, 2 * 12 * 8).reshape(2, 12, 8), jnp.linspace(-1, 1, 2 * 20 * 8).reshape(2, 20, 8)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 1 runs other ops than batch 0 \(they "
+                       r"differ at \['btd,pd->btp/dot_general_0'\]\)"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x12,), (x20,)], progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x12,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"sized by the sequence length.*one qparams per length"):
+        jqt.quantize(f, qp)(p, x20)
+
+
 def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, tmp_path):
     """A bad min_scale made valid scales NaN or inf (project's result then failed the checks
     it promises to pass); train=None, max_trials='3' and device=0 ended in Python's own

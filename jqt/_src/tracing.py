@@ -178,11 +178,14 @@ def check_traceable(args, where="jqt"):
 
 def signature(traced) -> tuple:
     """What must be the same in two traces of ``f`` for one set of qparams to serve
-    both: each op's key, operation and weight (leaf, layout ops, contracted axes)."""
+    both: each op's key, operation and weight (leaf, layout ops, contracted axes; the
+    shape of a weight ``f`` computes, which its scales follow: one sized by an input's
+    length is another weight at another length)."""
     out = []
     for s in traced.sites():
         w, src = s.weight_operand, s.source
-        out.append((s.key, s.op, w, None if src is None else (src.path, src.chain),
+        computed = None if w is None or src is not None else tuple(s.eqn.invars[w].aval.shape)
+        out.append((s.key, s.op, w, (src.path, src.chain) if src is not None else computed,
                     None if w is None else tuple(s.contract[w])))
     return tuple(out)
 

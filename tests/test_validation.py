@@ -318,6 +318,30 @@ def test_an_empty_batch_gives_the_empty_output(recipe):
         jqt.calibrate(f, r, w, [(empty,)], progress=False)
 
 
+def test_a_graph_without_edges_is_data_where_its_nodes_are():
+    """A batch whose edge arrays are empty (a one-atom molecule) was refused as "an empty
+    batch" by calibrate and report, though its nodes hold data the node ops observe; a
+    batch of empty arrays only is refused still."""
+    p = {"w": jnp.eye(8) * 0.5, "e": jnp.ones((4, 8)) * 0.25, "out": jnp.ones((8, 2)) * 0.3}
+
+    def f(p, x, ef, senders, receivers):
+        h = jax.nn.relu(x @ p["w"])
+        m = h[senders] * jax.nn.relu(ef @ p["e"])
+        return (h + jax.ops.segment_sum(m, receivers, num_segments=x.shape[0])) @ p["out"]
+
+    x = jnp.linspace(-1, 1, 80).reshape(10, 8)
+    some = (x, jnp.linspace(0, 1, 12).reshape(3, 4), jnp.array([0, 1, 2]), jnp.array([1, 2, 3]))
+    none = (x, jnp.zeros((0, 4)), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [none, some], progress=False)
+    ref = jqt.calibrate(f, jqt.recipes.w8a8(), p, [some], progress=False)
+    for k in ("w", "e"):  # the nodes' and the edges' ops as from the graph with edges
+        assert float(qp[k].lhs.scale) == float(ref[k].lhs.scale), k
+    assert jqt.report(f, qp, p, none).output_rel_l2 < 0.05
+    with pytest.raises(jqt.CalibrationDataError, match=r"argument \[0\] is empty \(shape \(0, 8\)\), "
+                       r"as every array of the batch is"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [tuple(a[:0] for a in none)], progress=False)
+
+
 def test_a_scale_of_the_wrong_shape_names_the_format():
     """The error for a group scale cut short names its format (it called a g32 weight
     "per channel")."""

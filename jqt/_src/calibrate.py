@@ -53,8 +53,9 @@ def check_batches(batches, fn="jqt.calibrate"):
 def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
     """Raises :class:`CalibrationDataError` (its text starting with ``fn``) where batch
     ``i`` is not a tuple of ``f``'s remaining arguments, differs in structure from the
-    first (``first_tree``), or holds an empty or non-finite array; returns its tree
-    structure."""
+    first (``first_tree``), holds a non-finite array, or is empty (every array empty: an
+    empty argument beside others, a graph's edges where it has none, is data); returns its
+    tree structure."""
     if not isinstance(batch, (tuple, list)):
         what = (f"an array of shape {tuple(batch.shape)}" if hasattr(batch, "shape")
                 else f"a {type(batch).__name__}")
@@ -67,6 +68,7 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         raise CalibrationDataError(
             f"{fn}: batch {i} has structure {tree}, but batch 0 had {first_tree}. "
             "Every batch must hold the same arguments.")
+    sizes = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tuple(batch))[0]:
         where = f"{fn}: batch {i}, argument {jax.tree_util.keystr(path)}"
         why = tracing.untraceable(leaf)
@@ -78,15 +80,21 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
             leaf = np.asarray(leaf)
         elif tracing.is_static(leaf) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             continue  # passed to f as it is (static), or a PRNG key: nothing to observe
-        if leaf.size == 0:
-            raise CalibrationDataError(
-                f"{where} is empty (shape {leaf.shape}); an empty batch has no statistics. Drop "
-                "it from the batches.")
+        sizes.append((where, leaf.shape, leaf.size))
+        if leaf.size == 0:  # a graph without edges: its nodes hold data still
+            continue
         a = np.asarray(leaf)
         if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
             raise CalibrationDataError(
                 f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
-                "calibration data (statistics from non-finite values would give infinite scales).")
+                "calibration data (statistics from non-finite values would give infinite scales). "
+                "An inf f reads on purpose (a running max started at -inf, an additive mask): "
+                "pass a large finite value instead (jnp.finfo(x.dtype).min) in the batches.")
+    if sizes and not any(n for _, _, n in sizes):  # an empty argument beside others is data
+        where, shape, _ = sizes[0]
+        raise CalibrationDataError(
+            f"{where} is empty (shape {shape}), as every array of the batch is; an empty batch "
+            "has no statistics. Drop it from the batches.")
     return tree
 
 

@@ -337,6 +337,14 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     with pytest.warns(UserWarning, match=r"the matmul reads a slice of the table \(codes of shape "
                       r"\(\d+, \d+\), the table's \(\d+, \d+\)\).*multiply by the whole table"):
         assert jqt.pack(qp, P).tied == ()
+    # A @ table (LightGCN) contracts the rows: no fix applies, and the warning says so
+    # (it told to give both ops one weight type, which they had; hunt33_gnn)
+    g = lambda p, ids: jnp.tanh(p["emb"][ids]).sum() + jnp.ones((3, p["emb"].shape[0])) @ p["emb"]
+    qg = jqt.calibrate(g, jqt.recipes.w8(), P, [(IDS,)], progress=False)
+    with pytest.warns(UserWarning, match=r"contracts the table's other axis.*cannot share codes.*"
+                      r"nothing is wrong") as got:
+        assert jqt.pack(qg, P).tied == ()
+    assert not any("one weight type" in str(w.message) for w in got)
 
 
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():

@@ -670,7 +670,10 @@ def _tied(qparams, weights):
                          "product ((u @ table.T)[:, 1:] for u @ table[1:].T).")
             elif table.shape != w.values.shape:
                 apart = (m, "the matmul holds its codes in another shape (it contracts the "
-                            "table's other axis)", _TYPE_FIX)
+                            "table's other axis, A @ table, so its scales run along the rows "
+                            "where the lookup's run along the features)",
+                         "In this form the two cannot share codes: the packed params hold "
+                         "both, and nothing is wrong.")
             elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are
                 # not known, so the qparams decide, as the codes would
                 if _same_grid(p, qparams[m]):

@@ -161,7 +161,8 @@ keyed = {m: flat(jqt.calibrate(keyed_f, recipe, p, [b + (jax.random.key(i),) for
          for m, mm in (("keyed_mesh", mesh), ("keyed_explicit", emesh))}
 uneven = refusal(mlp, [(normal((8, 8), 1.0),), (normal((12, 8), 1.0),)])  # the second batch
 scalar = refusal(lambda p, x, t: mlp(p, x) * t, [(normal((8, 8), 1.0), jnp.float32(2.0))])
-out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar,
+rawkey = refusal(keyed_f, [b + (jax.random.PRNGKey(0),) for b in batches])
+out = {"devices": len(jax.devices()), "uneven": uneven, "scalar": scalar, "rawkey": rawkey,
        "shard_devices": len(sharded[0][0].sharding.device_set),
        "shard_shape": list(sharded[0][0].addressable_shards[0].data.shape),
        # the histogram radius (power-of-two exponent) of each device's shard of the first input
@@ -1086,6 +1087,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
     assert "batch 1, argument [0] has shape (12, 8)" in r["uneven"]  # 12 rows on 8 devices
     assert "divide evenly over the 8 devices" in r["uneven"]
     assert "batch 0, argument [1] is a 0-d array" in r["scalar"]  # no batch axis to split
+    assert "has shape (2,)" in r["rawkey"] and "A raw jax.random.PRNGKey? Pass a typed key" in r["rawkey"]
     assert len(set(r["shard_exps"])) > 1  # the devices' histograms have different radii
     assert list(r["single"]) == ["w1", "w2", "w3"]
     for how in ("mesh", "sharded", "explicit", "sharded_explicit", "keyed_mesh", "keyed_explicit"):

@@ -550,12 +550,20 @@ def test_a_computed_weight_sized_by_the_length_is_refused_at_calibration():
         return jnp.einsum("btd,pd->btp", x @ p["wq"], pe @ p["w_pos"])
     p = {"wq": jnp.eye(8) * 0.5, "w_pos": jnp.eye(8) * 0.3}
     x12, x20 = jnp.linspace(-1, 1, 2 * 12 * 8).reshape(2, 12, 8), jnp.linspace(-1, 1, 2 * 20 * 8).reshape(2, 20, 8)
-    with pytest.raises(jqt.CalibrationDataError, match=r"batch 1 runs other ops than batch 0 \(they "
-                       r"differ at \['btd,pd->btp/dot_general_0'\]\)"):
+    with pytest.raises(jqt.CalibrationDataError, match=r"op 'btd,pd->btp/dot_general_0' reads a weight "
+                       r"f computes .*: \(23, 8\) on batch 0, \(39, 8\) on batch 1.*one qparams per length"):
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x12,), (x20,)], progress=False)
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x12,)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"sized by the sequence length.*one qparams per length"):
         jqt.quantize(f, qp)(p, x20)
+    # kept float by a rule (the fix the message gives), or a matrix f builds from iota (float
+    # too): several lengths calibrate, and run at a third (hunt34_review)
+    rule = jqt.Recipe(rules=(jqt.Rule(key="^btd,pd->btp/dot_general_0$", weight=None), *jqt.recipes.w8a8().rules))
+    mean = lambda p, x: jnp.einsum("ts,bsd->btd", jnp.tril(jnp.ones((x.shape[1],) * 2)), x @ p["wq"])
+    x16 = jnp.linspace(-1, 1, 2 * 16 * 8).reshape(2, 16, 8)
+    for g, r in ((f, rule), (mean, jqt.recipes.w8a8())):
+        qp = jqt.calibrate(g, r, p, [(x12,), (x20,)], progress=False)
+        assert jqt.quantize(g, qp)(p, x16).shape[:2] == (2, 16)
 
 
 def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, tmp_path):

@@ -87,9 +87,12 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
             raise CalibrationDataError(
                 f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
-                "calibration data (statistics from non-finite values would give infinite scales). "
-                "An inf f reads on purpose (a running max started at -inf, an additive mask): "
-                "pass a large finite value instead (jnp.finfo(x.dtype).min) in the batches.")
+                "calibration data (statistics from non-finite values would give infinite scales; "
+                "every float argument is checked before f runs, whether or not it reaches a "
+                "quantized op). Values f handles on purpose: an inf (a running max started at "
+                "-inf, an additive mask), pass a large finite value (jnp.finfo(x.dtype).min); "
+                "NaN marking missing values, pass them filled (jnp.nan_to_num(x)) and the mask "
+                "(jnp.isnan(x)) as another argument of f.")
     if sizes and not any(n for _, _, n in sizes):  # an empty argument beside others is data
         where, shape, _ = sizes[0]
         raise CalibrationDataError(
@@ -161,9 +164,12 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                         f"devices of mesh axis '{data_axis}'. Pass it as a Python number (a "
                         "static value) or bind it with functools.partial.")
                 if jnp.shape(leaf)[0] % n_dev:
+                    raw_key = jnp.shape(leaf) == (2,) and jnp.result_type(leaf) == jnp.uint32
                     raise CalibrationDataError(
                         f"{where} has shape {jnp.shape(leaf)}; its leading (batch) axis must "
-                        f"divide evenly over the {n_dev} devices of mesh axis '{data_axis}'.")
+                        f"divide evenly over the {n_dev} devices of mesh axis '{data_axis}'."
+                        + (" A raw jax.random.PRNGKey? Pass a typed key (jax.random.key(seed)), "
+                           "which every device is given whole." if raw_key else ""))
 
             if _explicit(mesh):  # shard_map takes explicitly sharded inputs as they are
                 params_t, batch, decided, transformed = _reshard(
@@ -249,6 +255,8 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
             raise
         statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
+        for key, shape in tracing.computed_shapes(last["traced"]).items():
+            last.setdefault("computed", {}).setdefault(key, {}).setdefault(shape, i)
         st = new if st is None else _accumulate(st, new)
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
@@ -333,6 +341,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
     st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
     qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
+    _check_computed_shapes(qparams, last.get("computed", {}))
     if not propagate:
         return weightcheck.record(tie_tables(qparams), params_t, argnums)
     # Error propagation: op k's activation range is re-calibrated with every op
@@ -352,6 +361,24 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                                                tf)[key]
         decided[key] = qparams[key]
     return weightcheck.record(tie_tables(qparams), params_t, argnums)
+
+
+def _check_computed_shapes(qparams, shapes):
+    """A quantized op whose weight ``f`` computes in a shape that differs between batches
+    (``{key: {shape: first batch}}``): its scales fit one of them only."""
+    for key, seen in shapes.items():
+        p = qparams.get(key)
+        w = None if p is None or p.weight_operand is None else p.operand(p.weight_operand)
+        if len(seen) < 2 or w is None or w.scale is None or jnp.size(w.scale) == 1:
+            continue
+        (a, i), (b, j) = list(seen.items())[:2]
+        raise CalibrationDataError(
+            f"jqt.calibrate: op '{key}' reads a weight f computes (no leaf of params reaches it "
+            f"by layout ops alone) whose shape follows the inputs': {a} on batch {i}, {b} on "
+            f"batch {j} (a relative-position matrix sized by the sequence length?). Its scales "
+            f"(shape {tuple(jnp.shape(w.scale))}) can fit one of them only. Calibrate once per "
+            "length (one qparams per length), or keep the op float with a rule ahead of the "
+            f"others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):

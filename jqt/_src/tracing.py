@@ -178,16 +178,24 @@ def check_traceable(args, where="jqt"):
 
 def signature(traced) -> tuple:
     """What must be the same in two traces of ``f`` for one set of qparams to serve
-    both: each op's key, operation and weight (leaf, layout ops, contracted axes; the
-    shape of a weight ``f`` computes, which its scales follow: one sized by an input's
-    length is another weight at another length)."""
+    both: each op's key, operation and weight (leaf, layout ops, contracted axes). The
+    shape of a weight ``f`` computes is not: where its op is quantized, calibrate checks
+    it (:func:`computed_shapes`)."""
     out = []
     for s in traced.sites():
         w, src = s.weight_operand, s.source
-        computed = None if w is None or src is not None else tuple(s.eqn.invars[w].aval.shape)
-        out.append((s.key, s.op, w, (src.path, src.chain) if src is not None else computed,
+        out.append((s.key, s.op, w, None if src is None else (src.path, src.chain),
                     None if w is None else tuple(s.contract[w])))
     return tuple(out)
+
+
+def computed_shapes(traced) -> dict:
+    """``{op key: shape}`` of the weights ``f`` computes (no leaf reaches them; not a matrix
+    built from iota and literals, which stays float): their scales follow that shape, so
+    one sized by an input's length (relative positions) is another weight at another
+    length."""
+    return {s.key: tuple(s.eqn.invars[s.weight_operand].aval.shape) for s in traced.sites()
+            if s.weight_operand is not None and s.source is None and not s.built}
 
 
 def normalize_argnums(weight_argnums) -> tuple[int, ...]:

@@ -215,14 +215,21 @@ def test_a_weight_calibrated_at_zeros_is_named(name):
     forward pass) and jqt.pack stored zeros, all without a word. Calibration now warns,
     naming the op, and pack refuses the trained weight unless clip=True."""
     p = {**_params(), "v": jnp.zeros((16, 8))}
+    trained = {**p, "v": _params()["v"] * 0.1}
+    if name == "fp8":  # fp8's fine steps near 0 keep small values on the placeholder scale
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qp = jqt.calibrate(f, RECIPES[name](), p, [(X,)], progress=False)
+            jqt.pack(qp, trained)
+        return
     with pytest.warns(UserWarning, match=r"op 'v' reads weight 'v', which is all zeros in these "
-                      r"params.*placeholder \(1\).*LoRA"):
+                      r"params.*placeholder \(1\).*" + ("0.04" if name.startswith("nf4") else "half the scale")
+                      + ".*LoRA"):
         qp = jqt.calibrate(f, RECIPES[name](), p, [(X,)], progress=False)
     assert float(jnp.max(qp["v"].rhs.scale)) == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.pack(qp, p)  # the zeros as calibrated pack exactly
-    trained = {**p, "v": _params()["v"] * 0.1}
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'v': weight 'v' was all zeros in the "
                        r"params the qparams were calibrated with.*placeholder.*clip=True"):
         jqt.pack(qp, trained)

@@ -192,7 +192,7 @@ def record(qparams, params_t, argnums):
     out = dict(qparams)
     with diagnostics.grouped():
         for (key, _, _), r in zip(pending, values):
-            if r == 0:
+            if r == 0 and _zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
     for (key, _, tag), r in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
@@ -203,14 +203,22 @@ def record(qparams, params_t, argnums):
     return out
 
 
+def _zero_below(p) -> str:
+    """Which values round to 0 on op ``p``'s weight grid with a scale of 1 (the placeholder
+    of a weight calibrated at zeros); ``""`` for fp8, whose fine steps near 0 keep them."""
+    grid = p.operand(p.weight_operand).qtype.grid
+    return {"int": "under half the scale", "nf4": "under about 0.04 of the scale (half "
+            "nf4's smallest step)"}.get(grid, "")
+
+
 def _warn_zero(key, p):
     """A weight that is all zeros where it is calibrated has no range: its scale is a
     placeholder (1), on which values a training gives it later round to 0."""
     diagnostics.warn_grouped(
         ("zero weight",),
         f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', which is all zeros in these "
-        "params: it has no range, so its scale is a placeholder (1), on which any value under "
-        "half of it rounds to 0. If it is trained after calibration (a LoRA adapter's B, zeros "
+        "params: it has no range, so its scale is a placeholder (1), on which any value "
+        f"{_zero_below(p)} rounds to 0. If it is trained after calibration (a LoRA adapter's B, zeros "
         "at initialisation), keep it float (jqt.Rule(key=..., weight=None) ahead of the "
         "preset's rules) or pass the adapters as another argument of f (docs/fine-tuning.md, "
         "QLoRA), or calibrate after training it.", f"'{key}'")
@@ -264,8 +272,8 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     bad, small, zeroed = [], [], []
     for c, r in zip(pending, values):
         cal = c[1].source.calibrated_reach[0]
-        if cal == 0 and float(r) > 0:  # calibrated at zeros: the scale is a placeholder
-            zeroed.append((c, float(r), cal))
+        if cal == 0 and float(r) > 0 and _zero_below(c[1]):  # calibrated at zeros: the
+            zeroed.append((c, float(r), cal))  # scale is a placeholder (fp8 keeps small values)
         elif float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
         elif 0 < float(r) < min(cal, 1.0) * SHRUNK:  # zeros (a pruned weight) pack exactly
@@ -276,8 +284,8 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"{fn}: op '{key}': weight '{src.path}' was all zeros in the params the qparams were "
             "calibrated with, so its scale is a placeholder (1); these params hold it nonzero "
             f"(it reaches {r:.3g}x the edge of that grid, "
-            f"{p.operand(p.weight_operand).qtype.describe()}), and on it values under half the "
-            "scale round to 0. " + fix[0].upper() + fix[1:] + _also(zeroed, "were calibrated at zeros too"))
+            f"{p.operand(p.weight_operand).qtype.describe()}), and on it values {_zero_below(p)} "
+            "round to 0. " + fix[0].upper() + fix[1:] + _also(zeroed, "were calibrated at zeros too"))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]
         raise QParamsMismatchError(

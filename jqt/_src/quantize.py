@@ -662,16 +662,17 @@ def _tied(qparams, weights):
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}", _TYPE_FIX)
-            elif table.shape != w.values.shape and any(
-                    c[0] == "slice" for c in qparams[m].source.chain):
+            elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
+                    c[0] == "slice" for c in qparams[m].source.chain):  # rows left out
                 apart = (m, f"the matmul reads a slice of the table (codes of shape "
                             f"{tuple(table.shape)}, the table's {tuple(w.values.shape)})",
                          "To store them once, multiply by the whole table and slice the "
                          "product ((u @ table.T)[:, 1:] for u @ table[1:].T).")
             elif table.shape != w.values.shape:
-                apart = (m, "the matmul holds its codes in another shape (it contracts the "
-                            "table's other axis, A @ table, so its scales run along the rows "
-                            "where the lookup's run along the features)",
+                apart = (m, f"the matmul holds its codes in another shape "
+                            f"({tuple(table.shape)}, the table's {tuple(w.values.shape)}: it "
+                            "contracts the table's other axis, A @ table, or reads part of its "
+                            "features, so its scales are not the lookup's)",
                          "In this form the two cannot share codes: the packed params hold "
                          "both, and nothing is wrong.")
             elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are

@@ -564,6 +564,10 @@ def test_a_computed_weight_sized_by_the_length_is_refused_at_calibration():
     for g, r in ((f, rule), (mean, jqt.recipes.w8a8())):
         qp = jqt.calibrate(g, r, p, [(x12,), (x20,)], progress=False)
         assert jqt.quantize(g, qp)(p, x16).shape[:2] == (2, 16)
+    # one scale per tensor: measured at the first length only (hunt34_review2), refused too
+    per_tensor = jqt.recipes.w4a8(per_channel=False)
+    with pytest.raises(jqt.CalibrationDataError, match=r"reads a weight f computes .*measured on one"):
+        jqt.calibrate(f, per_tensor, p, [(x12,), (x20,)], progress=False)
 
 
 def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, tmp_path):

@@ -365,18 +365,19 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
 
 def _check_computed_shapes(qparams, shapes):
     """A quantized op whose weight ``f`` computes in a shape that differs between batches
-    (``{key: {shape: first batch}}``): its scales fit one of them only."""
+    (``{key: {shape: first batch}}``): its scales are measured on one of them only (a
+    weight is observed on the first batch)."""
     for key, seen in shapes.items():
         p = qparams.get(key)
         w = None if p is None or p.weight_operand is None else p.operand(p.weight_operand)
-        if len(seen) < 2 or w is None or w.scale is None or jnp.size(w.scale) == 1:
-            continue
+        if len(seen) < 2 or w is None or w.scale is None:  # one scale too: it is measured
+            continue  # on the first batch's weight only (weights are observed once)
         (a, i), (b, j) = list(seen.items())[:2]
         raise CalibrationDataError(
             f"jqt.calibrate: op '{key}' reads a weight f computes (no leaf of params reaches it "
             f"by layout ops alone) whose shape follows the inputs': {a} on batch {i}, {b} on "
             f"batch {j} (a relative-position matrix sized by the sequence length?). Its scales "
-            f"(shape {tuple(jnp.shape(w.scale))}) can fit one of them only. Calibrate once per "
+            f"(shape {tuple(jnp.shape(w.scale))}) are measured on one of them only. Calibrate once per "
             "length (one qparams per length), or keep the op float with a rule ahead of the "
             f"others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
 

@@ -345,6 +345,12 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
                       r"nothing is wrong") as got:
         assert jqt.pack(qg, P).tied == ()
     assert not any("one weight type" in str(w.message) for w in got)
+    # a square table: the shapes match, the axes do not (hunt34_review2)
+    sq = {"emb": P["emb"][:, :P["emb"].shape[0]]}
+    qs = jqt.calibrate(g, jqt.recipes.w8(), sq, [(IDS,)], progress=False)
+    with pytest.warns(UserWarning, match=r"contracts the table's other axis.*nothing is wrong") as got:
+        assert jqt.pack(qs, sq).tied == ()
+    assert not any("one weight type" in str(w.message) for w in got)
 
 
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():

@@ -662,6 +662,8 @@ def _tied(qparams, weights):
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}", _TYPE_FIX)
+            elif not _contracts_features(qparams[m].source):  # A @ table (a square one too)
+                apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
                     c[0] == "slice" for c in qparams[m].source.chain):  # rows left out
                 apart = (m, f"the matmul reads a slice of the table (codes of shape "
@@ -669,12 +671,7 @@ def _tied(qparams, weights):
                          "To store them once, multiply by the whole table and slice the "
                          "product ((u @ table.T)[:, 1:] for u @ table[1:].T).")
             elif table.shape != w.values.shape:
-                apart = (m, f"the matmul holds its codes in another shape "
-                            f"({tuple(table.shape)}, the table's {tuple(w.values.shape)}: it "
-                            "contracts the table's other axis, A @ table, or reads part of its "
-                            "features, so its scales are not the lookup's)",
-                         "In this form the two cannot share codes: the packed params hold "
-                         "both, and nothing is wrong.")
+                apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are
                 # not known, so the qparams decide, as the codes would
                 if _same_grid(p, qparams[m]):
@@ -703,6 +700,26 @@ def _tied(qparams, weights):
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "
                     f"{fix}")
     return tuple(out)
+
+
+_OTHER_AXIS = ("the matmul contracts the table's other axis (A @ table) or reads part of its "
+               "features (codes of shape {}, the table's {}), so its scales are not the lookup's")
+_NO_FIX = "In this form the two cannot share codes: the packed params hold both, and nothing is wrong."
+
+
+def _contracts_features(src) -> bool:
+    """Whether a matmul that reads a table (rows x features) through ``src`` contracts the
+    table's features, as ``h @ table.T`` does (``A @ table`` contracts its rows: codes per
+    feature, never the lookup's, a square table's too); ``True`` where it cannot tell."""
+    if src is None or src.shape is None or len(src.shape) != 2 or not src.contract:
+        return True
+    cols = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.float32), tuple(src.shape))
+    try:
+        op = np.asarray(apply_chain(cols, src.chain))
+    except Exception:  # a step this replay does not take (a stacked chain): as before
+        return True
+    axes = [c for c in src.contract if 0 <= c < op.ndim and op.shape[c] > 1]
+    return not axes or all(np.ptp(op, axis=c).min() > 0 for c in axes)
 
 
 _TYPE_FIX = ("To store them once, give both ops one weight type (a Rule for one of the two "

@@ -435,9 +435,9 @@ def test_matrices_f_builds_from_iota_stay_float():
         qh = jqt.calibrate(h, jqt.recipes.w8a8(smooth=0.5), w, [(jnp.ones((4, 2)),)], progress=False)
         jqt.pack(qh, w)
     assert [k for k, v in qh.items() if "builds from iota" in v.note] == ["dot_general_0"]
-    g = lambda w, x: x @ (w @ m())
+    g = lambda w, x: x @ (w @ m())  # w @ m: the learned w is the weight (m the activation)
     qg = jqt.calibrate(g, jqt.recipes.w8a8(), w, [(jnp.ones((4, 2)),)], progress=False)
-    assert "builds from iota" in qg["dot_general_0"].note
+    assert sorted(qg) == ["dot_general_0", "w"] and not qg["w"].is_float, qg
     # a closed-over array JAX keeps as a literal (jax_use_simplified_jaxpr_constants) is
     # a weight still
     before = jax.config.values["jax_use_simplified_jaxpr_constants"]
@@ -460,6 +460,11 @@ def test_matrices_f_builds_from_iota_stay_float():
         ql = jqt.calibrate(lambda w, x: (x @ w) @ mk(), jqt.recipes.w8a8(), w, [(jnp.ones((4, 2)),)],
                            progress=False)
         assert ("builds from iota" in ql["dot_general_0"].note) == (name != "closed"), name
+    # a learned matrix times a built one, channels first (w @ pos_cf): the learned one is
+    # the weight (the rhs, the built one, was taken for it: w stayed float; hunt34_detect)
+    qw = jqt.calibrate(lambda w, x: (x @ w) + (w @ m())[:, :2].sum(), jqt.recipes.w8(), w,
+                       [(jnp.ones((4, 2)),)], progress=False)
+    assert sorted(qw) == ["w", "w#1"] and not qw["w#1"].is_float and qw["w#1"].weight_operand == 0
     # the resize of a constant image stays constant
     const = jnp.full((1, 4, 4, 2), 0.7)
     g = lambda w, x: jax.image.resize(x, (1, 8, 8, 2), "bilinear")

@@ -48,8 +48,10 @@ _I32 = jnp.int32
 
 def _pick_weight(ins):
     w_ops = [k for k in (0, 1) if ins[k].weight]
-    if len(w_ops) == 2:  # both constant: treat the second (rhs) as the weight
-        w_ops = [1]
+    if len(w_ops) == 2:  # both constant: the learned one (not a matrix f builds from iota,
+        # p["w"] @ sinusoid_cf) is the weight; else the second (rhs)
+        learned = [k for k in (0, 1) if not ins[k].built]
+        w_ops = learned if len(learned) == 1 else [1]
     return w_ops[0] if w_ops else None
 
 

@@ -376,10 +376,12 @@ def _check_computed_shapes(qparams, shapes):
         raise CalibrationDataError(
             f"jqt.calibrate: op '{key}' reads a weight f computes (no leaf of params reaches it "
             f"by layout ops alone) whose shape follows the inputs': {a} on batch {i}, {b} on "
-            f"batch {j} (a relative-position matrix sized by the sequence length?). Its scales "
-            f"(shape {tuple(jnp.shape(w.scale))}) are measured on one of them only. Calibrate once per "
-            "length (one qparams per length), or keep the op float with a rule ahead of the "
-            f"others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
+            f"batch {j} (a relative-position matrix sized by the sequence length, or a weight "
+            "tiled to the batch, jnp.tile(probe, [n, 1, 1]) @ w?). Its scales (shape "
+            f"{tuple(jnp.shape(w.scale))}) are measured on one of them only. Keep the batch out "
+            "of the weight (multiply the untiled weight, then broadcast the product), calibrate "
+            "once per length (one qparams per length), or keep the op float with a rule ahead "
+            f"of the others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):

@@ -54,6 +54,17 @@ _WEIGHTS_READ_AS_DATA = (
 )
 
 
+def _named_weights(path):
+    """``(names, phrase)`` for a ``VarInfo`` field naming one leaf or several.
+
+    >>> _named_weights(("a", "b"))
+    (('a', 'b'), "weights 'a', 'b'")
+    """
+    names = (path,) if isinstance(path, str) else tuple(path)
+    return names, (f"weight '{names[0]}'" if len(names) == 1 else
+                   "weights " + ", ".join(f"'{q}'" for q in names))
+
+
 def _contains_quantizable(jaxpr) -> bool:
     for e in jaxpr.eqns:
         entry = OPS.get(e.primitive)
@@ -353,9 +364,7 @@ class Analyzer:
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = getattr(table, field)
             if path:
-                names = (path,) if isinstance(path, str) else path
-                what = (f"weight '{names[0]}'" if len(names) == 1 else
-                        "weights " + ", ".join(f"'{q}'" for q in names))
+                names, what = _named_weights(path)
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') looks rows up in {what} {how}; the "
                        f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. {fix}")
                 self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
@@ -418,9 +427,7 @@ class Analyzer:
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if widx is None and path and not entry.is_cache:
-                names = (path,) if isinstance(path, str) else path
-                what = (f"weight '{names[0]}'" if len(names) == 1 else
-                        "weights " + ", ".join(f"'{q}'" for q in names))
+                names, what = _named_weights(path)
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
                        "an activation x activation op: it stays float (unless the recipe "
                        f"quantizes those, act_x_act=), as the weight{' does' if len(names) == 1 else 's do'}. {fix}")

@@ -65,6 +65,12 @@ def _named_weights(path):
                    "weights " + ", ".join(f"'{q}'" for q in names))
 
 
+def _all_built(infos, empty=False) -> bool:
+    """Whether every value of ``infos`` is made from iota and literals (or zeros); ``empty``
+    for none."""
+    return all(i.built or i.zero for i in infos) if infos else empty
+
+
 def _contains_quantizable(jaxpr) -> bool:
     for e in jaxpr.eqns:
         entry = OPS.get(e.primitive)
@@ -344,7 +350,7 @@ class Analyzer:
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)
-                built = name == "iota" or (w and bool(ins) and all(info.built or info.zero for info in ins))
+                built = name == "iota" or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built)] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
@@ -512,8 +518,8 @@ class Analyzer:
             w = all(info.weight for info in ins)
             # a loop or cond over values f builds (iota, scalar literals) builds its outputs:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
-            built = w and bool(ins) and all(info.built or info.zero for info in ins) \
-                and all(info.built or info.zero or not info.weight for outs_ in body_outs for info in outs_)
+            built = w and _all_built(ins) and _all_built(
+                [info for outs_ in body_outs for info in outs_ if info.weight], empty=True)
             default = VarInfo(w, built=built)
             outs = [default if o is None else o for o in found]
         if caches:

@@ -109,6 +109,17 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
     for bad in ((0, 1), "0", -1, True):
         with pytest.raises(TypeError, match=r"jqt.pack: argnum=.*Pack each weight argument on its own"):
             jqt.pack(qp2, pa, argnum=bad)
+    # the second argument's weights packed without argnum, and quantize without weight_argnums
+    h = lambda enc, head, x: (x @ enc["w1"]) @ head["w2"]
+    enc, head = {"w1": jnp.ones((4, 4))}, {"w2": jnp.ones((4, 2))}
+    qp3 = jqt.calibrate(h, jqt.recipes.w8(), (enc, head), [(jnp.ones((2, 4)),)], weight_argnums=(0, 1),
+                        progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'enc/w1' reads weight 'enc/w1', which params "
+                       r"do not hold .* weights of argument 1 of f .* jqt.pack\(qparams, params, argnum=1\)"):
+        jqt.pack(qp3, head)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"read weights of argument\(s\) \[0, 1\] of f, and "
+                       r"this call's weight_argnums name \[0\]: pass jqt.quantize the weight_argnums"):
+        jqt.quantize(h, qp3)(enc, head, jnp.ones((2, 4)))
 
 
 def test_packed_params_in_place_of_float_params_or_qparams_are_named(setup, tmp_path):

@@ -82,6 +82,20 @@ def _find_leaf(src, index, key):
     return found[0]
 
 
+def _other_arg(qparams, argnum, index) -> str:
+    """The hint for a weight params do not hold: the other weight argument of f (from
+    ``weight_argnums``) whose weights params do hold, to pack with ``argnum=``."""
+    srcs = [p.source for p in qparams.values() if p.weight_operand is not None
+            and p.source is not None and p.operand(p.weight_operand) is not None]
+    for arg in sorted({s.arg for s in srcs} - {argnum}):
+        if all(index.get(s.path) or index.get(s.path.split("/", 1)[-1])
+               for s in srcs if s.arg == arg):
+            return (f" These params hold the weights of argument {arg} of f (the qparams were "
+                    f"calibrated with several weight_argnums): pack them with "
+                    f"jqt.pack(qparams, params, argnum={arg}).")
+    return ""
+
+
 def _some_empty(args, argnums) -> bool:
     """Whether an array among the inputs (the arguments that do not hold weights) has no
     elements: ``table[ids]`` with no ids traces to zeros of the output's shape, without
@@ -472,7 +486,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
-                f"the qparams were calibrated with.{boxed_leaf(src.path, index)}")
+                f"the qparams were calibrated with.{boxed_leaf(src.path, index)}"
+                f"{_other_arg(qparams, argnum, index)}")
         if src.shape is not None and tuple(jnp.shape(flat[leaf])) != tuple(src.shape):
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' was calibrated for weight '{src.path}' of shape "

@@ -285,7 +285,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
             f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
             f"another function or weight_argnums.{counted}"
-            f"{_renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
+            f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
             f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
@@ -401,6 +401,21 @@ def numbers_as_arrays(qparams):
     as_array = lambda a: np.float32(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
     # per op: a tree_map over the dict would sort its keys, which are in evaluation order
     return {k: jax.tree_util.tree_map(as_array, v) for k, v in qparams.items()}
+
+
+def _argnums(qparams, traced, fn) -> str:
+    """A note when the qparams read weights of other arguments of f than this call's
+    ``weight_argnums`` name, or of several where this call names one (its keys then lack
+    the argument names), or the other way round."""
+    calibrated = sorted({p.source.arg for p in qparams.values()
+                         if getattr(p, "source", None) is not None})
+    called = sorted({a for a, _ in traced.leaf_paths})
+    if not calibrated or not called or (set(calibrated) <= set(called)
+                                        and (len(calibrated) > 1) == (len(called) > 1)):
+        return ""
+    return (f" The qparams' ops read weights of argument(s) {calibrated} of f, and this call's "
+            f"weight_argnums name {called}: pass {'jqt.quantize' if fn == 'jqt' else fn} "
+            "the weight_argnums jqt.calibrate was given.")
 
 
 def _renamed_argument(extra, keys, qparams, prefixes) -> str:

@@ -105,6 +105,14 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
         warnings.simplefilter("error")  # each argument packed on its own, without a word
         packs = jqt.pack(qp2, pa, argnum=0), jqt.pack(qp2, pb, argnum=1)
     assert [list(k.weights) for k in packs] == [["a/w"], ["b/w"]]
+    # each packed copy runs in its own slot only (online and target networks swapped, or one
+    # copy in both): the codes follow their op keys, the float leaves the slot
+    gq, x = jqt.quantize(g, qp2, weight_argnums=(0, 1)), jnp.ones((2, 4))
+    assert jnp.allclose(gq(*packs, x), gq(pa, pb, x))
+    for slots, a, b in (((packs[1], packs[0]), 0, 1), ((packs[0], packs[0]), 1, 0)):
+        with pytest.raises(jqt.QParamsMismatchError, match=rf"argument {a} of f is params jqt.pack packed "
+                           rf"for argument {b} .* ops \['{'ab'[b]}/w'\].* argnum={a}\)"):
+            gq(*slots, x)
     # argnum is one int >= 0 (a tuple, a string, -1 warned that nothing was packed)
     for bad in ((0, 1), "0", -1, True):
         with pytest.raises(TypeError, match=r"jqt.pack: argnum=.*Pack each weight argument on its own"):

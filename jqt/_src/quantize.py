@@ -82,6 +82,24 @@ def _find_leaf(src, index, key):
     return found[0]
 
 
+def _check_slot(qparams, packed, a):
+    """Raises unless the packed weights passed as argument ``a`` of f were packed for it
+    (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
+    params passed in a target network's place would run with the target's codes and the
+    online's float leaves."""
+    other = {k: qparams[k].source.arg for k in packed.weights if k in qparams
+             and qparams[k].source is not None and qparams[k].source.arg != a}
+    if other:
+        b = min(other.values())
+        raise QParamsMismatchError(
+            f"jqt: argument {a} of f is params jqt.pack packed for argument {b} "
+            f"(jqt.pack(qparams, params, argnum={b})): their codes are those of ops "
+            f"{sorted(other)[:4]}{' ...' if len(other) > 4 else ''}, which read argument {b}'s "
+            "weights. Packed params run only in the slot they were packed for (two copies of a "
+            "network, as online and target, are packed once per slot): pass them as argument "
+            f"{b}, or pack the params passed here with jqt.pack(qparams, params, argnum={a}).")
+
+
 def _other_arg(qparams, argnum, index) -> str:
     """The hint for a weight params do not hold: the other weight argument of f (from
     ``weight_argnums``) whose weights params do hold, to pack with ``argnum=``."""
@@ -214,6 +232,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         packed, dropped = {}, set()
         for a in argnums:
             if a < len(args) and isinstance(args[a], PackedParams):
+                _check_slot(qparams, args[a], a)
                 packed.update({k: args[a].weight(k) for k in args[a].weights})
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])

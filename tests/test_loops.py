@@ -526,3 +526,19 @@ def test_a_while_loop_vmapped_with_a_stop_per_example(recipe):
         alone = jnp.stack([jqt.quantize(_until, qp, simulate=simulate)(p, x, n) for x, n in zip(xs, ns)])
         assert _rel(out, alone) < 1e-5, simulate
         assert _rel(out, _per_example_until(p, xs, ns)) < TOL[recipe], simulate
+
+
+def test_a_matmul_in_a_while_loops_condition_is_named_in_a_warning():
+    """An event function ``y @ p["we"]`` in the cond_fun stays float (no key, not in
+    summarize): the warning names the weight it reads and the fix (carry the value)."""
+    p = {"w": jnp.eye(4) * 0.5, "we": jnp.ones((4, 1))}
+
+    def f(p, y):
+        cond = lambda s: (jnp.mean(s[1] @ p["we"]) < 10.0) & (s[0] < 20)
+        return lax.while_loop(cond, lambda s: (s[0] + 1, s[1] + jnp.tanh(s[1] @ p["w"])), (0, y))[1]
+
+    with pytest.warns(UserWarning, match=r"cond_fun of a while_loop at '<top>' holds a dot_general/conv "
+                      r"\(reading weights \['we'\]\); jqt leaves it float .* compute the value in the "
+                      r"body_fun and carry it"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    assert list(qp) == ["w"]

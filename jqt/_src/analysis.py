@@ -490,8 +490,13 @@ class Analyzer:
         subs = hop.subs(eqn, ins, scan_id)
         if name == "while":
             if _contains_quantizable(eqn.params["cond_jaxpr"].jaxpr):
+                read = sorted({i.source.path for i in ins[:eqn.params["cond_nconsts"]]
+                               if i.source is not None})
                 self._defer(("while_cond",), f"jqt: the cond_fun of a while_loop at "
-                            f"'{stack or '<top>'}' holds a dot_general/conv; jqt leaves it float.",
+                            f"'{stack or '<top>'}' holds a dot_general/conv"
+                            f"{f' (reading weights {read})' if read else ''}; jqt leaves it "
+                            "float (no op key, not in summarize or report). To quantize it, "
+                            "compute the value in the body_fun and carry it to the cond_fun.",
                             f"'{stack or '<top>'}'")
         if name == "scan":  # carries are data inside; a weight carried in is a float use
             nc, nk = compat.scan_counts(eqn)

@@ -682,6 +682,29 @@ def test_report_untaken_cond_branch_did_not_run():
             assert rep.output_sqnr == pytest.approx(rows[ran].sqnr_cumulative, abs=1e-3)
 
 
+def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
+    """A trip count the quantized values decide (an adaptive step size): the float lane
+    stops after 5 iterations, the quantized after 6; the loop's ops say so, and are
+    measured over the iterations both ran. A fixed trip count gives no note."""
+    p = {"s": jnp.array([[0.75], [0.75], [0.75], [0.7499]]), "w": _normal(83, (4, 4), 0.3)}
+
+    def f(p, x, fixed):
+        n = 3 + jnp.floor((x @ p["s"])[0, 0]).astype(jnp.int32)  # 2.9999 in float, 3 at int8
+        n = jnp.int32(5) if fixed else n
+        return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ p["w"])), (0, x))
+
+    x = jnp.ones((1, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, False)], progress=False)
+    assert [int(f(p, x, False)[0]), int(jqt.quantize(f, qp, simulate=True)(p, x, False)[0])] == [5, 6]
+    for fixed in (False, True):
+        rep = jqt.report(f, qp, p, (x, fixed))
+        rows = {r.key: r for r in rep.rows}
+        assert rows["s"].note == "" and rows["w"].quantized
+        assert ("ran other numbers of iterations" in rows["w"].note) is not fixed
+        assert ("note (a while_loop around it ran other numbers" in str(rep)) is not fixed
+        assert rows["w"].sqnr_cumulative > 25.0
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_report_and_fallback_on_an_op_over_no_elements():
     # An op whose activation has no elements on the batch (a slice of length 0 here; one of

@@ -259,11 +259,12 @@ class Report:
                        f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
         kept = {}
         for r in self.rows:
-            if not r.quantized and r.note:
-                kept.setdefault(r.note, []).append(r.name)
-        for note, names in kept.items():
+            if r.note and (not r.quantized or r.note == _TRIPS):
+                kept.setdefault((r.quantized, r.note), []).append(r.name)
+        for (quantized, note), names in kept.items():
             names = list(dict.fromkeys(names))
-            out.append(f"kept float ({note}): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+            out.append(f"{'note' if quantized else 'kept float'} ({note}): {', '.join(names[:6])}"
+                       f"{' ...' if len(names) > 6 else ''}")
         differ, total = self.output_int_differ
         if total:
             out.append(f"integer outputs: {differ} of {total} values differ from float's")
@@ -418,6 +419,11 @@ def _qrange(q, scale, zp):
     return clip_range(q.qtype, s, z)
 
 
+_TRIPS = ("a while_loop around it ran other numbers of iterations on the float and quantized "
+          "lanes (an adaptive step size, an early exit): measured over the iterations both ran, "
+          "whose states differ; the output's figures are the ones to read")
+
+
 def _rows(site, qp, st):
     w = site.weight_operand
     avals = [v.aval for v in site.eqn.invars]
@@ -433,6 +439,7 @@ def _rows(site, qp, st):
         pick = lambda a: None if a is None else (np.asarray(a) if li is None else
                                                   np.asarray(a)[li] if np.ndim(a) >= len(li) else np.asarray(a))
         ran = "f2" in st and g("x_n") > 0
+        trips = ran and bool(np.any(np.asarray(st.get("trips_differ_max", 0.0)) > 0))
         wsc = None if wq is None or wq.scale is None else pick(wq.scale)
         asc = None if aq is None or aq.scale is None else pick(aq.scale)
         azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)
@@ -451,7 +458,7 @@ def _rows(site, qp, st):
             weight_clip=float(g("w_clip") / g("w_n")) if ran and w is not None else math.nan,
             sqnr_isolated=_sqnr(float(g("f2")), float(g("e_iso"))) if ran else math.nan,
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
-            note=qp.note if qp.is_float else ("" if ran else "did not run on this batch"),
+            note=qp.note if qp.is_float else (_TRIPS if trips else "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
             accumulator=qp.accumulator,
             acc_saturated=float(g("acc_sat") / g("acc_n")) if ran and "acc_n" in st else math.nan,

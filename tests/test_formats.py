@@ -452,6 +452,16 @@ def test_lookups_of_single_elements_stay_float_with_a_note():
         packed = jqt.pack(qp, p)
         assert packed.nbytes() == p["t"].nbytes
         np.testing.assert_array_equal(jqt.quantize(f, qp)(packed, jnp.arange(4)), f(p, jnp.arange(4)))
+        # a rule's per-tensor type (a density grid read voxel by voxel): one scale, honoured
+        one = jqt.Recipe(rules=(jqt.Rule(ops=("gather",), embedding=jqt.QuantType(bits=8, per_channel=False)),)
+                         + jqt.recipes.w4(group_size=32).rules)
+        qp = jqt.calibrate(f, one, p, [(jnp.arange(4),)], progress=False)
+        assert not qp["t"].is_float and jnp.size(qp["t"].operand(0).scale) == 1
+        packed, ids = jqt.pack(qp, p), jnp.arange(4)
+        assert packed.nbytes() < p["t"].nbytes / 3
+        got = jqt.quantize(f, qp)(packed, ids)
+        np.testing.assert_array_equal(got, jqt.quantize(f, qp, simulate=True)(p, ids))
+        assert 0 < jnp.abs(got - f(p, ids)).max() <= float(qp["t"].operand(0).scale) / 2 + 1e-6
 
 
 def test_table_read_transposed_by_another_lookup_is_not_tied():

@@ -710,9 +710,10 @@ def _decide(site, rule, st):
     wt = site.entry.weight_type(rule)
     if wt is None:
         return float_("the recipe keeps it float")
-    if site.op == "gather" and not site.contract[0]:
+    if site.op == "gather" and not site.contract[0] and (wt.per_channel or wt.group_size):
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
-                      "float: one scale per element would store more than the table")
+                      "float: one scale per element would store more than the table (a rule's "
+                      "per-tensor embedding= type, per_channel=False, quantizes it)")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
         diagnostics.warn_grouped(
             "batch_groups", f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "

@@ -682,6 +682,19 @@ def test_report_untaken_cond_branch_did_not_run():
             assert rep.output_sqnr == pytest.approx(rows[ran].sqnr_cumulative, abs=1e-3)
 
 
+def test_report_gives_each_float_output_its_own_sqnr(chain_setup):
+    """f returning (logits, state it passes back): the state's energy, exact, pools into
+    the output line; each output's own SQNR is given, worst first."""
+    p, x, qp, alone = chain_setup
+    g = lambda p, x, s: (chain(p, x), {"mean": s * 1.0})
+    rep = jqt.report(g, qp, p, (x, jnp.full((64,), 100.0)))
+    assert [k for k, _ in rep.output_leaves] == ["[0]", "[1]['mean']"]
+    assert rep.output_leaves[0][1] == pytest.approx(alone.output_sqnr, abs=1e-6)
+    assert rep.output_leaves[1][1] == math.inf and rep.output_sqnr > alone.output_sqnr + 3
+    assert f"output SQNR per output, worst first: [0] {alone.output_sqnr:.1f} dB, [1]['mean'] exact" in str(rep)
+    assert alone.output_leaves == () and "per output" not in str(alone)
+
+
 def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
     """A trip count the quantized values decide (an adaptive step size): the float lane
     stops after 5 iterations, the quantized after 6; the loop's ops say so, and are

@@ -224,6 +224,8 @@ class Report:
     output_rel_l2: float     # 0 when exact, also on an all-zero batch
     output_max_abs: float
     output_int_differ: tuple = (0, 0)  # integer / bool outputs: (values that differ, values)
+    output_leaves: tuple = ()  # (path, SQNR dB) per float output where f returns several
+    #                            (logits beside the state f passes back, which pools in the above)
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
@@ -256,7 +258,12 @@ class Report:
             out.append("output: f returns no float output, so no output error was measured")
         else:
             out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
-                       f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}")
+                       f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}"
+                       f"{' (all float outputs pooled)' if self.output_leaves else ''}")
+            if self.output_leaves:
+                worst = sorted(self.output_leaves, key=lambda t: t[1])
+                out.append("output SQNR per output, worst first: " + ", ".join(
+                    f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst[:4]) + (" ..." if len(worst) > 4 else ""))
         kept = {}
         for r in self.rows:
             if r.note and (not r.quantized or r.note == _TRIPS):
@@ -367,8 +374,10 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         if s.key in qparams:  # an optional op without an entry ran float: no row
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = mx = 0.0
-    floats, differ, total = False, 0, 0
-    for o in outs:
+    floats, differ, total, leaves = False, 0, 0, []
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(traced.out_tree, range(len(outs))))[0]]
+    for path, o in zip(paths, outs):
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
             o = jax.random.key_data(o)
         if not jnp.issubdtype(np.asarray(o).dtype, jnp.inexact):  # bfloat16 and fp8 too
@@ -377,14 +386,16 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             continue
         floats = True
         o = np.asarray(o, np.complex128 if np.iscomplexobj(o) else np.float64)
-        f2 += float(np.sum(np.abs(o[0]) ** 2))
-        e2 += float(np.sum(np.abs(o[1] - o[0]) ** 2))
+        lf2, le2 = float(np.sum(np.abs(o[0]) ** 2)), float(np.sum(np.abs(o[1] - o[0]) ** 2))
+        f2, e2 = f2 + lf2, e2 + le2
+        leaves.append((path, _sqnr(lf2, le2)))
         mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
     if not floats:
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
                       output_max_abs=math.nan, output_int_differ=(differ, total))
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
-                  output_max_abs=mx, output_int_differ=(differ, total))
+                  output_max_abs=mx, output_int_differ=(differ, total),
+                  output_leaves=tuple(leaves) if len(leaves) > 1 else ())
 
 
 def _rel(signal, noise):

@@ -928,3 +928,15 @@ def test_pack_traced_with_the_params_closed_over(recipe):
         [(a.shape, a.dtype) for a in jax.tree.leaves(packed)]
     for a, b in zip(jax.tree.leaves(jax.jit(lambda: jqt.pack(qp, p))()), jax.tree.leaves(packed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pack_names_a_weight_computed_from_one_leaf_among_its_causes():
+    """A weight standardization (haiku's custom_getter, a Keras constraint) computes the
+    weight from one leaf: quantized at run time; pack's warning names that cause."""
+    f = lambda p, x: x @ ((p["w"] - p["w"].mean()) / p["w"].std())
+    p, x = {"w": jnp.arange(16.0).reshape(4, 4)}, jnp.ones((2, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert list(qp) == ["dot_general_0"] and not qp["dot_general_0"].is_float
+    with pytest.warns(UserWarning, match=r"jqt.pack: ops \['dot_general_0'\] .* by arithmetic on one, "
+                      r"as a weight standardization .* store it as computed in params"):
+        jqt.pack(qp, p)

@@ -560,7 +560,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         src, p, apply_chain(flat[src.leaf], src.chain)))
     if unpackable:
         diagnostics.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
-                         "reached by layout ops (constants, values computed from several leaves, "
+                         "reached by layout ops (constants, values computed from several leaves or "
+                         "by arithmetic on one, as a weight standardization (w - mean) / std, "
                          "a leaf reordered by an index array, w[perm], or gathered across devices "
                          "inside a jax.shard_map, all_gather, as FSDP does); they are quantized at "
                          "run time. To pack such a weight, store it as computed in params (e.g. "

@@ -949,6 +949,17 @@ def test_an_einsum_that_contracts_two_weights_first_says_so():
         qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
     assert sorted(qp) == ["a", "b"]
     assert jqt.quantize(g, qp)(jqt.pack(qp, p), xs[:2]).shape == (2, 8)
+    # one weight among three operands (AlphaFold's fused outer-product mean): at another
+    # length the weight is on the other side of its matmul; quantize and calibrate say why
+    h = lambda p, m: jnp.einsum("sic,sjd,cde->ije", m, m, p["o"])
+    po = {"o": jax.random.normal(jax.random.key(3), (4, 4, 16))}
+    m8, m64 = (jax.random.normal(jax.random.key(4), (4, n, 4)) for n in (8, 64))
+    qo = jqt.calibrate(h, jqt.recipes.w8a8(), po, [(m8,)], progress=False)
+    hint = r"weight operand .*An einsum of three or more operands \('sic,sjd,cde->ije'\).*optimize=False"
+    with pytest.raises(jqt.QParamsMismatchError, match=hint):
+        jqt.quantize(h, qo)(po, m64)
+    with pytest.raises(jqt.CalibrationDataError, match=r"runs other ops .*\('sic,sjd,cde->ije'\).*optimize=False"):
+        jqt.calibrate(h, jqt.recipes.w8a8(), po, [(m8,), (m64,)], progress=False)
 
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])

@@ -122,11 +122,13 @@ def _check_same_ops(i, traced, first):
     if sig != ref:
         a, b = {s[0]: s for s in ref}, {s[0]: s for s in sig}
         diff = sorted(set(a) ^ set(b)) or [k for k in a if a[k] != b.get(k)]
+        names = [s.key for s in traced.sites()] + [s.name_stack or "" for s in traced.sites() if s.key in diff]
         raise CalibrationDataError(
             f"jqt.calibrate: batch {i} runs other ops than batch {j} (they differ at "
             f"{diff[:5]}): its non-array arguments or its shapes change which ops f runs, and "
             "one set of qparams cannot serve both. Calibrate each variant on its own (bind the "
-            "argument with functools.partial), or give every batch the same values.")
+            "argument with functools.partial), or give every batch the same values."
+            f"{diagnostics.einsum_order(names)}")
     return first
 
 

@@ -130,3 +130,15 @@ def warn_grouped(kind, message: str, label: str) -> None:
     if message not in msgs:
         msgs.append(message)
         labels.append(label)
+
+
+def einsum_order(keys) -> str:
+    """A hint where a mismatched key is a ``jnp.einsum``'s (a scope of it is the spec,
+    ``'bi,ij,jk->bk'``): with three or more operands, the order it contracts them in
+    follows their shapes."""
+    spec = next((part for k in keys for part in k.split("/")
+                 if "->" in part and part.split("->")[0].count(",") >= 2), None)
+    return ("" if spec is None else
+            f" An einsum of three or more operands ('{spec}') contracts them in an order "
+            "jnp.einsum picks from their shapes, so other input shapes can give other ops: "
+            "pass optimize=False to it, or write it as two einsums, and re-calibrate.")

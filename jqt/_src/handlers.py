@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import accumulator, compat, dense, groups, kvcache, stats, transforms
+from . import accumulator, compat, dense, diagnostics, groups, kvcache, stats, transforms
 from . import numerics as nx
 from .dense import DenseAxes
 from .formats import unpack_nibbles
@@ -243,7 +243,8 @@ def lookup(ctx, site, invals):
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] describes a {qp.op} with weight operand "
             f"{qp.weight_operand}, but the function has a {site.op} with weight operand "
-            f"{site.weight_operand} there. Re-calibrate for this function.")
+            f"{site.weight_operand} there. Re-calibrate for this function."
+            f"{diagnostics.einsum_order([site.name_stack or ''])}")
     _check_source(site, qp)
     for i in (0, 1):
         q = qp.operand(i)

@@ -23,7 +23,7 @@ import re
 import jax
 import numpy as np
 
-from . import accumulator, compat, kvcache
+from . import accumulator, compat, diagnostics, kvcache
 from .qparams import OpQParams, PackedParams, restored_bare
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
@@ -287,7 +287,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"another function or weight_argnums.{counted}"
             f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
-            f"{_einsum_order(extra + [k for k in keys if k not in qparams])}")
+            f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -317,19 +317,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}"
             f"{_boxed([k for k in qparams if k not in keys], missing)}"
-            f"{_einsum_order(missing + [k for k in qparams if k not in keys])}")
-
-
-def _einsum_order(keys) -> str:
-    """A hint where a mismatched key is a ``jnp.einsum``'s (a scope of it is the spec,
-    ``'bi,ij,jk->bk'``): with three or more operands, the order it contracts them in
-    follows their shapes."""
-    spec = next((part for k in keys for part in k.split("/")
-                 if "->" in part and part.split("->")[0].count(",") >= 2), None)
-    return ("" if spec is None else
-            f" An einsum of three or more operands ('{spec}') contracts them in an order "
-            "jnp.einsum picks from their shapes, so other input shapes can give other ops: "
-            "pass optimize=False to it, or write it as two einsums, and re-calibrate.")
+            f"{diagnostics.einsum_order(missing + [k for k in qparams if k not in keys])}")
 
 
 def _boxed(theirs, ours, reads="the function reads") -> str:

@@ -328,6 +328,24 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
+def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
+    """A product VQ's 3-D codebook (an einsum of codebooks and their rows' lookup) was
+    stored twice without a word; a lookup whose scales were fine-tuned apart from its
+    matmul's (same type) got the fix "give both ops one weight type", which they had."""
+    cb = {"cb": jax.random.normal(jax.random.key(0), (2, 16, 8))}
+    f = lambda p, z: p["cb"][jnp.arange(2), jnp.argmax(jnp.einsum("bgd,gkd->bgk", z, p["cb"]), -1)]
+    qp = jqt.calibrate(f, jqt.recipes.w8(), cb, [(jnp.ones((4, 2, 8)),)], progress=False)
+    with pytest.warns(UserWarning, match=r"lookup 'cb#1' and the matmul 'cb' read the same table 'cb', but "
+                      r"jqt stores codes once for a 2-D table .* stored twice. .*nothing is wrong"):
+        assert jqt.pack(qp, cb).tied == ()
+    qt = jqt.calibrate(tied, jqt.recipes.w8(), P, [(IDS,)], progress=False)
+    look = qt["emb"].operand(0)
+    moved = {**qt, "emb": dataclasses.replace(qt["emb"], lhs=dataclasses.replace(look, scale=look.scale * 1.1))}
+    with pytest.warns(UserWarning, match=r"codes differ .* edited or trained\): its codes are stored twice. "
+                      r"Both ops have one weight type but other scales .*jqt.qat.labels"):
+        assert jqt.pack(moved, P).tied == ()
+
+
 def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     """Scoring against a slice of the table's rows (``u @ emb[1:].T``, the padding row left
     out): pack said the matmul "contracts the table's other axis" and to give both ops one

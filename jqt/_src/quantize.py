@@ -679,14 +679,27 @@ def _tied(qparams, weights):
     reads (tied input and output embeddings) with the same codes, so that the codes
     are stored once. The matmul's 2-D codes are the table (``"nk"``) or its transpose
     (``"kn"``), compared byte for byte with the lookup's."""
-    matmuls = {}
+    matmuls, others = {}, {}
     for k, w in weights.items():
         p = qparams[k]
         if p.op == "dot_general" and w.layout in ("nk", "kn") and w.values.ndim == 2:
             matmuls.setdefault((p.source.arg, p.source.leaf), []).append(k)
+        elif p.op == "dot_general":  # a stacked table's (a scan over codebooks), an einsum's
+            others.setdefault((p.source.arg, p.source.leaf), []).append(k)
     out = []
     for k, w in weights.items():
         p = qparams[k]
+        leaf = (p.source.arg, p.source.leaf) if p.op == "gather" else None
+        stacked = [m for m in others.get(leaf, ()) if weights[m].values is not None and w.values is not None
+                   and (w.values.ndim != 2 or weights[m].values.ndim != 2)]
+        if stacked and not matmuls.get(leaf):
+            m = stacked[0]
+            diagnostics.warn(
+                f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
+                f"'{p.source.path}', but jqt stores codes once for a 2-D table that a matmul "
+                f"reads whole as (N, K) or (K, N) only (here codes of shape "
+                f"{tuple(weights[m].values.shape)} and {tuple(w.values.shape)}: a stacked table, "
+                f"or one of three axes): its codes are stored twice. {_NO_FIX}")
         if p.op != "gather" or w.values.ndim != 2:
             continue
         apart = None  # a matmul reading the table with other codes: (its key, its type)
@@ -725,8 +738,12 @@ def _tied(qparams, weights):
                 out.append((k, m))
                 break
             else:
+                q = qparams[m]  # one type, no transform: the scales alone differ
+                trained = (p.smooth is None and q.smooth is None and not p.rotate and not q.rotate
+                           and w.qtype == o.qtype and not _same_grid(p, q))
                 apart = (m, "their codes differ (the matmul's weight is smoothed or rotated, "
-                            "its weight calibrator is another, or its scales were edited)", _TYPE_FIX)
+                            "its weight calibrator is another, or its scales were edited or "
+                            "trained)", _SCALE_FIX if trained else _TYPE_FIX)
         else:
             if apart is not None:
                 m, why, fix = apart
@@ -757,5 +774,9 @@ def _contracts_features(src) -> bool:
     return not axes or all(np.ptp(op, axis=c).min() > 0 for c in axes)
 
 
+_SCALE_FIX = ("Both ops have one weight type but other scales (fine-tuned apart: a lookup's "
+              "scales get gradients the matmul's do not): to store the codes once, give the "
+              "matmul the lookup's scales, or freeze both in training (jqt.qat.labels); "
+              "otherwise nothing is wrong.")
 _TYPE_FIX = ("To store them once, give both ops one weight type (a Rule for one of the two "
              "keys ahead of the preset's) without smoothing or rotation.")

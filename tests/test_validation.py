@@ -1611,3 +1611,16 @@ def test_rule_settings_that_can_never_apply_are_refused():
     msgs = _messages(lambda: jqt.calibrate(f, r, p, [(jnp.arange(3), jnp.ones((3, 4)))], progress=False))
     assert any("rule 0 (Rule(key='.*')) sets embedding=, but its ops=('dot_general',) leave out the "
                "lookups ('gather'), and the lookups its key matches stay float: 'emb'" in m for m in msgs), msgs
+
+
+def test_a_linear_solve_on_a_weight_gets_a_fix_that_can_be_done():
+    """Glow's inverse 1x1 conv, ``z @ jnp.linalg.inv(W)``: the solve's own matmuls are not a
+    function the user wrote; the warning says they need float and how to quantize the
+    product (hunt35_vae). The product itself is quantized."""
+    p = {"W": jnp.eye(4) + 0.1 * jax.random.normal(jax.random.key(0), (4, 4))}
+    f = lambda p, z: z @ jnp.linalg.inv(p["W"])
+    with pytest.warns(UserWarning, match=r"'custom_linear_solve'.*read weight 'W'.*steps of "
+                      r"jnp.linalg.solve's \(or inv's\) own solve.*compute the inverse outside f") as ws:
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    assert not any("jqt.quantize(g" in str(w.message) for w in ws)
+    assert list(qp) == ["dot_general_0"] and not qp["dot_general_0"].is_float

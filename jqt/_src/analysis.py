@@ -334,6 +334,11 @@ class Analyzer:
                                  if named else "")
                         fix = (f"to quantize these ops, apply jqt to the function {name} calls "
                                "(calibrate it, and call jqt.quantize(g, qparams) inside)")
+                        if name == "custom_linear_solve":  # jnp.linalg.solve / inv
+                            fix = ("these are the steps of jnp.linalg.solve's (or inv's) own "
+                                   "solve, which need float, and nothing is wrong; to quantize "
+                                   "a product with an inverse (Glow's z @ inv(W)), compute the "
+                                   "inverse outside f and pass it in params")
                         if name == "pallas_call":  # a kernel's body reads and writes Refs
                             fix = ("a Pallas kernel works on Refs, which jqt cannot quantize "
                                    "inside: to quantize these ops, compute the matmul outside "

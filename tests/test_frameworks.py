@@ -479,6 +479,27 @@ class NNXScan(nnx.Module):
         return self.out(forward(self.inp(x), self.blocks))
 
 
+def test_nnx_variables_held_as_refs_are_refused_with_the_fix():
+    """flax 0.12's nnx.var_defaults(ref=True) / (hijax=True): f reads the weights through
+    references jqt does not follow; ops were keyed by position, pack stored none, and a
+    jitted hijax call failed in NumPy (hunt35_bridge). The error names the mode and
+    nnx.with_vars, whose result calibrates with the leaf keys."""
+    f, x = (lambda m, x: m(x)), jnp.ones((2, 4))
+    for mode, what in (({"ref": True}, r"a jax.Ref \(nnx.var_defaults\(ref=True\)\)"),
+                       ({"hijax": True}, r"an nnx hijax Variable \(nnx.var_defaults\(hijax=True\)\)")):
+        with nnx.var_defaults(**mode):
+            m = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        with pytest.raises(TypeError, match=rf"jqt.calibrate: weight '.*' is {what}.*nnx.with_vars"):
+            jqt.calibrate(f, jqt.recipes.w8(), m, [(x,)], progress=False)
+        plain = nnx.with_vars(m, ref=False, hijax=False)
+        qp = jqt.calibrate(f, jqt.recipes.w8(), plain, [(x,)], progress=False)
+        assert list(qp) == ["kernel/value"] and jqt.pack(qp, plain).weights
+        with pytest.raises(TypeError, match=r"jqt.quantize: weight .*nnx.with_vars"):
+            jax.jit(jqt.quantize(f, qp))(m, x)
+        with pytest.raises(TypeError, match=r"jqt.pack: weight .*nnx.with_vars"):
+            jqt.pack(qp, m)
+
+
 def test_nnx_scan_stacked_layers():
     """``nnx.vmap``-created, ``nnx.scan``-applied layers, quantized as a function of
     the split state: one set of qparams per layer, stacked on a leading (L,) axis."""

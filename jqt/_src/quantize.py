@@ -478,6 +478,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         raise TypeError("jqt.pack: params are already jqt.PackedParams (from jqt.pack or "
                         "jqt.load_packed); pass the float params to pack, or use these as they are.")
     check_alive(params, "jqt.pack", "params")
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        tracing.refuse_mutable(x, path_str(path), "jqt.pack")
     check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()

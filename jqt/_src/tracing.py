@@ -198,6 +198,25 @@ def computed_shapes(traced) -> dict:
             if s.weight_operand is not None and s.source is None and not s.built}
 
 
+def refuse_mutable(x, path, fn):
+    """Raises where weight leaf ``x`` is read through a reference: a ``jax.Ref`` (flax nnx's
+    ``nnx.var_defaults(ref=True)``) or an nnx hijax Variable (``hijax=True``). ``f`` reads
+    those with ref primitives jqt does not follow: its ops got positional keys, pack stored
+    nothing, and a jitted quantized call failed."""
+    aval = getattr(x, "aval", None)
+    if isinstance(x, jax.Ref):
+        mode = "a jax.Ref (nnx.var_defaults(ref=True))"
+    elif type(x).__name__ == "HijaxVariable" or type(aval).__name__ == "AbstractVariable":
+        mode = "an nnx hijax Variable (nnx.var_defaults(hijax=True))"
+    else:
+        return
+    raise TypeError(
+        f"{fn}: weight '{path}' is {mode}: f reads it through a reference, which jqt does not "
+        "follow to a weight (its ops would get positional keys and jqt.pack could store none). "
+        "Pass the model with its Variables holding arrays: nnx.with_vars(model, ref=False, "
+        "hijax=False), or build it without that mode.")
+
+
 def normalize_argnums(weight_argnums) -> tuple[int, ...]:
     is_int = lambda n: isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
     nums = (weight_argnums,) if is_int(weight_argnums) else weight_argnums
@@ -352,6 +371,8 @@ class Tracer:
             if a >= len(args):
                 raise ValueError(f"jqt: weight_argnums={self.argnums} but f was called with "
                                  f"{len(args)} positional arguments.")
+            for path, x in jax.tree_util.tree_flatten_with_path(unmark([args[a]])[0])[0]:
+                refuse_mutable(x, path_str(path), self.fn)
         # traced with jit on: under jax.disable_jit a lax.scan would trace unrolled, its
         # layers' ops under other keys than calibrate gave them
         changed = []

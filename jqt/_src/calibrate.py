@@ -707,8 +707,9 @@ def _decide(site, rule, st):
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     if site.built:
         return float_("its weight is a matrix f builds from iota and constants "
-                      "(jax.image.resize's interpolation, a patch filter, a DFT), not a leaf "
-                      "of params; pass it in params to quantize it")
+                      "(jax.image.resize's interpolation, a patch filter, a DFT, or values "
+                      "drawn from a literal PRNG key: weights initialised inside f, missing "
+                      "from params?), not a leaf of params; pass it in params to quantize it")
     wt = site.entry.weight_type(rule)
     if wt is None:
         return float_("the recipe keeps it float")

@@ -1624,3 +1624,19 @@ def test_a_linear_solve_on_a_weight_gets_a_fix_that_can_be_done():
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
     assert not any("jqt.quantize(g" in str(w.message) for w in ws)
     assert list(qp) == ["dot_general_0"] and not qp["dot_general_0"].is_float
+
+
+def test_a_filter_that_jnp_convolve_reads_as_its_input_gets_the_fix():
+    """``jnp.convolve(x, p["fir"])`` takes the shorter operand as the kernel: a signal
+    shorter than the filter makes the filter the conv's input, float and keyed by
+    position. The warning and the run-time mismatch said neither why nor what to do
+    (hunt35_audio)."""
+    p = {"fir": jnp.linspace(-1.0, 1.0, 16)}
+    f = lambda p, x: jnp.convolve(x, p["fir"], mode="same")
+    long_x, short_x = jnp.ones(64), jnp.ones(8)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(long_x,)], progress=False)
+    assert list(qp) == ["fir"] and not qp["fir"].is_float
+    fix = r"signal shorter than the filter makes the filter the input.*lax.conv_general_dilated"
+    with pytest.warns(UserWarning, match=r"reads weight 'fir' as its input \(lhs\).*" + fix):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"The convolutions differ.*" + fix):
+            jqt.quantize(f, qp)(p, short_x)

@@ -287,7 +287,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"another function or weight_argnums.{counted}"
             f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
-            f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}")
+            f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}"
+            f"{_conv_sides(qparams, traced)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -317,7 +318,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}"
             f"{_boxed([k for k in qparams if k not in keys], missing)}"
-            f"{diagnostics.einsum_order(missing + [k for k in qparams if k not in keys])}")
+            f"{diagnostics.einsum_order(missing + [k for k in qparams if k not in keys])}"
+            f"{_conv_sides(qparams, traced)}")
 
 
 def _boxed(theirs, ours, reads="the function reads") -> str:
@@ -389,6 +391,26 @@ def numbers_as_arrays(qparams):
     as_array = lambda a: np.float32(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
     # per op: a tree_map over the dict would sort its keys, which are in evaluation order
     return {k: jax.tree_util.tree_map(as_array, v) for k, v in qparams.items()}
+
+
+def _conv_sides(qparams, traced) -> str:
+    """A hint where the convolutions differ in their keys only: one whose weight is its
+    kernel (keyed by the weight) on one side, one keyed by position on the other, as
+    ``jnp.convolve(x, w)`` gives when ``x`` is shorter than ``w`` (the shorter operand is
+    its kernel)."""
+    conv = "conv_general_dilated"
+    theirs = {k for k, p in qparams.items() if getattr(p, "op", None) == conv}
+    ours = {s.key for s in traced.sites() if s.op == conv}
+    positional = lambda ks: {k for k in ks if k.split("/")[-1].split("#")[0].startswith(conv + "_")}
+    a, b = theirs - ours, ours - theirs
+    if not a or not b or len(theirs) != len(ours) or not (
+            (positional(a) == a and not positional(b)) or (positional(b) == b and not positional(a))):
+        return ""
+    return (" The convolutions differ: a convolution's weight is quantized as its kernel only, "
+            "and jnp.convolve / jnp.correlate take the shorter operand as the kernel, so a "
+            "signal shorter than the filter makes the filter the input, another op. Pass signals "
+            "at least as long as the filter, or call lax.conv_general_dilated with the filter "
+            "as the kernel.")
 
 
 def _argnums(qparams, traced, fn) -> str:

@@ -113,6 +113,10 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
         with pytest.raises(jqt.QParamsMismatchError, match=rf"argument {a} of f is params jqt.pack packed "
                            rf"for argument {b} .* ops \['{'ab'[b]}/w'\].* argnum={a}\)"):
             gq(*slots, x)
+    # one weight argument, f's arguments reordered by a wrapper: its packed params run
+    one = jqt.calibrate(lambda w, x: x @ w["w"], jqt.recipes.w8(), pa, [(x,)], progress=False)
+    moved = jqt.quantize(lambda x, w: x @ w["w"], one, weight_argnums=1)
+    np.testing.assert_array_equal(moved(x, jqt.pack(one, pa)), moved(x, pa))
     # argnum is one int >= 0 (a tuple, a string, -1 warned that nothing was packed)
     for bad in ((0, 1), "0", -1, True):
         with pytest.raises(TypeError, match=r"jqt.pack: argnum=.*Pack each weight argument on its own"):

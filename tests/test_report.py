@@ -694,6 +694,20 @@ def test_report_gives_each_float_output_its_own_sqnr(chain_setup):
     assert f"output SQNR per output, worst first: [0] {alone.output_sqnr:.1f} dB, [1]['mean'] exact" in str(rep)
     assert alone.output_leaves == () and "per output" not in str(alone)
 
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Out:  # its constructor checks its fields (flax.struct dataclasses do so too)
+        y: jax.Array
+        z: jax.Array
+
+        def __post_init__(self):
+            assert self.y.ndim == 2  # not so for placeholders: named by position
+
+    rep = jqt.report(lambda p, x: Out(chain(p, x), 2.0 * x), qp, p, (x,))
+    assert [k for k, _ in rep.output_leaves] == ["[0]", "[1]"]
+    rep = jqt.report(lambda p, x: (chain(p, x), x * jnp.nan), qp, p, (x,))
+    assert "no float output" not in str(rep) and "worst first: [1]" in str(rep)
+
 
 def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
     """A trip count the quantized values decide (an adaptive step size): the float lane
@@ -716,6 +730,13 @@ def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
         assert ("ran other numbers of iterations" in rows["w"].note) is not fixed
         assert ("note (a while_loop around it ran other numbers" in str(rep)) is not fixed
         assert rows["w"].sqnr_cumulative > 25.0
+    # f's own vmap over examples, each stopping on its own: the first differs (5 and 6), the
+    # longest runs 7 iterations in both lanes
+    g = lambda p, xs: jax.vmap(lambda x: f(p, x[None], False))(xs)
+    xs = jnp.stack([x[0], jnp.full((4,), 1.5)])
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    assert [g(p, xs)[0].tolist(), jqt.quantize(g, qg, simulate=True)(p, xs)[0].tolist()] == [[5, 7], [6, 7]]
+    assert "ran other numbers of iterations" in {r.key: r for r in jqt.report(g, qg, p, (xs,)).rows}["w"].note
 
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature

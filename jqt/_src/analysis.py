@@ -334,11 +334,14 @@ class Analyzer:
                                  if named else "")
                         fix = (f"to quantize these ops, apply jqt to the function {name} calls "
                                "(calibrate it, and call jqt.quantize(g, qparams) inside)")
-                        if name == "custom_linear_solve":  # jnp.linalg.solve / inv
-                            fix = ("these are the steps of jnp.linalg.solve's (or inv's) own "
-                                   "solve, which need float, and nothing is wrong; to quantize "
-                                   "a product with an inverse (Glow's z @ inv(W)), compute the "
-                                   "inverse outside f and pass it in params")
+                        if name == "custom_linear_solve":  # jnp.linalg.solve / inv, or cg
+                            fix = ("it is a linear solve: for jnp.linalg.solve or inv these are "
+                                   "the solve's own steps, which need float, and nothing is "
+                                   "wrong (to quantize a product with an inverse, Glow's "
+                                   "z @ inv(W), compute the inverse outside f and pass it in "
+                                   "params); for jax.scipy.sparse.linalg's cg/gmres/bicgstab, "
+                                   "they are the matvec you pass: to quantize it, apply jqt to "
+                                   "it (calibrate it, and call jqt.quantize(g, qparams) inside)")
                         if name == "pallas_call":  # a kernel's body reads and writes Refs
                             fix = ("a Pallas kernel works on Refs, which jqt cannot quantize "
                                    "inside: to quantize these ops, compute the matmul outside "

@@ -489,19 +489,20 @@ def _while(eqn, invals, sub, ctx, evaluate):
         carry, acc, n = cs
         outs, so = run(state, *bconsts, *carry)
         merged = ctx.handler.merge(acc, so)
-        go = cond_fn(carry)  # this lane's own iteration
+        go = pred(carry)  # this lane's own iteration (per example, where f vmaps the loop)
         if lanes_axis:  # jqt.report: measured while both lanes (float, quantized) run; where
             # their trip counts differ (an adaptive step size), a finished lane's kept carry
-            # is no iteration of its own to compare with
-            both = jnp.all(lax.all_gather(go, lanes_axis))
+            # is no iteration of its own to compare with (one example's, under f's vmap,
+            # is measured with the others: the statistics sum over them)
+            both = jnp.all(lax.all_gather(jnp.any(go), lanes_axis))
             merged = jax.tree_util.tree_map(lambda m, a: jnp.where(both, m, a), merged, acc)
         return lanes(outs, carry), merged, n + go.astype(jnp.int32)
 
-    carry, st_out, n = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn,
-                                      (list(init), st0, jnp.int32(0)))
+    n0 = jnp.zeros(cj.outvars[0].aval.shape, jnp.int32)  # iterations per example
+    carry, st_out, n = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0, n0))
     if lanes_axis:  # each op says whether the lanes ran other numbers of iterations
         trips = lax.all_gather(n, lanes_axis)
-        differ = (trips[0] != trips[1]).astype(jnp.float32)
+        differ = jnp.any(trips[0] != trips[1]).astype(jnp.float32)
         st_out = {k: {**v, "trips_differ_max": jnp.maximum(v.get("trips_differ_max", 0.0), differ)}
                   if isinstance(v, dict) else v for k, v in st_out.items()}
     ctx.put_all(st_out)

@@ -82,13 +82,14 @@ def _find_leaf(src, index, key):
     return found[0]
 
 
-def _check_slot(qparams, packed, a):
+def _check_slot(qparams, packed, a, argnums):
     """Raises unless the packed weights passed as argument ``a`` of f were packed for it
     (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
     params passed in a target network's place would run with the target's codes and the
     online's float leaves."""
     other = {k: qparams[k].source.arg for k in packed.weights if k in qparams
-             and qparams[k].source is not None and qparams[k].source.arg != a}
+             and qparams[k].source is not None and qparams[k].source.arg != a
+             and qparams[k].source.arg in argnums}  # (f with its arguments reordered: one)
     if other:
         b = min(other.values())
         raise QParamsMismatchError(
@@ -232,7 +233,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         packed, dropped = {}, set()
         for a in argnums:
             if a < len(args) and isinstance(args[a], PackedParams):
-                _check_slot(qparams, args[a], a)
+                _check_slot(qparams, args[a], a, argnums)
                 packed.update({k: args[a].weight(k) for k in args[a].weights})
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])

@@ -226,6 +226,7 @@ class Report:
     output_int_differ: tuple = (0, 0)  # integer / bool outputs: (values that differ, values)
     output_leaves: tuple = ()  # (path, SQNR dB) per float output where f returns several
     #                            (logits beside the state f passes back, which pools in the above)
+    float_output: bool = True  # f returns a float output (its SQNR is NaN where it holds NaN)
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
@@ -254,14 +255,14 @@ class Report:
         out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
         exact = " (exact)" if self.output_sqnr == math.inf else ""
-        if math.isnan(self.output_sqnr):
+        if not self.float_output:
             out.append("output: f returns no float output, so no output error was measured")
         else:
             out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
                        f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}"
                        f"{' (all float outputs pooled)' if self.output_leaves else ''}")
             if self.output_leaves:
-                worst = sorted(self.output_leaves, key=lambda t: t[1])
+                worst = sorted(self.output_leaves, key=lambda t: (not math.isnan(t[1]), t[1]))
                 out.append("output SQNR per output, worst first: " + ", ".join(
                     f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst[:4]) + (" ..." if len(worst) > 4 else ""))
         kept = {}
@@ -375,8 +376,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = mx = 0.0
     floats, differ, total, leaves = False, 0, 0, []
-    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(
-        jax.tree_util.tree_unflatten(traced.out_tree, range(len(outs))))[0]]
+    paths = _output_paths(traced.out_tree, len(outs))
     for path, o in zip(paths, outs):
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
             o = jax.random.key_data(o)
@@ -392,10 +392,23 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
     if not floats:
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
-                      output_max_abs=math.nan, output_int_differ=(differ, total))
+                      output_max_abs=math.nan, output_int_differ=(differ, total), float_output=False)
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
                   output_max_abs=mx, output_int_differ=(differ, total),
                   output_leaves=tuple(leaves) if len(leaves) > 1 else ())
+
+
+def _output_paths(tree, n):
+    """The paths of ``f``'s ``n`` output leaves (``[0]``, ``['logits']``); by position
+    where the output's type will not be rebuilt from placeholders (a dataclass whose
+    ``__post_init__`` checks its fields)."""
+    try:
+        leaves = jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(tree, [np.zeros(()) for _ in range(n)]))[0]
+    except Exception:  # noqa: BLE001 -- any check the output's constructor makes
+        return [f"[{i}]" for i in range(n)]
+    return [jax.tree_util.keystr(k) for k, _ in leaves] if len(leaves) == n else \
+        [f"[{i}]" for i in range(n)]
 
 
 def _rel(signal, noise):

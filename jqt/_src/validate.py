@@ -421,7 +421,8 @@ def _argnums(qparams, traced, fn) -> str:
                          if getattr(p, "source", None) is not None})
     called = sorted({a for a, _ in traced.leaf_paths})
     if not calibrated or not called or (set(calibrated) <= set(called)
-                                        and (len(calibrated) > 1) == (len(called) > 1)):
+                                        and (len(calibrated) > 1) == (len(called) > 1)) \
+            or len(calibrated) == len(called) == 1:  # one weight argument, moved: keys alike
         return ""
     return (f" The qparams' ops read weights of argument(s) {calibrated} of f, and this call's "
             f"weight_argnums name {called}: pass {'jqt.quantize' if fn == 'jqt' else fn} "

@@ -338,6 +338,10 @@ def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
     with pytest.warns(UserWarning, match=r"lookup 'cb#1' and the matmul 'cb' read the same table 'cb', but "
                       r"jqt stores codes once for a 2-D table .* stored twice. .*nothing is wrong"):
         assert jqt.pack(qp, cb).tied == ()
+    g = lambda p, ids: jnp.einsum("bd,gcd->bgc", p["cb"][jnp.zeros_like(ids), ids], p["cb"])  # 2-D codes
+    qg = jqt.calibrate(g, jqt.recipes.w8(), cb, [(jnp.arange(4),)], progress=False)
+    with pytest.warns(UserWarning, match=r"lookup 'cb' and the matmul 'cb#1' .* stored twice"):
+        assert jqt.pack(qg, cb).tied == ()
     qt = jqt.calibrate(tied, jqt.recipes.w8(), P, [(IDS,)], progress=False)
     look = qt["emb"].operand(0)
     moved = {**qt, "emb": dataclasses.replace(qt["emb"], lhs=dataclasses.replace(look, scale=look.scale * 1.1))}

@@ -693,10 +693,10 @@ def _tied(qparams, weights):
     for k, w in weights.items():
         p = qparams[k]
         leaf = (p.source.arg, p.source.leaf) if p.op == "gather" else None
-        stacked = [m for m in others.get(leaf, ()) if weights[m].values is not None and w.values is not None
-                   and (w.values.ndim != 2 or weights[m].values.ndim != 2)]
-        if stacked and not matmuls.get(leaf):
-            m = stacked[0]
+        readers = [m for m in (*matmuls.get(leaf, ()), *others.get(leaf, ()))
+                   if weights[m].values is not None and w.values is not None]
+        if readers and (w.values.ndim != 2 or not matmuls.get(leaf)):  # cannot be tied
+            m = readers[0]
             diagnostics.warn(
                 f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                 f"'{p.source.path}', but jqt stores codes once for a 2-D table that a matmul "

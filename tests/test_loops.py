@@ -542,3 +542,21 @@ def test_a_matmul_in_a_while_loops_condition_is_named_in_a_warning():
                       r"body_fun and carry it"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
     assert list(qp) == ["w"]
+
+
+def test_a_data_dependent_while_loop_inside_shard_map_calibrates():
+    """The iteration count jqt keeps for jqt.report's note is typed as the loop's predicate
+    varies over the mesh axes: an int32 counter left invariant failed calibration ("the
+    manual axis types do not match") where the stop depends on each device's data."""
+    from jax.sharding import PartitionSpec as P
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 8)) * 0.3}
+
+    def body(p, x):
+        cond = lambda c: (jnp.max(jnp.abs(c[0])) > 0.05) & (c[1] < 30)
+        return lax.while_loop(cond, lambda c: (jnp.tanh(c[0] @ p["w"]) * 0.9, c[1] + 1), (x, 0))[0]
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    f = lambda p, x: jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))(p, x)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    np.testing.assert_allclose(jqt.quantize(f, qp)(p, x), f(p, x), atol=0.05)

@@ -117,6 +117,17 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
     one = jqt.calibrate(lambda w, x: x @ w["w"], jqt.recipes.w8(), pa, [(x,)], progress=False)
     moved = jqt.quantize(lambda x, w: x @ w["w"], one, weight_argnums=1)
     np.testing.assert_array_equal(moved(x, jqt.pack(one, pa)), moved(x, pa))
+    xw = lambda x, w: x @ w["w"]
+    q1 = jqt.calibrate(xw, jqt.recipes.w8(), pa, [(x,)], weight_argnums=1, progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"read weights of argument\(s\) \[1\] of f, and this "
+                       r"call's weight_argnums name \[0\]"):  # weight_argnums forgotten
+        jqt.quantize(xw, q1)(x, pa)
+    # two weight arguments moved by a wrapper, in order: the right slots run, swapped are refused
+    h = jqt.quantize(lambda x, a, b: g(a, b, x), qp2, weight_argnums=(1, 2))
+    np.testing.assert_array_equal(h(x, *packs), gq(*packs, x))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"argument 1 of f is params jqt.pack packed for "
+                       r"argument 1 of the function calibrated .* pass them as argument 2"):
+        h(x, packs[1], packs[0])
     # argnum is one int >= 0 (a tuple, a string, -1 warned that nothing was packed)
     for bad in ((0, 1), "0", -1, True):
         with pytest.raises(TypeError, match=r"jqt.pack: argnum=.*Pack each weight argument on its own"):

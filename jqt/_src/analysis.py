@@ -450,9 +450,9 @@ class Analyzer:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "
                    "kernel computed from the data: jqt quantizes a convolution's weight only as its "
-                   "kernel (rhs), so this op stays float. jnp.convolve and jnp.correlate take the "
-                   "shorter operand as the kernel, so a signal shorter than the filter makes the "
-                   "filter the input: pass signals at least as long as the filter, or call "
+                   "kernel (rhs), so this op stays float. If it is jnp.convolve or jnp.correlate "
+                   "of a signal shorter than the filter (they take the shorter operand as the "
+                   "kernel): pass signals at least as long as the filter, or call "
                    "lax.conv_general_dilated with the filter as the kernel.")
             self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
                         f"'{stack or '<top>'}'")

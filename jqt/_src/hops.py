@@ -480,7 +480,8 @@ def _while(eqn, invals, sub, ctx, evaluate):
         def step(carry):
             return lanes([kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)], carry)
         return _leave_caches(lax.while_loop(cond_fn, step, list(init)), entered, eqn.outvars)
-    shapes = jax.eval_shape(lambda *a: run(state, *bconsts, *a)[1], *init)
+    shapes, go_t = jax.eval_shape(lambda *a: (lambda o: (o[1], pred(list(o[0]))))(
+        run(state, *bconsts, *a)), *init)
     st0 = _no_statistics(ctx, shapes)
 
     lanes_axis = getattr(ctx.handler, "named_lanes", None)
@@ -498,7 +499,7 @@ def _while(eqn, invals, sub, ctx, evaluate):
             merged = jax.tree_util.tree_map(lambda m, a: jnp.where(both, m, a), merged, acc)
         return lanes(outs, carry), merged, n + go.astype(jnp.int32)
 
-    n0 = jnp.zeros(cj.outvars[0].aval.shape, jnp.int32)  # iterations per example
+    n0 = compat.vary_like(jnp.zeros(go_t.shape, jnp.int32), go_t)  # iterations per example
     carry, st_out, n = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0, n0))
     if lanes_axis:  # each op says whether the lanes ran other numbers of iterations
         trips = lax.all_gather(n, lanes_axis)

@@ -522,9 +522,6 @@ def _check_operand(r, where, w, shape):
         a = getattr(w, name)
         if a is None or (a.ndim == 0 and name != "sums"):
             continue
-        if name != "sums" and not w.qtype.per_channel and not w.qtype.group_size \
-                and tuple(a.shape) == tuple(shape[:a.ndim]):  # per tensor, per stacked layer
-            continue
         if not _fits(a.shape, shape, w.qtype.group_size if name != "sums" else 0):
             raise r.error(f"{where}.{name} has shape {list(a.shape)}, which does not fit codes of "
                           f"shape {list(shape)} (layout '{w.layout}', {w.qtype.describe()})")

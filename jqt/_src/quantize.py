@@ -87,18 +87,24 @@ def _check_slot(qparams, packed, a, argnums):
     (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
     params passed in a target network's place would run with the target's codes and the
     online's float leaves."""
+    calibrated = sorted({p.source.arg for p in qparams.values() if p.source is not None})
+    if len(calibrated) != len(argnums) or len(argnums) < 2:
+        return  # one weight argument (moved by a wrapper or not): nothing to mix up
+    slot = dict(zip(sorted(argnums), calibrated))  # a wrapper may move them, in order
+    here = slot[a]
     other = {k: qparams[k].source.arg for k in packed.weights if k in qparams
-             and qparams[k].source is not None and qparams[k].source.arg != a
-             and qparams[k].source.arg in argnums}  # (f with its arguments reordered: one)
+             and qparams[k].source is not None and qparams[k].source.arg != here}
     if other:
         b = min(other.values())
+        there = {v: k for k, v in slot.items()}[b]
         raise QParamsMismatchError(
-            f"jqt: argument {a} of f is params jqt.pack packed for argument {b} "
-            f"(jqt.pack(qparams, params, argnum={b})): their codes are those of ops "
-            f"{sorted(other)[:4]}{' ...' if len(other) > 4 else ''}, which read argument {b}'s "
+            f"jqt: argument {a} of f is params jqt.pack packed for argument {b} of the function "
+            f"calibrated (jqt.pack(qparams, params, argnum={b})): their codes are those of ops "
+            f"{sorted(other)[:4]}{' ...' if len(other) > 4 else ''}, which read that argument's "
             "weights. Packed params run only in the slot they were packed for (two copies of a "
             "network, as online and target, are packed once per slot): pass them as argument "
-            f"{b}, or pack the params passed here with jqt.pack(qparams, params, argnum={a}).")
+            f"{there}, or pack the params passed here with jqt.pack(qparams, params, "
+            f"argnum={here}).")
 
 
 def _other_arg(qparams, argnum, index) -> str:

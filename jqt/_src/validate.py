@@ -288,7 +288,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
             f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}"
-            f"{_conv_sides(qparams, traced)}")
+            f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
@@ -319,7 +319,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{list(qparams)[:5]}{' ...' if len(qparams) > 5 else ''}).{why}"
             f"{_boxed([k for k in qparams if k not in keys], missing)}"
             f"{diagnostics.einsum_order(missing + [k for k in qparams if k not in keys])}"
-            f"{_conv_sides(qparams, traced)}")
+            f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}")
 
 
 def _boxed(theirs, ours, reads="the function reads") -> str:
@@ -401,16 +401,17 @@ def _conv_sides(qparams, traced) -> str:
     conv = "conv_general_dilated"
     theirs = {k for k, p in qparams.items() if getattr(p, "op", None) == conv}
     ours = {s.key for s in traced.sites() if s.op == conv}
+
     positional = lambda ks: {k for k in ks if k.split("/")[-1].split("#")[0].startswith(conv + "_")}
     a, b = theirs - ours, ours - theirs
     if not a or not b or len(theirs) != len(ours) or not (
             (positional(a) == a and not positional(b)) or (positional(b) == b and not positional(a))):
         return ""
-    return (" The convolutions differ: a convolution's weight is quantized as its kernel only, "
-            "and jnp.convolve / jnp.correlate take the shorter operand as the kernel, so a "
-            "signal shorter than the filter makes the filter the input, another op. Pass signals "
-            "at least as long as the filter, or call lax.conv_general_dilated with the filter "
-            "as the kernel.")
+    return (" The convolutions differ: one reads its weight as the kernel, the other not. If f "
+            "calls jnp.convolve or jnp.correlate: they take the shorter operand as the kernel, "
+            "so a signal shorter than the filter makes the filter the input, another op; pass "
+            "signals at least as long as the filter, or call lax.conv_general_dilated with the "
+            "filter as the kernel.")
 
 
 def _argnums(qparams, traced, fn) -> str:
@@ -421,8 +422,7 @@ def _argnums(qparams, traced, fn) -> str:
                          if getattr(p, "source", None) is not None})
     called = sorted({a for a, _ in traced.leaf_paths})
     if not calibrated or not called or (set(calibrated) <= set(called)
-                                        and (len(calibrated) > 1) == (len(called) > 1)) \
-            or len(calibrated) == len(called) == 1:  # one weight argument, moved: keys alike
+                                        and (len(calibrated) > 1) == (len(called) > 1)):
         return ""
     return (f" The qparams' ops read weights of argument(s) {calibrated} of f, and this call's "
             f"weight_argnums name {called}: pass {'jqt.quantize' if fn == 'jqt' else fn} "

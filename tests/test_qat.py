@@ -346,6 +346,23 @@ def test_simulated_path_on_packed_weights_rounds_zero_point():
     assert _rel(sim(jqt.pack(moved, p), x), sim(p, x), matmul(p, x)) < INT_VS_SIM
 
 
+def test_simulated_path_on_packed_weights_keeps_their_smoothing_vector():
+    """Against packed weights the smoothing vector is fixed, as the weight scales are: the
+    activation was divided by the qparams' vector, so training it ran a gain the integer
+    path did not (hunt35_qatloop); its gradient is now zero and both paths agree."""
+    p = {"w": _normal(12, (16, 8))}
+    x = _normal(13, (4, 16)) * jnp.linspace(0.1, 4.0, 16)
+    qp = jqt.calibrate(matmul, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    moved = {"w": dataclasses.replace(qp["w"], smooth=qp["w"].smooth * 1.3)}
+    run = jax.jit(lambda q, w, simulate: jqt.quantize(matmul, q, simulate=simulate)(w, x), static_argnums=2)
+    np.testing.assert_allclose(run(moved, packed, True), run(moved, packed, False), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda q: jnp.sum(jqt.quantize(matmul, q, simulate=True)(packed, x) ** 2))(qp)
+    assert float(jnp.abs(g["w"].smooth).max()) == 0.0
+    gf = jax.grad(lambda q: jnp.sum(jqt.quantize(matmul, q, simulate=True)(p, x) ** 2))(qp)
+    assert float(jnp.abs(gf["w"].smooth).max()) > 0.0  # with the float weights it trains
+
+
 # --------------------------------------------------------------------------- digits: 4-bit weights, QAT
 
 

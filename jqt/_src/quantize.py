@@ -151,16 +151,18 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
-def _with_packed(p, pw, own_smooth: bool):
-    """An op's state: its qparams ``p`` and packed weight ``pw``; on the integer path
-    (``own_smooth``) the activation divided by the smoothing vector the codes were
-    multiplied by (as the codes run with their own scales). Where the qparams were known
-    when ``f`` was traced, their vector's digest was compared with the one the packed
-    weight records (``_check_folded``); passed to ``jax.jit`` as an argument they are
-    not, and a weight-only or dynamic op still gives its packed weight's results. The
-    simulated path divides by the qparams' vector, which it differentiates."""
+def _with_packed(p, pw):
+    """An op's state: its qparams ``p`` and packed weight ``pw``; the activation divided by
+    the smoothing vector the codes were multiplied by (as the codes run with their own
+    scales), on the integer and the simulated path alike: with packed weights the vector
+    is fixed, as the weight scales are (its gradient is zero; trained, the simulated path
+    ran a gain the integer path did not). Where the qparams were known when ``f`` was
+    traced, their vector's digest was compared with the one the packed weight records
+    (``_check_folded``); passed to ``jax.jit`` as an argument they are not, and the op
+    still gives its packed weight's results. With float weights the simulated path
+    divides by the qparams' vector, which it differentiates."""
     pw = _complete(pw, p)
-    if own_smooth and pw is not None and pw.smooth is not None and p.smooth is not None:
+    if pw is not None and pw.smooth is not None and p.smooth is not None:
         p = dataclasses.replace(p, smooth=pw.smooth)
     return p, pw
 
@@ -279,7 +281,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 raise
             raise QParamsMismatchError(f"{e} {' '.join(notes)}") from None
         keys = [s.key for s in traced.sites()]
-        state = {k: _with_packed(qparams[k], packed.get(k), not simulate)
+        state = {k: _with_packed(qparams[k], packed.get(k))
                  for k in keys if k in qparams}
         with diagnostics.grouped():
             outs = traced.run(args, handler, state)[0]

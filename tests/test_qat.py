@@ -165,6 +165,9 @@ def test_split_merge_freezes_the_other_half(net_setup):
     assert jax.tree_util.tree_structure(merged) == jax.tree_util.tree_structure((p, qp))
     assert _bits(merged) == _bits((p, qp))
     assert trainable[1]["a"].lhs.scale is None and frozen[1]["a"].lhs.zero_point is None
+    for half, what in ((trainable[1], "scale"), (frozen[1], "zero_point")):  # one half alone
+        with pytest.raises(ValueError, match=rf"lhs.{what}: missing.*jqt.qat.merge them first"):
+            jqt.pack(half, p)
 
     tx = optax.adam(1e-2)
 

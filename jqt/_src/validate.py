@@ -104,7 +104,8 @@ def operand_problems(q, where):
     if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
             and not t.dynamic):
         out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "
-                   "and needs one per scale")
+                   "and needs one per scale (the trained half of jqt.qat.split holds None where "
+                   "the frozen half holds the zero points: jqt.qat.merge them first)")
     return out
 
 

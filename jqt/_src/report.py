@@ -263,8 +263,9 @@ class Report:
                        f"{' (all float outputs pooled)' if self.output_leaves else ''}")
             if self.output_leaves:
                 worst = sorted(self.output_leaves, key=lambda t: (not math.isnan(t[1]), t[1]))
-                out.append("output SQNR per output, worst first: " + ", ".join(
-                    f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst[:4]) + (" ..." if len(worst) > 4 else ""))
+                each = [f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst]
+                out.append("output SQNR per output, worst first: " + ", ".join(each[:4])
+                           + (" ..." if len(each) > 4 else ""))
         kept = {}
         for r in self.rows:
             if r.note and (not r.quantized or r.note == _TRIPS):

@@ -480,26 +480,27 @@ def _while(eqn, invals, sub, ctx, evaluate):
         def step(carry):
             return lanes([kvcache.coerce(o, i) for o, i in zip(run(state, *bconsts, *carry)[0], carry)], carry)
         return _leave_caches(lax.while_loop(cond_fn, step, list(init)), entered, eqn.outvars)
-    shapes, go_t = jax.eval_shape(lambda *a: (lambda o: (o[1], pred(list(o[0]))))(
+    lanes_axis = getattr(ctx.handler, "named_lanes", None)  # jqt.report's two lanes
+    shapes, go_t = jax.eval_shape(lambda *a: (lambda o: (o[1], pred(list(o[0])) if lanes_axis else ()))(
         run(state, *bconsts, *a)), *init)
     st0 = _no_statistics(ctx, shapes)
-
-    lanes_axis = getattr(ctx.handler, "named_lanes", None)
 
     def body_fn(cs):
         carry, acc, n = cs
         outs, so = run(state, *bconsts, *carry)
         merged = ctx.handler.merge(acc, so)
-        go = pred(carry)  # this lane's own iteration (per example, where f vmaps the loop)
         if lanes_axis:  # jqt.report: measured while both lanes (float, quantized) run; where
             # their trip counts differ (an adaptive step size), a finished lane's kept carry
             # is no iteration of its own to compare with (one example's, under f's vmap,
             # is measured with the others: the statistics sum over them)
+            go = pred(carry)  # this lane's own iteration (per example, where f vmaps the loop)
             both = jnp.all(lax.all_gather(jnp.any(go), lanes_axis))
             merged = jax.tree_util.tree_map(lambda m, a: jnp.where(both, m, a), merged, acc)
-        return lanes(outs, carry), merged, n + go.astype(jnp.int32)
+            n = n + go.astype(jnp.int32)
+        return lanes(outs, carry), merged, n
 
-    n0 = compat.vary_like(jnp.zeros(go_t.shape, jnp.int32), go_t)  # iterations per example
+    # iterations per example, typed as the predicate varies inside shard_map (report only)
+    n0 = compat.vary_like(jnp.zeros(go_t.shape, jnp.int32), go_t) if lanes_axis else ()
     carry, st_out, n = lax.while_loop(lambda cs: cond_fn(cs[0]), body_fn, (list(init), st0, n0))
     if lanes_axis:  # each op says whether the lanes ran other numbers of iterations
         trips = lax.all_gather(n, lanes_axis)

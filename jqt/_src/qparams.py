@@ -118,8 +118,8 @@ class QArray:
     codes: ``""`` none, ``"smooth=<digest of the vector>"`` and/or ``"rotate"``
     (joined by ``"+"``); ``None`` where it was not recorded (a file written before
     jqt recorded it). ``smooth`` (packed weights only) is that smoothing vector
-    (SmoothQuant, AWQ), which the codes were multiplied by: on the integer path the
-    weight's activation is divided by it, whatever vector the qparams hold (they are
+    (SmoothQuant, AWQ), which the codes were multiplied by: on the integer and simulated
+    paths the weight's activation is divided by it, whatever vector the qparams hold (they are
     compared by the digest where the qparams are known when the function is traced).
     Weights packed before jqt held the vector record ``"smooth:<digest>"`` and run with
     the qparams' vector. A ``QArray`` whose ``folded`` has no ``"smooth="`` has the

@@ -436,6 +436,46 @@ def test_complex_operands_stay_float_instead_of_losing_the_imaginary_part():
     np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), f(w, x))
 
 
+def test_complex_values_where_real_ones_were_calibrated_are_refused():
+    # hunt36_fno: qparams calibrated on real data, then called with a complex input or
+    # complex params, dropped the imaginary part with no error from jqt (pack too); batches
+    # switching between real and complex were calibrated by their order; a complex key
+    # cache stayed float with no word; smooth/awq said complex ops went untransformed
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    xc = (x + 1j * x[::-1]).astype(jnp.complex64)
+    pc = {"w": (p["w"] + 1j).astype(jnp.complex64)}
+    for call in (lambda: jqt.quantize(f, qp)(p, xc),
+                 lambda: jqt.quantize(f, qp, simulate=True)(p, xc),
+                 lambda: jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), xc),
+                 lambda: jqt.quantize(f, qp)(pc, x)):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"op 'w' .*complex64.*imaginary"):
+            call()
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w' .*complex64.*imaginary"):
+        jqt.pack(qp, pc)
+    for batches in ([(x,), (xc,)], [(xc,), (x,)]):
+        with pytest.raises(jqt.CalibrationDataError, match=r"op 'w' reads complex values"):
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+
+    def gen(p, x):  # a key cache of complex values (rotary as a complex rotation)
+        def step(c, _):
+            kc, pos, h = c
+            u = h @ p["w"]
+            kc = lax.dynamic_update_slice(kc, lax.complex(u[:, :4], u[:, 4:])[:, None], (0, pos, 0))
+            return (kc, pos + 1, h + jnp.abs(kc).sum(1) @ p["w"].T[:4, :16] * 0), kc
+        return lax.scan(step, (jnp.zeros((4, 3, 4), jnp.complex64), 0, x), None, length=3)[1]
+    with pytest.warns(UserWarning, match=r"complex64 buffer .*not quantized"):
+        jqt.calibrate(gen, jqt.recipes.w8a8(kv_cache=True), p, [(x,)], progress=False)
+    fs = lambda p, x: x @ p["w"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qs = jqt.calibrate(fs, jqt.recipes.w8a8(smooth=0.5), pc, [(xc,)], progress=False)
+    assert qs["w"].is_float and qs["w"].smooth is None
+
+
 def test_integer_operands_stay_exact():
     # int8 x int8 -> int32 (counts, one-hot products) and a lookup in a table of integers
     # are exact already: kept as they are, with a note, on every path (they were

@@ -560,7 +560,18 @@ class Analyzer:
         a buffer converted to another dtype first (``.at[...].set`` of a float32 value
         into a bfloat16 buffer: JAX converts the whole buffer, writes, converts back)."""
         buf, where = eqn.invars[0], stack or "<top>"
-        if compat.is_literal(buf) or buf.aval.ndim < 2 or not jnp.issubdtype(buf.aval.dtype, jnp.floating):
+        if compat.is_literal(buf) or buf.aval.ndim < 2:
+            return
+        if jnp.issubdtype(buf.aval.dtype, jnp.complexfloating) and ins[0].buffer:
+            self._missed[eqn.outvars[0]] = ins[0].buffer
+            self.cache_near_misses.append((where, ins[0].buffer, (
+                f"a {eqn.primitive.name} into a {buf.aval.dtype} buffer of shape "
+                f"{tuple(buf.aval.shape)}: quantization is of real numbers, so a complex cache "
+                "is not quantized. Cache real values (the keys before a rotary rotation done in "
+                "complex numbers, or their real and imaginary parts side by side on the last "
+                "axis) to quantize it")))
+            return
+        if not jnp.issubdtype(buf.aval.dtype, jnp.floating):
             return
         if buf in self._converted:
             src, dst, buffers = self._converted[buf]

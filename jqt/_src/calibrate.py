@@ -123,12 +123,16 @@ def _check_same_ops(i, traced, first):
         a, b = {s[0]: s for s in ref}, {s[0]: s for s in sig}
         diff = sorted(set(a) ^ set(b)) or [k for k in a if a[k] != b.get(k)]
         names = [s.key for s in traced.sites()] + [s.name_stack or "" for s in traced.sites() if s.key in diff]
+        cx = [k for k in diff if k in a and k in b and a[k][:-1] == b[k][:-1]]
+        why = (f"op '{cx[0]}' reads complex values in one batch and real ones in the other (an "
+               "op that reads complex values is kept float, a real one quantized)"
+               ) if cx else "its non-array arguments or its shapes change which ops f runs"
         raise CalibrationDataError(
             f"jqt.calibrate: batch {i} runs other ops than batch {j} (they differ at "
-            f"{diff[:5]}): its non-array arguments or its shapes change which ops f runs, and "
+            f"{diff[:5]}): {why}, and "
             "one set of qparams cannot serve both. Calibrate each variant on its own (bind the "
-            "argument with functools.partial), or give every batch the same values."
-            f"{diagnostics.einsum_order(names)}")
+            "argument with functools.partial), or give every batch the same values"
+            f"{' and dtypes' if cx else ''}.{diagnostics.einsum_order(names)}")
     return first
 
 

@@ -225,6 +225,21 @@ def without_entry(site, ctx) -> bool:
     return site.entry.optional and site.key not in ctx.state_in
 
 
+def _check_real(site, qp, invals):
+    """Refuses complex operands of an op the qparams quantize: it was calibrated on real
+    ones (an op that reads complex values is kept float), and quantization would drop the
+    imaginary parts."""
+    bad = [i for i in (0, 1) if qp.operand(i) is not None and i < len(invals)
+           and jnp.issubdtype(invals[i].dtype, jnp.complexfloating)]
+    if bad:
+        raise QParamsMismatchError(
+            f"jqt: op '{site.key}' ({site.op}) was calibrated on real operands and is quantized, "
+            f"but here its {'lhs' if bad[0] == 0 else 'rhs'} is {invals[bad[0]].dtype}: "
+            "quantizing it would drop the imaginary part. Calibrate on data of the dtypes f "
+            "is called with (an op that reads complex values is kept float), or pass real "
+            "values.")
+
+
 def lookup(ctx, site, invals):
     """(OpQParams, packed QArray or None) for ``site``, checked against the op."""
     entry = ctx.state_in.get(site.key)
@@ -246,6 +261,7 @@ def lookup(ctx, site, invals):
             f"{site.weight_operand} there. Re-calibrate for this function."
             f"{diagnostics.einsum_order([site.name_stack or ''])}")
     _check_source(site, qp)
+    _check_real(site, qp, invals)
     for i in (0, 1):
         q = qp.operand(i)
         if q is None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import diagnostics, groups, transforms
+from . import diagnostics, groups, handlers, transforms
 from . import numerics as nx
 from .layout import apply_chain
 from .qparams import OpQParams
@@ -124,8 +124,8 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     for site in traced.sites():
         rule = recipe.rule_for(site.op, site.key)
         if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None \
-                or site.built:  # kept float (calibrate._decide)
-            continue
+                or site.built or handlers.kept_as_is([v.aval.dtype for v in site.eqn.invars[:2]]):
+            continue  # kept float (calibrate._decide)
         if not transforms.applies(site):
             what = {"conv_general_dilated": "a convolution", "gather": "a lookup",
                     "ragged_dot": "a ragged dot"}.get(site.op, "a dot with batch axes: a weight "

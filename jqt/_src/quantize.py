@@ -523,6 +523,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 f"jqt.pack: op '{key}' was calibrated for weight '{src.path}' of shape "
                 f"{tuple(src.shape)}, but params hold it with shape {tuple(jnp.shape(flat[leaf]))}. "
                 "Pass the params the qparams were calibrated with, or re-calibrate.")
+        if jnp.iscomplexobj(flat[leaf]):
+            raise QParamsMismatchError(
+                f"jqt.pack: op '{key}' was calibrated for a real weight '{src.path}', but params "
+                f"hold it as {jnp.result_type(flat[leaf])}: packing it would drop the imaginary part. "
+                "Pass the params the qparams were calibrated with, or re-calibrate with these "
+                "(an op that reads complex values is kept float).")
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
         why = "" if p.op != "dot_general" else \

@@ -178,14 +178,17 @@ def check_traceable(args, where="jqt"):
 
 def signature(traced) -> tuple:
     """What must be the same in two traces of ``f`` for one set of qparams to serve
-    both: each op's key, operation and weight (leaf, layout ops, contracted axes). The
-    shape of a weight ``f`` computes is not: where its op is quantized, calibrate checks
-    it (:func:`computed_shapes`)."""
+    both: each op's key, operation, weight (leaf, layout ops, contracted axes) and which
+    of its operands are complex (such an op is kept float). The shape of a weight ``f``
+    computes is not: where its op is quantized, calibrate checks it
+    (:func:`computed_shapes`)."""
     out = []
     for s in traced.sites():
         w, src = s.weight_operand, s.source
         out.append((s.key, s.op, w, None if src is None else (src.path, src.chain),
-                    None if w is None else tuple(s.contract[w])))
+                    None if w is None else tuple(s.contract[w]),
+                    tuple(jnp.issubdtype(v.aval.dtype, jnp.complexfloating)
+                          for v in s.eqn.invars[:2])))
     return tuple(out)
 
 

@@ -322,6 +322,13 @@ def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
                        match=r"reached by broadcast_in_dim\(shape=\(8, 64, 16\), dims=\(1, 2\)\), but this call "
                              r"reaches it by broadcast_in_dim\(shape=\(3, 64, 16\).*follow the input's shape"):
         jqt.quantize(bf, qp)({"w": w}, x[:3])
+    # at batch 1 (as under jax.vmap of the quantized function) the broadcast traces to no
+    # layout op, and the message blamed the axes and said to re-calibrate (hunt36_pointcloud)
+    b1 = lambda p, x: jnp.einsum("btk,bkn->btn", x, jnp.broadcast_to(p["w"], (x.shape[0], 64, 16)))  # noqa: E731
+    q1 = jqt.calibrate(b1, jqt.recipes.w8(), {"w": w[None]}, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"reached by \['broadcast_in_dim'\].*"
+                       r"no layout ops.*a broadcast of the weight follows the input's shape.*batch 1"):
+        jqt.quantize(b1, q1)({"w": w[None]}, x[:1])
     sf = lambda p, x: x @ p["pos"][: x.shape[-1]]  # noqa: E731
     qs = jqt.calibrate(sf, jqt.recipes.w8a8(), {"pos": w}, [(x[:, :, :32],)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"slice\(start=\(0, 0\), limit=\(32, 16\), "

@@ -385,7 +385,8 @@ def _check_computed_shapes(qparams, shapes):
             f"batch {j} (a relative-position matrix sized by the sequence length, or a weight "
             "tiled to the batch, jnp.tile(probe, [n, 1, 1]) @ w?). Its scales (shape "
             f"{tuple(jnp.shape(w.scale))}) are measured on one of them only. Keep the batch out "
-            "of the weight (multiply the untiled weight, then broadcast the product), calibrate "
+            "of the weight (multiply the untiled weight, and contract the product without a "
+            "batch axis: einsum('qd,bkd->bqk', q, k), not q broadcast to the batch), calibrate "
             "once per length (one qparams per length), or keep the op float with a rule ahead "
             f"of the others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
 

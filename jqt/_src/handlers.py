@@ -277,8 +277,9 @@ def lookup(ctx, site, invals):
                             "follows the input's: a weight tiled or broadcast to the batch "
                             "(jnp.tile(probe, [n, 1, 1]) @ w), or one sized by the sequence "
                             "length (relative positions: sinusoid(T) @ w_pos). Keep the batch "
-                            "out of the weight (multiply the untiled weight, then broadcast the "
-                            "product), calibrate and quantize at one length (one qparams per "
+                            "out of the weight (multiply the untiled weight, and contract the "
+                            "product without a batch axis: einsum('qd,bkd->bqk', q, k), not q "
+                            "broadcast to the batch), calibrate and quantize at one length (one qparams per "
                             "length), or keep this op float: a jqt.Rule(key=...) matching its "
                             "key, with no types, first in the recipe's rules."
                             ) if i == site.weight_operand and site.source is None else ""
@@ -379,6 +380,18 @@ def _check_source(site, qp):
             "size), so the weight's scales were computed for another view of it. Calibrate with "
             "inputs of the shape you call it with (one qparams per shape), or read the weight "
             "the same way at every shape.")
+    if got != want and any(c[0] == "broadcast_in_dim" for c in a.chain + b.chain):
+        raise QParamsMismatchError(
+            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
+            f"{[c[0] for c in a.chain] or 'no layout ops'} and contracted over axes {got[1]}, but "
+            f"this call reaches it by {[c[0] for c in b.chain] or 'no layout ops'} and contracts "
+            f"axes {want[1]}: a broadcast of the weight follows the input's shape (at batch 1, "
+            "and so under jax.vmap of the quantized function, which calls it per example, a "
+            "broadcast to the batch traces otherwise or not at all), so its scales were computed "
+            "for another view of it. Read the weight the same way at every shape (index a "
+            "table, p['t'][ids], rather than broadcast it for take_along_axis; contract a "
+            "shared query without a batch axis, einsum('qd,bkd->bqk', q, k)), or calibrate with "
+            "inputs of the shape you call it with (one qparams per shape).")
     if got != want:
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "

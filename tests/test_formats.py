@@ -546,6 +546,21 @@ def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
                               w, [(x,)], progress=False)
     assert again["w"].rhs.qtype == told
 
+def test_asymmetric_presets_give_convs_their_type_without_a_warning():
+    # hunt36_docs6: w4/w4a8(symmetric=False, group_size=g) built their conv rule with the
+    # group size, and every conv warned of a rule for convs alone that the user never wrote
+    conv = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    w = jnp.asarray(RNG.standard_normal((3, 3, 8, 4)) * 0.2, jnp.float32)
+    x = jnp.asarray(RNG.standard_normal((1, 4, 4, 8)), jnp.float32)
+    for recipe in (jqt.recipes.w4(symmetric=False, group_size=4),
+                   jqt.recipes.w4a8(symmetric=False, group_size=4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qp = jqt.calibrate(conv, recipe, w, [(x,)], progress=False)
+        assert qp["w"].rhs.qtype.describe() == "int4 sym per-channel"
+
+
 HEADS, HEAD_DIM = 4, 64
 WO = jnp.asarray(RNG.standard_normal((HEADS, HEAD_DIM, N)) * 0.1, jnp.float32)
 

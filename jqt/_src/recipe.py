@@ -350,16 +350,17 @@ def _flag(name, v):
 def symmetric_convs(rule: Rule) -> tuple:
     """A preset's rules: ``rule``, after a rule that gives convolutions its weight type
     made symmetric where it is not (conv weights take no zero point, as tables do not;
-    ``symmetric=False`` is for the dense ops' weights).
+    ``symmetric=False`` is for the dense ops' weights) and per channel (they take no
+    groups: a group size there would warn of a rule the user did not write).
 
     >>> r = symmetric_convs(Rule(weight=QuantType(bits=4, symmetric=False, group_size=32)))
     >>> [(x.ops[0], x.weight.describe()) for x in r]
-    [('conv_general_dilated', 'int4 sym g32'), ('dot_general', 'int4 asym g32')]
+    [('conv_general_dilated', 'int4 sym per-channel'), ('dot_general', 'int4 asym g32')]
     """
     if rule.weight is None or rule.weight.symmetric:
         return (rule,)
     conv = dataclasses.replace(rule, ops=("conv_general_dilated",),
-                               weight=dataclasses.replace(rule.weight, symmetric=True))
+                               weight=dataclasses.replace(rule.weight, symmetric=True, group_size=0))
     return (conv, rule)
 
 

@@ -412,6 +412,24 @@ with jax.set_mesh(EXPLICIT):
                 "float_spec": [a for a in jax.typeof(jax.jit(row_parallel)(p_row, x_row)).sharding.spec]}
         except Exception as e:
             res["out_sharding"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+# a batched matmul (members of an ensemble, jax.vmap over stacked weights) whose batch axis
+# is split over an explicit axis: fp8's kernel re-entered the op's explicit mesh inside its
+# auto region and failed in JAX (hunt36_namedaxes)
+res["batched_split"] = {}
+ens = lambda p, xs: jax.vmap(lambda w, x: x @ w)(p["w"], xs)
+with jax.set_mesh(EXPLICIT):
+    p_ens = {"w": jax.device_put(normal((4, 16, 32), 0.3), NamedSharding(EXPLICIT, P("model")))}
+    x_ens = jax.device_put(normal((4, 8, 16)), NamedSharding(EXPLICIT, P("model")))
+    for name, rec in (("fp8", jqt.recipes.fp8()), ("fp8_dynamic", jqt.recipes.fp8(dynamic=True)),
+                      ("w8a8", jqt.recipes.w8a8())):
+        try:
+            qx = jqt.calibrate(ens, rec, p_ens, [(x_ens,)], progress=False)
+            sim = jax.jit(jqt.quantize(ens, qx, simulate=True))(p_ens, x_ens)
+            y = jax.jit(jqt.quantize(ens, qx))(jqt.pack(qx, p_ens), x_ens)
+            res["batched_split"][name] = {"diff": float(jnp.abs(y - sim).max()),
+                                          "max": float(jnp.abs(sim).max())}
+        except Exception as e:
+            res["batched_split"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
 print("RESULT" + json.dumps(res))
 """
 
@@ -659,6 +677,13 @@ def test_auto_axes_region_around_a_scan_over_stacked_layers(result, name):
     got = result["auto_axes_" + name]
     assert isinstance(got, dict), got
     assert got["qp_rel"] <= 1e-6 and got["diff"] <= 1e-5 and got["spec"] == "data", got
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_dynamic", "w8a8"])
+def test_explicit_mesh_batched_matmul_split_over_its_batch_axis(result, name):
+    r = result["batched_split"][name]
+    assert "error" not in r, r.get("error")
+    _matches(r)
 
 
 def test_traced_under_a_mesh_then_run_without_one(result):

@@ -205,12 +205,15 @@ def _bind_params(eqn):
     return (), r
 
 
-def bind_eqn(eqn, invals, **overrides):
+def bind_eqn(eqn, invals, *, kernel=False, **overrides):
     """Re-binds ``eqn`` on ``invals`` (what ``jax.core.eval_jaxpr`` does), keeping its
     name stack and context; ``overrides`` replace some of its parameters (e.g. a
-    ``dot_general``'s ``preferred_element_type``)."""
+    ``dot_general``'s ``preferred_element_type``). ``kernel``: the op is bound in a
+    kernel, which :func:`as_typed` may run with the mesh's explicit axes auto; there the
+    eqn's own mesh (explicit) is not re-entered, as its operands are typed on the
+    region's."""
     subfuns, params = _bind_params(eqn)
-    with eqn_context(eqn):
+    with eqn_context(eqn, mesh=not kernel or eqn_mesh(eqn) == current_mesh()):
         out = (eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides}) if subfuns
                else bind(eqn.primitive, *invals, **{**params, **overrides}))
     return out if eqn.primitive.multiple_results else [out]
@@ -226,13 +229,14 @@ def bind(prim, *args, **params):
 
 
 @contextlib.contextmanager
-def eqn_context(eqn):
-    """Re-enters ``eqn``'s name stack (and its context manager, if any) while binding."""
+def eqn_context(eqn, mesh=True):
+    """Re-enters ``eqn``'s name stack (and its context manager, if any, which holds the
+    mesh it was traced under: not where ``mesh`` is false) while binding."""
     stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
         ctx = getattr(eqn, "ctx", None)
         manager = getattr(ctx, "manager", None)
-        if manager is None:
+        if manager is None or not mesh:
             yield
         else:
             with manager:

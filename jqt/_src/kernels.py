@@ -157,7 +157,8 @@ def _fp8_generic(site, eqn, ops):
         if grouped[i]:  # its groups run along the axis the registry's entry names
             vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, site.entry.groups(site))
     # in float32: fp8 values are up to 57344 units of their scale, beyond float16's range
-    out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], preferred_element_type=_F32)[0]
+    out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], kernel=True,
+                          preferred_element_type=_F32)[0]
     factor = None  # the scales' product first (the accumulator times one scale can overflow)
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:

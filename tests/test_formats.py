@@ -546,6 +546,22 @@ def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
                               w, [(x,)], progress=False)
     assert again["w"].rhs.qtype == told
 
+def test_one_group_across_the_contraction_packs_the_codes_float_params_get():
+    # hunt36_checkify: with group_size == K, jqt.pack expanded the (1, N) scale eagerly and
+    # divided exactly, while a jitted call on float params divided by a broadcast that XLA
+    # turns into a product with its reciprocal: weights on a coarse grid (e4m3, bf16) had
+    # codes a step apart at ties (5 of 8192 here)
+    from jax import lax
+    w = lax.reduce_precision(jax.random.normal(jax.random.key(0), (128, 64)) * 0.3,
+                             exponent_bits=4, mantissa_bits=3)
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=128), {"w": w},
+                       [(jnp.asarray(RNG.standard_normal((8, 128)), jnp.float32),)], progress=False)
+    eye = jnp.eye(128)
+    sim = jax.jit(jqt.quantize(f, qp, simulate=True))
+    np.testing.assert_array_equal(sim({"w": w}, eye), sim(jqt.pack(qp, {"w": w}), eye))
+
+
 def test_asymmetric_presets_give_convs_their_type_without_a_warning():
     # hunt36_docs6: w4/w4a8(symmetric=False, group_size=g) built their conv rule with the
     # group size, and every conv warned of a rule for convs alone that the user never wrote

@@ -26,8 +26,8 @@ def expand(a, group_size, axis, shape):
     if a is None or not group_size or jnp.ndim(a) == 0:
         return a
     axis = axis % len(shape)
-    if a.shape[axis] == shape[axis]:
-        return a
+    if a.shape[axis] in (1, shape[axis]):  # one group spans the axis: it broadcasts as it is
+        return a  # (as a per-channel scale does, so jqt.pack's codes are those of a jit)
     return repeat(a, group_size, axis)
 
 

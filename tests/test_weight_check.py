@@ -180,6 +180,28 @@ def test_fine_tuned_qparams_pack_as_trained():
     jqt.pack(projected, moved)
 
 
+def test_qparams_moved_by_float_rounding_only_are_still_checked(tmp_path):
+    # hunt36_ema: an EMA (or an average of copies) of qparams that never changed moves
+    # their scales by an ulp or so, and the exact digest switched the check off silently
+    p, qp = _calibrate("w8a8")
+    ema = optax.ema(0.9, debias=True)
+    state = ema.init(qp)
+    for _ in range(5):
+        averaged, state = ema.update(qp, state)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(averaged), jax.tree.leaves(qp)))
+    with pytest.raises(jqt.QParamsMismatchError, match="does not fit the grid"):
+        jqt.pack(averaged, _bigger(p))
+    jqt.pack(averaged, p)
+    # a file written before the sketches holds the exact digest: still compared exactly
+    from jqt._src import weightcheck
+    path, old = str(tmp_path / "qp.safetensors"), str(tmp_path / "old.safetensors")
+    jqt.save(path, qp)
+    _rewrite(path, old, lambda h: [e.update(weight_reach=[e["weight_reach"][0], weightcheck._exact(qp[k])])
+                                   for k, e in h["ops"].items() if "weight_reach" in e])
+    with pytest.raises(jqt.QParamsMismatchError, match="does not fit the grid"):
+        jqt.pack(jqt.load(old), _bigger(p))
+
+
 @pytest.mark.slow  # CI
 def test_a_qat_loop_then_pack():
     p, qp = _calibrate("w4_g16")

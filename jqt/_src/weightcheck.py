@@ -17,7 +17,8 @@ rounds most of its elements to a few codes near zero.
   not finite: an inf element that the weight calibrator let through), the digest covering the
   scale, zero point, smoothing vector and type it was measured with.
 * :func:`start` / :func:`finish` (``jqt.pack``; :func:`check` for ``jqt.gptq``): where
-  the digest still matches (the qparams as calibrated), a weight whose reach exceeds
+  the digest still matches (the qparams as calibrated, within float rounding:
+  :func:`same`), a weight whose reach exceeds
   ``max(calibrated reach, 1)`` by more than :data:`TOLERANCE`, or is under :data:`SHRUNK`
   of ``min(calibrated reach, 1)`` (and not 0: zeros pack exactly), raises
   :class:`QParamsMismatchError` naming the op.
@@ -63,24 +64,89 @@ or a unit mix-up (0.01x) is refused."""
 _F32 = jnp.float32
 
 
-def digest(p) -> str | None:
-    """A digest of what puts op ``p``'s weight on its grid (its scale, zero point, the op's
-    smoothing vector as float32 bytes, its type and rotation); ``None`` where one is a
-    tracer or the weight has no scale."""
+SAME = 1e-5
+"""How far (relative to the sum of their magnitudes) a digest's sketches of a scale, zero
+point or smoothing vector may move for the qparams to count as the calibrated ones: float
+rounding (an exponential moving average or an average of copies of unchanged qparams
+moves them by an ulp or so), far below a fine-tuning step."""
+
+
+def _arrays(p):
     q = p.operand(p.weight_operand)
     if q is None or q.scale is None:
         return None
+    arrays = (q.scale, q.zero_point, p.smooth)
+    if any(a is not None and compat.is_tracer(a) for a in arrays):
+        return None
+    return q, arrays
+
+
+def _exact(p) -> str | None:
+    """The digest of jqt before 2026-12-01 (files hold it): a hash of the float32 bytes."""
+    got = _arrays(p)
+    if got is None:
+        return None
+    q, arrays = got
     h = hashlib.blake2b(f"{q.qtype.describe()}|{q.qtype.grid}|{p.rotate}".encode(), digest_size=8)
-    for a in (q.scale, q.zero_point, p.smooth):
+    for a in arrays:
         if a is None:
             h.update(b"|-")
             continue
-        if compat.is_tracer(a):
-            return None
         raw = np.asarray(a, np.float32)
         h.update(f"|{raw.shape}".encode())
         h.update(raw.tobytes())
     return h.hexdigest()
+
+
+def digest(p) -> str | None:
+    """A digest of what puts op ``p``'s weight on its grid: a hash of its type, rotation
+    and the shapes of its scale, zero point and the op's smoothing vector, then sketches
+    of their values (the sum of their magnitudes, and two sums weighted by fixed
+    pseudo-random weights, which a changed, rescaled or permuted value moves), which
+    :func:`same` compares within :data:`SAME`; ``None`` where one is a tracer or the weight
+    has no scale.
+
+    >>> import jqt
+    >>> qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8(), {"w": jnp.eye(4)},
+    ...                    [(jnp.ones((1, 4)),)], progress=False)
+    >>> d = digest(qp["w"])
+    >>> moved = qp["w"].rhs.scale * (1 + 2e-7)  # an EMA of unchanged qparams
+    >>> p2 = dataclasses.replace(qp["w"], rhs=dataclasses.replace(qp["w"].rhs, scale=moved))
+    >>> same(digest(p2), d), same(digest(dataclasses.replace(
+    ...     qp["w"], rhs=dataclasses.replace(qp["w"].rhs, scale=moved * 1.01))), d)
+    (True, False)
+    """
+    got = _arrays(p)
+    if got is None:
+        return None
+    q, arrays = got
+    shapes = [None if a is None else tuple(np.shape(a)) for a in arrays]
+    h = hashlib.blake2b(f"{q.qtype.describe()}|{q.qtype.grid}|{p.rotate}|{shapes}".encode(),
+                        digest_size=8)
+    sketch = []
+    for a in arrays:
+        if a is None:
+            continue
+        v = np.asarray(a, np.float64).reshape(-1)
+        r = np.random.default_rng(v.size).uniform(0.5, 1.5, (2, v.size))
+        sketch += [float(np.abs(v).sum()), float(v @ r[0]), float(v @ r[1])]
+    return "s1:" + h.hexdigest() + ":" + ",".join(repr(x) for x in sketch)
+
+
+def same(now: str | None, recorded: str) -> bool:
+    """Whether digest ``now`` is that of the qparams ``recorded`` was taken of, within
+    float rounding (:data:`SAME`); a record from before sketches compares exactly."""
+    if now is None:
+        return False
+    a, b = now.split(":"), recorded.split(":")
+    if len(b) != 3 or len(a) != 3 or a[1] != b[1]:
+        return False
+    x = [float(t) for t in a[2].split(",") if t]
+    y = [float(t) for t in b[2].split(",") if t]
+    if len(x) != len(y):
+        return False
+    return all(abs(x[i + k] - y[i + k]) <= SAME * max(x[i], y[i])
+               for i in range(0, len(y), 3) for k in range(3))
 
 
 def _edges(qtype):
@@ -229,7 +295,7 @@ def start(key, p, src, x, gaxis):
     or ``None`` where there is nothing to check against (see the module docstring). It
     holds the reach (a device scalar), not the weight."""
     rec = None if p.source is None else p.source.calibrated_reach
-    if rec is None or digest(p) != rec[1]:
+    if rec is None or not (same(digest(p), rec[1]) if ":" in rec[1] else _exact(p) == rec[1]):
         return None
     r = reach(x, p.operand(p.weight_operand), gaxis, src.stack_depth)
     return None if r is None else (key, p, src, r)

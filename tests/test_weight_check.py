@@ -92,6 +92,17 @@ def test_the_message_gives_the_element_and_the_grid_end():
     assert "op 'v'" not in s  # the other op's weight is the calibrated one
 
 
+def test_an_element_past_a_grid_end_at_zero_is_named_without_a_ratio():
+    # hunt36_ema: an asymmetric group of positive weights ends its grid at 0, and the
+    # message read "lies infx as far out as its scale's end of the grid, 0"
+    w = jnp.abs(jax.random.normal(jax.random.key(0), (16, 8))) + 0.1
+    qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w4(group_size=8, symmetric=False),
+                       {"w": w}, [(X[:4, :16],)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"an element of -0.3 lies below its grid's "
+                                                       r"end on that side, 0 \(its zero point"):
+        jqt.pack(qp, {"w": w.at[0, 0].set(-0.3)})
+
+
 def test_every_op_that_does_not_fit_is_named():
     p, qp = _calibrate("w8a8")
     with pytest.raises(jqt.QParamsMismatchError, match=r"op 'w'.* Ops \['v'\] do not fit theirs either"):

@@ -367,12 +367,16 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     q = p.operand(p.weight_operand)
     value, end, ratio = _worst(*grid_operand(p, src), q, src.stack_depth)
     was = "not clipped" if cal <= 1 else "clipped on purpose by the weight calibrator"
+    where = (f"{ratio:.3g}x as far out as its scale's end of the grid, {end:.4g}"
+             if end and np.isfinite(ratio) and ratio > 0 else
+             f"{'below' if value < end else 'above'} its grid's end on that side, {end:.4g} (its "
+             "zero point puts that end there)")
     moved = " (of the weight as the op's smoothing or rotation transforms it)" \
         if p.smooth is not None or p.rotate else ""
     raise QParamsMismatchError(
         f"{fn}: op '{key}': weight '{src.path}' does not fit the grid its qparams were calibrated "
-        f"for ({q.qtype.describe()}): an element{moved} of {value:.4g} lies {ratio:.3g}x as far out as "
-        f"its scale's end of the grid, {end:.4g}, and would be clipped to it. The weights the "
+        f"for ({q.qtype.describe()}): an element{moved} of {value:.4g} lies {where}, and would be "
+        "clipped to it. The weights the "
         f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts "
         f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "
         "with (another checkpoint, weights trained further or rescaled?): " + fix

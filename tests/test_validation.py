@@ -1109,6 +1109,22 @@ def test_out_of_range_ids_of_a_quantized_table_are_nan_as_in_float():
             assert np.isnan(np.asarray(y[2])).all() and np.isfinite(np.asarray(y[:2])).all()
 
 
+def test_a_square_weight_packed_for_one_orientation_is_refused_in_the_other():
+    # hunt36_mixer: a token-mixing weight packed under einsum('bpc,ph->bhc') and run under
+    # qparams for einsum('bpc,hp->bhc') ran silently wrong (int8) or failed inside JAX (w4)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    a = lambda p, x: jnp.einsum("bpc,ph->bhc", x, p["w"])
+    b = lambda p, x: jnp.einsum("bpc,hp->bhc", x, p["w"])
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w4(group_size=8)):
+        qa = jqt.calibrate(a, recipe, p, [(x,)], progress=False)
+        qb = jqt.calibrate(b, recipe, p, [(x,)], progress=False)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"packed weight for 'w' has scales of shape "
+                                                           r"\((1|2), 16\), but .*\(16, (1|2)\).*jqt.pack"):
+            jqt.quantize(b, qb)(jqt.pack(qa, p), x)
+
+
 def test_packed_weights_of_another_format_and_params_of_another_shape_are_refused(tmp_path):
     """Weights packed with other qparams (another recipe, or before a fallback) name both
     formats, when traced and when loaded; params whose weight the qparams' scales do not

@@ -312,6 +312,14 @@ def lookup(ctx, site, invals):
                 f"qparams['{site.key}'] quantize it as {want}: the weights were "
                 "packed with other qparams (another recipe, or before a fallback or edit). "
                 "Re-run jqt.pack(qparams, params) with these qparams.")
+        if q is not None and packed.scale is not None and q.scale is not None \
+                and jnp.shape(packed.scale) != jnp.shape(q.scale):
+            raise QParamsMismatchError(
+                f"jqt: the packed weight for '{site.key}' has scales of shape "
+                f"{tuple(jnp.shape(packed.scale))}, but qparams['{site.key}'] give its op scales of "
+                f"shape {tuple(jnp.shape(q.scale))}: the weights were packed for another use of "
+                "them (a square weight read as x @ w, packed, then run as x @ w.T) or with other "
+                "qparams. Re-run jqt.pack(qparams, params) with these qparams.")
     return qp, packed
 
 

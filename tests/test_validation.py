@@ -727,6 +727,21 @@ def test_a_weight_with_nan_or_inf_is_refused_by_name(bad, recipe):
     assert qp["b"].is_float and not qp["a"].is_float
 
 
+def test_nan_in_a_weight_or_activation_of_thousands_of_elements_is_refused():
+    # hunt36_retrieval: XLA:CPU drops NaN from min/max reductions of 4096+ elements, so a
+    # NaN in a 64x64 weight calibrated silently, and a NaN activation read as an op that
+    # never ran (kept float with a wrong warning)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    f = lambda p, x: x @ p["w"]
+    with pytest.raises(ValueError, match=r"op 'w' .*weight 'w'.*NaN or inf"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), {"w": p["w"].at[3, 3].set(jnp.nan)}, [(x,)], progress=False)
+    g = lambda p, x: jnp.log(x) @ p["w"]
+    with pytest.raises(ValueError, match=r"op 'w' .*activation held NaN or inf.*\(NaN\)"):
+        jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+
+
 @pytest.mark.parametrize("make,what", [
     (lambda x: jnp.exp(60 * x), r"extremes \[0.0, inf\]"),  # exp overflows: scale inf before
     (lambda x: -jnp.exp(60 * x), r"extremes \[-inf"),  # "never ran on the calibration data" before

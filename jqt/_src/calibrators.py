@@ -101,7 +101,8 @@ def _is_real(v) -> bool:
 
 
 def _minmax(x):
-    return {"min": jnp.min(x).astype(_F32), "max": jnp.max(x).astype(_F32)}
+    lo, hi = nx.extremes(x)
+    return {"min": lo.astype(_F32), "max": hi.astype(_F32)}
 
 
 def _combine_minmax(a, b):
@@ -542,7 +543,7 @@ class WeightMinMax(WeightCalibrator):
 
     def range(self, w, axes, qtype):
         keep = axes is not None
-        return jnp.min(w, axis=axes, keepdims=keep), jnp.max(w, axis=axes, keepdims=keep)
+        return nx.extremes(w, axis=axes, keepdims=keep)
 
 
 @dataclasses.dataclass(frozen=True)

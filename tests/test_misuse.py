@@ -143,6 +143,12 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
     with pytest.raises(jqt.QParamsMismatchError, match=r"read weights of argument\(s\) \[0, 1\] of f, and "
                        r"this call's weight_argnums name \[0\]: pass jqt.quantize the weight_argnums"):
         jqt.quantize(h, qp3)(enc, head, jnp.ones((2, 4)))
+    # a second weight argument that is one bare array (a corpus matrix) names argnum=1 too
+    r = lambda enc, corpus, x: (x @ enc["w1"]) @ corpus.T
+    qp4 = jqt.calibrate(r, jqt.recipes.w8(), (enc, jnp.ones((3, 4))), [(jnp.ones((2, 4)),)],
+                        weight_argnums=(0, 1), progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"weights of argument 1 of f .* argnum=1\)"):
+        jqt.pack(qp4, jnp.ones((3, 4)))
 
 
 def test_packed_params_in_place_of_float_params_or_qparams_are_named(setup, tmp_path):

@@ -112,8 +112,9 @@ def _other_arg(qparams, argnum, index) -> str:
     ``weight_argnums``) whose weights params do hold, to pack with ``argnum=``."""
     srcs = [p.source for p in qparams.values() if p.weight_operand is not None
             and p.source is not None and p.operand(p.weight_operand) is not None]
+    bare = list(index) == [""]  # params that are one array: its path is its argument's name
     for arg in sorted({s.arg for s in srcs} - {argnum}):
-        if all(index.get(s.path) or index.get(s.path.split("/", 1)[-1])
+        if all(index.get(s.path) or index.get(s.path.split("/", 1)[-1]) or (bare and "/" not in s.path)
                for s in srcs if s.arg == arg):
             return (f" These params hold the weights of argument {arg} of f (the qparams were "
                     f"calibrated with several weight_argnums): pack them with "

@@ -451,9 +451,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {where} "
                          f"a buffer of the same shape and dtype ({np.dtype(aval.dtype).name}"
                          f"{list(aval.shape)}) "
-                         "that no dynamic_update_slice or .at[...].set writes (a jnp.where(mask, "
-                         "new, cache) update?): that buffer stays float. Write it as the others "
-                         "are written to quantize it too (docs/generate.md).")
+                         "that no dynamic_update_slice or .at[...].set writes: that buffer stays "
+                         "float. If it is updated with jnp.where(mask, new, cache), write it as the "
+                         "others are written to quantize it too; keys and values only read "
+                         "(cross-attention over an encoder's output) are no cache and stay float "
+                         "(docs/generate.md).")
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):

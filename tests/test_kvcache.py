@@ -755,3 +755,21 @@ def test_generate_example_runs():
     assert streamed["dtypes"] == ["float16", "int8"] and streamed["nbytes"] / float_bytes <= 0.27
     assert streamed["divergence"] is None or streamed["divergence"] > 10, streamed
     assert streamed["tokens"].shape == (20,)
+
+
+def test_a_cache_kept_float_by_a_rule_says_which_rule():
+    # hunt36_seq2seq: a rule Rule(key="^kv_cache_0$") ahead of w8(kv_cache=True) kept the
+    # cache float, and summarize said "kv_cache=True on a preset quantizes it"
+    p = {"wk": jnp.eye(4)}
+
+    def f(p, xs):
+        def step(c, x):
+            c = c.at[-1].set(x @ p["wk"])
+            return c, c.sum(0)
+        return lax.scan(step, jnp.zeros((3, 4)), xs)[1]
+    xs = jnp.ones((5, 4))
+    keep = jqt.Recipe(rules=(jqt.Rule(key="^kv_cache_0$"),) + jqt.recipes.w8(kv_cache=True).rules)
+    qp = jqt.calibrate(f, keep, p, [(xs,)], progress=False)
+    assert qp["kv_cache_0"].is_float and "Rule(key='^kv_cache_0$')" in qp["kv_cache_0"].note
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(xs,)], progress=False)
+    assert "kv_cache=True on a preset" in qp["kv_cache_0"].note

@@ -698,7 +698,9 @@ def _decide(site, rule, st):
         return float_("no rule of the recipe matches this op")
     if site.entry.is_cache:
         if rule.kv_cache is None:
-            return float_("key/value cache kept float (kv_cache=True on a preset quantizes it)")
+            return float_(f"key/value cache kept float by the rule Rule(key={rule.key!r}), which "
+                          "sets no kv_cache" if rule.key != ".*" else
+                          "key/value cache kept float (kv_cache=True on a preset quantizes it)")
         return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
     why = kept_as_is([v.aval.dtype for v in site.eqn.invars])
     if why is not None:

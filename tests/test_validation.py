@@ -456,6 +456,9 @@ def test_complex_values_where_real_ones_were_calibrated_are_refused():
             call()
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w' .*complex64.*imaginary"):
         jqt.pack(qp, pc)
+    q8 = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)  # weight-only (review)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"op 'w' .*complex64.*imaginary"):
+        jax.jit(jqt.quantize(f, q8))(jqt.pack(q8, p), xc)
     for batches in ([(x,), (xc,)], [(xc,), (x,)]):
         with pytest.raises(jqt.CalibrationDataError, match=r"op 'w' reads complex values"):
             jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)

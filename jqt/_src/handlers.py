@@ -226,11 +226,12 @@ def without_entry(site, ctx) -> bool:
 
 
 def _check_real(site, qp, invals):
-    """Refuses complex operands of an op the qparams quantize: it was calibrated on real
-    ones (an op that reads complex values is kept float), and quantization would drop the
-    imaginary parts."""
-    bad = [i for i in (0, 1) if qp.operand(i) is not None and i < len(invals)
-           and jnp.issubdtype(invals[i].dtype, jnp.complexfloating)]
+    """Refuses complex operands of an op the qparams quantize (either operand: a weight-only
+    kernel decodes the weight to float32, which a complex activation is cast to): it was
+    calibrated on real ones (an op that reads complex values is kept float), and
+    quantization would drop the imaginary parts."""
+    bad = [] if qp.is_float else [i for i in (0, 1) if i < len(invals)
+                                  and jnp.issubdtype(invals[i].dtype, jnp.complexfloating)]
     if bad:
         raise QParamsMismatchError(
             f"jqt: op '{site.key}' ({site.op}) was calibrated on real operands and is quantized, "

@@ -206,7 +206,7 @@ def test_qparams_moved_by_float_rounding_only_are_still_checked(tmp_path):
     # an edit of one scale of many is no rounding (review: a tolerance relative to the sum
     # of all scales took it for one at 262144 channels and refused the calibrated weights)
     from jqt._src import weightcheck
-    wide = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((2, 65536)), jnp.float32)}
+    wide = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((2, 262144)), jnp.float32)}
     qw = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8(), wide, [(jnp.ones((1, 2)),)],
                        progress=False)["w"]
     edited = dataclasses.replace(qw, rhs=dataclasses.replace(qw.rhs, scale=qw.rhs.scale.at[0, 7].multiply(0.5)))

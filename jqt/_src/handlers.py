@@ -319,7 +319,8 @@ def lookup(ctx, site, invals):
                 f"jqt: the packed weight for '{site.key}' has scales of shape "
                 f"{tuple(jnp.shape(packed.scale))}, but qparams['{site.key}'] give its op scales of "
                 f"shape {tuple(jnp.shape(q.scale))}: the weights were packed for another use of "
-                "them (a square weight read as x @ w, packed, then run as x @ w.T) or with other "
+                "them (a square weight contracted over its other axis: packed for "
+                "einsum('bk,kn->bn'), run as einsum('bk,nk->bn')) or with other "
                 "qparams. Re-run jqt.pack(qparams, params) with these qparams.")
     return qp, packed
 

@@ -857,6 +857,14 @@ def test_a_function_with_more_ops_at_another_length_is_named_in_the_mismatch():
     with pytest.raises(jqt.QParamsMismatchError) as e:  # another weight: no such hint
         jqt.quantize(lambda p, x: x @ p["w"] @ p["sq"], {"w": qp["w"]})(p, x)
     assert "other input shapes" not in str(e.value)
+    # matmuls of activations in the combine (a linear recurrence with input-dependent
+    # transitions) are keyed by position: the hint holds for them too (hunt36_assocscan)
+    g = lambda p, x: lax.associative_scan(lambda a, b: b @ a, jnp.tanh(x @ p["w"])[:, :, None]
+                                          * jnp.ones((1, 1, 3)))
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x[:4],)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"Or they were made for this function at "
+                       r"other input shapes.*lax.associative_scan"):
+        jqt.quantize(g, qg)(p, x)
 
 
 def test_a_matmul_inside_a_pallas_kernel_gets_a_fix_that_can_be_done():

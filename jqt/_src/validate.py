@@ -361,14 +361,23 @@ def _op_count(mismatched, keys, qparams) -> str:
     function and the qparams have: the same function, tracing its weights' ops another
     number of times at these inputs.
 
+    Also where they are later ops keyed by position (``'dot_general_6'``, no weight leaf
+    reaches them: matmuls inside ``lax.associative_scan``'s combine function) of a kind
+    and place both have.
+
     >>> _op_count(["sq#2", "sq#3"], ["w", "sq", "sq#1"], {"w": 0, "sq": 0, "sq#1": 0})[:45]
     ' Or they were made for this function at other'
+    >>> _op_count(["a/dot_general_6"], ["a/dot_general_2"], {"a/dot_general_2": 0})[:20]
+    ' Or they were made f'
     >>> _op_count(["v"], ["w"], {"v": 0})  # another model
     ''
     """
     base = lambda k: k.rsplit("#", 1)[0]
+    place = lambda k: re.sub(r"_\d+$", "", k)  # a positional key without its index
     common = {base(k) for k in keys if k in qparams}
-    if not mismatched or not all("#" in k and base(k) in common for k in mismatched):
+    places = {place(k) for k in keys if k in qparams and place(k) != k}
+    if not mismatched or not all(("#" in k and base(k) in common)
+                                 or (place(k) != k and place(k) in places) for k in mismatched):
         return ""
     return (" Or they were made for this function at other input shapes or arguments: it "
             "reads the same weights as the qparams' ops another number of times, so it traces "

@@ -64,14 +64,27 @@ or a unit mix-up (0.01x) is refused."""
 _F32 = jnp.float32
 
 
-SAME = 1e-5
-"""How far a digest's sketches of a scale, zero point or smoothing vector may move for the
-qparams to count as the calibrated ones: their L2 norm relatively, the sums of their
-direction (the values over that norm) absolutely. Float rounding (an exponential moving
-average or an average of copies of unchanged qparams moves every value by an ulp or so:
-a common factor, which only the norm sees, and each value's own rounding) stays far
-below it; a fine-tuning step, or an edit of one value by more than about
-``2 * SAME * sqrt(n)`` of the values' root mean square (n values: 1% at a million), does not."""
+SAME = 2e-4
+"""How far the sums of a digest's directions (a scale's, zero point's or smoothing
+vector's values over their L2 norm, weighted by :data:`SKETCHES` sets of fixed Gaussian
+weights) may move for the qparams to count as the calibrated ones. Each value's own
+float rounding moves them by about its relative size: an average of copies of unchanged
+qparams by about 1e-7, an ``optax.ema`` of them over thousands of steps by up to about
+2e-5. An edit of one value of n by a fraction ``e`` moves each by about ``e / sqrt(n)``
+times its weight there (its own fraction of the values' root mean square): a fine-tuning
+step, which moves every value, is seen; an edit of a few values by hand may not be (the
+smaller the edit and the more the values, the likelier: one scale of 65,536 shrunk by 10%
+was missed in about one channel of ten). A missed edit counts as rounding: ``jqt.pack``
+then checks the weights against the edited scales (a weight past a shrunk scale's grid is
+refused, naming the op; ``clip=True`` packs it), never silently."""
+
+NORM = 1e-3
+"""How far (relatively) a digest's L2 norms may move: a common factor, as float32 rounding
+of an EMA's decay and bias correction gives every value (up to about 2e-4 at a decay of
+0.9999), moves the grid's reach by as much, far below :data:`TOLERANCE`."""
+
+SKETCHES = 8
+"""How many weighted sums of each direction a digest holds."""
 
 
 def _arrays(p):
@@ -104,7 +117,7 @@ def _exact(p) -> str | None:
 def digest(p) -> str | None:
     """A digest of what puts op ``p``'s weight on its grid: a hash of its type, rotation
     and the shapes of its scale, zero point and the op's smoothing vector, then sketches
-    of their values (their L2 norm, and two sums of their direction weighted by fixed
+    of their values (their L2 norm, and :data:`SKETCHES` sums of their direction weighted by fixed
     pseudo-random weights, which a changed, rescaled or permuted value moves), which
     :func:`same` compares within :data:`SAME`; ``None`` where one is a tracer or the weight
     has no scale.
@@ -131,16 +144,17 @@ def digest(p) -> str | None:
         if a is None:
             continue
         v = np.asarray(a, np.float64).reshape(-1)
-        r = np.random.default_rng(v.size).uniform(0.5, 1.5, (2, v.size))
+        r = np.random.default_rng(v.size).standard_normal((SKETCHES, v.size))
         norm = float(np.sqrt(v @ v))
         u = v / norm if norm else v  # the direction: a rescaling of all of them is the norm's
-        sketch += [norm, float(u @ r[0]), float(u @ r[1])]
-    return "s1:" + h.hexdigest() + ":" + ",".join(repr(x) for x in sketch)
+        sketch += [norm, *(r @ u).tolist()]
+    return "s2:" + h.hexdigest() + ":" + ",".join(f"{x:.9g}" for x in sketch)
 
 
 def same(now: str | None, recorded: str) -> bool:
     """Whether digest ``now`` is that of the qparams ``recorded`` was taken of, within
-    float rounding (:data:`SAME`); a record from before sketches compares exactly."""
+    float rounding (:data:`NORM`, :data:`SAME`); a record from before sketches compares
+    exactly (:func:`start`), one of another sketch version never."""
     if now is None:
         return False
     a, b = now.split(":"), recorded.split(":")
@@ -148,10 +162,12 @@ def same(now: str | None, recorded: str) -> bool:
         return False
     x = [float(t) for t in a[2].split(",") if t]
     y = [float(t) for t in b[2].split(",") if t]
-    if len(x) != len(y):
+    n = SKETCHES + 1
+    if a[0] != b[0] or len(x) != len(y) or len(y) % n:
         return False
-    return all(abs(x[i] - y[i]) <= SAME * max(x[i], y[i]) and abs(x[i + 1] - y[i + 1]) <= SAME
-               and abs(x[i + 2] - y[i + 2]) <= SAME for i in range(0, len(y), 3))
+    return all(abs(x[i] - y[i]) <= NORM * max(x[i], y[i])
+               and all(abs(x[i + k] - y[i + k]) <= SAME for k in range(1, n))
+               for i in range(0, len(y), n))
 
 
 def _edges(qtype):

@@ -544,6 +544,14 @@ def test_a_sparse_matmul_that_reads_a_weight_says_that_it_stays_float():
                       r"stays float.*embedding bag"):
         qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(data, idx)], progress=False)
     assert list(qp) == ["w"]
+    # a BCOO weight changed by another sparse op first (its transpose) warned of nothing,
+    # and one scaled in f named its indices' leaf (hunt36_sparse)
+    bw = {"s": sparse.BCOO.fromdense(p["emb"][:8, :4]), "w": p["w"][:4]}
+    x = jnp.ones((2, 8))
+    for g in (lambda p, x: (p["s"].T @ x.T).T @ p["w"], lambda p, x: (x @ (p["s"] * 0.5)) @ p["w"]):
+        with pytest.warns(UserWarning, match=r"sparse matmul, at '<top>'\) reads a weight \(changed "
+                                             r"by another op first"):
+            jqt.calibrate(g, jqt.recipes.w8(), bw, [(x,)], progress=False)
 
 
 def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():

@@ -318,15 +318,21 @@ class Analyzer:
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
                         self._defer(("ragged", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
-                    if name in _SPARSE_MATMULS and paths:
+                    if name in _SPARSE_MATMULS and any(i.weight for i in ins):
+                        # the values' leaf, not the indices'; a weight a sparse op (a
+                        # bcoo_transpose, BCOO.fromdense in f) changed first has none
+                        vals = [i.source.path for i, v in zip(ins, eqn.invars) if i.source is not None
+                                and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+                        what = (f"weight '{vals[0]}'" if vals else "a weight (changed by another "
+                                "op first, or made sparse in f)")
                         msg = (f"jqt: a {name} (a jax.experimental.sparse matmul, at "
-                               f"'{stack or '<top>'}') reads weight '{paths[0]}': jqt has no rule "
+                               f"'{stack or '<top>'}') reads {what}: jqt has no rule "
                                "for sparse matmuls, so it stays float. Multi-hot features times "
                                "a table: look the rows up and sum them (an embedding bag, "
                                "jnp.take(table, ids, axis=0) times the per-lookup weights, summed "
                                "over the bag or with jax.ops.segment_sum), which jqt quantizes as "
                                "a lookup; a sparse weight: pass it dense (BCOO.todense()) to quantize it.")
-                        self._defer(("sparse", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
+                        self._defer(("sparse", name), msg, f"{what} at '{stack or '<top>'}'")
                     if any(_contains_quantizable(j) for j in compat.jaxprs_in_params(eqn.params)):
                         named = list(dict.fromkeys(paths))
                         reads = (f"; they read weight{'s' if len(named) > 1 else ''} "

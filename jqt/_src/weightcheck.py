@@ -144,11 +144,20 @@ def digest(p) -> str | None:
         if a is None:
             continue
         v = np.asarray(a, np.float64).reshape(-1)
-        r = np.random.default_rng(v.size).standard_normal((SKETCHES, v.size))
+        r = _sketch_weights(v.size)
         norm = float(np.sqrt(v @ v))
         u = v / norm if norm else v  # the direction: a rescaling of all of them is the norm's
         sketch += [norm, *(r @ u).tolist()]
     return "s2:" + h.hexdigest() + ":" + ",".join(f"{x:.9g}" for x in sketch)
+
+
+@functools.lru_cache(maxsize=8)
+def _sketch_weights(n):
+    """The fixed Gaussian weights of a digest of ``n`` values (ops of one shape share them:
+    calibrate and pack take a digest per op)."""
+    r = np.random.default_rng(n).standard_normal((SKETCHES, n))
+    r.flags.writeable = False
+    return r
 
 
 def same(now: str | None, recorded: str) -> bool:

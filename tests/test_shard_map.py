@@ -425,7 +425,7 @@ with jax.set_mesh(PM):
 R["partial_grad"] = {"rel": float(jnp.linalg.norm(g - g_float) / jnp.linalg.norm(g_float))}
 """
 
-_DEFAULT = ("explicit/w8a8", "explicit/w4_g4", "auto/w8a8")  # the default run's; the rest slow
+_DEFAULT = ("explicit/w8a8",)  # the default run's (the suite under 5 minutes); the rest slow
 _ALL = ("explicit/w8a8", "explicit/w8a8_dynamic", "explicit/w8", "explicit/w4_g4", "explicit/nf4_g4",
         "explicit/fp8", "auto/w8a8", "auto/w4_g4")
 
@@ -437,7 +437,7 @@ def _run(cases, rest):
 
 @pytest.fixture(scope="module")
 def result():
-    """Three of the presets on the tensor-parallel MLP (the default run)."""
+    """One preset on the tensor-parallel MLP (the default run)."""
     return _run(_DEFAULT, rest=False)
 
 

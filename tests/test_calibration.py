@@ -1102,6 +1102,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
         assert r["single"][k][0] < r["minmax"][k][0], k
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_histograms_of_batches_sharded_over_explicit_mesh_axes():
     # the scatter that counts a histogram's bins failed on rows split over Explicit axes
     # (jax.make_mesh's default), inside and outside jax.set_mesh

@@ -398,6 +398,7 @@ def test_cond_untaken_branch_warns_and_stays_float():
     assert _rel(qf(p, x, True), cond_fn(p, x, True)) > 0
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_matrices_f_builds_from_iota_stay_float():
     """jax.image.resize (bilinear) multiplies by interpolation matrices, and
     lax.conv_general_dilated_patches convolves with a one-hot filter, both built in f from
@@ -964,6 +965,7 @@ def test_an_einsum_that_contracts_two_weights_first_says_so():
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8", "w4"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
     """Inputs whose type names a mesh axis (``jax.make_mesh``'s default, explicit axes;
     here one device), few rows, after the same function ran on an unsplit input: the
@@ -990,6 +992,7 @@ def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4", "fp8"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_quantized_function_inside_shard_map(recipe):
     """``jax.shard_map`` around a quantized function (per-device code: a replicated weight
     times a split activation, which JAX types through ``pvary``), plain, vmapped, and the

@@ -193,6 +193,7 @@ def test_tiny_model_learns(tmp_path, monkeypatch):
     assert np.all(out < 128), decoder.to_text(out[0])  # ASCII, like the standard library's code
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_bfloat16_weights_give_bfloat16_activations_and_cache(params, tokens):
     """benchmarks/gpu.py runs the decoder in bfloat16: rotary embeddings keep the dtype
     (their cos / sin are computed in float32 and cast), so the layer scan's carry and the

@@ -115,6 +115,7 @@ def test_every_benchmark_script_imports():
 @pytest.mark.skipif(not sys.platform.startswith("linux")
                     or not {0, 1} <= set(getattr(os, "sched_getaffinity", lambda _: ())(0)),
                     reason="the probe pins threads to CPUs 0 and 1 (Linux)")
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_crosscore_probe_builds_runs_and_stops(tmp_path):
     """benchmarks/crosscore.c, the probe crosscore.py runs before each window: it builds with
     the C compiler, prints its three medians and exits (its writer thread once spun forever

@@ -88,6 +88,7 @@ def test_integer_matches_simulated_dense(name):
 
 # one format by default, the others in CI (the dense test covers every format by default)
 @pytest.mark.parametrize("name", ci_only(sorted(RECIPES), {"nf4_g64"}))
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_integer_matches_simulated_with_embeddings(name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -649,6 +649,7 @@ def test_keras_subclassed_model_whose_call_takes_no_training(keras):
         jqt.from_keras(m, training=True)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     """Dropout's seed state was a params leaf keyed by a process-wide counter
     (``seed_generator_2/...``), so a model rebuilt after another Dropout could not run the

@@ -74,6 +74,7 @@ def test_digits_hold_24_bits_of_the_row_maximum():
 
 @pytest.mark.parametrize("m", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3 rows: CI
 @pytest.mark.parametrize("name", ci_only(RECIPES, {"w4_g128_asym"}))  # the others: CI
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_every_formulation_gives_the_same_result(name, m):
     f, p, qp, x = _setup(RECIPES[name], m)
     ref = jqt.quantize(f, qp, simulate=True)(p, x)
@@ -92,6 +93,7 @@ def test_every_formulation_gives_the_same_result(name, m):
 @pytest.mark.parametrize("name", ci_only(["w8", "w4_g128_asym", "w4_per_channel", "nf4", "w8a8_dynamic",
                                           "w4a8_g128_asym"], {"w8", "nf4"}))
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_gemv_formulation_under_vmap(name):
     f, p, qp, _ = _setup(RECIPES[name])
     xs = jax.random.normal(jax.random.key(5), (3, 1, K)).at[:, 0, 7].set(-6.0)

@@ -118,6 +118,7 @@ def test_weight_only_casts_the_weight_chunk_by_chunk_on_cpu(recipe, k_rows, kn):
                                       jax.jit(jqt.quantize(f, qp, policy=policy))(packed, many))
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_gpu_table_casts_int8_weights_to_the_activation_dtype_untied():
     """The GPU table (``decode_in_input_dtype``, ``cast_in_gemm``) under a bfloat16 activation
     at 2-64 rows: a per-channel int8 weight is cast straight to bfloat16 for one bfloat16
@@ -463,6 +464,7 @@ def test_a_weight_on_the_left_keeps_its_matmul_rows_first(recipe):
                                jax.jit(jqt.quantize(f, qp, simulate=True))(p, x), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_stacked_fp8_layers_are_sliced_as_bytes():
     """A scan over stacked fp8 layers at more rows than the native kernel takes: XLA:CPU
     slices fp8 by converting the operand to float16 and back, and hoisted the conversion of

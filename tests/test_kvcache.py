@@ -320,6 +320,7 @@ def test_a_window_shifted_in_place_keeps_its_codes(kind, shift):
 
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(setup, kind, code_dtype):
     """A loop vmapped over the batch inside the function reads and returns its cache through
     transposes (the batch axis moved behind the layer axis for the scan over layers): the
@@ -341,6 +342,7 @@ def test_a_decode_loop_vmapped_inside_the_function_carries_its_cache_quantized(s
     np.testing.assert_allclose(y, jnp.swapaxes(by_hand, 0, 1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_decode_loop_vmapped_with_a_stop_per_sequence(setup):
     """``jax.vmap`` of a decode ``while_loop`` that stops at each sequence's own length: a
     while whose predicate is batched. Its cache is carried quantized, a finished sequence
@@ -423,6 +425,7 @@ def teacher_cleared(p, tokens, clear_at, zeros="literal"):
 @pytest.mark.parametrize("kind,zeros,code_dtype", [
     (True, "literal", jnp.int8), pytest.param("int4", "like", jnp.uint8, marks=pytest.mark.slow),
     pytest.param("fp8", "hoisted", None, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros, code_dtype):
     """``jnp.where(clear, 0.0, cache)`` picks whole zero vectors: the buffer is still the
     cache, carried quantized, a cleared vector taking zero codes and the scale zeros
@@ -489,6 +492,7 @@ def test_export_of_the_decode_function(setup):
 
 @pytest.mark.parametrize("recipe", ["w8a8_dynamic", "w4"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_decode_loop_inside_shard_map(setup, recipe):
     """The decode loop as per-device code under ``jax.shard_map``, the batch split: its
     embedding lookup gathers replicated packed codes with split token ids (cast to

@@ -140,6 +140,7 @@ def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
     np.testing.assert_allclose(out, ref[3:], atol=0.05)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_donated_cache_is_updated_in_place(setup):
     p, batches, toks = setup
     qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=True), p, batches, progress=False)
@@ -336,6 +337,7 @@ def test_flax_linen_decode_cache():
     np.testing.assert_allclose(out_q, out_s, atol=1e-4)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_flax_nnx_decode_cache():
     nnx = pytest.importorskip("flax.nnx")
 
@@ -372,6 +374,7 @@ def test_flax_nnx_decode_cache():
 
 @pytest.mark.parametrize("kind", [True, "int4", "fp8"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_scan_over_the_quantized_step_starts_from_quantize_cache(setup, kind):
     """lax.scan needs its carry's type to stay: the quantized step returns a quantized
     cache, so the carry starts as one (jqt.quantize_cache); the same as the Python loop."""
@@ -450,6 +453,7 @@ def view_cache(how):
 @pytest.mark.parametrize("kind", [True, "int4"])
 @pytest.mark.parametrize("how", ["repeat", "pages", "window", "prefix"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_attention_reads_the_codes_of_what_it_selects(setup, how, kind):
     """jnp.repeat of a grouped-query cache's heads, a paged cache's pages gathered by a page
     table, a sliding window and a static slice read whole vectors: attention reads their
@@ -508,6 +512,7 @@ def beam_loop(p, tokens, orders, reorder="index"):
                                                      (*KINDS[0], "take"), (*KINDS[1], "jitted"),
                                                      (*KINDS[0], "t5x"), (*KINDS[0], "t5x_take")])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype, reorder):
     """A cache reordered by beam (cache[:, order], jnp.take, a jitted gather) is still the
     cache: its codes and scales are reordered alike, in a step called from Python and in a
@@ -544,6 +549,7 @@ def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype, reord
     assert not floats, floats[0]
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):
     """A float32 cache converted to bfloat16 for attention: the conversion passes the
     quantized cache on (it decodes to bfloat16), with the simulation's results, and the

@@ -373,6 +373,7 @@ def test_scan_counts_read_both_jax_forms_and_name_the_supported_jax_otherwise():
 @pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=32),
                                     pytest.param(jqt.recipes.w8(), marks=pytest.mark.slow)],  # w8: CI
                          ids=["w4_g32", "w8"])
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_stacked_embedding_tables_and_weights_in_a_layer_scan(recipe):
     """A scan over layers that each look up their own table and multiply their own
     weight: the integer path hands the matmul a view of the stacked packed weight (read
@@ -510,6 +511,7 @@ def _per_example_until(p, xs, ns):
 
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_while_loop_vmapped_with_a_stop_per_example(recipe):
     """``jax.vmap`` of a ``while_loop`` whose stop depends on the example leaves a ``while``
     whose predicate is batched (one per example). Rebuilding it failed ("cond_fun must

@@ -864,6 +864,7 @@ def test_a_tied_table_with_one_scale_per_tensor_calibrates():
     np.testing.assert_allclose(jqt.quantize(g, qp)(packed, ids), want, rtol=0, atol=1e-4 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_changes_f_makes_to_its_arguments_in_place_are_named():
     """A step that writes into an nnx module it is given (a decode cache's index and
     buffers) loses the change under jqt as under jax.jit: each call wrote slot 0, silently

@@ -475,6 +475,7 @@ def _status_warning(var, value, *needles):
     return out.stdout
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_an_unknown_native_switch_is_named():
     """JQT_NATIVE=disable (neither an off nor an on word) leaves the kernels on, as before,
     but now says so and how to turn them off."""
@@ -803,6 +804,7 @@ def test_native_decode_levels_and_what_it_does_not_run():
 
 
 @needs_kernel
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_native_decode_under_jit_vmap_grad_scan_and_export():
     keys = jax.random.split(jax.random.key(21), 4)
     p = {"w": jax.random.normal(keys[0], (2, 128, 128)) / 11}

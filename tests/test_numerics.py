@@ -219,6 +219,7 @@ def test_a_16bit_conv_with_a_float32_result_simulates_weight_only():
 
 
 @pytest.mark.parametrize("recipe", ci_only(["rotate", "smooth", "awq"], {"awq"}))
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_integer_activations_with_outlier_transforms(recipe):
     # the smoothing vector and the Hadamard matrix were cast to the activation's int32:
     # 0.5 became 0 (inf, NaN) and the rotation's scale 0 (a zero output)

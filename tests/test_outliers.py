@@ -186,6 +186,7 @@ def test_gptq_matches_reference_algorithm():
                                     pytest.param("w4_awq", marks=pytest.mark.slow),
                                     pytest.param("w8a8_smooth", marks=pytest.mark.slow),
                                     pytest.param("nf4", marks=pytest.mark.slow)])
+@pytest.mark.slow  # test_frameworks' GPTQ case by default; this: CI (the default run stays under 5 minutes)
 def test_gptq_improves_and_packs_losslessly(recipe):
     p, batches = _mlp_data()
     r = {"w4": jqt.recipes.w4(group_size=16), "w4_awq": jqt.recipes.w4(group_size=16, awq=True),
@@ -241,6 +242,7 @@ SLOW_RECIPES = ("w4_awq", "w4a8_awq_rotate", "w8a8_rotate")  # the longest three
 
 @pytest.mark.parametrize("name", [n if n not in SLOW_RECIPES else pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(RECIPES)])
+@pytest.mark.slow  # packed smoothing: test_qat's case by default; this: CI (the default run stays under 5 minutes)
 def test_integer_simulated_packed_and_files_agree(name, tmp_path):
     p, batches = _mlp_data()
     qp = jqt.calibrate(mlp, RECIPES[name](), p, batches, progress=False)
@@ -268,6 +270,7 @@ def test_integer_simulated_packed_and_files_agree(name, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", ci_only(["w4_awq", "w8a8_smooth", "w8a8_rotate"], {"w4_awq"}))
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
     """A bfloat16 weight times its smoothing vector (or rotated) is quantized in float32
     on every path: jqt.pack (eager) rounded the product to bfloat16 first, the jitted

@@ -315,6 +315,7 @@ ASYM_W = Q(bits=8, symmetric=False, per_channel=True)
     (matmul, (16, 8), (4, 16), Q(bits=8, symmetric=False)),
 ], ids=["einsum-batch-weight-only", "einsum-batch-w8a8", "matmul-weight-only", "matmul-w8a8"])
 @pytest.mark.slow_variants
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_trained_weight_zero_point_is_rounded_on_integer_path(f, w_shape, x_shape, activation):
     """A trained (non-integer) weight zero point: both paths round it (the weight-only
     generic kernel used to subtract it unrounded)."""
@@ -515,6 +516,7 @@ def test_lora_gradients_through_the_few_row_digits_formulations(recipe):
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("nf4_g64", marks=pytest.mark.slow), "w4_g128"])
+@pytest.mark.slow  # LoRA on a packed base, end to end: CI (the default run stays under 5 minutes)
 def test_lora_adapters_train_on_a_packed_4bit_base(recipe):
     """QLoRA: adapters passed as an argument of f are trained with optax through the
     integer path on a packed 4-bit base (jqt's native kernels at 2 rows, the decoded

@@ -682,6 +682,7 @@ def test_report_untaken_cond_branch_did_not_run():
             assert rep.output_sqnr == pytest.approx(rows[ran].sqnr_cumulative, abs=1e-3)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_report_gives_each_float_output_its_own_sqnr(chain_setup):
     """f returning (logits, state it passes back): the state's energy, exact, pools into
     the output line; each output's own SQNR is given, worst first."""
@@ -709,6 +710,7 @@ def test_report_gives_each_float_output_its_own_sqnr(chain_setup):
     assert "no float output" not in str(rep) and "worst first: [1]" in str(rep)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
     """A trip count the quantized values decide (an adaptive step size): the float lane
     stops after 5 iterations, the quantized after 6; the loop's ops say so, and are

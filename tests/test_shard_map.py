@@ -425,7 +425,7 @@ with jax.set_mesh(PM):
 R["partial_grad"] = {"rel": float(jnp.linalg.norm(g - g_float) / jnp.linalg.norm(g_float))}
 """
 
-_DEFAULT = ("explicit/w8a8",)  # the default run's (the suite under 5 minutes); the rest slow
+_DEFAULT = ("explicit/w8a8",)  # one subprocess, the rest another (all slow: CI)
 _ALL = ("explicit/w8a8", "explicit/w8a8_dynamic", "explicit/w8", "explicit/w4_g4", "explicit/nf4_g4",
         "explicit/fp8", "auto/w8a8", "auto/w4_g4")
 
@@ -452,6 +452,7 @@ def _small(r):  # the integer path computes what the simulation does
 
 
 @pytest.mark.parametrize("case", [c if c in _DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in _ALL])
+@pytest.mark.slow  # test_composition's shard_map cases by default: CI (the default run stays under 5 minutes)
 def test_tensor_parallel_matmuls_are_quantized_per_block(request, case):
     """Megatron's MLP (w1 split by columns, w2 by rows, a psum) under ``jax.shard_map``:
     each device's block of a weight gets its own scales (a leading axis of 4 blocks in

@@ -370,8 +370,8 @@ compat.ad.defjvp(fake_quant_p, _jvp_x, _jvp_scale, _jvp_zero_point)
 
 def _no_jvp(primals, tangents, **params):
     raise TypeError(
-        "jqt_quantize (the integer path of jqt.quantize) is not differentiable: float -> int "
-        "has no gradient. Differentiate the simulated path instead: "
+        "jqt_quantize (the integer path of jqt.quantize) is not differentiable: rounding to "
+        "codes (int, fp8 or nf4) has no gradient. Differentiate the simulated path instead: "
         "jqt.quantize(f, qparams, simulate=True).")
 
 

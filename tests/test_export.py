@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -333,6 +334,28 @@ def test_custom_tree_needs_like(tmp_path):
         jqt.load_packed(path, like=wrong)
     with pytest.raises(jqt.QParamsMismatchError, match="like= has 1 leaves"):
         jqt.load_packed(path, like={"w": jnp.zeros((8, 4))})
+
+
+def test_a_template_with_another_static_field_is_named(tmp_path):
+    """``load_packed(like=)`` took a template whose static field differed from the packed
+    params' without a word: f then ran gelu under qparams calibrated for relu."""
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Mlp:
+        w: jax.Array
+        act: str = dataclasses.field(metadata=dict(static=True), default="relu")
+
+    f = lambda m, x: getattr(jax.nn, m.act)(x @ m.w)
+    m, x = Mlp(_normal(jax.random.key(2), (8, 4))), _normal(jax.random.key(3), (2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8(), m, [(x,)], progress=False)
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, m))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the template of the params packed: no warning
+        jqt.load_packed(path, like=jax.eval_shape(lambda: m))
+    with pytest.warns(UserWarning, match=r"like= has the leaves .* but its tree differs .*"
+                                         r"'gelu'.* where the file has .*'relu'.*static field"):
+        jqt.load_packed(path, like=Mlp(m.w, act="gelu"))
 
 
 def test_a_file_packed_under_x64_loads_with_a_template_without_it(tmp_path):

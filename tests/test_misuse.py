@@ -341,6 +341,20 @@ def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
                                                       r"strides=None\), but this call reaches it by slice\("
                                                       r"start=\(0, 0\), limit=\(24, 16\)"):
         jqt.quantize(sf, qs)({"pos": w}, x[:, :, :24])
+
+    # sliced by a static field of the params, at the same input shape: the message blamed
+    # the input's shape alone (hunt37_ensembles)
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Rows:
+        w: jax.Array
+        start: int = dataclasses.field(metadata=dict(static=True), default=0)
+
+    rf = lambda p, x: x[..., :32] @ p.w[p.start:p.start + 32]  # noqa: E731
+    qr = jqt.calibrate(rf, jqt.recipes.w8(), Rows(w), [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"limit=\(48, 16\).*or a Python value \(a static "
+                                                      r"argument, or a static field of the params"):
+        jqt.quantize(rf, qr)(Rows(w, start=16), x)
     img = {"img": jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)}
     cf = lambda p, k: lax.conv_general_dilated(p["img"], k, (1, 1), "VALID",  # noqa: E731
                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))

@@ -387,9 +387,11 @@ def _check_source(site, qp):
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
             f"{_step(was)}, but this call reaches it by {_step(now)}: the layout op's arguments "
             "follow the input's shape (e.g. p['pos'][:x.shape[1]], or a broadcast to the batch "
-            "size), so the weight's scales were computed for another view of it. Calibrate with "
-            "inputs of the shape you call it with (one qparams per shape), or read the weight "
-            "the same way at every shape.")
+            "size) or a Python value (a static argument, or a static field of the params: a "
+            "dataclass field with static=True, a flax.struct field with pytree_node=False), so "
+            "the weight's scales were computed for another view of it. Calibrate with inputs "
+            "of the shape and static values you call it with (one qparams each), or read the "
+            "weight the same way at every shape.")
     if got != want and any(c[0] == "broadcast_in_dim" for c in a.chain + b.chain):
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "

@@ -298,7 +298,8 @@ def _read_packed(r, path, like):
         raise version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
     h = r.header
     avals, paths = _read_avals(r, h)
-    treedef = _check_like(like, avals, paths, path) if like is not None else _read_tree(r, h, avals)
+    treedef = (_check_like(like, avals, paths, path, h.get("tree_repr")) if like is not None
+               else _read_tree(r, h, avals))
     if like is not None:  # leaves split over explicit mesh axes in like= trace split so
         avals = [_split_as(a, x) for a, x in zip(avals, jax.tree_util.tree_leaves(like))]
     kept, leaves = _read_leaves(r, h, avals, paths)
@@ -574,7 +575,10 @@ def _split_as(aval, x):
     return aval if sh is None else jax.ShapeDtypeStruct(tuple(aval.shape), aval.dtype, sharding=sh)
 
 
-def _check_like(like, avals, paths, path):
+def _check_like(like, avals, paths, path, tree_repr=None):
+    """The treedef of template ``like``, whose leaves must have the shapes and dtypes the
+    file records (``avals``, at ``paths``); a template of the same leaves whose tree prints
+    otherwise than the one packed (``tree_repr``: another static field) gets a warning."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
     flat = [x for _, x in with_paths]
     trim = lambda p: p[:-len("/value")] if p.endswith("/value") else p  # an nnx Variable's value
@@ -599,7 +603,23 @@ def _check_like(like, avals, paths, path):
                 f"jqt.load_packed: leaf #{i} ('{paths[i]}') is {shape} {jnp.dtype(dtype).name} in "
                 f"like=, but {tuple(a.shape)} {jnp.dtype(a.dtype).name} in {path}. The template "
                 "does not describe the params that were packed.")
+    if isinstance(tree_repr, str) and not named and str(treedef) != tree_repr:
+        _warn_static(str(treedef), tree_repr, path)
     return treedef
+
+
+def _warn_static(mine, theirs, path):
+    """``like=`` has the packed params' leaves in another tree (``mine`` and ``theirs``,
+    printed): where they first differ, and why it matters."""
+    i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    at = lambda t: ("..." if i > 40 else "") + t[max(0, i - 40):i + 40] + ("..." if len(t) > i + 40 else "")
+    diagnostics.warn(
+        f"jqt.load_packed: like= has the leaves of the params packed in {path}, but its tree "
+        f"differs from theirs ({at(mine)!r} where the file has {at(theirs)!r}): a node's type or "
+        "static field (a dataclass field with static=True, a flax.struct field with "
+        "pytree_node=False) is not the one packed, and f would run with it under qparams "
+        "calibrated with the other. Pass a template built with the static fields of the params "
+        "that were packed (or no like= where the file rebuilds the tree).")
 
 
 def _check_leaf_codes(fn, key, src, aval, pw, codes):

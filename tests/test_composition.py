@@ -924,6 +924,19 @@ def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
     assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
 
 
+def test_a_product_of_two_computed_weights_says_so():
+    """The product of two weights warned only where the side jqt takes as the activation was
+    a leaf: Glow's ``P @ tril(l) @ triu(u)``, or ``(2 * z) @ z.T`` of a GP head's inducing
+    points, gave one weight a static activation range with no word (hunt37_flows, _linalg)."""
+    p = {"l": jax.random.normal(jax.random.key(0), (8, 8)) * 0.3,
+         "u": jax.random.normal(jax.random.key(1), (8, 8)) * 0.3}
+    xs = jax.random.normal(jax.random.key(2), (4, 8))
+    f = lambda p, x: x @ (jnp.tril(p["l"]) @ jnp.triu(p["u"]))
+    with pytest.warns(UserWarning, match=r"multiplies two weights, a computed weight and a computed "
+                                         r"weight: .*Glow's P @ L @ U.*pass it in params"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+
+
 def test_an_einsum_that_contracts_two_weights_first_says_so():
     """``jnp.einsum('bi,ij,jk->bk', x, a, b)`` contracts ``a`` and ``b`` first at large
     batches (its optimize= order follows the shapes): one weight was quantized as the other's

@@ -463,18 +463,20 @@ class Analyzer:
             self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
                         f"'{stack or '<top>'}'")
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
-        if other is not None and other.weight and other.source is not None and not ins[widx].built:
-            at, a, b = stack or "<top>", src.path if src is not None else "a computed weight", \
-                other.source.path
+        if other is not None and other.weight and not ins[widx].built:
+            name = lambda i: f"'{i.source.path}'" if i.source is not None else "a computed weight"
+            at, a, b = stack or "<top>", name(ins[widx]), name(other)
             self._defer(("products",), f"jqt: a dot_general (at '{at}') multiplies two weights, "
-                        f"'{a}' and '{b}': the product does not depend on the data, yet jqt treats "
-                        f"'{b}' as the op's activation and recomputes the product at every call "
+                        f"{a} and {b}: the product does not depend on the data, yet jqt treats "
+                        f"{b} as the op's activation and recomputes the product at every call "
                         "(jqt.pack cannot store it). A jnp.einsum of three or more operands "
                         "contracts two weights first at some input shapes (the order its "
                         "optimize= picks depends on them), so other shapes give other ops and "
                         "keys: pass optimize=False, or write it as two einsums. A merged weight "
-                        "(LoRA's w + a @ b): merge it into params before calibrating.",
-                        f"'{a}' x '{b}' at '{at}'")
+                        "(LoRA's w + a @ b): merge it into params before calibrating; likewise "
+                        "a weight f computes from weights (Glow's P @ L @ U, a product in a power "
+                        "iteration): compute it before calling f and pass it in params.",
+                        f"{a} x {b} at '{at}'")
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")

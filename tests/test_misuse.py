@@ -105,6 +105,12 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
         warnings.simplefilter("error")  # each argument packed on its own, without a word
         packs = jqt.pack(qp2, pa, argnum=0), jqt.pack(qp2, pb, argnum=1)
     assert [list(k.weights) for k in packs] == [["a/w"], ["b/w"]]
+    # the tuple calibrate took, given to pack: the message said to pass the params the
+    # qparams were calibrated with, which it was (hunt37_docs9)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"several arguments of f, argument 0's at "
+                       r"params\[0\]: jqt.pack takes one weight argument at a time.*"
+                       r"jqt.pack\(qparams, params\[0\], argnum=0\)"):
+        jqt.pack(qp2, (pa, pb))
     # each packed copy runs in its own slot only (online and target networks swapped, or one
     # copy in both): the codes follow their op keys, the float leaves the slot
     gq, x = jqt.quantize(g, qp2, weight_argnums=(0, 1)), jnp.ones((2, 4))

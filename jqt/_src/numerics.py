@@ -372,7 +372,10 @@ def _no_jvp(primals, tangents, **params):
     raise TypeError(
         "jqt_quantize (the integer path of jqt.quantize) is not differentiable: rounding to "
         "codes (int, fp8 or nf4) has no gradient. Differentiate the simulated path instead: "
-        "jqt.quantize(f, qparams, simulate=True).")
+        "jqt.quantize(f, qparams, simulate=True). For a call you do not train through (a "
+        "distillation teacher, a reference), stop the gradient of its inputs, "
+        "qf(jax.lax.stop_gradient(params), x): a stop_gradient of its output comes after JAX "
+        "has asked for this op's derivative.")
 
 
 compat.ad.primitive_jvps[quantize_p] = _no_jvp

@@ -46,6 +46,13 @@ def test_qparams_are_pytrees(setup):
     assert jax.tree_util.tree_unflatten(tree, leaves)["l1/w"].rhs.qtype == qp["l1/w"].rhs.qtype
     doubled = jax.tree_util.tree_map(lambda a: a * 2, qp)
     np.testing.assert_allclose(doubled["l1/w"].rhs.scale, 2 * qp["l1/w"].rhs.scale)
+    # two qparams trees for weights of other shapes differ in their sources' shape, which
+    # JAX's error printed as identical metadata (the repr left it out; hunt37_distill)
+    f = lambda p, x: x @ p["w"]
+    q4, q8 = (jqt.calibrate(f, jqt.recipes.w8(), {"w": jnp.ones((2, n))}, [(jnp.ones((1, 2)),)],
+                            progress=False) for n in (4, 8))
+    with pytest.raises(ValueError, match=r"shape=\(2, 4\)(.|\n)*shape=\(2, 8\)"):
+        jax.tree_util.tree_map(lambda a, b: a, q4, q8)
 
 
 def test_summarize_and_repr(setup):

@@ -41,7 +41,8 @@ class WeightSource:
     where their own shape would fit (a per-channel scale does not see its contracted
     axis). It is part of equality and hash (qparams passed to ``jax.jit`` as an argument
     are told apart by it, so a function traced for one weight shape is not reused for
-    another), not of the repr.
+    another), and of the repr (JAX's error for two qparams trees of other weight shapes
+    prints both sources).
 
     ``calibrated_reach`` (set by :func:`jqt.calibrate`, ``None`` where unknown) is
     ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
@@ -68,7 +69,7 @@ class WeightSource:
     contract: tuple = ()
     batch: tuple = ()
     calibrated_reach: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
-    shape: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    shape: Optional[tuple] = None
 
     @property
     def stack_depth(self) -> int:

@@ -935,6 +935,13 @@ def test_a_product_of_two_computed_weights_says_so():
     with pytest.warns(UserWarning, match=r"multiplies two weights, a computed weight and a computed "
                                          r"weight: .*Glow's P @ L @ U.*pass it in params"):
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    # a zero state, a matrix built from iota, a constant f closes over: no word (review)
+    c = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    quiet = lambda p, x: (jnp.zeros((4, 8)) @ p["l"] + x @ (c @ p["u"])  # noqa: E731
+                          + x @ (jnp.cos(jnp.outer(jnp.arange(8.0), jnp.arange(8.0))) @ p["l"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(quiet, jqt.recipes.w8(), p, [(xs,)], progress=False)
 
 
 def test_an_einsum_that_contracts_two_weights_first_says_so():

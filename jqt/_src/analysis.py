@@ -365,7 +365,8 @@ class Analyzer:
             if outs is None:
                 w = all(info.weight for info in ins)
                 built = name == "iota" or (w and _all_built(ins))
-                outs = [VarInfo(w, built=built)] * len(eqn.outvars)
+                computed = w and any(i.source is not None or i.computed for i in ins)
+                outs = [VarInfo(w, built=built, computed=computed)] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -463,7 +464,7 @@ class Analyzer:
             self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
                         f"'{stack or '<top>'}'")
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
-        if other is not None and other.weight and not ins[widx].built:
+        if other is not None and (other.source is not None or other.computed) and not ins[widx].built:
             name = lambda i: f"'{i.source.path}'" if i.source is not None else "a computed weight"
             at, a, b = stack or "<top>", name(ins[widx]), name(other)
             self._defer(("products",), f"jqt: a dot_general (at '{at}') multiplies two weights, "

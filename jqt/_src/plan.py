@@ -28,6 +28,7 @@ class VarInfo:
     # back to its shape makes it that buffer again
     unflat: tuple = ()
     built: bool = False  # made in f from iota and literals alone (an interpolation matrix)
+    computed: bool = False  # a weight f computes from weight leaves (2 * w, tril(w), qr(w)[0])
 
 
 def picked_weights(pred, cases) -> tuple:

@@ -111,6 +111,13 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
                        r"params\[0\]: jqt.pack takes one weight argument at a time.*"
                        r"jqt.pack\(qparams, params\[0\], argnum=0\)"):
         jqt.pack(qp2, (pa, pb))
+    # a second argument that is a list (paths '0/w', '1/w' too): not taken for that tuple
+    h = lambda a, ls, x: (x @ a["w"]) @ ls[0]["w"] @ ls[1]["w"]  # noqa: E731
+    ls = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}]
+    qh = jqt.calibrate(h, jqt.recipes.w8(), (pa, ls), [(jnp.ones((2, 4)),)], weight_argnums=(0, 1),
+                       progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"weights of argument 1 of f.*argnum=1\)"):
+        jqt.pack(qh, ls)
     # each packed copy runs in its own slot only (online and target networks swapped, or one
     # copy in both): the codes follow their op keys, the float leaves the slot
     gq, x = jqt.quantize(g, qp2, weight_argnums=(0, 1)), jnp.ones((2, 4))

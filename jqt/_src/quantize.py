@@ -113,12 +113,14 @@ def _other_arg(qparams, argnum, index) -> str:
     srcs = [p.source for p in qparams.values() if p.weight_operand is not None
             and p.source is not None and p.operand(p.weight_operand) is not None]
     bare = list(index) == [""]  # params that are one array: its path is its argument's name
-    mine = [s for s in srcs if s.arg == argnum]
-    at = [next((j for j in range(len(index)) if f"{j}/{s.path.split('/', 1)[-1]}" in index), None) for s in mine]
-    if len({s.arg for s in srcs}) > 1 and mine and None not in at:  # the tuple calibrate took
+    args = sorted({s.arg for s in srcs})
+    at = lambda j, s: f"{j}/{s.path.split('/', 1)[1]}" if "/" in s.path else str(j)
+    if len(args) > 1 and argnum in args and all(  # the tuple of weight arguments calibrate took
+            at(j, s) in index for j, a in enumerate(args) for s in srcs if s.arg == a):
+        j = args.index(argnum)
         return (f" These params hold the weights of several arguments of f, argument {argnum}'s at "
-                f"params[{at[0]}]: jqt.pack takes one weight argument at a time. Pack each: "
-                f"jqt.pack(qparams, params[{at[0]}], argnum={argnum}), and so on for the others.")
+                f"params[{j}]: jqt.pack takes one weight argument at a time. Pack each: "
+                f"jqt.pack(qparams, params[{j}], argnum={argnum}), and so on for the others.")
     for arg in sorted({s.arg for s in srcs} - {argnum}):
         if all(index.get(s.path) or index.get(s.path.split("/", 1)[-1]) or (bare and "/" not in s.path)
                for s in srcs if s.arg == arg):

@@ -357,6 +357,26 @@ def test_a_template_with_another_static_field_is_named(tmp_path):
                                          r"'gelu'.* where the file has .*'relu'.*static field"):
         jqt.load_packed(path, like=Mlp(m.w, act="gelu"))
 
+    # a static function prints with its address, which differs in every process: the
+    # template a serving process builds gave the warning on every load (review)
+    def make(w):
+        def act(y):
+            return jax.nn.relu(y)
+        return Fn(w, act)
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Fn:
+        w: jax.Array
+        act: object = dataclasses.field(metadata=dict(static=True))
+
+    g = lambda m, x: m.act(x @ m.w)  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8(), make(m.w), [(x,)], progress=False)
+    jqt.save_packed(path, jqt.pack(qg, make(m.w)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.load_packed(path, like=make(m.w))  # another function object of the same name
+
 
 def test_a_file_packed_under_x64_loads_with_a_template_without_it(tmp_path):
     # jqt.pack recorded float64/int64 leaves where jax_enable_x64 was on; load_packed reads

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -603,9 +604,19 @@ def _check_like(like, avals, paths, path, tree_repr=None):
                 f"jqt.load_packed: leaf #{i} ('{paths[i]}') is {shape} {jnp.dtype(dtype).name} in "
                 f"like=, but {tuple(a.shape)} {jnp.dtype(a.dtype).name} in {path}. The template "
                 "does not describe the params that were packed.")
-    if isinstance(tree_repr, str) and not named and str(treedef) != tree_repr:
-        _warn_static(str(treedef), tree_repr, path)
+    if isinstance(tree_repr, str) and not named and _no_ids(str(treedef)) != _no_ids(tree_repr):
+        _warn_static(_no_ids(str(treedef)), _no_ids(tree_repr), path)
     return treedef
+
+
+def _no_ids(text):
+    """A printed tree without the memory addresses of its static values (a function's repr,
+    ``<function gelu at 0x7f...>``, differs in every process).
+
+    >>> _no_ids("Mlp[(<function gelu at 0x7f8f12ab>,)]")
+    'Mlp[(<function gelu at 0x...>,)]'
+    """
+    return re.sub(r" at 0x[0-9a-fA-F]+", " at 0x...", text)
 
 
 def _warn_static(mine, theirs, path):

@@ -935,6 +935,12 @@ def test_a_product_of_two_computed_weights_says_so():
     with pytest.warns(UserWarning, match=r"multiplies two weights, a computed weight and a computed "
                                          r"weight: .*Glow's P @ L @ U.*pass it in params"):
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    # computed before a loop whose body multiplies it by a weight (review 2)
+    def looped(p, x):
+        t = jnp.tril(p["l"])
+        return jax.lax.fori_loop(0, 2, lambda i, h: h @ (t @ p["u"]), x)
+    with pytest.warns(UserWarning, match=r"multiplies two weights, 'u' and a computed weight"):
+        jqt.calibrate(looped, jqt.recipes.w8(), p, [(xs,)], progress=False)
     # a zero state, a matrix built from iota, a constant f closes over: no word (review)
     c = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
     quiet = lambda p, x: (jnp.zeros((4, 8)) @ p["l"] + x @ (c @ p["u"])  # noqa: E731

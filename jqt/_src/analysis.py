@@ -545,7 +545,8 @@ class Analyzer:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
             built = w and _all_built(ins) and _all_built(
                 [info for outs_ in body_outs for info in outs_ if info.weight], empty=True)
-            default = VarInfo(w, built=built)
+            computed = w and any(i.source is not None or i.computed for i in ins)
+            default = VarInfo(w, built=built, computed=computed)
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)

@@ -62,7 +62,8 @@ def _same(param):
 def _const(info):
     """A loop's constant: the same value every iteration, not a buffer the loop writes
     (zeros stay zeros: a slot cleared with zeros made before the loop)."""
-    return VarInfo(info.weight, info.source, info.stack_ids, zero=info.zero, built=info.built)
+    return VarInfo(info.weight, info.source, info.stack_ids, zero=info.zero, built=info.built,
+                   computed=info.computed)
 
 
 def _carries(infos, loop_id):
@@ -83,7 +84,8 @@ def _scan_subs(eqn, infos, scan_id):
         # stacked too: each iteration reads another layer, with ranges of its own
         inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None or info.weight
                                                                else ()),
-                             buffer=info.buffer, built=info.built))
+                             buffer=info.buffer, built=info.built,
+                             computed=info.computed))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]
 

@@ -111,6 +111,11 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
                        r"params\[0\]: jqt.pack takes one weight argument at a time.*"
                        r"jqt.pack\(qparams, params\[0\], argnum=0\)"):
         jqt.pack(qp2, (pa, pb))
+    # weight_argnums=(1, 0): the tuple holds argument 1's weights first (review 2)
+    qr = jqt.calibrate(g, jqt.recipes.w8(), (pb, pa), [(jnp.ones((2, 4)),)], weight_argnums=(1, 0),
+                       progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"argument 0's at params\[1\]"):
+        jqt.pack(qr, (pb, pa))
     # a second argument that is a list (paths '0/w', '1/w' too): not taken for that tuple
     h = lambda a, ls, x: (x @ a["w"]) @ ls[0]["w"] @ ls[1]["w"]  # noqa: E731
     ls = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}]

@@ -107,17 +107,21 @@ def _check_slot(qparams, packed, a, argnums):
             f"argnum={here}).")
 
 
-def _other_arg(qparams, argnum, index) -> str:
+def _other_arg(qparams, argnum, index, shapes=None) -> str:
     """The hint for a weight params do not hold: the other weight argument of f (from
-    ``weight_argnums``) whose weights params do hold, to pack with ``argnum=``."""
+    ``weight_argnums``) whose weights params do hold, to pack with ``argnum=``; or, for
+    the tuple of weight arguments ``calibrate`` took, the one position of it that holds
+    argument ``argnum``'s weights (by path and, where ``shapes`` maps paths to them, shape)."""
     srcs = [p.source for p in qparams.values() if p.weight_operand is not None
             and p.source is not None and p.operand(p.weight_operand) is not None]
     bare = list(index) == [""]  # params that are one array: its path is its argument's name
-    args = sorted({s.arg for s in srcs})
     at = lambda j, s: f"{j}/{s.path.split('/', 1)[1]}" if "/" in s.path else str(j)
-    if len(args) > 1 and argnum in args and all(  # the tuple of weight arguments calibrate took
-            at(j, s) in index for j, a in enumerate(args) for s in srcs if s.arg == a):
-        j = args.index(argnum)
+    fits = lambda j, s: at(j, s) in index and (shapes is None or s.shape is None
+                                               or tuple(shapes[at(j, s)]) == tuple(s.shape))
+    places = {a: [j for j in range(len(index)) if all(fits(j, s) for s in srcs if s.arg == a)]
+              for a in {s.arg for s in srcs}}
+    if len(places) > 1 and all(places.values()) and len(places.get(argnum, ())) == 1:
+        j = places[argnum][0]  # the tuple calibrate took: each argument's weights at a place
         return (f" These params hold the weights of several arguments of f, argument {argnum}'s at "
                 f"params[{j}]: jqt.pack takes one weight argument at a time. Pack each: "
                 f"jqt.pack(qparams, params[{j}], argnum={argnum}), and so on for the others.")
@@ -526,7 +530,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
                 f"the qparams were calibrated with.{boxed_leaf(src.path, index)}"
-                f"{_other_arg(qparams, argnum, index)}")
+                f"{_other_arg(qparams, argnum, index, {q: jnp.shape(flat[i[0]]) for q, i in index.items()})}")
         if src.shape is not None and tuple(jnp.shape(flat[leaf])) != tuple(src.shape):
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' was calibrated for weight '{src.path}' of shape "

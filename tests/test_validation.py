@@ -854,9 +854,18 @@ def test_a_function_with_more_ops_at_another_length_is_named_in_the_mismatch():
         with pytest.raises(jqt.QParamsMismatchError, match=r"another function.* Or they were made "
                            r"for this function at other input shapes.*lax.associative_scan"):
             jqt.quantize(f, qp)(p, x[:n])
-    with pytest.raises(jqt.QParamsMismatchError) as e:  # another weight: no such hint
+    with pytest.raises(jqt.QParamsMismatchError) as e:  # another weight: not that hint
         jqt.quantize(lambda p, x: x @ p["w"] @ p["sq"], {"w": qp["w"]})(p, x)
-    assert "other input shapes" not in str(e.value)
+    assert "another number of times" not in str(e.value)
+    # a branch on the input's shape that adds an op (a position table interpolated at
+    # another resolution only): the hint says so, not only "another function" (hunt37_vitdrop)
+    r = lambda p, x: x @ p["w"] if x.shape[0] == 4 else (x @ p["w"]) @ p["sq"]  # noqa: E731
+    qr = jqt.calibrate(r, jqt.recipes.w8(), p, [(x[:4],)], progress=False)
+    for n in (8, 4):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"If they were made for this function "
+                           r"at other input shapes.*(include|are some of) the qparams' ops"):
+            jqt.quantize(r, qr if n == 8 else jqt.calibrate(r, jqt.recipes.w8(), p, [(x,)],
+                                                             progress=False))(p, x[:n])
     # matmuls of activations in the combine (a linear recurrence with input-dependent
     # transitions) are keyed by position: the hint holds for them too (hunt36_assocscan)
     g = lambda p, x: lax.associative_scan(lambda a, b: b @ a, jnp.tanh(x @ p["w"])[:, :, None]

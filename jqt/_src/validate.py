@@ -280,7 +280,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"with ({why or 'another dtype, shape or layout?'}). Pass caches as at calibration, or "
             "calibrate with these.")
     if extra:
-        counted = _op_count(extra + [k for k in keys if k not in qparams], keys, qparams)
+        counted = (_op_count(extra + [k for k in keys if k not in qparams], keys, qparams)
+                   or _nested(keys, qparams))
         raise QParamsMismatchError(
             f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
@@ -313,7 +314,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
         else:
             why = (" The qparams were made for another function or weight_argnums; run "
                    "jqt.calibrate on this function."
-                   f"{_op_count(missing + [k for k in qparams if k not in keys], keys, qparams)}")
+                   f"{_op_count(missing + [k for k in qparams if k not in keys], keys, qparams) or _nested(keys, qparams)}")
         raise QParamsMismatchError(
             f"{fn}: no quantization parameters for ops {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''} of this function (qparams have "
@@ -354,6 +355,26 @@ def boxed_leaf(path, leaves) -> str:
     plain = lambda k: re.sub(r"/value$", "", k)
     match = [k for k in leaves if plain(k) == plain(path)]
     return _boxed([path], match[:1], "params hold") if match else ""
+
+
+def _nested(keys, qparams) -> str:
+    """A hint where the function's op keys hold every key of the qparams, or the qparams
+    every key of the function (and some are shared): the same function, whose branch on a
+    shape or a Python value adds or drops ops at these inputs.
+
+    >>> _nested(["w", "pos"], {"w": 0})[:44]
+    ' If they were made for this function at othe'
+    >>> _nested(["v"], {"w": 0})  # another model
+    ''
+    """
+    mine, theirs = set(keys), set(qparams)
+    if not (mine & theirs) or not (mine <= theirs or theirs <= mine):
+        return ""
+    return (" If they were made for this function at other input shapes or arguments: its ops "
+            f"here {'include' if theirs <= mine else 'are some of'} the qparams' ops, as where a "
+            "branch on a shape or a Python value adds or drops ops (a position table "
+            "interpolated at another resolution only). Then calibrate with inputs of the "
+            "shapes and arguments it will be called with (one qparams per shape).")
 
 
 def _op_count(mismatched, keys, qparams) -> str:

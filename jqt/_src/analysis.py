@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, LITERAL, ZERO, Plan, Site, Sub, VarInfo, picked_weights
+from .plan import CONST, LITERAL, ZERO, Plan, Site, Sub, VarInfo, computed_weight, picked_weights
 from .registry import OPS
 
 
@@ -365,8 +365,7 @@ class Analyzer:
             if outs is None:
                 w = all(info.weight for info in ins)
                 built = name == "iota" or (w and _all_built(ins))
-                computed = w and any(i.source is not None or i.computed for i in ins)
-                outs = [VarInfo(w, built=built, computed=computed)] * len(eqn.outvars)
+                outs = [VarInfo(w, built=built, computed=computed_weight(ins))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -545,8 +544,7 @@ class Analyzer:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
             built = w and _all_built(ins) and _all_built(
                 [info for outs_ in body_outs for info in outs_ if info.weight], empty=True)
-            computed = w and any(i.source is not None or i.computed for i in ins)
-            default = VarInfo(w, built=built, computed=computed)
+            default = VarInfo(w, built=built, computed=computed_weight(ins))
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)

@@ -31,6 +31,12 @@ class VarInfo:
     computed: bool = False  # a weight f computes from weight leaves (2 * w, tril(w), qr(w)[0])
 
 
+def computed_weight(infos) -> bool:
+    """``VarInfo.computed`` of an op's output: every input a weight, one a leaf or computed
+    from leaves itself (not only constants, zeros or values built from iota)."""
+    return all(i.weight for i in infos) and any(i.source is not None or i.computed for i in infos)
+
+
 def picked_weights(pred, cases) -> tuple:
     """``VarInfo.chosen`` of a select or a cond: the weight leaves it picks between by a
     predicate (``pred``) from the data; ``()`` unless every case is a weight (a constant, a

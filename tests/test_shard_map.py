@@ -437,7 +437,7 @@ def _run(cases, rest):
 
 @pytest.fixture(scope="module")
 def result():
-    """One preset on the tensor-parallel MLP (the default run)."""
+    """One preset on the tensor-parallel MLP (its own subprocess; slow, as the rest)."""
     return _run(_DEFAULT, rest=False)
 
 

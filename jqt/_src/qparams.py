@@ -48,7 +48,8 @@ class WeightSource:
     ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
     (its largest ``|x / scale|``, zero point subtracted, over the value where clipping
     starts: at most 1 unless the weight calibrator clipped on purpose) and a digest of the
-    scale, zero point, smoothing vector and type it was measured with. :func:`jqt.pack`
+    scale, zero point, smoothing vector and type it was measured with; ``(reach, digest,
+    True)`` where some channels or groups were all zeros (placeholder scales). :func:`jqt.pack`
     checks the weights it packs against it while those are unchanged. It is not part of
     the source's equality or hash (qparams of other weights have the same tree
     structure), nor of its repr.

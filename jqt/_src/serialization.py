@@ -220,6 +220,8 @@ def qparams_entries(qparams, name, fn="jqt.save"):
         reach = None if p.source is None else p.source.calibrated_reach
         if reach is not None:
             entries[key]["weight_reach"] = [float(reach[0]), str(reach[1])]
+            if reach[2:] == (True,):  # pruned channels or groups (a key older jqt ignores)
+                entries[key]["weight_zero_groups"] = True
         if p.source is not None and p.source.shape is not None:
             entries[key]["weight_shape"] = [int(n) for n in p.source.shape]
     return entries, arrays
@@ -260,7 +262,10 @@ def _op_from_entry(r, key, e):
     rotate = r.need(e, "rotate", bool, where) if "rotate" in e else False
     acc = r.need(e, "accumulator", int, where) if "accumulator" in e else 32
     if "weight_reach" in e and source is not None:
-        source = dataclasses.replace(source, calibrated_reach=_reach_from_entry(r, e, where))
+        reach = _reach_from_entry(r, e, where)
+        if r.need(e, "weight_zero_groups", bool, where) if "weight_zero_groups" in e else False:
+            reach += (True,)
+        source = dataclasses.replace(source, calibrated_reach=reach)
     if "weight_shape" in e and source is not None:
         shape = r.need(e, "weight_shape", list, where)
         if not all(is_a(n, int) and n >= 0 for n in shape):

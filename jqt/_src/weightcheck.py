@@ -15,12 +15,16 @@ rounds most of its elements to a few codes near zero.
   integers, :func:`numerics.clip_edges`); at most 1 where nothing clips. It stores
   ``(reach, digest)`` in ``WeightSource.calibrated_reach`` (nothing where the reach is
   not finite: an inf element that the weight calibrator let through), the digest covering the
-  scale, zero point, smoothing vector and type it was measured with.
+  scale, zero point, smoothing vector and type it was measured with. Where some channels or
+  groups were all zeros (a pruned checkpoint: their scales are the placeholder 1) it
+  stores ``(reach, digest, True)``: those placeholders must still cover zeros.
 * :func:`start` / :func:`finish` (``jqt.pack``; :func:`check` for ``jqt.gptq``): where
   the digest still matches (the qparams as calibrated, within float rounding:
   :func:`same`), a weight whose reach exceeds
   ``max(calibrated reach, 1)`` by more than :data:`TOLERANCE`, or is under :data:`SHRUNK`
-  of ``min(calibrated reach, 1)`` (and not 0: zeros pack exactly), raises
+  of ``min(calibrated reach, 1)`` (and not 0: zeros pack exactly), or is nonzero where it
+  was all zeros (the whole weight, or a channel or group whose scale is a placeholder;
+  int and nf4 grids, on which small values round to 0 there), raises
   :class:`QParamsMismatchError` naming the op.
 
 Not checked: qparams whose scales, zero points or smoothing changed since calibration
@@ -212,14 +216,28 @@ def _ratios(x, s, z, lo, hi, group, int_grid):
     return jnp.where(jnp.isnan(r), 0.0, r), u, s, zr  # a NaN element is no clipping question
 
 
+PLACEHOLDER = 1.0
+"""The scale a channel or group with no range gets (``numerics.params_from_range``): an
+all-zero one, as a pruned checkpoint has them."""
+
+
+def _placeholders(s, shape):
+    """Where, per element of ``shape``, the scale ``s`` (broadcastable) is the placeholder,
+    within float rounding (an EMA of unchanged qparams moves it by about 1e-7)."""
+    return jnp.broadcast_to(jnp.abs(s - PLACEHOLDER) <= 1e-6, shape)
+
+
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _max_ratio(x, s, z, lo, hi, group, int_grid):
-    return jnp.max(_ratios(x, s, z, lo, hi, group, int_grid)[0])
+    r, _, s, _ = _ratios(x, s, z, lo, hi, group, int_grid)
+    held = _placeholders(s, r.shape)
+    return jnp.max(r), jnp.max(jnp.where(held, r, 0.0)), jnp.any(held)
 
 
 def reach(x, q, gaxis, depth):
-    """The reach of weight operand ``x`` on ``q``'s grid (a float32 scalar array; see the
-    module docstring), or ``None`` where it cannot be measured (tracers, no elements)."""
+    """The reach of weight operand ``x`` on ``q``'s grid (see the module docstring), the
+    reach of its elements whose scale is :data:`PLACEHOLDER`, and whether any is (device
+    scalars); ``None`` where it cannot be measured (tracers, no elements)."""
     s, z = q.scale, q.zero_point
     if any(compat.is_tracer(a) for a in (x, s, z)) or s is None or jnp.size(x) == 0:
         return None
@@ -287,15 +305,17 @@ def record(qparams, params_t, argnums):
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
     out = dict(qparams)
     with diagnostics.grouped():
-        for (key, _, _), r in zip(pending, values):
+        for (key, _, _), (r, _, _) in zip(pending, values):
             if r == 0 and _zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
-    for (key, _, tag), r in zip(pending, values):
+    for (key, _, tag), (r, held_reach, held) in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
             continue
         p = out[key]
+        zeros = bool(held) and held_reach == 0 and 0 < r  # pruned channels or groups (a
+        # weight all zeros is told by its reach of 0)
         out[key] = dataclasses.replace(p, source=dataclasses.replace(
-            p.source, calibrated_reach=(float(r), tag)))
+            p.source, calibrated_reach=(float(r), tag) + ((True,) if zeros else ())))
     return out
 
 
@@ -361,15 +381,18 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     :func:`start`) that reaches further than its calibration allows, or less than
     :data:`SHRUNK` of the part of the grid its calibrated weight's codes spanned;
     ``grid_operand(p, src)`` gives its weight again, for the message."""
-    pending = [c for c in pending if c is not None and not compat.is_tracer(c[-1])]  # traced: no value
+    pending = [c for c in pending if c is not None and not compat.is_tracer(c[-1][0])]  # traced: no value
     if not pending:
         return
     values = jax.device_get([c[-1] for c in pending])  # one transfer for every weight
-    bad, small, zeroed = [], [], []
-    for c, r in zip(pending, values):
-        cal = c[1].source.calibrated_reach[0]
+    bad, small, zeroed, regrown = [], [], [], []
+    for c, (r, held_reach, _) in zip(pending, values):
+        rec = c[1].source.calibrated_reach
+        cal = rec[0]
         if cal == 0 and float(r) > 0 and _zero_below(c[1]):  # calibrated at zeros: the
             zeroed.append((c, float(r), cal))  # scale is a placeholder (fp8 keeps small values)
+        elif rec[2:] == (True,) and float(held_reach) > 0 and _zero_below(c[1]):
+            regrown.append((c, float(held_reach), cal))  # a pruned channel or group
         elif float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
         elif 0 < float(r) < min(cal, 1.0) * SHRUNK:  # zeros (a pruned weight) pack exactly
@@ -382,6 +405,17 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"(it reaches {r:.3g}x the edge of that grid, "
             f"{p.operand(p.weight_operand).qtype.describe()}), and on it values {_zero_below(p)} "
             "round to 0. " + fix[0].upper() + fix[1:] + _also(zeroed, "were calibrated at zeros too"))
+    if regrown:
+        (key, p, src, _), r, _ = regrown[0]
+        q = p.operand(p.weight_operand)
+        x, gaxis = grid_operand(p, src)
+        held, n = _regrown(x, q, gaxis, src.stack_depth)
+        raise QParamsMismatchError(
+            f"{fn}: op '{key}': weight '{src.path}' holds values in {n} {held} that were all zeros "
+            "in the params the qparams were calibrated with (a pruned checkpoint?): their scales "
+            f"are placeholders (1), on which these values (reaching {r:.3g}x the edge of that "
+            f"grid, {q.qtype.describe()}) and any {_zero_below(p)} round to 0. "
+            + fix[0].upper() + fix[1:] + _also(regrown, "have such channels or groups too"))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]
         raise QParamsMismatchError(
@@ -411,6 +445,21 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
         f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "
         "with (another checkpoint, weights trained further or rescaled?): " + fix
         + _also(bad, "do not fit theirs either"))
+
+
+def _regrown(x, q, gaxis, depth):
+    """``(what, how many)``: the channel(s) or group(s) of weight operand ``x`` whose scale is
+    the placeholder and which hold a nonzero value (for the message; eager)."""
+    s = jnp.asarray(q.scale, _F32)
+    z = jnp.zeros((), _F32) if q.zero_point is None else jnp.asarray(q.zero_point)
+    lo, hi = (jnp.asarray(e, _F32) for e in _edges(q.qtype))
+    group = _grouping(x, s, q.qtype, gaxis, depth)
+    r, _, s_b, _ = _ratios(x, s, z, lo, hi, group, q.qtype.grid == "int")
+    held = _placeholders(s_b, r.shape) & (r > 0)
+    shape = (1,) * (r.ndim - s_b.ndim) + s_b.shape
+    axes = tuple(i for i in range(r.ndim) if shape[i] == 1 and r.shape[i] > 1)
+    n = int(jnp.sum(jnp.any(held, axis=axes)))  # one per scale value
+    return ("group" if group is not None else "channel") + ("s" if n != 1 else ""), n
 
 
 def _also(found, what):

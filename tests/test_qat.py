@@ -350,6 +350,25 @@ def test_simulated_path_on_packed_weights_rounds_zero_point():
     assert _rel(sim(jqt.pack(moved, p), x), sim(p, x), matmul(p, x)) < INT_VS_SIM
 
 
+def test_pack_stores_a_trained_zero_point_rounded():
+    """QAT trains zero points as floats; both paths round them at use, but pack stored
+    them as trained, beside codes made with the rounded ones: a packed weight decoded as
+    its docs say, (values - zero_point) * scale (a reader of save_packed's files), was off
+    by up to a third of a step, and a pruned zero came back nonzero (hunt38_prune)."""
+    p = {"w": _normal(10, (16, 8)) + 0.5}
+    x = _normal(11, (4, 16))
+    qp = jqt.calibrate(matmul, jqt.Recipe(rules=(jqt.Rule(weight=ASYM_W),)), p, [(x,)], progress=False)
+    wq = qp["w"].rhs
+    moved = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(wq, zero_point=wq.zero_point + 0.3))}
+    pw = jqt.pack(moved, p).weights["w"]
+    np.testing.assert_array_equal(pw.zero_point, np.round(wq.zero_point + 0.3))
+    codes = np.asarray(pw.values, np.float32)
+    codes = codes.T if pw.layout == "nk" else codes
+    decoded = (codes - np.asarray(pw.zero_point)) * np.asarray(pw.scale)
+    sim = jqt.quantize(matmul, moved, simulate=True)(p, jnp.eye(16))
+    np.testing.assert_allclose(decoded, sim, rtol=1e-6, atol=1e-6)
+
+
 def test_simulated_path_on_packed_weights_keeps_their_smoothing_vector():
     """Against packed weights the smoothing vector is fixed, as the weight scales are: the
     activation was divided by the qparams' vector, so training it ran a gain the integer

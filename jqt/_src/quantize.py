@@ -392,11 +392,18 @@ def _positional(f, sig, args, kwargs) -> tuple:
 def _own_scales(pw, p, **changes):
     """The packed weight ``pw`` with ``changes``, holding copies of the scale, zero point
     and smoothing vector it shares with its qparams ``p``: donating packed weights to a
-    jitted call (``donate_argnums``) must not delete the qparams' arrays."""
+    jitted call (``donate_argnums``) must not delete the qparams' arrays. An integer grid's
+    zero point is stored rounded, as the codes were made with it: ``jqt.qat`` trains zero
+    points as floats, and a packed weight decodes as ``(values - zero_point) * scale``."""
     pw = dataclasses.replace(pw, **changes)
     q = p.operand(p.weight_operand)
     shared = (p.smooth,) + (() if q is None else (q.scale, q.zero_point))
     changes = {}
+    if pw.zero_point is not None and pw.qtype.grid == "int" and (
+            compat.is_tracer(pw.zero_point) or not np.array_equal(
+                np.asarray(pw.zero_point), np.round(np.asarray(pw.zero_point)))):
+        changes["zero_point"] = jnp.round(pw.zero_point)
+        pw = dataclasses.replace(pw, **changes)
     for name in ("scale", "zero_point", "smooth"):
         a = getattr(pw, name)
         if a is not None and any(a is b for b in shared) and not compat.is_tracer(a):

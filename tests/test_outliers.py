@@ -182,6 +182,38 @@ def test_gptq_matches_reference_algorithm():
     assert err(ours) < 0.5 * err(rtn)
 
 
+def _two_of_four(w):
+    """``w`` (K x N) with the two smallest of every four inputs of each output zeroed."""
+    k, n = w.shape
+    g = np.abs(w).T.reshape(n, k // 4, 4)
+    small = np.argsort(g, axis=-1)[..., :2]
+    mask = np.ones_like(g)
+    np.put_along_axis(mask, small, 0.0, axis=-1)
+    return w * mask.reshape(n, k).T
+
+
+@pytest.mark.parametrize("recipe", ci_only(["w4", "nf4", "fp8"], {"w4"}))
+@pytest.mark.slow_variants
+def test_gptq_keeps_a_pruned_weights_zeros(recipe):
+    """GPTQ spreads each row's rounding error over the rows not yet rounded, pruned
+    elements included: a 2:4 weight came back with zeros filled in (nf4 most, fp8 nearly
+    all of them), so the packed model was no longer sparse. keep_zeros (the default)
+    rounds them to 0, their error spread as SparseGPT does (hunt38_prune)."""
+    p, batches = _data(k=32, n=16, outliers=False)
+    w = _two_of_four(np.asarray(p["w"]))
+    p = {"w": jnp.asarray(w)}
+    r = {"w4": jqt.recipes.w4(group_size=16), "nf4": jqt.recipes.nf4(group_size=16),
+         "fp8": jqt.recipes.fp8()}[recipe]
+    qp = jqt.calibrate(f, r, p, batches, progress=False)
+    kept = jqt.gptq(f, qp, p, batches, progress=False)
+    assert np.all(np.asarray(kept["w"])[w == 0] == 0)
+    q = jqt.quantize(f, qp)
+    assert _rel_err(q, kept, batches, lambda _, x: f(p, x)) < 0.9 * _rel_err(q, p, batches)
+    np.testing.assert_array_equal(np.asarray(q(jqt.pack(qp, kept), jnp.eye(32)))[w == 0], 0)
+    filled = jqt.gptq(f, qp, p, batches, keep_zeros=False, progress=False)
+    assert np.sum(np.asarray(filled["w"])[w == 0] != 0) > 0.02 * np.sum(w == 0)
+
+
 @pytest.mark.parametrize("recipe", ["w4", pytest.param("w4a8_rotate", marks=pytest.mark.slow),
                                     pytest.param("w4_awq", marks=pytest.mark.slow),
                                     pytest.param("w8a8_smooth", marks=pytest.mark.slow),

@@ -177,10 +177,11 @@ def _inverse_hessian_chol(h, damp, act_order):
 
 @functools.lru_cache(maxsize=None)
 def _gptq_blocks(qtype, block):
-    """A jitted ``(W, S, Z, U) -> Q`` over (permuted) rows of ``W`` (``K x N``): GPTQ's
-    lazy-batch loop, ``block`` rows at a time."""
+    """A jitted ``(W, S, Z, U, M) -> Q`` over (permuted) rows of ``W`` (``K x N``): GPTQ's
+    lazy-batch loop, ``block`` rows at a time; elements where ``M`` is set are rounded to 0
+    (pruned zeros kept, as SparseGPT keeps its mask), their error spread as any other's."""
 
-    def run(w, s, z, u):
+    def run(w, s, z, u, m):
         k = w.shape[0]
         q = jnp.zeros_like(w)
         for b0 in range(0, k, block):
@@ -191,7 +192,7 @@ def _gptq_blocks(qtype, block):
             def col(i, c, ub=ub, idx=idx, b0=b0):
                 wb, qb, eb = c
                 row = wb[i]
-                qi = quantize_rows(row, s[b0 + i], z[b0 + i], qtype)
+                qi = jnp.where(m[b0 + i], 0.0, quantize_rows(row, s[b0 + i], z[b0 + i], qtype))
                 err = (row - qi) / ub[i, i]
                 wb = wb - jnp.outer(jnp.where(idx > i, ub[i], 0.0), err)
                 return wb, qb.at[i].set(qi), eb.at[i].set(err)
@@ -206,10 +207,12 @@ def _gptq_blocks(qtype, block):
     return jax.jit(run)
 
 
-def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True):
+def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
+                keep_zeros=True):
     """GPTQ on one 2-D weight ``w`` (``K x N``, ``x @ w``) with the grid ``s``, ``z``
     (broadcast to ``w``'s shape; ``z`` may be ``None``) and Hessian ``h`` (``K x K``).
-    Returns the re-rounded weight (float, on the grid).
+    Returns the re-rounded weight (float, on the grid); with ``keep_zeros``, its exact
+    zeros stay zeros (0 is on every grid: a rounded zero point's code).
 
     >>> import numpy as np, jax.numpy as jnp, jqt
     >>> from jqt._src.gptq import gptq_weight
@@ -225,9 +228,11 @@ def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True)
     s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
     z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
     perm, dead, u = _inverse_hessian_chol(h, damp, act_order)
+    keep = (w == 0) if keep_zeros else np.zeros(w.shape, bool)
     w = np.where(dead[:, None], 0.0, w)[perm]
     run = _gptq_blocks(qtype, block_size)
-    q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32))
+    q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32),
+            jnp.asarray(keep[perm]))
     out = np.empty_like(w)
     out[perm] = np.asarray(q)
     return out
@@ -328,7 +333,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
 
 
 def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128,
-         damp: float = 0.01, act_order: bool = True, progress=None):
+         damp: float = 0.01, act_order: bool = True, keep_zeros: bool = True, progress=None):
     """Re-rounds every quantized dense weight of ``f`` with GPTQ, on ``qparams``' grid.
 
     Args:
@@ -342,6 +347,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       damp: added to ``H``'s diagonal, as a fraction of its mean (1%).
       act_order: quantize inputs in order of decreasing ``H_ii`` (the reference's
         ``act_order``; the grid stays the calibrated one).
+      keep_zeros: a weight's exact zeros (a pruned weight's, 2:4 or by magnitude) stay
+        zeros, their rounding error spread over the rows not yet rounded as SparseGPT does
+        with its mask; ``False`` re-rounds them as any other element, so GPTQ fills some
+        of them in. A rotated weight (``rotate=True``) has no zeros left to keep.
       progress: a progress bar (tqdm); ``None`` shows it on a terminal only.
 
     Returns:
@@ -376,7 +385,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     check_qparams(qparams)
     argnums = normalize_argnums(weight_argnums)
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
-    validate.flags("jqt.gptq", progress=progress, act_order=act_order)
+    validate.flags("jqt.gptq", progress=progress, act_order=act_order, keep_zeros=keep_zeros)
     check_batches(batches, "jqt.gptq")
     if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
@@ -415,7 +424,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         return tracer(args).run(args, handler, state)[1]
 
     jstep = jax.jit(step)
-    opts = dict(block_size=block_size, damp=damp, act_order=act_order)
+    opts = dict(block_size=block_size, damp=damp, act_order=act_order, keep_zeros=keep_zeros)
     from tqdm.auto import tqdm
     with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
         _passes(tqdm(_groups(eligible, order, site_of), desc="jqt.gptq", unit="pass",

@@ -32,9 +32,9 @@ W4 = jqt.QuantType(bits=4, symmetric=True, narrow_range=True, per_channel=False)
 A2 = jqt.QuantType(bits=2, symmetric=False)   # 4 codes per activation, static per-tensor
 A8 = jqt.QuantType(bits=8, symmetric=False)
 # int4 weights everywhere, int2 activations except the input image (Conv_0's activation),
-# which keeps 8 bits as low-bit networks usually keep their input. (With an int2 input,
-# PTQ gives the same 94.44% and the fine-tune 97.11% to 98.44% depending on the learning
-# rates, against 97.56% to 99.11% here: see docs/fine-tuning.md.)
+# which keeps 8 bits as low-bit networks usually keep their input: in trials, an int2
+# input fine-tuned lower and less steadily (docs/fine-tuning.md, "Choosing the recipe";
+# set A8 to A2 in the first rule to compare).
 RECIPE = jqt.Recipe(rules=(jqt.Rule(key="Conv_0", weight=W4, activation=A8),
                            jqt.Rule(weight=W4, activation=A2)))
 EPOCHS, BATCH = 10, 64

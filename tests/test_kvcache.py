@@ -661,7 +661,8 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # JAX's own, on the implicit cast
         with pytest.warns(UserWarning, match=r"scatter into a bfloat16 buffer converted to float32 first.*"
-                                             r"new.astype\(cache.dtype\)"):
+                                             r"new.astype\(cache.dtype\). These 2 buffers \(argument "
+                                             r"\[1\]\['k'\] of f, argument \[1\]\['v'\] of f\) stay float"):
             qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, [(cache(jnp.bfloat16), tok, 0)],
                                progress=False)
         assert not [k for k in qp if k.startswith("kv_cache")]
@@ -686,7 +687,8 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
     sliced = lambda p, tokens: window(p, tokens, lambda c: jnp.pad(c[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0))))
 
     with pytest.warns(UserWarning, match=r"scatter into slices of a carried buffer concatenated.*"
-                                         r"jnp.roll.*cache.at\[:, :-1\].set\(cache\[:, 1:\]\)"):
+                                         r"jnp.roll.*cache.at\[:, :-1\].set\(cache\[:, 1:\]\).*These 2 "
+                                         r"buffers \(a loop's carry slot 0, a loop's carry slot 1\) stay float"):
         qp = jqt.calibrate(rolled, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
     assert not [k for k in qp if k.startswith("kv_cache")]
     with warnings.catch_warnings(record=True) as seen:  # a slice padded: no word of a roll

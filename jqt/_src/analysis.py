@@ -609,9 +609,18 @@ class Analyzer:
         """``(where, why)`` of the writes :meth:`_near_miss` recorded into buffers that
         some op also reads, before or after the write (a cache; not a buffer of results
         the loop only collects)."""
+        return list(self.near_miss_buffers())
+
+    def near_miss_buffers(self) -> dict:
+        """:meth:`near_misses` with the buffers of each: ``(where, why) -> [(loop id or
+        CALL, carry slot or argument leaf)]`` (for a message that names them)."""
         read = self.reads | self._missed_reads
-        return list(dict.fromkeys((w, why) for w, bufs, why in self.cache_near_misses
-                                  if set(bufs) & read))
+        out = {}
+        for w, bufs, why in self.cache_near_misses:
+            if set(bufs) & read:
+                seen = out.setdefault((w, why), [])
+                seen += [b for b in bufs if b not in seen]
+        return out
 
     def _cache_lookalikes(self, eqn, caches, loop_id, stack):
         p = eqn.params

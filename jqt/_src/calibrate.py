@@ -16,7 +16,8 @@ from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
-from .tracing import Tracer, normalize_argnums
+from .analysis import CALL
+from .tracing import Tracer, leaf_names, normalize_argnums
 
 
 class CalibrationDataError(ValueError):
@@ -147,6 +148,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
     def local(params_t, batch, observe_weights, decided, transformed):
         args = full_args(argnums, params_t, batch)
         traced = last["traced"] = tracer(args)
+        last["names"] = leaf_names(args)
         state = {**transformed, **{k: (qp, None) for k, qp in decided.items()}}
         return traced.run(args, Calibrate(recipe, observe_weights), state)[1]
 
@@ -339,7 +341,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
     analyzer = last["traced"].analyzer
     _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned,
-                    analyzer.near_misses())
+                    _buffers_named(analyzer.near_miss_buffers(), last["names"]))
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -389,6 +391,15 @@ def _check_computed_shapes(qparams, shapes):
             "batch axis: einsum('qd,bkd->bqk', q, k), not q broadcast to the batch), calibrate "
             "once per length (one qparams per length), or keep the op float with a rule ahead "
             f"of the others, jqt.Rule(key='^{re.escape(key)}$', weight=None).")
+
+
+def _buffers_named(near_misses, names):
+    """``[(where, why, buffer names)]`` of :meth:`Analyzer.near_miss_buffers`: an argument
+    leaf of ``f`` by its path (``names``, :func:`tracing.leaf_names`), a loop's carry by
+    its slot."""
+    name = lambda b: (f"argument {names[b[1]]} of f" if b[0] == CALL and b[1] < len(names)
+                      else f"a loop's carry slot {b[1]}")
+    return [(w, why, [name(b) for b in bufs]) for (w, why), bufs in near_misses.items()]
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
@@ -443,9 +454,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                          "per layer or into keys and values and rebuilt with jnp.stack: write into "
                          "the stacked buffer with an index.")
     if wants_cache:
-        for where, why in near_misses[:3]:
+        for where, why, names in near_misses[:3]:
+            which = (f"That buffer ({names[0]}) stays" if len(names) == 1 else
+                     f"These {len(names)} buffers ({', '.join(names[:6])}"
+                     f"{' ...' if len(names) > 6 else ''}) stay")
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
-                             f"{why}. That buffer stays float (docs/generate.md).")
+                             f"{why}. {which} float (docs/generate.md).")
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
         who, where, aval = lookalikes[0]
         diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {where} "

@@ -159,8 +159,13 @@ def leaves(args) -> list:
 
 def leaf_path(args, k) -> str:
     """How an error names the ``k``-th of :func:`leaves` of ``args``: ``[1]['k']``."""
+    return leaf_names(args)[k]
+
+
+def leaf_names(args) -> list:
+    """:func:`leaf_path` of every one of :func:`leaves` of ``args``."""
     paths = jax.tree_util.tree_flatten_with_path(mark_static(args), is_leaf=kvcache.is_cache)[0]
-    return jax.tree_util.keystr(paths[k][0])
+    return [jax.tree_util.keystr(p) for p, _ in paths]
 
 
 def check_traceable(args, where="jqt"):

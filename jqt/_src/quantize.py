@@ -398,12 +398,9 @@ def _own_scales(pw, p, **changes):
     pw = dataclasses.replace(pw, **changes)
     q = p.operand(p.weight_operand)
     shared = (p.smooth,) + (() if q is None else (q.scale, q.zero_point))
+    if pw.zero_point is not None and pw.qtype.grid == "int":  # a new array: not shared
+        pw = dataclasses.replace(pw, zero_point=jnp.round(pw.zero_point))
     changes = {}
-    if pw.zero_point is not None and pw.qtype.grid == "int" and (
-            compat.is_tracer(pw.zero_point) or not np.array_equal(
-                np.asarray(pw.zero_point), np.round(np.asarray(pw.zero_point)))):
-        changes["zero_point"] = jnp.round(pw.zero_point)
-        pw = dataclasses.replace(pw, **changes)
     for name in ("scale", "zero_point", "smooth"):
         a = getattr(pw, name)
         if a is not None and any(a is b for b in shared) and not compat.is_tracer(a):

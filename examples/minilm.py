@@ -257,8 +257,9 @@ def time_interleaved(fns, args_of, rounds=TIMING_ROUNDS):
 
 
 def layer_norm_peaks(m, batches):
-    """Per layer: the attention block's LayerNorm output (the input of intermediate/dense),
-    its largest channel and the median channel's largest |x|, over real tokens."""
+    """Per LayerNorm (the attention block's is the input of intermediate/dense; the
+    others, of the next layer's query, key and value): its output's largest channel and
+    the median channel's largest |x|, over real tokens."""
     import flax.linen as nn
     peaks = {}
     for bids, bmask in batches:

@@ -212,6 +212,18 @@ def test_gptq_keeps_a_pruned_weights_zeros(recipe):
     np.testing.assert_array_equal(np.asarray(q(jqt.pack(qp, kept), jnp.eye(32)))[w == 0], 0)
     filled = jqt.gptq(f, qp, p, batches, keep_zeros=False, progress=False)
     assert np.sum(np.asarray(filled["w"])[w == 0] != 0) > 0.02 * np.sum(w == 0)
+    if recipe == "fp8":  # per channel: channel 3's scale is a real one
+        return
+    # a group all zeros at calibration keeps them under keep_zeros=False too: GPTQ's error
+    # on its placeholder scale (1) rounded to nf4 codes of about 0.08 (inputs that move
+    # together spread more of it), which pack then refused (review)
+    mix = jax.random.normal(jax.random.key(99), (64, 64))
+    mixed = [(jax.random.normal(jax.random.key(i), (64, 64)) @ mix,) for i in range(4)]
+    p = {"w": (jax.random.normal(jax.random.key(0), (64, 16)) * 0.3).at[16:32, 5].set(0)}
+    qp = jqt.calibrate(f, r, p, mixed, progress=False)
+    filled = jqt.gptq(f, qp, p, mixed, keep_zeros=False, progress=False)
+    assert np.all(np.asarray(filled["w"])[16:32, 5] == 0)
+    jqt.pack(qp, filled)
 
 
 @pytest.mark.parametrize("recipe", ["w4", pytest.param("w4a8_rotate", marks=pytest.mark.slow),

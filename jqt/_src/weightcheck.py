@@ -413,11 +413,14 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
         x, gaxis = grid_operand(p, src)
         held, n = _regrown(x, q, gaxis, src.stack_depth)
         raise QParamsMismatchError(
-            f"{fn}: op '{key}': weight '{src.path}' holds values in {n} {held} that were all zeros "
-            "in the params the qparams were calibrated with (a pruned checkpoint?): their scales "
-            f"are placeholders (1), on which these values (reaching {r:.3g}x the edge of that "
-            f"grid, {q.qtype.describe()}) and any {_zero_below(p)} round to 0. "
-            + fix[0].upper() + fix[1:] + _also(regrown, "have such channels or groups too"))
+            f"{fn}: op '{key}': weight '{src.path}' holds values in {n} {held} that "
+            f"{'was' if n == 1 else 'were'} all zeros in the params the qparams were calibrated with "
+            f"(a pruned checkpoint?): {'its scale is a placeholder' if n == 1 else 'their scales are placeholders'} "
+            f"(1), on which these values (reaching {r:.3g}x the edge of that grid, "
+            f"{q.qtype.describe()}) and any {_zero_below(p)} round to 0. "
+            + fix[0].upper() + fix[1:] + _also(regrown, "have such channels or groups too")
+            + (" (clip=True packs those values as that grid rounds them, most to 0.)"
+               if "clip=True" in fix else ""))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]
         raise QParamsMismatchError(

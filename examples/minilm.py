@@ -279,15 +279,16 @@ def layer_norm_peaks(m, batches):
            "median channel's |x| max"), rows)
 
 
-def report_by_layer(m, f, qp, sentences, padded):
-    """Per layer, the cumulative SQNR of its quantized ops (min to max) in jqt.report on the
-    ``padded`` batch and on sentences of one length, so that no position is padding."""
+def report_by_layer(m, f, qp, sentences, padded, length):
+    """Per layer, the cumulative SQNR of its quantized ops (min to max) in ``padded`` (the
+    report on the evaluation batch, padded to ``length`` tokens) and in a report on
+    sentences of one length, so that no position is padding."""
     lengths = [len(e.ids) for e in m.tokenize.tok.encode_batch(sentences)]
     n = max(set(lengths), key=lengths.count)
     same = [s for s, k in zip(sentences, lengths) if k == n][:12]
-    reps = (jqt.report(f, qp, m.params, padded), jqt.report(f, qp, m.params, m.tokenize(same, length=n)))
+    reps = (padded, jqt.report(f, qp, m.params, m.tokenize(same, length=n)))
     print(f"cumulative SQNR of each layer's quantized ops (min to max), jqt.report on the evaluation "
-          f"batch padded to {padded[0].shape[1]} tokens | on {len(same)} sentences of exactly {n} tokens")
+          f"batch padded to {length} tokens | on {len(same)} sentences of exactly {n} tokens")
     for i in range(m.cfg.num_hidden_layers):
         cells = []
         for rep in reps:
@@ -367,10 +368,11 @@ def main():
     if args.report:
         section("3b. jqt.report for w8a8 (per-op SQNR on the evaluation sentences)")
         t = time.perf_counter()
-        print(jqt.report(f, w8a8["qp"], m.params, (ids, mask)))
+        padded = jqt.report(f, w8a8["qp"], m.params, (ids, mask))
+        print(padded)
         print(f"({time.perf_counter() - t:.1f} s)")
         layer_norm_peaks(m, batches)
-        report_by_layer(m, f, w8a8["qp"], calib + evals, (ids, mask))
+        report_by_layer(m, f, w8a8["qp"], calib + evals, padded, length)
 
     section(f"4. speed: jit, batch of {TIMING_BATCH} sentences, median of {TIMING_ROUNDS} interleaved rounds")
     tids, tmask = m.tokenize(evals[:TIMING_BATCH])

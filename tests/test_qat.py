@@ -350,7 +350,7 @@ def test_simulated_path_on_packed_weights_rounds_zero_point():
     assert _rel(sim(jqt.pack(moved, p), x), sim(p, x), matmul(p, x)) < INT_VS_SIM
 
 
-def test_pack_stores_a_trained_zero_point_rounded():
+def test_pack_stores_a_trained_zero_point_rounded(tmp_path):
     """QAT trains zero points as floats; both paths round them at use, but pack stored
     them as trained, beside codes made with the rounded ones: a packed weight decoded as
     its docs say, (values - zero_point) * scale (a reader of save_packed's files), was off
@@ -367,6 +367,9 @@ def test_pack_stores_a_trained_zero_point_rounded():
     decoded = (codes - np.asarray(pw.zero_point)) * np.asarray(pw.scale)
     sim = jqt.quantize(matmul, moved, simulate=True)(p, jnp.eye(16))
     np.testing.assert_allclose(decoded, sim, rtol=1e-6, atol=1e-6)
+    path = str(tmp_path / "packed.safetensors")  # with the trained qparams: the same pair (review 2)
+    jqt.save_packed(path, jqt.pack(moved, p), moved)
+    np.testing.assert_array_equal(jqt.load_packed(path, qparams=moved).weights["w"].zero_point, pw.zero_point)
 
 
 def test_simulated_path_on_packed_weights_keeps_their_smoothing_vector():

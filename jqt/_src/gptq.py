@@ -208,11 +208,12 @@ def _gptq_blocks(qtype, block):
 
 
 def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
-                keep_zeros=True):
+                keep_zeros=True, fixed=None):
     """GPTQ on one 2-D weight ``w`` (``K x N``, ``x @ w``) with the grid ``s``, ``z``
     (broadcast to ``w``'s shape; ``z`` may be ``None``) and Hessian ``h`` (``K x K``).
     Returns the re-rounded weight (float, on the grid); with ``keep_zeros``, its exact
-    zeros stay zeros (0 is on every grid: a rounded zero point's code).
+    zeros stay zeros (0 is on every grid: a rounded zero point's code), and those where
+    ``fixed`` (a mask of ``w``'s shape) is set in any case.
 
     >>> import numpy as np, jax.numpy as jnp, jqt
     >>> from jqt._src.gptq import gptq_weight
@@ -228,9 +229,7 @@ def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
     s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
     z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
     perm, dead, u = _inverse_hessian_chol(h, damp, act_order)
-    # a channel or group all zeros at calibration has a placeholder scale (1), on which
-    # spread error would round to codes of an arbitrary grid: its zeros stay, either way
-    keep = (w == 0) & (keep_zeros | np.asarray(weightcheck.placeholders(s, w.shape)))
+    keep = (w == 0) & (keep_zeros | (np.zeros(w.shape, bool) if fixed is None else np.asarray(fixed)))
     w = np.where(dead[:, None], 0.0, w)[perm]
     run = _gptq_blocks(qtype, block_size)
     q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32),
@@ -272,6 +271,10 @@ def _rerounded(site, qp, leaf, h, n, opts):
     ax = DenseAxes.for_weight([rest.index(c) for c in contract], len(rest), w_i)
     to2 = lambda a: np.asarray(ax.weight_2d(jnp.transpose(a, perm), "kn", nlead))
     w2, s2, z2 = to2(wt), to2(s), None if z is None else to2(z)
+    # a channel or group all zeros at calibration has a placeholder scale (1), on which
+    # spread error would round to codes of an arbitrary grid: its zeros stay, either way
+    gaxis = site.entry.groups(site) if q.qtype.group_size else None
+    fixed2 = to2(weightcheck.placeholder_zeros(wt, q, gaxis, depth))
     h = np.asarray(h, np.float64)
     n = np.broadcast_to(np.asarray(n), h.shape[:depth])  # the same rows for every expert
     lead = w2.shape[:nlead]
@@ -284,7 +287,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
             out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
             continue
         try:
-            out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, **opts)
+            out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, fixed=fixed2[i], **opts)
         except np.linalg.LinAlgError:
             where = f" (layer or expert {i[0] if len(i) == 1 else i})" if lead else ""
             raise ValueError(

@@ -783,8 +783,11 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"{np.dtype(q.scale.dtype).name} as the qparams' (a cast over the PackedParams' "
                 "floats?). jqt files hold float32 scales and zero points: save the weights jqt.pack "
                 "returned, and cast after jqt.load_packed.")
+        zp = q.zero_point  # pack stores an int grid's zero point rounded (jqt.qat trains it)
+        if zp is not None and q.qtype.grid == "int" and not compat.is_tracer(zp):
+            zp = np.round(np.asarray(zp))
         if pw.scale is not None and not (_same_values(pw.scale, q.scale)
-                                         and _same_values(pw.zero_point, q.zero_point)):
+                                         and _same_values(pw.zero_point, zp)):
             raise QParamsMismatchError(
                 f"{fn}: the packed weight of op '{key}' was quantized with other weight scales "
                 "or zero points than these qparams give: they are not the qparams it was packed "

@@ -221,22 +221,50 @@ PLACEHOLDER = 1.0
 all-zero one, as a pruned checkpoint has them."""
 
 
-def placeholders(s, shape):
+def placeholders(s, shape, band=NORM):
     """Where, per element of ``shape``, the scale ``s`` (broadcastable) is the placeholder,
-    within what :func:`same` takes for float rounding (:data:`NORM`: an EMA of unchanged
-    qparams). A real scale that close to 1 counts too; where its weight is not zero, the
-    calibration's record then holds no pruned channels, and none are checked."""
-    return jnp.broadcast_to(jnp.abs(s - PLACEHOLDER) <= NORM * PLACEHOLDER, shape)
+    within ``band`` (relative): :data:`NORM` at ``jqt.pack``, what :func:`same` takes for
+    float rounding (an EMA of unchanged qparams), twice that at calibration (:func:`record`),
+    so that a real scale float rounding may move into the first band was in the second
+    when recorded. A real scale that close to 1 counts too; where its weight is not zero,
+    the calibration's record then holds no pruned channels, and none are checked."""
+    return jnp.broadcast_to(jnp.abs(s - PLACEHOLDER) <= band * PLACEHOLDER, shape)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6))
-def _max_ratio(x, s, z, lo, hi, group, int_grid):
+def placeholder_zeros(x, q, gaxis, depth):
+    """Per element of weight operand ``x``: whether its channel or group is all zeros
+    and its scale a placeholder (a pruned one; for ``jqt.gptq``, which keeps those), not
+    where a real scale is 1.
+
+    >>> import jqt
+    >>> w = jnp.array([[0.0, 127.0, 0.5], [0.0, -3.0, 0.0]])  # channel 1's real scale is 1
+    >>> qp = jqt.calibrate(lambda p, x: x @ p, jqt.recipes.w8(), w, [(jnp.ones((1, 2)),)],
+    ...                    progress=False)
+    >>> placeholder_zeros(w, qp["p"].rhs, None, 0).tolist()
+    [[True, False, False], [True, False, False]]
+    """
+    s = jnp.asarray(q.scale, _F32)
+    group = _grouping(x, s, q.qtype, gaxis, depth)
+    s = nx.per_layer(s, x.ndim)
+    xs = x
+    if group is not None:
+        ax, g = group
+        xs = x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:])
+        s = jnp.expand_dims(s, ax + 1)
+    shape = (1,) * (xs.ndim - s.ndim) + s.shape
+    axes = tuple(i for i in range(xs.ndim) if shape[i] == 1 and xs.shape[i] > 1)
+    empty = ~jnp.any(xs != 0, axis=axes, keepdims=True)
+    return (placeholders(s, xs.shape) & empty).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _max_ratio(x, s, z, lo, hi, group, int_grid, band):
     r, _, s, _ = _ratios(x, s, z, lo, hi, group, int_grid)
-    held = placeholders(s, r.shape)
+    held = placeholders(s, r.shape, band)
     return jnp.max(r), jnp.max(jnp.where(held, r, 0.0)), jnp.any(held)
 
 
-def reach(x, q, gaxis, depth):
+def reach(x, q, gaxis, depth, band=NORM):
     """The reach of weight operand ``x`` on ``q``'s grid (see the module docstring), the
     reach of its elements whose scale is :data:`PLACEHOLDER`, and whether any is (device
     scalars); ``None`` where it cannot be measured (tracers, no elements)."""
@@ -247,7 +275,7 @@ def reach(x, q, gaxis, depth):
     int_grid = q.qtype.grid == "int"
     z = jnp.zeros((), _F32) if z is None else jnp.asarray(z)
     s = jnp.asarray(s)
-    return _max_ratio(x, s, z, lo, hi, _grouping(x, s, q.qtype, gaxis, depth), int_grid)
+    return _max_ratio(x, s, z, lo, hi, _grouping(x, s, q.qtype, gaxis, depth), int_grid, band)
 
 
 def _worst(x, gaxis, q, depth):
@@ -299,7 +327,7 @@ def record(qparams, params_t, argnums):
         if tag is None:
             continue
         x, gaxis = _grid_operand(p, leaf)
-        r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth)
+        r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth, band=2 * NORM)
         if r is not None:
             pending.append((key, r, tag))
     if not pending:
@@ -416,11 +444,10 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"{fn}: op '{key}': weight '{src.path}' holds values in {n} {held} that "
             f"{'was' if n == 1 else 'were'} all zeros in the params the qparams were calibrated with "
             f"(a pruned checkpoint?): {'its scale is a placeholder' if n == 1 else 'their scales are placeholders'} "
-            f"(1), on which these values (reaching {r:.3g}x the edge of that grid, "
-            f"{q.qtype.describe()}) and any {_zero_below(p)} round to 0. "
+            f"(1), a grid with no relation to these values, on which any value {_zero_below(p)} rounds "
+            f"to 0 (these reach {r:.3g}x its edge, {q.qtype.describe()}). "
             + fix[0].upper() + fix[1:] + _also(regrown, "have such channels or groups too")
-            + (" (clip=True packs those values as that grid rounds them, most to 0.)"
-               if "clip=True" in fix else ""))
+            + (" (clip=True packs those values on the placeholder grid.)" if "clip=True" in fix else ""))
     if small and not bad:
         (key, p, src, _), r, cal = small[0]
         raise QParamsMismatchError(

@@ -487,6 +487,26 @@ def test_lookups_of_single_elements_stay_float_with_a_note():
         assert 0 < jnp.abs(got - f(p, ids)).max() <= float(qp["t"].operand(0).scale) / 2 + 1e-6
 
 
+def test_a_weight_read_one_element_per_output_stays_float_with_a_note():
+    """A Dense on one input feature, or an FT-Transformer tokenizer written as an einsum
+    that contracts nothing ('bf,fd->bfd'), got one float32 scale per weight element (and
+    w8a8's int32 sums): packed, 2.25x the float weight, without a word (hunt38_tabular).
+    It stays float, noted, as a lookup of single elements does; a per-tensor rule
+    quantizes it."""
+    f = lambda p, x: jnp.einsum("bf,fd->bfd", x, p["tok"]) + x[:, :1, None] @ p["one"][None]
+    p = {"tok": jnp.asarray(RNG.standard_normal((8, 16)), jnp.float32),
+         "one": jnp.asarray(RNG.standard_normal((1, 16)), jnp.float32)}
+    x = jnp.asarray(RNG.standard_normal((4, 8)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert all(qp[k].is_float and "one weight element" in qp[k].note for k in ("tok", "one"))
+    assert jqt.pack(qp, p).nbytes() == p["tok"].nbytes + p["one"].nbytes
+    one = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8, per_channel=False)),))
+    qp = jqt.calibrate(f, one, p, [(x,)], progress=False)
+    assert not qp["tok"].is_float and jqt.pack(qp, p).nbytes() < p["tok"].nbytes
+
+
 def test_table_read_transposed_by_another_lookup_is_not_tied():
     # a matmul contracting the table's rows (V): one scale per column, other codes than the lookup's
     f = lambda p, ids: p["emb"][ids] + jax.nn.one_hot(ids, V) @ p["emb"]

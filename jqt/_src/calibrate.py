@@ -740,6 +740,12 @@ def _decide(site, rule, st):
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table (a rule's "
                       "per-tensor embedding= type, per_channel=False, quantizes it)")
+    contracted = math.prod(site.eqn.invars[w].aval.shape[a] for a in site.contract[w])
+    if site.op != "gather" and contracted <= 1 and (wt.per_channel or wt.group_size):
+        return float_("each output reads one weight element (a Dense on one input feature, "
+                      "an einsum that contracts no axis, 'bf,fd->bfd'): one scale per element "
+                      "would store more than the float weight (a rule's per-tensor weight type, "
+                      "per_channel=False, quantizes it)")
     if site.op == "conv_general_dilated" and site.eqn.params.get("batch_group_count", 1) != 1:
         diagnostics.warn_grouped(
             "batch_groups", f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "

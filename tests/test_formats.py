@@ -490,7 +490,7 @@ def test_lookups_of_single_elements_stay_float_with_a_note():
 def test_a_weight_read_one_element_per_output_stays_float_with_a_note():
     """A Dense on one input feature, or an FT-Transformer tokenizer written as an einsum
     that contracts nothing ('bf,fd->bfd'), got one float32 scale per weight element (and
-    w8a8's int32 sums): packed, 2.25x the float weight, without a word (hunt38_tabular).
+    w8a8's int32 sums): packed, more bytes than the float weight, without a word (hunt38_tabular).
     It stays float, noted, as a lookup of single elements does; a per-tensor rule
     quantizes it."""
     f = lambda p, x: jnp.einsum("bf,fd->bfd", x, p["tok"]) + x[:, :1, None] @ p["one"][None]

@@ -741,6 +741,33 @@ def test_report_says_when_a_while_loop_ran_other_iterations_in_the_two_lanes():
     assert "ran other numbers of iterations" in {r.key: r for r in jqt.report(g, qg, p, (xs,)).rows}["w"].note
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes), as the while_loop's sibling
+def test_report_says_when_a_cond_took_other_branches_in_the_two_lanes():
+    """An early exit whose threshold the quantization crosses: the float lane runs layer
+    'b', the quantized lane skips it (or the reverse). Its row followed the float lane
+    without a word, and said "did not run on this batch" for an op the quantized model
+    ran (hunt38_earlyexit); it now says the lanes took other branches. A threshold both
+    lanes agree on gives no note."""
+    p = {"a": _normal(91, (16, 16), 0.25), "b": _normal(92, (16, 16), 0.25)}
+
+    def f(p, x, thr, sign):
+        h = jnp.tanh(x @ p["a"])
+        return lax.cond(sign * h.mean() > sign * thr, lambda h: jnp.tanh(h @ p["b"]), lambda h: h, h)
+
+    x = _normal(93, (8, 16), 1.0)
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x, -1.0, 1.0)], progress=False)
+    g = lambda p, x: jnp.tanh(x @ p["a"]).mean()
+    mean_f = float(g(p, x))
+    mean_q = float(jqt.quantize(g, jqt.calibrate(g, jqt.recipes.w4(group_size=8), p, [(x,)],
+                                                 progress=False))(p, x))
+    assert mean_f != mean_q
+    between = (mean_f + mean_q) / 2
+    for thr, sign, differ in ((between, 1.0, True), (between, -1.0, True), (-1.0, 1.0, False)):
+        rows = {r.key: r for r in jqt.report(f, qp, p, (x, thr, sign)).rows}
+        assert ("took other branches" in rows["b"].note) is differ, (thr, sign)
+        assert rows["a"].note == ""
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_report_and_fallback_on_an_op_over_no_elements():
     # An op whose activation has no elements on the batch (a slice of length 0 here; one of

@@ -618,6 +618,12 @@ def _cond(eqn, invals, sub, ctx, evaluate):
         return fn
 
     outs, st_out = lax.switch(index, [branch(r) for r in runs], *ops)
+    lanes_axis = getattr(ctx.handler, "named_lanes", None)  # jqt.report's two lanes
+    if lanes_axis:  # each op under it says whether the lanes took other branches
+        picked = lax.all_gather(index, lanes_axis)
+        differ = jnp.any(picked[0] != picked[1]).astype(jnp.float32)
+        st_out = {k: {**v, "branch_differs_max": jnp.maximum(v.get("branch_differs_max", 0.0), differ)}
+                  if isinstance(v, dict) else v for k, v in st_out.items()}
     ctx.put_all(st_out)
     return outs
 

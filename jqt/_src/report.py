@@ -268,7 +268,7 @@ class Report:
                            + (" ..." if len(each) > 4 else ""))
         kept = {}
         for r in self.rows:
-            if r.note and (not r.quantized or r.note == _TRIPS):
+            if r.note and (not r.quantized or r.note in (_TRIPS, _BRANCH)):
                 kept.setdefault((r.quantized, r.note), []).append(r.name)
         for (quantized, note), names in kept.items():
             names = list(dict.fromkeys(names))
@@ -447,6 +447,9 @@ def _qrange(q, scale, zp):
 _TRIPS = ("a while_loop around it ran other numbers of iterations on the float and quantized "
           "lanes (an adaptive step size, an early exit): measured over the iterations both ran, "
           "whose states differ; the output's figures are the ones to read")
+_BRANCH = ("a cond or switch around it took other branches on the float and quantized lanes "
+           "(an early exit whose threshold the quantization crosses): its row follows the float "
+           "lane's branch; the output's figures are the ones to read")
 
 
 def _rows(site, qp, st):
@@ -465,6 +468,7 @@ def _rows(site, qp, st):
                                                   np.asarray(a)[li] if np.ndim(a) >= len(li) else np.asarray(a))
         ran = "f2" in st and g("x_n") > 0
         trips = ran and bool(np.any(np.asarray(st.get("trips_differ_max", 0.0)) > 0))
+        branch = bool(np.any(np.asarray(st.get("branch_differs_max", 0.0)) > 0))
         wsc = None if wq is None or wq.scale is None else pick(wq.scale)
         asc = None if aq is None or aq.scale is None else pick(aq.scale)
         azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)
@@ -483,7 +487,8 @@ def _rows(site, qp, st):
             weight_clip=float(g("w_clip") / g("w_n")) if ran and w is not None else math.nan,
             sqnr_isolated=_sqnr(float(g("f2")), float(g("e_iso"))) if ran else math.nan,
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
-            note=qp.note if qp.is_float else (_TRIPS if trips else "" if ran else "did not run on this batch"),
+            note=qp.note if qp.is_float else (_TRIPS if trips else _BRANCH if branch else
+                                              "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
             accumulator=qp.accumulator,
             acc_saturated=float(g("acc_sat") / g("acc_n")) if ran and "acc_n" in st else math.nan,

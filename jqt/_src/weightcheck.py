@@ -199,6 +199,22 @@ def _grouping(x, s, qtype, gaxis, depth):
     return None if s.shape[ax] == x.shape[ax] else (ax, g)
 
 
+def _split(x, s, group):
+    """``x`` split into groups along ``group``'s axis (``(axis, size)`` or ``None``), and
+    its scale ``s`` (per layer already) given the groups' axis."""
+    if group is None:
+        return x, s
+    ax, g = group
+    return x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:]), jnp.expand_dims(s, ax + 1)
+
+
+def _entry_axes(s, shape):
+    """The axes of ``shape`` (``x`` as :func:`_split` gives it) that each value of its
+    scale ``s`` spans, and ``s``'s shape aligned to it."""
+    aligned = (1,) * (len(shape) - jnp.ndim(s)) + tuple(jnp.shape(s))
+    return tuple(i for i in range(len(shape)) if aligned[i] == 1 and shape[i] > 1), aligned
+
+
 def _ratios(x, s, z, lo, hi, group, int_grid):
     """Per element of ``x``, ``x / scale`` (zero point subtracted) over where clipping
     starts on its side; with ``group``, ``x`` split into groups along that axis."""
@@ -206,11 +222,9 @@ def _ratios(x, s, z, lo, hi, group, int_grid):
     s = nx.per_layer(s.astype(_F32), x.ndim)
     z = nx.per_layer(z, x.ndim)
     zr = jnp.round(z.astype(_F32)) if int_grid else jnp.zeros((), _F32)  # as both paths round it
-    if group is not None:
-        ax, g = group
-        x = x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:])
-        s = jnp.expand_dims(s, ax + 1)
-        zr = jnp.expand_dims(zr, ax + 1) if zr.ndim else zr
+    x, s = _split(x, s, group)
+    if group is not None and zr.ndim:
+        zr = jnp.expand_dims(zr, group[0] + 1)
     u = x / s
     r = jnp.where(u >= 0, u / (hi - zr), u / (lo - zr))
     return jnp.where(jnp.isnan(r), 0.0, r), u, s, zr  # a NaN element is no clipping question
@@ -245,15 +259,8 @@ def placeholder_zeros(x, q, gaxis, depth):
     """
     s = jnp.asarray(q.scale, _F32)
     group = _grouping(x, s, q.qtype, gaxis, depth)
-    s = nx.per_layer(s, x.ndim)
-    xs = x
-    if group is not None:
-        ax, g = group
-        xs = x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:])
-        s = jnp.expand_dims(s, ax + 1)
-    shape = (1,) * (xs.ndim - s.ndim) + s.shape
-    axes = tuple(i for i in range(xs.ndim) if shape[i] == 1 and xs.shape[i] > 1)
-    empty = ~jnp.any(xs != 0, axis=axes, keepdims=True)
+    xs, s = _split(x, nx.per_layer(s, x.ndim), group)
+    empty = ~jnp.any(xs != 0, axis=_entry_axes(s, xs.shape)[0], keepdims=True)
     return (placeholders(s, xs.shape) & empty).reshape(x.shape)
 
 
@@ -488,8 +495,7 @@ def _regrown(x, q, gaxis, depth):
     group = _grouping(x, s, q.qtype, gaxis, depth)
     r, _, s_b, _ = _ratios(x, s, z, lo, hi, group, q.qtype.grid == "int")
     held = placeholders(s_b, r.shape) & (r > 0)
-    shape = (1,) * (r.ndim - s_b.ndim) + s_b.shape
-    axes = tuple(i for i in range(r.ndim) if shape[i] == 1 and r.shape[i] > 1)
+    axes, shape = _entry_axes(s_b, r.shape)
     n = int(jnp.sum(jnp.any(held, axis=axes)))  # one per scale value
     what = ("group" if group is not None else
             "layer" if depth and all(d == 1 for d in shape[depth:]) else "channel")

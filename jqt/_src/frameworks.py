@@ -4,7 +4,7 @@ flax.linen (``model.apply``), flax.nnx (``nnx.split`` / ``nnx.merge``) and
 Equinox (``eqx.partition`` / ``eqx.combine``) need none: their parameters are
 pytrees whose paths make readable op keys. Keras 3 keeps its weights in a list
 of ``keras.Variable``; :func:`from_keras` turns the model into a function of a
-dict keyed by each variable's path, so op keys read ``dense/kernel`` instead
+dict keyed by each variable's path, so op keys read ``sequential/dense/kernel`` instead
 of a position in that list.
 
 Nothing here imports a framework at import time.
@@ -22,7 +22,7 @@ def from_keras(model, *, training: bool = False):
     """``(f, params)`` for a Keras 3 model on the JAX backend.
 
     ``params`` is a ``dict`` from each variable's path (``v.path``, e.g.
-    ``"dense/kernel"``) to its value, trainable and non-trainable variables
+    ``"sequential/dense/kernel"`` in a ``keras.Sequential`` named ``sequential``) to its value, trainable and non-trainable variables
     alike (so batch-norm statistics are weights too). ``f(params, *inputs)``
     returns ``model.stateless_call(trainable, non_trainable, *inputs,
     training=training)[0]`` (``training`` passed only where the model's ``call`` accepts

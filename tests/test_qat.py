@@ -225,12 +225,21 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
         fixed = jqt.qat.project(one)["a"].lhs.scale
         assert fixed.dtype == jnp.float16 and float(fixed) == float(jnp.finfo(jnp.float16).smallest_subnormal)
         jqt.quantize(net, jqt.qat.project(one))
+        # also with min_scale traced (an argument of a jitted step): it was left at 0
+        traced = jax.jit(lambda q, m: jqt.qat.project(q, min_scale=m))(one, 1e-8)["a"].lhs.scale
+        assert float(traced) == float(fixed)
     # a float32 subnormal floor: XLA flushed it to 0, which jqt.quantize refused
     # (hunt32_training); it is raised to float32's smallest normal value
     for call in (jqt.qat.project, jax.jit(jqt.qat.project, static_argnames="min_scale")):
         for floor in (1e-40, 1e-46):  # a subnormal, and one that rounds to 0 in float32
             tiny = call(bad, min_scale=floor)["a"].lhs.scale
             assert float(tiny) == float(jnp.finfo(jnp.float32).tiny)
+            traced = jax.jit(lambda q, m: jqt.qat.project(q, min_scale=m))(bad, floor)
+            assert float(traced["a"].lhs.scale) == float(jnp.finfo(jnp.float32).tiny)
+    # an integer scale (hand-built qparams): named, not numpy's "not inexact"
+    ints = dict(qp, a=dataclasses.replace(qp["a"], lhs=dataclasses.replace(a, scale=jnp.int32(1))))
+    with pytest.raises(TypeError, match=r"qparams\['a'\]\.lhs\.scale is a int32 array"):
+        jqt.qat.project(ints)
     jqt.quantize(net, jqt.qat.project(bad, min_scale=1e-40), simulate=True)(p, jnp.ones((2, p["a"].shape[0])))
 
 

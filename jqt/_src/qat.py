@@ -335,30 +335,34 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                              "above 0; scales are clamped to at least min_scale, so pass a small "
                              "positive float (the default is 1e-8).")
 
-    def fix(q):
+    def fix(q, where):
         if q is None:
             return None
         s, z = q.scale, q.zero_point
         if s is not None:
-            s = positive(s, min_scale)
+            s = positive(s, min_scale, f"{where}.scale")
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)
             z = jnp.clip(z, q.qtype.qmin, q.qtype.qmax).astype(jnp.result_type(z))
         return dataclasses.replace(q, scale=s, zero_point=z)
 
-    def positive(a, nan):
+    def positive(a, nan, where):
         a = jnp.asarray(a)
         dt = jnp.result_type(a)
-        # a floor the dtype holds: 1e-8 rounds to 0 in float16 (smallest value 6e-8)
-        floor, fi = min_scale, jnp.finfo(dt)
-        if not compat.is_tracer(min_scale) and dt != jnp.float16 and float(min_scale) < float(fi.tiny):
-            floor = fi.tiny  # a subnormal float32 (bfloat16) floor: XLA flushes it to 0
-        elif not compat.is_tracer(min_scale) and not np.asarray(min_scale, dt):
-            floor = fi.smallest_subnormal
-        a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), jnp.asarray(floor, dt)), a)
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"jqt.qat.project: {where} is a {dt} array; scales and smoothing "
+                            "factors are floats (an optimizer cannot step an integer leaf): "
+                            "give it a float dtype, e.g. jnp.float32.")
+        # a floor the dtype holds, also for a traced min_scale: 1e-8 rounds to 0 in float16
+        # (whose smallest value, subnormal, is 6e-8); a subnormal float32 (bfloat16) floor
+        # XLA flushes to 0, so those take at least the smallest normal value
+        fi = jnp.finfo(dt)
+        lowest = fi.smallest_subnormal if dt == jnp.float16 else fi.tiny
+        floor = jnp.maximum(jnp.asarray(min_scale, dt), jnp.asarray(lowest, dt))
+        a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), floor), a)
         a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
-        return jnp.maximum(a, jnp.asarray(floor, dt))
+        return jnp.maximum(a, floor)
 
     out = {}
     for k, p in qparams.items():
@@ -366,11 +370,12 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
             raise TypeError(f"jqt.qat.project: qparams['{k}'] is a {type(p).__name__}; expected "
                             "jqt.OpQParams.")
         sm = p.smooth  # a smoothing factor stays positive, as a scale does
-        sm = None if sm is None else positive(sm, 1.0)
+        sm = None if sm is None else positive(sm, 1.0, f"qparams['{k}'].smooth")
         src = p.source  # fine-tuned: jqt.pack takes the weights as trained with these qparams
         if src is not None and src.calibrated_reach is not None:
             src = dataclasses.replace(src, calibrated_reach=None)
-        out[k] = dataclasses.replace(p, lhs=fix(p.lhs), rhs=fix(p.rhs), smooth=sm, source=src)
+        out[k] = dataclasses.replace(p, lhs=fix(p.lhs, f"qparams['{k}'].lhs"),
+                                    rhs=fix(p.rhs, f"qparams['{k}'].rhs"), smooth=sm, source=src)
     return out
 
 

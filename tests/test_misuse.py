@@ -1002,3 +1002,25 @@ def test_pack_names_a_weight_computed_from_one_leaf_among_its_causes():
     with pytest.warns(UserWarning, match=r"jqt.pack: ops \['dot_general_0'\] .* by arithmetic on one, "
                       r"as a weight standardization .* store it as computed in params"):
         jqt.pack(qp, p)
+
+
+def test_qparams_stacked_over_seeds_are_refused_by_save_and_pack(setup, tmp_path):
+    """qparams with a leading axis of their own (``jax.vmap`` of a fine-tuning step over
+    seeds): ``jqt.save`` wrote a file ``jqt.load`` called damaged, and ``jqt.pack``
+    packed codes of the wrong shape (per channel) or failed in JAX's broadcasting (grouped)
+    (hunt39_optim). Both now name the op and the leading axis."""
+    p, batches, qp_g = setup
+    qp_c = jqt.calibrate(f, jqt.recipes.w8(), p, batches, progress=False)
+    for qp in (qp_c, qp_g):
+        stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), qp)
+        with pytest.raises(ValueError, match=r"jqt.save: op 'w1': its scale has shape \[2, .*one "
+                                             r"more leading axis"):
+            jqt.save(tmp_path / "stacked.safetensors", stacked)
+        assert not (tmp_path / "stacked.safetensors").exists()
+        with pytest.raises(jqt.QParamsMismatchError,
+                           match=r"jqt.pack: op 'w1' \(weight 'w1'\): its scale has shape \[2, .*"
+                                 r"one more leading axis: take one model's"):
+            jqt.pack(stacked, p)
+        one = jax.tree.map(lambda a: a[0], stacked)  # the advice works
+        jqt.save(tmp_path / "one.safetensors", one)
+        jqt.pack(jqt.load(tmp_path / "one.safetensors"), p)

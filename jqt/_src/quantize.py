@@ -17,7 +17,8 @@ from .qparams import OpQParams, PackedParams, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays
+from .validate import (boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
+                       weight_scale_problem)
 
 
 def _unpack(packed: PackedParams):
@@ -548,8 +549,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                 "(an op that reads complex values is kept float).")
         src = dataclasses.replace(src, leaf=leaf)
         operand = apply_chain(flat[src.leaf], src.chain)
-        why = "" if p.op != "dot_general" else \
-            smooth_mismatch(p.smooth, jnp.shape(operand), src.contract, src.stack_depth)
+        q = p.operand(w)
+        why = weight_scale_problem(q.scale, q.qtype, src, jnp.shape(operand))
+        why = why or ("" if p.op != "dot_general" else
+                      smooth_mismatch(p.smooth, jnp.shape(operand), src.contract, src.stack_depth))
         if why:
             raise QParamsMismatchError(f"jqt.pack: op '{key}' (weight '{src.path}'): {why}.")
         entry = BY_NAME[p.op]

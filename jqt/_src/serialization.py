@@ -364,15 +364,9 @@ def check_scales(r, where, scale, zero_point):
 def _check_weight_scale(r, where, scale, qtype, source):
     """A per-channel weight scale has the operand's rank (after stacked axes) and length 1
     on its contracted axes; a grouped one has no shared axis (:mod:`groups`)."""
-    if scale is None or not qtype.per_channel or scale.ndim == 0:
-        return
-    depth = source.stack_depth
-    axes = [a + depth for a in source.contract]
-    shared = [] if qtype.group_size else axes
-    if any(a >= scale.ndim for a in axes) or any(scale.shape[a] != 1 for a in shared):
-        raise r.error(f"{where}.scale has shape {list(scale.shape)}, which does not fit the "
-                      f"weight: its contracted axes {list(source.contract)} (after {depth} "
-                      f"stacked axes) share one scale{' per group' if qtype.group_size else ''}")
+    why = validate.weight_scale_problem(scale, qtype, source, name=f"{where}.scale")
+    if why:
+        raise r.error(why)
 
 
 # ---- qparams ------------------------------------------------------------------------------------
@@ -406,6 +400,12 @@ def save(path, qparams) -> None:
                         "jax.grad or another transformation); return the qparams from the "
                         "transformed function and save them outside it.")
     validate.check_qparams(qparams, "jqt.save")  # a file jqt.load would refuse is not written
+    for k, p in qparams.items():
+        q = p.operand(p.weight_operand) if p.weight_operand is not None else None
+        why = "" if q is None else validate.weight_scale_problem(q.scale, q.qtype, p.source)
+        if why:
+            raise ValueError(f"jqt.save: op '{k}': {why}. jqt.load would refuse the file, so it "
+                             "is not written.")
     qparams = validate.numbers_as_arrays(qparams)  # Python floats as the float32 they run as
     if os.fspath(path).endswith(".npz"):
         entries, arrays = qparams_entries(qparams, lambda i, key, side, fld: f"{i}.{side}.{fld}")

@@ -23,7 +23,7 @@ import re
 import jax
 import numpy as np
 
-from . import accumulator, compat, diagnostics, kvcache
+from . import accumulator, compat, diagnostics, kvcache, layout
 from .qparams import OpQParams, PackedParams, restored_bare
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
@@ -164,6 +164,46 @@ def operand_types_problem(p: OpQParams):
         return (f"pairs {wq.qtype.describe()} weights with {aq.qtype.describe()} activations: an "
                 "integer kernel needs integer operands, an fp8 kernel fp8 operands")
     return None
+
+
+def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> str:
+    """Why a weight operand's per-channel (or per-group) ``scale`` does not fit the weight
+    ``source`` describes (operand of ``shape``, or of the leaf shape the source recorded
+    through its layout chain, where known), or ``""``: it has the
+    operand's axes (stacked layers first), length 1 on the contracted ones unless grouped.
+    A scale with a leading axis of its own (qparams stacked over seeds or an ensemble by
+    ``jax.vmap``) broadcasts against the weight, so it is told by its rank.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.ones((4, 3)),
+    ...                    [(jnp.ones((1, 4)),)], progress=False)
+    >>> q = qp["w"].rhs
+    >>> weight_scale_problem(q.scale, q.qtype, qp["w"].source, (4, 3))
+    ''
+    >>> weight_scale_problem(jnp.stack([q.scale] * 2), q.qtype, qp["w"].source, (4, 3))[:66]
+    'its scale has shape [2, 1, 3], but the weight operand (4, 3) has 2'
+    """
+    if scale is None or not qtype.per_channel or np.ndim(scale) == 0 or source is None:
+        return ""
+    sshape, depth = tuple(np.shape(scale)), source.stack_depth
+    if shape is None and source.shape is not None:
+        leaf = jax.ShapeDtypeStruct(tuple(source.shape), np.float32)
+        try:
+            shape = jax.eval_shape(lambda w: layout.apply_chain(w, source.chain), leaf).shape
+        except (TypeError, ValueError):  # a chain that does not replay on that shape: the
+            shape = None  # other checks say so
+    hint = ("; qparams stacked or vmapped (over seeds, an ensemble) hold one more leading axis: "
+            "take one model's, jax.tree.map(lambda a: a[i], qparams), or re-calibrate")
+    if shape is not None and len(sshape) != len(shape):
+        return (f"{name} has shape {list(sshape)}, but the weight operand {tuple(shape)} has "
+                f"{len(shape)} axes{hint if len(sshape) > len(shape) else ''}")
+    axes = [a + depth for a in source.contract]
+    shared = [] if qtype.group_size else axes
+    if any(a >= len(sshape) for a in axes) or any(sshape[a] != 1 for a in shared):
+        return (f"{name} has shape {list(sshape)}, which does not fit the weight: its "
+                f"contracted axes {list(source.contract)} (after {depth} stacked axes) share "
+                f"one scale{' per group' if qtype.group_size else ''}")
+    return ""
 
 
 def check_qparams_types(qparams, fn: str = "jqt") -> None:

@@ -1009,18 +1009,43 @@ def test_qparams_stacked_over_seeds_are_refused_by_save_and_pack(setup, tmp_path
     seeds): ``jqt.save`` wrote a file ``jqt.load`` called damaged, and ``jqt.pack``
     packed codes of the wrong shape (per channel) or failed in JAX's broadcasting (grouped)
     (hunt39_optim). Both now name the op and the leading axis."""
+    from jqt._src import serialization as ser
     p, batches, qp_g = setup
     qp_c = jqt.calibrate(f, jqt.recipes.w8(), p, batches, progress=False)
-    for qp in (qp_c, qp_g):
+    tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=8, per_channel=False)),))
+    qp_t = jqt.calibrate(f, tensor, p, batches, progress=False)
+    for qp in (qp_c, qp_g, qp_t):
         stacked = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), qp)
-        with pytest.raises(ValueError, match=r"jqt.save: op 'w1': its scale has shape \[2, .*one "
+        with pytest.raises(ValueError, match=r"jqt.save: op 'w1': its scale has shape \[2\b.*one "
                                              r"more leading axis"):
             jqt.save(tmp_path / "stacked.safetensors", stacked)
         assert not (tmp_path / "stacked.safetensors").exists()
+        # such a file (an older jqt wrote it) is refused by load, which knows the weight's shape
+        entries, arrays = ser.qparams_entries(stacked, ser._qp_tensor_name)
+        ser.write(tmp_path / "old.safetensors", arrays, {"ops": entries}, ser.FORMAT, ser.ST_VERSION)
+        with pytest.raises(jqt.FormatError, match=r"op 'w1' rhs.scale has shape \[2\b.*one more leading"):
+            jqt.load(tmp_path / "old.safetensors")
         with pytest.raises(jqt.QParamsMismatchError,
-                           match=r"jqt.pack: op 'w1' \(weight 'w1'\): its scale has shape \[2, .*"
+                           match=r"jqt.pack: op 'w1' \(weight 'w1'\): its scale has shape \[2\b.*"
                                  r"one more leading axis: take one model's"):
             jqt.pack(stacked, p)
         one = jax.tree.map(lambda a: a[0], stacked)  # the advice works
         jqt.save(tmp_path / "one.safetensors", one)
         jqt.pack(jqt.load(tmp_path / "one.safetensors"), p)
+
+
+def test_a_warning_is_given_once_per_calibrate_call_across_static_values():
+    """Batches that pass a diffusion timestep as a Python int (static: f is traced once per
+    value) gave the "multiplies two weights" warning once per batch, 5 copies from one
+    calibrate call (hunt39_dit); it is given once, and says to pass the number as an array."""
+    def f(p, x, t):
+        temb = jnp.sin(t * jnp.arange(1.0, 9.0))[None]   # built from the static t alone
+        return x @ p["w"] + jax.nn.silu(temb @ p["t1"]) @ p["t2"]
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {k: jax.random.normal(kk, (8, 8)) for k, kk in zip(("t1", "t2", "w"), ks)}
+    x = jax.random.normal(ks[3], (4, 8))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, t) for t in (10, 200, 500)], progress=False)
+    products = [str(w.message) for w in got if "multiplies two weights" in str(w.message)]
+    assert len(products) == 1 and "pass it as an array (jnp.asarray(t))" in products[0], products

@@ -238,7 +238,7 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
             assert float(traced["a"].lhs.scale) == float(jnp.finfo(jnp.float32).tiny)
     # an integer scale (hand-built qparams): named, not numpy's "not inexact"
     ints = dict(qp, a=dataclasses.replace(qp["a"], lhs=dataclasses.replace(a, scale=jnp.int32(1))))
-    with pytest.raises(TypeError, match=r"qparams\['a'\]\.lhs\.scale is a int32 array"):
+    with pytest.raises(TypeError, match=r"qparams\['a'\]\.lhs\.scale holds int32 values"):
         jqt.qat.project(ints)
     jqt.quantize(net, jqt.qat.project(bad, min_scale=1e-40), simulate=True)(p, jnp.ones((2, p["a"].shape[0])))
 

@@ -351,7 +351,7 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         a = jnp.asarray(a)
         dt = jnp.result_type(a)
         if not jnp.issubdtype(dt, jnp.floating):
-            raise TypeError(f"jqt.qat.project: {where} is a {dt} array; scales and smoothing "
+            raise TypeError(f"jqt.qat.project: {where} holds {dt} values; scales and smoothing "
                             "factors are floats (an optimizer cannot step an integer leaf): "
                             "give it a float dtype, e.g. jnp.float32.")
         # a floor the dtype holds, also for a traced min_scale: 1e-8 rounds to 0 in float16

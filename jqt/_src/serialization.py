@@ -252,6 +252,12 @@ def _op_from_entry(r, key, e):
     if w not in (None, 0, 1):
         raise r.error(f"{where}: 'weight_operand' is {w!r}, expected 0, 1 or null")
     source = _source_from_entry(r, r.need(e, "source", (dict, type(None)), where), where)
+    if "weight_shape" in e and source is not None:  # first: the scale is checked against it
+        shape = r.need(e, "weight_shape", list, where)
+        if not all(is_a(n, int) and n >= 0 for n in shape):
+            raise r.error(f"{where}: 'weight_shape' is {json.dumps(shape)[:80]}, expected a list "
+                          "of sizes (ints >= 0)")
+        source = dataclasses.replace(source, shape=tuple(shape))
     ops = [_operand_from_entry(r, r.need(e, side, (dict, type(None)), where), f"{where} {side}",
                                source if i == w else None)
            for i, side in enumerate(("lhs", "rhs"))]
@@ -266,12 +272,6 @@ def _op_from_entry(r, key, e):
         if r.need(e, "weight_zero_groups", bool, where) if "weight_zero_groups" in e else False:
             reach += (True,)
         source = dataclasses.replace(source, calibrated_reach=reach)
-    if "weight_shape" in e and source is not None:
-        shape = r.need(e, "weight_shape", list, where)
-        if not all(is_a(n, int) and n >= 0 for n in shape):
-            raise r.error(f"{where}: 'weight_shape' is {json.dumps(shape)[:80]}, expected a list "
-                          "of sizes (ints >= 0)")
-        source = dataclasses.replace(source, shape=tuple(shape))
     p = OpQParams(lhs=ops[0], rhs=ops[1], op=op, weight_operand=w, source=source,
                   note=r.need(e, "note", str, where), smooth=smooth, rotate=rotate,
                   accumulator=acc)

@@ -183,7 +183,7 @@ def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> 
     >>> weight_scale_problem(jnp.stack([q.scale] * 2), q.qtype, qp["w"].source, (4, 3))[:66]
     'its scale has shape [2, 1, 3], but the weight operand (4, 3) has 2'
     """
-    if scale is None or not qtype.per_channel or np.ndim(scale) == 0 or source is None:
+    if scale is None or np.ndim(scale) == 0 or source is None:
         return ""
     sshape, depth = tuple(np.shape(scale)), source.stack_depth
     if shape is None and source.shape is not None:
@@ -194,9 +194,16 @@ def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> 
             shape = None  # other checks say so
     hint = ("; qparams stacked or vmapped (over seeds, an ensemble) hold one more leading axis: "
             "take one model's, jax.tree.map(lambda a: a[i], qparams), or re-calibrate")
+    if not qtype.per_channel:  # one scale per stacked layer, or one
+        if len(sshape) <= depth and (shape is None or sshape == tuple(shape[:len(sshape)])):
+            return ""
+        return (f"{name} has shape {list(sshape)}, but the weight's type is per-tensor: one "
+                f"scale{f' per stacked layer, {tuple(shape[:depth])}' if depth and shape else ''}"
+                f"{hint if len(sshape) > depth else ''}")
     if shape is not None and len(sshape) != len(shape):
         return (f"{name} has shape {list(sshape)}, but the weight operand {tuple(shape)} has "
-                f"{len(shape)} axes{hint if len(sshape) > len(shape) else ''}")
+                f"{len(shape)} ax{'i' if len(shape) == 1 else 'e'}s"
+                f"{hint if len(sshape) > len(shape) else ''}")
     axes = [a + depth for a in source.contract]
     shared = [] if qtype.group_size else axes
     if any(a >= len(sshape) for a in axes) or any(sshape[a] != 1 for a in shared):

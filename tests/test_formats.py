@@ -507,6 +507,46 @@ def test_a_weight_read_one_element_per_output_stays_float_with_a_note():
     assert not qp["tok"].is_float and jqt.pack(qp, p).nbytes() < p["tok"].nbytes
 
 
+def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
+    """An Instant-NGP hash table (float16 rows of 2 features), or a coordinate MLP's first
+    layer (2 inputs): a float32 scale per row of 2 codes packed 1.25-1.5x the float
+    bytes, without a word (hunt39_hashgrid). The op stays float where the codes and
+    scales would store more than the weight, noted with both byte counts."""
+    ids = jnp.asarray(RNG.integers(0, 64, (16,)))
+    for dtype, fm, recipe, kept in ((jnp.float16, 2, jqt.recipes.w8(), True),
+                                    (jnp.float16, 4, jqt.recipes.w8(), False),
+                                    (jnp.float32, 2, jqt.recipes.w8(), False)):
+        p = {"t": jnp.asarray(RNG.standard_normal((64, fm)), dtype)}
+        qp = jqt.calibrate(lambda p, i: p["t"][i], recipe, p, [(ids,)], progress=False)
+        packed = jqt.pack(qp, p).nbytes()
+        assert qp["t"].is_float == kept, (dtype, fm)
+        assert packed == p["t"].nbytes if kept else packed <= p["t"].nbytes, (dtype, fm, packed)
+        if kept:
+            assert "each row of the table holds 2 weight elements" in qp["t"].note
+            assert "(6 bytes) would store more than the float16 weight (4 bytes)" in qp["t"].note
+    # a 2-input first layer in bfloat16: 2 int8 codes and a float32 scale against 4 bytes
+    # (in float32, 8 bytes: quantized)
+    dense2 = lambda p, x: x @ p["w"]
+    for dtype, kept in ((jnp.bfloat16, True), (jnp.float32, False)):
+        p = {"w": jnp.asarray(RNG.standard_normal((2, 32)), dtype)}
+        x = jnp.asarray(RNG.standard_normal((4, 2)), dtype)
+        qp = jqt.calibrate(dense2, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        assert qp["w"].is_float == kept and ("each output channel holds 2" in qp["w"].note) == kept
+    # the weight as params hold it, not as the op reads it: a float16 table upcast before
+    # the lookup (flax's promote_dtype) stays float; a float32 weight cast to bfloat16 at
+    # the op (nn.Dense(dtype=bfloat16)), stored float32, is quantized
+    p = {"t": jnp.asarray(RNG.standard_normal((64, 2)), jnp.float16)}
+    up = lambda p, i: p["t"].astype(jnp.float32)[i]
+    assert jqt.calibrate(up, jqt.recipes.w8(), p, [(ids,)], progress=False)["t"].is_float
+    p = {"w": jnp.asarray(RNG.standard_normal((3, 32)), jnp.float32)}
+    down = lambda p, x: x.astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)
+    x = jnp.asarray(RNG.standard_normal((4, 3)), jnp.float32)
+    assert not jqt.calibrate(down, jqt.recipes.w8a8(), p, [(x,)], progress=False)["w"].is_float
+    # leaves whose dtype NumPy cannot read (an nnx Dropout's PRNG key, a dtype as config)
+    p = {**p, "key": jax.random.key(0), "cfg": np.float32}
+    assert not jqt.calibrate(down, jqt.recipes.w8a8(), p, [(x,)], progress=False)["w"].is_float
+
+
 def test_table_read_transposed_by_another_lookup_is_not_tied():
     # a matmul contracting the table's rows (V): one scale per column, other codes than the lookup's
     f = lambda p, ids: p["emb"][ids] + jax.nn.one_hot(ids, V) @ p["emb"]

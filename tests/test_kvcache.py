@@ -601,10 +601,18 @@ def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
             return ((k, v), pos + 1), logits
         return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
-    with pytest.warns(UserWarning, match=r"carry slot \d+ a buffer of the same shape and dtype.*"
+    with pytest.warns(UserWarning, match=r"a lax.scan at '<top>' carries key/value caches .*"
+                                         r"carry slot \d+ a buffer of the same shape and dtype.*"
                                          r"keys and values only read \(cross-attention"):
         qp = jqt.calibrate(mixed, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")]
+    # the loop named by its kind and the loops around it: '<top>' alone read as the
+    # while_loop's own carry slot, another buffer (hunt39_specdec)
+    out = lambda p, tokens: jnp.zeros(jax.eval_shape(mixed, p, tokens).shape)
+    twice = lambda p, tokens: lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, mixed(p, tokens)),
+                                             (0, out(p, tokens)))[1]
+    with pytest.warns(UserWarning, match=r"a lax.scan inside a lax.while_loop at '<top>' carries"):
+        jqt.calibrate(twice, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
 
     def step(p, cache, tok, pos):  # the same as a step called from Python: it was silent
         logits, (k, _) = _step(p, cache, tok, pos, _dus)

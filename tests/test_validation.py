@@ -983,7 +983,9 @@ def test_numpy_arrays_of_ml_dtypes_are_traced_as_jax_arrays_are():
     numbers, traced (params keep their keys and pack), not refused or made static."""
     import ml_dtypes
     f = lambda p, x: jnp.tanh(x @ p["w"]) @ p["w2"]
-    p = {"w": jnp.asarray(W), "w2": jnp.asarray(W).T[:, :4] * 0.5}
+    # in bfloat16 a weight of 3 inputs would pack larger than float (kept float, noted)
+    w = np.random.default_rng(2).standard_normal((4, 8))
+    p = {"w": jnp.asarray(w, jnp.float32), "w2": jnp.asarray(w.T[:, :4] * 0.5, jnp.float32)}
     x = np.asarray(X)
     want = jqt.calibrate(f, jqt.recipes.w8a8(), jax.tree.map(lambda a: a.astype(jnp.bfloat16), p),
                          [(x.astype(ml_dtypes.bfloat16),)], progress=False)

@@ -169,6 +169,7 @@ class Analyzer:
         # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
         # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
         self.cache_lookalikes: list = []
+        self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
         # a cache write (part of the last axis; a buffer converted to another dtype first)
         self.cache_near_misses: list = []
@@ -475,7 +476,12 @@ class Analyzer:
                         "keys: pass optimize=False, or write it as two einsums. A merged weight "
                         "(LoRA's w + a @ b): merge it into params before calibrating; likewise "
                         "a weight f computes from weights (Glow's P @ L @ U, a product in a power "
-                        "iteration): compute it before calling f and pass it in params.",
+                        "iteration): compute it before calling f and pass it in params."
+                        + (" An argument passed as a Python number (a diffusion timestep as an "
+                           "int) is static to jqt, as one in jax.jit's static_argnums is, so what "
+                           "f computes from it alone is a weight: pass it as an array "
+                           "(jnp.asarray(t)) to make it data."
+                           if "a computed weight" in (a, b) else ""),
                         f"{a} x {b} at '{at}'")
         for k in range(len(ins)):
             if k != widx:
@@ -526,6 +532,7 @@ class Analyzer:
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
         plans, outs, body_outs = [], None, []
+        self.loops.append(name)
         for j, _, inner in subs:
             sub_plan, sub_outs = self.analyze(j, inner, stack)
             plans.append(sub_plan)
@@ -536,6 +543,7 @@ class Analyzer:
                 for k, info in enumerate(sub_outs):
                     if not _unread_output(eqn, k, unread):
                         self._use(info, "float")
+        self.loops.pop()
         caches = {}
         if hop.outs is not None:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
@@ -630,10 +638,15 @@ class Analyzer:
         else:
             carries = eqn.invars[p["cond_nconsts"] + p["body_nconsts"]:]
         kinds = {(carries[k].aval.shape, carries[k].aval.dtype) for k in caches}
+        loop = lambda n: {"scan": "lax.scan", "while": "lax.while_loop"}.get(n, n)
+        # which loop: a scan nested in a while_loop's body carries slots of its own
+        where = "".join(f" inside a {loop(n)}" for n in reversed(self.loops)
+                        if n in ("scan", "while"))
         for k, v in enumerate(carries):
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
-                self.cache_lookalikes.append((f"a loop at '{stack or '<top>'}' carries", f"in carry slot {k}",
-                                              v.aval))
+                self.cache_lookalikes.append(
+                    (f"a {loop(eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
+                     f"in carry slot {k}", v.aval))
 
     def _boundary_lookalikes(self, jaxpr, boundary):
         """:meth:`_cache_lookalikes` for the caches ``f`` takes and returns (a decode step

@@ -338,7 +338,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             "jqt.calibrate: a recipe with smooth/awq/rotate passes over the batches twice (the "
             "transforms, then the ranges on the transformed operands); pass a sequence (a list "
             f"or tuple of batches), not a {type(batches).__name__}.")
-    st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
+    with diagnostics.grouped():  # batches with other static values trace f again: once per call
+        st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
     analyzer = last["traced"].analyzer
     _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned,
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]))
@@ -348,7 +349,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
         if tf:
             st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate [transformed]", progress, tf)
     st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
-    qparams = with_transforms(finalize(last["traced"], recipe, st), tf)
+    dtypes = _leaf_dtypes(params_t, argnums)
+    qparams = with_transforms(finalize(last["traced"], recipe, st, dtypes), tf)
     _check_computed_shapes(qparams, last.get("computed", {}))
     if not propagate:
         return weightcheck.record(tie_tables(qparams), params_t, argnums)
@@ -365,8 +367,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf, {key})
             with diagnostics.captured():  # the first finalize warned already
-                qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]}),
-                                               tf)[key]
+                qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]},
+                                                        dtypes), tf)[key]
         decided[key] = qparams[key]
     return weightcheck.record(tie_tables(qparams), params_t, argnums)
 
@@ -666,13 +668,14 @@ def _layer_ranges(calibrator, axes, qtype, gaxis, depth):
     return jax.jit(fn)
 
 
-def finalize(traced, recipe, stats):
-    """Statistics -> qparams, one :class:`OpQParams` per op."""
+def finalize(traced, recipe, stats, leaf_dtypes={}):
+    """Statistics -> qparams, one :class:`OpQParams` per op; ``leaf_dtypes``: the dtype of
+    each weight leaf, by ``(arg, leaf)`` (:func:`_leaf_dtypes`)."""
     sites = traced.sites()
     decided = {}
     with diagnostics.grouped():  # a warning per kind, naming the ops (24 layers: not 24)
         for s in sites:
-            decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key))
+            decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key), leaf_dtypes)
     quantized_w = {k for k, p in decided.items() if p.weight_operand is not None
                    and p.operand(p.weight_operand) is not None}
     out = {}
@@ -705,7 +708,33 @@ def _act_range(rule, act_stats, qtype):
     return lo, hi
 
 
-def _decide(site, rule, st):
+def _leaf_dtypes(params_t, argnums):
+    """``{(arg, leaf): dtype}`` of the weight arguments' float array leaves (a
+    :class:`WeightSource`'s ``arg`` and ``leaf``), as JAX traces them (a NumPy float64
+    leaf is float32 without x64); PRNG keys, NumPy scalar types and other leaves are left
+    out."""
+    return {(a, j): np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
+            for a, p in zip(argnums, params_t) for j, x in enumerate(jax.tree_util.tree_leaves(p))
+            if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def _channel_bytes(wt, contracted):
+    """Bytes :func:`jqt.pack` stores per output channel (row of a table) of ``contracted``
+    elements under weight type ``wt``: the codes (two per byte where they pack as nibbles)
+    and a float32 scale per group (and zero point where asymmetric); not the int32 sums an
+    asymmetric activation adds (a float32 weight of 2 inputs under ``w8a8`` is quantized).
+
+    >>> import jqt
+    >>> _channel_bytes(jqt.recipes.INT8_WEIGHT, 2)   # 2 codes and a scale
+    6
+    """
+    g = wt.group_size
+    groups = contracted // g if g and g < contracted and contracted % g == 0 else 1
+    codes = contracted / 2 if wt.nibbles_fit(contracted) else contracted * wt.storage.itemsize
+    return codes + groups * (4 if wt.symmetric else 8)
+
+
+def _decide(site, rule, st, leaf_dtypes={}):
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if rule is None:
@@ -762,6 +791,20 @@ def _decide(site, rule, st):
                          f"the rule gives it {wt.describe()}. Put a rule for convs ahead of it: "
                          "jqt.Rule(ops=('conv_general_dilated',), weight=jqt.QuantType(..., "
                          "symmetric=True)), as the presets with symmetric=False do.")
+    # the weight as params hold it (a float32 leaf cast to bfloat16 at the op is stored float32)
+    src = site.source
+    dtype = np.dtype(leaf_dtypes.get((src.arg, src.leaf), site.eqn.invars[w].aval.dtype)
+                     if src is not None else site.eqn.invars[w].aval.dtype)
+    if (wt.per_channel or wt.group_size) and jnp.issubdtype(dtype, jnp.floating):
+        qbytes = _channel_bytes(wt, contracted)
+        fbytes = contracted * dtype.itemsize
+        if qbytes > fbytes:
+            what = "row of the table" if site.op == "gather" else "output channel"
+            return float_(f"each {what} holds {contracted} weight elements: their codes and "
+                          f"float32 scale{' and zero point' if not wt.symmetric else ''} "
+                          f"({qbytes:g} bytes) would store more than the {dtype} weight "
+                          f"({fbytes} bytes), so the op is kept float (a rule's per-tensor type, "
+                          "per_channel=False, quantizes it)")
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate, an activation of no elements?); it stays float. "

@@ -362,8 +362,9 @@ def check_scales(r, where, scale, zero_point):
 
 
 def _check_weight_scale(r, where, scale, qtype, source):
-    """A per-channel weight scale has the operand's rank (after stacked axes) and length 1
-    on its contracted axes; a grouped one has no shared axis (:mod:`groups`)."""
+    """A weight scale that fits its weight (:func:`validate.weight_scale_problem`): a
+    per-channel one has the operand's rank and length 1 on its contracted axes, a grouped
+    one no shared axis (:mod:`groups`), a per-tensor one no axis beyond the stacked ones."""
     why = validate.weight_scale_problem(scale, qtype, source, name=f"{where}.scale")
     if why:
         raise r.error(why)

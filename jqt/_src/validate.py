@@ -167,12 +167,13 @@ def operand_types_problem(p: OpQParams):
 
 
 def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> str:
-    """Why a weight operand's per-channel (or per-group) ``scale`` does not fit the weight
-    ``source`` describes (operand of ``shape``, or of the leaf shape the source recorded
-    through its layout chain, where known), or ``""``: it has the
-    operand's axes (stacked layers first), length 1 on the contracted ones unless grouped.
-    A scale with a leading axis of its own (qparams stacked over seeds or an ensemble by
-    ``jax.vmap``) broadcasts against the weight, so it is told by its rank.
+    """Why a weight operand's ``scale`` does not fit the weight ``source`` describes
+    (operand of ``shape``, or of the leaf shape the source recorded through its layout
+    chain, where known), or ``""``. A per-channel (or per-group) scale has the operand's
+    axes (stacked layers first), length 1 on the contracted ones unless grouped; a
+    per-tensor one is a scalar, or one per stacked layer. A scale with a leading axis of
+    its own (qparams stacked over seeds or an ensemble by ``jax.vmap``) broadcasts against
+    the weight, so it is told by its rank.
 
     >>> import jax.numpy as jnp, jqt
     >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8(), jnp.ones((4, 3)),

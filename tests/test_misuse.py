@@ -1030,6 +1030,12 @@ def test_qparams_stacked_over_seeds_are_refused_by_save_and_pack(setup, tmp_path
                                  r"one more leading axis: take one model's"):
             jqt.pack(stacked, p)
         one = jax.tree.map(lambda a: a[0], stacked)  # the advice works
+        if qp is qp_t:  # a per-channel-shaped scale under a per-tensor type is no stack
+            edited = {**qp, "w1": dataclasses.replace(qp["w1"], rhs=dataclasses.replace(
+                qp["w1"].rhs, scale=jnp.ones((1, 32))))}
+            with pytest.raises(ValueError, match=r"has shape \[1, 32\], but the weight's type is "
+                                                 r"per-tensor: one scale\. jqt.load would refuse"):
+                jqt.save(tmp_path / "edited.safetensors", edited)
         jqt.save(tmp_path / "one.safetensors", one)
         jqt.pack(jqt.load(tmp_path / "one.safetensors"), p)
 

@@ -479,8 +479,9 @@ class Analyzer:
                         "iteration): compute it before calling f and pass it in params."
                         + (" An argument passed as a Python number (a diffusion timestep as an "
                            "int) is static to jqt, as one in jax.jit's static_argnums is, so what "
-                           "f computes from it alone is a weight: pass it as an array "
-                           "(jnp.asarray(t)) to make it data."
+                           "f computes from it and the weights (a timestep embedding "
+                           "sin(params['freq'] * t)) is a computed weight too: pass it as an "
+                           "array (jnp.asarray(t)) to make it data."
                            if "a computed weight" in (a, b) else ""),
                         f"{a} x {b} at '{at}'")
         for k in range(len(ins)):

@@ -719,19 +719,20 @@ def _leaf_dtypes(params_t, argnums):
 
 
 def _channel_bytes(wt, contracted):
-    """Bytes :func:`jqt.pack` stores per output channel (row of a table) of ``contracted``
-    elements under weight type ``wt``: the codes (two per byte where they pack as nibbles)
-    and a float32 scale per group (and zero point where asymmetric); not the int32 sums an
-    asymmetric activation adds (a float32 weight of 2 inputs under ``w8a8`` is quantized).
+    """``(bytes, groups)``: the bytes :func:`jqt.pack` stores per output channel (row of a
+    table) of ``contracted`` elements under weight type ``wt``, and how many scales they
+    take. The codes (two per byte where they pack as nibbles) and a float32 scale per
+    group (and zero point where asymmetric); not the int32 sums an asymmetric activation
+    adds (a float32 weight of 2 inputs under ``w8a8`` is quantized).
 
     >>> import jqt
-    >>> _channel_bytes(jqt.recipes.INT8_WEIGHT, 2)   # 2 codes and a scale
-    6
+    >>> _channel_bytes(jqt.recipes.INT8_WEIGHT, 2)   # 2 codes and a scale; one group
+    (6, 1)
     """
     g = wt.group_size
     groups = contracted // g if g and g < contracted and contracted % g == 0 else 1
     codes = contracted / 2 if wt.nibbles_fit(contracted) else contracted * wt.storage.itemsize
-    return codes + groups * (4 if wt.symmetric else 8)
+    return codes + groups * (4 if wt.symmetric else 8), groups
 
 
 def _decide(site, rule, st, leaf_dtypes={}):
@@ -796,12 +797,13 @@ def _decide(site, rule, st, leaf_dtypes={}):
     dtype = np.dtype(leaf_dtypes.get((src.arg, src.leaf), site.eqn.invars[w].aval.dtype)
                      if src is not None else site.eqn.invars[w].aval.dtype)
     if (wt.per_channel or wt.group_size) and jnp.issubdtype(dtype, jnp.floating):
-        qbytes = _channel_bytes(wt, contracted)
+        qbytes, groups = _channel_bytes(wt, contracted)
         fbytes = contracted * dtype.itemsize
         if qbytes > fbytes:
             what = "row of the table" if site.op == "gather" else "output channel"
             return float_(f"each {what} holds {contracted} weight elements: their codes and "
-                          f"float32 scale{' and zero point' if not wt.symmetric else ''} "
+                          f"float32 scale{'s' if groups > 1 else ''}"
+                          f"{(' and zero point' + ('s' if groups > 1 else '')) if not wt.symmetric else ''} "
                           f"({qbytes:g} bytes) would store more than the {dtype} weight "
                           f"({fbytes} bytes), so the op is kept float (a rule's per-tensor type, "
                           "per_channel=False, quantizes it)")

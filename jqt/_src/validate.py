@@ -200,7 +200,7 @@ def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> 
             return ""
         return (f"{name} has shape {list(sshape)}, but the weight's type is per-tensor: one "
                 f"scale{f' per stacked layer, {tuple(shape[:depth])}' if depth and shape else ''}"
-                f"{hint if len(sshape) > depth else ''}")
+                f"{hint if len(sshape) == depth + 1 else ''}")
     if shape is not None and len(sshape) != len(shape):
         return (f"{name} has shape {list(sshape)}, but the weight operand {tuple(shape)} has "
                 f"{len(shape)} ax{'i' if len(shape) == 1 else 'e'}s"

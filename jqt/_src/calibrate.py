@@ -668,7 +668,7 @@ def _layer_ranges(calibrator, axes, qtype, gaxis, depth):
     return jax.jit(fn)
 
 
-def finalize(traced, recipe, stats, leaf_dtypes={}):
+def finalize(traced, recipe, stats, leaf_dtypes):
     """Statistics -> qparams, one :class:`OpQParams` per op; ``leaf_dtypes``: the dtype of
     each weight leaf, by ``(arg, leaf)`` (:func:`_leaf_dtypes`)."""
     sites = traced.sites()
@@ -735,7 +735,7 @@ def _channel_bytes(wt, contracted):
     return codes + groups * (4 if wt.symmetric else 8), groups
 
 
-def _decide(site, rule, st, leaf_dtypes={}):
+def _decide(site, rule, st, leaf_dtypes):
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if rule is None:

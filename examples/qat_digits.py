@@ -6,7 +6,8 @@ Trains the quickstart CNN on scikit-learn's digits, quantizes it after
 training (PTQ) with int4 weights and int2 activations, then fine-tunes the
 float weights, the scales and the zero points through the simulated path for
 a few epochs, and re-packs. Every accuracy below is the integer path
-(``jax.jit(jqt.quantize(f, qparams))``) on packed int8 weights.
+(``jax.jit(jqt.quantize(f, qparams))``) on packed weights (int4 codes two per
+byte, the conv kernels' one per byte).
 
 Exits with an error if the fine-tune recovers less than half of the accuracy
 PTQ lost, or if the integer path does not run what the simulated path
@@ -141,7 +142,7 @@ def main():
     print("(an image whose activation lands within float rounding of a rounding boundary "
           "gets another code on one path: that image's logits move by a code step)")
 
-    section("summary (test accuracy, integer path, packed int8 weights)")
+    section("summary (test accuracy, integer path, packed weights)")
     lost = float_acc - ptq_acc
     won = qat_acc - ptq_acc
     rows = [("float32", f"{float_acc:.2%}", "-", f"{t_float:.1f} s train"),

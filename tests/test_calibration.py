@@ -411,6 +411,18 @@ def test_histogram_combine_is_exact_with_different_radii(cal):
     assert not np.array_equal(np.asarray(whole["hist"]), sum(np.asarray(x["hist"]) for x in s))
 
 
+def test_histogram_bins_count_past_float32s_integers():
+    """Regression: a bin counted in float32 stopped at 2**24 (x + 1 == x there), so one batch
+    of a large activation (a conv's 8 x 512 x 512 x 64 values) and the same data in smaller
+    batches gave other ranges. The report's histograms counted the same way."""
+    from jqt._src.report import _histogram
+    n = 2**24 + 2**13  # 2**24 + 2**12 zeros, 2**12 ones
+    x = jnp.zeros((n,), jnp.float32).at[:2**12].set(1.0)
+    hist = jax.jit(C.Percentile().observe)(x)["hist"]
+    assert float(np.max(hist)) == 2**24 + 2**12 and float(np.sum(hist)) == n
+    assert float(np.sum(jax.jit(_histogram)(x, jnp.float32(0), jnp.float32(1)))) == n
+
+
 def test_histogram_combine_is_exact_on_arbitrary_floats():
     # Regression (fixed; was in jqt/_src/calibrators.py, _Histogram.observe): the old
     #     idx = jnp.floor((x + radius) / (2 * radius) * self.bins)

@@ -697,7 +697,8 @@ def test_packed_version_1_files_still_load():
     p = qp["a.b/w"]
     side = ("lhs", "rhs")[p.weight_operand]
     fp8 = dataclasses.replace(p.operand(p.weight_operand), qtype=jqt.QuantType(dtype="float8_e4m3fn", per_channel=True))
-    other = {**qp, "a.b/w": dataclasses.replace(p, **{side: fp8})}
+    act = ("lhs", "rhs")[1 - p.weight_operand]  # weight-only: valid qparams, another format
+    other = {**qp, "a.b/w": dataclasses.replace(p, **{side: fp8, act: None})}
     with pytest.raises(jqt.QParamsMismatchError, match="version 1 file"):
         jqt.load_packed(os.path.join(V1, "w8a8.p.safetensors"), qparams=other)
 

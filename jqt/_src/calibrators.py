@@ -5,7 +5,8 @@ the activations of the ops it matches (``calibrator=``) and one for their
 weights (``weight_calibrator=``). Statistics are fixed-size pytrees, so
 calibrating on any number of batches takes the same memory.
 
-An activation calibrator implements, all jittable except ``range``:
+An activation calibrator implements, all jittable except ``range`` and ``check``
+(which run on the host):
 
 * ``observe(x) -> stats``: the statistics of one tensor (one op, one batch).
 * ``combine(a, b) -> stats``: the statistics of the union of the data behind
@@ -19,6 +20,8 @@ An activation calibrator implements, all jittable except ``range``:
   calibration batches; ``combine`` by default.
 * ``range(stats, qtype) -> (lo, hi)``: the real range to quantize, called
   once at the end (numpy); non-finite when no data was observed.
+* ``check(qtype)`` (optional): raises ``ValueError`` if the calibrator cannot
+  serve activations of ``qtype``; :class:`jqt.Rule` calls it when the rule is made.
 
 Histogram calibrators share one streaming histogram: ``bins`` bins over
 ``[-R, R]`` with ``R`` a power of two, so two histograms merge exactly by
@@ -225,8 +228,9 @@ class _Histogram(Calibrator):
         idx = jnp.floor(jnp.ldexp(x, -e) * jnp.float32(half)).astype(jnp.int32) + half
         # (rows split over explicit mesh axes: the counts summed over them, as a histogram
         # of the whole tensor; JAX asks for the result's sharding there)
-        hist = jnp.zeros((self.bins,), _F32).at[jnp.clip(idx, 0, self.bins - 1)].add(
-            1.0, out_sharding=compat.replicated_if_split(idx))
+        # counted in int32: float32 counts stop growing at 2**24 (x + 1 == x there)
+        hist = jnp.zeros((self.bins,), jnp.int32).at[jnp.clip(idx, 0, self.bins - 1)].add(
+            1, out_sharding=compat.replicated_if_split(idx)).astype(_F32)
         return {**_minmax(x), "hist": hist, "exp": e}
 
     def combine(self, a, b):

@@ -127,6 +127,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         leaves.append(n)
     entries, shared = None, {}
     if qparams is not None:
+        validate.check_qparams(qparams, "jqt.save_packed")  # a file jqt.load would refuse
         check_packed(packed, qparams, fn="jqt.save_packed")
         entries, arrays = qparams_entries(
             qparams, lambda i, key, side, field: _unique(f"qparams/{key}/{side}.{field}", used),
@@ -242,6 +243,8 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if isinstance(device, (int, float, np.number)):
         raise TypeError(f"{fn}: device={device!r} is a number; pass a jax.Device (e.g. "
                         f"jax.devices()[{device!r}]) or a Sharding.")
+    if qparams is not None:
+        validate.check_qparams(qparams, fn)  # before reading the file
     path = file_path(path, fn)
     if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "

@@ -67,7 +67,7 @@ class Rule:
         activations of at most 8 bits, per tensor or per channel.
 
     ``smooth``, ``awq`` and ``rotate`` apply to ``dot_general`` ops with a weight
-    and no batch axes (dense layers, projections); see docs/ptq.md.
+    and no batch axes (dense layers, projections); see docs/outliers.md.
 
     A rule with ``weight=None`` and ``act_x_act=None`` keeps the matched ops
     float:

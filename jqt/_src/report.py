@@ -144,8 +144,9 @@ def _histogram(x, lo, hi):
     a = lo - width / 2
     idx = jnp.floor((x - a) / (2 * width) * HIST_BINS).astype(jnp.int32) + 1
     idx = jnp.clip(idx, 0, HIST_BINS + 1)
-    return jnp.zeros((HIST_BINS + 2,), _F32).at[idx.reshape(-1)].add(
-        1.0, out_sharding=compat.replicated_if_split(idx))
+    # counted in int32: float32 counts stop growing at 2**24 (x + 1 == x there)
+    return jnp.zeros((HIST_BINS + 2,), jnp.int32).at[idx.reshape(-1)].add(
+        1, out_sharding=compat.replicated_if_split(idx)).astype(_F32)
 
 
 def _sqnr(signal, noise):

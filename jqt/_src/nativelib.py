@@ -63,7 +63,7 @@ _status: NativeStatus | None = None
 
 
 def native_status() -> NativeStatus:
-    """Whether jqt's native CPU kernels (packed weights at few rows; 4-bit weights
+    """Whether jqt's native CPU kernels (packed weights at few rows; NF4 weights
     decoded whole at many) are in use in this process, building them on the first call (a few
     seconds, once per machine and jax version: the library is cached). Where they are
     not, the same ops run as XLA programs; a build or load that fails with a compiler

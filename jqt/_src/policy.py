@@ -343,7 +343,8 @@ class KernelPolicy:
         fewer, per channel) splits the float activation into this many int8
         digits and runs them through the int8 x int8 matmul (0: the weight-only
         path as at any row count). Three digits hold 24 bits of each row's
-        absolute maximum. Such weights are packed ``"nk"``.
+        absolute maximum. It applies to weights packed ``"nk"`` (the CPU table packs
+        w8 ``"kn"``, ``weight_only_kn``, for its K-chunks and native kernel).
       grouped_digits: the same for weight-only int weights with one scale per
         group of K (w4 g128), through one matmul batched over the groups.
       float_matmul_rows: an op with more rows than this decodes its whole weight
@@ -487,12 +488,14 @@ class KernelPolicy:
         (``bfloat16_dot_is_fast``) and 0 elsewhere.
 
       native_gemv_rows: an op with at most this many rows and 4-bit (or fewer) int
-        or NF4 weights with group scales packed ``"kn"`` (w4, w4a8, nf4), or int8
-        weights per output channel on float activations (w8: ``"kn"``, as the CPU
-        table packs it, or ``"nk"``), runs jqt's native XLA:CPU kernels
-        (``jqt_grouped_gemv``, ``jqt_channel_gemv_kn``, ``jqt_channel_gemv``, built
-        on first use; see :func:`jqt.native_status`), which read the packed
-        codes once and decode them in registers, where they are available; elsewhere,
+        or NF4 weights packed ``"kn"``, with group scales or one per output channel
+        (w4, w4a8, nf4: ``jqt_grouped_gemv``), int8 weights per output channel on
+        float activations (w8: ``jqt_channel_gemv_kn`` for ``"kn"``, as the CPU table
+        packs it, ``jqt_channel_gemv`` for ``"nk"``), int8 weights with group scales
+        on float or int8 activations (w8 g128, w8a8 g128: ``jqt_channel_gemv_kn``),
+        or fp8 weights per output channel (``jqt_fp8_gemv_kn``), runs jqt's native
+        XLA:CPU kernels (built on first use; see :func:`jqt.native_status`), which
+        read the packed codes once and decode them in registers, where they are available; elsewhere,
         and inside ``jax.export``, the formulations above. 0: never.
 
       nibble_halves: a weight with two 4-bit codes per byte decoded to float for a

@@ -100,7 +100,10 @@ class QArray:
     * in :class:`jqt.PackedParams` (:func:`jqt.pack`) ``values`` holds the
       weight's codes in ``layout``: the op's own layout (``"operand"``) or, for a
       ``dot_general`` weight with no batch axes, 2-D ``"nk"`` (output features x
-      contracted, for int8 x int8 matmuls) or ``"kn"`` (weight-only); stacked
+      contracted) or ``"kn"``, as the kernel policy in use at :func:`jqt.pack`
+      chooses (w8a8 weights ``"nk"``; weight-only, w4a8 and fp8 weights ``"kn"`` on
+      the CPU, weight-only and fp8 ones under the generic policy; all ``"nk"`` on a
+      GPU); stacked
       layers keep their leading axes. Codes of 4 bits or fewer are stored two
       per byte (uint8) along the contracted axis where it fits
       (:meth:`jqt.QuantType.nibbles_fit`), else one int8 code per byte.
@@ -418,7 +421,8 @@ class OpQParams:
 
 @jax.tree_util.register_pytree_with_keys_class
 class PackedParams:
-    """Weights with the quantized operands stored as int8 (see :func:`jqt.pack`).
+    """Weights with the quantized operands stored as codes: int8, int4 two per byte (uint8)
+    or fp8 (see :func:`jqt.pack`).
 
     Holds the float leaves still needed (biases, norms, weights of float ops)
     and a dict of :class:`QArray` (with values) keyed by op key. Pass it to a

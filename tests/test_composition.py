@@ -132,6 +132,34 @@ def test_an_eager_call_is_one_compiled_program(mlp_setup, caplog):
         assert _rel(qf(p, x, 1.0), y, mlp(p, x)) < INT_VS_SIM
 
 
+def test_named_scopes_are_kept_in_the_compiled_program():
+    """The ops a quantized op or a rebuilt loop traces keep the op's ``jax.named_scope``
+    (a Flax module's name): profiles of the quantized model name its layers as the float
+    one's do. Before, they were traced outside it: ``jit(g)/dot_general`` and
+    ``jit(g)/while`` where float had ``jit(g)/decoder/...``."""
+    import re
+    s = {"inp": jax.random.normal(jax.random.key(0), (16, 32)) * 0.3,
+         "stack": jax.random.normal(jax.random.key(1), (3, 32, 32)) * 0.2}
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+
+    def g(s, x):
+        with jax.named_scope("decoder"):
+            def body(h, w):
+                with jax.named_scope("layer"):
+                    return jnp.tanh(h @ w), None
+            return lax.scan(body, x @ s["inp"], s["stack"])[0]
+
+    def names(fn, *args):
+        hlo = jax.jit(fn).lower(*args).compile().as_text()
+        return sorted(set(re.findall(r'= \S+ dot\(.*?op_name="jit\([^)]*\)/([^"]*)"', hlo)))
+
+    want = names(g, s, x)
+    assert want == ["decoder/dot_general", "decoder/while/body/closed_call/layer/dot_general"], want
+    qs = jqt.calibrate(g, jqt.recipes.w8a8(), s, [(x,)], progress=False)
+    assert names(jqt.quantize(g, qs), jqt.pack(qs, s), x) == want
+    assert names(jqt.quantize(g, qs, simulate=True), s, x) == want
+
+
 def test_quantize_of_jit(mlp_setup):
     p, batches, qp = mlp_setup
     x = batches[0][0]
@@ -690,6 +718,42 @@ def test_custom_derivative_rule_kept_in_simulation(layer):
         _, t_float = jax.jvp(lambda x: f(p, x), (x,), (t,))
         _, t_sim = jax.jvp(lambda x: sim(p, x), (x,), (t,))
         assert _rel(t_sim, t_float) < 0.05
+
+
+def test_custom_jvp_layer_runs_its_quantized_forward_once_under_grad():
+    """Regression: the simulated path's rule for a ``custom_jvp`` layer also took the
+    derivative w.r.t. the quantization state when that was a constant, running the layer's
+    quantized forward a second time: a ``jax.debug.print`` in it printed twice a step.
+    Differentiated w.r.t. the qparams, the state's derivative is still taken."""
+    calls = []
+
+    @jax.custom_jvp
+    def dense_relu(w, h):
+        jax.debug.callback(lambda: calls.append("body"))
+        return jax.nn.relu(h @ w)
+
+    @dense_relu.defjvp
+    def _(primals, tangents):
+        (w, h), (dw, dh) = primals, tangents
+        y = jax.nn.relu(h @ w)
+        return y, (y > 0) * (dh @ w + h @ dw)
+
+    p = {"w1": _normal(93, (8, 16), 0.3), "w2": _normal(94, (16, 4), 0.3)}
+    x = _normal(95, (6, 8))
+    f = lambda p, x: dense_relu(p["w1"], x) @ p["w2"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    sim = jqt.quantize(f, qp, simulate=True)
+    calls.clear()
+    g = jax.jit(jax.grad(lambda p: jnp.sum(sim(p, x) ** 2)))(p)
+    jax.effects_barrier()
+    assert calls == ["body"]
+    # the rule is the plain layer's derivative (on float values): about the gradient of
+    # the plain layer's simulated path
+    plain = jqt.quantize(lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"], qp, simulate=True)
+    g_plain = jax.grad(lambda p: jnp.sum(plain(p, x) ** 2))(p)
+    assert _rel(g["w1"], g_plain["w1"]) < 0.05 and _rel(g["w2"], g_plain["w2"]) < 0.05
+    gq = jax.jit(jax.grad(lambda q: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x) ** 2)))(qp)
+    assert float(jnp.abs(gq["w1"].rhs.scale).max()) > 0
 
 
 def test_custom_rules_closing_over_values():

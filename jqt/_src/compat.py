@@ -229,6 +229,18 @@ def bind(prim, *args, **params):
 
 
 @contextlib.contextmanager
+def eqn_scope(eqn):
+    """Enters ``eqn``'s name stack (its ``jax.named_scope``, a Flax module's name) for
+    the ops a rule traces in its place, so that they keep the scope in the compiled
+    program's metadata (profiles); yields ``eqn`` with an empty name stack, so that a
+    :func:`bind_eqn` of it inside does not enter the scope twice."""
+    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+        yield eqn.replace(source_info=eqn.source_info.replace(
+            name_stack=source_info_util.new_name_stack()))
+
+
+@contextlib.contextmanager
 def eqn_context(eqn, mesh=True):
     """Re-enters ``eqn``'s name stack (and its context manager, if any, which holds the
     mesh it was traced under: not where ``mesh`` is false) while binding."""
@@ -413,6 +425,18 @@ def instantiate_zeros(tree):
     z = lambda x: isinstance(x, SymbolicZero)
     return jax.tree_util.tree_map(
         lambda x: jax.numpy.zeros(x.shape, x.dtype) if z(x) else x, tree, is_leaf=z)
+
+
+def jvp_tangents(tree):
+    """A ``custom_jvp`` rule's tangents under ``symbolic_zeros=True``: ``(the tangents
+    with each ``SymbolicZero`` made zeros of its tangent type, whether all were symbolic
+    zeros)``."""
+    from jax._src.ad_util import zeros_like_aval
+    from jax.custom_derivatives import SymbolicZero
+    z = lambda x: isinstance(x, SymbolicZero)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=z)
+    return (jax.tree_util.tree_map(lambda x: zeros_like_aval(x.aval) if z(x) else x, tree, is_leaf=z),
+            all(z(x) for x in leaves))
 
 
 jit_p = _prims.jit_p

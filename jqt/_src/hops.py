@@ -238,14 +238,16 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
 
     def g_jvp(primals, tangents):
         st, *args = primals
-        tst, *targs = tangents
+        (tst, *targs), _ = compat.jvp_tangents(tangents)
         out = g(st, *args)
         with user_rule(eqn):
             _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), tuple(targs))
+        if compat.jvp_tangents(tangents[0])[1]:  # the state is not differentiated: no second
+            return out, t_user  # quantized forward (its callbacks would run twice)
         _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
         return out, [u + s for u, s in zip(t_user, t_st)]
 
-    g.defjvp(g_jvp)
+    g.defjvp(g_jvp, symbolic_zeros=True)
     return g(_state_for(sub, ctx), *invals)
 
 

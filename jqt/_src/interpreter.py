@@ -66,12 +66,14 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
         invals = [read(v) for v in eqn.invars]
         if i in plan.sites:
             site = plan.sites[i]
-            outs = _under_eqn_mesh(eqn, [site.key], ctx,
-                                   lambda c, site=site: ctx.handler.site(site, eqn, invals, c))
+            with compat.eqn_scope(eqn) as e:  # the rule's ops keep the op's named scope
+                outs = _under_eqn_mesh(e, [site.key], ctx,
+                                       lambda c, site=site: ctx.handler.site(site, e, invals, c))
         elif i in plan.subs:
             sub = plan.subs[i]
-            outs = _under_eqn_mesh(eqn, sub.keys, ctx, lambda c, sub=sub: HIGHER_ORDER[eqn.primitive].run(
-                eqn, invals, sub, c, eval_jaxpr))
+            with compat.eqn_scope(eqn) as e:
+                outs = _under_eqn_mesh(e, sub.keys, ctx, lambda c, sub=sub: HIGHER_ORDER[e.primitive].run(
+                    e, invals, sub, c, eval_jaxpr))
         elif invals and kvcache.is_cache(invals[0]) and (kvcache.is_read_view(eqn)
                                                          or kvcache.is_buffer_view(eqn)):
             outs = [kvcache.view(eqn, invals)]  # whole vectors of it (permuted), still quantized

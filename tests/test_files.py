@@ -378,6 +378,30 @@ def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path
             call()
 
 
+def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_path):
+    """jqt.pack finds weights by path (params may hold other leaves: a policy's log-std, the
+    arrays of eqx.partition of a module calibrated whole). save_packed, load_packed and
+    gptq looked them up by the position recorded at calibration: they refused the packed
+    weights naming another leaf's shape, or checked the wrong leaf."""
+    w1 = jax.random.normal(jax.random.key(0), (16, 32))
+    w2 = jax.random.normal(jax.random.key(1), (32, 8))
+    x = jax.random.normal(jax.random.key(2), (8, 16))
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]  # noqa: E731
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), {"w1": w1, "w2": w2}, [(x,)], progress=False)
+    more = {"a_log_std": jnp.zeros(2), "w1": w1, "w2": w2}  # a leaf in front: positions move
+    packed = jqt.pack(qp, more)
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, packed, qp)
+    loaded = jqt.load_packed(path, qparams=qp)
+    y = jax.jit(jqt.quantize(f, qp))(loaded, x)
+    np.testing.assert_array_equal(y, jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, {"w1": w1, "w2": w2}), x))
+    rounded = jqt.gptq(f, qp, more, [(x,)], progress=False)
+    assert set(rounded) == set(more) and rounded["a_log_std"] is more["a_log_std"]
+    # the check still reads the right leaf: a weight that outgrew its scales is named
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'w2'"):
+        jqt.gptq(f, qp, {**more, "w2": 4 * w2}, [(x,)], progress=False)
+
+
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):
     """Their scales are the same numbers in another order: the check compares them in order."""
     w = jax.random.normal(jax.random.key(0), (16, 8))

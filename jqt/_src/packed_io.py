@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, diagnostics, validate
+from . import compat, diagnostics, validate, weightcheck
 from .analysis import path_str
 from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
@@ -697,12 +697,14 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
     dropped = set(range(len(packed.avals))) - set(packed.kept)
     # the weight argument these weights were packed from (jqt.pack's argnum)
     args = {qparams[k].source.arg for k in packed.weights if qparams[k].source is not None}
+    index = weightcheck.leaf_index(leaf_paths(packed))  # weights by path, as jqt.pack finds them
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
         q = None if w is None else p.operand(w)
         pw = packed.weight(key)
+        leaf = None if src is None or src.arg not in args else weightcheck.find_leaf(src, index, key, fn)
         if pw is None:
-            if src is not None and src.arg in args and src.leaf in dropped:
+            if leaf is not None and leaf in dropped:
                 raise QParamsMismatchError(
                     f"{fn}: op '{key}' reads weight leaf '{src.path}', which the packed weights "
                     "dropped, but they hold no packed weight for it"
@@ -732,8 +734,8 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"{fn}: the packed weight of op '{key}' does not fit these qparams: {why}. They "
                 "were packed with other qparams; re-run jqt.pack with these.")
         shape = values_shape(pw)
-        if src is not None and src.arg in args and src.leaf in dropped:
-            _check_leaf_codes(fn, key, src, packed.avals[src.leaf], pw, shape)
+        if leaf is not None and leaf in dropped:
+            _check_leaf_codes(fn, key, src, packed.avals[leaf], pw, shape)
         depth = 0 if src is None else src.stack_depth
         if q.qtype.per_channel and not q.qtype.group_size and q.scale is not None and np.ndim(q.scale):
             n = _n_channels(q, depth)

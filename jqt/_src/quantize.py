@@ -64,25 +64,6 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 f"the op float (a jqt.fallback to float?): {fix}")
 
 
-def _find_leaf(src, index, key):
-    """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
-    or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
-    where the function has several weight arguments or params is a single array (tried
-    without it only where no leaf has the whole path). Where
-    several leaves have that path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one
-    at the calibrated position, ``src.leaf``; otherwise an error."""
-    fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
-    found = index.get(src.path) or index.get(fallback, [])  # the whole path first
-    if src.leaf in found or not found:
-        return src.leaf if found else None
-    if len(set(found)) > 1:
-        raise QParamsMismatchError(
-            f"jqt.pack: op '{key}' reads weight '{src.path}', and params hold {len(set(found))} "
-            "leaves whose paths read so (e.g. a key 'a/b' beside a nested 'a' -> 'b'); jqt "
-            "names weights by their path. Rename one of them, and re-calibrate.")
-    return found[0]
-
-
 def _check_slot(qparams, packed, a, argnums):
     """Raises unless the packed weights passed as argument ``a`` of f were packed for it
     (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
@@ -513,9 +494,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     flat = [x for _, x in with_paths]
     avals = [_aval(x) for x in flat]
-    index = {}  # weights are found by path
-    for i, (q, _) in enumerate(with_paths):
-        index.setdefault(path_str(q), []).append(i)
+    index = weightcheck.leaf_index([path_str(q) for q, _ in with_paths])  # weights: by path
     weights, consumed, needed, unpackable, leaf_of, checks, nans = {}, set(), set(), [], {}, [], []
     other_args, copies = set(), []
     for key, p in qparams.items():
@@ -529,7 +508,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         if src is None:
             unpackable.append(key)
             continue
-        leaf = _find_leaf(src, index, key)
+        leaf = weightcheck.find_leaf(src, index, key)
         if leaf is None:  # leaves are found by path: params may hold other leaves too
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "

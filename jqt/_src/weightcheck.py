@@ -50,6 +50,7 @@ import numpy as np
 from . import compat, diagnostics
 from . import numerics as nx
 from .handlers import QParamsMismatchError
+from .analysis import path_str
 from .layout import apply_chain
 from .registry import BY_NAME
 
@@ -304,20 +305,51 @@ def _worst(x, gaxis, q, depth):
     return value, end, (value / end if end else float("inf"))
 
 
-def _weights(qparams, params_t, argnums):
+def leaf_index(paths) -> dict:
+    """Leaf path -> positions, for :func:`find_leaf` (``paths``: the leaves' paths in order)."""
+    index = {}
+    for i, p in enumerate(paths):
+        index.setdefault(p, []).append(i)
+    return index
+
+
+def find_leaf(src, index, key, fn="jqt.pack"):
+    """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
+    or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
+    where the function has several weight arguments or params is a single array (tried
+    without it only where no leaf has the whole path). Where
+    several leaves have that path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one
+    at the calibrated position, ``src.leaf``; otherwise an error."""
+    fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
+    found = index.get(src.path) or index.get(fallback, [])  # the whole path first
+    if src.leaf in found or not found:
+        return src.leaf if found else None
+    if len(set(found)) > 1:
+        raise QParamsMismatchError(
+            f"{fn}: op '{key}' reads weight '{src.path}', and params hold {len(set(found))} "
+            "leaves whose paths read so (e.g. a key 'a/b' beside a nested 'a' -> 'b'); jqt "
+            "names weights by their path. Rename one of them, and re-calibrate.")
+    return found[0]
+
+
+def _weights(qparams, params_t, argnums, fn):
     """``(key, op qparams, its weight's leaf)`` for each quantized op whose weight is a
     leaf of ``params_t`` (one pytree per weight argument), numbered as the tracer numbered
-    the leaves (``WeightSource.leaf``)."""
+    the leaves (``WeightSource.leaf``), found by path as :func:`jqt.pack` finds them (params
+    may hold other leaves too)."""
     flat = {}
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
         if w is None or p.operand(w) is None or src is None or src.arg not in argnums:
             continue
         if src.arg not in flat:
-            flat[src.arg] = jax.tree_util.tree_leaves(params_t[argnums.index(src.arg)])
-        leaves = flat[src.arg]
-        if 0 <= src.leaf < len(leaves) and hasattr(leaves[src.leaf], "shape"):
-            yield key, p, leaves[src.leaf]
+            with_paths = jax.tree_util.tree_flatten_with_path(params_t[argnums.index(src.arg)])[0]
+            flat[src.arg] = ([x for _, x in with_paths],
+                             leaf_index([path_str(q) for q, _ in with_paths]))
+        leaves, index = flat[src.arg]
+        i = find_leaf(src, index, key, fn)
+        if i is not None and hasattr(leaves[i], "shape"):
+            yield key, p, leaves[i]
 
 
 def _grid_operand(p, leaf):
@@ -329,7 +361,7 @@ def record(qparams, params_t, argnums):
     """``qparams`` with each quantized weight's ``WeightSource.calibrated_reach`` measured on
     the weights they were calibrated with (``params_t``: one pytree per weight argument)."""
     pending = []
-    for key, p, leaf in _weights(qparams, params_t, argnums):
+    for key, p, leaf in _weights(qparams, params_t, argnums, "jqt.calibrate"):
         tag = digest(p)
         if tag is None:
             continue
@@ -393,7 +425,7 @@ def check(qparams, params_t, argnums, fn):
     pytree per weight argument), as ``fn`` (``jqt.gptq``, which re-rounds the weights on
     the calibrated grids) reads them."""
     pending, leaf_of = [], {}
-    for key, p, leaf in _weights(qparams, params_t, argnums):
+    for key, p, leaf in _weights(qparams, params_t, argnums, fn):
         leaf_of[id(p)] = leaf
         try:
             pending.append(start(key, p, p.source, *_grid_operand(p, leaf)))

@@ -463,6 +463,25 @@ def test_qparams_from_before_scalar_index_lookups_run_them_float():
                                       jqt.quantize(g, qg)(P, jnp.int64(V - 1)))
 
 
+def test_a_lookup_of_part_of_each_row_stays_float_with_a_warning():
+    """``t[ids, :k]`` reads several elements of each row, not the whole row: jqt quantizes
+    whole-row lookups only, so it stays float, with a warning that says how to quantize it
+    (``t[ids][..., :k]``). Before, it stayed float without a warning, its note calling it a
+    lookup of single elements."""
+    p = {"t": P["emb"]}
+    k = p["t"].shape[1] // 2
+    part = lambda p, i: p["t"][i, :k]  # noqa: E731
+    with pytest.warns(UserWarning, match=rf"op 't' .*reads {k} of the {2 * k} elements of each row "
+                                         r".*t\[ids\]\[\.\.\., :k\]\).*embedding=None"):
+        qp = jqt.calibrate(part, jqt.recipes.w8(), p, [(jnp.arange(4),)], progress=False)
+    assert qp["t"].is_float and "part of each row" in qp["t"].note
+    whole = lambda p, i: p["t"][i][..., :k]  # noqa: E731
+    qw = jqt.calibrate(whole, jqt.recipes.w8(), p, [(jnp.arange(4),)], progress=False)
+    assert not qw["t"].is_float
+    np.testing.assert_allclose(jqt.quantize(whole, qw)(jqt.pack(qw, p), jnp.arange(4)),
+                               part(p, jnp.arange(4)), atol=0.02)
+
+
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element
     stored more than the float table (1.25x), so the op stays float, noted, no warning."""

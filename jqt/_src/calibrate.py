@@ -767,6 +767,21 @@ def _decide(site, rule, st, leaf_dtypes):
     if wt is None:
         return float_("the recipe keeps it float")
     if site.op == "gather" and not site.contract[0] and (wt.per_channel or wt.group_size):
+        shape, sizes = site.eqn.invars[0].aval.shape, site.eqn.params["slice_sizes"]
+        part = [d for d in range(len(shape)) if 1 < sizes[d] < shape[d]]
+        if part:  # t[ids, :k]: several elements of each row, not the whole row
+            d = part[-1]
+            diagnostics.warn_grouped(
+                "part_rows", f"jqt.calibrate: op '{site.key}' (a lookup at "
+                f"'{site.name_stack or '<top>'}') reads {sizes[d]} of the {shape[d]} elements of "
+                f"each row of its table along axis {d} (t[ids, :k]) and stays float: jqt "
+                "quantizes a lookup that reads whole rows. Read the rows and slice them after "
+                "the lookup (t[ids][..., :k]) to quantize it, or keep it float without this "
+                f"warning: jqt.Rule(key='^{re.escape(site.key)}$', embedding=None) ahead of the "
+                "recipe's rules.", f"'{site.key}'")
+            return float_(f"a lookup of part of each row ({sizes[d]} of {shape[d]} elements "
+                          f"along axis {d} read, t[ids, :k]) is kept float; jqt quantizes "
+                          "lookups of whole rows (t[ids][..., :k] reads them)")
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table (a rule's "
                       "per-tensor embedding= type, per_channel=False, quantizes it)")

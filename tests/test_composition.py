@@ -988,6 +988,35 @@ def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
     assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
 
 
+def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
+    """NoisyNet's ``x @ (mu + sigma * noise)``, DropConnect's ``x @ (w * mask)``, a
+    temperature ``x @ (w / t)``: the op reads no weight, so it stays float as an activation
+    x activation op; calibration said nothing, and a whole NoisyNet ran float (hunt40_rl).
+    A bias or a gain broadcast over the data is not such a weight: no warning there."""
+    p = {"mu": jax.random.normal(jax.random.key(0), (8, 4)) / 3, "sigma": jnp.full((8, 4), 0.05),
+         "b": jnp.zeros(4), "g": jnp.ones(8)}
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    noise = jax.random.normal(jax.random.key(2), (8, 4))
+    mixes = {"noisy": (lambda p, x, e: x @ (p["mu"] + p["sigma"] * e), noise, r"weights 'mu', 'sigma'"),
+             "mask": (lambda p, x, m: x @ (p["mu"] * m).reshape(8, 4), noise > 0, r"weight 'mu'"),
+             "temperature": (lambda p, x, t: x @ (p["mu"] / t), jnp.float32(2.0), r"weight 'mu'")}
+    for name, (f, d, what) in mixes.items():
+        with pytest.warns(UserWarning, match=rf"reads {what} combined elementwise with the data "
+                                             r"\(NoisyNet's .*stays float.*x @ mu \+ x @ \(sigma \* noise\)"):
+            qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, d)], progress=False)
+        assert all(v.is_float for v in qp.values()), name
+    # the rewrite it names quantizes x @ mu (x @ (sigma * noise) stays float, said)
+    g = lambda p, x, e: x @ p["mu"] + x @ (p["sigma"] * e)
+    with pytest.warns(UserWarning, match=r"reads weight 'sigma' combined elementwise"):
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x, noise)], progress=False)
+    assert not qp["mu"].is_float
+    # a bias and a gain mixed with the data: no warning
+    h = lambda p, x: ((x * p["g"]) @ p["mu"] + p["b"]) @ ((x * p["g"]) @ p["mu"] + p["b"]).T
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*combined elementwise")
+        jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+
+
 def test_a_product_of_two_computed_weights_says_so():
     """The product of two weights warned only where the side jqt takes as the activation was
     a leaf: Glow's ``P @ tril(l) @ triu(u)``, or ``(2 * z) @ z.T`` of a GP head's inducing

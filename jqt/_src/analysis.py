@@ -34,6 +34,8 @@ _PENDING = "\0call-write:"  # the key of a write into such a buffer until _bound
 # Primitives that index their first operand by the others: a weight indexed by data (a loop
 # counter) is no weight jqt can follow (a warning names the op that reads it).
 _INDEXING = ("dynamic_slice", "gather")
+# Elementwise ops that combine a weight matrix with the data (NoisyNet's mu + sigma * noise)
+_MIXING = ("add", "sub", "mul", "div", "max", "min")
 # Matmuls jqt has no rule for: reading a weight, they say so (the weight stays float).
 _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
 _SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general")  # jax.experimental.sparse
@@ -51,7 +53,22 @@ _WEIGHTS_READ_AS_DATA = (
      "weights (or masks one), not as one weight", "Pick or mask the op's outputs instead where "
      "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
      "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
+    ("mixed", "combined elementwise with the data (NoisyNet's mu + sigma * noise, "
+     "DropConnect's w * mask, w / temperature): jqt quantizes a weight as params hold it "
+     "(or as f computes it from params alone), and takes such a value for an activation",
+     "Apply the data to the op's input or output instead where the model allows "
+     "(x @ mu + x @ (sigma * noise) quantizes x @ mu; (x @ w) / t), or quantize the model "
+     "without the noise or mask, as it runs at inference."),
 )
+
+
+def _mixed(info, var) -> tuple:
+    """The weight matrices that ``info`` (of ``var``) is, or holds mixed with data: a weight
+    of two or more axes not broadcast (a bias or a gain broadcast over the data is not one)."""
+    s = info.source
+    if s is not None and var.aval.ndim >= 2 and not any(c[0] == "broadcast_in_dim" for c in s.chain):
+        return (s.path,)
+    return info.mixed
 
 
 def _named_weights(path):
@@ -288,9 +305,15 @@ class Analyzer:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
                 elif step is not None and len(ins) == 1 and (ins[0].indexed or ins[0].selected
-                                                             or ins[0].chosen):
+                                                             or ins[0].chosen or ins[0].mixed):
                     outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected,
-                                    chosen=ins[0].chosen)]
+                                    chosen=ins[0].chosen, mixed=ins[0].mixed)]
+                elif name in _MIXING and not all(i.weight for i in ins) \
+                        and (mixed := tuple(dict.fromkeys(p for i, v in zip(ins, eqn.invars)
+                                                          for p in _mixed(i, v)))):
+                    for info in ins:  # w * mask: an activation (see _site)
+                        self._use(info, "float")
+                    outs = [VarInfo(False, mixed=mixed)]
                 elif name == "select_n" and ins[1].source is not None and not ins[0].weight \
                         and all(i == ins[1] for i in ins[2:]):  # vmap of a cond: see _site
                     self._use(ins[1], "float")  # the op that reads it stays float

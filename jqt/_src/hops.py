@@ -171,7 +171,8 @@ def _shard_map_subs(eqn, infos, shard_id):
             # unless its vectors are split over devices (one scale per vector: a split last axis)
             keeps = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
             inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
-                                 chosen=info.chosen, buffer=info.buffer if keeps else (),
+                                 chosen=info.chosen, mixed=info.mixed,
+                                 buffer=info.buffer if keeps else (),
                                  writes=info.writes if keeps else ()))
             continue
         # a replicated weight gets an empty split: each device reads it whole (so

@@ -1010,11 +1010,16 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
     with pytest.warns(UserWarning, match=r"reads weight 'sigma' combined elementwise"):
         qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x, noise)], progress=False)
     assert not qp["mu"].is_float
-    # a bias and a gain mixed with the data: no warning
+    # a bias and a gain mixed with the data: no warning; nor a 2-D bias reshaped to size-1
+    # axes and added over them (Flax's DenseGeneral in its attention: review hunt40_review)
     h = lambda p, x: ((x * p["g"]) @ p["mu"] + p["b"]) @ ((x * p["g"]) @ p["mu"] + p["b"]).T
+    q = {"w": jax.random.normal(jax.random.key(3), (8, 2, 4)), "b": jnp.ones((2, 4))}
+    qk = lambda p, x: jnp.einsum("bqhd,bkhd->bhqk", *2 * [jnp.einsum("btc,chd->bthd", x, p["w"])
+                                                           + p["b"].reshape(1, 1, 2, 4)])
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*combined elementwise")
         jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        jqt.calibrate(qk, jqt.recipes.w8a8(), q, [(x.reshape(2, 8, 8),)], progress=False)
 
 
 def test_a_product_of_two_computed_weights_says_so():

@@ -400,6 +400,15 @@ def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_p
     # the check still reads the right leaf: a weight that outgrew its scales is named
     with pytest.raises(jqt.QParamsMismatchError, match="op 'w2'"):
         jqt.gptq(f, qp, {**more, "w2": 4 * w2}, [(x,)], progress=False)
+    # two weight arguments: argument a's 'w' (path 'a/w' prefixed) beside its nested a -> w
+    # (path 'a/w' too): the calibrated position tells them apart (pack took the nested one)
+    a = {"w": jax.random.normal(jax.random.key(3), (16, 16)), "a": {"w": w1[:, :16]}}
+    g = lambda a, b, x: (x @ a["w"]) @ a["a"]["w"] @ b["w"]  # noqa: E731
+    q2 = jqt.calibrate(g, jqt.recipes.w8a8(), (a, {"w": w2[:16]}), [(x,)], weight_argnums=(0, 1),
+                       progress=False)
+    run = jqt.quantize(g, q2, weight_argnums=(0, 1))
+    np.testing.assert_array_equal(run(jqt.pack(q2, a, argnum=0), {"w": w2[:16]}, x),
+                                  run(a, {"w": w2[:16]}, x))
 
 
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):

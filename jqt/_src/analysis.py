@@ -62,11 +62,14 @@ _WEIGHTS_READ_AS_DATA = (
 )
 
 
-def _mixed(info, var) -> tuple:
-    """The weight matrices that ``info`` (of ``var``) is, or holds mixed with data: a weight
-    of two or more axes not broadcast (a bias or a gain broadcast over the data is not one)."""
+def _mixed(info, var, out) -> tuple:
+    """The weight matrices that ``info`` (of ``var``, an operand of an elementwise op whose
+    output is ``out``) is, or holds mixed with data: a weight of two or more axes, of the
+    output's shape and not broadcast to it (a bias or a gain broadcast over the data, by a
+    broadcast_in_dim or over its size-1 axes, Flax's DenseGeneral bias, is not one)."""
     s = info.source
-    if s is not None and var.aval.ndim >= 2 and not any(c[0] == "broadcast_in_dim" for c in s.chain):
+    if s is not None and var.aval.ndim >= 2 and var.aval.shape == out.aval.shape \
+            and not any(c[0] == "broadcast_in_dim" for c in s.chain):
         return (s.path,)
     return info.mixed
 
@@ -310,7 +313,7 @@ class Analyzer:
                                     chosen=ins[0].chosen, mixed=ins[0].mixed)]
                 elif name in _MIXING and not all(i.weight for i in ins) \
                         and (mixed := tuple(dict.fromkeys(p for i, v in zip(ins, eqn.invars)
-                                                          for p in _mixed(i, v)))):
+                                                          for p in _mixed(i, v, eqn.outvars[0])))):
                     for info in ins:  # w * mask: an activation (see _site)
                         self._use(info, "float")
                     outs = [VarInfo(False, mixed=mixed)]

@@ -774,14 +774,14 @@ def _decide(site, rule, st, leaf_dtypes):
             diagnostics.warn_grouped(
                 "part_rows", f"jqt.calibrate: op '{site.key}' (a lookup at "
                 f"'{site.name_stack or '<top>'}') reads {sizes[d]} of the {shape[d]} elements of "
-                f"each row of its table along axis {d} (t[ids, :k]) and stays float: jqt "
-                "quantizes a lookup that reads whole rows. Read the rows and slice them after "
-                "the lookup (t[ids][..., :k]) to quantize it, or keep it float without this "
-                f"warning: jqt.Rule(key='^{re.escape(site.key)}$', embedding=None) ahead of the "
-                "recipe's rules.", f"'{site.key}'")
+                f"each row of its table along axis {d} (t[ids, a:b]) and stays float: jqt "
+                "quantizes a lookup that reads whole rows. Look the rows up and slice them "
+                "after the lookup (t[ids][..., a:b]) to quantize it, or keep it float without "
+                f"this warning: jqt.Rule(key='^{re.escape(site.key)}$', embedding=None) ahead of "
+                "the recipe's rules.", f"'{site.key}'")
             return float_(f"a lookup of part of each row ({sizes[d]} of {shape[d]} elements "
-                          f"along axis {d} read, t[ids, :k]) is kept float; jqt quantizes "
-                          "lookups of whole rows (t[ids][..., :k] reads them)")
+                          f"along axis {d} read, t[ids, a:b]) is kept float; jqt quantizes "
+                          "lookups of whole rows (t[ids][..., a:b] reads them)")
         return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
                       "float: one scale per element would store more than the table (a rule's "
                       "per-tensor embedding= type, per_channel=False, quantizes it)")

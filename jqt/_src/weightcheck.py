@@ -317,13 +317,17 @@ def find_leaf(src, index, key, fn="jqt.pack"):
     """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
     or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
     where the function has several weight arguments or params is a single array (tried
-    without it only where no leaf has the whole path). Where
-    several leaves have that path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one
-    at the calibrated position, ``src.leaf``; otherwise an error."""
+    without it only where no leaf has the whole path). The calibrated position,
+    ``src.leaf``, where its leaf has either path: several leaves can (a key ``"a/b"`` beside
+    ``{"a": {"b": ...}}``; as argument ``a``, ``{"w": W, "a": {"w": V}}``'s ``W`` prefixed
+    and ``V`` read ``"a/w"``); elsewhere the one leaf found, or an error where several are."""
     fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
-    found = index.get(src.path) or index.get(fallback, [])  # the whole path first
-    if src.leaf in found or not found:
-        return src.leaf if found else None
+    whole, bare = index.get(src.path, []), index.get(fallback, [])
+    if src.leaf in whole or src.leaf in bare:  # the calibrated position, where it reads so (of
+        return src.leaf  # {"w": W, "a": {"w": V}} as argument 'a', "a/w" is W prefixed and V)
+    found = whole or bare  # the whole path first
+    if not found:
+        return None
     if len(set(found)) > 1:
         raise QParamsMismatchError(
             f"{fn}: op '{key}' reads weight '{src.path}', and params hold {len(set(found))} "

@@ -10,7 +10,7 @@ results beyond float rounding.
 decoding at batch 1 (a GEMV), 1024 for a prefill of 8 x 128 tokens.
 
 ==========================  ==========================  ==========================
-decision                    CPU (XLA:CPU)               GPU and other backends
+decision                    CPU (XLA:CPU)               GPU (``for_backend("gpu")``)
 ==========================  ==========================  ==========================
 packed dense weight, w8a8   ``(N, K)``, contract on K   ``(N, K)`` (``TN`` GEMM)
 packed dense weight, w8     ``(K, N)``                  ``(N, K)``: the one-row
@@ -279,6 +279,11 @@ int8 convolution            im2col patches + int8       native int8 convolution
                             of the codes, exact
                             (conv_codes_as_float)
 ==========================  ==========================  ==========================
+
+Other platforms (TPU, ROCm, Metal) take the generic :class:`KernelPolicy`, which neither
+column shows: its weight-only and fp8 weights are packed ``(K, N)`` and int x int ones
+``(N, K)``, fp8 weights are decoded to float, a single row runs as any other, and nothing
+is split into digits or cast inside the GEMM.
 
 The figures behind the CPU column are in ``benchmarks/`` and ``docs/performance.md``;
 the GPU column's (one NVIDIA H200, JAX 0.11.2) in ``benchmarks/results/gpu-h200.md``,

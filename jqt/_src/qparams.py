@@ -101,9 +101,9 @@ class QArray:
       weight's codes in ``layout``: the op's own layout (``"operand"``) or, for a
       ``dot_general`` weight with no batch axes, 2-D ``"nk"`` (output features x
       contracted) or ``"kn"``, as the kernel policy in use at :func:`jqt.pack`
-      chooses (w8a8 weights ``"nk"``; weight-only, w4a8 and fp8 weights ``"kn"`` on
-      the CPU, weight-only and fp8 ones under the generic policy; all ``"nk"`` on a
-      GPU); stacked
+      chooses (per-channel w8a8 weights ``"nk"``; weight-only, grouped w8a8, w4a8 and
+      fp8 weights ``"kn"`` on the CPU, weight-only and fp8 ones under the generic
+      policy; all ``"nk"`` on a GPU); stacked
       layers keep their leading axes. Codes of 4 bits or fewer are stored two
       per byte (uint8) along the contracted axis where it fits
       (:meth:`jqt.QuantType.nibbles_fit`), else one int8 code per byte.

@@ -417,7 +417,7 @@ def _concrete(tree) -> bool:
 
 
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -> PackedParams:
-    """Stores the quantized weights as int8, once, for :func:`jqt.quantize`.
+    """Stores the quantized weights as integer (or fp8) codes, once, for :func:`jqt.quantize`.
 
     Returns a :class:`jqt.PackedParams` to pass in place of ``params``: each quantized
     weight becomes a :class:`jqt.QArray` of codes (int8, two int4/nf4 codes per

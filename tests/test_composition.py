@@ -1020,6 +1020,8 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
         warnings.filterwarnings("error", ".*combined elementwise")
         jqt.calibrate(h, jqt.recipes.w8a8(), p, [(x,)], progress=False)
         jqt.calibrate(qk, jqt.recipes.w8a8(), q, [(x.reshape(2, 8, 8),)], progress=False)
+        # one token of one sequence (a decode step): the bias's shape is the output's
+        jqt.calibrate(qk, jqt.recipes.w8a8(), q, [(x[:1].reshape(1, 1, 8),)], progress=False)
 
 
 def test_a_product_of_two_computed_weights_says_so():

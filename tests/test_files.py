@@ -407,8 +407,17 @@ def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_p
     q2 = jqt.calibrate(g, jqt.recipes.w8a8(), (a, {"w": w2[:16]}), [(x,)], weight_argnums=(0, 1),
                        progress=False)
     run = jqt.quantize(g, q2, weight_argnums=(0, 1))
-    np.testing.assert_array_equal(run(jqt.pack(q2, a, argnum=0), {"w": w2[:16]}, x),
-                                  run(a, {"w": w2[:16]}, x))
+    want = run(a, {"w": w2[:16]}, x)
+    for a2 in (a, {**a, "b0": jnp.zeros(3)}):  # positions kept, or moved by another leaf
+        np.testing.assert_array_equal(run(jqt.pack(q2, a2, argnum=0), {"w": w2[:16]}, x), want)
+    # one weight argument: 'enc/w' is a path, not an argument's name and 'w'; with a leaf
+    # removed, the calibrated position of 'enc/w' is the top-level 'w' (review hunt40_review2)
+    enc = {"a_log_std": jnp.zeros(16), "enc": {"w": w1[:, :16]}, "w": 0.5 * w1[::-1, :16]}
+    h = lambda p, x: (x @ p["enc"]["w"]) @ p["w"] + p["a_log_std"]  # noqa: E731
+    q3 = jqt.calibrate(h, jqt.recipes.w8a8(), enc, [(x,)], progress=False)
+    deployed = {"enc": enc["enc"], "w": enc["w"]}
+    hq = jqt.quantize(lambda p, x: (x @ p["enc"]["w"]) @ p["w"], q3)
+    np.testing.assert_array_equal(hq(jqt.pack(q3, deployed), x), hq(deployed, x))
 
 
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):

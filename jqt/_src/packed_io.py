@@ -698,11 +698,13 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
     # the weight argument these weights were packed from (jqt.pack's argnum)
     args = {qparams[k].source.arg for k in packed.weights if qparams[k].source is not None}
     index = weightcheck.leaf_index(leaf_paths(packed))  # weights by path, as jqt.pack finds them
+    prefixed = weightcheck.prefixed_paths(qparams)
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
         q = None if w is None else p.operand(w)
         pw = packed.weight(key)
-        leaf = None if src is None or src.arg not in args else weightcheck.find_leaf(src, index, key, fn)
+        leaf = None if src is None or src.arg not in args else weightcheck.find_leaf(
+            src, index, key, fn, prefixed=prefixed)
         if pw is None:
             if leaf is not None and leaf in dropped:
                 raise QParamsMismatchError(

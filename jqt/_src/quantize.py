@@ -495,6 +495,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     flat = [x for _, x in with_paths]
     avals = [_aval(x) for x in flat]
     index = weightcheck.leaf_index([path_str(q) for q, _ in with_paths])  # weights: by path
+    prefixed = weightcheck.prefixed_paths(qparams)
     weights, consumed, needed, unpackable, leaf_of, checks, nans = {}, set(), set(), [], {}, [], []
     other_args, copies = set(), []
     for key, p in qparams.items():
@@ -508,7 +509,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         if src is None:
             unpackable.append(key)
             continue
-        leaf = weightcheck.find_leaf(src, index, key)
+        leaf = weightcheck.find_leaf(src, index, key, prefixed=prefixed)
         if leaf is None:  # leaves are found by path: params may hold other leaves too
             raise QParamsMismatchError(
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "

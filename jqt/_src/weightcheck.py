@@ -313,21 +313,27 @@ def leaf_index(paths) -> dict:
     return index
 
 
-def find_leaf(src, index, key, fn="jqt.pack"):
+def prefixed_paths(qparams):
+    """``True`` where ``qparams``' weight paths are prefixed by their argument's name (their
+    ops read weights of several arguments); ``None`` where that is unknown (one argument's:
+    ``f`` may have had other weight arguments)."""
+    return True if len({p.source.arg for p in qparams.values() if p.source is not None}) > 1 else None
+
+
+def find_leaf(src, index, key, fn="jqt.pack", prefixed=None):
     """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
     or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
-    where the function has several weight arguments or params is a single array (tried
-    without it only where no leaf has the whole path). The calibrated position,
-    ``src.leaf``, where its leaf has either path: several leaves can (a key ``"a/b"`` beside
-    ``{"a": {"b": ...}}``; as argument ``a``, ``{"w": W, "a": {"w": V}}``'s ``W`` prefixed
-    and ``V`` read ``"a/w"``); elsewhere the one leaf found, or an error where several are."""
+    where the function has several weight arguments or params is a single array:
+    ``prefixed`` (``True``, or ``None`` where unknown: then the path without its first name
+    is tried only where no leaf has the whole path). As argument ``a``,
+    ``{"w": W, "a": {"w": V}}``'s ``W`` prefixed and ``V`` both read ``"a/w"``. Where several
+    leaves have the path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one at the
+    calibrated position, ``src.leaf``; otherwise an error."""
     fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
     whole, bare = index.get(src.path, []), index.get(fallback, [])
-    if src.leaf in whole or src.leaf in bare:  # the calibrated position, where it reads so (of
-        return src.leaf  # {"w": W, "a": {"w": V}} as argument 'a', "a/w" is W prefixed and V)
-    found = whole or bare  # the whole path first
-    if not found:
-        return None
+    found = (bare or whole) if prefixed else (whole or bare)
+    if src.leaf in found or not found:
+        return src.leaf if found else None
     if len(set(found)) > 1:
         raise QParamsMismatchError(
             f"{fn}: op '{key}' reads weight '{src.path}', and params hold {len(set(found))} "
@@ -351,7 +357,7 @@ def _weights(qparams, params_t, argnums, fn):
             flat[src.arg] = ([x for _, x in with_paths],
                              leaf_index([path_str(q) for q, _ in with_paths]))
         leaves, index = flat[src.arg]
-        i = find_leaf(src, index, key, fn)
+        i = find_leaf(src, index, key, fn, prefixed=len(argnums) > 1 or None)
         if i is not None and hasattr(leaves[i], "shape"):
             yield key, p, leaves[i]
 

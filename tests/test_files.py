@@ -418,6 +418,21 @@ def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_p
     deployed = {"enc": enc["enc"], "w": enc["w"]}
     hq = jqt.quantize(lambda p, x: (x @ p["enc"]["w"]) @ p["w"], q3)
     np.testing.assert_array_equal(hq(jqt.pack(q3, deployed), x), hq(deployed, x))
+    with pytest.raises(jqt.QParamsMismatchError, match="op 'enc/w' reads weight 'enc/w', which params "
+                                                     "do not hold"):
+        jqt.pack(q3, {"w": enc["w"]})  # not 'w' in its place
+    # two weight arguments, only the first's weights quantized: its paths are still prefixed,
+    # which the qparams record (and jqt.save keeps): 'a/w' is W, not the nested V
+    k = lambda a, b, x: (x @ a["w"]) * b["g"]  # noqa: E731
+    v = {"w": w1[:, :16], "a": {"w": w1[::-1, :16]}}
+    q4 = jqt.calibrate(k, jqt.recipes.w8a8(), (v, {"g": jnp.ones(16)}), [(x,)], weight_argnums=(0, 1),
+                       progress=False)
+    jqt.save(tmp_path / "q4.safetensors", q4)
+    for q in (q4, jqt.load(tmp_path / "q4.safetensors")):
+        assert q["a/w"].source.prefixed is True
+        kq = jqt.quantize(k, q, weight_argnums=(0, 1))
+        np.testing.assert_array_equal(kq(jqt.pack(q, v, argnum=0), {"g": jnp.ones(16)}, x),
+                                      kq(v, {"g": jnp.ones(16)}, x))
 
 
 def test_weights_with_their_channels_permuted_are_not_the_qparams_weights(tmp_path):

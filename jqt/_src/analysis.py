@@ -66,12 +66,12 @@ def _mixed(info, var, out) -> tuple:
     """The weight matrices that ``info`` (of ``var``, an operand of an elementwise op whose
     output is ``out``) is, or holds mixed with data: a weight of two or more axes, of the
     output's shape and not broadcast to it (a bias or a gain broadcast over the data, by a
-    broadcast_in_dim or over size-1 axes it was given, Flax's DenseGeneral bias reshaped to
-    ``(1, 1, H, Dh)``, is not one, also where the data's axes are 1 too)."""
+    broadcast_in_dim or over leading size-1 axes it was given, Flax's DenseGeneral bias
+    reshaped to ``(1, 1, H, Dh)``, is not one, also where the data's axes are 1 too)."""
     s = info.source
-    ones = lambda shape: sum(d == 1 for d in shape)  # noqa: E731
+    lead = lambda shape: next((i for i, d in enumerate(shape) if d != 1), len(shape))  # noqa: E731
     if s is not None and var.aval.ndim >= 2 and var.aval.shape == out.aval.shape \
-            and ones(var.aval.shape) <= ones(s.shape or ()) \
+            and lead(var.aval.shape) <= lead(s.shape or ()) \
             and not any(c[0] == "broadcast_in_dim" for c in s.chain):
         return (s.path,)
     return info.mixed

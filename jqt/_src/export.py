@@ -42,7 +42,8 @@ def _value_to_json(v):
         return {"QuantType": ser.qtype_to_json(v)}
     if isinstance(v, WeightSource):  # with the leaf's shape (part of its equality)
         d = ser.source_to_json(v)
-        return {"WeightSource": d if v.shape is None else {**d, "shape": list(v.shape)}}
+        d = d if v.shape is None else {**d, "shape": list(v.shape)}
+        return {"WeightSource": d if v.prefixed is None else {**d, "prefixed": v.prefixed}}
     if v is None or isinstance(v, (str, int, float, bool)):
         return v
     raise ValueError(f"jqt: cannot serialize static field value {v!r} for jax.export.")

@@ -44,6 +44,10 @@ class WeightSource:
     another), and of the repr (JAX's error for two qparams trees of other weight shapes
     prints both sources).
 
+    ``prefixed``: whether ``path`` starts with the argument's name (``f`` has several
+    weight arguments, or params is a single array); ``None`` in qparams saved before jqt
+    recorded it.
+
     ``calibrated_reach`` (set by :func:`jqt.calibrate`, ``None`` where unknown) is
     ``(reach, digest)``: how far the weight it was calibrated with reached on its grid
     (its largest ``|x / scale|``, zero point subtracted, over the value where clipping
@@ -71,6 +75,7 @@ class WeightSource:
     batch: tuple = ()
     calibrated_reach: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
     shape: Optional[tuple] = None
+    prefixed: Optional[bool] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def stack_depth(self) -> int:

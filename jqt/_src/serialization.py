@@ -11,8 +11,9 @@ Formats (the JSON header is in the safetensors metadata under ``"jqt"``; ``"form
   holds each op's static metadata (quantization types, op, weight operand, source; and,
   where calibration recorded it, ``"weight_reach"``: ``[reach, digest]``, the
   ``WeightSource.calibrated_reach`` that :func:`jqt.pack` checks weights against, and
-  ``"weight_shape"``, the leaf's shape, ``WeightSource.shape``: optional entries that
-  earlier jqt ignores and files written before them lack).
+  ``"weight_shape"``, the leaf's shape, ``WeightSource.shape``, and ``"weight_prefixed"``,
+  ``WeightSource.prefixed``: optional entries that earlier jqt ignores and files written
+  before them lack).
 - ``jqt.qparams`` version 1: the same header in an ``.npz`` (``jqt.save`` to a path
   ending in ``.npz``; kept so that files written by earlier jqt still load).
 - ``jqt.packed`` version 2 (``jqt.save_packed``; version 1 still loads): per packed weight
@@ -92,14 +93,15 @@ def qtype_from_json(d: dict) -> QuantType:
 
 
 def source_to_json(s):
-    """A :class:`WeightSource` as JSON, without ``calibrated_reach`` and ``shape`` (files
-    store them as the op entry's own ``"weight_reach"`` and ``"weight_shape"``, which a jqt
-    that does not know them ignores)."""
+    """A :class:`WeightSource` as JSON, without ``calibrated_reach``, ``shape`` and
+    ``prefixed`` (files store them as the op entry's own ``"weight_reach"``,
+    ``"weight_shape"`` and ``"weight_prefixed"``, which a jqt that does not know them
+    ignores)."""
     if s is None:
         return None
     d = dataclasses.asdict(s)
-    d.pop("calibrated_reach", None)
-    d.pop("shape", None)
+    for k in ("calibrated_reach", "shape", "prefixed"):
+        d.pop(k, None)
     return d
 
 
@@ -224,6 +226,8 @@ def qparams_entries(qparams, name, fn="jqt.save"):
                 entries[key]["weight_zero_groups"] = True
         if p.source is not None and p.source.shape is not None:
             entries[key]["weight_shape"] = [int(n) for n in p.source.shape]
+        if p.source is not None and p.source.prefixed is not None:
+            entries[key]["weight_prefixed"] = bool(p.source.prefixed)
     return entries, arrays
 
 
@@ -258,6 +262,8 @@ def _op_from_entry(r, key, e):
             raise r.error(f"{where}: 'weight_shape' is {json.dumps(shape)[:80]}, expected a list "
                           "of sizes (ints >= 0)")
         source = dataclasses.replace(source, shape=tuple(shape))
+    if "weight_prefixed" in e and source is not None:
+        source = dataclasses.replace(source, prefixed=r.need(e, "weight_prefixed", bool, where))
     ops = [_operand_from_entry(r, r.need(e, side, (dict, type(None)), where), f"{where} {side}",
                                source if i == w else None)
            for i, side in enumerate(("lhs", "rhs"))]

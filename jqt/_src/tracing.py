@@ -436,10 +436,12 @@ class Tracer:
                 if isinstance(x, Static):
                     continue
                 p = path_str(path)
-                if len(self.argnums) > 1 or not p:
+                prefixed = len(self.argnums) > 1 or not p
+                if prefixed:
                     p = f"{names[i]}/{p}" if p else names[i]
                     prefixes.add(names[i])
-                infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)))))
+                infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)),
+                                                        prefixed=prefixed)))
         analyzer = Analyzer()
         with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
             plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)

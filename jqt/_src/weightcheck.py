@@ -314,24 +314,27 @@ def leaf_index(paths) -> dict:
 
 
 def prefixed_paths(qparams):
-    """``True`` where ``qparams``' weight paths are prefixed by their argument's name (their
-    ops read weights of several arguments); ``None`` where that is unknown (one argument's:
-    ``f`` may have had other weight arguments)."""
+    """``True`` where ``qparams``' weight paths are known to be prefixed by their argument's
+    name for sources that do not record it (their ops read weights of several arguments);
+    ``None`` where that is unknown."""
     return True if len({p.source.arg for p in qparams.values() if p.source is not None}) > 1 else None
 
 
 def find_leaf(src, index, key, fn="jqt.pack", prefixed=None):
     """The position in params (``index``: leaf path -> positions) of the leaf ``src`` names,
     or ``None``. ``src.path`` is the leaf's path in params, prefixed by the argument's name
-    where the function has several weight arguments or params is a single array:
-    ``prefixed`` (``True``, or ``None`` where unknown: then the path without its first name
-    is tried only where no leaf has the whole path). As argument ``a``,
-    ``{"w": W, "a": {"w": V}}``'s ``W`` prefixed and ``V`` both read ``"a/w"``. Where several
-    leaves have the path (a key ``"a/b"`` beside ``{"a": {"b": ...}}``), the one at the
-    calibrated position, ``src.leaf``; otherwise an error."""
+    where the function has several weight arguments or params is a single array
+    (``src.prefixed``; where qparams from an older jqt do not record it, ``prefixed``, or
+    ``None`` where unknown: then the path without its first name is tried only where no
+    leaf has the whole path). As argument ``a``, ``{"w": W, "a": {"w": V}}``'s ``W``
+    prefixed and ``V`` both read ``"a/w"``. Where several leaves have the path (a key
+    ``"a/b"`` beside ``{"a": {"b": ...}}``), the one at the calibrated position,
+    ``src.leaf``; otherwise an error."""
     fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
     whole, bare = index.get(src.path, []), index.get(fallback, [])
-    found = (bare or whole) if prefixed else (whole or bare)
+    prefixed = prefixed if src.prefixed is None else src.prefixed
+    found = (bare if src.prefixed else whole if src.prefixed is False
+             else (bare or whole) if prefixed else (whole or bare))
     if src.leaf in found or not found:
         return src.leaf if found else None
     if len(set(found)) > 1:

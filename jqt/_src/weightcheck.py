@@ -332,8 +332,7 @@ def find_leaf(src, index, key, fn="jqt.pack", prefixed=None):
     ``src.leaf``; otherwise an error."""
     fallback = src.path.split("/", 1)[1] if "/" in src.path else ""
     whole, bare = index.get(src.path, []), index.get(fallback, [])
-    prefixed = prefixed if src.prefixed is None else src.prefixed
-    found = (bare if src.prefixed else whole if src.prefixed is False
+    found = (bare if src.prefixed else whole if src.prefixed is False  # recorded: that path
              else (bare or whole) if prefixed else (whole or bare))
     if src.leaf in found or not found:
         return src.leaf if found else None

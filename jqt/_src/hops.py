@@ -239,12 +239,13 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
 
     def g_jvp(primals, tangents):
         st, *args = primals
-        (tst, *targs), _ = compat.jvp_tangents(tangents)
+        tst, constant = compat.jvp_tangents(tangents[0])
+        targs, _ = compat.jvp_tangents(tuple(tangents[1:]))
         out = g(st, *args)
         with user_rule(eqn):
-            _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), tuple(targs))
-        if compat.jvp_tangents(tangents[0])[1]:  # the state is not differentiated: no second
-            return out, t_user  # quantized forward (its callbacks would run twice)
+            _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), targs)
+        if constant:  # the state is not differentiated: no second quantized forward (its
+            return out, t_user  # callbacks would run twice)
         _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
         return out, [u + s for u, s in zip(t_user, t_st)]
 

@@ -834,6 +834,34 @@ def test_custom_vjp_around_a_while_loop():
     assert sim(p, x).shape == (6, 8)
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
+def test_custom_vjp_rule_indexing_an_array_written_in_f():
+    """jax.experimental.ode.odeint with its time grid written in f: the grid is a NumPy
+    constant of f's jaxpr, and odeint's backward pass indexes it with a traced step
+    (ts[i]). jqt inlines the jit that gave the rule a JAX array, so the simulated path's
+    gradient raised JAX's TracerArrayConversionError from inside odeint (hunt41_flows);
+    now it is the gradient of the same function with the grid passed in."""
+    from jax.experimental.ode import odeint
+    vf = lambda y, t, p: jnp.tanh(y @ p["w1"]) @ p["w2"]
+    p = {"w1": _normal(99, (2, 16), 0.5), "w2": _normal(100, (16, 2), 0.25)}
+    y0 = _normal(101, (8, 2))
+    ts = jnp.array([0.0, 0.5])
+    f = lambda p, y0: odeint(vf, y0, jnp.array([0.0, 0.5]), p)[-1]
+    f_ts = lambda p, y0, ts: odeint(vf, y0, ts, p)[-1]
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(y0,)], progress=False)
+    assert not qp["w1"].is_float
+    sim = jqt.quantize(f, qp, simulate=True)
+    sim_ts = jqt.quantize(f_ts, jqt.calibrate(f_ts, jqt.recipes.w8(), p, [(y0, ts)], progress=False),
+                          simulate=True)
+    g = jax.grad(lambda p: jnp.sum(sim(p, y0) ** 2))(p)
+    g_ts = jax.grad(lambda p: jnp.sum(sim_ts(p, y0, ts) ** 2))(p)
+    g_float = jax.grad(lambda p: jnp.sum(f(p, y0) ** 2))(p)
+    for k in p:
+        assert _rel(g[k], g_ts[k]) < 1e-5 and _rel(g[k], g_float[k]) < 0.05
+    gy = jax.grad(lambda y: jnp.sum(sim(p, y)))(y0)
+    assert _rel(gy, jax.grad(lambda y: jnp.sum(f(p, y)))(y0)) < 0.05
+
+
 # --------------------------------------------------------------------------- jaxprs
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import stat
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -1031,6 +1032,32 @@ def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path)
         jqt.save_packed(str(tmp_path / "key.safetensors"), jqt.pack(qp, keyed), qp)
     with pytest.raises(ValueError, match="params leaf 'rng' is a typed PRNG key"):
         jax.export.export(jax.jit(q))(jqt.pack(qp, keyed), x).serialize()
+
+
+def test_two_leaves_whose_paths_read_alike_are_two_weights():
+    """``{"a/b": w1, "a": {"b": w2}}``: both leaves' paths read 'a/b', and jqt counted
+    their uses together (hunt41_ckpt): a float read of w1 made jqt.pack keep both float
+    copies, and jqt.gptq took them for one tied weight and re-rounded neither. Uses are
+    counted per leaf now."""
+    k = jax.random.split(jax.random.key(0), 3)
+    w1, w2 = jax.random.normal(k[0], (32, 32)) * 0.3, jax.random.normal(k[1], (32, 32)) * 0.3
+    x = jax.random.normal(k[2], (16, 32))
+    p = {"a/b": w1, "a": {"b": w2}}
+    f = lambda p, x: jnp.tanh(x @ p["a/b"]) @ p["a"]["b"] + jnp.sum(p["a/b"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert {v.source.float_needed for v in qp.values() if v.source.leaf == 0} == {False}
+    assert {v.source.float_needed for v in qp.values() if v.source.leaf == 1} == {True}
+    with pytest.warns(UserWarning, match="packed and also kept as float") as seen:
+        packed = jqt.pack(qp, p)
+    assert len([w for w in seen if "kept as float" in str(w.message)]) == 1
+    assert sum(a is not None for a in packed.leaves) == 1  # w1's float copy alone
+    g = lambda p, x: jnp.tanh(x @ p["a/b"]) @ p["a"]["b"]
+    batches = [(x,), (x * 0.5,)]
+    qg = jqt.calibrate(g, jqt.recipes.w4(group_size=16), p, batches, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = jqt.gptq(g, qg, p, batches)
+    assert bool(jnp.any(new["a/b"] != w1)) and bool(jnp.any(new["a"]["b"] != w2))
 
 
 SHARED_RECIPES = {"w8a8": jqt.recipes.w8a8(), "w4": jqt.recipes.w4(group_size=32),

@@ -628,6 +628,36 @@ def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
         jqt.calibrate(teacher, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
 
 
+def test_every_buffer_of_a_caches_shape_left_float_is_named():
+    """A while_loop that carries self-attention caches, written, and the cross-attention
+    keys and values, reordered each step (beam search) but never written: the warning
+    named one of the two float buffers (hunt41_whisper); now both."""
+    b, t, d = 2, 8, 16
+    normal = lambda seed, shape: jax.random.normal(jax.random.key(seed), shape)
+    p = {"wk": normal(0, (d, d)) * 0.3, "wv": normal(2, (d, d)) * 0.3}
+
+    def gen(p, x, enc):
+        xk, xv = enc @ p["wk"], enc @ p["wv"]
+
+        def body(c):
+            kc, vc, xk, xv, pos, h = c
+            xk, xv = jnp.take(xk, jnp.arange(b), axis=0), jnp.take(xv, jnp.arange(b), axis=0)
+            kc = lax.dynamic_update_slice(kc, (h @ p["wk"])[:, None], (0, pos, 0))
+            vc = lax.dynamic_update_slice(vc, (h @ p["wv"])[:, None], (0, pos, 0))
+            att = lambda k, v: jnp.einsum("bt,btd->bd", jax.nn.softmax(jnp.einsum("bd,btd->bt", h, k)), v)
+            return kc, vc, xk, xv, pos + 1, jnp.tanh(h + att(kc, vc) + att(xk, xv))
+        z = jnp.zeros((b, t, d))
+        return lax.while_loop(lambda c: c[4] < t, body, (z, z, xk, xv, 0, x))[5]
+
+    x, enc = normal(1, (b, d)), normal(3, (b, t, d))
+    with pytest.warns(UserWarning, match=r"a lax.while_loop at '<top>' carries key/value caches "
+                                         r"that jqt quantizes, and 2 buffers of their shape and dtype "
+                                         r"\(float32\[2, 8, 16\]; in carry slot 2, in carry slot 3\)"
+                                         r".*those buffers stay float"):
+        qp = jqt.calibrate(gen, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(x, enc)], progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"]
+
+
 def test_writes_that_miss_the_cache_pattern_are_named(setup):
     """Writes into a buffer a loop carries and reads that jqt cannot quantize as a cache
     are named by calibrate, where they were silent: keys kept transposed, (..., DH, T), and

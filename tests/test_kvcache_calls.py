@@ -549,6 +549,43 @@ def test_beam_search_reorders_the_quantized_cache(setup, kind, code_dtype, reord
     assert not floats, floats[0]
 
 
+@pytest.mark.parametrize("reorder", [False, True])
+def test_a_cache_kept_with_the_beams_on_an_axis_of_their_own(setup, reorder):
+    """Beam search carrying its caches (L, batch, beams, T, H, DH), merged to
+    (L, batch * beams, ...) for the step (its scan over the layers writes and reads them)
+    and split again after: no cache was found, every buffer stayed float with the warning
+    that no loop carries one (hunt41_whisper). Now the carry is the quantized cache, with
+    the beams reordered on their own axis (take_along_axis) or not."""
+    p, _, toks = setup
+    split = lambda c: c.reshape(L, 1, B, T, H, DH)
+    merge = lambda c: c.reshape(L, B, T, H, DH)
+
+    def loop(p, tokens, orders):
+        def body(carry, xs):
+            (k, v), pos = carry
+            tok, order = xs
+            if reorder:
+                k, v = [jnp.take_along_axis(c, order[None, None, :, None, None, None], axis=2)
+                        for c in (k, v)]
+            logits, c = step(p, {"k": merge(k), "v": merge(v), "pos": pos}, tok)
+            return ((split(c["k"]), split(c["v"])), c["pos"]), logits
+        z = split(empty()["k"])
+        return lax.scan(body, ((z, z), jnp.int32(0)), (tokens.T, orders))[1]
+
+    orders = jnp.array([[1, 0], [0, 0], [1, 1], [0, 1]] * 2, jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(loop, jqt.recipes.w8(kv_cache=True), p, [(toks[:, :4], orders[:4])],
+                           progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"]
+    qf = jqt.quantize(loop, qp)
+    out_q = jax.jit(qf)(p, toks, orders)
+    np.testing.assert_allclose(out_q, jqt.quantize(loop, qp, simulate=True)(p, toks, orders), atol=2e-5)
+    loops = [e for e in all_eqns(jax.make_jaxpr(qf)(p, toks, orders))
+             if e.primitive.name == "scan" and e.params["length"] == toks.shape[1]]
+    assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 6 for v in loops[0].invars) == 2
+
+
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):
     """A float32 cache converted to bfloat16 for attention: the conversion passes the

@@ -177,7 +177,7 @@ def _rolled(eqn, ins, sliced) -> tuple:
 class Analyzer:
     """Walks a closed jaxpr once and builds its :class:`Plan`.
 
-    ``leaf_uses`` maps ``(arg, path)`` of each weight leaf to the site keys
+    ``leaf_uses`` maps ``(arg, leaf index)`` of each weight leaf to the site keys
     that read it as a weight operand, plus ``"float"`` when it is also read as
     a float value elsewhere.
     """
@@ -203,7 +203,7 @@ class Analyzer:
 
     def _use(self, info, what):
         if info.source is not None:
-            self.leaf_uses.setdefault((info.source.arg, info.source.path), set()).add(what)
+            self.leaf_uses.setdefault((info.source.arg, info.source.leaf), set()).add(what)
 
     def _key(self, base):
         if base not in self.used_keys:
@@ -259,6 +259,14 @@ class Analyzer:
             stack = _join(prefix, compat.name_stack(eqn))
             outs = None
             entry = OPS.get(eqn.primitive)
+            if entry is not None and entry.is_cache and ins and ins[0].unflat and not ins[0].buffer:
+                # a write into whole vectors of a buffer reshaped (beams kept on an axis of
+                # their own, (B, K, T, D), merged to (B * K, T, D) around the write): a write
+                # into the buffer, whose reshape back makes it the buffer again (_unflat)
+                buf, writes, shape = ins[0].unflat
+                ins = [VarInfo(False, buffer=buf, writes=writes)] + ins[1:]
+            else:
+                shape = None
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
             picked = kvcache.is_buffer_select(
@@ -279,7 +287,9 @@ class Analyzer:
                                                    ins[0].buffer)
             if entry is not None and entry.is_site(eqn, ins) and not _empty(entry, eqn, ins):
                 site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
-                if entry.is_cache:  # the buffer after the write: still the loop's buffer
+                if entry.is_cache and shape is not None:  # still the reshaped buffer
+                    outs = [VarInfo(False, unflat=(ins[0].buffer, ins[0].writes + (site.key,), shape))]
+                elif entry.is_cache:  # the buffer after the write: still the loop's buffer
                     outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]
             elif eqn.primitive in HIGHER_ORDER:
                 unread = {k for k, v in enumerate(eqn.outvars) if compat.is_dropvar(v) or v not in read_vars}
@@ -465,7 +475,7 @@ class Analyzer:
         self.used_keys, self.counters = used, counters  # release the keys the remainder took
         for r, s in zip(rest, body):
             if r.source is not None:
-                uses = self.leaf_uses[(r.source.arg, r.source.path)]
+                uses = self.leaf_uses[(r.source.arg, r.source.leaf)]
                 uses.discard(r.key)
                 uses.add(s.key)
             r.key = s.key

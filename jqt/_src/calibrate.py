@@ -404,6 +404,16 @@ def _buffers_named(near_misses, names):
     return [(w, why, [name(b) for b in bufs]) for (w, why), bufs in near_misses.items()]
 
 
+def _aval_name(aval) -> str:
+    """``float32[2, 8, 16]``: an abstract value's dtype and shape, for a message.
+
+    >>> import jax
+    >>> _aval_name(jax.ShapeDtypeStruct((2, 8), "float32"))
+    'float32[2, 8]'
+    """
+    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
+
+
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     """Warns of a function without ops to quantize, of ops that no rule matches (they stay
     float) and of rules with a ``key``
@@ -463,15 +473,26 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
                              f"{why}. {which} float (docs/generate.md).")
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
-        who, where, aval = lookalikes[0]
-        diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {where} "
-                         f"a buffer of the same shape and dtype ({np.dtype(aval.dtype).name}"
-                         f"{list(aval.shape)}) "
-                         "that no dynamic_update_slice or .at[...].set writes: that buffer stays "
-                         "float. If it is updated with jnp.where(mask, new, cache), write it as the "
-                         "others are written to quantize it too; keys and values only read "
+        who = lookalikes[0][0]
+        mine = [(where, aval) for w, where, aval in lookalikes if w == who]
+        where, aval = mine[0]
+        if len(mine) == 1:
+            which = f"{where} a buffer of the same shape and dtype ({_aval_name(aval)})"
+            those = "that buffer stays"
+        else:  # slot by slot (keys and values alike): each named
+            wheres = ", ".join(dict.fromkeys(w for w, _ in mine))
+            kinds = ", ".join(dict.fromkeys(_aval_name(a) for _, a in mine))
+            which = f"{len(mine)} buffers of their shape and dtype ({kinds}; {wheres})"
+            those = "those buffers stay"
+        more = len(lookalikes) - len(mine)
+        diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {which} "
+                         f"that no dynamic_update_slice or .at[...].set writes: {those} "
+                         "float. If such a buffer is updated with jnp.where(mask, new, cache), write it "
+                         "as the caches are written to quantize it too; keys and values only read "
                          "(cross-attention over an encoder's output) are no cache and stay float "
-                         "(docs/generate.md).")
+                         "(docs/generate.md)."
+                         + (f" The same holds for {more} buffer{'s' if more > 1 else ''} of "
+                            "other loops." if more else ""))
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):
@@ -682,7 +703,7 @@ def finalize(traced, recipe, stats, leaf_dtypes):
     for s in sites:
         p = decided[s.key]
         if p.source is not None:
-            uses = traced.analyzer.leaf_uses.get((p.source.arg, p.source.path), set())
+            uses = traced.analyzer.leaf_uses.get((p.source.arg, p.source.leaf), set())
             needed = any(u == "float" or u not in quantized_w for u in uses)
             p = dataclasses.replace(p, source=dataclasses.replace(
                 p.source, float_needed=needed, contract=s.contract[s.weight_operand],

@@ -116,7 +116,7 @@ def _why_not(site, qp, traced, argnums, leaf_shape=None):
         return "its weight is not a leaf of the weights"
     if any(c[0] not in _INVERTIBLE for c in src.chain):
         return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
-    uses = traced.analyzer.leaf_uses.get((src.arg, src.path), set())
+    uses = traced.analyzer.leaf_uses.get((src.arg, src.leaf), set())
     if uses != {site.key}:
         ops = sorted(uses - {site.key, "float"})
         if "float" not in uses and leaf_shape is not None and _apart(site, ops, traced, leaf_shape):

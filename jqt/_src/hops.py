@@ -33,6 +33,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -85,7 +86,7 @@ def _scan_subs(eqn, infos, scan_id):
         inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None or info.weight
                                                                else ()),
                              buffer=info.buffer, built=info.built,
-                             computed=info.computed))
+                             computed=info.computed, unflat=info.unflat))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]
 
@@ -116,9 +117,12 @@ def _scan_outs(eqn, infos, body_outs, scan_id, reads):
     nc, nk = compat.scan_counts(eqn)
     body = body_outs[0]
     outs = [_carried(infos[nc + k], body[k], scan_id, k) for k in range(nk)]
-    for o in body[nk:]:  # ys: restacked slices of an outer buffer are that buffer
-        own = any(b[0] == scan_id for b in o.buffer)
-        outs.append(VarInfo(False, buffer=o.buffer, writes=o.writes) if o.buffer and not own else None)
+    for o in body[nk:]:  # ys: restacked slices of an outer buffer are that buffer (or
+        # of a reshaped view of one: the layers' scan over a (B, K, T, D) cache merged
+        # to (B * K, T, D))
+        own = any(b[0] == scan_id for b in o.buffer or (o.unflat[0] if o.unflat else ()))
+        outs.append(VarInfo(False, buffer=o.buffer, writes=o.writes) if o.buffer and not own
+                    else VarInfo(False, unflat=o.unflat) if o.unflat and not own else None)
     return outs, _caches(body[:nk], scan_id, reads)
 
 
@@ -236,6 +240,7 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     fwd = lambda st, *a: run(st, *a)[0]
     g = jax.custom_jvp(fwd)
+    invals = _as_jax(invals)
 
     def g_jvp(primals, tangents):
         st, *args = primals
@@ -263,6 +268,7 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
     # The values the function closes over (num_consts) are not differentiated, as JAX's own
     # custom_vjp does not; differentiating them raised "with respect to a closed-over value".
     nc = eqn.params.get("num_consts", 0)
+    invals = _as_jax(invals)
     consts, invals = tuple(invals[:nc]), invals[nc:]
     fwd_fn = lambda st, *a: run(st, *consts, *a)[0]
     g = jax.custom_vjp(fwd_fn)
@@ -292,6 +298,19 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
 
     g.defvjp(g_fwd, g_bwd, symbolic_zeros=True)
     return g(_state_for(sub, ctx), *invals)
+
+
+def _as_jax(invals) -> list:
+    """A custom_jvp/custom_vjp function's inputs with NumPy arrays made JAX arrays: an
+    array constant of ``f`` (a time grid written in ``f``) reaches the interpreter as the
+    jaxpr's NumPy constant, where the ``jax.jit`` jqt inlined (``odeint`` wraps its
+    custom_vjp in one) gave the rule a JAX array; the user's rule then indexes it with a
+    traced index (``odeint``'s backward pass, ``ts[i]``), which NumPy cannot.
+
+    >>> [type(v).__name__ for v in _as_jax([np.zeros(2), 1.0])]
+    ['ArrayImpl', 'float']
+    """
+    return [jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v for v in invals]
 
 
 @contextlib.contextmanager

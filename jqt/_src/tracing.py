@@ -41,8 +41,7 @@ class Traced:
     def uses(self, arg, leaf):
         """The site keys that read leaf ``leaf`` of weight argument ``arg`` as their weight
         operand, with ``"float"`` if anything else reads it (``Analyzer.leaf_uses``)."""
-        path = self.leaf_paths.get((arg, leaf))
-        return set() if path is None else self.analyzer.leaf_uses.get((arg, path), set())
+        return self.analyzer.leaf_uses.get((arg, leaf), set())
 
     def run(self, args, handler, state):
         """Interprets the traced function on ``args`` (the pytree it was traced with) under

@@ -656,6 +656,12 @@ def test_every_buffer_of_a_caches_shape_left_float_is_named():
                                          r".*those buffers stay float"):
         qp = jqt.calibrate(gen, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(x, enc)], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"]
+    # two such loops: each named (they were counted as one loop's)
+    twice = lambda p, x, enc: gen(p, x, enc) + gen(p, x, enc)
+    with pytest.warns(UserWarning, match=r"those buffers stay float.*The same holds for the "
+                                         r"buffers of another lax.while_loop at '<top>' \(in carry "
+                                         r"slot 2, in carry slot 3\)\."):
+        jqt.calibrate(twice, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(x, enc)], progress=False)
 
 
 def test_writes_that_miss_the_cache_pattern_are_named(setup):

@@ -189,8 +189,9 @@ class Analyzer:
         self.scan_ids = 0
         self.warned: list[str] = []
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
-        # (where, slot): a loop's carried buffer of the shape and dtype of its key/value
-        # caches, read in the body, that no cache write updates (jnp.where(mask, new, c))
+        # (who, slot, aval, loop id): a loop's carried buffer of the shape and dtype of its
+        # key/value caches, read in the body, that no cache write updates (jnp.where(mask,
+        # new, c)); loop id CALL: f's arguments and results
         self.cache_lookalikes: list = []
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
@@ -686,7 +687,7 @@ class Analyzer:
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
                 self.cache_lookalikes.append(
                     (f"a {loop(eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
-                     f"in carry slot {k}", v.aval))
+                     f"in carry slot {k}", v.aval, loop_id))
 
     def _boundary_lookalikes(self, jaxpr, boundary):
         """:meth:`_cache_lookalikes` for the caches ``f`` takes and returns (a decode step
@@ -702,7 +703,7 @@ class Analyzer:
             kind = (v.aval.shape, v.aval.dtype)
             if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads:
                 self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
-                                              "among its arguments and results", v.aval))
+                                              "among its arguments and results", v.aval, CALL))
 
 
 def _unread_output(eqn, k, unread) -> bool:

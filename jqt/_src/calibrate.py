@@ -414,6 +414,18 @@ def _aval_name(aval) -> str:
     return f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
 
 
+def _loop_named(who, first) -> str:
+    """The loop of a cache look-alike's ``who`` (``"a lax.scan at '<top>' carries"``) for
+    the sentence about other loops: "another" where it reads as ``first``'s.
+
+    >>> _loop_named("a lax.scan at '<top>' carries", "a lax.while_loop at '<top>' carries")
+    "a lax.scan at '<top>'"
+    """
+    if not who.endswith(" carries"):  # f's own arguments (a step called from Python)
+        return "f's arguments and results"
+    return ("another " if who == first else "a ") + who.removeprefix("a ").removesuffix(" carries")
+
+
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     """Warns of a function without ops to quantize, of ops that no rule matches (they stay
     float) and of rules with a ``key``
@@ -473,8 +485,10 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
                              f"{why}. {which} float (docs/generate.md).")
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
-        who = lookalikes[0][0]
-        mine = [(where, aval) for w, where, aval in lookalikes if w == who]
+        loops = {}  # loop id -> (who, [(slot, aval)]): each loop's buffers, named
+        for who, where, aval, loop in lookalikes:
+            loops.setdefault(loop, (who, []))[1].append((where, aval))
+        (who, mine), *others = loops.values()
         where, aval = mine[0]
         if len(mine) == 1:
             which = f"{where} a buffer of the same shape and dtype ({_aval_name(aval)})"
@@ -484,15 +498,15 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             kinds = ", ".join(dict.fromkeys(_aval_name(a) for _, a in mine))
             which = f"{len(mine)} buffers of their shape and dtype ({kinds}; {wheres})"
             those = "those buffers stay"
-        more = len(lookalikes) - len(mine)
+        more = "; ".join(f"{_loop_named(w, who)} ({', '.join(s for s, _ in b)})" for w, b in others[:3]) \
+            + (f"; and {len(others) - 3} more loops" if len(others) > 3 else "")
         diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {which} "
                          f"that no dynamic_update_slice or .at[...].set writes: {those} "
                          "float. If such a buffer is updated with jnp.where(mask, new, cache), write it "
                          "as the caches are written to quantize it too; keys and values only read "
                          "(cross-attention over an encoder's output) are no cache and stay float "
                          "(docs/generate.md)."
-                         + (f" The same holds for {more} buffer{'s' if more > 1 else ''} of "
-                            "other loops." if more else ""))
+                         + (f" The same holds for the buffers of {more}." if others else ""))
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):

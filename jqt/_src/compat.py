@@ -278,8 +278,9 @@ def as_typed(fn, out_aval, *args):
     op's. Elsewhere (no explicit axes in the context, an output split over none and no
     operand split) ``fn(*args)`` as it is. With no mesh set (``jax.set_mesh``) but
     operands typed on explicit axes (``jax.device_put`` onto a ``jax.make_mesh`` mesh),
-    the mesh their types name is the context's: there too JAX refuses the kernel's
-    reshapes of a split dimension (a K split over devices in halves of a weight group).
+    JAX takes the mesh their types name as the context's mesh, and there too it refuses
+    the kernel's reshapes of a split dimension (a K split over devices in halves of a
+    weight group): so the kernel runs in that mesh, as under ``jax.set_mesh``.
 
     >>> import jax.numpy as jnp
     >>> as_typed(lambda a: a + 1, jax.typeof(jnp.ones(2)), jnp.ones(2)).tolist()

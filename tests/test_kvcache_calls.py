@@ -586,6 +586,56 @@ def test_a_cache_kept_with_the_beams_on_an_axis_of_their_own(setup, reorder):
     assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 6 for v in loops[0].invars) == 2
 
 
+def test_merged_views_of_buffers_are_caches_only_where_read():
+    """The review of the beams' fix (hunt41_review): a buffer that only collects outputs,
+    merged around its write (coll.reshape(B * K, ...).at[:, t].set(h).reshape(B, K, ...)),
+    was taken for a cache and quantized, silently, because the merging reshape counted as
+    a read; and a merged view carried by an inner fori_loop over the layers left the outer
+    carry float. Now the collector stays float and the outer loop carries the codes."""
+    nb, nk, nt, nl, d = 2, 2, 6, 2, 8
+    k = jax.random.split(jax.random.key(7), 4)
+    p = {"wk": jax.random.normal(k[0], (d, d)) * 0.3, "wo": jax.random.normal(k[1], (d, d)) * 0.3}
+    x = jax.random.normal(k[2], (nb * nk, d))
+    merge = lambda c: c.reshape(nb * nk, nt, d)
+    split = lambda c: c.reshape(nb, nk, nt, d)
+
+    def collect(p, x):
+        def body(c, t):
+            coll, h = c
+            h = jnp.tanh(h @ p["wo"])
+            return (split(merge(coll).at[:, t].set(h)), h), h
+        (coll, _), hs = lax.scan(body, (jnp.zeros((nb, nk, nt, d)), x), jnp.arange(nt))
+        return coll, hs
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        qc = jqt.calibrate(collect, jqt.recipes.w8(kv_cache=True), p, [(x,)], progress=False)
+    assert not [key for key in qc if key.startswith("kv_cache")]
+    coll, hs = jqt.quantize(collect, qc)(p, x)
+    np.testing.assert_array_equal(coll, jnp.moveaxis(hs, 0, 1).reshape(nb, nk, nt, d))
+
+    def layers(p, x):  # the decode loop carries (L, B, K, T, D); a fori_loop over the layers
+        def body(c, t):  # carries the merged view and writes each layer's slice
+            kc, h = c
+
+            def layer(i, c2):
+                kc2, h = c2
+                kc2 = kc2.at[i, :, t].set(h @ p["wk"])
+                s = jax.nn.softmax(jnp.einsum("bd,btd->bt", h, kc2[i]), -1)
+                return kc2, jnp.tanh(h + jnp.einsum("bt,btd->bd", s, kc2[i]))
+            kc2, h = lax.fori_loop(0, nl, layer, (kc.reshape(nl, nb * nk, nt, d), h))
+            return (kc2.reshape(nl, nb, nk, nt, d), h), h
+        return lax.scan(body, (jnp.zeros((nl, nb, nk, nt, d)), x), jnp.arange(nt))[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ql = jqt.calibrate(layers, jqt.recipes.w8(kv_cache=True), p, [(x,)], progress=False)
+    assert [key for key in ql if key.startswith("kv_cache")] == ["kv_cache_0"]
+    qf = jqt.quantize(layers, ql)
+    np.testing.assert_allclose(jax.jit(qf)(p, x), jqt.quantize(layers, ql, simulate=True)(p, x), atol=2e-5)
+    outer = [e for e in all_eqns(jax.make_jaxpr(qf)(p, x))
+             if e.primitive.name == "scan" and e.params["length"] == nt]
+    assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 5 for v in outer[0].invars) == 1
+
+
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):
     """A float32 cache converted to bfloat16 for attention: the conversion passes the

@@ -277,8 +277,11 @@ class Analyzer:
                 # a loop body's reads (loops: inside their bodies); a write of part of a
                 # buffer's vectors does not read it
                 skip = 1 if entry is not None and entry.is_cache else 0
+                if _unflat(eqn, ins[0] if ins else None) is not None:
+                    skip = 1  # a reshaped or gathered view of a buffer: read where it is read
                 for v, info in zip(eqn.invars[skip:], ins[skip:]):
                     self.reads.update(info.buffer)
+                    self.reads.update(info.unflat[0] if info.unflat else ())
                     if not compat.is_literal(v) and v in self._missed:
                         self._missed_reads.update(self._missed[v])
             if entry is not None and entry.is_cache and not cache_write:

@@ -70,7 +70,8 @@ def _const(info):
 def _carries(infos, loop_id):
     """A loop body's carry inputs: data, each the buffer ``(loop_id, slot)`` (and still the
     outer buffer it was initialised from), with no writes yet."""
-    return [VarInfo(False, buffer=info.buffer + ((loop_id, k),)) for k, info in enumerate(infos)]
+    return [VarInfo(False, buffer=info.buffer + (info.unflat[0] if info.unflat else ()) + ((loop_id, k),))
+            for k, info in enumerate(infos)]
 
 
 def _scan_subs(eqn, infos, scan_id):
@@ -103,6 +104,9 @@ def _carried(outer, body_out, loop_id, k):
     writes when the body returns the slot's own buffer; None otherwise."""
     if (loop_id, k) not in body_out.buffer:
         return None
+    if outer.unflat and not outer.buffer:  # a reshaped view of a buffer (an inner loop over
+        buf, writes, shape = outer.unflat  # the layers carrying a (B * K, ...) merged cache)
+        return VarInfo(False, unflat=(buf, writes + body_out.writes, shape))
     return VarInfo(False, buffer=outer.buffer, writes=outer.writes + body_out.writes)
 
 

@@ -635,6 +635,19 @@ def test_merged_views_of_buffers_are_caches_only_where_read():
              if e.primitive.name == "scan" and e.params["length"] == nt]
     assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 5 for v in outer[0].invars) == 1
 
+    def mapped(p, x):  # the cache read only through a view that a lax.map closes over: the
+        def body(c, t):  # mend above lost that read (hunt41_review2)
+            kc, h = c
+            kc = kc.at[:, t].set(h @ p["wk"])
+            kr = kc.reshape(nb * nk * nt, d)
+            h = jnp.tanh(h + lax.map(lambda hb: jax.nn.softmax(kr @ hb) @ kr, h))
+            return (kc, h), h
+        return lax.scan(body, (jnp.zeros((nb * nk, nt, d)), x), jnp.arange(nt))[1]
+    qm = jqt.calibrate(mapped, jqt.recipes.w8(kv_cache=True), p, [(x,)], progress=False)
+    assert [key for key in qm if key.startswith("kv_cache")] == ["kv_cache_0"]
+    np.testing.assert_allclose(jax.jit(jqt.quantize(mapped, qm))(p, x),
+                               jqt.quantize(mapped, qm, simulate=True)(p, x), atol=2e-5)
+
 
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):

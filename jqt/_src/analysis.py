@@ -571,10 +571,15 @@ class Analyzer:
             nc, nk = compat.scan_counts(eqn)
             for info in ins[nc:nc + nk]:
                 self._use(info, "float")
+            consts = ins[:nc]
         if name == "while":
             p = eqn.params
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
+            consts = ins[:p["cond_nconsts"] + p["body_nconsts"]]
+        if name in ("scan", "while"):  # a view of a buffer a loop closes over (attention in a
+            for info in consts:  # lax.map over it) is read: the loop's body sees a constant
+                self.reads.update(info.unflat[0] if info.unflat else ())
         plans, outs, body_outs = [], None, []
         self.loops.append(name)
         for j, _, inner in subs:

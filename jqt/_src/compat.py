@@ -276,20 +276,13 @@ def as_typed(fn, out_aval, *args):
     kernel runs with the mesh's explicit axes auto (``jax.sharding.auto_axes``: XLA places
     its intermediates and partial sums, as for auto axes), and its result is typed as the
     op's. Elsewhere (no explicit axes in the context, an output split over none and no
-    operand split) ``fn(*args)`` as it is. With no mesh set (``jax.set_mesh``) but
-    operands typed on explicit axes (``jax.device_put`` onto a ``jax.make_mesh`` mesh),
-    JAX takes the mesh their types name as the context's mesh, and there too it refuses
-    the kernel's reshapes of a split dimension (a K split over devices in halves of a
-    weight group): so the kernel runs in that mesh, as under ``jax.set_mesh``.
+    operand split) ``fn(*args)`` as it is.
 
     >>> import jax.numpy as jnp
     >>> as_typed(lambda a: a + 1, jax.typeof(jnp.ones(2)), jnp.ones(2)).tolist()
     [2.0, 2.0]
     """
     mesh = current_mesh()
-    if not mesh.axis_names and (typed := _typed_mesh(args)) is not None:
-        with jax.sharding.use_abstract_mesh(typed):
-            return as_typed(fn, out_aval, *args)
     explicit = tuple(n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
                      if t == jax.sharding.AxisType.Explicit)
     if not explicit:  # (every op without a mesh: nothing more to look at)
@@ -299,18 +292,6 @@ def as_typed(fn, out_aval, *args):
             sharded_dims(a) for a in jax.tree_util.tree_leaves(args) if hasattr(a, "shape")):
         return fn(*args)
     return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=spec)(*args)
-
-
-def _typed_mesh(args):
-    """The abstract mesh the first array of ``args`` split over explicit mesh axes in its
-    type names; ``None`` when none is."""
-    for a in jax.tree_util.tree_leaves(args):
-        if hasattr(a, "shape") and sharded_dims(a):
-            mesh = getattr(jax.typeof(a).sharding, "mesh", None)
-            if mesh is not None and mesh.axis_names and jax.sharding.AxisType.Explicit in \
-                    tuple(getattr(mesh, "axis_types", ())):
-                return getattr(mesh, "abstract_mesh", mesh)
-    return None
 
 
 def to_current_mesh(tree):

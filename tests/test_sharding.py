@@ -110,6 +110,18 @@ for name, rec in (("w8", jqt.recipes.w8()), ("w4", W4), ("nf4", jqt.recipes.nf4(
     except Exception as e:
         r = {"error": f"{type(e).__name__}: {e}"[:500]}
     res["explicit_" + name] = r
+# the "in" rule on explicit axes through the halves of weight groups: w2's K of 128 in 2
+# groups of 64 over the 4 "model" devices (each holds half a group; the scales are
+# replicated), at 16 and 2 rows; the decode reshaped the split K into groups, which JAX
+# refuses on explicit axes outside jax.set_mesh (ShardingTypeError; hunt41_docs21)
+for name, rec in (("w4", jqt.recipes.w4(group_size=64)), ("nf4", jqt.recipes.nf4(group_size=64)),
+                  ("w8", jqt.recipes.w8(group_size=64)), ("w4a8", jqt.recipes.w4a8(group_size=64))):
+    for rows in (16, 2):
+        try:
+            r, _, _ = case(mlp, P_MLP, X_MLP[:rows], rec, EXPLICIT, ops=(("w2", "in"),))
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"[:300]}
+        res[f"explicit_in_halves_{name}_{rows}"] = r
 # few rows (jqt's native kernels' ops, their XLA formulations in a multi-device program),
 # the rows split over "data": plain at 2 rows, and vmapped at 4 rows per example
 def mlp_scan(p, x):  # an MLP, then 3 stacked layers under lax.scan
@@ -528,6 +540,19 @@ def test_in_rule_splits_a_grouped_weights_scales_and_sums_with_its_groups(result
     assert w2["qvalue"] == [16, 256] and w2["scale"] == [1, 256] and w2["wsum"] == [1, 256]
     assert not any(v["gathered"] for v in r["weights"].values())
 
+
+
+@pytest.mark.parametrize("name", ["w4", "nf4", "w8", "w4a8"])
+@pytest.mark.parametrize("rows", [16, 2])
+def test_in_rule_through_the_halves_of_groups_on_explicit_axes(result, name, rows):
+    # 2 groups of K over 4 devices: the codes split along K, the group scales replicated
+    r = result[f"explicit_in_halves_{name}_{rows}"]
+    assert "error" not in r, r
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["qvalue"][0] == w2["shape"][0] // 4 and w2["scale"] == w2["scale_shape"] == [2, 256]
+    assert not w2["gathered"]  # the codes stay split: partial sums, added across devices
+    assert r["out_spec"][0] == "data"
 
 
 def test_nf4_stacked_layers_and_fp8(result):

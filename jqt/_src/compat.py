@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,21 @@ def sharded_dims(x) -> tuple:
     """
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
     return tuple(i for i, a in enumerate(spec) if a is not None)
+
+
+def split_count(x, dim) -> int:
+    """How many parts ``x``'s type splits dimension ``dim`` into over explicit mesh axes
+    (the product of their sizes); 1 where it is not split so (auto axes, one device).
+
+    >>> import jax.numpy as jnp
+    >>> split_count(jnp.ones((4, 2)), 0)
+    1
+    """
+    s = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(s, "spec", None) or ()
+    if dim % max(x.ndim, 1) >= len(spec) or spec[dim % x.ndim] is None:
+        return 1
+    return math.prod(s.mesh.shape[a] for a in spec_names(spec[dim % x.ndim]))
 
 
 def unsplit(x, dims):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import compat
 from . import nibbledecode
 from . import numerics as nx
 from .formats import unpack_nibbles
@@ -466,7 +467,16 @@ def decode_rows(codes, w, scale, zp, kd, rows_per_group, dtype=_F32):
     if not rows_per_group:
         return v
     shp = v.shape
-    split = shp[:kd] + (shp[kd] // rows_per_group, rows_per_group) + shp[kd + 1:]
+    groups = shp[kd] // rows_per_group
+    if groups % compat.split_count(v, kd):
+        # K split over explicit mesh axes through the groups (fewer groups than parts, the
+        # "in" rule's replicated scales): no reshape into groups there, so each group's
+        # scale and zero point are repeated over its rows, which keep their split
+        r = lambda a: jnp.repeat(a.astype(_F32), rows_per_group, axis=kd, total_repeat_length=shp[kd])
+        if zp is not None:
+            v = v - jnp.round(r(zp))
+        return (v * r(scale)).astype(dtype)
+    split = shp[:kd] + (groups, rows_per_group) + shp[kd + 1:]
     g = lambda a: jnp.expand_dims(a.astype(_F32), kd + 1)
     v = v.reshape(split)
     if zp is not None:

@@ -42,7 +42,8 @@ def applies(w: QArray, dtype, policy) -> bool:
     """Whether the 2-D weight ``w``, decoded whole to ``dtype``, is decoded by the native
     kernel: ``policy.native_decode`` (1: NF4 codes; 2: int codes of 4 bits or fewer too),
     codes two per byte packed ``"kn"`` with group scales of an even size or one scale per
-    output channel, decoded to float32, and the kernels available here.
+    output channel, decoded to float32, K not split over explicit mesh axes (the XLA
+    decode takes those, as it takes SPMD programs), and the kernels available here.
 
     >>> import jax.numpy as jnp, jqt
     >>> w = QArray(values=jnp.zeros((32, 8), jnp.uint8), scale=jnp.ones((1, 8)),
@@ -55,6 +56,8 @@ def applies(w: QArray, dtype, policy) -> bool:
     if not level or q.grid not in ("int", "nf4") or (q.grid == "int" and level < 2):
         return False
     if not w.nibbles or w.layout != "kn" or getattr(w.values, "ndim", 0) != 2:
+        return False
+    if compat.split_count(w.values, 0) > 1:  # K split over explicit mesh axes: XLA's decode
         return False
     if jnp.dtype(dtype) != jnp.dtype(_F32) or q.group_size % 2:
         return False

@@ -494,6 +494,22 @@ def test_n_batches_equal_one_concatenated_batch():
         np.testing.assert_array_equal(one[k].rhs.scale, ref[k].rhs.scale)
 
 
+def test_an_all_zero_batch_leaves_the_histograms_statistics_as_one_batch():
+    # a silent or padding-only batch took radius 2**0 (frexp(0)'s exponent), so merging
+    # rebinned data of max |x| 0.02 into bins of 1/1024: Entropy became MinMax (hunt42_docs23)
+    x = jnp.asarray(np.random.default_rng(3).standard_t(3, 8192) * 2e-3, jnp.float32)
+    z = jnp.zeros(4096, jnp.float32)
+    qt = jqt.QuantType(symmetric=False)
+    for cal in (C.Percentile(99.0), C.MSE(), C.Entropy()):
+        merged = cal.combine(cal.observe(x), cal.observe(z))
+        one = cal.observe(jnp.concatenate([x, z]))
+        assert int(merged["exp"]) == int(one["exp"]) < -2, type(cal).__name__
+        np.testing.assert_array_equal(merged["hist"], one["hist"])
+        np.testing.assert_allclose(cal.range(merged, qt), cal.range(one, qt), rtol=1e-6)
+    # all zeros alone: a range of zeros, as before
+    assert float(jnp.max(jnp.abs(jnp.asarray(C.Entropy().range(C.Entropy().observe(z), qt))))) == 0.0
+
+
 def test_moving_average_differs_from_minmax():
     f = lambda w, x: x @ w
     w = _normal(0, (8, 4))

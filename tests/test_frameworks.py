@@ -696,6 +696,24 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     with pytest.raises(TypeError, match=r"f is a Keras Functional.*jqt.from_keras\(model\)"):
         jqt.calibrate(two, jqt.recipes.w8a8(), p3, [([x, x],)], progress=False)
 
+    # recurrent cells (dropout, recurrent_dropout) and augmentation layers draw only in
+    # training too: their seed states were uint32 leaves with training=False, warned about
+    # as drawing, and jax.grad of params failed on a model with nothing random (hunt42_keras)
+    keras.backend.clear_session()
+    rnn = keras.Sequential([keras.Input((5, 8, 8, 1)), L.TimeDistributed(L.RandomFlip("horizontal"), name="flip"),
+                            L.TimeDistributed(L.Flatten()), L.GRU(4, dropout=0.2, name="gru"),
+                            L.Dense(2, name="fc")], name="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said: nothing draws
+        fr, pr = jqt.from_keras(rnn)
+    assert all(jnp.issubdtype(v.dtype, jnp.floating) for v in pr.values()), {k: v.dtype for k, v in pr.items()}
+    xr = _normal(6, (2, 5, 8, 8, 1), 1.0)
+    np.testing.assert_allclose(fr(pr, xr), rnn(xr), rtol=1e-5, atol=1e-6)
+    jax.grad(lambda p: jnp.sum(fr(p, xr) ** 2))(pr)
+    with pytest.warns(UserWarning, match=r"seed states \(\['r/flip/random_flip/seed_generator_state', "
+                      r"'r/gru/gru_cell/seed_generator_state'\]\)"):
+        jqt.from_keras(rnn, training=True)
+
     class Sampling(keras.layers.Layer):  # draws at inference too (a VAE's): a leaf, warned
         def __init__(self, **kw):
             super().__init__(**kw)

@@ -578,9 +578,14 @@ def test_experts_gathered_per_token_are_named():
 
     x, ids = jnp.asarray(RNG.standard_normal((6, D)), jnp.float32), jnp.array([0, 1, 2, 0, 1, 2])
     with pytest.warns(UserWarning, match=r"op 'w' \(gather at '<top>'\) looks up whole \(128, 64\) "
-                                         r"matrices.*einsum over the expert axis"):
+                                         r"matrices.*one scale per matrix.*einsum over the expert axis"):
         qp = jqt.calibrate(gathered, jqt.recipes.w8(), P, [(x, ids)], progress=False)
     assert qp["w"].op == "gather"
+    # with groups the table takes them, as the warning now says (it said one scale per matrix)
+    with pytest.warns(UserWarning, match=r"looks up whole \(128, 64\) matrices.*a lookup table, "
+                                         r"scales per group of 32 along each matrix's last axis"):
+        qp = jqt.calibrate(gathered, jqt.recipes.nf4(group_size=32), P, [(x, ids)], progress=False)
+    assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, 128, 2)
     keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", embedding=None),) + tuple(jqt.recipes.w8().rules))
     table = {"emb": jnp.asarray(RNG.standard_normal((10, D)), jnp.float32)}
     with warnings.catch_warnings():

@@ -59,6 +59,16 @@ def test_hadamard_is_orthonormal_and_fast_path_matches_matrix(n):
     np.testing.assert_allclose(np.abs(h), 1 / np.sqrt(n), atol=1e-12)
 
 
+def test_rotation_factors_stay_small_for_llm_widths():
+    # 11008 (Llama-2-7B's feed-forward width) = 43 x 256 has one Paley factor, 5504: a dense
+    # 5504 x 5504 matrix per row was slower than the matmul it rotated (hunt42_docs23)
+    assert transforms.factors(11008) == (256, (32, 8))  # blocks of its power-of-two divisor
+    assert transforms.factors(22016)[0] == 512
+    assert transforms.factors(14336) == (14336, (224, 32, 2))  # 224 = 223 + 1: all inputs
+    for n in (11008, 14336, 29568, 1536, 4096, 18944):
+        assert all(f <= 256 for f in transforms.factors(n)[1]), n
+
+
 def test_transforms_are_exact_in_float_for_multi_axis_contractions():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(5, 4, 24)), jnp.float32)     # b h d
@@ -573,6 +583,10 @@ def test_ops_that_cannot_take_a_transform_are_named_with_their_reason():
     with pytest.warns(UserWarning, match=r"quantized without them: .*w2.* \(a dot with batch axes: a weight batched by jax.vmap"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
     assert qp["w1"].smooth is not None and qp["w2"].smooth is None
+    # lax.ragged_dot's op is ragged_dot_general: it was called a dot with batch axes
+    g = lambda p, x: jax.lax.ragged_dot(x, p["w1"], jnp.array([1, 2, 1], jnp.int32))
+    with pytest.warns(UserWarning, match=r"quantized without them: w1 \(a ragged dot\)"):
+        jqt.calibrate(g, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
 
 
 def test_tied_and_conv_weights_keep_plain_rounding_with_a_warning():

@@ -1721,9 +1721,23 @@ def test_a_linear_solve_on_a_weight_gets_a_fix_that_can_be_done():
     f = lambda p, z: z @ jnp.linalg.inv(p["W"])
     with pytest.warns(UserWarning, match=r"'custom_linear_solve'.*read weight 'W'.*a linear solve: for "
                       r"jnp.linalg.solve or inv these are the solve's own steps.*compute the inverse "
-                      r"outside f.*for jax.scipy.sparse.linalg's cg") as ws:
+                      r"outside f.*for jax.scipy.sparse.linalg's cg, they are the matvec you pass.*"
+                      r"gmres and bicgstab transpose their matvec.*keep theirs float") as ws:
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
     assert list(qp) == ["dot_general_0"] and not qp["dot_general_0"].is_float
+    # the advice for cg runs: a quantized matvec inside cg solves the system; gmres
+    # transposes the matvec, which jqt's kernels cannot be (hunt42_solvers), so the
+    # warning no longer sends it there
+    w = 0.1 * jax.random.normal(jax.random.key(1), (16, 16))
+    ps = {"w": w @ w.T}
+    mv = lambda p, v: v + v @ p["w"]
+    vs = [(v,) for v in jax.random.normal(jax.random.key(2), (4, 16))]
+    qmv = jqt.quantize(mv, jqt.calibrate(mv, jqt.recipes.w8a8(), ps, vs, progress=False))
+    x, _ = jax.scipy.sparse.linalg.cg(lambda v: qmv(ps, v), vs[0][0])
+    want, _ = jax.scipy.sparse.linalg.cg(lambda v: mv(ps, v), vs[0][0])
+    assert float(jnp.linalg.norm(x - want) / jnp.linalg.norm(want)) < 0.05
+    with pytest.raises(NotImplementedError, match="ranspose"):
+        jax.scipy.sparse.linalg.gmres(lambda v: qmv(ps, v), vs[0][0])
 
 
 def test_a_filter_that_jnp_convolve_reads_as_its_input_gets_the_fix():

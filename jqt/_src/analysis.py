@@ -389,9 +389,12 @@ class Analyzer:
                                    "the solve's own steps, which need float, and nothing is "
                                    "wrong (to quantize a product with an inverse, Glow's "
                                    "z @ inv(W), compute the inverse outside f and pass it in "
-                                   "params); for jax.scipy.sparse.linalg's cg/gmres/bicgstab, "
-                                   "they are the matvec you pass: to quantize it, apply jqt to "
-                                   "it (calibrate it, and call jqt.quantize(g, qparams) inside)")
+                                   "params); for jax.scipy.sparse.linalg's cg, they are the "
+                                   "matvec you pass: to quantize it, apply jqt to it (calibrate "
+                                   "it, and call jqt.quantize(g, qparams) inside); gmres and "
+                                   "bicgstab transpose their matvec as they trace it, which a "
+                                   "quantized one cannot be (jqt's kernels have no transpose "
+                                   "rule, and quantized inputs are not linear): keep theirs float")
                         if name == "pallas_call":  # a kernel's body reads and writes Refs
                             fix = ("a Pallas kernel works on Refs, which jqt cannot quantize "
                                    "inside: to quantize these ops, compute the matmul outside "

@@ -451,11 +451,14 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                     or chosen[s.key].embedding is None:
                 continue
             whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
+            gs = chosen[s.key].embedding.group_size
+            scales = (f"scales per group of {gs} along each matrix's last axis" if gs
+                      else "one scale per matrix")
             diagnostics.warn_grouped("whole", (
                 f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up "
                 f"whole {whole} matrices of weight '{s.source.path if s.source else '(computed)'}' "
                 "by index (a mixture's experts gathered per token, w[expert_ids]?): it is "
-                "quantized as a lookup table, one scale per matrix, and the matmuls that read "
+                f"quantized as a lookup table, {scales}, and the matmuls that read "
                 "what it gathers stay float. Write the experts as an einsum over the expert axis "
                 "('ecd,edf->ecf' on tokens dispatched per expert), lax.ragged_dot or a lax.scan "
                 "over the experts, which jqt quantizes per expert and output channel; or keep the "

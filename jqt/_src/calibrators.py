@@ -219,7 +219,9 @@ class _Histogram(Calibrator):
         x = x.astype(_F32).reshape(-1)
         amax = jnp.max(jnp.abs(x))
         _, e = jnp.frexp(amax)  # amax < 2**e
-        e = jnp.maximum(e, _EMPTY_EXP + 1).astype(jnp.int32)
+        # an all-zero batch (silence, padding) at the smallest radius, not frexp(0)'s 2**0:
+        # its zeros fall in the middle bin at any radius, and merging takes the largest
+        e = jnp.where(amax > 0, jnp.maximum(e, _EMPTY_EXP + 1), _EMPTY_EXP + 1).astype(jnp.int32)
         # bin = B/2 + floor(x * B / (2 R)); the scaling by 2**-e is exact and x 2**-e * (B/2)
         # is rounded once, as x * (B/2) would be at any radius, so a value falls in nested
         # bins at every radius (what makes merging exact). Scaled first: x * (B/2) alone

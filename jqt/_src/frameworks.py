@@ -36,7 +36,8 @@ def from_keras(model, *, training: bool = False):
     do not depend on how many layers were built before in the process.
 
     Random layers keep a seed state. Dropout and noise layers (``Dropout``,
-    ``GaussianNoise``, ...) do not draw with ``training=False``, and theirs is left out
+    ``GaussianNoise``, ...), recurrent layers (their ``dropout``) and image augmentation
+    (``RandomFlip``, ``MixUp``, ...) do not draw with ``training=False``, and theirs is left out
     of ``params`` (f passes its current value). Otherwise (``training=True``, or a layer
     that samples at inference, a VAE's sampling layer) it is a ``uint32`` leaf of
     ``params`` keyed by the layer (``"model/drop/seed_generator_state"``): as with a
@@ -142,18 +143,22 @@ def from_keras(model, *, training: bool = False):
     return f, params
 
 
-# Keras layers that draw random numbers only with training=True
-_TRAINING_ONLY = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
-                  "GaussianDropout", "GaussianNoise", "AlphaDropout")
+# Keras layers that draw random numbers only with training=True, by the names of their
+# classes or of a base class: dropout and noise layers, the recurrent cells (their dropout
+# and recurrent_dropout: LSTM, GRU, SimpleRNN, ConvLSTM) and the image augmentation layers
+# (RandomFlip, RandAugment, MixUp, ...: identity or deterministic at inference)
+_TRAINING_ONLY = frozenset(("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+                            "GaussianDropout", "GaussianNoise", "AlphaDropout", "DropoutRNNCell",
+                            "BaseImagePreprocessingLayer"))
 
 
 def _seed_keys(model, keras):
     """``{id(state variable): (key, quiet)}`` for the seed generators of ``model``'s layers,
     keyed by the layer names from the model down (``"model/drop/seed_generator_state"``):
     Keras's own path numbers them in the order they were built in the process. ``quiet``:
-    the layer draws only in training (dropout and noise layers). Found through Keras's
+    the layer draws only in training (dropout and noise layers, recurrent cells, image
+    augmentation). Found through Keras's
     layer tracking; where a Keras version has none, ``{}`` (Keras's paths)."""
-    quiet_types = tuple(getattr(keras.layers, n) for n in _TRAINING_ONLY if hasattr(keras.layers, n))
     out = {}
 
     def walk(layer, prefix):
@@ -163,7 +168,7 @@ def _seed_keys(model, keras):
             state = getattr(g, "state", None)
             if state is not None and id(state) not in out:
                 out[id(state)] = (f"{name}/seed_generator_state" + (f"#{i}" if i else ""),
-                                  isinstance(layer, quiet_types))
+                                  any(c.__name__ in _TRAINING_ONLY for c in type(layer).__mro__))
         children = getattr(layer, "_flatten_layers", None)
         for child in (children(include_self=False, recursive=False) if children else ()):
             walk(child, name)

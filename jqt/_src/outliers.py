@@ -128,7 +128,7 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             continue  # kept float (calibrate._decide)
         if not transforms.applies(site):
             what = {"conv_general_dilated": "a convolution", "gather": "a lookup",
-                    "ragged_dot": "a ragged dot"}.get(site.op, "a dot with batch axes: a weight "
+                    "ragged_dot_general": "a ragged dot"}.get(site.op, "a dot with batch axes: a weight "
                                                      "batched by jax.vmap, experts stacked in an einsum")
             skipped.append(f"{site.key} ({what})")
             continue

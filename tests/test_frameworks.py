@@ -714,6 +714,15 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
                       r"'r/gru/gru_cell/seed_generator_state'\]\)"):
         jqt.from_keras(rnn, training=True)
 
+    class MCDropout(L.Dropout):  # Monte Carlo dropout, a user's subclass: draws at inference
+        def call(self, x, training=None):
+            return super().call(x, training=True)
+
+    mc = keras.Sequential([keras.Input((6,)), L.Dense(8, name="fc"), MCDropout(0.5, name="mc")], name="u")
+    with pytest.warns(UserWarning, match=r"seed states \(\['u/mc/seed_generator_state'\]\)"):
+        fm, pm = jqt.from_keras(mc)
+    assert pm["u/mc/seed_generator_state"].dtype == jnp.uint32
+
     class Sampling(keras.layers.Layer):  # draws at inference too (a VAE's): a leaf, warned
         def __init__(self, **kw):
             super().__init__(**kw)

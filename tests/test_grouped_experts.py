@@ -583,7 +583,7 @@ def test_experts_gathered_per_token_are_named():
     assert qp["w"].op == "gather"
     # with groups the table takes them, as the warning now says (it said one scale per matrix)
     with pytest.warns(UserWarning, match=r"looks up whole \(128, 64\) matrices.*a lookup table, "
-                                         r"scales per group of 32 along each matrix's last axis"):
+                                         r"scales per group along each matrix's last axis where the rule's group_size fits it"):
         qp = jqt.calibrate(gathered, jqt.recipes.nf4(group_size=32), P, [(x, ids)], progress=False)
     assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, 128, 2)
     keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", embedding=None),) + tuple(jqt.recipes.w8().rules))

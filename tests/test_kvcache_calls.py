@@ -586,6 +586,48 @@ def test_a_cache_kept_with_the_beams_on_an_axis_of_their_own(setup, reorder):
     assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 6 for v in loops[0].invars) == 2
 
 
+def test_a_cache_read_block_by_block_inside_a_loop_is_a_cache():
+    """Flash-decoding style: the step writes its caches, then reads the keys block by block
+    in a fori_loop and a paged pool's pages in a lax.scan over its page table. A buffer a
+    loop closes over was no read (only a view of one was), so both caches stayed float,
+    with no warning at all (hunt42_paged)."""
+    blk, npage, d = 4, 6, 8
+    ks = jax.random.split(jax.random.key(3), 4)
+    p = {n: jax.random.normal(k, (d, d)) / 3 for n, k in zip(("wq", "wk", "wv", "wo"), ks)}
+
+    def step(p, cache, x):
+        pos, table = cache["pos"], cache["table"]  # pages of 4 slots, given by the table
+        q, k, v = (x @ p[n] for n in ("wq", "wk", "wv"))
+        page, slot = table[pos // blk], pos % blk
+        kc = cache["k"].at[page, slot].set(k)
+        vc = cache["v"].at[page, slot].set(v)
+
+        def scores(j, s):  # the keys of page j, read inside the loop
+            return lax.dynamic_update_slice_in_dim(s, kc[table[j]] @ q, j * blk, 0)
+        s = lax.fori_loop(0, table.shape[0], scores, jnp.zeros(table.shape[0] * blk))
+        s = jnp.where(jnp.arange(s.shape[0]) <= pos, s, -1e9)
+        w = jax.nn.softmax(s).reshape(-1, blk)
+        o = lax.scan(lambda acc, jw: (acc + jw[1] @ vc[table[jw[0]]], None),  # values page by page
+                     jnp.zeros(d), (jnp.arange(table.shape[0]), w))[0]
+        return o @ p["wo"], {"k": kc, "v": vc, "pos": pos + 1, "table": table}
+
+    cache = {"k": jnp.zeros((npage, blk, d)), "v": jnp.zeros((npage, blk, d)),
+             "pos": jnp.int32(0), "table": jnp.array([4, 1, 5], jnp.int32)}
+    xs = jax.random.normal(jax.random.key(4), (5, d))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), p, [(cache, x) for x in xs],
+                           progress=False)
+    assert sorted(k for k in qp if k.startswith("kv_cache")) == ["kv_cache_0", "kv_cache_1"]
+    run, sim = jax.jit(jqt.quantize(step, qp)), jax.jit(jqt.quantize(step, qp, simulate=True))
+    c_int, c_sim, c_f = cache, cache, cache
+    for x in xs:  # a few decode steps, each cache carried back in
+        (y, c_int), (ys, c_sim), (yf, c_f) = run(p, c_int, x), sim(p, c_sim, x), step(p, c_f, x)
+        np.testing.assert_allclose(y, ys, atol=1e-5)
+        np.testing.assert_allclose(y, yf, atol=0.05 * float(jnp.abs(yf).max()))
+    assert all(isinstance(c_int[n], jqt.QArray) and c_int[n].values.dtype == jnp.int8 for n in "kv")
+
+
 def test_merged_views_of_buffers_are_caches_only_where_read():
     """The review of the beams' fix (hunt41_review): a buffer that only collects outputs,
     merged around its write (coll.reshape(B * K, ...).at[:, t].set(h).reshape(B, K, ...)),

@@ -580,9 +580,10 @@ class Analyzer:
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
             consts = ins[:p["cond_nconsts"] + p["body_nconsts"]]
-        if name in ("scan", "while"):  # a view of a buffer a loop closes over (attention in a
-            for info in consts:  # lax.map over it) is read: the loop's body sees a constant
-                self.reads.update(info.unflat[0] if info.unflat else ())
+        if name in ("scan", "while"):  # a buffer a loop closes over, or a view of one, is
+            for info in consts:  # read (attention block by block in a fori_loop over the
+                # cache or its pages, or in a lax.map over a view): the body sees a constant
+                self.reads.update(info.buffer + (info.unflat[0] if info.unflat else ()))
         plans, outs, body_outs = [], None, []
         self.loops.append(name)
         for j, _, inner in subs:

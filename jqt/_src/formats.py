@@ -57,7 +57,8 @@ class QuantType:
     """A number format and its granularity, for one operand.
 
     Attributes:
-      dtype: ``"int2"`` .. ``"int8"`` (stored in int8), ``"int9"`` .. ``"int16"``
+      dtype: ``"int2"`` .. ``"int8"`` (stored in int8; weight codes of 4 bits or
+        fewer two per byte where :meth:`nibbles_fit`), ``"int9"`` .. ``"int16"``
         (activations only, symmetric, stored in int16), ``"float8_e4m3fn"`` or
         ``"float8_e5m2"`` (``jnp.float8_e4m3fn`` etc. are accepted), or
         ``"nf4"`` (4-bit NormalFloat, weights only). Default ``"int8"``.
@@ -76,7 +77,9 @@ class QuantType:
         not tile gets groups of that axis's length where it is a multiple of it
         and the weight is contracted over several axes (``head_dim`` 64 with
         ``group_size=128``), one scale per output channel otherwise, with a
-        warning either way.
+        warning, except where the whole contraction fits in one group (a LoRA
+        factor of rank 4, 4 heads of 16 under ``group_size=64``): one scale per
+        output channel is then that group.
       dynamic: activations only: scale from the live tensor at run time.
 
     >>> import jqt, jax.numpy as jnp
@@ -181,7 +184,8 @@ class QuantType:
     def nibbles_fit(self, n: int) -> bool:
         """Whether codes along an axis of length ``n`` are stored two per byte: an even
         length, and groups of an even size, so that no byte holds codes of two groups.
-        Otherwise they stay one int8 code per byte.
+        Otherwise they stay one int8 code per byte, as they do in convolution kernels
+        (which the integer path reads in their own layout) whatever ``n``.
 
         >>> import jqt
         >>> t = jqt.QuantType(bits=4, group_size=32)

@@ -35,11 +35,12 @@ def from_keras(model, *, training: bool = False):
     or build the model after ``keras.backend.clear_session()``, for keys that
     do not depend on how many layers were built before in the process.
 
-    Random layers keep a seed state. Dropout and noise layers (``Dropout``,
+    Random layers keep a seed state. Keras's dropout and noise layers (``Dropout``,
     ``GaussianNoise``, ...), recurrent layers (their ``dropout``) and image augmentation
     (``RandomFlip``, ``MixUp``, ...) do not draw with ``training=False``, and theirs is left out
     of ``params`` (f passes its current value). Otherwise (``training=True``, or a layer
-    that samples at inference, a VAE's sampling layer) it is a ``uint32`` leaf of
+    that samples at inference: a VAE's sampling layer, or any subclass of your own, such
+    as Monte Carlo dropout) it is a ``uint32`` leaf of
     ``params`` keyed by the layer (``"model/drop/seed_generator_state"``): as with a
     fixed PRNG key in JAX, calls with the same ``params`` draw the same numbers (a
     warning says so); set it from a key for new ones,
@@ -152,6 +153,16 @@ _TRAINING_ONLY = frozenset(("Dropout", "SpatialDropout1D", "SpatialDropout2D", "
                             "BaseImagePreprocessingLayer"))
 
 
+def _draws_only_in_training(layer) -> bool:
+    """Whether ``layer``, of one of Keras's own classes, is one of :data:`_TRAINING_ONLY`'s
+    kinds. A class of the user's (Monte Carlo dropout: a ``Dropout`` or ``LSTMCell``
+    subclass that calls its base with ``training=True``) may draw at inference: its seed
+    state stays a leaf, and the warning says so."""
+    cls = type(layer)
+    return (cls.__module__.split(".")[0] == "keras"
+            and any(c.__name__ in _TRAINING_ONLY for c in cls.__mro__))
+
+
 def _seed_keys(model, keras):
     """``{id(state variable): (key, quiet)}`` for the seed generators of ``model``'s layers,
     keyed by the layer names from the model down (``"model/drop/seed_generator_state"``):
@@ -168,7 +179,7 @@ def _seed_keys(model, keras):
             state = getattr(g, "state", None)
             if state is not None and id(state) not in out:
                 out[id(state)] = (f"{name}/seed_generator_state" + (f"#{i}" if i else ""),
-                                  any(c.__name__ in _TRAINING_ONLY for c in type(layer).__mro__))
+                                  _draws_only_in_training(layer))
         children = getattr(layer, "_flatten_layers", None)
         for child in (children(include_self=False, recursive=False) if children else ()):
             walk(child, name)

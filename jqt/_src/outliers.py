@@ -120,7 +120,7 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
 def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     """Op key -> the op's transforms (an :class:`jqt.OpQParams` holding only ``smooth``
     and ``rotate``), for every op whose rule asks for one and can take it."""
-    out, skipped, no_leaf, unrotated = {}, [], [], []
+    out, skipped, no_leaf, unrotated, large = {}, [], [], [], []
     for site in traced.sites():
         rule = recipe.rule_for(site.op, site.key)
         if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None \
@@ -136,6 +136,10 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
         if rotate and transforms.factors(_contract_size(site))[0] == 1:
             unrotated.append(f"{site.key} ({_contract_size(site)})")
             rotate = False
+        elif rotate:
+            m = max((f for f in transforms.factors(_contract_size(site))[1] if f & (f - 1)), default=0)
+            if m > transforms.LARGE_FACTOR:
+                large.append(f"{site.key} ({_contract_size(site)} = {m} x {_contract_size(site) // m})")
         st = stats.get(site.key)
         smooth = None
         if (rule.smooth is not None or rule.awq) and st is not None and st.chan is not None:
@@ -172,6 +176,13 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
                          "rotation (docs/outliers.md, 'Rotation sizes'), so they are quantized "
                          "without it. Pad the contracted axis to a multiple of a power of two (32, "
                          "say), or give these ops a rule without rotate=True.")
+    if large:
+        diagnostics.warn(f"jqt.calibrate: ops {large[:5]}{' ...' if len(large) > 5 else ''} contract "
+                         "a number of inputs whose only Hadamard factor other than powers of two is "
+                         "large (in brackets; docs/outliers.md, 'Rotation sizes'): the rotation of "
+                         "each activation row takes that many products per input, which can cost "
+                         "more than the op's matmul. They are rotated; to skip it, give these ops a "
+                         "rule without rotate=True.")
     return out
 
 

@@ -304,8 +304,8 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
     (then clipped), and an infinite scale or smoothing factor the largest finite
     value of its dtype (``-inf`` is clamped as a negative value is). The result
-    passes the checks of :func:`jqt.quantize`, :func:`jqt.pack` and
-    :func:`jqt.load`. Leaves that are ``None`` (the frozen half of a
+    passes the checks of :func:`jqt.quantize`, :func:`jqt.pack`, :func:`jqt.save` and
+    :func:`jqt.save_packed`. Leaves that are ``None`` (the frozen half of a
     :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
     unchanged, bit for bit. Jittable.
 

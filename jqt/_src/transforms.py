@@ -16,14 +16,14 @@ quantized.
 
 ``H`` for ``n = m * 2**a`` inputs is ``H_m (x) H_2 (x) ... (x) H_2``: Sylvester's
 construction for the power of two and Paley's for ``m = q + 1`` (``q`` a prime
-``= 3 mod 4``: 12, 20, 24, 32, 44, 48, 60, ... up to ``_MAX_PALEY``, 256), so
-384 = 12 x 32, 1536 = 12 x 128 and 14336 = 224 x 64 rotate over all inputs. A size
-with no such factor rotates within blocks of its largest power-of-two divisor (block
-diagonal, still orthonormal; an odd size, blocks of 1, is not rotated, and calibration
-warns): 11008 = 43 x 256 in blocks of 256, where its only Paley factor, 5504, would be
-a dense matrix slow to build and costlier to apply than the matmul it rotates. It runs
-as a few small matmuls over a reshaped axis: ``O(n (m + log n))`` per row, not
-``O(n^2)``.
+``= 3 mod 4``: 12, 20, 24, 32, 44, 48, 60, ...), so 384 = 12 x 32, 1536 = 12 x 128
+and 14336 = 224 x 64 rotate over all inputs. A size with no such factor rotates
+within blocks of its largest power-of-two divisor (block diagonal, still
+orthonormal; an odd size, blocks of 1, is not rotated, and calibration warns).
+It runs as a few matmuls over a reshaped axis: ``O(n (m + log n))`` per row, not
+``O(n^2)``; the smallest factor ``m`` can be large (11008 = 5504 x 2), and above
+``LARGE_FACTOR`` calibration says what it costs. The factors are not stored with the
+qparams: a rotation is the one this function gives its size, in every release.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import numpy as np
 from . import compat
 
 _MAX_FACTOR = 32  # Sylvester factors are applied in pieces of at most this size
-_MAX_PALEY = 256  # the largest Paley factor (a dense m x m matrix, m products per element)
+LARGE_FACTOR = 256  # a Paley factor above this is warned about: m products per element
 
 
 def _is_prime(q):
@@ -47,9 +47,10 @@ def _is_prime(q):
 def _paley(n) -> np.ndarray:
     """Paley's construction I: a Hadamard matrix of order ``n = q + 1``, ``q`` prime, ``q = 3 mod 4``."""
     q = n - 1
-    squares = {(i * i) % q for i in range(1, q)}
-    chi = np.array([0] + [1 if i in squares else -1 for i in range(1, q)])
-    jac = np.array([[chi[(j - i) % q] for j in range(q)] for i in range(q)])
+    chi = -np.ones(q, np.int64)  # the quadratic character mod q
+    chi[0] = 0
+    chi[(np.arange(1, q, dtype=np.int64) ** 2) % q] = 1
+    jac = chi[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]  # Jacobsthal: chi(j - i)
     s = np.zeros((n, n), np.int64)
     s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, jac
     return (np.eye(n, dtype=np.int64) + s).astype(np.float64)
@@ -70,13 +71,13 @@ def factors(n: int) -> tuple:
 
     >>> from jqt._src.transforms import factors
     >>> factors(384), factors(256), factors(10), factors(11008)
-    ((384, (12, 32)), (256, (32, 8)), (2, (2,)), (256, (32, 8)))
+    ((384, (12, 32)), (256, (32, 8)), (2, (2,)), (11008, (5504, 2)))
     """
     two = n & -n  # the largest power of two dividing n
     odd = n // two
     m = 1
     if odd > 1:
-        m = next((f for f in range(4, min(n, _MAX_PALEY) + 1, 4) if n % f == 0 and (n // f) & (n // f - 1) == 0
+        m = next((f for f in range(4, n + 1, 4) if n % f == 0 and (n // f) & (n // f - 1) == 0
                   and _is_prime(f - 1) and (f - 1) % 4 == 3), 0)
     block = n if m or odd == 1 else two
     p = block // max(m, 1)

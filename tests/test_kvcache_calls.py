@@ -589,8 +589,8 @@ def test_a_cache_kept_with_the_beams_on_an_axis_of_their_own(setup, reorder):
 def test_a_cache_read_block_by_block_inside_a_loop_is_a_cache():
     """Flash-decoding style: the step writes its caches, then reads the keys block by block
     in a fori_loop and a paged pool's pages in a lax.scan over its page table. A buffer a
-    loop closes over was no read (only a view of one was), so both caches stayed float,
-    with no warning at all (hunt42_paged)."""
+    loop closes over was no read (only a view of one was), so both caches stayed float
+    (hunt42_paged; with no warning at all where another cache was found)."""
     blk, npage, d = 4, 6, 8
     ks = jax.random.split(jax.random.key(3), 4)
     p = {n: jax.random.normal(k, (d, d)) / 3 for n, k in zip(("wq", "wk", "wv", "wo"), ks)}

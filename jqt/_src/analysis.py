@@ -391,7 +391,9 @@ class Analyzer:
                                    "z @ inv(W), compute the inverse outside f and pass it in "
                                    "params); for jax.scipy.sparse.linalg's cg, they are the "
                                    "matvec you pass: to quantize it, apply jqt to it (calibrate "
-                                   "it, and call jqt.quantize(g, qparams) inside); gmres and "
+                                   "it, and call jqt.quantize(g, qparams) inside) with weight-only "
+                                   "or dynamic activations (w8, w8a8_dynamic: Krylov iterates "
+                                   "shrink below a static activation scale); gmres and "
                                    "bicgstab transpose their matvec as they trace it, which a "
                                    "quantized one cannot be (jqt's kernels have no transpose "
                                    "rule, and quantized inputs are not linear): keep theirs float")

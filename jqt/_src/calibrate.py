@@ -453,7 +453,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
             gs = chosen[s.key].embedding.group_size
             scales = ("scales per group along each matrix's last axis where the rule's "
-                      "group_size fits it (else one per matrix; jqt.summarize shows which)" if gs
+                      "group_size fits it (else one per row or per matrix; jqt.summarize shows "
+                      "which)" if gs
                       else "one scale per matrix")
             diagnostics.warn_grouped("whole", (
                 f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up "
@@ -471,8 +472,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
                          "that a dynamic_update_slice or .at[...].set writes whole vectors into and "
                          "an op then reads (attention reads its cache; a buffer that only collects "
-                         "outputs is none), and f returns no argument so written and read (weight "
-                         "arguments aside): every buffer stays float. A cache "
+                         "outputs is not a cache), and f returns no argument that it writes that way "
+                         "and reads (weight arguments aside): every buffer stays float. A cache "
                          "updated only with jnp.where(mask, new, cache), or changed by arithmetic "
                          "(cache * 0), is not written in either form: write it with one of them "
                          "(jnp.where(live, written, cache) after a write, and jnp.where(done, 0.0, "

@@ -47,6 +47,9 @@ def from_keras(model, *, training: bool = False):
     ``params[k] = jax.random.key_data(jax.random.fold_in(key, step))``. Its integer
     leaf is frozen by :func:`jqt.qat.labels` and :func:`jqt.qat.split` (``jax.grad``
     of the whole ``params`` refuses it: differentiate ``split``'s trainable half).
+    jqt judges a layer by its class: a Keras ``Dropout`` that a layer of your own calls
+    with ``training=True`` (Monte Carlo dropout by composition) is taken as quiet, and
+    ``f`` applies one fixed mask; subclass it instead, or use ``training=True``.
     :mod:`jqt.qat` trains every float leaf, non-trainable variables too; to keep
     batch-norm statistics fixed, freeze their keys,
     ``[v.path for v in model.non_trainable_variables]``.

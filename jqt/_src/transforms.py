@@ -16,7 +16,7 @@ quantized.
 
 ``H`` for ``n = m * 2**a`` inputs is ``H_m (x) H_2 (x) ... (x) H_2``: Sylvester's
 construction for the power of two and Paley's for ``m = q + 1`` (``q`` a prime
-``= 3 mod 4``: 12, 20, 24, 32, 44, 48, 60, ...), so 384 = 12 x 32, 1536 = 12 x 128
+``= 3 mod 4``: 12, 20, 24, 44, 48, 60, ...), so 384 = 12 x 32, 1536 = 12 x 128
 and 14336 = 224 x 64 rotate over all inputs. A size with no such factor rotates
 within blocks of its largest power-of-two divisor (block diagonal, still
 orthonormal; an odd size, blocks of 1, is not rotated, and calibration warns).

@@ -99,7 +99,7 @@ def from_keras(model, *, training: bool = False):
     if dup:
         raise ValueError(f"jqt.from_keras: several variables share the path(s) {dup[:5]}; give "
                          "the layers distinct names.")
-    seeds = _seed_keys(model, keras)  # id(state variable) -> (its key, drawn only in training)
+    seeds = _seed_keys(model)  # id(state variable) -> (its key, drawn only in training)
     by_id = {id(v): v for v in model.non_trainable_variables}
     # Dropout-like layers do not draw with training=False: their seed states are kept out of
     # params, as they are; any other layer's (one that samples at inference) stays a leaf
@@ -166,7 +166,7 @@ def _draws_only_in_training(layer) -> bool:
             and any(c.__name__ in _TRAINING_ONLY for c in cls.__mro__))
 
 
-def _seed_keys(model, keras):
+def _seed_keys(model):
     """``{id(state variable): (key, quiet)}`` for the seed generators of ``model``'s layers,
     keyed by the layer names from the model down (``"model/drop/seed_generator_state"``):
     Keras's own path numbers them in the order they were built in the process. ``quiet``:

@@ -133,13 +133,15 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             skipped.append(f"{site.key} ({what})")
             continue
         rotate = bool(rule.rotate)
-        if rotate and transforms.factors(_contract_size(site))[0] == 1:
-            unrotated.append(f"{site.key} ({_contract_size(site)})")
-            rotate = False
-        elif rotate:
-            m = max((f for f in transforms.factors(_contract_size(site))[1] if f & (f - 1)), default=0)
-            if m > transforms.LARGE_FACTOR:
-                large.append(f"{site.key} ({_contract_size(site)} = {m} x {_contract_size(site) // m})")
+        if rotate:
+            n = _contract_size(site)
+            block, fs = transforms.factors(n)
+            m = max((f for f in fs if f & (f - 1)), default=0)  # the Paley factor, if any
+            if block == 1:
+                unrotated.append(f"{site.key} ({n})")
+                rotate = False
+            elif m > transforms.LARGE_FACTOR:
+                large.append(f"{site.key} ({n} = {m} x {n // m})")
         st = stats.get(site.key)
         smooth = None
         if (rule.smooth is not None or rule.awq) and st is not None and st.chan is not None:

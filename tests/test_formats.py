@@ -374,6 +374,16 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     with pytest.warns(UserWarning, match=r"contracts the table's other axis.*nothing is wrong") as got:
         assert jqt.pack(qs, sq).tied == ()
     assert not any("one weight type" in str(w.message) for w in got)
+    # rows looked up from the table's transpose (table.T[:, ids]): the matmul contracts the
+    # features, one scale per row in both ops; pack said it contracts the other axis and that
+    # nothing ties them (hunt43_retrieval). A square table's said "their codes differ".
+    t = lambda p, ids: jnp.tanh(jnp.take(p["emb"].T, ids, axis=1)).T @ p["emb"].T
+    for params in (P, sq):
+        qt = jqt.calibrate(t, jqt.recipes.w8(), params, [(IDS[0],)], progress=False)
+        with pytest.warns(UserWarning, match=r"the lookup reads the table through its transpose.*"
+                          r"look the rows up from the table itself \(table\[ids\]") as got:
+            assert jqt.pack(qt, params).tied == ()
+        assert not any("other axis" in str(w.message) or "codes differ" in str(w.message) for w in got)
 
 
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():

@@ -1054,4 +1054,17 @@ def test_a_warning_is_given_once_per_calibrate_call_across_static_values():
         warnings.simplefilter("always")
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, t) for t in (10, 200, 500)], progress=False)
     products = [str(w.message) for w in got if "multiplies two weights" in str(w.message)]
-    assert len(products) == 1 and "pass it as an array (jnp.asarray(t))" in products[0], products
+    assert len(products) == 1 and "pass it as an array argument of f (jnp.asarray(t)" in products[0], products
+    # timesteps a scan runs over, made inside f from constants: static too, and the warning
+    # said only "a Python number" (hunt43_diffusion); passed in as an argument they are data
+    def g(p, x, ts=None):
+        def step(h, t):
+            temb = jax.nn.silu(jnp.sin(t * jnp.arange(1.0, 9.0)) @ p["t1"]) @ p["t2"]
+            return jnp.tanh(h @ p["w"] + temb), None
+        return jax.lax.scan(step, x, jnp.arange(3.0) if ts is None else ts)[0]
+    for args, n in (((x,), 1), ((x, jnp.arange(3.0)), 0)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            jqt.calibrate(g, jqt.recipes.w8a8(), p, [args], progress=False)
+        products = [str(w.message) for w in got if "multiplies two weights" in str(w.message)]
+        assert len(products) == n and all("lax.scan over jnp.arange(steps)" in m for m in products)

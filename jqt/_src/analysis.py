@@ -526,10 +526,12 @@ class Analyzer:
                         "a weight f computes from weights (Glow's P @ L @ U, a product in a power "
                         "iteration): compute it before calling f and pass it in params."
                         + (" An argument passed as a Python number (a diffusion timestep as an "
-                           "int) is static to jqt, as one in jax.jit's static_argnums is, so what "
-                           "f computes from it and the weights (a timestep embedding "
-                           "sin(params['freq'] * t)) is a computed weight too: pass it as an "
-                           "array (jnp.asarray(t)) to make it data."
+                           "int) is static to jqt, as one in jax.jit's static_argnums is, and so "
+                           "is a value f makes from constants (the timesteps of a lax.scan over "
+                           "jnp.arange(steps) or a schedule f builds), so what f computes from it "
+                           "and the weights (a timestep embedding sin(params['freq'] * t)) is a "
+                           "computed weight too: pass it as an array argument of f "
+                           "(jnp.asarray(t), the timesteps a scan runs over) to make it data."
                            if "a computed weight" in (a, b) else ""),
                         f"{a} x {b} at '{at}'")
         for k in range(len(ins)):

@@ -824,9 +824,11 @@ def _decide(site, rule, st, leaf_dtypes):
             return float_(f"a lookup of part of each row ({sizes[d]} of {shape[d]} elements "
                           f"along axis {d} read, t[ids, a:b]) is kept float; jqt quantizes "
                           "lookups of whole rows (t[ids][..., a:b] reads them)")
-        return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j]) is kept "
-                      "float: one scale per element would store more than the table (a rule's "
-                      "per-tensor embedding= type, per_channel=False, quantizes it)")
+        return float_("a lookup of single elements (b[ids] of a 1-D table, t[ids, j], "
+                      "t[ids[:, None], cols]) is kept float: jqt quantizes lookups of whole rows "
+                      "(t[ids], then t[ids][:, cols] picks the columns), and one scale per element "
+                      "of a 1-D table would store more than the table (a rule's per-tensor "
+                      "embedding= type, per_channel=False, quantizes it)")
     contracted = math.prod(site.eqn.invars[w].aval.shape[a] for a in site.contract[w])
     if site.op != "gather" and contracted <= 1 and (wt.per_channel or wt.group_size):
         return float_("each output reads one weight element (a Dense on one input feature, "

@@ -727,6 +727,14 @@ def _tied(qparams, weights):
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}", _TYPE_FIX)
+            elif _reads_transposed(p.source):  # table.T[:, ids]: its codes are the table's
+                # transpose, which a tie does not read
+                apart = (m, f"the lookup reads the table through its transpose (table.T[:, ids]: "
+                            f"codes of shape {tuple(w.values.shape)}, the matmul's "
+                            f"{tuple(table.shape)}), and a tied lookup reads the matmul's codes "
+                            "in the table's own orientation", "To store them once, look the rows "
+                         "up from the table itself (table[ids], transposed after the lookup if "
+                         "need be).")
             elif not _contracts_features(qparams[m].source):  # A @ table (a square one too)
                 apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
@@ -774,6 +782,20 @@ def _tied(qparams, weights):
 _OTHER_AXIS = ("the matmul contracts the table's other axis (A @ table) or reads part of its "
                "features (codes of shape {}, the table's {}), so its scales are not the lookup's")
 _NO_FIX = "In this form the two cannot share codes: the packed params hold both, and nothing is wrong."
+
+
+def _reads_transposed(src) -> bool:
+    """Whether a lookup reads its 2-D table (rows x features) through a transpose
+    (``table.T[:, ids]``, ``jnp.take(table.T, ids, axis=1)``): the operand it gathers from
+    is the table's transpose; ``False`` where it cannot tell."""
+    if src is None or src.shape is None or len(src.shape) != 2 or src.shape[0] == src.shape[1] == 1:
+        return False
+    rows = jnp.broadcast_to(jnp.arange(src.shape[0], dtype=jnp.float32)[:, None], tuple(src.shape))
+    try:
+        op = np.asarray(apply_chain(rows, src.chain))
+    except (TypeError, ValueError):  # a step this replay does not take
+        return False
+    return op.shape == tuple(src.shape[::-1]) and np.array_equal(op, np.asarray(rows).T)
 
 
 def _contracts_features(src) -> bool:

@@ -1,6 +1,6 @@
 """Number formats on all-MiniLM-L6-v2 and on one dense 4096 layer: bytes, accuracy, speed.
 
-    python benchmarks/formats.py                  # everything, about 6 minutes on 2 cores
+    python benchmarks/formats.py                  # minilm and dense, about 6 minutes on 2 cores
     python benchmarks/formats.py --only minilm    # or: --only dense, experts, ragged, wide, groups, fp8rows, vmap
     python benchmarks/formats.py --quick          # fewer rounds
     python benchmarks/formats.py --ab grouped_int_rows=0 --ab-presets "w4a8 g128"
@@ -21,8 +21,9 @@ corpus, ``jqt.pack``, ``jqt.save_packed``; then
 
 Part 2 (``dense``): one ``x @ w`` with ``w`` 4096 x 4096 float32, 1, 2, 4, 8, 32,
 128 and 256 rows: float32, ``w8``, ``w4(group_size=128)``, ``w4a8(group_size=128)``,
-``nf4``, ``fp8``, ``w4(group_size=0)`` and ``w4a8()`` (one scale per output channel),
-``w4a8(per_channel=False)`` and ``w8a16``, interleaved.
+``nf4(group_size=64)``, ``fp8``, ``w4(group_size=0)`` and ``w4a8()`` (one scale per output
+channel), ``w4a8(per_channel=False)``, ``w8a16``, ``w8(group_size=128)`` and
+``w8a8(group_size=128)``, interleaved; the last column is ``w4 g128``'s time over ``w8``'s.
 
 With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
 run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``

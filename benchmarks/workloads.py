@@ -8,17 +8,18 @@ calibration data. Inputs are standard-normal draws from fixed seeds
 The models (all float32):
 
 * ``dense4096`` / ``dense1024``: one ``nn.Dense(n)`` on ``n`` inputs (with bias).
-* ``mlp12``: 12 ``nn.Dense(1024)`` layers on 1024 inputs, ReLU between them
+* ``mlp12x1024``: 12 ``nn.Dense(1024)`` layers on 1024 inputs, ReLU between them
   (no ReLU after the last one).
 * ``cnn_digits``: the quickstart CNN (``examples/quickstart.py``) on 8x8x1:
   conv3x3x16, ReLU, conv3x3x32, ReLU, 2x2 max-pool, dense 64, ReLU, dense 10.
 * ``cnn32``: 32x32x3 input, conv3x3x64, ReLU, conv3x3x64, ReLU, 2x2 max-pool,
   conv3x3x128, ReLU, conv3x3x128, ReLU, global average pool, dense 10.
 * ``encoder``: one BERT-style (post-LN) transformer encoder block the size of
-  MiniLM-L12: hidden 384, 12 heads of 64, sequence 64, FFN 1536 with exact
-  (erf) GELU, LayerNorm after each residual. q/k/v/o are ``nn.Dense``; the two
-  attention einsums (scores, weighted values) multiply activations by
-  activations and have no weights.
+  MiniLM's (all-MiniLM-L6-v2's layers): hidden 384, 12 heads of 32, sequence 64,
+  FFN 1536 with exact (erf) GELU, LayerNorm after each residual. q/k/v/o are
+  ``nn.Dense``; the two attention einsums (scores, weighted values) multiply
+  activations by activations and have no weights. Its calibration batches hold 4
+  examples (the others' 8).
 * ``mlp100x256``: 100 ``nn.Dense(256)`` layers with ReLU, used only for the
   trace/compile-time measurement.
 """

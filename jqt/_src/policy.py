@@ -51,15 +51,17 @@ rows: int_as_bfloat16_rows  or AMX-BF16: the codes as   not measured on a GPU)
                             (exact products), for a
                             weight of <= 32 MiB as
                             float32 (decoder prefill,
-                            1,024 rows: w8a8_dynamic
-                            0.609x float32 against
-                            0.726x with int8 matmuls);
+                            1,024 rows, a Zen 4 EPYC:
+                            w8a8_dynamic 0.612 /
+                            0.606x float32 against
+                            0.726 / 0.740x with int8
+                            matmuls, two runs);
                             elsewhere (AVX2) an int8
                             matmul: there bfloat16 is
                             the slower (a MiniLM-sized
                             encoder block, 512 rows:
-                            w8a8 1.59x float32 against
-                            0.88x)
+                            w8a8 1.68x float32 against
+                            0.90x)
 1-8 rows: w8 (weight-only)  jqt's native kernel         one row: the sum over K
                             (``jqt_channel_gemv_kn``;   (below); 2-4 rows: a
                             ``jqt_channel_gemv`` for    float32 activation as 3
@@ -191,17 +193,15 @@ float16 activations         or AMX-BF16: the weight     int8 codes per channel
                             accumulation: per-channel   (H100, 4096 layer at 2-
                             int8 codes (exact) at any   2048 rows: w4 g128 1.30-
                             rows, grouped w4 / nf4      2.08x bfloat16 against
-                            above 64 rows (bfloat16     2.42-3.12x for float32,
-                            4096 layer: w8 0.31-0.58x   nf4 g64 1.36-2.40x against
-                            bfloat16 at 8-256 rows,     2.45-3.30x; w8 at 256 /
-                            against 0.61-1.08x; w4 g128 2048 rows 1.72 / 1.37x
-                            0.58x against 0.92x at      against 3.28 / 2.60x;
-                            128); elsewhere (AVX2) a    all-MiniLM-L6-v2 shape:
-                            float32 decode: there the   w8 1.08-1.10x against
-                            bfloat16 matmul is the      1.12-1.18x, w4 g128 1.23-
-                            slower (w8 1.41-1.88x       1.28x against 1.16-1.19x)
-                            bfloat16 at 16-256 rows,
-                            against 0.55-1.09x)
+                            above 64 rows (chosen from  2.42-3.21x for float32,
+                            gpu.py --policy cpu runs    nf4 g64 1.36-2.40x against
+                            on a Zen 4 EPYC, whose      2.45-3.30x; w8 at 256 /
+                            output was not kept);       2048 rows 1.72 / 1.37x
+                            elsewhere (AVX2) a float32  against 3.28 / 2.60x;
+                            decode: there the bfloat16  all-MiniLM-L6-v2 shape:
+                            matmul is the slower        w8 1.08-1.10x against
+                                                        1.12-1.18x, w4 g128 1.23-
+                                                        1.28x against 1.16-1.19x)
 int4 / nf4 weight-only      per chunk or block: both    the same (H200: w4 g128
                             nibbles decoded by one      3.9x, nf4 4.2x bfloat16
                             shift into one float block  at one row of a 4096
@@ -469,10 +469,13 @@ class KernelPolicy:
         products are exact (bfloat16 holds 8-bit codes), the sums float32 (exact
         below 2**24), as on the other float paths over exact codes; 0: never.
         Not for a weight whose float32 copy exceeds ``large_weight_bytes``: its
-        16-bit copy, made every call, does not fit the cache (a 4096 x 4096
-        layer at 256 rows: 0.81x bfloat16 against 0.64x with the int8 matmul;
-        the 100M decoder's prefill, weights of 4-11.5 MiB as float32, 1,024
-        rows: w8a8_dynamic 0.609x float32 against 0.726x; docs/performance.md).
+        16-bit copy, made every call, does not fit the cache: on a Zen 4 EPYC
+        a 4096 x 4096 layer at 256 rows ran slower with the codes as bfloat16
+        than with the int8 matmul (that run's output is in no results file),
+        while the 100M decoder's prefill there, weights of 4-11.5 MiB as
+        float32, 1,024 rows, took w8a8_dynamic to 0.612 / 0.606x float32
+        against 0.726 / 0.740x in two runs
+        (benchmarks/results/decode-prefill-cpu-2core.md).
         The CPU table sets 255 on a CPU with AVX512_BF16 or AMX-BF16
         (``jqt._src.policy.bfloat16_dot_is_fast``) and 0 elsewhere.
 
@@ -743,9 +746,9 @@ def cpu_flags() -> frozenset:
 def bfloat16_dot_is_fast(flags) -> bool:
     """Whether XLA:CPU's bfloat16 matmul with float32 sums outruns its int8 one at many rows
     on a CPU with these ``flags``: with AVX512_BF16 or AMX-BF16 (a Zen 4 EPYC: the 100M
-    decoder's prefill 0.609x float32 against 0.726x with int8 matmuls), not with AVX2
-    alone (a MiniLM-sized encoder block at 512 rows: 1.59x against 0.88x;
-    docs/performance.md).
+    decoder's prefill 0.612 / 0.606x float32 against 0.726 / 0.740x with int8 matmuls,
+    two runs), not with AVX2 alone (a MiniLM-sized encoder block at 512 rows: 1.68x
+    against 0.90x; docs/performance.md).
 
     >>> bfloat16_dot_is_fast({"avx2", "fma"}), bfloat16_dot_is_fast({"avx512f", "avx512_bf16"})
     (False, True)

@@ -1,6 +1,6 @@
 """Generate text with a quantized decoder: int8 weights, int4 weights and an int8 KV cache.
 
-    python examples/generate.py [--tiny] [--prompts N] [--tokens N] [--length N]
+    python examples/generate.py [--tiny] [--prompts N] [--tokens N] [--length N] [--calibration N]
 
 The decoder of ``examples/decoder.py`` (trained on the standard library, or loaded
 from its cache). Its plain-JAX ``generate`` (a ``lax.scan`` over decode steps, each

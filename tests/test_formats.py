@@ -377,13 +377,29 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     # rows looked up from the table's transpose (table.T[:, ids]): the matmul contracts the
     # features, one scale per row in both ops; pack said it contracts the other axis and that
     # nothing ties them (hunt43_retrieval). A square table's said "their codes differ".
+    # A template (jax.eval_shape) of a square table's tied it (hunt43_review), and a bfloat16
+    # copy of 300 rows read through its transpose got the other-axis warning.
     t = lambda p, ids: jnp.tanh(jnp.take(p["emb"].T, ids, axis=1)).T @ p["emb"].T
-    for params in (P, sq):
-        qt = jqt.calibrate(t, jqt.recipes.w8(), params, [(IDS[0],)], progress=False)
+    t16 = lambda p, ids: (jnp.tanh(jnp.take(p["emb"].astype(jnp.bfloat16).T, ids, axis=1)).T
+                          @ p["emb"].astype(jnp.bfloat16).T).astype(jnp.float32)
+    big = {"emb": jax.random.normal(jax.random.key(3), (300, 8))}
+    for f, params in ((t, P), (t, sq), (t16, big)):
+        qt = jqt.calibrate(f, jqt.recipes.w8(), params, [(IDS[0],)], progress=False)
         with pytest.warns(UserWarning, match=r"the lookup reads the table through its transpose.*"
                           r"look the rows up from the table itself \(table\[ids\]") as got:
             assert jqt.pack(qt, params).tied == ()
+            assert jax.eval_shape(lambda: jqt.pack(qt, params)).tied == ()
         assert not any("other axis" in str(w.message) or "codes differ" in str(w.message) for w in got)
+    # the fix it names ties (the matmul reading the whole table as before)
+    fixed = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
+    qf = jqt.calibrate(fixed, jqt.recipes.w8(), P, [(IDS[0],)], progress=False)
+    assert jqt.pack(qf, P).tied == (("emb", "emb#1"),)
+    # A @ table with a lookup through the transpose: no fix applies, as for A @ table alone
+    at = lambda p, ids: jnp.tanh(jnp.take(p["emb"].T, ids, axis=1)).sum() + jnp.ones((3, V)) @ p["emb"]
+    qa = jqt.calibrate(at, jqt.recipes.w8(), P, [(IDS[0],)], progress=False)
+    with pytest.warns(UserWarning, match=r"contracts the table's other axis.*nothing is wrong") as got:
+        assert jqt.pack(qa, P).tied == ()
+    assert not any("through its transpose" in str(w.message) for w in got)
 
 
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():

@@ -246,7 +246,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if not dropped or "does not match the specs of the input" not in str(e):
                 raise
             raise ValueError(
-                f"{e}\njqt: f was traced with zeros in place of the weights jqt.pack dropped, "
+                f"{e}\njqt: if the input named is one of the weights jqt.pack dropped (not an "
+                "argument of yours such as an activation, which a shard_map takes only as its "
+                "in_specs say, with or without jqt), f was traced with zeros in place of them, "
                 "split over explicit mesh axes as the params it packed were (or as like= says, "
                 "for jqt.load_packed); a jax.shard_map of f takes them only split as its "
                 "in_specs say. Pack the params as f takes them, or load the packed file with "
@@ -727,16 +729,17 @@ def _tied(qparams, weights):
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}", _TYPE_FIX)
-            elif _reads_transposed(p.source):  # table.T[:, ids]: its codes are the table's
-                # transpose, which a tie does not read
-                apart = (m, f"the lookup reads the table through its transpose (table.T[:, ids]: "
-                            f"codes of shape {tuple(w.values.shape)}, the matmul's "
-                            f"{tuple(table.shape)}), and a tied lookup reads the matmul's codes "
-                            "in the table's own orientation", "To store them once, look the rows "
-                         "up from the table itself (table[ids], transposed after the lookup if "
-                         "need be).")
             elif not _contracts_features(qparams[m].source):  # A @ table (a square one too)
                 apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
+            elif _reads_transposed(p.source):  # table.T[:, ids]: its codes are the table's
+                # transpose, which a tie does not read
+                sliced = any(c[0] == "slice" for c in qparams[m].source.chain)
+                apart = (m, "the lookup reads the table through its transpose (table.T[:, ids]), "
+                            "and a tied lookup reads the matmul's codes in the table's own "
+                            "orientation", "To store them once, look the rows up from the table "
+                         "itself (table[ids], transposed after the lookup if need be)"
+                         + (", and multiply by the whole table, slicing the product ((u @ "
+                            "table.T)[:, 1:] for u @ table[1:].T)." if sliced else "."))
             elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
                     c[0] == "slice" for c in qparams[m].source.chain):  # rows left out
                 apart = (m, f"the matmul reads a slice of the table (codes of shape "
@@ -790,12 +793,15 @@ def _reads_transposed(src) -> bool:
     is the table's transpose; ``False`` where it cannot tell."""
     if src is None or src.shape is None or len(src.shape) != 2 or src.shape[0] == src.shape[1] == 1:
         return False
-    rows = jnp.broadcast_to(jnp.arange(src.shape[0], dtype=jnp.float32)[:, None], tuple(src.shape))
+    rows = np.broadcast_to(np.arange(src.shape[0], dtype=np.int32)[:, None], tuple(src.shape))
+    chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]  # the row
+    # numbers exact (a bfloat16 copy of a large table's)
     try:
-        op = np.asarray(apply_chain(rows, src.chain))
+        with jax.ensure_compile_time_eval():  # concrete under jax.eval_shape / jit of pack
+            op = np.asarray(apply_chain(jnp.asarray(rows), chain))
     except (TypeError, ValueError):  # a step this replay does not take
         return False
-    return op.shape == tuple(src.shape[::-1]) and np.array_equal(op, np.asarray(rows).T)
+    return op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
 
 
 def _contracts_features(src) -> bool:
@@ -804,9 +810,11 @@ def _contracts_features(src) -> bool:
     feature, never the lookup's, a square table's too); ``True`` where it cannot tell."""
     if src is None or src.shape is None or len(src.shape) != 2 or not src.contract:
         return True
-    cols = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.float32), tuple(src.shape))
+    cols = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.int32), tuple(src.shape))
+    chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]
     try:
-        op = np.asarray(apply_chain(cols, src.chain))
+        with jax.ensure_compile_time_eval():  # concrete under jax.eval_shape / jit of pack
+            op = np.asarray(apply_chain(cols, chain))
     except (TypeError, ValueError):  # a step this replay does not take: as before
         return True
     axes = [c for c in src.contract if 0 <= c < op.ndim and op.shape[c] > 1]

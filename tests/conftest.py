@@ -16,8 +16,9 @@ compiled again by the other (``JQT_TEST_XLA_CACHE`` names another directory, kep
 ``slow``: end-to-end tests (the examples and the numbers the docs quote, docs pages that
 train a model). The default run (pyproject.toml's addopts) leaves them out; CI runs them
 with ``.venv/bin/python -m pytest -m slow``. ``slow_variants`` on a parametrized test: its
-first parameter set runs by default, the others are ``slow`` (the default run stays under
-5 minutes on a 2-core machine whose XLA compiles a third slower than another's).
+first parameter set runs by default, the others are ``slow`` (to keep the default run near
+its budget of 5 minutes on a 2-core machine whose XLA compiles a third slower than
+another's).
 """
 import os
 

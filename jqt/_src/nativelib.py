@@ -3,7 +3,7 @@
 The kernels are XLA FFI custom calls, built on first use with the C++ compiler found at
 run time (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against XLA's FFI headers
 (``jax.ffi.include_dir()``) and cached under ``$JQT_CACHE_DIR`` (default
-``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
+``$XDG_CACHE_HOME/jqt``, or ``~/.cache/jqt``). Where they cannot be built or run (no compiler, not x86-64, a CPU
 without AVX2 + FMA, or ``JQT_NATIVE=0``) the ops that would call them run XLA
 formulations instead: :func:`native_status` says which and why. On CPUs with AVX-512
 (F + BW) the 4-bit and ``(K, N)`` int8 / fp8 kernels and the 4-bit decode run 16 columns

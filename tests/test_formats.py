@@ -373,6 +373,7 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     qs = jqt.calibrate(g, jqt.recipes.w8(), sq, [(IDS,)], progress=False)
     with pytest.warns(UserWarning, match=r"contracts the table's other axis.*nothing is wrong") as got:
         assert jqt.pack(qs, sq).tied == ()
+        assert jax.eval_shape(lambda: jqt.pack(qs, sq)).tied == ()  # a template: the same
     assert not any("one weight type" in str(w.message) for w in got)
     # rows looked up from the table's transpose (table.T[:, ids]): the matmul contracts the
     # features, one scale per row in both ops; pack said it contracts the other axis and that

@@ -810,11 +810,11 @@ def _contracts_features(src) -> bool:
     feature, never the lookup's, a square table's too); ``True`` where it cannot tell."""
     if src is None or src.shape is None or len(src.shape) != 2 or not src.contract:
         return True
-    cols = jnp.broadcast_to(jnp.arange(src.shape[1], dtype=jnp.int32), tuple(src.shape))
+    cols = np.broadcast_to(np.arange(src.shape[1], dtype=np.int32), tuple(src.shape))
     chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]
     try:
         with jax.ensure_compile_time_eval():  # concrete under jax.eval_shape / jit of pack
-            op = np.asarray(apply_chain(cols, chain))
+            op = np.asarray(apply_chain(jnp.asarray(cols), chain))
     except (TypeError, ValueError):  # a step this replay does not take: as before
         return True
     axes = [c for c in src.contract if 0 <= c < op.ndim and op.shape[c] > 1]

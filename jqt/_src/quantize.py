@@ -794,14 +794,20 @@ def _reads_transposed(src) -> bool:
     if src is None or src.shape is None or len(src.shape) != 2 or src.shape[0] == src.shape[1] == 1:
         return False
     rows = np.broadcast_to(np.arange(src.shape[0], dtype=np.int32)[:, None], tuple(src.shape))
-    chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]  # the row
-    # numbers exact (a bfloat16 copy of a large table's)
+    op = _replayed(src, rows)
+    return op is not None and op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
+
+
+def _replayed(src, grid):
+    """``grid`` (integers of ``src.shape``) through ``src``'s layout chain, casts left out so
+    that the integers stay exact (a bfloat16 copy of a large table's), concrete under
+    jax.eval_shape / jax.jit of pack; ``None`` where a step does not take it."""
+    chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]
     try:
-        with jax.ensure_compile_time_eval():  # concrete under jax.eval_shape / jit of pack
-            op = np.asarray(apply_chain(jnp.asarray(rows), chain))
-    except (TypeError, ValueError):  # a step this replay does not take
-        return False
-    return op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
+        with jax.ensure_compile_time_eval():
+            return np.asarray(apply_chain(jnp.asarray(grid), chain))
+    except (TypeError, ValueError):
+        return None
 
 
 def _contracts_features(src) -> bool:
@@ -810,12 +816,8 @@ def _contracts_features(src) -> bool:
     feature, never the lookup's, a square table's too); ``True`` where it cannot tell."""
     if src is None or src.shape is None or len(src.shape) != 2 or not src.contract:
         return True
-    cols = np.broadcast_to(np.arange(src.shape[1], dtype=np.int32), tuple(src.shape))
-    chain = [c for c in src.chain if c[0] not in ("convert", "reduce_precision")]
-    try:
-        with jax.ensure_compile_time_eval():  # concrete under jax.eval_shape / jit of pack
-            op = np.asarray(apply_chain(jnp.asarray(cols), chain))
-    except (TypeError, ValueError):  # a step this replay does not take: as before
+    op = _replayed(src, np.broadcast_to(np.arange(src.shape[1], dtype=np.int32), tuple(src.shape)))
+    if op is None:  # a step this replay does not take: as before
         return True
     axes = [c for c in src.contract if 0 <= c < op.ndim and op.shape[c] > 1]
     return not axes or all(np.ptp(op, axis=c).min() > 0 for c in axes)

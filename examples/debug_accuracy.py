@@ -81,7 +81,8 @@ def main():
 
     section("3. jqt.sensitivity: the same question, asked of the accuracy")
     metric = lambda g: acc(g, broken)
-    print(jqt.sensitivity(f, qp, metric))
+    sens = jqt.sensitivity(f, qp, metric)
+    print(sens)
 
     section("4. jqt.fallback: meet a budget of 0.5 points")
     fallback = {}
@@ -109,10 +110,19 @@ def main():
     worst = rep.worst(1)[0].key
     print(f"\nworst op: {worst}; total {time.perf_counter() - t0:.1f} s")
     sqnr = {r.key: r.sqnr_isolated for r in rep.rows}
+    scale = {r.key: r.act_scale for r in rep.rows}
+    others = [k for k in sqnr if k != "params/Conv_1/kernel"]
     print_results("debug_accuracy", float_acc=float_acc, w8a8_acc=q_acc, worst_op=worst,
                   conv1_sqnr=sqnr["params/Conv_1/kernel"],
-                  other_sqnr_min=min(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
-                  other_sqnr_max=max(v for k, v in sqnr.items() if k != "params/Conv_1/kernel"),
+                  other_sqnr_min=min(sqnr[k] for k in others),
+                  other_sqnr_max=max(sqnr[k] for k in others),
+                  dense_sqnr_min=min(v for k, v in sqnr.items() if "Dense" in k),
+                  conv1_act_scale=scale["params/Conv_1/kernel"],
+                  other_act_scale_min=min(scale[k] for k in others),
+                  other_act_scale_max=max(scale[k] for k in others),
+                  output_sqnr=rep.output_sqnr, output_rel_l2=rep.output_rel_l2,
+                  conv1_alone_acc=sens.rows[0].alone if sens.rows[0].key == "params/Conv_1/kernel"
+                  else None,
                   fallback_float_acc=fallback["float"].metric,
                   fallback_float_trials=len(fallback["float"].trials),
                   fallback_int16_acc=fallback["int16 activations"].metric,

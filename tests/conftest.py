@@ -14,7 +14,8 @@ temporary directory removed when the run ends: a program one worker compiled is 
 compiled again by the other (``JQT_TEST_XLA_CACHE`` names another directory, kept).
 
 ``slow``: end-to-end tests (the examples and the numbers the docs quote, docs pages that
-train a model). The default run (pyproject.toml's addopts) leaves them out; CI runs them
+train a model), and the longer regression cases of one narrow input, each marked with a
+comment saying so (the feature it regresses has tests in the default run). The default run (pyproject.toml's addopts) leaves them out; CI runs them
 with ``.venv/bin/python -m pytest -m slow``. ``slow_variants`` on a parametrized test: its
 first parameter set runs by default, the others are ``slow`` (to keep the default run near
 its budget of 5 minutes on a 2-core machine whose XLA compiles a third slower than

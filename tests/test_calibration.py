@@ -361,6 +361,7 @@ def test_mse_and_entropy_model_fp8s_grid(dtype):
     assert hi_fp8 > 2 * hi_int8, (hi_fp8, hi_int8)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_calibration_under_x64_keeps_float32_statistics():
     # with jax_enable_x64 on, WeightMSE (the 4-bit presets' weight calibrator) made its
     # candidate ratios float64 and its loop carry changed type: a TypeError
@@ -411,6 +412,7 @@ def test_histogram_combine_is_exact_with_different_radii(cal):
     assert not np.array_equal(np.asarray(whole["hist"]), sum(np.asarray(x["hist"]) for x in s))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_histogram_bins_count_past_float32s_integers():
     """Regression: a bin counted in float32 stopped at 2**24 (x + 1 == x there), so one batch
     of a large activation (a conv's 8 x 512 x 512 x 64 values) and the same data in smaller
@@ -494,6 +496,7 @@ def test_n_batches_equal_one_concatenated_batch():
         np.testing.assert_array_equal(one[k].rhs.scale, ref[k].rhs.scale)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_an_all_zero_batch_leaves_the_histograms_statistics_as_one_batch():
     # a silent or padding-only batch took radius 2**0 (frexp(0)'s exponent), so merging
     # rebinned data of max |x| 0.02 into bins of 1/1024: Entropy became MinMax (hunt42_docs23)

@@ -797,6 +797,7 @@ def test_custom_rules_closing_over_values():
         jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_custom_vjp_around_a_while_loop():
     """A custom_vjp whose forward runs a lax.while_loop (Equinox's checkpointed while_loop,
     diffrax's adjoint): its bwd rule is what makes it differentiable. The simulated path
@@ -954,6 +955,28 @@ def test_a_weight_through_a_value_identity_is_the_leaf_it_reads(how):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_vmap_of_a_per_example_cond_says_why_its_convolutions_stay_float():
+    """The same for a detector's head picked per image: jax.vmap's conv rule folds the
+    batched kernel into its output features with a transposing reshape, which dropped the
+    mark, so both convs stayed float without a warning, their note blaming a kernel
+    computed from the data (hunt44_detect). The warning does not offer act_x_act=, which
+    convolutions do not take."""
+    k = jax.random.split(jax.random.key(10), 3)
+    p = {"ha": jax.random.normal(k[0], (3, 3, 4, 6)) * 0.3, "hb": jax.random.normal(k[1], (1, 1, 4, 6)) * 0.3}
+    xs = jax.random.uniform(k[2], (4, 8, 8, 4))
+    conv = lambda x, w: lax.conv_general_dilated(x[None], w, (1, 1), "SAME",
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))[0]
+    head = lambda p, x: lax.cond(x.mean() > 0.5, lambda x: conv(x, p["ha"]), lambda x: conv(x, p["hb"]), x)
+    f = lambda p, xs: jax.vmap(lambda x: head(p, x))(xs)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(xs,)], progress=False)
+    msgs = [str(w.message) for w in got]
+    assert len(msgs) == 1 and "conv_general_dilated" in msgs[0] and "jax.vmap of a lax.cond" in msgs[0] \
+        and "'ha'" in msgs[0] and "'hb'" in msgs[0] and "act_x_act" not in msgs[0], msgs
+    assert all(v.is_float for v in qp.values())
+
+
 def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():
     """``jax.vmap`` of a ``lax.cond`` whose predicate is per example runs both branches and
     selects, with the weights broadcast over the batch and selected from themselves. The
@@ -1016,6 +1039,7 @@ def test_a_weight_picked_by_the_data_says_why_its_op_stays_float():
     assert sorted(qp) == ["a", "b"] and not any(v.is_float for v in qp.values())
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
     """NoisyNet's ``x @ (mu + sigma * noise)``, DropConnect's ``x @ (w * mask)``, a
     temperature ``x @ (w / t)``: the op reads no weight, so it stays float as an activation
@@ -1078,6 +1102,7 @@ def test_a_product_of_two_computed_weights_says_so():
         jqt.calibrate(quiet, jqt.recipes.w8(), p, [(xs,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_an_einsum_that_contracts_two_weights_first_says_so():
     """``jnp.einsum('bi,ij,jk->bk', x, a, b)`` contracts ``a`` and ``b`` first at large
     batches (its optimize= order follows the shapes): one weight was quantized as the other's
@@ -1175,6 +1200,7 @@ def test_quantized_function_inside_shard_map(recipe):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_packed_shardings_of_a_tensor_parallel_shard_map_with_an_op_without_weight():
     """A tensor-parallel ``jax.shard_map`` on a mesh whose axis is not called "model", with
     an activation x activation op: its weights are split as the shard_map splits them, no
@@ -1263,6 +1289,7 @@ def test_explicit_mesh_awq_gptq_and_report_over_split_rows():
                                    rtol=1e-4)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", ["w8a8", "w4", "w8a8_dynamic"])
 @pytest.mark.slow_variants
 def test_auto_axes_region_around_a_scan_over_stacked_layers(recipe):

@@ -458,6 +458,7 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
         jqt.load(npz)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(smooth=0.5),
                                     pytest.param(jqt.recipes.w8a8(rotate=True), marks=pytest.mark.slow)],
                          ids=["smooth", "rotate"])  # rotate: CI

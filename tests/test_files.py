@@ -379,6 +379,7 @@ def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path
             call()
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_path):
     """jqt.pack finds weights by path (params may hold other leaves: a policy's log-std, the
     arrays of eqx.partition of a module calibrated whole). save_packed, load_packed and
@@ -657,6 +658,7 @@ def test_sums_that_are_not_the_codes_sums_are_rejected(tmp_path, files):
     _rejects(jqt.load_packed, bad, "packed weight 'w'.sums", "in layout 'kn'")
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_qparams_without_a_lookups_entry_name_both_causes(tmp_path):
     """qparams with no entry for an embedding lookup: made by a jqt from before lookups were
     quantized (a file of an earlier jqt, hunt28_oldfiles), or for another function. Both
@@ -1034,6 +1036,7 @@ def test_pack_finds_weights_by_path_and_files_hold_the_leaves_jax_sees(tmp_path)
         jax.export.export(jax.jit(q))(jqt.pack(qp, keyed), x).serialize()
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_two_leaves_whose_paths_read_alike_are_two_weights():
     """``{"a/b": w1, "a": {"b": w2}}``: both leaves' paths read 'a/b', and jqt counted
     their uses together (hunt41_ckpt): a float read of w1 made jqt.pack keep both float

@@ -329,6 +329,7 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
     """A product VQ's 3-D codebook (an einsum of codebooks and their rows' lookup) was
     stored twice without a word; a lookup whose scales were fine-tuned apart from its
@@ -351,6 +352,7 @@ def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
         assert jqt.pack(moved, P).tied == ()
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     """Scoring against a slice of the table's rows (``u @ emb[1:].T``, the padding row left
     out): pack said the matmul "contracts the table's other axis" and to give both ops one
@@ -403,6 +405,7 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     assert not any("through its transpose" in str(w.message) for w in got)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():
     """A lookup of the float32 table and a matmul of its bfloat16 copy with equal scales:
     their codes differ, so pack stores them apart; a template (jax.eval_shape) and a pack
@@ -509,6 +512,7 @@ def test_a_lookup_of_part_of_each_row_stays_float_with_a_warning():
                                part(p, jnp.arange(4)), atol=0.02)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element
     stored more than the float table (1.25x), so the op stays float, noted, no warning."""

@@ -529,6 +529,7 @@ def test_a_ragged_dot_in_another_form_says_that_its_weight_stays_float():
         np.testing.assert_array_equal(jqt.quantize(f, qp)(p, X_RAGGED), f(p, X_RAGGED))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_sparse_matmul_that_reads_a_weight_says_that_it_stays_float():
     """Multi-hot features as a ``jax.experimental.sparse`` BCOO matrix times an embedding
     table (``bcoo_dot_general``): the table stayed float without a word; now a warning

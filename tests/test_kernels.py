@@ -175,6 +175,7 @@ def test_large_weight_keeps_its_chunks_up_to_large_weight_rows(recipe):
         np.testing.assert_allclose(jax.jit(run)(packed, x), ref, atol=1e-5 * float(jnp.abs(ref).max()))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8()] + [  # the 4-bit ones: CI
     pytest.param(r, marks=pytest.mark.slow) for r in (jqt.recipes.w4(group_size=128),
                                                       jqt.recipes.w4(group_size=64, symmetric=False))])
@@ -267,6 +268,7 @@ def test_weight_only_int8_runs_in_the_layout_it_was_packed_in():
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_weight_packed_for_another_policy_warns_and_still_runs():
     # w4a8 packed (N, K) by the default table (or an older file), run under the CPU
     # table, which reads (K, N): converted when traced, on every call, with a warning
@@ -381,6 +383,7 @@ def test_bfloat16_activations_decode_per_channel_int_weights_to_bfloat16_on_cpu(
                                atol=2e-2 * float(jnp.abs(y_old.astype(jnp.float32)).max()))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_bfloat16_activations_into_float32_weights_decode_in_float32():
     """Mixed precision, bfloat16 x into a float32 weight (a float32 op): the grouped weight
     was decoded to the activation's bfloat16 above float_matmul_rows under
@@ -444,6 +447,7 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
             if e.primitive.name == "dot_general"} == {"int8"}
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", [jqt.recipes.w4(), jqt.recipes.nf4()], ids=["w4", "nf4"])
 @pytest.mark.slow_variants
 def test_a_weight_on_the_left_keeps_its_matmul_rows_first(recipe):
@@ -657,6 +661,7 @@ def _ops(jaxpr):
                   for e in _eqns(jaxpr) if e.primitive.name in keep)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("name", ["w8a8", "w8a8_dynamic", "w8", "w4_g64", "w4a8_g64", "nf4_g64", "fp8"])
 @pytest.mark.parametrize("b,m", [(64, 1), (16, 4), (4, 17)])
 @pytest.mark.slow_variants

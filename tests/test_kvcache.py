@@ -584,6 +584,7 @@ def test_bad_cache_types_are_refused():
     assert jqt.recipes.w4(kv_cache="fp8").rules[0].kv_cache.dtype == "float8_e4m3fn"
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_buffer_updated_with_where_beside_quantized_caches_is_named(setup):
     """Keys written with dynamic_update_slice are a cache; values updated with
     jnp.where(mask, new, cache) are not, and stay float: calibrate says so, naming the
@@ -664,6 +665,7 @@ def test_every_buffer_of_a_caches_shape_left_float_is_named():
         jqt.calibrate(twice, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(x, enc)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_writes_that_miss_the_cache_pattern_are_named(setup):
     """Writes into a buffer a loop carries and reads that jqt cannot quantize as a cache
     are named by calibrate, where they were silent: keys kept transposed, (..., DH, T), and

@@ -586,6 +586,7 @@ def test_a_cache_kept_with_the_beams_on_an_axis_of_their_own(setup, reorder):
     assert sum(v.aval.dtype == jnp.int8 and v.aval.ndim == 6 for v in loops[0].invars) == 2
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_cache_read_block_by_block_inside_a_loop_is_a_cache():
     """Flash-decoding style: the step writes its caches, then reads the keys block by block
     in a fori_loop and a paged pool's pages in a lax.scan over its page table. A buffer a
@@ -628,6 +629,7 @@ def test_a_cache_read_block_by_block_inside_a_loop_is_a_cache():
     assert all(isinstance(c_int[n], jqt.QArray) and c_int[n].values.dtype == jnp.int8 for n in "kv")
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_merged_views_of_buffers_are_caches_only_where_read():
     """The review of the beams' fix (hunt41_review): a buffer that only collects outputs,
     merged around its write (coll.reshape(B * K, ...).at[:, t].set(h).reshape(B, K, ...)),

@@ -128,6 +128,7 @@ def test_same_results_as_the_xla_formulation(name):
     _close(jax.jit(q)(packed, x), jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @needs_kernel
 @pytest.mark.parametrize("name", ["w4_g128", "w4_g32_asym", "w8_g64_asym_k320"])  # int8 groups too
 @pytest.mark.slow_variants

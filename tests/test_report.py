@@ -443,6 +443,7 @@ def test_fallback_names_itself_and_skips_ops_to_gives_no_type():
     assert cols[0] == cols[1]
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_fallback_qparams_pack_with_a_shared_weight():
     """Two ops read the same weight leaf; fallback keeps one float and quantizes the other."""
     # Regression (fixed; was in jqt/_src/tuning.py lines 223 and 263): with to=None, fallback builds
@@ -787,6 +788,7 @@ def test_report_and_fallback_on_an_op_over_no_elements():
     assert res.trials
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_report_and_fallback_name_an_ordered_io_callback_they_cannot_batch():
     # jqt.report runs f on two lanes under jax.vmap, which JAX refuses for an ordered
     # io_callback with a ValueError: that got past report's NotImplementedError handler,
@@ -814,6 +816,7 @@ def test_report_and_fallback_name_an_ordered_io_callback_they_cannot_batch():
     assert res.trials and seen
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_report_worst_skips_ops_that_did_not_run():
     # Regression (fixed; was in jqt/_src/report.py line 164, Report.worst): ops that did not run on the
     # batch have sqnr_isolated = NaN and are not filtered out; sorted() with a NaN key
@@ -965,6 +968,7 @@ def test_fallback_in_two_threads_leaves_the_warnings_machinery_as_it_was():
         jqt.calibrate(lambda p, x: x * p["a"].sum(), jqt.recipes.w8a8(), p, [(x,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 @pytest.mark.slow_variants
 def test_report_of_a_function_with_keys_in_and_out(impl):
@@ -989,3 +993,138 @@ def test_report_of_a_function_with_keys_in_and_out(impl):
     rep = jqt.report(f, qp, p, (xs[0], keys[3]))
     assert real < 0.05 and rep.output_rel_l2 == pytest.approx(real, rel=0.05)
     assert rep.output_int_differ == (0, jax.random.key_data(keys[3]).size)  # the key: equal
+
+
+def _three_layers():
+    """A chain of three dense ops; ``a`` scales an input channel by 300 and ``b`` reads it
+    divided by 300 (an outlier its static activation range rounds away)."""
+    k = jax.random.split(jax.random.key(2), 4)
+    p = {"a": jax.random.normal(k[1], (16, 16)).at[:, 0].multiply(300.),
+         "b": jax.random.normal(k[2], (16, 16)).at[0].divide(300.),
+         "c": jax.random.normal(k[3], (16, 8)) * 0.3}
+    x = jax.random.normal(k[0], (32, 16))
+
+    def f(p, x):
+        return jax.nn.relu(jax.nn.relu(x @ p["a"]) @ p["b"]) @ p["c"]
+    ref = f(p, x)
+    return f, p, [(x[:16],), (x[16:],)], lambda g: float(jnp.abs(g(p, x) - ref).max())
+
+
+def test_a_fallback_rule_less_precise_than_the_recipe_for_one_op_still_finds_a_choice():
+    """fp8 handles ``b``, w8a16's int8 weights do not: keeping all three ops back at to=
+    scores worse than keeping ``a`` and ``c``. The search stopped at that first trial
+    and warned that more trials cannot meet the budget (hunt44_report); it tries the
+    shorter prefixes of the ranking and every choice of all ops but one, then prunes."""
+    f, p, batches, err = _three_layers()
+    to = jqt.recipes.w8a16().rules[0]
+    every = jqt.Recipe(rules=(dataclasses.replace(to, key="^(a|b|c)$"),) + jqt.recipes.fp8().rules)
+    some = jqt.Recipe(rules=(dataclasses.replace(to, key="^(a|c)$"),) + jqt.recipes.fp8().rules)
+    score = lambda r: err(jax.jit(jqt.quantize(f, jqt.calibrate(f, r, p, batches, progress=False))))
+    assert score(every) > 1.1 >= score(some)  # the budget below: every op back misses it
+    res = jqt.fallback(f, jqt.recipes.fp8(), p, batches, err, max_drop=1.1, higher_is_better=False, to=to)
+    assert res.met and set(res.kept) == {"a", "c"} and res.metric == pytest.approx(score(some))
+
+
+def test_a_nan_from_a_quantized_variant_fails_the_budget_instead_of_stopping_the_search():
+    """A metric that is NaN where the error is large (the square root of 1 - error): the
+    quantized variant's NaN made fallback and sensitivity raise "check the metric
+    function" (hunt44_report); only f's own NaN is the metric's fault."""
+    f, p, batches, err = _three_layers()
+    metric = lambda g: math.sqrt(1.0 - err(g)) if err(g) <= 1.0 else math.nan
+    assert metric(f) == 1.0
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.5)
+    assert math.isnan(res.quantized_metric) and res.met and res.kept
+    assert 1.0 - res.metric <= 0.5 and not math.isnan(res.metric)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    s = jqt.sensitivity(f, qp, metric)
+    assert math.isnan(s.quantized_metric) and len(s.rows) == 3
+    alone = [r.alone for r in s.rows]  # a NaN alone ranks first: the worst
+    assert [math.isnan(v) for v in alone] == sorted((math.isnan(v) for v in alone), reverse=True)
+    with pytest.raises(ValueError, match="the metric returned NaN for f itself"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, batches, lambda g: math.nan, max_drop=0.5)
+
+
+def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_ops():
+    """8 ops, the last two reading an outlier: rank='sensitivity' under max_trials=6
+    measured 4 ops alone, ranked the others (the outlier's among them) last, and its one
+    search trial left returned every op kept float as "budget met", without a word
+    (hunt44_report: 16 ops under the default 12 trials). It warns of both now."""
+    k = jax.random.split(jax.random.key(0), 10)
+    n = 8
+    p = {f"l{i}": jax.random.normal(k[i], (8, 8)) * 0.35 for i in range(n)}
+    p["l6"] = p["l6"].at[:, 0].multiply(300.0)
+    p["l7"] = p["l7"].at[0].divide(300.0)
+    x = jax.random.normal(k[9], (16, 8))
+
+    def f(p, x):
+        for i in range(n):
+            x = jnp.tanh(x @ p[f"l{i}"]) if i < n - 2 else x @ p[f"l{i}"]
+        return x
+    ref = f(p, x)
+    err = lambda g: float(jnp.linalg.norm(g(p, x) - ref) / jnp.linalg.norm(ref))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], err, max_drop=0.05,
+                           higher_is_better=False, rank="sensitivity", max_trials=6)
+    msgs = [str(w.message) for w in got]
+    assert res.met and len(res.kept) == n and len(res.trials) == 6
+    assert any("max_trials=6 ranks only the first 4 of the 8 quantized ops" in m
+               and "Pass max_trials=14 or more" in m for m in msgs), msgs
+    assert any("max_trials=6 ran out before the search narrowed the ops to keep back: the "
+               "result keeps 8 of the 8 candidate ops back" in m for m in msgs), msgs
+
+
+def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_that_rule():
+    """The recipe's own rule for ``b`` (int4) decides nothing once fallback puts its rule
+    for ``b`` first: the final calibration warned "rule 1 ... decides no op ... move it
+    ahead", about a recipe the user did not write, and a rule matching no op was warned
+    about twice, as rule 0 and rule 1 (hunt44_report). The returned recipe leaves the
+    shadowed rule out; the user's own dead rule is warned about once."""
+    f, p, batches, err = _three_layers()
+    int4 = jqt.Rule(key="^b$", weight=jqt.QuantType(bits=4, group_size=8, narrow_range=True), activation=None)
+    typo = jqt.Rule(key="^nonexistent$")
+    recipe = jqt.Recipe(rules=(typo, int4, *jqt.recipes.w8a8().rules))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, recipe, p, batches, err, max_drop=0.5, higher_is_better=False)
+    msgs = [str(w.message) for w in got if "decides no op" in str(w.message)]
+    assert "b" in res.kept and len(msgs) == 1 and "'^nonexistent$'" in msgs[0], msgs
+    assert int4 not in res.recipe.rules and typo in res.recipe.rules
+    again = jqt.calibrate(f, res.recipe, p, batches, progress=False)
+    _leaves_equal(again, res.qparams)
+
+
+def test_report_of_a_scan_of_no_iterations_and_of_nested_scans():
+    """A ``lax.scan`` of length 0 (an RNN over an empty sequence) crashed jqt.report with
+    NumPy's "zero-size array to reduction operation" (hunt44_report): its ops did not
+    run on this batch. Rows of nested scans over stacked layers are named ``w[i, j]``
+    (they read ``w[(0, 1)]``); worst() refuses a negative count."""
+    k = jax.random.split(jax.random.key(3), 3)
+    x, p = jax.random.normal(k[0], (8, 16)), {"a": jax.random.normal(k[1], (16, 16)) * 0.3}
+
+    def rnn(p, h, xs):
+        return lax.scan(lambda h, xt: (jnp.tanh(h @ p["a"] + xt), None), h, xs)[0]
+    qp = jqt.calibrate(rnn, jqt.recipes.w8a8(), p, [(x, jnp.ones((5, 8, 16)))], progress=False)
+    rep = jqt.report(rnn, qp, p, (x, jnp.ones((0, 8, 16))))
+    assert [r.note for r in rep.rows] == ["did not run on this batch"] and rep.worst() == []
+    w = {"w": jax.random.normal(k[2], (2, 3, 16, 16)) * 0.3}
+
+    def nested(p, x):
+        layer = lambda x, wi: (jnp.tanh(x @ wi), None)
+        return lax.scan(lambda x, ws: (lax.scan(layer, x, ws)[0], None), x, p["w"])[0]
+    qp = jqt.calibrate(nested, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    rep = jqt.report(nested, qp, w, (x,))
+    assert [r.name for r in rep.rows][:4] == ["w[0, 0]", "w[0, 1]", "w[0, 2]", "w[1, 0]"]
+    with pytest.raises(ValueError, match=r"Report.worst: n=-1"):
+        rep.worst(-1)
+
+
+def test_fallback_to_a_rule_on_a_function_with_nothing_quantized_is_met():
+    """Nothing to keep back: to= gave "to= applies to none of the quantized ops (... the
+    ops: [])" where to=None returns the budget met (hunt44_report)."""
+    f = lambda p, x: jnp.tanh(x * p["a"])
+    p, x = {"a": jnp.ones((4,))}, jnp.ones((2, 4))
+    with pytest.warns(UserWarning, match="no op that jqt quantizes"):
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], lambda g: float(g(p, x).sum()),
+                           max_drop=0.1, to=jqt.recipes.w8a16().rules[0])
+    assert res.met and res.kept == () and res.qparams == {}

@@ -325,6 +325,7 @@ def test_an_empty_batch_gives_the_empty_output(recipe):
         jqt.calibrate(f, r, w, [(empty,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_graph_without_edges_is_data_where_its_nodes_are():
     """A batch whose edge arrays are empty (a one-atom molecule) was refused as "an empty
     batch" by calibrate and report, though its nodes hold data the node ops observe; a
@@ -443,6 +444,7 @@ def test_complex_operands_stay_float_instead_of_losing_the_imaginary_part():
     np.testing.assert_allclose(jqt.quantize(f, qp)(w, x), f(w, x))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_complex_values_where_real_ones_were_calibrated_are_refused():
     # hunt36_fno: qparams calibrated on real data, then called with a complex input or
     # complex params, dropped the imaginary part with no error from jqt (pack too); batches
@@ -573,6 +575,7 @@ def test_an_activation_of_no_rows_inside_f_is_calibrated_as_no_data():
     assert qp["w"].is_float and not qp["w#1"].is_float
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("read", ["split", "unstack", "device_put"])
 @pytest.mark.slow_variants
 def test_weights_read_through_split_unstack_and_device_put_are_packed(read, tmp_path):
@@ -985,6 +988,7 @@ def test_untraceable_values_name_the_batch_and_argument(value, what):
         jqt.quantize(f, qp)(W, X, value)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_numpy_arrays_of_ml_dtypes_are_traced_as_jax_arrays_are():
     """NumPy's kind of bfloat16 and float8 arrays is 'V', as of raw bytes: they are still
     numbers, traced (params keep their keys and pack), not refused or made static."""
@@ -1113,6 +1117,7 @@ def test_stacked_qparams_with_the_wrong_number_of_layers_are_refused():
         jqt.quantize(g, bad)(ws, X)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_packed_weights_with_the_wrong_number_of_layers_are_refused():
     """The integer path reads a stacked packed weight whole (its layer indexed in the
     scan's body): a stack of the wrong length is refused all the same."""
@@ -1153,6 +1158,7 @@ def test_out_of_range_ids_of_a_quantized_table_are_nan_as_in_float():
             assert np.isnan(np.asarray(y[2])).all() and np.isfinite(np.asarray(y[:2])).all()
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_square_weight_packed_for_one_orientation_is_refused_in_the_other():
     # hunt36_mixer: a token-mixing weight packed under einsum('bpc,ph->bhc') and run under
     # qparams for einsum('bpc,hp->bhc') ran silently wrong (int8) or failed inside JAX (w4)
@@ -1482,6 +1488,7 @@ def _mlp():
     return f, p, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(X,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_packed_codes_cast_by_a_tree_map_are_refused(tmp_path):
     """A bfloat16 cast over a whole PackedParams rounded the int32 code sums (wrong outputs,
     silently); a float32 one gave files load_packed called damaged; int32 codes crashed with
@@ -1713,6 +1720,7 @@ def test_rule_settings_that_can_never_apply_are_refused():
                "lookups ('gather'), and the lookups its key matches stay float: 'emb'" in m for m in msgs), msgs
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_linear_solve_on_a_weight_gets_a_fix_that_can_be_done():
     """Glow's inverse 1x1 conv, ``z @ jnp.linalg.inv(W)``: the solve's own matmuls are not a
     function the user wrote; the warning says they need float and how to quantize the

@@ -92,6 +92,7 @@ def test_the_message_gives_the_element_and_the_grid_end():
     assert "op 'v'" not in s  # the other op's weight is the calibrated one
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_an_element_past_a_grid_end_at_zero_is_named_without_a_ratio():
     # hunt36_ema: an asymmetric group of positive weights ends its grid at 0, and the
     # message read "lies infx as far out as its scale's end of the grid, 0"
@@ -130,6 +131,7 @@ def test_pack_takes_the_calibrated_weights_and_weights_within_their_grid(name):
         jqt.pack(qp, q)  # the calibrated weights, smaller ones, and them rounded to bfloat16
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("group_size", ci_only([0, 64], {64}))
 def test_weight_mse_clips_heavy_tails_on_purpose(group_size):
     """w4's WeightMSE clips the tails of a heavy-tailed weight: the calibrated weight itself
@@ -191,6 +193,7 @@ def test_fine_tuned_qparams_pack_as_trained():
     jqt.pack(projected, moved)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_qparams_moved_by_float_rounding_only_are_still_checked(tmp_path):
     # hunt36_ema: an EMA (or an average of copies) of qparams that never changed moves
     # their scales by an ulp or so, and the exact digest switched the check off silently
@@ -280,6 +283,7 @@ def test_a_weight_calibrated_at_zeros_is_named(name):
     jqt.pack(qp, trained, clip=True)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("name", ci_only(["w8a8", "w4_g16"], {"w8a8"}))
 @pytest.mark.slow_variants
 def test_a_pruned_channel_or_group_that_regrew_is_named(tmp_path, name):

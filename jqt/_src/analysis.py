@@ -324,8 +324,9 @@ class Analyzer:
                 elif step is not None and len(ins) == 1 and ins[0].source is not None:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
-                elif step is not None and len(ins) == 1 and (ins[0].indexed or ins[0].selected
-                                                             or ins[0].chosen or ins[0].mixed):
+                elif (step is not None or layout.record_each(eqn) is not None) and len(ins) == 1 \
+                        and (ins[0].indexed or ins[0].selected or ins[0].chosen or ins[0].mixed):
+                    # (a transposing reshape too: jax.vmap of a conv folds a batched kernel so)
                     outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected,
                                     chosen=ins[0].chosen, mixed=ins[0].mixed)]
                 elif name in _MIXING and not all(i.weight for i in ins) \
@@ -497,9 +498,11 @@ class Analyzer:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if widx is None and path and not entry.is_cache:
                 names, what = _named_weights(path)
+                kind = ("a convolution with a kernel computed from the data: it stays float"
+                        if op == "conv_general_dilated" else "an activation x activation op: it "
+                        "stays float (unless the recipe quantizes those, act_x_act=)")
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
-                       "an activation x activation op: it stays float (unless the recipe "
-                       f"quantizes those, act_x_act=), as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
+                       f"{kind}, as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
                 self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "

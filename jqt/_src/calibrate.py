@@ -86,9 +86,12 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
             continue
         a = np.asarray(leaf)
         if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
+            data, why = (("calibration data", "statistics from non-finite values would give "
+                          "infinite scales") if fn != "jqt.report" else
+                         ("batch", "non-finite values make the errors it measures NaN"))
             raise CalibrationDataError(
                 f"{where} holds {int((~np.isfinite(a)).sum())} NaN/inf values. Clean the "
-                "calibration data (statistics from non-finite values would give infinite scales; "
+                f"{data} ({why}; "
                 "every float argument is checked before f runs, whether or not it reaches a "
                 "quantized op). Values f handles on purpose: an inf (a running max started at "
                 "-inf, an additive mask), pass a large finite value (jnp.finfo(x.dtype).min); "

@@ -394,7 +394,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
     validate.flags("jqt.gptq", progress=progress, act_order=act_order, keep_zeros=keep_zeros)
     check_batches(batches, "jqt.gptq")
-    if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__") or not len(batches):
+    if hasattr(batches, "__len__") and not len(batches):
+        raise CalibrationDataError("jqt.gptq: the calibration set is empty; pass at least one batch, "
+                                   "e.g. batches=[(x,)].")
+    if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__"):
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
                                    f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:

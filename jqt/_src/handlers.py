@@ -284,12 +284,17 @@ def lookup(ctx, site, invals):
                             "length), or keep this op float: a jqt.Rule(key=...) matching its "
                             "key, with no types, first in the recipe's rules."
                             ) if i == site.weight_operand and site.source is None else ""
+                got = tuple(jnp.shape(a))
+                stacked = (f" If the qparams were stacked along a leading axis of {got[0]} (one "
+                           "per task, seed or model: jax.tree.map(jnp.stack, ...)), run the "
+                           "quantized function under jax.vmap over that axis."
+                           ) if len(got) == len(want) + 1 and got[1:] == want else ""
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
-                    f"shape {tuple(jnp.shape(a))}, but the operand {tuple(invals[i].shape)} "
+                    f"shape {got}, but the operand {tuple(invals[i].shape)} "
                     f"({q.qtype.describe()}) needs {want}{per_layer}. "
                     "The function or its weights changed shape since calibration, or the "
-                    f"qparams were edited; re-calibrate.{computed}")
+                    f"qparams were edited; re-calibrate.{stacked}{computed}")
     _check_smooth(site, qp, invals)
     if packed is not None:
         w = site.weight_operand

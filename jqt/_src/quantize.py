@@ -564,7 +564,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         leaf_of[key] = src.leaf
         if any(c[0] == "broadcast_in_dim" for c in src.chain) \
                 and jnp.size(operand) > jnp.size(flat[src.leaf]):
-            copies.append((key, src.path, tuple(jnp.shape(operand)), jnp.size(operand) // jnp.size(flat[src.leaf])))
+            copies.append((key, src.path, tuple(jnp.shape(operand)), jnp.size(operand) // jnp.size(flat[src.leaf]),
+                           p.op))
         if src.float_needed:
             needed.add(src.leaf)
     if other_args and not weights and not unpackable:  # a weight argument without quantized
@@ -588,13 +589,17 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                          "pass it whole (P() in in_specs) or split as its matmul reads it "
                          "(tensor parallelism).")
     if copies:
-        key, path, shape, n = copies[0]
+        key, path, shape, n, op = copies[0]
+        how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Convolve with the kernel "
+                     "itself (a depthwise kernel repeated per output channel: feature_group_count "
+                     "with the kernel's own shape)") if op == "conv_general_dilated" else
+                    ("jnp.broadcast_to before a batched matmul?", "Contract the weight itself, "
+                     "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w)"))
         diagnostics.warn(
-            f"jqt.pack: op '{key}' reads weight '{path}' broadcast to shape {shape} (jnp.broadcast_to "
-            f"before a batched matmul?): its codes and scales are stored for each of the {n} copies, "
+            f"jqt.pack: op '{key}' reads weight '{path}' broadcast to shape {shape} ({how}): its "
+            f"codes and scales are stored for each of the {n} copies, "
             f"{n}x the leaf's elements{f' (and {len(copies) - 1} more such ops)' if len(copies) > 1 else ''}, "
-            "so the packed weights can outgrow the float ones. Contract the weight itself, "
-            "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w), and re-calibrate.")
+            f"so the packed weights can outgrow the float ones. {fix}, and re-calibrate.")
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     chosen = {q.source.path for q in qparams.values()  # ops the recipe left float (a lookup of
               if q.source is not None and q.source.arg == argnum  # a tied table under

@@ -44,7 +44,13 @@ def _real(a):
 
 
 def _reduce(name):
-    return jnp.min if name.endswith("_min") else jnp.max if name.endswith("_max") else jnp.sum
+    """The reduction of statistic ``name`` over iterations; a loop of none (a ``lax.scan``
+    of length 0) gives ``identity``'s values, which ``ran`` reads as not run."""
+    if name.endswith("_min"):
+        return lambda v, axis: jnp.min(v, axis=axis, initial=jnp.inf)
+    if name.endswith("_max"):
+        return lambda v, axis: jnp.max(v, axis=axis, initial=-jnp.inf)
+    return jnp.sum
 
 
 class _Measure:
@@ -173,7 +179,7 @@ class OpReport:
     """
 
     key: str
-    layer: Optional[int]
+    layer: Optional[int]   # the layer of a lax.scan over stacked layers; a tuple under nested scans
     op: str
     weight_shape: tuple
     act_shape: tuple
@@ -196,8 +202,11 @@ class OpReport:
 
     @property
     def name(self) -> str:
-        """The key, with ``[layer]`` for a layer of a stacked op."""
-        return self.key if self.layer is None else f"{self.key}[{self.layer}]"
+        """The key, with ``[layer]`` for a layer of a stacked op (``[i, j]`` under nested
+        scans)."""
+        if self.layer is None:
+            return self.key
+        return f"{self.key}[{', '.join(map(str, np.atleast_1d(self.layer)))}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +240,8 @@ class Report:
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"Report.worst: n={n!r}; expected a count of rows >= 0, e.g. worst(3).")
         q = [r for r in self.rows if r.quantized and not math.isnan(r.sqnr_isolated)]
         return sorted(q, key=lambda r: r.sqnr_isolated)[:n]
 
@@ -477,7 +488,8 @@ def _rows(site, qp, st):
             key=site.key, layer=None if li is None else (li[0] if len(li) == 1 else li),
             op=site.op, weight_shape=tuple(avals[w].shape) if w is not None else (),
             act_shape=tuple(avals[1 - w].shape) if w is not None else tuple(avals[0].shape),
-            weight=_short(wq) if w is not None else "-",
+            weight=(_short(wq) + (" +smooth" if qp.smooth is not None else "")
+                    + (" +rotate" if qp.rotate else "")) if w is not None else "-",
             activation=_short(aq) if not qp.is_float else "float",
             weight_scale=None if wsc is None else (float(wsc.min()), float(wsc.max())),
             act_scale=None if asc is None else float(asc.reshape(-1)[0]),

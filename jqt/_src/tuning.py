@@ -53,7 +53,9 @@ def _check_metric(metric, fn):
 
 def _value(metric, g, fn, what):
     """``metric(g)`` as a float; a ``TypeError`` or ``ValueError`` naming the metric where it
-    is not one finite-or-infinite number."""
+    is not one finite-or-infinite number. NaN is an error for ``f`` itself only: for a
+    quantized variant it is that variant's score (quantization made a NaN: it fails any
+    budget)."""
     v = metric(g)
     a = None if v is None or isinstance(v, (str, bytes)) else np.asarray(v)
     if a is not None and a.dtype == object and a.ndim == 0:  # a fractions.Fraction, a Decimal
@@ -68,7 +70,7 @@ def _value(metric, g, fn, what):
                         "return one number, the score of g (e.g. an accuracy or a loss: reduce "
                         "an array with jnp.mean).")
     v = float(a.reshape(()))
-    if math.isnan(v):
+    if math.isnan(v) and what == "f itself":
         raise ValueError(f"{fn}: the metric returned NaN for {what}; check the metric function "
                          "(it must return a float score).")
     return v
@@ -77,18 +79,20 @@ def _value(metric, g, fn, what):
 class _Once:
     """The warnings of a tool's trials, each shown once: every trial traces ``f`` again
     (a new quantized function), and its analysis warned again (a model whose 6 layers each
-    warn, under 13 trials: 78 warnings). ``seen``: the messages shown already."""
+    warn, under 13 trials: 78 warnings). ``seen``: the messages shown already; ``same``:
+    the form in which two messages are compared (default: as they are)."""
 
-    def __init__(self, seen=()):
-        self.seen = set(seen)
+    def __init__(self, seen=(), same=str):
+        self.same = same
+        self.seen = {same(m) for m in seen}
 
     @contextlib.contextmanager
     def __call__(self):
         with diagnostics.captured() as got:
             yield
         for message, category in got:
-            if str(message) not in self.seen:
-                self.seen.add(str(message))
+            if self.same(str(message)) not in self.seen:
+                self.seen.add(self.same(str(message)))
                 diagnostics.warn(message, category)
 
 
@@ -177,19 +181,19 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     try:
         m_q = score(qparams)
     except QParamsMismatchError as e:
-        if "no quantization parameters for ops" not in str(e):
-            raise
-        raise QParamsMismatchError(
-            f"jqt.sensitivity: {str(e).removeprefix('jqt: ')} (If these qparams are part of f's, a dict restricted to the ops "
+        hint = "" if "no quantization parameters for ops" not in str(e) else (
+            " (If these qparams are part of f's, a dict restricted to the ops "
             "to compare: pass every op's entry, the others made float, {k: dataclasses.replace(p, "
-            "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)") from None
+            "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)")
+        raise QParamsMismatchError(f"jqt.sensitivity: {str(e).removeprefix('jqt: ')}{hint}") from None
     rows = []
     for k in keys:
         alone = score({**allf, k: qparams[k]})
         all_but = score({**qparams, k: allf[k]})
         rows.append(SensitivityRow(k, alone, all_but))
     sign = 1 if higher_is_better else -1
-    rows.sort(key=lambda r: (sign * r.alone, -sign * r.all_but))
+    nan_last = lambda v: -math.inf if math.isnan(v) else v  # a NaN score: the worst
+    rows.sort(key=lambda r: (nan_last(sign * r.alone), nan_last(-sign * r.all_but)))
     return Sensitivity(tuple(rows), m_float, m_q, higher_is_better)
 
 
@@ -204,9 +208,10 @@ class FallbackResult:
       kept: the op keys kept float (or given the fallback rule).
       met: whether the metric is within ``max_drop`` of float.
       float_metric, quantized_metric, metric: float, before the fallback, after.
-      trials: ``(kept keys, metric)`` for every trial run; with ``rank="sensitivity"``
-        the ranking trials come first, as ``(("quantized alone: KEY",), metric)``: that
-        op quantized and every other float.
+      trials: ``(kept keys, metric)`` for every trial run, the first with every op
+        quantized (none kept); with ``rank="sensitivity"`` the ranking trials follow it,
+        as ``(("quantized alone: KEY",), metric)``: that op quantized and every other
+        float. A metric of NaN (quantization made a NaN) fails the budget.
 
     >>> import jqt
     >>> r = jqt.FallbackResult(recipe=jqt.recipes.w8a8(), qparams={}, kept=("b",), met=True,
@@ -245,16 +250,27 @@ def _rank_by_report(f, qparams, params, batch, weight_argnums):
 def _search(ranked, trial, ok, max_trials, trials, all_back_score):
     """Binary search for the shortest prefix of ``ranked`` that meets the budget.
     Keeping every op back scores ``all_back_score`` without a trial when known (every
-    op float is the float model). Returns the shortest meeting prefix found (all of
-    ``ranked`` if the trials ran out first), or all of ``ranked`` with its score when
-    even that fails."""
+    op float is the float model). Returns ``(prefix, score, narrowed)``: the shortest
+    meeting prefix found (all of ``ranked`` if the trials ran out first: ``narrowed``
+    is then False), or all of ``ranked`` with its score when even that fails and no
+    other choice tried meets it (a fallback rule less precise than the recipe for some
+    ops: more of them kept back can score worse, so the shorter prefixes, then all
+    ops but one, are tried in turn while trials are left)."""
     n = len(ranked)
     if all_back_score is None:
         if len(trials) >= max_trials:
-            return ((), trials[0][1])
+            return ((), trials[0][1], n == 0)
         v = trial(tuple(ranked))
         if not ok(v):
-            return (tuple(ranked), v)
+            tries = [tuple(ranked[:m]) for m in range(1, n)]  # the prefixes, then all but one
+            tries += [tuple(c for c in ranked if c != k) for k in reversed(ranked)]
+            for kept in tries:
+                if len(trials) >= max_trials:
+                    break
+                w = trial(kept)
+                if ok(w):
+                    return (kept, w, True)
+            return (tuple(ranked), v, True)
         all_back_score = v
     best = (tuple(ranked), all_back_score)
     lo, hi = 0, n  # prefix lo fails the budget, prefix hi meets it
@@ -265,7 +281,7 @@ def _search(ranked, trial, ok, max_trials, trials, all_back_score):
             hi, best = mid, (tuple(ranked[:mid]), v)
         else:
             lo = mid
-    return best
+    return (*best, hi - lo <= 1)
 
 
 def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: float,
@@ -292,16 +308,18 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
       rank: the order in which ops are kept back: ``"report"`` (lowest SQNR
         in :func:`jqt.report` on the first batch first; no trials) or
         ``"sensitivity"`` (largest drop when quantized alone first; one trial
-        per op).
+        per op, for the first ``max_trials - 2`` ops: a warning names the rest).
       weight_argnums: as in :func:`jqt.calibrate`.
       higher_is_better: ``False`` for a metric such as a loss or an error.
       simulate: score the simulated path instead of the integer one.
       progress: progress bars of the calibrations, as in :func:`jqt.calibrate`.
 
     The search keeps back the shortest prefix of the ranking that meets the
-    budget (a binary search), then tries dropping each kept op again. When the
-    budget cannot be met within ``max_trials``, the result has ``met=False``,
-    the best choice found, and a warning says so.
+    budget (a binary search), then tries dropping each kept op again. A quantized
+    variant the metric scores NaN fails the budget. When the budget cannot be met
+    within ``max_trials``, the result has ``met=False``, the best choice found, and
+    a warning says so; a warning also says when the trials ran out before the
+    search narrowed the choice.
 
     Returns:
       a :class:`jqt.FallbackResult` whose ``recipe`` reproduces the choice.
@@ -360,6 +378,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     candidates = _quantized_keys(qp)
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
+    elif not candidates:  # nothing is quantized: nothing to keep back, the budget is met
+        alt = {}
     else:
         anywhere = tuple(dataclasses.replace(r, key=".*") for r in to_rules)
         matched = [k for k in candidates if any(r.matches(qp[k].op, k) for r in anywhere)]
@@ -410,7 +430,17 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         for k in ranked[:max(0, max_trials - 2)]:
             drop[k] = sign * (m_float - score({**allf, k: qp[k]}))
             trials.append(((f"quantized alone: {k}",), m_float - sign * drop[k]))
-        ranked = sorted(ranked, key=lambda k: -drop.get(k, -math.inf))
+        if len(drop) < len(ranked):
+            diagnostics.warn(
+                f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
+                f"{len(drop)} of the {len(ranked)} quantized ops (one trial each, after the "
+                "all-quantized one); the others are ranked last, unmeasured, and the search "
+                f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="
+                f"{len(ranked) + 2 + max(1, len(ranked)).bit_length()} or more, or rank='report' "
+                "(which ranks every op in one jqt.report pass).")
+        # a NaN drop (the op alone made a NaN) ranks first; unmeasured ops last
+        ranked = sorted(ranked, key=lambda k: -(math.inf if math.isnan(drop.get(k, 0.0))
+                                                else drop.get(k, -math.inf)))
     else:
         try:
             with once():
@@ -421,8 +451,11 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                                       f"cannot run this f: {e} Pass rank='sensitivity', which ranks them "
                                       "by trials instead.") from None
     best = ((), m_q)  # the best-scoring choice seen; the answer when the budget is met
+    narrowed = True
     if not ok(m_q):
-        best = _search(ranked, trial, ok, max_trials, trials, m_float if to is None else None)
+        *best, narrowed = _search(ranked, trial, ok, max_trials, trials,
+                                  m_float if to is None else None)
+        best = tuple(best)
         if ok(best[1]):  # prune: an op of the prefix may not be needed
             for k in reversed(best[0]):
                 if len(trials) >= max_trials or len(best[0]) <= 1:
@@ -443,10 +476,17 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
             tuple(dataclasses.replace(r, key=pattern) for r in to_rules if prims & set(r.ops))
-        rules = fb + rules
+        # a rule of the recipe's that decided only ops now kept back decides nothing
+        # behind fb (calibrate would warn that it is shadowed): left out
+        taken = lambda r: [k for k, p in qp.items() if r.matches(p.op, k)]
+        rules = fb + tuple(r for r in rules
+                           if not (taken(r) and all(any(b.matches(qp[k].op, k) for b in fb)
+                                                    for k in taken(r))))
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
-        with _Once(calibrated)():  # what ``to`` could not do for the kept ops (a group size)
+        # (a rule of the recipe's warned about there has another number behind fb)
+        unnumbered = lambda m: re.sub(r"^(jqt\.calibrate: rule )\d+ ", r"\1", m)
+        with _Once(calibrated, unnumbered)():  # what ``to`` could not do for the kept ops (a group size)
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
@@ -456,9 +496,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         if to is not None and every and not ok(every[0]):
             same = " (the same as with none: to= gives them the types they have?)" \
                 if every[0] == m_q else ""
+            other = sum(1 for k, _ in trials if 0 < len(k) < len(ranked)
+                        and not k[0].startswith("quantized alone: "))
             why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
-                   f"{every[0]:.4g}{same}, so more trials cannot meet it. Use a more precise "
-                   "fallback (to=None keeps ops float) or a larger max_drop.")
+                   f"{every[0]:.4g}{same}, and the {other} smaller choice(s) tried did not meet "
+                   "it either. Use a more precise fallback (to=None keeps ops float), a larger "
+                   "max_drop, or more trials (max_trials).")
         else:
             why = ("Allow more trials (max_trials), a larger max_drop, or a more precise "
                    "fallback (to=None keeps ops float).")
@@ -466,4 +509,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
             f"trials: the best choice keeps {list(kept)} back and scores {m_final:.4g} against "
             f"{m_float:.4g} in float; {why}")
+    elif not narrowed:
+        diagnostics.warn(
+            f"jqt.fallback: max_trials={max_trials} ran out before the search narrowed the ops to "
+            f"keep back: the result keeps {len(kept)} of the {len(ranked)} candidate ops back "
+            "(it meets the budget), and a shorter choice may too. Pass a larger max_trials.")
     return result

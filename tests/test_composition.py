@@ -975,6 +975,17 @@ def test_vmap_of_a_per_example_cond_says_why_its_convolutions_stay_float():
     assert len(msgs) == 1 and "conv_general_dilated" in msgs[0] and "jax.vmap of a lax.cond" in msgs[0] \
         and "'ha'" in msgs[0] and "'hb'" in msgs[0] and "act_x_act" not in msgs[0], msgs
     assert all(v.is_float for v in qp.values())
+    # a dot picked so beside them: a warning of its own (they were grouped under the
+    # first op's wording, hunt44_review)
+    p2 = {**p, "da": jax.random.normal(k[0], (4, 6))}
+    dot = lambda p, x: lax.cond(x.mean() > 0.5, lambda x: x @ p["da"], lambda x: x @ (2 * p["da"]), x)
+    g = lambda p, xs: (f(p, xs), jax.vmap(lambda x: dot(p, x))(xs))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(g, jqt.recipes.w8a8(), p2, [(xs,)], progress=False)
+    msgs = sorted(str(w.message) for w in got)
+    assert len(msgs) == 2 and "a conv_general_dilated" in msgs[0] and "act_x_act" not in msgs[0] \
+        and "a dot_general" in msgs[1] and "'da'" in msgs[1] and "act_x_act" in msgs[1], msgs
 
 
 def test_vmap_of_a_per_example_cond_says_why_its_dots_stay_float():

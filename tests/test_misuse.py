@@ -354,7 +354,8 @@ def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
                                                 feature_group_count=4)
     qd = jqt.calibrate(rep, jqt.recipes.w8(), {"dw": dw}, [(img,)], progress=False)
     with pytest.warns(UserWarning, match=r"jqt.pack: op 'dw' reads weight 'dw' broadcast .*\(jnp.repeat or "
-                                         r"jnp.broadcast_to of a kernel\?\).*Convolve with the kernel itself") as got:
+                                         r"jnp.broadcast_to of a kernel\?\).*convolve with the kernel itself and repeat the output "
+                                         r"channels") as got:
         jqt.pack(qd, {"dw": dw})
     assert not any("matmul" in str(m.message) for m in got)
     with pytest.raises(jqt.QParamsMismatchError,
@@ -1104,3 +1105,13 @@ def test_qparams_stacked_per_task_without_vmap_are_told_to_run_under_vmap(setup)
         jqt.quantize(f, stacked, simulate=True)(p, *batches[0])
     per_task = jax.vmap(lambda q: jqt.quantize(f, q, simulate=True)(p, *batches[0]))(stacked)
     np.testing.assert_allclose(per_task[1], jqt.quantize(f, qp, simulate=True)(p, *batches[0]), rtol=1e-6, atol=1e-6)
+    # a lax.scan over stacked layers checks the layer axis first (hunt44_review)
+    layers = {"w": jax.random.normal(jax.random.key(1), (3, 16, 16)) * 0.2}
+    from jax import lax
+    scan = lambda p, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])[0]
+    x = jax.random.normal(jax.random.key(2), (4, 16))
+    qs = jqt.calibrate(scan, jqt.recipes.w8a8(), layers, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"a leading axis of 3 \(one set per layer\), but one "
+                                                       r"has shape \(2, 3\).*stacked along a leading axis "
+                                                       r"of 2 .*under jax.vmap over that axis"):
+        jqt.quantize(scan, jax.tree.map(lambda a: jnp.stack([a] * 2), qs), simulate=True)(layers, x)

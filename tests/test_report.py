@@ -1078,10 +1078,12 @@ def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_t
     """The recipe's own rule for ``b`` (int4) decides nothing once fallback puts its rule
     for ``b`` first: the final calibration warned "rule 1 ... decides no op ... move it
     ahead", about a recipe the user did not write, and a rule matching no op was warned
-    about twice, as rule 0 and rule 1 (hunt44_report). The returned recipe leaves the
-    shadowed rule out; the user's own dead rule is warned about once."""
+    about twice, as rule 0 and rule 1 (hunt44_report). The shadowed rule stays in the
+    returned recipe (another function on these params, a second head, takes it: leaving
+    it out gave that head int8, hunt44_review); the user's own dead rule is warned about
+    once."""
     f, p, batches, err = _three_layers()
-    int4 = jqt.Rule(key="^b$", weight=jqt.QuantType(bits=4, group_size=8, narrow_range=True), activation=None)
+    int4 = jqt.Rule(key="^b", weight=jqt.QuantType(bits=4, group_size=8, narrow_range=True), activation=None)
     typo = jqt.Rule(key="^nonexistent$")
     recipe = jqt.Recipe(rules=(typo, int4, *jqt.recipes.w8a8().rules))
     with warnings.catch_warnings(record=True) as got:
@@ -1089,9 +1091,35 @@ def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_t
         res = jqt.fallback(f, recipe, p, batches, err, max_drop=0.5, higher_is_better=False)
     msgs = [str(w.message) for w in got if "decides no op" in str(w.message)]
     assert "b" in res.kept and len(msgs) == 1 and "'^nonexistent$'" in msgs[0], msgs
-    assert int4 not in res.recipe.rules and typo in res.recipe.rules
+    assert res.recipe.rules[1:] == recipe.rules
     again = jqt.calibrate(f, res.recipe, p, batches, progress=False)
     _leaves_equal(again, res.qparams)
+    two = lambda p, x: (f(p, x), jax.nn.relu(x @ p["a"]) @ p["b"][:, :8] + x[:, :8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = jqt.calibrate(two, res.recipe, p, batches, progress=False)
+    assert [k for k, q in other.items() if not q.is_float and q.rhs.qtype.bits == 4] == ["b#1"]
+
+
+def test_sensitivity_ranks_an_op_whose_float_alone_recovers_a_nan_first():
+    """A metric that is 1 where the error is small and NaN where quantization broke the
+    model: every op alone scores 1 (a tie), and only ``c`` kept float recovers; its
+    finite "all but" ranks it first (a NaN "all but" says keeping that op float does not
+    help). The NaN sorted first in both keys (hunt44_review)."""
+    f = lambda p, x: ((x @ p["a"]) @ p["b"]) @ p["c"]
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"a": jax.random.normal(k[0], (4, 4)), "b": jax.random.normal(k[1], (4, 4)),
+         "c": jax.random.normal(k[2], (4, 3))}
+    x = jax.random.normal(k[3], (16, 4))
+    ref = f(p, x)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    err = lambda g: float(jnp.abs(g(p, x) - ref).max())
+    all_but = {r.key: r.all_but for r in jqt.sensitivity(f, qp, err, higher_is_better=False).rows}
+    threshold = 0.21
+    assert all_but["c"] <= threshold < min(all_but["a"], all_but["b"])  # only c float recovers
+    s = jqt.sensitivity(f, qp, lambda g: 1.0 if err(g) <= threshold else math.nan)
+    assert [r.alone for r in s.rows] == [1.0] * 3 and s.rows[0].key == "c"
+    assert [math.isnan(r.all_but) for r in s.rows] == [False, True, True]
 
 
 def test_report_of_a_scan_of_no_iterations_and_of_nested_scans():
@@ -1128,3 +1156,39 @@ def test_fallback_to_a_rule_on_a_function_with_nothing_quantized_is_met():
         res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], lambda g: float(g(p, x).sum()),
                            max_drop=0.1, to=jqt.recipes.w8a16().rules[0])
     assert res.met and res.kept == () and res.qparams == {}
+
+
+def test_fallback_ranks_nothing_when_every_op_quantized_meets_the_budget():
+    """rank='sensitivity' spent its ranking trials (and, past max_trials - 2 ops, warned
+    to pass more) before checking that the all-quantized model met the budget already
+    (hunt44_review)."""
+    f, p, batches, err = _three_layers()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, err, max_drop=1e3,
+                           higher_is_better=False, rank="sensitivity", max_trials=3)
+    assert res.met and res.kept == () and len(res.trials) == 1
+    assert not [w for w in got if "jqt.fallback" in str(w.message)], [str(w.message) for w in got]
+
+
+def test_report_labels_smoothed_weights_and_rules_keyed_as_its_nested_rows():
+    """The report's weight column says ``+smooth`` as jqt.summarize does (it did not); a
+    rule keyed as a row of nested scans, ``w[0, 1]``, gets calibrate's hint that the
+    layers share one key (it matched only ``w[1]``; hunt44_review)."""
+    import re
+    k = jax.random.split(jax.random.key(4), 3)
+    p = {"w": jax.random.normal(k[0], (16, 8)) * 0.3}
+    x = jax.random.normal(k[1], (8, 16)).at[:, 0].multiply(30.0)
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    row = jqt.report(f, qp, p, (x,)).rows[0]
+    assert row.weight == "int8 sym per-channel +smooth" and row.weight in jqt.summarize(qp)
+    w = {"w": jax.random.normal(k[2], (2, 3, 16, 16)) * 0.3}
+
+    def nested(p, x):
+        layer = lambda x, wi: (jnp.tanh(x @ wi), None)
+        return lax.scan(lambda x, ws: (lax.scan(layer, x, ws)[0], None), x, p["w"])[0]
+    rule = jqt.Rule(key=re.escape("w[0, 1]"), weight=None)
+    with pytest.warns(UserWarning, match=r"decides no op.*jqt.report names one layer of a lax.scan"):
+        jqt.calibrate(nested, jqt.Recipe(rules=(rule, *jqt.recipes.w8a8().rules)), w,
+                      [(x[:, :16] / 30,)], progress=False)

@@ -437,7 +437,7 @@ class Analyzer:
                 names, what = _named_weights(path)
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') looks rows up in {what} {how}; the "
                        f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. {fix}")
-                self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
+                self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
 
     def _defer(self, kind, message, label):
         """A warning about one op: one per ``kind`` for the whole function
@@ -503,7 +503,7 @@ class Analyzer:
                         "stays float (unless the recipe quantizes those, act_x_act=)")
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
                        f"{kind}, as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
-                self._defer(("data", field), msg, f"{what} at '{stack or '<top>'}'")
+                self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "

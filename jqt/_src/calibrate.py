@@ -553,7 +553,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         else:
             why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                    "(jqt.summarize lists the keys)")
-            if re.search(r"\\?\[\d+\\?\]", r.key) and any(s.stack_ids for s in sites):
+            if re.search(r"\\?\[\d+(?:,\\?\s*\d+)*\\?\]", r.key) and any(s.stack_ids for s in sites):
                 why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                         "'key[n]', but the layers share one op key and one rule: match the key "
                         "itself for every layer, or keep that layer out of the scan")

@@ -382,11 +382,14 @@ def _scan(eqn, invals, sub, ctx, evaluate):
             shapes += kept[k].shapes()
         for shape in shapes:
             if not shape or shape[0] != p["length"]:
+                stacked = (f" If the qparams were stacked along a leading axis of {shape[0]} (one "
+                           "per task, seed or model), run the quantized function under jax.vmap "
+                           "over that axis.") if len(shape) > 1 and shape[1] == p["length"] else ""
                 raise QParamsMismatchError(
                     f"jqt: op '{k}' reads a weight that a lax.scan of length {p['length']} slices "
                     f"from stacked layers, so its parameters need a leading axis of {p['length']} "
                     f"(one set per layer), but one has shape {shape}. The "
-                    "qparams were made for other weights or edited; re-calibrate.")
+                    f"qparams were made for other weights or edited; re-calibrate.{stacked}")
     j, c = closed_parts(p["jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     init, entered = _enter_caches(sub, ctx, init)

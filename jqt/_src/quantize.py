@@ -590,9 +590,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                          "(tensor parallelism).")
     if copies:
         key, path, shape, n, op = copies[0]
-        how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Convolve with the kernel "
-                     "itself (a depthwise kernel repeated per output channel: feature_group_count "
-                     "with the kernel's own shape)") if op == "conv_general_dilated" else
+        how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Where the copies are the "
+                     "same kernel, convolve with the kernel itself and repeat the output channels "
+                     "(a depthwise kernel repeated m times per channel: the convolution with it, "
+                     "then jnp.repeat(y, m, axis=-1) on the features axis)")
+                    if op == "conv_general_dilated" else
                     ("jnp.broadcast_to before a batched matmul?", "Contract the weight itself, "
                      "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w)"))
         diagnostics.warn(

@@ -80,10 +80,11 @@ class _Once:
     """The warnings of a tool's trials, each shown once: every trial traces ``f`` again
     (a new quantized function), and its analysis warned again (a model whose 6 layers each
     warn, under 13 trials: 78 warnings). ``seen``: the messages shown already; ``same``:
-    the form in which two messages are compared (default: as they are)."""
+    the form in which two messages are compared (default: as they are); ``skip``: the
+    messages not shown at all."""
 
-    def __init__(self, seen=(), same=str):
-        self.same = same
+    def __init__(self, seen=(), same=str, skip=lambda m: False):
+        self.same, self.skip = same, skip
         self.seen = {same(m) for m in seen}
 
     @contextlib.contextmanager
@@ -91,7 +92,7 @@ class _Once:
         with diagnostics.captured() as got:
             yield
         for message, category in got:
-            if self.same(str(message)) not in self.seen:
+            if not self.skip(str(message)) and self.same(str(message)) not in self.seen:
                 self.seen.add(self.same(str(message)))
                 diagnostics.warn(message, category)
 
@@ -192,8 +193,10 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
         all_but = score({**qparams, k: allf[k]})
         rows.append(SensitivityRow(k, alone, all_but))
     sign = 1 if higher_is_better else -1
-    nan_last = lambda v: -math.inf if math.isnan(v) else v  # a NaN score: the worst
-    rows.sort(key=lambda r: (nan_last(sign * r.alone), nan_last(-sign * r.all_but)))
+    # most harmful first: a NaN with only the op quantized is the worst; a NaN with all
+    # but the op quantized says keeping it float does not help: the least harmful
+    nan_as = lambda v, inf: inf if math.isnan(v) else v
+    rows.sort(key=lambda r: (nan_as(sign * r.alone, -math.inf), nan_as(-sign * r.all_but, math.inf)))
     return Sensitivity(tuple(rows), m_float, m_q, higher_is_better)
 
 
@@ -424,7 +427,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     ok = lambda v: sign * (m_float - v) <= max_drop
     m_q = trial(())
     ranked = candidates
-    if rank == "sensitivity":
+    if ok(m_q):
+        pass  # every op quantized meets the budget: nothing to rank, nothing kept back
+    elif rank == "sensitivity":
         allf = {k: _as_float(p, "") for k, p in qp.items()}
         drop = {}
         for k in ranked[:max(0, max_trials - 2)]:
@@ -476,17 +481,20 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
             tuple(dataclasses.replace(r, key=pattern) for r in to_rules if prims & set(r.ops))
-        # a rule of the recipe's that decided only ops now kept back decides nothing
-        # behind fb (calibrate would warn that it is shadowed): left out
+        # a rule of the recipe's that decided only ops now kept back decides nothing of
+        # f's behind fb; it stays (it may decide the ops of another function on these
+        # params), and calibrate's warning that it is shadowed is not shown here
         taken = lambda r: [k for k, p in qp.items() if r.matches(p.op, k)]
-        rules = fb + tuple(r for r in rules
-                           if not (taken(r) and all(any(b.matches(qp[k].op, k) for b in fb)
-                                                    for k in taken(r))))
+        shadowed = [f"(Rule({f'key={r.key!r}' if r.key != '.*' else f'ops={r.ops}'})) decides no "
+                    "op: every op it matches is taken by an earlier rule" for r in rules
+                    if taken(r) and all(any(b.matches(qp[k].op, k) for b in fb) for k in taken(r))]
+        rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
         # (a rule of the recipe's warned about there has another number behind fb)
         unnumbered = lambda m: re.sub(r"^(jqt\.calibrate: rule )\d+ ", r"\1", m)
-        with _Once(calibrated, unnumbered)():  # what ``to`` could not do for the kept ops (a group size)
+        skip = lambda m: any(s in m for s in shadowed)
+        with _Once(calibrated, unnumbered, skip)():  # what ``to`` could not do for the kept ops (a group size)
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
@@ -500,8 +508,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                         and not k[0].startswith("quantized alone: "))
             why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
                    f"{every[0]:.4g}{same}, and the {other} smaller choice(s) tried did not meet "
-                   "it either. Use a more precise fallback (to=None keeps ops float), a larger "
-                   "max_drop, or more trials (max_trials).")
+                   "it either. Use a more precise fallback (to=None keeps ops float) or a larger "
+                   f"max_drop{', or more trials (max_trials)' if len(trials) >= max_trials else ''}.")
         else:
             why = ("Allow more trials (max_trials), a larger max_drop, or a more precise "
                    "fallback (to=None keeps ops float).")

@@ -354,8 +354,8 @@ def test_weights_read_in_shapes_jqt_cannot_pack_well_are_named():
                                                 feature_group_count=4)
     qd = jqt.calibrate(rep, jqt.recipes.w8(), {"dw": dw}, [(img,)], progress=False)
     with pytest.warns(UserWarning, match=r"jqt.pack: op 'dw' reads weight 'dw' broadcast .*\(jnp.repeat or "
-                                         r"jnp.broadcast_to of a kernel\?\).*convolve with the kernel itself and repeat the output "
-                                         r"channels") as got:
+                                         r"jnp.broadcast_to of a kernel\?\).*convolve with it and copy those .*jnp.repeat\(y, m, "
+                                         r"axis=c\)") as got:
         jqt.pack(qd, {"dw": dw})
     assert not any("matmul" in str(m.message) for m in got)
     with pytest.raises(jqt.QParamsMismatchError,
@@ -831,6 +831,14 @@ def test_a_fallback_that_every_candidate_at_to_misses_says_so_after_the_smaller_
             and "the 2 smaller choice(s) tried did not meet it either" in msg[0] \
             and "Allow more trials" not in msg[0], msg
         assert ("to= gives them the types they have?" in msg[0]) == same, msg
+        assert "or more trials (max_trials)" not in msg[0]  # every choice was tried
+        for n, more in ((4, False), (3, True)):  # the 4 trials it took, one fewer
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                jqt.fallback(f, recipe, p, batches, err, max_drop=1e-12, higher_is_better=False,
+                             to=to, max_trials=n)
+            msg = [str(w.message) for w in got if "was not met" in str(w.message)]
+            assert ("or more trials (max_trials)" in msg[0]) == more, (n, msg)
 
 
 def test_a_quantized_function_pickles_as_jax_jit_does(setup):

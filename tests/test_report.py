@@ -1094,6 +1094,15 @@ def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_t
     assert res.recipe.rules[1:] == recipe.rules
     again = jqt.calibrate(f, res.recipe, p, batches, progress=False)
     _leaves_equal(again, res.qparams)
+    # a rule shadowed by fallback's and an earlier rule of the user's together: the same
+    # (it warned "move it ahead", hunt44_review2)
+    int8_c = jqt.Rule(key="^c$", weight=jqt.recipes.INT8_WEIGHT, activation=None)
+    both = jqt.Rule(key="^(b|c)$", weight=jqt.QuantType(bits=4, group_size=8, narrow_range=True), activation=None)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res2 = jqt.fallback(f, jqt.Recipe(rules=(int8_c, both, *jqt.recipes.w8a8().rules)), p, batches,
+                            err, max_drop=0.5, higher_is_better=False)
+    assert "b" in res2.kept and not [w for w in got if "decides no op" in str(w.message)]
     two = lambda p, x: (f(p, x), jax.nn.relu(x @ p["a"]) @ p["b"][:, :8] + x[:, :8])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -590,10 +590,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
                          "(tensor parallelism).")
     if copies:
         key, path, shape, n, op = copies[0]
-        how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Where the copies are the "
-                     "same kernel, convolve with the kernel itself and repeat the output channels "
-                     "(a depthwise kernel repeated m times per channel: the convolution with it, "
-                     "then jnp.repeat(y, m, axis=-1) on the features axis)")
+        how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Where a convolution "
+                     "with the kernel itself gives the same features, convolve with it and copy "
+                     "those (a kernel jnp.repeat-ed m times along its output axis: "
+                     "jnp.repeat(y, m, axis=c) on the output's features axis c); otherwise store "
+                     "the kernel as the convolution uses it in params")
                     if op == "conv_general_dilated" else
                     ("jnp.broadcast_to before a batched matmul?", "Contract the weight itself, "
                      "without broadcasting it (jnp.einsum('btk,kn->btn', x, w), x @ w)"))

@@ -250,12 +250,13 @@ def _rank_by_report(f, qparams, params, batch, weight_argnums):
     return sorted(keys, key=lambda k: worst.get(k, math.inf))
 
 
-def _search(ranked, trial, ok, max_trials, trials, all_back_score):
+def _search(ranked, trial, ok, max_trials, trials, all_back_score, seen):
     """Binary search for the shortest prefix of ``ranked`` that meets the budget.
     Keeping every op back scores ``all_back_score`` without a trial when known (every
     op float is the float model). Returns ``(prefix, score, narrowed)``: the shortest
     meeting prefix found (all of ``ranked`` if the trials ran out first: ``narrowed``
-    is then False), or all of ``ranked`` with its score when even that fails and no
+    is then False, as where they ran out before every choice below was tried), or all
+    of ``ranked`` with its score when even that fails and no
     other choice tried meets it (a fallback rule less precise than the recipe for some
     ops: more of them kept back can score worse, so the shorter prefixes, then all
     ops but one, are tried in turn while trials are left)."""
@@ -267,9 +268,9 @@ def _search(ranked, trial, ok, max_trials, trials, all_back_score):
         if not ok(v):
             tries = [tuple(ranked[:m]) for m in range(1, n)]  # the prefixes, then all but one
             tries += [tuple(c for c in ranked if c != k) for k in reversed(ranked)]
-            for kept in tries:
-                if len(trials) >= max_trials:
-                    break
+            for j, kept in enumerate(tries):
+                if len(trials) >= max_trials:  # cut short: more trials would try the rest
+                    return (tuple(ranked), v, all(frozenset(t) in seen for t in tries[j:]))
                 w = trial(kept)
                 if ok(w):
                     return (kept, w, True)
@@ -459,7 +460,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     narrowed = True
     if not ok(m_q):
         *best, narrowed = _search(ranked, trial, ok, max_trials, trials,
-                                  m_float if to is None else None)
+                                  m_float if to is None else None, seen)
         best = tuple(best)
         if ok(best[1]):  # prune: an op of the prefix may not be needed
             for k in reversed(best[0]):
@@ -481,19 +482,16 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
             tuple(dataclasses.replace(r, key=pattern) for r in to_rules if prims & set(r.ops))
-        # a rule of the recipe's that decided only ops now kept back decides nothing of
-        # f's behind fb; it stays (it may decide the ops of another function on these
-        # params), and calibrate's warning that it is shadowed is not shown here
-        taken = lambda r: [k for k, p in qp.items() if r.matches(p.op, k)]
-        shadowed = [f"(Rule({f'key={r.key!r}' if r.key != '.*' else f'ops={r.ops}'})) decides no "
-                    "op: every op it matches is taken by an earlier rule" for r in rules
-                    if taken(r) and all(any(b.matches(qp[k].op, k) for b in fb) for k in taken(r))]
+        # a rule of the recipe's that decided only ops now kept back (or they and ops an
+        # earlier rule of its takes) decides nothing of f's behind fb; it stays (it may
+        # decide the ops of another function on these params), and calibrate's warning
+        # that it is shadowed, new here (fb made it), is not shown
         rules = fb + rules
         # Calibrate with the final recipe: the same arrays as the trial's mix, and
         # metadata (which float leaves jqt.pack must keep, notes) that match it.
         # (a rule of the recipe's warned about there has another number behind fb)
         unnumbered = lambda m: re.sub(r"^(jqt\.calibrate: rule )\d+ ", r"\1", m)
-        skip = lambda m: any(s in m for s in shadowed)
+        skip = lambda m: "decides no op: every op it matches is taken by an earlier rule" in m
         with _Once(calibrated, unnumbered, skip)():  # what ``to`` could not do for the kept ops (a group size)
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
@@ -509,7 +507,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
                    f"{every[0]:.4g}{same}, and the {other} smaller choice(s) tried did not meet "
                    "it either. Use a more precise fallback (to=None keeps ops float) or a larger "
-                   f"max_drop{', or more trials (max_trials)' if len(trials) >= max_trials else ''}.")
+                   f"max_drop{'' if narrowed else ', or more trials (max_trials)'}.")
         else:
             why = ("Allow more trials (max_trials), a larger max_drop, or a more precise "
                    "fallback (to=None keeps ops float).")

@@ -18,8 +18,8 @@ train a model), and the longer regression cases of one narrow input, each marked
 comment saying so (the feature it regresses has tests in the default run). The default run (pyproject.toml's addopts) leaves them out; CI runs them
 with ``.venv/bin/python -m pytest -m slow``. ``slow_variants`` on a parametrized test: its
 first parameter set runs by default, the others are ``slow`` (to keep the default run near
-its budget of 5 minutes on a 2-core machine whose XLA compiles a third slower than
-another's).
+its budget of 5 minutes on a 2-core machine, where CI's has taken up to 1.5 times as
+long as another's).
 """
 import os
 

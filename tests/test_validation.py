@@ -1362,6 +1362,13 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     got = cal(R.w8a8().rules + (jqt.Rule(ops=("gather",), embedding=None),))
     assert any(re.search(r"rule \d+ \(Rule\(ops=\('gather',\)\)\) decides no op: every op it "
                          r"matches is taken by an earlier rule", m) for m in got), got
+    # an act_x_act rule after a preset's: named by its types (both rules of every key read
+    # alike), the rule that takes its ops named, and how to add the type (hunt44_graphtf)
+    axa = jqt.Rule(act_x_act=Q(bits=8, per_channel=True, dynamic=True))
+    got = [m for m in cal(R.w8a8().rules + (axa,)) if "decides no op" in m]
+    assert len(got) == 1 and "act_x_act=int8 sym per-channel dynamic)) decides no op" in got[0] \
+        and "taken by an earlier rule (rule 0)" in got[0] \
+        and "dataclasses.replace(recipe.rules[0], ...)" in got[0], got
     # a preset's rule of every key that matches no op (w4's conv rule, no convs): silent
     assert not [m for m in cal(R.w4().rules) if "decides no op" in m]
 

@@ -17,6 +17,7 @@ from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
 from .analysis import CALL
+from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
 
 
@@ -546,7 +547,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         other = sorted({f"{s.key!r} ({s.op})" for s in sites
                         if s.op not in r.ops and re.search(r.key, s.key)})
         if shadowed:
-            why = "every op it matches is taken by an earlier rule; move it ahead of them"
+            by = sorted({j for j, e in enumerate(recipe.rules) if any(e is t for t in taken)})
+            why = (f"every op it matches is taken by an earlier rule (rule "
+                   f"{', '.join(map(str, by))}), which decides all of their types: the first rule "
+                   "matching an op gives it every type (weight, activation, act_x_act, ...); move "
+                   "it ahead of them, or set the types it adds on that rule "
+                   f"(dataclasses.replace(recipe.rules[{by[0]}], ...))")
         elif other:  # the key matches, its ops= does not
             why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
                    "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
@@ -557,7 +563,9 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                 why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                         "'key[n]', but the layers share one op key and one rule: match the key "
                         "itself for every layer, or keep that layer out of the scan")
-        named = f"key={r.key!r}" if r.key != ".*" else f"ops={r.ops}"
+        named = f"key={r.key!r}" if r.key != ".*" else f"ops={r.ops}" + "".join(
+            f", {f.name}={v.describe()}" for f in dataclasses.fields(r)  # what tells it apart
+            if isinstance(v := getattr(r, f.name), QuantType))
         diagnostics.warn(f"jqt.calibrate: rule {i} (Rule({named})) decides no op: {why}.")
 
 

@@ -182,6 +182,14 @@ class Calibrate:
         return {k: stats.reduce_stacked(v) for k, v in stacked.items()}
 
 
+def stacked_hint(n):
+    """The end of a shape error whose parameters carry one leading axis of ``n`` more than
+    the op needs: qparams stacked per task, seed or model, run without ``jax.vmap``."""
+    return (f" If the qparams were stacked along a leading axis of {n} (one per task, seed or "
+            "model: jax.tree.map(jnp.stack, ...)), run the quantized function under jax.vmap "
+            "over that axis.")
+
+
 def _observe(cal, x):
     """``cal.observe(x)``; for an activation with no elements (a slice of no rows, as
     ``lax.associative_scan`` makes), the statistics of no data, ``cal.empty``, in the
@@ -285,10 +293,7 @@ def lookup(ctx, site, invals):
                             "key, with no types, first in the recipe's rules."
                             ) if i == site.weight_operand and site.source is None else ""
                 got = tuple(jnp.shape(a))
-                stacked = (f" If the qparams were stacked along a leading axis of {got[0]} (one "
-                           "per task, seed or model: jax.tree.map(jnp.stack, ...)), run the "
-                           "quantized function under jax.vmap over that axis."
-                           ) if len(got) == len(want) + 1 and got[1:] == want else ""
+                stacked = stacked_hint(got[0]) if len(got) == len(want) + 1 and got[1:] == want else ""
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {got}, but the operand {tuple(invals[i].shape)} "

@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import compat, kvcache
-from .handlers import QParamsMismatchError
+from .handlers import QParamsMismatchError, stacked_hint
 from .layerview import LayerView
 from .plan import Plan, VarInfo, closed_parts, picked_weights
 
@@ -382,9 +382,7 @@ def _scan(eqn, invals, sub, ctx, evaluate):
             shapes += kept[k].shapes()
         for shape in shapes:
             if not shape or shape[0] != p["length"]:
-                stacked = (f" If the qparams were stacked along a leading axis of {shape[0]} (one "
-                           "per task, seed or model), run the quantized function under jax.vmap "
-                           "over that axis.") if len(shape) > 1 and shape[1] == p["length"] else ""
+                stacked = stacked_hint(shape[0]) if len(shape) > 1 and shape[1] == p["length"] else ""
                 raise QParamsMismatchError(
                     f"jqt: op '{k}' reads a weight that a lax.scan of length {p['length']} slices "
                     f"from stacked layers, so its parameters need a leading axis of {p['length']} "

@@ -974,6 +974,15 @@ def test_static_values_that_change_the_ops_are_refused():
     with pytest.raises(jqt.CalibrationDataError, match=r"batch 1 runs other ops than batch 0 .*"
                        r"\['w#1'\].*functools.partial"):
         jqt.calibrate(f, jqt.recipes.w8a8(), W, [(X, "plain"), (X, "twice")], progress=False)
+    # a table sliced to the input's length, calibrated on graphs of two sizes: the generic
+    # message named the table but sent the user to functools.partial (hunt44_graphtf)
+    g = lambda p, x: x @ p["enc"] + (p["pos"][:x.shape[0]] @ jnp.eye(4))[:, :3]  # noqa: E731
+    p = {"enc": W, "pos": jnp.asarray(np.random.default_rng(2).standard_normal((32, 4)), jnp.float32)}
+    with pytest.raises(jqt.CalibrationDataError, match=r"op 'pos' reads weight 'pos' by slice\(start=\(0, 0\), "
+                       r"limit=\(3, 4\).* in batch 1 and by slice\(start=\(0, 0\), limit=\(4, 4\).* in batch "
+                       r"0: the layout op's arguments follow the input's shape.*one qparams per shape"):
+        jqt.calibrate(g, jqt.recipes.w8a8(), p, [(jnp.tile(X, (2, 1)),), (jnp.tile(X, (2, 1))[:3],)],
+                      progress=False)
 
 
 @pytest.mark.parametrize("value,what", [(np.array(["a", "b"]), "a NumPy array of dtype <U1"),

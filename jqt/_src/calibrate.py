@@ -13,7 +13,7 @@ import numpy as np
 from . import compat, diagnostics, numerics as nx
 from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
-from .handlers import Calibrate, kept_as_is, weight_qtype, weight_range_args
+from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import Recipe
 from .analysis import CALL
@@ -129,6 +129,23 @@ def _check_same_ops(i, traced, first):
         diff = sorted(set(a) ^ set(b)) or [k for k in a if a[k] != b.get(k)]
         names = [s.key for s in traced.sites()] + [s.name_stack or "" for s in traced.sites() if s.key in diff]
         cx = [k for k in diff if k in a and k in b and a[k][:-1] == b[k][:-1]]
+        # the same op reading the same leaf by other layout ops (a slice to the input's length)
+        view = [k for k in diff if k in a and k in b and a[k][:3] == b[k][:3] and a[k][3] and b[k][3]
+                and a[k][3][0] == b[k][3][0] and a[k][4:] == b[k][4:]]
+        if view and not cx:
+            k, (path, was), (_, now) = view[0], a[view[0]][3], b[view[0]][3]
+            if [c[0] for c in was] == [c[0] for c in now]:
+                was, now = next((step_text(c), step_text(d)) for c, d in zip(was, now) if c != d)
+            else:
+                was, now = [c[0] for c in was] or "no layout ops", [c[0] for c in now] or "no layout ops"
+            raise CalibrationDataError(
+                f"jqt.calibrate: op '{k}' reads weight '{path}' by {now} in batch {i} and by {was} "
+                f"in batch {j}: the layout op's arguments follow the input's shape (e.g. "
+                "p['pos'][:x.shape[0]] for x's rows) or a Python value, so the weight's scales "
+                "would be computed for two views of it, and one set of qparams cannot serve "
+                "both. Calibrate each shape on its own (one qparams per shape, each called at "
+                "its shape), or read the weight the same way at every shape (the whole table, "
+                "its rows picked after the op).")
         why = (f"op '{cx[0]}' reads complex values in one batch and real ones in the other (an "
                "op that reads complex values is kept float, a real one quantized)"
                ) if cx else "its non-array arguments or its shapes change which ops f runs"

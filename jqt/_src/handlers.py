@@ -395,7 +395,7 @@ def _check_source(site, qp):
         was, now = next((c, d) for c, d in zip(got[0], want[0]) if c != d)
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
-            f"{_step(was)}, but this call reaches it by {_step(now)}: the layout op's arguments "
+            f"{step_text(was)}, but this call reaches it by {step_text(now)}: the layout op's arguments "
             "follow the input's shape (e.g. p['pos'][:x.shape[1]], or a broadcast to the batch "
             "size) or a Python value (a static argument, or a static field of the params: a "
             "dataclass field with static=True, a flax.struct field with pytree_node=False), so "
@@ -423,7 +423,7 @@ def _check_source(site, qp):
             "this function.")
 
 
-def _step(c):
+def step_text(c):
     """A layout step of a weight's chain as text: ``slice(start=(0, 0), limit=(32, 8), ...)``."""
     names = {"slice": ("start", "limit", "strides"), "broadcast_in_dim": ("shape", "dims")}.get(c[0])
     if names and len(names) == len(c) - 1:

@@ -631,9 +631,10 @@ def test_groups_that_do_not_divide_fall_back_per_channel_with_a_warning():
 def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
     """A conv takes no groups. Under a preset (a rule for every op) it gets one scale per
     output channel without a word, as docs/supported-ops.md says (every CNN warned once
-    per conv); a rule for convs alone that asks for groups is told, and the suggested rule
-    (copied as printed) gives the same type without the warning, NF4 included (it said
-    int4 bits=4, another format)."""
+    per conv); a rule for convs alone that asks for groups is told, and that rule with the
+    suggested type (copied as printed) gives the same type without the warning, NF4
+    included (it said int4 bits=4, another format). The advice names this rule (it spoke
+    of "a rule ahead of the preset's" where the recipe had no preset)."""
     conv = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                                      dimension_numbers=("NHWC", "HWIO", "NHWC"))
     w = jnp.asarray(RNG.standard_normal((3, 3, 8, 4)) * 0.2, jnp.float32)
@@ -646,14 +647,14 @@ def test_the_rule_a_conv_without_groups_is_told_to_add_keeps_its_format(recipe):
     with pytest.warns(UserWarning, match="takes no groups") as got:
         qp = jqt.calibrate(conv, jqt.Recipe(rules=(grouped,)), w, [(x,)], progress=False)
     assert qp["w"].rhs.qtype == quiet["w"].rhs.qtype
-    rule = re.search(r"jqt\.Rule\(ops=\('conv_general_dilated',\), weight=(jqt\.QuantType\(.*?\)), ",
+    assert "preset" not in str(got[0].message), got[0].message
+    rule = re.search(r"This rule with weight=(jqt\.QuantType\(.*?\)) \(no group_size\)",
                      str(got[0].message))
     told = eval(rule.group(1), {"jqt": jqt})
     assert told == qp["w"].rhs.qtype and told.dtype == recipe.rules[-1].weight.dtype
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = jqt.calibrate(conv, jqt.Recipe(rules=(jqt.Rule(ops=("conv_general_dilated",),
-                                                               weight=told),) + recipe.rules),
+        again = jqt.calibrate(conv, jqt.Recipe(rules=(dataclasses.replace(grouped, weight=told),)),
                               w, [(x,)], progress=False)
     assert again["w"].rhs.qtype == told
 

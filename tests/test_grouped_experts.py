@@ -587,6 +587,14 @@ def test_experts_gathered_per_token_are_named():
                                          r"scales per group along each matrix's last axis where the rule's group_size fits it"):
         qp = jqt.calibrate(gathered, jqt.recipes.nf4(group_size=32), P, [(x, ids)], progress=False)
     assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, 128, 2)
+    # a group longer than a matrix's row: one group per row, in a lookup's words (it spoke
+    # of contracted axes, which a lookup has none of)
+    with pytest.warns(UserWarning, match=r"cannot take group_size=128 \(groups run along axis 2 .*"
+                                         r"of length 64, and a group does not span more than one "
+                                         r"row\); it gets group_size=64, one group per row ") as got:
+        qp = jqt.calibrate(gathered, jqt.recipes.nf4(group_size=128), P, [(x, ids)], progress=False)
+    assert not any("contracted" in str(m.message) for m in got)
+    assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, 128, 1)
     keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", embedding=None),) + tuple(jqt.recipes.w8().rules))
     table = {"emb": jnp.asarray(RNG.standard_normal((10, D)), jnp.float32)}
     with warnings.catch_warnings():

@@ -284,6 +284,27 @@ def test_weight_packed_for_another_policy_warns_and_still_runs():
     np.testing.assert_allclose(got, want, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.parametrize("recipe,converts", [(jqt.recipes.w8(), False), (jqt.recipes.w4(group_size=0), False),
+                                             (jqt.recipes.w8(group_size=16), True),
+                                             (jqt.recipes.w4a8(group_size=0), True)],
+                         ids=["w8", "w4_g0", "w8_g16", "w4a8_g0"])
+def test_which_cpu_packed_weights_the_gpu_table_converts(recipe, converts):
+    """docs/export.md: a weight packed ``(K, N)`` for the CPU and run under the GPU table is
+    converted on every call, with a warning, except a weight-only integer weight with one
+    scale per channel (``w8``, ``w4(group_size=0)``), whose kernels read either layout;
+    either way the output is the GPU-packed weight's."""
+    gpu = jqt.KernelPolicy.for_backend("gpu")
+    f, p, x, qp, packed = _dense(recipe, k=64, n=16, m=3)
+    assert packed.weights["w"].layout == "kn"
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        y = jqt.quantize(f, qp, policy=gpu)(packed, x)
+    said = any("converted on every call" in str(m.message) for m in got)
+    assert said == converts, [str(m.message) for m in got]
+    want = jqt.quantize(f, qp, policy=gpu)(jqt.pack(qp, p, policy=gpu), x)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_grouped_weight_with_int8_activations_on_cpu():
     """w4a8 on the CPU table, packed ``(K, N)``: a weight whose float copy fits
     ``whole_decode_bytes`` runs one float matmul on its decoded codes and the exact int8

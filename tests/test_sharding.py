@@ -185,6 +185,16 @@ for name, rec in (("w8a8", jqt.recipes.w8a8()), ("w4", W4), ("w8", jqt.recipes.w
                                "grad_rel": max(rel)}
     except Exception as e:
         res["smap_" + name] = f"{type(e).__name__}: {e}"[:300]
+    if name in ("w8a8", "w4"):  # blocks of the packed weights or qparams in its in_specs
+        qs, ps = jqt.packed_shardings(qx, px, SMAP, axis="d")
+        spec = lambda t: jax.tree_util.tree_map(lambda s: s.spec, t)
+        run = lambda q, p, x: jqt.quantize(mlp_scan, q)(p, x)
+        for what, specs in (("packed", (P(), spec(ps), P("d"))), ("qparams", (spec(qs), P(), P("d")))):
+            try:
+                sm(run, specs)(qx, px, X_SM)
+                res[f"smap_split_{name}_{what}"] = "ran"
+            except Exception as e:
+                res[f"smap_split_{name}_{what}"] = f"{type(e).__name__}: {e}"
 # jax.set_mesh of explicit axes: a decode loop whose embedding lookup JAX runs in an
 # auto_axes region (typed on another mesh) and whose weights go through reshard, against
 # the same loop without a mesh (one device, exported: the formulations a multi-device
@@ -644,6 +654,18 @@ def test_quantized_function_inside_shard_map(result, name):
     assert isinstance(got, dict), got
     assert got["diff"] == 0.0 and got["vmap_diff"] == 0.0, got
     assert got["grad_rel"] <= 1e-5, got
+
+
+@pytest.mark.parametrize("name", ["w8a8_packed", "w8a8_qparams", "w4_packed", "w4_qparams"])
+def test_weights_split_by_shard_map_in_specs_are_refused_with_the_fix(result, name):
+    """Packed weights or qparams passed to a ``jax.shard_map`` around the quantized function
+    split by ``jqt.packed_shardings``' specs: refused (the function reads weights whole),
+    the error naming the split mesh axis and the fix (``P()``, or the ``shard_map`` inside
+    ``f``). It said "Re-run jqt.pack" or "re-calibrate" before, which does not help."""
+    got = result["smap_split_" + name]
+    assert got.startswith("QParamsMismatchError: "), got
+    assert "inside jax.shard_map" in got and "mesh axis 'd'" in got and "P()" in got, got
+    assert "Re-run jqt.pack" not in got and "re-calibrate" not in got, got
 
 
 @pytest.mark.parametrize("name", ["w8a8", "dynamic_kv", "w4", "w4_kv", "nf4", "fp8"])

@@ -88,6 +88,7 @@ def test_quantize_and_pack_refuse(name, tmp_path):
     for fn, call in (("jqt.quantize", lambda: jqt.quantize(f, bad)),
                      ("jqt.quantize", lambda: jqt.quantize(f, bad, simulate=True)),
                      ("jqt.pack", lambda: jqt.pack(bad, p)),
+                     ("jqt.gptq", lambda: jqt.gptq(f, bad, p, [(x,)], progress=False)),
                      # the weights packed before the activation scales went bad (fine-tuning
                      # against packed weights): not written to a file jqt.load would refuse
                      ("jqt.save_packed", lambda: jqt.save_packed(new, jqt.pack(qp, p), bad)),

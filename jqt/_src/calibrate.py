@@ -930,18 +930,20 @@ def _decide(site, rule, st, leaf_dtypes):
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
+            span, per = (("and a group does not span more than one row", "one group per row")
+                         if site.op == "gather" else
+                         ("and do not span the other contracted axes",
+                          "one group per position of the others"))
             diagnostics.warn_grouped(("groups", "axis"), f"{cannot} (groups run along axis "
                                      f"{ax % len(shape)} of the weight ({where}), of length "
-                                     f"{eff.group_size}, and do not span the other contracted "
-                                     f"axes); it gets group_size={eff.group_size}, one group per "
-                                     "position of the others (finer than asked: more scales). "
+                                     f"{eff.group_size}, {span}); it gets group_size={eff.group_size}, {per} "
+                                     "(finer than asked: more scales). "
                                      f"Pick a group size that divides {eff.group_size}, or a Rule "
                                      "for this key.", f"'{site.key}'")
         else:
             if ax is None:
-                why, fix = (f"a {site.op} weight takes no groups", "A rule ahead of the preset's "
-                            f"for these ops, jqt.Rule(ops=({site.op!r},), weight=jqt.{eff!r}, "
-                            "...), says so without a warning.")
+                why, fix = (f"a {site.op} weight takes no groups", "This rule with "
+                            f"weight=jqt.{eff!r} (no group_size) says so without a warning.")
             else:
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")

@@ -169,6 +169,20 @@ def _varying(a) -> frozenset:
     return frozenset() if mat is None else mat.varying
 
 
+def varying_axes(x) -> tuple:
+    """The manual mesh axes ``x``'s type varies over inside ``jax.shard_map`` (a block of
+    an array its ``in_specs`` split), sorted; ``()`` elsewhere or for a non-JAX value.
+
+    >>> import jax.numpy as jnp
+    >>> varying_axes(jnp.ones(2))
+    ()
+    """
+    try:
+        return tuple(sorted(_varying(jax.typeof(x))))
+    except TypeError:
+        return ()
+
+
 def vary_like(x, like):
     """``x`` typed as varying over every manual mesh axis ``like`` (an array, or the
     ``jax.ShapeDtypeStruct`` ``jax.eval_shape`` gives for one) varies over, inside

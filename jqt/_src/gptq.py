@@ -389,7 +389,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     >>> err(pq) < err(p)  # GPTQ's weights vs plain rounding, on the same grid
     True
     """
-    check_qparams(qparams)
+    check_qparams(qparams, "jqt.gptq")
     argnums = normalize_argnums(weight_argnums)
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
     validate.flags("jqt.gptq", progress=progress, act_order=act_order, keep_zeros=keep_zeros)

@@ -294,12 +294,13 @@ def lookup(ctx, site, invals):
                             ) if i == site.weight_operand and site.source is None else ""
                 got = tuple(jnp.shape(a))
                 stacked = stacked_hint(got[0]) if len(got) == len(want) + 1 and got[1:] == want else ""
+                split = _split_block(a, "its qparams")
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {got}, but the operand {tuple(invals[i].shape)} "
                     f"({q.qtype.describe()}) needs {want}{per_layer}. "
-                    "The function or its weights changed shape since calibration, or the "
-                    f"qparams were edited; re-calibrate.{stacked}{computed}")
+                    + (split or "The function or its weights changed shape since calibration, "
+                       f"or the qparams were edited; re-calibrate.{stacked}{computed}"))
     _check_smooth(site, qp, invals)
     if packed is not None:
         w = site.weight_operand
@@ -310,11 +311,14 @@ def lookup(ctx, site, invals):
                 "PackedParams (tree_map astype) changes them; leave the codes, sums and smoothing "
                 "vectors as jqt.pack made them (cast the float params and scales only), or re-run "
                 "jqt.pack.")
-        if values_shape(packed) != _packed_shape(site, invals, packed):
+        want = _packed_shape(site, invals, packed)
+        if values_shape(packed) != want:
+            as_packed = f" (packed: {want})" if want != tuple(invals[w].shape) else ""
+            split = _split_block(packed.values, "the packed weights")
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
-                f"but the op reads a weight of shape {tuple(invals[w].shape)}. Re-run jqt.pack."
-                f"{_leading_axes(_packed_shape(site, invals, packed), values_shape(packed))}")
+                f"but the op reads a weight of shape {tuple(invals[w].shape)}{as_packed}. "
+                + (split or "Re-run jqt.pack." + _leading_axes(want, values_shape(packed))))
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             have, want = packed.qtype.contrast(q.qtype)
@@ -360,6 +364,20 @@ def _check_smooth(site, qp, invals):
         smooth_mismatch(qp.smooth, invals[w].shape, site.contract[w])
     if why:
         raise QParamsMismatchError(f"jqt: qparams['{site.key}']: {why}.")
+
+
+def _split_block(a, what) -> str:
+    """The cause where ``a`` is a block of a value ``jax.shard_map``'s ``in_specs`` split
+    (its type varies over manual mesh axes): the quantized function reads weights whole."""
+    axes = compat.varying_axes(a)
+    if not axes:
+        return ""
+    return (f"This op runs inside jax.shard_map and {what} reach it split over mesh axis "
+            f"{', '.join(map(repr, axes))} (a block per device: in_specs from "
+            "jqt.packed_shardings, say): the quantized function reads each weight and its "
+            "scales whole, at the shape it was calibrated at. Pass the packed weights and the "
+            "qparams with P() in the shard_map's in_specs, or, to split the weights over "
+            "devices, put the jax.shard_map inside f and calibrate that (docs/sharding.md).")
 
 
 def _leading_axes(want, got) -> str:

@@ -1123,3 +1123,25 @@ def test_qparams_stacked_per_task_without_vmap_are_told_to_run_under_vmap(setup)
                                                        r"has shape \(2, 3\).*stacked along a leading axis "
                                                        r"of 2 .*under jax.vmap over that axis"):
         jqt.quantize(scan, jax.tree.map(lambda a: jnp.stack([a] * 2), qs), simulate=True)(layers, x)
+
+
+def test_two_leaves_with_one_key_are_named():
+    """A dict key holding '/' or '#' can give two leaves one key: ``{"a/b": w1, "a": {"b":
+    w2}}`` keyed ``a/b`` and ``a/b#1``, as if ``w1`` were read twice, and a leaf named
+    ``w#1`` beside a ``w`` read twice. Calibration warns, naming both leaves (it was
+    silent); distinct keys, a leaf read twice and several weight arguments do not warn."""
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (4, 8))
+    w1, w2 = jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 8))
+    cases = [(lambda p, x: x @ p["a/b"] + x @ p["a"]["b"], {"a/b": w1, "a": {"b": w2}}, "a/b", "1 and 0"),
+             (lambda p, x: x @ p["w"] + (x @ p["w"]) @ p["w#1"], {"w": w1, "w#1": w2}, "w#1", "0 and 1")]
+    for f, p, key, leaves in cases:
+        with pytest.warns(UserWarning, match=rf"leaves {leaves} in jax.tree_util.tree_leaves order, "
+                                             rf"have the same key '{key}'.*Rename the dict keys"):
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(lambda p, x: (x @ p["w"]) @ p["w"] + x @ p["v"], jqt.recipes.w8a8(),
+                      {"w": w1, "v": w2}, [(x,)], progress=False)
+        jqt.calibrate(lambda p, q, x: x @ p["w"] @ q["w"], jqt.recipes.w8a8(), ({"w": w1}, {"w": w2}),
+                      [(x,)], weight_argnums=(0, 1), progress=False)

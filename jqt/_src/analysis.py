@@ -185,6 +185,7 @@ class Analyzer:
     def __init__(self):
         self.counters: dict[str, int] = {}
         self.used_keys: set[str] = set()
+        self.key_leaves: dict = {}  # key -> (argument, leaf index) of the weight it names
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
         self.warned: list[str] = []
@@ -206,7 +207,19 @@ class Analyzer:
         if info.source is not None:
             self.leaf_uses.setdefault((info.source.arg, info.source.leaf), set()).add(what)
 
-    def _key(self, base):
+    def _key(self, base, leaf=None):
+        """``base``, or ``base#n`` where an op took it already; ``leaf``: the (argument, leaf
+        index) of the weight the op reads, whose path ``base`` is."""
+        if leaf is not None and leaf[1] >= 0:
+            other = self.key_leaves.setdefault(base, leaf)
+            if other != leaf:
+                self._defer(("same key", base), (
+                    f"jqt: two leaves of argument {leaf[0]} of f, leaves {other[1]} and {leaf[1]} in "
+                    f"jax.tree_util.tree_leaves order, have the same key '{base}' (a dict key holding "
+                    "'/' or '#': jqt joins a leaf's path with '/' and numbers an op that reads "
+                    "a leaf again '#1'), so the ops that read the second are keyed as if they read "
+                    "the first again, and a jqt.Rule(key=...) cannot tell the two apart. Rename the "
+                    "dict keys so that none holds '/' or '#'."), f"'{base}'")
         if base not in self.used_keys:
             self.used_keys.add(base)
             return base
@@ -215,6 +228,8 @@ class Analyzer:
             n += 1
         self.counters[base] = n
         self.used_keys.add(f"{base}#{n}")
+        if leaf is not None:
+            self.key_leaves.setdefault(f"{base}#{n}", leaf)
         return f"{base}#{n}"
 
     def _fallback_key(self, stack, op):
@@ -546,7 +561,7 @@ class Analyzer:
             self.call_writes += 1
             key = f"{_PENDING}{self.call_writes}"
         elif src is not None:
-            key = self._key(src.path)
+            key = self._key(src.path, (src.arg, src.leaf))
         else:
             key = self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
         if src is not None:

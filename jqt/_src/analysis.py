@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
-from .plan import CONST, LITERAL, ZERO, Plan, Site, Sub, VarInfo, computed_weight, picked_weights
+from .plan import (CONST, LITERAL, ZERO, Plan, Site, Sub, VarInfo, computed_weight, picked_weights,
+                   weight_stack_ids)
 from .registry import OPS
 
 
@@ -430,7 +431,8 @@ class Analyzer:
             if outs is None:
                 w = all(info.weight for info in ins)
                 built = name == "iota" or (w and _all_built(ins))
-                outs = [VarInfo(w, built=built, computed=computed_weight(ins))] * len(eqn.outvars)
+                outs = [VarInfo(w, built=built, computed=computed_weight(ins),
+                                stack_ids=weight_stack_ids(ins))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -627,7 +629,7 @@ class Analyzer:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
             built = w and _all_built(ins) and _all_built(
                 [info for outs_ in body_outs for info in outs_ if info.weight], empty=True)
-            default = VarInfo(w, built=built, computed=computed_weight(ins))
+            default = VarInfo(w, built=built, computed=computed_weight(ins), stack_ids=weight_stack_ids(ins))
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)

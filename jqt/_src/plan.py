@@ -38,6 +38,16 @@ def computed_weight(infos) -> bool:
     return all(i.weight for i in infos) and any(i.source is not None or i.computed for i in infos)
 
 
+def weight_stack_ids(infos) -> tuple:
+    """``VarInfo.stack_ids`` of an op's output computed from weights alone: every scan that
+    sliced one of them from a stacked value (a weight normalised in the body of a scan over
+    layers, ``g * v / ||v||`` of each layer's slices, is each layer's own, with ranges of its
+    own); ``()`` where some input is data."""
+    if not all(i.weight for i in infos):
+        return ()
+    return tuple(dict.fromkeys(s for i in infos for s in i.stack_ids))
+
+
 def picked_weights(pred, cases) -> tuple:
     """``VarInfo.chosen`` of a select or a cond: the weight leaves it picks between by a
     predicate (``pred``) from the data; ``()`` unless every case is a weight (a constant, a

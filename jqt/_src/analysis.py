@@ -187,6 +187,7 @@ class Analyzer:
         self.counters: dict[str, int] = {}
         self.used_keys: set[str] = set()
         self.key_leaves: dict = {}  # key -> (argument, leaf index) of the weight it names
+        self.shard_ids: set = set()  # the ids of the shard_maps among the loops' (scan_ids)
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
         self.warned: list[str] = []
@@ -432,7 +433,7 @@ class Analyzer:
                 w = all(info.weight for info in ins)
                 built = name == "iota" or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built, computed=computed_weight(ins),
-                                stack_ids=weight_stack_ids(ins))] * len(eqn.outvars)
+                                stack_ids=weight_stack_ids(ins, self.shard_ids))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -583,6 +584,8 @@ class Analyzer:
             # (loop id, slot); a shard_map's: the blocks it splits a weight into
             self.scan_ids += 1
             scan_id = self.scan_ids
+            if name == "shard_map":
+                self.shard_ids.add(scan_id)
         subs = hop.subs(eqn, ins, scan_id)
         if name == "while":
             if _contains_quantizable(eqn.params["cond_jaxpr"].jaxpr):
@@ -629,7 +632,8 @@ class Analyzer:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)
             built = w and _all_built(ins) and _all_built(
                 [info for outs_ in body_outs for info in outs_ if info.weight], empty=True)
-            default = VarInfo(w, built=built, computed=computed_weight(ins), stack_ids=weight_stack_ids(ins))
+            default = VarInfo(w, built=built, computed=computed_weight(ins),
+                              stack_ids=weight_stack_ids(ins, self.shard_ids))
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)

@@ -537,8 +537,8 @@ class WeightCalibrator:
 
 @dataclasses.dataclass(frozen=True)
 class WeightMinMax(WeightCalibrator):
-    """Per-channel (or per-tensor) minimum and maximum: the absolute maximum for
-    symmetric types (the default).
+    """Per-channel (or per-tensor) minimum and maximum (the default); a symmetric type's
+    scale then takes the larger magnitude of the two, the absolute maximum.
 
     >>> import jax.numpy as jnp, jqt
     >>> w = jnp.array([[1.0, -3.0], [2.0, 0.5]])

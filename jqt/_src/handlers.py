@@ -49,7 +49,9 @@ class Handler(Protocol):
 
 
 class QParamsMismatchError(ValueError):
-    """qparams do not match the function they are used with.
+    """qparams and weights that do not belong together: qparams made for another function,
+    weights other than those calibrated (``jqt.pack``, ``jqt.gptq``), or packed weights of
+    another format than the qparams say.
 
     >>> import jax.numpy as jnp, jqt
     >>> qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), jnp.eye(2),
@@ -280,7 +282,7 @@ def lookup(ctx, site, invals):
             a = getattr(q, field)
             if a is not None and tuple(jnp.shape(a)) != want:
                 per_layer = (" (one layer's shapes: under the lax.scan over stacked layers the "
-                             "qparams hold them with a leading layer axis)") if site.stack_ids else ""
+                             "qparams hold them with a leading layer axis)") if _scanned(site) else ""
                 computed = (" This op's weight is computed in f (no leaf of params reaches it "
                             "by layout ops alone: it is keyed by position), and its shape "
                             "follows the input's: a weight tiled or broadcast to the batch "
@@ -294,7 +296,7 @@ def lookup(ctx, site, invals):
                             ) if i == site.weight_operand and site.source is None else ""
                 got = tuple(jnp.shape(a))
                 stacked = stacked_hint(got[0]) if len(got) == len(want) + 1 and got[1:] == want else ""
-                split = _split_block(a, "its qparams")
+                split = _split_block(site, a, "its qparams")
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {got}, but the operand {tuple(invals[i].shape)} "
@@ -314,7 +316,7 @@ def lookup(ctx, site, invals):
         want = _packed_shape(site, invals, packed)
         if values_shape(packed) != want:
             as_packed = f" (packed: {want})" if want != tuple(invals[w].shape) else ""
-            split = _split_block(packed.values, "the packed weights")
+            split = _split_block(site, packed.values, "the packed weights")
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}{as_packed}. "
@@ -366,11 +368,22 @@ def _check_smooth(site, qp, invals):
         raise QParamsMismatchError(f"jqt: qparams['{site.key}']: {why}.")
 
 
-def _split_block(a, what) -> str:
+def _scanned(site) -> bool:
+    """Whether a ``lax.scan`` over stacked layers slices ``site``'s weight (its stack ids
+    also count the ``jax.shard_map``\ s that split it into blocks)."""
+    if site.source is None:
+        return bool(site.stack_ids)  # a computed weight's are its scans' alone
+    return any(c[0] == "scan_slice" for c in site.source.chain)
+
+
+def _split_block(site, a, what) -> str:
     """The cause where ``a`` is a block of a value ``jax.shard_map``'s ``in_specs`` split
-    (its type varies over manual mesh axes): the quantized function reads weights whole."""
+    (its type varies over manual mesh axes) and not one jqt split itself (a ``shard_map``
+    inside ``f``, whose split is in the weight's chain): the quantized function reads
+    weights whole."""
     axes = compat.varying_axes(a)
-    if not axes:
+    own = site.source is not None and any(c[0] == "shard_split" and c[1] for c in site.source.chain)
+    if not axes or own:
         return ""
     return (f"This op runs inside jax.shard_map and {what} reach it split over mesh axis "
             f"{', '.join(map(repr, axes))} (a block per device: in_specs from "

@@ -178,10 +178,12 @@ def _shard_map_subs(eqn, infos, shard_id):
         if info.source is None:  # data; a buffer (a key/value cache) is its block of it,
             # unless its vectors are split over devices (one scale per vector: a split last axis)
             keeps = not any(d == len(eqn.invars[k].aval.shape) - 1 for d, _, _ in shard_splits(eqn, k))
+            # (a weight computed in a scan's body from its layer: still that layer's)
             inner.append(VarInfo(info.weight, indexed=info.indexed, selected=info.selected,
                                  chosen=info.chosen, mixed=info.mixed,
                                  buffer=info.buffer if keeps else (),
-                                 writes=info.writes if keeps else ()))
+                                 writes=info.writes if keeps else (),
+                                 stack_ids=info.stack_ids if info.weight else ()))
             continue
         # a replicated weight gets an empty split: each device reads it whole (so
         # jqt.packed_shardings places it whole on every device)

@@ -1145,3 +1145,27 @@ def test_two_leaves_with_one_key_are_named():
                       {"w": w1, "v": w2}, [(x,)], progress=False)
         jqt.calibrate(lambda p, q, x: x @ p["w"] @ q["w"], jqt.recipes.w8a8(), ({"w": w1}, {"w": w2}),
                       [(x,)], weight_argnums=(0, 1), progress=False)
+
+
+def test_a_metric_may_call_g_with_keyword_arguments():
+    """``jqt.sensitivity`` and ``jqt.fallback`` hand the metric functions with ``f``'s
+    signature: a metric calling ``g(p, x, train=True)`` by keyword works, for ``f`` itself
+    and for the quantized variants, as ``jqt.quantize``'s function takes it. It raised
+    "f() got an unexpected keyword argument 'train'", naming the wrong function."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (16, 32)) * 0.3, "w2": jax.random.normal(k[1], (32, 8)) * 0.3}
+    x = jax.random.normal(k[2], (8, 16))
+
+    def f(p, x, train=False):
+        h = jax.nn.relu(x @ p["w1"])
+        return (h * 0.5 if train else h) @ p["w2"]
+
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, True)], progress=False)
+    ref = f(p, x, True)
+    metric = lambda g: -float(jnp.mean((g(p, x, train=True) - ref) ** 2))
+    s = jqt.sensitivity(f, qp, metric)
+    assert s.float_metric == 0.0 and len(s.rows) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x, True)], metric, max_drop=1e-3, progress=False)
+    assert res.float_metric == 0.0

@@ -34,9 +34,15 @@ def _as_recorded(x, aval, path):
     is refused by name."""
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
         raise TypeError(f"jqt.save_packed: params leaf '{path}' is a typed PRNG key ({x.dtype}), "
-                        "which a file cannot hold. Save jax.random.key_data(key) in its place, "
+                        "which a file cannot hold. Put jax.random.key_data(key) in its place in the "
+                        "params before jqt.pack (the packed params record each leaf's type), "
                         "or leave the key out of the params you pack (e.g. nnx.split the Rngs "
                         "state apart).")
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"jqt.save_packed: params leaf '{path}' was a typed PRNG key ({aval.dtype}) "
+                        "when jqt.pack packed these params, which recorded that type, and a file "
+                        "cannot hold a key. Put jax.random.key_data(key) in its place in the params "
+                        "before jqt.pack, and pack again.")
     a = np.asarray(x)
     want = np.dtype(aval.dtype)
     if a.dtype == want:
@@ -599,6 +605,13 @@ def _check_like(like, avals, paths, path, tree_repr=None):
             f"{len(avals)}. Pass a template of the params that were packed.")
     for i, (x, a) in enumerate(zip(flat, avals)):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise QParamsMismatchError(
+                f"jqt.load_packed: leaf #{i} ('{paths[i]}') of like= is a typed PRNG key ({dtype}), "
+                f"which a file cannot hold: {path} has {tuple(a.shape)} {jnp.dtype(a.dtype).name} "
+                "there (jax.random.key_data of a key, put in its place before jqt.pack). Pass "
+                "like= with jax.random.key_data(key) in that place, and make the key again "
+                "from the loaded data with jax.random.wrap_key_data.")
         # both as this process holds them: jqt.pack recorded the dtypes of its own process
         # (float64 where jax_enable_x64 was on; load_packed reads such a leaf as float32 here)
         dtype = jax.dtypes.canonicalize_dtype(dtype)

@@ -140,14 +140,17 @@ def unmark(tree):
 
 def jit_static(f):
     """``jax.jit(f)`` whose non-array argument leaves (a config string among the weights)
-    reach ``f`` as they are, static, as jqt's quantized functions pass them.
+    reach ``f`` as they are, static, as jqt's quantized functions pass them; keyword
+    arguments too (a metric calling ``g(params, x, train=False)``).
 
     >>> import jax.numpy as jnp
     >>> jit_static(lambda p, x: x * p["k"] if p["op"] == "mul" else x)({"op": "mul", "k": 2.0}, 3.0)
     Array(6., dtype=float32, weak_type=True)
+    >>> jit_static(lambda x, scale=1.0, op="add": x * scale if op == "mul" else x)(3.0, op="mul", scale=2.0)
+    Array(6., dtype=float32, weak_type=True)
     """
-    jf = jax.jit(lambda *a: f(*unmark(a)))
-    return functools.wraps(f)(lambda *a: jf(*mark_static(a)))
+    jf = jax.jit(lambda a, kw: f(*unmark(a), **unmark(kw)))
+    return functools.wraps(f)(lambda *a, **kw: jf(mark_static(a), mark_static(kw)))
 
 
 def leaves(args) -> list:

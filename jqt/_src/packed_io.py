@@ -606,6 +606,12 @@ def _check_like(like, avals, paths, path, tree_repr=None):
     for i, (x, a) in enumerate(zip(flat, avals)):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            data = jax.eval_shape(jax.random.key_data, x)
+            if (tuple(data.shape), jnp.dtype(data.dtype)) != (tuple(a.shape), jnp.dtype(a.dtype)):
+                raise QParamsMismatchError(
+                    f"jqt.load_packed: leaf #{i} ('{paths[i]}') is a typed PRNG key ({dtype}) in "
+                    f"like=, but {tuple(a.shape)} {jnp.dtype(a.dtype).name} in {path}. The template "
+                    "does not describe the params that were packed.")
             raise QParamsMismatchError(
                 f"jqt.load_packed: leaf #{i} ('{paths[i]}') of like= is a typed PRNG key ({dtype}), "
                 f"which a file cannot hold: {path} has {tuple(a.shape)} {jnp.dtype(a.dtype).name} "

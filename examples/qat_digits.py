@@ -51,7 +51,7 @@ MAX_MISMATCH = 0.01    # integer vs simulated: at most 1% of test images with ot
 
 def fine_tune(f, params, qparams, x_train, y_train):
     """QAT: Adam on (params, qparams) through the simulated path; returns the trained pair
-    and the mean training loss of the first and last epoch."""
+    and the mean training loss of each epoch (a list)."""
     relative = optax.chain(optax.adam(LR_SCALES), optax.scale_by_param_block_rms(1e-12))
     tx = optax.multi_transform({"weights": optax.adam(LR_WEIGHTS), "weight_scales": relative,
                                 "activation_scales": relative,

@@ -82,14 +82,21 @@ def device_bytes(tree, shardings):
     return total
 
 
-def cache_per_device(steps, fn, *args):
+def cache_per_device(fn, *args):
     """Bytes and dtypes of the key/value cache each device carries: the carries of the
-    scan over ``steps`` steps inside the shard_map whose shape is the cache's (n_layers,
-    batch, positions, 1 head, head_dim; a quantized cache's scales too)."""
-    loop = next(e for e in all_eqns(jax.make_jaxpr(fn)(*args))
-                if e.primitive.name == "scan" and e.params["length"] == steps)
-    nc, nk = G._consts_and_carries(loop.params)
-    avals = [v.aval for v in loop.invars[nc:nc + nk] if v.aval.ndim == 5 and v.aval.shape[3] == 1]
+    decode loop inside the shard_map whose shape is the cache's (n_layers, batch,
+    positions, 1 head, head_dim; a quantized cache's scales too). The loop is the first
+    scan that carries such arrays (the prefill's scan over layers carries none), of any
+    length: a one-token run carries the cache through zero steps."""
+    for e in all_eqns(jax.make_jaxpr(fn)(*args)):
+        if e.primitive.name == "scan":
+            nc, nk = G._consts_and_carries(e.params)
+            avals = [v.aval for v in e.invars[nc:nc + nk] if v.aval.ndim == 5 and v.aval.shape[3] == 1]
+            if avals:
+                break
+    else:
+        raise ValueError("cache_per_device: no scan of this function carries a (n_layers, batch, "
+                         "positions, 1, head_dim) cache")
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in avals), sorted({str(a.dtype) for a in avals})
 
 
@@ -99,7 +106,7 @@ def main(argv=None):
     print(f"split over 2 devices: {config.n_heads} query heads, {config.n_kv_heads} key/value heads, "
           f"d_ff {config.d_ff}")
 
-    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
+    mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices("cpu")[:2])
     placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs())
     split = jax.device_put(params, placed)
     teacher = functools.partial(tp_teacher, mesh)
@@ -110,7 +117,7 @@ def main(argv=None):
 
     rows = []
     pred = jax.jit(teacher)(split, heldout, float_tokens)
-    nbytes, dtypes = cache_per_device(args.tokens - 1, teacher, split, heldout, float_tokens)
+    nbytes, dtypes = cache_per_device(teacher, split, heldout, float_tokens)
     rows.append(("float, split", device_bytes(params, placed), nbytes, dtypes,
                  float(np.mean(np.asarray(pred) == np.asarray(float_tokens)))))
     for name, make in VARIANTS.items():
@@ -120,7 +127,7 @@ def main(argv=None):
         qp_s, packed_s = jax.device_put((qp, packed), shardings)
         run = jax.jit(lambda qp, pk, prompt, tokens: jqt.quantize(teacher, qp)(pk, prompt, tokens))
         pred = run(qp_s, packed_s, heldout, float_tokens)
-        nbytes, dtypes = cache_per_device(args.tokens - 1, jqt.quantize(teacher, qp), packed, heldout,
+        nbytes, dtypes = cache_per_device(jqt.quantize(teacher, qp), packed, heldout,
                                           float_tokens)
         rows.append((name, device_bytes((qp, packed), shardings), nbytes, dtypes,
                      float(np.mean(np.asarray(pred) == np.asarray(float_tokens)))))

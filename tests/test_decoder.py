@@ -136,6 +136,17 @@ def test_bad_lengths_are_refused_by_name(params, tokens):
         G.main(["--tiny", "--tokens", "0"])
 
 
+def test_the_examples_count_the_carried_cache_at_every_length(params):
+    """examples/generate.py's cache bytes at --length 1 and 2 (a decode loop of 0 and 1
+    steps, which it skipped: IndexError) grow by one position per token, as at 3."""
+    import generate as G
+    sample = decoder.to_tokens("def f(x")
+    got = [G.carried_cache_bytes(functools.partial(decoder.generate, steps=n), params, sample)
+           for n in (1, 2, 3)]
+    (b1, d1), (b2, _), (b3, _) = got
+    assert d1 == ["float32"] and b2 - b1 == b3 - b2 > 0, got
+
+
 def test_data_split_and_batches():
     files = decoder.stdlib_files()
     assert len(files) > 100 and files == sorted(files) and not any("site-packages" in f for f in files)

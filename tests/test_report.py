@@ -509,6 +509,30 @@ def test_output_error_counts_float_outputs_only():
         (rf.output_sqnr, rf.output_rel_l2, rf.output_max_abs)
 
 
+def test_output_error_counts_matching_infinities_as_exact():
+    """Masked logits (-inf where a mask says so, in both lanes) are exact: the output error
+    is that of the other entries (it was NaN with numpy warnings, and max abs error 0)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    allowed = jnp.asarray(rng.random((8, 16)) < 0.5)
+    f = lambda p, x: x @ p["w"]
+    g = lambda p, x: jnp.where(allowed, x @ p["w"], -jnp.inf)
+    recipe = jqt.recipes.w8a8()
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = jqt.report(g, qp, p, (x,))
+    q, ref = jqt.quantize(f, qp, simulate=True)(p, x), f(p, x)
+    err = jnp.where(allowed, jnp.abs(q - ref), 0.0)
+    kept = jnp.where(allowed, ref, 0.0)
+    sqnr = 10 * math.log10(float(jnp.sum(kept ** 2)) / float(jnp.sum(err ** 2)))
+    np.testing.assert_allclose(rep.output_max_abs, float(err.max()), rtol=1e-5)
+    assert rep.output_max_abs > 0 and abs(rep.output_sqnr - sqnr) < 0.01, (rep.output_sqnr, sqnr)
+    from jqt._src.report import _sqnr
+    assert _sqnr(1.0, math.inf) == -math.inf  # an error that overflowed (was a ValueError)
+
+
 def test_output_error_of_a_bfloat16_model():
     """A bfloat16 output is a float output: its error is measured (numpy does not count
     ml_dtypes' bfloat16 as inexact, and the report called such a model exact: SQNR inf)."""
@@ -862,7 +886,7 @@ def test_report_dynamic_activations_never_clip(chain_setup):
     qp = jqt.calibrate(chain, jqt.recipes.w8a8_dynamic(), p, [(x,)], progress=False)
     rep = jqt.report(chain, qp, p, (3 * x,))  # the live range is used: nothing clips
     for r in rep.rows:
-        assert r.activation == "int8 asym per-channel dyn"
+        assert r.activation == "int8 asym per-token dyn"
         assert r.act_clip == 0.0 and r.act_scale is None and r.act_qrange is None
         assert 25.0 < r.sqnr_isolated < 80.0
     assert np.isfinite(rep.output_sqnr)

@@ -229,14 +229,18 @@ class QuantType:
         return (self.qmin, self.qmax)
 
     def describe(self) -> str:
-        """A short text, e.g. ``"int4 sym g128"``.
+        """A short text, e.g. ``"int4 sym g128"``. A dynamic type's per-channel scale is
+        one per row of the activation (per token; per example for a convolution's input)
+        and reads ``per-token``.
 
         >>> import jqt
         >>> jqt.QuantType(bits=4, group_size=128).describe()
         'int4 sym g128'
+        >>> jqt.recipes.w8a8_dynamic().rules[0].activation.describe()
+        'int8 asym per-token dynamic'
         """
         gran = (f"g{self.group_size}" if self.group_size else
-                "per-channel" if self.per_channel else "per-tensor")
+                ("per-token" if self.dynamic else "per-channel") if self.per_channel else "per-tensor")
         sym = "sym" if self.symmetric else "asym"
         return f"{self.dtype} {sym} {gran}{' dynamic' if self.dynamic else ''}"
 

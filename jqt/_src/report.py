@@ -160,8 +160,8 @@ def _sqnr(signal, noise):
     when the signal is 0, e.g. an all-zero batch), noise on a zero signal ``-inf``."""
     if noise <= 0:
         return math.inf
-    if signal <= 0:
-        return -math.inf
+    if signal <= 0 or (math.isinf(noise) and math.isfinite(signal)):
+        return -math.inf  # an infinite error (an overflow to inf) on a finite signal
     return 10.0 * math.log10(signal / noise)
 
 
@@ -313,7 +313,7 @@ def _db(v):
 
 def _short(q):
     """The type's text (``QuantType.describe``), "dynamic" shortened: "nf4 sym g64",
-    "float8_e4m3fn sym per-tensor", "int8 asym per-channel dyn"."""
+    "float8_e4m3fn sym per-tensor", "int8 asym per-token dyn"."""
     if q is None:
         return "float"
     return q.qtype.describe().replace(" dynamic", " dyn")
@@ -399,10 +399,18 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             continue
         floats = True
         o = np.asarray(o, np.complex128 if np.iscomplexobj(o) else np.float64)
-        lf2, le2 = float(np.sum(np.abs(o[0]) ** 2)), float(np.sum(np.abs(o[1] - o[0]) ** 2))
+        # equal entries are exact, matching infinities (masked logits) too: they add to
+        # neither energy; an infinity or NaN that differs makes the error NaN or inf
+        same = o[1] == o[0]
+        ref = np.where(same & ~np.isfinite(o[0]), 0, o[0])
+        with np.errstate(invalid="ignore"):
+            d = np.where(same, 0, o[1] - o[0])
+        lf2, le2 = float(np.sum(np.abs(ref) ** 2)), float(np.sum(np.abs(d) ** 2))
         f2, e2 = f2 + lf2, e2 + le2
         leaves.append((path, _sqnr(lf2, le2)))
-        mx = max(mx, float(np.max(np.abs(o[1] - o[0]))) if o[0].size else 0.0)
+        if o[0].size:
+            m = float(np.max(np.abs(d)))  # NaN where a NaN differs: kept, not max()'d away
+            mx = m if (math.isnan(m) or m > mx) else mx
     if not floats:
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
                       output_max_abs=math.nan, output_int_differ=(differ, total), float_output=False)

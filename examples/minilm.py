@@ -410,7 +410,8 @@ def main():
          "model_ratio": packed.nbytes() / float_bytes,
          **{f"{n}_mean_cos": float(r["mean"]) for n, r in results.items()},
          **{f"{n}_min_cos": float(r["min"]) for n, r in results.items()},
-         **{f"{n}_nn_agree": float(r["nn_agree"]) for n, r in results.items()}}, sort_keys=True))
+         **{f"{n}_nn_agree": float(r["nn_agree"]) for n, r in results.items()},
+         **{f"{n}_paraphrase_nn": float(r["para"]) for n, r in results.items()}}, sort_keys=True))
     if s["mean"] < TARGET:
         raise SystemExit(f"FAIL: w8a8 mean cosine to float {s['mean']:.4f} < {TARGET}")
     print("OK")

@@ -115,6 +115,18 @@ def test_labels_groups_and_errors(net_setup):
         jqt.qat.split(jqt.pack(qp, p), qp)
     with pytest.raises(TypeError, match="OpQParams"):
         jqt.qat.parts(p, {"a": 1.0})
+    # the labels tree handed to project (hunt46_optim: JAX's "Value 'train' with dtype <U5")
+    with pytest.raises(TypeError, match=r"qparams\['a'\].*is the string 'train'.*labels tree"):
+        jqt.qat.project(jqt.qat.labels(p, qp)[1])
+
+
+def test_saving_an_optimizer_state_shaped_like_qparams_says_what_to_use(net_setup, tmp_path):
+    # hunt46_optim: Adam's first moments (zeros at init) were refused as scales with the
+    # advice to project them, which would change them
+    _, _, qp, _ = net_setup
+    mu = optax.adam(1e-3).init(qp)[0].mu
+    with pytest.raises(ValueError, match=r"values are 0.*Adam's moments, is not qparams.*orbax"):
+        jqt.save(tmp_path / "mu.safetensors", mu)
 
 
 def test_multi_transform_freezes_labelled_leaves(net_setup):

@@ -339,6 +339,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         if q is None:
             return None
         s, z = q.scale, q.zero_point
+        for name, a in (("scale", s), ("zero_point", z)):
+            if isinstance(a, str):  # jqt.qat.labels' tree: one label per leaf
+                raise TypeError(f"jqt.qat.project: {where}.{name} is the string {a!r}, not an "
+                                "array: that is a labels tree (jqt.qat.labels); project the "
+                                "qparams themselves.")
         if s is not None:
             s = positive(s, min_scale, f"{where}.scale")
         if z is not None:
@@ -348,6 +353,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         return dataclasses.replace(q, scale=s, zero_point=z)
 
     def positive(a, nan, where):
+        if isinstance(a, str):  # a labels tree's smoothing leaf
+            raise TypeError(f"jqt.qat.project: {where} is the string {a!r}, not an array: that "
+                            "is a labels tree (jqt.qat.labels); project the qparams themselves.")
         a = jnp.asarray(a)
         dt = jnp.result_type(a)
         if not jnp.issubdtype(dt, jnp.floating):

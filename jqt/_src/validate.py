@@ -273,7 +273,10 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
     for k, v in qparams.items():
         found = problems(v)
         if found:
-            raise ValueError(f"{fn}: {describe(k, found)}. {FIX}")
+            saving = (" (jqt.save writes qparams: an optimizer state shaped like them, such as "
+                      "Adam's moments, is not qparams and must not be projected; checkpoint it "
+                      "with orbax, docs/export.md)") if fn == "jqt.save" else ""
+            raise ValueError(f"{fn}: {describe(k, found)}. {FIX}{saving}")
 
 
 def deleted(tree) -> list:

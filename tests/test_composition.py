@@ -501,6 +501,45 @@ def test_matrices_f_builds_from_iota_stay_float():
     np.testing.assert_allclose(jqt.quantize(g, qg)(w, const), 0.7, rtol=1e-6)
 
 
+def test_qparams_run_at_input_shapes_that_change_the_number_of_interpolation_matrices():
+    """jax.image.resize multiplies by one built matrix per axis whose size it changes, so a
+    fully-convolutional net resizing to its skip's size has none at one image size and two
+    at another. Those ops are always float: qparams calibrated at one size run at the other
+    (hunt46_seg: a missing or extra key refused the call), calibrating on both sizes at once
+    is refused by what differs, and a positional key that a built matrix held at one size
+    and another op at the other is refused, not taken as that op's entry."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+         "v": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}
+
+    def f(p, x):
+        h = jax.image.resize(x @ p["w"], (x.shape[0], 8, 8, 4), "bilinear")
+        return h @ p["v"]
+
+    x8, x6 = (jnp.asarray(rng.standard_normal((2, n, n, 3)), jnp.float32) for n in (8, 6))
+    for cal, run in ((x8, x6), (x6, x8)):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(cal,)], progress=False)
+        sim = jqt.quantize(f, qp, simulate=True)(p, run)
+        got = jqt.quantize(f, qp)(p, run)
+        np.testing.assert_allclose(got, sim, rtol=1e-5, atol=1e-5)
+        ref = f(p, run)  # static ranges from other samples clip a little: an L2 bound
+        assert float(jnp.linalg.norm(got - ref)) < 0.05 * float(jnp.linalg.norm(ref))
+    with pytest.raises(jqt.CalibrationDataError, match=r"matrices f builds.*calibrate on batches "
+                       "of one shape"):
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x8,), (x6,)], progress=False)
+
+    def g(p, x):  # an activation x activation product after the resize, in the same scope
+        h = jax.image.resize(x @ p["w"], (x.shape[0], 8, 8, 4), "bilinear")
+        return h @ jnp.swapaxes(h, -1, -2)  # keyed dot_general_0 at 8x8, dot_general_2 at 6x6
+
+    axa = jqt.recipes.w8a8_dynamic(act_x_act=True)
+    for cal, run, was in ((x6, x8, "an op whose weight f builds"), (x8, x6, "another op")):
+        qg = jqt.calibrate(g, axa, p, [(cal,)], progress=False)
+        with pytest.raises(jqt.QParamsMismatchError, match=f"was made for {was}.*Calibrate at "
+                           "these input shapes"):
+            jqt.quantize(g, qg)(p, run)
+
+
 def test_a_platform_dependent_branch_of_another_platform_is_named():
     """lax.platform_dependent: calibration runs only this platform's branch; the other
     branch's op stays float with a warning that names it (not a call for more data)."""

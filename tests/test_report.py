@@ -529,8 +529,9 @@ def test_output_error_counts_matching_infinities_as_exact():
     sqnr = 10 * math.log10(float(jnp.sum(kept ** 2)) / float(jnp.sum(err ** 2)))
     np.testing.assert_allclose(rep.output_max_abs, float(err.max()), rtol=1e-5)
     assert rep.output_max_abs > 0 and abs(rep.output_sqnr - sqnr) < 0.01, (rep.output_sqnr, sqnr)
-    from jqt._src.report import _sqnr
+    from jqt._src.report import _rel, _sqnr
     assert _sqnr(1.0, math.inf) == -math.inf  # an error that overflowed (was a ValueError)
+    assert math.isnan(_rel(1.0, math.nan)) and math.isnan(_rel(math.nan, math.nan))  # was inf
 
 
 def test_output_error_of_a_bfloat16_model():
@@ -886,7 +887,7 @@ def test_report_dynamic_activations_never_clip(chain_setup):
     qp = jqt.calibrate(chain, jqt.recipes.w8a8_dynamic(), p, [(x,)], progress=False)
     rep = jqt.report(chain, qp, p, (3 * x,))  # the live range is used: nothing clips
     for r in rep.rows:
-        assert r.activation == "int8 asym per-token dyn"
+        assert r.activation == "int8 asym per-row dyn"
         assert r.act_clip == 0.0 and r.act_scale is None and r.act_qrange is None
         assert 25.0 < r.sqnr_isolated < 80.0
     assert np.isfinite(rep.output_sqnr)

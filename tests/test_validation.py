@@ -1376,7 +1376,7 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     # alike), the rule that takes its ops named, and how to add the type (hunt44_graphtf)
     axa = jqt.Rule(act_x_act=Q(bits=8, per_channel=True, dynamic=True))
     got = [m for m in cal(R.w8a8().rules + (axa,)) if "decides no op" in m]
-    assert len(got) == 1 and "act_x_act=int8 sym per-token dynamic)) decides no op" in got[0] \
+    assert len(got) == 1 and "act_x_act=int8 sym per-row dynamic)) decides no op" in got[0] \
         and "taken by an earlier rule (rule 0)" in got[0] \
         and "dataclasses.replace(recipe.rules[0], ...)" in got[0], got
     # a preset's rule of every key that matches no op (w4's conv rule, no convs): silent

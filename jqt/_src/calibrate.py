@@ -146,6 +146,15 @@ def _check_same_ops(i, traced, first):
                 "both. Calibrate each shape on its own (one qparams per shape, each called at "
                 "its shape), or read the weight the same way at every shape (the whole table, "
                 "its rows picked after the op).")
+        built = {s.key for t in seen.values() for s in t.sites() if s.built}
+        if set(diff) <= built:  # only interpolation matrices: the qparams serve every shape
+            raise CalibrationDataError(
+                f"jqt.calibrate: batch {i} runs other ops than batch {j} (they differ at "
+                f"{diff[:5]}), matrices f builds from iota and constants (jax.image.resize's "
+                "interpolation, one per axis whose size the resize changes, so their number "
+                "follows the input's shape). They stay float, and qparams calibrated at one "
+                "input shape run f at the others: calibrate on batches of one shape (or "
+                "calibrate each shape on its own, where their activation ranges differ).")
         why = (f"op '{cx[0]}' reads complex values in one batch and real ones in the other (an "
                "op that reads complex values is kept float, a real one quantized)"
                ) if cx else "its non-array arguments or its shapes change which ops f runs"
@@ -829,7 +838,7 @@ def _decide(site, rule, st, leaf_dtypes):
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     if site.built:
-        return float_("its weight is a matrix f builds from iota and constants "
+        return float_(f"{validate.BUILT_NOTE} "
                       "(jax.image.resize's interpolation, a patch filter, a DFT, or values "
                       "drawn from a literal PRNG key: weights initialised inside f, missing "
                       "from params?), not a leaf of params; pass it in params to quantize it")

@@ -230,17 +230,18 @@ class QuantType:
 
     def describe(self) -> str:
         """A short text, e.g. ``"int4 sym g128"``. A dynamic type's per-channel scale is
-        one per row of the activation (per token; per example for a convolution's input)
-        and reads ``per-token``.
+        one per row of its operand, a vector along the op's contracted axes (per token for
+        an activation contracted over its features, per feature for the values of
+        ``probs @ v``, per example for a convolution's input), and reads ``per-row``.
 
         >>> import jqt
         >>> jqt.QuantType(bits=4, group_size=128).describe()
         'int4 sym g128'
         >>> jqt.recipes.w8a8_dynamic().rules[0].activation.describe()
-        'int8 asym per-token dynamic'
+        'int8 asym per-row dynamic'
         """
         gran = (f"g{self.group_size}" if self.group_size else
-                ("per-token" if self.dynamic else "per-channel") if self.per_channel else "per-tensor")
+                ("per-row" if self.dynamic else "per-channel") if self.per_channel else "per-tensor")
         sym = "sym" if self.symmetric else "asym"
         return f"{self.dtype} {sym} {gran}{' dynamic' if self.dynamic else ''}"
 

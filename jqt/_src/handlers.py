@@ -231,8 +231,10 @@ def values_shape(packed):
 def without_entry(site, ctx) -> bool:
     """Whether ``site`` is an optional op (``registry``: cache writes, scalar-index
     lookups) that ``ctx``'s qparams have no entry for (made before jqt quantized such
-    ops): it then runs float, unchanged."""
-    return site.entry.optional and site.key not in ctx.state_in
+    ops), or an op whose weight f builds from iota and constants (an interpolation
+    matrix, always float) that they have none for (calibrated at another input shape):
+    it then runs float, unchanged."""
+    return (site.entry.optional or site.built) and site.key not in ctx.state_in
 
 
 def _check_real(site, qp, invals):

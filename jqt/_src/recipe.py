@@ -296,7 +296,7 @@ one scale per token and head computed at each write.
 
 >>> import jqt
 >>> jqt.recipes.KV_INT8.describe(), jqt.recipes.w8a8_dynamic(kv_cache="int4").rules[0].kv_cache.bits
-('int8 sym per-token dynamic', 4)
+('int8 sym per-row dynamic', 4)
 """
 
 

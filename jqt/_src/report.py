@@ -313,7 +313,7 @@ def _db(v):
 
 def _short(q):
     """The type's text (``QuantType.describe``), "dynamic" shortened: "nf4 sym g64",
-    "float8_e4m3fn sym per-tensor", "int8 asym per-token dyn"."""
+    "float8_e4m3fn sym per-tensor", "int8 asym per-row dyn"."""
     if q is None:
         return "float"
     return q.qtype.describe().replace(" dynamic", " dyn")
@@ -435,6 +435,8 @@ def _output_paths(tree, n):
 def _rel(signal, noise):
     """Relative L2 error ``sqrt(noise / signal)``: 0 when there is no error (even on a zero
     signal, e.g. an all-zero batch), ``inf`` for an error on a zero signal."""
+    if math.isnan(noise) or math.isnan(signal):
+        return math.nan  # a NaN in the outputs: as the SQNR
     if noise <= 0:
         return 0.0
     return math.sqrt(noise / signal) if signal > 0 else math.inf

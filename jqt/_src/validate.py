@@ -29,6 +29,14 @@ from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
 FIX = "Re-calibrate, or apply jqt.qat.project(qparams) after fine-tuning."
+# the note of an op whose weight operand f builds from iota and constants (an interpolation
+# matrix): always float, and how many there are follows the input's shape
+BUILT_NOTE = "its weight is a matrix f builds from iota and constants"
+
+
+def _built_entry(q) -> bool:
+    """Whether qparams entry ``q`` is that of a matrix f builds (float, with its note)."""
+    return q.is_float and q.note.startswith(BUILT_NOTE)
 
 
 def _concrete(a):
@@ -317,9 +325,27 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
     :func:`jqt.report` and :func:`jqt.gptq`. An optional op (``registry``: cache writes,
     scalar-index lookups, which older qparams lack) may have none, and runs float. With an
     empty input (``some_empty``) unused gathers pass: JAX traces ``table[ids]`` with no
-    ids to zeros, without the gather."""
+    ids to zeros, without the gather. An op whose weight f builds from iota and constants
+    (``jax.image.resize``'s interpolation matrices, as many as the axes whose size the
+    resize changes, so their number follows the input's shape) is always float: it may
+    have no entry, and the qparams' entries of such ops that this call lacks are not
+    extra."""
     keys = [s.key for s in traced.sites()]
-    extra = sorted(set(qparams) - set(keys))
+    extra = sorted(k for k in set(qparams) - set(keys) if not _built_entry(qparams[k]))
+    # a key the qparams gave a built matrix, which here is another op (or the reverse):
+    # positional keys shift where the input's shape adds or drops interpolations
+    swapped = [s for s in traced.sites() if s.key in qparams and s.op == qparams[s.key].op
+               and (not qparams[s.key].is_float if s.built else _built_entry(qparams[s.key]))]
+    if swapped:
+        built = "an op whose weight f builds from iota and constants (an interpolation matrix)"
+        was, now = ("another op", built) if swapped[0].built else (built, "another op")
+        raise QParamsMismatchError(
+            f"{fn}: qparams['{swapped[0].key}'] was made for {was}, and in this call that key "
+            f"is {now}: the input's shape changes how many interpolation matrices f builds "
+            "(jax.image.resize skips an axis whose size it keeps), and the ops after them in "
+            "the same scope are numbered on. Calibrate at these input shapes (one qparams per "
+            "shape), or give the ops after the resize a scope of their own (jax.named_scope, "
+            "or a flax module) so that their keys do not follow the resize's.")
     if extra and some_empty:
         extra = [k for k in extra if qparams[k].op != "gather"]
     caches = [k for k in extra if qparams[k].op in ("dynamic_update_slice", "scatter")]
@@ -344,7 +370,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
-    missing = [s.key for s in traced.sites() if s.key not in qparams and not s.entry.optional]
+    missing = [s.key for s in traced.sites()
+               if s.key not in qparams and not s.entry.optional and not s.built]
     if missing:
         # an optional op whose key the qparams give to another op: made by a jqt that did
         # not quantize it yet, whose keys for the same weight's later ops were one lower

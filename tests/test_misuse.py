@@ -99,7 +99,7 @@ def test_gptq_results_pack_where_the_calibrator_clipped_far_on_purpose():
 def test_pack_of_another_argument_names_the_one_calibrated(setup):
     p, _, qp = setup
     with pytest.warns(UserWarning, match=r"jqt.pack\(argnum=1\): no quantized op reads .* argument\(s\) "
-                      r"\[0\] .* nothing is packed: every leaf is kept .* Pass argnum=0"):
+                      r"\[0\], so nothing is packed: every leaf is kept .* pass argnum=0"):
         assert not jqt.pack(qp, p, argnum=1).weights
     g = lambda a, b, x: (x @ a["w"]) @ b["w"]
     pa, pb = {"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}
@@ -115,6 +115,16 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
                        r"params\[0\]: jqt.pack takes one weight argument at a time.*"
                        r"jqt.pack\(qparams, params\[0\], argnum=0\)"):
         jqt.pack(qp2, (pa, pb))
+    # the adapters' ops kept float by a rule (QLoRA): the hint was missing, and the pack
+    # of that argument said the qparams were calibrated with weight_argnums [0] (hunt46_lora2)
+    keep = jqt.Recipe(rules=(jqt.Rule(key="^b/", weight=None),) + jqt.recipes.w8().rules)
+    qk = jqt.calibrate(g, keep, (pa, pb), [(jnp.ones((2, 4)),)], weight_argnums=(0, 1), progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"argument 0's at params\[0\].*argnum=0\), "
+                       r"and pass the other arguments to f as they are"):
+        jqt.pack(qk, (pa, pb))
+    with pytest.warns(UserWarning, match=r"argument\(s\) \[0\], so nothing is packed.*Where argument "
+                      r"1's ops are all kept float.*pass it to f as it is"):
+        jqt.pack(qk, pb, argnum=1)
     # weight_argnums=(1, 0): the tuple holds argument 1's weights first (review 2)
     qr = jqt.calibrate(g, jqt.recipes.w8(), (pb, pa), [(jnp.ones((2, 4)),)], weight_argnums=(1, 0),
                        progress=False)

@@ -283,6 +283,24 @@ def test_a_weight_calibrated_at_zeros_is_named(name):
     jqt.pack(qp, trained, clip=True)
 
 
+def test_a_closed_over_weight_calibrated_at_zeros_is_named():
+    """LoRA adapters bound with functools.partial are constants f closes over, quantized as
+    weights: a B of zeros got the placeholder scale without a word (a params leaf is
+    warned about), and f re-bound to the trained B computed with zeros (hunt46_lora2)."""
+    import functools
+    rng = np.random.default_rng(0)
+    base = {"w": jnp.asarray(rng.standard_normal((16, 16)) * 0.1, jnp.float32)}
+    lora = {"a": jnp.asarray(rng.standard_normal((16, 4)) * 0.1, jnp.float32), "b": jnp.zeros((4, 16))}
+    g = lambda base, x, lora: x @ base["w"] + (x @ lora["a"]) @ lora["b"]
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"op 'dot_general_1' \(at '<top>'\) reads a weight f closes "
+                      r"over.*all zeros.*placeholder \(1\).*half the scale.*not a weight argument"):
+        jqt.calibrate(functools.partial(g, lora=lora), jqt.recipes.w8(), base, [(x,)], progress=False)
+    with warnings.catch_warnings():  # as an argument that is not a weight argument: float, silent
+        warnings.simplefilter("error")
+        jqt.calibrate(g, jqt.recipes.w8(), base, [(x, lora)], progress=False)
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("name", ci_only(["w8a8", "w4_g16"], {"w8a8"}))
 @pytest.mark.slow_variants

@@ -757,6 +757,7 @@ def finalize(traced, recipe, stats, leaf_dtypes):
             decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key), leaf_dtypes)
     quantized_w = {k for k, p in decided.items() if p.weight_operand is not None
                    and p.operand(p.weight_operand) is not None}
+    _warn_zero_constants(sites, decided, quantized_w, stats)
     out = {}
     for s in sites:
         p = decided[s.key]
@@ -768,6 +769,29 @@ def finalize(traced, recipe, stats, leaf_dtypes):
                 batch=s.batch_axes()))
         out[s.key] = p
     return out
+
+
+def _warn_zero_constants(sites, decided, quantized_w, stats):
+    """Warns where a quantized op's weight is an array ``f`` closes over (not a leaf of
+    params: ``weightcheck`` warns about those) that was all zeros at calibration: its scale
+    is a placeholder (1), on which a value it holds later rounds to 0."""
+    for s in sites:
+        p, st = decided[s.key], stats.get(s.key)
+        if (s.key not in quantized_w or p.source is not None or s.built or st is None
+                or st.weight is None or not weightcheck.zero_below(p)):
+            continue
+        lo, hi = np.asarray(st.weight["min"]), np.asarray(st.weight["max"])
+        if lo.size and not lo.any() and not hi.any():
+            diagnostics.warn_grouped(
+                ("zero constant",),
+                f"jqt.calibrate: op '{s.key}' (at '{s.name_stack or '<top>'}') reads a weight f "
+                "closes over (an array bound with functools.partial or captured, not a leaf of "
+                "params), which is all zeros: it has no range, so its scale is a placeholder "
+                f"(1), on which any value {weightcheck.zero_below(p)} rounds to 0, and f "
+                "re-bound to trained values (a LoRA adapter's B, zeros at initialisation) "
+                "computes with those zeros. Pass it as an argument of f that is not a weight "
+                "argument (docs/fine-tuning.md, QLoRA), where it stays float, or calibrate "
+                "with its trained values.", f"'{s.key}'")
 
 
 def _act_range(rule, act_stats, qtype):

@@ -375,7 +375,10 @@ def _no_jvp(primals, tangents, **params):
         "jqt.quantize(f, qparams, simulate=True). For a call you do not train through (a "
         "distillation teacher, a reference), stop the gradient of its inputs, "
         "qf(jax.lax.stop_gradient(params), x): a stop_gradient of its output comes after JAX "
-        "has asked for this op's derivative.")
+        "has asked for this op's derivative. Training values f closes over (LoRA adapters "
+        "bound with functools.partial)? Those are weights to jqt, quantized: pass them as an "
+        "argument of f that is not a weight argument (docs/fine-tuning.md, QLoRA), where they "
+        "stay float and their gradients flow through the integer path.")
 
 
 compat.ad.primitive_jvps[quantize_p] = _no_jvp

@@ -102,11 +102,15 @@ def _other_arg(qparams, argnum, index, shapes=None) -> str:
                                                or tuple(shapes[at(j, s)]) == tuple(s.shape))
     places = {a: [j for j in range(len(index)) if all(fits(j, s) for s in srcs if s.arg == a)]
               for a in {s.arg for s in srcs}}
-    if len(places) > 1 and all(places.values()) and len(places.get(argnum, ())) == 1:
+    tops = {k.split("/", 1)[0] for k in index}  # a tuple's positions: '0', '1', ...
+    several = len(places) > 1 or (len(tops) > 1 and all(t.isdigit() for t in tops))
+    if several and all(places.values()) and len(places.get(argnum, ())) == 1:
         j = places[argnum][0]  # the tuple calibrate took: each argument's weights at a place
+        others = ("and so on for the others" if len(places) > 1 else "and pass the other "
+                  "arguments to f as they are (no quantized op reads their weights)")
         return (f" These params hold the weights of several arguments of f, argument {argnum}'s at "
                 f"params[{j}]: jqt.pack takes one weight argument at a time. Pack each: "
-                f"jqt.pack(qparams, params[{j}], argnum={argnum}), and so on for the others.")
+                f"jqt.pack(qparams, params[{j}], argnum={argnum}), {others}.")
     for arg in sorted({s.arg for s in srcs} - {argnum}):
         if all(index.get(s.path) or index.get(s.path.split("/", 1)[-1]) or (bare and "/" not in s.path)
                for s in srcs if s.arg == arg):
@@ -572,9 +576,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
         # ops (norm gains) packs to itself; argnum given by mistake is said
         diagnostics.warn(
             f"jqt.pack(argnum={argnum}): no quantized op reads a weight of argument {argnum} of f; "
-            f"the qparams' ops read argument(s) {sorted(other_args)} (the weight_argnums they were "
-            f"calibrated with), so nothing is packed: every leaf is kept as it is. Pass "
-            f"argnum={min(other_args)} to pack those.")
+            f"the qparams' quantized ops read argument(s) {sorted(other_args)}, so nothing is "
+            f"packed: every leaf is kept as it is. Where argument {argnum}'s ops are all kept float "
+            "(LoRA adapters under a Rule(..., weight=None)), that is all there is to do: pass "
+            f"it to f as it is; otherwise pass argnum={min(other_args)} to pack those.")
     _refuse_nans(nans)
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
         src, p, apply_chain(flat[src.leaf], src.chain)))

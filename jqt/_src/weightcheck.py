@@ -387,7 +387,7 @@ def record(qparams, params_t, argnums):
     out = dict(qparams)
     with diagnostics.grouped():
         for (key, _, _), (r, _, _) in zip(pending, values):
-            if r == 0 and _zero_below(qparams[key]):
+            if r == 0 and zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
     for (key, _, tag), (r, held_reach, held) in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
@@ -400,7 +400,7 @@ def record(qparams, params_t, argnums):
     return out
 
 
-def _zero_below(p) -> str:
+def zero_below(p) -> str:
     """Which values round to 0 on op ``p``'s weight grid with a scale of 1 (the placeholder
     of a weight calibrated at zeros); ``""`` for fp8, whose fine steps near 0 keep them."""
     grid = p.operand(p.weight_operand).qtype.grid
@@ -415,10 +415,10 @@ def _warn_zero(key, p):
         ("zero weight",),
         f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', which is all zeros in these "
         "params: it has no range, so its scale is a placeholder (1), on which any value "
-        f"{_zero_below(p)} rounds to 0. If it is trained after calibration (a LoRA adapter's B, zeros "
+        f"{zero_below(p)} rounds to 0. If it is trained after calibration (a LoRA adapter's B, zeros "
         "at initialisation), keep it float (jqt.Rule(key=..., weight=None) ahead of the "
-        "preset's rules) or pass the adapters as another argument of f (docs/fine-tuning.md, "
-        "QLoRA), or calibrate after training it.", f"'{key}'")
+        "preset's rules) or pass the adapters as an argument of f that is not a weight argument "
+        "(not in weight_argnums: docs/fine-tuning.md, QLoRA), or calibrate after training it.", f"'{key}'")
 
 
 def start(key, p, src, x, gaxis):
@@ -470,9 +470,9 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
     for c, (r, held_reach, _) in zip(pending, values):
         rec = c[1].source.calibrated_reach
         cal = rec[0]
-        if cal == 0 and float(r) > 0 and _zero_below(c[1]):  # calibrated at zeros: the
+        if cal == 0 and float(r) > 0 and zero_below(c[1]):  # calibrated at zeros: the
             zeroed.append((c, float(r), cal))  # scale is a placeholder (fp8 keeps small values)
-        elif rec[2:] == (True,) and float(held_reach) > 0 and _zero_below(c[1]):
+        elif rec[2:] == (True,) and float(held_reach) > 0 and zero_below(c[1]):
             regrown.append((c, float(held_reach), cal))  # a pruned channel or group
         elif float(r) > max(cal, 1.0) * (1 + TOLERANCE):
             bad.append((c, float(r), cal))
@@ -484,7 +484,7 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"{fn}: op '{key}': weight '{src.path}' was all zeros in the params the qparams were "
             "calibrated with, so its scale is a placeholder (1); these params hold it nonzero "
             f"(it reaches {r:.3g}x the edge of that grid, "
-            f"{p.operand(p.weight_operand).qtype.describe()}), and on it values {_zero_below(p)} "
+            f"{p.operand(p.weight_operand).qtype.describe()}), and on it values {zero_below(p)} "
             "round to 0. " + fix[0].upper() + fix[1:] + _also(zeroed, "were calibrated at zeros too"))
     if regrown:
         (key, p, src, _), r, _ = regrown[0]
@@ -495,7 +495,7 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
             f"{fn}: op '{key}': weight '{src.path}' holds values in {n} {held} that "
             f"{'was' if n == 1 else 'were'} all zeros in the params the qparams were calibrated with "
             f"(a pruned checkpoint?): {'its scale is a placeholder' if n == 1 else 'their scales are placeholders'} "
-            f"(1), a grid with no relation to these values, on which any value {_zero_below(p)} rounds "
+            f"(1), a grid with no relation to these values, on which any value {zero_below(p)} rounds "
             f"to 0 (these reach {r:.3g}x its edge, {q.qtype.describe()}). "
             + fix[0].upper() + fix[1:] + _also(regrown, "have such channels or groups too")
             + (" (clip=True packs those values on the placeholder grid.)" if "clip=True" in fix else ""))

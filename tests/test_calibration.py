@@ -1200,3 +1200,39 @@ def test_a_weight_computed_from_a_static_argument_is_observed_for_each_value():
         assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02, gains
     np.testing.assert_array_equal(scales[0], scales[1])
     np.testing.assert_array_equal(scales[0], scales[2])
+
+
+def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
+    """A calibrator's range returned (hi, lo), NaN, or a weight range of another shape:
+    the clamp to a range holding 0 made (hi, lo) [0, 0] (scale 1, the output gone without a
+    word); NaN read as a NaN weight or an op never reached; a wrong shape failed later, in
+    jqt.quantize, with advice to re-calibrate (hunt46_errors)."""
+    WC, C = jqt.calibrators.WeightCalibrator, jqt.calibrators.MinMax
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    f = lambda p, x: x @ p["w"]
+    amax = lambda w, axes: jnp.max(jnp.abs(w), axis=axes, keepdims=axes is not None)
+    weights = {
+        "Swapped": (lambda w, axes: (amax(w, axes), -amax(w, axes)), r"range\(w, axes, qtype\) "
+                    r"returned lo > hi at 8 of 8 places.*the low end first"),
+        "Scalar": (lambda w, axes: (-jnp.max(jnp.abs(w)), jnp.max(jnp.abs(w))), r"range\(w, "
+                   r"axes=\(0,\), qtype\) returned lo of shape \(\) .* to shape \(1, 8\)"),
+        "NaN": (lambda w, axes: (amax(w, axes) * jnp.nan, amax(w, axes)), r"or its weight "
+                r"calibrator NaN, not one of jqt's, returned NaN or inf"),
+    }
+    for name, (rng_fn, match) in weights.items():
+        cls = type(name, (WC,), {"range": lambda self, w, axes, qtype, r=rng_fn: r(w, axes)})
+        with pytest.raises(ValueError, match=match):
+            jqt.calibrate(f, jqt.recipes.w8(weight_calibrator=cls()), p, [(x,)], progress=False)
+    acts = {"Swapped": (lambda lo, hi: (hi, lo), r"calibrator Swapped's range\(stats, qtype\) "
+                        r"returned lo > hi"),
+            "NaNRange": (lambda lo, hi: (lo * np.nan, hi), r"returned NaN .* on finite statistics")}
+    for name, (swap, match) in acts.items():
+        cls = type(name, (C,), {"range": lambda self, st, q, s=swap: s(*C.range(self, st, q))})
+        with pytest.raises(ValueError, match=match):
+            jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cls()), p, [(x,)], progress=False)
+    with pytest.raises(NotImplementedError, match=r"Half subclasses jqt.calibrators.Calibrator "
+                       r"without defining combine\(self, a, b\)"):
+        half = type("Half", (jqt.calibrators.Calibrator,), {"observe": lambda self, x: x.max()})
+        jqt.calibrate(f, jqt.recipes.w8a8(calibrator=half()), p, [(x,), (x,)], progress=False)

@@ -1179,3 +1179,29 @@ def test_a_metric_may_call_g_with_keyword_arguments():
         warnings.simplefilter("ignore")
         res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x, True)], metric, max_drop=1e-3, progress=False)
     assert res.float_metric == 0.0
+
+
+def test_bad_arguments_to_the_tools_name_the_fix(tmp_path):
+    """hunt46_errors: batches=None, a loader function, or a generator an earlier call used up;
+    report and gptq without the weight_argnums calibrate was given (their error spoke of the
+    batch); Report.plot(None) (PIL's AttributeError); summarize of the model's params (a
+    26 kB table of arrays)."""
+    g = lambda a, b, x: (x @ a["w"]) @ b["w"]
+    pa, pb, x = {"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}, jnp.ones((2, 4))
+    for bad, what in ((None, "None"), (lambda: [(x,)], "<function")):
+        with pytest.raises(jqt.CalibrationDataError, match=f"batches is {what}.*not iterable"):
+            jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), bad, weight_argnums=(0, 1), progress=False)
+    once = ((x,) for _ in range(1))
+    qp = jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), once, weight_argnums=(0, 1), progress=False)
+    with pytest.raises(jqt.CalibrationDataError, match=r"empty.*an iterator.*used up"):
+        jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), once, weight_argnums=(0, 1), progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.report: the qparams' ops read weights "
+                       r"of argument\(s\) \[0, 1\].*weight_argnums=\(0, 1\)"):
+        jqt.report(g, qp, (pa, pb), (x,))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: .*weight_argnums=\(0, 1\)"):
+        jqt.gptq(g, qp, (pa, pb), [(x,)], progress=False)
+    rep = jqt.report(g, qp, (pa, pb), (x,), weight_argnums=(0, 1))
+    with pytest.raises(TypeError, match="Report.plot: path is a NoneType"):
+        rep.plot(None)
+    with pytest.raises(TypeError, match=r"summarize: qparams\['w'\] is of type .*not the model's params"):
+        jqt.summarize(pa)

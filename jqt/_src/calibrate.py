@@ -50,6 +50,13 @@ def check_batches(batches, fn="jqt.calibrate"):
             f"{fn}: batches is {what}, whose items are not batches; pass a list of tuples of f's "
             "remaining arguments, e.g. batches=[(x,)] for one batch x, [(x, y) for x, y in data] "
             "for several.")
+    try:
+        iter(batches)
+    except TypeError:
+        raise CalibrationDataError(
+            f"{fn}: batches is {batches!r:.60}, which is not iterable; pass a list of tuples of "
+            "f's remaining arguments, e.g. batches=[(x,)], or an iterable of them (a generator, "
+            "a data loader: call a loader function to get one).") from None
 
 
 def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
@@ -299,8 +306,11 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
     if st is None:
+        spent = (" (batches is an iterator, and it yields nothing: one that an earlier call "
+                 "used up? An iterator is read once; pass a list to use the batches again)"
+                 if iter(batches) is batches else "")
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
-                                   "one batch, e.g. batches=[(x,)].")
+                                   f"one batch, e.g. batches=[(x,)].{spent}")
     return st
 
 
@@ -946,7 +956,9 @@ def _decide(site, rule, st, leaf_dtypes):
                  "the recipe's rules.")
         unreached = f"in {branch} of a lax.platform_dependent: not run by calibration"
     if st is not None and st.weight is not None:
-        _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]))
+        _check_weight_finite(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]), rule)
+        _check_order(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]),
+                     f"weight calibrator {type(rule.weight_calibrator).__name__}", "w, axes, qtype")
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
         diagnostics.warn_grouped("never", never, f"'{site.key}'")
         return float_(unreached)
@@ -993,6 +1005,13 @@ def _decide(site, rule, st, leaf_dtypes):
         else:
             _check_act_finite(site, st.act)
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
+            if np.isnan(lo).any() or np.isnan(hi).any():  # a calibrator of the user's:
+                raise ValueError(  # its statistics passed _check_act_finite
+                    f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): "
+                    f"calibrator {type(rule.calibrator).__name__}'s range(stats, qtype) returned "
+                    f"NaN ([{lo}, {hi}]) on finite statistics of the activation: fix its range.")
+            _check_order(site, lo, hi, f"calibrator {type(rule.calibrator).__name__}",
+                         "stats, qtype")
             if not np.isfinite(lo).all():
                 diagnostics.warn_grouped("never", never, f"'{site.key}'")
                 return float_(unreached)
@@ -1041,18 +1060,35 @@ def _unseen_iterations(site, lo, hi):
     return np.where(unseen, a, lo), np.where(unseen, b, hi)
 
 
-def _check_weight_finite(site, lo, hi):
+def _check_weight_finite(site, lo, hi, rule=None):
     """Raises if the weight's observed range holds NaN or inf (a range never observed is
     ``[inf, -inf]``: an op that did not run, which warns instead)."""
     if _seen_not_finite(lo, hi).any():
         src = site.source
         name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
+        cal = "" if rule is None or type(rule.weight_calibrator).__module__ == __name__.rsplit(
+            ".", 1)[0] + ".calibrators" else (
+            f" (or its weight calibrator {type(rule.weight_calibrator).__name__}, not one of "
+            "jqt's, returned NaN or inf for a finite weight: fix its range)")
         raise ValueError(
             f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') reads "
-            f"{name}, which holds NaN or inf values{_wide(site, site.weight_operand)}: its scale "
-            "would not be finite. Fix the "
+            f"{name}, which holds NaN or inf values{_wide(site, site.weight_operand)}{cal}: its "
+            "scale would not be finite. Fix the "
             f"weight, or keep the op float with a rule ahead of the others, "
             f"jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
+def _check_order(site, lo, hi, who, args):
+    """Raises where a calibrator's range has ``lo > hi`` (a calibrator of the user's that
+    returns ``(hi, lo)``: the clamp to a range holding 0 made it ``[0, 0]``, scale 1)."""
+    bad = np.isfinite(lo) & np.isfinite(hi) & (np.asarray(lo) > np.asarray(hi))
+    if bad.any():
+        i = np.argwhere(bad)[0] if bad.ndim else ()
+        raise ValueError(
+            f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): "
+            f"{who}'s range({args}) returned lo > hi at {int(bad.sum())} of {bad.size} "
+            f"places (e.g. lo {float(np.asarray(lo)[tuple(i)])}, hi "
+            f"{float(np.asarray(hi)[tuple(i)])}): it returns (lo, hi), the low end first.")
 
 
 def _seen_not_finite(lo, hi):

@@ -45,6 +45,12 @@ from .formats import FLOAT8
 _F32 = jnp.float32
 
 
+def _undefined(obj, base, sig):
+    """The message of a method a calibrator subclass did not define."""
+    return (f"{type(obj).__name__} subclasses jqt.calibrators.{base} without defining {sig}: "
+            f"define it (jqt.calibrators.{base}'s docstring says what it returns).")
+
+
 class Calibrator:
     """Base class of activation calibrators (see the module docstring).
 
@@ -72,15 +78,15 @@ class Calibrator:
 
     def observe(self, x):
         """The statistics of one tensor ``x`` (float32): a pytree of fixed shape."""
-        raise NotImplementedError
+        raise NotImplementedError(_undefined(self, "Calibrator", "observe(self, x)"))
 
     def combine(self, a, b):
         """The statistics of the union of the data behind ``a`` and ``b``."""
-        raise NotImplementedError
+        raise NotImplementedError(_undefined(self, "Calibrator", "combine(self, a, b)"))
 
     def empty(self, like):
         """The statistics of no data (the identity of :meth:`combine`)."""
-        raise NotImplementedError
+        raise NotImplementedError(_undefined(self, "Calibrator", "empty(self, like)"))
 
     def accumulate(self, running, new):
         """Running statistics after one more calibration batch (default: :meth:`combine`)."""
@@ -88,7 +94,7 @@ class Calibrator:
 
     def range(self, stats, qtype):
         """The real range ``(lo, hi)`` to quantize; non-finite when no data was seen."""
-        raise NotImplementedError
+        raise NotImplementedError(_undefined(self, "Calibrator", "range(self, stats, qtype)"))
 
     def check(self, qtype):
         """Raises ``ValueError`` if this calibrator cannot serve activations of ``qtype``
@@ -532,7 +538,7 @@ class WeightCalibrator:
 
     def range(self, w, axes, qtype):
         """The real range ``(lo, hi)`` of ``w``, reduced over ``axes`` (keepdims)."""
-        raise NotImplementedError
+        raise NotImplementedError(_undefined(self, "WeightCalibrator", "range(self, w, axes, qtype)"))
 
 
 @dataclasses.dataclass(frozen=True)

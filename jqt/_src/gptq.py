@@ -391,6 +391,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     """
     check_qparams(qparams, "jqt.gptq")
     argnums = normalize_argnums(weight_argnums)
+    validate.check_argnums(qparams, argnums, "jqt.gptq")
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
     validate.flags("jqt.gptq", progress=progress, act_order=act_order, keep_zeros=keep_zeros)
     check_batches(batches, "jqt.gptq")

@@ -72,14 +72,42 @@ def weight_range(calibrator, w, axes, qtype, group_axis):
     """
     g = qtype.group_size
     if not g:
-        return calibrator.range(w, axes, qtype)
+        return _checked(calibrator, w, axes, qtype)
     ax = group_axis % w.ndim
     n = w.shape[ax]
     w = compat.unsplit(w, (ax,))  # split over explicit mesh axes: groups can't be reshaped out
     wg = w.reshape(w.shape[:ax] + (n // g, g) + w.shape[ax + 1:])
     gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
-    lo, hi = calibrator.range(wg, gaxes, qtype)
+    lo, hi = _checked(calibrator, wg, gaxes, qtype)
     return (jnp.squeeze(jnp.asarray(lo), ax + 1), jnp.squeeze(jnp.asarray(hi), ax + 1))
+
+
+def _checked(calibrator, w, axes, qtype):
+    """``calibrator.range(w, axes, qtype)``, refused unless each end has the shape of a
+    reduction of ``w`` over ``axes`` with ``keepdims`` (one value where ``axes`` is None).
+
+    >>> import jqt
+    >>> class Scalar(jqt.calibrators.WeightCalibrator):
+    ...     def range(self, w, axes, qtype):
+    ...         return w.min(), w.max()
+    >>> _checked(Scalar(), jnp.ones((4, 2)), (0,), jqt.recipes.INT8_WEIGHT)
+    Traceback (most recent call last):
+    ...
+    ValueError: jqt.calibrate: weight calibrator Scalar's range(w, axes=(0,), qtype) returned lo of shape () for a weight w of shape (4, 2): it must reduce w over axes with keepdims, to shape (1, 2) (w.min(axis=axes, keepdims=True) and the max, as jqt.calibrators.WeightMinMax does).
+    """
+    lo, hi = calibrator.range(w, axes, qtype)
+    want = () if axes is None else tuple(1 if i in {a % w.ndim for a in axes} else n
+                                          for i, n in enumerate(w.shape))
+    for name, a in (("lo", lo), ("hi", hi)):
+        got = tuple(jnp.shape(a))
+        if got != want and not (axes is None and all(d == 1 for d in got)):
+            raise ValueError(
+                f"jqt.calibrate: weight calibrator {type(calibrator).__name__}'s range(w, axes={axes}, qtype) "
+                f"returned {name} of shape {got} for a weight w of shape {tuple(w.shape)}: it "
+                f"must reduce w over axes with keepdims, to shape {want} "
+                "(w.min(axis=axes, keepdims=True) and the max, as "
+                "jqt.calibrators.WeightMinMax does).")
+    return lo, hi
 
 
 def fits(qtype, shape, axis) -> bool:

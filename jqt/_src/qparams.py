@@ -554,10 +554,16 @@ def summarize(qparams: dict[str, Any]) -> str:
     if not isinstance(qparams, dict):
         raise TypeError(f"jqt.summarize: expected the qparams dict jqt.calibrate (or jqt.load) "
                         f"returns, got a {type(qparams).__name__}.")
+    if qparams and not any(isinstance(p, OpQParams) for p in qparams.values()):
+        k, p = next(iter(qparams.items()))
+        raise TypeError(f"jqt.summarize: qparams['{k}'] is of type {type(p).__name__}, and no entry is a "
+                        "jqt.OpQParams: pass the qparams jqt.calibrate (or jqt.load) returns, not "
+                        "the model's params.")
     rows = [("key", "op", "weight", "activation")]
     for k, p in qparams.items():
         if not isinstance(p, OpQParams):
-            rows.append((k, "?", repr(p), ""))
+            text = repr(p)
+            rows.append((k, "?", text if len(text) <= 60 else text[:57] + "...", ""))
             continue
         if p.is_float:
             rows.append((k, p.op, "float", p.note or "kept float"))

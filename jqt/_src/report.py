@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 import jax
@@ -298,6 +299,9 @@ class Report:
         """Writes a PNG: per-op SQNR bars (alone and cumulative) and the activation
         histograms of the ``histograms`` worst ops with their quantized range.
         Needs matplotlib (``pip install jqt[plot]``)."""
+        if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):
+            raise TypeError(f"Report.plot: path is a {type(path).__name__}; pass the file to "
+                            "write the PNG to, a str or pathlib.Path (or a binary file object).")
         plot_report(self, path, histograms)
 
 
@@ -344,6 +348,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     """
     check_qparams(qparams, "jqt.report")
     argnums = normalize_argnums(weight_argnums)
+    validate.check_argnums(qparams, argnums, "jqt.report")
     params_t = validate.weight_args(params, argnums, "jqt.report")
     if not isinstance(batch, (tuple, list)):
         raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "

@@ -186,7 +186,9 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
             " (If these qparams are part of f's, a dict restricted to the ops "
             "to compare: pass every op's entry, the others made float, {k: dataclasses.replace(p, "
             "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)")
-        raise QParamsMismatchError(f"jqt.sensitivity: {str(e).removeprefix('jqt: ')}{hint}") from None
+        text = str(e).removeprefix("jqt: ").replace("pass jqt.quantize the weight_argnums",
+                                                    "pass jqt.sensitivity the weight_argnums")
+        raise QParamsMismatchError(f"jqt.sensitivity: {text}{hint}") from None
     rows = []
     for k in keys:
         alone = score({**allf, k: qparams[k]})

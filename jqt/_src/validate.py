@@ -523,6 +523,21 @@ def _conv_sides(qparams, traced) -> str:
             "filter as the kernel.")
 
 
+def check_argnums(qparams, argnums, fn):
+    """Raises :class:`jqt.QParamsMismatchError` before ``f`` is traced where the qparams'
+    ops read weights of arguments of ``f`` that ``argnums`` (this call's weight_argnums)
+    does not name: the batch would be short of them, and ``f``'s signature error would
+    speak of the batch."""
+    calibrated = sorted({p.source.arg for p in qparams.values()
+                         if getattr(p, "source", None) is not None})
+    if calibrated and not set(calibrated) <= set(argnums):
+        raise QParamsMismatchError(
+            f"{fn}: the qparams' ops read weights of argument(s) {calibrated} of f, and this "
+            f"call's weight_argnums name {list(argnums)}: pass {fn} the weight_argnums "
+            f"jqt.calibrate was given (weight_argnums={tuple(calibrated)} at least), and the "
+            "weights as a tuple of those arguments.")
+
+
 def _argnums(qparams, traced, fn) -> str:
     """A note when the qparams read weights of other arguments of f than this call's
     ``weight_argnums`` name, or of several where this call names one (its keys then lack

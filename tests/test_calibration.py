@@ -1225,6 +1225,15 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
         cls = type(name, (WC,), {"range": lambda self, w, axes, qtype, r=rng_fn: r(w, axes)})
         with pytest.raises(ValueError, match=match):
             jqt.calibrate(f, jqt.recipes.w8(weight_calibrator=cls()), p, [(x,)], progress=False)
+    # per tensor, a range with keepdims (shape (1, 1)) is one value: kept as a scalar, which
+    # quantize and pack take (review hunt46_review2)
+    keep = type("Keep", (WC,), {"range": lambda self, w, axes, qtype: (
+        jnp.min(w, axis=axes, keepdims=True), jnp.max(w, axis=axes, keepdims=True))})
+    tensor = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(per_channel=False),
+                                        weight_calibrator=keep()),))
+    qt = jqt.calibrate(f, tensor, p, [(x,)], progress=False)
+    assert qt["w"].rhs.scale.shape == ()
+    jqt.quantize(f, qt)(jqt.pack(qt, p), x)
     acts = {"Swapped": (lambda lo, hi: (hi, lo), r"calibrator Swapped's range\(stats, qtype\) "
                         r"returned lo > hi"),
             "NaNRange": (lambda lo, hi: (lo * np.nan, hi), r"returned NaN .* on finite statistics")}

@@ -8,6 +8,7 @@ two paths produce.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -527,6 +528,14 @@ def test_qparams_run_at_input_shapes_that_change_the_number_of_interpolation_mat
     with pytest.raises(jqt.CalibrationDataError, match=r"matrices f builds.*calibrate on batches "
                        "of one shape"):
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x8,), (x6,)], progress=False)
+    # rules keyed to the weights: the built matrices no rule matches are marked too (their
+    # entries read "no rule matches", and the call at 8x8 was refused; review hunt46_review2)
+    keyed = jqt.Recipe(rules=tuple(dataclasses.replace(r, key="^(w|v)$") for r in jqt.recipes.w8a8().rules))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor is the user told to add a rule for them
+        qk = jqt.calibrate(f, keyed, p, [(x6,)], progress=False)
+    np.testing.assert_allclose(jqt.quantize(f, qk)(p, x8), jqt.quantize(f, qk, simulate=True)(p, x8),
+                               rtol=1e-5, atol=1e-5)
 
     def g(p, x):  # an activation x activation product after the resize, in the same scope
         h = jax.image.resize(x @ p["w"], (x.shape[0], 8, 8, 4), "bilinear")

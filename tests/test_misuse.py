@@ -125,6 +125,13 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
     with pytest.warns(UserWarning, match=r"argument\(s\) \[0\], so nothing is packed.*Where argument "
                       r"1's ops are all kept float.*pass it to f as it is"):
         jqt.pack(qk, pb, argnum=1)
+    # one weight argument that is a list (paths '0/w', '1/w'): not taken for a tuple of them
+    lp = [{"w": jnp.ones((4, 4))}, {"w": jnp.ones((4, 2))}]
+    ql = jqt.calibrate(lambda ls, x: x @ ls[0]["w"] @ ls[1]["w"], jqt.recipes.w8(), lp,
+                       [(jnp.ones((2, 4)),)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="'1/w', which params do not hold") as e:
+        jqt.pack(ql, [lp[0], {"kernel": lp[1]["w"]}])
+    assert "several arguments" not in str(e.value)
     # weight_argnums=(1, 0): the tuple holds argument 1's weights first (review 2)
     qr = jqt.calibrate(g, jqt.recipes.w8(), (pb, pa), [(jnp.ones((2, 4)),)], weight_argnums=(1, 0),
                        progress=False)
@@ -1196,10 +1203,13 @@ def test_bad_arguments_to_the_tools_name_the_fix(tmp_path):
     with pytest.raises(jqt.CalibrationDataError, match=r"empty.*an iterator.*used up"):
         jqt.calibrate(g, jqt.recipes.w8(), (pa, pb), once, weight_argnums=(0, 1), progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.report: the qparams' ops read weights "
-                       r"of argument\(s\) \[0, 1\].*weight_argnums=\(0, 1\)"):
+                       r"of 2 arguments of f \(\[0, 1\] where.*name 1 \(\[0\]\): pass jqt.report"):
         jqt.report(g, qp, (pa, pb), (x,))
-    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: .*weight_argnums=\(0, 1\)"):
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: .*weights of 2 arguments"):
         jqt.gptq(g, qp, (pa, pb), [(x,)], progress=False)
+    # the weight argument moved by a wrapper, in order: as jqt.quantize, report runs it
+    moved = lambda x, a, b: g(a, b, x)
+    jqt.report(moved, qp, (pa, pb), (x,), weight_argnums=(1, 2))
     rep = jqt.report(g, qp, (pa, pb), (x,), weight_argnums=(0, 1))
     with pytest.raises(TypeError, match="Report.plot: path is a NoneType"):
         rep.plot(None)

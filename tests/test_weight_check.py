@@ -299,6 +299,9 @@ def test_a_closed_over_weight_calibrated_at_zeros_is_named():
     with warnings.catch_warnings():  # as an argument that is not a weight argument: float, silent
         warnings.simplefilter("error")
         jqt.calibrate(g, jqt.recipes.w8(), base, [(x, lora)], progress=False)
+        # zeros f makes itself are zeros at every call: no word (review hunt46_review2)
+        z = lambda base, x: x @ base["w"] + x @ jnp.zeros((16, 16)) + x @ jnp.zeros_like(base["w"])
+        jqt.calibrate(z, jqt.recipes.w8(), base, [(x,)], progress=False)
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

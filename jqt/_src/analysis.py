@@ -572,7 +572,8 @@ class Analyzer:
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
                     contract=entry.contract(eqn), entry=entry, name_stack=stack,
-                    built=widx is not None and ins[widx].built)
+                    built=widx is not None and ins[widx].built,
+                    zero=widx is not None and ins[widx].zero)
 
     def _hop(self, plan, i, eqn, ins, stack, unread=frozenset()):
         """A higher-order equation: its bodies analyzed; ``unread``: the indices of its

@@ -480,7 +480,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
-    unmatched = [k for k in keys if chosen[k] is None]
+    built = {s.key for s in sites if s.built}  # always float: no rule to add for them
+    unmatched = [k for k in keys if chosen[k] is None and k not in built]
     if unmatched:
         diagnostics.warn(f"jqt.calibrate: no rule of the recipe matches {len(unmatched)} op(s), which "
                          f"stay float: {listed(unmatched)}. Add a rule for them (a last "
@@ -787,7 +788,7 @@ def _warn_zero_constants(sites, decided, quantized_w, stats):
     is a placeholder (1), on which a value it holds later rounds to 0."""
     for s in sites:
         p, st = decided[s.key], stats.get(s.key)
-        if (s.key not in quantized_w or p.source is not None or s.built or st is None
+        if (s.key not in quantized_w or p.source is not None or s.built or s.zero or st is None
                 or st.weight is None or not weightcheck.zero_below(p)):
             continue
         lo, hi = np.asarray(st.weight["min"]), np.asarray(st.weight["max"])
@@ -851,6 +852,11 @@ def _channel_bytes(wt, contracted):
 def _decide(site, rule, st, leaf_dtypes):
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
+    if site.built:  # whatever the rule: its entry's note marks it (validate.check_keys)
+        return float_(f"{validate.BUILT_NOTE} "
+                      "(jax.image.resize's interpolation, a patch filter, a DFT, or values "
+                      "drawn from a literal PRNG key: weights initialised inside f, missing "
+                      "from params?), not a leaf of params; pass it in params to quantize it")
     if rule is None:
         return float_("no rule of the recipe matches this op")
     if site.entry.is_cache:
@@ -871,11 +877,6 @@ def _decide(site, rule, st, leaf_dtypes):
             return float_("activation x activation op (set Rule(act_x_act=...) to quantize)")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
-    if site.built:
-        return float_(f"{validate.BUILT_NOTE} "
-                      "(jax.image.resize's interpolation, a patch filter, a DFT, or values "
-                      "drawn from a literal PRNG key: weights initialised inside f, missing "
-                      "from params?), not a leaf of params; pass it in params to quantize it")
     wt = site.entry.weight_type(rule)
     if wt is None:
         return float_("the recipe keeps it float")

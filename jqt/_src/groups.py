@@ -98,9 +98,11 @@ def _checked(calibrator, w, axes, qtype):
     lo, hi = calibrator.range(w, axes, qtype)
     want = () if axes is None else tuple(1 if i in {a % w.ndim for a in axes} else n
                                           for i, n in enumerate(w.shape))
+    if axes is None:  # per tensor: one value, kept as a scalar (keepdims or not)
+        lo, hi = (jnp.reshape(a, ()) if jnp.size(a) == 1 else a for a in (lo, hi))
     for name, a in (("lo", lo), ("hi", hi)):
         got = tuple(jnp.shape(a))
-        if got != want and not (axes is None and all(d == 1 for d in got)):
+        if got != want:
             raise ValueError(
                 f"jqt.calibrate: weight calibrator {type(calibrator).__name__}'s range(w, axes={axes}, qtype) "
                 f"returned {name} of shape {got} for a weight w of shape {tuple(w.shape)}: it "

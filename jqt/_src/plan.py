@@ -85,6 +85,7 @@ class Site:
     # the weight operand is made in f from iota and literals alone: jax.image.resize's
     # interpolation matrices, lax.conv_general_dilated_patches' filter, a DFT matrix
     built: bool = False
+    zero: bool = False  # the weight operand is all zeros by construction (a literal 0)
 
     def batch_axes(self) -> tuple:
         """The weight operand's ``dot_general`` batch axes."""

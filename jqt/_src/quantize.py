@@ -103,7 +103,9 @@ def _other_arg(qparams, argnum, index, shapes=None) -> str:
     places = {a: [j for j in range(len(index)) if all(fits(j, s) for s in srcs if s.arg == a)]
               for a in {s.arg for s in srcs}}
     tops = {k.split("/", 1)[0] for k in index}  # a tuple's positions: '0', '1', ...
-    several = len(places) > 1 or (len(tops) > 1 and all(t.isdigit() for t in tops))
+    # (not a single weight argument that is itself a list: its paths start with a digit)
+    several = len(places) > 1 or (len(tops) > 1 and all(t.isdigit() for t in tops)
+                                  and not any(s.path.split("/", 1)[0].isdigit() for s in srcs))
     if several and all(places.values()) and len(places.get(argnum, ())) == 1:
         j = places[argnum][0]  # the tuple calibrate took: each argument's weights at a place
         others = ("and so on for the others" if len(places) > 1 else "and pass the other "

@@ -530,12 +530,13 @@ def check_argnums(qparams, argnums, fn):
     speak of the batch."""
     calibrated = sorted({p.source.arg for p in qparams.values()
                          if getattr(p, "source", None) is not None})
-    if calibrated and not set(calibrated) <= set(argnums):
+    # by count, not index: a wrapper may move the weight arguments, in order (quantize's rule)
+    if len(calibrated) > len(argnums):
         raise QParamsMismatchError(
-            f"{fn}: the qparams' ops read weights of argument(s) {calibrated} of f, and this "
-            f"call's weight_argnums name {list(argnums)}: pass {fn} the weight_argnums "
-            f"jqt.calibrate was given (weight_argnums={tuple(calibrated)} at least), and the "
-            "weights as a tuple of those arguments.")
+            f"{fn}: the qparams' ops read weights of {len(calibrated)} arguments of f "
+            f"({calibrated} where they were calibrated), and this call's weight_argnums name "
+            f"{len(argnums)} ({list(argnums)}): pass {fn} the weight_argnums jqt.calibrate was "
+            "given, and the weights as a tuple of those arguments.")
 
 
 def _argnums(qparams, traced, fn) -> str:

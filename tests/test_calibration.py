@@ -1241,6 +1241,17 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
         cls = type(name, (C,), {"range": lambda self, st, q, s=swap: s(*C.range(self, st, q))})
         with pytest.raises(ValueError, match=match):
             jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cls()), p, [(x,)], progress=False)
+    # an observe that needs x's rank, statistics with keepdims, a range per channel: named at
+    # calibration (they failed later, in quantize, or in JAX's words; hunt46_calib2)
+    rows = type("Rows", (C,), {"observe": lambda self, x: {"max": jnp.max(jnp.max(jnp.abs(x), axis=1))}})
+    keep = type("Keep", (C,), {"observe": lambda self, x: {"min": jnp.min(x, keepdims=True),
+                                                           "max": jnp.max(x, keepdims=True)}})
+    chan = type("Chan", (C,), {"range": lambda self, st, q: (-jnp.ones(8), jnp.ones(8))})
+    for cls, match in ((rows, r"Rows's observe\(x\) failed on a 1-D x.*must not depend on x's rank"),
+                       (keep, r"Keep's statistics have 1 leading axes.*without keepdims"),
+                       (chan, r"Chan's range\(stats, qtype\) returned an end of shape \(8,\)")):
+        with pytest.raises(ValueError, match=match):
+            jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cls()), p, [(x,)], progress=False)
     with pytest.raises(NotImplementedError, match=r"Half subclasses jqt.calibrators.Calibrator "
                        r"without defining combine\(self, a, b\)"):
         half = type("Half", (jqt.calibrators.Calibrator,), {"observe": lambda self, x: x.max()})

@@ -269,6 +269,40 @@ def test_gptq_improves_and_packs_losslessly(recipe):
     np.testing.assert_allclose(sim(pq, x), q(pq, x), rtol=2e-3, atol=2e-3)
 
 
+def test_gptq_of_per_tensor_weights_stacked_in_a_scan_and_of_moved_arguments():
+    """A per-tensor type on layers stacked in a lax.scan has a scale per layer, (L,), which
+    GPTQ broadcast against (L, K, N) from the right (a ValueError); and GPTQ of a function
+    whose weight arguments a wrapper moved checked the other argument's weights against the
+    qparams' grid, or none (hunt46_review3)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((3, 8, 8)) * np.array([1.0, 0.1, 0.01])[:, None, None],
+                          jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) * 3, None), x, p["w"])[0]
+    r = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4, per_channel=False)),))
+    qp = jqt.calibrate(f, r, p, [(x,)], progress=False)
+    assert qp["w"].rhs.scale.shape == (3,)
+    pq = jqt.gptq(f, qp, p, [(x,)], progress=False)
+    q = jqt.quantize(f, qp)
+    np.testing.assert_allclose(q(jqt.pack(qp, pq), x), q(pq, x), rtol=1e-5, atol=1e-5)  # on the grid
+    err = lambda w: float(jnp.linalg.norm(q(w, x) - f(p, x)))
+    assert err(pq) < err(p)
+    # the same weights as the second argument of a wrapper: the same check, the same result
+    moved = lambda x, p: f(p, x)
+    np.testing.assert_array_equal(jqt.gptq(moved, qp, p, [(x,)], weight_argnums=1, progress=False)["w"],
+                                  pq["w"])
+    grown = {"w": p["w"] * 4}
+    for g, n in ((f, 0), (moved, 1)):
+        with pytest.raises(jqt.QParamsMismatchError, match="does not fit the grid"):
+            jqt.gptq(g, qp, grown, [(x,)], weight_argnums=n, progress=False)
+    # the weight_argnums calibrate was given forgotten: f's own error, with a note that says so
+    qm = jqt.calibrate(moved, r, p, [(x,)], weight_argnums=1, progress=False)
+    with pytest.raises(Exception) as e:
+        jqt.gptq(moved, qm, p, [(x,)], progress=False)
+    assert any("pass jqt.gptq the weight_argnums jqt.calibrate was given" in n
+               for n in getattr(e.value, "__notes__", [])), e.value
+
+
 @pytest.mark.slow  # GPTQ over two contracted axes: CI
 def test_gptq_of_a_grouped_weight_contracted_over_two_axes():
     """An attention output projection ``"bthd,hdm->btm"`` (jnp.einsum pairs the weight's

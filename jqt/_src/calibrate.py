@@ -805,18 +805,30 @@ def _warn_zero_constants(sites, decided, quantized_w, stats):
                 "with its trained values.", f"'{s.key}'")
 
 
-def _act_range(rule, act_stats, qtype):
+def _one_value(a, rule, key):
+    """``a`` (an end of a calibrator's range) as a float32 scalar, refused unless it holds
+    one value: static activations take one range per tensor (per layer, stacked)."""
+    if np.size(a) != 1:
+        raise ValueError(
+            f"jqt.calibrate: op '{key}': calibrator {type(rule.calibrator).__name__}'s "
+            f"range(stats, qtype) returned an end of shape {np.shape(a)}: it returns two scalars "
+            "(lo, hi), one range for the whole activation (static activations are per tensor; "
+            "per-token scales are dynamic=True).")
+    return np.float32(np.reshape(a, ()))
+
+
+def _act_range(rule, act_stats, qtype, key="?"):
     """The calibrator's range; for stacked statistics (an op under a ``lax.scan``
     over layers) one range per layer, stacked."""
     stacked = stats_lib.stack_depth(rule.calibrator, act_stats)
     if stacked == 0:
         lo, hi = rule.calibrator.range(act_stats, qtype)
-        return np.float32(lo), np.float32(hi)
+        return _one_value(lo, rule, key), _one_value(hi, rule, key)
     flat = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[stacked:]), act_stats)
     n = jax.tree_util.tree_leaves(flat)[0].shape[0]
     shape = jax.tree_util.tree_leaves(act_stats)[0].shape[:stacked]
-    pairs = [rule.calibrator.range(jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype)
-             for i in range(n)]
+    pairs = [tuple(_one_value(e, rule, key) for e in rule.calibrator.range(
+        jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype)) for i in range(n)]
     lo = np.array([p[0] for p in pairs], np.float32).reshape(shape)
     hi = np.array([p[1] for p in pairs], np.float32).reshape(shape)
     return lo, hi
@@ -853,7 +865,9 @@ def _decide(site, rule, st, leaf_dtypes):
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if site.built:  # whatever the rule: its entry's note marks it (validate.check_keys)
-        return float_(f"{validate.BUILT_NOTE} "
+        why = kept_as_is([v.aval.dtype for v in site.eqn.invars])
+        return float_(f"{validate.BUILT_NOTE}; {why}" if why is not None else
+                      f"{validate.BUILT_NOTE} "
                       "(jax.image.resize's interpolation, a patch filter, a DFT, or values "
                       "drawn from a literal PRNG key: weights initialised inside f, missing "
                       "from params?), not a leaf of params; pass it in params to quantize it")
@@ -1005,7 +1019,15 @@ def _decide(site, rule, st, leaf_dtypes):
             ops[1 - w] = QArray(qtype=act)
         else:
             _check_act_finite(site, st.act)
-            lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act))
+            depth = stats_lib.stack_depth(rule.calibrator, st.act)
+            if depth != len(site.stack_ids):  # one set per layer of each scan over layers
+                raise ValueError(
+                    f"jqt.calibrate: op '{site.key}': calibrator {type(rule.calibrator).__name__}'s "
+                    f"statistics have {depth} leading axes beyond those of a vector's, where the "
+                    f"op's scans over stacked layers give {len(site.stack_ids)}: observe(x) must "
+                    "return statistics whose rank does not follow x's (reduce over every axis of "
+                    "x, without keepdims).")
+            lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act, site.key))
             if np.isnan(lo).any() or np.isnan(hi).any():  # a calibrator of the user's:
                 raise ValueError(  # its statistics passed _check_act_finite
                     f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): "

@@ -77,7 +77,10 @@ class Calibrator:
     """
 
     def observe(self, x):
-        """The statistics of one tensor ``x`` (float32): a pytree of fixed shape."""
+        """The statistics of one tensor ``x`` (float32): a pytree of fixed shape, the same
+        whatever ``x``'s shape and rank (jqt calls it on a 1-D vector to learn that rank, and
+        reads more leading axes as layers of a ``lax.scan``): reduce over every axis of
+        ``x``, without ``keepdims``."""
         raise NotImplementedError(_undefined(self, "Calibrator", "observe(self, x)"))
 
     def combine(self, a, b):

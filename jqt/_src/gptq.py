@@ -246,8 +246,11 @@ def _grid(site, q, w_shape, depth):
         ax = site.entry.groups(site) + depth
         s = groups.expand(s, q.qtype.group_size, ax, w_shape)
         z = groups.expand(z, q.qtype.group_size, ax, w_shape)
-    s = jnp.broadcast_to(jnp.asarray(s, _F32), w_shape)
-    z = None if z is None else jnp.broadcast_to(jnp.asarray(z, _F32), w_shape)
+    # a per-tensor scale of stacked layers is (L,): one per layer, over the layer's axes
+    lead = lambda a: jnp.reshape(a, a.shape + (1,) * (len(w_shape) - a.ndim)) \
+        if 0 < a.ndim <= depth else a
+    s = jnp.broadcast_to(lead(jnp.asarray(s, _F32)), w_shape)
+    z = None if z is None else jnp.broadcast_to(lead(jnp.asarray(z, _F32)), w_shape)
     return s, z
 
 
@@ -411,7 +414,12 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     for i, b in enumerate(batches):
         tree = check_batch(i, b, tree, "jqt.gptq")
     tracer = Tracer(f, argnums, "jqt.gptq")
-    traced = tracer(full_args(argnums, params_t, batches[0]))
+    try:
+        traced = tracer(full_args(argnums, params_t, batches[0]))
+    except Exception as e:
+        if note := validate.argnums_note(qparams, argnums, "jqt.gptq"):
+            e.add_note(note)
+        raise
     validate.check_keys(traced, qparams, "jqt.gptq")
     weightcheck.check(qparams, params_t, argnums, "jqt.gptq")  # it rounds on the calibrated grids
     sites = [s for s in traced.sites() if s.key in qparams]  # an optional op without an entry: float

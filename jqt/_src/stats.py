@@ -63,7 +63,16 @@ def _reduce_chan(stacked):
 
 @functools.lru_cache(maxsize=None)
 def _ref_ndim(calibrator) -> int:
-    ref = jax.eval_shape(calibrator.observe, jax.ShapeDtypeStruct((2,), jnp.float32))
+    """The rank of the statistics ``calibrator.observe`` gives one tensor, probed on a 1-D
+    one: statistics of more axes are stacked per layer (a ``lax.scan`` over layers)."""
+    try:
+        ref = jax.eval_shape(calibrator.observe, jax.ShapeDtypeStruct((2,), jnp.float32))
+    except Exception as e:  # noqa: BLE001 -- any error of the user's observe
+        raise ValueError(
+            f"jqt.calibrate: calibrator {type(calibrator).__name__}'s observe(x) failed on a 1-D "
+            f"x of shape (2,) ({type(e).__name__}: {e}): jqt calls observe on a vector to learn "
+            "the rank of its statistics, which must not depend on x's rank (reduce over every "
+            "axis of x, e.g. jnp.max(jnp.abs(x)), not over axis 1).") from e
     return len(jax.tree_util.tree_leaves(ref)[0].shape)
 
 

@@ -539,6 +539,19 @@ def check_argnums(qparams, argnums, fn):
             "given, and the weights as a tuple of those arguments.")
 
 
+def argnums_note(qparams, argnums, fn) -> str:
+    """For an error raised while ``f`` is traced with ``argnums``: where the qparams' ops
+    read weights of other arguments (as many: a wrapper that moved them, or the
+    weight_argnums jqt.calibrate was given forgotten), the note that says which; else ""."""
+    calibrated = sorted({p.source.arg for p in qparams.values()
+                         if getattr(p, "source", None) is not None})
+    if not calibrated or set(calibrated) <= set(argnums):
+        return ""
+    return (f"{fn}: the qparams' ops read weights of argument(s) {calibrated} of f where they "
+            f"were calibrated, and this call's weight_argnums name {list(argnums)}: if f is the "
+            f"function calibrated, pass {fn} the weight_argnums jqt.calibrate was given.")
+
+
 def _argnums(qparams, traced, fn) -> str:
     """A note when the qparams read weights of other arguments of f than this call's
     ``weight_argnums`` name, or of several where this call names one (its keys then lack

@@ -350,15 +350,20 @@ def _weights(qparams, params_t, argnums, fn):
     the leaves (``WeightSource.leaf``), found by path as :func:`jqt.pack` finds them (params
     may hold other leaves too)."""
     flat = {}
+    calibrated = sorted({p.source.arg for p in qparams.values() if p.source is not None})
+    # a wrapper may move the weight arguments, in order (as jqt.quantize takes them)
+    slot = ({} if set(calibrated) <= set(argnums) or len(calibrated) != len(argnums)
+            else dict(zip(calibrated, sorted(argnums))))
     for key, p in qparams.items():
         w, src = p.weight_operand, p.source
-        if w is None or p.operand(w) is None or src is None or src.arg not in argnums:
+        arg = None if src is None else slot.get(src.arg, src.arg)
+        if w is None or p.operand(w) is None or src is None or arg not in argnums:
             continue
-        if src.arg not in flat:
-            with_paths = jax.tree_util.tree_flatten_with_path(params_t[argnums.index(src.arg)])[0]
-            flat[src.arg] = ([x for _, x in with_paths],
-                             leaf_index([path_str(q) for q, _ in with_paths]))
-        leaves, index = flat[src.arg]
+        if arg not in flat:
+            with_paths = jax.tree_util.tree_flatten_with_path(params_t[argnums.index(arg)])[0]
+            flat[arg] = ([x for _, x in with_paths],
+                         leaf_index([path_str(q) for q, _ in with_paths]))
+        leaves, index = flat[arg]
         i = find_leaf(src, index, key, fn, prefixed=len(argnums) > 1 or None)
         if i is not None and hasattr(leaves[i], "shape"):
             yield key, p, leaves[i]

@@ -698,3 +698,24 @@ def test_fresh_process_runs_the_exported_functions(server):
         assert r[name]["equal"], (name, r[name])  # bit-identical to the export run in the exporting process
         assert r[name]["platforms"] == ["cpu"]
     assert r["mlp_poly"]["shape"] == [5, 16]
+
+
+def test_export_with_symbolic_spatial_dims_of_a_net_that_resizes():
+    """jax.image.resize under symbolic height and width builds its interpolation matrices
+    from dim_as_value, which counted as a computed weight: the export was refused with a
+    'key is another op' message whose advice could not help (hunt46_resize2)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+         "v": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}
+
+    def f(p, x):
+        h = x @ p["w"]
+        return (jax.image.resize(h[:, ::2, ::2], h.shape, "bilinear") + h) @ p["v"]
+
+    x6 = jnp.asarray(rng.standard_normal((2, 6, 6, 3)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x6,)], progress=False)
+    arg = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, h, w, 3"), jnp.float32)
+    exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(p, arg)
+    for shape in ((2, 6, 6, 3), (1, 10, 8, 3)):
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        np.testing.assert_allclose(exp.call(p, x), jqt.quantize(f, qp)(p, x), rtol=1e-5, atol=1e-5)

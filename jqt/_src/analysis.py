@@ -431,7 +431,8 @@ class Analyzer:
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)
-                built = name == "iota" or (w and _all_built(ins))
+                # a symbolic dimension's value (jax.export's shapes) is built as iota is
+                built = name in ("iota", "dim_as_value") or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built, computed=computed_weight(ins),
                                 stack_ids=weight_stack_ids(ins, self.shard_ids))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):

@@ -1248,7 +1248,7 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
                                                            "max": jnp.max(x, keepdims=True)}})
     chan = type("Chan", (C,), {"range": lambda self, st, q: (-jnp.ones(8), jnp.ones(8))})
     for cls, match in ((rows, r"Rows's observe\(x\) failed on a 1-D x.*must not depend on x's rank"),
-                       (keep, r"Keep's statistics have 1 leading axes.*without keepdims"),
+                       (keep, r"Keep's observe\(x\) returns statistics of rank 1 for a 1-D x and 2.*without keepdims"),
                        (chan, r"Chan's range\(stats, qtype\) returned an end of shape \(8,\)")):
         with pytest.raises(ValueError, match=match):
             jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cls()), p, [(x,)], progress=False)

@@ -1019,14 +1019,6 @@ def _decide(site, rule, st, leaf_dtypes):
             ops[1 - w] = QArray(qtype=act)
         else:
             _check_act_finite(site, st.act)
-            depth = stats_lib.stack_depth(rule.calibrator, st.act)
-            if depth != len(site.stack_ids):  # one set per layer of each scan over layers
-                raise ValueError(
-                    f"jqt.calibrate: op '{site.key}': calibrator {type(rule.calibrator).__name__}'s "
-                    f"statistics have {depth} leading axes beyond those of a vector's, where the "
-                    f"op's scans over stacked layers give {len(site.stack_ids)}: observe(x) must "
-                    "return statistics whose rank does not follow x's (reduce over every axis of "
-                    "x, without keepdims).")
             lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act, site.key))
             if np.isnan(lo).any() or np.isnan(hi).any():  # a calibrator of the user's:
                 raise ValueError(  # its statistics passed _check_act_finite

@@ -65,15 +65,22 @@ def _reduce_chan(stacked):
 def _ref_ndim(calibrator) -> int:
     """The rank of the statistics ``calibrator.observe`` gives one tensor, probed on a 1-D
     one: statistics of more axes are stacked per layer (a ``lax.scan`` over layers)."""
+    rank = lambda shape: len(jax.tree_util.tree_leaves(jax.eval_shape(
+        calibrator.observe, jax.ShapeDtypeStruct(shape, jnp.float32)))[0].shape)
+    fix = ("jqt calls observe on a vector to learn the rank of its statistics, which must not "
+           "depend on x's rank: reduce over every axis of x, without keepdims (e.g. "
+           "jnp.max(jnp.abs(x)), not over axis 1)")
     try:
-        ref = jax.eval_shape(calibrator.observe, jax.ShapeDtypeStruct((2,), jnp.float32))
+        ref = rank((2,))
     except Exception as e:  # noqa: BLE001 -- any error of the user's observe
         raise ValueError(
             f"jqt.calibrate: calibrator {type(calibrator).__name__}'s observe(x) failed on a 1-D "
-            f"x of shape (2,) ({type(e).__name__}: {e}): jqt calls observe on a vector to learn "
-            "the rank of its statistics, which must not depend on x's rank (reduce over every "
-            "axis of x, e.g. jnp.max(jnp.abs(x)), not over axis 1).") from e
-    return len(jax.tree_util.tree_leaves(ref)[0].shape)
+            f"x of shape (2,) ({type(e).__name__}: {e}): {fix}.") from e
+    if rank((2, 2)) != ref:  # statistics with keepdims read as layers of a lax.scan
+        raise ValueError(
+            f"jqt.calibrate: calibrator {type(calibrator).__name__}'s observe(x) returns "
+            f"statistics of rank {ref} for a 1-D x and {rank((2, 2))} for a 2-D one: {fix}.")
+    return ref
 
 
 def stack_depth(calibrator, act) -> int:

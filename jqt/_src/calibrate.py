@@ -1,6 +1,7 @@
 """``jqt.calibrate``: run the function on data, collect statistics, return qparams."""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import math
@@ -50,13 +51,12 @@ def check_batches(batches, fn="jqt.calibrate"):
             f"{fn}: batches is {what}, whose items are not batches; pass a list of tuples of f's "
             "remaining arguments, e.g. batches=[(x,)] for one batch x, [(x, y) for x, y in data] "
             "for several.")
-    try:
-        iter(batches)
-    except TypeError:
+    # (asked without calling iter(): a data loader's iterator may start its workers)
+    if not isinstance(batches, collections.abc.Iterable) and not hasattr(batches, "__getitem__"):
         raise CalibrationDataError(
             f"{fn}: batches is {batches!r:.60}, which is not iterable; pass a list of tuples of "
             "f's remaining arguments, e.g. batches=[(x,)], or an iterable of them (a generator, "
-            "a data loader: call a loader function to get one).") from None
+            "a data loader: call a loader function to get one).")
 
 
 def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
@@ -308,7 +308,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     if st is None:
         spent = (" (batches is an iterator, and it yields nothing: one that an earlier call "
                  "used up? An iterator is read once; pass a list to use the batches again)"
-                 if iter(batches) is batches else "")
+                 if isinstance(batches, collections.abc.Iterator) else "")
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
                                    f"one batch, e.g. batches=[(x,)].{spent}")
     return st

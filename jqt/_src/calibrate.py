@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, diagnostics, numerics as nx
+from . import calibrators, compat, diagnostics, numerics as nx
 from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_range_args
@@ -1081,8 +1081,7 @@ def _check_weight_finite(site, lo, hi, rule=None):
     if _seen_not_finite(lo, hi).any():
         src = site.source
         name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
-        cal = "" if rule is None or type(rule.weight_calibrator).__module__ == __name__.rsplit(
-            ".", 1)[0] + ".calibrators" else (
+        cal = "" if rule is None or type(rule.weight_calibrator).__module__ == calibrators.__name__ else (
             f" (or its weight calibrator {type(rule.weight_calibrator).__name__}, not one of "
             "jqt's, returned NaN or inf for a finite weight: fix its range)")
         raise ValueError(

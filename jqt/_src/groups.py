@@ -104,8 +104,8 @@ def _checked(calibrator, w, axes, qtype):
         got = tuple(jnp.shape(a))
         if got != want:
             raise ValueError(
-                f"jqt.calibrate: weight calibrator {type(calibrator).__name__}'s range(w, axes={axes}, qtype) "
-                f"returned {name} of shape {got} for a weight w of shape {tuple(w.shape)}: it "
+                f"jqt.calibrate: weight calibrator {type(calibrator).__name__}'s range(w, "
+                f"axes={axes}, qtype) returned {name} of shape {got} for a weight w of shape {tuple(w.shape)}: it "
                 f"must reduce w over axes with keepdims, to shape {want} "
                 "(w.min(axis=axes, keepdims=True) and the max, as "
                 "jqt.calibrators.WeightMinMax does).")

@@ -542,6 +542,19 @@ def _code_dtype(dtype) -> bool:
     return dtype.kind in "iu" or dtype in tuple(np.dtype(t) for t in FLOAT8.values())
 
 
+def calibrated_args(qparams) -> list:
+    """The arguments of ``f`` (indices, sorted) whose weights the ops of ``qparams`` read
+    where they were calibrated (``WeightSource.arg``).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda x, w: x @ w, jqt.recipes.w8(), jnp.eye(2),
+    ...                    [(jnp.ones((1, 2)),)], weight_argnums=1, progress=False)
+    >>> calibrated_args(qp)
+    [1]
+    """
+    return sorted({p.source.arg for p in qparams.values() if getattr(p, "source", None) is not None})
+
+
 def summarize(qparams: dict[str, Any]) -> str:
     """A readable table of ``qparams``: one line per op key.
 

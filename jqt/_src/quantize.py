@@ -13,7 +13,7 @@ from . import compat, diagnostics, tracing, weightcheck
 from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
 from .layout import apply_chain
 from .policy import KernelPolicy, check_policy
-from .qparams import OpQParams, PackedParams, fold_mismatch
+from .qparams import OpQParams, PackedParams, calibrated_args, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
@@ -69,7 +69,7 @@ def _check_slot(qparams, packed, a, argnums):
     (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
     params passed in a target network's place would run with the target's codes and the
     online's float leaves."""
-    calibrated = sorted({p.source.arg for p in qparams.values() if p.source is not None})
+    calibrated = calibrated_args(qparams)
     if len(calibrated) != len(argnums) or len(argnums) < 2:
         return  # one weight argument (moved by a wrapper or not): nothing to mix up
     slot = dict(zip(sorted(argnums), calibrated))  # a wrapper may move them, in order

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from . import accumulator, compat, diagnostics, kvcache, layout
-from .qparams import OpQParams, PackedParams, restored_bare
+from .qparams import OpQParams, PackedParams, calibrated_args, restored_bare
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
@@ -528,8 +528,7 @@ def check_argnums(qparams, argnums, fn):
     ops read weights of arguments of ``f`` that ``argnums`` (this call's weight_argnums)
     does not name: the batch would be short of them, and ``f``'s signature error would
     speak of the batch."""
-    calibrated = sorted({p.source.arg for p in qparams.values()
-                         if getattr(p, "source", None) is not None})
+    calibrated = calibrated_args(qparams)
     # by count, not index: a wrapper may move the weight arguments, in order (quantize's rule)
     if len(calibrated) > len(argnums):
         raise QParamsMismatchError(
@@ -543,8 +542,7 @@ def argnums_note(qparams, argnums, fn) -> str:
     """For an error raised while ``f`` is traced with ``argnums``: where the qparams' ops
     read weights of other arguments (as many: a wrapper that moved them, or the
     weight_argnums jqt.calibrate was given forgotten), the note that says which; else ""."""
-    calibrated = sorted({p.source.arg for p in qparams.values()
-                         if getattr(p, "source", None) is not None})
+    calibrated = calibrated_args(qparams)
     if not calibrated or set(calibrated) <= set(argnums):
         return ""
     return (f"{fn}: the qparams' ops read weights of argument(s) {calibrated} of f where they "
@@ -556,8 +554,7 @@ def _argnums(qparams, traced, fn) -> str:
     """A note when the qparams read weights of other arguments of f than this call's
     ``weight_argnums`` name, or of several where this call names one (its keys then lack
     the argument names), or the other way round."""
-    calibrated = sorted({p.source.arg for p in qparams.values()
-                         if getattr(p, "source", None) is not None})
+    calibrated = calibrated_args(qparams)
     called = sorted({a for a, _ in traced.leaf_paths})
     if not calibrated or not called or (set(calibrated) <= set(called)
                                         and (len(calibrated) > 1) == (len(called) > 1)):

@@ -52,6 +52,7 @@ from . import numerics as nx
 from .handlers import QParamsMismatchError
 from .analysis import path_str
 from .layout import apply_chain
+from .qparams import calibrated_args
 from .registry import BY_NAME
 
 TOLERANCE = 0.01
@@ -317,7 +318,7 @@ def prefixed_paths(qparams):
     """``True`` where ``qparams``' weight paths are known to be prefixed by their argument's
     name for sources that do not record it (their ops read weights of several arguments);
     ``None`` where that is unknown."""
-    return True if len({p.source.arg for p in qparams.values() if p.source is not None}) > 1 else None
+    return True if len(calibrated_args(qparams)) > 1 else None
 
 
 def find_leaf(src, index, key, fn="jqt.pack", prefixed=None):
@@ -350,7 +351,7 @@ def _weights(qparams, params_t, argnums, fn):
     the leaves (``WeightSource.leaf``), found by path as :func:`jqt.pack` finds them (params
     may hold other leaves too)."""
     flat = {}
-    calibrated = sorted({p.source.arg for p in qparams.values() if p.source is not None})
+    calibrated = calibrated_args(qparams)
     # a wrapper may move the weight arguments, in order (as jqt.quantize takes them)
     slot = ({} if set(calibrated) <= set(argnums) or len(calibrated) != len(argnums)
             else dict(zip(calibrated, sorted(argnums))))

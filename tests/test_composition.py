@@ -1103,7 +1103,8 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
     """NoisyNet's ``x @ (mu + sigma * noise)``, DropConnect's ``x @ (w * mask)``, a
     temperature ``x @ (w / t)``: the op reads no weight, so it stays float as an activation
     x activation op; calibration said nothing, and a whole NoisyNet ran float (hunt40_rl).
-    A bias or a gain broadcast over the data is not such a weight: no warning there."""
+    So is a weight edited with the data (rows set or appended: added tokens). A bias or a
+    gain broadcast over the data is not such a weight: no warning there."""
     p = {"mu": jax.random.normal(jax.random.key(0), (8, 4)) / 3, "sigma": jnp.full((8, 4), 0.05),
          "b": jnp.zeros(4), "g": jnp.ones(8)}
     x = jax.random.normal(jax.random.key(1), (16, 8))
@@ -1116,6 +1117,29 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
                                              r"\(NoisyNet's .*stays float.*x @ mu \+ x @ \(sigma \* noise\)"):
             qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, d)], progress=False)
         assert all(v.is_float for v in qp.values()), name
+    # edited with the data (added tokens' rows set or appended, segment_sum by data ids):
+    # the same, the table's lookup too (silent before: hunt47_sparse)
+    new = jax.random.normal(jax.random.key(4), (2, 4))
+    ids = jnp.array([0, 7, 8, 9])
+    edits = {"at_set": lambda w, v: w.at[jnp.array([6, 7])].set(v),
+             "at_add": lambda w, v: w.at[jnp.array([6, 7])].add(v),
+             "concat": lambda w, v: jnp.concatenate([w, v]),
+             "dus": lambda w, v: jax.lax.dynamic_update_slice(w, v, (6, 0)),
+             "segment_sum": lambda w, v: jax.ops.segment_sum(w, jnp.int32(v[:, 0] > 0).repeat(4), 2)}
+    for name, edit in edits.items():
+        t = lambda p, x, v, i: jnp.tanh(edit(p["mu"], v)[i % 2]) @ edit(p["mu"], v).T
+        with pytest.warns(UserWarning, match=r"reads weight 'mu' combined elementwise with the data "
+                          r".* or edited with it .*params\['emb'\].at\[i\].set\(v\) outside f") as got:
+            qp = jqt.calibrate(t, jqt.recipes.w8a8(), p, [(x, new, ids)], progress=False)
+        assert all(v.is_float for v in qp.values()), name
+        assert name == "segment_sum" or any("a gather" in str(w.message) and "looks rows up in weight "
+                                            "'mu'" in str(w.message) for w in got), name
+    # a class token broadcast over the batch and prepended is no such weight
+    cls = lambda p, x: jnp.concatenate([jnp.broadcast_to(p["g"][:4], (16, 1, 4)), (x @ p["mu"])[:, None]],
+                                       axis=1).sum(1) @ p["mu"].T
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*combined elementwise")
+        assert not jqt.calibrate(cls, jqt.recipes.w8a8(), p, [(x,)], progress=False)["mu"].is_float
     # the rewrite it names quantizes x @ mu (x @ (sigma * noise) stays float, said)
     g = lambda p, x, e: x @ p["mu"] + x @ (p["sigma"] * e)
     with pytest.warns(UserWarning, match=r"reads weight 'sigma' combined elementwise"):

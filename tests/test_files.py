@@ -1110,6 +1110,17 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
         stored = sum(fh.get_tensor(n).nbytes for n in fh.keys())
     # the codes once, and every scale once (the activations' scales of four ops at most)
     assert stored <= packed.nbytes() + 4 * 4 * 2, (stored, packed.nbytes())
+    # copied apart (jax.jit of pack, jax.device_put and tree.map copy each op's arrays): still
+    # written once (they were written once per op; hunt47_siamese)
+    jqt.save_packed(str(tmp_path / "c.safetensors"), jax.tree.map(jnp.copy, packed), qp)
+    with safetensors.safe_open(str(tmp_path / "c.safetensors"), "np") as fh:
+        assert sum(fh.get_tensor(n).nbytes for n in fh.keys()) == stored
+    # scales trained apart (jqt.qat): a copy per op, which pack says (it was silent)
+    w1 = dataclasses.replace(qp["w#1"], rhs=dataclasses.replace(qp["w#1"].rhs, scale=qp["w#1"].rhs.scale * 1.01))
+    with pytest.warns(UserWarning, match=r"ops 'w', 'w#1' read weight 'w' alike .* its codes 2 "
+                      r"times.*train=\('weights', 'activation_scales'\)"):
+        apart = jqt.pack(dict(qp, **{"w#1": w1}), p)
+    assert apart.weights["w#1"] is not apart.weights["w"] and apart.weights["w#2"] is apart.weights["w"]
     loaded = jqt.load_packed(path)
     assert all(loaded.weights[k].values is loaded.weights["w"].values for k in qp)
     # qparams read back are the ops' own arrays, though the file holds equal ones once

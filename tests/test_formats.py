@@ -403,13 +403,25 @@ def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     with pytest.warns(UserWarning, match=r"contracts the table's other axis.*nothing is wrong") as got:
         assert jqt.pack(qa, P).tied == ()
     assert not any("through its transpose" in str(w.message) for w in got)
+    # a table stored transposed, (D, V): looked up as emb.T[ids], scored as h @ emb, one
+    # scale per token in both ops: tied (pack said the matmul contracts the other axis,
+    # printing two equal shapes; hunt47_siamese), in a template too, and it computes the same
+    dv = {"emb": P["emb"].T}
+    tr = lambda p, ids: jnp.tanh(p["emb"].T[ids]) @ p["emb"]
+    for recipe in (jqt.recipes.w8(), jqt.recipes.w4(group_size=4)):
+        qd = jqt.calibrate(tr, recipe, dv, [(IDS,)], progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            packed = jqt.pack(qd, dv)
+        assert packed.tied == (("emb", "emb#1"),) == jax.eval_shape(lambda: jqt.pack(qd, dv)).tied
+        np.testing.assert_array_equal(jqt.quantize(tr, qd)(packed, IDS), jqt.quantize(tr, qd)(dv, IDS))
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template():
     """A lookup of the float32 table and a matmul of its bfloat16 copy with equal scales:
-    their codes differ, so pack stores them apart; a template (jax.eval_shape) and a pack
-    under jax.jit decided from the scales alone and tied them (hunt32_review)."""
+    their codes differ, so pack stores them apart, saying why; a template (jax.eval_shape)
+    and a pack under jax.jit decided from the scales alone and tied them (hunt32_review)."""
     rng = np.random.default_rng(5)
     emb = rng.standard_normal((16, 8)).astype(np.float32)
     emb[:, 0] = np.where(emb[:, 0] > 0, 4.0, -4.0)  # each row's largest value exact in bf16
@@ -417,8 +429,12 @@ def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template()
     f = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].astype(jnp.bfloat16).T.astype(jnp.float32)
     ids = jnp.arange(6).reshape(2, 3)
     qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(ids,)], progress=False)
-    with pytest.warns(UserWarning, match="codes differ"):
+    # the warning names the cast and its fix (it said the scales were trained apart and to
+    # give the matmul the lookup's scales, which did not tie them; hunt47_siamese)
+    with pytest.warns(UserWarning, match=r"through other steps \(one casts it to another dtype.*"
+                      r"read the table in one dtype in both ops") as got:
         assert jqt.pack(qp, p).tied == ()
+    assert not any("trained" in str(w.message) for w in got)
     assert jax.eval_shape(lambda: jqt.pack(qp, p)).tied == ()
     assert jax.jit(lambda q: jqt.pack(qp, q))(p).tied == ()
 

@@ -553,6 +553,12 @@ def test_a_sparse_matmul_that_reads_a_weight_says_that_it_stays_float():
         with pytest.warns(UserWarning, match=r"sparse matmul, at '<top>'\) reads a weight \(changed "
                                              r"by another op first"):
             jqt.calibrate(g, jqt.recipes.w8(), bw, [(x,)], progress=False)
+    # a sparse x sparse matmul of a BCOO weight (bcoo_spdot_general) was silent (hunt47_sparse)
+    xs = sparse.BCOO.fromdense(jnp.eye(2, 8))
+    with pytest.warns(UserWarning, match=r"a bcoo_spdot_general \(a jax.experimental.sparse matmul"):
+        qp = jqt.calibrate(lambda p, x: (x @ p["s"]).todense() @ p["w"], jqt.recipes.w8(), bw,
+                           [(xs,)], progress=False)
+    assert list(qp) == ["w"]
 
 
 def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():

@@ -245,6 +245,9 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
         jqt.report(f, qp, p, [x[:4]] * 4)
     with pytest.raises(jqt.CalibrationDataError, match="jqt.report: batch 0, argument \\[0\\] is empty"):
         jqt.report(f, qp, p, (x[:0],))
+    with pytest.raises(jqt.CalibrationDataError, match=r"jqt.report: batch is an array of shape "
+                       r"\(16, 32\); pass a tuple"):
+        jqt.report(f, qp, p, x)  # as calibrate refuses it
     with pytest.raises(TypeError) as e:  # calibrate's list of batches: f fails on a tuple
         jqt.report(f, qp, p, batches[:1])
     assert any("jqt.report: batch is a list of 1 tuples" in n and "pass batches[0]" in n
@@ -695,6 +698,9 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
     assert float(jqt.qat.project(qp, min_scale=jnp.float32(0.5))["w1"].rhs.scale.min()) >= 0.5
     with pytest.raises(TypeError, match=r"jqt.qat: train=None is not a part name"):
         jqt.qat.labels(p, qp, train=None)
+    trainable, _ = jqt.qat.split(p, qp)
+    with pytest.raises(ValueError, match=r"jqt.qat.merge: trainable and frozen are the same object"):
+        jqt.qat.merge(trainable, trainable)
     metric = lambda g: float(g(p, *batches[0]).mean())
     for bad in ("3", 1.5, True):
         with pytest.raises(TypeError, match=r"jqt.fallback: max_trials=.* is not an int"):
@@ -707,6 +713,8 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
             call()
     with pytest.raises(TypeError, match=r"jqt.load_packed: device=0 is a number; pass a jax.Device"):
         jqt.load_packed(path, device=0)
+    with pytest.raises(TypeError, match=r"jqt.load_packed: device is a list of 1 devices; pass one"):
+        jqt.load_packed(path, device=jax.devices()[:1])
 
 
 def test_a_function_that_is_not_callable_is_named():

@@ -943,7 +943,7 @@ def test_report_rejects_bad_inputs(chain_setup):
     p, x, qp, _ = chain_setup
     with pytest.raises(TypeError, match="PackedParams"):
         jqt.report(chain, qp, jqt.pack(qp, p), (x,))
-    with pytest.raises(TypeError, match="tuple"):
+    with pytest.raises(jqt.CalibrationDataError, match="tuple"):  # as calibrate's batches
         jqt.report(chain, qp, p, x)
     with pytest.raises(TypeError):
         jqt.report(chain, list(qp.values()), p, (x,))

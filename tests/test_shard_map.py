@@ -168,6 +168,25 @@ R["compose"] = {
     "packed_file_err": err(jax.jit(qf)(packed_like, x), qf(packed, x)), "packed_bare": bare,
     "report": report}
 
+# a kept float leaf (a column-parallel bias) the shard_map takes split: load_packed(like=)
+# puts it as like= splits it (before, on one device: the shard_map refused it)
+def tp_bias(p, x):
+    def inner(w1, b1, w2, x):
+        return jax.lax.psum(jnp.tanh(x @ w1 + b1) @ w2, "x")
+    return jax.shard_map(inner, mesh=EXPLICIT, in_specs=(P(None, "x"), P("x"), P("x", None), P()),
+                         out_specs=P())(p["w1"], p["b1"], p["w2"], x)
+pb = dict(p, b1=jax.device_put(normal((32,), 0.1), NamedSharding(EXPLICIT, P("x"))))
+qpb = jqt.calibrate(tp_bias, jqt.recipes.w8a8(), pb, [(x,)], progress=False)
+with tempfile.TemporaryDirectory() as d:
+    jqt.save_packed(os.path.join(d, "b.safetensors"), jqt.pack(qpb, pb))
+    loaded_b = jqt.load_packed(os.path.join(d, "b.safetensors"), like=pb)
+try:
+    kept_err = err(jax.jit(jqt.quantize(tp_bias, qpb))(loaded_b, x),
+                   jqt.quantize(tp_bias, qpb)(jqt.pack(qpb, pb), x))
+except ValueError as e:
+    kept_err = str(e)[:300]
+R["compose"]["kept_split"] = {"split": getattr(loaded_b.leaves[0].sharding, "spec", None) == P("x"), "err": kept_err}
+
 # packed weights and qparams placed as the shard_map splits them (jqt.packed_shardings)
 qs, ps = jqt.packed_shardings(qp, packed, EXPLICIT)
 qps, pks = jax.device_put((qp, packed), (qs, ps))
@@ -540,8 +559,9 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     """Straight-through gradients through the simulated ``shard_map``, ``jax.vmap`` of the
     quantized function, ``jax.export`` of it (called, and serialized and deserialized: the
     explicit shardings of the packed placeholders travel in the artifact; before, the
-    deserialized call failed with a pytree mismatch), and qparams saved and loaded (the
-    split in the weight's chain kept)."""
+    deserialized call failed with a pytree mismatch), qparams saved and loaded (the
+    split in the weight's chain kept), and packed files loaded with ``like=``, a float
+    leaf kept split as the template splits it."""
     r = result_slow["compose"]
     assert r["grad_rel"] < 0.05, r
     assert r["vmap_err"] <= 1e-6 and r["export_err"] <= 1e-6 and r["loaded_same"] == 0.0, r
@@ -551,6 +571,8 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     # the error says what to pass
     assert r["packed_file_err"] == 0.0, r
     assert "jqt.load_packed(path, like=params)" in r["packed_bare"], r
+    # a kept float leaf that like= splits (a column-parallel bias) is put split
+    assert r["kept_split"] == {"split": True, "err": 0.0}, r
 
 
 @pytest.mark.slow

@@ -1614,6 +1614,8 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         jqt.pack(qp, params)
     with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
         qf(params, x)
+    with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
+        jax.jit(lambda x: qf(params, x))(x)  # closed over: named when it traces
     qp2 = jax.tree.map(jnp.copy, qp)
     qf2 = jqt.quantize(f, qp2)
     qp2["w"].rhs.scale.delete()  # closed over by jax.jit below: named when it traces

@@ -37,9 +37,14 @@ _PENDING = "\0call-write:"  # the key of a write into such a buffer until _bound
 _INDEXING = ("dynamic_slice", "gather")
 # Elementwise ops that combine a weight matrix with the data (NoisyNet's mu + sigma * noise)
 _MIXING = ("add", "sub", "mul", "div", "max", "min")
+# Ops that edit a weight matrix with the data (w.at[i].set(v), jnp.concatenate([w, v]),
+# segment_sum(w, seg)): the result is such a mix too
+_EDITING = ("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+            "concatenate", "dynamic_update_slice")
 # Matmuls jqt has no rule for: reading a weight, they say so (the weight stays float).
 _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
-_SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general")  # jax.experimental.sparse
+_SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general", "bcoo_spdot_general",  # jax.
+                   "bcoo_dot_general_sampled")  # experimental.sparse
 # How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
 _WEIGHTS_READ_AS_DATA = (
     ("indexed", "indexed by a value computed from the data (w[i] with i an argument of f or a "
@@ -55,11 +60,15 @@ _WEIGHTS_READ_AS_DATA = (
      "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
      "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
     ("mixed", "combined elementwise with the data (NoisyNet's mu + sigma * noise, "
-     "DropConnect's w * mask, w / temperature): jqt quantizes a weight as params hold it "
-     "(or as f computes it from params alone), and takes such a value for an activation",
+     "DropConnect's w * mask, w / temperature) or edited with it (rows set, added or "
+     "appended from the data: w.at[i].set(v), jnp.concatenate([w, v]), segment_sum(w, seg)): "
+     "jqt quantizes a weight as params hold it (or as f computes it from params alone), and "
+     "takes such a value for an activation",
      "Apply the data to the op's input or output instead where the model allows "
-     "(x @ mu + x @ (sigma * noise) quantizes x @ mu; (x @ w) / t), or quantize the model "
-     "without the noise or mask, as it runs at inference."),
+     "(x @ mu + x @ (sigma * noise) quantizes x @ mu; (x @ w) / t), edit the weight in the "
+     "params before calling f where the edit is fixed (added tokens: "
+     "params['emb'].at[i].set(v) outside f), or quantize the model without the noise or "
+     "mask, as it runs at inference."),
 )
 
 
@@ -76,6 +85,18 @@ def _mixed(info, var, out) -> tuple:
             and not any(c[0] == "broadcast_in_dim" for c in s.chain):
         return (s.path,)
     return info.mixed
+
+
+def _edited(ins, invars) -> tuple:
+    """The weight matrices an edit by the data (an ``_EDITING`` op, some operand not a
+    weight) reads: a leaf of two or more axes longer than 1, not broadcast (a class token
+    broadcast over the batch and prepended is not one), or a value already mixed."""
+    def matrix(info, var):
+        s = info.source
+        return (s is not None and sum(d > 1 for d in var.aval.shape) >= 2
+                and not any(c[0] == "broadcast_in_dim" for c in s.chain))
+    paths = [i.source.path for i, v in zip(ins, invars) if matrix(i, v)]
+    return tuple(dict.fromkeys(paths + [p for i in ins for p in i.mixed]))
 
 
 def _named_weights(path):
@@ -350,6 +371,11 @@ class Analyzer:
                         and (mixed := tuple(dict.fromkeys(p for i, v in zip(ins, eqn.invars)
                                                           for p in _mixed(i, v, eqn.outvars[0])))):
                     for info in ins:  # w * mask: an activation (see _site)
+                        self._use(info, "float")
+                    outs = [VarInfo(False, mixed=mixed)]
+                elif name in _EDITING and not all(i.weight for i in ins) \
+                        and (mixed := _edited(ins, eqn.invars)):
+                    for info in ins:  # emb.at[new_ids].set(v): an activation, as above
                         self._use(info, "float")
                     outs = [VarInfo(False, mixed=mixed)]
                 elif name == "select_n" and ins[1].source is not None and not ins[0].weight \

@@ -3,6 +3,7 @@
 their qparams."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -141,6 +142,8 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         tensors.update(arrays)
         shared = _weight_scales(entries, arrays)
     weights, written = {}, {}  # id of an array -> (the array, its tensor's name)
+    by_value = {}  # (field, dtype, shape, digest) -> tensor names: arrays that ops share but
+    # jax.jit(jqt.pack), jax.device_put or a tree.map copied apart, written once too
     for key, w in packed.weights.items():
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
         if w.folded is not None:
@@ -161,11 +164,17 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
                 d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
                 continue
-            n = _unique(f"packed/{key}/{field}", used)
+            sig = (field, a.dtype.str, a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(),
+                                                               digest_size=16).digest())
+            n = next((m for m in by_value.get(sig, ()) if np.array_equal(tensors[m], a.view(
+                tensors[m].dtype) if a.dtype.name in FLOAT8 else a)), None)
             if a.dtype.name in FLOAT8:  # safetensors' numpy API has no fp8: store the bytes
                 d["values_dtype"] = a.dtype.name
                 a = a.view(np.uint8)
-            tensors[n] = a
+            if n is None:
+                n = _unique(f"packed/{key}/{field}", used)
+                tensors[n] = a
+                by_value.setdefault(sig, []).append(n)
             d[field] = n
             written[id(orig)] = (orig, n)
         weights[key] = d
@@ -208,7 +217,8 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         tree holds node types jqt cannot describe, such as ``nnx.State`` or an
         Equinox module); its leaves' shapes and dtypes must match the file's. Leaves
         split over explicit mesh axes in it (a weight a ``jax.shard_map`` of ``f`` takes
-        split) are traced split so, as ``jax.shard_map`` requires.
+        split) are traced split so, as ``jax.shard_map`` requires; the float leaves
+        kept among them (a bias it takes split) are put so where ``device`` is None.
       qparams: optional qparams to check the weights against (the op keys, the
         weights' shapes against the per-channel scales, and, when the file holds
         qparams too, that the weights were quantized with the same weight scales).
@@ -249,6 +259,12 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if isinstance(device, (int, float, np.number)):
         raise TypeError(f"{fn}: device={device!r} is a number; pass a jax.Device (e.g. "
                         f"jax.devices()[{device!r}]) or a Sharding.")
+    if isinstance(device, (list, tuple)) and device and all(
+            isinstance(d, jax.Device) for d in device):
+        raise TypeError(f"{fn}: device is a {type(device).__name__} of {len(device)} devices; "
+                        "pass one jax.Device, or a Sharding over them (a NamedSharding on a "
+                        "Mesh of these devices; jqt.packed_shardings builds one per weight: "
+                        "device=lambda host: jqt.packed_shardings(qparams, host, mesh)[1]).")
     if qparams is not None:
         validate.check_qparams(qparams, fn)  # before reading the file
     path = file_path(path, fn)
@@ -267,15 +283,20 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
     if callable(device):
         device = device(packed)
-    return _put_once(packed, device)
+    return _put_once(packed, device, split=like is not None)
 
 
-def _put_once(packed, device):
+def _put_once(packed, device, split=False):
     """``jax.device_put(packed, device)``, where an array that ops share (:func:`jqt.pack`)
     is put once per placement, so that the ops share the copy too. ``device``: ``None``, a
-    ``Device`` or ``Sharding``, or a pytree of them with the structure of ``packed``."""
+    ``Device`` or ``Sharding``, or a pytree of them with the structure of ``packed``. With
+    ``device=None`` and ``split``, a kept float leaf whose aval ``like=`` split over explicit
+    mesh axes (:func:`_split_as`) is put so: a ``jax.shard_map`` takes it only split."""
     leaves, treedef = jax.tree_util.tree_flatten(packed)
-    if device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
+    if device is None and split:
+        kept = [getattr(packed.avals[i], "sharding", None) for i in packed.kept]
+        places = kept + [None] * (len(leaves) - len(kept))  # the kept leaves flatten first
+    elif device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
         places = [device] * len(leaves)
     else:
         try:

@@ -285,6 +285,9 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
     >>> w2["k"] is w["k"], qp2["k"].lhs.scale is qp["k"].lhs.scale
     (True, True)
     """
+    if trainable is frozen:
+        raise ValueError("jqt.qat.merge: trainable and frozen are the same object; pass the two "
+                         "halves jqt.qat.split returned: merge(trainable, frozen).")
     is_none = lambda x: x is None
     return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)
 

@@ -326,6 +326,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 raise
         if qparams_concrete:  # closed over by jax.jit: constants, which a donation can delete
             check_alive(qparams, "jqt.quantize", "qparams")
+        check_alive(list(args), f"{getattr(f, '__name__', 'f')} (quantized)", "argument")  # the same
         return run(qparams, args)  # under a transformation: traced inline
 
     return qf
@@ -616,7 +617,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
               and (q.weight_operand is None or q.operand(q.weight_operand) is None)}  # embeddings=False)
     _warn_kept_twice({i for i in consumed & needed if path_str(with_paths[i][0]) not in chosen},
                      leaf_of, with_paths, flat)
-    _share_equal(leaf_of, weights)
+    _share_equal(leaf_of, weights, qparams)
     tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
@@ -660,12 +661,14 @@ def _aval(x):
 _ARRAYS = ("values", "sums", "scale", "zero_point", "smooth")
 
 
-def _share_equal(leaf_of, weights):
+def _share_equal(leaf_of, weights, qparams):
     """Ops that read one leaf (``leaf_of[key]``) and pack it to equal codes and scales (a
     layer applied several times in a Python loop, a shared Keras layer) share one
     :class:`QArray` object, in place: its arrays are held once, and :func:`jqt.save_packed`
-    writes them once."""
-    first = {}
+    writes them once. Ops that read it through the same steps, as one type, but pack it
+    to other codes or scales (scales trained apart in :mod:`jqt.qat`) get a warning: the
+    packed params hold a copy per op."""
+    first, apart = {}, {}
     for k, w in weights.items():
         arrays = [getattr(w, f) for f in _ARRAYS]
         sig = (leaf_of[k], w.qtype, w.layout, w.folded,
@@ -679,7 +682,19 @@ def _share_equal(leaf_of, weights):
                 weights[k] = w0
                 break
         else:
+            same = [k0 for k0 in first[sig] if qparams[k0].source.chain == qparams[k].source.chain]
+            if same:
+                apart.setdefault(same[0], [same[0]]).append(k)
             first[sig].append(k)
+    for keys in apart.values():
+        diagnostics.warn(
+            f"jqt.pack: ops {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''} "
+            f"read weight '{qparams[keys[0]].source.path}' alike (a layer applied several times) "
+            f"but with other scales or zero points (trained apart in jqt.qat, edited, or given "
+            f"by other rules), so the packed params hold its codes {len(keys)} times. To store "
+            "them once, give the ops one set of scales (train the weight's scales frozen: "
+            "jqt.qat.labels(..., train=('weights', 'activation_scales')), or copy one op's "
+            "scales to the others); otherwise nothing is wrong.")
 
 
 def _same_grid(lookup, matmul) -> bool:
@@ -689,8 +704,7 @@ def _same_grid(lookup, matmul) -> bool:
     the transpose). False where the qparams are traced."""
     if matmul.smooth is not None or matmul.rotate or lookup.smooth is not None or lookup.rotate:
         return False
-    steps = lambda p: [s for s in p.source.chain if s[0] != "transpose"]
-    if steps(lookup) != steps(matmul):  # (a table read in bfloat16 by one op)
+    if _steps(lookup) != _steps(matmul):  # (a table read in bfloat16 by one op)
         return False
     a, b = lookup.operand(lookup.weight_operand), matmul.operand(matmul.weight_operand)
     for x, y in ((a.scale, b.scale), (a.zero_point, b.zero_point)):
@@ -706,6 +720,11 @@ def _same_grid(lookup, matmul) -> bool:
         if x.shape != y.shape or not np.array_equal(x, y):
             return False
     return True
+
+
+def _steps(p):
+    """The steps by which an op reads its weight leaf, transposes left out."""
+    return [s for s in p.source.chain if s[0] != "transpose"]
 
 
 def _tied(qparams, weights):
@@ -744,7 +763,7 @@ def _tied(qparams, weights):
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
                             f"{o.qtype.describe()}", _TYPE_FIX)
-            elif not _contracts_features(qparams[m].source):  # A @ table (a square one too)
+            elif not _contracts_features(qparams[m].source, _feature_axis(p.source)):  # A @ table
                 apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif _reads_transposed(p.source):  # table.T[:, ids]: its codes are the table's
                 # transpose, which a tie does not read
@@ -780,6 +799,13 @@ def _tied(qparams, weights):
             elif bool(jnp.array_equal(table, w.values)):
                 out.append((k, m))
                 break
+            elif _steps(p) != _steps(qparams[m]):  # (the table cast to bfloat16 by one op)
+                apart = (m, "the two read the table through other steps (one casts it to "
+                            "another dtype, or reads a copy of it otherwise), so their codes "
+                            "differ", "To store them once, read the table in one dtype in both "
+                         "ops (cast after the lookup and after the matmul instead: "
+                         "table[ids].astype(d), (h @ table.T).astype(d)); otherwise nothing "
+                         "is wrong.")
             else:
                 q = qparams[m]  # one type, no transform: the scales alone differ
                 trained = (p.smooth is None and q.smooth is None and not p.rotate and not q.rotate
@@ -805,12 +831,28 @@ _NO_FIX = "In this form the two cannot share codes: the packed params hold both,
 def _reads_transposed(src) -> bool:
     """Whether a lookup reads its 2-D table (rows x features) through a transpose
     (``table.T[:, ids]``, ``jnp.take(table.T, ids, axis=1)``): the operand it gathers from
-    is the table's transpose; ``False`` where it cannot tell."""
+    is the table's transpose, rows along its second axis; ``False`` where it cannot tell. A
+    table stored transposed and read so (``emb.T[ids]`` of a ``(D, V)`` leaf) gathers rows
+    along the operand's first axis: not this."""
     if src is None or src.shape is None or len(src.shape) != 2 or src.shape[0] == src.shape[1] == 1:
         return False
     rows = np.broadcast_to(np.arange(src.shape[0], dtype=np.int32)[:, None], tuple(src.shape))
     op = _replayed(src, rows)
-    return op is not None and op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
+    return (op is not None and op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
+            and tuple(src.contract or ()) != (1,))
+
+
+def _feature_axis(src) -> int:
+    """The axis of a lookup's 2-D table leaf that it reads as features: 1 (``table[ids]``,
+    ``table.T[:, ids]``), or 0 for a table stored transposed (``emb.T[ids]`` of a ``(D, V)``
+    leaf, features along the leaf's rows); 1 where it cannot tell."""
+    if src is None or src.shape is None or len(src.shape) != 2 or len(src.contract or ()) != 1:
+        return 1
+    op = _replayed(src, np.indices(tuple(src.shape), dtype=np.int32)[0])  # each leaf row's number
+    c = src.contract[0]
+    if op is None or op.ndim != 2 or not 0 <= c < 2 or op.shape[c] < 2:
+        return 1
+    return 0 if np.ptp(op, axis=c).min() > 0 else 1  # the leaf's rows vary along the features
 
 
 def _replayed(src, grid):
@@ -825,13 +867,14 @@ def _replayed(src, grid):
         return None
 
 
-def _contracts_features(src) -> bool:
-    """Whether a matmul that reads a table (rows x features) through ``src`` contracts the
-    table's features, as ``h @ table.T`` does (``A @ table`` contracts its rows: codes per
-    feature, never the lookup's, a square table's too); ``True`` where it cannot tell."""
+def _contracts_features(src, features: int = 1) -> bool:
+    """Whether a matmul that reads a table (rows x features; the features along the leaf's
+    axis ``features``, :func:`_feature_axis`) through ``src`` contracts the table's
+    features, as ``h @ table.T`` does (``A @ table`` contracts its rows: codes per feature,
+    never the lookup's, a square table's too); ``True`` where it cannot tell."""
     if src is None or src.shape is None or len(src.shape) != 2 or not src.contract:
         return True
-    op = _replayed(src, np.broadcast_to(np.arange(src.shape[1], dtype=np.int32), tuple(src.shape)))
+    op = _replayed(src, np.indices(tuple(src.shape), dtype=np.int32)[features])
     if op is None:  # a step this replay does not take: as before
         return True
     axes = [c for c in src.contract if 0 <= c < op.ndim and op.shape[c] > 1]

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from . import accumulator, compat, kvcache, numerics, tracing, validate
-from .calibrate import check_batch, full_args
+from .calibrate import CalibrationDataError, check_batch, full_args
 from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed, without_entry
 from .plotting import HIST_BINS, plot_report
 from .tracing import Tracer, normalize_argnums
@@ -350,9 +350,11 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     argnums = normalize_argnums(weight_argnums)
     validate.check_argnums(qparams, argnums, "jqt.report")
     params_t = validate.weight_args(params, argnums, "jqt.report")
-    if not isinstance(batch, (tuple, list)):
-        raise TypeError(f"jqt.report: batch is a {type(batch).__name__}; pass a tuple of the "
-                        "remaining arguments of f, e.g. (x,).")
+    if not isinstance(batch, (tuple, list)):  # as calibrate refuses a batch that is not one
+        what = (f"an array of shape {tuple(batch.shape)}" if hasattr(batch, "shape")
+                else f"a {type(batch).__name__}")
+        raise CalibrationDataError(f"jqt.report: batch is {what}; pass a tuple of the "
+                                   "remaining arguments of f, e.g. (x,).")
     batches_like = isinstance(batch, list) and bool(batch) and all(isinstance(b, tuple) for b in batch)
     batch = tuple(batch)
     check_batch(0, batch, None, "jqt.report")  # no empty or non-finite arrays

@@ -1117,13 +1117,12 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
                                              r"\(NoisyNet's .*stays float.*x @ mu \+ x @ \(sigma \* noise\)"):
             qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, d)], progress=False)
         assert all(v.is_float for v in qp.values()), name
-    # edited with the data (added tokens' rows set or appended, segment_sum by data ids):
-    # the same, the table's lookup too (silent before: hunt47_sparse)
+    # edited with the data (added tokens' rows set, segment_sum by data ids): the same, the
+    # table's lookup too (silent before: hunt47_sparse)
     new = jax.random.normal(jax.random.key(4), (2, 4))
     ids = jnp.array([0, 7, 8, 9])
     edits = {"at_set": lambda w, v: w.at[jnp.array([6, 7])].set(v),
              "at_add": lambda w, v: w.at[jnp.array([6, 7])].add(v),
-             "concat": lambda w, v: jnp.concatenate([w, v]),
              "dus": lambda w, v: jax.lax.dynamic_update_slice(w, v, (6, 0)),
              "segment_sum": lambda w, v: jax.ops.segment_sum(w, jnp.int32(v[:, 0] > 0).repeat(4), 2)}
     for name, edit in edits.items():
@@ -1134,12 +1133,16 @@ def test_a_weight_mixed_with_the_data_says_why_its_op_stays_float():
         assert all(v.is_float for v in qp.values()), name
         assert name == "segment_sum" or any("a gather" in str(w.message) and "looks rows up in weight "
                                             "'mu'" in str(w.message) for w in got), name
-    # a class token broadcast over the batch and prepended is no such weight
+    # a class token broadcast over the batch and prepended, or registers prepended to one
+    # example's tokens (a sequence: its products are activation x activation ops), is no
+    # such weight (the review of hunt47 found the registers named)
     cls = lambda p, x: jnp.concatenate([jnp.broadcast_to(p["g"][:4], (16, 1, 4)), (x @ p["mu"])[:, None]],
                                        axis=1).sum(1) @ p["mu"].T
+    reg = lambda p, x: (lambda t: (t @ t.T)[jnp.argmax(x[:, 0])])(jnp.concatenate([p["sigma"][:2], x @ p["mu"]]))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*combined elementwise")
         assert not jqt.calibrate(cls, jqt.recipes.w8a8(), p, [(x,)], progress=False)["mu"].is_float
+        assert not jqt.calibrate(reg, jqt.recipes.w8a8(), p, [(x,)], progress=False)["mu"].is_float
     # the rewrite it names quantizes x @ mu (x @ (sigma * noise) stays float, said)
     g = lambda p, x, e: x @ p["mu"] + x @ (p["sigma"] * e)
     with pytest.warns(UserWarning, match=r"reads weight 'sigma' combined elementwise"):

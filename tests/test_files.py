@@ -678,6 +678,15 @@ def test_qparams_without_a_lookups_entry_name_both_causes(tmp_path):
             call()
     with pytest.raises(jqt.QParamsMismatchError, match="made for another function or weight_argnums"):
         jqt.quantize(lambda p, x: jnp.tanh(x @ p["w"]) @ p["w"].T, old)(p, jnp.ones((2, 24)))
+    # a tied table: such a jqt keyed the matmul 'emb', the lookup's key now, and the matmul
+    # is 'emb#1': the message named only another function (hunt47_files)
+    tied = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
+    qt = jqt.calibrate(tied, jqt.recipes.w8(), p, [(ids,)], progress=False)
+    old_tied = {"emb": qt["emb#1"]}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"ops \['emb#1'\].*give key 'emb' to a "
+                       r"dot_general, where this function has a gather \(an embedding lookup\): "
+                       r"they were made by a jqt that kept such ops float"):
+        jqt.quantize(tied, old_tied)(p, ids)
 
 
 def test_the_sums_check_of_stacked_4bit_codes_unpacks_one_layer_at_a_time():
@@ -1121,6 +1130,14 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
                       r"times.*train=\('weights', 'activation_scales'\)"):
         apart = jqt.pack(dict(qp, **{"w#1": w1}), p)
     assert apart.weights["w#1"] is not apart.weights["w"] and apart.weights["w#2"] is apart.weights["w"]
+    # two weights with equal codes and scales (two copies of one layer) stay two, as pack
+    # keeps them: one buffer for both fails a donation (hunt47_review2)
+    two = {"w": p["w"], "v": jnp.copy(p["w"])}
+    g = lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
+    q2 = jqt.calibrate(g, SHARED_RECIPES[recipe], two, [(x,)], progress=False)
+    jqt.save_packed(str(tmp_path / "two.safetensors"), jqt.pack(q2, two))
+    back = jqt.load_packed(str(tmp_path / "two.safetensors"))
+    assert back.weights["w"].values is not back.weights["v"].values
     loaded = jqt.load_packed(path)
     assert all(loaded.weights[k].values is loaded.weights["w"].values for k in qp)
     # qparams read back are the ops' own arrays, though the file holds equal ones once

@@ -715,6 +715,10 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
         jqt.load_packed(path, device=0)
     with pytest.raises(TypeError, match=r"jqt.load_packed: device is a list of 1 devices; pass one"):
         jqt.load_packed(path, device=jax.devices()[:1])
+    with pytest.raises(TypeError, match=r"jqt.load_packed: device is a ndarray of 1 devices; pass one"):
+        jqt.load_packed(path, device=np.array(jax.devices()[:1]))
+    with pytest.raises(TypeError, match=r"jqt.load_packed: device is a Mesh; pass one .*NamedSharding"):
+        jqt.load_packed(path, device=jax.make_mesh((1,), ("x",)))
 
 
 def test_a_function_that_is_not_callable_is_named():

@@ -180,12 +180,19 @@ qpb = jqt.calibrate(tp_bias, jqt.recipes.w8a8(), pb, [(x,)], progress=False)
 with tempfile.TemporaryDirectory() as d:
     jqt.save_packed(os.path.join(d, "b.safetensors"), jqt.pack(qpb, pb))
     loaded_b = jqt.load_packed(os.path.join(d, "b.safetensors"), like=pb)
+    # a jax.eval_shape template (an AbstractMesh, which device_put cannot take) loads; its
+    # kept bias is placed split by packed_shardings, which follows the recorded split
+    tmpl = jax.eval_shape(lambda: pb)
+    jqt.load_packed(os.path.join(d, "b.safetensors"), like=tmpl)
+    placed_b = jqt.load_packed(os.path.join(d, "b.safetensors"), like=tmpl,
+                               device=lambda h: jqt.packed_shardings(qpb, h, EXPLICIT)[1])
 try:
     kept_err = err(jax.jit(jqt.quantize(tp_bias, qpb))(loaded_b, x),
                    jqt.quantize(tp_bias, qpb)(jqt.pack(qpb, pb), x))
 except ValueError as e:
     kept_err = str(e)[:300]
-R["compose"]["kept_split"] = {"split": getattr(loaded_b.leaves[0].sharding, "spec", None) == P("x"), "err": kept_err}
+R["compose"]["kept_split"] = {"split": getattr(loaded_b.leaves[0].sharding, "spec", None) == P("x"), "err": kept_err,
+                              "placed": getattr(placed_b.leaves[0].sharding, "spec", None) == P("x")}
 
 # packed weights and qparams placed as the shard_map splits them (jqt.packed_shardings)
 qs, ps = jqt.packed_shardings(qp, packed, EXPLICIT)
@@ -572,7 +579,7 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     assert r["packed_file_err"] == 0.0, r
     assert "jqt.load_packed(path, like=params)" in r["packed_bare"], r
     # a kept float leaf that like= splits (a column-parallel bias) is put split
-    assert r["kept_split"] == {"split": True, "err": 0.0}, r
+    assert r["kept_split"] == {"split": True, "err": 0.0, "placed": True}, r
 
 
 @pytest.mark.slow

@@ -37,10 +37,11 @@ _PENDING = "\0call-write:"  # the key of a write into such a buffer until _bound
 _INDEXING = ("dynamic_slice", "gather")
 # Elementwise ops that combine a weight matrix with the data (NoisyNet's mu + sigma * noise)
 _MIXING = ("add", "sub", "mul", "div", "max", "min")
-# Ops that edit a weight matrix with the data (w.at[i].set(v), jnp.concatenate([w, v]),
-# segment_sum(w, seg)): the result is such a mix too
+# Ops that edit a weight matrix with the data (w.at[i].set(v), segment_sum(w, seg)): the
+# result is such a mix too. Not concatenate: jnp.concatenate([reg, x]) of registers, a soft
+# prompt or a prefix with the tokens is a sequence, whose ops are activation x activation
 _EDITING = ("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
-            "concatenate", "dynamic_update_slice")
+            "dynamic_update_slice")
 # Matmuls jqt has no rule for: reading a weight, they say so (the weight stays float).
 _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
 _SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general", "bcoo_spdot_general",  # jax.
@@ -60,8 +61,8 @@ _WEIGHTS_READ_AS_DATA = (
      "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
      "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
     ("mixed", "combined elementwise with the data (NoisyNet's mu + sigma * noise, "
-     "DropConnect's w * mask, w / temperature) or edited with it (rows set, added or "
-     "appended from the data: w.at[i].set(v), jnp.concatenate([w, v]), segment_sum(w, seg)): "
+     "DropConnect's w * mask, w / temperature) or edited with it (rows set or added from "
+     "the data: w.at[i].set(v), a dynamic_update_slice, segment_sum(w, seg)): "
      "jqt quantizes a weight as params hold it (or as f computes it from params alone), and "
      "takes such a value for an activation",
      "Apply the data to the op's input or output instead where the model allows "

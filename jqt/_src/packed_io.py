@@ -142,8 +142,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         tensors.update(arrays)
         shared = _weight_scales(entries, arrays)
     weights, written = {}, {}  # id of an array -> (the array, its tensor's name)
-    by_value = {}  # (field, dtype, shape, digest) -> tensor names: arrays that ops share but
-    # jax.jit(jqt.pack), jax.device_put or a tree.map copied apart, written once too
+    by_value = {}  # (op key less '#n', field, dtype, shape, digest) -> tensor names: arrays
+    # that one weight's ops share (w, w#1, ...: a layer applied several times) but jax.jit(
+    # jqt.pack), jax.device_put or a tree.map copied apart, written once too; equal arrays of
+    # two weights (zero-initialised LoRA B matrices) stay two, as jqt.pack keeps them
     for key, w in packed.weights.items():
         d = {"layout": w.layout, "qtype": qtype_to_json(w.qtype)}
         if w.folded is not None:
@@ -164,8 +166,9 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
                 d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
                 continue
-            sig = (field, a.dtype.str, a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(),
-                                                               digest_size=16).digest())
+            sig = (re.sub(r"#\d+$", "", key), field, a.dtype.str, a.shape,  # one weight's ops
+                   hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).data,
+                                   digest_size=16).digest())
             n = next((m for m in by_value.get(sig, ()) if np.array_equal(tensors[m], a.view(
                 tensors[m].dtype) if a.dtype.name in FLOAT8 else a)), None)
             if a.dtype.name in FLOAT8:  # safetensors' numpy API has no fp8: store the bytes
@@ -218,7 +221,10 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         Equinox module); its leaves' shapes and dtypes must match the file's. Leaves
         split over explicit mesh axes in it (a weight a ``jax.shard_map`` of ``f`` takes
         split) are traced split so, as ``jax.shard_map`` requires; the float leaves
-        kept among them (a bias it takes split) are put so where ``device`` is None.
+        kept among them (a bias it takes split) are put so where ``device`` is None and
+        the template's mesh is a concrete ``Mesh`` (a ``jax.eval_shape`` template holds an
+        ``AbstractMesh``: pass ``device=`` from :func:`jqt.packed_shardings`, which splits
+        them as recorded).
       qparams: optional qparams to check the weights against (the op keys, the
         weights' shapes against the per-channel scales, and, when the file holds
         qparams too, that the weights were quantized with the same weight scales).
@@ -259,12 +265,15 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if isinstance(device, (int, float, np.number)):
         raise TypeError(f"{fn}: device={device!r} is a number; pass a jax.Device (e.g. "
                         f"jax.devices()[{device!r}]) or a Sharding.")
-    if isinstance(device, (list, tuple)) and device and all(
-            isinstance(d, jax.Device) for d in device):
-        raise TypeError(f"{fn}: device is a {type(device).__name__} of {len(device)} devices; "
-                        "pass one jax.Device, or a Sharding over them (a NamedSharding on a "
-                        "Mesh of these devices; jqt.packed_shardings builds one per weight: "
-                        "device=lambda host: jqt.packed_shardings(qparams, host, mesh)[1]).")
+    several = (isinstance(device, (list, tuple, np.ndarray)) and len(device) and all(
+        isinstance(d, jax.Device) for d in np.ravel(np.asarray(device, dtype=object))))
+    if several or isinstance(device, jax.sharding.Mesh):
+        what = ("a Mesh" if isinstance(device, jax.sharding.Mesh) else
+                f"a {type(device).__name__} of {np.size(np.asarray(device, dtype=object))} devices")
+        raise TypeError(f"{fn}: device is {what}; pass one jax.Device, or a Sharding (a "
+                        "NamedSharding on a Mesh of the devices; jqt.packed_shardings builds one "
+                        "per weight: device=lambda host: jqt.packed_shardings(qparams, host, "
+                        "mesh)[1]).")
     if qparams is not None:
         validate.check_qparams(qparams, fn)  # before reading the file
     path = file_path(path, fn)
@@ -293,8 +302,9 @@ def _put_once(packed, device, split=False):
     ``device=None`` and ``split``, a kept float leaf whose aval ``like=`` split over explicit
     mesh axes (:func:`_split_as`) is put so: a ``jax.shard_map`` takes it only split."""
     leaves, treedef = jax.tree_util.tree_flatten(packed)
-    if device is None and split:
-        kept = [getattr(packed.avals[i], "sharding", None) for i in packed.kept]
+    if device is None and split:  # (a jax.eval_shape template's on an AbstractMesh: none)
+        kept = [sh if isinstance(getattr(sh, "mesh", None), jax.sharding.Mesh) else None
+                for sh in (getattr(packed.avals[i], "sharding", None) for i in packed.kept)]
         places = kept + [None] * (len(leaves) - len(kept))  # the kept leaves flatten first
     elif device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
         places = [device] * len(leaves)

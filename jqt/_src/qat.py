@@ -285,7 +285,7 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
     >>> w2["k"] is w["k"], qp2["k"].lhs.scale is qp["k"].lhs.scale
     (True, True)
     """
-    if trainable is frozen:
+    if trainable is frozen and jax.tree_util.tree_leaves(trainable):
         raise ValueError("jqt.qat.merge: trainable and frozen are the same object; pass the two "
                          "halves jqt.qat.split returned: merge(trainable, frozen).")
     is_none = lambda x: x is None

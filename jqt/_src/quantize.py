@@ -258,7 +258,11 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 "split over explicit mesh axes as the params it packed were (or as like= says, "
                 "for jqt.load_packed); a jax.shard_map of f takes them only split as its "
                 "in_specs say. Pack the params as f takes them, or load the packed file with "
-                "jqt.load_packed(path, like=params) where params are so split.") from e
+                "jqt.load_packed(path, like=params) where params are so split. A float leaf "
+                "jqt.pack kept (a bias) is passed as it is placed: load_packed(like=) puts it "
+                "split as like= is on a concrete Mesh; from a jax.eval_shape template (an "
+                "AbstractMesh), pass device=lambda host: jqt.packed_shardings(qparams, host, "
+                "mesh)[1], which splits it as recorded.") from e
         empty = _some_empty(args, argnums)
         _check_folded(packed, folds)
         try:
@@ -765,13 +769,14 @@ def _tied(qparams, weights):
                             f"{o.qtype.describe()}", _TYPE_FIX)
             elif not _contracts_features(qparams[m].source, _feature_axis(p.source)):  # A @ table
                 apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
-            elif _reads_transposed(p.source):  # table.T[:, ids]: its codes are the table's
-                # transpose, which a tie does not read
+            elif _rows_second(p.source):  # table.T[:, ids]: its codes are features x rows,
+                # which a tie does not read
                 sliced = any(c[0] == "slice" for c in qparams[m].source.chain)
-                apart = (m, "the lookup reads the table through its transpose (table.T[:, ids]), "
-                            "and a tied lookup reads the matmul's codes in the table's own "
-                            "orientation", "To store them once, look the rows up from the table "
-                         "itself (table[ids], transposed after the lookup if need be)"
+                apart = (m, "the lookup gathers rows along the second axis of what it reads "
+                            "(table.T[:, ids], jnp.take(table, ids, axis=1)), and a tied lookup "
+                            "reads the matmul's codes rows first", "To store them once, look "
+                         "the rows up along the first axis (table[ids] of a (V, D) table, "
+                         "table.T[ids] of a (D, V) one; transposed after the lookup if need be)"
                          + (", and multiply by the whole table, slicing the product ((u @ "
                             "table.T)[:, 1:] for u @ table[1:].T)." if sliced else "."))
             elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
@@ -828,18 +833,15 @@ _OTHER_AXIS = ("the matmul contracts the table's other axis (A @ table) or reads
 _NO_FIX = "In this form the two cannot share codes: the packed params hold both, and nothing is wrong."
 
 
-def _reads_transposed(src) -> bool:
-    """Whether a lookup reads its 2-D table (rows x features) through a transpose
-    (``table.T[:, ids]``, ``jnp.take(table.T, ids, axis=1)``): the operand it gathers from
-    is the table's transpose, rows along its second axis; ``False`` where it cannot tell. A
-    table stored transposed and read so (``emb.T[ids]`` of a ``(D, V)`` leaf) gathers rows
-    along the operand's first axis: not this."""
+def _rows_second(src) -> bool:
+    """Whether a lookup gathers rows along the second axis of the 2-D operand it reads
+    (``table.T[:, ids]``, ``jnp.take(table, ids, axis=1)``: its features first), so that
+    its codes are stored features x rows, which a tie (the matmul's codes, rows first)
+    cannot give it; ``False`` where it cannot tell. (``emb.T[ids]`` of a ``(D, V)`` leaf
+    gathers along the first axis of what it reads: not this.)"""
     if src is None or src.shape is None or len(src.shape) != 2 or src.shape[0] == src.shape[1] == 1:
         return False
-    rows = np.broadcast_to(np.arange(src.shape[0], dtype=np.int32)[:, None], tuple(src.shape))
-    op = _replayed(src, rows)
-    return (op is not None and op.shape == tuple(src.shape[::-1]) and np.array_equal(op, rows.T)
-            and tuple(src.contract or ()) != (1,))
+    return tuple(src.contract or ()) == (0,)
 
 
 def _feature_axis(src) -> int:

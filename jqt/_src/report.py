@@ -352,7 +352,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     params_t = validate.weight_args(params, argnums, "jqt.report")
     if not isinstance(batch, (tuple, list)):  # as calibrate refuses a batch that is not one
         what = (f"an array of shape {tuple(batch.shape)}" if hasattr(batch, "shape")
-                else f"a {type(batch).__name__}")
+                else f"of type {type(batch).__name__}")
         raise CalibrationDataError(f"jqt.report: batch is {what}; pass a tuple of the "
                                    "remaining arguments of f, e.g. (x,).")
     batches_like = isinstance(batch, list) and bool(batch) and all(isinstance(b, tuple) for b in batch)

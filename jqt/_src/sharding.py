@@ -100,6 +100,15 @@ def _block_spec(op: OpQParams):
     return P(*lead)
 
 
+def _recorded_split(aval, mesh):
+    """The ``PartitionSpec`` of a kept leaf's explicit split, which ``aval`` records
+    (:func:`jqt.pack` of split params, ``jqt.load_packed(like=)``), where ``mesh`` has its
+    axes; ``None`` otherwise."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    names = [n for e in (spec or ()) for n in ((e,) if isinstance(e, str) else (e or ()))]
+    return spec if names and all(n in mesh.shape for n in names) else None
+
+
 def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",
                      ops: Sequence[tuple[str, str | None]] = (),
                      leaves: Sequence[tuple[str, Any]] = ()):
@@ -119,7 +128,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     split as that ``shard_map`` splits it, whatever ``axis`` and ``ops`` say, and one it
     hands every device whole (``P()`` in its ``in_specs``) is replicated. Float leaves
     kept in ``packed`` (biases, norms) are replicated unless a ``leaves`` rule says
-    otherwise.
+    otherwise, or they were split over explicit mesh axes (packed from split params, or
+    loaded with a split ``like=``): then split so, where ``mesh`` has those axes.
 
     Args:
       qparams: the qparams the weights were packed with.
@@ -288,6 +298,7 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     leaf_sh = []
     for i, x in zip(packed.kept, packed.leaves):
         spec = _first_match(leaves, paths[i], None, used_leaves)
+        spec = _recorded_split(packed.avals[i], mesh) if spec is None else spec
         leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
     _warn_unused("ops", ops, used_ops, [k for k, op in qparams.items() if not op.is_float],
                  "quantized op keys", float_ops=[k for k, op in qparams.items() if op.is_float])

@@ -375,9 +375,12 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
     if missing:
         # an optional op whose key the qparams give to another op: made by a jqt that did
         # not quantize it yet, whose keys for the same weight's later ops were one lower
-        moved = [s for s in traced.sites() if s.entry.optional and s.key in qparams
-                 and qparams[s.key].op != s.op]
-        what = lambda s: f"{s.op} (table[i] with a scalar i)" if s.op == "gather" else s.op
+        # (or an embedding lookup: a jqt from before 2026-11-23 numbered a tied table's
+        # matmul 'emb' where the lookup now is 'emb' and the matmul 'emb#1')
+        moved = [s for s in traced.sites() if (s.entry.optional or s.op == "gather")
+                 and s.key in qparams and qparams[s.key].op != s.op]
+        what = lambda s: (f"{s.op} ({'table[i] with a scalar i' if s.entry.optional else 'an embedding lookup'})"
+                          if s.op == "gather" else s.op)
         lookups = all(s.op == "gather" for s in traced.sites() if s.key in missing)
         if moved:
             why = (f" The qparams give key '{moved[0].key}' to a {qparams[moved[0].key].op}, "

@@ -582,6 +582,22 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     assert r["kept_split"] == {"split": True, "err": 0.0, "placed": True}, r
 
 
+def test_a_recorded_split_of_a_kept_leaf_is_kept_only_where_the_mesh_divides_it():
+    """``jqt.packed_shardings`` splits a kept float leaf as recorded on explicit axes, on a
+    mesh whose axes divide it; on another mesh with the same axis names (a bias of 6 split
+    over 2 devices, placed on 4) it is replicated: the split made device_put fail (the
+    review of hunt47)."""
+    from types import SimpleNamespace as NS
+    from jax.sharding import PartitionSpec as P
+    from jqt._src.sharding import _recorded_split
+    aval = lambda n, spec: NS(shape=(n,), sharding=NS(spec=spec))
+    assert _recorded_split(aval(8, P("x")), NS(shape={"x": 4})) == P("x")
+    assert _recorded_split(aval(6, P("x")), NS(shape={"x": 4})) is None
+    assert _recorded_split(aval(8, P(("x", "y"))), NS(shape={"x": 2, "y": 2})) == P(("x", "y"))
+    assert _recorded_split(aval(8, P("z")), NS(shape={"x": 4})) is None
+    assert _recorded_split(aval(8, P()), NS(shape={"x": 4})) is None
+
+
 @pytest.mark.slow
 def test_report_and_mismatched_qparams_say_what_to_do(result_slow):
     """``jqt.report`` cannot run its two lanes through a ``shard_map``: it says so and

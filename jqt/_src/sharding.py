@@ -103,10 +103,16 @@ def _block_spec(op: OpQParams):
 def _recorded_split(aval, mesh):
     """The ``PartitionSpec`` of a kept leaf's explicit split, which ``aval`` records
     (:func:`jqt.pack` of split params, ``jqt.load_packed(like=)``), where ``mesh`` has its
-    axes; ``None`` otherwise."""
+    axes and their sizes divide the leaf's (another mesh may not); ``None`` otherwise."""
     spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    names = [n for e in (spec or ()) for n in ((e,) if isinstance(e, str) else (e or ()))]
-    return spec if names and all(n in mesh.shape for n in names) else None
+    dims = [(d, (e,) if isinstance(e, str) else tuple(e or ())) for d, e in enumerate(spec or ())]
+    names = [n for _, ns in dims for n in ns]
+    if not names or not all(n in mesh.shape for n in names):
+        return None
+    shape = tuple(aval.shape)
+    fits = all(d < len(shape) and shape[d] % math.prod(mesh.shape[n] for n in ns) == 0
+               for d, ns in dims if ns)
+    return spec if fits else None
 
 
 def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "model",

@@ -166,14 +166,13 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             if same is not None and same[1].dtype == a.dtype and np.array_equal(same[1], a):
                 d[field] = same[0]  # one copy of the weight scale: the qparams' tensor
                 continue
-            sig = (re.sub(r"#\d+$", "", key), field, a.dtype.str, a.shape,  # one weight's ops
-                   hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).data,
-                                   digest_size=16).digest())
-            n = next((m for m in by_value.get(sig, ()) if np.array_equal(tensors[m], a.view(
-                tensors[m].dtype) if a.dtype.name in FLOAT8 else a)), None)
             if a.dtype.name in FLOAT8:  # safetensors' numpy API has no fp8: store the bytes
                 d["values_dtype"] = a.dtype.name
                 a = a.view(np.uint8)
+            sig = (re.sub(r"#\d+$", "", key), field, a.dtype.str, a.shape,  # one weight's ops
+                   hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).data,
+                                   digest_size=16).digest())
+            n = next((m for m in by_value.get(sig, ()) if np.array_equal(tensors[m], a)), None)
             if n is None:
                 n = _unique(f"packed/{key}/{field}", used)
                 tensors[n] = a

@@ -289,6 +289,10 @@ def test_tools_name_their_bad_arguments(setup):
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1,
                               to=jqt.recipes.w8a16()),
          TypeError, r"jqt.fallback: to= is a Recipe .*jqt.recipes.w8a16\(\).rules\[0\]"),
+        # a key on to= was replaced without a word (hunt48_rules)
+        (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1,
+                              to=jqt.Rule(key="w1", weight=jqt.recipes.INT8_WEIGHT)),
+         ValueError, r"jqt.fallback: to=Rule\(key='w1', ...\): fallback chooses the ops .*key='.\*'"),
         (lambda: jqt.sensitivity(f, qp, 0.5), TypeError, "jqt.sensitivity: metric is a float"),
         (lambda: jqt.sensitivity(f, qp, lambda g, x: 0.0), TypeError,
          r"jqt.sensitivity: metric cannot be called as metric\(g\)"),

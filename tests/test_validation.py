@@ -1243,6 +1243,14 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
     with pytest.raises(ValueError, match=r"Rule\(smooth='abc'\): SmoothQuant's alpha is a number"):
         jqt.recipes.w8a8(smooth="abc")
     assert jqt.recipes.w4(awq=np.bool_(True)).rules[0].awq
+    # fp8's dtypes are named by fp8 (a Rule's error about integer kernels named neither), and
+    # a rule for attention's products is pointed to act_x_act= (hunt48_docs39, hunt48_rules)
+    with pytest.raises(ValueError, match=r"fp8\(weight_dtype='int8'\): takes 'float8_e4m3fn' or"):
+        jqt.recipes.fp8(weight_dtype="int8")
+    with pytest.raises(ValueError, match=r"fp8\(act_dtype='e4m3'\)"):
+        jqt.recipes.fp8(act_dtype="e4m3")
+    with pytest.raises(ValueError, match=r"both activations .* takes act_x_act=QuantType\(bits=8, dynamic=True\)"):
+        jqt.Rule(key="bts", activation=jqt.QuantType(bits=8))
 
 
 def test_backend_names_and_cache_arguments_are_checked():
@@ -1344,6 +1352,24 @@ def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
                "ops=('conv_general_dilated',) leave out that primitive" in m for m in conv_only)
 
 
+def test_a_rule_keyed_by_an_op_key_with_parentheses_copied_as_it_is_is_told_how_to_match_it():
+    """Keys under jax.vmap or a named scope hold '(' ')' ('vmap()/dot_general_0'); a rule
+    keyed by the key summarize prints matched nothing, and the warning listed the keys,
+    that one among them, and said to check the pattern (hunt48_rules)."""
+    def f(p, x):
+        return jax.vmap(lambda a: a @ a.T)(x @ p["w"])
+
+    p, b = {"w": jnp.ones((4, 4))}, [(jnp.ones((2, 3, 4)),)]
+    base = jqt.recipes.w8a8_dynamic(act_x_act=True).rules
+    cal = lambda key: _messages(lambda: jqt.calibrate(
+        f, jqt.Recipe(rules=(jqt.Rule(key=key, weight=None),) + base), p, b, progress=False))
+    got = cal("vmap()/dot_general_0")
+    assert any("rule 0 (Rule(key='vmap()/dot_general_0')) decides no op: it is the op key "
+               "'vmap()/dot_general_0' as jqt.summarize writes it" in m
+               and r"key='^vmap\\(\\)/dot_general_0$'" in m for m in got), got
+    assert not [m for m in cal(r"^vmap\(\)/dot_general_0$") if "decides no op" in m]
+
+
 def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_said():
     """A keyed rule with weight= on an embedding lookup (or on an attention product) made
     the ops float, overriding the preset behind it, without a word; a rule of every key
@@ -1364,10 +1390,28 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
                "stay float: 'emb' (embedding=)" in m for m in got), got
     got = cal((jqt.Rule(key="bts", weight=R.INT8_WEIGHT, activation=Q(bits=8, dynamic=True)),) + base)
     assert any("rule 0 (Rule(key='bts')) decides 1 op(s)" in m and "(act_x_act=)" in m for m in got), got
-    # a rule that keeps its ops float, or whose types some op it decides takes: no warning
-    for rules in ((jqt.Rule(key="^emb$"),) + base, (jqt.Rule(key=".", **{f: getattr(base[-1], f)
-                                                    for f in ("weight", "activation")}),) + base):
-        assert not [m for m in cal(rules) if "take none of its types" in m]
+    # a rule that keeps its ops float: no warning
+    assert not [m for m in cal((jqt.Rule(key="^emb$"),) + base) if "take none of its types" in m]
+    # one that types some of its ops names the others that a later rule would have typed
+    # (Rule(key="embed|mlp", weight=...) ahead of a preset left the lookup float silently:
+    # hunt48_rules), and only those
+    wa = {f: getattr(base[-1], f) for f in ("weight", "activation")}
+    for rules, named in (((jqt.Rule(key="emb|w", **wa),) + base, ["'emb' (embedding=)"]),
+                         ((jqt.Rule(key=".", **wa),) + base,
+                          ["'emb' (embedding=)", "'btd,bsd->bts/dot_general_0' (act_x_act=)"]),
+                         ((jqt.Rule(key=".", **wa),) + R.w8a8().rules, ["'emb' (embedding=)"])):
+        got = [m for m in cal(rules) if "take none of its types" in m]
+        assert len(got) == 1 and f"decides {len(named)} op(s)" in got[0] \
+            and f"stay float: {', '.join(named)}." in got[0], (rules[0], got)
+    # and the notes name the rule that kept an op float (an act_x_act op's said "set
+    # Rule(act_x_act=...)", on a recipe that sets it: hunt48_rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qp = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="emb|w", **wa), jqt.Rule(
+            key="bts", weight=None)) + base), p, ids, progress=False)
+    assert qp["emb"].note == "the recipe keeps it float (the rule Rule(key='emb|w') sets no embedding=)"
+    assert qp["btd,bsd->bts/dot_general_0"].note == ("activation x activation op kept float by the "
+                                                     "rule Rule(key='bts'), which sets no act_x_act")
     # appended after the preset's rule of every key: shadowed, said so
     got = cal(R.w8a8().rules + (jqt.Rule(ops=("gather",), embedding=None),))
     assert any(re.search(r"rule \d+ \(Rule\(ops=\('gather',\)\)\) decides no op: every op it "

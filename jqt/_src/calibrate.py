@@ -596,6 +596,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         else:
             why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                    "(jqt.summarize lists the keys)")
+            if r.key in keys:  # a key copied as it is, '(' ')' '[' read as the regex's own
+                why = (f"it is the op key {r.key!r} as jqt.summarize writes it, but a rule's key "
+                       "is a regular expression, in which its parentheses or brackets do not "
+                       f"match themselves: key={'^' + re.escape(r.key) + '$'!r} "
+                       "('^' + re.escape(key) + '$') matches that op")
             if re.search(r"\\?\[\d+(?:,\\?\s*\d+)*\\?\]", r.key) and any(s.stack_ids for s in sites):
                 why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                         "'key[n]', but the layers share one op key and one rule: match the key "
@@ -607,11 +612,13 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
 
 
 def _warn_untyped(sites, recipe, chosen):
-    """Warns of a rule with a key of its own that gives types, yet decides only ops that
-    take none of them (a lookup takes ``embedding=``, a cache write ``kv_cache=``, an
+    """Warns of a rule with a key of its own that gives types, yet decides ops that take
+    none of them (a lookup takes ``embedding=``, a cache write ``kv_cache=``, an
     activation x activation op ``act_x_act=``): they stay float, in place of what the
-    rules after it would give them (a weight op without ``weight=`` is kept float as the
-    rule says: ``weight=None`` keeps an op float)."""
+    rules after it would give them. A rule that types some of the ops it decides names
+    those of the others that a later rule would have typed (``Rule(key="embed|mlp",
+    weight=...)`` ahead of a preset: the lookup ``embed``). A weight op without ``weight=``
+    is kept float as the rule says: ``weight=None`` keeps an op float."""
     def field(s):
         if s.entry.is_cache:
             return "kv_cache"
@@ -624,9 +631,13 @@ def _warn_untyped(sites, recipe, chosen):
         if r.key == ".*" or all(getattr(r, t) is None for t in types):
             continue  # a rule of every key (a preset's), or one that keeps its ops float
         decided = [s for s in sites if chosen[s.key] is r]
-        untyped = [(s.key, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
-        if decided and len(untyped) == len(decided):
-            ops = ", ".join(f"'{k}' ({f}=)" for k, f in untyped[:6])
+        untyped = [(s, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
+        if untyped and len(untyped) < len(decided):  # it types others: name those it changed,
+            later = lambda s: next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None)
+            untyped = [(s, f) for s, f in untyped  # which a later rule would have typed
+                       if getattr(later(s), f, None) is not None]
+        if untyped:
+            ops = ", ".join(f"'{s.key}' ({f}=)" for s, f in untyped[:6])
             diagnostics.warn(
                 f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides {len(untyped)} op(s) that "
                 f"take none of its types, which stay float: {ops}{' ...' if len(untyped) > 6 else ''}"
@@ -888,12 +899,16 @@ def _decide(site, rule, st, leaf_dtypes):
             return float_("conv with a data-dependent kernel is kept float (a conv's weight is "
                           "quantized as its kernel, the rhs)")
         if rule.act_x_act is None:
-            return float_("activation x activation op (set Rule(act_x_act=...) to quantize)")
+            return float_(f"activation x activation op kept float by the rule Rule(key={rule.key!r}), "
+                          "which sets no act_x_act" if rule.key != ".*" else
+                          "activation x activation op (set Rule(act_x_act=...) to quantize)")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)
     if wt is None:
-        return float_("the recipe keeps it float")
+        return float_(f"the recipe keeps it float (the rule Rule(key={rule.key!r}) sets no "
+                      f"{'embedding' if site.op == 'gather' else 'weight'}=)"
+                      if rule.key != ".*" else "the recipe keeps it float")
     if site.op == "gather" and not site.contract[0] and (wt.per_channel or wt.group_size):
         shape, sizes = site.eqn.invars[0].aval.shape, site.eqn.params["slice_sizes"]
         part = [d for d in range(len(shape)) if 1 < sizes[d] < shape[d]]

@@ -126,7 +126,9 @@ class Rule:
         if self.activation is not None and self.weight is None:
             raise ValueError(
                 "Rule(activation=..., weight=None): an integer kernel needs both operands as "
-                "integers. Set weight=QuantType(...) too, or drop activation to keep the op float.")
+                "integers. Set weight=QuantType(...) too, or drop activation to keep the op float. "
+                "An op whose operands are both activations (attention's q @ k.T and p @ v) takes "
+                "act_x_act=QuantType(bits=8, dynamic=True) instead.")
         if self.weight is not None and self.weight.dynamic:
             raise ValueError("Rule(weight=QuantType(dynamic=True)): weights are quantized from "
                              "their own values; 'dynamic' applies to activations only.")
@@ -540,6 +542,11 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     >>> r.rules[0].weight.dtype, r.rules[0].activation.qmax
     ('float8_e4m3fn', 448.0)
     """
+    for name, v in (("weight_dtype", weight_dtype), ("act_dtype", act_dtype)):
+        if v not in ("float8_e4m3fn", "float8_e5m2"):
+            raise ValueError(f"jqt.recipes.fp8({name}={v!r}): takes 'float8_e4m3fn' or "
+                             "'float8_e5m2'. For integer weights use jqt.recipes.w8a8() (int8 "
+                             "weights and activations) or a Rule of your own.")
     w = QuantType(dtype=weight_dtype, per_channel=True)
     dynamic = _flag("dynamic", dynamic)
     a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)

@@ -307,7 +307,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         ``higher_is_better=False``.
       max_drop: the budget: the largest allowed ``metric(f) - metric(quantized)``
         (in the metric's units, e.g. 0.005 for half a point of accuracy).
-      to: the rule for the ops kept back (its ``key`` is replaced), e.g.
+      to: the rule for the ops kept back (of every key: fallback picks the ops), e.g.
         ``jqt.recipes.w8a16().rules[0]`` for int16 activations; ``None``
         keeps them float.
       max_trials: the most metric evaluations of quantized variants.
@@ -362,6 +362,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 if isinstance(to, Recipe) else "")
         raise TypeError(f"jqt.fallback: to= is a {type(to).__name__}{hint}; expected a jqt.Rule "
                         "for the ops kept back, or None to keep them float.")
+    if to is not None and to.key != ".*":  # it would be replaced by each kept-back op's
+        raise ValueError(f"jqt.fallback: to=Rule(key={to.key!r}, ...): fallback chooses the ops it "
+                         "keeps back and gives each of them to=, whatever to='s key, so the key "
+                         "would be lost. Pass the rule without key= (dataclasses.replace(to, "
+                         "key='.*')); to keep ops out of the search, give them their own rule ahead "
+                         "of the recipe's (jqt.Rule(key=..., weight=None) keeps them float).")
     _check_metric(metric, "jqt.fallback")
     argnums = normalize_argnums(weight_argnums)
     validate.weight_args(params, argnums, "jqt.fallback")

@@ -530,8 +530,9 @@ def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
         f"{fn}: op '{key}': weight '{src.path}' does not fit the grid its qparams were calibrated "
         f"for ({q.qtype.describe()}): an element{moved} of {value:.4g} lies {where}, and would be "
         "clipped to it. The weights the "
-        f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts "
-        f"({was}); these reach {r:.3g}x. They are not the params the qparams were calibrated "
+        f"qparams were calibrated with reached {cal:.3g}x the edge where clipping starts, half a "
+        f"step beyond the grid's end ({was}); these reach {r:.3g}x, more than "
+        f"{TOLERANCE:.0%} beyond {max(cal, 1.0):.3g}x. They are not the params the qparams were calibrated "
         "with (another checkpoint, weights trained further or rescaled?): " + fix
         + _also(bad, "do not fit theirs either"))
 

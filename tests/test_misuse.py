@@ -283,6 +283,9 @@ def test_tools_name_their_bad_arguments(setup):
     assert rep.weights["w1"].values.spec == jax.sharding.PartitionSpec()  # a generator is read once
     res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=jnp.float32(1.0))
     assert res.met  # a JAX scalar is a number
+    # a to= whose key matches every quantized op loses nothing (a rule from a res.recipe)
+    assert jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=1.0,
+                        to=jqt.Rule(key="^(w2|w1)$", weight=jqt.recipes.INT8_WEIGHT)).met
     cases = [
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=-1.0),
          ValueError, "jqt.fallback: max_drop=-1.0; expected a finite number >= 0"),
@@ -292,7 +295,8 @@ def test_tools_name_their_bad_arguments(setup):
         # a key on to= was replaced without a word (hunt48_rules)
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1,
                               to=jqt.Rule(key="w1", weight=jqt.recipes.INT8_WEIGHT)),
-         ValueError, r"jqt.fallback: to=Rule\(key='w1', ...\): fallback chooses the ops .*key='.\*'"),
+         ValueError, r"jqt.fallback: to=Rule\(key='w1', ...\) leaves out quantized ops \['w2'\], but "
+                     r"fallback chooses .*key='.\*'"),
         (lambda: jqt.sensitivity(f, qp, 0.5), TypeError, "jqt.sensitivity: metric is a float"),
         (lambda: jqt.sensitivity(f, qp, lambda g, x: 0.0), TypeError,
          r"jqt.sensitivity: metric cannot be called as metric\(g\)"),

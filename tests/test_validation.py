@@ -1247,8 +1247,10 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
     # a rule for attention's products is pointed to act_x_act= (hunt48_docs39, hunt48_rules)
     with pytest.raises(ValueError, match=r"fp8\(weight_dtype='int8'\): takes 'float8_e4m3fn' or"):
         jqt.recipes.fp8(weight_dtype="int8")
-    with pytest.raises(ValueError, match=r"fp8\(act_dtype='e4m3'\)"):
-        jqt.recipes.fp8(act_dtype="e4m3")
+    with pytest.raises(ValueError, match=r"fp8\(act_dtype=<class 'jax.numpy.int8'>\): takes"):
+        jqt.recipes.fp8(act_dtype=jnp.int8)
+    r = jqt.recipes.fp8(weight_dtype=jnp.float8_e5m2, act_dtype=np.dtype(jnp.float8_e4m3fn)).rules[0]
+    assert (r.weight.dtype, r.activation.dtype) == ("float8_e5m2", "float8_e4m3fn")  # dtypes, as before
     with pytest.raises(ValueError, match=r"both activations .* takes act_x_act=QuantType\(bits=8, dynamic=True\)"):
         jqt.Rule(key="bts", activation=jqt.QuantType(bits=8))
 
@@ -1368,6 +1370,11 @@ def test_a_rule_keyed_by_an_op_key_with_parentheses_copied_as_it_is_is_told_how_
                "'vmap()/dot_general_0' as jqt.summarize writes it" in m
                and r"key='^vmap\\(\\)/dot_general_0$'" in m for m in got), got
     assert not [m for m in cal(r"^vmap\(\)/dot_general_0$") if "decides no op" in m]
+    got = _messages(lambda: jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(
+        key="vmap()/dot_general_0", ops=("gather",), embedding=base[0].embedding),) + base), p, b,
+        progress=False))
+    assert any("matches that op, a dot_general, which its ops=('gather',) leave out too" in m
+               for m in got), got
 
 
 def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_said():
@@ -1407,11 +1414,29 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     # Rule(act_x_act=...)", on a recipe that sets it: hunt48_rules)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        qp = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="emb|w", **wa), jqt.Rule(
-            key="bts", weight=None)) + base), p, ids, progress=False)
-    assert qp["emb"].note == "the recipe keeps it float (the rule Rule(key='emb|w') sets no embedding=)"
+        qp = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="emb|w|bts", **wa),) + base), p, ids,
+                           progress=False)
+        kept = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="bts"),) + base), p, ids, progress=False)
+    assert qp["emb"].note == "the recipe keeps it float (the rule Rule(key='emb|w|bts') sets no embedding=)"
     assert qp["btd,bsd->bts/dot_general_0"].note == ("activation x activation op kept float by the "
-                                                     "rule Rule(key='bts'), which sets no act_x_act")
+                                                     "rule Rule(key='emb|w|bts'), which sets no act_x_act=")
+    assert kept["btd,bsd->bts/dot_general_0"].note == ("activation x activation op kept float by a "
+                                                       "rule of its key, which sets no type")
+    # the mirror: a rule that adds act_x_act= for attention, whose key takes the projections
+    # too, kept them float silently (hunt48_review)
+    got = cal((jqt.Rule(key="w|bts", act_x_act=base[-1].act_x_act),) + base)
+    assert any("rule 0 (Rule(key='w|bts')) decides 1 op(s) that take none of its types, which stay "
+               "float: 'w' (weight=)." in m for m in got), got
+    # ops that no type quantizes are not named: a table f builds (rope's cos/sin read at
+    # positions), an integer table, a lookup of single elements (hunt48_review)
+    def g(p, ids):
+        pos = jnp.cos(jnp.arange(16.0)[:, None] * jnp.arange(1.0, 9.0))[ids]
+        return (p["emb"][ids] + pos + p["b"][ids][..., None] + p["i"][ids]) @ p["w"]
+    q = dict(p, b=jnp.ones((16,)), i=jnp.ones((16, 8), jnp.int32))
+    got = _messages(lambda: jqt.calibrate(g, jqt.Recipe(rules=(jqt.Rule(key=".", **wa),) + base), q,
+                                          ids, progress=False))
+    assert [m for m in got if "take none of its types" in m] == [m for m in got if "stay float: 'emb' " \
+        "(embedding=)." in m and "decides 1 op(s)" in m] != [], got
     # appended after the preset's rule of every key: shadowed, said so
     got = cal(R.w8a8().rules + (jqt.Rule(ops=("gather",), embedding=None),))
     assert any(re.search(r"rule \d+ \(Rule\(ops=\('gather',\)\)\) decides no op: every op it "

@@ -597,11 +597,14 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
             why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                    "(jqt.summarize lists the keys)")
             if r.key in keys:  # a key copied as it is, '(' ')' '[' read as the regex's own
+                op = next(s.op for s in sites if s.key == r.key)
                 why = (f"it is the op key {r.key!r} as jqt.summarize writes it, but a rule's key "
                        "is a regular expression, in which its parentheses or brackets do not "
                        f"match themselves: key={'^' + re.escape(r.key) + '$'!r} "
-                       "('^' + re.escape(key) + '$') matches that op")
-            if re.search(r"\\?\[\d+(?:,\\?\s*\d+)*\\?\]", r.key) and any(s.stack_ids for s in sites):
+                       "('^' + re.escape(key) + '$') matches that op"
+                       + ("" if op in r.ops else f", a {op}, which its ops={r.ops} leave out too: "
+                          "add it to ops="))
+            elif re.search(r"\\?\[\d+(?:,\\?\s*\d+)*\\?\]", r.key) and any(s.stack_ids for s in sites):
                 why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                         "'key[n]', but the layers share one op key and one rule: match the key "
                         "itself for every layer, or keep that layer out of the scan")
@@ -614,17 +617,26 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
 def _warn_untyped(sites, recipe, chosen):
     """Warns of a rule with a key of its own that gives types, yet decides ops that take
     none of them (a lookup takes ``embedding=``, a cache write ``kv_cache=``, an
-    activation x activation op ``act_x_act=``): they stay float, in place of what the
-    rules after it would give them. A rule that types some of the ops it decides names
-    those of the others that a later rule would have typed (``Rule(key="embed|mlp",
-    weight=...)`` ahead of a preset: the lookup ``embed``). A weight op without ``weight=``
-    is kept float as the rule says: ``weight=None`` keeps an op float."""
+    activation x activation op ``act_x_act=``, a weight op ``weight=``): they stay float, in
+    place of what the rules after it would give them. Named: where the rule types some of
+    its ops, the others a later rule would have typed (``Rule(key="embed|mlp", weight=...)``
+    ahead of a preset: the lookup ``embed``; ``Rule(key="attn", act_x_act=...)``: the
+    projections), and where it types none of its ops, every lookup, cache and activation x
+    activation op it decides.
+    Not named: ops no type quantizes (a table f builds, integer operands, a lookup of single
+    elements), and rules that set no type (they keep their ops float, as meant)."""
     def field(s):
         if s.entry.is_cache:
             return "kv_cache"
         if s.op == "gather":
             return "embedding"
-        return "act_x_act" if s.weight_operand is None and s.op == "dot_general" else None
+        if s.weight_operand is not None:
+            return "weight"
+        return "act_x_act" if s.op == "dot_general" else None
+
+    def float_anyway(s, t):  # what _decide keeps float whatever the type: naming it helps nobody
+        return s.built or kept_as_is([v.aval.dtype for v in s.eqn.invars]) is not None or (
+            s.op == "gather" and not s.contract[0] and (t.per_channel or t.group_size))
 
     types = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
     for i, r in enumerate(recipe.rules):
@@ -632,19 +644,27 @@ def _warn_untyped(sites, recipe, chosen):
             continue  # a rule of every key (a preset's), or one that keeps its ops float
         decided = [s for s in sites if chosen[s.key] is r]
         untyped = [(s, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
-        if untyped and len(untyped) < len(decided):  # it types others: name those it changed,
-            later = lambda s: next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None)
-            untyped = [(s, f) for s, f in untyped  # which a later rule would have typed
-                       if getattr(later(s), f, None) is not None]
+        typed = len(untyped) < len(decided)
+
+        def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
+            if f == "weight" and not typed:  # (a preset's rule copied with weight=None keeps
+                return None  # its weight ops float as meant, its embedding= aside)
+            t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
+            if t is None and not typed:  # or, where the rule types none of its ops, the one
+                t = QuantType(bits=8, per_channel=True)  # its types were meant as
+            return t
+
+        untyped = [(s, f) for s, f in untyped
+                   if (t := instead(s, f)) is not None and not float_anyway(s, t)]
         if untyped:
             ops = ", ".join(f"'{s.key}' ({f}=)" for s, f in untyped[:6])
             diagnostics.warn(
                 f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides {len(untyped)} op(s) that "
                 f"take none of its types, which stay float: {ops}{' ...' if len(untyped) > 6 else ''}"
-                ". Each takes its type from the field named (an embedding lookup's table from "
-                "embedding=, a cache from kv_cache=, an activation x activation op from "
-                "act_x_act=): set it on the rule, or narrow the rule's key to the ops its types "
-                "are for.")
+                ". Each takes its type from the field named (a weight op's weight from weight=, "
+                "an embedding lookup's table from embedding=, a cache from kv_cache=, an "
+                "activation x activation op from act_x_act=): set it on the rule, or narrow the "
+                "rule's key to the ops its types are for.")
 
 
 def tie_tables(qparams):
@@ -872,6 +892,19 @@ def _channel_bytes(wt, contracted):
     return codes + groups * (4 if wt.symmetric else 8), groups
 
 
+def _typed(rule):
+    """Whether ``rule`` has a key of its own and gives some type (one that gives none keeps
+    its ops float, as meant: ``jqt.fallback``'s)."""
+    return rule.key != ".*" and any(getattr(rule, t) is not None for t in (
+        "weight", "activation", "act_x_act", "embedding", "kv_cache"))
+
+
+def _named(rule):
+    """``Rule(key=...)`` for a note, a long key cut short."""
+    k = rule.key if len(rule.key) <= 48 else rule.key[:45] + "..."
+    return f"Rule(key={k!r})"
+
+
 def _decide(site, rule, st, leaf_dtypes):
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
@@ -886,8 +919,8 @@ def _decide(site, rule, st, leaf_dtypes):
         return float_("no rule of the recipe matches this op")
     if site.entry.is_cache:
         if rule.kv_cache is None:
-            return float_(f"key/value cache kept float by the rule Rule(key={rule.key!r}), which "
-                          "sets no kv_cache" if rule.key != ".*" else
+            return float_(f"key/value cache kept float by the rule {_named(rule)}, which "
+                          "sets no kv_cache=" if rule.key != ".*" else
                           "key/value cache kept float (kv_cache=True on a preset quantizes it)")
         return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
     why = kept_as_is([v.aval.dtype for v in site.eqn.invars])
@@ -899,16 +932,18 @@ def _decide(site, rule, st, leaf_dtypes):
             return float_("conv with a data-dependent kernel is kept float (a conv's weight is "
                           "quantized as its kernel, the rhs)")
         if rule.act_x_act is None:
-            return float_(f"activation x activation op kept float by the rule Rule(key={rule.key!r}), "
-                          "which sets no act_x_act" if rule.key != ".*" else
+            return float_(f"activation x activation op kept float by the rule {_named(rule)}, "
+                          "which sets no act_x_act=" if _typed(rule) else
+                          "activation x activation op kept float by a rule of its key, which sets "
+                          "no type" if rule.key != ".*" else
                           "activation x activation op (set Rule(act_x_act=...) to quantize)")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)
     if wt is None:
-        return float_(f"the recipe keeps it float (the rule Rule(key={rule.key!r}) sets no "
+        return float_(f"the recipe keeps it float (the rule {_named(rule)} sets no "
                       f"{'embedding' if site.op == 'gather' else 'weight'}=)"
-                      if rule.key != ".*" else "the recipe keeps it float")
+                      if _typed(rule) else "the recipe keeps it float")
     if site.op == "gather" and not site.contract[0] and (wt.per_channel or wt.group_size):
         shape, sizes = site.eqn.invars[0].aval.shape, site.eqn.params["slice_sizes"]
         part = [d for d in range(len(shape)) if 1 < sizes[d] < shape[d]]

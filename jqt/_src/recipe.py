@@ -542,14 +542,15 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     >>> r.rules[0].weight.dtype, r.rules[0].activation.qmax
     ('float8_e4m3fn', 448.0)
     """
-    for name, v in (("weight_dtype", weight_dtype), ("act_dtype", act_dtype)):
-        if v not in ("float8_e4m3fn", "float8_e5m2"):
-            raise ValueError(f"jqt.recipes.fp8({name}={v!r}): takes 'float8_e4m3fn' or "
-                             "'float8_e5m2'. For integer weights use jqt.recipes.w8a8() (int8 "
-                             "weights and activations) or a Rule of your own.")
     w = QuantType(dtype=weight_dtype, per_channel=True)
     dynamic = _flag("dynamic", dynamic)
     a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
+    for name, v, t in (("weight_dtype", weight_dtype, w), ("act_dtype", act_dtype, a)):
+        if t.dtype not in ("float8_e4m3fn", "float8_e5m2"):  # (a name or a dtype: QuantType's)
+            raise ValueError(f"jqt.recipes.fp8({name}={v!r}): takes 'float8_e4m3fn' or "
+                             "'float8_e5m2' (or jnp.float8_e4m3fn, jnp.float8_e5m2). For integer "
+                             "weights use jqt.recipes.w8a8() (int8 weights and activations) or a "
+                             "Rule of your own.")
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=w, activation=a, embedding=_embedding(embeddings, 8),
                               smooth=smooth, rotate=rotate, **_cal(calibrator, weight_calibrator)),))

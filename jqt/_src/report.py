@@ -180,7 +180,7 @@ class OpReport:
     """
 
     key: str
-    layer: Optional[int]   # the layer of a lax.scan over stacked layers; a tuple under nested scans
+    layer: Optional[int]   # the step of a lax.scan over stacked layers; a tuple under nested scans
     op: str
     weight_shape: tuple
     act_shape: tuple

@@ -362,12 +362,6 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 if isinstance(to, Recipe) else "")
         raise TypeError(f"jqt.fallback: to= is a {type(to).__name__}{hint}; expected a jqt.Rule "
                         "for the ops kept back, or None to keep them float.")
-    if to is not None and to.key != ".*":  # it would be replaced by each kept-back op's
-        raise ValueError(f"jqt.fallback: to=Rule(key={to.key!r}, ...): fallback chooses the ops it "
-                         "keeps back and gives each of them to=, whatever to='s key, so the key "
-                         "would be lost. Pass the rule without key= (dataclasses.replace(to, "
-                         "key='.*')); to keep ops out of the search, give them their own rule ahead "
-                         "of the recipe's (jqt.Rule(key=..., weight=None) keeps them float).")
     _check_metric(metric, "jqt.fallback")
     argnums = normalize_argnums(weight_argnums)
     validate.weight_args(params, argnums, "jqt.fallback")
@@ -388,6 +382,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     # take (its ``ops=``): each trial quantizes an op as the final recipe will
     to_rules = () if to is None else symmetric_convs(to)
     candidates = _quantized_keys(qp)
+    left = [k for k in candidates if to is not None and not re.search(to.key, k)]
+    if left:  # its key would be replaced by each kept-back op's: it would be lost
+        raise ValueError(f"jqt.fallback: to=Rule(key={to.key!r}, ...) leaves out quantized ops "
+                         f"{left[:5]}{' ...' if len(left) > 5 else ''}, but fallback chooses the ops "
+                         "it keeps back among all of them and gives each to=, whatever to='s key. "
+                         "Pass the rule without key= (dataclasses.replace(to, key='.*')); to keep "
+                         "ops out of the search, keep them float with jqt.Rule(key=..., "
+                         "weight=None) ahead of the recipe's rules.")
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     elif not candidates:  # nothing is quantized: nothing to keep back, the budget is met

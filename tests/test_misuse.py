@@ -286,6 +286,12 @@ def test_tools_name_their_bad_arguments(setup):
     # a to= whose key matches every quantized op loses nothing (a rule from a res.recipe)
     assert jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=1.0,
                         to=jqt.Rule(key="^(w2|w1)$", weight=jqt.recipes.INT8_WEIGHT)).met
+    # nor one that leaves out only ops to= would not take (a lookup, with ops=dot_general)
+    g = lambda q, x: f(q, x + q["emb"][jnp.zeros(x.shape[0], int)])
+    pe = dict(p, emb=p["w1"][:4])
+    assert jqt.fallback(g, jqt.recipes.w8a8(), pe, batches, lambda h: float(jnp.mean(h(pe, batches[0][0]))),
+                        max_drop=1.0, to=jqt.Rule(key="w", ops=("dot_general",),
+                                                  weight=jqt.recipes.INT8_WEIGHT)).met
     cases = [
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=-1.0),
          ValueError, "jqt.fallback: max_drop=-1.0; expected a finite number >= 0"),
@@ -295,7 +301,7 @@ def test_tools_name_their_bad_arguments(setup):
         # a key on to= was replaced without a word (hunt48_rules)
         (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1,
                               to=jqt.Rule(key="w1", weight=jqt.recipes.INT8_WEIGHT)),
-         ValueError, r"jqt.fallback: to=Rule\(key='w1', ...\) leaves out quantized ops \['w2'\], but "
+         ValueError, r"jqt.fallback: to=Rule\(key='w1', ...\) leaves out ops it would type, \['w2'\], but "
                      r"fallback chooses .*key='.\*'"),
         (lambda: jqt.sensitivity(f, qp, 0.5), TypeError, "jqt.sensitivity: metric is a float"),
         (lambda: jqt.sensitivity(f, qp, lambda g, x: 0.0), TypeError,

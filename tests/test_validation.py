@@ -1247,8 +1247,9 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
     # a rule for attention's products is pointed to act_x_act= (hunt48_docs39, hunt48_rules)
     with pytest.raises(ValueError, match=r"fp8\(weight_dtype='int8'\): takes 'float8_e4m3fn' or"):
         jqt.recipes.fp8(weight_dtype="int8")
-    with pytest.raises(ValueError, match=r"fp8\(act_dtype=<class 'jax.numpy.int8'>\): takes"):
-        jqt.recipes.fp8(act_dtype=jnp.int8)
+    for bad in (jnp.int8, "e4m3", jnp.bfloat16):  # (QuantType's error named neither fp8 nor it)
+        with pytest.raises(ValueError, match=rf"fp8\(act_dtype={re.escape(repr(bad))}\): takes"):
+            jqt.recipes.fp8(act_dtype=bad)
     r = jqt.recipes.fp8(weight_dtype=jnp.float8_e5m2, act_dtype=np.dtype(jnp.float8_e4m3fn)).rules[0]
     assert (r.weight.dtype, r.activation.dtype) == ("float8_e5m2", "float8_e4m3fn")  # dtypes, as before
     with pytest.raises(ValueError, match=r"both activations .* takes act_x_act=QuantType\(bits=8, dynamic=True\)"):
@@ -1427,6 +1428,10 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     got = cal((jqt.Rule(key="w|bts", act_x_act=base[-1].act_x_act),) + base)
     assert any("rule 0 (Rule(key='w|bts')) decides 1 op(s) that take none of its types, which stay "
                "float: 'w' (weight=)." in m for m in got), got
+    # a preset's rule copied with weight=None (its embedding= kept) keeps its weight ops float
+    # as meant, though it types the lookup its key takes too (hunt48_review3)
+    got = cal((dataclasses.replace(R.w8().rules[0], key="emb|w", weight=None),) + base)
+    assert not [m for m in got if "take none of its types" in m], got
     # ops that no type quantizes are not named: a table f builds (rope's cos/sin read at
     # positions), an integer table, a lookup of single elements (hunt48_review)
     def g(p, ids):

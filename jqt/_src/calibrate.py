@@ -647,8 +647,10 @@ def _warn_untyped(sites, recipe, chosen):
         typed = len(untyped) < len(decided)
 
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
-            if f == "weight" and not typed:  # (a preset's rule copied with weight=None keeps
-                return None  # its weight ops float as meant, its embedding= aside)
+            if f == "weight" and (not typed or r.act_x_act is None):  # (a preset's rule copied
+                return None  # with weight=None keeps its weight ops float as meant, its
+            # embedding= aside; a rule for attention's products, act_x_act=, is what takes the
+            # projections under its key unmeant)
             t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
             if t is None and not typed:  # or, where the rule types none of its ops, the one
                 t = QuantType(bits=8, per_channel=True)  # its types were meant as

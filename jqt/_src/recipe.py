@@ -528,6 +528,20 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT)),))
 
 
+def _fp8_type(name, v, **kw):
+    """``QuantType(dtype=v, **kw)`` for :func:`fp8`'s argument ``name``: an fp8 dtype, named or
+    given as a dtype (``jnp.float8_e5m2``), else fp8's error."""
+    try:
+        t = QuantType(dtype=v, **kw)
+    except (TypeError, ValueError):
+        t = None
+    if t is None or t.dtype not in ("float8_e4m3fn", "float8_e5m2"):
+        raise ValueError(f"jqt.recipes.fp8({name}={v!r}): takes 'float8_e4m3fn' or 'float8_e5m2' "
+                         "(or jnp.float8_e4m3fn, jnp.float8_e5m2). For other formats take their "
+                         "preset: jqt.recipes.w8a8() (int8), w4() (int4), nf4(); or a Rule of your own.")
+    return t
+
+
 def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
         act_dtype: str = "float8_e4m3fn", embeddings: bool = True, calibrator=None,
         weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False,
@@ -542,15 +556,9 @@ def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
     >>> r.rules[0].weight.dtype, r.rules[0].activation.qmax
     ('float8_e4m3fn', 448.0)
     """
-    w = QuantType(dtype=weight_dtype, per_channel=True)
     dynamic = _flag("dynamic", dynamic)
-    a = QuantType(dtype=act_dtype, per_channel=dynamic, dynamic=dynamic)
-    for name, v, t in (("weight_dtype", weight_dtype, w), ("act_dtype", act_dtype, a)):
-        if t.dtype not in ("float8_e4m3fn", "float8_e5m2"):  # (a name or a dtype: QuantType's)
-            raise ValueError(f"jqt.recipes.fp8({name}={v!r}): takes 'float8_e4m3fn' or "
-                             "'float8_e5m2' (or jnp.float8_e4m3fn, jnp.float8_e5m2). For integer "
-                             "weights use jqt.recipes.w8a8() (int8 weights and activations) or a "
-                             "Rule of your own.")
+    w, a = (_fp8_type(n, v, per_channel=c, dynamic=d) for n, v, c, d in (
+        ("weight_dtype", weight_dtype, True, False), ("act_dtype", act_dtype, dynamic, dynamic)))
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=w, activation=a, embedding=_embedding(embeddings, 8),
                               smooth=smooth, rotate=rotate, **_cal(calibrator, weight_calibrator)),))

@@ -382,14 +382,6 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     # take (its ``ops=``): each trial quantizes an op as the final recipe will
     to_rules = () if to is None else symmetric_convs(to)
     candidates = _quantized_keys(qp)
-    left = [k for k in candidates if to is not None and not re.search(to.key, k)]
-    if left:  # its key would be replaced by each kept-back op's: it would be lost
-        raise ValueError(f"jqt.fallback: to=Rule(key={to.key!r}, ...) leaves out quantized ops "
-                         f"{left[:5]}{' ...' if len(left) > 5 else ''}, but fallback chooses the ops "
-                         "it keeps back among all of them and gives each to=, whatever to='s key. "
-                         "Pass the rule without key= (dataclasses.replace(to, key='.*')); to keep "
-                         "ops out of the search, keep them float with jqt.Rule(key=..., "
-                         "weight=None) ahead of the recipe's rules.")
     if to is None:
         alt = {k: _as_float(p, "kept float by jqt.fallback") for k, p in qp.items()}
     elif not candidates:  # nothing is quantized: nothing to keep back, the budget is met
@@ -420,6 +412,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             raise ValueError(f"jqt.fallback: to= gives none of the quantized ops a type (it "
                              f"matches {untyped[:5]}, and gives them none: {alt[untyped[0]].note}); "
                              "give it the type they need, or pass to=None to keep them float.")
+        left = [k for k in candidates if not re.search(to.key, k)]
+        if left:  # its key would be replaced by each kept-back op's: it would be lost
+            raise ValueError(f"jqt.fallback: to=Rule(key={to.key!r}, ...) leaves out ops it would "
+                             f"type, {left[:5]}{' ...' if len(left) > 5 else ''}, but fallback chooses "
+                             "the ops it keeps back among all of them and gives each to=, whatever "
+                             "to='s key. Pass the rule without key= (dataclasses.replace(to, "
+                             "key='.*')); to keep ops out of the search, keep them float with "
+                             "jqt.Rule(key=..., weight=None) ahead of the recipe's rules.")
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
     score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)

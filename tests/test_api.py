@@ -180,6 +180,11 @@ def test_recipe_validation():
         jqt.Rule(act_x_act=jqt.QuantType())
     with pytest.raises(TypeError, match="tuple of primitive names"):
         jqt.Rule(ops="dot_general")
+    with pytest.raises(TypeError, match=r"primitive object dot_general_p; .*ops=\('dot_general',\)"):
+        jqt.Rule(ops=(jax.lax.dot_general_p,))  # it was "names [dot_general]; jqt quantizes ['dot_general', ...]"
+    for ops, hint in ((jax.lax.gather_p, "gather"), (None, "dot_general")):  # "... is not iterable"
+        with pytest.raises(TypeError, match=rf"must be a tuple of primitive names, e.g. ops=\('{hint}',\)"):
+            jqt.Rule(ops=ops)
     with pytest.raises(TypeError, match="jqt.Recipe"):
         jqt.calibrate(mlp, "w8a8", {}, [], progress=False)
     with pytest.raises(dataclasses_error()):

@@ -1067,6 +1067,13 @@ def test_weight_argnums_out_of_order_repeated_or_numpy():
     kw = lambda a, x, *, train: x @ a  # a keyword-only argument: bind it
     with pytest.raises(TypeError, match=r"keyword-only argument\(s\) \['train'\].*functools.partial\(f, train=...\)"):
         jqt.calibrate(kw, jqt.recipes.w8a8(), w1, batches[:1], progress=False)
+    # weights taken as a keyword-only argument: functools.partial binds them out of jqt's
+    # reach, and the advice said only that; the wrapper it gives now works
+    h = lambda x, *, params: x @ params
+    with pytest.raises(TypeError, match=r"lambda params, \*xs: f\(\*xs, params=params\)"):
+        jqt.calibrate(h, jqt.recipes.w8a8(), w1, [batches[0][:1]], progress=False)
+    wrapped = lambda params, *xs: h(*xs, params=params)
+    assert list(jqt.calibrate(wrapped, jqt.recipes.w8a8(), w1, [batches[0][:1]], progress=False)) == ["params"]
 
 
 def test_propagate_needs_a_sequence_of_batches():

@@ -516,8 +516,13 @@ def test_packed_weights_checked_against_qparams(tmp_path, models):
     # qparams that keep a packed op float
     keep = jqt.Recipe(rules=(jqt.Rule(key="l1", weight=None),) + jqt.recipes.w8a8().rules)
     qp_keep = jqt.calibrate(mlp, keep, params, [(x,)], progress=False)
-    with pytest.raises(jqt.QParamsMismatchError, match="'l1/w', which these qparams keep float"):
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"'l1/w' \(int8 sym per-channel\), which these qparams keep float"):
         jqt.load_packed(plain, qparams=qp_keep)
+    # the error names the packed weight's format (it said int8 for any)
+    packed4 = jqt.pack(jqt.calibrate(mlp, jqt.recipes.w4(group_size=16), params, [(x,)], progress=False), params)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'l1/w' \(int4 sym g16\), which these qparams keep float"):
+        jqt.save_packed(str(tmp_path / "four.safetensors"), packed4, qp_keep)
     # qparams of another function: keys differ
     qp_other = jqt.calibrate(lambda p, x: x @ p["l1"]["w"], jqt.recipes.w8a8(), params, [(x,)],
                              progress=False)
@@ -594,6 +599,23 @@ def test_export_symbolic_batch_default_policy(models):
                                rtol=1e-6, atol=1e-6)
 
 
+
+def test_export_symbolic_batch_through_an_optimization_barrier_of_weight_and_data():
+    """``lax.optimization_barrier((w, x))`` passes the weight on as it is: with a symbolic
+    batch the barrier's outputs have a symbolic shape, and the weight was taken for an
+    activation (the op keyed 'dot_general_0', refused against qparams keyed 'a')."""
+    p = {"a": jax.random.normal(jax.random.key(0), (16, 16)) * 0.3}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+
+    def f(p, x):
+        w, x2 = jax.lax.optimization_barrier((p["a"], x))
+        return (x2[:, None] @ w)[:, 0]  # (a first fix read the symbolic sizes of x2[:, None])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qf = jax.jit(jqt.quantize(f, qp))
+    packed = jqt.pack(qp, p)
+    b, = jax.export.symbolic_shape("b")
+    exp = jax.export.export(qf)(packed, jax.ShapeDtypeStruct((b, 16), x.dtype))
+    np.testing.assert_allclose(exp.call(packed, x), qf(packed, x), rtol=1e-6, atol=1e-6)
 
 @pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(), jqt.recipes.w4(group_size=16)],
                          ids=["w8a8", "w4 g16"])

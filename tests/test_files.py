@@ -1192,3 +1192,33 @@ def test_qparams_packed_params_and_a_cache_restored_without_a_template_are_named
         jqt.quantize(step, qp)(p, _bare({"c": cache})["c"], x)
     assert any("argument 'cache' is a plain dict with the fields of a jqt.QArray" in n
                for n in got.value.__notes__)
+
+
+def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
+    """A Python bool or float leaf f reads as a constant came back from a packed file as
+    an array, without a word (``if p["on"]`` then failed); like=params gives them back as
+    Python values. An int64 leaf saved under x64 and loaded without it wrapped silently."""
+    p = {"w": jnp.asarray(np.linspace(-1, 1, 64).reshape(8, 8), jnp.float32), "gain": 0.5, "on": True}
+
+    def f(p, x):
+        h = x @ p["w"]
+        return h * p["gain"] if p["on"] else h
+    x = jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    path = str(tmp_path / "scalars.safetensors")
+    with pytest.warns(UserWarning, match=r"params leaf 'on' is a Python bool \(True\), which f reads as "
+                      r"a constant.*unless like=params gives it back"):
+        jqt.save_packed(path, jqt.pack(qp, p), qp)
+    back = jqt.load_packed(path, like=p)
+    assert [type(v) for v in back.leaves] == [float, bool]
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(jqt.pack(qp, p), x))
+    with pytest.raises(jax.errors.TracerBoolConversionError):  # what the warning says
+        jqt.quantize(f, qp)(jqt.load_packed(path), x)
+    with jax.enable_x64(True):
+        g = lambda p, x: x @ p["w"] + p["step"].astype(x.dtype)
+        p64 = {"w": p["w"], "step": jnp.asarray(2 ** 40, jnp.int64)}
+        q64 = jqt.calibrate(g, jqt.recipes.w8a8(), p64, [(x,)], progress=False)
+        jqt.save_packed(str(tmp_path / "wide.safetensors"), jqt.pack(q64, p64))
+    with pytest.raises(ValueError, match=r"params leaf 'step' .* holds int64 values beyond int32's "
+                       r"range \(1099511627776\).* Enable x64"):
+        jqt.load_packed(str(tmp_path / "wide.safetensors"))

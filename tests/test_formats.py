@@ -716,6 +716,8 @@ def test_asymmetric_presets_give_convs_their_type_without_a_warning():
             warnings.simplefilter("error")
             qp = jqt.calibrate(conv, recipe, w, [(x,)], progress=False)
         assert qp["w"].rhs.qtype.describe() == "int4 sym per-channel"
+        # on the symmetric presets' grid, -7..7 (it kept the dense rule's -8..7)
+        assert qp["w"].rhs.qtype == jqt.recipes.w4(group_size=0).rules[0].weight
 
 
 HEADS, HEAD_DIM = 4, 64

@@ -756,6 +756,19 @@ def test_keras_errors(keras, monkeypatch):
         jqt.from_keras(keras.Sequential([keras.layers.Dense(2)]))
     with pytest.raises(TypeError, match="jqt.from_keras: model is a function; expected a Keras model"):
         jqt.from_keras(lambda x: x)  # a JAX function goes to jqt.calibrate as it is
+    # a model built again (unnamed layers numbered on): the params of the first build gave
+    # f a bare KeyError 'dense_3/kernel'
+    build = lambda: keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    _, p1 = jqt.from_keras(build())
+    f2, _ = jqt.from_keras(build())
+    with pytest.raises(KeyError, match=r"reads the variable .* which params lack \(they hold .*"
+                       r"name the layers .*keras.backend.clear_session\(\)"):
+        f2(p1, jnp.ones((1, 3)))
+    model = build()
+    for method in (model.call, model.__call__):  # Keras' own errors, with no pointer to jqt's
+        with pytest.raises(TypeError, match=r"f is the method (call|__call__) of a Keras Sequential.*"
+                           r"jqt.from_keras\(model\)"):
+            jqt.calibrate(method, jqt.recipes.w8(), {}, [(jnp.ones((1, 3)),)], progress=False)
     monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
     with pytest.raises(ValueError, match="KERAS_BACKEND"):
         jqt.from_keras(object())

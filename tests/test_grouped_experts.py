@@ -585,7 +585,8 @@ def test_experts_gathered_per_token_are_named():
 
     x, ids = jnp.asarray(RNG.standard_normal((6, D)), jnp.float32), jnp.array([0, 1, 2, 0, 1, 2])
     with pytest.warns(UserWarning, match=r"op 'w' \(gather at '<top>'\) looks up whole \(128, 64\) "
-                                         r"matrices.*one scale per matrix.*einsum over the expert axis"):
+                                         r"matrices.*one scale per matrix; a matmul that takes what it "
+                                         r"gathers as its weight .* stays float.*einsum over the expert axis"):
         qp = jqt.calibrate(gathered, jqt.recipes.w8(), P, [(x, ids)], progress=False)
     assert qp["w"].op == "gather"
     # with groups the table takes them, as the warning now says (it said one scale per matrix)

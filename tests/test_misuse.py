@@ -631,6 +631,34 @@ def test_qparams_passed_where_the_weights_go_are_named():
             call(qp, x)
 
 
+def test_packed_params_where_no_weights_go_are_named():
+    # hunt49_weights2: f(x, params) calibrated with weight_argnums=1 and quantized without
+    # it: packed params went to f as data ("'PackedParams' object is not subscriptable")
+    p = {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}
+    x = jnp.linspace(-2, 2, 32).reshape(4, 8)
+    f = lambda x, p: jnp.tanh(x @ p["w"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], weight_argnums=1, progress=False)
+    packed = jqt.pack(qp, p, argnum=1)
+    for simulate in (False, True):
+        with pytest.raises(TypeError, match=r"argument 1 of the quantized function is a "
+                           r"jqt.PackedParams.*weight_argnums jqt.calibrate was given, which name argument 1 "):
+            jqt.quantize(f, qp, simulate=simulate)(x, packed)
+    np.testing.assert_allclose(jqt.quantize(f, qp, weight_argnums=1)(x, packed),
+                               jqt.quantize(f, qp, weight_argnums=1)(x, p), atol=1e-6)
+    # two weight arguments: the advice names both (naming one sent the user back and forth)
+    g = lambda p0, x, p2: jnp.tanh(x @ p0["w"]) @ p2["w"]
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), (p, p), [(x,)], weight_argnums=(0, 2), progress=False)
+    with pytest.raises(TypeError, match=r"argument 2 .*which name arguments 0, 2 "):
+        jqt.quantize(g, qg)(p, x, jqt.pack(qg, p, argnum=2))
+    # packed params f takes as data, and an error of f's own: left as it is
+    inner = jqt.quantize(f, qp, weight_argnums=1)
+    h = lambda p, x, pk: inner(x.reshape(3, -1), pk)
+    qh = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(TypeError, match=r"cannot reshape") as got:
+        jqt.quantize(h, qh)(p, x, packed)
+    assert "jqt.PackedParams" not in str(got.value)
+
+
 def test_a_stack_of_models_passed_whole_is_told_to_vmap():
     p = {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}
     x = jnp.linspace(-2, 2, 32).reshape(4, 8)
@@ -1177,10 +1205,13 @@ def test_two_leaves_with_one_key_are_named():
     x = jax.random.normal(k[0], (4, 8))
     w1, w2 = jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 8))
     cases = [(lambda p, x: x @ p["a/b"] + x @ p["a"]["b"], {"a/b": w1, "a": {"b": w2}}, "a/b", "1 and 0"),
-             (lambda p, x: x @ p["w"] + (x @ p["w"]) @ p["w#1"], {"w": w1, "w#1": w2}, "w#1", "0 and 1")]
+             (lambda p, x: x @ p["w"] + (x @ p["w"]) @ p["w#1"], {"w": w1, "w#1": w2}, "w#1", "0 and 1"),
+             # an empty key: its leaf takes the parameter's name (the warning blamed '/' or '#')
+             (lambda p, x: x @ p[""] + x @ p["p"], {"": w1, "p": w2}, "p", "0 and 1.*or an empty key")]
     for f, p, key, leaves in cases:
-        with pytest.warns(UserWarning, match=rf"leaves {leaves} in jax.tree_util.tree_leaves order, "
-                                             rf"have the same key '{key}'.*Rename the dict keys"):
+        with pytest.warns(UserWarning, match=rf"leaves {leaves.split('.*')[0]} in jax.tree_util.tree_leaves "
+                                             rf"order, have the same key '{key}'.*{''.join(leaves.split('.*')[1:])}"
+                                             r".*Rename the dict keys"):
             jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

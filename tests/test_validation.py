@@ -1690,6 +1690,13 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         qf(params, x)
     with pytest.raises(ValueError, match=r"argument leaf \[0\]\['b'\] has been deleted"):
         jax.jit(lambda x: qf(params, x))(x)  # closed over: named when it traces
+    # packed weights whose float leaf was deleted: named by its params path (it was
+    # '[0].leaves[0]', PackedParams' own index)
+    fresh = jax.tree.map(jnp.copy, p)
+    packed = jqt.pack(qp, fresh)
+    fresh["b"].delete()
+    with pytest.raises(ValueError, match=r"argument leaf \[0\] \(packed params\) \['b'\] has been deleted"):
+        qf(packed, x)
     qp2 = jax.tree.map(jnp.copy, qp)
     qf2 = jqt.quantize(f, qp2)
     qp2["w"].rhs.scale.delete()  # closed over by jax.jit below: named when it traces
@@ -1811,6 +1818,34 @@ def test_rule_settings_that_can_never_apply_are_refused():
     msgs = _messages(lambda: jqt.calibrate(f, r, p, [(jnp.arange(3), jnp.ones((3, 4)))], progress=False))
     assert any("rule 0 (Rule(key='.*')) sets embedding=, but its ops=('dot_general',) leave out the "
                "lookups ('gather'), and the lookups its key matches stay float: 'emb'" in m for m in msgs), msgs
+    # or take a later rule's type (a preset's, int8), the int4 it asked for lost without a
+    # word where the rule decides other ops (a tied table's matmul)
+    I4 = jqt.QuantType(bits=4, narrow_range=True, per_channel=True)
+    r = jqt.Recipe(rules=(jqt.Rule(key="^emb", ops=("dot_general",), weight=W8, embedding=I4),
+                          *jqt.recipes.w8().rules))
+    tied = lambda p, ids, x: (p["emb"][ids] @ p["w"] + x) @ p["emb"].T
+    msgs = _messages(lambda: jqt.calibrate(tied, r, p, [(jnp.arange(3), jnp.ones((3, 4)))], progress=False))
+    assert len(msgs) == 1, msgs
+    assert any("rule 0 (Rule(key='^emb')) sets embedding=, but its ops=('dot_general',) leave out the "
+               "lookups ('gather'), and the lookups its key matches take rule 1's embedding= instead "
+               "of its int4 sym per-channel: 'emb'" in m for m in msgs), msgs
+    # not where an earlier rule takes the lookup (the rule could never have typed it), nor
+    # for the conv rule an asymmetric preset puts first (it held the preset's embedding=)
+    for rules in ((jqt.Rule(key="^emb$", weight=W8, embedding=W8),
+                   jqt.Rule(ops=("dot_general",), weight=W8, embedding=I4), *jqt.recipes.w8().rules),
+                  (jqt.Rule(key="^emb$", embedding=None), *jqt.recipes.w4(symmetric=False).rules)):
+        msgs = _messages(lambda: jqt.calibrate(tied, jqt.Recipe(rules=rules), p,
+                                               [(jnp.arange(3), jnp.ones((3, 4)))], progress=False))
+        assert not any("sets embedding=" in m for m in msgs), msgs
+    # a cache written with .at[].set is a scatter: the fix names it (it said dynamic_update_slice)
+    def cached(p, xs):
+        def step(c, x):
+            c = c.at[-1].set(x @ p["w"])
+            return c, c.sum(0)
+        return jax.lax.scan(step, jnp.zeros((3, 4)), xs)[1]
+    r = jqt.Recipe(rules=(jqt.Rule(ops=("dot_general",), weight=W8, kv_cache="fp8"), *jqt.recipes.w8().rules))
+    msgs = _messages(lambda: jqt.calibrate(cached, r, p, [(jnp.ones((5, 4)),)], progress=False))
+    assert any("sets kv_cache=" in m and m.endswith("Add 'scatter' to its ops=.") for m in msgs), msgs
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

@@ -241,9 +241,10 @@ class Analyzer:
                     f"jqt: two leaves of argument {leaf[0]} of f, leaves {other[1]} and {leaf[1]} in "
                     f"jax.tree_util.tree_leaves order, have the same key '{base}' (a dict key holding "
                     "'/' or '#': jqt joins a leaf's path with '/' and numbers an op that reads "
-                    "a leaf again '#1'), so the ops that read the second are keyed as if they read "
+                    "a leaf again '#1'; or an empty key, whose leaf takes the name of f's "
+                    "parameter), so the ops that read the second are keyed as if they read "
                     "the first again, and a jqt.Rule(key=...) cannot tell the two apart. Rename the "
-                    "dict keys so that none holds '/' or '#'."), f"'{base}'")
+                    "dict keys so that none holds '/' or '#' or is empty."), f"'{base}'")
         if base not in self.used_keys:
             self.used_keys.add(base)
             return base

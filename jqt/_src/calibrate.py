@@ -501,8 +501,9 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                 f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up "
                 f"whole {whole} matrices of weight '{s.source.path if s.source else '(computed)'}' "
                 "by index (a mixture's experts gathered per token, w[expert_ids]?): it is "
-                f"quantized as a lookup table, {scales}, and the matmuls that read "
-                "what it gathers stay float. Write the experts as an einsum over the expert axis "
+                f"quantized as a lookup table, {scales}; a matmul that takes what it gathers as "
+                "its weight (an expert's matrix) reads it as an activation and stays float "
+                "(unless its rule sets act_x_act=). Write experts as an einsum over the expert axis "
                 "('ecd,edf->ecf' on tokens dispatched per expert), lax.ragged_dot or a lax.scan "
                 "over the experts, which jqt quantizes per expert and output channel; or keep the "
                 f"lookup float, a rule ahead of the others jqt.Rule(key='^{re.escape(s.key)}$', "
@@ -560,13 +561,24 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):
             if getattr(r, field) is None or set(prims) & set(r.ops):
                 continue
-            left = [s.key for s in sites if s.op in prims and re.search(r.key, s.key)
-                    and (chosen[s.key] is None or getattr(chosen[s.key], field) is None)]
-            if left:
+            # the ops it names that no earlier rule takes (those it could never have typed)
+            later = lambda e: e is None or next(j for j, x in enumerate(recipe.rules) if x is e) > i
+            reached = [s.key for s in sites if s.op in prims and re.search(r.key, s.key) and later(chosen[s.key])]
+            left = [k for k in reached if chosen[k] is None or getattr(chosen[k], field) is None]
+            # or take another rule's type (a preset's after it), this rule's lost without a word
+            other = [k for k in reached if k not in left and getattr(chosen[k], field) != getattr(r, field)
+                     and any(c is r for c in chosen.values())]  # (a rule of no op: said below)
+            if left or other:
+                by = sorted({j for k in other for j, e in enumerate(recipe.rules) if e is chosen[k]})
                 diagnostics.warn(
                     f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) sets {field}=, but its ops={r.ops} "
                     f"leave out the {what} ({' and '.join(map(repr, prims))}), and the {what} its key "
-                    f"matches stay float: {listed(left)}. Add {prims[0]!r} to its ops=.")
+                    "matches " + " and ".join(
+                        ([f"stay float: {listed(left)}"] if left else [])
+                        + ([f"take {f'rule {by[0]}' if len(by) == 1 else f'rules {by}'}'s {field}= instead of its "
+                            f"{getattr(r, field).describe()}: {listed(other)}"] if other else []))
+                    + ". Add " + " and ".join(repr(p) for p in prims if any(
+                        s.op == p and s.key in left + other for s in sites)) + " to its ops=.")
     _warn_untyped(sites, recipe, chosen)
     used = {id(r) for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):

@@ -123,7 +123,8 @@ def serialize_aux(cls, aux) -> bytes:
             raise ValueError(
                 f"jqt: jax.export cannot serialize these jqt.PackedParams: the params they were "
                 f"packed from hold {e} ({str(treedef)[:200]}). Register that node type with "
-                "jax.export.register_pytree_node_serialization, or pack params made of dicts, "
+                "jax.export.register_pytree_node_serialization (a NamedTuple with "
+                "jax.export.register_namedtuple_serialization), or pack params made of dicts, "
                 "lists and tuples.") from None
         keys = [i for i, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
         if keys:

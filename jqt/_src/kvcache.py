@@ -473,7 +473,8 @@ def dot_general(eqn, invals):
     """A float ``dot_general`` with a cache operand, reading its codes: the scale (one per
     vector of the last axis) is taken out of the contraction. Scores ``q . k`` contract
     the last axis, so the scale multiplies the output; ``p . v`` contracts the tokens,
-    so the scale multiplies ``p`` first. Exact in float up to rounding."""
+    so the scale multiplies ``p`` first. Exact in float up to rounding; in float16, whose
+    range neither sums of codes nor ``p`` times a scale fit, both run in float32."""
     if all(is_cache(x) for x in invals[:2]):
         return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
     ci = 0 if is_cache(invals[0]) else 1
@@ -506,7 +507,15 @@ def dot_general(eqn, invals):
                 axes.append(contract[0][list(contract[1]).index(d)])
             else:
                 axes.append(None)
-        vals[1 - ci] = (other.astype(_F32) * _arrange(c.scale, axes).astype(_F32)).astype(other.dtype)
+        folded = other.astype(_F32) * _arrange(c.scale, axes).astype(_F32)
+        dt = nx.codes_dtype(jnp.result_type(other.dtype, dtype))
+        if dt != other.dtype or dt != dtype:  # float16: p * scale (scales reach 2**-14,
+            # probabilities 1e-3 at long contexts) falls below float16's normal range and keeps
+            # a few bits or none; the dot runs on float32 codes there
+            vals = [codes(c, dt) if k == ci else folded.astype(dt) for k in (0, 1)]
+            out = compat.bind_eqn(eqn, vals, preferred_element_type=dt)[0]
+            return [out.astype(eqn.outvars[0].aval.dtype)]
+        vals[1 - ci] = folded.astype(other.dtype)
         return compat.bind_eqn(eqn, vals)
     return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
 

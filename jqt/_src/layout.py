@@ -51,6 +51,11 @@ RECORDERS = {
     "device_put": lambda p: ("copy",),  # jax.device_put inside f: the same values, placed
 }
 
+# the value identities: their step reads no parameter
+_COPIES = frozenset(("copy", "copy_p", "stop_gradient", "pvary", "reshard", "name",
+                     "sharding_constraint", "optimization_barrier", "device_put"))
+assert all(RECORDERS[k]({}) == ("copy",) for k in _COPIES)
+
 _APPLY = {
     "transpose": lambda x, perm: lax.transpose(x, perm),
     "reshape": lambda x, sizes: lax.reshape(x, sizes),
@@ -66,10 +71,15 @@ _APPLY = {
 
 def record(eqn):
     """The step for a layout-only ``eqn``, or ``None``: also for one whose shapes have
-    symbolic dimensions (``jax.export`` of a variable batch size), which reads no weight."""
+    symbolic dimensions (``jax.export`` of a variable batch size), which reads no weight,
+    a value identity aside (an ``optimization_barrier`` over a weight and an activation of
+    a symbolic batch passes the weight on as it is)."""
     rec = RECORDERS.get(eqn.primitive.name)
-    if rec is None or not all(isinstance(d, int) for v in eqn.outvars for d in v.aval.shape):
+    if rec is None:
         return None
+    if not all(isinstance(d, int) for v in eqn.outvars for d in v.aval.shape):
+        # (the other recorders read sizes, which are symbolic here)
+        return ("copy",) if eqn.primitive.name in _COPIES else None
     return rec(eqn.params)
 
 

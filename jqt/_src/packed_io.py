@@ -129,6 +129,13 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
                             "for an Equinox module, pack and save the arrays of "
                             "eqx.partition(model, eqx.is_array) and eqx.combine them with the "
                             "rest inside f).")
+        if isinstance(x, _PY_SCALARS):
+            diagnostics.warn(
+                f"jqt.save_packed: params leaf '{paths[i]}' is a Python {type(x).__name__} "
+                f"({x!r}), which f reads as a constant; the file holds it as a 0-d array, and "
+                "jqt.load_packed returns an array, which f reads as a traced value (a bool or int "
+                "f branches on or sizes a shape with fails, a float can promote bfloat16 "
+                "arithmetic), unless like=params gives it back as a Python value.")
         n = _unique(f"params/{paths[i]}", used)
         tensors[n] = _as_recorded(x, packed.avals[i], paths[i])
         leaves.append(n)
@@ -279,7 +286,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
-    with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError,)):
+    with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
         packed, stored = _read_packed(r, path, like)
         if qparams is None and stored is not None:
             try:  # the file's own qparams: a mismatch means a damaged file
@@ -292,6 +299,13 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if callable(device):
         device = device(packed)
     return _put_once(packed, device, split=like is not None)
+
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+class _Narrowed(ValueError):
+    """An integer leaf this process would hold wrapped (int64 values without x64)."""
 
 
 def _put_once(packed, device, split=False):
@@ -314,6 +328,9 @@ def _put_once(packed, device, split=False):
             return jax.device_put(packed, device)
     put, out = {}, []
     for x, d in zip(leaves, places):
+        if isinstance(x, _PY_SCALARS):  # a constant of f's, as jqt.pack keeps it
+            out.append(x)
+            continue
         key = (id(x), d)  # equal shardings of several ops: one placement
         try:
             hash(key)
@@ -343,6 +360,10 @@ def _read_packed(r, path, like):
     if like is not None:  # leaves split over explicit mesh axes in like= trace split so
         avals = [_split_as(a, x) for a, x in zip(avals, jax.tree_util.tree_leaves(like))]
     kept, leaves = _read_leaves(r, h, avals, paths)
+    if like is not None:  # a Python value of like= comes back as one (f read it as a constant)
+        flat = jax.tree_util.tree_leaves(like)
+        leaves = [type(flat[i])(np.asarray(x).item()) if isinstance(flat[i], _PY_SCALARS) else x
+                  for i, x in zip(kept, leaves)]
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
@@ -410,6 +431,14 @@ def _read_leaves(r, h, avals, paths):
         if a.shape != avals[i].shape or a.dtype != avals[i].dtype:
             raise r.error(f"tensor '{n}' (params leaf '{paths[i]}') is {describe(a)}, but the "
                           f"header's aval is {np.dtype(avals[i].dtype).name}{list(avals[i].shape)}")
+        if np.issubdtype(a.dtype, np.integer) and a.size:
+            held = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
+            if held.itemsize < a.dtype.itemsize and (a.min() < np.iinfo(held).min or a.max() > np.iinfo(held).max):
+                raise _Narrowed(
+                    f"jqt.load_packed: params leaf '{paths[i]}' in {r.path} holds {a.dtype.name} "
+                    f"values beyond {held.name}'s range ({a.max() if a.max() > np.iinfo(held).max else a.min()}), which this process, "
+                    f"without jax_enable_x64, holds as {held.name}: they would wrap. Enable x64 "
+                    "(jax.config.update('jax_enable_x64', True)) before loading.")
         leaves.append(a)
     return kept, leaves
 
@@ -764,8 +793,9 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             continue
         if q is None:
             raise QParamsMismatchError(
-                f"{fn}: the packed weights hold an int8 weight for op '{key}', which these qparams "
-                "keep float. They were packed with other qparams; re-run jqt.pack with these.")
+                f"{fn}: the packed weights hold a weight for op '{key}' ("
+                f"{'int8 codes' if pw.qtype is None else pw.qtype.describe()}), "
+                "which these qparams keep float. They were packed with other qparams; re-run jqt.pack with these.")
         if pw.scale is None:  # a version-1 file's weight: int8 codes and sums, no scale or type
             if not (q.qtype.kind == "int" and q.qtype.bits <= 8 and not q.qtype.group_size):
                 raise QParamsMismatchError(

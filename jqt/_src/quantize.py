@@ -247,7 +247,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         try:
-            traced = _trace(tracer, args, argnums)
+            traced = _trace(tracer, args, argnums, qparams)
         except ValueError as e:
             if not dropped or "does not match the specs of the input" not in str(e):
                 raise
@@ -336,15 +336,28 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     return qf
 
 
-def _trace(tracer, args, argnums):
+def _trace(tracer, args, argnums, qparams=None):
     """``tracer(args)``; where ``f`` fails on its arguments and a weight argument holds
-    qparams (``qf(qparams, x)``), says so."""
+    qparams (``qf(qparams, x)``), or another argument packed params of ``qparams``' ops
+    (``weight_argnums`` not passed on), says so."""
     try:
         return tracer(args)
     except Exception as e:
         is_qp = lambda v: isinstance(v, OpQParams)
         given = [a for a in argnums if a < len(args) and any(
             is_qp(v) for v in jax.tree_util.tree_leaves(args[a], is_leaf=is_qp))]
+        want = calibrated_args(qparams or {})  # where the qparams' ops read weights: packed
+        packed = [a for a in range(len(args)) if a not in argnums and a in want  # params elsewhere
+                  and isinstance(args[a], PackedParams)]  # are f's data (it calls a quantized g)
+        if packed and not given:
+            raise TypeError(
+                f"{type(e).__name__}: {e}\njqt: argument{'s' if len(packed) > 1 else ''} "
+                f"{', '.join(map(str, packed))} of the quantized function "
+                f"{'are' if len(packed) > 1 else 'is a'} jqt.PackedParams, but the quantized "
+                f"function takes weights from argument(s) {list(argnums)} and hands the others to "
+                "f as they are: pass jqt.quantize the weight_argnums jqt.calibrate was given, "
+                f"which name argument{'s' if len(want) > 1 else ''} "
+                f"{', '.join(map(str, want))} (the qparams' ops read weights there).") from e
         if not given:
             raise
         raise TypeError(

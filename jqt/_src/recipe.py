@@ -110,7 +110,18 @@ class Rule:
         if isinstance(self.ops, str):
             raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, "
                             f"e.g. ops=({self.ops!r},).")
-        object.__setattr__(self, "ops", tuple(self.ops))  # a list too: a Rule is hashable
+        try:
+            ops = tuple(self.ops)  # a list too: a Rule is hashable
+        except TypeError:  # None, a primitive object
+            name = getattr(self.ops, "name", None)
+            raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, e.g. "
+                            f"ops=({name if isinstance(name, str) else 'dot_general'!r},); leave "
+                            "ops= out for every op jqt quantizes.") from None
+        object.__setattr__(self, "ops", ops)
+        prims = [o for o in self.ops if not isinstance(o, str) and getattr(o, "name", None) in QUANTIZABLE_OPS]
+        if prims:  # lax.dot_general_p: it prints as its name, and was refused as if unknown
+            raise TypeError(f"Rule(ops=...) names the primitive object {prims[0].name}_p; ops= takes "
+                            f"primitive names as strings: ops=({prims[0].name!r},).")
         bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
         if bad:
             raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")
@@ -352,17 +363,20 @@ def _flag(name, v):
 def symmetric_convs(rule: Rule) -> tuple:
     """A preset's rules: ``rule``, after a rule that gives convolutions its weight type
     made symmetric where it is not (conv weights take no zero point, as tables do not;
-    ``symmetric=False`` is for the dense ops' weights) and per channel (they take no
-    groups: a group size there would warn of a rule the user did not write).
+    ``symmetric=False`` is for the dense ops' weights), on the narrow grid of the symmetric
+    presets (``-7..7`` at 4 bits), and without groups (per channel, or per tensor where the
+    rule is: a group size there would warn of a rule the user did not write). It sets no
+    ``embedding=`` or ``kv_cache=``, which a rule of convs alone would hold unused.
 
     >>> r = symmetric_convs(Rule(weight=QuantType(bits=4, symmetric=False, group_size=32)))
-    >>> [(x.ops[0], x.weight.describe()) for x in r]
-    [('conv_general_dilated', 'int4 sym per-channel'), ('dot_general', 'int4 asym g32')]
+    >>> [(x.ops[0], x.weight.describe(), x.weight.narrow_range) for x in r]
+    [('conv_general_dilated', 'int4 sym per-channel', True), ('dot_general', 'int4 asym g32', False)]
     """
     if rule.weight is None or rule.weight.symmetric:
         return (rule,)
-    conv = dataclasses.replace(rule, ops=("conv_general_dilated",),
-                               weight=dataclasses.replace(rule.weight, symmetric=True, group_size=0))
+    conv = dataclasses.replace(rule, ops=("conv_general_dilated",), embedding=None, kv_cache=None,
+                               weight=dataclasses.replace(rule.weight, symmetric=True, group_size=0,
+                                                          narrow_range=rule.weight.kind == "int"))
     return (conv, rule)
 
 

@@ -348,9 +348,12 @@ class Tracer:
         if not callable(f):
             raise TypeError(f"{fn}: f is a {type(f).__name__}, not a function; pass the function "
                             "first (e.g. model.apply), then the weights and the data.")
-        if hasattr(f, "stateless_call") and any(c.__module__.split(".")[0] == "keras"
-                                                for c in type(f).__mro__):  # a subclass too
-            raise TypeError(f"{fn}: f is a Keras {type(f).__name__}, which keeps its weights in "
+        keras_model = lambda m: hasattr(m, "stateless_call") and any(
+            c.__module__.split(".")[0] == "keras" for c in type(m).__mro__)  # a subclass too
+        if keras_model(f) or keras_model(getattr(f, "__self__", None)):
+            what = (f"a Keras {type(f).__name__}" if keras_model(f) else
+                    f"the method {getattr(f, '__name__', '?')} of a Keras {type(f.__self__).__name__}")
+            raise TypeError(f"{fn}: f is {what}, which keeps its weights in "
                             "keras.Variables, not in the params jqt is given. Make it a function "
                             "of its weights first: f, params = jqt.from_keras(model).")
         self.f = f
@@ -409,8 +412,15 @@ class Tracer:
                     _note_restored_bare(e, args, self.f)
                     raise
                 kwonly = _keyword_only(self.f)
+                name = kwonly[0] if len(kwonly) == 1 else "name"
                 also = (f" f's keyword-only argument(s) {kwonly} are not passed by jqt: bind them "
-                        f"first, functools.partial(f, {kwonly[0]}=...).") if kwonly else ""
+                        f"first, functools.partial(f, {kwonly[0]}=...); one that holds the weights "
+                        "takes a wrapper that passes them on, jqt passing weights positionally: "
+                        f"lambda params, *xs: f(*xs, {name}=params)"
+                        + ("" if len(kwonly) == 1 else f" (name: the one of {kwonly} that holds them, "
+                           "the others bound with functools.partial)")
+                        + ", calibrated with weight_argnums=0 (the wrapper takes the weights first)."
+                        ) if kwonly else ""
                 raise TypeError(
                     f"jqt: f was called with {len(args)} positional arguments, which its signature "
                     f"does not take ({why}): the weight argument(s) at weight_argnums="

@@ -402,15 +402,22 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         # to='s precision: not a candidate
         candidates = [k for k in matched if not alt[k].is_float]
         untyped = [k for k in matched if alt[k].is_float]
+
+        def why(keys):  # the notes under to='s rules speak of "the recipe": say what to= lacks
+            field = lambda p: ("embedding" if p.op == "gather" else "weight" if p.weight_operand
+                               is not None else "act_x_act" if p.op == "dot_general" else "kv_cache")
+            lacks = list(dict.fromkeys(f"{field(alt[k])}=" for k in keys if getattr(to, field(alt[k])) is None))
+            notes = list(dict.fromkeys(alt[k].note for k in keys if getattr(to, field(alt[k])) is not None))
+            return "; ".join(([f"to= sets no {', '.join(lacks)}"] if lacks else []) + notes[:2])
         if untyped:
             diagnostics.warn(f"jqt.fallback: to= matches ops {untyped[:5]}"
                              f"{' ...' if len(untyped) > 5 else ''} but gives them no type "
-                             f"({alt[untyped[0]].note}): they stay as the recipe quantizes them. "
-                             "Give to= the type they need (act_x_act=, kv_cache=, embedding=), or "
-                             "pass to=None to let fallback keep them float.")
+                             f"({why(untyped)}): they stay as the recipe quantizes them. "
+                             "Give to= the type they need (weight=, embedding=, kv_cache=, "
+                             "act_x_act=), or pass to=None to let fallback keep them float.")
         if not candidates:
             raise ValueError(f"jqt.fallback: to= gives none of the quantized ops a type (it "
-                             f"matches {untyped[:5]}, and gives them none: {alt[untyped[0]].note}); "
+                             f"matches {untyped[:5]}, and gives them none: {why(untyped)}); "
                              "give it the type they need, or pass to=None to keep them float.")
         left = [k for k in candidates if not re.search(to.key, k)]
         if left:  # its key would be replaced by each kept-back op's: it would be lost

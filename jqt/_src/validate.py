@@ -288,9 +288,35 @@ def check_qparams(qparams, fn: str = "jqt", values: bool = True):
 
 
 def deleted(tree) -> list:
-    """The paths of ``tree``'s arrays that were deleted (donated to a jitted call)."""
-    return [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_leaves_with_path(tree)
-            if isinstance(a, jax.Array) and not compat.is_tracer(a) and a.is_deleted()]
+    """The paths of ``tree``'s arrays that were deleted (donated to a jitted call); a
+    :class:`jqt.PackedParams`' float leaf by its path in the params it was packed from.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> qp = jqt.calibrate(lambda p, x: x @ p["w"] + p["b"], jqt.recipes.w8(),
+    ...                    {"w": jnp.eye(2), "b": jnp.ones(2)}, [(jnp.ones((1, 2)),)], progress=False)
+    >>> packed = jqt.pack(qp, {"w": jnp.eye(2), "b": jnp.ones(2)})
+    >>> packed.leaves[0].delete()
+    >>> deleted([packed])
+    ["[0] (packed params) ['b']"]
+    """
+    gone = lambda a: isinstance(a, jax.Array) and not compat.is_tracer(a) and a.is_deleted()
+    out = []
+    for path, a in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, PackedParams)):
+        if not isinstance(a, PackedParams):
+            out += [jax.tree_util.keystr(path)] if gone(a) else []
+            continue
+        where = jax.tree_util.keystr(path)
+        dead = [i for i, x in zip(a.kept, a.leaves) if gone(x)]
+        if dead:  # (rebuilt only then: a params class may check what it is built from)
+            try:
+                names = [jax.tree_util.keystr(q) for q, _ in jax.tree_util.tree_leaves_with_path(
+                    jax.tree_util.tree_unflatten(a.treedef, list(a.avals)))]
+            except Exception:  # a class that refuses shapes for arrays: its flat index
+                names = [f"(leaf {i})" for i in range(a.treedef.num_leaves)]
+            out += [f"{where} (packed params) {names[i]}" for i in dead]
+        out += [f"{where}.weights" + jax.tree_util.keystr(q)
+                for q, x in jax.tree_util.tree_leaves_with_path(a.weights) if gone(x)]
+    return out
 
 
 def check_alive(tree, fn: str, what: str):

@@ -765,6 +765,9 @@ def test_keras_errors(keras, monkeypatch):
                        r"name the layers .*keras.backend.clear_session\(\)"):
         f2(p1, jnp.ones((1, 3)))
     model = build()
+    tv, ntv = [v.value for v in model.trainable_variables], [v.value for v in model.non_trainable_variables]
+    qp = jqt.calibrate(model.stateless_call, jqt.recipes.w8(), tv, [(ntv, jnp.ones((1, 3)))], progress=False)
+    assert list(qp) == ["0"]  # stateless_call takes its weights: not refused as the others are
     for method in (model.call, model.__call__):  # Keras' own errors, with no pointer to jqt's
         with pytest.raises(TypeError, match=r"f is the method (call|__call__) of a Keras Sequential.*"
                            r"jqt.from_keras\(model\)"):

@@ -134,14 +134,18 @@ def from_keras(model, *, training: bool = False):
     def f(params, *inputs):
         if isinstance(params, dict) and (missing := [p for p in trainable + non_trainable
                                                      if p not in fixed and p not in params]):
+            held = sorted(map(str, params))
+            seeds = all(p.endswith("seed_generator_state") for p in missing)
             raise KeyError(
                 f"jqt.from_keras: f reads the variable '{missing[0]}' of {model.name!r}"
                 f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which params "
-                f"lack (they hold {sorted(params)[:4]}{' ...' if len(params) > 4 else ''}). Keras "
-                "numbers unnamed layers in the order a process builds them (dense_2 after "
-                "dense_1), so a model built again, or built after another, reads other keys: "
-                "name the layers (Dense(16, name='fc1')), or build the model after "
-                "keras.backend.clear_session(), and pass the params of this f.")
+                f"lack (they hold {held[:4]}{' ...' if len(held) > 4 else ''}). " + (
+                    f"With training={training} params hold the random layers' seed states: pass "
+                    "the params of the jqt.from_keras call that made this f." if seeds else
+                    "Keras numbers unnamed layers in the order a process builds them (dense_2 "
+                    "after dense_1), so a model built again, or built after another, reads other "
+                    "keys: name the layers (Dense(16, name='fc1')), or build the model after "
+                    "keras.backend.clear_session(), and pass the params of this f."))
         get = lambda p: fixed[p] if p in fixed else params[p]
         try:
             outputs, _ = model.stateless_call([get(p) for p in trainable],

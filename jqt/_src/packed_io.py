@@ -359,11 +359,13 @@ def _read_packed(r, path, like):
                else _read_tree(r, h, avals))
     if like is not None:  # leaves split over explicit mesh axes in like= trace split so
         avals = [_split_as(a, x) for a, x in zip(avals, jax.tree_util.tree_leaves(like))]
-    kept, leaves = _read_leaves(r, h, avals, paths)
-    if like is not None:  # a Python value of like= comes back as one (f read it as a constant)
-        flat = jax.tree_util.tree_leaves(like)
-        leaves = [type(flat[i])(np.asarray(x).item()) if isinstance(flat[i], _PY_SCALARS) else x
-                  for i, x in zip(kept, leaves)]
+    flat = [] if like is None else jax.tree_util.tree_leaves(like)
+    python = {i for i, v in enumerate(flat) if isinstance(v, _PY_SCALARS)}
+    kept, leaves = _read_leaves(r, h, avals, paths, python)
+    # a Python value of like= comes back as one (f read it as a constant): the template's own
+    # where the file holds it as saved (a float rounded to float32 without x64), else the file's
+    leaves = [x if i not in python else flat[i] if np.asarray(x) == np.asarray(flat[i]).astype(x.dtype)
+              else type(flat[i])(np.asarray(x).item()) for i, x in zip(kept, leaves)]
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
@@ -415,8 +417,9 @@ def _read_tree(r, h, avals):
     return treedef
 
 
-def _read_leaves(r, h, avals, paths):
-    """(kept leaf indices, the float leaves kept), each of its aval's shape and dtype."""
+def _read_leaves(r, h, avals, paths, python=()):
+    """(kept leaf indices, the float leaves kept), each of its aval's shape and dtype;
+    ``python``: leaves ``like=`` gives back as Python values (not narrowed)."""
     kept = r.need(h, "kept", list, "the header")
     if not (all(is_a(i, int) for i in kept) and kept == sorted(set(kept))
             and all(0 <= i < len(avals) for i in kept)):
@@ -431,7 +434,7 @@ def _read_leaves(r, h, avals, paths):
         if a.shape != avals[i].shape or a.dtype != avals[i].dtype:
             raise r.error(f"tensor '{n}' (params leaf '{paths[i]}') is {describe(a)}, but the "
                           f"header's aval is {np.dtype(avals[i].dtype).name}{list(avals[i].shape)}")
-        if np.issubdtype(a.dtype, np.integer) and a.size:
+        if np.issubdtype(a.dtype, np.integer) and a.size and i not in python:
             held = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
             if held.itemsize < a.dtype.itemsize and (a.min() < np.iinfo(held).min or a.max() > np.iinfo(held).max):
                 raise _Narrowed(

@@ -350,7 +350,8 @@ class Tracer:
                             "first (e.g. model.apply), then the weights and the data.")
         keras_model = lambda m: hasattr(m, "stateless_call") and any(
             c.__module__.split(".")[0] == "keras" for c in type(m).__mro__)  # a subclass too
-        if keras_model(f) or keras_model(getattr(f, "__self__", None)):
+        if keras_model(f) or (keras_model(getattr(f, "__self__", None))  # (stateless_call takes
+                              and not getattr(f, "__name__", "").startswith("stateless")):  # them)
             what = (f"a Keras {type(f).__name__}" if keras_model(f) else
                     f"the method {getattr(f, '__name__', '?')} of a Keras {type(f.__self__).__name__}")
             raise TypeError(f"{fn}: f is {what}, which keeps its weights in "

@@ -1704,6 +1704,19 @@ def test_donating_packed_weights_keeps_the_qparams_and_names_deleted_params(reci
         jax.jit(qf2)(p, x)
 
 
+def test_a_deleted_packed_leaf_is_named_beside_non_array_leaves():
+    # a review of the first naming: rebuilt from avals, a string leaf (carried in the tree,
+    # no child) shifted the names; rebuilt on every trace, a class checking its fields raised
+    p = {"a_cfg": "tanh", "b": jnp.ones(4), "w": jnp.eye(4)}
+    f = lambda p, x: getattr(jnp, p["a_cfg"])(x @ p["w"] + p["b"])
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    fresh = {"a_cfg": "tanh", "b": jnp.ones(4), "w": jnp.eye(4)}
+    packed = jqt.pack(qp, fresh)
+    fresh["b"].delete()
+    with pytest.raises(ValueError, match=r"argument leaf \[0\] \(packed params\) \['b'\] has been deleted"):
+        jqt.quantize(f, qp)(packed, jnp.ones((2, 4)))
+
+
 @jax.custom_batching.custom_vmap
 def _custom_vmap_tanh(w, x):
     """``tanh(x @ w)`` under ``jax.custom_batching.custom_vmap``: a primitive

@@ -57,9 +57,9 @@ def _as_recorded(x, aval, path):
 
 
 def leaf_paths(packed: PackedParams) -> list[str]:
-    n = len(packed.avals)
-    tree = jax.tree_util.tree_unflatten(packed.treedef, list(range(n)))
-    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = packed.key_paths()
+    return ([path_str(p) for p in paths] if paths is not None
+            else [f"(leaf {i})" for i in range(len(packed.avals))])
 
 
 def _unique(name, used):

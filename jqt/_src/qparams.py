@@ -497,6 +497,16 @@ class PackedParams:
             return math.prod(np.shape(x)) * np.dtype(dtype).itemsize
         return int(sum(size(x) for x in held.values()))
 
+    def key_paths(self):
+        """The ``jax.tree_util`` key path of each leaf of the params it was packed from, in
+        flattening order (the index of ``avals`` and ``kept``); ``None`` where the params'
+        class refuses to be rebuilt from placeholders (one that checks its fields)."""
+        try:
+            tree = jax.tree_util.tree_unflatten(self.treedef, list(range(len(self.avals))))
+            return [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        except Exception:  # noqa: BLE001 - whatever the class's own check raises
+            return None
+
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""
         return (f"PackedParams({len(self.weights)} quantized weights{tied}, {len(self.leaves)} float "

@@ -307,13 +307,11 @@ def deleted(tree) -> list:
             continue
         where = jax.tree_util.keystr(path)
         dead = [i for i, x in zip(a.kept, a.leaves) if gone(x)]
-        if dead:  # (rebuilt only then: a params class may check what it is built from)
-            try:
-                names = [jax.tree_util.keystr(q) for q, _ in jax.tree_util.tree_leaves_with_path(
-                    jax.tree_util.tree_unflatten(a.treedef, list(a.avals)))]
-            except Exception:  # a class that refuses shapes for arrays: its flat index
-                names = [f"(leaf {i})" for i in range(a.treedef.num_leaves)]
-            out += [f"{where} (packed params) {names[i]}" for i in dead]
+        if dead:  # (named only then: the tree is rebuilt for it)
+            paths = a.key_paths()
+            out += [f"{where} (packed params) "
+                    + (jax.tree_util.keystr(paths[i]) if paths is not None else f"(leaf {i})")
+                    for i in dead]
         out += [f"{where}.weights" + jax.tree_util.keystr(q)
                 for q, x in jax.tree_util.tree_leaves_with_path(a.weights) if gone(x)]
     return out

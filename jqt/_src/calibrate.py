@@ -16,7 +16,7 @@ from . import groups, kvcache, outliers, tracing, transforms, validate, weightch
 from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
-from .recipe import Recipe
+from .recipe import TYPE_FIELDS, Recipe
 from .analysis import CALL
 from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
@@ -650,9 +650,8 @@ def _warn_untyped(sites, recipe, chosen):
         return s.built or kept_as_is([v.aval.dtype for v in s.eqn.invars]) is not None or (
             s.op == "gather" and not s.contract[0] and (t.per_channel or t.group_size))
 
-    types = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
     for i, r in enumerate(recipe.rules):
-        if r.key == ".*" or all(getattr(r, t) is None for t in types):
+        if not _typed(r):
             continue  # a rule of every key (a preset's), or one that keeps its ops float
         decided = [s for s in sites if chosen[s.key] is r]
         untyped = [(s, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
@@ -909,8 +908,7 @@ def _channel_bytes(wt, contracted):
 def _typed(rule):
     """Whether ``rule`` has a key of its own and gives some type (one that gives none keeps
     its ops float, as meant: ``jqt.fallback``'s)."""
-    return rule.key != ".*" and any(getattr(rule, t) is not None for t in (
-        "weight", "activation", "act_x_act", "embedding", "kv_cache"))
+    return rule.key != ".*" and any(getattr(rule, t) is not None for t in TYPE_FIELDS)
 
 
 def _named(rule):

@@ -20,6 +20,8 @@ from . import accumulator, kvcache
 from .formats import QuantType
 from .registry import NAMES as QUANTIZABLE_OPS
 
+# a Rule's fields that hold a jqt.QuantType (a rule that sets none keeps its ops float)
+TYPE_FIELDS = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +130,7 @@ class Rule:
         if self.kv_cache is not None and not isinstance(self.kv_cache, QuantType):
             # the names the presets take (kv_cache=True, "int4", "fp8", ...); False: float
             object.__setattr__(self, "kv_cache", kvcache.cache_type(self.kv_cache))
-        for name in ("weight", "activation", "act_x_act", "embedding", "kv_cache"):
+        for name in TYPE_FIELDS:
             t = getattr(self, name)
             if t is not None and not isinstance(t, QuantType):
                 raise TypeError(f"Rule({name}={t!r}): expected a jqt.QuantType (e.g. "

@@ -571,7 +571,7 @@ def test_export_of_unserializable_params_tree_is_clear():
     f, m, x, qp, packed = _model_case()
     exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, _spec(x))
     with pytest.raises(ValueError,
-                       match=r"test_export\.Model node.*register_pytree_node_serialization"):
+                       match=r"a node of type test_export\.Model.*register_pytree_node_serialization"):
         exp.serialize()
 
 

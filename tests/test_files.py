@@ -1220,5 +1220,69 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
         q64 = jqt.calibrate(g, jqt.recipes.w8a8(), p64, [(x,)], progress=False)
         jqt.save_packed(str(tmp_path / "wide.safetensors"), jqt.pack(q64, p64))
     with pytest.raises(ValueError, match=r"params leaf 'step' .* holds int64 values beyond int32's "
-                       r"range \(1099511627776\).* Enable x64"):
+                       r"range \(1099511627776\).* Enable x64") as err:
         jqt.load_packed(str(tmp_path / "wide.safetensors"))
+    assert err.type is ValueError  # not a private subclass named in the traceback
+
+
+class _Gain:
+    """A params node whose export registration's deserializer does not undo its serializer."""
+    def __init__(self, w, tag):
+        self.w, self.tag = w, tag
+
+
+jax.tree_util.register_pytree_node(_Gain, lambda g: ((g.w,), g.tag), lambda tag, c: _Gain(c[0], tag))
+jax.export.register_pytree_node_serialization(
+    _Gain, serialized_name="test_files._Gain", serialize_auxdata=lambda tag: tag.encode(),
+    deserialize_auxdata=lambda b: int(b))  # bytes b"gain" -> ValueError
+
+
+def test_a_registration_that_does_not_rebuild_its_node_is_named_not_a_damaged_file(tmp_path):
+    """A deserializer that fails on what its serializer wrote (pickle of Equinox's Missing
+    sentinel) called a good file damaged and advised re-saving it, which cannot help; like=,
+    which loads it, was not named."""
+    p = _Gain(jax.random.normal(jax.random.key(0), (8, 4)), "gain")
+    f = lambda p, x: x @ p.w
+    x = jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    path = str(tmp_path / "gain.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, p), qp)
+    with pytest.raises(FormatError, match=r"gain.safetensors: it holds a node serialized as "
+                       r"'test_files._Gain', whose registered deserialize_auxdata or unflatten "
+                       r"fails on it \(ValueError: .*Pass like=params") as e:
+        jqt.load_packed(path)
+    assert "damaged:" not in str(e.value)
+    back = jqt.load_packed(path, like=p)  # the advice works: the file is good
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(jqt.pack(qp, p), x))
+
+
+class _Checked:
+    """A params node whose constructor checks its child (a matrix): 0.0 placeholders fail."""
+    def __init__(self, w, tag):
+        assert w.ndim == 2, "w must be a matrix"
+        self.w, self.tag = w, tag
+
+
+jax.tree_util.register_pytree_node(_Checked, lambda g: ((g.w,), g.tag), lambda tag, c: _Checked(c[0], tag))
+jax.export.register_pytree_node_serialization(
+    _Checked, serialized_name="test_files._Checked", serialize_auxdata=lambda tag: tag.encode(),
+    deserialize_auxdata=lambda b: b.decode())
+
+
+def test_a_node_that_checks_its_children_rebuilds_from_the_stored_shapes(tmp_path):
+    """A good registration whose unflatten checks its children failed on the 0.0 leaves the
+    tree was rebuilt with (a damaged file, said load_packed; jax.export's artifact did not
+    load): the recorded avals stand in for them."""
+    p = _Checked(jax.random.normal(jax.random.key(0), (8, 4)), "lin")
+    f = lambda p, x: x @ p.w
+    x = jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    path = str(tmp_path / "checked.safetensors")
+    jqt.save_packed(path, packed, qp)
+    back = jqt.load_packed(path)
+    assert isinstance(back.treedef.unflatten([np.ones((8, 4))]), _Checked)
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(packed, x))
+    exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, x)
+    np.testing.assert_array_equal(jax.export.deserialize(exp.serialize()).call(packed, x),
+                                  jqt.quantize(f, qp)(packed, x))

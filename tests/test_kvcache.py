@@ -690,7 +690,9 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
         start = (jnp.zeros((B, H, DH, T)), jnp.zeros((B, T, H, DH)))
         return lax.scan(body, (start, jnp.int32(0)), tokens.T)[1]
 
-    with pytest.warns(UserWarning, match=r"dynamic_update_slice into a buffer of shape \(2, 2, 8, 10\) "
+    # the loop is named (it said at '<top>', as if the write were outside the scan)
+    with pytest.warns(UserWarning, match=r"but at '<top>' inside a lax.scan a "
+                                         r"dynamic_update_slice into a buffer of shape \(2, 2, 8, 10\) "
                                          r"that covers part of its last axis"):
         qp = jqt.calibrate(transposed_keys, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the values
@@ -718,6 +720,29 @@ def test_writes_that_miss_the_cache_pattern_are_named(setup):
         with pytest.raises(jqt.QParamsMismatchError, match=r"key/value caches \['kv_cache_0'\] "
                                                            r".*new.astype\(cache.dtype\)"):
             jqt.quantize(step, qp32)(p, cache(jnp.bfloat16), tok, 0)
+
+    def mixed(p, tokens):  # keys written in the cache's dtype, values float32 into bfloat16
+        def body(carry, tok):
+            (kc, vc), pos = carry
+            h = p["emb"][tok]
+            lp = jax.tree.map(lambda a: a[0], p["layers"])
+            q, k, v = [(h @ lp[w]).reshape(B, H, DH) for w in ("wq", "wk", "wv")]
+            kc, vc = kc.at[:, pos].set(k.astype(kc.dtype)), vc.at[:, pos].set(v)
+            s = jnp.einsum("bhd,bthd->bht", q, kc.astype(jnp.float32))
+            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc.astype(jnp.float32))
+            return ((kc, vc), pos + 1), (h + o.reshape(B, H * DH) @ lp["wo"]) @ p["out"]
+        start = tuple(jnp.zeros((B, T, H, DH), jnp.bfloat16) for _ in range(2))
+        return lax.scan(body, (start, jnp.int32(0)), tokens.T)[1]
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(mixed, jqt.recipes.w8(kv_cache=True), p, cal[:1], progress=False)
+    said = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the keys
+    assert sum("at '<top>' inside a lax.scan a scatter into a bfloat16 buffer converted to "
+               "float32 first" in m for m in said) == 1, said
+    # the values' buffer was also said to be written by no .at[...].set, advising jnp.where
+    assert not [m for m in said if "that no dynamic_update_slice or .at[...].set writes" in m], said
 
     def window(p, tokens, shift):  # a shifting window: shift(cache), then a write
         def body(carry, tok):

@@ -587,6 +587,13 @@ def test_a_returned_cache_decodes_with_dequantize_cache():
     assert jqt.dequantize_cache(jqt.quantize_cache(x), jnp.float32).dtype == jnp.float32
     with pytest.raises(TypeError, match="jqt.dequantize_cache: expected a quantized cache"):
         jqt.dequantize_cache(x)
+    # a decode state: caches beside a position; the advice decodes each cache, keeps the dtype
+    caches = {"k": jqt.quantize_cache(x), "v": jqt.quantize_cache(x, "int4"), "pos": jnp.int32(3)}
+    with pytest.raises(TypeError, match=r"got a dict. For a pytree that holds caches, decode each") as e:
+        jqt.dequantize_cache(caches, jnp.float32)
+    advice = eval(str(e.value).split("decode each: ")[1].rstrip("."), {"jax": jax, "jqt": jqt, "caches": caches})
+    assert {k: (v.shape, v.dtype) for k, v in advice.items()} == {  # the advice runs
+        "k": (x.shape, jnp.float32), "v": (x.shape, jnp.float32), "pos": ((), jnp.int32)}
     with pytest.raises(ValueError, match="whose last axis .* is empty"):
         jqt.quantize_cache(jnp.ones((2, 0)))
 
@@ -743,6 +750,9 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
     trainable, _ = jqt.qat.split(p, qp)
     with pytest.raises(ValueError, match=r"jqt.qat.merge: trainable and frozen are the same object"):
         jqt.qat.merge(trainable, trainable)
+    # halves of different structure (a trainable half of other params) gave JAX's tree error
+    with pytest.raises(ValueError, match=r"jqt.qat.merge: trainable and frozen do not have the same pytree structure"):
+        jqt.qat.merge(({"w9": None}, trainable[1]), jqt.qat.split(p, qp)[1])
     metric = lambda g: float(g(p, *batches[0]).mean())
     for bad in ("3", 1.5, True):
         with pytest.raises(TypeError, match=r"jqt.fallback: max_trials=.* is not an int"):

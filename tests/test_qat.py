@@ -264,8 +264,21 @@ def test_labels_freeze_non_array_leaves(net_setup):
         assert lp["cfg"] == "freeze" and lp["a"] == "train"
         trainable, frozen = jqt.qat.split({**p, "cfg": s}, qp)
         assert trainable[0]["cfg"] is None and frozen[0]["cfg"] == s
-    lp, _ = jqt.qat.labels({**p, "n": 3, "t": 0.5}, qp)  # Python numbers: by their type
-    assert lp["n"] == "freeze" and lp["t"] == "train"
+    # Python numbers are constants to f, as to eqx.is_array: they were trained when float
+    # (an Equinox Dropout's p=0.0 traced by jax.grad then wanted a key; a bfloat16 model's
+    # gain: float came back a float32 array, and its outputs float32)
+    lp, _ = jqt.qat.labels({**p, "n": 3, "t": 0.5, "np": np.float32(0.5)}, qp)
+    assert (lp["n"], lp["t"], lp["np"]) == ("freeze", "freeze", "train")
+    gain = lambda p, x: jnp.tanh(x @ p["w"]) * p["t"]
+    w = {"w": jnp.eye(4, dtype=jnp.bfloat16), "t": 0.5}
+    x = jnp.ones((2, 4), jnp.bfloat16)
+    qg = jqt.calibrate(gain, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    trainable, frozen = jqt.qat.split(w, qg, train=("weights", "scales"))
+    loss = lambda t: jqt.quantize(gain, jqt.qat.merge(t, frozen)[1], simulate=True)(
+        jqt.qat.merge(t, frozen)[0], x).astype(jnp.float32).sum()
+    trainable = jax.tree.map(lambda a, g: a - 0.1 * g, trainable, jax.grad(loss)(trainable))
+    w2, _ = jqt.qat.merge(trainable, frozen)
+    assert w2["t"] == 0.5 and type(w2["t"]) is float and gain(w2, x).dtype == jnp.bfloat16
 
 
 def test_labels_freeze_a_linen_batch_stats_collection():

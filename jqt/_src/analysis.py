@@ -214,9 +214,10 @@ class Analyzer:
         self.scan_ids = 0
         self.warned: list[str] = []
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
-        # (who, slot, aval, loop id): a loop's carried buffer of the shape and dtype of its
-        # key/value caches, read in the body, that no cache write updates (jnp.where(mask,
-        # new, c)); loop id CALL: f's arguments and results
+        # (who, slot, aval, loop id, buffer): a loop's carried buffer of the shape and dtype
+        # of its key/value caches, read in the body, that no cache write updates
+        # (jnp.where(mask, new, c)); loop id CALL: f's arguments and results; buffer: its
+        # (loop id, slot), as near misses name theirs
         self.cache_lookalikes: list = []
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
@@ -686,7 +687,10 @@ class Analyzer:
         buffer a loop carries or ``f`` takes, covering part of its last axis; or into such
         a buffer converted to another dtype first (``.at[...].set`` of a float32 value
         into a bfloat16 buffer: JAX converts the whole buffer, writes, converts back)."""
-        buf, where = eqn.invars[0], stack or "<top>"
+        buf = eqn.invars[0]
+        loop = {"scan": "lax.scan", "while": "lax.while_loop"}  # the loops around the write
+        where = f"'{stack or '<top>'}'" + "".join(
+            f" inside a {loop[n]}" for n in reversed(self.loops) if n in loop)
         if compat.is_literal(buf) or buf.aval.ndim < 2:
             return
         if jnp.issubdtype(buf.aval.dtype, jnp.complexfloating) and ins[0].buffer:
@@ -727,7 +731,8 @@ class Analyzer:
     def near_misses(self) -> list:
         """``(where, why)`` of the writes :meth:`_near_miss` recorded into buffers that
         some op also reads, before or after the write (a cache; not a buffer of results
-        the loop only collects)."""
+        the loop only collects); ``where``: the name stack quoted, and the loops around
+        the write (``"'<top>' inside a lax.scan"``)."""
         return list(self.near_miss_buffers())
 
     def near_miss_buffers(self) -> dict:
@@ -757,7 +762,7 @@ class Analyzer:
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
                 self.cache_lookalikes.append(
                     (f"a {loop(eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
-                     f"in carry slot {k}", v.aval, loop_id))
+                     f"in carry slot {k}", v.aval, loop_id, (loop_id, k)))
 
     def _boundary_lookalikes(self, jaxpr, boundary):
         """:meth:`_cache_lookalikes` for the caches ``f`` takes and returns (a decode step
@@ -773,7 +778,7 @@ class Analyzer:
             kind = (v.aval.shape, v.aval.dtype)
             if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads:
                 self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
-                                              "among its arguments and results", v.aval, CALL))
+                                              "among its arguments and results", v.aval, CALL, (CALL, k)))
 
 
 def _unread_output(eqn, k, unread) -> bool:

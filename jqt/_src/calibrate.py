@@ -381,7 +381,11 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     with diagnostics.grouped():  # batches with other static values trace f again: once per call
         st = _run_pass(jstep, last, params_t, batches, {}, "jqt.calibrate", progress)
     analyzer = last["traced"].analyzer
-    _warn_unmatched(last["traced"].sites(), recipe, analyzer.cache_lookalikes, analyzer.warned,
+    # a buffer a near-miss warning names is not a look-alike too (their advice differs)
+    missed = {b for bufs in list(analyzer.near_miss_buffers().values())[:_NEAR_MISSES_SHOWN]
+              for b in bufs}
+    lookalikes = [l for l in analyzer.cache_lookalikes if l[4] not in missed]
+    _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]))
     tf = {}
     if outlier_rules:
@@ -466,6 +470,9 @@ def _loop_named(who, first) -> str:
     return ("another " if who == first else "a ") + who.removeprefix("a ").removesuffix(" carries")
 
 
+_NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first ones found
+
+
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
     """Warns of a function without ops to quantize, of ops that no rule matches (they stay
     float) and of rules with a ``key``
@@ -527,15 +534,15 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
                          "per layer or into keys and values and rebuilt with jnp.stack: write into "
                          "the stacked buffer with an index.")
     if wants_cache:
-        for where, why, names in near_misses[:3]:
+        for where, why, names in near_misses[:_NEAR_MISSES_SHOWN]:
             which = (f"That buffer ({names[0]}) stays" if len(names) == 1 else
                      f"These {len(names)} buffers ({', '.join(names[:6])}"
                      f"{' ...' if len(names) > 6 else ''}) stay")
-            diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at '{where}' "
+            diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at {where} "
                              f"{why}. {which} float (docs/generate.md).")
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
         loops = {}  # loop id -> (who, [(slot, aval)]): each loop's buffers, named
-        for who, where, aval, loop in lookalikes:
+        for who, where, aval, loop, _ in lookalikes:
             loops.setdefault(loop, (who, []))[1].append((where, aval))
         (who, mine), *others = loops.values()
         where, aval = mine[0]

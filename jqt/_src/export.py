@@ -146,12 +146,13 @@ def deserialize_aux(cls, data):
     """Inverse of :func:`serialize_aux`."""
     d = _parse(cls, data)
     if cls is PackedParams:
+        avals = tuple(_aval_from_json(a) for a in d["avals"])
         try:
-            treedef = ser.treedef_from_json(d["tree"])
+            treedef = ser.treedef_from_json(d["tree"], avals)
         except ser.TreeNotSerializable as e:
             raise ValueError(f"jqt: cannot rebuild the params tree of a serialized "
                              f"jqt.PackedParams: it holds {e}.") from None
-        return (treedef, tuple(_aval_from_json(a) for a in d["avals"]), tuple(d["kept"]),
+        return (treedef, avals, tuple(d["kept"]),
                 tuple(tuple(t) for t in d.get("tied", ())))
     fields = dict(d["fields"])
     names = _static_fields(cls)

@@ -277,11 +277,7 @@ def dequantize_cache(c, dtype=None):
     >>> y.shape, y.dtype.name, bool(jnp.abs(y - x).max() < 0.08)
     ((2, 8), 'float32', True)
     """
-    if not is_cache(c):
-        raise TypeError(f"jqt.dequantize_cache: expected a quantized cache (a jqt.QArray with "
-                        f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
-                        f"{type(c).__name__}.")
-    if dtype is not None:
+    if dtype is not None:  # first: the advice for a pytree below repeats it
         try:
             floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
         except TypeError:
@@ -290,7 +286,22 @@ def dequantize_cache(c, dtype=None):
             raise TypeError(f"jqt.dequantize_cache: dtype={dtype!r} is not a float dtype; the "
                             "decoded cache is float (float32, bfloat16, ...). The codes "
                             "themselves are the cache's .values.")
+    if not is_cache(c):
+        raise TypeError(f"jqt.dequantize_cache: expected a quantized cache (a jqt.QArray with "
+                        f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
+                        f"{type(c).__name__}." + _tree_advice(c, dtype))
     return decode(c, dtype or c.float_dtype)
+
+
+def _tree_advice(tree, dtype) -> str:
+    """For :func:`dequantize_cache` given a pytree that holds caches (a decode state):
+    how to decode each, other leaves (a position) passed through."""
+    if not any(is_cache(l) for l in jax.tree.leaves(tree, is_leaf=is_cache)):
+        return ""
+    d = "" if dtype is None else f", {jnp.dtype(dtype).name!r}"  # (a float dtype: checked)
+    return (" For a pytree that holds caches, decode each: jax.tree.map(lambda c: "
+            f"jqt.dequantize_cache(c{d}) if isinstance(c, jqt.QArray) else c, caches, "
+            "is_leaf=lambda c: isinstance(c, jqt.QArray)).")
 
 
 def fp8_as_bits(policy) -> bool:

@@ -286,14 +286,17 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     if is_zip(path, fn):
         raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
                           "weights are saved by jqt.save_packed.")
-    with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
-        packed, stored = _read_packed(r, path, like)
-        if qparams is None and stored is not None:
-            try:  # the file's own qparams: a mismatch means a damaged file
-                check_packed(packed, stored, fn=fn)
-            except QParamsMismatchError as e:
-                raise r.error("its packed weights do not fit the qparams stored with them ("
-                              f"{str(e).removeprefix(fn + ': ')})") from None
+    try:
+        with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
+            packed, stored = _read_packed(r, path, like)
+            if qparams is None and stored is not None:
+                try:  # the file's own qparams: a mismatch means a damaged file
+                    check_packed(packed, stored, fn=fn)
+                except QParamsMismatchError as e:
+                    raise r.error("its packed weights do not fit the qparams stored with them ("
+                                  f"{str(e).removeprefix(fn + ': ')})") from None
+    except _Narrowed as e:  # a plain ValueError to the caller, not a private class
+        raise ValueError(str(e)) from None
     if qparams is not None:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
     if callable(device):
@@ -405,7 +408,7 @@ def _read_tree(r, h, avals):
             "it.")
     tree = r.need(h, "tree", (str, list, type(None)), "the header")
     try:
-        treedef = treedef_from_json(tree)
+        treedef = treedef_from_json(tree, avals)
     except TreeNotSerializable as e:
         raise FormatError(f"{fn}: cannot rebuild the params tree of {path}: it holds {e}. "
                           "Pass like=params to give the structure.") from None

@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, validate
+from . import compat, tracing, validate
 from .qparams import OpQParams, PackedParams
 
 PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smoothing")
@@ -190,8 +190,10 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
         ``"weight_scales"``, ``"activation_scales"``, ``"zero_points"``,
         ``"smoothing"``) and the groups ``"scales"`` (both kinds of scales and the
         smoothing vectors) and ``"all"``; every other
-        part is frozen. Default: all. Leaves that are not floating point
-        (integer counters in ``params``) are always frozen, and so is a Flax linen
+        part is frozen. Default: all. Leaves that are not floating-point arrays or
+        NumPy floating-point scalars (integer counters in ``params``; Python numbers,
+        which ``f`` reads as constants, such as an Equinox dropout rate) are always
+        frozen, and so is a Flax linen
         ``batch_stats`` collection (``params["batch_stats"]``: running statistics, which
         the model updates, not gradients).
       per_part: label a trained leaf with its part's name (as :func:`jqt.qat.parts`)
@@ -227,10 +229,11 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
     state_parts = parts(params, qparams)
 
     def label(part, leaf):
-        # an array or a Python/NumPy number; a string (a config value) is not one, even where
-        # it names a dtype ("float32"), nor is any other object
-        dt = getattr(leaf, "dtype", None) if not isinstance(leaf, (bool, int, float, complex)) \
-            else jnp.result_type(leaf)
+        # an array or a NumPy number; a Python number is a constant to f (jqt.calibrate and
+        # jqt.pack keep it static; eqx.is_array leaves it out): a dropout rate or a config
+        # gain trained into an array changes what f computes. A string is no number, even
+        # where it names a dtype ("float32"), nor is any other object
+        dt = None if tracing.is_static(leaf) else getattr(leaf, "dtype", None)
         floating = dt is not None and jnp.issubdtype(dt, jnp.inexact)
         if part not in chosen or not floating:
             return _FREEZE
@@ -289,7 +292,14 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
         raise ValueError("jqt.qat.merge: trainable and frozen are the same object; pass the two "
                          "halves jqt.qat.split returned: merge(trainable, frozen).")
     is_none = lambda x: x is None
-    return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)
+    try:
+        return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)
+    except ValueError as e:
+        raise ValueError(
+            "jqt.qat.merge: trainable and frozen do not have the same pytree structure, so "
+            "they are not the two halves of one jqt.qat.split call (an optax update keeps the "
+            "structure of what it updates: pass its result with the frozen half of the same "
+            f"split). JAX: {e}") from None
 
 
 def project(qparams, *, min_scale: float = 1e-8) -> dict:

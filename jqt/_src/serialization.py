@@ -127,6 +127,9 @@ def treedef_to_json(treedef):
     if node is None:
         return "*"
     kind, aux = node
+    ser, _ = compat.pytree_serialization_registries()
+    if kind not in (type(None), tuple, list, dict) and kind not in ser:  # named before its children
+        raise TreeNotSerializable(f"a node of type {kind.__module__}.{kind.__qualname__}")
     kids = [treedef_to_json(c) for c in treedef.children()]
     if kind is type(None):
         return None
@@ -139,12 +142,9 @@ def treedef_to_json(treedef):
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
             raise TreeNotSerializable(f"a dict with keys {keys[:4]} (only str and int keys)")
         return ["dict", keys, kids]
-    ser, _ = compat.pytree_serialization_registries()
-    if kind in ser:
-        name, serialize = ser[kind]
-        data = serialize(aux)
-        return ["custom", name, base64.b64encode(bytes(data)).decode("ascii"), kids]
-    raise TreeNotSerializable(f"a {kind.__module__}.{kind.__qualname__} node")
+    name, serialize = ser[kind]
+    data = serialize(aux)
+    return ["custom", name, base64.b64encode(bytes(data)).decode("ascii"), kids]
 
 
 def _tree_from_json(d, leaves):
@@ -167,14 +167,36 @@ def _tree_from_json(d, leaves):
                 "jax.export.register_pytree_node_serialization (import the module that does)")
         kind, deserialize, from_children = de[d[1]]
         kids = [_tree_from_json(c, leaves) for c in d[3]]
-        return from_children(deserialize(base64.b64decode(d[2])), kids)
+        aux = base64.b64decode(d[2])
+        try:
+            return from_children(deserialize(aux), kids)
+        except Exception as e:  # the user's registration, or its unflatten given placeholders
+            raise TreeNotSerializable(
+                f"a node serialized as {d[1]!r}, whose registered deserialize_auxdata or "
+                f"unflatten fails on it ({type(e).__name__}: {str(e)[:200]}): a deserializer "
+                "that does not undo its serializer (pickle copies sentinels, such as "
+                "Equinox's Missing), an unflatten that computes from or checks its "
+                "children (jqt rebuilds the structure with 0.0 leaves, then with "
+                "jax.ShapeDtypeStruct leaves of the recorded shapes), or damaged bytes") from None
     raise FormatError(f"jqt: unknown tree node {tag!r} in the file.")
 
 
-def treedef_from_json(d):
-    """Inverse of :func:`treedef_to_json`."""
+def treedef_from_json(d, avals=None):
+    """Inverse of :func:`treedef_to_json`. The tree is rebuilt with ``0.0`` leaves (as
+    ``jax.export`` does), or, where a node's unflatten refuses those, with ``avals``
+    (``jax.ShapeDtypeStruct`` leaves: shapes to check) where given."""
     import itertools
-    return jax.tree_util.tree_structure(_tree_from_json(d, itertools.repeat(0.0)))
+    try:
+        return jax.tree_util.tree_structure(_tree_from_json(d, itertools.repeat(0.0)))
+    except TreeNotSerializable:
+        if avals is None:
+            raise
+        try:
+            leaves = itertools.chain(avals, itertools.repeat(0.0))
+            return jax.tree_util.tree_structure(_tree_from_json(d, leaves))
+        except TreeNotSerializable:
+            pass
+        raise
 
 
 def qparams_entries(qparams, name, fn="jqt.save"):

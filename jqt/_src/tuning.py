@@ -140,11 +140,11 @@ class Sensitivity:
 
     def __str__(self):
         w = max([32] + [len(r.key) for r in self.rows])  # the key column fits the longest key
-        lines = [f"metric: float {self.float_metric:.4g}, all quantized {self.quantized_metric:.4g}",
+        lines = [f"metric: float {self.float_metric:z.4g}, all quantized {self.quantized_metric:z.4g}",
                  f"{'op':<{w}} {'quantized alone':>16} {'drop':>8} {'all but this':>13} {'drop':>8}"]
         for r in self.rows:
-            lines.append(f"{r.key:<{w}} {r.alone:>16.4g} {self._drop(r.alone):>8.3g} "
-                         f"{r.all_but:>13.4g} {self._drop(r.all_but):>8.3g}")
+            lines.append(f"{r.key:<{w}} {r.alone:>z16.4g} {self._drop(r.alone):>z8.3g} "
+                         f"{r.all_but:>z13.4g} {self._drop(r.all_but):>z8.3g}")
         return "\n".join(lines)
 
 
@@ -153,7 +153,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     """The effect on ``metric`` of quantizing each op alone, and of leaving each op
     float alone; 2 trials per quantized op, plus 2.
 
-    ``metric(g) -> float`` scores a function ``g`` with ``f``'s signature (it
+    ``qparams``: from :func:`jqt.calibrate` on ``f``; each quantized op is tried
+    with them. ``metric(g) -> float`` scores a function ``g`` with ``f``'s signature (it
     calls ``g`` with its own weights and data); jqt passes ``f`` itself and
     jitted quantized variants. Rows are ranked by the drop when the op is
     quantized alone, largest first. ``weight_argnums`` is as in :func:`jqt.calibrate`;
@@ -237,8 +238,8 @@ class FallbackResult:
 
     def __str__(self):
         state = "met" if self.met else "NOT met"
-        return (f"budget {state}: metric {self.metric:.4g} (float {self.float_metric:.4g}, all "
-                f"quantized {self.quantized_metric:.4g}) with {len(self.kept)} op(s) kept at the "
+        return (f"budget {state}: metric {self.metric:z.4g} (float {self.float_metric:z.4g}, all "
+                f"quantized {self.quantized_metric:z.4g}) with {len(self.kept)} op(s) kept at the "
                 f"fallback: {list(self.kept)}; {len(self.trials)} trials")
 
 

@@ -374,7 +374,7 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
         extra = [k for k in extra if qparams[k].op != "gather"]
     caches = [k for k in extra if qparams[k].op in ("dynamic_update_slice", "scatter")]
     if caches:
-        why = "; ".join(f"at '{w}' {y}" for w, y in traced.analyzer.near_misses()[:2])
+        why = "; ".join(f"at {w} {y}" for w, y in traced.analyzer.near_misses()[:2])
         raise QParamsMismatchError(
             f"{fn}: qparams hold key/value caches {caches[:5]} that this call's function does not "
             "write as caches: its cache arguments or writes differ from those it was calibrated "

@@ -277,6 +277,12 @@ def dense(rounds, markdown, results, ab=None):
         rows.append(cells + (f"{med['w4 g128'] / med['w8']:.2f}",))
     print("dense 4096 x 4096, median ms (ratio to float32)")
     table(("rows", "float32") + tuple(names) + ("w4 g128 / w8",), rows, markdown)
+    # the formats issue's target: w4 g128 (half w8's bytes) at most w8's time at 1-8 rows
+    few = {b: results[f"dense4096 b{b}"]["w4 g128"] / results[f"dense4096 b{b}"]["w8"]
+           for b in (1, 2, 4, 8)}
+    missed = [b for b, r in few.items() if r > 1.0]
+    print(f"target w4 g128 <= w8 at 1-8 rows: {'MISS at ' + ', '.join(f'{b} ({few[b]:.2f}x)' for b in missed) if missed else 'PASS'}"
+          f" ({', '.join(f'{b}: {r:.2f}x' for b, r in few.items())})\n")
 
 
 WIDE_LAYERS = ((512, 50257), (2048, 32000), (4096, 11008), (1024, 8192))
@@ -531,7 +537,8 @@ def main():
     rounds = 20 if args.quick else 60
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "
-          f"{rounds} interleaved rounds per timing\n")
+          f"{rounds} interleaved rounds per timing (the wide and fp8rows parts "
+          f"{max(rounds // 4, 9)}, groups {max(rounds // 2, 9)})\n")
     if "minilm" in args.only:
         minilm(rounds, args.markdown, results, ab,
                with_absmax(MINILM_PRESETS) if args.absmax else MINILM_PRESETS)

@@ -674,6 +674,10 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     assert sorted(params2) == sorted(params)
     np.testing.assert_array_equal(jax.jit(jqt.quantize(f2, qp))(packed, x), jqt.quantize(f, qp)(packed, x))
     jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(params)  # float leaves only
+    model = build(1)  # its weights as a list: f failed in a lambda ("list indices must be integers")
+    with pytest.raises(TypeError, match=r"f's params is a list of 2; pass the dict jqt.from_keras "
+                                        r"returned beside f, keyed by variable path \(e.g. 'm/fc/kernel'\)"):
+        jqt.from_keras(model)[0](model.weights, x)
 
     with pytest.warns(UserWarning, match=r"seed states \(\['m/drop/seed_generator_state'\]\).*same "
                                          r"random numbers.*jax.random.key_data"):

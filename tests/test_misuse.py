@@ -49,6 +49,19 @@ def test_gptq_refuses_weights_that_do_not_fit_their_grids(setup):
         jqt.gptq(f, qp, {**p, "w2": p["w2"] * 0.01}, batches, progress=False)
 
 
+def test_gptq_refuses_batches_that_run_other_ops(setup):
+    """A later batch whose static value adds or drops an op gave a bare KeyError from inside
+    the passes; jqt.calibrate refuses such batches, naming the batch."""
+    p, batches, _ = setup
+    g = lambda p, x, deep: jnp.tanh(x @ p["w1"]) @ p["w1"] @ p["w2"] if deep else x @ p["w2"]
+    x = batches[0][0]
+    for first, later in ((False, True), (True, False)):
+        qp = jqt.calibrate(g, jqt.recipes.w4(group_size=16), p, [(x, first)], progress=False)
+        with pytest.raises(jqt.CalibrationDataError, match=r"jqt.gptq: batch 1 runs other ops than "
+                           r"batch 0 \(ops? \['w1.*in one and not the other\)"):
+            jqt.gptq(g, qp, p, [(x, first), (x, later)], progress=False)
+
+
 def test_gptq_checks_its_batches_and_options(setup):
     p, batches, qp = setup
     x = batches[0][0]
@@ -753,12 +766,24 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
     # halves of different structure (a trainable half of other params) gave JAX's tree error
     with pytest.raises(ValueError, match=r"jqt.qat.merge: trainable and frozen do not have the same pytree structure"):
         jqt.qat.merge(({"w9": None}, trainable[1]), jqt.qat.split(p, qp)[1])
+    # the state instead of the halves: it gave params back, whose keys w, qp = ... then unpacked
+    with pytest.raises(TypeError, match=r"jqt.qat.merge: trainable is a dict; each half .* is a pair"):
+        jqt.qat.merge(p, qp)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] is a tracer .*outside jax.jit"):
+        jax.jit(lambda x: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False))(batches[0][0])
     metric = lambda g: float(g(p, *batches[0]).mean())
+    packed_metric = lambda g: float(g(jqt.pack(qp, p), *batches[0]).mean())  # f reads float params
+    with pytest.raises(TypeError, match="not subscriptable") as e:
+        jqt.sensitivity(f, qp, packed_metric)
+    assert "jqt.sensitivity called metric(g) with g = f itself; g runs f, so the metric calls g " \
+           "with f's float params, not packed ones." in "".join(e.value.__notes__)
     for bad in ("3", 1.5, True):
         with pytest.raises(TypeError, match=r"jqt.fallback: max_trials=.* is not an int"):
             jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1, max_trials=bad)
     path = str(tmp_path / "m.safetensors")
     packed = jqt.pack(qp, p)
+    # a NumPy index, as weight_argnums takes it (refused as not "an int >= 0")
+    assert jax.tree.structure(jqt.pack(qp, p, argnum=np.int64(0))) == jax.tree.structure(packed)
     for call in (lambda: jqt.save_packed(path, packed, p), lambda: jqt.load_packed(path, qparams=p)):
         jqt.save_packed(path, packed)
         with pytest.raises(TypeError, match=r"qparams\['w1'\] is of type ArrayImpl.*arguments swapped"):

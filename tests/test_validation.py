@@ -1509,6 +1509,11 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_
         (lambda: jqt.recipes.w8a8_dynamic(act_x_act=None), TypeError, r"act_x_act=None: expected True"),
         (lambda: jqt.Rule(ops=("gather",), weight=jqt.QuantType(bits=4)), ValueError,
          r"takes its type from embedding=, not weight="),
+        # a cache write's rule with weight= was accepted, and it kept the preset's cache float
+        (lambda: jqt.Rule(ops=("dynamic_update_slice",), weight=jqt.QuantType(bits=4, per_channel=True)),
+         ValueError, r"a key/value cache write takes its type from kv_cache=, not weight="),
+        (lambda: jqt.Rule(ops=("scatter",), weight=jqt.QuantType(bits=8)), ValueError, r"from kv_cache="),
+        (lambda: jqt.Rule(ops=(), weight=jqt.QuantType(bits=8)), ValueError, r"Rule\(ops=\(\)\) names no op"),
         (lambda: jqt.Recipe(rules=None), TypeError, r"Recipe\(rules=None\): expected a tuple of jqt.Rule"),
         (lambda: jqt.Recipe(rules=jqt.recipes.w8a8()), TypeError, r"pass recipe.rules"),
     ]

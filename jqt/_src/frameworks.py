@@ -132,6 +132,11 @@ def from_keras(model, *, training: bool = False):
             "params[k] = jax.random.key_data(jax.random.fold_in(key, step)).")
 
     def f(params, *inputs):
+        if isinstance(params, (list, tuple)):  # model.weights, or stateless_call's pair
+            raise TypeError(
+                f"jqt.from_keras: f's params is a {type(params).__name__} of {len(params)}; pass "
+                "the dict jqt.from_keras returned beside f, keyed by variable path (e.g. "
+                f"{(trainable + non_trainable + [''])[0]!r}), not model.weights or its values.")
         if isinstance(params, dict) and (missing := [p for p in trainable + non_trainable
                                                      if p not in fixed and p not in params]):
             held = sorted(map(str, params))

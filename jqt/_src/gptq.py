@@ -421,6 +421,16 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
             e.add_note(note)
         raise
     validate.check_keys(traced, qparams, "jqt.gptq")
+    keys = {s.key for s in traced.sites()}
+    for i, b in enumerate(batches[1:], 1):  # (traces are cached per static values and shapes)
+        other = sorted({s.key for s in tracer(full_args(argnums, params_t, b)).sites()} ^ keys)
+        if other:  # a KeyError in the passes, or a Hessian missing a batch
+            raise CalibrationDataError(
+                f"jqt.gptq: batch {i} runs other ops than batch 0 (op{'s' if len(other) > 1 else ''} "
+                f"{other[:4]} {'is' if len(other) == 1 else 'are'} in one and not the other): a "
+                "static argument (a Python bool or string) or a shape changes the ops f runs. "
+                "One set of qparams serves every batch: pass batches that run the same ops, as "
+                "jqt.calibrate requires, and run jqt.gptq once per configuration.")
     weightcheck.check(qparams, params_t, argnums, "jqt.gptq")  # it rounds on the calibrated grids
     sites = [s for s in traced.sites() if s.key in qparams]  # an optional op without an entry: float
     order = list(dict.fromkeys(s.key for s in sites))

@@ -291,6 +291,12 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
     if trainable is frozen and jax.tree_util.tree_leaves(trainable):
         raise ValueError("jqt.qat.merge: trainable and frozen are the same object; pass the two "
                          "halves jqt.qat.split returned: merge(trainable, frozen).")
+    for name, half in (("trainable", trainable), ("frozen", frozen)):
+        if not (isinstance(half, tuple) and len(half) == 2):  # (params, qparams) gave params back
+            raise TypeError(f"jqt.qat.merge: {name} is a {type(half).__name__}"
+                            + (f" of {len(half)}" if isinstance(half, (tuple, list)) else "")
+                            + "; each half jqt.qat.split returns is a pair (params, qparams): "
+                            "merge(trainable, frozen) with trainable, frozen = jqt.qat.split(...).")
     is_none = lambda x: x is None
     try:
         return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)

@@ -503,6 +503,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     """
     check_qparams(qparams, "jqt.pack")
     flags("jqt.pack", clip=clip)
+    if isinstance(argnum, np.integer):  # as weight_argnums takes it
+        argnum = int(argnum)
     if not isinstance(argnum, int) or isinstance(argnum, bool) or argnum < 0:
         raise TypeError(f"jqt.pack: argnum={argnum!r}; expected the index (an int >= 0) of the "
                         "one argument of f whose weights params holds, as in weight_argnums. Pack "

@@ -127,6 +127,9 @@ class Rule:
         bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
         if bad:
             raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")
+        if not self.ops:
+            raise ValueError("Rule(ops=()) names no op, so the rule matches none; leave ops= out "
+                             f"for every op jqt quantizes, or name some of {list(QUANTIZABLE_OPS)}.")
         if self.kv_cache is not None and not isinstance(self.kv_cache, QuantType):
             # the names the presets take (kv_cache=True, "int4", "fp8", ...); False: float
             object.__setattr__(self, "kv_cache", kvcache.cache_type(self.kv_cache))
@@ -188,6 +191,12 @@ class Rule:
         if self.weight is not None and self.embedding is None and set(self.ops) <= {"gather"}:
             raise ValueError(f"Rule(ops={self.ops}, weight=...): an embedding lookup's table takes "
                              "its type from embedding=, not weight=; set embedding=QuantType(...).")
+        writes = {"dynamic_update_slice", "scatter"}
+        if (self.weight is not None or self.activation is not None) and self.kv_cache is None \
+                and set(self.ops) <= writes:
+            raise ValueError(f"Rule(ops={self.ops}, {'weight' if self.weight is not None else 'activation'}"
+                             "=...): a key/value cache write takes its type from kv_cache=, not "
+                             "weight= or activation=; set kv_cache=True (int8), 'int4' or 'fp8'.")
         for name in ("activation", "act_x_act"):
             t = getattr(self, name)
             if t is not None and t.kind == "lut":

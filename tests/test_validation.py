@@ -1512,7 +1512,7 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_
         # a cache write's rule with weight= was accepted, and it kept the preset's cache float
         (lambda: jqt.Rule(ops=("dynamic_update_slice",), weight=jqt.QuantType(bits=4, per_channel=True)),
          ValueError, r"a key/value cache write takes its type from kv_cache=, not weight="),
-        (lambda: jqt.Rule(ops=("scatter",), weight=jqt.QuantType(bits=8)), ValueError, r"from kv_cache="),
+        (lambda: jqt.Rule(ops=("scatter",), weight=jqt.QuantType(bits=8)), ValueError, r"from kv_cache=.*or kv_cache=False"),
         (lambda: jqt.Rule(ops=(), weight=jqt.QuantType(bits=8)), ValueError, r"Rule\(ops=\(\)\) names no op"),
         (lambda: jqt.Recipe(rules=None), TypeError, r"Recipe\(rules=None\): expected a tuple of jqt.Rule"),
         (lambda: jqt.Recipe(rules=jqt.recipes.w8a8()), TypeError, r"pass recipe.rules"),
@@ -1520,6 +1520,8 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_
     for call, kind, msg in cases:
         with pytest.raises(kind, match=msg):
             call()
+    # a float cache asked for explicitly is no mistake
+    assert jqt.Rule(ops=("scatter",), weight=jqt.QuantType(bits=8), kv_cache=False).kv_cache is None
 
     @dataclasses.dataclass  # not frozen: unhashable, found at the end of calibration before
     class MeanAbs(C.Calibrator):

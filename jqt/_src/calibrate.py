@@ -296,17 +296,14 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         last["batch"] = i  # for the errors raised while tracing its step
         marked = tracing.mark_static(tuple(batch))
         static = jax.tree_util.tree_structure(marked)  # holds the static values
-        # and the shapes: a weight f computes may follow them (p["w"] * x.shape[0])
-        shaped = (static, tuple(np.shape(a) for a in jax.tree_util.tree_leaves(marked)))
-        computed = bool(last.get("computed"))  # weights f computes, found by an earlier batch
         try:
-            new = jstep(params_t, marked, not weights_seen or static not in statics
-                        or (computed and shaped not in statics), decided, transformed or {})
+            new = jstep(params_t, marked, not weights_seen or static not in statics, decided,
+                        transformed or {})
         except Exception as e:
             _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
                   f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})")
             raise
-        statics.update((static, shaped))
+        statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
         for key, shape in tracing.computed_shapes(last["traced"]).items():
             last.setdefault("computed", {}).setdefault(key, {}).setdefault(shape, i)

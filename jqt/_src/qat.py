@@ -292,7 +292,7 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
         raise ValueError("jqt.qat.merge: trainable and frozen are the same object; pass the two "
                          "halves jqt.qat.split returned: merge(trainable, frozen).")
     for name, half in (("trainable", trainable), ("frozen", frozen)):
-        if not (isinstance(half, tuple) and len(half) == 2):  # (params, qparams) gave params back
+        if not (isinstance(half, (tuple, list)) and len(half) == 2):  # (params, qparams): params back
             raise TypeError(f"jqt.qat.merge: {name} is a {type(half).__name__}"
                             + (f" of {len(half)}" if isinstance(half, (tuple, list)) else "")
                             + "; each half jqt.qat.split returns is a pair (params, qparams): "

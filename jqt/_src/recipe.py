@@ -130,6 +130,7 @@ class Rule:
         if not self.ops:
             raise ValueError("Rule(ops=()) names no op, so the rule matches none; leave ops= out "
                              f"for every op jqt quantizes, or name some of {list(QUANTIZABLE_OPS)}.")
+        cache_float = self.kv_cache is False or isinstance(self.kv_cache, np.bool_) and not self.kv_cache
         if self.kv_cache is not None and not isinstance(self.kv_cache, QuantType):
             # the names the presets take (kv_cache=True, "int4", "fp8", ...); False: float
             object.__setattr__(self, "kv_cache", kvcache.cache_type(self.kv_cache))
@@ -193,10 +194,11 @@ class Rule:
                              "its type from embedding=, not weight=; set embedding=QuantType(...).")
         writes = {"dynamic_update_slice", "scatter"}
         if (self.weight is not None or self.activation is not None) and self.kv_cache is None \
-                and set(self.ops) <= writes:
+                and not cache_float and set(self.ops) <= writes:
             raise ValueError(f"Rule(ops={self.ops}, {'weight' if self.weight is not None else 'activation'}"
                              "=...): a key/value cache write takes its type from kv_cache=, not "
-                             "weight= or activation=; set kv_cache=True (int8), 'int4' or 'fp8'.")
+                             "weight= or activation=; set kv_cache=True (int8), 'int4' or 'fp8', "
+                             "or kv_cache=False (or weight=None) to keep the caches float.")
         for name in ("activation", "act_x_act"):
             t = getattr(self, name)
             if t is not None and t.kind == "lut":

@@ -687,10 +687,7 @@ class Analyzer:
         buffer a loop carries or ``f`` takes, covering part of its last axis; or into such
         a buffer converted to another dtype first (``.at[...].set`` of a float32 value
         into a bfloat16 buffer: JAX converts the whole buffer, writes, converts back)."""
-        buf = eqn.invars[0]
-        loop = {"scan": "lax.scan", "while": "lax.while_loop"}  # the loops around the write
-        where = f"'{stack or '<top>'}'" + "".join(
-            f" inside a {loop[n]}" for n in reversed(self.loops) if n in loop)
+        buf, where = eqn.invars[0], f"'{stack or '<top>'}'" + self._inside()
         if compat.is_literal(buf) or buf.aval.ndim < 2:
             return
         if jnp.issubdtype(buf.aval.dtype, jnp.complexfloating) and ins[0].buffer:
@@ -746,6 +743,11 @@ class Analyzer:
                 seen += [b for b in bufs if b not in seen]
         return out
 
+    def _inside(self) -> str:
+        """The loops around the equation analyzed, innermost first: `` inside a lax.scan
+        inside a lax.while_loop`` (empty outside any)."""
+        return "".join(f" inside a {_LOOP_NAMES[n]}" for n in reversed(self.loops) if n in _LOOP_NAMES)
+
     def _cache_lookalikes(self, eqn, caches, loop_id, stack):
         p = eqn.params
         if eqn.primitive.name == "scan":
@@ -754,14 +756,12 @@ class Analyzer:
         else:
             carries = eqn.invars[p["cond_nconsts"] + p["body_nconsts"]:]
         kinds = {(carries[k].aval.shape, carries[k].aval.dtype) for k in caches}
-        loop = lambda n: {"scan": "lax.scan", "while": "lax.while_loop"}.get(n, n)
         # which loop: a scan nested in a while_loop's body carries slots of its own
-        where = "".join(f" inside a {loop(n)}" for n in reversed(self.loops)
-                        if n in ("scan", "while"))
+        where = self._inside()
         for k, v in enumerate(carries):
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
                 self.cache_lookalikes.append(
-                    (f"a {loop(eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
+                    (f"a {_LOOP_NAMES.get(eqn.primitive.name, eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
                      f"in carry slot {k}", v.aval, loop_id, (loop_id, k)))
 
     def _boundary_lookalikes(self, jaxpr, boundary):
@@ -779,6 +779,9 @@ class Analyzer:
             if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads:
                 self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
                                               "among its arguments and results", v.aval, CALL, (CALL, k)))
+
+
+_LOOP_NAMES = {"scan": "lax.scan", "while": "lax.while_loop"}  # the loops jqt names in warnings
 
 
 def _unread_output(eqn, k, unread) -> bool:

@@ -1,5 +1,6 @@
 """Public API: recipes, qparams pytrees, pack, save/load, and the errors users hit."""
 import dataclasses
+import functools
 import os
 
 import warnings
@@ -159,6 +160,40 @@ def test_keyword_arguments_naming_positional_parameters_are_bound(setup):
     p, xs, qp = setup
     qf = jqt.quantize(mlp, qp)
     np.testing.assert_array_equal(qf(p, x=xs[0][0]), qf(p, xs[0][0]))
+
+
+def test_keywords_bind_to_a_wrappers_own_parameters(setup):
+    """functools.wraps gives a wrapper the inner function's __wrapped__; its keywords bind to
+    the wrapper's own parameters (reordered, one added), and to the inner function's only
+    through a pass-through wrapper (*args, **kwargs). A reordering wrapper's keywords were
+    bound by the inner signature (refused as given twice; swapped where they did not clash)."""
+    p, xs, _ = setup
+    x = xs[0][0]
+
+    @functools.wraps(mlp)
+    def swapped(x, p, scale=1.0):
+        return mlp(p, x) * scale
+
+    @functools.wraps(mlp)
+    def passthru(*a, **k):
+        return mlp(*a, **k)
+
+    qs = jqt.quantize(swapped, jqt.calibrate(swapped, jqt.recipes.w8a8(), p, [(x,)],
+                                             weight_argnums=1, progress=False), weight_argnums=1)
+    np.testing.assert_array_equal(qs(x, p=p), qs(x, p))
+    np.testing.assert_array_equal(qs(x, p, scale=2.0), qs(x, p, 2.0))
+    np.testing.assert_array_equal(qs(p=p, x=x), qs(x, p))
+    @functools.wraps(mlp)
+    def logged(*a):  # a pass-through too, keyword-only parameters aside
+        return mlp(*a)
+
+    @functools.wraps(mlp)
+    def flagged(*a, debug=False, **k):
+        return mlp(*a, **k)
+
+    for w in (passthru, logged, flagged):
+        qq = jqt.quantize(w, jqt.calibrate(w, jqt.recipes.w8a8(), p, [(x,)], progress=False))
+        np.testing.assert_array_equal(qq(p, x=x), qq(p, x))
 
 
 def test_recipe_validation():

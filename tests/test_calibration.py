@@ -1150,6 +1150,46 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
         assert r["single"][k][0] < r["minmax"][k][0], k
 
 
+def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
+    """Batches a loader committed to devices round-robin, a last batch on fewer devices
+    than the others, and (with mesh=) batches or params committed to one device: f ran on
+    each, and calibrate (its merge of the statistics, gptq's of the Hessians, the step's
+    shard_map) failed in JAX's "incompatible devices", naming no batch (hunt51_dpcalib)."""
+    from shared import on_devices
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np, jqt
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        rng = np.random.default_rng(0)
+        p = {"w1": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
+             "w2": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)}
+        f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+        xs = [rng.standard_normal((8, 16)).astype(np.float32) for _ in range(4)]
+        d = jax.devices()
+        scales = lambda qp: [np.asarray(qp[k].lhs.scale).tolist() for k in sorted(qp)]
+        want = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,) for x in xs], progress=False))
+        R = {}
+        rr = [(jax.device_put(x, d[i % 4]),) for i, x in enumerate(xs)]
+        R["round_robin"] = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, rr, progress=False)) == want
+        mesh = jax.make_mesh((4,), ("data",))
+        last = [(jax.device_put(x, NamedSharding(mesh, P("data"))),) for x in xs[:3]]
+        last.append((jax.device_put(xs[3], d[0]),))
+        R["last_elsewhere"] = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, last, progress=False)) == want
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, [(x,) for x in xs], progress=False)
+        g = jqt.gptq(f, qp, p, rr, progress=False)
+        R["gptq"] = sorted(g) == ["w1", "w2"]
+        R["mesh_committed"] = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jax.device_put(x, d[1]),) for x in xs],
+                                                   progress=False, mesh=mesh)) == want
+        try:  # params committed elsewhere: the qparams would not run with them
+            jqt.calibrate(f, jqt.recipes.w8a8(), jax.tree.map(lambda a: jax.device_put(a, d[0]), p),
+                          [(x,) for x in xs], progress=False, mesh=mesh)
+        except ValueError as e:
+            R["params_away"] = str(e)
+        print("RESULT" + json.dumps(R))
+    """, 4)
+    assert "committed to devices [0], not the mesh's [0, 1, 2, 3]: put them on the mesh" in r.pop("params_away")
+    assert r == {"round_robin": True, "last_elsewhere": True, "gptq": True, "mesh_committed": True}
+
+
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_histograms_of_batches_sharded_over_explicit_mesh_axes():
     # the scatter that counts a histogram's bins failed on rows split over Explicit axes
@@ -1207,6 +1247,31 @@ def test_a_weight_computed_from_a_static_argument_is_observed_for_each_value():
         assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02, gains
     np.testing.assert_array_equal(scales[0], scales[1])
     np.testing.assert_array_equal(scales[0], scales[2])
+    # the same with the value taken from an input's shape (x.shape[0]): a batch of a new
+    # shape was not observed again, and the longer input ran with its weight clipped (63%)
+    g = lambda p, x: x @ (p["w"] * (x.shape[0] / 8))
+    x32 = jax.random.normal(jax.random.key(2), (32, 32))
+    qg = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,), (x32,)], progress=False)
+    for xs in (x, x32):  # one scale for both: the short input gets a quarter of the grid
+        y, ref = jqt.quantize(g, qg)(p, xs), g(p, xs)
+        assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.05, xs.shape
+
+
+def test_calibration_compiles_once_per_shape_and_once_more_to_observe_weights(caplog):
+    """docs/calibration.md: one step per batch shape, and one more for the first batch's,
+    which observes the weights; where f computes a weight (which may follow the shape, and
+    is observed on every batch), no more."""
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 16))}
+    xs = [jnp.ones((n, 16)) for n in (4, 8, 4, 8, 4)]
+
+    def compiles(f):
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level("DEBUG"):
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,) for x in xs], progress=False)
+        return sum(r.getMessage().startswith("Compiling jit(local)") for r in caplog.records)
+
+    assert compiles(lambda p, x: x @ p["w"]) == 3
+    assert compiles(lambda p, x: x @ (p["w"] * 0.5 + 1.0)) == 3
 
 
 def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():

@@ -668,6 +668,25 @@ def test_export_symbolic_batch_and_length_every_format(name):
         np.testing.assert_allclose(out, qf(packed, x), rtol=1e-5, atol=1e-5)
 
 
+def test_export_of_a_dynamic_slice_of_data_with_a_symbolic_length():
+    """A batch of one with a symbolic length reading its last token, ids[:, -1] (a
+    dynamic_slice of the (1, t) ids): the lookup check compared 't' > 1 before asking
+    whether the sliced array is a weight, and export raised JAX's
+    InconclusiveDimensionOperation (hunt51_exportdecode)."""
+    rng = np.random.default_rng(5)
+    p = {"emb": jnp.asarray(rng.standard_normal((50, 32)), jnp.float32),
+         "w": jnp.asarray(rng.standard_normal((32, 50)) * 0.2, jnp.float32)}
+    f = lambda p, ids: p["emb"][ids[:, -1]] @ p["w"]
+    ids = jnp.arange(6, dtype=jnp.int32).reshape(1, 6)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), p, [(ids,)], progress=False)
+    qf, packed = jax.jit(jqt.quantize(f, qp)), jqt.pack(qp, p)
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("1, t"), jnp.int32)
+    back = jax.export.deserialize(jax.export.export(qf)(packed, spec).serialize())
+    for t in (1, 9):
+        x = jnp.asarray(rng.integers(0, 50, (1, t)), jnp.int32)
+        np.testing.assert_allclose(back.call(packed, x), qf(packed, x), rtol=1e-6, atol=1e-6)
+
+
 def scan_steps(p, xs):  # a loop over steps: its length is the argument's leading axis
     return jax.lax.scan(lambda h, x: (jnp.tanh(h + x @ p["w"]), None), jnp.zeros((2, 8)), xs)[0]
 

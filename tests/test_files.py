@@ -604,6 +604,10 @@ def test_a_missing_or_mistyped_field_is_rejected(tmp_path, files):
     arrays, meta = _read_st(files["qp"])
     safetensors.numpy.save_file(arrays, bad, metadata=dict(meta, version="2"))
     _rejects(jqt.load, bad, "its metadata says version '2' but its 'jqt' header says 3")
+    for v in (3.0, True, "3"):  # Python's 3.0 == 3 and True == 1 read them as versions
+        jq = dict(json.loads(meta["jqt"]), version=v)
+        safetensors.numpy.save_file(arrays, bad, metadata=dict(meta, version=str(v), jqt=json.dumps(jq)))
+        _rejects(jqt.load, bad, f"its header's version is {json.dumps(v)}, where jqt writes an integer")
     npz = str(tmp_path / "bad.npz")
     _rewrite_npz(files["npz"], npz, header=lambda h: h["ops"]["l1/w"].pop("rhs"))
     _rejects(jqt.load, npz, "op 'l1/w' has no 'rhs'")
@@ -770,6 +774,15 @@ def test_packed_version_1_files_still_load():
     other = {**qp, "a.b/w": dataclasses.replace(p, **{side: fp8, act: None})}
     with pytest.raises(jqt.QParamsMismatchError, match="version 1 file"):
         jqt.load_packed(os.path.join(V1, "w8a8.p.safetensors"), qparams=other)
+    # int8 codes (to 127) run with int4 qparams, which give them no scale of their own: ran
+    # 18x too large, without a word (a v1 file records no type to compare)
+    qp4, packed8 = jqt.load(os.path.join(V1, "w4a8.q.safetensors")), jqt.load_packed(os.path.join(V1, "w8a8.p.safetensors"))
+    assert int(np.abs(np.asarray(packed8.weights["a.b/w"].values)).max()) > 7
+    beyond = r"version 1 file\), but its codes reach \[-?\d+, \d+\], beyond the int4 .* grid \[-7, 7\]"
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.load_packed: .*" + beyond):
+        jqt.load_packed(os.path.join(V1, "w8a8.p.safetensors"), qparams=qp4)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt: the packed weight of op 'a.b/w' .*" + beyond):
+        jqt.quantize(_v1_model, qp4)(packed8, z["x"])
 
 
 # ============================================================ loads checked: fuzzing

@@ -500,12 +500,17 @@ def test_a_weight_whose_contracted_axis_changed_size_is_refused(tmp_path):
 
 def test_grad_of_the_integer_path_names_the_op():
     """``jax.grad`` of the integer path said "jqt_quantize ... is not differentiable"
-    without naming the op whose operand it could not differentiate."""
+    without naming the op whose operand it could not differentiate (under jax.jit or a scan
+    too)."""
     f = lambda p, x: jnp.tanh(x @ p["l0"]) @ p["l1"]
     p, x = {"l0": jnp.full((8, 16), 0.1), "l1": jnp.full((16, 4), 0.1)}, jnp.ones((2, 8))
     qf = jqt.quantize(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False))
+    scan = lambda x: jax.lax.scan(lambda c, _: (qf(p, c).sum() + c, None), x, None, length=2)[0]
     for grad in (lambda: jax.grad(lambda x: qf(p, x).sum())(x),
-                 lambda: jax.grad(lambda p: qf(p, x).sum())(p)):
+                 lambda: jax.grad(lambda p: qf(p, x).sum())(p),
+                 # the jaxpr differentiated after the op was traced: the key is a parameter
+                 lambda: jax.grad(lambda x: jax.jit(qf)(p, x).sum())(x),
+                 lambda: jax.grad(lambda x: scan(x).sum())(x)):
         with pytest.raises(TypeError, match=r"op 'l0': jqt_quantize .* is not differentiable: rounding to "
                                             r"codes \(int, fp8 or nf4\).*simulate=True.*"
                                             r"qf\(jax.lax.stop_gradient\(params\), x\)"):
@@ -745,7 +750,7 @@ def test_a_computed_weight_sized_by_the_length_is_refused_at_calibration():
         assert jqt.quantize(g, qp)(p, x16).shape[:2] == (2, 16)
     # one scale per tensor: measured at the first length only (hunt34_review2), refused too
     per_tensor = jqt.recipes.w4a8(per_channel=False)
-    with pytest.raises(jqt.CalibrationDataError, match=r"reads a weight f computes .*measured on one"):
+    with pytest.raises(jqt.CalibrationDataError, match=r"reads a weight f computes .*cannot serve both"):
         jqt.calibrate(f, per_tensor, p, [(x12,), (x20,)], progress=False)
 
 
@@ -1309,3 +1314,49 @@ def test_bad_arguments_to_the_tools_name_the_fix(tmp_path):
         rep.plot(None)
     with pytest.raises(TypeError, match=r"summarize: qparams\['w'\] is of type .*not the model's params"):
         jqt.summarize(pa)
+
+
+def test_a_static_value_traced_at_call_time_is_explained():
+    """A weight f computes with a Python number is a weight at calibration; traced at call
+    time (jax.jit, a jax array) the op reads data instead, and the mismatch said only
+    "Re-calibrate for this function"; the advice it now gives runs."""
+    f = lambda p, x, n: x @ (p["w"] * n)
+    p, x = {"w": jnp.ones((8, 8))}, jnp.ones((2, 8))
+    qf = jqt.quantize(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, 2)], progress=False))
+    for call in (lambda: jax.jit(qf)(p, x, 2), lambda: qf(p, x, jnp.asarray(2))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the activation x activation op's warning
+            with pytest.raises(jqt.QParamsMismatchError, match=r"weight now depends on the data.*"
+                               r"this call traces that value.*static_argnums.*functools.partial"):
+                call()
+    np.testing.assert_array_equal(jax.jit(qf, static_argnums=2)(p, x, 2), qf(p, x, 2))
+
+
+def test_a_function_quantized_already_is_named_so():
+    """The function jqt.quantize returned, passed to jqt again, was "calibrated for another
+    function" (report, quantize) or had "no op that jqt quantizes ... runs f in float"
+    (calibrate; it runs quantized)."""
+    f = lambda p, x: jnp.tanh(x @ p["l0"]) @ p["l1"]
+    p, x = {"l0": jnp.full((8, 16), 0.1), "l1": jnp.full((16, 4), 0.1)}, jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qf = jqt.quantize(f, qp)
+    again = r"runs jqt's own primitives \(jqt_\w+.*quantized already.*the float function"
+    for call in (lambda: jqt.report(qf, qp, p, (x,)), lambda: jqt.quantize(qf, qp)(p, x),
+                 lambda: jqt.quantize(qf, qp)(jqt.pack(qp, p), x)):
+        with pytest.raises(jqt.QParamsMismatchError, match=again):
+            call()
+    with pytest.warns(UserWarning, match=again):
+        assert jqt.calibrate(qf, jqt.recipes.w8a8(), p, [(x,)], progress=False) == {}
+    # the simulated path: its fake-quantized weights would be quantized again
+    sim = jqt.quantize(f, qp, simulate=True)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"\(jqt_fake_quant\): is it a function jqt.quantize returned"):
+        jqt.quantize(sim, qp)(p, x)
+    with pytest.warns(UserWarning, match=r"runs jqt's own primitives \(jqt_fake_quant\), and ops whose "
+                      r"weight f computes \('dot_general_0', 'dot_general_1'\).*quantized again"):
+        jqt.calibrate(sim, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    # a function that calls a quantized one beside float ops of its own is calibrated, quietly
+    g = lambda p, x: qf(p, x) @ p["head"]
+    ph = dict(p, head=jnp.full((4, 2), 0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(jqt.calibrate(g, jqt.recipes.w8a8(), ph, [(x,)], progress=False)) == {"head"}

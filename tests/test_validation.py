@@ -905,6 +905,24 @@ def test_a_matmul_inside_a_pallas_kernel_gets_a_fix_that_can_be_done():
     assert not any("jqt.quantize(g" in str(w.message) for w in ws)
 
 
+def test_a_matmul_inside_custom_partitioning_gets_a_fix_that_can_be_done():
+    """custom_partitioning takes no closed-over arrays: the advice to call jqt.quantize
+    inside it ended in JAX's bare AssertionError (hunt51_userops)."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    @custom_partitioning
+    def mm(x, w):
+        return x @ w
+
+    mm.def_partition(sharding_rule="i k, k j -> i j",
+                     partition=lambda mesh, a, r: (mesh, lambda x, w: x @ w, a[0].sharding,
+                                                   (a[0].sharding, a[1].sharding)))
+    with pytest.warns(UserWarning, match=r"'custom_partitioning'.*read weight 'w'.*takes no "
+                      r"arrays it closes over.*compute the matmul outside the custom_partitioning") as ws:
+        jqt.calibrate(lambda w, x: mm(x, w), jqt.recipes.w8a8(), W, [(X,)], progress=False)
+    assert not any("jqt.quantize(g" in str(w.message) for w in ws)
+
+
 def test_a_python_list_batch_works_like_a_tuple():
     f = lambda w, xs: xs[0] @ w + xs[1] @ w
     x2 = 2 * X
@@ -1353,6 +1371,16 @@ def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
     conv_only = _messages(lambda: cal((dataclasses.replace(w8, key="w1", ops=("conv_general_dilated",)), w8)))
     assert any("rule 0 (Rule(key='w1')) decides no op: its key matches 'w1' (dot_general), but its "
                "ops=('conv_general_dilated',) leave out that primitive" in m for m in conv_only)
+    # ... unless a later rule of the same key decides it: a preset's rules re-keyed to one op,
+    # whose conv rule (symmetric=False) was warned of with advice that made the op's weight
+    # the conv rule's int4 sym per-channel (hunt51_mixedrules)
+    rekeyed = tuple(dataclasses.replace(r, key="^w1$")
+                    for r in jqt.recipes.w4(symmetric=False, group_size=32).rules) + (w8,)
+    assert rekeyed[0].ops == ("conv_general_dilated",)
+    p64 = {"w1": jnp.ones((64, 64)), "w2": jnp.ones((64, 2))}
+    cal64 = lambda: jqt.calibrate(f, jqt.Recipe(rules=rekeyed), p64, [(jnp.ones((2, 64)),)], progress=False)
+    assert not [m for m in _messages(cal64) if "decides no op" in m]
+    assert cal64()["w1"].rhs.qtype.describe() == "int4 asym g32"
 
 
 def test_a_rule_keyed_by_an_op_key_with_parentheses_copied_as_it_is_is_told_how_to_match_it():
@@ -1830,6 +1858,19 @@ def test_rule_settings_that_can_never_apply_are_refused():
         with pytest.raises(ValueError, match=msg):
             make()
     jqt.Rule(weight=W8, calibrator=C.MinMax())  # the default, named: nothing ignored
+    # a weight calibrator on a rule without weights or tables: warned (a preset's rule made
+    # float with dataclasses.replace keeps the preset's, which has no effect there)
+    for make in (lambda: jqt.Rule(key="head", weight=None, weight_calibrator=C.WeightMSE()),
+                 lambda: dataclasses.replace(jqt.recipes.w4(embeddings=False).rules[-1], key="head",
+                                             weight=None)):
+        with pytest.warns(UserWarning, match=r"Rule\(key='head', weight_calibrator=WeightMSE.*quantizes "
+                          r"neither \(weight=None, embedding=None\), so it has no effect.*"
+                          r"jqt.Rule\(key=..., weight=None\)"):
+            assert make().weight is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.Rule(weight=None, weight_calibrator=C.WeightMinMax())
+        jqt.Rule(embedding=W8, weight_calibrator=C.WeightMSE())  # the tables' ranges
     # embedding= on a rule whose ops= leave out lookups: the lookups it names stay float, said
     f = lambda p, ids, x: p["emb"][ids] @ p["w"] + x
     p = {"emb": jnp.ones((10, 4)), "w": jnp.ones((4, 4))}

@@ -227,6 +227,7 @@ class Analyzer:
         self._missed: dict = {}  # var -> buffers: the result of such a write
         self._missed_reads: set = set()  # buffers whose such results an op reads
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
+        self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
 
     def _use(self, info, what):
         if info.source is not None:
@@ -298,6 +299,8 @@ class Analyzer:
                 pending[maps[i]] = (i, set(self.used_keys), dict(self.counters))
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
+            if name.startswith("jqt_"):
+                self.jqt_prims.add(name)
             stack = _join(prefix, compat.name_stack(eqn))
             outs = None
             entry = OPS.get(eqn.primitive)
@@ -449,6 +452,12 @@ class Analyzer:
                                    "inside: to quantize these ops, compute the matmul outside "
                                    "the pallas_call, or write the kernel on integer codes "
                                    "yourself")
+                        if name == "custom_partitioning":  # takes no closed-over arrays
+                            fix = ("a custom_partitioning function takes no arrays it closes "
+                                   "over, and a quantized function closes over its qparams, so "
+                                   "jqt cannot run inside it: to quantize these ops, compute the "
+                                   "matmul outside the custom_partitioning (pass its result in), "
+                                   "or keep them float")
                         msg = (f"jqt: primitive '{name}' (at '{stack or '<top>'}') holds dot_general/conv "
                                f"ops that jqt cannot rewrite: they stay float, with no qparams{reads}. "
                                "jqt quantizes inside jit, closed_call, scan, while, cond, remat, shard_map and "

@@ -68,9 +68,16 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
     if not isinstance(batch, (tuple, list)):
         what = (f"an array of shape {tuple(batch.shape)}" if hasattr(batch, "shape")
                 else f"a {type(batch).__name__}")
+        hint = ""
+        if isinstance(batch, dict):  # a loader's keyword batches: f's arguments are positional
+            hint = (" Batches pass f's arguments by position, not by keyword: for f(p, x, mask) "
+                    "and dict batches d, batches = [(d['x'], d['mask']) for d in loader].")
+        elif i == 0 and hasattr(batch, "shape"):
+            hint = (" (For one batch (x,) passed as batches itself: batches=[(x,)], a list "
+                    "holding one tuple.)")
         raise CalibrationDataError(
             f"{fn}: batch {i} is {what}; each batch must be a tuple "
-            "of the remaining arguments of f, e.g. batches = [(x,) for x in xs].")
+            f"of the remaining arguments of f, e.g. batches = [(x,) for x in xs].{hint}")
     # a quantized cache (a step's output recorded as a batch) stands for its float buffer
     tree = jax.tree_util.tree_structure(tuple(batch), is_leaf=kvcache.is_cache)
     if first_tree is not None and tree != first_tree:
@@ -194,11 +201,10 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
         state = {**transformed, **{k: (qp, None) for k, qp in decided.items()}}
         return traced.run(args, Calibrate(recipe, observe_weights), state)[1]
 
+    from jax.sharding import PartitionSpec as P
     if mesh is None:
         step = local
     else:
-        from jax.sharding import PartitionSpec as P
-
         def step(params_t, batch, observe_weights, decided, transformed):
             n_dev = mesh.shape[data_axis]
             # a typed PRNG key of one draw (dropout's) goes whole to every device
@@ -217,7 +223,9 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                     raw_key = jnp.shape(leaf) == (2,) and jnp.result_type(leaf) == jnp.uint32
                     raise CalibrationDataError(
                         f"{where} has shape {jnp.shape(leaf)}; its leading (batch) axis must "
-                        f"divide evenly over the {n_dev} devices of mesh axis '{data_axis}'."
+                        f"divide evenly over the {n_dev} devices of mesh axis '{data_axis}'. "
+                        f"Give every batch a multiple of {n_dev} rows (a loader's last, smaller "
+                        "batch: drop it, drop_last=True; padding rows would enter the statistics)."
                         + (" A raw jax.random.PRNGKey? Pass a typed key (jax.random.key(seed)), "
                            "which every device is given whole." if raw_key else ""))
 
@@ -249,7 +257,28 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                          "which every device is given whole.")
                 raise
 
-    return jax.jit(step, static_argnums=2), last
+    jstep = jax.jit(step, static_argnums=2)
+    if mesh is None:
+        return jstep, last
+
+    def placed(params_t, batch, observe_weights, decided, transformed):
+        # a batch committed elsewhere (a loader's jax.device_put(x, device)) made the jitted
+        # step run there, and its shard_map over the mesh refused it, naming the params
+        n_dev = mesh.shape[data_axis]
+        split = lambda x: _onto(mesh, x, P()) if _one_key(x) else _onto(mesh, x, P(data_axis)) \
+            if jnp.ndim(x) and not jnp.shape(x)[0] % n_dev else x  # (else refused by name)
+        return jstep(params_t, jax.tree_util.tree_map(split, batch), observe_weights, decided,
+                     transformed)
+
+    return placed, last
+
+
+def _onto(mesh, x, spec):
+    """``x`` put on ``mesh`` as ``spec`` says where it is a ``jax.Array`` committed to other
+    devices than the mesh's (``jax.device_put(x, device)``); else as it is."""
+    if not (isinstance(x, jax.Array) and x.committed) or x.sharding.device_set == set(mesh.devices.flat):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _one_key(x) -> bool:
@@ -288,7 +317,10 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
     statics = set()  # ... and again for a batch of new static values: f(p, x, gain) may
-    # compute its weights from them (p["w"] * gain), which are then other weights
+    # compute its weights from them (p["w"] * gain), which are then other weights; where f
+    # computes a weight, that one is observed on every batch (p["w"] * x.shape[0] follows
+    # the input's shape), in one compiled step per shape as before
+    computes = False
     # non-array leaves (a config string f reads) reach f as they are, in params as in a batch
     params_t = tracing.mark_static(params_t)
     for i, batch in enumerate(bar):
@@ -296,18 +328,27 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         last["batch"] = i  # for the errors raised while tracing its step
         marked = tracing.mark_static(tuple(batch))
         static = jax.tree_util.tree_structure(marked)  # holds the static values
+        observe = not weights_seen or static not in statics or ("computed" if computes else False)
         try:
-            new = jstep(params_t, marked, not weights_seen or static not in statics, decided,
-                        transformed or {})
+            new = jstep(params_t, marked, observe, decided, transformed or {})
         except Exception as e:
             _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
-                  f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})")
+                  f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})"
+                  + (": the params and this batch are committed to different devices; put "
+                     "them on the same ones (jax.device_put), or pass either uncommitted"
+                     if "incompatible devices" in str(e) else ""))
             raise
         statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
-        for key, shape in tracing.computed_shapes(last["traced"]).items():
-            last.setdefault("computed", {}).setdefault(key, {}).setdefault(shape, i)
-        st = new if st is None else _accumulate(st, new)
+        computed = tracing.computed_shapes(last["traced"])
+        computes = computes or bool(computed)
+        for key, wshape in computed.items():
+            last.setdefault("computed", {}).setdefault(key, {}).setdefault(wshape, i)
+        if st is not None:  # weight ranges of two shapes do not merge: refused by name
+            _check_computed_shapes({k: np.shape(v.weight["min"]) for k, v in st.items()
+                                    if getattr(v, "weight", None) is not None},
+                                   last.get("computed", {}))
+        st = new if st is None else _accumulate(*compat.together(st, new))
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
     if st is None:
@@ -369,6 +410,17 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                          f"(axes {tuple(mesh.shape)}){one}.")
     argnums = normalize_argnums(weight_argnums)
     params_t = validate.weight_args(params, argnums, "jqt.calibrate")
+    if mesh is not None:  # params committed elsewhere: the qparams would be on the mesh, and
+        # not run with them (a quantized call or jqt.pack mixing the two placements fails)
+        away = [x for x in jax.tree_util.tree_leaves(params_t) if isinstance(x, jax.Array)
+                and x.committed and x.sharding.device_set != set(mesh.devices.flat)]
+        if away:
+            raise ValueError(
+                f"jqt.calibrate(mesh=...): the params are committed to devices "
+                f"{sorted(d.id for d in away[0].sharding.device_set)}, not the mesh's "
+                f"{sorted(d.id for d in mesh.devices.flat)}: put them on the mesh, "
+                "jax.device_put(params, NamedSharding(mesh, PartitionSpec())), where they and the "
+                "qparams then run together, or pass them uncommitted.")
     jstep, last = _step_fn(Tracer(f, argnums, "jqt.calibrate"), argnums, recipe, mesh, data_axis)
     validate.flags("jqt.calibrate", progress=progress, propagate=propagate)
     check_batches(batches)
@@ -391,7 +443,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
               for b in bufs}
     lookalikes = [l for l in analyzer.cache_lookalikes if l[4] not in missed]
     _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
-                    _buffers_named(analyzer.near_miss_buffers(), last["names"]))
+                    _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -400,7 +452,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     st = _weigh_unreached_layers(last["traced"], recipe, st, params_t, argnums, tf)
     dtypes = _leaf_dtypes(params_t, argnums)
     qparams = with_transforms(finalize(last["traced"], recipe, st, dtypes), tf)
-    _check_computed_shapes(qparams, last.get("computed", {}))
+    _check_computed_shapes(_scale_shapes(qparams), last.get("computed", {}))
     if not propagate:
         return weightcheck.record(tie_tables(qparams), params_t, argnums)
     # Error propagation: op k's activation range is re-calibrated with every op
@@ -422,22 +474,31 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     return weightcheck.record(tie_tables(qparams), params_t, argnums)
 
 
-def _check_computed_shapes(qparams, shapes):
-    """A quantized op whose weight ``f`` computes in a shape that differs between batches
-    (``{key: {shape: first batch}}``): its scales are measured on one of them only (a
-    weight is observed on the first batch)."""
+def _scale_shapes(qparams) -> dict:
+    """``{key: shape of its weight's scale}`` of the ops whose weight is quantized."""
+    out = {}
+    for key, p in qparams.items():
+        w = None if p.weight_operand is None else p.operand(p.weight_operand)
+        if w is not None and w.scale is not None:
+            out[key] = tuple(jnp.shape(w.scale))
+    return out
+
+
+def _check_computed_shapes(scales, shapes):
+    """A quantized op (``scales``: ``{key: the shape of its weight's scale or range}``)
+    whose weight ``f`` computes in a shape that differs between batches (``shapes``:
+    ``{key: {shape: first batch}}``): one set of scales cannot serve both (one scale too:
+    the weight's values differ)."""
     for key, seen in shapes.items():
-        p = qparams.get(key)
-        w = None if p is None or p.weight_operand is None else p.operand(p.weight_operand)
-        if len(seen) < 2 or w is None or w.scale is None:  # one scale too: it is measured
-            continue  # on the first batch's weight only (weights are observed once)
+        if len(seen) < 2 or key not in scales:
+            continue
         (a, i), (b, j) = list(seen.items())[:2]
         raise CalibrationDataError(
             f"jqt.calibrate: op '{key}' reads a weight f computes (no leaf of params reaches it "
             f"by layout ops alone) whose shape follows the inputs': {a} on batch {i}, {b} on "
             f"batch {j} (a relative-position matrix sized by the sequence length, or a weight "
             "tiled to the batch, jnp.tile(probe, [n, 1, 1]) @ w?). Its scales (shape "
-            f"{tuple(jnp.shape(w.scale))}) are measured on one of them only. Keep the batch out "
+            f"{scales[key]}) cannot serve both. Keep the batch out "
             "of the weight (multiply the untiled weight, and contract the product without a "
             "batch axis: einsum('qd,bkd->bqk', q, k), not q broadcast to the batch), calibrate "
             "once per length (one qparams per length), or keep the op float with a rule ahead "
@@ -478,11 +539,25 @@ def _loop_named(who, first) -> str:
 _NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first ones found
 
 
-def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
+def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=()):
     """Warns of a function without ops to quantize, of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
-    every op it matches)."""
+    every op it matches). ``jqt_prims``: jqt's primitives that f runs."""
+    listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
+    if not sites and jqt_prims:  # f is quantized already: the advice below would not apply
+        diagnostics.warn(f"jqt.calibrate: f has no op that jqt quantizes, and it runs jqt's own "
+                         f"primitives ({', '.join(sorted(jqt_prims))}): it is a function "
+                         "jqt.quantize returned, quantized already. Calibrate the float "
+                         "function (the f given to jqt.quantize).")
+        return
+    again = [s.key for s in sites if s.weight_operand is not None and s.source is None and not s.built]
+    if jqt_prims and again:  # the simulated path's fake-quantized weights, decoded 4-bit codes
+        diagnostics.warn(f"jqt.calibrate: f runs jqt's own primitives ({', '.join(sorted(jqt_prims))}), "
+                         f"and ops whose weight f computes ({listed(again)}): where that weight "
+                         "comes from jqt's primitives (a function jqt.quantize returned, with "
+                         "simulate=True, or a 4-bit or fp8 weight it decodes), it is quantized "
+                         "again. Calibrate the float function (the f given to jqt.quantize).")
     if not sites and not warned:  # (where the analysis warned, it said why ops stay float)
         diagnostics.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
                          "convolution, an embedding lookup from a weight, a key/value cache write): "
@@ -491,7 +566,6 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         return
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
-    listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
     built = {s.key for s in sites if s.built}  # always float: no rule to add for them
     unmatched = [k for k in keys if chosen[k] is None and k not in built]
     if unmatched:
@@ -605,8 +679,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=()):
         if r.key == ".*" and not (taken and dead):
             continue
         shadowed = bool(taken)
-        other = sorted({f"{s.key!r} ({s.op})" for s in sites
-                        if s.op not in r.ops and re.search(r.key, s.key)})
+        others = [s for s in sites if s.op not in r.ops and re.search(r.key, s.key)]
+        later = {id(e) for e in recipe.rules[i + 1:] if e.key == r.key}
+        if not taken and others and all(id(chosen[s.key]) in later for s in others):
+            continue  # one key's rules split by ops= (a preset's, re-keyed: its conv rule)
+        other = sorted({f"{s.key!r} ({s.op})" for s in others})
         if shadowed:
             by = sorted({j for j, e in enumerate(recipe.rules) if any(e is t for t in taken)})
             why = (f"every op it matches is taken by an earlier rule (rule "

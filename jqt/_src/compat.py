@@ -130,6 +130,50 @@ def zeros(shape, dtype, sharding=None):
         return jnp.zeros(shape, dtype, device=sharding)
 
 
+_OP_SCOPE = "jqt_op:"
+
+
+def op_scope(key):
+    """A name scope that marks the equations bound in it as op ``key``'s, for errors raised
+    while JAX differentiates them (:func:`scoped_op`); no equation parameter, so lowering
+    and compiled programs are shared across ops as before."""
+    return jax.named_scope(_OP_SCOPE + key)
+
+
+def scoped_op():
+    """The op key of the innermost :func:`op_scope` around the equation being evaluated
+    (JAX restores an equation's name stack when it differentiates a jaxpr), or ``None``.
+
+    >>> with op_scope("dense/kernel"):
+    ...     scoped_op()
+    'dense/kernel'
+    """
+    for e in reversed(source_info_util.current_name_stack().stack):
+        name = getattr(e, "name", "")
+        if isinstance(name, str) and name.startswith(_OP_SCOPE):
+            return name[len(_OP_SCOPE):]
+    return None
+
+
+def together(*trees):
+    """``trees`` with their arrays as host (NumPy) arrays where they are not all placed
+    alike (other devices, or meshes that differ: statistics of batches a loader put on
+    devices round-robin, a last batch on fewer devices), so that one jitted function can
+    take them, and its results are committed to no device (as from uncommitted inputs);
+    else as they are.
+
+    >>> import jax.numpy as jnp
+    >>> a, b = together(jnp.ones(2), jnp.zeros(2))
+    >>> a.devices() == b.devices()
+    True
+    """
+    arrays = [x for x in jax.tree_util.tree_leaves(trees) if isinstance(x, jax.Array)]
+    placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None)) for x in arrays}
+    if len(placed) <= 1:
+        return trees
+    return jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, trees)
+
+
 def replicated_if_split(*xs):
     """``out_sharding`` for a reduction of split rows into a small result (a Gram matrix, a
     histogram): replicated on the operand's mesh (an all-reduce) where an operand's type

@@ -361,6 +361,10 @@ class _Checked:
             if k in meta and meta[k] != str(self.header.get(k)):
                 raise self.error(f"its metadata says {k} {meta[k]!r} but its 'jqt' header says "
                                  f"{self.header.get(k)!r}")
+        v = self.version  # 2.0 == 2 and True == 1 in Python: a hand-edited header
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise self.error(f"its header's version is {json.dumps(v)}, where jqt writes an "
+                             "integer")
 
     def __enter__(self):
         return self

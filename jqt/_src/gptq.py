@@ -476,7 +476,7 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
         for batch in batches:
             out = jstep(marked, tracing.mark_static(tuple(batch)), flags)
             out = {k: out[k] for k in group}
-            acc = out if acc is None else jax.tree_util.tree_map(jnp.add, acc, out)
+            acc = out if acc is None else jax.tree_util.tree_map(jnp.add, *compat.together(acc, out))
         for key in group:
             site = site_of[key]
             src = site.source

@@ -125,7 +125,9 @@ def transformed(site, qp, i, x):
 class Calibrate:
     """Runs the float function and records each op's statistics (a
     :class:`~jqt._src.stats.SiteStats`: the rule's activation calibrator's state
-    and, while ``observe_weights``, the weight calibrator's range).
+    and, while ``observe_weights``, the weight calibrator's range: every weight's with
+    ``True``, with ``"computed"`` only those of weights ``f`` computes, which may follow
+    the input's shape).
 
     Ops with an ``(OpQParams, packed)`` entry in ``ctx.state_in`` (already
     calibrated, for error-propagating calibration) run simulated instead and
@@ -139,7 +141,7 @@ class Calibrate:
     collects = True
     differentiable = False
 
-    def __init__(self, recipe, observe_weights: bool):
+    def __init__(self, recipe, observe_weights):
         self.recipe = recipe
         self.observe_weights = observe_weights
 
@@ -160,7 +162,8 @@ class Calibrate:
         if at is not None and not at.dynamic:
             cal = rule.calibrator
             act = _observe(cal, invals[1 - w].astype(_F32))
-        if self.observe_weights:
+        if self.observe_weights is True or (self.observe_weights == "computed"
+                                            and site.source is None and not site.built):
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
                                          *weight_range_args(site, rule, invals[w].shape))
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
@@ -272,7 +275,13 @@ def lookup(ctx, site, invals):
             f"jqt: qparams['{site.key}'] describes a {qp.op} with weight operand "
             f"{qp.weight_operand}, but the function has a {site.op} with weight operand "
             f"{site.weight_operand} there. Re-calibrate for this function."
-            f"{diagnostics.einsum_order([site.name_stack or ''])}")
+            + (" Or the weight now depends on the data: where f computes it with a value "
+               "calibration was given as a Python number or NumPy array (static, so part of "
+               "the weight), this call traces that value (a jax array, or an argument of "
+               "jax.jit): pass it as calibration did (a Python number; jax.jit's "
+               "static_argnums), or bind it with functools.partial."
+               if qp.weight_operand is not None and site.weight_operand is None else "")
+            + f"{diagnostics.einsum_order([site.name_stack or ''])}")
     _check_source(site, qp)
     _check_real(site, qp, invals)
     for i in (0, 1):
@@ -621,13 +630,11 @@ def exact_sums(site, eqn, qp, packed, invals):
 
 
 def _codes(site, x, scale, zero_point, qtype):
-    """``x``'s integer codes for op ``site``; under ``jax.grad`` the error names the op."""
-    try:
+    """``x``'s integer codes for op ``site``; under ``jax.grad`` the error names the op
+    (from the equation's name scope: the derivative is asked for when JAX differentiates
+    the jaxpr, under ``jax.jit`` or a scan long after the op was traced)."""
+    with compat.op_scope(site.key):
         return nx.quantize(x, scale, zero_point, qtype)
-    except TypeError as e:
-        if "not differentiable" not in str(e):
-            raise
-        raise TypeError(f"op '{site.key}': {e}") from None
 
 
 def _check_accumulator(site, eqn, ops, wide):

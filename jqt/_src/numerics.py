@@ -370,6 +370,7 @@ compat.ad.defjvp(fake_quant_p, _jvp_x, _jvp_scale, _jvp_zero_point)
 
 def _no_jvp(primals, tangents, **params):
     raise TypeError(
+        (f"op '{compat.scoped_op()}': " if compat.scoped_op() else "") +
         "jqt_quantize (the integer path of jqt.quantize) is not differentiable: rounding to "
         "codes (int, fp8 or nf4) has no gradient. Differentiate the simulated path instead: "
         "jqt.quantize(f, qparams, simulate=True). For a call you do not train through (a "

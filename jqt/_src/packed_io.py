@@ -803,12 +803,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 f"{'int8 codes' if pw.qtype is None else pw.qtype.describe()}), "
                 "which these qparams keep float. They were packed with other qparams; re-run jqt.pack with these.")
         if pw.scale is None:  # a version-1 file's weight: int8 codes and sums, no scale or type
-            if not (q.qtype.kind == "int" and q.qtype.bits <= 8 and not q.qtype.group_size):
-                raise QParamsMismatchError(
-                    f"{fn}: the packed weight of op '{key}' holds codes in int8 without scales (a "
-                    f"jqt.packed version 1 file), but these qparams quantize it as "
-                    f"{q.qtype.describe()}. They were packed with other qparams; re-run jqt.pack "
-                    "with these.")
+            validate.refuse_v1(fn, key, pw.values, q.qtype)
         elif pw.qtype != q.qtype:
             have, want = pw.qtype.contrast(q.qtype)
             raise QParamsMismatchError(

@@ -272,6 +272,27 @@ def codes_problem(w: QArray) -> str:
     return ""
 
 
+def v1_problem(values, qtype) -> str:
+    """Why a version-1 file's packed weight (int8 codes, no scale or type: it takes the
+    qparams') cannot run as ``qtype``, or ``""``. Its codes must fit ``qtype``'s grid:
+    int8 codes under int4 qparams would run 18 times too large, without a word.
+
+    >>> import numpy as np, jqt
+    >>> v1_problem(np.array([-127, 127], np.int8), jqt.QuantType(bits=4))
+    'its codes reach [-127, 127], beyond the int4 sym per-tensor grid [-8, 7]'
+    """
+    if not (qtype.kind == "int" and qtype.bits <= 8 and not qtype.group_size):
+        return f"these qparams quantize it as {qtype.describe()}"
+    if values is None or compat.is_tracer(values) or not np.size(values):
+        return ""
+    v = np.asarray(values)
+    lo, hi = int(v.min()), int(v.max())
+    if lo < qtype.qmin or hi > qtype.qmax:
+        return (f"its codes reach [{lo}, {hi}], beyond the {qtype.describe()} grid "
+                f"[{qtype.qmin}, {qtype.qmax}]")
+    return ""
+
+
 QuantParams = QArray
 """The parameters of one operand in qparams: a :class:`QArray` without values (an alias).
 

@@ -18,7 +18,7 @@ from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
 from .validate import (boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
-                       weight_scale_problem)
+                       quantized_already, refuse_v1, weight_scale_problem)
 
 
 def _unpack(packed: PackedParams):
@@ -45,7 +45,7 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 "through the quantized ops that take its packed copy), but jqt.pack dropped it: "
                 "the qparams were calibrated on a function that read it only through those ops. "
                 "Calibrate this function (jqt.calibrate) and pack with its qparams, or pass the "
-                "float params.")
+                "float params." + quantized_already(traced))
     for s in traced.sites():
         src, p = s.source, qparams.get(s.key)
         if src is None or (src.arg, src.leaf) not in dropped or p is None:
@@ -152,7 +152,17 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
-def _with_packed(p, pw):
+def _check_v1_codes(qparams, args, argnums):
+    """:func:`_complete`'s check of a version-1 file's codes against the qparams' grid,
+    where they are concrete (an eager call)."""
+    for a in argnums:
+        if a < len(args) and isinstance(args[a], PackedParams):
+            for k in args[a].weights:
+                if k in qparams:
+                    _complete(k, args[a].weight(k), qparams[k])
+
+
+def _with_packed(key, p, pw):
     """An op's state: its qparams ``p`` and packed weight ``pw``; the activation divided by
     the smoothing vector the codes were multiplied by (as the codes run with their own
     scales), on the integer and the simulated path alike: with packed weights the vector
@@ -162,26 +172,30 @@ def _with_packed(p, pw):
     (``_check_folded``); passed to ``jax.jit`` as an argument they are not, and the op
     still gives its packed weight's results. With float weights the simulated path
     divides by the qparams' vector, which it differentiates."""
-    pw = _complete(pw, p)
+    pw = _complete(key, pw, p)
     if pw is not None and pw.smooth is not None and p.smooth is not None:
         p = dataclasses.replace(p, smooth=pw.smooth)
     return p, pw
 
 
-def _complete(pw, p):
+def _complete(key, pw, p):
     """A packed weight read from a version-1 file holds codes and sums only: its scale,
-    zero point and type are the qparams'."""
+    zero point and type are the qparams', whose grid its codes must fit."""
     if pw is None or pw.scale is not None or p.weight_operand is None:
         return pw
     q = p.operand(p.weight_operand)
-    return pw if q is None else dataclasses.replace(pw, scale=q.scale, zero_point=q.zero_point,
-                                                    qtype=q.qtype)
+    if q is None:
+        return pw
+    refuse_v1("jqt", key, pw.values, q.qtype)
+    return dataclasses.replace(pw, scale=q.scale, zero_point=q.zero_point, qtype=q.qtype)
 
 
 def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=None):
     """Returns ``f`` running with quantized ops: ``f``'s positional signature, the same
     outputs' structure. A keyword argument naming a positional parameter of ``f`` is put
-    in its place (so ``jax.jit(qf, static_argnames=...)`` works); keyword-only arguments
+    in its place (so ``jax.jit(qf, static_argnames=...)`` works; a ``functools.wraps``
+    wrapper's own parameters, the wrapped function's where it passes ``*args, **kwargs``
+    on); keyword-only arguments
     (``train=False`` through ``**kwargs``) are refused, naming them: bind them with
     ``functools.partial`` before calibrating, as the batches are positional.
 
@@ -288,7 +302,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 raise
             raise QParamsMismatchError(f"{e} {' '.join(notes)}") from None
         keys = [s.key for s in traced.sites()]
-        state = {k: _with_packed(qparams[k], packed.get(k))
+        state = {k: _with_packed(k, qparams[k], packed.get(k))
                  for k in keys if k in qparams}
         with diagnostics.grouped():
             outs = traced.run(args, handler, state)[0]
@@ -308,7 +322,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     def signature():
         if not read:
             try:
-                read.append(inspect.signature(f))
+                read.append(tracing.call_signature(f))
             except (TypeError, ValueError):  # a builtin or a callable without one
                 read.append(None)
         return read[0]
@@ -319,6 +333,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             args = _positional(f, signature(), args, kwargs)
         if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
+            _check_v1_codes(qparams, args, argnums)  # (inside the program they are traced)
             try:
                 return jitted(qparams, tracing.mark_static(list(args)))
             except (RuntimeError, ValueError) as e:  # a donated array: say which (a compiled

@@ -16,12 +16,16 @@ from typing import Optional
 import numpy as np
 
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax, WeightMSE
-from . import accumulator, kvcache
+from . import accumulator, diagnostics, kvcache
 from .formats import QuantType
 from .registry import NAMES as QUANTIZABLE_OPS
 
 # a Rule's fields that hold a jqt.QuantType (a rule that sets none keeps its ops float)
 TYPE_FIELDS = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
+
+
+_DERIVED = (" A rule made from a preset's with dataclasses.replace keeps the preset's "
+            "calibrators: to keep ops float, write a new rule, jqt.Rule(key=..., weight=None).")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +191,15 @@ class Rule:
                 "ranges, and this rule has none ("
                 + ("activation=None" if self.activation is None else "its activations are dynamic: "
                    "their scales come from each input at run time")
-                + "); drop calibrator=, or give a static activation type.")
+                + "); drop calibrator=, or give a static activation type." + _DERIVED)
+        if self.weight is None and self.embedding is None and self.weight_calibrator != WeightMinMax():
+            # warned, not refused: a preset's rule made float with dataclasses.replace keeps
+            # the preset's weight calibrator (the 4-bit presets' WeightMSE), harmlessly
+            diagnostics.warn(
+                f"jqt.Rule(key={self.key!r}, weight_calibrator={self.weight_calibrator!r}): a weight "
+                "calibrator finds the ranges of weights and embedding tables, and this rule "
+                "quantizes neither (weight=None, embedding=None), so it has no effect; drop "
+                "weight_calibrator=, or give a weight or embedding type." + _DERIVED)
 
         if self.weight is not None and self.embedding is None and set(self.ops) <= {"gather"}:
             raise ValueError(f"Rule(ops={self.ops}, weight=...): an embedding lookup's table takes "

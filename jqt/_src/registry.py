@@ -248,14 +248,14 @@ class RowLookup(Gather):
     def axis(eqn):
         """The table axis the slice indexes (its other axis read whole), or ``None``."""
         shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
-        if len(shape) != 2:
-            return None
+        if len(shape) != 2 or not all(isinstance(d, int) for d in (*shape, *sizes)):
+            return None  # (a symbolic dimension, jax.export's: data, never a weight table)
         return next((a for a in (0, 1) if sizes[a] == 1 and shape[a] > 1
                      and sizes[1 - a] == shape[1 - a]), None)
 
     def weight_operand(self, eqn, ins):
-        a = self.axis(eqn)
-        return 0 if a is not None and ins[0].weight and not ins[1 + a].weight else None
+        a = self.axis(eqn) if ins[0].weight else None
+        return 0 if a is not None and not ins[1 + a].weight else None
 
     def integer(self, site, eqn, ops, policy):
         a = self.axis(eqn)

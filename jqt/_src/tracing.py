@@ -259,11 +259,46 @@ def _unbound(f, n):
     return why
 
 
+def call_signature(f) -> inspect.Signature:
+    """The signature a call of ``f`` binds. ``inspect.signature`` follows a
+    ``functools.wraps`` wrapper's ``__wrapped__`` to the inner function even where the
+    wrapper takes other parameters (reordered, one added); that is read only for a
+    pass-through wrapper, ``*args`` (and ``**kwargs``) after the inner function's first
+    parameters (the decorators of jax.checkpoint, jax.vmap, custom_jvp; a logging
+    decorator's ``(*args)``). Raises as
+    ``inspect.signature`` does where ``f`` has none.
+
+    >>> import functools
+    >>> def g(p, x): return x
+    >>> @functools.wraps(g)
+    ... def swapped(x, p): return g(p, x)
+    >>> str(call_signature(swapped)), str(call_signature(functools.wraps(g)(lambda *a, **k: g(*a, **k))))
+    ('(x, p)', '(p, x)')
+    """
+    try:
+        own = inspect.signature(f, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return inspect.signature(f)
+    P = inspect.Parameter
+    if not any(q.kind == P.VAR_POSITIONAL for q in own.parameters.values()):
+        return own
+    try:
+        follow = inspect.signature(f)
+    except (TypeError, ValueError):
+        return own
+    # (its keyword-only parameters, a decorator's debug=False, are its own; its first
+    # parameters may be named otherwise: def w(params, *args, **kwargs) over f(p, x))
+    positional = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    named = [n for n, q in own.parameters.items() if q.kind in positional]
+    inner = [n for n, q in follow.parameters.items() if q.kind in positional]
+    return follow if len(named) <= len(inner) else own
+
+
 def _keyword_only(f) -> list:
     """The names of ``f``'s keyword-only arguments without a default (``[]`` where it
     has no signature to read)."""
     try:
-        params = inspect.signature(f).parameters.values()
+        params = call_signature(f).parameters.values()
     except (TypeError, ValueError):
         return []
     return [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
@@ -271,7 +306,7 @@ def _keyword_only(f) -> list:
 
 def _arg_names(f, n):
     try:
-        params = list(inspect.signature(f).parameters.values())
+        params = list(call_signature(f).parameters.values())
     except (TypeError, ValueError):
         params = []
     names = []

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from . import accumulator, compat, diagnostics, kvcache, layout
-from .qparams import OpQParams, PackedParams, calibrated_args, restored_bare
+from .qparams import OpQParams, PackedParams, calibrated_args, restored_bare, v1_problem
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
@@ -343,6 +343,29 @@ def check_alive(tree, fn: str, what: str):
             "rebuild the value.")
 
 
+def refuse_v1(fn, key, values, qtype):
+    """Raises :class:`jqt.QParamsMismatchError` where a version-1 file's packed weight of op
+    ``key`` (int8 ``values``, no scale or type recorded) cannot run as the qparams'
+    ``qtype`` (:func:`qparams.v1_problem`)."""
+    why = v1_problem(values, qtype)
+    if why:
+        raise QParamsMismatchError(
+            f"{fn}: the packed weight of op '{key}' holds int8 codes without scales (a "
+            f"jqt.packed version 1 file), but {why}. They were packed with other qparams; "
+            "re-run jqt.pack(qparams, params) with these.")
+
+
+def quantized_already(traced) -> str:
+    """A note where the function runs jqt's own primitives (a function jqt.quantize
+    returned: its integer path has no op to quantize, its simulated path other ops)."""
+    prims = traced.analyzer.jqt_prims
+    if not prims:
+        return ""
+    return (f" Here f runs jqt's own primitives ({', '.join(sorted(prims))}): is it a "
+            "function jqt.quantize returned, quantized already? Pass the float function (the "
+            "f given to jqt.quantize).")
+
+
 def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
     """Raises :class:`jqt.QParamsMismatchError` unless ``qparams`` has an entry for each op
     of the traced function and no other: the one check of :func:`jqt.quantize`,
@@ -391,7 +414,8 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
             f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}"
-            f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}")
+            f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}"
+            f"{quantized_already(traced)}")
     # an optional op without an entry stays float (qparams saved before jqt quantized caches
     # or scalar-index lookups)
     missing = [s.key for s in traced.sites()

@@ -1360,3 +1360,19 @@ def test_a_function_quantized_already_is_named_so():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert set(jqt.calibrate(g, jqt.recipes.w8a8(), ph, [(x,)], progress=False)) == {"head"}
+
+
+def test_load_packed_with_shardings_on_an_abstract_mesh_names_the_fix(tmp_path):
+    """device= built by jqt.packed_shardings on a jax.eval_shape template's AbstractMesh
+    ended in JAX's "is_fully_addressable is not implemented for AbstractMesh" (hunt51_packshard)."""
+    f = lambda p, x: x @ p["w"]
+    p, x = {"w": jnp.ones((8, 4))}, jnp.ones((2, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, p), qp)
+    mesh = jax.make_mesh((1,), ("model",))
+    with pytest.raises(TypeError, match=r"device= gives a sharding on an AbstractMesh.*concrete "
+                       r"jax.sharding.Mesh: device=lambda host: jqt.packed_shardings"):
+        jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp, host, mesh.abstract_mesh)[1])
+    loaded = jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp, host, mesh)[1])
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(loaded, x), jqt.quantize(f, qp)(p, x))

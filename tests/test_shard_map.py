@@ -781,3 +781,46 @@ def test_grad_of_a_grouped_preset_on_a_partially_manual_mesh(result_slow):
     over ``"model"`` only, eagerly on explicit axes (before: broadcast_in_dim's mesh error
     from ``jnp.repeat`` of the group scales)."""
     assert result_slow["partial_grad"]["rel"] < 0.2, result_slow["partial_grad"]
+
+
+def test_attention_projections_on_explicit_axes_without_a_context_mesh():
+    """``einsum('btd,dhe->bthe')`` with x split over 'data' and the packed weights split over
+    'model', on Explicit axes outside ``jax.set_mesh``: the (M, N) result's reshape to
+    (B, T, H, E) could not be typed (JAX's ShardingTypeError, naming no op), where the float
+    function runs (hunt51_packshard). A flattening JAX cannot type there ('bthe,hed->btd'
+    of heads split over 'model') raises a ValueError saying to use jax.set_mesh, under
+    which it runs."""
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np, jqt
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((2, 2), ("data", "model"))  # Explicit axes
+        rng = np.random.default_rng(0)
+        n = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32)
+        p = {"wv": n(16, 4, 8), "wo": n(4, 8, 16)}
+        proj = lambda p, x: jnp.einsum("btd,dhe->bthe", x, p["wv"])
+        f = lambda p, x: jnp.einsum("bthe,hed->btd", proj(p, x), p["wo"])
+        x = n(4, 6, 16) * 5
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        R = {}
+        for name, r in (("w8a8", jqt.recipes.w8a8()), ("w4", jqt.recipes.w4(group_size=8)), ("fp8", jqt.recipes.fp8())):
+            for g in (proj, f):
+                qp = jqt.calibrate(g, r, p, [(x,)], progress=False)
+                pk = jqt.pack(qp, p)
+                run = jax.jit(lambda qp, pk, x: jqt.quantize(g, qp)(pk, x))
+                want = run(qp, pk, x)
+                qps, pks = jax.device_put((qp, pk), jqt.packed_shardings(qp, pk, mesh))
+                try:
+                    y = run(qps, pks, xs)
+                    R[f"{name} {g is f} outside"] = float(jnp.abs(y - want).max() / jnp.abs(want).max())
+                except ValueError as e:
+                    R[f"{name} {g is f} outside"] = str(e)
+                with jax.set_mesh(mesh):
+                    y = run(qps, pks, xs)
+                R[f"{name} {g is f} inside"] = float(jnp.abs(y - want).max() / jnp.abs(want).max())
+        print("RESULT" + json.dumps(R))
+    """, 4)
+    for name in ("w8a8", "w4", "fp8"):
+        assert r[f"{name} False outside"] < 1e-5, r  # the projection: outside set_mesh too
+        assert r[f"{name} False inside"] < 1e-5 and r[f"{name} True inside"] < 1e-5, r
+    assert any(isinstance(v, str) and "Run the quantized function under `with jax.set_mesh(mesh):`" in v
+               for v in r.values()), r

@@ -156,11 +156,12 @@ def scoped_op():
 
 
 def together(*trees):
-    """``trees`` with their arrays as host (NumPy) arrays where they are not all placed
-    alike (other devices, or meshes that differ: statistics of batches a loader put on
-    devices round-robin, a last batch on fewer devices), so that one jitted function can
-    take them, and its results are committed to no device (as from uncommitted inputs);
-    else as they are.
+    """``trees`` with their committed arrays as host (NumPy) arrays where the arrays are
+    not all placed alike (other devices, or meshes that differ: statistics of batches a
+    loader put on devices round-robin, a last batch on fewer devices), so that one jitted
+    function can take them, and its results are committed to no device (as from
+    uncommitted inputs: a running sum, once merged so, is not copied again); else as they
+    are.
 
     >>> import jax.numpy as jnp
     >>> a, b = together(jnp.ones(2), jnp.zeros(2))
@@ -171,7 +172,31 @@ def together(*trees):
     placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None)) for x in arrays}
     if len(placed) <= 1:
         return trees
-    return jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, trees)
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.committed else x, trees)
+
+
+def reshape(x, shape):
+    """``x.reshape(shape)``; where JAX cannot type that reshape on explicit mesh axes
+    outside ``jax.set_mesh`` (it merges a dimension split over one axis with a minor one),
+    a ``ValueError`` that says to run under ``jax.set_mesh``, where it runs (a replicated
+    fallback would gather the operand without a word and give a result of another type,
+    which a scan's carry refuses).
+
+    >>> import jax.numpy as jnp
+    >>> reshape(jnp.ones((2, 3, 4)), (6, 4)).shape
+    (6, 4)
+    """
+    try:
+        return x.reshape(shape)
+    except Exception as e:  # jax's ShardingTypeError (not public)
+        if type(e).__name__ != "ShardingTypeError":
+            raise
+        raise ValueError(
+            f"jqt: a quantized op flattens its operand (here {jax.typeof(x).str_short()}, "
+            f"split over explicit mesh axes) into {tuple(shape)}, which JAX cannot type "
+            "outside a context mesh. Run the quantized function under `with "
+            "jax.set_mesh(mesh):`, where it runs.") from e
 
 
 def replicated_if_split(*xs):

@@ -91,8 +91,12 @@ class DenseAxes:
 
     def act_2d(self, x):
         # both sizes spelled out: with zero rows (an empty batch) -1 would be ambiguous
-        return jnp.transpose(x, self.x_free + self.x_contract).reshape(
-            math.prod(x.shape[d] for d in self.x_free), math.prod(x.shape[d] for d in self.x_contract))
+        # rows, then K: one reshape merging both groups cannot be typed on explicit mesh
+        # axes outside jax.set_mesh where the rows are split
+        m = math.prod(x.shape[d] for d in self.x_free)
+        kept = [x.shape[d] for d in self.x_contract]
+        rows = compat.reshape(jnp.transpose(x, self.x_free + self.x_contract), (m, *kept))
+        return compat.reshape(rows, (m, math.prod(kept)))
 
     def act_vec(self, a):
         """A keepdims per-row activation array -> ``(M, 1)`` (scalars stay scalars)."""
@@ -104,13 +108,17 @@ class DenseAxes:
         """``(M, N)`` result -> the dot_general's output layout."""
         xs = [x_shape[d] for d in self.x_free]
         ws = [w_shape[d] for d in self.w_free]
+        # M and N unflattened one at a time: a reshape splitting both (a (B, T, D) input times
+        # an attention projection (D, H, E)) cannot be typed on explicit mesh axes without a
+        # context mesh (jax.set_mesh), where M is split over one axis and N over another
         if self.w == 1:
-            return out2.reshape(xs + ws)
+            return compat.reshape(out2.reshape(xs + [out2.shape[1]]), xs + ws)
         # the transpose kept out of the matmul: XLA:CPU folded it into a float matmul of a
         # decoded weight (w4, nf4: nothing between them) as a dot contracting the weight's
         # first axis, which it runs on a slow generic path (equinox's Linear under two
         # vmaps: several times float32's time), where the transpose is one copy
-        return lax.optimization_barrier(out2).T.reshape(ws + xs)
+        t = lax.optimization_barrier(out2).T
+        return compat.reshape(t.reshape(ws + [t.shape[1]]), ws + xs)
 
 
 def group_order(contract):

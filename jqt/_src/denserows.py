@@ -133,7 +133,7 @@ def _batch(args, dims, **params):
     b = next(a.shape[d] for a, d, on in zip(args, dims, mapped) if on)
     xs = [jnp.moveaxis(a, d, 0) if on else a for a, d, on in zip(args[:k], dims, mapped)]
     m, kk = xs[0].shape[mapped[0]:]
-    merged = [jnp.broadcast_to(xs[0], (b, m, kk)).reshape(b * m, kk)]
+    merged = [compat.reshape(jnp.broadcast_to(xs[0], (b, m, kk)), (b * m, kk))]
     for a, on in zip(xs[1:], mapped[1:k]):  # one value for all rows, or per example, or per row
         if not on and a.ndim == 0:
             merged.append(a)

@@ -217,7 +217,8 @@ def is_zip(path, fn) -> bool:
                                 "that jqt.save or jqt.save_packed wrote.") from None
     except IsADirectoryError:
         raise IsADirectoryError(f"{fn}: {os.fspath(path)!s} is a folder; pass the path of the file "
-                                "in it (e.g. .../qparams.safetensors).") from None
+                                "in it (e.g. .../qparams.safetensors for jqt.load, "
+                                ".../model.safetensors for jqt.load_packed).") from None
     except OSError as e:
         raise type(e)(f"{fn}: {os.fspath(path)!s} cannot be read ({e.strerror or e}).") from None
 

@@ -229,8 +229,8 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         split) are traced split so, as ``jax.shard_map`` requires; the float leaves
         kept among them (a bias it takes split) are put so where ``device`` is None and
         the template's mesh is a concrete ``Mesh`` (a ``jax.eval_shape`` template holds an
-        ``AbstractMesh``: pass ``device=`` from :func:`jqt.packed_shardings`, which splits
-        them as recorded).
+        ``AbstractMesh``: pass ``device=`` from :func:`jqt.packed_shardings` on the
+        concrete ``Mesh``, which splits them as recorded).
       qparams: optional qparams to check the weights against (the op keys, the
         weights' shapes against the per-channel scales, and, when the file holds
         qparams too, that the weights were quantized with the same weight scales).
@@ -301,6 +301,13 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         check_packed(packed, qparams, fn=fn, packed_with=stored)
     if callable(device):
         device = device(packed)
+    abstract = [d for d in jax.tree_util.tree_leaves(device) if isinstance(
+        getattr(d, "mesh", None), jax.sharding.AbstractMesh)]
+    if abstract:  # (packed_shardings takes one: a jax.eval_shape template's mesh)
+        raise TypeError(f"{fn}: device= gives a sharding on an AbstractMesh, which places no "
+                        "array (a jax.eval_shape template's mesh?); build the shardings on the "
+                        "concrete jax.sharding.Mesh: device=lambda host: "
+                        "jqt.packed_shardings(qparams, host, mesh)[1], mesh the Mesh of devices.")
     return _put_once(packed, device, split=like is not None)
 
 

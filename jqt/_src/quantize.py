@@ -194,8 +194,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     """Returns ``f`` running with quantized ops: ``f``'s positional signature, the same
     outputs' structure. A keyword argument naming a positional parameter of ``f`` is put
     in its place (so ``jax.jit(qf, static_argnames=...)`` works; a ``functools.wraps``
-    wrapper's own parameters, the wrapped function's where it passes ``*args, **kwargs``
-    on); keyword-only arguments
+    wrapper's own parameters, the wrapped function's where it passes ``*args`` on);
+    keyword-only arguments
     (``train=False`` through ``**kwargs``) are refused, naming them: bind them with
     ``functools.partial`` before calibrating, as the batches are positional.
 

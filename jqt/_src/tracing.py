@@ -263,9 +263,9 @@ def call_signature(f) -> inspect.Signature:
     """The signature a call of ``f`` binds. ``inspect.signature`` follows a
     ``functools.wraps`` wrapper's ``__wrapped__`` to the inner function even where the
     wrapper takes other parameters (reordered, one added); that is read only for a
-    pass-through wrapper, ``*args`` (and ``**kwargs``) after the inner function's first
-    parameters (the decorators of jax.checkpoint, jax.vmap, custom_jvp; a logging
-    decorator's ``(*args)``). Raises as
+    pass-through wrapper: ``*args`` (and ``**kwargs``) after no more positional parameters
+    than the inner function has (the decorators of jax.checkpoint, jax.vmap, custom_jvp; a
+    logging decorator's ``(*args)``; ``(params, *args, **kwargs)``). Raises as
     ``inspect.signature`` does where ``f`` has none.
 
     >>> import functools

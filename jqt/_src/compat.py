@@ -176,6 +176,10 @@ def together(*trees):
         lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.committed else x, trees)
 
 
+class UntypedReshape(ValueError):
+    """:func:`reshape`'s error; the integer path's handler adds the op's key."""
+
+
 def reshape(x, shape):
     """``x.reshape(shape)``; where JAX cannot type that reshape on explicit mesh axes
     outside ``jax.set_mesh`` (it merges a dimension split over one axis with a minor one),
@@ -192,7 +196,7 @@ def reshape(x, shape):
     except Exception as e:  # jax's ShardingTypeError (not public)
         if type(e).__name__ != "ShardingTypeError":
             raise
-        raise ValueError(
+        raise UntypedReshape(
             f"jqt: a quantized op flattens its operand (here {jax.typeof(x).str_short()}, "
             f"split over explicit mesh axes) into {tuple(shape)}, which JAX cannot type "
             "outside a context mesh. Run the quantized function under `with "

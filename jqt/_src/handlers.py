@@ -756,4 +756,8 @@ def _integer_typed(out_aval, site, eqn, ops, policy):
     def kernel(parts):
         ops = [LayerView(*p) if v else p for p, v in zip(parts, views)]
         return site.entry.integer(site, eqn, ops, policy)[0]
-    return [compat.as_typed(kernel, out_aval, parts)]
+    try:
+        return [compat.as_typed(kernel, out_aval, parts)]
+    except compat.UntypedReshape as e:
+        raise ValueError(str(e).replace("jqt: a quantized op", f"jqt: op '{site.key}' ({site.op} "
+                                        f"at '{site.name_stack or '<top>'}')", 1)) from e

@@ -194,6 +194,11 @@ def test_keywords_bind_to_a_wrappers_own_parameters(setup):
     for w in (passthru, logged, flagged):
         qq = jqt.quantize(w, jqt.calibrate(w, jqt.recipes.w8a8(), p, [(x,)], progress=False))
         np.testing.assert_array_equal(qq(p, x=x), qq(p, x))
+    # a pass-through's own keyword-only parameter: told how such arguments reach f (it was
+    # "unexpected keyword argument 'debug'")
+    with pytest.raises(TypeError, match=r"keyword-only arguments \(\['debug'\]\) reach f only through "
+                       r"functools.partial"):
+        qq(p, x, debug=True)
 
 
 def test_recipe_validation():

@@ -291,7 +291,14 @@ def call_signature(f) -> inspect.Signature:
     positional = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
     named = [n for n, q in own.parameters.items() if q.kind in positional]
     inner = [n for n, q in follow.parameters.items() if q.kind in positional]
-    return follow if len(named) <= len(inner) else own
+    if len(named) > len(inner):
+        return own
+    # the wrapper's own keyword-only parameters are kept, so that a call naming one is told
+    # how keyword-only arguments reach f (functools.partial), not "unexpected keyword"
+    mine = [q for n, q in own.parameters.items() if q.kind == P.KEYWORD_ONLY and n not in follow.parameters]
+    params = list(follow.parameters.values())
+    at = next((i for i, q in enumerate(params) if q.kind == P.VAR_KEYWORD), len(params))
+    return follow.replace(parameters=params[:at] + mine + params[at:]) if mine else follow
 
 
 def _keyword_only(f) -> list:

@@ -551,7 +551,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "jqt.quantize returned, quantized already. Calibrate the float "
                          "function (the f given to jqt.quantize).")
         return
-    again = [s.key for s in sites if s.weight_operand is not None and s.source is None and not s.built]
+    again = [s.key for s in sites if s.computes_weight]
     if jqt_prims and again:  # the simulated path's fake-quantized weights, decoded 4-bit codes
         diagnostics.warn(f"jqt.calibrate: f runs jqt's own primitives ({', '.join(sorted(jqt_prims))}), "
                          f"and ops whose weight f computes ({listed(again)}): where that weight "

@@ -163,7 +163,7 @@ class Calibrate:
             cal = rule.calibrator
             act = _observe(cal, invals[1 - w].astype(_F32))
         if self.observe_weights is True or (self.observe_weights == "computed"
-                                            and site.source is None and not site.built):
+                                            and site.computes_weight):
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
                                          *weight_range_args(site, rule, invals[w].shape))
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}

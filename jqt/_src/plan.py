@@ -87,6 +87,12 @@ class Site:
     built: bool = False
     zero: bool = False  # the weight operand is all zeros by construction (a literal 0)
 
+    @property
+    def computes_weight(self) -> bool:
+        """Its weight operand is one ``f`` computes: no leaf of the weights reaches it by
+        layout ops alone, and it is not built from iota and literals."""
+        return self.weight_operand is not None and self.source is None and not self.built
+
     def batch_axes(self) -> tuple:
         """The weight operand's ``dot_general`` batch axes."""
         if self.op != "dot_general" or self.weight_operand is None:

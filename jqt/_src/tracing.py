@@ -205,7 +205,7 @@ def computed_shapes(traced) -> dict:
     one sized by an input's length (relative positions) is another weight at another
     length."""
     return {s.key: tuple(s.eqn.invars[s.weight_operand].aval.shape) for s in traced.sites()
-            if s.weight_operand is not None and s.source is None and not s.built}
+            if s.computes_weight}
 
 
 def refuse_mutable(x, path, fn):

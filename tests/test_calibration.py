@@ -865,7 +865,7 @@ def test_recipe_validation_errors():
         jqt.Rule(weight=jqt.QuantType(bits=12), activation=ASYM8)
     with pytest.raises(ValueError, match="int8"):
         jqt.Rule(weight=jqt.QuantType(bits=9, per_channel=True))
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="activation x activation ops take 2 to 8 bits"):
         jqt.Rule(weight=INT8_WEIGHT, act_x_act=jqt.QuantType(bits=16, dynamic=True))
     with pytest.raises(TypeError, match="Calibrator"):
         jqt.Rule(weight=INT8_WEIGHT, activation=ASYM8, calibrator=object())
@@ -1045,6 +1045,33 @@ def test_propagate_recalibrates_the_first_static_op_after_a_quantized_one():
     s, z = nx.params_from_range(min(h.min() for h in hs), max(h.max() for h in hs), W4A4.rules[0].activation)
     np.testing.assert_allclose(prop["w2"].lhs.scale, s, rtol=1e-5)
     assert float(prop["w2"].lhs.scale) != float(plain["w2"].lhs.scale)
+
+
+def test_propagate_keeps_the_first_range_of_an_op_its_own_pass_does_not_reach():
+    """A lax.cond whose choice flips once the op before it is quantized: op 'b', taken on
+    the float model, runs on no batch in its own pass. It went float without a word; it
+    now keeps the first pass's range, with a warning naming it."""
+    p = {"a": _normal(0, (16, 16), 0.25), "b": _normal(1, (16, 16), 0.25), "c": _normal(2, (16, 16), 0.25)}
+    x = _normal(3, (8, 16))
+    r = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=2, narrow_range=True, per_channel=True),
+                                   activation=jqt.QuantType(bits=2, symmetric=False)),))
+    first = lambda p, x: x @ p["a"]
+    qa = jqt.calibrate(first, r, p, [(x,)], progress=False)
+    sf = float(jnp.abs(first(p, x)).sum())
+    sq = float(jnp.abs(jqt.quantize(first, qa, simulate=True)(p, x)).sum())
+    assert abs(sf - sq) > 1e-3 * sf
+    thr, sign = (sf + sq) / 2, 1.0 if sf > sq else -1.0
+
+    def f(p, x):
+        h = x @ p["a"]
+        return lax.cond(sign * jnp.abs(h).sum() > sign * thr, lambda h: h @ p["b"],
+                        lambda h: jnp.tanh(h) @ p["c"], h)
+    plain = jqt.calibrate(f, r, p, [(x,)], progress=False)
+    with pytest.warns(UserWarning, match=r"propagate=True\): op 'b' ran on no batch once the ops "
+                                         r"before it were quantized.*keeps the range the first pass"):
+        prop = jqt.calibrate(f, r, p, [(x,)], progress=False, propagate=True)
+    assert not prop["b"].is_float and prop["c"].is_float
+    _assert_tree_equal(prop["b"], plain["b"], "b keeps the first pass's range")
 
 
 def test_weight_argnums_out_of_order_repeated_or_numpy():

@@ -791,6 +791,26 @@ def test_groups_longer_than_head_dim_take_one_group_per_head(f):
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), a), sim, rtol=1e-5, atol=1e-5)
 
 
+def test_a_weight_laid_out_head_dim_first_is_told_where_its_groups_run():
+    """The output projection with its weight laid out (head_dim, heads, out), einsum
+    'dhm': its groups run along heads, the innermost contracted axis there (4 long under
+    group_size=32: 12 bits a weight). The warning's advice was only "a group size that
+    divides 4"; it now names the longer axis to lay out last. An hdm weight: no warning."""
+    a = jnp.asarray(RNG.standard_normal((6, 1, HEADS, HEAD_DIM)), jnp.float32)
+    dhm = lambda p, a: jnp.einsum("bthd,dhm->btm", a, p["wo"])
+    p = {"wo": jnp.transpose(WO, (1, 0, 2))}
+    with pytest.warns(UserWarning, match=r"op 'wo' .*it gets group_size=4, .*or lay the weight out "
+                                         r"with its axis 0 \(length 64\) as the last of its "
+                                         r"contracted axes.*einsum '...hd,hdm->...m'"):
+        qp = jqt.calibrate(dhm, jqt.recipes.w4(group_size=32), p, [(a,)], progress=False)
+    assert qp["wo"].rhs.qtype.group_size == HEADS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hdm = jqt.calibrate(out_proj_einsum, jqt.recipes.w4(group_size=32), {"wo": WO}, [(a,)],
+                            progress=False)
+    assert hdm["wo"].rhs.qtype.group_size == 32
+
+
 def test_a_contraction_that_fits_one_group_is_per_channel():
     """``group_size`` at least the whole contraction (heads x head_dim = 256) on an output
     projection: one scale per output channel is one group, no coarser than asked, and the

@@ -393,6 +393,49 @@ def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
     assert float(jnp.abs(out[3:, 1] - free[3:, 1]).max()) > 1e-3  # changed at step 3
 
 
+def teacher_bounded(p, tokens, stop):
+    """teacher as equinox's ``while_loop(kind="bounded")`` runs a loop: a scan over the
+    steps that copies its carry and runs each step under a ``lax.cond`` (the identity once
+    ``pos`` reaches ``stop``), the logits collected in a carried buffer (not a cache)."""
+    n = tokens.shape[1]
+
+    def step(cache, pos, logs):
+        tok = lax.dynamic_index_in_dim(tokens, pos, 1, False)
+        logits, cache = _step(p, cache, tok, pos, _dus)
+        return cache, pos + 1, logs.at[pos].set(logits)
+
+    def body(carry, _):
+        carry = jax.tree_util.tree_map(jnp.copy, carry)
+        return lax.cond(carry[1] < stop, step, lambda *c: c, *carry), None
+    return lax.scan(body, (_empty(), jnp.int32(0), jnp.zeros((n, B, V))), None, length=n)[0][2]
+
+
+def test_a_cache_copied_under_a_cond_in_a_scan_stays_quantized(setup):
+    """A copy of the carried cache (equinox's bounded while_loop copies its carry) was
+    read as a use of a float buffer: the integer path decoded the cache there, and the
+    cond's branches then returned a quantized and a float cache, which lax.switch refused
+    (a JAX pytree error naming no op); the copied logits buffer counted as read, so it
+    was quantized as a cache. Copies now pass the cache on quantized, and do not read."""
+    p, cal, x = setup
+    rec = jqt.recipes.w8a8_dynamic(kv_cache=True)
+    stop = jnp.int32(100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(teacher_bounded, rec, p, [(c[0], stop) for c in cal], progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 2  # keys and values, not logits
+    carried = _carry_avals(jqt.quantize(teacher_bounded, qp), p, x, stop)
+    assert [str(a.dtype) for a in carried if a.ndim == 5 and a.dtype != jnp.float16] == ["int8"] * 2
+    assert [a for a in carried if a.shape == (x.shape[1], B, V)][0].dtype == jnp.float32
+    out = jax.jit(jqt.quantize(teacher_bounded, qp))(jqt.pack(qp, p), x, stop)
+    np.testing.assert_allclose(out, jqt.quantize(teacher_bounded, qp, simulate=True)(p, x, stop),
+                               rtol=1e-5, atol=1e-5)
+    free = jqt.quantize(teacher, jqt.calibrate(teacher, rec, p, cal, progress=False))(p, x)
+    np.testing.assert_allclose(out, free, rtol=1e-5, atol=1e-5)
+    short = jax.jit(jqt.quantize(teacher_bounded, qp))(p, x, jnp.int32(3))  # the identity taken
+    np.testing.assert_allclose(short[:3], free[:3], rtol=1e-5, atol=1e-5)
+    assert not jnp.any(short[3:])
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 @pytest.mark.slow_variants

@@ -244,6 +244,59 @@ def test_a_function_without_ops_to_quantize_is_said(setup):
     with pytest.warns(UserWarning, match="jqt.calibrate: f has no op that jqt quantizes"):
         assert jqt.calibrate(lambda p, x: x * p["s"], jqt.recipes.w8a8(), {"s": jnp.ones(32)},
                              batches, progress=False) == {}
+    # a matmul whose weight has no elements is left float unkeyed: said, not "no dot_general"
+    with pytest.warns(UserWarning, match=r"no op that jqt quantizes .*\(Its 1 op\(s\) whose weight "
+                                         r"has no elements, a block of width 0, stay float"):
+        assert jqt.calibrate(lambda p, x: x[:, :0] @ p["w"], jqt.recipes.w8a8(),
+                             {"w": jnp.ones((0, 8))}, batches, progress=False) == {}
+
+
+def test_weight_arguments_no_op_reads_a_weight_from_are_said():
+    """weight_argnums naming an argument that holds no weight any op reads (a Keras
+    stateless_call's empty non_trainable list, the token ids): every matmul is an activation
+    x activation op, kept float; that was silent, the quantized function running f in float."""
+    f = lambda p, x, w: jnp.tanh(x @ w) @ w.T
+    p, x, w = {"scale": jnp.ones(3)}, jnp.ones((2, 4)), jnp.ones((4, 3)) * 0.1
+    two = lambda p, q, x, w: f(p, x, w) * q["s"]
+    for g, argnums, params, batch, where in ((f, 0, p, (x, w), "argument 0"),
+                                             (two, (0, 1), (p, {"s": 2.0}), (x, w), "arguments 0, 1")):
+        with pytest.warns(UserWarning, match=re.escape(f"jqt.calibrate: no op of f reads a weight "
+                                                       f"from its weight {where} (weight_argnums): its 2 "
+                                                       "op(s)") + ".*pass its position as weight_argnums"):
+            qp = jqt.calibrate(g, jqt.recipes.w8a8(), params, [batch], weight_argnums=argnums,
+                               progress=False)
+        assert all(op.is_float for op in qp.values())
+    with warnings.catch_warnings():  # the weights named: no word; act_x_act= asked for: no word
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(p, x)], weight_argnums=2, progress=False)
+        assert not any(op.is_float for op in qp.values())
+        jqt.calibrate(lambda p, x: (x @ x.T) * p["s"], jqt.recipes.w8a8_dynamic(act_x_act=True),
+                      {"s": jnp.ones(())}, [(x,)], progress=False)
+
+
+def test_array_likes_that_are_not_arrays_are_refused_naming_the_value_to_pass():
+    """An object JAX reads through __jax_array__ (a keras.Variable, model.trainable_variables
+    passed as the weights) was taken by calibrate as a static leaf, so f read its current
+    value as a constant: no weight traced, jqt.pack then failed inside JAX. calibrate, pack,
+    quantize and a batch now refuse it, saying to pass its value."""
+    class Var:  # as keras.Variable: an array to JAX, unhashable
+        def __init__(self, v):
+            self.value = v
+        def __jax_array__(self):
+            return self.value
+        __hash__ = None
+    f = lambda p, x: x @ p["w"]
+    w, x = jnp.ones((4, 3)) * 0.1, jnp.ones((2, 4))
+    fix = r"is a Var, an array-like JAX reads through __jax_array__.*Pass its value \(v.value"
+    with pytest.raises(TypeError, match=r"jqt.calibrate: params\['w'\] " + fix):
+        jqt.calibrate(f, jqt.recipes.w8a8(), {"w": Var(w)}, [(x,)], progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), {"w": w}, [(x,)], progress=False)
+    with pytest.raises(TypeError, match=r"jqt.pack: params\['w'\] " + fix):
+        jqt.pack(qp, {"w": Var(w)})
+    with pytest.raises(TypeError, match=r"argument \[0\]\['w'\] of f " + fix + r"[^B]*$"):
+        jqt.quantize(f, qp)({"w": Var(w)}, x)
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] " + fix):
+        jqt.calibrate(f, jqt.recipes.w8a8(), {"w": w}, [(Var(x),)], progress=False)
 
 
 def test_batches_of_the_wrong_form_name_the_fix(setup):
@@ -475,6 +528,19 @@ def test_string_flags_are_refused_by_every_public_function():
     assert jqt.quantize(f, qp, simulate=np.bool_(True))(p, x).shape == (2, 4)  # NumPy bools are bools
 
 
+def test_a_preset_refuses_a_bad_group_size_naming_its_own_argument():
+    """A bad ``group_size`` named ``QuantType(group_size=...)``, a field the user never wrote;
+    the error now names the preset and its argument, and every preset reads None and NumPy
+    integers as before."""
+    for name, v in (("w4", -3), ("w8a8", "a"), ("nf4", 3.5), ("w4a8", True), ("w8", -1)):
+        with pytest.raises(ValueError, match=re.escape(f"jqt.recipes.{name}(group_size={v!r}): "
+                                                       "expected 0 (one scale per output channel)")):
+            getattr(jqt.recipes, name)(group_size=v)
+    assert jqt.recipes.w8(group_size=np.int64(32)).rules[0].weight.group_size == 32
+    assert jqt.recipes.nf4(group_size=None).rules[0].weight.describe() == "nf4 sym per-channel"
+    assert jqt.recipes.w4a8(group_size=None).rules[-1].weight.group_size == 0
+
+
 def test_a_weight_whose_contracted_axis_changed_size_is_refused(tmp_path):
     """A weight grown along its contracted axis keeps its per-channel scale's shape (1, N):
     the float-params path ran it with the old scales and ``jqt.pack`` packed it, without a
@@ -654,6 +720,11 @@ def test_qparams_passed_where_the_weights_go_are_named():
         with pytest.raises(TypeError, match=r"argument 0 of the quantized function holds "
                            r"jqt.OpQParams where f takes its weights: are the arguments swapped"):
             call(qp, x)
+        # packed params and the data swapped: JAX's "string indexing" error, and jqt's note
+        with pytest.raises(TypeError, match=r"argument 1 of the quantized function is a "
+                           r"jqt.PackedParams, but the quantized function takes weights from "
+                           r"argument\(s\) \[0\] .*are the arguments swapped"):
+            call(x, jqt.pack(qp, p))
 
 
 def test_packed_params_where_no_weights_go_are_named():
@@ -682,6 +753,25 @@ def test_packed_params_where_no_weights_go_are_named():
     with pytest.raises(TypeError, match=r"cannot reshape") as got:
         jqt.quantize(h, qh)(p, x, packed)
     assert "jqt.PackedParams" not in str(got.value)
+
+
+def test_pack_of_another_same_shaped_weight_argument_is_told_argnum_first():
+    """f(a, b, x) with weight_argnums=(0, 1) and a, b of one structure (online and target
+    networks): jqt.pack(qp, b) without argnum=1 packs b as argument 0's weights; where b does
+    not fit a's grid the advice was only to re-calibrate or pass clip=True (which packs b on
+    a's scales). It now says to pass the other argument's argnum= first."""
+    f = lambda a, b, x: jnp.tanh(x @ a["w"]) @ b["w"]
+    a = {"w": jnp.linspace(-0.3, 0.3, 64).reshape(8, 8)}
+    b = {"w": jnp.linspace(-0.6, 0.6, 64).reshape(8, 8)}
+    x = jnp.linspace(-1, 1, 32).reshape(4, 8)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), (a, b), [(x,)], weight_argnums=(0, 1), progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"does not fit the grid .*if they are the "
+                       r"weights of another argument of f \(the qparams hold those of arguments "
+                       r"\[0, 1\]; argnum=0 packs argument 0's\), pass its argnum=; else re-calibrate"):
+        jqt.pack(qp, b)
+    packed = jqt.pack(qp, b, argnum=1)
+    np.testing.assert_allclose(jqt.quantize(f, qp, weight_argnums=(0, 1))(a, packed, x),
+                               jqt.quantize(f, qp, weight_argnums=(0, 1))(a, b, x), atol=1e-6)
 
 
 def test_a_stack_of_models_passed_whole_is_told_to_vmap():

@@ -1082,6 +1082,24 @@ def test_a_nan_from_a_quantized_variant_fails_the_budget_instead_of_stopping_the
         jqt.fallback(f, jqt.recipes.w8a8(), p, batches, lambda g: math.nan, max_drop=0.5)
 
 
+def test_a_metric_infinite_on_f_at_its_good_end_is_refused():
+    """An SQNR of g's outputs against f's is +inf for f itself: every drop is infinite, so
+    fallback spent its trials and said "budget NOT met" with advice (more trials, a larger
+    max_drop, to=None) that could not help, and sensitivity ranked every op inf. Refused up
+    front now; infinite at the bad end (-inf, higher_is_better) is a score as before."""
+    f, p, batches, err = _three_layers()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    sqnr = lambda g: -10 * math.log10(err(g)) if err(g) > 0 else math.inf
+    fix = r"returned inf for f itself, so every quantized variant falls infinitely short.*finite on f"
+    with pytest.raises(ValueError, match="jqt.fallback: the metric " + fix):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, batches, sqnr, max_drop=3.0)
+    with pytest.raises(ValueError, match="jqt.sensitivity: the metric " + fix):
+        jqt.sensitivity(f, qp, sqnr)
+    with pytest.raises(ValueError, match=r"returned -inf for f itself"):
+        jqt.sensitivity(f, qp, lambda g: -sqnr(g), higher_is_better=False)
+    assert len(jqt.sensitivity(f, qp, lambda g: -sqnr(g)).rows) == 3  # -inf at the bad end
+
+
 def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_ops():
     """8 ops, the last two reading an outlier: rank='sensitivity' under max_trials=6
     measured 4 ops alone, ranked the others (the outlier's among them) last, and its one

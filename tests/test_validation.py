@@ -1485,6 +1485,27 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     assert not [m for m in cal(R.w4().rules) if "decides no op" in m]
 
 
+def test_packed_shardings_names_the_leaf_a_leaves_spec_does_not_fit():
+    """A leaves= spec with more entries than the leaf's rank, or an axis the mesh lacks, is
+    refused naming the leaf and the rule's fix (it failed later in JAX's device_put, naming
+    neither)."""
+    f = lambda p, x: x @ p["w"] + p["b"]
+    p = {"w": jnp.ones((4, 8)) * 0.1, "b": jnp.zeros(8)}
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    packed = jqt.pack(qp, p)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    P = jax.sharding.PartitionSpec
+    with pytest.raises(ValueError, match=r"leaves= gives the kept leaf 'b' \(shape \(8,\)\) the spec "
+                                         r"P\(None, 'model'\), which has 2 entries for 1 "
+                                         r"dimensions; change the leaves= rule"):
+        jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P(None, "model"))])
+    with pytest.raises(ValueError, match=r"kept leaf 'b' .*does not fit the mesh \{'model': 1\}:"
+                                         r".*'data'.*; change the leaves= rule"):
+        jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P("data"))])
+    _, out = jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P("model"))])
+    assert out.leaves[0].spec == P("model")
+
+
 def test_packed_shardings_rules_that_decide_nothing_are_said():
     f = lambda p, x: x @ p["attn"]["w"] + p["attn"]["b"]
     p = {"attn": {"w": jnp.ones((4, 8)) * 0.1, "b": jnp.zeros(8)}}

@@ -228,6 +228,7 @@ class Analyzer:
         self._missed_reads: set = set()  # buffers whose such results an op reads
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
         self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
+        self.empty_ops = 0  # quantizable ops whose weight has no elements (left float, unkeyed)
 
     def _use(self, info, what):
         if info.source is not None:
@@ -317,7 +318,8 @@ class Analyzer:
             picked = kvcache.is_buffer_select(
                 eqn, ins, None if compat.is_literal(eqn.invars[0]) else made_by.get(eqn.invars[0])) \
                 if name == "select_n" else False
-            if not cache_write and not view and not picked and eqn.primitive not in HIGHER_ORDER:
+            if not cache_write and not view and not picked and eqn.primitive not in HIGHER_ORDER \
+                    and not kvcache.is_plain_copy(eqn):
                 # a loop body's reads (loops: inside their bodies); a write of part of a
                 # buffer's vectors does not read it
                 skip = 1 if entry is not None and entry.is_cache else 0
@@ -333,7 +335,9 @@ class Analyzer:
             elif name == "convert_element_type" and ins[0].buffer:
                 self._converted[eqn.outvars[0]] = (eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype,
                                                    ins[0].buffer)
-            if entry is not None and entry.is_site(eqn, ins) and not _empty(entry, eqn, ins):
+            empty = entry is not None and entry.is_site(eqn, ins) and _empty(entry, eqn, ins)
+            self.empty_ops += empty
+            if entry is not None and entry.is_site(eqn, ins) and not empty:
                 site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
                 if entry.is_cache and shape is not None:  # still the reshaped buffer
                     outs = [VarInfo(False, unflat=(ins[0].buffer, ins[0].writes + (site.key,), shape))]

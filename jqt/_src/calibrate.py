@@ -94,9 +94,7 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
                 "and transform the function jqt.quantize returns instead.")
         why = tracing.untraceable(leaf)
         if why is not None:
-            raise CalibrationDataError(
-                f"{where} is {why}. Bind it with functools.partial (f2 = functools.partial(f, "
-                "...)) and calibrate and quantize f2, or pass an array.")
+            raise CalibrationDataError(f"{where} is {why}." + tracing.untraceable_fix(leaf))
         if isinstance(leaf, (int, float, complex)):  # static, but may scale the data
             leaf = np.asarray(leaf)
         elif tracing.is_static(leaf) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -443,7 +441,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
               for b in bufs}
     lookalikes = [l for l in analyzer.cache_lookalikes if l[4] not in missed]
     _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
-                    _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims)
+                    _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
+                    argnums, analyzer.empty_ops)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -468,8 +467,18 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
             st_k = _run_pass(jstep, last, params_t, batches, decided, f"jqt.calibrate [{key}]", progress, tf)
             st_k = _weigh_unreached_layers(last["traced"], recipe, st_k, params_t, argnums, tf, {key})
             with diagnostics.captured():  # the first finalize warned already
-                qparams[key] = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]},
-                                                        dtypes), tf)[key]
+                new = with_transforms(finalize(last["traced"], recipe, {**st, key: st_k[key]},
+                                               dtypes), tf)[key]
+            if new.is_float and not qparams[key].is_float:  # not reached in its own pass
+                diagnostics.warn(
+                    f"jqt.calibrate(propagate=True): op '{key}' ran on no batch once the ops "
+                    "before it were quantized (a lax.cond, select or loop whose choice follows "
+                    "the values takes another way in the quantized model): it keeps the range "
+                    "the first pass, with every op float, gave it. An op that pass never "
+                    "reached stays float, warned of above: calibrate with batches that reach "
+                    "both ways.")
+            else:
+                qparams[key] = new
         decided[key] = qparams[key]
     return weightcheck.record(tie_tables(qparams), params_t, argnums)
 
@@ -524,6 +533,22 @@ def _aval_name(aval) -> str:
     return f"{np.dtype(aval.dtype).name}{list(aval.shape)}"
 
 
+def _longer_contracted(site, shape, ax) -> str:
+    """The advice for a weight whose groups are cut short by its innermost contracted axis
+    while another contracted axis is longer (an output projection laid out ``(head_dim,
+    heads, out)``, einsum ``dhm``: its groups run along ``heads``): lay that axis out last."""
+    if ax is None or site.op == "gather":
+        return ""
+    ax = ax % len(shape)
+    other = max((a for a in site.contract[site.weight_operand] if a != ax),
+                key=lambda a: shape[a], default=None)
+    if other is None or shape[other] <= shape[ax]:
+        return ""
+    return (f"; or lay the weight out with its axis {other} (length {shape[other]}) as the "
+            f"last of its contracted axes, where the groups run (a (heads, head_dim, out) "
+            f"weight, einsum '...hd,hdm->...m', not (head_dim, heads, out))")
+
+
 def _loop_named(who, first) -> str:
     """The loop of a cache look-alike's ``who`` (``"a lax.scan at '<top>' carries"``) for
     the sentence about other loops: "another" where it reads as ``first``'s.
@@ -539,8 +564,10 @@ def _loop_named(who, first) -> str:
 _NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first ones found
 
 
-def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=()):
-    """Warns of a function without ops to quantize, of ops that no rule matches (they stay
+def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
+                    argnums=(0,), empty_ops=0):
+    """Warns of a function without ops to quantize, of one whose ops read no weight from
+    the weight argument(s) ``argnums``, of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches). ``jqt_prims``: jqt's primitives that f runs."""
@@ -562,10 +589,26 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
         diagnostics.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
                          "convolution, an embedding lookup from a weight, a key/value cache write): "
                          "the qparams are empty and jqt.quantize runs f in float. docs/supported-ops.md "
-                         "lists the ops; jax.make_jaxpr(f) shows f's.")
+                         "lists the ops; jax.make_jaxpr(f) shows f's."
+                         + (f" (Its {empty_ops} op(s) whose weight has no elements, a block of "
+                            "width 0, stay float: their products are exact zeros.)"
+                            if empty_ops else ""))
         return
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
+    data_only = [s.key for s in sites if not s.entry.is_cache]
+    if (data_only and not warned and all(s.weight_operand is None for s in sites)
+            and not any(chosen[k] is not None and chosen[k].act_x_act is not None for k in data_only)):
+        where = (f"argument {argnums[0]}" if len(argnums) == 1 else
+                 f"arguments {', '.join(map(str, argnums))}")
+        diagnostics.warn(f"jqt.calibrate: no op of f reads a weight from its weight {where} "
+                         f"(weight_argnums): its {len(data_only)} op(s) ({listed(data_only)}) "
+                         "multiply values computed from the other arguments, activation x "
+                         "activation ops, and stay float. If f's weights are in another "
+                         "argument, pass its position as weight_argnums (a tuple for several, "
+                         "weight_argnums=(0, 1), with params a tuple of them), to jqt.calibrate "
+                         "and jqt.quantize alike; a rule's act_x_act= quantizes activation x "
+                         "activation ops.")
     built = {s.key for s in sites if s.built}  # always float: no rule to add for them
     unmatched = [k for k in keys if chosen[k] is None and k not in built]
     if unmatched:
@@ -1037,7 +1080,8 @@ def _decide(site, rule, st, leaf_dtypes):
                           "which sets no act_x_act=" if _typed(rule) else
                           "activation x activation op kept float by a rule of its key, which sets "
                           "no type" if rule.key != ".*" else
-                          "activation x activation op (set Rule(act_x_act=...) to quantize)")
+                          "activation x activation op, no operand from the weight argument(s) "
+                          "alone (set Rule(act_x_act=...) to quantize)")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)
@@ -1138,6 +1182,7 @@ def _decide(site, rule, st, leaf_dtypes):
     quiet = (ax is None and rule.ops != (site.op,)) or (ax is not None and k <= wt.group_size)
     if eff != wt and not quiet:
         where = ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
+        longer = _longer_contracted(site, shape, ax)
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
@@ -1150,7 +1195,7 @@ def _decide(site, rule, st, leaf_dtypes):
                                      f"{eff.group_size}, {span}); it gets group_size={eff.group_size}, {per} "
                                      "(finer than asked: more scales). "
                                      f"Pick a group size that divides {eff.group_size}, or a Rule "
-                                     "for this key.", f"'{site.key}'")
+                                     f"for this key{longer}.", f"'{site.key}'")
         else:
             if ax is None:
                 why, fix = (f"a {site.op} weight takes no groups", "This rule with "
@@ -1158,7 +1203,7 @@ def _decide(site, rule, st, leaf_dtypes):
             else:
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
-                fix = "Pick a group size that divides it, or a Rule for this key."
+                fix = f"Pick a group size that divides it, or a Rule for this key{longer}."
             diagnostics.warn_grouped(("groups", why), f"{cannot} ({why}); it gets one scale per "
                                      f"output channel. {fix}", f"'{site.key}'")
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)

@@ -342,6 +342,14 @@ def write(eqn, invals, update_index, qtype):
     return [dataclasses.replace(buf, values=put(buf.values, u.values), scale=put(buf.scale, u.scale))]
 
 
+def is_plain_copy(eqn) -> bool:
+    """An identity on every operand (``copy``, ``stop_gradient``, an
+    ``optimization_barrier``; equinox's loops copy their carry): a cache under it is the
+    same cache, passed on quantized, and the copy does not read it."""
+    return (eqn.primitive.name in ("copy", "copy_p", "stop_gradient", "optimization_barrier")
+            and len(eqn.invars) == len(eqn.outvars))
+
+
 def is_buffer_view(eqn) -> bool:
     """A ``transpose`` that keeps the last axis last, or a :func:`is_read_view` op whose
     output has its operand's shape. A cache under it is the same cache, its codes and

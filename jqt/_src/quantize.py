@@ -17,7 +17,7 @@ from .qparams import OpQParams, PackedParams, calibrated_args, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import (boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
+from .validate import (array_like, boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
                        quantized_already, refuse_v1, weight_scale_problem)
 
 
@@ -373,6 +373,18 @@ def _trace(tracer, args, argnums, qparams=None):
                 "f as they are: pass jqt.quantize the weight_argnums jqt.calibrate was given, "
                 f"which name argument{'s' if len(want) > 1 else ''} "
                 f"{', '.join(map(str, want))} (the qparams' ops read weights there).") from e
+        # qf(x, packed) for f(p, x): packed params of these qparams' ops where no weight
+        # argument has their structure (not packed params f hands to a quantized g of its own)
+        shaped = {jax.tree_util.tree_structure(args[a]) for a in argnums if a < len(args)}
+        astray = [a for a in range(len(args)) if a not in argnums and a not in want
+                  and isinstance(args[a], PackedParams) and args[a].treedef not in shaped
+                  and set(args[a].weights) <= set(qparams or {})]
+        if astray and not given:
+            raise TypeError(
+                f"{type(e).__name__}: {e}\njqt: argument {astray[0]} of the quantized function "
+                f"is a jqt.PackedParams, but the quantized function takes weights from "
+                f"argument(s) {list(argnums)} and hands argument {astray[0]} to f as it is: are "
+                "the arguments swapped? Pass the packed params where f takes its weights.") from e
         if not given:
             raise
         raise TypeError(
@@ -531,6 +543,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     check_alive(params, "jqt.pack", "params")
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         tracing.refuse_mutable(x, path_str(path), "jqt.pack")
+        if array_like(x) is not None:
+            raise TypeError(f"jqt.pack: params{jax.tree_util.keystr(path)} is {array_like(x)}.")
     check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()
@@ -618,8 +632,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
             "(LoRA adapters under a Rule(..., weight=None)), that is all there is to do: pass "
             f"it to f as it is; otherwise pass argnum={min(other_args)} to pack those.")
     _refuse_nans(nans)
+    several = sorted(other_args | {argnum})
     weightcheck.finish(checks, lambda p, src: BY_NAME[p.op].grid_operand(
-        src, p, apply_chain(flat[src.leaf], src.chain)))
+        src, p, apply_chain(flat[src.leaf], src.chain)), fix=weightcheck.PACK_FIX if not other_args
+        else f"if they are the weights of another argument of f (the qparams hold those of "
+        f"arguments {several}; argnum={argnum} packs argument {argnum}'s), pass its argnum=; "
+        "else " + weightcheck.PACK_FIX)
     if unpackable:
         diagnostics.warn(f"jqt.pack: ops {unpackable} read weights that are not leaves of params "
                          "reached by layout ops (constants, values computed from several leaves or "

@@ -164,7 +164,8 @@ class Rule:
                              "in int8; use bits <= 8 (int16 is for activations).")
         if self.act_x_act is not None and self.act_x_act.bits > 8:
             raise ValueError(f"Rule(act_x_act=QuantType(bits={self.act_x_act.bits})): "
-                             "activation x activation ops are int8 x int8; use bits <= 8.")
+                             "activation x activation ops take 2 to 8 bits (or fp8, dtype='float8_e4m3fn'); "
+                             "use bits <= 8.")
         if not isinstance(self.calibrator, Calibrator):
             raise TypeError(f"Rule(calibrator={self.calibrator!r}): expected a "
                             "jqt.calibrators.Calibrator such as jqt.calibrators.Percentile(99.99).")
@@ -377,6 +378,17 @@ def _embedding(embeddings, bits, group_size=0, table=None):
     return table if table is not None else _int_weight(bits, group_size)
 
 
+def _groups(preset, v):
+    """A preset's ``group_size`` (0 or ``None``: per channel), checked here so that the error
+    names the preset's argument, not the QuantType field it fills."""
+    if isinstance(v, np.integer):
+        v = int(v)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise ValueError(f"jqt.recipes.{preset}(group_size={v!r}): expected 0 (one scale per "
+                         "output channel) or a positive group length such as 128.")
+    return v or 0
+
+
 def _flag(name, v):
     """A preset's boolean argument ``name``, checked (``None`` or ``"no"`` are not taken by
     their truth value)."""
@@ -426,6 +438,7 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
     >>> jqt.recipes.w8a8(smooth=0.5).rules[0].smooth
     0.5
     """
+    group_size = _groups("w8a8", group_size)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(8, group_size),
                               activation=QuantType(bits=8, symmetric=act_symmetric),
@@ -466,6 +479,7 @@ def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, 
     >>> jqt.recipes.w8().rules[0].activation is None
     True
     """
+    group_size = _groups("w8", group_size)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(8, group_size), activation=None,
                               embedding=_embedding(embeddings, 8, group_size), awq=awq, rotate=rotate,
@@ -509,6 +523,7 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     >>> jqt.recipes.w4a8(rotate=True).rules[0].rotate
     True
     """
+    group_size = _groups("w4a8", group_size)
     if group_size and not _flag("per_channel", per_channel):
         raise ValueError(f"w4a8(group_size={group_size}, per_channel=False): groups lie within each "
                          "output channel, so a grouped weight is per channel; drop per_channel=False "
@@ -542,6 +557,7 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     >>> jqt.recipes.w4(awq=True).rules[0].awq
     True
     """
+    group_size = _groups("w4", group_size)
     return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
                               embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
@@ -560,7 +576,7 @@ def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None
     >>> jqt.recipes.nf4().rules[0].weight.describe(), jqt.recipes.nf4(group_size=0).rules[0].weight.describe()
     ('nf4 sym g64', 'nf4 sym per-channel')
     """
-    t = QuantType(dtype="nf4", group_size=group_size or 0, per_channel=True)  # 0 or None: per channel
+    t = QuantType(dtype="nf4", group_size=_groups("nf4", group_size), per_channel=True)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=t, activation=None, embedding=_embedding(embeddings, 4, table=t),
                               awq=awq,

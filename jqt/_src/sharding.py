@@ -58,6 +58,24 @@ def _warn_unused(name, rules, used, names, what, note="", float_ops=()):
                              f"nothing: {why}.")
 
 
+def _check_leaf_spec(path, spec, aval, mesh):
+    """Refuses a ``leaves=`` spec that cannot place the kept leaf at ``path`` (more entries
+    than its rank, an axis the mesh lacks, a size the axis does not divide), naming the leaf;
+    JAX's own error, raised later by device_put, names neither leaf nor rule."""
+    shape = tuple(getattr(aval, "shape", np.shape(aval)))
+    fix = "change the leaves= rule, or add an earlier rule for this leaf (None replicates it)"
+    if len(spec) > len(shape):
+        raise ValueError(f"jqt.packed_shardings: leaves= gives the kept leaf '{path}' "
+                         f"(shape {shape}) the spec {spec}, which has {len(spec)} entries for "
+                         f"{len(shape)} dimensions; {fix}.")
+    try:
+        NamedSharding(mesh, spec).shard_shape(shape)
+    except ValueError as e:
+        raise ValueError(f"jqt.packed_shardings: leaves= gives the kept leaf '{path}' "
+                         f"(shape {shape}) the spec {spec}, which does not fit the mesh "
+                         f"{dict(mesh.shape)}: {e}; {fix}.") from None
+
+
 def _free_axes(op: OpQParams, ndim: int, depth: int):
     """Axes of the weight operand (after ``depth`` stacked axes) that are neither
     contracted nor batch: the output features."""
@@ -304,6 +322,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
     leaf_sh = []
     for i, x in zip(packed.kept, packed.leaves):
         spec = _first_match(leaves, paths[i], None, used_leaves)
+        if spec is not None:
+            _check_leaf_spec(paths[i], spec, packed.avals[i], mesh)
         spec = _recorded_split(packed.avals[i], mesh) if spec is None else spec
         leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
     _warn_unused("ops", ops, used_ops, [k for k, op in qparams.items() if not op.is_float],

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, diagnostics, inplace, kvcache
+from . import compat, diagnostics, inplace, kvcache, validate
 from .analysis import Analyzer, path_str
 from .hops import enter_call, leave_call
 from .interpreter import Ctx, eval_jaxpr
@@ -110,6 +110,8 @@ def untraceable(leaf) -> str | None:
                 "booleans and PRNG keys can)")
     if isinstance(leaf, (np.ndarray, np.generic)):
         return None
+    if validate.array_like(leaf) is not None:
+        return validate.array_like(leaf)
     try:
         hash(leaf)
     except TypeError:
@@ -117,6 +119,15 @@ def untraceable(leaf) -> str | None:
                 "non-array argument to f as a static value, like jax.jit's static_argnums, "
                 "and a static value must be hashable)")
     return None
+
+
+def untraceable_fix(leaf) -> str:
+    """The advice after :func:`untraceable`'s reason: bind the value with functools.partial
+    (not for an array-like, whose reason says to pass its value)."""
+    if validate.array_like(leaf) is not None:
+        return ""
+    return (" Bind it with functools.partial (f2 = functools.partial(f, ...)) and calibrate "
+            "and quantize f2, or pass an array.")
 
 
 def is_static(leaf) -> bool:
@@ -177,10 +188,8 @@ def check_traceable(args, where="jqt"):
             list(args), is_leaf=lambda x: isinstance(x, Static))[0]:
         why = untraceable(leaf)
         if why is not None:
-            raise TypeError(
-                f"{where}: argument {jax.tree_util.keystr(path)} of f is {why}. Bind it "
-                "with functools.partial (f2 = functools.partial(f, ...)) and calibrate and "
-                "quantize f2, or pass an array.")
+            raise TypeError(f"{where}: argument {jax.tree_util.keystr(path)} of f is {why}."
+                            + untraceable_fix(leaf))
 
 
 def signature(traced) -> tuple:

@@ -51,11 +51,12 @@ def _check_metric(metric, fn):
         raise TypeError(f"{fn}: metric cannot be called as metric(g) ({e}); {how}") from None
 
 
-def _value(metric, g, fn, what):
+def _value(metric, g, fn, what, sign=None):
     """``metric(g)`` as a float; a ``TypeError`` or ``ValueError`` naming the metric where it
     is not one finite-or-infinite number. NaN is an error for ``f`` itself only: for a
     quantized variant it is that variant's score (quantization made a NaN: it fails any
-    budget)."""
+    budget). So is an infinite score for ``f`` at the good end (``sign``: 1 where higher is
+    better, -1 where lower is): every drop from it is infinite (an SQNR of g against f)."""
     try:
         v = metric(g)
     except Exception as e:  # in the user's metric or f: say what g was
@@ -80,6 +81,13 @@ def _value(metric, g, fn, what):
     if math.isnan(v) and what == "f itself":
         raise ValueError(f"{fn}: the metric returned NaN for {what}; check the metric function "
                          "(it must return a float score).")
+    if sign is not None and math.isinf(v) and v * sign > 0:
+        raise ValueError(f"{fn}: the metric returned {v} for {what}, so every quantized variant "
+                         "falls infinitely short of it and no drop can be measured (an SQNR or "
+                         "a ratio of g's outputs to f's is infinite for f itself). Pass a metric "
+                         "that is finite on f: an accuracy, a loss, or the error against labels "
+                         "or f's outputs as a negated mean squared error (with "
+                         "higher_is_better=True) or a mean squared error (False).")
     return v
 
 
@@ -186,7 +194,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     _check_metric(metric, "jqt.sensitivity")
     once = _Once()
     score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity", once)
-    m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself")
+    m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself",
+                     1.0 if higher_is_better else -1.0)
     try:
         m_q = score(qparams)
     except QParamsMismatchError as e:
@@ -436,7 +445,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              "key='.*')); to keep ops out of the search, keep them float with "
                              "jqt.Rule(key=..., weight=None) ahead of the recipe's rules.")
     sign = 1.0 if higher_is_better else -1.0
-    m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself")
+    m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself", sign)
     score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)
     trials = []
 

@@ -638,12 +638,35 @@ def _renamed_argument(extra, keys, qparams, prefixes) -> str:
             "decorator without functools.wraps). Keep f's signature, or re-calibrate.")
 
 
+def array_like(leaf) -> str | None:
+    """Why ``leaf``, an object JAX reads as an array through ``__jax_array__`` (a
+    ``keras.Variable``) but not an array, cannot be an argument leaf of ``f``: jqt would
+    pass it as a static value, whose current value f then reads as a constant; ``None``
+    for anything else, and for the references :func:`tracing.refuse_mutable` names (a
+    ``jax.Ref``, an nnx hijax Variable)."""
+    if isinstance(leaf, (jax.Array, jax.Ref)) or not hasattr(type(leaf), "__jax_array__"):
+        return None
+    if type(leaf).__name__ == "HijaxVariable" or type(getattr(leaf, "aval", None)).__name__ == "AbstractVariable":
+        return None
+    return (f"a {type(leaf).__name__}, an array-like JAX reads through __jax_array__ (a "
+            "keras.Variable?), not an array: jqt would pass it to f as a static value and f "
+            "would read its current value as a constant. Pass its value (v.value, or "
+            "jnp.asarray(v)); for a Keras model's variables, jqt.from_keras(model) gives f and "
+            "params")
+
+
 def check_float_params(params_t, fn: str):
-    """Raises ``TypeError`` when a weight argument is a :class:`jqt.PackedParams`: ``fn``
-    runs the float function on the float weights (``params_t``: one per weight argnum)."""
+    """Raises ``TypeError`` when a weight argument is a :class:`jqt.PackedParams` (``fn``
+    runs the float function on the float weights; ``params_t``: one per weight argnum), or
+    holds an array-like that is not an array (:func:`array_like`)."""
     if any(isinstance(p, PackedParams) for p in params_t):
         raise TypeError(f"{fn}: params are jqt.PackedParams (from jqt.pack or jqt.load_packed); "
                         f"{fn} runs the float model, so pass the float params they were packed from.")
+    one = len(params_t) == 1
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params_t[0] if one else tuple(params_t))[0]:
+        why = array_like(leaf)
+        if why is not None:
+            raise TypeError(f"{fn}: params{jax.tree_util.keystr(path)} is {why}.")
 
 
 def flags(fn: str, **values):

@@ -458,12 +458,12 @@ def check(qparams, params_t, argnums, fn):
     finish(pending, lambda p, src: _grid_operand(p, leaf_of[id(p)]), fn, fix=fix)
 
 
-_PACK_FIX = ("re-calibrate with them (jqt.calibrate(f, recipe, params, batches)), or pass "
+PACK_FIX = ("re-calibrate with them (jqt.calibrate(f, recipe, params, batches)), or pass "
              "jqt.pack(..., clip=True) to pack them as they are (e.g. weights fine-tuned with these "
              "qparams through the simulated path, which clips them the same way).")
 
 
-def finish(pending, grid_operand, fn="jqt.pack", fix=_PACK_FIX):
+def finish(pending, grid_operand, fn="jqt.pack", fix=PACK_FIX):
     """Raises :class:`QParamsMismatchError` for the first weight of ``pending`` (from
     :func:`start`) that reaches further than its calibration allows, or less than
     :data:`SHRUNK` of the part of the grid its calibrated weight's codes spanned;

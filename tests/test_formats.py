@@ -329,6 +329,20 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
 
 
+def test_types_that_read_alike_are_told_apart_where_a_tie_fails():
+    """fp8's advice to give both ops one weight type, followed with a rule's own
+    QuantType(dtype="int8") (narrow_range=False, the preset's table True): the warning named
+    two types that read the same. It now names the field that differs."""
+    q8 = jqt.QuantType(dtype="int8", per_channel=True)
+    r = jqt.Recipe(rules=(jqt.Rule(key="^emb#1$", weight=q8, activation=jqt.QuantType(dtype="int8")),
+                          *jqt.recipes.fp8().rules))
+    qp = jqt.calibrate(tied, r, P, [(IDS,)], progress=False)
+    with pytest.warns(UserWarning, match=re.escape(
+            "the lookup's type is int8 sym per-channel (narrow_range=True), the matmul's int8 sym "
+            "per-channel (narrow_range=False): its codes are stored twice")):
+        assert jqt.pack(qp, P).tied == ()
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
     """A product VQ's 3-D codebook (an einsum of codebooks and their rows' lookup) was
@@ -799,9 +813,10 @@ def test_a_weight_laid_out_head_dim_first_is_told_where_its_groups_run():
     a = jnp.asarray(RNG.standard_normal((6, 1, HEADS, HEAD_DIM)), jnp.float32)
     dhm = lambda p, a: jnp.einsum("bthd,dhm->btm", a, p["wo"])
     p = {"wo": jnp.transpose(WO, (1, 0, 2))}
-    with pytest.warns(UserWarning, match=r"op 'wo' .*it gets group_size=4, .*or lay the weight out "
-                                         r"with its axis 0 \(length 64\) as the last of its "
-                                         r"contracted axes.*einsum '...hd,hdm->...m'"):
+    with pytest.warns(UserWarning, match=r"op 'wo' .*it gets group_size=4, .*or, if its axis 0 "
+                                         r"\(length 64\) is the head_dim of an attention output "
+                                         r"projection laid out \(head_dim, heads, out\).*lay it out "
+                                         r"\(heads, head_dim, out\) \(einsum '...hd,hdm->...m'\)"):
         qp = jqt.calibrate(dhm, jqt.recipes.w4(group_size=32), p, [(a,)], progress=False)
     assert qp["wo"].rhs.qtype.group_size == HEADS
     with warnings.catch_warnings():
@@ -809,6 +824,18 @@ def test_a_weight_laid_out_head_dim_first_is_told_where_its_groups_run():
         hdm = jqt.calibrate(out_proj_einsum, jqt.recipes.w4(group_size=32), {"wo": WO}, [(a,)],
                             progress=False)
     assert hdm["wo"].rhs.qtype.group_size == 32
+    # an hdm and a dhm weight each taking a smaller group: two warnings, each with its
+    # own group size and advice (one was said to hold for the other, "the same")
+    both = lambda p, a: out_proj_einsum({"wo": p["wo"]}, a) + dhm({"wo": p["wt"]}, a)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(both, jqt.recipes.w4(group_size=128), {"wo": WO, "wt": p["wo"]}, [(a,)],
+                           progress=False)
+    said = [str(w.message) for w in ws if "cannot take group_size=128" in str(w.message)]
+    assert [qp[k].rhs.qtype.group_size for k in ("wo", "wt")] == [HEAD_DIM, HEADS]
+    assert len(said) == 2 and "The same holds" not in said[0], said
+    assert f"it gets group_size={HEAD_DIM}," in said[0] and "lay it out" not in said[0]
+    assert "'wt'" in said[1] and f"it gets group_size={HEADS}," in said[1] and "lay it out" in said[1]
 
 
 def test_a_contraction_that_fits_one_group_is_per_channel():

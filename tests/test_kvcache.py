@@ -436,6 +436,35 @@ def test_a_cache_copied_under_a_cond_in_a_scan_stays_quantized(setup):
     assert not jnp.any(short[3:])
 
 
+def teacher_fenced(p, tokens):
+    """teacher with each step's cache passed through an ``optimization_barrier`` and a
+    ``stop_gradient`` before the step writes and reads it."""
+    def body(carry, tok):
+        cache, pos = carry
+        cache = lax.stop_gradient(lax.optimization_barrier(cache))
+        logits, cache = _step(p, cache, tok, pos, _dus)
+        return (cache, pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
+def test_a_barrier_and_a_gradient_stop_on_the_cache_hold_on_its_codes(setup):
+    """A copy passes the cache on quantized; an optimization_barrier or a stop_gradient
+    on it was dropped there (the cache passed on as it came), losing what f asked of
+    XLA and of the gradient. Both now apply to the cache's codes and scales."""
+    p, cal, x = setup
+    qp = jqt.calibrate(teacher_fenced, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal,
+                       progress=False)
+    run = jqt.quantize(teacher_fenced, qp)
+    eqns = list(all_eqns(jax.make_jaxpr(run)(jqt.pack(qp, p), x)))
+    fenced = {e.primitive.name: [str(v.aval.dtype) for v in e.invars] for e in eqns
+              if e.primitive.name in ("optimization_barrier", "stop_gradient")}
+    assert fenced["optimization_barrier"].count("int8") == 2, fenced  # keys and values
+    assert "int8" in [str(e.invars[0].aval.dtype) for e in eqns if e.primitive.name == "stop_gradient"]
+    free = jqt.quantize(teacher, jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True),
+                                               p, cal, progress=False))(p, x)
+    np.testing.assert_allclose(run(jqt.pack(qp, p), x), free, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 @pytest.mark.slow_variants

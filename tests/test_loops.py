@@ -562,3 +562,25 @@ def test_a_data_dependent_while_loop_inside_shard_map_calibrates():
     x = jax.random.normal(jax.random.key(1), (4, 8))
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     np.testing.assert_allclose(jqt.quantize(f, qp)(p, x), f(p, x), atol=0.05)
+
+
+@pytest.mark.parametrize("recipe", ["w8", "w8a8"])
+def test_a_scan_over_no_layers_runs_on_packed_weights(recipe):
+    """A lax.scan over a stack of 0 layers (its body traced, never run): the packed
+    path sliced layer 0 of the empty stack and failed inside JAX at trace time, and
+    calibration said the op's activation 'was 0', where the op never ran."""
+    def f(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w"])
+        return h @ p["out"]
+    p = {"w": jnp.ones((0, 8, 8)), "out": jnp.ones((8, 4)) * 0.1}
+    x = jnp.linspace(-1, 1, 16).reshape(2, 8)
+    rec = getattr(jqt.recipes, recipe)()
+    if recipe == "w8a8":
+        with pytest.warns(UserWarning, match=r"op 'w' \(dot_general at '<top>'\) never ran on the "
+                                             r"calibration data \(.*a lax.scan of length 0"):
+            qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+        assert qp["w"].is_float and not qp["out"].is_float
+    else:
+        qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    out = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
+    np.testing.assert_allclose(out, f(p, x), rtol=0.02, atol=0.02)

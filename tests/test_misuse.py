@@ -273,6 +273,46 @@ def test_weight_arguments_no_op_reads_a_weight_from_are_said():
         jqt.calibrate(lambda p, x: (x @ x.T) * p["s"], jqt.recipes.w8a8_dynamic(act_x_act=True),
                       {"s": jnp.ones(())}, [(x,)], progress=False)
 
+        def attend(p, xs):  # attention alone, over a quantized cache: no weight to look for
+            def step(cache, i):
+                cache = jax.lax.dynamic_update_slice(cache, xs[i][None], (i, 0))
+                return cache, jax.nn.softmax(cache @ xs[i]) @ cache
+            return jax.lax.scan(step, jnp.zeros_like(xs), jnp.arange(xs.shape[0]))[1] * p["s"]
+        qp = jqt.calibrate(attend, jqt.recipes.w8a8_dynamic(kv_cache=True), {"s": jnp.ones(())},
+                           [(jnp.ones((5, 4)),)], progress=False)
+        assert any(k.startswith("kv_cache") for k in qp)
+
+
+def test_weights_a_loop_carries_and_copies_are_named():
+    """A weight in a loop's carry that the body copies (equinox's loops copy their carry;
+    here jnp.copy and an optimization_barrier) is data to jqt: its matmul stayed float,
+    silently where f had other weights, and where it was f's only one the warning said to
+    pass the weights' position as weight_argnums, which they were in already. Returned
+    unchanged (JAX makes it a constant of the loop) it is followed, without a word."""
+    def carried(fence):
+        def f(p, x):
+            def body(carry, _):
+                h, w = fence(carry)
+                return (jnp.tanh(h @ w), w), None
+            return jax.lax.scan(body, (x @ p["emb"], p["w"]), None, length=3)[0][0]
+        return f
+    p = {"w": jnp.eye(4) * 0.5 + 0.1, "emb": jnp.eye(4)}
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    for fence in (lambda c: jax.tree_util.tree_map(jnp.copy, c), jax.lax.optimization_barrier):
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            qp = jqt.calibrate(carried(fence), jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        said = [str(w.message) for w in ws]
+        assert qp["dot_general_0"].is_float and not qp["emb"].is_float
+        assert len(said) == 1 and said[0].startswith(
+            "jqt.calibrate: weight 'w' enters the carry of a lax.scan at '<top>'"), said
+        assert "ops that multiply two activations: 'dot_general_0'" in said[0]
+        assert "Close over the weights in the loop body" in said[0] and "weight_argnums" not in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(carried(lambda c: c), jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert not qp["w"].is_float
+
 
 def test_array_likes_that_are_not_arrays_are_refused_naming_the_value_to_pass():
     """An object JAX reads through __jax_array__ (a keras.Variable, model.trainable_variables
@@ -1336,14 +1376,16 @@ def test_two_leaves_with_one_key_are_named():
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (4, 8))
     w1, w2 = jax.random.normal(k[1], (8, 8)), jax.random.normal(k[2], (8, 8))
-    cases = [(lambda p, x: x @ p["a/b"] + x @ p["a"]["b"], {"a/b": w1, "a": {"b": w2}}, "a/b", "1 and 0"),
-             (lambda p, x: x @ p["w"] + (x @ p["w"]) @ p["w#1"], {"w": w1, "w#1": w2}, "w#1", "0 and 1"),
+    cases = [(lambda p, x: x @ p["a/b"] + x @ p["a"]["b"], {"a/b": w1, "a": {"b": w2}}, "a/b",
+              "['a/b'] and ['a']['b']"),
+             (lambda p, x: x @ p["w"] + (x @ p["w"]) @ p["w#1"], {"w": w1, "w#1": w2}, "w#1",
+              "['w'] and ['w#1']"),
              # an empty key: its leaf takes the parameter's name (the warning blamed '/' or '#')
-             (lambda p, x: x @ p[""] + x @ p["p"], {"": w1, "p": w2}, "p", "0 and 1.*or an empty key")]
-    for f, p, key, leaves in cases:
-        with pytest.warns(UserWarning, match=rf"leaves {leaves.split('.*')[0]} in jax.tree_util.tree_leaves "
-                                             rf"order, have the same key '{key}'.*{''.join(leaves.split('.*')[1:])}"
-                                             r".*Rename the dict keys"):
+             (lambda p, x: x @ p[""] + x @ p["p"], {"": w1, "p": w2}, "p", "[''] and ['p']")]
+    for f, p, key, leaves in cases:  # named by their paths (were: by their leaf indices)
+        with pytest.warns(UserWarning, match=re.escape(f"two leaves of argument 0 of f, {leaves}, have "
+                                                       f"the same key '{key}'")
+                          + (".*or an empty key" if key == "p" else "") + r".*Rename the dict keys"):
             jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1466,3 +1508,29 @@ def test_load_packed_with_shardings_on_an_abstract_mesh_names_the_fix(tmp_path):
         jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp, host, mesh.abstract_mesh)[1])
     loaded = jqt.load_packed(path, device=lambda host: jqt.packed_shardings(qp, host, mesh)[1])
     np.testing.assert_array_equal(jqt.quantize(f, qp)(loaded, x), jqt.quantize(f, qp)(p, x))
+
+
+def test_a_buffer_whose_writes_take_two_cache_types_is_said_to_stay_float():
+    """One buffer written twice a step, a rule giving its second write int4 and the
+    preset int8 to the first: the loop carried it float, silently. It still stays
+    float (one buffer holds one type), and the quantized function says so."""
+    def f(p, xs):
+        def step(cache, i):
+            cache = jax.lax.dynamic_update_slice(cache, (xs[i] @ p["w"])[None], (2 * i, 0))
+            cache = jax.lax.dynamic_update_slice(cache, (xs[i] @ p["w"] * 2)[None], (2 * i + 1, 0))
+            return cache, jax.nn.softmax(cache @ xs[i]) @ cache
+        return jax.lax.scan(step, jnp.zeros((2 * xs.shape[0], 4)), jnp.arange(xs.shape[0]))[1]
+    p, xs = {"w": jnp.eye(4) * 0.5}, jax.random.normal(jax.random.key(0), (5, 4))
+    base = jqt.recipes.w8a8_dynamic(kv_cache=True)
+    mixed = jqt.Recipe(rules=(jqt.Rule(key="kv_cache_1", kv_cache="int4"),) + tuple(base.rules))
+    carried = lambda qp: [str(v.aval.dtype) for e in jax.make_jaxpr(jqt.quantize(f, qp))(
+        jqt.pack(qp, p), xs).jaxpr.eqns if e.primitive.name == "scan" for v in e.invars if v.aval.shape == (10, 4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert carried(jqt.calibrate(f, base, p, [(xs,)], progress=False)) == ["int8"]
+    qp = jqt.calibrate(f, mixed, p, [(xs,)], progress=False)
+    with pytest.warns(UserWarning, match=re.escape("jqt: one key/value buffer is written by 'kv_cache_0' "
+                                                   "(int8 sym per-row dynamic), 'kv_cache_1' (int4 sym "
+                                                   "per-row dynamic): its writes' cache types differ, so "
+                                                   "it stays float")):
+        assert carried(qp) == ["float32"]

@@ -390,6 +390,23 @@ def test_bfloat16_weights_pack_to_the_codes_the_jitted_path_computes(recipe):
                                rtol=0.02, atol=0.02 * float(jnp.abs(y_sim).max()))
 
 
+def test_a_float16_activation_is_rotated_without_overflow():
+    """A float16 activation was rotated in float16: the Hadamard factors' partial sums
+    of values within float16's range (|x| <= 20000 here) passed 65504, and calibrate
+    refused an activation of inf that f never made. The activation is now transformed
+    in float32, as the weight is; the op still returns float16."""
+    k1, k2 = jax.random.split(jax.random.key(3))
+    w = (jax.random.normal(k1, (256, 32)) * 0.05).astype(jnp.float16)
+    x = (jax.random.normal(k2, (4, 256)) * 3000.0).at[:, 3].set(20000.0).astype(jnp.float16)
+    p = {"w": w}
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(rotate=True), p, [(x,)], progress=False)
+    ref = np.asarray(f(p, x), np.float32)
+    for run, params in ((jqt.quantize(f, qp, simulate=True), p), (jqt.quantize(f, qp), jqt.pack(qp, p))):
+        y = run(params, x)
+        assert y.dtype == jnp.float16
+        assert float(np.abs(np.asarray(y, np.float32) - ref).max()) < 0.03 * np.abs(ref).max()
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gptq_says_when_a_bfloat16_cast_moves_the_codes_it_chose():
     """GPTQ re-rounds in float32 and returns the params' dtype. Under a rotation, the

@@ -205,7 +205,8 @@ class Analyzer:
     a float value elsewhere.
     """
 
-    def __init__(self):
+    def __init__(self, leaf_names=None):
+        self.leaf_names = leaf_names or {}  # (argument, leaf index) -> its path, ['a']['b']
         self.counters: dict[str, int] = {}
         self.used_keys: set[str] = set()
         self.key_leaves: dict = {}  # key -> (argument, leaf index) of the weight it names
@@ -229,10 +230,17 @@ class Analyzer:
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
         self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
         self.empty_ops = 0  # quantizable ops whose weight has no elements (left float, unkeyed)
+        self.carried: dict = {}  # weight path -> the first loop whose carry it enters
 
     def _use(self, info, what):
         if info.source is not None:
             self.leaf_uses.setdefault((info.source.arg, info.source.leaf), set()).add(what)
+
+    def _carry(self, info, loop):
+        """Notes a weight leaf entering ``loop``'s carry (read as data there: JAX makes a
+        carry the body returns unchanged a constant, but not one it copies or changes)."""
+        if info.source is not None:
+            self.carried.setdefault(info.source.path, loop)
 
     def _key(self, base, leaf=None):
         """``base``, or ``base#n`` where an op took it already; ``leaf``: the (argument, leaf
@@ -241,8 +249,8 @@ class Analyzer:
             other = self.key_leaves.setdefault(base, leaf)
             if other != leaf:
                 self._defer(("same key", base), (
-                    f"jqt: two leaves of argument {leaf[0]} of f, leaves {other[1]} and {leaf[1]} in "
-                    f"jax.tree_util.tree_leaves order, have the same key '{base}' (a dict key holding "
+                    f"jqt: two leaves of argument {leaf[0]} of f, {self._leaf_name(other)} and "
+                    f"{self._leaf_name(leaf)}, have the same key '{base}' (a dict key holding "
                     "'/' or '#': jqt joins a leaf's path with '/' and numbers an op that reads "
                     "a leaf again '#1'; or an empty key, whose leaf takes the name of f's "
                     "parameter), so the ops that read the second are keyed as if they read "
@@ -259,6 +267,10 @@ class Analyzer:
         if leaf is not None:
             self.key_leaves.setdefault(f"{base}#{n}", leaf)
         return f"{base}#{n}"
+
+    def _leaf_name(self, leaf):
+        name = self.leaf_names.get(leaf)
+        return name if name else f"leaf {leaf[1]} in jax.tree_util.tree_leaves order"
 
     def _fallback_key(self, stack, op):
         base = f"{stack}/{op}" if stack else op
@@ -645,11 +657,14 @@ class Analyzer:
             nc, nk = compat.scan_counts(eqn)
             for info in ins[nc:nc + nk]:
                 self._use(info, "float")
+                self._carry(info, f"a lax.scan at '{stack or '<top>'}'")
             consts = ins[:nc]
         if name == "while":
             p = eqn.params
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
+            for info in ins[p["cond_nconsts"] + p["body_nconsts"]:]:
+                self._carry(info, f"a lax.while_loop at '{stack or '<top>'}'")
             consts = ins[:p["cond_nconsts"] + p["body_nconsts"]]
         if name in ("scan", "while"):  # a buffer a loop closes over, or a view of one, is
             for info in consts:  # read (attention block by block in a fori_loop over the

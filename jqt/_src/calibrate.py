@@ -442,7 +442,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     lookalikes = [l for l in analyzer.cache_lookalikes if l[4] not in missed]
     _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
-                    argnums, analyzer.empty_ops)
+                    argnums, analyzer.empty_ops, analyzer.carried)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -536,7 +536,8 @@ def _aval_name(aval) -> str:
 def _longer_contracted(site, shape, ax) -> str:
     """The advice for a weight whose groups are cut short by its innermost contracted axis
     while another contracted axis is longer (an output projection laid out ``(head_dim,
-    heads, out)``, einsum ``dhm``: its groups run along ``heads``): lay that axis out last."""
+    heads, out)``, einsum ``dhm``: its groups run along ``heads``): where that axis is
+    head_dim, lay it out last."""
     if ax is None or site.op == "gather":
         return ""
     ax = ax % len(shape)
@@ -544,9 +545,12 @@ def _longer_contracted(site, shape, ax) -> str:
                 key=lambda a: shape[a], default=None)
     if other is None or shape[other] <= shape[ax]:
         return ""
-    return (f"; or lay the weight out with its axis {other} (length {shape[other]}) as the "
-            f"last of its contracted axes, where the groups run (a (heads, head_dim, out) "
-            f"weight, einsum '...hd,hdm->...m', not (head_dim, heads, out))")
+    # jqt cannot tell heads from head_dim: the advice says which case it is for (a
+    # (heads, head_dim, out) weight with more heads than head_dim is laid out right)
+    return (f"; or, if its axis {other} (length {shape[other]}) is the head_dim of an "
+            "attention output projection laid out (head_dim, heads, out) (einsum "
+            "'...hd,dhm->...m'), lay it out (heads, head_dim, out) (einsum '...hd,hdm->...m'), "
+            "so that the groups run along head_dim")
 
 
 def _loop_named(who, first) -> str:
@@ -565,9 +569,10 @@ _NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first one
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
-                    argnums=(0,), empty_ops=0):
+                    argnums=(0,), empty_ops=0, carried=None):
     """Warns of a function without ops to quantize, of one whose ops read no weight from
-    the weight argument(s) ``argnums``, of ops that no rule matches (they stay
+    the weight argument(s) ``argnums`` (or read weights a loop carries: ``carried``, path ->
+    loop), of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches). ``jqt_prims``: jqt's primitives that f runs."""
@@ -597,7 +602,22 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     chosen = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
     keys = sorted(chosen)
     data_only = [s.key for s in sites if not s.entry.is_cache]
-    if (data_only and not warned and all(s.weight_operand is None for s in sites)
+    two_acts = [s.key for s in sites if not s.entry.is_cache and s.weight_operand is None
+                and (chosen[s.key] is None or chosen[s.key].act_x_act is None)]
+    if carried and two_acts:  # (not the advice below: the weights are in the argument)
+        names = list(carried)
+        diagnostics.warn(
+            f"jqt.calibrate: weight{'s' if len(names) > 1 else ''} {listed(names)} "
+            f"enter{'' if len(names) > 1 else 's'} the carry of {carried[names[0]]}: jqt "
+            "follows a weight that a loop body closes over (and a carry the body returns "
+            "unchanged, which JAX makes a constant), not one the body copies or changes "
+            "(equinox's loops copy their carry), so an op that reads it there reads an "
+            "activation and stays float (f's ops that multiply two activations: "
+            f"{listed(two_acts)}). Close over the weights in the "
+            "loop body instead of carrying them (or set Rule(act_x_act=...) to quantize "
+            "these ops as activation x activation).")
+    elif (data_only and not warned and all(s.weight_operand is None for s in sites)
+            and not any(s.entry.is_cache for s in sites)  # a cache asked for: not weights
             and not any(chosen[k] is not None and chosen[k].act_x_act is not None for k in data_only)):
         where = (f"argument {argnums[0]}" if len(argnums) == 1 else
                  f"arguments {', '.join(map(str, argnums))}")
@@ -1149,7 +1169,8 @@ def _decide(site, rule, st, leaf_dtypes):
                           "per_channel=False, quantizes it)")
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
-             "while_loop that did not iterate, an activation of no elements?); it stays float. "
+             "while_loop that did not iterate, a lax.scan of length 0, an activation of no "
+             "elements?); it stays float. "
              "Add calibration data that reaches it.")
     unreached = "never reached during calibration"
     if site.platforms != ():
@@ -1190,7 +1211,7 @@ def _decide(site, rule, st, leaf_dtypes):
                          if site.op == "gather" else
                          ("and do not span the other contracted axes",
                           "one group per position of the others"))
-            diagnostics.warn_grouped(("groups", "axis"), f"{cannot} (groups run along axis "
+            diagnostics.warn_grouped(("groups", "axis", eff.group_size, longer), f"{cannot} (groups run along axis "
                                      f"{ax % len(shape)} of the weight ({where}), of length "
                                      f"{eff.group_size}, {span}); it gets group_size={eff.group_size}, {per} "
                                      "(finer than asked: more scales). "
@@ -1223,7 +1244,7 @@ def _decide(site, rule, st, leaf_dtypes):
                     f"NaN ([{lo}, {hi}]) on finite statistics of the activation: fix its range.")
             _check_order(site, lo, hi, f"calibrator {type(rule.calibrator).__name__}",
                          "stats, qtype")
-            if not np.isfinite(lo).all():
+            if not np.isfinite(lo).all() or np.size(lo) == 0:  # (0: a stack of 0 layers)
                 diagnostics.warn_grouped("never", never, f"'{site.key}'")
                 return float_(unreached)
             if not np.isfinite(hi).all():  # a calibrator of the user's that saw an inf

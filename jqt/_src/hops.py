@@ -441,9 +441,9 @@ def enter_call(plan, ctx, args, invars, name=str):
     enter = getattr(ctx.handler, "enter_cache", None)
     args, entered = list(args), {}
     for k, writes in dict(plan.boundary.values()).items():
-        qtype = kvcache.slot_type(writes, ctx.state_in)
+        qtype = None if enter is None else kvcache.slot_type(writes, ctx.state_in)
         x = args[k]
-        if enter is None or qtype is None:
+        if qtype is None:
             continue
         if kvcache.is_cache(x) and x.qtype != qtype:
             have, want = x.qtype.contrast(qtype)
@@ -625,36 +625,13 @@ def _shard_map(eqn, invals, sub, ctx, evaluate):
     return outs
 
 
-def _alike(fns, ops, sub):
-    """The branch functions ``fns`` of a cond, each returning a quantized cache where
-    another branch does (:func:`kvcache.coerce`): a branch that passes a loop's carried
-    cache through returns it as it came (a cache where the carry holds one), while one
-    that writes it may return the float buffer (a write jqt does not take as the loop's
-    cache write: one in a loop of its own inside the branch, as equinox's bounded
-    while_loop nests its body). Traced once more only where a cache is about."""
-    is_q = lambda v: kvcache.is_cache(v)
-    holds = any(is_q(v) for v in jax.tree_util.tree_leaves(list(ops), is_leaf=is_q)) or any(
-        s.entry.is_cache for pl in sub.plans for s in pl.all_sites())
-    if not holds:
-        return fns
-    shapes = [jax.eval_shape(fn, *ops) for fn in fns]
-    likes = [next((o[i] for o in shapes if is_q(o[i])), None) for i in range(len(shapes[0]))]
-    if all(l is None or all(is_q(o[i]) for o in shapes) for i, l in enumerate(likes)):
-        return fns
-
-    def coerced(fn):
-        return lambda *a: [o if l is None else kvcache.coerce(o, l) for o, l in zip(fn(*a), likes)]
-    return [coerced(fn) for fn in fns]
-
-
 def _cond(eqn, invals, sub, ctx, evaluate):
     index, ops = invals[0], invals[1:]
     state = _state_for(sub, ctx)
     runs = [_runner(ctx, *closed_parts(b), pl, evaluate)
             for b, pl in zip(eqn.params["branches"], sub.plans)]
     if not ctx.handler.collects:
-        fns = [lambda *a, r=r: list(r(state, *a)[0]) for r in runs]
-        return lax.switch(index, _alike(fns, ops, sub), *ops)
+        return lax.switch(index, [lambda *a, r=r: list(r(state, *a)[0]) for r in runs], *ops)
     # Every branch returns the state of every op under the cond; a branch that
     # does not hold an op returns the handler's identity for it, so the branch
     # that did not run leaves no trace in the statistics.

@@ -78,7 +78,7 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
                                                          or kvcache.is_buffer_view(eqn)):
             outs = [kvcache.view(eqn, invals)]  # whole vectors of it (permuted), still quantized
         elif kvcache.is_plain_copy(eqn) and any(kvcache.is_cache(x) for x in invals):
-            outs = list(invals)  # the same values: a cache stays quantized
+            outs = kvcache.copy(eqn, invals)  # the same values: a cache stays quantized
         elif i in plan.cache_selects and any(kvcache.is_cache(x) for x in invals[1:]):
             outs = kvcache.select(eqn, invals, plan.cache_selects[i])  # whole vectors of the
             # same cache, or zero vectors

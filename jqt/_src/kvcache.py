@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import compat
+from . import compat, diagnostics
 from . import numerics as nx
 from .formats import FLOAT8, QuantType, pack_nibbles, unpack_nibbles
 from .policy import KernelPolicy, check_policy
@@ -85,15 +85,23 @@ def check_type(t: QuantType, where: str):
 
 def slot_type(writes, state_in):
     """The type a loop carries a buffer in: its writes' common ``kv_cache`` type, or
-    ``None`` (float) when any of them is float or absent, or they differ."""
-    types = set()
+    ``None`` (float) when any of them is float or absent, or they differ (said, where
+    one of them is quantized: the buffer the qparams ask to quantize stays float)."""
+    types = {}
     for k in writes:
         e = state_in.get(k)
         qp = e[0] if isinstance(e, tuple) else e
-        if not isinstance(qp, OpQParams) or qp.is_float:
-            return None
-        types.add(qp.lhs.qtype)
-    return types.pop() if len(types) == 1 else None
+        types[k] = qp.lhs.qtype if isinstance(qp, OpQParams) and not qp.is_float else None
+    kinds = set(types.values())
+    if len(kinds) == 1:
+        return kinds.pop()
+    if kinds != {None}:
+        said = ", ".join(f"{k!r} ({'float' if t is None else t.describe()})" for k, t in types.items())
+        diagnostics.warn(
+            f"jqt: one key/value buffer is written by {said}: its writes' cache types differ, "
+            "so it stays float. Give every write of the buffer one type (one "
+            "Rule(kv_cache=...) whose key= matches them all), or kv_cache=False for all of them.")
+    return None
 
 
 def is_cache(x) -> bool:
@@ -348,6 +356,18 @@ def is_plain_copy(eqn) -> bool:
     same cache, passed on quantized, and the copy does not read it."""
     return (eqn.primitive.name in ("copy", "copy_p", "stop_gradient", "optimization_barrier")
             and len(eqn.invars) == len(eqn.outvars))
+
+
+def copy(eqn, invals) -> list:
+    """The outputs of an :func:`is_plain_copy` equation whose operands hold a cache: the
+    same values, the cache still quantized, under the same barrier or gradient stop
+    (applied to the cache's codes and scales alike)."""
+    name = eqn.primitive.name
+    if name == "optimization_barrier":
+        return list(lax.optimization_barrier(list(invals)))
+    if name == "stop_gradient":
+        return [lax.stop_gradient(v) for v in invals]
+    return list(invals)
 
 
 def is_buffer_view(eqn) -> bool:

@@ -65,8 +65,9 @@ class LayerView:
             # was hoisted out of the loop (a float16 copy of every layer, each call)
             fp8 = jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 1
             b = lax.bitcast_convert_type(a, jnp.uint8) if fp8 else a
-            for i in self.index:
-                b = lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+            for i in self.index:  # (a stack of 0 layers: a scan of length 0, never run)
+                b = lax.dynamic_index_in_dim(b, i, 0, keepdims=False) if b.shape[0] else \
+                    jnp.zeros(b.shape[1:], b.dtype)
             return lax.bitcast_convert_type(b, a.dtype) if fp8 else b
         return jax.tree_util.tree_map(take, self.full)
 

@@ -813,8 +813,8 @@ def _tied(qparams, weights):
             table = o.values if o.layout == "nk" else o.values.T
             traced = compat.is_tracer(table) or compat.is_tracer(w.values)
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
-                apart = (m, f"the lookup's type is {w.qtype.describe()}, the matmul's "
-                            f"{o.qtype.describe()}", _TYPE_FIX)
+                mine, its = w.qtype.contrast(o.qtype)  # (fields named where both read alike)
+                apart = (m, f"the lookup's type is {mine}, the matmul's {its}", _TYPE_FIX)
             elif not _contracts_features(qparams[m].source, _feature_axis(p.source)):  # A @ table
                 apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif _rows_second(p.source):  # table.T[:, ids]: its codes are features x rows,

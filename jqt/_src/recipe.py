@@ -164,8 +164,8 @@ class Rule:
                              "in int8; use bits <= 8 (int16 is for activations).")
         if self.act_x_act is not None and self.act_x_act.bits > 8:
             raise ValueError(f"Rule(act_x_act=QuantType(bits={self.act_x_act.bits})): "
-                             "activation x activation ops take 2 to 8 bits (or fp8, dtype='float8_e4m3fn'); "
-                             "use bits <= 8.")
+                             "activation x activation ops take 2 to 8 bits (or an fp8 dtype, "
+                             "'float8_e4m3fn' or 'float8_e5m2'); use bits <= 8.")
         if not isinstance(self.calibrator, Calibrator):
             raise TypeError(f"Rule(calibrator={self.calibrator!r}): expected a "
                             "jqt.calibrators.Calibrator such as jqt.calibrators.Percentile(99.99).")

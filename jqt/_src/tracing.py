@@ -490,7 +490,7 @@ class Tracer:
                 lost = inplace.lost_changes(changed, new_leaves, args)
             if lost:
                 inplace.warn_lost(self.fn, names, lost)
-        infos, prefixes = [], set()
+        infos, prefixes, leaf_names = [], set(), {}
         for i, a in enumerate(args):
             flat_a = jax.tree_util.tree_flatten_with_path(a, is_leaf=lambda x: isinstance(x, Static))[0]
             if i not in self.argnums:
@@ -506,7 +506,8 @@ class Tracer:
                     prefixes.add(names[i])
                 infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)),
                                                         prefixed=prefixed)))
-        analyzer = Analyzer()
+                leaf_names[(i, j)] = jax.tree_util.keystr(path)
+        analyzer = Analyzer(leaf_names)
         with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
             plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}

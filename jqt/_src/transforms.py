@@ -233,8 +233,10 @@ def unweight(w, smooth, rotated, contract, depth=0):
 
 
 def activation(x, smooth, rotated, x_contract, w_contract):
-    """The activation side: ``(x / s) @ H`` over ``x_contract``; integer activations
-    (counts) in float32, as the op promotes them.
+    """The activation side: ``(x / s) @ H`` over ``x_contract``, in float32 or wider, as
+    :func:`weight` (integer activations, counts, as the op promotes them; a 16-bit
+    float's quotient or the rotation's partial sums would overflow float16's 65504, and
+    bfloat16 would round them before the activation is quantized).
 
     >>> import jax.numpy as jnp
     >>> activation(jnp.array([[3, 3]]), jnp.array([0.5, 0.5]), False, (1,), (0,)).tolist()
@@ -242,6 +244,8 @@ def activation(x, smooth, rotated, x_contract, w_contract):
     """
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         x = x.astype(jnp.float32)
+    if smooth is not None or rotated:
+        x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     if smooth is not None:
         x = x / move_contract(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
     if rotated:

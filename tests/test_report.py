@@ -393,8 +393,14 @@ def test_tuning_tools_name_what_to_pass_instead():
     g = lambda p, x: jnp.tanh(x @ p["w"][0]) @ p["h"]  # noqa: E731
     qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.sensitivity: .*no quantization parameters for "
-                                                      r"ops \['w'\].*the others made float"):
+                                                      r"ops \['w'\].*the others made float") as e:
         jqt.sensitivity(g, {"h": qp["h"]}, lambda q: float(jnp.sum(q(p, x))))
+    # the hint's snippet, run as written (it kept only the ops not compared: another error)
+    snippet = str(e.value).split("the others made float, ")[1].removesuffix(".)")
+    import dataclasses
+    hinted = eval(snippet, {"dataclasses": dataclasses, "qparams": qp, "compared": {"h"}})
+    assert hinted["w"].is_float and hinted["h"] == qp["h"]
+    assert [r.key for r in jqt.sensitivity(g, hinted, lambda q: float(jnp.sum(q(p, x)))).rows] == ["h"]
 
 
 def lax_ragged_dot(x, w, gs):

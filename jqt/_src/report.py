@@ -204,7 +204,7 @@ class OpReport:
     weight_scale: tuple    # (min, max) of the weight scales, or None
     act_scale: Optional[float]
     act_zero_point: Optional[float]
-    act_range: tuple       # the float activation's (min, max) on this batch
+    act_range: tuple       # the float activation's (min, max) on this batch (smoothed/rotated)
     act_qrange: Optional[tuple]  # the real range the activation codes cover (half a step beyond)
     act_clip: float        # fraction of activation values outside the quantized range
     weight_clip: float     # fraction of weight values outside it

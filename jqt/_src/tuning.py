@@ -201,8 +201,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     except QParamsMismatchError as e:
         hint = "" if "no quantization parameters for ops" not in str(e) else (
             " (If these qparams are part of f's, a dict restricted to the ops "
-            "to compare: pass every op's entry, the others made float, {k: dataclasses.replace(p, "
-            "lhs=None, rhs=None) for k, p in qparams.items() if k not in compared}.)")
+            "to compare: pass every op's entry, the others made float, {k: p if k in compared "
+            "else dataclasses.replace(p, lhs=None, rhs=None) for k, p in qparams.items()}.)")
         text = str(e).removeprefix("jqt: ").replace("pass jqt.quantize the weight_argnums",
                                                     "pass jqt.sensitivity the weight_argnums")
         raise QParamsMismatchError(f"jqt.sensitivity: {text}{hint}") from None
@@ -539,7 +539,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             other = sum(1 for k, _ in trials if 0 < len(k) < len(ranked)
                         and not k[0].startswith("quantized alone: "))
             why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
-                   f"{every[0]:.4g}{same}, and the {other} smaller choice(s) tried did not meet "
+                   f"{every[0]:z.4g}{same}, and the {other} smaller choice(s) tried did not meet "
                    "it either. Use a more precise fallback (to=None keeps ops float) or a larger "
                    f"max_drop{'' if narrowed else ', or more trials (max_trials)'}.")
         else:
@@ -547,8 +547,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                    "fallback (to=None keeps ops float).")
         diagnostics.warn(
             f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
-            f"trials: the best choice keeps {list(kept)} back and scores {m_final:.4g} against "
-            f"{m_float:.4g} in float; {why}")
+            f"trials: the best choice keeps {list(kept)} back and scores {m_final:z.4g} against "
+            f"{m_float:z.4g} in float; {why}")
     elif not narrowed:
         diagnostics.warn(
             f"jqt.fallback: max_trials={max_trials} ran out before the search narrowed the ops to "

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jqt
@@ -787,7 +787,10 @@ def test_packed_version_1_files_still_load():
 
 # ============================================================ loads checked: fuzzing
 
-FUZZ = settings(max_examples=150, deadline=None)
+# (too_slow: a health check on how fast the edits are drawn, which depends on the
+# machine's load, not on jqt; a default run on a loaded machine failed this test once,
+# not reproduced in 15 reruns)
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _check_qparams(qp, want):

@@ -795,6 +795,26 @@ def test_packed_params_where_no_weights_go_are_named():
     assert "jqt.PackedParams" not in str(got.value)
 
 
+def test_pack_takes_several_weight_arguments_as_calibrate_does():
+    """jqt.pack(qp, (p, q), weight_argnums=(0, 2)), as calibrate takes them, was Python's
+    "unexpected keyword argument": it now packs each and returns a tuple; a params that is
+    not such a tuple, or argnum= beside it, is refused naming the fix."""
+    f = lambda p, x, q: jnp.tanh(x @ p["w"]) @ q["h"]
+    p, q = {"w": jnp.eye(4) * 0.3 + 0.1}, {"h": jnp.linspace(-1, 1, 8).reshape(4, 2)}
+    x = jnp.linspace(-1, 1, 12).reshape(3, 4)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), (p, q), [(x,)], weight_argnums=(0, 2), progress=False)
+    a, b = jqt.pack(qp, (p, q), weight_argnums=(0, 2))
+    run = jqt.quantize(f, qp, weight_argnums=(0, 2))
+    np.testing.assert_array_equal(run(a, x, b), run(jqt.pack(qp, p, argnum=0), x, jqt.pack(qp, q, argnum=2)))
+    one = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert jqt.pack(one, p, weight_argnums=0).weights["w"].values.dtype == jnp.int8  # one: a pytree
+    with pytest.raises(TypeError, match=r"weight_argnums=\(0, 2\) names 2 weight arguments, and params "
+                                        r"is a dict: pass a tuple of their weights"):
+        jqt.pack(qp, p, weight_argnums=(0, 2))
+    with pytest.raises(TypeError, match=r"argnum=2 and weight_argnums=\(0, 2\): pass one of them"):
+        jqt.pack(qp, (p, q), argnum=2, weight_argnums=(0, 2))
+
+
 def test_pack_of_another_same_shaped_weight_argument_is_told_argnum_first():
     """f(a, b, x) with weight_argnums=(0, 1) and a, b of one structure (online and target
     networks): jqt.pack(qp, b) without argnum=1 packs b as argument 0's weights; where b does

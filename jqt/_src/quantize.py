@@ -469,7 +469,27 @@ def _concrete(tree) -> bool:
     return not any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves(tree))
 
 
-def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -> PackedParams:
+def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
+    """:func:`pack` of several weight arguments, ``params`` a tuple of them as
+    :func:`jqt.calibrate` takes them (one pytree where ``weight_argnums`` names one)."""
+    if argnum != 0:
+        raise TypeError(f"jqt.pack: argnum={argnum!r} and weight_argnums={weight_argnums!r}: "
+                        "pass one of them (argnum= for one argument's params, weight_argnums= "
+                        "for a tuple of several, as jqt.calibrate takes them).")
+    nums = tracing.normalize_argnums(weight_argnums)
+    if len(nums) == 1:
+        return pack(qparams, params, argnum=nums[0], **kw)
+    if not isinstance(params, (tuple, list)) or len(params) != len(nums):
+        got = (f"a {type(params).__name__} of {len(params)}" if isinstance(params, (tuple, list))
+               else f"a {type(params).__name__}")
+        raise TypeError(f"jqt.pack: weight_argnums={weight_argnums!r} names {len(nums)} weight "
+                        f"arguments, and params is {got}: pass a tuple of their weights, in that "
+                        "order, as jqt.calibrate takes them.")
+    return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+
+
+def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
+         weight_argnums=None):
     """Stores the quantized weights as integer (or fp8) codes, once, for :func:`jqt.quantize`.
 
     Returns a :class:`jqt.PackedParams` to pass in place of ``params``: each quantized
@@ -480,7 +500,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
 
     ``argnum`` (default 0) is the position of ``params`` among ``f``'s arguments, as
     in ``weight_argnums``: with several weight arguments, pack each on its own,
-    ``jqt.pack(qp, enc, argnum=0)``, ``jqt.pack(qp, head, argnum=1)``.
+    ``jqt.pack(qp, enc, argnum=0)``, ``jqt.pack(qp, head, argnum=1)``, or all at once
+    as :func:`jqt.calibrate` takes them, ``params`` a tuple of them and
+    ``weight_argnums`` their positions: ``jqt.pack(qp, (enc, head), weight_argnums=(0,
+    1))`` returns a tuple of :class:`jqt.PackedParams`, one per argument.
 
     ``policy`` (a :class:`jqt.KernelPolicy`, default: the default backend's) picks
     the layout of each dense weight (``KernelPolicy.dense_layout``); a function
@@ -528,6 +551,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False) -
     >>> int(jqt.pack(qp, p2, clip=True).weights["w"].values.max())
     127
     """
+    if weight_argnums is not None:
+        return _pack_arguments(qparams, params, argnum, weight_argnums, policy=policy, clip=clip)
     check_qparams(qparams, "jqt.pack")
     flags("jqt.pack", clip=clip)
     if isinstance(argnum, np.integer):  # as weight_argnums takes it

@@ -17,8 +17,8 @@ from .qparams import OpQParams, PackedParams, calibrated_args, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import (array_like, boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
-                       quantized_already, refuse_v1, weight_scale_problem)
+from .validate import (boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
+                       quantized_already, refuse_array_likes, refuse_v1, weight_scale_problem)
 
 
 def _unpack(packed: PackedParams):
@@ -568,8 +568,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
     check_alive(params, "jqt.pack", "params")
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         tracing.refuse_mutable(x, path_str(path), "jqt.pack")
-        if array_like(x) is not None:
-            raise TypeError(f"jqt.pack: params{jax.tree_util.keystr(path)} is {array_like(x)}.")
+    refuse_array_likes(params, "jqt.pack")
     check_policy(policy, "jqt.pack")
     qparams = numbers_as_arrays(qparams)
     policy = policy or KernelPolicy.for_backend()

@@ -110,8 +110,8 @@ def untraceable(leaf) -> str | None:
                 "booleans and PRNG keys can)")
     if isinstance(leaf, (np.ndarray, np.generic)):
         return None
-    if validate.array_like(leaf) is not None:
-        return validate.array_like(leaf)
+    if (why := validate.array_like(leaf)) is not None:
+        return why
     try:
         hash(leaf)
     except TypeError:

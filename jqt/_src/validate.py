@@ -662,8 +662,13 @@ def check_float_params(params_t, fn: str):
     if any(isinstance(p, PackedParams) for p in params_t):
         raise TypeError(f"{fn}: params are jqt.PackedParams (from jqt.pack or jqt.load_packed); "
                         f"{fn} runs the float model, so pass the float params they were packed from.")
-    one = len(params_t) == 1
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params_t[0] if one else tuple(params_t))[0]:
+    refuse_array_likes(params_t[0] if len(params_t) == 1 else tuple(params_t), fn)
+
+
+def refuse_array_likes(params, fn: str):
+    """Raises ``TypeError`` naming the first leaf of ``params`` that :func:`array_like`
+    refuses (as ``params['w']``), with its reason and fix."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         why = array_like(leaf)
         if why is not None:
             raise TypeError(f"{fn}: params{jax.tree_util.keystr(path)} is {why}.")

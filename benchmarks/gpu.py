@@ -290,6 +290,8 @@ def dense(sizes, markdown, results, check=True):
         rows.append((str(m), f"{base / per * 1e6:.1f}")
                     + tuple(f"{med[v]['median'] / per * 1e6:.1f} ({med[v]['median'] / base:.2f}x)"
                             for v in fns if v != "bfloat16"))
+        # on stderr as each row ends: kept where a later row runs out of a lease's time
+        progress(f"dense: {m} rows: " + ", ".join(f"{v} {c}" for v, c in zip(fns, rows[-1][1:])))
         if m in (sizes.dense_rows[0], sizes.dense_rows[-1]):
             for v, (fn, _) in fns.items():
                 kern[(v, m)] = kernels(fn, *args[v])
@@ -357,6 +359,8 @@ def minilm(sizes, markdown, results):
         rows.append((str(b), f"{base * 1e3:.3f}")
                     + tuple(f"{med[v]['median'] * 1e3:.3f} ({med[v]['median'] / base:.2f}x)"
                             for v in fns if v != "bfloat16"))
+        # on stderr as each batch ends: kept where a later batch runs out of a lease's time
+        progress(f"minilm: batch {b}: " + ", ".join(f"{v} {c}" for v, c in zip(fns, rows[-1][1:])))
     print(f"all-MiniLM-L6-v2's shape, random weights, {t} tokens: median ms a call (ratio to "
           f"bfloat16); {sizes.rounds} interleaved rounds; weight bytes / bfloat16: "
           + ", ".join(f"{v} {nbytes(p) / nbytes(params):.3f}" for v, (_, p) in fns.items()))

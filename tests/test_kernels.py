@@ -468,6 +468,27 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
             if e.primitive.name == "dot_general"} == {"int8"}
 
 
+def test_bfloat16_codes_subtract_a_large_activation_zero_point_first():
+    """Static asymmetric activations whose zero point is near the top code (range [-11, 0.1])
+    and values near it: the raw codes' float32 sums over K = 4096 pass 2**24, and
+    subtracting ``zx * sum(w)`` after them cancelled most of a rounded sum (6e-3 of the
+    output against the int32 matmul, hunt54_policyfields). The codes less their zero
+    point, in [-255, 255], are exact in bfloat16 and their sums stay centred."""
+    k, m = 4096, 264
+    f = lambda p, x: x @ p["w"]
+    kw, kx = jax.random.split(jax.random.key(0))
+    p = {"w": jnp.abs(jax.random.normal(kw, (k, 8))) * 0.05 + 0.05}  # positive-mean columns
+    cal = jnp.concatenate([jnp.full((1, k), -11.0), jnp.full((1, k), 0.1)])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(cal,)], progress=False)
+    assert float(qp["w"].lhs.zero_point) > 120  # int8 codes: the activation's zero point near 127
+    x = jax.random.uniform(kx, (m, k), minval=-0.05, maxval=0.05)
+    bf16 = dataclasses.replace(CPU, int_as_bfloat16_rows=255)
+    int8 = dataclasses.replace(CPU, int_as_bfloat16_rows=0)
+    got = jax.jit(jqt.quantize(f, qp, policy=bf16))(jqt.pack(qp, p, policy=bf16), x)
+    want = jax.jit(jqt.quantize(f, qp, policy=int8))(jqt.pack(qp, p, policy=int8), x)
+    assert float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", [jqt.recipes.w4(), jqt.recipes.nf4()], ids=["w4", "nf4"])
 @pytest.mark.slow_variants

@@ -68,6 +68,22 @@ def test_fake_quant_gradients_are_straight_through_with_clipping_mask():
     np.testing.assert_allclose(gz, -2 * scale, rtol=1e-6)
 
 
+@pytest.mark.parametrize("grid", ["int", "nf4", "float8_e4m3fn"])
+def test_a_zero_point_tangent_has_the_output_shape_on_every_grid(grid):
+    """``jqt.fake_quant_p``'s forward-mode rule for its zero point gives a tangent shaped and
+    typed as the output, on the non-uniform grids (where the output does not move with it)
+    as on the int grid; it was the zero point's own shape there, which ``lax.cond`` refuses."""
+    x = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.bfloat16)
+    bounds = {"int": dict(qmin=-8, qmax=7), "nf4": dict(qmin=-1.0, qmax=1.0, grid="nf4"),
+              "float8_e4m3fn": dict(qmin=-448.0, qmax=448.0, grid="float8_e4m3fn")}[grid]
+    f = lambda z: jqt.fake_quant_p.bind(x, jnp.float32(0.1), z, **bounds)
+    t = jax.jvp(f, (jnp.float32(0.0),), (jnp.float32(1.0),))[1]
+    assert (t.shape, t.dtype) == (x.shape, x.dtype)
+    in_cond = jax.lax.cond(True, lambda z: jax.jvp(f, (z,), (jnp.float32(1.0),))[1],
+                           lambda z: jnp.zeros_like(x), jnp.float32(0.0))
+    np.testing.assert_array_equal(in_cond, t)
+
+
 @pytest.mark.parametrize("dtype", ci_only(["nf4", "float8_e4m3fn", "float8_e5m2", "int4"],
                                            {"float8_e5m2", "int4"}))  # nf4, e4m3: CI
 @pytest.mark.slow_variants

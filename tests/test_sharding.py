@@ -122,6 +122,18 @@ for name, rec in (("w4", jqt.recipes.w4(group_size=64)), ("nf4", jqt.recipes.nf4
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"[:300]}
         res[f"explicit_in_halves_{name}_{rows}"] = r
+# one group of K a device (w2's K of 128 in 4 groups of 32 over the 4 "model" devices) under
+# the default (TPU) table, which packs int8-activation groups "nk" and runs an int8 matmul
+# per group: slicing a group out of the split K failed in JAX outside jax.set_mesh
+# (ShardingTypeError; hunt54_shardfmt)
+for name, rec in (("w4a8", jqt.recipes.w4a8(group_size=32)), ("w8a8", jqt.recipes.w8a8(group_size=32))):
+    for rows in (16, 2):
+        try:
+            r, _, _ = case(mlp, P_MLP, X_MLP[:rows], rec, EXPLICIT, ops=(("w2", "in"),),
+                           policy=jqt.KernelPolicy())
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"[:300]}
+        res[f"explicit_in_groups_{name}_{rows}"] = r
 # few rows (jqt's native kernels' ops, their XLA formulations in a multi-device program),
 # the rows split over "data": plain at 2 rows, and vmapped at 4 rows per example
 def mlp_scan(p, x):  # an MLP, then 3 stacked layers under lax.scan
@@ -562,6 +574,20 @@ def test_in_rule_through_the_halves_of_groups_on_explicit_axes(result, name, row
     w2 = r["weights"]["w2"]
     assert w2["qvalue"][0] == w2["shape"][0] // 4 and w2["scale"] == w2["scale_shape"] == [2, 256]
     assert not w2["gathered"]  # the codes stay split: partial sums, added across devices
+    assert r["out_spec"][0] == "data"
+
+
+@pytest.mark.parametrize("name", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("rows", [16, 2])
+def test_in_rule_one_group_a_device_on_explicit_axes_under_the_default_table(result, name, rows):
+    # 4 groups of K over 4 devices, codes "nk": each device holds one group, its scales
+    # (qparams (G, N)) and its per-group sums (packed (N, G))
+    r = result[f"explicit_in_groups_{name}_{rows}"]
+    assert "error" not in r, r
+    _matches(r)
+    w2 = r["weights"]["w2"]
+    assert w2["layout"] == "nk" and w2["qvalue"] == [256, w2["shape"][1] // 4], w2
+    assert w2["scale"] == [1, 256] and w2["scale_shape"] == [4, 256] and w2["wsum"] == [256, 1], w2
     assert r["out_spec"][0] == "data"
 
 

@@ -1486,8 +1486,8 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
 
 
 def test_packed_shardings_names_the_leaf_a_leaves_spec_does_not_fit():
-    """A leaves= spec with more entries than the leaf's rank, or an axis the mesh lacks, is
-    refused naming the leaf and the rule's fix (it failed later in JAX's device_put, naming
+    """A leaves= spec with more entries than the leaf's rank, an axis the mesh lacks or one
+    named twice, is refused naming the leaf and the rule's fix (it failed later in JAX's device_put, naming
     neither)."""
     f = lambda p, x: x @ p["w"] + p["b"]
     p = {"w": jnp.ones((4, 8)) * 0.1, "b": jnp.zeros(8)}
@@ -1502,6 +1502,10 @@ def test_packed_shardings_names_the_leaf_a_leaves_spec_does_not_fit():
     with pytest.raises(ValueError, match=r"kept leaf 'b' .*does not fit the mesh \{'model': 1\}:"
                                          r".*'data'.*; change the leaves= rule"):
         jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P("data"))])
+    # an axis named twice: JAX's DuplicateSpecError is no ValueError, and named neither
+    with pytest.raises(ValueError, match=r"kept leaf 'b' .*does not fit the mesh \{'model': 1\}:"
+                                         r".*duplicate entries for `model`.*; change the leaves= rule"):
+        jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P(("model", "model")))])
     _, out = jqt.packed_shardings(qp, packed, mesh, leaves=[("b", P("model"))])
     assert out.leaves[0].spec == P("model")
 

@@ -379,22 +379,47 @@ def as_typed(fn, out_aval, *args):
     kernel runs with the mesh's explicit axes auto (``jax.sharding.auto_axes``: XLA places
     its intermediates and partial sums, as for auto axes), and its result is typed as the
     op's. Elsewhere (no explicit axes in the context, an output split over none and no
-    operand split) ``fn(*args)`` as it is.
+    operand split) ``fn(*args)`` as it is; outside ``jax.set_mesh``, where JAX cannot type
+    the kernel's own ops on operands split over explicit axes (a group sliced out of a
+    split K, a flattening that merges a split axis with a minor one), it runs as above on
+    the mesh those operands are typed on.
 
     >>> import jax.numpy as jnp
     >>> as_typed(lambda a: a + 1, jax.typeof(jnp.ones(2)), jnp.ones(2)).tolist()
     [2.0, 2.0]
     """
     mesh = current_mesh()
-    explicit = tuple(n for n, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()))
-                     if t == jax.sharding.AxisType.Explicit)
+    explicit = _explicit(mesh)
     if not explicit:  # (every op without a mesh: nothing more to look at)
-        return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # JAX's ShardingTypeError (not public), or compat.reshape's
+            if not isinstance(e, UntypedReshape) and type(e).__name__ != "ShardingTypeError":
+                raise
+            mesh = next((m for m in map(_type_mesh, _split_leaves(args)) if _explicit(m)), None)
+            if mesh is None:
+                raise
+        # outside jax.set_mesh, operands split over explicit axes that the kernel's own ops
+        # (an int8 matmul per group of a split K, a flattening) cannot type: their mesh
+        with jax.sharding.use_abstract_mesh(mesh):
+            return as_typed(fn, out_aval, *args)
     spec = getattr(getattr(out_aval, "sharding", None), "spec", None)
-    if not (spec is not None and any(a is not None for a in spec)) and not any(
-            sharded_dims(a) for a in jax.tree_util.tree_leaves(args) if hasattr(a, "shape")):
+    if not (spec is not None and any(a is not None for a in spec)) and not _split_leaves(args):
         return fn(*args)
     return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=spec)(*args)
+
+
+def _explicit(mesh) -> tuple:
+    return tuple(n for n, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
+                 if t == jax.sharding.AxisType.Explicit)
+
+
+def _type_mesh(x):
+    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+
+
+def _split_leaves(tree):
+    return [a for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "shape") and sharded_dims(a)]
 
 
 def to_current_mesh(tree):

@@ -204,18 +204,24 @@ def int_dense(ax, x, w, policy):
     return acc * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))
 
 
-def codes_as_bfloat16(x2, w2, layout, policy):
-    """int8 / uint8 codes ``(M, K)`` x a weight in ``layout`` -> float32 ``(M, N)`` through
-    one bfloat16 matmul, where ``policy.int_as_bfloat16_rows`` says so for ``M`` rows, or
-    None. bfloat16 holds 8-bit codes exactly, so the products are exact; the sums are
-    float32 (exact while they stay below 2**24). XLA:CPU's bfloat16 matmul with float32
-    accumulation outruns its int8 one at many rows, for a weight whose float32 copy fits
-    ``policy.large_weight_bytes`` (docs/performance.md)."""
+def codes_as_bfloat16(x2, w2, layout, policy, zx=None):
+    """int8 / uint8 codes ``(M, K)``, less their integer zero point ``zx`` where given, x a
+    weight in ``layout`` -> float32 ``(M, N)`` through one bfloat16 matmul, where
+    ``policy.int_as_bfloat16_rows`` says so for ``M`` rows, or None. bfloat16 holds every
+    integer in [-256, 256] exactly, so the products are exact; the sums are float32, exact
+    while they stay below 2**24 and rounded as a float matmul's beyond. The zero point is
+    subtracted first: the raw codes' sums (a zero point near the top code, values near it) grow
+    with K past 2**24, and subtracting ``zx * sum(w)`` after them cancelled most of a
+    rounded sum (errors of 6e-3 of the output at K = 4096). XLA:CPU's bfloat16 matmul with
+    float32 accumulation outruns its int8 one at many rows, for a weight whose float32
+    copy fits ``policy.large_weight_bytes`` (docs/performance.md)."""
     m, top = x2.shape[0], policy.int_as_bfloat16_rows
     if not (top and isinstance(m, int) and m > top):
         return None
     if policy.large_weight_bytes and 4 * w2.size > policy.large_weight_bytes:
         return None  # its 16-bit copy, made every call, does not fit the cache
+    if zx is not None:
+        x2 = x2.astype(jnp.int16) - zx.astype(jnp.int16)  # in [-255, 255]
     dn = (((1,), (contract_dim(layout),)), ((), ()))
     return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn,
                            preferred_element_type=_F32)
@@ -223,11 +229,12 @@ def codes_as_bfloat16(x2, w2, layout, policy):
 
 def _int_dense_acc(qx2, qw, layout, zx, zw, wsum, policy):
     """``sum_k (qx - zx)(qw - zw)`` in int32 (the caller keeps K short enough), or in
-    float32 from a bfloat16 matmul of the codes (:func:`codes_as_bfloat16`)."""
-    acc = codes_as_bfloat16(qx2, qw, layout, policy)
+    float32 from a bfloat16 matmul of the codes less ``zx`` (:func:`codes_as_bfloat16`)."""
+    acc = codes_as_bfloat16(qx2, qw, layout, policy, zx)
+    centred = acc is not None  # the activation's zero point is subtracted already
     if acc is None:
         acc = int_matmul(qx2, qw, layout, policy.pad_rows)
-    if zx is not None:
+    if zx is not None and not centred:
         wsum = wsum if wsum is not None else jnp.sum(qw, axis=contract_dim(layout), dtype=_I32)
         acc = acc - zx * wsum
     if zw is not None:

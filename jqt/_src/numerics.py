@@ -358,8 +358,8 @@ def _jvp_scale(g, x, scale, zero_point, *, qmin, qmax, grid="int"):
 
 
 def _jvp_zero_point(g, x, scale, zero_point, *, qmin, qmax, grid="int"):
-    if grid != "int":
-        return jnp.zeros_like(g)
+    if grid != "int":  # symmetric grids only: the output does not move with it
+        return jnp.zeros_like(x)
     _, lo, hi = _masks(x, scale, zero_point, qmin, qmax, grid)
     d = jnp.where(lo | hi, -scale.astype(_F32), 0.0)
     return (g.astype(_F32) * d).astype(x.dtype)

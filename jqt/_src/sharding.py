@@ -70,7 +70,7 @@ def _check_leaf_spec(path, spec, aval, mesh):
                          f"{len(shape)} dimensions; {fix}.")
     try:
         NamedSharding(mesh, spec).shard_shape(shape)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - ValueError, or JAX's DuplicateSpecError (not public)
         raise ValueError(f"jqt.packed_shardings: leaves= gives the kept leaf '{path}' "
                          f"(shape {shape}) the spec {spec}, which does not fit the mesh "
                          f"{dict(mesh.shape)}: {e}; {fix}.") from None

@@ -544,6 +544,35 @@ def test_equinox_mlp():
     assert p.lhs.scale.shape == (16, 1)  # weight is (out, in): one scale per output row
 
 
+def test_equinox_state_a_model_sets_is_returned_as_equinox_returns_it():
+    """A model that updates an ``eqx.nn.State`` (a ``StateIndex`` step counter, as BatchNorm
+    in training mode keeps its statistics) and returns the new state: ``state.set`` leaves
+    the old state unusable, and jqt's look for in-place changes flattened it again after
+    ``f`` ran, which raised equinox's "Attempted to use old state" in calibrate and
+    quantize (hunt54_frameworks2)."""
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        steps: eqx.nn.StateIndex
+
+        def __init__(self, key):
+            self.lin, self.steps = eqx.nn.Linear(16, 8, key=key), eqx.nn.StateIndex(jnp.int32(0))
+
+        def __call__(self, x, state):
+            return self.lin(x), state.set(self.steps, state.get(self.steps) + 1)
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    f = lambda params, state, x: eqx.combine(params, static)(x, state)
+    x = jax.random.normal(jax.random.key(1), (16,))
+    fresh = lambda: eqx.nn.make_with_state(Net)(jax.random.key(0))[1]  # a state f may consume
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=8), params, [(fresh(), x)], progress=False)
+    assert list(qp) == ["lin/weight"]
+    y, new = jqt.quantize(f, qp)(jqt.pack(qp, params), fresh(), x)
+    y_sim, _ = jqt.quantize(f, qp, simulate=True)(params, fresh(), x)
+    assert int(new.get(model.steps)) == 1
+    np.testing.assert_allclose(y, y_sim, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- Keras 3 (JAX backend)
 
 

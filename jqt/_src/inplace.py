@@ -29,7 +29,10 @@ def changed_leaves(marked, args, before, out):
     returned = {id(x) for x in jax.tree_util.tree_leaves(out)}
     found = []
     for i, (a, (old, _)) in enumerate(zip(args, before)):
-        new = jax.tree_util.tree_flatten_with_path(a)[0]
+        try:
+            new = jax.tree_util.tree_flatten_with_path(a)[0]
+        except ValueError:  # a value f consumed: an equinox State after state.set(...), which
+            continue  # refuses to flatten again (its new state is what f returns)
         if [p for p, _ in new] != [p for p, _ in old]:  # an entry added or removed (a static
             found.append((i, None, None, None))  # attribute changed, model.eval(): no loss)
             continue

@@ -452,6 +452,10 @@ def test_files_name_the_path_and_the_fix(setup, tmp_path):
             jqt.load(tmp_path / "m.pt")
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+    (tmp_path / "cut.npz").write_bytes(b"PK")  # an .npz cut short of its zip header
+    with pytest.raises(FormatError, match=r"cut.npz is not a jqt file, or a damaged one \(neither "
+                                          r"a readable .npz archive \(no zip header\) nor"):
+        jqt.load(tmp_path / "cut.npz")
 
 
 def test_a_type_error_inside_a_decorated_f_is_its_own():

@@ -386,8 +386,11 @@ class Reader(_Checked):
         except FileNotFoundError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own error types, not exported
-            raise FormatError(f"{fn}: {path} is not a jqt file, or a damaged one (not a readable "
-                              f"safetensors file: {_first_line(e)}). If jqt wrote it, re-save it "
+            what = ("neither a readable .npz archive (no zip header) nor a readable safetensors "
+                    "file" if os.fspath(path).lower().endswith(".npz") else
+                    "not a readable safetensors file")
+            raise FormatError(f"{fn}: {path} is not a jqt file, or a damaged one ({what}: "
+                              f"{_first_line(e)}). If jqt wrote it, re-save it "
                               "(jqt.save or jqt.save_packed) or restore a good copy.") from None
         self._open_checked()
 

@@ -214,8 +214,13 @@ def test_a_cache_from_other_qparams_is_refused(setup):
     _, cache4 = jax.jit(jqt.quantize(step, qp4))(p, empty(), toks[:, 0])
     for simulate in (False, True):
         with pytest.raises(jqt.QParamsMismatchError,
-                           match=r"argument \[1\]\['k'\] of f .* int4 .*qparams\['kv_cache_0'\].*int8"):
+                           match=r"argument \[1\]\['k'\] of f .* int4 .*qparams\['kv_cache_0'\].*int8.*"
+                                 r"starts it with jqt.quantize_cache\(buffer, 'int8'\)"):
             jqt.quantize(step, qp8, simulate=simulate)(p, cache4, toks[:, 1])
+    # the advice, followed: a cache started as jqt.quantize_cache(buffer, 'int8') is taken
+    start = {**empty(), "k": jqt.quantize_cache(empty()["k"], "int8"),
+             "v": jqt.quantize_cache(empty()["v"], "int8")}
+    assert jqt.quantize(step, qp8)(p, start, toks[:, 0])[1]["k"].qtype.bits == 8
     # the simulated path of the same qparams decodes it
     _, sim = jqt.quantize(step, qp4, simulate=True)(p, cache4, toks[:, 1])
     assert sim["k"].dtype == jnp.float32

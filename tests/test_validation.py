@@ -1287,6 +1287,9 @@ def test_backend_names_and_cache_arguments_are_checked():
         jqt.quantize_cache(z, policy="gpu")
     with pytest.raises(TypeError, match=r"x is a dict; pass one float buffer"):
         jqt.quantize_cache({"k": z})
+    with pytest.raises(TypeError, match=r"k=jqt.quantize_cache\(cache\['k'\], 'int4'\), "
+                                        r"v=jqt.quantize_cache\(cache\['v'\], 'int4'\)\)"):
+        jqt.quantize_cache({"k": z}, "int4")  # the snippet keeps the cache type
     with pytest.raises(TypeError, match=r"x is a jqt.QArray, a cache quantized already"):
         jqt.quantize_cache(jqt.quantize_cache(z))
     assert jqt.quantize_cache(np.zeros((2, 4, 8))).float_dtype == "float32"  # JAX's float

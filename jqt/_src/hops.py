@@ -451,7 +451,9 @@ def enter_call(plan, ctx, args, invars, name=str):
                 f"jqt: argument {name(k)} of f is a key/value cache of "
                 f"{have}, where qparams['{writes[0]}'] write "
                 f"{want} into it: the cache was made with other qparams. "
-                "Pass the cache the same quantized function returned, or a float buffer.")
+                "Pass the cache the same quantized function returned, or a float buffer; a loop "
+                "around the step, whose carry starts quantized, starts it with "
+                f"jqt.quantize_cache(buffer, {kvcache.kind_name(qtype)}).")
         args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):
             entered[k] = args[k]

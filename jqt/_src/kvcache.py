@@ -73,6 +73,18 @@ def cache_type(kind) -> QuantType | None:
                      "a jqt.QuantType(..., per_channel=True, dynamic=True).")
 
 
+def kind_name(t: QuantType) -> str:
+    """The ``kv_cache=`` value that names cache type ``t``, as code for a message.
+
+    >>> kind_name(cache_type("int4")), kind_name(cache_type(True))
+    ("'int4'", "'int8'")
+    """
+    for name in ("int8", "int4", "fp8", "float8_e5m2"):
+        if cache_type(name) == t:
+            return repr(name)
+    return f"jqt.{t!r}"
+
+
 def check_type(t: QuantType, where: str):
     """Raises unless ``t`` can type a cache: symmetric, dynamic, per vector, <= 8 bits, no table."""
     if t.kind == "lut" or not t.symmetric or not t.dynamic or not t.per_channel or t.group_size \
@@ -259,9 +271,11 @@ def quantize_cache(x, kv_cache=True, *, policy=None) -> QArray:
         raise TypeError("jqt.quantize_cache: x is a jqt.QArray, a cache quantized already; pass it "
                         "to the step as it is.")
     if not hasattr(x, "shape") and not isinstance(x, (int, float)):
+        kind = kind_name(t)
         raise TypeError(f"jqt.quantize_cache: x is a {type(x).__name__}; pass one float buffer, "
                         "and for a cache dict each of its buffers, e.g. dict(cache, "
-                        "k=jqt.quantize_cache(cache['k']), v=jqt.quantize_cache(cache['v'])).")
+                        f"k=jqt.quantize_cache(cache['k'], {kind}), v=jqt.quantize_cache(cache['v'], "
+                        f"{kind})), with the type the step's preset took as kv_cache=.")
     x = jnp.asarray(x)  # a NumPy float64 buffer: JAX's float (float32 unless x64 is on)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
         raise ValueError(f"jqt.quantize_cache: x is {jnp.result_type(x)}{list(jnp.shape(x))}, where a "

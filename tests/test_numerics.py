@@ -26,8 +26,16 @@ def _fake_quant_round_trip_and_saturation(x, lo, hi, bits, symmetric, narrow):
     assert q.min() >= t.qmin and q.max() <= t.qmax
     if narrow:
         assert q.min() >= -(2 ** (bits - 1) - 1)
-    # the two primitives agree: fake_quant == dequantize(quantize)
-    np.testing.assert_allclose(y, (q - z) * s, rtol=1e-6, atol=1e-6 * s)
+    # the two primitives agree: fake_quant == dequantize(quantize), except one step apart
+    # where x / scale is within a float32 ulp of a tie: XLA:CPU computes the quotient as
+    # x * (1 / scale) in one primitive's program and not in the other's, where the scale
+    # has another use (docs/guarantees.md, "Bit-identical integer and simulated paths")
+    want = (q - z) * s
+    off = ~np.isclose(y, want, rtol=1e-6, atol=1e-6 * s)
+    xs = x.astype(np.float64) / s
+    tie = np.abs(np.abs(xs - np.floor(xs)) - 0.5) <= 2 * np.finfo(np.float32).eps * np.maximum(np.abs(xs), 1)
+    assert np.all(tie[off]), (x[off], xs[off])
+    np.testing.assert_allclose(y[off], want[off], rtol=1e-5, atol=s * (1 + 1e-5))
     # inside the representable range: error at most half a step
     rmin, rmax = (t.qmin - z) * s, (t.qmax - z) * s
     inside = (x >= rmin) & (x <= rmax)

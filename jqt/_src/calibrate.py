@@ -227,7 +227,7 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                         + (" A raw jax.random.PRNGKey? Pass a typed key (jax.random.key(seed)), "
                            "which every device is given whole." if raw_key else ""))
 
-            if _explicit(mesh):  # shard_map takes explicitly sharded inputs as they are
+            if compat.explicit_axes(mesh):  # shard_map takes explicitly sharded inputs as they are
                 params_t, batch, decided, transformed = _reshard(
                     mesh, (params_t, batch, decided, transformed), (P(), bspec, P(), P()))
 
@@ -283,11 +283,6 @@ def _one_key(x) -> bool:
     """A typed PRNG key with no batch axis (``jax.random.key(seed)``)."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) \
         and not jnp.ndim(x)
-
-
-def _explicit(mesh) -> bool:
-    """True when a mesh axis is Explicit (``jax.make_mesh``'s default in recent JAX)."""
-    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _reshard(mesh, trees, specs):

@@ -389,14 +389,14 @@ def as_typed(fn, out_aval, *args):
     [2.0, 2.0]
     """
     mesh = current_mesh()
-    explicit = _explicit(mesh)
+    explicit = explicit_axes(mesh)
     if not explicit:  # (every op without a mesh: nothing more to look at)
         try:
             return fn(*args)
         except Exception as e:  # JAX's ShardingTypeError (not public), or compat.reshape's
             if not isinstance(e, UntypedReshape) and type(e).__name__ != "ShardingTypeError":
                 raise
-            mesh = next((m for m in map(_type_mesh, _split_leaves(args)) if _explicit(m)), None)
+            mesh = next((m for m in map(_type_mesh, _split_leaves(args)) if explicit_axes(m)), None)
             if mesh is None:
                 raise
         # outside jax.set_mesh, operands split over explicit axes that the kernel's own ops
@@ -409,7 +409,13 @@ def as_typed(fn, out_aval, *args):
     return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=spec)(*args)
 
 
-def _explicit(mesh) -> tuple:
+def explicit_axes(mesh) -> tuple:
+    """The names of ``mesh``'s Explicit axes (``jax.make_mesh``'s default in recent JAX);
+    empty for no mesh, an empty one, or Auto axes only.
+
+    >>> explicit_axes(jax.sharding.get_abstract_mesh())
+    ()
+    """
     return tuple(n for n, t in zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
                  if t == jax.sharding.AxisType.Explicit)
 
@@ -604,8 +610,7 @@ def shard_map_bind(eqn, fn, args, in_specs, out_specs):
     only as they are; arguments already so split are unchanged."""
     p = eqn.params
     mesh = p["mesh"]
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
-    if explicit and isinstance(mesh, jax.sharding.Mesh):
+    if explicit_axes(mesh) and isinstance(mesh, jax.sharding.Mesh):
         def put(spec, tree):
             sh = jax.sharding.NamedSharding(mesh, spec)
             return jax.tree_util.tree_map(lambda a: jax.reshard(a, sh), tree)

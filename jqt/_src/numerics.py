@@ -14,7 +14,8 @@ zero point as operands:
 Both compute ``round(x / scale)`` in float32 with round-half-to-even and round
 the zero point (a trained zero point drifts off the integers; its gradient is
 straight-through), so the integer path and the simulated path produce the
-same codes.
+same codes. The quotient is ``x`` times the scale's reciprocal (:func:`quotient`),
+the one form XLA leaves as written in every program.
 """
 from __future__ import annotations
 
@@ -152,10 +153,28 @@ def _fp8_decode(codes, grid):
     return v if grid == "float8_e5m2" else v * FP8_BITS_UNIT[grid]
 
 
+def quotient(x, scale):
+    """``x / scale`` in float32, as every code is computed: ``x`` times the scale's
+    reciprocal (one correctly rounded division per scale, then a multiplication).
+
+    Written as a division, XLA:CPU turns ``x / broadcast(scale)`` into ``x * (1 / scale)``
+    in some programs and not in others (a scale that is a constant, one the program uses
+    only there, a broadcast it does not share), and the two differ by an ulp: a quotient
+    at a tie rounds to neighbouring codes (``0.01 / (0.02 / 3)`` is ``1.4999999``, and
+    ``1.5`` the other way). XLA does not rewrite a multiplication, and folds a constant
+    scale's reciprocal to the same float32, so the simulated and integer paths, eager
+    calls and ``jax.jit`` with constant qparams, and ``jqt.pack`` all get the same codes.
+
+    >>> float(quotient(jnp.float32(0.01), jnp.float32(0.02) / 3))
+    1.5
+    """
+    return x.astype(_F32) * (jnp.float32(1) / scale.astype(_F32))
+
+
 def _codes(x, scale, zero_point, qmin, qmax, grid="int"):
     """The stored codes of ``x``: float32 integers for ``int``/``nf4`` (nf4: ``i - 8`` for
     table entry ``i``), fp8 values for the fp8 grids."""
-    v = x.astype(_F32) / scale.astype(_F32)
+    v = quotient(x, scale)
     if grid == "int":
         return jnp.clip(jnp.round(v) + _zp_f32(zero_point), qmin, qmax)
     if grid == "nf4":
@@ -335,7 +354,7 @@ def clip_edges(qmin, qmax, grid):
 
 
 def _masks(x, scale, zero_point, qmin, qmax, grid):
-    xs = x.astype(_F32) / scale.astype(_F32)
+    xs = quotient(x, scale)  # the codes' quotient, so that the masks agree with them
     if grid == "int":
         q = jnp.round(xs) + _zp_f32(zero_point)
         return xs, q < qmin, q > qmax

@@ -1274,6 +1274,39 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
         jqt.Rule(key="bts", activation=jqt.QuantType(bits=8))
 
 
+def test_numpy_scalars_are_taken_where_python_ones_are():
+    # kv_cache=np.True_ (a flag read from an array) was refused with "use True (int8)"; an
+    # accumulator width from np.arange(16, 33) was refused as "not an int from 16 to 32"
+    assert jqt.recipes.w8a8(kv_cache=np.True_).rules[0].kv_cache == jqt.recipes.w8a8(kv_cache=True).rules[0].kv_cache
+    assert jqt.Rule(kv_cache=np.False_).kv_cache is None
+    buf = jnp.ones((1, 4, 2, 8))
+    assert jqt.quantize_cache(buf, np.True_).values.dtype == jqt.quantize_cache(buf, True).values.dtype == jnp.int8
+    for acc in np.arange(16, 18):
+        r = jqt.recipes.w8a8(accumulator=acc).rules[0]
+        assert r.accumulator == int(acc) and type(r.accumulator) is int
+    with pytest.raises(ValueError, match=r"Rule: accumulator=15: the accumulator width is an int from 16 to 32"):
+        jqt.recipes.w8a8(accumulator=np.int64(15))
+
+
+def test_a_rule_keyed_to_one_conv_that_asks_for_groups_is_told():
+    # a rule that decides a convolution alone (by its key) and asks for groups got per-channel
+    # scales without a word; the same rule written with ops=("conv_general_dilated",) warned.
+    # A preset's rule (every op) stays quiet: a conv takes no groups
+    p = {"conv": jax.random.normal(jax.random.key(0), (3, 3, 48, 16)) * 0.1, "w": jnp.ones((16, 8))}
+    f = lambda p, x: lax.conv_general_dilated(x, p["conv"], (1, 1), "SAME",
+                                              dimension_numbers=("NHWC", "HWIO", "NHWC")) @ p["w"]
+    x = jnp.ones((1, 4, 4, 48))
+    g16 = jqt.QuantType(bits=4, group_size=16)
+    for rule in (jqt.Rule(key="conv", weight=g16), jqt.Rule(ops=("conv_general_dilated",), weight=g16)):
+        with pytest.warns(UserWarning, match=r"op 'conv' .*cannot take group_size=16"):
+            qp = jqt.calibrate(f, jqt.Recipe(rules=(rule,) + jqt.recipes.w8().rules), p, [(x,)], progress=False)
+        assert qp["conv"].rhs.qtype.group_size == 0 and qp["conv"].rhs.qtype.per_channel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key=".*", weight=g16),)), p, [(x,)], progress=False)
+        jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="conv|w", weight=g16),)), p, [(x,)], progress=False)
+
+
 def test_backend_names_and_cache_arguments_are_checked():
     """KernelPolicy.for_backend: any case of a table's name, the default policy for other
     JAX platforms, an error for other names (a typo took the default table silently);

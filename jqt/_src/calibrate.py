@@ -953,10 +953,17 @@ def finalize(traced, recipe, stats, leaf_dtypes):
     """Statistics -> qparams, one :class:`OpQParams` per op; ``leaf_dtypes``: the dtype of
     each weight leaf, by ``(arg, leaf)`` (:func:`_leaf_dtypes`)."""
     sites = traced.sites()
+    rules = {s.key: recipe.rule_for(s.op, s.key) for s in sites}
+    prims = {}  # which primitives each rule decides in f (a rule keyed to one conv: convs alone)
+    for s in sites:
+        prims.setdefault(id(rules[s.key]), set()).add(s.op)
     decided = {}
     with diagnostics.grouped():  # a warning per kind, naming the ops (24 layers: not 24)
         for s in sites:
-            decided[s.key] = _decide(s, recipe.rule_for(s.op, s.key), stats.get(s.key), leaf_dtypes)
+            r = rules[s.key]
+            broad = r is not None and r.ops != (s.op,) and (r.key in (".*", "")
+                                                            or prims[id(r)] != {s.op})
+            decided[s.key] = _decide(s, r, stats.get(s.key), leaf_dtypes, broad)
     quantized_w = {k for k, p in decided.items() if p.weight_operand is not None
                    and p.operand(p.weight_operand) is not None}
     _warn_zero_constants(sites, decided, quantized_w, stats)
@@ -1064,7 +1071,10 @@ def _named(rule):
     return f"Rule(key={k!r})"
 
 
-def _decide(site, rule, st, leaf_dtypes):
+def _decide(site, rule, st, leaf_dtypes, broad=True):
+    """``site``'s qparams under ``rule``; ``broad``: the rule is for other primitives too
+    (every op, as a preset's, or ops of another primitive in ``f``), where a convolution
+    asked for groups takes one scale per output channel without a warning."""
     base = dict(op=site.op, weight_operand=site.weight_operand, source=site.source)
     float_ = lambda note: OpQParams(lhs=None, rhs=None, note=note, **base)
     if site.built:  # whatever the rule: its entry's note marks it (validate.check_keys)
@@ -1195,7 +1205,7 @@ def _decide(site, rule, st, leaf_dtypes):
     # silent where per channel is what the rule means: an op that takes no groups under a
     # rule for more ops than it (a preset's; convs are per output channel), or a weight
     # whose whole contracted size fits one group (a LoRA factor of rank 4 under g16)
-    quiet = (ax is None and rule.ops != (site.op,)) or (ax is not None and k <= wt.group_size)
+    quiet = (ax is None and broad) or (ax is not None and k <= wt.group_size)
     if eff != wt and not quiet:
         where = ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
         longer = _longer_contracted(site, shape, ax)

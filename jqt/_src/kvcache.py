@@ -57,7 +57,9 @@ INT8 = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True, dy
 def cache_type(kind) -> QuantType | None:
     """The cache :class:`jqt.QuantType` a preset's ``kv_cache=`` names: ``True`` or
     ``"int8"``, ``"int4"``, ``"fp8"`` (``"float8_e4m3fn"``), ``"float8_e5m2"``, a
-    ``QuantType``, or ``False``/``None`` (float cache)."""
+    ``QuantType``, or ``False``/``None`` (float cache); a NumPy bool as Python's."""
+    if isinstance(kind, np.bool_):
+        kind = bool(kind)
     if kind is None or kind is False:
         return None
     if kind is True or kind == "int8":

@@ -10,6 +10,7 @@ no rule matches stays float, and :func:`jqt.calibrate` says so.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from typing import Optional
 
@@ -243,6 +244,9 @@ class Rule:
         self._check_accumulator()
 
     def _check_accumulator(self):
+        bits = self.accumulator  # a NumPy integer (a sweep over np.arange) as an int
+        if isinstance(bits, numbers.Integral) and not isinstance(bits, (bool, np.bool_)):
+            object.__setattr__(self, "accumulator", int(bits))
         accumulator.check_bits(self.accumulator, "Rule")
         if self.accumulator == accumulator.WIDEST:
             return

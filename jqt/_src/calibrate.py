@@ -1175,7 +1175,7 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate, a lax.scan of length 0, an activation of no "
-             "elements?); it stays float. "
+             "elements, a lax.ragged_dot whose group_sizes were all 0?); it stays float. "
              "Add calibration data that reaches it.")
     unreached = "never reached during calibration"
     if site.platforms != ():

@@ -161,7 +161,8 @@ class Calibrate:
         act, weight, cal = None, None, None
         if at is not None and not at.dynamic:
             cal = rule.calibrator
-            act = _observe(cal, invals[1 - w].astype(_F32))
+            x, live = invals[1 - w].astype(_F32), site.entry.live_rows(invals)
+            act = _observe(cal, x) if live is None else _observe_rows(cal, x, live)
         if self.observe_weights is True or (self.observe_weights == "computed"
                                             and site.computes_weight):
             lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
@@ -203,6 +204,29 @@ def _observe(cal, x):
         return cal.observe(x)
     like = jax.eval_shape(cal.observe, jax.ShapeDtypeStruct(tuple(max(n, 1) for n in x.shape), x.dtype))
     return cal.empty(like)
+
+
+def _observe_rows(cal, x, n):
+    """The statistics of ``x``'s first ``n`` rows (``n`` traced, ``0 <= n <= len(x)``): the
+    union (``cal.combine``) of one slice per set bit ``b`` of ``n``, ``2**b`` rows long, so
+    every calibrator sees exactly those rows in static shapes.
+
+    >>> import jqt
+    >>> c = jqt.calibrators.MinMax()
+    >>> s = _observe_rows(c, jnp.array([[1.0], [-2.0], [3.0], [50.0]]), jnp.int32(3))
+    >>> c.range(s, jqt.QuantType())
+    (-2.0, 3.0)
+    """
+    m = x.shape[0]
+    like = jax.eval_shape(cal.observe, jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+    out = cal.empty(like)
+    for b in range(m.bit_length()):
+        start = jnp.left_shift(jnp.right_shift(n, b + 1), b + 1)  # the higher bits' rows
+        part = cal.observe(jax.lax.dynamic_slice_in_dim(x, start, 1 << b, 0))
+        take = jnp.bitwise_and(jnp.right_shift(n, b), 1) == 1
+        part = jax.tree.map(lambda a, e: jnp.where(take, a, e).astype(a.dtype), part, cal.empty(like))
+        out = cal.combine(out, part)
+    return out
 
 
 def _expected_scale_shape(site, i, shape, qtype):

@@ -55,6 +55,15 @@ def row_groups(sizes, m):
     return jnp.minimum(jnp.searchsorted(ends, rows, side="right"), sizes.shape[0] - 1), rows < ends[-1]
 
 
+def live_count(sizes, m):
+    """How many of ``m`` rows are in an expert: ``min(sum(sizes), m)`` (int32, traced).
+
+    >>> int(live_count(jnp.array([2, 0, 1]), 5)), int(live_count(jnp.array([4, 3]), 5))
+    (3, 5)
+    """
+    return jnp.minimum(jnp.sum(sizes.astype(_I32)), m)
+
+
 def integer(eqn, x, wq, sizes):
     """int codes x int codes -> int32 sums per row and channel, then scaled per row by the
     activation's scale and its expert's channel scales."""

@@ -95,6 +95,12 @@ class Contraction:
     def act_type(rule):
         return rule.activation
 
+    @staticmethod
+    def live_rows(invals):
+        """How many leading rows of the activation the op reads (traced), or ``None``:
+        all of it. A static activation's calibrator observes only those."""
+        return None
+
     def groups(self, site):
         """Grouped scales run along the weight's innermost contracted axis (the highest:
         in K, :func:`dense.group_order`) of a dot_general, with or without batch axes
@@ -292,6 +298,12 @@ class RaggedDot(Contraction):
 
     def groups(self, site):
         return 1
+
+    @staticmethod
+    def live_rows(invals):
+        """The rows in an expert: rows past ``sum(group_sizes)`` (the padding of a sorted
+        token buffer) give zeros, whatever they hold, so calibration does not see them."""
+        return ragged.live_count(invals[2], invals[0].shape[0])
 
     def integer(self, site, eqn, ops, policy):
         return ragged.run(site, eqn, ops, policy)

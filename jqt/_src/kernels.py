@@ -96,6 +96,11 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
     if sx is None:  # weight-only
         # the codes' sums exceed float16's range: float32 there
         dt, pref = nx.codes_dot_types(qx.dtype, params.get("preferred_element_type"))
+        if jnp.dtype(out_dtype) == _F32:
+            # 16-bit activations into a float32 op: it computes in float32, so the decoded
+            # weight (nf4's table values, which bfloat16 rounds) stays float32, as the dense
+            # kernel's does
+            dt, pref = _F32, _F32
         out = lax.conv_general_dilated(qx.astype(dt), qw.astype(dt), **cp, preferred_element_type=pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     cp.pop("precision", None)

@@ -283,6 +283,35 @@ def test_weight_arguments_no_op_reads_a_weight_from_are_said():
         assert any(k.startswith("kv_cache") for k in qp)
 
 
+def test_a_cache_held_in_the_weights_and_carried_is_not_called_a_weight():
+    """A key cache that lives in the weights argument (an Equinox module or an nnx state
+    carried whole by the decode loop) and the int32 position beside it enter the carry;
+    the loop keeps the cache quantized (docs/generate.md), yet calibrate warned that
+    "weight 'kc' enters the carry", its reading ops "stay float", and to close over it
+    in the body, which a cache cannot be. A float weight carried as data still warns
+    (test_weights_a_loop_carries_and_copies_are_named)."""
+    T, D = 8, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    p = {"wk": jax.random.normal(ks[0], (D, D)) / 4, "wq": jax.random.normal(ks[1], (D, D)) / 4,
+         "kc": jnp.zeros((T, D)), "pos": jnp.int32(0)}
+
+    def gen(p, xs):
+        def body(c, x):
+            kc, pos = c
+            kc = jax.lax.dynamic_update_slice(kc, (x @ p["wk"])[None], (pos, 0))
+            s = jnp.where(jnp.arange(T) <= pos, kc @ (x @ p["wq"]), -1e9)
+            return (kc, pos + 1), jax.nn.softmax(s) @ kc
+        return jax.lax.scan(body, (p["kc"], p["pos"]), xs)[1]
+    xs = jax.random.normal(ks[2], (T, D))
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(gen, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(xs,)], progress=False)
+    assert [str(w.message) for w in ws] == []
+    assert not qp["kv_cache_0"].is_float and not qp["wk"].is_float
+    y = jax.jit(jqt.quantize(gen, qp))(jqt.pack(qp, p), xs)
+    np.testing.assert_allclose(y, gen(p, xs), atol=0.05 * float(jnp.abs(gen(p, xs)).max()))
+
+
 def test_weights_a_loop_carries_and_copies_are_named():
     """A weight in a loop's carry that the body copies (equinox's loops copy their carry;
     here jnp.copy and an optimization_barrier) is data to jqt: its matmul stayed float,

@@ -231,16 +231,20 @@ class Analyzer:
         self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
         self.empty_ops = 0  # quantizable ops whose weight has no elements (left float, unkeyed)
         self.carried: dict = {}  # weight path -> the first loop whose carry it enters
+        self._carry_slots: dict = {}  # (loop id, slot) -> weight paths entering that slot
+        self.carried_caches: set = set()  # weight paths whose carry slot a loop keeps as a cache
 
     def _use(self, info, what):
         if info.source is not None:
             self.leaf_uses.setdefault((info.source.arg, info.source.leaf), set()).add(what)
 
-    def _carry(self, info, loop):
-        """Notes a weight leaf entering ``loop``'s carry (read as data there: JAX makes a
-        carry the body returns unchanged a constant, but not one it copies or changes)."""
-        if info.source is not None:
+    def _carry(self, info, var, loop, slot):
+        """Notes a float weight leaf entering ``loop``'s carry at ``slot`` ``(loop id, k)``
+        (read as data there: JAX makes a carry the body returns unchanged a constant, but
+        not one it copies or changes)."""
+        if info.source is not None and jnp.issubdtype(var.aval.dtype, jnp.floating):
             self.carried.setdefault(info.source.path, loop)
+            self._carry_slots.setdefault(slot, []).append(info.source.path)
 
     def _key(self, base, leaf=None):
         """``base``, or ``base#n`` where an op took it already; ``leaf``: the (argument, leaf
@@ -655,16 +659,18 @@ class Analyzer:
                             f"'{stack or '<top>'}'")
         if name == "scan":  # carries are data inside; a weight carried in is a float use
             nc, nk = compat.scan_counts(eqn)
-            for info in ins[nc:nc + nk]:
+            for k, info in enumerate(ins[nc:nc + nk]):
                 self._use(info, "float")
-                self._carry(info, f"a lax.scan at '{stack or '<top>'}'")
+                self._carry(info, eqn.invars[nc + k], f"a lax.scan at '{stack or '<top>'}'", (scan_id, k))
             consts = ins[:nc]
         if name == "while":
             p = eqn.params
             for info in ins[:p["cond_nconsts"]] + ins[p["cond_nconsts"] + p["body_nconsts"]:]:
                 self._use(info, "float")
-            for info in ins[p["cond_nconsts"] + p["body_nconsts"]:]:
-                self._carry(info, f"a lax.while_loop at '{stack or '<top>'}'")
+            c0 = p["cond_nconsts"] + p["body_nconsts"]
+            for k, info in enumerate(ins[c0:]):
+                self._carry(info, eqn.invars[c0 + k], f"a lax.while_loop at '{stack or '<top>'}'",
+                            (scan_id, k))
             consts = ins[:p["cond_nconsts"] + p["body_nconsts"]]
         if name in ("scan", "while"):  # a buffer a loop closes over, or a view of one, is
             for info in consts:  # read (attention block by block in a fori_loop over the
@@ -696,6 +702,8 @@ class Analyzer:
             outs = [default if o is None else o for o in found]
         if caches:
             self._cache_lookalikes(eqn, caches, scan_id, stack)
+            for k in caches:  # a cache held in the weights (a module carried whole): a cache
+                self.carried_caches.update(self._carry_slots.get((scan_id, k), ()))
         for p, names in zip(plans, eqn.params.get("branches_platforms") or ()):
             for site in p.all_sites():  # lax.platform_dependent: the innermost branch's
                 if site.platforms == ():

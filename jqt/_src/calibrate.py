@@ -437,7 +437,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     lookalikes = [l for l in analyzer.cache_lookalikes if l[4] not in missed]
     _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
-                    argnums, analyzer.empty_ops, analyzer.carried)
+                    argnums, analyzer.empty_ops,
+                    {p: l for p, l in analyzer.carried.items() if p not in analyzer.carried_caches})
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)

@@ -124,7 +124,8 @@ def child(model_name, cal_name, n_batches):
 
 class _LazyBatches:
     """A sequence of ``n`` batches made on the fly (``jqt.gptq`` passes over them once per
-    op), sampling RSS when batch ``i`` of the last pass is handed out."""
+    op), sampling RSS when batch ``i`` of pass ``last_pass`` is handed out (``None``: of
+    every pass, each overwriting the one before, so the last pass's remain)."""
 
     def __init__(self, example, n, marks, samples, last_pass):
         import numpy as np
@@ -139,8 +140,9 @@ class _LazyBatches:
             raise IndexError(i)
         if i == 0:
             self.passes += 1
-        if self.passes == self.last_pass and (i in self.marks or i == self.n - 1):
-            self.samples[i + 1 if i == self.n - 1 else i] = (rss_bytes(), peak_bytes())
+        if self.last_pass in (None, self.passes):
+            for k in {i} & self.marks | ({self.n} if i == self.n - 1 else set()):
+                self.samples[k] = (rss_bytes(), peak_bytes())  # (n: as the last batch is drawn)
         rng = self.np.random.default_rng([SEED, i])
         return (rng.random((BATCH,) + self.example, dtype=self.np.float32),)
 
@@ -152,7 +154,9 @@ def _gptq_child(jqt, model, params, example, shapes, per_batch, stat_bytes, n_ba
     marks, samples = set(CHECKPOINTS) | {n_batches}, {}
     calib = _LazyBatches(example, 16, set(), {}, 0)
     qp = jqt.calibrate(model.apply, jqt.recipes.w4(group_size=32), params, calib, progress=False)
-    batches = _LazyBatches(example, n_batches, marks, samples, last_pass=len(qp))
+    # every pass sampled, the last one's kept: jqt.gptq reads the batches once to check
+    # them, traces batch 0, then passes once per op
+    batches = _LazyBatches(example, n_batches, marks, samples, last_pass=None)
     before = rss_bytes()
     t = time.perf_counter()
     out = jqt.gptq(model.apply, qp, params, batches, progress=False)

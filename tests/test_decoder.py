@@ -147,6 +147,16 @@ def test_the_examples_count_the_carried_cache_at_every_length(params):
     assert d1 == ["float32"] and b2 - b1 == b3 - b2 > 0, got
 
 
+def test_the_streaming_loop_runs_at_a_length_below_the_calibration_prompts(params):
+    """examples/generate.py --length 8: stream() sized the cache for the 17-token sample
+    plus 8 and calibrated its prefill on the 32-token training prompts (a negative pad
+    width, after minutes of work); the cache now holds either."""
+    import generate as G
+    sample = decoder.to_tokens("def __init__(self")
+    tokens, _, _ = G.stream(params, sample, 8, G.prompts("train", 4, 100))
+    assert np.asarray(tokens).size >= 8
+
+
 def test_data_split_and_batches():
     files = decoder.stdlib_files()
     assert len(files) > 100 and files == sorted(files) and not any("site-packages" in f for f in files)

@@ -78,6 +78,29 @@ def test_gptq_checks_its_batches_and_options(setup):
             jqt.gptq(f, qp, p, b, progress=False, **kw)
 
 
+def test_gptq_takes_a_sequence_indexed_by_int_only(setup):
+    """Batches made on demand by a class with ``__len__`` and an int ``__getitem__`` (as
+    benchmarks/calibration_memory.py's): jqt.calibrate took them and jqt.gptq, which asks
+    for a sequence, sliced them (a TypeError from the user's class); it indexes them now,
+    with the same result as the list."""
+    p, batches, qp = setup
+    seq = [batches[0], (batches[0][0] * 0.5,), (batches[0][0][::-1],)]
+
+    class Lazy:
+        def __len__(self):
+            return len(seq)
+
+        def __getitem__(self, i):
+            if not isinstance(i, int):
+                raise TypeError(f"index {i!r}: an int only")
+            if i >= len(seq):
+                raise IndexError(i)
+            return seq[i]
+    got = jqt.gptq(f, qp, p, Lazy(), progress=False)
+    want = jqt.gptq(f, qp, p, seq, progress=False)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+
+
 def test_pack_refuses_weights_far_smaller_than_the_calibrated_ones(setup):
     p, _, qp = setup
     jqt.pack(qp, {**p, "w1": p["w1"] * 0.3})  # within a quarter: trained further, packed

@@ -422,8 +422,9 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         raise
     validate.check_keys(traced, qparams, "jqt.gptq")
     keys = {s.key for s in traced.sites()}
-    for i, b in enumerate(batches[1:], 1):  # (traces are cached per static values and shapes)
-        other = sorted({s.key for s in tracer(full_args(argnums, params_t, b)).sites()} ^ keys)
+    for i in range(1, len(batches)):  # (traces are cached per static values and shapes;
+        # indexed, not sliced: a sequence need not take a slice)
+        other = sorted({s.key for s in tracer(full_args(argnums, params_t, batches[i])).sites()} ^ keys)
         if other:  # a KeyError in the passes, or a Hessian missing a batch
             raise CalibrationDataError(
                 f"jqt.gptq: batch {i} runs other ops than batch 0 (op{'s' if len(other) > 1 else ''} "

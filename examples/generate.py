@@ -117,7 +117,9 @@ def stream(params, prompt, steps, calib_prompt):
     once per token from Python with an int8 cache kept between calls: (tokens, tokens
     per second of the loop, the last cache)."""
     recipe = jqt.recipes.w8a8_dynamic(kv_cache=True)
-    max_len = max(prompt.shape[1], calib_prompt.shape[1]) + steps  # the cache holds either
+    max_len = prompt.shape[1] + steps
+    # calibration prefills its prompts and takes 3 steps in a cache of the same length
+    calib_prompt = calib_prompt[:, :max_len - 3]
     prefill = functools.partial(D.prefill, max_len=max_len)
     # the prefill returns the cache float (no loop carries it): its recipe needs no kv_cache
     qp_pre = jqt.calibrate(prefill, jqt.recipes.w8a8_dynamic(), params, [(calib_prompt,)], progress=False)

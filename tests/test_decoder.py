@@ -150,11 +150,14 @@ def test_the_examples_count_the_carried_cache_at_every_length(params):
 def test_the_streaming_loop_runs_at_a_length_below_the_calibration_prompts(params):
     """examples/generate.py --length 8: stream() sized the cache for the 17-token sample
     plus 8 and calibrated its prefill on the 32-token training prompts (a negative pad
-    width, after minutes of work); the cache now holds either."""
+    width, after minutes of work); the calibration prompts are cut to fit the cache, which
+    stays the sample's size (test_kvcache::test_generate_example_runs: its bytes)."""
     import generate as G
     sample = decoder.to_tokens("def __init__(self")
-    tokens, _, _ = G.stream(params, sample, 8, G.prompts("train", 4, 100))
-    assert np.asarray(tokens).size >= 8
+    tokens, _, cache = G.stream(params, sample, 8, G.prompts("train", 4, 100))
+    assert np.asarray(tokens).size == 8
+    t = [a.shape[2] for a in jax.tree.leaves(cache) if a.ndim >= 3]
+    assert t and set(t) == {sample.shape[1] + 8}, t
 
 
 def test_data_split_and_batches():

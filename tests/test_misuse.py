@@ -1608,5 +1608,13 @@ def test_a_buffer_whose_writes_take_two_cache_types_is_said_to_stay_float():
     with pytest.warns(UserWarning, match=re.escape("jqt: one key/value buffer is written by 'kv_cache_0' "
                                                    "(int8 sym per-row dynamic), 'kv_cache_1' (int4 sym "
                                                    "per-row dynamic): its writes' cache types differ, so "
-                                                   "it stays float")):
+                                                   "it stays float: carried as float, no bytes saved, "
+                                                   "while each quantized write still rounds")):
         assert carried(qp) == ["float32"]
+    # as said: the writes still round (the output is not that of the same qparams with no
+    # cache quantized), though the buffer is carried float
+    plain = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), p, [(xs,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y_mixed = jqt.quantize(f, qp)(jqt.pack(qp, p), xs)
+    assert float(jnp.abs(y_mixed - jqt.quantize(f, plain)(jqt.pack(plain, p), xs)).max()) > 1e-4

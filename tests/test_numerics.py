@@ -421,6 +421,48 @@ def test_fake_quant_and_quantize_agree_at_float32_ties():
         np.testing.assert_array_equal(y, ((q - z) * float(s)).astype(np.float32), err_msg=f"{bits} bits")
 
 
+def test_smoothed_activations_at_ties_get_the_same_codes_on_every_path():
+    # transforms.activation divided by the smoothing vector: XLA:CPU kept the division for
+    # a one-token input and made it x * (1 / s) under jax.jit or for several rows, so a
+    # smoothed activation an ulp from a tie of its grid got a neighbouring code
+    rng = np.random.default_rng(0)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.asarray(rng.normal(size=(16, 16)) * 0.3, jnp.float32)}
+    cal = [(jnp.asarray(rng.normal(size=(32, 16)) * rng.uniform(0.2, 5, size=16), jnp.float32),)]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5, act_symmetric=True), p, cal, progress=False)
+    sm = np.asarray(qp["w"].smooth, np.float32).reshape(-1)
+    sx = np.float32(np.asarray(qp["w"].lhs.scale))
+    row = np.zeros(16, np.float32)
+    for j in range(16):   # a value that rounds to other codes as x / s and as x * (1 / s)
+        for k in range(-100, 100):
+            c = np.float32(np.float32(k + 0.5) * sx * sm[j])
+            cands = [v for v in (c, np.nextafter(c, np.float32(1e9)), np.nextafter(c, np.float32(-1e9)))
+                     if np.round(np.float32(v / sm[j]) / sx) != np.round(np.float32(v * (np.float32(1) / sm[j])) / sx)]
+            if cands:
+                row[j] = cands[0]
+                break
+    assert np.count_nonzero(row) >= 8
+    x = jnp.asarray(row)
+    sim, qf, packed = jqt.quantize(f, qp, simulate=True), jqt.quantize(f, qp), jqt.pack(qp, p)
+    ref = np.asarray(jax.jit(sim)(p, x))
+    step = float(sx) * float(np.abs(np.asarray(p["w"]) * sm[:, None]).max())
+    for name, y in (("eager", sim(p, x)), ("packed", qf(packed, x)), ("jit packed", jax.jit(qf)(packed, x)),
+                    ("one row", sim(p, x[None])[0]), ("two rows", sim(p, jnp.stack([x, x]))[0])):
+        assert float(np.abs(np.asarray(y) - ref).max()) < 0.01 * step, name
+
+
+def test_a_weight_whose_scale_has_no_normal_reciprocal_is_refused():
+    # an nf4 or 3-bit scale above 2**126 has a subnormal reciprocal, flushed to 0: every
+    # code was 0 on every path, jqt.pack included, and calibrate warned the weight "all zeros"
+    f = lambda p, x: x @ p["w"]
+    w = jnp.array([[3e38, -1e38], [1e38, 2e38], [-2e38, 0.5e38], [1e37, 3e38]] * 16, jnp.float32)
+    for recipe in (jqt.recipes.nf4(group_size=64), jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3)),))):
+        with pytest.raises(ValueError, match=r"op 'w' reads weight 'w', whose scale reaches .*2\*\*126"):
+            jqt.calibrate(f, recipe, {"w": w}, [(jnp.ones((1, 64)),)], progress=False)
+    qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=64), {"w": w * 1e-30}, [(jnp.ones((1, 64)),)], progress=False)
+    assert np.abs(np.asarray(jqt.quantize(f, qp)(jqt.pack(qp, {"w": w * 1e-30}), jnp.ones((1, 64))))).min() > 1e8
+
+
 def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():
     # jqt.pack quantizes a weight in a program of its own (a division XLA:CPU made a
     # product with the reciprocal); the simulated path on float params divided: weights

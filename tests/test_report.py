@@ -1263,3 +1263,32 @@ def test_report_labels_smoothed_weights_and_rules_keyed_as_its_nested_rows():
     with pytest.warns(UserWarning, match=r"decides no op.*jqt.report names one layer of a lax.scan"):
         jqt.calibrate(nested, jqt.Recipe(rules=(rule, *jqt.recipes.w8a8().rules)), w,
                       [(x[:, :16] / 30,)], progress=False)
+
+
+def test_a_cache_writes_sqnr_alone_is_its_vectors_not_lifted_by_the_buffer():
+    # "alone" compared the update's rounding error with the whole written buffer's energy:
+    # over a T-step loop it read about 10 log10((T + 1) / 2) dB too high, and a long decode's
+    # int4 cache ranked below the weights jqt.sensitivity found far less harmful
+    d = 16
+
+    def make(t):
+        def f(p, x):
+            def step(c, xt):
+                cache, pos = c
+                cache = lax.dynamic_update_slice(cache, (xt @ p["wk"])[None], (pos, 0))
+                att = jax.nn.softmax(jnp.where(jnp.arange(t) <= pos, cache @ xt, -1e9))
+                return (cache, pos + 1), att @ cache
+            return lax.scan(step, (jnp.zeros((t, d)), 0), x)[1]
+        return f
+
+    p = {"wk": jax.random.normal(jax.random.key(0), (d, d)) / 4}
+    for t in (4, 64):
+        x = jax.random.normal(jax.random.key(1), (t, d))
+        f = make(t)
+        qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=True), p, [(x,)], progress=False)
+        row = {r.key: r for r in jqt.report(f, qp, p, (x,)).rows}["kv_cache_0"]
+        k = x @ p["wk"]  # every vector the loop writes, as the cache rounds them
+        s = jnp.maximum((jnp.abs(k).max(-1, keepdims=True) / 127).astype(jnp.float16).astype(jnp.float32), 2.0**-14)
+        err = jnp.clip(jnp.round(k / s), -127, 127) * s - k
+        own = 10 * np.log10(float(jnp.sum(k ** 2) / jnp.sum(err ** 2)))
+        assert abs(row.sqnr_isolated - own) < 0.1, (t, row.sqnr_isolated, own)

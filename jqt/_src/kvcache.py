@@ -100,7 +100,8 @@ def check_type(t: QuantType, where: str):
 def slot_type(writes, state_in):
     """The type a loop carries a buffer in: its writes' common ``kv_cache`` type, or
     ``None`` (float) when any of them is float or absent, or they differ (said, where
-    one of them is quantized: the buffer the qparams ask to quantize stays float)."""
+    one of them is quantized: the buffer the qparams ask to quantize is carried float, and
+    its quantized writes still round their vectors, as :func:`write` into a float buffer)."""
     types = {}
     for k in writes:
         e = state_in.get(k)
@@ -113,7 +114,9 @@ def slot_type(writes, state_in):
         said = ", ".join(f"{k!r} ({'float' if t is None else t.describe()})" for k, t in types.items())
         diagnostics.warn(
             f"jqt: one key/value buffer is written by {said}: its writes' cache types differ, "
-            "so it stays float. Give every write of the buffer one type (one "
+            "so it stays float: carried as float, no bytes saved, while each quantized write "
+            "still rounds the vectors it writes to its own type, as a write into a float "
+            "buffer does. Give every write of the buffer one type (one "
             "Rule(kv_cache=...) whose key= matches them all), or kv_cache=False for all of them.")
     return None
 

@@ -83,11 +83,14 @@ class _Measure:
         y_f = compat.bind_eqn(eqn, xf)[0]
         y_iso = sim.site(site, eqn, xf, ctx)[0]
         y_all = sim.site(site, eqn, xq, ctx)[0]
-        if site.entry.is_cache:  # the operands measured: the buffer and the written update
-            xf = [xf[0], xf[site.entry.update_index]]
         sq = lambda a: jnp.sum(_real(a) ** 2)
         st = {"f2": sq(_wide(y_f)), "e_iso": sq(_wide(y_iso) - _wide(y_f)),
               "e_all": sq(_wide(y_all) - _wide(y_f))}
+        if site.entry.is_cache:  # the operands measured: the buffer and the written update
+            xf = [xf[0], xf[site.entry.update_index]]
+            # alone, the write's error is its update's: measured against the update, not
+            # against the whole buffer (which would lift it with every vector written before)
+            st["f2_iso"] = sq(_wide(xf[1]))
         w = site.weight_operand
         hist = jnp.zeros((HIST_BINS + 2,), _F32)
         for i in (0, 1):
@@ -532,7 +535,8 @@ def _rows(site, qp, st):
             act_qrange=_qrange(aq, asc, azp),
             act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,
             weight_clip=float(g("w_clip") / g("w_n")) if ran and w is not None else math.nan,
-            sqnr_isolated=_sqnr(float(g("f2")), float(g("e_iso"))) if ran else math.nan,
+            sqnr_isolated=_sqnr(float(g("f2_iso" if "f2_iso" in st else "f2")), float(g("e_iso")))
+            if ran else math.nan,
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
             note=qp.note if qp.is_float else (_TRIPS if trips else _BRANCH if branch else
                                               "" if ran else "did not run on this batch"),

@@ -247,7 +247,11 @@ def activation(x, smooth, rotated, x_contract, w_contract):
     if smooth is not None or rotated:
         x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     if smooth is not None:
-        x = x / move_contract(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
+        # times the reciprocal, as numerics.quotient: XLA:CPU rewrites a division by a
+        # broadcast into this in some programs only, and the ulp between the two moves an
+        # activation at a tie to a neighbouring code (jit vs eager, one row vs several)
+        s = move_contract(smooth, w_contract, x_contract, x.ndim).astype(x.dtype)
+        x = x * (1 / s)
     if rotated:
         x = rotate(x, x_contract)
     return x

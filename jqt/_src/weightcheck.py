@@ -383,6 +383,7 @@ def record(qparams, params_t, argnums):
         tag = digest(p)
         if tag is None:
             continue
+        _refuse_huge(key, p)
         x, gaxis = _grid_operand(p, leaf)
         r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth, band=2 * NORM)
         if r is not None:
@@ -404,6 +405,26 @@ def record(qparams, params_t, argnums):
         out[key] = dataclasses.replace(p, source=dataclasses.replace(
             p.source, calibrated_reach=(float(r), tag) + ((True,) if zeros else ())))
     return out
+
+
+HUGE = 2.0 ** 126
+"""Scales above this have a reciprocal below float32's normal range, which XLA:CPU flushes
+to 0: every code :func:`numerics.quotient` computes with them is 0."""
+
+
+def _refuse_huge(key, p):
+    """Raises where op ``p``'s weight has a scale above :data:`HUGE` (NF4 or 2-3-bit
+    weights beyond about ``8.5e37``): every path would quantize those groups to zeros."""
+    o = p.operand(p.weight_operand)
+    top = float(np.max(np.abs(np.asarray(o.scale, np.float32)))) if np.size(o.scale) else 0.0
+    if top > HUGE:
+        raise ValueError(
+            f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose scale reaches "
+            f"{top:.3g} on its {o.qtype.describe()} grid: above 2**126 a scale's reciprocal is below "
+            "float32's normal range, and every code computed with it would be 0 (the weight "
+            "lost, on every path). Rescale the model (weights beyond about 8.5e37 do not "
+            "occur in trained models: look for an overflow), or keep this op float with "
+            f"jqt.Rule(key='{key}', weight=None) ahead of the preset's rules.")
 
 
 def zero_below(p) -> str:

@@ -384,6 +384,27 @@ def test_ragged_dot_calibrates_on_the_rows_in_an_expert(cal):
             assert float(q.scale) == float(alone.scale) and float(q.zero_point) == float(alone.zero_point), n
 
 
+@pytest.mark.parametrize("name", ["w8a8_dynamic", "fp8_dynamic"])
+def test_ragged_dot_padding_rows_holding_inf_give_zeros_with_dynamic_activations(name):
+    """A padding row of inf: its dynamic row scale is inf, and the decoded formulation
+    (the default below ragged_int_rows, and every export with a symbolic row count)
+    multiplied ragged_dot's 0 there by it, NaN; float and the simulated path give 0."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((4, 64, 32)) * 0.1, jnp.float32)}
+    gs = jnp.array([3, 4, 2, 3], jnp.int32)
+    f = lambda p, x: jax.lax.ragged_dot(x, p["w"], gs)
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    recipe = jqt.recipes.w8a8_dynamic() if name == "w8a8_dynamic" else jqt.recipes.fp8(dynamic=True)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    xi = x.at[12:].set(jnp.inf).at[13].set(-jnp.inf)
+    sim = jqt.quantize(f, qp, simulate=True)(p, xi)
+    for pol in (None, jqt.KernelPolicy(ragged_int_rows=1)):
+        y = jax.jit(jqt.quantize(f, qp, policy=pol))(jqt.pack(qp, p, policy=pol), xi)
+        assert not np.isnan(np.asarray(y)).any(), pol
+        np.testing.assert_array_equal(np.asarray(y)[12:], 0.0)
+        np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow  # GPTQ per expert on 1,536 rows: CI
 def test_gptq_rerounds_a_ragged_dot_mixture_per_expert_as_its_einsum():
     """``jqt.gptq`` on a ``lax.ragged_dot`` mixture: one problem per expert with the Hessian

@@ -89,4 +89,6 @@ def decoded(eqn, x, wq, sizes):
                                        preferred_element_type=eqn.params["preferred_element_type"])]
     xf, hi = float_act(x)  # exact codes, times the scale's part below 1
     out = lax.ragged_dot_general(xf, wf, sizes, rd, preferred_element_type=_F32)
-    return [(out * hi).astype(out_dtype)]
+    # padding rows give 0 (ragged_dot's 0 times a dynamic row scale of inf would be NaN)
+    _, live = row_groups(sizes, xf.shape[0])
+    return [jnp.where(live[:, None], out * hi, 0.0).astype(out_dtype)]

@@ -405,6 +405,31 @@ def test_ragged_dot_padding_rows_holding_inf_give_zeros_with_dynamic_activations
         np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4)
 
 
+def test_nan_padding_rows_give_the_activation_scale_a_finite_gradient():
+    """A sorted token buffer padded by jnp.take's fill (NaN rows past sum(group_sizes)):
+    the forward gave zeros there, but the simulated path fake-quantized the whole buffer
+    and LSQ's scale gradient took 0 * NaN: NaN, which jqt.qat.project then set to the
+    smallest scale (the layer's output ~0, silently)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(4, 16, 8)) * .2, jnp.float32)}
+    tokens = jnp.asarray(rng.normal(size=(20, 16)), jnp.float32)
+    expert = jnp.asarray(rng.integers(0, 4, size=20))
+    sizes = jnp.bincount(expert, length=4).astype(jnp.int32)
+    idx = jnp.concatenate([jnp.argsort(expert), jnp.full((12,), 20)])  # out of range: NaN rows
+    f = lambda p, t: jax.lax.ragged_dot(jnp.take(t, idx, axis=0), p["w"], sizes)[:20]
+    target = jnp.asarray(rng.normal(size=(20, 8)), jnp.float32)
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.fp8()):
+        qp = jqt.calibrate(f, recipe, p, [(tokens,)], progress=False)
+        loss = lambda q: jnp.mean((jqt.quantize(f, q, simulate=True)(p, tokens) - target) ** 2)
+        g = jax.grad(loss)(qp)["w"].lhs.scale
+        assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).max()) > 0, g
+        # the same gradient as the buffer of the routed rows alone (padding zeros)
+        f0 = lambda p, t: jax.lax.ragged_dot(jnp.take(t, idx, axis=0, mode="fill", fill_value=0.0),
+                                             p["w"], sizes)[:20]
+        g0 = jax.grad(lambda q: jnp.mean((jqt.quantize(f0, q, simulate=True)(p, tokens) - target) ** 2))(qp)
+        np.testing.assert_allclose(g, g0["w"].lhs.scale, rtol=1e-5)
+
+
 @pytest.mark.slow  # GPTQ per expert on 1,536 rows: CI
 def test_gptq_rerounds_a_ragged_dot_mixture_per_expert_as_its_einsum():
     """``jqt.gptq`` on a ``lax.ragged_dot`` mixture: one problem per expert with the Hessian

@@ -596,6 +596,11 @@ class Simulate:
                 vals[i] = transformed(site, qp, i, vals[i])
             if q is not None:
                 x = vals[i].astype(jnp.promote_types(vals[i].dtype, _F32))  # int operands too
+                live = None if i == site.weight_operand else site.entry.live_rows(invals)
+                if live is not None:  # rows the op does not read (a ragged_dot's padding)
+                    # give 0 whatever they hold: zeroed, so that a NaN there (jnp.take's
+                    # fill) does not reach the scale's gradient as 0 * NaN
+                    x = jnp.where((jnp.arange(x.shape[0]) < live)[:, None], x, jnp.zeros_like(x))
                 s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
                 vals[i] = nx.fake_quant(x, s, z, q.qtype)
             if vals[i] is not invals[i]:  # a transformed weight is float32

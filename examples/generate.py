@@ -159,7 +159,7 @@ def first_divergence(a, b):
 def decoder_parser(doc):
     """The arguments of the examples that run the trained decoder (this one and
     examples/tensor_parallel.py): its size and the agreement's prompts and tokens."""
-    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
     parser.add_argument("--tiny", action="store_true", help="the tiny decoder (tests)")
     parser.add_argument("--prompts", type=D.positive, default=8, help="prompts for the agreement")
     parser.add_argument("--tokens", type=D.positive, default=200, help="tokens per prompt for the agreement")
@@ -187,7 +187,9 @@ def main(argv=None):
     cal_gen = [(prompts("train", 4, 100 + i),) for i in range(args.calibration)]
     heldout = prompts("heldout", args.prompts, 7)
     float_tokens = jax.jit(functools.partial(D.generate, steps=args.tokens))(params, heldout)
-    cal_teacher = [(p, jax.jit(functools.partial(D.generate, steps=args.tokens))(params, p))
+    # calibrated on two tokens at least (the teacher's loop runs a step per token after the
+    # first: with --tokens 1 its ops never ran and stayed float)
+    cal_teacher = [(p, jax.jit(functools.partial(D.generate, steps=max(args.tokens, 2)))(params, p))
                    for (p,) in cal_gen[:2]]
     sample = D.to_tokens("def __init__(self")
 

@@ -113,7 +113,10 @@ def main(argv=None):
     one_device = jax.jit(functools.partial(D.generate, steps=args.tokens))
     heldout = G.prompts("heldout", args.prompts, 7)
     float_tokens = one_device(params, heldout)
-    cal = [(p, one_device(params, p)) for p in (G.prompts("train", 4, 100 + i) for i in range(2))]
+    # the teacher's loop runs a step per token after the first: calibrated on two tokens at
+    # least, whatever --tokens measures (with one, its ops never ran and stayed float)
+    cal_tokens = jax.jit(functools.partial(D.generate, steps=max(args.tokens, 2)))
+    cal = [(p, cal_tokens(params, p)) for p in (G.prompts("train", 4, 100 + i) for i in range(2))]
 
     rows = []
     pred = jax.jit(teacher)(split, heldout, float_tokens)

@@ -699,6 +699,25 @@ def test_tensor_parallel_example_runs():
         assert wbytes / float_w <= most and agree >= 0.9, by[name]
 
 
+@pytest.mark.slow  # the tiny decoder, as above
+def test_tensor_parallel_example_quantizes_with_one_token():
+    """--tokens 1 (which --help accepts): the teacher's calibration ran no decode step, its
+    ops stayed float (warned), and the table printed quantized weights at 1.275x and 1.160x
+    float's bytes. Calibration now takes two tokens at least."""
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
+    rows = on_devices(f"""
+        import json, runpy, sys, warnings
+        warnings.simplefilter("error", UserWarning)
+        sys.argv = ["tensor_parallel.py", "--tiny", "--prompts", "2", "--tokens", "1"]
+        rows = runpy.run_path({str(path)!r}, run_name="example")["main"]()
+        print("RESULT" + json.dumps(rows))
+        """, 2, timeout=600)
+    by = {r[0]: r for r in rows}
+    for name, most in (("w8a8_dynamic + int8 KV", 0.30), ("w4 g64 + int8 KV", 0.19)):
+        assert by[name][1] / by["float, split"][1] <= most, by[name]
+
+
 @pytest.mark.slow
 def test_vocabulary_parallel_embedding_and_a_closed_over_weight(result_slow):
     """A table split by rows, each device looking up the ids in its rows: one scale per row

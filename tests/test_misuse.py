@@ -897,15 +897,26 @@ def test_a_stack_of_models_passed_whole_is_told_to_vmap():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     stack = {"w": jnp.stack([p["w"], 0.5 * p["w"], -p["w"]])}
     qf = jqt.quantize(f, qp)
-    hint = (r"leading axes \(3,\): for a stack of models .*jqt.calibrate\(jax.vmap\(f, "
-            r"in_axes=\(0, None\)\), recipe, stacked_params, batches\)")
+    hint = (r"leading axes \(3,\): for a stack of models .*calibrate each model, stack their "
+            r"qparams .*jax.vmap\(lambda q, p, \*a: jqt.quantize\(f, q\)\(p, \*a\), in_axes=\(0, 0, "
+            r"None\)\), which gives each model its own scales; .*jqt.calibrate\(jax.vmap\(f, "
+            r"in_axes=\(0, None\)\), recipe, stacked_params, batches\).* but one activation range")
     with pytest.raises(jqt.QParamsMismatchError, match=r"of shape \(8, 8\).*" + hint):
         qf(stack, x)
     packed = jax.vmap(lambda w: jqt.pack(qp, {"w": w}))(stack["w"])
     with pytest.raises(jqt.QParamsMismatchError, match=r"Re-run jqt.pack. .*" + hint):
         qf(packed, x)
-    # the hint: each model its own scales (a member at 0.5x the calibrated range keeps its
-    # resolution, which the first model's scales would not give it)
+    # the hint's first route: each model calibrated alone, mapped with its own qparams (its
+    # activation range too): each member as it runs alone
+    qps = [jqt.calibrate(f, jqt.recipes.w8a8(), {"w": w}, [(x,)], progress=False) for w in stack["w"]]
+    stacked = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    mapped = jax.vmap(lambda q, p, *a: jqt.quantize(f, q)(p, *a), in_axes=(0, 0, None))(
+        stacked(qps), stacked([jqt.pack(q, {"w": w}) for q, w in zip(qps, stack["w"])]), x)
+    for m in range(3):
+        alone = jqt.quantize(f, qps[m])(jqt.pack(qps[m], {"w": stack["w"][m]}), x)
+        np.testing.assert_allclose(mapped[m], alone, atol=1e-6)
+    # the second: each model its own weight scales (a member at 0.5x the calibrated range
+    # keeps its resolution, which the first model's scales would not give it)
     vf = jax.vmap(f, in_axes=(0, None))
     qv = jqt.calibrate(vf, jqt.recipes.w8a8(), stack, [(x,)], progress=False)
     want = vf(stack, x)

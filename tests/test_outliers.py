@@ -783,3 +783,23 @@ def test_gptq_keeps_plain_rounding_for_an_expert_no_token_reached():
     qp = jqt.calibrate(g, jqt.recipes.w4(group_size=32), p, [(jnp.zeros((8, 64)),)], progress=False)
     with pytest.warns(UserWarning, match=r"op 'w': its calibration inputs were all zero"):
         assert np.abs(np.asarray(jqt.gptq(g, qp, p, [(jnp.zeros((8, 64)),)], progress=False)["w"][0])).max() > 0
+
+
+def test_smoothed_models_packed_under_jit_stack_for_vmap():
+    """Packed weights hold their smoothing vector's digest as static data: two smoothed
+    calibrations' packed weights do not stack eagerly (docs/guarantees.md); packed under
+    jax.jit they do, and a jax.vmap over the stacks runs each model as it runs alone."""
+    f = lambda p, x: x @ p["w"]
+    rng = np.random.default_rng(0)
+    ps = [{"w": jnp.asarray(rng.normal(size=(16, 8)) * s, jnp.float32)} for s in (0.2, 0.5)]
+    x = jnp.asarray(rng.normal(size=(4, 16)) * rng.uniform(0.2, 5, 16), jnp.float32)
+    stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    for recipe in (jqt.recipes.w8a8(smooth=0.5), jqt.recipes.w4(group_size=8, awq=True)):
+        qps = [jqt.calibrate(f, recipe, p, [(x,)], progress=False) for p in ps]
+        with pytest.raises(ValueError, match="different pytree metadata"):
+            stack([jqt.pack(q, p) for q, p in zip(qps, ps)])
+        packed = stack([jax.jit(jqt.pack)(q, p) for q, p in zip(qps, ps)])
+        y = jax.vmap(lambda q, p, a: jqt.quantize(f, q)(p, a), in_axes=(0, 0, None))(stack(qps), packed, x)
+        for m in range(2):
+            alone = jqt.quantize(f, qps[m])(jqt.pack(qps[m], ps[m]), x)
+            np.testing.assert_allclose(y[m], alone, atol=1e-5 * float(jnp.abs(alone).max()))

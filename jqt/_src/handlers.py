@@ -435,9 +435,13 @@ def _leading_axes(want, got) -> str:
     if len(got) <= len(want) or got[len(got) - len(want):] != want:
         return ""
     return (f" Its shape is the expected one with leading axes {got[:len(got) - len(want)]}: "
-            "for a stack of models (an ensemble), calibrate the function mapped over them, "
-            "jqt.calibrate(jax.vmap(f, in_axes=(0, None)), recipe, stacked_params, batches), "
-            "which gives each model its own scales, and quantize that function.")
+            "for a stack of models (an ensemble), calibrate each model, stack their qparams "
+            "as their weights (jax.tree.map(lambda *a: jnp.stack(a), *qparams_list)) and map "
+            "the quantized function over both, jax.vmap(lambda q, p, *a: jqt.quantize(f, q)(p, "
+            "*a), in_axes=(0, 0, None)), which gives each model its own scales; or calibrate "
+            "the function mapped over them, jqt.calibrate(jax.vmap(f, in_axes=(0, None)), "
+            "recipe, stacked_params, batches), and quantize that function: each model its own "
+            "weight scales, but one activation range for them all (docs/supported-ops.md).")
 
 
 def _check_source(site, qp):

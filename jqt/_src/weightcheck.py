@@ -416,7 +416,9 @@ def _refuse_huge(key, p):
     """Raises where op ``p``'s weight has a scale above :data:`HUGE` (NF4 or 2-3-bit
     weights beyond about ``8.5e37``): every path would quantize those groups to zeros."""
     o = p.operand(p.weight_operand)
-    top = float(np.max(np.abs(np.asarray(o.scale, np.float32)))) if np.size(o.scale) else 0.0
+    if o is None or o.scale is None or not np.size(o.scale):
+        return
+    top = float(np.max(np.abs(np.asarray(o.scale, np.float32))))
     if top > HUGE:
         raise ValueError(
             f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose scale reaches "

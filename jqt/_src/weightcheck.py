@@ -227,7 +227,7 @@ def _ratios(x, s, z, lo, hi, group, int_grid):
     x, s = _split(x, s, group)
     if group is not None and zr.ndim:
         zr = jnp.expand_dims(zr, group[0] + 1)
-    u = x / s
+    u = nx.quotient(x, s)  # as the codes are computed (a division may differ by an ulp)
     r = jnp.where(u >= 0, u / (hi - zr), u / (lo - zr))
     return jnp.where(jnp.isnan(r), 0.0, r), u, s, zr  # a NaN element is no clipping question
 

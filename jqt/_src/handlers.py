@@ -599,12 +599,7 @@ class Simulate:
             if not qp.is_float:
                 vals[i] = transformed(site, qp, i, vals[i])
             if q is not None:
-                x = vals[i].astype(jnp.promote_types(vals[i].dtype, _F32))  # int operands too
-                live = None if i == site.weight_operand else site.entry.live_rows(invals)
-                if live is not None:  # rows the op does not read (a ragged_dot's padding)
-                    # give 0 whatever they hold: zeroed, so that a NaN there (jnp.take's
-                    # fill) does not reach the scale's gradient as 0 * NaN
-                    x = jnp.where((jnp.arange(x.shape[0]) < live)[:, None], x, jnp.zeros_like(x))
+                x = live_only(site, i, invals, vals[i].astype(jnp.promote_types(vals[i].dtype, _F32)))
                 s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
                 vals[i] = nx.fake_quant(x, s, z, q.qtype)
             if vals[i] is not invals[i]:  # a transformed weight is float32
@@ -619,6 +614,17 @@ class Simulate:
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
                                         qp.accumulator)]
         return out
+
+
+def live_only(site, i, invals, x):
+    """Operand ``i`` as it is quantized: an activation's rows the op does not read (a
+    ``ragged_dot``'s padding, ``live_rows``), which give 0 whatever they hold, zeroed on
+    every path, so that they reach no scale (a dynamic per-tensor one), no code and no
+    gradient (a NaN there, ``jnp.take``'s fill, gave LSQ's ``0 * NaN``)."""
+    live = None if i == site.weight_operand else site.entry.live_rows(invals)
+    if live is None:
+        return x
+    return jnp.where((jnp.arange(x.shape[0]) < live)[:, None], x, jnp.zeros_like(x))
 
 
 def _sim_dtype(eqn, invals, i):
@@ -655,7 +661,7 @@ def exact_sums(site, eqn, qp, packed, invals):
             s, _ = _expanded(site, i, invals[i].shape, packed, packed.scale, packed.zero_point)
             codes.append(jnp.round(dequantize_packed(packed, site, invals) / s.astype(_F32)))
             continue
-        x = transformed(site, qp, i, invals[i])
+        x = live_only(site, i, invals, transformed(site, qp, i, invals[i]))
         s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
         c = nx.quantize(x, s, z, q.qtype).astype(_F32)
         codes.append(c if z is None else c - jnp.round(z.astype(_F32)))
@@ -754,6 +760,7 @@ class Integer:
             if q is None:  # a transformed weight is float32, an integer activation too
                 ops[i] = x if x is invals[i] else x.astype(_sim_dtype(eqn, invals, i))
                 continue
+            x = live_only(site, i, invals, x)
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)
             ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -426,7 +427,7 @@ def _refuse_huge(key, p):
             "float32's normal range, and every code computed with it would be 0 (the weight "
             "lost, on every path). Rescale the model (weights beyond about 8.5e37 do not "
             "occur in trained models: look for an overflow), or keep this op float with "
-            f"jqt.Rule(key='{key}', weight=None) ahead of the preset's rules.")
+            f"jqt.Rule(key='^{re.escape(key)}$', weight=None) ahead of the preset's rules.")
 
 
 def zero_below(p) -> str:

@@ -358,6 +358,21 @@ def test_a_bytes_path_works_as_a_str(tmp_path, models):
         jqt.load(3)
 
 
+def test_a_file_name_of_up_to_255_bytes_saves(tmp_path, models):
+    # the temporary file's name added 18 bytes to the target's: a legal name of 238-255
+    # bytes failed with "File name too long", naming the hidden temporary file
+    qp, packed = models["mlp"]
+    for name in ("q" * 243 + ".safetensors", "é" * 121 + ".npz", b"m" * 243 + b".safetensors"):
+        path = os.path.join(os.fsencode(tmp_path) if isinstance(name, bytes) else str(tmp_path), name)
+        if isinstance(name, bytes):
+            jqt.save_packed(path, packed, qp)
+            _assert_same(jqt.load_packed(path), packed)
+        else:
+            jqt.save(path, qp)
+            _assert_same(jqt.load(path), qp)
+    assert sorted(len(os.fsencode(n)) for n in os.listdir(tmp_path)) == [246, 255, 255]
+
+
 def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path, models):
     """The cast jqt's own message recommends (floats only, codes kept) runs; saving it with
     its qparams named another calibration as the cause."""

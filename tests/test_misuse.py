@@ -980,6 +980,10 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
         with pytest.raises(ValueError, match=r"jqt.qat.project: min_scale=.* is not a finite number above 0"):
             jqt.qat.project(qp, min_scale=ms)
     assert float(jqt.qat.project(qp, min_scale=jnp.float32(0.5))["w1"].rhs.scale.min()) >= 0.5
+    # finite in Python but above float32's largest value: every scale became inf
+    with pytest.raises(ValueError, match=r"jqt.qat.project: min_scale=1e\+39 is above the largest float32 "
+                                         r"value \(3.40282e\+38\), the dtype of qparams\['w1'\]\.(lhs|rhs)\.scale: every scale would become inf"):
+        jqt.qat.project(qp, min_scale=1e39)
     with pytest.raises(TypeError, match=r"jqt.qat: train=None is not a part name"):
         jqt.qat.labels(p, qp, train=None)
     trainable, _ = jqt.qat.split(p, qp)

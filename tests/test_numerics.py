@@ -1,4 +1,6 @@
 """Quantize/dequantize properties and op-by-op agreement of the integer and simulated paths."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -457,10 +459,30 @@ def test_a_weight_whose_scale_has_no_normal_reciprocal_is_refused():
     f = lambda p, x: x @ p["w"]
     w = jnp.array([[3e38, -1e38], [1e38, 2e38], [-2e38, 0.5e38], [1e37, 3e38]] * 16, jnp.float32)
     for recipe in (jqt.recipes.nf4(group_size=64), jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=3)),))):
-        with pytest.raises(ValueError, match=r"op 'w' reads weight 'w', whose scale reaches .*2\*\*126.*jqt.Rule\(key='\^w\$', weight=None\)"):
+        with pytest.raises(ValueError, match=r"op 'w' reads weight 'w', whose range needs a scale of .*2\*\*126.*jqt.Rule\(key='\^w\$', weight=None\)"):
             jqt.calibrate(f, recipe, {"w": w}, [(jnp.ones((1, 64)),)], progress=False)
+    # between 2**126 and twice it, nf4's clipping calibrator (WeightMSE) picked a scale just
+    # under the limit: the largest values were cut by up to half, and an output flipped sign
+    w2 = jnp.array([[1.0, -1.0], [0.5, 0.25], [0.1, 0.3], [-0.7, 0.2]]) * 1.5e38
+    with pytest.raises(ValueError, match=r"whose range needs a scale of 1.5e\+38 on its nf4"):
+        jqt.calibrate(f, jqt.recipes.nf4(), {"w": w2}, [(jnp.full((1, 4), 1e-30),)], progress=False)
     qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=64), {"w": w * 1e-30}, [(jnp.ones((1, 64)),)], progress=False)
     assert np.abs(np.asarray(jqt.quantize(f, qp)(jqt.pack(qp, {"w": w * 1e-30}), jnp.ones((1, 64))))).min() > 1e8
+
+
+def test_a_nonzero_weight_too_small_for_a_scale_is_not_called_all_zeros():
+    # a weight of normal float32 values around 3e-37 needs an int8 scale below float32's
+    # normal range: it gets the placeholder 1 (documented), but calibrate warned the weight
+    # was "all zeros" and advised keeping a LoRA adapter float
+    f = lambda p, x: x @ p["w"]
+    w = jnp.array([[3e-37, -2e-37], [1e-37, 2.5e-37]], jnp.float32)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        jqt.calibrate(f, jqt.recipes.w8(), {"w": w}, [(jnp.ones((1, 2)),)], progress=False)
+    texts = [str(m.message) for m in ws]
+    assert not any("all zeros" in t for t in texts), texts
+    assert any("op 'w' reads weight 'w', whose largest magnitude 3e-37 needs a scale below "
+               "float32's normal range" in t and "jqt.Rule(key='^w$', weight=None)" in t for t in texts), texts
 
 
 def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():

@@ -104,12 +104,14 @@ def atomic_write(path, write_to) -> None:
 
 
 def _create_temp(target):
-    """A new empty file ``.<name>.<random>.tmp`` next to ``target``, and the mode ``open``
+    """A new empty file ``.<name>.<random>.tmp`` (the name cut to 48 characters) next to ``target``, and the mode ``open``
     gives a new file (0o666 less the umask). The temporary file stays writable by its
     owner until it is complete (a umask such as 0o222 would leave the writer, which
     reopens it, unable to)."""
     folder, name = os.path.split(target)
-    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(6)}.tmp")
+    # the name's first 48 characters (at most 192 bytes in UTF-8): the 18 added to a legal
+    # name of up to 255 bytes went past the folder entry's limit
+    tmp = os.path.join(folder, f".{name[:48]}.{secrets.token_hex(6)}.tmp")
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     mode = stat.S_IMODE(os.stat(tmp).st_mode)
     try:

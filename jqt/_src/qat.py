@@ -385,6 +385,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         # (whose smallest value, subnormal, is 6e-8); a subnormal float32 (bfloat16) floor
         # XLA flushes to 0, so those take at least the smallest normal value
         fi = jnp.finfo(dt)
+        if not compat.is_tracer(min_scale) and float(min_scale) > float(fi.max):
+            raise ValueError(f"jqt.qat.project: min_scale={min_scale!r} is above the largest "
+                             f"{dt} value ({float(fi.max):.6g}), the dtype of {where}: every "
+                             "scale would become inf. Pass a small positive float (the default "
+                             "is 1e-8).")
         lowest = fi.smallest_subnormal if dt == jnp.float16 else fi.tiny
         floor = jnp.maximum(jnp.asarray(min_scale, dt), jnp.asarray(lowest, dt))
         a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), floor), a)

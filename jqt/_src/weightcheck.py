@@ -388,16 +388,20 @@ def record(qparams, params_t, argnums):
         x, gaxis = _grid_operand(p, leaf)
         r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth, band=2 * NORM)
         if r is not None:
-            pending.append((key, r, tag))
+            pending.append((key, r + (jnp.max(jnp.abs(x)),), tag))
     if not pending:
         return qparams
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
+    for (key, _, _), (*_, amax) in zip(pending, values):
+        _refuse_huge(key, qparams[key], amax)
     out = dict(qparams)
     with diagnostics.grouped():
-        for (key, _, _), (r, _, _) in zip(pending, values):
-            if r == 0 and zero_below(qparams[key]):
+        for (key, _, _), (r, *_, amax) in zip(pending, values):
+            if r == 0 and amax > 0:
+                _warn_tiny(key, qparams[key], amax)
+            elif r == 0 and zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
-    for (key, _, tag), (r, held_reach, held) in zip(pending, values):
+    for (key, _, tag), (r, held_reach, held, _) in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
             continue
         p = out[key]
@@ -413,19 +417,27 @@ HUGE = 2.0 ** 126
 to 0: every code :func:`numerics.quotient` computes with them is 0."""
 
 
-def _refuse_huge(key, p):
+def _refuse_huge(key, p, amax=None):
     """Raises where op ``p``'s weight has a scale above :data:`HUGE` (NF4 or 2-3-bit
-    weights beyond about ``8.5e37``): every path would quantize those groups to zeros."""
+    weights beyond about ``8.5e37``), or would have one unclipped (``amax``: the weight's
+    largest magnitude on its grid): every path would quantize those groups to zeros, and
+    a clipping calibrator (``WeightMSE``, NF4's default) would otherwise pick a scale just
+    under the limit and cut the weight's largest values by up to half."""
     o = p.operand(p.weight_operand)
     if o is None or o.scale is None or not np.size(o.scale):
         return
     top = float(np.max(np.abs(np.asarray(o.scale, np.float32))))
+    if amax is not None and np.isfinite(amax):  # (an inf element is reported elsewhere)
+        blo, bhi = o.qtype.bounds
+        # the smallest scale a group holding amax has unclipped (exact where symmetric)
+        top = max(top, float(amax) / (o.qtype.amax_code if o.qtype.symmetric else bhi - blo))
     if top > HUGE:
         raise ValueError(
-            f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose scale reaches "
-            f"{top:.3g} on its {o.qtype.describe()} grid: above 2**126 a scale's reciprocal is below "
-            "float32's normal range, and every code computed with it would be 0 (the weight "
-            "lost, on every path). Rescale the model (weights beyond about 8.5e37 do not "
+            f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose range needs a "
+            f"scale of {top:.3g} on its {o.qtype.describe()} grid: above 2**126 a scale's "
+            "reciprocal is below float32's normal range, and every code computed with it would "
+            "be 0 (the weight lost, on every path; clipping it to fit would cut its largest "
+            "values). Rescale the model (weights beyond about 8.5e37 do not "
             "occur in trained models: look for an overflow), or keep this op float with "
             f"jqt.Rule(key='^{re.escape(key)}$', weight=None) ahead of the preset's rules.")
 
@@ -449,6 +461,19 @@ def _warn_zero(key, p):
         "at initialisation), keep it float (jqt.Rule(key=..., weight=None) ahead of the "
         "preset's rules) or pass the adapters as an argument of f that is not a weight argument "
         "(not in weight_argnums: docs/fine-tuning.md, QLoRA), or calibrate after training it.", f"'{key}'")
+
+
+def _warn_tiny(key, p, amax):
+    """A weight that is not zero but whose range needs a scale below float32's normal range:
+    its scale is the placeholder (1), and every code is 0."""
+    diagnostics.warn_grouped(
+        ("tiny weight",),
+        f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose largest magnitude "
+        f"{float(amax):.3g} needs a scale below float32's normal range (about 1.2e-38): it has "
+        "the placeholder scale 1, on which every value rounds to 0, so the op reads this weight "
+        "as zeros on every path. Rescale the model (weights this small do not occur in trained "
+        f"models), or keep this op float with jqt.Rule(key='^{re.escape(key)}$', weight=None) "
+        "ahead of the preset's rules.", f"'{key}'")
 
 
 def start(key, p, src, x, gaxis):

@@ -687,6 +687,31 @@ def test_export_of_a_dynamic_slice_of_data_with_a_symbolic_length():
         np.testing.assert_allclose(back.call(packed, x), qf(packed, x), rtol=1e-6, atol=1e-6)
 
 
+def test_export_of_an_act_x_act_sum_over_a_symbolic_length_does_not_wrap():
+    """``p @ v`` of attention over a symbolic cache length under ``act_x_act``: a symbolic
+    contraction ran one int32 accumulation, unsplit, and wrapped past ``safe_k`` (32,767
+    with both zero points): the exported function gave -0.65 where jit gave 1.0 at 40,000
+    tokens (hunt57_exportdecode)."""
+    def attn(p, q, k, v):
+        s = jnp.einsum("bd,btd->bt", q, k)
+        return jnp.einsum("bt,btd->bd", jax.nn.softmax(s, -1), v) @ p["wo"]
+    p = {"wo": jnp.eye(4)}
+    keys = jax.random.split(jax.random.key(0), 3)
+    cal = [(jax.random.normal(keys[0], (1, 4)), jax.random.normal(keys[1], (1, 16, 4)),
+            jax.random.normal(keys[2], (1, 16, 4)))]
+    qp = jqt.calibrate(attn, jqt.recipes.w8a8_dynamic(act_x_act=True), p, cal, progress=False)
+    qf, packed = jax.jit(jqt.quantize(attn, qp)), jqt.pack(qp, p)
+    kv = jax.ShapeDtypeStruct(jax.export.symbolic_shape("1, t, 4"), jnp.float32)
+    back = jax.export.deserialize(jax.export.export(qf)(
+        packed, jax.ShapeDtypeStruct((1, 4), jnp.float32), kv, kv).serialize())
+    row = jnp.array([1.0, 0.5, -1.0, 2.0])
+    for t in (1000, 40000):  # under and over safe_k
+        q, k, v = jnp.zeros((1, 4)), jnp.ones((1, t, 4)), jnp.ones((1, t, 4)) * row
+        out = back.call(packed, q, k, v)
+        np.testing.assert_allclose(out, qf(packed, q, k, v), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out[0], row, atol=0.01)
+
+
 def scan_steps(p, xs):  # a loop over steps: its length is the argument's leading axis
     return jax.lax.scan(lambda h, x: (jnp.tanh(h + x @ p["w"]), None), jnp.zeros((2, 8)), xs)[0]
 

@@ -65,8 +65,14 @@ def dot_general(operands, params, eqn, pad_rows=1):
         za, zb = int_zp(za), int_zp(zb)
         k = math.prod(qa.shape[d] for d in lc)
         kc = dense.safe_k(qa.dtype, za is not None, qb.dtype, zb is not None)
-        if not isinstance(k, int) or k <= kc:
-            acc = int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, pad_rows=pad_rows).astype(_F32)
+        exact = lambda: int_acc(qa, za, suma, qb, zb, sumb, dn, to_out, pad_rows=pad_rows).astype(_F32)
+        if not isinstance(k, int):  # a symbolic length (jax.export): which it is, at run time
+            # (its chunks' bounds are not known: a longer one accumulates in float32, the
+            # products exact, as chunked_acc does where even one slice is too long)
+            acc = lax.cond(jnp.asarray(k) <= kc, exact,
+                           lambda: int_acc(qa, za, None, qb, zb, None, dn, to_out, _F32))
+        elif k <= kc:
+            acc = exact()
         else:
             acc = chunked_acc(qa, za, qb, zb, dn, to_out, kc)
         out = acc * (to_out(sa.astype(_F32), 0) * to_out(sb.astype(_F32), 1))  # scales first

@@ -573,6 +573,59 @@ def test_equinox_state_a_model_sets_is_returned_as_equinox_returns_it():
     np.testing.assert_allclose(y, y_sim, rtol=1e-5, atol=1e-6)
 
 
+def test_a_returned_state_with_a_non_array_field_comes_back_as_it_is():
+    """A decode step returning an Equinox cache whose plain field holds a dtype: the leaf
+    reaches f as it is (guarantees.md, non-array arguments), but as an output it crashed
+    calibrate and the quantized function in make_jaxpr / jax.jit ("not a valid JAX type")
+    (hunt57_frameworkcache)."""
+    class Cache(eqx.Module):
+        k: jax.Array
+        pos: jax.Array
+        dtype: object  # a plain field: a leaf of the pytree
+
+    def step(w, cache, x):
+        kc = lax.dynamic_update_slice(cache.k, (x @ w).astype(cache.dtype)[:, None], (0, cache.pos, 0))
+        return jnp.einsum("bd,btd->bt", x, kc), Cache(kc, cache.pos + 1, cache.dtype)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    c0, x = Cache(jnp.zeros((1, 4, 8)), jnp.int32(0), jnp.float32), jnp.ones((1, 8))
+    qp = jqt.calibrate(step, jqt.recipes.w8(kv_cache=True), w, [(c0, x)], progress=False)
+    (s, c), (s_sim, c_sim) = (jqt.quantize(step, qp)(jqt.pack(qp, w), c0, x),
+                              jqt.quantize(step, qp, simulate=True)(w, c0, x))
+    assert c.dtype is jnp.float32 and c_sim.dtype is jnp.float32 and int(c.pos) == 1
+    assert isinstance(c.k, jqt.QArray)
+    np.testing.assert_allclose(s, s_sim, rtol=1e-5, atol=1e-5)
+    s2, c2 = eqx.filter_jit(jqt.quantize(step, qp))(jqt.pack(qp, w), c, x)  # the state fed back
+    assert c2.dtype is jnp.float32 and int(c2.pos) == 2
+
+
+def test_an_equinox_loop_writing_its_cache_through_buffers_is_named():
+    """``equinox.internal.while_loop(kind="bounded", buffers=...)`` writes the cache with
+    Equinox's ``maybe_set``, which jqt does not take as a cache write: the cache stays
+    float, and the warning said no ``.at[...].set`` wrote it, which f does
+    (hunt57_frameworkcache). It now names the primitive and the loop without buffers=."""
+    import equinox.internal as eqxi
+
+    def gen(p, x, buffers):
+        def body(c):
+            kc, h, i = c
+            kc = kc.at[:, i].set(h @ p)
+            return kc, jnp.einsum("bd,btd->bd", h, kc[...]) + h, i + 1
+        return eqxi.while_loop(lambda c: c[2] < 4, body, (jnp.zeros((1, 4, 8)), x, 0), max_steps=4,
+                               kind="bounded", buffers=(lambda c: c[0]) if buffers else None)[1]
+
+    w, x = jax.random.normal(jax.random.key(0), (8, 8)) * 8 ** -0.5, jnp.ones((1, 8))
+    rec = jqt.recipes.w8(kv_cache=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "kv_cache_0" in jqt.calibrate(lambda p, x: gen(p, x, False), rec, w, [(x,)], progress=False)
+    with pytest.warns(UserWarning, match=r"no loop of f carries a buffer .* f runs Equinox's 'maybe_set' "
+                                         r"\(while_loop's buffers=\), which jqt does not take as a cache "
+                                         r"write or copy: .* without buffers="):
+        qp = jqt.calibrate(lambda p, x: gen(p, x, True), rec, w, [(x,)], progress=False)
+    assert not [k for k in qp if k.startswith("kv_cache")]
+
+
 # --------------------------------------------------------------------------- Keras 3 (JAX backend)
 
 
@@ -654,6 +707,41 @@ def test_keras_sequential(keras):
     for (k, p), p_raw in zip(qp.items(), qp_raw.values()):
         for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(p_raw)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=k)
+
+
+def test_keras_variables_assigned_at_inference_are_named_when_dropped(keras):
+    """A layer that keeps its KV cache in a non-trainable variable and ``.assign``s it:
+    ``f`` drops the update (it returns the outputs only), so each call started again from
+    the zero cache, with no word (hunt57_frameworkcache). Batch-norm statistics at
+    inference are not assigned: no warning, for params cast to another dtype too."""
+    ops = keras.ops
+
+    class CachedAttn(keras.layers.Layer):
+        def build(self, shape):
+            self.wk = self.add_weight(shape=(8, 8), name="wk")
+            self.kc = self.add_weight(shape=(1, 4, 8), initializer="zeros", trainable=False, name="kc")
+
+        def call(self, x, pos):
+            kc = ops.slice_update(self.kc.value, [0, pos, 0], (x @ self.wk)[:, None])
+            self.kc.assign(kc)
+            return ops.einsum("bd,btd->bt", x, kc)
+
+    layer = CachedAttn(name="attn")
+    x = _normal(4, (1, 8), 1.0)
+    layer(x, jnp.int32(0))
+    f, params = jqt.from_keras(layer)
+    with pytest.warns(UserWarning, match=r"jqt.from_keras: 'attn' assigns the non-trainable "
+                                         r"variable\(s\) \['attn/kc'\] when called .* the updates are lost"):
+        f(params, x, jnp.int32(1))
+    model = _keras_cnn(keras, 12)
+    g, gp = jqt.from_keras(model)
+    xb = _batches(13, (2, 8, 8, 3))[0][0]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*assigns the non-trainable")
+        for p in (gp, jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), gp)):
+            g(p, xb)
+            jax.jit(g)(p, xb)
+        jqt.calibrate(g, jqt.recipes.w8a8(), gp, [(xb,)], progress=False)
 
 
 def test_keras_subclassed_model_whose_call_takes_no_training(keras):

@@ -197,6 +197,10 @@ def _rolled(eqn, ins, sliced) -> tuple:
     return tuple(dict.fromkeys(b for q in parts for b in q)) if all(parts) else ()
 
 
+EQUINOX_HIDES = {"maybe_set": "while_loop's buffers=", "select_if_vmap": 'while_loop(kind="lax")'}
+"""Equinox's primitives that write or copy a loop's carry where jqt does not see a cache
+write or a copy: the cache stays float, and calibrate's warning names them."""
+
 class Analyzer:
     """Walks a closed jaxpr once and builds its :class:`Plan`.
 
@@ -229,6 +233,9 @@ class Analyzer:
         self._missed_reads: set = set()  # buffers whose such results an op reads
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
         self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
+        # Equinox's primitives that hide a cache write or copy from jqt (while_loop's
+        # buffers= and kind="lax"), named by the warning that no cache was found
+        self.equinox_prims: set = set()
         self.empty_ops = 0  # quantizable ops whose weight has no elements (left float, unkeyed)
         self.carried: dict = {}  # weight path -> the first loop whose carry it enters
         self._carry_slots: dict = {}  # (loop id, slot) -> weight paths entering that slot
@@ -318,6 +325,8 @@ class Analyzer:
             name = eqn.primitive.name
             if name.startswith("jqt_"):
                 self.jqt_prims.add(name)
+            elif name in EQUINOX_HIDES:
+                self.equinox_prims.add(name)
             stack = _join(prefix, compat.name_stack(eqn))
             outs = None
             entry = OPS.get(eqn.primitive)

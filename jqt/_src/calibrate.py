@@ -17,7 +17,7 @@ from . import stats as stats_lib
 from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
-from .analysis import CALL
+from .analysis import CALL, EQUINOX_HIDES
 from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
 
@@ -438,7 +438,8 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
     _warn_unmatched(last["traced"].sites(), recipe, lookalikes, analyzer.warned,
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
                     argnums, analyzer.empty_ops,
-                    {p: l for p, l in analyzer.carried.items() if p not in analyzer.carried_caches})
+                    {p: l for p, l in analyzer.carried.items() if p not in analyzer.carried_caches},
+                    analyzer.equinox_prims)
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -565,13 +566,14 @@ _NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first one
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
-                    argnums=(0,), empty_ops=0, carried=None):
+                    argnums=(0,), empty_ops=0, carried=None, equinox_prims=()):
     """Warns of a function without ops to quantize, of one whose ops read no weight from
     the weight argument(s) ``argnums`` (or read weights a loop carries: ``carried``, path ->
     loop), of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
-    every op it matches). ``jqt_prims``: jqt's primitives that f runs."""
+    every op it matches). ``jqt_prims``: jqt's primitives that f runs; ``equinox_prims``:
+    Equinox's that hide a cache write or copy (``analysis.EQUINOX_HIDES``)."""
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
     if not sites and jqt_prims:  # f is quantized already: the advice below would not apply
         diagnostics.warn(f"jqt.calibrate: f has no op that jqt quantizes, and it runs jqt's own "
@@ -654,6 +656,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                 f"lookup float, a rule ahead of the others jqt.Rule(key='^{re.escape(s.key)}$', "
                 "embedding=None)."), f"'{s.key}'")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
+    eqx = sorted(equinox_prims)
+    eqx_note = (f" f runs Equinox's {' and '.join(repr(n) for n in eqx)} "
+                f"({', '.join(EQUINOX_HIDES[n] for n in eqx)}), which jqt does not take as a "
+                "cache write or copy: a cache written through it stays float. Decode with "
+                "equinox.internal.while_loop(kind=\"bounded\") without buffers=, or a lax.scan or "
+                "lax.while_loop (docs/generate.md).") if eqx else ""
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
@@ -670,7 +678,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "(weight_argnums: flax variables passed whole, an Equinox module's fields), "
                          "which is a weight to jqt: pass it as an argument of its own; a cache sliced "
                          "per layer or into keys and values and rebuilt with jnp.stack: write into "
-                         "the stacked buffer with an index.")
+                         "the stacked buffer with an index." + eqx_note)
     if wants_cache:
         for where, why, names in near_misses[:_NEAR_MISSES_SHOWN]:
             which = (f"That buffer ({names[0]}) stays" if len(names) == 1 else
@@ -700,7 +708,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "as the caches are written to quantize it too; keys and values only read "
                          "(cross-attention over an encoder's output) are no cache and stay float "
                          "(docs/generate.md)."
-                         + (f" The same holds for the buffers of {more}." if others else ""))
+                         + (f" The same holds for the buffers of {more}." if others else "") + eqx_note)
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):

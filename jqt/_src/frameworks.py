@@ -28,7 +28,9 @@ def from_keras(model, *, training: bool = False):
     training=training)[0]`` (``training`` passed only where the model's ``call`` accepts
     it): the model's outputs as a pure function, ready for
     :func:`jqt.calibrate`, :func:`jqt.quantize` and :func:`jqt.pack`. Updated
-    non-trainable variables (``training=True``) are dropped. A model of several
+    non-trainable variables are dropped: with ``training=True`` (batch-norm statistics)
+    silently, with ``training=False`` (a cache a layer assigns) with a warning that
+    names them. A model of several
     inputs takes them as Keras does, as one list or dict: ``f(params, [xa, xb])``.
 
     Keys follow the layer names: name the layers (``Dense(16, name="fc1")``),
@@ -152,17 +154,31 @@ def from_keras(model, *, training: bool = False):
                     "keys: name the layers (Dense(16, name='fc1')), or build the model after "
                     "keras.backend.clear_session(), and pass the params of this f."))
         get = lambda p: fixed[p] if p in fixed else params[p]
+        # the values as stateless_call holds them (its dtype): a variable it did not assign
+        # comes back as the very same array
+        nt_in = [keras.ops.convert_to_tensor(get(p), dtype=v.dtype)
+                 for p, v in zip(non_trainable, nt_vars)]
         try:
-            outputs, _ = model.stateless_call([get(p) for p in trainable],
-                                              [get(p) for p in non_trainable], *inputs, **mode)
+            outputs, nt_out = model.stateless_call([get(p) for p in trainable], nt_in, *inputs, **mode)
         except TypeError as e:
             if len(inputs) > 1 and "multiple values for argument" in str(e):
                 e.add_note(f"jqt.from_keras: f got {len(inputs)} input arguments; a Keras model of "
                            "several inputs takes them as one list or dict, as model(...) does: "
                            "f(params, [xa, xb]), and calibration batches [([xa, xb],), ...].")
             raise
+        lost = [p for p, a, b in zip(non_trainable, nt_in, nt_out) if a is not b and p not in seeded]
+        if lost and not training:  # (training=True: documented, batch-norm statistics)
+            diagnostics.warn(
+                f"jqt.from_keras: {model.name!r} assigns the non-trainable variable(s) {lost[:3]}"
+                f"{' ...' if len(lost) > 3 else ''} when called (a cache or a counter a layer "
+                "updates with .assign), and f returns the outputs only: every call starts again "
+                "from the values in params, and the updates are lost. Make that state an input "
+                "the layer returns (call(x, cache) -> (y, new_cache)), or write f yourself as "
+                "model.stateless_call(trainable, non_trainable, x) returning both its results.")
         return outputs
 
+    nt_vars = list(model.non_trainable_variables)
+    seeded = set(rename.values())  # their draws: the warning above
     return f, params
 
 

@@ -306,7 +306,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                  for k in keys if k in qparams}
         with diagnostics.grouped():
             outs = traced.run(args, handler, state)[0]
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)  # (non-array leaves marked)
 
     def eager(qparams, args):
         return run(qparams, tracing.unmark(args))
@@ -335,7 +335,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             tracing.check_traceable(args)
             _check_v1_codes(qparams, args, argnums)  # (inside the program they are traced)
             try:
-                return jitted(qparams, tracing.mark_static(list(args)))
+                return tracing.unmark(jitted(qparams, tracing.mark_static(list(args))))
             except (RuntimeError, ValueError) as e:  # a donated array: say which (a compiled
                 # program given one reports it from XLA's Execute, a ValueError)
                 if "deleted" in str(e) or "donated" in str(e):
@@ -346,7 +346,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         if qparams_concrete:  # closed over by jax.jit: constants, which a donation can delete
             check_alive(qparams, "jqt.quantize", "qparams")
         check_alive(list(args), f"{getattr(f, '__name__', 'f')} (quantized)", "argument")  # the same
-        return run(qparams, args)  # under a transformation: traced inline
+        return tracing.unmark(run(qparams, args))  # under a transformation: traced inline
 
     return qf
 

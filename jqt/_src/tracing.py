@@ -143,6 +143,16 @@ def mark_static(tree):
                                   is_leaf=lambda x: isinstance(x, Static))
 
 
+def mark_outputs(tree):
+    """``f``'s outputs with the leaves that are not JAX values (a dtype or a string in a
+    returned state: an Equinox module's plain field) wrapped in :class:`Static`, carried
+    in the outputs' structure; Python numbers stay leaves (traced as constants, as
+    ``jax.jit`` takes them)."""
+    num = (bool, int, float, complex)
+    return jax.tree_util.tree_map(lambda x: Static(x) if is_static(x) and not isinstance(x, num)
+                                  else x, tree)
+
+
 def unmark(tree):
     """``tree`` with :class:`Static` leaves unwrapped: what ``f`` receives."""
     return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, Static) else x, tree,
@@ -447,7 +457,7 @@ class Tracer:
             before = [jax.tree_util.tree_flatten_with_path(x) for x in a]
             out = self.f(*a)
             changed.extend(inplace.changed_leaves(marked, a, before, out))
-            return out
+            return mark_outputs(out)
 
         def new_leaves(marked, which):
             a = unmark(marked)

@@ -116,6 +116,48 @@ def test_the_cache_stays_float_without_kv_cache(setup):
     assert cache_old["k"].dtype == jnp.float32
 
 
+def test_a_residual_that_experts_add_into_is_not_a_cache():
+    """A scan over experts (expert-choice routing) carrying the residual and writing each
+    expert's outputs back with ``acc.at[idx].set(acc[idx] + y)``: under ``kv_cache=True``
+    the residual was taken for a key/value cache and rounded to int8 per row after every
+    write, without a word (43.2 dB against 58.4 dB; hunt57_moetune). An accumulator is no
+    cache: the output is the recipe's without kv_cache, and the warning says no cache was
+    found. A cache in the same loop is still one."""
+    rng = np.random.default_rng(0)
+    e_, d, f_, t, c = 4, 16, 24, 32, 8
+    p = {"router": jnp.asarray(rng.standard_normal((d, e_)) * 0.5, jnp.float32),
+         "w_in": jnp.asarray(rng.standard_normal((e_, d, f_)) * 0.2, jnp.float32),
+         "w_out": jnp.asarray(rng.standard_normal((e_, f_, d)) * 0.2, jnp.float32)}
+
+    def moe(p, x, with_cache=False):
+        gate, idx = lax.top_k(jax.nn.softmax(x @ p["router"], 0).T, c)
+
+        def body(carry, e):
+            acc, kc = carry
+            w1, w2, g, i, pos = e
+            y = jax.nn.relu(acc[i] @ w1) @ w2 * g[:, None]
+            if with_cache:  # a cache beside it: a new vector written, then read
+                kc = kc.at[pos].set(x[pos])
+                y = y + jax.nn.softmax(kc @ x[pos]) @ kc
+            return (acc.at[i].set(acc[i] + y), kc), None
+        kc0 = jnp.zeros((e_, d))
+        (acc, _), _ = lax.scan(body, (x, kc0), (p["w_in"], p["w_out"], gate, idx, jnp.arange(e_)))
+        return acc
+
+    xs = [(jnp.asarray(rng.standard_normal((t, d)), jnp.float32),) for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"quantizes key/value caches .* but no loop of f carries a buffer"):
+        qk = jqt.calibrate(lambda p, x: moe(p, x), jqt.recipes.w8a8(kv_cache=True), p, xs, progress=False)
+    q = jqt.calibrate(lambda p, x: moe(p, x), jqt.recipes.w8a8(), p, xs, progress=False)
+    assert list(qk) == list(q) == ["router", "w_in", "w_out"]
+    g = lambda p, x: moe(p, x)
+    y = jqt.quantize(g, qk)(jqt.pack(qk, p), xs[0][0])
+    assert isinstance(y, jax.Array)
+    np.testing.assert_array_equal(y, jqt.quantize(g, q)(jqt.pack(q, p), xs[0][0]))
+    qc = jqt.calibrate(functools.partial(moe, with_cache=True), jqt.recipes.w8a8(kv_cache=True), p, xs,
+                       progress=False)
+    assert [k for k in qc if k.startswith("kv_cache")] == ["kv_cache_0"]  # kc, not the residual
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
     """The first call takes the float cache (a prefill's, or zeros) and quantizes it; every

@@ -186,6 +186,32 @@ def _empty(entry, eqn, ins) -> bool:
     return w is not None and any(d == 0 for d in eqn.invars[w].aval.shape)
 
 
+def _take(eqn, ins, taken):
+    """Records in ``taken`` (var -> (buffers, added)) the values an equation reads out of
+    a carried buffer (a slice, a dynamic slice, a gather: ``acc[idx]``), and those values
+    converted or reshaped, or plus or minus others (``acc[idx] + y``: ``added``)."""
+    name = eqn.primitive.name
+    if name in ("slice", "dynamic_slice", "gather") and ins and ins[0].buffer:
+        taken[eqn.outvars[0]] = (ins[0].buffer, False)
+        return
+    summed = name in ("add", "sub", "add_any")
+    if summed or name in ("convert_element_type", "reshape", "broadcast_in_dim"):
+        got = [taken[v] for v in eqn.invars if not compat.is_literal(v) and v in taken]
+        if got:
+            taken[eqn.outvars[0]] = (tuple(dict.fromkeys(b for bufs, _ in got for b in bufs)),
+                                     summed or any(a for _, a in got))
+
+
+def _accumulates(eqn, buffers, taken) -> bool:
+    """Whether a write into ``buffers`` writes what it read from them plus something
+    (``acc.at[idx].set(acc[idx] + y)``: a mixture's experts adding into the residual a loop
+    carries): an accumulator, not a key/value cache, whose writes are new vectors (or its
+    own vectors moved: a window shifted in place)."""
+    upd = eqn.invars[OPS[eqn.primitive].update_index]
+    bufs, added = (((), False) if compat.is_literal(upd) else taken.get(upd, ((), False)))
+    return added and bool(set(bufs) & set(buffers))
+
+
 def _rolled(eqn, ins, sliced) -> tuple:
     """The buffers a ``concatenate`` along a non-last axis of slices of them (``sliced``:
     var -> buffers) is made of (``jnp.roll`` of a cache); ``()`` otherwise."""
@@ -314,6 +340,7 @@ class Analyzer:
         maps, pending = map_remainders(jaxpr), {}
         made_by = {}  # var -> the equation of this jaxpr that made it
         sliced = {}  # var -> the buffers it is a slice of (see _rolled)
+        taken = {}  # var -> the buffers its values were read from (see _accumulates)
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 made_by[v] = eqn
@@ -338,6 +365,9 @@ class Analyzer:
                 ins = [VarInfo(False, buffer=buf, writes=writes)] + ins[1:]
             else:
                 shape = None
+            if entry is not None and entry.is_cache and ins and ins[0].buffer \
+                    and _accumulates(eqn, ins[0].buffer, taken):
+                ins = [VarInfo(False)] + ins[1:]  # an accumulator: no cache (nor a near miss)
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
             picked = kvcache.is_buffer_select(
@@ -494,6 +524,7 @@ class Analyzer:
                         self._defer(("holds", name), msg, f"'{name}' at '{stack or '<top>'}'")
             if name == "slice" and (ins[0].buffer or ins[0].rolled):
                 sliced[eqn.outvars[0]] = ins[0].buffer or ins[0].rolled
+            _take(eqn, ins, taken)
             if outs is None and (rolled := _rolled(eqn, ins, sliced)):
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:

@@ -1633,3 +1633,23 @@ def test_a_buffer_whose_writes_take_two_cache_types_is_said_to_stay_float():
         warnings.simplefilter("ignore")
         y_mixed = jqt.quantize(f, qp)(jqt.pack(qp, p), xs)
     assert float(jnp.abs(y_mixed - jqt.quantize(f, plain)(jqt.pack(plain, p), xs)).max()) > 1e-4
+
+
+def test_an_activation_product_that_contracts_no_axis_is_not_called_int8():
+    """A gate times an expert's outputs ('tef,te->tef', from a fused einsum): a dynamic
+    per-row type reduces over the contracted axes, here none, so every element had its own
+    scale: the op was exact float while summarize, report and sensitivity called it int8
+    (hunt57_moetune). It stays float with a note, as a weight that contracts nothing
+    does; a per-tensor dynamic type still quantizes it."""
+    rng = np.random.default_rng(0)
+    f = lambda p, h, g: jnp.einsum("tef,te->tef", h, g) @ p["w"]
+    p = {"w": jnp.asarray(rng.standard_normal((24, 8)), jnp.float32)}
+    h = jnp.asarray(rng.standard_normal((32, 4, 24)), jnp.float32)
+    g = jnp.asarray(rng.random((32, 4)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(act_x_act=True), p, [(h, g)], progress=False)
+    k = next(k for k in qp if k != "w")
+    assert qp[k].is_float and "contracts no axis" in qp[k].note
+    per_tensor = jqt.QuantType(bits=8, symmetric=False, per_channel=False, dynamic=True)
+    qt = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="tef", act_x_act=per_tensor),) +
+                                     jqt.recipes.w8a8_dynamic().rules), p, [(h, g)], progress=False)
+    assert not qt[k].is_float

@@ -1116,6 +1116,12 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                           "no type" if rule.key != ".*" else
                           "activation x activation op, no operand from the weight argument(s) "
                           "alone (set Rule(act_x_act=...) to quantize)")
+        contracted = math.prod(site.eqn.invars[0].aval.shape[a] for a in site.contract[0])
+        if contracted <= 1 and rule.act_x_act.per_channel:
+            return float_("activation x activation op that contracts no axis (a gate times an "
+                          "expert's outputs, an einsum 'te,td->etd'): one dynamic scale per row "
+                          "is one per element, which quantizes nothing (a rule's per-tensor "
+                          "act_x_act= type, per_channel=False, quantizes it)")
         q = QArray(qtype=rule.act_x_act)
         return _narrow(site, rule, OpQParams(lhs=q, rhs=q, **base))
     wt = site.entry.weight_type(rule)

@@ -696,6 +696,16 @@ def test_experts_gathered_per_token_are_named():
         qp = jqt.calibrate(gathered, jqt.recipes.nf4(group_size=128), P, [(x, ids)], progress=False)
     assert not any("contracted" in str(m.message) for m in got)
     assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, 128, 1)
+    # a row the groups do not divide (48 under 128, 96 under 64): one group per row too,
+    # as formats.md says (it got one scale per whole matrix; hunt57_moetune)
+    for f_, g in ((48, 128), (96, 64)):
+        w = {"w": jnp.asarray(RNG.standard_normal((3, D, f_)), jnp.float32)}
+        with pytest.warns(UserWarning, match=rf"it gets group_size={f_}, one group per row "
+                                             rf"\(({'finer' if f_ < g else 'coarser'}) than asked"):
+            qp = jqt.calibrate(gathered, jqt.recipes.w4(group_size=g), w, [(x, ids)], progress=False)
+        assert qp["w"].operand(qp["w"].weight_operand).scale.shape == (3, D, 1)
+        y = jqt.quantize(gathered, qp)(jqt.pack(qp, w), x, ids)
+        np.testing.assert_allclose(y, jqt.quantize(gathered, qp, simulate=True)(w, x, ids), rtol=1e-5, atol=1e-5)
     keep = jqt.Recipe(rules=(jqt.Rule(key="^w$", embedding=None),) + tuple(jqt.recipes.w8().rules))
     table = {"emb": jnp.asarray(RNG.standard_normal((10, D)), jnp.float32)}
     with warnings.catch_warnings():

@@ -641,8 +641,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             whole = tuple(s.eqn.invars[0].aval.shape[d] for d in s.contract[0])
             gs = chosen[s.key].embedding.group_size
             scales = ("scales per group along each matrix's last axis where the rule's "
-                      "group_size fits it (else one per row or per matrix; jqt.summarize shows "
-                      "which)" if gs
+                      "group_size fits it (else one group per row, or one per matrix where a "
+                      "whole matrix fits a group; jqt.summarize shows which)" if gs
                       else "one scale per matrix")
             diagnostics.warn_grouped("whole", (
                 f"jqt.calibrate: op '{s.key}' (gather at '{s.name_stack or '<top>'}') looks up "
@@ -1231,10 +1231,15 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                          if site.op == "gather" else
                          ("and do not span the other contracted axes",
                           "one group per position of the others"))
+            if eff.group_size < wt.group_size:
+                finer = "finer than asked: more scales"
+            else:  # a gathered matrix's row longer than the groups, which do not tile it
+                span = f"{wt.group_size} does not divide it, {span}"
+                finer = "coarser than asked, but finer than one scale per matrix"
             diagnostics.warn_grouped(("groups", "axis", eff.group_size, longer), f"{cannot} (groups run along axis "
                                      f"{ax % len(shape)} of the weight ({where}), of length "
                                      f"{eff.group_size}, {span}); it gets group_size={eff.group_size}, {per} "
-                                     "(finer than asked: more scales). "
+                                     f"({finer}). "
                                      f"Pick a group size that divides {eff.group_size}, or a Rule "
                                      f"for this key{longer}.", f"'{site.key}'")
         else:

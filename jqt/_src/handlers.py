@@ -94,8 +94,8 @@ def weight_qtype(site, qtype, shape):
     over several axes (``head_dim`` 64 with ``group_size=128`` on an attention output
     projection), groups of that length (one per head: finer than asked, as groups do
     not span several axes) unless the whole contraction fits one group (4 heads of 16
-    under ``group_size=64``: one scale per output channel is one group, as asked);
-    otherwise ``qtype`` without groups (per channel) when the op cannot take groups or
+    under ``group_size=64``: one scale per output channel is one group, as asked), and
+    for a lookup of whole matrices one group per row whatever its length; otherwise ``qtype`` without groups (per channel) when the op cannot take groups or
     they do not tile its axis."""
     if not qtype.group_size:
         return qtype
@@ -104,8 +104,10 @@ def weight_qtype(site, qtype, shape):
         return qtype
     n = shape[ax % len(shape)] if ax is not None else 0
     contract = site.contract[site.weight_operand] if site.weight_operand is not None else ()
-    if len(contract) > 1 and n and qtype.group_size % n == 0 \
+    if len(contract) > 1 and n and (qtype.group_size % n == 0 or site.op == "gather") \
             and math.prod(shape[a] for a in contract) > qtype.group_size:
+        # (a lookup of whole matrices, experts gathered per token: one group per row of
+        # each, whatever its length, rather than one scale per matrix)
         return dataclasses.replace(qtype, group_size=n)
     return dataclasses.replace(qtype, group_size=0)
 

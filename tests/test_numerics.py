@@ -483,6 +483,12 @@ def test_a_nonzero_weight_too_small_for_a_scale_is_not_called_all_zeros():
     assert not any("all zeros" in t for t in texts), texts
     assert any("op 'w' reads weight 'w', whose largest magnitude 3e-37 needs a scale below "
                "float32's normal range" in t and "jqt.Rule(key='^w$', weight=None)" in t for t in texts), texts
+    with warnings.catch_warnings(record=True) as ws:  # subnormal: XLA:CPU reads them as 0
+        warnings.simplefilter("always")
+        sub = jnp.asarray(np.array([[3e-39, -2e-39], [1e-39, 2.5e-39]], np.float32))  # (not w * 1e-2: flushed)
+        jqt.calibrate(f, jqt.recipes.w8(), {"w": sub}, [(jnp.ones((1, 2)),)], progress=False)
+    texts = [str(m.message) for m in ws]
+    assert any("whose largest magnitude (subnormal, below 1.2e-38) needs a scale" in t for t in texts), texts
 
 
 def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():

@@ -388,20 +388,20 @@ def record(qparams, params_t, argnums):
         x, gaxis = _grid_operand(p, leaf)
         r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth, band=2 * NORM)
         if r is not None:
-            pending.append((key, r + (jnp.max(jnp.abs(x)),), tag))
+            pending.append((key, r + (jnp.max(jnp.abs(x)), _nonzero(x)), tag))
     if not pending:
         return qparams
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
-    for (key, _, _), (*_, amax) in zip(pending, values):
+    for (key, _, _), (*_, amax, _) in zip(pending, values):
         _refuse_huge(key, qparams[key], amax)
     out = dict(qparams)
     with diagnostics.grouped():
-        for (key, _, _), (r, *_, amax) in zip(pending, values):
-            if r == 0 and amax > 0:
+        for (key, _, _), (r, *_, amax, nonzero) in zip(pending, values):
+            if r == 0 and nonzero:
                 _warn_tiny(key, qparams[key], amax)
             elif r == 0 and zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
-    for (key, _, tag), (r, held_reach, held, _) in zip(pending, values):
+    for (key, _, tag), (r, held_reach, held, _, _) in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
             continue
         p = out[key]
@@ -463,13 +463,21 @@ def _warn_zero(key, p):
         "(not in weight_argnums: docs/fine-tuning.md, QLoRA), or calibrate after training it.", f"'{key}'")
 
 
+def _nonzero(x):
+    """Whether ``x`` holds an element that is not 0, subnormal ones included (XLA:CPU
+    flushes them to 0 in arithmetic and comparisons: their bits are read instead)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.any((bits & 0x7FFFFFFF) != 0)
+
+
 def _warn_tiny(key, p, amax):
     """A weight that is not zero but whose range needs a scale below float32's normal range:
     its scale is the placeholder (1), and every code is 0."""
     diagnostics.warn_grouped(
         ("tiny weight",),
         f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose largest magnitude "
-        f"{float(amax):.3g} needs a scale below float32's normal range (about 1.2e-38): it has "
+        f"{f'{float(amax):.3g}' if amax > 0 else '(subnormal, below 1.2e-38)'} needs a scale "
+        "below float32's normal range (about 1.2e-38): it has "
         "the placeholder scale 1, on which every value rounds to 0, so the op reads this weight "
         "as zeros on every path. Rescale the model (weights this small do not occur in trained "
         f"models), or keep this op float with jqt.Rule(key='^{re.escape(key)}$', weight=None) "

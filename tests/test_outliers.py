@@ -689,10 +689,16 @@ def test_gptq_re_rounds_slices_of_one_leaf_and_weights_cast_to_bfloat16():
 def test_a_weight_computed_by_arithmetic_is_said_not_smoothed():
     p, batches = _data(k=64, n=64)
     with pytest.warns(UserWarning, match=r"ops \['dot_general_0'\] read weights that are not a leaf.*"
-                                         r"computed by arithmetic"):
+                                         r"computed: arithmetic such as p\['w'\] \* 2.0, jnp.pad"):
         qp = jqt.calibrate(lambda p, x: x @ (p["w"] * 2.0), jqt.recipes.w8a8(smooth=0.5), p, batches,
                            progress=False)
     assert qp["dot_general_0"].smooth is None
+    # GPTQ's reason named no cause for a padded weight (it said "not a leaf"; hunt57_nnxalgos)
+    g = lambda p, x: x @ jnp.pad(p["w"], ((0, 0), (0, 4)))
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, batches, progress=False)
+    with pytest.warns(UserWarning, match=r"plain rounding for 'dot_general_0': its weight is not a "
+                                         r"leaf of the weights reached by layout ops only \(it is computed: .*jnp.pad"):
+        jqt.gptq(g, qg, p, batches)
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     if no_leaf:
         diagnostics.warn(f"jqt.calibrate: ops {no_leaf[:5]}{' ...' if len(no_leaf) > 5 else ''} read "
                          "weights that are not a leaf of the weights reached by layout ops only "
-                         "(computed by arithmetic: p['w'] * 2.0, a sum of leaves, a constant); their "
+                         "(computed: arithmetic such as p['w'] * 2.0, jnp.pad, a sum of leaves, a constant); their "
                          "smoothing factor is folded into a stored weight, so they are not smoothed "
                          "(nor packed). Store the weight as the op reads it in the params to smooth it.")
     if unrotated:

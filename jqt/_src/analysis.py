@@ -227,6 +227,7 @@ EQUINOX_HIDES = {"maybe_set": "while_loop's buffers=", "select_if_vmap": 'while_
 """Equinox's primitives that write or copy a loop's carry where jqt does not see a cache
 write or a copy: the cache stays float, and calibrate's warning names them."""
 
+
 class Analyzer:
     """Walks a closed jaxpr once and builds its :class:`Plan`.
 

@@ -166,7 +166,8 @@ def from_keras(model, *, training: bool = False):
                            "several inputs takes them as one list or dict, as model(...) does: "
                            "f(params, [xa, xb]), and calibration batches [([xa, xb],), ...].")
             raise
-        lost = [p for p, a, b in zip(non_trainable, nt_in, nt_out) if a is not b and p not in seeded]
+        lost = [p for p, a, b in zip(non_trainable, nt_in, nt_out)
+                if a is not b and p not in seeded and not p.endswith("seed_generator_state")]
         if lost and not training:  # (training=True: documented, batch-norm statistics)
             diagnostics.warn(
                 f"jqt.from_keras: {model.name!r} assigns the non-trainable variable(s) {lost[:3]}"
@@ -178,7 +179,7 @@ def from_keras(model, *, training: bool = False):
         return outputs
 
     nt_vars = list(model.non_trainable_variables)
-    seeded = set(rename.values())  # their draws: the warning above
+    seeded = set(rename.values()) | set(fixed)  # seed states: the warning above, or quiet
     return f, params
 
 

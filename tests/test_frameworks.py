@@ -742,6 +742,12 @@ def test_keras_variables_assigned_at_inference_are_named_when_dropped(keras):
             g(p, xb)
             jax.jit(g)(p, xb)
         jqt.calibrate(g, jqt.recipes.w8a8(), gp, [(xb,)], progress=False)
+        # a quiet random layer's seed, advanced at inference where its draw is unused, is
+        # no lost update (it was named as one)
+        rnn = keras.Sequential([keras.Input((5, 4)), keras.layers.GRU(4, dropout=0.2, name="gru"),
+                                keras.layers.Dense(2, name="fc")], name="r")
+        fr, pr = jqt.from_keras(rnn)
+        fr(pr, _normal(5, (2, 5, 4), 1.0))
 
 
 def test_keras_subclassed_model_whose_call_takes_no_training(keras):

@@ -157,6 +157,14 @@ def test_a_residual_that_experts_add_into_is_not_a_cache():
                        progress=False)
     assert [k for k in qc if k.startswith("kv_cache")] == ["kv_cache_0"]  # kc, not the residual
 
+    def rows(p, x):  # a scalar index: acc[i] is a dynamic_slice then a squeeze (hunt57_review)
+        def body(acc, i):
+            return acc.at[i % 2].set(acc[i % 2] + jnp.tanh(acc[i % 2] @ p["w_in"][0]) @ p["w_out"][0]), None
+        return lax.scan(body, x[:2], jnp.arange(4))[0]
+    with pytest.warns(UserWarning, match=r"no loop of f carries a buffer"):
+        qr = jqt.calibrate(rows, jqt.recipes.w8a8(kv_cache=True), p, xs, progress=False)
+    assert not [k for k in qr if k.startswith("kv_cache")]
+
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):

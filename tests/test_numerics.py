@@ -466,6 +466,11 @@ def test_a_weight_whose_scale_has_no_normal_reciprocal_is_refused():
     w2 = jnp.array([[1.0, -1.0], [0.5, 0.25], [0.1, 0.3], [-0.7, 0.2]]) * 1.5e38
     with pytest.raises(ValueError, match=r"whose range needs a scale of 1.5e\+38 on its nf4"):
         jqt.calibrate(f, jqt.recipes.nf4(), {"w": w2}, [(jnp.full((1, 4), 1e-30),)], progress=False)
+    # and on an asymmetric grid, whose unclipped scale is the range's (hunt57_review)
+    asym = jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=2, symmetric=False, per_channel=False),
+                                      weight_calibrator=jqt.calibrators.WeightMSE()),))
+    with pytest.raises(ValueError, match=r"whose range needs a scale of 1e\+38 on its int2 asym"):
+        jqt.calibrate(f, asym, {"w": w2}, [(jnp.full((1, 4), 1e-30),)], progress=False)
     qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=64), {"w": w * 1e-30}, [(jnp.ones((1, 64)),)], progress=False)
     assert np.abs(np.asarray(jqt.quantize(f, qp)(jqt.pack(qp, {"w": w * 1e-30}), jnp.ones((1, 64))))).min() > 1e8
 

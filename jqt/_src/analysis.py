@@ -195,7 +195,8 @@ def _take(eqn, ins, taken):
         taken[eqn.outvars[0]] = (ins[0].buffer, False)
         return
     summed = name in ("add", "sub", "add_any")
-    if summed or name in ("convert_element_type", "reshape", "broadcast_in_dim"):
+    if summed or name in ("convert_element_type", "reshape", "broadcast_in_dim", "squeeze",
+                          "expand_dims"):
         got = [taken[v] for v in eqn.invars if not compat.is_literal(v) and v in taken]
         if got:
             taken[eqn.outvars[0]] = (tuple(dict.fromkeys(b for bufs, _ in got for b in bufs)),

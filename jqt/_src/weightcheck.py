@@ -388,20 +388,20 @@ def record(qparams, params_t, argnums):
         x, gaxis = _grid_operand(p, leaf)
         r = reach(x, p.operand(p.weight_operand), gaxis, p.source.stack_depth, band=2 * NORM)
         if r is not None:
-            pending.append((key, r + (jnp.max(jnp.abs(x)), _nonzero(x)), tag))
+            pending.append((key, r + (jnp.max(x), jnp.min(x), _nonzero(x)), tag))
     if not pending:
         return qparams
     values = jax.device_get([r for _, r, _ in pending])  # one transfer for every weight
-    for (key, _, _), (*_, amax, _) in zip(pending, values):
-        _refuse_huge(key, qparams[key], amax)
+    for (key, _, _), (*_, top, bottom, _) in zip(pending, values):
+        _refuse_huge(key, qparams[key], (top, bottom))
     out = dict(qparams)
     with diagnostics.grouped():
-        for (key, _, _), (r, *_, amax, nonzero) in zip(pending, values):
+        for (key, _, _), (r, *_, top, bottom, nonzero) in zip(pending, values):
             if r == 0 and nonzero:
-                _warn_tiny(key, qparams[key], amax)
+                _warn_tiny(key, qparams[key], max(abs(top), abs(bottom)))
             elif r == 0 and zero_below(qparams[key]):
                 _warn_zero(key, qparams[key])
-    for (key, _, tag), (r, held_reach, held, _, _) in zip(pending, values):
+    for (key, _, tag), (r, held_reach, held, *_) in zip(pending, values):
         if not np.isfinite(r):  # an inf element the calibrator let through: nothing to compare
             continue
         p = out[key]
@@ -417,20 +417,24 @@ HUGE = 2.0 ** 126
 to 0: every code :func:`numerics.quotient` computes with them is 0."""
 
 
-def _refuse_huge(key, p, amax=None):
+def _refuse_huge(key, p, extent=None):
     """Raises where op ``p``'s weight has a scale above :data:`HUGE` (NF4 or 2-3-bit
-    weights beyond about ``8.5e37``), or would have one unclipped (``amax``: the weight's
-    largest magnitude on its grid): every path would quantize those groups to zeros, and
-    a clipping calibrator (``WeightMSE``, NF4's default) would otherwise pick a scale just
-    under the limit and cut the weight's largest values by up to half."""
+    weights beyond about ``8.5e37``), or would have one unclipped (``extent``: the weight's
+    largest and smallest values on its grid): every path would quantize those groups to
+    zeros, and a clipping calibrator (``WeightMSE``, NF4's default) would otherwise pick a
+    scale just under the limit and cut the weight's largest values by up to half."""
     o = p.operand(p.weight_operand)
     if o is None or o.scale is None or not np.size(o.scale):
         return
     top = float(np.max(np.abs(np.asarray(o.scale, np.float32))))
-    if amax is not None and np.isfinite(amax):  # (an inf element is reported elsewhere)
+    if extent is not None and np.isfinite(extent).all():  # (an inf element: reported elsewhere)
+        hi, lo = (float(e) for e in extent)
         blo, bhi = o.qtype.bounds
-        # the smallest scale a group holding amax has unclipped (exact where symmetric)
-        top = max(top, float(amax) / (o.qtype.amax_code if o.qtype.symmetric else bhi - blo))
+        # the unclipped scale of the group holding the largest magnitude (symmetric), or of
+        # the whole weight's range (asymmetric: at most twice a group's, so a weight whose
+        # values lie beyond about 8.5e37 either way is refused, as documented)
+        top = max(top, max(hi, -lo) / o.qtype.amax_code if o.qtype.symmetric
+                  else (max(hi, 0.0) / 2 - min(lo, 0.0) / 2) / ((bhi - blo) / 2))
     if top > HUGE:
         raise ValueError(
             f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose range needs a "

@@ -428,13 +428,11 @@ def _refuse_huge(key, p, extent=None):
         return
     top = float(np.max(np.abs(np.asarray(o.scale, np.float32))))
     if extent is not None and np.isfinite(extent).all():  # (an inf element: reported elsewhere)
-        hi, lo = (float(e) for e in extent)
-        blo, bhi = o.qtype.bounds
-        # the unclipped scale of the group holding the largest magnitude (symmetric), or of
-        # the whole weight's range (asymmetric: at most twice a group's, so a weight whose
-        # values lie beyond about 8.5e37 either way is refused, as documented)
-        top = max(top, max(hi, -lo) / o.qtype.amax_code if o.qtype.symmetric
-                  else (max(hi, 0.0) / 2 - min(lo, 0.0) / 2) / ((bhi - blo) / 2))
+        # the unclipped scale of the weight's whole range: the group holding the largest
+        # magnitude's where symmetric; at most twice a group's where asymmetric, so a weight
+        # whose values lie beyond about 8.5e37 either way is refused, as documented
+        hi, lo = extent
+        top = max(top, float(nx.params_from_range(lo, hi, o.qtype)[0]))
     if top > HUGE:
         raise ValueError(
             f"jqt.calibrate: op '{key}' reads weight '{p.source.path}', whose range needs a "

@@ -288,7 +288,8 @@ def train(config=DEFAULT, steps=DEFAULT_STEPS, *, batch=4, seq_len=256, lr=3e-3,
     """AdamW (warmup, then cosine to lr / 10; weight decay 0.1 except on the norms'
     scales; gradients clipped at norm 1) on train windows. Returns (params, info) with info's train_seconds
     and heldout_loss."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr / 10)
+    # (one step: no warmup, the step at lr; optax refuses a decay of no steps)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(max(1, steps // 20), steps - 1), steps, lr / 10)
     decay = functools.partial(jax.tree_util.tree_map_with_path, lambda path, _: "norm" not in path[-1].key)
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.95, weight_decay=0.1, mask=decay))

@@ -189,6 +189,15 @@ def test_parameter_cache_round_trip(params, tmp_path, monkeypatch):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(second), jax.tree.leaves(params)))
 
 
+def test_train_takes_one_step():
+    """``--steps 1`` (argparse takes any N >= 1) crashed in optax: a warmup of 1 step out
+    of 1 left the cosine decay 0 steps (hunt58_docsclaims). One step now trains at lr."""
+    before = decoder.init_params(CONFIG, jax.random.key(0))
+    params, info = decoder.train(CONFIG, 1, batch=2, seq_len=32, log_every=0)
+    assert np.isfinite(info["heldout_loss"])
+    assert not np.array_equal(params["embed"], before["embed"])
+
+
 def test_cache_path(tmp_path, monkeypatch):
     monkeypatch.setenv("JQT_CACHE_DIR", str(tmp_path))
     assert decoder.cache_path().startswith(str(tmp_path) + os.sep)

@@ -1136,6 +1136,39 @@ def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_op
                "result keeps 8 of the 8 candidate ops back" in m for m in msgs), msgs
 
 
+def test_fallback_ranks_an_unmeasured_op_ahead_of_one_measured_harmless():
+    """rank='sensitivity' under a max_trials that measures only ``w1``: ``w1`` measured
+    harmless (a drop of 0) ranked ahead of the unmeasured ``w2`` (the one a 2-bit rule
+    breaks), so the prefix kept both and the pruning pass, out of trials, returned them
+    without a word (hunt58_docsclaims). ``w2`` ranks first now; where the pruning runs out
+    of trials before trying each op of the prefix alone, the result says so."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
+         "w2": jax.random.normal(k2, (64, 10)) * 0.2}
+    data = jax.random.normal(k3, (256, 16))
+    f = lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"]
+    x, batches = data[128:], [(data[i:i + 32],) for i in range(0, 256, 32)]
+    y = f(p, x).argmax(-1)
+    metric = lambda g: float((g(p, x).argmax(-1) == y).mean())
+    two = jqt.Rule(key="^w2$", weight=jqt.QuantType(bits=2, narrow_range=True, per_channel=True),
+                   activation=jqt.QuantType(bits=2, symmetric=False))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, jqt.Recipe(rules=(two, *jqt.recipes.w8a8().rules)), p, batches,
+                           metric, max_drop=0.005, rank="sensitivity", max_trials=3)
+    assert res.met and res.kept == ("w2",), res.kept
+    assert not any("ran out before the search narrowed" in str(w.message) for w in got)
+    both = jqt.Rule(key="^w", weight=two.weight, activation=two.activation)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        res = jqt.fallback(f, jqt.Recipe(rules=(both, *jqt.recipes.w8a8().rules)), p, batches,
+                           metric, max_drop=0.005, rank="sensitivity", max_trials=3)
+    assert res.met and set(res.kept) == {"w1", "w2"} and len(res.trials) == 3
+    assert any("max_trials=3 ran out before the search narrowed the ops to keep back: the result "
+               "keeps 2 of the 2 candidate ops back" in str(w.message) for w in got), \
+        [str(w.message) for w in got]
+
+
 def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_that_rule():
     """The recipe's own rule for ``b`` (int4) decides nothing once fallback puts its rule
     for ``b`` first: the final calibration warned "rule 1 ... decides no op ... move it

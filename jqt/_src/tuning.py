@@ -474,13 +474,17 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             diagnostics.warn(
                 f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
                 f"{len(drop)} of the {len(ranked)} quantized ops (one trial each, after the "
-                "all-quantized one); the others are ranked last, unmeasured, and the search "
+                "all-quantized one); the others, unmeasured, rank after those measured to lower "
+                "the metric and before those measured not to, and the search "
                 f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="
                 f"{len(ranked) + 2 + max(1, len(ranked)).bit_length()} or more, or rank='report' "
                 "(which ranks every op in one jqt.report pass).")
-        # a NaN drop (the op alone made a NaN) ranks first; unmeasured ops last
-        ranked = sorted(ranked, key=lambda k: -(math.inf if math.isnan(drop.get(k, 0.0))
-                                                else drop.get(k, -math.inf)))
+        # a NaN drop (the op alone made a NaN) ranks first, then the ops measured harmful,
+        # then the unmeasured ones (which may be), then those measured harmless (a drop of
+        # 0 or less: ranked ahead of the unmeasured, they filled the prefix the search kept)
+        ranked = sorted(ranked, key=lambda k: (
+            (-3, 0.0) if math.isnan(drop.get(k, 0.0)) else (-2, -drop[k]) if drop.get(k, 0.0) > 0
+            else (-1, 0.0) if k not in drop else (0, -drop[k])))
     else:
         try:
             with once():
@@ -498,7 +502,11 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         best = tuple(best)
         if ok(best[1]):  # prune: an op of the prefix may not be needed
             for k in reversed(best[0]):
-                if len(trials) >= max_trials or len(best[0]) <= 1:
+                if len(best[0]) <= 1:
+                    break
+                if len(trials) >= max_trials:  # ops of the prefix untried alone: say so
+                    narrowed = narrowed and all(frozenset(c for c in best[0] if c != j) in seen
+                                                for j in best[0])
                     break
                 cand = tuple(c for c in best[0] if c != k)
                 v = trial(cand)

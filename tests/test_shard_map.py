@@ -842,3 +842,67 @@ def test_attention_projections_on_explicit_axes_without_a_context_mesh():
         for where in ("outside", "inside"):  # outside set_mesh too, the output projection too
             assert all(isinstance(r[f"{name} {g} {where}"], float) and r[f"{name} {g} {where}"] < 1e-5
                        for g in (False, True)), r
+
+
+def test_a_decode_step_inside_shard_map_takes_back_its_quantized_cache():
+    """``jax.shard_map`` around a quantized decode step (the batch split, the cache taken
+    and returned): the second call, given back the ``QArray`` cache the first returned
+    (or one from ``jqt.quantize_cache``), raised JAX's "pvary is a invariant->variant
+    collective": the float placeholder jqt traces in the cache's place was typed
+    invariant over the manual axis (hunt58_shardkv). Each call now gives the unsharded
+    step's logits and cache codes."""
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np, jqt
+        from jax import lax
+        from jax.sharding import AxisType, PartitionSpec as P
+        L, B, T, H, D, DM, V = 2, 4, 8, 2, 8, 16, 24
+        ks = jax.random.split(jax.random.key(0), 4)
+        p = {"emb": jax.random.normal(ks[0], (V, DM)), "out": jax.random.normal(ks[1], (DM, V)) * DM ** -0.5,
+             "wk": jax.random.normal(ks[2], (L, DM, H * D)) * DM ** -0.5,
+             "wo": jax.random.normal(ks[3], (L, H * D, DM)) * (H * D) ** -0.5}
+        def step(p, cache, tok):
+            pos, b = cache["pos"], tok.shape[0]
+            def layer(h, xs):
+                wk, wo, k_l = xs
+                k = (h @ wk).reshape(b, H, D)
+                k_l = lax.dynamic_update_slice(k_l, k[:, None], (0, pos, 0, 0))
+                s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", k, k_l), -1e9)
+                o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s / D ** 0.5), k_l)
+                return h + o.reshape(b, H * D) @ wo, k_l
+            h, kc = lax.scan(layer, p["emb"][tok], (p["wk"], p["wo"], cache["k"]))
+            return h @ p["out"], {"k": kc, "pos": pos + 1}
+        empty = lambda: {"k": jnp.zeros((L, B, T, H, D)), "pos": jnp.int32(0)}
+        cal, c, tok = [], empty(), jnp.arange(B, dtype=jnp.int32) * 3
+        for _ in range(3):
+            cal.append((c, tok))
+            logits, c = step(p, c, tok)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+        spec = {"k": P(None, "d"), "pos": P()}
+        R = {}
+        for name, kv, recipe in (("w8a8", True, jqt.recipes.w8a8(kv_cache=True)),
+                                 ("w4_kv4", "int4", jqt.recipes.w4(group_size=8, kv_cache="int4"))):
+            qp = jqt.calibrate(step, recipe, p, cal, progress=False)
+            qf, pk = jqt.quantize(step, qp), jqt.pack(qp, p)
+            sm = jax.jit(jax.shard_map(qf, mesh=mesh, in_specs=(P(), spec, P("d")), out_specs=(P("d"), spec)))
+            one = jax.jit(qf)
+            errs = []
+            for start in ("returned", "quantize_cache"):
+                c = empty() if start == "returned" else dict(empty(), k=jqt.quantize_cache(empty()["k"], kv))
+                cs, cu, tok = c, c, jnp.arange(B, dtype=jnp.int32) * 3
+                for _ in range(3):
+                    try:
+                        ls, cs = sm(pk, cs, tok)
+                    except ValueError as e:
+                        errs.append(str(e)[:200])
+                        break
+                    lu, cu = one(pk, cu, tok)
+                    errs.append([float(jnp.abs(ls - lu).max()), bool(jnp.array_equal(cs["k"].values, cu["k"].values)),
+                                 type(cs["k"]).__name__])
+                    tok = jnp.argmax(lu, -1).astype(jnp.int32)
+            R[name] = errs
+        print("RESULT" + json.dumps(R))
+    """, 4)
+    for name, errs in r.items():
+        assert len(errs) == 6 and all(isinstance(e, list) and e[0] <= 1e-5 and e[1] and e[2] == "QArray"
+                                      for e in errs), (name, errs)

@@ -237,8 +237,12 @@ def placeholders(args):
                 f"{x.qtype.describe()} holds {' or '.join(codes_ok)} codes and float16{list(want)} scales (one per "
                 "vector). Pass back the cache the quantized function returned as it is: casting "
                 "the floating leaves of a state (to bfloat16, say) changes its scales too.")
-        # split over explicit mesh axes as the codes are (a cache jax.shard_map splits by heads)
-        return compat.zeros(float_shape(x), x.float_dtype, compat.explicit_sharding(x.values, traced=True))
+        # split over explicit mesh axes as the codes are (a cache jax.shard_map splits by heads),
+        # and inside jax.shard_map varying over the manual axes they vary over: a placeholder
+        # typed invariant was cast to varying in the traced function, a cast JAX refuses on
+        # the cache itself
+        z = compat.zeros(float_shape(x), x.float_dtype, compat.explicit_sharding(x.values, traced=True))
+        return compat.vary_like(z, x.values)
     return jax.tree_util.tree_map_with_path(one, args, is_leaf=is_cache)
 
 

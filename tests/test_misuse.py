@@ -679,6 +679,42 @@ def test_grad_of_the_integer_path_names_the_op():
             grad()
 
 
+def test_grad_through_a_quantized_kv_cache_names_the_cache():
+    """Adapters passed as an argument (docs' QLoRA) reach the keys a quantized cache
+    rounds: ``jax.grad`` of the integer path named no op and offered only fixes that did
+    not apply (the adapters were already an argument; hunt58_qatkv). It names the cache
+    and the fix, ``kv_cache=False``, which trains; a decode step called with the cache as
+    an argument and returning it names it too."""
+    T, D = 4, 8
+    base = {"wk": jax.random.normal(jax.random.key(0), (D, D)) * 0.3}
+
+    def f(base, lora, xs):
+        def step(carry, x):
+            kc, pos = carry
+            k = x @ base["wk"] + x @ lora
+            kc = jax.lax.dynamic_update_slice(kc, k[None], (pos, 0))
+            return (kc, pos + 1), jnp.sum(kc @ k)
+        return jax.lax.scan(step, (jnp.zeros((T, D)), 0), xs)[1]
+
+    def one(base, lora, kc, x, pos):
+        kc = jax.lax.dynamic_update_slice(kc, (x @ base["wk"] + x @ lora)[None], (pos, 0))
+        return jnp.sum(kc @ x), kc
+    xs, lora = jax.random.normal(jax.random.key(1), (T, D)), jnp.full((D, D), 0.01)
+    for g, args in ((f, (xs,)), (one, (jnp.zeros((T, D)), xs[0], 1))):
+        qp = jqt.calibrate(g, jqt.recipes.nf4(group_size=0, kv_cache=True), base, [(lora, *args)],
+                           progress=False)
+        key = next(k for k in qp if "cache" in k)
+        qf, pk = jqt.quantize(g, qp), jqt.pack(qp, base)
+        loss = lambda lo: jnp.sum(jax.tree.leaves(qf(pk, lo, *args))[0])
+        with pytest.raises(TypeError, match=rf"op '{key}': jqt_quantize .* not differentiable.*'{key}' "
+                           r"is a key/value cache \(the recipe's kv_cache=\).*kv_cache=False"):
+            jax.grad(loss)(lora)
+        qp = jqt.calibrate(g, jqt.recipes.nf4(group_size=0, kv_cache=False), base, [(lora, *args)],
+                           progress=False)
+        qf, pk = jqt.quantize(g, qp), jqt.pack(qp, base)
+        assert float(jnp.abs(jax.grad(loss)(lora)).sum()) > 0
+
+
 def test_pack_under_grad_and_save_packed_under_jit_name_the_misuse(tmp_path):
     """``jqt.pack`` under ``jax.grad`` blamed a shape mismatch that was not there;
     ``jqt.save_packed`` under ``jax.jit`` raised JAX's TracerArrayConversionError, where

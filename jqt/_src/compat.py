@@ -131,28 +131,36 @@ def zeros(shape, dtype, sharding=None):
 
 
 _OP_SCOPE = "jqt_op:"
+_CACHE_SCOPE = "jqt_cache:"  # a key/value cache's writes and entry
 
 
-def op_scope(key):
-    """A name scope that marks the equations bound in it as op ``key``'s, for errors raised
-    while JAX differentiates them (:func:`scoped_op`); no equation parameter, so lowering
-    and compiled programs are shared across ops as before."""
-    return jax.named_scope(_OP_SCOPE + key)
+def op_scope(key, cache=False):
+    """A name scope that marks the equations bound in it as op ``key``'s (``cache``: the
+    key/value cache ``key``'s), for errors raised while JAX differentiates them
+    (:func:`scoped_op`); no equation parameter, so lowering and compiled programs are
+    shared across ops as before."""
+    return jax.named_scope((_CACHE_SCOPE if cache else _OP_SCOPE) + key)
 
 
-def scoped_op():
+def scoped_op(kind=False):
     """The op key of the innermost :func:`op_scope` around the equation being evaluated
-    (JAX restores an equation's name stack when it differentiates a jaxpr), or ``None``.
+    (JAX restores an equation's name stack when it differentiates a jaxpr), or ``None``;
+    ``kind``: ``(key, is a cache)``, ``(None, False)`` outside every scope.
 
     >>> with op_scope("dense/kernel"):
     ...     scoped_op()
     'dense/kernel'
+    >>> with op_scope("kv_cache"), op_scope("kv_cache", cache=True):
+    ...     scoped_op(kind=True)
+    ('kv_cache', True)
     """
     for e in reversed(source_info_util.current_name_stack().stack):
         name = getattr(e, "name", "")
-        if isinstance(name, str) and name.startswith(_OP_SCOPE):
-            return name[len(_OP_SCOPE):]
-    return None
+        for prefix in (_OP_SCOPE, _CACHE_SCOPE):
+            if isinstance(name, str) and name.startswith(prefix):
+                key = name[len(prefix):]
+                return (key, prefix == _CACHE_SCOPE) if kind else key
+    return (None, False) if kind else None
 
 
 def together(*trees):

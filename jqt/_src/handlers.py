@@ -573,7 +573,8 @@ def cache_write(site, eqn, invals, ctx):
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] describes a {qp.op}, but the function writes its cache "
             f"with {site.op} there. Re-calibrate for this function.")
-    return kvcache.write(eqn, invals, site.entry.update_index, qp.lhs.qtype)
+    with compat.op_scope(site.key, cache=True):  # an error JAX raises differentiating it names the cache
+        return kvcache.write(eqn, invals, site.entry.update_index, qp.lhs.qtype)
 
 
 class Simulate:

@@ -424,7 +424,8 @@ def _enter_caches(sub, ctx, init):
     for k, writes in sub.caches.items():
         qtype = kvcache.slot_type(writes, ctx.state_in)
         if qtype is not None:
-            x = enter(init[k], qtype)
+            with compat.op_scope(writes[0], cache=True):
+                x = enter(init[k], qtype)
             if kvcache.is_cache(x) and not kvcache.is_cache(init[k]):
                 entered.add(k)
             init[k] = x
@@ -454,7 +455,8 @@ def enter_call(plan, ctx, args, invars, name=str):
                 "Pass the cache the same quantized function returned, or a float buffer; a loop "
                 "around the step, whose carry starts quantized, starts it with "
                 f"jqt.quantize_cache(buffer, {kvcache.kind_name(qtype)}).")
-        args[k] = enter(x, qtype)
+        with compat.op_scope(writes[0], cache=True):
+            args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):
             entered[k] = args[k]
     return [x if k in entered else kvcache.materialize([x], [v])[0]

@@ -388,10 +388,17 @@ compat.ad.defjvp(fake_quant_p, _jvp_x, _jvp_scale, _jvp_zero_point)
 
 
 def _no_jvp(primals, tangents, **params):
+    key, cache = compat.scoped_op(kind=True)
+    head = ((f"op '{key}': " if key else "") + "jqt_quantize (the integer path of jqt.quantize) "
+            "is not differentiable: rounding to codes (int, fp8 or nf4) has no gradient. ")
+    if cache:  # what is trained reaches the keys and values the cache rounds
+        raise TypeError(
+            head + f"'{key}' is a key/value cache (the recipe's kv_cache=): it rounds the keys "
+            "and values written into it, activations that follow what is trained. Train with "
+            "the cache float (calibrate with the preset's kv_cache=False, then pack) or "
+            "through the simulated path, jqt.quantize(f, qparams, simulate=True).")
     raise TypeError(
-        (f"op '{compat.scoped_op()}': " if compat.scoped_op() else "") +
-        "jqt_quantize (the integer path of jqt.quantize) is not differentiable: rounding to "
-        "codes (int, fp8 or nf4) has no gradient. Differentiate the simulated path instead: "
+        head + "Differentiate the simulated path instead: "
         "jqt.quantize(f, qparams, simulate=True). For a call you do not train through (a "
         "distillation teacher, a reference), stop the gradient of its inputs, "
         "qf(jax.lax.stop_gradient(params), x): a stop_gradient of its output comes after JAX "

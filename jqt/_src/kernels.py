@@ -26,9 +26,36 @@ _F32 = jnp.float32
 
 
 def _conv_params(params):
-    keep = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
-            "feature_group_count", "batch_group_count", "precision")
-    return {k: params[k] for k in keep if k in params}
+    """The op's own parameters, for :func:`_conv` (its result type chosen there)."""
+    return {k: v for k, v in params.items() if k != "preferred_element_type"}
+
+
+_KEEP = object()
+
+
+def _conv(lhs, rhs, cp, preferred_element_type=None, precision=_KEEP):
+    """``lax.conv_general_dilated(lhs, rhs, **cp)`` bound as the primitive, with the op's
+    parameters ``cp`` as its equation holds them: lax's function refuses a padding in
+    symbolic dimensions (a strided ``"SAME"`` convolution exported with a symbolic image
+    size; ``operator.index``), which the primitive takes. ``precision``: one for both
+    operands (the op's own by default).
+
+    >>> import jax
+    >>> x, w = jnp.ones((1, 4, 4, 2)), jnp.ones((3, 3, 2, 1))
+    >>> op = lambda x, w: lax.conv_general_dilated(x, w, (2, 2), "SAME",
+    ...                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    >>> cp = _conv_params(jax.make_jaxpr(op)(x, w).eqns[0].params)
+    >>> _conv(x, w, cp)[0, :, :, 0].tolist(), bool((_conv(x, w, cp) == op(x, w)).all())
+    ([[18.0, 12.0], [12.0, 8.0]], True)
+    """
+    p = dict(cp, preferred_element_type=None if preferred_element_type is None
+             else np.dtype(preferred_element_type))
+    if precision is not _KEEP:
+        p["precision"] = None if precision is None else (precision, precision)
+    p["padding"] = tuple(tuple(pad) for pad in p["padding"])
+    if "out_sharding" in p:
+        p["out_sharding"] = None  # from the operands, as lax's function leaves it
+    return compat.bind(compat.conv_general_dilated_p, lhs, rhs, **p)
 
 
 def _out_channel(a, params, out_ndim):
@@ -63,12 +90,12 @@ def _int_conv(qx, qw, cp, as_float):
     in int32. A grouped convolution whose sums may exceed that runs as XLA's."""
     dn = cp["dimension_numbers"]
     if not as_float or _nhwc_hwio(dn):
-        return lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+        return _conv(qx, qw, cp, _I32)
     per_in = int(np.prod([qw.shape[d] for d in dn.rhs_spec[2:]])) * 255 * 128  # |one input's terms|
     step = max((1 << 24) // per_in, 1)
     cin = qw.shape[dn.rhs_spec[1]]
-    f = lambda a, b: lax.round(lax.conv_general_dilated(
-        a.astype(_F32), b.astype(_F32), **cp, precision=lax.Precision.HIGHEST)).astype(_I32)
+    f = lambda a, b: lax.round(_conv(a.astype(_F32), b.astype(_F32), cp,
+                                     precision=lax.Precision.HIGHEST)).astype(_I32)
     if cin <= step:  # one convolution, grouped or not
         return f(qx, qw)
     if cp.get("feature_group_count", 1) == 1 == cp.get("batch_group_count", 1):
@@ -78,7 +105,7 @@ def _int_conv(qx, qw, cp, as_float):
                      lax.slice_in_dim(qw, c0, min(c0 + step, cin), axis=dn.rhs_spec[1]))
             out = part if out is None else out + part
         return out
-    return lax.conv_general_dilated(qx, qw, **cp, preferred_element_type=_I32)
+    return _conv(qx, qw, cp, _I32)
 
 
 def conv(x_op, w_op, params, eqn, codes_as_float=False):
@@ -101,12 +128,11 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
             # weight (nf4's table values, which bfloat16 rounds) stays float32, as the dense
             # kernel's does
             dt, pref = _F32, _F32
-        out = lax.conv_general_dilated(qx.astype(dt), qw.astype(dt), **cp, preferred_element_type=pref)
+        out = _conv(qx.astype(dt), qw.astype(dt), cp, pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
-    cp.pop("precision", None)
+    cp["precision"] = None
     if qx.dtype == jnp.int16:  # w8a16's codes whole (takes_wide): exact products, float32 sums
-        acc = lax.conv_general_dilated(qx.astype(_F32), qw.astype(_F32), **cp,
-                                       precision=lax.Precision.HIGHEST)
+        acc = _conv(qx.astype(_F32), qw.astype(_F32), cp, precision=lax.Precision.HIGHEST)
         sx = _out_batch(sx.astype(_F32), params, out_ndim)
         return (acc * (sx * _out_channel(sw.astype(_F32), params, out_ndim))).astype(out_dtype)
     zx = _out_batch(int_zp(zx), params, out_ndim)
@@ -117,7 +143,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
         for d, (lo, hi) in zip(dn.lhs_spec[2:], cp["padding"]):
             cfg[d] = (lo, hi, 0)
         qx = lax.pad(qx, zx.astype(qx.dtype).reshape(()), cfg)
-        cp["padding"] = [(0, 0)] * len(cp["padding"])
+        cp["padding"] = ((0, 0),) * len(cp["padding"])
         acc = _int_conv(qx, qw, cp, codes_as_float)
         if wsum is None:
             axes = tuple(d for d in range(qw.ndim) if d != dn.rhs_spec[0])

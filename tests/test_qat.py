@@ -610,3 +610,76 @@ def test_lora_adapters_train_on_a_packed_4bit_base(recipe):
     for _ in range(50):
         lora, state = step(lora, state)
     assert float(loss(lora)) < 0.7 * before
+
+
+@jax.custom_vjp
+def _clipped_proj(h, w):  # a block whose backward clips its input's gradient
+    return jnp.tanh(h @ w)
+
+
+def _clipped_fwd(h, w):
+    return _clipped_proj(h, w), (h, w)
+
+
+def _clipped_bwd(res, ct):
+    dh, dw = jax.vjp(lambda h, w: jnp.tanh(h @ w), *res)[1](ct)
+    return jnp.clip(dh, -1e-4, 1e-4), dw
+
+
+_clipped_proj.defvjp(_clipped_fwd, _clipped_bwd)
+
+
+@jax.custom_jvp
+def _safe_norm(y):  # NaN-safe at 0, where autodiff of sqrt is NaN
+    return jnp.sqrt(jnp.sum(y * y, -1, keepdims=True))
+
+
+@_safe_norm.defjvp
+def _safe_norm_jvp(p, t):
+    (y,), (ty,) = p, t
+    n = _safe_norm(y)
+    return n, jnp.sum(y * ty, -1, keepdims=True) / jnp.where(n == 0, 1.0, n)
+
+
+def test_adapters_through_custom_rules_and_remat_on_the_integer_path():
+    """QLoRA through the integer path of an f with custom derivative rules or a
+    ``jax.checkpoint`` (hunt58_customgrad). The integer path inlined their bodies, so
+    ``jax.grad`` dropped the user's rules (a clipped gradient came out 18x too large, a
+    NaN-safe norm NaN) and the remat (the gradient's memory as without it). A rule
+    around no quantized op is kept as it is; one around a quantized op, which would need
+    the float weights the codes do not hold, is refused naming it, and runs on the
+    simulated path or with its op kept float; ``jax.checkpoint`` stays in the gradient."""
+    k = jax.random.split(jax.random.key(0), 5)
+    d = 16
+    base = {"w1": jax.random.normal(k[0], (d, d)) * 0.3, "w2": jax.random.normal(k[1], (d, d)) * 0.3}
+    lora = {"a": jax.random.normal(k[2], (d, 4)) * 0.3, "b": jax.random.normal(k[3], (4, d)) * 0.3}
+    x = jax.random.normal(k[4], (8, d))
+    mask = (jnp.arange(8) % 2 == 0).astype(jnp.float32)[:, None]  # odd rows: a norm of 0
+    h = lambda lora, x: x + (x @ lora["a"]) @ lora["b"]
+    f_clip = lambda base, lora, x: _clipped_proj(h(lora, x), base["w1"]) @ base["w2"]
+    f_norm = lambda base, lora, x: _safe_norm(jnp.tanh(h(lora, x) @ base["w1"]) * mask) * (h(lora, x) @ base["w2"])
+    remat = jax.checkpoint(lambda w, z: jnp.tanh(z @ w), policy=jax.checkpoint_policies.nothing_saveable)
+    f_remat = lambda base, lora, x: remat(base["w2"], remat(base["w1"], h(lora, x)))
+    grads = {}
+    for name, f in (("clip", f_clip), ("norm", f_norm), ("remat", f_remat)):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), base, [(lora, x)], progress=False)
+        packed = jqt.pack(qp, base)
+        loss = lambda g: (lambda lo: jnp.sum(g(lo) ** 2))
+        g_int = jax.grad(loss(lambda lo: jqt.quantize(f, qp)(packed, lo, x)))
+        g_sim = jax.grad(loss(lambda lo: jqt.quantize(f, qp, simulate=True)(base, lo, x)))(lora)
+        if name == "clip":
+            with pytest.raises(TypeError, match=r"integer path of jqt.quantize cannot differentiate the "
+                               r"custom_vjp function .*its quantized ops: w1.*simulate=True"):
+                g_int(lora)
+            assert float(jnp.abs(g_sim["a"]).max()) < 2e-3  # the rule clipped it
+            keep = jqt.Recipe(rules=(jqt.Rule(key="^w1$", weight=None), *jqt.recipes.w8().rules))
+            qp = jqt.calibrate(f, keep, base, [(lora, x)], progress=False)
+            packed = jqt.pack(qp, base)
+            g_int = jax.grad(loss(lambda lo: jqt.quantize(f, qp)(packed, lo, x)))
+        grads[name] = g = g_int(lora)
+        assert all(bool(jnp.isfinite(v).all()) for v in jax.tree.leaves(g)), name
+        for n in ("a", "b"):
+            np.testing.assert_allclose(g[n], g_sim[n], rtol=0.05, atol=0.05 * float(jnp.abs(g_sim[n]).max()))
+        if name == "remat":
+            jx = jax.make_jaxpr(g_int)(lora)
+            assert any(e.primitive.name in ("checkpoint", "remat", "remat2") for e in all_eqns(jx))

@@ -226,20 +226,64 @@ def _inline(param):
     return rule
 
 
+def _integer_path(ctx) -> bool:
+    """The integer path: not differentiated w.r.t. its state (packed codes), but w.r.t.
+    the other inputs of f where its kernels allow (weight-only ops: QLoRA's adapters)."""
+    return not ctx.handler.differentiable and not ctx.handler.collects
+
+
 def _remat(eqn, invals, sub, ctx, evaluate):
+    kw = dict(prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+    j, c = closed_parts(eqn.params["jaxpr"])
+    run = _runner(ctx, j, c, sub.plans[0], evaluate)
+    if _integer_path(ctx):  # the state closed over (a LayerView is no array); it collects none
+        st = _state_for(sub, ctx)
+        return jax.checkpoint(lambda *a: run(st, *a)[0], **kw)(*invals)
     if not ctx.handler.differentiable:
         return _inline("jaxpr")(eqn, invals, sub, ctx, evaluate)
-    j, c = closed_parts(eqn.params["jaxpr"])
-    fn = jax.checkpoint(_runner(ctx, j, c, sub.plans[0], evaluate),
-                        prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
-    outs, state_out = fn(_state_for(sub, ctx), *invals)
+    outs, state_out = jax.checkpoint(run, **kw)(_state_for(sub, ctx), *invals)
     ctx.put_all(state_out)
     return outs
+
+
+def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
+    """A custom_jvp/custom_vjp function on the integer path: with no quantized op in its
+    body, the equation as it is (its own rule differentiates it); else its body inlined
+    on the codes, its inputs behind an identity whose derivative is refused, naming the
+    function: the user's rule takes the float weights, which packed params do not hold,
+    and differentiating the body instead drops the rule (a clipped or NaN-safe gradient)."""
+    qp = lambda e: e[0] if isinstance(e, tuple) else e
+    quantized = sorted(k for k in sub.keys if not getattr(qp(ctx.state_in.get(k)), "is_float", True))
+    if not quantized:
+        return compat.bind_eqn(eqn, invals)
+    body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
+    kind = eqn.primitive.name.removesuffix("_call")
+    msg = (f"jqt: the integer path of jqt.quantize cannot differentiate the {kind} function at "
+           f"'{compat.name_stack(eqn) or '<top>'}' (its body: {', '.join(body)}; its quantized "
+           f"ops: {', '.join(quantized)}): its derivative rule takes the float weights, "
+           "which the packed codes do not hold, and the body's own derivative would not be "
+           "the rule's. Differentiate the simulated path, jqt.quantize(f, qparams, "
+           "simulate=True), which runs the rule; or keep these ops float (a recipe rule, "
+           "weight=None).")
+
+    @jax.custom_jvp
+    def guard(*a):
+        return a
+
+    @guard.defjvp
+    def _(primals, tangents):
+        raise TypeError(msg)
+    nc = eqn.params.get("num_consts", 0) if kind == "custom_vjp" else 0
+    invals = _as_jax(invals)
+    guarded = invals[:nc] + list(guard(*invals[nc:]))
+    return _inline("call_jaxpr")(eqn, guarded, sub, ctx, evaluate)
 
 
 def _custom_jvp(eqn, invals, sub, ctx, evaluate):
     """Simulated path: quantized forward; tangents = the user's rule (w.r.t. the
     inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
+    if _integer_path(ctx):
+        return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate)
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
     j, c = closed_parts(eqn.params["call_jaxpr"])
@@ -267,6 +311,8 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
 def _custom_vjp(eqn, invals, sub, ctx, evaluate):
     """Simulated path: quantized forward; cotangents = the user's bwd rule (w.r.t.
     the inputs) + autodiff of the quantized body (w.r.t. the quantization state)."""
+    if _integer_path(ctx):
+        return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate)
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
     j, c = closed_parts(eqn.params["call_jaxpr"])

@@ -218,7 +218,8 @@ def takes_wide(site, eqn, ops, policy) -> bool:
         return False
     if site.op == "conv_general_dilated":
         in_ch = eqn.invars[1].aval.shape[eqn.params["dimension_numbers"].rhs_spec[1]]
-        return policy.int16_as_float and not patches.applies(eqn.params, in_ch, policy)
+        return policy.int16_as_float and not patches.applies(eqn.params, in_ch, policy,
+                                                             eqn.outvars[0].aval.shape)
     return DenseAxes.of(eqn.params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                         grouped=bool(wq.qtype.group_size)) is not None
 
@@ -245,7 +246,7 @@ def run(site, eqn, ops, policy):
     if site.op == "conv_general_dilated":
         x_op, w_op = operand_tuple(ops[0]), operand_tuple(to_operand(site, eqn, ops[1]))
         in_ch = w_op[0].shape[params["dimension_numbers"].rhs_spec[1]]
-        if x_op[1] is not None and patches.applies(params, in_ch, policy):
+        if x_op[1] is not None and patches.applies(params, in_ch, policy, out.shape):
             return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
         return conv(x_op, w_op, params, eqn, policy.conv_codes_as_float)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,

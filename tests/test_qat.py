@@ -683,3 +683,31 @@ def test_adapters_through_custom_rules_and_remat_on_the_integer_path():
         if name == "remat":
             jx = jax.make_jaxpr(g_int)(lora)
             assert any(e.primitive.name in ("checkpoint", "remat", "remat2") for e in all_eqns(jx))
+
+
+@jax.custom_jvp
+def _read_cache(kc, q):  # attention over a cache, with its own rule
+    return jax.nn.softmax(kc @ q) @ kc
+
+
+_read_cache.defjvp(lambda p, t: jax.jvp(lambda kc, q: jax.nn.softmax(kc @ q) @ kc, p, t))
+
+
+def test_a_custom_rule_reading_a_quantized_cache_runs_on_the_integer_path():
+    """A custom_jvp function with no quantized op of its own that reads a loop's quantized
+    cache: run as its own equation, the cache (a ``QArray``) was no JAX value and the
+    integer path crashed (the review of hunt58). Its body reads the cache as before."""
+    T, D = 6, 8
+
+    def f(p, xs):
+        def step(carry, x):
+            kc, pos = carry
+            kc = jax.lax.dynamic_update_slice(kc, (x @ p["wk"])[None], (pos, 0))
+            return (kc, pos + 1), _read_cache(kc, x) @ p["wo"]
+        return jax.lax.scan(step, (jnp.zeros((T, D)), 0), xs)[1]
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"wk": jax.random.normal(k[0], (D, D)) * 0.3, "wo": jax.random.normal(k[1], (D, D)) * 0.3}
+    xs = jax.random.normal(k[2], (T, D))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(kv_cache=True), p, [(xs,)], progress=False)
+    y = jqt.quantize(f, qp)(jqt.pack(qp, p), xs)
+    np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, xs), atol=1e-5)

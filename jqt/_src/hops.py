@@ -255,6 +255,10 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
     qp = lambda e: e[0] if isinstance(e, tuple) else e
     quantized = sorted(k for k in sub.keys if not getattr(qp(ctx.state_in.get(k)), "is_float", True))
     if not quantized:
+        if any(kvcache.is_cache(v) or isinstance(v, LayerView) for v in invals):
+            # a quantized cache (or a layer of packed weights) it reads: the body interprets
+            # it, as before (JAX's equation takes arrays only)
+            return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
         return compat.bind_eqn(eqn, invals)
     body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
     kind = eqn.primitive.name.removesuffix("_call")

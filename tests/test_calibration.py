@@ -1376,3 +1376,24 @@ def test_a_loader_that_refills_one_buffer_calibrates_as_a_list():
     want = float(jqt.calibrate(f, r, p, [(d,) for d in data], progress=False)["w"].lhs.scale)
     for _ in range(4):  # the race went either way: 2 runs in 3 lost the large batch
         assert float(jqt.calibrate(f, r, p, loader(), progress=False)["w"].lhs.scale) == want
+    # jqt.fallback listed the generator (one buffer, N times: every batch the last one) and
+    # jqt.gptq read a dataset refilling one buffer as calibrate did (the review of hunt58)
+    res = jqt.fallback(f, r, p, loader(), lambda g: 0.0, max_drop=1.0)
+    assert float(res.qparams["w"].lhs.scale) == want
+
+    class Refilled:  # a dataset whose items are one buffer it refills
+        buf = np.empty((512, 256), np.float32)
+
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            if i >= len(data):
+                raise IndexError(i)
+            self.buf[...] = data[i]
+            return (self.buf,)
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=64), p, [(d,) for d in data], progress=False)
+    want = jqt.gptq(f, qp, p, [(d,) for d in data], progress=False)
+    for _ in range(3):
+        got = jqt.gptq(f, qp, p, Refilled(), progress=False)
+        np.testing.assert_array_equal(got["w"], want["w"])

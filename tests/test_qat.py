@@ -711,3 +711,62 @@ def test_a_custom_rule_reading_a_quantized_cache_runs_on_the_integer_path():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(kv_cache=True), p, [(xs,)], progress=False)
     y = jqt.quantize(f, qp)(jqt.pack(qp, p), xs)
     np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(p, xs), atol=1e-5)
+
+
+@jax.custom_vjp
+def _clipped_read(kc, q):  # attention over a cache whose rule clips the query's gradient
+    return jax.nn.softmax(kc @ q) @ kc
+
+
+def _clipped_read_bwd(res, ct):
+    dkc, dq = jax.vjp(lambda kc, q: jax.nn.softmax(kc @ q) @ kc, *res)[1](ct)
+    return dkc, jnp.clip(dq, -1e-4, 1e-4)
+
+
+_clipped_read.defvjp(lambda kc, q: (_clipped_read(kc, q), (kc, q)), _clipped_read_bwd)
+
+
+@jax.custom_vjp
+def _scaled_by_grid(h, ts):
+    return jnp.tanh(h) * ts.sum()
+
+
+def _scaled_by_grid_bwd(res, ct):
+    h, ts = res
+    s = jax.lax.fori_loop(0, ts.shape[0], lambda i, acc: acc + ts[i], 0.0)  # ts[i], i traced
+    return ct * (1 - jnp.tanh(h) ** 2) * s, None
+
+
+_scaled_by_grid.defvjp(lambda h, ts: (_scaled_by_grid(h, ts), (h, ts)), _scaled_by_grid_bwd)
+
+
+def test_custom_rules_without_quantized_ops_read_caches_and_constants_on_the_integer_path():
+    """The review of hunt58: a custom_vjp with no quantized op reading a loop's quantized
+    cache was interpreted, so ``jax.grad`` dropped its rule (9.99 where float and simulated
+    give 5.8e-4, silently); one whose backward indexes f's NumPy constant (``odeint``'s
+    time grid) with a traced index crashed on both paths (TracerArrayConversionError).
+    The cache is decoded and the NumPy constants made JAX arrays for the rule."""
+    T, D = 6, 8
+    k = jax.random.split(jax.random.key(0), 5)
+    p = {n: jax.random.normal(kk, (D, D)) * 0.3 for n, kk in zip(("wk", "wq", "wo"), k[:3])}
+    xs, lora = jax.random.normal(k[3], (T, D)), jnp.full((D, D), 0.01)
+
+    def f(p, lora, xs):
+        def step(carry, x):
+            kc, pos = carry
+            kc = jax.lax.dynamic_update_slice(kc, (x @ p["wk"])[None], (pos, 0))
+            return (kc, pos + 1), _clipped_read(kc, x @ p["wq"] + x @ lora) @ p["wo"]
+        return jax.lax.scan(step, (jnp.zeros((T, D)), 0), xs)[1]
+    qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=True), p, [(lora, xs)], progress=False)
+    loss = lambda g: (lambda lo: jnp.sum(g(lo) ** 2))
+    g_int = jax.grad(loss(lambda lo: jqt.quantize(f, qp)(jqt.pack(qp, p), lo, xs)))(lora)
+    g_sim = jax.grad(loss(lambda lo: jqt.quantize(f, qp, simulate=True)(p, lo, xs)))(lora)
+    assert float(jnp.abs(g_sim).max()) < 1e-3
+    np.testing.assert_allclose(g_int, g_sim, atol=1e-5)
+    ts = np.linspace(0.0, 1.0, 4)
+    w = {"w": p["wo"]}
+    for g in (lambda p, x: _scaled_by_grid(x, ts) @ p["w"], lambda p, x: jax.jit(_scaled_by_grid)(x, ts) @ p["w"]):
+        qp = jqt.calibrate(g, jqt.recipes.w8(), w, [(xs,)], progress=False)
+        d_int = jax.grad(lambda x: jnp.sum(jqt.quantize(g, qp)(jqt.pack(qp, w), x)))(xs)
+        d_sim = jax.grad(lambda x: jnp.sum(jqt.quantize(g, qp, simulate=True)(w, x)))(xs)
+        np.testing.assert_allclose(d_int, d_sim, atol=1e-5)

@@ -299,20 +299,6 @@ def _reshard(mesh, trees, specs):
 _accumulate = jax.jit(stats_lib.accumulate_all)
 
 
-def _owned(batch):
-    """``batch`` with each writeable NumPy array copied: JAX on CPU may read such an array
-    in place after the step is dispatched (asynchronously), and a loader that refills one
-    buffer for the next batch then changes what this batch's step sees (jax-ml/jax#37830).
-
-    >>> buf = np.zeros(2, np.float32)
-    >>> (out,) = _owned((buf,))
-    >>> buf[0] = 1.0; float(out[0])
-    0.0
-    """
-    own = lambda a: np.array(a) if isinstance(a, np.ndarray) and a.flags.writeable else a
-    return jax.tree_util.tree_map(own, batch)
-
-
 def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, transformed=None):
     try:
         total = len(batches)
@@ -333,7 +319,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     for i, batch in enumerate(bar):
         tree = check_batch(i, batch, tree)
         last["batch"] = i  # for the errors raised while tracing its step
-        marked = tracing.mark_static(_owned(tuple(batch)))
+        marked = tracing.mark_static(tracing.owned(tuple(batch)))
         static = jax.tree_util.tree_structure(marked)  # holds the static values
         observe = not weights_seen or static not in statics or ("computed" if computes else False)
         try:

@@ -477,7 +477,7 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
         acc = None
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
         for batch in batches:
-            out = jstep(marked, tracing.mark_static(tuple(batch)), flags)
+            out = jstep(marked, tracing.mark_static(tracing.owned(tuple(batch))), flags)
             out = {k: out[k] for k in group}
             acc = out if acc is None else jax.tree_util.tree_map(jnp.add, *compat.together(acc, out))
         for key in group:

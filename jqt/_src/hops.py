@@ -255,11 +255,14 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
     qp = lambda e: e[0] if isinstance(e, tuple) else e
     quantized = sorted(k for k in sub.keys if not getattr(qp(ctx.state_in.get(k)), "is_float", True))
     if not quantized:
-        if any(kvcache.is_cache(v) or isinstance(v, LayerView) for v in invals):
-            # a quantized cache (or a layer of packed weights) it reads: the body interprets
-            # it, as before (JAX's equation takes arrays only)
+        if any(isinstance(v, LayerView) for v in invals):
+            # a layer of packed weights it reads: the body interprets it, as before (JAX's
+            # equation takes arrays only)
             return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
-        return compat.bind_eqn(eqn, invals)
+        # a quantized cache it reads, decoded (a gradient reaching the cache's write is
+        # refused, naming it); NumPy constants as JAX arrays, for the rule
+        with user_rule(eqn):
+            return compat.bind_eqn(eqn, as_jax(kvcache.materialize(invals, eqn.invars)))
     body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
     kind = eqn.primitive.name.removesuffix("_call")
     msg = (f"jqt: the integer path of jqt.quantize cannot differentiate the {kind} function at "
@@ -278,7 +281,7 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
     def _(primals, tangents):
         raise TypeError(msg)
     nc = eqn.params.get("num_consts", 0) if kind == "custom_vjp" else 0
-    invals = _as_jax(invals)
+    invals = as_jax(invals)
     guarded = invals[:nc] + list(guard(*invals[nc:]))
     return _inline("call_jaxpr")(eqn, guarded, sub, ctx, evaluate)
 
@@ -294,7 +297,7 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     fwd = lambda st, *a: run(st, *a)[0]
     g = jax.custom_jvp(fwd)
-    invals = _as_jax(invals)
+    invals = as_jax(invals)
 
     def g_jvp(primals, tangents):
         st, *args = primals
@@ -324,7 +327,7 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
     # The values the function closes over (num_consts) are not differentiated, as JAX's own
     # custom_vjp does not; differentiating them raised "with respect to a closed-over value".
     nc = eqn.params.get("num_consts", 0)
-    invals = _as_jax(invals)
+    invals = as_jax(invals)
     consts, invals = tuple(invals[:nc]), invals[nc:]
     fwd_fn = lambda st, *a: run(st, *consts, *a)[0]
     g = jax.custom_vjp(fwd_fn)
@@ -356,14 +359,14 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
     return g(_state_for(sub, ctx), *invals)
 
 
-def _as_jax(invals) -> list:
+def as_jax(invals) -> list:
     """A custom_jvp/custom_vjp function's inputs with NumPy arrays made JAX arrays: an
     array constant of ``f`` (a time grid written in ``f``) reaches the interpreter as the
     jaxpr's NumPy constant, where the ``jax.jit`` jqt inlined (``odeint`` wraps its
     custom_vjp in one) gave the rule a JAX array; the user's rule then indexes it with a
     traced index (``odeint``'s backward pass, ``ts[i]``), which NumPy cannot.
 
-    >>> [type(v).__name__ for v in _as_jax([np.zeros(2), 1.0])]
+    >>> [type(v).__name__ for v in as_jax([np.zeros(2), 1.0])]
     ['ArrayImpl', 'float']
     """
     return [jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v for v in invals]

@@ -137,6 +137,20 @@ def is_static(leaf) -> bool:
     return not (isinstance(leaf, (np.ndarray, np.generic)) and _jax_dtype(leaf.dtype))
 
 
+def owned(batch):
+    """``batch`` with each writeable NumPy array copied: JAX on CPU may read such an array
+    in place after the step is dispatched (asynchronously), and a loader that refills one
+    buffer for the next batch then changes what this batch's step sees (jax-ml/jax#37830).
+
+    >>> buf = np.zeros(2, np.float32)
+    >>> (out,) = owned((buf,))
+    >>> buf[0] = 1.0; float(out[0])
+    0.0
+    """
+    own = lambda a: np.array(a) if isinstance(a, np.ndarray) and a.flags.writeable else a
+    return jax.tree_util.tree_map(own, batch)
+
+
 def mark_static(tree):
     """``tree`` with its static leaves wrapped in :class:`Static` (idempotent)."""
     return jax.tree_util.tree_map(lambda x: Static(x) if is_static(x) else x, tree,

@@ -387,7 +387,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                         "jqt.Recipe such as jqt.recipes.w8a8() (a rule for the ops kept back "
                         "goes to to=).")
     check_batches(batches, "jqt.fallback")
-    batches = list(batches)
+    # a list or tuple as it is; from a generator or a dataset (whose items may be one buffer
+    # it refills), each batch copied as it comes
+    batches = list(batches) if isinstance(batches, (list, tuple)) else [tracing.owned(b) for b in batches]
     if batches:
         check_batch(0, batches[0], None, "jqt.fallback")
     once = _Once()  # calibrate's warnings, shown; the trials' copies of them are not

@@ -1325,3 +1325,20 @@ def test_a_cache_writes_sqnr_alone_is_its_vectors_not_lifted_by_the_buffer():
         err = jnp.clip(jnp.round(k / s), -127, 127) * s - k
         own = 10 * np.log10(float(jnp.sum(k ** 2) / jnp.sum(err ** 2)))
         assert abs(row.sqnr_isolated - own) < 0.1, (t, row.sqnr_isolated, own)
+
+
+def test_fallback_and_sensitivity_take_a_bfloat16_metric():
+    """A loss written as ``jnp.mean`` on a bfloat16 model returns a bfloat16 scalar, which
+    was refused as "not one number ... reduce an array with jnp.mean" (NumPy does not count
+    ml_dtypes' bfloat16 as a number; hunt58_fallback). It is one number."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": (jax.random.normal(k[0], (16, 8)) * 0.3).astype(jnp.bfloat16)}
+    x = jax.random.normal(k[1], (32, 16)).astype(jnp.bfloat16)
+    f = lambda p, x: jnp.tanh(x @ p["w"])
+    y = f(p, x)
+    loss = lambda g: jnp.mean((g(p, x) - y) ** 2)
+    assert loss(f).dtype == jnp.bfloat16
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], loss, max_drop=1.0, higher_is_better=False)
+    assert res.met and res.kept == ()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert len(jqt.sensitivity(f, qp, loss, higher_is_better=False).rows) == 1

@@ -14,6 +14,7 @@ import math
 import re
 from typing import Callable, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from . import diagnostics
@@ -71,7 +72,7 @@ def _value(metric, g, fn, what, sign=None):
             a = np.asarray(float(v))
         except (TypeError, ValueError):
             pass
-    if a is None or a.size != 1 or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+    if a is None or a.size != 1 or not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == bool):  # bfloat16 too
         got = (f"an array of shape {a.shape} and dtype {a.dtype}" if a is not None and a.ndim
                else repr(v)[:40])
         raise TypeError(f"{fn}: metric returned {got} for {what}; it must "
@@ -470,13 +471,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         allf = {k: _as_float(p, "") for k, p in qp.items()}
         drop = {}
         for k in ranked[:max(0, max_trials - 2)]:
-            drop[k] = sign * (m_float - score({**allf, k: qp[k]}))
-            trials.append(((f"quantized alone: {k}",), m_float - sign * drop[k]))
+            v = score({**allf, k: qp[k]})
+            drop[k] = sign * (m_float - v)
+            trials.append(((f"quantized alone: {k}",), v))
         if len(drop) < len(ranked):
             diagnostics.warn(
                 f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
                 f"{len(drop)} of the {len(ranked)} quantized ops (one trial each, after the "
-                "all-quantized one); the others, unmeasured, rank after those measured to lower "
+                "all-quantized one); the others, unmeasured, rank after those measured to worsen "
                 "the metric and before those measured not to, and the search "
                 f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="
                 f"{len(ranked) + 2 + max(1, len(ranked)).bit_length()} or more, or rank='report' "

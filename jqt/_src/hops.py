@@ -259,10 +259,8 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
             # a layer of packed weights it reads: the body interprets it, as before (JAX's
             # equation takes arrays only)
             return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
-        # a quantized cache it reads, decoded (a gradient reaching the cache's write is
-        # refused, naming it); NumPy constants as JAX arrays, for the rule
-        with user_rule(eqn):
-            return compat.bind_eqn(eqn, as_jax(kvcache.materialize(invals, eqn.invars)))
+        return bind_as_is(eqn, invals)  # its rule runs (a gradient reaching a cache's write
+        # is refused, naming the cache)
     body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
     kind = eqn.primitive.name.removesuffix("_call")
     msg = (f"jqt: the integer path of jqt.quantize cannot differentiate the {kind} function at "
@@ -357,6 +355,18 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
 
     g.defvjp(g_fwd, g_bwd, symbolic_zeros=True)
     return g(_state_for(sub, ctx), *invals)
+
+
+def bind_as_is(eqn, invals) -> list:
+    """``eqn`` bound as it is, on ``invals``: a quantized cache it reads decoded to its
+    float buffer; for a custom_jvp/custom_vjp call, NumPy constants made JAX arrays
+    (:func:`as_jax`) and its own rule run under :func:`user_rule`."""
+    if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
+        invals = kvcache.materialize(invals, eqn.invars)
+    if eqn.primitive.name in CUSTOM_RULES:  # f's NumPy constants, which its rule may index
+        invals = as_jax(invals)  # with a traced index
+    with user_rule(eqn):  # a custom_jvp/vjp's own rule, under a transformation
+        return compat.bind_eqn(eqn, invals)
 
 
 def as_jax(invals) -> list:

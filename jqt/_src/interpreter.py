@@ -26,7 +26,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from . import compat, kvcache
-from .hops import CUSTOM_RULES, HIGHER_ORDER, as_jax, user_rule
+from .hops import HIGHER_ORDER, bind_as_is
 from .layerview import LayerView
 
 
@@ -83,12 +83,7 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
             outs = kvcache.select(eqn, invals, plan.cache_selects[i])  # whole vectors of the
             # same cache, or zero vectors
         else:
-            if any(kvcache.is_cache(x) for x in invals):  # a quantized cache read as a float
-                invals = kvcache.materialize(invals, eqn.invars)
-            if eqn.primitive.name in CUSTOM_RULES:  # f's NumPy constants, which its rule may
-                invals = as_jax(invals)  # index with a traced index
-            with user_rule(eqn):  # a custom_jvp/vjp's own rule, under a transformation
-                outs = compat.bind_eqn(eqn, invals)
+            outs = bind_as_is(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
             if not compat.is_dropvar(v):
                 env[v] = x

@@ -884,3 +884,20 @@ def test_int8_conv_in_other_layouts_runs_as_exact_float_convs_of_its_codes(spec)
         np.testing.assert_array_equal(outs[0], outs[1])
         ys = jqt.quantize(f, qp, simulate=True)(w, x)
         np.testing.assert_allclose(outs[0], ys, atol=1e-4 * float(jnp.abs(ys).max()))
+
+
+@pytest.mark.parametrize("stride,pad,length", [(2, "SAME", 0), (1, "VALID", 1), (2, "VALID", 2)])
+def test_a_conv_of_few_channels_runs_to_an_empty_output(stride, pad, length):
+    """A convolution of few input channels (the patch matmul on CPU) whose output has a
+    spatial axis of length 0 (a sequence of length 0, one shorter than the kernel) crashed
+    in JAX's slice ("limit_indices must be nonnegative"), where supported-ops.md says it
+    runs to the empty output, as the float function and a 16-channel one do
+    (hunt58_convexport)."""
+    f = lambda p, x: jax.lax.conv_general_dilated(x, p["w"], (stride,), pad,
+                                                  dimension_numbers=("NWC", "WIO", "NWC"))
+    p = {"w": jax.random.normal(jax.random.key(0), (3, 4, 8)) * 0.3}
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w8a16()):
+        qp = jqt.calibrate(f, recipe, p, [(jax.random.normal(jax.random.key(1), (2, 10, 4)),)], progress=False)
+        x = jnp.ones((2, length, 4))
+        y = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
+        assert y.shape == f(p, x).shape == (2, 0, 8)

@@ -23,10 +23,11 @@ _F32 = jnp.float32
 def applies(params, in_channels, policy, out_shape) -> bool:
     """Whether ``policy`` runs this convolution as a patch matmul (output ``out_shape``):
     not where a dimension is symbolic (``jax.export``), whose slices' limits JAX cannot
-    compare with their starts (the convolution takes them as they are)."""
+    compare with their starts, or empty (a sequence of length 0, an image smaller than the
+    kernel), whose slices' limits are out of range (the convolution takes both)."""
     return (in_channels < policy.conv_patches_below and params["feature_group_count"] == 1
             and params["batch_group_count"] == 1 and all(d == 1 for d in params["lhs_dilation"])
-            and all(isinstance(d, (int, np.integer)) for d in out_shape))
+            and all(isinstance(d, (int, np.integer)) and d > 0 for d in out_shape))
 
 
 def _pad_input(x, zx, padding):

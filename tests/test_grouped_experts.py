@@ -666,6 +666,19 @@ def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():
         jqt.report(ragged, qp, P, (X_RAGGED,))
     except NotImplementedError as e:  # where this JAX cannot batch ragged_dot over the lanes
         assert "jqt.report runs f on two lanes" in str(e) and "simulate=True" in str(e)
+        # jqt.fallback, which ranks by jqt.report, says to rank by trials, not to compare
+        # qparams the user does not hold (hunt58_fallback); that ranking runs
+        ref = ragged(P, X_RAGGED)
+        err = lambda g: float(jnp.abs(g(P, X_RAGGED) - ref).max())
+        with pytest.raises(NotImplementedError, match="jqt.fallback") as got:
+            jqt.fallback(ragged, jqt.recipes.w8a8(), P, [(X_RAGGED,)], err, max_drop=0.0,
+                         higher_is_better=False)
+        assert "qparams" not in str(got.value) and "Pass rank='sensitivity'" in str(got.value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a budget of 0 may not be met)
+            res = jqt.fallback(ragged, jqt.recipes.w8a8(), P, [(X_RAGGED,)], err, max_drop=0.0,
+                               higher_is_better=False, rank="sensitivity")
+        assert res.trials
 
 
 def test_experts_gathered_per_token_are_named():

@@ -232,9 +232,10 @@ class FallbackResult:
       met: whether the metric is within ``max_drop`` of float.
       float_metric, quantized_metric, metric: float, before the fallback, after.
       trials: ``(kept keys, metric)`` for every trial run, the first with every op
-        quantized (none kept); with ``rank="sensitivity"`` the ranking trials follow it,
-        as ``(("quantized alone: KEY",), metric)``: that op quantized and every other
-        float. A metric of NaN (quantization made a NaN) fails the budget.
+        quantized (none kept); with ``rank="sensitivity"`` the ranking trials follow it:
+        an op quantized and every other float, as the choice it is (every other op
+        kept) with ``to=None``, else as ``(("quantized alone: KEY",), metric)``. A
+        metric of NaN (quantization made a NaN) fails the budget.
 
     >>> import jqt
     >>> r = jqt.FallbackResult(recipe=jqt.recipes.w8a8(), qparams={}, kept=("b",), met=True,
@@ -268,6 +269,20 @@ def _rank_by_report(f, qparams, params, batch, weight_argnums):
             worst[row.key] = min(worst.get(row.key, math.inf), row.sqnr_isolated)
     keys = _quantized_keys(qparams)
     return sorted(keys, key=lambda k: worst.get(k, math.inf))
+
+
+def _sensitivity_order(drop, k):
+    """The sort key of op ``k`` for rank='sensitivity', ``drop`` its drop quantized alone
+    where measured: a NaN drop (the op alone made a NaN) first, then the ops measured
+    harmful (largest drop first), then the unmeasured ones (which may be), then those
+    measured harmless (a drop of 0 or less: ranked ahead of the unmeasured, they would
+    fill the prefix the search keeps)."""
+    if k not in drop:
+        return (2, 0.0)
+    d = drop[k]
+    if math.isnan(d):
+        return (0, 0.0)
+    return (1, -d) if d > 0 else (3, -d)
 
 
 def _search(ranked, trial, ok, max_trials, trials, all_back_score, seen):
@@ -457,47 +472,60 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     def trial(kept):
         if frozenset(kept) in seen:  # the pruning pass may revisit a choice
             return seen[frozenset(kept)]
-        v = score({**qp, **{k: alt[k] for k in kept}})
+        try:
+            v = score({**qp, **{k: alt[k] for k in kept}})
+        except ValueError as e:  # an op kept back at to='s types that quantize refuses:
+            # its advice ("keep it float (a recipe rule)") is about to=, not the recipe
+            at = [k for k in kept if str(e).startswith(f"jqt.quantize: op '{k}':")]
+            if to is None or not at:
+                raise
+            raise ValueError(f"jqt.fallback: op '{at[0]}' kept back at to='s types cannot be "
+                             f"quantized: {e} Here that rule is fallback's to=: give to= types "
+                             "this op can take (weight-only: activation=None), or pass to=None "
+                             "to keep the ops it keeps back float.") from None
         trials.append((tuple(kept), v))
         seen[frozenset(kept)] = v
         return v
 
     ok = lambda v: sign * (m_float - v) <= max_drop
     m_q = trial(())
+    drop = {}  # rank='sensitivity': each op's drop quantized alone
     ranked = candidates
     if ok(m_q):
         pass  # every op quantized meets the budget: nothing to rank, nothing kept back
     elif rank == "sensitivity":
-        allf = {k: _as_float(p, "") for k, p in qp.items()}
-        drop = {}
-        for k in ranked[:max(0, max_trials - 2)]:
-            v = score({**allf, k: qp[k]})
-            drop[k] = sign * (m_float - v)
-            trials.append(((f"quantized alone: {k}",), v))
-        if len(drop) < len(ranked):
-            diagnostics.warn(
-                f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
-                f"{len(drop)} of the {len(ranked)} quantized ops (one trial each, after the "
-                "all-quantized one); the others, unmeasured, rank after those measured to worsen "
-                "the metric and before those measured not to, and the search "
-                f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="
-                f"{len(ranked) + 2 + max(1, len(ranked)).bit_length()} or more, or rank='report' "
-                "(which ranks every op in one jqt.report pass).")
-        # a NaN drop (the op alone made a NaN) ranks first, then the ops measured harmful,
-        # then the unmeasured ones (which may be), then those measured harmless (a drop of
-        # 0 or less: ranked ahead of the unmeasured, they filled the prefix the search kept)
-        ranked = sorted(ranked, key=lambda k: (
-            (-3, 0.0) if math.isnan(drop.get(k, 0.0)) else (-2, -drop[k]) if drop.get(k, 0.0) > 0
-            else (-1, 0.0) if k not in drop else (0, -drop[k])))
+        if len(ranked) > 1:  # (one op: nothing to order)
+            allf = {k: _as_float(p, "") for k, p in qp.items()}
+            for k in ranked[:max(0, max_trials - 2)]:
+                if to is None:  # k alone quantized is every other candidate kept float: a
+                    # choice of the search's too, so the search and pruning reuse this trial
+                    v = trial(tuple(c for c in ranked if c != k))
+                else:
+                    v = score({**allf, k: qp[k]})
+                    trials.append(((f"quantized alone: {k}",), v))
+                drop[k] = sign * (m_float - v)
+            if len(drop) < len(ranked):
+                n = len(ranked)
+                diagnostics.warn(
+                    f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
+                    f"{len(drop)} of the {n} quantized ops (one trial each, after the "
+                    "all-quantized one); the others, unmeasured, rank after those measured to worsen "
+                    "the metric and before those measured not to, and the search "
+                    f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="
+                    f"{2 * n + n.bit_length() + (0 if to is None else 2)} or more (enough to rank, "
+                    "search and prune), or rank='report' (which ranks every op in one jqt.report pass).")
+            ranked = sorted(ranked, key=lambda k: _sensitivity_order(drop, k))
     else:
         try:
             with once():
                 ranked = [k for k in _rank_by_report(f, qp, params, batches[0], weight_argnums)
                           if k in candidates]
-        except NotImplementedError as e:
+        except NotImplementedError as e:  # (report's own advice, to compare the qparams
+            # it was given with f, is not the user's to follow here: fallback made them)
+            why = str(e).split(" Compare jqt.quantize(f, qparams")[0]
             raise NotImplementedError(f"jqt.fallback(rank='report') ranks the ops by jqt.report, which "
-                                      f"cannot run this f: {e} Pass rank='sensitivity', which ranks them "
-                                      "by trials instead.") from None
+                                      f"cannot run this f: {why} Pass rank='sensitivity', which ranks "
+                                      "them by trials instead.") from None
     best = ((), m_q)  # the best-scoring choice seen; the answer when the budget is met
     narrowed = True
     if not ok(m_q):
@@ -505,12 +533,16 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                                   m_float if to is None else None, seen)
         best = tuple(best)
         if ok(best[1]):  # prune: an op of the prefix may not be needed
+            # (an op whose drop quantized alone exceeds the budget is not tried again)
+            needed = lambda j: math.isnan(drop.get(j, 0.0)) or drop.get(j, 0.0) > max_drop
             for k in reversed(best[0]):
                 if len(best[0]) <= 1:
                     break
+                if needed(k):
+                    continue
                 if len(trials) >= max_trials:  # ops of the prefix untried alone: say so
                     narrowed = narrowed and all(frozenset(c for c in best[0] if c != j) in seen
-                                                for j in best[0])
+                                                or needed(j) for j in best[0])
                     break
                 cand = tuple(c for c in best[0] if c != k)
                 v = trial(cand)

@@ -840,7 +840,8 @@ def test_custom_rules_closing_over_values():
     qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     sim = jqt.quantize(g, qp, simulate=True)
     assert jnp.all(jnp.isfinite(sim(p, x)))  # the forward pass runs
-    with pytest.raises(TypeError, match=r"derivative rule of a custom_jvp function at '<top>' "
+    with pytest.raises(TypeError, match=r"derivative rule of a custom_jvp function 'softclip' \(defined at "
+                       r".*test_composition.py:\d+\), at '<top>' "
                        r"\(its body: div, mul, tanh\).*nondiff_argnums.*regular argument"):
         jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
 
@@ -877,7 +878,8 @@ def test_custom_vjp_around_a_while_loop():
     g = jax.grad(lambda t: loss(*jqt.qat.merge(t, frozen)[:1], x, jqt.qat.merge(t, frozen)[1]))(trainable)
     assert _rel(g[0]["w"], gw["w"]) < 1e-5
     with pytest.raises(TypeError, match=r"qparams of the quantized ops inside the custom_vjp "
-                                        r"function at '<top>' cannot be differentiated.*while_loop"
+                                        r"function 'loop' \(defined at .*\), at '<top>' cannot be "
+                                        r"differentiated.*while_loop"
                                         r".*train='weights'"):
         jax.grad(lambda q: loss(p, x, q))(qp)
     assert sim(p, x).shape == (6, 8)

@@ -669,7 +669,8 @@ def test_adapters_through_custom_rules_and_remat_on_the_integer_path():
         g_sim = jax.grad(loss(lambda lo: jqt.quantize(f, qp, simulate=True)(base, lo, x)))(lora)
         if name == "clip":
             with pytest.raises(TypeError, match=r"integer path of jqt.quantize cannot differentiate the "
-                               r"custom_vjp function .*its quantized ops: w1.*simulate=True"):
+                               r"custom_vjp function '_clipped_proj' \(defined at .*test_qat.py:\d+\), at "
+                               r"'<top>' .*its quantized ops: w1.*simulate=True"):
                 g_int(lora)
             assert float(jnp.abs(g_sim["a"]).max()) < 2e-3  # the rule clipped it
             keep = jqt.Recipe(rules=(jqt.Rule(key="^w1$", weight=None), *jqt.recipes.w8().rules))

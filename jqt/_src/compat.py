@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -481,6 +482,18 @@ def scan_counts(eqn) -> tuple[int, int]:
 
 def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
+
+
+def where_called(eqn) -> str:
+    """Names a call equation (a custom_jvp/custom_vjp function) for an error message:
+    ``'clip' (defined at model.py:12), at 'Block_0'``, from the traced function's source
+    (not when a wrapper of JAX's or a framework's traced it: Flax's ``nn.custom_vjp``),
+    and the name scope it ran in (``'<top>'`` for none)."""
+    info = getattr(eqn.params["call_jaxpr"].jaxpr, "debug_info", None)
+    src = getattr(info, "func_src_info", None) or ""
+    name, _, at = src.partition(" at ")
+    own = name and at and not any(f"{os.sep}{lib}{os.sep}" in at for lib in ("jax", "flax", "equinox"))
+    return (f"'{name}' (defined at {at}), " if own else "") + f"at '{name_stack(eqn) or '<top>'}'"
 
 
 def is_literal(v) -> bool:

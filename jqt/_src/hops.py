@@ -263,8 +263,8 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
         # is refused, naming the cache)
     body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
     kind = eqn.primitive.name.removesuffix("_call")
-    msg = (f"jqt: the integer path of jqt.quantize cannot differentiate the {kind} function at "
-           f"'{compat.name_stack(eqn) or '<top>'}' (its body: {', '.join(body)}; its quantized "
+    msg = (f"jqt: the integer path of jqt.quantize cannot differentiate the {kind} function "
+           f"{compat.where_called(eqn)} (its body: {', '.join(body)}; its quantized "
            f"ops: {', '.join(quantized)}): its derivative rule takes the float weights, "
            "which the packed codes do not hold, and the body's own derivative would not be "
            "the rule's. Differentiate the simulated path, jqt.quantize(f, qparams, "
@@ -393,8 +393,8 @@ def body_transpose(eqn):
         if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
             raise
         raise TypeError(
-            f"jqt: the qparams of the quantized ops inside the custom_vjp function at "
-            f"'{compat.name_stack(eqn) or '<top>'}' cannot be differentiated: its body runs a "
+            f"jqt: the qparams of the quantized ops inside the custom_vjp function "
+            f"{compat.where_called(eqn)} cannot be differentiated: its body runs a "
             "lax.while_loop (Equinox's checkpointed while_loop, diffrax's adjoint), which JAX "
             "cannot differentiate in reverse mode, and the function's own bwd rule covers its "
             "inputs, not jqt's scales. Differentiate the weights and inputs only, with the "
@@ -419,7 +419,7 @@ def user_rule(eqn):
         body = sorted({q.primitive.name for q in eqn.params["call_jaxpr"].jaxpr.eqns})
         raise TypeError(
             f"jqt: the derivative rule of a {eqn.primitive.name.removesuffix('_call')} function "
-            f"at '{compat.name_stack(eqn) or '<top>'}' (its body: {', '.join(body) or 'no ops'}) "
+            f"{compat.where_called(eqn)} (its body: {', '.join(body) or 'no ops'}) "
             "uses a value it captured when jqt traced f, through nondiff_argnums or a closure "
             "(over a parameter of f, or any array f computes). Differentiating "
             "the simulated path runs f's jaxpr again, and JAX cannot run such a rule outside the "

@@ -265,6 +265,17 @@ def varying_axes(x) -> tuple:
         return ()
 
 
+def manual_axes() -> dict:
+    """The manual mesh axes where this traces (inside ``jax.shard_map``) and their
+    sizes: with ``check_vma=False`` no value's type says which of them it varies over.
+
+    >>> manual_axes()
+    {}
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return {n: mesh.shape[n] for n in getattr(mesh, "manual_axes", ())}
+
+
 def vary_like(x, like):
     """``x`` typed as varying over every manual mesh axis ``like`` (an array, or the
     ``jax.ShapeDtypeStruct`` ``jax.eval_shape`` gives for one) varies over, inside

@@ -333,7 +333,7 @@ def lookup(ctx, site, invals):
                             ) if i == site.weight_operand and site.source is None else ""
                 got = tuple(jnp.shape(a))
                 stacked = stacked_hint(got[0]) if len(got) == len(want) + 1 and got[1:] == want else ""
-                split = _split_block(site, a, "its qparams")
+                split = _split_block(site, a, "its qparams", got, want)
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {got}, but the operand {tuple(invals[i].shape)} "
@@ -353,7 +353,8 @@ def lookup(ctx, site, invals):
         want = _packed_shape(site, invals, packed)
         if values_shape(packed) != want:
             as_packed = f" (packed: {want})" if want != tuple(invals[w].shape) else ""
-            split = _split_block(site, packed.values, "the packed weights")
+            split = _split_block(site, packed.values, "the packed weights", packed.values.shape,
+                                 want)
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}{as_packed}. "
@@ -413,17 +414,28 @@ def _scanned(site) -> bool:
     return any(c[0] == "scan_slice" for c in site.source.chain)
 
 
-def _split_block(site, a, what) -> str:
+def _split_block(site, a, what, got, want) -> str:
     """The cause where ``a`` is a block of a value ``jax.shard_map``'s ``in_specs`` split
     (its type varies over manual mesh axes) and not one jqt split itself (a ``shard_map``
     inside ``f``, whose split is in the weight's chain): the quantized function reads
     weights whole."""
     axes = compat.varying_axes(a)
     own = site.source is not None and any(c[0] == "shard_split" and c[1] for c in site.source.chain)
-    if not axes or own:
+    if own:
         return ""
-    return (f"This op runs inside jax.shard_map and {what} reach it split over mesh axis "
-            f"{', '.join(map(repr, axes))} (a block per device: in_specs from "
+    if axes:
+        how = f"{what} reach it split over mesh axis {', '.join(map(repr, axes))}"
+    else:  # check_vma=False: no type says what varies; a dim an axis's size times too
+        # small says it
+        sizes = compat.manual_axes()
+        axes = [n for n, k in sizes.items() if k > 1 and any(
+            w == g * k for g, w in zip(got, want))]
+        if not axes:
+            return ""
+        how = (f"{what} may reach it split over mesh axis {', '.join(map(repr, axes))} (a dim of "
+               f"{tuple(got)} is {tuple(want)}'s divided by its size; with check_vma=False no "
+               "type says which values vary)")
+    return (f"This op runs inside jax.shard_map and {how} (a block per device: in_specs from "
             "jqt.packed_shardings, say): the quantized function reads each weight and its "
             "scales whole, at the shape it was calibrated at. Pass the packed weights and the "
             "qparams with P() in the shard_map's in_specs, or, to split the weights over "

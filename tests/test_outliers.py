@@ -809,3 +809,33 @@ def test_smoothed_models_packed_under_jit_stack_for_vmap():
         for m in range(2):
             alone = jqt.quantize(f, qps[m])(jqt.pack(qps[m], ps[m]), x)
             np.testing.assert_allclose(y[m], alone, atol=1e-5 * float(jnp.abs(alone).max()))
+
+
+def test_gptq_measures_each_call_of_a_checkpointed_layer_after_the_one_before():
+    """A Python loop of layers each under ``jax.checkpoint`` (or ``jax.jit``) calls one
+    cached jaxpr: its equations, and the variables they read, are the same objects in
+    every call, so jqt.gptq took layer l+1 to read layer l's input and measured both in
+    one pass, layer l+1's Hessian with layer l still float (hunt59_gptqscan). Each call
+    is its own pass now: the codes are the unwrapped loop's, bit for bit; ops of one
+    call that read one input (q, k and v) still share a pass."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(3, 32, 32)) / 6, jnp.float32),
+         "v": jnp.asarray(rng.normal(size=(3, 32, 32)) / 6, jnp.float32)}
+    bs = [(jnp.asarray(rng.normal(size=(48, 32)), jnp.float32),) for _ in range(2)]
+    layer = lambda h, w, v: jnp.tanh(h @ w) * jnp.tanh(h @ v)  # a gated pair: one input
+
+    def net(wrap):
+        def f(p, x):
+            for i in range(3):
+                x = wrap(layer)(x, p["w"][i], p["v"][i])
+            return x
+        return f
+    got = {}
+    for name, wrap in (("plain", lambda g: g), ("checkpoint", jax.checkpoint), ("jit", jax.jit)):
+        f = net(wrap)
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, bs, progress=False)
+        got[name] = jqt.gptq(f, qp, p, bs, progress=False)
+    for name in ("checkpoint", "jit"):
+        for k in ("w", "v"):
+            np.testing.assert_array_equal(np.asarray(got[name][k]), np.asarray(got["plain"][k]),
+                                          err_msg=f"{name}: {k}")

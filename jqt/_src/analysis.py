@@ -245,6 +245,8 @@ class Analyzer:
         self.shard_ids: set = set()  # the ids of the shard_maps among the loops' (scan_ids)
         self.leaf_uses: dict[tuple, set] = {}
         self.scan_ids = 0
+        self.bodies: list = []  # an id per entry into a body, of those the analysis is in
+        self.body_ids = 0
         self.warned: list[str] = []
         self.reads: set = set()  # (loop id, slot) of carried buffers read by some op
         # (who, slot, aval, loop id, buffer): a loop's carried buffer of the shape and dtype
@@ -674,7 +676,7 @@ class Analyzer:
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
                     contract=entry.contract(eqn), entry=entry, name_stack=stack,
                     built=widx is not None and ins[widx].built,
-                    zero=widx is not None and ins[widx].zero)
+                    zero=widx is not None and ins[widx].zero, call=tuple(self.bodies))
 
     def _hop(self, plan, i, eqn, ins, stack, unread=frozenset()):
         """A higher-order equation: its bodies analyzed; ``unread``: the indices of its
@@ -721,7 +723,10 @@ class Analyzer:
         plans, outs, body_outs = [], None, []
         self.loops.append(name)
         for j, _, inner in subs:
+            self.body_ids += 1
+            self.bodies.append(self.body_ids)
             sub_plan, sub_outs = self.analyze(j, inner, stack)
+            self.bodies.pop()
             plans.append(sub_plan)
             body_outs.append(sub_outs)
             if hop.transparent:

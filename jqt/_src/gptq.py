@@ -493,14 +493,16 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
 def _groups(eligible, order, site_of):
     """Eligible ops in evaluation order, ops next to each other that read the same input
     (the query, key and value projections of one layer) in one group: their Hessian is
-    the same, and none changes the others' input, so one pass serves them all."""
+    the same, and none changes the others' input, so one pass serves them all. (The same
+    variable in two calls of one jaxpr, a layer under ``jax.checkpoint`` or ``jax.jit``
+    in a Python loop, is two inputs: the sites' ``call`` tells them apart.)"""
     out = []
     for k in eligible:
         if out:
             prev = out[-1][-1]
             a, b = site_of[prev], site_of[k]
             same = (a.eqn.invars[1 - a.weight_operand] is b.eqn.invars[1 - b.weight_operand]
-                    and order.index(k) == order.index(prev) + 1)
+                    and a.call == b.call and order.index(k) == order.index(prev) + 1)
             if same:
                 out[-1].append(k)
                 continue

@@ -86,6 +86,9 @@ class Site:
     # interpolation matrices, lax.conv_general_dilated_patches' filter, a DFT matrix
     built: bool = False
     zero: bool = False  # the weight operand is all zeros by construction (a literal 0)
+    # the bodies the op is in, one id per entry into one (two calls of one cached jaxpr,
+    # a jax.checkpoint'ed layer in a Python loop: the same equations, other ids)
+    call: tuple = ()
 
     @property
     def computes_weight(self) -> bool:

@@ -306,6 +306,19 @@ def test_labels_freeze_a_linen_batch_stats_collection():
         g = jax.grad(lambda t: jnp.sum(jqt.quantize(Net().apply, qp, simulate=True)(
             *jqt.qat.merge(t, frozen)[:1], x)))(trainable)
         assert jax.tree.leaves(g[0]["params"])
+    # two variables dicts as weight arguments (weight_argnums=(0, 1)), or variables nested
+    # in a dict: their batch_stats are frozen too (only a top-level key was, hunt59_qatstates)
+    v2 = Net().init(jax.random.key(1), jnp.ones((2, 3)))
+    f = lambda a, b, x: Net().apply(b, Net().apply(a, x))
+    qp2 = jqt.calibrate(f, jqt.recipes.w8a8(), (v, v2), [(x,)], weight_argnums=(0, 1), progress=False)
+    lp, _ = jqt.qat.labels((v, v2), qp2, train="weights")
+    for i in (0, 1):
+        assert set(jax.tree.leaves(lp[i]["batch_stats"])) == {"freeze"}
+        assert set(jax.tree.leaves(lp[i]["params"])) == {"train"}
+    trainable, _ = jqt.qat.split((v, v2), qp2, train="weights")
+    assert jax.tree.leaves(trainable[0][0]["batch_stats"]) == []
+    lp, _ = jqt.qat.labels({"enc": v}, {})
+    assert set(jax.tree.leaves(lp["enc"]["batch_stats"])) == {"freeze"}
 
 
 @pytest.mark.slow  # large optimizer steps: CI

@@ -240,7 +240,9 @@ def labels(params, qparams, *, train: str | Iterable[str] = PARTS,
         return part if per_part else _TRAIN
 
     lp, lq = jax.tree.map(label, state_parts, (params, qparams))
-    stats = lambda path, lab: _FREEZE if path and getattr(path[0], "key", None) == "batch_stats" else lab
+    # a linen batch_stats collection, at the top of params or of one of several weight
+    # arguments (a tuple of variables dicts, {'enc': variables}): updated by f, not trained
+    stats = lambda path, lab: _FREEZE if any(getattr(k, "key", None) == "batch_stats" for k in path) else lab
     return jax.tree_util.tree_map_with_path(stats, lp), lq
 
 

@@ -784,3 +784,29 @@ def test_custom_rules_without_quantized_ops_read_caches_and_constants_on_the_int
         d_int = jax.grad(lambda x: jnp.sum(jqt.quantize(g, qp)(jqt.pack(qp, w), x)))(xs)
         d_sim = jax.grad(lambda x: jnp.sum(jqt.quantize(g, qp, simulate=True)(w, x)))(xs)
         np.testing.assert_allclose(d_int, d_sim, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_e5m2"])
+def test_project_repairs_an_infinite_fp8_scale_to_one_that_runs(recipe):
+    """An fp8 scale is taken times its bits unit (256 for e4m3), and XLA folds the unit
+    into the scale first: project's repair of an infinite scale, float32's largest value,
+    made that product infinite, and a code of 0 times it NaN, in every output of the
+    simulated path and every weight gradient (hunt59_qatstates). It is clamped to the
+    largest value whose product with the unit is finite: the channel is clipped, as an
+    int8 one is, and both paths run finite."""
+    f = lambda w, x: x @ w
+    w = jax.random.normal(jax.random.key(0), (16, 8)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    r = jqt.recipes.fp8() if recipe == "fp8" else jqt.recipes.fp8(weight_dtype="float8_e5m2",
+                                                                   act_dtype="float8_e5m2")
+    qp = jqt.calibrate(f, r, w, [(x,)], progress=False)
+    p = qp["w"]
+    inf = lambda q: dataclasses.replace(q, scale=jnp.full_like(q.scale, jnp.inf))
+    fixed = jqt.qat.project({"w": dataclasses.replace(p, lhs=inf(p.lhs), rhs=inf(p.rhs))})
+    ys = jax.jit(jqt.quantize(f, fixed, simulate=True))(w, x)
+    yi = jax.jit(jqt.quantize(f, fixed))(jqt.pack(fixed, w), x)
+    g = jax.jit(jax.grad(lambda w: jnp.sum(jqt.quantize(f, fixed, simulate=True)(w, x))))(w)
+    for a in (ys, yi, g):
+        assert bool(jnp.isfinite(a).all())
+    unit = 256.0 if recipe == "fp8" else 32768.0
+    assert bool(jnp.isfinite(fixed["w"].lhs.scale * unit).all())

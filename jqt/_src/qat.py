@@ -85,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import compat, tracing, validate
+from . import numerics as nx
 from .qparams import OpQParams, PackedParams
 
 PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smoothing")
@@ -324,7 +325,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     Non-finite values (a diverged step) are repaired too: a NaN scale becomes
     ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
     (then clipped), and an infinite scale or smoothing factor the largest finite
-    value of its dtype (``-inf`` is clamped as a negative value is). The result
+    value of its dtype (``-inf`` is clamped as a negative value is); an fp8 scale is
+    clamped to at most that value divided by the format's bits unit (256 for e4m3,
+    32768 for e5m2), whose product with the scale must stay finite. The result
     passes the checks of :func:`jqt.quantize`, :func:`jqt.pack`, :func:`jqt.save` and
     :func:`jqt.save_packed`. Leaves that are ``None`` (the frozen half of a
     :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
@@ -367,6 +370,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                                 "qparams themselves.")
         if s is not None:
             s = positive(s, min_scale, f"{where}.scale")
+            unit = nx.FP8_BITS_UNIT.get(q.qtype.grid)
+            if unit is not None:  # fp8: the scale is taken times the bits unit (XLA may
+                # fold it in first): at most a value whose product stays finite, else an
+                # infinite product times a code of 0 is NaN
+                s = jnp.minimum(s, jnp.asarray(jnp.finfo(jnp.result_type(s)).max / unit, jnp.result_type(s)))
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)

@@ -810,3 +810,18 @@ def test_project_repairs_an_infinite_fp8_scale_to_one_that_runs(recipe):
         assert bool(jnp.isfinite(a).all())
     unit = 256.0 if recipe == "fp8" else 32768.0
     assert bool(jnp.isfinite(fixed["w"].lhs.scale * unit).all())
+
+
+def test_labels_refuse_packed_weights_among_several_weight_arguments():
+    """labels/split/parts refused a jqt.PackedParams passed as params, not one of several
+    weight arguments (a tuple): its codes' scales were labelled 'train' (hunt59_qatstates)."""
+    f = lambda a, b, x: (x @ a["w"]) @ b["v"]
+    a, b = {"w": jnp.eye(4) * 0.5}, {"v": jnp.ones((4, 2))}
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), (a, b), [(x,)], weight_argnums=(0, 1), progress=False)
+    packed = jqt.pack(qp, (a, b), weight_argnums=(0, 1))
+    for fn in (jqt.qat.labels, jqt.qat.split, jqt.qat.parts):
+        with pytest.raises(TypeError, match=r"params\[0\] \(a weight argument\) is a jqt.PackedParams; "
+                           r"fine-tune the float params"):
+            fn((packed[0], b), qp)
+    assert jqt.qat.labels((a, b), qp)  # the float weights: labelled

@@ -106,8 +106,11 @@ def _is_qparams(x) -> bool:
 
 
 def _check(params, qparams, fn):
-    if isinstance(params, PackedParams):
-        raise TypeError(f"jqt.qat.{fn}: params is a jqt.PackedParams; fine-tune the float params "
+    packed = [i for i, p in enumerate(params) if isinstance(p, PackedParams)] \
+        if isinstance(params, (tuple, list)) else []
+    if isinstance(params, PackedParams) or packed:  # (one of several weight arguments too)
+        what = "params" if not packed else f"params[{packed[0]}] (a weight argument)"
+        raise TypeError(f"jqt.qat.{fn}: {what} is a jqt.PackedParams; fine-tune the float params "
                         "and call jqt.pack(qparams, params) after training.")
     if _is_qparams(params) and not _is_qparams(qparams):
         raise TypeError(f"jqt.qat.{fn}: the first argument looks like qparams and the second "

@@ -956,3 +956,30 @@ def test_a_float16_model_reads_small_probabilities_over_its_cache_exactly(kind):
     late = slice(-64, None)  # the last steps, whose probabilities are smallest
     rel = float(jnp.abs(y_int[late].astype(jnp.float32) - ref[late]).max() / jnp.abs(ref[late]).max())
     assert y_int.dtype == jnp.float16 and rel < 5e-3, rel
+
+
+@pytest.mark.parametrize("kv", [True, "int4", "fp8"])
+def test_a_float16_cache_holding_its_largest_value_decodes_finite(kv):
+    """float16's largest value, 65504 (a saturating clip's), in a cache: its scale rounds
+    up to a float16 value, and 127 x 516 = 65532 cast to float16 was inf, in the buffer a
+    loop hands back and in jqt.dequantize_cache, where the simulated path and float keep
+    65504 (hunt59_halfkv). Decoding clips to the dtype's finite range, as the simulated
+    path does."""
+    T, D = 4, 8
+
+    def f(params, xs):
+        def step(cache, t):
+            cache = lax.dynamic_update_slice(cache, (xs[t] * params["w"])[None], (t, 0))
+            return cache, jnp.einsum("d,td->t", xs[t], cache)
+        return lax.scan(step, jnp.zeros((T, D), jnp.float16), jnp.arange(T))
+
+    p = {"w": jnp.ones((D,), jnp.float16)}
+    xs = jnp.full((T, D), 0.5, jnp.float16).at[1, 3].set(65504.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=kv), p, [(xs,)], progress=False)
+    ci, _ = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), xs)
+    cs, _ = jqt.quantize(f, qp, simulate=True)(p, xs)
+    assert ci.dtype == jnp.float16 and float(ci[1, 3]) == float(cs[1, 3]) == 65504.0
+    x = jnp.array([[65504.0, 1.0]], jnp.float16)
+    assert jqt.dequantize_cache(jqt.quantize_cache(x)).tolist()[0][0] == 65504.0

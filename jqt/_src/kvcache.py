@@ -182,8 +182,9 @@ def codes(c: QArray, dtype):
 
 
 def decode(c: QArray, dtype):
-    """A cache back to a float buffer of ``dtype``."""
-    return (codes(c, _F32) * c.scale.astype(_F32)).astype(dtype)
+    """A cache back to a float buffer of ``dtype`` (clipped to its finite range: a
+    float16 cache's 65504, its scale rounded up to a float16 value, decodes past it)."""
+    return nx.cast_finite(codes(c, _F32) * c.scale.astype(_F32), dtype)
 
 
 def fake_quant(x, qtype):

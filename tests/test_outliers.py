@@ -839,3 +839,32 @@ def test_gptq_measures_each_call_of_a_checkpointed_layer_after_the_one_before():
         for k in ("w", "v"):
             np.testing.assert_array_equal(np.asarray(got[name][k]), np.asarray(got["plain"][k]),
                                           err_msg=f"{name}: {k}")
+
+
+def test_a_channel_no_calibration_batch_reached_keeps_its_weight_under_awq_and_smoothquant():
+    """Input channel 3 is 0 in every calibration batch (a one-hot row no batch chose, a
+    ReLU unit the batches left dead), nonzero later. AWQ floored its statistic at 1e-4,
+    so its weight row, scaled by that, rounded to code 0: the channel's input was lost
+    (error 1.0, hunt59_tiedalgos). SmoothQuant left its factor at 1, and its values
+    met the static range the smoothed channels set, clipped there. The channel now
+    weighs as the quietest seen one (AWQ) and takes the layer's largest range
+    (SmoothQuant): it is kept as without the transforms. Channels the batches reached
+    are transformed as before."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": jax.random.normal(k[0], (32, 16)) * 0.2}
+    f = lambda p, x: x @ p["w"]
+    mask = jnp.ones(32).at[3].set(0.0)
+    calib = [(jax.random.normal(kk, (64, 32)) * mask,) for kk in jax.random.split(k[1], 4)]
+    x = jnp.zeros((1, 32)).at[0, 3].set(2.0)  # only channel 3, within the others' range
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    err = {}
+    for name, r in (("w8", jqt.recipes.w8()), ("w8_awq", jqt.recipes.w8(awq=True)),
+                    ("w4_awq", jqt.recipes.w4(group_size=16, awq=True)), ("w4", jqt.recipes.w4(group_size=16)),
+                    ("w8a8", jqt.recipes.w8a8()), ("w8a8_smooth", jqt.recipes.w8a8(smooth=0.5))):
+        qp = jqt.calibrate(f, r, p, calib, progress=False)
+        err[name] = rel(jqt.quantize(f, qp)(jqt.pack(qp, p), x), f(p, x))
+        if name == "w8_awq":  # the channels seen: smoothed, not all 1
+            s = np.asarray(qp["w"].smooth).ravel()
+            assert np.ptp(np.delete(s, 3)) > 0.1 and s[3] > 0, s
+    assert err["w8_awq"] < 2 * err["w8"] + 0.01 and err["w4_awq"] < 2 * err["w4"] + 0.02, err
+    assert err["w8a8_smooth"] < 0.1, err

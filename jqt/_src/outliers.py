@@ -65,6 +65,11 @@ def smoothquant(act_absmax, w, contract, alpha, depth=0):
     """
     axes = tuple(d + depth for d in range(w.ndim - depth) if d not in contract)
     wmax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
+    # a channel 0 in every calibration batch (a one-hot row no batch chose) takes the
+    # layer's largest range: left at 1, its values later met the range the smoothed
+    # channels set and were clipped there (plain per-tensor ranges cover it)
+    layer = tuple(range(depth, act_absmax.ndim))
+    act_absmax = jnp.where(act_absmax > 0, act_absmax, jnp.max(act_absmax, axis=layer, keepdims=True))
     ok = (act_absmax > 0) & (wmax > 0)
     s = jnp.where(ok, act_absmax ** alpha / jnp.where(ok, wmax, 1.0) ** (1 - alpha), 1.0)
     return jnp.clip(s, 1e-5, 1e5).astype(jnp.float32)
@@ -93,6 +98,13 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     """A jitted ``(w, hessian, mean_abs) -> s`` for one layer."""
 
     def one(w, h, mean_abs):
+        # a channel 0 in every calibration batch weighs as the quietest one seen: at its
+        # floor of 1e-4, its weight scaled by that rounded to code 0, the channel's input
+        # lost at run time (its error costs nothing on the calibration data)
+        seen = mean_abs > 0
+        quietest = jnp.min(jnp.where(seen, mean_abs, jnp.inf))
+        mean_abs = jnp.where(seen, mean_abs, jnp.where(jnp.isfinite(quietest), quietest, 1.0))
+
         def err(a):
             s = jnp.maximum(mean_abs ** a, 1e-4)
             s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))

@@ -983,3 +983,56 @@ def test_a_float16_cache_holding_its_largest_value_decodes_finite(kv):
     assert ci.dtype == jnp.float16 and float(ci[1, 3]) == float(cs[1, 3]) == 65504.0
     x = jnp.array([[65504.0, 1.0]], jnp.float16)
     assert jqt.dequantize_cache(jqt.quantize_cache(x)).tolist()[0][0] == 65504.0
+
+
+def test_a_cache_given_a_unit_axis_by_indexing_is_found_as_one_reshaped_is():
+    """A one-sequence step calling a batched one, its cache given a unit axis with
+    ``x[:, None]`` (or ``jnp.expand_dims``) and dropped with ``x[:, 0]`` (``jnp.squeeze``):
+    only the ``reshape`` spelling was found as a cache; these warned "no loop of f
+    carries a buffer" and kept it float (hunt59_halfkv). All three relabel the axes:
+    each finds both caches, returns them quantized, and computes what the reshape does."""
+    L, T, H, D, DM, V = 2, 8, 2, 16, 32, 50
+    ks = jax.random.split(jax.random.key(0), 5)
+    params = {"emb": jax.random.normal(ks[0], (V, DM)),
+              "layers": {n: jax.random.normal(k, (L, DM, H * D)) * DM ** -0.5
+                         for n, k in zip(("wq", "wk", "wv", "wo"), ks[1:])}}
+
+    def decode_step(params, cache, tok):  # batched: cache (L, B, T, H, D), tok (B,)
+        pos, B = cache["pos"], tok.shape[0]
+
+        def layer(h, xs):
+            lp, k_l, v_l = xs
+            q, k, v = [(h @ lp[n]).reshape(B, H, D) for n in ("wq", "wk", "wv")]
+            k_l = lax.dynamic_update_slice(k_l, k[:, None], (0, pos, 0, 0))
+            v_l = lax.dynamic_update_slice(v_l, v[:, None], (0, pos, 0, 0))
+            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", q, k_l), -1e9)
+            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s / D ** 0.5), v_l)
+            return h + o.reshape(B, H * D) @ lp["wo"].T, (k_l, v_l)
+        h, (kc, vc) = lax.scan(layer, params["emb"][tok], (params["layers"], cache["k"], cache["v"]))
+        return h @ params["emb"].T, {"k": kc, "v": vc, "pos": pos + 1}
+
+    views = {"index": (lambda x: x[:, None], lambda x: x[:, 0]),
+             "expand": (lambda x: jnp.expand_dims(x, 1), lambda x: jnp.squeeze(x, 1)),
+             "reshape": (lambda x: x.reshape(L, 1, T, H, D), lambda x: x.reshape(L, T, H, D))}
+    z = jnp.zeros((L, T, H, D))
+    cache = {"k": z, "v": z, "pos": jnp.int32(0)}
+    got = {}
+    for name, (add, drop) in views.items():
+        def step1(params, cache, tok, add=add, drop=drop):
+            logits, c = decode_step(params, dict(cache, k=add(cache["k"]), v=add(cache["v"])), tok[None])
+            return logits[0], dict(c, k=drop(c["k"]), v=drop(c["v"]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qp = jqt.calibrate(step1, jqt.recipes.w8a8_dynamic(kv_cache=True), params,
+                               [(cache, jnp.int32(7))], progress=False)
+        assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0", "kv_cache_1"], name
+        run = jax.jit(jqt.quantize(step1, qp))
+        packed, c, outs = jqt.pack(qp, params), cache, []
+        for tok in (7, 3, 9):
+            logits, c = run(packed, c, jnp.int32(tok))
+            outs.append(logits)
+        assert isinstance(c["k"], jqt.QArray), name
+        got[name] = (np.asarray(jnp.stack(outs)), np.asarray(c["k"].values))
+    for name in ("index", "expand"):
+        np.testing.assert_array_equal(got[name][0], got["reshape"][0], err_msg=name)
+        np.testing.assert_array_equal(got[name][1], got["reshape"][1], err_msg=name)

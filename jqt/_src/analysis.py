@@ -410,7 +410,7 @@ class Analyzer:
             elif (unflat := _unflat(eqn, ins[0] if ins else None)) is not None:
                 buf, writes, shape = unflat
                 outs = [VarInfo(False, buffer=buf, writes=writes)
-                        if eqn.outvars[0].aval.shape == shape and name == "reshape"
+                        if eqn.outvars[0].aval.shape == shape and kvcache.is_relabel(eqn)
                         else VarInfo(False, unflat=unflat)]
             elif picked:  # the same buffer, whole vectors from before or after a write, or
                 # zero vectors (a slot cleared)
@@ -900,9 +900,11 @@ def _elementwise_scatter(eqn) -> bool:
 def _unflat(eqn, first):
     """``VarInfo.unflat`` of a ``reshape`` or ``gather`` of whole vectors (their last axis
     kept) of a buffer, or of such a view of one: beam search's reorder in the t5x style
-    (``cache.reshape(L, B, K, ...)``, the beams gathered, reshaped back); None otherwise."""
-    if first is None or eqn.primitive not in (compat.reshape_p, compat.gather_p) \
-            or not kvcache.is_read_view(eqn):
+    (``cache.reshape(L, B, K, ...)``, the beams gathered, reshaped back); also of the other
+    relabellings (:func:`kvcache.is_relabel`: ``cache[None]`` into a batched step,
+    ``new[0]`` out); None otherwise."""
+    if first is None or not (eqn.primitive is compat.gather_p and kvcache.is_read_view(eqn)
+                             or kvcache.is_relabel(eqn)):
         return None
     if first.unflat or not first.buffer:
         return first.unflat or None

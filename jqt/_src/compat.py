@@ -555,6 +555,7 @@ transpose_p = _prims.transpose_p
 select_n_p = _prims.select_n_p
 broadcast_in_dim_p = _prims.broadcast_in_dim_p
 reshape_p = _prims.reshape_p
+squeeze_p = _prims.squeeze_p
 convert_element_type_p = _prims.convert_element_type_p
 slice_p = _prims.slice_p
 try:  # lax.ragged_dot's primitive (not in jax.extend's list)

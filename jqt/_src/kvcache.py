@@ -34,6 +34,7 @@ int4, 2.9e7 for e4m3) clip.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -428,13 +429,15 @@ def is_read_view(eqn) -> bool:
     codes and scales read alike (:func:`read_view`), so attention reads the codes of what
     it selects instead of a decoded copy of the whole buffer."""
     prim = eqn.primitive
-    if prim not in (compat.broadcast_in_dim_p, compat.reshape_p, compat.slice_p,
+    if prim not in (compat.broadcast_in_dim_p, compat.reshape_p, compat.slice_p, compat.squeeze_p,
                     compat.dynamic_slice_p, compat.gather_p, compat.convert_element_type_p):
         return False
     ins, out = eqn.invars[0].aval, eqn.outvars[0].aval
     if ins.ndim < 1 or out.ndim < 1 or out.shape[-1] != ins.shape[-1]:
         return False
     p = eqn.params
+    if prim is compat.squeeze_p:  # unit axes dropped (x[:, 0] of a unit axis), the last kept
+        return ins.ndim - 1 not in [d % ins.ndim for d in p["dimensions"]]
     if prim is compat.convert_element_type_p:
         return jnp.issubdtype(out.dtype, jnp.floating) and jnp.issubdtype(ins.dtype, jnp.floating)
     if prim is compat.broadcast_in_dim_p:
@@ -453,6 +456,22 @@ def is_read_view(eqn) -> bool:
     return False
 
 
+def is_relabel(eqn) -> bool:
+    """A :func:`is_read_view` op that only relabels the axes of its operand, every element
+    kept once: a ``reshape``, a ``squeeze``, a ``broadcast_in_dim`` that adds unit axes
+    (``x[:, None]``, ``jnp.expand_dims``) or a ``slice`` of the whole. A cache written
+    through such a view (a one-sequence step calling a batched one: ``cache[None]`` in,
+    ``new[0]`` out) is still the buffer once the view's shape is undone."""
+    if not is_read_view(eqn):
+        return False
+    ins, out, prim = eqn.invars[0].aval, eqn.outvars[0].aval, eqn.primitive
+    if prim in (compat.reshape_p, compat.squeeze_p):
+        return True
+    if prim is compat.broadcast_in_dim_p:
+        return math.prod(ins.shape) == math.prod(out.shape)
+    return prim is compat.slice_p and tuple(ins.shape) == tuple(out.shape)
+
+
 def read_view(eqn, invals) -> QArray:
     """:func:`is_read_view`'s op on a cache (``invals[0]``): the same op on its codes and
     on its scales, each with its own last axis (packed codes: half the features; scales: 1);
@@ -463,7 +482,9 @@ def read_view(eqn, invals) -> QArray:
 
     def one(a):
         n = a.shape[-1]
-        if eqn.primitive is compat.broadcast_in_dim_p:
+        if eqn.primitive is compat.squeeze_p:  # (the axes it drops are not the last)
+            over = {}
+        elif eqn.primitive is compat.broadcast_in_dim_p:
             over = dict(shape=tuple(p["shape"][:-1]) + (n,))
         elif eqn.primitive is compat.reshape_p:
             over = dict(new_sizes=tuple(p["new_sizes"][:-1]) + (n,))

@@ -1254,6 +1254,41 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
                        r"range \(1099511627776\).* Enable x64") as err:
         jqt.load_packed(str(tmp_path / "wide.safetensors"))
     assert err.type is ValueError  # not a private subclass named in the traceback
+    # a float64 leaf beyond float32's range became inf without a word (hunt59_packedio)
+    with jax.enable_x64(True):
+        g = lambda p, x: x @ p["w"] + (p["big"] * 1e-300).astype(x.dtype)
+        p64 = {"w": p["w"], "big": jnp.asarray(1e300, jnp.float64)}
+        q64 = jqt.calibrate(g, jqt.recipes.w8a8(), p64, [(x,)], progress=False)
+        jqt.save_packed(str(tmp_path / "big.safetensors"), jqt.pack(q64, p64))
+    with pytest.raises(ValueError, match=r"params leaf 'big' .* holds float64 values beyond float32's "
+                       r"range \(1e\+300\).* become inf\. Enable x64"):
+        jqt.load_packed(str(tmp_path / "big.safetensors"))
+
+
+def test_load_packed_with_another_functions_qparams_names_the_file_and_the_layout(tmp_path):
+    """A square weight packed for ``x @ w`` loaded under the qparams of ``x @ w.T`` with one
+    scale per tensor (the same scale either way round) was accepted, the output wrong; a
+    mismatch under qparams= did not name the file, and a damaged file was blamed on the
+    qparams (hunt59_packedio). The file's own qparams are checked first, and the pair is
+    refused by the layout ops that reach the weight."""
+    f1 = lambda p, x: x @ p["w"]
+    f2 = lambda p, x: x @ p["w"].T
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 16))}
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    rec = jqt.recipes.w4a8(per_channel=False)
+    q1 = jqt.calibrate(f1, rec, p, [(x,)], progress=False)
+    q2 = jqt.calibrate(f2, rec, p, [(x,)], progress=False)
+    path = str(tmp_path / "f1.safetensors")
+    jqt.save_packed(path, jqt.pack(q1, p), q1)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"f1.safetensors: op 'w' reads its weight by "
+                       r"other layout ops in these qparams .*transpose.*jqt.load\(path\)"):
+        jqt.load_packed(path, qparams=q2)
+    back = jqt.load_packed(path, qparams=q1)
+    np.testing.assert_array_equal(jqt.quantize(f1, q1)(back, x), jqt.quantize(f1, q1)(jqt.pack(q1, p), x))
+    # other formats: the file named, and its own qparams pointed to
+    q8 = jqt.calibrate(f1, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"f1.safetensors: .*jqt.load\(path\)"):
+        jqt.load_packed(path, qparams=q8)
 
 
 class _Gain:

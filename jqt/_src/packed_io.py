@@ -243,7 +243,10 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
 
     Returns:
       a :class:`jqt.PackedParams` with ``jax.Array`` leaves, whose pytree structure
-      equals that of the saved one (so it can be passed to a function exported with it).
+      equals that of the saved one (so it can be passed to a function exported with it),
+      except where the weights were packed on explicit mesh axes: the file keeps no
+      sharding of the avals it records, so pass ``like=params`` (the concrete params,
+      whose shardings are read) to restore them.
 
     Every array is checked against the file's header (its dtype and shape) and against
     what the format implies (codes of the weight's type and layout, int32 sums, float
@@ -289,8 +292,8 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     try:
         with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
             packed, stored = _read_packed(r, path, like)
-            if qparams is None and stored is not None:
-                try:  # the file's own qparams: a mismatch means a damaged file
+            if stored is not None:
+                try:  # the file's own qparams (first, with qparams= too): a mismatch means a damaged file
                     check_packed(packed, stored, fn=fn)
                 except QParamsMismatchError as e:
                     raise r.error("its packed weights do not fit the qparams stored with them ("
@@ -298,7 +301,12 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
     except _Narrowed as e:  # a plain ValueError to the caller, not a private class
         raise ValueError(str(e)) from None
     if qparams is not None:
-        check_packed(packed, qparams, fn=fn, packed_with=stored)
+        try:
+            check_packed(packed, qparams, fn=fn, packed_with=stored)
+        except QParamsMismatchError as e:  # name the file, and where its own qparams are
+            own = (" The file holds the qparams it was packed with: jqt.load(path) reads them."
+                   if stored is not None and "jqt.load(path)" not in str(e) else "")
+            raise QParamsMismatchError(f"{fn}: {path}: {str(e).removeprefix(fn + ': ')}{own}") from None
     if callable(device):
         device = device(packed)
     abstract = [d for d in jax.tree_util.tree_leaves(device) if isinstance(
@@ -451,6 +459,15 @@ def _read_leaves(r, h, avals, paths, python=()):
                     f"jqt.load_packed: params leaf '{paths[i]}' in {r.path} holds {a.dtype.name} "
                     f"values beyond {held.name}'s range ({a.max() if a.max() > np.iinfo(held).max else a.min()}), which this process, "
                     f"without jax_enable_x64, holds as {held.name}: they would wrap. Enable x64 "
+                    "(jax.config.update('jax_enable_x64', True)) before loading.")
+        if np.issubdtype(a.dtype, np.floating) and a.size and i not in python:
+            held = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))
+            big = np.abs(a[np.isfinite(a)]).max(initial=0.0)
+            if held.itemsize < a.dtype.itemsize and big > np.finfo(held).max:
+                raise _Narrowed(
+                    f"jqt.load_packed: params leaf '{paths[i]}' in {r.path} holds {a.dtype.name} "
+                    f"values beyond {held.name}'s range ({big:.6g}), which this process, without "
+                    f"jax_enable_x64, holds as {held.name}: they would become inf. Enable x64 "
                     "(jax.config.update('jax_enable_x64', True)) before loading.")
         leaves.append(a)
     return kept, leaves
@@ -858,6 +875,16 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 (a is None) == (b is None)
                 and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
                 for a, b in ((oq.scale, q.scale), (oq.zero_point, q.zero_point)))
+            src, osrc = p.source, None if other is None else other.source
+            if same and src is not None and osrc is not None and (
+                    tuple(src.chain) != tuple(osrc.chain) or tuple(src.contract) != tuple(osrc.contract)):
+                # one scale per tensor fits a square weight read either way round
+                raise QParamsMismatchError(
+                    f"{fn}: op '{key}' reads its weight by other layout ops in these qparams "
+                    f"({list(src.chain) or 'none'}, contracting axes {tuple(src.contract)}) than "
+                    f"in those it was packed with ({list(osrc.chain) or 'none'}, contracting "
+                    f"{tuple(osrc.contract)}; the file holds them): another function's qparams "
+                    "(x @ w.T for x @ w?). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
             if not same:
                 raise QParamsMismatchError(
                     f"{fn}: the weights of op '{key}' were quantized with other weight scales or "

@@ -906,3 +906,37 @@ def test_a_decode_step_inside_shard_map_takes_back_its_quantized_cache():
     for name, errs in r.items():
         assert len(errs) == 6 and all(isinstance(e, list) and e[0] <= 1e-5 and e[1] and e[2] == "QArray"
                                       for e in errs), (name, errs)
+
+
+def test_calibrate_with_mesh_of_an_f_running_its_own_shard_map_says_what_to_do():
+    """``jqt.calibrate(mesh=, data_axis=)`` of an expert-parallel ``f`` that calls
+    ``jax.shard_map`` itself: JAX refuses the nested ``shard_map`` inside calibrate's
+    per-device one, and jqt's note blamed "an argument every device needs whole" and
+    advised functools.partial, which cannot help (hunt59_raggedshard). The note says
+    to leave mesh= out and place the inputs; doing so calibrates."""
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np, jqt
+        from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+        rng = np.random.default_rng(0)
+        W = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+        X = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
+        S = jnp.array([3, 1, 2, 1], jnp.int32)
+        mesh = jax.make_mesh((2, 2), ("t", "e"), axis_types=(AxisType.Auto,) * 2)
+        body = lambda w, x, s: jax.lax.psum(jax.lax.ragged_dot(x, w, s), "e")
+        f = lambda p, x: jax.shard_map(body, mesh=mesh, in_specs=(P("e"), P("t"), P("e")),
+                                       out_specs=P("t"))(p["w"], x, S)
+        R = {}
+        try:
+            jqt.calibrate(f, jqt.recipes.w8a8(), {"w": W}, [(X,)], progress=False, mesh=mesh, data_axis="t")
+            R["notes"] = "ran"
+        except Exception as e:
+            R["notes"] = " ".join(getattr(e, "__notes__", []))
+        p = {"w": jax.device_put(W, NamedSharding(mesh, P("e")))}
+        x = jax.device_put(X, NamedSharding(mesh, P("t")))
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        R["quantized"] = [k for k, q in qp.items() if not q.is_float]
+        print("RESULT" + json.dumps(R))
+    """, 4)
+    assert "runs its own jax.shard_map" in r["notes"] and "Leave mesh= out" in r["notes"], r
+    assert "functools.partial" not in r["notes"], r
+    assert r["quantized"] == ["w"], r

@@ -244,6 +244,16 @@ def _step_fn(tracer, argnums, recipe, mesh, data_axis):
                 return jax.shard_map(per_device, mesh=mesh, in_specs=(P(), bspec, P(), P()),
                                      out_specs=P(), check_vma=False)(params_t, batch, decided, transformed)
             except Exception as e:
+                if "context mesh" in str(e) or "shard_map" in str(e) and "Manual" in str(e):
+                    # f's own jax.shard_map (or mesh axes it names) inside calibrate's per-device
+                    # one, where every axis is manual: not a split argument
+                    _note(e, "jqt.calibrate(mesh=...) runs f once per device inside a "
+                             "jax.shard_map over the whole mesh (every axis manual there), and f "
+                             "runs its own jax.shard_map or names mesh axes, which cannot run "
+                             "inside it. Leave mesh= out and pass the params and batches placed on "
+                             "the devices (jax.device_put with NamedShardings): calibrate then "
+                             "runs f as it is, its shard_map included.")
+                    raise
                 shards = [jnp.shape(x) if _one_key(x) else (jnp.shape(x)[0] // n_dev,) + tuple(jnp.shape(x)[1:])
                           for x in jax.tree_util.tree_leaves(batch)]
                 _note(e, f"jqt.calibrate(mesh=...): every batch argument is split along its "

@@ -1289,6 +1289,19 @@ def test_load_packed_with_another_functions_qparams_names_the_file_and_the_layou
     q8 = jqt.calibrate(f1, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match=r"f1.safetensors: .*jqt.load\(path\)"):
         jqt.load_packed(path, qparams=q8)
+    # casts are not layout ops: packed with float32-compute qparams, loaded with those of
+    # the bfloat16 serving function (the same weight scales), as jqt.quantize takes them
+    # (hunt59_review)
+    pb = {"w": p["w"].astype(jnp.bfloat16)}
+    xb = [(x.astype(jnp.bfloat16),)]
+    f_train = lambda p, x: x.astype(jnp.float32) @ p["w"].astype(jnp.float32)
+    f_serve = lambda p, x: (x @ p["w"]).astype(jnp.float32)
+    qt = jqt.calibrate(f_train, jqt.recipes.w8(), pb, xb, progress=False)
+    qs = jqt.calibrate(f_serve, jqt.recipes.w8(), pb, xb, progress=False)
+    jqt.save_packed(str(tmp_path / "cast.safetensors"), jqt.pack(qt, pb), qt)
+    back = jqt.load_packed(str(tmp_path / "cast.safetensors"), qparams=qs)
+    np.testing.assert_array_equal(jqt.quantize(f_serve, qs)(back, *xb[0]),
+                                  jqt.quantize(f_serve, qs)(jqt.pack(qs, pb), *xb[0]))
 
 
 class _Gain:

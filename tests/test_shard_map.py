@@ -940,3 +940,36 @@ def test_calibrate_with_mesh_of_an_f_running_its_own_shard_map_says_what_to_do()
     assert "runs its own jax.shard_map" in r["notes"] and "Leave mesh= out" in r["notes"], r
     assert "functools.partial" not in r["notes"], r
     assert r["quantized"] == ["w"], r
+
+
+def test_a_genuine_shape_mismatch_inside_shard_map_keeps_its_own_hint():
+    """A weight computed in f and tiled to the batch, called at another batch inside a
+    data-parallel ``jax.shard_map`` with its qparams replicated: the split-blocks guess
+    for ``check_vma=False`` (a dim a mesh axis's size too small) also ran under
+    ``check_vma=True``, where types say what varies, and replaced the right hint (the
+    weight tiled to the batch) with "pass the qparams with P()", which they were
+    (hunt59_review). Under check_vma=True the hint is the plain one; under False the
+    guess comes first, then it."""
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, jqt, warnings
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        warnings.simplefilter("ignore")
+        mesh = jax.make_mesh((2,), ("data",))
+        p = {"probe": jnp.linspace(-1, 1, 8).reshape(1, 8), "wq": jnp.eye(8) * 0.5}
+        g = lambda p, x: jnp.einsum("bd,bld->bl", jnp.tile(p["probe"], (x.shape[0], 1)) @ p["wq"], x)
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+        x = put(jnp.linspace(-1, 1, 4 * 5 * 8).reshape(4, 5, 8))
+        R = {}
+        for vma in (True, False):
+            f = jax.shard_map(g, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=vma)
+            qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+            try:
+                jqt.quantize(f, qp)(p, put(jnp.concatenate([x, x])))
+                R[str(vma)] = "ran"
+            except Exception as e:
+                R[str(vma)] = f"{type(e).__name__}: {e}"
+        print("RESULT" + json.dumps(R))
+    """, 2)
+    hint = "tiled or broadcast to the batch"
+    assert hint in r["True"] and "P()" not in r["True"], r["True"]
+    assert "check_vma=False" in r["False"] and hint in r["False"].split("If they reach it whole: ")[1], r["False"]

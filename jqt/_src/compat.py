@@ -265,6 +265,17 @@ def varying_axes(x) -> tuple:
         return ()
 
 
+def vma_checked() -> bool:
+    """Whether a ``jax.shard_map`` tracing here checks which manual axes values vary over
+    (``check_vma=True``, the default, or outside any): under ``check_vma=False`` no
+    value's type says it. True where this JAX does not tell (no guess is made then)."""
+    try:
+        from jax._src import config as _config
+        return bool(_config._check_vma.value)
+    except (ImportError, AttributeError):
+        return True
+
+
 def manual_axes() -> dict:
     """The manual mesh axes where this traces (inside ``jax.shard_map``) and their
     sizes: with ``check_vma=False`` no value's type says which of them it varies over.

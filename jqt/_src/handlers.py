@@ -27,7 +27,7 @@ from .dense import DenseAxes
 from .formats import unpack_nibbles
 from .layerview import LayerView
 from .policy import KernelPolicy
-from .qparams import OpQParams, QArray, codes_problem
+from .qparams import OpQParams, QArray, axes_only, codes_problem
 
 _F32 = jnp.float32
 
@@ -333,13 +333,13 @@ def lookup(ctx, site, invals):
                             ) if i == site.weight_operand and site.source is None else ""
                 got = tuple(jnp.shape(a))
                 stacked = stacked_hint(got[0]) if len(got) == len(want) + 1 and got[1:] == want else ""
-                split = _split_block(site, a, "its qparams", got, want)
                 raise QParamsMismatchError(
                     f"jqt: qparams['{site.key}'] has a {'lhs' if i == 0 else 'rhs'} {field} of "
                     f"shape {got}, but the operand {tuple(invals[i].shape)} "
                     f"({q.qtype.describe()}) needs {want}{per_layer}. "
-                    + (split or "The function or its weights changed shape since calibration, "
-                       f"or the qparams were edited; re-calibrate.{stacked}{computed}"))
+                    + _split_block(site, a, "its qparams", got, want,
+                                   "The function or its weights changed shape since calibration, "
+                                   f"or the qparams were edited; re-calibrate.{stacked}{computed}"))
     _check_smooth(site, qp, invals)
     if packed is not None:
         w = site.weight_operand
@@ -353,12 +353,11 @@ def lookup(ctx, site, invals):
         want = _packed_shape(site, invals, packed)
         if values_shape(packed) != want:
             as_packed = f" (packed: {want})" if want != tuple(invals[w].shape) else ""
-            split = _split_block(site, packed.values, "the packed weights", packed.values.shape,
-                                 want)
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{site.key}' has shape {tuple(packed.values.shape)} "
                 f"but the op reads a weight of shape {tuple(invals[w].shape)}{as_packed}. "
-                + (split or "Re-run jqt.pack." + _leading_axes(want, values_shape(packed))))
+                + _split_block(site, packed.values, "the packed weights", packed.values.shape, want,
+                               "Re-run jqt.pack." + _leading_axes(want, values_shape(packed))))
         q = qp.operand(w)
         if q is not None and packed.qtype != q.qtype:
             have, want = packed.qtype.contrast(q.qtype)
@@ -414,32 +413,35 @@ def _scanned(site) -> bool:
     return any(c[0] == "scan_slice" for c in site.source.chain)
 
 
-def _split_block(site, a, what, got, want) -> str:
+def _split_block(site, a, what, got, want, otherwise) -> str:
     """The cause where ``a`` is a block of a value ``jax.shard_map``'s ``in_specs`` split
     (its type varies over manual mesh axes) and not one jqt split itself (a ``shard_map``
     inside ``f``, whose split is in the weight's chain): the quantized function reads
-    weights whole."""
+    weights whole; ``otherwise`` where it is not. Under ``check_vma=False`` no type says
+    what varies: a dim a mesh axis's size too small says it may be so, ahead of
+    ``otherwise``."""
     axes = compat.varying_axes(a)
     own = site.source is not None and any(c[0] == "shard_split" and c[1] for c in site.source.chain)
     if own:
-        return ""
+        return otherwise
+    fix = (" (a block per device: in_specs from jqt.packed_shardings, say): the quantized "
+           "function reads each weight and its scales whole, at the shape it was calibrated "
+           "at. Pass the packed weights and the qparams with P() in the shard_map's in_specs, "
+           "or, to split the weights over devices, put the jax.shard_map inside f and calibrate "
+           "that (docs/sharding.md).")
     if axes:
-        how = f"{what} reach it split over mesh axis {', '.join(map(repr, axes))}"
-    else:  # check_vma=False: no type says what varies; a dim an axis's size times too
-        # small says it
-        sizes = compat.manual_axes()
-        axes = [n for n, k in sizes.items() if k > 1 and any(
-            w == g * k for g, w in zip(got, want))]
-        if not axes:
-            return ""
-        how = (f"{what} may reach it split over mesh axis {', '.join(map(repr, axes))} (a dim of "
-               f"{tuple(got)} is {tuple(want)}'s divided by its size; with check_vma=False no "
-               "type says which values vary)")
-    return (f"This op runs inside jax.shard_map and {how} (a block per device: in_specs from "
-            "jqt.packed_shardings, say): the quantized function reads each weight and its "
-            "scales whole, at the shape it was calibrated at. Pass the packed weights and the "
-            "qparams with P() in the shard_map's in_specs, or, to split the weights over "
-            "devices, put the jax.shard_map inside f and calibrate that (docs/sharding.md).")
+        return (f"This op runs inside jax.shard_map and {what} reach it split over mesh axis "
+                f"{', '.join(map(repr, axes))}{fix}")
+    if compat.vma_checked() or len(got) != len(want):
+        return otherwise
+    sizes = compat.manual_axes()
+    axes = [n for n, k in sizes.items() if k > 1 and any(w == g * k for g, w in zip(got, want))]
+    if not axes:
+        return otherwise
+    return (f"This op runs inside jax.shard_map with check_vma=False, and {what} may reach it "
+            f"split over mesh axis {', '.join(map(repr, axes))} (a dim of {tuple(got)} is "
+            f"{tuple(want)}'s divided by its size; no type says which values vary){fix} If they "
+            f"reach it whole: {otherwise}")
 
 
 def _leading_axes(want, got) -> str:
@@ -472,7 +474,6 @@ def _check_source(site, qp):
             "changed shape since calibration, and their scales were computed for other weights "
             "(a per-channel scale does not see the contracted axis, so its own shape can still "
             f"fit). Re-calibrate with these weights.{_leading_axes(a.shape, b.shape)}")
-    axes_only = lambda chain: tuple(c for c in chain if c[0] not in ("convert", "copy"))
     want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
     got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])
     if got != want and got[1] == want[1] and [c[0] for c in got[0]] == [c[0] for c in want[0]]:

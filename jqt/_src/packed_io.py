@@ -18,7 +18,7 @@ from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
-from .qparams import (PackedParams, QArray, codes_problem, fold_mismatch, fold_parts, holds_smooth,
+from .qparams import (PackedParams, QArray, axes_only, codes_problem, fold_mismatch, fold_parts, holds_smooth,
                       smooth_digest)
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, file_path, is_a,
                      is_zip, json_kind, reading, version_error, write)
@@ -877,13 +877,15 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 for a, b in ((oq.scale, q.scale), (oq.zero_point, q.zero_point)))
             src, osrc = p.source, None if other is None else other.source
             if same and src is not None and osrc is not None and (
-                    tuple(src.chain) != tuple(osrc.chain) or tuple(src.contract) != tuple(osrc.contract)):
-                # one scale per tensor fits a square weight read either way round
+                    axes_only(src.chain) != axes_only(osrc.chain)
+                    or tuple(src.contract) != tuple(osrc.contract)):
+                # one scale per tensor fits a square weight read either way round (casts and
+                # copies aside, as jqt.quantize compares them)
                 raise QParamsMismatchError(
                     f"{fn}: op '{key}' reads its weight by other layout ops in these qparams "
-                    f"({list(src.chain) or 'none'}, contracting axes {tuple(src.contract)}) than "
-                    f"in those it was packed with ({list(osrc.chain) or 'none'}, contracting "
-                    f"{tuple(osrc.contract)}; the file holds them): another function's qparams "
+                    f"({list(axes_only(src.chain)) or 'none'}, contracting axes {tuple(src.contract)}) "
+                    f"than in those it was packed with ({list(axes_only(osrc.chain)) or 'none'}, "
+                    f"contracting {tuple(osrc.contract)}; the file holds them): another function's qparams "
                     "(x @ w.T for x @ w?). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
             if not same:
                 raise QParamsMismatchError(

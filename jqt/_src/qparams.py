@@ -23,6 +23,18 @@ from . import compat
 from .formats import FLOAT8, QuantType
 
 
+def axes_only(chain) -> tuple:
+    """A :class:`WeightSource` chain without its dtype casts and copies (``convert``,
+    ``copy``): the steps that place the weight's axes, which two functions reading one
+    weight must share (``x.astype(f32) @ w.astype(f32)`` and ``x @ w`` do; ``x @ w.T``
+    does not).
+
+    >>> axes_only((("convert", "float32"), ("transpose", (1, 0))))
+    (('transpose', (1, 0)),)
+    """
+    return tuple(c for c in chain if c[0] not in ("convert", "copy"))
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSource:
     """Where a weight operand comes from: a leaf of the weight argument and the

@@ -878,14 +878,14 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             src, osrc = p.source, None if other is None else other.source
             if same and src is not None and osrc is not None and (
                     axes_only(src.chain) != axes_only(osrc.chain)
-                    or tuple(src.contract) != tuple(osrc.contract)):
+                    or src.contract and osrc.contract and tuple(src.contract) != tuple(osrc.contract)):
                 # one scale per tensor fits a square weight read either way round (casts and
                 # copies aside, as jqt.quantize compares them)
                 raise QParamsMismatchError(
                     f"{fn}: op '{key}' reads its weight by other layout ops in these qparams "
-                    f"({list(axes_only(src.chain)) or 'none'}, contracting axes {tuple(src.contract)}) "
+                    f"({list(axes_only(src.chain)) or 'none'}, contracting axes {tuple(src.contract or ())}) "
                     f"than in those it was packed with ({list(axes_only(osrc.chain)) or 'none'}, "
-                    f"contracting {tuple(osrc.contract)}; the file holds them): another function's qparams "
+                    f"contracting {tuple(osrc.contract or ())}; the file holds them): another function's qparams "
                     "(x @ w.T for x @ w?). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
             if not same:
                 raise QParamsMismatchError(

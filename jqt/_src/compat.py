@@ -514,8 +514,21 @@ def where_called(eqn) -> str:
     info = getattr(eqn.params["call_jaxpr"].jaxpr, "debug_info", None)
     src = getattr(info, "func_src_info", None) or ""
     name, _, at = src.partition(" at ")
-    own = name and at and not any(f"{os.sep}{lib}{os.sep}" in at for lib in ("jax", "flax", "equinox"))
+    own = name and at and not any(os.path.abspath(at).startswith(d) for d in _framework_dirs())
     return (f"'{name}' (defined at {at}), " if own else "") + f"at '{name_stack(eqn) or '<top>'}'"
+
+
+@functools.lru_cache(maxsize=None)
+def _framework_dirs() -> tuple:
+    """The installed packages of JAX and the frameworks whose wrappers trace a user's
+    custom_vjp functions (Flax's ``nn.custom_vjp``): their own files name no user code."""
+    import importlib.util
+    dirs = []
+    for lib in ("jax", "flax", "equinox"):
+        spec = importlib.util.find_spec(lib)
+        if spec is not None and spec.submodule_search_locations:
+            dirs += [os.path.join(os.path.abspath(d), "") for d in spec.submodule_search_locations]
+    return tuple(dirs)
 
 
 def is_literal(v) -> bool:

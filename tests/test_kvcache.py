@@ -361,7 +361,7 @@ def test_a_decode_loop_vmapped_with_a_stop_per_sequence(setup):
     assert float(jnp.abs(y[0, 3:]).max()) == 0.0  # the first sequence stopped after 3 tokens
 
 
-def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
+def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype, writes=2):
     """``f(p, tokens, per_row)``, teacher with the second sequence's cache changed from step
     3 on (``per_row``: (B,)) and the first's never: calibrated without a warning, its two
     caches carried quantized (codes of ``code_dtype``, or any non-float where ``None``), the
@@ -371,7 +371,7 @@ def _carried_quantized_as_teacher(f, setup, per_row, kind, code_dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qp = jqt.calibrate(f, rec, p, [(c[0], per_row) for c in cal], progress=False)
-    assert len([k for k in qp if k.startswith("kv_cache")]) == 2
+    assert len([k for k in qp if k.startswith("kv_cache")]) == writes
     carried = _carry_avals(jqt.quantize(f, qp), p, x, per_row)
     assert not [a for a in carried if a.ndim and a.shape[-1] == DH and a.dtype == jnp.float32]
     assert len([a for a in carried if a.ndim == 5 and a.dtype != jnp.float16
@@ -506,6 +506,37 @@ def test_a_cache_slot_cleared_with_zeros_stays_a_cache(setup, kind, zeros, code_
     loop carries a buffer written with dynamic_update_slice."""
     f = functools.partial(teacher_cleared, zeros=zeros)
     _carried_quantized_as_teacher(f, setup, jnp.array([T + 1, 3], jnp.int32), kind, code_dtype)
+
+
+def teacher_cleared_by_write(p, tokens, clear_at, how="at_set"):
+    """teacher_cleared with the slot cleared by a write of zeros, ``cache.at[:, slots].set(0.0,
+    mode="drop")`` (slot B: no sequence) or a ``dynamic_update_slice`` of zeros into the
+    slot of the first sequence cleared (the other one rewritten as it is)."""
+    def body(carry, tok):
+        cache, pos = carry
+        clear = pos == clear_at
+        if how == "at_set":
+            slots = jnp.where(clear, jnp.arange(B), B)
+            cache = tuple(c.at[:, slots].set(0.0, mode="drop") for c in cache)
+        else:
+            row = jnp.argmax(clear)
+            zero = jnp.where(clear.any(), 0.0, 1.0)
+            cache = tuple(lax.dynamic_update_slice(
+                c, zero * lax.dynamic_slice_in_dim(c, row, 1, 1), (0, row, 0, 0, 0)) for c in cache)
+        logits, cache = _step(p, cache, tok, pos, _dus)
+        return (cache, pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
+@pytest.mark.parametrize("how", ["at_set", pytest.param("dus", marks=pytest.mark.slow)])
+def test_a_cache_slot_cleared_by_a_write_of_zeros_stays_a_cache(setup, how):
+    """A slot cleared with ``.at[...].set(0.0)`` (a constant: jqt counted it a weight) or with
+    a dynamic_update_slice is a cache write of its own: the buffer stays the cache, carried
+    quantized, calibrated without a warning, the integer path matching the simulated one.
+    Before, the constant write was no cache write: the whole buffer stayed float, and
+    calibrate said the write "covers part of its last axis" (hunt60_beamcache)."""
+    f = functools.partial(teacher_cleared_by_write, how=how)
+    _carried_quantized_as_teacher(f, setup, jnp.array([T + 1, 3], jnp.int32), True, jnp.int8, writes=4)
 
 
 def test_a_mask_that_varies_along_the_features_is_not_a_cache(setup):
@@ -646,6 +677,48 @@ def test_writes_that_are_not_a_cache_stay_unchanged(setup):
         with pytest.warns(UserWarning, match=said):  # said, not silent
             qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
         assert not [k for k in qp if k.startswith("kv_cache")]
+
+
+def test_keys_written_in_two_halves_are_named_and_a_sink_from_params_is_a_cache_write(setup):
+    """Keys written in two halves of the last axis (rotary features, then the rest): each
+    write covers part of it, and calibrate says so, also where the second half is written
+    on top of the first (it said nothing before: only a write straight into the carried
+    buffer was recorded). A learned sink key written from params (``kc.at[:, 0].set(p[
+    "sink"])``) is a cache write like the token's: the cache stays quantized (it stayed
+    float without a word: the update counted as a weight; hunt60_beamcache)."""
+    p, cal, x = setup
+    p = {**p, "sink": jax.random.normal(jax.random.key(5), (H, DH))}
+
+    def gen(p, toks, how):
+        def body(carry, tok):
+            kc, vc, pos = carry
+            h = p["emb"][tok]
+            q, k, v = [(h @ p["layers"][n][0]).reshape(B, H, DH) for n in ("wq", "wk", "wv")]
+            if how == "halves":
+                kc = kc.at[:, pos, :, :DH // 2].set(k[..., :DH // 2]).at[:, pos, :, DH // 2:].set(k[..., DH // 2:])
+            else:
+                kc = kc.at[:, 0].set(jnp.broadcast_to(p["sink"], (B, H, DH))).at[:, pos + 1].set(k)
+            vc = vc.at[:, pos].set(v)
+            s = jnp.where(jnp.arange(T) <= pos + 1, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
+            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc).reshape(B, H * DH)
+            return (kc, vc, pos + 1), o @ p["layers"]["wo"][0] @ p["out"]
+        z = jnp.zeros((B, T, H, DH))
+        return lax.scan(body, (z, z, jnp.int32(0)), toks.T[:T - 1])[1]
+
+    halves = functools.partial(gen, how="halves")
+    with pytest.warns(UserWarning, match="covers part of its last axis"):
+        qp = jqt.calibrate(halves, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 1  # the values'
+    sink = functools.partial(gen, how="sink")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(sink, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 3
+    carried = _carry_avals(jqt.quantize(sink, qp), p, x)
+    assert [a.dtype for a in carried if a.ndim == 4 and a.shape[-1] == DH] == [jnp.int8, jnp.int8]
+    out = jax.jit(jqt.quantize(sink, qp))(jqt.pack(qp, p), x)
+    np.testing.assert_allclose(out, jqt.quantize(sink, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(out - sink(p, x)).max()) < 0.05 * float(jnp.abs(sink(p, x)).max())
 
 
 def test_bad_cache_types_are_refused():

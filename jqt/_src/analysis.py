@@ -676,7 +676,8 @@ class Analyzer:
                     stack_ids=ins[widx].stack_ids if widx is not None else (),
                     contract=entry.contract(eqn), entry=entry, name_stack=stack,
                     built=widx is not None and ins[widx].built,
-                    zero=widx is not None and ins[widx].zero, call=tuple(self.bodies))
+                    zero=ins[widx].zero if widx is not None else
+                    entry.is_cache and ins[entry.update_index].zero, call=tuple(self.bodies))
 
     def _hop(self, plan, i, eqn, ins, stack, unread=frozenset()):
         """A higher-order equation: its bodies analyzed; ``unread``: the indices of its
@@ -773,6 +774,8 @@ class Analyzer:
         buf, where = eqn.invars[0], f"'{stack or '<top>'}'" + self._inside()
         if compat.is_literal(buf) or buf.aval.ndim < 2:
             return
+        if buf in self._missed:  # a write on top of one missed (keys written in two halves):
+            self._missed[eqn.outvars[0]] = self._missed[buf]  # reading it reads that buffer
         if jnp.issubdtype(buf.aval.dtype, jnp.complexfloating) and ins[0].buffer:
             self._missed[eqn.outvars[0]] = ins[0].buffer
             self.cache_near_misses.append((where, ins[0].buffer, (

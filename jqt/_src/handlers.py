@@ -587,7 +587,7 @@ def cache_write(site, eqn, invals, ctx):
             f"jqt: qparams['{site.key}'] describes a {qp.op}, but the function writes its cache "
             f"with {site.op} there. Re-calibrate for this function.")
     with compat.op_scope(site.key, cache=True):  # an error JAX raises differentiating it names the cache
-        return kvcache.write(eqn, invals, site.entry.update_index, qp.lhs.qtype)
+        return kvcache.write(eqn, invals, site.entry.update_index, qp.lhs.qtype, zero=site.zero)
 
 
 class Simulate:

@@ -86,7 +86,7 @@ def _scan_subs(eqn, infos, scan_id):
         # stacked too: each iteration reads another layer, with ranges of its own
         inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None or info.weight
                                                                else ()),
-                             buffer=info.buffer, built=info.built,
+                             buffer=info.buffer, writes=info.writes, built=info.built,
                              computed=info.computed, unflat=info.unflat))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]

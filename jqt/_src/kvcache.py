@@ -350,10 +350,12 @@ def materialize(values, variables):
     return [decode(x, v.aval.dtype) if is_cache(x) else x for x, v in zip(values, variables)]
 
 
-def write(eqn, invals, update_index, qtype):
+def write(eqn, invals, update_index, qtype, zero=False):
     """A ``dynamic_update_slice`` / ``scatter`` into a cache: the update is quantized per
     vector and its codes and scales are written with the same indices. Into a float
-    buffer, the update is written as the cache would hold it."""
+    buffer, the update is written as the cache would hold it. ``zero``: the update is
+    zeros (a slot cleared, ``cache.at[slot].set(0.0)``): the codes and scales of one zero
+    vector, broadcast, not a block of the cache's size encoded each step."""
     buf, upd = invals[0], invals[update_index]
     same = is_cache(buf) and is_cache(upd) and upd.qtype == buf.qtype \
         and _holds_fp8_bits(upd) == _holds_fp8_bits(buf)
@@ -365,7 +367,14 @@ def write(eqn, invals, update_index, qtype):
         return compat.bind_eqn(eqn, vals)
     # a view of the cache written back into it (a window shifted in place, cache[1:] into
     # cache[:-1]) keeps its codes and scales: the values the simulation re-quantizes to
-    u = upd if same else encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
+    if same:
+        u = upd
+    elif zero:
+        one = encode(jnp.zeros(upd.shape[-1:], _F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
+        u = dataclasses.replace(one, values=jnp.broadcast_to(one.values, upd.shape[:-1] + one.values.shape),
+                                scale=jnp.broadcast_to(one.scale, upd.shape[:-1] + one.scale.shape))
+    else:
+        u = encode(upd.astype(_F32), qtype, _holds_fp8_bits(buf), buf.float_dtype)
 
     def put(b, x):
         vals = list(invals)

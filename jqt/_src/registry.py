@@ -347,7 +347,7 @@ class CacheWrite:
 
     def is_site(self, eqn, ins):
         buf, upd = eqn.invars[0].aval, eqn.invars[self.update_index].aval
-        if not ins[0].buffer or ins[self.update_index].weight or buf.ndim < 2 \
+        if not ins[0].buffer or buf.ndim < 2 \
                 or not jnp.issubdtype(buf.dtype, jnp.floating):
             return False
         if self.name == "dynamic_update_slice":

@@ -626,6 +626,41 @@ def test_an_equinox_loop_writing_its_cache_through_buffers_is_named():
     assert not [k for k in qp if k.startswith("kv_cache")]
 
 
+@pytest.mark.parametrize("kind", ["lax", pytest.param("checkpointed", marks=pytest.mark.slow)])
+def test_an_equinox_decode_loop_after_a_quantized_prefill_is_named(kind):
+    """A prefill in a ``lax.scan`` (its cache quantized) and the decode in
+    ``equinox.internal.while_loop(kind="lax" or "checkpointed")``, whose cache Equinox's
+    ``select_if_vmap`` passes on where jqt sees no copy: the decode's cache stays float,
+    and calibrate says so, naming the kind written (it said nothing: the note rode only on
+    the warning that no loop carries a cache, which the prefill's cache silenced; and
+    it named kind="lax" for a checkpointed loop; hunt60_eqxdecode)."""
+    import equinox.internal as eqxi
+
+    def gen(p, xs):
+        def step(kc, pos, x):
+            kc = kc.at[pos].set(x @ p)
+            return kc, jnp.tanh(jnp.einsum("d,td->d", x, kc))
+
+        def pre(c, x):
+            kc, pos = c
+            kc, y = step(kc, pos, x)
+            return (kc, pos + 1), y
+        (kc, pos), ys = lax.scan(pre, (jnp.zeros((6, 8)), 0), xs)
+
+        def body(c):
+            kc, pos, x = c
+            kc, y = step(kc, pos, x)
+            return kc, pos + 1, y
+        return eqxi.while_loop(lambda c: c[1] < 6, body, (kc, pos, ys[-1]), max_steps=6, kind=kind)[2]
+
+    w, xs = jax.random.normal(jax.random.key(0), (8, 8)) * 8 ** -0.5, jnp.ones((2, 8))
+    with pytest.warns(UserWarning, match=r"jqt quantizes those 'kv_cache_0' write, but f runs Equinox's "
+                                         r"'select_if_vmap' \(while_loop\(kind=\"lax\" or \"checkpointed\"\)\)"
+                                         r".*\(kind=\"bounded\""):
+        qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), w, [(xs,)], progress=False)
+    assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the prefill's
+
+
 # --------------------------------------------------------------------------- Keras 3 (JAX backend)
 
 

@@ -224,7 +224,7 @@ def _rolled(eqn, ins, sliced) -> tuple:
     return tuple(dict.fromkeys(b for q in parts for b in q)) if all(parts) else ()
 
 
-EQUINOX_HIDES = {"maybe_set": "while_loop's buffers=", "select_if_vmap": 'while_loop(kind="lax")'}
+EQUINOX_HIDES = {"maybe_set": "while_loop's buffers=", "select_if_vmap": 'while_loop(kind="lax" or "checkpointed")'}
 """Equinox's primitives that write or copy a loop's carry where jqt does not see a cache
 write or a copy: the cache stays float, and calibrate's warning names them."""
 

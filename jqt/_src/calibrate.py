@@ -672,7 +672,9 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                 "cache write or copy: a cache written through it stays float. Decode with "
                 "equinox.internal.while_loop(kind=\"bounded\") without buffers=, or a lax.scan or "
                 "lax.while_loop (docs/generate.md).") if eqx else ""
+    said_eqx = not (wants_cache and eqx)  # the note, once: in a warning below or on its own
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
+        said_eqx = True
         diagnostics.warn("jqt.calibrate: the recipe quantizes key/value caches (kv_cache="
                          f"{wants_cache[0].kv_cache.describe()!r}), but no loop of f carries a buffer "
                          "that a dynamic_update_slice or .at[...].set writes whole vectors into and "
@@ -712,6 +714,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             those = "those buffers stay"
         more = "; ".join(f"{_loop_named(w, who)} ({', '.join(s for s, _ in b)})" for w, b in others[:3]) \
             + (f"; and {len(others) - 3} more loops" if len(others) > 3 else "")
+        said_eqx = True
         diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {which} "
                          f"that no dynamic_update_slice or .at[...].set writes: {those} "
                          "float. If such a buffer is updated with jnp.where(mask, new, cache), write it "
@@ -719,6 +722,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "(cross-attention over an encoder's output) are no cache and stay float "
                          "(docs/generate.md)."
                          + (f" The same holds for the buffers of {more}." if others else "") + eqx_note)
+    if not said_eqx:  # caches found elsewhere (a prefill's lax.scan): the loop Equinox runs
+        found = sorted({s.key for s in sites if s.entry.is_cache})  # may be the decode's
+        diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches; jqt quantizes "
+                         f"those {listed(found)} write, but" + eqx_note[:-len(" (docs/generate.md).")]
+                         + " (docs/generate.md).")
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):

@@ -195,3 +195,30 @@ def test_clear_errors():
     bad = {"w": dataclasses.replace(qp["w"], accumulator=16)}
     with pytest.raises(ValueError, match="op 'w' asks for an int16 accumulator.*weight-only"):
         jqt.quantize(f, bad)
+
+
+def test_an_op_kept_float_by_hand_under_a_narrow_accumulator_runs_on_every_path():
+    """An op made float by hand (``lhs=None, rhs=None``, as debugging.md and
+    ``jqt.sensitivity``'s own error advise), its ``accumulator=16`` kept, has no integer
+    sums to saturate: the simulated path, report, sensitivity and fallback run it float,
+    as the integer path does (they raised AttributeError from the sums' missing operand
+    type; hunt60_sensitivity)."""
+    f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    p = {"a": jnp.eye(4), "b": jnp.ones((4, 2))}
+    x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    rec = jqt.recipes.w8a8(accumulator=16)
+    qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    kept = dict(qp, a=dataclasses.replace(qp["a"], lhs=None, rhs=None))
+    np.testing.assert_allclose(jqt.quantize(f, kept, simulate=True)(p, x), jqt.quantize(f, kept)(p, x),
+                               rtol=1e-5, atol=1e-5)
+    rows = {r.key: r for r in jqt.report(f, kept, p, (x,)).rows}
+    assert rows["a"].sqnr_isolated is None or not np.isfinite(rows["a"].sqnr_isolated) \
+        or rows["a"].sqnr_isolated > 100
+    metric = lambda g: float(jnp.abs(g(p, x) - f(p, x)).max())
+    on = {sim: jqt.sensitivity(f, qp, metric, simulate=sim, higher_is_better=False)
+          for sim in (False, True)}
+    assert [r.key for r in on[True].rows] == [r.key for r in on[False].rows]
+    for a, b in zip(on[True].rows, on[False].rows):
+        np.testing.assert_allclose(a.alone, b.alone, rtol=1e-4, atol=1e-6)
+    jqt.fallback(f, rec, p, [(x,)], metric, max_drop=0.0, higher_is_better=False, simulate=True,
+                 progress=False)

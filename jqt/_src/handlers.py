@@ -626,7 +626,7 @@ class Simulate:
             wide = jnp.promote_types(vals[0].dtype, vals[1].dtype)
             vals[:2] = [v.astype(wide) for v in vals[:2]]
         out = compat.bind_eqn(eqn, vals)
-        if qp.accumulator < accumulator.WIDEST:
+        if qp.accumulator < accumulator.WIDEST and not qp.is_float:  # (a float op: no sums)
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
                                         qp.accumulator)]
         return out

@@ -110,7 +110,7 @@ class _Measure:
             if role == "x":
                 hist = _histogram(x, lo.reshape(()), hi.reshape(()))
         st["hist"] = hist
-        if qp.accumulator < accumulator.WIDEST:
+        if qp.accumulator < accumulator.WIDEST and not qp.is_float:
             sums = exact_sums(site, eqn, qp, packed, xq)
             st["acc_sat"] = accumulator.saturated(sums, qp.accumulator)
             st["acc_n"] = jnp.float32(sums.size)

@@ -407,6 +407,28 @@ def test_a_float16_activation_is_rotated_without_overflow():
         assert float(np.abs(np.asarray(y, np.float32) - ref).max()) < 0.03 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("recipe", [jqt.recipes.w8a8(rotate=True), jqt.recipes.w8(rotate=True),
+                                    jqt.recipes.w4(group_size=32, rotate=True)], ids=["w8a8", "w8", "w4"])
+def test_a_float16_activation_rotated_past_65504_keeps_its_values(recipe):
+    """Every float16 input is within range, yet the rotated activation is not: a rotation
+    keeps a vector's length, not its largest element (64 inputs of about 9000 rotate to
+    one of about 72000). The transformed operand stays float32 on both paths, the output
+    float16 and as the float32 copy computes it. Before, the simulated path clipped it to
+    65504 (errors 0.10-0.17) and the weight-only integer path cast it to inf (hunt60_algocombo)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(8000, 10000, size=(8, 64)), jnp.float16)
+    p = {"w": jnp.asarray(rng.normal(size=(64, 8)) * 0.01, jnp.float16)}
+    ref = np.asarray(f(p, x), np.float32)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    wide = np.asarray(jqt.quantize(f, qp)(jax.tree.map(lambda a: a.astype(jnp.float32), p),
+                                          x.astype(jnp.float32)))
+    for y in (jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x), jqt.quantize(f, qp, simulate=True)(p, x)):
+        assert y.dtype == jnp.float16
+        y = np.asarray(y, np.float32)
+        assert np.isfinite(y).all()
+        assert float(np.abs(y - wide).max()) < 0.01 * np.abs(ref).max()
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_gptq_says_when_a_bfloat16_cast_moves_the_codes_it_chose():
     """GPTQ re-rounds in float32 and returns the params' dtype. Under a rotation, the

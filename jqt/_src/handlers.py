@@ -614,12 +614,13 @@ class Simulate:
                 continue
             if not qp.is_float:
                 vals[i] = transformed(site, qp, i, vals[i])
+            moved = vals[i] is not invals[i]  # smoothed or rotated
             if q is not None:
                 x = live_only(site, i, invals, vals[i].astype(jnp.promote_types(vals[i].dtype, _F32)))
                 s, z = _expanded(site, i, x.shape, q, *operand_params(site, i, x, q))
                 vals[i] = nx.fake_quant(x, s, z, q.qtype)
             if vals[i] is not invals[i]:  # a transformed weight is float32
-                vals[i] = nx.cast_finite(vals[i], _sim_dtype(eqn, invals, i))
+                vals[i] = nx.cast_finite(vals[i], (_transformed_dtype if moved else _sim_dtype)(eqn, invals, i))
         if invals[0].dtype == invals[1].dtype and vals[0].dtype != vals[1].dtype:
             # one operand widened to the output's dtype (weight-only, preferred_element_type):
             # the other with it, exactly, as a conv takes operands of one dtype only
@@ -641,6 +642,15 @@ def live_only(site, i, invals, x):
     if live is None:
         return x
     return jnp.where((jnp.arange(x.shape[0]) < live)[:, None], x, jnp.zeros_like(x))
+
+
+def _transformed_dtype(eqn, invals, i):
+    """:func:`_sim_dtype` for an operand smoothed or rotated: float32 where that is
+    float16, whose 65504 the transformed values can pass (a rotation keeps a vector's
+    length, not its largest element: 64 float16 inputs of 9000 rotate to one of 72000);
+    the other operand is widened with it, and the output cast back to float16."""
+    d = _sim_dtype(eqn, invals, i)
+    return _F32 if d == jnp.float16 else d
 
 
 def _sim_dtype(eqn, invals, i):
@@ -774,7 +784,7 @@ class Integer:
                 continue
             x = ops[i] = transformed(site, qp, i, invals[i])
             if q is None:  # a transformed weight is float32, an integer activation too
-                ops[i] = x if x is invals[i] else x.astype(_sim_dtype(eqn, invals, i))
+                ops[i] = x if x is invals[i] else x.astype(_transformed_dtype(eqn, invals, i))
                 continue
             x = live_only(site, i, invals, x)
             s, z = operand_params(site, i, x, q)

@@ -660,6 +660,18 @@ def test_an_equinox_decode_loop_after_a_quantized_prefill_is_named(kind):
         qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), w, [(xs,)], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the prefill's
 
+    def half(p, x):  # no cache found, a near miss: the note joins its warning, once
+        def body(c):
+            kc, pos, x = c
+            kc = kc.at[pos, :4].set((x @ p)[:4])
+            return kc, pos + 1, jnp.tanh(jnp.einsum("d,td->d", x, kc))
+        return eqxi.while_loop(lambda c: c[1] < 6, body, (jnp.zeros((6, 8)), 0, x), max_steps=6, kind=kind)[2]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(half, jqt.recipes.w8(kv_cache=True), w, [(xs[0],)], progress=False)
+    said = [str(m.message) for m in got if "select_if_vmap" in str(m.message)]
+    assert len(said) == 1 and "covers part of its last axis" in said[0] and "jqt quantizes those" not in said[0]
+
 
 # --------------------------------------------------------------------------- Keras 3 (JAX backend)
 

@@ -427,6 +427,13 @@ def test_a_float16_activation_rotated_past_65504_keeps_its_values(recipe):
         y = np.asarray(y, np.float32)
         assert np.isfinite(y).all()
         assert float(np.abs(y - wide).max()) < 0.01 * np.abs(ref).max()
+    # a dot_general with no preferred_element_type (lax.dot_general's, flax's nn.Dense's)
+    # and a float16 op after it: the output stays float16 (a review of the change found
+    # the simulated path returning float32, and lax.add refusing float32 + float16)
+    g = lambda p, x: jax.lax.dot_general(x, p["w"], (((1,), (0,)), ((), ()))) + p["w"][0]
+    qp = jqt.calibrate(g, recipe, p, [(x,)], progress=False)
+    assert jqt.quantize(g, qp, simulate=True)(p, x).dtype == jnp.float16
+    jqt.gptq(g, qp, p, [(x,)], progress=False)  # runs the simulated path
 
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature

@@ -696,8 +696,10 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             which = (f"That buffer ({names[0]}) stays" if len(names) == 1 else
                      f"These {len(names)} buffers ({', '.join(names[:6])}"
                      f"{' ...' if len(names) > 6 else ''}) stay")
+            note = "" if said_eqx else eqx_note  # (once)
+            said_eqx = True
             diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches, but at {where} "
-                             f"{why}. {which} float (docs/generate.md).")
+                             f"{why}. {which} float (docs/generate.md)." + note)
     if wants_cache and lookalikes and any(s.entry.is_cache for s in sites):
         loops = {}  # loop id -> (who, [(slot, aval)]): each loop's buffers, named
         for who, where, aval, loop, _ in lookalikes:

@@ -627,6 +627,9 @@ class Simulate:
             wide = jnp.promote_types(vals[0].dtype, vals[1].dtype)
             vals[:2] = [v.astype(wide) for v in vals[:2]]
         out = compat.bind_eqn(eqn, vals)
+        if out[0].dtype != eqn.outvars[0].aval.dtype:  # float16 operands kept float32 where
+            # transformed (a dot_general with no preferred_element_type returns float32)
+            out = [out[0].astype(eqn.outvars[0].aval.dtype)] + list(out[1:])
         if qp.accumulator < accumulator.WIDEST and not qp.is_float:  # (a float op: no sums)
             out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
                                         qp.accumulator)]

@@ -720,6 +720,18 @@ def test_keys_written_in_two_halves_are_named_and_a_sink_from_params_is_a_cache_
     np.testing.assert_allclose(out, jqt.quantize(sink, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(out - sink(p, x)).max()) < 0.05 * float(jnp.abs(sink(p, x)).max())
 
+    def stacked(p, x):  # a buffer only weights are written into (layers stacked): no cache
+        def body(c, i):
+            h, buf = c
+            buf = buf.at[i].set(p["layers"]["wq"][i])
+            return (jnp.tanh(h @ buf[i]), buf), None
+        return lax.scan(body, (p["emb"][x[:, 0]], jnp.zeros((L, DM, H * DH))), jnp.arange(L))[0][0]
+    with pytest.warns(UserWarning, match="no loop of f carries a buffer"):
+        qp = jqt.calibrate(stacked, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert not [k for k in qp if k.startswith("kv_cache")]
+    plain = jqt.calibrate(stacked, jqt.recipes.w8(), p, cal, progress=False)
+    np.testing.assert_array_equal(jqt.quantize(stacked, qp)(p, x), jqt.quantize(stacked, plain)(p, x))
+
 
 def test_bad_cache_types_are_refused():
     with pytest.raises(ValueError, match="KV cache type"):

@@ -262,6 +262,9 @@ class Analyzer:
         self._missed: dict = {}  # var -> buffers: the result of such a write
         self._missed_reads: set = set()  # buffers whose such results an op reads
         self.call_writes = 0  # writes into a buffer f takes (keyed once f returns it: _boundary)
+        # keys of the cache writes of a weight (zeros clearing a slot, a learned sink key): a
+        # buffer only these write holds no data (a loop stacking weights): no cache
+        self.weight_writes = set()
         self.jqt_prims: set = set()  # jqt's own primitives f runs (a function jqt.quantize returned)
         # Equinox's primitives that hide a cache write or copy from jqt (while_loop's
         # buffers= and kind="lax"), named by the warning that no cache was found
@@ -398,6 +401,8 @@ class Analyzer:
             self.empty_ops += empty
             if entry is not None and entry.is_site(eqn, ins) and not empty:
                 site = plan.sites[i] = self._site(entry, entry.weight_operand(eqn, ins), eqn, ins, stack)
+                if entry.is_cache and ins[entry.update_index].weight:
+                    self.weight_writes.add(site.key)
                 if entry.is_cache and shape is not None:  # still the reshaped buffer
                     outs = [VarInfo(False, unflat=(ins[0].buffer, ins[0].writes + (site.key,), shape))]
                 elif entry.is_cache:  # the buffer after the write: still the loop's buffer
@@ -573,7 +578,7 @@ class Analyzer:
         evaluation order; the keys of the writes kept."""
         found = {j: (info.buffer[0][1], info.writes) for j, info in enumerate(out_infos)
                  if info.writes and info.buffer and info.buffer[0][0] == CALL
-                 and info.buffer[0] in self.reads}
+                 and info.buffer[0] in self.reads and not set(info.writes) <= self.weight_writes}
         held = {w for _, ws in found.values() for w in ws}
         names = {}
         for site in plan.all_sites():
@@ -740,6 +745,7 @@ class Analyzer:
         caches = {}
         if hop.outs is not None:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
+            caches = {k: w for k, w in caches.items() if not set(w) <= self.weight_writes}
             w = all(info.weight for info in ins)
             # a loop or cond over values f builds (iota, scalar literals) builds its outputs:
             # lax.map/fori_loop of a filterbank's rows (a constant its bodies read is a weight)

@@ -844,6 +844,41 @@ def test_attention_projections_on_explicit_axes_without_a_context_mesh():
                        for g in (False, True)), r
 
 
+def test_pack_of_a_row_parallel_projection_split_over_heads():
+    """``jqt.pack`` of ``einsum('bthe,hed->btd')``'s weight (H, E, D) split over heads on
+    Explicit axes (Megatron's row-parallel output projection kept split): its K, (E, H),
+    merges the split heads under E, which JAX cannot type, and pack raised its
+    ShardingTypeError inside jqt, in and outside ``jax.set_mesh`` (hunt60_sharddocs). The
+    heads are gathered for the merge; the packed weight runs as the whole one packed."""
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, numpy as np, jqt
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((4,), ("model",))  # Explicit axes
+        rng = np.random.default_rng(0)
+        f = lambda p, x: jnp.einsum("bthe,hed->btd", x, p["w"])
+        p = {"w": jnp.asarray(rng.standard_normal((4, 8, 32)) * 0.1, jnp.float32)}
+        x = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+        split = {"w": jax.device_put(p["w"], NamedSharding(mesh, P("model")))}
+        R = {}
+        for name, r in (("w8a8", jqt.recipes.w8a8()), ("w8", jqt.recipes.w8()), ("fp8", jqt.recipes.fp8())):
+            qp = jqt.calibrate(f, r, p, [(x,)], progress=False)
+            want = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
+            for where in ("outside", "inside"):
+                try:
+                    if where == "inside":
+                        with jax.set_mesh(mesh):
+                            pk = jqt.pack(qp, split)
+                    else:
+                        pk = jqt.pack(qp, split)
+                    y = jax.jit(jqt.quantize(f, qp))(pk, x)
+                    R[f"{name} {where}"] = float(jnp.abs(y - want).max())
+                except Exception as e:
+                    R[f"{name} {where}"] = f"{type(e).__name__}: {e}"[:300]
+        print("RESULT" + json.dumps(R))
+    """, 4)
+    assert all(isinstance(v, float) and v < 1e-5 for v in r.values()), r
+
+
 def test_a_decode_step_inside_shard_map_takes_back_its_quantized_cache():
     """``jax.shard_map`` around a quantized decode step (the batch split, the cache taken
     and returned): the second call, given back the ``QArray`` cache the first returned

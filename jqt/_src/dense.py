@@ -75,7 +75,16 @@ class DenseAxes:
         """Weight in operand layout (after ``depth`` stacked axes) -> ``(..., N, K)`` or ``(..., K, N)``."""
         perm = self._wperm(layout)
         a2 = jnp.transpose(a, tuple(range(depth)) + tuple(d + depth for d in perm))
-        return a2.reshape(a.shape[:depth] + self.shape_2d(a.shape[depth:], layout))
+        shape = a.shape[:depth] + self.shape_2d(a.shape[depth:], layout)
+        try:
+            return compat.reshape(a2, shape)
+        except compat.UntypedReshape:
+            # a split axis merged under a major one (a row-parallel (H, E, D) projection split
+            # over heads, its K (E, H)): those axes gathered, the result split as JAX types
+            # it (jqt.packed_shardings places a packed weight as the kernels read it)
+            first = self._wperm(layout)[:len(self.w_free if layout == "nk" else self.w_contract)]
+            minor = [depth + i for i in range(len(perm)) if i not in (0, len(first))]
+            return compat.unsplit(a2, minor).reshape(shape)
 
     def weight_from_2d(self, a, layout, shape):
         """Inverse of :meth:`weight_2d` for one layer: back to the operand ``shape``."""

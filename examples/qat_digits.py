@@ -14,6 +14,7 @@ PTQ lost, or if the integer path does not run what the simulated path
 trained. Needs the examples extra (``pip install -e .[examples]``); 15 to 30 s
 on a 2-core CPU.
 """
+import argparse
 import os
 import sys
 import time
@@ -171,4 +172,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # no options: --help says what it runs, and a flag meant for another example is refused
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     main()

@@ -7,6 +7,7 @@ digits dataset bundled with scikit-learn (no download). Runs in about 20 s
 on a 2-core CPU. Exits with an error if w8a8 loses more than 1 point of accuracy
 or the integer program does not hold one integer op per quantized op.
 """
+import argparse
 import json
 import time
 
@@ -178,4 +179,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # no options: --help says what it runs, and a flag meant for another example is refused
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     main()

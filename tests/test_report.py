@@ -957,6 +957,14 @@ def test_report_as_dicts_str_and_plot(chain_setup, tmp_path):
     rep.plot(str(png))
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    # a PNG at the path as named: without an extension, or another one (matplotlib added
+    # ".png", or wrote a PDF; hunt60_examples)
+    for name in ("r", "r.pdf"):
+        rep.plot(tmp_path / name)
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "r.png.png").exists() and not (tmp_path / "r.pdf.png").exists()
+    with pytest.raises(ValueError, match=r"Report.plot: histograms=-1"):  # (named Report.worst's n)
+        rep.plot(tmp_path / "bad.png", histograms=-1)
 
 
 def test_report_rejects_bad_inputs(chain_setup):

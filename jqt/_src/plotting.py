@@ -29,7 +29,8 @@ def plot_report(report, path, histograms):
     ax.bar(idx + 0.2, [finite(r.sqnr_cumulative) for r in rows], 0.4, label="with all earlier ops")
     ax.set_xticks(idx, [r.name for r in rows], rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("output SQNR (dB)")
-    ax.set_title(f"per-op SQNR; model output {report.output_sqnr:.1f} dB")
+    ax.set_title("per-op SQNR; model output " + (f"{report.output_sqnr:.1f} dB" if np.isfinite(report.output_sqnr)
+                                                  or report.output_sqnr == np.inf else "not measured (no float output)"))
     ax.legend(fontsize=8)
     for n, r in enumerate(worst):
         a = fig.add_subplot(grid[1 + n // ncols, n % ncols])
@@ -43,6 +44,6 @@ def plot_report(report, path, histograms):
         a.set_title(f"{r.name}: {r.sqnr_isolated:.1f} dB, clip {100 * r.act_clip:.2f}%"
                     + (f", {int(out)} beyond plot" if out else ""), fontsize=8)
         a.tick_params(labelsize=7)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # at path as named, whatever its extension
     plt.close(fig)
 

@@ -314,12 +314,15 @@ class Report:
         return "\n".join(out)
 
     def plot(self, path: str, *, histograms: int = 6) -> None:
-        """Writes a PNG: per-op SQNR bars (alone and cumulative) and the activation
-        histograms of the ``histograms`` worst ops with their quantized range.
-        Needs matplotlib (``pip install jqt[plot]``)."""
+        """Writes a PNG to ``path`` as named (whatever its extension): per-op SQNR bars
+        (alone and cumulative) and the activation histograms of the ``histograms`` worst
+        ops with their quantized range. Needs matplotlib (``pip install jqt[plot]``)."""
         if not isinstance(path, (str, os.PathLike)) and not hasattr(path, "write"):
             raise TypeError(f"Report.plot: path is a {type(path).__name__}; pass the file to "
                             "write the PNG to, a str or pathlib.Path (or a binary file object).")
+        if isinstance(histograms, bool) or not isinstance(histograms, (int, np.integer)) or histograms < 0:
+            raise ValueError(f"Report.plot: histograms={histograms!r}; expected a count of ops >= 0 "
+                             "whose activation histograms to draw, e.g. histograms=6 (0: none).")
         plot_report(self, path, histograms)
 
 

@@ -874,6 +874,18 @@ def test_pack_of_a_row_parallel_projection_split_over_heads():
                     R[f"{name} {where}"] = float(jnp.abs(y - want).max())
                 except Exception as e:
                     R[f"{name} {where}"] = f"{type(e).__name__}: {e}"[:300]
+        # two contracted and two free axes (both groups merged: JAX types one at a time)
+        g = lambda p, x: jnp.einsum("bhe,hemn->bmn", x, p["w"])
+        p4 = {"w": jnp.asarray(rng.standard_normal((4, 2, 4, 6)) * 0.1, jnp.float32)}
+        x4 = jnp.asarray(rng.standard_normal((3, 4, 2)), jnp.float32)
+        split4 = {"w": jax.device_put(p4["w"], NamedSharding(mesh, P(None, None, "model")))}
+        for name, r in (("w8a8", jqt.recipes.w8a8()), ("w8", jqt.recipes.w8())):
+            qp = jqt.calibrate(g, r, p4, [(x4,)], progress=False)
+            want = jqt.quantize(g, qp)(jqt.pack(qp, p4), x4)
+            try:
+                R[f"{name} 2+2"] = float(jnp.abs(jax.jit(jqt.quantize(g, qp))(jqt.pack(qp, split4), x4) - want).max())
+            except Exception as e:
+                R[f"{name} 2+2"] = f"{type(e).__name__}: {e}"[:300]
         print("RESULT" + json.dumps(R))
     """, 4)
     assert all(isinstance(v, float) and v < 1e-5 for v in r.values()), r

@@ -82,9 +82,12 @@ class DenseAxes:
             # a split axis merged under a major one (a row-parallel (H, E, D) projection split
             # over heads, its K (E, H)): those axes gathered, the result split as JAX types
             # it (jqt.packed_shardings places a packed weight as the kernels read it)
-            first = self._wperm(layout)[:len(self.w_free if layout == "nk" else self.w_contract)]
-            minor = [depth + i for i in range(len(perm)) if i not in (0, len(first))]
-            return compat.unsplit(a2, minor).reshape(shape)
+            g = len(self.w_free if layout == "nk" else self.w_contract)  # the first group's axes
+            minor = [depth + i for i in range(len(perm)) if i not in (0, g)]
+            a2 = compat.unsplit(a2, minor)
+            # one group at a time: JAX types a merge of one group, not of two at once
+            a2 = a2.reshape(a.shape[:depth] + (math.prod(a2.shape[depth:depth + g]),) + a2.shape[depth + g:])
+            return a2.reshape(shape)
 
     def weight_from_2d(self, a, layout, shape):
         """Inverse of :meth:`weight_2d` for one layer: back to the operand ``shape``."""

@@ -29,8 +29,8 @@ def plot_report(report, path, histograms):
     ax.bar(idx + 0.2, [finite(r.sqnr_cumulative) for r in rows], 0.4, label="with all earlier ops")
     ax.set_xticks(idx, [r.name for r in rows], rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("output SQNR (dB)")
-    ax.set_title("per-op SQNR; model output " + (f"{report.output_sqnr:.1f} dB" if np.isfinite(report.output_sqnr)
-                                                  or report.output_sqnr == np.inf else "not measured (no float output)"))
+    ax.set_title("per-op SQNR; model output " + ("not measured (no float output)" if np.isnan(report.output_sqnr)
+                                                  else f"{report.output_sqnr:.1f} dB"))
     ax.legend(fontsize=8)
     for n, r in enumerate(worst):
         a = fig.add_subplot(grid[1 + n // ncols, n % ncols])

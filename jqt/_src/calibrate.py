@@ -727,8 +727,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     if not said_eqx:  # caches found elsewhere (a prefill's lax.scan): the loop Equinox runs
         found = sorted({s.key for s in sites if s.entry.is_cache})  # may be the decode's
         diagnostics.warn(f"jqt.calibrate: the recipe quantizes key/value caches; jqt quantizes "
-                         f"those {listed(found)} write, but" + eqx_note[:-len(" (docs/generate.md).")]
-                         + " (docs/generate.md).")
+                         f"those {listed(found)} write, but" + eqx_note)
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):

@@ -1968,6 +1968,22 @@ def test_rule_settings_that_can_never_apply_are_refused():
     r = jqt.Recipe(rules=(jqt.Rule(ops=("dot_general",), weight=W8, kv_cache="fp8"), *jqt.recipes.w8().rules))
     msgs = _messages(lambda: jqt.calibrate(cached, r, p, [(jnp.ones((5, 4)),)], progress=False))
     assert any("sets kv_cache=" in m and m.endswith("Add 'scatter' to its ops=.") for m in msgs), msgs
+    # hunt61_badinput: a rule whose ops= take the writes (or lookups) but whose key matches
+    # only the projections decided them and lost its kv_cache= (embedding=) without a word
+    for rule in (jqt.Rule(key="w", weight=W8, kv_cache="int4"), jqt.Rule(key="w", weight=W8, embedding=I4)):
+        tables = rule.embedding is not None
+        g = (lambda p, xs: p["emb"][xs[:, 0].astype(jnp.int32)] @ p["w"] + xs) if tables else cached
+        r = jqt.Recipe(rules=(rule, *jqt.recipes.w8().rules))
+        msgs = _messages(lambda: jqt.calibrate(g, r, p, [(jnp.ones((5, 4)),)], progress=False))
+        what = "embedding=, but its key matches none of the lookups, which take keys of their own ('emb')" \
+            if tables else ("kv_cache=, but its key matches none of the cache writes, which take keys of "
+                            "their own ('kv_cache_0'): its kv_cache= is not used. Widen its key to match "
+                            "them (key='w|kv_cache_')")
+        assert any(f"rule 0 (Rule(key='w')) sets {what}" in m for m in msgs), msgs
+        # a key that matches them: nothing said
+        ok = jqt.Recipe(rules=(dataclasses.replace(rule, key="w|emb|kv_cache_"), *jqt.recipes.w8().rules))
+        msgs = _messages(lambda: jqt.calibrate(g, ok, p, [(jnp.ones((5, 4)),)], progress=False))
+        assert not any("its key matches none" in m for m in msgs), msgs
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

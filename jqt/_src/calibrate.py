@@ -731,7 +731,18 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     for i, r in enumerate(recipe.rules):  # a type its own ops= keep from the ops it names
         for field, prims, what in (("embedding", ("gather",), "lookups"),
                                    ("kv_cache", ("dynamic_update_slice", "scatter"), "cache writes")):
-            if getattr(r, field) is None or set(prims) & set(r.ops):
+            if getattr(r, field) is None:
+                continue
+            if set(prims) & set(r.ops):  # its key: one that misses every such op loses the type
+                theirs = [s.key for s in sites if s.op in prims and (field == "embedding") != s.entry.is_cache]
+                if theirs and any(c is r for c in chosen.values()) \
+                        and not any(re.search(r.key, k) for k in theirs):
+                    hint = "kv_cache_" if field == "kv_cache" else "|".join(re.escape(k) for k in theirs[:3])
+                    diagnostics.warn(
+                        f"jqt.calibrate: rule {i} ({_named(r)}) sets {field}=, but its key matches "
+                        f"none of the {what}, which take keys of their own ({listed(theirs)}): its "
+                        f"{field}= is not used. Widen its key to match them (key={r.key + '|' + hint!r}) "
+                        f"or give them a rule of their own (docs/{'generate' if field == 'kv_cache' else 'formats'}.md).")
                 continue
             # the ops it names that no earlier rule takes (those it could never have typed)
             later = lambda e: e is None or next(j for j, x in enumerate(recipe.rules) if x is e) > i
@@ -1118,7 +1129,8 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
         if rule.kv_cache is None:
             return float_(f"key/value cache kept float by the rule {_named(rule)}, which "
                           "sets no kv_cache=" if rule.key != ".*" else
-                          "key/value cache kept float (kv_cache=True on a preset quantizes it)")
+                          "key/value cache kept float (kv_cache=True on a preset, or a rule with "
+                          "kv_cache= whose key matches this op's, quantizes it)")
         return OpQParams(lhs=QArray(qtype=rule.kv_cache), rhs=None, **base)
     why = kept_as_is([v.aval.dtype for v in site.eqn.invars])
     if why is not None:

@@ -331,6 +331,16 @@ def test_entropy_clips_far_outliers():
         c.range(_observe(c, x), jqt.QuantType(bits=16))
     lo, hi = c.range(c.empty(None), SYM8)
     assert lo == np.inf and hi == -np.inf
+    # hunt61_docsclaims3: data far from 0 (1 + |N|, or its negation): a threshold just above
+    # the smallest |x| folded them all into one spike, matched exactly (KL 0), and the range
+    # was [1.0, 1.002] for data up to 5.6 (a relative output error of 0.5)
+    far = 1.0 + np.abs(rng.standard_normal(100_000)).astype(np.float32)
+    for data, qt in ((far, SYM8), (-far, ASYM8), (far, ASYM8)):
+        lo, hi = c.range(_observe(c, data), qt)
+        assert max(abs(lo), abs(hi)) >= np.percentile(np.abs(data), 99), (qt.describe(), lo, hi)
+    far[:10] = 50.0  # and its outliers still clipped
+    lo, hi = c.range(_observe(c, far), SYM8)
+    assert np.percentile(far, 99) <= hi < 10.0, hi
 
 
 @pytest.mark.parametrize("dtype", ci_only(["float8_e4m3fn", "float8_e5m2"], {"float8_e4m3fn"}))

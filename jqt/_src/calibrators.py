@@ -421,7 +421,7 @@ def _float_groups(i, qtype):
     return np.unique(codes.astype(np.float32), return_inverse=True)[1].reshape(-1)
 
 
-def _kl_threshold(hist, levels, stride, groups=_int_groups):
+def _kl_threshold(hist, levels, stride, groups=_int_groups, start=None):
     """TensorRT's entropy calibration on a histogram of |x|: the bin count ``i`` whose
     clipped distribution P (outliers folded into bin i-1) is closest in KL divergence
     to its quantization Q, bins sharing a level as ``groups(i, levels)`` says (the
@@ -431,10 +431,13 @@ def _kl_threshold(hist, levels, stride, groups=_int_groups):
     (values near 0, such as the zeros after a ReLU) is a level of its own in Q
     rather than sharing one with its neighbours (which would charge every wider
     threshold for smearing it), and "clip nothing" (``i = n``) is always a
-    candidate, whatever the stride."""
+    candidate, whatever the stride. ``start`` (``levels`` by default) is the first
+    threshold tried: ``levels`` bins above the first nonzero one, where no data lie near
+    0, since a threshold just above the data's smallest |x| folds them all into a spike
+    that Q matches exactly (a divergence of 0 for a clip of everything)."""
     n = len(hist)
     best, best_i = np.inf, n
-    for i in [*range(levels, n, stride), n]:
+    for i in [*range(levels if start is None else start, n, stride), n]:
         p = hist[:i].copy()
         p[-1] += hist[i:].sum()
         nz = p > 0
@@ -511,11 +514,14 @@ class Entropy(_Histogram):
         last = int(np.nonzero(folded)[0][-1]) + 1
         one_sided = (lo >= 0 or hi <= 0) and not qtype.symmetric
         levels = 2 ** qtype.bits if one_sided else 2 ** (qtype.bits - 1)
-        if last <= levels:  # all the data lie within the first levels bins: nothing to clip
+        # a threshold has levels bins of data below it at least (|x| far from 0: past
+        # the first nonzero bin), or it clips nearly everything to one value
+        start = levels + int(np.nonzero(folded)[0][0])
+        if last <= start:  # all the data lie within the first levels bins: nothing to clip
             return lo, hi
-        stride = self.stride or max(1, (last - levels) // 500)
+        stride = self.stride or max(1, (last - start) // 500)
         groups = (lambda i, _: _float_groups(i, qtype)) if qtype.kind == "float" else _int_groups
-        t = _kl_threshold(folded[:last], levels, stride, groups) * width
+        t = _kl_threshold(folded[:last], levels, stride, groups, start) * width
         return max(lo, -t), min(hi, t)
 
 

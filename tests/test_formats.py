@@ -638,6 +638,23 @@ def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
     # leaves whose dtype NumPy cannot read (an nnx Dropout's PRNG key, a dtype as config)
     p = {**p, "key": jax.random.key(0), "cfg": np.float32}
     assert not jqt.calibrate(down, jqt.recipes.w8a8(), p, [(x,)], progress=False)["w"].is_float
+    # groups too small (hunt61_badinput): every op stayed float without a word, and the note
+    # advised per_channel=False, which a grouped type cannot take; warned now, naming the
+    # smallest group length that fits
+    p = {"w1": jnp.asarray(RNG.standard_normal((64, 64)), jnp.bfloat16),
+         "w2": jnp.asarray(RNG.standard_normal((64, 64)), jnp.bfloat16)}
+    two = lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    x = jnp.asarray(RNG.standard_normal((4, 64)), jnp.bfloat16)
+    for recipe, fits in ((jqt.recipes.w4(group_size=4, symmetric=False), 8), (jqt.recipes.w8(group_size=2), 4)):
+        with pytest.warns(UserWarning, match=rf"op 'w1' \(dot_general at '<top>'\) stays float: group_size="
+                          rf"{fits // 2} gives each output channel of 64 elements .* exceed the bfloat16 "
+                          rf"weight's \(128\); group_size={fits} quantizes it. The same holds for 1 more op: 'w2'"):
+            qp = jqt.calibrate(two, recipe, p, [(x,)], progress=False)
+        assert qp["w1"].is_float and qp["w1"].note.endswith(f"(group_size={fits} quantizes it)")
+        fixed = dataclasses.replace(recipe, rules=tuple(
+            dataclasses.replace(r, weight=dataclasses.replace(r.weight, group_size=fits))
+            if r.weight is not None else r for r in recipe.rules))
+        assert not jqt.calibrate(two, fixed, p, [(x,)], progress=False)["w1"].is_float
 
 
 def test_table_read_transposed_by_another_lookup_is_not_tied():

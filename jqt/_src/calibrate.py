@@ -1212,12 +1212,26 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
         fbytes = contracted * dtype.itemsize
         if qbytes > fbytes:
             what = "row of the table" if site.op == "gather" else "output channel"
+            # groups too small: the smallest group length that fits (the whole channel's one
+            # scale where no divisor does), or a per-tensor type where one scale is too many
+            fits = next((g for g in range(wt.group_size + 1, contracted + 1) if contracted % g == 0
+                         and _channel_bytes(dataclasses.replace(wt, group_size=g), contracted)[0]
+                         <= fbytes), None) if groups > 1 else None
+            fix = ("a rule's per-tensor type, per_channel=False, quantizes it" if fits is None else
+                   f"group_size={fits}" + (" (one group per channel)" if fits == contracted else "")
+                   + " quantizes it")
+            if fits is not None:
+                diagnostics.warn_grouped(
+                    ("groups_outweigh", wt.group_size), f"jqt.calibrate: op '{site.key}' "
+                    f"({site.op} at '{site.name_stack or '<top>'}') stays float: group_size="
+                    f"{wt.group_size} gives each {what} of {contracted} elements {groups} float32 "
+                    f"scales{'' if wt.symmetric else ' and zero points'}, whose bytes with the codes "
+                    f"({qbytes:g}) exceed the {dtype} weight's ({fbytes}); {fix}.", f"'{site.key}'")
             return float_(f"each {what} holds {contracted} weight elements: their codes and "
                           f"float32 scale{'s' if groups > 1 else ''}"
                           f"{(' and zero point' + ('s' if groups > 1 else '')) if not wt.symmetric else ''} "
                           f"({qbytes:g} bytes) would store more than the {dtype} weight "
-                          f"({fbytes} bytes), so the op is kept float (a rule's per-tensor type, "
-                          "per_channel=False, quantizes it)")
+                          f"({fbytes} bytes), so the op is kept float ({fix})")
     never = (f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
              "never ran on the calibration data (a lax.cond branch that was not taken, a "
              "while_loop that did not iterate, a lax.scan of length 0, an activation of no "

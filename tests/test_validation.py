@@ -111,6 +111,22 @@ def test_project_repairs(name):
     jqt.pack(jax.jit(jqt.qat.project)(bad), p)
 
 
+def test_a_zero_point_on_a_symmetric_type_is_refused():
+    # hunt61_badinput: a zero point edited onto a symmetric weight was used on every path
+    # (error 0.085 -> 0.208) while describe() said "sym"
+    p, x, qp = _setup()
+    bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(
+        qp["w"].rhs, zero_point=jnp.full_like(qp["w"].rhs.scale, 3.0)))}
+    for call in (lambda: jqt.quantize(f, bad), lambda: jqt.quantize(f, bad, simulate=True),
+                 lambda: jqt.pack(bad, p)):
+        with pytest.raises(ValueError, match=r"op 'w' holds invalid quantization parameters: "
+                           r"rhs.zero_point: set, but its type \(int8 sym per-channel\) is symmetric"):
+            call()
+    zeros = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(
+        qp["w"].rhs, zero_point=jnp.zeros_like(qp["w"].rhs.scale)))}
+    assert np.array_equal(jqt.quantize(f, zeros)(p, x), jqt.quantize(f, qp)(p, x))  # zeros: the same
+
+
 def test_swapped_pack_arguments_are_named():
     p, x, qp = _setup(None)
     with pytest.raises(TypeError, match=r"jqt.pack: qparams\['w'\] is of type .*are the arguments "
@@ -1718,6 +1734,14 @@ def test_rules_with_list_ops_and_numpy_bit_widths():
     assert jqt.QuantType(bits=4, group_size=np.int32(32)).group_size == 32
     with pytest.raises(ValueError, match="bits must be an int"):
         jqt.QuantType(bits=True)
+    # and 0-d jax.Arrays (a sweep over jnp.arange), refused as if their value were wrong
+    # (hunt61_badinput): taken as the numbers they hold, hashable
+    assert jqt.QuantType(bits=jnp.asarray(4), group_size=jnp.asarray(64)) == jqt.QuantType(bits=4, group_size=64)
+    assert jqt.recipes.w4(group_size=jnp.asarray(64)) == jqt.recipes.w4(group_size=64)
+    r = jqt.recipes.w8a8(accumulator=jnp.asarray(16), smooth=jnp.float32(0.5))
+    assert r == jqt.recipes.w8a8(accumulator=16, smooth=0.5) and {r: 1}
+    with pytest.raises(ValueError, match=r"group_size=Array\(\[64\]"):  # not a scalar: refused
+        jqt.QuantType(bits=4, group_size=jnp.asarray([64]))
 
 
 def test_packed_params_paths_name_their_parts():

@@ -52,6 +52,23 @@ def _dtype_name(dtype) -> str:
         return str(dtype)
 
 
+def as_scalar(v):
+    """``v`` as the Python int or float it holds where it is a 0-d integer or float array (a
+    sweep over ``jnp.arange`` gives concrete ``jax.Array`` scalars), else ``v`` as it is.
+
+    >>> import jax.numpy as jnp
+    >>> as_scalar(jnp.asarray(64)), as_scalar(jnp.float32(0.5)), as_scalar("int8")
+    (64, 0.5, 'int8')
+    """
+    if isinstance(v, (bool, np.bool_, numbers.Number, str)) or getattr(v, "shape", None) != ():
+        return v
+    kind = np.dtype(getattr(v, "dtype", object)).kind
+    try:  # a tracer (a value under jit) has none: left for the caller's check to name
+        return int(v) if kind in "iu" else float(v) if kind == "f" else v
+    except TypeError:
+        return v
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantType:
     """A number format and its granularity, for one operand.
@@ -102,7 +119,7 @@ class QuantType:
 
     def __post_init__(self):
         for field in ("bits", "group_size"):  # NumPy integers (a sweep over np.arange) as ints
-            v = getattr(self, field)
+            v = as_scalar(getattr(self, field))
             if isinstance(v, numbers.Integral) and not isinstance(v, bool):
                 object.__setattr__(self, field, int(v))
         for field in ("symmetric", "narrow_range", "per_channel", "dynamic"):

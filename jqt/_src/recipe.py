@@ -18,7 +18,7 @@ import numpy as np
 
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax, WeightMSE
 from . import accumulator, diagnostics, kvcache
-from .formats import QuantType
+from .formats import QuantType, as_scalar
 from .registry import NAMES as QUANTIZABLE_OPS
 
 # a Rule's fields that hold a jqt.QuantType (a rule that sets none keeps its ops float)
@@ -244,7 +244,7 @@ class Rule:
         self._check_accumulator()
 
     def _check_accumulator(self):
-        bits = self.accumulator  # a NumPy integer (a sweep over np.arange) as an int
+        bits = as_scalar(self.accumulator)  # a NumPy integer (a sweep over np.arange) as an int
         if isinstance(bits, numbers.Integral) and not isinstance(bits, (bool, np.bool_)):
             object.__setattr__(self, "accumulator", int(bits))
         accumulator.check_bits(self.accumulator, "Rule")
@@ -266,6 +266,7 @@ class Rule:
 
     def _check_outliers(self):
         if self.smooth is not None:
+            object.__setattr__(self, "smooth", as_scalar(self.smooth))  # a 0-d array: its number
             if isinstance(self.smooth, (bool, str)) or not isinstance(self.smooth, (int, float, np.number)) \
                     or not 0.0 <= float(self.smooth) <= 1.0:
                 raise ValueError(f"Rule(smooth={self.smooth!r}): SmoothQuant's alpha is a number in "
@@ -385,6 +386,7 @@ def _embedding(embeddings, bits, group_size=0, table=None):
 def _groups(preset, v):
     """A preset's ``group_size`` (0 or ``None``: per channel), checked here so that the error
     names the preset's argument, not the QuantType field it fills."""
+    v = as_scalar(v)
     if isinstance(v, np.integer):
         v = int(v)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):

@@ -109,6 +109,10 @@ def operand_problems(q, where):
         out.append(f"{where}.scale: set, but its type ({t.describe()}) is dynamic: its scale is "
                    "computed from each input at run time, and this one would be ignored; remove "
                    "it, or make the type static")
+    if z is not None and t is not None and t.symmetric and np.any(z != 0):
+        out.append(f"{where}.zero_point: set, but its type ({t.describe()}) is symmetric, whose "
+                   "codes are centred on 0: remove it, or make the type asymmetric "
+                   "(symmetric=False)")
     if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
             and not t.dynamic):
         out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "

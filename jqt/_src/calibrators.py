@@ -432,9 +432,9 @@ def _kl_threshold(hist, levels, stride, groups=_int_groups, start=None):
     rather than sharing one with its neighbours (which would charge every wider
     threshold for smearing it), and "clip nothing" (``i = n``) is always a
     candidate, whatever the stride. ``start`` (``levels`` by default) is the first
-    threshold tried: ``levels`` bins above the first nonzero one, where no data lie near
-    0, since a threshold just above the data's smallest |x| folds them all into a spike
-    that Q matches exactly (a divergence of 0 for a clip of everything)."""
+    threshold tried: further up where no data lie near 0, since a threshold just above
+    the data's smallest |x| folds them all into a spike that Q matches exactly (a
+    divergence of 0 for a clip of everything)."""
     n = len(hist)
     best, best_i = np.inf, n
     for i in [*range(levels if start is None else start, n, stride), n]:
@@ -514,12 +514,14 @@ class Entropy(_Histogram):
         last = int(np.nonzero(folded)[0][-1]) + 1
         one_sided = (lo >= 0 or hi <= 0) and not qtype.symmetric
         levels = 2 ** qtype.bits if one_sided else 2 ** (qtype.bits - 1)
-        # a threshold has levels bins of data below it at least (|x| far from 0: past
-        # the first nonzero bin), or it clips nearly everything to one value
-        start = levels + int(np.nonzero(folded)[0][0])
-        if last <= start:  # all the data lie within the first levels bins: nothing to clip
+        if last <= levels:  # all the data lie within the first levels bins: nothing to clip
             return lo, hi
-        stride = self.stride or max(1, (last - start) // 500)
+        stride = self.stride or max(1, (last - levels) // 500)
+        # a threshold has levels bins of data below it at least (|x| far from 0: past the
+        # bin holding the smallest 0.1% of |x|, not one stray small value), or it clips
+        # nearly everything to one value; on the grid levels + k * stride all the same
+        first = int(np.searchsorted(np.cumsum(folded), 1e-3 * folded.sum()))
+        start = levels + -(-first // stride) * stride
         groups = (lambda i, _: _float_groups(i, qtype)) if qtype.kind == "float" else _int_groups
         t = _kl_threshold(folded[:last], levels, stride, groups, start) * width
         return max(lo, -t), min(hi, t)

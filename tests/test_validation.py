@@ -2008,6 +2008,20 @@ def test_rule_settings_that_can_never_apply_are_refused():
         ok = jqt.Recipe(rules=(dataclasses.replace(rule, key="w|emb|kv_cache_"), *jqt.recipes.w8().rules))
         msgs = _messages(lambda: jqt.calibrate(g, ok, p, [(jnp.ones((5, 4)),)], progress=False))
         assert not any("its key matches none" in m for m in msgs), msgs
+    # nor where they take the same type from a later rule: a preset's rule copied under a
+    # key of its own (examples/minilm.py's w8a16 rule for "/intermediate/"), which keeps
+    # the preset's embedding=, or jqt.fallback's rule for the matmuls it keeps back (review)
+    emb = lambda p, xs: p["emb"][xs[:, 0].astype(jnp.int32)] @ p["w"] + xs
+    r = jqt.Recipe(rules=(dataclasses.replace(jqt.recipes.w8a16().rules[0], key="w"), *jqt.recipes.w8a8().rules))
+    msgs = _messages(lambda: jqt.calibrate(emb, r, p, [(jnp.ones((5, 4)),)], progress=False))
+    assert not any("its key matches none" in m for m in msgs), msgs
+    p2 = {"emb": p["emb"], "w": jnp.asarray(np.random.default_rng(1).standard_normal((4, 4)), jnp.float32)}
+    xs = jnp.ones((5, 4))  # the table's ones are exact at int4; w's values are not
+    res = jqt.fallback(emb, jqt.recipes.w4(), p2, [(xs,)], lambda g: -float(jnp.abs(g(p2, xs) - emb(p2, xs)).max()),
+                       max_drop=0.005, to=jqt.recipes.w8a16().rules[0], progress=False)
+    assert res.recipe.rules[0].key == "^(w)$" and res.recipe.rules[0].embedding is None, res.recipe.rules[0]
+    msgs = _messages(lambda: jqt.calibrate(emb, res.recipe, p2, [(xs,)], progress=False))
+    assert not any("its key matches none" in m for m in msgs), msgs
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

@@ -735,8 +735,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                 continue
             if set(prims) & set(r.ops):  # its key: one that misses every such op loses the type
                 theirs = [s.key for s in sites if s.op in prims and (field == "embedding") != s.entry.is_cache]
+                # (said where they get no type or another: a preset's rule copied under a
+                # key of its own, as examples/minilm.py's, keeps its field and loses nothing)
                 if theirs and any(c is r for c in chosen.values()) \
-                        and not any(re.search(r.key, k) for k in theirs):
+                        and not any(re.search(r.key, k) for k in theirs) \
+                        and any(chosen[k] is None or getattr(chosen[k], field) != getattr(r, field)
+                                for k in theirs):
                     hint = "kv_cache_" if field == "kv_cache" else "|".join(re.escape(k) for k in theirs[:3])
                     diagnostics.warn(
                         f"jqt.calibrate: rule {i} ({_named(r)}) sets {field}=, but its key matches "

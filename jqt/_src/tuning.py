@@ -559,7 +559,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         # (only to='s rules for kept ops' primitives: its conv copy, for none, warned)
         prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
-            tuple(dataclasses.replace(r, key=pattern) for r in to_rules if prims & set(r.ops))
+            tuple(dataclasses.replace(  # a table's or cache's type where it keeps one back
+                r, key=pattern, embedding=r.embedding if "gather" in prims else None,
+                kv_cache=r.kv_cache if prims & {"dynamic_update_slice", "scatter"} else None)
+                for r in to_rules if prims & set(r.ops))
         # a rule of the recipe's that decided only ops now kept back (or they and ops an
         # earlier rule of its takes) decides nothing of f's behind fb; it stays (it may
         # decide the ops of another function on these params), and calibrate's warning

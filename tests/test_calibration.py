@@ -465,6 +465,11 @@ def test_histogram_combine_is_exact_on_arbitrary_floats():
     x = np.nextafter(np.float32(0.34375), np.float32(0.0))
     h = np.asarray(observe(jnp.array([x, 20.0], jnp.float32))["hist"])
     assert h[b // 2 + 10] == 1, "0.34374998 belongs to the bin [0.3125, 0.34375)"
+    # a negative value 2**126 below the radius scaled to a subnormal, flushed to -0: it
+    # counted in the bin above zero in one batch, below zero when merged (hunt61_calrobust)
+    a, big = np.array([-1.0, -2.0, 1.0], np.float32), np.array([3e38], np.float32)
+    _assert_stats_equal(combine(observe(jnp.asarray(a)), observe(jnp.asarray(big))),
+                        observe(jnp.asarray(np.concatenate([a, big]))), "magnitudes 2**128 apart")
 
 
 # ============================================================ batches, merging order

@@ -237,6 +237,9 @@ class _Histogram(Calibrator):
         # overflows float32 for |x| above 3.4e38 / (B/2).
         half = self.bins // 2
         idx = jnp.floor(jnp.ldexp(x, -e) * jnp.float32(half)).astype(jnp.int32) + half
+        # a negative value more than 2**126 below the radius scales to a subnormal, which
+        # XLA flushes to -0 (floor 0, the bin above zero): its bin is the one below zero
+        idx = jnp.where(x < 0, jnp.minimum(idx, half - 1), idx)
         # (rows split over explicit mesh axes: the counts summed over them, as a histogram
         # of the whole tensor; JAX asks for the result's sharding there)
         # counted in int32: float32 counts stop growing at 2**24 (x + 1 == x there)

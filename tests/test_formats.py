@@ -655,6 +655,18 @@ def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
             dataclasses.replace(r, weight=dataclasses.replace(r.weight, group_size=fits))
             if r.weight is not None else r for r in recipe.rules))
         assert not jqt.calibrate(two, fixed, p, [(x,)], progress=False)["w1"].is_float
+    # groups run along the innermost contracted axis only (review): an einsum contracting
+    # (4, 6) was told group_size=4, which 6 does not take, and a size it does not take was
+    # counted as groups (one scale per channel, 20 bytes, fits 48: quantized, as it runs)
+    w = jnp.asarray(RNG.standard_normal((4, 6, 8)), jnp.bfloat16)
+    heads = lambda p, x: jnp.einsum("bhd,hdo->bo", x, p["w"])
+    xh = jnp.asarray(RNG.standard_normal((2, 4, 6)), jnp.bfloat16)
+    with pytest.warns(UserWarning, match=r"stays float: group_size=2 gives each output channel of 24 elements 12 "
+                      r"float32 scales, .*; group_size=6 quantizes it"):
+        assert jqt.calibrate(heads, jqt.recipes.w8(group_size=2), {"w": w}, [(xh,)], progress=False)["w"].is_float
+    with pytest.warns(UserWarning, match="cannot take group_size=4"):
+        qp = jqt.calibrate(heads, jqt.recipes.w4(group_size=4, symmetric=False), {"w": w}, [(xh,)], progress=False)
+    assert not qp["w"].is_float and qp["w"].rhs.qtype.group_size == 0
 
 
 def test_table_read_transposed_by_another_lookup_is_not_tied():

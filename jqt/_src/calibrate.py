@@ -1212,21 +1212,23 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     dtype = np.dtype(leaf_dtypes.get((src.arg, src.leaf), site.eqn.invars[w].aval.dtype)
                      if src is not None else site.eqn.invars[w].aval.dtype)
     if (wt.per_channel or wt.group_size) and jnp.issubdtype(dtype, jnp.floating):
-        qbytes, groups = _channel_bytes(wt, contracted)
+        shape = site.eqn.invars[w].aval.shape  # the groups it gets (those that tile an axis)
+        grouped = lambda g: weight_qtype(site, dataclasses.replace(wt, group_size=g), shape)
+        qbytes, groups = _channel_bytes(grouped(wt.group_size), contracted)
         fbytes = contracted * dtype.itemsize
         if qbytes > fbytes:
             what = "row of the table" if site.op == "gather" else "output channel"
-            # groups too small: the smallest group length that fits (the whole channel's one
-            # scale where no divisor does), or a per-tensor type where one scale is too many
-            fits = next((g for g in range(wt.group_size + 1, contracted + 1) if contracted % g == 0
-                         and _channel_bytes(dataclasses.replace(wt, group_size=g), contracted)[0]
-                         <= fbytes), None) if groups > 1 else None
+            # groups too small: the smallest group length it takes that fits (or one scale
+            # per channel), or a per-tensor type where one scale is too many
+            small = lambda g: _channel_bytes(grouped(g), contracted)[0] <= fbytes
+            fits = next((g for g in range(wt.group_size + 1, contracted) if grouped(g).group_size == g
+                         and small(g)), 0 if small(0) else None) if groups > 1 else None
             fix = ("a rule's per-tensor type, per_channel=False, quantizes it" if fits is None else
-                   f"group_size={fits}" + (" (one group per channel)" if fits == contracted else "")
+                   f"group_size={fits}" + (" (one scale per output channel)" if not fits else "")
                    + " quantizes it")
             if fits is not None:
                 diagnostics.warn_grouped(
-                    ("groups_outweigh", wt.group_size), f"jqt.calibrate: op '{site.key}' "
+                    ("groups_outweigh", wt.group_size, fits), f"jqt.calibrate: op '{site.key}' "
                     f"({site.op} at '{site.name_stack or '<top>'}') stays float: group_size="
                     f"{wt.group_size} gives each {what} of {contracted} elements {groups} float32 "
                     f"scales{'' if wt.symmetric else ' and zero points'}, whose bytes with the codes "

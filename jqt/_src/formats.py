@@ -62,9 +62,10 @@ def as_scalar(v):
     """
     if isinstance(v, (bool, np.bool_, numbers.Number, str)) or getattr(v, "shape", None) != ():
         return v
-    kind = np.dtype(getattr(v, "dtype", object)).kind
+    dtype = getattr(v, "dtype", object)  # (bfloat16's NumPy kind is "V")
     try:  # a tracer (a value under jit) has none: left for the caller's check to name
-        return int(v) if kind in "iu" else float(v) if kind == "f" else v
+        return (int(v) if np.issubdtype(dtype, np.integer) else
+                float(v) if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16 else v)
     except TypeError:
         return v
 

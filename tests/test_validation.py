@@ -1738,7 +1738,7 @@ def test_rules_with_list_ops_and_numpy_bit_widths():
     # (hunt61_badinput): taken as the numbers they hold, hashable
     assert jqt.QuantType(bits=jnp.asarray(4), group_size=jnp.asarray(64)) == jqt.QuantType(bits=4, group_size=64)
     assert jqt.recipes.w4(group_size=jnp.asarray(64)) == jqt.recipes.w4(group_size=64)
-    r = jqt.recipes.w8a8(accumulator=jnp.asarray(16), smooth=jnp.float32(0.5))
+    r = jqt.recipes.w8a8(accumulator=jnp.asarray(16), smooth=jnp.asarray(0.5, jnp.bfloat16))
     assert r == jqt.recipes.w8a8(accumulator=16, smooth=0.5) and {r: 1}
     with pytest.raises(ValueError, match=r"group_size=Array\(\[64\]"):  # not a scalar: refused
         jqt.QuantType(bits=4, group_size=jnp.asarray([64]))
@@ -2022,6 +2022,13 @@ def test_rule_settings_that_can_never_apply_are_refused():
     assert res.recipe.rules[0].key == "^(w)$" and res.recipe.rules[0].embedding is None, res.recipe.rules[0]
     msgs = _messages(lambda: jqt.calibrate(emb, res.recipe, p2, [(xs,)], progress=False))
     assert not any("its key matches none" in m for m in msgs), msgs
+    # a to= rule for caches only (weight=None) keeping w4's WeightMSE: fallback's rule for a
+    # kept cache dropped its embedding= and warned the weight calibrator had no effect
+    to = dataclasses.replace(jqt.recipes.w4(kv_cache=True).rules[0], weight=None)
+    sim = lambda g: -float(jnp.abs(g(p2, xs) - cached(p2, xs)).max())
+    msgs = _messages(lambda: jqt.fallback(cached, jqt.recipes.w8a8_dynamic(kv_cache="int4"), p2, [(xs,)],
+                                          sim, max_drop=1e-6, to=to, progress=False))
+    assert not any("weight_calibrator=WeightMSE" in m and "has no effect" in m for m in msgs), msgs
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

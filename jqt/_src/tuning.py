@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import diagnostics
+from .calibrators import WeightMinMax
 from .calibrate import calibrate, check_batch, check_batches
 from .qparams import OpQParams
 from .handlers import QParamsMismatchError
@@ -323,6 +324,16 @@ def _search(ranked, trial, ok, max_trials, trials, all_back_score, seen):
     return (*best, hi - lo <= 1)
 
 
+def _kept_back(rule, key, prims):
+    """``to=``'s ``rule`` for the ops ``key`` keeps back (of primitives ``prims``): a
+    table's or cache's type only where it keeps one back, and the default weight
+    calibrator where it then types no weight or table (``Rule`` would warn of it)."""
+    emb = rule.embedding if "gather" in prims else None
+    calib = {} if emb is not None or rule.weight is not None else {"weight_calibrator": WeightMinMax()}
+    return dataclasses.replace(rule, key=key, embedding=emb, **calib, kv_cache=rule.kv_cache
+                               if prims & {"dynamic_update_slice", "scatter"} else None)
+
+
 def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: float,
              to: Optional[Rule] = None, weight_argnums=0, higher_is_better: bool = True,
              max_trials: int = 12, rank: str = "report", simulate: bool = False,
@@ -559,10 +570,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         # (only to='s rules for kept ops' primitives: its conv copy, for none, warned)
         prims = {qp[k].op for k in kept}
         fb = (Rule(key=pattern, weight=None),) if to is None else \
-            tuple(dataclasses.replace(  # a table's or cache's type where it keeps one back
-                r, key=pattern, embedding=r.embedding if "gather" in prims else None,
-                kv_cache=r.kv_cache if prims & {"dynamic_update_slice", "scatter"} else None)
-                for r in to_rules if prims & set(r.ops))
+            tuple(_kept_back(r, pattern, prims) for r in to_rules if prims & set(r.ops))
         # a rule of the recipe's that decided only ops now kept back (or they and ops an
         # earlier rule of its takes) decides nothing of f's behind fb; it stays (it may
         # decide the ops of another function on these params), and calibrate's warning

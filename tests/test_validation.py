@@ -1740,6 +1740,7 @@ def test_rules_with_list_ops_and_numpy_bit_widths():
     assert jqt.recipes.w4(group_size=jnp.asarray(64)) == jqt.recipes.w4(group_size=64)
     r = jqt.recipes.w8a8(accumulator=jnp.asarray(16), smooth=jnp.asarray(0.5, jnp.bfloat16))
     assert r == jqt.recipes.w8a8(accumulator=16, smooth=0.5) and {r: 1}
+    assert jqt.QuantType(bits=jnp.asarray(4, jnp.int4)).bits == 4  # ml_dtypes' types too
     with pytest.raises(ValueError, match=r"group_size=Array\(\[64\]"):  # not a scalar: refused
         jqt.QuantType(bits=4, group_size=jnp.asarray([64]))
 

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
+from jax import dtypes
 
 # QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, appendix E): the quantiles
 # of N(0, 1) normalised to [-1, 1], with an exact zero.
@@ -62,10 +63,10 @@ def as_scalar(v):
     """
     if isinstance(v, (bool, np.bool_, numbers.Number, str)) or getattr(v, "shape", None) != ():
         return v
-    dtype = getattr(v, "dtype", object)  # (bfloat16's NumPy kind is "V")
+    dtype = getattr(v, "dtype", object)  # (NumPy's kinds miss bfloat16, float8 and int4)
     try:  # a tracer (a value under jit) has none: left for the caller's check to name
-        return (int(v) if np.issubdtype(dtype, np.integer) else
-                float(v) if np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16 else v)
+        return (int(v) if dtypes.issubdtype(dtype, np.integer) else
+                float(v) if dtypes.issubdtype(dtype, np.floating) else v)
     except TypeError:
         return v
 

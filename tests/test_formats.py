@@ -667,6 +667,13 @@ def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
     with pytest.warns(UserWarning, match="cannot take group_size=4"):
         qp = jqt.calibrate(heads, jqt.recipes.w4(group_size=4, symmetric=False), {"w": w}, [(xh,)], progress=False)
     assert not qp["w"].is_float and qp["w"].rhs.qtype.group_size == 0
+    # groups cut to a head's 2 elements: the warning says which size the op takes (groupedges)
+    w2 = jnp.asarray(RNG.standard_normal((8, 2, 8)), jnp.bfloat16)
+    xh = jnp.asarray(RNG.standard_normal((2, 8, 2)), jnp.bfloat16)
+    with pytest.warns(UserWarning, match=r"stays float: group_size=4, which this op takes as group_size=2 \(groups "
+                      r"do not span its contracted axes\), gives each output channel of 16 elements 8 float32 "
+                      r"scales, .*; group_size=0 \(one scale per output channel\) quantizes it"):
+        assert jqt.calibrate(heads, jqt.recipes.w4(group_size=4), {"w": w2}, [(xh,)], progress=False)["w"].is_float
 
 
 def test_table_read_transposed_by_another_lookup_is_not_tied():

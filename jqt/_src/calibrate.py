@@ -1224,13 +1224,16 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
             fits = next((g for g in range(wt.group_size + 1, contracted) if grouped(g).group_size == g
                          and small(g)), 0 if small(0) else None) if groups > 1 else None
             fix = ("a rule's per-tensor type, per_channel=False, quantizes it" if fits is None else
-                   f"group_size={fits}" + (" (one scale per output channel)" if not fits else "")
+                   f"group_size={fits}" + (f" (one scale per {what.split(' of ')[0]})" if not fits else "")
                    + " quantizes it")
             if fits is not None:
+                taken = grouped(wt.group_size).group_size  # (along one axis of several)
                 diagnostics.warn_grouped(
                     ("groups_outweigh", wt.group_size, fits), f"jqt.calibrate: op '{site.key}' "
                     f"({site.op} at '{site.name_stack or '<top>'}') stays float: group_size="
-                    f"{wt.group_size} gives each {what} of {contracted} elements {groups} float32 "
+                    f"{wt.group_size}" + (f", which this op takes as group_size={taken} (groups "
+                    "do not span its contracted axes)," if taken != wt.group_size else "")
+                    + f" gives each {what} of {contracted} elements {groups} float32 "
                     f"scales{'' if wt.symmetric else ' and zero points'}, whose bytes with the codes "
                     f"({qbytes:g}) exceed the {dtype} weight's ({fbytes}); {fix}.", f"'{site.key}'")
             return float_(f"each {what} holds {contracted} weight elements: their codes and "

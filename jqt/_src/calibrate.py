@@ -735,18 +735,19 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                 continue
             if set(prims) & set(r.ops):  # its key: one that misses every such op loses the type
                 theirs = [s.key for s in sites if s.op in prims and (field == "embedding") != s.entry.is_cache]
-                # (said where they get no type or another: a preset's rule copied under a
-                # key of its own, as examples/minilm.py's, keeps its field and loses nothing)
+                # (said where they all stay float: a preset's rule copied under a key of its
+                # own, as examples/minilm.py's, carries the preset's field, and the later
+                # rules' types of those ops are the recipe's)
                 if theirs and any(c is r for c in chosen.values()) \
                         and not any(re.search(r.key, k) for k in theirs) \
-                        and any(chosen[k] is None or getattr(chosen[k], field) != getattr(r, field)
-                                for k in theirs):
+                        and all(chosen[k] is None or getattr(chosen[k], field) is None for k in theirs):
                     hint = "kv_cache_" if field == "kv_cache" else "|".join(re.escape(k) for k in theirs[:3])
                     diagnostics.warn(
                         f"jqt.calibrate: rule {i} ({_named(r)}) sets {field}=, but its key matches "
-                        f"none of the {what}, which take keys of their own ({listed(theirs)}): its "
-                        f"{field}= is not used. Widen its key to match them (key={r.key + '|' + hint!r}) "
-                        f"or give them a rule of their own (docs/{'generate' if field == 'kv_cache' else 'formats'}.md).")
+                        f"none of the {what}, which take keys of their own ({listed(theirs)}) and stay "
+                        f"float. To quantize them, widen its key (key={r.key + '|' + hint!r}) or give "
+                        f"them a rule of their own (docs/{'generate' if field == 'kv_cache' else 'formats'}.md); "
+                        f"to keep them float without this warning, set {field}=None on the rule.")
                 continue
             # the ops it names that no earlier rule takes (those it could never have typed)
             later = lambda e: e is None or next(j for j, x in enumerate(recipe.rules) if x is e) > i
@@ -853,21 +854,39 @@ def _warn_untyped(sites, recipe, chosen):
             # embedding= aside; a rule for attention's products, act_x_act=, is what takes the
             # projections under its key unmeant)
             t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
-            if t is None and not typed:  # or, where the rule types none of its ops, the one
-                t = QuantType(bits=8, per_channel=True)  # its types were meant as
-            return t
+            if t is None and not typed and f != "act_x_act":  # or, where the rule types none of
+                t = QuantType(bits=8, per_channel=True)  # its ops, the one its types were meant
+            return t  # as (not attention's products, which the presets keep float)
 
         untyped = [(s, f) for s, f in untyped
                    if (t := instead(s, f)) is not None and not float_anyway(s, t)]
-        if untyped:
-            ops = ", ".join(f"'{s.key}' ({f}=)" for s, f in untyped[:6])
-            diagnostics.warn(
-                f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) decides {len(untyped)} op(s) that "
-                f"take none of its types, which stay float: {ops}{' ...' if len(untyped) > 6 else ''}"
-                ". Each takes its type from the field named (a weight op's weight from weight=, "
-                "an embedding lookup's table from embedding=, a cache from kv_cache=, an "
-                "activation x activation op from act_x_act=): set it on the rule, or narrow the "
-                "rule's key to the ops its types are for.")
+        # where it types none of its ops, the fields it sets reach no op: said first (a key
+        # of a name scope, "layer1", is not its weights' keys, "l1/wq"), even where the ops
+        # it decides would be float anyway
+        # (not for weight ops a rule with weight=None keeps float as meant, as instead())
+        meant = [s for s in decided if field(s) != "weight" or r.weight is not None]
+        unused = [f for f in TYPE_FIELDS if getattr(r, f) is not None] if not typed and meant else []
+        if not (untyped or unused):
+            continue
+        weights = [s.key for s in sites if field(s) == "weight"][:2]
+        lead = (f"sets {'= and '.join(unused)}=, which type{'s' if len(unused) == 1 else ''} none of "
+                "the ops its key matches" + (" (a weight op's key is its weight's leaf path, such as "
+                                             + ", ".join(map(repr, weights)) + ")"
+                                             if "weight" in unused and weights else "")) if unused else ""
+        if not untyped:
+            keys = ", ".join(repr(s.key) for s in meant[:6]) + (" ..." if len(meant) > 6 else "")
+            diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) {lead}: the ops it "
+                             f"decides ({keys}) take none of its types. Fix the rule's key to match "
+                             "the ops its types are for (jqt.summarize lists the keys).")
+            continue
+        ops = ", ".join(f"'{s.key}' ({f}=)" for s, f in untyped[:6])
+        diagnostics.warn(
+            f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) {lead + '. It ' if lead else ''}decides "
+            f"{len(untyped)} op(s) that take none of its types, which stay float: {ops}"
+            f"{' ...' if len(untyped) > 6 else ''}. Each takes its type from the field named (a weight "
+            "op's weight from weight=, an embedding lookup's table from embedding=, a cache from "
+            "kv_cache=, an activation x activation op from act_x_act=): set it on the rule, or "
+            "narrow the rule's key to the ops its types are for.")
 
 
 def tie_tables(qparams):

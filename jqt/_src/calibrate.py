@@ -854,9 +854,9 @@ def _warn_untyped(sites, recipe, chosen):
             # embedding= aside; a rule for attention's products, act_x_act=, is what takes the
             # projections under its key unmeant)
             t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
-            if t is None and not typed and f != "act_x_act":  # or, where the rule types none of
-                t = QuantType(bits=8, per_channel=True)  # its ops, the one its types were meant
-            return t  # as (not attention's products, which the presets keep float)
+            if t is None and not typed and f not in ("act_x_act", "kv_cache"):  # or, where the
+                t = QuantType(bits=8, per_channel=True)  # rule types none of its ops, the one its
+            return t  # types were meant as (not products or caches, which presets keep float)
 
         untyped = [(s, f) for s, f in untyped
                    if (t := instead(s, f)) is not None and not float_anyway(s, t)]
@@ -869,10 +869,12 @@ def _warn_untyped(sites, recipe, chosen):
         if not (untyped or unused):
             continue
         weights = [s.key for s in sites if field(s) == "weight"][:2]
-        lead = (f"sets {'= and '.join(unused)}=, which type{'s' if len(unused) == 1 else ''} none of "
-                "the ops its key matches" + (" (a weight op's key is its weight's leaf path, such as "
-                                             + ", ".join(map(repr, weights)) + ")"
-                                             if "weight" in unused and weights else "")) if unused else ""
+        # (the hint where its key matches no weight's leaf path: a table's is one)
+        hint = ("weight" in unused and weights and not any(s.source is not None for s in meant))
+        lead = "" if not unused else (
+            f"sets {'= and '.join(unused)}=, which type{'s' if len(unused) == 1 else ''} none of the "
+            "ops its key matches" + (" (a weight op's key is its weight's leaf path, such as "
+                                     + ", ".join(map(repr, weights)) + ")" if hint else ""))
         if not untyped:
             keys = ", ".join(repr(s.key) for s in meant[:6]) + (" ..." if len(meant) > 6 else "")
             diagnostics.warn(f"jqt.calibrate: rule {i} (Rule(key={r.key!r})) {lead}: the ops it "

@@ -103,10 +103,12 @@ def policy_fields(text, types=None):
     """``"field=value,..."`` -> ``{field: int or bool}``, checked against ``types``
     (``{field: "int" or "bool"}``, default :func:`kernel_policy_types`): an unknown field,
     a missing value, a bool field given anything but 1/0/true/false or an int field given
-    anything but an integer raises ``ValueError`` naming it."""
+    anything but an integer raises ``ValueError`` naming it; with the default ``types``, so
+    does a value ``jqt.KernelPolicy`` refuses (``native_gemv_rows=-1``)."""
     items = [s.strip() for s in str(text).split(",") if s.strip()]
     if not items:
         return {}
+    check_policy = types is None
     types = kernel_policy_types() if types is None else types
     fields = {}
     for item in items:
@@ -125,4 +127,10 @@ def policy_fields(text, types=None):
                 fields[key] = int(value)
             except ValueError:
                 raise ValueError(f"{key}={value!r}: {key} takes an integer") from None
+    if check_policy:
+        # The policy's own range checks (e.g. ``native_gemv_rows >= 0``) run here, so a
+        # bad value is refused before any work rather than after a model was set up.
+        import dataclasses
+        import jqt
+        dataclasses.replace(jqt.KernelPolicy(), **fields)
     return fields

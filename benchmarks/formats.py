@@ -26,7 +26,7 @@ channel), ``w4a8(per_channel=False)``, ``w8a16``, ``w8(group_size=128)`` and
 ``w8a8(group_size=128)``, interleaved; the last column is ``w4 g128``'s time over ``w8``'s.
 
 With ``--ab FIELD=VALUE,...`` the presets named by ``--ab-presets`` (default: all)
-run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
+of the ``minilm``, ``dense`` and ``wide`` parts (the others ignore it) run a second time, packed and quantized under ``jqt.KernelPolicy.for_backend()``
 with those fields replaced, labelled ``"preset [FIELD=VALUE]"``, interleaved with
 the rest: a kernel policy's choice against another in one run.
 
@@ -507,6 +507,8 @@ def groups(rounds, markdown, results):
 
 
 PARTS = ("minilm", "dense", "experts", "ragged", "wide", "groups", "fp8rows", "vmap")
+AB_PARTS = ("minilm", "dense", "wide")
+"""The parts that time presets again under ``--ab``'s policy (the others ignore it)."""
 
 
 def main():
@@ -516,9 +518,9 @@ def main():
                          "the others run only when named)")
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds (20 instead of 60)")
     ap.add_argument("--markdown", action="store_true", help="print markdown tables")
-    ap.add_argument("--ab", default="", help="FIELD=VALUE,...: presets also under the "
-                    "default jqt.KernelPolicy with these fields replaced (bool fields: 1, 0, "
-                    "true or false; int fields: an integer)")
+    ap.add_argument("--ab", default="", help="FIELD=VALUE,...: presets of the minilm, dense "
+                    "and wide parts also under the default jqt.KernelPolicy with these fields "
+                    "replaced (bool fields: 1, 0, true or false; int fields: an integer)")
     ap.add_argument("--ab-presets", default="", help="comma-separated presets for --ab "
                     "(default: all)")
     ap.add_argument("--absmax", action="store_true", help="the 4-bit MiniLM presets also "
@@ -534,6 +536,9 @@ def main():
         ab = parse_ab(args.ab, names)
     except ValueError as e:
         ap.error(f"--ab: {e}")
+    if ab and not set(args.only) & set(AB_PARTS):
+        ap.error(f"--ab: only the {', '.join(AB_PARTS)} parts run presets under a second "
+                 f"policy; --only {','.join(args.only)} names none of them")
     rounds = 20 if args.quick else 60
     results = {}
     print(f"jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores); "

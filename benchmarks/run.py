@@ -137,19 +137,22 @@ def bench_calibration(selected, cfg) -> list:
                                     fwd_call, work_s=work_s, n1=n1, reps=reps)
         ratio, step, fwd = r["ratio"], r["per_batch"] * 1e3, r["fwd"] * 1e3
         totals = ", ".join(f"{a:.2f}/{c:.2f}" for a, c in r["totals"])
+        reps_ratios = ", ".join(f"{x:.2f}" for x in r["ratios"])
         out.append(dict(name=f"{name} batch {b}", ratio=ratio, step_ms=step, fwd_ms=fwd,
-                        detail=f"{step:.2f} ms/batch vs {fwd:.2f} ms forward"
-                        + NOTES.get(name, ""),
+                        ratios=reps_ratios,
+                        detail=f"median of the repetitions' ratios ({reps_ratios}); medians "
+                        f"{step:.2f} ms/batch, {fwd:.2f} ms forward" + NOTES.get(name, ""),
                         totals=f"{totals} (n={n1}/{r['n2']})"))
         log(f"[calibration] {name} batch {b}: {ratio:.2f}x")
     return out
 
 
 def calib_table(rows, markdown):
-    header = ("workload", "calibrate ms/batch", "float fwd ms", "ratio",
+    header = ("workload", "calibrate ms/batch (median)", "float fwd ms (median)",
+              "ratio (median of repetitions' ratios)", "repetitions' ratios",
               "calibrate wall s, n1/n2 batches")
     return report.table(header, [(r["name"], f"{r['step_ms']:.2f}", f"{r['fwd_ms']:.2f}",
-                                  f"{r['ratio']:.2f}", r["totals"]) for r in rows],
+                                  f"{r['ratio']:.2f}", r["ratios"], r["totals"]) for r in rows],
                         markdown, left=(0,))
 
 

@@ -46,9 +46,11 @@ def interleaved(calls: dict, rounds: int) -> dict:
 
 
 def summary(samples) -> dict:
-    """Median, 25th and 75th percentiles (seconds) and the sample count."""
+    """Median, 25th and 75th percentiles (seconds) and the sample count. The percentiles
+    interpolate between samples (``method="inclusive"``), so they stay within the measured
+    range however few the rounds (the default method extrapolates beyond two samples)."""
     s = sorted(samples)
-    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    q = statistics.quantiles(s, n=4, method="inclusive") if len(s) >= 2 else [s[0]] * 3
     return dict(median=statistics.median(s), p25=q[0], p75=q[2], n=len(s))
 
 
@@ -73,7 +75,10 @@ def calibration_step(f, recipe, variables, distinct, fwd_call, work_s=1.0, n1=2,
     Each of the ``reps`` repetitions times the float forward pass (``fwd_call``,
     median of 20 calls) right before and right after its two calibrations and
     averages the two, so that load from other processes affects both sides of
-    the ratio alike; the medians over the repetitions are returned.
+    the ratio alike. ``ratio`` is the median of the repetitions' own ratios (each
+    pairs a calibration with the forward passes timed beside it), which is not
+    ``per_batch / fwd`` (the medians of the two times, taken separately);
+    ``ratios`` lists the repetitions' ratios.
     """
     fwd0 = median_time(fwd_call, n=20)
     n2 = n1 + max(20, min(2000, math.ceil(work_s / max(fwd0, 1e-9))))
@@ -90,7 +95,7 @@ def calibration_step(f, recipe, variables, distinct, fwd_call, work_s=1.0, n1=2,
         ratio.append(per[-1] / fwd[-1])
         totals.append((t1, t2))
     return dict(per_batch=statistics.median(per), fwd=statistics.median(fwd),
-                ratio=statistics.median(ratio), totals=totals, n1=n1, n2=n2)
+                ratio=statistics.median(ratio), ratios=ratio, totals=totals, n1=n1, n2=n2)
 
 
 def trace_transform(wl, reps: int = 3) -> dict:

@@ -1,0 +1,65 @@
+"""The benchmarks' shared helpers (benchmarks/timing.py, cli.py, formats.py, decode_cache.py):
+the statistics they print and the checks they make, on made-up timings (no model runs)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import cli  # noqa: E402
+import timing  # noqa: E402
+
+
+def test_quartiles_stay_within_the_samples_however_few():
+    """Two rounds: the default ('exclusive') quantiles extrapolated beyond both samples."""
+    s = timing.summary([9.87, 38.79])
+    assert 9.87 <= s["p25"] <= s["median"] <= s["p75"] <= 38.79
+    s = timing.summary([3.0, 1.0, 2.0])
+    assert (s["p25"], s["median"], s["p75"], s["n"]) == (1.5, 2.0, 2.5, 3)
+
+
+def test_calibration_step_returns_the_repetitions_ratios(monkeypatch):
+    """The printed ratio is the median of the repetitions' own ratios, listed beside it
+    (it is not the ratio of the two times' medians, which are printed too)."""
+    fwd = [0.010, 0.010, 0.010, 0.020, 0.020, 0.010, 0.010]  # fwd0, then before/after
+    cal = [1.0, 3.0, 1.0, 4.0, 1.0, 2.0]  # t1, t2 per repetition
+    monkeypatch.setattr(timing, "median_time", lambda call, n=30: fwd.pop(0) if fwd else 0.01)
+    monkeypatch.setattr(timing, "_once", lambda call: cal.pop(0) if cal else 0.0)
+    monkeypatch.setattr(timing.jqt, "calibrate", lambda *a, **k: None)
+    r = timing.calibration_step(None, None, None, [0], None, work_s=0.0, n1=2, reps=3)
+    n = r["n2"] - r["n1"]
+    per = [2.0 / n, 3.0 / n, 1.0 / n]
+    assert r["ratios"] == pytest.approx([per[0] / 0.01, per[1] / 0.02, per[2] / 0.01])
+    assert r["ratio"] == pytest.approx(sorted(r["ratios"])[1])
+    assert r["ratio"] != pytest.approx(r["per_batch"] / r["fwd"])
+
+
+def test_policy_fields_refuses_a_value_the_policy_refuses():
+    assert cli.policy_fields("native_gemv_rows=2") == {"native_gemv_rows": 2}
+    with pytest.raises(ValueError, match="native_gemv_rows=-1"):
+        cli.policy_fields("native_gemv_rows=-1")
+
+
+def test_formats_refuses_ab_where_no_part_reads_it():
+    r = subprocess.run([sys.executable, "benchmarks/formats.py", "--only", "experts,ragged",
+                        "--ab", "native_gemv_rows=0"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--ab: only the minilm, dense, wide parts" in r.stderr
+
+
+def test_decode_cache_report_says_na_where_a_step_is_noise(monkeypatch, capsys):
+    import decode_cache
+    rows = [("float32, float cache", 1e-3, 1.0, 1000, 1.0, 1.0, ""),
+            ("w8a8_dynamic, float cache", -2e-4, -0.2, 1000, 1.0, 0.25, ""),
+            ("w8a8_dynamic + int8 KV", 1e-4, 0.1, 260, 0.26, 0.25, "")]
+    monkeypatch.setattr(decode_cache, "cache_speed", lambda context, rounds: (rows, 10 ** 6))
+    decode_cache.report(context=32, rounds=3)
+    out = capsys.readouterr().out
+    assert "PASS" not in out and "MISS" not in out and out.count("N/A (a loop difference") == 3
+    rows[1] = ("w8a8_dynamic, float cache", 3e-4, 0.3, 1000, 1.0, 0.25, "")
+    decode_cache.report(context=32, rounds=3)
+    out = capsys.readouterr().out
+    assert "N/A" not in out and out.count("PASS") == 3

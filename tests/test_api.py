@@ -63,6 +63,18 @@ def test_summarize_and_repr(setup):
     assert "scale[1x16]" in repr(qp["l1/w"])
 
 
+def test_summarize_shows_no_weight_for_a_product_of_activations():
+    # An act x act dot has no weight: its weight column said "float", as if half of it
+    # stayed float (hunt62_summarize); "-" as in jqt.report's rows and the cache writes.
+    f = lambda p, x: (x @ p["w"]) @ x.T
+    p = {"w": jnp.eye(8) * 0.5}
+    x = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(act_x_act=True), p, [(x,)], progress=False)
+    rows = {line.split()[0]: line.split()[2] for line in jqt.summarize(qp).splitlines()[1:]}
+    assert rows["w"] != "-" and "float" not in rows["w"]
+    assert [v for k, v in rows.items() if k != "w"] == ["-"]
+
+
 def test_pack_drops_float_kernels_and_matches(setup):
     p, xs, qp = setup
     packed = jqt.pack(qp, p)

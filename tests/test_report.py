@@ -814,6 +814,33 @@ def test_report_says_when_a_cond_took_other_branches_in_the_two_lanes():
         assert rows["a"].note == ""
 
 
+@pytest.mark.slow  # CI, as its sibling above
+def test_report_names_only_the_scanned_layer_whose_cond_took_other_branches():
+    """A cond in each of three scanned layers, whose threshold only layer 1's quantized lane
+    crosses: every layer's row said the lanes took other branches (the flag was reduced over
+    all layers; hunt62_summarize). Only u[1]'s row says so now."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((3, 16, 16)) * 0.3, jnp.float32),
+         "u": jnp.asarray(rng.standard_normal((3, 16, 16)) * 0.3, jnp.float32)}
+
+    def f(p, x, thr):
+        def layer(h, xs):
+            w, u, t = xs
+            h = jnp.tanh(h @ w)
+            h = lax.cond(jnp.sum(h) > t, lambda h: jnp.tanh(h @ u), lambda h: -h, h)
+            return h, jnp.sum(h)
+        return lax.scan(layer, x, (p["w"], p["u"], thr))
+
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    low = jnp.full((3,), -100.0)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, low)], progress=False)
+    h1 = jnp.tanh(jnp.tanh(x @ p["w"][0]) @ p["u"][0])
+    s1 = float(jnp.sum(jnp.tanh(h1 @ p["w"][1])))  # layer 1's float sum
+    rows = jqt.report(f, qp, p, (x, low.at[1].set(s1 - 0.01))).rows
+    assert {r.name for r in rows if "took other branches" in r.note} == {"u[1]"}
+    assert not any(r.note for r in jqt.report(f, qp, p, (x, low)).rows)
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_report_and_fallback_on_an_op_over_no_elements():
     # An op whose activation has no elements on the batch (a slice of length 0 here; one of

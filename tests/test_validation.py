@@ -1456,6 +1456,14 @@ def test_a_rule_keyed_by_an_op_key_with_parentheses_copied_as_it_is_is_told_how_
         progress=False))
     assert any("matches that op, a dot_general, which its ops=('gather',) leave out too" in m
                for m in got), got
+    assert any("some of its characters (such as '(' ')') do not match themselves" in m for m in got)
+    # a params key holding '+' (no parentheses): the warning blamed parentheses or brackets
+    q = {"x+y": jnp.ones((4, 4))}
+    got = _messages(lambda: jqt.calibrate(lambda q, x: x @ q["x+y"], jqt.Recipe(rules=(
+        jqt.Rule(key="x+y", weight=None),) + jqt.recipes.w8().rules), q, [(jnp.ones((2, 4)),)],
+        progress=False))
+    assert any("some of its characters (such as '+') do not match themselves" in m
+               and r"key='^x\\+y$'" in m for m in got), got
 
 
 def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_said():

@@ -575,6 +575,12 @@ def _loop_named(who, first) -> str:
 _NEAR_MISSES_SHOWN = 3  # near-miss writes warned of by calibrate, the first ones found
 
 
+def _special(key: str) -> str:
+    """The characters of ``key`` a regular expression reads as its own, quoted: ``'(' ')'``."""
+    chars = dict.fromkeys(c for c in key if c in "()[]{}+*?^$|\\")
+    return " ".join(repr(c) for c in chars) or "its metacharacters"
+
+
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
                     argnums=(0,), empty_ops=0, carried=None, equinox_prims=()):
     """Warns of a function without ops to quantize, of one whose ops read no weight from
@@ -802,8 +808,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             if r.key in keys:  # a key copied as it is, '(' ')' '[' read as the regex's own
                 op = next(s.op for s in sites if s.key == r.key)
                 why = (f"it is the op key {r.key!r} as jqt.summarize writes it, but a rule's key "
-                       "is a regular expression, in which its parentheses or brackets do not "
-                       f"match themselves: key={'^' + re.escape(r.key) + '$'!r} "
+                       "is a regular expression, in which some of its characters (such as "
+                       f"{_special(r.key)}) do not match themselves: key={'^' + re.escape(r.key) + '$'!r} "
                        "('^' + re.escape(key) + '$') matches that op"
                        + ("" if op in r.ops else f", a {op}, which its ops={r.ops} leave out too: "
                           "add it to ops="))

@@ -632,7 +632,9 @@ def summarize(qparams: dict[str, Any]) -> str:
         aq = [p.operand(i) for i in (0, 1) if i != w]
         extra = (" +smooth" if p.smooth is not None else "") + (" +rotate" if p.rotate else "")
         acc = f", int{p.accumulator} accumulator" if p.accumulator != 32 else ""
-        rows.append((k, p.op, _short(wq) + extra, ", ".join(_short(a) for a in aq) + acc))
+        # No weight (a product of two activations): "-", as report's rows and cache writes.
+        wtext = "-" if w is None else _short(wq) + extra
+        rows.append((k, p.op, wtext, ", ".join(_short(a) for a in aq) + acc))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 

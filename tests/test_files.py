@@ -524,6 +524,45 @@ def test_a_packed_weight_retyped_to_uint8_is_rejected(tmp_path, files, models):
              "aval is float32[32]")
 
 
+def _relabel(h, key, **qtype):
+    """A packed weight's type changed in its entry and in the stored qparams alike."""
+    h["weights"][key]["qtype"].update(qtype)
+    if "values_dtype" in h["weights"][key]:
+        h["weights"][key]["values_dtype"] = qtype["dtype"]
+    if h.get("qparams"):
+        e = h["qparams"][key]
+        e[("lhs", "rhs")[e["weight_operand"]]]["qtype"].update(qtype)
+
+
+def test_codes_relabelled_as_a_narrower_or_other_type_are_rejected(tmp_path, files, models):
+    """A consistent relabel of the codes' type (entry and stored qparams): int8 codes as
+    int7, int4 as int2, fp8 e4m3 codes as e5m2 (whose bytes read as inf and NaN) loaded and
+    ran (hunt62_packedrt). Codes beyond the type's grid, or inf fp8 codes (jqt.pack writes
+    neither), are refused now; a relabel into codes that fit stays undetectable, as
+    export.md says."""
+    bad = str(tmp_path / "relabelled.safetensors")
+    _rewrite(files["packed"], bad, header=lambda h: _relabel(h, "l1/w", dtype="int7", bits=7))
+    _rejects(jqt.load_packed, bad, "packed weight 'l1/w': its codes reach [-127, 127]",
+             "outside the int7 sym per-channel grid [-63, 63]")
+    _rewrite(files["int4"], bad, header=lambda h: _relabel(h, "w", dtype="int2", bits=2))
+    _rejects(jqt.load_packed, bad, "packed weight 'w': its codes reach [-8, 7]", "grid [-2, 1]")
+    p = {"w": jnp.linspace(-2.0, 2.0, 64).reshape(8, 8)}
+    qp = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.fp8(), p, [(jnp.ones((2, 8)),)],
+                       progress=False)
+    good = str(tmp_path / "fp8.safetensors")
+    jqt.save_packed(good, jqt.pack(qp, p), qp)
+    _rewrite(good, bad, header=lambda h: _relabel(h, "w", dtype="float8_e5m2"))
+    _rejects(jqt.load_packed, bad, "packed weight 'w': its float8_e5m2 codes hold inf")
+    # the leaf's recorded shape edited against the shape the stored qparams were calibrated
+    # with: loaded, then failed inside jax.lax.dot_general without naming the file
+    def reshape_leaf(h):
+        i = next(i for i, (shape, _) in enumerate(h["avals"]) if shape == [16, 32])
+        h["avals"][i][0] = [32, 16]
+    _rewrite(files["packed"], bad, header=reshape_leaf)
+    _rejects(jqt.load_packed, bad, "op 'l1/w' reads weight leaf 'l1/w', calibrated with shape "
+             "[16, 32], but the packed weights record that leaf with shape [32, 16]")
+
+
 def test_a_scale_of_the_wrong_shape_is_rejected(tmp_path, files):
     bad = str(tmp_path / "bad.safetensors")
     # the int8 weight's scale (shared with the qparams), transposed: the header says (1, 32)

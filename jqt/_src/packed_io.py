@@ -504,8 +504,29 @@ def _weight_from_entry(r, key, d, version):
                           f"were multiplied by (its 'folded' records the digest {digest!r})")
         w = QArray(**arrays, qtype=qtype, layout=layout, folded=folded)
     _check_weight(r, where, w)
+    if version > 1:  # a version-1 file's codes are checked against its qparams (v1_problem)
+        _check_grid(r, where, w)
     check_values(r, key, validate.operand_problems(w, "packed weight"))
     return w
+
+
+def _check_grid(r, where, w):
+    """Integer (and NF4 index) codes within their type's grid, as :func:`jqt.pack` writes
+    them: codes of a wider type relabelled (int4 as int2, int8 as int7) loaded and ran."""
+    q, v = w.qtype, w.values
+    if q is None or q.kind == "float" or v is None or not v.size:
+        return
+    v = np.asarray(v)
+    if v.dtype == np.uint8:  # two 4-bit codes per byte, sign-extended as unpack_nibbles does
+        b = v.view(np.int8)
+        lo, hi = np.right_shift(np.left_shift(b, 4), 4), np.right_shift(b, 4)
+        low, high = min(int(lo.min()), int(hi.min())), max(int(lo.max()), int(hi.max()))
+    else:
+        low, high = int(v.min()), int(v.max())
+    if low < q.qmin or high > q.qmax:
+        raise r.error(f"{where}: its codes reach [{low}, {high}], outside the {q.describe()} "
+                      f"grid [{q.qmin}, {q.qmax}] that jqt.pack writes (codes of a wider type "
+                      "relabelled, or changed bytes)")
 
 
 def _fp8_values(r, where, values, name, qtype):
@@ -516,7 +537,12 @@ def _fp8_values(r, where, values, name, qtype):
     if values is None or values.dtype != np.uint8:
         got = "no values" if values is None else f"values {describe(values)}"
         raise r.error(f"{where} has {got}; {name} codes are stored as their bytes (uint8)")
-    return values.view(FLOAT8[name])
+    codes = values.view(FLOAT8[name])
+    if np.isinf(codes.astype(np.float32)).any():  # e5m2 has inf codes; jqt.pack writes none
+        raise r.error(f"{where}: its {name} codes hold inf, which jqt.pack never writes (it refuses "
+                      "inf weights and clips to the grid's largest value): codes of another fp8 "
+                      "type relabelled, or changed bytes")
+    return codes
 
 
 def _values_dtypes(w):
@@ -857,6 +883,13 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{fn}: the packed weight of op '{key}' has shape {shape} (layout "
                     f"'{pw.layout}'), which does not fit its weight scale of shape "
                     f"{tuple(np.shape(q.scale))}. The weights or qparams changed; re-run jqt.pack.")
+        if leaf is not None and leaf in dropped and src.shape is not None \
+                and tuple(packed.avals[leaf].shape) != tuple(src.shape):
+            raise QParamsMismatchError(
+                f"{fn}: op '{key}' reads weight leaf '{src.path}', calibrated with shape "
+                f"{list(src.shape)}, but the packed weights record that leaf with shape "
+                f"{list(packed.avals[leaf].shape)}. The weights or qparams changed since "
+                "jqt.pack; re-run jqt.pack (and jqt.save_packed).")
         side = "lhs" if w == 0 else "rhs"
         recast = next((f"qparams['{key}'].{side}.{name} is {np.dtype(b.dtype).name}" for name, a, b in
                        (("scale", pw.scale, q.scale), ("zero_point", pw.zero_point, q.zero_point))

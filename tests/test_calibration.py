@@ -1354,11 +1354,35 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
     jqt.quantize(f, qt)(jqt.pack(qt, p), x)
     acts = {"Swapped": (lambda lo, hi: (hi, lo), r"calibrator Swapped's range\(stats, qtype\) "
                         r"returned lo > hi"),
-            "NaNRange": (lambda lo, hi: (lo * np.nan, hi), r"returned NaN .* on finite statistics")}
+            "NaNRange": (lambda lo, hi: (lo * np.nan, hi), r"returned NaN .* on finite statistics"),
+            # an infinite end on finite statistics: lo=-inf kept the op float as "never ran"
+            # on the calibration data, hi=inf blamed the activation (hunt62_apisurface)
+            "OneSided": (lambda lo, hi: (-np.inf, hi), r"returned \[-inf, .*\], not finite, on "
+                         r"finite statistics of the activation"),
+            "Open": (lambda lo, hi: (lo, np.inf), r"returned \[.*, inf\], not finite, on finite")}
     for name, (swap, match) in acts.items():
         cls = type(name, (C,), {"range": lambda self, st, q, s=swap: s(*C.range(self, st, q))})
         with pytest.raises(ValueError, match=match):
             jqt.calibrate(f, jqt.recipes.w8a8(calibrator=cls()), p, [(x,)], progress=False)
+    # statistics of the calibrator's own (no min/max): the same
+    own = type("Own", (C,), {"observe": lambda self, x: {"a": jnp.max(jnp.abs(x))},
+                             "combine": lambda self, a, b: {"a": jnp.maximum(a["a"], b["a"])},
+                             "empty": lambda self, like: {"a": jnp.float32(-jnp.inf)},
+                             "range": lambda self, st, q: (-np.inf, st["a"])})
+    with pytest.raises(ValueError, match=r"Own's range\(stats, qtype\) returned \[-inf"):
+        jqt.calibrate(f, jqt.recipes.w8a8(calibrator=own()), p, [(x,)], progress=False)
+    # a range that is no pair, or ends that are no numbers: named (a bare unpacking error)
+    for out, match in ((1.0, r"returned 1.0; it returns a pair \(lo, hi\)"),
+                       (None, r"returned None; it returns a pair"),
+                       (("lo", "hi"), r"returned an end 'lo', not a number")):
+        bad = type("Bad", (C,), {"range": lambda self, st, q, o=out: o})
+        with pytest.raises(TypeError, match=r"op 'w': calibrator Bad's range\(stats, qtype\) " + match):
+            jqt.calibrate(f, jqt.recipes.w8a8(calibrator=bad()), p, [(x,)], progress=False)
+    for out, match in ((None, "returned None"), (jnp.ones((1, 8)), r"returned an array of shape \(1, 8\)")):
+        bad = type("BadW", (WC,), {"range": lambda self, w, axes, qtype, o=out: o})
+        with pytest.raises(TypeError, match=r"weight calibrator BadW's range\(w, axes=\(0,\), qtype\) "
+                           + match + r"; it returns a pair \(lo, hi\)"):
+            jqt.calibrate(f, jqt.recipes.w8(weight_calibrator=bad()), p, [(x,)], progress=False)
     # an observe that needs x's rank, statistics with keepdims, a range per channel: named at
     # calibration (they failed later, in quantize, or in JAX's words; hunt46_calib2)
     rows = type("Rows", (C,), {"observe": lambda self, x: {"max": jnp.max(jnp.max(jnp.abs(x), axis=1))}})

@@ -515,3 +515,23 @@ def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():
     sim = jqt.quantize(f, qp, simulate=True)
     for g in (sim, jax.jit(sim)):
         np.testing.assert_array_equal(g(p, eye), g(jqt.pack(qp, p), eye))
+
+
+def test_the_primitives_check_their_parameters_when_bound_eagerly():
+    """jqt.fake_quant_p and jqt.quantize_p bound outside jit skipped the abstract
+    evaluation's checks: a scale of another shape failed in JAX's words, an unknown grid
+    raised a KeyError, qmin > qmax returned numbers, a missing dtype a TypeError of the
+    implementation (hunt62_apisurface). Eager and traced binds check alike now."""
+    x, s, z = jnp.array([0.26, 9.0, -3.3]), jnp.float32(0.5), jnp.float32(0)
+    for call in (lambda b: b(), lambda b: jax.jit(b)()):
+        with pytest.raises(ValueError, match=r"scale of shape \(2,\) does not broadcast to the "
+                           r"operand's shape \(3,\)"):
+            call(lambda: jqt.fake_quant_p.bind(x, jnp.ones(2), z, qmin=-8, qmax=7))
+        with pytest.raises(ValueError, match=r"grid='nf5' is not one of \['int', 'nf4'"):
+            call(lambda: jqt.fake_quant_p.bind(x, s, z, qmin=-8, qmax=7, grid="nf5"))
+        with pytest.raises(ValueError, match="qmin=7 is above qmax=-8"):
+            call(lambda: jqt.fake_quant_p.bind(x, s, z, qmin=7, qmax=-8))
+        with pytest.raises(TypeError, match="jqt_quantize.bind takes the parameters qmin, qmax, "
+                           "dtype; dtype missing"):
+            call(lambda: jqt.quantize_p.bind(x, s, z, qmin=-8, qmax=7))
+        assert call(lambda: jqt.quantize_p.bind(x, s, z, qmin=-8, qmax=7, dtype=jnp.int8)).tolist() == [1, 7, -7]

@@ -1082,21 +1082,43 @@ def _one_value(a, rule, key):
             f"range(stats, qtype) returned an end of shape {np.shape(a)}: it returns two scalars "
             "(lo, hi), one range for the whole activation (static activations are per tensor; "
             "per-token scales are dynamic=True).")
-    return np.float32(np.reshape(a, ()))
+    try:
+        return np.float32(np.reshape(a, ()))
+    except (TypeError, ValueError):
+        raise TypeError(f"jqt.calibrate: op '{key}': calibrator {type(rule.calibrator).__name__}'s "
+                        f"range(stats, qtype) returned an end {_brief(a)}, not a number: it "
+                        "returns two numbers (lo, hi).") from None
+
+
+def _brief(a) -> str:
+    text = repr(a)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def pair(out, what):
+    """A calibrator's ``range`` result as ``(lo, hi)``, refused naming ``what`` (the
+    calibrator and the call) unless it is a pair."""
+    try:
+        lo, hi = out
+    except (TypeError, ValueError):
+        raise TypeError(f"jqt.calibrate: {what} returned {_brief(out)}; it returns a pair "
+                        "(lo, hi).") from None
+    return lo, hi
 
 
 def _act_range(rule, act_stats, qtype, key="?"):
     """The calibrator's range; for stacked statistics (an op under a ``lax.scan``
     over layers) one range per layer, stacked."""
     stacked = stats_lib.stack_depth(rule.calibrator, act_stats)
+    what = f"op '{key}': calibrator {type(rule.calibrator).__name__}'s range(stats, qtype)"
     if stacked == 0:
-        lo, hi = rule.calibrator.range(act_stats, qtype)
+        lo, hi = pair(rule.calibrator.range(act_stats, qtype), what)
         return _one_value(lo, rule, key), _one_value(hi, rule, key)
     flat = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[stacked:]), act_stats)
     n = jax.tree_util.tree_leaves(flat)[0].shape[0]
     shape = jax.tree_util.tree_leaves(act_stats)[0].shape[:stacked]
-    pairs = [tuple(_one_value(e, rule, key) for e in rule.calibrator.range(
-        jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype)) for i in range(n)]
+    pairs = [tuple(_one_value(e, rule, key) for e in pair(rule.calibrator.range(
+        jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype), what)) for i in range(n)]
     lo = np.array([p[0] for p in pairs], np.float32).reshape(shape)
     hi = np.array([p[1] for p in pairs], np.float32).reshape(shape)
     return lo, hi
@@ -1350,6 +1372,7 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                     f"NaN ([{lo}, {hi}]) on finite statistics of the activation: fix its range.")
             _check_order(site, lo, hi, f"calibrator {type(rule.calibrator).__name__}",
                          "stats, qtype")
+            _check_range_finite(site, rule, st.act, lo, hi)
             if not np.isfinite(lo).all() or np.size(lo) == 0:  # (0: a stack of 0 layers)
                 diagnostics.warn_grouped("never", never, f"'{site.key}'")
                 return float_(unreached)
@@ -1448,6 +1471,32 @@ def _act_not_finite(site, what):
             "and scale would not be finite. Where the batches were finite, f made them (an exp "
             "that overflowed, a log of 0?): make f finite on them, or keep the op float with a "
             f"rule ahead of the others, jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
+def _check_range_finite(site, rule, act, lo, hi):
+    """Raises where a calibrator's range is not finite although the statistics it was
+    given observed values: finite extremes (``min`` and ``max``, as every built-in
+    calibrator keeps), or statistics of the user's own, one range for the op, all finite
+    and not all zero (an empty accumulator holds an infinity, as ``[inf, -inf]`` extremes,
+    or counts of 0). A calibrator of the user's that returned an infinite end was read as
+    an op that never ran, or as an activation that held inf."""
+    bad = ~(np.isfinite(lo) & np.isfinite(hi))
+    if isinstance(act, dict) and "min" in act and "max" in act:
+        seen = np.isfinite(np.asarray(act["min"])) & np.isfinite(np.asarray(act["max"]))
+    elif np.ndim(lo) == 0:
+        leaves = [np.asarray(a) for a in jax.tree_util.tree_leaves(act)]
+        seen = np.bool_(bool(leaves) and all(np.isfinite(a).all() for a in leaves)
+                        and any(a.any() for a in leaves))
+    else:
+        return
+    if np.shape(seen) != np.shape(bad) or not (seen & bad).any():
+        return
+    raise ValueError(
+        f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): "
+        f"calibrator {type(rule.calibrator).__name__}'s range(stats, qtype) returned "
+        f"[{np.asarray(lo)[seen & bad].min()}, {np.asarray(hi)[seen & bad].max()}], not "
+        "finite, on finite statistics of the activation: return finite ends (a one-sided "
+        "range clipped at the observed min or max, stats['min'] and stats['max']).")
 
 
 def _check_act_finite(site, act):

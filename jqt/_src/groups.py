@@ -95,7 +95,14 @@ def _checked(calibrator, w, axes, qtype):
     ...
     ValueError: jqt.calibrate: weight calibrator Scalar's range(w, axes=(0,), qtype) returned lo of shape () for a weight w of shape (4, 2): it must reduce w over axes with keepdims, to shape (1, 2) (w.min(axis=axes, keepdims=True) and the max, as jqt.calibrators.WeightMinMax does).
     """
-    lo, hi = calibrator.range(w, axes, qtype)
+    out = calibrator.range(w, axes, qtype)
+    try:
+        lo, hi = out
+    except (TypeError, ValueError):
+        text = repr(out) if not hasattr(out, "shape") else f"an array of shape {tuple(out.shape)}"
+        raise TypeError(f"jqt.calibrate: weight calibrator {type(calibrator).__name__}'s "
+                        f"range(w, axes={axes}, qtype) returned {text[:60]}; it returns a pair "
+                        "(lo, hi), w reduced over axes with keepdims.") from None
     want = () if axes is None else tuple(1 if i in {a % w.ndim for a in axes} else n
                                           for i, n in enumerate(w.shape))
     if axes is None:  # per tensor: one value, kept as a scalar (keepdims or not)

@@ -264,13 +264,30 @@ def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype, grid="int"):
     return _codes(x, scale, zero_point, qmin, qmax, grid).astype(dtype)
 
 
-def _abstract(x, scale, zero_point, *, dtype=None, **_):
-    for name, a in (("scale", scale), ("zero_point", zero_point)):
+def _check(name, required, x, scale, zero_point, params):
+    """The checks of a bind, eager or traced: scale and zero point broadcast to the
+    operand, the required parameters given, a known grid, ``qmin <= qmax``."""
+    for what, a in (("scale", scale), ("zero_point", zero_point)):
         try:
-            jnp.broadcast_shapes(a.shape, x.shape)
+            jnp.broadcast_shapes(jnp.shape(a), jnp.shape(x))
         except ValueError:
-            raise ValueError(f"jqt: {name} of shape {a.shape} does not broadcast to the "
-                             f"operand's shape {x.shape}.") from None
+            raise ValueError(f"jqt: {what} of shape {jnp.shape(a)} does not broadcast to the "
+                             f"operand's shape {jnp.shape(x)}.") from None
+    missing = [a for a in required if a not in params]
+    if missing:
+        raise TypeError(f"jqt: {name}.bind takes the parameters {', '.join(required)}; "
+                        f"{', '.join(missing)} missing (e.g. qmin=-128, qmax=127"
+                        f"{', dtype=jnp.int8' if 'dtype' in required else ''}).")
+    grid = params.get("grid", "int")
+    if grid not in ("int", "nf4") and grid not in FLOAT8:
+        raise ValueError(f"jqt: {name}: grid={grid!r} is not one of "
+                         f"{['int', 'nf4', *FLOAT8]}.")
+    if not params["qmin"] <= params["qmax"]:
+        raise ValueError(f"jqt: {name}: qmin={params['qmin']!r} is above qmax={params['qmax']!r}; "
+                         "the grid runs from qmin up to qmax.")
+
+
+def _abstract(x, scale, zero_point, *, dtype=None, **_):
     # keep the operand's sharding (explicit mesh axes), as an elementwise op does, and
     # vary over the manual axes any operand varies over (jax.shard_map)
     return compat.shaped(x.shape, dtype or x.dtype, (x, scale, zero_point),
@@ -300,12 +317,25 @@ def _batch_rule(prim):
 
 def _primitive(name, impl):
     p = compat.Primitive(name)
+    sig = inspect.signature(impl).parameters
+    static = tuple(a for a in ("qmin", "qmax", "dtype", "grid") if a in sig)
+    required = tuple(a for a in static if sig[a].default is inspect.Parameter.empty)
     # called eagerly (jqt.pack quantizing a weight, calibration's scales): one compiled
     # program per shape and parameters, as a JAX primitive applied outside jit runs, not
-    # a dispatch per jnp operation of ``impl``
-    p.def_impl(jax.jit(impl, static_argnames=tuple(
-        a for a in ("qmin", "qmax", "dtype", "grid") if a in inspect.signature(impl).parameters)))
-    p.def_abstract_eval(_abstract)
+    # a dispatch per jnp operation of ``impl``; the bind's checks run there too (an eager
+    # bind does not call the abstract evaluation)
+    jitted = jax.jit(impl, static_argnames=static)
+
+    def eager(x, scale, zero_point, **params):
+        _check(name, required, x, scale, zero_point, params)
+        return jitted(x, scale, zero_point, **params)
+
+    def abstract(x, scale, zero_point, **params):
+        _check(name, required, x, scale, zero_point, params)
+        return _abstract(x, scale, zero_point, **params)
+
+    p.def_impl(eager)
+    p.def_abstract_eval(abstract)
     compat.mlir.register_lowering(p, compat.mlir.lower_fun(impl, multiple_results=False))
     compat.batching.primitive_batchers[p] = _batch_rule(p)
     return p

@@ -840,6 +840,26 @@ def test_report_names_only_the_scanned_layer_whose_cond_took_other_branches():
     assert {r.name for r in rows if "took other branches" in r.note} == {"u[1]"}
     assert not any(r.note for r in jqt.report(f, qp, p, (x, low)).rows)
 
+    # a cond around an inner scan inside an outer one: the flag has the outer axis only,
+    # and named every outer layer's rows (review)
+    pw = {"w": jnp.asarray(rng.standard_normal((3, 2, 16, 16)) * 0.3, jnp.float32)}
+
+    def inner(h, ws):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)[0]
+
+    def g(p, x, thr):
+        def outer(h, xs):
+            ws, t = xs
+            h = lax.cond(jnp.sum(h) > t, lambda h: inner(h, ws), lambda h: -h, h)
+            return h, jnp.sum(h)
+        return lax.scan(outer, x, (p["w"], thr))
+
+    low = jnp.full((3,), -1e4)
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), pw, [(x, low)], progress=False)
+    s_f, s_q = float(g(pw, x, low)[1][0]), float(jqt.quantize(g, qg)(pw, x, low)[1][0])
+    rows = jqt.report(g, qg, pw, (x, low.at[1].set((s_f + s_q) / 2))).rows
+    assert {r.layer for r in rows if "took other branches" in r.note} == {(1, 0), (1, 1)}
+
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_report_and_fallback_on_an_op_over_no_elements():

@@ -519,10 +519,12 @@ def _rows(site, qp, st):
         pick = lambda a: None if a is None else (np.asarray(a) if li is None else
                                                   np.asarray(a)[li] if np.ndim(a) >= len(li) else np.asarray(a))
         ran = "f2" in st and g("x_n") > 0
-        # This layer's own flags (a flag recorded outside the layer scan has fewer axes
-        # and holds for every layer).
-        trips = ran and bool(np.any(pick(st.get("trips_differ_max", 0.0)) > 0))
-        branch = ran and bool(np.any(pick(st.get("branch_differs_max", 0.0)) > 0))
+        # This layer's own flags: one recorded outside the inner scans of nested ones has
+        # fewer axes, and holds for every layer of those. The branch note stands where the
+        # float lane did not run the op (the quantized lane did).
+        flag = lambda a: np.asarray(a)[() if li is None else li[:np.ndim(a)]]
+        trips = ran and bool(np.any(flag(st.get("trips_differ_max", 0.0)) > 0))
+        branch = bool(np.any(flag(st.get("branch_differs_max", 0.0)) > 0))
         wsc = None if wq is None or wq.scale is None else pick(wq.scale)
         asc = None if aq is None or aq.scale is None else pick(aq.scale)
         azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)

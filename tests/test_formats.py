@@ -555,6 +555,31 @@ def test_a_lookup_of_part_of_each_row_stays_float_with_a_warning():
                                part(p, jnp.arange(4)), atol=0.02)
 
 
+def test_an_ensembles_stacked_table_gets_one_scale_per_row_of_each_member():
+    """An ensemble's tables stacked (E, V, D) and looked up with shared ids (jax.vmap with
+    in_axes=(0, None), flax nn.vmap, emb[:, ids]) shared one scale per vocabulary row across
+    members: a member of small values rounded to 0 (relative error 1.0), with a warning about
+    a mixture's experts (hunt62_nestedvmap). Each member's rows get their own scale now,
+    as under lax.map; w[expert_ids] (whole matrices) keeps one scale per matrix."""
+    k = jax.random.split(jax.random.key(7), 2)
+    p = {"emb": jax.random.normal(k[0], (3, 50, 16)) * jnp.array([1.0, 0.01, 30.0])[:, None, None]}
+    ids = jax.random.randint(k[1], (7,), 0, 50)
+    vm = lambda p, i: jax.vmap(lambda q, i: q["emb"][i], in_axes=(0, None))(p, i)  # noqa: E731
+    by_hand = lambda p, i: p["emb"][:, i]  # noqa: E731
+    for f in (vm, by_hand):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning about whole matrices
+            qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), p, [(ids,)], progress=False)
+        assert np.shape(qp["emb"].lhs.scale) == (3, 50, 1)
+        y, want = jqt.quantize(f, qp)(jqt.pack(qp, p), ids), f(p, ids)
+        for m in range(3):
+            assert float(jnp.linalg.norm(y[m] - want[m]) / jnp.linalg.norm(want[m])) < 0.01
+    experts = lambda p, e: p["emb"][e]  # noqa: E731
+    with pytest.warns(UserWarning, match="looks up whole"):
+        qe = jqt.calibrate(experts, jqt.recipes.w8(), p, [(jnp.array([0, 2]),)], progress=False)
+    assert np.size(qe["emb"].lhs.scale) == 3
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element

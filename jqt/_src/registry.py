@@ -200,10 +200,19 @@ class Gather:
 
     def contract(self, eqn):
         """The table's axes that each lookup reads whole (the embedding features);
-        the scale is shared along them, one per row."""
+        the scale is shared along them, one per row. Axes read whole ahead of the first
+        indexed one, where some read whole follow it, are stacked tables (an ensemble's
+        members under ``jax.vmap`` with shared ids, ``emb[:, ids]``): one scale per row of
+        each, not one shared by every member's row (a member of small values rounded to
+        0). A lookup of whole matrices (``w[expert_ids]``: every axis read whole follows
+        the indexed one) keeps one scale per matrix."""
         shape = eqn.invars[0].aval.shape
         sizes = eqn.params["slice_sizes"]
-        return (tuple(d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1), ())
+        full = [d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1]
+        indexed = [d for d in range(len(shape)) if sizes[d] < shape[d]]
+        if indexed and any(d > indexed[0] for d in full):
+            full = [d for d in full if d > indexed[0]]
+        return (tuple(full), ())
 
     @staticmethod
     def weight_type(rule):

@@ -477,6 +477,31 @@ def test_a_cache_frozen_with_jnp_where_after_the_write_is_a_cache(setup, kind, c
     _carried_quantized_as_teacher(teacher_masked, setup, jnp.array([T, 3], jnp.int32), kind, code_dtype)
 
 
+def teacher_masked_broadcast(p, tokens, lengths, how="broadcast_to"):
+    """teacher_masked with the flag broadcast to the cache's shape before ``jnp.where``
+    (``jnp.broadcast_to``), or made there from an iota along the batch axis: ``jnp.where``
+    selects inside its own jit, where the broadcast is not seen."""
+    def body(carry, tok):
+        cache, pos = carry
+        logits, new = _step(p, cache, tok, pos, _dus)
+        shape = cache[0].shape
+        if how == "broadcast_to":
+            live = jnp.broadcast_to((pos < lengths)[None, :, None, None, None], shape)
+        else:
+            live = lax.broadcasted_iota(jnp.int32, shape, 1) < jnp.sum(pos < lengths)
+        return (tuple(jnp.where(live, n, c) for n, c in zip(new, cache)), pos + 1), logits
+    return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+
+@pytest.mark.parametrize("how", ["broadcast_to", pytest.param("iota", marks=pytest.mark.slow)])
+def test_a_cache_frozen_with_a_flag_broadcast_first_is_a_cache(setup, how):
+    """The flag broadcast to the cache's shape before jnp.where (or an iota along the batch
+    axis compared): the same along the last axis, so whole vectors, but the buffer stayed
+    float, and calibrate advised the jnp.where it was (hunt62_attnlayouts)."""
+    f = functools.partial(teacher_masked_broadcast, how=how)
+    _carried_quantized_as_teacher(f, setup, jnp.array([T, 3], jnp.int32), True, jnp.int8)
+
+
 def teacher_cleared(p, tokens, clear_at, zeros="literal"):
     """teacher, each sequence's cache slot cleared with zeros at step ``clear_at`` (B,)
     before that step writes (a finished sequence's slot reused: continuous batching):

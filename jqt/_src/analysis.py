@@ -541,7 +541,8 @@ class Analyzer:
                 # a symbolic dimension's value (jax.export's shapes) is built as iota is
                 built = name in ("iota", "dim_as_value") or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built, computed=computed_weight(ins),
-                                stack_ids=weight_stack_ids(ins, self.shard_ids))] * len(eqn.outvars)
+                                stack_ids=weight_stack_ids(ins, self.shard_ids),
+                                rowwise=kvcache.same_along_last(eqn, ins))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info

@@ -513,19 +513,51 @@ def is_buffer_select(eqn, ins, pred_def) -> bool:
     it: ``jnp.where(live, written, cache)``, freezing finished sequences), or that buffer
     and zeros (``jnp.where(done, 0.0, cache)``, a finished sequence's slot cleared), on a predicate
     that is the same along the buffer's last axis (a scalar, or a ``broadcast_in_dim``
-    that does not map an axis onto it, or maps one of size 1): it picks whole vectors,
+    that does not map an axis onto it, or maps one of size 1; or a value
+    :func:`same_along_last` made, ``VarInfo.rowwise``): it picks whole vectors,
     so a cache under it is the same cache, its codes and scales picked alike
     (:func:`select`). ``pred_def``: the equation that made the predicate, or ``None``."""
     buffers = {i.buffer for i in ins[1:] if not i.zero}
     if eqn.primitive is not compat.select_n_p or len(buffers) != 1 or not next(iter(buffers)):
         return False
     shape = eqn.invars[0].aval.shape
-    if not shape:
+    if not shape or ins[0].rowwise:
         return True
     if pred_def is None or pred_def.primitive is not compat.broadcast_in_dim_p:
         return False
     last, dims = len(shape) - 1, tuple(pred_def.params["broadcast_dimensions"])
     return last not in dims or pred_def.invars[0].aval.shape[dims.index(last)] == 1
+
+
+_ROWWISE_ELEMENTWISE = frozenset((
+    "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "xor", "convert_element_type",
+    "add", "sub", "mul", "max", "min", "select_n"))
+
+
+def same_along_last(eqn, ins) -> bool:
+    """Whether ``eqn``'s (one) output is the same along its last axis, as a predicate that
+    picks whole vectors of a cache is (``VarInfo.rowwise``): a ``broadcast_in_dim`` that
+    maps no axis, or one of size 1, onto it (``jnp.broadcast_to(live[:, None, None, None],
+    cache.shape)``, done before ``jnp.where``, whose select then runs inside its own jit
+    where the broadcast is not seen); an ``iota`` along another axis; an elementwise op
+    (a comparison, ``&``) of such values and scalars."""
+    if len(eqn.outvars) != 1 or not getattr(eqn.outvars[0].aval, "shape", ()):
+        return False
+    out = eqn.outvars[0].aval.shape
+    name = eqn.primitive.name
+    if eqn.primitive is compat.broadcast_in_dim_p:
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        last = len(out) - 1
+        if last not in dims:
+            return True
+        src = eqn.invars[0].aval.shape
+        return src[dims.index(last)] == 1 or (ins[0].rowwise and dims.index(last) == len(src) - 1)
+    if name == "iota":
+        return eqn.params["dimension"] != len(out) - 1
+    if name in _ROWWISE_ELEMENTWISE:
+        return all(not getattr(v.aval, "shape", ()) or (i.rowwise and v.aval.shape == out)
+                   for v, i in zip(eqn.invars, ins))
+    return False
 
 
 def select(eqn, invals, zeros=()):

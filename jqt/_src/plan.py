@@ -30,6 +30,7 @@ class VarInfo:
     unflat: tuple = ()
     built: bool = False  # made in f from iota and literals alone (an interpolation matrix)
     computed: bool = False  # a weight f computes from weight leaves (2 * w, tril(w), qr(w)[0])
+    rowwise: bool = False  # the same along its last axis (a per-sequence flag broadcast first)
 
 
 def computed_weight(infos) -> bool:

@@ -481,23 +481,32 @@ def teacher_masked_broadcast(p, tokens, lengths, how="broadcast_to"):
     """teacher_masked with the flag broadcast to the cache's shape before ``jnp.where``
     (``jnp.broadcast_to``), or made there from an iota along the batch axis: ``jnp.where``
     selects inside its own jit, where the broadcast is not seen."""
+    shape = _empty()[0].shape
+    ends = jnp.broadcast_to(lengths[None, :, None, None, None], shape)  # before the loop
+
     def body(carry, tok):
         cache, pos = carry
         logits, new = _step(p, cache, tok, pos, _dus)
-        shape = cache[0].shape
         if how == "broadcast_to":
             live = jnp.broadcast_to((pos < lengths)[None, :, None, None, None], shape)
+        elif how == "before_the_loop":
+            live = pos < ends
+        elif how == "combined":  # one op of a full flag and a flag of size-1 axes
+            live = (pos < ends) & (lengths > 0)[None, :, None, None, None]
         else:
             live = lax.broadcasted_iota(jnp.int32, shape, 1) < jnp.sum(pos < lengths)
         return (tuple(jnp.where(live, n, c) for n, c in zip(new, cache)), pos + 1), logits
     return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
 
-@pytest.mark.parametrize("how", ["broadcast_to", pytest.param("iota", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["broadcast_to", pytest.param("iota", marks=pytest.mark.slow),
+                                 pytest.param("before_the_loop", marks=pytest.mark.slow), "combined"])
 def test_a_cache_frozen_with_a_flag_broadcast_first_is_a_cache(setup, how):
     """The flag broadcast to the cache's shape before jnp.where (or an iota along the batch
     axis compared): the same along the last axis, so whole vectors, but the buffer stayed
-    float, and calibrate advised the jnp.where it was (hunt62_attnlayouts)."""
+    float, and calibrate advised the jnp.where it was (hunt62_attnlayouts). So too with the
+    broadcast made before the loop, and with such a flag and one of size-1 axes combined in
+    one op (hunt62_docsgenerate)."""
     f = functools.partial(teacher_masked_broadcast, how=how)
     _carried_quantized_as_teacher(f, setup, jnp.array([T, 3], jnp.int32), True, jnp.int8)
 
@@ -574,12 +583,17 @@ def test_a_mask_that_varies_along_the_features_is_not_a_cache(setup):
             cache, pos = carry
             logits, new = _step(p, cache, tok, pos, _dus)
             keep = (jnp.arange(DH) % 2 == 0)[None, None, None, None, :]
+            if iota:  # an iota along the last axis, and such a mask & a per-sequence flag
+                keep = (lax.broadcasted_iota(jnp.int32, cache[0].shape, 4) < DH // 2) \
+                    & (pos < 3)[None, None, None, None, None]
             return (tuple(jnp.where(keep, n, c) for n, c in zip(new, cache)), pos + 1), logits
         return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
 
-    with pytest.warns(UserWarning, match="no loop of f carries a buffer"):
-        qp = jqt.calibrate(masked_features, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal, progress=False)
-    assert not [k for k in qp if "kv_cache" in k and not qp[k].is_float]
+    for iota in (False, True):
+        with pytest.warns(UserWarning, match="no loop of f carries a buffer"):
+            qp = jqt.calibrate(masked_features, jqt.recipes.w8a8_dynamic(kv_cache=True), p, cal,
+                               progress=False)
+        assert not [k for k in qp if "kv_cache" in k and not qp[k].is_float]
 
 
 def test_collected_outputs_are_not_a_cache(setup):

@@ -64,7 +64,7 @@ def _const(info):
     """A loop's constant: the same value every iteration, not a buffer the loop writes
     (zeros stay zeros: a slot cleared with zeros made before the loop)."""
     return VarInfo(info.weight, info.source, info.stack_ids, zero=info.zero, built=info.built,
-                   computed=info.computed)
+                   computed=info.computed, rowwise=info.rowwise)
 
 
 def _carries(infos, loop_id):
@@ -78,7 +78,9 @@ def _scan_subs(eqn, infos, scan_id):
     p = eqn.params
     nc, nk = compat.scan_counts(eqn)
     inner = [_const(i) for i in infos[:nc]] + _carries(infos[nc:nc + nk], scan_id)
-    for info in infos[nc + nk:]:  # xs: slices of the stacked value, a slice of its buffer
+    for var, info in zip(eqn.invars[nc + nk:], infos[nc + nk:]):  # xs: slices of the
+        # stacked value, a slice of its buffer (a flag the same along its last axis: its
+        # slices too, where they keep that axis)
         s = info.source
         if s is not None:
             s = dataclasses.replace(s, chain=s.chain + (("scan_slice",),))
@@ -87,7 +89,8 @@ def _scan_subs(eqn, infos, scan_id):
         inner.append(VarInfo(info.weight, s, info.stack_ids + ((scan_id,) if s is not None or info.weight
                                                                else ()),
                              buffer=info.buffer, writes=info.writes, built=info.built,
-                             computed=info.computed, unflat=info.unflat))
+                             computed=info.computed, unflat=info.unflat,
+                             rowwise=info.rowwise and len(var.aval.shape) > 1))
     j, c = closed_parts(p["jaxpr"])
     return [(j, c, inner)]
 
@@ -183,7 +186,8 @@ def _shard_map_subs(eqn, infos, shard_id):
                                  chosen=info.chosen, mixed=info.mixed,
                                  buffer=info.buffer if keeps else (),
                                  writes=info.writes if keeps else (),
-                                 stack_ids=info.stack_ids if info.weight else ()))
+                                 stack_ids=info.stack_ids if info.weight else (),
+                                 rowwise=info.rowwise))  # a block of such a flag is one too
             continue
         # a replicated weight gets an empty split: each device reads it whole (so
         # jqt.packed_shardings places it whole on every device)

@@ -555,8 +555,16 @@ def same_along_last(eqn, ins) -> bool:
     if name == "iota":
         return eqn.params["dimension"] != len(out) - 1
     if name in _ROWWISE_ELEMENTWISE:
-        return all(not getattr(v.aval, "shape", ()) or (i.rowwise and v.aval.shape == out)
-                   for v, i in zip(eqn.invars, ins))
+        # each operand a scalar, or of the output's rank with axes of its size or 1 (JAX
+        # keeps ``flag & other[None, :, None]`` one op), the same along its last axis
+        def same(v, i):
+            s = getattr(v.aval, "shape", ())
+            if not s:
+                return True
+            if len(s) != len(out) or any(a not in (b, 1) for a, b in zip(s, out)):
+                return False
+            return s[-1] == 1 or i.rowwise
+        return all(same(v, i) for v, i in zip(eqn.invars, ins))
     return False
 
 

@@ -574,6 +574,16 @@ def test_an_ensembles_stacked_table_gets_one_scale_per_row_of_each_member():
         y, want = jqt.quantize(f, qp)(jqt.pack(qp, p), ids), f(p, ids)
         for m in range(3):
             assert float(jnp.linalg.norm(y[m] - want[m]) / jnp.linalg.norm(want[m])) < 0.01
+    # per-member ids under an outer vmap batch the table's member axis (review2): (A, E, V, D)
+    p2 = {"emb": jnp.stack([p["emb"], p["emb"] * 2])}
+    ids2 = jnp.stack([ids, ids[::-1]])
+    inner = jax.vmap(lambda m, j: m[j], in_axes=(0, None))
+    nested = lambda p, i: jax.vmap(inner)(p["emb"], i)  # noqa: E731
+    qn = jqt.calibrate(nested, jqt.recipes.w8a8_dynamic(), p2, [(ids2,)], progress=False)
+    assert np.shape(qn["emb"].lhs.scale) == (2, 3, 50, 1)
+    y, want = jqt.quantize(nested, qn)(jqt.pack(qn, p2), ids2), nested(p2, ids2)
+    assert max(float(jnp.linalg.norm(y[a, m] - want[a, m]) / jnp.linalg.norm(want[a, m]))
+               for a in range(2) for m in range(3)) < 0.01
     experts = lambda p, e: p["emb"][e]  # noqa: E731
     with pytest.warns(UserWarning, match="looks up whole"):
         qe = jqt.calibrate(experts, jqt.recipes.w8(), p, [(jnp.array([0, 2]),)], progress=False)

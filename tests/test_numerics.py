@@ -535,3 +535,18 @@ def test_the_primitives_check_their_parameters_when_bound_eagerly():
                            "dtype; dtype missing"):
             call(lambda: jqt.quantize_p.bind(x, s, z, qmin=-8, qmax=7))
         assert call(lambda: jqt.quantize_p.bind(x, s, z, qmin=-8, qmax=7, dtype=jnp.int8)).tolist() == [1, 7, -7]
+
+
+def test_a_float64_weight_below_float32s_range_is_not_called_all_zeros():
+    """Under jax_enable_x64 a float64 weight of 3e-50 became 0 when its bits were read as
+    float32: calibrate said "all zeros" (and nothing under fp8) for a weight that is not
+    (hunt62_x64). It names its largest magnitude, as for a float32 weight too small."""
+    with jax.enable_x64(True):
+        p = {"w": jnp.array([[4e-50, 5e-51], [1e-50, 3e-50]], jnp.float64)}
+        f = lambda p, x: x @ p["w"]  # noqa: E731
+        for recipe in (jqt.recipes.w8(), jqt.recipes.fp8()):
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                jqt.calibrate(f, recipe, p, [(jnp.ones((1, 2), jnp.float64),)], progress=False)
+            text = " ".join(str(w.message) for w in got)
+            assert "whose largest magnitude 4e-50" in text and "all zeros" not in text, text

@@ -814,6 +814,21 @@ def test_report_says_when_a_cond_took_other_branches_in_the_two_lanes():
         assert rows["a"].note == ""
 
 
+def test_an_op_whose_output_energy_passes_float32_is_not_called_exact():
+    """Outputs near 1e21: their energy, summed in float32, is inf, and the row read SQNR inf
+    ("exact") for an op with 40 dB of error (hunt62_x64; float64 outputs under x64 reach
+    there more easily). NaN now, with a note; the output's figures are measured."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32) * 1e10}
+    x = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8) * 1e11
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    rep = jqt.report(f, qp, p, (x,))
+    row = rep.rows[0]
+    assert math.isnan(row.sqnr_isolated) and math.isnan(row.sqnr_cumulative)
+    assert "passes 3.4e38" in row.note and "passes 3.4e38" in str(rep)
+    assert 30 < rep.output_sqnr < 60
+
+
 @pytest.mark.slow  # CI, as its sibling above
 def test_report_names_only_the_scanned_layer_whose_cond_took_other_branches():
     """A cond in each of three scanned layers, whose threshold only layer 1's quantized lane

@@ -176,7 +176,11 @@ def _histogram(x, lo, hi):
 
 def _sqnr(signal, noise):
     """SQNR in dB. Defined on degenerate data too: no noise is ``inf`` (exact, even
-    when the signal is 0, e.g. an all-zero batch), noise on a zero signal ``-inf``."""
+    when the signal is 0, e.g. an all-zero batch), noise on a zero signal ``-inf``. An
+    infinite signal (outputs whose energy, summed in float32, passes 3.4e38: values
+    above about 1e19) is not measured: NaN, not ``inf`` ("exact")."""
+    if math.isinf(signal) or math.isnan(signal):
+        return math.nan
     if noise <= 0:
         return math.inf
     if signal <= 0 or (math.isinf(noise) and math.isfinite(signal)):
@@ -299,7 +303,7 @@ class Report:
                            + (" ..." if len(each) > 4 else ""))
         kept = {}
         for r in self.rows:
-            if r.note and (not r.quantized or r.note in (_TRIPS, _BRANCH)):
+            if r.note and (not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE)):
                 kept.setdefault((r.quantized, r.note), []).append(r.name)
         for (quantized, note), names in kept.items():
             names = list(dict.fromkeys(names))
@@ -504,6 +508,10 @@ _BRANCH = ("a cond or switch around it took other branches on the float and quan
            "lane's branch; the output's figures are the ones to read")
 
 
+_HUGE = ("its output's energy, summed in float32, passes 3.4e38 (values above about 1e19): its "
+         "SQNR is not measured; the output's figures, in float64, are the ones to read")
+
+
 def _rows(site, qp, st):
     w = site.weight_operand
     avals = [v.aval for v in site.eqn.invars]
@@ -546,6 +554,7 @@ def _rows(site, qp, st):
             if ran else math.nan,
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
             note=qp.note if qp.is_float else (_TRIPS if trips else _BRANCH if branch else
+                                              _HUGE if ran and not np.isfinite(float(g("f2"))) else
                                               "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
             accumulator=qp.accumulator,

@@ -468,6 +468,10 @@ def _warn_zero(key, p):
 def _nonzero(x):
     """Whether ``x`` holds an element that is not 0, subnormal ones included (XLA:CPU
     flushes them to 0 in arithmetic and comparisons: their bits are read instead)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.float64:  # (jax_enable_x64) a float64 below float32's range is not 0
+        bits = jax.lax.bitcast_convert_type(x, jnp.int64)
+        return jnp.any((bits & 0x7FFFFFFFFFFFFFFF) != 0)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return jnp.any((bits & 0x7FFFFFFF) != 0)
 

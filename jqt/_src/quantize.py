@@ -617,13 +617,21 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
         if why:
             raise QParamsMismatchError(f"jqt.pack: op '{key}' (weight '{src.path}'): {why}.")
         entry = BY_NAME[p.op]
+
+        def misfit(e, key=key, src=src, operand=operand, q=q):
+            return QParamsMismatchError(
+                f"jqt.pack: op '{key}': weight '{src.path}' has shape {tuple(jnp.shape(operand))}, "
+                f"which its scale of shape {tuple(jnp.shape(q.scale))} does not fit ({e}). "
+                "Pass the params the qparams were calibrated with, or re-calibrate.")
         try:
             grid = entry.grid_operand(src, p, operand)
             weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
                                        folded=p.packed_tag, smooth=None if p.smooth is None
                                        else jnp.asarray(p.smooth, jnp.float32))
         except ValueError as e:
-            raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
+            if "does not broadcast to the operand's shape" not in str(e):
+                raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
+            raise misfit(e) from None  # (the quantize primitive's own check, bound eagerly)
         except TypeError as e:  # the scales do not broadcast against the weight
             if compat.is_tracer(operand) and "not differentiable" in str(e):
                 raise TypeError("jqt.pack cannot be differentiated (it was called under jax.grad "
@@ -631,10 +639,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
                                 "differentiated function, or differentiate the simulated path, "
                                 "jqt.quantize(f, qparams, simulate=True), with the float params."
                                 ) from None
-            raise QParamsMismatchError(
-                f"jqt.pack: op '{key}': weight '{src.path}' has shape {tuple(jnp.shape(operand))}, "
-                f"which its scale of shape {tuple(jnp.shape(p.operand(w).scale))} does not fit ({e}). "
-                "Pass the params the qparams were calibrated with, or re-calibrate.") from None
+            raise misfit(e) from None
         if not clip:  # the weights against those the qparams were calibrated with
             checks.append(weightcheck.start(key, p, src, *grid))
         if p.operand(w).qtype.kind != "float" and not compat.is_tracer(operand):

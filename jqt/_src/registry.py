@@ -210,7 +210,7 @@ class Gather:
         sizes = eqn.params["slice_sizes"]
         full = [d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1]
         # (an outer vmap's per-member ids batch the operand: its batching axes are members)
-        batching = set(getattr(eqn.params["dimension_numbers"], "operand_batching_dims", ()))
+        batching = set(getattr(eqn.params.get("dimension_numbers"), "operand_batching_dims", ()))
         indexed = [d for d in range(len(shape)) if sizes[d] < shape[d] and d not in batching]
         if indexed and any(d > indexed[0] for d in full):
             full = [d for d in full if d > indexed[0]]

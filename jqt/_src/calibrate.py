@@ -1095,7 +1095,7 @@ def _brief(a) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def pair(out, what):
+def _pair(out, what):
     """A calibrator's ``range`` result as ``(lo, hi)``, refused naming ``what`` (the
     calibrator and the call) unless it is a pair."""
     try:
@@ -1112,12 +1112,12 @@ def _act_range(rule, act_stats, qtype, key="?"):
     stacked = stats_lib.stack_depth(rule.calibrator, act_stats)
     what = f"op '{key}': calibrator {type(rule.calibrator).__name__}'s range(stats, qtype)"
     if stacked == 0:
-        lo, hi = pair(rule.calibrator.range(act_stats, qtype), what)
+        lo, hi = _pair(rule.calibrator.range(act_stats, qtype), what)
         return _one_value(lo, rule, key), _one_value(hi, rule, key)
     flat = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[stacked:]), act_stats)
     n = jax.tree_util.tree_leaves(flat)[0].shape[0]
     shape = jax.tree_util.tree_leaves(act_stats)[0].shape[:stacked]
-    pairs = [tuple(_one_value(e, rule, key) for e in pair(rule.calibrator.range(
+    pairs = [tuple(_one_value(e, rule, key) for e in _pair(rule.calibrator.range(
         jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype), what)) for i in range(n)]
     lo = np.array([p[0] for p in pairs], np.float32).reshape(shape)
     hi = np.array([p[1] for p in pairs], np.float32).reshape(shape)

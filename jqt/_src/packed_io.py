@@ -555,11 +555,10 @@ def _chunks(values, size=1 << 24):
 def _code_range(values, nibbles):
     """The smallest and largest code of int8 codes, or of two 4-bit codes per byte
     (signed, as unpack_nibbles reads them), in chunks."""
-    low, high = 127, -128
+    low, high, off = 127, -128, 8 if nibbles else 0
     for c in _chunks(values):
         parts = ((c & 0xF) ^ 8, (c >> 4) ^ 8) if nibbles else (c.view(np.int8),)
         for a in parts:  # a nibble xor 8 is its signed value + 8, in order
-            off = 8 if nibbles else 0
             low, high = min(low, int(a.min()) - off), max(high, int(a.max()) - off)
     return low, high
 

@@ -264,6 +264,11 @@ def _quantize_impl(x, scale, zero_point, *, qmin, qmax, dtype, grid="int"):
     return _codes(x, scale, zero_point, qmin, qmax, grid).astype(dtype)
 
 
+class ScaleShapeError(ValueError):
+    """A scale or zero point that does not broadcast to the operand it quantizes (its
+    callers, ``jqt.pack``, name the op and the weight)."""
+
+
 def _check(name, required, x, scale, zero_point, params):
     """The checks of a bind, eager or traced: scale and zero point broadcast to the
     operand, the required parameters given, a known grid, ``qmin <= qmax``."""
@@ -271,7 +276,7 @@ def _check(name, required, x, scale, zero_point, params):
         try:
             jnp.broadcast_shapes(jnp.shape(a), jnp.shape(x))
         except ValueError:
-            raise ValueError(f"jqt: {what} of shape {jnp.shape(a)} does not broadcast to the "
+            raise ScaleShapeError(f"jqt: {what} of shape {jnp.shape(a)} does not broadcast to the "
                              f"operand's shape {jnp.shape(x)}.") from None
     missing = [a for a in required if a not in params]
     if missing:

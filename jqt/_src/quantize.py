@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import compat, diagnostics, tracing, weightcheck
+from .numerics import ScaleShapeError
 from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
 from .layout import apply_chain
 from .policy import KernelPolicy, check_policy
@@ -628,10 +629,10 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
             weights[key] = _own_scales(entry.pack(src, p, operand, policy, grid=grid), p,
                                        folded=p.packed_tag, smooth=None if p.smooth is None
                                        else jnp.asarray(p.smooth, jnp.float32))
+        except ScaleShapeError as e:  # (the quantize primitive's own check, bound eagerly)
+            raise misfit(e) from None
         except ValueError as e:
-            if "does not broadcast to the operand's shape" not in str(e):
-                raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
-            raise misfit(e) from None  # (the quantize primitive's own check, bound eagerly)
+            raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight
             if compat.is_tracer(operand) and "not differentiable" in str(e):
                 raise TypeError("jqt.pack cannot be differentiated (it was called under jax.grad "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import paths  # noqa: F401  (this checkout's jqt)
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -54,7 +54,7 @@ def layer(spec, xs, ws, rounds):
         for label, pol in ((name, cpu), (f"{name} [conv_codes_as_float=False]",
                                          dataclasses.replace(cpu, conv_codes_as_float=False))):
             fn = jax.jit(jqt.quantize(f, qp, policy=pol))
-            calls[label] = lambda fn=fn: fn(packed, x)
+            calls[label] = lambda fn=fn, packed=packed: fn(packed, x)
     for call in calls.values():  # compile and warm up
         for _ in range(2):
             jax.block_until_ready(call())

@@ -413,3 +413,28 @@ def test_sources_compile_without_warnings():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             compile(path.read_text(), str(path), "exec")
+
+
+def test_a_packed_weight_decodes_as_the_qarray_docstring_says():
+    """``real ~= (values - zero_point) * scale`` on the codes unpacked into the weight's own
+    layout: transposed back from ``"nk"``, nibbles unpacked, group scales repeated (the
+    sentence in coming-from.md and fine-tuning.md applied the formula to the stored codes)."""
+    from jqt._src.formats import unpack_nibbles
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 24)) * 0.1, jnp.float32)
+    batch = [(jnp.asarray(rng.standard_normal((4, 64)), jnp.float32),)]
+    f = lambda p, x: x @ p["w"]
+    layouts = set()
+    for r in (jqt.recipes.w8a8(), jqt.recipes.w8(group_size=16),
+              jqt.recipes.w4(group_size=16, symmetric=False,
+                             weight_calibrator=jqt.calibrators.WeightMinMax())):
+        q = jqt.pack(jqt.calibrate(f, r, {"w": w}, batch, progress=False), {"w": w}).weights["w"]
+        v = unpack_nibbles(q.values, 1 if q.layout == "nk" else 0) if q.nibbles else q.values
+        v = v.T if q.layout == "nk" else v
+        g = q.qtype.group_size or v.shape[0]
+        scale = jnp.repeat(q.scale, g, axis=0) if q.scale.shape[0] > 1 else q.scale
+        zp = 0 if q.zero_point is None else jnp.repeat(q.zero_point, g, axis=0)
+        real = (v.astype(jnp.float32) - zp) * scale
+        assert float(jnp.max(jnp.abs(real - w) / scale)) <= 0.5 + 1e-3, (r, q.layout)
+        layouts.add((q.layout, q.nibbles))
+    assert ("nk", False) in layouts and ("kn", True) in layouts, layouts

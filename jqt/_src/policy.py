@@ -402,7 +402,7 @@ class KernelPolicy:
         matmul of a few hundred rows saves (at 128 rows, 1.81-1.97x float32 decoded
         whole against 1.03-1.16x in K-chunks, ``benchmarks/formats.py --only
         dense --ab large_weight_bytes=0``); 0: by ``float_matmul_rows`` alone. A
-        float copy that fits the cache (the 100M decoder's 4-11.5 MiB projections)
+        float copy that fits the cache (the 100M decoder's 4-11 MiB projections)
         costs far less, and its K-chunks' partial sums no less, so those weights
         keep the rule above. A copy of exactly 32 MiB (1024 x 8192) decoded whole
         at 128 rows was 1.13-1.27x float32, 1.10-1.13x at 16 MiB
@@ -472,7 +472,7 @@ class KernelPolicy:
         16-bit copy, made every call, does not fit the cache: on a Zen 4 EPYC
         a 4096 x 4096 layer at 256 rows ran slower with the codes as bfloat16
         than with the int8 matmul (that run's output is in no results file),
-        while the 100M decoder's prefill there, weights of 4-11.5 MiB as
+        while the 100M decoder's prefill there, weights of 4-11 MiB as
         float32, 1,024 rows, took w8a8_dynamic to 0.612 / 0.606x float32
         against 0.726 / 0.740x in two runs
         (benchmarks/results/decode-prefill-cpu-2core.md).

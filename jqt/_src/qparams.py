@@ -104,9 +104,12 @@ class QArray:
 
     The invariant, as in MLIR's quant dialect: ``real ~= decode(values - zero_point) * scale``,
     where ``decode`` is the identity for integers and fp8 and ``NF4_TABLE[code + 8]``
-    for nf4 (see :class:`jqt.QuantType`), on the codes unpacked: ``values`` may hold two
-    4-bit codes per byte (``nibbles``), and a key/value cache's fp8 codes their uint8 bits
-    where the backend has no fp8 (read a cache with :func:`jqt.dequantize_cache`).
+    for nf4 (see :class:`jqt.QuantType`), on the codes unpacked into the operand's own
+    layout: ``values`` may hold two 4-bit codes per byte (``nibbles``) and a packed weight's
+    codes may be stored transposed (``layout``, below), a grouped ``scale`` has one row per
+    group (repeat it ``group_size`` times along the grouped axis), and a key/value cache's
+    fp8 codes are their uint8 bits where the backend has no fp8 (read a cache with
+    :func:`jqt.dequantize_cache`).
 
     One type for every role:
 

@@ -590,6 +590,36 @@ def test_an_ensembles_stacked_table_gets_one_scale_per_row_of_each_member():
     assert np.size(qe["emb"].lhs.scale) == 3
 
 
+@pytest.mark.parametrize("name", ["w8", "w4_g8"])
+def test_a_row_of_a_stacked_table_read_by_scalar_indices_is_a_lookup(name):
+    """``tables[m, t]`` with scalar ``m, t`` (a batch-1 decode step of one ensemble member)
+    traces to a ``dynamic_slice`` of a 3-D table: it stayed float without a word, where
+    ``tables[m, ids]`` was quantized (hunt63_exportlookups). It is that lookup now: one scale
+    per row of each table, both paths agree, clamped as dynamic_slice clamps. ``tables[m][t]``
+    (a whole table read at a data index first) stays float, with a warning that says how."""
+    recipe = {"w8": jqt.recipes.w8(), "w4_g8": jqt.recipes.w4(group_size=8)}[name]
+    k = jax.random.split(jax.random.key(3), 2)
+    p = {"emb": jax.random.normal(k[0], (3, 12, 16)) * jnp.array([1.0, 0.01, 30.0])[:, None, None],
+         "w": jax.random.normal(k[1], (16, 4))}
+    f = lambda p, m, t: p["emb"][m, t] @ p["w"]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
+    assert qp["emb"].op == "gather" and np.shape(qp["emb"].lhs.scale)[:2] == (3, 12)
+    run, sim = jax.jit(jqt.quantize(f, qp)), jax.jit(jqt.quantize(f, qp, simulate=True))
+    packed = jqt.pack(qp, p)
+    for m, t in ((0, 0), (1, 5), (2, 11), (1, 40), (-1, 2)):  # (1, 40): clamped to row 11
+        m, t = jnp.int32(m), jnp.int32(t)
+        want = f(p, m, t)
+        y = run(packed, m, t)
+        np.testing.assert_allclose(y, sim(p, m, t), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+        assert 0 < float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.25  # 1.0 if shared
+    later = lambda p, m, t: p["emb"][m][t] @ p["w"]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"looks rows up in weight 'emb' indexed by a value.*"
+                                         r"tables\[m, i\]"):
+        jqt.calibrate(later, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element

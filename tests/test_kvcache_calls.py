@@ -784,3 +784,30 @@ def test_a_float32_cache_read_in_bfloat16_stays_quantized(setup):
     decoded = [e for e in all_eqns(jax.make_jaxpr(qf)(p, cache, toks[:, 0])) for v in e.outvars
                if v.aval.shape == shape and e.primitive.name == "mul"]
     assert not decoded, decoded[0]
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_cache_selected_by_a_python_constant(flag):
+    """``jnp.where(FLAG, written, cache)`` with ``FLAG`` a Python bool (a static config
+    flag): the jaxpr's predicate is a literal, which reached the cache's select as a Python
+    bool (AttributeError 'bool' object has no attribute 'ndim' on the integer path;
+    hunt63_exportlookups). Clearing with ``jnp.where(FLAG, 0.0, written)`` too."""
+    rng = np.random.default_rng(0)
+    p = {"wk": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)}
+
+    def step(p, cache, x):
+        pos = cache["pos"]
+        new = lax.dynamic_update_slice(cache["k"], (x @ p["wk"])[:, None], (0, pos, 0))
+        kc = jnp.where(flag, new, cache["k"])
+        kc = jnp.where(not flag, 0.0, kc)
+        return jnp.einsum("bd,btd->bt", x, kc), {"k": kc, "pos": pos + 1}
+
+    cache = {"k": jnp.zeros((2, 4, 8)), "pos": jnp.int32(0)}
+    x = jnp.asarray(rng.standard_normal((2, 8)), jnp.float32)
+    qp = jqt.calibrate(step, jqt.recipes.w8a8_dynamic(kv_cache=True), p, [(cache, x)], progress=False)
+    assert any(k.startswith("kv_cache") for k in qp)
+    out, c = jqt.quantize(step, qp)(jqt.pack(qp, p), cache, x)
+    sim, _ = jqt.quantize(step, qp, simulate=True)(p, cache, x)
+    assert kvcache.is_cache(c["k"])
+    np.testing.assert_allclose(out, sim, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out, step(p, cache, x)[0], rtol=0.05, atol=0.05 * float(jnp.abs(sim).max()))

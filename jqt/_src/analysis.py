@@ -468,7 +468,7 @@ class Analyzer:
                         self._use(info, "float")
                     paths = [info.source.path for info in ins if info.source is not None]
                     if entry is not None and entry.needs_weight and not entry.is_cache and ins \
-                            and not any(i.weight for i in ins[1:]):
+                            and not any(ins[k].weight for k in entry.index_operands(eqn)):
                         self._table_read_as_data(entry.name, ins[0], stack)
                     if name in _GROUPED_MATMULS and paths:
                         msg = (f"jqt: a {name} (at '{stack or '<top>'}') reads weight '{paths[0]}': "
@@ -562,8 +562,12 @@ class Analyzer:
             path = getattr(table, field)
             if path:
                 names, what = _named_weights(path)
+                also = (" A row of one of stacked tables: index them at once (tables[m, ids], "
+                        "tables[m, i]), a lookup jqt quantizes with one scale per row of each "
+                        "table." if field == "indexed" else "")
                 msg = (f"jqt: a {op} (at '{stack or '<top>'}') looks rows up in {what} {how}; the "
-                       f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. {fix}")
+                       f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. "
+                       f"{fix}{also}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
 
     def _defer(self, kind, message, label):

@@ -695,21 +695,31 @@ def with_output_dtype(eqn, dtype):
 
 
 @functools.lru_cache(maxsize=256)
-def row_gather_eqn(shape, dtype, axis):
-    """The ``gather`` equation that reads one row (``axis=0``) or column (``axis=1``) of a
-    2-D table of ``shape`` at an index of shape ``(1, 1)``, clamped into the table as
-    ``dynamic_slice`` clamps: the output has the slice's shape, the indexed axis kept
-    with length 1.
+def row_gather_eqn(shape, dtype, axes):
+    """The ``gather`` equation that reads one row of a table of ``shape`` at ``axes``
+    (the indexed axes; the others read whole), clamped into the table as
+    ``dynamic_slice`` clamps, with the slice's shape (each indexed axis kept with length
+    1). A 2-D table's row (``axes=(0,)``) or column (``(1,)``) takes an index of shape
+    ``(1, 1)``; a larger table's row an index vector of shape ``(len(axes),)``.
 
-    >>> e = row_gather_eqn((5, 3), "float32", 0)
+    >>> e = row_gather_eqn((5, 3), "float32", (0,))
     >>> e.primitive.name, e.outvars[0].aval.shape, e.params["slice_sizes"]
     ('gather', (1, 3), (1, 3))
+    >>> e = row_gather_eqn((2, 5, 3), "float32", (0, 1))
+    >>> e.invars[1].aval.shape, e.outvars[0].aval.shape
+    ((2,), (1, 1, 3))
     """
     t = jax.ShapeDtypeStruct(shape, dtype)
-    i = jax.ShapeDtypeStruct((1, 1), "int32")
-    dn = jax.lax.GatherDimensionNumbers(offset_dims=(1 - axis,), collapsed_slice_dims=(axis,),
-                                        start_index_map=(axis,))
-    sizes = tuple(1 if d == axis else n for d, n in enumerate(shape))
+    sizes = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    if len(shape) == 2:
+        (axis,) = axes
+        i = jax.ShapeDtypeStruct((1, 1), "int32")
+        dn = jax.lax.GatherDimensionNumbers(offset_dims=(1 - axis,), collapsed_slice_dims=(axis,),
+                                            start_index_map=(axis,))
+    else:
+        i = jax.ShapeDtypeStruct((len(axes),), "int32")
+        dn = jax.lax.GatherDimensionNumbers(offset_dims=tuple(range(len(shape))),
+                                            collapsed_slice_dims=(), start_index_map=tuple(axes))
     gather = lambda t, i: jax.lax.gather(t, i, dn, sizes, mode=jax.lax.GatherScatterMode.CLIP)
     return jax.make_jaxpr(gather)(t, i).jaxpr.eqns[-1]
 

@@ -579,6 +579,7 @@ def select(eqn, invals, zeros=()):
                                        scale=jnp.full_like(like.scale, _TINY))
     if any(not is_cache(c) for c in cases):
         return compat.bind_eqn(eqn, materialize(invals, eqn.invars))
+    pred = jnp.asarray(pred)  # a literal predicate (jnp.where on a Python bool) comes as a bool
     return [pick(pred[..., :1] if pred.ndim else pred, cases)]
 
 

@@ -24,8 +24,8 @@ calibration, both execution paths and :func:`jqt.pack` read only this table:
 * ``optional``: whether qparams may lack the op's entry (made before jqt quantized
   such ops: key/value cache writes, scalar-index lookups), which then runs float.
 
-``RowLookup`` (``dynamic_slice``: ``table[i]`` with a scalar ``i``) is a ``Gather`` of
-one row, its integer rule that gather.
+``RowLookup`` (``dynamic_slice``: ``table[i]``, ``tables[m, i]`` with scalar indices) is a
+``Gather`` of one row, its integer rule that gather.
 ``CacheWrite`` (``dynamic_update_slice``, ``scatter``) is the third kind: a write
 into a key/value cache (``kvcache.py``), typed by ``Rule.kv_cache``.
 
@@ -198,6 +198,10 @@ class Gather:
         # a gather of a weight by constant indices is a layout op (slicing), not a lookup
         return 0 if ins[0].weight and not ins[1].weight else None
 
+    def index_operands(self, eqn):
+        """The operands that hold the lookup's indices (the ids)."""
+        return range(1, len(eqn.invars))
+
     def contract(self, eqn):
         """The table's axes that each lookup reads whole (the embedding features);
         the scale is shared along them, one per row. Axes read whole ahead of the first
@@ -251,37 +255,53 @@ class Gather:
 
 
 class RowLookup(Gather):
-    """``dynamic_slice`` of one row (or column) of a 2-D weight at an index computed from
-    the data: ``table[i]`` with a scalar ``i`` (a decode step's token, a position), which
-    JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a ``gather``. It is
-    that lookup: op ``"gather"`` in the qparams, the same scales, packed table and rule
-    (``Rule.embedding``), and the integer path runs it as the gather of that row.
-    qparams made before jqt quantized these lookups have no entry for them: they then
-    run float, as they did (``optional``)."""
+    """``dynamic_slice`` of one row (or column) of a 2-D weight, or of one row (the last
+    axis read whole) of a stacked table ``(E, V, D)``, at indices computed from the data:
+    ``table[i]`` or ``tables[m, i]`` with scalar indices (a decode step's token, a
+    position), which JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a
+    ``gather``. It is that lookup: op ``"gather"`` in the qparams, the same scales (one
+    per row of each stacked table, :meth:`Gather.contract`), packed table and rule
+    (``Rule.embedding``), and the integer path runs it as the gather of that row. A slice
+    of whole matrices (``w[layer]`` in a loop) is not a lookup but a view of a layer's
+    weight (its matmul is the site). qparams made before jqt quantized these lookups have
+    no entry for them: they then run float, as they did (``optional``)."""
 
     optional = True
 
     @staticmethod
-    def axis(eqn):
-        """The table axis the slice indexes (its other axis read whole), or ``None``."""
+    def axes(eqn):
+        """The table axes the slice indexes (one element of each; its other axes read
+        whole), or ``None``."""
         shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
-        if len(shape) != 2 or not all(isinstance(d, int) for d in (*shape, *sizes)):
+        if len(shape) < 2 or not all(isinstance(d, int) for d in (*shape, *sizes)):
             return None  # (a symbolic dimension, jax.export's: data, never a weight table)
-        return next((a for a in (0, 1) if sizes[a] == 1 and shape[a] > 1
-                     and sizes[1 - a] == shape[1 - a]), None)
+        if len(shape) == 2:
+            a = next((a for a in (0, 1) if sizes[a] == 1 and shape[a] > 1
+                      and sizes[1 - a] == shape[1 - a]), None)
+            return None if a is None else (a,)
+        if any(n != 1 for n in sizes[:-1]) or sizes[-1] != shape[-1]:
+            return None
+        return tuple(d for d in range(len(shape) - 1) if shape[d] > 1) or None
+
+    def index_operands(self, eqn):
+        """The start indices of the indexed axes (the others are the whole axes' zeros)."""
+        return [1 + a for a in self.axes(eqn) or ()]
 
     def weight_operand(self, eqn, ins):
-        a = self.axis(eqn) if ins[0].weight else None
-        return 0 if a is not None and not ins[1 + a].weight else None
+        axes = self.axes(eqn) if ins[0].weight else None
+        return 0 if axes is not None and not any(ins[1 + a].weight for a in axes) else None
 
     def integer(self, site, eqn, ops, policy):
-        a = self.axis(eqn)
+        axes = self.axes(eqn)
         table = eqn.invars[0].aval
-        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), a)
-        i = ops[1 + a]
-        if jnp.iinfo(i.dtype).max > jnp.iinfo(_I32).max:  # int64, uint32: clamped, not wrapped
-            i = jnp.clip(i, 0, table.shape[a] - 1)
-        idx = jnp.reshape(i.astype(_I32), (1, 1))
+        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), axes)
+        idx = []
+        for a in axes:
+            i = ops[1 + a]
+            if jnp.iinfo(i.dtype).max > jnp.iinfo(_I32).max:  # int64, uint32: clamped, not wrapped
+                i = jnp.clip(i, 0, table.shape[a] - 1)
+            idx.append(jnp.reshape(i.astype(_I32), ()))
+        idx = jnp.reshape(jnp.stack(idx), geqn.invars[1].aval.shape)
         return [kernels.gather(site, geqn, [ops[0], idx])]
 
 

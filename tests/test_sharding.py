@@ -449,6 +449,26 @@ with jax.set_mesh(EXPLICIT):
                 "float_spec": [a for a in jax.typeof(jax.jit(row_parallel)(p_row, x_row)).sharding.spec]}
         except Exception as e:
             res["out_sharding"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+# load_packed(device=<the PackedParams of shardings of weights packed in memory>) on explicit
+# axes: their avals record the split a loaded file's do not, and the tree-prefix check of
+# device_put failed with JAX's message (hunt63_exportlookups); a tree that fits nothing names
+# the file
+with jax.set_mesh(EXPLICIT):
+    try:
+        qx = jqt.calibrate(row_parallel, jqt.recipes.w8a8(), p_row, [(x_row,)], progress=False)
+        px = jqt.pack(qx, p_row)
+        path_x = os.path.join(tempfile.mkdtemp(), "row.safetensors")
+        jqt.save_packed(path_x, px, qx)
+        ps = jqt.packed_shardings(qx, px, EXPLICIT)[1]
+        lx = jqt.load_packed(path_x, device=ps)
+        res["load_tree"] = {k: [bool(np.array_equal(w.values, px.weights[k].values)),
+                                w.values.sharding == ps.weights[k].values] for k, w in lx.weights.items()}
+        try:
+            jqt.load_packed(path_x, device={"w1": ps.weights["w1"].values})
+        except ValueError as e:
+            res["load_tree_bad"] = str(e)
+    except Exception as e:
+        res["load_tree"] = f"{type(e).__name__}: {e}"[:300]
 # a batched matmul (members of an ensemble, jax.vmap over stacked weights) whose batch axis
 # is split over an explicit axis: fp8's kernel re-entered the op's explicit mesh inside its
 # auto region and failed in JAX (hunt36_namedaxes)
@@ -796,6 +816,12 @@ def test_ragged_dot_expert_weights_split_over_the_experts_or_k(result):
 def test_load_packed_straight_into_shards(result):
     assert result["loaded"] == {"w1": [32, 64], "w2": [64, 128], "w3": [8, 256]}
     assert result["loaded_diff"] == 0.0
+
+
+def test_load_packed_takes_the_shardings_of_weights_packed_on_explicit_axes(result):
+    assert result["load_tree"] == {k: [True, True] for k in ("w1", "w2", "ws")}, result["load_tree"]
+    assert result["load_tree_bad"].startswith("jqt.load_packed: ") and "row.safetensors" in \
+        result["load_tree_bad"] and "jqt.packed_shardings(qparams, host, mesh)" in result["load_tree_bad"]
 
 
 def test_a_weight_several_ops_read_loads_into_shards_once(result):

@@ -316,7 +316,13 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
                         "array (a jax.eval_shape template's mesh?); build the shardings on the "
                         "concrete jax.sharding.Mesh: device=lambda host: "
                         "jqt.packed_shardings(qparams, host, mesh)[1], mesh the Mesh of devices.")
-    return _put_once(packed, device, split=like is not None)
+    try:
+        return _put_once(packed, device, split=like is not None)
+    except _NotAPrefix as e:
+        raise ValueError(f"{fn}: {path}: device= {e}: pass device=lambda host: "
+                         "jqt.packed_shardings(qparams, host, mesh)[1] (shardings of the loaded "
+                         "weights, the function called with them), one Device or Sharding for "
+                         "every array, or a prefix of the loaded weights' structure.") from None
 
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -324,6 +330,24 @@ _PY_SCALARS = (bool, int, float, complex)
 
 class _Narrowed(ValueError):
     """An integer leaf this process would hold wrapped (int64 values without x64)."""
+
+
+class _NotAPrefix(ValueError):
+    """A ``device=`` tree that is no prefix of the packed weights' structure."""
+
+
+def _children_places(packed, device):
+    """The placements of a ``PackedParams`` of shardings whose static data differ from
+    ``packed``'s (``jqt.packed_shardings`` of weights packed in memory on explicit mesh
+    axes, whose avals record the split a loaded file's do not), leaf by leaf where the
+    leaves and weights match; else ``None``."""
+    if not isinstance(device, PackedParams):
+        return None
+    try:
+        return jax.tree_util.tree_structure((packed.leaves, packed.weights)).flatten_up_to(
+            (device.leaves, device.weights))
+    except (ValueError, TypeError):
+        return None
 
 
 def _put_once(packed, device, split=False):
@@ -342,8 +366,14 @@ def _put_once(packed, device, split=False):
     else:
         try:
             places = treedef.flatten_up_to(device)
-        except (ValueError, TypeError):  # a prefix of packed's structure: JAX broadcasts it
-            return jax.device_put(packed, device)
+        except (ValueError, TypeError):
+            places = _children_places(packed, device)
+            if places is None:  # a prefix of packed's structure: JAX broadcasts it
+                try:
+                    return jax.device_put(packed, device)
+                except (ValueError, TypeError) as e:
+                    first = str(e).strip().splitlines()[0]
+                    raise _NotAPrefix(f"does not fit the loaded weights' structure ({first})") from None
     put, out = {}, []
     for x, d in zip(leaves, places):
         if isinstance(x, _PY_SCALARS):  # a constant of f's, as jqt.pack keeps it

@@ -623,6 +623,21 @@ def test_a_ragged_dot_in_another_form_says_that_its_weight_stays_float():
         np.testing.assert_array_equal(jqt.quantize(f, qp)(p, X_RAGGED), f(p, X_RAGGED))
 
 
+def test_a_ragged_dot_of_two_activations_says_that_it_stays_float():
+    """``lax.ragged_dot(h, w, sizes)`` with ``w`` computed from the data: no weight, and
+    ``act_x_act=`` applies to dot_general only, so it stays float; it did so without a word,
+    even under a recipe that sets act_x_act= (hunt63_actlowbits)."""
+    p = {"w_in": P["w"][0][:, :16]}
+    f = lambda p, x, w: jax.lax.ragged_dot(x @ p["w_in"], w, jnp.array([40, 88], jnp.int32))  # noqa: E731
+    w = jnp.ones((2, 16, 8), jnp.float32)
+    rec = jqt.Recipe(rules=tuple(dataclasses.replace(r, act_x_act=jqt.QuantType(dynamic=True))
+                                 for r in jqt.recipes.w8a8_dynamic().rules))
+    with pytest.warns(UserWarning, match=r"a ragged_dot_general \(at '<top>'\) multiplies two values "
+                      r"computed from the data.*act_x_act= applies to dot_general"):
+        qp = jqt.calibrate(f, rec, p, [(X_RAGGED, w)], progress=False)
+    assert list(qp) == ["w_in"]
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_sparse_matmul_that_reads_a_weight_says_that_it_stays_float():
     """Multi-hot features as a ``jax.experimental.sparse`` BCOO matrix times an embedding

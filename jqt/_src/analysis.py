@@ -480,6 +480,15 @@ class Analyzer:
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
                         self._defer(("ragged", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
+                    elif name in _GROUPED_MATMULS and not any(i.weight for i in ins[:2]):
+                        msg = (f"jqt: a {name} (at '{stack or '<top>'}') multiplies two values "
+                               "computed from the data: jqt quantizes lax.ragged_dot only with a "
+                               "weight w (G, K, N), and a rule's act_x_act= applies to "
+                               "dot_general (einsum, matmul), so it stays float. To quantize it, "
+                               "compute it with dot_general ops (an einsum per group, or "
+                               "jnp.einsum('md,mdn->mn', x, w[group_ids]) over each row's "
+                               "matrix), which act_x_act= quantizes.")
+                        self._defer(("ragged_data", name), msg, f"'{stack or '<top>'}'")
                     if name in _SPARSE_MATMULS and any(i.weight for i in ins):
                         # the values' leaf, not the indices'; a weight a sparse op (a
                         # bcoo_transpose, BCOO.fromdense in f) changed first has none

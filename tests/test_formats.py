@@ -1171,3 +1171,23 @@ def test_lookups_in_fill_mode_give_the_fill_value_on_the_integer_path(name):
         sim = jqt.quantize(f, qp, simulate=True)(P, ids)
         np.testing.assert_array_equal(got[1:], want[1:])  # 7.0 or NaN, as the float gather
         np.testing.assert_allclose(got[0], sim[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_per_tensor_weight_type_over_vmapped_members_warns():
+    """A per-tensor weight type on an ensemble under jax.vmap (members a free or batch axis
+    of one dot_general) gives all members one scale: a member of 50x smaller weights
+    decoded to zeros without a word (hunt63_nnxvmap). calibrate says so and how to avoid
+    it; per-channel types and lax.map are not warned."""
+    w = jax.random.normal(jax.random.key(0), (3, 32, 16)) * jnp.array([1.0, 1.0, 50.0])[:, None, None]
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    shared = lambda p, x: jax.vmap(lambda w: x @ w)(p["w"])  # noqa: E731
+    batched = lambda p, x: jax.vmap(lambda w, x: x @ w)(p["w"], jnp.stack([x] * 3))  # noqa: E731
+    for f in (shared, batched):
+        with pytest.warns(UserWarning, match=r"op 'w' reads weight 'w' of shape \(3, 32, 16\) as "
+                                             r"stacked matrices.*per-tensor.*lax.map"):
+            jqt.calibrate(f, jqt.recipes.w4a8(per_channel=False), {"w": w}, [(x,)], progress=False)
+    mapped = lambda p, x: jax.lax.map(lambda w: x @ w, p["w"])  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(shared, jqt.recipes.w4a8(), {"w": w}, [(x,)], progress=False)
+        jqt.calibrate(mapped, jqt.recipes.w4a8(per_channel=False), {"w": w}, [(x,)], progress=False)

@@ -671,6 +671,23 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                 "over the experts, which jqt quantizes per expert and output channel; or keep the "
                 f"lookup float, a rule ahead of the others jqt.Rule(key='^{re.escape(s.key)}$', "
                 "embedding=None)."), f"'{s.key}'")
+    with diagnostics.grouped():  # a per-tensor weight type over stacked members
+        for s in sites:
+            r = chosen[s.key]
+            wt = s.entry.weight_type(r) if r is not None and s.weight_operand is not None else None
+            if s.op != "dot_general" or wt is None or wt.per_channel:
+                continue
+            shape = s.eqn.invars[s.weight_operand].aval.shape
+            if s.batch_axes() or outliers.members(shape, s.contract[s.weight_operand]) > 1:
+                diagnostics.warn_grouped("per_tensor_members", (
+                    f"jqt.calibrate: op '{s.key}' reads weight "
+                    f"'{s.source.path if s.source else '(computed)'}' of shape {tuple(shape)} as "
+                    "stacked matrices (an ensemble's members or experts under jax.vmap, flax "
+                    "nn.vmap or an einsum over them), and its rule's weight type is per-tensor "
+                    f"({wt.describe()}): one scale for all of them, so a member of much smaller "
+                    "weights rounds to few codes or to 0. Use a per-channel type (the presets' "
+                    "default), or a lax.map or lax.scan over the members (one scale each)."),
+                    f"'{s.key}'")
     wants_cache = [r for r in recipe.rules if r.kv_cache is not None]
     eqx = sorted(equinox_prims)
     eqx_note = (f" f runs Equinox's {' and '.join(repr(n) for n in eqx)} "

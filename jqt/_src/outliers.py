@@ -93,7 +93,7 @@ def rotated_hessian(h, rotated):
     return transforms.rotate(transforms.rotate(h, (1,)).T, (1,))
 
 
-def _members(shape, contract) -> int:
+def members(shape, contract) -> int:
     """How many members share one smoothing vector: the product of a weight's free axes
     ahead of its contracted ones, where free axes follow them too (``(E, K, N)``: an
     ensemble under ``jax.vmap(member, in_axes=(0, None))``, ``einsum("bk,ekn->ebn")``,
@@ -102,7 +102,7 @@ def _members(shape, contract) -> int:
     absolute error picked the large member's vector for all); with 1, the error is the
     output's absolute error, as in AWQ.
 
-    >>> _members((3, 16, 8), (1,)), _members((16, 8), (0,)), _members((8, 16), (1,))
+    >>> members((3, 16, 8), (1,)), members((16, 8), (0,)), members((8, 16), (1,))
     (3, 1, 1)
     """
     first, last = min(contract), max(contract)
@@ -122,10 +122,10 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
         quietest = jnp.min(jnp.where(seen, mean_abs, jnp.inf))
         mean_abs = jnp.where(seen, mean_abs, jnp.where(jnp.isfinite(quietest), quietest, 1.0))
 
-        members = _members(w.shape, contract)
-        if members > 1:  # each member's error relative to its output's energy (see _members)
+        n_members = members(w.shape, contract)
+        if n_members > 1:  # each member's error relative to its output's energy (see members)
             wr = transforms.rows(w, contract)
-            energy = jnp.sum(jnp.sum((wr @ h) * wr, axis=1).reshape(members, -1), axis=1)
+            energy = jnp.sum(jnp.sum((wr @ h) * wr, axis=1).reshape(n_members, -1), axis=1)
             energy = jnp.maximum(energy, jnp.finfo(jnp.float32).tiny)
 
         def err(a):
@@ -136,8 +136,8 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
             sv = transforms.rows(s, contract)  # (1, K) in pair order
             hs = rotated_hessian(h / sv / sv.T, rotated)
             e = jnp.sum((d @ hs) * d, axis=1)
-            if members > 1:
-                return jnp.sum(jnp.sum(e.reshape(members, -1), axis=1) / energy), s
+            if n_members > 1:
+                return jnp.sum(jnp.sum(e.reshape(n_members, -1), axis=1) / energy), s
             return jnp.sum(e), s
 
         errs, ss = jax.lax.map(err, jnp.arange(AWQ_GRID, dtype=jnp.float32) / AWQ_GRID)

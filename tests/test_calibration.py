@@ -1334,7 +1334,8 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
     weights = {
         "Swapped": (lambda w, axes: (amax(w, axes), -amax(w, axes)), r"range\(w, axes, qtype\) "
                     r"returned lo > hi at 8 of 8 places.*the low end first"),
-        "Scalar": (lambda w, axes: (-jnp.max(jnp.abs(w)), jnp.max(jnp.abs(w))), r"range\(w, "
+        "Scalar": (lambda w, axes: (-jnp.max(jnp.abs(w)), jnp.max(jnp.abs(w))), r"op 'w' \(weight "
+                   r"'w'\): weight calibrator Scalar's range\(w, "  # the op named (hunt63_weightcal)
                    r"axes=\(0,\), qtype\) returned lo of shape \(\) .* to shape \(1, 8\)"),
         "NaN": (lambda w, axes: (amax(w, axes) * jnp.nan, amax(w, axes)), r"or its weight "
                 r"calibrator NaN, not one of jqt's, returned NaN or inf"),
@@ -1380,7 +1381,7 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
             jqt.calibrate(f, jqt.recipes.w8a8(calibrator=bad()), p, [(x,)], progress=False)
     for out, match in ((None, "returned None"), (jnp.ones((1, 8)), r"returned an array of shape \(1, 8\)")):
         bad = type("BadW", (WC,), {"range": lambda self, w, axes, qtype, o=out: o})
-        with pytest.raises(TypeError, match=r"weight calibrator BadW's range\(w, axes=\(0,\), qtype\) "
+        with pytest.raises(TypeError, match=r"op 'w' \(weight 'w'\): weight calibrator BadW's range\(w, axes=\(0,\), qtype\) "
                            + match + r"; it returns a pair \(lo, hi\)"):
             jqt.calibrate(f, jqt.recipes.w8(weight_calibrator=bad()), p, [(x,)], progress=False)
     # an observe that needs x's rank, statistics with keepdims, a range per channel: named at

@@ -1019,7 +1019,9 @@ def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf, keys=None
         axes, wt, gaxis = weight_range_args(site, rule, w.shape[src.stack_depth:])
         fn = _layer_ranges(rule.weight_calibrator, None if axes is None else tuple(axes), wt, gaxis,
                            src.stack_depth)
-        wlo, whi = (np.asarray(a, np.float32).reshape(lo.shape) for a in fn(w))
+        with groups.naming(f"op '{site.key}' (weight '{src.path}')"):
+            got = fn(w)
+        wlo, whi = (np.asarray(a, np.float32).reshape(lo.shape) for a in got)
         out[site.key] = stats_lib.SiteStats(s.act, {"min": np.where(unseen, wlo, lo),
                                                     "max": np.where(unseen, whi, hi)},
                                             s.calibrator, s.chan)

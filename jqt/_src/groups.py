@@ -11,6 +11,8 @@ range per group.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 
 from . import compat
@@ -80,6 +82,27 @@ def weight_range(calibrator, w, axes, qtype, group_axis):
     gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
     lo, hi = _checked(calibrator, wg, gaxes, qtype)
     return (jnp.squeeze(jnp.asarray(lo), ax + 1), jnp.squeeze(jnp.asarray(hi), ax + 1))
+
+
+@contextlib.contextmanager
+def naming(where):
+    """Puts ``where`` (the op and its weight) into a weight calibrator's refusal raised
+    inside (:func:`_checked`'s, which does not know them).
+
+    >>> try:
+    ...     with naming("op 'b' (weight 'b')"):
+    ...         raise ValueError("jqt.calibrate: weight calibrator X's range ... returned ...")
+    ... except ValueError as e:
+    ...     print(e)
+    jqt.calibrate: op 'b' (weight 'b'): weight calibrator X's range ... returned ...
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        head = "jqt.calibrate: weight calibrator "
+        if not str(e).startswith(head):
+            raise
+        raise type(e)(f"jqt.calibrate: {where}: weight calibrator {str(e)[len(head):]}") from None
 
 
 def _checked(calibrator, w, axes, qtype):

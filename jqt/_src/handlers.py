@@ -167,8 +167,10 @@ class Calibrate:
             act = _observe(cal, x) if live is None else _observe_rows(cal, x, live)
         if self.observe_weights is True or (self.observe_weights == "computed"
                                             and site.computes_weight):
-            lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
-                                         *weight_range_args(site, rule, invals[w].shape))
+            with groups.naming(f"op '{site.key}' (weight "
+                               f"'{site.source.path if site.source else '(computed)'}')"):
+                lo, hi = groups.weight_range(rule.weight_calibrator, invals[w].astype(_F32),
+                                             *weight_range_args(site, rule, invals[w].shape))
             weight = {"min": jnp.asarray(lo, _F32), "max": jnp.asarray(hi, _F32)}
         chan = None
         names = transforms.wanted_stats(rule) if entry is None else ()

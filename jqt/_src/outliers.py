@@ -152,7 +152,9 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
                      rotate)
     count = chan["count"]
     mean_abs = chan["abssum"] / count.reshape(count.shape + (1,) * (chan["abssum"].ndim - count.ndim))
-    return _vmapped(fn, depth)(w, chan["hessian"], mean_abs)
+    with groups.naming(f"op '{site.key}' (weight "
+                       f"'{site.source.path if site.source else '(computed)'}', AWQ's search)"):
+        return _vmapped(fn, depth)(w, chan["hessian"], mean_abs)
 
 
 def decide(traced, recipe, stats, params_t, argnums, weight_qtype):

@@ -446,8 +446,13 @@ def _refuse_huge(key, p, extent=None):
 
 def zero_below(p) -> str:
     """Which values round to 0 on op ``p``'s weight grid with a scale of 1 (the placeholder
-    of a weight calibrated at zeros); ``""`` for fp8, whose fine steps near 0 keep them."""
+    of a weight calibrated at zeros); ``""`` for e5m2, whose steps near 0 (down to 2**-16)
+    keep a trained weight's values. e4m3's smallest step is 2**-9, and its steps are
+    coarse below 2**-6: a weight trained to values of 1e-3 loses most of them."""
     grid = p.operand(p.weight_operand).qtype.grid
+    if grid.startswith("float8_e4m3"):
+        return ("under about 0.001 of the scale (half e4m3's smallest step, 2**-9; its steps "
+                "are coarse up to 2**-6)")
     return {"int": "under half the scale", "nf4": "under about 0.04 of the scale (half "
             "nf4's smallest step)"}.get(grid, "")
 

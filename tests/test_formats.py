@@ -614,6 +614,18 @@ def test_a_row_of_a_stacked_table_read_by_scalar_indices_is_a_lookup(name):
         y = run(packed, m, t)
         np.testing.assert_allclose(y, sim(p, m, t), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
         assert 0 < float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want)) < 0.25  # 1.0 if shared
+    for g in (lambda p, m, t: p["emb"][m, 3] @ p["w"], lambda p, m, t: p["emb"][0, t] @ p["w"]):
+        # one index a Python int (a literal, which the analysis takes for a constant): still
+        # that lookup (it stayed float without a word; hunt63_review)
+        qg = jqt.calibrate(g, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
+        assert qg["emb"].op == "gather" and not qg["emb"].is_float
+    # a stack of (1, N) matrices read at a loop's counter is a layer's weight, not a row:
+    # its matmul warns as for any (L, K, N) stack (it became a lookup, silently)
+    wk1 = {"W": p["w"][None, :1, :].repeat(3, axis=0)}
+    k1 = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["W"][i])[:, :1], x)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads weight 'W' indexed by a value computed from the data"):
+        q1 = jqt.calibrate(k1, recipe, wk1, [(jnp.ones((2, 1)),)], progress=False)
+    assert "W" not in q1
     later = lambda p, m, t: p["emb"][m][t] @ p["w"]  # noqa: E731
     with pytest.warns(UserWarning, match=r"looks rows up in weight 'emb' indexed by a value.*"
                                          r"tables\[m, i\]"):

@@ -636,6 +636,12 @@ def test_a_ragged_dot_of_two_activations_says_that_it_stays_float():
                       r"computed from the data.*act_x_act= applies to dot_general"):
         qp = jqt.calibrate(f, rec, p, [(X_RAGGED, w)], progress=False)
     assert list(qp) == ["w_in"]
+    # a weight masked by the data: the warning says so, and how (as for a matmul; the
+    # generic words above suggested act_x_act=; hunt63_review)
+    masked = lambda p, x, m: jax.lax.ragged_dot(x, p["w"] * m, jnp.array([3, 4, 3], jnp.int32))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"a ragged_dot_general \(at '<top>'\) reads weight 'w' "
+                      r"combined elementwise with the data"):
+        jqt.calibrate(masked, rec, {"w": P["w"]}, [(X_RAGGED, jnp.float32(0.5))], progress=False)
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

@@ -480,7 +480,8 @@ class Analyzer:
                                "or a lax.scan over the stacked expert weights, which jqt "
                                "quantizes per expert.")
                         self._defer(("ragged", name), msg, f"'{paths[0]}' at '{stack or '<top>'}'")
-                    elif name in _GROUPED_MATMULS and not any(i.weight for i in ins[:2]):
+                    elif name in _GROUPED_MATMULS and not any(i.weight for i in ins[:2]) \
+                            and not self._read_as_data(name, ins[:2], stack):
                         msg = (f"jqt: a {name} (at '{stack or '<top>'}') multiplies two values "
                                "computed from the data: jqt quantizes lax.ragged_dot only with a "
                                "weight w (G, K, N), and a rule's act_x_act= applies to "
@@ -578,6 +579,20 @@ class Analyzer:
                        f"lookup stays float, as the table{' does' if len(names) == 1 else 's do'}. "
                        f"{fix}{also}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
+
+    def _read_as_data(self, op, ins, stack) -> bool:
+        """Warns, as for a matmul (:meth:`_site`), where an op jqt has no rule for in this
+        form reads a weight as data (indexed by a loop's counter, masked, chosen); whether
+        it did."""
+        for field, how, fix in _WEIGHTS_READ_AS_DATA:
+            path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
+            if path:
+                names, what = _named_weights(path)
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op then "
+                       f"stays float, as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
+                self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
+                return True
+        return False
 
     def _defer(self, kind, message, label):
         """A warning about one op: one per ``kind`` for the whole function

@@ -683,7 +683,8 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                     f"jqt.calibrate: op '{s.key}' reads weight "
                     f"'{s.source.path if s.source else '(computed)'}' of shape {tuple(shape)} as "
                     "stacked matrices (an ensemble's members or experts under jax.vmap, flax "
-                    "nn.vmap or an einsum over them), and its rule's weight type is per-tensor "
+                    "nn.vmap or an einsum over them; or one layer's heads laid out first, "
+                    "(N, D, H), which are one tensor), and its rule's weight type is per-tensor "
                     f"({wt.describe()}): one scale for all of them, so a member of much smaller "
                     "weights rounds to few codes or to 0. Use a per-channel type (the presets' "
                     "default), or a lax.map or lax.scan over the members (one scale each)."),

@@ -94,13 +94,11 @@ def rotated_hessian(h, rotated):
 
 
 def members(shape, contract) -> int:
-    """How many members share one smoothing vector: the product of a weight's free axes
-    ahead of its contracted ones, where free axes follow them too (``(E, K, N)``: an
-    ensemble under ``jax.vmap(member, in_axes=(0, None))``, ``einsum("bk,ekn->ebn")``,
-    flax ``nn.vmap``); else 1. AWQ weighs each member's output error relative to its
-    output's energy, so that a member of small weights counts as much as a large one (an
-    absolute error picked the large member's vector for all); with 1, the error is the
-    output's absolute error, as in AWQ.
+    """How many stacked matrices a weight may hold: the product of its free axes ahead of
+    its contracted ones, where free axes follow them too (``(E, K, N)``: an ensemble under
+    ``jax.vmap(member, in_axes=(0, None))``, ``einsum("bk,ekn->ebn")``, flax ``nn.vmap``;
+    or one layer's heads laid out first, ``(N, D, H)``, which the jaxpr cannot tell from
+    them); else 1.
 
     >>> members((3, 16, 8), (1,)), members((16, 8), (0,)), members((8, 16), (1,))
     (3, 1, 1)
@@ -122,12 +120,6 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
         quietest = jnp.min(jnp.where(seen, mean_abs, jnp.inf))
         mean_abs = jnp.where(seen, mean_abs, jnp.where(jnp.isfinite(quietest), quietest, 1.0))
 
-        n_members = members(w.shape, contract)
-        if n_members > 1:  # each member's error relative to its output's energy (see members)
-            wr = transforms.rows(w, contract)
-            energy = jnp.sum(jnp.sum((wr @ h) * wr, axis=1).reshape(n_members, -1), axis=1)
-            energy = jnp.maximum(energy, jnp.finfo(jnp.float32).tiny)
-
         def err(a):
             s = jnp.maximum(mean_abs ** a, 1e-4)
             s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
@@ -135,10 +127,7 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
             d = transforms.rows(quantized_weight(w2, contract, qtype, calibrator, gaxis) - w2, contract)
             sv = transforms.rows(s, contract)  # (1, K) in pair order
             hs = rotated_hessian(h / sv / sv.T, rotated)
-            e = jnp.sum((d @ hs) * d, axis=1)
-            if n_members > 1:
-                return jnp.sum(jnp.sum(e.reshape(n_members, -1), axis=1) / energy), s
-            return jnp.sum(e), s
+            return jnp.sum((d @ hs) * d), s
 
         errs, ss = jax.lax.map(err, jnp.arange(AWQ_GRID, dtype=jnp.float32) / AWQ_GRID)
         return ss[jnp.argmin(errs)]

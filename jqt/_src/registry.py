@@ -281,7 +281,10 @@ class RowLookup(Gather):
             return None if a is None else (a,)
         if any(n != 1 for n in sizes[:-1]) or sizes[-1] != shape[-1]:
             return None
-        return tuple(d for d in range(len(shape) - 1) if shape[d] > 1) or None
+        axes = tuple(d for d in range(len(shape) - 1) if shape[d] > 1)
+        if not axes or any(shape[d] == 1 for d in range(axes[-1] + 1, len(shape) - 1)):
+            return None  # (L, 1, N) read at [i]: a whole matrix of one row, a layer's weight
+        return axes
 
     def index_operands(self, eqn):
         """The start indices of the indexed axes (the others are the whole axes' zeros)."""
@@ -289,7 +292,10 @@ class RowLookup(Gather):
 
     def weight_operand(self, eqn, ins):
         axes = self.axes(eqn) if ins[0].weight else None
-        return 0 if axes is not None and not any(ins[1 + a].weight for a in axes) else None
+        idx = [ins[1 + a] for a in axes or ()]
+        # some index from the data; the others too, or constants (tables[0, t]: a literal)
+        return 0 if idx and any(not i.weight for i in idx) \
+            and not any(i.weight and not i.built for i in idx) else None
 
     def integer(self, site, eqn, ops, policy):
         axes = self.axes(eqn)

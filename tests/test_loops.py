@@ -437,6 +437,26 @@ def test_tables_indexed_by_a_loop_counter_are_named_in_a_warning():
     assert [q.is_float for q in qp.values()] == [False]
 
 
+def test_a_weight_indexed_by_a_loop_counter_and_then_scaled_is_named():
+    """``x @ (w[i] * 2)``, ``-w[i]``, ``w[i] / t`` in a fori_loop: the matmul stays float, as
+    for ``x @ w[i]``, but without the warning (hunt63_layerloops); a bias indexed so and
+    added to the activation (``h + b[i]``) does not make later ops warn."""
+    p = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((3, 8, 8)) / 4, jnp.float32),
+         "b": jnp.full((3, 8), 0.1), "head": jnp.ones((8, 2))}
+    x = jnp.ones((2, 8))
+    for get in (lambda p, i, t: p["w"][i] * 2.0, lambda p, i, t: -p["w"][i], lambda p, i, t: p["w"][i] / t):
+        f = lambda p, x, t, get=get: jax.lax.fori_loop(  # noqa: E731
+            0, 3, lambda i, h: jnp.tanh(h @ get(p, i, t)), x) @ p["head"]
+        with pytest.warns(UserWarning, match=r"reads weight 'w' indexed by a value computed from the data"):
+            qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x, jnp.float32(2.0))], progress=False)
+        assert not qp["head"].is_float
+    biased = lambda p, x: jnp.einsum("bd,be->de", *[jax.lax.fori_loop(  # noqa: E731
+        0, 3, lambda i, h: h + p["b"][i], x)] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(biased, jqt.recipes.w8a8_dynamic(act_x_act=True), p, [(x,)], progress=False)
+
+
 def _parity_layers(p, x):
     """A cond on the layer index: even layers read ``ws``, odd ones ``us``."""
     def layer(h, lw):

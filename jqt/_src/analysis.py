@@ -20,6 +20,7 @@ the body's keys (:func:`map_remainders`), so that their statistics are merged
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -98,6 +99,24 @@ def _edited(ins, invars) -> tuple:
                 and not any(c[0] == "broadcast_in_dim" for c in s.chain))
     paths = [i.source.path for i, v in zip(ins, invars) if matrix(i, v)]
     return tuple(dict.fromkeys(paths + [p for i in ins for p in i.mixed]))
+
+
+def _carried_tags(eqn, ins) -> dict:
+    """A weight read as data (``indexed``, ``selected``, ``chosen``, ``mixed``) changed
+    elementwise by constants or a scalar (``W[i] * 2``, ``-W[i]``, ``W[i] / t``): still that
+    weight to the op that reads it, which warns (it stayed float without a word). Not a
+    value the data is added to (``h + b[i]``: an activation, the ops after it no weight's)."""
+    if len(eqn.outvars) != 1:
+        return {}
+    shape = eqn.outvars[0].aval.shape
+    shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
+    out = {}
+    for field in ("indexed", "selected", "chosen", "mixed"):
+        tagged = [getattr(i, field) for i, sh in zip(ins, shapes) if getattr(i, field) and sh == shape]
+        if tagged and all(getattr(i, field) or i.weight or math.prod(sh) == 1
+                          for i, sh in zip(ins, shapes)):
+            out[field] = tagged[0]
+    return out
 
 
 def _named_weights(path):
@@ -552,7 +571,8 @@ class Analyzer:
                 built = name in ("iota", "dim_as_value") or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built, computed=computed_weight(ins),
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
-                                rowwise=kvcache.same_along_last(eqn, ins))] * len(eqn.outvars)
+                                rowwise=kvcache.same_along_last(eqn, ins),
+                                **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info

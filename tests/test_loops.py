@@ -496,6 +496,26 @@ def test_a_cond_on_the_layer_index_quantizes_both_of_its_ops(recipe):
     assert 0 < float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < (0.03 if recipe == "w8a8" else 0.3)
 
 
+def test_a_cond_on_the_layer_index_over_computed_weights_says_what_ran():
+    """The same alternating layers with each layer's weights computed in the body (``w * 2``
+    of its slices): an op that ran in some layers only cannot take the others' ranges from
+    the params, so it stays float; the warning said it "never ran" (hunt63_layerloops)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"ws": jax.random.normal(k[0], (3, 16, 16)) / 4, "us": jax.random.normal(k[1], (3, 16, 16)) / 4}
+
+    def f(p, x):
+        def body(h, wi):
+            w, u, i = wi
+            w2, u2 = w * 2.0, u * 2.0
+            return jax.lax.cond(i % 2 == 0, lambda h: jnp.tanh(h @ w2), lambda h: jnp.tanh(h @ u2), h), None
+        return jax.lax.scan(body, x, (p["ws"], p["us"], jnp.arange(3)))[0]
+
+    with pytest.warns(UserWarning, match=r"ran in 1 of the 3 iterations of its loop over stacked "
+                                         r"layers.*no slice of a params leaf.*stays float"):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jax.random.normal(k[2], (2, 16)),)], progress=False)
+    assert all(q.is_float for q in qp.values())
+
+
 @pytest.mark.parametrize("smooth", ci_only([None, 0.5], {None}))
 def test_an_expert_without_tokens_takes_the_range_of_the_others(smooth):
     """A scan over stacked experts where one expert got no tokens (zero padding) in

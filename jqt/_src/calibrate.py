@@ -1334,6 +1334,20 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
         _check_order(site, np.asarray(st.weight["min"]), np.asarray(st.weight["max"]),
                      f"weight calibrator {type(rule.weight_calibrator).__name__}", "w, axes, qtype")
     if st is None or st.weight is None or not np.isfinite(np.asarray(st.weight["min"])).all():
+        seen = (np.isfinite(np.asarray(st.weight["min"])) if st is not None and st.weight is not None
+                else np.zeros(0, bool))
+        if seen.any():  # some iterations of a loop ran it (a lax.cond on the layer index)
+            layers = seen.reshape(seen.shape[0], -1).all(axis=1) if seen.ndim else seen
+            diagnostics.warn_grouped("partly", (
+                f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}') "
+                f"ran in {int(layers.sum())} of the {layers.size} iterations of its loop over "
+                "stacked layers on the calibration data (a lax.cond or lax.switch on the layer "
+                "index?), and its weight is no slice of a params leaf (computed in f, or "
+                "read at the loop's index), so jqt cannot take the other layers' ranges from "
+                "the params: it stays float. Pass the stacked weights in the scan's xs, "
+                "lax.scan(body, h, (w, u, jnp.arange(L))), and read each layer's slice in "
+                "the branch."), f"'{site.key}'")
+            return float_("ran in some layers only, its weight computed in f")
         diagnostics.warn_grouped("never", never, f"'{site.key}'")
         return float_(unreached)
     shape = site.eqn.invars[w].aval.shape

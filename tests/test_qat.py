@@ -812,6 +812,34 @@ def test_project_repairs_an_infinite_fp8_scale_to_one_that_runs(recipe):
     assert bool(jnp.isfinite(fixed["w"].lhs.scale * unit).all())
 
 
+def test_project_bounds_scales_by_float32_whatever_the_qparams_dtype():
+    """jqt computes with scales in float32. project capped a float16 e5m2 scale at the
+    float16 maximum over the bits unit (65504 / 32768 = 2: a calibrated 15.9 became 2.0,
+    the error 14x; hunt63_qatx64), and repaired an infinite float64 scale to a value inf in
+    float32 (NaN outputs); quantize accepted a float64 scale of 1e300 (inf in float32)."""
+    f = lambda w, x: x @ w  # noqa: E731
+    w = jax.random.normal(jax.random.key(0), (16, 8))
+    x = jax.random.normal(jax.random.key(1), (32, 16)) * 3e5
+    qp = jqt.calibrate(f, jqt.recipes.fp8(act_dtype="float8_e5m2"), w, [(x,)], progress=False)
+    qp16 = jax.tree.map(lambda a: a.astype(jnp.float16), qp)
+    assert float(qp16["w"].lhs.scale) > 2.5
+    np.testing.assert_array_equal(jqt.qat.project(qp16)["w"].lhs.scale, qp16["w"].lhs.scale)
+    with jax.enable_x64(True):
+        w64, x64 = w.astype(jnp.float64), jnp.ones((4, 16), jnp.float64)
+        q = jqt.calibrate(f, jqt.recipes.w8a8(), w64, [(x64,)], progress=False)
+        q = jax.tree.map(lambda a: a.astype(jnp.float64), q)
+        rh = q["w"].rhs
+        for value in (np.inf, 1e300):
+            bad = {"w": dataclasses.replace(q["w"], rhs=dataclasses.replace(rh, scale=rh.scale.at[0, 0].set(value)))}
+            if value == 1e300:
+                with pytest.raises(ValueError, match=r"beyond float32's range"):
+                    jqt.quantize(f, bad, simulate=True)(w64, x64)
+            fixed = jqt.qat.project(bad)
+            assert float(fixed["w"].rhs.scale[0, 0]) == float(np.finfo(np.float32).max)
+            y = jqt.quantize(f, fixed, simulate=True)(w64, x64)
+            assert bool(jnp.isfinite(y).all())
+
+
 def test_labels_refuse_packed_weights_among_several_weight_arguments():
     """labels/split/parts refused a jqt.PackedParams passed as params, not one of several
     weight arguments (a tuple): its codes' scales were labelled 'train' (hunt59_qatstates)."""

@@ -99,6 +99,7 @@ PARTS = ("weights", "weight_scales", "activation_scales", "zero_points", "smooth
 _GROUPS = {"scales": ("weight_scales", "activation_scales", "smoothing"), "all": PARTS}
 
 _TRAIN, _FREEZE = "train", "freeze"
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
 def _is_qparams(x) -> bool:
@@ -330,7 +331,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     (then clipped), and an infinite scale or smoothing factor the largest finite
     value of its dtype (``-inf`` is clamped as a negative value is); an fp8 scale is
     clamped to at most that value divided by the format's bits unit (256 for e4m3,
-    32768 for e5m2), whose product with the scale must stay finite. The result
+    32768 for e5m2), whose product with the scale must stay finite. jqt computes with
+    scales in float32: float64 qparams are kept within float32's normal range, and the
+    fp8 bound is float32's whatever the dtype (a float16 e5m2 scale of 16 is in it). The result
     passes the checks of :func:`jqt.quantize`, :func:`jqt.pack`, :func:`jqt.save` and
     :func:`jqt.save_packed`. Leaves that are ``None`` (the frozen half of a
     :func:`jqt.qat.split`) stay ``None``; values already in the domain are returned
@@ -377,7 +380,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
             if unit is not None:  # fp8: the scale is taken times the bits unit (XLA may
                 # fold it in first): at most a value whose product stays finite, else an
                 # infinite product times a code of 0 is NaN
-                s = jnp.minimum(s, jnp.asarray(jnp.finfo(jnp.result_type(s)).max / unit, jnp.result_type(s)))
+                # (jqt computes with scales in float32, whatever dtype the qparams hold: a
+                # float16 e5m2 scale of 16 is fine, not capped at 65504 / 32768 = 2)
+                cap = min(_F32_MAX / unit, float(jnp.finfo(jnp.result_type(s)).max))
+                s = jnp.minimum(s, jnp.asarray(cap, jnp.result_type(s)))
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)
@@ -404,10 +410,13 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                              "scale would become inf. Pass a small positive float (the default "
                              "is 1e-8).")
         lowest = fi.smallest_subnormal if dt == jnp.float16 else fi.tiny
+        # float64 qparams: jqt computes in float32, where a scale beyond its range is inf or
+        # 0 (inf times a code of 0 is NaN): keep them within float32's normal range
+        lowest = max(float(lowest), _F32_TINY) if fi.bits > 32 else lowest
+        top = jnp.asarray(min(float(fi.max), _F32_MAX), dt)
         floor = jnp.maximum(jnp.asarray(min_scale, dt), jnp.asarray(lowest, dt))
         a = jnp.where(jnp.isnan(a), jnp.maximum(jnp.asarray(nan, dt), floor), a)
-        a = jnp.where(a == jnp.inf, jnp.asarray(jnp.finfo(dt).max, dt), a)
-        return jnp.maximum(a, floor)
+        return jnp.clip(a, floor, top)
 
     out = {}
     for k, p in qparams.items():

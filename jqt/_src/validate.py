@@ -61,9 +61,16 @@ def _positive(a):
     """What is wrong with a scale or smoothing vector: ``[]`` when every value is finite
     and > 0."""
     out = []
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        wide = np.asarray(a)
+        f32 = wide.astype(np.float32) if wide.dtype.itemsize > 4 else wide  # float64 qparams:
+        # jqt computes with scales in float32, where these are inf or 0
         for bad, what in ((np.isnan(a), "are NaN"), (np.isinf(a), "are infinite"),
-                          (a == 0, "are 0"), (a < 0, "are negative")):
+                          (a == 0, "are 0"), (a < 0, "are negative"),
+                          (np.isfinite(wide) & np.isinf(f32), "are beyond float32's range (jqt "
+                           "computes with scales in float32; jqt.qat.project clamps them)"),
+                          ((wide > 0) & (f32 == 0), "are below float32's range (jqt computes "
+                           "with scales in float32; jqt.qat.project clamps them)")):
             t = _count(bad, a, what)
             if t:
                 out.append(t)

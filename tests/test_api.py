@@ -438,3 +438,30 @@ def test_a_packed_weight_decodes_as_the_qarray_docstring_says():
         assert float(jnp.max(jnp.abs(real - w) / scale)) <= 0.5 + 1e-3, (r, q.layout)
         layouts.add((q.layout, q.nibbles))
     assert ("nk", False) in layouts and ("kn", True) in layouts, layouts
+
+
+def test_a_static_negative_zero_is_not_a_positive_zero():
+    """A Python float argument is static, keyed by type and value: -0.0 == 0.0, so a call
+    with one reused the trace of the other (f branching on the sign, copysign or 1 / s, got
+    the other's result; hunt63_callforms)."""
+    p = {"w": jnp.eye(4) * 0.5}
+    f = lambda p, x, s: x @ p["w"] + jnp.copysign(1.0, s)  # noqa: E731
+    x = jnp.ones((2, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, 0.0)], progress=False)
+    q = jqt.quantize(f, qp)
+    for s in (0.0, -0.0, 0.0):
+        np.testing.assert_allclose(q(p, x, s), f(p, x, s), atol=0.02)
+
+
+def test_pack_of_several_weight_arguments_gives_no_argnum_advice():
+    """``jqt.pack(qp, (gains, weights), weight_argnums=(0, 2))``: argument 0 has no quantized
+    op (norm gains); pack warned to 'pass argnum=2', which the same call does
+    (hunt63_callforms)."""
+    f = lambda e, x, h: jnp.tanh(x @ h["w"]) * e["g"]  # noqa: E731
+    args = ({"g": jnp.float32(2.0)}, {"w": jnp.eye(8) * 0.3})
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), args, [(jnp.ones((2, 8)),)], weight_argnums=(0, 2),
+                       progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pe, ph = jqt.pack(qp, args, weight_argnums=(0, 2))
+    assert "h/w" in ph.weights

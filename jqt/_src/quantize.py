@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -486,7 +487,10 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
         raise TypeError(f"jqt.pack: weight_argnums={weight_argnums!r} names {len(nums)} weight "
                         f"arguments, and params is {got}: pass a tuple of their weights, in that "
                         "order, as jqt.calibrate takes them.")
-    return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+    with warnings.catch_warnings():  # an argument without quantized ops (norm gains) is
+        # packed beside the others: no advice to pass another argnum
+        warnings.filterwarnings("ignore", message=r"jqt\.pack\(argnum=\d+\): no quantized op reads")
+        return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
 
 
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,

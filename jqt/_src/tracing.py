@@ -81,13 +81,16 @@ class Static:
     def __eq__(self, other):
         if not isinstance(other, Static) or type(other.value) is not type(self.value):
             return False
+        if isinstance(self.value, (float, complex)):  # -0.0 is not 0.0 to f (copysign, 1 / s)
+            return repr(other.value) == repr(self.value)
         try:
             return other.value is self.value or bool(other.value == self.value)
         except Exception:  # noqa: BLE001 - an object whose == is not a truth value
             return False
 
     def __hash__(self):
-        return hash((type(self.value), self.value))
+        v = self.value
+        return hash((type(v), repr(v) if isinstance(v, (float, complex)) else v))
 
     def __repr__(self):
         return f"Static({self.value!r})"

@@ -677,8 +677,10 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             wt = s.entry.weight_type(r) if r is not None and s.weight_operand is not None else None
             if s.op != "dot_general" or wt is None or wt.per_channel:
                 continue
-            shape = s.eqn.invars[s.weight_operand].aval.shape
-            if s.batch_axes() or outliers.members(shape, s.contract[s.weight_operand]) > 1:
+            shape, contract = s.eqn.invars[s.weight_operand].aval.shape, s.contract[s.weight_operand]
+            free = len(shape) - len(contract) - len(s.batch_axes())  # stacked matrices, not
+            # one element per output ('bf,fd->bfd', contracting nothing)
+            if contract and free > 0 and (s.batch_axes() or outliers.members(shape, contract) > 1):
                 diagnostics.warn_grouped("per_tensor_members", (
                     f"jqt.calibrate: op '{s.key}' reads weight "
                     f"'{s.source.path if s.source else '(computed)'}' of shape {tuple(shape)} as "

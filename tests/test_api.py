@@ -465,3 +465,5 @@ def test_pack_of_several_weight_arguments_gives_no_argnum_advice():
         warnings.simplefilter("error")
         pe, ph = jqt.pack(qp, args, weight_argnums=(0, 2))
     assert "h/w" in ph.weights
+    with pytest.warns(UserWarning, match=r"pass argnum=2"):  # argnums that pack nothing: said
+        jqt.pack(qp, args, weight_argnums=(0, 1))

@@ -824,6 +824,14 @@ def test_project_bounds_scales_by_float32_whatever_the_qparams_dtype():
     qp16 = jax.tree.map(lambda a: a.astype(jnp.float16), qp)
     assert float(qp16["w"].lhs.scale) > 2.5
     np.testing.assert_array_equal(jqt.qat.project(qp16)["w"].lhs.scale, qp16["w"].lhs.scale)
+    # bfloat16 qparams: float32's bound over the unit rounds up there (2**120 * 256 is inf);
+    # an infinite scale is repaired to one whose product stays finite (hunt63_review2)
+    qb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), qp)
+    qb = {"w": dataclasses.replace(qb["w"], lhs=dataclasses.replace(
+        qb["w"].lhs, scale=jnp.full_like(qb["w"].lhs.scale, jnp.inf)))}
+    fixed = jqt.qat.project(qb)
+    assert bool(jnp.isfinite(fixed["w"].lhs.scale.astype(jnp.float32) * 32768.0).all())
+    assert bool(jnp.isfinite(jqt.quantize(f, fixed, simulate=True)(w, x)).all())
     with jax.enable_x64(True):
         w64, x64 = w.astype(jnp.float64), jnp.ones((4, 16), jnp.float64)
         q = jqt.calibrate(f, jqt.recipes.w8a8(), w64, [(x64,)], progress=False)

@@ -382,8 +382,11 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                 # infinite product times a code of 0 is NaN
                 # (jqt computes with scales in float32, whatever dtype the qparams hold: a
                 # float16 e5m2 scale of 16 is fine, not capped at 65504 / 32768 = 2)
-                cap = min(_F32_MAX / unit, float(jnp.finfo(jnp.result_type(s)).max))
-                s = jnp.minimum(s, jnp.asarray(cap, jnp.result_type(s)))
+                dt = jnp.result_type(s)
+                cap = np.asarray(min(_F32_MAX / unit, float(jnp.finfo(dt).max)), dt)
+                if float(cap) * unit > _F32_MAX:  # rounded up in a short mantissa (bfloat16)
+                    cap = np.asarray(float(jnp.finfo(dt).max) / unit, dt)  # exact: unit is 2**k
+                s = jnp.minimum(s, jnp.asarray(cap, dt))
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)

@@ -487,9 +487,12 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
         raise TypeError(f"jqt.pack: weight_argnums={weight_argnums!r} names {len(nums)} weight "
                         f"arguments, and params is {got}: pass a tuple of their weights, in that "
                         "order, as jqt.calibrate takes them.")
-    with warnings.catch_warnings():  # an argument without quantized ops (norm gains) is
-        # packed beside the others: no advice to pass another argnum
-        warnings.filterwarnings("ignore", message=r"jqt\.pack\(argnum=\d+\): no quantized op reads")
+    read = {p.source.arg for p in qparams.values()
+            if isinstance(p, OpQParams) and p.source is not None and not p.is_float}
+    with warnings.catch_warnings():  # an argument without quantized ops (norm gains) packed
+        # beside those that hold them: no advice to pass another argnum
+        if read and read <= set(nums):
+            warnings.filterwarnings("ignore", message=r"jqt\.pack\(argnum=\d+\): no quantized op reads")
         return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
 
 

@@ -600,19 +600,19 @@ class Analyzer:
                        f"{fix}{also}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
 
-    def _read_as_data(self, op, ins, stack) -> bool:
-        """Warns, as for a matmul (:meth:`_site`), where an op jqt has no rule for in this
-        form reads a weight as data (indexed by a loop's counter, masked, chosen); whether
-        it did."""
+    def _read_as_data(self, op, ins, stack, then="then stays float") -> bool:
+        """Warns where an op reads a weight as data (indexed by a loop's counter, masked,
+        chosen: each such way once), saying what the op ``then`` is; whether it did."""
+        said = False
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if path:
                 names, what = _named_weights(path)
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op then "
-                       f"stays float, as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}, "
+                       f"as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
-                return True
-        return False
+                said = True
+        return said
 
     def _defer(self, kind, message, label):
         """A warning about one op: one per ``kind`` for the whole function
@@ -669,16 +669,11 @@ class Analyzer:
     def _site(self, entry, widx, eqn, ins, stack):
         op = entry.name
         src = ins[widx].source if widx is not None else None
-        for field, how, fix in _WEIGHTS_READ_AS_DATA:
-            path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
-            if widx is None and path and not entry.is_cache:
-                names, what = _named_weights(path)
-                kind = ("a convolution with a kernel computed from the data: it stays float"
-                        if op == "conv_general_dilated" else "an activation x activation op: it "
-                        "stays float (unless the recipe quantizes those, act_x_act=)")
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op is then "
-                       f"{kind}, as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
-                self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
+        if widx is None and not entry.is_cache:
+            self._read_as_data(op, ins, stack, "is then " + (
+                "a convolution with a kernel computed from the data: it stays float"
+                if op == "conv_general_dilated" else "an activation x activation op: it "
+                "stays float (unless the recipe quantizes those, act_x_act=)"))
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "

@@ -680,6 +680,7 @@ def test_ops_that_cannot_take_a_transform_are_named_with_their_reason():
         jqt.calibrate(g, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_awq_of_a_heads_first_projection_is_that_of_the_same_weight_laid_out_heads_second():
     """``einsum("btd,ndh->btnh")`` (a heads-first q projection, Gemma's layout) and the
     same weight laid out ``(D, N, H)`` are one layer: AWQ picks one vector for both. A

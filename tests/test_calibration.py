@@ -1216,6 +1216,14 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
         R = {}
         rr = [(jax.device_put(x, d[i % 4]),) for i, x in enumerate(xs)]
         R["round_robin"] = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, rr, progress=False)) == want
+        # devices 0, 1, 0: the third batch's statistics, committed to device 0, committed the
+        # running sum merged through the host, and the weight scales with it; calls on
+        # device 1 then failed, and propagate=True could not run (hunt64_docsconcepts)
+        back = [rr[0], rr[1], (jax.device_put(xs[2], d[0]),)]
+        for prop in (False, True):
+            qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, back, progress=False, propagate=prop)
+            R[f"uncommitted_{prop}"] = [k for k, l in jax.tree_util.tree_leaves_with_path(qp) if l.committed]
+            R[f"runs_on_1_{prop}"] = bool(jnp.isfinite(jqt.quantize(f, qp)(p, rr[1][0])).all())
         mesh = jax.make_mesh((4,), ("data",))
         last = [(jax.device_put(x, NamedSharding(mesh, P("data"))),) for x in xs[:3]]
         last.append((jax.device_put(xs[3], d[0]),))
@@ -1233,7 +1241,9 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
         print("RESULT" + json.dumps(R))
     """, 4)
     assert "committed to devices [0], not the mesh's [0, 1, 2, 3]: put them on the mesh" in r.pop("params_away")
-    assert r == {"round_robin": True, "last_elsewhere": True, "gptq": True, "mesh_committed": True}
+    assert r == {"round_robin": True, "last_elsewhere": True, "gptq": True, "mesh_committed": True,
+                 "uncommitted_False": [], "uncommitted_True": [], "runs_on_1_False": True,
+                 "runs_on_1_True": True}
 
 
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)

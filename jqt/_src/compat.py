@@ -178,7 +178,9 @@ def together(*trees):
     True
     """
     arrays = [x for x in jax.tree_util.tree_leaves(trees) if isinstance(x, jax.Array)]
-    placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None)) for x in arrays}
+    # (committed too: a running sum merged so sits on the default device uncommitted, and a
+    # later batch's statistics committed there would commit the result, and the qparams)
+    placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None), x.committed) for x in arrays}
     if len(placed) <= 1:
         return trees
     return jax.tree_util.tree_map(
@@ -695,12 +697,13 @@ def with_output_dtype(eqn, dtype):
 
 
 @functools.lru_cache(maxsize=256)
-def row_gather_eqn(shape, dtype, axes):
+def row_gather_eqn(shape, dtype, axes, sizes=None):
     """The ``gather`` equation that reads one row of a table of ``shape`` at ``axes``
     (the indexed axes; the others read whole), clamped into the table as
     ``dynamic_slice`` clamps, with the slice's shape (each indexed axis kept with length
     1). A 2-D table's row (``axes=(0,)``) or column (``(1,)``) takes an index of shape
-    ``(1, 1)``; a larger table's row an index vector of shape ``(len(axes),)``.
+    ``(1, 1)``; a larger table's row an index vector of shape ``(len(axes),)``, as does a
+    slice of other ``sizes`` (a window of rows, a part of a row), read at its start.
 
     >>> e = row_gather_eqn((5, 3), "float32", (0,))
     >>> e.primitive.name, e.outvars[0].aval.shape, e.params["slice_sizes"]
@@ -708,10 +711,13 @@ def row_gather_eqn(shape, dtype, axes):
     >>> e = row_gather_eqn((2, 5, 3), "float32", (0, 1))
     >>> e.invars[1].aval.shape, e.outvars[0].aval.shape
     ((2,), (1, 1, 3))
+    >>> row_gather_eqn((5, 3), "float32", (0,), (2, 3)).outvars[0].aval.shape
+    (2, 3)
     """
     t = jax.ShapeDtypeStruct(shape, dtype)
-    sizes = tuple(1 if d in axes else n for d, n in enumerate(shape))
-    if len(shape) == 2:
+    one = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    sizes = one if sizes is None else tuple(sizes)
+    if len(shape) == 2 and sizes == one and len(axes) == 1:
         (axis,) = axes
         i = jax.ShapeDtypeStruct((1, 1), "int32")
         dn = jax.lax.GatherDimensionNumbers(offset_dims=(1 - axis,), collapsed_slice_dims=(axis,),

@@ -545,7 +545,7 @@ def test_a_lookup_of_part_of_each_row_stays_float_with_a_warning():
     k = p["t"].shape[1] // 2
     part = lambda p, i: p["t"][i, :k]  # noqa: E731
     with pytest.warns(UserWarning, match=rf"op 't' .*reads {k} of the {2 * k} elements of each row "
-                                         r".*t\[ids\]\[\.\.\., a:b\]\).*embedding=None"):
+                                         r".*t\[ids\]\[\.\.\., a:b\], t\[i\]\[a:b\]\).*embedding=None"):
         qp = jqt.calibrate(part, jqt.recipes.w8(), p, [(jnp.arange(4),)], progress=False)
     assert qp["t"].is_float and "part of each row" in qp["t"].note
     whole = lambda p, i: p["t"][i][..., :k]  # noqa: E731
@@ -630,6 +630,41 @@ def test_a_row_of_a_stacked_table_read_by_scalar_indices_is_a_lookup(name):
     with pytest.warns(UserWarning, match=r"looks rows up in weight 'emb' indexed by a value.*"
                                          r"tables\[m, i\]"):
         jqt.calibrate(later, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
+
+
+def test_a_window_of_rows_at_a_data_index_is_a_lookup():
+    """A learned positional table read at a decode step's position
+    (``lax.dynamic_slice_in_dim(pos, start, T)``) stayed float without a word, where
+    ``pos[start + jnp.arange(T)]`` was quantized (hunt64_dynslice). It is that lookup now:
+    one scale per row, both paths agree, clamped as dynamic_slice clamps; ``t[i, :k]`` at a
+    scalar index stays float with the warning ``t[ids, :k]`` gives (it had neither), and a
+    ``dynamic_slice`` at constant starts is the slice it is: the matmul keeps the leaf's key
+    and ``jqt.pack`` packs the weight (it was 'dot_general_0', quantized at every call)."""
+    k = jax.random.split(jax.random.key(5), 3)
+    p = {"pos": jax.random.normal(k[0], (12, 16)) * jnp.logspace(-2, 1, 12)[:, None],
+         "w": jax.random.normal(k[1], (16, 4))}
+    f = lambda p, x, s: (x + jax.lax.dynamic_slice_in_dim(p["pos"], s, 3)) @ p["w"]  # noqa: E731
+    x = jax.random.normal(k[2], (3, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x, jnp.int32(2))], progress=False)
+    assert qp["pos"].op == "gather" and np.shape(qp["pos"].lhs.scale) == (12, 2)
+    run, sim, packed = jax.jit(jqt.quantize(f, qp)), jax.jit(jqt.quantize(f, qp, simulate=True)), jqt.pack(qp, p)
+    assert "2 quantized weights, 0 float leaves" in str(packed)
+    for s in (0, 4, 9, 11, -3):  # 11: clamped to the window at 9
+        s = jnp.int32(s)
+        want = f(p, x, s)
+        np.testing.assert_allclose(run(packed, x, s), sim(p, x, s), rtol=1e-5, atol=1e-5)
+        assert 0 < float(jnp.linalg.norm(run(packed, x, s) - want) / jnp.linalg.norm(want)) < 0.2
+    part = lambda p, x, s: p["pos"][s, 4:12] @ p["w"][:8]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads 8 of the 16 elements of each row.*t\[i\]\[a:b\]"):
+        qk = jqt.calibrate(part, jqt.recipes.w8(), p, [(x, jnp.int32(2))], progress=False)
+    assert qk["pos"].is_float and "part of each row" in qk["pos"].note
+    fixed = lambda p, x: x @ jax.lax.dynamic_slice(p["w"], (0, 1), (16, 2))  # noqa: E731
+    qf = jqt.calibrate(fixed, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert sorted(qf) == ["w"]
+    np.testing.assert_array_equal(jqt.quantize(fixed, qf)(jqt.pack(qf, p), x),
+                                  jqt.quantize(lambda p, x: x @ p["w"][:, 1:3], qf)(p, x))
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

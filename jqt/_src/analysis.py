@@ -452,7 +452,9 @@ class Analyzer:
                             for c in parts]
                 elif step == ("copy",) and len(ins) == len(eqn.outvars):  # the same values (copy,
                     outs = list(ins)  # stop_gradient; an optimization_barrier of several)
-                elif step is not None and len(ins) == 1 and ins[0].source is not None:
+                elif step is not None and ins and ins[0].source is not None \
+                        and (len(ins) == 1 or all(map(compat.is_literal, eqn.invars[1:]))):
+                    # (a dynamic_slice at constant starts: its starts are literals)
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
                 elif (step is not None or layout.record_each(eqn) is not None) and len(ins) == 1 \

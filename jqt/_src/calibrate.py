@@ -1243,9 +1243,10 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
             diagnostics.warn_grouped(
                 "part_rows", f"jqt.calibrate: op '{site.key}' (a lookup at "
                 f"'{site.name_stack or '<top>'}') reads {sizes[d]} of the {shape[d]} elements of "
-                f"each row of its table along axis {d} (t[ids, a:b]) and stays float: jqt "
-                "quantizes a lookup that reads whole rows. Look the rows up and slice them "
-                "after the lookup (t[ids][..., a:b]) to quantize it, or keep it float without "
+                f"each row of its table along axis {d} (t[ids, a:b], or t[i, a:b] at a scalar "
+                "index) and stays float: jqt quantizes a lookup that reads whole rows. Look the "
+                "rows up and slice them after the lookup (t[ids][..., a:b], t[i][a:b]) to "
+                "quantize it, or keep it float without "
                 f"this warning: jqt.Rule(key='^{re.escape(site.key)}$', embedding=None) ahead of "
                 "the recipe's rules.", f"'{site.key}'")
             return float_(f"a lookup of part of each row ({sizes[d]} of {shape[d]} elements "

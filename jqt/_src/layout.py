@@ -74,6 +74,8 @@ def record(eqn):
     symbolic dimensions (``jax.export`` of a variable batch size), which reads no weight,
     a value identity aside (an ``optimization_barrier`` over a weight and an activation of
     a symbolic batch passes the weight on as it is)."""
+    if eqn.primitive.name == "dynamic_slice":
+        return _constant_window(eqn)
     rec = RECORDERS.get(eqn.primitive.name)
     if rec is None:
         return None
@@ -81,6 +83,27 @@ def record(eqn):
         # (the other recorders read sizes, which are symbolic here)
         return ("copy",) if eqn.primitive.name in _COPIES else None
     return rec(eqn.params)
+
+
+def _constant_window(eqn):
+    """``lax.dynamic_slice`` (``dynamic_slice_in_dim``, ``dynamic_index_in_dim``) at
+    constant starts: the ``slice`` it is, its starts clamped into the operand as
+    ``dynamic_slice`` clamps them; ``None`` where a start comes from a value (a lookup at
+    a traced index, :class:`jqt._src.registry.RowLookup`, or a layer's weight read in a
+    loop).
+
+    >>> import jax
+    >>> f = lambda w: jax.lax.dynamic_slice(w, (0, 5), (4, 2))
+    >>> record(jax.make_jaxpr(f)(jax.numpy.ones((4, 6))).eqns[0])
+    ('slice', (0, 4), (4, 6), None)
+    """
+    shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+    starts = eqn.invars[1:]
+    if not all(compat.is_literal(v) and np.ndim(v.val) == 0 for v in starts) \
+            or not all(isinstance(d, int) for d in (*shape, *sizes)):
+        return None
+    lo = tuple(min(max(int(v.val), 0), n - k) for v, n, k in zip(starts, shape, sizes))
+    return ("slice", lo, tuple(a + k for a, k in zip(lo, sizes)), None)  # (as w[:, a:b] records)
 
 
 def record_each(eqn):

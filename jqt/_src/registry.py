@@ -261,7 +261,10 @@ class RowLookup(Gather):
     position), which JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a
     ``gather``. It is that lookup: op ``"gather"`` in the qparams, the same scales (one
     per row of each stacked table, :meth:`Gather.contract`), packed table and rule
-    (``Rule.embedding``), and the integer path runs it as the gather of that row. A slice
+    (``Rule.embedding``), and the integer path runs it as the gather of that row. So is a
+    window of rows at a data index (``lax.dynamic_slice_in_dim(pos_emb, start, T)``: a
+    learned positional table read at a decode step's position), and a part of a row
+    (``t[i, a:b]``), which is kept float with a warning as ``t[ids, a:b]`` is. A slice
     of whole matrices (``w[layer]`` in a loop) is not a lookup but a view of a layer's
     weight (its matmul is the site). qparams made before jqt quantized these lookups have
     no entry for them: they then run float, as they did (``optional``)."""
@@ -270,21 +273,26 @@ class RowLookup(Gather):
 
     @staticmethod
     def axes(eqn):
-        """The table axes the slice indexes (one element of each; its other axes read
-        whole), or ``None``."""
+        """The table axes the slice indexes (a row, a window of rows, or a part of one; its
+        other axes read whole), or ``None``."""
         shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
         if len(shape) < 2 or not all(isinstance(d, int) for d in (*shape, *sizes)):
             return None  # (a symbolic dimension, jax.export's: data, never a weight table)
         if len(shape) == 2:
-            a = next((a for a in (0, 1) if sizes[a] == 1 and shape[a] > 1
+            # a row or a window of rows, or one column, read whole
+            a = next((a for a in (0, 1) if sizes[a] < shape[a] and (sizes[a] == 1 or a == 0)
                       and sizes[1 - a] == shape[1 - a]), None)
-            return None if a is None else (a,)
-        if any(n != 1 for n in sizes[:-1]) or sizes[-1] != shape[-1]:
-            return None
-        axes = tuple(d for d in range(len(shape) - 1) if shape[d] > 1)
+            if a is not None:
+                return (a,)
+            # part of a row (t[i, a:b]) or one element: a site that stays float, noted
+            return (0, 1) if sizes[0] == 1 < shape[0] and sizes[1] < shape[1] else None
+        lead = range(len(shape) - 1)
+        if any(sizes[d] == shape[d] > 1 for d in lead):
+            return None  # a whole axis besides the last: a matrix (a layer's weight)
+        axes = tuple(d for d in lead if shape[d] > 1)
         if not axes or any(shape[d] == 1 for d in range(axes[-1] + 1, len(shape) - 1)):
             return None  # (L, 1, N) read at [i]: a whole matrix of one row, a layer's weight
-        return axes
+        return axes + ((len(shape) - 1,) if sizes[-1] < shape[-1] else ())
 
     def index_operands(self, eqn):
         """The start indices of the indexed axes (the others are the whole axes' zeros)."""
@@ -293,14 +301,16 @@ class RowLookup(Gather):
     def weight_operand(self, eqn, ins):
         axes = self.axes(eqn) if ins[0].weight else None
         idx = [ins[1 + a] for a in axes or ()]
-        # some index from the data; the others too, or constants (tables[0, t]: a literal)
+        # some index from the data; the others too, or constants (tables[0, t]: a literal;
+        # lax.dynamic_slice(t, (i, 0), ...): a literal 0)
         return 0 if idx and any(not i.weight for i in idx) \
-            and not any(i.weight and not i.built for i in idx) else None
+            and not any(i.weight and not (i.built or i.zero) for i in idx) else None
 
     def integer(self, site, eqn, ops, policy):
         axes = self.axes(eqn)
         table = eqn.invars[0].aval
-        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), axes)
+        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), axes,
+                                     tuple(eqn.params["slice_sizes"]))
         idx = []
         for a in axes:
             i = ops[1 + a]

@@ -619,6 +619,16 @@ def test_a_row_of_a_stacked_table_read_by_scalar_indices_is_a_lookup(name):
         # that lookup (it stayed float without a word; hunt63_review)
         qg = jqt.calibrate(g, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
         assert qg["emb"].op == "gather" and not qg["emb"].is_float
+    # a row of each table (tables[:, t], per-layer embeddings read at a decode step's
+    # token) stayed float without a word, where jnp.take(tables, t, axis=1) was quantized
+    # (hunt64_eqxkeras)
+    each = lambda p, m, t: jnp.tanh(p["emb"][:, t]) @ p["w"]  # noqa: E731
+    qe = jqt.calibrate(each, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
+    assert qe["emb"].op == "gather" and np.shape(qe["emb"].lhs.scale)[:2] == (3, 12)
+    for t in (0, 7, 40):
+        t = jnp.int32(t)
+        np.testing.assert_allclose(jqt.quantize(each, qe)(jqt.pack(qe, p), m, t),
+                                   jqt.quantize(each, qe, simulate=True)(p, m, t), rtol=1e-5, atol=1e-5)
     # a stack of (1, N) matrices read at a loop's counter is a layer's weight, not a row:
     # its matmul warns as for any (L, K, N) stack (it became a lookup, silently)
     wk1 = {"W": p["w"][None, :1, :].repeat(3, axis=0)}

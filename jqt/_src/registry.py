@@ -259,7 +259,7 @@ class RowLookup(Gather):
     axis read whole) of a stacked table ``(E, V, D)``, at indices computed from the data:
     ``table[i]`` or ``tables[m, i]`` with scalar indices (a decode step's token, a
     position), which JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a
-    ``gather``. It is that lookup: op ``"gather"`` in the qparams, the same scales (one
+    ``gather``; ``tables[:, t]`` (a row of each stacked table) too. It is that lookup: op ``"gather"`` in the qparams, the same scales (one
     per row of each stacked table, :meth:`Gather.contract`), packed table and rule
     (``Rule.embedding``), and the integer path runs it as the gather of that row. So is a
     window of rows at a data index (``lax.dynamic_slice_in_dim(pos_emb, start, T)``: a
@@ -287,9 +287,12 @@ class RowLookup(Gather):
             # part of a row (t[i, a:b]) or one element: a site that stays float, noted
             return (0, 1) if sizes[0] == 1 < shape[0] and sizes[1] < shape[1] else None
         lead = range(len(shape) - 1)
-        if any(sizes[d] == shape[d] > 1 for d in lead):
-            return None  # a whole axis besides the last: a matrix (a layer's weight)
-        axes = tuple(d for d in lead if shape[d] > 1)
+        whole = [d for d in lead if sizes[d] == shape[d] > 1]
+        indexed = [d for d in lead if sizes[d] < shape[d]]
+        if not indexed or any(d > indexed[0] for d in whole):
+            return None  # a whole axis after an indexed one: a matrix (a layer's weight)
+        # (whole axes ahead of the indexed ones: stacked tables, tables[:, t] a row of each)
+        axes = tuple(d for d in lead if shape[d] > 1 and d not in whole)
         if not axes or any(shape[d] == 1 for d in range(axes[-1] + 1, len(shape) - 1)):
             return None  # (L, 1, N) read at [i]: a whole matrix of one row, a layer's weight
         return axes + ((len(shape) - 1,) if sizes[-1] < shape[-1] else ())

@@ -1246,6 +1246,20 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
                  "runs_on_1_True": True}
 
 
+def test_statistics_on_one_device_are_not_copied_through_the_host():
+    """A first batch uncommitted (NumPy) and the others committed to its device: the
+    statistics stay where they are (keying placement on committed too copied every
+    batch's statistics, gptq's Hessians, through the host; hunt64_review). After a merge
+    through the host, a batch committed to that device is copied (hunt64_docsconcepts)."""
+    from jqt._src import compat
+    a, b = jnp.ones(3), jax.device_put(jnp.ones(3), jax.devices()[0])
+    assert not a.committed and b.committed
+    got = compat.together(a, b)
+    assert got[0] is a and got[1] is b
+    got = compat.together(a, b, committed=True)
+    assert got[0] is a and isinstance(got[1], np.ndarray)
+
+
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_histograms_of_batches_sharded_over_explicit_mesh_axes():
     # the scatter that counts a histogram's bins failed on rows split over Explicit axes

@@ -678,6 +678,38 @@ def test_a_window_of_rows_at_a_data_index_is_a_lookup():
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
+def test_windows_of_rows_export_at_any_length_and_say_what_a_matmul_reads():
+    """A window of a symbolic length (jax.export's prefill of any length at a start) is the
+    lookup it is at each length (the export failed: the qparams' key was not found); a
+    window of part of each row warns as ``t[ids, :k]`` does (it said nothing); layers stored
+    flat and read as windows in a loop are looked up, and their matmul says it stays float
+    and how to fix it (the window lookup had dropped the warning; hunt64_positional)."""
+    k = jax.random.split(jax.random.key(6), 3)
+    p = {"pos": jax.random.normal(k[0], (12, 16)), "w": jax.random.normal(k[1], (16, 4))}
+    f = lambda p, x, s: (x + jax.lax.dynamic_slice_in_dim(p["pos"], s, x.shape[0])) @ p["w"]  # noqa: E731
+    x = jax.random.normal(k[2], (5, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x, jnp.int32(2))], progress=False)
+    assert qp["pos"].op == "gather" and not qp["pos"].is_float
+    packed = jqt.pack(qp, p)
+    t, = jax.export.symbolic_shape("t", constraints=("t <= 12",))
+    spec = (jax.ShapeDtypeStruct((t, 16), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    exp = jax.export.export(jax.jit(lambda x, s: jqt.quantize(f, qp)(packed, x, s)))(*spec)
+    for n, s in ((3, 4), (5, 2), (12, 0), (4, 11)):
+        xs, s = x[:1].repeat(n, 0), jnp.int32(s)
+        np.testing.assert_allclose(exp.call(xs, s), jqt.quantize(f, qp)(packed, xs, s), rtol=1e-6, atol=1e-6)
+    part = lambda p, x, s: jax.lax.dynamic_slice(p["pos"], (s, 0), (3, 8)) @ p["w"][:8]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads 8 of the 16 elements of each row"):
+        qk = jqt.calibrate(part, jqt.recipes.w8(), p, [(x, jnp.int32(2))], progress=False)
+    assert qk["pos"].is_float
+    flat = {"W": jax.random.normal(k[0], (3 * 16, 16)) / 4}
+    g = lambda p, x: jax.lax.fori_loop(  # noqa: E731
+        0, 3, lambda i, h: jnp.tanh(h @ jax.lax.dynamic_slice_in_dim(p["W"], i * 16, 16)), x)
+    with pytest.warns(UserWarning, match=r"reads weight 'W' through a window of its rows at a data "
+                      r"index .*stays float.*store them stacked, \(L, K, N\)"):
+        jqt.calibrate(g, jqt.recipes.w8a8(), flat, [(x,)], progress=False)
+
+
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_lookups_of_single_elements_stay_float_with_a_note():
     """``b[ids]`` of a 1-D table and ``t[i, j]`` read no axis whole: one scale per element
     stored more than the float table (1.25x), so the op stays float, noted, no warning."""

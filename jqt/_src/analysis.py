@@ -71,6 +71,13 @@ _WEIGHTS_READ_AS_DATA = (
      "params before calling f where the edit is fixed (added tokens: "
      "params['emb'].at[i].set(v) outside f), or quantize the model without the noise or "
      "mask, as it runs at inference."),
+    ("windowed", "through a window of its rows at a data index (lax.dynamic_slice_in_dim(w, "
+     "l * d, d): layers stored flat, read in a loop), which jqt quantizes as a lookup of "
+     "those rows (a learned positional table's window), not as this op's weight",
+     "Where the rows are layers' weights stored flat, store them stacked, (L, K, N), and "
+     "loop over them with jax.lax.scan(body, h, w) (each layer's weights in xs); where they "
+     "are a table's rows the op reads as data (relative positions in attention), nothing is "
+     "wrong."),
 )
 
 
@@ -111,7 +118,7 @@ def _carried_tags(eqn, ins) -> dict:
     shape = eqn.outvars[0].aval.shape
     shapes = [getattr(v.aval, "shape", ()) for v in eqn.invars]
     out = {}
-    for field in ("indexed", "selected", "chosen", "mixed"):
+    for field in ("indexed", "selected", "chosen", "mixed", "windowed"):
         tagged = [getattr(i, field) for i, sh in zip(ins, shapes) if getattr(i, field) and sh == shape]
         if tagged and all(getattr(i, field) or i.weight or math.prod(sh) == 1
                           for i, sh in zip(ins, shapes)):
@@ -426,6 +433,9 @@ class Analyzer:
                     outs = [VarInfo(False, unflat=(ins[0].buffer, ins[0].writes + (site.key,), shape))]
                 elif entry.is_cache:  # the buffer after the write: still the loop's buffer
                     outs = [VarInfo(False, buffer=ins[0].buffer, writes=ins[0].writes + (site.key,))]
+                elif getattr(entry, "window", None) and ins[0].source is not None and entry.window(eqn):
+                    # rows looked up: a matmul that takes them for its weight says so
+                    outs = [VarInfo(False, windowed=ins[0].source.path)]
             elif eqn.primitive in HIGHER_ORDER:
                 unread = {k for k, v in enumerate(eqn.outvars) if compat.is_dropvar(v) or v not in read_vars}
                 outs = self._hop(plan, i, eqn, ins, stack, unread)
@@ -458,10 +468,11 @@ class Analyzer:
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
                 elif (step is not None or layout.record_each(eqn) is not None) and len(ins) == 1 \
-                        and (ins[0].indexed or ins[0].selected or ins[0].chosen or ins[0].mixed):
+                        and (ins[0].indexed or ins[0].selected or ins[0].chosen or ins[0].mixed
+                             or ins[0].windowed):
                     # (a transposing reshape too: jax.vmap of a conv folds a batched kernel so)
                     outs = [VarInfo(False, indexed=ins[0].indexed, selected=ins[0].selected,
-                                    chosen=ins[0].chosen, mixed=ins[0].mixed)]
+                                    chosen=ins[0].chosen, mixed=ins[0].mixed, windowed=ins[0].windowed)]
                 elif name in _MIXING and not all(i.weight for i in ins) \
                         and (mixed := tuple(dict.fromkeys(p for i, v in zip(ins, eqn.invars)
                                                           for p in _mixed(i, v, eqn.outvars[0])))):
@@ -592,7 +603,7 @@ class Analyzer:
         loop's counter): the table stays float, which the warning says."""
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = getattr(table, field)
-            if path:
+            if path and field != "windowed":  # (rows looked up in looked-up rows: data)
                 names, what = _named_weights(path)
                 also = (" A row of one of stacked tables: index them at once (tables[m, ids], "
                         "tables[m, i]), a lookup jqt quantizes with one scale per row of each "
@@ -610,8 +621,9 @@ class Analyzer:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if path:
                 names, what = _named_weights(path)
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}, "
-                       f"as the weight{' does' if len(names) == 1 else 's do'}. {fix}")
+                also = "" if field == "windowed" else \
+                    f", as the weight{' does' if len(names) == 1 else 's do'}"
+                msg = f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}{also}. {fix}"
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
                 said = True
         return said

@@ -319,6 +319,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                disable=None if progress is None else not progress)
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
+    hosted = False  # statistics merged through the host (compat.together)
     statics = set()  # ... and again for a batch of new static values: f(p, x, gain) may
     # compute its weights from them (p["w"] * gain), which are then other weights; where f
     # computes a weight, that one is observed on every batch (p["w"] * x.shape[0] follows
@@ -351,7 +352,12 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
             _check_computed_shapes({k: np.shape(v.weight["min"]) for k, v in st.items()
                                     if getattr(v, "weight", None) is not None},
                                    last.get("computed", {}))
-        st = new if st is None else _accumulate(*compat.together(st, new))
+        if st is not None:  # (merged through the host once: placed alike or so again)
+            pair = compat.together(st, new, committed=hosted)
+            hosted = hosted or pair[0] is not st
+            st = _accumulate(*pair)
+        else:
+            st = new
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
     if st is None:

@@ -164,13 +164,15 @@ def scoped_op(kind=False):
     return (None, False) if kind else None
 
 
-def together(*trees):
+def together(*trees, committed=False):
     """``trees`` with their committed arrays as host (NumPy) arrays where the arrays are
     not all placed alike (other devices, or meshes that differ: statistics of batches a
     loader put on devices round-robin, a last batch on fewer devices), so that one jitted
     function can take them, and its results are committed to no device (as from
     uncommitted inputs: a running sum, once merged so, is not copied again); else as they
-    are.
+    are. With ``committed=True`` (a running sum merged so before), arrays committed to the
+    device an uncommitted one sits on are not placed alike either: the sum stays committed
+    to no device (a later batch's statistics on that device would commit it).
 
     >>> import jax.numpy as jnp
     >>> a, b = together(jnp.ones(2), jnp.zeros(2))
@@ -178,9 +180,8 @@ def together(*trees):
     True
     """
     arrays = [x for x in jax.tree_util.tree_leaves(trees) if isinstance(x, jax.Array)]
-    # (committed too: a running sum merged so sits on the default device uncommitted, and a
-    # later batch's statistics committed there would commit the result, and the qparams)
-    placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None), x.committed) for x in arrays}
+    placed = {(frozenset(x.devices()), getattr(x.sharding, "mesh", None), committed and x.committed)
+              for x in arrays}
     if len(placed) <= 1:
         return trees
     return jax.tree_util.tree_map(
@@ -703,7 +704,9 @@ def row_gather_eqn(shape, dtype, axes, sizes=None):
     ``dynamic_slice`` clamps, with the slice's shape (each indexed axis kept with length
     1). A 2-D table's row (``axes=(0,)``) or column (``(1,)``) takes an index of shape
     ``(1, 1)``; a larger table's row an index vector of shape ``(len(axes),)``, as does a
-    slice of other ``sizes`` (a window of rows, a part of a row), read at its start.
+    slice of other ``sizes`` (a part of a row), read at its start. A window of ``T`` rows
+    of a 2-D table (``sizes=(T, D)``; ``T`` may be symbolic) is ``T`` rows at indices of
+    shape ``(T, 1)``: ``table[ids]``.
 
     >>> e = row_gather_eqn((5, 3), "float32", (0,))
     >>> e.primitive.name, e.outvars[0].aval.shape, e.params["slice_sizes"]
@@ -711,13 +714,19 @@ def row_gather_eqn(shape, dtype, axes, sizes=None):
     >>> e = row_gather_eqn((2, 5, 3), "float32", (0, 1))
     >>> e.invars[1].aval.shape, e.outvars[0].aval.shape
     ((2,), (1, 1, 3))
-    >>> row_gather_eqn((5, 3), "float32", (0,), (2, 3)).outvars[0].aval.shape
-    (2, 3)
+    >>> e = row_gather_eqn((5, 3), "float32", (0,), (2, 3))
+    >>> e.invars[1].aval.shape, e.outvars[0].aval.shape
+    ((2, 1), (2, 3))
     """
     t = jax.ShapeDtypeStruct(shape, dtype)
     one = tuple(1 if d in axes else n for d, n in enumerate(shape))
     sizes = one if sizes is None else tuple(sizes)
-    if len(shape) == 2 and sizes == one and len(axes) == 1:
+    if len(shape) == 2 and tuple(axes) == (0,) and (not isinstance(sizes[0], int) or sizes != one):
+        i = jax.ShapeDtypeStruct((sizes[0], 1), "int32")
+        dn = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                            start_index_map=(0,))
+        sizes = one
+    elif len(shape) == 2 and sizes == one and len(axes) == 1:
         (axis,) = axes
         i = jax.ShapeDtypeStruct((1, 1), "int32")
         dn = jax.lax.GatherDimensionNumbers(offset_dims=(1 - axis,), collapsed_slice_dims=(axis,),

@@ -479,7 +479,12 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
         for batch in batches:
             out = jstep(marked, tracing.mark_static(tracing.owned(tuple(batch))), flags)
             out = {k: out[k] for k in group}
-            acc = out if acc is None else jax.tree_util.tree_map(jnp.add, *compat.together(acc, out))
+            if acc is None:
+                acc, hosted = out, False
+            else:  # (merged through the host once: placed alike or so again)
+                pair = compat.together(acc, out, committed=hosted)
+                hosted = hosted or pair[0] is not acc
+                acc = jax.tree_util.tree_map(jnp.add, *pair)
         for key in group:
             site = site_of[key]
             src = site.source

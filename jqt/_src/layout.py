@@ -86,11 +86,11 @@ def record(eqn):
 
 
 def _constant_window(eqn):
-    """``lax.dynamic_slice`` (``dynamic_slice_in_dim``, ``dynamic_index_in_dim``) at
-    constant starts: the ``slice`` it is, its starts clamped into the operand as
-    ``dynamic_slice`` clamps them; ``None`` where a start comes from a value (a lookup at
-    a traced index, :class:`jqt._src.registry.RowLookup`, or a layer's weight read in a
-    loop).
+    """``lax.dynamic_slice`` (``dynamic_slice_in_dim``) at literal starts: the ``slice``
+    it is, its starts clamped into the operand as ``dynamic_slice`` clamps them; ``None``
+    where a start comes from a value (a lookup at a traced index,
+    :class:`jqt._src.registry.RowLookup`, or a layer's weight read in a loop; and
+    ``dynamic_index_in_dim``, whose start JAX passes into a ``jit`` of its own).
 
     >>> import jax
     >>> f = lambda w: jax.lax.dynamic_slice(w, (0, 5), (4, 2))

@@ -22,6 +22,7 @@ class VarInfo:
     selected: str = ""                     # the weight leaf a select on the data picks in every case
     chosen: tuple = ()                     # the weight leaves a select or cond on the data picks from
     mixed: tuple = ()                      # weight matrices combined or edited with the data
+    windowed: str = ""                     # the weight leaf a window of rows was looked up in
     zero: bool = False                     # all zeros (a literal 0, converted or broadcast)
     rolled: tuple = ()                     # buffers it is slices of, concatenated (jnp.roll)
     # (buffer, writes, the buffer's shape): whole vectors of a buffer, reshaped or gathered

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 
 from . import compat, groups, kernels, ragged, transforms
 from . import numerics as nx
@@ -212,10 +213,13 @@ class Gather:
         the indexed one) keeps one scale per matrix."""
         shape = eqn.invars[0].aval.shape
         sizes = eqn.params["slice_sizes"]
-        full = [d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1]
+        # (a symbolic size: a window of jax.export's length, shorter than the table)
+        full = [d for d in range(len(shape)) if isinstance(sizes[d], int) and sizes[d] == shape[d]
+                and shape[d] > 1]
         # (an outer vmap's per-member ids batch the operand: its batching axes are members)
         batching = set(getattr(eqn.params.get("dimension_numbers"), "operand_batching_dims", ()))
-        indexed = [d for d in range(len(shape)) if sizes[d] < shape[d] and d not in batching]
+        indexed = [d for d in range(len(shape)) if (not isinstance(sizes[d], int) or sizes[d] < shape[d])
+                   and d not in batching]
         if indexed and any(d > indexed[0] for d in full):
             full = [d for d in full if d > indexed[0]]
         return (tuple(full), ())
@@ -276,16 +280,21 @@ class RowLookup(Gather):
         """The table axes the slice indexes (a row, a window of rows, or a part of one; its
         other axes read whole), or ``None``."""
         shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
-        if len(shape) < 2 or not all(isinstance(d, int) for d in (*shape, *sizes)):
+        if len(shape) < 2 or not all(isinstance(d, int) for d in shape):
             return None  # (a symbolic dimension, jax.export's: data, never a weight table)
+        if not all(isinstance(d, int) for d in sizes):
+            # a window of a symbolic length (jax.export's prefill of any length at a start)
+            return (0,) if len(shape) == 2 and sizes[1] == shape[1] else None
         if len(shape) == 2:
-            # a row or a window of rows, or one column, read whole
-            a = next((a for a in (0, 1) if sizes[a] < shape[a] and (sizes[a] == 1 or a == 0)
-                      and sizes[1 - a] == shape[1 - a]), None)
+            # a row or a window of rows (as long as the table too: a prefill of every
+            # position, the start clamped to 0), or one column, read whole
+            a = next((a for a in (0, 1) if (sizes[a] < shape[a] or a == 0 and sizes[a] == shape[a] > 1)
+                      and (sizes[a] == 1 or a == 0) and sizes[1 - a] == shape[1 - a]), None)
             if a is not None:
                 return (a,)
-            # part of a row (t[i, a:b]) or one element: a site that stays float, noted
-            return (0, 1) if sizes[0] == 1 < shape[0] and sizes[1] < shape[1] else None
+            # part of a row (t[i, a:b]) or of a window of rows, or one element: a site that
+            # stays float, noted
+            return (0, 1) if sizes[0] < shape[0] and sizes[1] < shape[1] else None
         lead = range(len(shape) - 1)
         whole = [d for d in lead if sizes[d] == shape[d] > 1]
         indexed = [d for d in lead if sizes[d] < shape[d]]
@@ -296,6 +305,15 @@ class RowLookup(Gather):
         if not axes or any(shape[d] == 1 for d in range(axes[-1] + 1, len(shape) - 1)):
             return None  # (L, 1, N) read at [i]: a whole matrix of one row, a layer's weight
         return axes + ((len(shape) - 1,) if sizes[-1] < shape[-1] else ())
+
+    def contract(self, eqn):
+        """As :meth:`Gather.contract`, the indexed axes those of :meth:`axes` (a window as
+        long as the table is indexed too: a prefill of every position)."""
+        axes, shape = self.axes(eqn) or (), eqn.invars[0].aval.shape
+        full = [d for d in range(len(shape)) if d not in axes and shape[d] > 1]
+        if axes and any(d > axes[0] for d in full):
+            full = [d for d in full if d > axes[0]]
+        return (tuple(full), ())
 
     def index_operands(self, eqn):
         """The start indices of the indexed axes (the others are the whole axes' zeros)."""
@@ -309,18 +327,30 @@ class RowLookup(Gather):
         return 0 if idx and any(not i.weight for i in idx) \
             and not any(i.weight and not (i.built or i.zero) for i in idx) else None
 
+    @classmethod
+    def window(cls, eqn) -> bool:
+        """Whether the slice reads several whole rows (a window) at a data index."""
+        axes, shape, sizes = cls.axes(eqn), eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+        return bool(axes) and sizes[-1] == shape[-1] \
+            and any(a < len(shape) - 1 and sizes[a] != 1 for a in axes)
+
     def integer(self, site, eqn, ops, policy):
         axes = self.axes(eqn)
         table = eqn.invars[0].aval
-        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), axes,
-                                     tuple(eqn.params["slice_sizes"]))
+        sizes = tuple(eqn.params["slice_sizes"])
+        geqn = compat.row_gather_eqn(tuple(table.shape), str(table.dtype), axes, sizes)
         idx = []
         for a in axes:
             i = ops[1 + a]
             if jnp.iinfo(i.dtype).max > jnp.iinfo(_I32).max:  # int64, uint32: clamped, not wrapped
                 i = jnp.clip(i, 0, table.shape[a] - 1)
             idx.append(jnp.reshape(i.astype(_I32), ()))
-        idx = jnp.reshape(jnp.stack(idx), geqn.invars[1].aval.shape)
+        if geqn.invars[1].aval.shape[-1:] == (1,) and len(table.shape) == 2 and axes == (0,):
+            # rows at ids (table[ids]): a window's start clamped as dynamic_slice clamps it
+            start = jnp.clip(idx[0], 0, table.shape[0] - sizes[0])
+            idx = (start + lax.iota(_I32, sizes[0]))[:, None]
+        else:
+            idx = jnp.reshape(jnp.stack(idx), geqn.invars[1].aval.shape)
         return [kernels.gather(site, geqn, [ops[0], idx])]
 
 

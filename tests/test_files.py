@@ -1219,6 +1219,29 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     np.testing.assert_allclose(q(packed, x), q(p, x), atol=1e-5)  # the float params' codes
 
 
+def test_ops_of_other_activation_types_share_a_weights_codes(tmp_path):
+    """One weight read by an op with an asymmetric activation (which stores the codes'
+    int32 sums) and by one with a symmetric activation: equal codes and scales, one
+    layout, one type; pack held them twice, comparing the sums too (hunt64_convens)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((64, 64)) * 0.3, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    f = lambda p, x: (jax.nn.relu(x @ p["w"]) + 0.5) @ p["w"]  # noqa: E731
+    base = jqt.recipes.w8a8()
+    sym = jqt.Rule(key="^w#1$", weight=base.rules[-1].weight, activation=jqt.QuantType(bits=8, symmetric=True))
+    qp = jqt.calibrate(f, jqt.Recipe(rules=(sym,) + base.rules), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    a, b = packed.weights["w"], packed.weights["w#1"]
+    assert a.sums is not None and b.sums is None and a.values is b.values
+    assert packed.nbytes() < 64 * 64 + 2 * 64 * 4 + 64 * 4 + 64
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, packed, qp)
+    back = jqt.load_packed(path)
+    q = jqt.quantize(f, qp)
+    np.testing.assert_array_equal(q(back, x), q(packed, x))
+    np.testing.assert_allclose(q(packed, x), q(p, x), atol=1e-5)
+
+
 def _bare(tree):
     """``tree`` as nested dicts of its arrays, keyed by its paths' names: what orbax's
     restore without a template gives for jqt's types (their formats are not arrays)."""

@@ -747,7 +747,7 @@ def _aval(x):
         return tracing.Static(x)
 
 
-_ARRAYS = ("values", "sums", "scale", "zero_point", "smooth")
+_SHARED = ("values", "scale", "zero_point", "smooth")  # what ops reading one leaf alike share
 
 
 def _share_equal(leaf_of, weights, qparams):
@@ -759,16 +759,22 @@ def _share_equal(leaf_of, weights, qparams):
     packed params hold a copy per op."""
     first, apart = {}, {}
     for k, w in weights.items():
-        arrays = [getattr(w, f) for f in _ARRAYS]
+        # (not the sums: ops of other activation types, one with a zero point and one
+        # without, read the same codes; each keeps its own sums)
+        arrays = [getattr(w, f) for f in _SHARED]
         sig = (leaf_of[k], w.qtype, w.layout, w.folded,
                tuple(None if a is None else (a.shape, a.dtype) for a in arrays))
-        if any(compat.is_tracer(a) for a in arrays):  # pack under a transformation
+        if any(compat.is_tracer(a) for a in (*arrays, w.sums)):  # pack under a transformation
             continue
         for k0 in first.setdefault(sig, []):
             w0 = weights[k0]
             if all(a is None or bool(jnp.array_equal(a, getattr(w0, f)))
-                   for a, f in zip(arrays, _ARRAYS)):
-                weights[k] = w0
+                   for a, f in zip(arrays, _SHARED)):
+                same_sums = (w.sums is None) == (w0.sums is None) and (
+                    w.sums is None or (w.sums.shape == w0.sums.shape
+                                       and bool(jnp.array_equal(w.sums, w0.sums))))
+                weights[k] = w0 if same_sums else dataclasses.replace(
+                    w, **{f: getattr(w0, f) for f in _SHARED})
                 break
         else:
             same = [k0 for k0 in first[sig] if qparams[k0].source.chain == qparams[k].source.chain]

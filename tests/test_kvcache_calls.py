@@ -811,3 +811,29 @@ def test_a_cache_selected_by_a_python_constant(flag):
     assert kvcache.is_cache(c["k"])
     np.testing.assert_allclose(out, sim, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(out, step(p, cache, x)[0], rtol=0.05, atol=0.05 * float(jnp.abs(sim).max()))
+
+
+def test_pages_read_with_a_fill_value_decode_to_it():
+    """A paged cache read through a page table with a sentinel page,
+    ``jnp.take(..., mode="fill", fill_value=0.5)``: the codes were filled with 0 and the
+    scales with 0.5, so the page decoded to 0, not 0.5 (hunt64_pagedkv). Such a read takes
+    the decoded vectors; a fill of 0 or NaN still reads the codes."""
+    n_pages, size, d = 4, 2, 8
+    table = jnp.array([1, 3, n_pages], jnp.int32)  # the last page unallocated
+    w = jax.random.normal(jax.random.key(0), (d, d))
+
+    def step(w, cache, x, fill):
+        pos = cache["pos"]
+        kc = cache["k"].at[table[pos // size], pos % size].set(x @ w)
+        kr = jnp.take(kc, table, axis=0, mode="fill", fill_value=fill).reshape(-1, d)
+        return kr.sum(axis=0), {"k": kc, "pos": pos + 1}
+
+    empty = {"k": jnp.zeros((n_pages, size, d)), "pos": jnp.int32(0)}
+    xs = jax.random.normal(jax.random.key(1), (3, d))
+    for fill in (0.5, 0.0):
+        f = functools.partial(step, fill=fill)
+        qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=True), w, [(empty, x) for x in xs], progress=False)
+        y, c = jax.jit(jqt.quantize(f, qp))(w, empty, xs[0])
+        assert kvcache.is_cache(c["k"])
+        np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(w, empty, xs[0])[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y, f(w, empty, xs[0])[0], rtol=0.05, atol=0.05)

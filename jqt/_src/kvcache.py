@@ -459,6 +459,11 @@ def is_read_view(eqn) -> bool:
         return True  # the whole last axis: its start is clamped to 0
     if prim is compat.gather_p:
         dn, last = p["dimension_numbers"], ins.ndim - 1
+        fill = p.get("fill_value")
+        if fill is not None and not (np.isnan(float(fill)) or float(fill) == 0):
+            # jnp.take(..., mode="fill", fill_value=c): codes 0 times scales c decode to 0,
+            # not c (read from the decoded buffer); NaN and 0 decode to themselves
+            return False
         return (p["slice_sizes"][-1] == ins.shape[-1] and last not in dn.collapsed_slice_dims
                 and last not in dn.operand_batching_dims and last not in dn.start_index_map
                 and bool(dn.offset_dims) and dn.offset_dims[-1] == out.ndim - 1)

@@ -837,3 +837,29 @@ def test_pages_read_with_a_fill_value_decode_to_it():
         assert kvcache.is_cache(c["k"])
         np.testing.assert_allclose(y, jqt.quantize(f, qp, simulate=True)(w, empty, xs[0])[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(y, f(w, empty, xs[0])[0], rtol=0.05, atol=0.05)
+
+
+def test_a_cache_reset_through_a_cond_is_named_and_jnp_where_keeps_it():
+    """A loop over prompts clearing its cache with ``lax.cond(new, zeros_like, identity)``
+    keeps it float; the warning did not name the reset (hunt64_pagedkv): it names the cond
+    and the ``jnp.where`` that keeps it a cache."""
+    t, d = 4, 8
+    w = jax.random.normal(jax.random.key(0), (d, d))
+
+    def make(reset):
+        def f(w, xs):
+            def body(c, ix):
+                i, x = ix
+                c = jax.lax.dynamic_update_slice(reset(i % t == 0, c), (x @ w)[None], (i % t, 0))
+                return c, c @ x
+            return jax.lax.scan(body, jnp.zeros((t, d)), (jnp.arange(2 * t), xs))[1]
+        return f
+
+    xs = jax.random.normal(jax.random.key(1), (2 * t, d))
+    cond = make(lambda new, c: jax.lax.cond(new, jnp.zeros_like, lambda c: c, c))
+    with pytest.warns(UserWarning, match=r"reset through a lax.cond .*jnp.where\(done, 0.0, cache\)"):
+        qp = jqt.calibrate(cond, jqt.recipes.w8(kv_cache=True), w, [(xs,)], progress=False)
+    assert not [k for k in qp if "kv_cache" in k]
+    qp = jqt.calibrate(make(lambda new, c: jnp.where(new, 0.0, c)), jqt.recipes.w8(kv_cache=True), w,
+                       [(xs,)], progress=False)
+    assert [k for k in qp if "kv_cache" in k]

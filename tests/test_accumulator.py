@@ -222,3 +222,22 @@ def test_an_op_kept_float_by_hand_under_a_narrow_accumulator_runs_on_every_path(
         np.testing.assert_allclose(a.alone, b.alone, rtol=1e-4, atol=1e-6)
     jqt.fallback(f, rec, p, [(x,)], metric, max_drop=0.0, higher_is_better=False, simulate=True,
                  progress=False)
+
+
+def test_a_convolution_too_long_for_int32_stays_float_at_calibration():
+    """A conv summing 66,600 products of int8 codes with an activation zero point (more
+    than the 65,535 whose worst case fits int32) was calibrated, then refused by the
+    integer path, so jqt.fallback died on its first trial (hunt64_convens). calibrate keeps
+    it float, saying so; weight-only, it is quantized."""
+    rng = np.random.default_rng(0)
+    f = lambda p, x: jax.lax.conv_general_dilated(  # noqa: E731
+        x, p["w"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+    p = {"w": jnp.asarray(rng.standard_normal((9, 7400, 2)) * 0.01, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((1, 4, 7400)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"op 'w' .*stays float: each output sums 66600 products .*"
+                      r"65535 .*activation=None"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert qp["w"].is_float and "kept float" in qp["w"].note
+    np.testing.assert_array_equal(jqt.quantize(f, qp)(p, x), f(p, x))
+    qw = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert not qw["w"].is_float

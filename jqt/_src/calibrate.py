@@ -18,6 +18,7 @@ from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_ran
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
 from .analysis import CALL, EQUINOX_HIDES
+from .dense import safe_k
 from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
 
@@ -1286,6 +1287,23 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                          f"the rule gives it {wt.describe()}. Put a rule for convs ahead of it: "
                          "jqt.Rule(ops=('conv_general_dilated',), weight=jqt.QuantType(..., "
                          "symmetric=True)), as the presets with symmetric=False do.")
+    at = site.entry.act_type(rule)
+    if site.op == "conv_general_dilated" and wt.kind == "int" and at is not None and at.kind == "int":
+        # (int16 activations run as two int8 kernels, the low half with an offset)
+        shape = site.eqn.invars[1].aval.shape
+        k = math.prod(shape) // shape[site.eqn.params["dimension_numbers"].rhs_spec[0]]
+        kc = safe_k(np.int8, at.bits > 8 or not at.symmetric, np.int8, not wt.symmetric)
+        if k > kc:
+            diagnostics.warn_grouped(
+                ("long_conv", kc), f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "
+                f"'{site.name_stack or '<top>'}') stays float: each output sums {k} products "
+                f"of codes, more than the {kc} whose worst case fits an int32 accumulator "
+                f"({at.describe()} activations x {wt.describe()} weights). Quantize it weight-only "
+                f"(jqt.Rule(key='^{re.escape(site.key)}$', activation=None) ahead of the recipe's "
+                "rules), or give it a smaller kernel or fewer input channels per group.",
+                f"'{site.key}'")
+            return float_(f"a convolution that sums {k} products of codes per output, more than "
+                          f"the {kc} an int32 accumulator holds at worst, is kept float")
     # the weight as params hold it (a float32 leaf cast to bfloat16 at the op is stored float32)
     src = site.source
     dtype = np.dtype(leaf_dtypes.get((src.arg, src.leaf), site.eqn.invars[w].aval.dtype)

@@ -1280,3 +1280,15 @@ def test_a_per_tensor_weight_type_over_vmapped_members_warns():
         warnings.simplefilter("error")
         jqt.calibrate(shared, jqt.recipes.w4a8(), {"w": w}, [(x,)], progress=False)
         jqt.calibrate(mapped, jqt.recipes.w4a8(per_channel=False), {"w": w}, [(x,)], progress=False)
+    # convolutions under jax.vmap: the members folded into the output features (no warning;
+    # hunt64_convens); a plain conv is not warned
+    k = jax.random.normal(jax.random.key(2), (3, 3, 4, 4)) * jnp.array([1.0, 1.0, 50.0])[:, None, None, None]
+    conv = lambda k, x: jax.lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))  # noqa: E501,E731
+    xc = jax.random.normal(jax.random.key(3), (2, 6, 4))
+    with pytest.warns(UserWarning, match=r"op 'k' reads weight 'k' of shape \(3, 3, 4, 4\) as stacked"):
+        jqt.calibrate(lambda p, x: jax.vmap(conv, (0, None))(p["k"], x), jqt.recipes.w4a8(per_channel=False),
+                      {"k": k}, [(xc,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(lambda p, x: conv(p["k"][0], x), jqt.recipes.w4a8(per_channel=False), {"k": k}, [(xc,)],
+                      progress=False)

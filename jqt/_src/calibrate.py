@@ -682,12 +682,21 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
         for s in sites:
             r = chosen[s.key]
             wt = s.entry.weight_type(r) if r is not None and s.weight_operand is not None else None
-            if s.op != "dot_general" or wt is None or wt.per_channel:
+            if s.op not in ("dot_general", "conv_general_dilated") or wt is None or wt.per_channel:
                 continue
             shape, contract = s.eqn.invars[s.weight_operand].aval.shape, s.contract[s.weight_operand]
+            if s.op == "conv_general_dilated":
+                # jax.vmap of a conv over stacked kernels folds the members into its output
+                # features: a kernel of one axis fewer than its leaf, reshaped
+                leaf = getattr(s.source, "shape", None)
+                if leaf is None or len(leaf) != len(shape) + 1 \
+                        or not any(step[0] == "reshape" for step in s.source.chain):
+                    continue
+                shape = tuple(leaf)
             free = len(shape) - len(contract) - len(s.batch_axes())  # stacked matrices, not
             # one element per output ('bf,fd->bfd', contracting nothing)
-            if contract and free > 0 and (s.batch_axes() or outliers.members(shape, contract) > 1):
+            if s.op == "conv_general_dilated" or contract and free > 0 and (
+                    s.batch_axes() or outliers.members(shape, contract) > 1):
                 diagnostics.warn_grouped("per_tensor_members", (
                     f"jqt.calibrate: op '{s.key}' reads weight "
                     f"'{s.source.path if s.source else '(computed)'}' of shape {tuple(shape)} as "

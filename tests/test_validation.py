@@ -269,7 +269,15 @@ def test_long_conv_refused():
     g = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,), "VALID")
     cin = 70_000
     w, x = jnp.ones((1, cin, 1)), jnp.ones((1, cin, 1))  # OIW, NCW
-    qp = jqt.calibrate(g, jqt.recipes.w8a8(), w, [(jnp.concatenate([x, 0 * x]),)], progress=False)
+    batches = [(jnp.concatenate([x, 0 * x]),)]
+    with pytest.warns(UserWarning, match="op 'w'.*stays float: each output sums 70000 products"):
+        qp = jqt.calibrate(g, jqt.recipes.w8a8(), w, batches, progress=False)
+    assert qp["w"].is_float  # calibrate keeps it float (hunt64_convens); qparams that
+    # quantize it anyway (the weight-only ones given an activation type) are refused
+    qw = jqt.calibrate(g, jqt.recipes.w8(), w, batches, progress=False)
+    act = jqt.QArray(qtype=jqt.QuantType(bits=8, symmetric=False), scale=jnp.float32(1 / 255),
+                     zero_point=jnp.float32(-128))
+    qp = {"w": dataclasses.replace(qw["w"], lhs=act)}
     with pytest.raises(ValueError, match="op 'w'.*int32 accumulator") as e:
         jqt.quantize(g, qp)(w, x)
     # a conv kernel takes no groups: the fix names what a conv can change

@@ -1222,8 +1222,13 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
         back = [rr[0], rr[1], (jax.device_put(xs[2], d[0]),)]
         for prop in (False, True):
             qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, back, progress=False, propagate=prop)
-            R[f"uncommitted_{prop}"] = [k for k, l in jax.tree_util.tree_leaves_with_path(qp) if l.committed]
+            R[f"uncommitted_{prop}"] = [jax.tree_util.keystr(k) for k, l in jax.tree_util.tree_leaves_with_path(qp) if l.committed]
             R[f"runs_on_1_{prop}"] = bool(jnp.isfinite(jqt.quantize(f, qp)(p, rr[1][0])).all())
+        # NumPy batches and batches on device 0: merged there, the qparams committed to no
+        # device (merged on the device without a host copy per batch; hunt64_review2)
+        mixed = [(xs[0],), (jax.device_put(xs[1], d[0]),), (jax.device_put(xs[2], d[0]),)]
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, mixed, progress=False)
+        R["mixed_uncommitted"] = [jax.tree_util.keystr(k) for k, l in jax.tree_util.tree_leaves_with_path(qp) if l.committed]
         mesh = jax.make_mesh((4,), ("data",))
         last = [(jax.device_put(x, NamedSharding(mesh, P("data"))),) for x in xs[:3]]
         last.append((jax.device_put(xs[3], d[0]),))
@@ -1243,7 +1248,7 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
     assert "committed to devices [0], not the mesh's [0, 1, 2, 3]: put them on the mesh" in r.pop("params_away")
     assert r == {"round_robin": True, "last_elsewhere": True, "gptq": True, "mesh_committed": True,
                  "uncommitted_False": [], "uncommitted_True": [], "runs_on_1_False": True,
-                 "runs_on_1_True": True}
+                 "runs_on_1_True": True, "mixed_uncommitted": []}
 
 
 def test_statistics_on_one_device_are_not_copied_through_the_host():

@@ -321,6 +321,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once
     hosted = False  # statistics merged through the host (compat.together)
+    committed = set()  # whether batches' statistics were committed to a device
     statics = set()  # ... and again for a batch of new static values: f(p, x, gain) may
     # compute its weights from them (p["w"] * gain), which are then other weights; where f
     # computes a weight, that one is observed on every batch (p["w"] * x.shape[0] follows
@@ -353,6 +354,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
             _check_computed_shapes({k: np.shape(v.weight["min"]) for k, v in st.items()
                                     if getattr(v, "weight", None) is not None},
                                    last.get("computed", {}))
+        committed.update(x.committed for x in jax.tree_util.tree_leaves(new) if isinstance(x, jax.Array))
         if st is not None:  # (merged through the host once: placed alike or so again)
             pair = compat.together(st, new, committed=hosted)
             hosted = hosted or pair[0] is not st
@@ -367,6 +369,11 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                  if isinstance(batches, collections.abc.Iterator) else "")
         raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
                                    f"one batch, e.g. batches=[(x,)].{spent}")
+    if committed == {True, False} and not hosted:
+        # batches uncommitted (NumPy) and committed to one device: merged there, once
+        # through the host, committed to no device (docs/calibration.md)
+        st = jax.tree_util.tree_map(
+            lambda a: jnp.asarray(np.asarray(a)) if isinstance(a, jax.Array) else a, st)
     return st
 
 

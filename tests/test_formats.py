@@ -697,6 +697,15 @@ def test_windows_of_rows_export_at_any_length_and_say_what_a_matmul_reads():
     for n, s in ((3, 4), (5, 2), (12, 0), (4, 11)):
         xs, s = x[:1].repeat(n, 0), jnp.int32(s)
         np.testing.assert_allclose(exp.call(xs, s), jqt.quantize(f, qp)(packed, xs, s), rtol=1e-6, atol=1e-6)
+    # a window of one of stacked tables (hunt64_review2)
+    st = {"pos": jnp.stack([p["pos"], -p["pos"]]), "w": p["w"]}
+    g = lambda p, x, s: (x + jax.lax.dynamic_slice(p["pos"], (1, s, 0), (1, x.shape[0], 16))[0]) @ p["w"]  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8(), st, [(x, jnp.int32(2))], progress=False)
+    assert qg["pos"].op == "gather"
+    exp = jax.export.export(jax.jit(lambda x, s: jqt.quantize(g, qg)(st, x, s)))(*spec)
+    for n, s in ((3, 4), (5, 11)):
+        xs, s = x[:1].repeat(n, 0), jnp.int32(s)
+        np.testing.assert_allclose(exp.call(xs, s), jqt.quantize(g, qg)(st, xs, s), rtol=1e-6, atol=1e-6)
     part = lambda p, x, s: jax.lax.dynamic_slice(p["pos"], (s, 0), (3, 8)) @ p["w"][:8]  # noqa: E731
     with pytest.warns(UserWarning, match=r"reads 8 of the 16 elements of each row"):
         qk = jqt.calibrate(part, jqt.recipes.w8(), p, [(x, jnp.int32(2))], progress=False)

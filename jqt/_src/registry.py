@@ -283,8 +283,11 @@ class RowLookup(Gather):
         if len(shape) < 2 or not all(isinstance(d, int) for d in shape):
             return None  # (a symbolic dimension, jax.export's: data, never a weight table)
         if not all(isinstance(d, int) for d in sizes):
-            # a window of a symbolic length (jax.export's prefill of any length at a start)
-            return (0,) if len(shape) == 2 and sizes[1] == shape[1] else None
+            # a window of a symbolic length (jax.export's prefill of any length at a start):
+            # read as one shorter than its axis (2 <= it, a window, where the axis allows)
+            if len(shape) == 2:
+                return (0,) if sizes[1] == shape[1] else None
+            sizes = tuple(d if isinstance(d, int) else max(shape[i] - 1, 2) for i, d in enumerate(sizes))
         if len(shape) == 2:
             # a row or a window of rows (as long as the table too: a prefill of every
             # position, the start clamped to 0), or one column, read whole

@@ -1491,10 +1491,10 @@ def test_fallback_names_to_when_an_op_kept_back_at_its_types_cannot_be_quantized
     ref = f(p, x)
     err = lambda g: float(jnp.linalg.norm(g(p, x) - ref) / jnp.linalg.norm(ref))
     rec = jqt.recipes.w8a8(act_symmetric=True)
-    with pytest.raises(ValueError, match=r"jqt.fallback: op 'k' kept back at to='s types cannot be "
-                       r"quantized: jqt.quantize: op 'k': each convolution sums 70000 .* Here that "
-                       r"rule is fallback's to=: give to= types this op can take \(weight-only: "
-                       r"activation=None\)"):
+    # calibrate keeps such a conv float at to='s types (int16 activations: 65535 at most),
+    # which fallback names (hunt64_convens: the trial had raised jqt.quantize's refusal)
+    with pytest.warns(UserWarning, match=r"to= matches ops \['k'\] but gives them no type \(a "
+                      r"convolution that sums 70000 products of codes per output"):
         jqt.fallback(f, rec, p, [(x,)], err, max_drop=0.0, higher_is_better=False,
                      to=jqt.recipes.w8a16().rules[0])
     to = dataclasses.replace(jqt.recipes.w8a16().rules[0], activation=None)

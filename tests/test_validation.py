@@ -1521,6 +1521,13 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
                "matches" in m and "It decides 1 op(s)" in m and "(act_x_act=)" in m for m in got), got
     # a rule that keeps its ops float: no warning
     assert not [m for m in cal((jqt.Rule(key="^emb$"),) + base) if "take none of its types" in m]
+    # one that sets embedding= alone and also takes the tied table's matmul ('emb#1', under
+    # an unanchored key): named, as the mirror case is (hunt64_mixedrules)
+    tied = lambda p, ids: p["emb"][ids] @ p["emb"].T  # noqa: E731
+    got = _messages(lambda: jqt.calibrate(tied, jqt.Recipe(rules=(jqt.Rule(key="emb", embedding=Q(
+        bits=4, per_channel=True)),) + R.w8a8().rules), p, ids, progress=False))
+    assert any("rule 0 (Rule(key='emb')) decides 1 op(s) that take none of its types, which stay "
+               "float: 'emb#1' (weight=)" in m for m in got), got
     # one that types some of its ops names the others that a later rule would have typed
     # (Rule(key="embed|mlp", weight=...) ahead of a preset left the lookup float silently:
     # hunt48_rules), and only those

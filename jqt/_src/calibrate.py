@@ -897,12 +897,17 @@ def _warn_untyped(sites, recipe, chosen):
         decided = [s for s in sites if chosen[s.key] is r]
         untyped = [(s, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
         typed = len(untyped) < len(decided)
+        tables = {s.source.path for s in decided if field(s) == "embedding" and r.embedding is not None
+                  and s.source is not None}
 
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
-            if f == "weight" and (not typed or r.act_x_act is None):  # (a preset's rule copied
-                return None  # with weight=None keeps its weight ops float as meant, its
-            # embedding= aside; a rule for attention's products, act_x_act=, is what takes the
-            # projections under its key unmeant)
+            if f == "weight" and (not typed or r.act_x_act is None and not (
+                    s.source is not None and s.source.path in tables)):
+                return None  # (a preset's rule copied with weight=None keeps its weight ops
+            # float as meant, its embedding= aside; a rule for attention's products,
+            # act_x_act=, is what takes the projections under its key unmeant, and one whose
+            # embedding= types a tied table's lookup the matmul of that table, 'emb#1',
+            # under key "emb")
             t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
             if t is None and not typed and f not in ("act_x_act", "kv_cache"):  # or, where the
                 t = QuantType(bits=8, per_channel=True)  # rule types none of its ops, the one its

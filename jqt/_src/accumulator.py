@@ -14,8 +14,10 @@ accumulator back gives, and what sequential saturating adds give whenever no par
 sum leaves the range. (A wrapping accumulator is not modelled: its error has no bound.)
 
 The exact sums are recomputed by the op itself on the codes as float32 (products and
-sums of integers, exact below ``2**24``; any sum beyond that is far outside a 16-bit
-range and saturates either way), so one function serves every op kind and path. That
+sums of integers, exact while every partial sum stays below ``2**24``; a sum whose
+partial sums pass it is within float32 rounding, and one that ends beyond it is far
+outside a 16-bit range and saturates either way), so one function serves every op kind
+and path. That
 costs one more float evaluation of each such op: a narrow accumulator is for studying a
 target's numerics, not for speed.
 

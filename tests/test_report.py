@@ -437,6 +437,21 @@ def test_fallback_names_itself_and_skips_ops_to_gives_no_type():
     with pytest.raises(ValueError, match="to= gives none of the quantized ops a type.*to= sets no act_x_act="):
         jqt.fallback(f, jqt.Recipe(rules=(jqt.Rule(act_x_act=r.rules[0].act_x_act),)), p, [(x,)],
                      err, max_drop=0.0, higher_is_better=False, to=jqt.recipes.w8a16().rules[0])
+    # to= whose ops= leave out quantized ops: named, they cannot be kept back (a lookup's
+    # primitive left out kept the table out of the candidates silently; hunt64_mixedrules)
+    g = lambda p, ids: jnp.tanh(p["wq"][ids] @ p["wk"])  # noqa: E731
+    ids = jnp.arange(6).reshape(2, 3)
+    eg = lambda q: float(jnp.mean((q(p, ids) - g(p, ids)) ** 2))  # noqa: E731
+    with pytest.warns(UserWarning, match=r"to= \(ops=\('dot_general',\)\) takes none of the quantized "
+                      r"ops \['wq'\] \(primitives \['gather'\]\), so fallback cannot keep them back"):
+        jqt.fallback(g, jqt.recipes.w4(), p, [(ids,)], eg, max_drop=1.0, higher_is_better=False,
+                     to=jqt.Rule(ops=("dot_general",), weight=jqt.recipes.INT8_WEIGHT))
+    # a recipe's preset nested in rules= (hunt64_mixedrules)
+    with pytest.raises(TypeError, match=r"holds a Recipe; expected jqt.Rule. Unpack it: rules=\(my_rule, "
+                       r"\*preset.rules\)"):
+        jqt.Recipe(rules=(jqt.Rule(key="x"), r))
+    with pytest.raises(TypeError, match=r"holds a tuple of rules; expected jqt.Rule. Unpack it"):
+        jqt.Recipe(rules=(jqt.Rule(key="x"), r.rules))
     with pytest.raises(TypeError, match="jqt.fallback: recipe is a Rule"):
         jqt.fallback(f, r.rules[0], p, [(x,)], err, max_drop=0.0)
     with pytest.raises(jqt.CalibrationDataError, match="jqt.fallback: batch 0 is an array"):

@@ -314,6 +314,10 @@ class Recipe:
                             "rules=(jqt.Rule(key='head', weight=None),) + "
                             "jqt.recipes.w8a8().rules.") from None
         for r in self.rules:
+            if isinstance(r, Recipe) or isinstance(r, (tuple, list)) and all(isinstance(e, Rule) for e in r):
+                what = "a Recipe" if isinstance(r, Recipe) else f"a {type(r).__name__} of rules"
+                raise TypeError(f"Recipe(rules=...) holds {what}; expected jqt.Rule. Unpack it: "
+                                "rules=(my_rule, *preset.rules), or my_rules + preset.rules.")
             if not isinstance(r, Rule):
                 raise TypeError(f"Recipe(rules=...) holds {type(r).__name__}; expected jqt.Rule.")
 

@@ -446,6 +446,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         # an op to= matches but gives no type (an act x act op without act_x_act=, a cache
         # write without kv_cache=, a lookup without embedding=) would end up float, not at
         # to='s precision: not a candidate
+        unmatched = [k for k in candidates if k not in matched]
+        if unmatched:  # (they keep the recipe's types: fallback cannot keep them back)
+            diagnostics.warn(
+                f"jqt.fallback: to= (ops={to.ops}) takes none of the quantized ops "
+                f"{unmatched[:5]}{' ...' if len(unmatched) > 5 else ''} (primitives "
+                f"{sorted({qp[k].op for k in unmatched})}), so fallback cannot keep them back: they "
+                "keep the recipe's types whatever the budget. Widen to='s ops=, or pass to=None "
+                "to keep ops back as float.")
         candidates = [k for k in matched if not alt[k].is_float]
         untyped = [k for k in matched if alt[k].is_float]
 

@@ -673,6 +673,15 @@ def test_a_window_of_rows_at_a_data_index_is_a_lookup():
     fixed = lambda p, x: x @ jax.lax.dynamic_slice(p["w"], (0, 1), (16, 2))  # noqa: E731
     qf = jqt.calibrate(fixed, jqt.recipes.w8(), p, [(x,)], progress=False)
     assert sorted(qf) == ["w"]
+    # constant starts JAX passes into a jit of its own (lax.dynamic_index_in_dim) or
+    # normalizes from a constant (w[jnp.int32(1)]): the same slice (hunt64_algowindows)
+    stack = {"W": jnp.stack([p["w"], -p["w"]])}
+    for g in (lambda p, x: x @ jax.lax.dynamic_index_in_dim(p["W"], 1, 0, False),
+              lambda p, x: x @ p["W"][jnp.int32(1)]):
+        qg = jqt.calibrate(g, jqt.recipes.w8(), stack, [(x,)], progress=False)
+        assert sorted(qg) == ["W"] and "1 quantized weights, 0 float" in str(jqt.pack(qg, stack))
+        np.testing.assert_allclose(jqt.quantize(g, qg)(jqt.pack(qg, stack), x),
+                                   jqt.quantize(g, qg, simulate=True)(stack, x), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(jqt.quantize(fixed, qf)(jqt.pack(qf, p), x),
                                   jqt.quantize(lambda p, x: x @ p["w"][:, 1:3], qf)(p, x))
 

@@ -23,6 +23,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import compat, diagnostics, kvcache, layout
 from .hops import HIGHER_ORDER
@@ -106,6 +107,31 @@ def _edited(ins, invars) -> tuple:
                 and not any(c[0] == "broadcast_in_dim" for c in s.chain))
     paths = [i.source.path for i, v in zip(ins, invars) if matrix(i, v)]
     return tuple(dict.fromkeys(paths + [p for i in ins for p in i.mixed]))
+
+
+# scalar integer ops folded where every operand's value is known (jnp indexing normalizes
+# a constant index with lt, add and select_n; a cast; arithmetic on a layer number)
+_FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+         "neg": lambda a: -a, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
+         "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
+         "ne": lambda a, b: a != b, "max": max, "min": min,
+         "convert_element_type": lambda a: a, "select_n": lambda p, *cases: cases[int(p)]}
+
+
+def _fold(eqn, ins):
+    """The value of a scalar integer (or boolean) op of known operands, else ``None``."""
+    fn = _FOLD.get(eqn.primitive.name)
+    if fn is None or len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape \
+            or not all(i.value is not None or i.zero for i in ins):
+        return None
+    dt = np.dtype(eqn.outvars[0].aval.dtype)
+    if not (np.issubdtype(dt, np.integer) or dt == bool):
+        return None
+    try:
+        out = fn(*[0 if i.zero else i.value for i in ins])
+        return bool(out) if dt == bool else int(np.asarray(out).astype(dt))
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _carried_tags(eqn, ins) -> dict:
@@ -364,7 +390,13 @@ class Analyzer:
                     return ZERO
                 # a scalar literal; an array one is a closed-over array (JAX's
                 # jax_use_simplified_jaxpr_constants), a weight like a constvar
-                return LITERAL if not getattr(v.aval, "shape", ()) else CONST
+                if getattr(v.aval, "shape", ()):
+                    return CONST
+                val = v.val
+                if isinstance(val, (bool, np.bool_)) or np.issubdtype(np.asarray(val).dtype, np.integer) \
+                        or np.asarray(val).dtype == bool:
+                    return dataclasses.replace(LITERAL, value=np.asarray(val).item())
+                return LITERAL
             return env[v]
 
         plan = Plan()
@@ -455,6 +487,11 @@ class Analyzer:
                 outs = [ZERO]  # zeros of another dtype or shape (jnp.zeros_like(cache))
             else:
                 step = layout.record(eqn)
+                if step is None and name == "dynamic_slice" and ins[0].source is not None \
+                        and all(i.value is not None or i.zero for i in ins[1:]):
+                    # constant starts made from literals (w[jnp.int32(l)]) or passed into a
+                    # jit (lax.dynamic_index_in_dim(w, l)): the slice they are
+                    step = layout.constant_window(eqn, [0 if i.zero else i.value for i in ins[1:]])
                 parts = layout.record_each(eqn) if ins and ins[0].source is not None else None
                 if parts is not None:  # jnp.split, jnp.unstack: slices; a transposing reshape
                     s = ins[0].source
@@ -463,8 +500,8 @@ class Analyzer:
                 elif step == ("copy",) and len(ins) == len(eqn.outvars):  # the same values (copy,
                     outs = list(ins)  # stop_gradient; an optimization_barrier of several)
                 elif step is not None and ins and ins[0].source is not None \
-                        and (len(ins) == 1 or all(map(compat.is_literal, eqn.invars[1:]))):
-                    # (a dynamic_slice at constant starts: its starts are literals)
+                        and (len(ins) == 1 or name == "dynamic_slice"):
+                    # (a dynamic_slice at constant starts: recorded only where they are)
                     s = ins[0].source
                     outs = [VarInfo(True, dataclasses.replace(s, chain=s.chain + (step,)), ins[0].stack_ids)]
                 elif (step is not None or layout.record_each(eqn) is not None) and len(ins) == 1 \
@@ -580,11 +617,12 @@ class Analyzer:
                 outs = [VarInfo(False, rolled=rolled)]  # only for _near_miss's message
             if outs is None:
                 w = all(info.weight for info in ins)
+                value = _fold(eqn, ins) if w else None
                 # a symbolic dimension's value (jax.export's shapes) is built as iota is
                 built = name in ("iota", "dim_as_value") or (w and _all_built(ins))
                 outs = [VarInfo(w, built=built, computed=computed_weight(ins),
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
-                                rowwise=kvcache.same_along_last(eqn, ins),
+                                rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):

@@ -114,8 +114,9 @@ def _why_not(site, qp, traced, argnums, leaf_shape=None):
     src = site.source
     if src is None or src.arg not in argnums:
         return ("its weight is not a leaf of the weights reached by layout ops only (it is "
-                "computed: arithmetic such as p['w'] * 2, jnp.pad, a slice at a traced or "
-                "constant start, several leaves; or a constant): store it as the op reads it")
+                "computed: arithmetic such as p['w'] * 2, jnp.pad, a slice at a start "
+                "computed from the data, a row picked by jnp.take at a constant, several "
+                "leaves; or a constant): store it as the op reads it")
     if any(c[0] not in _INVERTIBLE for c in src.chain):
         return f"its weight is computed from the leaf by {[c[0] for c in src.chain]}"
     uses = traced.analyzer.leaf_uses.get((src.arg, src.leaf), set())

@@ -75,7 +75,7 @@ def record(eqn):
     a value identity aside (an ``optimization_barrier`` over a weight and an activation of
     a symbolic batch passes the weight on as it is)."""
     if eqn.primitive.name == "dynamic_slice":
-        return _constant_window(eqn)
+        return constant_window(eqn)
     rec = RECORDERS.get(eqn.primitive.name)
     if rec is None:
         return None
@@ -85,12 +85,13 @@ def record(eqn):
     return rec(eqn.params)
 
 
-def _constant_window(eqn):
+def constant_window(eqn, starts=None):
     """``lax.dynamic_slice`` (``dynamic_slice_in_dim``) at literal starts: the ``slice``
     it is, its starts clamped into the operand as ``dynamic_slice`` clamps them; ``None``
     where a start comes from a value (a lookup at a traced index,
     :class:`jqt._src.registry.RowLookup`, or a layer's weight read in a loop; and
-    ``dynamic_index_in_dim``, whose start JAX passes into a ``jit`` of its own).
+    ``dynamic_index_in_dim``, whose start JAX passes into a ``jit`` of its own: the
+    analysis passes ``starts`` it knows, made from literals).
 
     >>> import jax
     >>> f = lambda w: jax.lax.dynamic_slice(w, (0, 5), (4, 2))
@@ -98,11 +99,13 @@ def _constant_window(eqn):
     ('slice', (0, 4), (4, 6), None)
     """
     shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
-    starts = eqn.invars[1:]
-    if not all(compat.is_literal(v) and np.ndim(v.val) == 0 for v in starts) \
-            or not all(isinstance(d, int) for d in (*shape, *sizes)):
+    if starts is None:
+        if not all(compat.is_literal(v) and np.ndim(v.val) == 0 for v in eqn.invars[1:]):
+            return None
+        starts = [v.val for v in eqn.invars[1:]]
+    if not all(isinstance(d, int) for d in (*shape, *sizes)):
         return None
-    lo = tuple(min(max(int(v.val), 0), n - k) for v, n, k in zip(starts, shape, sizes))
+    lo = tuple(min(max(int(v), 0), n - k) for v, n, k in zip(starts, shape, sizes))
     return ("slice", lo, tuple(a + k for a, k in zip(lo, sizes)), None)  # (as w[:, a:b] records)
 
 

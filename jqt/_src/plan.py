@@ -32,6 +32,7 @@ class VarInfo:
     built: bool = False  # made in f from iota and literals alone (an interpolation matrix)
     computed: bool = False  # a weight f computes from weight leaves (2 * w, tril(w), qr(w)[0])
     rowwise: bool = False  # the same along its last axis (a per-sequence flag broadcast first)
+    value: object = None  # a scalar integer constant's value: a literal, or made from literals
 
 
 def computed_weight(infos) -> bool:

@@ -1196,6 +1196,7 @@ def test_data_parallel_calibration_equals_single_device(data_parallel_result):
         assert r["single"][k][0] < r["minmax"][k][0], k
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
     """Batches a loader committed to devices round-robin, a last batch on fewer devices
     than the others, and (with mesh=) batches or params committed to one device: f ran on
@@ -1430,6 +1431,7 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
         jqt.calibrate(f, jqt.recipes.w8a8(calibrator=half()), p, [(x,), (x,)], progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_loader_that_refills_one_buffer_calibrates_as_a_list():
     """A generator that fills one NumPy buffer in place for each batch: JAX on CPU read
     the buffer after its (asynchronously dispatched) step, once the loader had refilled it,

@@ -772,6 +772,7 @@ def test_a_weight_read_one_element_per_output_stays_float_with_a_note():
     assert not qp["tok"].is_float and jqt.pack(qp, p).nbytes() < p["tok"].nbytes
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
     """An Instant-NGP hash table (float16 rows of 2 features), or a coordinate MLP's first
     layer (2 inputs): a float32 scale per row of 2 codes packed 1.25-1.5x the float

@@ -756,6 +756,7 @@ def test_keras_sequential(keras):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=k)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_keras_variables_assigned_at_inference_are_named_when_dropped(keras):
     """A layer that keeps its KV cache in a non-trainable variable and ``.assign``s it:
     ``f`` drops the update (it returns the outputs only), so each call started again from

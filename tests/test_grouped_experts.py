@@ -405,6 +405,7 @@ def test_ragged_dot_padding_rows_holding_inf_give_zeros_with_dynamic_activations
         np.testing.assert_allclose(y, sim, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_nan_padding_rows_give_the_activation_scale_a_finite_gradient():
     """A sorted token buffer padded by jnp.take's fill (NaN rows past sum(group_sizes)):
     the forward gave zeros there, but the simulated path fake-quantized the whole buffer
@@ -702,6 +703,7 @@ def test_ragged_dot_without_an_entry_runs_float_and_report_says_what_to_do():
         assert res.trials
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_experts_gathered_per_token_are_named():
     """Mixtral's form, each token's expert matrix gathered (``w[expert_ids]``) and
     contracted per token: jqt can only quantize the gather as a lookup table (one scale per

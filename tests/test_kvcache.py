@@ -1109,6 +1109,7 @@ def test_a_float16_cache_holding_its_largest_value_decodes_finite(kv):
     assert jqt.dequantize_cache(jqt.quantize_cache(x)).tolist()[0][0] == 65504.0
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_cache_given_a_unit_axis_by_indexing_is_found_as_one_reshaped_is():
     """A one-sequence step calling a batched one, its cache given a unit axis with
     ``x[:, None]`` (or ``jnp.expand_dims``) and dropped with ``x[:, 0]`` (``jnp.squeeze``):

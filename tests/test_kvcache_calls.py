@@ -116,6 +116,7 @@ def test_the_cache_stays_float_without_kv_cache(setup):
     assert cache_old["k"].dtype == jnp.float32
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_residual_that_experts_add_into_is_not_a_cache():
     """A scan over experts (expert-choice routing) carrying the residual and writing each
     expert's outputs back with ``acc.at[idx].set(acc[idx] + y)``: under ``kv_cache=True``

@@ -839,6 +839,7 @@ def test_gptq_keeps_plain_rounding_for_an_expert_no_token_reached():
         assert np.abs(np.asarray(jqt.gptq(g, qp, p, [(jnp.zeros((8, 64)),)], progress=False)["w"][0])).max() > 0
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_smoothed_models_packed_under_jit_stack_for_vmap():
     """Packed weights hold their smoothing vector's digest as static data: two smoothed
     calibrations' packed weights do not stack eagerly (docs/guarantees.md); packed under

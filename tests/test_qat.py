@@ -281,6 +281,7 @@ def test_labels_freeze_non_array_leaves(net_setup):
     assert w2["t"] == 0.5 and type(w2["t"]) is float and gain(w2, x).dtype == jnp.bfloat16
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_labels_freeze_a_linen_batch_stats_collection():
     """Flax linen variables passed whole: the running statistics under "batch_stats" are
     frozen (under use_running_average=True they have a gradient, and adamw moved the
@@ -654,6 +655,7 @@ def _safe_norm_jvp(p, t):
     return n, jnp.sum(y * ty, -1, keepdims=True) / jnp.where(n == 0, 1.0, n)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_adapters_through_custom_rules_and_remat_on_the_integer_path():
     """QLoRA through the integer path of an f with custom derivative rules or a
     ``jax.checkpoint`` (hunt58_customgrad). The integer path inlined their bodies, so

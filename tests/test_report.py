@@ -1432,6 +1432,7 @@ def test_fallback_and_sensitivity_take_a_bfloat16_metric():
     assert len(jqt.sensitivity(f, qp, loss, higher_is_better=False).rows) == 1
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_fallback_by_sensitivity_reuses_its_ranking_trials_and_its_advice_suffices():
     """With to=None, ``k`` quantized alone is every other op kept float, a choice the
     search and the pruning pass try again: with two ops the search re-ran one of them

@@ -802,6 +802,7 @@ def test_grad_of_a_grouped_preset_on_a_partially_manual_mesh(result_slow):
     assert result_slow["partial_grad"]["rel"] < 0.2, result_slow["partial_grad"]
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_attention_projections_on_explicit_axes_without_a_context_mesh():
     """``einsum('btd,dhe->bthe')`` with x split over 'data' and the packed weights split over
     'model', on Explicit axes outside ``jax.set_mesh``: the (M, N) result's reshape to
@@ -844,6 +845,7 @@ def test_attention_projections_on_explicit_axes_without_a_context_mesh():
                        for g in (False, True)), r
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_pack_of_a_row_parallel_projection_split_over_heads():
     """``jqt.pack`` of ``einsum('bthe,hed->btd')``'s weight (H, E, D) split over heads on
     Explicit axes (Megatron's row-parallel output projection kept split): its K, (E, H),
@@ -891,6 +893,7 @@ def test_pack_of_a_row_parallel_projection_split_over_heads():
     assert all(isinstance(v, float) and v < 1e-5 for v in r.values()), r
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_decode_step_inside_shard_map_takes_back_its_quantized_cache():
     """``jax.shard_map`` around a quantized decode step (the batch split, the cache taken
     and returned): the second call, given back the ``QArray`` cache the first returned

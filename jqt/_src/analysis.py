@@ -392,10 +392,9 @@ class Analyzer:
                 # jax_use_simplified_jaxpr_constants), a weight like a constvar
                 if getattr(v.aval, "shape", ()):
                     return CONST
-                val = v.val
-                if isinstance(val, (bool, np.bool_)) or np.issubdtype(np.asarray(val).dtype, np.integer) \
-                        or np.asarray(val).dtype == bool:
-                    return dataclasses.replace(LITERAL, value=np.asarray(val).item())
+                val = np.asarray(v.val)  # (an integer's value is known: see _fold)
+                if val.dtype == bool or np.issubdtype(val.dtype, np.integer):
+                    return dataclasses.replace(LITERAL, value=val.item())
                 return LITERAL
             return env[v]
 

@@ -213,13 +213,10 @@ class Gather:
         the indexed one) keeps one scale per matrix."""
         shape = eqn.invars[0].aval.shape
         sizes = eqn.params["slice_sizes"]
-        # (a symbolic size: a window of jax.export's length, shorter than the table)
-        full = [d for d in range(len(shape)) if isinstance(sizes[d], int) and sizes[d] == shape[d]
-                and shape[d] > 1]
+        full = [d for d in range(len(shape)) if sizes[d] == shape[d] and shape[d] > 1]
         # (an outer vmap's per-member ids batch the operand: its batching axes are members)
         batching = set(getattr(eqn.params.get("dimension_numbers"), "operand_batching_dims", ()))
-        indexed = [d for d in range(len(shape)) if (not isinstance(sizes[d], int) or sizes[d] < shape[d])
-                   and d not in batching]
+        indexed = [d for d in range(len(shape)) if sizes[d] < shape[d] and d not in batching]
         if indexed and any(d > indexed[0] for d in full):
             full = [d for d in full if d > indexed[0]]
         return (tuple(full), ())
@@ -263,8 +260,9 @@ class RowLookup(Gather):
     axis read whole) of a stacked table ``(E, V, D)``, at indices computed from the data:
     ``table[i]`` or ``tables[m, i]`` with scalar indices (a decode step's token, a
     position), which JAX traces to a ``dynamic_slice`` where ``table[ids]`` traces to a
-    ``gather``; ``tables[:, t]`` (a row of each stacked table) too. It is that lookup: op ``"gather"`` in the qparams, the same scales (one
-    per row of each stacked table, :meth:`Gather.contract`), packed table and rule
+    ``gather``; ``tables[:, t]`` (a row of each stacked table) too. It is that lookup: op
+    ``"gather"`` in the qparams, the same scales (one per row of each stacked table,
+    :meth:`contract`), packed table and rule
     (``Rule.embedding``), and the integer path runs it as the gather of that row. So is a
     window of rows at a data index (``lax.dynamic_slice_in_dim(pos_emb, start, T)``: a
     learned positional table read at a decode step's position), and a part of a row
@@ -349,7 +347,8 @@ class RowLookup(Gather):
                 i = jnp.clip(i, 0, table.shape[a] - 1)
             idx.append(jnp.reshape(i.astype(_I32), ()))
         if geqn.invars[1].aval.shape[-1:] == (1,) and len(table.shape) == 2 and axes == (0,):
-            # rows at ids (table[ids]): a window's start clamped as dynamic_slice clamps it
+            # rows at ids (table[ids]): a window's (or one row's) start clamped as
+            # dynamic_slice clamps it
             start = jnp.clip(idx[0], 0, table.shape[0] - sizes[0])
             idx = (start + lax.iota(_I32, sizes[0]))[:, None]
         else:

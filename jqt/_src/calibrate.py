@@ -14,7 +14,7 @@ import numpy as np
 from . import calibrators, compat, diagnostics, numerics as nx
 from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
-from .handlers import Calibrate, kept_as_is, step_text, weight_qtype, weight_range_args
+from .handlers import Calibrate, conv_products, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
 from .analysis import CALL, EQUINOX_HIDES
@@ -355,12 +355,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                                     if getattr(v, "weight", None) is not None},
                                    last.get("computed", {}))
         committed.update(x.committed for x in jax.tree_util.tree_leaves(new) if isinstance(x, jax.Array))
-        if st is not None:  # (merged through the host once: placed alike or so again)
-            pair = compat.together(st, new, committed=hosted)
-            hosted = hosted or pair[0] is not st
-            st = _accumulate(*pair)
-        else:
-            st = new
+        st, hosted = (new, False) if st is None else compat.merged(_accumulate, st, new, hosted)
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
     if st is None:
@@ -1311,8 +1306,7 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     at = site.entry.act_type(rule)
     if site.op == "conv_general_dilated" and wt.kind == "int" and at is not None and at.kind == "int":
         # (int16 activations run as two int8 kernels, the low half with an offset)
-        shape = site.eqn.invars[1].aval.shape
-        k = math.prod(shape) // shape[site.eqn.params["dimension_numbers"].rhs_spec[0]]
+        k = conv_products(site.eqn)
         kc = safe_k(np.int8, at.bits > 8 or not at.symmetric, np.int8, not wt.symmetric)
         if k > kc:
             diagnostics.warn_grouped(

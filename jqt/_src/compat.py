@@ -188,6 +188,19 @@ def together(*trees, committed=False):
         lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.committed else x, trees)
 
 
+def merged(add, total, new, hosted):
+    """``(add(total, new), hosted)``: a running sum (statistics, Hessians) and a batch's
+    part merged where they sit, through the host where :func:`together` says so, with
+    ``hosted`` (whether the sum went through the host, then or before) for the next merge.
+
+    >>> import jax.numpy as jnp
+    >>> merged(lambda a, b: a + b, jnp.ones(2), jnp.ones(2), False)[0].tolist()
+    [2.0, 2.0]
+    """
+    pair = together(total, new, committed=hosted)
+    return add(*pair), hosted or pair[0] is not total
+
+
 class UntypedReshape(ValueError):
     """:func:`reshape`'s error; the integer path's handler adds the op's key."""
 

@@ -475,17 +475,13 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
         for i, k in enumerate(order):
             lead = _stack_shape(site_of[k].source, argnums, params_t)
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
-        acc = None
+        acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
         for batch in batches:
             out = jstep(marked, tracing.mark_static(tracing.owned(tuple(batch))), flags)
             out = {k: out[k] for k in group}
-            if acc is None:
-                acc, hosted = out, False
-            else:  # (merged through the host once: placed alike or so again)
-                pair = compat.together(acc, out, committed=hosted)
-                hosted = hosted or pair[0] is not acc
-                acc = jax.tree_util.tree_map(jnp.add, *pair)
+            acc, hosted = (out, False) if acc is None else compat.merged(
+                lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), acc, out, hosted)
         for key in group:
             site = site_of[key]
             src = site.source

@@ -707,6 +707,13 @@ def _codes(site, x, scale, zero_point, qtype):
         return nx.quantize(x, scale, zero_point, qtype)
 
 
+def conv_products(eqn) -> int:
+    """The products of codes each output of a ``conv_general_dilated`` sums: its kernel's
+    elements per output feature (a group's input features times the window)."""
+    shape = eqn.invars[1].aval.shape
+    return math.prod(shape) // shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+
+
 def _check_accumulator(site, eqn, ops, wide):
     """Refuses an integer convolution (or a group of a grouped weight) whose int32
     accumulator could overflow: a contraction longer than :func:`dense.safe_k` allows.
@@ -717,9 +724,7 @@ def _check_accumulator(site, eqn, ops, wide):
     zp = [wide == i or ops[i].zero_point is not None for i in (0, 1)]
     kc = dense.safe_k(np.int8, zp[0], np.int8, zp[1])  # int16 codes run as two int8 kernels
     if site.op == "conv_general_dilated":
-        shape = eqn.invars[1].aval.shape
-        k, what = math.prod(shape) // shape[eqn.params["dimension_numbers"].rhs_spec[0]], \
-            "convolution sums"
+        k, what = conv_products(eqn), "convolution sums"
     else:
         w = site.weight_operand
         k = ops[w].qtype.group_size if w is not None else 0

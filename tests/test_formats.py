@@ -686,6 +686,29 @@ def test_a_window_of_rows_at_a_data_index_is_a_lookup():
                                   jqt.quantize(lambda p, x: x @ p["w"][:, 1:3], qf)(p, x))
 
 
+def test_constant_indices_closed_over_or_computed_are_slices_and_out_of_range_select_is_not():
+    """An index closed over (``L = jnp.int32(2)`` made outside, then ``w[L]``, also in a
+    loop body) or computed with ``%`` / ``//`` is the constant slice ``w[2]`` is (they were
+    computed weights, quantized at every call); a ``select_n`` at a ``which`` outside its
+    cases is not folded (it read the wrong row, or calibrate crashed; hunt65_constfold)."""
+    w = jax.random.normal(jax.random.key(3), (4, 8, 8))
+    p, x, L = {"W": w}, jax.random.normal(jax.random.key(4), (3, 8)), jnp.int32(2)
+    row = jax.jit(lambda w, l, x: x @ w[l % 4 + l // 3 - 2])  # l=6: row 2
+    for g in (lambda p, x: x @ p["W"][L], lambda p, x: row(p["W"], 6, x),
+              lambda p, x: jax.lax.scan(lambda h, _: (h @ p["W"][L], None), x, None, length=2)[0]):
+        qg = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,)], progress=False)
+        assert sorted(qg) == ["W"] and qg["W"].source.chain[0] == ("slice", (2, 0, 0), (3, 8, 8), None)
+        np.testing.assert_allclose(jqt.quantize(g, qg)(jqt.pack(qg, p), x),
+                                   jqt.quantize(g, qg, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
+    for which in (-1, 5):
+        f = lambda p, x: x @ p["W"][jax.lax.select_n(jnp.int32(which), *[jnp.int32(i) for i in range(4)])]  # noqa: B023,E731
+        qf = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+        assert "W" not in qf
+        want = f(p, x)
+        got = jqt.quantize(f, qf)(jqt.pack(qf, p), x)
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_windows_of_rows_export_at_any_length_and_say_what_a_matmul_reads():
     """A window of a symbolic length (jax.export's prefill of any length at a start) is the

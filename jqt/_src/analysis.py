@@ -110,12 +110,35 @@ def _edited(ins, invars) -> tuple:
 
 
 # scalar integer ops folded where every operand's value is known (jnp indexing normalizes
-# a constant index with lt, add and select_n; a cast; arithmetic on a layer number)
+# a constant index with lt, add and select_n; a cast; arithmetic on a layer number, jnp's
+# ``%`` and ``//`` included)
 _FOLD = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
          "neg": lambda a: -a, "lt": lambda a, b: a < b, "le": lambda a, b: a <= b,
          "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b,
          "ne": lambda a, b: a != b, "max": max, "min": min,
-         "convert_element_type": lambda a: a, "select_n": lambda p, *cases: cases[int(p)]}
+         "convert_element_type": lambda a: a, "select_n": lambda p, *cases: _case(p, cases),
+         "rem": lambda a, b: _trunc_div(a, b)[1], "div": lambda a, b: _trunc_div(a, b)[0],
+         "clamp": lambda lo, x, hi: min(max(x, lo), hi), "sign": lambda a: (a > 0) - (a < 0),
+         "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+         "not": lambda a: (not a) if isinstance(a, bool) else ~a}
+
+
+def _case(p, cases):
+    """``select_n``'s case at a known ``which``; outside the cases XLA's choice is
+    implementation-defined, so not folded."""
+    if not 0 <= int(p) < len(cases):
+        raise ValueError("select_n: which out of range")
+    return cases[int(p)]
+
+
+def _trunc_div(a, b):
+    """XLA's integer division and remainder: the quotient rounds toward zero, the remainder
+    takes the dividend's sign (``lax.div``, ``lax.rem``; ``jnp``'s ``//`` and ``%`` add a
+    correction on top). Division by zero is not folded."""
+    if b == 0:
+        raise ValueError("division by zero")
+    q = abs(a) // abs(b) * (1 if (a >= 0) == (b >= 0) else -1)
+    return q, a - q * b
 
 
 def _fold(eqn, ins):
@@ -130,8 +153,21 @@ def _fold(eqn, ins):
     try:
         out = fn(*[0 if i.zero else i.value for i in ins])
         return bool(out) if dt == bool else int(np.asarray(out).astype(dt))
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, IndexError):
         return None
+
+
+def _const_info(c, v):
+    """A constvar's info: a weight-like constant, whose value is known where it is a
+    concrete scalar integer or boolean (``L = jnp.int32(2)`` closed over, then ``w[L]``)."""
+    aval = v.aval
+    if c is None or getattr(aval, "shape", None) != () or not (
+            np.dtype(aval.dtype) == bool or np.issubdtype(np.dtype(aval.dtype), np.integer)):
+        return CONST
+    try:
+        return dataclasses.replace(CONST, value=np.asarray(c).item())
+    except Exception:  # a tracer (a constant of an outer trace): its value is not known
+        return CONST
 
 
 def _carried_tags(eqn, ins) -> dict:
@@ -374,15 +410,16 @@ class Analyzer:
         self.counters["\0" + base] = n + 1
         return self._key(f"{base}_{n}")
 
-    def analyze(self, jaxpr, infos, prefix="", top=False):
-        """Returns (plan, out infos)."""
+    def analyze(self, jaxpr, infos, prefix="", top=False, consts=()):
+        """Returns (plan, out infos). ``consts``: the values of ``jaxpr.constvars`` where
+        known (a closed-over scalar index is then a constant one: see ``_fold``)."""
         env = {}
         for k, (v, info) in enumerate(zip(jaxpr.invars, infos)):
             if top and not info.weight and info.source is None:  # the call's own buffers
                 info = dataclasses.replace(info, buffer=((CALL, k),))
             env[v] = info
-        for v in jaxpr.constvars:
-            env[v] = CONST
+        for k, v in enumerate(jaxpr.constvars):
+            env[v] = _const_info(consts[k] if k < len(consts) else None, v)
 
         def read(v):
             if compat.is_literal(v):
@@ -823,10 +860,10 @@ class Analyzer:
                 self.reads.update(info.buffer + (info.unflat[0] if info.unflat else ()))
         plans, outs, body_outs = [], None, []
         self.loops.append(name)
-        for j, _, inner in subs:
+        for j, c, inner in subs:
             self.body_ids += 1
             self.bodies.append(self.body_ids)
-            sub_plan, sub_outs = self.analyze(j, inner, stack)
+            sub_plan, sub_outs = self.analyze(j, inner, stack, consts=c)
             self.bodies.pop()
             plans.append(sub_plan)
             body_outs.append(sub_outs)

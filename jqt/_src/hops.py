@@ -64,7 +64,7 @@ def _const(info):
     """A loop's constant: the same value every iteration, not a buffer the loop writes
     (zeros stay zeros: a slot cleared with zeros made before the loop)."""
     return VarInfo(info.weight, info.source, info.stack_ids, zero=info.zero, built=info.built,
-                   computed=info.computed, rowwise=info.rowwise)
+                   computed=info.computed, rowwise=info.rowwise, value=info.value)
 
 
 def _carries(infos, loop_id):

@@ -536,7 +536,7 @@ class Tracer:
                 leaf_names[(i, j)] = jax.tree_util.keystr(path)
         analyzer = Analyzer(leaf_names)
         with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
-            plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True)
+            plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True, consts=closed.consts)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
         traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
         with self._lock:

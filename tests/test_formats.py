@@ -709,6 +709,31 @@ def test_constant_indices_closed_over_or_computed_are_slices_and_out_of_range_se
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
 
 
+def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
+    """A window as long as the position axis of a (1, P, D) or stacked (E, P, D) table at a
+    start from the data (a prefill of every position) is the lookup shorter ones are (it
+    stayed float, and qparams of a shorter window were refused at that length); a row of a
+    (P, H, Dh) table at a data position, kept float, says so (it said nothing;
+    hunt65_windowsqat)."""
+    k = jax.random.split(jax.random.key(8), 3)
+    pos, w = jax.random.normal(k[0], (6, 8)), jax.random.normal(k[1], (8, 4))
+    win = lambda p, x, s: (x + jax.lax.dynamic_slice_in_dim(p["pos"], s, x.shape[0], axis=1)) @ p["w"]  # noqa: E731
+    for table in (pos[None], jnp.stack([pos, -pos])):
+        p, x = {"pos": table, "w": w}, jax.random.normal(k[2], (6, 8))
+        qp = jqt.calibrate(win, jqt.recipes.w8(), p, [(x[:2], jnp.int32(1))], progress=False)
+        assert qp["pos"].op == "gather"
+        for n in (2, 6):  # qparams of a shorter window run the full one
+            np.testing.assert_allclose(jqt.quantize(win, qp)(jqt.pack(qp, p), x[:n], jnp.int32(3)),
+                                       jqt.quantize(win, qp, simulate=True)(p, x[:n], jnp.int32(3)),
+                                       rtol=1e-5, atol=1e-5)
+        full = jqt.calibrate(win, jqt.recipes.w8(), p, [(x, jnp.int32(1))], progress=False)
+        assert full["pos"].op == "gather"
+    heads = {"pos": jax.random.normal(k[0], (6, 2, 8)), "w": w}
+    row = lambda p, x, s: (x + p["pos"][s]) @ p["w"]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads weight 'pos' indexed.*store it as \(P, H \* Dh\)"):
+        jqt.calibrate(row, jqt.recipes.w8(), heads, [(x[:2], jnp.int32(1))], progress=False)
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_windows_of_rows_export_at_any_length_and_say_what_a_matmul_reads():
     """A window of a symbolic length (jax.export's prefill of any length at a start) is the

@@ -713,6 +713,9 @@ def test_report_passes_complex_values_on_whole_and_names_float_ops():
     assert "kept float (complex operands are kept float" in text and ": dft" in text
     dft_line = next(line for line in text.splitlines() if line.startswith("dft "))
     assert "%" not in dft_line, dft_line
+    # an op made float by hand (no note) is listed as summarize lists it (hunt65_docscalib)
+    hand = dict(qp, o=dataclasses.replace(qp["o"], lhs=None, rhs=None))
+    assert "kept float (made float in the qparams): o" in str(jqt.report(f, hand, p, (x,)))
     # a complex output: its error is the complex one
     p["w2"] = jnp.asarray(np.random.default_rng(2).standard_normal((k, n)), jnp.float32)
     g = lambda p, x: (x @ p["w2"]).astype(jnp.complex64) * p["dft"][1]  # rotated by phases

@@ -660,6 +660,13 @@ class Analyzer:
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
                                 rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
+                if entry is None and not w and not outs[0].indexed and any(i.indexed for i in ins):
+                    # a weight indexed by the data read by an op jqt does not quantize
+                    # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
+                    self._read_as_data(name, [i for i in ins if i.indexed], stack,
+                                       then="reads it in float, and the weight stays float", extra=" A table read at a position from the data (a "
+                                       "(P, H, Dh) positional table): store it as (P, H * Dh), "
+                                       "whose rows jqt looks up quantized, and reshape the row.")
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -687,7 +694,7 @@ class Analyzer:
                        f"{fix}{also}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
 
-    def _read_as_data(self, op, ins, stack, then="then stays float") -> bool:
+    def _read_as_data(self, op, ins, stack, then="then stays float", extra="") -> bool:
         """Warns where an op reads a weight as data (indexed by a loop's counter, masked,
         chosen: each such way once), saying what the op ``then`` is; whether it did."""
         said = False
@@ -695,9 +702,10 @@ class Analyzer:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
             if path:
                 names, what = _named_weights(path)
-                also = "" if field == "windowed" else \
+                also = "" if field == "windowed" or extra else \
                     f", as the weight{' does' if len(names) == 1 else 's do'}"
-                msg = f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}{also}. {fix}"
+                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}{also}. "
+                       f"{fix}{extra if field == 'indexed' else ''}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
                 said = True
         return said

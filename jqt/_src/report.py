@@ -303,8 +303,9 @@ class Report:
                            + (" ..." if len(each) > 4 else ""))
         kept = {}
         for r in self.rows:
-            if r.note and (not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE)):
-                kept.setdefault((r.quantized, r.note), []).append(r.name)
+            if not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE):
+                # (an op made float in the qparams by hand has no note: summarize's words)
+                kept.setdefault((r.quantized, r.note or "made float in the qparams"), []).append(r.name)
         for (quantized, note), names in kept.items():
             names = list(dict.fromkeys(names))
             out.append(f"{'note' if quantized else 'kept float'} ({note}): {', '.join(names[:6])}"

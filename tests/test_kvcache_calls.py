@@ -167,6 +167,29 @@ def test_a_residual_that_experts_add_into_is_not_a_cache():
     assert not [k for k in qr if k.startswith("kv_cache")]
 
 
+def test_an_accumulator_beside_a_cache_is_no_look_alike():
+    """A buffer of a cache's shape written as an accumulator (``acc.at[pos].set(acc[pos] +
+    y)``) beside the cache stays float by design: calibrate said no write updates it and
+    advised writing it as caches are written (hunt65_eqxstate)."""
+    t, d = 6, 8
+    w = jax.random.normal(jax.random.key(0), (d, d)) * d ** -0.5
+
+    def gen(w, xs):
+        def step(c, x):
+            kc, acc, pos = c
+            kc = kc.at[pos].set(x @ w)
+            y = jax.nn.softmax(jnp.where(jnp.arange(t) <= pos, kc @ x, -1e9)) @ kc
+            return (kc, acc.at[pos].set(acc[pos] + y), pos + 1), y
+        (_, acc, _), ys = lax.scan(step, (jnp.zeros((t, d)), jnp.zeros((t, d)), 0), xs)
+        return ys, acc
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), w, [(jax.random.normal(jax.random.key(1), (t, d)),)],
+                           progress=False)
+    assert [k for k in qp if "kv_cache" in k] == ["kv_cache_0"]
+    assert not [m for m in got if "of the same shape and dtype" in str(m.message)], [str(m.message) for m in got]
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
     """The first call takes the float cache (a prefill's, or zeros) and quantizes it; every

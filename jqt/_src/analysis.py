@@ -342,6 +342,9 @@ class Analyzer:
         # (jnp.where(mask, new, c)); loop id CALL: f's arguments and results; buffer: its
         # (loop id, slot), as near misses name theirs
         self.cache_lookalikes: list = []
+        # buffers written as accumulators (acc.at[i].set(acc[i] + y)): float by design, no
+        # look-alikes of a cache (see _accumulates)
+        self.accumulators: set = set()
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
         # a cache write (part of the last axis; a buffer converted to another dtype first)
@@ -468,6 +471,7 @@ class Analyzer:
                 shape = None
             if entry is not None and entry.is_cache and ins and ins[0].buffer \
                     and _accumulates(eqn, ins[0].buffer, taken):
+                self.accumulators.update(ins[0].buffer)
                 ins = [VarInfo(False)] + ins[1:]  # an accumulator: no cache (nor a near miss)
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
@@ -991,7 +995,8 @@ class Analyzer:
         # which loop: a scan nested in a while_loop's body carries slots of its own
         where = self._inside()
         for k, v in enumerate(carries):
-            if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads:
+            if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads \
+                    and (loop_id, k) not in self.accumulators:
                 self.cache_lookalikes.append(
                     (f"a {_LOOP_NAMES.get(eqn.primitive.name, eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
                      f"in carry slot {k}", v.aval, loop_id, (loop_id, k)))
@@ -1008,7 +1013,8 @@ class Analyzer:
         outs = {(v.aval.shape, v.aval.dtype) for j, v in enumerate(jaxpr.outvars) if j not in boundary}
         for k, v in enumerate(ins):
             kind = (v.aval.shape, v.aval.dtype)
-            if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads:
+            if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads \
+                    and (CALL, k) not in self.accumulators:
                 self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
                                               "among its arguments and results", v.aval, CALL, (CALL, k)))
 

@@ -700,6 +700,11 @@ def test_constant_indices_closed_over_or_computed_are_slices_and_out_of_range_se
         assert sorted(qg) == ["W"] and qg["W"].source.chain[0] == ("slice", (2, 0, 0), (3, 8, 8), None)
         np.testing.assert_allclose(jqt.quantize(g, qg)(jqt.pack(qg, p), x),
                                    jqt.quantize(g, qg, simulate=True)(p, x), rtol=1e-5, atol=1e-5)
+    key = jax.random.key(0)  # a closed-over typed key: a scalar of no integer dtype (it crashed)
+    noisy = lambda p, x: (x + 0.01 * jax.random.normal(key, x.shape)) @ p["W"][1]  # noqa: E731
+    qn = jqt.calibrate(noisy, jqt.recipes.w8(), p, [(x,)], progress=False)
+    assert sorted(qn) == ["W"]
+    jqt.quantize(noisy, qn, simulate=True)(p, x)
     for which in (-1, 5):
         f = lambda p, x: x @ p["W"][jax.lax.select_n(jnp.int32(which), *[jnp.int32(i) for i in range(4)])]  # noqa: B023,E731
         qf = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
@@ -732,6 +737,12 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
     row = lambda p, x, s: (x + p["pos"][s]) @ p["w"]  # noqa: E731
     with pytest.warns(UserWarning, match=r"reads weight 'pos' indexed.*store it as \(P, H \* Dh\)"):
         jqt.calibrate(row, jqt.recipes.w8(), heads, [(x[:2], jnp.int32(1))], progress=False)
+    # a schedule's scalar t[s] or a (L, 1, D) bias's row is never quantized: no word
+    sched = {"ab": jnp.linspace(0.1, 1.0, 6), "b": jnp.ones((6, 1, 4)), "w": w}
+    step = lambda p, x, s: (x / p["ab"][s]) @ p["w"] + p["b"][s]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(step, jqt.recipes.w8(), sched, [(x[:2], jnp.int32(1))], progress=False)
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

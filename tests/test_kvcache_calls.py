@@ -189,6 +189,17 @@ def test_an_accumulator_beside_a_cache_is_no_look_alike():
     assert [k for k in qp if "kv_cache" in k] == ["kv_cache_0"]
     assert not [m for m in got if "of the same shape and dtype" in str(m.message)], [str(m.message) for m in got]
 
+    def added(p, xs):  # values written by adding into zeroed slots, read by attention: warned
+        def step(c, x):
+            kc, vc, pos = c
+            kc = kc.at[pos].set(x @ p)
+            vc = vc.at[pos].set(vc[pos] + x @ p.T)
+            return (kc, vc, pos + 1), jax.nn.softmax(jnp.where(jnp.arange(t) <= pos, kc @ x, -1e9)) @ vc
+        return lax.scan(step, (jnp.zeros((t, d)), jnp.zeros((t, d)), 0), xs)[1]
+    with pytest.warns(UserWarning, match=r"carry slot 1 a buffer of the same shape.*adding into its zeroed"):
+        jqt.calibrate(added, jqt.recipes.w8(kv_cache=True), w, [(jax.random.normal(jax.random.key(1), (t, d)),)],
+                      progress=False)
+
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):

@@ -162,8 +162,8 @@ def _const_info(c, v):
     concrete scalar integer or boolean (``L = jnp.int32(2)`` closed over, then ``w[L]``)."""
     aval = v.aval
     if c is None or getattr(aval, "shape", None) != () or not (
-            np.dtype(aval.dtype) == bool or np.issubdtype(np.dtype(aval.dtype), np.integer)):
-        return CONST
+            jnp.issubdtype(aval.dtype, jnp.bool_) or jnp.issubdtype(aval.dtype, jnp.integer)):
+        return CONST  # (not a typed PRNG key either: jnp.issubdtype knows its dtype)
     try:
         return dataclasses.replace(CONST, value=np.asarray(c).item())
     except Exception:  # a tracer (a constant of an outer trace): its value is not known
@@ -345,6 +345,12 @@ class Analyzer:
         # buffers written as accumulators (acc.at[i].set(acc[i] + y)): float by design, no
         # look-alikes of a cache (see _accumulates)
         self.accumulators: set = set()
+        # buffers read other than by a slice (attention reading a cache): no accumulator's
+        self.whole_reads: set = set()
+        # weights indexed by the data whose pieces are matrices ((P, H, Dh)[s]: (H, Dh)):
+        # read by an op jqt does not quantize, they warn (not a schedule's t[s], nor a
+        # (L, 1, D) bias's row, never quantized anyway)
+        self._matrix_rows: set = set()
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
         # a cache write (part of the last axis; a buffer converted to another dtype first)
@@ -445,6 +451,7 @@ class Analyzer:
         made_by = {}  # var -> the equation of this jaxpr that made it
         sliced = {}  # var -> the buffers it is a slice of (see _rolled)
         taken = {}  # var -> the buffers its values were read from (see _accumulates)
+        accumulated = {}  # var -> the buffers an accumulator's write it is wrote into
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 made_by[v] = eqn
@@ -472,6 +479,7 @@ class Analyzer:
             if entry is not None and entry.is_cache and ins and ins[0].buffer \
                     and _accumulates(eqn, ins[0].buffer, taken):
                 self.accumulators.update(ins[0].buffer)
+                accumulated[eqn.outvars[0]] = ins[0].buffer  # (read whole after: see whole_reads)
                 ins = [VarInfo(False)] + ins[1:]  # an accumulator: no cache (nor a near miss)
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
@@ -488,6 +496,9 @@ class Analyzer:
                 for v, info in zip(eqn.invars[skip:], ins[skip:]):
                     self.reads.update(info.buffer)
                     self.reads.update(info.unflat[0] if info.unflat else ())
+                    if name not in ("slice", "dynamic_slice", "gather"):
+                        self.whole_reads.update(info.buffer + (info.unflat[0] if info.unflat else ())
+                                                + (() if compat.is_literal(v) else accumulated.get(v, ())))
                     if not compat.is_literal(v) and v in self._missed:
                         self._missed_reads.update(self._missed[v])
             if entry is not None and entry.is_cache and not cache_write:
@@ -572,6 +583,8 @@ class Analyzer:
                 elif name in _INDEXING and ins[0].source is not None and not all(i.weight for i in ins):
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
                     outs = [VarInfo(False, indexed=ins[0].source.path)]
+                    if sum(d > 1 for d in eqn.outvars[0].aval.shape) >= 2:
+                        self._matrix_rows.add(ins[0].source.path)  # (see _matrix_rows)
                 else:
                     for info in ins:
                         self._use(info, "float")
@@ -664,10 +677,11 @@ class Analyzer:
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
                                 rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
-                if entry is None and not w and not outs[0].indexed and any(i.indexed for i in ins):
+                lost = [i for i in ins if i.indexed in self._matrix_rows]
+                if entry is None and not w and not outs[0].indexed and lost:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
-                    self._read_as_data(name, [i for i in ins if i.indexed], stack,
+                    self._read_as_data(name, lost, stack,
                                        then="reads it in float, and the weight stays float", extra=" A table read at a position from the data (a "
                                        "(P, H, Dh) positional table): store it as (P, H * Dh), "
                                        "whose rows jqt looks up quantized, and reshape the row.")
@@ -996,7 +1010,7 @@ class Analyzer:
         where = self._inside()
         for k, v in enumerate(carries):
             if k not in caches and (v.aval.shape, v.aval.dtype) in kinds and (loop_id, k) in self.reads \
-                    and (loop_id, k) not in self.accumulators:
+                    and ((loop_id, k) not in self.accumulators or (loop_id, k) in self.whole_reads):
                 self.cache_lookalikes.append(
                     (f"a {_LOOP_NAMES.get(eqn.primitive.name, eqn.primitive.name)}{where} at '{stack or '<top>'}' carries",
                      f"in carry slot {k}", v.aval, loop_id, (loop_id, k)))
@@ -1014,7 +1028,7 @@ class Analyzer:
         for k, v in enumerate(ins):
             kind = (v.aval.shape, v.aval.dtype)
             if k not in args and kind in kinds and kind in outs and (CALL, k) in self.reads \
-                    and (CALL, k) not in self.accumulators:
+                    and ((CALL, k) not in self.accumulators or (CALL, k) in self.whole_reads):
                 self.cache_lookalikes.append(("f takes and returns (a step called from a Python loop)",
                                               "among its arguments and results", v.aval, CALL, (CALL, k)))
 

@@ -763,9 +763,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             + (f"; and {len(others) - 3} more loops" if len(others) > 3 else "")
         said_eqx = True
         diagnostics.warn(f"jqt.calibrate: {who} key/value caches that jqt quantizes, and {which} "
-                         f"that no dynamic_update_slice or .at[...].set writes: {those} "
-                         "float. If such a buffer is updated with jnp.where(mask, new, cache), write it "
-                         "as the caches are written to quantize it too; keys and values only read "
+                         f"that no cache write (a dynamic_update_slice or .at[...].set of new vectors) "
+                         f"updates: {those} float. If such a buffer is updated with "
+                         "jnp.where(mask, new, cache), or by adding into its zeroed vectors "
+                         "(buf.at[i].set(buf[i] + v): an accumulator to jqt), write it as the "
+                         "caches are written to quantize it too; keys and values only read "
                          "(cross-attention over an encoder's output) are no cache and stay float "
                          "(docs/generate.md)."
                          + (f" The same holds for the buffers of {more}." if others else "") + eqx_note)

@@ -299,10 +299,14 @@ class RowLookup(Gather):
         lead = range(len(shape) - 1)
         whole = [d for d in lead if sizes[d] == shape[d] > 1]
         indexed = [d for d in lead if sizes[d] < shape[d]]
-        if not indexed and sizes[-1] == shape[-1]:
+        literal = [compat.is_literal(v) for v in eqn.invars[1:]]
+        if not indexed and sizes[-1] == shape[-1] and literal[-1]:
             # a window as long as its axis at a start from the data (a prefill of every
-            # position of a (1, P, D) or stacked (E, P, D) table), as in 2-D above
-            indexed = [d for d in whole if not compat.is_literal(eqn.invars[1 + d])][:1]
+            # position of a (1, P, D) or stacked (E, P, D) table), as in 2-D above: the
+            # first start not a literal, every other one a literal
+            indexed = [d for d in whole if not literal[d]][:1]
+            if indexed and sum(not a for a in literal) > 1:
+                indexed = []
             whole = [d for d in whole if d not in indexed]
         if not indexed or any(d > indexed[0] for d in whole):
             return None  # a whole axis after an indexed one: a matrix (a layer's weight)

@@ -768,6 +768,43 @@ def test_custom_derivative_rule_kept_in_simulation(layer):
         assert _rel(t_sim, t_float) < 0.05
 
 
+def test_a_debug_print_of_an_activation_runs_under_calibrate_and_quantize():
+    """A ``jax.debug.print`` of an activation between two matmuls (an op with no outputs
+    reading data) crashed calibrate and the quantized function with an IndexError
+    (hunt65_serving)."""
+    seen = []
+    p = {"w1": _normal(96, (8, 16), 0.3), "w2": _normal(97, (16, 4), 0.3)}
+    x = _normal(98, (6, 8))
+
+    def f(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        jax.debug.callback(lambda m: seen.append(float(m)), h.mean())
+        return h @ p["w2"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    y = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
+    jax.effects_barrier()
+    assert sorted(qp) == ["w1", "w2"] and y.shape == (6, 4) and len(seen) >= 2
+
+
+def test_a_donating_jit_quantized_eagerly_says_the_donation_is_lost():
+    """``jqt.quantize(jax.jit(step, donate_argnums=1), qp)`` called eagerly runs the step
+    inside jqt's own program, where the donation does nothing: the cache was kept, a second
+    copy, without a word (hunt65_serving). Jitting the quantized function with the
+    donation says nothing and donates."""
+    p = {"w": _normal(99, (8, 8), 0.3)}
+    step = jax.jit(lambda p, c: (c @ p["w"], c + 1.0), donate_argnums=1)
+    c = _normal(100, (4, 8))
+    qp = jqt.calibrate(step, jqt.recipes.w8(), p, [(c,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outer = jax.jit(jqt.quantize(step, qp), donate_argnums=1)
+        c1 = c + 0.0
+        outer(p, c1)
+        assert c1.is_deleted()
+    with pytest.warns(UserWarning, match=r"runs a jax.jit that donates.*donate_argnums=\.\.\.\)"):
+        jqt.quantize(step, qp)(p, c + 0.0)
+
+
 def test_custom_jvp_layer_runs_its_quantized_forward_once_under_grad():
     """Regression: the simulated path's rule for a ``custom_jvp`` layer also took the
     derivative w.r.t. the quantization state when that was a constant, running the layer's
@@ -844,6 +881,28 @@ def test_custom_rules_closing_over_values():
                        r".*test_composition.py:\d+\), at '<top>' "
                        r"\(its body: div, mul, tanh\).*nondiff_argnums.*regular argument"):
         jax.grad(lambda x: jnp.sum(sim(p, x)))(x)
+
+
+def test_the_simulated_path_on_packed_params_refuses_a_custom_rules_gradient():
+    """Given packed params, the simulated path ran a custom_vjp/custom_jvp rule on the zeros
+    standing for the weights jqt.pack dropped: gradients 0 (or 10x too small for QLoRA's
+    adapters) without a word (hunt65_customprims). It is refused, naming the function; the
+    forward runs, and the float params still differentiate it."""
+    @jax.custom_vjp
+    def layer(w, x):
+        return jax.nn.relu(x @ w)
+    layer.defvjp(lambda w, x: (layer(w, x), (w, x)),
+                 lambda r, g: ((r[1].T @ (g * (r[1] @ r[0] > 0))), (g * (r[1] @ r[0] > 0)) @ r[0].T))
+    p = {"w1": _normal(101, (8, 16), 0.3), "w2": _normal(102, (16, 4), 0.3)}
+    x = _normal(103, (6, 8))
+    f = lambda p, x: layer(p["w1"], x) @ p["w2"]  # noqa: E731
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    sim, packed = jqt.quantize(f, qp, simulate=True), jqt.pack(qp, p)
+    np.testing.assert_allclose(sim(packed, x), sim(p, x), rtol=1e-5, atol=1e-5)
+    gx = jax.grad(lambda x: jnp.sum(sim(p, x) ** 2))(x)
+    assert float(jnp.linalg.norm(gx)) > 0
+    with pytest.raises(TypeError, match=r"simulated path .* given packed params.*'layer'.*float params"):
+        jax.grad(lambda x: jnp.sum(sim(packed, x) ** 2))(x)
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it

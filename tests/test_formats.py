@@ -745,6 +745,28 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
         jqt.calibrate(step, jqt.recipes.w8(), sched, [(x[:2], jnp.int32(1))], progress=False)
 
 
+def test_one_row_tables_singleton_sums_and_column_groups():
+    """``t[i]`` of a one-row table (a type embedding) is the lookup ``t[ids]`` is (it stayed
+    float without a word); an einsum summing a weight's axis of length 1 ("bk,okn->bn")
+    reads the leaf, packed (it was a computed weight); a lookup of columns that cannot take
+    its groups says it gets one scale per column (it said per row, per output channel;
+    hunt65_oddshapes)."""
+    k = jax.random.split(jax.random.key(9), 3)
+    p = {"t": jax.random.normal(k[0], (1, 8)), "w": jax.random.normal(k[1], (1, 8, 4))}
+    x = jax.random.normal(k[2], (3, 8))
+    f = lambda p, x, i: jnp.einsum("bk,okn->bn", x + p["t"][i], p["w"])  # noqa: E731
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x, jnp.int32(0))], progress=False)
+    assert sorted(qp) == ["t", "w"] and qp["t"].op == "gather"
+    packed = jqt.pack(qp, p)
+    assert "2 quantized weights, 0 float leaves" in str(packed)
+    np.testing.assert_allclose(jqt.quantize(f, qp)(packed, x, jnp.int32(0)),
+                               jqt.quantize(f, qp, simulate=True)(p, x, jnp.int32(0)), rtol=1e-5, atol=1e-5)
+    cols = lambda p, ids: jnp.take(p["c"], ids, axis=1)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"each column of the table.*one scale per column"):
+        jqt.calibrate(cols, jqt.recipes.w4(group_size=4), {"c": jax.random.normal(k[0], (7, 5))},
+                      [(jnp.arange(3),)], progress=False)
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_windows_of_rows_export_at_any_length_and_say_what_a_matmul_reads():
     """A window of a symbolic length (jax.export's prefill of any length at a start) is the

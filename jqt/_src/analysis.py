@@ -678,7 +678,7 @@ class Analyzer:
                                 rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
                 lost = [i for i in ins if i.indexed in self._matrix_rows]
-                if entry is None and not w and not outs[0].indexed and lost:
+                if entry is None and not w and outs and not outs[0].indexed and lost:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
                     self._read_as_data(name, lost, stack,

@@ -1404,12 +1404,16 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     # whose whole contracted size fits one group (a LoRA factor of rank 4 under g16)
     quiet = (ax is None and broad) or (ax is not None and k <= wt.group_size)
     if eff != wt and not quiet:
-        where = ("each row of the table" if site.op == "gather" else "its innermost contracting axis")
+        # (a lookup's groups run along what each lookup reads: a row, or a column under
+        # jnp.take(t, ids, axis=1))
+        read = "a row" if site.op != "gather" or ax is None or ax % len(shape) == len(shape) - 1 else "a column"
+        where = (f"each {read[2:]} of the table" if site.op == "gather" else "its innermost contracting axis")
+        unit = f"one scale per {read[2:]} of the table" if site.op == "gather" else "one scale per output channel"
         longer = _longer_contracted(site, shape, ax)
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
-            span, per = (("and a group does not span more than one row", "one group per row")
+            span, per = ((f"and a group does not span more than one {read[2:]}", f"one group per {read[2:]}")
                          if site.op == "gather" else
                          ("and do not span the other contracted axes",
                           "one group per position of the others"))
@@ -1432,8 +1436,8 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
                 fix = f"Pick a group size that divides it, or a Rule for this key{longer}."
-            diagnostics.warn_grouped(("groups", why), f"{cannot} ({why}); it gets one scale per "
-                                     f"output channel. {fix}", f"'{site.key}'")
+            diagnostics.warn_grouped(("groups", why), f"{cannot} ({why}); it gets {unit}. {fix}",
+                                     f"'{site.key}'")
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)
     ops = [None, None]
     ops[w] = QArray(scale=scale, zero_point=zp, qtype=eff)

@@ -250,7 +250,14 @@ def _remat(eqn, invals, sub, ctx, evaluate):
     return outs
 
 
-def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
+def _packed_in(sub, ctx) -> bool:
+    """Whether an op of the body reads a packed weight (``jqt.pack`` dropped its float
+    leaf, which reaches ``f``, and a custom rule, as zeros)."""
+    return any(isinstance(e, tuple) and len(e) > 1 and e[1] is not None
+               for e in (ctx.state_in.get(k) for k in sub.keys))
+
+
+def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate, simulated=False):
     """A custom_jvp/custom_vjp function on the integer path: with no quantized op in its
     body, the equation as it is (its own rule differentiates it); else its body inlined
     on the codes, its inputs behind an identity whose derivative is refused, naming the
@@ -274,6 +281,14 @@ def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate):
            "the rule's. Differentiate the simulated path, jqt.quantize(f, qparams, "
            "simulate=True), which runs the rule; or keep these ops float (a recipe rule, "
            "weight=None).")
+    if simulated:
+        msg = (f"jqt: the simulated path of jqt.quantize, given packed params, cannot "
+               f"differentiate the {kind} function {compat.where_called(eqn)} (its quantized "
+               f"ops: {', '.join(quantized)}): its derivative rule takes the float weights, "
+               "which jqt.pack dropped (they would reach the rule as zeros, and its gradients "
+               "be wrong). Differentiate it with the float params, jqt.quantize(f, qparams, "
+               "simulate=True)(params, ...), or keep these ops float (a recipe rule, "
+               "weight=None).")
 
     @jax.custom_jvp
     def guard(*a):
@@ -295,6 +310,8 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
         return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate)
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
+    if _packed_in(sub, ctx):
+        return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate, simulated=True)
     j, c = closed_parts(eqn.params["call_jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     fwd = lambda st, *a: run(st, *a)[0]
@@ -324,6 +341,8 @@ def _custom_vjp(eqn, invals, sub, ctx, evaluate):
         return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate)
     if not ctx.handler.differentiable:
         return _inline("call_jaxpr")(eqn, invals, sub, ctx, evaluate)
+    if _packed_in(sub, ctx):
+        return _no_rule_on_codes(eqn, invals, sub, ctx, evaluate, simulated=True)
     j, c = closed_parts(eqn.params["call_jaxpr"])
     run = _runner(ctx, j, c, sub.plans[0], evaluate)
     # The values the function closes over (num_consts) are not differentiated, as JAX's own

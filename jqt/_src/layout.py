@@ -69,6 +69,10 @@ _APPLY = {
 }
 
 
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")  # (a squeeze where
+# every reduced axis has length 1)
+
+
 def record(eqn):
     """The step for a layout-only ``eqn``, or ``None``: also for one whose shapes have
     symbolic dimensions (``jax.export`` of a variable batch size), which reads no weight,
@@ -76,6 +80,9 @@ def record(eqn):
     a symbolic batch passes the weight on as it is)."""
     if eqn.primitive.name == "dynamic_slice":
         return constant_window(eqn)
+    if eqn.primitive.name in _REDUCTIONS:  # over axes of length 1: einsum "bk,okn->bn" of
+        shape, axes = eqn.invars[0].aval.shape, _tup(eqn.params["axes"])  # a (1, K, N) weight
+        return ("squeeze", axes) if axes and all(shape[a] == 1 for a in axes) else None
     rec = RECORDERS.get(eqn.primitive.name)
     if rec is None:
         return None

@@ -287,6 +287,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if not traced.keys_checked:  # (each trace belongs to this function's tracer)
                 check_keys(traced, qparams, "jqt", empty)
                 traced.keys_checked = True
+                if any(any(e.params.get("donated_invars", ())) for e in traced.closed.jaxpr.eqns):
+                    donating.append(True)  # f is a jax.jit that donates (see qf)
         except QParamsMismatchError as e:
             notes, statics = [], _static_inputs(args, argnums)
             if empty:
@@ -320,6 +322,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
 
     read = []  # f's signature, read once, for calls with keywords (a plain list: the
     # quantized function pickles, cloudpickle, as jax.jit's does)
+    donating = []  # f is a jax.jit with donate_argnums: an eager call keeps no donation
 
     def signature():
         if not read:
@@ -337,7 +340,17 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             tracing.check_traceable(args)
             _check_v1_codes(qparams, args, argnums)  # (inside the program they are traced)
             try:
-                return tracing.unmark(jitted(qparams, tracing.mark_static(list(args))))
+                out = tracing.unmark(jitted(qparams, tracing.mark_static(list(args))))
+                if donating and len(donating) == 1:  # once
+                    donating.append(True)
+                    diagnostics.warn(
+                        f"jqt.quantize: {getattr(f, '__name__', 'f')} runs a jax.jit that donates "
+                        "arguments (donate_argnums), but the quantized function runs it inside a "
+                        "program of its own, where a donation does nothing (as in a jax.jit "
+                        "nested in another): the donated arrays (a cache) are kept, a second "
+                        "copy. Jit the quantized function with the donation instead: "
+                        "jax.jit(jqt.quantize(f, qparams), donate_argnums=...).")
+                return out
             except (RuntimeError, ValueError) as e:  # a donated array: say which (a compiled
                 # program given one reports it from XLA's Execute, a ValueError)
                 if "deleted" in str(e) or "donated" in str(e):

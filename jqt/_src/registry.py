@@ -289,7 +289,7 @@ class RowLookup(Gather):
         if len(shape) == 2:
             # a row or a window of rows (as long as the table too: a prefill of every
             # position, the start clamped to 0), or one column, read whole
-            a = next((a for a in (0, 1) if (sizes[a] < shape[a] or a == 0 and sizes[a] == shape[a] > 1)
+            a = next((a for a in (0, 1) if (sizes[a] < shape[a] or a == 0 and sizes[a] == shape[a])
                       and (sizes[a] == 1 or a == 0) and sizes[1 - a] == shape[1 - a]), None)
             if a is not None:
                 return (a,)

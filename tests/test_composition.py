@@ -797,12 +797,14 @@ def test_a_donating_jit_quantized_eagerly_says_the_donation_is_lost():
     qp = jqt.calibrate(step, jqt.recipes.w8(), p, [(c,)], progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        outer = jax.jit(jqt.quantize(step, qp), donate_argnums=1)
+        qf = jqt.quantize(step, qp)
+        outer = jax.jit(qf, donate_argnums=1)
         c1 = c + 0.0
         outer(p, c1)
         assert c1.is_deleted()
+        outer(p, c[:2] + 0.0)  # a second trace (hunt65_review2: then it said nothing)
     with pytest.warns(UserWarning, match=r"runs a jax.jit that donates.*donate_argnums=\.\.\.\)"):
-        jqt.quantize(step, qp)(p, c + 0.0)
+        qf(p, c + 0.0)
 
 
 def test_custom_jvp_layer_runs_its_quantized_forward_once_under_grad():

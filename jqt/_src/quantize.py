@@ -287,7 +287,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if not traced.keys_checked:  # (each trace belongs to this function's tracer)
                 check_keys(traced, qparams, "jqt", empty)
                 traced.keys_checked = True
-                if any(any(e.params.get("donated_invars", ())) for e in traced.closed.jaxpr.eqns):
+                if not donating and any(any(e.params.get("donated_invars", ()))
+                                        for e in traced.closed.jaxpr.eqns):
                     donating.append(True)  # f is a jax.jit that donates (see qf)
         except QParamsMismatchError as e:
             notes, statics = [], _static_inputs(args, argnums)
@@ -323,6 +324,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     read = []  # f's signature, read once, for calls with keywords (a plain list: the
     # quantized function pickles, cloudpickle, as jax.jit's does)
     donating = []  # f is a jax.jit with donate_argnums: an eager call keeps no donation
+    said = []  # (and the warning that says so given once)
 
     def signature():
         if not read:
@@ -341,8 +343,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             _check_v1_codes(qparams, args, argnums)  # (inside the program they are traced)
             try:
                 out = tracing.unmark(jitted(qparams, tracing.mark_static(list(args))))
-                if donating and len(donating) == 1:  # once
-                    donating.append(True)
+                if donating and not said:
+                    said.append(True)
                     diagnostics.warn(
                         f"jqt.quantize: {getattr(f, '__name__', 'f')} runs a jax.jit that donates "
                         "arguments (donate_argnums), but the quantized function runs it inside a "

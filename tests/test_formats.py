@@ -366,6 +366,22 @@ def test_tables_jqt_cannot_tie_and_scales_trained_apart_are_named():
         assert jqt.pack(moved, P).tied == ()
 
 
+def test_a_lookup_and_a_matmul_of_other_rows_of_one_leaf_are_not_tied():
+    """A lookup in one half of a leaf and a matmul by the other (``t[:50][i] @ t[50:].T``)
+    share no element: pack said their codes were stored twice, blaming a cast
+    (hunt65_algoslices)."""
+    t = {"t": jax.random.normal(jax.random.key(11), (20, 8))}
+    f = lambda p, i: p["t"][:10][i] @ p["t"][10:].T  # noqa: E731
+    for i in (jnp.int32(2), jnp.array([1, 3])):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), t, [(i,)], progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            packed = jqt.pack(qp, t)
+        assert packed.tied == ()
+        np.testing.assert_allclose(jqt.quantize(f, qp)(packed, i), jqt.quantize(f, qp, simulate=True)(t, i),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_matmul_of_a_slice_of_a_tied_table_names_the_slice():
     """Scoring against a slice of the table's rows (``u @ emb[1:].T``, the padding row left

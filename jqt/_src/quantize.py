@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import warnings
 
 import jax
@@ -870,6 +871,8 @@ def _tied(qparams, weights):
             o = weights[m]
             table = o.values if o.layout == "nk" else o.values.T
             traced = compat.is_tracer(table) or compat.is_tracer(w.values)
+            if _disjoint(p.source, qparams[m].source):
+                continue  # other rows of the leaf (t[:50][i] and t[50:].T): nothing stored twice
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 mine, its = w.qtype.contrast(o.qtype)  # (fields named where both read alike)
                 apart = (m, f"the lookup's type is {mine}, the matmul's {its}", _TYPE_FIX)
@@ -961,6 +964,17 @@ def _feature_axis(src) -> int:
     if op is None or op.ndim != 2 or not 0 <= c < 2 or op.shape[c] < 2:
         return 1
     return 0 if np.ptp(op, axis=c).min() > 0 else 1  # the leaf's rows vary along the features
+
+
+def _disjoint(a, b) -> bool:
+    """Whether two ops read no element of a leaf in common (slices of it through their
+    chains: ``t[:50]`` and ``t[50:]``); ``False`` where no chain slices it, or a chain does
+    not replay."""
+    if not any(c[0] == "slice" for c in a.chain + b.chain):
+        return False
+    grid = np.arange(math.prod(a.shape), dtype=np.int32).reshape(tuple(a.shape))
+    x, y = _replayed(a, grid), _replayed(b, grid)
+    return x is not None and y is not None and not np.intersect1d(x, y).size
 
 
 def _replayed(src, grid):

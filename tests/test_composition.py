@@ -805,6 +805,13 @@ def test_a_donating_jit_quantized_eagerly_says_the_donation_is_lost():
         outer(p, c[:2] + 0.0)  # a second trace (hunt65_review2: then it said nothing)
     with pytest.warns(UserWarning, match=r"runs a jax.jit that donates.*donate_argnums=\.\.\.\)"):
         qf(p, c + 0.0)
+    # a value f computes, donated to an inner jit, is no argument kept (hunt65_review3)
+    inner = jax.jit(lambda c: c + 1.0, donate_argnums=0)
+    g = lambda p, c: inner(c * 2.0) @ p["w"]  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8(), p, [(c,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.quantize(g, qg)(p, c)
 
 
 def test_custom_jvp_layer_runs_its_quantized_forward_once_under_grad():

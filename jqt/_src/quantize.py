@@ -288,8 +288,11 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if not traced.keys_checked:  # (each trace belongs to this function's tracer)
                 check_keys(traced, qparams, "jqt", empty)
                 traced.keys_checked = True
-                if not donating and any(any(e.params.get("donated_invars", ()))
-                                        for e in traced.closed.jaxpr.eqns):
+                ins = set(traced.closed.jaxpr.invars)  # (f's own arguments donated, not a
+                # value f computes, which its program frees anyway)
+                if not donating and any(d and not compat.is_literal(v) and v in ins
+                                        for e in traced.closed.jaxpr.eqns
+                                        for v, d in zip(e.invars, e.params.get("donated_invars", ()))):
                     donating.append(True)  # f is a jax.jit that donates (see qf)
         except QParamsMismatchError as e:
             notes, statics = [], _static_inputs(args, argnums)
@@ -970,11 +973,16 @@ def _disjoint(a, b) -> bool:
     """Whether two ops read no element of a leaf in common (slices of it through their
     chains: ``t[:50]`` and ``t[50:]``); ``False`` where no chain slices it, or a chain does
     not replay."""
-    if not any(c[0] == "slice" for c in a.chain + b.chain):
-        return False
-    grid = np.arange(math.prod(a.shape), dtype=np.int32).reshape(tuple(a.shape))
+    if a.shape is None or not any(c[0] == "slice" for c in a.chain + b.chain):
+        return False  # (qparams saved before jqt recorded the shape: not known)
+    n = math.prod(a.shape)
+    grid = np.arange(n, dtype=np.int32 if n < 2 ** 31 else np.int64).reshape(tuple(a.shape))
     x, y = _replayed(a, grid), _replayed(b, grid)
-    return x is not None and y is not None and not np.intersect1d(x, y).size
+    if x is None or y is None:
+        return False
+    seen = np.zeros(n, bool)  # (a mask, not a sort: a large table's 8M elements in 0.1 s)
+    seen[x.ravel()] = True
+    return not seen[y.ravel()].any()
 
 
 def _replayed(src, grid):

@@ -451,7 +451,7 @@ class Analyzer:
         made_by = {}  # var -> the equation of this jaxpr that made it
         sliced = {}  # var -> the buffers it is a slice of (see _rolled)
         taken = {}  # var -> the buffers its values were read from (see _accumulates)
-        accumulated = {}  # var -> the buffers an accumulator's write it is wrote into
+        accumulated = {}  # var -> the buffers of the accumulator write that made it
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 made_by[v] = eqn
@@ -681,10 +681,10 @@ class Analyzer:
                 if entry is None and not w and outs and not outs[0].indexed and lost:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
-                    self._read_as_data(name, lost, stack,
-                                       then="reads it in float, and the weight stays float", extra=" A table read at a position from the data (a "
-                                       "(P, H, Dh) positional table): store it as (P, H * Dh), "
-                                       "whose rows jqt looks up quantized, and reshape the row.")
+                    self._read_as_data(name, lost, stack, then="reads it in float, and the weight stays float",
+                                       extra=" A table read at a position from the data (a (P, H, Dh) "
+                                       "positional table): store it as (P, H * Dh), whose rows jqt "
+                                       "looks up quantized, and reshape the row.")
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info

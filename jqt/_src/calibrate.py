@@ -1406,14 +1406,14 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     if eff != wt and not quiet:
         # (a lookup's groups run along what each lookup reads: a row, or a column under
         # jnp.take(t, ids, axis=1))
-        read = "a row" if site.op != "gather" or ax is None or ax % len(shape) == len(shape) - 1 else "a column"
-        where = (f"each {read[2:]} of the table" if site.op == "gather" else "its innermost contracting axis")
-        unit = f"one scale per {read[2:]} of the table" if site.op == "gather" else "one scale per output channel"
+        part = "row" if site.op != "gather" or ax is None or ax % len(shape) == len(shape) - 1 else "column"
+        where = f"each {part} of the table" if site.op == "gather" else "its innermost contracting axis"
+        unit = f"one scale per {part} of the table" if site.op == "gather" else "one scale per output channel"
         longer = _longer_contracted(site, shape, ax)
         cannot = (f"jqt.calibrate: op '{site.key}' ({site.op}, weight {tuple(shape)}) cannot take "
                   f"group_size={wt.group_size}")
         if eff.group_size:
-            span, per = ((f"and a group does not span more than one {read[2:]}", f"one group per {read[2:]}")
+            span, per = ((f"and a group does not span more than one {part}", f"one group per {part}")
                          if site.op == "gather" else
                          ("and do not span the other contracted axes",
                           "one group per position of the others"))

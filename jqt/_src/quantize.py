@@ -288,9 +288,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             if not traced.keys_checked:  # (each trace belongs to this function's tracer)
                 check_keys(traced, qparams, "jqt", empty)
                 traced.keys_checked = True
-                ins = set(traced.closed.jaxpr.invars)  # (f's own arguments donated, not a
+                own = set(traced.closed.jaxpr.invars)  # (f's own arguments donated, not a
                 # value f computes, which its program frees anyway)
-                if not donating and any(d and not compat.is_literal(v) and v in ins
+                if not donating and any(d and not compat.is_literal(v) and v in own
                                         for e in traced.closed.jaxpr.eqns
                                         for v, d in zip(e.invars, e.params.get("donated_invars", ()))):
                     donating.append(True)  # f is a jax.jit that donates (see qf)

@@ -913,6 +913,17 @@ def test_the_simulated_path_on_packed_params_refuses_a_custom_rules_gradient():
     with pytest.raises(TypeError, match=r"simulated path .* given packed params.*'layer'.*float params"):
         jax.grad(lambda x: jnp.sum(sim(packed, x) ** 2))(x)
 
+    # a weight also read as a float value outside the rule: jqt.pack keeps its float leaf,
+    # the rule gets the real weight, and the gradient is the float params' (it was refused,
+    # hunt66_newcode)
+    g = lambda p, x: layer(p["w1"], x) @ p["w2"] + jnp.tanh(p["w1"]).sum(0)[:4]  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    sim, packed = jqt.quantize(g, qg, simulate=True), jqt.pack(qg, p)
+    assert 0 in packed.kept
+    want = jax.grad(lambda x: jnp.sum(sim(p, x) ** 2))(x)
+    got = jax.grad(lambda x: jnp.sum(sim(packed, x) ** 2))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_custom_vjp_around_a_while_loop():

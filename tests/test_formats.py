@@ -752,6 +752,20 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
                                        rtol=1e-5, atol=1e-5)
         full = jqt.calibrate(win, jqt.recipes.w8(), p, [(x, jnp.int32(1))], progress=False)
         assert full["pos"].op == "gather"
+    # tables[m, s:s+T] with the table from the data (or a literal) too (hunt66_newcode)
+    p = {"pos": jnp.stack([pos, -pos, 2 * pos]), "w": w}
+    for m in (lambda m: m, lambda m: 1):
+        tw = lambda p, x, s, t, m=m: (x + jax.lax.dynamic_slice(  # noqa: E731
+            p["pos"], (m(t), s, 0), (1, x.shape[0], 8))[0]) @ p["w"]
+        qp = jqt.calibrate(tw, jqt.recipes.w8(), p, [(x[:2], jnp.int32(1), jnp.int32(2))], progress=False)
+        assert qp["pos"].op == "gather"
+        for n in (2, 6):
+            np.testing.assert_allclose(
+                jqt.quantize(tw, qp)(jqt.pack(qp, p), x[:n], jnp.int32(3), jnp.int32(2)),
+                jqt.quantize(tw, qp, simulate=True)(p, x[:n], jnp.int32(3), jnp.int32(2)),
+                rtol=1e-5, atol=1e-5)
+        full = jqt.calibrate(tw, jqt.recipes.w8(), p, [(x, jnp.int32(1), jnp.int32(2))], progress=False)
+        assert full["pos"].op == "gather"
     heads = {"pos": jax.random.normal(k[0], (6, 2, 8)), "w": w}
     row = lambda p, x, s: (x + p["pos"][s]) @ p["w"]  # noqa: E731
     with pytest.warns(UserWarning, match=r"reads weight 'pos' indexed.*store it as \(P, H \* Dh\)"):

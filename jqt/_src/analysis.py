@@ -682,9 +682,10 @@ class Analyzer:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
                     self._read_as_data(name, lost, stack, then="reads it in float, and the weight stays float",
-                                       extra=" A table read at a position from the data (a (P, H, Dh) "
-                                       "positional table): store it as (P, H * Dh), whose rows jqt "
-                                       "looks up quantized, and reshape the row.")
+                                       extra=" A table (or a stacked bias) whose rows are matrices, read "
+                                       "at a position or index from the data (a (P, H, Dh) positional "
+                                       "table): store it as (P, H * Dh), whose rows jqt looks up "
+                                       "quantized, and reshape the row.")
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info

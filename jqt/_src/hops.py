@@ -251,10 +251,10 @@ def _remat(eqn, invals, sub, ctx, evaluate):
 
 
 def _packed_in(sub, ctx) -> bool:
-    """Whether an op of the body reads a packed weight (``jqt.pack`` dropped its float
-    leaf, which reaches ``f``, and a custom rule, as zeros)."""
-    return any(isinstance(e, tuple) and len(e) > 1 and e[1] is not None
-               for e in (ctx.state_in.get(k) for k in sub.keys))
+    """Whether an op of the body reads a packed weight whose float leaf ``jqt.pack``
+    dropped (it reaches ``f``, and a custom rule, as zeros; a leaf it kept, also read as a
+    float value, reaches the rule as it is)."""
+    return any(k in ctx.dropped for k in sub.keys)
 
 
 def _no_rule_on_codes(eqn, invals, sub, ctx, evaluate, simulated=False):

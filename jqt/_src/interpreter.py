@@ -35,9 +35,11 @@ class Ctx:
     handler: object
     state_in: dict
     state_out: dict = dataclasses.field(default_factory=dict)
+    # the keys of ops whose weight jqt.pack dropped (its leaf reaches f as zeros)
+    dropped: frozenset = frozenset()
 
     def child(self, state_in):
-        return Ctx(self.handler, state_in)
+        return Ctx(self.handler, state_in, dropped=self.dropped)
 
     def put(self, key, value):
         """Writes op ``key``'s state. A second write for the same key (the ops of a

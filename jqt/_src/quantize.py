@@ -313,8 +313,10 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
         keys = [s.key for s in traced.sites()]
         state = {k: _with_packed(k, qparams[k], packed.get(k))
                  for k in keys if k in qparams}
+        gone = {s.key for s in traced.sites()
+                if s.source is not None and (s.source.arg, s.source.leaf) in dropped}
         with diagnostics.grouped():
-            outs = traced.run(args, handler, state)[0]
+            outs = traced.run(args, handler, state, gone)[0]
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)  # (non-array leaves marked)
 
     def eager(qparams, args):

@@ -300,14 +300,15 @@ class RowLookup(Gather):
         whole = [d for d in lead if sizes[d] == shape[d] > 1]
         indexed = [d for d in lead if sizes[d] < shape[d]]
         literal = [compat.is_literal(v) for v in eqn.invars[1:]]
-        if not indexed and sizes[-1] == shape[-1] and literal[-1]:
+        if sizes[-1] == shape[-1] and literal[-1]:
             # a window as long as its axis at a start from the data (a prefill of every
-            # position of a (1, P, D) or stacked (E, P, D) table), as in 2-D above: the
-            # first start not a literal, every other one a literal
-            indexed = [d for d in whole if not literal[d]][:1]
-            if indexed and sum(not a for a in literal) > 1:
-                indexed = []
-            whole = [d for d in whole if d not in indexed]
+            # position of a (1, P, D) or stacked (E, P, D) table, tables[m, s:s+P]), as in
+            # 2-D above: one whole axis's start not a literal, after the indexed axes (with
+            # none indexed, every other start a literal)
+            extra = [d for d in whole if not literal[d]]
+            if len(extra) == 1 and all(d < extra[0] for d in indexed) \
+                    and (indexed or sum(not a for a in literal) == 1):
+                indexed, whole = sorted(indexed + extra), [d for d in whole if d != extra[0]]
         if not indexed or any(d > indexed[0] for d in whole):
             return None  # a whole axis after an indexed one: a matrix (a layer's weight)
         # (whole axes ahead of the indexed ones: stacked tables, tables[:, t] a row of each)

@@ -43,15 +43,16 @@ class Traced:
         operand, with ``"float"`` if anything else reads it (``Analyzer.leaf_uses``)."""
         return self.analyzer.leaf_uses.get((arg, leaf), set())
 
-    def run(self, args, handler, state):
+    def run(self, args, handler, state, dropped=frozenset()):
         """Interprets the traced function on ``args`` (the pytree it was traced with) under
         ``handler`` (``handlers.py``) with per-op ``state``: ``(flat outputs, the state the
         handler wrote)``. The one driver of calibrate, quantize, report and gptq.
 
         A key/value cache ``f`` takes and returns written (``Plan.boundary``) runs in the
         handler's form (:func:`hops.enter_call`) and is returned so; every other
-        quantized cache among the arguments and outputs is decoded to float."""
-        ctx = Ctx(handler, state)
+        quantized cache among the arguments and outputs is decoded to float. ``dropped``:
+        the keys of ops whose weight ``jqt.pack`` dropped (``hops._packed_in``)."""
+        ctx = Ctx(handler, state, dropped=frozenset(dropped))
         jaxpr = self.closed.jaxpr
         flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars,
                                    lambda k: leaf_path(args, k))

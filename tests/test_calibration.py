@@ -1369,6 +1369,11 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
                    r"axes=\(0,\), qtype\) returned lo of shape \(\) .* to shape \(1, 8\)"),
         "NaN": (lambda w, axes: (amax(w, axes) * jnp.nan, amax(w, axes)), r"or its weight "
                 r"calibrator NaN, not one of jqt's, returned NaN or inf"),
+        # [0, 0] for a weight not all zero: scale 1, the weights rounded to whole numbers,
+        # without a word (hunt66_misuse)
+        "Zero": (lambda w, axes: (0 * amax(w, axes), 0 * amax(w, axes)), r"calibrator Zero's "
+                 r"range\(w, axes, qtype\) returned \[0, 0\] at 8 of 8 places where weight 'w' is "
+                 r"not all zero"),
     }
     for name, (rng_fn, match) in weights.items():
         cls = type(name, (WC,), {"range": lambda self, w, axes, qtype, r=rng_fn: r(w, axes)})

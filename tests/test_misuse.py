@@ -1037,7 +1037,7 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
         jax.jit(lambda x: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False))(batches[0][0])
     metric = lambda g: float(g(p, *batches[0]).mean())
     packed_metric = lambda g: float(g(jqt.pack(qp, p), *batches[0]).mean())  # f reads float params
-    with pytest.raises(TypeError, match="not subscriptable") as e:
+    with pytest.raises(TypeError, match="PackedParams is not the params. tree") as e:
         jqt.sensitivity(f, qp, packed_metric)
     assert "jqt.sensitivity called metric(g) with g = f itself; g runs f, so the metric calls g " \
            "with f's float params, not packed ones." in "".join(e.value.__notes__)

@@ -401,6 +401,34 @@ def test_non_finite_calibration_data_is_refused_in_any_float_dtype(dtype):
         jqt.calibrate(f, jqt.recipes.w8a8(), w, [(bad,)], progress=False)
 
 
+def test_packed_params_or_a_quantized_cache_passed_to_f_say_what_to_call():
+    """Packed params passed to the float f (model.apply after jqt.load_packed), or a
+    quantized cache to a float step, raised "'PackedParams' object is not subscriptable" or
+    "'QArray' object has no attribute 'ndim'" (hunt66_misuse)."""
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    p, x = {"w": jnp.ones((16, 4))}, jnp.ones((2, 16))
+    packed = jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False), p)
+    with pytest.raises(TypeError, match=r"not the params' tree \(read at 'w'\).*jqt.quantize\(f, qparams\)\(packed"):
+        f(packed, x)
+    with pytest.raises(TypeError, match=r"read at 'params'"):
+        "params" in packed  # noqa: B015 - flax's apply looks so
+    c = jqt.quantize_cache(jnp.ones((1, 4, 2, 8)))
+    with pytest.raises(AttributeError, match=r"no attribute 'ndim': .*jqt.dequantize_cache"):
+        c.ndim
+    assert not hasattr(c, "bogus") and jax.tree.leaves(packed)
+
+
+def test_float64_data_beyond_float32s_range_is_refused_by_name():
+    """A NumPy float64 batch holding a value beyond float32's range (x64 off) passed the
+    NaN/inf check, then became inf in f: weight-only presets calibrated on it without a word
+    (hunt66_misuse)."""
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    bad = np.ones((2, 4)); bad[1, 2] = 1e39
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] holds 1 values "
+                       r"beyond float32's range.*x64 is off"):
+        jqt.calibrate(f, jqt.recipes.w8(), {"w": jnp.ones((4, 4)) * 0.1}, [(bad,)], progress=False)
+
+
 @pytest.mark.slow  # rare edge cases: CI's slow run (the default run stays under 5 minutes)
 def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
     """Empty inputs where the native kernels and the experts' map run, and token ids with

@@ -104,7 +104,19 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         if leaf.size == 0:  # a graph without edges: its nodes hold data still
             continue
         a = np.asarray(leaf)
-        if jnp.issubdtype(a.dtype, jnp.inexact) and not np.isfinite(a).all():  # bfloat16 too
+        if not jnp.issubdtype(a.dtype, jnp.inexact):
+            continue
+        held = jax.dtypes.canonicalize_dtype(a.dtype)  # float64 data is float32 in f (x64 off)
+        if held != a.dtype and np.isfinite(a).all():
+            with np.errstate(over="ignore"):
+                big = int((~np.isfinite(a.astype(held))).sum())
+            if big:
+                raise CalibrationDataError(
+                    f"{where} holds {big} values beyond {held}'s range: JAX holds this "
+                    f"{a.dtype} array as {held} (x64 is off), where they are inf. Scale or clip "
+                    f"the data into {held}'s range (jnp.finfo(jnp.{held}).max), or enable x64 "
+                    "(jax.config.update('jax_enable_x64', True)) if f needs them.")
+        if not np.isfinite(a).all():  # bfloat16 too
             data, why = (("calibration data", "statistics from non-finite values would give "
                           "infinite scales") if fn != "jqt.report" else
                          ("batch", "non-finite values make the errors it measures NaN"))
@@ -1507,9 +1519,18 @@ def _unseen_iterations(site, lo, hi):
 def _check_weight_finite(site, lo, hi, rule=None):
     """Raises if the weight's observed range holds NaN or inf (a range never observed is
     ``[inf, -inf]``: an op that did not run, which warns instead)."""
+    src = site.source
+    name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
+    zero = (lo == np.inf) & (hi == np.inf)  # groups._checked's mark
+    if zero.any() and rule is not None:
+        raise ValueError(
+            f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): weight "
+            f"calibrator {type(rule.weight_calibrator).__name__}'s range(w, axes, qtype) returned "
+            f"[0, 0] at {int(zero.sum())} of {zero.size} places where {name} is not all zero: "
+            "their scale would be a placeholder 1 (the weights rounded to whole numbers). Return "
+            "a range that holds the weights there (w.min(axis=axes, keepdims=True) and the max "
+            "where in doubt).")
     if _seen_not_finite(lo, hi).any():
-        src = site.source
-        name = f"weight '{src.path}'" if src is not None and src.path else "its weight"
         cal = "" if rule is None or type(rule.weight_calibrator).__module__ == calibrators.__name__ else (
             f" (or its weight calibrator {type(rule.weight_calibrator).__name__}, not one of "
             "jqt's, returned NaN or inf for a finite weight: fix its range)")

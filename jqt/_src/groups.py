@@ -139,6 +139,13 @@ def _checked(calibrator, w, axes, qtype):
                 f"must reduce w over axes with keepdims, to shape {want} "
                 "(w.min(axis=axes, keepdims=True) and the max, as "
                 "jqt.calibrators.WeightMinMax does).")
+    if not type(calibrator).__module__.startswith("jqt."):
+        # a calibrator of the user's that returns [0, 0] for weights not all zero (their
+        # scale would be the placeholder 1): marked [inf, inf], which calibrate refuses
+        # (calibrate._check_weight_finite), naming the op
+        held = jnp.max(jnp.abs(w), axis=axes, keepdims=axes is not None) > 0
+        lost = (jnp.asarray(lo) == 0) & (jnp.asarray(hi) == 0) & held
+        lo, hi = (jnp.where(lost, jnp.inf, a) for a in (lo, hi))
     return lo, hi
 
 

@@ -168,6 +168,14 @@ class QArray:
     smooth: Optional[jax.Array] = None
     float_dtype: Optional[str] = dataclasses.field(metadata=dict(static=True), default=None)
 
+    def __getattr__(self, name):  # only for names a QArray lacks
+        hint = ""
+        if name in ("ndim", "shape", "dtype", "size", "T", "astype", "reshape", "at"):
+            hint = (": a jqt.QArray is no array but codes (values) and their scale; read a "
+                    "quantized key/value cache with jqt.dequantize_cache(cache), and pass packed "
+                    "weights to the quantized function, not to f")
+        raise AttributeError(f"'QArray' object has no attribute {name!r}{hint}")
+
     def __post_init__(self):
         if self.smooth is not None and not holds_smooth(self.folded):
             raise ValueError(f"jqt.QArray(smooth=...): a packed weight that holds its smoothing "
@@ -542,6 +550,16 @@ class PackedParams:
             return [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         except Exception:  # noqa: BLE001 - whatever the class's own check raises
             return None
+
+    def __getitem__(self, key):
+        raise TypeError(
+            f"jqt.PackedParams is not the params' tree (read at {key!r}): it holds packed "
+            "weights (jqt.pack, jqt.load_packed), which only the quantized function reads. Call "
+            "jqt.quantize(f, qparams)(packed, ...), not f itself, which takes the float params; "
+            "packed.weight(op_key) gives an op's codes.")
+
+    def __contains__(self, key):
+        self[key]
 
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""

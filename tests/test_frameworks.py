@@ -845,6 +845,17 @@ def test_keras_random_layers_several_inputs_and_the_model_itself(keras):
     assert sorted(params2) == sorted(params)
     np.testing.assert_array_equal(jax.jit(jqt.quantize(f2, qp))(packed, x), jqt.quantize(f, qp)(packed, x))
     jax.grad(lambda p: jnp.sum(f(p, x) ** 2))(params)  # float leaves only
+    # Attention's own dropout on the scores draws in training only too (its seed state was
+    # a uint32 leaf, with a warning that it draws at inference; hunt66_kerasjax)
+    q = keras.Input((5, 8))
+    att = keras.Model(q, L.Dense(3, name="fc")(L.Concatenate()([
+        L.Attention(dropout=0.2)([q, q]), L.AdditiveAttention(dropout=0.2)([q, q])])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa, pa = jqt.from_keras(att)
+    xa = _normal(5, (2, 5, 8), 1.0)
+    assert all(jnp.issubdtype(v.dtype, jnp.floating) for v in pa.values())
+    np.testing.assert_allclose(fa(pa, xa), att(xa, training=False), atol=1e-6)
     model = build(1)  # its weights as a list: f failed in a lambda ("list indices must be integers")
     with pytest.raises(TypeError, match=r"f's params is a list of 2; pass the dict jqt.from_keras "
                                         r"returned beside f, keyed by variable path \(e.g. 'm/fc/kernel'\)"):

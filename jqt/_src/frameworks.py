@@ -38,8 +38,9 @@ def from_keras(model, *, training: bool = False):
     do not depend on how many layers were built before in the process.
 
     Random layers keep a seed state. Keras's dropout and noise layers (``Dropout``,
-    ``GaussianNoise``, ...), recurrent layers (their ``dropout``) and image augmentation
-    (``RandomFlip``, ``MixUp``, ...) do not draw with ``training=False``, and theirs is left out
+    ``GaussianNoise``, ...), recurrent layers (their ``dropout``), ``Attention`` and
+    ``AdditiveAttention`` (their ``dropout``) and image augmentation (``RandomFlip``,
+    ``MixUp``, ...) do not draw with ``training=False``, and theirs is left out
     of ``params`` (f passes its current value). Otherwise (``training=True``, or a layer
     that samples at inference: a VAE's sampling layer, or any subclass of your own, such
     as Monte Carlo dropout) it is a ``uint32`` leaf of
@@ -186,10 +187,11 @@ def from_keras(model, *, training: bool = False):
 # Keras layers that draw random numbers only with training=True, by the names of their
 # classes or of a base class: dropout and noise layers, the recurrent cells (their dropout
 # and recurrent_dropout: LSTM, GRU, SimpleRNN, ConvLSTM) and the image augmentation layers
-# (RandomFlip, RandAugment, MixUp, ...: identity or deterministic at inference)
+# (RandomFlip, RandAugment, MixUp, ...: identity or deterministic at inference), and
+# Attention's (AdditiveAttention's) dropout on the scores ("if training and self.dropout")
 _TRAINING_ONLY = frozenset(("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
                             "GaussianDropout", "GaussianNoise", "AlphaDropout", "DropoutRNNCell",
-                            "BaseImagePreprocessingLayer"))
+                            "BaseImagePreprocessingLayer", "Attention"))
 
 
 def _draws_only_in_training(layer) -> bool:
@@ -206,8 +208,8 @@ def _seed_keys(model):
     """``{id(state variable): (key, quiet)}`` for the seed generators of ``model``'s layers,
     keyed by the layer names from the model down (``"model/drop/seed_generator_state"``):
     Keras's own path numbers them in the order they were built in the process. ``quiet``:
-    the layer draws only in training (dropout and noise layers, recurrent cells, image
-    augmentation). Found through Keras's
+    the layer draws only in training (dropout and noise layers, recurrent cells, attention's
+    dropout, image augmentation). Found through Keras's
     layer tracking; where a Keras version has none, ``{}`` (Keras's paths)."""
     out = {}
 

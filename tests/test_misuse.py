@@ -677,6 +677,15 @@ def test_grad_of_the_integer_path_names_the_op():
                                             r"codes \(int, fp8 or nf4\).*simulate=True.*"
                                             r"qf\(jax.lax.stop_gradient\(params\), x\)"):
             grad()
+    # what is differentiated reaches a rounded activation (adapters as an argument, already
+    # as the docs say): the error said to pass them as an argument (hunt66_qatmixed)
+    lora = {"a": jnp.full((8, 8), 0.01)}
+    g = lambda p, lora, x: f(p, x + x @ lora["a"])  # noqa: E731
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(lora, x)], progress=False)
+    qg, packed = jqt.quantize(g, qp), jqt.pack(qp, p)
+    with pytest.raises(TypeError, match=r"op 'l0': .*Op 'l0' rounds its activation to codes.*"
+                                        r"stop_gradient.*weight-only.*jqt.Rule\(key='\^l0\$'"):
+        jax.grad(lambda lora: qg(packed, lora, x).sum())(lora)
 
 
 def test_grad_through_a_quantized_kv_cache_names_the_cache():

@@ -133,35 +133,39 @@ def zeros(shape, dtype, sharding=None):
 
 _OP_SCOPE = "jqt_op:"
 _CACHE_SCOPE = "jqt_cache:"  # a key/value cache's writes and entry
+_ACT_SCOPE = "jqt_act:"  # an op's activation rounded to codes
 
 
-def op_scope(key, cache=False):
+def op_scope(key, cache=False, activation=False):
     """A name scope that marks the equations bound in it as op ``key``'s (``cache``: the
-    key/value cache ``key``'s), for errors raised while JAX differentiates them
-    (:func:`scoped_op`); no equation parameter, so lowering and compiled programs are
-    shared across ops as before."""
-    return jax.named_scope((_CACHE_SCOPE if cache else _OP_SCOPE) + key)
+    key/value cache ``key``'s; ``activation``: op ``key``'s activation), for errors raised
+    while JAX differentiates them (:func:`scoped_op`); no equation parameter, so lowering
+    and compiled programs are shared across ops as before."""
+    prefix = _CACHE_SCOPE if cache else _ACT_SCOPE if activation else _OP_SCOPE
+    return jax.named_scope(prefix + key)
 
 
 def scoped_op(kind=False):
     """The op key of the innermost :func:`op_scope` around the equation being evaluated
     (JAX restores an equation's name stack when it differentiates a jaxpr), or ``None``;
-    ``kind``: ``(key, is a cache)``, ``(None, False)`` outside every scope.
+    ``kind``: ``(key, "op" | "cache" | "activation")``, ``(None, None)`` outside every
+    scope.
 
     >>> with op_scope("dense/kernel"):
     ...     scoped_op()
     'dense/kernel'
     >>> with op_scope("kv_cache"), op_scope("kv_cache", cache=True):
     ...     scoped_op(kind=True)
-    ('kv_cache', True)
+    ('kv_cache', 'cache')
     """
+    kinds = {_OP_SCOPE: "op", _CACHE_SCOPE: "cache", _ACT_SCOPE: "activation"}
     for e in reversed(source_info_util.current_name_stack().stack):
         name = getattr(e, "name", "")
-        for prefix in (_OP_SCOPE, _CACHE_SCOPE):
+        for prefix, what in kinds.items():
             if isinstance(name, str) and name.startswith(prefix):
                 key = name[len(prefix):]
-                return (key, prefix == _CACHE_SCOPE) if kind else key
-    return (None, False) if kind else None
+                return (key, what) if kind else key
+    return (None, None) if kind else None
 
 
 def together(*trees, committed=False):

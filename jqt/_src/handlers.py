@@ -699,11 +699,12 @@ def exact_sums(site, eqn, qp, packed, invals):
     return accumulator.exact_sums(eqn, codes + list(invals[2:]))
 
 
-def _codes(site, x, scale, zero_point, qtype):
-    """``x``'s integer codes for op ``site``; under ``jax.grad`` the error names the op
-    (from the equation's name scope: the derivative is asked for when JAX differentiates
-    the jaxpr, under ``jax.jit`` or a scan long after the op was traced)."""
-    with compat.op_scope(site.key):
+def _codes(site, x, scale, zero_point, qtype, activation=False):
+    """``x``'s integer codes for op ``site`` (``activation``: its activation's); under
+    ``jax.grad`` the error names the op (from the equation's name scope: the derivative is
+    asked for when JAX differentiates the jaxpr, under ``jax.jit`` or a scan long after the
+    op was traced)."""
+    with compat.op_scope(site.key, activation=activation):
         return nx.quantize(x, scale, zero_point, qtype)
 
 
@@ -799,7 +800,8 @@ class Integer:
             x = live_only(site, i, invals, x)
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)
-            ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype), scale=s, zero_point=z, qtype=q.qtype)
+            ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype, i != site.weight_operand),
+                            scale=s, zero_point=z, qtype=q.qtype)
             if q.qtype.kind == "int" and q.qtype.bits > 8:
                 wide = i
         _check_accumulator(site, eqn, ops, wide)

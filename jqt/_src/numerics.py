@@ -20,6 +20,7 @@ the one form XLA leaves as written in every program.
 from __future__ import annotations
 
 import inspect
+import re
 import math
 
 import jax
@@ -423,21 +424,31 @@ compat.ad.defjvp(fake_quant_p, _jvp_x, _jvp_scale, _jvp_zero_point)
 
 
 def _no_jvp(primals, tangents, **params):
-    key, cache = compat.scoped_op(kind=True)
+    key, kind = compat.scoped_op(kind=True)
     head = ((f"op '{key}': " if key else "") + "jqt_quantize (the integer path of jqt.quantize) "
             "is not differentiable: rounding to codes (int, fp8 or nf4) has no gradient. ")
-    if cache:  # what is trained reaches the keys and values the cache rounds
+    if kind == "cache":  # what is trained reaches the keys and values the cache rounds
         raise TypeError(
             head + f"'{key}' is a key/value cache (the recipe's kv_cache=): it rounds the keys "
             "and values written into it, activations that follow what is trained. Train with "
             "the cache float (calibrate with the preset's kv_cache=False, then pack) or "
             "through the simulated path, jqt.quantize(f, qparams, simulate=True).")
+    common = ("Differentiate the simulated path instead: jqt.quantize(f, qparams, "
+              "simulate=True). For a call you do not train through (a distillation teacher, a "
+              "reference), stop the gradient of its inputs, qf(jax.lax.stop_gradient(params), "
+              "x): a stop_gradient of its output comes after JAX has asked for this op's "
+              "derivative. ")
+    if kind == "activation":  # what is trained reaches an activation the op rounds
+        raise TypeError(
+            head + f"Op '{key}' rounds its activation to codes (the recipe quantizes "
+            "activations: w8a8, w4a8, fp8), and what is differentiated reaches that activation. "
+            + common + "To train adapters on a frozen base through the integer path, quantize "
+            "the base weight-only (w8, w4, nf4: QLoRA, docs/fine-tuning.md), or keep this op's "
+            "activation float with a rule ahead of the recipe's, "
+            f"jqt.Rule(key='^{re.escape(key or '')}$', weight=jqt.recipes.INT8_WEIGHT, "
+            "activation=None).")
     raise TypeError(
-        head + "Differentiate the simulated path instead: "
-        "jqt.quantize(f, qparams, simulate=True). For a call you do not train through (a "
-        "distillation teacher, a reference), stop the gradient of its inputs, "
-        "qf(jax.lax.stop_gradient(params), x): a stop_gradient of its output comes after JAX "
-        "has asked for this op's derivative. Training values f closes over (LoRA adapters "
+        head + common + "Training values f closes over (LoRA adapters "
         "bound with functools.partial)? Those are weights to jqt, quantized: pass them as an "
         "argument of f that is not a weight argument (docs/fine-tuning.md, QLoRA), where they "
         "stay float and their gradients flow through the integer path.")

@@ -809,8 +809,9 @@ def _share_equal(leaf_of, weights, qparams):
             f"but with other scales or zero points (trained apart in jqt.qat, edited, or given "
             f"by other rules), so the packed params hold its codes {len(keys)} times. To store "
             "them once, give the ops one set of scales (train the weight's scales frozen: "
-            "jqt.qat.labels(..., train=('weights', 'activation_scales')), or copy one op's "
-            "scales to the others); otherwise nothing is wrong.")
+            "jqt.qat.labels(..., train=('weights', 'activation_scales')), which freezes the "
+            "zero points too, the activations' with the weights', or copy one op's scales and "
+            "zero points to the others); otherwise nothing is wrong.")
 
 
 def _same_grid(lookup, matmul) -> bool:

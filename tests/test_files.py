@@ -561,6 +561,12 @@ def test_codes_relabelled_as_a_narrower_or_other_type_are_rejected(tmp_path, fil
     _rewrite(files["packed"], bad, header=reshape_leaf)
     _rejects(jqt.load_packed, bad, "op 'l1/w' reads weight leaf 'l1/w', calibrated with shape "
              "[16, 32], but the packed weights record that leaf with shape [32, 16]")
+    # the leaves' paths edited against the tree (two swapped): loaded, then a bare KeyError
+    # in the quantized call (hunt66_misuse)
+    _rewrite(files["packed"], bad, header=lambda h: h.__setitem__("paths", h["paths"][::-1]))
+    _rejects(jqt.load_packed, bad, "is damaged: its params tree names leaf #0")
+    _rewrite(files["packed"], bad, header=lambda h: h["weights"]["l1/w"].__setitem__("folded", "Rotate"))
+    _rejects(jqt.load_packed, bad, "its 'folded' is 'Rotate', which names transforms ['Rotate']")
 
 
 def test_a_scale_of_the_wrong_shape_is_rejected(tmp_path, files):

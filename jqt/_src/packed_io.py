@@ -462,6 +462,14 @@ def _read_tree(r, h, avals):
     if treedef.num_leaves != len(avals):
         raise r.error(f"its params tree has {treedef.num_leaves} leaves but the header has "
                       f"{len(avals)} avals")
+    rebuilt = PackedParams((), {}, treedef, avals, ()).key_paths()
+    paths = r.need(h, "paths", list, "the header")
+    named = [(i, a, path_str(b)) for i, (a, b) in enumerate(zip(paths, rebuilt or ()))
+             if a != path_str(b)]
+    if named:  # (saved from the same key paths: they agree unless the header was edited)
+        i, a, b = named[0]
+        raise r.error(f"its params tree names leaf #{i} '{b}', but its 'paths' say '{a}' "
+                      f"({len(named)} of {len(paths)} differ)")
     return treedef
 
 
@@ -524,6 +532,10 @@ def _weight_from_entry(r, key, d, version):
         folded = d.get("folded")  # absent from files written before jqt recorded it
         if folded is not None and not isinstance(folded, str):
             raise r.error(f"{where}: 'folded' is a {type(folded).__name__}, expected a string")
+        unknown = sorted(set(fold_parts(folded)) - {"smooth", "rotate"})
+        if unknown:  # a transform this jqt would not undo: refused, not dropped
+            raise r.error(f"{where}: its 'folded' is {folded!r}, which names transforms "
+                          f"{unknown} this jqt does not know (it folds 'smooth' and 'rotate')")
         if ("smooth" in arrays) != holds_smooth(folded):
             raise r.error(f"{where}: its 'folded' is {folded!r}, but it holds "
                           f"{'a' if 'smooth' in arrays else 'no'} smoothing vector ('smooth'); a "

@@ -766,6 +766,13 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
                 rtol=1e-5, atol=1e-5)
         full = jqt.calibrate(tw, jqt.recipes.w8(), p, [(x, jnp.int32(1), jnp.int32(2))], progress=False)
         assert full["pos"].op == "gather"
+    # a whole matrix of stacked layers at a data layer and a computed 0 is no window of
+    # rows: it stays float with the indexed warning (it was packed as a table; hunt66_review)
+    mat = lambda p, x, l: x @ jax.lax.dynamic_slice(p["w"], (l, jnp.int32(0), 0), (1, 8, 4))[0]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads weight 'w' indexed by a value computed from the data"):
+        qm = jqt.calibrate(mat, jqt.recipes.w8(), {"w": jnp.stack([w, -w])}, [(x, jnp.int32(1))],
+                           progress=False)
+    assert "w" not in qm
     heads = {"pos": jax.random.normal(k[0], (6, 2, 8)), "w": w}
     row = lambda p, x, s: (x + p["pos"][s]) @ p["w"]  # noqa: E731
     with pytest.warns(UserWarning, match=r"reads weight 'pos' indexed.*store it as \(P, H \* Dh\)"):

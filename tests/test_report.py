@@ -716,6 +716,13 @@ def test_report_passes_complex_values_on_whole_and_names_float_ops():
     # an op made float by hand (no note) is listed as summarize lists it (hunt65_docscalib)
     hand = dict(qp, o=dataclasses.replace(qp["o"], lhs=None, rhs=None))
     assert "kept float (made float in the qparams): o" in str(jqt.report(f, hand, p, (x,)))
+    # a stacked op's layers are one entry there, so the line names the ops, not layers of
+    # the first (it listed 'a[0]', 'a[1]', 'a[2]' ...; hunt66_reportdecoder)
+    stack = {"a": jnp.ones((3, 4, 4)) * 0.1, "b": jnp.ones((3, 4, 4)) * 0.2}
+    g = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w["a"]) @ w["b"], None), x, p)[0]  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), stack, [(jnp.ones((2, 4)),)], progress=False)
+    none = {k: dataclasses.replace(q, lhs=None, rhs=None) for k, q in qg.items()}
+    assert "kept float (made float in the qparams): a, b\n" in str(jqt.report(g, none, stack, (jnp.ones((2, 4)),))) + "\n"
     # a complex output: its error is the complex one
     p["w2"] = jnp.asarray(np.random.default_rng(2).standard_normal((k, n)), jnp.float32)
     g = lambda p, x: (x @ p["w2"]).astype(jnp.complex64) * p["dft"][1]  # rotated by phases

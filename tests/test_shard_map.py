@@ -183,7 +183,7 @@ with tempfile.TemporaryDirectory() as d:
     # a jax.eval_shape template (an AbstractMesh, which device_put cannot take) loads; its
     # kept bias is placed split by packed_shardings, which follows the recorded split
     tmpl = jax.eval_shape(lambda: pb)
-    jqt.load_packed(os.path.join(d, "b.safetensors"), like=tmpl)
+    abstract_b = jqt.load_packed(os.path.join(d, "b.safetensors"), like=tmpl)
     placed_b = jqt.load_packed(os.path.join(d, "b.safetensors"), like=tmpl,
                                device=lambda h: jqt.packed_shardings(qpb, h, EXPLICIT)[1])
 try:
@@ -191,8 +191,25 @@ try:
                    jqt.quantize(tp_bias, qpb)(jqt.pack(qpb, pb), x))
 except ValueError as e:
     kept_err = str(e)[:300]
+# weights loaded so are the ones jqt.pack gave: an artifact exported from those takes
+# them, and a function called with them exports (the recorded avals were on the
+# template's AbstractMesh: both refused; hunt66_exportshard); with no concrete mesh to put
+# them on, serializing says what to pass
+qtb, pkb = jax.jit(jqt.quantize(tp_bias, qpb)), jqt.pack(qpb, pb)
+exp_b = jax.export.export(qtb)(pkb, x)
+try:
+    exp_placed = err(exp_b.call(placed_b, x), qtb(pkb, x))
+    len(jax.export.export(qtb)(placed_b, x).serialize())
+except ValueError as e:
+    exp_placed = str(e)[:300]
+try:
+    jax.export.export(qtb)(abstract_b, x).serialize()
+    exp_abstract = "no error"
+except ValueError as e:
+    exp_abstract = str(e)
 R["compose"]["kept_split"] = {"split": getattr(loaded_b.leaves[0].sharding, "spec", None) == P("x"), "err": kept_err,
-                              "placed": getattr(placed_b.leaves[0].sharding, "spec", None) == P("x")}
+                              "placed": getattr(placed_b.leaves[0].sharding, "spec", None) == P("x"),
+                              "export_placed": exp_placed, "export_abstract": exp_abstract}
 
 # packed weights and qparams placed as the shard_map splits them (jqt.packed_shardings)
 qs, ps = jqt.packed_shardings(qp, packed, EXPLICIT)
@@ -579,7 +596,9 @@ def test_shard_map_composes_with_grad_vmap_export_and_files(result_slow):
     assert r["packed_file_err"] == 0.0, r
     assert "jqt.load_packed(path, like=params)" in r["packed_bare"], r
     # a kept float leaf that like= splits (a column-parallel bias) is put split
-    assert r["kept_split"] == {"split": True, "err": 0.0, "placed": True}, r
+    abstract = r["kept_split"].pop("export_abstract")
+    assert "AbstractMesh" in abstract and "device=lambda host: jqt.packed_shardings" in abstract, abstract
+    assert r["kept_split"] == {"split": True, "err": 0.0, "placed": True, "export_placed": 0.0}, r
 
 
 def test_a_recorded_split_of_a_kept_leaf_is_kept_only_where_the_mesh_divides_it():

@@ -412,6 +412,8 @@ def test_packed_params_or_a_quantized_cache_passed_to_f_say_what_to_call():
         f(packed, x)
     with pytest.raises(TypeError, match=r"read at 'params'"):
         "params" in packed  # noqa: B015 - flax's apply looks so
+    with pytest.raises(TypeError, match=r"PackedParams is not iterable"):
+        list(packed)
     c = jqt.quantize_cache(jnp.ones((1, 4, 2, 8)))
     with pytest.raises(AttributeError, match=r"no attribute 'ndim': .*jqt.dequantize_cache"):
         c.ndim
@@ -1663,6 +1665,17 @@ def test_packed_shardings_rules_that_decide_nothing_are_said():
     assert any("ops rule 0 ('attn/w', 'in') decides nothing: it matches only ops kept float "
                "('attn/w'), whose weights are kept float leaves: place them with a leaves= rule" in m
                for m in got), got
+    # an activation x activation op has no packed weight either: it decided nothing
+    # without a word (hunt66_exportshard)
+    g = lambda p, x: (x @ p["attn"]["w"]) @ (x @ p["attn"]["w"]).T  # noqa: E731
+    axx = jqt.Rule(ops=("dot_general",), act_x_act=jqt.QuantType(bits=8, dynamic=True))
+    axa = jqt.calibrate(g, jqt.Recipe(rules=(axx,) + jqt.recipes.w8a8().rules), p,
+                        [(jnp.ones((2, 4)),)], progress=False)
+    pk = jqt.pack(axa, p)
+    bare = [k for k, q in axa.items() if not q.is_float and k not in pk.weights]
+    got = _messages(lambda: jqt.packed_shardings(axa, pk, mesh, ops=[("dot_general", "in")]))
+    assert bare and any("ops rule 0 ('dot_general', 'in') decides nothing: it matches only ops without "
+                        f"a packed weight ('{bare[0]}'" in m for m in got), (bare, got)
     with pytest.raises(TypeError, match=r"dequantize_cache: dtype='int8' is not a float dtype"):
         jqt.dequantize_cache(jqt.quantize_cache(jnp.ones((2, 8))), "int8")
 

@@ -89,6 +89,13 @@ def _aval_to_json(a) -> list:
     s = getattr(a, "sharding", None)
     if s is not None:
         mesh = s.mesh
+        if isinstance(mesh, jax.sharding.AbstractMesh):
+            raise ValueError(
+                "jqt: packed weights whose recorded leaf sharding is on an AbstractMesh (loaded "
+                "by jqt.load_packed with like= a jax.eval_shape template, and no device= on a "
+                "concrete Mesh) cannot be serialized: the artifact records the devices. Load "
+                "them with device=lambda host: jqt.packed_shardings(qparams, host, mesh)[1], "
+                "mesh the concrete jax.sharding.Mesh, or like= the concrete params.")
         out.append({"axes": list(mesh.axis_names), "sizes": [int(n) for n in mesh.devices.shape],
                     "types": [t.name for t in mesh.axis_types],
                     "devices": [int(d.id) for d in mesh.devices.flat],

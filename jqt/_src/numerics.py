@@ -443,10 +443,11 @@ def _no_jvp(primals, tangents, **params):
             head + f"Op '{key}' rounds its activation to codes (the recipe quantizes "
             "activations: w8a8, w4a8, fp8), and what is differentiated reaches that activation. "
             + common + "To train adapters on a frozen base through the integer path, quantize "
-            "the base weight-only (w8, w4, nf4: QLoRA, docs/fine-tuning.md), or keep this op's "
-            "activation float with a rule ahead of the recipe's, "
-            f"jqt.Rule(key='^{re.escape(key or '')}$', weight=jqt.recipes.INT8_WEIGHT, "
-            "activation=None).")
+            "the base weight-only (w8, w4, nf4: QLoRA, docs/fine-tuning.md): every op after "
+            "the adapters rounds its activation under this recipe, this one first, so a rule "
+            f"keeping this op's activation float (jqt.Rule(key='^{re.escape(key or '')}$', "
+            "weight=<its weight type>, activation=None), ahead of the recipe's) moves the "
+            "error to the next.")
     raise TypeError(
         head + common + "Training values f closes over (LoRA adapters "
         "bound with functools.partial)? Those are weights to jqt, quantized: pass them as an "

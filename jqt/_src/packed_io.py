@@ -317,7 +317,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
                         "concrete jax.sharding.Mesh: device=lambda host: "
                         "jqt.packed_shardings(qparams, host, mesh)[1], mesh the Mesh of devices.")
     try:
-        return _put_once(packed, device, split=like is not None)
+        return _on_concrete_meshes(_put_once(packed, device, split=like is not None), device)
     except _NotAPrefix as e:
         raise ValueError(f"{fn}: {path}: device= {e}: pass device=lambda host: "
                          "jqt.packed_shardings(qparams, host, mesh)[1] (shardings of the loaded "
@@ -348,6 +348,29 @@ def _children_places(packed, device):
             (device.leaves, device.weights))
     except (ValueError, TypeError):
         return None
+
+
+def _on_concrete_meshes(packed, device):
+    """``packed`` with the recorded shardings that ``like=`` (a ``jax.eval_shape``
+    template) gave on an ``AbstractMesh`` put on the concrete ``Mesh`` of that abstract
+    mesh that ``device=`` or the placed arrays use: the avals ``jqt.pack`` records from
+    concrete params, so that an exported artifact takes these weights and ``jax.export``
+    can serialize a function called with them. Where none is found they stay abstract
+    (``export._aval_to_json`` says what to pass)."""
+    avals = [getattr(getattr(a, "sharding", None), "mesh", None) for a in packed.avals]
+    if not any(isinstance(m, jax.sharding.AbstractMesh) for m in avals):
+        return packed
+    meshes = {}
+    for d in jax.tree_util.tree_leaves(device) + [getattr(x, "sharding", None)
+                                                  for x in jax.tree_util.tree_leaves(packed)]:
+        m = getattr(d, "mesh", None)
+        if isinstance(m, jax.sharding.Mesh):
+            meshes.setdefault(m.abstract_mesh, m)
+    out = [a if not isinstance(m, jax.sharding.AbstractMesh) or m not in meshes else
+           jax.ShapeDtypeStruct(tuple(a.shape), a.dtype,
+                                sharding=jax.sharding.NamedSharding(meshes[m], a.sharding.spec))
+           for a, m in zip(packed.avals, avals)]
+    return PackedParams(packed.leaves, packed.weights, packed.treedef, out, packed.kept, packed.tied)
 
 
 def _put_once(packed, device, split=False):

@@ -561,6 +561,11 @@ class PackedParams:
     def __contains__(self, key):
         self[key]
 
+    def __iter__(self):
+        raise TypeError("jqt.PackedParams is not iterable (it is not the params' tree): it holds "
+                        "packed weights (jqt.pack, jqt.load_packed), which only the quantized "
+                        "function reads; jax.tree.leaves(packed) gives its arrays.")
+
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""
         return (f"PackedParams({len(self.weights)} quantized weights{tied}, {len(self.leaves)} float "

@@ -332,6 +332,10 @@ class RowLookup(Gather):
 
     def weight_operand(self, eqn, ins):
         axes = self.axes(eqn) if ins[0].weight else None
+        shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+        if any(a < len(shape) - 1 and sizes[a] == shape[a] and ins[1 + a].weight for a in axes or ()):
+            return None  # a window as long as its axis at a constant start (a computed 0): the
+            # whole axis read, a matrix (w[l] of stacked layers), not a lookup
         idx = [ins[1 + a] for a in axes or ()]
         # some index from the data; the others too, or constants (tables[0, t]: a literal;
         # lax.dynamic_slice(t, (i, 0), ...): a literal 0)

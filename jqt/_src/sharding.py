@@ -42,15 +42,21 @@ def _first_match(rules, name, default, used=None):
     return default
 
 
-def _warn_unused(name, rules, used, names, what, note="", float_ops=()):
+def _warn_unused(name, rules, used, names, what, note="", float_ops=(), weightless=()):
     """Warns of each rule of ``rules`` that was the first match of no name (``float_ops``:
-    op keys kept float, which an ``ops`` rule does not place)."""
+    op keys kept float, which an ``ops`` rule does not place; ``weightless``: quantized ops
+    with no packed weight, key/value cache writes and activation x activation ops)."""
     listed = ", ".join(repr(n) for n in names[:6]) + (" ..." if len(names) > 6 else "") + note
     for i, rule in enumerate(rules):
         if i not in used:
             taken = any(re.search(rule[0], n) for n in names)
             kept = [k for k in float_ops if re.search(rule[0], k)]
+            bare = [k for k in weightless if re.search(rule[0], k)]
+            taken = taken and not set(n for n in names if re.search(rule[0], n)) <= set(bare)
             why = ("an earlier rule takes every one it matches; move it ahead of them" if taken
+                   else f"it matches only ops without a packed weight "
+                   f"({', '.join(map(repr, bare[:6]))}: key/value cache writes, activation x "
+                   "activation ops), which it does not place" if bare
                    else f"it matches only ops kept float ({', '.join(map(repr, kept[:6]))}), "
                    "whose weights are kept float leaves: place them with a leaves= rule" if kept
                    else f"its pattern matches none of the {what} ({listed or 'none'}); check it")
@@ -234,7 +240,10 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         if not isinstance(op, OpQParams):
             raise TypeError(f"jqt.packed_shardings: qparams['{key}'] is a {type(op).__name__}; "
                             "expected jqt.OpQParams.")
-        mode = _first_match(ops, key, "out", None if op.is_float else used_ops)
+        # (a rule decides only where a packed weight is: a cache write's or an activation x
+        # activation op's qparams are placed alike whatever it says)
+        mode = _first_match(ops, key, "out", used_ops if not op.is_float and key in packed.weights
+                            else None)
         pw = packed.weights.get(key)
         blocks = _block_spec(op)
         if blocks is not None:  # split by the function's own jax.shard_map: as it splits them
@@ -327,7 +336,9 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         spec = _recorded_split(packed.avals[i], mesh) if spec is None else spec
         leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
     _warn_unused("ops", ops, used_ops, [k for k, op in qparams.items() if not op.is_float],
-                 "quantized op keys", float_ops=[k for k, op in qparams.items() if op.is_float])
+                 "quantized op keys", float_ops=[k for k, op in qparams.items() if op.is_float],
+                 weightless=[k for k, op in qparams.items()
+                             if not op.is_float and k not in packed.weights])
     _warn_unused("leaves", leaves, used_leaves, [paths[i] for i in packed.kept],
                  "kept float leaves", "; jqt.pack drops the weights it packs")
     out = PackedParams(leaf_sh, {k: w_sh[k] for k in packed.weights}, packed.treedef, packed.avals,

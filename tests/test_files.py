@@ -1401,6 +1401,20 @@ def test_a_registration_that_does_not_rebuild_its_node_is_named_not_a_damaged_fi
     assert "damaged:" not in str(e.value)
     back = jqt.load_packed(path, like=p)  # the advice works: the file is good
     np.testing.assert_array_equal(jqt.quantize(f, qp)(back, x), jqt.quantize(f, qp)(jqt.pack(qp, p), x))
+    # dict keys of a str Enum: the header stored their values, the paths their names, and the
+    # file was called damaged (before that, the call failed on keys; hunt66_review2)
+    import enum
+    K = enum.Enum("K", {"W": "w", "B": "b"}, type=str)
+    pe = {K.W: jnp.ones((8, 4)) * 0.3, K.B: jnp.zeros(4)}
+    g = lambda p, x: x @ p[K.W] + p[K.B]  # noqa: E731
+    qe = jqt.calibrate(g, jqt.recipes.w8a8(), pe, [(x,)], progress=False)
+    jqt.save_packed(path, jqt.pack(qe, pe), qe)
+    with pytest.raises(FormatError, match=r"a tree jqt cannot rebuild \(a dict with keys .*not "
+                       r"subclasses such as an Enum's.*Pass like=params") as e:
+        jqt.load_packed(path)
+    assert "damaged:" not in str(e.value)
+    np.testing.assert_array_equal(jqt.quantize(g, qe)(jqt.load_packed(path, like=pe), x),
+                                  jqt.quantize(g, qe)(jqt.pack(qe, pe), x))
 
 
 class _Checked:

@@ -723,6 +723,13 @@ def test_report_passes_complex_values_on_whole_and_names_float_ops():
     qg = jqt.calibrate(g, jqt.recipes.w8a8(), stack, [(jnp.ones((2, 4)),)], progress=False)
     none = {k: dataclasses.replace(q, lhs=None, rhs=None) for k, q in qg.items()}
     assert "kept float (made float in the qparams): a, b\n" in str(jqt.report(g, none, stack, (jnp.ones((2, 4)),))) + "\n"
+    # a note of one layer still names that layer (hunt66_review2)
+    huge = {"a": jnp.stack([jnp.eye(4) * 0.5, jnp.eye(4) * 0.5, jnp.eye(4) * 3e20]) + 0.01}
+    h = lambda p, x: jax.lax.scan(lambda c, w: (c @ w["a"], None), x, p)[0]  # noqa: E731
+    qh = jqt.calibrate(h, jqt.recipes.w8(), huge, [(jnp.ones((2, 4)),)], progress=False)
+    line = next(t for t in str(jqt.report(h, qh, huge, (jnp.ones((2, 4)),))).splitlines()
+                if "its SQNR is not measured" in t)
+    assert line.endswith("): a[2]"), line
     # a complex output: its error is the complex one
     p["w2"] = jnp.asarray(np.random.default_rng(2).standard_normal((k, n)), jnp.float32)
     g = lambda p, x: (x @ p["w2"]).astype(jnp.complex64) * p["dft"][1]  # rotated by phases

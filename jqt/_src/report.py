@@ -305,8 +305,10 @@ class Report:
         for r in self.rows:
             if not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE):
                 # (an op made float in the qparams by hand has no note: summarize's words)
-                # (by key: a stacked op's layers are one entry, so the line names more ops)
-                kept.setdefault((r.quantized, r.note or "made float in the qparams"), []).append(r.key)
+                # (a float op by key: all its layers are, one entry, so the line names more
+                # ops; a note may be one layer's)
+                kept.setdefault((r.quantized, r.note or "made float in the qparams"),
+                                []).append(r.name if r.quantized else r.key)
         for (quantized, note), names in kept.items():
             names = list(dict.fromkeys(names))
             out.append(f"{'note' if quantized else 'kept float'} ({note}): {', '.join(names[:6])}"

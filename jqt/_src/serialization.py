@@ -139,8 +139,10 @@ def treedef_to_json(treedef):
         return ["list", kids]
     if kind is dict:
         keys = list(aux)
-        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
-            raise TreeNotSerializable(f"a dict with keys {keys[:4]} (only str and int keys)")
+        if not all(type(k) in (str, int) for k in keys):  # (a str Enum's JSON is its value,
+            # its path its name: rebuilt, its keys would not be the params')
+            raise TreeNotSerializable(f"a dict with keys {keys[:4]} (only str and int keys, "
+                                      "not subclasses such as an Enum's)")
         return ["dict", keys, kids]
     name, serialize = ser[kind]
     data = serialize(aux)

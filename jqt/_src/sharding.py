@@ -56,7 +56,8 @@ def _warn_unused(name, rules, used, names, what, note="", float_ops=(), weightle
             why = ("an earlier rule takes every one it matches; move it ahead of them" if taken
                    else f"it matches only ops without a packed weight "
                    f"({', '.join(map(repr, bare[:6]))}: key/value cache writes, activation x "
-                   "activation ops), which it does not place" if bare
+                   "activation ops, weights f computes at run time, whose float leaves a leaves= "
+                   "rule places), which it does not place" if bare
                    else f"it matches only ops kept float ({', '.join(map(repr, kept[:6]))}), "
                    "whose weights are kept float leaves: place them with a leaves= rule" if kept
                    else f"its pattern matches none of the {what} ({listed or 'none'}); check it")
@@ -336,7 +337,8 @@ def packed_shardings(qparams: dict, packed: PackedParams, mesh, *, axis: str = "
         spec = _recorded_split(packed.avals[i], mesh) if spec is None else spec
         leaf_sh.append(rep if spec is None else NamedSharding(mesh, spec))
     _warn_unused("ops", ops, used_ops, [k for k, op in qparams.items() if not op.is_float],
-                 "quantized op keys", float_ops=[k for k, op in qparams.items() if op.is_float],
+                 "quantized op keys", float_ops=[k for k, op in qparams.items()
+                                                 if op.is_float and op.weight_operand is not None],
                  weightless=[k for k, op in qparams.items()
                              if not op.is_float and k not in packed.weights])
     _warn_unused("leaves", leaves, used_leaves, [paths[i] for i in packed.kept],

@@ -358,6 +358,20 @@ def test_ragged_dot_integer_matches_simulated(name):
     assert (codes.dtype == jnp.uint8, codes.shape[-1]) == ((True, F // 2) if four_bit else (False, F))
 
 
+def test_ragged_dot_with_a_per_tensor_weight_runs_its_integer_kernel():
+    """A per-tensor weight type (one scale, 0-d) crashed the int8 ragged_dot kernel with an
+    IndexError from ``KernelPolicy.ragged_int_rows`` rows up (256 on the CPU table: a
+    300-token prefill; hunt66_moe)."""
+    rule = jqt.Rule(weight=jqt.QuantType(bits=8, per_channel=False),
+                    activation=jqt.QuantType(bits=8, symmetric=False, per_channel=False))
+    qp = jqt.calibrate(ragged, jqt.Recipe(rules=(rule,)), P, [(X_RAGGED,)], progress=False)
+    assert qp["w"].rhs.scale.shape == ()
+    sim = jqt.quantize(ragged, qp, simulate=True)(P, X_RAGGED)
+    policy = dataclasses.replace(jqt.KernelPolicy.for_backend("cpu"), ragged_int_rows=1)
+    out = jax.jit(jqt.quantize(ragged, qp, policy=policy))(jqt.pack(qp, P, policy=policy), X_RAGGED)
+    np.testing.assert_allclose(out, sim, rtol=2e-5, atol=2e-5 * float(jnp.abs(sim).max()))
+
+
 @pytest.mark.slow_variants
 @pytest.mark.parametrize("cal", [jqt.calibrators.MinMax(), jqt.calibrators.Percentile(99.9),
                                  jqt.calibrators.Entropy()], ids=lambda c: type(c).__name__)

@@ -74,7 +74,9 @@ def integer(eqn, x, wq, sizes):
     if zx is not None:  # sum (qx - zx) qw = sum qx qw - zx sum qw
         wsum = jnp.sum(wq.values, axis=1, dtype=_I32)  # (G, N)
         acc = acc - jnp.round(zx.astype(_F32)).astype(_I32) * wsum[g]
-    out = acc.astype(_F32) * sx.astype(_F32) * wq.scale[:, 0, :].astype(_F32)[g]
+    sw = wq.scale.astype(_F32)  # (G, 1, N) per expert and channel, or one (per tensor)
+    sw = sw[:, 0, :][g] if sw.ndim == 3 else sw
+    out = acc.astype(_F32) * sx.astype(_F32) * sw
     return [jnp.where(live[:, None], out, 0.0).astype(eqn.outvars[0].aval.dtype)]
 
 

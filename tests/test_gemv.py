@@ -187,6 +187,21 @@ def test_gpu_table_runs_weight_only_int8_as_digits_at_2_to_4_rows():
                                    atol=2e-6 * float(jnp.abs(ref).max()), err_msg=str(m))
 
 
+def test_an_inf_in_a_row_gives_the_infinities_on_the_digits_path():
+    """An inf in a float activation row made every output of that row NaN on the digits
+    path (the GPU table at 2-4 rows: x / inf), where float and the simulated path give
+    +-inf (hunt66_lowbitnumerics); a NaN row stays NaN."""
+    gpu = jqt.KernelPolicy.for_backend("gpu")
+    for recipe in (R.w8(), R.w4(group_size=0), R.w4(group_size=32)):
+        f, p, qp, _ = _setup(recipe)
+        x = jax.random.normal(jax.random.key(5), (3, K)).at[0, 3].set(jnp.inf).at[2, 1].set(jnp.nan)
+        ref = jqt.quantize(f, qp, simulate=True)(p, x)
+        out = jax.jit(jqt.quantize(f, qp, policy=gpu))(jqt.pack(qp, p, policy=gpu), x)
+        assert np.isinf(ref[0]).any() and np.isnan(ref[2]).all()
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * float(jnp.abs(ref[1]).max()))
+
+
 BLOCKS = {  # more rows than float_matmul_rows: blocks of 16 of the 48 output channels
     "kn": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16),
     "nk": jqt.KernelPolicy(pad_rows=2, weight_only_chunk=128, float_matmul_rows=2, many_rows_block=16,

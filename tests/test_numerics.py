@@ -453,6 +453,23 @@ def test_smoothed_activations_at_ties_get_the_same_codes_on_every_path():
         assert float(np.abs(np.asarray(y) - ref).max()) < 0.01 * step, name
 
 
+def test_fp8_on_float_params_keeps_products_of_two_small_scales():
+    """fp8 (e5m2 most: its scales are a range over 57344) on float params multiplied the
+    two scales first: below float32's normal range the product flushed to 0 and every
+    output was 0, at weights of 1e-30 or activations of 1e-30 (hunt66_lowbitnumerics)."""
+    rng = np.random.default_rng(4)
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    rec = jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2")
+    for ws, xs in ((1e-30, 1.0), (1.0, 1e-30)):
+        p = {"w": jnp.asarray(rng.standard_normal((64, 16)) * ws, jnp.float32)}
+        x = jnp.asarray(rng.standard_normal((4, 64)) * xs, jnp.float32)
+        qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+        sim = jqt.quantize(f, qp, simulate=True)(p, x)
+        assert float(jnp.abs(sim).max()) > 0
+        np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(p, x), sim, rtol=1e-5,
+                                   atol=1e-5 * float(jnp.abs(sim).max()))
+
+
 def test_a_weight_whose_scale_has_no_normal_reciprocal_is_refused():
     # an nf4 or 3-bit scale above 2**126 has a subnormal reciprocal, flushed to 0: every
     # code was 0 on every path, jqt.pack included, and calibrate warned the weight "all zeros"

@@ -96,12 +96,16 @@ def digits(x2, n: int):
     """
     x = x2.astype(_F32)
     s = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127.0
+    # a row holding inf: its first digit the infinities' signs (127) at scale inf, the others
+    # 0 at scale 0, so its products are the infinities' as in float (they were NaN: x / inf)
+    inf = jnp.isinf(s)
     codes, scales, r = [], [], x
-    for _ in range(n):
+    for d in range(n):
         ok = s > 0  # an all-zero row, or a scale that underflowed: the digit is 0
         c = jnp.clip(jnp.round(jnp.where(ok, r / jnp.where(ok, s, 1.0), 0.0)), -127, 127)
+        c = jnp.where(inf, jnp.where(jnp.isinf(x), jnp.sign(x) * 127.0, 0.0) if d == 0 else 0.0, c)
         codes.append(c.astype(jnp.int8))
-        scales.append(s)
+        scales.append(s if d == 0 else jnp.where(inf, 0.0, s))
         r = r - c * s
         s = s / DIGIT_RATIO
     return jnp.concatenate(codes, 0), jnp.stack(scales)

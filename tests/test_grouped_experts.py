@@ -358,6 +358,19 @@ def test_ragged_dot_integer_matches_simulated(name):
     assert (codes.dtype == jnp.uint8, codes.shape[-1]) == ((True, F // 2) if four_bit else (False, F))
 
 
+def test_a_map_over_expert_indices_says_to_map_over_the_weight():
+    """``lax.map(lambda e: x[e] @ w[e], jnp.arange(E))`` quantizes each expert at run time
+    (its weight is no leaf reached by layout ops): jqt.pack's warning gave advice that did
+    not apply; it names the form and the fix (hunt66_moe)."""
+    x = jnp.stack([X_RAGGED[:4]] * E)
+    f = lambda p, x: jax.lax.map(lambda e: x[e] @ p["w"][e], jnp.arange(E))  # noqa: E731
+    qp = jqt.calibrate(f, jqt.recipes.w8(), P, [(x,)], progress=False)
+    with pytest.warns(UserWarning, match=r"w\[e\] in a lax.map/lax.scan over jnp.arange\(E\).*"
+                                         r"lax.map\(body, w\)"):
+        packed = jqt.pack(qp, P)
+    assert not packed.weights
+
+
 def test_ragged_dot_with_a_per_tensor_weight_runs_its_integer_kernel():
     """A per-tensor weight type (one scale, 0-d) crashed the int8 ragged_dot kernel with an
     IndexError from ``KernelPolicy.ragged_int_rows`` rows up (256 on the CPU table: a

@@ -701,11 +701,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
                          "reached by layout ops (constants, values computed from several leaves or "
                          "by arithmetic on one, as a weight standardization (w - mean) / std, "
                          "a leaf reordered by an index array, w[perm], or gathered across devices "
-                         "inside a jax.shard_map, all_gather, as FSDP does); they are quantized at "
-                         "run time. To pack such a weight, store it as computed in params (e.g. "
-                         "the reordered w) and calibrate on those params; a shard_map's weight, "
-                         "pass it whole (P() in in_specs) or split as its matmul reads it "
-                         "(tensor parallelism).")
+                         "inside a jax.shard_map, all_gather, as FSDP does, or w[e] in a "
+                         "lax.map/lax.scan over jnp.arange(E)); they are quantized at run time. "
+                         "To pack such a weight, store it as computed in params (e.g. the "
+                         "reordered w) and calibrate on those params; loop over the stacked "
+                         "weight itself (lax.map(body, w), each expert's matrix the body's "
+                         "argument); a shard_map's weight, pass it whole (P() in in_specs) or "
+                         "split as its matmul reads it (tensor parallelism).")
     if copies:
         key, path, shape, n, op = copies[0]
         how, fix = (("jnp.repeat or jnp.broadcast_to of a kernel?", "Where a convolution "

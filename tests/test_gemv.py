@@ -190,9 +190,10 @@ def test_gpu_table_runs_weight_only_int8_as_digits_at_2_to_4_rows():
 def test_an_inf_in_a_row_gives_the_infinities_on_the_digits_path():
     """An inf in a float activation row made every output of that row NaN on the digits
     path (the GPU table at 2-4 rows: x / inf), where float and the simulated path give
-    +-inf (hunt66_lowbitnumerics); a NaN row stays NaN."""
+    +-inf (hunt66_lowbitnumerics); a NaN row stays NaN. With zero points too: the zero
+    point's product came from the row's float sum, inf - inf (hunt66_review3)."""
     gpu = jqt.KernelPolicy.for_backend("gpu")
-    for recipe in (R.w8(), R.w4(group_size=0), R.w4(group_size=32)):
+    for recipe in (R.w8(), R.w4(group_size=0), R.w4(group_size=32), R.w4(group_size=0, symmetric=False)):
         f, p, qp, _ = _setup(recipe)
         x = jax.random.normal(jax.random.key(5), (3, K)).at[0, 3].set(jnp.inf).at[2, 1].set(jnp.nan)
         ref = jqt.quantize(f, qp, simulate=True)(p, x)

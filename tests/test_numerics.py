@@ -466,8 +466,10 @@ def test_fp8_on_float_params_keeps_products_of_two_small_scales():
         qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
         sim = jqt.quantize(f, qp, simulate=True)(p, x)
         assert float(jnp.abs(sim).max()) > 0
-        np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(p, x), sim, rtol=1e-5,
-                                   atol=1e-5 * float(jnp.abs(sim).max()))
+        gpu = jqt.KernelPolicy.for_backend("gpu")  # packed, fp8 x fp8 in one matmul
+        for out in (jax.jit(jqt.quantize(f, qp))(p, x),
+                    jax.jit(jqt.quantize(f, qp, policy=gpu))(jqt.pack(qp, p, policy=gpu), x)):
+            np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5 * float(jnp.abs(sim).max()))
 
 
 def test_a_weight_whose_scale_has_no_normal_reciprocal_is_refused():

@@ -389,6 +389,29 @@ def float_codes(ax, x):
     return qx2
 
 
+def scaled(out, *scales):
+    """``out`` times the product of ``scales`` (broadcastable to it), the product first
+    (the accumulator times one large scale can overflow); where that product is below
+    float32's normal range (two small scales: flushed to 0), the scales one after the
+    other (the output is then small), behind barriers (XLA folds two factors into one).
+
+    >>> import jax.numpy as jnp
+    >>> y = scaled(jnp.float32(2e11), jnp.float32(1e-4), jnp.float32(5e-35))  # 1e-39 flushed
+    >>> bool(abs(float(y) / 1e-27 - 1) < 1e-6)
+    True
+    """
+    factor = scales[0]
+    for s in scales[1:]:
+        factor = factor * s
+    if len(scales) == 1:
+        return out * factor
+    apart = out
+    for s in scales:
+        apart = lax.optimization_barrier(apart * s)
+    return jnp.where(jnp.abs(factor) >= jnp.finfo(_F32).tiny, out * factor, apart)  # (a 0
+    # scale: 0 both ways)
+
+
 def fp8_dense(ax, x, w, policy):
     """fp8 activation x fp8 weight: one fp8 matmul with float32 accumulation where the
     backend has it (``policy.fp8_native``), else the weight-only path on the upcast
@@ -397,7 +420,7 @@ def fp8_dense(ax, x, w, policy):
     if policy.fp8_native:
         dn = (((1,), (contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
-        return out * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))  # scales first
+        return scaled(out, ax.act_vec(x.scale.astype(_F32)), w.scale.astype(_F32))
     if fp8_as_bfloat16(x2.shape[0], w, policy):
         return _fp8_bfloat16(ax, x, x2, w, policy)
     w, lo, hi = _act_scale_around(ax, x, w)  # as in int_codes_as_float

@@ -169,11 +169,15 @@ def _weight_only_rows(x2, w, policy):
     c, scales = digits(x2, policy.weight_only_digits)
     acc = sum(dense.int_matmul(c[:, r], p, w.layout, policy.pad_rows)
               for r, p in dense.parts(w.values, w.nibbles))
-    out = _combine(acc.astype(_F32), scales)
-    if w.zero_point is not None:
-        zsum = jnp.sum(x2.astype(_F32), axis=1, keepdims=True)
-        out = out - jnp.round(w.zero_point).astype(_F32) * zsum
-    return out * w.scale.astype(_F32)
+    if w.zero_point is not None:  # per digit: sum c (q - zw) = sum c q - zw sum c, in int32
+        # where it fits (exact), else in float32; a row's infinities then meet q - zw, as in
+        # float (from the float sum of the row, zw times inf was subtracted from inf: NaN)
+        zw, csum = jnp.round(w.zero_point), jnp.sum(c.astype(_I32), axis=1, keepdims=True)
+        if _k(w) <= dense.safe_k(np.int8, False, np.int8, True):
+            acc = acc - zw.astype(_I32) * csum
+        else:
+            acc = acc.astype(_F32) - zw.astype(_F32) * csum.astype(_F32)
+    return _combine(acc.astype(_F32), scales) * w.scale.astype(_F32)
 
 
 def int_grouped(ax, x, w, policy):

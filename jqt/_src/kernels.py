@@ -190,30 +190,17 @@ def _fp8_generic(site, eqn, ops):
     # in float32: fp8 values are up to 57344 units of their scale, beyond float16's range
     out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], kernel=True,
                           preferred_element_type=_F32)[0]
-    factor, each = None, []  # the scales' product first (the accumulator times one scale
-    # can overflow); where that product is below float32's normal range (two small scales:
-    # flushed to 0), the scales one after the other (the output is then small)
+    each = []  # applied by dense.scaled: their product first, one by one where it is subnormal
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:
-            s = op.scale.astype(_F32)
-            out = out * units[i] if units[i] != 1.0 else out  # (codes in units: the scale
-            # times a unit could be subnormal)
+            s = op.scale.astype(_F32) * units[i]
             if site.op == "dot_general":
                 s = to_out_dot(s, i, eqn.params["dimension_numbers"], [v.ndim for v in vals])
             else:
                 nd = eqn.outvars[0].aval.ndim
                 s = _out_channel(s, eqn.params, nd) if i == w else _out_batch(s, eqn.params, nd)
-            factor = s if factor is None else factor * s
             each.append(s)
-    if factor is None:
-        return out
-    if len(each) == 1:
-        return out * factor
-    apart = out
-    for s in each:  # (a barrier each: XLA would fold two scalar factors into one again)
-        apart = lax.optimization_barrier(apart * s)
-    tiny = jnp.finfo(_F32).tiny
-    return jnp.where(jnp.abs(factor) >= tiny, out * factor, apart)  # (a 0 scale: 0 both ways)
+    return dense.scaled(out, *each) if each else out
 
 
 def takes_wide(site, eqn, ops, policy) -> bool:

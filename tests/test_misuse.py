@@ -1069,6 +1069,12 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
         jqt.load_packed(path, device=np.array(jax.devices()[:1]))
     with pytest.raises(TypeError, match=r"jqt.load_packed: device is a Mesh; pass one .*NamedSharding"):
         jqt.load_packed(path, device=jax.make_mesh((1,), ("x",)))
+    # shardings shaped like the float params: JAX's reason was cut at its first line, "; )"
+    s1 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(ValueError, match=r"structure \(device_put .*; a tree shaped like "
+                       r"the float params\? device= places the PackedParams") as e:
+        jqt.load_packed(path, device={k: s1 for k in p})
+    assert "; )" not in str(e.value) and ";;" not in str(e.value) and "; ;" not in str(e.value)
 
 
 def test_a_function_that_is_not_callable_is_named():

@@ -395,8 +395,11 @@ def _put_once(packed, device, split=False):
                 try:
                     return jax.device_put(packed, device)
                 except (ValueError, TypeError) as e:
-                    first = str(e).strip().splitlines()[0]
-                    raise _NotAPrefix(f"does not fit the loaded weights' structure ({first})") from None
+                    first = str(e).strip().splitlines()[0].strip().rstrip(";")
+                    raise _NotAPrefix(
+                        f"does not fit the loaded weights' structure ({first}; a tree shaped "
+                        "like the float params? device= places the PackedParams: its kept "
+                        "leaves and packed weights)") from None
     put, out = {}, []
     for x, d in zip(leaves, places):
         if isinstance(x, _PY_SCALARS):  # a constant of f's, as jqt.pack keeps it

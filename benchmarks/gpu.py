@@ -457,7 +457,8 @@ def isolated(a):
     a process that died named in ``failed`` with the end of its output."""
     argv = [x for x in sys.argv[1:] if x != "--isolate"]
     drop = {"--only", "--rows", "--out"}
-    base = [x for i, x in enumerate(argv) if x not in drop and (i == 0 or argv[i - 1] not in drop)]
+    base = [x for i, x in enumerate(argv) if x not in drop and x.split("=")[0] not in drop
+            and (i == 0 or argv[i - 1] not in drop)]
     rows = [str(r) for r in (a.rows or (SMOKE if a.smoke else FULL).dense_rows)]
     jobs = [(p, ["--rows", r] if p == "dense" else []) for p in a.only
             for r in (rows if p == "dense" else [None])]
@@ -515,7 +516,9 @@ def derive(name):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # no abbreviations: --isolate re-runs this script without "--isolate" and the options it
+    # sets per process ("--iso" or "--only=dense" would pass the filters below)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--only", default=",".join(PARTS), type=cli.names(list(PARTS)),
                     help=f"comma-separated parts, run in this order: {', '.join(PARTS)} (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 2 rounds")

@@ -156,14 +156,17 @@ def run_case(case, rows, n, timeout, policy):
         last = [l for l in err.strip().splitlines() if l.strip()]
         why = next((l for l in reversed(last) if "Check failed" in l or "Error" in l),
                    last[-1] if last else f"exit {rc}")
-        bad = started if started is not None else todo[len([r for r in todo if r in results])]
+        left = [r for r in todo if r not in results]
+        if started is None and not left:
+            break  # every row reported: the exit code came after them (a crash at teardown)
+        bad = started if started is not None else left[0]
         results[bad] = f"FAILED (rc {rc}): {why.strip()[:300]}"
         todo = [r for r in todo if r not in results]
     return results
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--child", help=argparse.SUPPRESS)  # internal: the case a child process runs
     ap.add_argument("--cases", help="comma-separated preset/path (default: all)")
     ap.add_argument("--rows", type=cli.int_list, help="comma-separated row counts")

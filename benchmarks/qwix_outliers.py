@@ -408,7 +408,7 @@ def rows_of(section, results, s: Setup):
             out.append((c.algo, c.lib, c.config, r["na"]))
             continue
         out.append((c.algo, c.lib, c.config, f"{r['rel_err']:.4f}", f"{100 * r['acc']:.2f}",
-                    f"{100 * r['agree']:.2f}", f"{r['median_s']:.2f}" + ("" if r["runs"] > 1 else " (1 run)"),
+                    f"{100 * r['agree']:.2f}", f"{r['median_s']:.2f}" + (" (1 run)" if c.extra and r["runs"] == 1 else ""),
                     f"{r['first_s']:.2f}"))
     return out
 
@@ -452,7 +452,7 @@ def render(results, s: Setup, args, cmd, total_s) -> str:
       f"(lower is better); `acc %` accuracy; `agree %` predictions equal to the float model's; "
       f"`quantize s` wall time of the whole PTQ call, median of {args.repeats} call(s) after a first "
       f"call (`first s`: compiling included; the first row also pays JAX's start-up); `(1 run)`: "
-      f"extra rows, one call after the first. jqt rows run the packed integer path; Qwix rows its "
+      f"extra rows, one call after the first, whatever --repeats says. jqt rows run the packed integer path; Qwix rows its "
       f"inference providers. Qwix's main rows use jqt's grid (`{MATCH4}` / `{MATCH8}`: scale "
       f"absmax / qmax, codes -qmax..qmax); its own default is absmax / (qmax + 0.5), codes "
       f"-qmax-1..qmax.\n")

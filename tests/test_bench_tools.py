@@ -63,3 +63,24 @@ def test_decode_cache_report_says_na_where_a_step_is_noise(monkeypatch, capsys):
     decode_cache.report(context=32, rounds=3)
     out = capsys.readouterr().out
     assert "N/A" not in out and out.count("PASS") == 3
+
+
+def test_gpu_compile_keeps_the_rows_of_a_child_that_fails_after_them(monkeypatch):
+    """A child that reports every row and then exits non-zero (an abort at XLA's teardown)
+    made run_case index past its list of rows (IndexError: the whole check died)."""
+    import gpu_compile
+
+    def fake_run(cmd, **kw):
+        rows = cmd[cmd.index("--rows") + 1].split(",")
+        out = "".join(f"START {r}\nROW {r} ok 1.0e-07\n" for r in rows)
+        return subprocess.CompletedProcess(cmd, -6, out, "Check failed: at exit\n")
+
+    monkeypatch.setattr(gpu_compile.subprocess, "run", fake_run)
+    assert gpu_compile.run_case("w4 g128/int", (1, 4), 256, 60, "") == {1: "ok 1.0e-07", 4: "ok 1.0e-07"}
+
+    def dies_first(cmd, **kw):  # before its first row: that row is the one that failed
+        return subprocess.CompletedProcess(cmd, 1, "", "ValueError: boom\n")
+
+    monkeypatch.setattr(gpu_compile.subprocess, "run", dies_first)
+    assert gpu_compile.run_case("w4 g128/int", (1, 4), 256, 60, "") == {
+        1: "FAILED (rc 1): ValueError: boom", 4: "FAILED (rc 1): ValueError: boom"}

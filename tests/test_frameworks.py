@@ -620,9 +620,33 @@ def test_an_equinox_loop_writing_its_cache_through_buffers_is_named():
         warnings.simplefilter("error")
         assert "kv_cache_0" in jqt.calibrate(lambda p, x: gen(p, x, False), rec, w, [(x,)], progress=False)
     with pytest.warns(UserWarning, match=r"no loop of f carries a buffer .* f runs Equinox's 'maybe_set' "
-                                         r"\(while_loop's buffers=\), which jqt does not take as a cache "
+                                         r"\(while_loop's buffers=, or scan\(kind=\"checkpointed\"\)\), which jqt does not take as a cache "
                                          r"write or copy: .* without buffers="):
         qp = jqt.calibrate(lambda p, x: gen(p, x, True), rec, w, [(x,)], progress=False)
+    assert not [k for k in qp if k.startswith("kv_cache")]
+
+
+def test_an_equinox_scan_names_its_checkpointed_kind():
+    """``equinox.internal.scan(kind="checkpointed")`` runs a checkpointed ``while_loop``
+    with ``buffers=``: the cache stays float, and the warning spoke only of while_loop
+    arguments the user never passed; ``kind="lax"`` quantizes it (hunt67_eqxdecode)."""
+    import equinox.internal as eqxi
+
+    def gen(p, xs, kind):
+        def body(c, x):
+            kc, h, i = c
+            kc = kc.at[:, i].set(h @ p + x)
+            return (kc, jnp.einsum("bd,btd->bd", h, kc) + h, i + 1), None
+        return eqxi.scan(body, (jnp.zeros((1, 4, 8)), xs[0], 0), xs, kind=kind)[0][1]
+
+    w, xs = jax.random.normal(jax.random.key(0), (8, 8)) * 8 ** -0.5, jnp.ones((4, 1, 8))
+    rec = jqt.recipes.w8(kv_cache=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "kv_cache_0" in jqt.calibrate(lambda p, x: gen(p, x, "lax"), rec, w, [(xs,)], progress=False)
+    with pytest.warns(UserWarning, match=r"or scan\(kind=\"checkpointed\"\)\), which jqt does not take "
+                                         r".*equinox.internal.scan\(kind=\"lax\"\)"):
+        qp = jqt.calibrate(lambda p, x: gen(p, x, "checkpointed"), rec, w, [(xs,)], progress=False)
     assert not [k for k in qp if k.startswith("kv_cache")]
 
 
@@ -655,7 +679,7 @@ def test_an_equinox_decode_loop_after_a_quantized_prefill_is_named(kind):
 
     w, xs = jax.random.normal(jax.random.key(0), (8, 8)) * 8 ** -0.5, jnp.ones((2, 8))
     with pytest.warns(UserWarning, match=r"jqt quantizes those 'kv_cache_0' write, but f runs Equinox's "
-                                         r"'select_if_vmap' \(while_loop\(kind=\"lax\" or \"checkpointed\"\)\)"
+                                         r"'select_if_vmap' \(while_loop\(kind=\"lax\" or \"checkpointed\"\), or scan\(kind=\"checkpointed\"\)\)"
                                          r".*\(kind=\"bounded\""):
         qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), w, [(xs,)], progress=False)
     assert [k for k in qp if k.startswith("kv_cache")] == ["kv_cache_0"]  # the prefill's

@@ -515,6 +515,20 @@ def test_a_nonzero_weight_too_small_for_a_scale_is_not_called_all_zeros():
     assert any("whose largest magnitude (subnormal, below 1.2e-38) needs a scale" in t for t in texts), texts
 
 
+def test_an_activation_too_small_for_a_scale_is_warned_of():
+    # as for a weight (above): a static activation range of about 3e-37 needs a scale below
+    # float32's normal range, gets the placeholder 1 and the op outputs zeros; calibrate
+    # said nothing for activations
+    f = lambda p, x: x @ p["w"]
+    x = jnp.array([[3e-37, -2e-37]], jnp.float32)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        jqt.calibrate(f, jqt.recipes.w8a8(), {"w": jnp.eye(2)}, [(x,)], progress=False)
+    texts = [str(m.message) for m in ws]
+    assert any("op 'w' (dot_general at '<top>'): its activation's calibrated range reaches only "
+               "3e-37" in t and "activation=None" in t for t in texts), texts
+
+
 def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():
     # jqt.pack quantizes a weight in a program of its own (a division XLA:CPU made a
     # product with the reciprocal); the simulated path on float params divided: weights

@@ -312,9 +312,12 @@ def _rolled(eqn, ins, sliced) -> tuple:
     return tuple(dict.fromkeys(b for q in parts for b in q)) if all(parts) else ()
 
 
-EQUINOX_HIDES = {"maybe_set": "while_loop's buffers=", "select_if_vmap": 'while_loop(kind="lax" or "checkpointed")'}
+EQUINOX_HIDES = {"maybe_set": 'while_loop\'s buffers=, or scan(kind="checkpointed")',
+                 "select_if_vmap": 'while_loop(kind="lax" or "checkpointed"), or scan(kind="checkpointed")'}
 """Equinox's primitives that write or copy a loop's carry where jqt does not see a cache
-write or a copy: the cache stays float, and calibrate's warning names them."""
+write or a copy: the cache stays float, and calibrate's warning names them (with the
+Equinox calls that run them: ``equinox.internal.scan(kind="checkpointed")`` runs a
+checkpointed ``while_loop`` with ``buffers=``)."""
 
 
 class Analyzer:

@@ -726,8 +726,9 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     eqx_note = (f" f runs Equinox's {' and '.join(repr(n) for n in eqx)} "
                 f"({', '.join(EQUINOX_HIDES[n] for n in eqx)}), which jqt does not take as a "
                 "cache write or copy: a cache written through it stays float. Decode with "
-                "equinox.internal.while_loop(kind=\"bounded\") without buffers=, or a lax.scan or "
-                "lax.while_loop (docs/generate.md).") if eqx else ""
+                "equinox.internal.while_loop(kind=\"bounded\") without buffers=, "
+                "equinox.internal.scan(kind=\"lax\"), or a lax.scan or lax.while_loop "
+                "(docs/generate.md).") if eqx else ""
     said_eqx = not (wants_cache and eqx)  # the note, once: in a warning below or on its own
     if wants_cache and not any(s.entry.is_cache for s in sites) and not near_misses:
         said_eqx = True
@@ -1480,9 +1481,31 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                     "batch, so its static range is empty and any other input clips to it. "
                     "Calibrate on data that reaches it with real values, or use dynamic "
                     "activations (jqt.recipes.w8a8_dynamic()).", f"'{site.key}'")
+            _warn_tiny_act(site, lo, hi, act)
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)
     return _narrow(site, rule, OpQParams(lhs=ops[0], rhs=ops[1], **base))
+
+
+def _warn_tiny_act(site, lo, hi, act):
+    """A static activation range that is not empty but whose scale is below float32's
+    normal range: ``params_from_range`` gives it the placeholder scale 1, on which every
+    value rounds to 0 (as for such a weight, ``weightcheck._warn_tiny``)."""
+    lo = np.minimum(np.asarray(lo, np.float64), 0.0)
+    hi = np.maximum(np.asarray(hi, np.float64), 0.0)
+    raw = (np.maximum(-lo, hi) / act.amax_code if act.symmetric
+           else (hi - lo) / (act.qmax - act.qmin))
+    if not ((raw > 0) & (raw < np.finfo(np.float32).tiny)).any():
+        return
+    diagnostics.warn_grouped(
+        ("tiny activation",),
+        f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): its "
+        f"activation's calibrated range reaches only {float(np.max(np.maximum(-lo, hi))):.3g}, "
+        "which needs a scale below float32's normal range (about 1.2e-38): it has the "
+        "placeholder scale 1, on which every value rounds to 0, so the op outputs zeros. "
+        "Rescale the model (activations this small do not occur in trained models), or keep "
+        f"this op's activation float with jqt.Rule(key='^{re.escape(site.key)}$', "
+        "activation=None) ahead of the preset's rules.", f"'{site.key}'")
 
 
 def _unseen_iterations(site, lo, hi):

@@ -281,6 +281,19 @@ def test_percentile_uniform_sample_with_outlier():
             C.Percentile(**bad)
 
 
+def test_mse_counts_exact_zeros_as_exact():
+    """A mostly-zero activation (after a ReLU): the zeros are exact on every grid; charged
+    rounding noise as other values are, they pushed MSE to clip far below its optimum."""
+    rng = np.random.default_rng(0)
+    x = (3 * np.abs(rng.standard_normal(50_000)) * (rng.random(50_000) > 0.9)).astype(np.float32)
+    c, q4 = C.MSE(), jqt.QuantType(bits=4, symmetric=False)
+    lo, hi = c.range(_observe(c, x), q4)
+    errs = {r: _fq_error(x, 0.0, r * x.max(), q4) for r in np.linspace(1.0, 0.05, 100)}
+    best = min(errs.values())
+    assert _fq_error(x, lo, hi, q4) <= 1.05 * best, (hi / x.max(), min(errs, key=errs.get))
+    assert _fq_error(x, lo, hi, q4) < _fq_error(x, 0.0, float(x.max()), q4)  # MinMax's
+
+
 def test_mse_clips_a_gaussian_at_4_bits():
     x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
     c = C.MSE()

@@ -245,16 +245,19 @@ class _Histogram(Calibrator):
         # counted in int32: float32 counts stop growing at 2**24 (x + 1 == x there)
         hist = jnp.zeros((self.bins,), jnp.int32).at[jnp.clip(idx, 0, self.bins - 1)].add(
             1, out_sharding=compat.replicated_if_split(idx)).astype(_F32)
-        return {**_minmax(x), "hist": hist, "exp": e}
+        # exact zeros (ReLU outputs, padding), all in the bin above zero (``B/2``): every
+        # grid holds 0 exactly, so a range's error on them is 0 (what :class:`MSE` needs)
+        zeros = jnp.sum(x == 0, dtype=jnp.int32).astype(_F32)
+        return {**_minmax(x), "hist": hist, "exp": e, "zeros": zeros}
 
     def combine(self, a, b):
         e = jnp.maximum(a["exp"], b["exp"])
         hist = _rebin(a["hist"], e - a["exp"]) + _rebin(b["hist"], e - b["exp"])
-        return {**_combine_minmax(a, b), "hist": hist, "exp": e}
+        return {**_combine_minmax(a, b), "hist": hist, "exp": e, "zeros": a["zeros"] + b["zeros"]}
 
     def empty(self, like):
         return {**_empty_minmax(), "hist": jnp.zeros((self.bins,), _F32),
-                "exp": jnp.array(_EMPTY_EXP, jnp.int32)}
+                "exp": jnp.array(_EMPTY_EXP, jnp.int32), "zeros": jnp.array(0.0, _F32)}
 
     # numpy helpers for ``range``
     @staticmethod
@@ -262,6 +265,15 @@ class _Histogram(Calibrator):
         hist = np.asarray(stats["hist"], np.float64)
         radius = float(np.ldexp(1.0, int(stats["exp"])))
         return hist, radius, float(stats["min"]), float(stats["max"])
+
+    @staticmethod
+    def _nonzero_hist(stats, hist):
+        """``hist`` without the exact zeros (they sit in bin ``B/2``); statistics of a
+        calibrator subclassing this one before the count was kept have none to remove."""
+        zeros = float(stats.get("zeros", 0.0))
+        out = hist.copy()
+        out[len(out) // 2] = max(out[len(out) // 2] - zeros, 0.0)
+        return out
 
     def range(self, stats, qtype):
         hist, radius, lo, hi = self._np(stats)
@@ -381,6 +393,14 @@ class MSE(_Histogram):
     def __post_init__(self):
         super().__post_init__()
         _check_search(self, 0.05)
+
+    def range(self, stats, qtype):
+        hist, radius, lo, hi = self._np(stats)
+        if hist.sum() == 0:
+            return float("inf"), float("-inf")
+        # exact zeros cost no error at any range: counted as rounding noise, a mostly-zero
+        # activation (after a ReLU) was clipped far below MinMax's error
+        return self._choose(self._nonzero_hist(stats, hist), radius, lo, hi, qtype)
 
     def _choose(self, hist, radius, lo, hi, qtype):
         width = 2 * radius / len(hist)

@@ -69,13 +69,17 @@ def test_gptq_checks_its_batches_and_options(setup):
            ([x], {}, "jqt.gptq: batch 0 is an array of shape \\(16, 32\\)"),
            (x, {}, "jqt.gptq: batches is an array of shape \\(16, 32\\), whose items are not batches"),
            (batches, {"block_size": 0}, "jqt.gptq: block_size=0; expected a positive int"),
-           (batches, {"damp": -5.0}, "jqt.gptq: damp=-5.0; expected a finite number >= 0"),
+           (batches, {"damp": -5.0}, r"jqt.gptq: damp=-5.0 \(float\); expected a finite real number >= 0"),
+           (batches, {"damp": True}, r"jqt.gptq: damp=True \(bool\); expected"),  # (was used as 1.0)
            # it read "pass a non-empty sequence (a list or tuple of batches), not a list"
            ([], {}, r"jqt.gptq: the calibration set is empty; pass at least one batch"),
            ((), {}, r"jqt.gptq: the calibration set is empty; pass at least one batch")]
     for b, kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             jqt.gptq(f, qp, p, b, progress=False, **kw)
+    # a NumPy or JAX scalar is a number (it read "damp=Array(0.1, ...); expected a finite number")
+    assert jax.tree.structure(jqt.gptq(f, qp, p, batches, progress=False, damp=jnp.float32(0.1))) \
+        == jax.tree.structure(p)
 
 
 def test_gptq_takes_a_sequence_indexed_by_int_only(setup):

@@ -167,8 +167,7 @@ def _gptq_reference(w, s, x, damp=0.01, bits=4):
     S = s.T.copy()
     H = x.T @ x / x.shape[0]
     dead = np.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
+    H[dead, dead] = 1  # (the published code also zeroes W[:, dead]: jqt keeps them, below)
     perm = np.argsort(-np.diag(H), kind="stable")
     W, S, H = W[:, perm], S[:, perm], H[perm][:, perm]
     H[np.diag_indices_from(H)] += damp * np.mean(np.diag(H))
@@ -211,6 +210,29 @@ def _two_of_four(w):
     mask = np.ones_like(g)
     np.put_along_axis(mask, small, 0.0, axis=-1)
     return w * mask.reshape(n, k).T
+
+
+def test_gptq_keeps_the_weights_of_an_input_calibration_never_reached():
+    """An input 0 in every calibration batch (a dead ReLU unit, a padding feature): the
+    reference code zeroes its weights, which lost them on any data where it is not 0, and
+    jqt.pack refused gptq's own output as a weight rescaled since calibration
+    (hunt67_gptqref). They keep plain rounding; the other weights are GPTQ's as before."""
+    rng = np.random.default_rng(0)
+    w = (rng.normal(size=(32, 16)) * 0.05).astype(np.float32)
+    w[5] = 1.0
+    xs = rng.normal(size=(2, 64, 32)).astype(np.float32)
+    xs[:, :, 5] = 0.0
+    f, p = (lambda p, x: x @ p["w"]), {"w": jnp.asarray(w)}
+    batches = [(jnp.asarray(x),) for x in xs]
+    qp = jqt.calibrate(f, jqt.recipes.w4a8(per_channel=False), p, batches, progress=False)
+    pq = jqt.gptq(f, qp, p, batches, progress=False)
+    s = float(qp["w"].rhs.scale)
+    np.testing.assert_allclose(np.asarray(pq["w"])[5], np.clip(np.round(w[5] / s), -8, 7) * s, rtol=1e-6)
+    jqt.pack(qp, pq)  # refused: "reaches only 0.133x the edge of the grid"
+    # the other rows: the reference algorithm without its zeroing (the dead input takes no
+    # part in the others' updates)
+    ref = _gptq_reference(w.astype(np.float64), np.full(w.shape, s), xs.reshape(-1, 32).astype(np.float64))
+    assert np.mean(np.round(np.asarray(pq["w"]) / s) == np.round(ref / s)) > 0.99
 
 
 @pytest.mark.parametrize("recipe", ci_only(["w4", "nf4", "fp8"], {"w4"}))

@@ -1432,6 +1432,12 @@ def test_gptq_names_the_op_for_other_params_and_a_singular_hessian():
     with pytest.raises(ValueError, match=r"op 'w1': its damped Hessian is not positive definite "
                                          r"\(damp=0.0; fewer calibration rows than its 48 input"):
         jqt.gptq(f, qp, p, [(x,)], progress=False, damp=0.0)
+    # activations whose squares overflow float32: the Hessian holds inf, and the message
+    # blamed damping and too few rows (hunt67_gptqref)
+    with pytest.raises(ValueError, match=r"op 'w2': its Hessian .* holds inf or NaN: the "
+                                         r"activations reaching it are too large to square"):
+        jqt.gptq(f, jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x * 3e18,)], progress=False),
+                 p, [(x * 3e18,)], progress=False)
     other = dict(p, w1=p["w1"][:, :32])
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: op 'w1': weight 'w1' has shape "
                                                        r"\(48, 32\), which its scale of shape"):

@@ -164,8 +164,8 @@ def quantize_rows(w, s, z, qtype):
 
 
 def _inverse_hessian_chol(h, damp, act_order):
-    """NumPy float64: (permutation, upper Cholesky factor of the damped ``H^-1``), as in the
-    reference code (dead inputs get ``H_ii = 1``)."""
+    """NumPy float64: (permutation, dead inputs, upper Cholesky factor of the damped
+    ``H^-1``), as in the reference code (dead inputs get ``H_ii = 1``)."""
     h = np.array(h, np.float64)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
@@ -231,9 +231,13 @@ def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
     w = np.asarray(w, np.float32)
     s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
     z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
-    perm, dead, u = _inverse_hessian_chol(h, damp, act_order)
+    perm, _, u = _inverse_hessian_chol(h, damp, act_order)
     keep = (w == 0) & (keep_zeros | (np.zeros(w.shape, bool) if fixed is None else np.asarray(fixed)))
-    w = np.where(dead[:, None], 0.0, w)[perm]
+    # an input 0 in every calibration row (a dead ReLU unit, padding) keeps its weights
+    # plainly rounded: the reference code zeroes them, losing them wherever that input is
+    # not 0 (and jqt.pack then refused a weight that no longer reached its calibrated
+    # range). Its H_ii = 1 leaves it out of H^-1's coupling: no other weight moves for it.
+    w = w[perm]
     run = _gptq_blocks(qtype, block_size)
     q = run(jnp.asarray(w), jnp.asarray(s[perm]), jnp.asarray(z[perm]), jnp.asarray(u, _F32),
             jnp.asarray(keep[perm]))
@@ -292,16 +296,22 @@ def _rerounded(site, qp, leaf, h, n, opts):
             unseen.append(i[0] if len(i) == 1 else i)
             out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
             continue
+        where = f" (layer or expert {i[0] if len(i) == 1 else i})" if lead else ""
+        if not np.isfinite(hi).all():  # X^T X summed in float32 past its maximum
+            raise ValueError(
+                f"jqt.gptq: op '{site.key}'{where}: its Hessian (the sum of x^T x over the "
+                "calibration rows, in float32) holds inf or NaN: the activations reaching it "
+                "are too large to square (beyond about 1e19). Rescale the model or the data.")
         try:
             out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, fixed=fixed2[i], **opts)
         except np.linalg.LinAlgError:
-            where = f" (layer or expert {i[0] if len(i) == 1 else i})" if lead else ""
             raise ValueError(
                 f"jqt.gptq: op '{site.key}'{where}: its damped Hessian is not positive definite "
                 f"(damp={opts['damp']!r}; fewer calibration rows than its {hi.shape[0]} input "
-                "features, or inputs that move together). Pass damp > 0 (0.01 by default) or "
-                "more calibration rows.") from None
-    if unseen and not lead:  # GPTQ zeroes the weights of inputs that were always 0: all here
+                "features, or inputs that move together). " + (
+                    "Pass damp > 0 (0.01 by default) or more calibration rows." if opts["damp"] == 0
+                    else "Pass a larger damp (0.01 by default) or more calibration rows.")) from None
+    if unseen and not lead:  # no calibration row reached the op: every input "dead"
         diagnostics.warn_grouped("zero", f"jqt.gptq: op '{site.key}': its calibration inputs were "
                                  "all zero (a zero Hessian); it keeps plain rounding. Calibrate on "
                                  "data that reaches it with real values.", f"'{site.key}'")
@@ -410,9 +420,12 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"jqt.gptq: block_size={block_size!r}; expected a positive int (the rows "
                          "updated together, 128 by default).")
-    if not (isinstance(damp, (int, float, np.floating)) and math.isfinite(damp) and damp >= 0):
-        raise ValueError(f"jqt.gptq: damp={damp!r}; expected a finite number >= 0 (the fraction of "
-                         "the Hessian's mean diagonal added to it, 0.01 by default).")
+    if isinstance(damp, bool) or np.ndim(damp) != 0 or not np.issubdtype(np.asarray(damp).dtype, np.number) \
+            or np.iscomplexobj(damp) or not (math.isfinite(float(damp)) and float(damp) >= 0):
+        raise ValueError(f"jqt.gptq: damp={damp!r} ({type(damp).__name__}); expected a finite real "
+                         "number >= 0 (the fraction of the Hessian's mean diagonal added to it, "
+                         "0.01 by default).")
+    damp = float(damp)
     tree = None
     for i, b in enumerate(batches):
         tree = check_batch(i, b, tree, "jqt.gptq")

@@ -294,6 +294,22 @@ def test_mse_counts_exact_zeros_as_exact():
     assert _fq_error(x, lo, hi, q4) < _fq_error(x, 0.0, float(x.max()), q4)  # MinMax's
 
 
+def test_a_histogram_subclass_without_the_zero_count_still_calibrates():
+    """A subclass whose observe builds the statistics of before the exact-zero count
+    (min, max, hist, exp): empty and combine added the count and calibrate raised
+    KeyError 'zeros' (hunt67_review); they keep observe's keys."""
+    @dataclasses.dataclass(frozen=True)
+    class AbsMSE(C.MSE):
+        def observe(self, x):
+            s = super().observe(jnp.abs(x))
+            return {k: s[k] for k in ("min", "max", "hist", "exp")}
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+    qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(calibrator=AbsMSE()), jnp.eye(4),
+                       [(x,), (x * 2,)], progress=False)
+    assert np.isfinite(float(qp["w"].lhs.scale))
+
+
 def test_mse_clips_a_gaussian_at_4_bits():
     x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
     c = C.MSE()

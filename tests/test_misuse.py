@@ -78,8 +78,9 @@ def test_gptq_checks_its_batches_and_options(setup):
         with pytest.raises(ValueError, match=msg):
             jqt.gptq(f, qp, p, b, progress=False, **kw)
     # a NumPy or JAX scalar is a number (it read "damp=Array(0.1, ...); expected a finite number")
-    assert jax.tree.structure(jqt.gptq(f, qp, p, batches, progress=False, damp=jnp.float32(0.1))) \
-        == jax.tree.structure(p)
+    for d in (jnp.float32(0.1), jnp.bfloat16(0.1)):
+        assert jax.tree.structure(jqt.gptq(f, qp, p, batches, progress=False, damp=d)) \
+            == jax.tree.structure(p)
 
 
 def test_gptq_takes_a_sequence_indexed_by_int_only(setup):
@@ -1688,6 +1689,28 @@ def test_a_buffer_whose_writes_take_two_cache_types_is_said_to_stay_float():
         warnings.simplefilter("ignore")
         y_mixed = jqt.quantize(f, qp)(jqt.pack(qp, p), xs)
     assert float(jnp.abs(y_mixed - jqt.quantize(f, plain)(jqt.pack(plain, p), xs)).max()) > 1e-4
+
+
+def test_attention_calibrated_on_one_token_quantizes_longer_inputs():
+    """act_x_act attention calibrated on one-token batches contracts a keys' length of 1
+    there: it was called an op that "contracts no axis" and kept float at every length
+    (hunt67_intcheck). A contracted axis of length 1 is quantized (its per-row scale is
+    exact there), and p @ v at 16 tokens runs on int8 codes as the simulated path says."""
+    k = jax.random.split(jax.random.key(0), 5)
+    p = {n: jax.random.normal(k[i], (16, 16)) * 0.3 for i, n in enumerate(["wq", "wk", "wv"])}
+
+    def attn(p, x):
+        q, kk, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        a = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, kk), -1)
+        return jnp.einsum("bts,bsd->btd", a, v)
+
+    qp = jqt.calibrate(attn, jqt.recipes.w8a8_dynamic(act_x_act=True), p,
+                       [(jax.random.normal(k[3], (2, 1, 16)),)], progress=False)
+    assert not [key for key in qp if qp[key].is_float], [qp[key].note for key in qp if qp[key].is_float]
+    x = jax.random.normal(k[4], (2, 16, 16))
+    y = jqt.quantize(attn, qp)(jqt.pack(qp, p), x)
+    np.testing.assert_allclose(y, jqt.quantize(attn, qp, simulate=True)(p, x), atol=1e-5)
+    assert float(jnp.abs(y - attn(p, x)).max()) > 1e-5  # quantized, not float
 
 
 def test_an_activation_product_that_contracts_no_axis_is_not_called_int8():

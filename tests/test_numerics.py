@@ -527,6 +527,23 @@ def test_an_activation_too_small_for_a_scale_is_warned_of():
     texts = [str(m.message) for m in ws]
     assert any("op 'w' (dot_general at '<top>'): its activation's calibrated range reaches only "
                "3e-37" in t and "activation=None" in t for t in texts), texts
+    # stacked layers: the tiny one named, with its own magnitude (it gave the largest)
+    def g(ws, x):
+        return jax.lax.scan(lambda h, w: (h @ w * 1e38, None), x, ws)[0]
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        jqt.calibrate(g, jqt.recipes.w8a8(), jnp.stack([jnp.eye(2)] * 2), [(x,)], progress=False)
+    texts = [str(m.message) for m in ws]
+    assert any("range in iterations [0] of 2 (stacked layers or experts) reaches only 3e-37" in t
+               for t in texts), texts
+    # float64 (x64) activations below float32's normal range: not "0 on every batch"
+    with jax.enable_x64(True), warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        x64 = jnp.array([[5e-39, -2e-39]], jnp.float64)
+        jqt.calibrate(f, jqt.recipes.w8a8(), {"w": jnp.eye(2)}, [(x64,)], progress=False)
+    texts = [str(m.message) for m in ws]
+    assert not any("was 0 on every calibration batch" in t for t in texts), texts
+    assert any("its activation's calibrated range reaches only 1.18e-38" in t for t in texts), texts
 
 
 def test_pack_gives_per_tensor_weights_the_simulated_codes_at_ties():

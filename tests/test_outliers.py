@@ -108,6 +108,26 @@ def test_smoothquant_factor_matches_numpy_reference_and_is_exact_in_float():
     assert float(qp["w"].lhs.scale) < 0.5 * float(plain["w"].lhs.scale)
 
 
+def test_smoothquant_scales_down_a_channel_whose_weight_row_is_zero():
+    """A pruned input (its weight row 0) carrying the outlier: its factor was 1, so its full
+    range set the per-tensor activation range while the live channels, divided by their
+    factors, rounded towards 0: all of the output lost (rel. error 1.0 against 0.70 plain,
+    hunt67_smoothrotate). Any factor is exact for it (0 * s = 0): it now comes down to the
+    loudest live smoothed channel."""
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(64, 32)) * 0.1).astype(np.float32)
+    w[3] = 0.0
+    xs = rng.normal(size=(4, 32, 64)).astype(np.float32)
+    xs[:, :, 3] *= 100
+    p, batches = {"w": jnp.asarray(w)}, [(jnp.asarray(x),) for x in xs]
+    errs = {a: _rel_err(jqt.quantize(f, jqt.calibrate(f, jqt.recipes.w8a8(smooth=a), p, batches,
+                                                       progress=False)), p, batches) for a in (None, 0.5)}
+    assert errs[0.5] < 0.1 * errs[None], errs
+    s = np.asarray(jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, batches, progress=False)["w"].smooth).ravel()
+    live = np.abs(xs).max((0, 1)) / s
+    assert np.isclose(live[3], np.delete(live, 3).max(), rtol=1e-5), live[3]
+
+
 def _rel_err(g, p, batches, ref_f=f):
     x = batches[0][0]
     y, r = g(p, x), ref_f(p, x)

@@ -1434,10 +1434,16 @@ def test_gptq_names_the_op_for_other_params_and_a_singular_hessian():
         jqt.gptq(f, qp, p, [(x,)], progress=False, damp=0.0)
     # activations whose squares overflow float32: the Hessian holds inf, and the message
     # blamed damping and too few rows (hunt67_gptqref)
-    with pytest.raises(ValueError, match=r"op 'w2': its Hessian .* holds inf or NaN: the "
+    with pytest.raises(ValueError, match=r"op 'w2': its Hessian .* holds inf: the "
                                          r"activations reaching it are too large to square"):
         jqt.gptq(f, jqt.calibrate(f, jqt.recipes.w4(group_size=8), p, [(x * 3e18,)], progress=False),
                  p, [(x * 3e18,)], progress=False)
+    # NaN computed inside f from finite batches (sqrt of negatives): not "too large"
+    g = lambda p, x: jax.nn.relu(jnp.sqrt(x) @ p["w1"]) @ p["w2"]
+    qg = jqt.calibrate(g, jqt.recipes.w4(group_size=8), p, [(jnp.abs(x),)], progress=False)
+    with pytest.raises(ValueError, match=r"op 'w1': its Hessian .* holds NaN: f computes NaN or inf "
+                                         r"at this op's input from these finite batches"):
+        jqt.gptq(g, qg, p, [(x,)], progress=False)
     other = dict(p, w1=p["w1"][:, :32])
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.gptq: op 'w1': weight 'w1' has shape "
                                                        r"\(48, 32\), which its scale of shape"):

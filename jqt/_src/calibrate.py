@@ -1261,8 +1261,9 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                           "no type" if rule.key != ".*" else
                           "activation x activation op, no operand from the weight argument(s) "
                           "alone (set Rule(act_x_act=...) to quantize)")
-        contracted = math.prod(site.eqn.invars[0].aval.shape[a] for a in site.contract[0])
-        if contracted <= 1 and rule.act_x_act.per_channel:
+        # no contracted axis, not a contracted length of 1: attention calibrated on one-token
+        # batches contracts its keys' length 1 there and longer ones later (it stayed float)
+        if not site.contract[0] and rule.act_x_act.per_channel:
             return float_("activation x activation op that contracts no axis (a gate times an "
                           "expert's outputs, an einsum 'te,td->etd'): one dynamic scale per row "
                           "is one per element, which quantizes nothing (a rule's per-tensor "
@@ -1495,14 +1496,18 @@ def _warn_tiny_act(site, lo, hi, act):
     hi = np.maximum(np.asarray(hi, np.float64), 0.0)
     raw = (np.maximum(-lo, hi) / act.amax_code if act.symmetric
            else (hi - lo) / (act.qmax - act.qmin))
-    if not ((raw > 0) & (raw < np.finfo(np.float32).tiny)).any():
+    bad = (raw > 0) & (raw < np.finfo(np.float32).tiny)
+    if not bad.any():
         return
+    where = (f" in iterations {np.argwhere(bad).ravel().tolist() if bad.ndim == 1 else np.argwhere(bad).tolist()}"
+             f" of {bad.size} (stacked layers or experts)" if bad.ndim else "")
     diagnostics.warn_grouped(
         ("tiny activation",),
         f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): its "
-        f"activation's calibrated range reaches only {float(np.max(np.maximum(-lo, hi))):.3g}, "
+        f"activation's calibrated range{where} reaches only "
+        f"{float(np.max(np.maximum(-lo, hi)[bad])):.3g}, "
         "which needs a scale below float32's normal range (about 1.2e-38): it has the "
-        "placeholder scale 1, on which every value rounds to 0, so the op outputs zeros. "
+        "placeholder scale 1, on which every value rounds to 0, so the op outputs zeros there. "
         "Rescale the model (activations this small do not occur in trained models), or keep "
         f"this op's activation float with jqt.Rule(key='^{re.escape(site.key)}$', "
         "activation=None) ahead of the preset's rules.", f"'{site.key}'")

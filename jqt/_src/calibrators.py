@@ -30,6 +30,7 @@ summing nested bins. A weight calibrator has
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 from typing import Optional
 
@@ -253,11 +254,15 @@ class _Histogram(Calibrator):
     def combine(self, a, b):
         e = jnp.maximum(a["exp"], b["exp"])
         hist = _rebin(a["hist"], e - a["exp"]) + _rebin(b["hist"], e - b["exp"])
-        return {**_combine_minmax(a, b), "hist": hist, "exp": e, "zeros": a["zeros"] + b["zeros"]}
+        zeros = {"zeros": a["zeros"] + b["zeros"]} if "zeros" in a and "zeros" in b else {}
+        return {**_combine_minmax(a, b), "hist": hist, "exp": e, **zeros}
 
     def empty(self, like):
+        # (the count only where observe keeps it: a subclass's observe may not)
+        kept = not isinstance(like, collections.abc.Mapping) or "zeros" in like
+        zeros = {"zeros": jnp.array(0.0, _F32)} if kept else {}
         return {**_empty_minmax(), "hist": jnp.zeros((self.bins,), _F32),
-                "exp": jnp.array(_EMPTY_EXP, jnp.int32), "zeros": jnp.array(0.0, _F32)}
+                "exp": jnp.array(_EMPTY_EXP, jnp.int32), **zeros}
 
     # numpy helpers for ``range``
     @staticmethod

@@ -297,11 +297,18 @@ def _rerounded(site, qp, leaf, h, n, opts):
             out[i] = np.asarray(quantize_rows(jnp.asarray(w2[i]), s2[i], zi, q.qtype))
             continue
         where = f" (layer or expert {i[0] if len(i) == 1 else i})" if lead else ""
+        if np.isnan(np.diag(hi)).any():  # (sums of squares: NaN only from NaN; batches checked)
+            raise ValueError(
+                f"jqt.gptq: op '{site.key}'{where}: its Hessian (the sum of x^T x over the "
+                "calibration rows) holds NaN: f computes NaN or inf at this op's input from "
+                "these finite batches. Find where with jax.debug_nans, or calibrate on data f "
+                "keeps finite.")
         if not np.isfinite(hi).all():  # X^T X summed in float32 past its maximum
             raise ValueError(
                 f"jqt.gptq: op '{site.key}'{where}: its Hessian (the sum of x^T x over the "
-                "calibration rows, in float32) holds inf or NaN: the activations reaching it "
-                "are too large to square (beyond about 1e19). Rescale the model or the data.")
+                "calibration rows, in float32) holds inf: the activations reaching it are too "
+                "large to square and sum (about 1e19 and beyond, less over many rows). Rescale "
+                "the model or the data.")
         try:
             out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, fixed=fixed2[i], **opts)
         except np.linalg.LinAlgError:
@@ -420,9 +427,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"jqt.gptq: block_size={block_size!r}; expected a positive int (the rows "
                          "updated together, 128 by default).")
-    if isinstance(damp, bool) or np.ndim(damp) != 0 or not np.issubdtype(np.asarray(damp).dtype, np.number) \
+    # (jnp.issubdtype: bfloat16 and fp8 scalars are numbers, which np.issubdtype denies)
+    if isinstance(damp, bool) or np.ndim(damp) != 0 or not jnp.issubdtype(np.asarray(damp).dtype, jnp.number) \
             or np.iscomplexobj(damp) or not (math.isfinite(float(damp)) and float(damp) >= 0):
-        raise ValueError(f"jqt.gptq: damp={damp!r} ({type(damp).__name__}); expected a finite real "
+        raise ValueError(f"jqt.gptq: damp={damp!r:.60} ({type(damp).__name__}); expected a finite real "
                          "number >= 0 (the fraction of the Hessian's mean diagonal added to it, "
                          "0.01 by default).")
     damp = float(damp)

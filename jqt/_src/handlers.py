@@ -163,7 +163,7 @@ class Calibrate:
         act, weight, cal = None, None, None
         if at is not None and not at.dynamic:
             cal = rule.calibrator
-            x, live = invals[1 - w].astype(_F32), site.entry.live_rows(invals)
+            x, live = _as_f32(invals[1 - w]), site.entry.live_rows(invals)
             act = _observe(cal, x) if live is None else _observe_rows(cal, x, live)
         if self.observe_weights is True or (self.observe_weights == "computed"
                                             and site.computes_weight):
@@ -198,6 +198,16 @@ def stacked_hint(n):
     return (f" If the qparams were stacked along a leading axis of {n} (one per task, seed or "
             "model: jax.tree.map(jnp.stack, ...)), run the quantized function under jax.vmap "
             "over that axis.")
+
+
+def _as_f32(x):
+    """``x`` in float32; (x64) float64 values below float32's normal range, which the cast
+    flushes to 0 (calibrate then called the activation "0 on every batch"), at its edge
+    instead, so that calibrate names them as too small for a scale."""
+    if x.dtype == jnp.float64:
+        tiny = float(np.finfo(np.float32).tiny)
+        x = jnp.where((x != 0) & (jnp.abs(x) < tiny), jnp.sign(x) * tiny, x)
+    return x.astype(_F32)
 
 
 def _observe(cal, x):

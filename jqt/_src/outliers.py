@@ -72,6 +72,15 @@ def smoothquant(act_absmax, w, contract, alpha, depth=0):
     act_absmax = jnp.where(act_absmax > 0, act_absmax, jnp.max(act_absmax, axis=layer, keepdims=True))
     ok = (act_absmax > 0) & (wmax > 0)
     s = jnp.where(ok, act_absmax ** alpha / jnp.where(ok, wmax, 1.0) ** (1 - alpha), 1.0)
+    # a channel whose weight row is 0 (a pruned input) adds nothing to the output at any
+    # factor (0 * s = 0): scaled down to the loudest live smoothed channel. Left at 1, its
+    # full range set the per-tensor activation range and the live channels, divided by
+    # their factors, rounded towards 0 (worse than no smoothing; all of the output lost
+    # where the outlier sat on it)
+    dead = jnp.broadcast_to(wmax == 0, s.shape)
+    loud = jnp.max(jnp.where(dead, 0.0, act_absmax / s), axis=layer, keepdims=True)
+    down = jnp.where(loud > 0, act_absmax / jnp.where(loud > 0, loud, 1.0), 1.0)
+    s = jnp.where(dead, jnp.maximum(down, 1.0), s)
     return jnp.clip(s, 1e-5, 1e5).astype(jnp.float32)
 
 

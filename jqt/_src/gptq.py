@@ -300,15 +300,17 @@ def _rerounded(site, qp, leaf, h, n, opts):
         if np.isnan(np.diag(hi)).any():  # (sums of squares: NaN only from NaN; batches checked)
             raise ValueError(
                 f"jqt.gptq: op '{site.key}'{where}: its Hessian (the sum of x^T x over the "
-                "calibration rows) holds NaN: f computes NaN or inf at this op's input from "
+                "calibration rows) holds NaN: f computes NaN at this op's input from "
                 "these finite batches. Find where with jax.debug_nans, or calibrate on data f "
                 "keeps finite.")
         if not np.isfinite(hi).all():  # X^T X summed in float32 past its maximum
             raise ValueError(
                 f"jqt.gptq: op '{site.key}'{where}: its Hessian (the sum of x^T x over the "
                 "calibration rows, in float32) holds inf: the activations reaching it are too "
-                "large to square and sum (about 1e19 and beyond, less over many rows). Rescale "
-                "the model or the data.")
+                "large to square and sum (about 1e19 and beyond, less over many rows), or f "
+                "computes inf there from these finite batches (find where with "
+                "jax.debug_infs). Rescale the model or the data, or calibrate on data f keeps "
+                "finite.")
         try:
             out[i] = gptq_weight(w2[i], s2[i], zi, hi, q.qtype, fixed=fixed2[i], **opts)
         except np.linalg.LinAlgError:

@@ -66,19 +66,23 @@ def smoothquant(act_absmax, w, contract, alpha, depth=0):
     axes = tuple(d + depth for d in range(w.ndim - depth) if d not in contract)
     wmax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
     # a channel 0 in every calibration batch (a one-hot row no batch chose) takes the
-    # layer's largest range: left at 1, its values later met the range the smoothed
-    # channels set and were clipped there (plain per-tensor ranges cover it)
+    # largest range of the channels with weights: left at 1, its values later met the range
+    # the smoothed channels set and were clipped there (plain per-tensor ranges cover it).
+    # A pruned channel's range (its weight row 0) is not borrowed: it may be the outlier
+    dead = wmax == 0
     layer = tuple(range(depth, act_absmax.ndim))
-    act_absmax = jnp.where(act_absmax > 0, act_absmax, jnp.max(act_absmax, axis=layer, keepdims=True))
+    fill = jnp.max(jnp.where(dead, 0.0, act_absmax), axis=layer, keepdims=True)
+    fill = jnp.where(fill > 0, fill, jnp.max(act_absmax, axis=layer, keepdims=True))
+    act_absmax = jnp.where(act_absmax > 0, act_absmax, fill)
     ok = (act_absmax > 0) & (wmax > 0)
     s = jnp.where(ok, act_absmax ** alpha / jnp.where(ok, wmax, 1.0) ** (1 - alpha), 1.0)
-    # a channel whose weight row is 0 (a pruned input) adds nothing to the output at any
-    # factor (0 * s = 0): scaled down to the loudest live smoothed channel. Left at 1, its
-    # full range set the per-tensor activation range and the live channels, divided by
-    # their factors, rounded towards 0 (worse than no smoothing; all of the output lost
-    # where the outlier sat on it)
-    dead = jnp.broadcast_to(wmax == 0, s.shape)
-    loud = jnp.max(jnp.where(dead, 0.0, act_absmax / s), axis=layer, keepdims=True)
+    s = jnp.clip(s, 1e-5, 1e5)
+    # a pruned channel (weight row 0) adds nothing to the output at any factor (0 * s = 0):
+    # divided down to 1/256 of the loudest live smoothed channel, so that it never sets the
+    # range (an asymmetric one included). Left at 1, its full range set the per-tensor
+    # activation range and the live channels, divided by their factors, rounded towards 0
+    # (worse than no smoothing; all of the output lost where the outlier sat on it)
+    loud = jnp.max(jnp.where(dead, 0.0, act_absmax / s), axis=layer, keepdims=True) / 256
     down = jnp.where(loud > 0, act_absmax / jnp.where(loud > 0, loud, 1.0), 1.0)
     s = jnp.where(dead, jnp.maximum(down, 1.0), s)
     return jnp.clip(s, 1e-5, 1e5).astype(jnp.float32)

@@ -271,20 +271,15 @@ class _Histogram(Calibrator):
         radius = float(np.ldexp(1.0, int(stats["exp"])))
         return hist, radius, float(stats["min"]), float(stats["max"])
 
-    @staticmethod
-    def _nonzero_hist(stats, hist):
-        """``hist`` without the exact zeros (they sit in bin ``B/2``); statistics of a
-        calibrator subclassing this one before the count was kept have none to remove."""
-        zeros = float(stats.get("zeros", 0.0))
-        out = hist.copy()
-        out[len(out) // 2] = max(out[len(out) // 2] - zeros, 0.0)
-        return out
+    def _counts(self, stats, hist):
+        """The counts ``_choose`` reads (:class:`MSE` leaves the exact zeros out)."""
+        return hist
 
     def range(self, stats, qtype):
         hist, radius, lo, hi = self._np(stats)
         if hist.sum() == 0:
             return float("inf"), float("-inf")
-        return self._choose(hist, radius, lo, hi, qtype)
+        return self._choose(self._counts(stats, hist), radius, lo, hi, qtype)
 
     def _choose(self, hist, radius, lo, hi, qtype):
         raise NotImplementedError
@@ -399,13 +394,13 @@ class MSE(_Histogram):
         super().__post_init__()
         _check_search(self, 0.05)
 
-    def range(self, stats, qtype):
-        hist, radius, lo, hi = self._np(stats)
-        if hist.sum() == 0:
-            return float("inf"), float("-inf")
-        # exact zeros cost no error at any range: counted as rounding noise, a mostly-zero
-        # activation (after a ReLU) was clipped far below MinMax's error
-        return self._choose(self._nonzero_hist(stats, hist), radius, lo, hi, qtype)
+    def _counts(self, stats, hist):
+        """``hist`` without the exact zeros (in bin ``B/2``): they cost no error at any range
+        (counted as rounding noise, a mostly-zero activation after a ReLU was clipped far
+        below MinMax's error); a subclass's statistics without the count remove none."""
+        out = hist.copy()
+        out[len(out) // 2] = max(out[len(out) // 2] - float(stats.get("zeros", 0.0)), 0.0)
+        return out
 
     def _choose(self, hist, radius, lo, hi, qtype):
         width = 2 * radius / len(hist)

@@ -164,8 +164,8 @@ def quantize_rows(w, s, z, qtype):
 
 
 def _inverse_hessian_chol(h, damp, act_order):
-    """NumPy float64: (permutation, dead inputs, upper Cholesky factor of the damped
-    ``H^-1``), as in the reference code (dead inputs get ``H_ii = 1``)."""
+    """NumPy float64: (permutation, upper Cholesky factor of the damped ``H^-1``), as in the
+    reference code (dead inputs get ``H_ii = 1``)."""
     h = np.array(h, np.float64)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
@@ -175,7 +175,7 @@ def _inverse_hessian_chol(h, damp, act_order):
     hinv = np.linalg.inv(np.linalg.cholesky(h))
     hinv = hinv.T @ hinv  # H^-1 from its Cholesky factor
     u = np.linalg.cholesky(hinv).T  # upper: H^-1 = U^T U
-    return perm, dead, u
+    return perm, u
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,7 +231,7 @@ def gptq_weight(w, s, z, h, qtype, *, block_size=128, damp=0.01, act_order=True,
     w = np.asarray(w, np.float32)
     s = np.broadcast_to(np.asarray(s, np.float32), w.shape)
     z = np.zeros_like(w) if z is None else np.broadcast_to(np.round(np.asarray(z, np.float32)), w.shape)
-    perm, _, u = _inverse_hessian_chol(h, damp, act_order)
+    perm, u = _inverse_hessian_chol(h, damp, act_order)
     keep = (w == 0) & (keep_zeros | (np.zeros(w.shape, bool) if fixed is None else np.asarray(fixed)))
     # an input 0 in every calibration row (a dead ReLU unit, padding) keeps its weights
     # plainly rounded: the reference code zeroes them, losing them wherever that input is

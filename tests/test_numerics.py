@@ -600,23 +600,3 @@ def test_a_float64_weight_below_float32s_range_is_not_called_all_zeros():
                 jqt.calibrate(f, recipe, p, [(jnp.ones((1, 2), jnp.float64),)], progress=False)
             text = " ".join(str(w.message) for w in got)
             assert "whose largest magnitude 4e-50" in text and "all zeros" not in text, text
-
-
-def test_a_bfloat16_cast_of_packed_params_runs_in_bfloat16():
-    """A PackedParams whose float leaves and scales are cast to bfloat16 (the cast jqt's
-    error messages and guarantees.md allow): the weights packed away were traced in the
-    float32 jqt.pack saw, so the model ran, and returned, float32 where f on the params
-    cast alike returns bfloat16 (hunt67_halfprec). They take the scales' dtype now."""
-    f = lambda p, x: jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"]
-    k = jax.random.split(jax.random.key(0), 3)
-    p = {"w1": jax.random.normal(k[0], (64, 128)) * 0.2, "b1": jnp.full(128, 0.1),
-         "w2": jax.random.normal(k[1], (128, 16)) * 0.1}
-    x = jax.random.normal(k[2], (16, 64))
-    bf = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
-    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
-    qf, xb = jax.jit(jqt.quantize(f, qp)), x.astype(jnp.bfloat16)
-    y = qf(bf(jqt.pack(qp, p)), xb)
-    assert y.dtype == f(bf(p), xb).dtype == jnp.bfloat16
-    ref = qf(jqt.pack(qp, bf(p)), xb)
-    assert float(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)).max()) < 0.05 * float(jnp.abs(ref.astype(jnp.float32)).max())
-    assert qf(jqt.pack(qp, p), x).dtype == jnp.float32  # uncast: as before

@@ -30,27 +30,11 @@ def _unpack(packed: PackedParams):
     leaves = [None] * len(packed.avals)
     for i, x in zip(packed.kept, packed.leaves):
         leaves[i] = x
-    cast = _cast_dtype(packed)
     for i, a in enumerate(packed.avals):
         if leaves[i] is None:  # split over explicit mesh axes as the leaf was (jax.shard_map
             # takes such a leaf only split as its in_specs say)
-            dt = cast if cast is not None and jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
-            leaves[i] = compat.zeros(a.shape, dt, getattr(a, "sharding", None))
+            leaves[i] = compat.zeros(a.shape, a.dtype, getattr(a, "sharding", None))
     return jax.tree_util.tree_unflatten(packed.treedef, leaves)
-
-
-def _cast_dtype(packed: PackedParams):
-    """The float dtype a cast of the PackedParams gave every packed weight's scale
-    (``jax.tree.map(lambda a: a.astype(jnp.bfloat16) ...)`` over its float leaves; jqt.pack
-    makes float32 scales), or ``None``. The weights packed away are then traced in that
-    dtype, as the float params cast alike would be: they were traced in the dtype jqt.pack
-    saw, and a bfloat16 cast of a float32 model's packed params ran, and returned, float32."""
-    dts = {np.dtype(w.scale.dtype) for w in packed.weights.values()
-           if getattr(w, "scale", None) is not None and hasattr(w.scale, "dtype")}
-    if len(dts) != 1:
-        return None
-    (dt,) = dts
-    return dt if jnp.issubdtype(dt, jnp.floating) and dt != np.float32 else None
 
 
 def _check_packed_covers(traced, qparams, packed, dropped):

@@ -241,3 +241,31 @@ def test_a_convolution_too_long_for_int32_stays_float_at_calibration():
     np.testing.assert_array_equal(jqt.quantize(f, qp)(p, x), f(p, x))
     qw = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
     assert not qw["w"].is_float
+
+
+def test_a_rare_saturation_shows_in_the_report_and_a_float_op_keeps_no_width(tmp_path):
+    """One output in 65,536 saturating read ``0.00% (int16)``, as if none had (hunt68_accum16):
+    it reads ``<0.01%`` and a line under the table names the op. An op made float by hand
+    kept ``accumulator=16``: the report called it int16 and ``jqt.save`` gave its file the
+    next format version, which an older jqt refuses for nothing it cannot read."""
+    signs = jnp.where(jnp.arange(8) % 2 == 0, 1.0, -1.0)[:, None]
+    w = jnp.ones((8, 256)).at[:, 1:].multiply(signs)  # column 0 all 1, the others +-1
+    x = jnp.zeros((256, 8)).at[1, 0].set(1.0)  # sums of one product: 127 * 127 < 2**15
+    f = lambda p, x: x @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(accumulator=16), {"w": w}, [(x,)], progress=False)
+    big = x.at[0].set(1.0)  # row 0 x column 0: 8 products of 127 * 127, beyond 2**15
+    rep = jqt.report(f, qp, {"w": w}, (big,))
+    frac = rep.rows[0].acc_saturated
+    assert 0 < frac < 5e-5
+    text = str(rep)
+    assert "<0.01% (int16)" in text and "0.00% (int16)" not in text
+    assert "accumulator saturated: w (" in text
+    assert "accumulator saturated" not in str(jqt.report(f, qp, {"w": w}, (x,)))
+    kept = {"w": dataclasses.replace(qp["w"], lhs=None, rhs=None)}  # accumulator=16 kept
+    assert "(int16)" not in str(jqt.report(f, kept, {"w": w}, (x,)))
+    assert serialization.versioned(serialization.ST_VERSION, kept) == serialization.ST_VERSION
+    jqt.save(str(tmp_path / "f.safetensors"), kept)
+    assert jqt.load(str(tmp_path / "f.safetensors"))["w"].is_float
+    numpy_width = {"w": dataclasses.replace(qp["w"], accumulator=np.int64(16))}
+    with pytest.raises(ValueError, match=r"int64: pass a Python int, accumulator=int\(bits\)"):
+        jqt.quantize(f, numpy_width)

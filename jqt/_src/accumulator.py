@@ -28,6 +28,7 @@ target's numerics, not for speed.
 """
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -51,9 +52,12 @@ def bounds(bits: int) -> tuple:
 def check_bits(bits, where: str) -> None:
     """Raises ``ValueError`` unless ``bits`` is an int in ``[16, 32]``."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not NARROWEST <= bits <= WIDEST:
+        numpy = (f" (a {type(bits).__name__}: pass a Python int, accumulator=int(bits), or set "
+                 "it through Rule(accumulator=...), which converts it)"
+                 if isinstance(bits, np.integer) else "")
         raise ValueError(f"{where}: accumulator={bits!r}: the accumulator width is an int from "
                          f"{NARROWEST} to {WIDEST} bits (32, the default, is jqt's own int32 "
-                         "accumulator, which never overflows).")
+                         f"accumulator, which never overflows){numpy}.")
 
 
 def unsupported(qtypes) -> str:

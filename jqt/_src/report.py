@@ -313,6 +313,11 @@ class Report:
             names = list(dict.fromkeys(names))
             out.append(f"{'note' if quantized else 'kept float'} ({note}): {', '.join(names[:6])}"
                        f"{' ...' if len(names) > 6 else ''}")
+        sat = [r for r in self.rows if r.acc_saturated > 0]  # (NaN: none measured)
+        if sat:
+            each = [f"{r.name} ({100 * r.acc_saturated:.3g}% of outputs, int{r.accumulator})"
+                    for r in sorted(sat, key=lambda r: -r.acc_saturated)]
+            out.append("accumulator saturated: " + ", ".join(each[:4]) + (" ..." if len(each) > 4 else ""))
         differ, total = self.output_int_differ
         if total:
             out.append(f"integer outputs: {differ} of {total} values differ from float's")
@@ -335,7 +340,19 @@ class Report:
 
 
 def _pct(f):
-    return "-" if f is None or np.isnan(f) else f"{100 * f:.2f}%"
+    """A fraction as a percentage of 2 decimals, a nonzero one below them as ``<0.01%``
+    (one output in 65,536 is not "0.00%") and one short of 1 as ``>99.99%``.
+
+    >>> _pct(0.0), _pct(1 / 65536), _pct(0.5), _pct(1 - 1e-6), _pct(1.0)
+    ('0.00%', '<0.01%', '50.00%', '>99.99%', '100.00%')
+    """
+    if f is None or np.isnan(f):
+        return "-"
+    if 0 < f < 5e-5:
+        return "<0.01%"
+    if 1 - 5e-5 <= f < 1:
+        return ">99.99%"
+    return f"{100 * f:.2f}%"
 
 
 def _db(v):
@@ -561,7 +578,7 @@ def _rows(site, qp, st):
                                               _HUGE if ran and not np.isfinite(float(g("f2"))) else
                                               "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
-            accumulator=qp.accumulator,
+            accumulator=accumulator.WIDEST if qp.is_float else qp.accumulator,  # (none: no sums)
             acc_saturated=float(g("acc_sat") / g("acc_n")) if ran and "acc_n" in st else math.nan,
             hist=g("hist") if ran else None))
     return out

@@ -68,7 +68,8 @@ NPZ_READ = (1, 2)
 def versioned(version, qparams):
     """``version``, plus one when ``qparams`` hold outlier transforms or narrow
     accumulators (which an older jqt would drop)."""
-    newer = qparams and any(p.transformed or p.accumulator != 32 for p in qparams.values())
+    newer = qparams and any(p.transformed or (p.accumulator != 32 and not p.is_float)
+                            for p in qparams.values())  # (a float op has no sums to narrow)
     return version + 1 if newer else version
 
 
@@ -241,7 +242,7 @@ def qparams_entries(qparams, name, fn="jqt.save"):
                                            f"qparams['{key}'].smooth")
         if p.rotate:
             entries[key]["rotate"] = True
-        if p.accumulator != 32:
+        if p.accumulator != 32 and not p.is_float:
             entries[key]["accumulator"] = p.accumulator
         reach = None if p.source is None else p.source.calibrated_reach
         if reach is not None:

@@ -31,7 +31,8 @@ from .validate import check_qparams
 
 
 def _as_float(p: OpQParams, note: str) -> OpQParams:
-    return dataclasses.replace(p, lhs=None, rhs=None, note=note, smooth=None, rotate=False)
+    return dataclasses.replace(p, lhs=None, rhs=None, note=note, smooth=None, rotate=False,
+                               accumulator=32)
 
 
 def _quantized_keys(qparams):

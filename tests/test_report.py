@@ -1535,3 +1535,27 @@ def test_fallback_names_to_when_an_op_kept_back_at_its_types_cannot_be_quantized
         warnings.simplefilter("ignore")  # (the budget of 0 is not met)
         res = jqt.fallback(f, rec, p, [(x,)], err, max_drop=0.0, higher_is_better=False, to=to)
     assert "k" in [k for t, _ in res.trials for k in t]
+
+
+def test_fallback_leaves_out_the_ops_to_gives_the_types_they_have():
+    """A recipe at w8a8 but for one int4 op, ``to=`` its own w8a8 rule: only the int4 op
+    changes when kept back. The others were candidates too (trials spent on them, and
+    ``res.kept`` listed ops whose qparams fallback did not change; hunt68_fallbackfmt):
+    they are left out with a warning, and a ``to=`` that changes no op is an error."""
+    f = lambda p, x: jnp.tanh(x @ p["a"]) @ p["b"]
+    p = {"a": _normal(2, (16, 16)) * 0.3, "b": _normal(3, (16, 8)) * 0.3}
+    x = _normal(4, (32, 16))
+    err = lambda g: float(jnp.mean((g(p, x) - f(p, x)) ** 2))
+    base = jqt.recipes.w8a8().rules
+    int4 = jqt.Rule(key="^b$", weight=jqt.QuantType(bits=4, narrow_range=True, per_channel=True),
+                    activation=base[-1].activation)
+    rec = jqt.Recipe(rules=(int4,) + base)
+    with pytest.warns(UserWarning, match=r"to= gives ops \['a'\] the very types the recipe gives them"):
+        res = jqt.fallback(f, rec, p, [(x,)], err, max_drop=0.0, higher_is_better=False,
+                           to=base[-1], rank="sensitivity")
+    assert res.kept == ("b",) and res.qparams["b"].rhs.qtype.bits == 8
+    assert res.trials and not any("quantized alone: a" in k for t, _ in res.trials for k in t)
+    with pytest.raises(ValueError, match=r"to= gives every quantized op it takes \(\['a', 'b'\]|"
+                                         r"to= gives every quantized op it takes \(\['b', 'a'\]"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], err, max_drop=0.0, higher_is_better=False,
+                     to=base[-1])

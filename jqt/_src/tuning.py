@@ -14,6 +14,7 @@ import math
 import re
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,6 +34,14 @@ from .validate import check_qparams
 def _as_float(p: OpQParams, note: str) -> OpQParams:
     return dataclasses.replace(p, lhs=None, rhs=None, note=note, smooth=None, rotate=False,
                                accumulator=32)
+
+
+def _same_qparams(a: OpQParams, b: OpQParams) -> bool:
+    """Whether ``a`` and ``b`` quantize an op alike: the same static fields (types, note,
+    transforms) and the same arrays (scales, zero points, smoothing vector)."""
+    (la, ta), (lb, tb) = (jax.tree_util.tree_flatten(p) for p in (a, b))
+    return ta == tb and all(np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y))
+                            for x, y in zip(la, lb))
 
 
 def _quantized_keys(qparams):
@@ -457,6 +466,14 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 "to keep ops back as float.")
         candidates = [k for k in matched if not alt[k].is_float]
         untyped = [k for k in matched if alt[k].is_float]
+        unchanged = [k for k in candidates if _same_qparams(alt[k], qp[k])]
+        candidates = [k for k in candidates if k not in unchanged]
+        if unchanged and candidates:  # (none left: the error below says so)
+            diagnostics.warn(f"jqt.fallback: to= gives ops {unchanged[:5]}"
+                             f"{' ...' if len(unchanged) > 5 else ''} the very types the recipe "
+                             "gives them, so keeping them back changes nothing: they are not "
+                             f"candidates (the candidates: {candidates[:5]}"
+                             f"{' ...' if len(candidates) > 5 else ''}).")
 
         def why(keys):  # the notes under to='s rules speak of "the recipe": say what to= lacks
             field = lambda p: ("embedding" if p.op == "gather" else "weight" if p.weight_operand
@@ -470,6 +487,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              f"({why(untyped)}): they stay as the recipe quantizes them. "
                              "Give to= the type they need (weight=, embedding=, kv_cache=, "
                              "act_x_act=), or pass to=None to let fallback keep them float.")
+        if not candidates and unchanged:
+            raise ValueError(f"jqt.fallback: to= gives every quantized op it takes "
+                             f"({unchanged[:5]}{' ...' if len(unchanged) > 5 else ''}) the very "
+                             "types the recipe gives them, so keeping ops back at to= changes "
+                             "nothing. Give to= a more precise type than the "
+                             "recipe's (e.g. w8 for int4 ops), or pass to=None to keep ops float.")
         if not candidates:
             raise ValueError(f"jqt.fallback: to= gives none of the quantized ops a type (it "
                              f"matches {untyped[:5]}, and gives them none: {why(untyped)}); "

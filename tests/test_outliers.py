@@ -184,6 +184,48 @@ def test_awq_search_matches_numpy_reference():
     assert _rel_err(jqt.quantize(f, qp), p, batches) < _rel_err(jqt.quantize(f, plain), p, batches)
 
 
+def test_awq_on_fewer_rows_than_inputs_damps_its_search_and_overflow_keeps_plain_rounding():
+    """Fewer calibration rows than inputs: X^T X is singular and the search fit the rows,
+    losing on others (one row: 1.38x plain rounding's held-out error; hunt68_awqclip). It
+    scores on X^T X plus 0.1 (1 - rows/K) of its mean diagonal (the reference below). An
+    X^T X that overflows float32 gave NaN errors, whose argmin picked a = 0.05 (3.8x plain
+    rounding's error): the op keeps s = 1, with a warning."""
+    absmax = jqt.calibrators.WeightMinMax()
+    p, batches = _data(k=64, rows=4, batches=2)  # 8 rows, 64 inputs
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True, weight_calibrator=absmax), p,
+                       batches, progress=False)
+    xs = np.concatenate([np.asarray(b[0]) for b in batches]).astype(np.float64)
+    w = np.asarray(p["w"], np.float64)
+    mean_abs, h = np.abs(xs).mean(0), xs.T @ xs
+    lam = 0.1 * (1 - 8 / 64) * np.mean(np.diag(h))
+    errs, cands = [], []
+    for i in range(20):
+        s = np.maximum(mean_abs ** (i / 20), 1e-4)
+        s = s / np.sqrt(s.max() * s.min())
+        d = _np_quant_groups(w * s[:, None], 16) / s[:, None] - w
+        errs.append(np.sum((xs @ d) ** 2) + lam * np.sum(d ** 2))
+        cands.append(s)
+    np.testing.assert_allclose(np.asarray(qp["w"].smooth).ravel(), cands[int(np.argmin(errs))], rtol=1e-4)
+
+    k, n = 128, 64
+    loud = jnp.where(jnp.arange(k) % 13 == 0, 10.0, 1.0)
+    keys = jax.random.split(jax.random.key(8), 4)
+    p = {"w": jax.random.normal(keys[0], (k, n)) * 0.1}
+    one = [(jax.random.normal(keys[1], (1, k)) * loud,)]
+    held = jax.random.normal(keys[3], (512, k)) * loud
+    err = {}
+    for awq in (False, True):
+        q = jqt.calibrate(f, jqt.recipes.w4(group_size=32, awq=awq), p, one, progress=False)
+        err[awq] = float(jnp.linalg.norm(jqt.quantize(f, q)(p, held) - f(p, held)))
+    assert err[True] < err[False], err
+
+    huge = [(batches[0][0].at[3, 7].set(1e30),)]
+    with pytest.warns(UserWarning, match=r"op 'w': AWQ's X\^T X of its activation overflows float32"):
+        q = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True), {"w": jnp.asarray(w, jnp.float32)},
+                          huge, progress=False)
+    np.testing.assert_allclose(np.asarray(q["w"].smooth), 1.0)
+
+
 # ---- GPTQ ----------------------------------------------------------------------------------------
 
 def _gptq_reference(w, s, x, damp=0.01, bits=4):

@@ -22,13 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import diagnostics, groups, handlers, transforms
+from . import compat, diagnostics, groups, handlers, transforms
 from . import numerics as nx
 from .layout import apply_chain
 from .qparams import OpQParams
 from .stats import CHAN_MERGE
 
 AWQ_GRID = 20
+# AWQ's search on n calibration rows of K inputs (n < K: X^T X singular) adds
+# AWQ_FEW_ROWS_DAMP * (1 - n/K) of X^T X's mean diagonal to it (none from K rows on)
+AWQ_FEW_ROWS_DAMP = 0.1
 """AWQ's search grid: exponents ``a = i / AWQ_GRID`` for ``i < AWQ_GRID``, as in the paper's code."""
 
 
@@ -125,13 +128,18 @@ def members(shape, contract) -> int:
 def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     """A jitted ``(w, hessian, mean_abs) -> s`` for one layer."""
 
-    def one(w, h, mean_abs):
+    def one(w, h, mean_abs, damp):
         # a channel 0 in every calibration batch weighs as the quietest one seen: at its
         # floor of 1e-4, its weight scaled by that rounded to code 0, the channel's input
         # lost at run time (its error costs nothing on the calibration data)
         seen = mean_abs > 0
         quietest = jnp.min(jnp.where(seen, mean_abs, jnp.inf))
         mean_abs = jnp.where(seen, mean_abs, jnp.where(jnp.isfinite(quietest), quietest, 1.0))
+
+        # fewer calibration rows than inputs: X^T X is singular, and the directions the
+        # rows do not span cost nothing, so the search can fit those rows and lose on
+        # others; ``damp`` (a fraction of the mean diagonal) weighs them a little
+        h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(h.shape[-1], dtype=h.dtype)
 
         def err(a):
             s = jnp.maximum(mean_abs ** a, 1e-4)
@@ -143,7 +151,8 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
             return jnp.sum((d @ hs) * d), s
 
         errs, ss = jax.lax.map(err, jnp.arange(AWQ_GRID, dtype=jnp.float32) / AWQ_GRID)
-        return ss[jnp.argmin(errs)]
+        # a NaN error (X^T X overflowed float32) is no minimum: none finite, a = 0 (s = 1)
+        return ss[jnp.argmin(jnp.where(jnp.isnan(errs), jnp.inf, errs))]
 
     return jax.jit(one)
 
@@ -154,9 +163,17 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
                      rotate)
     count = chan["count"]
     mean_abs = chan["abssum"] / count.reshape(count.shape + (1,) * (chan["abssum"].ndim - count.ndim))
+    h = chan["hessian"]
+    if not compat.is_tracer(h) and not np.isfinite(np.asarray(h)).all():
+        diagnostics.warn(f"jqt.calibrate: op '{site.key}': AWQ's X^T X of its activation "
+                         "overflows float32 (activations beyond about 1e19): its search scores "
+                         "no scale, and the op keeps s = 1 (plain rounding). Scale the inputs "
+                         "down, or calibrate it without awq (a Rule for its key).")
+    k = h.shape[-1]
+    damp = AWQ_FEW_ROWS_DAMP * jnp.maximum(0.0, 1.0 - jnp.asarray(count, jnp.float32) / k)
     with groups.naming(f"op '{site.key}' (weight "
                        f"'{site.source.path if site.source else '(computed)'}', AWQ's search)"):
-        return _vmapped(fn, depth)(w, chan["hessian"], mean_abs)
+        return _vmapped(fn, depth)(w, h, mean_abs, damp)
 
 
 def decide(traced, recipe, stats, params_t, argnums, weight_qtype):

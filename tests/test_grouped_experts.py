@@ -377,7 +377,8 @@ def test_ragged_dot_with_a_per_tensor_weight_runs_its_integer_kernel():
     300-token prefill; hunt66_moe)."""
     rule = jqt.Rule(weight=jqt.QuantType(bits=8, per_channel=False),
                     activation=jqt.QuantType(bits=8, symmetric=False, per_channel=False))
-    qp = jqt.calibrate(ragged, jqt.Recipe(rules=(rule,)), P, [(X_RAGGED,)], progress=False)
+    with pytest.warns(UserWarning, match="one scale for all of them"):
+        qp = jqt.calibrate(ragged, jqt.Recipe(rules=(rule,)), P, [(X_RAGGED,)], progress=False)
     assert qp["w"].rhs.scale.shape == ()
     sim = jqt.quantize(ragged, qp, simulate=True)(P, X_RAGGED)
     policy = dataclasses.replace(jqt.KernelPolicy.for_backend("cpu"), ragged_int_rows=1)
@@ -775,3 +776,41 @@ def test_experts_gathered_per_token_are_named():
         warnings.simplefilter("error")
         jqt.calibrate(gathered, keep, P, [(x, ids)], progress=False)
         jqt.calibrate(lambda p, ids: p["emb"][ids], jqt.recipes.w8(), table, [(ids,)], progress=False)
+
+
+def test_gptq_on_a_ragged_dot_ignores_nan_and_inf_padding_rows():
+    """Rows past ``sum(group_sizes)`` reach no expert, whatever they hold (supported-ops.md:
+    a NaN padding row, ``jnp.take``'s out-of-range fill, gives no NaN output): ``jqt.gptq``
+    masked them by multiplying with 0, so NaN or inf ones made every Hessian NaN and it
+    raised, blaming f (hunt68_moealgos). They give zero padding's weights."""
+    rng = np.random.default_rng(9)
+    e, d, m = 3, 32, 24
+    p = {"w": jnp.asarray(rng.standard_normal((e, d, 16)) * 0.1, jnp.float32)}
+    sizes = jnp.array([10, 6, 4], jnp.int32)  # 20 rows in experts, 4 padding
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    make = lambda fill: (lambda p, x: jax.lax.ragged_dot(
+        jnp.where(jnp.arange(m)[:, None] < 20, x, fill), p["w"], sizes))
+    r = jqt.recipes.w4(group_size=16)
+    zero = jqt.gptq(make(0.0), jqt.calibrate(make(0.0), r, p, [(x,)], progress=False), p, [(x,)],
+                    progress=False)
+    for fill in (jnp.nan, jnp.inf):
+        f = make(fill)
+        out = jqt.gptq(f, jqt.calibrate(f, r, p, [(x,)], progress=False), p, [(x,)], progress=False)
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(zero["w"]))
+
+
+def test_a_per_tensor_weight_type_on_ragged_dot_experts_warns_of_one_scale_for_all():
+    """The einsum and vmap forms of experts warn that a per-tensor weight type gives all
+    experts one scale; ``lax.ragged_dot`` said nothing while three of four experts lost 38%
+    of their output (hunt68_moealgos)."""
+    p = {"w": jnp.ones((3, 8, 4)).at[0].multiply(50.0)}
+    x = jnp.ones((6, 8))
+    f = lambda p, x: jax.lax.ragged_dot(x, p["w"], jnp.array([2, 2, 2], jnp.int32))
+    rule = jqt.Rule(weight=jqt.QuantType(bits=8, per_channel=False),
+                    activation=jqt.QuantType(bits=8, symmetric=False))
+    with pytest.warns(UserWarning, match=r"op 'w' \(lax.ragged_dot\) reads weight 'w' of shape "
+                                         r"\(3, 8, 4\): 3 experts.*one scale for all of them"):
+        jqt.calibrate(f, jqt.Recipe(rules=(rule,)), p, [(x,)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)

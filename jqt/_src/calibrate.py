@@ -696,9 +696,21 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
         for s in sites:
             r = chosen[s.key]
             wt = s.entry.weight_type(r) if r is not None and s.weight_operand is not None else None
-            if s.op not in ("dot_general", "conv_general_dilated") or wt is None or wt.per_channel:
+            if s.op not in ("dot_general", "conv_general_dilated", "ragged_dot_general") \
+                    or wt is None or wt.per_channel:
                 continue
             shape, contract = s.eqn.invars[s.weight_operand].aval.shape, s.contract[s.weight_operand]
+            if s.op == "ragged_dot_general":  # (G, K, N) experts: one scale for all of them
+                if shape[0] > 1:
+                    diagnostics.warn_grouped("per_tensor_members", (
+                        f"jqt.calibrate: op '{s.key}' (lax.ragged_dot) reads weight "
+                        f"'{s.source.path if s.source else '(computed)'}' of shape {tuple(shape)}: "
+                        f"{shape[0]} experts, and its rule's weight type is per-tensor "
+                        f"({wt.describe()}): one scale for all of them, so an expert of much "
+                        "smaller weights rounds to few codes or to 0. Use a per-channel type "
+                        "(the presets' default: one scale per expert and output channel)."),
+                        f"'{s.key}'")
+                continue
             if s.op == "conv_general_dilated":
                 # jax.vmap of a conv over stacked kernels folds the members into its output
                 # features: a kernel of one axis fewer than its leaf, reshaped

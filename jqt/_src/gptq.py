@@ -83,6 +83,7 @@ class _Hessians:
         (rows past ``sum(sizes)`` reach none)."""
         x, w, sizes = invals[0].astype(_F32), invals[1], invals[2]
         g, live = ragged.row_groups(sizes, x.shape[0])
+        x = jnp.where(live[:, None], x, 0.0)  # a NaN or inf padding row: 0 * NaN is NaN
         member = (g[:, None] == jnp.arange(w.shape[0])[None, :]) & live[:, None]  # (M, G)
         gram = lambda: jnp.einsum("mg,mk,ml->gkl", member.astype(_F32), x, x)
         k = x.shape[1]

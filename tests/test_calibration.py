@@ -249,6 +249,14 @@ def test_moving_average_mean_ema_and_skipped_batches():
         (-1.0, 6.0), rtol=1e-6)
     # MinMax over the same batches: the full range
     assert run(C.MinMax(), [obs(C.MinMax(), b) for b in batches]) == (-3.0, 9.0)
+    # a batch of only zeros (an expert no token reached in it) is skipped too: it halved the
+    # average range of an expert idle in one batch of two (hunt68_moealgos); every batch
+    # zeros gives [0, 0]
+    for c in (mean, ema):
+        z = obs(c, np.zeros(3, np.float32))
+        np.testing.assert_allclose(run(c, [z] + [obs(c, b) for b in batches[:2]] + [z, obs(c, batches[2])]),
+                                   run(c, [obs(c, b) for b in batches]), rtol=1e-6)
+        assert run(c, [z, z]) == (0.0, 0.0)
     with pytest.raises(ValueError, match="momentum"):
         C.MovingAverage(momentum=1.0)
 

@@ -160,12 +160,17 @@ class MovingAverage(Calibrator):
         average ``m * running + (1 - m) * batch``.
 
     Within one batch (``scan``/``while`` iterations, devices) the extremes are
-    combined by min/max; batches in which the op did not run are skipped.
+    combined by min/max; batches in which the op did not run are skipped, and so are
+    batches in which it saw only zeros (an expert no token was routed to in that batch,
+    whose range of ``[0, 0]`` halved its average over two batches), as ``jqt.calibrate``
+    treats an expert or layer that saw only zeros in every batch as one not reached.
 
     >>> import jax.numpy as jnp, jqt
     >>> c = jqt.calibrators.MovingAverage()
     >>> s = c.accumulate(c.observe(jnp.array([0.0, 2.0])), c.observe(jnp.array([0.0, 4.0])))
     >>> c.range(s, jqt.QuantType())
+    (0.0, 3.0)
+    >>> c.range(c.accumulate(s, c.observe(jnp.zeros(2))), jqt.QuantType())  # skipped
     (0.0, 3.0)
     """
 
@@ -191,10 +196,13 @@ class MovingAverage(Calibrator):
             w_new = 1.0 / (n + 1.0)
         else:
             w_new = jnp.where(n > 0, 1.0 - self.momentum, 1.0)
-        out = {k: jnp.where(new["n"] > 0, jnp.where(n > 0, (1 - w_new) * running[k] + w_new * new[k],
-                                                     new[k]), running[k])
+        # a batch of only zeros counts as none, but gives the range where none came before
+        # (it is replaced by the first batch of values; every batch zeros: [0, 0])
+        seen = (new["n"] > 0) & ((new["min"] != 0) | (new["max"] != 0))
+        out = {k: jnp.where(new["n"] > 0, jnp.where(n > 0, jnp.where(
+            seen, (1 - w_new) * running[k] + w_new * new[k], running[k]), new[k]), running[k])
                for k in ("min", "max")}
-        return {**out, "n": n + (new["n"] > 0)}
+        return {**out, "n": n + seen}
 
     def range(self, stats, qtype):
         return float(stats["min"]), float(stats["max"])

@@ -1559,3 +1559,31 @@ def test_fallback_leaves_out_the_ops_to_gives_the_types_they_have():
                                          r"to= gives every quantized op it takes \(\['b', 'a'\]"):
         jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], err, max_drop=0.0, higher_is_better=False,
                      to=base[-1])
+
+
+def test_report_measures_around_the_nan_f_itself_computes(tmp_path):
+    """A masked mean over an all-padding sequence is 0/0 = NaN in the float model too, on
+    both lanes: the output's figures were NaN and the op's note blamed an energy beyond
+    3.4e38 (hunt68_reportapi). Both are measured on the other values, the NaN counted."""
+    k = jax.random.split(jax.random.key(11), 4)
+    p = {"emb": jax.random.normal(k[0], (16, 32)) * 0.3, "head": jax.random.normal(k[1], (32, 5)) * 0.3}
+
+    def f(p, x, mask):
+        h = jax.nn.gelu(x @ p["emb"])
+        return ((h * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)) @ p["head"]
+
+    cal = [(jax.random.normal(k[2], (8, 6, 16)), jnp.ones((8, 6)))]
+    x, mask = jax.random.normal(k[3], (8, 6, 16)), jnp.ones((8, 6)).at[3].set(0.0)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8_dynamic(), p, cal, progress=False)
+    rep = jqt.report(f, qp, p, (x, mask))
+    fl = np.asarray(f(p, x, mask), np.float64)
+    sim = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x, mask), np.float64)
+    ok = ~np.isnan(fl)
+    assert (~ok).sum() == 5 and np.array_equal(np.isnan(sim), ~ok)
+    want = 10 * np.log10(np.sum(fl[ok] ** 2) / np.sum((sim[ok] - fl[ok]) ** 2))
+    assert rep.output_sqnr == pytest.approx(want, abs=0.05) and rep.output_nan == 5
+    head = next(r for r in rep.rows if r.key == "head")
+    assert np.isfinite(head.sqnr_cumulative) and "3.4e38" not in head.note
+    assert "NaN at 5 of its output values" in head.note
+    text = str(rep)
+    assert "f's float output is NaN at 5 values" in text and "relative L2 error nan" not in text

@@ -33,7 +33,7 @@ from jax import lax
 from . import accumulator, compat, kvcache, numerics, tracing, validate
 from .calibrate import CalibrationDataError, check_batch, full_args
 from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed, without_entry
-from .plotting import HIST_BINS, plot_report
+from .plotting import HIST_BINS, db as _db, pct as _pct, plot_report
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
@@ -84,8 +84,12 @@ class _Measure:
         y_iso = sim.site(site, eqn, xf, ctx)[0]
         y_all = sim.site(site, eqn, xq, ctx)[0]
         sq = lambda a: jnp.sum(_real(a) ** 2)
-        st = {"f2": sq(_wide(y_f)), "e_iso": sq(_wide(y_iso) - _wide(y_f)),
-              "e_all": sq(_wide(y_all) - _wide(y_f))}
+        # where f's own float computation is NaN (a 0/0 upstream: a mean over an all-padding
+        # row), both lanes are: measured on the other outputs, counted
+        nan_f = jnp.isnan(_real(_wide(y_f)))
+        sqm = lambda a: jnp.sum(jnp.where(nan_f, 0.0, _real(a) ** 2))
+        st = {"f2": sqm(_wide(y_f)), "e_iso": sqm(_wide(y_iso) - _wide(y_f)),
+              "e_all": sqm(_wide(y_all) - _wide(y_f)), "nan_f": jnp.sum(nan_f).astype(_F32)}
         if site.entry.is_cache:  # the operands measured: the buffer and the written update
             xf = [xf[0], xf[site.entry.update_index]]
             # alone, the write's error is its update's: measured against the update, not
@@ -260,6 +264,7 @@ class Report:
     output_leaves: tuple = ()  # (path, SQNR dB) per float output where f returns several
     #                            (logits beside the state f passes back, which pools in the above)
     float_output: bool = True  # f returns a float output (its SQNR is NaN where it holds NaN)
+    output_nan: int = 0  # float output values NaN on both lanes (f's own): left out of the above
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
@@ -296,6 +301,9 @@ class Report:
             out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
                        f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}"
                        f"{' (all float outputs pooled)' if self.output_leaves else ''}")
+            if self.output_nan:
+                out.append(f"f's float output is NaN at {self.output_nan} values, as the "
+                           "quantized one is (a 0/0 in f itself): measured on the others")
             if self.output_leaves:
                 worst = sorted(self.output_leaves, key=lambda t: (not math.isnan(t[1]), t[1]))
                 each = [f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst]
@@ -303,7 +311,7 @@ class Report:
                            + (" ..." if len(each) > 4 else ""))
         kept = {}
         for r in self.rows:
-            if not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE):
+            if not r.quantized or r.note in (_TRIPS, _BRANCH, _HUGE) or r.note.startswith(_NAN_F):
                 # (an op made float in the qparams by hand has no note: summarize's words)
                 # (a float op by key: all its layers are, one entry, so the line names more
                 # ops; a note may be one layer's)
@@ -337,28 +345,6 @@ class Report:
             raise ValueError(f"Report.plot: histograms={histograms!r}; expected a count of ops >= 0 "
                              "whose activation histograms to draw, e.g. histograms=6 (0: none).")
         plot_report(self, path, histograms)
-
-
-def _pct(f):
-    """A fraction as a percentage of 2 decimals, a nonzero one below them as ``<0.01%``
-    (one output in 65,536 is not "0.00%") and one short of 1 as ``>99.99%``.
-
-    >>> _pct(0.0), _pct(1 / 65536), _pct(0.5), _pct(1 - 1e-6), _pct(1.0)
-    ('0.00%', '<0.01%', '50.00%', '>99.99%', '100.00%')
-    """
-    if f is None or np.isnan(f):
-        return "-"
-    if 0 < f < 5e-5:
-        return "<0.01%"
-    if 1 - 5e-5 <= f < 1:
-        return ">99.99%"
-    return f"{100 * f:.2f}%"
-
-
-def _db(v):
-    if np.isnan(v):
-        return "-"
-    return f"{v:.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
 
 
 def _short(q):
@@ -443,7 +429,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         if s.key in qparams:  # an optional op without an entry ran float: no row
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = mx = 0.0
-    floats, differ, total, leaves = False, 0, 0, []
+    floats, differ, total, leaves, nan_out = False, 0, 0, [], 0
     paths = _output_paths(traced.out_tree, len(outs))
     for path, o in zip(paths, outs):
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
@@ -456,7 +442,10 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         o = np.asarray(o, np.complex128 if np.iscomplexobj(o) else np.float64)
         # equal entries are exact, matching infinities (masked logits) too: they add to
         # neither energy; an infinity or NaN that differs makes the error NaN or inf
-        same = o[1] == o[0]
+        # NaN on both lanes: f's own (a 0/0 in the float model too), counted and left out
+        both_nan = np.isnan(o[0]) & np.isnan(o[1])
+        nan_out += int(np.sum(both_nan))
+        same = (o[1] == o[0]) | both_nan
         ref = np.where(same & ~np.isfinite(o[0]), 0, o[0])
         with np.errstate(invalid="ignore"):
             d = np.where(same, 0, o[1] - o[0])
@@ -471,7 +460,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
                       output_max_abs=math.nan, output_int_differ=(differ, total), float_output=False)
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
                   output_max_abs=mx, output_int_differ=(differ, total),
-                  output_leaves=tuple(leaves) if len(leaves) > 1 else ())
+                  output_leaves=tuple(leaves) if len(leaves) > 1 else (), output_nan=nan_out)
 
 
 def _output_paths(tree, n):
@@ -529,6 +518,14 @@ _BRANCH = ("a cond or switch around it took other branches on the float and quan
            "lane's branch; the output's figures are the ones to read")
 
 
+_NAN_F = "f's float computation is NaN at "
+
+
+def _nan_note(n):
+    return (f"{_NAN_F}{int(n)} of its output values (a 0/0 or a log of a negative number "
+            "upstream: NaN on both lanes): measured on the others")
+
+
 _HUGE = ("its output's energy, summed in float32, passes 3.4e38 (values above about 1e19): its "
          "SQNR is not measured; the output's figures, in float64, are the ones to read")
 
@@ -576,6 +573,8 @@ def _rows(site, qp, st):
             sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
             note=qp.note if qp.is_float else (_TRIPS if trips else _BRANCH if branch else
                                               _HUGE if ran and not np.isfinite(float(g("f2"))) else
+                                              _nan_note(g("nan_f")) if ran and "nan_f" in st
+                                              and g("nan_f") > 0 else
                                               "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,
             accumulator=accumulator.WIDEST if qp.is_float else qp.accumulator,  # (none: no sums)

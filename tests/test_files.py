@@ -1243,6 +1243,10 @@ def test_ops_of_other_activation_types_share_a_weights_codes(tmp_path):
     path = str(tmp_path / "m.safetensors")
     jqt.save_packed(path, packed, qp)
     back = jqt.load_packed(path)
+    # the file holds the codes once, and so does what it loads (it read them once per op:
+    # twice the memory; hunt68_bytesacct)
+    assert back.weights["w"].values is back.weights["w#1"].values
+    assert back.nbytes() == packed.nbytes()
     q = jqt.quantize(f, qp)
     np.testing.assert_array_equal(q(back, x), q(packed, x))
     np.testing.assert_allclose(q(packed, x), q(p, x), atol=1e-5)

@@ -329,16 +329,22 @@ class _Checked:
                                  "list")
         return t
 
-    def get(self, name, what):
+    def get(self, name, what, shared=False):
         """Tensor ``name`` (``what``: its role, for errors), checked against the header's
-        list of tensors."""
+        list of tensors. ``shared``: read once for every such call, the entries that name
+        one tensor (codes that ops share) getting one array, which loaders place on the
+        device once (qparams read their own: their scales train apart)."""
         if not isinstance(name, str) or name not in self.names:
             raise self.error(f"{what} is tensor {json.dumps(name)}, which the file does not hold")
+        got = self.__dict__.setdefault("_got", {}) if shared else {}
+        if name in got:
+            return got[name]
         want = None if self.tensors is None else self.tensors[name]
         a = self._read(name, what)
         if want is not None and (a.shape, a.dtype) != want:
             raise self.error(f"tensor '{name}' ({what}) is {describe(a)}, but the header says "
                              f"{want[1].name}{list(want[0])}")
+        got[name] = a
         return a
 
     def _open_checked(self):

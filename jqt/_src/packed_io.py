@@ -548,11 +548,11 @@ def _weight_from_entry(r, key, d, version):
     if layout not in _LAYOUTS:
         raise r.error(f"{where}: layout {layout!r} is not one of {list(_LAYOUTS)}")
     if version == 1:  # int8 codes and sums only; quantize takes the scales from the qparams
-        w = QArray(values=r.get(r.need(d, "qvalue", str, where), f"{where}.values"),
-                   sums=r.get(r.need(d, "wsum", str, where), f"{where}.sums"), layout=layout)
+        w = QArray(values=r.get(r.need(d, "qvalue", str, where), f"{where}.values", shared=True),
+                   sums=r.get(r.need(d, "wsum", str, where), f"{where}.sums", shared=True), layout=layout)
     else:
         qtype = qtype_from_header(r, r.need(d, "qtype", dict, where), where)
-        arrays = {f: r.get(r.need(d, f, str, where), f"{where}.{f}") for f in _FIELDS if f in d}
+        arrays = {f: r.get(r.need(d, f, str, where), f"{where}.{f}", shared=True) for f in _FIELDS if f in d}
         if "values_dtype" in d:
             arrays["values"] = _fp8_values(r, where, arrays.get("values"), d["values_dtype"], qtype)
         folded = d.get("folded")  # absent from files written before jqt recorded it

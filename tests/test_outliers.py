@@ -1007,3 +1007,15 @@ def test_a_channel_no_calibration_batch_reached_keeps_its_weight_under_awq_and_s
             assert np.ptp(np.delete(s, 3)) > 0.1 and s[3] > 0, s
     assert err["w8_awq"] < 2 * err["w8"] + 0.01 and err["w4_awq"] < 2 * err["w4"] + 0.02, err
     assert err["w8a8_smooth"] < 0.1, err
+
+
+def test_nf4_preset_takes_rotate_as_w4_does():
+    """``nf4(rotate=True)`` raised TypeError though a Rule with nf4 and rotate works and the
+    other weight-only presets take it (hunt68_rotateodd)."""
+    p, batches = _data(k=64, rows=16, batches=2)
+    qp = jqt.calibrate(f, jqt.recipes.nf4(group_size=32, rotate=True), p, batches, progress=False)
+    assert qp["w"].rotate and qp["w"].rhs.qtype.dtype == "nf4"
+    x = batches[0][0]
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x), sim, rtol=1e-5, atol=1e-5)
+    assert _rel_err(jqt.quantize(f, qp), p, batches) < 0.2

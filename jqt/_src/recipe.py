@@ -575,21 +575,23 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
 
 
 def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None,
-        awq: bool = False,
+        awq: bool = False, rotate: bool = False,
         kv_cache=False) -> Recipe:
     """Weight-only 4-bit NormalFloat (QLoRA's format) with one scale per group of
     ``group_size`` inputs (0 or ``None``: per channel, as in :func:`w4`), decoded by lookup; nf4
-    embedding tables; ``awq=True`` and the clipped ranges (:data:`WEIGHT_MSE_4BIT`) as in
-    :func:`w4`.
+    embedding tables; ``awq=True``, ``rotate=True`` and the clipped ranges
+    (:data:`WEIGHT_MSE_4BIT`) as in :func:`w4`.
 
     >>> import jqt
     >>> jqt.recipes.nf4().rules[0].weight.describe(), jqt.recipes.nf4(group_size=0).rules[0].weight.describe()
     ('nf4 sym g64', 'nf4 sym per-channel')
+    >>> jqt.recipes.nf4(rotate=True).rules[0].rotate
+    True
     """
     t = QuantType(dtype="nf4", group_size=_groups("nf4", group_size), per_channel=True)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=t, activation=None, embedding=_embedding(embeddings, 4, table=t),
-                              awq=awq,
+                              awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT)),))
 
 

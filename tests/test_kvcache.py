@@ -465,6 +465,39 @@ def test_a_barrier_and_a_gradient_stop_on_the_cache_hold_on_its_codes(setup):
     np.testing.assert_allclose(run(jqt.pack(qp, p), x), free, rtol=1e-5, atol=1e-5)
 
 
+def test_a_sharding_constraint_and_a_checkpoint_name_on_the_cache_keep_it_quantized(setup):
+    """Model code that pins the cache's layout (``with_sharding_constraint`` on a split of
+    batch, heads or time; ``reshard`` on explicit axes) or names it for a remat policy:
+    the cache was decoded to float32 there every step, the loop still carrying int8
+    (attention read the float copy, and the whole cache was re-encoded; hunt68_kvshard).
+    The constraint and the name now apply to its codes and scales alike."""
+    from jax.ad_checkpoint import checkpoint_name
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    p, cal, x = setup
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    pin = lambda c: jax.lax.with_sharding_constraint(c, NamedSharding(mesh, P(None, "d")))
+
+    def placed(p, tokens):
+        def body(carry, tok):
+            cache, pos = carry
+            cache = checkpoint_name(pin(cache), "kv")
+            logits, cache = _step(p, cache, tok, pos, _dus)
+            return (pin(cache), pos + 1), logits
+        return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+    rec = jqt.recipes.w8a8_dynamic(kv_cache=True)
+    qp = jqt.calibrate(placed, rec, p, cal, progress=False)
+    run = jqt.quantize(placed, qp)
+    eqns = list(all_eqns(jax.make_jaxpr(run)(jqt.pack(qp, p), x)))
+    for name in ("sharding_constraint", "name"):
+        assert "int8" in [str(e.invars[0].aval.dtype) for e in eqns if e.primitive.name == name], name
+    # no float32 copy of a layer's whole cache: codes times scales at its shape
+    assert not [e for e in eqns if e.primitive.name == "mul"
+                and e.outvars[0].aval.shape == (B, T, H, DH) and e.outvars[0].aval.dtype == jnp.float32]
+    free = jqt.quantize(teacher, jqt.calibrate(teacher, rec, p, cal, progress=False))(p, x)
+    np.testing.assert_allclose(run(jqt.pack(qp, p), x), free, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 @pytest.mark.parametrize("kind,code_dtype", [(True, jnp.int8), ("int4", jnp.uint8)])
 @pytest.mark.slow_variants

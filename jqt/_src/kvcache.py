@@ -384,23 +384,61 @@ def write(eqn, invals, update_index, qtype, zero=False):
     return [dataclasses.replace(buf, values=put(buf.values, u.values), scale=put(buf.scale, u.scale))]
 
 
+# ops that place or name their operands, and the parameter holding each operand's
+# sharding (``with_sharding_constraint``, ``jax.sharding.reshard``, ``jax.device_put``
+# inside f; ``checkpoint_name``, which has none)
+_PLACING = {"sharding_constraint": "sharding", "reshard": "dst_sharding", "device_put": "devices",
+            "name": None}
+
+
+def _places_whole_vectors(eqn) -> bool:
+    """A :data:`_PLACING` op whose shardings leave every operand's last axis whole (a
+    ``NamedSharding`` or ``PartitionSpec`` of no more entries than axes, none on the last):
+    on a cache it places the codes and the scales (last axis 1) alike."""
+    key = _PLACING[eqn.primitive.name]
+    if key is None:
+        return True
+    given = eqn.params.get(key)
+    given = given if isinstance(given, (tuple, list)) else (given,)
+    for sh, v in zip(given, eqn.invars):
+        spec = getattr(sh, "spec", sh)
+        if not isinstance(spec, jax.sharding.PartitionSpec):
+            return False  # (a device, a sharding of another kind)
+        nd = len(v.aval.shape)
+        if len(spec) > nd or (len(spec) == nd and nd and spec[-1] is not None):
+            return False
+    return True
+
+
 def is_plain_copy(eqn) -> bool:
     """An identity on every operand (``copy``, ``stop_gradient``, an
-    ``optimization_barrier``; equinox's loops copy their carry): a cache under it is the
-    same cache, passed on quantized, and the copy does not read it."""
-    return (eqn.primitive.name in ("copy", "copy_p", "stop_gradient", "optimization_barrier")
-            and len(eqn.invars) == len(eqn.outvars))
+    ``optimization_barrier``; equinox's loops copy their carry; a sharding constraint,
+    reshard, ``device_put`` or ``checkpoint_name`` that leaves the last axis whole): a
+    cache under it is the same cache, passed on quantized, and the copy does not read it."""
+    name = eqn.primitive.name
+    if len(eqn.invars) != len(eqn.outvars):
+        return False
+    if name in _PLACING:
+        return _places_whole_vectors(eqn)
+    return name in ("copy", "copy_p", "stop_gradient", "optimization_barrier")
 
 
 def copy(eqn, invals) -> list:
     """The outputs of an :func:`is_plain_copy` equation whose operands hold a cache: the
-    same values, the cache still quantized, under the same barrier or gradient stop
-    (applied to the cache's codes and scales alike)."""
+    same values, the cache still quantized, under the same barrier, gradient stop,
+    placement or name (applied to the cache's codes and scales alike)."""
     name = eqn.primitive.name
     if name == "optimization_barrier":
         return list(lax.optimization_barrier(list(invals)))
     if name == "stop_gradient":
         return [lax.stop_gradient(v) for v in invals]
+    if name in _PLACING:  # one operand at a time, each leaf of a cache under its own
+        key, out = _PLACING[name], []
+        for i, v in enumerate(invals):
+            one = {} if key is None or name != "device_put" else {
+                p: (eqn.params[p][i],) for p in ("devices", "srcs", "copy_semantics")}
+            out.append(jax.tree_util.tree_map(lambda a: compat.bind_eqn(eqn, [a], **one)[0], v))
+        return out
     return list(invals)
 
 

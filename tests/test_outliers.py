@@ -219,6 +219,15 @@ def test_awq_on_fewer_rows_than_inputs_damps_its_search_and_overflow_keeps_plain
         err[awq] = float(jnp.linalg.norm(jqt.quantize(f, q)(p, held) - f(p, held)))
     assert err[True] < err[False], err
 
+    # from K rows on nothing is added: a diagonal whose float32 sum overflows, every entry
+    # of X^T X finite (activations near 4e17), left the search NaN: s = 1 (hunt68_review)
+    keys = jax.random.split(jax.random.key(0), 2)
+    pw = {"w": jax.random.normal(keys[0], (64, 32)) * 0.1}
+    xb = jax.random.normal(keys[1], (128, 64)) * jnp.where(jnp.arange(64) % 8 == 0, 2.0, 1.0)
+    rec = jqt.recipes.w4(group_size=16, awq=True, weight_calibrator=absmax)
+    ql, q1 = (jqt.calibrate(f, rec, pw, [(xb * c,)], progress=False) for c in (4e17, 1.0))
+    assert not np.allclose(np.asarray(q1["w"].smooth), 1.0)
+    np.testing.assert_allclose(np.asarray(ql["w"].smooth), np.asarray(q1["w"].smooth), rtol=1e-3)
     huge = [(batches[0][0].at[3, 7].set(1e30),)]
     with pytest.warns(UserWarning, match=r"op 'w': AWQ's X\^T X of its activation overflows float32"):
         q = jqt.calibrate(f, jqt.recipes.w4(group_size=16, awq=True), {"w": jnp.asarray(w, jnp.float32)},

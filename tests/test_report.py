@@ -1587,3 +1587,8 @@ def test_report_measures_around_the_nan_f_itself_computes(tmp_path):
     assert "NaN at 5 of its output values" in head.note
     text = str(rep)
     assert "f's float output is NaN at 5 values" in text and "relative L2 error nan" not in text
+    # every value NaN in f itself: not measured (it read "exact"; hunt68_review)
+    empty = jqt.report(f, qp, p, (x, jnp.zeros((8, 6))))
+    assert math.isnan(empty.output_sqnr) and math.isnan(empty.output_rel_l2)
+    assert "nothing else to measure" in str(empty)
+    assert all(math.isnan(r.sqnr_cumulative) for r in empty.rows if r.key == "head")

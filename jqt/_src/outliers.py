@@ -29,10 +29,12 @@ from .qparams import OpQParams
 from .stats import CHAN_MERGE
 
 AWQ_GRID = 20
-# AWQ's search on n calibration rows of K inputs (n < K: X^T X singular) adds
-# AWQ_FEW_ROWS_DAMP * (1 - n/K) of X^T X's mean diagonal to it (none from K rows on)
-AWQ_FEW_ROWS_DAMP = 0.1
 """AWQ's search grid: exponents ``a = i / AWQ_GRID`` for ``i < AWQ_GRID``, as in the paper's code."""
+
+AWQ_FEW_ROWS_DAMP = 0.1
+"""AWQ's search on ``n`` calibration rows of ``K`` inputs (``n < K``: ``X^T X`` singular)
+adds ``AWQ_FEW_ROWS_DAMP * (1 - n/K)`` of ``X^T X``'s mean diagonal to it (nothing from
+``K`` rows on)."""
 
 
 def wants(rule) -> bool:
@@ -139,7 +141,10 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
         # fewer calibration rows than inputs: X^T X is singular, and the directions the
         # rows do not span cost nothing, so the search can fit those rows and lose on
         # others; ``damp`` (a fraction of the mean diagonal) weighs them a little
-        h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(h.shape[-1], dtype=h.dtype)
+        # (the mean as a sum of diag / K: a sum of the diagonal can pass float32's range
+        # where every entry is finite, and 0 * inf is NaN)
+        mean_diag = jnp.sum(jnp.diagonal(h) / h.shape[-1])
+        h = h + jnp.where(damp > 0, damp * mean_diag, 0.0) * jnp.eye(h.shape[-1], dtype=h.dtype)
 
         def err(a):
             s = jnp.maximum(mean_abs ** a, 1e-4)

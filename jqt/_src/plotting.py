@@ -54,7 +54,7 @@ def plot_report(report, path, histograms):
     ax.set_ylabel("output SQNR (dB)")
     ax.set_title("per-op SQNR; model output " + (
         "not measured (no float output)" if not report.float_output else
-        "not measured (NaN on one lane only)" if np.isnan(report.output_sqnr)
+        "not measured (NaN or inf in the outputs)" if np.isnan(report.output_sqnr)
         else f"{db(report.output_sqnr)} dB"))
     ax.legend(fontsize=8)
     for n, r in enumerate(worst):

@@ -89,7 +89,8 @@ class _Measure:
         nan_f = jnp.isnan(_real(_wide(y_f)))
         sqm = lambda a: jnp.sum(jnp.where(nan_f, 0.0, _real(a) ** 2))
         st = {"f2": sqm(_wide(y_f)), "e_iso": sqm(_wide(y_iso) - _wide(y_f)),
-              "e_all": sqm(_wide(y_all) - _wide(y_f)), "nan_f": jnp.sum(nan_f).astype(_F32)}
+              "e_all": sqm(_wide(y_all) - _wide(y_f)), "nan_f": jnp.sum(nan_f).astype(_F32),
+              "out_n": jnp.float32(nan_f.size)}
         if site.entry.is_cache:  # the operands measured: the buffer and the written update
             xf = [xf[0], xf[site.entry.update_index]]
             # alone, the write's error is its update's: measured against the update, not
@@ -303,7 +304,9 @@ class Report:
                        f"{' (all float outputs pooled)' if self.output_leaves else ''}")
             if self.output_nan:
                 out.append(f"f's float output is NaN at {self.output_nan} values, as the "
-                           "quantized one is (a 0/0 in f itself): measured on the others")
+                           "quantized one is (a 0/0 in f itself): "
+                           + ("nothing else to measure" if math.isnan(self.output_rel_l2)
+                              else "measured on the others"))
             if self.output_leaves:
                 worst = sorted(self.output_leaves, key=lambda t: (not math.isnan(t[1]), t[1]))
                 each = [f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst]
@@ -429,7 +432,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         if s.key in qparams:  # an optional op without an entry ran float: no row
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = mx = 0.0
-    floats, differ, total, leaves, nan_out = False, 0, 0, [], 0
+    floats, differ, total, leaves, nan_out, n_float = False, 0, 0, [], 0, 0
     paths = _output_paths(traced.out_tree, len(outs))
     for path, o in zip(paths, outs):
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
@@ -445,6 +448,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         # NaN on both lanes: f's own (a 0/0 in the float model too), counted and left out
         both_nan = np.isnan(o[0]) & np.isnan(o[1])
         nan_out += int(np.sum(both_nan))
+        n_float += o[0].size
         same = (o[1] == o[0]) | both_nan
         ref = np.where(same & ~np.isfinite(o[0]), 0, o[0])
         with np.errstate(invalid="ignore"):
@@ -458,6 +462,8 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     if not floats:
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
                       output_max_abs=math.nan, output_int_differ=(differ, total), float_output=False)
+    if nan_out and nan_out == n_float:  # every value NaN in f itself: nothing measured
+        f2 = e2 = mx = math.nan
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
                   output_max_abs=mx, output_int_differ=(differ, total),
                   output_leaves=tuple(leaves) if len(leaves) > 1 else (), output_nan=nan_out)
@@ -521,7 +527,10 @@ _BRANCH = ("a cond or switch around it took other branches on the float and quan
 _NAN_F = "f's float computation is NaN at "
 
 
-def _nan_note(n):
+def _nan_note(n, of):
+    if n >= of:
+        return (f"{_NAN_F}every one of its {int(n)} output values (a 0/0 or a log of a "
+                "negative number upstream: NaN on both lanes): not measured")
     return (f"{_NAN_F}{int(n)} of its output values (a 0/0 or a log of a negative number "
             "upstream: NaN on both lanes): measured on the others")
 
@@ -551,6 +560,8 @@ def _rows(site, qp, st):
         flag = lambda a: np.asarray(a)[() if li is None else li[:np.ndim(a)]]
         trips = ran and bool(np.any(flag(st.get("trips_differ_max", 0.0)) > 0))
         branch = bool(np.any(flag(st.get("branch_differs_max", 0.0)) > 0))
+        # f's float computation NaN at every output of the op: nothing left to measure
+        all_nan = ran and "out_n" in st and g("nan_f") >= g("out_n") > 0
         wsc = None if wq is None or wq.scale is None else pick(wq.scale)
         asc = None if aq is None or aq.scale is None else pick(aq.scale)
         azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)
@@ -569,11 +580,11 @@ def _rows(site, qp, st):
             act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,
             weight_clip=float(g("w_clip") / g("w_n")) if ran and w is not None else math.nan,
             sqnr_isolated=_sqnr(float(g("f2_iso" if "f2_iso" in st else "f2")), float(g("e_iso")))
-            if ran else math.nan,
-            sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran else math.nan,
+            if ran and not all_nan else math.nan,
+            sqnr_cumulative=_sqnr(float(g("f2")), float(g("e_all"))) if ran and not all_nan else math.nan,
             note=qp.note if qp.is_float else (_TRIPS if trips else _BRANCH if branch else
                                               _HUGE if ran and not np.isfinite(float(g("f2"))) else
-                                              _nan_note(g("nan_f")) if ran and "nan_f" in st
+                                              _nan_note(g("nan_f"), g("out_n")) if ran and "nan_f" in st
                                               and g("nan_f") > 0 else
                                               "" if ran else "did not run on this batch"),
             quantized=not qp.is_float,

@@ -1451,3 +1451,21 @@ def test_a_node_that_checks_its_children_rebuilds_from_the_stored_shapes(tmp_pat
     exp = jax.export.export(jax.jit(jqt.quantize(f, qp)))(packed, x)
     np.testing.assert_array_equal(jax.export.deserialize(exp.serialize()).call(packed, x),
                                   jqt.quantize(f, qp)(packed, x))
+
+
+def test_pack_says_when_a_layer_applied_twice_holds_its_codes_per_smoothing_vector():
+    """A layer applied twice under ``smooth=`` gets a smoothing vector per use, folded into
+    its codes: the packed params hold them twice (an ALBERT-style shared layer applied six
+    times packed to 1.8x the float bytes), silently (hunt68_frameworkalgos)."""
+    f = lambda p, x: jax.nn.gelu(jax.nn.gelu(x @ p["w"]) @ p["w"])  # noqa: E731
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 32)) * 0.2}
+    outl = jnp.where(jnp.arange(32) % 7 == 0, 8.0, 1.0)
+    xs = [(jax.random.normal(jax.random.key(1), (16, 32)) * outl,)]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, xs, progress=False)
+    with pytest.warns(UserWarning, match=r"ops 'w', 'w#1' read weight 'w' alike .* each with its own "
+                                         r"smoothing vector .* hold the codes 2 times"):
+        packed = jqt.pack(qp, p)
+    assert packed.weights["w"].values is not packed.weights["w#1"].values
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, xs, progress=False), p)

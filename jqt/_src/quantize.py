@@ -804,6 +804,22 @@ def _share_equal(leaf_of, weights, qparams):
             if same:
                 apart.setdefault(same[0], [same[0]]).append(k)
             first[sig].append(k)
+    folded = {}  # ops that read a leaf alike but fold other smoothing vectors into it
+    for k, w in weights.items():
+        if w.folded and qparams[k].source is not None:
+            folded.setdefault((leaf_of[k], w.qtype, w.layout, qparams[k].source.chain), {}) \
+                .setdefault(w.folded, []).append(k)
+    for by_tag in folded.values():
+        if len(by_tag) > 1:
+            keys = [ks[0] for ks in by_tag.values()]
+            diagnostics.warn(
+                f"jqt.pack: ops {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''} "
+                f"read weight '{qparams[keys[0]].source.path}' alike (a layer applied several "
+                f"times) but each with its own smoothing vector (smooth= or awq=, calibrated per "
+                f"use), folded into its codes, so the packed params hold the codes {len(by_tag)} "
+                "times (more bytes than the float weight, at enough uses). To store them once, "
+                "apply the layer under a lax.scan (one op, one vector), or keep the transform "
+                "off its repeated uses (a Rule for their keys without smooth=/awq=).")
     for keys in apart.values():
         diagnostics.warn(
             f"jqt.pack: ops {', '.join(repr(k) for k in keys[:4])}{' ...' if len(keys) > 4 else ''} "

@@ -487,6 +487,16 @@ with jax.set_mesh(EXPLICIT):
                                           "max": float(jnp.abs(sim).max())}
         except Exception as e:
             res["batched_split"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+# an int4 cache whose features are split over explicit axes into odd counts per device:
+# a jqt error naming the cause (JAX's reshape error before; hunt68_kvshard); even counts pack
+with jax.set_mesh(EXPLICIT):
+    for d in (12, 8):
+        buf = jax.device_put(jnp.ones((2, 4, d)), NamedSharding(EXPLICIT, P(None, None, "model")))
+        try:
+            q = jqt.quantize_cache(buf, "int4")
+            res[f"int4_cache_split_{d}"] = str(q.values.dtype)
+        except ValueError as e:
+            res[f"int4_cache_split_{d}"] = str(e)
 print("RESULT" + json.dumps(res))
 """
 
@@ -842,3 +852,9 @@ def test_a_decode_step_returns_its_cache_quantized_and_split(result):
     assert isinstance(got, dict), got  # else the error it raised
     assert got["dtype"] == "int8" and got["shard"] == [2, 1, 6, 2, 8] and got["scale_shard"] == [2, 1, 6, 2, 1], got
     assert got["same_codes"] and got["diff"] <= 1e-5 * got["out_max"], got
+
+
+def test_an_int4_cache_split_into_odd_feature_counts_names_the_cause(result):
+    assert "split over explicit mesh axes into 4 parts of 3" in result["int4_cache_split_12"]
+    assert "int8 cache (kv_cache=True)" in result["int4_cache_split_12"]
+    assert result["int4_cache_split_8"] == "uint8"

@@ -161,6 +161,14 @@ def encode(x, qtype, fp8_bits: bool = False, float_dtype=None) -> QArray:
     s = scales(x, qtype)
     v = nx.quantize(x, s.astype(_F32), None, qtype)
     if qtype.nibbles_fit(v.shape[-1]):  # else (an odd last axis) one int8 code per byte
+        parts = compat.split_count(v, v.ndim - 1)
+        if parts > 1 and (v.shape[-1] // parts) % 2:
+            raise ValueError(
+                f"jqt: a KV cache of type {qtype.describe()}, {v.shape[-1]} features per vector, its "
+                f"last axis split over explicit mesh axes into {parts} parts of "
+                f"{v.shape[-1] // parts}: two 4-bit codes per byte need an even count on each "
+                "device. Split the heads (or batch, or time) rather than the features, give each "
+                "device an even count, or use an int8 cache (kv_cache=True).")
         v = pack_nibbles(v, v.ndim - 1)
     elif fp8_bits and qtype.kind == "float":
         v = lax.bitcast_convert_type(v, jnp.uint8)

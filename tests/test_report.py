@@ -434,9 +434,12 @@ def test_fallback_names_itself_and_skips_ops_to_gives_no_type():
     axa = "btd,bsd->bts/dot_general_0"
     assert axa not in res.kept and not res.qparams[axa].is_float
     assert all(res.qparams[k].lhs.qtype.bits == 16 for k in res.kept)
-    with pytest.raises(ValueError, match="to= gives none of the quantized ops a type.*to= sets no act_x_act="):
+    with pytest.raises(ValueError, match="to= gives none of the quantized ops a type.*to= sets no act_x_act="), \
+            warnings.catch_warnings(record=True) as seen:  # the error alone: no warning saying it first
+        warnings.simplefilter("always")
         jqt.fallback(f, jqt.Recipe(rules=(jqt.Rule(act_x_act=r.rules[0].act_x_act),)), p, [(x,)],
                      err, max_drop=0.0, higher_is_better=False, to=jqt.recipes.w8a16().rules[0])
+    assert not [w for w in seen if "gives them no type" in str(w.message)]
     # to= whose ops= leave out quantized ops: named, they cannot be kept back (a lookup's
     # primitive left out kept the table out of the candidates silently; hunt64_mixedrules)
     g = lambda p, ids: jnp.tanh(p["wq"][ids] @ p["wk"])  # noqa: E731

@@ -481,7 +481,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             lacks = list(dict.fromkeys(f"{field(alt[k])}=" for k in keys if getattr(to, field(alt[k])) is None))
             notes = list(dict.fromkeys(alt[k].note for k in keys if getattr(to, field(alt[k])) is not None))
             return "; ".join(([f"to= sets no {', '.join(lacks)}"] if lacks else []) + notes[:2])
-        if untyped:
+        if untyped and candidates:  # (none left: the error below says the same)
             diagnostics.warn(f"jqt.fallback: to= matches ops {untyped[:5]}"
                              f"{' ...' if len(untyped) > 5 else ''} but gives them no type "
                              f"({why(untyped)}): they stay as the recipe quantizes them. "

@@ -745,7 +745,19 @@ def test_writes_that_are_not_a_cache_stay_unchanged(setup):
         buf = lax.dynamic_update_slice(jnp.zeros((B, 8, DM)), p["emb"][tokens], (0, 0, 0))
         return buf @ p["out"]
 
-    for fn, said in ((partial_write, "covers part of its last axis"), (no_loop, "no loop of f carries a buffer")):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def pinned_partial_write(p, tokens):  # the written buffer's layout pinned, as model
+        def body(buf, tok):                # code pins a cache (the reason stayed unsaid;
+            h = p["emb"][tok]              # hunt68_review2)
+            buf = lax.dynamic_update_slice(buf, h[:, None, :4], (0, 0, 0))
+            buf = lax.with_sharding_constraint(buf, NamedSharding(mesh, P("d")))
+            return buf, jnp.sum(buf[..., :4] @ jnp.ones((4, 3)))
+        return lax.scan(body, jnp.zeros((B, 2, DM)), tokens.T)[1]
+
+    for fn, said in ((partial_write, "covers part of its last axis"), (no_loop, "no loop of f carries a buffer"),
+                     (pinned_partial_write, "covers part of its last axis")):
         with pytest.warns(UserWarning, match=said):  # said, not silent
             qp = jqt.calibrate(fn, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
         assert not [k for k in qp if k.startswith("kv_cache")]

@@ -1595,3 +1595,6 @@ def test_report_measures_around_the_nan_f_itself_computes(tmp_path):
     assert math.isnan(empty.output_sqnr) and math.isnan(empty.output_rel_l2)
     assert "nothing else to measure" in str(empty)
     assert all(math.isnan(r.sqnr_cumulative) for r in empty.rows if r.key == "head")
+    # one output of two NaN everywhere: not measured there either (it read "exact")
+    both = jqt.report(lambda p, x, m: {"y": f(p, x, m), "nan": x[0, 0] * jnp.nan}, qp, p, (x, mask))
+    assert math.isnan(dict(both.output_leaves)["['nan']"]) and np.isfinite(both.output_sqnr)

@@ -504,6 +504,10 @@ class Analyzer:
                                                 + (() if compat.is_literal(v) else accumulated.get(v, ())))
                     if not compat.is_literal(v) and v in self._missed:
                         self._missed_reads.update(self._missed[v])
+            if kvcache.is_plain_copy(eqn):  # the same values: still the missed write's
+                for v, o in zip(eqn.invars, eqn.outvars):
+                    if not compat.is_literal(v) and v in self._missed:
+                        self._missed[o] = self._missed[v]
             if entry is not None and entry.is_cache and not cache_write:
                 self._near_miss(eqn, ins, stack)
             elif name == "convert_element_type" and ins[0].buffer:

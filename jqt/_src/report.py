@@ -455,7 +455,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             d = np.where(same, 0, o[1] - o[0])
         lf2, le2 = float(np.sum(np.abs(ref) ** 2)), float(np.sum(np.abs(d) ** 2))
         f2, e2 = f2 + lf2, e2 + le2
-        leaves.append((path, _sqnr(lf2, le2)))
+        leaves.append((path, math.nan if o[0].size and both_nan.all() else _sqnr(lf2, le2)))
         if o[0].size:
             m = float(np.max(np.abs(d)))  # NaN where a NaN differs: kept, not max()'d away
             mx = m if (math.isnan(m) or m > mx) else mx

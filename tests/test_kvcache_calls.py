@@ -3,6 +3,7 @@ takes its cache and returns it written, and with a preset's ``kv_cache`` the qua
 step returns it quantized (a ``jqt.QArray`` with ``layout="cache"``), to be passed back
 in as it is. Flax's own decode caches (linen ``decode=True``, nnx ``init_cache``) are
 such caches."""
+import dataclasses
 import functools
 import math
 import warnings
@@ -323,6 +324,13 @@ def test_a_returned_cache_with_its_scales_recast_is_refused_by_name(setup):
     with pytest.raises(ValueError, match=r"argument \[1\]\['k'\] is a key/value cache whose codes are int8.* "
                                          r"scales bfloat16.*float16\[.*\] scales"):
         qstep(p, cast, toks[:, 1])
+    # an int4 cache's codes recast to int32: the message names both dtypes an int4 cache
+    # holds (it said int8 only; hunt68_exportcache)
+    q4 = jqt.calibrate(step, jqt.recipes.w8(kv_cache="int4"), p, batches, progress=False)
+    _, c4 = jax.jit(jqt.quantize(step, q4))(p, empty(), toks[:, 0])
+    wide = {**c4, "k": dataclasses.replace(c4["k"], values=c4["k"].values.astype(jnp.int32))}
+    with pytest.raises(ValueError, match=r"codes are int32.*holds int8 or uint8 codes"):
+        jax.jit(jqt.quantize(step, q4))(p, wide, toks[:, 1])
 
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature

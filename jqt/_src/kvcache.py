@@ -235,7 +235,8 @@ def placeholders(args):
                 "codes, scales or the float dtype it stands for (float_dtype). Pass back the cache "
                 "the quantized function returned, as it is, or a float buffer.")
         kind = x.qtype.kind
-        codes_ok = (("int8", "uint8") if x.nibbles else ("int8",)) if kind == "int" else \
+        # (by the type: codes of another dtype are no nibbles, whatever the type packs)
+        codes_ok = (("int8", "uint8") if x.qtype.bits <= 4 else ("int8",)) if kind == "int" else \
             (np.dtype(FLOAT8[x.qtype.grid]).name, "uint8") if kind == "float" else ()
         want = tuple(x.values.shape[:-1]) + (1,)
         if np.dtype(x.values.dtype).name not in codes_ok or np.dtype(x.scale.dtype) != SCALE_DTYPE \

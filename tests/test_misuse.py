@@ -1209,8 +1209,12 @@ def test_a_fallback_that_every_candidate_at_to_misses_says_so_after_the_smaller_
     p, batches, qp = _w4_setup()
     x = batches[0][0]
     err = lambda g: float(jnp.mean((g(p, x) - f(p, x)) ** 2))
-    for recipe, to, same in ((jqt.recipes.w4(group_size=16), jqt.recipes.w8().rules[0], False),
-                             (jqt.recipes.w8a8(), jqt.recipes.w8a8().rules[0], True)):
+    # a to= that gives every op the types it has is refused up front (it was searched,
+    # then said "to= gives them the types they have?"; hunt68_fallbackfmt)
+    with pytest.raises(ValueError, match=r"to= gives every quantized op it takes \(\['w1', 'w2'\]\) the very types"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, batches, err, max_drop=1e-12, higher_is_better=False,
+                     to=jqt.recipes.w8a8().rules[0], max_trials=12)
+    for recipe, to, same in ((jqt.recipes.w4(group_size=16), jqt.recipes.w8().rules[0], False),):
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
             res = jqt.fallback(f, recipe, p, batches, err, max_drop=1e-12, higher_is_better=False,

@@ -216,10 +216,17 @@ def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
 
     qp = jqt.calibrate(counted, jqt.recipes.w8(kv_cache=True), p, batches, progress=False)
     traces.clear()
-    qstep = jax.jit(jqt.quantize(counted, qp))
+    programs, quantized = [], jqt.quantize(counted, qp)
+
+    def program(*args):  # traced by jax.jit once per program it compiles
+        programs.append(1)
+        return quantized(*args)
+
+    qstep = jax.jit(program)
     prefix = feed(step, p, toks[:, :3])[1]  # a float cache holding three tokens already
     out, _ = feed(qstep, p, toks[:, 3:], cache=prefix)
-    assert len(traces) == 1 and qstep._cache_size() == 2
+    # (counted by traces: the C++ dispatch cache's size, read before, is 0 on some runs)
+    assert len(traces) == 1 and len(programs) == 2
     # the same as the whole sequence fed to the quantized step, up to the first three
     # tokens' keys and values, which the float steps wrote and the first call quantized
     ref, _ = feed(jax.jit(jqt.quantize(step, qp)), p, toks)

@@ -358,6 +358,47 @@ def test_a_bytes_path_works_as_a_str(tmp_path, models):
         jqt.load(3)
 
 
+def test_an_empty_a_nul_or_a_contents_path_is_named(tmp_path, models):
+    # Python's bare "embedded null byte", and '' called a folder (hunt69_filesrobust)
+    qp, packed = models["mlp"]
+    path = str(tmp_path / "q.safetensors")
+    jqt.save(path, qp)
+    with pytest.raises(ValueError, match=r"jqt.save: path is empty; pass the file's path"):
+        jqt.save("", qp)
+    with pytest.raises(ValueError, match=r"jqt.load_packed: path 'a\\x00b' holds a NUL character"):
+        jqt.load_packed("a\0b")
+    with pytest.raises(TypeError, match=r"jqt.load: path is \d+ bytes that look like a file's "
+                                        r"contents, not its name"):
+        jqt.load(open(path, "rb").read())
+    assert os.listdir(tmp_path) == ["q.safetensors"]
+
+
+def test_a_full_disk_is_an_os_error_naming_the_file_and_keeps_the_old_one(tmp_path, models):
+    # safetensors reports a failed write as its own SafetensorError, which `except OSError`
+    # missed, naming no file (hunt69_filesrobust): a real file-size limit stands in for a full disk
+    import resource
+    import signal
+    qp, packed = models["mlp"]
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, models["int4"][1], models["int4"][0])
+    good = open(path, "rb").read()
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, old_limit[1]))
+    try:
+        with pytest.raises(OSError) as e:
+            jqt.save_packed(path, packed, qp)
+        with pytest.raises(OSError) as npz:
+            jqt.save(str(tmp_path / "q.npz"), qp)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert e.value.errno == 27 and path in str(e.value) and "is unchanged" in str(e.value), e.value
+    assert any("q.npz" in n and "is unchanged" in n for n in npz.value.__notes__), npz.value
+    assert open(path, "rb").read() == good
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]  # no temporary file left
+
+
 def test_a_file_name_of_up_to_255_bytes_saves(tmp_path, models):
     # the temporary file's name added 18 bytes to the target's: a legal name of 238-255
     # bytes failed with "File name too long", naming the hidden temporary file
@@ -648,6 +689,12 @@ def test_a_missing_or_mistyped_field_is_rejected(tmp_path, files):
         ("packed", jqt.load, lambda h: h["qparams"]["l2/w"].pop("source"),
          "op 'l2/w' has no 'source'"),
         ("qp", jqt.load, lambda h: h.pop("ops"), "the header has no 'ops'"),
+        # an op name jqt does not know loaded; jqt.pack then raised a bare KeyError
+        # (hunt69_filesrobust)
+        ("qp", jqt.load, lambda h: h["ops"]["l1/w"].update(op="dot_ganeral"),
+         "op 'l1/w': 'op' is 'dot_ganeral', which is not an op this jqt quantizes"),
+        ("packed", jqt.load_packed, lambda h: h["qparams"]["l1/w"].update(op="dot_ganeral"),
+         "op 'l1/w': 'op' is 'dot_ganeral', which is not an op this jqt quantizes"),
         ("qp", jqt.load, lambda h: h["ops"]["l1/w"].update(weight_operand=True),
          "'weight_operand' is a boolean"),
         ("qp", jqt.load, lambda h: h["ops"]["l1/w"]["rhs"]["qtype"].update(dtype="int33"),
@@ -1335,6 +1382,14 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
     with pytest.raises(ValueError, match=r"params leaf 'big' .* holds float64 values beyond float32's "
                        r"range \(1e\+300\).* become inf\. Enable x64"):
         jqt.load_packed(str(tmp_path / "big.safetensors"))
+    # and the mirror case at save: a NumPy float64 leaf without x64 was written as inf
+    # (hunt69_filesrobust)
+    pb = {"w": p["w"], "big": np.array([1e300, 0.1])}
+    qb = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), pb, [(x,)], progress=False)
+    with pytest.raises(TypeError, match=r"params leaf 'big' is float64 with values beyond float32's "
+                       r"range, the dtype jqt.pack recorded for it: they would be saved as inf"):
+        jqt.save_packed(str(tmp_path / "inf.safetensors"), jqt.pack(qb, pb), qb)
+    assert not os.path.exists(tmp_path / "inf.safetensors")
 
 
 def test_load_packed_with_another_functions_qparams_names_the_file_and_the_layout(tmp_path):

@@ -803,6 +803,13 @@ def test_qparams_edited_by_hand_are_checked_or_honoured(tmp_path):
     jqt.save(tmp_path / "f.jqt", floats)
     np.testing.assert_array_equal(jqt.quantize(f, jqt.load(tmp_path / "f.jqt"))(p, x), jqt.quantize(f, qp)(p, x))
     assert "scale=0." in repr(jax.tree.map(lambda a: a.astype(jnp.bfloat16), qp)["w"].lhs)
+    # an op name jqt does not know: jqt.pack raised a bare KeyError (hunt69_filesrobust)
+    typo = {"w": dataclasses.replace(w, op="dot_ganeral")}
+    for call in (lambda: jqt.pack(typo, p), lambda: jqt.quantize(f, typo)(p, x),
+                 lambda: jqt.save(tmp_path / "t.jqt", typo)):
+        with pytest.raises(ValueError, match=r"qparams\['w'\] describes op 'dot_ganeral', which is "
+                                             r"not an op jqt quantizes \(it knows .*dot_general"):
+            call()
 
 
 def test_a_returned_cache_decodes_with_dequantize_cache():

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import stat
 
@@ -89,7 +90,10 @@ def atomic_write(path, write_to) -> None:
                               f"in its folder {os.path.dirname(target)!r} ({e.strerror}). Write into "
                               "another folder, or make this one writable.") from None
     try:
-        write_to(tmp)
+        try:
+            write_to(tmp)
+        except Exception as e:
+            raise _write_error(path, e) from e
         _writable(tmp)  # (a writer that made the file anew gave it the umask's mode)
         _fsync(tmp)
         with contextlib.suppress(OSError):  # an existing file keeps its permissions, a new
@@ -101,6 +105,24 @@ def atomic_write(path, write_to) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(os.path.dirname(target))
+
+
+def _write_error(path, e):
+    """The error to raise for ``e``, raised while writing ``path``'s temporary file: an
+    ``OSError`` keeps its type and gains a note naming ``path``; an I/O error a writer
+    reports as another type (safetensors' ``SafetensorError``, for a full disk) becomes the
+    ``OSError`` its ``os error N`` names, so ``except OSError`` catches a full disk on every
+    format. Other errors are returned as they are."""
+    unchanged = (f"jqt: writing {os.fspath(path)!r} failed; the file, if it existed, is unchanged "
+                 "(free space on the disk, or write elsewhere)")
+    if isinstance(e, OSError):
+        e.add_note(unchanged)
+        return e
+    m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+    if m is None:
+        return e
+    return OSError(int(m.group(2)), f"jqt: cannot write {os.fspath(path)!r}: {m.group(1)}. The "
+                   "file, if it existed, is unchanged; free space on the disk, or write elsewhere.")
 
 
 def _create_temp(target):
@@ -199,9 +221,20 @@ def file_path(path, fn, hint="pass the file's path (a str or os.PathLike)") -> s
     >>> file_path(b"/tmp/q.safetensors", "jqt.load")
     '/tmp/q.safetensors'
     """
-    if isinstance(path, (str, bytes, os.PathLike)):
-        return os.fsdecode(os.fspath(path))
-    raise TypeError(f"{fn}: path is a {type(path).__name__}; {hint}.")
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{fn}: path is a {type(path).__name__}; {hint}.")
+    raw = os.fspath(path)
+    if isinstance(raw, bytes) and (len(raw) > 4096 or raw[:4] == b"PK\x03\x04"
+                                   or (len(raw) > 8 and raw[8:9] == b"{")):
+        raise TypeError(f"{fn}: path is {len(raw)} bytes that look like a file's contents, not "
+                        "its name; pass the file's path (a str or os.PathLike).")
+    text = os.fsdecode(raw)
+    if not text:
+        raise ValueError(f"{fn}: path is empty; pass the file's path, e.g. 'model.safetensors'.")
+    if "\0" in text:
+        raise ValueError(f"{fn}: path {text[:80]!r} holds a NUL character, which no file name may "
+                         "hold; pass the file's path.")
+    return text
 
 
 def is_zip(path, fn) -> bool:

@@ -48,7 +48,14 @@ def _as_recorded(x, aval, path):
     want = np.dtype(aval.dtype)
     if a.dtype == want:
         return a
-    b = a.astype(want)  # floats round as JAX rounds them; integers must keep their values
+    with np.errstate(over="ignore"):
+        b = a.astype(want)  # floats round as JAX rounds them; integers must keep their values
+    if (a.dtype.kind in "fc" and b.dtype.kind in "fc"
+            and np.any(np.isinf(b) & np.isfinite(a))):
+        raise TypeError(f"jqt.save_packed: params leaf '{path}' is {a.dtype.name} with values "
+                        f"beyond {want.name}'s range, the dtype jqt.pack recorded for it: they "
+                        "would be saved as inf. Pass it as that dtype (with x64 enabled for "
+                        "float64), or scale it into that range.")
     if a.dtype.kind in "iub" and not np.array_equal(b.astype(a.dtype), a):
         raise TypeError(f"jqt.save_packed: params leaf '{path}' is {a.dtype.name}, and its values do "
                         f"not fit {want.name}, the dtype JAX gives it (jax_enable_x64 is off). "
@@ -123,9 +130,11 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     leaves = []
     for i, x in zip(packed.kept, packed.leaves):
         if isinstance(packed.avals[i], Static):
-            raise TypeError(f"jqt.save_packed: params leaf '{paths[i]}' is a {type(x).__name__} "
-                            f"({x!r}), not an array, and a packed file holds arrays. Pass such a "
-                            "value to f another way (functools.partial, or an argument of its own; "
+            what = (f"a NumPy array of {x.dtype} (not numbers)" if isinstance(x, np.ndarray)
+                    else f"a {type(x).__name__}")
+            raise TypeError(f"jqt.save_packed: params leaf '{paths[i]}' is {what} "
+                            f"({repr(x)[:60]}), not a numeric array, and a packed file holds those. "
+                            "Pass such a value to f another way (functools.partial, or an argument of its own; "
                             "for an Equinox module, pack and save the arrays of "
                             "eqx.partition(model, eqx.is_array) and eqx.combine them with the "
                             "rest inside f).")

@@ -53,6 +53,7 @@ from .fileio import (FORMAT, PACKED_FORMAT, FormatError, NpzReader, Reader, atom
                      describe, dtype_from_name, is_a, is_zip, json_kind, kind_name, reading,
                      tensor_list, version_error, write)
 from .qparams import OpQParams, QArray, WeightSource
+from .registry import BY_NAME
 from .formats import QuantType
 
 VERSION = 1  # the .npz format
@@ -277,6 +278,10 @@ def qparams_from_entries(entries, r, where="the header's 'ops'"):
 def _op_from_entry(r, key, e):
     where = f"op '{key}'"
     op = r.need(e, "op", str, where)
+    if op not in BY_NAME:
+        raise r.error(f"{where}: 'op' is {op!r}, which is not an op this jqt quantizes (it knows "
+                      f"{', '.join(sorted(BY_NAME))}); if a newer jqt wrote the file, upgrade "
+                      "jqt")
     w = r.need(e, "weight_operand", (int, type(None)), where)
     if w not in (None, 0, 1):
         raise r.error(f"{where}: 'weight_operand' is {w!r}, expected 0, 1 or null")

@@ -253,6 +253,10 @@ def check_qparams_types(qparams, fn: str = "jqt") -> None:
                        f"the dict jqt.calibrate returns (see {fn}'s signature).") if params_like else ""
             raise TypeError(f"{fn}: qparams['{k}'] is of type {type(v).__name__}; expected "
                             f"jqt.OpQParams.{swapped}")
+        if v.op not in BY_NAME:
+            raise ValueError(f"{fn}: qparams['{k}'] describes op {v.op!r}, which is not an op jqt "
+                             f"quantizes (it knows {', '.join(sorted(BY_NAME))}). Pass the qparams "
+                             "jqt.calibrate or jqt.load returned; OpQParams.op names the primitive.")
 
 
 def check_qparams(qparams, fn: str = "jqt", values: bool = True):

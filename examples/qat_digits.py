@@ -11,7 +11,7 @@ byte, the conv kernels' one per byte).
 
 Exits with an error if the fine-tune recovers less than half of the accuracy
 PTQ lost, or if the integer path does not run what the simulated path
-trained. Needs the examples extra (``pip install -e .[examples]``); 15 to 30 s
+trained. Needs the examples extra (``pip install -e .[examples]``); under a minute
 on a 2-core CPU.
 """
 import argparse

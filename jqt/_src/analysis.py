@@ -894,6 +894,10 @@ class Analyzer:
                 self.reads.update(info.buffer + (info.unflat[0] if info.unflat else ()))
         plans, outs, body_outs = [], None, []
         self.loops.append(name)
+        call = (getattr(subs[0][0], "jaxpr", subs[0][0]) if len(subs) == 1 and eqn.primitive in
+                (compat.jit_p, compat.closed_call_p, compat.call_p) else None)
+        if call is not None:  # a missed write's result passed into a call (a jitted
+            self._map_missed(eqn.invars, call.invars)  # helper) is still it
         for j, c, inner in subs:
             self.body_ids += 1
             self.bodies.append(self.body_ids)
@@ -908,6 +912,8 @@ class Analyzer:
                     if not _unread_output(eqn, k, unread):
                         self._use(info, "float")
         self.loops.pop()
+        if call is not None:  # and one made inside it (jnp.put_along_axis is a jit) comes
+            self._map_missed(call.outvars, eqn.outvars)  # out as it
         caches = {}
         if hop.outs is not None:
             found, caches = hop.outs(eqn, ins, body_outs, scan_id, self.reads)
@@ -937,6 +943,13 @@ class Analyzer:
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches,
                                takes_buffer=takes)
         return outs
+
+    def _map_missed(self, src, dst):
+        """Carries :attr:`_missed` from the variables ``src`` to ``dst`` (a call's operands
+        to its jaxpr's inputs, or its jaxpr's outputs to its results)."""
+        for a, b in zip(src, dst):
+            if not compat.is_literal(a) and a in self._missed:
+                self._missed[b] = self._missed[a]
 
     def _near_miss(self, eqn, ins, stack):
         """Records a write that is not a cache write but may be meant as one: into a float
@@ -974,6 +987,13 @@ class Analyzer:
                 "a new array, not the buffer, so no cache is found. Shift it in place, "
                 "cache.at[:, :-1].set(cache[:, 1:]).at[:, -1].set(new), or keep a ring "
                 "buffer written at step % window")))
+        elif ins[0].buffer and _elementwise_scatter(eqn) and _fills_vectors(eqn, buf):
+            self._missed[eqn.outvars[0]] = ins[0].buffer
+            self.cache_near_misses.append((where, ins[0].buffer, (
+                f"a {eqn.primitive.name} of single elements that fills whole vectors of a buffer "
+                f"of shape {tuple(buf.aval.shape)} (jnp.put_along_axis, or .at[...] indexed "
+                "per element?): jqt's cache writes are whole vectors along the last axis; write "
+                "them as cache.at[jnp.arange(B), pos].set(new) or with lax.dynamic_update_slice")))
         elif ins[0].buffer and not _elementwise_scatter(eqn):
             self._missed[eqn.outvars[0]] = ins[0].buffer
             upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape
@@ -1072,6 +1092,15 @@ def _elementwise_scatter(eqn) -> bool:
     or a mask's buffer), no vectors: no cache written along the wrong axis."""
     return eqn.primitive.name.startswith("scatter") \
         and not eqn.params["dimension_numbers"].update_window_dims
+
+
+def _fills_vectors(eqn, buf) -> bool:
+    """Whether an elementwise scatter into ``buf`` writes updates of its rank that span
+    its whole last axis (``jnp.put_along_axis`` of a token's vectors, its index broadcast
+    to them): a cache write in a form jqt does not take; not a mask's single elements."""
+    upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape
+    shape = buf.aval.shape
+    return len(upd) == len(shape) > 1 and upd[-1] == shape[-1] > 1
 
 
 def _unflat(eqn, first):

@@ -763,34 +763,42 @@ def test_writes_that_are_not_a_cache_stay_unchanged(setup):
         assert not [k for k in qp if k.startswith("kv_cache")]
 
 
+@jax.jit
+def _half_write(kc, k, pos):
+    return kc.at[:, pos, :, :DH // 2].set(k[..., :DH // 2])
+
+
+def _keys_written(p, toks, how):
+    """A decode loop whose keys are written ``how``: in two halves of the last axis, after
+    a sink key from params, with jnp.put_along_axis, or half in a jitted helper."""
+    def body(carry, tok):
+        kc, vc, pos = carry
+        h = p["emb"][tok]
+        q, k, v = [(h @ p["layers"][n][0]).reshape(B, H, DH) for n in ("wq", "wk", "wv")]
+        if how == "halves":
+            kc = kc.at[:, pos, :, :DH // 2].set(k[..., :DH // 2]).at[:, pos, :, DH // 2:].set(k[..., DH // 2:])
+        elif how == "sink":
+            kc = kc.at[:, 0].set(jnp.broadcast_to(p["sink"], (B, H, DH))).at[:, pos + 1].set(k)
+        elif how == "put_along":
+            at = jnp.broadcast_to(jnp.full((B, 1, 1, 1), pos), (B, 1, H, DH))
+            kc = jnp.put_along_axis(kc, at, k[:, None], axis=1, inplace=False)
+        else:
+            kc = _half_write(kc, k, pos)
+        vc = vc.at[:, pos].set(v)
+        s = jnp.where(jnp.arange(T) <= pos + 1, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
+        o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc).reshape(B, H * DH)
+        return (kc, vc, pos + 1), o @ p["layers"]["wo"][0] @ p["out"]
+    z = jnp.zeros((B, T, H, DH))
+    return lax.scan(body, (z, z, jnp.int32(0)), toks.T[:T - 1])[1]
+
+
 def test_a_write_of_single_elements_or_one_in_a_jitted_helper_is_named(setup):
     """jnp.put_along_axis of a token's vectors (a scatter of single elements, inside its
     own jit) left the cache float with only the warning that no loop carries a cache
     (hunt69_servebatch); so did a write of part of the last axis made in a jitted helper,
     whose result only the code after the helper reads."""
     p, cal, x = setup
-
-    @jax.jit
-    def half_write(kc, k, pos):
-        return kc.at[:, pos, :, :DH // 2].set(k[..., :DH // 2])
-
-    def gen(p, toks, how):
-        def body(carry, tok):
-            kc, vc, pos = carry
-            h = p["emb"][tok]
-            q, k, v = [(h @ p["layers"][n][0]).reshape(B, H, DH) for n in ("wq", "wk", "wv")]
-            if how == "put_along":
-                at = jnp.broadcast_to(jnp.full((B, 1, 1, 1), pos), (B, 1, H, DH))
-                kc = jnp.put_along_axis(kc, at, k[:, None], axis=1, inplace=False)
-            else:
-                kc = half_write(kc, k, pos)
-            vc = vc.at[:, pos].set(v)
-            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
-            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc).reshape(B, H * DH)
-            return (kc, vc, pos + 1), o @ p["layers"]["wo"][0] @ p["out"]
-        z = jnp.zeros((B, T, H, DH))
-        return lax.scan(body, (z, z, jnp.int32(0)), toks.T[:T - 1])[1]
-
+    gen = _keys_written
     for how, said in (("put_along", r"a scatter of single elements that fills whole vectors of "
                                     r"a buffer .*jnp.put_along_axis.*cache.at\[jnp.arange\(B\), pos\]"),
                       ("jit_half", "covers part of its last axis")):
@@ -810,22 +818,7 @@ def test_keys_written_in_two_halves_are_named_and_a_sink_from_params_is_a_cache_
     p, cal, x = setup
     p = {**p, "sink": jax.random.normal(jax.random.key(5), (H, DH))}
 
-    def gen(p, toks, how):
-        def body(carry, tok):
-            kc, vc, pos = carry
-            h = p["emb"][tok]
-            q, k, v = [(h @ p["layers"][n][0]).reshape(B, H, DH) for n in ("wq", "wk", "wv")]
-            if how == "halves":
-                kc = kc.at[:, pos, :, :DH // 2].set(k[..., :DH // 2]).at[:, pos, :, DH // 2:].set(k[..., DH // 2:])
-            else:
-                kc = kc.at[:, 0].set(jnp.broadcast_to(p["sink"], (B, H, DH))).at[:, pos + 1].set(k)
-            vc = vc.at[:, pos].set(v)
-            s = jnp.where(jnp.arange(T) <= pos + 1, jnp.einsum("bhd,bthd->bht", q, kc), -1e30)
-            o = jnp.einsum("bht,bthd->bhd", jax.nn.softmax(s, -1), vc).reshape(B, H * DH)
-            return (kc, vc, pos + 1), o @ p["layers"]["wo"][0] @ p["out"]
-        z = jnp.zeros((B, T, H, DH))
-        return lax.scan(body, (z, z, jnp.int32(0)), toks.T[:T - 1])[1]
-
+    gen = _keys_written
     halves = functools.partial(gen, how="halves")
     with pytest.warns(UserWarning, match="covers part of its last axis"):
         qp = jqt.calibrate(halves, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)

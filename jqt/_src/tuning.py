@@ -48,6 +48,34 @@ def _quantized_keys(qparams):
     return [k for k, p in qparams.items() if not p.is_float]
 
 
+def _weight_groups(keys, qparams) -> dict:
+    """``keys`` (op keys) grouped by the weight elements they read, each group under its
+    first key, in order: ops that read one weight leaf whole (a layer applied in a Python
+    loop, ``w`` and ``w.T``) form one group; ops reading other slices of it (``w[0]``,
+    ``w[1]``) do not. :func:`jqt.pack` keeps a leaf that an op kept float reads float
+    whole, and holds both formats' codes where its ops differ in type, so
+    :func:`jqt.fallback` keeps such ops back together: keeping one back costs the bytes
+    of keeping them all, which are more precise.
+
+    >>> import jax.numpy as jnp, jqt
+    >>> f = lambda p, x: (x @ p["w"]) @ p["w"] @ p["v"]
+    >>> p = {"w": jnp.eye(4), "v": jnp.eye(4)}
+    >>> qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((1, 4)),)], progress=False)
+    >>> _weight_groups(list(qp), qp)
+    {'w': ('w', 'w#1'), 'v': ('v',)}
+    """
+    groups = {}
+    for k in keys:
+        src = qparams[k].source
+        if src is None:
+            gid = ("op", k)
+        else:
+            partial = any(step[0] == "slice" for step in src.chain)
+            gid = (src.arg, src.path) + ((src.chain,) if partial else ())
+        groups.setdefault(gid, []).append(k)
+    return {g[0]: tuple(g) for g in groups.values()}
+
+
 def _check_metric(metric, fn):
     """Raises ``TypeError`` where ``metric`` cannot be called as ``metric(g)``."""
     how = ("pass a function metric(g) -> float that scores g, a function with f's signature, "
@@ -245,7 +273,8 @@ class FallbackResult:
       trials: ``(kept keys, metric)`` for every trial run, the first with every op
         quantized (none kept); with ``rank="sensitivity"`` the ranking trials follow it:
         an op quantized and every other float, as the choice it is (every other op
-        kept) with ``to=None``, else as ``(("quantized alone: KEY",), metric)``. A
+        kept) with ``to=None``, else as ``(("quantized alone: KEY",), metric)`` (the keys
+        of the ops reading one weight, joined by ", "). A
         metric of NaN (quantization made a NaN) fails the budget.
 
     >>> import jqt
@@ -379,7 +408,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     variant the metric scores NaN fails the budget. When the budget cannot be met
     within ``max_trials``, the result has ``met=False``, the best choice found, and
     a warning says so; a warning also says when the trials ran out before the
-    search narrowed the choice.
+    search narrowed the choice. The ops that read one weight whole (a layer applied in
+    a Python loop, ``w`` and ``w.T``) are kept back together: :func:`jqt.pack` keeps a
+    weight that any op kept float reads as float, and holds the codes of both types
+    where its ops differ, so keeping one back would cost the bytes of keeping them all.
 
     Returns:
       a :class:`jqt.FallbackResult` whose ``recipe`` reproduces the choice.
@@ -505,6 +537,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              "to='s key. Pass the rule without key= (dataclasses.replace(to, "
                              "key='.*')); to keep ops out of the search, keep them float with "
                              "jqt.Rule(key=..., weight=None) ahead of the recipe's rules.")
+    # the candidates: groups of ops reading one weight, each under its first key
+    # (hunt69_reuseloops: one use of a layer applied 4 times kept float packed to 1.26x
+    # the float bytes, the weight held as float and as codes)
+    groups = _weight_groups(candidates, qp)
+    candidates = list(groups)
+    expand = lambda ks: tuple(j for k in ks for j in groups[k])
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself", sign)
     score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)
@@ -516,10 +554,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         if frozenset(kept) in seen:  # the pruning pass may revisit a choice
             return seen[frozenset(kept)]
         try:
-            v = score({**qp, **{k: alt[k] for k in kept}})
+            v = score({**qp, **{k: alt[k] for k in expand(kept)}})
         except ValueError as e:  # an op kept back at to='s types that quantize refuses:
             # its advice ("keep it float (a recipe rule)") is about to=, not the recipe
-            at = [k for k in kept if str(e).startswith(f"jqt.quantize: op '{k}':")]
+            at = [k for k in expand(kept) if str(e).startswith(f"jqt.quantize: op '{k}':")]
             if to is None or not at:
                 raise
             raise ValueError(f"jqt.fallback: op '{at[0]}' kept back at to='s types cannot be "
@@ -544,8 +582,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                     # choice of the search's too, so the search and pruning reuse this trial
                     v = trial(tuple(c for c in ranked if c != k))
                 else:
-                    v = score({**allf, k: qp[k]})
-                    trials.append(((f"quantized alone: {k}",), v))
+                    v = score({**allf, **{j: qp[j] for j in groups[k]}})
+                    trials.append(((f"quantized alone: {', '.join(groups[k])}",), v))
                 drop[k] = sign * (m_float - v)
             if len(drop) < len(ranked):
                 n = len(ranked)
@@ -561,8 +599,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     else:
         try:
             with once():
-                ranked = [k for k in _rank_by_report(f, qp, params, batches[0], weight_argnums)
-                          if k in candidates]
+                rep = {j: k for k, g in groups.items() for j in g}
+                ranked = list(dict.fromkeys(
+                    rep[k] for k in _rank_by_report(f, qp, params, batches[0], weight_argnums)
+                    if k in rep))
         except NotImplementedError as e:  # (report's own advice, to compare the qparams
             # it was given with f, is not the user's to follow here: fallback made them)
             why = str(e).split(" Compare jqt.quantize(f, qparams")[0]
@@ -595,7 +635,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         score = lambda t: (-math.inf if math.isnan(t[1]) else sign * t[1], -len(t[0]))
         best = max(((k, v) for k, v in trials if frozenset(k) in seen), key=score)
     kept, m_final = best
-    met = ok(m_final)
+    kept, met = expand(kept), ok(m_final)
+    shown = tuple((t if t[:1] and t[0].startswith("quantized alone: ") else expand(t), v)
+                  for t, v in trials)
     rules, out_qp = recipe.rules, qp
     if kept:
         pattern = "^(" + "|".join(re.escape(k) for k in kept) + ")$"
@@ -617,7 +659,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
             out_qp = calibrate(f, Recipe(rules=rules), params, batches,
                                weight_argnums=weight_argnums, progress=progress)
     result = FallbackResult(Recipe(rules=rules), out_qp, tuple(kept), met, m_float, m_q, m_final,
-                            tuple(trials))
+                            shown)
     if not met:
         every = [v for k, v in trials if ranked and frozenset(k) == frozenset(ranked)]
         if to is not None and every and not ok(every[0]):
@@ -625,7 +667,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 if every[0] == m_q else ""
             other = sum(1 for k, _ in trials if 0 < len(k) < len(ranked)
                         and not k[0].startswith("quantized alone: "))
-            why = (f"keeping every one of the {len(ranked)} candidate ops back at to= scores "
+            why = (f"keeping every one of the {len(expand(ranked))} candidate ops back at to= scores "
                    f"{every[0]:z.4g}{same}, and the {other} smaller choice(s) tried did not meet "
                    "it either. Use a more precise fallback (to=None keeps ops float) or a larger "
                    f"max_drop{'' if narrowed else ', or more trials (max_trials)'}.")
@@ -639,6 +681,6 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     elif not narrowed:
         diagnostics.warn(
             f"jqt.fallback: max_trials={max_trials} ran out before the search narrowed the ops to "
-            f"keep back: the result keeps {len(kept)} of the {len(ranked)} candidate ops back "
+            f"keep back: the result keeps {len(kept)} of the {len(expand(ranked))} candidate ops back "
             "(it meets the budget), and a shorter choice may too. Pass a larger max_trials.")
     return result

@@ -1236,6 +1236,8 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     one = packed.weights["w"]
     assert all(packed.weights[k] is one for k in qp)
     assert packed.nbytes() == sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(one))
+    # its repr counted ops as weights: "4 quantized weights" (hunt69_reuseloops)
+    assert repr(packed).startswith("PackedParams(4 quantized ops on 1 weight,"), repr(packed)
     path = str(tmp_path / "m.safetensors")
     jqt.save_packed(path, packed, qp)
     with safetensors.safe_open(path, "np") as fh:

@@ -568,8 +568,12 @@ class PackedParams:
 
     def __repr__(self):
         tied = f", {len(self.tied)} tied to another's codes" if self.tied else ""
-        return (f"PackedParams({len(self.weights)} quantized weights{tied}, {len(self.leaves)} float "
-                f"leaves kept of {len(self.avals)})")
+        n = len(self.weights)  # ops reading one weight alike share its codes: counted once
+        codes = len({id(w.values) for w in self.weights.values() if w.values is not None})
+        what = (f"{n} quantized weights" if codes + len(self.tied) >= n else
+                f"{n} quantized ops on {codes} weight{'s' if codes != 1 else ''}")
+        return (f"PackedParams({what}{tied}, {len(self.leaves)} float leaves kept of "
+                f"{len(self.avals)})")
 
 
 _BARE = {  # the keys such a dict may have, and those it has (one of them for OpQParams)

@@ -814,6 +814,33 @@ def test_project_repairs_an_infinite_fp8_scale_to_one_that_runs(recipe):
     assert bool(jnp.isfinite(fixed["w"].lhs.scale * unit).all())
 
 
+@pytest.mark.parametrize("recipe", ["w4a8 g16 asym", "w4 g16 asym", "w8a8 asym"])
+def test_an_asymmetric_channel_repaired_from_an_infinite_scale_is_zeros_on_every_path(recipe):
+    """project repaired an infinite scale to float32's largest value but kept its zero
+    point: the simulated path gave the channel zeros, as documented, and the integer path,
+    which takes x.c - z.sum(x) before the scale, its float32 rounding times 3.4e38: 1e33
+    (hunt69_qatnew). The zero point of such a scale becomes 0 too."""
+    r = {"w4a8 g16 asym": lambda: jqt.recipes.w4a8(group_size=16, symmetric=False),
+         "w4 g16 asym": lambda: jqt.recipes.w4(group_size=16, symmetric=False),
+         "w8a8 asym": lambda: jqt.Recipe(rules=(dataclasses.replace(
+             jqt.recipes.w8a8().rules[-1], weight=jqt.QuantType(bits=8, symmetric=False, per_channel=True)),))}[recipe]()
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (32, 16)) / 6}
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    qp = jqt.calibrate(f, r, p, [(x,)], progress=False)
+    w = qp["w"].rhs
+    assert w.zero_point is not None and bool((w.zero_point[..., 3] != 0).any())
+    bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(w, scale=w.scale.at[..., 3].set(jnp.inf)))}
+    fixed = jqt.qat.project(bad)
+    np.testing.assert_array_equal(fixed["w"].rhs.zero_point[..., :3], w.zero_point[..., :3])
+    for x_ in (x[:1], x):  # one row (the few-row kernels) and several
+        sim = jqt.quantize(f, fixed, simulate=True)(p, x_)
+        out = jax.jit(jqt.quantize(f, fixed))(jqt.pack(fixed, p), x_)
+        np.testing.assert_array_equal(sim[:, 3], 0.0)
+        np.testing.assert_array_equal(out[:, 3], 0.0)
+        np.testing.assert_allclose(out, sim, atol=1e-5)
+
+
 def test_project_bounds_scales_by_float32_whatever_the_qparams_dtype():
     """jqt computes with scales in float32. project capped a float16 e5m2 scale at the
     float16 maximum over the bits unit (65504 / 32768 = 2: a calibrated 15.9 became 2.0,

@@ -329,7 +329,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     Non-finite values (a diverged step) are repaired too: a NaN scale becomes
     ``min_scale``, a NaN smoothing factor 1 (no smoothing), a NaN zero point 0
     (then clipped), and an infinite scale or smoothing factor the largest finite
-    value of its dtype (``-inf`` is clamped as a negative value is); an fp8 scale is
+    value of its dtype, the zero point of such a scale 0 (then clipped), so that its codes
+    and zero point are 0 and every path gives zeros (``-inf`` is clamped as a negative
+    value is); an fp8 scale is
     clamped to at most that value divided by the format's bits unit (256 for e4m3,
     32768 for e5m2), whose product with the scale must stay finite. jqt computes with
     scales in float32: float64 qparams are kept within float32's normal range, and the
@@ -374,7 +376,9 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                 raise TypeError(f"jqt.qat.project: {where}.{name} is the string {a!r}, not an "
                                 "array: that is a labels tree (jqt.qat.labels); project the "
                                 "qparams themselves.")
+        inf = None
         if s is not None:
+            inf = jnp.isposinf(jnp.asarray(s)) if not isinstance(s, str) else None
             s = positive(s, min_scale, f"{where}.scale")
             unit = nx.FP8_BITS_UNIT.get(q.qtype.grid)
             if unit is not None:  # fp8: the scale is taken times the bits unit (XLA may
@@ -390,6 +394,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)
+            if inf is not None and inf.shape == z.shape:  # a scale repaired from inf: its
+                # codes are 0, and so is its zero point, so every path gives exact zeros (the
+                # integer path's x.c - z.sum(x), times the largest float, gave 1e33; hunt69_qatnew)
+                z = jnp.where(inf, jnp.zeros_like(z), z)
             z = jnp.clip(z, q.qtype.qmin, q.qtype.qmax).astype(jnp.result_type(z))
         return dataclasses.replace(q, scale=s, zero_point=z)
 

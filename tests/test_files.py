@@ -1394,6 +1394,37 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
     assert not os.path.exists(tmp_path / "inf.safetensors")
 
 
+def test_projected_qparams_of_another_float_dtype_save_as_the_float32_that_runs(tmp_path):
+    """jqt.qat.project promises that save and save_packed take its result; float64 qparams
+    (a QAT step under x64 with a float64 learning rate) and bfloat16 ones were refused
+    (hunt69_x64). They are stored as float32, the precision every path computes with: the
+    loaded files run as the qparams they were saved from."""
+    f = lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    p = {"w1": jax.random.normal(jax.random.key(0), (16, 32)) * 0.3,
+         "w2": jax.random.normal(jax.random.key(1), (32, 8)) * 0.2}
+    x = jax.random.normal(jax.random.key(2), (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with jax.enable_x64(True):
+        q64 = jqt.qat.project(jax.tree.map(lambda a: a.astype(jnp.float64) * (1 + 1e-9), qp))
+        assert {a.dtype for a in jax.tree.leaves(q64)} == {jnp.dtype(jnp.float64)}
+        cases = [("x64", q64, jqt.pack(q64, p))]
+    qb = jqt.qat.project(jax.tree.map(lambda a: a.astype(jnp.bfloat16), qp))
+    cases.append(("bf16", qb, jqt.pack(qb, p)))
+    for name, q, packed in cases:
+        want = jax.jit(jqt.quantize(f, q))(packed, x)
+        jqt.save(str(tmp_path / f"{name}.safetensors"), q)
+        jqt.save_packed(str(tmp_path / f"{name}.jqt"), packed, q)
+        back = jqt.load(str(tmp_path / f"{name}.safetensors"))
+        assert {a.dtype for a in jax.tree.leaves(back)} == {jnp.dtype(jnp.float32)}
+        loaded = jqt.load_packed(str(tmp_path / f"{name}.jqt"), qparams=back)
+        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, back))(loaded, x), want)
+    big = {"w1": dataclasses.replace(qp["w1"], lhs=dataclasses.replace(
+        qp["w1"].lhs, scale=np.float64(1e300)))}
+    with pytest.raises(ValueError, match=r"op 'w1' holds invalid quantization parameters: "
+                                         r"lhs.scale: its value is beyond float32's range"):
+        jqt.save(str(tmp_path / "big.safetensors"), big)
+
+
 def test_load_packed_with_another_functions_qparams_names_the_file_and_the_layout(tmp_path):
     """A square weight packed for ``x @ w`` loaded under the qparams of ``x @ w.T`` with one
     scale per tensor (the same scale either way round) was accepted, the output wrong; a

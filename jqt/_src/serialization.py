@@ -46,6 +46,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import compat, validate
@@ -258,12 +259,28 @@ def qparams_entries(qparams, name, fn="jqt.save"):
 
 
 def float32_scale(a, where, fn):
-    """``a`` (a scale or zero point to save) as a NumPy array; jqt files hold float32."""
+    """``a`` (a scale or zero point to save) as a float32 NumPy array: jqt files hold
+    float32, the precision every path computes with; a scale of another float dtype (qparams
+    trained under x64 or cast to bfloat16, and :func:`jqt.qat.project`'s result of them) is
+    stored as its float32 value, which is what runs. A value beyond float32's range, or
+    another dtype, is refused.
+
+    >>> float32_scale(np.float64(0.1), "s", "jqt.save").dtype
+    dtype('float32')
+    """
     a = np.asarray(a)
-    if a.dtype != np.float32:
+    if a.dtype == np.float32:
+        return a
+    if not jnp.issubdtype(a.dtype, jnp.floating):
         raise ValueError(f"{fn}: {where} is {a.dtype.name}; jqt files hold float32 scales and zero "
                          "points (as jqt.calibrate makes them). Cast it to float32 first.")
-    return a
+    with np.errstate(over="ignore"):
+        b = a.astype(np.float32)
+    if np.any(np.isinf(b) & np.isfinite(a)):
+        raise ValueError(f"{fn}: {where} is {a.dtype.name} with values beyond float32's range, in "
+                         "which jqt computes and files hold scales; apply jqt.qat.project, which "
+                         "keeps them within it.")
+    return b
 
 
 def qparams_from_entries(entries, r, where="the header's 'ops'"):

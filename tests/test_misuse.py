@@ -812,6 +812,18 @@ def test_qparams_edited_by_hand_are_checked_or_honoured(tmp_path):
             call()
 
 
+def test_qparams_of_a_weight_read_transposed_name_whose_axes_they_count():
+    """The refusal of qparams calibrated for x @ w in a function computing x @ w.T said
+    "contracted over axes (0,) ... contracts axes (0,)", reading as no difference: the
+    axes are the operand's after the layout ops (hunt69_einsumshapes)."""
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jnp.ones((2, 8))
+    qp = jqt.calibrate(lambda w, x: x @ w, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"reaches it by \['transpose'\] and contracts "
+                       r"axes \(0,\) \(axes of the operand the layout ops make\)"):
+        jqt.quantize(lambda w, x: x @ w.T, qp)(w, x)
+
+
 def test_a_returned_cache_decodes_with_dequantize_cache():
     """A cache a decode step returns had no public decode, and ``values * scale`` is not it
     for int4 (two codes a byte) or fp8 (uint8 bits on the CPU); an empty feature axis failed

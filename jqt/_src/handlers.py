@@ -512,12 +512,15 @@ def _check_source(site, qp):
             "shared query without a batch axis, einsum('qd,bkd->bqk', q, k)), or calibrate with "
             "inputs of the shape you call it with (one qparams per shape).")
     if got != want:
+        # (the axes are the op's operand's, after the layout ops: where only those differ,
+        # w and w.T both contract axis 0 of what reaches the op)
+        view = " (axes of the operand the layout ops make)" if got[1] == want[1] else ""
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
             f"{[c[0] for c in a.chain] or 'no layout ops'} and contracted over axes {got[1]}, but "
             f"this function reaches it by {[c[0] for c in b.chain] or 'no layout ops'} and "
-            f"contracts axes {want[1]}: the scales would lie on the wrong axes. Re-calibrate for "
-            "this function.")
+            f"contracts axes {want[1]}{view}: the scales would lie on the wrong axes. "
+            "Re-calibrate for this function.")
 
 
 def step_text(c):

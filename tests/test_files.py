@@ -358,12 +358,12 @@ def test_a_bytes_path_works_as_a_str(tmp_path, models):
         jqt.load(3)
 
 
-def test_an_empty_a_nul_or_a_contents_path_is_named(tmp_path, models):
+def test_an_empty_a_nul_or_a_contents_path_is_named(tmp_path, models, monkeypatch):
     # Python's bare "embedded null byte", and '' called a folder (hunt69_filesrobust)
     qp, packed = models["mlp"]
     path = str(tmp_path / "q.safetensors")
     jqt.save(path, qp)
-    with pytest.raises(ValueError, match=r"jqt.save: path is empty; pass the file's path"):
+    with pytest.raises(FileNotFoundError, match=r"jqt.save: path is empty; pass the file.s path"):
         jqt.save("", qp)
     with pytest.raises(ValueError, match=r"jqt.load_packed: path 'a\\x00b' holds a NUL character"):
         jqt.load_packed("a\0b")
@@ -371,6 +371,11 @@ def test_an_empty_a_nul_or_a_contents_path_is_named(tmp_path, models):
                                         r"contents, not its name"):
         jqt.load(open(path, "rb").read())
     assert os.listdir(tmp_path) == ["q.safetensors"]
+    # a bytes path whose ninth byte is "{", as a safetensors header's is, is still a path
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("results")
+    jqt.save(b"results/{exp1}.safetensors", qp)
+    _assert_same(jqt.load(b"results/{exp1}.safetensors"), qp)
 
 
 def test_a_full_disk_is_an_os_error_naming_the_file_and_keeps_the_old_one(tmp_path, models):
@@ -384,8 +389,10 @@ def test_a_full_disk_is_an_os_error_naming_the_file_and_keeps_the_old_one(tmp_pa
     good = open(path, "rb").read()
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, old_limit[1]))
+    cache = jax.config.jax_enable_compilation_cache  # (a program compiled in the window
+    jax.config.update("jax_enable_compilation_cache", False)  # would leave a cut entry)
     try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, old_limit[1]))
         with pytest.raises(OSError) as e:
             jqt.save_packed(path, packed, qp)
         with pytest.raises(OSError) as npz:
@@ -393,8 +400,11 @@ def test_a_full_disk_is_an_os_error_naming_the_file_and_keeps_the_old_one(tmp_pa
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
+        jax.config.update("jax_enable_compilation_cache", cache)
     assert e.value.errno == 27 and path in str(e.value) and "is unchanged" in str(e.value), e.value
     assert any("q.npz" in n and "is unchanged" in n for n in npz.value.__notes__), npz.value
+    assert npz.value.__cause__ is not npz.value  # (a review found it its own cause)
+    assert "q.npz" in str(npz.value)
     assert open(path, "rb").read() == good
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]  # no temporary file left
 
@@ -1237,7 +1247,7 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
     assert all(packed.weights[k] is one for k in qp)
     assert packed.nbytes() == sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(one))
     # its repr counted ops as weights: "4 quantized weights" (hunt69_reuseloops)
-    assert repr(packed).startswith("PackedParams(4 quantized ops on 1 weight,"), repr(packed)
+    assert repr(packed).startswith("PackedParams(4 quantized ops sharing 1 set of codes,"), repr(packed)
     path = str(tmp_path / "m.safetensors")
     jqt.save_packed(path, packed, qp)
     with safetensors.safe_open(path, "np") as fh:
@@ -1404,10 +1414,13 @@ def test_projected_qparams_of_another_float_dtype_save_as_the_float32_that_runs(
          "w2": jax.random.normal(jax.random.key(1), (32, 8)) * 0.2}
     x = jax.random.normal(jax.random.key(2), (4, 16))
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qs = jqt.calibrate(f, jqt.recipes.w8a8(smooth=0.5), p, [(x,)], progress=False)
+    cases = []
     with jax.enable_x64(True):
-        q64 = jqt.qat.project(jax.tree.map(lambda a: a.astype(jnp.float64) * (1 + 1e-9), qp))
-        assert {a.dtype for a in jax.tree.leaves(q64)} == {jnp.dtype(jnp.float64)}
-        cases = [("x64", q64, jqt.pack(q64, p))]
+        for name, q in (("x64", qp), ("x64 smooth", qs)):
+            q64 = jqt.qat.project(jax.tree.map(lambda a: a.astype(jnp.float64) * (1 + 1e-9), q))
+            assert {a.dtype for a in jax.tree.leaves(q64)} == {jnp.dtype(jnp.float64)}
+            cases.append((name, q64, jqt.pack(q64, p)))
     qb = jqt.qat.project(jax.tree.map(lambda a: a.astype(jnp.bfloat16), qp))
     cases.append(("bf16", qb, jqt.pack(qb, p)))
     for name, q, packed in cases:
@@ -1417,6 +1430,9 @@ def test_projected_qparams_of_another_float_dtype_save_as_the_float32_that_runs(
         back = jqt.load(str(tmp_path / f"{name}.safetensors"))
         assert {a.dtype for a in jax.tree.leaves(back)} == {jnp.dtype(jnp.float32)}
         loaded = jqt.load_packed(str(tmp_path / f"{name}.jqt"), qparams=back)
+        np.testing.assert_array_equal(jax.jit(jqt.quantize(f, back))(loaded, x), want)
+        # and against the qparams saved, of their own dtype (a review found them refused)
+        loaded = jqt.load_packed(str(tmp_path / f"{name}.jqt"), qparams=q)
         np.testing.assert_array_equal(jax.jit(jqt.quantize(f, back))(loaded, x), want)
     big = {"w1": dataclasses.replace(qp["w1"], lhs=dataclasses.replace(
         qp["w1"].lhs, scale=np.float64(1e300)))}

@@ -807,6 +807,24 @@ def test_a_write_of_single_elements_or_one_in_a_jitted_helper_is_named(setup):
                                cal, progress=False)
         assert len([k for k in qp if k.startswith("kv_cache")]) == 1, how  # the values'
 
+    def beams(p, toks):  # a (B, V) buffer rewritten along its last axis is no cache write
+        def body(carry, tok):  # (a review found the first version of the check warning)
+            vc, pos, scores = carry
+            h = p["emb"][tok]
+            q, v = [(h @ p["layers"][n][0]).reshape(B, H, DH) for n in ("wq", "wv")]
+            vc = vc.at[:, pos].set(v)
+            o = jnp.einsum("bhd,bthd->bhd", q, vc).reshape(B, H * DH)
+            order = jnp.argsort(-scores, axis=-1)
+            scores = jnp.put_along_axis(scores, order, scores * 0.5, axis=-1, inplace=False)
+            scores = scores.at[jnp.arange(B)[:, None], order].set(scores + 1.0)
+            return (vc, pos + 1, scores), o @ p["layers"]["wo"][0] @ p["out"] + jnp.sum(scores)
+        init = (jnp.zeros((B, T, H, DH)), jnp.int32(0), jnp.zeros((B, 7)))
+        return lax.scan(body, init, toks.T[:T - 1])[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(beams, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert len([k for k in qp if k.startswith("kv_cache")]) == 1
+
 
 def test_keys_written_in_two_halves_are_named_and_a_sink_from_params_is_a_cache_write(setup):
     """Keys written in two halves of the last axis (rotary features, then the rest): each

@@ -839,6 +839,13 @@ def test_an_asymmetric_channel_repaired_from_an_infinite_scale_is_zeros_on_every
         np.testing.assert_array_equal(sim[:, 3], 0.0)
         np.testing.assert_array_equal(out[:, 3], 0.0)
         np.testing.assert_allclose(out, sim, atol=1e-5)
+    with jax.enable_x64(True):  # a float64 scale beyond float32's range, clamped as inf is
+        # (a review found its zero point kept)
+        s64 = w.scale.astype(jnp.float64).at[..., 3].set(1e300)
+        huge = jqt.qat.project({"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(
+            w, scale=s64, zero_point=w.zero_point.astype(jnp.float64)))})
+        np.testing.assert_array_equal(huge["w"].rhs.zero_point[..., 3], 0.0)
+        np.testing.assert_array_equal(huge["w"].rhs.zero_point[..., :3], w.zero_point[..., :3])
 
 
 def test_project_bounds_scales_by_float32_whatever_the_qparams_dtype():

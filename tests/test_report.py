@@ -484,8 +484,7 @@ def test_fallback_qparams_pack_with_a_shared_weight():
     # jqt.pack(result.qparams, p) drops the leaf and 'w#1' runs on zeros (relative
     # error ~1.0). jqt.calibrate(f, result.recipe, ...) gives float_needed=True (and a
     # different `note`), i.e. result.recipe does not reproduce result.qparams as a pytree.
-    # (two halves of the leaf: ops that read it whole are kept back together since
-    # hunt69_reuseloops, so this case needs ops that read other parts of it)
+    # (the ops reading one leaf are kept back together since hunt69_reuseloops: both)
     def f(p, x):
         xo = x * jnp.where(jnp.arange(x.shape[-1]) == 0, 300.0, 1.0)  # an outlier input channel
         return x @ p["w"][:, :8] + xo @ p["w"][:, 8:]
@@ -495,7 +494,7 @@ def test_fallback_qparams_pack_with_a_shared_weight():
     ref = f(p, x)
     metric = lambda g: -float(jnp.linalg.norm(g(p, x) - ref) / jnp.linalg.norm(ref))
     result = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1e-3)
-    assert result.met and result.kept == ("w#1",), str(result)
+    assert result.met and result.kept == ("w", "w#1"), str(result)
     qf = jax.jit(jqt.quantize(f, result.qparams))
     out = qf(p, x)
     out_packed = qf(jqt.pack(result.qparams, p), x)
@@ -507,9 +506,10 @@ def test_fallback_qparams_pack_with_a_shared_weight():
 
 def test_fallback_keeps_the_uses_of_one_weight_back_together():
     """A layer applied four times, one use reading an outlier channel: fallback kept that
-    use float alone, and jqt.pack held the weight as float and as int8 codes, 1.26x the
+    use float alone, and jqt.pack held the weight as float and as int8 codes, more than the
     float bytes; with to= a w8a8 rule over w4a8, int4 and int8 codes of one weight, more
-    bytes than all int8, which scored better (hunt69_reuseloops)."""
+    bytes than all int8, which scored better (hunt69_reuseloops). So for slices of a
+    stacked leaf, which jqt.pack keeps float whole where one is read float."""
     p = {"w": _normal(0, (32, 32), 1 / 6), "v": _normal(3, (32, 8), 0.2)}
     gain = jnp.ones(32).at[0].set(300.0)
 
@@ -524,17 +524,28 @@ def test_fallback_keeps_the_uses_of_one_weight_back_together():
     err = lambda g: float(jnp.mean(jnp.abs(g(p, x) - f(p, x))))
     uses = ("w", "w#1", "w#2", "w#3")
     for rank in ("report", "sensitivity"):
-        res = jqt.fallback(f, jqt.recipes.w8a8(), p, xs, err, max_drop=1e-3,
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, xs, err, max_drop=0.03,
                            higher_is_better=False, rank=rank)
         assert res.met and set(uses) <= set(res.kept), (rank, str(res))
         assert all(set(k) & set(uses) in (set(), set(uses)) for k, _ in res.trials
                    if not k[:1] or not k[0].startswith("quantized alone")), res.trials
         assert jqt.pack(res.qparams, p).nbytes() <= p["w"].nbytes + p["v"].nbytes
-    res = jqt.fallback(f, jqt.recipes.w4a8(), p, xs, err, max_drop=0.05, higher_is_better=False,
+    res = jqt.fallback(f, jqt.recipes.w4a8(), p, xs, err, max_drop=0.2, higher_is_better=False,
                        to=jqt.recipes.w8a8().rules[0], rank="sensitivity")
     assert {res.qparams[k].rhs.qtype.bits for k in uses} == {8}, str(res)
     alone = [k[0] for k, _ in res.trials if k[:1] and k[0].startswith("quantized alone")]
     assert "quantized alone: w, w#1, w#2, w#3" in alone, alone
+    stacked = {"w": jnp.stack([p["w"]] * 4), "v": p["v"]}  # slices of a stacked leaf
+
+    def g(p, x):
+        h = x
+        for i in range(4):
+            h = jnp.tanh((h * gain if i == 2 else h) @ p["w"][i]) + h
+        return h @ p["v"]
+    err = lambda q: float(jnp.mean(jnp.abs(q(stacked, x) - g(stacked, x))))
+    res = jqt.fallback(g, jqt.recipes.w8a8(), stacked, xs, err, max_drop=0.03, higher_is_better=False)
+    assert res.met and set(uses) <= set(res.kept), str(res)
+    assert jqt.pack(res.qparams, stacked).nbytes() <= stacked["w"].nbytes + stacked["v"].nbytes
 
 
 # --------------------------------------------------------------------------- report mechanics

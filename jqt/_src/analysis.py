@@ -1097,10 +1097,12 @@ def _elementwise_scatter(eqn) -> bool:
 def _fills_vectors(eqn, buf) -> bool:
     """Whether an elementwise scatter into ``buf`` writes updates of its rank that span
     its whole last axis (``jnp.put_along_axis`` of a token's vectors, its index broadcast
-    to them): a cache write in a form jqt does not take; not a mask's single elements."""
+    to them): a cache write in a form jqt does not take; not a mask's single elements, nor
+    a 2-D buffer's rows rewritten (a top-p mask, beam scores re-sorted)."""
     upd = eqn.invars[OPS[eqn.primitive].update_index].aval.shape
     shape = buf.aval.shape
-    return len(upd) == len(shape) > 1 and upd[-1] == shape[-1] > 1
+    return len(upd) == len(shape) > 2 and upd[-1] == shape[-1] > 1  # ((B, V) masks and
+    # beam scores aside: a cache has tokens, heads or features besides its batch)
 
 
 def _unflat(eqn, first):

@@ -93,7 +93,10 @@ def atomic_write(path, write_to) -> None:
         try:
             write_to(tmp)
         except Exception as e:
-            raise _write_error(path, e) from e
+            err = _write_error(path, e)
+            if err is e:
+                raise
+            raise err from e
         _writable(tmp)  # (a writer that made the file anew gave it the umask's mode)
         _fsync(tmp)
         with contextlib.suppress(OSError):  # an existing file keeps its permissions, a new
@@ -117,6 +120,8 @@ def _write_error(path, e):
                  "(free space on the disk, or write elsewhere)")
     if isinstance(e, OSError):
         e.add_note(unchanged)
+        if e.filename is None:  # (str(e) then names it)
+            e.filename = os.fspath(path)
         return e
     m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
     if m is None:
@@ -225,12 +230,14 @@ def file_path(path, fn, hint="pass the file's path (a str or os.PathLike)") -> s
         raise TypeError(f"{fn}: path is a {type(path).__name__}; {hint}.")
     raw = os.fspath(path)
     if isinstance(raw, bytes) and (len(raw) > 4096 or raw[:4] == b"PK\x03\x04"
-                                   or (len(raw) > 8 and raw[8:9] == b"{")):
+                                   or (len(raw) > 8 and raw[8:9] == b"{"
+                                       and int.from_bytes(raw[:8], "little") <= len(raw) - 8)):
         raise TypeError(f"{fn}: path is {len(raw)} bytes that look like a file's contents, not "
                         "its name; pass the file's path (a str or os.PathLike).")
     text = os.fsdecode(raw)
     if not text:
-        raise ValueError(f"{fn}: path is empty; pass the file's path, e.g. 'model.safetensors'.")
+        raise FileNotFoundError(f"{fn}: path is empty; pass the file's path, e.g. "
+                                "'model.safetensors'.")
     if "\0" in text:
         raise ValueError(f"{fn}: path {text[:80]!r} holds a NUL character, which no file name may "
                          "hold; pass the file's path.")

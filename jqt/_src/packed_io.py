@@ -894,15 +894,20 @@ def _same_values(a, b) -> bool:
         return a is None and b is None
     if compat.is_tracer(a) or compat.is_tracer(b):
         return True
-    a, b = np.ravel(np.asarray(a)), np.ravel(np.asarray(b))
+    # (in float32, the precision jqt computes with and files hold: float64 qparams saved
+    # are their float32 values)
+    a, b = (np.ravel(np.asarray(v).astype(np.float32)) for v in (a, b))
     return a.size == b.size and np.array_equal(a, b)
 
 
 def _same_vector(a, b) -> bool:
-    """Whether two smoothing vectors hold the same numbers in the same order; tracers pass."""
+    """Whether two smoothing vectors (or scales) hold the same numbers in the same order,
+    in float32, the precision jqt computes with and files hold them in (float64 qparams
+    saved are their float32 values); tracers pass."""
     if compat.is_tracer(a) or compat.is_tracer(b):
         return True
-    return np.array_equal(np.ravel(np.asarray(a)), np.ravel(np.asarray(b)))
+    f32 = lambda v: np.ravel(np.asarray(v).astype(np.float32))
+    return np.array_equal(f32(a), f32(b))
 
 
 def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
@@ -989,8 +994,9 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
         recast = next((f"qparams['{key}'].{side}.{name} is {np.dtype(b.dtype).name}" for name, a, b in
                        (("scale", pw.scale, q.scale), ("zero_point", pw.zero_point, q.zero_point))
                        if a is not None and b is not None and np.dtype(a.dtype) == np.float32
-                       and np.dtype(b.dtype) != np.float32), None)
-        if recast:  # the qparams were cast, not the packed weights
+                       and np.dtype(b.dtype) != np.float32 and not _same_vector(a, b)), None)
+        if recast:  # the qparams were cast, not the packed weights (qparams of another float
+            # dtype whose float32 values the file holds are the ones it was saved with)
             raise ValueError(
                 f"{fn}: {recast}, where the packed weight's is float32 (as jqt.calibrate and "
                 "jqt.pack make them, and jqt files hold them): the qparams were cast. Pass them "
@@ -1001,7 +1007,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
             oq = None if ow is None else other.operand(ow)
             same = oq is not None and oq.qtype == q.qtype and all(
                 (a is None) == (b is None)
-                and (a is None or np.array_equal(np.asarray(a), np.asarray(b)))
+                and (a is None or _same_values(a, b))
                 for a, b in ((oq.scale, q.scale), (oq.zero_point, q.zero_point)))
             src, osrc = p.source, None if other is None else other.source
             if same and src is not None and osrc is not None and (
@@ -1027,7 +1033,8 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                 "packed with (another calibration?). Pass those, or re-run jqt.pack with these.")
         cast = next((f"{name} is {np.dtype(a.dtype).name}" for name, a, b in
                      (("scale", pw.scale, q.scale), ("zero point", pw.zero_point, q.zero_point))
-                     if a is not None and b is not None and np.dtype(a.dtype) != np.dtype(b.dtype)), None)
+                     if a is not None and b is not None and np.dtype(a.dtype) != np.dtype(b.dtype)
+                     and not (np.dtype(a.dtype) == np.float32 and _same_values(a, b))), None)
         if cast:
             raise ValueError(
                 f"{fn}: the packed weight of op '{key}': its {cast}, where jqt.pack made it "

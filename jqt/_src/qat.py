@@ -378,7 +378,8 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
                                 "qparams themselves.")
         inf = None
         if s is not None:
-            inf = jnp.isposinf(jnp.asarray(s)) if not isinstance(s, str) else None
+            # (and a float64 one beyond float32's range, clamped to its largest value too)
+            inf = (jnp.asarray(s) > _F32_MAX) if not isinstance(s, str) else None
             s = positive(s, min_scale, f"{where}.scale")
             unit = nx.FP8_BITS_UNIT.get(q.qtype.grid)
             if unit is not None:  # fp8: the scale is taken times the bits unit (XLA may
@@ -394,9 +395,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         if z is not None:
             z = jnp.asarray(z)
             z = jnp.where(jnp.isnan(z), jnp.zeros_like(z), z)
-            if inf is not None and inf.shape == z.shape:  # a scale repaired from inf: its
-                # codes are 0, and so is its zero point, so every path gives exact zeros (the
-                # integer path's x.c - z.sum(x), times the largest float, gave 1e33; hunt69_qatnew)
+            if inf is not None and np.broadcast_shapes(inf.shape, z.shape) == z.shape:
+                # a scale repaired from inf: its codes are 0, and so is its zero point, so every
+                # path gives exact zeros (the integer path's x.c - z.sum(x), times the largest
+                # float, gave 1e33; hunt69_qatnew)
                 z = jnp.where(inf, jnp.zeros_like(z), z)
             z = jnp.clip(z, q.qtype.qmin, q.qtype.qmax).astype(jnp.result_type(z))
         return dataclasses.replace(q, scale=s, zero_point=z)

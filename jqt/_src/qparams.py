@@ -571,7 +571,7 @@ class PackedParams:
         n = len(self.weights)  # ops reading one weight alike share its codes: counted once
         codes = len({id(w.values) for w in self.weights.values() if w.values is not None})
         what = (f"{n} quantized weights" if codes + len(self.tied) >= n else
-                f"{n} quantized ops on {codes} weight{'s' if codes != 1 else ''}")
+                f"{n} quantized ops sharing {codes} set{'s' if codes != 1 else ''} of codes")
         return (f"PackedParams({what}{tied}, {len(self.leaves)} float leaves kept of "
                 f"{len(self.avals)})")
 

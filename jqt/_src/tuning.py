@@ -50,12 +50,12 @@ def _quantized_keys(qparams):
 
 def _weight_groups(keys, qparams) -> dict:
     """``keys`` (op keys) grouped by the weight elements they read, each group under its
-    first key, in order: ops that read one weight leaf whole (a layer applied in a Python
-    loop, ``w`` and ``w.T``) form one group; ops reading other slices of it (``w[0]``,
-    ``w[1]``) do not. :func:`jqt.pack` keeps a leaf that an op kept float reads float
-    whole, and holds both formats' codes where its ops differ in type, so
-    :func:`jqt.fallback` keeps such ops back together: keeping one back costs the bytes
-    of keeping them all, which are more precise.
+    first key, in order: ops that read one weight leaf (a layer applied in a Python loop,
+    ``w`` and ``w.T``, the slices ``w[i]`` of a stacked leaf) form one group.
+    :func:`jqt.pack` keeps a leaf that an op kept float reads float whole, and holds both
+    formats' codes where its ops differ in type, so :func:`jqt.fallback` keeps such ops
+    back together: keeping one back costs the bytes of keeping them all, which are more
+    precise.
 
     >>> import jax.numpy as jnp, jqt
     >>> f = lambda p, x: (x @ p["w"]) @ p["w"] @ p["v"]
@@ -67,11 +67,7 @@ def _weight_groups(keys, qparams) -> dict:
     groups = {}
     for k in keys:
         src = qparams[k].source
-        if src is None:
-            gid = ("op", k)
-        else:
-            partial = any(step[0] == "slice" for step in src.chain)
-            gid = (src.arg, src.path) + ((src.chain,) if partial else ())
+        gid = ("op", k) if src is None else (src.arg, src.path)
         groups.setdefault(gid, []).append(k)
     return {g[0]: tuple(g) for g in groups.values()}
 
@@ -408,10 +404,11 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     variant the metric scores NaN fails the budget. When the budget cannot be met
     within ``max_trials``, the result has ``met=False``, the best choice found, and
     a warning says so; a warning also says when the trials ran out before the
-    search narrowed the choice. The ops that read one weight whole (a layer applied in
-    a Python loop, ``w`` and ``w.T``) are kept back together: :func:`jqt.pack` keeps a
-    weight that any op kept float reads as float, and holds the codes of both types
-    where its ops differ, so keeping one back would cost the bytes of keeping them all.
+    search narrowed the choice. The ops that read one weight leaf (a layer applied in a
+    Python loop, ``w`` and ``w.T``, slices of a stacked leaf) are kept back together:
+    :func:`jqt.pack` keeps a leaf that any op kept float reads as float, and holds the codes
+    of both types where its ops differ, so keeping one back would cost the bytes of keeping
+    them all.
 
     Returns:
       a :class:`jqt.FallbackResult` whose ``recipe`` reproduces the choice.
@@ -538,8 +535,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                              "key='.*')); to keep ops out of the search, keep them float with "
                              "jqt.Rule(key=..., weight=None) ahead of the recipe's rules.")
     # the candidates: groups of ops reading one weight, each under its first key
-    # (hunt69_reuseloops: one use of a layer applied 4 times kept float packed to 1.26x
-    # the float bytes, the weight held as float and as codes)
+    # (hunt69_reuseloops: one use of a layer applied 4 times kept float packed to more
+    # than the float bytes, the weight held as float and as codes)
     groups = _weight_groups(candidates, qp)
     candidates = list(groups)
     expand = lambda ks: tuple(j for k in ks for j in groups[k])
@@ -589,7 +586,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                 n = len(ranked)
                 diagnostics.warn(
                     f"jqt.fallback(rank='sensitivity'): max_trials={max_trials} ranks only the first "
-                    f"{len(drop)} of the {n} quantized ops (one trial each, after the "
+                    f"{len(drop)} of the {n} candidates (an op, or the ops reading one weight leaf; one "
+                    "trial each, after the "
                     "all-quantized one); the others, unmeasured, rank after those measured to worsen "
                     "the metric and before those measured not to, and the search "
                     f"has {max(0, max_trials - 1 - len(drop))} trial(s) left. Pass max_trials="

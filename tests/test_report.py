@@ -1281,7 +1281,7 @@ def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_op
                            higher_is_better=False, rank="sensitivity", max_trials=6)
     msgs = [str(w.message) for w in got]
     assert res.met and len(res.kept) == n and len(res.trials) == 6
-    assert any("max_trials=6 ranks only the first 4 of the 8 quantized ops" in m
+    assert any("max_trials=6 ranks only the first 4 of the 8 candidates" in m
                and "Pass max_trials=20 or more" in m for m in msgs), msgs
     assert any("max_trials=6 ran out before the search narrowed the ops to keep back: the "
                "result keeps 8 of the 8 candidate ops back" in m for m in msgs), msgs

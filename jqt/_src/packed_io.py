@@ -133,7 +133,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             what = (f"a NumPy array of {x.dtype} (not numbers)" if isinstance(x, np.ndarray)
                     else f"a {type(x).__name__}")
             raise TypeError(f"jqt.save_packed: params leaf '{paths[i]}' is {what} "
-                            f"({repr(x)[:60]}), not a numeric array, and a packed file holds those. "
+                            f"({repr(x)[:60]}), not a numeric array, and a packed file holds arrays. "
                             "Pass such a value to f another way (functools.partial, or an argument of its own; "
                             "for an Equinox module, pack and save the arrays of "
                             "eqx.partition(model, eqx.is_array) and eqx.combine them with the "

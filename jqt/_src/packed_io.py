@@ -887,9 +887,10 @@ def _n_channels(q, depth):
 
 
 def _same_values(a, b) -> bool:
-    """Whether two scales (or zero points, or ``None``) hold the same numbers in the same
-    order (a packed weight's are its qparams' up to a reshape); tracers pass. Order
-    matters: weights with their output channels permuted have the same set of scales."""
+    """Whether two scales (or zero points, smoothing vectors, or ``None``) hold the same
+    numbers in the same order (a packed weight's are its qparams' up to a reshape); tracers
+    pass. Order matters: weights with their output channels permuted have the same set of
+    scales."""
     if a is None or b is None:
         return a is None and b is None
     if compat.is_tracer(a) or compat.is_tracer(b):
@@ -898,16 +899,6 @@ def _same_values(a, b) -> bool:
     # are their float32 values)
     a, b = (np.ravel(np.asarray(v).astype(np.float32)) for v in (a, b))
     return a.size == b.size and np.array_equal(a, b)
-
-
-def _same_vector(a, b) -> bool:
-    """Whether two smoothing vectors (or scales) hold the same numbers in the same order,
-    in float32, the precision jqt computes with and files hold them in (float64 qparams
-    saved are their float32 values); tracers pass."""
-    if compat.is_tracer(a) or compat.is_tracer(b):
-        return True
-    f32 = lambda v: np.ravel(np.asarray(v).astype(np.float32))
-    return np.array_equal(f32(a), f32(b))
 
 
 def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed_with=None) -> None:
@@ -994,7 +985,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
         recast = next((f"qparams['{key}'].{side}.{name} is {np.dtype(b.dtype).name}" for name, a, b in
                        (("scale", pw.scale, q.scale), ("zero_point", pw.zero_point, q.zero_point))
                        if a is not None and b is not None and np.dtype(a.dtype) == np.float32
-                       and np.dtype(b.dtype) != np.float32 and not _same_vector(a, b)), None)
+                       and np.dtype(b.dtype) != np.float32 and not _same_values(a, b)), None)
         if recast:  # the qparams were cast, not the packed weights (qparams of another float
             # dtype whose float32 values the file holds are the ones it was saved with)
             raise ValueError(
@@ -1026,7 +1017,7 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
                     f"{fn}: the weights of op '{key}' were quantized with other weight scales or "
                     "types than these qparams give (the file holds the qparams it was packed "
                     "with). Use jqt.load(path) for the qparams, or re-run jqt.pack.")
-        if pw.smooth is not None and p.smooth is not None and not _same_vector(pw.smooth, p.smooth):
+        if pw.smooth is not None and p.smooth is not None and not _same_values(pw.smooth, p.smooth):
             raise QParamsMismatchError(
                 f"{fn}: the packed weight of op '{key}' was smoothed by another smoothing vector "
                 "(SmoothQuant or AWQ) than these qparams hold: they are not the qparams it was "

@@ -49,7 +49,7 @@ def _quantized_keys(qparams):
 
 
 def _weight_groups(keys, qparams) -> dict:
-    """``keys`` (op keys) grouped by the weight elements they read, each group under its
+    """``keys`` (op keys) grouped by the weight leaf they read, each group under its
     first key, in order: ops that read one weight leaf (a layer applied in a Python loop,
     ``w`` and ``w.T``, the slices ``w[i]`` of a stacked leaf) form one group.
     :func:`jqt.pack` keeps a leaf that an op kept float reads float whole, and holds both

@@ -444,6 +444,34 @@ def test_packed_weights_with_their_scales_cast_name_the_cast_when_saved(tmp_path
             call()
 
 
+def test_packed_weights_with_invalid_numbers_are_refused_when_run_and_when_saved(tmp_path, models):
+    """quantize checked the qparams' numbers but not the packed weights', which run with
+    their own: a float16 cast that rounds a small scale to 0 gave zeros silently; save_packed
+    wrote negative scales and rounded code sums that load_packed then refused."""
+    qp, packed = models["mlp"]
+    x = jnp.ones((2, 16))
+
+    def scaled(by):
+        w = packed.weights["l1/w"]
+        return jqt.PackedParams(packed.leaves, {**packed.weights, "l1/w": dataclasses.replace(
+            w, scale=w.scale * by)}, packed.treedef, packed.avals, packed.kept)
+    qf = jqt.quantize(mlp, qp)
+    qf(packed, x)  # checked once, then a new weight is checked anew
+    for by, what in ((0.0, "are 0"), (-1.0, "are negative"), (jnp.nan, "are NaN")):
+        with pytest.raises(ValueError, match=rf"jqt.quantize: argument 0 \(jqt.PackedParams\): op "
+                                             rf"'l1/w' .*packed weight.scale: 32 of 32 values {what}"):
+            qf(scaled(by), x)
+        with pytest.raises(ValueError, match=rf"jqt.save_packed: op 'l1/w' .*{what}.*refuses"):
+            jqt.save_packed(str(tmp_path / "m.safetensors"), scaled(by))
+    w = packed.weights["l1/w"]
+    rounded = jqt.PackedParams(packed.leaves, {**packed.weights, "l1/w": dataclasses.replace(
+        w, sums=w.sums + 1)}, packed.treedef, packed.avals, packed.kept)
+    with pytest.raises(ValueError, match=r"packed weight 'l1/w'.sums: 32 of 32 are not the sums"):
+        jqt.save_packed(str(tmp_path / "m.safetensors"), rounded)
+    assert not os.path.exists(tmp_path / "m.safetensors")
+    np.testing.assert_array_equal(qf(scaled(2.0), x), jqt.quantize(mlp, qp)(scaled(2.0), x))
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_params_with_another_leaf_are_found_by_path_when_saved_and_checked(tmp_path):
     """jqt.pack finds weights by path (params may hold other leaves: a policy's log-std, the

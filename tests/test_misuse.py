@@ -1263,6 +1263,7 @@ def test_a_quantized_function_pickles_as_jax_jit_does(setup):
     for simulate in (False, True):
         qf = jqt.quantize(f, qp, simulate=simulate)
         want = qf(p, x)  # a call first: its traces stay behind
+        qf(jqt.pack(qp, p), x)  # (and the packed weights whose numbers it checked)
         again = cloudpickle.loads(cloudpickle.dumps(qf))
         np.testing.assert_array_equal(again(p, x=x), want)
         np.testing.assert_array_equal(again(jqt.pack(qp, p), x), qf(jqt.pack(qp, p), x))

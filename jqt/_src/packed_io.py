@@ -125,6 +125,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
         if bad:
             raise ValueError(f"jqt.save_packed: packed weight '{key}': {bad}; a file holds them "
                              "as jqt.pack made them. Re-run jqt.pack, or undo the cast.")
+        _check_saved_numbers(key, w)
     paths = leaf_paths(packed)
     used, tensors = set(), {}
     leaves = []
@@ -711,6 +712,31 @@ def _check_dense(r, where, w, shape):
         raise r.error(f"{where}.scale has shape {list(w.scale.shape)}, which does not fit codes of "
                       f"shape {list(shape)} in layout '{w.layout}' ({n} output channels, "
                       f"{w.qtype.describe()})")
+
+
+def _check_saved_numbers(key, w):
+    """What :func:`jqt.load_packed` would refuse in a packed weight's numbers, refused
+    before it is written: a scale, zero point or smoothing vector that is invalid (0,
+    negative, NaN), and code sums that are not the sums of its codes (int32 sums cast
+    to a float type and back are rounded)."""
+    found = validate.operand_problems(w, "packed weight")
+    if found:
+        raise ValueError(f"jqt.save_packed: {validate.describe(key, found)}. jqt.load_packed "
+                         "refuses such a file: re-run jqt.pack(qparams, params), or undo the "
+                         "change to the packed weights.")
+    if w.layout not in ("nk", "kn") or w.sums is None or w.values is None or w.qtype is None:
+        return
+    shape, g = values_shape(w), w.qtype.group_size
+    if len(shape) < 2 or (g and shape[-1 if w.layout == "nk" else -2] % g):
+        return  # (a shape the loader refuses, and names)
+    want = _code_sums(w, g)
+    bad = (np.count_nonzero(np.asarray(w.sums) != want) if np.shape(w.sums) == want.shape
+           else w.sums.size)
+    if bad:
+        raise ValueError(f"jqt.save_packed: packed weight '{key}'.sums: {bad} of {w.sums.size} are "
+                         "not the sums of its codes over K (a cast of the int32 sums to a float "
+                         "type and back rounds them), and jqt.load_packed refuses such a file. "
+                         "Re-run jqt.pack(qparams, params), or cast the float leaves only.")
 
 
 def _code_sums(w, g):

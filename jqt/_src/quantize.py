@@ -6,12 +6,13 @@ import functools
 import inspect
 import math
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat, diagnostics, tracing, weightcheck
+from . import compat, diagnostics, tracing, validate, weightcheck
 from .numerics import ScaleShapeError
 from .handlers import Integer, QParamsMismatchError, Simulate, smooth_mismatch
 from .layout import apply_chain
@@ -155,14 +156,38 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
-def _check_v1_codes(qparams, args, argnums):
-    """:func:`_complete`'s check of a version-1 file's codes against the qparams' grid,
-    where they are concrete (an eager call)."""
+class _Checked(dict):
+    """``(argnum, key)`` -> a weak reference to the packed weight whose numbers were
+    checked; pickled empty (a weak reference does not pickle, and a copy checks anew)."""
+
+    def __reduce__(self):
+        return (_Checked, ())
+
+
+def _check_packed(qparams, args, argnums, checked):
+    """The packed weights' own numbers, where they are concrete (an eager call): the
+    scales, zero points and smoothing vectors they run with (a ``tree_map`` that cast
+    them to float16 can turn a small scale into 0), checked as ``qparams``' are; and
+    :func:`_complete`'s check of a version-1 file's codes against the qparams' grid.
+    ``checked`` (the quantized function's own) maps ``(argnum, key)`` to a weak reference
+    to the packed weight last checked: a decode loop's calls check each weight once."""
     for a in argnums:
         if a < len(args) and isinstance(args[a], PackedParams):
-            for k in args[a].weights:
+            for k, held in args[a].weights.items():
+                seen = checked.get((a, k))
+                if held is None or (seen is not None and seen() is held):
+                    continue
+                w = args[a].weight(k)
+                found = validate.operand_problems(w, "packed weight")
+                if found:
+                    raise ValueError(
+                        f"jqt.quantize: argument {a} (jqt.PackedParams): "
+                        f"{validate.describe(k, found)}. The packed weights run with their own "
+                        "scales: re-run jqt.pack(qparams, params), or undo the change (a cast "
+                        "to float16 can round a small scale to 0: keep the scales float32).")
                 if k in qparams:
-                    _complete(k, args[a].weight(k), qparams[k])
+                    _complete(k, w, qparams[k])
+                checked[(a, k)] = weakref.ref(held)
 
 
 def _with_packed(key, p, pw):
@@ -243,7 +268,9 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     ``qparams`` holding invalid numbers (a scale that is 0, negative, NaN or infinite;
     a zero point outside its type's range; a smoothing factor that is not finite and
     positive) raise ``ValueError`` naming the op and the field (not checked when they
-    are tracers, under ``jax.grad`` or ``jax.jit``).
+    are tracers, under ``jax.grad`` or ``jax.jit``); so do a :class:`jqt.PackedParams`'
+    own scales, zero points and smoothing vectors, which its weights run with, at the
+    first eager call that passes each packed weight.
     """
     check_qparams(qparams, "jqt.quantize")
     flags("jqt.quantize", simulate=simulate)
@@ -331,6 +358,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
     # quantized function pickles, cloudpickle, as jax.jit's does)
     donating = []  # f is a jax.jit with donate_argnums: an eager call keeps no donation
     said = []  # (and the warning that says so given once)
+    checked = _Checked()  # the packed weights an eager call checked (_check_packed)
 
     def signature():
         if not read:
@@ -346,7 +374,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             args = _positional(f, signature(), args, kwargs)
         if qparams_concrete and _concrete(args):  # called eagerly: one program, not op by op
             tracing.check_traceable(args)
-            _check_v1_codes(qparams, args, argnums)  # (inside the program they are traced)
+            _check_packed(qparams, args, argnums, checked)  # (inside the program they are traced)
             try:
                 out = tracing.unmark(jitted(qparams, tracing.mark_static(list(args))))
                 if donating and not said:

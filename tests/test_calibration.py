@@ -257,6 +257,27 @@ def test_moving_average_mean_ema_and_skipped_batches():
         np.testing.assert_allclose(run(c, [z] + [obs(c, b) for b in batches[:2]] + [z, obs(c, batches[2])]),
                                    run(c, [obs(c, b) for b in batches]), rtol=1e-6)
         assert run(c, [z, z]) == (0.0, 0.0)
+        # first, through jqt.calibrate, which takes the first batch's statistics as the
+        # running ones without an accumulate: an expert idle in batch 0 was averaged with
+        # [0, 0] (with momentum 0.9: 26% of its range; hunt70_calibfmt)
+        rng = np.random.default_rng(0)
+        w = jnp.asarray(rng.standard_normal((2, 4, 4)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+
+        def moe(w, x, e):
+            return sum((x * (e == i)[:, None]) @ w[i] for i in range(2))
+        idle, busy = (x, jnp.zeros(3, jnp.int32)), (x, jnp.ones(3, jnp.int32))
+        twice = (2 * x, jnp.ones(3, jnp.int32))
+
+        def expert1(batches):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                a = jqt.calibrate(moe, jqt.recipes.w8a8(calibrator=c), w, batches,
+                                  progress=False)["w#1"].lhs
+            return float(a.scale), float(a.zero_point)
+        want = expert1([busy, twice])
+        for order in ([idle, busy, twice], [busy, idle, twice], [busy, twice, idle]):
+            np.testing.assert_allclose(expert1(order), want, rtol=1e-6)
     with pytest.raises(ValueError, match="momentum"):
         C.MovingAverage(momentum=1.0)
 

@@ -161,8 +161,8 @@ class MovingAverage(Calibrator):
 
     Within one batch (``scan``/``while`` iterations, devices) the extremes are
     combined by min/max; batches in which the op did not run are skipped, and so are
-    batches in which it saw only zeros (an expert no token was routed to in that batch,
-    whose range of ``[0, 0]`` halved its average over two batches), as ``jqt.calibrate``
+    batches in which it saw only zeros, the first one too (an expert no token was routed
+    to in that batch, whose range of ``[0, 0]`` halved its average over two batches), as ``jqt.calibrate``
     treats an expert or layer that saw only zeros in every batch as one not reached.
 
     >>> import jax.numpy as jnp, jqt
@@ -182,7 +182,10 @@ class MovingAverage(Calibrator):
                              "float in [0, 1), e.g. 0.9.")
 
     def observe(self, x):
-        return {**_minmax(x), "n": jnp.array(1.0, _F32)}
+        mm = _minmax(x)  # (n = 0: only zeros, or no values; the first batch too, which
+        # jqt.calibrate takes as the running statistics without an accumulate)
+        seen = (mm["min"] <= mm["max"]) & ((mm["min"] != 0) | (mm["max"] != 0))
+        return {**mm, "n": seen.astype(_F32)}
 
     def combine(self, a, b):
         return {**_combine_minmax(a, b), "n": jnp.maximum(a["n"], b["n"])}
@@ -196,11 +199,13 @@ class MovingAverage(Calibrator):
             w_new = 1.0 / (n + 1.0)
         else:
             w_new = jnp.where(n > 0, 1.0 - self.momentum, 1.0)
-        # a batch of only zeros counts as none, but gives the range where none came before
-        # (it is replaced by the first batch of values; every batch zeros: [0, 0])
-        seen = (new["n"] > 0) & ((new["min"] != 0) | (new["max"] != 0))
-        out = {k: jnp.where(new["n"] > 0, jnp.where(n > 0, jnp.where(
-            seen, (1 - w_new) * running[k] + w_new * new[k], running[k]), new[k]), running[k])
+        # a batch of only zeros counts as none (observe: n = 0), but gives the range where
+        # none came before (it is replaced by the first batch of values; every batch
+        # zeros: [0, 0])
+        seen = new["n"] > 0
+        none = _combine_minmax(running, new)  # (no values yet: [0, 0] once zeros came)
+        out = {k: jnp.where(seen, jnp.where(n > 0, (1 - w_new) * running[k] + w_new * new[k],
+                                            new[k]), jnp.where(n > 0, running[k], none[k]))
                for k in ("min", "max")}
         return {**out, "n": n + seen}
 

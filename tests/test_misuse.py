@@ -395,6 +395,23 @@ def test_array_likes_that_are_not_arrays_are_refused_naming_the_value_to_pass():
     with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] " + fix):
         jqt.calibrate(f, jqt.recipes.w8a8(), {"w": w}, [(Var(x),)], progress=False)
 
+    class Tensor:  # as torch.Tensor from a DataLoader: __array__, hashed by its id
+        def __init__(self, a):
+            self.a = np.asarray(a)
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+    # f reads it through jnp.asarray (as flax's Dense does): it ran as a static value,
+    # each batch compiled anew with its values as constants, the NaN check skipped
+    g = lambda p, x: jnp.asarray(x) @ p["w"]
+    fix = (r"is a Tensor, an array of another library \(it has __array__; a torch.Tensor .*"
+           r"Pass a NumPy or JAX array: np.asarray\(x\)")
+    with pytest.raises(jqt.CalibrationDataError, match=r"batch 0, argument \[0\] " + fix):
+        jqt.calibrate(g, jqt.recipes.w8a8(), {"w": w}, [(Tensor(x),)], progress=False)
+    with pytest.raises(TypeError, match=r"argument \[1\] of f " + fix):
+        jqt.quantize(g, qp)({"w": w}, Tensor(x))
+    with pytest.raises(TypeError, match=r"jqt.pack: params\['w'\] " + fix):
+        jqt.pack(qp, {"w": Tensor(w)})
+
 
 def test_batches_of_the_wrong_form_name_the_fix(setup):
     p, batches, qp = setup

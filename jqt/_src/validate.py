@@ -653,14 +653,27 @@ def _renamed_argument(extra, keys, qparams, prefixes) -> str:
             "decorator without functools.wraps). Keep f's signature, or re-calibrate.")
 
 
+_ARRAY_PROTOCOLS = ("__array__", "__array_interface__", "__dlpack__", "__cuda_array_interface__")
+
+
 def array_like(leaf) -> str | None:
     """Why ``leaf``, an object JAX reads as an array through ``__jax_array__`` (a
     ``keras.Variable``) but not an array, cannot be an argument leaf of ``f``: jqt would
-    pass it as a static value, whose current value f then reads as a constant; ``None``
-    for anything else, and for the references :func:`tracing.refuse_mutable` names (a
-    ``jax.Ref``, an nnx hijax Variable)."""
-    if isinstance(leaf, (jax.Array, jax.Ref)) or not hasattr(type(leaf), "__jax_array__"):
+    pass it as a static value, whose current value f then reads as a constant; so for an
+    array of another library (``__array__``, ``__dlpack__``: a ``torch.Tensor``), which
+    ``jax.jit`` refuses as an argument. ``None`` for anything else, and for the references
+    :func:`tracing.refuse_mutable` names (a ``jax.Ref``, an nnx hijax Variable)."""
+    if isinstance(leaf, (jax.Array, jax.Ref, np.ndarray, np.generic)):
         return None
+    if not hasattr(type(leaf), "__jax_array__"):
+        proto = next((a for a in _ARRAY_PROTOCOLS if hasattr(type(leaf), a)), None)
+        if proto is None:
+            return None
+        return (f"a {type(leaf).__name__}, an array of another library (it has {proto}; a "
+                "torch.Tensor from a DataLoader?), which JAX does not take: jqt would pass it "
+                "to f as a static value, its values compiled in as constants (f compiled anew "
+                "for each one). Pass a NumPy or JAX array: np.asarray(x) (a torch tensor: "
+                "x.numpy(), or jax.dlpack.from_dlpack(x))")
     if type(leaf).__name__ == "HijaxVariable" or type(getattr(leaf, "aval", None)).__name__ == "AbstractVariable":
         return None
     return (f"a {type(leaf).__name__}, an array-like JAX reads through __jax_array__ (a "

@@ -105,6 +105,38 @@ def test_gptq_takes_a_sequence_indexed_by_int_only(setup):
     want = jqt.gptq(f, qp, p, seq, progress=False)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
 
+    # a map-style dataset that slices its rows (no IndexError past its end, no __iter__):
+    # Python's iteration read on past its length, and jqt.calibrate, jqt.gptq and
+    # jqt.fallback met an empty batch that is not one of its own (hunt70_streamcalib)
+    rows = jnp.concatenate([s[0] for s in seq])
+
+    class Sliced:
+        def __len__(self):
+            return len(seq)
+
+        def __getitem__(self, i):
+            return (rows[i * 16:(i + 1) * 16],)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                     jqt.gptq(f, qp, p, Sliced(), progress=False), want))
+    recipe = jqt.recipes.w8a8()
+    want = jqt.calibrate(f, recipe, p, seq, progress=False)
+    for got in (jqt.calibrate(f, recipe, p, Sliced(), progress=False),
+                jqt.fallback(f, recipe, p, Sliced(), lambda g: 0.0, max_drop=1.0).qparams):
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+
+    class Unknown:  # a loader of unknown length (tf.data): len() raises TypeError
+        def __iter__(self):
+            return iter(seq)
+
+        def __len__(self):
+            raise TypeError("The dataset length is unknown.")
+
+        def __getitem__(self, i):
+            return seq[i]
+    with pytest.raises(jqt.CalibrationDataError, match="jqt.gptq passes over the batches once "
+                       "per op; pass a non-empty sequence .*not a Unknown"):
+        jqt.gptq(f, qp, p, Unknown(), progress=False)
+
 
 def test_pack_refuses_weights_far_smaller_than_the_calibrated_ones(setup):
     p, _, qp = setup
@@ -416,6 +448,13 @@ def test_array_likes_that_are_not_arrays_are_refused_naming_the_value_to_pass():
 def test_batches_of_the_wrong_form_name_the_fix(setup):
     p, batches, qp = setup
     x = batches[0][0]
+    used = iter(batches)
+    list(used)
+    for empty, hint in (([], "\\(x,\\)\\]\\.$"), (used, "an iterator, and it yielded nothing")):
+        # (it read "jqt.calibrate: the calibration set is empty", without the hint)
+        with pytest.raises(jqt.CalibrationDataError, match="jqt.fallback: the calibration set "
+                           "is empty.*" + hint):
+            jqt.fallback(f, jqt.recipes.w8(), p, empty, lambda g: 0.0, max_drop=1.0)
     with pytest.raises(jqt.CalibrationDataError, match="batches is an array of shape \\(16, 32\\)"):
         jqt.calibrate(f, jqt.recipes.w8(), p, x, progress=False)
     with pytest.raises(jqt.CalibrationDataError, match="batches is a dict"):

@@ -60,6 +60,24 @@ def check_batches(batches, fn="jqt.calibrate"):
             "a data loader: call a loader function to get one).")
 
 
+def each_batch(batches):
+    """``batches`` to iterate over: a sequence whose class has no ``__iter__`` (a
+    map-style dataset: ``__len__`` and ``__getitem__``) is read by index up to its
+    length, where Python's own iteration reads on until ``IndexError`` (a slice past the
+    end gives an empty batch; an index taken modulo the length never ends).
+
+    >>> class Rows:
+    ...     def __len__(self): return 2
+    ...     def __getitem__(self, i): return (i,)
+    >>> list(each_batch(Rows()))
+    [(0,), (1,)]
+    """
+    t = type(batches)
+    if not hasattr(t, "__iter__") and hasattr(t, "__len__") and hasattr(t, "__getitem__"):
+        return (batches[i] for i in range(len(batches)))
+    return batches
+
+
 def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
     """Raises :class:`CalibrationDataError` (its text starting with ``fn``) where batch
     ``i`` is not a tuple of ``f``'s remaining arguments, differs in structure from the
@@ -328,7 +346,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
     except TypeError:
         total = None
     from tqdm.auto import tqdm
-    bar = tqdm(batches, total=total, desc=bar_desc, unit="batch",
+    bar = tqdm(each_batch(batches), total=total, desc=bar_desc, unit="batch",
                disable=None if progress is None else not progress)
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once

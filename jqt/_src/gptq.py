@@ -26,7 +26,7 @@ from jax import lax
 
 from . import compat, diagnostics, groups, ragged, tracing, transforms, validate, weightcheck
 from . import numerics as nx
-from .calibrate import CalibrationDataError, check_batch, check_batches, full_args
+from .calibrate import CalibrationDataError, check_batch, check_batches, each_batch, full_args
 from .dense import DenseAxes
 from .handlers import Simulate, transformed, without_entry
 from .interpreter import Ctx
@@ -421,12 +421,16 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     params_t = list(validate.weight_args(params, argnums, "jqt.gptq"))
     validate.flags("jqt.gptq", progress=progress, act_order=act_order, keep_zeros=keep_zeros)
     check_batches(batches, "jqt.gptq")
-    if hasattr(batches, "__len__") and not len(batches):
-        raise CalibrationDataError("jqt.gptq: the calibration set is empty; pass at least one batch, "
-                                   "e.g. batches=[(x,)].")
-    if not hasattr(batches, "__len__") or not hasattr(batches, "__getitem__"):
+    try:  # (a loader of unknown length raises TypeError from len)
+        n = len(batches) if hasattr(batches, "__getitem__") else None
+    except TypeError:
+        n = None
+    if n is None:
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "
                                    f"sequence (a list or tuple of batches), not a {type(batches).__name__}.")
+    if not n:
+        raise CalibrationDataError("jqt.gptq: the calibration set is empty; pass at least one batch, "
+                                   "e.g. batches=[(x,)].")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"jqt.gptq: block_size={block_size!r}; expected a positive int (the rows "
                          "updated together, 128 by default).")
@@ -438,7 +442,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
                          "0.01 by default).")
     damp = float(damp)
     tree = None
-    for i, b in enumerate(batches):
+    for i, b in enumerate(each_batch(batches)):
         tree = check_batch(i, b, tree, "jqt.gptq")
     tracer = Tracer(f, argnums, "jqt.gptq")
     try:
@@ -451,7 +455,13 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     keys = {s.key for s in traced.sites()}
     for i in range(1, len(batches)):  # (traces are cached per static values and shapes;
         # indexed, not sliced: a sequence need not take a slice)
-        other = sorted({s.key for s in tracer(full_args(argnums, params_t, batches[i])).sites()} ^ keys)
+        try:
+            traced_i = tracer(full_args(argnums, params_t, batches[i]))
+        except Exception as e:
+            e.add_note(f"jqt.gptq: raised while tracing f on batch {i} (argument shapes "
+                       f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(batches[i])]})")
+            raise
+        other = sorted({s.key for s in traced_i.sites()} ^ keys)
         if other:  # a KeyError in the passes, or a Hessian missing a batch
             raise CalibrationDataError(
                 f"jqt.gptq: batch {i} runs other ops than batch 0 (op{'s' if len(other) > 1 else ''} "
@@ -501,7 +511,7 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
-        for batch in batches:
+        for batch in each_batch(batches):
             out = jstep(marked, tracing.mark_static(tracing.owned(tuple(batch))), flags)
             out = {k: out[k] for k in group}
             acc, hosted = (out, False) if acc is None else compat.merged(

@@ -1598,6 +1598,12 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     got = cal((jqt.Rule(key="w|bts", act_x_act=base[-1].act_x_act),) + base)
     assert any("rule 0 (Rule(key='w|bts')) decides 1 op(s) that take none of its types, which stay "
                "float: 'w' (weight=)." in m for m in got), got
+    # ... and where its key matches the projections only (a block's name scope: the
+    # products' keys are their einsum specs), silently (hunt70_rulesmix)
+    got = cal((jqt.Rule(key="^w$", act_x_act=base[-1].act_x_act),) + base)
+    assert any("rule 0 (Rule(key='^w$')) sets act_x_act=, which types none of the ops its key "
+               "matches. It decides 1 op(s) that take none of its types, which stay float: 'w' "
+               "(weight=)." in m for m in got), got
     # a preset's rule copied with weight=None (its embedding= kept) keeps its weight ops float
     # as meant, though it types the lookup its key takes too (hunt48_review3)
     got = cal((dataclasses.replace(R.w8().rules[0], key="emb|w", weight=None),) + base)

@@ -915,7 +915,8 @@ def _warn_untyped(sites, recipe, chosen):
     its ops, the others a later rule would have typed (``Rule(key="embed|mlp", weight=...)``
     ahead of a preset: the lookup ``embed``; ``Rule(key="attn", act_x_act=...)``: the
     projections), and where it types none of its ops, every lookup, cache and activation x
-    activation op it decides.
+    activation op it decides (and its weight ops, where it sets act_x_act= or kv_cache=,
+    which no preset's rule does: a copy of one with weight=None keeps them float as meant).
     Not named: ops no type quantizes (a table f builds, integer operands, a lookup of single
     elements), and rules that set no type (they keep their ops float, as meant)."""
     def field(s):
@@ -940,12 +941,16 @@ def _warn_untyped(sites, recipe, chosen):
         tables = {s.source.path for s in decided if field(s) == "embedding" and r.embedding is not None
                   and s.source is not None}
 
+        # a preset's rule copied with weight=None keeps its weight ops float as meant, its
+        # embedding= aside (no preset sets act_x_act= or kv_cache=)
+        copied = r.act_x_act is None and r.kv_cache is None
+
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
-            if f == "weight" and (not typed or r.act_x_act is None and not (
+            if f == "weight" and (copied if not typed else r.act_x_act is None and not (
                     s.source is not None and s.source.path in tables)):
-                return None  # (a preset's rule copied with weight=None keeps its weight ops
-            # float as meant, its embedding= aside; a rule for attention's products,
-            # act_x_act=, is what takes the projections under its key unmeant, and one whose
+                return None  # (a rule for attention's products, act_x_act=, is what takes the
+            # projections under its key unmeant, also where its key matches no product (the
+            # products' keys are their einsum specs, "btd,bsd->bts"), and one whose
             # embedding= types a tied table's lookup the matmul of that table, 'emb#1',
             # under key "emb")
             t = getattr(next((e for e in recipe.rules[i + 1:] if e.matches(s.op, s.key)), None), f, None)
@@ -959,7 +964,7 @@ def _warn_untyped(sites, recipe, chosen):
         # of a name scope, "layer1", is not its weights' keys, "l1/wq"), even where the ops
         # it decides would be float anyway
         # (not for weight ops a rule with weight=None keeps float as meant, as instead())
-        meant = [s for s in decided if field(s) != "weight" or r.weight is not None]
+        meant = [s for s in decided if field(s) != "weight" or r.weight is not None or not copied]
         unused = [f for f in TYPE_FIELDS if getattr(r, f) is not None] if not typed and meant else []
         if not (untyped or unused):
             continue

@@ -1402,6 +1402,16 @@ def test_report_of_a_scan_of_no_iterations_and_of_nested_scans():
     assert [r.name for r in rep.rows][:4] == ["w[0, 0]", "w[0, 1]", "w[0, 2]", "w[1, 0]"]
     with pytest.raises(ValueError, match=r"Report.worst: n=-1"):
         rep.worst(-1)
+    # a scan over a stack of no layers: its op had no row and no "kept float" line, where
+    # jqt.summarize lists it (hunt70_reportgrouped)
+    empty = {"w": jnp.zeros((0, 16, 16)), "out": p["a"]}
+    stacked = lambda p, x: lax.scan(lambda x, wi: (jnp.tanh(x @ wi), None), x, p["w"])[0] @ p["out"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (never ran: it stays float)
+        qp = jqt.calibrate(stacked, jqt.recipes.w8a8(), empty, [(x,)], progress=False)
+    rep = jqt.report(stacked, qp, empty, (x,))
+    assert [r.key for r in rep.rows] == ["w", "out"] and rep.rows[0].activation == "float"
+    assert "kept float (never reached during calibration): w" in str(rep)
 
 
 def test_fallback_to_a_rule_on_a_function_with_nothing_quantized_is_met():
@@ -1473,6 +1483,9 @@ def test_a_cache_writes_sqnr_alone_is_its_vectors_not_lifted_by_the_buffer():
         f = make(t)
         qp = jqt.calibrate(f, jqt.recipes.w8(kv_cache=True), p, [(x,)], progress=False)
         row = {r.key: r for r in jqt.report(f, qp, p, (x,)).rows}["kv_cache_0"]
+        # (its repr called the cache's type an activation's, and the update float)
+        assert repr(qp["kv_cache_0"]) == ("OpQParams(dynamic_update_slice, kv cache: "
+                                          "QArray(int8 sym per-row dynamic))")
         k = x @ p["wk"]  # every vector the loop writes, as the cache rounds them
         s = jnp.maximum((jnp.abs(k).max(-1, keepdims=True) / 127).astype(jnp.float16).astype(jnp.float32), 2.0**-14)
         err = jnp.clip(jnp.round(k / s), -127, 127) * s - k

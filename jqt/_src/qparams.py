@@ -454,6 +454,9 @@ class OpQParams:
     def __repr__(self):
         if self.is_float:
             return f"OpQParams({self.op}, float: {self.note or 'kept float'})"
+        if self.op in ("dynamic_update_slice", "scatter") and self.lhs is not None:
+            # a key/value cache write: lhs is the cache's type, the update quantized into it
+            return f"OpQParams({self.op}, kv cache: {self.lhs!r})"
         names = ("lhs", "rhs")
         parts = []
         for i, p in enumerate((self.lhs, self.rhs)):

@@ -547,11 +547,13 @@ def _rows(site, qp, st):
     if st is None:  # never ran on this batch
         st = {}
     depth = np.ndim(st["f2"]) if "f2" in st else 0
+    if depth and not np.size(st["f2"]):  # a scan over a stack of no layers: one row, not run
+        st, depth = {}, 0
     layers = [None] if depth == 0 else list(np.ndindex(*np.shape(st["f2"])))
     out = []
     for li in layers:
         g = (lambda n: np.asarray(st[n])) if li is None else (lambda n: np.asarray(st[n])[li])
-        pick = lambda a: None if a is None else (np.asarray(a) if li is None else
+        pick = lambda a: None if a is None or not np.size(a) else (np.asarray(a) if li is None else
                                                   np.asarray(a)[li] if np.ndim(a) >= len(li) else np.asarray(a))
         ran = "f2" in st and g("x_n") > 0
         # This layer's own flags: one recorded outside the inner scans of nested ones has

@@ -1,4 +1,5 @@
 """Public API: recipes, qparams pytrees, pack, save/load, and the errors users hit."""
+import copy
 import dataclasses
 import functools
 import os
@@ -61,6 +62,21 @@ def test_summarize_and_repr(setup):
     text = jqt.summarize(qp)
     assert "l1/w" in text and "int8 sym per-channel" in text and "int8 asym per-tensor" in text
     assert "scale[1x16]" in repr(qp["l1/w"])
+
+
+def test_qparams_compare_equal_by_their_values(setup, tmp_path):
+    """qp == a copy raised "the truth value of an array ... is ambiguous" for per-channel
+    scales (the dataclasses' generated __eq__; hunt70_pytreeops)."""
+    _, _, qp = setup
+    path = str(tmp_path / "qp.safetensors")
+    jqt.save(path, qp)
+    assert qp == copy.deepcopy(qp) and qp == jqt.load(path) and qp["l1/w"].rhs == qp["l1/w"].rhs
+    w = qp["l1/w"]
+    for other in (dataclasses.replace(w, rhs=dataclasses.replace(w.rhs, scale=w.rhs.scale * 2)),
+                  dataclasses.replace(w, rhs=dataclasses.replace(w.rhs, scale=w.rhs.scale[:-1])),
+                  dataclasses.replace(w, rhs=dataclasses.replace(w.rhs, scale=w.rhs.scale.astype(jnp.bfloat16))),
+                  dataclasses.replace(w, rhs=None)):
+        assert w != other and {**qp, "l1/w": other} != qp
 
 
 def test_summarize_shows_no_weight_for_a_product_of_activations():

@@ -98,6 +98,36 @@ class WeightSource:
                    if c[0] in ("scan_slice", "shard_split"))
 
 
+def _fields_equal(a, b):
+    """``a == b`` for two dataclasses of one class holding arrays: every field equal, an
+    array by its shape, dtype and values (the generated ``__eq__`` compared per-channel
+    scales element by element and raised "the truth value of an array ... is ambiguous";
+    traced arrays compare by identity).
+
+    >>> import copy, jax.numpy as jnp, jqt
+    >>> q = jqt.QArray(scale=jnp.ones(3), qtype=jqt.QuantType(per_channel=True))
+    >>> q == copy.deepcopy(q), q == jqt.QArray(scale=jnp.ones(4), qtype=q.qtype)
+    (True, False)
+    """
+    if type(a) is not type(b):
+        return NotImplemented
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x is y:
+            continue
+        arrays = (np.ndarray, np.generic, jax.Array)
+        if isinstance(x, arrays) or isinstance(y, arrays):
+            if compat.is_tracer(x) or compat.is_tracer(y) or not (isinstance(x, arrays)
+                                                                  and isinstance(y, arrays)):
+                return False
+            if (np.shape(x) != np.shape(y) or np.dtype(x.dtype) != np.dtype(y.dtype)
+                    or not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class QArray:
     """A quantized value: codes, scale and zero point, with the format as static data.
@@ -175,6 +205,9 @@ class QArray:
                     "quantized key/value cache with jqt.dequantize_cache(cache), and pass packed "
                     "weights to the quantized function, not to f")
         raise AttributeError(f"'QArray' object has no attribute {name!r}{hint}")
+
+    def __eq__(self, other):
+        return _fields_equal(self, other)
 
     def __post_init__(self):
         if self.smooth is not None and not holds_smooth(self.folded):
@@ -450,6 +483,9 @@ class OpQParams:
     def operand(self, i: int) -> Optional[QuantParams]:
         """The :class:`QuantParams` of operand ``i`` (0: lhs, 1: rhs), or ``None``."""
         return (self.lhs, self.rhs)[i]
+
+    def __eq__(self, other):
+        return _fields_equal(self, other)
 
     def __repr__(self):
         if self.is_float:

@@ -42,8 +42,10 @@ class Rule:
       activation: type of the data operand of a weight op. ``None`` with a
         ``weight`` type gives weight-only quantization.
       act_x_act: type of both operands of ops whose operands both depend on
-        data (attention scores). Must be ``dynamic``. ``None`` (the default)
-        keeps such ops float.
+        data (attention scores). Must be ``dynamic``; ``per_channel=True`` gives each
+        row its own scale (as ``w8a8_dynamic(act_x_act=True)`` does), where the
+        default, one scale per call, lets one example of a batch set every other's
+        step. ``None`` (the default) keeps such ops float.
       embedding: type of a table read by a ``gather`` (an embedding lookup):
         weight-only, one scale per row (``per_channel``) or per group of a row.
         ``None`` keeps lookups float.

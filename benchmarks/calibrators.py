@@ -45,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import cli  # noqa: E402
 import jqt  # noqa: E402
 from report import environment as report_environment  # noqa: E402
 from report import table  # noqa: E402
@@ -259,17 +260,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="5 training epochs, 10 calibration batches, no 3-bit recipe")
-    p.add_argument("--only", default=None, help="comma-separated models: cnn, mlp")
+    p.add_argument("--only", default=None, type=cli.names(list(MODELS)),
+                   help="comma-separated models: cnn, mlp")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    names = [s.strip() for s in args.only.split(",")] if args.only else list(MODELS)
-    unknown = set(names) - set(MODELS)
-    if unknown:
-        raise SystemExit(f"--only: unknown model(s) {sorted(unknown)}; choose from {list(MODELS)}")
+    names = args.only or list(MODELS)
     t_start = time.perf_counter()
     cmd = " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
     print(f"# jqt calibrators on digits ({'quick' if args.quick else 'full'} run)\n")

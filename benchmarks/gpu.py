@@ -235,12 +235,12 @@ def quantized(f, variants, params, calib, name, failed):
     is reported, named in ``failed`` and left out (the rest still run)."""
     out = {}
     for v, (make, fields) in variants.items():
-        if fields and policy_of(fields) == (BASE["policy"] or jqt.KernelPolicy.for_backend()):
-            progress(f"{name}: {v} is the backend's own table here: not run twice")
-            continue
-        progress(f"{name}: calibrating and packing {v}")
         try:
             policy = policy_of(fields)
+            if fields and policy == (BASE["policy"] or jqt.KernelPolicy.for_backend()):
+                progress(f"{name}: {v} is the backend's own table here: not run twice")
+                continue
+            progress(f"{name}: calibrating and packing {v}")
             qp = jqt.calibrate(f, make(), params, calib, progress=False)
             out[v] = (jax.jit(jqt.quantize(f, qp, policy=policy)), jqt.pack(qp, params, policy=policy), qp)
         except Exception:  # noqa: BLE001 - report and go on: one device run has to give all it can
@@ -507,7 +507,10 @@ def derive(name):
         k, _, v = item.partition("=")
         if k not in {f.name for f in dataclasses.fields(jqt.KernelPolicy)}:
             raise SystemExit(f"--variants {name!r}: KernelPolicy has no field {k!r}")
-        fields[k] = ast.literal_eval(v)
+        try:
+            fields[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{k}={v!r} is no Python literal (8, True, 0.5)") from None
     for table_ in (DENSE, MINILM, DECODE, GENERATE):
         if base in table_ and name not in table_:
             entry = table_[base]
@@ -551,14 +554,28 @@ def main():
     if a.large:
         sizes = dataclasses.replace(sizes, large=True)
     if a.policy:
-        BASE["policy"] = jqt.KernelPolicy.for_backend(a.policy)
+        try:
+            BASE["policy"] = jqt.KernelPolicy.for_backend(a.policy)
+        except ValueError as e:
+            ap.error(f"--policy: {e}")
     if a.variants:
         keep = a.variants.split(",")
         for name in keep:
-            derive(name)
+            try:
+                derive(name)
+            except ValueError as e:  # a value ast.literal_eval cannot read
+                ap.error(f"--variants {name!r}: {e}")
         unknown = set(keep) - set(DENSE) - set(MINILM) - set(DECODE) - set(GENERATE)
         if unknown:
             raise SystemExit(f"--variants: no variant named {', '.join(sorted(unknown))}")
+        for table_ in (DENSE, MINILM, DECODE, GENERATE):  # a value KernelPolicy refuses:
+            for name in keep:  # refused before any part runs (a device lease is short)
+                entry = table_.get(name)
+                if isinstance(entry, tuple) and entry[1]:
+                    try:
+                        policy_of(entry[1])
+                    except (TypeError, ValueError) as e:
+                        ap.error(f"--variants {name!r}: {e}")
         for table_ in (DENSE, MINILM, DECODE, GENERATE):
             for k in [k for k in table_ if k not in keep]:
                 del table_[k]

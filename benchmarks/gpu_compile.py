@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
-import json
 import subprocess
 import sys
 
@@ -50,6 +49,10 @@ GROUPED = ("w4 g128", "w4a8 g128", "nf4 g64", "w8 g128")
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 256)
 
 
+PATHS = ("int", "sim", "sim grad", "experts")  # what a case runs: the integer path, the
+# simulated one, its gradient, or a stack of 4 experts on the integer path
+
+
 def default_cases():
     cases = []
     for p in PRESETS:
@@ -68,16 +71,20 @@ def parse_fields(text, types=None):
         raise SystemExit(f"--policy: {e}") from None
 
 
-def policy_types():
-    """``{field: type name}`` of ``jqt.KernelPolicy``, read in a child process on the CPU: importing
-    jqt starts JAX's backends, and this process leaves the accelerator to the children."""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import cli; "
-            "print(json.dumps(cli.kernel_policy_types()))")
-    p = subprocess.run([sys.executable, "-c", code, HERE], capture_output=True, text=True,
+def policy_problem(text):
+    """What ``jqt.KernelPolicy`` refuses in ``--policy`` (an unknown field, a value of the
+    wrong type or out of range: ``native_gemv_rows=-1``), or ``None``; read in a child
+    process on the CPU: importing jqt starts JAX's backends, and this process leaves the
+    accelerator to the children."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import cli\n"
+            "try:\n    cli.policy_fields(sys.argv[2])\n"
+            "except ValueError as e:\n    print('PROBLEM', e)")
+    p = subprocess.run([sys.executable, "-c", code, HERE, text], capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     if p.returncode:
         raise SystemExit(f"gpu_compile: could not read jqt.KernelPolicy's fields:\n{p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    said = [l for l in p.stdout.splitlines() if l.startswith("PROBLEM ")]
+    return said[-1][len("PROBLEM "):] if said else None
 
 
 def child(case, rows, n, fields):
@@ -186,11 +193,15 @@ def main():
     if a.child:
         return child(a.child, rows, a.n, parse_fields(a.policy))
     if a.policy.strip():  # a bad --policy fails here, not in every child
-        try:
-            cli.policy_fields(a.policy, policy_types())
-        except ValueError as e:
-            ap.error(f"--policy: {e}")
+        why = policy_problem(a.policy)
+        if why:
+            ap.error(f"--policy: {why}")
     cases = a.cases.split(",") if a.cases else default_cases()
+    for c in cases:  # (and a bad case here, not in a child per row)
+        preset, _, path = c.partition("/")
+        if preset not in PRESETS or path not in PATHS:
+            ap.error(f"--cases: {c!r} is not PRESET/PATH, with PRESET one of {list(PRESETS)} and "
+                     f"PATH one of {list(PATHS)}")
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
         futs = {c: pool.submit(run_case, c, rows, a.n, a.timeout, a.policy) for c in cases}
         failed = 0

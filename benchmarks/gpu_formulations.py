@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -224,7 +225,7 @@ def main():
         print("| formulation | rel. error | " + " | ".join(f"{m} rows" for m in rows) + " |")
         print("| --- | --- | " + " | ".join("---" for _ in rows) + " |")
         print("| bf16 (median over the processes) | - | " + " | ".join(
-            f"{sorted(r['rows'][str(m)]['bf16_us'] for r in results)[len(results) // 2]:.1f}"
+            f"{statistics.median(r['rows'][str(m)]['bf16_us'] for r in results):.1f}"
             for m in rows) + " |")
         for r in results:
             print(f"| {r['name']} | {r['rel_err']:.1e} | " + " | ".join(

@@ -49,7 +49,8 @@ def log(msg):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer batch sizes and samples")
-    p.add_argument("--only", default=None,
+    known = list(dict.fromkeys([w.group for w in W.WORKLOADS] + [w.name for w in W.WORKLOADS]))
+    p.add_argument("--only", default=None, type=cli.names(known),
                    help="comma-separated groups or workload names: dense, mlp, cnn, encoder, "
                         "dense4096, cnn32, ... ('mlp' also selects the trace-time measurement)")
     p.add_argument("--repeats", type=cli.positive_int, default=None,
@@ -171,8 +172,8 @@ def trace_table(t, markdown):
 def main(argv=None):
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    selected = W.select(args.only)
-    wanted = {s.strip() for s in args.only.split(",")} if args.only else None
+    selected = W.select(",".join(args.only) if args.only else None)
+    wanted = set(args.only) if args.only else None
     t_start = time.perf_counter()
     print(f"# jqt benchmarks ({'quick' if args.quick else 'full'} run)\n{environment()}")
 

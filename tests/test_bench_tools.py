@@ -1,5 +1,6 @@
 """The benchmarks' shared helpers (benchmarks/timing.py, cli.py, formats.py, decode_cache.py):
 the statistics they print and the checks they make, on made-up timings (no model runs)."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,26 @@ def test_gpu_compile_keeps_the_rows_of_a_child_that_fails_after_them(monkeypatch
     monkeypatch.setattr(gpu_compile.subprocess, "run", dies_first)
     assert gpu_compile.run_case("w4 g128/int", (1, 4), 256, 60, "") == {
         1: "FAILED (rc 1): ValueError: boom", 4: "FAILED (rc 1): ValueError: boom"}
+
+
+@pytest.mark.slow  # seven processes that import jax and jqt (CI runs it)
+def test_bad_flags_of_the_gpu_scripts_and_the_cpu_runner_are_refused_before_any_run():
+    """A one-shot device lease lost its valid variants to one bad policy value (gpu.py), or
+    started a child per row that failed on a bad --policy value or --cases name
+    (gpu_compile.py); run.py ran nothing and exited 0 for a blank --only (hunt70_benchscripts)."""
+    cmds = [(["benchmarks/gpu.py", "--smoke", "--only", "dense", "--variants",
+              "w8,w8 [weight_only_digits=2]"], "--variants 'w8 \\[weight_only_digits=2\\]': "
+             "KernelPolicy\\(weight_only_digits=2\\)"),
+            (["benchmarks/gpu.py", "--smoke", "--only", "dense", "--variants", "w8 [gemv_rows=x]"],
+             "gemv_rows='x' is no Python literal"),
+            (["benchmarks/gpu.py", "--smoke", "--policy", "gpuu"], "--policy: .*for_backend\\('gpuu'\\)"),
+            (["benchmarks/gpu_compile.py", "--smoke", "--cases", "w8/int", "--policy",
+              "native_gemv_rows=-1"], "--policy: KernelPolicy\\(native_gemv_rows=-1\\)"),
+            (["benchmarks/gpu_compile.py", "--smoke", "--cases", "w8/it"], "--cases: 'w8/it' is not "
+             "PRESET/PATH"),
+            (["benchmarks/run.py", "--only", " "], "--only: name at least one of"),
+            (["benchmarks/calibrators.py", "--only", "nope"], "--only: unknown 'nope'")]
+    for cmd, want in cmds:
+        r = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and re.search(want, r.stderr), (cmd, r.stderr[-500:])

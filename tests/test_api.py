@@ -483,3 +483,11 @@ def test_pack_of_several_weight_arguments_gives_no_argnum_advice():
     assert "h/w" in ph.weights
     with pytest.warns(UserWarning, match=r"pass argnum=2"):  # argnums that pack nothing: said
         jqt.pack(qp, args, weight_argnums=(0, 1))
+    # held back in the calling thread only: warnings.catch_warnings swaps the process's
+    # filters, and two threads packing at once left that warning ignored for good
+    # (hunt70_threads)
+    def process_wide(*a, **k):
+        raise AssertionError("jqt.pack swapped the process-wide warning filters")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warnings, "catch_warnings", process_wide)
+        assert "h/w" in jqt.pack(qp, args, weight_argnums=(0, 2))[1].weights

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
+import re
 import weakref
 
 import jax
@@ -156,9 +156,12 @@ def _check_folded(packed, folds):
                 "changed); re-run jqt.pack(qparams, params) with these qparams.")
 
 
+_CHECKED_PER_KEY = 16  # packed weights remembered as checked, per op key and argument
+
+
 class _Checked(dict):
-    """``(argnum, key)`` -> a weak reference to the packed weight whose numbers were
-    checked; pickled empty (a weak reference does not pickle, and a copy checks anew)."""
+    """``(argnum, key)`` -> ``{id: weak reference}`` of the packed weights whose numbers
+    were checked; pickled empty (a weak reference does not pickle, and a copy checks anew)."""
 
     def __reduce__(self):
         return (_Checked, ())
@@ -169,12 +172,14 @@ def _check_packed(qparams, args, argnums, checked):
     scales, zero points and smoothing vectors they run with (a ``tree_map`` that cast
     them to float16 can turn a small scale into 0), checked as ``qparams``' are; and
     :func:`_complete`'s check of a version-1 file's codes against the qparams' grid.
-    ``checked`` (the quantized function's own) maps ``(argnum, key)`` to a weak reference
-    to the packed weight last checked: a decode loop's calls check each weight once."""
+    ``checked`` (the quantized function's own) maps ``(argnum, key)`` to weak references
+    to the packed weights checked, by id: a decode loop's calls check each weight once,
+    and so do calls that alternate between packed params (two adapters, an A/B pair)."""
     for a in argnums:
         if a < len(args) and isinstance(args[a], PackedParams):
             for k, held in args[a].weights.items():
-                seen = checked.get((a, k))
+                refs = checked.setdefault((a, k), {})
+                seen = refs.get(id(held))
                 if held is None or (seen is not None and seen() is held):
                     continue
                 w = args[a].weight(k)
@@ -187,7 +192,9 @@ def _check_packed(qparams, args, argnums, checked):
                         "to float16 can round a small scale to 0: keep the scales float32).")
                 if k in qparams:
                     _complete(k, w, qparams[k])
-                checked[(a, k)] = weakref.ref(held)
+                if len(refs) >= _CHECKED_PER_KEY:  # (weights since freed, most of them)
+                    refs.clear()
+                refs[id(held)] = weakref.ref(held)
 
 
 def _with_packed(key, p, pw):
@@ -538,11 +545,16 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
                         "order, as jqt.calibrate takes them.")
     read = {p.source.arg for p in qparams.values()
             if isinstance(p, OpQParams) and p.source is not None and not p.is_float}
-    with warnings.catch_warnings():  # an argument without quantized ops (norm gains) packed
-        # beside those that hold them: no advice to pass another argnum
-        if read and read <= set(nums):
-            warnings.filterwarnings("ignore", message=r"jqt\.pack\(argnum=\d+\): no quantized op reads")
-        return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+    # an argument without quantized ops (norm gains) packed beside those that hold them: no
+    # advice to pass another argnum (held back in this thread: warnings.catch_warnings swaps
+    # process-wide filters, which two threads' overlapping windows left ignoring it for good)
+    with diagnostics.captured() as said:
+        out = tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+    quiet = bool(read) and read <= set(nums)
+    for message, category in said:
+        if not (quiet and re.match(r"jqt\.pack\(argnum=\d+\): no quantized op reads", message)):
+            diagnostics.warn(message, category)
+    return out
 
 
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,

@@ -414,10 +414,11 @@ def scaled(out, *scales):
 
 def fp8_dense(ax, x, w, policy):
     """fp8 activation x fp8 weight: one fp8 matmul with float32 accumulation where the
-    backend has it (``policy.fp8_native``), else the weight-only path on the upcast
-    (exact) activation; then both scales."""
+    backend has it (``policy.fp8_native``) and the weight has one scale per output channel
+    (a grouped weight's scales vary along K, inside that sum), else the weight-only path on
+    the upcast (exact) activation; then both scales."""
     x2 = ax.act_2d(x.values)
-    if policy.fp8_native:
+    if policy.fp8_native and not w.qtype.group_size:
         dn = (((1,), (contract_dim(w.layout),)), ((), ()))
         out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
         return scaled(out, ax.act_vec(x.scale.astype(_F32)), w.scale.astype(_F32))

@@ -240,9 +240,11 @@ def test_fp8_codes_match_xla_conversion_bit_for_bit(grid):
     got = jax.jit(lambda v: nx.fp8_encode(v, grid))(x)
     assert got.dtype == dt
     bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
-    finite = np.isfinite(np.asarray(x))
-    np.testing.assert_array_equal(bits(got)[finite], bits(x.astype(dt))[finite])
-    assert np.isnan(np.asarray(nx.decode(got, grid))[~finite]).all()
+    # NaN too: e5m2 has several NaN codes, and jqt wrote 0x7F where a cast writes 0x7E
+    # (hunt70_fp8numerics)
+    np.testing.assert_array_equal(bits(got), bits(x.astype(dt)))
+    np.testing.assert_array_equal(bits(jax.jit(lambda v: nx.fp8_encode(v, grid))(-x)),
+                                  bits((-x).astype(dt)))
 
 
 def test_simulated_formats_keep_nan():

@@ -106,7 +106,8 @@ def fp8_encode(x, grid):
     step = 2.0 ** (mant + bias - 1)
     sub = jnp.round(jax.lax.bitcast_convert_type(a, _F32) * step).astype(jnp.uint32)
     code = jnp.where(a < tiny, sub, normal)
-    code = jnp.where(a > 0x7F800000, 0x7F, code) | ((u >> 24) & 0x80)  # NaN; the sign
+    nan = 0x7E if grid == "float8_e5m2" else 0x7F  # (the NaN a cast writes: e5m2 has several)
+    code = jnp.where(a > 0x7F800000, nan, code) | ((u >> 24) & 0x80)  # NaN; the sign
     return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), FLOAT8[grid])
 
 

@@ -516,6 +516,36 @@ def test_nnx_scan_stacked_layers():
     check_int8_in_scan(f, qp, state, batches[0][0])
 
 
+def test_nnx_layers_stacked_on_axis_1_are_not_said_to_change_in_place():
+    """``nnx.vmap(out_axes=1)`` / ``nnx.scan(in_axes=(nnx.Carry, 1))``: nnx moves the stacked
+    axis to the front and back with transposes, which jqt's look for in-place changes did
+    not see through: "f changes its argument ... in place" for a model that writes
+    nothing (hunt70_nnxscan)."""
+    class Stacked(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=L_SCAN)
+            @nnx.vmap(in_axes=(0,), out_axes=1)
+            def create(rngs):
+                return NNXBlock(rngs)
+            self.blocks = create(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 1), out_axes=nnx.Carry)
+            def forward(h, block):
+                return block(h)
+            return forward(x, self.blocks)
+
+    graphdef, state = _nnx_split(Stacked, 5)
+    f = _nnx_fn(graphdef)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), state, [(x,)], progress=False)
+        y = jqt.quantize(f, qp)(state, x)
+    assert qp["blocks/linear/kernel/value"].rhs.scale.shape[0] == L_SCAN
+    np.testing.assert_allclose(y, f(state, x), atol=0.05 * float(jnp.abs(f(state, x)).max()))
+
+
 # --------------------------------------------------------------------------- equinox
 
 

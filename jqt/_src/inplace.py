@@ -53,21 +53,32 @@ def _equal_static(x, y) -> bool:
 
 def forwarded_input(jaxpr, var):
     """The index of the input of ``jaxpr`` that ``var`` is, passed unchanged through calls,
-    ``remat``, a loop's carry or a ``scan``'s restacked slices, and a ``cond`` whose every
-    branch returns it; ``None`` for anything computed.
+    ``remat``, a loop's carry or a ``scan``'s restacked slices, a ``cond`` whose every
+    branch returns it, and transposes that undo one another (layers stacked on axis 1,
+    which ``nnx.scan`` moves to the front and back); ``None`` for anything computed.
 
     >>> j = jax.make_jaxpr(lambda a, b: (jax.lax.scan(lambda c, x: (c, x), a, b), a + 1))(1.0, jax.numpy.ones(3))
     >>> [forwarded_input(j.jaxpr, v) for v in j.jaxpr.outvars]
     [0, 1, None]
+    >>> j = jax.make_jaxpr(lambda a: (a.transpose(1, 0, 2).transpose(1, 0, 2), a.transpose(1, 0, 2)))(
+    ...     jax.numpy.ones((2, 3, 4)))
+    >>> [forwarded_input(j.jaxpr, v) for v in j.jaxpr.outvars]
+    [0, None]
     """
     inputs = {v: k for k, v in enumerate(jaxpr.invars)}
     producer = {v: (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
+    perm = None  # the output is transpose(var, perm); None: the identity
     while not compat.is_literal(var):
         if var in inputs:
-            return inputs[var]
+            return inputs[var] if perm is None or perm == tuple(range(len(perm))) else None
         if var not in producer:  # a constant
             return None
         eqn, k = producer[var]
+        if eqn.primitive is compat.transpose_p:
+            p = tuple(eqn.params["permutation"])
+            perm = p if perm is None else tuple(p[q] for q in perm)
+            var = eqn.invars[0]
+            continue
         i = _through(eqn, k)
         if i is None:
             return None

@@ -542,8 +542,6 @@ def main():
                     "count) in a process of its own, so that a compiler that aborts the process "
                     "(XLA:GPU did, in JAX 0.11.2) loses only that table")
     a = ap.parse_args()
-    if a.isolate:
-        return isolated(a)
     sizes = SMOKE if a.smoke else FULL
     if a.rounds is not None:
         sizes = dataclasses.replace(sizes, rounds=a.rounds)
@@ -572,13 +570,15 @@ def main():
             for name in keep:  # refused before any part runs (a device lease is short)
                 entry = table_.get(name)
                 if isinstance(entry, tuple) and entry[1]:
-                    try:
-                        policy_of(entry[1])
+                    try:  # (on a policy of no backend's: --isolate's parent starts none)
+                        dataclasses.replace(BASE["policy"] or jqt.KernelPolicy(), **entry[1])
                     except (TypeError, ValueError) as e:
                         ap.error(f"--variants {name!r}: {e}")
         for table_ in (DENSE, MINILM, DECODE, GENERATE):
             for k in [k for k in table_ if k not in keep]:
                 del table_[k]
+    if a.isolate:  # (its processes take the arguments checked above)
+        return isolated(a)
     dev = jax.devices()[0]
     results = {"device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}", "jax": jax.__version__,
                "failed": []}

@@ -491,3 +491,12 @@ def test_pack_of_several_weight_arguments_gives_no_argnum_advice():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(warnings, "catch_warnings", process_wide)
         assert "h/w" in jqt.pack(qp, args, weight_argnums=(0, 2))[1].weights
+    # ... and what it holds back is shown where a later argument raises (hunt70_review)
+    def g(a, ids, b):  # a tied table: lookup and matmul of other fp8 types, stored twice
+        return (a["emb"][ids] @ b["w"]) @ a["emb"].T
+    args = ({"emb": jax.random.normal(jax.random.key(0), (16, 8))}, {"w": jnp.eye(8)})
+    qp = jqt.calibrate(g, jqt.recipes.fp8(), args, [(jnp.arange(4)[None],)],
+                       weight_argnums=(0, 2), progress=False)
+    with pytest.warns(UserWarning, match="the lookup 'a/emb' and the matmul 'a/emb#1'"), \
+            pytest.raises(jqt.QParamsMismatchError):
+        jqt.pack(qp, (args[0], {"w": jnp.ones((8, 9))}), weight_argnums=(0, 2))

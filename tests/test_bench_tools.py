@@ -98,6 +98,9 @@ def test_bad_flags_of_the_gpu_scripts_and_the_cpu_runner_are_refused_before_any_
             (["benchmarks/gpu.py", "--smoke", "--only", "dense", "--variants", "w8 [gemv_rows=x]"],
              "gemv_rows='x' is no Python literal"),
             (["benchmarks/gpu.py", "--smoke", "--policy", "gpuu"], "--policy: .*for_backend\\('gpuu'\\)"),
+            (["benchmarks/gpu.py", "--isolate", "--smoke", "--only", "dense", "--variants",
+              "w8 [gemv_rows=x]"], "^usage:(.|\n)*gemv_rows='x' is no Python literal"),  # (once,
+            # in the parent: its processes each refused it)
             (["benchmarks/gpu_compile.py", "--smoke", "--cases", "w8/int", "--policy",
               "native_gemv_rows=-1"], "--policy: KernelPolicy\\(native_gemv_rows=-1\\)"),
             (["benchmarks/gpu_compile.py", "--smoke", "--cases", "w8/it"], "--cases: 'w8/it' is not "

@@ -259,7 +259,7 @@ def test_moving_average_mean_ema_and_skipped_batches():
         assert run(c, [z, z]) == (0.0, 0.0)
         # first, through jqt.calibrate, which takes the first batch's statistics as the
         # running ones without an accumulate: an expert idle in batch 0 was averaged with
-        # [0, 0] (with momentum 0.9: 26% of its range; hunt70_calibfmt)
+        # [0, 0] (hunt70_calibfmt's three batches, momentum 0.9: 26% of its range)
         rng = np.random.default_rng(0)
         w = jnp.asarray(rng.standard_normal((2, 4, 4)), jnp.float32)
         x = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
@@ -278,6 +278,13 @@ def test_moving_average_mean_ema_and_skipped_batches():
         want = expert1([busy, twice])
         for order in ([idle, busy, twice], [busy, idle, twice], [busy, twice, idle]):
             np.testing.assert_allclose(expert1(order), want, rtol=1e-6)
+        # ... where a batch that f makes NaN is no empty one: refused, in either order
+        # (it was skipped as seeing nothing; hunt70_review)
+        pos = jnp.abs(x) + 0.1
+        for order in ([pos, pos.at[0, 0].set(-1.0)], [pos.at[0, 0].set(-1.0), pos]):
+            with pytest.raises(ValueError, match="held NaN or inf"):
+                jqt.calibrate(lambda w, x: jnp.log(x) @ w[0], jqt.recipes.w8a8(calibrator=c), w,
+                              [(b,) for b in order], progress=False)
     with pytest.raises(ValueError, match="momentum"):
         C.MovingAverage(momentum=1.0)
 

@@ -1608,6 +1608,12 @@ def test_rules_whose_types_their_ops_do_not_take_and_shadowed_catch_alls_are_sai
     # as meant, though it types the lookup its key takes too (hunt48_review3)
     got = cal((dataclasses.replace(R.w8().rules[0], key="emb|w", weight=None),) + base)
     assert not [m for m in got if "take none of its types" in m], got
+    # ... also one of a preset given kv_cache= or act_x_act=, whose key takes a weight op
+    # only (hunt70_review: said to leave it float)
+    for preset in (R.w8(kv_cache=True), R.w8a8_dynamic(act_x_act=True)):
+        got = cal((dataclasses.replace(preset.rules[0], key="^w$", weight=None,
+                                       activation=None),) + base)
+        assert not [m for m in got if "take none of its types" in m], got
     # ops that no type quantizes are not named: a table f builds (rope's cos/sin read at
     # positions), an integer table, a lookup of single elements (hunt48_review)
     def g(p, ids):

@@ -915,8 +915,9 @@ def _warn_untyped(sites, recipe, chosen):
     its ops, the others a later rule would have typed (``Rule(key="embed|mlp", weight=...)``
     ahead of a preset: the lookup ``embed``; ``Rule(key="attn", act_x_act=...)``: the
     projections), and where it types none of its ops, every lookup, cache and activation x
-    activation op it decides (and its weight ops, where it sets act_x_act= or kv_cache=,
-    which no preset's rule does: a copy of one with weight=None keeps them float as meant).
+    activation op it decides (and its weight ops, where it sets act_x_act= or kv_cache=
+    without embedding=, which every preset's rule sets: a copy of one with weight=None keeps
+    them float as meant).
     Not named: ops no type quantizes (a table f builds, integer operands, a lookup of single
     elements), and rules that set no type (they keep their ops float, as meant)."""
     def field(s):
@@ -941,9 +942,10 @@ def _warn_untyped(sites, recipe, chosen):
         tables = {s.source.path for s in decided if field(s) == "embedding" and r.embedding is not None
                   and s.source is not None}
 
-        # a preset's rule copied with weight=None keeps its weight ops float as meant, its
-        # embedding= aside (no preset sets act_x_act= or kv_cache=)
-        copied = r.act_x_act is None and r.kv_cache is None
+        # a preset's rule copied with weight=None keeps its weight ops float as meant (every
+        # preset's rule sets embedding=, which such a copy keeps; a rule written for
+        # attention's products or a cache, act_x_act= or kv_cache= alone, is not one)
+        copied = r.embedding is not None or (r.act_x_act is None and r.kv_cache is None)
 
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
             if f == "weight" and (copied if not typed else r.act_x_act is None and not (

@@ -184,7 +184,8 @@ class MovingAverage(Calibrator):
     def observe(self, x):
         mm = _minmax(x)  # (n = 0: only zeros, or no values; the first batch too, which
         # jqt.calibrate takes as the running statistics without an accumulate)
-        seen = (mm["min"] <= mm["max"]) & ((mm["min"] != 0) | (mm["max"] != 0))
+        seen = ~(mm["min"] > mm["max"]) & ((mm["min"] != 0) | (mm["max"] != 0))  # (NaN: seen,
+        # and refused by jqt.calibrate)
         return {**mm, "n": seen.astype(_F32)}
 
     def combine(self, a, b):

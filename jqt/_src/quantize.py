@@ -548,13 +548,14 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
     # an argument without quantized ops (norm gains) packed beside those that hold them: no
     # advice to pass another argnum (held back in this thread: warnings.catch_warnings swaps
     # process-wide filters, which two threads' overlapping windows left ignoring it for good)
-    with diagnostics.captured() as said:
-        out = tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
     quiet = bool(read) and read <= set(nums)
-    for message, category in said:
-        if not (quiet and re.match(r"jqt\.pack\(argnum=\d+\): no quantized op reads", message)):
-            diagnostics.warn(message, category)
-    return out
+    try:
+        with diagnostics.captured() as said:
+            return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+    finally:  # (also those of the arguments packed before one that raised)
+        for message, category in said:
+            if not (quiet and re.match(r"jqt\.pack\(argnum=\d+\): no quantized op reads", message)):
+                diagnostics.warn(message, category)
 
 
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,

@@ -1472,6 +1472,28 @@ def test_a_calibrator_of_the_users_that_returns_a_bad_range_is_named():
                              "range": lambda self, st, q: (-np.inf, st["a"])})
     with pytest.raises(ValueError, match=r"Own's range\(stats, qtype\) returned \[-inf"):
         jqt.calibrate(f, jqt.recipes.w8a8(calibrator=own()), p, [(x,)], progress=False)
+    # ... and per layer under a scan over stacked layers, where -inf kept the op float as
+    # "never ran" and inf blamed the data (hunt70_customcal); range gets writable NumPy
+    # arrays there as without a scan (it got read-only views there, jax.Arrays here)
+    ws = jnp.stack([p["w"][:8]] * 3)  # three (8, 8) layers
+    g = lambda w, x: lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    seen = []
+
+    def host(self, st, q):
+        seen.append(all(isinstance(a, np.ndarray) and a.flags.writeable for a in st.values()))
+        return -np.inf, float(st["a"])
+    own_host = type("OwnHost", (own,), {"range": host})
+    for fn, args in ((f, (p, [(x,)])), (g, (ws, [(x[:, :8],)]))):
+        with pytest.raises(ValueError, match=r"OwnHost's range\(stats, qtype\) returned \[-inf"):
+            jqt.calibrate(fn, jqt.recipes.w8a8(calibrator=own_host()), *args, progress=False)
+    assert seen and all(seen), seen
+    # an observe on the host: JAX's conversion error, now with a note naming the calibrator
+    numpy_obs = type("NumpyObs", (C,), {"observe": lambda self, x: {
+        "min": np.min(np.asarray(x)), "max": np.max(np.asarray(x))}})
+    with pytest.raises(jax.errors.TracerArrayConversionError) as e:
+        jqt.calibrate(f, jqt.recipes.w8a8(calibrator=numpy_obs()), p, [(x,)], progress=False)
+    assert any("calibrator NumpyObs's observe(x) (or empty) runs traced" in n
+               for n in getattr(e.value, "__notes__", [])), e.value
     # a range that is no pair, or ends that are no numbers: named (a bare unpacking error)
     for out, match in ((1.0, r"returned 1.0; it returns a pair \(lo, hi\)"),
                        (None, r"returned None; it returns a pair"),

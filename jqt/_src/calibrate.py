@@ -1209,14 +1209,17 @@ def _act_range(rule, act_stats, qtype, key="?"):
     over layers) one range per layer, stacked."""
     stacked = stats_lib.stack_depth(rule.calibrator, act_stats)
     what = f"op '{key}': calibrator {type(rule.calibrator).__name__}'s range(stats, qtype)"
+    # (writable NumPy copies, stacked or not, as docs/calibration.md says range runs on the
+    # host: a range written on one kind failed on the other)
     if stacked == 0:
-        lo, hi = _pair(rule.calibrator.range(act_stats, qtype), what)
+        lo, hi = _pair(rule.calibrator.range(jax.tree_util.tree_map(np.array, act_stats), qtype),
+                       what)
         return _one_value(lo, rule, key), _one_value(hi, rule, key)
     flat = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape((-1,) + x.shape[stacked:]), act_stats)
     n = jax.tree_util.tree_leaves(flat)[0].shape[0]
     shape = jax.tree_util.tree_leaves(act_stats)[0].shape[:stacked]
     pairs = [tuple(_one_value(e, rule, key) for e in _pair(rule.calibrator.range(
-        jax.tree_util.tree_map(lambda x, i=i: x[i], flat), qtype), what)) for i in range(n)]
+        jax.tree_util.tree_map(lambda x, i=i: np.array(x[i]), flat), qtype), what)) for i in range(n)]
     lo = np.array([p[0] for p in pairs], np.float32).reshape(shape)
     hi = np.array([p[1] for p in pairs], np.float32).reshape(shape)
     return lo, hi
@@ -1498,7 +1501,10 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
             ops[1 - w] = QArray(qtype=act)
         else:
             _check_act_finite(site, st.act)
-            lo, hi = _unseen_iterations(site, *_act_range(rule, st.act, act, site.key))
+            ranged = _act_range(rule, st.act, act, site.key)
+            _check_range_finite(site, rule, st.act, *ranged)  # (before an infinite end is
+            # read as a layer that saw nothing)
+            lo, hi = _unseen_iterations(site, *ranged)
             if np.isnan(lo).any() or np.isnan(hi).any():  # a calibrator of the user's:
                 raise ValueError(  # its statistics passed _check_act_finite
                     f"jqt.calibrate: op '{site.key}' ({site.op} at '{site.name_stack or '<top>'}'): "
@@ -1506,7 +1512,6 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                     f"NaN ([{lo}, {hi}]) on finite statistics of the activation: fix its range.")
             _check_order(site, lo, hi, f"calibrator {type(rule.calibrator).__name__}",
                          "stats, qtype")
-            _check_range_finite(site, rule, st.act, lo, hi)
             if not np.isfinite(lo).all() or np.size(lo) == 0:  # (0: a stack of 0 layers)
                 diagnostics.warn_grouped("never", never, f"'{site.key}'")
                 return float_(unreached)
@@ -1649,15 +1654,17 @@ def _check_range_finite(site, rule, act, lo, hi):
     and not all zero (an empty accumulator holds an infinity, as ``[inf, -inf]`` extremes,
     or counts of 0). A calibrator of the user's that returned an infinite end was read as
     an op that never ran, or as an activation that held inf."""
-    bad = ~(np.isfinite(lo) & np.isfinite(hi))
+    bad = np.isinf(lo) | np.isinf(hi)  # (NaN: refused after, by name)
     if isinstance(act, dict) and "min" in act and "max" in act:
         seen = np.isfinite(np.asarray(act["min"])) & np.isfinite(np.asarray(act["max"]))
-    elif np.ndim(lo) == 0:
+    else:  # per layer where stacked: each leaf's leading axes are the range's
+        stack = np.shape(lo)
         leaves = [np.asarray(a) for a in jax.tree_util.tree_leaves(act)]
-        seen = np.bool_(bool(leaves) and all(np.isfinite(a).all() for a in leaves)
-                        and any(a.any() for a in leaves))
-    else:
-        return
+        if not leaves or any(a.shape[:len(stack)] != stack for a in leaves):
+            return
+        flat = [a.reshape((int(np.prod(stack)), -1)) for a in leaves]
+        seen = (np.all([np.isfinite(a).all(axis=1) for a in flat], axis=0)
+                & np.any([(a != 0).any(axis=1) for a in flat], axis=0)).reshape(stack)
     if np.shape(seen) != np.shape(bad) or not (seen & bad).any():
         return
     raise ValueError(

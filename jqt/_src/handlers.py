@@ -214,10 +214,19 @@ def _observe(cal, x):
     """``cal.observe(x)``; for an activation with no elements (a slice of no rows, as
     ``lax.associative_scan`` makes), the statistics of no data, ``cal.empty``, in the
     shapes ``observe`` gives (a reduction over nothing has no value to give)."""
-    if x.size:
-        return cal.observe(x)
-    like = jax.eval_shape(cal.observe, jax.ShapeDtypeStruct(tuple(max(n, 1) for n in x.shape), x.dtype))
-    return cal.empty(like)
+    try:
+        if x.size:
+            return cal.observe(x)
+        like = jax.eval_shape(cal.observe, jax.ShapeDtypeStruct(tuple(max(n, 1) for n in x.shape), x.dtype))
+        return cal.empty(like)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
+        if type(cal).__module__ != __name__.rsplit(".", 1)[0] + ".calibrators":  # a user's
+            e.add_note(f"jqt: calibrator {type(cal).__name__}'s observe(x) (or empty) runs "
+                       "traced, inside the calibration step: compute with jnp, not NumPy, "
+                       "float() or Python branches on values (only range and check run on the "
+                       "host).")
+        raise
 
 
 def _observe_rows(cal, x, n):

@@ -901,6 +901,17 @@ def test_a_returned_cache_decodes_with_dequantize_cache():
         "k": (x.shape, jnp.float32), "v": (x.shape, jnp.float32), "pos": ((), jnp.int32)}
     with pytest.raises(ValueError, match="whose last axis .* is empty"):
         jqt.quantize_cache(jnp.ones((2, 0)))
+    # a cache whose leaves a tree_map cast to float32 (a whole state cast): its codes were
+    # read as numbers (int4 at half the width, fp8's bits as integers), where a decode step
+    # refuses it (hunt70_cacheapi)
+    for kind in ("int8", "int4", "fp8"):
+        cast = jax.tree.map(lambda a: a.astype(jnp.float32), jqt.quantize_cache(x, kind))
+        with pytest.raises(ValueError, match=r"jqt.dequantize_cache: a key/value cache whose "
+                           r"codes are float32.*casting the floating leaves of a state"):
+            jqt.dequantize_cache(cast)
+    with pytest.raises(TypeError, match="got a QArray with layout 'nk'"):
+        jqt.dequantize_cache(jqt.QArray(values=jnp.zeros((2, 8), jnp.int8), scale=jnp.ones(2),
+                                        qtype=jqt.QuantType(per_channel=True), layout="nk"))
 
 
 def test_keyword_arguments_of_the_quantized_function():

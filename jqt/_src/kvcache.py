@@ -216,6 +216,30 @@ def float_shape(c: QArray) -> tuple:
     return shape[:-1] + (2 * shape[-1],) if c.nibbles else shape
 
 
+def cache_problem(x) -> str:
+    """What is wrong with quantized cache ``x`` (``is_cache``), after "a key/value cache",
+    or ``""``: no codes, scales or float dtype; codes or scales of another dtype or shape
+    than its type holds (a ``tree_map`` cast of a whole state casts them too)."""
+    if x.float_dtype is None or x.values is None or x.scale is None:
+        return (f"{x!r} without codes, scales or the float dtype it stands for (float_dtype). "
+                "Pass back the cache the quantized function returned, as it is, or a float "
+                "buffer.")
+    kind = x.qtype.kind
+    # (by the type: codes of another dtype are no nibbles, whatever the type packs)
+    codes_ok = (("int8", "uint8") if x.qtype.bits <= 4 else ("int8",)) if kind == "int" else \
+        (np.dtype(FLOAT8[x.qtype.grid]).name, "uint8") if kind == "float" else ()
+    want = tuple(x.values.shape[:-1]) + (1,)
+    if np.dtype(x.values.dtype).name in codes_ok and np.dtype(x.scale.dtype) == SCALE_DTYPE \
+            and tuple(x.scale.shape) == want:
+        return ""
+    return (f"whose codes are {np.dtype(x.values.dtype).name}{list(x.values.shape)} and scales "
+            f"{np.dtype(x.scale.dtype).name}{list(x.scale.shape)}, where a cache of type "
+            f"{x.qtype.describe()} holds {' or '.join(codes_ok)} codes and float16{list(want)} "
+            "scales (one per vector). Pass back the cache the quantized function returned as it "
+            "is: casting the floating leaves of a state (to bfloat16, say) changes its scales "
+            "too.")
+
+
 def placeholders(args):
     """``args`` with each quantized cache (a :class:`jqt.QArray` with ``layout="cache"``,
     as a quantized decode step returns it) replaced by zeros of the float buffer it
@@ -229,25 +253,9 @@ def placeholders(args):
     def one(path, x):
         if not is_cache(x):
             return x
-        if x.float_dtype is None or x.values is None or x.scale is None:
-            raise ValueError(
-                f"jqt: argument {jax.tree_util.keystr(path)} is a key/value cache {x!r} without "
-                "codes, scales or the float dtype it stands for (float_dtype). Pass back the cache "
-                "the quantized function returned, as it is, or a float buffer.")
-        kind = x.qtype.kind
-        # (by the type: codes of another dtype are no nibbles, whatever the type packs)
-        codes_ok = (("int8", "uint8") if x.qtype.bits <= 4 else ("int8",)) if kind == "int" else \
-            (np.dtype(FLOAT8[x.qtype.grid]).name, "uint8") if kind == "float" else ()
-        want = tuple(x.values.shape[:-1]) + (1,)
-        if np.dtype(x.values.dtype).name not in codes_ok or np.dtype(x.scale.dtype) != SCALE_DTYPE \
-                or tuple(x.scale.shape) != want:
-            raise ValueError(
-                f"jqt: argument {jax.tree_util.keystr(path)} is a key/value cache whose codes are "
-                f"{np.dtype(x.values.dtype).name}{list(x.values.shape)} and scales "
-                f"{np.dtype(x.scale.dtype).name}{list(x.scale.shape)}, where a cache of type "
-                f"{x.qtype.describe()} holds {' or '.join(codes_ok)} codes and float16{list(want)} scales (one per "
-                "vector). Pass back the cache the quantized function returned as it is: casting "
-                "the floating leaves of a state (to bfloat16, say) changes its scales too.")
+        why = cache_problem(x)
+        if why:
+            raise ValueError(f"jqt: argument {jax.tree_util.keystr(path)} is a key/value cache {why}")
         # split over explicit mesh axes as the codes are (a cache jax.shard_map splits by heads),
         # and inside jax.shard_map varying over the manual axes they vary over: a placeholder
         # typed invariant was cast to varying in the traced function, a cast JAX refuses on
@@ -331,7 +339,12 @@ def dequantize_cache(c, dtype=None):
     if not is_cache(c):
         raise TypeError(f"jqt.dequantize_cache: expected a quantized cache (a jqt.QArray with "
                         f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
-                        f"{type(c).__name__}." + _tree_advice(c, dtype))
+                        f"{type(c).__name__}"
+                        + (f" with layout {c.layout!r}" if isinstance(c, QArray) else "") + "."
+                        + _tree_advice(c, dtype))
+    why = cache_problem(c)
+    if why:  # (codes cast to float were read as numbers, 4-bit ones at half the width)
+        raise ValueError(f"jqt.dequantize_cache: a key/value cache {why}")
     return decode(c, dtype or c.float_dtype)
 
 

@@ -696,6 +696,25 @@ def test_a_preset_refuses_a_bad_group_size_naming_its_own_argument():
     assert jqt.recipes.w8(group_size=np.int64(32)).rules[0].weight.group_size == 32
     assert jqt.recipes.nf4(group_size=None).rules[0].weight.describe() == "nf4 sym per-channel"
     assert jqt.recipes.w4a8(group_size=None).rules[-1].weight.group_size == 0
+    # ... and its flags, which named a QuantType field (act_symmetric= as symmetric=), and
+    # its calibrators: a falsy one was replaced by the default without a word; a cache type
+    # given as a dtype was refused where QuantType(dtype=...) takes one (hunt70_presetargs)
+    for name, kw in (("w8a8", {"act_symmetric": "yes"}), ("w4", {"symmetric": None}),
+                     ("w4a8", {"per_channel": "no"}), ("w4a8", {"symmetric": 1})):
+        (k, v), = kw.items()
+        with pytest.raises(TypeError, match=re.escape(f"{k}={v!r}: expected True or False")):
+            getattr(jqt.recipes, name)(**kw)
+    for kw in ({"calibrator": False}, {"weight_calibrator": 0}):
+        with pytest.raises(TypeError, match=re.escape(f"Rule({next(iter(kw))}={next(iter(kw.values()))!r})")):
+            jqt.recipes.w8a8(**kw)
+    assert jqt.recipes.w8(kv_cache=jnp.float8_e5m2).rules[0].kv_cache.describe() == \
+        jqt.recipes.w8(kv_cache="float8_e5m2").rules[0].kv_cache.describe()
+    assert jqt.recipes.w8(kv_cache=jnp.int4).rules[0].kv_cache.bits == 4
+    # a weight-only rule with act_x_act= asked for a narrow accumulator: its weight ops kept
+    # 32 bits silently (a weight-only op has no integer accumulator: refused, as without it)
+    with pytest.raises(ValueError, match=r"Rule\(accumulator=16\): one operand is float"):
+        jqt.Rule(weight=jqt.QuantType(per_channel=True), accumulator=16,
+                 act_x_act=jqt.QuantType(bits=8, dynamic=True, per_channel=True))
 
 
 def test_a_weight_whose_contracted_axis_changed_size_is_refused(tmp_path):

@@ -57,12 +57,20 @@ INT8 = QuantType(bits=8, symmetric=True, narrow_range=True, per_channel=True, dy
 
 def cache_type(kind) -> QuantType | None:
     """The cache :class:`jqt.QuantType` a preset's ``kv_cache=`` names: ``True`` or
-    ``"int8"``, ``"int4"``, ``"fp8"`` (``"float8_e4m3fn"``), ``"float8_e5m2"``, a
-    ``QuantType``, or ``False``/``None`` (float cache); a NumPy bool as Python's."""
+    ``"int8"``, ``"int4"``, ``"fp8"`` (``"float8_e4m3fn"``), ``"float8_e5m2"`` (or the
+    dtypes of those names), a ``QuantType``, or ``False``/``None`` (float cache); a NumPy
+    bool as Python's."""
     if isinstance(kind, np.bool_):
         kind = bool(kind)
     if kind is None or kind is False:
         return None
+    if not isinstance(kind, (bool, str, QuantType)):  # a dtype (jnp.float8_e5m2, jnp.int4), as
+        try:  # QuantType(dtype=...) and fp8(weight_dtype=...) take it
+            name = np.dtype(kind).name
+        except TypeError:
+            name = None
+        if name in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"):
+            kind = name
     if kind is True or kind == "int8":
         return INT8
     if kind == "int4":

@@ -258,7 +258,9 @@ class Rule:
             why = ("it applies to int x int dot and conv ops, and this rule quantizes none (no "
                    "weight=, no act_x_act=: lookups and cache writes have no accumulator)")
         elif self.weight is not None:
-            why = accumulator.unsupported([self.weight, self.activation or self.act_x_act])
+            why = accumulator.unsupported([self.weight, self.activation])  # (act_x_act= types
+            # the products of two activations, not a weight op's activation: without
+            # activation= the weight ops are weight-only, which have no integer accumulator)
         if self.act_x_act is not None and not why:
             why = accumulator.unsupported([self.act_x_act])
         if why:
@@ -369,7 +371,9 @@ WeightMinMax()
 
 
 def _cal(calibrator, weight_calibrator, default_weight=WeightMinMax()):
-    return dict(calibrator=calibrator or MinMax(), weight_calibrator=weight_calibrator or default_weight)
+    # (None is the default: another falsy value, False or [], is refused by Rule by name)
+    return dict(calibrator=MinMax() if calibrator is None else calibrator,
+                weight_calibrator=default_weight if weight_calibrator is None else weight_calibrator)
 
 
 def _int_weight(bits, group_size, per_channel=True, symmetric=True):
@@ -453,7 +457,7 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
     group_size = _groups("w8a8", group_size)
     return Recipe(rules=(Rule(kv_cache=kvcache.cache_type(kv_cache),
                               weight=_int_weight(8, group_size),
-                              activation=QuantType(bits=8, symmetric=act_symmetric),
+                              activation=QuantType(bits=8, symmetric=_flag("act_symmetric", act_symmetric)),
                               embedding=_embedding(embeddings, 8, group_size), smooth=smooth, rotate=rotate,
                               accumulator=accumulator, **_cal(calibrator, weight_calibrator)),))
 
@@ -536,7 +540,8 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     True
     """
     group_size = _groups("w4a8", group_size)
-    if group_size and not _flag("per_channel", per_channel):
+    per_channel, symmetric = _flag("per_channel", per_channel), _flag("symmetric", symmetric)
+    if group_size and not per_channel:
         raise ValueError(f"w4a8(group_size={group_size}, per_channel=False): groups lie within each "
                          "output channel, so a grouped weight is per channel; drop per_channel=False "
                          "(groups) or group_size (one scale per weight).")
@@ -571,7 +576,8 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
     """
     group_size = _groups("w4", group_size)
     return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),
-                              weight=_int_weight(4, group_size, symmetric=symmetric), activation=None,
+                              weight=_int_weight(4, group_size, symmetric=_flag("symmetric", symmetric)),
+                              activation=None,
                               embedding=_embedding(embeddings, 4, group_size), awq=awq, rotate=rotate,
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT))))
 

@@ -450,7 +450,7 @@ def test_batches_of_the_wrong_form_name_the_fix(setup):
     x = batches[0][0]
     used = iter(batches)
     list(used)
-    for empty, hint in (([], "\\(x,\\)\\]\\.$"), (used, "an iterator, and it yielded nothing")):
+    for empty, hint in (([], "\\(x,\\)\\]\\.$"), (used, "an iterator, and it yields nothing")):
         # (it read "jqt.calibrate: the calibration set is empty", without the hint)
         with pytest.raises(jqt.CalibrationDataError, match="jqt.fallback: the calibration set "
                            "is empty.*" + hint):

@@ -78,6 +78,16 @@ def each_batch(batches):
     return batches
 
 
+def empty_set(fn, batches) -> CalibrationDataError:
+    """The error for a calibration set with no batch (``batches`` as given: an iterator
+    an earlier call used up is said to be one)."""
+    spent = (" (batches is an iterator, and it yields nothing: one that an earlier call "
+             "used up? An iterator is read once; pass a list to use the batches again)"
+             if isinstance(batches, collections.abc.Iterator) else "")
+    return CalibrationDataError(f"{fn}: the calibration set is empty; pass at least one batch, "
+                                f"e.g. batches=[(x,)].{spent}")
+
+
 def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
     """Raises :class:`CalibrationDataError` (its text starting with ``fn``) where batch
     ``i`` is not a tuple of ``f``'s remaining arguments, differs in structure from the
@@ -389,11 +399,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         if not weights_seen:
             weights_seen = _weights_seen(last["traced"], st)
     if st is None:
-        spent = (" (batches is an iterator, and it yields nothing: one that an earlier call "
-                 "used up? An iterator is read once; pass a list to use the batches again)"
-                 if isinstance(batches, collections.abc.Iterator) else "")
-        raise CalibrationDataError("jqt.calibrate: the calibration set is empty; pass at least "
-                                   f"one batch, e.g. batches=[(x,)].{spent}")
+        raise empty_set("jqt.calibrate", batches)
     if committed == {True, False} and not hosted:
         # batches uncommitted (NumPy) and committed to one device: merged there, once
         # through the host, committed to no device (docs/calibration.md)

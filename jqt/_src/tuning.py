@@ -7,7 +7,6 @@ jqt passes it jitted, quantized variants of ``f``. Each call is a *trial*.
 """
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import dataclasses
 import inspect
@@ -21,7 +20,7 @@ import numpy as np
 
 from . import diagnostics
 from .calibrators import WeightMinMax
-from .calibrate import CalibrationDataError, calibrate, check_batch, check_batches, each_batch
+from .calibrate import calibrate, check_batch, check_batches, each_batch, empty_set
 from .qparams import OpQParams
 from .handlers import QParamsMismatchError
 from .quantize import quantize
@@ -461,11 +460,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     if batches:
         check_batch(0, batches[0], None, "jqt.fallback")
     else:
-        spent = (" (batches is an iterator, and it yielded nothing: one that an earlier call "
-                 "used up? An iterator is read once; pass a list to use the batches again)"
-                 if isinstance(given, collections.abc.Iterator) else "")
-        raise CalibrationDataError("jqt.fallback: the calibration set is empty; pass at least "
-                                   f"one batch, e.g. batches=[(x,)].{spent}")
+        raise empty_set("jqt.fallback", given)
     once = _Once()  # calibrate's warnings, shown; the trials' copies of them are not
     with once():
         qp = calibrate(f, recipe, params, batches, weight_argnums=weight_argnums, progress=progress)

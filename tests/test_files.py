@@ -1594,6 +1594,28 @@ def test_a_node_that_checks_its_children_rebuilds_from_the_stored_shapes(tmp_pat
                                   jqt.quantize(f, qp)(packed, x))
 
 
+def test_packed_params_pickle_and_deepcopy_with_equinox_and_checking_nodes():
+    """pickle and copy.deepcopy of PackedParams packed from an Equinox model made a copy
+    that failed at its first call ("'_Missing' object is not subscriptable"): JAX pickles a
+    treedef's node data by value, a copy of the sentinel Equinox's unflatten compares by
+    identity. A node that refuses placeholders (_Checked) still round-trips (hunt71_pickling)."""
+    import copy
+    import pickle
+    eqx = pytest.importorskip("equinox")
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[1], (4, 16))
+    arr, static = eqx.partition(eqx.nn.MLP(16, 8, 32, 1, key=k[0]), eqx.is_array)
+    f = lambda a, x: jax.vmap(eqx.combine(a, static))(x)  # noqa: E731
+    for params, fn in ((arr, f), (_Checked(jnp.ones((16, 8)) * 0.1, "t"), lambda p, x: x @ p.w)):
+        qp = jqt.calibrate(fn, jqt.recipes.w8a8(), params, [(x,)], progress=False)
+        packed = jqt.pack(qp, params)
+        qf = jqt.quantize(fn, qp)
+        want = np.asarray(qf(packed, x))
+        for again in (pickle.loads(pickle.dumps(packed)), copy.deepcopy(packed)):
+            assert again.treedef == packed.treedef
+            np.testing.assert_array_equal(qf(again, x), want)
+
+
 def test_pack_says_when_a_layer_applied_twice_holds_its_codes_per_smoothing_vector():
     """A layer applied twice under ``smooth=`` gets a smoothing vector per use, folded into
     its codes: the packed params hold them twice (an ALBERT-style shared layer applied six

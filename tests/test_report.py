@@ -1377,6 +1377,24 @@ def test_sensitivity_ranks_an_op_whose_float_alone_recovers_a_nan_first():
     s = jqt.sensitivity(f, qp, lambda g: 1.0 if err(g) <= threshold else math.nan)
     assert [r.alone for r in s.rows] == [1.0] * 3 and s.rows[0].key == "c"
     assert [math.isnan(r.all_but) for r in s.rows] == [False, True, True]
+    import pickle  # equal to its pickled copy, whose NaNs are new objects (hunt71_pickling)
+    again = pickle.loads(pickle.dumps(s))
+    assert again == s and hash(again) == hash(s) and again.rows[1] == s.rows[1]
+
+
+def test_a_pickled_report_equals_its_original():
+    """A report row's acc_saturated is NaN under a 32-bit accumulator: equality held only
+    through the shared math.nan object, and a pickled report (new NaN objects) was unequal
+    to its original, its hash different (hunt71_pickling)."""
+    import pickle
+    f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]
+    p = {"a": jnp.eye(4), "b": jnp.ones((4, 2))}
+    x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+    rep = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False), p, (x,))
+    assert math.isnan(rep.rows[0].acc_saturated)
+    again = pickle.loads(pickle.dumps(rep))
+    assert again == rep and hash(again) == hash(rep) and again.rows[0] == rep.rows[0]
+    assert again != dataclasses.replace(rep, output_max_abs=rep.output_max_abs + 1)
 
 
 def test_report_of_a_scan_of_no_iterations_and_of_nested_scans():

@@ -554,6 +554,15 @@ class PackedParams:
         out.treedef, out.avals, out.kept, out.tied = aux
         return out
 
+    def __reduce__(self):
+        """Pickle and ``copy.deepcopy`` carry the params' structure as the params' own
+        object with placeholder leaves, which pickles by its class: JAX pickles a treedef's
+        node data by value, which copies a sentinel such as Equinox's ``_Missing`` that the
+        class's unflatten compares by identity (the copy failed at its first call). A class
+        that refuses placeholders keeps the treedef as it is."""
+        return (_packed_from, (self.leaves, self.weights, _portable(self.treedef, len(self.avals)),
+                               self.avals, self.kept, self.tied))
+
     def weight(self, key):
         """The packed :class:`QArray` op ``key`` reads, or ``None``. An embedding table
         tied to a matmul (``tied``) holds its own scales and the matmul's codes."""
@@ -613,6 +622,24 @@ class PackedParams:
                 f"{n} quantized ops sharing {codes} set{'s' if codes != 1 else ''} of codes")
         return (f"PackedParams({what}{tied}, {len(self.leaves)} float leaves kept of "
                 f"{len(self.avals)})")
+
+
+def _portable(treedef, n):
+    """``("tree", the structure as an object)`` where unflattening placeholders gives the
+    same structure back, else ``("treedef", treedef)``."""
+    try:
+        tree = jax.tree_util.tree_unflatten(treedef, list(range(n)))
+        if jax.tree_util.tree_structure(tree) == treedef:
+            return ("tree", tree)
+    except Exception:  # noqa: BLE001 - whatever the class's own check raises
+        pass
+    return ("treedef", treedef)
+
+
+def _packed_from(leaves, weights, structure, avals, kept, tied):
+    kind, held = structure
+    treedef = jax.tree_util.tree_structure(held) if kind == "tree" else held
+    return PackedParams(leaves, weights, treedef, avals, kept, tied)
 
 
 _BARE = {  # the keys such a dict may have, and those it has (one of them for OpQParams)

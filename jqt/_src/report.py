@@ -193,8 +193,49 @@ def _sqnr(signal, noise):
     return 10.0 * math.log10(signal / noise)
 
 
-@dataclasses.dataclass(frozen=True)
-class OpReport:
+class _NaN:
+    """The mark a NaN field compares and hashes as."""
+
+    def __repr__(self):
+        return "nan"
+
+
+_NAN = _NaN()
+
+
+def _marked(v):
+    if isinstance(v, (float, np.floating)) and math.isnan(v):
+        return _NAN
+    return tuple(_marked(x) for x in v) if isinstance(v, tuple) else v
+
+
+class NanEqual:
+    """``==`` and ``hash`` of a frozen result dataclass (declared ``eq=False``) over its
+    compared fields, a NaN equal to a NaN: a pickled report held new NaN objects, and the
+    generated ``__eq__`` found it unequal to itself (it held only by the shared ``math.nan``).
+
+    >>> @dataclasses.dataclass(frozen=True, eq=False)
+    ... class Result(NanEqual):
+    ...     value: float
+    >>> a, b = Result(float("nan")), Result(float("nan"))  # two NaN objects
+    >>> a == b, hash(a) == hash(b), a == Result(1.0)
+    (True, True, False)
+    """
+
+    def _compared(self):
+        return tuple(_marked(getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare)
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    def __hash__(self):
+        return hash(self._compared())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpReport(NanEqual):
     """One row of a :class:`Report`: one op (one layer of a stacked op).
 
     >>> import jax, jax.numpy as jnp, jqt
@@ -237,8 +278,8 @@ class OpReport:
         return f"{self.key}[{', '.join(map(str, np.atleast_1d(self.layer)))}]"
 
 
-@dataclasses.dataclass(frozen=True)
-class Report:
+@dataclasses.dataclass(frozen=True, eq=False)
+class Report(NanEqual):
     """What :func:`jqt.report` returns: per-op rows and the end-to-end error.
 
     ``str(report)`` is a table; ``rows`` the data; :meth:`worst` ranks the ops;

@@ -25,7 +25,7 @@ from .qparams import OpQParams
 from .handlers import QParamsMismatchError
 from .quantize import quantize
 from .recipe import Recipe, Rule, symmetric_convs
-from .report import report
+from .report import NanEqual, report
 from . import tracing, validate
 from .tracing import normalize_argnums
 from .validate import check_qparams
@@ -154,8 +154,8 @@ def _score(f, qparams, metric, weight_argnums, simulate, fn, once):
         return _value(metric, g, fn, "a quantized variant")
 
 
-@dataclasses.dataclass(frozen=True)
-class SensitivityRow:
+@dataclasses.dataclass(frozen=True, eq=False)
+class SensitivityRow(NanEqual):
     """One op's row of :class:`jqt.Sensitivity`.
 
     >>> import jqt
@@ -168,8 +168,8 @@ class SensitivityRow:
     all_but: float      # metric with every op quantized except this one
 
 
-@dataclasses.dataclass(frozen=True)
-class Sensitivity:
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sensitivity(NanEqual):
     """What :func:`jqt.sensitivity` returns; ``rows`` are ranked, most harmful first.
 
     >>> import jqt
@@ -255,8 +255,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     return Sensitivity(tuple(rows), m_float, m_q, higher_is_better)
 
 
-@dataclasses.dataclass(frozen=True)
-class FallbackResult:
+@dataclasses.dataclass(frozen=True, eq=False)
+class FallbackResult(NanEqual):
     """What :func:`jqt.fallback` returns.
 
     Attributes:

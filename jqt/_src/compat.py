@@ -82,6 +82,24 @@ def unsplit(x, dims):
     return jax.sharding.reshard(x, s.update(spec=spec))
 
 
+def grouped(x, axis, size):
+    """``x`` with dimension ``axis`` (length ``n``) reshaped into ``(n // size, size)``:
+    groups of a weight, int4 codes in pairs. Where the axis is split over explicit mesh
+    axes into parts that do not divide ``n // size`` (2 groups over 4 devices, 18 bytes of
+    a K=36 row-parallel weight over 4), JAX cannot type that reshape: the axis is gathered
+    first; otherwise its split stays (on the groups).
+
+    >>> import jax.numpy as jnp
+    >>> grouped(jnp.ones((2, 6)), 1, 3).shape
+    (2, 2, 3)
+    """
+    ax = axis % x.ndim
+    n = x.shape[ax]
+    if (n // size) % split_count(x, ax):
+        x = unsplit(x, (ax,))
+    return x.reshape(x.shape[:ax] + (n // size, size) + x.shape[ax + 1:])
+
+
 def whole(x):
     """``x`` not split over devices: a concrete array split over explicit mesh axes
     gathered through the host (eager device collectives, dispatched one after another, can

@@ -47,8 +47,11 @@ def formulate(x2, w2: QArray, stack: LayerView | None, policy, precision=None):
     x_vals = x2.values if int_act else x2
     m = x_vals.shape[0]
     m = m if isinstance(m, int) else -1  # a symbolic row count (jax.export)
-    if 0 in compat.sharded_dims(x_vals):
-        m = -1  # rows split over an explicit mesh axis: the formulations that keep them as they are
+    if 0 in compat.sharded_dims(x_vals) or 1 in compat.sharded_dims(x_vals):
+        # rows or the contraction (a row-parallel layer) split over an explicit mesh axis:
+        # the formulations that keep them as they are (the few-row ones stack and reshape
+        # rows, and outside jax.set_mesh JAX could not type their split contraction)
+        m = -1
     grouped = bool(w2.qtype.group_size)
     wide = int_act and x2.values.dtype == jnp.int16  # w8a16's codes whole (kernels.takes_wide)
     if native.applies(w2, m, policy, int_act, x2.qtype.bits if int_act else 8) and (

@@ -291,11 +291,12 @@ def pack_nibbles(q, axis):
     (dtype('uint8'), (1, 2), [[1, -2, 7, -8]])
     """
     import jax.numpy as jnp
+    from .compat import grouped
     axis = axis % q.ndim
     n = q.shape[axis]
     if n % 2:
         raise ValueError(f"jqt: cannot pack int4 codes two per byte along an axis of odd length {n}.")
-    q = q.reshape(q.shape[:axis] + (n // 2, 2) + q.shape[axis + 1:]).astype(jnp.uint8)
+    q = grouped(q, axis, 2).astype(jnp.uint8)
     lo = jnp.take(q, 0, axis=axis + 1) & 0xF
     hi = jnp.take(q, 1, axis=axis + 1) & 0xF
     return lo | (hi << 4)

@@ -76,9 +76,7 @@ def weight_range(calibrator, w, axes, qtype, group_axis):
     if not g:
         return _checked(calibrator, w, axes, qtype)
     ax = group_axis % w.ndim
-    n = w.shape[ax]
-    w = compat.unsplit(w, (ax,))  # split over explicit mesh axes: groups can't be reshaped out
-    wg = w.reshape(w.shape[:ax] + (n // g, g) + w.shape[ax + 1:])
+    wg = compat.grouped(w, ax, g)
     gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
     lo, hi = _checked(calibrator, wg, gaxes, qtype)
     return (jnp.squeeze(jnp.asarray(lo), ax + 1), jnp.squeeze(jnp.asarray(hi), ax + 1))

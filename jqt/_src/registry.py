@@ -157,9 +157,7 @@ class Contraction:
         kdim = depth + (1 if layout == "nk" else 0)
         wsum = None
         if sums and g:  # per-group sums: (..., N, G) for "nk", (..., G, N) for "kn"
-            shp = q2.shape
-            split = shp[:kdim] + (shp[kdim] // g, g) + shp[kdim + 1:]
-            wsum = jnp.sum(q2.reshape(split), axis=kdim + 1, dtype=_I32)
+            wsum = jnp.sum(compat.grouped(q2, kdim, g), axis=kdim + 1, dtype=_I32)
         elif sums:
             wsum = jnp.sum(q2, axis=kdim, dtype=_I32)
         if q.qtype.nibbles_fit(q2.shape[kdim]):  # else one int8 code per byte

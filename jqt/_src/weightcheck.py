@@ -208,7 +208,7 @@ def _split(x, s, group):
     if group is None:
         return x, s
     ax, g = group
-    return x.reshape(x.shape[:ax] + (x.shape[ax] // g, g) + x.shape[ax + 1:]), jnp.expand_dims(s, ax + 1)
+    return compat.grouped(x, ax, g), jnp.expand_dims(s, ax + 1)
 
 
 def _entry_axes(s, shape):

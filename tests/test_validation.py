@@ -553,8 +553,17 @@ def test_integer_operands_stay_exact():
     f = lambda p, x, ids: (jnp.matmul(x, p["w"], preferred_element_type=jnp.int32)
                            + p["tab"][ids])
     x, ids = jnp.asarray(rng.integers(-5, 5, (4, 16)), jnp.int8), jnp.array([1, 3, 3, 9])
-    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, ids)], progress=False)
+    # every weight op integer (a model quantized before: Keras's model.quantize("int8"))
+    # was silent, the recipe quantizing nothing (hunt71_kerasfmt)
+    with pytest.warns(UserWarning, match=r"every op of f that reads a weight \('w', 'tab'\) "
+                      r"has integer operands only .*Calibrate the float model"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x, ids)], progress=False)
     assert list(qp) and all(q.is_float and "integer operands" in q.note for q in qp.values())
+    g = lambda p, x, ids: f(p, x, ids).astype(jnp.float32) @ p["v"]  # one float op: silent
+    pv = dict(p, v=jnp.ones((8, 3)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not jqt.calibrate(g, jqt.recipes.w8a8(), pv, [(x, ids)], progress=False)["v"].is_float
     want = f(p, x, ids)
     for got in (jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x, ids),
                 jqt.quantize(f, qp, simulate=True)(p, x, ids)):

@@ -688,6 +688,16 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "weight_argnums=(0, 1), with params a tuple of them), to jqt.calibrate "
                          "and jqt.quantize alike; a rule's act_x_act= quantizes activation x "
                          "activation ops.")
+    weighted = [s for s in sites if s.weight_operand is not None and not s.entry.is_cache]
+    exact = [s.key for s in weighted
+             if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in s.eqn.invars[:2])]
+    if weighted and len(exact) == len(weighted) and any(chosen[k] is not None for k in exact):
+        diagnostics.warn(
+            f"jqt.calibrate: every op of f that reads a weight ({listed(exact)}) has integer "
+            "operands only (a model quantized before: Keras's model.quantize('int8'), integer "
+            "codes in the params): jqt keeps such ops as they are (exact already), so the recipe quantizes "
+            "none of them and jqt.pack stores those integers unchanged. Calibrate the float "
+            "model.")
     built = {s.key for s in sites if s.built}  # always float: no rule to add for them
     unmatched = [k for k in keys if chosen[k] is None and k not in built]
     if unmatched:

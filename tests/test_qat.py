@@ -7,6 +7,7 @@ steps, so that the whole module runs in seconds.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,14 @@ def test_labels_groups_and_errors(net_setup):
     assert lp["step"] == "freeze" and lp["a"] == "train"
     with pytest.raises(ValueError, match="unknown part 'bias'"):
         jqt.qat.labels(p, qp, train=("weights", "bias"))
+    # an optax-style mask dict: its keys were the names, the parts marked False trained,
+    # and halves of two splits merged to None leaves without a word (hunt71_qatgrouped)
+    with pytest.raises(TypeError, match=r"is a mapping; pass the names of the parts to train, "
+                       r"e.g. train=\('weights',\)"):
+        jqt.qat.labels(p, qp, train={"weights": True, "scales": False})
+    with pytest.raises(ValueError, match=r"both halves hold the leaf at \[1\]\['a'\]\..*scale"):
+        jqt.qat.merge(jqt.qat.split(p, qp, train="scales")[0], jqt.qat.split(p, qp, train="weights")[1])
+    assert jax.tree.leaves(jqt.qat.merge(*jqt.qat.split(p, qp, train="scales"))) == jax.tree.leaves((p, qp))
     with pytest.raises(TypeError, match=r"order is jqt.qat.labels\(params, qparams\)"):
         jqt.qat.labels(qp, p)
     with pytest.raises(TypeError, match="jqt.pack"):
@@ -846,6 +855,17 @@ def test_an_asymmetric_channel_repaired_from_an_infinite_scale_is_zeros_on_every
             w, scale=s64, zero_point=w.zero_point.astype(jnp.float64)))})
         np.testing.assert_array_equal(huge["w"].rhs.zero_point[..., 3], 0.0)
         np.testing.assert_array_equal(huge["w"].rhs.zero_point[..., :3], w.zero_point[..., :3])
+    for dt in (jnp.bfloat16, jnp.float16):  # half-precision qparams: float32's largest value
+        # compared as inf there, and the zero point was kept (1.29e33 from the integer path
+        # in bfloat16; a RuntimeWarning of overflow in float16; hunt71_qatgrouped)
+        half = jax.tree.map(lambda a: a.astype(dt), bad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fh = jqt.qat.project(half)
+        np.testing.assert_array_equal(fh["w"].rhs.zero_point[..., 3], 0.0)
+        ph, xh = jax.tree.map(lambda a: a.astype(dt), p), x.astype(dt)
+        out = jax.jit(jqt.quantize(f, fh))(jqt.pack(fh, ph), xh)
+        np.testing.assert_array_equal(out[:, 3], 0.0)
 
 
 def test_project_bounds_scales_by_float32_whatever_the_qparams_dtype():

@@ -77,7 +77,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -129,6 +129,11 @@ def _check(params, qparams, fn):
 def _resolve(train: str | Iterable[str]) -> frozenset:
     if isinstance(train, str):
         names = (train,)
+    elif isinstance(train, Mapping):  # an optax-style mask: its keys alone were the names
+        chosen = [k for k, v in train.items() if v is True]
+        raise TypeError(f"jqt.qat: train={train!r} is a mapping; pass the names of the parts to "
+                        f"train, e.g. train={tuple(chosen) or ('weights',)!r} (a mapping's keys "
+                        "are no list of names: its parts marked False would be trained).")
     elif isinstance(train, Iterable):
         names = tuple(train)
     else:
@@ -305,14 +310,27 @@ def merge(trainable, frozen) -> tuple[Any, dict]:
                             + "; each half jqt.qat.split returns is a pair (params, qparams): "
                             "merge(trainable, frozen) with trainable, frozen = jqt.qat.split(...).")
     is_none = lambda x: x is None
+    both = []  # a leaf in each half: the halves of two splits (each leaf is in one of a split's)
+
+    def pick(path, t, f):
+        if t is not None and f is not None and not both:
+            both.append(jax.tree_util.keystr(path))
+        return f if t is None else t
     try:
-        return jax.tree.map(lambda t, f: f if t is None else t, trainable, frozen, is_leaf=is_none)
+        out = jax.tree_util.tree_map_with_path(pick, trainable, frozen, is_leaf=is_none)
     except ValueError as e:
         raise ValueError(
             "jqt.qat.merge: trainable and frozen do not have the same pytree structure, so "
             "they are not the two halves of one jqt.qat.split call (an optax update keeps the "
             "structure of what it updates: pass its result with the frozen half of the same "
             f"split). JAX: {e}") from None
+    if both:
+        raise ValueError(
+            f"jqt.qat.merge: both halves hold the leaf at {both[0]}, so they are not the two "
+            "halves of one jqt.qat.split call, which puts each leaf in one of them (halves "
+            "of two splits with different train= leave other leaves in neither: None in "
+            "the merged tree). Pass the trainable half with the frozen half of its split.")
+    return out
 
 
 def project(qparams, *, min_scale: float = 1e-8) -> dict:
@@ -379,7 +397,12 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         inf = None
         if s is not None:
             # (and a float64 one beyond float32's range, clamped to its largest value too)
-            inf = (jnp.asarray(s) > _F32_MAX) if not isinstance(s, str) else None
+            # (in the scale's dtype: float32's largest value is inf in bfloat16 and float16,
+            # and a bfloat16 scale of inf compared unequal to it, its zero point kept)
+            a = jnp.asarray(s) if not isinstance(s, str) else None
+            if a is not None and jnp.issubdtype(a.dtype, jnp.floating):
+                cap = jnp.asarray(min(float(jnp.finfo(a.dtype).max), _F32_MAX), a.dtype)
+                inf = jnp.isposinf(a) | (a > cap)
             s = positive(s, min_scale, f"{where}.scale")
             unit = nx.FP8_BITS_UNIT.get(q.qtype.grid)
             if unit is not None:  # fp8: the scale is taken times the bits unit (XLA may

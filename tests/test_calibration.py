@@ -837,6 +837,28 @@ class MeanAbs(C.Calibrator):
         return -self.k * m, self.k * m
 
 
+def test_calibrators_that_hash_by_identity_are_not_kept_alive():
+    """A calibrator of a plain subclass (not a frozen dataclass, which Rule accepts: it
+    hashes by identity) made anew for each calibration: jqt's caches keyed by calibrator
+    had no bound and kept every one alive, with the arrays it holds (hunt71_donation)."""
+    import gc
+    import weakref
+    from jqt._src import stats
+
+    class Held(MeanAbs):  # a plain subclass holding an array: hashes as the dataclass does,
+        __hash__ = object.__hash__  # unless the user's class says otherwise, as here
+        __eq__ = object.__eq__
+
+    first = Held()
+    alive = weakref.ref(first)
+    stats._ref_ndim(first)
+    for _ in range(80):
+        stats._ref_ndim(Held())
+    del first
+    gc.collect()
+    assert alive() is None
+
+
 def test_user_defined_calibrator_end_to_end(scan_setup):
     p, xs, hidden = scan_setup
     cal = MeanAbs(k=4.0)

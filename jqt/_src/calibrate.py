@@ -1123,7 +1123,9 @@ def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf, keys=None
     return out
 
 
-@functools.lru_cache(maxsize=None)
+# bounded: keyed by the calibrator, which a user's class may hash by identity (a new one
+# each call kept its compiled program and the arrays it holds alive for ever)
+@functools.lru_cache(maxsize=64)
 def _layer_ranges(calibrator, axes, qtype, gaxis, depth):
     """A jitted ``w -> (lo, hi)``: the weight calibrator's ranges of every layer of ``w``
     (``depth`` stacked axes), as the Calibrate handler observes one layer."""

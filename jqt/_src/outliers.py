@@ -126,7 +126,9 @@ def members(shape, contract) -> int:
     return math.prod(lead) if lead and any(d > last for d in range(len(shape))) else 1
 
 
-@functools.lru_cache(maxsize=None)
+# bounded: keyed by the calibrator, which a user's class may hash by identity (a new one
+# each call kept its compiled program and the arrays it holds alive for ever)
+@functools.lru_cache(maxsize=64)
 def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     """A jitted ``(w, hessian, mean_abs) -> s`` for one layer."""
 

@@ -61,7 +61,9 @@ def _reduce_chan(stacked):
     return {k: (jnp.max if k == "absmax" else jnp.sum)(v, axis=0) for k, v in stacked.items()}
 
 
-@functools.lru_cache(maxsize=None)
+# bounded: keyed by the calibrator, which a user's class may hash by identity (a new one
+# each call kept its compiled program and the arrays it holds alive for ever)
+@functools.lru_cache(maxsize=64)
 def _ref_ndim(calibrator) -> int:
     """The rank of the statistics ``calibrator.observe`` gives one tensor, probed on a 1-D
     one: statistics of more axes are stacked per layer (a ``lax.scan`` over layers)."""

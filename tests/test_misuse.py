@@ -501,7 +501,7 @@ def test_tools_name_their_bad_arguments(setup):
     rep = jqt.packed_shardings(qp, packed, mesh, ops=((k, None) for k in ["w1"]))[1]
     assert rep.weights["w1"].values.spec == jax.sharding.PartitionSpec()  # a generator is read once
     res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=jnp.float32(1.0))
-    assert res.met  # a JAX scalar is a number
+    assert res.met is True  # a JAX scalar is a number (met was a JAX array; hunt71_sensitivity)
     # a to= whose key matches every quantized op loses nothing (a rule from a res.recipe)
     assert jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=1.0,
                         to=jqt.Rule(key="^(w2|w1)$", weight=jqt.recipes.INT8_WEIGHT)).met
@@ -528,6 +528,11 @@ def test_tools_name_their_bad_arguments(setup):
         (lambda: jqt.sensitivity(f, qp, lambda g: g(p, batches[0][0])), TypeError,
          r"jqt.sensitivity: metric returned an array of shape \(16, 8\)"),
         (lambda: jqt.sensitivity(f, qp, lambda g: None), TypeError, "jqt.sensitivity: metric returned None"),
+        # complex numbers: float()'s bare TypeError, naming neither (hunt71_sensitivity)
+        (lambda: jqt.sensitivity(f, qp, lambda g: 1 + 1j), TypeError,
+         r"jqt.sensitivity: metric returned \(1\+1j\) for f itself; it must return one number"),
+        (lambda: jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=0.1j),
+         ValueError, r"jqt.fallback: max_drop=0.1j; expected a finite number >= 0"),
         (lambda: jqt.calibrate(f, jqt.recipes.w8(), p, batches, mesh=jax.devices(), progress=False),
          TypeError, "jqt.calibrate: mesh is a list; pass a jax.sharding.Mesh"),
         (lambda: jqt.packed_shardings(qp, jqt.pack(qp, p), jax.devices()), TypeError,

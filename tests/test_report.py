@@ -233,6 +233,36 @@ def test_fallback_ranked_by_sensitivity_agrees(digits):
     assert len(result.trials) <= 12
 
 
+def test_fallback_by_sensitivity_uses_the_choices_its_ranking_measured():
+    """rank="sensitivity" with to=None measures "every op kept but one" for each op; where
+    those trials used up max_trials, the search stopped before looking at them and
+    returned the float model (every op kept), though trials it had run met the budget
+    with fewer ops kept (hunt71_sensitivity)."""
+    n = 5
+    ks = jax.random.split(jax.random.key(0), n + 1)
+    p = {f"l{i}": jax.random.normal(ks[i], (16, 16)) / 4 for i in range(n)}
+    x = jax.random.normal(ks[n], (32, 16))
+
+    def f(p, x):
+        for i in range(n):
+            x = jnp.tanh(x @ p[f"l{i}"]) + x
+        return x
+    ref = f(p, x)
+    err = lambda g: float(jnp.mean((g(p, x) - ref) ** 2))
+    rec = jqt.recipes.w4a8()
+    s = jqt.sensitivity(f, jqt.calibrate(f, rec, p, [(x,)], progress=False), err,
+                        higher_is_better=False)
+    budget = max(r.alone for r in s.rows) * 1.01  # each op quantized alone meets it
+    assert s.quantized_metric > budget
+    for trials in (n + 2, n + 1):  # every op ranked; one not (its "all but" unmeasured)
+        with pytest.warns(UserWarning, match=f"max_trials={trials} ran out"):
+            res = jqt.fallback(f, rec, p, [(x,)], err, max_drop=budget, higher_is_better=False,
+                               rank="sensitivity", max_trials=trials)
+        assert len(res.trials) == trials and res.met and len(res.kept) == n - 1, str(res)
+        assert (tuple(sorted(res.kept)), res.metric) in {(tuple(sorted(k)), v) for k, v in res.trials}
+        assert err(jqt.quantize(f, res.qparams)) == res.metric
+
+
 def test_fallback_to_int16_activations(digits):
     result = jqt.fallback(mlp, jqt.recipes.w8a8(), digits["params"], digits["calib"],
                           digits["metric"], max_drop=MAX_DROP, to=W8A16_RULE)
@@ -1280,11 +1310,14 @@ def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_op
         res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], err, max_drop=0.05,
                            higher_is_better=False, rank="sensitivity", max_trials=6)
     msgs = [str(w.message) for w in got]
-    assert res.met and len(res.kept) == n and len(res.trials) == 6
+    # (pruning takes a choice the ranking measured, which meets the budget: 7 ops kept,
+    # not 8, as before hunt71_sensitivity)
+    assert res.met and len(res.kept) == n - 1 and len(res.trials) == 6
+    assert (res.kept, res.metric) in res.trials
     assert any("max_trials=6 ranks only the first 4 of the 8 candidates" in m
                and "Pass max_trials=20 or more" in m for m in msgs), msgs
     assert any("max_trials=6 ran out before the search narrowed the ops to keep back: the "
-               "result keeps 8 of the 8 candidate ops back" in m for m in msgs), msgs
+               "result keeps 7 of the 8 candidate ops back" in m for m in msgs), msgs
 
 
 def test_fallback_ranks_an_unmeasured_op_ahead_of_one_measured_harmless():

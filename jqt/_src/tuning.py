@@ -107,7 +107,8 @@ def _value(metric, g, fn, what, sign=None):
             a = np.asarray(float(v))
         except (TypeError, ValueError):
             pass
-    if a is None or a.size != 1 or not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == bool):  # bfloat16 too
+    if a is None or a.size != 1 or jnp.issubdtype(a.dtype, jnp.complexfloating) or not (
+            jnp.issubdtype(a.dtype, jnp.number) or a.dtype == bool):  # bfloat16 too
         got = (f"an array of shape {a.shape} and dtype {a.dtype}" if a is not None and a.ndim
                else repr(v)[:40])
         raise TypeError(f"{fn}: metric returned {got} for {what}; it must "
@@ -349,7 +350,9 @@ def _search(ranked, trial, ok, max_trials, trials, all_back_score, seen):
         all_back_score = v
     best = (tuple(ranked), all_back_score)
     lo, hi = 0, n  # prefix lo fails the budget, prefix hi meets it
-    while hi - lo > 1 and len(trials) < max_trials:
+    # (a choice measured already, as ranking with to=None measures "all but one", costs no
+    # trial: it is looked at after max_trials too, where the float model was returned)
+    while hi - lo > 1 and (len(trials) < max_trials or frozenset(ranked[:(lo + hi) // 2]) in seen):
         mid = (lo + hi) // 2
         v = trial(tuple(ranked[:mid]))
         if ok(v):
@@ -436,10 +439,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
     budget = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None
     if budget is None or budget.size != 1 or not np.issubdtype(budget.dtype, np.number) \
+            or np.issubdtype(budget.dtype, np.complexfloating) \
             or not math.isfinite(float(budget.reshape(()))) or float(budget.reshape(())) < 0:
         raise ValueError(f"jqt.fallback: max_drop={max_drop!r}; expected a finite number >= 0, the "
                          "largest drop of the metric from float's allowed (in the metric's units, "
                          "e.g. 0.005 for half a point of accuracy).")
+    max_drop = float(budget.reshape(()))  # (a NumPy or JAX number made result.met an array)
     if to is not None and not isinstance(to, Rule):
         hint = (" (a recipe: pass one of its rules, e.g. jqt.recipes.w8a16().rules[0])"
                 if isinstance(to, Recipe) else "")
@@ -624,11 +629,12 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                     break
                 if needed(k):
                     continue
-                if len(trials) >= max_trials:  # ops of the prefix untried alone: say so
+                cand = tuple(c for c in best[0] if c != k)
+                if len(trials) >= max_trials and frozenset(cand) not in seen:
+                    # ops of the prefix untried alone: say so (and look on at those measured)
                     narrowed = narrowed and all(frozenset(c for c in best[0] if c != j) in seen
                                                 or needed(j) for j in best[0])
-                    break
-                cand = tuple(c for c in best[0] if c != k)
+                    continue
                 v = trial(cand)
                 if ok(v):
                     best = (cand, v)

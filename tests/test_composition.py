@@ -964,6 +964,90 @@ def test_custom_vjp_around_a_while_loop():
     assert sim(p, x).shape == (6, 8)
 
 
+def test_gradient_of_the_qparams_through_a_custom_rule_around_a_host_callback():
+    """A custom_jvp / custom_vjp layer whose body runs a jax.pure_callback (a NumPy op): the
+    scales' gradient differentiates the body, which JAX cannot, and raised its "Pure
+    callbacks do not support JVP" (use jax.custom_jvp: the user had). It names the function
+    and the fix now; the weights' gradient works. The custom_jvp's quantized body ran twice
+    for the scales' gradient, its callback too (hunt71_callbacks)."""
+    calls = []
+
+    def tanh_host(a):
+        calls.append(1)
+        return np.tanh(a).astype(a.dtype)
+
+    def body(w, x):
+        y = x @ w
+        return jax.pure_callback(tanh_host, jax.ShapeDtypeStruct(y.shape, y.dtype), y,
+                                 vmap_method="sequential")
+
+    jvp_layer = jax.custom_jvp(body)
+
+    @jvp_layer.defjvp
+    def _(pr, tg):
+        y = jvp_layer(*pr)
+        return y, (1 - y ** 2) * (tg[1] @ pr[0] + pr[1] @ tg[0])
+    vjp_layer = jax.custom_vjp(body)
+    vjp_layer.defvjp(lambda w, x: (vjp_layer(w, x), (w, x)),
+                     lambda r, ct: (r[1].T @ (ct * (1 - vjp_layer(*r) ** 2)),
+                                    (ct * (1 - vjp_layer(*r) ** 2)) @ r[0].T))
+    p = {"w1": _normal(90, (8, 16), 0.3), "w2": _normal(91, (16, 4), 0.3)}
+    x = _normal(92, (4, 8))
+    for kind, layer in (("custom_jvp", jvp_layer), ("custom_vjp", vjp_layer)):
+        f = lambda p, x: layer(p["w1"], x) @ p["w2"]  # noqa: E731
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        loss = lambda p, q: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x))  # noqa: E731
+        assert _rel(jax.grad(loss)(p, qp)["w1"], jax.grad(lambda p: jnp.sum(f(p, x)))(p)["w1"]) < 0.05
+        with pytest.raises(TypeError, match=rf"qparams of the quantized ops inside the {kind} "
+                           r"function 'body' \(defined at .*\), at '<top>' cannot be "
+                           r"differentiated: its body runs a host callback.*train='weights'"):
+            jax.grad(loss, 1)(p, qp)
+    # the custom_jvp's quantized forward once (and the rule's float one) for the scales'
+    # gradient of a body without callbacks' trouble: a jnp body with a debug callback
+    seen = []
+
+    @jax.custom_jvp
+    def logged(w, x):
+        y = jnp.tanh(x @ w)
+        jax.debug.callback(lambda v: seen.append(1), y)
+        return y
+
+    @logged.defjvp
+    def _(pr, tg):
+        y = logged(*pr)
+        return y, (1 - y ** 2) * (tg[1] @ pr[0] + pr[1] @ tg[0])
+    g = lambda p, x: logged(p["w1"], x) @ p["w2"]  # noqa: E731
+    qg = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    seen.clear()
+    jax.grad(lambda q: jnp.sum(jqt.quantize(g, q, simulate=True)(p, x)))(qg)
+    jax.effects_barrier()
+    assert len(seen) == 2, seen  # the quantized forward and the rule's (3 before)
+
+
+def test_a_checkify_check_in_f_is_named_with_the_fix_that_works():
+    """f with an unwrapped checkify.check runs eagerly in JAX; jqt compiles f, and JAX's
+    "not functionalized" error (one shared instance) gathered a jqt note per failed
+    calibration, which later errors of plain JAX showed (hunt71_callbacks). The advice
+    given works: calibrate checkify.checkify(f), run checkify.checkify(quantized f)."""
+    from jax.experimental import checkify
+
+    def f(p, x):
+        checkify.check(jnp.all(x > -100.0), "input out of range")
+        return jnp.tanh(x @ p["w"])
+    p, x = {"w": _normal(93, (8, 4), 0.3)}, _normal(94, (4, 8))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"jqt.calibrate: f runs a checkify.check.*calibrate "
+                           r"checkify.checkify\(f\), and call checkify.checkify\(jqt.quantize"
+                           r"\(f, qparams\)\)") as e:
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        assert not getattr(e.value.__cause__, "__notes__", None)
+    qp = jqt.calibrate(checkify.checkify(f), jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    err, y = checkify.checkify(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
+    assert err.get() is None and y.shape == (4, 4)
+    err, _ = checkify.checkify(jqt.quantize(f, qp))(jqt.pack(qp, p), x - 1000.0)
+    assert "input out of range" in err.get()
+
+
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_custom_vjp_rule_indexing_an_array_written_in_f():
     """jax.experimental.ode.odeint with its time grid written in f: the grid is a NumPy

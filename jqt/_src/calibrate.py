@@ -165,8 +165,10 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
 
 
 def _note(e, text):
-    """Adds ``text`` to exception ``e``'s message as a note (Python 3.11 and later)."""
-    if hasattr(e, "add_note"):
+    """Adds ``text`` to exception ``e``'s message as a note (Python 3.11 and later), once:
+    JAX raises one shared instance for some errors (an unwrapped ``checkify.check``), on
+    which every failed calibration added its note again."""
+    if hasattr(e, "add_note") and text not in getattr(e, "__notes__", ()):
         e.add_note(text)
 
 
@@ -378,6 +380,14 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
         try:
             new = jstep(params_t, marked, observe, decided, transformed or {})
         except Exception as e:
+            if "checkify.check which was not functionalized" in str(e):
+                # (a new error: JAX raises one shared instance, on which notes piled up)
+                raise ValueError(
+                    f"{bar_desc}: f runs a checkify.check, which JAX compiles only inside "
+                    "checkify.checkify, and jqt compiles f (as jax.jit does): calibrate "
+                    "checkify.checkify(f), and call checkify.checkify(jqt.quantize(f, qparams)), "
+                    "whose error says where a check fails on the quantized values. JAX: "
+                    f"{e}") from None
             _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
                   f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})"
                   + (": the params and this batch are committed to different devices; put "

@@ -322,12 +322,15 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
         st, *args = primals
         tst, constant = compat.jvp_tangents(tangents[0])
         targs, _ = compat.jvp_tangents(tuple(tangents[1:]))
-        out = g(st, *args)
+        if constant:  # the state is not differentiated: the quantized forward alone
+            out = g(st, *args)
+        else:  # one quantized forward, its tangent with it (it ran twice, its callbacks too)
+            with body_transpose(eqn, "custom_jvp"):
+                out, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
         with user_rule(eqn):
             _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), targs)
-        if constant:  # the state is not differentiated: no second quantized forward (its
-            return out, t_user  # callbacks would run twice)
-        _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
+        if constant:
+            return out, t_user
         return out, [u + s for u, s in zip(t_user, t_st)]
 
     g.defjvp(g_jvp, symbolic_zeros=True)
@@ -406,21 +409,25 @@ def as_jax(invals) -> list:
 
 
 @contextlib.contextmanager
-def body_transpose(eqn):
-    """The reverse pass of a custom_vjp function's quantized body, for the gradient of
-    its quantization state: JAX has none through a ``while_loop`` (the user's bwd rule
-    is what made the function differentiable). Name the function and the fix."""
+def body_transpose(eqn, kind="custom_vjp"):
+    """The derivative of a custom_vjp (custom_jvp) function's quantized body, for the
+    gradient of its quantization state: JAX has no reverse pass through a ``while_loop``
+    and differentiates no host callback (the user's rule is what made the function
+    differentiable). Name the function and the fix."""
     try:
         yield
     except ValueError as e:
-        if "Reverse-mode differentiation does not work for lax.while_loop" not in str(e):
+        loop = "Reverse-mode differentiation does not work for lax.while_loop" in str(e)
+        if not loop and "callbacks do not support JVP" not in str(e):
             raise
+        what = ("a lax.while_loop (Equinox's checkpointed while_loop, diffrax's adjoint), which "
+                "JAX cannot differentiate in reverse mode" if loop else
+                "a host callback (jax.pure_callback, io_callback), which JAX cannot differentiate")
         raise TypeError(
-            f"jqt: the qparams of the quantized ops inside the custom_vjp function "
-            f"{compat.where_called(eqn)} cannot be differentiated: its body runs a "
-            "lax.while_loop (Equinox's checkpointed while_loop, diffrax's adjoint), which JAX "
-            "cannot differentiate in reverse mode, and the function's own bwd rule covers its "
-            "inputs, not jqt's scales. Differentiate the weights and inputs only, with the "
+            f"jqt: the qparams of the quantized ops inside the {kind} function "
+            f"{compat.where_called(eqn)} cannot be differentiated: its body runs {what}, and "
+            "the function's own rule covers its inputs, not jqt's scales (jqt differentiates "
+            "the body for those). Differentiate the weights and inputs only, with the "
             "qparams frozen: jqt.qat.split(params, qparams, train='weights').") from e
 
 

@@ -31,6 +31,27 @@ def db(v):
     return f"{v:.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
 
 
+def marks(values):
+    """``(index, text)`` for each SQNR a bar cannot show: ``exact`` (inf: the op changed
+    nothing), ``-inf`` (the worst: quantization lost the output to inf or NaN) and ``n/a``
+    (not measured); a bar of NaN height draws nothing, and both infinities drew none.
+
+    >>> marks([1.0, np.inf, -np.inf, np.nan])
+    [(1, 'exact'), (2, '-inf'), (3, 'n/a')]
+    """
+    return [(i, "n/a" if np.isnan(v) else "exact" if v > 0 else "-inf")
+            for i, v in enumerate(values) if not np.isfinite(v)]
+
+
+def short(name, n=40):
+    """``name`` cut to its last ``n`` characters (a flax path's end names the layer).
+
+    >>> short("params/Block_0/Attention_0/query/kernel", 20)
+    '…ntion_0/query/kernel'
+    """
+    return name if len(name) <= n else "…" + name[-n:]
+
+
 def plot_report(report, path, histograms):
     try:
         import matplotlib
@@ -43,14 +64,23 @@ def plot_report(report, path, histograms):
     worst = [r for r in report.worst(histograms) if r.hist is not None and r.act_qrange]
     ncols = 3
     nrows = 1 + -(-len(worst) // ncols)
-    fig = plt.figure(figsize=(12, 3.2 * nrows), layout="constrained")
+    # (wider with many rows: 96 layers' names ran together at 12 inches)
+    fig = plt.figure(figsize=(min(max(12, 0.2 * len(rows)), 60), 3.2 * nrows), layout="constrained")
     grid = fig.add_gridspec(nrows, ncols)
     ax = fig.add_subplot(grid[0, :])
     idx = np.arange(len(rows))
     finite = lambda v: v if np.isfinite(v) else np.nan
-    ax.bar(idx - 0.2, [finite(r.sqnr_isolated) for r in rows], 0.4, label="this op alone")
-    ax.bar(idx + 0.2, [finite(r.sqnr_cumulative) for r in rows], 0.4, label="with all earlier ops")
-    ax.set_xticks(idx, [r.name for r in rows], rotation=45, ha="right", fontsize=7)
+    series = (([r.sqnr_isolated for r in rows], -0.2, "this op alone"),
+              ([r.sqnr_cumulative for r in rows], 0.2, "with all earlier ops"))
+    for values, off, label in series:
+        ax.bar(idx + off, [finite(v) for v in values], 0.4, label=label)
+    ax.set_xlim(-0.6, len(rows) - 0.4)  # (bars of NaN height set no limits)
+    bottom = ax.get_ylim()[0]
+    for values, off, _ in series:  # what a bar cannot show, written where it would stand
+        for i, text in marks(values):
+            ax.text(i + off, bottom, text, rotation=90, ha="center", va="bottom", fontsize=7,
+                    color="red" if text == "-inf" else "gray")
+    ax.set_xticks(idx, [short(r.name) for r in rows], rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("output SQNR (dB)")
     ax.set_title("per-op SQNR; model output " + (
         "not measured (no float output)" if not report.float_output else
@@ -64,9 +94,10 @@ def plot_report(report, path, histograms):
         a.stairs(r.hist[1:-1], edges, fill=True, alpha=0.7)
         a.axvline(lo, color="r", lw=1)
         a.axvline(hi, color="r", lw=1)
-        a.set_yscale("log")
+        if np.any(r.hist[1:-1] > 0):  # (every value beyond the plot: no count to log-scale)
+            a.set_yscale("log")
         out = r.hist[0] + r.hist[-1]
-        a.set_title(f"{r.name}: {db(r.sqnr_isolated)} dB, clip {pct(r.act_clip)}"
+        a.set_title(f"{short(r.name, 24)}: {db(r.sqnr_isolated)} dB, clip {pct(r.act_clip)}"
                     + (f", {int(out)} beyond plot" if out else ""), fontsize=8)
         a.tick_params(labelsize=7)
     fig.savefig(path, dpi=100, format="png")  # at path as named, whatever its extension

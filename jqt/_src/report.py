@@ -617,7 +617,7 @@ def _rows(site, qp, st):
             activation=_short(aq) if not qp.is_float else "float",
             weight_scale=None if wsc is None else (float(wsc.min()), float(wsc.max())),
             act_scale=None if asc is None else float(asc.reshape(-1)[0]),
-            act_zero_point=None if azp is None else float(azp.reshape(-1)[0]),
+            act_zero_point=None if azp is None else float(azp.reshape(-1)[0]) + 0.0,  # (not -0.0)
             act_range=(float(g("x_min")), float(g("x_max"))) if ran else (math.nan, math.nan),
             act_qrange=_qrange(aq, asc, azp),
             act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,

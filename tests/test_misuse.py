@@ -1136,9 +1136,15 @@ def test_options_of_project_labels_fallback_and_load_packed_are_checked(setup, t
     it promises to pass); train=None, max_trials='3' and device=0 ended in Python's own
     TypeErrors; save_packed / load_packed given the params as qparams in an AttributeError."""
     p, batches, qp = setup
-    for ms in (float("nan"), float("inf"), 0.0, -1.0, "tiny", np.ones(2)):
+    # (True and "0.5" passed float(): every scale floored at 1.0 or 0.5; hunt71_apisurface)
+    for ms in (float("nan"), float("inf"), 0.0, -1.0, "tiny", np.ones(2), True, "0.5", np.bool_(True)):
         with pytest.raises(ValueError, match=r"jqt.qat.project: min_scale=.* is not a finite number above 0"):
             jqt.qat.project(qp, min_scale=ms)
+    op = next(iter(qp.values()))
+    for i in (-1, 2, "rhs", True):  # -1 read the rhs; the others Python's own errors
+        with pytest.raises(ValueError, match=r"OpQParams.operand: i=.*; expected 0 \(lhs\) or 1 \(rhs\)"):
+            op.operand(i)
+    assert op.operand(np.int64(1)) is op.rhs
     assert float(jqt.qat.project(qp, min_scale=jnp.float32(0.5))["w1"].rhs.scale.min()) >= 0.5
     # finite in Python but above float32's largest value: every scale became inf
     with pytest.raises(ValueError, match=r"jqt.qat.project: min_scale=1e\+39 is above the largest float32 "
@@ -1706,6 +1712,9 @@ def test_bad_arguments_to_the_tools_name_the_fix(tmp_path):
     rep = jqt.report(g, qp, (pa, pb), (x,), weight_argnums=(0, 1))
     with pytest.raises(TypeError, match="Report.plot: path is a NoneType"):
         rep.plot(None)
+    with pytest.raises(FileNotFoundError, match=r"Report.plot: cannot write .*no_such_dir/r.png'"
+                       r": its folder .* does not exist"):  # (bare before; hunt71_apisurface)
+        rep.plot("/tmp/jqt_no_such_dir/no_such_dir/r.png")
     with pytest.raises(TypeError, match=r"summarize: qparams\['w'\] is of type .*not the model's params"):
         jqt.summarize(pa)
 

@@ -376,8 +376,10 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
         raise TypeError(f"jqt.qat.project: expected a qparams dict, got {type(qparams).__name__}; "
                         "project the qparams half of the state: (params, jqt.qat.project(qp)).")
     if not compat.is_tracer(min_scale):
-        try:
-            ok = np.ndim(min_scale) == 0 and np.isfinite(float(min_scale)) and float(min_scale) > 0
+        try:  # (a bool or a str is no number: True floored every scale at 1.0)
+            ok = (not isinstance(min_scale, (bool, np.bool_, str, bytes))
+                  and np.ndim(min_scale) == 0 and np.asarray(min_scale).dtype.kind in "iuf"
+                  and np.isfinite(float(min_scale)) and float(min_scale) > 0)
         except (TypeError, ValueError):
             ok = False
         if not ok:

@@ -482,6 +482,8 @@ class OpQParams:
 
     def operand(self, i: int) -> Optional[QuantParams]:
         """The :class:`QuantParams` of operand ``i`` (0: lhs, 1: rhs), or ``None``."""
+        if isinstance(i, (bool, np.bool_)) or i not in (0, 1):  # (-1 read the rhs)
+            raise ValueError(f"OpQParams.operand: i={i!r}; expected 0 (lhs) or 1 (rhs).")
         return (self.lhs, self.rhs)[i]
 
     def __eq__(self, other):

@@ -388,6 +388,12 @@ class Report(NanEqual):
         if isinstance(histograms, bool) or not isinstance(histograms, (int, np.integer)) or histograms < 0:
             raise ValueError(f"Report.plot: histograms={histograms!r}; expected a count of ops >= 0 "
                              "whose activation histograms to draw, e.g. histograms=6 (0: none).")
+        if isinstance(path, (str, os.PathLike)):
+            folder = os.path.dirname(os.path.realpath(os.fspath(path)))
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(f"Report.plot: cannot write {os.fspath(path)!r}: its folder "
+                                        f"{folder!r} does not exist. Create it first "
+                                        "(os.makedirs(folder, exist_ok=True)).")
         plot_report(self, path, histograms)
 
 

@@ -1420,6 +1420,26 @@ def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # float sums in another order
 
 
+def test_a_row_parallel_weight_only_op_typed_on_a_one_device_mesh():
+    """A row-parallel layer (K split over an explicit axis, out_sharding= named) at 1 and
+    16 rows, outside jax.set_mesh, on the one-device mesh tensor-parallel code makes on one
+    GPU: the weight-only formulations cut K into chunks with a lax.scan, which JAX refuses
+    on a split K ("0th dimension of all xs should be replicated"), at 16 rows always and
+    at 1 row after a change of this session (review of hunt71); they keep K whole there now.
+    Several devices: tests/test_sharding.py (slow)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((1,), ("model",))
+    f = lambda p, x: jnp.matmul(x, p["w"], out_sharding=NamedSharding(mesh, P()))
+    p = {"w": jax.device_put(_normal(3, (1024, 1024), 0.05), NamedSharding(mesh, P("model", None)))}
+    for rec in (jqt.recipes.w4(), jqt.recipes.w8()):
+        for m in (1, 16):
+            x = jax.device_put(_normal(4, (m, 1024)), NamedSharding(mesh, P(None, "model")))
+            qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+            got = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
+            want = jqt.quantize(f, qp, simulate=True)(p, x)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("recipe", ["w8a8", "w8a8_dynamic", "w4", "fp8"])
 @pytest.mark.slow_variants
 @pytest.mark.slow  # CI (the default run stays under 5 minutes)

@@ -1594,11 +1594,22 @@ def test_a_node_that_checks_its_children_rebuilds_from_the_stored_shapes(tmp_pat
                                   jqt.quantize(f, qp)(packed, x))
 
 
+class _Locked:
+    """A params node whose constructor makes an attribute that does not pickle (a lock)."""
+    def __init__(self, w):
+        import threading
+        self.w, self.lock = w, threading.Lock()
+
+
+jax.tree_util.register_pytree_node(_Locked, lambda g: ((g.w,), None), lambda _, c: _Locked(c[0]))
+
+
 def test_packed_params_pickle_and_deepcopy_with_equinox_and_checking_nodes():
     """pickle and copy.deepcopy of PackedParams packed from an Equinox model made a copy
     that failed at its first call ("'_Missing' object is not subscriptable"): JAX pickles a
     treedef's node data by value, a copy of the sentinel Equinox's unflatten compares by
-    identity. A node that refuses placeholders (_Checked) still round-trips (hunt71_pickling)."""
+    identity. A node that refuses placeholders (_Checked) or whose rebuilt object does not
+    pickle (_Locked; a review found it failed) keeps its treedef as it is (hunt71_pickling)."""
     import copy
     import pickle
     eqx = pytest.importorskip("equinox")
@@ -1606,7 +1617,8 @@ def test_packed_params_pickle_and_deepcopy_with_equinox_and_checking_nodes():
     x = jax.random.normal(k[1], (4, 16))
     arr, static = eqx.partition(eqx.nn.MLP(16, 8, 32, 1, key=k[0]), eqx.is_array)
     f = lambda a, x: jax.vmap(eqx.combine(a, static))(x)  # noqa: E731
-    for params, fn in ((arr, f), (_Checked(jnp.ones((16, 8)) * 0.1, "t"), lambda p, x: x @ p.w)):
+    for params, fn in ((arr, f), (_Checked(jnp.ones((16, 8)) * 0.1, "t"), lambda p, x: x @ p.w),
+                       (_Locked(jnp.ones((16, 8)) * 0.1), lambda p, x: x @ p.w)):
         qp = jqt.calibrate(fn, jqt.recipes.w8a8(), params, [(x,)], progress=False)
         packed = jqt.pack(qp, params)
         qf = jqt.quantize(fn, qp)

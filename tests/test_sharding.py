@@ -515,7 +515,10 @@ for name, fn, wshape, wspec, xshape, xspec, rec in (
         ("w8a8_g32", rowp, (64, 16), P("model", None), (32, 64), P(None, "model"), jqt.recipes.w8a8(group_size=32)),
         ("w8_8_rows", rowp, (64, 16), P("model", None), (8, 64), P(None, "model"), jqt.recipes.w8()),
         ("fp8_1_row", rowp, (64, 16), P("model", None), (1, 64), P(None, "model"), jqt.recipes.fp8()),
-        ("experts_f36", experts, (4, 32, 36), P(None, None, "model"), (4, 3, 32), P(), jqt.recipes.w4(group_size=16))):
+        ("experts_f36", experts, (4, 32, 36), P(None, None, "model"), (4, 3, 32), P(), jqt.recipes.w4(group_size=16)),
+        # K of 1024: the weight-only formulations' scan over K-chunks (review of hunt71)
+        ("w4_k1024_1_row", rowp, (1024, 1024), P("model", None), (1, 1024), P(None, "model"), jqt.recipes.w4()),
+        ("w8_k1024_16_rows", rowp, (1024, 1024), P("model", None), (16, 1024), P(None, "model"), jqt.recipes.w8())):
     try:
         ws = {"w": jax.device_put(normal(wshape, 0.2), NamedSharding(EXPLICIT, wspec))}
         xs = jax.device_put(normal(xshape), NamedSharding(EXPLICIT, xspec))
@@ -544,7 +547,7 @@ def _matches(r):
 
 
 @pytest.mark.parametrize("name", ["w4_k36", "nf4_k36", "w4a8_g32", "w8a8_g32", "w8_8_rows",
-                                  "fp8_1_row", "experts_f36"])
+                                  "fp8_1_row", "experts_f36", "w4_k1024_1_row", "w8_k1024_16_rows"])
 def test_explicit_split_weights_whose_bytes_or_groups_do_not_divide(result, name):
     """A weight split over an explicit axis where each device holds a legal part but the
     int4 bytes or the groups along the split axis do not divide over the devices: the axis

@@ -698,9 +698,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "weight_argnums=(0, 1), with params a tuple of them), to jqt.calibrate "
                          "and jqt.quantize alike; a rule's act_x_act= quantizes activation x "
                          "activation ops.")
-    weighted = [s for s in sites if s.weight_operand is not None and not s.entry.is_cache]
+    # (products only: a lookup in a table of integers or bools, a remap or a mask, is no
+    # sign of a model quantized before)
+    weighted = [s for s in sites if s.weight_operand is not None and not s.entry.is_cache
+                and s.op in ("dot_general", "conv_general_dilated", "ragged_dot_general")]
     exact = [s.key for s in weighted
-             if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in s.eqn.invars[:2])]
+             if all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in s.eqn.invars[:2])]
     if weighted and len(exact) == len(weighted) and any(chosen[k] is not None for k in exact):
         diagnostics.warn(
             f"jqt.calibrate: every op of f that reads a weight ({listed(exact)}) has integer "

@@ -721,6 +721,11 @@ def weight_only_2d(x2, w, policy, precision):
     n_chunk = chunk_size(n, target) if w.layout == "nk" or many else 0
     if chunk and not reduces(m, policy) and 4 * chunk * n > policy.weight_only_block_bytes > 0:
         chunk, n_chunk = 0, min(n, max(policy.weight_only_block_bytes // (4 * k), 128))  # column blocks
+    if 1 in compat.sharded_dims(x2) or kd in compat.sharded_dims(v):
+        # K typed split over explicit mesh axes (a row-parallel layer): a scan cannot cut it
+        # into chunks, and a block of output channels cut from a split N is not typed either
+        chunk = 0
+        n_chunk = 0 if (1 - kd) in compat.sharded_dims(v) else n_chunk
     dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import pickle
 from typing import Any, Optional
 
 import jax
@@ -632,16 +633,19 @@ def _portable(treedef, n):
     try:
         tree = jax.tree_util.tree_unflatten(treedef, list(range(n)))
         if jax.tree_util.tree_structure(tree) == treedef:
+            pickle.dumps(tree)  # (a class holding a jitted method or a lock does not pickle)
             return ("tree", tree)
-    except Exception:  # noqa: BLE001 - whatever the class's own check raises
+    except Exception:  # noqa: BLE001 - whatever the class's own check or pickle raises
         pass
     return ("treedef", treedef)
 
 
 def _packed_from(leaves, weights, structure, avals, kept, tied):
     kind, held = structure
-    treedef = jax.tree_util.tree_structure(held) if kind == "tree" else held
-    return PackedParams(leaves, weights, treedef, avals, kept, tied)
+    out = object.__new__(PackedParams)  # the children as they are, as tree_unflatten keeps
+    out.leaves, out.weights, out.avals, out.kept, out.tied = leaves, weights, avals, kept, tied
+    out.treedef = jax.tree_util.tree_structure(held) if kind == "tree" else held
+    return out
 
 
 _BARE = {  # the keys such a dict may have, and those it has (one of them for OpQParams)

@@ -204,7 +204,15 @@ def test_pack_of_another_argument_names_the_one_calibrated(setup):
                        [(jnp.ones((2, 4)),)], progress=False)
     with pytest.raises(jqt.QParamsMismatchError, match="'1/w', which params do not hold") as e:
         jqt.pack(ql, [lp[0], {"kernel": lp[1]["w"]}])
-    assert "several arguments" not in str(e.value)
+    assert "several arguments" not in str(e.value) and "The params hold it as" not in str(e.value)
+    # flax's variables against variables["params"]: the leaf is there a level off, unnamed
+    # before (hunt71_linenmutable)
+    fv = lambda v, x: x @ v["params"]["w"]
+    variables = {"params": {"w": jnp.ones((4, 4))}, "batch_stats": {"m": jnp.zeros(4)}}
+    qv = jqt.calibrate(fv, jqt.recipes.w8(), variables, [(jnp.ones((2, 4)),)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"The params hold it as 'w': the qparams were "
+                       r"calibrated on a pytree that holds these params under 'params'"):
+        jqt.pack(qv, variables["params"])
     # weight_argnums=(1, 0): the tuple holds argument 1's weights first (review 2)
     qr = jqt.calibrate(g, jqt.recipes.w8(), (pb, pa), [(jnp.ones((2, 4)),)], weight_argnums=(1, 0),
                        progress=False)

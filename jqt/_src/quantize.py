@@ -21,7 +21,7 @@ from .qparams import OpQParams, PackedParams, calibrated_args, fold_mismatch
 from .registry import BY_NAME
 from .analysis import path_str
 from .tracing import Tracer, normalize_argnums
-from .validate import (boxed_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
+from .validate import (boxed_leaf, level_leaf, check_alive, check_keys, check_qparams, flags, numbers_as_arrays,
                        quantized_already, refuse_array_likes, refuse_v1, weight_scale_problem)
 
 
@@ -666,6 +666,7 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
                 f"jqt.pack: op '{key}' reads weight '{src.path}', which params do not hold (their "
                 f"leaves: {list(index)[:6]}{' ...' if len(index) > 6 else ''}). Pass the params "
                 f"the qparams were calibrated with.{boxed_leaf(src.path, index)}"
+                f"{level_leaf(src.path, index)}"
                 f"{_other_arg(qparams, argnum, index, {q: jnp.shape(flat[i[0]]) for q, i in index.items()})}")
         if src.shape is not None and tuple(jnp.shape(flat[leaf])) != tuple(src.shape):
             raise QParamsMismatchError(

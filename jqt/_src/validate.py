@@ -501,6 +501,27 @@ def boxed_leaf(path, leaves) -> str:
     return _boxed([path], match[:1], "params hold") if match else ""
 
 
+def level_leaf(path, leaves) -> str:
+    """A hint for ``jqt.pack`` where weight ``path`` is among ``leaves`` under a prefix
+    more or less: the qparams calibrated on a pytree a level above or below the one given
+    (flax's ``variables`` against ``variables["params"]``).
+
+    >>> level_leaf("params/Conv_0/kernel", ["Conv_0/kernel", "Conv_0/bias"])[:40]
+    " The params hold it as 'Conv_0/kernel': "
+    >>> level_leaf("w", ["v"])
+    ''
+    """
+    match = [k for k in leaves if path.endswith("/" + k) or k.endswith("/" + path)]
+    if not match:
+        return ""
+    k = match[0]
+    where = (f"a pytree that holds these params under '{path[:-len(k) - 1]}'"
+             if len(k) < len(path) else f"these params' part '{k[:-len(path) - 1]}'")
+    return (f" The params hold it as '{k}': the qparams were calibrated on {where}, as "
+            "flax's variables hold variables['params']; pass the pytree they were "
+            "calibrated with.")
+
+
 def _nested(keys, qparams) -> str:
     """A hint where the function's op keys hold every key of the qparams, or the qparams
     every key of the function (and some are shared): the same function, whose branch on a

@@ -510,6 +510,8 @@ def test_tools_name_their_bad_arguments(setup):
     assert rep.weights["w1"].values.spec == jax.sharding.PartitionSpec()  # a generator is read once
     res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=jnp.float32(1.0))
     assert res.met is True  # a JAX scalar is a number (met was a JAX array; hunt71_sensitivity)
+    assert jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric,  # bfloat16 too (review)
+                        max_drop=jnp.asarray(1.0, jnp.bfloat16)).met is True
     # a to= whose key matches every quantized op loses nothing (a rule from a res.recipe)
     assert jqt.fallback(f, jqt.recipes.w8a8(), p, batches, metric, max_drop=1.0,
                         to=jqt.Rule(key="^(w2|w1)$", weight=jqt.recipes.INT8_WEIGHT)).met

@@ -114,7 +114,9 @@ def test_labels_groups_and_errors(net_setup):
     # and halves of two splits merged to None leaves without a word (hunt71_qatgrouped)
     with pytest.raises(TypeError, match=r"is a mapping; pass the names of the parts to train, "
                        r"e.g. train=\('weights',\)"):
-        jqt.qat.labels(p, qp, train={"weights": True, "scales": False})
+        jqt.qat.labels(p, qp, train={"weights": np.True_, "scales": False})
+    with pytest.raises(TypeError, match=r"is a mapping; a mask shaped as the params is optax's"):
+        jqt.qat.labels(p, qp, train={k: True for k in p})  # a review found ('a', ...) advised
     with pytest.raises(ValueError, match=r"both halves hold the leaf at \[1\]\['a'\]\..*scale"):
         jqt.qat.merge(jqt.qat.split(p, qp, train="scales")[0], jqt.qat.split(p, qp, train="weights")[1])
     assert jax.tree.leaves(jqt.qat.merge(*jqt.qat.split(p, qp, train="scales"))) == jax.tree.leaves((p, qp))

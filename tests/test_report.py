@@ -233,6 +233,7 @@ def test_fallback_ranked_by_sensitivity_agrees(digits):
     assert len(result.trials) <= 12
 
 
+@pytest.mark.slow  # CI (the default run stays under 5 minutes)
 def test_fallback_by_sensitivity_uses_the_choices_its_ranking_measured():
     """rank="sensitivity" with to=None measures "every op kept but one" for each op; where
     those trials used up max_trials, the search stopped before looking at them and

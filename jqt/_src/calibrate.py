@@ -385,9 +385,9 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                 raise ValueError(
                     f"{bar_desc}: f runs a checkify.check, which JAX compiles only inside "
                     "checkify.checkify, and jqt compiles f (as jax.jit does): calibrate "
-                    "checkify.checkify(f), and call checkify.checkify(jqt.quantize(f, qparams)), "
-                    "whose error says where a check fails on the quantized values. JAX: "
-                    f"{e}") from None
+                    "cf = checkify.checkify(f) and call jqt.quantize(cf, qparams), which returns "
+                    "checkify's (error, output), its error where a check fails on the quantized "
+                    f"values. JAX: {e}") from None
             _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
                   f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})"
                   + (": the params and this batch are committed to different devices; put "

@@ -322,15 +322,15 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
         st, *args = primals
         tst, constant = compat.jvp_tangents(tangents[0])
         targs, _ = compat.jvp_tangents(tuple(tangents[1:]))
-        if constant:  # the state is not differentiated: the quantized forward alone
-            out = g(st, *args)
-        else:  # one quantized forward, its tangent with it (it ran twice, its callbacks too)
-            with body_transpose(eqn, "custom_jvp"):
-                out, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
+        # (the output from g, not from the jvp of the body below, whose value is the same:
+        # a transformation around this one differentiates the inputs by the user's rule)
+        out = g(st, *args)
         with user_rule(eqn):
             _, t_user = jax.jvp(lambda *a: compat.bind_eqn(eqn, a), tuple(args), targs)
-        if constant:
-            return out, t_user
+        if constant:  # the state is not differentiated: no second quantized forward (its
+            return out, t_user  # callbacks would run twice)
+        with body_transpose(eqn, "custom_jvp"):
+            _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
         return out, [u + s for u, s in zip(t_user, t_st)]
 
     g.defjvp(g_jvp, symbolic_zeros=True)

@@ -130,10 +130,13 @@ def _resolve(train: str | Iterable[str]) -> frozenset:
     if isinstance(train, str):
         names = (train,)
     elif isinstance(train, Mapping):  # an optax-style mask: its keys alone were the names
-        chosen = [k for k, v in train.items() if v is True]
-        raise TypeError(f"jqt.qat: train={train!r} is a mapping; pass the names of the parts to "
-                        f"train, e.g. train={tuple(chosen) or ('weights',)!r} (a mapping's keys "
-                        "are no list of names: its parts marked False would be trained).")
+        named = [k for k in train if isinstance(k, str) and (k in PARTS or k in _GROUPS)]
+        chosen = tuple(k for k in named if bool(train[k]))
+        fix = (f"pass the names of the parts to train, e.g. train={chosen!r}" if named else
+               f"a mask shaped as the params is optax's, not jqt's: pass part names {PARTS} "
+               "(jqt.qat.labels gives the labels optax.multi_transform takes)")
+        raise TypeError(f"jqt.qat: train={train!r} is a mapping; {fix} (a mapping's keys are no "
+                        "list of names: its parts marked False would be trained).")
     elif isinstance(train, Iterable):
         names = tuple(train)
     else:

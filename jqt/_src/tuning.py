@@ -438,8 +438,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     if max_trials < 1:
         raise ValueError(f"jqt.fallback: max_trials={max_trials}; expected at least 1.")
     budget = np.asarray(max_drop) if not isinstance(max_drop, (bool, str, bytes)) else None
-    if budget is None or budget.size != 1 or not np.issubdtype(budget.dtype, np.number) \
-            or np.issubdtype(budget.dtype, np.complexfloating) \
+    if budget is None or budget.size != 1 or not jnp.issubdtype(budget.dtype, jnp.number) \
+            or jnp.issubdtype(budget.dtype, jnp.complexfloating) \
             or not math.isfinite(float(budget.reshape(()))) or float(budget.reshape(())) < 0:
         raise ValueError(f"jqt.fallback: max_drop={max_drop!r}; expected a finite number >= 0, the "
                          "largest drop of the metric from float's allowed (in the metric's units, "

@@ -76,7 +76,9 @@ def weight_range(calibrator, w, axes, qtype, group_axis):
     if not g:
         return _checked(calibrator, w, axes, qtype)
     ax = group_axis % w.ndim
-    wg = compat.grouped(w, ax, g)
+    # gathered along the groups' axis where split over explicit mesh axes (as before
+    # compat.grouped: the ranges come out unsplit, as a scan's carry of them is typed)
+    wg = compat.grouped(compat.unsplit(w, (ax,)), ax, g)
     gaxes = (ax + 1,)  # within each group; the other contracted axes keep their length
     lo, hi = _checked(calibrator, wg, gaxes, qtype)
     return (jnp.squeeze(jnp.asarray(lo), ax + 1), jnp.squeeze(jnp.asarray(hi), ax + 1))

@@ -1672,6 +1672,14 @@ def test_two_leaves_with_one_key_are_named():
         jqt.calibrate(lambda p, q, x: x @ p["w"] @ q["w"], jqt.recipes.w8a8(), ({"w": w1}, {"w": w2}),
                       [(x,)], weight_argnums=(0, 1), progress=False)
 
+        def star(arg1, *rest):  # rest[0] was named 'arg1' too: one key for both weights
+            q, x = rest
+            return x @ arg1["w"] @ q["w"]
+
+        qp = jqt.calibrate(star, jqt.recipes.w8a8(), ({"w": w1}, {"w": w2}), [(x,)],
+                           weight_argnums=(0, 1), progress=False)
+    assert {k: v.source.arg for k, v in qp.items()} == {"arg1/w": 0, "arg1_/w": 1}
+
 
 def test_a_metric_may_call_g_with_keyword_arguments():
     """``jqt.sensitivity`` and ``jqt.fallback`` hand the metric functions with ``f``'s

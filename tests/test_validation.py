@@ -1486,6 +1486,9 @@ def test_rules_that_decide_no_op_and_ops_no_rule_matches_are_said():
     conv_only = _messages(lambda: cal((dataclasses.replace(w8, key="w1", ops=("conv_general_dilated",)), w8)))
     assert any("rule 0 (Rule(key='w1')) decides no op: its key matches 'w1' (dot_general), but its "
                "ops=('conv_general_dilated',) leave out that primitive" in m for m in conv_only)
+    # a preset's conv rule copied alone: adding the op to ops= would give it the conv
+    # rule's types, so the warning points at the preset's last rule (hunt72_recipes)
+    assert any("copy its last, preset.rules[-1]" in m for m in conv_only)
     # ... unless a later rule of the same key decides it: a preset's rules re-keyed to one op,
     # whose conv rule (symmetric=False) was warned of with advice that made the op's weight
     # the conv rule's int4 sym per-channel (hunt51_mixedrules)

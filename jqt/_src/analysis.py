@@ -393,8 +393,11 @@ class Analyzer:
             other = self.key_leaves.setdefault(base, leaf)
             if other != leaf:
                 self._defer(("same key", base), (
-                    f"jqt: two leaves of argument {leaf[0]} of f, {self._leaf_name(other)} and "
-                    f"{self._leaf_name(leaf)}, have the same key '{base}' (a dict key holding "
+                    (f"jqt: two leaves of argument {leaf[0]} of f, {self._leaf_name(other)} and "
+                     f"{self._leaf_name(leaf)}," if other[0] == leaf[0] else
+                     f"jqt: two leaves, {self._leaf_name(other)} of argument {other[0]} of f and "
+                     f"{self._leaf_name(leaf)} of argument {leaf[0]},")
+                    + f" have the same key '{base}' (a dict key holding "
                     "'/' or '#': jqt joins a leaf's path with '/' and numbers an op that reads "
                     "a leaf again '#1'; or an empty key, whose leaf takes the name of f's "
                     "parameter), so the ops that read the second are keyed as if they read "

@@ -915,6 +915,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
         elif other:  # the key matches, its ops= does not
             why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
                    "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
+            if r.ops == ("conv_general_dilated",) and any(
+                    s.op != "conv_general_dilated" for s in others):
+                why += (". If this rule is a copy of a preset's first rule: a preset with "
+                        "symmetric=False puts a rule for convolutions first, with their own "
+                        "types (symmetric per channel); copy its last, preset.rules[-1], for "
+                        "the other ops instead")
         else:
             why = (f"its key matches none of the op keys ({listed(keys)}); check the pattern "
                    "(jqt.summarize lists the keys)")

@@ -353,13 +353,14 @@ def _arg_names(f, n):
         params = list(call_signature(f).parameters.values())
     except (TypeError, ValueError):
         params = []
-    names = []
-    for i in range(n):
-        if i < len(params) and params[i].kind in (params[i].POSITIONAL_ONLY,
-                                                    params[i].POSITIONAL_OR_KEYWORD):
-            names.append(params[i].name)
-        else:
-            names.append(f"arg{i}")
+    positional = [p.name for p in params[:n]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = positional[:]
+    for i in range(len(positional), n):  # in *args (or no signature): made-up, none taken
+        name = f"arg{i}"
+        while name in positional:  # def f(arg1, *rest): rest[0] is not 'arg1' too
+            name += "_"
+        names.append(name)
     return names
 
 

@@ -919,3 +919,31 @@ def test_labels_refuse_packed_weights_among_several_weight_arguments():
                            r"fine-tune the float params"):
             fn((packed[0], b), qp)
     assert jqt.qat.labels((a, b), qp)  # the float weights: labelled
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "w8a8", "w4a8 g16"])
+def test_an_activation_and_weight_scale_both_repaired_from_infinity_give_zeros_not_nan(recipe):
+    """A diverged step that makes the activation's scale and a weight channel's infinite:
+    project repairs both to a large finite value, and their product overflowed float32
+    on the integer path, whose accumulator of zero codes times it gave NaN (fp8 dense ops
+    on float params, fp8 and int8 convolutions; hunt72_fp8extremes). The scales are
+    applied one at a time where their product overflows: zeros, as the simulated path."""
+    r = {"fp8": jqt.recipes.fp8, "w8a8": jqt.recipes.w8a8,
+         "w4a8 g16": lambda: jqt.recipes.w4a8(group_size=16)}[recipe]()
+    conv = lambda p, x: jax.lax.conv_general_dilated(x, p["w"], (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    dense = lambda p, x: x @ p["w"]
+    rng = np.random.default_rng(0)
+    cases = [(dense, (32, 8), (3, 32))] + ([(conv, (3, 3, 4, 8), (1, 4, 4, 4))] if recipe != "w4a8 g16" else [])
+    for f, ws, xs in cases:
+        p = {"w": jnp.asarray(rng.standard_normal(ws) * 0.1, jnp.float32)}
+        x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
+        q = jqt.calibrate(f, r, p, [(x,)], progress=False)["w"]
+        bad = dataclasses.replace(q, lhs=dataclasses.replace(q.lhs, scale=jnp.full_like(q.lhs.scale, jnp.inf)),
+                                  rhs=dataclasses.replace(q.rhs, scale=q.rhs.scale.at[..., 2].set(jnp.inf)))
+        fixed = jqt.qat.project({"w": bad})
+        sim = jqt.quantize(f, fixed, simulate=True)(p, x)
+        for w in (p, jqt.pack(fixed, p)):
+            out = jax.jit(jqt.quantize(f, fixed))(w, x)
+            assert bool(jnp.isfinite(out).all()), (f, type(w))
+            np.testing.assert_allclose(out, sim, atol=1e-5)

@@ -213,7 +213,7 @@ def int_dense(ax, x, w, policy):
                   for lo, hi in chunks(k, kc))
     # the scales' product first: acc * scale_x alone can overflow float32 when the
     # activation's range is near float32's maximum
-    return acc * (ax.act_vec(x.scale.astype(_F32)) * w.scale.astype(_F32))
+    return scaled(acc, ax.act_vec(x.scale.astype(_F32)), w.scale.astype(_F32))
 
 
 def codes_as_bfloat16(x2, w2, layout, policy, zx=None):
@@ -324,7 +324,7 @@ def int_dense_grouped(ax, x, w, policy):
             acc = acc - per_group(zw, g) * jnp.sum(xg, axis=1, keepdims=True, dtype=_I32)
             if zx is not None:
                 acc = acc + zx * per_group(zw, g) * gs
-        out = out + acc.astype(_F32) * (sx * per_group(scale, g))
+        out = out + scaled(acc.astype(_F32), sx, per_group(scale, g))
     return out
 
 
@@ -392,13 +392,17 @@ def float_codes(ax, x):
 def scaled(out, *scales):
     """``out`` times the product of ``scales`` (broadcastable to it), the product first
     (the accumulator times one large scale can overflow); where that product is below
-    float32's normal range (two small scales: flushed to 0), the scales one after the
-    other (the output is then small), behind barriers (XLA folds two factors into one).
+    float32's normal range (two small scales: flushed to 0) or above its maximum (two
+    large ones, such as the ones ``jqt.qat.project`` puts in place of infinite scales: a
+    zero accumulator would give inf x 0 = NaN), the scales one after the other, behind
+    barriers (XLA folds two factors into one).
 
     >>> import jax.numpy as jnp
     >>> y = scaled(jnp.float32(2e11), jnp.float32(1e-4), jnp.float32(5e-35))  # 1e-39 flushed
     >>> bool(abs(float(y) / 1e-27 - 1) < 1e-6)
     True
+    >>> float(scaled(jnp.float32(0), jnp.float32(1e36), jnp.float32(1e36)))  # 1e72: inf
+    0.0
     """
     factor = scales[0]
     for s in scales[1:]:
@@ -408,8 +412,9 @@ def scaled(out, *scales):
     apart = out
     for s in scales:
         apart = lax.optimization_barrier(apart * s)
-    return jnp.where(jnp.abs(factor) >= jnp.finfo(_F32).tiny, out * factor, apart)  # (a 0
-    # scale: 0 both ways)
+    size = jnp.abs(factor)
+    fine = (size >= jnp.finfo(_F32).tiny) & (size <= jnp.finfo(_F32).max)
+    return jnp.where(fine, out * factor, apart)  # (a 0 scale: 0 both ways)
 
 
 def fp8_dense(ax, x, w, policy):

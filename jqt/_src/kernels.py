@@ -134,7 +134,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
     if qx.dtype == jnp.int16:  # w8a16's codes whole (takes_wide): exact products, float32 sums
         acc = _conv(qx.astype(_F32), qw.astype(_F32), cp, precision=lax.Precision.HIGHEST)
         sx = _out_batch(sx.astype(_F32), params, out_ndim)
-        return (acc * (sx * _out_channel(sw.astype(_F32), params, out_ndim))).astype(out_dtype)
+        return dense.scaled(acc, sx, _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
     zx = _out_batch(int_zp(zx), params, out_ndim)
     if zx is not None and zx.ndim == 0 and all(d == 1 for d in cp["lhs_dilation"]):
         # pad with the zero point, whose real value is exactly 0, then correct by
@@ -159,7 +159,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
             ones = jnp.ones(shape, np.int8)
             acc = acc - zx * _int_conv(ones, qw, cp, codes_as_float)
     sx = _out_batch(sx.astype(_F32), params, out_ndim)
-    out = acc.astype(_F32) * (sx * _out_channel(sw.astype(_F32), params, out_ndim))
+    out = dense.scaled(acc.astype(_F32), sx, _out_channel(sw.astype(_F32), params, out_ndim))
     return out.astype(out_dtype)
 
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .dense import scaled
+
 _I32 = jnp.int32
 _F32 = jnp.float32
 
@@ -69,7 +71,7 @@ def conv(x_op, w_op, params, out_shape):
     if zx is not None:
         wsum = jnp.sum(w2, axis=0, dtype=_I32) if wsum is None else wsum.reshape(-1)
         acc = acc - per_example(zx) * wsum
-    out = acc.astype(_F32) * per_example(sx.astype(_F32)) * sw.astype(_F32).reshape(-1)
+    out = scaled(acc.astype(_F32), per_example(sx.astype(_F32)), sw.astype(_F32).reshape(-1))
     perm = [0] * (nsp + 2)
     perm[os_[0]], perm[os_[1]] = 0, nsp + 1
     for i in range(nsp):

@@ -76,7 +76,7 @@ def integer(eqn, x, wq, sizes):
         acc = acc - jnp.round(zx.astype(_F32)).astype(_I32) * wsum[g]
     sw = wq.scale.astype(_F32)  # (G, 1, N) per expert and channel, or one (per tensor)
     sw = sw[:, 0, :][g] if sw.ndim == 3 else sw
-    out = acc.astype(_F32) * sx.astype(_F32) * sw
+    out = dense.scaled(acc.astype(_F32), sx.astype(_F32), sw)
     return [jnp.where(live[:, None], out, 0.0).astype(eqn.outvars[0].aval.dtype)]
 
 

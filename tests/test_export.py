@@ -454,8 +454,15 @@ def test_version_mismatch_is_a_clear_error(tmp_path, models):
     npz = str(tmp_path / "qp.npz")
     header = json.dumps({"format": "jqt.qparams", "version": 7, "ops": {}})
     np.savez(npz, __header__=np.frombuffer(header.encode(), np.uint8))
-    with pytest.raises(ValueError, match="version 7"):
+    with pytest.raises(ValueError, match="version 7.*Upgrade jqt"):
         jqt.load(npz)
+    # no version, or an older one than this jqt reads: not "a newer file" (hunt72_exportproc)
+    for v, said in ((0, "an older jqt's file, or a damaged one"), (None, "has an integer version")):
+        jqt.save_packed(src, packed, qp)
+        _rewrite_header(src, dst, version=v)
+        with pytest.raises(ValueError, match=f"version {v}; .*{said}") as e:
+            jqt.load_packed(dst)
+        assert "Upgrade" not in str(e.value)
 
 
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
@@ -814,3 +821,36 @@ def test_export_of_a_strided_conv_over_a_symbolic_image_size(recipe):
         x = jax.random.normal(k[2], shape)
         want = qf(pk, x)
         np.testing.assert_allclose(exp.call(pk, x), want, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_a_qparams_file_whose_scale_does_not_fit_its_weight_is_refused_at_load(tmp_path):
+    """docs/export.md: every load checks that shapes and group counts fit together. A
+    jqt.save file edited consistently (the group size, or a scale one group or one
+    channel short, with the header's tensor table to match) loaded, and the server of an
+    exported function that takes the qparams got JAX's shape error, which names no file
+    (hunt72_exportproc). The scale is checked against the weight's recorded shape."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(jax.random.key(0), (64, 24)) * 0.3}
+    src, dst = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+
+    def edit(recipe, header=None, cut=None):
+        jqt.save(src, jqt.calibrate(f, recipe, p, [(jnp.ones((2, 64)),)], progress=False))
+        with safetensors.safe_open(src, framework="np") as fh:
+            meta, t = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        h = json.loads(meta["jqt"])
+        if header:
+            header(h["ops"]["w"]["rhs"]["qtype"])
+        if cut:
+            t["w/rhs.scale"] = np.ascontiguousarray(cut(t["w/rhs.scale"]))
+            h["tensors"]["w/rhs.scale"][0] = list(t["w/rhs.scale"].shape)
+        safetensors.numpy.save_file(t, dst, metadata=dict(meta, jqt=json.dumps(h)))
+        jqt.load(src)  # the file as saved loads
+
+    cases = [(jqt.recipes.w4(group_size=16), lambda q: q.update(group_size=32), None, "[2, 24]"),
+             (jqt.recipes.w4(group_size=16), None, lambda s: s[:3], "[4, 24]"),
+             (jqt.recipes.w8a8(), None, lambda s: s[:, :23], "[1, 24]")]
+    for recipe, header, cut, needs in cases:
+        edit(recipe, header, cut)
+        with pytest.raises(FormatError, match=re.escape(f"{dst} is damaged: op 'w' rhs.scale has shape")
+                           + ".*does not fit the weight operand \\(64, 24\\).*" + re.escape(f"needs {needs}")):
+            jqt.load(dst)

@@ -527,6 +527,15 @@ def reading(r, keep=()):
         raise r.error(f"reading it failed ({type(e).__name__}: {_first_line(e)})") from e
 
 
-def version_error(fn, path, fmt, version, want):
-    return FormatError(f"{fn}: {path} holds format {fmt!r} version {version!r}; this jqt reads "
-                       f"{want}. Upgrade jqt (newer file) or re-save it with this one.")
+def version_error(fn, path, fmt, version, want, read):
+    """The error for a file of a version outside ``read`` (those this jqt reads of its kind;
+    ``want``: all of them, said): a newer file, an older one, or one without a version
+    (damaged, or not jqt's)."""
+    said = f"{fn}: {path} holds format {fmt!r} version {version!r}; this jqt reads {want}."
+    if not isinstance(version, int) or isinstance(version, bool):
+        return FormatError(f"{said} A jqt file has an integer version: this one is damaged or "
+                           "was not written by jqt. Re-save it with jqt (or restore a good copy).")
+    if version > max(read):
+        return FormatError(f"{said} Upgrade jqt (a newer jqt wrote it) or re-save it with this one.")
+    return FormatError(f"{said} It is an older jqt's file, or a damaged one: load it with the "
+                       "jqt that wrote it and re-save it with this one (or restore a good copy).")

@@ -436,7 +436,7 @@ def _read_packed(r, path, like):
     if r.format != PACKED_FORMAT:
         raise FormatError(f"{fn}: {path} is not a jqt packed-weights file (format {r.format!r}).")
     if r.version not in PACKED_READ:
-        raise version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}")
+        raise version_error(fn, path, r.format, r.version, f"versions {PACKED_READ}", PACKED_READ)
     h = r.header
     avals, paths = _read_avals(r, h)
     treedef = (_check_like(like, avals, paths, path, h.get("tree_repr")) if like is not None

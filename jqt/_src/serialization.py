@@ -506,7 +506,8 @@ def load(path) -> dict:
 def _load_qparams(r, path):
     if r.format == PACKED_FORMAT:
         if r.version not in PACKED_READ:
-            raise version_error("jqt.load", path, r.format, r.version, f"versions {PACKED_READ}")
+            raise version_error("jqt.load", path, r.format, r.version, f"versions {PACKED_READ}",
+                                PACKED_READ)
         if r.header.get("qparams") is None:
             raise FormatError(f"jqt.load: {path} holds packed weights without qparams (saved by "
                               "jqt.save_packed without qparams=); read it with jqt.load_packed.")
@@ -515,7 +516,7 @@ def _load_qparams(r, path):
         raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
     if r.version not in ST_READ:
         raise version_error("jqt.load", path, r.format, r.version,
-                             f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)")
+                            f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)", ST_READ)
     return qparams_from_entries(r.need(r.header, "ops", dict, "the header"), r)
 
 
@@ -523,5 +524,5 @@ def _load_npz(path):
     with NpzReader(path, "jqt.load") as r, reading(r):
         if r.format != FORMAT or r.version not in NPZ_READ:
             raise version_error("jqt.load", path, r.format, r.version,
-                                 f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)")
+                                f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)", NPZ_READ)
         return qparams_from_entries(r.need(r.header, "ops", dict, "the header"), r)

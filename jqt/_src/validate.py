@@ -230,7 +230,21 @@ def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> 
         return (f"{name} has shape {list(sshape)}, which does not fit the weight: its "
                 f"contracted axes {list(source.contract)} (after {depth} stacked axes) share "
                 f"one scale{' per group' if qtype.group_size else ''}")
-    return ""
+    if shape is None or not all(isinstance(n, int) for n in shape):
+        return ""
+    # one scale per position of every other axis; a grouped type's per group of one of
+    # the contracted axes (the op's: a dot's innermost) and per position of the others
+    g = qtype.group_size
+    fits = (lambda cut: tuple(shape[d] // g if d == cut else 1 if d in shared else shape[d]
+                              for d in range(len(shape))))
+    options = [fits(a) for a in axes if shape[a] % g == 0] if g else [fits(None)]
+    if sshape in options:
+        return ""
+    return (f"{name} has shape {list(sshape)}, which does not fit the weight operand "
+            f"{tuple(shape)} ({qtype.describe()}): it needs "
+            + " or ".join(str(list(o)) for o in options) if options else
+            f"{name}: the weight operand {tuple(shape)} has no contracted axis of a multiple "
+            f"of its group size {g}")
 
 
 def check_qparams_types(qparams, fn: str = "jqt") -> None:

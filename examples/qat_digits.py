@@ -42,8 +42,9 @@ RECIPE = jqt.Recipe(rules=(jqt.Rule(key="Conv_0", weight=W4, activation=A8),
 EPOCHS, BATCH = 10, 64
 # One optimizer per part (jqt.qat.parts). Adam moves a leaf by about its learning rate per
 # step whatever the leaf's size, while the scales here span 0.004 (the input's) to 5: so
-# the scales' steps are made relative to each scale (optax.scale_by_param_block_rms
-# multiplies a leaf's update by its RMS value), 1% per step for every scale. Zero points
+# the scales' steps are made relative to them (optax.scale_by_param_block_rms multiplies
+# a leaf's update by its RMS value): 1% per step for every activation scale (one per op
+# here), and of their RMS for a weight's channel scales. Zero points
 # are float leaves rounded in the forward pass: 1e-2 moves one code in about 100 steps.
 LR_WEIGHTS, LR_SCALES, LR_ZERO_POINTS = 1e-3, 1e-2, 1e-2
 MIN_RECOVERY = 0.5     # the fine-tune must win back at least half of what PTQ lost

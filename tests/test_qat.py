@@ -947,3 +947,42 @@ def test_an_activation_and_weight_scale_both_repaired_from_infinity_give_zeros_n
             out = jax.jit(jqt.quantize(f, fixed))(w, x)
             assert bool(jnp.isfinite(out).all()), (f, type(w))
             np.testing.assert_allclose(out, sim, atol=1e-5)
+
+
+def test_relative_steps_per_leaf_and_elementwise_on_a_scan_of_layers_of_other_sizes():
+    """docs/fine-tuning.md: scale_by_param_block_rms makes a leaf's steps relative to its
+    RMS, and a scan's layers share one leaf of activation scales (here 0.0003, 0.09 and
+    0.008): the first layer's scale takes steps far larger than itself and the loss rises,
+    where the documented elementwise form steps each scale by lr of its own size
+    (hunt72_qatscan: the docs said every scale moved by lr of its own size)."""
+    gains = jnp.array([0.01, 300.0, 1.0])
+    k = jax.random.split(jax.random.key(0), 2)
+    w = jax.random.normal(k[0], (3, 16, 16)) / 4
+    x = jax.random.normal(k[1], (64, 16))
+    f = lambda w, x: jax.lax.scan(lambda h, wg: (jnp.tanh((h * wg[1]) @ wg[0]), None), x, (w, gains))[0]
+    target = f(w, x)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    (key,) = qp
+    s0 = np.asarray(qp[key].lhs.scale).ravel()
+    assert s0.shape == (3,) and s0.max() / s0.min() > 100
+    elementwise = optax.stateless(lambda u, p: jax.tree.map(lambda u, p: u * jnp.abs(p), u, p))
+    loss = lambda q: jnp.mean((jqt.quantize(f, q, simulate=True)(w, x) - target) ** 2)
+    out = {}
+    for name, last in (("block", optax.scale_by_param_block_rms(1e-12)), ("elementwise", elementwise)):
+        tx = optax.multi_transform({"activation_scales": optax.chain(optax.adam(1e-2), last),
+                                    "freeze": optax.set_to_zero()},
+                                   jqt.qat.labels(w, qp, train="activation_scales", per_part=True))
+
+        @jax.jit
+        def step(q, o):
+            u, o = tx.update((jnp.zeros_like(w), jax.grad(loss)(q)), o, (w, q))
+            return jqt.qat.project(optax.apply_updates((w, q), u)[1]), o
+
+        q, o, worst = qp, tx.init((w, qp)), np.zeros(3)
+        for _ in range(10):
+            prev = np.asarray(q[key].lhs.scale).ravel()
+            q, o = step(q, o)
+            worst = np.maximum(worst, np.abs(np.asarray(q[key].lhs.scale).ravel() - prev) / prev)
+        out[name] = worst, float(loss(q)) / float(loss(qp))
+    assert out["block"][0][0] > 10 and out["block"][1] > 5
+    assert out["elementwise"][0].max() < 0.02 and out["elementwise"][1] < 1.1

@@ -36,8 +36,10 @@ pass (see ``numerics.py``).
 
 Adam moves a leaf by about its learning rate per step whatever the leaf's size,
 and scales span orders of magnitude (an int8 input's 0.004, an int2
-activation's 5): make the scales' steps relative to each scale with
-``optax.chain(optax.adam(lr), optax.scale_by_param_block_rms(1e-12))``.
+activation's 5): make the scales' steps relative to each leaf's scales with
+``optax.chain(optax.adam(lr), optax.scale_by_param_block_rms(1e-12))`` (relative to
+their RMS: where one leaf holds scales of very different sizes, a scan's stacked
+layers, scale each update by its own scale elementwise, docs/fine-tuning.md).
 
 A fine-tune of the scales and zero points of a matmul calibrated on a batch
 with an outlier (its activation scale is 17 times too large), weights frozen:

@@ -574,6 +574,23 @@ def test_equinox_mlp():
     assert p.lhs.scale.shape == (16, 1)  # weight is (out, in): one scale per output row
 
 
+def test_an_equinox_template_partitioned_with_is_array_is_named(tmp_path):
+    """``eqx.is_array`` is False for a ``jax.ShapeDtypeStruct``: a template of
+    ``eqx.filter_eval_shape`` partitioned with it holds no leaves, and load_packed said
+    only that like= had 0 (hunt72_eqxformats). It names the filter and the fix."""
+    params, static = _eqx_mlp(9)
+    f = _eqx_fn(static)
+    qp = jqt.calibrate(f, jqt.recipes.w8(), params, _batches(10, (8, 6))[:1], progress=False)
+    path = str(tmp_path / "m.safetensors")
+    jqt.save_packed(path, jqt.pack(qp, params), qp)
+    abstract = eqx.filter_eval_shape(eqx.nn.MLP, 6, 4, 16, 2, key=jax.random.key(0))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"like= has 0 leaves.*eqx.is_array.*"
+                                                       r"isinstance\(v, jax.ShapeDtypeStruct\)"):
+        jqt.load_packed(path, like=eqx.partition(abstract, eqx.is_array)[0])
+    good = eqx.partition(abstract, lambda v: isinstance(v, jax.ShapeDtypeStruct))[0]
+    assert isinstance(jqt.load_packed(path, like=good), jqt.PackedParams)
+
+
 def test_equinox_state_a_model_sets_is_returned_as_equinox_returns_it():
     """A model that updates an ``eqx.nn.State`` (a ``StateIndex`` step counter, as BatchNorm
     in training mode keeps its statistics) and returns the new state: ``state.set`` leaves

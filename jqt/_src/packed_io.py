@@ -836,9 +836,15 @@ def _check_like(like, avals, paths, path, tree_repr=None):
             f"{len(flat)}): leaves are matched by position, so a template of other params "
             "could swap two leaves of one shape. Pass a template of the params that were packed.")
     if len(flat) != len(avals):
+        nones = sum(x is None for x in jax.tree_util.tree_leaves(like, is_leaf=lambda x: x is None))
         raise QParamsMismatchError(
             f"jqt.load_packed: like= has {len(flat)} leaves, but the params packed in {path} had "
-            f"{len(avals)}. Pass a template of the params that were packed.")
+            f"{len(avals)}. Pass a template of the params that were packed."
+            + (f" like= holds None in {nones} place(s): an Equinox template partitioned with "
+               "eqx.is_array has None where jax.ShapeDtypeStructs were (eqx.is_array takes "
+               "arrays only): partition it with lambda v: isinstance(v, jax.ShapeDtypeStruct), "
+               "or give the arrays' template, jax.eval_shape(lambda: params)."
+               if len(flat) < len(avals) and nones else ""))
     for i, (x, a) in enumerate(zip(flat, avals)):
         shape, dtype = tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
         if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

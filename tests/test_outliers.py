@@ -368,6 +368,28 @@ def test_gptq_improves_and_packs_losslessly(recipe):
     np.testing.assert_allclose(sim(pq, x), q(pq, x), rtol=2e-3, atol=2e-3)
 
 
+def test_gptq_warns_of_fewer_calibration_rows_than_inputs():
+    """GPTQ's Hessian from fewer rows than the op's inputs is a poor estimate and its
+    weights could do worse than the nearest codes on other data, silently
+    (hunt72_gptqscan): it warns with the counts, once for the ops of one count."""
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k[0], (2, 64, 64)) * 0.1, "w2": jax.random.normal(k[1], (64, 16)) * 0.1}
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["w1"])[0] @ p["w2"]
+    for rows, said in ((16, ["'w1': 16 calibration rows for its 64 inputs", "1 more op: 'w2'"]),
+                       (64, [])):
+        batches = [(jax.random.normal(k[2], (rows, 64)),)]
+        qp = jqt.calibrate(f, jqt.recipes.w4(group_size=32), p, batches, progress=False)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            jqt.gptq(f, qp, p, batches, progress=False)
+        msgs = [str(w.message) for w in got if "calibration rows for its" in str(w.message)]
+        assert all(any(s in m for m in msgs) for s in said) and len(msgs) == (1 if said else 0), msgs
+    # a first batch f cannot run: named with its shapes, as later batches are (it was not)
+    with pytest.raises(TypeError) as e:
+        jqt.gptq(f, qp, p, [(jnp.ones((4, 65)),)], progress=False)
+    assert "jqt.gptq: raised while tracing f on batch 0 (argument shapes [(4, 65)])" in e.value.__notes__
+
+
 def test_gptq_of_per_tensor_weights_stacked_in_a_scan_and_of_moved_arguments():
     """A per-tensor type on layers stacked in a lax.scan has a scale per layer, (L,), which
     GPTQ broadcast against (L, K, N) from the right (a ValueError); and GPTQ of a function

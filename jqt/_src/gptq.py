@@ -321,6 +321,14 @@ def _rerounded(site, qp, leaf, h, n, opts):
                 "features, or inputs that move together). " + (
                     "Pass damp > 0 (0.01 by default) or more calibration rows." if opts["damp"] == 0
                     else "Pass a larger damp (0.01 by default) or more calibration rows.")) from None
+    seen = [float(n[i[:depth]]) for i in np.ndindex(*lead) if (i[0] if len(i) == 1 else i) not in unseen]
+    if seen and min(seen) < w2.shape[nlead]:  # (AWQ damps this case, outliers.py)
+        diagnostics.warn_grouped(
+            "rows", f"jqt.gptq: op '{site.key}': {int(min(seen))} calibration rows for its "
+            f"{w2.shape[nlead]} inputs: from fewer rows than inputs the Hessian GPTQ spreads the "
+            "rounding error with is a poor estimate, and the re-rounded weight can do worse on "
+            "other data than the nearest codes jqt.pack would take. Pass more rows (at least as many as inputs; more is "
+            "better) in the batches.", f"'{site.key}'")
     if unseen and not lead:  # no calibration row reached the op: every input "dead"
         diagnostics.warn_grouped("zero", f"jqt.gptq: op '{site.key}': its calibration inputs were "
                                  "all zero (a zero Hessian); it keeps plain rounding. Calibrate on "
@@ -450,6 +458,8 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     except Exception as e:
         if note := validate.argnums_note(qparams, argnums, "jqt.gptq"):
             e.add_note(note)
+        e.add_note(f"jqt.gptq: raised while tracing f on batch 0 (argument shapes "
+                   f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(batches[0])]})")
         raise
     validate.check_keys(traced, qparams, "jqt.gptq")
     keys = {s.key for s in traced.sites()}

@@ -629,6 +629,25 @@ def test_a_mask_that_varies_along_the_features_is_not_a_cache(setup):
         assert not [k for k in qp if "kv_cache" in k and not qp[k].is_float]
 
 
+def test_a_cache_added_into_is_named_in_the_warning(setup):
+    """``cache.at[:, pos].add(k)`` into a zeroed cache computes what ``.set`` does, but a
+    scatter-add is no cache write: the buffer stays float, and the warning, which listed
+    the other near misses, did not name it (hunt72_pagedcache)."""
+    p, cal, x = setup
+
+    def added(p, tokens):
+        def body(carry, tok):
+            cache, pos = carry
+            logits, new = _step(p, cache, tok, pos, lambda buf, x, pos: buf.at[:, pos].add(x))
+            return (new, pos + 1), logits
+        return lax.scan(body, (_empty(), jnp.int32(0)), tokens.T)[1]
+
+    with pytest.warns(UserWarning, match=r"no loop of f carries a buffer.*added into "
+                                         r"\(\.at\[\.\.\.\]\.add; write a zeroed slot with \.at\[\.\.\.\]\.set\)"):
+        qp = jqt.calibrate(added, jqt.recipes.w8(kv_cache=True), p, cal, progress=False)
+    assert not [k for k in qp if "kv_cache" in k]
+
+
 def test_collected_outputs_are_not_a_cache(setup):
     """teacher_while's logits buffer is written in the loop but never read: it stays float."""
     p, cal, x = setup

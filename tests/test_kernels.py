@@ -901,3 +901,30 @@ def test_a_conv_of_few_channels_runs_to_an_empty_output(stride, pad, length):
         x = jnp.ones((2, length, 4))
         y = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, p), x)
         assert y.shape == f(p, x).shape == (2, 0, 8)
+
+
+@pytest.mark.parametrize("recipe", ["w8", "w8a8", "fp8"])
+def test_a_float16_dot_algorithm_does_not_reach_the_dots_over_codes(recipe):
+    """A dot's ``precision=lax.DotAlgorithmPreset.F16_F16_F16``, or the same preset from
+    ``jax.default_matmul_precision``, sums in float16: jqt's own dots over codes took it
+    (the op's, or the global one where they had none), where codes times activations
+    overflow float16 (fp8 units reach 114688) and an int8 dot in float16 gives wrong int32
+    sums: inf or silently wrong outputs where float and the simulated path were finite
+    (hunt72_dotprecision). jqt's dots over codes keep float32 (and int32) sums."""
+    r = {"w8": jqt.recipes.w8, "w8a8": jqt.recipes.w8a8, "fp8": jqt.recipes.fp8}[recipe]()
+    f16 = lax.DotAlgorithmPreset.F16_F16_F16
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((256, 48)) * 0.01, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 256)) * 100, jnp.float32)
+    conv = lambda p, x: lax.conv_general_dilated(x, p["w"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+    cases = [(lambda p, x: jnp.dot(x, p["w"], precision=f16), p, x, False),
+             (lambda p, x: x @ p["w"], p, x, True),
+             (conv, {"w": p["w"][None]}, x[None], True)]
+    for f, params, xs, globally in cases:
+        qp = jqt.calibrate(f, r, params, [(xs,)], progress=False)
+        for w in (params, jqt.pack(qp, params)):
+            with jax.default_matmul_precision("F16_F16_F16" if globally else None):
+                ys = jqt.quantize(f, qp, simulate=True)(params, xs)
+                yi = jax.jit(jqt.quantize(f, qp))(w, xs)
+            assert bool(jnp.isfinite(ys).all()) and bool(jnp.isfinite(yi).all()), (recipe, globally)
+            assert float(jnp.max(jnp.abs(yi - ys)) / jnp.max(jnp.abs(ys))) < 3e-3, (recipe, globally)

@@ -186,7 +186,7 @@ def int_matmul(x2, w2, layout, pad_rows):
     if isinstance(m, int) and m < pad_rows:  # a symbolic row count (jax.export) is not padded
         x2 = jnp.pad(x2, ((0, pad_rows - m), (0, 0)))
     dn = (((1,), (contract_dim(layout),)), ((), ()))
-    return lax.dot_general(x2, w2, dn, preferred_element_type=_I32)[:m]
+    return lax.dot_general(x2, w2, dn, precision=code_precision(), preferred_element_type=_I32)[:m]
 
 
 def int_dense(ax, x, w, policy):
@@ -235,7 +235,7 @@ def codes_as_bfloat16(x2, w2, layout, policy, zx=None):
     if zx is not None:
         x2 = x2.astype(jnp.int16) - zx.astype(jnp.int16)  # in [-255, 255]
     dn = (((1,), (contract_dim(layout),)), ((), ()))
-    return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn,
+    return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn, precision=code_precision(),
                            preferred_element_type=_F32)
 
 
@@ -389,6 +389,28 @@ def float_codes(ax, x):
     return qx2
 
 
+def code_precision(precision=None):
+    """The precision of a dot or convolution jqt runs over codes (or fp8 values in units
+    of their scale), scaled after the sum: the op's own where it is ``lax.Precision``
+    values, else ``DEFAULT``, explicit. A dot algorithm preset, the op's own
+    (``precision=lax.DotAlgorithmPreset.F16_F16_F16``) or one
+    ``jax.default_matmul_precision`` gives a dot without one, sums in float16, where codes
+    times activations overflow (fp8 units reach 114688), or runs an int8 dot in float16
+    (its int32 sums wrong).
+
+    >>> from jax import lax
+    >>> code_precision(lax.DotAlgorithmPreset.F16_F16_F16) == (lax.Precision.DEFAULT,) * 2
+    True
+    >>> code_precision((lax.Precision.HIGHEST, lax.Precision.HIGHEST))[0] == lax.Precision.HIGHEST
+    True
+    """
+    if isinstance(precision, tuple) and all(isinstance(p, lax.Precision) for p in precision):
+        return precision
+    if isinstance(precision, lax.Precision):
+        return (precision, precision)
+    return (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+
+
 def scaled(out, *scales):
     """``out`` times the product of ``scales`` (broadcastable to it), the product first
     (the accumulator times one large scale can overflow); where that product is below
@@ -425,7 +447,7 @@ def fp8_dense(ax, x, w, policy):
     x2 = ax.act_2d(x.values)
     if policy.fp8_native and not w.qtype.group_size:
         dn = (((1,), (contract_dim(w.layout),)), ((), ()))
-        out = lax.dot_general(x2, w.values, dn, preferred_element_type=_F32)
+        out = lax.dot_general(x2, w.values, dn, precision=code_precision(), preferred_element_type=_F32)
         return scaled(out, ax.act_vec(x.scale.astype(_F32)), w.scale.astype(_F32))
     if fp8_as_bfloat16(x2.shape[0], w, policy):
         return _fp8_bfloat16(ax, x, x2, w, policy)
@@ -477,7 +499,7 @@ def _fp8_bfloat16(ax, x, x2, w, policy):
     v = nx.after(v, x2) if policy.decode_after_input else v
     wb = nx.fp8_units(v, w.qtype.grid).astype(jnp.bfloat16)
     dn = (((1,), (contract_dim(w.layout),)), ((), ()))
-    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn,
+    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn, precision=code_precision(),
                           preferred_element_type=_F32)
     return out * lo * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]) * hi
 
@@ -731,7 +753,7 @@ def weight_only_2d(x2, w, policy, precision):
         # into chunks, and a block of output channels cut from a split N is not typed either
         chunk = 0
         n_chunk = 0 if (1 - kd) in compat.sharded_dims(v) else n_chunk
-    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=code_precision(precision),
                                        preferred_element_type=_F32)
     dt = decode_dtype(x2.dtype, w, policy, m)
     if dt != _F32:

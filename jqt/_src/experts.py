@@ -88,7 +88,7 @@ def batched_digits(site, eqn, ops, policy):
     def decoded(x, wq):
         wf = groups.dequantize(wq.values, wq.scale, wq.zero_point, wq.qtype, 0)  # per channel
         args = [x.astype(_F32), wf] if w == 1 else [wf, x.astype(_F32)]
-        return lax.dot_general(*args, dn, preferred_element_type=_F32)
+        return lax.dot_general(*args, dn, precision=dense.code_precision(), preferred_element_type=_F32)
 
     return gemv.derivative_of(decoded, lambda x, wq: _batched_digits(eqn, w, x, wq, policy),
                               ops[1 - w], to_operand(site, eqn, ops[w]))
@@ -157,11 +157,11 @@ def decoded_whole(site, eqn, ops):
     x = ops[1 - w]
     if not isinstance(x, QArray):
         args = [x, wf.astype(x.dtype)] if w == 1 else [wf.astype(x.dtype), x]
-        return lax.dot_general(*args, dn, precision=eqn.params.get("precision"),
+        return lax.dot_general(*args, dn, precision=dense.code_precision(eqn.params.get("precision")),
                                preferred_element_type=eqn.params.get("preferred_element_type"))
     xf, sx = float_act(x)
     args = [xf, wf] if w == 1 else [wf, xf]
-    out = lax.dot_general(*args, dn, preferred_element_type=_F32)
+    out = lax.dot_general(*args, dn, precision=dense.code_precision(), preferred_element_type=_F32)
     return out * to_out_dot(sx, 1 - w, dn, [v.aval.ndim for v in eqn.invars])
 
 
@@ -299,7 +299,7 @@ def _expert(wq, kn, nib, kc, g, precision):
     halves = nib and kn  # nibbles along N: even and odd output channels
 
     def dot(a, b):
-        return lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=precision,
+        return lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=dense.code_precision(precision),
                                preferred_element_type=_F32)
 
     def dec(c, s, z):

@@ -147,7 +147,8 @@ def decoded(x2, w):
     """``x2 (M, K) @ w`` with the int weight decoded whole, in float32: what the digits
     formulations compute, written with float operations (their derivative)."""
     kd = dense.contract_dim(w.layout)
-    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), preferred_element_type=_F32)
+    dot = lambda a, b: lax.dot_general(a, b, (((1,), (kd,)), ((), ())), precision=dense.code_precision(),
+                                       preferred_element_type=_F32)
     x, q = x2.astype(_F32), w.qtype
     if q.group_size:
         return dot(x, groups.dequantize(dense.unpacked(w), w.scale, w.zero_point, q, kd))
@@ -210,7 +211,8 @@ def group_sums(c, zx, w, policy, row_scale=None):
     for i, part in enumerate(wparts):
         xh = c[:, i::step]
         lhs = [xh[r].reshape(g, half) for r in range(m)] + [jnp.zeros((g, half), c.dtype)] * (pad - m)
-        acc = acc + lax.dot_general(jnp.stack(lhs, axis=1), part, dn, preferred_element_type=_I32)[:, :m]
+        acc = acc + lax.dot_general(jnp.stack(lhs, axis=1), part, dn, precision=dense.code_precision(),
+                                    preferred_element_type=_I32)[:, :m]
     if zx is not None:  # acc (G, M, N); zx (M, 1); sums, zero point and scale (G, N)
         wsum = w.sums if w.sums is not None else sum(jnp.sum(p, axis=1, dtype=_I32) for p in wparts)
         acc = acc - zx[None] * wsum[:, None, :]

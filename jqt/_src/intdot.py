@@ -85,7 +85,7 @@ def dot_general(operands, params, eqn, pad_rows=1):
     # the codes' sums exceed float16's range: float32 there
     dt, pref = nx.codes_dot_types(x.dtype, params.get("preferred_element_type"))
     args = [x.astype(dt), qw.astype(dt)][::1 if w == 1 else -1]
-    out = lax.dot_general(*args, dn, precision=params.get("precision"),
+    out = lax.dot_general(*args, dn, precision=dense.code_precision(params.get("precision")),
                           preferred_element_type=pref)
     out = out.astype(_F32)
     if zw is not None:
@@ -106,7 +106,8 @@ def one_row_padded(qa, qb, dn, acc_dtype, pad_rows):
     free = [[d for d in range(q.ndim) if d not in c and d not in b]
             for q, c, b in ((qa, lc, lb), (qb, rc, rb))]
     size = [math.prod(q.shape[d] for d in f) for q, f in zip((qa, qb), free)]
-    out = lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=acc_dtype)
+    out = lambda a, b: lax.dot_general(a, b, dn, precision=dense.code_precision(),
+                                       preferred_element_type=acc_dtype)
     for i in (0, 1):
         if (acc_dtype == _I32 and pad_rows > 1 and free[i] and all(isinstance(n, int) for n in size)
                 and size[i] == 1 < size[1 - i]):  # a symbolic size (jax.export) is left as is

@@ -120,6 +120,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
     out_dtype = eqn.outvars[0].aval.dtype
     out_ndim = eqn.outvars[0].aval.ndim
     dn = params["dimension_numbers"]
+    cp["precision"] = dense.code_precision(cp.get("precision"))  # (not a preset's float16)
     if sx is None:  # weight-only
         # the codes' sums exceed float16's range: float32 there
         dt, pref = nx.codes_dot_types(qx.dtype, params.get("preferred_element_type"))
@@ -130,7 +131,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
             dt, pref = _F32, _F32
         out = _conv(qx.astype(dt), qw.astype(dt), cp, pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
-    cp["precision"] = None
+    cp["precision"] = dense.code_precision()
     if qx.dtype == jnp.int16:  # w8a16's codes whole (takes_wide): exact products, float32 sums
         acc = _conv(qx.astype(_F32), qw.astype(_F32), cp, precision=lax.Precision.HIGHEST)
         sx = _out_batch(sx.astype(_F32), params, out_ndim)
@@ -188,8 +189,8 @@ def _fp8_generic(site, eqn, ops):
         if grouped[i]:  # its groups run along the axis the registry's entry names
             vals[i] = groups.dequantize(op.values, op.scale, None, op.qtype, site.entry.groups(site))
     # in float32: fp8 values are up to 57344 units of their scale, beyond float16's range
-    out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], kernel=True,
-                          preferred_element_type=_F32)[0]
+    out = compat.bind_eqn(eqn, [v.astype(_F32) for v in vals], kernel=True, preferred_element_type=_F32,
+                          precision=dense.code_precision(eqn.params.get("precision")))[0]
     each = []  # applied by dense.scaled: their product first, one by one where it is subnormal
     for i, op in enumerate(ops):
         if isinstance(op, QArray) and not grouped[i]:
@@ -275,7 +276,7 @@ def run(site, eqn, ops, policy):
     to_layout = lambda q: dense.weight_in_layout(ax, q, want, w_shape)
     w2 = to_layout(wq)
     stack = native.in_place(view, wq, w2, to_layout) if policy.native_in_place else None
-    out2 = denserows.run(denserows.as_rows(ax, x_op), w2, stack, policy, params.get("precision"))
+    out2 = denserows.run(denserows.as_rows(ax, x_op), w2, stack, policy, dense.code_precision(params.get("precision")))
     return ax.out(out2, x_shape, w_shape).astype(out.dtype)
 
 

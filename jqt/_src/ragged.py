@@ -69,7 +69,7 @@ def integer(eqn, x, wq, sizes):
     activation's scale and its expert's channel scales."""
     qx, sx, zx, _ = operand_tuple(x)
     acc = lax.ragged_dot_general(qx, wq.values, sizes, eqn.params["ragged_dot_dimension_numbers"],
-                                 preferred_element_type=_I32)
+                                 precision=dense.code_precision(), preferred_element_type=_I32)
     g, live = row_groups(sizes, qx.shape[0])
     if zx is not None:  # sum (qx - zx) qw = sum qx qw - zx sum qw
         wsum = jnp.sum(wq.values, axis=1, dtype=_I32)  # (G, N)
@@ -87,10 +87,10 @@ def decoded(eqn, x, wq, sizes):
     rd, out_dtype = eqn.params["ragged_dot_dimension_numbers"], eqn.outvars[0].aval.dtype
     if not isinstance(x, QArray):  # in the output's type where it is wider (bfloat16 -> float32),
         ct = jnp.promote_types(x.dtype, out_dtype)  # as the simulated path computes
-        return [lax.ragged_dot_general(x.astype(ct), wf.astype(ct), sizes, rd, precision=eqn.params["precision"],
+        return [lax.ragged_dot_general(x.astype(ct), wf.astype(ct), sizes, rd, precision=dense.code_precision(eqn.params["precision"]),
                                        preferred_element_type=eqn.params["preferred_element_type"])]
     xf, hi = float_act(x)  # exact codes, times the scale's part below 1
-    out = lax.ragged_dot_general(xf, wf, sizes, rd, preferred_element_type=_F32)
+    out = lax.ragged_dot_general(xf, wf, sizes, rd, precision=dense.code_precision(), preferred_element_type=_F32)
     # padding rows give 0 (ragged_dot's 0 times a dynamic row scale of inf would be NaN)
     _, live = row_groups(sizes, xf.shape[0])
     return [jnp.where(live[:, None], out * hi, 0.0).astype(out_dtype)]

@@ -816,3 +816,24 @@ def test_a_per_tensor_weight_type_on_ragged_dot_experts_warns_of_one_scale_for_a
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+
+
+def test_packed_4bit_experts_called_with_a_broadcast_size_1_batch_axis_are_refused_clearly():
+    """``einsum('hd,hdk->hk', x, w)`` given an ``x`` whose ``h`` is 1 broadcasts it: a
+    dot_general without the batch axis, the same key and scale shapes. 4-bit codes packed
+    for the batched op failed in a reshape (TypeError; hunt72_nnxqlora): refused, named.
+    Float params and int8 codes run it."""
+    f = lambda b, x: jnp.einsum("hd,hdk->hk", x, b["w"])
+    base = {"w": jax.random.normal(jax.random.key(0), (4, 128, 32)) * 0.05}
+    x = jax.random.normal(jax.random.key(1), (4, 128))
+    for recipe in (jqt.recipes.w4(group_size=32), jqt.recipes.w8()):
+        qp = jqt.calibrate(f, recipe, base, [(x,)], progress=False)
+        packed, q = jqt.pack(qp, base), jqt.quantize(f, qp)
+        ys = jqt.quantize(f, qp, simulate=True)(base, x[:1])
+        np.testing.assert_allclose(q(base, x[:1]), ys, atol=1e-5)
+        if recipe.rules[0].weight.bits == 4:
+            with pytest.raises(jqt.QParamsMismatchError, match=r"packed for a dot_general with batch "
+                               r"axes \(0,\) of weight 'w', but here it has none.*broadcasts it"):
+                q(packed, x[:1])
+        else:
+            np.testing.assert_allclose(q(packed, x[:1]), ys, atol=1e-5)

@@ -331,6 +331,17 @@ def lookup(ctx, site, invals):
             + f"{diagnostics.einsum_order([site.name_stack or ''])}")
     _check_source(site, qp)
     _check_real(site, qp, invals)
+    src = qp.source
+    if (packed is not None and packed.nibbles and src is not None and src.batch
+            and tuple(src.batch) != site.batch_axes()):  # (a file without them: ())
+        raise QParamsMismatchError(
+            f"jqt: the packed weight for '{site.key}' was packed for a {site.op} with batch axes "
+            f"{tuple(src.batch)} of weight '{src.path}', but here it has "
+            f"{site.batch_axes() or 'none'}: the op's structure follows the input's shape (an "
+            "einsum such as 'hd,hdk->hk' given an input whose h is 1 broadcasts it and drops "
+            "the batch axis), and its 4-bit codes are laid out for the other. Calibrate and "
+            "pack with inputs of the shape you call it with (one qparams per shape), or give "
+            "the input that axis whole (jnp.broadcast_to).")
     for i in (0, 1):
         q = qp.operand(i)
         if q is None:

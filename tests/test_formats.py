@@ -904,6 +904,28 @@ def test_a_weight_read_one_element_per_output_stays_float_with_a_note():
     assert not qp["tok"].is_float and jqt.pack(qp, p).nbytes() < p["tok"].nbytes
 
 
+def test_the_bytes_check_counts_4bit_codes_as_jqt_pack_packs_them():
+    """calibrate's "codes and scales outweigh the weight" check counted 4-bit codes two per
+    byte wherever K is even, but jqt.pack packs an expert weight's along N (odd N: one per
+    byte) and a convolution kernel's never: such ops were quantized to more bytes than
+    the float weight, silently (hunt72_lowbits, hunt72_convgrouped). Each op is checked as
+    it packs, and kept float with the note where it outweighs."""
+    t4 = lambda g: jqt.Recipe(rules=(jqt.Rule(weight=jqt.QuantType(bits=4, symmetric=False, group_size=g)),))
+    experts = lambda p, x: jnp.einsum("ecd,edf->ecf", x, p["w"])
+    x = jnp.asarray(RNG.standard_normal((2, 3, 24)), jnp.bfloat16)
+    for n, kept in ((15, True), (16, False)):  # odd N: 24 codes + 4 zero points and scales
+        p = {"w": jnp.asarray(RNG.standard_normal((2, 24, n)) * 0.2, jnp.bfloat16)}
+        qp = jqt.calibrate(experts, t4(6), p, [(x,)], progress=False)
+        assert qp["w"].is_float == kept, n
+        assert jqt.pack(qp, p).nbytes() <= p["w"].nbytes
+    conv = lambda p, x: jax.lax.conv_general_dilated(x, p["w"].astype(jnp.float32), (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    p = {"w": jnp.asarray(RNG.standard_normal((3, 3, 8, 16)) * 0.2, jnp.float8_e4m3fn)}
+    xc = jnp.asarray(RNG.standard_normal((1, 6, 6, 8)), jnp.float32)
+    qp = jqt.calibrate(conv, jqt.recipes.w4(), p, [(xc,)], progress=False)  # 72 codes + a scale
+    assert qp["w"].is_float and "(76 bytes) would store more than the float8_e4m3fn" in qp["w"].note
+
+
 @pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_weight_whose_codes_and_scales_outweigh_it_stays_float_with_a_note():
     """An Instant-NGP hash table (float16 rows of 2 features), or a coordinate MLP's first

@@ -1273,10 +1273,27 @@ def _leaf_dtypes(params_t, argnums):
             if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)}
 
 
-def _channel_bytes(wt, contracted):
+def _packed_along(site, w, contracted):
+    """The length of the weight's axis :func:`jqt.pack` packs 4-bit codes two per byte
+    along (``registry``'s ``pack``), or 0 where it keeps one code per byte: K of a
+    dense op, the last axis of a weight with batch axes (experts) or of a ragged dot's,
+    the last axis of a table read whole along it; never a convolution's kernel."""
+    shape = site.eqn.invars[w].aval.shape
+    if site.op == "conv_general_dilated":
+        return 0
+    if site.op == "gather":
+        c = site.contract[w]
+        return shape[-1] if c and c[-1] == len(shape) - 1 else 0
+    if site.op == "dot_general" and not site.batch_axes():
+        return contracted
+    return shape[-1]
+
+
+def _channel_bytes(wt, contracted, packed_along=None):
     """``(bytes, groups)``: the bytes :func:`jqt.pack` stores per output channel (row of a
     table) of ``contracted`` elements under weight type ``wt``, and how many scales they
-    take. The codes (two per byte where they pack as nibbles) and a float32 scale per
+    take (``packed_along``: the length of the axis its codes pack along, 0 for none;
+    ``contracted`` by default). The codes (two per byte where they pack as nibbles) and a float32 scale per
     group (and zero point where asymmetric); not the int32 sums an asymmetric activation
     adds (a float32 weight of 2 inputs under ``w8a8`` is quantized).
 
@@ -1286,7 +1303,8 @@ def _channel_bytes(wt, contracted):
     """
     g = wt.group_size
     groups = contracted // g if g and g < contracted and contracted % g == 0 else 1
-    codes = contracted / 2 if wt.nibbles_fit(contracted) else contracted * wt.storage.itemsize
+    along = contracted if packed_along is None else packed_along
+    codes = contracted / 2 if along and wt.nibbles_fit(along) else contracted * wt.storage.itemsize
     return codes + groups * (4 if wt.symmetric else 8), groups
 
 
@@ -1420,13 +1438,14 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     if (wt.per_channel or wt.group_size) and jnp.issubdtype(dtype, jnp.floating):
         shape = site.eqn.invars[w].aval.shape  # the groups it gets (those that tile an axis)
         grouped = lambda g: weight_qtype(site, dataclasses.replace(wt, group_size=g), shape)
-        qbytes, groups = _channel_bytes(grouped(wt.group_size), contracted)
+        along = _packed_along(site, w, contracted)
+        qbytes, groups = _channel_bytes(grouped(wt.group_size), contracted, along)
         fbytes = contracted * dtype.itemsize
         if qbytes > fbytes:
             what = "row of the table" if site.op == "gather" else "output channel"
             # groups too small: the smallest group length it takes that fits (or one scale
             # per channel), or a per-tensor type where one scale is too many
-            small = lambda g: _channel_bytes(grouped(g), contracted)[0] <= fbytes
+            small = lambda g: _channel_bytes(grouped(g), contracted, along)[0] <= fbytes
             fits = next((g for g in range(wt.group_size + 1, contracted) if grouped(g).group_size == g
                          and small(g)), 0 if small(0) else None) if groups > 1 else None
             fix = ("a rule's per-tensor type, per_channel=False, quantizes it" if fits is None else

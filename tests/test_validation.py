@@ -1292,7 +1292,8 @@ def test_packed_weights_of_another_format_and_params_of_another_shape_are_refuse
         jqt.pack(q4, {"w": p["w"][:4]})
     unrecorded = {"w": dataclasses.replace(q4["w"], source=dataclasses.replace(q4["w"].source, shape=None))}
     with pytest.raises(jqt.QParamsMismatchError,  # qparams of files written before the shape was
-                       match=r"jqt.pack: op 'w': weight 'w' has shape \(4, 4\), which its scale of shape \(2, 4\)"):
+                       match=r"jqt.pack: op 'w' \(weight 'w'\): its scale has shape \[2, 4\], which does "
+                             r"not fit the weight operand \(4, 4\) \(int4 sym g4\): it needs \[1, 4\]"):
         jqt.pack(unrecorded, {"w": p["w"][:4]})
     # formats whose short names read the same name the field that differs
     wide = jqt.QuantType(bits=8, per_channel=True)  # narrow_range=False, where the preset's is True

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -186,7 +187,7 @@ def int_matmul(x2, w2, layout, pad_rows):
     if isinstance(m, int) and m < pad_rows:  # a symbolic row count (jax.export) is not padded
         x2 = jnp.pad(x2, ((0, pad_rows - m), (0, 0)))
     dn = (((1,), (contract_dim(layout),)), ((), ()))
-    return lax.dot_general(x2, w2, dn, precision=code_precision(), preferred_element_type=_I32)[:m]
+    return lax.dot_general(x2, w2, dn, precision=INT_PRECISION, preferred_element_type=_I32)[:m]
 
 
 def int_dense(ax, x, w, policy):
@@ -235,7 +236,7 @@ def codes_as_bfloat16(x2, w2, layout, policy, zx=None):
     if zx is not None:
         x2 = x2.astype(jnp.int16) - zx.astype(jnp.int16)  # in [-255, 255]
     dn = (((1,), (contract_dim(layout),)), ((), ()))
-    return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn, precision=code_precision(),
+    return lax.dot_general(x2.astype(jnp.bfloat16), w2.astype(jnp.bfloat16), dn, precision=INT_PRECISION,
                            preferred_element_type=_F32)
 
 
@@ -389,26 +390,35 @@ def float_codes(ax, x):
     return qx2
 
 
+_SAFE_PRESETS = ("DEFAULT", "BF16_BF16_F32", "TF32_TF32_F32", "F32_F32_F32", "F64_F64_F64")
+INT_PRECISION = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+"""The precision of jqt's integer dots and dots over bfloat16 codes (exact operands): explicit,
+so that no ``jax.default_matmul_precision`` preset reaches them."""
+
+
 def code_precision(precision=None):
-    """The precision of a dot or convolution jqt runs over codes (or fp8 values in units
-    of their scale), scaled after the sum: the op's own where it is ``lax.Precision``
-    values, else ``DEFAULT``, explicit. A dot algorithm preset, the op's own
-    (``precision=lax.DotAlgorithmPreset.F16_F16_F16``) or one
-    ``jax.default_matmul_precision`` gives a dot without one, sums in float16, where codes
-    times activations overflow (fp8 units reach 114688), or runs an int8 dot in float16
-    (its int32 sums wrong).
+    """The precision of a float dot or convolution jqt runs over codes (or fp8 values in
+    units of their scale, or decoded weights), scaled after the sum: the op's own
+    (``None``: ``jax.default_matmul_precision``'s), except a dot algorithm preset with
+    float16 or 8-bit operands or sums narrower than float32 (``F16_F16_F16``), where
+    codes times activations overflow (fp8 units reach 114688): ``DEFAULT`` in its place.
 
     >>> from jax import lax
     >>> code_precision(lax.DotAlgorithmPreset.F16_F16_F16) == (lax.Precision.DEFAULT,) * 2
     True
-    >>> code_precision((lax.Precision.HIGHEST, lax.Precision.HIGHEST))[0] == lax.Precision.HIGHEST
+    >>> code_precision(lax.DotAlgorithmPreset.F32_F32_F32) == lax.DotAlgorithmPreset.F32_F32_F32
+    True
+    >>> code_precision(None) is None   # (no preset set globally)
     True
     """
-    if isinstance(precision, tuple) and all(isinstance(p, lax.Precision) for p in precision):
-        return precision
-    if isinstance(precision, lax.Precision):
-        return (precision, precision)
-    return (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+    if precision is None:
+        name = jax.config.jax_default_matmul_precision
+        unsafe = (isinstance(name, str) and name in lax.DotAlgorithmPreset.__members__
+                  and not name.startswith(_SAFE_PRESETS))
+        return INT_PRECISION if unsafe else None
+    if isinstance(precision, lax.DotAlgorithmPreset) and not precision.name.startswith(_SAFE_PRESETS):
+        return INT_PRECISION
+    return precision
 
 
 def scaled(out, *scales):
@@ -499,7 +509,7 @@ def _fp8_bfloat16(ax, x, x2, w, policy):
     v = nx.after(v, x2) if policy.decode_after_input else v
     wb = nx.fp8_units(v, w.qtype.grid).astype(jnp.bfloat16)
     dn = (((1,), (contract_dim(w.layout),)), ((), ()))
-    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn, precision=code_precision(),
+    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn, precision=INT_PRECISION,
                           preferred_element_type=_F32)
     return out * lo * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]) * hi
 

@@ -211,7 +211,7 @@ def group_sums(c, zx, w, policy, row_scale=None):
     for i, part in enumerate(wparts):
         xh = c[:, i::step]
         lhs = [xh[r].reshape(g, half) for r in range(m)] + [jnp.zeros((g, half), c.dtype)] * (pad - m)
-        acc = acc + lax.dot_general(jnp.stack(lhs, axis=1), part, dn, precision=dense.code_precision(),
+        acc = acc + lax.dot_general(jnp.stack(lhs, axis=1), part, dn, precision=dense.INT_PRECISION,
                                     preferred_element_type=_I32)[:, :m]
     if zx is not None:  # acc (G, M, N); zx (M, 1); sums, zero point and scale (G, N)
         wsum = w.sums if w.sums is not None else sum(jnp.sum(p, axis=1, dtype=_I32) for p in wparts)

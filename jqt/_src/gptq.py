@@ -89,7 +89,8 @@ class _Hessians:
         k = x.shape[1]
         h = lax.cond(take > 0, gram, lambda: compat.vary_like(
             jnp.zeros((w.shape[0], k, k), _F32), jax.eval_shape(gram)))
-        ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, x.shape[0], 0).astype(_F32)})
+        # the rows each expert gets (padding none)
+        ctx.put(site.key, {"h": h, "n": jnp.where(take > 0, jnp.sum(member, axis=0), 0).astype(_F32)})
 
     @staticmethod
     def identity(shapes):
@@ -287,11 +288,12 @@ def _rerounded(site, qp, leaf, h, n, opts):
     gaxis = site.entry.groups(site) if q.qtype.group_size else None
     fixed2 = to2(weightcheck.placeholder_zeros(wt, q, gaxis, depth))
     h = np.asarray(h, np.float64)
-    n = np.broadcast_to(np.asarray(n), h.shape[:depth])  # the same rows for every expert
+    nd = max(np.ndim(n), depth)  # per layer, and per expert where counted so (ragged)
+    n = np.broadcast_to(np.asarray(n), h.shape[:nd])  # else the same rows for every expert
     lead = w2.shape[:nlead]
     out, unseen = np.empty_like(w2), []
     for i in np.ndindex(*lead):
-        hi = h[i] / max(float(n[i[:depth]]), 1.0)
+        hi = h[i] / max(float(n[i[:nd]]), 1.0)
         zi = np.zeros_like(w2[i]) if z2 is None else np.round(z2[i])
         if not np.diag(hi).any():  # no rows reached this layer or expert: every input "dead"
             unseen.append(i[0] if len(i) == 1 else i)
@@ -321,7 +323,7 @@ def _rerounded(site, qp, leaf, h, n, opts):
                 "features, or inputs that move together). " + (
                     "Pass damp > 0 (0.01 by default) or more calibration rows." if opts["damp"] == 0
                     else "Pass a larger damp (0.01 by default) or more calibration rows.")) from None
-    seen = [float(n[i[:depth]]) for i in np.ndindex(*lead) if (i[0] if len(i) == 1 else i) not in unseen]
+    seen = [float(n[i[:nd]]) for i in np.ndindex(*lead) if (i[0] if len(i) == 1 else i) not in unseen]
     if seen and min(seen) < w2.shape[nlead]:  # (AWQ damps this case, outliers.py)
         diagnostics.warn_grouped(
             "rows", f"jqt.gptq: op '{site.key}': {int(min(seen))} calibration rows for its "

@@ -106,7 +106,7 @@ def one_row_padded(qa, qb, dn, acc_dtype, pad_rows):
     free = [[d for d in range(q.ndim) if d not in c and d not in b]
             for q, c, b in ((qa, lc, lb), (qb, rc, rb))]
     size = [math.prod(q.shape[d] for d in f) for q, f in zip((qa, qb), free)]
-    out = lambda a, b: lax.dot_general(a, b, dn, precision=dense.code_precision(),
+    out = lambda a, b: lax.dot_general(a, b, dn, precision=dense.INT_PRECISION,
                                        preferred_element_type=acc_dtype)
     for i in (0, 1):
         if (acc_dtype == _I32 and pad_rows > 1 and free[i] and all(isinstance(n, int) for n in size)

@@ -131,7 +131,7 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
             dt, pref = _F32, _F32
         out = _conv(qx.astype(dt), qw.astype(dt), cp, pref)
         return (out.astype(_F32) * _out_channel(sw.astype(_F32), params, out_ndim)).astype(out_dtype)
-    cp["precision"] = dense.code_precision()
+    cp["precision"] = dense.INT_PRECISION
     if qx.dtype == jnp.int16:  # w8a16's codes whole (takes_wide): exact products, float32 sums
         acc = _conv(qx.astype(_F32), qw.astype(_F32), cp, precision=lax.Precision.HIGHEST)
         sx = _out_batch(sx.astype(_F32), params, out_ndim)

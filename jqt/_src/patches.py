@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .dense import code_precision, scaled
+from .dense import INT_PRECISION, scaled
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -66,7 +66,7 @@ def conv(x_op, w_op, params, out_shape):
     # stacking (not concatenating) lets XLA build the patches in one fusion
     patches = jnp.stack(cols, axis=-2).reshape(cols[0].shape[:-1] + (len(cols) * c,))
     w2 = w.reshape(math.prod(w.shape[:-1]), w.shape[-1])
-    acc = lax.dot_general(patches, w2, (((nsp + 1,), (0,)), ((), ())), precision=code_precision(),
+    acc = lax.dot_general(patches, w2, (((nsp + 1,), (0,)), ((), ())), precision=INT_PRECISION,
                           preferred_element_type=_I32)
     per_example = lambda a: a.reshape(()) if a.size == 1 else a.reshape((-1,) + (1,) * (nsp + 1))
     if zx is not None:

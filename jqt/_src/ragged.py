@@ -69,7 +69,7 @@ def integer(eqn, x, wq, sizes):
     activation's scale and its expert's channel scales."""
     qx, sx, zx, _ = operand_tuple(x)
     acc = lax.ragged_dot_general(qx, wq.values, sizes, eqn.params["ragged_dot_dimension_numbers"],
-                                 precision=dense.code_precision(), preferred_element_type=_I32)
+                                 precision=dense.INT_PRECISION, preferred_element_type=_I32)
     g, live = row_groups(sizes, qx.shape[0])
     if zx is not None:  # sum (qx - zx) qw = sum qx qw - zx sum qw
         wsum = jnp.sum(wq.values, axis=1, dtype=_I32)  # (G, N)

@@ -522,7 +522,9 @@ def _load_qparams(r, path):
 
 def _load_npz(path):
     with NpzReader(path, "jqt.load") as r, reading(r):
-        if r.format != FORMAT or r.version not in NPZ_READ:
+        if r.format != FORMAT:
+            raise FormatError(f"jqt.load: {path} is not a jqt qparams file (format {r.format!r}).")
+        if r.version not in NPZ_READ:
             raise version_error("jqt.load", path, r.format, r.version,
                                 f"versions {NPZ_READ} (.npz) and {ST_READ} (safetensors)", NPZ_READ)
         return qparams_from_entries(r.need(r.header, "ops", dict, "the header"), r)

@@ -903,6 +903,7 @@ def test_a_conv_of_few_channels_runs_to_an_empty_output(stride, pad, length):
         assert y.shape == f(p, x).shape == (2, 0, 8)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", ["w8", "w8a8", "fp8"])
 def test_a_float16_dot_algorithm_does_not_reach_the_dots_over_codes(recipe):
     """A dot's ``precision=lax.DotAlgorithmPreset.F16_F16_F16``, or the same preset from

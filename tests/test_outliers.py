@@ -368,6 +368,7 @@ def test_gptq_improves_and_packs_losslessly(recipe):
     np.testing.assert_allclose(sim(pq, x), q(pq, x), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_gptq_warns_of_fewer_calibration_rows_than_inputs():
     """GPTQ's Hessian from fewer rows than the op's inputs is a poor estimate and its
     weights could do worse than the nearest codes on other data, silently

@@ -921,6 +921,7 @@ def test_labels_refuse_packed_weights_among_several_weight_arguments():
     assert jqt.qat.labels((a, b), qp)  # the float weights: labelled
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("recipe", ["fp8", "w8a8", "w4a8 g16"])
 def test_an_activation_and_weight_scale_both_repaired_from_infinity_give_zeros_not_nan(recipe):
     """A diverged step that makes the activation's scale and a weight channel's infinite:
@@ -949,6 +950,7 @@ def test_an_activation_and_weight_scale_both_repaired_from_infinity_give_zeros_n
             np.testing.assert_allclose(out, sim, atol=1e-5)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_relative_steps_per_leaf_and_elementwise_on_a_scan_of_layers_of_other_sizes():
     """docs/fine-tuning.md: scale_by_param_block_rms makes a leaf's steps relative to its
     RMS, and a scan's layers share one leaf of activation scales (here 0.0003, 0.09 and

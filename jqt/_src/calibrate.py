@@ -1273,22 +1273,6 @@ def _leaf_dtypes(params_t, argnums):
             if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating)}
 
 
-def _packed_along(site, w, contracted):
-    """The length of the weight's axis :func:`jqt.pack` packs 4-bit codes two per byte
-    along (``registry``'s ``pack``), or 0 where it keeps one code per byte: K of a
-    dense op, the last axis of a weight with batch axes (experts) or of a ragged dot's,
-    the last axis of a table read whole along it; never a convolution's kernel."""
-    shape = site.eqn.invars[w].aval.shape
-    if site.op == "conv_general_dilated":
-        return 0
-    if site.op == "gather":
-        c = site.contract[w]
-        return shape[-1] if c and c[-1] == len(shape) - 1 else 0
-    if site.op == "dot_general" and not site.batch_axes():
-        return contracted
-    return shape[-1]
-
-
 def _channel_bytes(wt, contracted, packed_along=None):
     """``(bytes, groups)``: the bytes :func:`jqt.pack` stores per output channel (row of a
     table) of ``contracted`` elements under weight type ``wt``, and how many scales they
@@ -1438,7 +1422,7 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     if (wt.per_channel or wt.group_size) and jnp.issubdtype(dtype, jnp.floating):
         shape = site.eqn.invars[w].aval.shape  # the groups it gets (those that tile an axis)
         grouped = lambda g: weight_qtype(site, dataclasses.replace(wt, group_size=g), shape)
-        along = _packed_along(site, w, contracted)
+        along = site.entry.packed_along(shape, site.contract[w], site.batch_axes())
         qbytes, groups = _channel_bytes(grouped(wt.group_size), contracted, along)
         fbytes = contracted * dtype.itemsize
         if qbytes > fbytes:

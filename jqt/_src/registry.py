@@ -35,6 +35,7 @@ in float. Adding a primitive means adding an entry here and its kernel.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -128,6 +129,21 @@ class Contraction:
         operand = transforms.weight(operand, p.smooth, p.rotate, src.contract, src.stack_depth)
         return operand, (max(src.contract) if q.qtype.group_size else None)
 
+    def packed_along(self, shape, contract, batch):
+        """The length of the weight's axis (``shape`` unstacked) :meth:`pack` packs 4-bit
+        codes two per byte along, 0 where it keeps one code per byte: K of a matmul's 2-D
+        layout, the last axis of a weight with batch axes (experts, ``experts.py``); never
+        a convolution's kernel. ``calibrate`` counts a weight's bytes by it.
+
+        >>> BY_NAME["dot_general"].packed_along((6, 4), (0,), ())
+        6
+        >>> BY_NAME["conv_general_dilated"].packed_along((3, 3, 8, 16), (0, 1, 2), ())
+        0
+        """
+        if self.name != "dot_general":
+            return 0
+        return shape[-1] if batch else math.prod(shape[c] for c in contract)
+
     def pack(self, src, p, operand, policy, grid=None):
         """The weight's codes in the layout its kernel reads (``policy.dense_layout``):
         2-D ``"nk"`` or ``"kn"`` for a matmul, the op's own layout otherwise; nibbles
@@ -147,7 +163,7 @@ class Contraction:
             # grouped: the kernel sums each group itself (experts.py)
             wsum = jnp.sum(qv, axis=tuple(a + depth for a in src.contract), keepdims=True,
                            dtype=_I32) if sums and not g else None
-            if self.name == "dot_general" and q.qtype.nibbles_fit(qv.shape[-1]):
+            if q.qtype.nibbles_fit(self.packed_along(qv.shape[depth:], src.contract, src.batch)):
                 qv = pack_nibbles(qv, qv.ndim - 1)  # read packed by experts.py (unpacked by
                 # intdot.to_operand elsewhere)
             return dataclasses.replace(q, values=qv, sums=wsum, layout="operand")
@@ -160,7 +176,8 @@ class Contraction:
             wsum = jnp.sum(compat.grouped(q2, kdim, g), axis=kdim + 1, dtype=_I32)
         elif sums:
             wsum = jnp.sum(q2, axis=kdim, dtype=_I32)
-        if q.qtype.nibbles_fit(q2.shape[kdim]):  # else one int8 code per byte
+        if q.qtype.nibbles_fit(self.packed_along(qv.shape[depth:], src.contract, ())):
+            # else one int8 code per byte
             q2 = pack_nibbles(q2, kdim)
         return dataclasses.replace(q, values=q2, sums=wsum, layout=layout)
 
@@ -242,14 +259,18 @@ class Gather:
         its type has groups) along the last axis a lookup reads whole."""
         return operand, (src.contract[-1] if src.contract else None)
 
+    def packed_along(self, shape, contract, batch):
+        """The table's last axis where a lookup reads it whole (its codes pack two per byte
+        along it), else 0."""
+        return shape[-1] if contract and contract[-1] == len(shape) - 1 else 0
+
     def pack(self, src, p, operand, policy, grid=None):
         depth = src.stack_depth
         q = p.operand(0)
         operand, gaxis = grid or self.grid_operand(src, p, operand)
         qv = _quantize_weight(operand, q, gaxis, depth)
-        last = qv.ndim - 1
-        if gaxis is not None and gaxis + depth == last and q.qtype.nibbles_fit(qv.shape[last]):
-            qv = pack_nibbles(qv, last)
+        if q.qtype.nibbles_fit(self.packed_along(qv.shape[depth:], src.contract, ())):
+            qv = pack_nibbles(qv, qv.ndim - 1)
         return dataclasses.replace(q, values=qv, sums=None, layout="operand")
 
 
@@ -410,13 +431,17 @@ class RaggedDot(Contraction):
         q = p.operand(p.weight_operand)
         return operand, (1 if q.qtype.group_size else None)
 
+    def packed_along(self, shape, contract, batch):
+        """N, the last axis: the codes pack two per byte along it."""
+        return shape[-1]
+
     def pack(self, src, p, operand, policy, grid=None):
         """The codes in the op's layout, int4 two per byte along N (where N is even)."""
         depth = src.stack_depth
         q = p.operand(1)
         operand, gaxis = grid or self.grid_operand(src, p, operand)
         qv = _quantize_weight(operand, q, gaxis, depth)
-        if q.qtype.nibbles_fit(qv.shape[-1]):
+        if q.qtype.nibbles_fit(self.packed_along(qv.shape[depth:], src.contract, ())):
             qv = pack_nibbles(qv, qv.ndim - 1)
         return dataclasses.replace(q, values=qv, sums=None, layout="operand")
 

@@ -3,6 +3,7 @@ the report's saturation column, files, composition and clear errors (issue 14)."
 import dataclasses
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +227,8 @@ def test_an_op_kept_float_by_hand_under_a_narrow_accumulator_runs_on_every_path(
 
 def test_a_convolution_too_long_for_int32_stays_float_at_calibration():
     """A conv summing 66,600 products of int8 codes with an activation zero point (more
-    than the 65,535 whose worst case fits int32) was calibrated, then refused by the
+    than the 66,052 whose worst case fits int32 with narrow-range weights, |q| <= 127) was
+    calibrated, then refused by the
     integer path, so jqt.fallback died on its first trial (hunt64_convens). calibrate keeps
     it float, saying so; weight-only, it is quantized."""
     rng = np.random.default_rng(0)
@@ -235,7 +237,7 @@ def test_a_convolution_too_long_for_int32_stays_float_at_calibration():
     p = {"w": jnp.asarray(rng.standard_normal((9, 7400, 2)) * 0.01, jnp.float32)}
     x = jnp.asarray(rng.standard_normal((1, 4, 7400)), jnp.float32)
     with pytest.warns(UserWarning, match=r"op 'w' .*stays float: each output sums 66600 products .*"
-                      r"65535 .*activation=None"):
+                      r"66052 .*activation=None"):
         qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert qp["w"].is_float and "kept float" in qp["w"].note
     np.testing.assert_array_equal(jqt.quantize(f, qp)(p, x), f(p, x))
@@ -269,3 +271,23 @@ def test_a_rare_saturation_shows_in_the_report_and_a_float_op_keeps_no_width(tmp
     numpy_width = {"w": dataclasses.replace(qp["w"], accumulator=np.int64(16))}
     with pytest.raises(ValueError, match=r"int64: pass a Python int, accumulator=int\(bits\)"):
         jqt.quantize(f, numpy_width)
+
+
+def test_a_long_convolution_of_int4_weights_is_bounded_by_their_code_range():
+    """The int32 bound counted every weight code as int8 (|q| <= 128), so a w4a8 conv
+    summing 66,600 products stayed float with a warning that it could overflow, though
+    int4 codes (|q| <= 8) bound it at 1,048,575 products: it runs integer now and matches
+    the simulated path; the same conv at w8a8 stays float."""
+    rng = np.random.default_rng(0)
+    f = lambda p, x: jax.lax.conv_general_dilated(  # noqa: E731
+        x, p["w"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+    p = {"w": jnp.asarray(rng.standard_normal((9, 7400, 2)) * 0.01, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((1, 4, 7400)), jnp.float32)
+    rec = jqt.recipes.w4a8()  # int8 activations with a zero point
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qp = jqt.calibrate(f, rec, p, [(x,)], progress=False)
+    assert not qp["w"].is_float and qp["w"].lhs is not None
+    out, sim = jqt.quantize(f, qp)(p, x), jqt.quantize(f, qp, simulate=True)(p, x)
+    np.testing.assert_allclose(out, sim, rtol=1e-4, atol=1e-4 * float(jnp.abs(sim).max()))
+    assert float(jnp.abs(out - f(p, x)).max()) < 0.2 * float(jnp.abs(f(p, x)).max())

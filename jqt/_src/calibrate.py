@@ -1403,7 +1403,8 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     if site.op == "conv_general_dilated" and wt.kind == "int" and at is not None and at.kind == "int":
         # (int16 activations run as two int8 kernels, the low half with an offset)
         k = conv_products(site.eqn)
-        kc = safe_k(np.int8, at.bits > 8 or not at.symmetric, np.int8, not wt.symmetric)
+        kc = safe_k(np.int8 if at.bits > 8 else at, at.bits > 8 or not at.symmetric,
+                    np.int8 if wt.bits > 8 else wt, not wt.symmetric)
         if k > kc:
             diagnostics.warn_grouped(
                 ("long_conv", kc), f"jqt.calibrate: op '{site.key}' (conv_general_dilated at "

@@ -22,7 +22,7 @@ from jax import lax
 from . import compat
 from . import nibbledecode
 from . import numerics as nx
-from .formats import unpack_nibbles
+from .formats import QuantType, unpack_nibbles
 
 _I32 = jnp.int32
 _F32 = jnp.float32
@@ -262,22 +262,30 @@ _I32_MAX = 2 ** 31 - 1
 
 def safe_k(a_dtype, a_zp: bool, b_dtype, b_zp: bool) -> int:
     """The longest contraction whose int32 accumulator cannot overflow, for codes of
-    these integer dtypes (and zero points, in their range, when ``*_zp``): every
-    partial sum of ``sum qa*qb - za*sum qb - zb*sum qa + K*za*zb`` is at most
+    these integer dtypes, or in the code range of these :class:`QuantType` s (and zero
+    points, in their range, when ``*_zp``): every partial sum of
+    ``sum qa*qb - za*sum qb - zb*sum qa + K*za*zb`` is at most
     ``(|qa| + |za|) * (|qb| + |zb|) * K``.
 
-    >>> import numpy as np
+    >>> import numpy as np, jqt
     >>> safe_k(np.int8, False, np.int8, False)  # (2**31 - 1) // (128 * 128)
     131071
     >>> safe_k(np.int8, True, np.int8, False)
     65535
+    >>> safe_k(np.int8, True, jqt.QuantType(bits=4), False)  # int4 codes: |q| <= 8
+    1048575
     """
-    if not (jnp.issubdtype(a_dtype, jnp.integer) and jnp.issubdtype(b_dtype, jnp.integer)):
-        return sys.maxsize  # float accumulation (fp8 codes upcast) does not wrap
-    def bound(dt, zp):
-        info = np.iinfo(dt)
-        a = max(-int(info.min), int(info.max))
+    def bound(t, zp):
+        if isinstance(t, QuantType):
+            lo, hi = t.qmin, t.qmax
+        else:
+            info = np.iinfo(t)
+            lo, hi = info.min, info.max
+        a = max(-int(lo), int(hi))
         return 2 * a if zp else a
+    dtypes = [t.dtype if isinstance(t, QuantType) else t for t in (a_dtype, b_dtype)]
+    if not all(jnp.issubdtype(d, jnp.integer) for d in dtypes):
+        return sys.maxsize  # float accumulation (fp8 codes upcast) does not wrap
     return _I32_MAX // (bound(a_dtype, a_zp) * bound(b_dtype, b_zp))
 
 

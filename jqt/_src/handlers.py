@@ -756,7 +756,9 @@ def _check_accumulator(site, eqn, ops, wide):
     if not all(ints):
         return  # weight-only or fp8: float accumulation
     zp = [wide == i or ops[i].zero_point is not None for i in (0, 1)]
-    kc = dense.safe_k(np.int8, zp[0], np.int8, zp[1])  # int16 codes run as two int8 kernels
+    # int16 codes run as two int8 kernels; narrower ones in their own range (int4: |q| <= 8)
+    t = [np.int8 if wide == i or ops[i].qtype.bits > 8 else ops[i].qtype for i in (0, 1)]
+    kc = dense.safe_k(t[0], zp[0], t[1], zp[1])
     if site.op == "conv_general_dilated":
         k, what = conv_products(eqn), "convolution sums"
     else:

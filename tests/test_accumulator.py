@@ -2,7 +2,6 @@
 the report's saturation column, files, composition and clear errors (issue 14)."""
 import dataclasses
 import json
-import os
 import warnings
 
 import jax

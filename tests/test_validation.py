@@ -2209,3 +2209,19 @@ def test_a_filter_that_jnp_convolve_reads_as_its_input_gets_the_fix():
     with pytest.warns(UserWarning, match=r"reads weight 'fir' as its input \(lhs\).*" + fix):
         with pytest.raises(jqt.QParamsMismatchError, match=r"The convolutions differ.*" + fix):
             jqt.quantize(f, qp)(p, short_x)
+
+
+def test_an_asymmetric_conv_weight_names_its_rule_and_the_fix_that_fits_it():
+    """Asymmetric conv weights are refused; the fix said to put a conv rule ahead, even
+    where the rule at fault was one for convs already. It names the rule, and for a
+    conv-only rule, tells to make its weight symmetric."""
+    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,), "VALID")  # noqa: E731
+    w, x = jnp.ones((2, 3, 3)), jnp.ones((1, 3, 8))
+    asym = jqt.QuantType(bits=8, per_channel=True, symmetric=False)
+    conv_only = jqt.Rule(ops=("conv_general_dilated",), weight=asym)
+    with pytest.raises(ValueError, match=r"op 'w' is a conv.*int8 asym.*symmetric=True: "
+                       r"dataclasses\.replace") as e:
+        jqt.calibrate(f, jqt.Recipe(rules=(conv_only,)), w, [(x,)], progress=False)
+    assert "ahead of it" not in str(e.value)
+    with pytest.raises(ValueError, match=r"op 'w' is a conv.*Put a rule for convs ahead"):
+        jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(weight=asym),)), w, [(x,)], progress=False)

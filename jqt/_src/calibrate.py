@@ -1395,10 +1395,14 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
     if site.op == "conv_general_dilated" and (w != 1 or not wt.symmetric):
         if w != 1:
             return float_("conv whose data operand is the kernel is kept float")
+        fix = ("Give its weight symmetric=True: dataclasses.replace(rule, weight="
+               "dataclasses.replace(rule.weight, symmetric=True))"
+               if tuple(rule.ops or ()) == ("conv_general_dilated",) else
+               "Put a rule for convs ahead of it: jqt.Rule(ops=('conv_general_dilated',), "
+               "weight=jqt.QuantType(..., symmetric=True)), as the presets with "
+               "symmetric=False do")
         raise ValueError(f"jqt: op '{site.key}' is a conv; conv weights must be symmetric, but "
-                         f"the rule gives it {wt.describe()}. Put a rule for convs ahead of it: "
-                         "jqt.Rule(ops=('conv_general_dilated',), weight=jqt.QuantType(..., "
-                         "symmetric=True)), as the presets with symmetric=False do.")
+                         f"the rule {_named(rule)} gives it {wt.describe()}. {fix}.")
     at = site.entry.act_type(rule)
     if site.op == "conv_general_dilated" and wt.kind == "int" and at is not None and at.kind == "int":
         # (int16 activations run as two int8 kernels, the low half with an offset)

@@ -1465,3 +1465,30 @@ def test_a_per_tensor_weight_type_over_vmapped_members_warns():
         warnings.simplefilter("error")
         jqt.calibrate(lambda p, x: conv(p["k"][0], x), jqt.recipes.w4a8(per_channel=False), {"k": k}, [(xc,)],
                       progress=False)
+
+
+@pytest.mark.parametrize("last", [3, 10])
+def test_conv_kernels_and_tables_read_across_their_last_axis_keep_a_code_per_byte(last):
+    """Where jqt.pack keeps one code per byte (a conv kernel; a table read along an axis
+    other than its last), the registry's packed_along says 0, which nibbles_fit took as an
+    even length: odd last axes were refused by jqt.pack ("re-calibrate") and even ones
+    packed, which a table's lookup then could not read (hunt73_kerasgroup)."""
+    rng = np.random.default_rng(0)
+    conv = lambda p, x: jax.lax.conv_general_dilated(x, p["k"], (1,), "SAME")  # noqa: E731
+    p = {"k": jnp.asarray(rng.standard_normal((4, 6, last)), jnp.float32)}  # OIW
+    x = jnp.asarray(rng.standard_normal((2, 6, 16)), jnp.float32)  # NCW
+    take = lambda p, ids: jnp.take(p["t"], ids, axis=1)  # noqa: E731
+    t = {"t": jnp.asarray(rng.standard_normal((16, last)), jnp.float32)}
+    ids = jnp.array([0, 2, 1])
+    for rec in (jqt.recipes.w4(), jqt.recipes.nf4(group_size=0)):
+        for f, w, a in ((conv, p, x), (take, t, ids)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                qp = jqt.calibrate(f, rec, w, [(a,)], progress=False)
+            leaf = next(iter(w))
+            assert not qp[leaf].is_float
+            packed = jqt.pack(qp, w)
+            codes = packed.weights[leaf].values
+            assert codes.dtype == np.int8 and codes.shape == w[leaf].shape
+            np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, a),
+                                       jqt.quantize(f, qp, simulate=True)(w, a), rtol=1e-5, atol=1e-5)

@@ -212,9 +212,11 @@ class QuantType:
         (True, False)
         >>> jqt.QuantType(bits=4, group_size=3).nibbles_fit(30)
         False
+        >>> jqt.QuantType(bits=4).nibbles_fit(0)   # no axis to pack along (a conv kernel)
+        False
         """
         g = self.group_size
-        return self.packs_nibbles and n % 2 == 0 and not (g and g % 2)
+        return self.packs_nibbles and n > 0 and n % 2 == 0 and not (g and g % 2)
 
     @property
     def qmin(self):

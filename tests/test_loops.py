@@ -403,9 +403,12 @@ def test_a_weight_indexed_by_a_loop_counter_is_named_in_a_warning():
                                      jnp.float32)}}
     x = jnp.ones((2, 16))
     f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["layers"]["w"][i]), x)
-    with pytest.warns(UserWarning, match=r"reads weight 'layers/w' indexed by a value computed "
+    with pytest.warns(UserWarning, match=r"\(op 'dot_general_0', at '<top>'\) reads weight "
+                      r"'layers/w' indexed by a value computed "
                       r"from the data.*lax\.scan"):  # the path, not its letters joined by '/'
         qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    # the warning names the op by the key its rules, report and fallback use (hunt73_sensscan)
+    assert list(qp) == ["dot_general_0"]
     assert [q.is_float for q in qp.values()] == [True]
     g = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"]["w"])[0]
     with warnings.catch_warnings():

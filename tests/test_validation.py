@@ -2225,3 +2225,18 @@ def test_an_asymmetric_conv_weight_names_its_rule_and_the_fix_that_fits_it():
     assert "ahead of it" not in str(e.value)
     with pytest.raises(ValueError, match=r"op 'w' is a conv.*Put a rule for convs ahead"):
         jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(weight=asym),)), w, [(x,)], progress=False)
+
+
+def test_a_report_row_of_one_scanned_layer_as_a_qparams_key_gets_the_shared_key():
+    """jqt.report names one layer of a scan 'layers/w[1]'; set as a qparams key (to make
+    that layer float), it was refused as a key of "another function or weight_argnums"
+    (hunt73_sensscan). The error says the layers share one key, and names it."""
+    f = lambda p, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"]["w"])[0]  # noqa: E731
+    p = {"layers": {"w": jnp.ones((3, 4, 4)) * 0.1}}
+    x = jnp.ones((2, 4))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    bad = {**qp, "layers/w[1]": dataclasses.replace(qp["layers/w"], lhs=None, rhs=None)}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"'layers/w\[1\]' is jqt\.report's row for "
+                       r"one layer.*share one op key.*set qparams\['layers/w'\]") as e:
+        jqt.quantize(f, bad)(p, x)
+    assert "another function" not in str(e.value)

@@ -723,9 +723,10 @@ class Analyzer:
                        f"{fix}{also}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
 
-    def _read_as_data(self, op, ins, stack, then="then stays float", extra="") -> bool:
+    def _read_as_data(self, op, ins, stack, then="then stays float", extra="", key=None) -> bool:
         """Warns where an op reads a weight as data (indexed by a loop's counter, masked,
-        chosen: each such way once), saying what the op ``then`` is; whether it did."""
+        chosen: each such way once), saying what the op ``then`` is; whether it did.
+        ``key``: the op's key, where it is a quantizable op (a rule's key, a report row)."""
         said = False
         for field, how, fix in _WEIGHTS_READ_AS_DATA:
             path = next((getattr(i, field) for i in ins if getattr(i, field)), "")
@@ -733,7 +734,8 @@ class Analyzer:
                 names, what = _named_weights(path)
                 also = "" if field == "windowed" or extra else \
                     f", as the weight{' does' if len(names) == 1 else 's do'}"
-                msg = (f"jqt: a {op} (at '{stack or '<top>'}') reads {what} {how}; the op {then}{also}. "
+                named = f"op '{key}', " if key is not None else ""
+                msg = (f"jqt: a {op} ({named}at '{stack or '<top>'}') reads {what} {how}; the op {then}{also}. "
                        f"{fix}{extra if field == 'indexed' else ''}")
                 self._defer(("data", field, op), msg, f"{what} at '{stack or '<top>'}'")
                 said = True
@@ -794,11 +796,20 @@ class Analyzer:
     def _site(self, entry, widx, eqn, ins, stack):
         op = entry.name
         src = ins[widx].source if widx is not None else None
+        if entry.is_cache and all(b[0] == CALL for b in ins[0].buffer):
+            # a write into a buffer f takes, outside any loop that carries it: a cache only
+            # where f returns the buffer (_boundary), which is known at the end
+            self.call_writes += 1
+            key = f"{_PENDING}{self.call_writes}"
+        elif src is not None:
+            key = self._key(src.path, (src.arg, src.leaf))
+        else:
+            key = self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
         if widx is None and not entry.is_cache:
             self._read_as_data(op, ins, stack, "is then " + (
                 "a convolution with a kernel computed from the data: it stays float"
                 if op == "conv_general_dilated" else "an activation x activation op: it "
-                "stays float (unless the recipe quantizes those, act_x_act=)"))
+                "stays float (unless the recipe quantizes those, act_x_act=)"), key=key)
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "
@@ -835,15 +846,6 @@ class Analyzer:
         for k in range(len(ins)):
             if k != widx:
                 self._use(ins[k], "float")
-        if entry.is_cache and all(b[0] == CALL for b in ins[0].buffer):
-            # a write into a buffer f takes, outside any loop that carries it: a cache only
-            # where f returns the buffer (_boundary), which is known at the end
-            self.call_writes += 1
-            key = f"{_PENDING}{self.call_writes}"
-        elif src is not None:
-            key = self._key(src.path, (src.arg, src.leaf))
-        else:
-            key = self._fallback_key(stack, "kv_cache" if entry.is_cache else op)
         if src is not None:
             self._use(ins[widx], key)
         return Site(key=key, op=op, eqn=eqn, weight_operand=widx, source=src,

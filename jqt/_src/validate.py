@@ -433,15 +433,17 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"with ({why or 'another dtype, shape or layout?'}). Pass caches as at calibration, or "
             "calibrate with these.")
     if extra:
-        counted = (_op_count(extra + [k for k in keys if k not in qparams], keys, qparams)
-                   or _nested(keys, qparams))
+        rows = _layer_rows(extra, keys)  # (then not another function's or shape's)
+        counted = "" if rows else (_op_count(extra + [k for k in keys if k not in qparams], keys, qparams)
+                                   or _nested(keys, qparams))
         raise QParamsMismatchError(
             f"{fn}: qparams hold keys the function does not have: {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}; the function's op keys are "
-            f"{keys[:5]}{' ...' if len(keys) > 5 else ''}. They were calibrated for "
-            f"another function or weight_argnums.{counted}"
+            f"{keys[:5]}{' ...' if len(keys) > 5 else ''}."
+            f"{'' if rows else ' They were calibrated for another function or weight_argnums.'}{counted}"
             f"{_argnums(qparams, traced, fn) or _renamed_argument(extra, keys, qparams, traced.arg_prefixes)}"
             f"{_boxed(extra, [k for k in keys if k not in qparams])}"
+            f"{rows}"
             f"{diagnostics.einsum_order(extra + [k for k in keys if k not in qparams])}"
             f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}"
             f"{quantized_already(traced)}")
@@ -480,6 +482,22 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             f"{_boxed([k for k in qparams if k not in keys], missing)}"
             f"{diagnostics.einsum_order(missing + [k for k in qparams if k not in keys])}"
             f"{'' if _argnums(qparams, traced, fn) else _conv_sides(qparams, traced)}")
+
+
+def _layer_rows(extra, keys) -> str:
+    """A hint where a key is one of the function's with a layer's index: jqt.report's row
+    of one layer of a ``lax.scan`` over stacked weights (``'layers/w[1]'``).
+
+    >>> _layer_rows(["layers/w[1]"], ["layers/w"])[:44]
+    " 'layers/w[1]' is jqt.report's row for one l"
+    """
+    rows = [k for k in extra if (m := re.fullmatch(r"(.+)\[\d+(?:, \d+)*\]", k)) and m[1] in keys]
+    if not rows:
+        return ""
+    base = rows[0][:rows[0].rindex("[")]
+    return (f" {rows[0]!r} is jqt.report's row for one layer of a lax.scan over stacked "
+            f"weights, but the layers share one op key and one OpQParams, {base!r}: set "
+            f"qparams[{base!r}] (it applies to every layer), or keep that layer out of the scan.")
 
 
 def _boxed(theirs, ours, reads="the function reads") -> str:

@@ -1181,3 +1181,37 @@ def test_nnx_scan_over_remat_packs_and_gptq_rerounds_the_stacked_kernels():
         new = jqt.gptq(f, qp, state, batches, progress=False)
     kernel = lambda s: np.asarray(s["layers"]["lin"]["kernel"][...])
     assert not np.array_equal(kernel(new), kernel(state))
+
+
+def test_a_keras_model_quantized_to_int4_by_keras_is_named_at_calibration(keras):
+    """A Keras model after model.quantize("int4") decodes its int4 codes to a float
+    kernel at every call; jqt quantized that decoded kernel again, silently at calibrate
+    (hunt73_kerasgroup; int8 models, integer products, had a warning). calibrate now
+    names the ops and the integer leaves; the float model calibrates without it."""
+    import warnings as w_
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16, name="fc1")], name="m")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
+    f, params = jqt.from_keras(model)
+    with w_.catch_warnings():
+        w_.simplefilter("error")
+        jqt.calibrate(f, jqt.recipes.w4(group_size=16), params, [(x,)], progress=False)
+    with w_.catch_warnings():
+        w_.simplefilter("ignore")
+        model.quantize("int4")
+    f, params = jqt.from_keras(model)
+    with pytest.warns(UserWarning, match=r"ops 'fc1/dot_general_0' read weights f computes, and "
+                      r"the weights hold integer matrices \('m/fc1/kernel'.*model\.quantize\('int4'\)"
+                      r".*Calibrate the float model"):
+        jqt.calibrate(f, jqt.recipes.w4(group_size=16), params, [(x,)], progress=False)
+
+
+def test_codes_a_function_decodes_are_named_at_calibration():
+    """The same for plain JAX: a weight f decodes from int8 codes and a scale."""
+    rng = np.random.default_rng(0)
+    p = {"q": jnp.asarray(rng.integers(-8, 8, (32, 16)), jnp.int8), "s": jnp.full((16,), 0.05)}
+    f = lambda p, x: x @ (p["q"].astype(jnp.float32) * p["s"])  # noqa: E731
+    x = jnp.ones((4, 32))
+    with pytest.warns(UserWarning, match=r"ops 'dot_general_0' read weights f computes, and the "
+                      r"weights hold integer matrices \('q'\)"):
+        jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)

@@ -17,7 +17,7 @@ from . import stats as stats_lib
 from .handlers import Calibrate, conv_products, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
-from .analysis import CALL, EQUINOX_HIDES
+from .analysis import CALL, EQUINOX_HIDES, path_str
 from .dense import safe_k
 from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
@@ -504,7 +504,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
                     argnums, analyzer.empty_ops,
                     {p: l for p, l in analyzer.carried.items() if p not in analyzer.carried_caches},
-                    analyzer.equinox_prims)
+                    analyzer.equinox_prims, _integer_matrices(params_t))
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -636,15 +636,24 @@ def _special(key: str) -> str:
     return " ".join(repr(c) for c in chars) or "its metacharacters"
 
 
+def _integer_matrices(params_t) -> list:
+    """The paths of the weights' integer leaves of two or more axes (codes of a model
+    quantized before, whose f decodes them)."""
+    return [path_str(path) for p in params_t for path, x in jax.tree_util.tree_flatten_with_path(p)[0]
+            if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.integer)
+            and x.ndim >= 2]
+
+
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
-                    argnums=(0,), empty_ops=0, carried=None, equinox_prims=()):
+                    argnums=(0,), empty_ops=0, carried=None, equinox_prims=(), int_matrices=()):
     """Warns of a function without ops to quantize, of one whose ops read no weight from
     the weight argument(s) ``argnums`` (or read weights a loop carries: ``carried``, path ->
     loop), of ops that no rule matches (they stay
     float) and of rules with a ``key``
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches). ``jqt_prims``: jqt's primitives that f runs; ``equinox_prims``:
-    Equinox's that hide a cache write or copy (``analysis.EQUINOX_HIDES``)."""
+    Equinox's that hide a cache write or copy (``analysis.EQUINOX_HIDES``);
+    ``int_matrices``: the paths of the weights' integer leaves of two or more axes."""
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
     if not sites and jqt_prims:  # f is quantized already: the advice below would not apply
         diagnostics.warn(f"jqt.calibrate: f has no op that jqt quantizes, and it runs jqt's own "
@@ -659,6 +668,13 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "comes from jqt's primitives (a function jqt.quantize returned, with "
                          "simulate=True, or a 4-bit or fp8 weight it decodes), it is quantized "
                          "again. Calibrate the float function (the f given to jqt.quantize).")
+    elif again and int_matrices:  # codes f decodes to a float weight (Keras's int4, float8)
+        diagnostics.warn(f"jqt.calibrate: ops {listed(again)} read weights f computes, and the "
+                         f"weights hold integer matrices ({listed(int_matrices)}): if f decodes "
+                         "codes to a float weight (a model quantized before: Keras's "
+                         "model.quantize('int4') or 'float8', a 4-bit checkpoint unpacked in f), "
+                         "jqt quantizes that decoded weight again, at every call, and jqt.pack "
+                         "cannot store it. Calibrate the float model.")
     if not sites and not warned:  # (where the analysis warned, it said why ops stay float)
         diagnostics.warn("jqt.calibrate: f has no op that jqt quantizes (a dot_general or einsum, a "
                          "convolution, an embedding lookup from a weight, a key/value cache write): "

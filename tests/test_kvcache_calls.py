@@ -913,3 +913,39 @@ def test_a_cache_reset_through_a_cond_is_named_and_jnp_where_keeps_it():
     qp = jqt.calibrate(make(lambda new, c: jnp.where(new, 0.0, c)), jqt.recipes.w8(kv_cache=True), w,
                        [(xs,)], progress=False)
     assert [k for k in qp if "kv_cache" in k]
+
+
+def test_a_cache_of_another_type_passed_to_a_loop_that_only_reads_out_is_refused():
+    """A cache prefilled outside, passed quantized to a generate whose while_loop carries it
+    but whose result is only the logits, was decoded and quantized again to the loop's
+    type with no word: an int4 cache ran as the int8 the qparams ask for, with int4's
+    error (hunt73_ringcache). It is refused as a cache of the step's own form is; the
+    loop's own type, or a float buffer, runs."""
+    T, D, P, N = 8, 8, 3, 4
+    rng = np.random.default_rng(0)
+    p = {"wk": jnp.asarray(rng.standard_normal((D, D)) / 3, jnp.float32),
+         "wv": jnp.asarray(rng.standard_normal((D, D)) / 3, jnp.float32)}
+
+    def generate(p, kc, vc, h):
+        def body(c):
+            kc, vc, pos, h, out = c
+            kc = jax.lax.dynamic_update_slice(kc, (h @ p["wk"])[:, None], (0, pos, 0))
+            vc = vc.at[:, pos].set(h @ p["wv"])
+            s = jnp.where(jnp.arange(T) <= pos, jnp.einsum("bd,btd->bt", h, kc), -1e30)
+            h = jnp.tanh(jnp.einsum("bt,btd->bd", jax.nn.softmax(s, -1), vc))
+            return kc, vc, pos + 1, h, out.at[pos - P].set(h)
+        return jax.lax.while_loop(lambda c: c[2] < P + N, body,
+                                  (kc, vc, P, h, jnp.zeros((N,) + h.shape)))[4]
+
+    kc = jnp.asarray(rng.standard_normal((2, T, D)), jnp.float32).at[:, P:].set(0)
+    vc = jnp.asarray(rng.standard_normal((2, T, D)), jnp.float32).at[:, P:].set(0)
+    h = jnp.asarray(rng.standard_normal((2, D)), jnp.float32)
+    qp = jqt.calibrate(generate, jqt.Recipe(rules=(jqt.Rule(kv_cache=True),)), p, [(kc, vc, h)],
+                       progress=False)
+    qf = jqt.quantize(generate, qp)
+    own = qf(p, jqt.quantize_cache(kc, True), jqt.quantize_cache(vc, True), h)
+    np.testing.assert_allclose(own, qf(p, kc, vc, h), atol=1e-6)  # the same codes
+    for other in ("int4", "fp8"):
+        with pytest.raises(jqt.QParamsMismatchError, match=r"argument \[1\] of f is a key/value "
+                           r"cache of .*qparams\['kv_cache_0'\] write int8.*quantize_cache\(buffer, 'int8'\)"):
+            qf(p, jqt.quantize_cache(kc, other), jqt.quantize_cache(vc, other), h)

@@ -517,6 +517,9 @@ def _enter_caches(sub, ctx, init):
     for k, writes in sub.caches.items():
         qtype = kvcache.slot_type(writes, ctx.state_in)
         if qtype is not None:
+            passed = ctx.passed.get(id(init[k]))  # a quantized cache f was passed, decoded
+            if passed is not None and passed[0] != qtype:
+                _other_cache(passed[1], passed[0], writes, qtype)
             with compat.op_scope(writes[0], cache=True):
                 x = enter(init[k], qtype)
             if kvcache.is_cache(x) and not kvcache.is_cache(init[k]):
@@ -540,20 +543,30 @@ def enter_call(plan, ctx, args, invars, name=str):
         if qtype is None:
             continue
         if kvcache.is_cache(x) and x.qtype != qtype:
-            have, want = x.qtype.contrast(qtype)
-            raise QParamsMismatchError(
-                f"jqt: argument {name(k)} of f is a key/value cache of "
-                f"{have}, where qparams['{writes[0]}'] write "
-                f"{want} into it: the cache was made with other qparams. "
-                "Pass the cache the same quantized function returned, or a float buffer; a loop "
-                "around the step, whose carry starts quantized, starts it with "
-                f"jqt.quantize_cache(buffer, {kvcache.kind_name(qtype)}).")
+            _other_cache(name(k), x.qtype, writes, qtype)
         with compat.op_scope(writes[0], cache=True):
             args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):
             entered[k] = args[k]
-    return [x if k in entered else kvcache.materialize([x], [v])[0]
-            for k, (x, v) in enumerate(zip(args, invars))], entered
+    flat = [x if k in entered else kvcache.materialize([x], [v])[0]
+            for k, (x, v) in enumerate(zip(args, invars))]
+    for k, x in enumerate(args):  # decoded: a loop that carries one checks its type
+        if k not in entered and kvcache.is_cache(x):
+            ctx.passed[id(flat[k])] = (x.qtype, name(k))
+    return flat, entered
+
+
+def _other_cache(name, have, writes, qtype):
+    """Refuses a quantized cache of another type than the one ``writes`` (the keys of the
+    cache writes) put into it: made with other qparams."""
+    have, want = have.contrast(qtype)
+    raise QParamsMismatchError(
+        f"jqt: argument {name} of f is a key/value cache of "
+        f"{have}, where qparams['{writes[0]}'] write "
+        f"{want} into it: the cache was made with other qparams. "
+        "Pass the cache the same quantized function returned, or a float buffer; a loop "
+        "around the step, whose carry starts quantized, starts it with "
+        f"jqt.quantize_cache(buffer, {kvcache.kind_name(qtype)}).")
 
 
 def leave_call(plan, outs, entered, outvars):

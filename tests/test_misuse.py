@@ -1873,3 +1873,49 @@ def test_an_activation_product_that_contracts_no_axis_is_not_called_int8():
     qt = jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(key="tef", act_x_act=per_tensor),) +
                                      jqt.recipes.w8a8_dynamic().rules), p, [(h, g)], progress=False)
     assert not qt[k].is_float
+
+
+def test_packed_params_are_checked_by_the_ops_they_feed_through_a_reordering_wrapper():
+    """The slot check judged packed params by the order of the weight arguments: a wrapper
+    with the same parameter names in another order had its right call refused and was told
+    to swap them, which ran with the other network's biases; and a third weight argument
+    with no quantized op (gains) turned the check off, so swapped packed params ran
+    (hunt73_mixedargs). It judges by the ops f reads each argument's weights with."""
+    k = jax.random.split(jax.random.key(0), 5)
+    net = lambda i: {"w": jax.random.normal(k[i], (16, 16)) * 0.1,  # noqa: E731
+                     "b": jax.random.normal(k[i + 1], (16,))}
+    online, target, x = net(0), net(2), jax.random.normal(k[4], (4, 16))
+
+    def f(online, target, x):
+        return jnp.tanh(x @ online["w"] + online["b"]) - jnp.tanh(x @ target["w"] + target["b"])
+
+    def serve(x, target, online):  # the same names, another order
+        return f(online, target, x)
+
+    qp = jqt.calibrate(f, jqt.recipes.w8(), (online, target), [(x,)], weight_argnums=(0, 1),
+                       progress=False)
+    po, pt = jqt.pack(qp, (online, target), weight_argnums=(0, 1))
+    qs = jqt.quantize(serve, qp, weight_argnums=(1, 2))
+    np.testing.assert_allclose(qs(x, pt, po), qs(x, target, online), atol=1e-6)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"argument 1 of f is params jqt.pack packed "
+                       r"for argument 0 .*\['online/w'\], which read argument 2's weights in this "
+                       r"call.*pass them as argument 2, or .*argnum=1\)"):
+        qs(x, po, pt)
+
+    def g(online, target, gains, x):  # gains: no quantized op reads them
+        return f(online, target, x) * gains["g"]
+
+    gains = {"g": jnp.ones((16,))}
+    qg = jqt.calibrate(g, jqt.recipes.w8(), (online, target, gains), [(x,)],
+                       weight_argnums=(0, 1, 2), progress=False)
+    po, pt, _ = jqt.pack(qg, (online, target, gains), weight_argnums=(0, 1, 2))
+    gq = jqt.quantize(g, qg, weight_argnums=(0, 1, 2))
+    np.testing.assert_allclose(gq(po, pt, gains, x), gq(online, target, gains, x), atol=1e-6)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"argument 0 of f is params jqt.pack packed "
+                       r"for argument 1 .*pass them as argument 1"):
+        gq(pt, po, gains, x)
+    # jqt.pack told other weight_argnums than calibrate took: refused, naming the one left out
+    # (each argument packed alone warned, advising an argument it had just packed)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: weight_argnums=\(0, 2\), but "
+                       r"the qparams' quantized ops read .* \[0, 1\] .*\[1\] not among them"):
+        jqt.pack(qg, (online, gains), weight_argnums=(0, 2))

@@ -68,11 +68,37 @@ def _check_packed_covers(traced, qparams, packed, dropped):
                 f"the op float (a jqt.fallback to float?): {fix}")
 
 
+def _check_slots(traced, qparams, given):
+    """Raises unless each op whose codes packed params passed as argument ``a`` of f hold
+    (``given``: ``a`` -> the :class:`PackedParams`) reads its weight from argument ``a`` in
+    this call: codes are found by op key, so an online network's packed params passed in a
+    target network's place would run with the target's codes and the online's float
+    leaves. By the ops f was traced with (a wrapper may reorder f's arguments)."""
+    reads = {s.key: s.source.arg for s in traced.sites() if s.source is not None}
+    cal = lambda k: qparams[k].source.arg if k in qparams and qparams[k].source is not None else None
+    for a, pp in given.items():
+        other = {k: reads[k] for k in pp.weights if k in reads and reads[k] != a}
+        if not other:
+            continue
+        k = min(other)
+        b, there = cal(k), other[k]
+        here = next((cal(j) for j, r in reads.items() if r == a and cal(j) is not None), None)
+        raise QParamsMismatchError(
+            f"jqt: argument {a} of f is params jqt.pack packed for argument {b} of the function "
+            f"calibrated (jqt.pack(qparams, params, argnum={b})): their codes are those of ops "
+            f"{sorted(other)[:4]}{' ...' if len(other) > 4 else ''}, which read argument "
+            f"{there}'s weights in this call. Packed params run only in the slot they were "
+            "packed for (two copies of a network, as online and target, are packed once per "
+            f"slot): pass them as argument {there}"
+            + (f", or pack the params passed here with jqt.pack(qparams, params, argnum={here})"
+               if here is not None else "") + ".")
+
+
 def _check_slot(qparams, packed, a, argnums):
     """Raises unless the packed weights passed as argument ``a`` of f were packed for it
-    (``jqt.pack(..., argnum=a)``): codes are found by op key, so an online network's packed
-    params passed in a target network's place would run with the target's codes and the
-    online's float leaves."""
+    (``jqt.pack(..., argnum=a)``), judged before f is traced (where f fails on the float
+    leaves of another slot): by the order of the weight arguments, which a wrapper keeps
+    or not (:func:`_check_slots` judges by the ops f reads)."""
     calibrated = calibrated_args(qparams)
     if len(calibrated) != len(argnums) or len(argnums) < 2:
         return  # one weight argument (moved by a wrapper or not): nothing to mix up
@@ -290,17 +316,20 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
 
     def run(qparams, args):
         args = list(args)
-        packed, dropped = {}, set()
+        packed, dropped, given = {}, set(), {}
         for a in argnums:
             if a < len(args) and isinstance(args[a], PackedParams):
-                _check_slot(qparams, args[a], a, argnums)
+                given[a] = args[a]
                 packed.update({k: args[a].weight(k) for k in args[a].weights})
                 dropped |= {(a, i) for i in range(len(args[a].avals)) if i not in args[a].kept}
                 args[a] = _unpack(args[a])
         try:
             traced = _trace(tracer, args, argnums, qparams)
-        except ValueError as e:
-            if not dropped or "does not match the specs of the input" not in str(e):
+        except Exception as e:
+            for a, pp in given.items():  # f failed on float leaves of another slot's shapes?
+                _check_slot(qparams, pp, a, argnums)
+            if not (isinstance(e, ValueError) and dropped
+                    and "does not match the specs of the input" in str(e)):
                 raise
             raise ValueError(
                 f"{e}\njqt: if the input named is one of the weights jqt.pack dropped (not an "
@@ -314,6 +343,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                 "split as like= is on a concrete Mesh; from a jax.eval_shape template (an "
                 "AbstractMesh), pass device=lambda host: jqt.packed_shardings(qparams, host, "
                 "mesh)[1], which splits it as recorded.") from e
+        _check_slots(traced, qparams, given)
         empty = _some_empty(args, argnums)
         _check_folded(packed, folds)
         try:
@@ -545,6 +575,12 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
                         "order, as jqt.calibrate takes them.")
     read = {p.source.arg for p in qparams.values()
             if isinstance(p, OpQParams) and p.source is not None and not p.is_float}
+    if read - set(nums):  # (each argument packed alone would warn, naming one packed here)
+        raise QParamsMismatchError(
+            f"jqt.pack: weight_argnums={weight_argnums!r}, but the qparams' quantized ops read "
+            f"the weights of argument(s) {sorted(read)} of f (the weight_argnums jqt.calibrate "
+            f"took), {sorted(read - set(nums))} not among them: pass the weight_argnums "
+            "calibrate took, with params the tuple of those arguments' weights in that order.")
     # an argument without quantized ops (norm gains) packed beside those that hold them: no
     # advice to pass another argnum (held back in this thread: warnings.catch_warnings swaps
     # process-wide filters, which two threads' overlapping windows left ignoring it for good)

@@ -80,8 +80,11 @@ def cache_type(kind) -> QuantType | None:
         return QuantType(dtype=dtype, per_channel=True, dynamic=True)
     if isinstance(kind, QuantType):
         return kind
-    raise ValueError(f"kv_cache={kind!r}: use True (int8), 'int8', 'int4', 'fp8', 'float8_e5m2' or "
-                     "a jqt.QuantType(..., per_channel=True, dynamic=True).")
+    shown = repr(kind) if len(repr(kind)) <= 60 else f"a {type(kind).__name__}"  # (a Recipe)
+    hint = (" (a recipe's cache type is its rules' kv_cache=: recipe.rules[0].kv_cache)"
+            if hasattr(kind, "rules") or hasattr(kind, "kv_cache") else "")
+    raise ValueError(f"kv_cache={shown}: use True (int8), 'int8', 'int4', 'fp8', 'float8_e5m2' or "
+                     f"a jqt.QuantType(..., per_channel=True, dynamic=True){hint}.")
 
 
 def kind_name(t: QuantType) -> str:

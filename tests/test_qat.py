@@ -988,3 +988,32 @@ def test_relative_steps_per_leaf_and_elementwise_on_a_scan_of_layers_of_other_si
         out[name] = worst, float(loss(q)) / float(loss(qp))
     assert out["block"][0][0] > 10 and out["block"][1] > 5
     assert out["elementwise"][0].max() < 0.02 and out["elementwise"][1] < 1.1
+
+
+def test_adapters_as_data_under_an_act_x_act_rule_are_named_as_such():
+    """Adapters passed as data on a weight-only base, under a rule with act_x_act=: their
+    matmuls are activation x activation ops, quantized, and jax.grad through the integer
+    path was refused with a weight op's advice (quantize the base weight-only, a rule with
+    activation=None: which warned and changed nothing meant; hunt73_qatmulti). The error
+    says what the op is; the fix it names (act_x_act=None) trains."""
+    Q = jqt.QuantType
+    k = jax.random.split(jax.random.key(0), 3)
+    base = {"w": jax.random.normal(k[0], (32, 32)) * 0.1}
+    lora = {"a": jax.random.normal(k[1], (32, 4)) * 0.1, "b": jnp.zeros((4, 32))}
+    x = jax.random.normal(k[2], (8, 32))
+    f = lambda base, lora, x: x @ base["w"] + (x @ lora["a"]) @ lora["b"]  # noqa: E731
+    rule = jqt.Rule(weight=Q(dtype="nf4", group_size=16, per_channel=True), activation=None,
+                    act_x_act=Q(bits=8, dynamic=True, per_channel=True))
+    qp = jqt.calibrate(f, jqt.Recipe(rules=(rule,)), base, [(lora, x)], progress=False)
+    loss = lambda qp: lambda lo: jqt.quantize(f, qp)(jqt.pack(qp, base), lo, x).sum()  # noqa: E731
+    with pytest.raises(TypeError, match=r"Op 'dot_general_0' multiplies two activations .*"
+                       r"act_x_act=.*jqt\.Rule\(key='\^dot_general_0\$', act_x_act=None\)") as e:
+        jax.grad(loss(qp))(lora)
+    assert "weight-only" not in str(e.value)
+    fix = jqt.Rule(key="^dot_general_[01]$", act_x_act=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qf = jqt.calibrate(f, jqt.Recipe(rules=(fix, rule)), base, [(lora, x)], progress=False)
+    assert not qf["w"].is_float and qf["dot_general_0"].is_float
+    g = jax.grad(loss(qf))(lora)
+    assert float(jnp.abs(g["b"]).sum()) > 0

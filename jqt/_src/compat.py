@@ -152,21 +152,24 @@ def zeros(shape, dtype, sharding=None):
 _OP_SCOPE = "jqt_op:"
 _CACHE_SCOPE = "jqt_cache:"  # a key/value cache's writes and entry
 _ACT_SCOPE = "jqt_act:"  # an op's activation rounded to codes
+_AXA_SCOPE = "jqt_axa:"  # an activation x activation op's operands rounded to codes
 
 
 def op_scope(key, cache=False, activation=False):
     """A name scope that marks the equations bound in it as op ``key``'s (``cache``: the
-    key/value cache ``key``'s; ``activation``: op ``key``'s activation), for errors raised
+    key/value cache ``key``'s; ``activation``: op ``key``'s activation, ``"act_x_act"``:
+    an operand of an activation x activation op), for errors raised
     while JAX differentiates them (:func:`scoped_op`); no equation parameter, so lowering
     and compiled programs are shared across ops as before."""
-    prefix = _CACHE_SCOPE if cache else _ACT_SCOPE if activation else _OP_SCOPE
+    prefix = (_CACHE_SCOPE if cache else _AXA_SCOPE if activation == "act_x_act"
+              else _ACT_SCOPE if activation else _OP_SCOPE)
     return jax.named_scope(prefix + key)
 
 
 def scoped_op(kind=False):
     """The op key of the innermost :func:`op_scope` around the equation being evaluated
     (JAX restores an equation's name stack when it differentiates a jaxpr), or ``None``;
-    ``kind``: ``(key, "op" | "cache" | "activation")``, ``(None, None)`` outside every
+    ``kind``: ``(key, "op" | "cache" | "activation" | "act_x_act")``, ``(None, None)`` outside every
     scope.
 
     >>> with op_scope("dense/kernel"):
@@ -176,7 +179,8 @@ def scoped_op(kind=False):
     ...     scoped_op(kind=True)
     ('kv_cache', 'cache')
     """
-    kinds = {_OP_SCOPE: "op", _CACHE_SCOPE: "cache", _ACT_SCOPE: "activation"}
+    kinds = {_OP_SCOPE: "op", _CACHE_SCOPE: "cache", _ACT_SCOPE: "activation",
+             _AXA_SCOPE: "act_x_act"}
     for e in reversed(source_info_util.current_name_stack().stack):
         name = getattr(e, "name", "")
         for prefix, what in kinds.items():

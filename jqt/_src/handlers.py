@@ -835,7 +835,8 @@ class Integer:
             x = live_only(site, i, invals, x)
             s, z = operand_params(site, i, x, q)
             se, ze = _expanded(site, i, x.shape, q, s, z)
-            ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype, i != site.weight_operand),
+            ops[i] = QArray(values=_codes(site, x, se, ze, q.qtype, "act_x_act" if site.weight_operand
+                                          is None else i != site.weight_operand),
                             scale=s, zero_point=z, qtype=q.qtype)
             if q.qtype.kind == "int" and q.qtype.bits > 8:
                 wide = i

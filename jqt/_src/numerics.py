@@ -439,6 +439,14 @@ def _no_jvp(primals, tangents, **params):
               "reference), stop the gradient of its inputs, qf(jax.lax.stop_gradient(params), "
               "x): a stop_gradient of its output comes after JAX has asked for this op's "
               "derivative. ")
+    if kind == "act_x_act":  # adapters passed as data reach a product of two activations
+        raise TypeError(
+            head + f"Op '{key}' multiplies two activations and rounds both to codes (the "
+            "recipe's act_x_act=), and what is differentiated reaches them (adapters passed "
+            "as data, LoRA's x @ a and (x @ a) @ b, are such ops). " + common + "To train "
+            "through the integer path, keep it float: jqt.Rule(key="
+            f"'^{re.escape(key or '')}$', act_x_act=None) ahead of the recipe's rules, or "
+            "calibrate without act_x_act=.")
     if kind == "activation":  # what is trained reaches an activation the op rounds
         raise TypeError(
             head + f"Op '{key}' rounds its activation to codes (the recipe quantizes "

@@ -1,4 +1,4 @@
-"""int8 convolutions by layout on the CPU: float32 against w8a8 and w8a8_dynamic.
+"""int8 convolutions by layout on the CPU: float32 against w8a8, w8a8_dynamic and w4a8.
 
     .venv/bin/python benchmarks/conv_layouts.py [--rounds 9] [--markdown]
 
@@ -36,14 +36,19 @@ LAYERS = {
                                                        (3, 3, 3, 16, 32)),
     "2-D NHWC, 8 x 32 x 32 x 64, 3x3, 64 out (int8 either way)": (("NHWC", "HWIO", "NHWC"),
                                                                  (8, 32, 32, 64), (3, 3, 64, 64)),
+    # grouped: one float32 convolution where every group's sums stay below 2**24 under the
+    # weight's own code range (int4: |q| <= 7), XLA's int32 one otherwise
+    "2-D NCHW, 1 x 256 x 16 x 16, 3x3, 2 groups of 128, 256 out": (("NCHW", "OIHW", "NCHW"),
+                                                                  (1, 256, 16, 16), (256, 128, 3, 3), 2),
 }
-RECIPES = {"w8a8": jqt.recipes.w8a8, "w8a8_dynamic": jqt.recipes.w8a8_dynamic}
+RECIPES = {"w8a8": jqt.recipes.w8a8, "w8a8_dynamic": jqt.recipes.w8a8_dynamic, "w4a8": jqt.recipes.w4a8}
 
 
-def layer(spec, xs, ws, rounds):
+def layer(spec, xs, ws, rounds, groups=1):
     rng = np.random.default_rng(0)
     nd = len(spec[0]) - 2
-    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,) * nd, "SAME", dimension_numbers=spec)
+    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1,) * nd, "SAME", dimension_numbers=spec,
+                                                  feature_group_count=groups)
     w = jnp.asarray(rng.standard_normal(ws) / np.sqrt(np.prod(ws[:-1])), jnp.float32)
     x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
     cpu = jqt.KernelPolicy.for_backend("cpu")
@@ -72,8 +77,8 @@ def main():
     print(f"jax {jax.__version__} on {jax.default_backend()}; {a.rounds} interleaved rounds; "
           f"policy: conv_codes_as_float={jqt.KernelPolicy.for_backend('cpu').conv_codes_as_float}")
     results = {}
-    for name, (spec, xs, ws) in LAYERS.items():
-        results[name] = layer(spec, xs, ws, a.rounds)
+    for name, (spec, xs, ws, *groups) in LAYERS.items():
+        results[name] = layer(spec, xs, ws, a.rounds, *groups)
     cols = list(next(iter(results.values())))
     print("| layer | " + " | ".join(cols) + " |")
     print("| --- |" + " --- |" * len(cols))

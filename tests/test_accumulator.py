@@ -275,7 +275,7 @@ def test_a_rare_saturation_shows_in_the_report_and_a_float_op_keeps_no_width(tmp
 def test_a_long_convolution_of_int4_weights_is_bounded_by_their_code_range():
     """The int32 bound counted every weight code as int8 (|q| <= 128), so a w4a8 conv
     summing 66,600 products stayed float with a warning that it could overflow, though
-    int4 codes (|q| <= 8) bound it at 1,048,575 products: it runs integer now and matches
+    int4 codes (the presets' |q| <= 7) bound it at 1,198,372 products: it runs integer now and matches
     the simulated path; the same conv at w8a8 stays float."""
     rng = np.random.default_rng(0)
     f = lambda p, x: jax.lax.conv_general_dilated(  # noqa: E731

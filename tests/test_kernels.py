@@ -886,6 +886,31 @@ def test_int8_conv_in_other_layouts_runs_as_exact_float_convs_of_its_codes(spec)
         np.testing.assert_allclose(outs[0], ys, atol=1e-4 * float(jnp.abs(ys).max()))
 
 
+def test_int4_conv_codes_in_other_layouts_chunk_by_their_own_range():
+    """The float32 chunks of ``conv_codes_as_float`` were sized for int8 weight codes
+    (|q| <= 128): an int4 kernel took about 16x the chunks it needs, and a grouped conv of
+    more than 57 channels per group (3x3) ran as XLA:CPU's int32 convolution, 10-30x
+    slower (hunt73_conv4bit). Sized by the weight's code range (|q| <= 7), a w4a8 conv of
+    2 groups of 128 channels is one float32 convolution (two with the zero point's), exact."""
+    rng = np.random.default_rng(0)
+    spec = ("NCHW", "OIHW", "NCHW")
+    f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=spec,  # noqa: E731
+                                                  feature_group_count=2)
+    w = jnp.asarray(rng.standard_normal((16, 128, 3, 3)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 256, 5, 5)) + 0.5, jnp.float32)
+    outs = {}
+    for name, recipe in (("w4a8", jqt.recipes.w4a8()), ("w8a8", jqt.recipes.w8a8())):
+        qp = jqt.calibrate(f, recipe, w, [(x,)], progress=False)
+        packed = jqt.pack(qp, w)
+        convs = [e for e in _eqns(jax.make_jaxpr(jqt.quantize(f, qp, policy=CPU))(packed, x).jaxpr)
+                 if e.primitive.name == "conv_general_dilated"]
+        outs[name] = {jnp.dtype(e.invars[0].aval.dtype).kind for e in convs}
+        y = jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, x)
+        ys = jqt.quantize(f, qp, simulate=True)(w, x)
+        np.testing.assert_allclose(y, ys, atol=1e-5 * float(jnp.abs(ys).max()))
+    assert outs == {"w4a8": {"f"}, "w8a8": {"i"}}  # int8 codes: 128 channels x 9 x 255 x 127 > 2**24
+
+
 @pytest.mark.parametrize("stride,pad,length", [(2, "SAME", 0), (1, "VALID", 1), (2, "VALID", 2)])
 def test_a_conv_of_few_channels_runs_to_an_empty_output(stride, pad, length):
     """A convolution of few input channels (the patch matmul on CPU) whose output has a

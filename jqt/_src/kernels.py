@@ -83,15 +83,17 @@ def _nhwc_hwio(dn) -> bool:
         ((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 
 
-def _int_conv(qx, qw, cp, as_float):
+def _int_conv(qx, qw, cp, as_float, w_bound=128):
     """``conv(qx, qw)`` of integer codes, int32: XLA's int8 convolution, or with
     ``as_float`` (a layout XLA:CPU widens to int32, slowly) float32 convolutions of the
     codes over chunks of input channels whose sums stay below ``2**24`` (exact), added
-    in int32. A grouped convolution whose sums may exceed that runs as XLA's."""
+    in int32. A grouped convolution whose sums may exceed that runs as XLA's.
+    ``w_bound``: the largest magnitude of a weight code (8 for int4, 7 narrow)."""
     dn = cp["dimension_numbers"]
     if not as_float or _nhwc_hwio(dn):
         return _conv(qx, qw, cp, _I32)
-    per_in = int(np.prod([qw.shape[d] for d in dn.rhs_spec[2:]])) * 255 * 128  # |one input's terms|
+    window = int(np.prod([qw.shape[d] for d in dn.rhs_spec[2:]]))
+    per_in = window * 255 * w_bound  # |one input's terms|
     step = max((1 << 24) // per_in, 1)
     cin = qw.shape[dn.rhs_spec[1]]
     f = lambda a, b: lax.round(_conv(a.astype(_F32), b.astype(_F32), cp,
@@ -108,9 +110,9 @@ def _int_conv(qx, qw, cp, as_float):
     return _conv(qx, qw, cp, _I32)
 
 
-def conv(x_op, w_op, params, eqn, codes_as_float=False):
+def conv(x_op, w_op, params, eqn, codes_as_float=False, w_bound=128):
     """Integer (or weight-only) convolution; the activation is the lhs, with a
-    per-tensor or per-example scale and zero point (``codes_as_float``: see
+    per-tensor or per-example scale and zero point (``codes_as_float``, ``w_bound``: see
     :func:`_int_conv`)."""
     (qx, sx, zx, _), (qw, sw, zw, wsum) = x_op, w_op
     if zw is not None:
@@ -145,20 +147,20 @@ def conv(x_op, w_op, params, eqn, codes_as_float=False):
             cfg[d] = (lo, hi, 0)
         qx = lax.pad(qx, zx.astype(qx.dtype).reshape(()), cfg)
         cp["padding"] = ((0, 0),) * len(cp["padding"])
-        acc = _int_conv(qx, qw, cp, codes_as_float)
+        acc = _int_conv(qx, qw, cp, codes_as_float, w_bound)
         if wsum is None:
             axes = tuple(d for d in range(qw.ndim) if d != dn.rhs_spec[0])
             wsum = jnp.sum(qw, axis=axes, keepdims=True, dtype=_I32)
         acc = acc - zx * _out_channel(wsum, params, out_ndim)
     else:
-        acc = _int_conv(qx, qw, cp, codes_as_float)
+        acc = _int_conv(qx, qw, cp, codes_as_float, w_bound)
         if zx is not None:
             # per-example zero points or a dilated input: subtract zx times the conv of
             # the indicator of real input positions (the same for every example).
             shape = list(qx.shape)
             shape[dn.lhs_spec[0]] = 1
             ones = jnp.ones(shape, np.int8)
-            acc = acc - zx * _int_conv(ones, qw, cp, codes_as_float)
+            acc = acc - zx * _int_conv(ones, qw, cp, codes_as_float, w_bound)
     sx = _out_batch(sx.astype(_F32), params, out_ndim)
     out = dense.scaled(acc.astype(_F32), sx, _out_channel(sw.astype(_F32), params, out_ndim))
     return out.astype(out_dtype)
@@ -249,7 +251,9 @@ def run(site, eqn, ops, policy):
         in_ch = w_op[0].shape[params["dimension_numbers"].rhs_spec[1]]
         if x_op[1] is not None and patches.applies(params, in_ch, policy, out.shape):
             return patches.conv(x_op, w_op, params, out.shape).astype(out.dtype)
-        return conv(x_op, w_op, params, eqn, policy.conv_codes_as_float)
+        wt = ops[1].qtype if isinstance(ops[1], QArray) else None
+        w_bound = max(-int(wt.qmin), int(wt.qmax)) if wt is not None and wt.kind == "int" else 128
+        return conv(x_op, w_op, params, eqn, policy.conv_codes_as_float, w_bound)
     ax = DenseAxes.of(params["dimension_numbers"], [v.aval.ndim for v in eqn.invars], w,
                       grouped=grouped)
     if ax is None:

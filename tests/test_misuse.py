@@ -1919,3 +1919,22 @@ def test_packed_params_are_checked_by_the_ops_they_feed_through_a_reordering_wra
     with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: weight_argnums=\(0, 2\), but "
                        r"the qparams' quantized ops read .* \[0, 1\] .*\[1\] not among them"):
         jqt.pack(qg, (online, gains), weight_argnums=(0, 2))
+
+
+def test_report_and_gptq_with_the_weight_positions_reordered_say_which_holds_which():
+    """jqt.report / jqt.gptq given weight_argnums in another order than the params tuple
+    calibrate took: f's own KeyError, with no jqt note (positions compared as sets;
+    hunt73_mixedargs). A note names the position that holds each argument's weights."""
+    k = jax.random.split(jax.random.key(0), 3)
+    enc = {"w": jax.random.normal(k[0], (16, 16)) * 0.1, "b": jnp.zeros(16)}
+    dec = {"w": jax.random.normal(k[1], (16, 8)) * 0.1}
+    f = lambda enc, dec, x: jax.nn.relu(x @ enc["w"] + enc["b"]) @ dec["w"]  # noqa: E731
+    x = jax.random.normal(k[2], (4, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8(), (enc, dec), [(x,)], weight_argnums=(0, 1), progress=False)
+    for call in (lambda: jqt.report(f, qp, (enc, dec), (x,), weight_argnums=(1, 0)),
+                 lambda: jqt.gptq(f, qp, (enc, dec), [(x,)], weight_argnums=(1, 0), progress=False)):
+        with pytest.raises(KeyError) as e:
+            call()
+        notes = " ".join(getattr(e.value, "__notes__", []))
+        assert re.search(r"weight_argnums=\(1, 0\) puts params\[0\] in argument 1 of f, but the "
+                         r"weights argument 1's ops read .* are params\[1\]'s", notes), notes

@@ -458,7 +458,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     try:
         traced = tracer(full_args(argnums, params_t, batches[0]))
     except Exception as e:
-        if note := validate.argnums_note(qparams, argnums, "jqt.gptq"):
+        if note := validate.argnums_note(qparams, argnums, "jqt.gptq", params_t):
             e.add_note(note)
         e.add_note(f"jqt.gptq: raised while tracing f on batch 0 (argument shapes "
                    f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(batches[0])]})")

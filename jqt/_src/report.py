@@ -444,7 +444,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
     try:
         traced = tracer(full_args(argnums, params_t, batch))
     except Exception as e:
-        if note := validate.argnums_note(qparams, argnums, "jqt.report"):
+        if note := validate.argnums_note(qparams, argnums, "jqt.report", params_t):
             e.add_note(note)
         if batches_like:  # calibrate's list of batches, where report takes one batch
             e.add_note(f"jqt.report: batch is a list of {len(batch)} tuples, as jqt.calibrate's "

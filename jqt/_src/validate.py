@@ -657,16 +657,43 @@ def check_argnums(qparams, argnums, fn):
             "given, and the weights as a tuple of those arguments.")
 
 
-def argnums_note(qparams, argnums, fn) -> str:
+def argnums_note(qparams, argnums, fn, params_t=None) -> str:
     """For an error raised while ``f`` is traced with ``argnums``: where the qparams' ops
     read weights of other arguments (as many: a wrapper that moved them, or the
-    weight_argnums jqt.calibrate was given forgotten), the note that says which; else ""."""
+    weight_argnums jqt.calibrate was given forgotten), the note that says which; where
+    the tuple of weights ``params_t`` holds them in another order than ``argnums`` says
+    (by the leaf paths the qparams record), which position holds which; else ""."""
     calibrated = calibrated_args(qparams)
+    if calibrated and set(calibrated) == set(argnums) and params_t is not None and len(argnums) > 1:
+        return _order_note(qparams, argnums, params_t, fn)
     if not calibrated or set(calibrated) <= set(argnums):
         return ""
     return (f"{fn}: the qparams' ops read weights of argument(s) {calibrated} of f where they "
             f"were calibrated, and this call's weight_argnums name {list(argnums)}: if f is the "
             f"function calibrated, pass {fn} the weight_argnums jqt.calibrate was given.")
+
+
+def _order_note(qparams, argnums, params_t, fn) -> str:
+    """:func:`argnums_note` where ``params_t[i]`` does not hold the weights argument
+    ``argnums[i]``'s ops read and another position does."""
+    from .analysis import path_str  # (analysis imports the tracing that imports this)
+    held = [{(path_str(p), tuple(np.shape(x))) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+            for t in params_t]
+    want = {}
+    for q in qparams.values():
+        src = getattr(q, "source", None)
+        if src is not None and "/" in src.path and src.shape is not None:
+            want.setdefault(src.arg, set()).add((src.path.split("/", 1)[1], tuple(src.shape)))
+    fits = lambda j, a: want.get(a, set()) <= held[j]
+    for i, a in enumerate(argnums):
+        if a in want and not fits(i, a):
+            js = [j for j in range(len(params_t)) if j != i and fits(j, a)]
+            if js:
+                return (f"{fn}: weight_argnums={tuple(argnums)} puts params[{i}] in argument {a} "
+                        f"of f, but the weights argument {a}'s ops read (by their paths and shapes) are "
+                        f"params[{js[0]}]'s: give weight_argnums in the order of the params "
+                        "tuple, as jqt.calibrate took them.")
+    return ""
 
 
 def _argnums(qparams, traced, fn) -> str:

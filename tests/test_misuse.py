@@ -1901,6 +1901,11 @@ def test_packed_params_are_checked_by_the_ops_they_feed_through_a_reordering_wra
                        r"for argument 0 .*\['online/w'\], which read argument 2's weights in this "
                        r"call.*pass them as argument 2, or .*argnum=1\)"):
         qs(x, po, pt)
+    # the right call with another mistake (x too narrow): f's own error, not a slot's that the
+    # order of the arguments suggested (review of hunt73)
+    with pytest.raises(TypeError, match="contracting dimensions") as e:
+        qs(x[:, :12], pt, po)
+    assert not any("another's place" in n for n in getattr(e.value, "__notes__", []))
 
     def g(online, target, gains, x):  # gains: no quantized op reads them
         return f(online, target, x) * gains["g"]

@@ -81,17 +81,46 @@ def _check_slots(traced, qparams, given):
         if not other:
             continue
         k = min(other)
-        b, there = cal(k), other[k]
         here = next((cal(j) for j, r in reads.items() if r == a and cal(j) is not None), None)
-        raise QParamsMismatchError(
-            f"jqt: argument {a} of f is params jqt.pack packed for argument {b} of the function "
+        raise QParamsMismatchError(_slot_message(a, cal(k), sorted(other), other[k], here))
+
+
+def _slot_message(a, b, keys, there, here) -> str:
+    """Packed params passed as argument ``a`` of the function called, packed for argument
+    ``b`` of the one calibrated (the codes of ops ``keys``), which read argument ``there``
+    here; ``here``: the calibrated argument whose ops read argument ``a`` (or ``None``)."""
+    return (f"jqt: argument {a} of f is params jqt.pack packed for argument {b} of the function "
             f"calibrated (jqt.pack(qparams, params, argnum={b})): their codes are those of ops "
-            f"{sorted(other)[:4]}{' ...' if len(other) > 4 else ''}, which read argument "
+            f"{keys[:4]}{' ...' if len(keys) > 4 else ''}, which read argument "
             f"{there}'s weights in this call. Packed params run only in the slot they were "
             "packed for (two copies of a network, as online and target, are packed once per "
             f"slot): pass them as argument {there}"
             + (f", or pack the params passed here with jqt.pack(qparams, params, argnum={here})"
                if here is not None else "") + ".")
+
+
+def _check_slot_named(qparams, packed, a, argnums, names, error):
+    """Where tracing f failed: raises (from ``error``) where the packed params passed as
+    argument ``a`` hold the codes of ops keyed by another weight parameter's name of f
+    (``names``: its parameters'; with several weight arguments keys start with them);
+    where the names tell nothing (a wrapper that renames them), adds
+    :func:`_check_slot`'s verdict, by the arguments' order, to ``error`` as a note."""
+    mine = {k.split("/", 1)[0] for k in packed.weights if "/" in k}
+    slots = {names[b]: b for b in argnums if b < len(names)}
+    if len(argnums) > 1 and len(mine) == 1 and next(iter(mine)) in slots:
+        there = slots[next(iter(mine))]
+        if there == a:
+            return  # the right place: f's own error stands
+        keys = sorted(packed.weights)
+        src = lambda k: qparams[k].source if k in qparams else None
+        b = next((src(k).arg for k in keys if src(k) is not None), there)
+        here = next((q.source.arg for k, q in qparams.items() if q.source is not None
+                     and k.split("/", 1)[0] == names[a]), None)
+        raise QParamsMismatchError(_slot_message(a, b, keys, there, here)) from error
+    try:
+        _check_slot(qparams, packed, a, argnums)
+    except QParamsMismatchError as slot:
+        error.add_note(f"If packed params are in another's place: {slot}")
 
 
 def _check_slot(qparams, packed, a, argnums):
@@ -327,7 +356,7 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
             traced = _trace(tracer, args, argnums, qparams)
         except Exception as e:
             for a, pp in given.items():  # f failed on float leaves of another slot's shapes?
-                _check_slot(qparams, pp, a, argnums)
+                _check_slot_named(qparams, pp, a, argnums, tracer.arg_names(len(args)), e)
             if not (isinstance(e, ValueError) and dropped
                     and "does not match the specs of the input" in str(e)):
                 raise

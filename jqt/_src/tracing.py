@@ -443,6 +443,11 @@ class Tracer:
         self.cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # threads calling one quantized function share the cache
 
+    def arg_names(self, n) -> list:
+        """The names of ``f``'s first ``n`` positional parameters (made up within ``*args``),
+        which begin the keys of its ops where several arguments hold weights."""
+        return _arg_names(self.f, n)
+
     def __getstate__(self):  # pickled (a quantized function sent to a worker): no traces
         # (their jaxprs hold tracebacks) and no lock; they are made again there
         return {"f": self.f, "argnums": self.argnums, "fn": self.fn}

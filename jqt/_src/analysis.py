@@ -945,8 +945,11 @@ class Analyzer:
         takes = (eqn.primitive in (compat.jit_p, compat.closed_call_p, compat.call_p)
                  and any(info.buffer or info.unflat for info in ins))
         if keys or takes:
+            carry = _carry_infos(eqn, ins)
+            passed = {k: tuple(sorted({b[1] for b in carry[k].buffer if b[0] == CALL}))
+                      for k in caches if k < len(carry)}
             plan.subs[i] = Sub(kind=name, plans=plans, keys=keys, scan_id=scan_id, caches=caches,
-                               takes_buffer=takes)
+                               takes_buffer=takes, passed={k: a for k, a in passed.items() if a})
         return outs
 
     def _map_missed(self, src, dst):
@@ -1080,6 +1083,18 @@ def _unread_output(eqn, k, unread) -> bool:
     if eqn.primitive.name == "scan" and k < compat.scan_counts(eqn)[1]:
         return False
     return k in unread
+
+
+def _carry_infos(eqn, ins) -> list:
+    """The infos of a loop's initial carries (those its ``caches`` slots index), ``[]``
+    for another equation."""
+    p = eqn.params
+    if eqn.primitive.name == "while":
+        return ins[p["cond_nconsts"] + p["body_nconsts"]:]
+    if eqn.primitive.name == "scan":
+        consts, carries = compat.scan_counts(eqn)
+        return ins[consts:consts + carries]
+    return []
 
 
 def _cache_keys(plan) -> set:

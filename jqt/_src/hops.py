@@ -41,6 +41,7 @@ from . import compat, kvcache
 from .handlers import QParamsMismatchError, stacked_hint
 from .layerview import LayerView
 from .plan import Plan, VarInfo, closed_parts, picked_weights
+from .qparams import OpQParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,9 +518,6 @@ def _enter_caches(sub, ctx, init):
     for k, writes in sub.caches.items():
         qtype = kvcache.slot_type(writes, ctx.state_in)
         if qtype is not None:
-            passed = ctx.passed.get(id(init[k]))  # a quantized cache f was passed, decoded
-            if passed is not None and passed[0] != qtype:
-                _other_cache(passed[1], passed[0], writes, qtype)
             with compat.op_scope(writes[0], cache=True):
                 x = enter(init[k], qtype)
             if kvcache.is_cache(x) and not kvcache.is_cache(init[k]):
@@ -548,12 +546,31 @@ def enter_call(plan, ctx, args, invars, name=str):
             args[k] = enter(x, qtype)
         if kvcache.is_cache(args[k]):
             entered[k] = args[k]
-    flat = [x if k in entered else kvcache.materialize([x], [v])[0]
-            for k, (x, v) in enumerate(zip(args, invars))]
-    for k, x in enumerate(args):  # decoded: a loop that carries one checks its type
+    for k, x in enumerate(args):  # decoded below: a loop that carries it checks its type
         if k not in entered and kvcache.is_cache(x):
-            ctx.passed[id(flat[k])] = (x.qtype, name(k))
-    return flat, entered
+            for writes in _carried_from(plan, k):
+                types = {_written_type(ctx.state_in.get(w)) for w in writes}
+                if len(types) == 1 and None not in types and x.qtype not in types:
+                    _other_cache(name(k), x.qtype, writes, types.pop())
+    return [x if k in entered else kvcache.materialize([x], [v])[0]
+            for k, (x, v) in enumerate(zip(args, invars))], entered
+
+
+def _carried_from(plan, k):
+    """The writes (keys) of each loop cache that starts from ``f``'s flat argument ``k``
+    (``Sub.passed``), through every level of ``plan``."""
+    for sub in plan.subs.values():
+        for slot, args in sub.passed.items():
+            if k in args:
+                yield sub.caches[slot]
+        for p in sub.plans:
+            yield from _carried_from(p, k)
+
+
+def _written_type(state):
+    """The cache type a write's state gives (``None``: float)."""
+    qp = state[0] if isinstance(state, tuple) else state
+    return qp.lhs.qtype if isinstance(qp, OpQParams) and not qp.is_float else None
 
 
 def _other_cache(name, have, writes, qtype):

@@ -37,13 +37,9 @@ class Ctx:
     state_out: dict = dataclasses.field(default_factory=dict)
     # the keys of ops whose weight jqt.pack dropped (its leaf reaches f as zeros)
     dropped: frozenset = frozenset()
-    # quantized caches f was passed and that the call decoded (not ones it takes and
-    # returns): id of the decoded buffer -> (its type, how errors name the argument), for a
-    # loop that carries one to check the type it writes (hops._enter_caches)
-    passed: dict = dataclasses.field(default_factory=dict)
 
     def child(self, state_in):
-        return Ctx(self.handler, state_in, dropped=self.dropped, passed=self.passed)
+        return Ctx(self.handler, state_in, dropped=self.dropped)
 
     def put(self, key, value):
         """Writes op ``key``'s state. A second write for the same key (the ops of a

@@ -116,6 +116,9 @@ class Sub:
     scan_id: int = -1
     caches: dict = dataclasses.field(default_factory=dict)  # carry slot -> keys of its writes
     takes_buffer: bool = False  # a call given a loop's buffer: interpreted with no op in it
+    # carry slot of a cache -> the indices of f's flat arguments it starts from (a cache
+    # passed to f that the loop carries: its type is checked against the loop's writes)
+    passed: dict = dataclasses.field(default_factory=dict)
 
     def stacked(self, site: Site) -> bool:
         return self.scan_id in site.stack_ids

@@ -1201,7 +1201,7 @@ def test_a_keras_model_quantized_to_int4_by_keras_is_named_at_calibration(keras)
         model.quantize("int4")
     f, params = jqt.from_keras(model)
     with pytest.warns(UserWarning, match=r"ops 'fc1/dot_general_0' read weights f computes, and "
-                      r"the weights hold integer matrices \('m/fc1/kernel'.*model\.quantize\('int4'\)"
+                      r"the weights hold 8-bit integer matrices \('m/fc1/kernel'.*model\.quantize\('int4'\)"
                       r".*Calibrate the float model"):
         jqt.calibrate(f, jqt.recipes.w4(group_size=16), params, [(x,)], progress=False)
 
@@ -1213,5 +1213,12 @@ def test_codes_a_function_decodes_are_named_at_calibration():
     f = lambda p, x: x @ (p["q"].astype(jnp.float32) * p["s"])  # noqa: E731
     x = jnp.ones((4, 32))
     with pytest.warns(UserWarning, match=r"ops 'dot_general_0' read weights f computes, and the "
-                      r"weights hold integer matrices \('q'\)"):
+                      r"weights hold 8-bit integer matrices \('q'\)"):
         jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    # an int32 index table beside a computed weight (weight norm): no sign of codes (review)
+    g = lambda p, x: x @ (p["v"] / jnp.linalg.norm(p["v"], axis=0)) + p["pos"][0, 0]  # noqa: E731
+    q = {"v": jnp.ones((32, 16)), "pos": jnp.arange(8, dtype=jnp.int32).reshape(1, 8)}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(g, jqt.recipes.w8(), q, [(x,)], progress=False)
+    assert not [w for w in got if "integer matrices" in str(w.message)]

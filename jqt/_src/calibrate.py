@@ -637,11 +637,12 @@ def _special(key: str) -> str:
 
 
 def _integer_matrices(params_t) -> list:
-    """The paths of the weights' integer leaves of two or more axes (codes of a model
-    quantized before, whose f decodes them)."""
+    """The paths of the weights' integer leaves of two or more axes and one byte or less
+    an element (codes of a model quantized before, whose f decodes them; not int32 index
+    tables or masks)."""
     return [path_str(path) for p in params_t for path, x in jax.tree_util.tree_flatten_with_path(p)[0]
             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.integer)
-            and x.ndim >= 2]
+            and x.ndim >= 2 and x.dtype.itemsize <= 1]
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
@@ -670,9 +671,9 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                          "again. Calibrate the float function (the f given to jqt.quantize).")
     elif again and int_matrices:  # codes f decodes to a float weight (Keras's int4, float8)
         diagnostics.warn(f"jqt.calibrate: ops {listed(again)} read weights f computes, and the "
-                         f"weights hold integer matrices ({listed(int_matrices)}): if f decodes "
-                         "codes to a float weight (a model quantized before: Keras's "
-                         "model.quantize('int4') or 'float8', a 4-bit checkpoint unpacked in f), "
+                         f"weights hold 8-bit integer matrices ({listed(int_matrices)}): if f "
+                         "decodes codes to a float weight (a model quantized before: Keras's "
+                         "model.quantize('int4'), a 4-bit checkpoint unpacked in f), "
                          "jqt quantizes that decoded weight again, at every call, and jqt.pack "
                          "cannot store it. Calibrate the float model.")
     if not sites and not warned:  # (where the analysis warned, it said why ops stay float)

@@ -67,7 +67,7 @@ def cache_type(kind) -> QuantType | None:
     if not isinstance(kind, (bool, str, QuantType)):  # a dtype (jnp.float8_e5m2, jnp.int4), as
         try:  # QuantType(dtype=...) and fp8(weight_dtype=...) take it
             name = np.dtype(kind).name
-        except TypeError:
+        except (TypeError, ValueError):  # (a dict: NumPy's "entry not a 2- or 3- tuple")
             name = None
         if name in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"):
             kind = name
@@ -81,8 +81,9 @@ def cache_type(kind) -> QuantType | None:
     if isinstance(kind, QuantType):
         return kind
     shown = repr(kind) if len(repr(kind)) <= 60 else f"a {type(kind).__name__}"  # (a Recipe)
-    hint = (" (a recipe's cache type is its rules' kv_cache=: recipe.rules[0].kv_cache)"
-            if hasattr(kind, "rules") or hasattr(kind, "kv_cache") else "")
+    hint = (" (a rule's cache type is its kv_cache=: rule.kv_cache)" if hasattr(kind, "kv_cache")
+            else " (a recipe's cache type is one of its rules' kv_cache=: recipe.rules[i].kv_cache, "
+            "None where the preset was made without kv_cache=)" if hasattr(kind, "rules") else "")
     raise ValueError(f"kv_cache={shown}: use True (int8), 'int8', 'int4', 'fp8', 'float8_e5m2' or "
                      f"a jqt.QuantType(..., per_channel=True, dynamic=True){hint}.")
 

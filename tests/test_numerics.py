@@ -1,4 +1,5 @@
 """Quantize/dequantize properties and op-by-op agreement of the integer and simulated paths."""
+import functools
 import warnings
 
 import jax
@@ -600,3 +601,35 @@ def test_a_float64_weight_below_float32s_range_is_not_called_all_zeros():
                 jqt.calibrate(f, recipe, p, [(jnp.ones((1, 2), jnp.float64),)], progress=False)
             text = " ".join(str(w.message) for w in got)
             assert "whose largest magnitude 4e-50" in text and "all zeros" not in text, text
+
+
+def test_a_nan_row_that_f_drops_does_not_set_a_per_tensor_dynamic_scale():
+    """Left padding with a -inf mask: the pad rows' probabilities are NaN, which f zeroes
+    after attention. A per-tensor dynamic act_x_act scale took its range over the NaN:
+    scale 1, every row's probabilities rounded to 0 or 1 (42% error; hunt73_attnmask). A
+    NaN now enters no dynamic range; the rows f keeps get the error they have without it."""
+    B, T, D = 2, 6, 8
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {n: jax.random.normal(kk, (D, D)) * D ** -0.5 for n, kk in zip("qkv", k[:3])}
+    x = jax.random.normal(k[3], (B, T, D))
+    am = jnp.array([[1] * T, [0, 0, 1, 1, 1, 1]])
+
+    def f(p, x, am, clean=False):
+        q, kk, v = (x @ p[n] for n in "qkv")
+        mask = jnp.tril(jnp.ones((T, T), bool))[None] & am[:, None, :].astype(bool)
+        probs = jax.nn.softmax(jnp.where(mask, q @ jnp.swapaxes(kk, 1, 2), -jnp.inf), -1)
+        o = (jnp.nan_to_num(probs) if clean else probs) @ v
+        return jnp.where(am[:, :, None] > 0, o, 0.0)  # the pad rows dropped
+
+    ref = f(p, x, am)
+    assert bool(jnp.isfinite(ref).all())
+    rec = jqt.Recipe(rules=(jqt.Rule(act_x_act=jqt.QuantType(bits=8, dynamic=True)),))
+    err = {}
+    for clean in (False, True):
+        g = functools.partial(f, clean=clean)
+        qp = jqt.calibrate(g, rec, p, [(x, am)], progress=False)
+        for sim in (False, True):
+            y = jqt.quantize(g, qp, simulate=sim)(p, x, am)
+            err[clean, sim] = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    assert max(err.values()) < 0.03, err
+    assert abs(err[False, False] - err[True, False]) < 0.01, err

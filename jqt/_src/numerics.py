@@ -538,8 +538,11 @@ _params_from_range_jit = jax.jit(_params_from_range, static_argnames="qtype")
 
 
 def dynamic_params(x, reduce_axes, qtype):
-    """Scale and zero point computed from the live tensor (no gradient flows into them)."""
+    """Scale and zero point computed from the live tensor (no gradient flows into them).
+    A NaN enters no range: it stays its own element's (attention rows masked wholly with
+    -inf, which f drops after the op, do not set every other row's step)."""
     x = jax.lax.stop_gradient(x.astype(_F32))
+    x = jnp.where(jnp.isnan(x), 0.0, x)
     axes = tuple(reduce_axes) if qtype.per_channel else tuple(range(x.ndim))
     # initial=0: the range holds 0 anyway (params_from_range), and a contraction over no
     # elements (attention over a sequence of length 0) then has one

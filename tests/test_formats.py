@@ -1467,6 +1467,7 @@ def test_a_per_tensor_weight_type_over_vmapped_members_warns():
                       progress=False)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 @pytest.mark.parametrize("last", [3, 10])
 def test_conv_kernels_and_tables_read_across_their_last_axis_keep_a_code_per_byte(last):
     """Where jqt.pack keeps one code per byte (a conv kernel; a table read along an axis

@@ -1183,6 +1183,7 @@ def test_nnx_scan_over_remat_packs_and_gptq_rerounds_the_stacked_kernels():
     assert not np.array_equal(kernel(new), kernel(state))
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_keras_model_quantized_to_int4_by_keras_is_named_at_calibration(keras):
     """A Keras model after model.quantize("int4") decodes its int4 codes to a float
     kernel at every call; jqt quantized that decoded kernel again, silently at calibrate

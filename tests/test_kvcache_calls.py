@@ -915,6 +915,7 @@ def test_a_cache_reset_through_a_cond_is_named_and_jnp_where_keeps_it():
     assert [k for k in qp if "kv_cache" in k]
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_a_cache_of_another_type_passed_to_a_loop_that_only_reads_out_is_refused():
     """A cache prefilled outside, passed quantized to a generate whose while_loop carries it
     but whose result is only the logits, was decoded and quantized again to the loop's

@@ -990,6 +990,7 @@ def test_relative_steps_per_leaf_and_elementwise_on_a_scan_of_layers_of_other_si
     assert out["elementwise"][0].max() < 0.02 and out["elementwise"][1] < 1.1
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_adapters_as_data_under_an_act_x_act_rule_are_named_as_such():
     """Adapters passed as data on a weight-only base, under a rule with act_x_act=: their
     matmuls are activation x activation ops, quantized, and jax.grad through the integer

@@ -535,6 +535,7 @@ def test_fallback_qparams_pack_with_a_shared_weight():
         err, result.qparams["w"].source, again["w"].source)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_fallback_keeps_the_uses_of_one_weight_back_together():
     """A layer applied four times, one use reading an outlier channel: fallback kept that
     use float alone, and jqt.pack held the weight as float and as int8 codes, more than the

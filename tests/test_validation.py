@@ -2056,6 +2056,7 @@ def test_key_messages_explain_layer_names_and_parameter_names():
         jqt.quantize(lambda *a: g(*a), qp, weight_argnums=(0, 1))(e, d, x)
 
 
+@pytest.mark.slow  # a regression case kept out of the default run's 5 minutes; CI runs it
 def test_rule_settings_that_can_never_apply_are_refused():
     """A calibrator on a rule without static activations (weight-only, dynamic), a weight
     calibrator on a rule without weights or tables, embedding= or kv_cache= on a rule whose

@@ -41,7 +41,6 @@ from . import compat, kvcache
 from .handlers import QParamsMismatchError, stacked_hint
 from .layerview import LayerView
 from .plan import Plan, VarInfo, closed_parts, picked_weights
-from .qparams import OpQParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -549,7 +548,7 @@ def enter_call(plan, ctx, args, invars, name=str):
     for k, x in enumerate(args):  # decoded below: a loop that carries it checks its type
         if k not in entered and kvcache.is_cache(x):
             for writes in _carried_from(plan, k):
-                types = {_written_type(ctx.state_in.get(w)) for w in writes}
+                types = {kvcache.written_type(ctx.state_in.get(w)) for w in writes}
                 if len(types) == 1 and None not in types and x.qtype not in types:
                     _other_cache(name(k), x.qtype, writes, types.pop())
     return [x if k in entered else kvcache.materialize([x], [v])[0]
@@ -565,12 +564,6 @@ def _carried_from(plan, k):
                 yield sub.caches[slot]
         for p in sub.plans:
             yield from _carried_from(p, k)
-
-
-def _written_type(state):
-    """The cache type a write's state gives (``None``: float)."""
-    qp = state[0] if isinstance(state, tuple) else state
-    return qp.lhs.qtype if isinstance(qp, OpQParams) and not qp.is_float else None
 
 
 def _other_cache(name, have, writes, qtype):

@@ -110,16 +110,19 @@ def check_type(t: QuantType, where: str):
             "kv_cache=True (int8), 'int4' or 'fp8' on a preset.")
 
 
+def written_type(state):
+    """The cache type a write's state (its :class:`OpQParams`, or ``(qparams, packed)``)
+    gives it; ``None``: float, or no state."""
+    qp = state[0] if isinstance(state, tuple) else state
+    return qp.lhs.qtype if isinstance(qp, OpQParams) and not qp.is_float else None
+
+
 def slot_type(writes, state_in):
     """The type a loop carries a buffer in: its writes' common ``kv_cache`` type, or
     ``None`` (float) when any of them is float or absent, or they differ (said, where
     one of them is quantized: the buffer the qparams ask to quantize is carried float, and
     its quantized writes still round their vectors, as :func:`write` into a float buffer)."""
-    types = {}
-    for k in writes:
-        e = state_in.get(k)
-        qp = e[0] if isinstance(e, tuple) else e
-        types[k] = qp.lhs.qtype if isinstance(qp, OpQParams) and not qp.is_float else None
+    types = {k: written_type(state_in.get(k)) for k in writes}
     kinds = set(types.values())
     if len(kinds) == 1:
         return kinds.pop()

@@ -891,7 +891,10 @@ def test_int4_conv_codes_in_other_layouts_chunk_by_their_own_range():
     (|q| <= 128): an int4 kernel took about 16x the chunks it needs, and a grouped conv of
     more than 57 channels per group (3x3) ran as XLA:CPU's int32 convolution, 10-30x
     slower (hunt73_conv4bit). Sized by the weight's code range (|q| <= 7), a w4a8 conv of
-    2 groups of 128 channels is one float32 convolution (two with the zero point's), exact."""
+    2 groups of 128 channels is one float32 convolution (two with the zero point's), exact.
+    An int8 kernel of 128 channels per group needs chunks: each takes the same channels of
+    every group (it ran as XLA's int32 convolution, 8.3x float32's time); the outputs are
+    those of the int32 convolution, bit for bit."""
     rng = np.random.default_rng(0)
     spec = ("NCHW", "OIHW", "NCHW")
     f = lambda w, x: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=spec,  # noqa: E731
@@ -908,7 +911,11 @@ def test_int4_conv_codes_in_other_layouts_chunk_by_their_own_range():
         y = jax.jit(jqt.quantize(f, qp, policy=CPU))(packed, x)
         ys = jqt.quantize(f, qp, simulate=True)(w, x)
         np.testing.assert_allclose(y, ys, atol=1e-5 * float(jnp.abs(ys).max()))
-    assert outs == {"w4a8": {"f"}, "w8a8": {"i"}}  # int8 codes: 128 channels x 9 x 255 x 127 > 2**24
+        int32 = dataclasses.replace(CPU, conv_codes_as_float=False)
+        np.testing.assert_array_equal(y, jax.jit(jqt.quantize(f, qp, policy=int32))(packed, x))
+        outs[name] = (outs[name], len(convs))
+    # int8 codes: 128 channels x 9 x 255 x 127 > 2**24: three chunks of each group
+    assert outs == {"w4a8": ({"f"}, 1), "w8a8": ({"f"}, 3)}
 
 
 @pytest.mark.parametrize("stride,pad,length", [(2, "SAME", 0), (1, "VALID", 1), (2, "VALID", 2)])

@@ -87,7 +87,8 @@ def _int_conv(qx, qw, cp, as_float, w_bound=128):
     """``conv(qx, qw)`` of integer codes, int32: XLA's int8 convolution, or with
     ``as_float`` (a layout XLA:CPU widens to int32, slowly) float32 convolutions of the
     codes over chunks of input channels whose sums stay below ``2**24`` (exact), added
-    in int32. A grouped convolution whose sums may exceed that runs as XLA's.
+    in int32 (a grouped convolution's chunks take the same channels of every group).
+    A ``batch_group_count`` convolution whose sums may exceed that runs as XLA's.
     ``w_bound``: the largest magnitude of a weight code (8 for int4, 7 narrow)."""
     dn = cp["dimension_numbers"]
     if not as_float or _nhwc_hwio(dn):
@@ -100,14 +101,28 @@ def _int_conv(qx, qw, cp, as_float, w_bound=128):
                                      precision=lax.Precision.HIGHEST)).astype(_I32)
     if cin <= step:  # one convolution, grouped or not
         return f(qx, qw)
-    if cp.get("feature_group_count", 1) == 1 == cp.get("batch_group_count", 1):
-        out = None
-        for c0 in range(0, cin, step):
-            part = f(lax.slice_in_dim(qx, c0, min(c0 + step, cin), axis=dn.lhs_spec[1]),
-                     lax.slice_in_dim(qw, c0, min(c0 + step, cin), axis=dn.rhs_spec[1]))
-            out = part if out is None else out + part
-        return out
-    return _conv(qx, qw, cp, _I32)
+    if cp.get("batch_group_count", 1) != 1:
+        return _conv(qx, qw, cp, _I32)
+    groups = cp.get("feature_group_count", 1)
+    out = None
+    for c0 in range(0, cin, step):
+        c1 = min(c0 + step, cin)
+        part = f(_group_channels(qx, dn.lhs_spec[1], groups, c0, c1),
+                 lax.slice_in_dim(qw, c0, c1, axis=dn.rhs_spec[1]))
+        out = part if out is None else out + part
+    return out
+
+
+def _group_channels(x, axis, groups, c0, c1):
+    """The input channels ``c0:c1`` of every one of ``groups`` feature groups of ``x``
+    (its ``axis`` holds the groups one after another): the lhs of a grouped convolution
+    over that slice of each group's channels."""
+    if groups == 1:
+        return lax.slice_in_dim(x, c0, c1, axis=axis)
+    shape = x.shape
+    split = x.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    part = lax.slice_in_dim(split, c0, c1, axis=axis + 1)
+    return part.reshape(shape[:axis] + (groups * (c1 - c0),) + shape[axis + 1:])
 
 
 def conv(x_op, w_op, params, eqn, codes_as_float=False, w_bound=128):

@@ -1071,6 +1071,26 @@ def test_static_values_that_change_the_ops_are_refused():
                       progress=False)
 
 
+def test_a_weight_sliced_to_the_input_calibrated_at_full_length_is_refused_naming_both():
+    """Calibrated at the table's full length, ``p["pos"][:x.shape[1]]`` has no slice (JAX
+    leaves out a slice of the whole array); called shorter, it has one. The refusal said
+    "the scales would lie on the wrong axes" and "Re-calibrate for this function", though
+    the axes matched and the function was the same (hunt74_docsnippets); supported-ops.md
+    says another shape is refused naming both."""
+    f = lambda p, x: jnp.einsum("bt,td->bd", x, p["pos"][:x.shape[1]])
+    p = {"pos": jnp.asarray(np.random.default_rng(3).standard_normal((16, 8)), jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 16)), jnp.float32)
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"weight 'pos' of shape \(16, 8\) reached by no "
+                       r"layout ops \(the whole weight\), but this call reaches it by slice\(start=\(0, 0\), "
+                       r"limit=\(10, 8\).*follow the input's shape.*shape and static values you call it"):
+        jqt.quantize(f, qp)(p, x[:, :10])
+    short = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x[:, :12],)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"limit=\(12, 8\).*, but this call reaches it by "
+                       r"no layout ops \(the whole weight\)"):
+        jqt.quantize(f, short)(p, x)
+
+
 @pytest.mark.parametrize("value,what", [(np.array(["a", "b"]), "a NumPy array of dtype <U1"),
                                         ({1, 2}, "a set, neither an array nor hashable")])
 def test_untraceable_values_name_the_batch_and_argument(value, what):

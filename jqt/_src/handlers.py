@@ -509,10 +509,17 @@ def _check_source(site, qp):
     want = (axes_only(b.chain), tuple(site.contract[site.weight_operand]))
     got = (axes_only(a.chain), tuple(a.contract) if a.contract else want[1])
     if got != want and got[1] == want[1] and [c[0] for c in got[0]] == [c[0] for c in want[0]]:
-        was, now = next((c, d) for c, d in zip(got[0], want[0]) if c != d)
+        was, now = map(step_text, next((c, d) for c, d in zip(got[0], want[0]) if c != d))
+    elif got != want and got[1] == want[1] and _sliced_view(got[0], want[0]):
+        # a slice to the input's length is no op at the full length, and JAX leaves it out
+        was, now = _chain_text(got[0]), _chain_text(want[0])
+    else:
+        was = None
+    if was is not None:
         raise QParamsMismatchError(
-            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' reached by "
-            f"{step_text(was)}, but this call reaches it by {step_text(now)}: the layout op's arguments "
+            f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' of shape "
+            f"{tuple(b.shape) if b.shape is not None else '?'} reached by {was}, but this call "
+            f"reaches it by {now}: the layout op's arguments "
             "follow the input's shape (e.g. p['pos'][:x.shape[1]], or a broadcast to the batch "
             "size) or a Python value (a static argument, or a static field of the params: a "
             "dataclass field with static=True, a flax.struct field with pytree_node=False), so "
@@ -541,6 +548,20 @@ def _check_source(site, qp):
             f"this function reaches it by {[c[0] for c in b.chain] or 'no layout ops'} and "
             f"contracts axes {want[1]}{view}: the scales would lie on the wrong axes. "
             "Re-calibrate for this function.")
+
+
+_VIEW_STEPS = frozenset({"slice", "dynamic_slice", "squeeze", "reshape"})  # (broadcasts: below)
+
+
+def _sliced_view(a, b):
+    """Whether layout chains ``a`` and ``b`` differ only by view steps that one of them
+    has (a slice of the whole weight, which JAX leaves out, against a shorter one)."""
+    keep = lambda chain: [c for c in chain if c[0] not in _VIEW_STEPS]  # noqa: E731
+    return a != b and keep(a) == keep(b) and (len(a) != len(keep(a)) or len(b) != len(keep(b)))
+
+
+def _chain_text(chain):
+    return ", then ".join(map(step_text, chain)) if chain else "no layout ops (the whole weight)"
 
 
 def step_text(c):

@@ -551,8 +551,8 @@ def dynamic_params(x, reduce_axes, qtype):
 
 
 def computed_once(scale, zero_point=None):
-    """The same values, divided by a 1 computed from ``scale`` (exactly 1.0: a finite
-    number over itself).
+    """The same values, divided by a 1 computed from ``scale`` (exactly 1.0: the sign
+    of a number in [1, 2]), compiled or not.
 
     XLA duplicates cheap elementwise producers into every consumer fusion, so a
     dynamic activation's per-token scale and zero point (a dozen operations on the
@@ -568,8 +568,8 @@ def computed_once(scale, zero_point=None):
     >>> bool((computed_once(s)[0] == s).all())
     True
     """
-    d = jnp.minimum(jnp.abs(scale), 1.0) + 1.0  # in [1, 2]: d / d is 1.0 exactly
-    one = d / d
+    d = jnp.minimum(jnp.abs(scale), 1.0) + 1.0  # in [1, 2]: its sign is 1.0 exactly
+    one = jnp.sign(d)  # (not d / d: XLA rewrites s / (d / d) as s * d / d, an ulp off in 1% of rows)
     return scale / one, (None if zero_point is None else zero_point / one)
 
 

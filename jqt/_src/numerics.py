@@ -450,7 +450,8 @@ def _no_jvp(primals, tangents, **params):
     if kind == "activation":  # what is trained reaches an activation the op rounds
         raise TypeError(
             head + f"Op '{key}' rounds its activation to codes (the recipe quantizes "
-            "activations: w8a8, w4a8, fp8), and what is differentiated reaches that activation. "
+            "activations, as w8a8, w8a8_dynamic, w4a8 and fp8 do), and what is differentiated reaches "
+            "that activation. "
             + common + "To train adapters on a frozen base through the integer path, quantize "
             "the base weight-only (w8, w4, nf4: QLoRA, docs/fine-tuning.md): every op after "
             "the adapters rounds its activation under this recipe, this one first, so a rule "

@@ -283,8 +283,10 @@ def safe_k(a_dtype, a_zp: bool, b_dtype, b_zp: bool) -> int:
             lo, hi = info.min, info.max
         a = max(-int(lo), int(hi))
         return 2 * a if zp else a
-    dtypes = [t.dtype if isinstance(t, QuantType) else t for t in (a_dtype, b_dtype)]
-    if not all(jnp.issubdtype(d, jnp.integer) for d in dtypes):
+    # (a QuantType by its kind: int3, int5, int6 and int7 are no NumPy dtypes)
+    ints = [t.kind == "int" if isinstance(t, QuantType) else jnp.issubdtype(t, jnp.integer)
+            for t in (a_dtype, b_dtype)]
+    if not all(ints):
         return sys.maxsize  # float accumulation (fp8 codes upcast) does not wrap
     return _I32_MAX // (bound(a_dtype, a_zp) * bound(b_dtype, b_zp))
 

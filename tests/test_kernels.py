@@ -247,7 +247,7 @@ def test_policy_table():
     for bad, err in [(dict(weight_only_digits=-1), ValueError), (dict(gemv_rows=2.5), ValueError),
                      (dict(pad_rows=0), ValueError), (dict(native_gemv_rows=True), ValueError),
                      (dict(weight_only_kn=1), TypeError), (dict(weight_only_digits=2), ValueError),
-                     (dict(grouped_digits=1), ValueError)]:
+                     (dict(grouped_digits=1), ValueError), (dict(native_decode=7), ValueError)]:
         with pytest.raises(err, match=f"KernelPolicy\\({next(iter(bad))}="):
             jqt.KernelPolicy(**bad)
 

@@ -642,6 +642,9 @@ class KernelPolicy:
                     f"KernelPolicy({f.name}={v!r}): expected 0 (off) or at least "
                     f"{_EXACT_DIGITS}: {_EXACT_DIGITS} int8 digits carry the 24 bits of a "
                     f"float32 activation; {v} would round it to {8 * v} bits.")
+            if f.name == "native_decode" and v > 2:
+                raise ValueError(f"KernelPolicy(native_decode={v!r}): expected 0 (never), 1 (NF4 "
+                                 "codes) or 2 (NF4 and int codes).")
 
     def dense_layout(self, weight, activation) -> str:
         """The 2-D layout a dense weight is packed in and read from, for its weight and

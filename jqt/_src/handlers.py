@@ -518,7 +518,7 @@ def _check_source(site, qp):
     if was is not None:
         raise QParamsMismatchError(
             f"jqt: qparams['{site.key}'] were calibrated for weight '{a.path}' of shape "
-            f"{tuple(b.shape) if b.shape is not None else '?'} reached by {was}, but this call "
+            f"{tuple(a.shape if a.shape is not None else b.shape or ())} reached by {was}, but this call "
             f"reaches it by {now}: the layout op's arguments "
             "follow the input's shape (e.g. p['pos'][:x.shape[1]], or a broadcast to the batch "
             "size) or a Python value (a static argument, or a static field of the params: a "

@@ -105,8 +105,7 @@ def _int_conv(qx, qw, cp, as_float, w_bound=128):
         return _conv(qx, qw, cp, _I32)
     groups = cp.get("feature_group_count", 1)
     out = None
-    for c0 in range(0, cin, step):
-        c1 = min(c0 + step, cin)
+    for c0, c1 in dense.chunks(cin, step):  # the fewest chunks, of near-equal lengths
         part = f(_group_channels(qx, dn.lhs_spec[1], groups, c0, c1),
                  lax.slice_in_dim(qw, c0, c1, axis=dn.rhs_spec[1]))
         out = part if out is None else out + part

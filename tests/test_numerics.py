@@ -493,7 +493,8 @@ def test_fp8_on_float_params_keeps_products_of_two_small_scales():
             np.testing.assert_allclose(out, sim, rtol=1e-5, atol=1e-5 * float(jnp.abs(sim).max()))
 
 
-@pytest.mark.parametrize("wb,ab", [(8, 3), (6, 8), (5, 7), (3, 5)])
+@pytest.mark.parametrize("wb,ab", [(8, 3)] + [pytest.param(w, a, marks=pytest.mark.slow)  # the rest: CI
+                                      for w, a in ((6, 8), (5, 7), (3, 5))])
 def test_odd_bit_widths_on_both_operands_run_the_integer_path(wb, ab):
     """int3, int5, int6 and int7 codes on both operands of a dense op or a convolution
     crashed with NumPy's "data type 'int3' not understood": the accumulator bound asked

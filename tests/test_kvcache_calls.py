@@ -202,6 +202,35 @@ def test_an_accumulator_beside_a_cache_is_no_look_alike():
                       progress=False)
 
 
+def test_a_one_hot_history_beside_a_cache_stays_float():
+    """A sampling loop's one-hot token history (``hist.at[i].set(jax.nn.one_hot(tok, V))``,
+    summed for a no-repeat rule) is written whole vectors and read, as a cache is: it was
+    taken for one under ``kv_cache=``, its 1.0s decoded to 0.99994, and ``hist.sum(0) >= 1``
+    was never true: tokens repeated, on the simulated path too (hunt74_sampling). A buffer
+    written with bool or integer values converted to float is no cache."""
+    t, d, v = 6, 8, 16
+    p = {"w": jax.random.normal(jax.random.key(0), (d, d)) * d ** -0.5,
+         "emb": jax.random.normal(jax.random.key(2), (v, d))}
+
+    def gen(p, xs):
+        def step(c, x):
+            kc, hist, pos = c
+            kc = kc.at[pos].set(x @ p["w"])
+            y = jax.nn.softmax(jnp.where(jnp.arange(t) <= pos, kc @ x, -1e9)) @ kc
+            logits = jnp.where(hist.sum(0) >= 1, -1e9, p["emb"] @ y)  # no token twice
+            tok = jnp.argmax(logits)
+            return (kc, hist.at[pos].set(jax.nn.one_hot(tok, v)), pos + 1), tok
+        (_, hist, _), toks = lax.scan(step, (jnp.zeros((t, d)), jnp.zeros((t, v)), 0), xs)
+        return toks, hist
+    xs = jax.random.normal(jax.random.key(1), (t, d))
+    qp = jqt.calibrate(gen, jqt.recipes.w8(kv_cache=True), p, [(xs,)], progress=False)
+    assert [k for k in qp if "kv_cache" in k] == ["kv_cache_0"]  # the keys, not the history
+    for toks, hist in (jax.jit(jqt.quantize(gen, qp))(jqt.pack(qp, p), xs),
+                       jqt.quantize(gen, qp, simulate=True)(p, xs)):
+        assert len(set(np.asarray(toks).tolist())) == t
+        np.testing.assert_array_equal(np.asarray(hist).sum(1), np.ones(t))
+
+
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_a_float_cache_enters_quantized_and_jit_compiles_twice(setup):
     """The first call takes the float cache (a prefill's, or zeros) and quantizes it; every

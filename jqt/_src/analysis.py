@@ -291,6 +291,39 @@ def _take(eqn, ins, taken):
                                      summed or any(a for _, a in got))
 
 
+_SAME_VALUES = frozenset(("reshape", "broadcast_in_dim", "squeeze", "transpose", "copy", "rev",
+                          "slice", "dynamic_slice"))
+
+
+def _discrete(v, made_by, depth=0) -> bool:
+    """Whether ``v`` holds bool or integer values converted to float (``jax.nn.one_hot``
+    of the sampled tokens, a mask), through layout ops and jitted calls: a buffer written
+    with them is a sampling loop's state (a token history summed for a no-repeat rule),
+    whose values a quantized cache's codes would not give back exactly, not keys or values."""
+    eqn = made_by.get(v)
+    if eqn is None or depth > 64:
+        return False
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        src = eqn.invars[0].aval.dtype
+        return src == np.bool_ or bool(jnp.issubdtype(src, jnp.integer))
+    if name in _SAME_VALUES:
+        x = eqn.invars[0]
+        return not compat.is_literal(x) and _discrete(x, made_by, depth + 1)
+    if eqn.primitive not in (compat.jit_p, compat.closed_call_p):
+        return False
+    j = getattr(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), "jaxpr", None)
+    if j is None or len(j.outvars) != len(eqn.outvars) or len(j.invars) != len(eqn.invars):
+        return False
+    w = j.outvars[list(eqn.outvars).index(v)]
+    if compat.is_literal(w):
+        return False
+    if w in j.invars:
+        x = eqn.invars[j.invars.index(w)]
+        return not compat.is_literal(x) and _discrete(x, made_by, depth + 1)
+    return _discrete(w, {o: e for e in j.eqns for o in e.outvars}, depth + 1)
+
+
 def _accumulates(eqn, buffers, taken) -> bool:
     """Whether a write into ``buffers`` writes what it read from them plus something
     (``acc.at[idx].set(acc[idx] + y)``: a mixture's experts adding into the residual a loop
@@ -487,6 +520,9 @@ class Analyzer:
                 self.accumulators.update(ins[0].buffer)
                 accumulated[eqn.outvars[0]] = ins[0].buffer  # (read whole after: see whole_reads)
                 ins = [VarInfo(False)] + ins[1:]  # an accumulator: no cache (nor a near miss)
+            if entry is not None and entry.is_cache and ins and ins[0].buffer \
+                    and _discrete(eqn.invars[entry.update_index], made_by):
+                ins = [VarInfo(False)] + ins[1:]  # sampling state (a one-hot history): no cache
             cache_write = entry is not None and entry.is_cache and entry.is_site(eqn, ins)
             view = kvcache.is_buffer_view(eqn) and bool(ins[0].buffer)
             picked = kvcache.is_buffer_select(

@@ -1441,6 +1441,7 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
     assert not os.path.exists(tmp_path / "inf.safetensors")
 
 
+@pytest.mark.slow  # the default run's 5 minutes; CI runs it
 def test_projected_qparams_of_another_float_dtype_save_as_the_float32_that_runs(tmp_path):
     """jqt.qat.project promises that save and save_packed take its result; float64 qparams
     (a QAT step under x64 with a float64 learning rate) and bfloat16 ones were refused

@@ -325,6 +325,12 @@ def test_dynamic_scales_are_the_same_compiled_and_op_by_op():
     once = lambda s: nx.computed_once(s, s)
     for got in jax.jit(once)(s):
         np.testing.assert_array_equal(got, s)
+
+
+@pytest.mark.slow  # the default run's 5 minutes: the unit case above runs there
+def test_an_eager_vmap_of_a_dynamic_model_gives_the_compiled_codes():
+    """The model-level case of the test above: an eager ``jax.vmap`` (op by op) of an
+    embedding-then-dynamic-matmul model gave other codes than the compiled call."""
     lm = lambda p, ids: jnp.tanh(p["emb"][ids] @ p["w"]) @ p["emb"].T
     k = jax.random.split(jax.random.key(0), 2)
     p = {"emb": jax.random.normal(k[0], (50, 64)) * 0.3, "w": jax.random.normal(k[1], (64, 64)) * 0.15}

@@ -191,20 +191,28 @@ def prefill(params, tokens, max_len, config=None):
 
 def decode_step(params, cache, token, config=None):
     """One token (B,) at position cache["pos"] (one position for the whole batch): its
-    logits (B, vocab) and the cache with its keys and values written in."""
+    logits (B, vocab) and the cache with its keys and values written in.
+
+    The scan over the layers carries the whole stacked cache and writes layer i's new
+    key and value at (i, :, pos) in place. Handing each layer its slice as the scan's
+    input and restacking the outputs, as this step did before 2026-12-07, made XLA:CPU
+    copy the whole cache two to three times a step inside a generate loop
+    (``benchmarks/decode_layouts.py`` times both forms)."""
     config = config or Config.from_params(params)
     pos = cache["pos"]
     mask = (jnp.arange(cache["k"].shape[2]) <= pos)[None, :]
 
-    def block(h, xs):
-        layer, k_cache, v_cache = xs
+    def block(carry, xs):
+        h, k_all, v_all = carry
+        layer, i = xs
         q, k, v = _qkv(config, layer, h, pos[None])
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, pos, 0, 0))
-        return _finish(config, layer, h, _attend(q, k_cache, v_cache, mask)), (k_cache, v_cache)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None], (i, 0, pos, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None], (i, 0, pos, 0, 0))
+        h = _finish(config, layer, h, _attend(q, k_all[i], v_all[i], mask))
+        return (h, k_all, v_all), None
 
-    h, (k, v) = jax.lax.scan(block, params["embed"][token[:, None]],
-                             (params["layers"], cache["k"], cache["v"]))
+    (h, k, v), _ = jax.lax.scan(block, (params["embed"][token[:, None]], cache["k"], cache["v"]),
+                                (params["layers"], jnp.arange(cache["k"].shape[0])))
     return _logits(params, h[:, 0]), {"k": k, "v": v, "pos": pos + 1}
 
 

@@ -456,8 +456,17 @@ def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
     # tied: without the gather, the matmul takes the gather's key: refused, and said why
     tied = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
     qp = jqt.calibrate(tied, jqt.recipes.w8a8(), p, [(jnp.arange(12).reshape(3, 4),)], progress=False)
-    with pytest.raises(jqt.QParamsMismatchError, match="has no elements.*tied embeddings"):
-        jqt.quantize(tied, qp)(p, ids)
+    for params in (p, jqt.pack(qp, p)):  # the packed path says why first, not "a fallback?"
+        with pytest.raises(jqt.QParamsMismatchError, match="^jqt: an input here has no elements.*tied"):
+            jqt.quantize(tied, qp)(params, ids)
+    # two layers over empty ids: the second's input is computed from weights alone, no
+    # "multiplies two weights" warning (hunt75_emptyshapes)
+    two = lambda p, ids: jnp.tanh(p["emb"][ids] @ p["w"]) @ p["w2"]
+    p = dict(p, w2=p["w"].T)
+    qp = jqt.calibrate(two, jqt.recipes.w8a8(), p, [(jnp.arange(12).reshape(3, 4),)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jqt.quantize(two, qp)(jqt.pack(qp, p), ids).shape == (0, 1, 8)
 
 
 def test_one_scale_per_tensor_at_few_rows():

@@ -857,7 +857,11 @@ class Analyzer:
             self._defer(("conv_lhs",), msg, f"'{ins[0].source.path if ins[0].source else '?'}' at "
                         f"'{stack or '<top>'}'")
         other = ins[1 - widx] if op == "dot_general" and widx is not None else None
-        if other is not None and (other.source is not None or other.computed) and not ins[widx].built:
+        # (an operand with no elements is "computed" from the weights alone when f's input is
+        # empty, e.g. a gather of no ids traced to zeros: no product of two weights to warn of)
+        empty = other is not None and getattr(eqn.invars[1 - widx].aval, "size", 1) == 0
+        if other is not None and (other.source is not None or other.computed) and not ins[widx].built \
+                and not empty:
             name = lambda i: f"'{i.source.path}'" if i.source is not None else "a computed weight"
             at, a, b = stack or "<top>", name(ins[widx]), name(other)
             self._defer(("products",), f"jqt: a dot_general (at '{at}') multiplies two weights, "

@@ -389,17 +389,18 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                     donating.append(True)  # f is a jax.jit that donates (see qf)
         except QParamsMismatchError as e:
             notes, statics = [], _static_inputs(args, argnums)
-            if empty:
-                notes.append("An input here has no elements: JAX traces a gather of no ids "
-                             "(table[ids]) to zeros, without the gather, and where the table is "
-                             "also read by a matmul (tied embeddings) that op takes the gather's "
-                             "key. Skip the call for an empty input.")
             if statics:
                 notes.append(f"This call passes Python values ({', '.join(statics[:4])}), which "
                              "reach f as constants, as in a direct call: table[i] with a Python "
                              "int i is a slice, not a lookup, and a flag can change the ops f "
                              "runs. Pass the values calibration passed, or an array "
                              "(jnp.int32(i)) for a value f should trace.")
+            if empty:  # the likely cause, said first (the check's own guess comes after)
+                raise QParamsMismatchError(" ".join([
+                    "jqt: an input here has no elements: JAX traces a gather of no ids "
+                    "(table[ids]) to zeros, without the gather, and where the table is also "
+                    "read by a matmul (tied embeddings) that op takes the gather's key. Skip "
+                    f"the call for an empty input. What the check found: {e}", *notes])) from None
             if not notes:
                 raise
             raise QParamsMismatchError(f"{e} {' '.join(notes)}") from None

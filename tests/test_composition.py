@@ -850,6 +850,35 @@ def test_custom_jvp_layer_runs_its_quantized_forward_once_under_grad():
     assert float(jnp.abs(gq["w1"].rhs.scale).max()) > 0
 
 
+def test_a_custom_jvp_with_an_integer_output_differentiates_the_qparams():
+    """A custom_jvp layer that also returns an index (its rule's tangent float0), with the
+    qparams trained: the rule added the two float0 tangents and NumPy refused
+    (hunt75_customgrad)."""
+    @jax.custom_jvp
+    def route(x, w):
+        h = x @ w
+        return h, jnp.argmax(h, -1)
+
+    @route.defjvp
+    def _(primals, tangents):
+        (x, w), (tx, tw) = primals, tangents
+        h, i = route(x, w)
+        return (h, i), (tx @ w + x @ tw, np.zeros(i.shape, jax.dtypes.float0))
+
+    p = {"w": _normal(96, (8, 8), 0.3), "w2": _normal(97, (8, 4), 0.3)}
+    x = _normal(98, (6, 8))
+
+    def f(p, x):
+        h, i = route(x, p["w"])
+        return jnp.tanh(h) @ p["w2"] + 0.01 * i[:, None]
+
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    loss = lambda p, q: jnp.sum(jqt.quantize(f, q, simulate=True)(p, x) ** 2)  # noqa: E731
+    gp, gq = jax.grad(loss, argnums=(0, 1))(p, qp)
+    assert float(jnp.abs(gq["w"].rhs.scale).max()) > 0
+    assert _rel(gp["w"], jax.grad(loss)(p, qp)["w"]) < 1e-6
+
+
 def test_custom_rules_closing_over_values():
     # A custom_vjp whose body holds a quantized op and closes over a constant array: its
     # closed-over values (num_consts) were differentiated, and JAX raised "differentiation of

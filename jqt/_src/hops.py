@@ -331,7 +331,8 @@ def _custom_jvp(eqn, invals, sub, ctx, evaluate):
             return out, t_user  # callbacks would run twice)
         with body_transpose(eqn, "custom_jvp"):
             _, t_st = jax.jvp(lambda s: fwd(s, *args), (st,), (tst,))
-        return out, [u + s for u, s in zip(t_user, t_st)]
+        # (an integer or bool output's tangents are float0 on both sides: nothing to add)
+        return out, [u if u.dtype == jax.dtypes.float0 else u + s for u, s in zip(t_user, t_st)]
 
     g.defjvp(g_jvp, symbolic_zeros=True)
     return g(_state_for(sub, ctx), *invals)

@@ -95,7 +95,7 @@ def main():
         rows.append((form, name, f"{s['median'] / args.steps * 1e3:.1f}",
                      f"{s['p25'] / args.steps * 1e3:.1f}-{s['p75'] / args.steps * 1e3:.1f}",
                      f"{s['median'] / base:.3f}"))
-    print(f"Generate loop of {args.steps} steps, batch 1, context {B.PROMPT}-{B.PROMPT + args.steps} "
+    print(f"Generate loop of {args.steps} steps, batch 1, context {B.PROMPT + 1}-{B.PROMPT + args.steps} "
           f"of {B.MAX_LEN}; {args.rounds} interleaved rounds (per-step times)")
     table(("cache form", "variant", "ms / step", "p25-p75", "time / float32 of the form"), rows, args.markdown)
 

@@ -567,6 +567,26 @@ def test_a_nonzero_weight_too_small_for_a_scale_is_not_called_all_zeros():
     assert any("whose largest magnitude (subnormal, below 1.2e-38) needs a scale" in t for t in texts), texts
 
 
+@pytest.mark.parametrize("recipe,scale", [
+    ("w8a16", 1e-32), ("fp8_e5m2", 1e-30), ("fp8", 1e-33)])
+def test_tiny_weights_under_a_static_activation_scale_are_not_flushed(recipe, scale):
+    """A per-tensor static activation scale folded into the weight's scales flushed their
+    product to 0 for weights of 1e-33 to 1e-30 (at 16 rows: fp8's bfloat16 matmul, w8a16's
+    codes as float): every output 0 where float and simulate=True were right
+    (hunt75_degenerate). The scale stays on the codes there."""
+    make = {"w8a16": jqt.recipes.w8a16, "fp8": jqt.recipes.fp8,
+            "fp8_e5m2": lambda: jqt.recipes.fp8(weight_dtype="float8_e5m2", act_dtype="float8_e5m2")}[recipe]
+    f = lambda p, x: x @ p["w"]
+    rng = np.random.default_rng(5)
+    p = {"w": jnp.asarray(rng.standard_normal((64, 32)) * 0.2 * scale, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    qp = jqt.calibrate(f, make(), p, [(x,)], progress=False)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x)
+    for params in (p, jqt.pack(qp, p)):
+        y = jqt.quantize(f, qp)(params, x)
+        assert float(jnp.abs(y - sim).max()) <= 1e-3 * float(jnp.abs(sim).max()) > 0
+
+
 def test_an_activation_too_small_for_a_scale_is_warned_of():
     # as for a weight (above): a static activation range of about 3e-37 needs a scale below
     # float32's normal range, gets the placeholder 1 and the op outputs zeros; calibrate

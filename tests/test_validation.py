@@ -459,6 +459,11 @@ def test_empty_batches_under_vmap_per_expert_and_of_token_ids():
     for params in (p, jqt.pack(qp, p)):  # the packed path says why first, not "a fallback?"
         with pytest.raises(jqt.QParamsMismatchError, match="^jqt: an input here has no elements.*tied"):
             jqt.quantize(tied, qp)(params, ids)
+    # an empty input where no gather was calibrated: the check's own message, no gather story
+    one = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match="^jqt: no quantization parameters") as e:
+        jqt.quantize(lambda p, x: jnp.tanh(x @ p["w"]) @ p["w2"], one)(dict(p, w2=p["w"].T), jnp.zeros((0, 8)))
+    assert "no elements" not in str(e.value)
     # two layers over empty ids: the second's input is computed from weights alone, no
     # "multiplies two weights" warning (hunt75_emptyshapes)
     two = lambda p, ids: jnp.tanh(p["emb"][ids] @ p["w"]) @ p["w2"]

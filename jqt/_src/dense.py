@@ -384,10 +384,15 @@ def _act_scale_around(ax, x, w):
     """:func:`split_scale` of the activation's scale for a matmul of its codes with the
     decoded ``w``: ``(w, lo, hi)``, ``lo`` for the codes and ``hi`` for the output. One
     scale (static, per tensor) goes into the weight's scales instead (``lo`` is then 1),
-    which saves a pass over the activation at many rows."""
+    which saves a pass over the activation at many rows, except where a folded scale would
+    fall below float32's normal range (a weight of 1e-31 times an activation scale of
+    1e-3: flushed to 0, every output 0); ``lo`` then stays on the codes."""
     lo, hi = split_scale(ax.act_vec(x.scale.astype(_F32)))
     if lo.size == 1:
-        return dataclasses.replace(w, scale=w.scale.astype(_F32) * lo.reshape(())), 1.0, hi
+        s, lo = w.scale.astype(_F32), lo.reshape(())
+        folded = s * lo
+        fine = jnp.all((jnp.abs(folded) >= jnp.finfo(_F32).tiny) | (s == 0))
+        return dataclasses.replace(w, scale=jnp.where(fine, folded, s)), jnp.where(fine, 1.0, lo), hi
     return w, lo, hi
 
 

@@ -333,8 +333,9 @@ def _rerounded(site, qp, leaf, h, n, opts):
             "better) in the batches.", f"'{site.key}'")
     if unseen and not lead:  # no calibration row reached the op: every input "dead"
         diagnostics.warn_grouped("zero", f"jqt.gptq: op '{site.key}': its calibration inputs were "
-                                 "all zero (a zero Hessian); it keeps plain rounding. Calibrate on "
-                                 "data that reaches it with real values.", f"'{site.key}'")
+                                 "all zero (a zero Hessian), or too small for their squares to "
+                                 "stay above float32's range (below about 1e-19); it keeps plain "
+                                 "rounding. Calibrate on data that reaches it with real values.", f"'{site.key}'")
     elif unseen:
         diagnostics.warn_grouped(
             "unseen", f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "

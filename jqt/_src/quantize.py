@@ -395,7 +395,8 @@ def quantize(f, qparams, *, simulate: bool = False, weight_argnums=0, policy=Non
                              "int i is a slice, not a lookup, and a flag can change the ops f "
                              "runs. Pass the values calibration passed, or an array "
                              "(jnp.int32(i)) for a value f should trace.")
-            if empty:  # the likely cause, said first (the check's own guess comes after)
+            if empty and any(getattr(q, "op", None) == "gather" for q in qparams.values()):
+                # the likely cause, said first (the check's own guess comes after)
                 raise QParamsMismatchError(" ".join([
                     "jqt: an input here has no elements: JAX traces a gather of no ids "
                     "(table[ids]) to zeros, without the gather, and where the table is also "

@@ -1,6 +1,7 @@
 """Two ways to carry a stacked key/value cache through a scan over layers, in a generate loop.
 
     python benchmarks/decode_layouts.py [--rounds 9] [--steps 8] [--markdown]   # about 8 minutes
+    python benchmarks/decode_layouts.py --streaming [--rounds 15] [--markdown]  # about 3 minutes
 
 ``examples/decoder.py``'s ``decode_step`` carries the whole stacked cache (L, B, T, KV, D)
 through its ``lax.scan`` over the layers and writes layer ``i``'s new key and value at
@@ -15,11 +16,15 @@ cache (docs/generate.md, "What a cache is"); ``kv_cache=True`` quantizes either.
 The model is ``benchmarks/decode.py``'s 100M-parameter decoder (random weights) at batch 1,
 its cache filled by a prefill of 1024 tokens (context 2048). Each call runs ``--steps``
 decode steps in one ``lax.scan``; reported: the per-step median of interleaved rounds, and
-the ratio to float32 of the same form.
+the ratio to float32 of the same form. ``--steps 1`` times one step called with a cache
+it does not donate (``decode.py``'s ``decode`` part). ``--streaming`` times one step as a
+server streams (``docs/generate.md``): jitted with ``donate_argnums=1``, the cache it
+returns passed back to the next call (the position held at 2000), float32 and ``w4`` g128.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import paths  # noqa: F401  (this checkout's jqt, examples/)
@@ -65,15 +70,45 @@ def generate_loop(step, steps):
     return run
 
 
+def streaming(params, calib, cache, token, rounds, markdown):
+    """One donated step a call, its cache passed back: per-call medians."""
+    calls = {}
+    for form, step in {"restacked": restacked_step, "in place": decoder.decode_step}.items():
+        s = functools.partial(step, config=B.CONFIG)
+        for name, make in (("float32", None), ("w4 g128", VARIANTS["w4 g128"])):
+            if make is None:
+                f, p = jax.jit(s, donate_argnums=1), params
+            else:
+                B.progress(f"{form}: calibrating and packing {name}")
+                qp = jqt.calibrate(s, make(), params, calib, progress=False)
+                p, f = jqt.pack(qp, params), jax.jit(jqt.quantize(s, qp), donate_argnums=1)
+            held = {"cache": jax.tree.map(jnp.copy, cache)}
+
+            def call(f=f, p=p, held=held):
+                logits, c = f(p, held["cache"], token)
+                held["cache"] = dict(c, pos=jnp.minimum(c["pos"], 2000))
+                return logits
+            calls[(form, name)] = call
+    med = B.timed(calls, rounds)
+    rows = [(form, name, f"{s['median'] * 1e3:.1f}", f"{s['p25'] * 1e3:.1f}-{s['p75'] * 1e3:.1f}",
+             f"{s['median'] / med[(form, 'float32')]['median']:.3f}") for (form, name), s in med.items()]
+    print(f"One decode step a call, its cache donated and passed back, batch 1, context about "
+          f"{B.PROMPT + 1} of {B.MAX_LEN}; {rounds} interleaved rounds")
+    table(("cache form", "variant", "ms / step", "p25-p75", "time / float32 of the form"), rows, markdown)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=cli.positive_int, default=9)
     ap.add_argument("--steps", type=cli.positive_int, default=8)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--streaming", action="store_true", help="one donated step a call (see above)")
     args = ap.parse_args()
     params = decoder.init_params(B.CONFIG, jax.random.key(0))
     calib = B.decode_inputs(params, (1, 2))
     cache, token = B.decode_inputs(params, (3,))[0]
+    if args.streaming:
+        return streaming(params, calib, cache, token, args.rounds, args.markdown)
     forms = {"restacked": restacked_step, "in place": decoder.decode_step}
     calls, want = {}, {}
     for form, step in forms.items():

@@ -16,7 +16,8 @@ name; its result shape is read from the compiled HLO text), grouped as:
   before its matmul;
 * ``cache slice / write / restack``: ``dynamic-slice``, ``dynamic-update-slice``,
   copies and broadcasts whose result has the cache's ``MAX_LEN`` positions: the
-  decoder's scan takes each layer's cache as a slice and returns it restacked;
+  decoder's scan took each layer's cache as a slice and returned it restacked
+  until 2026-12-07; it now carries the whole cache and writes each layer's part in place;
 * ``elementwise``: every other fusion (decoding codes, norms, rotary embedding,
   softmax, the dynamic activation scales);
 * ``loop control``: ``while`` and ``conditional`` operations themselves (their bodies'

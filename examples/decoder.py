@@ -197,7 +197,8 @@ def decode_step(params, cache, token, config=None):
     key and value at (i, :, pos) in place. Handing each layer its slice as the scan's
     input and restacking the outputs, as this step did before 2026-12-07, made XLA:CPU
     copy the whole cache two to three times a step inside a generate loop
-    (``benchmarks/decode_layouts.py`` times both forms)."""
+    (``benchmarks/decode_layouts.py`` times both forms). Called from Python, jit it with
+    ``donate_argnums=1``: a call that keeps its cache argument starts from a copy of it."""
     config = config or Config.from_params(params)
     pos = cache["pos"]
     mask = (jnp.arange(cache["k"].shape[2]) <= pos)[None, :]

@@ -59,6 +59,9 @@ def restacked_step(params, cache, token, config):
     return decoder._logits(params, h[:, 0]), {"k": k, "v": v, "pos": pos + 1}
 
 
+FORMS = {"restacked": restacked_step, "in place": decoder.decode_step}
+
+
 def generate_loop(step, steps):
     """``steps`` greedy decode steps of ``step`` in one ``lax.scan``: the last token."""
     def run(params, cache, token):
@@ -73,7 +76,7 @@ def generate_loop(step, steps):
 def streaming(params, calib, cache, token, rounds, markdown):
     """One donated step a call, its cache passed back: per-call medians."""
     calls = {}
-    for form, step in {"restacked": restacked_step, "in place": decoder.decode_step}.items():
+    for form, step in FORMS.items():
         s = functools.partial(step, config=B.CONFIG)
         for name, make in (("float32", None), ("w4 g128", VARIANTS["w4 g128"])):
             if make is None:
@@ -109,9 +112,8 @@ def main():
     cache, token = B.decode_inputs(params, (3,))[0]
     if args.streaming:
         return streaming(params, calib, cache, token, args.rounds, args.markdown)
-    forms = {"restacked": restacked_step, "in place": decoder.decode_step}
     calls, want = {}, {}
-    for form, step in forms.items():
+    for form, step in FORMS.items():
         run = generate_loop(step, args.steps)
         f32 = jax.jit(run)
         want[form] = f32(params, cache, token)

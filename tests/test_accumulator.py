@@ -197,6 +197,7 @@ def test_clear_errors():
         jqt.quantize(f, bad)
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_an_op_kept_float_by_hand_under_a_narrow_accumulator_runs_on_every_path():
     """An op made float by hand (``lhs=None, rhs=None``, as debugging.md and
     ``jqt.sensitivity``'s own error advise), its ``accumulator=16`` kept, has no integer

@@ -1431,6 +1431,7 @@ def test_inputs_split_in_their_type_few_rows_plain_and_vmapped(recipe):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # float sums in another order
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_a_row_parallel_weight_only_op_typed_on_a_one_device_mesh():
     """A row-parallel layer (K split over an explicit axis, out_sharding= named) at 1 and
     16 rows, outside jax.set_mesh, on the one-device mesh tensor-parallel code makes on one

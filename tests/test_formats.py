@@ -672,6 +672,7 @@ def test_a_row_of_a_stacked_table_read_by_scalar_indices_is_a_lookup(name):
         jqt.calibrate(later, recipe, p, [(jnp.int32(1), jnp.int32(3))], progress=False)
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_a_window_of_rows_at_a_data_index_is_a_lookup():
     """A learned positional table read at a decode step's position
     (``lax.dynamic_slice_in_dim(pos, start, T)``) stayed float without a word, where
@@ -744,6 +745,7 @@ def test_constant_indices_closed_over_or_computed_are_slices_and_out_of_range_se
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.05
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
     """A window as long as the position axis of a (1, P, D) or stacked (E, P, D) table at a
     start from the data (a prefill of every position) is the lookup shorter ones are (it

@@ -415,6 +415,7 @@ def test_keys_of_loop_caches_are_unchanged_by_writes_into_arguments():
     assert out.shape == (4, B, V)
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_a_generate_function_that_takes_and_returns_the_cache(setup):
     """A loop inside f that carries the cache f was given hands it back quantized too (the
     loop's codes, re-encoded where a loop returned float: the same codes)."""

@@ -184,6 +184,7 @@ def test_awq_search_matches_numpy_reference():
     assert _rel_err(jqt.quantize(f, qp), p, batches) < _rel_err(jqt.quantize(f, plain), p, batches)
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_awq_on_fewer_rows_than_inputs_damps_its_search_and_overflow_keeps_plain_rounding():
     """Fewer calibration rows than inputs: X^T X is singular and the search fit the rows,
     losing on others (one row: 1.38x plain rounding's held-out error; hunt68_awqclip). It

@@ -767,6 +767,7 @@ def _scaled_by_grid_bwd(res, ct):
 _scaled_by_grid.defvjp(lambda h, ts: (_scaled_by_grid(h, ts), (h, ts)), _scaled_by_grid_bwd)
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_custom_rules_without_quantized_ops_read_caches_and_constants_on_the_integer_path():
     """The review of hunt58: a custom_vjp with no quantized op reading a loop's quantized
     cache was interpreted, so ``jax.grad`` dropped its rule (9.99 where float and simulated
@@ -825,6 +826,7 @@ def test_project_repairs_an_infinite_fp8_scale_to_one_that_runs(recipe):
     assert bool(jnp.isfinite(fixed["w"].lhs.scale * unit).all())
 
 
+@pytest.mark.slow_variants  # (CI's default run took 323 s on 2026-12-07)
 @pytest.mark.parametrize("recipe", ["w4a8 g16 asym", "w4 g16 asym", "w8a8 asym"])
 def test_an_asymmetric_channel_repaired_from_an_infinite_scale_is_zeros_on_every_path(recipe):
     """project repaired an infinite scale to float32's largest value but kept its zero

@@ -1237,6 +1237,7 @@ def _three_layers():
     return f, p, [(x[:16],), (x[16:],)], lambda g: float(jnp.abs(g(p, x) - ref).max())
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_a_fallback_rule_less_precise_than_the_recipe_for_one_op_still_finds_a_choice():
     """fp8 handles ``b``, w8a16's int8 weights do not: keeping all three ops back at to=
     scores worse than keeping ``a`` and ``c``. The search stopped at that first trial
@@ -1357,6 +1358,7 @@ def test_fallback_ranks_an_unmeasured_op_ahead_of_one_measured_harmless():
     assert not any("ran out" in str(w.message) for w in got), [str(w.message) for w in got]
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_fallback_keeping_an_op_a_rule_of_the_recipe_names_does_not_warn_about_that_rule():
     """The recipe's own rule for ``b`` (int4) decides nothing once fallback puts its rule
     for ``b`` first: the final calibration warned "rule 1 ... decides no op ... move it

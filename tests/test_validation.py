@@ -1468,6 +1468,7 @@ def test_packed_shardings_arguments_of_the_wrong_form_are_named():
         == "P(None, 'model')"
 
 
+@pytest.mark.slow  # 3-4 s each: CI's slow run (CI's default run took 323 s on 2026-12-07)
 def test_gptq_names_the_op_for_other_params_and_a_singular_hessian():
     """jqt.gptq with params of another shape: the op and the shapes, as jqt.pack says (was
     a broadcasting error); damp=0 with fewer rows than input features: the op and the fix

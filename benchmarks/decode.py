@@ -16,7 +16,12 @@ on two batches of random tokens.
 * ``decode``: one ``decoder.decode_step`` at batch 1 with a float32 key/value
   cache of ``MAX_LEN`` positions, at position ``PROMPT`` (the cache filled by a
   ``prefill`` of that many random tokens; calibration runs the step on two such
-  caches). The targets (issue 13): int8 weights <= 0.4x float32's step time,
+  caches). Each call is a step as a server streams it (docs/generate.md): jitted
+  with ``donate_argnums=1``, the cache it returns passed back to the next call,
+  its position held at ``PROMPT`` (``streamed``). Until 2026-12-07 this part
+  timed a step that kept its cache (no donation), which the restacked step of
+  ``decode_layouts.py`` ran faster than the step that writes in place, and which
+  no decode loop runs (docs/performance.md). The targets (issue 13): int8 weights <= 0.4x float32's step time,
   int4 g128 <= 0.25x. A reference row runs the same float step with the layer
   loop unrolled over per-layer arrays (no stacked weights to slice): under
   ``lax.scan`` XLA:CPU copies each layer's stacked weights out before its
@@ -28,8 +33,8 @@ on two batches of random tokens.
   new cache (two blocks of 18.9 MB, under glibc's 32 MiB mmap limit, so where
   they land depends on the allocator's state). Read the step times of a run
   with its fault counts. The ``kv8`` rows run the step with an int8 key/value
-  cache: it returns the cache quantized and takes it back so (a decode step
-  called from a Python loop), timed on the quantized cache of the same context.
+  cache: it returns the cache quantized and takes it back so, timed on the
+  quantized cache of the same context.
 * ``prefill``: ``decoder.prefill`` of a batch of 8 x 128 random tokens; target:
   every preset <= 1.0x float32. Extra rows run three presets without the
   many-row formulation (``KernelPolicy.float_matmul_rows``), with the weight
@@ -220,10 +225,25 @@ def faults_per_call(call, n=5):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n
 
 
-def build(f, recipe, params, calib, policy=None):
+def build(f, recipe, params, calib, policy=None, donate=()):
     qp = jqt.calibrate(f, recipe, params, calib, progress=False)
     packed = jqt.pack(qp, params, policy=policy)
-    return qp, packed, jax.jit(jqt.quantize(f, qp, policy=policy))
+    return qp, packed, jax.jit(jqt.quantize(f, qp, policy=policy), donate_argnums=donate)
+
+
+def streamed(f, params, cache, token):
+    """A call of ``f(params, cache, token)`` (jitted with ``donate_argnums=1``) as a server
+    streams it: each call donates the cache the last one returned, its position held at
+    ``cache["pos"]`` so every call runs the same step. ``cache`` itself is copied first
+    (donation deletes the arrays it is given)."""
+    held = {"cache": jax.tree.map(jnp.copy, cache)}
+    pos = np.asarray(cache["pos"])  # a fresh array each call: the last one was donated
+
+    def call():
+        logits, c = f(params, held["cache"], token)
+        held["cache"] = dict(c, pos=jnp.asarray(pos))
+        return logits
+    return call
 
 
 def decode(names, rounds, markdown, results):
@@ -233,23 +253,23 @@ def decode(names, rounds, markdown, results):
     calib = decode_inputs(params, (1, 2))
     cache, token = decode_inputs(params, (3,))[0]
     fb = float_bytes(params)
-    calls = {"float32": (lambda f=jax.jit(step): f(params, cache, token))}
+    calls = {"float32": streamed(jax.jit(step, donate_argnums=1), params, cache, token)}
     up, uc = unstack(params, cache)
-    unstacked = jax.jit(step_unstacked)
-    calls[UNSTACKED] = lambda: unstacked(up, uc, token)
+    calls[UNSTACKED] = streamed(jax.jit(step_unstacked, donate_argnums=1), up, uc, token)
     info = {"float32": dict(bytes=fb, cache=cache_bytes(cache)), UNSTACKED: dict(bytes=fb, cache=cache_bytes(cache))}
     for name in names:
         progress(f"calibrating and packing {name}")
         make, _ = {**VARIANTS, **KV_VARIANTS}[name]
-        _, packed, f = build(step, make(), params, calib)
-        out_cache = f(packed, cache, token)[1]
-        # a quantized cache (KV_VARIANTS) is taken back as the step returned it, at the same position
+        qp, packed, f = build(step, make(), params, calib, donate=1)
+        # the cache the step returns, from a call that keeps ``cache``: a quantized one
+        # (KV_VARIANTS) is taken back as the step returned it, at the same position
+        out_cache = jax.jit(jqt.quantize(step, qp))(packed, cache, token)[1]
         held = dict(out_cache, pos=cache["pos"]) if isinstance(out_cache["k"], jqt.QArray) else cache
-        calls[name] = lambda f=f, p=packed, c=held: f(p, c, token)
+        calls[name] = streamed(f, packed, held, token)
         info[name] = dict(bytes=packed.nbytes(), cache=cache_bytes(out_cache))
         for label, policy in DECODE_AB.get(name, ()):
-            _, pk, g = build(step, make(), params, calib, policy)
-            calls[f"{name}, {label}"] = lambda g=g, p=pk: g(p, cache, token)
+            _, pk, g = build(step, make(), params, calib, policy, donate=1)
+            calls[f"{name}, {label}"] = streamed(g, pk, held, token)
             info[f"{name}, {label}"] = info[name]
     progress(f"timing {len(calls)} variants x {rounds} rounds")
     med = timed(calls, rounds)
@@ -271,7 +291,8 @@ def decode(names, rounds, markdown, results):
     print(f"Decode step, batch 1: {n / 1e6:.1f}M parameters ({CONFIG.n_layers} layers, d_model "
           f"{CONFIG.d_model}, d_ff {CONFIG.d_ff}, {CONFIG.n_heads} heads / {CONFIG.n_kv_heads} kv heads "
           f"of {CONFIG.head_dim}, vocab {CONFIG.vocab}), float32 cache of {MAX_LEN} positions, step at "
-          f"position {PROMPT} (context {PROMPT + 1}); {rounds} interleaved rounds")
+          f"position {PROMPT} (context {PROMPT + 1}), one donated step a call, its cache passed back; "
+          f"{rounds} interleaved rounds")
     table(("variant", "median ms", "p25-p75 ms", "time / float32", "time / float32 unstacked",
            "weight bytes / float32", "cache bytes / float32", "page faults / step", "target (time / float32)"),
           rows, markdown)

@@ -111,3 +111,23 @@ def test_bad_flags_of_the_gpu_scripts_and_the_cpu_runner_are_refused_before_any_
         r = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and re.search(want, r.stderr), (cmd, r.stderr[-500:])
+
+
+def test_decode_streamed_donates_the_cache_it_was_handed_and_holds_the_position():
+    """``decode.py``'s ``streamed``: every call donates the cache the last one returned and
+    runs at the first call's position (a first version handed back the one ``pos`` array
+    each call, deleted by the call before's donation)."""
+    import jax
+    import jax.numpy as jnp
+    import decode
+
+    def step(params, cache, token):
+        k = jax.lax.dynamic_update_slice(cache["k"], params + token[:, None] * 0 + cache["pos"], (0, cache["pos"]))
+        return k.sum(), {"k": k, "pos": cache["pos"] + 1}
+
+    f = jax.jit(step, donate_argnums=1)
+    cache = {"k": jnp.zeros((1, 8)), "pos": jnp.asarray(3)}
+    call = decode.streamed(f, jnp.ones((1, 1)), cache, jnp.zeros((1,), jnp.int32))
+    for _ in range(4):
+        assert float(call()) == 4.0   # written at position 3 each time: 1 + 3
+    assert float(cache["k"].sum()) == 0.0 and int(cache["pos"]) == 3  # the caller's cache kept

@@ -403,6 +403,41 @@ def _weight_scale(w):
     return jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127.0
 
 
+@pytest.mark.slow_variants
+@pytest.mark.parametrize("recipe", [jqt.recipes.w4(group_size=4), jqt.recipes.w8(),
+                                    jqt.recipes.w8a8_dynamic(), jqt.recipes.nf4(group_size=4)],
+                         ids=["w4_g4", "w8", "w8a8_dynamic", "nf4_g4"])
+def test_an_untaken_branch_is_quantized_from_its_weight_where_no_data_is_needed(recipe):
+    """A weight-only or dynamic op in a branch calibration never took stayed float with a
+    "never ran" warning, though its qparams need only its weight. It is now quantized
+    from the weight, with the qparams that a batch reaching it gives; a lookup likewise,
+    and an op under a scan over stacked layers that ran in no layer (hunt76)."""
+    p = {**cond_params(), "emb": _normal(83, (5, 8)), "s": _normal(84, (3, 8, 8), 0.3)}
+
+    def f(p, x, ids, flag):
+        def other(h):
+            h = jnp.tanh(h @ p["b"]) * 2.0 + p["emb"][ids]
+            return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["s"])[0]
+        return lax.cond(flag, lambda h: h @ p["a"], other, x)
+
+    x, ids = _normal(82, (6, 8)), jnp.arange(6) % 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "never ran"
+        qp = jqt.calibrate(f, recipe, p, [(x, ids, True)], progress=False)
+        reached = jqt.calibrate(f, recipe, p, [(x, ids, True), (x, ids, False)], progress=False)
+    assert sorted(qp) == sorted(reached) and len(qp) == 4
+    for k in qp:
+        assert not qp[k].is_float, k
+        for got, want in zip(jax.tree.leaves(qp[k]), jax.tree.leaves(reached[k])):
+            np.testing.assert_array_equal(got, want)
+    packed = jqt.pack(qp, p)
+    out = jax.jit(jqt.quantize(f, qp))(packed, x, ids, False)
+    sim = jqt.quantize(f, qp, simulate=True)(p, x, ids, False)
+    np.testing.assert_allclose(out, sim, atol=1e-4)
+    assert float(jnp.max(jnp.abs(out - f(p, x, ids, False)))) > 0  # quantized, not float
+    assert packed.nbytes() < sum(a.nbytes for a in jax.tree.leaves(p)) * 0.5
+
+
 def test_cond_untaken_branch_warns_and_stays_float():
     p = cond_params()
     x = _normal(82, (6, 8))

@@ -1128,23 +1128,33 @@ def _weights_seen(traced, st) -> bool:
 
 
 def _weigh_unreached_layers(traced, recipe, st, params_t, argnums, tf, keys=None):
-    """``st`` with the weight ranges of the layers an op under a scan over stacked layers
-    did not run in (a ``lax.cond`` on the layer index: alternating layer types) taken from
-    the weights themselves, which need no data; an op that ran in no layer is left as it
-    is (:func:`_decide` warns that it never ran). ``keys``: only these ops."""
+    """``st`` with the weight ranges an op's weight, a leaf of params, was not observed in
+    taken from the weight itself, which needs no data: the layers an op under a scan over
+    stacked layers did not run in (a ``lax.cond`` on the layer index: alternating layer
+    types), and the whole weight of an op that never ran (a branch not taken) where its
+    activation needs no range (weight-only, dynamic, a lookup). Any other op that never
+    ran is left as it is (:func:`_decide` warns that it never ran and keeps it float).
+    ``keys``: only these ops."""
     out = dict(st)
     for site in traced.sites():
         if keys is not None and site.key not in keys:
             continue
         s, src = st.get(site.key), site.source
-        if s is None or s.weight is None or src is None or not src.stack_depth:
+        if s is None or s.weight is None or src is None:
             continue
         lo, hi = np.asarray(s.weight["min"]), np.asarray(s.weight["max"])
         unseen = (lo == np.inf) & (hi == -np.inf)
-        w = outliers.weight_operand(site, params_t, argnums)
-        if not unseen.any() or unseen.all() or w is None:
+        if not unseen.any() or (not src.stack_depth and not unseen.all()):
             continue
         rule = recipe.rule_for(site.op, site.key)
+        if unseen.all():  # never ran: only where no static activation range is wanted
+            wt = None if rule is None or site.built else site.entry.weight_type(rule)
+            at = None if wt is None else site.entry.act_type(rule)
+            if wt is None or (at is not None and not at.dynamic):
+                continue
+        w = outliers.weight_operand(site, params_t, argnums)
+        if w is None:
+            continue
         t = tf.get(site.key)
         if t is not None:
             w = transforms.weight(w, t.smooth, t.rotate, site.contract[site.weight_operand], src.stack_depth)

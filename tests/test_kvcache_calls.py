@@ -542,6 +542,31 @@ def test_quantize_cache_refuses_what_is_no_cache():
     assert bf.float_dtype == "bfloat16" and bf.values.dtype == jnp.uint8 and bf.values.shape == (2, 2)
 
 
+def test_a_cache_built_or_edited_by_hand_is_refused_where_its_fields_do_not_fit():
+    """jqt.dequantize_cache decoded a cache of an asymmetric type and ignored its zero point
+    ([5, -10, ...] where (codes - zero_point) x scale is [0, -15, ...]), returned an int32
+    array for float_dtype='int32', and named no code dtype for an nf4 one; jqt.QArray took
+    a dtype name as its type and any layout, failing later with an AttributeError
+    (hunt76_qarrayapi)."""
+    c = jqt.quantize_cache(jnp.array([[1.0, -2.0, 3.0, 4.0]]), "int8")
+    assert jqt.dequantize_cache(c).dtype == jnp.float32
+    asym = jqt.QuantType(bits=8, symmetric=False, per_channel=True, dynamic=True)
+    for bad, want in [
+            (dataclasses.replace(c, qtype=asym, zero_point=jnp.full(c.scale.shape, 10.0)),
+             r"of type int8 asym .* where a KV cache type is symmetric"),
+            (dataclasses.replace(c, zero_point=jnp.full(c.scale.shape, 10.0)),
+             r"with a zero point, which its type \(int8 sym .*\) has no use for"),
+            (dataclasses.replace(c, float_dtype="int32"), r"whose float_dtype \('int32'\).* not a float dtype"),
+            (dataclasses.replace(c, qtype=jqt.QuantType(dtype="nf4", group_size=0, per_channel=True)),
+             r"of type nf4 .* where a KV cache type")]:
+        with pytest.raises(ValueError, match="jqt.dequantize_cache: a key/value cache " + want):
+            jqt.dequantize_cache(bad)
+    with pytest.raises(TypeError, match=r"jqt.QArray\(qtype='int8'\): a jqt.QuantType"):
+        jqt.QArray(values=c.values, scale=c.scale, qtype="int8", layout="cache", float_dtype="float32")
+    with pytest.raises(ValueError, match=r"jqt.QArray\(layout='Cache'\): one of 'operand'"):
+        jqt.QArray(values=c.values, scale=c.scale, qtype=c.qtype, layout="Cache", float_dtype="float32")
+
+
 # ---- attention reading whole vectors of the cache through another op (kvcache.is_read_view) ----
 NP, PS, MAXP, KV, W = 8, 3, 3, 1, 4  # pages of PS tokens; kv heads (H / KV queries each); window
 PAGES = jnp.array([[5, 0, 7], [2, 6, 1]], jnp.int32)  # each sequence's pages (B, MAXP)

@@ -855,6 +855,38 @@ def test_per_tensor_weights_of_stacked_layers_calibrate_and_pack():
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(params, x), sim, atol=1e-5)
 
 
+def test_fields_a_type_needs_are_checked_under_jax_jit_too():
+    """A packed weight whose zero point disagreed with its type (dropped from an asymmetric
+    int4 one, added to a symmetric int8 one) was refused by an eager call and ran under
+    jax.jit with wrong numbers (1.36 off, the asymmetric codes decoded as symmetric); so
+    traced qparams without an asymmetric activation's zero point are refused as before
+    (hunt76_qarrayapi)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((64, 16)) * 0.1, jnp.float32)}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    for recipe, edit, want in [
+            (jqt.recipes.w4(group_size=16, symmetric=False), lambda w: dataclasses.replace(w, zero_point=None),
+             r"packed weight.zero_point: missing, but its type \(int4 asym g16\) is asymmetric"),
+            (jqt.recipes.w8(), lambda w: dataclasses.replace(w, zero_point=jnp.full(w.scale.shape, 3.0)),
+             r"packed weight.zero_point: set, but its type \(int8 sym per-channel\) is symmetric")]:
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        pk = jqt.pack(qp, p)
+        bad = jqt.PackedParams(pk.leaves, dict(pk.weights, w=edit(pk.weights["w"])), pk.treedef,
+                               pk.avals, pk.kept, pk.tied)
+        with pytest.raises(jqt.QParamsMismatchError, match=r"the packed weight for 'w': " + want):
+            jax.jit(jqt.quantize(f, qp))(bad, x)
+        with pytest.raises(ValueError, match=r"op 'w' holds invalid quantization parameters: " + want):
+            jqt.quantize(f, qp)(bad, x)  # (the eager call's check of the numbers, as before)
+    qa = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert qa["w"].lhs.zero_point is not None  # an asymmetric activation
+    no_zp = {"w": dataclasses.replace(qa["w"], lhs=dataclasses.replace(qa["w"].lhs, zero_point=None))}
+    run = jax.jit(lambda q, p, x: jqt.quantize(f, q)(p, x))  # qparams traced (QAT)
+    with pytest.raises(ValueError, match=r"op 'w' holds invalid quantization parameters: lhs.zero_point: missing"):
+        run(no_zp, p, x)
+    np.testing.assert_array_equal(run(qa, p, x), jqt.quantize(f, qa)(p, x))
+
+
 def test_qparams_edited_by_hand_are_checked_or_honoured(tmp_path):
     """A static operand without a scale (the frozen half of jqt.qat.split) failed inside JAX
     and jqt.save wrote a file jqt.load called damaged; a scale set on a dynamic operand was

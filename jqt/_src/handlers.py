@@ -27,7 +27,7 @@ from .dense import DenseAxes
 from .formats import unpack_nibbles
 from .layerview import LayerView
 from .policy import KernelPolicy
-from .qparams import OpQParams, QArray, axes_only, codes_problem
+from .qparams import OpQParams, QArray, axes_only, codes_problem, field_problems
 
 _F32 = jnp.float32
 
@@ -373,6 +373,16 @@ def lookup(ctx, site, invals):
                                    "The function or its weights changed shape since calibration, "
                                    f"or the qparams were edited; re-calibrate.{stacked}{computed}"))
     _check_smooth(site, qp, invals)
+    # a packed weight's fields its type needs, whatever their values (traced under jax.jit,
+    # where the eager call's check of the numbers does not run; the qparams' are checked
+    # with them): its kernel reads a zero point where one is given, and decodes an
+    # asymmetric weight without one as symmetric
+    missing = [] if packed is None else field_problems(packed, "packed weight", packed.zero_point, packed=True)
+    if missing:
+        raise QParamsMismatchError(
+            f"jqt: the packed weight for '{site.key}': {'; '.join(missing)}. jqt.pack gives a "
+            "packed weight the fields its type needs; re-run jqt.pack(qparams, params) rather "
+            "than editing them.")
     if packed is not None:
         w = site.weight_operand
         why = codes_problem(packed)  # first: cast nibbles read as other shapes

@@ -100,14 +100,22 @@ def kind_name(t: QuantType) -> str:
     return f"jqt.{t!r}"
 
 
+def _cache_type(t) -> bool:
+    """Whether ``t`` can type a cache: symmetric, dynamic, per vector, <= 8 bits, no table."""
+    return isinstance(t, QuantType) and not (
+        t.kind == "lut" or not t.symmetric or not t.dynamic or not t.per_channel or t.group_size
+        or (t.kind == "int" and t.bits > 8))
+
+
+_CACHE_TYPES = ("a KV cache type is symmetric, dynamic and per vector (one scale per token and "
+                "head, computed at each write), int2-int8 or fp8")
+
+
 def check_type(t: QuantType, where: str):
-    """Raises unless ``t`` can type a cache: symmetric, dynamic, per vector, <= 8 bits, no table."""
-    if t.kind == "lut" or not t.symmetric or not t.dynamic or not t.per_channel or t.group_size \
-            or (t.kind == "int" and t.bits > 8):
-        raise ValueError(
-            f"{where}: a KV cache type is symmetric, dynamic and per vector (one scale per token "
-            f"and head, computed at each write), int2-int8 or fp8; got {t.describe()}. Use "
-            "kv_cache=True (int8), 'int4' or 'fp8' on a preset.")
+    """Raises unless ``t`` can type a cache (:func:`_cache_type`)."""
+    if not _cache_type(t):
+        raise ValueError(f"{where}: {_CACHE_TYPES}; got {t.describe()}. Use kv_cache=True "
+                         "(int8), 'int4' or 'fp8' on a preset.")
 
 
 def written_type(state):
@@ -239,6 +247,20 @@ def cache_problem(x) -> str:
         return (f"{x!r} without codes, scales or the float dtype it stands for (float_dtype). "
                 "Pass back the cache the quantized function returned, as it is, or a float "
                 "buffer.")
+    again = ("Pass back the cache the quantized function returned as it is, or make one with "
+             "jqt.quantize_cache(x, 'int8').")
+    if not _cache_type(x.qtype):
+        return f"of type {x.qtype.describe()}, where {_CACHE_TYPES}. {again}"
+    if x.zero_point is not None:
+        return (f"with a zero point, which its type ({x.qtype.describe()}, symmetric) has no "
+                f"use for: its values are codes x scale. {again}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(x.float_dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        return (f"whose float_dtype ({x.float_dtype!r}), the dtype of the buffer it stands for, "
+                f"is not a float dtype. {again}")
     kind = x.qtype.kind
     # (by the type: codes of another dtype are no nibbles, whatever the type packs)
     codes_ok = (("int8", "uint8") if x.qtype.bits <= 4 else ("int8",)) if kind == "int" else \

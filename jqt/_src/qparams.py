@@ -156,8 +156,11 @@ class QArray:
       fp8 weights ``"kn"`` on the CPU, weight-only and fp8 ones under the generic
       policy; all ``"nk"`` on a GPU); stacked
       layers keep their leading axes. Codes of 4 bits or fewer are stored two
-      per byte (uint8) along the contracted axis where it fits
-      (:meth:`jqt.QuantType.nibbles_fit`), else one int8 code per byte.
+      per byte (uint8) where the axis fits (:meth:`jqt.QuantType.nibbles_fit`),
+      else one int8 code per byte: along the contracted axis in the ``"nk"`` and
+      ``"kn"`` layouts, along the last axis in the op's own (``"operand"``: a
+      weight with batch axes, as a mixture's experts, a ``ragged_dot`` weight, a
+      lookup's table) and in a cache.
       ``sums`` is the int32 sum of the codes over the contracted axes (per group
       for grouped scales), for the zero-point correction of asymmetric
       activations.
@@ -211,6 +214,13 @@ class QArray:
         return _fields_equal(self, other)
 
     def __post_init__(self):
+        if self.qtype is not None and not isinstance(self.qtype, QuantType):
+            raise TypeError(f"jqt.QArray(qtype={self.qtype!r}): a jqt.QuantType, such as "
+                            "jqt.QuantType(bits=8) or jqt.QuantType(dtype='float8_e4m3fn'), not a "
+                            f"{type(self.qtype).__name__}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"jqt.QArray(layout={self.layout!r}): one of {', '.join(map(repr, LAYOUTS))} "
+                             "('operand', the op's own, for qparams; 'cache' for a key/value cache)")
         if self.smooth is not None and not holds_smooth(self.folded):
             raise ValueError(f"jqt.QArray(smooth=...): a packed weight that holds its smoothing "
                              f"vector records it in folded ('smooth=<digest>'), not {self.folded!r}")
@@ -236,6 +246,9 @@ class QArray:
 
 
 _QARRAY_DATA = ("values", "scale", "zero_point", "sums")
+# "operand": qparams and packed weights in the op's own layout; "nk" / "kn": 2-D packed
+# dot_general weights; "tied": a lookup's table read from a matmul's codes; "cache"
+LAYOUTS = ("operand", "nk", "kn", "tied", "cache")
 
 
 def smooth_digest(v) -> str:
@@ -306,6 +319,44 @@ def _unflatten(aux, children) -> QArray:
 jax.tree_util.register_pytree_with_keys(QArray, _flatten_with_keys, _unflatten, _flatten)
 
 
+def field_problems(q: QArray, where: str, z, packed: bool = False) -> list:
+    """What is wrong with the fields ``q`` holds, whatever their values (traced ones too):
+    a scale or zero point that its type needs and ``q`` lacks, or that it holds and its
+    type has no use for, as texts such as ``"lhs.zero_point: missing, ..."``. ``z``: the
+    zero point's values as NumPy (set on a symmetric type, refused only where one is not
+    0), None where they are not known or there is none, or the zero point itself, refused
+    on a symmetric type whatever it holds (a packed weight: ``jqt.pack`` gives one none,
+    and its kernels apply one given). ``packed``: leave out the hints about
+    ``jqt.qat.split``'s halves, which hold qparams.
+
+    >>> field_problems(QArray(scale=np.ones(4), qtype=QuantType(bits=4, symmetric=False)), "rhs", None)[0][:44]
+    'rhs.zero_point: missing, but its type (int4 '
+    """
+    out = []
+    t = q.qtype
+    if q.scale is None and t is not None and not t.dynamic and q.values is None:
+        # (a packed weight of a version-1 file holds no scale: it takes the qparams')
+        out.append(f"{where}.scale: missing, but its type ({t.describe()}) is static and needs one"
+                   + ("" if packed else " (the frozen half of jqt.qat.split holds None where the "
+                      "trained half holds the scales: jqt.qat.merge them first)"))
+    if q.scale is not None and t is not None and t.dynamic and q.values is None:
+        out.append(f"{where}.scale: set, but its type ({t.describe()}) is dynamic: its scale is "
+                   "computed from each input at run time, and this one would be ignored; remove "
+                   "it, or make the type static")
+    if z is not None and t is not None and t.symmetric and (
+            not isinstance(z, np.ndarray) or np.any(z != 0)):
+        out.append(f"{where}.zero_point: set, but its type ({t.describe()}) is symmetric, whose "
+                   "codes are centred on 0: remove it, or make the type asymmetric "
+                   "(symmetric=False)")
+    if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
+            and not t.dynamic):
+        out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "
+                   "and needs one per scale" + ("" if packed else " (the trained half of "
+                   "jqt.qat.split holds None where the frozen half holds the zero points: "
+                   "jqt.qat.merge them first)"))
+    return out
+
+
 def codes_problem(w: QArray) -> str:
     """What is wrong with the dtypes of a packed weight's codes or code sums, or ``""``:
     codes in the format's storage dtype (int8, or uint8 holding two 4-bit codes per
@@ -372,6 +423,8 @@ def _arr_summary(name, a):
 
     >>> _arr_summary("scale", np.float32(0.5)), _arr_summary("scale", "frozen")
     (', scale=0.5', ", scale='frozen'")
+    >>> _arr_summary("scale", np.array([1.0, np.nan, 3.0]))  # (was "in [nan, nan]")
+    ', scale[3] in [1, 3], 1 NaN'
     """
     if a is None:
         return ""
@@ -387,7 +440,12 @@ def _arr_summary(name, a):
         return f", {name}[{'x'.join(map(str, v.shape))}]"
     if v.size == 1:
         return f", {name}={v.reshape(()).item():.4g}"
-    return f", {name}[{'x'.join(map(str, v.shape))}] in [{v.min():.3g}, {v.max():.3g}]"
+    f = v.astype(np.float64)
+    nan = int(np.isnan(f).sum())
+    if nan == f.size:
+        return f", {name}[{'x'.join(map(str, v.shape))}] all NaN"
+    rng = f"in [{np.nanmin(f):.3g}, {np.nanmax(f):.3g}]" + (f", {nan} NaN" if nan else "")
+    return f", {name}[{'x'.join(map(str, v.shape))}] {rng}"
 
 
 @jax.tree_util.register_dataclass

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from . import accumulator, compat, diagnostics, kvcache, layout
-from .qparams import OpQParams, PackedParams, calibrated_args, restored_bare, v1_problem
+from .qparams import OpQParams, PackedParams, calibrated_args, field_problems, restored_bare, v1_problem
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
 
@@ -106,26 +106,7 @@ def operand_problems(q, where):
     sm = _concrete(q.smooth)  # a packed weight's smoothing vector
     if sm is not None:
         out += [f"{where}.smooth: {t}" for t in _positive(sm)]
-    t = q.qtype
-    if q.scale is None and t is not None and not t.dynamic and q.values is None:
-        # (a packed weight of a version-1 file holds no scale: it takes the qparams')
-        out.append(f"{where}.scale: missing, but its type ({t.describe()}) is static and needs one "
-                   "(the frozen half of jqt.qat.split holds None where the trained half holds "
-                   "the scales: jqt.qat.merge them first)")
-    if q.scale is not None and t is not None and t.dynamic and q.values is None:
-        out.append(f"{where}.scale: set, but its type ({t.describe()}) is dynamic: its scale is "
-                   "computed from each input at run time, and this one would be ignored; remove "
-                   "it, or make the type static")
-    if z is not None and t is not None and t.symmetric and np.any(z != 0):
-        out.append(f"{where}.zero_point: set, but its type ({t.describe()}) is symmetric, whose "
-                   "codes are centred on 0: remove it, or make the type asymmetric "
-                   "(symmetric=False)")
-    if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
-            and not t.dynamic):
-        out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "
-                   "and needs one per scale (the trained half of jqt.qat.split holds None where "
-                   "the frozen half holds the zero points: jqt.qat.merge them first)")
-    return out
+    return out + field_problems(q, where, z)
 
 
 def problems(p: OpQParams) -> list:

@@ -855,6 +855,34 @@ def test_per_tensor_weights_of_stacked_layers_calibrate_and_pack():
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(params, x), sim, atol=1e-5)
 
 
+@pytest.mark.parametrize("made_float", ["emb#1", "emb", "w#1"])
+def test_pack_keeps_a_weight_an_op_made_float_by_hand_reads(made_float):
+    """docs/debugging.md makes ops float with dataclasses.replace(p, lhs=None, rhs=None).
+    Where such an op shares its weight with a quantized one (the tied unembedding, the
+    lookup, a layer applied twice), jqt.pack dropped the leaf (its float_needed came from
+    calibration) and jqt.quantize refused the packed params, advising to pack again
+    (hunt76_fallbackwiden)."""
+    rng = np.random.default_rng(0)
+    p = {"emb": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+         "w": jnp.asarray(rng.standard_normal((32, 32)) * 0.2, jnp.float32)}
+
+    def f(p, ids):
+        h = p["emb"][ids]
+        h = h + jax.nn.gelu(h @ p["w"]) @ p["w"]
+        return h @ p["emb"].T  # tied unembedding
+
+    ids = jnp.asarray(rng.integers(0, 64, (4, 8)))
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, [(ids,)], progress=False)
+    assert made_float in qp and not qp[made_float].is_float
+    q = dict(qp, **{made_float: dataclasses.replace(qp[made_float], lhs=None, rhs=None)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a weight kept by choice: no "kept twice" warning)
+        packed = jqt.pack(q, p)
+    assert len(packed.kept) == 1
+    np.testing.assert_allclose(jax.jit(jqt.quantize(f, q))(packed, ids), jqt.quantize(f, q)(p, ids),
+                               atol=1e-4)
+
+
 def test_fields_a_type_needs_are_checked_under_jax_jit_too():
     """A packed weight whose zero point disagreed with its type (dropped from an asymmetric
     int4 one, added to a symmetric int8 one) was refused by an eager call and ran under

@@ -832,6 +832,11 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
             f"codes and scales are stored for each of the {n} copies, "
             f"{n}x the leaf's elements{f' (and {len(copies) - 1} more such ops)' if len(copies) > 1 else ''}, "
             f"so the packed weights can outgrow the float ones. {fix}, and re-calibrate.")
+    # a leaf an op these qparams keep float reads (made float after calibration, by a
+    # fallback or by hand: its float_needed, from calibration, says nothing of it) is kept
+    needed |= {q.source.leaf for q in qparams.values() if q.source is not None
+               and q.source.arg == argnum and q.source.leaf < len(flat)
+               and (q.weight_operand is None or q.operand(q.weight_operand) is None)}
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     chosen = {q.source.path for q in qparams.values()  # ops the recipe left float (a lookup of
               if q.source is not None and q.source.arg == argnum  # a tied table under

@@ -901,6 +901,37 @@ def _v1_model(p, x):
     return h @ p["out"][0]
 
 
+V3_SMOOTH = os.path.join(os.path.dirname(__file__), "data", "packed_v3_smooth")  # by jqt c541e51 (README)
+
+
+def _v3_model(p, tok):
+    h = p["emb"][tok]
+    h = h + jax.nn.relu(h @ p["w1"] + p["b1"]) @ p["w2"]
+    g = jax.nn.softmax(h @ p["wg"], -1)
+    y = jnp.einsum("bd,edf->bef", h, p["we"])
+    h = h + jnp.einsum("be,bef->bf", g, y)
+    return (h * p["ln"]) @ p["emb"].T
+
+
+def test_packed_version_3_files_with_a_smoothing_vector_still_load():
+    """The jqt of c541e51 to 52e7ed2 stored a packed weight's smoothing vector and recorded
+    it as 'smooth:<digest>' (the form of a weight without one): jqt.load_packed called such
+    a file damaged and advised re-saving it, which needs it loaded (hunt76_fileformat). It
+    loads and runs as it ran in the jqt that wrote it."""
+    z = np.load(os.path.join(V3_SMOOTH, "params.npz"))
+    params = {k: z[k] for k in z.files if k != "x"}
+    path = os.path.join(V3_SMOOTH, "w8a8_smooth.pq.safetensors")
+    qp = jqt.load(path)
+    assert any(p.smooth is not None for p in qp.values())
+    packed = jqt.load_packed(path)
+    assert any(w.folded and w.folded.startswith("smooth=") for w in packed.weights.values())
+    q = jax.jit(jqt.quantize(_v3_model, qp))
+    y = np.asarray(q(packed, z["x"]))
+    np.testing.assert_array_equal(y, np.load(os.path.join(V3_SMOOTH, "w8a8_smooth.y.npy")))
+    np.testing.assert_array_equal(y, np.asarray(q(params, z["x"])))
+    np.testing.assert_array_equal(np.asarray(q(jqt.load_packed(path, qparams=qp), z["x"])), y)
+
+
 def test_packed_version_1_files_still_load():
     """jqt.packed version 1 held codes and sums only (the scales and types are the
     qparams'): such a file loads with the qparams it holds, and a weights-only one with

@@ -572,6 +572,12 @@ def _weight_from_entry(r, key, d, version):
         if unknown:  # a transform this jqt would not undo: refused, not dropped
             raise r.error(f"{where}: its 'folded' is {folded!r}, which names transforms "
                           f"{unknown} this jqt does not know (it folds 'smooth' and 'rotate')")
+        if version == 3 and "smooth" in arrays and not holds_smooth(folded) \
+                and "smooth" in fold_parts(folded):
+            # jqt of 2026-11-29 (c541e51 to 52e7ed2) stored the vector and recorded it as
+            # 'smooth:<digest>', the form of a weight without it: read as 'smooth=<digest>'
+            folded = "+".join("smooth=" + p[len("smooth:"):] if p.startswith("smooth:") else p
+                              for p in folded.split("+"))
         if ("smooth" in arrays) != holds_smooth(folded):
             raise r.error(f"{where}: its 'folded' is {folded!r}, but it holds "
                           f"{'a' if 'smooth' in arrays else 'no'} smoothing vector ('smooth'); a "

@@ -422,7 +422,7 @@ def test_wrong_files_are_clear_errors(tmp_path, models):
     jqt.save_packed(w_only, packed)
     with pytest.raises(ValueError, match="holds qparams .*read it with jqt.load"):
         jqt.load_packed(qp_st)
-    with pytest.raises(ValueError, match=r"\.npz file .*jqt.save_packed"):
+    with pytest.raises(ValueError, match=r"\.npz file, .*Read those with jqt.load; .*jqt.save_packed"):
         jqt.load_packed(qp_npz)
     with pytest.raises(ValueError, match="packed weights without qparams.*jqt.load_packed"):
         jqt.load(w_only)

@@ -913,6 +913,46 @@ def _v3_model(p, tok):
     return (h * p["ln"]) @ p["emb"].T
 
 
+def test_files_of_the_wrong_kind_are_refused_with_the_function_that_reads_them(tmp_path):
+    """A qparams .npz given to jqt.load_packed, a NumPy .npz and a foreign safetensors file
+    given to jqt.load: the errors named no function to use and no fix (hunt76_fileformat)."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.ones((4, 3))}
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    jqt.save(str(tmp_path / "q.npz"), qp)
+    with pytest.raises(ValueError, match=r"q.npz is an .npz file, .*Read those with jqt.load"):
+        jqt.load_packed(str(tmp_path / "q.npz"))
+    np.savez(str(tmp_path / "plain.npz"), w=np.ones(3))
+    with pytest.raises(ValueError, match=r"plain.npz is an .npz file but not a jqt qparams file "
+                                         r"\(no '__header__'; it holds arrays \['w'\]\)\. Pass a file jqt.save wrote"):
+        jqt.load(str(tmp_path / "plain.npz"))
+    import safetensors.numpy
+    safetensors.numpy.save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "ckpt.safetensors"))
+    with pytest.raises(ValueError, match=r"but not a jqt file .*Float weights .* are params"):
+        jqt.load(str(tmp_path / "ckpt.safetensors"))
+
+
+def test_a_weakly_typed_leaf_comes_back_weakly_typed(tmp_path):
+    """A params leaf made by jnp.asarray(0.5) is weakly typed: a bfloat16 model stays
+    bfloat16. jqt.load_packed gave it back as a float32 array, and the model's output
+    turned float32 with no word, also with like=params (hunt76_fileformat)."""
+    g = lambda p, x: (x @ p["w"]) * p["s"]
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 4)).astype(jnp.bfloat16), "s": jnp.asarray(0.5)}
+    assert p["s"].weak_type
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    q = jax.jit(jqt.quantize(g, qp))
+    want = q(packed, x)
+    assert want.dtype == jnp.bfloat16
+    jqt.save_packed(str(tmp_path / "w.jqt"), packed, qp)
+    for loaded in (jqt.load_packed(str(tmp_path / "w.jqt")), jqt.load_packed(str(tmp_path / "w.jqt"), like=p)):
+        assert [a.weak_type for a in loaded.avals] == [a.weak_type for a in packed.avals] == [True, False]  # s, w
+        got = q(loaded, x)
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_packed_version_3_files_with_a_smoothing_vector_still_load():
     """The jqt of c541e51 to 52e7ed2 stored a packed weight's smoothing vector and recorded
     it as 'smooth:<digest>' (the form of a weight without one): jqt.load_packed called such

@@ -602,6 +602,19 @@ def trace_settings() -> tuple:
         return tuple(getattr(jax.config, name, None) for name in _TRACE_SETTINGS)
 
 
+def weak_typed(x):
+    """``x`` (an array) as a weakly typed JAX array, as ``jnp.asarray(0.5)`` is: it takes
+    the dtype of what it meets (a bfloat16 operand stays bfloat16). JAX has no public way
+    to make one from an array."""
+    from jax._src.lax.lax import _convert_element_type
+    return _convert_element_type(x, weak_type=True)
+
+
+def is_weak(x) -> bool:
+    """Whether ``x`` is a weakly typed JAX array."""
+    return bool(getattr(x, "weak_type", False))
+
+
 def is_tracer(x) -> bool:
     """Whether ``x`` is a tracer (its values unknown: under ``jax.jit``, ``jax.grad``...)."""
     import jax

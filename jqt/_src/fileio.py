@@ -449,7 +449,10 @@ class Reader(_Checked):
         if "jqt" not in meta:
             more = " ..." if len(keys) > 4 else ""
             raise FormatError(f"{self.fn}: {self.path} is a safetensors file but not a jqt file "
-                              f"(no 'jqt' header; it holds tensors {keys[:4]}{more}).")
+                              f"(no 'jqt' header; it holds tensors {keys[:4]}{more}). Float "
+                              "weights (a model's checkpoint) are params: load them with "
+                              "safetensors and quantize them with jqt.calibrate and jqt.pack; "
+                              "pass this function a file jqt.save or jqt.save_packed wrote.")
         self.fix = _FIX.get(meta.get("format"), self.fix)
         self._parse_header(meta["jqt"], meta)
 
@@ -499,7 +502,12 @@ class NpzReader(_Checked):
 
     def _open(self):
         if "__header__" not in self._z.files:
-            raise FormatError(f"{self.fn}: {self.path} is not a jqt qparams file (no header).")
+            arrays = sorted(self._z.files)
+            more = " ..." if len(arrays) > 4 else ""
+            raise FormatError(f"{self.fn}: {self.path} is an .npz file but not a jqt qparams file "
+                              f"(no '__header__'; it holds arrays {arrays[:4]}{more}). Pass a file "
+                              "jqt.save wrote; float weights saved with numpy are params (np.load "
+                              "them, then jqt.calibrate and jqt.pack).")
         self.names = set(self._z.files) - {"__header__"}
         self._parse_header(self._read("__header__", "the header").tobytes(), {})
 

@@ -200,7 +200,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
               "leaves": leaves, "weights": weights, "qparams": entries,
-              "tied": [list(t) for t in packed.tied]}
+              "tied": [list(t) for t in packed.tied],
+              # kept leaves weakly typed (jnp.asarray(0.5)): they take the dtype of what they
+              # meet, and come back so (a strong float32 one promotes bfloat16 arithmetic)
+              "weak": [i for i in packed.kept if getattr(packed.avals[i], "weak_type", False)]}
     version = versioned(PACKED_VERSION, qparams)
     if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
         version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
@@ -297,8 +300,9 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
         validate.check_qparams(qparams, fn)  # before reading the file
     path = file_path(path, fn)
     if is_zip(path, fn):
-        raise FormatError(f"{fn}: {path} is an .npz file (jqt.save's qparams format 1?); packed "
-                          "weights are saved by jqt.save_packed.")
+        raise FormatError(f"{fn}: {path} is an .npz file, which jqt.save_packed never writes "
+                          "(it writes safetensors): jqt.save's qparams in its .npz form? Read "
+                          "those with jqt.load; packed weights are saved by jqt.save_packed.")
     try:
         with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
             packed, stored = _read_packed(r, path, like)
@@ -450,10 +454,15 @@ def _read_packed(r, path, like):
     # where the file holds it as saved (a float rounded to float32 without x64), else the file's
     leaves = [x if i not in python else flat[i] if np.asarray(x) == np.asarray(flat[i]).astype(x.dtype)
               else type(flat[i])(np.asarray(x).item()) for i, x in zip(kept, leaves)]
+    weak = h.get("weak", [])  # (absent from files written before 2026-12-07)
+    if not (isinstance(weak, list) and all(is_a(i, int) and i in kept for i in weak)):
+        raise r.error(f"the header's 'weak' {json.dumps(weak)[:200]} is not a list of kept leaf numbers")
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
+    # (a weakly typed leaf's aval says so: the quantized function traces the NumPy leaf so)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
-                                  sharding=getattr(a, "sharding", None)) for a in avals]
+                                  sharding=getattr(a, "sharding", None), weak_type=i in weak)
+             for i, a in enumerate(avals)]
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
         # entries that name the same tensors (ops that share codes, jqt.pack): one QArray

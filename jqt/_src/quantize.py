@@ -30,7 +30,10 @@ def _unpack(packed: PackedParams):
     nothing reads them, since the op takes the packed int8 weight instead)."""
     leaves = [None] * len(packed.avals)
     for i, x in zip(packed.kept, packed.leaves):
-        leaves[i] = x
+        # a leaf jqt.pack saw weakly typed (jnp.asarray(0.5)) and jqt.load_packed gave back
+        # as NumPy, traced as it was: it takes the dtype of what it meets (bfloat16 stays)
+        weak = getattr(packed.avals[i], "weak_type", False) and not compat.is_weak(x)
+        leaves[i] = compat.weak_typed(x) if weak and hasattr(x, "dtype") else x
     for i, a in enumerate(packed.avals):
         if leaves[i] is None:  # split over explicit mesh axes as the leaf was (jax.shard_map
             # takes such a leaf only split as its in_specs say)
@@ -879,7 +882,8 @@ def _aval(x):
             or isinstance(x, (bool, int, float, complex, np.generic))):
         return tracing.Static(x)
     try:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x))
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x),
+                                    weak_type=compat.is_weak(x))
     except TypeError:
         return tracing.Static(x)
 

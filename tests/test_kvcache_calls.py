@@ -346,6 +346,15 @@ def test_a_cache_from_other_qparams_is_refused(setup):
     # the simulated path of the same qparams decodes it
     _, sim = jqt.quantize(step, qp4, simulate=True)(p, cache4, toks[:, 1])
     assert sim["k"].dtype == jnp.float32
+    # a step calibrated without kv_cache= decoded a quantized cache and returned it float,
+    # 4x the bytes, with no word (hunt76_chunkprefill); its simulated path decodes it
+    qpf = jqt.calibrate(step, jqt.recipes.w8(), p, batches, progress=False)
+    with pytest.raises(jqt.QParamsMismatchError,
+                       match=r"argument \[1\]\['k'\] of f is a key/value cache of int4 .*, but "
+                             r"qparams\['kv_cache_0'\] keep the cache it writes float"):
+        jqt.quantize(step, qpf)(p, cache4, toks[:, 1])
+    _, sim = jqt.quantize(step, qpf, simulate=True)(p, cache4, toks[:, 1])
+    assert sim["k"].dtype == jnp.float32
 
 
 def test_a_returned_cache_with_its_scales_recast_is_refused_by_name(setup):

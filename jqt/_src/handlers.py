@@ -813,6 +813,7 @@ class Integer:
 
     collects = False
     differentiable = False
+    returns_caches = True  # a quantized cache f takes and returns comes back quantized
 
     def __init__(self, policy=None):
         self.policy = policy

@@ -539,6 +539,9 @@ def enter_call(plan, ctx, args, invars, name=str):
         qtype = None if enter is None else kvcache.slot_type(writes, ctx.state_in)
         x = args[k]
         if qtype is None:
+            if kvcache.is_cache(x) and getattr(ctx.handler, "returns_caches", False) and \
+                    {kvcache.written_type(ctx.state_in.get(w)) for w in writes} == {None}:
+                _float_cache(name(k), x.qtype, writes)
             continue
         if kvcache.is_cache(x) and x.qtype != qtype:
             _other_cache(name(k), x.qtype, writes, qtype)
@@ -578,6 +581,19 @@ def _other_cache(name, have, writes, qtype):
         "Pass the cache the same quantized function returned, or a float buffer; a loop "
         "around the step, whose carry starts quantized, starts it with "
         f"jqt.quantize_cache(buffer, {kvcache.kind_name(qtype)}).")
+
+
+def _float_cache(name, have, writes):
+    """Refuses a quantized cache passed, on the integer path, to a step whose qparams keep
+    the cache it is written into float: the step would decode it and return it float (a
+    decode step calibrated without ``kv_cache=``)."""
+    raise QParamsMismatchError(
+        f"jqt: argument {name} of f is a key/value cache of {have.describe()}, but "
+        f"qparams['{writes[0]}'] keep the cache it writes float (calibrated without "
+        "kv_cache=, or a rule that keeps it float): the quantized function would decode it "
+        "and return it float, 4x its bytes or more. Calibrate this function with the "
+        "kv_cache= the cache was made with (kv_cache=True: int8), or pass the float buffer, "
+        "jqt.dequantize_cache(cache).")
 
 
 def leave_call(plan, outs, entered, outvars):

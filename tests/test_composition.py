@@ -438,6 +438,23 @@ def test_an_untaken_branch_is_quantized_from_its_weight_where_no_data_is_needed(
     assert packed.nbytes() < sum(a.nbytes for a in jax.tree.leaves(p)) * 0.5
 
 
+def test_an_untaken_branch_under_awq_or_smooth_says_it_goes_without_them():
+    """An op no batch reached has no activation statistics for smooth=/awq=: quantized
+    from its weight since 70cb94e, it went without them and without a word, under
+    smooth= with a smoothing vector of ones stored; jqt.gptq blamed zero inputs
+    (hunt76_untaken)."""
+    p = cond_params()
+    x = _normal(82, (32, 8))
+    for recipe in (jqt.recipes.w4(group_size=4, awq=True), jqt.recipes.w8a8_dynamic(smooth=0.5)):
+        with pytest.warns(UserWarning, match=r"no calibration batch reached ops \['b'\] .*quantized "
+                                             r"without smooth=/awq="):
+            qp = jqt.calibrate(cond_fn, recipe, p, [(x, True)], progress=False)
+        assert not qp["b"].is_float and qp["b"].smooth is None and qp["a"].smooth is not None
+    qp = jqt.calibrate(cond_fn, jqt.recipes.w4(group_size=4), p, [(x, True)], progress=False)
+    with pytest.warns(UserWarning, match=r"jqt.gptq: op 'b': no calibration row reached it"):
+        jqt.gptq(cond_fn, qp, p, [(x, True)], progress=False)
+
+
 def test_cond_untaken_branch_warns_and_stays_float():
     p = cond_params()
     x = _normal(82, (6, 8))

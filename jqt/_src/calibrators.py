@@ -382,8 +382,10 @@ def _expected_sq_error(centers, counts, lo, hi, qtype):
     z = np.zeros_like(s) if z is None else z
     lo_r = ((qtype.qmin - z) * s)[:, None]
     hi_r = ((qtype.qmax - z) * s)[:, None]
-    c = centers[None, :]
     width = float(centers[1] - centers[0]) if len(centers) > 1 else 0.0
+    held = np.asarray(counts) != 0  # (empty bins cost nothing: most of a histogram's)
+    centers, counts = np.asarray(centers)[held], np.asarray(counts)[held]
+    c = centers[None, :]
     clip = np.where(c < lo_r, (c - lo_r) ** 2, np.where(c > hi_r, (c - hi_r) ** 2, 0.0))
     inside = (c >= lo_r) & (c <= hi_r)
     step = s[:, None] * (_float_step(c / s[:, None], qtype) if qtype.kind == "float" else 1.0)

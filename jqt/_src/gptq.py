@@ -331,7 +331,12 @@ def _rerounded(site, qp, leaf, h, n, opts):
             "rounding error with is a poor estimate, and the re-rounded weight can do worse on "
             "other data than the nearest codes jqt.pack would take. Pass more rows (at least as many as inputs; more is "
             "better) in the batches.", f"'{site.key}'")
-    if unseen and not lead:  # no calibration row reached the op: every input "dead"
+    if unseen and not lead and not float(np.max(n)):  # no row at all (a branch not taken)
+        diagnostics.warn_grouped("unreached", f"jqt.gptq: op '{site.key}': no calibration row "
+                                 "reached it (a lax.cond branch not taken, a loop of 0 "
+                                 "iterations?), so it has no Hessian; it keeps plain rounding. "
+                                 "Calibrate on data that reaches it.", f"'{site.key}'")
+    elif unseen and not lead:  # rows, but every input "dead"
         diagnostics.warn_grouped("zero", f"jqt.gptq: op '{site.key}': its calibration inputs were "
                                  "all zero (a zero Hessian), or too small for their squares to "
                                  "stay above float32's range (below about 1e-19); it keeps plain "

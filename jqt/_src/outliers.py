@@ -186,7 +186,7 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
 def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
     """Op key -> the op's transforms (an :class:`jqt.OpQParams` holding only ``smooth``
     and ``rotate``), for every op whose rule asks for one and can take it."""
-    out, skipped, no_leaf, unrotated, large = {}, [], [], [], []
+    out, skipped, no_leaf, unrotated, large, unreached = {}, [], [], [], [], []
     for site in traced.sites():
         rule = recipe.rule_for(site.op, site.key)
         if not wants(rule) or site.weight_operand is None or site.entry.weight_type(rule) is None \
@@ -214,7 +214,10 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             w = weight_operand(site, params_t, argnums)
             depth = site.source.stack_depth if site.source is not None else 0
             chan = pooled_where_unseen(st.chan, depth)
-            if "count" in chan and not np.asarray(chan["count"]).any():
+            never = st.weight is not None and bool(np.all(np.asarray(st.weight["min"]) == np.inf))
+            if never:  # no batch reached it: quantized from its weight alone, untransformed
+                unreached.append(site.key)
+            elif "count" in chan and not np.asarray(chan["count"]).any():
                 pass  # no rows ever (a slice of none): nothing to weigh the channels by
             elif w is None:
                 no_leaf.append(site.key)
@@ -228,6 +231,14 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             continue
         out[site.key] = OpQParams(lhs=None, rhs=None, op=site.op, weight_operand=site.weight_operand,
                                   source=site.source, smooth=smooth, rotate=rotate)
+    if unreached:
+        diagnostics.warn(
+            f"jqt.calibrate: no calibration batch reached ops {unreached[:5]}"
+            f"{' ...' if len(unreached) > 5 else ''} (a lax.cond branch not taken, a loop of 0 "
+            "iterations?), so there are no activation statistics to weigh their channels by: "
+            "they are quantized without smooth=/awq= (rotate= needs no data), from their "
+            "weights alone where their activations need no range, else kept float. Add "
+            "calibration data that reaches them.")
     if skipped:
         diagnostics.warn(f"jqt.calibrate: smooth/awq/rotate apply to dense ops only (a dot_general "
                          f"with a weight and no batch axes), so these are quantized without them: "

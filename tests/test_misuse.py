@@ -881,6 +881,16 @@ def test_pack_keeps_a_weight_an_op_made_float_by_hand_reads(made_float):
     assert len(packed.kept) == 1
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, q))(packed, ids), jqt.quantize(f, q)(p, ids),
                                atol=1e-4)
+    # params that hold another leaf ahead of them: the leaf found by path, not by the
+    # calibrated position (a review found the wrong one kept)
+    more = {"a_extra": jnp.ones(3), **p}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = jqt.pack(q, more)
+    assert len(packed.kept) == 2
+    g = lambda p, ids: f({k: v for k, v in p.items() if k != "a_extra"}, ids)
+    np.testing.assert_allclose(jax.jit(jqt.quantize(g, q))(packed, ids), jqt.quantize(f, q)(p, ids),
+                               atol=1e-4)
 
 
 def test_fields_a_type_needs_are_checked_under_jax_jit_too():
@@ -906,6 +916,14 @@ def test_fields_a_type_needs_are_checked_under_jax_jit_too():
             jax.jit(jqt.quantize(f, qp))(bad, x)
         with pytest.raises(ValueError, match=r"op 'w' holds invalid quantization parameters: " + want):
             jqt.quantize(f, qp)(bad, x)  # (the eager call's check of the numbers, as before)
+    # qparams whose symmetric weight holds a zero point of zeros (converted by hand), which
+    # they may: jqt.pack copied it into the packed weight, which the check then refused
+    qs = jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False)
+    zs = {"w": dataclasses.replace(qs["w"], rhs=dataclasses.replace(
+        qs["w"].rhs, zero_point=jnp.zeros_like(qs["w"].rhs.scale)))}
+    pz = jqt.pack(zs, p)
+    assert pz.weights["w"].zero_point is None
+    np.testing.assert_array_equal(jax.jit(jqt.quantize(f, zs))(pz, x), jax.jit(jqt.quantize(f, qs))(jqt.pack(qs, p), x))
     qa = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
     assert qa["w"].lhs.zero_point is not None  # an asymmetric activation
     no_zp = {"w": dataclasses.replace(qa["w"], lhs=dataclasses.replace(qa["w"].lhs, zero_point=None))}

@@ -203,7 +203,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
               "tied": [list(t) for t in packed.tied],
               # kept leaves weakly typed (jnp.asarray(0.5)): they take the dtype of what they
               # meet, and come back so (a strong float32 one promotes bfloat16 arithmetic)
-              "weak": [i for i in packed.kept if getattr(packed.avals[i], "weak_type", False)]}
+              "weak": [i for i, x in zip(packed.kept, packed.leaves) if compat.is_weak(x)]}
     version = versioned(PACKED_VERSION, qparams)
     if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
         version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
@@ -305,7 +305,7 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
                           "those with jqt.load; packed weights are saved by jqt.save_packed.")
     try:
         with Reader(path, fn) as r, reading(r, keep=(QParamsMismatchError, _Narrowed)):
-            packed, stored = _read_packed(r, path, like)
+            packed, stored, weak = _read_packed(r, path, like)
             if stored is not None:
                 try:  # the file's own qparams (first, with qparams= too): a mismatch means a damaged file
                     check_packed(packed, stored, fn=fn)
@@ -331,7 +331,8 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
                         "concrete jax.sharding.Mesh: device=lambda host: "
                         "jqt.packed_shardings(qparams, host, mesh)[1], mesh the Mesh of devices.")
     try:
-        return _on_concrete_meshes(_put_once(packed, device, split=like is not None), device)
+        return _weakened(_on_concrete_meshes(_put_once(packed, device, split=like is not None), device),
+                         weak)
     except _NotAPrefix as e:
         raise ValueError(f"{fn}: {path}: device= {e}: pass device=lambda host: "
                          "jqt.packed_shardings(qparams, host, mesh)[1] (shardings of the loaded "
@@ -340,6 +341,18 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
 
 
 _PY_SCALARS = (bool, int, float, complex)
+
+
+def _weakened(packed, weak):
+    """``packed`` with the kept leaves ``weak`` lists (saved weakly typed: ``jnp.asarray(0.5)``)
+    weakly typed JAX arrays again, where they were placed (NumPy has no weak type; the
+    avals, and so the pytree structure, say nothing of it). A weak leaf takes the dtype of
+    what it meets: a strong float32 one turned a bfloat16 model's output float32."""
+    if not weak:
+        return packed
+    leaves = [compat.weak_typed(x) if i in weak and not isinstance(x, _PY_SCALARS) else x
+              for i, x in zip(packed.kept, packed.leaves)]
+    return PackedParams(leaves, packed.weights, packed.treedef, packed.avals, packed.kept, packed.tied)
 
 
 class _Narrowed(ValueError):
@@ -431,7 +444,8 @@ def _put_once(packed, device, split=False):
 
 
 def _read_packed(r, path, like):
-    """(PackedParams, the qparams stored with them or None) from an open file, checked
+    """(PackedParams, the qparams stored with them or None, the kept leaves saved weakly
+    typed: :func:`_weakened`) from an open file, checked
     against its header (:func:`_check_weight`, :func:`_read_leaves`, :func:`_check_tied`)."""
     fn = "jqt.load_packed"
     if r.format == FORMAT:
@@ -459,10 +473,8 @@ def _read_packed(r, path, like):
         raise r.error(f"the header's 'weak' {json.dumps(weak)[:200]} is not a list of kept leaf numbers")
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
-    # (a weakly typed leaf's aval says so: the quantized function traces the NumPy leaf so)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
-                                  sharding=getattr(a, "sharding", None), weak_type=i in weak)
-             for i, a in enumerate(avals)]
+                                  sharding=getattr(a, "sharding", None)) for a in avals]
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
         # entries that name the same tensors (ops that share codes, jqt.pack): one QArray
@@ -474,7 +486,7 @@ def _read_packed(r, path, like):
     packed = PackedParams(leaves, weights, treedef, avals, kept, tied)
     stored = None if h.get("qparams") is None else qparams_from_entries(
         h["qparams"], r, "the header's 'qparams'")
-    return packed, stored
+    return packed, stored, set(weak)
 
 
 def _read_avals(r, h):

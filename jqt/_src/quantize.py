@@ -30,10 +30,7 @@ def _unpack(packed: PackedParams):
     nothing reads them, since the op takes the packed int8 weight instead)."""
     leaves = [None] * len(packed.avals)
     for i, x in zip(packed.kept, packed.leaves):
-        # a leaf jqt.pack saw weakly typed (jnp.asarray(0.5)) and jqt.load_packed gave back
-        # as NumPy, traced as it was: it takes the dtype of what it meets (bfloat16 stays)
-        weak = getattr(packed.avals[i], "weak_type", False) and not compat.is_weak(x)
-        leaves[i] = compat.weak_typed(x) if weak and hasattr(x, "dtype") else x
+        leaves[i] = x
     for i, a in enumerate(packed.avals):
         if leaves[i] is None:  # split over explicit mesh axes as the leaf was (jax.shard_map
             # takes such a leaf only split as its in_specs say)
@@ -553,6 +550,8 @@ def _own_scales(pw, p, **changes):
     zero point is stored rounded, as the codes were made with it: ``jqt.qat`` trains zero
     points as floats, and a packed weight decodes as ``(values - zero_point) * scale``."""
     pw = dataclasses.replace(pw, **changes)
+    if pw.zero_point is not None and pw.qtype.symmetric:  # zeros (validated): a symmetric
+        pw = dataclasses.replace(pw, zero_point=None)  # packed weight holds none (its check)
     q = p.operand(p.weight_operand)
     shared = (p.smooth,) + (() if q is None else (q.scale, q.zero_point))
     if pw.zero_point is not None and pw.qtype.grid == "int":  # a new array: not shared
@@ -837,9 +836,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
             f"so the packed weights can outgrow the float ones. {fix}, and re-calibrate.")
     # a leaf an op these qparams keep float reads (made float after calibration, by a
     # fallback or by hand: its float_needed, from calibration, says nothing of it) is kept
-    needed |= {q.source.leaf for q in qparams.values() if q.source is not None
-               and q.source.arg == argnum and q.source.leaf < len(flat)
-               and (q.weight_operand is None or q.operand(q.weight_operand) is None)}
+    # (found by path, as the quantized ops' weights are: params may hold other leaves too)
+    for k, q in qparams.items():
+        if q.source is not None and q.source.arg == argnum and (
+                q.weight_operand is None or q.operand(q.weight_operand) is None):
+            leaf = weightcheck.find_leaf(q.source, index, k, prefixed=prefixed)
+            if leaf is not None:
+                needed.add(leaf)
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
     chosen = {q.source.path for q in qparams.values()  # ops the recipe left float (a lookup of
               if q.source is not None and q.source.arg == argnum  # a tied table under
@@ -882,8 +885,7 @@ def _aval(x):
             or isinstance(x, (bool, int, float, complex, np.generic))):
         return tracing.Static(x)
     try:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x),
-                                    weak_type=compat.is_weak(x))
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x))
     except TypeError:
         return tracing.Static(x)
 

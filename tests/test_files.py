@@ -926,6 +926,9 @@ def test_files_of_the_wrong_kind_are_refused_with_the_function_that_reads_them(t
     with pytest.raises(ValueError, match=r"plain.npz is an .npz file but not a jqt qparams file "
                                          r"\(no '__header__'; it holds arrays \['w'\]\)\. Pass a file jqt.save wrote"):
         jqt.load(str(tmp_path / "plain.npz"))
+    jqt.save_packed(str(tmp_path / "w.jqt"), jqt.pack(qp, p), qp)
+    with pytest.raises(TypeError, match=r"like='.*q.npz' is a path; like= is a template of the params"):
+        jqt.load_packed(str(tmp_path / "w.jqt"), like=str(tmp_path / "q.npz"))  # (it said: 1 leaves)
     import safetensors.numpy
     safetensors.numpy.save_file({"w": np.ones(3, np.float32)}, str(tmp_path / "ckpt.safetensors"))
     with pytest.raises(ValueError, match=r"but not a jqt file .*Float weights .* are params"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 
 import jax
@@ -296,6 +297,10 @@ def load_packed(path, *, like=None, qparams=None, device=None) -> PackedParams:
                         "NamedSharding on a Mesh of the devices; jqt.packed_shardings builds one "
                         "per weight: device=lambda host: jqt.packed_shardings(qparams, host, "
                         "mesh)[1]).")
+    if isinstance(like, (str, bytes, os.PathLike)):  # (a str is one leaf to JAX)
+        raise TypeError(f"{fn}: like={like!r} is a path; like= is a template of the params that "
+                        "were packed (the params themselves, or jax.eval_shape of what makes "
+                        "them). The qparams stored with the weights load with jqt.load(path).")
     if qparams is not None:
         validate.check_qparams(qparams, fn)  # before reading the file
     path = file_path(path, fn)

@@ -834,19 +834,16 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
             f"codes and scales are stored for each of the {n} copies, "
             f"{n}x the leaf's elements{f' (and {len(copies) - 1} more such ops)' if len(copies) > 1 else ''}, "
             f"so the packed weights can outgrow the float ones. {fix}, and re-calibrate.")
-    # a leaf an op these qparams keep float reads (made float after calibration, by a
-    # fallback or by hand: its float_needed, from calibration, says nothing of it) is kept
-    # (found by path, as the quantized ops' weights are: params may hold other leaves too)
-    for k, q in qparams.items():
-        if q.source is not None and q.source.arg == argnum and (
-                q.weight_operand is None or q.operand(q.weight_operand) is None):
-            leaf = weightcheck.find_leaf(q.source, index, k, prefixed=prefixed)
-            if leaf is not None:
-                needed.add(leaf)
+    # ops these qparams keep float (the recipe's choice: a lookup of a tied table under
+    # embeddings=False; or made float after calibration, by a fallback or by hand, which
+    # float_needed, from calibration, says nothing of): the leaves they read are kept, found
+    # by path as the quantized ops' weights are (params may hold other leaves too)
+    float_ops = {k: q for k, q in qparams.items() if q.source is not None and q.source.arg == argnum
+                 and (q.weight_operand is None or q.operand(q.weight_operand) is None)}
+    needed |= {leaf for k, q in float_ops.items()
+               for leaf in [weightcheck.find_leaf(q.source, index, k, prefixed=prefixed)] if leaf is not None}
     kept = [i for i in range(len(flat)) if i not in consumed or i in needed]
-    chosen = {q.source.path for q in qparams.values()  # ops the recipe left float (a lookup of
-              if q.source is not None and q.source.arg == argnum  # a tied table under
-              and (q.weight_operand is None or q.operand(q.weight_operand) is None)}  # embeddings=False)
+    chosen = {q.source.path for q in float_ops.values()}
     _warn_kept_twice({i for i in consumed & needed if path_str(with_paths[i][0]) not in chosen},
                      leaf_of, with_paths, flat)
     _share_equal(leaf_of, weights, qparams)

@@ -2276,3 +2276,29 @@ def test_a_report_row_of_one_scanned_layer_as_a_qparams_key_gets_the_shared_key(
                        r"one layer.*share one op key.*set qparams\['layers/w'\]") as e:
         jqt.quantize(f, bad)(p, x)
     assert "another function" not in str(e.value)
+
+
+def test_a_recipe_that_types_no_op_is_named_as_are_a_key_matching_everything_and_a_rule_listed_twice():
+    """A recipe whose rules give no op a type (a bare Rule(), or a keyed rule with a
+    trailing '|' ahead of a preset's: the pattern matches the empty string, so every key)
+    quantized nothing without a word; the same Rule object listed twice was never named as
+    deciding no op (rules were told apart by id) (hunt77_rules)."""
+    R = jqt.recipes
+    p = {"w1": jnp.ones((8, 16)) * 0.1, "w2": jnp.ones((16, 4)) * 0.1}
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    cal = lambda rules: _messages(lambda: jqt.calibrate(f, jqt.Recipe(rules=rules), p,
+                                                        [(jnp.ones((2, 8)),)], progress=False))
+    none = "the recipe gives none of f's 2 op(s) ('w1', 'w2') a type"
+    assert any(none in m for m in cal((jqt.Rule(),))), cal((jqt.Rule(),))
+    got = cal((jqt.Rule(key="w1|", weight=None),) + R.w8a8().rules)
+    assert any(none in m and "rule 0's key 'w1|' matches the empty string" in m for m in got), got
+    assert any("rule 1 (Rule(ops=" in m and "decides no op: every op it matches is taken by an "
+               "earlier rule (rule 0)" in m and "a trailing '|'?" in m for m in got), got
+    # a recipe that types some op: not said
+    assert not [m for m in cal((jqt.Rule(key="w1", weight=None),) + R.w8a8().rules) if none in m]
+    keep = jqt.Rule(key="^w1$", weight=None)
+    got = [m for m in cal((keep,) + R.w8a8().rules + (keep,)) if "decides no op" in m]
+    assert len(got) == 1 and "rule 2 (Rule(key='^w1$')) decides no op" in got[0] \
+        and "(rule 0)" in got[0] and "it is rule 0 listed again" in got[0], got
+    with pytest.raises(ValueError, match=r"a row lookup table\[i\] is matched as 'gather'"):
+        jqt.Rule(ops=("dynamic_slice",))

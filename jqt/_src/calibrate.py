@@ -905,16 +905,30 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                     + ". Add " + " and ".join(repr(p) for p in prims if any(
                         s.op == p and s.key in left + other for s in sites)) + " to its ops=.")
     _warn_untyped(sites, recipe, chosen)
-    used = {id(r) for r in chosen.values() if r is not None}
+    if not any(r is not None and any(getattr(r, t) is not None for t in TYPE_FIELDS)
+               for r in chosen.values()):
+        diagnostics.warn(
+            f"jqt.calibrate: the recipe gives none of f's {len(keys)} op(s) ({listed(keys)}) a "
+            "type, so all of them stay float and jqt.quantize runs f in float: the rule that "
+            "decides each op (the first whose ops= and key match it) sets no weight=, "
+            "activation=, embedding=, act_x_act= or kv_cache=. A Rule() keeps its ops float; "
+            "start from a preset (jqt.recipes.w8a8(), ...), or give the rule a type "
+            "(jqt.Rule(weight=jqt.QuantType(bits=8)))"
+            + next((f"; rule {j}'s key {e.key!r} matches the empty string, so every op key "
+                    "(a trailing '|'?)" for j, e in enumerate(recipe.rules)
+                    if _every_key(e.key) and e.key != ".*"), "") + ".")
+    # a rule's position: the first of an object listed twice (the second decides nothing)
+    first = {id(e): j for j, e in reversed(list(enumerate(recipe.rules)))}
+    used = {first[id(r)] for r in chosen.values() if r is not None}
     for i, r in enumerate(recipe.rules):
-        if id(r) in used:
+        if i in used:
             continue
         # a rule of every key is left unused by the presets' own (a conv rule, no convs),
         # or by a rule for some ops put ahead of a preset's; one that an earlier rule of
         # every key and of all its ops shadows on any function (appended after a
         # preset's) is dead
         taken = [chosen[s.key] for s in sites if r.matches(s.op, s.key)]
-        dead = any(e.key == ".*" and set(r.ops) <= set(e.ops) for e in recipe.rules[:i])
+        dead = any(_every_key(e.key) and set(r.ops) <= set(e.ops) for e in recipe.rules[:i])
         if r.key == ".*" and not (taken and dead):
             continue
         shadowed = bool(taken)
@@ -924,12 +938,18 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             continue  # one key's rules split by ops= (a preset's, re-keyed: its conv rule)
         other = sorted({f"{s.key!r} ({s.op})" for s in others})
         if shadowed:
-            by = sorted({j for j, e in enumerate(recipe.rules) if any(e is t for t in taken)})
+            by = sorted({first[id(t)] for t in taken if t is not None})
             why = (f"every op it matches is taken by an earlier rule (rule "
                    f"{', '.join(map(str, by))}), which decides all of their types: the first rule "
                    "matching an op gives it every type (weight, activation, act_x_act, ...); move "
                    "it ahead of them, or set the types it adds on that rule "
                    f"(dataclasses.replace(recipe.rules[{by[0]}], ...))")
+            if any(recipe.rules[j] is r for j in by):
+                why += f"; it is rule {first[id(r)]} listed again"
+            wide = [j for j in by if _every_key(recipe.rules[j].key) and recipe.rules[j].key != ".*"]
+            if wide:
+                why += (f"; rule {wide[0]}'s key {recipe.rules[wide[0]].key!r} matches the empty "
+                        "string, so every op key (a trailing '|'?)")
         elif other:  # the key matches, its ops= does not
             why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
                    "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
@@ -1317,6 +1337,12 @@ def _channel_bytes(wt, contracted, packed_along=None):
     along = contracted if packed_along is None else packed_along
     codes = contracted / 2 if along and wt.nibbles_fit(along) else contracted * wt.storage.itemsize
     return codes + groups * (4 if wt.symmetric else 8), groups
+
+
+def _every_key(key):
+    """Whether a rule's ``key`` matches every op key of any function: ``".*"``, or a pattern
+    that matches the empty string (``"a|"``, ``""``, ``"^"``)."""
+    return key == ".*" or re.search(key, "") is not None
 
 
 def _typed(rule):

@@ -133,7 +133,16 @@ class Rule:
                             f"primitive names as strings: ops=({prims[0].name!r},).")
         bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
         if bad:
-            raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}.")
+            seen_as = {"dynamic_slice": "a row lookup table[i] is matched as 'gather'",
+                       "dot": "a matmul x @ w, jnp.dot and einsum are 'dot_general'",
+                       "matmul": "a matmul x @ w, jnp.dot and einsum are 'dot_general'",
+                       "einsum": "a matmul x @ w, jnp.dot and einsum are 'dot_general'",
+                       "conv": "convolutions are 'conv_general_dilated'",
+                       "take": "jnp.take and table[ids] are 'gather'",
+                       "embedding": "an embedding lookup is 'gather'"}
+            hints = list(dict.fromkeys(seen_as[o] for o in bad if o in seen_as))
+            raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}"
+                             + (f" ({'; '.join(hints)})" if hints else "") + ".")
         if not self.ops:
             raise ValueError("Rule(ops=()) names no op, so the rule matches none; leave ops= out "
                              f"for every op jqt quantizes, or name some of {list(QUANTIZABLE_OPS)}.")

@@ -502,3 +502,20 @@ def test_pack_of_several_weight_arguments_gives_no_argnum_advice():
     with pytest.warns(UserWarning, match="the lookup 'a/emb' and the matmul 'a/emb#1'"), \
             pytest.raises(jqt.QParamsMismatchError):
         jqt.pack(qp, (args[0], {"w": jnp.ones((8, 9))}), weight_argnums=(0, 2))
+
+
+def test_jax_clear_caches_clears_the_quantized_functions_traces_too():
+    """A quantized function kept its own traces of f through jax.clear_caches(), so a change
+    that plain jax.jit picks up after it (a helper redefined in a notebook, a setting f
+    reads) did not reach it (hunt77_retrace)."""
+    mode = {"sign": 1.0}
+    f = lambda p, x: mode["sign"] * jax.nn.relu(x @ p["w"])
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 8))}
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    qf = jqt.quantize(f, jqt.calibrate(f, jqt.recipes.w8(), p, [(x,)], progress=False))
+    before = float(qf(p, x).sum())
+    mode["sign"] = -1.0
+    assert float(qf(p, x).sum()) == before  # traced once, as jax.jit is
+    jax.clear_caches()
+    assert float(qf(p, x).sum()) == -before != 0
+    assert float(jax.jit(qf)(p, x).sum()) == -before

@@ -2021,3 +2021,18 @@ def test_report_and_gptq_with_the_weight_positions_reordered_say_which_holds_whi
         notes = " ".join(getattr(e.value, "__notes__", []))
         assert re.search(r"weight_argnums=\(1, 0\) puts params\[0\] in argument 1 of f, but the "
                          r"weights argument 1's ops read .* are params\[1\]'s", notes), notes
+
+
+def test_hashing_qparams_that_hold_arrays_says_why_and_how_to_pass_them():
+    """hash() of a QArray or OpQParams raised "unhashable type: 'jaxlib._jax.ArrayImpl'"
+    from inside the generated __hash__ (as a jit static argument, say); it now names the
+    fields that hold arrays and the fix. A float op's qparams still hash (hunt77_retrace)."""
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.ones((4, 4))}
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    with pytest.raises(TypeError, match=r"a jqt.OpQParams holds arrays \(its rhs\) and is not "
+                       r"hashable: pass it to a jitted function as an argument"):
+        hash(qp["w"])
+    with pytest.raises(TypeError, match=r"a jqt.QArray holds arrays \(its scale\)"):
+        hash(qp["w"].rhs)
+    assert hash(jqt.OpQParams(None, None, "dot_general")) == hash(jqt.OpQParams(None, None, "dot_general"))

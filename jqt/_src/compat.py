@@ -591,6 +591,16 @@ _TRACE_SETTINGS = ("jax_enable_x64", "jax_numpy_rank_promotion", "jax_numpy_dtyp
                    "jax_default_matmul_precision")
 
 
+def register_cache(obj, for_what: str) -> None:
+    """Has ``jax.clear_caches()`` call ``obj.cache_clear()`` too (``obj`` held weakly), as
+    it clears JAX's own trace caches, where this JAX keeps such a registry."""
+    try:
+        from jax._src import util as _util
+        _util.register_cache(obj, for_what)
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        pass
+
+
 def trace_settings() -> tuple:
     """The JAX settings a trace depends on (the dtype of ``jnp.asarray(1.0)``, promotion
     checks, matmul precision, ...): JAX's own trace context, which ``jax.jit`` keys its

@@ -99,6 +99,27 @@ class WeightSource:
                    if c[0] in ("scan_slice", "shard_split"))
 
 
+def _fields_hash(a):
+    """``hash(a)`` for a dataclass of :func:`_fields_equal`: its fields' hash where none holds
+    an array; otherwise a ``TypeError`` that says why (it was "unhashable type:
+    'jaxlib._jax.ArrayImpl'", from inside the generated ``__hash__``).
+
+    >>> import jax.numpy as jnp, jqt
+    >>> hash(jqt.QArray(scale=jnp.ones(3), qtype=jqt.QuantType(per_channel=True)))
+    Traceback (most recent call last):
+    ...
+    TypeError: a jqt.QArray holds arrays (its scale) and is not hashable: pass it to a jitted function as an argument (traced), not as a static one.
+    """
+    fields = [(f.name, getattr(a, f.name)) for f in dataclasses.fields(a)]
+    try:
+        return hash(tuple(v for _, v in fields))
+    except TypeError:
+        held = [n for n, v in fields if isinstance(v, (jax.Array, np.ndarray, QArray))]
+        raise TypeError(f"a jqt.{type(a).__name__} holds arrays (its {', '.join(held) or 'fields'}) "
+                        "and is not hashable: pass it to a jitted function as an argument "
+                        "(traced), not as a static one.") from None
+
+
 def _fields_equal(a, b):
     """``a == b`` for two dataclasses of one class holding arrays: every field equal, an
     array by its shape, dtype and values (the generated ``__eq__`` compared per-channel
@@ -212,6 +233,9 @@ class QArray:
 
     def __eq__(self, other):
         return _fields_equal(self, other)
+
+    def __hash__(self):
+        return _fields_hash(self)
 
     def __post_init__(self):
         if self.qtype is not None and not isinstance(self.qtype, QuantType):
@@ -547,6 +571,9 @@ class OpQParams:
 
     def __eq__(self, other):
         return _fields_equal(self, other)
+
+    def __hash__(self):
+        return _fields_hash(self)
 
     def __repr__(self):
         if self.is_float:

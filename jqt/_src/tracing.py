@@ -442,6 +442,12 @@ class Tracer:
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # threads calling one quantized function share the cache
+        compat.register_cache(self, "jqt's traces of f")  # jax.clear_caches() clears them too
+
+    def cache_clear(self):
+        """Forgets every trace (``jax.clear_caches()`` calls it): ``f`` is traced again."""
+        with self._lock:
+            self.cache.clear()
 
     def arg_names(self, n) -> list:
         """The names of ``f``'s first ``n`` positional parameters (made up within ``*args``),
@@ -455,6 +461,7 @@ class Tracer:
     def __setstate__(self, state):
         self.f, self.argnums, self.fn = state["f"], state["argnums"], state.get("fn", "jqt")
         self.cache, self._lock = OrderedDict(), threading.Lock()
+        compat.register_cache(self, "jqt's traces of f")
 
     def __call__(self, args) -> Traced:
         check_traceable(args)

@@ -1341,6 +1341,10 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
         qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, [(x,) for x in xs], progress=False)
         g = jqt.gptq(f, qp, p, rr, progress=False)
         R["gptq"] = sorted(g) == ["w1", "w2"]
+        try:  # params on one device, the batches on another: gptq named neither (hunt77_calibdata)
+            jqt.gptq(f, qp, jax.device_put(p, d[0]), [(jax.device_put(x, d[1]),) for x in xs], progress=False)
+        except ValueError as e:
+            R["gptq_away"] = " ".join(getattr(e, "__notes__", []))
         R["mesh_committed"] = scales(jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jax.device_put(x, d[1]),) for x in xs],
                                                    progress=False, mesh=mesh)) == want
         try:  # params committed elsewhere: the qparams would not run with them
@@ -1351,6 +1355,8 @@ def test_batches_placed_on_other_devices_or_meshes_are_calibrated():
         print("RESULT" + json.dumps(R))
     """, 4)
     assert "committed to devices [0], not the mesh's [0, 1, 2, 3]: put them on the mesh" in r.pop("params_away")
+    assert "jqt.gptq: raised while running f on batch 0 (argument shapes [(8, 16)]): the params and " \
+        "this batch are committed to different devices" in r.pop("gptq_away")
     assert r == {"round_robin": True, "last_elsewhere": True, "gptq": True, "mesh_committed": True,
                  "uncommitted_False": [], "uncommitted_True": [], "runs_on_1_False": True,
                  "runs_on_1_True": True, "mixed_uncommitted": []}
@@ -1585,6 +1591,14 @@ def test_a_loader_that_refills_one_buffer_calibrates_as_a_list():
     # jqt.fallback listed the generator (one buffer, N times: every batch the last one) and
     # jqt.gptq read a dataset refilling one buffer as calibrate did (the review of hunt58)
     res = jqt.fallback(f, r, p, loader(), lambda g: 0.0, max_drop=1.0)
+    assert float(res.qparams["w"].lhs.scale) == want
+
+    def read_only_views():  # ... and a read-only view of the buffer was not copied (hunt77_calibdata)
+        for (buf,) in loader():
+            v = buf.view()
+            v.flags.writeable = False
+            yield (v,)
+    res = jqt.fallback(f, r, p, read_only_views(), lambda g: 0.0, max_drop=1.0)
     assert float(res.qparams["w"].lhs.scale) == want
 
     class Refilled:  # a dataset whose items are one buffer it refills

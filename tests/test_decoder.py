@@ -241,3 +241,27 @@ def test_bfloat16_weights_give_bfloat16_activations_and_cache(params, tokens):
     ref, _ = prefill(params, tokens[:, :8], 16, CONFIG)
     err = jnp.linalg.norm(logits.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
     assert float(err) < 0.05
+
+
+def test_load_or_train_checks_its_cache_folder_before_training_and_names_an_unreadable_file(
+        tmp_path, monkeypatch):
+    """A cache folder that could not be written failed after training (minutes of it at
+    the default size) with a bare FileExistsError; a damaged cached file, with a bare
+    BadZipFile naming no file (hunt77_exampleflags)."""
+    @functools.wraps(decoder.train)  # (its signature: cache_path binds train's settings)
+    def no_training(*a, **k):
+        raise AssertionError("trained before checking the folder")
+
+    monkeypatch.setattr(decoder, "train", no_training)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("JQT_CACHE_DIR", str(blocker))
+    with pytest.raises(SystemExit, match=r"cannot write the trained decoder to .*a_file.*JQT_CACHE_DIR"):
+        decoder.load_or_train(decoder.TINY, 1)
+    monkeypatch.setenv("JQT_CACHE_DIR", str(tmp_path / "cache"))
+    path = decoder.cache_path(decoder.TINY, 1)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 not a zip")
+    with pytest.raises(SystemExit, match=r"the cached decoder .*decoder-.*\.npz cannot be read .*delete it"):
+        decoder.load_or_train(decoder.TINY, 1)

@@ -2036,3 +2036,74 @@ def test_hashing_qparams_that_hold_arrays_says_why_and_how_to_pass_them():
     with pytest.raises(TypeError, match=r"a jqt.QArray holds arrays \(its scale\)"):
         hash(qp["w"].rhs)
     assert hash(jqt.OpQParams(None, None, "dot_general")) == hash(jqt.OpQParams(None, None, "dot_general"))
+
+
+def test_params_jax_reads_as_one_leaf_templates_and_address_keys_are_refused_with_the_fix():
+    """Params in a dict subclass or an unregistered class (JAX reads either as one leaf)
+    were passed to f as a static value: calibrate quantized nothing without a word,
+    quantize advised functools.partial, and an attribute dict crashed with KeyError: 'aval'.
+    A jax.eval_shape template as params failed inside f; pack blamed the scales. A pytree
+    key that prints as its memory address gave op keys no later call matched
+    (hunt77_pytreekinds)."""
+    w = jnp.ones((8, 8)) * 0.3
+    x = jnp.ones((2, 8))
+    f = lambda p, x: jnp.tanh(x @ p["w1"]) @ p["w2"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), {"w1": w, "w2": w}, [(x,)], progress=False)
+
+    class MyDict(dict):
+        pass
+
+    class AttrDict(dict):
+        __getattr__ = dict.__getitem__
+
+    for p in (MyDict(w1=w, w2=w), AttrDict(w1=w, w2=w)):
+        name = type(p).__name__
+        for call in (lambda: jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False),
+                     lambda: jqt.pack(qp, p), lambda: jqt.quantize(f, qp)(p, x),
+                     lambda: jqt.report(f, qp, p, (x,))):
+            with pytest.raises(TypeError, match=rf"an? {name}, a dict subclass JAX does not know as a "
+                               r"pytree, holding arrays \(\['w1', 'w2'\]\).*register_pytree_with_keys"):
+                call()
+    sds = jax.eval_shape(lambda: {"w1": w, "w2": w})
+    for call in (lambda: jqt.calibrate(f, jqt.recipes.w8a8(), sds, [(x,)], progress=False),
+                 lambda: jqt.pack(qp, sds), lambda: jqt.quantize(f, qp)(sds, x)):
+        with pytest.raises(TypeError, match=r"\['w1'\] .*is a jax.ShapeDtypeStruct \(shape \(8, 8\), "
+                           r"float32: a template"):
+            call()
+
+    class Slot:  # a key type of the user's, printed as its address
+        def __init__(self, s):
+            self.s = s
+
+        def __hash__(self):
+            return hash(self.s)
+
+        def __eq__(self, o):
+            return isinstance(o, Slot) and o.s == self.s
+
+    class Block:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    jax.tree_util.register_pytree_with_keys(
+        Block, lambda n: (((Slot("a"), n.a), (Slot("b"), n.b)), None), lambda aux, ch: Block(*ch))
+    g = lambda p, x: jnp.tanh(x @ p["blk"].a) @ p["blk"].b
+    with pytest.raises(TypeError, match=r"a pytree key of type Slot prints as .* its address in "
+                       "memory"):
+        jqt.calibrate(g, jqt.recipes.w8a8(), {"blk": Block(w, w)}, [(x,)], progress=False)
+
+
+def test_an_op_whose_weight_f_computes_is_not_keyed_as_a_leaf_of_that_name():
+    """The made-up key of an op whose weight f computes ('dot_general_0') took the name of
+    a weight leaf called so, and the leaf's own op became 'dot_general_0#1', as if it read
+    the leaf a second time: a Rule(key='^dot_general_0$') took the other op
+    (hunt77_pytreekinds)."""
+    p = {"a": jnp.arange(64.0).reshape(8, 8) / 64, "dot_general_0": jnp.ones((8, 8)) * 0.3}
+
+    def f(p, x):
+        w = (p["a"] - p["a"].mean()) / p["a"].std()
+        return jnp.tanh(x @ w) @ p["dot_general_0"]
+
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    src = {k: (None if v.source is None else v.source.path) for k, v in qp.items()}
+    assert src == {"dot_general_0": "dot_general_0", "dot_general_1": None}, src

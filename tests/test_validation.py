@@ -373,6 +373,12 @@ def test_a_graph_without_edges_is_data_where_its_nodes_are():
     with pytest.raises(jqt.CalibrationDataError, match=r"argument \[0\] is empty \(shape \(0, 8\)\), "
                        r"as every array of the batch is"):
         jqt.calibrate(f, jqt.recipes.w8a8(), p, [tuple(a[:0] for a in none)], progress=False)
+    # a Python flag or number beside the empty arrays is no data (it let the batch through,
+    # every op "never ran"; hunt77_calibdata)
+    g = lambda p, x, deterministic: f(p, x, *none[1:])
+    for flag in (True, 0.5):
+        with pytest.raises(jqt.CalibrationDataError, match=r"argument \[0\] is empty \(shape \(0, 8\)\)"):
+            jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x[:0], flag)], progress=False)
 
 
 def test_a_scale_of_the_wrong_shape_names_the_format():
@@ -2302,3 +2308,17 @@ def test_a_recipe_that_types_no_op_is_named_as_are_a_key_matching_everything_and
         and "(rule 0)" in got[0] and "it is rule 0 listed again" in got[0], got
     with pytest.raises(ValueError, match=r"a row lookup table\[i\] is matched as 'gather'"):
         jqt.Rule(ops=("dynamic_slice",))
+
+
+def test_fallback_names_itself_for_a_bad_batch_after_the_first():
+    """jqt.fallback checked batch 0 only; a NaN or a changed structure in a later batch was
+    refused by the calibrate it runs, as 'jqt.calibrate: batch 1 ...' (hunt77_calibdata)."""
+    p = {"w": jnp.ones((4, 4)) * 0.1}
+    f = lambda p, x: x @ p["w"]
+    x = jnp.ones((2, 4))
+    metric = lambda g: float(jnp.abs(g(p, x)).sum())
+    with pytest.raises(jqt.CalibrationDataError, match=r"^jqt.fallback: batch 1, argument \[0\] holds 1 NaN"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,), (x.at[0, 0].set(jnp.nan),)], metric, max_drop=1.0,
+                     progress=False)
+    with pytest.raises(jqt.CalibrationDataError, match=r"^jqt.fallback: batch 1 has structure"):
+        jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,), [x, x]], metric, max_drop=1.0, progress=False)

@@ -361,8 +361,9 @@ class Analyzer:
     a float value elsewhere.
     """
 
-    def __init__(self, leaf_names=None):
+    def __init__(self, leaf_names=None, leaf_paths=frozenset()):
         self.leaf_names = leaf_names or {}  # (argument, leaf index) -> its path, ['a']['b']
+        self.leaf_paths = frozenset(leaf_paths)  # the weight leaves' keys, a/b
         self.counters: dict[str, int] = {}
         self.used_keys: set[str] = set()
         self.key_leaves: dict = {}  # key -> (argument, leaf index) of the weight it names
@@ -453,10 +454,15 @@ class Analyzer:
         return name if name else f"leaf {leaf[1]} in jax.tree_util.tree_leaves order"
 
     def _fallback_key(self, stack, op):
+        """``op_n`` (under ``stack``), the ``n``-th op of its kind without a leaf to name it;
+        not a weight leaf's path (a leaf named ``dot_general_0``, whose ops would be keyed as
+        if they read it again)."""
         base = f"{stack}/{op}" if stack else op
-        n = self.counters.get("\0" + base, 0)
-        self.counters["\0" + base] = n + 1
-        return self._key(f"{base}_{n}")
+        while True:
+            n = self.counters.get("\0" + base, 0)
+            self.counters["\0" + base] = n + 1
+            if f"{base}_{n}" not in self.leaf_paths:
+                return self._key(f"{base}_{n}")
 
     def analyze(self, jaxpr, infos, prefix="", top=False, consts=()):
         """Returns (plan, out infos). ``consts``: the values of ``jaxpr.constvars`` where

@@ -124,11 +124,13 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         why = tracing.untraceable(leaf)
         if why is not None:
             raise CalibrationDataError(f"{where} is {why}." + tracing.untraceable_fix(leaf))
-        if isinstance(leaf, (int, float, complex)):  # static, but may scale the data
+        number = isinstance(leaf, (int, float, complex))
+        if number:  # static, but may scale the data (checked for NaN below)
             leaf = np.asarray(leaf)
         elif tracing.is_static(leaf) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             continue  # passed to f as it is (static), or a PRNG key: nothing to observe
-        sizes.append((where, leaf.shape, leaf.size))
+        if not number:  # (a flag or a scale beside empty arrays is no data: said below)
+            sizes.append((where, leaf.shape, leaf.size))
         if leaf.size == 0:  # a graph without edges: its nodes hold data still
             continue
         a = np.asarray(leaf)
@@ -162,6 +164,16 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
             f"{where} is empty (shape {shape}), as every array of the batch is; an empty batch "
             "has no statistics. Drop it from the batches.")
     return tree
+
+
+def note_batch_error(e, fn, i, marked):
+    """Notes on ``e``, raised while running ``f`` on batch ``i`` (``marked``: its arguments),
+    that batch and its shapes, and the fix where the params and it are on other devices."""
+    _note(e, f"{fn}: raised while running f on batch {i} (argument shapes "
+          f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})"
+          + (": the params and this batch are committed to different devices; put "
+             "them on the same ones (jax.device_put), or pass either uncommitted"
+             if "incompatible devices" in str(e) else ""))
 
 
 def _note(e, text):
@@ -388,11 +400,7 @@ def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, trans
                     "cf = checkify.checkify(f) and call jqt.quantize(cf, qparams), which returns "
                     "checkify's (error, output), its error where a check fails on the quantized "
                     f"values. JAX: {e}") from None
-            _note(e, f"{bar_desc}: raised while running f on batch {i} (argument shapes "
-                  f"{[tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(marked)]})"
-                  + (": the params and this batch are committed to different devices; put "
-                     "them on the same ones (jax.device_put), or pass either uncommitted"
-                     if "incompatible devices" in str(e) else ""))
+            note_batch_error(e, bar_desc, i, marked)
             raise
         statics.add(static)
         first = _check_same_ops(i, last["traced"], first)
@@ -905,8 +913,11 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                     + ". Add " + " and ".join(repr(p) for p in prims if any(
                         s.op == p and s.key in left + other for s in sites)) + " to its ops=.")
     _warn_untyped(sites, recipe, chosen)
-    if not any(r is not None and any(getattr(r, t) is not None for t in TYPE_FIELDS)
-               for r in chosen.values()):
+    # (a rule keyed to ops that keeps them float is as meant, the whole of f too: the
+    # warnings' own advice, Rule(key='^k$', weight=None); a rule of every key is not)
+    if keys and not any(r is not None and any(getattr(r, t) is not None for t in TYPE_FIELDS)
+                        for r in chosen.values()) \
+            and any(r is not None and _every_key(r.key) for r in chosen.values()):
         diagnostics.warn(
             f"jqt.calibrate: the recipe gives none of f's {len(keys)} op(s) ({listed(keys)}) a "
             "type, so all of them stay float and jqt.quantize runs f in float: the rule that "

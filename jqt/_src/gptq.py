@@ -26,7 +26,8 @@ from jax import lax
 
 from . import compat, diagnostics, groups, ragged, tracing, transforms, validate, weightcheck
 from . import numerics as nx
-from .calibrate import CalibrationDataError, check_batch, check_batches, each_batch, full_args
+from .calibrate import (CalibrationDataError, check_batch, check_batches, each_batch, full_args,
+                        note_batch_error)
 from .dense import DenseAxes
 from .handlers import Simulate, transformed, without_entry
 from .interpreter import Ctx
@@ -167,10 +168,16 @@ def quantize_rows(w, s, z, qtype):
 
 def _inverse_hessian_chol(h, damp, act_order):
     """NumPy float64: (permutation, upper Cholesky factor of the damped ``H^-1``), as in the
-    reference code (dead inputs get ``H_ii = 1``)."""
+    reference code, but for dead inputs (``H_ii = 0``): the reference sets their ``H_ii`` to 1
+    before the damping (``damp`` times the mean of the diagonal), so with small activations
+    (``H_ii`` of 1e-4) a few dead inputs made the damping swamp the Hessian and GPTQ round
+    as plainly; they get the live inputs' mean instead, which leaves the damping, and the
+    result, independent of the activations' scale. (Dead inputs couple with nothing: their
+    weights round plainly either way.)"""
     h = np.array(h, np.float64)
     dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
+    live = np.diag(h)[~dead]
+    h[dead, dead] = float(np.mean(live)) if live.size else 1.0
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(h.shape[0])
     h = h[perm][:, perm]
     h[np.diag_indices_from(h)] += damp * np.mean(np.diag(h))
@@ -343,10 +350,10 @@ def _rerounded(site, qp, leaf, h, n, opts):
                                  "rounding. Calibrate on data that reaches it with real values.", f"'{site.key}'")
     elif unseen:
         diagnostics.warn_grouped(
-            "unseen", f"jqt.gptq: op '{site.key}': no calibration rows reached its layers or "
-            f"experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of {int(np.prod(lead))} (a "
-            "zero Hessian); they keep plain rounding. Calibrate on data that reaches them (tokens "
-            "for every expert).", f"'{site.key}'")
+            "unseen", f"jqt.gptq: op '{site.key}': no calibration rows, or only rows of zeros, "
+            f"reached its layers or experts {unseen[:8]}{' ...' if len(unseen) > 8 else ''} of "
+            f"{int(np.prod(lead))} (a zero Hessian); they keep plain rounding. Calibrate on data "
+            "that reaches them with real values (tokens for every expert).", f"'{site.key}'")
     layer_shape = tuple(wt.shape[d] for d in perm[nlead:])
     back = jnp.asarray(out).reshape((-1,) + out.shape[nlead:])
     back = jnp.stack([ax.weight_from_2d(b, "kn", layer_shape) for b in back])
@@ -390,7 +397,10 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
       batches: a sequence of tuples of the remaining arguments of ``f`` (one
         pass over it per op).
       weight_argnums: position(s) of the weight argument(s).
-      block_size: rows updated together (the reference's lazy batches).
+      block_size: rows updated together (the reference's lazy batches). It changes the
+        speed only, not the result; the blocks are unrolled in the compiled program, so
+        its compile time grows with ``K / block_size``: a small ``block_size`` (1-16) on a
+        wide layer takes ten times the default's compile time or more.
       damp: added to ``H``'s diagonal, as a fraction of its mean (1%).
       act_order: quantize inputs in order of decreasing ``H_ii`` (the reference's
         ``act_order``; the grid stays the calibrated one).
@@ -529,8 +539,13 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
-        for batch in each_batch(batches):
-            out = jstep(marked, tracing.mark_static(tracing.owned(tuple(batch))), flags)
+        for i, batch in enumerate(each_batch(batches)):
+            args = tracing.mark_static(tracing.owned(tuple(batch)))
+            try:
+                out = jstep(marked, args, flags)
+            except Exception as e:
+                note_batch_error(e, "jqt.gptq", i, args)
+                raise
             out = {k: out[k] for k in group}
             acc, hosted = (out, False) if acc is None else compat.merged(
                 lambda a, b: jax.tree_util.tree_map(jnp.add, a, b), acc, out, hosted)

@@ -114,7 +114,7 @@ def untraceable(leaf) -> str | None:
                 "booleans and PRNG keys can)")
     if isinstance(leaf, (np.ndarray, np.generic)):
         return None
-    if (why := validate.array_like(leaf)) is not None:
+    if (why := validate.array_like(leaf) or validate.opaque_container(leaf)) is not None:
         return why
     try:
         hash(leaf)
@@ -128,7 +128,7 @@ def untraceable(leaf) -> str | None:
 def untraceable_fix(leaf) -> str:
     """The advice after :func:`untraceable`'s reason: bind the value with functools.partial
     (not for an array-like, whose reason says to pass its value)."""
-    if validate.array_like(leaf) is not None:
+    if validate.array_like(leaf) is not None or validate.opaque_container(leaf) is not None:
         return ""
     return (" Bind it with functools.partial (f2 = functools.partial(f, ...)) and calibrate "
             "and quantize f2, or pass an array.")
@@ -142,16 +142,20 @@ def is_static(leaf) -> bool:
 
 
 def owned(batch):
-    """``batch`` with each writeable NumPy array copied: JAX on CPU may read such an array
-    in place after the step is dispatched (asynchronously), and a loader that refills one
-    buffer for the next batch then changes what this batch's step sees (jax-ml/jax#37830).
+    """``batch`` with each NumPy array copied that could change: a writeable one, or a view
+    of memory it does not own (a read-only view of a loader's buffer: the buffer may be
+    writeable). JAX on CPU may read such an array in place after the step is dispatched
+    (asynchronously), and a loader that refills one buffer for the next batch then changes
+    what this batch's step sees (jax-ml/jax#37830).
 
     >>> buf = np.zeros(2, np.float32)
-    >>> (out,) = owned((buf,))
-    >>> buf[0] = 1.0; float(out[0])
-    0.0
+    >>> view = buf.view(); view.flags.writeable = False
+    >>> (out, out_view) = owned((buf, view))
+    >>> buf[0] = 1.0; float(out[0]), float(out_view[0])
+    (0.0, 0.0)
     """
-    own = lambda a: np.array(a) if isinstance(a, np.ndarray) and a.flags.writeable else a
+    own = lambda a: np.array(a) if isinstance(a, np.ndarray) and (
+        a.flags.writeable or not a.flags.owndata) else a
     return jax.tree_util.tree_map(own, batch)
 
 
@@ -250,7 +254,10 @@ def refuse_mutable(x, path, fn):
     ``nnx.var_defaults(ref=True)``) or an nnx hijax Variable (``hijax=True``). ``f`` reads
     those with ref primitives jqt does not follow: its ops got positional keys, pack stored
     nothing, and a jitted quantized call failed."""
-    aval = getattr(x, "aval", None)
+    try:  # (an attribute dict, __getattr__ = dict.__getitem__, raises KeyError)
+        aval = getattr(x, "aval", None)
+    except Exception:
+        aval = None
     if isinstance(x, jax.Ref):
         mode = "a jax.Ref (nnx.var_defaults(ref=True))"
     elif type(x).__name__ == "HijaxVariable" or type(aval).__name__ == "AbstractVariable":
@@ -548,7 +555,7 @@ class Tracer:
                 infos.append(VarInfo(True, WeightSource(arg=i, path=p, leaf=j, shape=tuple(np.shape(x)),
                                                         prefixed=prefixed)))
                 leaf_names[(i, j)] = jax.tree_util.keystr(path)
-        analyzer = Analyzer(leaf_names)
+        analyzer = Analyzer(leaf_names, {v.source.path for v in infos if v.source is not None})
         with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
             plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True, consts=closed.consts)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}

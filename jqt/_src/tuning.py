@@ -462,8 +462,10 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     # it refills), each batch copied as it comes
     given = batches
     batches = list(batches) if isinstance(batches, (list, tuple)) else [tracing.owned(b) for b in each_batch(batches)]
-    if batches:
-        check_batch(0, batches[0], None, "jqt.fallback")
+    if batches:  # each checked here, so that an error names jqt.fallback, not its calibrate
+        tree = None
+        for i, b in enumerate(batches):
+            tree = check_batch(i, b, tree, "jqt.fallback")
     else:
         raise empty_set("jqt.fallback", given)
     once = _Once()  # calibrate's warnings, shown; the trials' copies of them are not

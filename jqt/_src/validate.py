@@ -726,6 +726,10 @@ def array_like(leaf) -> str | None:
     :func:`tracing.refuse_mutable` names (a ``jax.Ref``, an nnx hijax Variable)."""
     if isinstance(leaf, (jax.Array, jax.Ref, np.ndarray, np.generic)):
         return None
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (f"a jax.ShapeDtypeStruct (shape {tuple(leaf.shape)}, {leaf.dtype}: a template, "
+                "from jax.eval_shape), not an array: pass the arrays themselves (a template "
+                "serves as jqt.load_packed's like=)")
     if not hasattr(type(leaf), "__jax_array__"):
         proto = next((a for a in _ARRAY_PROTOCOLS if hasattr(type(leaf), a)), None)
         if proto is None:
@@ -744,6 +748,51 @@ def array_like(leaf) -> str | None:
             "params")
 
 
+def _holds_array(v) -> bool:
+    return isinstance(v, jax.Array) or isinstance(v, np.ndarray) and v.dtype != object
+
+
+def opaque_container(leaf) -> str | None:
+    """Why ``leaf``, an object JAX does not know as a pytree (a ``dict`` subclass, a class
+    never registered) that holds arrays, cannot be an argument leaf of ``f``: JAX reads it
+    as one leaf, so jqt would pass it to ``f`` whole, as a static value, its arrays
+    compiled in as constants, and could quantize none of its weights; ``None`` otherwise.
+
+    >>> class AttrDict(dict):
+    ...     __getattr__ = dict.__getitem__
+    >>> print(opaque_container(AttrDict(w=np.ones(2))))  # doctest: +ELLIPSIS
+    an AttrDict, a dict subclass JAX does not know as a pytree, holding arrays (['w']): ...
+    """
+    if isinstance(leaf, (jax.Array, jax.Ref, np.ndarray, np.generic, str, bytes)) or compat.is_tracer(leaf) \
+            or hasattr(type(leaf), "__jax_array__") or type(leaf).__name__ == "HijaxVariable":
+        return None  # (array-likes and references: array_like and tracing.refuse_mutable)
+    kind = None
+    if isinstance(leaf, dict):
+        kind, held = "dict subclass", [k for k, v in leaf.items() if _holds_array(v)]
+    elif isinstance(leaf, (list, tuple)):
+        kind, held = f"{'list' if isinstance(leaf, list) else 'tuple'} subclass", [
+            i for i, v in enumerate(leaf) if _holds_array(v)]
+    else:
+        try:
+            fields = vars(leaf)
+        except TypeError:  # no __dict__ (a number, a function's closure-free builtin)
+            return None
+        if isinstance(leaf, type) or callable(leaf):
+            return None  # a class or a function: not a container of weights
+        kind, held = "class", [k for k, v in fields.items() if _holds_array(v)]
+    if not held:
+        return None
+    name = type(leaf).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return (f"{article} {name}, a {kind} JAX does not know as a pytree, holding arrays "
+            f"({held[:4]!r}{' ...' if len(held) > 4 else ''}): JAX reads it as one leaf, so jqt "
+            "(as jax.jit) would pass it to f whole, as a static value, its arrays compiled in "
+            "as constants, and could quantize none of its weights. Register the class as a "
+            "pytree (jax.tree_util.register_pytree_with_keys, or "
+            "jax.tree_util.register_dataclass), or pass a plain container of its arrays "
+            "(dict(p))")
+
+
 def check_float_params(params_t, fn: str):
     """Raises ``TypeError`` when a weight argument is a :class:`jqt.PackedParams` (``fn``
     runs the float function on the float weights; ``params_t``: one per weight argnum), or
@@ -755,10 +804,21 @@ def check_float_params(params_t, fn: str):
 
 
 def refuse_array_likes(params, fn: str):
-    """Raises ``TypeError`` naming the first leaf of ``params`` that :func:`array_like`
-    refuses (as ``params['w']``), with its reason and fix."""
+    """Raises ``TypeError`` naming the first leaf of ``params`` that :func:`array_like` or
+    :func:`opaque_container` refuses (as ``params['w']``), or whose path holds a key that
+    prints as its memory address, with its reason and fix."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        why = array_like(leaf)
+        for k in path:  # a key jqt names an op by must name it the same way at every call
+            if not any(hasattr(k, a) for a in ("key", "name", "idx")) and re.search(
+                    r" at 0x[0-9a-fA-F]+>", str(k)):
+                raise TypeError(
+                    f"{fn}: params{jax.tree_util.keystr(path)}: a pytree key of type "
+                    f"{type(k).__name__} prints as {str(k)!r}, its address in memory, which "
+                    "changes each time the params are flattened, so the keys of the ops that "
+                    "read it would match no later call. Give the key class a __str__ (or "
+                    "__repr__) naming the child, or flatten with JAX's own keys "
+                    "(jax.tree_util.GetAttrKey('a'), DictKey('a'), SequenceKey(0)).")
+        why = array_like(leaf) or opaque_container(leaf)
         if why is not None:
             raise TypeError(f"{fn}: params{jax.tree_util.keystr(path)} is {why}.")
 

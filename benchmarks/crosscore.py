@@ -103,7 +103,9 @@ def main():
     keys = ("roundtrip_ns", "split_us", "one_core_us") + tuple(fns)
     res = {"rows": args.rows, "windows": len(windows), "episode_windows": len(ep),
            "episode": {k: med(ep, k) for k in keys}, "calm": {k: med(calm, k) for k in keys}}
-    slow_in = lambda ws: sum(w["w4 g128, XLA K-chunks"] > 2 * med(calm, "w4 g128, XLA K-chunks") for w in ws)
+    # (no calm window: no calm median to compare with, null, not a count of 0 from NaN)
+    slow_in = lambda ws: sum(w["w4 g128, XLA K-chunks"] > 2 * med(calm, "w4 g128, XLA K-chunks")
+                             for w in ws) if calm else None
     res["xla_over_2x_calm"] = {"episode": slow_in(ep), "calm": slow_in(calm)}
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, {args.rows} row(s), {len(windows)} windows "
           f"of ~{args.seconds / max(len(windows), 1):.2f} s, {len(ep)} in an episode "
@@ -114,8 +116,12 @@ def main():
           [(label, fmt.format(res["episode"][k]), fmt.format(res["calm"][k])) for label, k, fmt in rows],
           args.markdown)
     x = res["xla_over_2x_calm"]
-    print(f"windows where the XLA formulation took over 2x its calm median: {x['episode']} of "
-          f"{len(ep)} in episodes, {x['calm']} of {len(calm)} calm")
+    if calm:
+        print(f"windows where the XLA formulation took over 2x its calm median: {x['episode']} of "
+              f"{len(ep)} in episodes, {x['calm']} of {len(calm)} calm")
+    else:
+        print(f"no calm window (all {len(ep)} in an episode): no calm median to compare the "
+              "windows with; run it again when the host is quieter, or for longer (--seconds)")
     # (no window of one kind: its medians are NaN in the table, null in the JSON, which
     # has no NaN)
     nulls = lambda v: ({k: nulls(x) for k, x in v.items()} if isinstance(v, dict) else

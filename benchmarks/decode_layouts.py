@@ -102,9 +102,11 @@ def streaming(params, calib, cache, token, rounds, markdown):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=cli.positive_int, default=9)
-    ap.add_argument("--steps", type=cli.positive_int, default=8)
-    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--rounds", type=cli.positive_int, default=9,
+                    help="interleaved timing rounds (median reported); default 9")
+    ap.add_argument("--steps", type=cli.positive_int, default=8,
+                    help="decode steps per call, in one lax.scan (1: one step, its cache kept); default 8")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--streaming", action="store_true", help="one donated step a call (see above)")
     args = ap.parse_args()
     params = decoder.init_params(B.CONFIG, jax.random.key(0))

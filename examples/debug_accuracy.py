@@ -55,6 +55,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", help="write the report's PNG here (needs matplotlib)")
     args = ap.parse_args()
+    folder = os.path.dirname(os.path.abspath(args.plot)) if args.plot else None
+    if folder and not os.path.isdir(folder):  # said now, not after training and calibrating
+        ap.error(f"--plot {args.plot}: its folder {folder} does not exist; create it first")
     t0 = time.perf_counter()
     x_train, x_test, y_train, y_test = load_data()
     model = CNN()

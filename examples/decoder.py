@@ -36,6 +36,7 @@ import os
 import pathlib
 import sys
 import sysconfig
+import tempfile
 import time
 
 import jax
@@ -357,8 +358,19 @@ def load_or_train(config=DEFAULT, steps=DEFAULT_STEPS, **settings):
     keyword settings) and saved. info: train_seconds, heldout_loss, path, loaded."""
     path = cache_path(config, steps, **settings)
     if os.path.exists(path):
-        params, info = load(path)
+        try:
+            params, info = load(path)
+        except Exception as e:  # (a copied or synced cache, a bad disk: save writes atomically)
+            raise SystemExit(f"decoder: the cached decoder {path} cannot be read ({type(e).__name__}: "
+                             f"{e}); delete it to train the decoder again.") from e
         return params, {**info, "path": path, "loaded": True}
+    try:  # the folder is checked before training, not after minutes of it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path)):
+            pass
+    except OSError as e:
+        raise SystemExit(f"decoder: cannot write the trained decoder to {os.path.dirname(path)} "
+                         f"({e}); set JQT_CACHE_DIR to a folder that can be written.") from e
     params, info = train(config, steps, **settings)
     save(path, params, info)
     return params, {**info, "path": path, "loaded": False}

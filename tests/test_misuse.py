@@ -2067,7 +2067,7 @@ def test_params_jax_reads_as_one_leaf_templates_and_address_keys_are_refused_wit
     sds = jax.eval_shape(lambda: {"w1": w, "w2": w})
     for call in (lambda: jqt.calibrate(f, jqt.recipes.w8a8(), sds, [(x,)], progress=False),
                  lambda: jqt.pack(qp, sds), lambda: jqt.quantize(f, qp)(sds, x)):
-        with pytest.raises(TypeError, match=r"\['w1'\] .*is a jax.ShapeDtypeStruct \(shape \(8, 8\), "
+        with pytest.raises(TypeError, match=r"\['w1'\].*is a jax.ShapeDtypeStruct \(shape \(8, 8\), "
                            r"float32: a template"):
             call()
 
@@ -2088,9 +2088,24 @@ def test_params_jax_reads_as_one_leaf_templates_and_address_keys_are_refused_wit
     jax.tree_util.register_pytree_with_keys(
         Block, lambda n: (((Slot("a"), n.a), (Slot("b"), n.b)), None), lambda aux, ch: Block(*ch))
     g = lambda p, x: jnp.tanh(x @ p["blk"].a) @ p["blk"].b
-    with pytest.raises(TypeError, match=r"a pytree key of type Slot prints as .* its address in "
+    with pytest.raises(TypeError, match=r"a pytree key \(Slot\) prints as .* its address in "
                        "memory"):
         jqt.calibrate(g, jqt.recipes.w8a8(), {"blk": Block(w, w)}, [(x,)], progress=False)
+    with pytest.raises(TypeError, match=r"a pytree key \(Slot\) prints as"):  # as a dict's key too
+        jqt.calibrate(lambda p, x: x @ p[0], jqt.recipes.w8a8(), {Slot("a"): w}, [(x,)], progress=False)
+
+    # a hashable object holding arrays is a static value, as documented (review of hunt77):
+    # in a batch, in params, and a template as a pure_callback's result spec in a batch
+    class Rope:
+        def __init__(self):
+            self.cos, self.sin = np.cos(np.arange(8.0)), np.sin(np.arange(8.0))
+
+    h = lambda p, x, rope, spec: jax.pure_callback(lambda a: np.asarray(a), spec, x @ p["w1"]) * rope.cos
+    qp2 = jqt.calibrate(h, jqt.recipes.w8a8(), {"w1": w}, [(x, Rope(), jax.ShapeDtypeStruct((2, 8), jnp.float32))],
+                        progress=False)
+    assert list(qp2) == ["w1"]
+    q = lambda p, x: x @ p["w1"] * p["cfg"].cos
+    assert "w1" in jqt.calibrate(q, jqt.recipes.w8a8(), {"w1": w, "cfg": Rope()}, [(x,)], progress=False)
 
 
 def test_an_op_whose_weight_f_computes_is_not_keyed_as_a_leaf_of_that_name():

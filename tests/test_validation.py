@@ -376,7 +376,7 @@ def test_a_graph_without_edges_is_data_where_its_nodes_are():
     # a Python flag or number beside the empty arrays is no data (it let the batch through,
     # every op "never ran"; hunt77_calibdata)
     g = lambda p, x, deterministic: f(p, x, *none[1:])
-    for flag in (True, 0.5):
+    for flag in (True, 0.5, np.float32(0.5), jnp.asarray(0.5)):
         with pytest.raises(jqt.CalibrationDataError, match=r"argument \[0\] is empty \(shape \(0, 8\)\)"):
             jqt.calibrate(g, jqt.recipes.w8a8(), p, [(x[:0], flag)], progress=False)
 
@@ -2308,6 +2308,23 @@ def test_a_recipe_that_types_no_op_is_named_as_are_a_key_matching_everything_and
         and "(rule 0)" in got[0] and "it is rule 0 listed again" in got[0], got
     with pytest.raises(ValueError, match=r"a row lookup table\[i\] is matched as 'gather'"):
         jqt.Rule(ops=("dynamic_slice",))
+    # not said (review of hunt77): 'every key but the head's' on an f without one (its key
+    # matches the empty string, but through a lookahead), keeping the lookups float ahead of
+    # a preset on an f of lookups only (docs/formats.md), a rule listed twice that decides
+    # ops named once as untyped
+    W4 = jqt.QuantType(bits=4, per_channel=True)
+    for rules in ((jqt.Rule(key="^(?!.*head)", weight=W4),) + R.w8().rules,
+                  (jqt.Rule(key="^(?!.*head)", weight=None),) + R.w8().rules):
+        assert not [m for m in cal(rules) if "decides no op" in m or none in m], cal(rules)
+    g = lambda p, ids: p["emb"][ids]
+    got = _messages(lambda: jqt.calibrate(g, jqt.Recipe(rules=(jqt.Rule(ops=("gather",), embedding=None),)
+                                                        + R.w8a8().rules), {"emb": jnp.ones((8, 4))},
+                                          [(jnp.arange(3),)], progress=False))
+    assert not [m for m in got if "a type, so all of them stay float" in m], got
+    emb = jqt.Rule(key="w1", weight=jqt.QuantType(bits=4), activation=None)
+    got = cal((emb,) + R.w8a8().rules + (emb,))
+    two = [m for m in got if "rule 2 " in m]
+    assert len(two) == 1 and two[0].startswith("jqt.calibrate: rule 2 (Rule(key='w1')) decides no op"), got
 
 
 def test_fallback_names_itself_for_a_bad_batch_after_the_first():

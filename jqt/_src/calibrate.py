@@ -124,12 +124,11 @@ def check_batch(i, batch, first_tree, fn="jqt.calibrate"):
         why = tracing.untraceable(leaf)
         if why is not None:
             raise CalibrationDataError(f"{where} is {why}." + tracing.untraceable_fix(leaf))
-        number = isinstance(leaf, (int, float, complex))
-        if number:  # static, but may scale the data (checked for NaN below)
+        if isinstance(leaf, (int, float, complex)):  # static, but may scale the data
             leaf = np.asarray(leaf)
         elif tracing.is_static(leaf) or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             continue  # passed to f as it is (static), or a PRNG key: nothing to observe
-        if not number:  # (a flag or a scale beside empty arrays is no data: said below)
+        if np.ndim(leaf):  # (a flag or a scale, 0-d, beside empty arrays is no data: below)
             sizes.append((where, leaf.shape, leaf.size))
         if leaf.size == 0:  # a graph without edges: its nodes hold data still
             continue
@@ -915,9 +914,10 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     _warn_untyped(sites, recipe, chosen)
     # (a rule keyed to ops that keeps them float is as meant, the whole of f too: the
     # warnings' own advice, Rule(key='^k$', weight=None); a rule of every key is not)
-    if keys and not any(r is not None and any(getattr(r, t) is not None for t in TYPE_FIELDS)
-                        for r in chosen.values()) \
-            and any(r is not None and _every_key(r.key) for r in chosen.values()):
+    types = lambda r: any(getattr(r, t) is not None for t in TYPE_FIELDS)
+    if keys and not any(r is not None and types(r) for r in chosen.values()) and (
+            not any(types(r) for r in recipe.rules)  # a bare Rule(): no type anywhere
+            or any(r is not None and r.key != ".*" and _every_key(r.key) for r in chosen.values())):
         diagnostics.warn(
             f"jqt.calibrate: the recipe gives none of f's {len(keys)} op(s) ({listed(keys)}) a "
             "type, so all of them stay float and jqt.quantize runs f in float: the rule that "
@@ -1018,8 +1018,9 @@ def _warn_untyped(sites, recipe, chosen):
             s.op == "gather" and not s.contract[0] and (t.per_channel or t.group_size))
 
     for i, r in enumerate(recipe.rules):
-        if not _typed(r):
-            continue  # a rule of every key (a preset's), or one that keeps its ops float
+        if not _typed(r) or any(e is r for e in recipe.rules[:i]):
+            continue  # a rule of every key (a preset's), one that keeps its ops float, or
+            # one listed again (its first listing decides the ops; the second decides none)
         decided = [s for s in sites if chosen[s.key] is r]
         untyped = [(s, field(s)) for s in decided if field(s) and getattr(r, field(s)) is None]
         typed = len(untyped) < len(decided)
@@ -1352,8 +1353,16 @@ def _channel_bytes(wt, contracted, packed_along=None):
 
 def _every_key(key):
     """Whether a rule's ``key`` matches every op key of any function: ``".*"``, or a pattern
-    that matches the empty string (``"a|"``, ``""``, ``"^"``)."""
-    return key == ".*" or re.search(key, "") is not None
+    that matches the empty string with no anchor or lookaround (``"a|"``, ``""``; not
+    ``"^(?!.*head)"``, every key but the head's, nor ``"^$"``)."""
+    if key == ".*":
+        return True
+    if re.search(r"[\^$]|\\[AZbB]|\(\?<?[=!]", key):
+        return False
+    try:
+        return re.search(key, "") is not None
+    except re.error:
+        return False
 
 
 def _typed(rule):

@@ -486,6 +486,10 @@ class Tracer:
                                  f"{len(args)} positional arguments.")
             for path, x in jax.tree_util.tree_flatten_with_path(unmark([args[a]])[0])[0]:
                 refuse_mutable(x, path_str(path), self.fn)
+                why = validate.template_leaf(x)  # (the others: untraceable, for every argument)
+                if why is not None:
+                    raise TypeError(f"{self.fn}: weight argument {a}, leaf {jax.tree_util.keystr(path)}, "
+                                    f"is {why}.")
         # traced with jit on: under jax.disable_jit a lax.scan would trace unrolled, its
         # layers' ops under other keys than calibrate gave them
         changed = []

@@ -18,6 +18,7 @@ not checked: their numbers are not known. :func:`jqt.qat.project` repairs them.
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -726,10 +727,6 @@ def array_like(leaf) -> str | None:
     :func:`tracing.refuse_mutable` names (a ``jax.Ref``, an nnx hijax Variable)."""
     if isinstance(leaf, (jax.Array, jax.Ref, np.ndarray, np.generic)):
         return None
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return (f"a jax.ShapeDtypeStruct (shape {tuple(leaf.shape)}, {leaf.dtype}: a template, "
-                "from jax.eval_shape), not an array: pass the arrays themselves (a template "
-                "serves as jqt.load_packed's like=)")
     if not hasattr(type(leaf), "__jax_array__"):
         proto = next((a for a in _ARRAY_PROTOCOLS if hasattr(type(leaf), a)), None)
         if proto is None:
@@ -753,44 +750,66 @@ def _holds_array(v) -> bool:
 
 
 def opaque_container(leaf) -> str | None:
-    """Why ``leaf``, an object JAX does not know as a pytree (a ``dict`` subclass, a class
-    never registered) that holds arrays, cannot be an argument leaf of ``f``: JAX reads it
-    as one leaf, so jqt would pass it to ``f`` whole, as a static value, its arrays
-    compiled in as constants, and could quantize none of its weights; ``None`` otherwise.
+    """Why ``leaf``, an unhashable object JAX does not know as a pytree (a ``dict``
+    subclass, a class never registered) that holds arrays, cannot be an argument leaf of
+    ``f``: JAX reads it as one leaf, which jqt (as ``jax.jit``) could pass to ``f`` only
+    whole, as a static value, and a static value must be hashable; ``None`` otherwise (a
+    hashable object reaches ``f`` as it is, arrays and all, docs/guarantees.md).
 
     >>> class AttrDict(dict):
     ...     __getattr__ = dict.__getitem__
     >>> print(opaque_container(AttrDict(w=np.ones(2))))  # doctest: +ELLIPSIS
-    an AttrDict, a dict subclass JAX does not know as a pytree, holding arrays (['w']): ...
+    an AttrDict, a dict subclass JAX does not know as a pytree, holding arrays (['w']) ...
     """
     if isinstance(leaf, (jax.Array, jax.Ref, np.ndarray, np.generic, str, bytes)) or compat.is_tracer(leaf) \
             or hasattr(type(leaf), "__jax_array__") or type(leaf).__name__ == "HijaxVariable":
         return None  # (array-likes and references: array_like and tracing.refuse_mutable)
-    kind = None
-    if isinstance(leaf, dict):
-        kind, held = "dict subclass", [k for k, v in leaf.items() if _holds_array(v)]
-    elif isinstance(leaf, (list, tuple)):
-        kind, held = f"{'list' if isinstance(leaf, list) else 'tuple'} subclass", [
-            i for i, v in enumerate(leaf) if _holds_array(v)]
-    else:
-        try:
-            fields = vars(leaf)
-        except TypeError:  # no __dict__ (a number, a function's closure-free builtin)
-            return None
-        if isinstance(leaf, type) or callable(leaf):
+    try:
+        hash(leaf)
+        return None
+    except Exception:
+        pass
+    first = lambda items: [k for k, v in itertools.islice(items, 256) if _holds_array(v)]
+    try:
+        if isinstance(leaf, dict):
+            kind, held = "dict subclass", first(leaf.items())
+        elif isinstance(leaf, (list, tuple)):
+            kind = f"{'list' if isinstance(leaf, list) else 'tuple'} subclass"
+            held = first(enumerate(leaf))
+        elif isinstance(leaf, type) or callable(leaf):
             return None  # a class or a function: not a container of weights
-        kind, held = "class", [k for k, v in fields.items() if _holds_array(v)]
+        else:
+            kind, held = "class", first(vars(leaf).items())
+    except Exception:  # no __dict__, or one that cannot be read (a lazy proxy)
+        return None
     if not held:
         return None
     name = type(leaf).__name__
     article = "an" if name[:1].lower() in "aeiou" else "a"
     return (f"{article} {name}, a {kind} JAX does not know as a pytree, holding arrays "
-            f"({held[:4]!r}{' ...' if len(held) > 4 else ''}): JAX reads it as one leaf, so jqt "
-            "(as jax.jit) would pass it to f whole, as a static value, its arrays compiled in "
-            "as constants, and could quantize none of its weights. Register the class as a "
-            "pytree (jax.tree_util.register_pytree_with_keys, or "
+            f"({held[:4]!r}{' ...' if len(held) > 4 else ''}) and not hashable: JAX reads it as "
+            "one leaf, which jqt (as jax.jit) can pass to f only whole, as a static value, and a "
+            "static value must be hashable (jqt could not quantize its arrays either). Register "
+            "the class as a pytree (jax.tree_util.register_pytree_with_keys, or "
             "jax.tree_util.register_dataclass), or pass a plain container of its arrays "
             "(dict(p))")
+
+
+def template_leaf(leaf) -> str | None:
+    """Why ``leaf`` cannot be a weight: a ``jax.ShapeDtypeStruct`` (a template from
+    ``jax.eval_shape``) where the arrays belong; ``None`` otherwise. (As a data argument it
+    is a static value, a ``pure_callback``'s result spec, say.)"""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (f"a jax.ShapeDtypeStruct (shape {tuple(leaf.shape)}, {leaf.dtype}: a template, "
+                "from jax.eval_shape), not an array: pass the arrays themselves (a template "
+                "serves as jqt.load_packed's like=)")
+    return None
+
+
+def weight_leaf_problem(leaf) -> str | None:
+    """Why ``leaf`` cannot be a leaf of the weights: :func:`array_like`,
+    :func:`template_leaf` or :func:`opaque_container`'s reason, or ``None``."""
+    return array_like(leaf) or template_leaf(leaf) or opaque_container(leaf)
 
 
 def check_float_params(params_t, fn: str):
@@ -809,16 +828,16 @@ def refuse_array_likes(params, fn: str):
     prints as its memory address, with its reason and fix."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         for k in path:  # a key jqt names an op by must name it the same way at every call
-            if not any(hasattr(k, a) for a in ("key", "name", "idx")) and re.search(
-                    r" at 0x[0-9a-fA-F]+>", str(k)):
+            part = next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)
+            if re.search(r" at 0x[0-9a-fA-F]+>", str(part)):
                 raise TypeError(
-                    f"{fn}: params{jax.tree_util.keystr(path)}: a pytree key of type "
-                    f"{type(k).__name__} prints as {str(k)!r}, its address in memory, which "
-                    "changes each time the params are flattened, so the keys of the ops that "
-                    "read it would match no later call. Give the key class a __str__ (or "
-                    "__repr__) naming the child, or flatten with JAX's own keys "
-                    "(jax.tree_util.GetAttrKey('a'), DictKey('a'), SequenceKey(0)).")
-        why = array_like(leaf) or opaque_container(leaf)
+                    f"{fn}: params{jax.tree_util.keystr(path)}: a pytree key "
+                    f"({type(part).__name__}) prints as {str(part)!r}, its address in memory, "
+                    "which differs between processes (and between flattens where the keys are "
+                    "made anew), so the keys jqt gives the ops that read it would match no "
+                    "other run (a file saved, qparams loaded). Give the key's class a __str__ "
+                    "(or __repr__) naming the child, or use strings as keys.")
+        why = weight_leaf_problem(leaf)
         if why is not None:
             raise TypeError(f"{fn}: params{jax.tree_util.keystr(path)} is {why}.")
 

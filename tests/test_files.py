@@ -1720,3 +1720,17 @@ def test_pack_says_when_a_layer_applied_twice_holds_its_codes_per_smoothing_vect
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jqt.pack(jqt.calibrate(f, jqt.recipes.w8a8(), p, xs, progress=False), p)
+
+
+def test_a_path_starting_with_a_tilde_is_said_not_to_be_expanded(tmp_path, monkeypatch):
+    """'~/q.safetensors' (not expanded, as open() does not): the error advised creating the
+    folder, which makes a folder named '~' in the working directory (hunt77_qpfiles)."""
+    monkeypatch.chdir(tmp_path)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jnp.ones((4, 4))}
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(jnp.ones((2, 4)),)], progress=False)
+    with pytest.raises(FileNotFoundError, match=r"a leading '~' is not expanded .*os.path.expanduser"):
+        jqt.save("~/no_such_folder/q.safetensors", qp)
+    with pytest.raises(FileNotFoundError, match=r"a leading '~' is not expanded"):
+        jqt.load("~/no_such_file.safetensors")
+    assert not os.path.exists(tmp_path / "~")

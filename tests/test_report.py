@@ -1711,3 +1711,31 @@ def test_report_measures_around_the_nan_f_itself_computes(tmp_path):
     # one output of two NaN everywhere: not measured there either (it read "exact")
     both = jqt.report(lambda p, x, m: {"y": f(p, x, m), "nan": x[0, 0] * jnp.nan}, qp, p, (x, mask))
     assert math.isnan(dict(both.output_leaves)["['nan']"]) and np.isfinite(both.output_sqnr)
+
+
+def test_report_names_a_nan_on_one_lane_and_measures_nothing_of_an_empty_output():
+    """A value quantization moved out of a log's domain (NaN on the quantized lane only) was
+    reported as f's own NaN, 'nothing else to measure'; an op's float input range with f's
+    own NaN in it was (nan, nan); a float output of no values was 'exact' (hunt77_reportobjs)."""
+    k = jax.random.split(jax.random.key(1), 4)
+    p = {"a": jax.random.normal(k[0], (8, 8))}
+    x = jax.random.normal(k[2], (4, 8))
+    f = lambda p, x: jnp.log(x @ p["a"])
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    rep = jqt.report(f, qp, p, (x,))
+    yf = np.asarray(f(p, x))
+    yq = np.asarray(jqt.quantize(f, qp, simulate=True)(p, x))
+    one = int(np.sum(np.isnan(yf) != np.isnan(yq)))
+    assert one >= 1 and rep.output_nan_one_lane == one
+    text = str(rep)
+    assert f"NaN on one lane only at {one} output values" in text and "nothing else to measure" not in text
+
+    def g(p, x):  # row 0 a mean over nothing (0/0): NaN in f itself
+        x = jnp.where(jnp.arange(4)[:, None] == 0, jnp.sum(x * 0, -1, keepdims=True) / 0.0, x)
+        return x @ p["a"]
+    qp = jqt.calibrate(g, jqt.recipes.w8(), p, [(x,)], progress=False)
+    (row,) = jqt.report(g, qp, p, (x,)).rows
+    assert row.act_range == (float(x[1:].min()), float(x[1:].max())), row.act_range
+    h = lambda p, x: (x @ p["a"])[:0]
+    rep = jqt.report(h, jqt.calibrate(h, jqt.recipes.w8(), p, [(x,)], progress=False), p, (x,))
+    assert math.isnan(rep.output_sqnr) and "(exact)" not in str(rep)

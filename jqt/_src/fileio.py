@@ -65,6 +65,15 @@ def aval_to_json(a) -> list:
 
 # ---- atomic writes ------------------------------------------------------------------------------
 
+_TILDE = ("a leading '~' is not expanded (as open() does not expand it): pass "
+          "os.path.expanduser(path).")
+
+
+def _tilde(path) -> bool:
+    """Whether ``path`` starts with ``~`` (a home folder the shell would have expanded)."""
+    return os.fsdecode(os.fspath(path)).startswith("~")
+
+
 def atomic_write(path, write_to) -> None:
     """Writes ``path`` all at once or not at all: ``write_to(tmp)`` writes a temporary file
     in the same folder, which is flushed to disk (``fsync``) and renamed onto ``path``
@@ -77,8 +86,9 @@ def atomic_write(path, write_to) -> None:
                                 "name in it, e.g. os.path.join(folder, 'model.safetensors').")
     if not os.path.isdir(os.path.dirname(target)):
         raise FileNotFoundError(f"jqt: cannot write {os.fspath(path)!r}: its folder "
-                                f"{os.path.dirname(target)!r} does not exist. Create it first "
-                                "(os.makedirs(folder, exist_ok=True)).")
+                                f"{os.path.dirname(target)!r} does not exist"
+                                + (f": {_TILDE}" if _tilde(path) else ". Create it first "
+                                   "(os.makedirs(folder, exist_ok=True))."))
     if os.path.exists(target) and not os.access(target, os.W_OK):
         raise PermissionError(f"jqt: cannot write {os.fspath(path)!r}: the file is read-only for this "
                               "user (as open(path, 'w') would find). Make it writable (chmod u+w) "
@@ -255,8 +265,9 @@ def is_zip(path, fn) -> bool:
         with open(path, "rb") as fh:
             return fh.read(4) == b"PK\x03\x04"
     except FileNotFoundError:
-        raise FileNotFoundError(f"{fn}: {os.fspath(path)!s} does not exist; pass the path of a file "
-                                "that jqt.save or jqt.save_packed wrote.") from None
+        raise FileNotFoundError(f"{fn}: {os.fspath(path)!s} does not exist"
+                                + (f": {_TILDE}" if _tilde(path) else "; pass the path of a file "
+                                   "that jqt.save or jqt.save_packed wrote.")) from None
     except IsADirectoryError:
         raise IsADirectoryError(f"{fn}: {os.fspath(path)!s} is a folder; pass the path of the file "
                                 "in it (e.g. .../qparams.safetensors for jqt.load, "

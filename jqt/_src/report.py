@@ -103,8 +103,9 @@ class _Measure:
             x = _real(transformed(site, qp, i, xf[i]))  # what is quantized
             role = "w" if i == w else ("x" if w is not None or i == 0 else "y")
             # initial=: an operand with no elements (a length-0 sequence) has the merge's identity
-            st[f"{role}_min"] = jnp.min(x, initial=jnp.inf)
-            st[f"{role}_max"] = jnp.max(x, initial=-jnp.inf)
+            # (NaN left out, as the SQNR leaves out f's own NaN: the range of the others)
+            st[f"{role}_min"] = jnp.min(jnp.where(jnp.isnan(x), jnp.inf, x), initial=jnp.inf)
+            st[f"{role}_max"] = jnp.max(jnp.where(jnp.isnan(x), -jnp.inf, x), initial=-jnp.inf)
             st[f"{role}_n"] = jnp.float32(x.size)
             st[f"{role}_clip"] = jnp.float32(0)
             if q is None or q.qtype.dynamic:
@@ -307,6 +308,7 @@ class Report(NanEqual):
     #                            (logits beside the state f passes back, which pools in the above)
     float_output: bool = True  # f returns a float output (its SQNR is NaN where it holds NaN)
     output_nan: int = 0  # float output values NaN on both lanes (f's own): left out of the above
+    output_nan_one_lane: int = 0  # float output values NaN on one lane only: the error is NaN
 
     def worst(self, n: int = 5) -> list:
         """The ``n`` quantized ops with the lowest isolated SQNR, worst first."""
@@ -343,11 +345,17 @@ class Report(NanEqual):
             out.append(f"output: SQNR {_db(self.output_sqnr)} dB{exact}, relative L2 error "
                        f"{self.output_rel_l2:.3g}, max abs error {self.output_max_abs:.3g}"
                        f"{' (all float outputs pooled)' if self.output_leaves else ''}")
+            one = self.output_nan_one_lane
             if self.output_nan:
                 out.append(f"f's float output is NaN at {self.output_nan} values, as the "
                            "quantized one is (a 0/0 in f itself): "
-                           + ("nothing else to measure" if math.isnan(self.output_rel_l2)
-                              else "measured on the others"))
+                           + ("left out of the error" if one else "nothing else to measure"
+                              if math.isnan(self.output_rel_l2) else "measured on the others"))
+            if one:
+                out.append(f"NaN on one lane only at {one} output values (quantized vs float: a "
+                           "value quantization moved out of a log's or a sqrt's domain, an "
+                           "overflow), so the output error is NaN; the rows' SQNR show the op "
+                           "where it starts")
             if self.output_leaves:
                 worst = sorted(self.output_leaves, key=lambda t: (not math.isnan(t[1]), t[1]))
                 each = [f"{k or 'out'} {'exact' if v == math.inf else _db(v) + ' dB'}" for k, v in worst]
@@ -479,7 +487,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         if s.key in qparams:  # an optional op without an entry ran float: no row
             rows.extend(_rows(s, qparams[s.key], st.get(s.key)))
     f2 = e2 = mx = 0.0
-    floats, differ, total, leaves, nan_out, n_float = False, 0, 0, [], 0, 0
+    floats, differ, total, leaves, nan_out, n_float, one_lane = False, 0, 0, [], 0, 0, 0
     paths = _output_paths(traced.out_tree, len(outs))
     for path, o in zip(paths, outs):
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):  # a typed key f returns
@@ -495,6 +503,7 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
         # NaN on both lanes: f's own (a 0/0 in the float model too), counted and left out
         both_nan = np.isnan(o[0]) & np.isnan(o[1])
         nan_out += int(np.sum(both_nan))
+        one_lane += int(np.sum(np.isnan(o[0]) != np.isnan(o[1])))
         n_float += o[0].size
         same = (o[1] == o[0]) | both_nan
         ref = np.where(same & ~np.isfinite(o[0]), 0, o[0])
@@ -502,18 +511,19 @@ def report(f, qparams, params, batch, *, weight_argnums=0) -> Report:
             d = np.where(same, 0, o[1] - o[0])
         lf2, le2 = float(np.sum(np.abs(ref) ** 2)), float(np.sum(np.abs(d) ** 2))
         f2, e2 = f2 + lf2, e2 + le2
-        leaves.append((path, math.nan if o[0].size and both_nan.all() else _sqnr(lf2, le2)))
+        leaves.append((path, math.nan if not o[0].size or both_nan.all() else _sqnr(lf2, le2)))
         if o[0].size:
             m = float(np.max(np.abs(d)))  # NaN where a NaN differs: kept, not max()'d away
             mx = m if (math.isnan(m) or m > mx) else mx
-    if not floats:
+    if not floats or not n_float:  # (float outputs of no values: nothing measured either)
         return Report(rows=tuple(rows), output_sqnr=math.nan, output_rel_l2=math.nan,
                       output_max_abs=math.nan, output_int_differ=(differ, total), float_output=False)
     if nan_out and nan_out == n_float:  # every value NaN in f itself: nothing measured
         f2 = e2 = mx = math.nan
     return Report(rows=tuple(rows), output_sqnr=_sqnr(f2, e2), output_rel_l2=_rel(f2, e2),
                   output_max_abs=mx, output_int_differ=(differ, total),
-                  output_leaves=tuple(leaves) if len(leaves) > 1 else (), output_nan=nan_out)
+                  output_leaves=tuple(leaves) if len(leaves) > 1 else (), output_nan=nan_out,
+                  output_nan_one_lane=one_lane)
 
 
 def _output_paths(tree, n):

@@ -2339,3 +2339,7 @@ def test_fallback_names_itself_for_a_bad_batch_after_the_first():
                      progress=False)
     with pytest.raises(jqt.CalibrationDataError, match=r"^jqt.fallback: batch 1 has structure"):
         jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,), [x, x]], metric, max_drop=1.0, progress=False)
+    # its result, which holds qparams, is not hashable, and says so (hunt77_reportobjs)
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1.0, progress=False)
+    with pytest.raises(TypeError, match=r"a jqt.FallbackResult holds arrays or dicts \(qparams\)"):
+        hash(res)

@@ -231,8 +231,12 @@ class NanEqual:
             return NotImplemented
         return self._compared() == other._compared()
 
-    def __hash__(self):
-        return hash(self._compared())
+    def __hash__(self):  # (a result holding qparams, FallbackResult's, has arrays: unhashable)
+        try:
+            return hash(self._compared())
+        except TypeError:
+            raise TypeError(f"a jqt.{type(self).__name__} holds arrays or dicts (qparams) and is not "
+                            "hashable; compare it with ==.") from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

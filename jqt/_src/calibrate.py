@@ -925,9 +925,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
             "activation=, embedding=, act_x_act= or kv_cache=. A Rule() keeps its ops float; "
             "start from a preset (jqt.recipes.w8a8(), ...), or give the rule a type "
             "(jqt.Rule(weight=jqt.QuantType(bits=8)))"
-            + next((f"; rule {j}'s key {e.key!r} matches the empty string, so every op key "
-                    "(a trailing '|'?)" for j, e in enumerate(recipe.rules)
-                    if _every_key(e.key) and e.key != ".*"), "") + ".")
+            + _empty_key_hint(recipe.rules, range(len(recipe.rules))) + ".")
     # a rule's position: the first of an object listed twice (the second decides nothing)
     first = {id(e): j for j, e in reversed(list(enumerate(recipe.rules)))}
     used = {first[id(r)] for r in chosen.values() if r is not None}
@@ -957,10 +955,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                    f"(dataclasses.replace(recipe.rules[{by[0]}], ...))")
             if any(recipe.rules[j] is r for j in by):
                 why += f"; it is rule {first[id(r)]} listed again"
-            wide = [j for j in by if _every_key(recipe.rules[j].key) and recipe.rules[j].key != ".*"]
-            if wide:
-                why += (f"; rule {wide[0]}'s key {recipe.rules[wide[0]].key!r} matches the empty "
-                        "string, so every op key (a trailing '|'?)")
+            why += _empty_key_hint(recipe.rules, by)
         elif other:  # the key matches, its ops= does not
             why = (f"its key matches {', '.join(other[:6])}, but its ops={r.ops} leave out "
                    "that primitive; add it to ops= (or drop ops= for every op jqt quantizes)")
@@ -1363,6 +1358,15 @@ def _every_key(key):
         return re.search(key, "") is not None
     except re.error:
         return False
+
+
+def _empty_key_hint(rules, among):
+    """``"; rule j's key ... matches the empty string ..."`` for the first rule ``j`` of
+    ``among`` whose key (not ``".*"``) matches every key as a typo would (:func:`_every_key`),
+    or ``""``."""
+    j = next((j for j in among if rules[j].key != ".*" and _every_key(rules[j].key)), None)
+    return "" if j is None else (f"; rule {j}'s key {rules[j].key!r} matches the empty string, "
+                                 "so every op key (a trailing '|'?)")
 
 
 def _typed(rule):

@@ -823,9 +823,10 @@ def check_float_params(params_t, fn: str):
 
 
 def refuse_array_likes(params, fn: str):
-    """Raises ``TypeError`` naming the first leaf of ``params`` that :func:`array_like` or
-    :func:`opaque_container` refuses (as ``params['w']``), or whose path holds a key that
-    prints as its memory address, with its reason and fix."""
+    """Raises ``TypeError`` naming the first leaf of ``params`` that
+    :func:`weight_leaf_problem` refuses (as ``params['w']``: an array-like, a template, an
+    unhashable container of arrays), or whose path holds a key that prints as its memory
+    address, with its reason and fix."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         for k in path:  # a key jqt names an op by must name it the same way at every call
             part = next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)

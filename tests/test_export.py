@@ -719,6 +719,31 @@ def test_export_of_an_act_x_act_sum_over_a_symbolic_length_does_not_wrap():
         np.testing.assert_allclose(out[0], row, atol=0.01)
 
 
+def test_export_of_a_ragged_dot_over_a_symbolic_token_count_keeps_its_int8_matmul():
+    """A mixture of experts' ``lax.ragged_dot`` exported over a symbolic token count took
+    the weight decoded to float at every size: the artifact held no int8 contraction, at
+    thousands of tokens too. It now chooses when it runs, as a concrete count does at
+    trace time (``KernelPolicy.ragged_int_rows``, 256 on the CPU) (hunt78_symbolicexport)."""
+    def moe(p, x):
+        n = x.shape[0]
+        sizes = jnp.array([n // 4, n // 4, n // 4, n - 3 * (n // 4)], jnp.int32)
+        return jax.lax.ragged_dot(x, p["w"], sizes)
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.standard_normal((4, 32, 16)) * 0.2, jnp.float32)}
+    qp = jqt.calibrate(moe, jqt.recipes.w8a8(), p, [(jnp.asarray(rng.standard_normal((12, 32)), jnp.float32),)],
+                       progress=False)
+    qf, packed = jax.jit(jqt.quantize(moe, qp)), jqt.pack(qp, p)
+    exp = jax.export.export(qf)(packed, jax.ShapeDtypeStruct(jax.export.symbolic_shape("n, 32"), jnp.float32))
+    dots = [line for line in exp.mlir_module().splitlines() if "stablehlo.dot_general" in line]
+    assert any("x32xi8>" in line and "xi32>" in line for line in dots), dots
+    back = jax.export.deserialize(exp.serialize())
+    for n in (5, 300):  # under and over ragged_int_rows
+        x = jnp.asarray(rng.standard_normal((n, 32)), jnp.float32)
+        np.testing.assert_allclose(back.call(packed, x), qf(packed, x), rtol=1e-5, atol=1e-5)
+        err = jnp.linalg.norm(back.call(packed, x) - moe(p, x)) / jnp.linalg.norm(moe(p, x))
+        assert err < 0.1, (n, float(err))
+
+
 def scan_steps(p, xs):  # a loop over steps: its length is the argument's leading axis
     return jax.lax.scan(lambda h, x: (jnp.tanh(h + x @ p["w"]), None), jnp.zeros((2, 8)), xs)[0]
 

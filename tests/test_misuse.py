@@ -2122,3 +2122,56 @@ def test_an_op_whose_weight_f_computes_is_not_keyed_as_a_leaf_of_that_name():
     qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
     src = {k: (None if v.source is None else v.source.path) for k, v in qp.items()}
     assert src == {"dot_general_0": "dot_general_0", "dot_general_1": None}, src
+
+
+def test_python_number_qparams_differentiate_and_per_channel_scalar_scales_are_refused_at_pack():
+    """qparams whose 0-d scales are Python numbers (jax.tree.map(float, qp), a JSON round
+    trip) ran everywhere but under jax.grad of the simulated path: the rules got the scale
+    as a Python float and failed with "'TypedFloat' object has no attribute 'astype'". A
+    per-channel weight type given a scalar scale passed jqt.pack, whose packed weights the
+    same qparams then refused at the call (hunt78_objectlife)."""
+    f = lambda w, x: x @ w
+    w = jax.random.normal(jax.random.key(0), (8, 4))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), w, [(x,)], progress=False)
+    as_floats = jax.tree.map(lambda a: float(a) if a.ndim == 0 else a, qp)
+    assert isinstance(as_floats["w"].lhs.scale, float)
+    loss = lambda q: jqt.quantize(f, q, simulate=True)(w, x).sum()
+    want, got = jax.grad(loss)(qp), jax.grad(loss)(as_floats)
+    np.testing.assert_allclose(float(got["w"].lhs.scale), float(want["w"].lhs.scale), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["w"].rhs.scale), np.asarray(want["w"].rhs.scale), rtol=1e-6)
+    assert float(got["w"].lhs.scale) != 0.0
+    rhs = qp["w"].rhs
+    assert rhs.qtype.per_channel
+    bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(rhs, scale=jnp.float32(0.01)))}
+    with pytest.raises(jqt.QParamsMismatchError, match=r"jqt.pack: op 'w' \(weight 'w'\): its scale "
+                       r"has shape \[\], but the weight operand \(8, 4\) has 2 axes"):
+        jqt.pack(bad, w)
+
+
+@pytest.mark.slow  # a subprocess on 2 devices; CI runs it
+def test_pack_says_when_qparams_and_params_sit_on_other_devices():
+    """qparams committed to one device and params to another: jqt.pack raised JAX's
+    "incompatible devices" about its own internals as a QParamsMismatchError ending
+    "Re-calibrate." (hunt78_objectlife)."""
+    from shared import on_devices
+    r = on_devices("""
+        import json, jax, jax.numpy as jnp, jqt
+        f = lambda p, x: x @ p["w"]
+        p = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+        x = jax.random.normal(jax.random.key(1), (4, 8))
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+        d0, d1 = jax.devices()[:2]
+        R = {}
+        try:
+            jqt.pack(jax.device_put(qp, d1), jax.device_put(p, d0))
+            R["error"] = None
+        except Exception as e:
+            R["error"] = f"{type(e).__name__}: {e}"
+        pk = jqt.pack(jax.device_put(qp, d0), jax.device_put(p, d0))
+        R["same_device"] = [d.id for d in pk.weights["w"].values.devices()]
+        print("RESULT" + json.dumps(R))
+    """, 2)
+    assert r["error"].startswith("ValueError: jqt.pack: op 'w': weight 'w' is on device ids [0], "
+                                 "its qparams on [1]. Put the qparams where the params are"), r["error"]
+    assert r["same_device"] == [0]

@@ -151,6 +151,15 @@ def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name
     got = np.asarray(jax.jit(jqt.quantize(f, qp))(packed, x))
     assert np.isfinite(want).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    # every x near float32's maximum: each product finite, the sums overflow; a group summed
+    # apart to +inf and the next to -inf gave NaN where XLA's running sum stays at its
+    # infinity (hunt78_nativekernels)
+    x = jnp.full_like(x, 3e38)
+    want = np.asarray(jax.jit(jqt.quantize(f, qp, policy=XLA))(packed, x))
+    got = np.asarray(jax.jit(jqt.quantize(f, qp))(packed, x))
+    assert np.isinf(want[0]).sum() >= 4 and not np.isnan(want).any()
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    assert not np.isnan(got).any()
 
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
@@ -579,6 +588,13 @@ def test_a_compiler_that_cannot_run_is_named_and_leaves_no_file(tmp_path):
         assert f"the C++ compiler {cxx!r} could not be run" in out.stdout and program in out.stdout, out.stdout
         assert "JQT_CACHE_DIR" not in out.stdout
         assert os.listdir(tmp_path) == []
+    # a $CXX no shell could split (an unclosed quote): native_status and every quantized
+    # call raised "ValueError: No closing quotation" (hunt78_nativekernels)
+    env = {**os.environ, "CXX": 'g++ "', "JQT_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "$CXX='g++ \"' is not a command line a shell could split" in out.stdout, out.stdout
 
 
 

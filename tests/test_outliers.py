@@ -236,6 +236,31 @@ def test_awq_on_fewer_rows_than_inputs_damps_its_search_and_overflow_keeps_plain
     np.testing.assert_allclose(np.asarray(q["w"].smooth), 1.0)
 
 
+def test_smoothing_an_activation_f_makes_nan_or_inf_in_keeps_plain_rounding_with_a_warning():
+    """f made inf in one input channel of an op during calibration (the batches finite):
+    w8a8_dynamic(smooth=0.5) clipped that channel's factor to 1e5, the weight row times 1e5
+    set every channel's weight scale, and the op's output was lost (relative error 1.0)
+    without a word; a NaN channel got s = 1. AWQ blamed an overflow of X^T X and said to
+    scale the inputs down. Both now say the activation held NaN or inf and keep plain
+    rounding (hunt78_smoothawq)."""
+    keys = jax.random.split(jax.random.key(22), 3)
+    p = {"w": jax.random.normal(keys[0], (16, 8)) * 0.2}
+    batches = [(jax.random.normal(k, (8, 16)),) for k in jax.random.split(keys[1], 2)]
+    batches[1] = (batches[1][0].at[0, 0].set(1000.0),)  # the row f makes non-finite
+    held = jax.random.normal(keys[2], (32, 16))
+    for bad in (jnp.inf, jnp.nan):
+        def g(p, x, bad=bad):  # channel 2 is `bad` where x[:, 0] > 100 (calibration only)
+            return jnp.where((jnp.arange(16) == 2) & (x[:, :1] > 100), bad, x) @ p["w"]
+        for rec, algo in ((jqt.recipes.w8a8_dynamic(smooth=0.5), "SmoothQuant"),
+                          (jqt.recipes.w4(group_size=8, awq=True), "AWQ")):
+            with pytest.warns(UserWarning, match=rf"op 'w': its activation held NaN or inf on the "
+                              rf"calibration data, so {algo} has no finite statistics"):
+                qp = jqt.calibrate(g, rec, p, batches, progress=False)
+            assert qp["w"].smooth is None
+            y = jqt.quantize(g, qp)(jqt.pack(qp, p), held)
+            assert float(jnp.linalg.norm(y - g(p, held)) / jnp.linalg.norm(g(p, held))) < 0.1
+
+
 # ---- GPTQ ----------------------------------------------------------------------------------------
 
 def _gptq_reference(w, s, x, damp=0.01, bits=4):

@@ -100,7 +100,11 @@ class _BuildError(Exception):
 def _compiler():
     """The compiler's command as a list (``$CXX`` split as a shell would, so that
     ``ccache g++`` works), or ``None``."""
-    cxx = shlex.split(os.environ.get("CXX", ""))
+    try:
+        cxx = shlex.split(os.environ.get("CXX", ""))
+    except ValueError as e:  # (an unclosed quote): a failed build, which warns and falls back
+        raise _BuildError(f"$CXX={os.environ['CXX']!r} is not a command line a shell could "
+                          f"split ({e}): fix $CXX, or unset it") from None
     if cxx:
         return [shutil.which(cxx[0]) or cxx[0], *cxx[1:]]
     for name in ("c++", "g++", "clang++"):

@@ -469,7 +469,7 @@ compat.ad.primitive_jvps[quantize_p] = _no_jvp
 
 
 def _zp(zero_point):
-    return jnp.zeros((), _F32) if zero_point is None else zero_point
+    return jnp.zeros((), _F32) if zero_point is None else jnp.asarray(zero_point)
 
 
 def _grid_params(qtype):
@@ -487,12 +487,15 @@ def fake_quant(x, scale, zero_point, qtype):
     >>> fake_quant(jnp.array([0.26, 9.0]), jnp.float32(0.5), None, jqt.QuantType(bits=4))
     Array([0.5, 3.5], dtype=float32)
     """
-    return fake_quant_p.bind(x, scale, _zp(zero_point), **_grid_params(qtype))
+    # (jnp.asarray: a Python-number scale, from qparams through JSON, is an array to the
+    # rules, also as the primal under jax.grad)
+    return fake_quant_p.bind(x, jnp.asarray(scale), _zp(zero_point), **_grid_params(qtype))
 
 
 def quantize(x, scale, zero_point, qtype):
     """Codes of ``x`` in ``qtype.storage`` (int8, int16 above 8 bits, or fp8)."""
-    return quantize_p.bind(x, scale, _zp(zero_point), dtype=qtype.storage, **_grid_params(qtype))
+    return quantize_p.bind(x, jnp.asarray(scale), _zp(zero_point), dtype=qtype.storage,
+                           **_grid_params(qtype))
 
 
 def split_int16(q):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,20 @@ def _awq_search(contract, qtype, calibrator, gaxis, rotated):
     return jax.jit(one)
 
 
+def _not_finite(a) -> bool:
+    """Whether concrete statistics ``a`` hold NaN or inf (traced ones cannot be read)."""
+    return not compat.is_tracer(a) and not np.isfinite(np.asarray(a)).all()
+
+
+def _warn_not_finite(site, algo):
+    diagnostics.warn(
+        f"jqt.calibrate: op '{site.key}': its activation held NaN or inf on the calibration "
+        f"data, so {algo} has no finite statistics to weigh its channels by: the op keeps s = 1 "
+        "(plain rounding). Where the batches were finite, f made them (an exp that "
+        "overflowed, a log of 0?): make f finite on them, or keep the op float with a rule "
+        f"ahead of the others, jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
+
+
 def _awq(site, rule, wt, w, chan, depth, rotate):
     gaxis = site.entry.groups(site) if wt.group_size else None
     fn = _awq_search(tuple(site.contract[site.weight_operand]), wt, rule.weight_calibrator, gaxis,
@@ -171,6 +186,9 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
     count = chan["count"]
     mean_abs = chan["abssum"] / count.reshape(count.shape + (1,) * (chan["abssum"].ndim - count.ndim))
     h = chan["hessian"]
+    if _not_finite(chan["abssum"]):  # the activation itself: no overflow of X^T X to blame
+        _warn_not_finite(site, "AWQ")
+        return None
     if not compat.is_tracer(h) and not np.isfinite(np.asarray(h)).all():
         diagnostics.warn(f"jqt.calibrate: op '{site.key}': AWQ's X^T X of its activation "
                          "overflows float32 (activations beyond about 1e19): its search scores "
@@ -224,6 +242,8 @@ def decide(traced, recipe, stats, params_t, argnums, weight_qtype):
             elif rule.awq:
                 wt = weight_qtype(site, site.entry.weight_type(rule), w.shape[depth:])
                 smooth = _awq(site, rule, wt, w, chan, depth, rotate)
+            elif _not_finite(chan["absmax"]):  # (static ranges refuse it by name after)
+                _warn_not_finite(site, "SmoothQuant")
             else:
                 smooth = smoothquant(chan["absmax"], w, site.contract[site.weight_operand],
                                      float(rule.smooth), depth)

@@ -627,6 +627,12 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
                 diagnostics.warn(message, category)
 
 
+
+def _placements(*trees) -> set:
+    """The device sets of the committed arrays in ``trees``, each as text."""
+    return {str(sorted(d.id for d in a.devices())) for a in jax.tree_util.tree_leaves(trees)
+            if isinstance(a, jax.Array) and not compat.is_tracer(a) and a.committed}
+
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
          weight_argnums=None):
     """Stores the quantized weights as integer (or fp8) codes, once, for :func:`jqt.quantize`.
@@ -771,6 +777,13 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
         except ScaleShapeError as e:  # (the quantize primitive's own check, bound eagerly)
             raise misfit(e) from None
         except ValueError as e:
+            ours, theirs = _placements(operand), _placements(q, p.smooth)
+            if ours and theirs and ours != theirs:  # JAX's refusal of committed arrays
+                raise ValueError(  # on other devices
+                    f"jqt.pack: op '{key}': weight '{src.path}' is on device ids "
+                    f"{', '.join(sorted(ours))}, its qparams on {', '.join(sorted(theirs))}. Put "
+                    "the qparams where the params are (jax.device_put(qparams, device or the "
+                    "params' sharding)), then pack.") from e
             raise QParamsMismatchError(f"jqt.pack: op '{key}': {e} Re-calibrate.") from None
         except TypeError as e:  # the scales do not broadcast against the weight
             if compat.is_tracer(operand) and "not differentiable" in str(e):

@@ -35,11 +35,13 @@ def run(site, eqn, ops, policy):
     k = eqn.invars[1].aval.shape[1]
     ints = isinstance(x, QArray) and x.qtype.kind == "int" and wq.qtype.kind == "int"
     rows = eqn.invars[0].aval.shape[0]
-    rows = rows if isinstance(rows, int) else 0  # symbolic (jax.export): the decoded weight
-    if ints and 0 < policy.ragged_int_rows <= rows and not wq.qtype.group_size and wq.zero_point is None \
-            and k <= dense.safe_k(np.int8, x.zero_point is not None, np.int8, False):
-        return integer(eqn, x, wq, sizes)
-    return decoded(eqn, x, wq, sizes)
+    if not (ints and policy.ragged_int_rows > 0 and not wq.qtype.group_size and wq.zero_point is None
+            and k <= dense.safe_k(np.int8, x.zero_point is not None, np.int8, False)):
+        return decoded(eqn, x, wq, sizes)
+    if not isinstance(rows, int):  # symbolic (jax.export): which it is, chosen when it runs
+        return lax.cond(jnp.asarray(rows) >= policy.ragged_int_rows,
+                        lambda: integer(eqn, x, wq, sizes), lambda: decoded(eqn, x, wq, sizes))
+    return (integer if rows >= policy.ragged_int_rows else decoded)(eqn, x, wq, sizes)
 
 
 def row_groups(sizes, m):

@@ -185,7 +185,7 @@ def weight_scale_problem(scale, qtype, source, shape=None, name="its scale") -> 
     >>> weight_scale_problem(jnp.stack([q.scale] * 2), q.qtype, qp["w"].source, (4, 3))[:66]
     'its scale has shape [2, 1, 3], but the weight operand (4, 3) has 2'
     """
-    if scale is None or np.ndim(scale) == 0 or source is None:
+    if scale is None or source is None or (np.ndim(scale) == 0 and not qtype.per_channel):
         return ""
     sshape, depth = tuple(np.shape(scale)), source.stack_depth
     if shape is None and source.shape is not None:

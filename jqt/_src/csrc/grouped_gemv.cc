@@ -212,19 +212,20 @@ void row_tiles(int64_t M, const F& f) {
 
 // Where a group's sums with the offset taken off could be infinite (an infinite or NaN x,
 // or x so large that x times (code + 8) overflows: then inf - inf is NaN), the row's share
-// of the group, ``part``, is computed instead as x times the decoded weight, (code - round(zp)) *
-// scale, in float32: what the XLA formulation computes. Only such rows and groups take
+// of the group is computed instead as x times the decoded weight, (code - round(zp)) *
+// scale, in float32 (what the XLA formulation computes), added to the row's output ``o``
+// in K order: a sum that overflows stays at its infinity, as a float dot's does (a group
+// summed apart first, +inf, and the next, -inf, gave NaN). Only such rows and groups take
 // this (scalar) path.
 void exact_group(const float* x, const uint8_t* w, int64_t N, const float* sg, const float* zg,
-                 int64_t g, int64_t gs, float* part) {
-  std::fill(part, part + N, 0.f);
+                 int64_t g, int64_t gs, float* o) {
   for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
     const uint8_t* row = w + (k / 2) * N;
     const float xk = x[k];
     for (int64_t n = 0; n < N; ++n) {
       const unsigned u = (k & 1) ? (row[n] >> 4) : (row[n] & 15u);
       const float code = float(u >= 8 ? int(u) - 16 : int(u));
-      part[n] += xk * ((code - (zg ? __builtin_roundevenf(zg[n]) : 0.f)) * sg[n]);
+      o[n] += xk * ((code - (zg ? __builtin_roundevenf(zg[n]) : 0.f)) * sg[n]);
     }
   }
 }
@@ -234,7 +235,7 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
             const float* scale, const float* zp, const float* table, int64_t gs, float* out,
             int64_t g0, int64_t g1, bool per_channel) {
   const int64_t R = gs / 2;
-  std::vector<float> acc(static_cast<size_t>(M * N)), part(table ? 0 : static_cast<size_t>(N));
+  std::vector<float> acc(static_cast<size_t>(M * N));
   std::fill(out, out + M * N, 0.f);
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -272,8 +273,7 @@ void groups(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
       // |a| <= 15 ax and |(8 + zp) xs| <= 16 ax (zero points within the codes' range): finite
       // below FLT_MAX / 32; else (an infinite or NaN x, or x near FLT_MAX) inf - inf is NaN
       if (!(ax < 1e37f)) {
-        exact_group(x + m * K, w, N, sg, zg, g, gs, part.data());
-        for (int64_t n = 0; n < N; ++n) o[n] += part[n];
+        exact_group(x + m * K, w, N, sg, zg, g, gs, o);
       } else if (zg) {
         for (int64_t n = 0; n < N; ++n) o[n] += sg[n] * ((a[n] - z8) - __builtin_roundevenf(zg[n]) * xs);
       } else {

@@ -95,8 +95,10 @@ def saturate(out, sums, bits: int):
     safe = jnp.where(sums == 0, 1.0, sums)
     factor = jax.lax.stop_gradient(jnp.where(sums > hi, hi / safe, jnp.where(sums < lo, lo / safe, 1.0)))
     x = out.astype(_F32)
-    # x * factor, whose gradient is x's (the second term is exactly 0, its gradient 1 - factor)
-    return (x * factor + (x - jax.lax.stop_gradient(x)) * (1.0 - factor)).astype(out.dtype)
+    # x * factor, whose gradient is x's (the second term is exactly 0, its gradient 1 -
+    # factor; 0 where x is not finite, whose x - x would be NaN)
+    zero = jnp.where(jnp.isfinite(x), x - jax.lax.stop_gradient(x), 0.0)
+    return (x * factor + zero * (1.0 - factor)).astype(out.dtype)
 
 
 def saturated(sums, bits: int):

@@ -692,13 +692,17 @@ class Simulate:
             # the other with it, exactly, as a conv takes operands of one dtype only
             wide = jnp.promote_types(vals[0].dtype, vals[1].dtype)
             vals[:2] = [v.astype(wide) for v in vals[:2]]
-        out = compat.bind_eqn(eqn, vals)
-        if out[0].dtype != eqn.outvars[0].aval.dtype:  # float16 operands kept float32 where
-            # transformed (a dot_general with no preferred_element_type returns float32)
-            out = [out[0].astype(eqn.outvars[0].aval.dtype)] + list(out[1:])
+        dtype = eqn.outvars[0].aval.dtype
         if qp.accumulator < accumulator.WIDEST and not qp.is_float:  # (a float op: no sums)
-            out = [accumulator.saturate(out[0], exact_sums(site, eqn, qp, packed, invals),
-                                        qp.accumulator)]
+            # in float32, then cast: a float16 output that overflows saturates to a value
+            # it may hold (the integer path's order)
+            out = compat.bind_eqn(eqn, vals, preferred_element_type=_F32)[0]
+            return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
+                                         qp.accumulator).astype(dtype)]
+        out = compat.bind_eqn(eqn, vals)
+        if out[0].dtype != dtype:  # float16 operands kept float32 where
+            # transformed (a dot_general with no preferred_element_type returns float32)
+            out = [out[0].astype(dtype)] + list(out[1:])
         return out
 
 
@@ -875,10 +879,11 @@ class Integer:
         _check_accumulator(site, eqn, ops, wide)
         policy = self.policy or KernelPolicy.for_backend()
         integer = functools.partial(_integer_typed, eqn.outvars[0].aval)
-        if wide is None and qp.accumulator < accumulator.WIDEST:
-            out = integer(site, eqn, ops, policy)[0]
+        if wide is None and qp.accumulator < accumulator.WIDEST:  # in float32, then cast
+            e32 = compat.with_output_dtype(eqn, _F32)
+            out = _integer_typed(e32.outvars[0].aval, site, e32, ops, policy)[0]
             return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
-                                         qp.accumulator)]
+                                         qp.accumulator).astype(eqn.outvars[0].aval.dtype)]
         if wide is None or site.entry.takes_wide(site, eqn, ops, policy):
             # (a dense weight or a convolution: the int16 codes whole, kernels.takes_wide)
             return integer(site, eqn, ops, policy)

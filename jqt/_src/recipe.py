@@ -263,7 +263,11 @@ class Rule:
             return
         # weight ops (if the rule quantizes any) and act x act ops (if it quantizes those)
         why = ""
-        if self.weight is None and self.act_x_act is None:
+        summed = [o for o in self.ops if o in ("dot_general", "conv_general_dilated", "ragged_dot_general")]
+        if not summed:
+            why = (f"it applies to int x int dot and conv ops, and this rule matches only "
+                   f"ops={tuple(self.ops)} (lookups and cache writes have no accumulator)")
+        elif self.weight is None and self.act_x_act is None:
             why = ("it applies to int x int dot and conv ops, and this rule quantizes none (no "
                    "weight=, no act_x_act=: lookups and cache writes have no accumulator)")
         elif self.weight is not None:

@@ -379,7 +379,7 @@ class Report(NanEqual):
                        f"{' ...' if len(names) > 6 else ''}")
         sat = [r for r in self.rows if r.acc_saturated > 0]  # (NaN: none measured)
         if sat:
-            each = [f"{r.name} ({100 * r.acc_saturated:.3g}% of outputs, int{r.accumulator})"
+            each = [f"{r.name} ({_pct(r.acc_saturated)} of outputs, int{r.accumulator})"
                     for r in sorted(sat, key=lambda r: -r.acc_saturated)]
             out.append("accumulator saturated: " + ", ".join(each[:4]) + (" ..." if len(each) > 4 else ""))
         differ, total = self.output_int_differ

@@ -127,6 +127,38 @@ def test_a_zero_point_on_a_symmetric_type_is_refused():
     assert np.array_equal(jqt.quantize(f, zeros)(p, x), jqt.quantize(f, qp)(p, x))  # zeros: the same
 
 
+def test_sixteen_bit_weights_and_act_x_act_operands_edited_in_are_refused_with_followable_advice():
+    """jqt.Rule refuses weights and activation x activation operands above 8 bits, but
+    qparams edited so (or read from a file) passed every check: int16 weight codes were
+    packed, and a convolution failed in JAX's "requires arguments to have the same dtypes".
+    A zero point on an int16 or fp8 activation was told to make the type asymmetric, which
+    those types refuse (hunt78_a16)."""
+    p, x, qp = _setup()
+    wide = dataclasses.replace(qp["w"].rhs.qtype, bits=16, dtype=None)
+    bad = {"w": dataclasses.replace(qp["w"], rhs=dataclasses.replace(qp["w"].rhs, qtype=wide))}
+    for call in (lambda: jqt.quantize(f, bad), lambda: jqt.pack(bad, p)):
+        with pytest.raises(ValueError, match=r"qparams\['w'\] has an int16 sym per-channel weight: "
+                                             r"weights are stored in 2 to 8 bits"):
+            call()
+    attn = lambda p, q, k: (q @ k.T) @ p["w"]
+    a, b = jax.random.normal(jax.random.key(0), (3, 4)), jax.random.normal(jax.random.key(1), (5, 4))
+    pw = {"w": jnp.ones((5, 2))}
+    qa = jqt.calibrate(attn, jqt.recipes.w8a8_dynamic(act_x_act=True), pw, [(a, b)], progress=False)
+    (key, op), = [(k, v) for k, v in qa.items() if v.weight_operand is None]
+    t16 = dataclasses.replace(op.lhs.qtype, bits=16, dtype=None, symmetric=True)
+    edited = {**qa, key: dataclasses.replace(op, lhs=dataclasses.replace(op.lhs, qtype=t16),
+                                             rhs=dataclasses.replace(op.rhs, qtype=t16))}
+    with pytest.raises(ValueError, match=r"takes int16 sym per-row dynamic operands in an activation "
+                                         r"x activation op, which takes 2 to 8 bits"):
+        jqt.quantize(attn, edited)
+    q16 = jqt.calibrate(f, jqt.recipes.w8a16(), p, [(x,)], progress=False)
+    zp = {"w": dataclasses.replace(q16["w"], lhs=dataclasses.replace(
+        q16["w"].lhs, zero_point=jnp.full_like(q16["w"].lhs.scale, 3.0)))}
+    with pytest.raises(ValueError, match=r"is symmetric, whose codes are centred on 0: remove it "
+                                         r"\(int16 types are symmetric only\)"):
+        jqt.quantize(f, zp)
+
+
 def test_swapped_pack_arguments_are_named():
     p, x, qp = _setup(None)
     with pytest.raises(TypeError, match=r"jqt.pack: qparams\['w'\] is of type .*are the arguments "

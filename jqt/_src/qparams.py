@@ -369,9 +369,11 @@ def field_problems(q: QArray, where: str, z, packed: bool = False) -> list:
                    "it, or make the type static")
     if z is not None and t is not None and t.symmetric and (
             not isinstance(z, np.ndarray) or np.any(z != 0)):
+        asym_ok = t.kind == "int" and t.bits <= 8  # (wider ints and fp8 are symmetric only)
         out.append(f"{where}.zero_point: set, but its type ({t.describe()}) is symmetric, whose "
-                   "codes are centred on 0: remove it, or make the type asymmetric "
-                   "(symmetric=False)")
+                   "codes are centred on 0: remove it" + (", or make the type asymmetric "
+                   "(symmetric=False)" if asym_ok else f" ({t.describe().split()[0]} types are "
+                   "symmetric only)"))
     if (q.zero_point is None and q.scale is not None and t is not None and not t.symmetric
             and not t.dynamic):
         out.append(f"{where}.zero_point: missing, but its type ({t.describe()}) is asymmetric "

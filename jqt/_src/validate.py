@@ -151,9 +151,19 @@ def operand_types_problem(p: OpQParams):
     """What is wrong with the pair of operand types of a contraction's qparams (the
     combinations :class:`jqt.Rule` refuses), or ``None``."""
     w = p.weight_operand
-    if w is None or p.op == "gather" or getattr(BY_NAME.get(p.op), "is_cache", False):
+    if p.op == "gather" or getattr(BY_NAME.get(p.op), "is_cache", False):
+        return None
+    wide = lambda q: q is not None and q.qtype.kind == "int" and q.qtype.bits > 8
+    if w is None:  # activation x activation
+        if wide(p.lhs) or wide(p.rhs):
+            t = (p.lhs if wide(p.lhs) else p.rhs).qtype
+            return (f"takes {t.describe()} operands in an activation x activation op, which "
+                    "takes 2 to 8 bits (or fp8)")
         return None
     wq, aq = p.operand(w), p.operand(1 - w)
+    if wide(wq):
+        return (f"has an {wq.qtype.describe()} weight: weights are stored in 2 to 8 bits "
+                "(int16 is for activations)")
     if aq is not None and wq is None:
         return "quantizes the activation but not the weight: an integer kernel needs both"
     if wq is None or aq is None:

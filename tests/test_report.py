@@ -1290,6 +1290,36 @@ def test_a_metric_infinite_on_f_at_its_good_end_is_refused():
     assert len(jqt.sensitivity(f, qp, lambda g: -sqnr(g)).rows) == 3  # -inf at the bad end
 
 
+def test_a_drop_of_exactly_max_drop_meets_it_and_a_failing_trial_is_named():
+    """An accuracy drop of one example in 200 computes as 0.99 - 0.985 =
+    0.0050000000000000044 > 0.005: fallback kept every op float and gave back f, for a
+    model within its budget (a float32 max_drop read below 0.005 too). A loss that is inf
+    for f and every variant failed even keeping every op float (inf - inf is NaN). A metric
+    that raised on a trial was said to run on "a quantized variant", not which
+    (hunt78_tuningapi)."""
+    f, p, batches, err = _three_layers()
+    acc = lambda g: 198 / 200 if err(g) == 0 else 197 / 200
+    for budget in (0.005, np.float32(0.005)):
+        res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, acc, max_drop=budget, progress=False)
+        assert res.met and res.kept == () and len(res.trials) == 1, res
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, acc, max_drop=0.0049, progress=False)
+    assert res.kept  # a budget really below the drop is not met by every op quantized
+    res = jqt.fallback(f, jqt.recipes.w8a8(), p, batches, lambda g: math.inf, max_drop=0.1,
+                       higher_is_better=False, progress=False)
+    assert res.met and res.kept == ()
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, batches, progress=False)
+    calls = []
+
+    def flaky(g):
+        calls.append(1)
+        if len(calls) == 3:  # f, every op quantized, then op 'a' alone
+            raise FloatingPointError("eval blew up")
+        return -err(g)
+    with pytest.raises(FloatingPointError) as e:
+        jqt.sensitivity(f, qp, flaky)
+    assert "jqt.sensitivity called metric(g) with g = a quantized variant, only ['a']" in str(e.value.__notes__)
+
+
 def test_fallback_says_when_its_trials_ran_out_before_the_search_narrowed_the_ops():
     """8 ops, the last two reading an outlier: rank='sensitivity' under max_trials=6
     measured 4 ops alone, ranked the others (the outlier's among them) last, and its one

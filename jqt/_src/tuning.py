@@ -149,10 +149,29 @@ class _Once:
                 diagnostics.warn(message, category)
 
 
-def _score(f, qparams, metric, weight_argnums, simulate, fn, once):
+def _within(drop, max_drop, *scores) -> bool:
+    """Whether ``drop`` meets the budget ``max_drop``, up to float rounding: a drop of
+    exactly ``k / N`` on N examples computes a few ulps above ``k / N`` (``0.99 - 0.985``
+    is ``0.0050000000000000044``), and a float32 budget reads slightly below its decimal.
+
+    >>> _within(0.99 - 0.985, 0.005, 0.99, 0.985), _within(0.0051, 0.005)
+    (True, False)
+    """
+    ulps = 4 * math.ulp(max([abs(x) for x in scores if math.isfinite(x)], default=0.0))
+    return drop <= max_drop or math.isclose(drop, max_drop, rel_tol=1e-6, abs_tol=ulps)
+
+
+def _score(f, qparams, metric, weight_argnums, simulate, fn, once, what="a quantized variant"):
     with once():
         g = tracing.jit_static(quantize(f, qparams, simulate=simulate, weight_argnums=weight_argnums))
-        return _value(metric, g, fn, "a quantized variant")
+        return _value(metric, g, fn, what)
+
+
+def _variant(keys, how) -> str:
+    """A variant described for an error in the metric: ``how`` the ops ``keys``."""
+    keys = list(keys)
+    shown = ", ".join(repr(k) for k in keys[:6]) + (" ..." if len(keys) > 6 else "")
+    return f"a quantized variant, {how} [{shown}]" if keys else "a quantized variant, every op quantized"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,7 +249,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
     allf = {k: _as_float(p, "float for jqt.sensitivity") for k, p in qparams.items()}
     _check_metric(metric, "jqt.sensitivity")
     once = _Once()
-    score = lambda qp: _score(f, qp, metric, weight_argnums, simulate, "jqt.sensitivity", once)
+    score = lambda qp, what="a quantized variant, every op quantized": _score(
+        f, qp, metric, weight_argnums, simulate, "jqt.sensitivity", once, what)
     m_float = _value(metric, tracing.jit_static(f), "jqt.sensitivity", "f itself",
                      1.0 if higher_is_better else -1.0)
     try:
@@ -245,8 +265,8 @@ def sensitivity(f, qparams, metric: Callable, *, weight_argnums=0, simulate=Fals
         raise QParamsMismatchError(f"jqt.sensitivity: {text}{hint}") from None
     rows = []
     for k in keys:
-        alone = score({**allf, k: qparams[k]})
-        all_but = score({**qparams, k: allf[k]})
+        alone = score({**allf, k: qparams[k]}, _variant([k], "only"))
+        all_but = score({**qparams, k: allf[k]}, _variant([k], "every op but"))
         rows.append(SensitivityRow(k, alone, all_but))
     sign = 1 if higher_is_better else -1
     # most harmful first: a NaN with only the op quantized is the worst; a NaN with all
@@ -388,7 +408,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         signature (jitted, quantized); higher is better unless
         ``higher_is_better=False``.
       max_drop: the budget: the largest allowed ``metric(f) - metric(quantized)``
-        (in the metric's units, e.g. 0.005 for half a point of accuracy).
+        (in the metric's units, e.g. 0.005 for half a point of accuracy). A drop within
+        float rounding of it (one example in 200 computes as 0.0050000000000000044)
+        meets it, as does a score equal to float's.
       to: the rule for the ops kept back (of every key: fallback picks the ops), e.g.
         ``jqt.recipes.w8a16().rules[0]`` for int16 activations; ``None``
         keeps them float.
@@ -552,7 +574,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
     expand = lambda ks: tuple(j for k in ks for j in groups[k])
     sign = 1.0 if higher_is_better else -1.0
     m_float = _value(metric, tracing.jit_static(f), "jqt.fallback", "f itself", sign)
-    score = lambda q: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once)
+    score = lambda q, what: _score(f, q, metric, weight_argnums, simulate, "jqt.fallback", once, what)
     trials = []
 
     seen = {}
@@ -561,7 +583,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         if frozenset(kept) in seen:  # the pruning pass may revisit a choice
             return seen[frozenset(kept)]
         try:
-            v = score({**qp, **{k: alt[k] for k in expand(kept)}})
+            v = score({**qp, **{k: alt[k] for k in expand(kept)}},
+                      _variant(expand(kept), "keeping back"))
         except ValueError as e:  # an op kept back at to='s types that quantize refuses:
             # its advice ("keep it float (a recipe rule)") is about to=, not the recipe
             at = [k for k in expand(kept) if str(e).startswith(f"jqt.quantize: op '{k}':")]
@@ -575,7 +598,9 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         seen[frozenset(kept)] = v
         return v
 
-    ok = lambda v: sign * (m_float - v) <= max_drop
+    # (a score equal to float's meets any budget: f's own inf at the bad end too, whose
+    # inf - inf is NaN)
+    ok = lambda v: v == m_float or _within(sign * (m_float - v), max_drop, m_float, v)
     m_q = trial(())
     drop = {}  # rank='sensitivity': each op's drop quantized alone
     ranked = candidates
@@ -625,7 +650,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
         best = tuple(best)
         if ok(best[1]):  # prune: an op of the prefix may not be needed
             # (an op whose drop quantized alone exceeds the budget is not tried again)
-            needed = lambda j: math.isnan(drop.get(j, 0.0)) or drop.get(j, 0.0) > max_drop
+            needed = lambda j: math.isnan(drop.get(j, 0.0)) or not _within(drop.get(j, 0.0), max_drop)
             for k in reversed(best[0]):
                 if len(best[0]) <= 1:
                     break
@@ -681,8 +706,8 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                    "it either. Use a more precise fallback (to=None keeps ops float) or a larger "
                    f"max_drop{'' if narrowed else ', or more trials (max_trials)'}.")
         else:
-            why = ("Allow more trials (max_trials), a larger max_drop, or a more precise "
-                   "fallback (to=None keeps ops float).")
+            why = ("Allow more trials (max_trials) or a larger max_drop" + (
+                "." if to is None else ", or a more precise fallback (to=None keeps ops float)."))
         diagnostics.warn(
             f"jqt.fallback: the budget max_drop={max_drop} was not met within {len(trials)} "
             f"trials: the best choice keeps {list(kept)} back and scores {m_final:z.4g} against "

@@ -790,6 +790,14 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
     row = lambda p, x, s: (x + p["pos"][s]) @ p["w"]  # noqa: E731
     with pytest.warns(UserWarning, match=r"reads weight 'pos' indexed.*store it as \(P, H \* Dh\)"):
         jqt.calibrate(row, jqt.recipes.w8(), heads, [(x[:2], jnp.int32(1))], progress=False)
+    # returned by f, or taken by a matmul as its activation: float too, and it said nothing
+    # (hunt78_opsaudit); one warning where a matmul reads it and f returns the product
+    for g in (lambda p, x, s: (x @ p["w"], p["pos"][s]), lambda p, x, s: (x @ p["w"], p["pos"][s] @ p["w"])):
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            jqt.calibrate(g, jqt.recipes.w8(), heads, [(x[:2], jnp.int32(1))], progress=False)
+        said = [str(m.message) for m in ws if "reads weight 'pos' indexed" in str(m.message)]
+        assert len(said) == 1 and "store it as (P, H * Dh)" in said[0], said
     # a schedule's scalar t[s] or a (L, 1, D) bias's row is never quantized: no word
     sched = {"ab": jnp.linspace(0.1, 1.0, 6), "b": jnp.ones((6, 1, 4)), "w": w}
     step = lambda p, x, s: (x / p["ab"][s]) @ p["w"] + p["b"][s]  # noqa: E731

@@ -49,6 +49,10 @@ _GROUPED_MATMULS = ("ragged_dot", "ragged_dot_general")
 _SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general", "bcoo_spdot_general",  # jax.
                    "bcoo_dot_general_sampled")  # experimental.sparse
 # How an op reads a weight as data (a VarInfo field naming the leaf), and what to do instead.
+_MATRIX_ROWS_FIX = (" A table (or a stacked bias) whose rows are matrices, read at a position "
+                    "or index from the data (a (P, H, Dh) positional table): store it as "
+                    "(P, H * Dh), whose rows jqt looks up quantized, and reshape the row.")
+
 _WEIGHTS_READ_AS_DATA = (
     ("indexed", "indexed by a value computed from the data (w[i] with i an argument of f or a "
      "loop's counter): jqt does not follow such an index", "Index with a Python int, or loop "
@@ -388,6 +392,7 @@ class Analyzer:
         # read by an op jqt does not quantize, they warn (not a schedule's t[s], nor a
         # (L, 1, D) bias's row, never quantized anyway)
         self._matrix_rows: set = set()
+        self._matrix_said: set = set()  # those a warning named already
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
         # a cache write (part of the last axis; a buffer converted to another dtype first)
@@ -729,15 +734,13 @@ class Analyzer:
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
                                 rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
-                lost = [i for i in ins if i.indexed in self._matrix_rows]
+                lost = [i for i in ins if i.indexed in self._matrix_rows - self._matrix_said]
                 if entry is None and not w and outs and not outs[0].indexed and lost:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
                     self._read_as_data(name, lost, stack, then="reads it in float, and the weight stays float",
-                                       extra=" A table (or a stacked bias) whose rows are matrices, read "
-                                       "at a position or index from the data (a (P, H, Dh) positional "
-                                       "table): store it as (P, H * Dh), whose rows jqt looks up "
-                                       "quantized, and reshape the row.")
+                                       extra=_MATRIX_ROWS_FIX)
+                    self._matrix_said.update(i.indexed for i in lost)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
                     env[v] = info
@@ -745,6 +748,10 @@ class Analyzer:
         if top:
             for info in out_infos:
                 self._use(info, "float")
+            lost = [i for i in out_infos if i.indexed in self._matrix_rows - self._matrix_said]
+            if lost:  # f returns pos[s] of a (P, H, Dh) table: float, which nothing said
+                self._read_as_data("value f returns", lost, "<top>", then="is float, and the "
+                                   "weight stays float", extra=_MATRIX_ROWS_FIX)
             named = self._boundary(plan, out_infos)
             self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
@@ -852,6 +859,11 @@ class Analyzer:
                 "a convolution with a kernel computed from the data: it stays float"
                 if op == "conv_general_dilated" else "an activation x activation op: it "
                 "stays float (unless the recipe quantizes those, act_x_act=)"), key=key)
+        lost = [i for k, i in enumerate(ins[:2]) if k != widx and i.indexed in self._matrix_rows]
+        if widx is not None and lost:  # pos[s] @ w of a (P, H, Dh) table: its row float
+            self._read_as_data(op, lost, stack, then="takes it as its activation, and that weight "
+                               "stays float", extra=_MATRIX_ROWS_FIX, key=key)
+            self._matrix_said.update(i.indexed for i in lost)
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "
                    f"'{ins[0].source.path if ins[0].source else '?'}' as its input (lhs), with a "

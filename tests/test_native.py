@@ -160,6 +160,18 @@ def test_an_infinite_activation_gives_the_infinities_of_the_xla_formulation(name
     assert np.isinf(want[0]).sum() >= 4 and not np.isnan(want).any()
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
     assert not np.isnan(got).any()
+    # a weight the kernel splits into parts (K = 4096), every column positive over the first
+    # half of K and negative over the second: one part's +inf and the next's -inf gave NaN
+    # (hunt78_review)
+    w = np.abs(np.asarray(jax.random.normal(jax.random.key(3), (4096, 72)))) / 64
+    w[2048:] *= -1
+    pk = {"w": jnp.asarray(w, jnp.float32)}
+    qk = jqt.calibrate(f, recipe, pk, [(jax.random.normal(jax.random.key(4), (8, 4096)),)], progress=False)
+    packed_k, xk = jqt.pack(qk, pk), jnp.full((1, 4096), 3e38, jnp.float32)
+    want = np.asarray(jax.jit(jqt.quantize(f, qk, policy=XLA))(packed_k, xk))
+    got = np.asarray(jax.jit(jqt.quantize(f, qk))(packed_k, xk))
+    assert np.isposinf(want).all()
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature

@@ -210,13 +210,25 @@ void row_tiles(int64_t M, const F& f) {
   }
 }
 
+// Whether a row of x has a group of gs values whose sum |x| is not below lim (or NaN): the
+// rows the kernels compute as x times the decoded weight, summed in K order in one part.
+bool huge_group(const float* x, int64_t M, int64_t K, int64_t gs, float lim) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < K; k0 += gs) {
+      float ax = 0.f;
+      for (int64_t k = k0; k < k0 + gs; ++k) ax += std::fabs(x[m * K + k]);
+      if (!(ax < lim)) return true;
+    }
+  return false;
+}
+
 // Where a group's sums with the offset taken off could be infinite (an infinite or NaN x,
 // or x so large that x times (code + 8) overflows: then inf - inf is NaN), the row's share
 // of the group is computed instead as x times the decoded weight, (code - round(zp)) *
 // scale, in float32 (what the XLA formulation computes), added to the row's output ``o``
 // in K order: a sum that overflows stays at its infinity, as a float dot's does (a group
-// summed apart first, +inf, and the next, -inf, gave NaN). Only such rows and groups take
-// this (scalar) path.
+// summed apart first, +inf, and the next, -inf, gave NaN; such a call runs in one part,
+// huge_group). Only such rows and groups take this (scalar) path.
 void exact_group(const float* x, const uint8_t* w, int64_t N, const float* sg, const float* zg,
                  int64_t g, int64_t gs, float* o) {
   for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
@@ -375,8 +387,10 @@ ffi::Error GroupedGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   float* op = out->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   // The groups (rows of K) split over XLA's intra-op threads, each part a contiguous run of
-  // the codes read front to back (part_count); the parts' sums added.
-  const int64_t parts = part_count(pool, G, static_cast<int64_t>(codes.element_count() / L));
+  // the codes read front to back (part_count); the parts' sums added. A row with a group
+  // that takes exact_group runs in one part, so that its sum is one running sum in K order.
+  const int64_t parts = huge_group(xp, M, K, group_size, 1e37f)
+      ? 1 : part_count(pool, G, static_cast<int64_t>(codes.element_count() / L));
   std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
   for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
   parallel(pool, parts, [&](int64_t t) {
@@ -676,7 +690,9 @@ template <Codes C>
 void grouped_kn(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w,
                 int64_t N, const float* scale, const float* zp, int64_t G, float unit, float* out) {
   const int64_t gs = K / G;
-  const int64_t parts = part_count(pool, G, N * K);
+  // (one part where a group takes the decoded weight: one running sum in K order, which
+  // stays at an infinity as a float dot's does; two parts' +inf and -inf gave NaN)
+  const int64_t parts = huge_group(x, M, K, gs, 1e36f) ? 1 : part_count(pool, G, N * K);
   std::vector<std::vector<float>> partial(static_cast<size_t>(parts - 1));
   for (auto& p : partial) p.resize(static_cast<size_t>(M * N));
   parallel(pool, parts, [&](int64_t t) {

@@ -1139,6 +1139,21 @@ def test_report_as_dicts_str_and_plot(chain_setup, tmp_path):
     assert not (tmp_path / "r.png.png").exists() and not (tmp_path / "r.pdf.png").exists()
     with pytest.raises(ValueError, match=r"Report.plot: histograms=-1"):  # (named Report.worst's n)
         rep.plot(tmp_path / "bad.png", histograms=-1)
+    # the caller's matplotlib backend is left as it was (plot set "Agg" for the session,
+    # and a notebook's figures stopped showing); labels keep layers apart (the last 40
+    # characters of flax paths were the same for every layer); an op kept float is marked
+    # "float", not "exact"; an SQNR just below 0 reads 0.0, not -0.0 (hunt78_plotting)
+    import matplotlib
+    from jqt._src import plotting
+    matplotlib.use("svg")
+    rep.plot(tmp_path / "again.png")
+    assert matplotlib.get_backend() == "svg"
+    names = [f"params/Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/query/kernel"
+             for i in range(4)]
+    assert len(set(plotting.shorten(names))) == 4 and len(set(plotting.shorten(names, 24))) == 4
+    assert max(len(n) for n in plotting.shorten(names)) <= 40
+    assert plotting.marks([np.inf, np.inf], [True, False]) == [(0, "exact"), (1, "float")]
+    assert plotting.db(-0.0417) == "0.0" and plotting.db(-0.06) == "-0.1"
 
 
 def test_report_rejects_bad_inputs(chain_setup):

@@ -1,6 +1,8 @@
 """The PNG of :meth:`jqt.Report.plot` (matplotlib, an optional extra)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 HIST_BINS = 64
@@ -28,44 +30,64 @@ def db(v):
     """An SQNR in dB to one decimal (``inf`` where exact, ``-`` where not measured)."""
     if np.isnan(v):
         return "-"
-    return f"{v:.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
+    return f"{v:z.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
 
 
-def marks(values):
+def marks(values, quantized=None):
     """``(index, text)`` for each SQNR a bar cannot show: ``exact`` (inf: the op changed
-    nothing), ``-inf`` (the worst: quantization lost the output to inf or NaN) and ``n/a``
-    (not measured); a bar of NaN height draws nothing, and both infinities drew none.
+    nothing), ``float`` (inf: an op kept float, where ``quantized`` says so), ``-inf``
+    (the worst: quantization lost the output to inf or NaN) and ``n/a`` (not measured);
+    a bar of NaN height draws nothing, and both infinities drew none.
 
-    >>> marks([1.0, np.inf, -np.inf, np.nan])
-    [(1, 'exact'), (2, '-inf'), (3, 'n/a')]
+    >>> marks([1.0, np.inf, -np.inf, np.nan, np.inf], [True, True, True, True, False])
+    [(1, 'exact'), (2, '-inf'), (3, 'n/a'), (4, 'float')]
     """
-    return [(i, "n/a" if np.isnan(v) else "exact" if v > 0 else "-inf")
-            for i, v in enumerate(values) if not np.isfinite(v)]
+    quantized = [True] * len(values) if quantized is None else quantized
+    return [(i, "n/a" if np.isnan(v) else ("exact" if q else "float") if v > 0 else "-inf")
+            for i, (v, q) in enumerate(zip(values, quantized)) if not np.isfinite(v)]
 
 
-def short(name, n=40):
-    """``name`` cut to its last ``n`` characters (a flax path's end names the layer).
+def shorten(names, n=40):
+    """``names`` as labels of at most ``n`` characters that keep them apart: the leading
+    path segments they all share dropped, then a longer one cut in the middle, its start
+    kept to the end of the segment where the labels first differ (the block or layer)
+    and its end naming the weight (a cut of the start alone made every layer's label the
+    same).
 
-    >>> short("params/Block_0/Attention_0/query/kernel", 20)
-    '…ntion_0/query/kernel'
+    >>> shorten(["params/Block_0/Attention_0/query/kernel",
+    ...          "params/Block_1/Attention_0/query/kernel"], 20)
+    ['Block_0/A…ery/kernel', 'Block_1/A…ery/kernel']
     """
-    return name if len(name) <= n else "…" + name[-n:]
+    parts = [name.split("/") for name in names]
+    common = 0
+    while len(parts) > 1 and all(len(p) > common + 1 for p in parts) \
+            and len({p[common] for p in parts}) == 1:
+        common += 1
+    cut = ["/".join(p[common:]) for p in parts]
+    same = len(os.path.commonprefix(cut)) if len(cut) > 1 else 0
+
+    def one(c):  # the start kept to the end of the segment where the labels differ
+        if len(c) <= n:
+            return c
+        end = c.find("/", same)
+        head = min(max((n - 1) // 2, len(c) if end < 0 else end), n - 2)
+        return c[:head] + "…" + c[-(n - 1 - head):]
+    return [one(c) for c in cut]
 
 
 def plot_report(report, path, histograms):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own, no pyplot: the caller's backend (a notebook's) untouched
+        from matplotlib.figure import Figure
     except ImportError:
         raise ImportError("jqt.Report.plot needs matplotlib: pip install 'jqt[plot]' "
                           "(or pip install matplotlib).") from None
     rows = list(report.rows)
-    worst = [r for r in report.worst(histograms) if r.hist is not None and r.act_qrange]
+    worst = [r for r in report.worst(len(report.rows)) if r.hist is not None and r.act_qrange]
+    worst = worst[:histograms]  # (the worst ops with a histogram: not every op has one)
     ncols = 3
     nrows = 1 + -(-len(worst) // ncols)
     # (wider with many rows: 96 layers' names ran together at 12 inches)
-    fig = plt.figure(figsize=(min(max(12, 0.2 * len(rows)), 60), 3.2 * nrows), layout="constrained")
+    fig = Figure(figsize=(min(max(12, 0.2 * len(rows)), 60), 3.2 * nrows), layout="constrained")
     grid = fig.add_gridspec(nrows, ncols)
     ax = fig.add_subplot(grid[0, :])
     idx = np.arange(len(rows))
@@ -77,16 +99,17 @@ def plot_report(report, path, histograms):
     ax.set_xlim(-0.6, len(rows) - 0.4)  # (bars of NaN height set no limits)
     bottom = ax.get_ylim()[0]
     for values, off, _ in series:  # what a bar cannot show, written where it would stand
-        for i, text in marks(values):
+        for i, text in marks(values, [r.quantized for r in rows]):
             ax.text(i + off, bottom, text, rotation=90, ha="center", va="bottom", fontsize=7,
                     color="red" if text == "-inf" else "gray")
-    ax.set_xticks(idx, [short(r.name) for r in rows], rotation=45, ha="right", fontsize=7)
+    ax.set_xticks(idx, shorten([r.name for r in rows]), rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("output SQNR (dB)")
     ax.set_title("per-op SQNR; model output " + (
         "not measured (no float output)" if not report.float_output else
         "not measured (NaN or inf in the outputs)" if np.isnan(report.output_sqnr)
         else f"{db(report.output_sqnr)} dB"))
     ax.legend(fontsize=8)
+    titles = shorten([r.name for r in worst], 24)
     for n, r in enumerate(worst):
         a = fig.add_subplot(grid[1 + n // ncols, n % ncols])
         lo, hi = r.act_qrange
@@ -97,9 +120,8 @@ def plot_report(report, path, histograms):
         if np.any(r.hist[1:-1] > 0):  # (every value beyond the plot: no count to log-scale)
             a.set_yscale("log")
         out = r.hist[0] + r.hist[-1]
-        a.set_title(f"{short(r.name, 24)}: {db(r.sqnr_isolated)} dB, clip {pct(r.act_clip)}"
+        a.set_title(f"{titles[n]}: {db(r.sqnr_isolated)} dB, clip {pct(r.act_clip)}"
                     + (f", {int(out)} beyond plot" if out else ""), fontsize=8)
         a.tick_params(labelsize=7)
     fig.savefig(path, dpi=100, format="png")  # at path as named, whatever its extension
-    plt.close(fig)
 

@@ -519,3 +519,22 @@ def test_jax_clear_caches_clears_the_quantized_functions_traces_too():
     jax.clear_caches()
     assert float(qf(p, x).sum()) == -before != 0
     assert float(jax.jit(qf)(p, x).sum()) == -before
+
+
+def test_a_quantized_functions_analysis_warning_is_given_once_not_at_every_trace():
+    """A layer loop reading w[i] at a fori_loop's counter (kept float, with a warning): the
+    quantized function warned again at every new trace, a new batch shape or jax.jit of it
+    with packed params (hunt78_warnnoise)."""
+    p = {"w": jax.random.normal(jax.random.key(0), (3, 16, 16)) * 0.25}
+    f = lambda p, x: jax.lax.fori_loop(0, 3, lambda i, h: jax.nn.relu(h @ p["w"][i]), x)  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    with pytest.warns(UserWarning, match="indexed by a value computed from the data"):
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    qf, packed = jqt.quantize(f, qp), jqt.pack(qp, p)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for call in (lambda: qf(packed, x), lambda: qf(packed, x[:4]), lambda: jax.jit(qf)(packed, x[:2]),
+                     lambda: qf(p, x[:4])):
+            call()
+    said = [str(w.message) for w in got if "indexed by a value computed" in str(w.message)]
+    assert len(said) == 1, said

@@ -338,6 +338,17 @@ def test_tied_tables_under_every_preset_are_packed_once_or_warned(name):
                                          r"'emb'.*the lookup's type is .*codes are stored twice"):
         assert jqt.pack(qp, P).tied == ()
     assert jax.eval_shape(lambda: jqt.pack(qp, P)).tied == ()
+    # read twice (a prefill and a decode step): one warning for the table, each lookup with
+    # its own matmul (it was one warning per lookup, the first paired with the last matmul;
+    # hunt78_warnnoise)
+    twice = lambda p, ids: (tied(p, ids), tied(p, ids[:, :1]))  # noqa: E731
+    q2 = jqt.calibrate(twice, recipe, P, [(IDS,)], progress=False)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.pack(q2, P)
+    said = [str(w.message) for w in got if "stored twice" in str(w.message)]
+    assert len(said) == 1 and "lookup 'emb' and the matmul 'emb#1'" in said[0], said
+    assert "The same holds for 1 more op: the lookup 'emb#2' and the matmul 'emb#1'" in said[0]
 
 
 def test_types_that_read_alike_are_told_apart_where_a_tie_fails():

@@ -860,7 +860,8 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
     _warn_kept_twice({i for i in consumed & needed if path_str(with_paths[i][0]) not in chosen},
                      leaf_of, with_paths, flat)
     _share_equal(leaf_of, weights, qparams)
-    tied = _tied(qparams, weights)
+    with diagnostics.grouped():
+        tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
     return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept, tied)
@@ -1029,13 +1030,13 @@ def _tied(qparams, weights):
                 continue  # other rows of the leaf (t[:50][i] and t[50:].T): nothing stored twice
             if o.qtype != w.qtype:  # (int4 against int8 after a fallback)
                 mine, its = w.qtype.contrast(o.qtype)  # (fields named where both read alike)
-                apart = (m, f"the lookup's type is {mine}, the matmul's {its}", _TYPE_FIX)
+                apart = apart or (m, f"the lookup's type is {mine}, the matmul's {its}", _TYPE_FIX)
             elif not _contracts_features(qparams[m].source, _feature_axis(p.source)):  # A @ table
-                apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
+                apart = apart or (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif _rows_second(p.source):  # table.T[:, ids]: its codes are features x rows,
                 # which a tie does not read
                 sliced = any(c[0] == "slice" for c in qparams[m].source.chain)
-                apart = (m, "the lookup gathers rows along the second axis of what it reads "
+                apart = apart or (m, "the lookup gathers rows along the second axis of what it reads "
                             "(table.T[:, ids], jnp.take(table, ids, axis=1)), and a tied lookup "
                             "reads the matmul's codes rows first", "To store them once, look "
                          "the rows up along the first axis (table[ids] of a (V, D) table, "
@@ -1044,12 +1045,12 @@ def _tied(qparams, weights):
                             "table.T)[:, 1:] for u @ table[1:].T)." if sliced else "."))
             elif table.shape != w.values.shape and table.shape[1:] == w.values.shape[1:] and any(
                     c[0] == "slice" for c in qparams[m].source.chain):  # rows left out
-                apart = (m, f"the matmul reads a slice of the table (codes of shape "
+                apart = apart or (m, f"the matmul reads a slice of the table (codes of shape "
                             f"{tuple(table.shape)}, the table's {tuple(w.values.shape)})",
                          "To store them once, multiply by the whole table and slice the "
                          "product ((u @ table.T)[:, 1:] for u @ table[1:].T).")
             elif table.shape != w.values.shape:
-                apart = (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
+                apart = apart or (m, _OTHER_AXIS.format(tuple(table.shape), tuple(w.values.shape)), _NO_FIX)
             elif traced:  # jax.eval_shape or jax.jit of pack (a template): the codes are
                 # not known, so the qparams decide, as the codes would
                 if _same_grid(p, qparams[m]):
@@ -1068,7 +1069,7 @@ def _tied(qparams, weights):
                 out.append((k, m))
                 break
             elif _steps(p) != _steps(qparams[m]):  # (the table cast to bfloat16 by one op)
-                apart = (m, "the two read the table through other steps (one casts it to "
+                apart = apart or (m, "the two read the table through other steps (one casts it to "
                             "another dtype, or reads a copy of it otherwise), so their codes "
                             "differ", "To store them once, read the table in one dtype in both "
                          "ops (cast after the lookup and after the matmul instead: "
@@ -1078,16 +1079,17 @@ def _tied(qparams, weights):
                 q = qparams[m]  # one type, no transform: the scales alone differ
                 trained = (p.smooth is None and q.smooth is None and not p.rotate and not q.rotate
                            and w.qtype == o.qtype and not _same_grid(p, q))
-                apart = (m, "their codes differ (the matmul's weight is smoothed or rotated, "
+                apart = apart or (m, "their codes differ (the matmul's weight is smoothed or rotated, "
                             "its weight calibrator is another, or its scales were edited or "
                             "trained)", _SCALE_FIX if trained else _TYPE_FIX)
         else:
-            if apart is not None:
-                m, why, fix = apart
-                diagnostics.warn(
+            if apart is not None:  # (one warning per table and reason: a prefill's lookup
+                m, why, fix = apart  # and a decode step's of one table, named together)
+                diagnostics.warn_grouped(
+                    ("tied", p.source.path, why),
                     f"jqt.pack: the lookup '{k}' and the matmul '{m}' read the same table "
                     f"'{p.source.path}' (tied embeddings), but {why}: its codes are stored twice. "
-                    f"{fix}")
+                    f"{fix}", f"the lookup '{k}' and the matmul '{m}'")
     return tuple(out)
 
 
@@ -1166,5 +1168,6 @@ _SCALE_FIX = ("Both ops have one weight type but other scales (fine-tuned apart:
               "scales get gradients the matmul's do not): to store the codes once, give the "
               "matmul the lookup's scales, or freeze both in training (jqt.qat.labels); "
               "otherwise nothing is wrong.")
-_TYPE_FIX = ("To store them once, give both ops one weight type (a Rule for one of the two "
-             "keys ahead of the preset's) without smoothing or rotation.")
+_TYPE_FIX = ("To store them once, give the lookups and the matmuls of the table one weight type "
+             "(a Rule for the lookups' keys, or the matmuls', ahead of the preset's) without "
+             "smoothing or rotation.")

@@ -449,6 +449,9 @@ class Tracer:
         self.argnums = normalize_argnums(weight_argnums)
         self.cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()  # threads calling one quantized function share the cache
+        # the analysis' warnings given already: each once per function, not again at every
+        # trace (a new batch shape, packed params, jax.jit of it)
+        self._warned: set = set()
         compat.register_cache(self, "jqt's traces of f")  # jax.clear_caches() clears them too
 
     def cache_clear(self):
@@ -560,8 +563,15 @@ class Tracer:
                                                         prefixed=prefixed)))
                 leaf_names[(i, j)] = jax.tree_util.keystr(path)
         analyzer = Analyzer(leaf_names, {v.source.path for v in infos if v.source is not None})
-        with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
-            plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True, consts=closed.consts)
+        with diagnostics.captured() as said:
+            with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
+                plan, _ = analyzer.analyze(closed.jaxpr, infos, top=True, consts=closed.consts)
+        for message, category in said:
+            with self._lock:
+                new = message not in self._warned
+                self._warned.add(message)
+            if new:
+                diagnostics.warn(message, category)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
         traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
         with self._lock:

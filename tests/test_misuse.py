@@ -2175,3 +2175,19 @@ def test_pack_says_when_qparams_and_params_sit_on_other_devices():
     assert r["error"].startswith("ValueError: jqt.pack: op 'w': weight 'w' is on device ids [0], "
                                  "its qparams on [1]. Put the qparams where the params are"), r["error"]
     assert r["same_device"] == [0]
+
+
+def test_differentiating_qparams_through_the_integer_path_says_so():
+    """jax.grad with respect to qparams through the integer path told the user to quantize
+    weight-only or keep the op's activation float, which would not help (w4's qparams got
+    the generic message): it now says the scales have no gradient there and points to the
+    simulated path (hunt78_transformsmix)."""
+    f = lambda p, x: jnp.tanh(x @ p["w"]).sum()  # noqa: E731
+    p = {"w": jax.random.normal(jax.random.key(0), (8, 4))}
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    for recipe in (jqt.recipes.w8a8(), jqt.recipes.w4(group_size=4)):
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        with pytest.raises(TypeError, match=r"op 'w': .*What is differentiated here is the op's scale "
+                                            r"or zero point \(its qparams\).*simulate=True"):
+            jax.grad(lambda q: jqt.quantize(f, q)(p, x))(qp)
+        jax.grad(lambda q: jqt.quantize(f, q, simulate=True)(p, x))(qp)  # the path that has one

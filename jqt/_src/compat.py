@@ -577,6 +577,15 @@ def is_literal(v) -> bool:
     return isinstance(v, Literal)
 
 
+def is_zero_tangent(t) -> bool:
+    """Whether a JVP rule's tangent ``t`` is JAX's symbolic zero (that input not perturbed).
+
+    >>> is_zero_tangent(ad.Zero(jax.core.ShapedArray((), jnp.float32))), is_zero_tangent(1.0)
+    (True, False)
+    """
+    return type(t) is ad.Zero
+
+
 def is_zero_literal(v) -> bool:
     """A literal scalar 0 (``jnp.where(done, 0.0, cache)`` passes one to ``_where``)."""
     return isinstance(v, Literal) and np.ndim(v.val) == 0 and not isinstance(v.val, (bool, np.bool_)) \

@@ -434,6 +434,11 @@ def _no_jvp(primals, tangents, **params):
             "and values written into it, activations that follow what is trained. Train with "
             "the cache float (calibrate with the preset's kv_cache=False, then pack) or "
             "through the simulated path, jqt.quantize(f, qparams, simulate=True).")
+    if compat.is_zero_tangent(tangents[0]) and not all(map(compat.is_zero_tangent, tangents[1:])):
+        raise TypeError(  # qparams differentiated, not what the op rounds
+            head + "What is differentiated here is the op's scale or zero point (its qparams), "
+            "which the integer path has no gradient for. Differentiate the simulated path, "
+            "jqt.quantize(f, qparams, simulate=True), as jqt.qat does.")
     common = ("Differentiate the simulated path instead: jqt.quantize(f, qparams, "
               "simulate=True). For a call you do not train through (a distillation teacher, a "
               "reference), stop the gradient of its inputs, qf(jax.lax.stop_gradient(params), "

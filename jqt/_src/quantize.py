@@ -627,11 +627,11 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
                 diagnostics.warn(message, category)
 
 
-
 def _placements(*trees) -> set:
     """The device sets of the committed arrays in ``trees``, each as text."""
     return {str(sorted(d.id for d in a.devices())) for a in jax.tree_util.tree_leaves(trees)
             if isinstance(a, jax.Array) and not compat.is_tracer(a) and a.committed}
+
 
 def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
          weight_argnums=None):

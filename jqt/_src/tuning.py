@@ -614,7 +614,7 @@ def fallback(f, recipe: Recipe, params, batches, metric: Callable, *, max_drop: 
                     # choice of the search's too, so the search and pruning reuse this trial
                     v = trial(tuple(c for c in ranked if c != k))
                 else:
-                    v = score({**allf, **{j: qp[j] for j in groups[k]}})
+                    v = score({**allf, **{j: qp[j] for j in groups[k]}}, _variant(groups[k], "only"))
                     trials.append(((f"quantized alone: {', '.join(groups[k])}",), v))
                 drop[k] = sign * (m_float - v)
             if len(drop) < len(ranked):

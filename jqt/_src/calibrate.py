@@ -17,6 +17,7 @@ from . import stats as stats_lib
 from .handlers import Calibrate, conv_products, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
+from .registry import CONTRACTIONS
 from .analysis import CALL, EQUINOX_HIDES, path_str
 from .dense import safe_k
 from .formats import QuantType
@@ -725,7 +726,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     # (products only: a lookup in a table of integers or bools, a remap or a mask, is no
     # sign of a model quantized before)
     weighted = [s for s in sites if s.weight_operand is not None and not s.entry.is_cache
-                and s.op in ("dot_general", "conv_general_dilated", "ragged_dot_general")]
+                and s.op in CONTRACTIONS]
     exact = [s.key for s in weighted
              if all(jnp.issubdtype(v.aval.dtype, jnp.integer) for v in s.eqn.invars[:2])]
     if weighted and len(exact) == len(weighted) and any(chosen[k] is not None for k in exact):
@@ -767,7 +768,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
         for s in sites:
             r = chosen[s.key]
             wt = s.entry.weight_type(r) if r is not None and s.weight_operand is not None else None
-            if s.op not in ("dot_general", "conv_general_dilated", "ragged_dot_general") \
+            if s.op not in CONTRACTIONS \
                     or wt is None or wt.per_channel:
                 continue
             shape, contract = s.eqn.invars[s.weight_operand].aval.shape, s.contract[s.weight_operand]

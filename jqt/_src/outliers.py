@@ -189,7 +189,7 @@ def _awq(site, rule, wt, w, chan, depth, rotate):
     if _not_finite(chan["abssum"]):  # the activation itself: no overflow of X^T X to blame
         _warn_not_finite(site, "AWQ")
         return None
-    if not compat.is_tracer(h) and not np.isfinite(np.asarray(h)).all():
+    if _not_finite(h):
         diagnostics.warn(f"jqt.calibrate: op '{site.key}': AWQ's X^T X of its activation "
                          "overflows float32 (activations beyond about 1e19): its search scores "
                          "no scale, and the op keeps s = 1 (plain rounding). Scale the inputs "

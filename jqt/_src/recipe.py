@@ -19,7 +19,7 @@ import numpy as np
 from .calibrators import Calibrator, MinMax, WeightCalibrator, WeightMinMax, WeightMSE
 from . import accumulator, diagnostics, kvcache
 from .formats import QuantType, as_scalar
-from .registry import NAMES as QUANTIZABLE_OPS
+from .registry import CONTRACTIONS, NAMES as QUANTIZABLE_OPS
 
 # a Rule's fields that hold a jqt.QuantType (a rule that sets none keeps its ops float)
 TYPE_FIELDS = ("weight", "activation", "act_x_act", "embedding", "kv_cache")
@@ -263,8 +263,7 @@ class Rule:
             return
         # weight ops (if the rule quantizes any) and act x act ops (if it quantizes those)
         why = ""
-        summed = [o for o in self.ops if o in ("dot_general", "conv_general_dilated", "ragged_dot_general")]
-        if not summed:
+        if not set(self.ops) & set(CONTRACTIONS):
             why = (f"it applies to int x int dot and conv ops, and this rule matches only "
                    f"ops={tuple(self.ops)} (lookups and cache writes have no accumulator)")
         elif self.weight is None and self.act_x_act is None:

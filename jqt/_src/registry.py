@@ -509,3 +509,5 @@ if compat.ragged_dot_general_p is not None:
 
 NAMES = tuple(dict.fromkeys(e.name for e in OPS.values()))  # a row lookup is a "gather"
 BY_NAME = {n: next(e for e in OPS.values() if e.name == n) for n in NAMES}
+# the ops that sum products (a narrow accumulator's, a quantized model's integer products)
+CONTRACTIONS = tuple(n for n, e in BY_NAME.items() if isinstance(e, Contraction))

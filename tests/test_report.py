@@ -1784,3 +1784,24 @@ def test_report_names_a_nan_on_one_lane_and_measures_nothing_of_an_empty_output(
     h = lambda p, x: (x @ p["a"])[:0]
     rep = jqt.report(h, jqt.calibrate(h, jqt.recipes.w8(), p, [(x,)], progress=False), p, (x,))
     assert math.isnan(rep.output_sqnr) and "(exact)" not in str(rep)
+
+
+def test_tables_line_up_under_wide_characters():
+    """An op key with CJK characters (two terminal columns each) keeps the columns of
+    the report, the qparams summary and the sensitivity table in line (len() counted
+    them as one and shifted every later column; hunt78_plotting, seen and left)."""
+    import unicodedata
+    width = lambda t: sum(1 + (unicodedata.east_asian_width(c) in "WF") for c in t)
+    p = {"層": _normal(60, (8, 8), 0.4), "b": _normal(61, (8, 8), 0.4)}
+    x = _normal(62, (16, 8))
+    f = lambda p, x: jnp.tanh(x @ p["層"]) @ p["b"]
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    assert any("層" in k for k in qp)
+    sens = jqt.sensitivity(f, qp, lambda g: -float(jnp.abs(g(p, x) - f(p, x)).max()))
+
+    def column(lines, second):  # the terminal column where each line's second cell starts
+        return [width(line[:line.index(c, line.index(" "))]) for line, c in zip(lines, second)]
+    assert len(set(column(jqt.summarize(qp).splitlines()[:3], ["op"] + ["dot_general"] * 2))) == 1
+    # right-aligned last columns: every line as wide
+    assert len({width(line) for line in str(jqt.report(f, qp, p, (x,))).splitlines()[:3]}) == 1
+    assert len({width(line) for line in str(sens).splitlines()[1:4]}) == 1

@@ -1,7 +1,9 @@
-"""The PNG of :meth:`jqt.Report.plot` (matplotlib, an optional extra)."""
+"""How reports look: the cells of their text tables and the PNG of
+:meth:`jqt.Report.plot` (matplotlib, an optional extra)."""
 from __future__ import annotations
 
 import os
+import unicodedata
 
 import numpy as np
 
@@ -31,6 +33,28 @@ def db(v):
     if np.isnan(v):
         return "-"
     return f"{v:z.1f}" if np.isfinite(v) else ("inf" if v > 0 else "-inf")
+
+
+def width(text):
+    """The terminal columns ``text`` takes: two for a wide (CJK, full-width) character,
+    none for a combining mark, so that a table's columns line up under any op key.
+
+    >>> width("dense"), width("層/kernel"), width("e\u0301")
+    (5, 9, 1)
+    """
+    return sum(0 if unicodedata.combining(c) else
+               2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def pad(text, n, right=False):
+    """``text`` padded with spaces to ``n`` terminal columns (:func:`width`), on the
+    left where ``right``; a longer text is left as it is.
+
+    >>> pad("層", 4) + "|", pad("ab", 4, right=True)
+    ('層  |', '  ab')
+    """
+    fill = " " * max(0, n - width(text))
+    return fill + text if right else text + fill
 
 
 def marks(values, quantized=None):

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import compat
 from .formats import FLOAT8, QuantType
+from .plotting import pad, width
 
 
 def axes_only(chain) -> tuple:
@@ -824,8 +825,8 @@ def summarize(qparams: dict[str, Any]) -> str:
         # No weight (a product of two activations): "-", as report's rows and cache writes.
         wtext = "-" if w is None else _short(wq) + extra
         rows.append((k, p.op, wtext, ", ".join(_short(a) for a in aq) + acc))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+    widths = [max(width(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(pad(c, widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
 
 
 def _short(p: Optional[QArray]) -> str:

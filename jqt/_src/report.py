@@ -33,7 +33,7 @@ from jax import lax
 from . import accumulator, compat, kvcache, numerics, tracing, validate
 from .calibrate import CalibrationDataError, check_batch, full_args
 from .handlers import Simulate, exact_sums, expanded_params, lookup, transformed, without_entry
-from .plotting import HIST_BINS, db as _db, pct as _pct, plot_report
+from .plotting import HIST_BINS, db as _db, pad, pct as _pct, plot_report, width
 from .tracing import Tracer, normalize_argnums
 from .validate import check_qparams
 
@@ -339,8 +339,8 @@ class Report(NanEqual):
             lines.append((r.name, r.op.replace("_general", "").replace("_dilated", ""), r.weight,
                           r.activation, scale, "-" if r.act_scale is None else _pct(r.act_clip),
                           wclip, _db(r.sqnr_isolated), _db(r.sqnr_cumulative)) + sat)
-        widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
-        out = ["  ".join(str(c).ljust(w) if i < 4 else str(c).rjust(w)
+        widths = [max(width(str(l[i])) for l in lines) for i in range(len(head))]
+        out = ["  ".join(pad(str(c), w, right=i >= 4)
                          for i, (c, w) in enumerate(zip(l, widths))).rstrip() for l in lines]
         exact = " (exact)" if self.output_sqnr == math.inf else ""
         if not self.float_output:

@@ -21,6 +21,7 @@ import numpy as np
 from . import diagnostics
 from .calibrators import WeightMinMax
 from .calibrate import calibrate, check_batch, check_batches, each_batch, empty_set
+from .plotting import pad, width
 from .qparams import OpQParams
 from .handlers import QParamsMismatchError
 from .quantize import quantize
@@ -210,11 +211,11 @@ class Sensitivity(NanEqual):
         return (self.float_metric - v) if self.higher_is_better else (v - self.float_metric)
 
     def __str__(self):
-        w = max([32] + [len(r.key) for r in self.rows])  # the key column fits the longest key
+        w = max([32] + [width(r.key) for r in self.rows])  # the key column fits the longest key
         lines = [f"metric: float {self.float_metric:z.4g}, all quantized {self.quantized_metric:z.4g}",
                  f"{'op':<{w}} {'quantized alone':>16} {'drop':>8} {'all but this':>13} {'drop':>8}"]
         for r in self.rows:
-            lines.append(f"{r.key:<{w}} {r.alone:>z16.4g} {self._drop(r.alone):>z8.3g} "
+            lines.append(f"{pad(r.key, w)} {r.alone:>z16.4g} {self._drop(r.alone):>z8.3g} "
                          f"{r.all_but:>z13.4g} {self._drop(r.all_but):>z8.3g}")
         return "\n".join(lines)
 

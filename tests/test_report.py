@@ -1805,3 +1805,30 @@ def test_tables_line_up_under_wide_characters():
     # right-aligned last columns: every line as wide
     assert len({width(line) for line in str(jqt.report(f, qp, p, (x,))).splitlines()[:3]}) == 1
     assert len({width(line) for line in str(sens).splitlines()[1:4]}) == 1
+
+
+def test_report_gives_the_zero_points_the_paths_use():
+    """A row gives an asymmetric weight's zero points (min, max) and the activation's
+    zero point as the integer the paths use: a fine-tuned (fractional) one was shown as
+    it is while act_qrange used the rounded one, and weight zero points were nowhere in
+    the report, which docs/debugging.md says it gives (hunt79_zeropoints)."""
+    k = jax.random.split(jax.random.key(19), 2)
+    f = lambda p, x: x @ p["w"]
+    p = {"w": jax.random.normal(k[0], (64, 8)) * 0.1 + 0.1}
+    x = jax.random.normal(k[1], (5, 64)) + 1
+    qp = jqt.calibrate(f, jqt.recipes.w4a8(group_size=32, symmetric=False), p, [(x,)],
+                       progress=False)
+    op = qp["w"]
+    tuned = {"w": dataclasses.replace(op, lhs=dataclasses.replace(
+        op.lhs, zero_point=op.lhs.zero_point + 20.6))}
+    row = jqt.report(f, tuned, p, (x,)).rows[0]
+    z = float(jnp.round(tuned["w"].lhs.zero_point).reshape(-1)[0])
+    assert row.act_zero_point == z
+    lo, hi = tuned["w"].lhs.qtype.qmin, tuned["w"].lhs.qtype.qmax
+    assert row.act_qrange == pytest.approx(((lo - 0.5 - z) * row.act_scale,
+                                            (hi + 0.5 - z) * row.act_scale))
+    wz = np.round(np.asarray(op.rhs.zero_point))
+    assert row.weight_zero_point == (wz.min(), wz.max()) and wz.min() < wz.max()
+    sym = jqt.report(f, jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False),
+                     p, (x,)).rows[0]
+    assert sym.weight_zero_point is None

@@ -261,7 +261,7 @@ class OpReport(NanEqual):
     activation: str
     weight_scale: tuple    # (min, max) of the weight scales, or None
     act_scale: Optional[float]
-    act_zero_point: Optional[float]
+    act_zero_point: Optional[float]  # the integer zero point the paths use (rounded)
     act_range: tuple       # the float activation's (min, max) on this batch (smoothed/rotated)
     act_qrange: Optional[tuple]  # the real range the activation codes cover (half a step beyond)
     act_clip: float        # fraction of activation values outside the quantized range
@@ -272,6 +272,7 @@ class OpReport(NanEqual):
     quantized: bool = True  # False for an op kept float
     accumulator: int = 32   # the accumulator's width in bits
     acc_saturated: float = math.nan  # fraction of outputs that saturated a narrow accumulator
+    weight_zero_point: Optional[tuple] = None  # (min, max) of an asymmetric weight's zero points
     hist: Optional[np.ndarray] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -628,6 +629,8 @@ def _rows(site, qp, st):
         wsc = None if wq is None or wq.scale is None else pick(wq.scale)
         asc = None if aq is None or aq.scale is None else pick(aq.scale)
         azp = None if aq is None or aq.zero_point is None else pick(aq.zero_point)
+        # the integer zero points the paths use (a fine-tuned one is fractional)
+        wzp = None if wq is None or wq.zero_point is None else np.round(pick(wq.zero_point))
         out.append(OpReport(
             key=site.key, layer=None if li is None else (li[0] if len(li) == 1 else li),
             op=site.op, weight_shape=tuple(avals[w].shape) if w is not None else (),
@@ -637,7 +640,7 @@ def _rows(site, qp, st):
             activation=_short(aq) if not qp.is_float else "float",
             weight_scale=None if wsc is None else (float(wsc.min()), float(wsc.max())),
             act_scale=None if asc is None else float(asc.reshape(-1)[0]),
-            act_zero_point=None if azp is None else float(azp.reshape(-1)[0]) + 0.0,  # (not -0.0)
+            act_zero_point=None if azp is None else float(np.round(azp.reshape(-1)[0])) + 0.0,  # (not -0.0)
             act_range=(float(g("x_min")), float(g("x_max"))) if ran else (math.nan, math.nan),
             act_qrange=_qrange(aq, asc, azp),
             act_clip=float(g("x_clip") / g("x_n")) if ran else math.nan,
@@ -653,5 +656,6 @@ def _rows(site, qp, st):
             quantized=not qp.is_float,
             accumulator=accumulator.WIDEST if qp.is_float else qp.accumulator,  # (none: no sums)
             acc_saturated=float(g("acc_sat") / g("acc_n")) if ran and "acc_n" in st else math.nan,
+            weight_zero_point=None if wzp is None else (float(wzp.min()) + 0.0, float(wzp.max()) + 0.0),
             hist=g("hist") if ran else None))
     return out

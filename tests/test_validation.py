@@ -1231,6 +1231,26 @@ def test_a_weight_read_twice_outside_lax_map_keeps_two_keys():
     np.testing.assert_allclose(qp["w#1"].lhs.scale, 3 * qp["w"].lhs.scale, rtol=1e-6)
 
 
+def test_two_lax_maps_with_remainders_and_a_later_read_keep_their_own_keys():
+    """Two lax.map calls with a remainder over one weight, and a read of it after: the
+    keys are those of the same function without remainders (w, w#1, w#2). The first
+    remainder released the second map's keys too, which then took w again: one key and
+    one set of statistics for all three ops, and qparams calibrated on 9 rows were
+    refused on 10 (hunt79_tracecost)."""
+    def f(w, xs):
+        a = jax.lax.map(lambda r: jnp.tanh(r @ w), xs, batch_size=3)
+        b = jax.lax.map(lambda r: 10 * jnp.tanh(r @ w.T), a, batch_size=3)
+        return b @ w
+    xs = jnp.asarray(np.random.default_rng(3).standard_normal((10, 4)), jnp.float32)
+    r = jqt.recipes.w8a8()
+    qp = jqt.calibrate(f, r, W, [(xs,)], progress=False)
+    divisible = jqt.calibrate(f, r, W, [(xs[:9],)], progress=False)
+    assert list(qp) == list(divisible) == ["w", "w#1", "w#2"]
+    assert float(qp["w#2"].lhs.scale) > 5 * float(qp["w#1"].lhs.scale)  # b's range, not a's
+    got, want = jqt.quantize(f, divisible)(W, xs), f(W, xs)  # (those of 9 rows run on 10)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.03
+
+
 # ---- found by tests/test_properties.py ----------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["conv", "batched einsum"])

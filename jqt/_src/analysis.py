@@ -505,10 +505,12 @@ class Analyzer:
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 made_by[v] = eqn
+            if i - 1 in maps:  # the keys the remainder may take back (see _share_remainder):
+                # those taken after the scan's own (a snapshot from before it released them
+                # too, and a later read of the weight took its key again)
+                pending[maps[i - 1]] = (i - 1, set(self.used_keys), dict(self.counters))
             if i in pending:
                 self._share_remainder(plan, *pending.pop(i), i)
-            if i in maps:  # the keys the remainder may take back (see _share_remainder)
-                pending[maps[i]] = (i, set(self.used_keys), dict(self.counters))
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
             if name.startswith("jqt_"):

@@ -17,7 +17,7 @@ from . import stats as stats_lib
 from .handlers import Calibrate, conv_products, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
-from .registry import CONTRACTIONS
+from .registry import CONTRACTIONS, NAMES as QUANTIZABLE_OPS
 from .analysis import CALL, EQUINOX_HIDES, path_str
 from .dense import safe_k
 from .formats import QuantType
@@ -1377,9 +1377,16 @@ def _typed(rule):
 
 
 def _named(rule):
-    """``Rule(key=...)`` for a note, a long key cut short."""
+    """``Rule(key=...)`` for a note, a long key cut short, with its ``ops=`` where it
+    names some (two rules of one key told apart).
+
+    >>> from jqt._src.recipe import Rule
+    >>> _named(Rule()), _named(Rule(ops=("conv_general_dilated",)))
+    ("Rule(key='.*')", "Rule(key='.*', ops=('conv_general_dilated',))")
+    """
     k = rule.key if len(rule.key) <= 48 else rule.key[:45] + "..."
-    return f"Rule(key={k!r})"
+    ops = "" if tuple(rule.ops) == QUANTIZABLE_OPS else f", ops={tuple(rule.ops)!r}"
+    return f"Rule(key={k!r}{ops})"
 
 
 def _decide(site, rule, st, leaf_dtypes, broad=True):

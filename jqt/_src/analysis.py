@@ -235,21 +235,22 @@ def map_remainders(jaxpr) -> dict:
     equations strictly between the two indices compute the remainder (``vmap(f)``),
     together with those reshapes (lax.map's own, in the order of ``jax.lax.map``)."""
     eqns, out = jaxpr.eqns, {}
+    users = {}  # var -> the indices of the equations reading it (one walk, not one per scan)
+    for j, e in enumerate(eqns):
+        for v in e.invars:
+            if not compat.is_literal(v):
+                users.setdefault(v, []).append(j)
     for i, e in enumerate(eqns):
         if e.primitive.name != "scan" or compat.scan_counts(e)[1] or e.params["reverse"]:
             continue
-        ys = {v for v in e.outvars if not compat.is_dropvar(v)}
-        flat = set()
-        for j in range(i + 1, len(eqns)):
-            ins = [v for v in eqns[j].invars if not compat.is_literal(v)]
-            name = eqns[j].primitive.name
-            if name == "reshape" and ins and ins[0] in ys:
-                flat.add(eqns[j].outvars[0])
-            elif (name == "concatenate" and eqns[j].params["dimension"] == 0
-                  and len(eqns[j].invars) == 2 and ins and ins[0] is eqns[j].invars[0]
-                  and ins[0] in flat):
-                out[i] = j
-                break
+        flat = [eqns[j].outvars[0] for v in e.outvars if not compat.is_dropvar(v)
+                for j in users.get(v, ()) if eqns[j].primitive.name == "reshape"
+                and eqns[j].invars[0] is v]
+        ends = [j for v in flat for j in users.get(v, ())
+                if eqns[j].primitive.name == "concatenate" and eqns[j].params["dimension"] == 0
+                and len(eqns[j].invars) == 2 and eqns[j].invars[0] is v]
+        if ends:
+            out[i] = min(ends)
     return out
 
 

@@ -2395,3 +2395,32 @@ def test_fallback_names_itself_for_a_bad_batch_after_the_first():
     res = jqt.fallback(f, jqt.recipes.w8a8(), p, [(x,)], metric, max_drop=1.0, progress=False)
     with pytest.raises(TypeError, match=r"a jqt.FallbackResult holds arrays or dicts \(qparams\)"):
         hash(res)
+
+
+def test_config_values_are_canonical():
+    """Equal configurations compare equal and print plainly, however they were spelled;
+    a set of rules, whose order changes from run to run, is refused (hunt79_apisurface)."""
+    import jqt.calibrators as C
+    # calibrators take a 0-d JAX array as the presets and QuantType do, and keep Python numbers
+    assert C.MovingAverage(momentum=jnp.asarray(0.5)) == C.MovingAverage(momentum=0.5)
+    assert C.Percentile(jnp.float32(99.5), bins=jnp.asarray(1024)) == C.Percentile(99.5, bins=1024)
+    assert repr(C.Percentile(np.float64(99.9))) == repr(C.Percentile(99.9))
+    assert C.MSE(candidates=np.int64(10), min_ratio=jnp.asarray(0.25)) == C.MSE(candidates=10, min_ratio=0.25)
+    assert C.WeightMSE(candidates=jnp.asarray(5)) == C.WeightMSE(candidates=5)
+    assert C.Entropy(stride=jnp.asarray(4)) == C.Entropy(stride=4)
+    with pytest.raises(ValueError, match="momentum"):
+        C.MovingAverage(momentum=jnp.asarray(1.5))
+    # a rule's ops in jqt's order, each once
+    a = jqt.Rule(ops=("gather", "dot_general"))
+    assert a == jqt.Rule(ops=["dot_general", "gather", "gather"]) and hash(a) == hash(
+        jqt.Rule(ops=("dot_general", "gather")))
+    assert dataclasses.replace(jqt.recipes.w4().rules[0], awq=np.bool_(True)).awq is True
+    with pytest.raises(TypeError, match=r"rules are ordered.*pass a tuple"):
+        jqt.Recipe(rules={jqt.Rule(key="head", weight=None), *jqt.recipes.w8a8().rules})
+
+
+def test_a_calibrator_class_in_place_of_one_says_make_one():
+    with pytest.raises(TypeError, match=r"the class itself: make one, Entropy\(\)"):
+        jqt.Rule(calibrator=jqt.calibrators.Entropy)
+    with pytest.raises(TypeError, match=r"the class itself: make one, WeightMSE\(\)"):
+        jqt.recipes.w8a8(weight_calibrator=jqt.calibrators.WeightMSE)

@@ -41,7 +41,7 @@ from jax import lax
 
 from . import compat
 from . import numerics as nx
-from .formats import FLOAT8
+from .formats import FLOAT8, as_scalar
 
 _F32 = jnp.float32
 
@@ -103,6 +103,17 @@ class Calibrator:
     def check(self, qtype):
         """Raises ``ValueError`` if this calibrator cannot serve activations of ``qtype``
         (:class:`jqt.Rule` calls it when the rule is made); the default accepts any."""
+
+
+def _plain(c, *names):
+    """Sets the numeric fields ``names`` of the calibrator ``c`` to the Python ints and
+    floats they hold: a 0-d JAX array (a sweep over ``jnp.arange``, as the presets and
+    :class:`jqt.QuantType` take) and a NumPy scalar (its repr ``np.float64(...)``)."""
+    for name in names:
+        v = as_scalar(getattr(c, name))
+        if not isinstance(v, (bool, np.bool_)):
+            v = int(v) if isinstance(v, np.integer) else float(v) if isinstance(v, np.floating) else v
+        object.__setattr__(c, name, v)
 
 
 def _is_int(v) -> bool:
@@ -177,6 +188,7 @@ class MovingAverage(Calibrator):
     momentum: Optional[float] = None
 
     def __post_init__(self):
+        _plain(self, "momentum")
         if self.momentum is not None and not (_is_real(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ValueError(f"MovingAverage(momentum={self.momentum!r}): expected None or a "
                              "float in [0, 1), e.g. 0.9.")
@@ -235,6 +247,7 @@ class _Histogram(Calibrator):
     bins: int
 
     def __post_init__(self):
+        _plain(self, *(f.name for f in dataclasses.fields(self)))  # (a subclass's fields too)
         if not _is_int(self.bins) or self.bins < 64 or self.bins % 2:
             raise ValueError(f"{type(self).__name__}(bins={self.bins!r}): expected an even int "
                              ">= 64, e.g. 2048.")
@@ -640,6 +653,7 @@ class WeightMSE(WeightCalibrator):
     min_ratio: float = 0.3
 
     def __post_init__(self):
+        _plain(self, "candidates", "min_ratio")
         _check_search(self, 0.3)
 
     def range(self, w, axes, qtype):

@@ -78,8 +78,8 @@ class Rule:
     ``smooth``, ``awq`` and ``rotate`` apply to ``dot_general`` ops with a weight
     and no batch axes (dense layers, projections); see docs/outliers.md.
 
-    A rule with ``weight=None`` and ``act_x_act=None`` keeps the matched ops
-    float:
+    A rule with ``weight=None`` and ``act_x_act``, ``embedding`` and ``kv_cache`` left
+    at ``None`` keeps the matched ops float:
 
     >>> import jqt
     >>> keep_head_float = jqt.Rule(key="head", weight=None)
@@ -116,6 +116,7 @@ class Rule:
                 raise TypeError(f"Rule({name}={v!r}): expected True or False"
                                 + (" (SmoothQuant's alpha is smooth=, a number in [0, 1])"
                                    if name == "awq" and isinstance(v, (int, float)) else "") + ".")
+            object.__setattr__(self, name, bool(v))  # (np.True_ prints and pickles as NumPy's)
         if isinstance(self.ops, str):
             raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, "
                             f"e.g. ops=({self.ops!r},).")
@@ -126,12 +127,11 @@ class Rule:
             raise TypeError(f"Rule(ops={self.ops!r}) must be a tuple of primitive names, e.g. "
                             f"ops=({name if isinstance(name, str) else 'dot_general'!r},); leave "
                             "ops= out for every op jqt quantizes.") from None
-        object.__setattr__(self, "ops", ops)
-        prims = [o for o in self.ops if not isinstance(o, str) and getattr(o, "name", None) in QUANTIZABLE_OPS]
+        prims = [o for o in ops if not isinstance(o, str) and getattr(o, "name", None) in QUANTIZABLE_OPS]
         if prims:  # lax.dot_general_p: it prints as its name, and was refused as if unknown
             raise TypeError(f"Rule(ops=...) names the primitive object {prims[0].name}_p; ops= takes "
                             f"primitive names as strings: ops=({prims[0].name!r},).")
-        bad = [o for o in self.ops if o not in QUANTIZABLE_OPS]
+        bad = [o for o in ops if o not in QUANTIZABLE_OPS]
         if bad:
             seen_as = {"dynamic_slice": "a row lookup table[i] is matched as 'gather'",
                        "dot": "a matmul x @ w, jnp.dot and einsum are 'dot_general'",
@@ -143,6 +143,9 @@ class Rule:
             hints = list(dict.fromkeys(seen_as[o] for o in bad if o in seen_as))
             raise ValueError(f"Rule(ops=...) names {bad}; jqt quantizes {list(QUANTIZABLE_OPS)}"
                              + (f" ({'; '.join(hints)})" if hints else "") + ".")
+        # in jqt's order, each once: rules that match the same ops compare equal (one
+        # jit trace as a static argument), whatever order or container named them
+        object.__setattr__(self, "ops", tuple(o for o in QUANTIZABLE_OPS if o in ops))
         if not self.ops:
             raise ValueError("Rule(ops=()) names no op, so the rule matches none; leave ops= out "
                              f"for every op jqt quantizes, or name some of {list(QUANTIZABLE_OPS)}.")
@@ -178,12 +181,14 @@ class Rule:
             raise ValueError(f"Rule(act_x_act=QuantType(bits={self.act_x_act.bits})): "
                              "activation x activation ops take 2 to 8 bits (or an fp8 dtype, "
                              "'float8_e4m3fn' or 'float8_e5m2'); use bits <= 8.")
-        if not isinstance(self.calibrator, Calibrator):
-            raise TypeError(f"Rule(calibrator={self.calibrator!r}): expected a "
-                            "jqt.calibrators.Calibrator such as jqt.calibrators.Percentile(99.99).")
-        if not isinstance(self.weight_calibrator, WeightCalibrator):
-            raise TypeError(f"Rule(weight_calibrator={self.weight_calibrator!r}): expected a "
-                            "jqt.calibrators.WeightCalibrator such as jqt.calibrators.WeightMSE().")
+        for name, kind, such in (("calibrator", Calibrator, "Percentile(99.99)"),
+                                 ("weight_calibrator", WeightCalibrator, "WeightMSE()")):
+            c = getattr(self, name)
+            if not isinstance(c, kind):
+                made = (f" (the class itself: make one, {c.__name__}())"
+                        if isinstance(c, type) and issubclass(c, kind) else "")
+                raise TypeError(f"Rule({name}={c!r}): expected a jqt.calibrators.{kind.__name__} "
+                                f"such as jqt.calibrators.{such}{made}.")
         for name in ("calibrator", "weight_calibrator"):
             c = getattr(self, name)
             try:
@@ -323,6 +328,10 @@ class Recipe:
         if isinstance(self.rules, Recipe):
             raise TypeError("Recipe(rules=<a Recipe>): expected a tuple of jqt.Rule; pass "
                             "recipe.rules (or join recipes: recipe_a.rules + recipe_b.rules).")
+        if isinstance(self.rules, (set, frozenset)):  # its order changes from run to run
+            raise TypeError("Recipe(rules=<a set>): rules are ordered (the first that matches "
+                            "an op decides), and a set's order changes from run to run; pass a "
+                            "tuple, e.g. rules=(my_rule, *preset.rules).")
         try:
             object.__setattr__(self, "rules", tuple(self.rules))
         except TypeError:

@@ -243,6 +243,34 @@ class NanEqual:
 class OpReport(NanEqual):
     """One row of a :class:`Report`: one op (one layer of a stacked op).
 
+    Attributes:
+      key: the op key (as in the qparams); ``name`` adds ``[layer]``.
+      layer: the step of a ``lax.scan`` over stacked layers (a tuple under nested
+        scans), or ``None``.
+      op: the primitive's name (``"dot_general"``, ``"conv_general_dilated"``, ``"gather"``).
+      weight_shape, act_shape: the operands' shapes (``()`` for no weight).
+      weight, activation: the types as text (``"int8 sym per-channel"``, ``"nf4 sym
+        g64"``, ``"float"``; ``"-"`` for an op with no weight).
+      weight_scale: ``(min, max)`` of the weight's scales, or ``None``.
+      weight_zero_point: ``(min, max)`` of an asymmetric weight's (integer) zero points,
+        or ``None``.
+      act_scale, act_zero_point: the static activation scale and the integer zero point
+        the paths use, or ``None`` (float or dynamic).
+      act_range: the float activation's ``(min, max)`` on this batch (after smoothing or
+        rotation).
+      act_qrange: the real range the activation codes cover (half a step beyond the
+        extreme codes), or ``None``.
+      act_clip, weight_clip: the fractions (0 to 1) of activation and weight values
+        outside the quantized range.
+      sqnr_isolated: dB, the op's output with only this op quantized, against float.
+      sqnr_cumulative: dB, with this op and every op before it quantized.
+      note: why an op is float, or what to read with care; ``""`` for none.
+      quantized: ``False`` for an op kept float.
+      accumulator: the accumulator's width in bits (32: jqt's int32).
+      acc_saturated: the fraction of outputs that saturated a narrow accumulator
+        (NaN where none was measured).
+      hist: the activation histogram (:meth:`Report.plot`), left out of ``as_dicts``.
+
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: x @ p["w"]
     >>> p, x = {"w": jnp.eye(3)}, jnp.arange(6.0).reshape(2, 3)
@@ -290,6 +318,20 @@ class Report(NanEqual):
 
     ``str(report)`` is a table; ``rows`` the data; :meth:`worst` ranks the ops;
     :meth:`plot` draws the per-op SQNR and activation histograms to a PNG.
+
+    Attributes:
+      rows: the :class:`OpReport` of each op, in the order ``f`` runs them.
+      output_sqnr: dB, ``f``'s float outputs quantized vs float (inf: exact; NaN: ``f``
+        returns no float output).
+      output_rel_l2, output_max_abs: their relative L2 error (0 when exact) and largest
+        absolute error.
+      output_int_differ: ``(values that differ, values)`` of integer and bool outputs.
+      output_leaves: ``(path, SQNR dB)`` of each float output where ``f`` returns several
+        (pooled in the figures above).
+      float_output: whether ``f`` returns a float output.
+      output_nan: float output values NaN on both lanes (``f``'s own), left out of the
+        error.
+      output_nan_one_lane: float output values NaN on one lane only (the error is then NaN).
 
     >>> import jax, jax.numpy as jnp, jqt
     >>> f = lambda p, x: jax.nn.relu(x @ p["a"]) @ p["b"]

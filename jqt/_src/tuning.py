@@ -179,6 +179,11 @@ def _variant(keys, how) -> str:
 class SensitivityRow(NanEqual):
     """One op's row of :class:`jqt.Sensitivity`.
 
+    Attributes:
+      key: the op key.
+      alone: the metric with only this op quantized.
+      all_but: the metric with every op quantized but this one.
+
     >>> import jqt
     >>> jqt.SensitivityRow(key="params/Dense_0/kernel", alone=0.95, all_but=0.98).alone
     0.95
@@ -192,6 +197,12 @@ class SensitivityRow(NanEqual):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Sensitivity(NanEqual):
     """What :func:`jqt.sensitivity` returns; ``rows`` are ranked, most harmful first.
+
+    Attributes:
+      rows: a :class:`jqt.SensitivityRow` per quantized op, most harmful first.
+      float_metric: the metric of ``f`` itself.
+      quantized_metric: the metric with every op quantized.
+      higher_is_better: as passed (``False``: the metric is an error).
 
     >>> import jqt
     >>> s = jqt.Sensitivity(rows=(jqt.SensitivityRow("a", 0.9, 0.99),), float_metric=0.99,

@@ -2410,6 +2410,15 @@ def test_config_values_are_canonical():
     assert C.Entropy(stride=jnp.asarray(4)) == C.Entropy(stride=4)
     with pytest.raises(ValueError, match="momentum"):
         C.MovingAverage(momentum=jnp.asarray(1.5))
+
+    @dataclasses.dataclass(frozen=True)
+    class Halved(C.Percentile):  # a user's field set after the base class's check
+        half: float = dataclasses.field(init=False, repr=False)
+
+        def __post_init__(self):
+            super().__post_init__()
+            object.__setattr__(self, "half", self.percentile / 2)
+    assert Halved(jnp.asarray(99.0)).half == 49.5
     # a rule's ops in jqt's order, each once
     a = jqt.Rule(ops=("gather", "dot_general"))
     assert a == jqt.Rule(ops=["dot_general", "gather", "gather"]) and hash(a) == hash(
@@ -2424,3 +2433,26 @@ def test_a_calibrator_class_in_place_of_one_says_make_one():
         jqt.Rule(calibrator=jqt.calibrators.Entropy)
     with pytest.raises(TypeError, match=r"the class itself: make one, WeightMSE\(\)"):
         jqt.recipes.w8a8(weight_calibrator=jqt.calibrators.WeightMSE)
+
+
+def test_a_rule_of_every_key_with_act_x_act_only_says_it_keeps_the_dense_layers_float():
+    """Rule(ops=("dot_general",), act_x_act=...) ahead of a preset decides every dense
+    layer too, which then stays float: warned, as the same rule with a key of its own
+    was (a rule of every key was taken for a preset's and said nothing; hunt79_mixedformats)."""
+    def f(p, x):
+        q, k = x @ p["wq"], x @ p["wk"]
+        return jnp.einsum("btd,bsd->bts", q, k)
+    rng = np.random.default_rng(4)
+    p = {n: jnp.asarray(rng.standard_normal((8, 8)), jnp.float32) for n in ("wq", "wk")}
+    x = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+    dyn = jqt.QuantType(bits=8, dynamic=True)
+    recipe = jqt.Recipe(rules=(jqt.Rule(ops=("dot_general",), act_x_act=dyn),)
+                        + jqt.recipes.w8a8().rules)
+    with pytest.warns(UserWarning, match=r"rule 0 .*decides 2 op\(s\) that take none of its "
+                                         r"types.*'wq' \(weight=\), 'wk' \(weight=\)"):
+        qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    assert qp["wq"].is_float and "sets no weight=" in qp["wq"].note
+    # a preset's own rule (every key, a weight type) says nothing of the ops it decides
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)

@@ -1371,9 +1371,12 @@ def _empty_key_hint(rules, among):
 
 
 def _typed(rule):
-    """Whether ``rule`` has a key of its own and gives some type (one that gives none keeps
-    its ops float, as meant: ``jqt.fallback``'s)."""
-    return rule.key != ".*" and any(getattr(rule, t) is not None for t in TYPE_FIELDS)
+    """Whether ``rule`` gives some type (one that gives none keeps its ops float, as meant:
+    ``jqt.fallback``'s) and has a key of its own or gives no ``weight=`` (a rule of every
+    key that gives one is a preset's; one that gives only ``act_x_act=``, ``embedding=``
+    or ``kv_cache=`` decides every weight op it matches, ahead of the rules after it)."""
+    return (rule.key != ".*" or rule.weight is None) and any(
+        getattr(rule, t) is not None for t in TYPE_FIELDS)
 
 
 def _named(rule):

@@ -247,7 +247,9 @@ class _Histogram(Calibrator):
     bins: int
 
     def __post_init__(self):
-        _plain(self, *(f.name for f in dataclasses.fields(self)))  # (a subclass's fields too)
+        # (jqt's own fields: a subclass's may be set after this, init=False)
+        _plain(self, *(n for n in ("bins", "percentile", "candidates", "min_ratio", "stride")
+                       if hasattr(self, n)))
         if not _is_int(self.bins) or self.bins < 64 or self.bins % 2:
             raise ValueError(f"{type(self).__name__}(bins={self.bins!r}): expected an even int "
                              ">= 64, e.g. 2048.")

@@ -401,7 +401,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         speed only, not the result; the blocks are unrolled in the compiled program, so
         its compile time grows with ``K / block_size``: a small ``block_size`` (1-16) on a
         wide layer takes ten times the default's compile time or more.
-      damp: added to ``H``'s diagonal, as a fraction of its mean (1%).
+      damp: added to ``H``'s diagonal, as a fraction of its mean (1%), from 0 to 1e6.
       act_order: quantize inputs in order of decreasing ``H_ii`` (the reference's
         ``act_order``; the grid stays the calibrated one).
       keep_zeros: a weight's exact zeros (a pruned weight's, 2:4 or by magnitude) stay
@@ -467,6 +467,12 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
                          "number >= 0 (the fraction of the Hessian's mean diagonal added to it, "
                          "0.01 by default).")
     damp = float(damp)
+    if damp > 1e6:  # the inverse Hessian's factor, ~1/sqrt(damp * mean H_ii), underflowed
+        # float32 (from about 1e76 on): NaN weights, said by no one before jqt.pack
+        raise ValueError(f"jqt.gptq: damp={damp:g}; expected at most 1e6: a damp far above 1 "
+                         "already makes GPTQ plain rounding (the Hessian's coupling drowned), "
+                         "and a huge one overflows its float32 update. For plain rounding, "
+                         "use the qparams jqt.calibrate gave, without jqt.gptq.")
     tree = None
     for i, b in enumerate(each_batch(batches)):
         tree = check_batch(i, b, tree, "jqt.gptq")

@@ -37,12 +37,14 @@ def db(v):
 
 def width(text):
     """The terminal columns ``text`` takes: two for a wide (CJK, full-width) character,
-    none for a combining mark, so that a table's columns line up under any op key.
+    none for a mark drawn on the one before it, a format character (a zero-width joiner)
+    or a Hangul vowel or final consonant of a decomposed syllable, so that a table's
+    columns line up under any op key.
 
-    >>> width("dense"), width("層/kernel"), width("e\u0301")
-    (5, 9, 1)
+    >>> width("dense"), width("層/kernel"), width("e\u0301"), width("\u0e01\u0e31"), width("a\u200db")
+    (5, 9, 1, 1, 2)
     """
-    return sum(0 if unicodedata.combining(c) else
+    return sum(0 if unicodedata.category(c) in ("Mn", "Me", "Cf") or "\u1160" <= c <= "\u11ff" else
                2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 

@@ -226,7 +226,30 @@ def write(path, tensors, header, fmt, version):
     header = dict(header, format=fmt, version=version, encoded=encoded,
                   tensors=tensor_list(tensors))
     meta = {"format": fmt, "version": str(version), "jqt": json.dumps(header)}
-    atomic_write(path, lambda tmp: st.numpy.save_file(stored, tmp, metadata=meta))
+
+    def save(tmp):
+        st.numpy.save_file(stored, tmp, metadata=meta)
+        _sort_header(tmp)
+    atomic_write(path, save)
+
+
+def _sort_header(path):
+    """Rewrites the JSON header of the safetensors file ``path`` with its keys sorted, in
+    place: safetensors writes its metadata entries in a hash map's order, which changes
+    from one save to the next, so the same object gave files of other bytes (checksums
+    and content-addressed caches saw a change). The sorted header is as long as the
+    written one (the same compact JSON, non-ASCII text unescaped); one that is not is
+    left as written."""
+    with open(path, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        raw = fh.read(n)
+        text = raw.decode("utf-8")
+        body = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode("utf-8")
+        body += b" " * (len(raw) - len(body))  # safetensors pads its header with spaces
+        if len(body) == n:
+            fh.seek(8)
+            fh.write(body)
 
 
 def file_path(path, fn, hint="pass the file's path (a str or os.PathLike)") -> str:

@@ -2452,7 +2452,35 @@ def test_a_rule_of_every_key_with_act_x_act_only_says_it_keeps_the_dense_layers_
                                          r"types.*'wq' \(weight=\), 'wk' \(weight=\)"):
         qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
     assert qp["wq"].is_float and "sets no weight=" in qp["wq"].note
-    # a preset's own rule (every key, a weight type) says nothing of the ops it decides
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    # a preset's own rule (every key, a weight type) says nothing of the ops it decides,
+    # nor does one copied with weight=None, which keeps them float as meant (it was told
+    # to fix its key, on a model with an attention product)
+    copied = dataclasses.replace(jqt.recipes.w8().rules[0], weight=None)
+    for r in (jqt.recipes.w8a8(), jqt.Recipe(rules=(copied,))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jqt.calibrate(f, r, p, [(x,)], progress=False)
+
+
+def test_a_rule_with_kv_cache_only_that_decides_weight_ops_says_so():
+    """A rule that sets only kv_cache= and matches the matmuls keeps them float ahead of
+    a preset: named, as a rule with only act_x_act= is (hunt79_review2)."""
+    rng = np.random.default_rng(0)
+    d, t, start = 8, 6, 3
+    p = {"wq": jnp.asarray(rng.standard_normal((d, d)), jnp.float32)}
+
+    def gen(p, kc, h):
+        def body(c):
+            kc, pos, h = c
+            kc = lax.dynamic_update_slice(kc, (h @ p["wq"])[:, None], (0, pos, 0))
+            a = jax.nn.softmax(jnp.einsum("bd,btd->bt", h, kc), -1)
+            return kc, pos + 1, jnp.tanh(jnp.einsum("bt,btd->bd", a, kc))
+        return lax.while_loop(lambda c: c[1] < t, body, (kc, start, h))[2]
+    kc = jnp.asarray(rng.standard_normal((2, t, d)), jnp.float32).at[:, start:].set(0)
+    h = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
+    rule = jqt.Rule(ops=("dot_general", "dynamic_update_slice", "scatter"), kv_cache=True)
+    with pytest.warns(UserWarning, match=r"rule 0 .*decides 1 op\(s\) that take none of its "
+                                         r"types.*'wq' \(weight=\)"):
+        qp = jqt.calibrate(gen, jqt.Recipe(rules=(rule,) + jqt.recipes.w8().rules), p,
+                           [(kc, h)], progress=False)
+    assert qp["wq"].is_float and not qp["kv_cache_0"].is_float

@@ -1029,7 +1029,7 @@ def _warn_untyped(sites, recipe, chosen):
         copied = r.embedding is not None or (r.act_x_act is None and r.kv_cache is None)
 
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
-            if f == "weight" and (copied if not typed else r.act_x_act is None and not (
+            if f == "weight" and (copied if not typed else r.act_x_act is None and r.kv_cache is None and not (
                     s.source is not None and s.source.path in tables)):
                 return None  # (a rule for attention's products, act_x_act=, is what takes the
             # projections under its key unmeant, also where its key matches no product (the
@@ -1048,7 +1048,9 @@ def _warn_untyped(sites, recipe, chosen):
         # it decides would be float anyway
         # (not for weight ops a rule with weight=None keeps float as meant, as instead())
         meant = [s for s in decided if field(s) != "weight" or r.weight is not None or not copied]
-        unused = [f for f in TYPE_FIELDS if getattr(r, f) is not None] if not typed and meant else []
+        # (a rule of every key: no key to fix)
+        unused = [f for f in TYPE_FIELDS if getattr(r, f) is not None] \
+            if not typed and meant and r.key != ".*" else []
         if not (untyped or unused):
             continue
         weights = [s.key for s in sites if field(s) == "weight"][:2]

@@ -229,6 +229,7 @@ def write(path, tensors, header, fmt, version):
 
     def save(tmp):
         st.numpy.save_file(stored, tmp, metadata=meta)
+        _writable(tmp)  # (safetensors made it anew, read-only under a umask of 0o222)
         _sort_header(tmp)
     atomic_write(path, save)
 

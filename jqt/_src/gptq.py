@@ -469,7 +469,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     damp = float(damp)
     if damp > 1e6:  # the inverse Hessian's factor, ~1/sqrt(damp * mean H_ii), underflowed
         # float32 (from about 1e76 on): NaN weights, said by no one before jqt.pack
-        raise ValueError(f"jqt.gptq: damp={damp:g}; expected at most 1e6: a damp far above 1 "
+        raise ValueError(f"jqt.gptq: damp={damp!r}; expected at most 1e6: a damp far above 1 "
                          "already makes GPTQ plain rounding (the Hessian's coupling drowned), "
                          "and a huge one overflows its float32 update. For plain rounding, "
                          "use the qparams jqt.calibrate gave, without jqt.gptq.")

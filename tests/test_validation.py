@@ -2484,3 +2484,21 @@ def test_a_rule_with_kv_cache_only_that_decides_weight_ops_says_so():
         qp = jqt.calibrate(gen, jqt.Recipe(rules=(rule,) + jqt.recipes.w8().rules), p,
                            [(kc, h)], progress=False)
     assert qp["wq"].is_float and not qp["kv_cache_0"].is_float
+
+
+def test_an_activation_zero_whatever_the_data_is_told_it_clips_nothing():
+    """An unrolled RNN's first step reads its zero initial state: the warning of an
+    activation 0 on every batch told the user to calibrate on other data, which cannot
+    help; it now says that where the input is 0 whatever the data, nothing clips
+    (hunt79_kerasmodels)."""
+    p = {"u": jnp.eye(4), "w": jnp.eye(4)}
+
+    def rnn(p, x):  # two steps from h0 = 0
+        h = jnp.zeros((x.shape[0], 4))
+        for t in range(2):
+            h = jnp.tanh(x[:, t] @ p["w"] + h @ p["u"])
+        return h
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, 4)), jnp.float32)
+    with pytest.warns(UserWarning, match=r"op 'u'.*activation was 0 on every calibration batch.*"
+                                         r"0 whatever the data.*nothing clips"):
+        jqt.calibrate(rnn, jqt.recipes.w8a8(), p, [(x,)], progress=False)

@@ -1659,7 +1659,9 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
                     f"'{site.name_stack or '<top>'}'): its activation was 0 on every calibration "
                     "batch, so its static range is empty and any other input clips to it. "
                     "Calibrate on data that reaches it with real values, or use dynamic "
-                    "activations (jqt.recipes.w8a8_dynamic()).", f"'{site.key}'")
+                    "activations (jqt.recipes.w8a8_dynamic()); where it is 0 whatever the data "
+                    "(an RNN's first step from a zero state, unrolled), nothing clips: leave it "
+                    "as it is.", f"'{site.key}'")
             _warn_tiny_act(site, lo, hi, act)
             s, z = nx.params_from_range(lo, hi, act)
             ops[1 - w] = QArray(scale=s, zero_point=z, qtype=act)

@@ -1514,3 +1514,21 @@ def test_conv_kernels_and_tables_read_across_their_last_axis_keep_a_code_per_byt
             assert codes.dtype == np.int8 and codes.shape == w[leaf].shape
             np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp))(packed, a),
                                        jqt.quantize(f, qp, simulate=True)(w, a), rtol=1e-5, atol=1e-5)
+
+
+def test_a_contracted_axis_of_length_1_innermost_does_not_make_groups_of_one():
+    """A weight (K, 1, N) contracted over both leading axes (einsum "bkc,kcn->bn", c = 1)
+    took groups of 1 along its innermost contracted axis: a scale per element, which the
+    size check then kept float. It now gets one scale per output channel, with advice
+    that fits an axis of length 1 (hunt79_fuzzeinsum)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(k1, (4, 32, 1))
+    p = {"w": jax.random.normal(k2, (32, 1, 8)) / 6}
+    f = lambda p, x: jnp.einsum("bkc,kcn->bn", x, p["w"])
+    for recipe in (jqt.recipes.w4(group_size=8), jqt.recipes.nf4(group_size=8)):
+        with pytest.warns(UserWarning, match=r"An axis of length 1 takes no groups"):
+            qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+        q = qp["w"].rhs
+        assert q is not None and q.qtype.group_size == 0 and q.qtype.per_channel
+        got = jqt.quantize(f, qp)(jqt.pack(qp, p), x)
+        np.testing.assert_allclose(got, jqt.quantize(f, qp, simulate=True)(p, x), rtol=1e-5, atol=1e-5)

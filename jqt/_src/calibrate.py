@@ -1625,7 +1625,11 @@ def _decide(site, rule, st, leaf_dtypes, broad=True):
             else:
                 why = (f"groups run along axis {ax % len(shape)} of the weight ({where}), and "
                        f"{wt.group_size} does not divide its length {shape[ax % len(shape)]}")
-                fix = f"Pick a group size that divides it, or a Rule for this key{longer}."
+                fix = (f"Pick a group size that divides it, or a Rule for this key{longer}."
+                       if shape[ax % len(shape)] > 1 else
+                       "An axis of length 1 takes no groups: squeeze it out of the weight, or "
+                       "lay the weight out with it ahead of the axis to group (groups run along "
+                       "the innermost contracted axis).")
             diagnostics.warn_grouped(("groups", why), f"{cannot} ({why}); it gets {unit}. {fix}",
                                      f"'{site.key}'")
     scale, zp = nx.params_from_range(st.weight["min"], st.weight["max"], eff)

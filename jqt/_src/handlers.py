@@ -104,7 +104,9 @@ def weight_qtype(site, qtype, shape):
         return qtype
     n = shape[ax % len(shape)] if ax is not None else 0
     contract = site.contract[site.weight_operand] if site.weight_operand is not None else ()
-    if len(contract) > 1 and n and (qtype.group_size % n == 0 or site.op == "gather") \
+    # (n > 1: groups of 1 along a contracted axis of length 1, kcn with c = 1, were one
+    # scale per element, which calibrate's size check then kept float)
+    if len(contract) > 1 and n > 1 and (qtype.group_size % n == 0 or site.op == "gather") \
             and math.prod(shape[a] for a in contract) > qtype.group_size:
         # (a lookup of whole matrices, experts gathered per token: one group per row of
         # each, whatever its length, rather than one scale per matrix)

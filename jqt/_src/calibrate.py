@@ -1029,8 +1029,9 @@ def _warn_untyped(sites, recipe, chosen):
         copied = r.embedding is not None or (r.act_x_act is None and r.kv_cache is None)
 
         def instead(s, f):  # the type the op would have taken without this rule: a later rule's,
-            if f == "weight" and (copied if not typed else r.act_x_act is None and r.kv_cache is None and not (
-                    s.source is not None and s.source.path in tables)):
+            if f == "weight" and (copied if not typed else
+                                  r.act_x_act is None and r.kv_cache is None and not (
+                                      s.source is not None and s.source.path in tables)):
                 return None  # (a rule for attention's products, act_x_act=, is what takes the
             # projections under its key unmeant, also where its key matches no product (the
             # products' keys are their einsum specs, "btd,bsd->bts"), and one whose

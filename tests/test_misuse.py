@@ -719,7 +719,7 @@ def test_a_preset_refuses_a_bad_group_size_naming_its_own_argument():
     for name, kw in (("w8a8", {"act_symmetric": "yes"}), ("w4", {"symmetric": None}),
                      ("w4a8", {"per_channel": "no"}), ("w4a8", {"symmetric": 1})):
         (k, v), = kw.items()
-        with pytest.raises(TypeError, match=re.escape(f"{k}={v!r}: expected True or False")):
+        with pytest.raises(TypeError, match="^" + re.escape(f"jqt.recipes.{name}({k}={v!r}): expected True or False")):
             getattr(jqt.recipes, name)(**kw)
     for kw in ({"calibrator": False}, {"weight_calibrator": 0}):
         with pytest.raises(TypeError, match=re.escape(f"Rule({next(iter(kw))}={next(iter(kw.values()))!r})")):

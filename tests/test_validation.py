@@ -1405,20 +1405,20 @@ def test_recipe_arguments_of_the_wrong_type_are_refused():
         jqt.Rule(weight="int8")
     with pytest.raises(ValueError, match=r"QuantType\(group_size=True\)"):
         jqt.QuantType(bits=4, group_size=True)
-    with pytest.raises(TypeError, match=r"embeddings='int4': expected True"):
+    with pytest.raises(TypeError, match=r"^jqt\.recipes\.w8\(embeddings='int4'\): expected True"):
         jqt.recipes.w8(embeddings="int4")
     # the cache names the presets take, on a rule too
     assert jqt.Rule(kv_cache="int4").kv_cache == jqt.recipes.w8(kv_cache="int4").rules[0].kv_cache
     assert jqt.Rule(kv_cache=False).kv_cache is None
     # the outlier switches take booleans: a string was truthy (rotate="false" rotated every
     # op), a number ran AWQ (awq=0.5 meant as SmoothQuant's alpha)
-    with pytest.raises(TypeError, match=r"Rule\(rotate='false'\): expected True or False"):
+    with pytest.raises(TypeError, match=r"^jqt\.recipes\.w4a8\(rotate='false'\): expected True or False"):
         jqt.recipes.w4a8(rotate="false")
-    with pytest.raises(TypeError, match=r"Rule\(awq=0.5\): expected True or False \(SmoothQuant's alpha is smooth="):
+    with pytest.raises(TypeError, match=r"^jqt\.recipes\.w4\(awq=0.5\): expected True or False \(SmoothQuant's alpha is smooth="):
         jqt.recipes.w4(awq=0.5)
     with pytest.raises(TypeError, match=r"Rule\(key=None\): expected a regular expression string"):
         jqt.Rule(key=None)
-    with pytest.raises(ValueError, match=r"Rule\(smooth='abc'\): SmoothQuant's alpha is a number"):
+    with pytest.raises(ValueError, match=r"^jqt\.recipes\.w8a8\(smooth='abc'\): SmoothQuant's alpha is a number"):
         jqt.recipes.w8a8(smooth="abc")
     assert jqt.recipes.w4(awq=np.bool_(True)).rules[0].awq
     # fp8's dtypes are named by fp8 (a Rule's error about integer kernels named neither), and
@@ -1832,9 +1832,18 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused_where_they_are_
          r"narrow_range drops the most negative integer code"),
         (lambda: dataclasses.replace(jqt.recipes.INT8_WEIGHT, bits=4), ValueError,
          r"dataclasses.replace\(t, bits=4\) needs dtype=None"),
-        (lambda: jqt.recipes.nf4(embeddings="no"), TypeError, r"embeddings='no': expected True"),
-        (lambda: jqt.recipes.fp8(dynamic="no"), TypeError, r"dynamic='no': expected True"),
-        (lambda: jqt.recipes.w8a8_dynamic(act_x_act=None), TypeError, r"act_x_act=None: expected True"),
+        (lambda: jqt.recipes.nf4(embeddings="no"), TypeError, r"^jqt\.recipes\.nf4\(embeddings='no'\): expected True"),
+        (lambda: jqt.recipes.fp8(dynamic="no"), TypeError, r"^jqt\.recipes\.fp8\(dynamic='no'\): expected True"),
+        (lambda: jqt.recipes.w8a8_dynamic(act_x_act=None), TypeError,
+         r"^jqt\.recipes\.w8a8_dynamic\(act_x_act=None\): expected True"),
+        # the preset's errors name the preset, not the Rule it builds (hunt79_apisurface)
+        (lambda: jqt.recipes.w4(awq="yes"), TypeError, r"^jqt\.recipes\.w4\(awq='yes'\): expected True or False\.$"),
+        (lambda: jqt.recipes.w4(awq={"a": 1}), TypeError, r"^jqt\.recipes\.w4\(awq=\{'a': 1\}\): expected True"),
+        (lambda: jqt.recipes.nf4(rotate=1), TypeError, r"^jqt\.recipes\.nf4\(rotate=1\): expected True"),
+        (lambda: jqt.recipes.w8a8(smooth=2.0), ValueError, r"^jqt\.recipes\.w8a8\(smooth=2\.0\): SmoothQuant's alpha"),
+        (lambda: jqt.recipes.w8(weight_calibrator=C.WeightMinMax), TypeError,
+         r"^jqt\.recipes\.w8\(weight_calibrator=<class .*WeightMinMax'>\): expected a .*make one"),
+        (lambda: jqt.recipes.w4(kv_cache="int3"), ValueError, r"^jqt\.recipes\.w4\(kv_cache='int3'\): use True"),
         (lambda: jqt.Rule(ops=("gather",), weight=jqt.QuantType(bits=4)), ValueError,
          r"takes its type from embedding=, not weight="),
         # a cache write's rule with weight= was accepted, and it kept the preset's cache float
@@ -2117,7 +2126,7 @@ def test_w4a8_refuses_groups_with_per_channel_false():
     with pytest.raises(ValueError, match=r"w4a8\(group_size=32, per_channel=False\): groups lie within"):
         jqt.recipes.w4a8(per_channel=False, group_size=32)
     assert jqt.recipes.w4a8(per_channel=False).rules[0].weight.describe() == "int4 sym per-tensor"
-    with pytest.raises(TypeError, match=r"per_channel='no': expected True or False"):
+    with pytest.raises(TypeError, match=r"^jqt\.recipes\.w4a8\(per_channel='no'\): expected True or False"):
         jqt.recipes.w4a8(per_channel="no", group_size=32)
 
 

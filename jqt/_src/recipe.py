@@ -10,6 +10,7 @@ no rule matches stays float, and :func:`jqt.calibrate` says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import re
 from typing import Optional
@@ -426,6 +427,26 @@ def _groups(preset, v):
     return v or 0
 
 
+def _preset(fn):
+    """A preset whose argument errors name it: ``Rule(awq='yes'): ...`` (the rule it builds)
+    or ``awq='yes': ...`` (its own checks) read ``jqt.recipes.w4(awq='yes'): ...``."""
+    @functools.wraps(fn)
+    def preset(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            m = re.match(r"(Rule\()?(\w+)=", str(e))
+            if m is None or m.group(2) not in kwargs or len(e.args) != 1:
+                raise
+            v = repr(kwargs[m.group(2)]) + (")" if m.group(1) else "")
+            rest = str(e)[m.end():]
+            if not rest.startswith(v):  # a value the preset made from the argument
+                raise
+            raise type(e)(f"jqt.recipes.{fn.__name__}({m.group(2)}={v}{'' if m.group(1) else ')'}"
+                          f"{rest[len(v):]}").with_traceback(e.__traceback__) from e.__cause__
+    return preset
+
+
 def _flag(name, v):
     """A preset's boolean argument ``name``, checked (``None`` or ``"no"`` are not taken by
     their truth value)."""
@@ -454,6 +475,7 @@ def symmetric_convs(rule: Rule) -> tuple:
     return (conv, rule)
 
 
+@_preset
 def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool = True,
          calibrator=None, weight_calibrator=None, smooth: Optional[float] = None,
          rotate: bool = False, kv_cache=False, accumulator: int = 32) -> Recipe:
@@ -483,6 +505,7 @@ def w8a8(*, act_symmetric: bool = False, group_size: int = 0, embeddings: bool =
                               accumulator=accumulator, **_cal(calibrator, weight_calibrator)),))
 
 
+@_preset
 def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_calibrator=None,
                  smooth: Optional[float] = None, rotate: bool = False, kv_cache=False,
                  accumulator: int = 32) -> Recipe:
@@ -505,6 +528,7 @@ def w8a8_dynamic(*, act_x_act: bool = False, embeddings: bool = True, weight_cal
                               accumulator=accumulator, **_cal(None, weight_calibrator)),))
 
 
+@_preset
 def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, awq: bool = False,
        rotate: bool = False,
         kv_cache=False) -> Recipe:
@@ -523,6 +547,7 @@ def w8(*, group_size: int = 0, embeddings: bool = True, weight_calibrator=None, 
                               **_cal(None, weight_calibrator)),))
 
 
+@_preset
 def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None,
         kv_cache=False) -> Recipe:
     """int8 per-channel weights, int16 symmetric static per-tensor activations.
@@ -539,6 +564,7 @@ def w8a16(*, embeddings: bool = True, calibrator=None, weight_calibrator=None,
                               embedding=_embedding(embeddings, 8), **_cal(calibrator, weight_calibrator)),))
 
 
+@_preset
 def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = True,
          embeddings: bool = True, calibrator=None, weight_calibrator=None,
          smooth: Optional[float] = None, awq: bool = False, rotate: bool = False,
@@ -574,6 +600,7 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
                               **_cal(calibrator, weight_calibrator, WEIGHT_MSE_4BIT))))
 
 
+@_preset
 def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True,
        weight_calibrator=None, awq: bool = False, rotate: bool = False,
         kv_cache=False) -> Recipe:
@@ -603,6 +630,7 @@ def w4(*, group_size: int = 128, symmetric: bool = True, embeddings: bool = True
                               **_cal(None, weight_calibrator, WEIGHT_MSE_4BIT))))
 
 
+@_preset
 def nf4(*, group_size: int = 64, embeddings: bool = True, weight_calibrator=None,
         awq: bool = False, rotate: bool = False,
         kv_cache=False) -> Recipe:
@@ -638,6 +666,7 @@ def _fp8_type(name, v, **kw):
     return t
 
 
+@_preset
 def fp8(*, dynamic: bool = False, weight_dtype: str = "float8_e4m3fn",
         act_dtype: str = "float8_e4m3fn", embeddings: bool = True, calibrator=None,
         weight_calibrator=None, smooth: Optional[float] = None, rotate: bool = False,

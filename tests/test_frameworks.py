@@ -620,6 +620,31 @@ def test_equinox_state_a_model_sets_is_returned_as_equinox_returns_it():
     np.testing.assert_allclose(y, y_sim, rtol=1e-5, atol=1e-6)
 
 
+def test_an_equinox_spectral_norm_layer_is_named_with_its_fix():
+    """``eqx.nn.SpectralNorm`` divides the weight by ``sigma`` from the state argument, data
+    to jqt: the layer's matmul stays float with the warning of a weight combined with data,
+    which spoke only of NoisyNet and DropConnect and gave no advice that fits: fold the
+    normalization (docs/supported-ops.md; hunt79_flaxstateful)."""
+    class Net(eqx.Module):
+        lin: eqx.nn.SpectralNorm
+
+        def __init__(self, key):
+            self.lin = eqx.nn.SpectralNorm(eqx.nn.Linear(16, 8, key=key), "weight", key=key)
+
+        def __call__(self, x, state):
+            return self.lin(x, state)
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    f = lambda params, state, x: eqx.combine(params, static)(x, state)
+    x = jax.random.normal(jax.random.key(1), (16,))
+    with pytest.warns(UserWarning, match=r"(?s)reads weight 'lin/layer/weight' combined .*"
+                      r"Equinox SpectralNorm's W / sigma.*fold a normalization by a state value"):
+        qp = jqt.calibrate(f, jqt.recipes.w8(), params, [(state, x)], progress=False)
+    assert "eqx.nn.SpectralNorm/eqx.nn.Linear/dot_general_0" in qp  # float: an act x act op
+    assert qp["eqx.nn.SpectralNorm/eqx.nn.Linear/dot_general_0"].is_float
+
+
 def test_a_returned_state_with_a_non_array_field_comes_back_as_it_is():
     """A decode step returning an Equinox cache whose plain field holds a dtype: the leaf
     reaches f as it is (guarantees.md, non-array arguments), but as an output it crashed

@@ -67,15 +67,17 @@ _WEIGHTS_READ_AS_DATA = (
      "the model allows: lax.cond(pred, lambda x: x @ a, lambda x: x @ b, x), or "
      "jnp.where(pred, x @ a, x @ b); each weight is then an op's own."),
     ("mixed", "combined elementwise with the data (NoisyNet's mu + sigma * noise, "
-     "DropConnect's w * mask, w / temperature) or edited with it (rows set or added from "
+     "DropConnect's w * mask, w / temperature, Equinox SpectralNorm's W / sigma with sigma "
+     "from its state argument) or edited with it (rows set or added from "
      "the data: w.at[i].set(v), a dynamic_update_slice, segment_sum(w, seg)): "
      "jqt quantizes a weight as params hold it (or as f computes it from params alone), and "
      "takes such a value for an activation",
      "Apply the data to the op's input or output instead where the model allows "
      "(x @ mu + x @ (sigma * noise) quantizes x @ mu; (x @ w) / t), edit the weight in the "
      "params before calling f where the edit is fixed (added tokens: "
-     "params['emb'].at[i].set(v) outside f), or quantize the model without the noise or "
-     "mask, as it runs at inference."),
+     "params['emb'].at[i].set(v) outside f), fold a normalization by a state value into the "
+     "params (the weights W / sigma computed once and stored in plain layers), or quantize "
+     "the model without the noise or mask, as it runs at inference."),
     ("windowed", "through a window of its rows at a data index (lax.dynamic_slice_in_dim(w, "
      "l * d, d): layers stored flat, read in a loop), which jqt quantizes as a lookup of "
      "those rows (a learned positional table's window), not as this op's weight",

@@ -640,6 +640,86 @@ def test_the_cached_library_is_rebuilt_when_damaged_and_readable_by_others(tmp_p
     assert not (tmp_path / "~").exists()
 
 
+@needs_kernel
+def test_a_library_cut_short_or_unreadable_is_told_apart_before_dlopen(tmp_path, monkeypatch):
+    """``dlopen`` of a library cut short kills the process with SIGBUS: a cached one with no
+    digest beside it was loaded unchecked where the rebuild failed; and a cache this user
+    cannot read (a container's user under root's 0700 home) raised a bare PermissionError
+    out of native_status and every packed few-row matmul (hunt80_nativebuild)."""
+    data = open(jqt.native_status().library, "rb").read()
+    whole = tmp_path / "whole.so"
+    whole.write_bytes(data)
+    assert nativelib._elf_whole(whole)
+    for cut in (0, 63, 20000, len(data) // 2, len(data) - 1):
+        whole.write_bytes(data[:cut])
+        assert not nativelib._elf_whole(whole), cut
+
+    def unreadable(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(type(tmp_path), "exists", unreadable)
+    with pytest.raises(nativelib._BuildError, match=r"could not read the cached library .*x\.so: "
+                       r".*Permission denied.*set JQT_CACHE_DIR to a folder of your own"):
+        nativelib._intact(tmp_path / "x.so")
+
+
+@pytest.mark.slow  # subprocesses that build the kernel: CI
+def test_what_a_failed_rebuild_leaves_is_not_loaded_unchecked(tmp_path):
+    """A compiler that exits 0 without a library (``CXX=true``) or with one that does not
+    load (``CXX=gcc``: no C++ runtime) had its output cached, and the message's advice,
+    delete it, rebuilt the same; a cached library with no digest, cut short, was loaded
+    where the rebuild failed (SIGBUS), and another library under its name raised
+    AttributeError (hunt80_nativebuild)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the build is only tried on x86-64")
+    code = "import warnings, jqt\nwarnings.simplefilter('ignore')\nprint(jqt.native_status().reason)"
+    run = lambda cache, **e: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+        env={**{k: v for k, v in os.environ.items() if k != "JQT_NATIVE"}, "JQT_CACHE_DIR": str(cache),
+             "JAX_PLATFORMS": "cpu", **e})
+    true = shutil.which("true") or "/bin/true"
+    (tmp_path / "t").mkdir()
+    out = run(tmp_path / "t", CXX=true)
+    assert out.returncode == 0 and "exited 0 but wrote no whole shared library (0 bytes): is $CXX " \
+        "a C++ compiler" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert os.listdir(tmp_path / "t") == []  # nothing cached
+    if shutil.which("gcc"):
+        out = run(tmp_path / "t", CXX="gcc")
+        assert out.returncode == 0 and "exited 0 but built a library that does not load (" in out.stdout \
+            and "undefined symbol" in out.stdout, out.stdout + out.stderr[-2000:]
+        assert os.listdir(tmp_path / "t") == []
+    # a build killed before its finally ran (SIGKILL) left its temporary file for good: a
+    # later build removes those older than any build still running (hunt80_concurrency)
+    (tmp_path / "good").mkdir()
+    dead, live = tmp_path / "good" / ".grouped_gemv-0.dead.tmp", tmp_path / "good" / ".grouped_gemv-0.live.tmp"
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    os.utime(dead, (dead.stat().st_atime, dead.stat().st_mtime - 7200))
+    out = run(tmp_path / "good")
+    assert out.returncode == 0 and "built with" in out.stdout, out.stderr[-2000:]
+    assert not dead.exists() and live.exists()
+    live.unlink()
+    lib = next((tmp_path / "good").glob("grouped_gemv-*.so"))
+    data = lib.read_bytes()
+    os.unlink(f"{lib}.sha256")  # as an earlier jqt left it
+    bad = tmp_path / "badinc"  # the rebuild fails under the same cache key
+    bad.mkdir()
+    (bad / "cstdint").write_text("#error a broken toolchain\n")
+    lib.write_bytes(data[:20000])
+    out = run(tmp_path / "good", CPLUS_INCLUDE_PATH=str(bad))
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7: SIGBUS
+    assert f"the cached library {lib} is cut short" in out.stdout, out.stdout
+    zlib = next((p for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64")
+                 for p in sorted(__import__("glob").glob(f"{d}/libz.so*"))), None)
+    if zlib is not None:  # another whole library under its name
+        shutil.copyfile(zlib, lib)
+        out = run(tmp_path / "good", CPLUS_INCLUDE_PATH=str(bad))
+        assert out.returncode == 0 and f"{lib} is not a library of jqt's kernels" in out.stdout, \
+            out.stdout + out.stderr[-2000:]
+    lib.write_bytes(data)  # whole, with no digest: loaded as it is
+    out = run(tmp_path / "good", CPLUS_INCLUDE_PATH=str(bad))
+    assert out.returncode == 0 and "built with" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 # ---- layers of stacked weights read in place (``layerview.py``, ``native_in_place``) -------------
 
 COPIED = dataclasses.replace(CPU, native_in_place=False)

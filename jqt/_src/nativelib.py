@@ -22,9 +22,11 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -84,7 +86,10 @@ def native_status() -> NativeStatus:
     with _lock:
         if _status is None:
             try:
-                _status = _build()
+                try:
+                    _status = _build()
+                except OSError as e:  # a cache this user cannot read, ...: XLA programs run
+                    raise _BuildError(f"{e} (set JQT_CACHE_DIR to a folder of your own)") from e
             except _BuildError as e:  # a compiler is there, but the build or load failed
                 _status = NativeStatus(False, str(e))
                 diagnostics.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
@@ -116,7 +121,7 @@ def _compiler():
 
 def _cache_dir() -> Path:
     if os.environ.get("JQT_CACHE_DIR"):  # "~/..." from a Dockerfile ENV or os.environ: the home
-        return Path(os.environ["JQT_CACHE_DIR"]).expanduser()
+        return Path(os.environ["JQT_CACHE_DIR"]).expanduser().absolute()  # (after a chdir too)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jqt"
 
@@ -130,13 +135,34 @@ def _intact(lib: Path):
     written beside it): ``False`` where it is missing or differs (cut short by a copy or a
     crash: ``dlopen`` of a truncated library kills the process with SIGBUS), ``None``
     where it exists without a recorded digest (built by an earlier jqt)."""
-    if not lib.exists():
-        return False
     try:
-        want = _digest_path(lib).read_text().strip()
-    except OSError:
-        return None
-    return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+        if not lib.exists():
+            return False
+        try:
+            want = _digest_path(lib).read_text().strip()
+        except OSError:
+            return None
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError as e:  # another user's cache (a container's root home, a 0600 library)
+        raise _BuildError(f"could not read the cached library {lib}: {e} (set JQT_CACHE_DIR to "
+                          "a folder of your own, or JQT_NATIVE=0 to skip the build)") from e
+
+
+def _elf_whole(path) -> bool:
+    """Whether ``path`` is a whole 64-bit little-endian ELF file: its header tables and the
+    segments they place lie within it (``dlopen`` of one cut short kills the process with
+    SIGBUS, where a load error could be caught)."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
+        return False
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
+    if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data) \
+            or phentsize < 40:
+        return False
+    return all(sum(struct.unpack_from("<QQQQ", data, phoff + i * phentsize + 8)[::3]) <= len(data)
+               for i in range(phnum))  # p_offset + p_filesz
 
 
 def _umask() -> int:
@@ -156,24 +182,28 @@ def _umask() -> int:
 
 def _compile(cxx, flags, include, lib):
     """Compiles ``SOURCE`` into ``lib`` through a temporary file in its folder (removed
-    whatever happens), renamed into place: concurrent builders each write their own. The
+    whatever happens; one a killed build left, ``.grouped_gemv-*.tmp``, by a later build once
+    older than the compile's time limit), renamed into place: concurrent builders each write
+    their own. The
     library gets the modes of a plain ``c++ -o`` under the umask (``mkstemp`` makes 0600
     files, which other users could not load from a shared cache), and its SHA-256 beside it
     (:func:`_intact`)."""
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        _sweep(lib.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{lib.stem}.", suffix=".tmp", dir=lib.parent)
         os.close(fd)
     except OSError as e:
         raise _BuildError(f"could not write into {lib.parent}: {e} (set JQT_CACHE_DIR to a "
                           "writable directory)") from e
     try:
         run = subprocess.run([*cxx, *flags, "-I", include, str(SOURCE), "-o", tmp],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=_TIME_LIMIT)
         if run.returncode:
             tail = (run.stderr or run.stdout).strip().splitlines()[-5:] or [
                 f"it exited with status {run.returncode} and printed nothing (is $CXX a C++ compiler?)"]
             raise _BuildError(f"{' '.join(cxx)} failed to build {SOURCE}: " + " | ".join(tail))
+        _loads(cxx, tmp)  # before it is cached: a rebuild would write the same library
         os.chmod(tmp, 0o777 & ~_umask())
         digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, lib)
@@ -186,13 +216,40 @@ def _compile(cxx, flags, include, lib):
             os.unlink(tmp)
 
 
+_TIME_LIMIT = 600  # seconds a build may take
+
+
+def _sweep(folder):
+    """Removes the temporary files of builds killed before their ``finally`` ran (SIGKILL:
+    an out-of-memory kill, a CI timeout): those older than any build still running."""
+    for f in Path(folder).glob(".grouped_gemv-*.tmp"):
+        try:
+            if time.time() - f.stat().st_mtime > 2 * _TIME_LIMIT:
+                f.unlink()
+        except OSError:  # another process's sweep, or not ours to remove
+            pass
+
+
+def _loads(cxx, tmp):
+    """Refuses what a compiler that exited 0 wrote, where it is no library of jqt's kernels
+    (``CXX=true`` writes nothing; ``CXX=gcc`` links no C++ runtime: undefined symbols)."""
+    what = f"{' '.join(cxx)} exited 0 but"
+    fix = "is $CXX a C++ compiler (g++, clang++)? Or set JQT_NATIVE=0 to skip the build"
+    if not _elf_whole(tmp):
+        raise _BuildError(f"{what} wrote no whole shared library ({os.path.getsize(tmp)} bytes): {fix}")
+    try:
+        ctypes.CDLL(tmp).jqt_native_isa  # noqa: B018 (the lookup is the check)
+    except (OSError, AttributeError) as e:
+        raise _BuildError(f"{what} built a library that does not load ({e}): {fix}") from None
+
+
 ISA_CHOICES = ("avx2", "avx512")  # JQT_NATIVE_ISA: the vector width of the kernels' loops
 
 
 def _build() -> NativeStatus:
     flag = os.environ.get("JQT_NATIVE", "1").strip().lower()
     if flag in ("0", "false", "no", "off"):
-        return NativeStatus(False, "disabled by JQT_NATIVE=0")
+        return NativeStatus(False, f"disabled by JQT_NATIVE={os.environ['JQT_NATIVE']}")
     if flag not in ("", "1", "true", "yes", "on"):
         diagnostics.warn(f"jqt: JQT_NATIVE={os.environ['JQT_NATIVE']!r} is neither off (0, false, "
                          "no, off) nor on (1, true, yes, on): the native kernels stay on. Set "
@@ -210,31 +267,40 @@ def _build() -> NativeStatus:
                                    "install one (e.g. apt install g++) to build the kernel")
     include = jax.ffi.include_dir()
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w"]
+    headers = [h.read_bytes() for h in sorted(Path(include, "xla", "ffi", "api").glob("*.h"))]
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
                                      " ".join(cxx).encode(), " ".join(flags).encode(),
-                                     include.encode()])).hexdigest()[:16]
+                                     include.encode(), *headers])).hexdigest()[:16]
     lib = _cache_dir() / f"grouped_gemv-{key}.so"
     intact = _intact(lib)
     if not intact:
         try:
             _compile(cxx, flags, include, lib)
-        except _BuildError:
+        except _BuildError as e:
             if intact is not None:  # missing or damaged: nothing to load
                 raise
-            # an earlier jqt's library in a folder this process cannot write: loaded as it is
+            # an earlier jqt's library in a folder this process cannot write: loaded as it
+            # is, where it is whole (dlopen of one cut short kills the process with SIGBUS)
+            if not _elf_whole(lib):
+                raise _BuildError(f"the cached library {lib} is cut short (no digest beside it "
+                                  f"to check), and building it again failed: {e}") from None
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
         raise _BuildError(f"could not load {lib}: {e} (delete it to have it built again, or "
                           "set JQT_CACHE_DIR to a folder of your own)") from e
-    isa = handle.jqt_native_isa()
-    if isa < 2:
-        return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
-    jax.ffi.register_ffi_target(GROUPED, jax.ffi.pycapsule(handle.JqtGroupedGemv), platform="cpu")
-    jax.ffi.register_ffi_target(CHANNEL, jax.ffi.pycapsule(handle.JqtChannelGemv), platform="cpu")
-    jax.ffi.register_ffi_target(CHANNEL_KN, jax.ffi.pycapsule(handle.JqtChannelGemvKn), platform="cpu")
-    jax.ffi.register_ffi_target(FP8_KN, jax.ffi.pycapsule(handle.JqtFp8GemvKn), platform="cpu")
-    jax.ffi.register_ffi_target(DECODE, jax.ffi.pycapsule(handle.JqtNibbleDecode), platform="cpu")
+    try:
+        isa = handle.jqt_native_isa()
+        if isa < 2:
+            return NativeStatus(False, "this CPU has no AVX2 + FMA, which the kernel needs")
+        targets = {GROUPED: handle.JqtGroupedGemv, CHANNEL: handle.JqtChannelGemv,
+                   CHANNEL_KN: handle.JqtChannelGemvKn, FP8_KN: handle.JqtFp8GemvKn,
+                   DECODE: handle.JqtNibbleDecode}
+    except AttributeError as e:  # another library under its name (no digest to tell)
+        raise _BuildError(f"{lib} is not a library of jqt's kernels ({e}): delete it to have it "
+                          "built again, or set JQT_CACHE_DIR to a folder of your own") from None
+    for name, fn in targets.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
     # AVX-512 where the CPU has it (F + BW) and JQT_NATIVE_ISA is not "avx2", for the 4-bit
     # and (K, N) int8 / fp8 kernels and the 4-bit decode: the same numbers as their AVX2 loops
     kind = "AVX-512" if isa == 3 else "AVX2"

@@ -354,6 +354,11 @@ def test_a_bytes_path_works_as_a_str(tmp_path, models):
     with pytest.raises(TypeError, match=r"jqt.save_packed: path is a PackedParams; call "
                                         r"jqt.save_packed\(path, packed, qparams\), the path first"):
         jqt.save_packed(packed, str(tmp_path / "x.safetensors"))
+    # jqt.save of packed weights (an AQT SERVE checkpoint's analogue) named no way to save
+    # them (hunt80_comingfrom)
+    with pytest.raises(TypeError, match=r"jqt.save: qparams is a PackedParams; .* Packed weights are "
+                                        r"saved with jqt.save_packed\(path, packed, qparams\)"):
+        jqt.save(str(tmp_path / "x.safetensors"), packed)
     with pytest.raises(TypeError, match=r"jqt.load: path is a int; pass the file's path"):
         jqt.load(3)
 

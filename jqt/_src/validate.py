@@ -243,8 +243,11 @@ def check_qparams_types(qparams, fn: str = "jqt") -> None:
     """Raises ``TypeError`` unless ``qparams`` is a dict of :class:`jqt.OpQParams` (the
     first check of :func:`check_qparams`), with a hint where it looks like model parameters."""
     if not isinstance(qparams, dict):
+        packed = type(qparams).__name__ == "PackedParams" and fn == "jqt.save"
         raise TypeError(f"{fn}: qparams is a {type(qparams).__name__}; expected the dict returned "
-                        "by jqt.calibrate (or jqt.load).")
+                        "by jqt.calibrate (or jqt.load)."
+                        + (" Packed weights are saved with jqt.save_packed(path, packed, "
+                           "qparams) and read with jqt.load_packed." if packed else ""))
     for k, v in qparams.items():
         if not isinstance(v, OpQParams):
             if restored_bare(v) == "jqt.OpQParams":

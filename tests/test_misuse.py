@@ -722,7 +722,7 @@ def test_a_preset_refuses_a_bad_group_size_naming_its_own_argument():
         with pytest.raises(TypeError, match="^" + re.escape(f"jqt.recipes.{name}({k}={v!r}): expected True or False")):
             getattr(jqt.recipes, name)(**kw)
     for kw in ({"calibrator": False}, {"weight_calibrator": 0}):
-        with pytest.raises(TypeError, match=re.escape(f"Rule({next(iter(kw))}={next(iter(kw.values()))!r})")):
+        with pytest.raises(TypeError, match="^" + re.escape(f"jqt.recipes.w8a8({next(iter(kw))}={next(iter(kw.values()))!r})")):
             jqt.recipes.w8a8(**kw)
     assert jqt.recipes.w8(kv_cache=jnp.float8_e5m2).rules[0].kv_cache.describe() == \
         jqt.recipes.w8(kv_cache="float8_e5m2").rules[0].kv_cache.describe()
@@ -1596,10 +1596,23 @@ def test_changes_f_makes_to_its_arguments_in_place_are_named():
         m.eval()
         return through(m, x)
 
+    # ... and a change returned through an identity, another object than the one written
+    # (the warning said the new values were not returned; hunt79_flaxstateful)
+    def counted(p, x):
+        p["n"] = p["n"] + 1
+        return x @ p["w"], jax.lax.stop_gradient(p["n"])
+
+    def kept_stopped(model, tok):
+        return model(tok[:, None])[:, 0], jax.lax.stop_gradient(nnx.state(model, nnx.Cache))
+
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         jqt.calibrate(frozen, jqt.recipes.w8a8(), dict(p, act="tanh"), [(x,)], progress=False)
         jqt.calibrate(eval_inside, jqt.recipes.w8a8(), lin, [(x,)], progress=False)
+        jqt.calibrate(counted, jqt.recipes.w8a8(), dict(p, n=jnp.int32(0)), [(x,)], progress=False)
+        qp = jqt.calibrate(kept_stopped, jqt.recipes.w8a8_dynamic(), model, [(tok,)], progress=False)
+        _, cache = jqt.quantize(kept_stopped, qp)(model, tok)
+    assert int(cache["att"]["cache_index"].get_value()) == 1
     assert not [w for w in got if "in place" in str(w.message)], [str(w.message) for w in got]
     with pytest.warns(UserWarning, match=r"argument 'p' \(its structure: an entry added or removed\)"):
         jqt.calibrate(extended, jqt.recipes.w8a8(), p, [(x,)], progress=False)

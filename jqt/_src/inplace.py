@@ -117,16 +117,33 @@ def _through(eqn, k):
 
 def lost_changes(found, new_leaves, args):
     """``found`` (:func:`changed_leaves`) less the leaves that ``f`` replaced by the value
-    they held: ``new_leaves(found)`` traces ``f`` again returning the new leaves."""
-    check = [c for c in found if c[2] is not None]
+    they held, or returned through an identity (``stop_gradient(new)``: another object than
+    the one it wrote): ``new_leaves(found)`` traces ``f`` again returning the new leaves,
+    then ``f``'s own array outputs."""
+    check = [c for c in found if c[1] is not None]
     if not check:
         return found
     try:
         j = jax.make_jaxpr(lambda *a: new_leaves(a, check))(*args).jaxpr
     except Exception:  # a leaf replaced by a value of no JAX type: a change
         return found
-    same = {c for c, v in zip(check, j.outvars) if forwarded_input(j, v) == c[2]}
+    news, outs = j.outvars[:len(check)], j.outvars[len(check):]
+    returned = {_root(j, v) for v in outs} - {None}
+    same = {c for c, v in zip(check, news)
+            if (c[2] is not None and forwarded_input(j, v) == c[2]) or _root(j, v) in returned}
     return [c for c in found if c not in same]
+
+
+def _root(jaxpr, var):
+    """``var`` before the copies that produced it (``stop_gradient``, an optimization
+    barrier), or ``None`` for a literal."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    while not compat.is_literal(var) and var in producer:
+        eqn = producer[var]
+        if layout.record(eqn) != ("copy",) or len(eqn.invars) != len(eqn.outvars):
+            return var
+        var = eqn.invars[eqn.outvars.index(var)]
+    return None if compat.is_literal(var) else var
 
 
 def warn_lost(fn, names, lost):

@@ -506,8 +506,11 @@ class Tracer:
 
         def new_leaves(marked, which):
             a = unmark(marked)
-            self.f(*a)
-            return [jax.tree_util.tree_leaves(a[i])[j] for i, _, _, j in which]
+            out = self.f(*a)
+            new = [jax.tree_util.tree_leaves(a[i])[j] for i, _, _, j in which]
+            return ([x if compat.is_tracer(x) or isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+                     else jnp.zeros(()) for x in new]  # (a string: no value to follow, a change)
+                    + [x for x in jax.tree_util.tree_leaves(out) if compat.is_tracer(x)])
 
         with jax.disable_jit(False):
             try:

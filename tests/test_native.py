@@ -662,6 +662,28 @@ def test_a_library_cut_short_or_unreadable_is_told_apart_before_dlopen(tmp_path,
         nativelib._intact(tmp_path / "x.so")
 
 
+@needs_kernel
+def test_only_a_library_the_compiler_got_wrong_blames_the_compiler(tmp_path, monkeypatch):
+    """A freshly built library that does not load for want of symbols (``CXX=gcc``) names
+    $CXX and is not cached; one that does not load for another reason (a cache folder
+    mounted noexec: "failed to map segment") was blamed on the compiler too and rebuilt in
+    every process: it is cached, and its load error names the folder (hunt80_review)."""
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(open(jqt.native_status().library, "rb").read())
+    nativelib._loads(["c++"], str(lib))  # a good library: no error
+
+    def failing(msg):
+        def cdll(path, *a, **k):
+            raise OSError(f"{path}: {msg}")
+        return cdll
+    monkeypatch.setattr(nativelib.ctypes, "CDLL", failing("undefined symbol: _ZTVN10__cxxabiv1"))
+    with pytest.raises(nativelib._BuildError, match=r"c\+\+ exited 0 but built a library that does "
+                       r"not load .*undefined symbol.*is \$CXX a C\+\+ compiler"):
+        nativelib._loads(["c++"], str(lib))
+    monkeypatch.setattr(nativelib.ctypes, "CDLL", failing("failed to map segment from shared object"))
+    nativelib._loads(["c++"], str(lib))  # left to _build's load, whose error names the folder
+
+
 @pytest.mark.slow  # subprocesses that build the kernel: CI
 def test_what_a_failed_rebuild_leaves_is_not_loaded_unchecked(tmp_path):
     """A compiler that exits 0 without a library (``CXX=true``) or with one that does not

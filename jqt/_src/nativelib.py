@@ -75,7 +75,9 @@ def native_status() -> NativeStatus:
     its own. A compiled executable loaded in a new process without lowering anything
     (``jax.experimental.serialize_executable.deserialize_and_load``) needs them
     registered first: call ``jqt.native_status()`` before loading it (else XLA raises
-    ``No FFI handler registered for jqt_...``).
+    ``No FFI handler registered for jqt_...``), in a process without ``JQT_NATIVE=0``
+    (which registers nothing: such an executable runs only where the kernels do; a
+    ``jax.export`` of a quantized function holds no custom call and runs anywhere).
 
     >>> import jqt
     >>> s = jqt.native_status()
@@ -88,8 +90,8 @@ def native_status() -> NativeStatus:
             try:
                 try:
                     _status = _build()
-                except OSError as e:  # a cache this user cannot read, ...: XLA programs run
-                    raise _BuildError(f"{e} (set JQT_CACHE_DIR to a folder of your own)") from e
+                except OSError as e:  # a source or header unreadable, ...: XLA programs run
+                    raise _BuildError(f"{e} (JQT_NATIVE=0 skips the build)") from e
             except _BuildError as e:  # a compiler is there, but the build or load failed
                 _status = NativeStatus(False, str(e))
                 diagnostics.warn(f"jqt: the native CPU kernels are not used: {e}. The same ops "
@@ -239,8 +241,11 @@ def _loads(cxx, tmp):
         raise _BuildError(f"{what} wrote no whole shared library ({os.path.getsize(tmp)} bytes): {fix}")
     try:
         ctypes.CDLL(tmp).jqt_native_isa  # noqa: B018 (the lookup is the check)
-    except (OSError, AttributeError) as e:
-        raise _BuildError(f"{what} built a library that does not load ({e}): {fix}") from None
+    except AttributeError as e:
+        raise _BuildError(f"{what} built a library without jqt's kernels ({e}): {fix}") from None
+    except OSError as e:  # (another failure, a folder mounted noexec: _build names it)
+        if "undefined symbol" in str(e):
+            raise _BuildError(f"{what} built a library that does not load ({e}): {fix}") from None
 
 
 ISA_CHOICES = ("avx2", "avx512")  # JQT_NATIVE_ISA: the vector width of the kernels' loops
@@ -287,8 +292,9 @@ def _build() -> NativeStatus:
     try:
         handle = ctypes.CDLL(str(lib))
     except OSError as e:
-        raise _BuildError(f"could not load {lib}: {e} (delete it to have it built again, or "
-                          "set JQT_CACHE_DIR to a folder of your own)") from e
+        raise _BuildError(f"could not load {lib}: {e} (a folder mounted noexec cannot load "
+                          "libraries: set JQT_CACHE_DIR to another folder; a damaged file: delete "
+                          "it to have it built again)") from e
     try:
         isa = handle.jqt_native_isa()
         if isa < 2:

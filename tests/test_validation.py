@@ -1444,7 +1444,7 @@ def test_numpy_scalars_are_taken_where_python_ones_are():
     for acc in np.arange(16, 18):
         r = jqt.recipes.w8a8(accumulator=acc).rules[0]
         assert r.accumulator == int(acc) and type(r.accumulator) is int
-    with pytest.raises(ValueError, match=r"Rule: accumulator=15: the accumulator width is an int from 16 to 32"):
+    with pytest.raises(ValueError, match=r"^Rule\(accumulator=15\): the accumulator width is an int from 16 to 32"):
         jqt.recipes.w8a8(accumulator=np.int64(15))
 
 

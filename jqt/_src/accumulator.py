@@ -49,13 +49,15 @@ def bounds(bits: int) -> tuple:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
 
-def check_bits(bits, where: str) -> None:
-    """Raises ``ValueError`` unless ``bits`` is an int in ``[16, 32]``."""
+def check_bits(bits, where: str, call: bool = False) -> None:
+    """Raises ``ValueError`` unless ``bits`` is an int in ``[16, 32]``; the message starts
+    ``where(accumulator=...)`` with ``call``, else ``where: accumulator=...``."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not NARROWEST <= bits <= WIDEST:
         numpy = (f" (a {type(bits).__name__}: pass a Python int, accumulator=int(bits), or set "
                  "it through Rule(accumulator=...), which converts it)"
                  if isinstance(bits, np.integer) else "")
-        raise ValueError(f"{where}: accumulator={bits!r}: the accumulator width is an int from "
+        head = f"{where}(accumulator={bits!r})" if call else f"{where}: accumulator={bits!r}"
+        raise ValueError(f"{head}: the accumulator width is an int from "
                          f"{NARROWEST} to {WIDEST} bits (32, the default, is jqt's own int32 "
                          f"accumulator, which never overflows){numpy}.")
 

@@ -264,7 +264,7 @@ class Rule:
         bits = as_scalar(self.accumulator)  # a NumPy integer (a sweep over np.arange) as an int
         if isinstance(bits, numbers.Integral) and not isinstance(bits, (bool, np.bool_)):
             object.__setattr__(self, "accumulator", int(bits))
-        accumulator.check_bits(self.accumulator, "Rule")
+        accumulator.check_bits(self.accumulator, "Rule", call=True)
         if self.accumulator == accumulator.WIDEST:
             return
         # weight ops (if the rule quantizes any) and act x act ops (if it quantizes those)
@@ -589,7 +589,7 @@ def w4a8(*, group_size: int = 0, per_channel: bool = True, symmetric: bool = Tru
     group_size = _groups("w4a8", group_size)
     per_channel, symmetric = _flag("per_channel", per_channel), _flag("symmetric", symmetric)
     if group_size and not per_channel:
-        raise ValueError(f"w4a8(group_size={group_size}, per_channel=False): groups lie within each "
+        raise ValueError(f"jqt.recipes.w4a8(group_size={group_size}, per_channel=False): groups lie within each "
                          "output channel, so a grouped weight is per channel; drop per_channel=False "
                          "(groups) or group_size (one scale per weight).")
     return Recipe(rules=symmetric_convs(Rule(kv_cache=kvcache.cache_type(kv_cache),

@@ -222,6 +222,32 @@ def test_mixed_dtype_operands_simulate_as_the_integer_path_computes(recipe):
             float(jnp.linalg.norm(ys - yf) / jnp.linalg.norm(yf)), rel=1e-3, abs=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ["w8", "w8a8"])
+def test_16bit_operands_into_the_other_16bit_float_simulate_as_the_integer_path(recipe):
+    """bfloat16 operands with preferred_element_type=float16 (or the reverse): the
+    simulated path rounded the fake-quantized weight to the operand's own dtype, which
+    the integer path does not (5-11% more error than deployed; hunt80_jaxextras); and the
+    integer weight-only conv rounded its sums over the codes to float16 before the scale,
+    then again after it."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 3, 8, 4)) * 0.05
+    x = rng.standard_normal((2, 6, 6, 8))
+    conv = lambda pet: lambda w, x: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=pet)
+    dot = lambda pet: lambda w, x: jax.lax.dot_general(
+        x, w.reshape(-1, 4), (((1,), (0,)), ((), ())), preferred_element_type=pet)
+    for op, x_ in ((conv, x), (dot, x.reshape(-1, 72)[:3])):
+        for dt, pet in ((jnp.bfloat16, jnp.float16), (jnp.float16, jnp.bfloat16)):
+            f, w16, x16 = op(pet), jnp.asarray(w, dt), jnp.asarray(x_, dt)
+            qp = jqt.calibrate(f, RECIPES[recipe], w16, [(x16,)], progress=False)
+            ys = jax.jit(jqt.quantize(f, qp, simulate=True))(w16, x16)
+            yi = jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w16), x16)
+            assert ys.dtype == yi.dtype == pet
+            np.testing.assert_allclose(np.asarray(ys, np.float32), np.asarray(yi, np.float32),
+                                       rtol=0, atol=2e-3 * float(jnp.abs(yi.astype(jnp.float32)).max()),
+                                       err_msg=f"{op.__name__} {dt.__name__} -> {pet.__name__}")
+
+
 def test_a_16bit_conv_with_a_float32_result_simulates_weight_only():
     # bfloat16 operands with preferred_element_type=float32 under a weight-only recipe: the
     # kernel is fake-quantized in float32, and the unquantized input is cast with it (a

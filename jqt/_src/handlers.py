@@ -701,7 +701,10 @@ class Simulate:
             out = compat.bind_eqn(eqn, vals, preferred_element_type=_F32)[0]
             return [accumulator.saturate(out, exact_sums(site, eqn, qp, packed, invals),
                                          qp.accumulator).astype(dtype)]
-        out = compat.bind_eqn(eqn, vals)
+        pet = eqn.params.get("preferred_element_type")
+        wider = {"preferred_element_type": _F32} if pet is not None and jnp.dtype(pet).itemsize < \
+            jnp.dtype(vals[0].dtype).itemsize else {}  # (a conv refuses a narrower one)
+        out = compat.bind_eqn(eqn, vals, **wider)
         if out[0].dtype != dtype:  # float16 operands kept float32 where
             # transformed (a dot_general with no preferred_element_type returns float32)
             out = [out[0].astype(dtype)] + list(out[1:])
@@ -733,7 +736,8 @@ def _sim_dtype(eqn, invals, i):
     both operands are floats of one dtype that the output is not wider than (the op
     computes in it); otherwise (an integer operand, mixed dtypes that the op promotes, e.g.
     int32 counts or a bfloat16 weight with float32 activations, or bfloat16 operands with
-    ``preferred_element_type=float32``) the op's float output dtype, or float32, so that
+    ``preferred_element_type=float32``) the op's float output dtype, or float32 (no float
+    output; or 16-bit operands into the other 16-bit float, which holds neither), so that
     the quantized values are not rounded to the operand's own integer or narrow type.
 
     >>> import jax, jax.numpy as jnp
@@ -744,8 +748,11 @@ def _sim_dtype(eqn, invals, i):
     a, b = (v.dtype for v in invals[:2])
     out = eqn.outvars[0].aval.dtype
     if a == b and jnp.issubdtype(a, jnp.floating) and \
-            not (jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize > jnp.dtype(a).itemsize):
+            not (jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize >= jnp.dtype(a).itemsize
+                 and out != a):
         return invals[i].dtype
+    if jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize == jnp.dtype(a).itemsize and out != a:
+        return _F32  # bfloat16 operands, a float16 output (or the reverse): neither holds the other
     return out if jnp.issubdtype(out, jnp.floating) else _F32
 
 

@@ -235,7 +235,10 @@ def codes_dot_types(dtype, preferred):
     ['float32', 'float32']
     """
     dt = codes_dtype(dtype)
-    return dt, (preferred if dt == jnp.dtype(dtype) else _F32)
+    # (bfloat16 activations into a float16 output: the sums over the codes in float32, not
+    # rounded to float16 before the scale and again after it)
+    keep = dt == jnp.dtype(dtype) and (preferred is None or jnp.dtype(preferred) != jnp.float16)
+    return dt, (preferred if keep else _F32)
 
 
 def _fake_quant_impl(x, scale, zero_point, *, qmin, qmax, grid="int"):

@@ -751,8 +751,9 @@ def _sim_dtype(eqn, invals, i):
             not (jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize >= jnp.dtype(a).itemsize
                  and out != a):
         return invals[i].dtype
-    if jnp.issubdtype(out, jnp.floating) and jnp.dtype(out).itemsize == jnp.dtype(a).itemsize and out != a:
-        return _F32  # bfloat16 operands, a float16 output (or the reverse): neither holds the other
+    if a == b and jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(out, jnp.floating) \
+            and jnp.dtype(out).itemsize == jnp.dtype(a).itemsize:
+        return jnp.dtype(_F32)  # bfloat16 operands, a float16 output (or the reverse)
     return out if jnp.issubdtype(out, jnp.floating) else _F32
 
 

@@ -1471,6 +1471,16 @@ def test_qparams_packed_params_and_a_cache_restored_without_a_template_are_named
         jqt.quantize(step, qp)(p, _bare({"c": cache})["c"], x)
     assert any("argument 'cache' is a plain dict with the fields of a jqt.QArray" in n
                for n in got.value.__notes__)
+    # summarize, save_packed and dequantize_cache named no checkpointer (summarize: "not the
+    # model's params") (hunt80_checkpointing)
+    bare = r"It is a plain dict with the fields of a jqt.{}: one flattened .* without a template"
+    with pytest.raises(TypeError, match=r"jqt.summarize: .*returns\. " + bare.format("OpQParams")):
+        jqt.summarize(qp_bare)
+    with pytest.raises(TypeError, match=r"jqt.save_packed: .*got a dict\. " + bare.format("PackedParams")
+                       + r".*jqt.save_packed / jqt.load_packed"):
+        jqt.save_packed("unused.safetensors", packed_bare, qp)
+    with pytest.raises(TypeError, match=r"jqt.dequantize_cache: .*got a dict\. " + bare.format("QArray")):
+        jqt.dequantize_cache(_bare({"c": cache})["c"])
 
 
 def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
@@ -1511,6 +1521,17 @@ def test_python_scalar_leaves_and_wide_integers_through_a_packed_file(tmp_path):
     with pytest.raises(ValueError, match=r"params leaf 'big' .* holds float64 values beyond float32's "
                        r"range \(1e\+300\).* become inf\. Enable x64"):
         jqt.load_packed(str(tmp_path / "big.safetensors"))
+    # weights packed under x64 (float64 leaves), run without it (a pickle, a checkpoint):
+    # JAX warned "float64 requested in zeros ... truncated", pointing into jqt
+    # (hunt80_checkpointing)
+    with jax.enable_x64(True):
+        pw = {"w": jnp.asarray(p["w"], jnp.float64)}
+        qw = jqt.calibrate(lambda p, x: x @ p["w"], jqt.recipes.w8(), pw, [(x.astype(jnp.float64),)],
+                           progress=False)
+        packed64 = jqt.pack(qw, pw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jqt.quantize(lambda p, x: x @ p["w"], qw)(packed64, x).dtype == jnp.float32
     # and the mirror case at save: a NumPy float64 leaf without x64 was written as inf
     # (hunt69_filesrobust)
     pb = {"w": p["w"], "big": np.array([1e300, 0.1])}

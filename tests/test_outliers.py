@@ -647,6 +647,12 @@ def test_weights_packed_with_other_transforms_are_refused(tmp_path):
             jax.jit(jqt.quantize(f, run_with))(packed, x)
         with pytest.raises(jqt.QParamsMismatchError, match=why):
             jqt.save_packed(os.path.join(tmp_path, "mixed.safetensors"), packed, run_with)
+    # a checkpointer (orbax) restores the record from its template: the message says so,
+    # where it sent a user with no float params back to jqt.pack alone (hunt80_checkpointing)
+    restored = jax.tree.unflatten(jax.tree.structure(jqt.pack(smooth8, p)), jax.tree.leaves(jqt.pack(smooth5, p)))
+    with pytest.raises(jqt.QParamsMismatchError, match=r"another smoothing vector.*Restored by a checkpointer "
+                       r"\(orbax\), the packed weights take this record from the template"):
+        jqt.quantize(f, smooth5)(restored, x)
     # qparams traced under grad: the vector's digest is unknown, its presence is checked
     loss = lambda qp, packed: jqt.quantize(f, qp, simulate=True)(packed, x).sum()
     with pytest.raises(jqt.QParamsMismatchError, match="packed without smoothing"):

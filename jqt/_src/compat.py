@@ -141,6 +141,7 @@ def zeros(shape, dtype, sharding=None):
     >>> zeros((2, 3), "float32").shape
     (2, 3)
     """
+    dtype = jax.dtypes.canonicalize_dtype(dtype)  # float64 recorded under x64: no JAX warning
     if sharding is None:
         return jnp.zeros(shape, dtype)
     try:

@@ -45,7 +45,7 @@ from . import compat, diagnostics
 from . import numerics as nx
 from .formats import FLOAT8, QuantType, pack_nibbles, unpack_nibbles
 from .policy import KernelPolicy, check_policy
-from .qparams import OpQParams, QArray
+from .qparams import OpQParams, QArray, bare_advice
 
 SCALE_DTYPE = jnp.float16
 _TINY, _HUGE = 2.0 ** -14, 65504.0
@@ -378,7 +378,7 @@ def dequantize_cache(c, dtype=None):
                         f"layout 'cache', from jqt.quantize_cache or a decode step), got a "
                         f"{type(c).__name__}"
                         + (f" with layout {c.layout!r}" if isinstance(c, QArray) else "") + "."
-                        + _tree_advice(c, dtype))
+                        + (bare_advice(c) or _tree_advice(c, dtype)))
     why = cache_problem(c)
     if why:  # (codes cast to float were read as numbers, 4-bit ones at half the width)
         raise ValueError(f"jqt.dequantize_cache: a key/value cache {why}")

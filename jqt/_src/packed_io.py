@@ -19,7 +19,7 @@ from .formats import FLOAT8, unpack_nibbles
 from .handlers import QParamsMismatchError, values_shape
 from .layout import apply_chain
 from .tracing import Static
-from .qparams import (PackedParams, QArray, axes_only, codes_problem, fold_mismatch, fold_parts, holds_smooth,
+from .qparams import (PackedParams, bare_advice, QArray, axes_only, codes_problem, fold_mismatch, fold_parts, holds_smooth,
                       smooth_digest)
 from .fileio import (FORMAT, PACKED_FORMAT, FormatError, Reader, aval_to_json, describe, file_path, is_a,
                      is_zip, json_kind, reading, version_error, write)
@@ -111,7 +111,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
                      "path first")
     if not isinstance(packed, PackedParams):
         raise TypeError(f"jqt.save_packed: expected the jqt.PackedParams returned by jqt.pack, got "
-                        f"a {type(packed).__name__}.")
+                        f"a {type(packed).__name__}." + bare_advice(packed))
     for what, tree in (("the packed params", packed), ("qparams", qparams)):
         if any(compat.is_tracer(a) for a in jax.tree_util.tree_leaves(tree)):
             raise TypeError(f"jqt.save_packed: {what} hold traced values (jqt.save_packed called "
@@ -1019,7 +1019,9 @@ def check_packed(packed: PackedParams, qparams, *, fn="jqt.check_packed", packed
         if why:
             raise QParamsMismatchError(
                 f"{fn}: the packed weight of op '{key}' does not fit these qparams: {why}. They "
-                "were packed with other qparams; re-run jqt.pack with these.")
+                "were packed with other qparams; re-run jqt.pack with these (restored by a "
+                "checkpointer, the packed weights take this record from the template: build it "
+                "from the qparams of the same calibration).")
         shape = values_shape(pw)
         if leaf is not None and leaf in dropped:
             _check_leaf_codes(fn, key, src, packed.avals[leaf], pw, shape)

@@ -766,6 +766,20 @@ def restored_bare(v) -> Optional[str]:
     return kind
 
 
+def bare_advice(v) -> str:
+    """A sentence for an error about ``v`` where it is a plain dict a checkpointer restored
+    without a template (:func:`restored_bare`), else ``""``."""
+    kind = restored_bare(v)
+    if kind is None:
+        return ""
+    keep = {"jqt.OpQParams": "jqt.save / jqt.load", "jqt.PackedParams": "jqt.save_packed / "
+            "jqt.load_packed", "jqt.QArray": "a template of jqt.quantize_cache(cache, kind)"}[kind]
+    return (f" It is a plain dict with the fields of a {kind}: one flattened to its arrays, as a "
+            "checkpointer (orbax) restores it without a template; its formats are not arrays, so "
+            "they are lost. Restore with a template (jax.eval_shape of what was saved), or use "
+            f"{keep}, which keep them.")
+
+
 def _code_dtype(dtype) -> bool:
     """Integers (int8 codes, 4-bit pairs in uint8) or an fp8 type."""
     try:
@@ -803,8 +817,8 @@ def summarize(qparams: dict[str, Any]) -> str:
     if qparams and not any(isinstance(p, OpQParams) for p in qparams.values()):
         k, p = next(iter(qparams.items()))
         raise TypeError(f"jqt.summarize: qparams['{k}'] is of type {type(p).__name__}, and no entry is a "
-                        "jqt.OpQParams: pass the qparams jqt.calibrate (or jqt.load) returns, not "
-                        "the model's params.")
+                        "jqt.OpQParams: pass the qparams jqt.calibrate (or jqt.load) returns"
+                        + ("." + bare_advice(p) if bare_advice(p) else ", not the model's params."))
     rows = [("key", "op", "weight", "activation")]
     for k, p in qparams.items():
         if not isinstance(p, OpQParams):

@@ -208,7 +208,10 @@ def _check_folded(packed, folds):
             raise QParamsMismatchError(
                 f"jqt: the packed weight for '{k}' does not fit qparams['{k}']: {why}. The weights "
                 "were packed with other qparams (another recipe, or before smooth/awq/rotate "
-                "changed); re-run jqt.pack(qparams, params) with these qparams.")
+                "changed); re-run jqt.pack(qparams, params) with these qparams. Restored by a "
+                "checkpointer (orbax), the packed weights take this record from the template: "
+                "build it with jqt.pack from the qparams of the same calibration, or store both "
+                "with jqt.save_packed(path, packed, qparams).")
 
 
 _CHECKED_PER_KEY = 16  # packed weights remembered as checked, per op key and argument

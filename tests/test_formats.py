@@ -507,6 +507,32 @@ def test_a_table_read_in_another_dtype_by_its_matmul_is_not_tied_in_a_template()
     assert jax.jit(lambda q: jqt.pack(qp, q))(p).tied == ()
 
 
+def test_a_template_ties_a_table_as_the_pack_does():
+    """jax.eval_shape of jqt.pack decides a tie from the qparams, the pack from the codes:
+    a square group-scale matrix (V == D / group_size: (V, G) against the matmul's (G, V))
+    was compared untransposed, and an AWQ vector of ones (AWQ that found nothing better)
+    counted as smoothing, so the template had another structure than the pack, which an
+    orbax restore refuses (hunt80_tiedweights)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    f = lambda p, ids: jnp.tanh(p["emb"][ids]) @ p["emb"].T
+    p4 = {"emb": jax.random.normal(k[0], (4, 64)) * 0.5}
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p4, [(jax.random.randint(k[1], (16, 8), 0, 4),)],
+                       progress=False)
+    assert qp["emb"].lhs.scale.shape == qp["emb#1"].rhs.scale.shape == (4, 4)  # (V, G), (G, V)
+    for q in (qp, {**qp, "emb#1": dataclasses.replace(qp["emb#1"], smooth=jnp.ones((64, 1)))}):
+        packed = jqt.pack(q, p4)
+        assert packed.tied == (("emb", "emb#1"),)
+        assert jax.tree.structure(jax.eval_shape(lambda: jqt.pack(q, p4))) == jax.tree.structure(packed)
+        assert jax.jit(lambda p: jqt.pack(q, p))(p4).tied == packed.tied
+    # a vector other than ones: codes apart in both
+    q = {**qp, "emb#1": dataclasses.replace(qp["emb#1"], smooth=jnp.full((64, 1), 2.0))}
+    with pytest.warns(UserWarning, match="stored twice|codes differ"):
+        assert jqt.pack(q, p4).tied == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert jax.eval_shape(lambda: jqt.pack(q, p4)).tied == ()
+
+
 def _row_lookups(p, i, j):
     """table[i] with a scalar i traces to a dynamic_slice (a decode step's token), a
     column of the transposed table too; the same rows by an array of ids trace to a gather."""

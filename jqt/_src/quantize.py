@@ -970,8 +970,9 @@ def _same_grid(lookup, matmul) -> bool:
     """Whether a tied table's lookup and matmul quantize it alike (so their codes are
     equal), from their qparams: no smoothing or rotation, the table read through the same
     steps (a transpose aside), and the same scales and zero points (the matmul's may be
-    the transpose). False where the qparams are traced."""
-    if matmul.smooth is not None or matmul.rotate or lookup.smooth is not None or lookup.rotate:
+    the transpose). False where the qparams are traced. The rule for the codes jqt.pack
+    ties too, so that a template (``jax.eval_shape``) has the structure of the pack."""
+    if matmul.rotate or lookup.rotate or not (_no_smoothing(lookup) and _no_smoothing(matmul)):
         return False
     if _steps(lookup) != _steps(matmul):  # (a table read in bfloat16 by one op)
         return False
@@ -984,11 +985,23 @@ def _same_grid(lookup, matmul) -> bool:
         if compat.is_tracer(x) or compat.is_tracer(y):
             return False
         x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape and x.ndim == 2 and y.T.shape == x.shape:
-            y = y.T
+        if x.ndim == 2 and y.T.shape == x.shape and (x.shape != y.shape or _flipped(lookup, matmul)):
+            y = y.T  # (a square one: (V, G) groups against the matmul's (G, V), V == G)
         if x.shape != y.shape or not np.array_equal(x, y):
             return False
     return True
+
+
+def _no_smoothing(p) -> bool:
+    """No smoothing vector, or one of ones (AWQ that found nothing better): codes alike."""
+    v = p.smooth
+    return v is None or (not compat.is_tracer(v) and bool(np.all(np.asarray(v) == 1)))
+
+
+def _flipped(lookup, matmul) -> bool:
+    """Whether the two ops read the 2-D table in transposed layouts (``h @ emb.T``)."""
+    odd = lambda p: sum(1 for s in p.source.chain if s[0] == "transpose" and tuple(s[1]) == (1, 0)) % 2  # noqa: E731
+    return odd(lookup) != odd(matmul)
 
 
 def _steps(p):
@@ -1068,8 +1081,8 @@ def _tied(qparams, weights):
                         "they are stored twice, another pytree structure than jqt.pack gives "
                         "outside it. For a template, close over the qparams: "
                         "jax.eval_shape(lambda: jqt.pack(qparams, params)).")
-            elif bool(jnp.array_equal(table, w.values)):
-                out.append((k, m))
+            elif bool(jnp.array_equal(table, w.values)) and _same_grid(p, qparams[m]):
+                out.append((k, m))  # (by the template's rule too: equal codes by chance apart)
                 break
             elif _steps(p) != _steps(qparams[m]):  # (the table cast to bfloat16 by one op)
                 apart = apart or (m, "the two read the table through other steps (one casts it to "

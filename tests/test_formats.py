@@ -835,6 +835,16 @@ def test_full_length_windows_of_3d_tables_are_lookups_and_per_head_rows_warn():
             jqt.calibrate(g, jqt.recipes.w8(), heads, [(x[:2], jnp.int32(1))], progress=False)
         said = [str(m.message) for m in ws if "reads weight 'pos' indexed" in str(m.message)]
         assert len(said) == 1 and "store it as (P, H * Dh)" in said[0], said
+    # a window of whole columns of a 2-D table (channels first): the advice was the 3-D
+    # table's, "store it as (P, H * Dh)"; it names the reads jqt follows (hunt80_jaxnn)
+    cols = {"pe": jax.random.normal(k[0], (8, 12)), "w": w}
+    win = lambda p, x, s: (x + jax.lax.dynamic_slice_in_dim(p["pe"], s, x.shape[0], axis=1).T) @ p["w"]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reads weight 'pe' indexed.*A window of whole columns of a "
+                      r"2-D table.*t\[:, s \+ jnp.arange\(T\)\]") as got:
+        jqt.calibrate(win, jqt.recipes.w8(), cols, [(x[:3], jnp.int32(1))], progress=False)
+    assert not any("H * Dh" in str(m.message) for m in got)
+    follow = lambda p, x, s: (x + p["pe"][:, s + jnp.arange(x.shape[0])].T) @ p["w"]  # noqa: E731
+    assert jqt.calibrate(follow, jqt.recipes.w8(), cols, [(x[:3], jnp.int32(1))], progress=False)["pe"].op == "gather"
     # a schedule's scalar t[s] or a (L, 1, D) bias's row is never quantized: no word
     sched = {"ab": jnp.linspace(0.1, 1.0, 6), "b": jnp.ones((6, 1, 4)), "w": w}
     step = lambda p, x, s: (x / p["ab"][s]) @ p["w"] + p["b"][s]  # noqa: E731

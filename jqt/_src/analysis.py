@@ -52,6 +52,11 @@ _SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general", "bcoo_spdot_general",
 _MATRIX_ROWS_FIX = (" A table (or a stacked bias) whose rows are matrices, read at a position "
                     "or index from the data (a (P, H, Dh) positional table): store it as "
                     "(P, H * Dh), whose rows jqt looks up quantized, and reshape the row.")
+_COLUMNS_FIX = (" A window of whole columns of a 2-D table at a data index "
+                "(lax.dynamic_slice_in_dim(t, s, T, axis=1)) is no lookup jqt follows: read it "
+                "as one, of columns, t[:, s + jnp.arange(T)], or of rows of the table as it "
+                "is transposed, t.T[s:s + T] (or t[s:s + T].T for a window of rows read in "
+                "columns), which jqt quantizes.")
 
 _WEIGHTS_READ_AS_DATA = (
     ("indexed", "indexed by a value computed from the data (w[i] with i an argument of f or a "
@@ -394,7 +399,7 @@ class Analyzer:
         # weights indexed by the data whose pieces are matrices ((P, H, Dh)[s]: (H, Dh)):
         # read by an op jqt does not quantize, they warn (not a schedule's t[s], nor a
         # (L, 1, D) bias's row, never quantized anyway)
-        self._matrix_rows: set = set()
+        self._matrix_rows: dict = {}  # path -> the advice of the warning
         self._matrix_said: set = set()  # those a warning named already
         self.loops: list = []  # the kinds of the loops around the equation analyzed
         # (where, why, buffers): a write into a carried or passed float buffer that is not
@@ -646,7 +651,8 @@ class Analyzer:
                     self._use(ins[0], "float")  # w[i] with i from the data (a loop's counter)
                     outs = [VarInfo(False, indexed=ins[0].source.path)]
                     if sum(d > 1 for d in eqn.outvars[0].aval.shape) >= 2:
-                        self._matrix_rows.add(ins[0].source.path)  # (see _matrix_rows)
+                        self._matrix_rows[ins[0].source.path] = (  # (see _matrix_rows)
+                            _COLUMNS_FIX if eqn.invars[0].aval.ndim == 2 else _MATRIX_ROWS_FIX)
                 else:
                     for info in ins:
                         self._use(info, "float")
@@ -739,12 +745,12 @@ class Analyzer:
                                 stack_ids=weight_stack_ids(ins, self.shard_ids),
                                 rowwise=kvcache.same_along_last(eqn, ins), value=value,
                                 **({} if w else _carried_tags(eqn, ins)))] * len(eqn.outvars)
-                lost = [i for i in ins if i.indexed in self._matrix_rows - self._matrix_said]
+                lost = [i for i in ins if i.indexed in self._matrix_rows.keys() - self._matrix_said]
                 if entry is None and not w and outs and not outs[0].indexed and lost:
                     # a weight indexed by the data read by an op jqt does not quantize
                     # (x + pos[s] of a (P, H, Dh) table): float, which nothing said
                     self._read_as_data(name, lost, stack, then="reads it in float, and the weight stays float",
-                                       extra=_MATRIX_ROWS_FIX)
+                                       extra=self._matrix_rows[lost[0].indexed])
                     self._matrix_said.update(i.indexed for i in lost)
             for v, info in zip(eqn.outvars, outs):
                 if not compat.is_dropvar(v):
@@ -753,10 +759,10 @@ class Analyzer:
         if top:
             for info in out_infos:
                 self._use(info, "float")
-            lost = [i for i in out_infos if i.indexed in self._matrix_rows - self._matrix_said]
+            lost = [i for i in out_infos if i.indexed in self._matrix_rows.keys() - self._matrix_said]
             if lost:  # f returns pos[s] of a (P, H, Dh) table: float, which nothing said
                 self._read_as_data("value f returns", lost, "<top>", then="is float, and the "
-                                   "weight stays float", extra=_MATRIX_ROWS_FIX)
+                                   "weight stays float", extra=self._matrix_rows[lost[0].indexed])
             named = self._boundary(plan, out_infos)
             self._boundary_lookalikes(jaxpr, plan.boundary)
             _prune_writes(plan, _cache_keys(plan) | named)
@@ -867,7 +873,7 @@ class Analyzer:
         lost = [i for k, i in enumerate(ins[:2]) if k != widx and i.indexed in self._matrix_rows]
         if widx is not None and lost:  # pos[s] @ w of a (P, H, Dh) table: its row float
             self._read_as_data(op, lost, stack, then="takes it as its activation, and that weight "
-                               "stays float", extra=_MATRIX_ROWS_FIX, key=key)
+                               "stays float", extra=self._matrix_rows[lost[0].indexed], key=key)
             self._matrix_said.update(i.indexed for i in lost)
         if op == "conv_general_dilated" and widx is None and ins[0].weight and not ins[1].weight:
             msg = (f"jqt: a conv_general_dilated (at '{stack or '<top>'}') reads weight "

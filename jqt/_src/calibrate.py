@@ -1786,7 +1786,9 @@ def _act_not_finite(site, what):
             f"activation held NaN or inf on the calibration data ({what})"
             f"{_wide(site, 1 - site.weight_operand)}, so its static range "
             "and scale would not be finite. Where the batches were finite, f made them (an exp "
-            "that overflowed, a log of 0?): make f finite on them, or keep the op float with a "
+            "that overflowed, a log of 0, a lookup at an id out of range: jnp.take and "
+            "x.at[ids].get fill those rows with NaN by default, mode='clip' does not?): make f "
+            "finite on them, or keep the op float with a "
             f"rule ahead of the others, jqt.Rule(key='^{re.escape(site.key)}$', weight=None).")
 
 

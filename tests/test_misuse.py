@@ -139,6 +139,49 @@ def test_gptq_takes_a_sequence_indexed_by_int_only(setup):
                        "per op; pass a non-empty sequence .*not a Unknown"):
         jqt.gptq(f, qp, p, Unknown(), progress=False)
 
+    class Raising:  # a loader whose __len__ raises another error: the bar's len() (tqdm's
+        def __iter__(self):  # too, asked again) failed calibrate, progress=False or not
+            return iter(seq)  # (hunt80_progressio)
+
+        def __len__(self):
+            raise NotImplementedError("length unknown")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                     jqt.calibrate(f, recipe, p, Raising(), progress=False), want))
+
+
+def test_with_warnings_as_errors_the_callers_exception_comes_out():
+    """Under ``python -W error`` (pytest's filterwarnings = error), an error f raised in
+    calibrate (or Ctrl-C) came out as the warning jqt gives on the way out, the real one
+    only its __context__; jqt.sensitivity dropped the warnings of a trial whose metric
+    raised, which may say why (hunt80_progressio)."""
+    def f(p, x):
+        if x.shape[0] == 3:
+            raise ValueError("f fails on this batch")
+        return x @ (p["w"] + p["a"] @ p["b"])  # two weights multiplied: a grouped warning
+    p = {"w": jnp.ones((8, 4)), "a": jnp.ones((8, 2)), "b": jnp.ones((2, 4))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="f fails on this batch"):
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((n, 8)),) for n in (1, 2, 3)],
+                          progress=False)
+        with pytest.raises(UserWarning, match="multiplies two weights"):  # no error: it is raised
+            jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(jnp.ones((2, 8)),)], progress=False)
+
+    calls = []
+
+    def metric(g):  # the float model's score, then a failure on the first quantized variant
+        g(p, jnp.ones((2, 8)))
+        calls.append(g)
+        if len(calls) == 2:
+            raise RuntimeError("the metric fails")
+        return 0.0
+    with pytest.warns(UserWarning, match="multiplies two weights"):
+        with pytest.raises(RuntimeError, match="the metric fails"):
+            jqt.sensitivity(f, qp, metric)
+
 
 def test_pack_refuses_weights_far_smaller_than_the_calibrated_ones(setup):
     p, _, qp = setup

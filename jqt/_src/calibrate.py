@@ -365,12 +365,13 @@ _accumulate = jax.jit(stats_lib.accumulate_all)
 
 
 def _run_pass(jstep, last, params_t, batches, decided, bar_desc, progress, transformed=None):
+    items = each_batch(batches)
     try:
         total = len(batches)
-    except TypeError:
-        total = None
+    except Exception:  # (no length, or a loader whose __len__ raises: the bar counts, and
+        total, items = None, (b for b in items)  # tqdm, which asks again, gets no length)
     from tqdm.auto import tqdm
-    bar = tqdm(each_batch(batches), total=total, desc=bar_desc, unit="batch",
+    bar = tqdm(items, total=total, desc=bar_desc, unit="batch",
                disable=None if progress is None else not progress)
     st, tree, first = None, None, None
     weights_seen = False  # weights are observed until every op has run once

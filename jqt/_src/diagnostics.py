@@ -87,6 +87,26 @@ def warn(message: str, category: type = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=caller_level())
 
 
+def warn_held(pairs, failing: bool) -> None:
+    """:func:`warn` of each held ``(message, category)``; where the call that held them is
+    ``failing`` (an exception, Ctrl-C, on its way out), one that the warnings filter makes
+    an error (``python -W error``) is dropped rather than raised in its place.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error")
+    ...     warn_held([("jqt: a note", UserWarning)], failing=True)  # the caller re-raises its own
+    """
+    for message, category in pairs:
+        if not failing:
+            warn(message, category)
+            continue
+        try:
+            warn(message, category)
+        except Exception:  # (a warning as an error: the exception under way is the one)
+            pass
+
+
 @contextlib.contextmanager
 def grouped():
     """Warnings given with :func:`warn_grouped` inside, one per kind when it ends: the
@@ -106,16 +126,20 @@ def grouped():
         yield
         return
     _local.groups = groups = {}
+    failing = True
     try:
         yield
+        failing = False
     finally:
         _local.groups = None
+        held = []
         for msgs, labels in groups.values():
             n = len(msgs) - 1
             more = "" if not n else (f" The same holds for {n} more op{'s' if n > 1 else ''}: "
                                      + ", ".join(labels[1:7]) + (f" and {n - 6} more" if n > 6
                                                                  else "") + ".")
-            warn(msgs[0] + more)
+            held.append((msgs[0] + more, UserWarning))
+        warn_held(held, failing)
 
 
 def warn_grouped(kind, message: str, label: str) -> None:

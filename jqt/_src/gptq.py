@@ -449,7 +449,7 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
     check_batches(batches, "jqt.gptq")
     try:  # (a loader of unknown length raises TypeError from len)
         n = len(batches) if hasattr(batches, "__getitem__") else None
-    except TypeError:
+    except Exception:
         n = None
     if n is None:
         raise CalibrationDataError("jqt.gptq passes over the batches once per op; pass a non-empty "

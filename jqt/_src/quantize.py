@@ -621,13 +621,15 @@ def _pack_arguments(qparams, params, argnum, weight_argnums, **kw):
     # advice to pass another argnum (held back in this thread: warnings.catch_warnings swaps
     # process-wide filters, which two threads' overlapping windows left ignoring it for good)
     quiet = bool(read) and read <= set(nums)
+    failing = True
     try:
         with diagnostics.captured() as said:
-            return tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+            out = tuple(pack(qparams, p, argnum=a, **kw) for p, a in zip(params, nums))
+        failing = False
+        return out
     finally:  # (also those of the arguments packed before one that raised)
-        for message, category in said:
-            if not (quiet and re.match(r"jqt\.pack\(argnum=\d+\): no quantized op reads", message)):
-                diagnostics.warn(message, category)
+        diagnostics.warn_held([(m, c) for m, c in said if not (
+            quiet and re.match(r"jqt\.pack\(argnum=\d+\): no quantized op reads", m))], failing)
 
 
 def _placements(*trees) -> set:

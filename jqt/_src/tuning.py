@@ -142,12 +142,18 @@ class _Once:
 
     @contextlib.contextmanager
     def __call__(self):
-        with diagnostics.captured() as got:
-            yield
-        for message, category in got:
-            if not self.skip(str(message)) and self.same(str(message)) not in self.seen:
-                self.seen.add(self.same(str(message)))
-                diagnostics.warn(message, category)
+        failing = True
+        try:
+            with diagnostics.captured() as got:
+                yield
+            failing = False
+        finally:  # (a trial that raised too: its warnings may say why)
+            new = []
+            for message, category in got:
+                if not self.skip(str(message)) and self.same(str(message)) not in self.seen:
+                    self.seen.add(self.same(str(message)))
+                    new.append((message, category))
+            diagnostics.warn_held(new, failing)
 
 
 def _within(drop, max_drop, *scores) -> bool:

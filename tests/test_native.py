@@ -684,6 +684,40 @@ def test_only_a_library_the_compiler_got_wrong_blames_the_compiler(tmp_path, mon
     nativelib._loads(["c++"], str(lib))  # left to _build's load, whose error names the folder
 
 
+@pytest.mark.slow  # subprocesses: CI
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to pin one process to one")
+def test_the_kernels_give_the_same_bits_on_any_thread_count():
+    """The kernels split K over a number of parts that followed XLA's thread count, and
+    the parts' sums are added in order: one compiled executable (a persistent compilation
+    cache's, a serialized one) gave other bits on a machine of other cores
+    (hunt80_compilecache). The parts follow from the shape alone."""
+    if not _buildable():
+        pytest.skip("the kernels are not built here")
+    code = ("import os, sys\n"
+            "if sys.argv[1] == 'one': os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "import hashlib, jax, jax.numpy as jnp, numpy as np, jqt\n"
+            "assert jqt.native_status().available\n"
+            "f = lambda w, x: x @ w\n"
+            "out = []\n"
+            "for r, (k, n) in ((jqt.recipes.w4(), (2048, 512)), (jqt.recipes.w8(), (2048, 512)),\n"
+            "                  (jqt.recipes.nf4(), (2048, 512)), (jqt.recipes.fp8(), (2048, 512))):\n"
+            "    w = jax.random.normal(jax.random.key(0), (k, n)) * 0.05\n"
+            "    x = jax.random.normal(jax.random.key(1), (1, k))\n"
+            "    qp = jqt.calibrate(f, r, w, [(x,)], progress=False)\n"
+            "    out.append(np.asarray(jax.jit(jqt.quantize(f, qp))(jqt.pack(qp, w), x)))\n"
+            "print(os.cpu_count(), len(os.sched_getaffinity(0)), hashlib.sha256(np.concatenate(out).tobytes()).hexdigest())\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("JQT_NATIVE", None)
+    got = [subprocess.run([sys.executable, "-c", code, how], env=env, capture_output=True, text=True,
+                          timeout=600) for how in ("all", "one")]
+    for out in got:
+        assert out.returncode == 0, out.stderr[-2000:]
+    (_, n_all, h_all), (_, n_one, h_one) = (o.stdout.split() for o in got)
+    assert int(n_one) == 1 < int(n_all)
+    assert h_all == h_one
+
+
 @pytest.mark.slow  # subprocesses that build the kernel: CI
 def test_what_a_failed_rebuild_leaves_is_not_loaded_unchecked(tmp_path):
     """A compiler that exits 0 without a library (``CXX=true``) or with one that does not

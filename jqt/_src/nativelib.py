@@ -72,7 +72,7 @@ def native_status() -> NativeStatus:
     present also warns once. See ``docs/performance.md``.
 
     It also registers the kernels with XLA, which lowering a quantized function does on
-    its own. A compiled executable loaded in a new process without lowering anything
+    its own where one of its ops runs a kernel (at 1-8 rows). A compiled executable loaded in a new process without lowering anything
     (``jax.experimental.serialize_executable.deserialize_and_load``) needs them
     registered first: call ``jqt.native_status()`` before loading it (else XLA raises
     ``No FFI handler registered for jqt_...``), in a process without ``JQT_NATIVE=0``

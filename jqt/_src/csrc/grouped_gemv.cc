@@ -335,21 +335,23 @@ void parallel(ffi::ThreadPool& pool, int64_t parts, const F& fn) {
   st->cv.wait(lock, [&] { return st->done.load() == parts; });
 }
 
-// How many parts a kernel's work is split into: up to kPartsPerThread per intra-op thread
-// (but no more than kMaxParts, or one per thread where there are more threads), each at
-// least kMinPartBytes of codes. XLA runs independent ops at once (a layer's projections of
-// one input), so a thread may be busy elsewhere when a call starts: with several parts per
-// thread the others claim its share (parallel() hands parts to whoever is free). Each part
-// past the first sums into a buffer of its own, zeroed and added serially: hence the cap.
-// The 100M decoder's batch-1 step (benchmarks/decode.py, 2-core AVX-512 EPYC, two runs
-// each): w8 10.2-10.5 ms against 11.3-12.8 with one part per thread of at least 128 KiB,
-// w4 g128 9.3-9.6 against 9.7-10.9.
-constexpr int64_t kPartsPerThread = 4, kMaxParts = 16, kMinPartBytes = 32 << 10;
+// How many parts a kernel's work is split into: up to kMaxParts, each at least
+// kMinPartBytes of codes, from the shape alone. Each part past the first sums into a buffer
+// of its own, added in order, so the partition decides the order of the float additions:
+// from the shape alone, a compiled executable (a persistent compilation cache's, a
+// serialized one) gives the same bits on a machine of any thread count. XLA runs
+// independent ops at once (a layer's projections of one input), so a thread may be busy
+// elsewhere when a call starts: with several parts per thread the others claim its share
+// (parallel() hands parts to whoever is free); the partial buffers, zeroed and added
+// serially, are the cost of more. The 100M decoder's batch-1 step (benchmarks/decode.py,
+// 2-core AVX-512 EPYC, two runs each): w8 10.2-10.5 ms with 8 parts against 11.3-12.8
+// with one part per thread of at least 128 KiB, w4 g128 9.3-9.6 against 9.7-10.9. 8 parts
+// are what 2 threads took before the count stopped following the thread count: a machine
+// of more threads runs at most 8 on one op (others run independent ops).
+constexpr int64_t kMaxParts = 8, kMinPartBytes = 32 << 10;
 
-int64_t part_count(ffi::ThreadPool& pool, int64_t units, int64_t bytes) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t most = std::max(threads, std::min(threads * kPartsPerThread, kMaxParts));
-  return std::max<int64_t>(1, std::min({most, units, bytes / kMinPartBytes}));
+int64_t part_count(ffi::ThreadPool&, int64_t units, int64_t bytes) {
+  return std::max<int64_t>(1, std::min({kMaxParts, units, bytes / kMinPartBytes}));
 }
 
 // The layer of L stacked ones that the (scalar) layer operand picks, clamped to 0..L-1.

@@ -524,6 +524,16 @@ def test_a_template_ties_a_table_as_the_pack_does():
         assert packed.tied == (("emb", "emb#1"),)
         assert jax.tree.structure(jax.eval_shape(lambda: jqt.pack(q, p4))) == jax.tree.structure(packed)
         assert jax.jit(lambda p: jqt.pack(q, p))(p4).tied == packed.tied
+    # a bfloat16 table its head reads in float32 (logits in float32): the cast is exact, the
+    # codes equal; the template left it untied, and the pack did too once it took the
+    # template's rule (the session's review: 1.9x the table's bytes)
+    pb = {"emb": jax.random.normal(k[0], (48, 64), jnp.bfloat16)}
+    up = lambda p, ids: jnp.tanh(p["emb"][ids]).astype(jnp.float32) @ p["emb"].astype(jnp.float32).T
+    for r in (jqt.recipes.w8(), jqt.recipes.w4(group_size=32)):
+        qb = jqt.calibrate(up, r, pb, [(jax.random.randint(k[1], (4, 8), 0, 48),)], progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert jqt.pack(qb, pb).tied == jax.eval_shape(lambda: jqt.pack(qb, pb)).tied == (("emb", "emb#1"),)
     # a vector other than ones: codes apart in both
     q = {**qp, "emb#1": dataclasses.replace(qp["emb#1"], smooth=jnp.full((64, 1), 2.0))}
     with pytest.warns(UserWarning, match="stored twice|codes differ"):

@@ -1007,8 +1007,11 @@ def _flipped(lookup, matmul) -> bool:
 
 
 def _steps(p):
-    """The steps by which an op reads its weight leaf, transposes left out."""
-    return [s for s in p.source.chain if s[0] != "transpose"]
+    """The steps by which an op reads its weight leaf, transposes left out, and casts to
+    float32 or float64, which hold a bfloat16 or float16 table exactly (a head computing
+    its logits in float32, ``h @ emb.astype(jnp.float32).T``: the codes are the lookup's)."""
+    return [s for s in p.source.chain
+            if s[0] != "transpose" and not (s[0] == "convert" and s[1] in ("float32", "float64"))]
 
 
 def _tied(qparams, weights):

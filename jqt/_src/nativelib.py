@@ -72,7 +72,8 @@ def native_status() -> NativeStatus:
     present also warns once. See ``docs/performance.md``.
 
     It also registers the kernels with XLA, which lowering a quantized function does on
-    its own where one of its ops runs a kernel (at 1-8 rows). A compiled executable loaded in a new process without lowering anything
+    its own where one of its ops runs a kernel (at 1-8 rows). A compiled executable
+    loaded in a new process without lowering anything
     (``jax.experimental.serialize_executable.deserialize_and_load``) needs them
     registered first: call ``jqt.native_status()`` before loading it (else XLA raises
     ``No FFI handler registered for jqt_...``), in a process without ``JQT_NATIVE=0``
@@ -186,10 +187,9 @@ def _compile(cxx, flags, include, lib):
     """Compiles ``SOURCE`` into ``lib`` through a temporary file in its folder (removed
     whatever happens; one a killed build left, ``.grouped_gemv-*.tmp``, by a later build once
     older than the compile's time limit), renamed into place: concurrent builders each write
-    their own. The
-    library gets the modes of a plain ``c++ -o`` under the umask (``mkstemp`` makes 0600
-    files, which other users could not load from a shared cache), and its SHA-256 beside it
-    (:func:`_intact`)."""
+    their own. The library gets the modes of a plain ``c++ -o`` under the umask
+    (``mkstemp`` makes 0600 files, which other users could not load from a shared cache),
+    and its SHA-256 beside it (:func:`_intact`)."""
     try:
         lib.parent.mkdir(parents=True, exist_ok=True)
         _sweep(lib.parent)

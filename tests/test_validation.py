@@ -1920,6 +1920,34 @@ def test_messages_name_an_op_inside_a_loop_by_its_scopes_from_the_top():
     assert any("op 'w' (dot_general at 'layers/block')" in m for m in msgs), msgs
 
 
+def test_an_outer_scope_is_kept_when_an_inner_one_starts_with_its_letters():
+    """An op in a jitted or scanned body under ``enc`` whose own scope is ``encoder_block``
+    lost the ``enc/`` of its key (a text prefix test took it for the full path), so a rule
+    for ``^enc/`` decided nothing; a body's names are relative to it."""
+    def block(h):
+        with jax.named_scope("encoder_block"):
+            return jax.nn.softmax(h @ h.T) @ h
+
+    def make(wrap):
+        def f(w, x):
+            with jax.named_scope("enc"):
+                return wrap(x @ w)
+        return f
+
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.linspace(-1, 1, 32).reshape(4, 8)
+    recipe = jqt.recipes.w8a8_dynamic(act_x_act=True)
+    for wrap in (block, jax.jit(block), jax.checkpoint(block),
+                 lambda h: jax.lax.scan(lambda c, _: (block(c), None), h, None, length=1)[0]):
+        keys = sorted(k for k in jqt.calibrate(make(wrap), recipe, w, [(x,)], progress=False) if k != "w")
+        assert keys == ["enc/encoder_block/dot_general_0", "enc/encoder_block/dot_general_1"], keys
+
+    def same(h):
+        with jax.named_scope("enc"):
+            return jax.nn.softmax(h @ h.T) @ h
+    keys = sorted(k for k in jqt.calibrate(make(jax.jit(same)), recipe, w, [(x,)], progress=False) if k != "w")
+    assert keys == ["enc/enc/dot_general_0", "enc/enc/dot_general_1"], keys
+
+
 # ---------------------------------------------------------------- objects handled with JAX's tools
 
 def _mlp():

@@ -228,9 +228,10 @@ def _contains_quantizable(jaxpr) -> bool:
 
 
 def _join(prefix, stack):
-    if not prefix:
-        return stack
-    if not stack or stack.startswith(prefix):
+    """The name stack of an equation of a body (jit, scan, cond, remat...) traced under
+    ``prefix``: a body's names are relative to it, so always ``prefix/stack`` (a body
+    scope ``encoder_block`` under ``enc`` is not the same scope twice)."""
+    if not prefix or not stack:
         return stack or prefix
     return f"{prefix}/{stack}"
 

@@ -144,7 +144,8 @@ def serialize_aux(cls, aux) -> bytes:
                 "place, or leave the key out of the params you pack (e.g. nnx.split the Rngs "
                 "state apart).")
         return _dump(cls, {"tree": tree, "avals": [_aval_to_json(a) for a in avals],
-                           "kept": list(kept), "tied": [list(t) for t in tied]})
+                           "kept": list(kept), "tied": [list(t) for t in tied],
+                           "weak": [i for i, a in enumerate(avals) if getattr(a, "weak_type", False)]})
     names = _static_fields(cls)
     return _dump(cls, {"fields": {n: _value_to_json(v) for n, v in zip(names, aux)}})
 
@@ -154,6 +155,8 @@ def deserialize_aux(cls, data):
     d = _parse(cls, data)
     if cls is PackedParams:
         avals = tuple(_aval_from_json(a) for a in d["avals"])
+        avals = tuple(a.update(weak_type=True) if i in d.get("weak", ()) else a  # (jnp.full(s, 0.1))
+                      for i, a in enumerate(avals))
         try:
             treedef = ser.treedef_from_json(d["tree"], avals)
         except ser.TreeNotSerializable as e:

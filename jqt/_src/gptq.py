@@ -383,7 +383,8 @@ def _rerounded(site, qp, leaf, h, n, opts):
                 + ("To keep GPTQ's codes, pass the params as float32 (jax.tree.map(lambda "
                    "a: a.astype(jnp.float32), params)) to jqt.gptq and jqt.pack."
                    if result.dtype != _F32 else "The op reads those."), f"'{site.key}'")
-    return result
+    return compat.weak_typed(result) if compat.is_weak(leaf) else result  # (jnp.full(s, 0.1)'s
+    # weak float32 takes a bfloat16 model's dtype: a strong one would promote it)
 
 
 def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from . import compat, kvcache
@@ -68,9 +69,12 @@ def eval_jaxpr(jaxpr, consts, args, plan, ctx):
         invals = [read(v) for v in eqn.invars]
         if i in plan.sites:
             site = plan.sites[i]
+            # a literal operand (jnp.dot(x, 2.0)) as the array jax.jit makes of it
+            invals = [_constant(v) if compat.is_literal(v) else x for v, x in zip(eqn.invars, invals)]
             with compat.eqn_scope(eqn) as e:  # the rule's ops keep the op's named scope
                 outs = _under_eqn_mesh(e, [site.key], ctx,
                                        lambda c, site=site: ctx.handler.site(site, e, invals, c))
+            outs = [_weak_as(v, x) for v, x in zip(eqn.outvars, outs)]
         elif i in plan.subs:
             sub = plan.subs[i]
             with compat.eqn_scope(eqn) as e:
@@ -118,6 +122,16 @@ def _retyped(state):
     if isinstance(state, LayerView):
         return LayerView(compat.to_current_mesh(state.full), compat.to_current_mesh(state.index))
     return compat.to_current_mesh(state)
+
+
+def _weak_as(var, x):
+    """A site's output ``x`` weakly typed where ``f``'s is (a weak input times a weak
+    weight): the rules compute strong arrays, and a strong float32 would promote the
+    bfloat16 values it meets later."""
+    if var.aval.weak_type and isinstance(x, jax.Array) and x.dtype == var.aval.dtype \
+            and not compat.is_weak(x):
+        return compat.weak_typed(x)
+    return x
 
 
 def _constant(lit):

@@ -117,6 +117,9 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             raise TypeError(f"jqt.save_packed: {what} hold traced values (jqt.save_packed called "
                             "inside jax.jit, jax.grad or another transformation); return them from "
                             "the transformed function and save them outside it.")
+        validate.check_alive(tree, "jqt.save_packed", what)  # (donated to a jitted call)
+    if isinstance(qparams, dict):  # Python numbers (tree_map(float)) as jqt.save takes them
+        qparams = validate.numbers_as_arrays(qparams)
     try:
         tree, why = treedef_to_json(packed.treedef), None
     except TreeNotSerializable as e:
@@ -204,7 +207,10 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
               "tied": [list(t) for t in packed.tied],
               # kept leaves weakly typed (jnp.asarray(0.5)): they take the dtype of what they
               # meet, and come back so (a strong float32 one promotes bfloat16 arithmetic)
-              "weak": [i for i, x in zip(packed.kept, packed.leaves) if compat.is_weak(x)]}
+              "weak": [i for i, x in zip(packed.kept, packed.leaves) if compat.is_weak(x)],
+              # and the leaves packed away that were (an older jqt ignores this: strong zeros)
+              "weak_dropped": [i for i, a in enumerate(packed.avals)
+                               if i not in packed.kept and getattr(a, "weak_type", False)]}
     version = versioned(PACKED_VERSION, qparams)
     if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
         version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
@@ -476,10 +482,17 @@ def _read_packed(r, path, like):
     weak = h.get("weak", [])  # (absent from files written before 2026-12-07)
     if not (isinstance(weak, list) and all(is_a(i, int) and i in kept for i in weak)):
         raise r.error(f"the header's 'weak' {json.dumps(weak)[:200]} is not a list of kept leaf numbers")
+    dropped = h.get("weak_dropped", [])  # (absent from files written before 2026-12-08)
+    if not (isinstance(dropped, list) and all(is_a(i, int) and 0 <= i < len(avals) and i not in kept
+                                              for i in dropped)):
+        raise r.error(f"the header's 'weak_dropped' {json.dumps(dropped)[:200]} is not a list of "
+                      "the numbers of leaves packed away")
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
-                                  sharding=getattr(a, "sharding", None)) for a in avals]
+                                  sharding=getattr(a, "sharding", None),
+                                  weak_type=i in dropped or i in weak)
+             for i, a in enumerate(avals)]
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():
         # entries that name the same tensors (ops that share codes, jqt.pack): one QArray

@@ -35,6 +35,9 @@ def _unpack(packed: PackedParams):
         if leaves[i] is None:  # split over explicit mesh axes as the leaf was (jax.shard_map
             # takes such a leaf only split as its in_specs say)
             leaves[i] = compat.zeros(a.shape, a.dtype, getattr(a, "sharding", None))
+            if getattr(a, "weak_type", False):  # a weakly typed weight (jnp.full(s, 0.1)) as
+                # f saw it: strong float32 zeros made a bfloat16 model's outputs float32
+                leaves[i] = compat.weak_typed(leaves[i])
     return jax.tree_util.tree_unflatten(packed.treedef, leaves)
 
 
@@ -901,7 +904,8 @@ def _aval(x):
             or isinstance(x, (bool, int, float, complex, np.generic))):
         return tracing.Static(x)
     try:
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x))
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=compat.explicit_sharding(x),
+                                    weak_type=compat.is_weak(x))  # (jnp.full(s, 0.1): see _unpack)
     except TypeError:
         return tracing.Static(x)
 

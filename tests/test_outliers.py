@@ -1044,6 +1044,44 @@ def test_gptq_measures_each_call_of_a_checkpointed_layer_after_the_one_before():
                                           err_msg=f"{name}: {k}")
 
 
+def test_gptq_passes_compute_only_the_hessians_of_their_chunk(monkeypatch):
+    """Each pass returned the Hessian of every op (zeros but its own group's) and kept one:
+    a K x K buffer per op at every batch, about 27 GiB for a LLaMA-7B-shaped model
+    (hunt81_memoryuse). A pass computes those of a run of groups within a byte budget
+    now: the same weights, bit for bit, under any budget."""
+    from jqt._src import gptq as gq
+    rng = np.random.default_rng(1)
+    p = {f"w{i}": jnp.asarray(rng.normal(size=(32, 32)) / 6, jnp.float32) for i in range(4)}
+    bs = [(jnp.asarray(rng.normal(size=(48, 32)), jnp.float32),) for _ in range(2)]
+
+    def f(p, x):
+        for i in range(4):
+            x = jnp.tanh(x @ p[f"w{i}"])
+        return x
+    qp = jqt.calibrate(f, jqt.recipes.w4(group_size=16), p, bs, progress=False)
+    want = jqt.gptq(f, qp, p, bs, progress=False)
+    returned = []
+    real = gq._chunks
+
+    def spy(groups, nbytes, budget=None):
+        out = real(groups, nbytes, budget)
+        returned.append(out)
+        return out
+    monkeypatch.setattr(gq, "_chunks", spy)
+    monkeypatch.setattr(gq, "_HESSIAN_BYTES", 2 * 32 * 32 * 4)  # two ops' Hessians a pass
+    recorded, base = [], gq._Hessians
+    monkeypatch.setattr(gq, "_Hessians", type("H", (base,), {
+        "__init__": lambda self, keys: (recorded.append(frozenset(keys)), base.__init__(self, keys))[1]}))
+    got = jqt.gptq(f, qp, p, bs, progress=False)
+    assert returned == [{"w0": ("w0", "w1"), "w1": ("w0", "w1"), "w2": ("w2", "w3"), "w3": ("w2", "w3")}]
+    # traced: every op once (for the shapes, not compiled), then each chunk's ops alone
+    assert recorded == [frozenset(p), frozenset({"w0", "w1"}), frozenset({"w2", "w3"})], recorded
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    assert gq._chunks([["a"], ["b", "c"], ["d"]], {"a": 5, "b": 3, "c": 3, "d": 1}, budget=6) == {
+        "a": ("a",), "b": ("b", "c"), "c": ("b", "c"), "d": ("d",)}
+
+
 def test_a_channel_no_calibration_batch_reached_keeps_its_weight_under_awq_and_smoothquant():
     """Input channel 3 is 0 in every calibration batch (a one-hot row no batch chose, a
     ReLU unit the batches left dead), nonzero later. AWQ floored its statistic at 1e-4,

@@ -294,13 +294,13 @@ def _rerounded(site, qp, leaf, h, n, opts):
     # spread error would round to codes of an arbitrary grid: its zeros stay, either way
     gaxis = site.entry.groups(site) if q.qtype.group_size else None
     fixed2 = to2(weightcheck.placeholder_zeros(wt, q, gaxis, depth))
-    h = np.asarray(h, np.float64)
+    h = np.asarray(h)  # (float64 a layer at a time below: all at once, 2x every layer's)
     nd = max(np.ndim(n), depth)  # per layer, and per expert where counted so (ragged)
     n = np.broadcast_to(np.asarray(n), h.shape[:nd])  # else the same rows for every expert
     lead = w2.shape[:nlead]
     out, unseen = np.empty_like(w2), []
     for i in np.ndindex(*lead):
-        hi = h[i] / max(float(n[i[:nd]]), 1.0)
+        hi = np.asarray(h[i], np.float64) / max(float(n[i[:nd]]), 1.0)
         zi = np.zeros_like(w2[i]) if z2 is None else np.round(z2[i])
         if not np.diag(hi).any():  # no rows reached this layer or expert: every input "dead"
             unseen.append(i[0] if len(i) == 1 else i)
@@ -518,27 +518,53 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
         diagnostics.warn("jqt.gptq: plain rounding for " + "; ".join(f"'{k}': {why[k]}" for k in skipped[:5])
                          + (" ..." if len(skipped) > 5 else ""))
     site_of = {s.key: s for s in sites}
-    handler = _Hessians(set(eligible))
 
-    def step(params_t, batch, flags):
+    def step(params_t, batch, flags, keep):
+        """The Hessians of the ops ``keep`` (static) names, from one batch; the other ops
+        run as ``flags`` say, recording none (no K x K buffer each: see _chunks)."""
         args = full_args(argnums, params_t, batch)
         state = {k: (qparams[k], *flags[k]) for k in order}
-        return tracer(args).run(args, handler, state)[1]
+        return tracer(args).run(args, _Hessians(set(keep)), state)[1]
 
-    jstep = jax.jit(step)
+    jstep = jax.jit(step, static_argnums=3)
     opts = dict(block_size=block_size, damp=damp, act_order=act_order, keep_zeros=keep_zeros)
     from tqdm.auto import tqdm
     with diagnostics.grouped():  # a warning per kind, naming the ops, not one per op
-        _passes(tqdm(_groups(eligible, order, site_of), desc="jqt.gptq", unit="pass",
-                     disable=None if progress is None else not progress),
+        groups = _groups(eligible, order, site_of)
+        _passes(groups, tqdm(groups, desc="jqt.gptq", unit="pass",
+                             disable=None if progress is None else not progress),
                 order, site_of, argnums, params_t, batches, jstep, qparams, opts)
     return params_t[0] if len(argnums) == 1 else tuple(params_t)
 
 
-def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, opts):
-    """One pass over the batches per group of ops: their Hessians, then their weights
-    re-rounded in ``params_t`` (in place)."""
-    for group in groups:
+_HESSIAN_BYTES = 1 << 30  # the Hessians one compiled pass computes (see _chunks)
+
+
+def _chunks(groups, nbytes, budget=None):
+    """``groups`` cut into runs of consecutive groups whose Hessians (``nbytes[key]``) sum
+    to at most ``budget`` bytes (a group over it alone): one compiled pass per run, which
+    computes the Hessians of its ops only. One for all (a compile, the model's every K x K
+    buffer at each batch) cost a LLaMA-7B-shaped model about 27 GiB per batch; one per
+    group, a compile per pass (a small model's hundred passes)."""
+    budget = _HESSIAN_BYTES if budget is None else budget
+    out, size = [], 0
+    for g in groups:
+        b = sum(nbytes[k] for k in g)
+        if out and size + b <= budget:
+            out[-1] += g
+            size += b
+        else:
+            out.append(list(g))
+            size = b
+    return {k: tuple(c) for c in out for k in c}
+
+
+def _passes(groups, bar, order, site_of, argnums, params_t, batches, jstep, qparams, opts):
+    """One pass over the batches per group of ops (``groups``, iterated as ``bar``, its
+    progress bar): their Hessians, then their weights re-rounded in ``params_t`` (in
+    place)."""
+    chunk = None
+    for group in bar:
         pos = order.index(group[0])
         flags = {}
         for i, k in enumerate(order):
@@ -546,10 +572,15 @@ def _passes(groups, order, site_of, argnums, params_t, batches, jstep, qparams, 
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
+        if chunk is None:  # every op's Hessian shape, from a trace (no compile, no buffer)
+            first = tracing.mark_static(tracing.owned(tuple(next(iter(each_batch(batches))))))
+            every = tuple(k for g in groups for k in g)
+            shapes = jax.eval_shape(jstep, marked, first, flags, every)
+            chunk = _chunks(groups, {k: 4 * math.prod(shapes[k]["h"].shape) for k in every})
         for i, batch in enumerate(each_batch(batches)):
             args = tracing.mark_static(tracing.owned(tuple(batch)))
             try:
-                out = jstep(marked, args, flags)
+                out = jstep(marked, args, flags, chunk[group[0]])
             except Exception as e:
                 note_batch_error(e, "jqt.gptq", i, args)
                 raise

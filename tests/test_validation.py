@@ -456,6 +456,29 @@ def test_packed_params_or_a_quantized_cache_passed_to_f_say_what_to_call():
     with pytest.raises(AttributeError, match=r"no attribute 'ndim': .*jqt.dequantize_cache"):
         c.ndim
     assert not hasattr(c, "bogus") and jax.tree.leaves(packed)
+    # an array's lifetime methods name the pytree tools (hunt81_donation)
+    with pytest.raises(AttributeError, match=r"no attribute 'copy': .*jax.tree.map\(jnp.copy, q\)"):
+        c.copy()
+    with pytest.raises(AttributeError, match=r"no attribute 'block_until_ready': .*jax.block_until_ready\(q\)"):
+        c.block_until_ready()
+
+
+def test_save_packed_and_qat_project_name_a_deleted_leaf(tmp_path):
+    """Packed params or qparams donated to a jitted call (donate_argnums) got JAX's bare
+    "Array has been deleted" from save_packed and qat.project; jqt.save named the leaf
+    (hunt81_donation)."""
+    f = lambda p, x: x @ p["w"]  # noqa: E731
+    p, x = {"w": jnp.ones((16, 4))}, jnp.ones((2, 16))
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p)
+    gone = jax.tree.map(jnp.copy, packed)
+    gone.weights["w"].scale.delete()
+    with pytest.raises(ValueError, match=r"jqt.save_packed: the packed params leaf .*weights\['w'\].scale has been deleted"):
+        jqt.save_packed(str(tmp_path / "m.safetensors"), gone, qp)
+    q2 = jax.tree.map(jnp.copy, qp)
+    q2["w"].lhs.scale.delete()
+    with pytest.raises(ValueError, match=r"jqt.qat.project: qparams leaf \['w'\].lhs.scale has been deleted"):
+        jqt.qat.project(q2)
 
 
 def test_float64_data_beyond_float32s_range_is_refused_by_name():

@@ -380,6 +380,7 @@ def project(qparams, *, min_scale: float = 1e-8) -> dict:
     if not isinstance(qparams, dict):
         raise TypeError(f"jqt.qat.project: expected a qparams dict, got {type(qparams).__name__}; "
                         "project the qparams half of the state: (params, jqt.qat.project(qp)).")
+    validate.check_alive(qparams, "jqt.qat.project", "qparams")  # (donated to a jitted step)
     if not compat.is_tracer(min_scale):
         try:  # (a bool or a str is no number: True floored every scale at 1.0)
             ok = (not isinstance(min_scale, (bool, np.bool_, str, bytes))

@@ -230,6 +230,10 @@ class QArray:
             hint = (": a jqt.QArray is no array but codes (values) and their scale; read a "
                     "quantized key/value cache with jqt.dequantize_cache(cache), and pass packed "
                     "weights to the quantized function, not to f")
+        elif name in ("copy", "block_until_ready", "delete", "is_deleted"):  # a pytree's
+            hint = (": a jqt.QArray is a pytree of arrays; use jax.tree.map(jnp.copy, q), "
+                    "jax.block_until_ready(q), jax.tree.map(lambda a: a.delete(), q) or "
+                    "any(a.is_deleted() for a in jax.tree.leaves(q))")
         raise AttributeError(f"'QArray' object has no attribute {name!r}{hint}")
 
     def __eq__(self, other):

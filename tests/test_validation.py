@@ -1641,6 +1641,10 @@ def test_a_rule_keyed_by_an_op_key_with_parentheses_copied_as_it_is_is_told_how_
                "'vmap()/dot_general_0' as jqt.summarize writes it" in m
                and r"key='^vmap\\(\\)/dot_general_0$'" in m for m in got), got
     assert not [m for m in cal(r"^vmap\(\)/dot_general_0$") if "decides no op" in m]
+    got = cal("vmap()/dot")  # a part of the key (hunt81_namescopes: the generic advice only)
+    assert any("it is part of the op key 'vmap()/dot_general_0' as jqt.summarize writes it" in m
+               and r"key='vmap\\(\\)/dot' (re.escape) matches that op" in m for m in got), got
+    assert not [m for m in cal(r"vmap\(\)/dot") if "decides no op" in m]
     got = _messages(lambda: jqt.calibrate(f, jqt.Recipe(rules=(jqt.Rule(
         key="vmap()/dot_general_0", ops=("gather",), embedding=base[0].embedding),) + base), p, b,
         progress=False))

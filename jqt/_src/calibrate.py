@@ -978,6 +978,12 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
                        "('^' + re.escape(key) + '$') matches that op"
                        + ("" if op in r.ops else f", a {op}, which its ops={r.ops} leave out too: "
                           "add it to ops="))
+            elif lit := [k for k in keys if re.escape(r.key) != r.key and r.key in k]:
+                # a part of a key copied as it is (an einsum's 'vmap(sS,Sd->sd)')
+                why = (f"it is part of the op key {lit[0]!r} as jqt.summarize writes it, but a "
+                       "rule's key is a regular expression, in which some of its characters "
+                       f"(such as {_special(r.key)}) do not match themselves: "
+                       f"key={re.escape(r.key)!r} (re.escape) matches that op")
             elif re.search(r"\\?\[\d+(?:,\\?\s*\d+)*\\?\]", r.key) and any(s.stack_ids for s in sites):
                 why += ("; jqt.report names one layer of a lax.scan over stacked weights "
                         "'key[n]', but the layers share one op key and one rule: match the key "

@@ -117,3 +117,22 @@ def test_save_packed_takes_qparams_holding_python_numbers(tmp_path):
     jqt.save_packed(path, packed, q2)
     loaded, stored = jqt.load_packed(path), jqt.load(path)
     np.testing.assert_array_equal(jqt.quantize(f, stored)(loaded, X), jqt.quantize(f, qp)(p, X))
+
+
+def test_an_argument_passed_as_a_constant_one_time_and_an_array_the_other_is_said():
+    """Calibrated with an array, called with a Python number (a constant weight now), or
+    the ids as a list then as an array: the errors spoke of other functions and of qparams
+    made before 2026-11-23, not of the argument's kind."""
+    p = {"w": W}
+    f = lambda p, x, s: jnp.dot(x, s) @ p["w"]
+    qp = jqt.calibrate(f, jqt.recipes.w8(), p, [(X, np.float32(2.0))], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"an operand calibration traced \(a jax array\) "
+                                                        r"is a constant now \(a Python number"), \
+            pytest.warns(UserWarning, match="multiplies two weights"):  # (a constant s, a weight)
+        jqt.quantize(f, qp)(p, X, 2.0)
+    p = {"emb": jnp.ones((32, 16)), "w": W}
+    g = lambda p, ids: p["emb"][jnp.asarray(ids)] @ p["w"]
+    qp = jqt.calibrate(g, jqt.recipes.w8a8(), p, [([1, 5, 7],)], progress=False)
+    with pytest.raises(jqt.QParamsMismatchError, match=r"Or the indices were a Python list or number "
+                                                        r"at calibration and are an array now"):
+        jqt.quantize(g, qp)(p, np.array([1, 5, 7]))

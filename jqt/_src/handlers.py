@@ -329,7 +329,11 @@ def lookup(ctx, site, invals):
                "the weight), this call traces that value (a jax array, or an argument of "
                "jax.jit): pass it as calibration did (a Python number; jax.jit's "
                "static_argnums), or bind it with functools.partial."
-               if qp.weight_operand is not None and site.weight_operand is None else "")
+               if qp.weight_operand is not None and site.weight_operand is None else
+               " Or an operand calibration traced (a jax array) is a constant now (a Python "
+               "number or NumPy array, which JAX keeps static): this call makes it the op's "
+               "weight. Pass it as calibration did, or calibrate with it as passed now."
+               if qp.weight_operand is None and site.weight_operand is not None else "")
             + f"{diagnostics.einsum_order([site.name_stack or ''])}")
     _check_source(site, qp)
     _check_real(site, qp, invals)

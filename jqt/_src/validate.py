@@ -465,7 +465,9 @@ def check_keys(traced, qparams, fn: str = "jqt", some_empty: bool = False):
             why = (" They are embedding lookups: qparams made by a jqt from before 2026-11-23, "
                    "which kept lookups float, have no entries for them, nor have qparams made "
                    "for another function or weight_argnums; run jqt.calibrate on this function "
-                   "with this jqt.")
+                   "with this jqt. Or the indices were a Python list or number at calibration and "
+                   "are an array now (a constant index reads the table as a constant, no lookup): "
+                   "pass them as calibration did.")
         else:
             why = (" The qparams were made for another function or weight_argnums; run "
                    "jqt.calibrate on this function."

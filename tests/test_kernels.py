@@ -486,6 +486,28 @@ def test_many_row_int8_matmul_runs_as_bfloat16_codes_on_cpu(recipe):
             if e.primitive.name == "dot_general"} == {"int8"}
 
 
+@pytest.mark.parametrize("recipe,rows", [(jqt.recipes.w8a8(), 256), (jqt.recipes.w8a8(), 64),
+                                         (jqt.recipes.fp8(), 64)], ids=["w8a8_bf16", "w8a8_int8", "fp8_bf16"])
+def test_an_activation_transposed_in_f_keeps_its_codes_rows_first(recipe, rows):
+    """``x.T @ w`` (x is (K, M)): XLA:CPU moved f's transpose past the quantization into the
+    dot, whose int8 form then ran about 13x float32's time and whose bfloat16 one (the
+    many-row formulations) failed on AVX512_BF16 CPUs with "Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32" (hunt81_hloaudit). The codes stay (M, K)."""
+    k, n = 96, 32
+    p = {"w": jax.random.normal(jax.random.key(0), (k, n)) * 0.1}
+    x = jax.random.normal(jax.random.key(1), (k, rows))
+    f = lambda p, x: x.T @ p["w"]
+    pol = dataclasses.replace(CPU_XLA, int_as_bfloat16_rows=255, fp8_as_bfloat16_rows=32)
+    qp = jqt.calibrate(f, recipe, p, [(x,)], progress=False)
+    packed = jqt.pack(qp, p, policy=pol)
+    qf = jax.jit(jqt.quantize(f, qp, policy=pol))
+    text = qf.lower(packed, x).compile().as_text()
+    dots = [ln for ln in text.splitlines() if re.search(r"\bdot\(", ln)]
+    assert dots and all("lhs_contracting_dims={1}" in ln for ln in dots), dots  # (M, K) codes
+    np.testing.assert_allclose(qf(packed, x), jqt.quantize(f, qp, simulate=True)(p, x),
+                               rtol=1e-4, atol=1e-4 * float(jnp.abs(f(p, x)).max()))
+
+
 def test_bfloat16_codes_subtract_a_large_activation_zero_point_first():
     """Static asymmetric activations whose zero point is near the top code (range [-11, 0.1])
     and values near it: the raw codes' float32 sums over K = 4096 pass 2**24, and

@@ -26,6 +26,7 @@ from .formats import QuantType, unpack_nibbles
 
 _I32 = jnp.int32
 _F32 = jnp.float32
+_FLOATS = frozenset(np.dtype(d) for d in (jnp.float64, jnp.float32, jnp.float16, jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,14 @@ class DenseAxes:
         m = math.prod(x.shape[d] for d in self.x_free)
         kept = [x.shape[d] for d in self.x_contract]
         rows = compat.reshape(jnp.transpose(x, self.x_free + self.x_contract), (m, *kept))
-        return compat.reshape(rows, (m, math.prod(kept)))
+        rows = compat.reshape(rows, (m, math.prod(kept)))
+        if x.dtype not in _FLOATS:
+            # codes (int8, fp8) of an activation transposed here or in f (x.T @ w): XLA:CPU
+            # folded the transpose into the dot, whose int8 form then ran 13x slower than
+            # float and whose bfloat16 one (many rows) failed ("Unsupported element type for
+            # DotThunk"); the barrier keeps the (M, K) rows
+            rows = lax.optimization_barrier(rows)
+        return rows
 
     def act_vec(self, a):
         """A keepdims per-row activation array -> ``(M, 1)`` (scalars stay scalars)."""

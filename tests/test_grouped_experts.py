@@ -267,15 +267,17 @@ MAP_OPS = {   # name: (function, weight shape): the weight's K first or last, ni
     "edhk": (lambda p, x: jnp.einsum("ecd,edhk->echk", x, p["w"]), (E, D, 4, F // 4)),
 }
 MAP_RECIPES = dict(RECIPES, w8=jqt.recipes.w8(),
-                   w4_asym_per_channel=jqt.recipes.w4(group_size=0, symmetric=False))
+                   w4_asym_per_channel=jqt.recipes.w4(group_size=0, symmetric=False),
+                   fp8=jqt.recipes.fp8())  # per channel, fp8 activations (hunt81_hloaudit:
+# decoded whole by the generic fp8 kernel, 3-4x float32 at one token per expert)
 CHUNKED = jqt.KernelPolicy(pad_rows=2, batched_map=True, weight_only_chunk=64)  # K-chunks of 64
-MAP_DEFAULT = (("edf", "w4_g32"),)  # the rest, ("def", "w8") too: slow
+MAP_DEFAULT = (("edf", "w4_g32"), ("edf", "fp8"))  # the rest, ("def", "w8") too: slow
 
 
 @pytest.mark.parametrize("op, name", [
     pytest.param(o, n, id=f"{o}-{n}", marks=() if (o, n) in MAP_DEFAULT else pytest.mark.slow)
     for o in MAP_OPS for n in ("w4_g32", "w4_asym_g32", "nf4_g32", "w4a8_asym_g32", "fp8_g32",
-                               "w8", "w4_asym_per_channel")])
+                               "w8", "w4_asym_per_channel", "fp8")])
 @pytest.mark.slow  # the default run's 5 minutes; its siblings there cover the feature
 def test_experts_decoded_one_at_a_time(op, name):
     """``experts.decoded_map`` (the CPU table's ``batched_map``): one expert at a time,

@@ -12,7 +12,7 @@ along its last axis). :func:`run` picks the formulation (``policy.py``):
   time in a ``lax.map``, each in K-chunks decoded in cache (:func:`decoded_map`), or
   the whole weight at once for one batched float ``dot_general``
   (:func:`decoded_whole`);
-- per-channel weights with int8 (or fp8) activations: ``None``, the generic kernels.
+- per-channel int weights with int8 activations: ``None``, the generic kernels.
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def run(site, eqn, ops, policy):
     if (q.group_size and ints and policy.batched_groups and not policy.small_groups(q)
             and not dense.many_rows(rows, policy)):
         return split_groups(site, eqn, ops, policy)
-    if not q.group_size and isinstance(x, QArray):
-        return None
+    if not q.group_size and isinstance(x, QArray) and q.kind == "int":
+        return None  # (fp8 weights go on: decoded whole for one batched dot, they ran 3-4x
+        # float32 at one token per expert, hunt81_hloaudit)
     if policy.batched_map and _mappable(site, eqn, wq):
         return decoded_map(site, eqn, ops, policy)
     if q.group_size:

@@ -457,7 +457,9 @@ def test_a_barrier_and_a_gradient_stop_on_the_cache_hold_on_its_codes(setup):
     run = jqt.quantize(teacher_fenced, qp)
     eqns = list(all_eqns(jax.make_jaxpr(run)(jqt.pack(qp, p), x)))
     fenced = {e.primitive.name: [str(v.aval.dtype) for v in e.invars] for e in eqns
-              if e.primitive.name in ("optimization_barrier", "stop_gradient")}
+              if e.primitive.name in ("optimization_barrier", "stop_gradient")
+              and len(e.invars) > 1 or e.primitive.name == "stop_gradient"}  # (not jqt's own
+    # barrier on one matmul's activation codes, dense.DenseAxes.act_2d)
     assert fenced["optimization_barrier"].count("int8") == 2, fenced  # keys and values
     assert "int8" in [str(e.invars[0].aval.dtype) for e in eqns if e.primitive.name == "stop_gradient"]
     free = jqt.quantize(teacher, jqt.calibrate(teacher, jqt.recipes.w8a8_dynamic(kv_cache=True),

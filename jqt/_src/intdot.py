@@ -109,13 +109,25 @@ def one_row_padded(qa, qb, dn, acc_dtype, pad_rows):
     out = lambda a, b: lax.dot_general(a, b, dn, precision=dense.INT_PRECISION,
                                        preferred_element_type=acc_dtype)
     for i in (0, 1):
-        if (acc_dtype == _I32 and pad_rows > 1 and free[i] and all(isinstance(n, int) for n in size)
+        if (acc_dtype == _I32 and pad_rows > 1 and all(isinstance(n, int) for n in size)
                 and size[i] == 1 < size[1 - i]):  # a symbolic size (jax.export) is left as is
             ops = [qa, qb]
+            axis = len(lb) + (0 if i == 0 else len(free[0]))  # the padded axis in the output
+            if not free[i]:  # no free axis (a decode step's query in "bhd,bthd->bht"): one
+                # inserted before its contracted axes (rows first, as a matmul's), dropped
+                # from the result again
+                at = min((lc, rc)[i])
+                ops[i] = jnp.pad(jnp.expand_dims(ops[i], at),
+                                 [(0, pad_rows - 1) if d == at else (0, 0) for d in range(ops[i].ndim + 1)])
+                shift = lambda dims: tuple(d + (d >= at) for d in dims)
+                cs, bs = [list(lc), list(rc)], [list(lb), list(rb)]
+                cs[i], bs[i] = shift(cs[i]), shift(bs[i])
+                acc = lax.dot_general(*ops, ((tuple(cs[0]), tuple(cs[1])), (tuple(bs[0]), tuple(bs[1]))),
+                                      precision=dense.INT_PRECISION, preferred_element_type=acc_dtype)
+                return lax.squeeze(lax.slice_in_dim(acc, 0, 1, axis=axis), (axis,))
             pad = [(0, 0)] * ops[i].ndim
             pad[free[i][0]] = (0, pad_rows - 1)
             ops[i] = jnp.pad(ops[i], pad)
-            axis = len(lb) + (0 if i == 0 else len(free[0]))  # the padded axis in the output
             return lax.slice_in_dim(out(*ops), 0, 1, axis=axis)
     return out(qa, qb)
 

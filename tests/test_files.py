@@ -1382,6 +1382,15 @@ def test_a_weight_several_ops_read_is_packed_and_saved_once(tmp_path, recipe):
                       r"times.*train=\('weights', 'activation_scales'\)"):
         apart = jqt.pack(dict(qp, **{"w#1": w1}), p)
     assert apart.weights["w#1"] is not apart.weights["w"] and apart.weights["w#2"] is apart.weights["w"]
+    # every op's scales apart: each op was compared with all the others' codes (quadratic:
+    # 7 s for a layer applied 400 times, hunt81_scaling); buckets by scale compare none
+    every = {k: dataclasses.replace(q, rhs=dataclasses.replace(q.rhs, scale=q.rhs.scale * (1 + i / 100)))
+             for i, (k, q) in enumerate(qp.items())}
+    compared, equal = [], jnp.array_equal
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match=r"its codes 4 times"):
+        mp.setattr(jnp, "array_equal", lambda *a, **k: compared.append(1) or equal(*a, **k))
+        jqt.pack(every, p)
+    assert not compared, len(compared)
     # two weights with equal codes and scales (two copies of one layer) stay two, as pack
     # keeps them: one buffer for both fails a donation (hunt47_review2)
     two = {"w": p["w"], "v": jnp.copy(p["w"])}

@@ -201,6 +201,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
             d[field] = n
             written[id(orig)] = (orig, n)
         weights[key] = d
+    kept_set = set(packed.kept)  # (membership per leaf: a tuple's was quadratic)
     header = {"tree": tree, "tree_error": why, "tree_repr": str(packed.treedef), "paths": paths,
               "avals": [aval_to_json(a) for a in packed.avals], "kept": list(packed.kept),
               "leaves": leaves, "weights": weights, "qparams": entries,
@@ -210,7 +211,7 @@ def save_packed(path, packed: PackedParams, qparams=None) -> None:
               "weak": [i for i, x in zip(packed.kept, packed.leaves) if compat.is_weak(x)],
               # and the leaves packed away that were (an older jqt ignores this: strong zeros)
               "weak_dropped": [i for i, a in enumerate(packed.avals)
-                               if i not in packed.kept and getattr(a, "weak_type", False)]}
+                               if getattr(a, "weak_type", False) and i not in kept_set]}
     version = versioned(PACKED_VERSION, qparams)
     if any(w.folded for w in packed.weights.values()):  # codes smoothed or rotated: an older
         version = PACKED_VERSION + 1  # jqt, which ignores 'folded', must refuse the file
@@ -480,18 +481,20 @@ def _read_packed(r, path, like):
     leaves = [x if i not in python else flat[i] if np.asarray(x) == np.asarray(flat[i]).astype(x.dtype)
               else type(flat[i])(np.asarray(x).item()) for i, x in zip(kept, leaves)]
     weak = h.get("weak", [])  # (absent from files written before 2026-12-07)
-    if not (isinstance(weak, list) and all(is_a(i, int) and i in kept for i in weak)):
+    kept_set = set(kept)  # (membership per leaf: a list's was quadratic)
+    if not (isinstance(weak, list) and all(is_a(i, int) and i in kept_set for i in weak)):
         raise r.error(f"the header's 'weak' {json.dumps(weak)[:200]} is not a list of kept leaf numbers")
     dropped = h.get("weak_dropped", [])  # (absent from files written before 2026-12-08)
-    if not (isinstance(dropped, list) and all(is_a(i, int) and 0 <= i < len(avals) and i not in kept
+    if not (isinstance(dropped, list) and all(is_a(i, int) and 0 <= i < len(avals) and i not in kept_set
                                               for i in dropped)):
         raise r.error(f"the header's 'weak_dropped' {json.dumps(dropped)[:200]} is not a list of "
                       "the numbers of leaves packed away")
+    weak_set = set(weak) | set(dropped)
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),
                                   sharding=getattr(a, "sharding", None),
-                                  weak_type=i in dropped or i in weak)
+                                  weak_type=i in weak_set)
              for i, a in enumerate(avals)]
     weights, same = {}, {}
     for k, d in r.need(h, "weights", dict, "the header").items():

@@ -920,7 +920,7 @@ def _share_equal(leaf_of, weights, qparams):
     writes them once. Ops that read it through the same steps, as one type, but pack it
     to other codes or scales (scales trained apart in :mod:`jqt.qat`) get a warning: the
     packed params hold a copy per op."""
-    first, apart = {}, {}
+    first, apart, by_chain = {}, {}, {}
     for k, w in weights.items():
         # (not the sums: ops of other activation types, one with a zero point and one
         # without, read the same codes; each keeps its own sums)
@@ -929,7 +929,10 @@ def _share_equal(leaf_of, weights, qparams):
                tuple(None if a is None else (a.shape, a.dtype) for a in arrays))
         if any(compat.is_tracer(a) for a in (*arrays, w.sums)):  # pack under a transformation
             continue
-        for k0 in first.setdefault(sig, []):
+        # ops with other scales (trained apart) in buckets of their own: each op compared
+        # with all the others' codes was quadratic (7 s for a layer applied 400 times)
+        bucket = (sig, tuple(_digest(a) for a, f in zip(arrays, _SHARED) if f != "values"))
+        for k0 in first.setdefault(bucket, []):
             w0 = weights[k0]
             if all(a is None or bool(jnp.array_equal(a, getattr(w0, f)))
                    for a, f in zip(arrays, _SHARED)):
@@ -940,10 +943,15 @@ def _share_equal(leaf_of, weights, qparams):
                     w, **{f: getattr(w0, f) for f in _SHARED})
                 break
         else:
-            same = [k0 for k0 in first[sig] if qparams[k0].source.chain == qparams[k].source.chain]
-            if same:
-                apart.setdefault(same[0], [same[0]]).append(k)
-            first[sig].append(k)
+            chain = qparams[k].source.chain
+            try:
+                hash(chain)
+            except TypeError:
+                chain = repr(chain)
+            k0 = by_chain.setdefault((sig, chain), k)
+            if k0 != k:
+                apart.setdefault(k0, [k0]).append(k)
+            first[bucket].append(k)
     folded = {}  # ops that read a leaf alike but fold other smoothing vectors into it
     for k, w in weights.items():
         if w.folded and qparams[k].source is not None:
@@ -970,6 +978,17 @@ def _share_equal(leaf_of, weights, qparams):
             "jqt.qat.labels(..., train=('weights', 'activation_scales')), which freezes the "
             "zero points too, the activations' with the weights', or copy one op's scales and "
             "zero points to the others); otherwise nothing is wrong.")
+
+
+def _digest(a):
+    """A key equal for arrays ``jnp.array_equal`` calls equal (a scale, a zero point: small
+    arrays, read to the host), ``-0.0`` as ``0.0``."""
+    if a is None:
+        return None
+    h = np.asarray(a)
+    if h.dtype.kind == "f":
+        h = h + np.zeros((), h.dtype)
+    return (h.shape, str(h.dtype), hash(np.ascontiguousarray(h).tobytes()))
 
 
 def _same_grid(lookup, matmul) -> bool:

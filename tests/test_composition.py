@@ -1654,3 +1654,26 @@ def test_auto_axes_region_around_a_scan_over_stacked_layers(recipe):
     np.testing.assert_allclose(got, jax.jit(jqt.quantize(part, want_qp))(packed, x), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(grad(part, x))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize("mode", ["raise", "warn"])
+def test_jqts_rules_run_under_the_users_rank_promotion_setting(mode):
+    """``jax_numpy_rank_promotion='raise'`` (or 'warn'): a model that runs under it ran
+    calibrated and simulated, but its integer path raised from jqt's own broadcasting
+    (``acc - zx * wsum``: (M, N) - (N,)), or warned into the user's log (hunt81_jaxconfig)."""
+    f = lambda p, x: jax.nn.relu(x @ p["w"])
+    g = lambda p, x: lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    p = {"w": jax.random.normal(jax.random.key(0), (16, 32)), "k": jax.random.normal(jax.random.key(2), (3, 3, 2, 4))}
+    x, xc = jax.random.normal(jax.random.key(1), (8, 16)), jax.random.normal(jax.random.key(3), (2, 6, 6, 2))
+    with jax.numpy_rank_promotion(mode), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fn, a, r in ((f, x, jqt.recipes.w8a8()), (f, x, jqt.recipes.w8a8_dynamic()),
+                         (g, xc, jqt.recipes.w8a8())):
+            qp = jqt.calibrate(fn, r, p, [(a,)], progress=False)
+            qf = jqt.quantize(fn, qp)
+            packed = jqt.pack(qp, p)
+            y = jax.jit(qf)(packed, a)
+            np.testing.assert_allclose(y, qf(p, a), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(jax.vmap(qf, (None, 0))(packed, a[None]), y[None], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(y, jqt.quantize(fn, qp, simulate=True)(p, a), rtol=1e-4, atol=1e-4)

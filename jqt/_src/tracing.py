@@ -54,10 +54,14 @@ class Traced:
         the keys of ops whose weight ``jqt.pack`` dropped (``hops._packed_in``)."""
         ctx = Ctx(handler, state, dropped=frozenset(dropped))
         jaxpr = self.closed.jaxpr
-        flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars,
-                                   lambda k: leaf_path(args, k))
-        outs = eval_jaxpr(jaxpr, self.closed.consts, flat, self.plan, ctx)
-        return leave_call(self.plan, outs, entered, jaxpr.outvars), ctx.state_out
+        # jqt's rules broadcast as NumPy does ((M, N) - (N,)); f's own ops, traced under the
+        # user's jax_numpy_rank_promotion, are bound again as they were: "raise" for f
+        # failed the integer path of a model that runs under it (hunt81_jaxconfig)
+        with jax.numpy_rank_promotion("allow"):
+            flat, entered = enter_call(self.plan, ctx, leaves(args), jaxpr.invars,
+                                       lambda k: leaf_path(args, k))
+            outs = eval_jaxpr(jaxpr, self.closed.consts, flat, self.plan, ctx)
+            return leave_call(self.plan, outs, entered, jaxpr.outvars), ctx.state_out
 
     def sites(self):
         """The function's ops in evaluation order, one per key (the ops of a

@@ -93,6 +93,15 @@ def test_a_decode_steps_query_without_free_axes_is_padded_too():
     assert (b, h, CPU_XLA.pad_rows, d) in shapes, shapes
     np.testing.assert_allclose(jax.jit(jqt.quantize(f, qp, policy=CPU_XLA))(packed, q, k),
                                jqt.quantize(f, qp, simulate=True)(p, q, k), rtol=1e-5, atol=1e-5)
+    # a batch-only dot (b,bt->bt: no contracted axis either) crashed the padding (hunt81_review)
+    g = lambda p, x, y: lax.dot_general(x @ p["v"], y, (((), ()), ((0,), (0,))))
+    pv, x, y = {"v": jnp.linspace(-1, 1, d)}, q[:, 0], k[:, :, 0, 0]
+    r0 = jqt.recipes.w8a8().rules[0]  # a per-tensor dynamic act_x_act (per row, it stays float)
+    per_tensor = dataclasses.replace(r0, act_x_act=dataclasses.replace(r0.activation, dynamic=True))
+    qp = jqt.calibrate(g, jqt.Recipe(rules=(per_tensor,)), pv, [(x, y)], progress=False)
+    assert qp["dot_general_0"].lhs is not None
+    np.testing.assert_allclose(jax.jit(jqt.quantize(g, qp, policy=CPU_XLA))(jqt.pack(qp, pv, policy=CPU_XLA), x, y),
+                               jqt.quantize(g, qp, simulate=True)(pv, x, y), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("recipe,k_rows,kn", [pytest.param(jqt.recipes.w8(), 1024, False,  # (N, K): N-chunks (CI)

@@ -140,3 +140,24 @@ def test_an_argument_passed_as_a_constant_one_time_and_an_array_the_other_is_sai
     with pytest.raises(jqt.QParamsMismatchError, match=r"Or the indices were a Python list or number "
                                                         r"at calibration and are an array now"):
         jqt.quantize(g, qp)(p, np.array([1, 5, 7]))
+
+
+def test_a_kept_weak_leaf_leaves_the_packed_treedef_as_a_strong_ones():
+    """A weak bias (jnp.full(n, 0.1)) is kept as it is; its aval in the PackedParams' treedef
+    was weak, so the same params after a training step (strong) packed to another treedef:
+    an exported function refused them, jit compiled again (hunt81_review)."""
+    f = lambda p, x: x @ p["w"] + p["b"]
+    weak = {"w": W, "b": jnp.full((8,), 0.1)}
+    strong = {"w": W, "b": jnp.asarray(weak["b"], jnp.float32)}
+    assert weak["b"].weak_type and not strong["b"].weak_type
+    qp = jqt.calibrate(f, jqt.recipes.w8a8(), weak, [(X,)], progress=False)
+    a, b = jqt.pack(qp, weak), jqt.pack(qp, strong)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert compat.is_weak(a.leaves[0])  # the leaf itself stays weak
+
+
+def test_equal_scales_in_bfloat16_share_codes_whatever_the_sign_of_zero():
+    from jqt._src.quantize import _digest
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn):
+        assert _digest(jnp.array([0.0, 1.0], dtype)) == _digest(jnp.array([-0.0, 1.0], dtype)), dtype
+        assert _digest(jnp.array([0.5, 1.0], dtype)) != _digest(jnp.array([0.25, 1.0], dtype)), dtype

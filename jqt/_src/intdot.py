@@ -116,7 +116,7 @@ def one_row_padded(qa, qb, dn, acc_dtype, pad_rows):
             if not free[i]:  # no free axis (a decode step's query in "bhd,bthd->bht"): one
                 # inserted before its contracted axes (rows first, as a matmul's), dropped
                 # from the result again
-                at = min((lc, rc)[i])
+                at = min((lc, rc)[i], default=ops[i].ndim)  # (a batch-only dot: last)
                 ops[i] = jnp.pad(jnp.expand_dims(ops[i], at),
                                  [(0, pad_rows - 1) if d == at else (0, 0) for d in range(ops[i].ndim + 1)])
                 shift = lambda dims: tuple(d + (d >= at) for d in dims)

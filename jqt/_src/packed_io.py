@@ -489,7 +489,7 @@ def _read_packed(r, path, like):
                                               for i in dropped)):
         raise r.error(f"the header's 'weak_dropped' {json.dumps(dropped)[:200]} is not a list of "
                       "the numbers of leaves packed away")
-    weak_set = set(weak) | set(dropped)
+    weak_set = set(dropped)  # (a kept leaf carries its weak type: its aval does not, see pack)
     # the leaves as this process holds them (a file packed under jax_enable_x64 records
     # float64 leaves: float32 here without it, as the kept leaves become on the device)
     avals = [jax.ShapeDtypeStruct(tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype),

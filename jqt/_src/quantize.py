@@ -872,6 +872,12 @@ def pack(qparams, params, *, argnum: int = 0, policy=None, clip: bool = False,
         tied = _tied(qparams, weights)
     for g, _ in tied:  # the lookup keeps its scales and reads the matmul's codes
         weights[g] = dataclasses.replace(weights[g], values=None, layout="tied")
+    # a weakly typed leaf packed away keeps its weak type in its aval (see _unpack); a kept
+    # one carries its own, so its aval does not: the treedef, which holds the avals, stays
+    # that of the same params made strong (an export, a jit cache entry)
+    kept_set = set(kept)
+    avals = [a.update(weak_type=False) if i in kept_set and getattr(a, "weak_type", False) else a
+             for i, a in enumerate(avals)]
     return PackedParams([flat[i] for i in kept], weights, treedef, avals, kept, tied)
 
 
@@ -985,9 +991,11 @@ def _digest(a):
     arrays, read to the host), ``-0.0`` as ``0.0``."""
     if a is None:
         return None
+    if not getattr(a, "is_fully_addressable", True):  # (another process holds parts)
+        return (np.shape(a), str(a.dtype), None)
     h = np.asarray(a)
-    if h.dtype.kind == "f":
-        h = h + np.zeros((), h.dtype)
+    if jnp.issubdtype(h.dtype, jnp.floating):  # (bfloat16, fp8: NumPy's kind 'V')
+        h = np.where(h == 0, np.zeros((), h.dtype), h)
     return (h.shape, str(h.dtype), hash(np.ascontiguousarray(h).tobytes()))
 
 

@@ -26,7 +26,6 @@ from .formats import QuantType, unpack_nibbles
 
 _I32 = jnp.int32
 _F32 = jnp.float32
-_FLOATS = frozenset(np.dtype(d) for d in (jnp.float64, jnp.float32, jnp.float16, jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +109,7 @@ class DenseAxes:
         m = math.prod(x.shape[d] for d in self.x_free)
         kept = [x.shape[d] for d in self.x_contract]
         rows = compat.reshape(jnp.transpose(x, self.x_free + self.x_contract), (m, *kept))
-        rows = compat.reshape(rows, (m, math.prod(kept)))
-        if x.dtype not in _FLOATS:
-            # codes (int8, fp8) of an activation transposed here or in f (x.T @ w): XLA:CPU
-            # folded the transpose into the dot, whose int8 form then ran 13x slower than
-            # float and whose bfloat16 one (many rows) failed ("Unsupported element type for
-            # DotThunk"); the barrier keeps the (M, K) rows
-            rows = lax.optimization_barrier(rows)
-        return rows
+        return compat.reshape(rows, (m, math.prod(kept)))
 
     def act_vec(self, a):
         """A keepdims per-row activation array -> ``(M, 1)`` (scalars stay scalars)."""
@@ -189,8 +181,17 @@ def weight_in_layout(ax, wq, want, w_shape):
                                sums=sums, layout=want)
 
 
+def rows_kept(x2):
+    """The activation codes ``(M, K)`` of a code matmul, as they are: an activation transposed
+    here or in ``f`` (``x.T @ w``) had XLA:CPU fold the transpose into the dot, whose int8
+    form then ran 13x slower than float and whose bfloat16 one (many rows) failed on
+    AVX512_BF16 CPUs ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32")."""
+    return lax.optimization_barrier(x2)
+
+
 def int_matmul(x2, w2, layout, pad_rows):
     """int8 ``(M, K)`` x int8 weight in ``layout`` -> int32 ``(M, N)``; rows padded to ``pad_rows``."""
+    x2 = rows_kept(x2)
     m = x2.shape[0]
     if isinstance(m, int) and m < pad_rows:  # a symbolic row count (jax.export) is not padded
         x2 = jnp.pad(x2, ((0, pad_rows - m), (0, 0)))
@@ -241,6 +242,7 @@ def codes_as_bfloat16(x2, w2, layout, policy, zx=None):
         return None
     if policy.large_weight_bytes and 4 * w2.size > policy.large_weight_bytes:
         return None  # its 16-bit copy, made every call, does not fit the cache
+    x2 = rows_kept(x2)
     if zx is not None:
         x2 = x2.astype(jnp.int16) - zx.astype(jnp.int16)  # in [-255, 255]
     dn = (((1,), (contract_dim(layout),)), ((), ()))
@@ -532,8 +534,8 @@ def _fp8_bfloat16(ax, x, x2, w, policy):
     v = nx.after(v, x2) if policy.decode_after_input else v
     wb = nx.fp8_units(v, w.qtype.grid).astype(jnp.bfloat16)
     dn = (((1,), (contract_dim(w.layout),)), ((), ()))
-    out = lax.dot_general(nx.decode(x2, x.qtype.grid).astype(jnp.bfloat16), wb, dn, precision=INT_PRECISION,
-                          preferred_element_type=_F32)
+    out = lax.dot_general(nx.decode(rows_kept(x2), x.qtype.grid).astype(jnp.bfloat16), wb, dn,
+                          precision=INT_PRECISION, preferred_element_type=_F32)
     return out * lo * (w.scale.astype(_F32) * nx.FP8_BITS_UNIT[w.qtype.grid]) * hi
 
 

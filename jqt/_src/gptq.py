@@ -540,6 +540,20 @@ def gptq(f, qparams, params, batches, *, weight_argnums=0, block_size: int = 128
 _HESSIAN_BYTES = 1 << 30  # the Hessians one compiled pass computes (see _chunks)
 
 
+def _hessian_bytes(site, stack):
+    """The bytes of op ``site``'s float32 Hessian (``_Hessians``): ``K x K`` per layer
+    (``stack``, its stacked-layer axes), batch entry of the weight (a mixture's experts)
+    and expert of a ragged dot."""
+    eqn = site.eqn
+    if site.op == _RAGGED:
+        k, lead = eqn.invars[0].aval.shape[1], eqn.invars[1].aval.shape[0]
+    else:
+        x = eqn.invars[1 - site.weight_operand].aval
+        k = math.prod(x.shape[d] for d in site.contract[1 - site.weight_operand])
+        lead = math.prod(x.shape[d] for d in eqn.params["dimension_numbers"][1][1 - site.weight_operand])
+    return 4 * k * k * lead * math.prod(stack)
+
+
 def _chunks(groups, nbytes, budget=None):
     """``groups`` cut into runs of consecutive groups whose Hessians (``nbytes[key]``) sum
     to at most ``budget`` bytes (a group over it alone): one compiled pass per run, which
@@ -572,11 +586,9 @@ def _passes(groups, bar, order, site_of, argnums, params_t, batches, jstep, qpar
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
-        if chunk is None:  # every op's Hessian shape, from a trace (no compile, no buffer)
-            first = tracing.mark_static(tracing.owned(tuple(next(iter(each_batch(batches))))))
-            every = tuple(k for g in groups for k in g)
-            shapes = jax.eval_shape(jstep, marked, first, flags, every)
-            chunk = _chunks(groups, {k: 4 * math.prod(shapes[k]["h"].shape) for k in every})
+        if chunk is None:  # every op's Hessian bytes, from its shapes (no trace)
+            chunk = _chunks(groups, {k: _hessian_bytes(site_of[k], _stack_shape(
+                site_of[k].source, argnums, params_t)) for g in groups for k in g})
         for i, batch in enumerate(each_batch(batches)):
             args = tracing.mark_static(tracing.owned(tuple(batch)))
             try:

@@ -577,7 +577,8 @@ def _passes(groups, bar, order, site_of, argnums, params_t, batches, jstep, qpar
     """One pass over the batches per group of ops (``groups``, iterated as ``bar``, its
     progress bar): their Hessians, then their weights re-rounded in ``params_t`` (in
     place)."""
-    chunk = None
+    chunk = _chunks(groups, {k: _hessian_bytes(site_of[k], _stack_shape(site_of[k].source, argnums, params_t))
+                             for g in groups for k in g})  # the passes one compiled step serves
     for group in bar:
         pos = order.index(group[0])
         flags = {}
@@ -586,9 +587,6 @@ def _passes(groups, bar, order, site_of, argnums, params_t, batches, jstep, qpar
             flags[k] = (jnp.full(lead, float(i < pos), _F32), jnp.full(lead, float(k in group), _F32))
         acc, hosted = None, False
         marked = tracing.mark_static(params_t)  # non-array leaves reach f as they are
-        if chunk is None:  # every op's Hessian bytes, from its shapes (no trace)
-            chunk = _chunks(groups, {k: _hessian_bytes(site_of[k], _stack_shape(
-                site_of[k].source, argnums, params_t)) for g in groups for k in g})
         for i, batch in enumerate(each_batch(batches)):
             args = tracing.mark_static(tracing.owned(tuple(batch)))
             try:

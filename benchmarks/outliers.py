@@ -55,6 +55,11 @@ VARIANTS = {  # name -> (recipe, run GPTQ, timed)
     "w4 g128 mse": (lambda: R.w4(group_size=128), False, False),
     "w4 g128 mse+gptq": (lambda: R.w4(group_size=128), True, False),
     "w4a8 g128 mse": (lambda: R.w4a8(group_size=128), False, False),
+    # fp8 (e4m3 weights and activations): a float grid, relative error about even over its range
+    "fp8": (R.fp8, False, False),
+    "fp8 smooth 0.5": (lambda: R.fp8(smooth=0.5), False, False),
+    "fp8 smooth 0.8": (lambda: R.fp8(smooth=0.8), False, False),
+    "fp8 rotate": (lambda: R.fp8(rotate=True), False, False),
 }
 
 

@@ -1248,3 +1248,43 @@ def test_codes_a_function_decodes_are_named_at_calibration():
         warnings.simplefilter("always")
         jqt.calibrate(g, jqt.recipes.w8(), q, [(x,)], progress=False)
     assert not [w for w in got if "integer matrices" in str(w.message)]
+
+
+def _integer_matrix_warnings(f, params, x):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        jqt.calibrate(f, jqt.recipes.w8(), params, [(x,)], progress=False)
+    return [str(w.message) for w in got if "integer matrices" in str(w.message)]
+
+
+def test_an_8bit_index_table_beside_a_computed_weight_is_no_sign_of_codes():
+    """A T5-style uint8 table of relative-position buckets, read only as indices into a
+    float table, beside a weight f computes (weight norm): the "quantized before" warning
+    named it (hunt81_intinputs); it follows the table's values now, also into a scan, a
+    jit and a cond. Codes decoded there are still named."""
+    rng = np.random.default_rng(0)
+    buckets = jnp.asarray(rng.integers(0, 32, (8, 8)), jnp.uint8)
+    p = {"v": jnp.asarray(rng.normal(size=(16, 16)), jnp.float32), "rel": jnp.ones((32, 4)),
+         "buckets": buckets}
+    x = jnp.ones((8, 16))
+    norm = lambda v: v / jnp.linalg.norm(v, axis=0)  # noqa: E731
+
+    def plain(p, x):
+        bias = p["rel"][p["buckets"].astype(jnp.int32)]  # a lookup by the table's values
+        return x @ norm(p["v"]) + bias.sum()
+
+    def looped(p, x):
+        def body(h, _):
+            mask = jnp.where(p["buckets"] > 3, h, 0.0)  # a predicate from the table
+            return jax.jit(lambda h: h + p["rel"][p["buckets"]].sum(-1))(mask), None
+        h = lax.cond(x.sum() > 0, lambda: x @ norm(p["v"]), lambda: x)
+        return lax.scan(body, h[:, :8], None, length=2)[0]
+
+    for f in (plain, looped):
+        assert not _integer_matrix_warnings(f, p, x), f.__name__
+    # the same table decoded to float, in a scan's body: named
+    def decodes(p, x):
+        body = lambda h, _: (h + p["buckets"].astype(jnp.float32) * 0.1, None)  # noqa: E731
+        return lax.scan(body, (x @ norm(p["v"]))[:, :8], None, length=2)[0]
+    got = _integer_matrix_warnings(decodes, p, x)
+    assert got and "('buckets')" in got[0], got

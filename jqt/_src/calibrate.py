@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import calibrators, compat, diagnostics, numerics as nx
+from . import calibrators, codeleaves, compat, diagnostics, numerics as nx
 from . import groups, kvcache, outliers, tracing, transforms, validate, weightcheck
 from . import stats as stats_lib
 from .handlers import Calibrate, conv_products, kept_as_is, step_text, weight_qtype, weight_range_args
 from .qparams import OpQParams, QArray
 from .recipe import TYPE_FIELDS, Recipe
 from .registry import CONTRACTIONS, NAMES as QUANTIZABLE_OPS
-from .analysis import CALL, EQUINOX_HIDES, path_str
+from .analysis import CALL, EQUINOX_HIDES
 from .dense import safe_k
 from .formats import QuantType
 from .tracing import Tracer, leaf_names, normalize_argnums
@@ -513,7 +513,7 @@ def calibrate(f, recipe: Recipe, params, batches, *, weight_argnums=0, progress=
                     _buffers_named(analyzer.near_miss_buffers(), last["names"]), analyzer.jqt_prims,
                     argnums, analyzer.empty_ops,
                     {p: l for p, l in analyzer.carried.items() if p not in analyzer.carried_caches},
-                    analyzer.equinox_prims, _integer_matrices(params_t))
+                    analyzer.equinox_prims, _code_matrices(last["traced"]))
     tf = {}
     if outlier_rules:
         tf = outliers.decide(last["traced"], recipe, st, params_t, argnums, weight_qtype)
@@ -645,13 +645,12 @@ def _special(key: str) -> str:
     return " ".join(repr(c) for c in chars) or "its metacharacters"
 
 
-def _integer_matrices(params_t) -> list:
+def _code_matrices(traced) -> list:
     """The paths of the weights' integer leaves of two or more axes and one byte or less
-    an element (codes of a model quantized before, whose f decodes them; not int32 index
-    tables or masks)."""
-    return [path_str(path) for p in params_t for path, x in jax.tree_util.tree_flatten_with_path(p)[0]
-            if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.integer)
-            and x.ndim >= 2 and x.dtype.itemsize <= 1]
+    an element that f turns into float values (codes of a model quantized before, whose
+    f decodes them; not index tables, masks or int32 leaves: ``codeleaves.decoded``)."""
+    found = codeleaves.decoded(traced.closed.jaxpr, traced.weight_invars)
+    return [p for p in traced.weight_invars.values() if p in found]  # in the leaves' order
 
 
 def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt_prims=(),
@@ -663,7 +662,7 @@ def _warn_unmatched(sites, recipe, lookalikes=(), warned=(), near_misses=(), jqt
     of their own that decide no op (a typo in the pattern, or an earlier rule takes
     every op it matches). ``jqt_prims``: jqt's primitives that f runs; ``equinox_prims``:
     Equinox's that hide a cache write or copy (``analysis.EQUINOX_HIDES``);
-    ``int_matrices``: the paths of the weights' integer leaves of two or more axes."""
+    ``int_matrices``: the paths of the weights' 8-bit integer matrices f decodes to float."""
     listed = lambda ks: ", ".join(repr(k) for k in ks[:6]) + (f" and {len(ks) - 6} more" if len(ks) > 6 else "")
     if not sites and jqt_prims:  # f is quantized already: the advice below would not apply
         diagnostics.warn(f"jqt.calibrate: f has no op that jqt quantizes, and it runs jqt's own "

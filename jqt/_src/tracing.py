@@ -36,6 +36,7 @@ class Traced:
     analyzer: Analyzer
     leaf_paths: dict = dataclasses.field(default_factory=dict)  # (arg, leaf index) -> path
     arg_prefixes: frozenset = frozenset()  # f's parameter names that its keys start with
+    weight_invars: dict = dataclasses.field(default_factory=dict)  # jaxpr input -> leaf path
     keys_checked: bool = False  # jqt.quantize checked its qparams' keys against it
 
     def uses(self, arg, leaf):
@@ -580,7 +581,9 @@ class Tracer:
             if new:
                 diagnostics.warn(message, category)
         paths = {(v.source.arg, v.source.leaf): v.source.path for v in infos if v.source is not None}
-        traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes))
+        traced = Traced(closed, out_tree, plan, analyzer, paths, frozenset(prefixes),
+                        weight_invars={k: v.source.path for k, v in enumerate(infos)
+                                       if v.source is not None})
         with self._lock:
             self.cache[key] = traced
             if len(self.cache) > 32:

@@ -24,6 +24,7 @@ registered for export serialization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -81,11 +82,24 @@ def _parse(cls, data) -> dict:
     return d
 
 
+# JAX's own PRNG implementations: a typed key's dtype by its name ('key<fry>'), which an
+# artifact can name (one of a custom implementation it cannot)
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+@functools.lru_cache(maxsize=None)
+def _key_dtypes() -> dict:
+    return {str(d): d for d in (jax.eval_shape(lambda i=i: jax.random.key(0, impl=i)).dtype
+                                for i in _KEY_IMPLS)}
+
+
 def _aval_to_json(a) -> list:
-    """A placeholder's aval: ``[shape, dtype]``, and where ``jqt.pack`` recorded the
+    """A placeholder's aval: ``[shape, dtype]`` (a typed PRNG key's dtype by its name,
+    ``'key<fry>'``), and where ``jqt.pack`` recorded the
     explicit sharding of the leaf it dropped (a weight a ``jax.shard_map`` splits), that
     sharding: its mesh (axis names, sizes, types, device ids) and its spec."""
-    out = fileio.aval_to_json(a)
+    out = ([list(a.shape), str(a.dtype)] if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+           else fileio.aval_to_json(a))
     s = getattr(a, "sharding", None)
     if s is not None:
         mesh = s.mesh
@@ -106,7 +120,8 @@ def _aval_to_json(a) -> list:
 def _aval_from_json(d) -> jax.ShapeDtypeStruct:
     """Inverse of :func:`_aval_to_json`. A sharding whose devices this process does not
     have is left out: the artifact then takes only params split over those devices."""
-    a = ser.aval_from_json(d[:2])
+    a = (jax.ShapeDtypeStruct(tuple(d[0]), _key_dtypes()[d[1]]) if d[1] in _key_dtypes()
+         else ser.aval_from_json(d[:2]))
     if len(d) < 3:
         return a
     m = d[2]
@@ -133,14 +148,16 @@ def serialize_aux(cls, aux) -> bytes:
                 "jax.export.register_pytree_node_serialization (a NamedTuple with "
                 "jax.export.register_namedtuple_serialization), or pack params made of dicts, "
                 "lists and tuples.") from None
-        keys = [i for i, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)]
-        if keys:
+        keys = [i for i, a in enumerate(avals) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+                and str(a.dtype) not in _key_dtypes()]
+        if keys:  # a key of a custom PRNG implementation
             paths = jax.tree_util.tree_flatten_with_path(
                 jax.tree_util.tree_unflatten(treedef, list(range(len(avals)))))[0]
             raise ValueError(
                 f"jqt: jax.export cannot serialize these jqt.PackedParams: params leaf "
-                f"'{path_str(paths[keys[0]][0])}' is a typed PRNG key ({avals[keys[0]].dtype}), "
-                "whose dtype the artifact cannot name. Pass jax.random.key_data(key) in its "
+                f"'{path_str(paths[keys[0]][0])}' is a typed PRNG key ({avals[keys[0]].dtype}) of "
+                "a custom PRNG implementation, whose dtype the artifact cannot name (jqt names "
+                f"the keys of JAX's own: {', '.join(_KEY_IMPLS)}). Pass jax.random.key_data(key) in its "
                 "place, or leave the key out of the params you pack (e.g. nnx.split the Rngs "
                 "state apart).")
         return _dump(cls, {"tree": tree, "avals": [_aval_to_json(a) for a in avals],

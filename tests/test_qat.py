@@ -266,6 +266,37 @@ def test_project_clamps_and_keeps_valid_leaves(net_setup):
     jqt.quantize(net, jqt.qat.project(bad, min_scale=1e-40), simulate=True)(p, jnp.ones((2, p["a"].shape[0])))
 
 
+def test_scales_the_simulated_path_cannot_compute_are_refused_and_projected():
+    """A float32 subnormal scale (XLA flushes it to 0: the simulated path's code of an
+    exact 0 was 0 * inf = NaN, values and gradients) and an fp8 scale whose product with
+    the bits unit is inf (NaN on either path) were accepted as "finite and > 0"
+    (hunt82_stegrads); jqt.quantize refuses them by name now, and jqt.qat.project's
+    output, which clamps them, runs finite."""
+    f = lambda w, x: jax.nn.relu(x) @ w  # noqa: E731  (exact zeros in the activation)
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 8)), jnp.float32)
+    for recipe, side, value, what in (
+            (jqt.recipes.w8a8(), "lhs", 1e-39, "below float32's smallest normal value"),
+            (jqt.recipes.w4(group_size=4), "rhs", 1e-39, "below float32's smallest normal value"),
+            (jqt.recipes.fp8(), "rhs", 2e36, r"above 1.329e\+36, float32's largest value over "
+             "float8_e4m3fn's bits unit 256"),
+            (jqt.recipes.fp8(), "lhs", 2e36, r"above 1.329e\+36"),
+            (jqt.recipes.fp8(weight_dtype="float8_e5m2"), "rhs", 2e36, r"above 1.038e\+34")):
+        qp = jqt.calibrate(f, recipe, w, [(x,)], progress=False)
+        (k, op), = qp.items()
+        q = getattr(op, side)
+        bad = {k: dataclasses.replace(op, **{side: dataclasses.replace(
+            q, scale=jnp.full_like(q.scale, value))})}
+        with pytest.raises(ValueError, match=f"op '{k}' holds invalid quantization parameters: "
+                           f"{side}.scale: .*{what}"):
+            jqt.quantize(f, bad, simulate=True)
+        fixed = jqt.qat.project(bad)
+        out, g = jax.value_and_grad(lambda qp: jqt.quantize(f, qp, simulate=True)(w, x).sum())(fixed)
+        assert np.isfinite(float(out)), (recipe, side)
+        assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(g)), (recipe, side)
+        assert np.isfinite(np.asarray(jqt.quantize(f, fixed)(jqt.pack(fixed, w), x))).all()
+
+
 def test_labels_freeze_non_array_leaves(net_setup):
     """A config string among the params (supported by calibrate, quantize and pack) is
     frozen: labels read it as a dtype name ('tanh': a TypeError; 'float32': trained)."""

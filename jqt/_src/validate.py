@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from . import accumulator, compat, diagnostics, kvcache, layout
+from . import numerics as nx
 from .qparams import OpQParams, PackedParams, calibrated_args, field_problems, restored_bare, v1_problem
 from .handlers import QParamsMismatchError
 from .registry import BY_NAME
@@ -50,6 +51,9 @@ def _concrete(a):
         return None
 
 
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
+
+
 def _count(bad, a, what):
     n = int(np.count_nonzero(bad))
     if not n:
@@ -71,7 +75,12 @@ def _positive(a):
                           (np.isfinite(wide) & np.isinf(f32), "are beyond float32's range (jqt "
                            "computes with scales in float32; jqt.qat.project clamps them)"),
                           ((wide > 0) & (f32 == 0), "are below float32's range (jqt computes "
-                           "with scales in float32; jqt.qat.project clamps them)")):
+                           "with scales in float32; jqt.qat.project clamps them)"),
+                          # subnormal in float32 (a scale of 1e-39): XLA flushes it to 0, and
+                          # the simulated path's code of an exact 0 was 0 * inf = NaN
+                          ((wide > 0) & (f32 != 0) & (np.abs(wide.astype(np.float32)) < _F32_TINY),
+                           "are below float32's smallest normal value, 1.2e-38, which XLA "
+                           "flushes to 0 (jqt.qat.project clamps them)")):
             t = _count(bad, a, what)
             if t:
                 out.append(t)
@@ -101,6 +110,15 @@ def operand_problems(q, where):
     s = _concrete(q.scale)
     if s is not None:
         out += [f"{where}.scale: {t}" for t in _positive(s)]
+        unit = nx.FP8_BITS_UNIT.get(q.qtype.grid)
+        if unit is not None:  # fp8: the scale times the bits unit must stay finite
+            with np.errstate(invalid="ignore"):
+                t = _count(np.asarray(s, np.float64) > _F32_MAX / unit, s,
+                           f"are above {_F32_MAX / unit:.4g}, float32's largest value over "
+                           f"{q.qtype.grid}'s bits unit {unit} (the product, which jqt computes "
+                           "with, would be inf; jqt.qat.project clamps them)")
+            if t:
+                out.append(f"{where}.scale: {t}")
     z = _concrete(q.zero_point)
     if z is not None:
         out += [f"{where}.zero_point: {t}" for t in _zero_point(z, q.qtype)]

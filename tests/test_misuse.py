@@ -2249,3 +2249,35 @@ def test_differentiating_qparams_through_the_integer_path_says_so():
                                             r"or zero point \(its qparams\).*simulate=True"):
             jax.grad(lambda q: jqt.quantize(f, q)(p, x))(qp)
         jax.grad(lambda q: jqt.quantize(f, q, simulate=True)(p, x))(qp)  # the path that has one
+
+
+def test_a_layers_vectors_read_at_its_loop_counter_stay_float_as_its_matrices():
+    """Stacked layers read at a fori_loop's counter (or a layer index argument): the matmul
+    stays float, with the warning, but each layer's bias and norm gain, (L, D) leaves read
+    at the same index, were quantized as embedding lookups, 4-bit under w4 (the gains that
+    differ from 1 by a few percent lost; hunt82_nnxtransforms). They stay float now; a
+    positional table read at the counter of another loop is still a lookup."""
+    L, D = 3, 16
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {"w": jax.random.normal(ks[0], (L, D, D)) * 0.3, "b": jax.random.normal(ks[1], (L, D)),
+         "g": 1.0 + 0.03 * jax.random.normal(ks[2], (L, D)), "pos": jax.random.normal(ks[3], (5, D))}
+
+    def layer(p, h, i):
+        q = jax.tree.map(lambda a: a[i], {k: p[k] for k in ("w", "b", "g")})
+        return h + jnp.tanh((h * q["g"]) @ q["w"] + q["b"])
+
+    def looped(p, x):
+        h = jax.lax.fori_loop(0, L, lambda i, h: layer(p, h, i), x)
+        return jax.lax.fori_loop(0, 5, lambda t, h: h + p["pos"][t], h)  # (5 positions: a table)
+
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    for f, args in ((looped, (x,)), (layer, (x, jnp.int32(1)))):
+        for recipe in (jqt.recipes.w8a8(), jqt.recipes.w4(group_size=16)):
+            (qp, got) = _warned(lambda: jqt.calibrate(f, recipe, p, [args], progress=False))
+            assert any("indexed by a value computed" in str(w.message) for w in got)
+            assert not [k for k in qp if k.startswith(("b", "g"))], list(qp)
+            assert ("pos" in qp) == (f is looped), list(qp)
+            y = jax.jit(jqt.quantize(f, qp))(p, *args)
+            ref = f(p, *args)
+            if f is layer:  # nothing quantized: the float function's values
+                np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)

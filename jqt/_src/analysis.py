@@ -337,6 +337,50 @@ def _discrete(v, made_by, depth=0) -> bool:
     return _discrete(w, {o: e for e in j.eqns for o in e.outvars}, depth + 1)
 
 
+def _index_roots(v, made_by, depth=0) -> frozenset:
+    """The variables a scalar integer index is computed from by scalar ops (jnp's wrap of a
+    negative index: ``lt``, ``add``, ``select_n``), back to the first that is not one."""
+    eqn = made_by.get(v)
+    if eqn is None or depth > 16 or eqn.outvars[0].aval.shape != () \
+            or not (eqn.outvars[0].aval.dtype == np.bool_ or jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.integer)):
+        return frozenset([v])
+    return frozenset().union(*(_index_roots(u, made_by, depth + 1) for u in eqn.invars
+                               if not compat.is_literal(u)))
+
+
+def _layer_indices(jaxpr, env) -> dict:
+    """Index roots (:func:`_index_roots`) -> the leading sizes of the stacked weights
+    (leaves of three or more axes) whose whole matrices ``jaxpr`` slices at them: a layer's
+    weights read at a loop's counter or an argument (``w[i]``, ``fori_loop`` over stacked
+    layers), which jqt does not follow. A 2-D leaf as long read at the same index is that
+    layer's bias or norm gain, not a table looked up at a token or a position."""
+    made_by = {o: e for e in jaxpr.eqns for o in e.outvars}
+    out = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "dynamic_slice" or compat.is_literal(eqn.invars[1]):
+            continue
+        w = eqn.invars[0]
+        info = env.get(w) if not compat.is_literal(w) else None
+        shape, sizes = w.aval.shape, eqn.params["slice_sizes"]
+        if info is None or info.source is None or len(shape) < 3 or sizes[0] != 1 \
+                or tuple(sizes[1:]) != tuple(shape[1:]):
+            continue
+        for r in _index_roots(eqn.invars[1], made_by):
+            out.setdefault(r, set()).add(shape[0])
+    return out
+
+
+def _layer_row(eqn, layers, made_by) -> bool:
+    """Whether ``eqn`` reads a row of a 2-D weight at an index that also slices a stacked
+    weight as long (:func:`_layer_indices`): a layer's vector, kept float as its layer's
+    matrices are, not a lookup."""
+    if eqn.primitive.name != "dynamic_slice" or not layers or eqn.invars[0].aval.ndim != 2 \
+            or compat.is_literal(eqn.invars[1]):
+        return False
+    n = eqn.invars[0].aval.shape[0]
+    return any(n in layers.get(r, ()) for r in _index_roots(eqn.invars[1], made_by))
+
+
 def _accumulates(eqn, buffers, taken) -> bool:
     """Whether a write into ``buffers`` writes what it read from them plus something
     (``acc.at[idx].set(acc[idx] + y)``: a mixture's experts adding into the residual a loop
@@ -508,6 +552,7 @@ class Analyzer:
             | {v for v in jaxpr.outvars if not compat.is_literal(v)}
         maps, pending = map_remainders(jaxpr), {}
         made_by = {}  # var -> the equation of this jaxpr that made it
+        layers = _layer_indices(jaxpr, env)  # (w[i] of stacked layers: see _layer_row)
         sliced = {}  # var -> the buffers it is a slice of (see _rolled)
         taken = {}  # var -> the buffers its values were read from (see _accumulates)
         accumulated = {}  # var -> the buffers of the accumulator write that made it
@@ -529,6 +574,8 @@ class Analyzer:
             stack = _join(prefix, compat.name_stack(eqn))
             outs = None
             entry = OPS.get(eqn.primitive)
+            if entry is not None and _layer_row(eqn, layers, made_by):
+                entry = None  # a layer's bias or gain at its index: float, as its matrices
             if entry is not None and entry.is_cache and ins and ins[0].unflat and not ins[0].buffer:
                 # a write into whole vectors of a buffer reshaped (beams kept on an axis of
                 # their own, (B, K, T, D), merged to (B * K, T, D) around the write): a write

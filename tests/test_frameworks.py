@@ -1288,3 +1288,15 @@ def test_an_8bit_index_table_beside_a_computed_weight_is_no_sign_of_codes():
         return lax.scan(body, (x @ norm(p["v"]))[:, :8], None, length=2)[0]
     got = _integer_matrix_warnings(decodes, p, x)
     assert got and "('buckets')" in got[0], got
+    # NF4-style: 4-bit codes packed two a byte, decoded through a 16-entry codebook (one
+    # value per code: a gather of single elements decodes; the review caught it silent)
+    q = {"packed": jnp.asarray(rng.integers(0, 256, (16, 8)), jnp.uint8),
+         "absmax": jnp.full((16, 1), 0.1)}
+    book = jnp.linspace(-1.0, 1.0, 16)
+
+    def nf4(q, x):
+        lo, hi = q["packed"] & 0xF, q["packed"] >> 4
+        w = book[jnp.concatenate([lo, hi], axis=1).astype(jnp.int32)] * q["absmax"]
+        return x @ w
+    got = _integer_matrix_warnings(nf4, q, x)
+    assert got and "('packed')" in got[0], got

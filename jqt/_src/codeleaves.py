@@ -7,7 +7,8 @@ quantizes the decoded weight again, which ``jqt.calibrate`` warns of. An integer
 that picks rows of a float table) or as a predicate is no such sign. :func:`decoded`
 follows each integer matrix's values through ``f``'s jaxpr, past the operands that only
 index or select (a gather's indices, a ``select_n``'s predicate), and names the leaves
-that reach a float value. Loops and branches are followed into their bodies; a
+that reach a float value (a gather of single elements, a codebook looked up at the
+codes, decodes them). Loops and branches are followed into their bodies; a
 higher-order primitive it does not know passes its inputs' marks to every output (a
 leaf it hides is named: the warning is kept where nothing shows it needless).
 
@@ -19,6 +20,8 @@ leaf it hides is named: the warning is kept where nothing shows it needless).
 ['t']
 """
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -36,6 +39,11 @@ _CALLS = {p: name for p, name in ((compat.jit_p, "jaxpr"), (compat.closed_call_p
 
 
 def _index_only(eqn) -> set:
+    """The operands of ``eqn`` whose values only index or select. Not a gather of single
+    elements: a codebook looked up at codes (NF4's ``table[codes] * absmax``, one value
+    per code) decodes them, where a lookup of rows (``rel[buckets]``) only indexes."""
+    if eqn.primitive.name == "gather" and math.prod(eqn.params["slice_sizes"]) == 1:
+        return set()
     spec = _INDEX_ONLY.get(eqn.primitive.name)
     n = len(eqn.invars)
     return (set(range(1, n)) if spec == "rest" else set(range(2, n)) if spec == "rest2"
